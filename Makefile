@@ -1,0 +1,22 @@
+# PagedWeight: `make setup` once, then `make test`.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: setup test test-gpu bench clean
+
+setup:
+	$(PYTHON) -m venv $(VENV)
+	# The CPU build of torch first: a plain `torch` requirement would pull a multi-GB CUDA build.
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e ".[test]"
+
+test:
+	$(BIN)/python -m pytest -q -m "not gpu"
+
+# On a CUDA machine (no venv there): the kernel and GPU-path tests.
+test-gpu:
+	PYTHONPATH=. python3 -m pytest -q -m gpu
+
+clean:
+	rm -rf $(VENV) .pytest_cache *.egg-info

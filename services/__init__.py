@@ -1,0 +1,1 @@
+"""PagedWeight: serving Mixture-of-Experts models with paged any-precision expert weights."""

@@ -1,0 +1,1 @@
+"""Code shared by several services: errors, config helpers, metric names, proto stubs."""

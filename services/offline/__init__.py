@@ -1,0 +1,1 @@
+"""Offline tools: evaluation, calibration, quantization, sensitivity tables."""

@@ -1,0 +1,1 @@
+"""Token generation: sampling, the single-stream generator, later the batching engine."""

@@ -1,0 +1,79 @@
+"""The experts operator: the one boundary between the model and expert weight storage.
+
+A MoE block routes, then calls `experts(x, topk_ids, topk_weights)`; it never sees how
+the expert weights are stored. `DenseExperts` (bf16/fp32 tensors) is the reference;
+the paged any-precision experts and the fused CUDA kernel implement the same call.
+
+Shape legend: T = tokens, H = hidden, E = experts, I = expert intermediate, k = top-k.
+Per expert, `gate_up` stacks the gate and up projections ([2I, H], gate first) and
+`down` is [H, I]; these are the two linear blocks that get paged.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class ExpertsOp(Protocol):
+    def __call__(
+        self,
+        x: torch.Tensor,  # [T, H]
+        topk_ids: torch.Tensor,  # [T, k] int64 expert ids
+        topk_weights: torch.Tensor,  # [T, k] routing weights, x's dtype
+    ) -> torch.Tensor:  # [T, H]: sum over k of weight * expert(x)
+        ...
+
+
+def group_tokens_by_expert(topk_ids: torch.Tensor, num_experts: int):
+    """Sort the (token, slot) pairs by expert.
+
+    Returns (order, counts): `order` indexes the flattened [T*k] assignments sorted by
+    expert id; counts[e] is how many assignments expert e received.
+    """
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts)
+    return order, counts
+
+
+def moe_forward(x, topk_ids, topk_weights, expert_fn, num_experts: int) -> torch.Tensor:
+    """Reference MoE combine: run each expert on its tokens, weight, scatter-add.
+
+    `expert_fn(e, tokens [n, H]) -> [n, H]` computes one expert; only experts that
+    received tokens are called.
+    """
+    k = topk_ids.shape[1]
+    order, counts = group_tokens_by_expert(topk_ids, num_experts)
+    token_of = order // k
+    weights = topk_weights.reshape(-1)[order]
+    out = torch.zeros_like(x)
+    start = 0
+    for e, n in enumerate(counts.tolist()):
+        if n == 0:
+            continue
+        tokens = token_of[start : start + n]
+        y = expert_fn(e, x[tokens]) * weights[start : start + n, None]
+        out.index_add_(0, tokens, y.to(out.dtype))
+        start += n
+    return out
+
+
+class DenseExperts(nn.Module):
+    """All experts of one layer as dense tensors (the unquantized reference)."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int):
+        super().__init__()
+        self.num_experts = num_experts
+        self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
+        self.down = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.gate_up[e]).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down[e])
+
+    def forward(self, x, topk_ids, topk_weights):
+        return moe_forward(x, topk_ids, topk_weights, self.expert, self.num_experts)

@@ -1,0 +1,83 @@
+"""The `pagedweight` command as a user runs it: stdout, stderr and exit codes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import BUNDLED_MODEL, REPO_ROOT
+
+
+def pagedweight(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "services.cli.main", *args],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+    )
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str) -> None:
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0]
+    assert result.stdout == ""
+
+
+def test_generate_prints_only_the_completion():
+    from services.worker.engine.generate import generate
+    from services.worker.engine.sampler import SamplingParams
+    from services.worker.model import load_model
+    from services.worker.model.tokenizer import Tokenizer
+
+    result = pagedweight("generate", "--model", str(BUNDLED_MODEL), "--prompt", "And God said",
+                         "--max-tokens", "12")
+    assert result.returncode == 0, result.stderr
+    tokenizer = Tokenizer(BUNDLED_MODEL)
+    expected = generate(load_model(BUNDLED_MODEL, dtype=__import__("torch").float32), tokenizer,
+                        tokenizer.encode("And God said"), SamplingParams(max_tokens=12))
+    assert result.stdout == expected.text + "\n"
+
+
+def test_sampled_generation_is_reproducible_with_a_seed():
+    args = ("generate", "--model", str(BUNDLED_MODEL), "--prompt", "The", "--max-tokens", "16",
+            "--temperature", "1.0", "--top-p", "0.9", "--seed", "7")
+    first, second = pagedweight(*args), pagedweight(*args)
+    assert first.returncode == 0 and first.stdout == second.stdout
+
+
+def test_eval_ppl_prints_one_json_object(tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text("In the beginning God created the heaven and the earth. " * 40)
+    result = pagedweight("eval", "ppl", "--model", str(BUNDLED_MODEL), "--text", str(text),
+                         "--seq-len", "64", "--max-tokens", "200")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["tokens"] == 200 and report["windows"] == 4
+    assert 1.0 < report["ppl"] < 50.0  # repeated text is easy for a trained model
+
+
+@pytest.mark.parametrize(
+    "args, fragments",
+    [
+        (("generate", "--model", "/no/such/dir", "--prompt", "x"), ("/no/such/dir",)),
+        (("eval", "ppl", "--model", str(BUNDLED_MODEL), "--text", "/no/such.txt"), ("/no/such.txt",)),
+        (("generate", "--model", str(BUNDLED_MODEL), "--prompt", "x", "--max-tokens", "5000"),
+         ("context of 2048",)),
+        (("generate", "--model", str(BUNDLED_MODEL), "--prompt", "x", "--top-p", "0"), ("top_p",)),
+    ],
+)
+def test_bad_input_is_one_error_line_with_exit_code_2(args, fragments):
+    assert_one_line_error(pagedweight(*args), *fragments)
+
+
+def test_prompt_longer_than_context():
+    long_prompt = "word " * 2100
+    assert_one_line_error(
+        pagedweight("generate", "--model", str(BUNDLED_MODEL), "--prompt", long_prompt,
+                    "--max-tokens", "1"),
+        "context of 2048",
+    )
