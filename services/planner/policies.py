@@ -34,6 +34,7 @@ import numpy as np
 
 from services.planner.config import PlannerConfig
 from services.planner.damage import DamageInputs, DamageModel
+from services.planner.greedy import running
 from services.planner.planner import Plan, plan_bytes, plan_damage, solve
 from services.planner.tables import BlockTable
 from services.worker.weights.apl_format import BIT_WIDTHS, MIN_BITS
@@ -143,7 +144,7 @@ class DPLLMPolicy(Policy):
             r = np.asarray(context.residual, dtype=np.float64)
             clip = self.config.residual_clip
             error *= np.exp(np.clip(r[:, None] if r.ndim == 1 else r, -clip, clip))
-        error = np.minimum.accumulate(error, axis=1)
+        error = running(np.minimum, error)
         floors = np.full(self.num_groups, self.config.min_bits)
         group_plan = solve(self.group_bytes, self._group_sum(error), budget, floors, self.config)
         bits = group_plan.bits[self.group]

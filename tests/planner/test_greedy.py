@@ -158,3 +158,13 @@ def test_completing_step_is_the_least_damaging_that_suffices():
     result = free_bytes(damage, nbytes, np.array([8, 8]), np.array([3, 3]), 5)
     assert result.bits.tolist() == [8, 7]
     assert result.num_bytes == 10
+
+
+def test_stable_order_is_a_stable_argsort():
+    rng = np.random.default_rng(0)
+    keys = rng.lognormal(0, 3, size=5000)
+    keys[::4] = keys[1::4]  # exact ties
+    keys[::7] = 0.0
+    keys[1] = -0.0
+    assert np.array_equal(greedy._stable_order(keys), np.argsort(keys, kind="stable"))
+    assert np.array_equal(greedy._stable_order(keys, descending=True), np.argsort(-keys, kind="stable"))
