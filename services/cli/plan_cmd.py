@@ -9,6 +9,7 @@ fractional B interpolates between the two neighbouring widths). With `--prompt-f
 the prompt is prefilled once (every block at 8 bits) and its routing feeds the routing
 statistics and the prompt-residual heads, as the online planner's would. Prints one JSON
 line: budget, the plan's bytes, and its predicted damage under the full damage model.
+`--scales` (from `pagedweight plan-scales`) puts the sensitivity tables in loss units.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ def register(subparsers) -> None:
     parser.add_argument("--policy", default="pagedweight", choices=POLICY_NAMES, help="default: pagedweight")
     parser.add_argument("--prompt-file", default=None, help="UTF-8 text whose routing the plan adapts to")
     parser.add_argument("--prompt-tokens", type=int, default=1024, help="use at most N prompt tokens")
+    parser.add_argument("--scales", default=None,
+                        help="loss scales from `pagedweight plan-scales` (default: raw sensitivity)")
     parser.add_argument("--out", required=True, help="where to write the JSON bits map")
     parser.set_defaults(handler=run_plan)
 
@@ -51,7 +54,8 @@ def run_plan(args) -> int:
     from services.cli.eval_cmd import read_text
     from services.planner.artifact import load_planner_inputs
     from services.planner.damage import DamageModel
-    from services.planner.policies import PagedWeightPolicy, PlanContext, make_policy
+    from services.planner.loss_scale import GroupScales
+    from services.planner.policies import PlanContext, make_policy
     from services.planner.planner import plan_damage
 
     if not Path(args.model).is_dir():
@@ -64,8 +68,10 @@ def run_plan(args) -> int:
     context = PlanContext()
     if args.prompt_file is not None:
         context = context_from_prompt(args.model, read_text(args.prompt_file), inputs, args.prompt_tokens)
-    plan = make_policy(args.policy, table).plan(budget, context)
-    yardstick = PagedWeightPolicy(table)  # one damage model for every policy's plan
+    scales = GroupScales.read(args.scales) if args.scales else None
+    plan = make_policy(args.policy, table, scales=scales).plan(budget, context)
+    # one damage model, the full one, as the yardstick for every policy's plan
+    yardstick = make_policy("pagedweight", table, scales=scales)
     damage = yardstick.model.damage(yardstick.inputs(context))
     write_plan(Path(args.out), table.bits_map(plan.bits))
     print(json.dumps({
@@ -73,7 +79,8 @@ def run_plan(args) -> int:
         "uniform_bytes": {str(b): table.uniform_bytes(b) for b in range(3, 9)},
         "predicted_damage": plan_damage(damage, plan.bits),
         "bits_histogram": {str(b): int(n) for b, n in enumerate(np.bincount(plan.bits, minlength=9)) if b >= 3},
-        "floors_relaxed": plan.floors_relaxed, "prompt_file": args.prompt_file, "out": args.out,
+        "floors_relaxed": plan.floors_relaxed, "prompt_file": args.prompt_file, "scales": args.scales,
+        "out": args.out,
     }))
     return 0
 
