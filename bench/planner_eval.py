@@ -1,9 +1,10 @@
 """Evidence: perplexity of every planner policy at equal expert-weight budgets.
 
 For each paged model (tiny-mixtral, tiny-qwen-moe) and each `valid` domain:
-- the first PROMPT tokens of the domain's valid text are the "prompt now running": they
+- the first PROMPT tokens of the domain's valid text are the "prompts now running": they
   are prefilled once (every block at 8 bits) and their routing feeds the routing moving
-  average (started from calibration) and the prompt-residual heads -> a PlanContext;
+  average (started from calibration) as a steady stream of such traffic (four half-lives,
+  prompt_context.steady_traffic_tokens), and the prompt-residual heads -> a PlanContext;
 - the next EVAL tokens are scored (perplexity, windows of SEQ_LEN) under each policy's
   plan at budgets = bytes of the uniform 3, 3.5, 4 and 5-bit model (LUTs included).
 Every policy gets the same context through the same interface; static ones ignore it.
@@ -33,7 +34,9 @@ from services.offline.perplexity import perplexity  # noqa: E402
 from services.planner.artifact import load_planner_inputs  # noqa: E402
 from services.planner.loss_scale import GroupScales, measure_group_scales  # noqa: E402
 from services.planner.policies import POLICY_NAMES, PlanContext, make_policy  # noqa: E402
-from services.planner.prompt_context import prompt_context, record_prompt_routing  # noqa: E402
+from services.planner.prompt_context import (  # noqa: E402
+    prompt_context, record_prompt_routing, steady_traffic_tokens,
+)
 from services.worker.model.tokenizer import Tokenizer  # noqa: E402
 from services.worker.weights.paged_experts import build_paged_lm, set_model_bits  # noqa: E402
 from services.worker.weights.paged_model import load_paged_model  # noqa: E402
@@ -66,10 +69,10 @@ class Evaluator:
             self._cache[key] = perplexity(self.model, ids, self.seq_len).ppl
         return self._cache[key]
 
-    def context(self, prompt_ids: list[int], use_heads: bool = True) -> PlanContext:
+    def context(self, prompt_ids: list[int]) -> PlanContext:
         self.set_uniform(8)
         recorder = record_prompt_routing(self.model, prompt_ids, self.table.num_experts)
-        return prompt_context(recorder, self.inputs, use_heads=use_heads)
+        return prompt_context(recorder, self.inputs, traffic_tokens=steady_traffic_tokens())
 
     def set_uniform(self, bits: int) -> None:
         set_model_bits(self.model, {b: bits for b in self.table.block_ids})

@@ -7,7 +7,8 @@ The plan file is the JSON bits map `pagedweight eval ppl --bits-file` reads (blo
 -> bits). `--avg-bits B` is the byte count of the uniform B-bit model, LUTs included (a
 fractional B interpolates between the two neighbouring widths). With `--prompt-file`,
 the prompt is prefilled once (every block at 8 bits) and its routing feeds the routing
-statistics and the prompt-residual heads, as the online planner's would. Prints one JSON
+statistics and the prompt-residual heads, as the online planner's would; the plan is for
+a steady stream of such traffic (the moving average sees it for four half-lives). Prints one JSON
 line: budget, the plan's bytes, and its predicted damage under the full damage model.
 `--scales` (from `pagedweight plan-scales`) puts the sensitivity tables in loss units.
 """
@@ -88,7 +89,7 @@ def run_plan(args) -> int:
 def context_from_prompt(model_dir: str, text: str, inputs, max_tokens: int):
     import torch
 
-    from services.planner.prompt_context import prompt_context, record_prompt_routing
+    from services.planner.prompt_context import prompt_context, record_prompt_routing, steady_traffic_tokens
     from services.worker.model.tokenizer import Tokenizer
     from services.worker.weights.paged_experts import build_paged_lm
     from services.worker.weights.paged_model import load_paged_model
@@ -98,7 +99,8 @@ def context_from_prompt(model_dir: str, text: str, inputs, max_tokens: int):
         raise UserError("--prompt-file has no tokens")
     model = build_paged_lm(load_paged_model(model_dir, with_bf16=False), dtype=torch.float32)
     recorder = record_prompt_routing(model, ids, inputs.table.num_experts)
-    return prompt_context(recorder, inputs)
+    # a static plan is for a steady stream of traffic like the prompt file
+    return prompt_context(recorder, inputs, traffic_tokens=steady_traffic_tokens())
 
 
 def write_plan(path: Path, bits_map: dict[str, int]) -> None:
