@@ -25,10 +25,26 @@ from torch import nn
 from services.worker.model.config import ModelConfig
 from services.worker.model.experts import moe_forward
 from services.worker.model.transformer import MoECausalLM
-from services.worker.weights.apl_format import MODULES, BlockId, check_bits, dequantize
+from services.worker.weights.apl_format import MODULES, BlockId, check_bits
 from services.worker.weights.paged_model import LayerPlanes, PagedModel, all_block_ids
 
 Bits = int | None  # None: the original bf16 weights
+
+# bit i of every byte value, [256, 8]: unpacks a plane byte into its 8 columns (LSB first)
+_BYTE_BITS = ((torch.arange(256)[:, None] >> torch.arange(8)) & 1).to(torch.uint8)
+
+
+def dequantize_block(planes: torch.Tensor, lut: torch.Tensor, bits: int) -> torch.Tensor:
+    """Same result as `apl_format.dequantize` (tested equal), ~40x faster on CPU: bytes are
+    unpacked by table lookup and codes built in int16 instead of int64 shifts per bit."""
+    check_bits(bits)
+    _, rows, packed = planes.shape
+    table = _BYTE_BITS.to(planes.device)
+    plane_bits = table[planes[:bits].long()].view(bits, rows, packed * 8)
+    codes = plane_bits[0].to(torch.int16)
+    for p in range(1, bits):
+        codes = (codes << 1) | plane_bits[p]
+    return torch.gather(lut, 1, codes.long())
 
 
 class PagedExperts(nn.Module):
@@ -74,7 +90,7 @@ class PagedExperts(nn.Module):
                 w = self.bf16[module][expert]
             else:
                 lp = self.apl[module]
-                w = dequantize(lp.planes[expert], lp.luts[bits][expert], bits)
+                w = dequantize_block(lp.planes[expert], lp.luts[bits][expert], bits)
             self._cache[key] = w.to(device=self.device, dtype=self.dtype)
         return self._cache[key]
 
