@@ -138,18 +138,28 @@ def evaluate_model(path: Path, max_tokens: int, expert_tokens: int, seq_len: int
         result["ppl"]["bf16" if bits is None else str(bits)] = {d: math.exp(v) for d, v in nll.items()}
         log(f"{path.name} {bits or 'bf16'}: " + " ".join(f"{d}={math.exp(v):.3f}" for d, v in nll.items()))
     sens, share = paged.sensitivity, routing_share(paged)
+    gn = paged.sensitivity_gn  # None for artifacts calibrated without gradients
+    keys = ("s3", "s3_x_share") + (("s3_gn", "s3_gn_x_share") if gn else ())
+
+    def predictors(blocks: list[BlockId]) -> dict[str, float]:
+        """S(3) of the lowered blocks, alone and times their expert's routing share."""
+        out = {"s3": sum(sens[b][3] for b in blocks),
+               "s3_x_share": sum(sens[b][3] * share[b.layer][b.expert] for b in blocks)}
+        if gn:
+            out["s3_gn"] = sum(gn[b][3] for b in blocks)
+            out["s3_gn_x_share"] = sum(gn[b][3] * share[b.layer][b.expert] for b in blocks)
+        return out
+
     ev.cache_inputs()
     base = {l: pooled(ev.nll(l)) for l in range(cfg.num_layers)}  # bf16, through the same path
     layers = []
     for layer in range(cfg.num_layers):
         blocks = [b for e in range(cfg.num_experts) for b in expert_blocks(layer, e)]
         damage = lowered_damage(model, ev, blocks, layer, base[layer])
-        layers.append({"layer": layer, "delta_nll": damage,
-                       "s3": sum(sens[b][3] for b in blocks),
-                       "s3_x_share": sum(sens[b][3] * share[b.layer][b.expert] for b in blocks)})
+        layers.append({"layer": layer, "delta_nll": damage, **predictors(blocks)})
     result["per_layer"] = layers
     result["per_layer_spearman"] = {k: spearman([r["delta_nll"] for r in layers], [r[k] for r in layers])
-                                    for k in ("s3", "s3_x_share")}
+                                    for k in keys}
     log(f"{path.name} per layer: {result['per_layer_spearman']}")
     ev = Evaluator(model, windows_by_domain(Tokenizer(path), expert_tokens, seq_len, device))
     ev.cache_inputs()
@@ -160,23 +170,21 @@ def evaluate_model(path: Path, max_tokens: int, expert_tokens: int, seq_len: int
             blocks = expert_blocks(layer, e)
             experts.append({"block": f"L{layer}.E{e}",
                             "delta_nll": lowered_damage(model, ev, blocks, layer, base[layer]),
-                            "s3": sum(sens[b][3] for b in blocks),
-                            "s3_x_share": sum(sens[b][3] for b in blocks) * share[layer][e]})
+                            **predictors(blocks)})
     result["per_expert"] = experts
     result["per_expert_tokens_per_domain"] = expert_tokens
     result["per_expert_spearman"] = {k: spearman([r["delta_nll"] for r in experts], [r[k] for r in experts])
-                                     for k in ("s3", "s3_x_share")}
+                                     for k in keys}
     log(f"{path.name} per expert: {result['per_expert_spearman']}")
     if per_block:
         blocks = []
         for block_id in paged.block_ids:
             blocks.append({"block": block_id.key(),
                            "delta_nll": lowered_damage(model, ev, [block_id], block_id.layer, base[block_id.layer]),
-                           "s3": sens[block_id][3],
-                           "s3_x_share": sens[block_id][3] * share[block_id.layer][block_id.expert]})
+                           **predictors([block_id])})
         result["per_block"] = blocks
         result["per_block_spearman"] = {k: spearman([r["delta_nll"] for r in blocks], [r[k] for r in blocks])
-                                        for k in ("s3", "s3_x_share")}
+                                        for k in keys}
         log(f"{path.name} per block: {result['per_block_spearman']}")
     result["eval_seconds"] = time.perf_counter() - started
     result["calibration"] = {k: paged.meta["calibration"][k] for k in ("num_tokens", "under_covered_experts")}
@@ -208,7 +216,7 @@ def time_quantize(model_name: str, log) -> dict:
         quantize_model(SHARED / "models" / model_name, Path(out) / "m", files, log=log)
         seconds, cpu_seconds = time.perf_counter() - started, time.process_time() - cpu_started
         meta = json.loads((Path(out) / "m" / "paged_model.json").read_text())
-    # cpu_seconds / threads is what the wall time would be with the 2 cores to ourselves
+    # with one thread, cpu_seconds is about the wall time on an otherwise idle machine
     return {"model": model_name, "seconds": seconds, "cpu_seconds": cpu_seconds, "goal_seconds": 180,
             "load_average_before": load_before, "load_average_after": os.getloadavg()[0],
             "calibration_tokens": meta["calibration"]["num_tokens"], "phases": meta["quantizer"]}
@@ -236,33 +244,38 @@ def environment() -> dict:
             "load_average": os.getloadavg(), "torch": torch.__version__}
 
 
+PREDICTORS = {"s3": "S(3)", "s3_x_share": "S(3) x routing share", "s3_gn": "S_gn(3)",
+              "s3_gn_x_share": "S_gn(3) x routing share"}
+
+
 def render(report: dict) -> str:
     """Markdown tables of a report (for docs/quantize_eval.md)."""
     lines = []
     for name, r in report["models"].items():
         toks = next(iter(r["tokens_per_domain"].values()))
-        lines += [f"### {name} ({toks} tokens per domain, seq_len {report['seq_len']}, fp32 CPU)", "",
+        lines += [f"### {name} ({toks} tokens per domain, seq_len {report['seq_len']}, fp32 {report.get('device', 'CPU')})", "",
                   "| experts | " + " | ".join(DOMAINS) + " | mean vs bf16 |", "|---" * (len(DOMAINS) + 2) + "|"]
         base = r["ppl"]["bf16"]
         for key, ppl in r["ppl"].items():
             rel = sum(ppl[d] / base[d] - 1 for d in DOMAINS) / len(DOMAINS)
             label = key if key == "bf16" else f"{key} bits"
             lines.append(f"| {label} | " + " | ".join(f"{ppl[d]:.3f}" for d in DOMAINS) + f" | {rel:+.2%} |")
-        sl, se = r["per_layer_spearman"], r["per_expert_spearman"]
-        lines += ["", f"Spearman(damage, S(3)): per layer {sl['s3']:+.2f} (n={len(r['per_layer'])}), "
-                  f"per expert {se['s3']:+.2f} (n={len(r['per_expert'])}, {r['per_expert_tokens_per_domain']} "
-                  f"tokens/domain). With S(3) x routing share: per layer {sl['s3_x_share']:+.2f}, "
-                  f"per expert {se['s3_x_share']:+.2f}."]
+        studies = [(f"per layer (n={len(r['per_layer'])})", r["per_layer_spearman"]),
+                   (f"per expert (n={len(r['per_expert'])}, {r['per_expert_tokens_per_domain']} tok/domain)",
+                    r["per_expert_spearman"])]
         if "per_block_spearman" in r:
-            sb = r["per_block_spearman"]
-            lines[-1] += (f" Per block (n={len(r['per_block'])}): S(3) {sb['s3']:+.2f}, "
-                          f"S(3) x share {sb['s3_x_share']:+.2f}.")
+            studies.append((f"per block (n={len(r['per_block'])})", r["per_block_spearman"]))
+        lines += ["", "Spearman rank correlation of the measured NLL increase (blocks lowered alone to 3 bits) with:",
+                  "", "| predictor | " + " | ".join(name for name, _ in studies) + " |", "|---" * (len(studies) + 1) + "|"]
+        for key in studies[0][1]:
+            lines.append(f"| {PREDICTORS.get(key, key)} | " + " | ".join(f"{sp[key]:+.2f}" for _, sp in studies) + " |")
         lines += ["",
                   "Residual heads, held-out R^2: " + ", ".join(f"{d} {v:.2f}" for d, v in
                                                               r["residual_heads_heldout_r2"].items()), ""]
     q = report.get("quantize_time")
     if q:
-        lines.append(f"Quantisation of {q['model']} on {report['environment']['machine']}: {q['seconds']:.0f} s wall, {q['cpu_seconds']:.0f} s CPU "
+        lines.append(f"Quantisation of {q['model']} on {report['environment']['machine']}: "
+                     f"{q['seconds']:.0f} s wall, {q['cpu_seconds']:.0f} s CPU "
                      f"(load average {q['load_average_before']:.1f} -> {q['load_average_after']:.1f}), "
                      f"{q['calibration_tokens']} calibration tokens.")
     return "\n".join(lines)

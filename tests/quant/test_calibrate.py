@@ -54,3 +54,38 @@ def test_smoothing_pulls_rare_experts_to_the_layer_and_leaves_busy_ones():
     assert torch.allclose(h[0, 1], layer_mean)  # unseen expert: the layer's statistics
     assert torch.allclose(h[0, 0], torch.tensor([4.0, 8.0, 12.0, 16.0]), rtol=0.02)
     assert (h[0, 2, 1:] > 0).all()  # no zero weights for columns two tokens never excited
+
+
+def test_output_gradients_add_up_to_the_moe_output_gradient():
+    """Each routed copy of a token sees dL/d(block output), so summed over experts the
+    recorded squared gradients of `down` are k times those of the block output."""
+    model = load_model(BUNDLED_MODEL, dtype=torch.float32)
+    ids = Tokenizer(BUNDLED_MODEL).encode(CALIB_TEXT["bible"])
+    T = 32
+    chunks = [ids[i * T:(i + 1) * T] for i in range(2)]
+    config = CalibConfig(seq_len=T, max_tokens_per_file=T, gradients=True)
+    stats = calibrate(model, chunks, ["a", "a"], config)
+
+    grads = {}  # layer -> dL/d(MoE block output)
+
+    def keep_grad(layer):
+        def hook(module, args, out):
+            out.register_hook(lambda g: grads.__setitem__(layer, g))
+        return hook
+
+    hooks = [block.register_forward_hook(keep_grad(i)) for i, block in enumerate(model.moe_blocks)]
+    batch = torch.tensor(chunks)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    embed_hook = model.embed_tokens.register_forward_hook(lambda m, a, out: out.requires_grad_(True))
+    logits = model(batch)
+    F.cross_entropy(logits[:, :-1].flatten(0, 1), batch[:, 1:].flatten(), reduction="sum").backward()
+    for h in hooks + [embed_hook]:
+        h.remove()
+    k = model.config.num_experts_per_tok
+    for layer in (0, 3):
+        expected = k * grads[layer].reshape(-1, grads[layer].shape[-1]).square().sum(0)
+        assert torch.allclose(stats.grad_sq_down[layer].sum(0), expected, rtol=1e-3, atol=1e-9)
+        assert (stats.grad_sq_gate_up[layer] >= 0).all() and stats.grad_sq_gate_up[layer].sum() > 0
+    no_grads = calibrate(model, chunks[:1], ["a"], CalibConfig(seq_len=T, max_tokens_per_file=T, gradients=False))
+    assert no_grads.grad_sq_down is None

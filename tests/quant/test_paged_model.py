@@ -62,6 +62,19 @@ def test_sensitivity_table_is_the_hessian_weighted_error(paged):
         assert all(row[b] > row[b + 1] for b in BIT_WIDTHS[:-1])
 
 
+def test_gauss_newton_table_weights_rows_by_the_output_fisher(paged):
+    gn = paged.sensitivity_gn
+    assert gn is not None and set(gn) == set(all_block_ids(paged.config))
+    dense = load_model(BUNDLED_MODEL, dtype=torch.float32)
+    block_id = BlockId(2, 4, "gate_up")
+    w = dense.moe_blocks[2].experts.gate_up[4].detach()
+    h = paged.hessians[(2, "gate_up")][4]  # [cols]
+    g = paged.hessians[(2, "gate_up.grad_sq")][4]  # [rows]
+    for b in BIT_WIDTHS:
+        err = (w - paged.block(block_id).dequantize(b).float()) ** 2
+        assert gn[block_id][b] == pytest.approx(float((g[:, None] * h[None, :] * err).sum()), rel=1e-4)
+
+
 def test_bf16_path_matches_the_checkpoint_exactly(paged, ids):
     dense = load_model(BUNDLED_MODEL, dtype=torch.float32)
     model = build_paged_lm(paged, dtype=torch.float32)

@@ -16,7 +16,8 @@ Layout (docs/paged_model.md):
                               (the "no bits given" reference)
     residual_heads.safetensors  prompt-residual ridge heads (residual_heads.py)
     hessians.safetensors      the calibration's smoothed input-Hessian diagonals h,
-                              layers.{l}.{m} fp32 [E, cols] (S_i(b) = h . err_i(b))
+                              layers.{l}.{m} fp32 [E, cols] (S_i(b) = h . err_i(b)), and
+                              the output Fisher diagonals G, layers.{l}.{m}.grad_sq [E, rows]
 
 Loading checks the format name and version, every file's size (truncation) and sha256
 (corruption), and every tensor's shape against the block list; any failure is one
@@ -90,7 +91,8 @@ class PagedModel:
     apl: dict[tuple[int, str], LayerPlanes]  # (layer, module) -> planes and LUTs
     bf16_experts: dict[tuple[int, str], torch.Tensor] | None  # (layer, module) -> [E, rows, cols]
     residual_heads: dict[str, torch.Tensor] = field(default_factory=dict)  # see residual_heads.py
-    hessians: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)  # (layer, module) -> [E, cols]
+    # (layer, module) -> h [E, cols]; (layer, module + ".grad_sq") -> G [E, rows] when recorded
+    hessians: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
 
     @property
     def block_ids(self) -> list[BlockId]:
@@ -108,6 +110,15 @@ class PagedModel:
         """# block_id -> bits -> S_i(b) (Hessian-weighted squared error, sensitivity.py)."""
         return {BlockId.parse(k): {int(b): s for b, s in row.items()}
                 for k, row in self.meta["sensitivity"].items()}
+
+    @property
+    def sensitivity_gn(self) -> dict[BlockId, dict[int, float]] | None:
+        """# block_id -> bits -> S_gn_i(b) = sum G[r] h[c] (w - Q_b)^2, an estimate of the
+        loss increase (calibrate.py); None for artifacts calibrated without gradients."""
+        table = self.meta.get("sensitivity_gn")
+        if table is None:
+            return None
+        return {BlockId.parse(k): {int(b): s for b, s in row.items()} for k, row in table.items()}
 
     @property
     def routing(self) -> dict:
@@ -283,5 +294,11 @@ def _parse_bf16(path: Path, named: dict, config: ModelConfig) -> dict[tuple[int,
 
 def _parse_hessians(path: Path, named: dict, config: ModelConfig) -> dict[tuple[int, str], torch.Tensor]:
     file, E = path / HESSIAN_FILE, config.num_experts
-    return {(l, m): _get(named, f"layers.{l}.{m}", (E, block_shape(config, m)[1]), torch.float32, file)
-            for l in range(config.num_layers) for m in MODULES}
+    out = {(l, m): _get(named, f"layers.{l}.{m}", (E, block_shape(config, m)[1]), torch.float32, file)
+           for l in range(config.num_layers) for m in MODULES}
+    for l in range(config.num_layers):
+        for m in MODULES:
+            if f"layers.{l}.{m}.grad_sq" in named:
+                out[(l, f"{m}.grad_sq")] = _get(named, f"layers.{l}.{m}.grad_sq",
+                                                (E, block_shape(config, m)[0]), torch.float32, file)
+    return out
