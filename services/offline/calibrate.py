@@ -8,6 +8,12 @@ to that expert:
 - sum of x^2 per input column of `gate_up` (x is the MoE block's input),
 - sum of a^2 per input column of `down` (a = silu(gate) * up of that expert),
 - the token count and the routing mass (sum of the token's routing weight).
+With `gradients=True` the chunks also run backward (loss: summed next-token NLL;
+gradients for activations only, no weight gradients) and each expert accumulates the
+squared loss gradient per output row of `gate_up` (its pre-activations) and of `down`
+(its routing-weighted output): the diagonal Fisher of the block's outputs, G. With it,
+sensitivity.py's Gauss-Newton table S_gn(b) = sum G[r] h[c] (w - Q_b(w))^2 estimates the
+loss increase itself, which the input-only S cannot compare across layers.
 
 Per-chunk sums are kept because prompt-residual heads (residual_heads.py) learn from
 each chunk's own statistics; the global statistics are their sums. `block_hessians`
@@ -37,6 +43,7 @@ class CalibConfig:
     # expert with few routed tokens leans on the layer's average input statistics.
     prior_tokens: float = 16.0
     min_tokens: int = 64  # experts with fewer routed tokens are reported as under-covered
+    gradients: bool = True  # also record squared output gradients (one backward per batch)
 
     def __post_init__(self):
         if self.seq_len < 2 or self.max_tokens_per_file < self.seq_len or self.batch_size < 1:
@@ -55,6 +62,8 @@ class CalibrationStats:
     routing_mass: torch.Tensor  # [N, L, E] sum of routing weights
     num_tokens_per_chunk: int
     files: list[str] = field(default_factory=list)
+    grad_sq_gate_up: torch.Tensor | None = None  # [L, E, 2I] sum of squared output gradients
+    grad_sq_down: torch.Tensor | None = None  # [L, E, H]
 
     @property
     def num_chunks(self) -> int:
@@ -90,11 +99,21 @@ class RecordingExperts(nn.Module):
             tokens, w = token_of[start:start + n], weights[start:start + n]
             start += n
             xe = x[tokens]
-            gate, up = F.linear(xe, self.dense.gate_up[e]).chunk(2, dim=-1)
+            pre = F.linear(xe, self.dense.gate_up[e])
+            gate, up = pre.chunk(2, dim=-1)
             act = F.silu(gate) * up
-            self._record(e, tokens, xe, act, w)
-            out.index_add_(0, tokens, (F.linear(act, self.dense.down[e]) * w[:, None]).to(out.dtype))
+            self._record(e, tokens, xe.detach(), act.detach(), w.detach())
+            y = F.linear(act, self.dense.down[e]) * w[:, None]
+            if y.requires_grad and self.stats.grad_sq_gate_up is not None:
+                pre.register_hook(self._grad_recorder(self.stats.grad_sq_gate_up, e))
+                y.register_hook(self._grad_recorder(self.stats.grad_sq_down, e))
+            out.index_add_(0, tokens, y.to(out.dtype))
         return out
+
+    def _grad_recorder(self, target: torch.Tensor, e: int):
+        def record(grad: torch.Tensor) -> None:
+            target[self.layer, e] += grad.detach().float().square().sum(0)
+        return record
 
     def _record(self, e, tokens, xe, act, w):
         chunks = self.chunk_of_token[tokens]
@@ -127,19 +146,22 @@ def read_chunks(tokenizer, files: list[Path], config: CalibConfig) -> tuple[list
     return chunks, domains
 
 
-@torch.inference_mode()
 def calibrate(model, chunks: list[list[int]], domains: list[str], config: CalibConfig,
               files: list[str] | None = None) -> CalibrationStats:
     """Run the chunks through `model` (dense experts) and collect per-chunk expert statistics."""
     cfg = model.config
     N, L, E = len(chunks), cfg.num_layers, cfg.num_experts
+    dev = model.device  # accumulate where the model runs; moved to the CPU at the end
     stats = CalibrationStats(
         chunk_domains=list(domains),
-        sum_sq_gate_up=torch.zeros(N, L, E, cfg.hidden_size),
-        sum_sq_down=torch.zeros(N, L, E, cfg.expert_intermediate_size),
-        token_counts=torch.zeros(N, L, E), routing_mass=torch.zeros(N, L, E),
+        sum_sq_gate_up=torch.zeros(N, L, E, cfg.hidden_size, device=dev),
+        sum_sq_down=torch.zeros(N, L, E, cfg.expert_intermediate_size, device=dev),
+        token_counts=torch.zeros(N, L, E, device=dev), routing_mass=torch.zeros(N, L, E, device=dev),
         num_tokens_per_chunk=config.seq_len, files=[str(f) for f in files or []],
     )
+    if config.gradients:
+        stats.grad_sq_gate_up = torch.zeros(L, E, 2 * cfg.expert_intermediate_size, device=dev)
+        stats.grad_sq_down = torch.zeros(L, E, cfg.hidden_size, device=dev)
     recorders = []
     originals = [block.experts for block in model.moe_blocks]
     for layer, block in enumerate(model.moe_blocks):
@@ -149,14 +171,49 @@ def calibrate(model, chunks: list[list[int]], domains: list[str], config: CalibC
         for start in range(0, N, config.batch_size):
             batch = torch.tensor(chunks[start:start + config.batch_size], device=model.device)
             chunk_of_token = torch.arange(start, start + batch.shape[0], device=model.device)
-            chunk_of_token = chunk_of_token.repeat_interleave(batch.shape[1]).cpu()
+            chunk_of_token = chunk_of_token.repeat_interleave(batch.shape[1])
             for recorder in recorders:
                 recorder.chunk_of_token = chunk_of_token
-            model(batch)
+            _run_batch(model, batch, config.gradients)
     finally:
         for block, dense in zip(model.moe_blocks, originals):
             block.experts = dense
+    for name in ("sum_sq_gate_up", "sum_sq_down", "token_counts", "routing_mass",
+                 "grad_sq_gate_up", "grad_sq_down"):
+        if getattr(stats, name) is not None:
+            setattr(stats, name, getattr(stats, name).cpu())
     return stats
+
+
+def _run_batch(model, batch: torch.Tensor, gradients: bool) -> None:
+    """Forward (and with gradients, backward of the summed NLL to the activations only)."""
+    if not gradients:
+        with torch.inference_mode():
+            model(batch)
+        return
+    frozen = [p for p in model.parameters() if p.requires_grad]
+    for p in frozen:
+        p.requires_grad_(False)
+    hook = model.embed_tokens.register_forward_hook(lambda m, args, out: out.requires_grad_(True))
+    try:
+        with torch.enable_grad():
+            logits = model(batch)
+            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), batch[:, 1:].flatten(), reduction="sum")
+            loss.backward()
+    finally:
+        hook.remove()
+        for p in frozen:
+            p.requires_grad_(True)
+
+
+def output_fisher(stats: CalibrationStats, config: CalibConfig) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Smoothed mean squared output gradient per row: gate_up [L, E, 2I], down [L, E, H]."""
+    if stats.grad_sq_gate_up is None:
+        return None
+    counts = stats.token_counts.sum(0)
+    g_gate_up = smoothed_hessians(stats.grad_sq_gate_up, counts, config.prior_tokens, False)
+    g_down = smoothed_hessians(stats.grad_sq_down, counts, config.prior_tokens, True)
+    return g_gate_up, g_down
 
 
 def smoothed_hessians(sum_sq: torch.Tensor, counts: torch.Tensor, prior_tokens: float,

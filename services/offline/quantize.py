@@ -22,8 +22,8 @@ import torch
 
 from services.offline.apl_quantizer import QuantizerConfig, dequantize_rows, quantize_rows
 from services.offline.calibrate import (
-    CalibConfig, CalibrationStats, block_hessians, calibrate, read_chunks, routing_summary,
-    smoothed_hessians,
+    CalibConfig, CalibrationStats, block_hessians, calibrate, output_fisher, read_chunks,
+    routing_summary, smoothed_hessians,
 )
 from services.offline.residual_heads import ResidualConfig, fit_residual_heads, routing_features
 from services.offline.sensitivity import check_monotone, sensitivity_matrix
@@ -38,47 +38,62 @@ class QuantizeConfig:
     calib: CalibConfig = field(default_factory=CalibConfig)
     quantizer: QuantizerConfig = field(default_factory=QuantizerConfig)
     residual: ResidualConfig = field(default_factory=ResidualConfig)
-    device: str = "cpu"  # where k-means runs (cuda works too)
+    device: str = "cpu"  # where calibration and k-means run (cuda works too)
 
 
 @dataclass
 class LayerResult:
     planes: LayerPlanes
     col_errors: dict[int, torch.Tensor]  # bits -> [E, C]
+    col_errors_gn: dict[int, torch.Tensor] | None  # bits -> [E, C], rows weighted by G
 
 
-def quantize_layer(w: torch.Tensor, h: torch.Tensor, config: QuantizerConfig, device: str) -> LayerResult:
-    """w [E, R, C] (one module of every expert of a layer), h [E, C] -> planes, LUTs, errors."""
+def quantize_layer(w: torch.Tensor, h: torch.Tensor, config: QuantizerConfig, device: str,
+                   g: torch.Tensor | None = None) -> LayerResult:
+    """w [E, R, C] (one module of every expert of a layer), h [E, C] -> planes, LUTs, errors.
+
+    g [E, R] (output Fisher per row) weights rows in `col_errors_gn`; it cannot change a
+    row's own k-means (a constant factor per row), only how rows add up.
+    """
     E, R, C = w.shape
     rows = w.to(device, torch.float32).reshape(E * R, C)
     importance = h.to(device, torch.float32)[:, None, :].expand(E, R, C).reshape(E * R, C)
     q = quantize_rows(rows, importance, config)
     planes = pack_planes(q.codes).view(8, E, R, C // 8).permute(1, 0, 2, 3).contiguous()
     # bits -> [E, C]: per expert, sum over its rows of the squared error per column
-    errors = {b: ((rows - dequantize_rows(q, b)) ** 2).view(E, R, C).sum(1).cpu() for b in BIT_WIDTHS}
+    sq = {b: ((rows - dequantize_rows(q, b)) ** 2).view(E, R, C) for b in BIT_WIDTHS}
+    errors = {b: e.sum(1).cpu() for b, e in sq.items()}
+    errors_gn = None
+    if g is not None:
+        g = g.to(device, torch.float32)[:, :, None]
+        errors_gn = {b: (e * g).sum(1).cpu() for b, e in sq.items()}
     luts = {b: lut.view(E, R, 1 << b).cpu() for b, lut in q.luts.items()}
-    return LayerResult(LayerPlanes(planes.cpu(), luts), errors)
+    return LayerResult(LayerPlanes(planes.cpu(), luts), errors, errors_gn)
 
 
 def quantize_model(model_dir: str | Path, out_dir: str | Path, calib_files: list[Path],
                    config: QuantizeConfig = QuantizeConfig(),
                    log: Callable[[str], None] = lambda msg: None) -> Path:
     started = time.perf_counter()
-    model = load_model(model_dir, dtype=torch.float32)
+    model = load_model(model_dir, dtype=torch.float32, device=config.device)
     cfg = model.config
     chunks, domains = read_chunks(Tokenizer(model_dir), calib_files, config.calib)
     log(f"calibrating on {len(chunks)} chunks of {config.calib.seq_len} tokens")
     stats = calibrate(model, chunks, domains, config.calib, files=[str(f) for f in calib_files])
     calib_seconds = time.perf_counter() - started
     h = dict(zip(MODULES, block_hessians(stats, config.calib)))  # module -> [L, E, C]
+    fisher = output_fisher(stats, config.calib)
+    g = dict(zip(MODULES, fisher)) if fisher else None  # module -> [L, E, rows]
 
-    apl, col_errors = {}, {}
+    apl, col_errors, col_errors_gn = {}, {}, {}
     for layer, block in enumerate(model.moe_blocks):
         log(f"quantising layer {layer + 1}/{cfg.num_layers}")
         for module in MODULES:
-            w = getattr(block.experts, module).detach()
-            result = quantize_layer(w, h[module][layer], config.quantizer, config.device)
+            w = getattr(block.experts, module).detach()  # on config.device
+            result = quantize_layer(w, h[module][layer], config.quantizer, config.device,
+                                    g[module][layer] if g else None)
             apl[(layer, module)], col_errors[(layer, module)] = result.planes, result.col_errors
+            col_errors_gn[(layer, module)] = result.col_errors_gn
     quant_seconds = time.perf_counter() - started - calib_seconds
 
     sens = sensitivity_table(h, col_errors, cfg.num_layers)
@@ -92,13 +107,17 @@ def quantize_model(model_dir: str | Path, out_dir: str | Path, calib_files: list
         "routing": routing_summary(stats, config.calib),
         "sensitivity": {b.key(): {str(bits): s for bits, s in row.items()} for b, row in sens.items()},
         "sensitivity_non_monotone": check_monotone({b.key(): row for b, row in sens.items()}),
+        **gauss_newton_meta(h, col_errors_gn, cfg.num_layers, g is not None),
         "quantizer": {"config": asdict(config.quantizer), "device": config.device,
                       "calibration_seconds": calib_seconds, "quantization_seconds": quant_seconds},
         "residual_heads": heads_report,
     }
-    dense = {k: v for k, v in model.state_dict().items() if ".experts." not in k}
-    bf16 = {(l, m): getattr(b.experts, m).detach() for l, b in enumerate(model.moe_blocks) for m in MODULES}
-    out = save_paged_model(out_dir, model_dir, cfg, dense, apl, bf16, meta, heads.to_tensors())
+    dense = {k: v.cpu() for k, v in model.state_dict().items() if ".experts." not in k}
+    bf16 = {(l, m): getattr(b.experts, m).detach().cpu() for l, b in enumerate(model.moe_blocks) for m in MODULES}
+    hessians = {(l, m): h[m][l] for l in range(cfg.num_layers) for m in MODULES}
+    if g:
+        hessians.update({(l, f"{m}.grad_sq"): g[m][l] for l in range(cfg.num_layers) for m in MODULES})
+    out = save_paged_model(out_dir, model_dir, cfg, dense, apl, bf16, meta, heads.to_tensors(), hessians)
     log(f"wrote {out} in {time.perf_counter() - started:.1f} s")
     return out
 
@@ -113,6 +132,14 @@ def sensitivity_table(h: dict[str, torch.Tensor], col_errors, num_layers: int) -
             for e in range(s.shape[0]):
                 table[BlockId(layer, e, module)] = {b: float(v) for b, v in zip(BIT_WIDTHS, s[e])}
     return table
+
+
+def gauss_newton_meta(h, col_errors_gn, num_layers: int, present: bool) -> dict:
+    """The `sensitivity_gn` section: S_gn_i(b) = sum G[r] h[c] (w - Q_b)^2 (calibrate.py)."""
+    if not present:
+        return {}
+    table = sensitivity_table(h, col_errors_gn, num_layers)
+    return {"sensitivity_gn": {b.key(): {str(bits): s for bits, s in row.items()} for b, row in table.items()}}
 
 
 def chunk_sensitivities(stats: CalibrationStats, col_errors, config: CalibConfig) -> torch.Tensor:
