@@ -94,13 +94,20 @@ class Engine:
         self.num_steps = self.num_finished = self.num_output_tokens = 0
 
     # ---- requests -------------------------------------------------------------------
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise a UserError for a request that can never run (changes nothing)."""
+        if not prompt_ids:
+            raise ContextLengthError("the prompt is empty: give at least one token")
+        vocab = self.model.config.vocab_size
+        if not all(0 <= t < vocab for t in prompt_ids):
+            raise UserError(f"prompt token ids must be in [0, {vocab})")
+        check_context(self.model, len(prompt_ids), params.max_tokens)
+        self._check_fits(len(prompt_ids) + params.max_tokens)
+
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
         if request_id in self.seqs:
             raise UserError(f"request id {request_id!r} is already in use")
-        if not prompt_ids:
-            raise ContextLengthError("the prompt is empty: give at least one token")
-        check_context(self.model, len(prompt_ids), params.max_tokens)
-        self._check_fits(len(prompt_ids) + params.max_tokens)
+        self.check_request(prompt_ids, params)
         seq = Sequence(next(self._seq_ids), request_id, list(prompt_ids), params)
         seq.generator = make_generator(params, self.model.device)
         self.seqs[request_id] = seq

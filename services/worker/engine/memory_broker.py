@@ -87,6 +87,8 @@ class MemoryBroker:
             self._give_back(blocks_needed_next)
 
     def _give_back(self, blocks_needed_next: int) -> None:
+        if self.pool is None:
+            return  # a fixed-size cache keeps its blocks
         keep = blocks_needed_next
         if self.kv.manager.num_used_blocks:  # sequences running: keep some headroom
             keep += self.config.headroom_chunks * self.kv.config.chunk_blocks
