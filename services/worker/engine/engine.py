@@ -31,7 +31,7 @@ class EngineConfig:
     kv: KVCacheConfig = field(default_factory=KVCacheConfig)
     broker: BrokerConfig = field(default_factory=BrokerConfig)
     attention_impl: str = "auto"  # "reference", "batched" or "auto" (batched on CUDA)
-    num_kv_blocks: int = 1024  # fixed KV size when there is no memory pool
+    num_kv_blocks: int = 1024  # fixed KV size when there is no memory arena
 
     def __post_init__(self):
         if self.num_kv_blocks < 1:
@@ -74,17 +74,17 @@ class Engine:
         model: MoECausalLM,
         tokenizer=None,
         config: EngineConfig | None = None,
-        pool=None,  # MemoryPool: KV chunks are allocated from it (None: fixed num_kv_blocks)
+        arena=None,  # memory Arena: KV blocks are allocated from it (None: fixed num_kv_blocks)
         pager=None,  # the weight pager / memory controller (None: weights never move)
     ):
         self.model, self.tokenizer = model, tokenizer
         self.config = config or EngineConfig()
-        self.pool, self.pager = pool, pager
-        max_blocks = None if pool is not None else self.config.num_kv_blocks
-        self.kv = PagedKVCache(model.config, self.config.kv, model.dtype, model.device, pool, max_blocks)
-        if pool is None:
-            self.kv.grow(self.config.num_kv_blocks)
-        self.broker = MemoryBroker(self.kv, self.config.broker, pool, pager)
+        self.arena, self.pager = arena, pager
+        self.pool = arena.pool if arena is not None else None
+        self.kv = PagedKVCache(
+            model.config, self.config.kv, model.dtype, model.device, self.config.num_kv_blocks, arena
+        )
+        self.broker = MemoryBroker(self.kv, self.config.broker, pager)
         self.scheduler = Scheduler(self.config.scheduler, self.kv, self.broker)
         self.seqs: dict[str, Sequence] = {}  # request_id -> live sequence
         self.eos_ids = set(model.config.eos_token_ids)
@@ -115,8 +115,8 @@ class Engine:
 
     def _check_fits(self, num_tokens: int) -> None:
         """A request that could never fit the KV cache is refused now, not dropped later."""
-        if self.pool is not None:
-            return  # the pool's KV capacity moves with the weights' bits
+        if self.arena is not None:
+            return  # the arena's KV capacity moves with the weights' bits
         limit = self.kv.num_blocks * self.kv.block_size
         if blocks_for(num_tokens, self.kv.block_size) > self.kv.num_blocks:
             raise ContextLengthError(
@@ -226,6 +226,6 @@ class Engine:
             kv_reserved_bytes=self.kv.reserved_bytes,
             memory_requests=self.broker.num_requests,
             memory_offers=self.broker.num_offers,
-            pool=self.pool.snapshot() if self.pool is not None else None,
+            pool=self.pool.snapshot().to_dict() if self.pool is not None else None,
             pager=self.pager.stats() if self.pager is not None else None,
         )

@@ -1,7 +1,7 @@
 """Moves bytes between the KV cache and the expert weights, for the scheduler.
 
 The scheduler asks for KV blocks; the broker
-- `reserve`s them: grows the KV cache from the memory pool's free bytes, a chunk at a time;
+- `reserve`s them: grows the KV cache with blocks from the arena's free bytes;
 - when the pool has no bytes left, `ask`s the weight pager to lower bits
   (`request_bytes`, non-blocking: the freed planes land in the pool at a later step
   boundary). While a request is in flight every short sequence waits; `ask` says False only
@@ -10,8 +10,8 @@ The scheduler asks for KV blocks; the broker
   been calm for a few steps (nobody short of KV, nobody waiting) shrinks the KV cache to
   what the running sequences need and `offer_bytes` the pool's free bytes back to the
   weights, so bits go up again when load falls.
-Without a pager (fixed weights) the broker only grows the cache from the pool (or up to
-the cache's fixed cap) and `ask` is always False.
+Without a pager (fixed weights) the broker only grows the cache from the arena (a cache
+without an arena has a fixed size) and `ask` is always False.
 """
 
 from __future__ import annotations
@@ -35,18 +35,19 @@ class WeightPager(Protocol):
 @dataclass(frozen=True)
 class BrokerConfig:
     calm_steps: int = 4  # steps without KV shortage before bytes are given back
-    headroom_chunks: int = 1  # free KV chunks kept while sequences are running
+    headroom_blocks: int = 4  # free KV blocks kept while sequences are running
 
     def __post_init__(self):
         if self.calm_steps < 1:
             raise UserError(f"calm_steps must be >= 1, got {self.calm_steps}")
-        if self.headroom_chunks < 0:
-            raise UserError(f"headroom_chunks must be >= 0, got {self.headroom_chunks}")
+        if self.headroom_blocks < 0:
+            raise UserError(f"headroom_blocks must be >= 0, got {self.headroom_blocks}")
 
 
 class MemoryBroker:
-    def __init__(self, kv: PagedKVCache, config: BrokerConfig, pool=None, pager: WeightPager | None = None):
-        self.kv, self.config, self.pool, self.pager = kv, config, pool, pager
+    def __init__(self, kv: PagedKVCache, config: BrokerConfig, pager: WeightPager | None = None):
+        self.kv, self.config, self.pager = kv, config, pager
+        self.pool = kv.arena.pool if kv.arena is not None else None
         self.num_requests = 0  # accepted request_bytes calls
         self.num_offers = 0  # accepted offer_bytes calls
         self._short = False  # some sequence was short of KV this step
@@ -67,10 +68,10 @@ class MemoryBroker:
             return False
         if self._in_flight or self.pager.busy():
             return True
-        num_chunks = -(-num_blocks // self.kv.config.chunk_blocks)
-        wanted = num_chunks * self.kv.chunk_bytes - self.pool_free_bytes()
-        if wanted <= 0:
-            return True  # the bytes are there; the next reserve takes them
+        needed = num_blocks * self.kv.arena.charged_bytes(self.kv.block_bytes)
+        wanted = needed - self.pool_free_bytes()
+        if wanted <= 0:  # the bytes are free but scattered: ask for whole blocks' worth
+            wanted = needed
         if self.pager.request_bytes(wanted) > 0:
             self.num_requests += 1
             self._in_flight = True
@@ -87,11 +88,11 @@ class MemoryBroker:
             self._give_back(blocks_needed_next)
 
     def _give_back(self, blocks_needed_next: int) -> None:
-        if self.pool is None:
+        if self.kv.arena is None:
             return  # a fixed-size cache keeps its blocks
         keep = blocks_needed_next
         if self.kv.manager.num_used_blocks:  # sequences running: keep some headroom
-            keep += self.config.headroom_chunks * self.kv.config.chunk_blocks
+            keep += self.config.headroom_blocks
         self.kv.shrink(keep_free_blocks=keep)
         if self.pager is None:
             return
@@ -103,4 +104,4 @@ class MemoryBroker:
     def pool_free_bytes(self) -> int:
         if self.pool is None:
             return 0
-        return self.pool.free_bytes()
+        return self.pool.free_bytes

@@ -96,13 +96,13 @@ class Scheduler:
             if out.num_waiting_for_memory or out.preempted:
                 break  # running sequences are short of KV: admit nobody new
             seq = self.waiting[0]
-            needed = self.kv.manager.num_missing_blocks(seq, seq.num_tokens)
+            needed = self.kv.num_missing_blocks(seq, seq.num_tokens)
             if not self.broker.reserve(needed):
                 self.broker.ask(needed - self.kv.num_free_blocks)
                 out.num_waiting_for_memory += 1
                 break
             n = min(seq.num_uncomputed_tokens, budget)
-            self.kv.manager.allocate(seq, n)
+            self.kv.allocate(seq, n)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -113,9 +113,9 @@ class Scheduler:
     def _make_room(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> str:
         """Give seq blocks for num_tokens tokens: 'scheduled', 'wait' or 'preempted_self'."""
         while True:
-            needed = self.kv.manager.num_missing_blocks(seq, num_tokens)
+            needed = self.kv.num_missing_blocks(seq, num_tokens)
             if self.broker.reserve(needed):
-                self.kv.manager.allocate(seq, num_tokens)
+                self.kv.allocate(seq, num_tokens)
                 return "scheduled"
             if self.broker.ask(needed - self.kv.num_free_blocks):
                 return "wait"  # the pager is freeing bytes; try again next step
@@ -127,7 +127,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.kv.manager.free(seq)
+        self.kv.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
@@ -139,7 +139,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status == SequenceStatus.WAITING:
             self.waiting.remove(seq)
-        self.kv.manager.free(seq)
+        self.kv.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
 

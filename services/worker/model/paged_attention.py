@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from services.worker.memory.kv_cache import ChunkIndex, PagedKVCache
+from services.worker.memory.kv_cache import PagedKVCache
 from services.worker.model.layers import causal_attention
 
 IMPLS = ("reference", "batched")
@@ -46,12 +46,11 @@ class PagedStep:
     positions: torch.Tensor  # [T] int64 position of each new token
     query_lens: list[int]  # per sequence
     context_lens: list[int]  # per sequence
-    new_slots: ChunkIndex  # where each new token's k, v is written
-    # reference path: every sequence's context slots, concatenated
-    context_slots: ChunkIndex | None = None
+    new_offsets: torch.Tensor  # [T] where each new token's k, v go (PagedKVCache.token_offsets)
+    # reference path: every sequence's context tokens, concatenated
+    context_offsets: torch.Tensor | None = None
     # batched path
-    block_index: ChunkIndex | None = None  # padded block tables, flattened [B * max_blocks]
-    max_blocks: int = 0
+    block_table: torch.Tensor | None = None  # [B, max_blocks] block ids (pads: masked out)
     query_index: torch.Tensor | None = None  # [B, max_q] -> flat token (pad: 0)
     output_index: torch.Tensor | None = None  # [T] -> row in the flattened [B * max_q]
     mask: torch.Tensor | None = None  # [B, 1, max_q, S] bool
@@ -67,47 +66,44 @@ def build_step(kv: PagedKVCache, seqs: list[SeqSlice], impl: str = "auto") -> Pa
     if impl not in IMPLS:
         raise ValueError(f"paged attention impl {impl!r} is not one of {IMPLS}")
     device = kv.device
-    positions, new_slots = [], []
+    positions, new_offsets = [], []
     for s in seqs:
         start = s.context_len - s.query_len
         positions.extend(range(start, s.context_len))
-        new_slots.extend(kv.slot_mapping(s.block_ids, start, s.context_len))
+        new_offsets.extend(kv.token_offsets(s.block_ids, start, s.context_len))
     step = PagedStep(
         kv=kv, impl=impl,
         positions=torch.tensor(positions, dtype=torch.int64, device=device),
         query_lens=[s.query_len for s in seqs],
         context_lens=[s.context_len for s in seqs],
-        new_slots=kv.index(new_slots, kv.slots_per_chunk()),
+        new_offsets=torch.tensor(new_offsets, dtype=torch.int64, device=device),
     )
     if impl == "reference":
-        context = [slot for s in seqs for slot in kv.slot_mapping(s.block_ids, 0, s.context_len)]
-        step.context_slots = kv.index(context, kv.slots_per_chunk())
+        context = [o for s in seqs for o in kv.token_offsets(s.block_ids, 0, s.context_len)]
+        step.context_offsets = torch.tensor(context, dtype=torch.int64, device=device)
     else:
         _add_batched_metadata(step, seqs)
     return step
 
 
 def _add_batched_metadata(step: PagedStep, seqs: list[SeqSlice]) -> None:
-    kv, device = step.kv, step.kv.device
-    bs = kv.block_size
+    device, bs = step.kv.device, step.kv.block_size
     max_blocks = max(-(-s.context_len // bs) for s in seqs)
     max_q = max(s.query_len for s in seqs)
-    padded = []
-    for s in seqs:
-        table = s.block_ids[: -(-s.context_len // bs)]
-        padded.extend(table + [table[0]] * (max_blocks - len(table)))  # pads are masked out
+    table = torch.zeros(len(seqs), max_blocks, dtype=torch.int64)
     query_index = torch.zeros(len(seqs), max_q, dtype=torch.int64)
     query_pos = torch.zeros(len(seqs), max_q, dtype=torch.int64)  # pad rows see key 0 only
     output_index, start = [], 0
     for b, s in enumerate(seqs):
+        used = s.block_ids[: -(-s.context_len // bs)]
+        table[b] = torch.tensor(used + [used[0]] * (max_blocks - len(used)))  # pads are masked out
         n = s.query_len
         query_index[b, :n] = torch.arange(start, start + n)
         query_pos[b, :n] = torch.arange(s.context_len - n, s.context_len)
         output_index.extend(range(b * max_q, b * max_q + n))
         start += n
     key_pos = torch.arange(max_blocks * bs)
-    step.block_index = kv.index(padded, kv.config.chunk_blocks)
-    step.max_blocks = max_blocks
+    step.block_table = table.to(device)
     step.query_index = query_index.to(device)
     step.output_index = torch.tensor(output_index, dtype=torch.int64, device=device)
     step.mask = (key_pos[None, None, :] <= query_pos[:, :, None])[:, None].to(device)
@@ -115,14 +111,14 @@ def _add_batched_metadata(step: PagedStep, seqs: list[SeqSlice]) -> None:
 
 def paged_attention(layer: int, q, k, v, step: PagedStep) -> torch.Tensor:
     """q [T, N, D], new k, v [T, G, D] -> attention output [T, N, D]."""
-    step.kv.write(layer, step.new_slots, k, v)
+    step.kv.write(layer, step.new_offsets, k, v)
     if step.impl == "reference":
         return _reference(layer, q, step)
     return _batched(layer, q, step)
 
 
 def _reference(layer: int, q, step: PagedStep) -> torch.Tensor:
-    keys, values = step.kv.read_slots(layer, step.context_slots, sum(step.context_lens))
+    keys, values = step.kv.read_tokens(layer, step.context_offsets)
     outs, q_start, k_start = [], 0, 0
     for n, ctx in zip(step.query_lens, step.context_lens):
         qi = q[q_start : q_start + n].transpose(0, 1)[None]  # [1, N, n, D]
@@ -135,9 +131,9 @@ def _reference(layer: int, q, step: PagedStep) -> torch.Tensor:
 
 def _batched(layer: int, q, step: PagedStep) -> torch.Tensor:
     kv = step.kv
-    B = len(step.query_lens)
-    k, v = kv.read_blocks(layer, step.block_index, B * step.max_blocks)
-    S = step.max_blocks * kv.block_size
+    B, max_blocks = step.block_table.shape
+    k, v = kv.read_blocks(layer, step.block_table.reshape(-1))  # [B * max_blocks, bs, G, D]
+    S = max_blocks * kv.block_size
     k = k.view(B, S, kv.num_kv_heads, kv.head_dim).transpose(1, 2)  # [B, G, S, D]
     v = v.view(B, S, kv.num_kv_heads, kv.head_dim).transpose(1, 2)
     qp = q[step.query_index].transpose(1, 2)  # [B, N, max_q, D]
