@@ -23,7 +23,7 @@ def model():
 
 
 def make_async(model, num_blocks=256):
-    config = EngineConfig(kv=KVCacheConfig(block_size=4, chunk_blocks=1), num_kv_blocks=num_blocks)
+    config = EngineConfig(kv=KVCacheConfig(block_size=4), num_kv_blocks=num_blocks)
     return AsyncEngine(Engine(model, config=config))
 
 

@@ -15,8 +15,8 @@ from services.worker.model import load_model
 from services.worker.model.tokenizer import Tokenizer
 from tests.conftest import BUNDLED_MODEL
 
-PROMPT_LENS = (3, 17, 33, 5, 40, 16, 1, 29, 8, 12)
-MAX_TOKENS = (10, 5, 20, 16, 8, 12, 17, 9, 14, 6)
+PROMPT_LENS = (3, 17, 33, 5, 40, 1, 29, 12)
+MAX_TOKENS = (10, 5, 12, 9, 8, 11, 7, 6)
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +37,7 @@ def requests(model):
 def make_engine(model, num_blocks=1024, max_seqs=64, token_budget=512, impl="reference", **kw):
     config = EngineConfig(
         scheduler=SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=token_budget),
-        kv=KVCacheConfig(block_size=4, chunk_blocks=1), attention_impl=impl, num_kv_blocks=num_blocks,
+        kv=KVCacheConfig(block_size=4), attention_impl=impl, num_kv_blocks=num_blocks,
     )
     return Engine(model, config=config, **kw)
 

@@ -9,7 +9,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.worker.memory.kv_cache import KVBlockManager, KVCacheConfig, PagedKVCache
+from services.worker.memory.arena import Arena
+from services.worker.memory.kv_cache import KV_FREE, KV_USED, KVBlockManager, KVCacheConfig, PagedKVCache
+from services.worker.memory.pool import OTHER_WEIGHTS, MemoryPool
 from services.worker.model.config import ModelConfig
 from services.worker.model.paged_attention import SeqSlice, build_step, paged_attention
 from tests.conftest import BUNDLED_MODEL
@@ -55,7 +57,7 @@ def test_random_allocate_free_keeps_exact_accounting(ops):
     assert manager.num_free_blocks == 12 and manager.num_used_blocks == 0
 
 
-def test_lowest_blocks_first_so_high_chunks_drain():
+def test_lowest_blocks_first_so_a_fixed_cache_stays_compact():
     manager = KVBlockManager(block_size=2)
     manager.add_blocks(range(0, 8))
     a, b = Seq(0), Seq(1)
@@ -67,53 +69,60 @@ def test_lowest_blocks_first_so_high_chunks_drain():
     assert b.block_ids == [3, 4, 0, 1]
 
 
-class CountingPool:
-    """The smallest real byte pool: a budget and bytes by kind."""
-
-    def __init__(self, budget: int):
-        self.budget, self.used = budget, {}
-
-    def can_allocate(self, kind, num_bytes):
-        return sum(self.used.values()) + num_bytes <= self.budget
-
-    def allocate(self, kind, num_bytes):
-        assert self.can_allocate(kind, num_bytes)
-        self.used[kind] = self.used.get(kind, 0) + num_bytes
-
-    def free(self, kind, num_bytes):
-        assert self.used.get(kind, 0) >= num_bytes
-        self.used[kind] -= num_bytes
+def make_arena(num_kv_blocks: float, block_bytes: int, reserved: int = 0):
+    pool = MemoryPool(budget_bytes=reserved + int(num_kv_blocks * block_bytes) + 1000)
+    if reserved:
+        pool.allocate(OTHER_WEIGHTS, reserved)
+    return pool, Arena.from_pool(pool, page_bytes=1024)
 
 
-def test_cache_grows_from_pool_and_shrinks_only_free_trailing_chunks():
+def test_arena_cache_grows_shrinks_and_labels_bytes_exactly():
     config = ModelConfig.from_dir(BUNDLED_MODEL)
-    kv_config = KVCacheConfig(block_size=4, chunk_blocks=2)
-    probe = PagedKVCache(config, kv_config, torch.float32, "cpu")
-    pool = CountingPool(budget=3 * probe.chunk_bytes + 1)
-    kv = PagedKVCache(config, kv_config, torch.float32, "cpu", pool)
-    assert kv.grow(100) == 6 and kv.num_blocks == 6  # the budget holds three chunks
-    assert pool.used["kv"] == 3 * kv.chunk_bytes == kv.reserved_bytes
-    seq = Seq(0)
-    kv.manager.allocate(seq, 9)  # blocks 0, 1, 2: chunks 0 and 1
-    assert kv.used_bytes == 3 * kv.block_bytes
-    assert kv.shrink() == kv.chunk_bytes  # only chunk 2 is free
-    assert kv.num_blocks == 4 and pool.used["kv"] == 2 * kv.chunk_bytes
-    kv.manager.free(seq)
-    assert kv.shrink(keep_free_blocks=2) == kv.chunk_bytes and kv.num_blocks == 2
-    assert kv.shrink() == kv.chunk_bytes and kv.num_blocks == 0 and pool.used["kv"] == 0
+    probe = PagedKVCache(config, KVCacheConfig(block_size=4), torch.float32, "cpu")
+    pool, arena = make_arena(5.5, probe.block_bytes)
+    kv = PagedKVCache(config, KVCacheConfig(block_size=4), torch.float32, "cpu", arena=arena)
+    assert kv.num_blocks == 0
+    assert kv.grow(100) == 5 and kv.num_blocks == 5  # the budget holds five blocks
+    assert pool.bytes_of(KV_FREE) == 5 * kv.block_bytes and pool.bytes_of(KV_USED) == 0
+    a, b = Seq(0), Seq(1)
+    kv.allocate(a, 9)  # three blocks, highest pages first
+    kv.allocate(b, 1)
+    assert a.block_ids == sorted(a.block_ids, reverse=True) and min(a.block_ids) > max(b.block_ids)
+    assert pool.bytes_of(KV_USED) == 4 * kv.block_bytes == kv.used_bytes
+    assert pool.bytes_of(KV_FREE) == 1 * kv.block_bytes
+    assert kv.shrink() == kv.block_bytes and kv.num_blocks == 4
+    kv.free(a)
+    assert pool.bytes_of(KV_USED) == kv.block_bytes and pool.bytes_of(KV_FREE) == 3 * kv.block_bytes
+    assert kv.shrink(keep_free_blocks=1) == 2 * kv.block_bytes
+    assert kv.num_blocks == 2 and kv.manager.num_free_blocks == 1
+    arena.check_consistent()
+    kv.free(b)
+    kv.shrink()
+    assert kv.num_blocks == 0 and pool.reserved_bytes == 0 and arena.num_free_pages == arena.num_pages
 
 
-def test_values_survive_across_chunks():
-    """Tokens written through one table read back the same, wherever their blocks live."""
+@pytest.mark.parametrize("use_arena", [False, True])
+def test_tokens_read_back_through_block_tables(use_arena):
+    """Tokens written through one table read back the same, by token and by block."""
     config = ModelConfig.from_dir(BUNDLED_MODEL)
-    kv = PagedKVCache(config, KVCacheConfig(block_size=2, chunk_blocks=2), torch.float32, "cpu")
-    kv.grow(8)
-    seqs = [SeqSlice([5, 0, 3], 6, 6), SeqSlice([1, 6], 3, 3)]
-    step = build_step(kv, seqs, "reference")
+    kv_config = KVCacheConfig(block_size=2)
+    if use_arena:
+        probe = PagedKVCache(config, kv_config, torch.float32, "cpu")
+        _, arena = make_arena(8, probe.block_bytes, reserved=3000)
+        kv = PagedKVCache(config, kv_config, torch.float32, "cpu", arena=arena)
+        kv.grow(8)
+    else:
+        kv = PagedKVCache(config, kv_config, torch.float32, "cpu", num_blocks=8)
+    ids = sorted(kv.manager.take_free_blocks(8))
+    kv.manager.add_blocks(ids)
+    tables = [[ids[5], ids[0], ids[3]], [ids[1], ids[6]]]
+    step = build_step(kv, [SeqSlice(tables[0], 6, 6), SeqSlice(tables[1], 3, 3)], "reference")
     G, D = config.num_kv_heads, config.head_dim
     k, v = torch.randn(9, G, D), torch.randn(9, G, D)
-    q = torch.randn(9, config.num_heads, D)
-    paged_attention(1, q, k, v, step)
-    keys, values = kv.read_slots(1, step.context_slots, 9)
+    paged_attention(1, torch.randn(9, config.num_heads, D), k, v, step)
+    keys, values = kv.read_tokens(1, step.context_offsets)
     assert torch.equal(keys, k) and torch.equal(values, v)
-    assert torch.equal(kv.chunks[2][1, 0, 1, 1], k[1])  # token 1 of seq 0: block 5 = chunk 2, block 1
+    bk, bv = kv.read_blocks(1, torch.tensor(tables[0]))  # [3, 2, G, D]
+    assert torch.equal(bk.reshape(6, G, D), k[:6]) and torch.equal(bv.reshape(6, G, D), v[:6])
+    other, _ = kv.read_blocks(0, torch.tensor(tables[0]))
+    assert not torch.equal(other.reshape(6, G, D), k[:6])  # layer 0 was not written

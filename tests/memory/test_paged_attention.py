@@ -28,8 +28,7 @@ def test_paths_match_plain_attention_on_odd_lengths(impl):
     config = ModelConfig.from_dir(BUNDLED_MODEL)
     G, N, D = config.num_kv_heads, config.num_heads, config.head_dim
     gen = torch.Generator().manual_seed(1)
-    kv = PagedKVCache(config, KVCacheConfig(block_size=4, chunk_blocks=3), torch.float32, "cpu")
-    kv.grow(30)
+    kv = PagedKVCache(config, KVCacheConfig(block_size=4), torch.float32, "cpu", num_blocks=30)
     # (context after the step, new tokens): a prefill, a prefill chunk, decodes
     shapes = [(7, 7), (13, 5), (9, 1), (1, 1), (16, 1)]
     free = list(torch.randperm(30, generator=gen).tolist())  # scattered blocks, many chunks
@@ -57,8 +56,7 @@ def test_varlen_step_logits_equal_contiguous_forward(impl):
     model = load_model(BUNDLED_MODEL, dtype=torch.float32)
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(1, 4096, (n,), generator=gen).tolist() for n in (5, 11, 2)]
-    kv = PagedKVCache(model.config, KVCacheConfig(block_size=4, chunk_blocks=2), torch.float32, "cpu")
-    kv.grow(16)
+    kv = PagedKVCache(model.config, KVCacheConfig(block_size=4), torch.float32, "cpu", num_blocks=16)
     tables = [[1, 7], [3, 0, 9], [12]]
     # step 1: prompt 0 whole, prompt 1 only its first 6 tokens, prompt 2 whole
     firsts = [5, 6, 2]
