@@ -4,8 +4,9 @@ The scheduler asks for KV blocks; the broker
 - `reserve`s them: grows the KV cache with blocks from the arena's free bytes;
 - when the pool has no bytes left, `ask`s the weight pager to lower bits
   (`request_bytes`, non-blocking: the freed planes land in the pool at a later step
-  boundary). While a request is in flight every short sequence waits; `ask` says False only
-  when the pager can free nothing more, which is when the scheduler may preempt;
+  boundary; asking again while lowerings are pending plans nothing twice). While bytes
+  are pending every short sequence waits; `ask` says False only when the pager can free
+  nothing more, which is when the scheduler may preempt;
 - at each step boundary lets the pager commit (`step_boundary`), and once the load has
   been calm for a few steps (nobody short of KV, nobody waiting) shrinks the KV cache to
   what the running sequences need and `offer_bytes` the pool's free bytes back to the
@@ -26,7 +27,7 @@ from services.worker.memory.kv_cache import PagedKVCache
 class WeightPager(Protocol):
     """The memory controller of the weight pages (services/worker/memory, runtime side)."""
 
-    def request_bytes(self, num_bytes: int) -> int: ...  # bytes it will free (0: none)
+    def request_bytes(self, num_bytes: int) -> int: ...  # bytes pending lowerings will free
     def offer_bytes(self, num_bytes: int) -> int: ...  # bytes it will take back
     def step_boundary(self): ...
     def busy(self) -> bool: ...
@@ -48,10 +49,9 @@ class MemoryBroker:
     def __init__(self, kv: PagedKVCache, config: BrokerConfig, pager: WeightPager | None = None):
         self.kv, self.config, self.pager = kv, config, pager
         self.pool = kv.arena.pool if kv.arena is not None else None
-        self.num_requests = 0  # accepted request_bytes calls
+        self.num_requests = 0  # request_bytes calls that had bytes to free
         self.num_offers = 0  # accepted offer_bytes calls
-        self._short = False  # some sequence was short of KV this step
-        self._in_flight = False  # a request_bytes is being carried out
+        self._short_blocks = 0  # blocks sequences were short of in this step, all asks together
         self._calm_steps = 0
 
     def reserve(self, num_blocks: int) -> bool:
@@ -62,29 +62,26 @@ class MemoryBroker:
         return self.kv.num_free_blocks >= num_blocks
 
     def ask(self, num_blocks: int) -> bool:
-        """KV is short by num_blocks; True while waiting for the pager can help."""
-        self._short = True
+        """KV is short by num_blocks (on top of earlier asks this step); True while
+        waiting for the pager can help."""
+        self._short_blocks += max(num_blocks, 1)
         if self.pager is None:
             return False
-        if self._in_flight or self.pager.busy():
-            return True
-        needed = num_blocks * self.kv.arena.charged_bytes(self.kv.block_bytes)
+        needed = self._short_blocks * self.kv.arena.charged_bytes(self.kv.block_bytes)
         wanted = needed - self.pool_free_bytes()
         if wanted <= 0:  # the bytes are free but scattered: ask for whole blocks' worth
             wanted = needed
         if self.pager.request_bytes(wanted) > 0:
             self.num_requests += 1
-            self._in_flight = True
             return True
         return False
 
     def step_boundary(self, num_waiting: int, blocks_needed_next: int) -> None:
         if self.pager is not None:
             self.pager.step_boundary()
-            self._in_flight = self.pager.busy()
-        self._calm_steps = 0 if (self._short or num_waiting) else self._calm_steps + 1
-        self._short = False
-        if self._calm_steps >= self.config.calm_steps and not self._in_flight:
+        self._calm_steps = 0 if (self._short_blocks or num_waiting) else self._calm_steps + 1
+        self._short_blocks = 0
+        if self._calm_steps >= self.config.calm_steps:
             self._give_back(blocks_needed_next)
 
     def _give_back(self, blocks_needed_next: int) -> None:
@@ -99,7 +96,6 @@ class MemoryBroker:
         spare = self.pool_free_bytes()
         if spare > 0 and self.pager.offer_bytes(spare) > 0:
             self.num_offers += 1
-            self._in_flight = self.pager.busy()
 
     def pool_free_bytes(self) -> int:
         if self.pool is None:
