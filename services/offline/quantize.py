@@ -98,7 +98,8 @@ def quantize_model(model_dir: str | Path, out_dir: str | Path, calib_files: list
     }
     dense = {k: v for k, v in model.state_dict().items() if ".experts." not in k}
     bf16 = {(l, m): getattr(b.experts, m).detach() for l, b in enumerate(model.moe_blocks) for m in MODULES}
-    out = save_paged_model(out_dir, model_dir, cfg, dense, apl, bf16, meta, heads.to_tensors())
+    hessians = {(l, m): h[m][l] for l in range(cfg.num_layers) for m in MODULES}
+    out = save_paged_model(out_dir, model_dir, cfg, dense, apl, bf16, meta, heads.to_tensors(), hessians)
     log(f"wrote {out} in {time.perf_counter() - started:.1f} s")
     return out
 

@@ -15,6 +15,8 @@ Layout (docs/paged_model.md):
     experts_bf16.safetensors  the original routed experts, layers.{l}.{m} bf16 [E, rows, cols]
                               (the "no bits given" reference)
     residual_heads.safetensors  prompt-residual ridge heads (residual_heads.py)
+    hessians.safetensors      the calibration's smoothed input-Hessian diagonals h,
+                              layers.{l}.{m} fp32 [E, cols] (S_i(b) = h . err_i(b))
 
 Loading checks the format name and version, every file's size (truncation) and sha256
 (corruption), and every tensor's shape against the block list; any failure is one
@@ -45,6 +47,7 @@ DENSE_FILE = "dense.safetensors"
 APL_FILE = "experts_apl.safetensors"
 BF16_FILE = "experts_bf16.safetensors"
 HEADS_FILE = "residual_heads.safetensors"
+HESSIAN_FILE = "hessians.safetensors"
 COPIED_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
 
@@ -87,6 +90,7 @@ class PagedModel:
     apl: dict[tuple[int, str], LayerPlanes]  # (layer, module) -> planes and LUTs
     bf16_experts: dict[tuple[int, str], torch.Tensor] | None  # (layer, module) -> [E, rows, cols]
     residual_heads: dict[str, torch.Tensor] = field(default_factory=dict)  # see residual_heads.py
+    hessians: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)  # (layer, module) -> [E, cols]
 
     @property
     def block_ids(self) -> list[BlockId]:
@@ -127,7 +131,8 @@ def save_paged_model(out_dir: str | Path, source_dir: str | Path, config: ModelC
                      dense_state: dict[str, torch.Tensor],
                      apl: dict[tuple[int, str], LayerPlanes],
                      bf16_experts: dict[tuple[int, str], torch.Tensor],
-                     extra_meta: dict, residual_heads: dict[str, torch.Tensor] | None = None) -> Path:
+                     extra_meta: dict, residual_heads: dict[str, torch.Tensor] | None = None,
+                     hessians: dict[tuple[int, str], torch.Tensor] | None = None) -> Path:
     """Write the directory; `extra_meta` adds calibration, routing, sensitivity, ... sections."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -141,6 +146,8 @@ def save_paged_model(out_dir: str | Path, source_dir: str | Path, config: ModelC
     }
     if residual_heads:
         tensors[HEADS_FILE] = {k: v.contiguous() for k, v in residual_heads.items()}
+    if hessians:
+        tensors[HESSIAN_FILE] = {f"layers.{l}.{m}": h.float().contiguous() for (l, m), h in hessians.items()}
     for name, named in tensors.items():
         save_file(named, str(out / name))
     raw_config = json.loads((Path(source_dir) / "config.json").read_text())
@@ -200,7 +207,8 @@ def load_paged_model(path: str | Path, with_bf16: bool = True, verify: bool = Tr
     apl = _parse_apl(path, _load(path / APL_FILE), config)
     bf16 = _parse_bf16(path, _load(path / BF16_FILE), config) if with_bf16 else None
     heads = _load(path / HEADS_FILE) if HEADS_FILE in meta["files"] else {}
-    return PagedModel(path, config, meta, dense, apl, bf16, heads)
+    hessians = _parse_hessians(path, _load(path / HESSIAN_FILE), config) if HESSIAN_FILE in meta["files"] else {}
+    return PagedModel(path, config, meta, dense, apl, bf16, heads, hessians)
 
 
 def read_meta(path: Path) -> dict:
@@ -270,4 +278,10 @@ def _parse_apl(path: Path, named: dict, config: ModelConfig) -> dict[tuple[int, 
 def _parse_bf16(path: Path, named: dict, config: ModelConfig) -> dict[tuple[int, str], torch.Tensor]:
     file, E = path / BF16_FILE, config.num_experts
     return {(l, m): _get(named, f"layers.{l}.{m}", (E, *block_shape(config, m)), torch.bfloat16, file)
+            for l in range(config.num_layers) for m in MODULES}
+
+
+def _parse_hessians(path: Path, named: dict, config: ModelConfig) -> dict[tuple[int, str], torch.Tensor]:
+    file, E = path / HESSIAN_FILE, config.num_experts
+    return {(l, m): _get(named, f"layers.{l}.{m}", (E, block_shape(config, m)[1]), torch.float32, file)
             for l in range(config.num_layers) for m in MODULES}
