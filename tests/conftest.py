@@ -39,3 +39,17 @@ def corpus_dir() -> Path:
     if not CORPUS_DIR.is_dir():
         pytest.skip("../shared/data/corpus is not present")
     return CORPUS_DIR
+
+
+@pytest.fixture(scope="session")
+def paged_micro_dir(tmp_path_factory) -> Path:
+    """micro-mixtral as a paged model directory, quantised quickly (for runtime tests)."""
+    from services.offline.quantize import quantize_model
+    from tests.quant.conftest import CALIB_TEXT, quick_config
+
+    folder = tmp_path_factory.mktemp("paged_calib")
+    files = []
+    for name, text in CALIB_TEXT.items():
+        (folder / f"{name}.calib.txt").write_text(text)
+        files.append(folder / f"{name}.calib.txt")
+    return quantize_model(BUNDLED_MODEL, tmp_path_factory.mktemp("paged_micro") / "micro", files, quick_config())
