@@ -41,6 +41,7 @@ def run_load(runtime: WorkerRuntime, spec: LoadSpec) -> dict:
     gen = torch.Generator().manual_seed(spec.seed)
     params = SamplingParams(max_tokens=spec.max_tokens, ignore_eos=True)
     bits_start = bits_min = mean_committed_bits(runtime)
+    moves0, plans0 = _pager_counts(runtime)  # start-up loading is not part of the load
     sent = completed = failed = output_tokens = 0
     in_flight: set[str] = set()
     start = time.perf_counter()
@@ -64,6 +65,7 @@ def run_load(runtime: WorkerRuntime, spec: LoadSpec) -> dict:
     pool = runtime.pool.snapshot()
     stats = engine.stats()
     pager = runtime.pager.stats() if runtime.pager is not None else None
+    moves, plans = _pager_counts(runtime)
     return {
         "requests_completed": completed,
         "requests_failed": failed,
@@ -74,8 +76,8 @@ def run_load(runtime: WorkerRuntime, spec: LoadSpec) -> dict:
         "peak_pool_bytes": pool.peak_in_use_bytes,
         "peak_reserved_bytes": pool.peak_reserved_bytes,
         "budget_bytes": pool.budget_bytes,
-        "page_moves": pager.num_page_moves if pager else 0,
-        "plans": pager.num_plans if pager else 0,
+        "page_moves": moves - moves0,
+        "plans": plans - plans0,
         "memory_requests": stats.memory_requests,
         "memory_offers": stats.memory_offers,
         "steps": stats.num_steps,
@@ -85,6 +87,14 @@ def run_load(runtime: WorkerRuntime, spec: LoadSpec) -> dict:
         "bits_mean_end": round(mean_committed_bits(runtime), 4),
         "bits_histogram_end": pager.to_dict()["bits_histogram"] if pager else None,
     }
+
+
+def _pager_counts(runtime: WorkerRuntime) -> tuple[int, int]:
+    """(committed bit changes, plans asked of the planner) so far."""
+    if runtime.pager is None:
+        return 0, 0
+    stats = runtime.pager.stats()
+    return stats.num_page_moves, stats.num_plans
 
 
 def _drain(runtime: WorkerRuntime, max_steps: int) -> int:

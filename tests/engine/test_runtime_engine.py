@@ -83,3 +83,55 @@ def test_static_policy_that_cannot_fit_is_a_user_error(paged_micro_dir):
         build_runtime(paged_micro_dir, RuntimeConfig(budget, "static-8", engine=ENGINE))
     with pytest.raises(UserError):
         RuntimeConfig(budget, "static-9")
+
+
+def test_dynamic_runtime_lowers_bits_under_load_and_raises_them_after(paged_micro_dir):
+    """A budget too small for 8-bit experts plus the load's KV: the pager frees bytes for
+    KV (bits go down), every request completes without preemption, the pool never goes
+    over budget, and once the load has drained the weights take their bytes back."""
+    from services.worker.engine_bench import mean_committed_bits
+
+    budget = fixed_budget(paged_micro_dir, 8, kv_tokens=80)  # the load needs ~150 tokens
+    runtime = build_runtime(paged_micro_dir, RuntimeConfig(budget, "pagedweight", engine=ENGINE))
+    try:
+        assert mean_committed_bits(runtime) == 8.0  # memory to spare at rest: highest bits
+        engine = runtime.engine
+        requests = prompts()
+        for i, p in enumerate(requests):
+            engine.add_request(str(i), p, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+        lowest, outputs = 8.0, {}
+        while engine.has_work:
+            for out in engine.step():
+                outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+            check_pool(runtime)
+            lowest = min(lowest, mean_committed_bits(runtime))
+        assert all(len(outputs[str(i)]) == MAX_TOKENS for i in range(len(requests)))
+        assert lowest < 8.0 and engine.stats().memory_requests > 0
+        assert engine.stats().num_preemptions == 0
+        for _ in range(30):  # idle steps: the broker offers the KV bytes back
+            engine.step()
+            check_pool(runtime)
+            runtime.mover.wait_for_transits()
+        # Bits come back up. (Not always all the way: a raise needs a contiguous run of
+        # pages for its LUT, and the arena may be too fragmented for the last few.)
+        assert mean_committed_bits(runtime) > lowest and engine.broker.num_offers > 0
+        assert engine.kv.num_blocks == 0 and runtime.pool.snapshot().peak_reserved_bytes <= budget
+    finally:
+        runtime.close()
+
+
+def test_abort_on_runtime_returns_blocks_to_the_pool_labels(paged_micro_dir):
+    budget = fixed_budget(paged_micro_dir, 8, kv_tokens=64)
+    runtime = build_runtime(paged_micro_dir, RuntimeConfig(budget, "static-8", engine=ENGINE))
+    try:
+        engine = runtime.engine
+        for i, p in enumerate(prompts()[:3]):
+            engine.add_request(str(i), p, SamplingParams(max_tokens=50, ignore_eos=True))
+        engine.step()
+        used = runtime.pool.snapshot().kv_used_bytes
+        held = len(engine.seqs["1"].block_ids) * engine.kv.block_bytes
+        assert engine.abort("1").finish_reason == "abort"
+        assert runtime.pool.snapshot().kv_used_bytes == used - held
+        check_pool(runtime)
+    finally:
+        runtime.close()
