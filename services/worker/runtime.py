@@ -24,6 +24,7 @@ from torch import nn
 from services.common.errors import UserError
 from services.worker.engine.engine import Engine, EngineConfig
 from services.worker.memory.arena import DEFAULT_PAGE_BYTES, Arena
+from services.worker.memory.kv_cache import kv_block_bytes
 from services.worker.memory.pool import OTHER_WEIGHTS, WORKSPACE, MemoryPool
 from services.worker.model.config import ModelConfig
 from services.worker.model.transformer import MoECausalLM
@@ -126,8 +127,17 @@ def build_runtime(paged_dir, config: RuntimeConfig, tokenizer=None) -> WorkerRun
         from services.worker.weights.weight_pager import WeightPager
 
         pager = WeightPager(mover, planner)
-    engine = Engine(model, tokenizer, config.engine, arena=arena, pager=pager)
+    engine = Engine(model, tokenizer, config.engine, arena=arena, pager=pager,
+                    max_kv_blocks=_max_kv_blocks(config, paged.config, table, arena))
     return WorkerRuntime(engine, pool, arena, table, mover, pager)
+
+
+def _max_kv_blocks(config: RuntimeConfig, model_config: ModelConfig, table: PageTable, arena: Arena) -> int:
+    """KV blocks the arena holds once every expert block is at its lowest allowed bits."""
+    floor_bits = config.static_bits or min(BIT_WIDTHS)
+    weights = sum(table.charged_bytes(bid, floor_bits) for bid in table.entries)
+    block = kv_block_bytes(model_config, config.engine.kv.block_size, config.dtype)
+    return (arena.num_pages * arena.page_bytes - weights) // arena.charged_bytes(block)
 
 
 def _policy_planner(paged_dir, policy: str, table: PageTable):
@@ -150,6 +160,5 @@ def _starting_bits(config: RuntimeConfig, model_config: ModelConfig, table: Page
                 f"the budget leaves {capacity} for weights and KV"
             )
         return bits
-    elem = torch.empty((), dtype=config.dtype).element_size()
-    kv_per_token = 2 * model_config.num_layers * model_config.num_kv_heads * model_config.head_dim * elem
+    kv_per_token = kv_block_bytes(model_config, 1, config.dtype)
     return planner.initial_bits(capacity - config.min_kv_tokens_at_start * kv_per_token)

@@ -126,12 +126,29 @@ def test_abort_on_runtime_returns_blocks_to_the_pool_labels(paged_micro_dir):
     try:
         engine = runtime.engine
         for i, p in enumerate(prompts()[:3]):
-            engine.add_request(str(i), p, SamplingParams(max_tokens=50, ignore_eos=True))
+            engine.add_request(str(i), p, SamplingParams(max_tokens=20, ignore_eos=True))
         engine.step()
         used = runtime.pool.snapshot().kv_used_bytes
         held = len(engine.seqs["1"].block_ids) * engine.kv.block_bytes
         assert engine.abort("1").finish_reason == "abort"
         assert runtime.pool.snapshot().kv_used_bytes == used - held
         check_pool(runtime)
+    finally:
+        runtime.close()
+
+
+def test_a_request_larger_than_kv_at_the_lowest_bits_is_refused(paged_micro_dir):
+    from services.common.errors import ContextLengthError
+
+    budget = fixed_budget(paged_micro_dir, 4, kv_tokens=80)
+    runtime = build_runtime(paged_micro_dir, RuntimeConfig(budget, "pagedweight", engine=ENGINE))
+    try:
+        limit = runtime.engine.max_kv_blocks * runtime.engine.kv.block_size
+        assert 100 < limit < 2000  # lowering bits to 3 makes room beyond what 4 bits leave
+        with pytest.raises(ContextLengthError):
+            runtime.engine.add_request("big", [1] * (limit - 5), SamplingParams(max_tokens=10))
+        runtime.engine.add_request("fits", [1] * (limit - 10), SamplingParams(max_tokens=10, ignore_eos=True))
+        out = runtime.engine.run_to_completion()
+        assert len(out["fits"]) == 10
     finally:
         runtime.close()

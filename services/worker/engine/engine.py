@@ -76,6 +76,7 @@ class Engine:
         config: EngineConfig | None = None,
         arena=None,  # memory Arena: KV blocks are allocated from it (None: fixed num_kv_blocks)
         pager=None,  # the weight pager / memory controller (None: weights never move)
+        max_kv_blocks: int | None = None,  # with an arena: the most KV blocks it could ever give
     ):
         self.model, self.tokenizer = model, tokenizer
         self.config = config or EngineConfig()
@@ -85,6 +86,7 @@ class Engine:
             model.config, self.config.kv, model.dtype, model.device, self.config.num_kv_blocks, arena
         )
         self.broker = MemoryBroker(self.kv, self.config.broker, pager)
+        self.max_kv_blocks = self.config.num_kv_blocks if arena is None else max_kv_blocks
         self.scheduler = Scheduler(self.config.scheduler, self.kv, self.broker)
         self.seqs: dict[str, Sequence] = {}  # request_id -> live sequence
         self.eos_ids = set(model.config.eos_token_ids)
@@ -115,10 +117,10 @@ class Engine:
 
     def _check_fits(self, num_tokens: int) -> None:
         """A request that could never fit the KV cache is refused now, not dropped later."""
-        if self.arena is not None:
-            return  # the arena's KV capacity moves with the weights' bits
-        limit = self.kv.num_blocks * self.kv.block_size
-        if blocks_for(num_tokens, self.kv.block_size) > self.kv.num_blocks:
+        if self.max_kv_blocks is None:
+            return
+        limit = self.max_kv_blocks * self.kv.block_size
+        if blocks_for(num_tokens, self.kv.block_size) > self.max_kv_blocks:
             raise ContextLengthError(
                 f"prompt plus max_tokens needs {num_tokens} tokens of KV; the cache holds {limit}"
             )
@@ -227,5 +229,5 @@ class Engine:
             memory_requests=self.broker.num_requests,
             memory_offers=self.broker.num_offers,
             pool=self.pool.snapshot().to_dict() if self.pool is not None else None,
-            pager=self.pager.stats() if self.pager is not None else None,
+            pager=self.pager.stats().to_dict() if self.pager is not None else None,
         )

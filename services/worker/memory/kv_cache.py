@@ -51,6 +51,13 @@ class BlockOwner(Protocol):
     block_ids: list[int]  # the block table
 
 
+def kv_block_bytes(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one block: keys and values of block_size tokens in every layer."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    c = model_config
+    return 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * elem
+
+
 def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
@@ -148,7 +155,7 @@ class PagedKVCache:
         self.block_shape = (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
         self.block_elems = 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim
         elem = torch.empty((), dtype=dtype).element_size()
-        self.block_bytes = self.block_elems * elem
+        self.block_bytes = kv_block_bytes(model_config, config.block_size, dtype)
         self.manager = KVBlockManager(config.block_size, prefer_high=arena is not None)
         self._extents: dict = {}  # block_id -> arena Extent
         if arena is None:
