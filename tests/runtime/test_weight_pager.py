@@ -3,7 +3,7 @@ with random pressure while every forward step equals the static model at the com
 bits, the budget holds at every instant and every byte stays accounted."""
 
 import random
-import time
+import threading
 
 import pytest
 import torch
@@ -66,8 +66,11 @@ def models(micro, bundled_model_dir):
 def test_split_moves_with_random_pressure_and_steps_match_the_static_model(micro, models):
     static_model, paged_model = models
     rng = random.Random(0)
-    delay = lambda: time.sleep(rng.choice([0, 0, 0.001, 0.003]))  # copies that span steps
-    pool, arena, table, mover, pager = make_pager(micro, 16 * BIG_KV_BLOCK_BYTES, delay, BIG_KV_BLOCK_BYTES)
+    copies_may_land = threading.Event()  # cleared: copies stay in flight across steps
+    copies_may_land.set()
+    pool, arena, table, mover, pager = make_pager(micro, 16 * BIG_KV_BLOCK_BYTES, copies_may_land.wait,
+                                                  BIG_KV_BLOCK_BYTES)
+    copies_may_land.clear()
     install_arena_experts(paged_model, table)
     static = StaticModel(static_model, table)
     ids = torch.tensor([[1, 17, 250, 3000, 42, 7, 99, 1234]])
@@ -89,6 +92,10 @@ def test_split_moves_with_random_pressure_and_steps_match_the_static_model(micro
         committed = table.committed_bits()
         out = paged_model(ids)
         assert torch.equal(out, static.logits(ids, committed)), f"step {step}"
+        if rng.random() < 0.5:  # the copies started so far land before this boundary
+            copies_may_land.set()
+            mover.wait_for_transits()
+            copies_may_land.clear()
         pager.step_boundary()
         check_accounting(pool, arena, table, mover)
         means.append(pager.stats().mean_committed_bits)
@@ -96,14 +103,15 @@ def test_split_moves_with_random_pressure_and_steps_match_the_static_model(micro
     falls = sum(b < a for a, b in zip(means, means[1:]))
     assert num_waits > 3 and min(means) < 7.5 and rises > 2 and falls > 2, (num_waits, means)
 
+    copies_may_land.set()
     for x in kv:  # drain: every bit comes back
         arena.free(x)
-    for _ in range(200):
+    for _ in range(50):
         pager.offer_bytes(pool.free_bytes)
         pager.step_boundary()
-        if not pager.busy() and pager.stats().mean_committed_bits == 8:
+        if not pager.busy():
             break
-        time.sleep(0.002)
+        mover.wait_for_transits()
     stats = pager.stats()
     assert stats.mean_committed_bits == 8 and stats.mean_committed_bits_min < 7.5
     assert torch.equal(paged_model(ids), static.logits(ids, table.committed_bits()))
