@@ -158,6 +158,12 @@ class Arena:
             start = self._find_run(num_pages, from_top=False)
             return start is not None and start < below_page
 
+    def num_fitting(self, num_bytes: int) -> int:
+        """How many allocations of `num_bytes` the free runs could hold right now."""
+        with self._lock:
+            num_pages = self.pages_for(num_bytes)
+            return sum(length // num_pages for length in self._free_len.values())
+
     def largest_free_run(self) -> int:
         return max(self._free_len.values(), default=0)
 

@@ -54,6 +54,7 @@ class BoundaryResult:
     started_ids: list[BlockId] = field(default_factory=list)  # raises started
     num_bytes_freed: int = 0  # arena bytes released (planes and LUTs dropped)
     num_bytes_taken: int = 0  # arena bytes allocated (new LUTs, transit planes)
+    num_raises_fragmented: int = 0  # raises the pool had bytes for but no page run was long enough
 
 
 @dataclass
@@ -161,9 +162,10 @@ class PageMover:
             for _ in range(q, b):
                 extents.append(self.arena.allocate(TRANSIT, self.table.plane_bytes(bid)))
             lut_extent = self.arena.allocate(TRANSIT, self.table.lut_bytes(bid, b))
-        except (BudgetExceeded, ArenaFragmented):
+        except (BudgetExceeded, ArenaFragmented) as err:
             for x in extents:
                 self.arena.free(x)
+            result.num_raises_fragmented += isinstance(err, ArenaFragmented)
             return False
         pairs = [(self.arena.view(x, torch.uint8, (e.rows, e.cols // 8)), host.planes[p])
                  for p, x in zip(range(q, b), extents)]
@@ -214,11 +216,11 @@ class PageMover:
         return extent.num_pages * self.arena.page_bytes
 
     # ---- compaction -------------------------------------------------------------------
-    def compact(self) -> int:
+    def compact(self, done: Callable[[], bool] = lambda: False) -> int:
         """Move committed weight extents down into lower free runs, so that the pages
-        freed by lowering join the free space next to the KV region. Copies run on the
-        compute stream at a step boundary (readers only see the new place from the next
-        step). Returns the number of extents moved."""
+        freed by lowering join the free space next to the KV region; stop early once
+        `done()`. Copies run on the compute stream at a step boundary (readers see the
+        new place from the next step). Returns the number of extents moved."""
         owners = {}  # first_page -> (entry, index in plane_extents or -1 for the LUT)
         for e in self.table.entries.values():
             for i, x in enumerate(e.plane_extents):
@@ -227,6 +229,8 @@ class PageMover:
                 owners[e.lut_extent.first_page] = (e, -1)
         moved = 0
         for start in sorted(owners):
+            if done():
+                break
             e, i = owners[start]
             old = e.plane_extents[i] if i >= 0 else e.lut_extent
             if not self.arena.has_lower_run(old.num_pages, old.first_page):
