@@ -126,7 +126,8 @@ def build_runtime(paged_dir, config: RuntimeConfig, tokenizer=None) -> WorkerRun
     if planner is not None:
         from services.worker.weights.weight_pager import WeightPager
 
-        pager = WeightPager(mover, planner)
+        block = kv_block_bytes(paged.config, config.engine.kv.block_size, config.dtype)
+        pager = WeightPager(mover, planner, kv_block_bytes=block)
     engine = Engine(model, tokenizer, config.engine, arena=arena, pager=pager,
                     max_kv_blocks=_max_kv_blocks(config, paged.config, table, arena))
     return WorkerRuntime(engine, pool, arena, table, mover, pager)

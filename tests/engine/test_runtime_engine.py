@@ -108,13 +108,13 @@ def test_dynamic_runtime_lowers_bits_under_load_and_raises_them_after(paged_micr
         assert all(len(outputs[str(i)]) == MAX_TOKENS for i in range(len(requests)))
         assert lowest < 8.0 and engine.stats().memory_requests > 0
         assert engine.stats().num_preemptions == 0
-        for _ in range(30):  # idle steps: the broker offers the KV bytes back
+        for _ in range(50):  # idle steps: the broker offers the KV bytes back
             engine.step()
             check_pool(runtime)
+            if mean_committed_bits(runtime) == 8.0 and not runtime.pager.busy():
+                break
             runtime.mover.wait_for_transits()
-        # Bits come back up. (Not always all the way: a raise needs a contiguous run of
-        # pages for its LUT, and the arena may be too fragmented for the last few.)
-        assert mean_committed_bits(runtime) > lowest and engine.broker.num_offers > 0
+        assert mean_committed_bits(runtime) == 8.0 and engine.broker.num_offers > 0
         assert engine.kv.num_blocks == 0 and runtime.pool.snapshot().peak_reserved_bytes <= budget
     finally:
         runtime.close()
