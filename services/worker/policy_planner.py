@@ -8,7 +8,9 @@ direction asked (a free never raises a block, a spend never lowers one), so a re
 KV bytes only ever lowers bits, and an offer only ever raises them.
 
 Bytes are the arena's (whole pages, LUTs included: `PageTable.charged_bytes_table`), so
-the planner sees what the KV cache will really get.
+the planner sees what the KV cache will really get. With a `RoutingCollector`, every plan
+sees the serving traffic's routing moving average (hot experts keep more bits); prompt
+residuals are not fed yet (the context's `residual` stays None).
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from services.worker.weights.apl_format import BIT_WIDTHS, BlockId
 
 
 class PolicyPlanner:
-    def __init__(self, policy_name: str, table: BlockTable, charged: dict[BlockId, dict[int, int]]):
+    def __init__(self, policy_name: str, table: BlockTable, charged: dict[BlockId, dict[int, int]],
+                 routing=None):  # RoutingCollector (services/worker/routing_collector.py) or None
         nbytes = np.array([[charged[b][w] for w in BIT_WIDTHS] for b in table.block_ids], dtype=np.int64)
         self.table = BlockTable(
             table.block_ids, nbytes, table.sensitivity, table.num_layers, table.num_experts,
@@ -29,6 +32,7 @@ class PolicyPlanner:
         )
         self.policy = make_policy(policy_name, self.table)
         self.context = PlanContext()  # routing statistics / prompt residuals, when fed
+        self.routing = routing
         self.num_plans = 0
 
     def _bits_array(self, bits: dict[BlockId, int]) -> np.ndarray:
@@ -36,6 +40,8 @@ class PolicyPlanner:
 
     def _plan(self, bits: dict[BlockId, int], budget: int) -> np.ndarray:
         self.num_plans += 1
+        if self.routing is not None:
+            self.context = PlanContext(relative_mass=self.routing.flush().relative_mass())
         return self.policy.plan(max(budget, 0), self.context).bits
 
     def initial_bits(self, budget: int) -> dict[BlockId, int]:

@@ -116,7 +116,7 @@ def build_runtime(paged_dir, config: RuntimeConfig, tokenizer=None) -> WorkerRun
     pool.allocate(WORKSPACE, workspace)
     arena = Arena.from_pool(pool, config.page_bytes, device)
     table = PageTable({bid: paged.block(bid) for bid in paged.block_ids}, arena)
-    planner = None if config.static_bits else _policy_planner(paged_dir, config.policy, table)
+    planner = None if config.static_bits else _policy_planner(paged_dir, config.policy, table, model)
     table.set_desired_bits(_starting_bits(config, paged.config, table, arena, planner))
     mover = PageMover(table)
     mover.load_all()
@@ -141,12 +141,17 @@ def _max_kv_blocks(config: RuntimeConfig, model_config: ModelConfig, table: Page
     return (arena.num_pages * arena.page_bytes - weights) // arena.charged_bytes(block)
 
 
-def _policy_planner(paged_dir, policy: str, table: PageTable):
+def _policy_planner(paged_dir, policy: str, table: PageTable, model: MoECausalLM):
+    """The planner library's policy, fed the traffic's routing statistics."""
     from services.planner.artifact import load_planner_inputs
+    from services.planner.routing_stats import RoutingStats
     from services.worker.policy_planner import PolicyPlanner
+    from services.worker.routing_collector import RoutingCollector
 
     inputs = load_planner_inputs(paged_dir, with_heads=False)
-    return PolicyPlanner(policy, inputs.table, table.charged_bytes_table())
+    t = inputs.table
+    stats = RoutingStats(t.num_layers, t.num_experts, inputs.top_k, prior_mass=t.calib_mass)
+    return PolicyPlanner(policy, t, table.charged_bytes_table(), RoutingCollector(model, stats))
 
 
 def _starting_bits(config: RuntimeConfig, model_config: ModelConfig, table: PageTable, arena: Arena, planner):
