@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
+from services.common.errors import UserError
 from tests.cli.test_cli import assert_one_line_error, pagedweight
 
 FIELDS = ("requests_completed", "requests_failed", "output_tokens_per_s", "preemptions",
@@ -28,7 +31,16 @@ def test_bench_engine_bad_input_is_one_line(paged_micro_dir):
         pagedweight("bench", "engine", "--model", str(paged_micro_dir), "--memory-budget", "lots"),
         "--memory-budget",
     )
-    assert_one_line_error(
-        pagedweight("bench", "engine", "--model", str(paged_micro_dir), "--memory-budget", "1MiB"),
-        "memory budget",
-    )
+
+
+def test_bench_engine_budget_below_the_dense_weights_is_a_user_error(paged_micro_dir):
+    from services.cli.bench_cmd import run_engine_bench
+    from services.cli.main import build_parser
+
+    for budget, policy, fragment in (("1MiB", "pagedweight", "memory budget"),
+                                     ("12MiB", "static-8", "static-8"),
+                                     ("20MiB", "static-2", "static")):
+        args = build_parser().parse_args(["bench", "engine", "--model", str(paged_micro_dir),
+                                          "--memory-budget", budget, "--policy", policy])
+        with pytest.raises(UserError, match=fragment):
+            run_engine_bench(args)
