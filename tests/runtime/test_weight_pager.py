@@ -147,3 +147,17 @@ def test_request_cancels_raises_not_started_and_offer_waits_for_pressure_to_fall
     pager.request_bytes(0)  # pressure before the next boundary: the planned raises are dropped
     assert table.desired_bits() == low
     mover.close()
+
+
+def test_compaction_learns_the_kv_block_size_and_makes_every_free_byte_usable(micro):
+    pool, arena, table, mover, pager = make_pager(micro, 3 * BIG_KV_BLOCK_BYTES)
+    kv = [arena.allocate(KV_USED, BIG_KV_BLOCK_BYTES) for _ in range(3)]
+    assert arena.last_kv_bytes == BIG_KV_BLOCK_BYTES
+    pager.request_bytes(20 * BIG_KV_BLOCK_BYTES)
+    pager.step_boundary()
+    per_block = arena.pages_for(BIG_KV_BLOCK_BYTES)
+    assert arena.num_fitting(BIG_KV_BLOCK_BYTES) == arena.num_free_pages // per_block >= 20
+    kv += [arena.allocate(KV_USED, BIG_KV_BLOCK_BYTES) for _ in range(20)]
+    assert 0 < mover.counters.num_extents_relocated
+    check_accounting(pool, arena, table, mover)
+    mover.close()

@@ -65,6 +65,7 @@ class Arena:
         self._free_starts: list[int] = [0] if self.num_pages else []  # sorted starts of free runs
         self._free_len: dict[int, int] = {0: self.num_pages} if self.num_pages else {}  # start -> pages
         self._live: dict[int, Extent] = {}  # first_page -> extent
+        self.last_kv_bytes: int | None = None  # size of the latest KV allocation (the KV block size)
         self._lock = threading.Lock()
 
     @classmethod
@@ -100,6 +101,8 @@ class Arena:
             self._take(start, num_pages)
             extent = Extent(start, num_pages, num_bytes, kind)
             self._live[start] = extent
+            if kind in KV_KINDS:
+                self.last_kv_bytes = num_bytes
             return extent
 
     def free(self, extent: Extent) -> None:

@@ -11,9 +11,9 @@ the engine's thread, between forward steps.
 - `offer_bytes(n)`: pressure fell and n bytes are spare: the planner spends them on
   bits; raises start at the next boundary and commit when their copies land.
 - `step_boundary()`: commits finished moves, frees planes no step reads any more,
-  starts raises, and after lowering compacts weight pages (moves them down) until the
-  free runs can hold the requested bytes as KV blocks of `kv_block_bytes` (without it,
-  compacts fully). Returns what changed (a `BoundaryResult`).
+  starts raises, and after lowering compacts weight pages (moves them down) until every
+  free byte is usable as KV blocks of `kv_block_bytes` (by default the size of the
+  arena's latest KV allocation; with no KV block seen yet, compacts fully). Returns what changed (a `BoundaryResult`).
 Bytes are arena bytes (whole pages, LUTs included): what the KV cache really gets.
 """
 
@@ -51,9 +51,8 @@ class WeightPager:
         self.mover = mover
         self.table = mover.table
         self.planner = planner
-        self.kv_block_bytes = kv_block_bytes  # the KV cache's block size: what compaction must make room for
+        self.kv_block_bytes = kv_block_bytes  # the KV cache's block size (None: learnt from the arena)
         self.num_plans = 0
-        self._requested = 0  # bytes asked for by request_bytes since the last lowering
         self._mean_min = self._mean_bits()
 
     # ---- pressure -----------------------------------------------------------------------
@@ -62,7 +61,6 @@ class WeightPager:
         returns the bytes the pending lowerings will free (less than asked when every
         block is at its floor)."""
         entries = self.table.entries
-        self._requested = max(self._requested, num_bytes)
         for e in entries.values():  # cancel raises that have not started
             e.desired_bits = min(e.desired_bits, e.effective_bits)
         pending = self._pending_free()
@@ -124,13 +122,13 @@ class WeightPager:
 
     # ---- internals ----------------------------------------------------------------------
     def _compact(self) -> None:
-        arena, wanted = self.mover.arena, self._requested
-        self._requested = 0
-        if self.kv_block_bytes is None:
+        arena = self.mover.arena
+        block_bytes = self.kv_block_bytes or arena.last_kv_bytes
+        if block_bytes is None:
             self.mover.compact()
             return
-        num_blocks = -(-wanted // self.kv_block_bytes)
-        self.mover.compact(done=lambda: arena.num_fitting(self.kv_block_bytes) >= num_blocks)
+        num_blocks = arena.num_free_pages // arena.pages_for(block_bytes)  # what the free bytes could hold
+        self.mover.compact(done=lambda: arena.num_fitting(block_bytes) >= num_blocks)
 
     def _mean_bits(self) -> float:
         entries = self.table.entries.values()
