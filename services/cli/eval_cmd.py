@@ -6,7 +6,7 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from services.cli.model_args import add_model_args, load_from_args
+from services.cli.model_args import add_bits_args, add_model_args, load_from_args
 from services.common.errors import UserError
 from services.offline.perplexity import perplexity
 
@@ -16,6 +16,7 @@ def register(subparsers) -> None:
     evals = parser.add_subparsers(dest="eval_command", required=True)
     ppl = evals.add_parser("ppl", help="perplexity on a text file")
     add_model_args(ppl)
+    add_bits_args(ppl)
     ppl.add_argument("--text", required=True, help="UTF-8 text file")
     ppl.add_argument("--seq-len", type=int, default=512, help="scored tokens per window")
     ppl.add_argument("--max-tokens", type=int, default=None, help="score at most N tokens")
@@ -38,5 +39,6 @@ def run_ppl(args) -> int:
     text = read_text(args.text)
     model, tokenizer = load_from_args(args)
     result = perplexity(model, tokenizer.encode(text), args.seq_len, args.max_tokens)
-    print(json.dumps({"model": args.model, "text": args.text, **asdict(result)}))
+    bits = {"bits": args.bits, "bits_file": args.bits_file}
+    print(json.dumps({"model": args.model, "text": args.text, **bits, **asdict(result)}))
     return 0

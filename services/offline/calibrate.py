@@ -1,0 +1,213 @@
+"""Calibration: expert input statistics and routing statistics from calibration text.
+
+Each calibration file is tokenised and cut into chunks of `seq_len` tokens (at most
+`max_tokens_per_file` per file). The chunks run through the dense model with every MoE
+layer's experts operator wrapped by a `RecordingExperts`, which computes the experts as
+`DenseExperts` does and, per chunk and per expert, accumulates over the tokens routed
+to that expert:
+- sum of x^2 per input column of `gate_up` (x is the MoE block's input),
+- sum of a^2 per input column of `down` (a = silu(gate) * up of that expert),
+- the token count and the routing mass (sum of the token's routing weight).
+
+Per-chunk sums are kept because prompt-residual heads (residual_heads.py) learn from
+each chunk's own statistics; the global statistics are their sums. `block_hessians`
+turns sums into the diagonal input Hessian h = mean squared input per column, smoothed
+towards the layer's average for experts that calibration rarely routes to.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.common.errors import UserError
+from services.worker.model.experts import group_tokens_by_expert
+
+
+@dataclass(frozen=True)
+class CalibConfig:
+    seq_len: int = 256  # tokens per calibration chunk (one forward window)
+    max_tokens_per_file: int = 16384  # calibration tokens taken from each file
+    batch_size: int = 8  # chunks per forward pass
+    # Smoothing: h = (sum_sq + prior_tokens * h_prior) / (count + prior_tokens), so an
+    # expert with few routed tokens leans on the layer's average input statistics.
+    prior_tokens: float = 16.0
+    min_tokens: int = 64  # experts with fewer routed tokens are reported as under-covered
+
+    def __post_init__(self):
+        if self.seq_len < 2 or self.max_tokens_per_file < self.seq_len or self.batch_size < 1:
+            raise UserError(f"calibration needs seq_len >= 2, max_tokens_per_file >= seq_len, "
+                            f"batch_size >= 1; got {self}")
+
+
+@dataclass
+class CalibrationStats:
+    """Raw per-chunk sums. Shapes: N chunks, L layers, E experts, H hidden, I intermediate."""
+
+    chunk_domains: list[str]  # [N] name of the file each chunk came from
+    sum_sq_gate_up: torch.Tensor  # [N, L, E, H] float32
+    sum_sq_down: torch.Tensor  # [N, L, E, I] float32
+    token_counts: torch.Tensor  # [N, L, E] routed tokens
+    routing_mass: torch.Tensor  # [N, L, E] sum of routing weights
+    num_tokens_per_chunk: int
+    files: list[str] = field(default_factory=list)
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.chunk_domains)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_chunks * self.num_tokens_per_chunk
+
+
+class RecordingExperts(nn.Module):
+    """Computes dense experts like `DenseExperts` and records their input statistics.
+
+    Before each forward the calibrator sets `chunk_of_token` ([T] chunk index of every
+    flattened token); statistics go to that chunk's row of the accumulators.
+    """
+
+    def __init__(self, dense, layer: int, stats: CalibrationStats):
+        super().__init__()
+        self.dense, self.layer, self.stats = dense, layer, stats
+        self.chunk_of_token: torch.Tensor | None = None
+
+    def forward(self, x, topk_ids, topk_weights):
+        num_experts, k = self.dense.num_experts, topk_ids.shape[1]
+        order, counts = group_tokens_by_expert(topk_ids, num_experts)
+        token_of = order // k
+        weights = topk_weights.reshape(-1)[order]
+        out = torch.zeros_like(x)
+        start = 0
+        for e, n in enumerate(counts.tolist()):
+            if n == 0:
+                continue
+            tokens, w = token_of[start:start + n], weights[start:start + n]
+            start += n
+            xe = x[tokens]
+            gate, up = F.linear(xe, self.dense.gate_up[e]).chunk(2, dim=-1)
+            act = F.silu(gate) * up
+            self._record(e, tokens, xe, act, w)
+            out.index_add_(0, tokens, (F.linear(act, self.dense.down[e]) * w[:, None]).to(out.dtype))
+        return out
+
+    def _record(self, e, tokens, xe, act, w):
+        chunks = self.chunk_of_token[tokens]
+        s, L = self.stats, self.layer
+        s.sum_sq_gate_up[:, L, e].index_add_(0, chunks, xe.float().square())
+        s.sum_sq_down[:, L, e].index_add_(0, chunks, act.float().square())
+        s.token_counts[:, L, e].index_add_(0, chunks, torch.ones_like(w, dtype=torch.float32))
+        s.routing_mass[:, L, e].index_add_(0, chunks, w.float())
+
+
+def read_chunks(tokenizer, files: list[Path], config: CalibConfig) -> tuple[list[list[int]], list[str]]:
+    """Token chunks of seq_len from each file (at most max_tokens_per_file), and their domains."""
+    chunks, domains = [], []
+    for path in files:
+        path = Path(path)
+        if not path.is_file():
+            raise UserError(f"{path}: calibration file does not exist")
+        try:
+            ids = tokenizer.encode(path.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as err:
+            raise UserError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+        ids = ids[: config.max_tokens_per_file]
+        num = len(ids) // config.seq_len
+        if num == 0:
+            raise UserError(f"{path}: fewer than {config.seq_len} tokens, too short to calibrate on")
+        domain = path.name.split(".")[0]
+        for i in range(num):
+            chunks.append(ids[i * config.seq_len:(i + 1) * config.seq_len])
+            domains.append(domain)
+    return chunks, domains
+
+
+@torch.inference_mode()
+def calibrate(model, chunks: list[list[int]], domains: list[str], config: CalibConfig,
+              files: list[str] | None = None) -> CalibrationStats:
+    """Run the chunks through `model` (dense experts) and collect per-chunk expert statistics."""
+    cfg = model.config
+    N, L, E = len(chunks), cfg.num_layers, cfg.num_experts
+    stats = CalibrationStats(
+        chunk_domains=list(domains),
+        sum_sq_gate_up=torch.zeros(N, L, E, cfg.hidden_size),
+        sum_sq_down=torch.zeros(N, L, E, cfg.expert_intermediate_size),
+        token_counts=torch.zeros(N, L, E), routing_mass=torch.zeros(N, L, E),
+        num_tokens_per_chunk=config.seq_len, files=[str(f) for f in files or []],
+    )
+    recorders = []
+    originals = [block.experts for block in model.moe_blocks]
+    for layer, block in enumerate(model.moe_blocks):
+        block.experts = RecordingExperts(block.experts, layer, stats)
+        recorders.append(block.experts)
+    try:
+        for start in range(0, N, config.batch_size):
+            batch = torch.tensor(chunks[start:start + config.batch_size], device=model.device)
+            chunk_of_token = torch.arange(start, start + batch.shape[0], device=model.device)
+            chunk_of_token = chunk_of_token.repeat_interleave(batch.shape[1]).cpu()
+            for recorder in recorders:
+                recorder.chunk_of_token = chunk_of_token
+            model(batch)
+    finally:
+        for block, dense in zip(model.moe_blocks, originals):
+            block.experts = dense
+    return stats
+
+
+def smoothed_hessians(sum_sq: torch.Tensor, counts: torch.Tensor, prior_tokens: float,
+                      per_column_prior: bool) -> torch.Tensor:
+    """Mean squared input per column, smoothed: sum_sq [..., L, E, C], counts [..., L, E].
+
+    The prior is the layer's mean over all routed tokens, per column for `gate_up`
+    (every expert of a layer reads the same hidden space) and a single scalar for
+    `down` (intermediate columns of different experts are unrelated).
+    """
+    layer_sum = sum_sq.sum(dim=-2, keepdim=True)  # [..., L, 1, C]
+    layer_count = counts.sum(dim=-1, keepdim=True)[..., None].clamp_min(1)  # [..., L, 1, 1]
+    prior = layer_sum / layer_count
+    if not per_column_prior:
+        prior = prior.mean(dim=-1, keepdim=True)
+    return (sum_sq + prior_tokens * prior) / (counts[..., None] + prior_tokens)
+
+
+def block_hessians(stats: CalibrationStats, config: CalibConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Global smoothed diagonal Hessians: gate_up [L, E, H], down [L, E, I]."""
+    counts = stats.token_counts.sum(0)
+    h_gate_up = smoothed_hessians(stats.sum_sq_gate_up.sum(0), counts, config.prior_tokens, True)
+    h_down = smoothed_hessians(stats.sum_sq_down.sum(0), counts, config.prior_tokens, False)
+    return h_gate_up, h_down
+
+
+def routing_summary(stats: CalibrationStats, config: CalibConfig) -> dict:
+    """JSON-ready routing statistics and coverage of the calibration run (per layer, per expert)."""
+    counts, mass = stats.token_counts.sum(0), stats.routing_mass.sum(0)
+    domains = sorted(set(stats.chunk_domains))
+    per_domain = {}
+    for d in domains:
+        rows = torch.tensor([c == d for c in stats.chunk_domains])
+        per_domain[d] = {
+            "num_tokens": int(rows.sum()) * stats.num_tokens_per_chunk,
+            "token_counts": stats.token_counts[rows].sum(0).tolist(),
+            "routing_mass": stats.routing_mass[rows].sum(0).tolist(),
+        }
+    under = [f"L{l}.E{e}" for l, e in (counts < config.min_tokens).nonzero().tolist()]
+    return {
+        "num_tokens": stats.num_tokens,
+        "num_chunks": stats.num_chunks,
+        "seq_len": stats.num_tokens_per_chunk,
+        "token_counts": counts.tolist(),  # [L][E] routed tokens
+        "routing_mass": mass.tolist(),  # [L][E] sum of routing weights
+        "routing_fraction": (mass / mass.sum(-1, keepdim=True).clamp_min(1e-30)).tolist(),
+        "per_domain": per_domain,
+        "coverage": {
+            "min_tokens": config.min_tokens,
+            "prior_tokens": config.prior_tokens,
+            "under_covered_experts": under,  # fewer than min_tokens routed: smoothed towards the layer
+            "min_expert_tokens": int(counts.min()),
+        },
+    }
