@@ -20,6 +20,7 @@ Bytes are arena bytes (whole pages, LUTs included): what the KV cache really get
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from services.worker.weights.apl_format import BIT_WIDTHS, BlockId
 from services.worker.weights.greedy_planner import BitPlanner
@@ -47,11 +48,13 @@ class PagerStats:
 
 
 class WeightPager:
-    def __init__(self, mover: PageMover, planner: BitPlanner, kv_block_bytes: int | None = None):
+    def __init__(self, mover: PageMover, planner: BitPlanner, kv_block_bytes: int | None = None,
+                 before_plan: Callable[[], None] | None = None):
         self.mover = mover
         self.table = mover.table
         self.planner = planner
         self.kv_block_bytes = kv_block_bytes  # the KV cache's block size (None: learnt from the arena)
+        self.before_plan = before_plan  # e.g. RoutingFeed.refresh: live routing into the planner
         self.num_plans = 0
         self._mean_min = self._mean_bits()
 
@@ -66,6 +69,7 @@ class WeightPager:
         pending = self._pending_free()
         if pending < num_bytes:
             bits = {bid: e.desired_bits for bid, e in entries.items()}  # block_id -> bits
+            self._before_plan()
             plan = self.planner.plan_free(bits, num_bytes - pending)
             self.num_plans += 1
             self.table.set_desired_bits(plan)
@@ -81,6 +85,7 @@ class WeightPager:
         if spendable <= 0:
             return 0
         bits = self.table.desired_bits()
+        self._before_plan()
         plan = self.planner.plan_spend(bits, spendable)
         self.num_plans += 1
         self.table.set_desired_bits(plan)
@@ -121,6 +126,10 @@ class WeightPager:
         )
 
     # ---- internals ----------------------------------------------------------------------
+    def _before_plan(self) -> None:
+        if self.before_plan is not None:
+            self.before_plan()
+
     def _compact(self) -> None:
         arena = self.mover.arena
         block_bytes = self.kv_block_bytes or arena.last_kv_bytes
