@@ -11,9 +11,10 @@ the engine's thread, between forward steps.
 - `offer_bytes(n)`: pressure fell and n bytes are spare: the planner spends them on
   bits; raises start at the next boundary and commit when their copies land.
 - `step_boundary()`: commits finished moves, frees planes no step reads any more,
-  starts raises, and after lowering compacts weight pages (moves them down) until every
-  free byte is usable as KV blocks of `kv_block_bytes` (by default the size of the
-  arena's latest KV allocation; with no KV block seen yet, compacts fully). Returns what changed (a `BoundaryResult`).
+  starts raises, and after lowering compacts weight pages (moves them down) until the
+  free page runs hold, as KV blocks of `kv_block_bytes` (by default the size of the
+  arena's latest KV allocation; with none seen yet, it compacts fully), the bytes asked
+  for plus those that were free when asked (or every free byte, if fewer). Returns what changed (a `BoundaryResult`).
 Bytes are arena bytes (whole pages, LUTs included): what the KV cache really gets.
 """
 
@@ -55,6 +56,7 @@ class WeightPager:
         self.planner = planner
         self.kv_block_bytes = kv_block_bytes  # the KV cache's block size (None: learnt from the arena)
         self.before_plan = before_plan  # e.g. RoutingFeed.refresh: live routing into the planner
+        self._kv_target_bytes = 0  # what compaction must make usable as KV blocks
         self.num_plans = 0
         self._mean_min = self._mean_bits()
 
@@ -64,6 +66,7 @@ class WeightPager:
         returns the bytes the pending lowerings will free (less than asked when every
         block is at its floor)."""
         entries = self.table.entries
+        self._kv_target_bytes = max(self._kv_target_bytes, num_bytes + self.mover.arena.pool.free_bytes)
         for e in entries.values():  # cancel raises that have not started
             e.desired_bits = min(e.desired_bits, e.effective_bits)
         pending = self._pending_free()
@@ -131,12 +134,13 @@ class WeightPager:
             self.before_plan()
 
     def _compact(self) -> None:
-        arena = self.mover.arena
+        arena, target = self.mover.arena, self._kv_target_bytes
+        self._kv_target_bytes = 0
         block_bytes = self.kv_block_bytes or arena.last_kv_bytes
         if block_bytes is None:
             self.mover.compact()
             return
-        num_blocks = arena.num_free_pages // arena.pages_for(block_bytes)  # what the free bytes could hold
+        num_blocks = min(arena.num_free_pages // arena.pages_for(block_bytes), -(-target // block_bytes))
         self.mover.compact(done=lambda: arena.num_fitting(block_bytes) >= num_blocks)
 
     def _mean_bits(self) -> float:
