@@ -36,6 +36,8 @@ def register(subparsers) -> None:
     engine.add_argument("--prompt-len", type=int, default=64)
     engine.add_argument("--max-tokens", type=int, default=64)
     engine.add_argument("--policy", default="pagedweight", help="planner policy, or static-B")
+    engine.add_argument("--scales", default=None,
+                        help="loss scales for the policy (from `pagedweight plan-scales`)")
     engine.add_argument("--device", default="cpu")
     engine.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                         help="default: float32 on CPU, bfloat16 on CUDA")
@@ -67,7 +69,7 @@ def run_engine_bench(args) -> dict:
         scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens),
         kv=KVCacheConfig(args.block_size),
     )
-    config = RuntimeConfig(budget, args.policy, str(device), dtype, engine=engine)
+    config = RuntimeConfig(budget, args.policy, str(device), dtype, engine=engine, scales_file=args.scales)
     started = time.time()
     runtime = build_runtime(args.model, config)
     print(f"bench engine: runtime ready in {time.time() - started:.1f}s", file=sys.stderr)

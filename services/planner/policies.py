@@ -6,7 +6,9 @@ when the plan is made (routing statistics, prompt residuals); static policies ig
 
 - `pagedweight`: the full damage model (damage.py): sensitivity x routing multiplier x
   prompt residual, hot-expert floors, greedy per block.
-- `no-routing`, `no-residual`, `no-sensitivity`: the same with one signal switched off.
+  S is loss-calibrated per (layer, module) group when scales are given (loss_scale.py).
+- `no-routing`, `no-residual`, `no-sensitivity`, `no-loss-scale`: the same with one
+  signal switched off (`no-sensitivity` drops S and its loss scales together).
 - `uniform` (Any-Precision LLM): one bit-width for every block, the highest whose bytes
   fit; under pressure the whole model steps down one bit. A budget between two widths
   (e.g. 3.5 bits) leaves the difference unused, as that system would.
@@ -40,7 +42,10 @@ from services.planner.tables import BlockTable
 from services.worker.weights.apl_format import BIT_WIDTHS, MIN_BITS
 
 POLICY_NAMES = ("pagedweight", "uniform", "mxmoe", "dpllm",
-                "no-routing", "no-residual", "no-sensitivity")
+                "no-routing", "no-residual", "no-sensitivity", "no-loss-scale")
+# Policies that read the loss-calibrated sensitivity (loss_scale.py) when scales are given;
+# the others keep S in each block's own output space, as their methods define it.
+LOSS_SCALED = ("pagedweight", "no-routing", "no-residual")
 
 
 @dataclass
@@ -152,7 +157,13 @@ class DPLLMPolicy(Policy):
                     shortfall=group_plan.shortfall)
 
 
-def make_policy(name: str, table: BlockTable, config: PlannerConfig = PlannerConfig()) -> Policy:
+def make_policy(name: str, table: BlockTable, config: PlannerConfig = PlannerConfig(),
+                scales=None) -> Policy:
+    """`scales`: loss_scale.GroupScales, applied to the policies in LOSS_SCALED."""
+    if scales is not None and name in LOSS_SCALED:
+        from services.planner.loss_scale import apply_group_scales
+
+        table = apply_group_scales(table, scales)
     if name == "pagedweight":
         return PagedWeightPolicy(table, config)
     if name == "no-routing":
@@ -161,6 +172,8 @@ def make_policy(name: str, table: BlockTable, config: PlannerConfig = PlannerCon
         return PagedWeightPolicy(table, config, use_residual=False, name=name)
     if name == "no-sensitivity":
         return PagedWeightPolicy(table, config, use_sensitivity=False, name=name)
+    if name == "no-loss-scale":
+        return PagedWeightPolicy(table, config, name=name)
     if name == "uniform":
         return UniformPolicy(table, config)
     if name == "mxmoe":

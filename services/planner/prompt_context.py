@@ -21,6 +21,14 @@ from services.planner.policies import PlanContext
 from services.planner.routing_stats import RoutingStats
 
 
+STEADY_HALF_LIVES = 4  # traffic of 4 half-lives puts ~94% of the average's weight on it
+
+
+def steady_traffic_tokens(config: PlannerConfig = PlannerConfig()) -> int:
+    """Tokens of traffic that stand for 'a steady stream of prompts like this one'."""
+    return int(STEADY_HALF_LIVES * config.routing_half_life_tokens)
+
+
 class RoutingRecorder:
     """Per-layer top-k counts and gate mass of every forward pass while attached."""
 
@@ -58,12 +66,20 @@ def record_prompt_routing(model, token_ids: list[int], num_experts: int, window:
 
 
 def prompt_context(recorder: RoutingRecorder, inputs: PagedPlannerInputs,
-                   config: PlannerConfig = PlannerConfig(), use_heads: bool = True) -> PlanContext:
+                   config: PlannerConfig = PlannerConfig(), use_heads: bool = True,
+                   traffic_tokens: int | None = None) -> PlanContext:
+    """`traffic_tokens`: how many tokens of traffic routed like this prompt the moving
+    average has seen (default: the prompt's own). A larger value stands for a steady
+    stream of such prompts: the average then sits near the prompt's routing, not near
+    the calibration prior it started from."""
     table = inputs.table
     stats = RoutingStats(table.num_layers, table.num_experts, inputs.top_k,
                          config.routing_half_life_tokens, prior_mass=table.calib_mass)
     for layer in range(table.num_layers):
-        stats.observe_counts(layer, recorder.counts[layer], recorder.mass[layer], int(recorder.num_tokens[layer]))
+        seen = int(recorder.num_tokens[layer])
+        weight = (traffic_tokens / seen) if traffic_tokens and seen else 1.0
+        stats.observe_counts(layer, recorder.counts[layer] * weight, recorder.mass[layer] * weight,
+                             int(round(seen * weight)))
     residual = None
     if use_heads and inputs.heads is not None:
         residual = predict_residual(recorder.counts, inputs)

@@ -8,9 +8,10 @@ direction asked (a free never raises a block, a spend never lowers one), so a re
 KV bytes only ever lowers bits, and an offer only ever raises them.
 
 Bytes are the arena's (whole pages, LUTs included: `PageTable.charged_bytes_table`), so
-the planner sees what the KV cache will really get. With a `RoutingCollector`, every plan
-sees the serving traffic's routing moving average (hot experts keep more bits); prompt
-residuals are not fed yet (the context's `residual` stays None).
+the planner sees what the KV cache will really get. `context` is the policy's view of the
+traffic; the worker's `RoutingFeed` (services/worker/weights/routing_feed.py) refreshes its
+routing moving average before every plan (hot experts keep more bits). Prompt residuals
+are not fed yet (`context.residual` stays None).
 """
 
 from __future__ import annotations
@@ -24,15 +25,14 @@ from services.worker.weights.apl_format import BIT_WIDTHS, BlockId
 
 class PolicyPlanner:
     def __init__(self, policy_name: str, table: BlockTable, charged: dict[BlockId, dict[int, int]],
-                 routing=None):  # RoutingCollector (services/worker/routing_collector.py) or None
+                 scales=None):  # loss_scale.GroupScales (`pagedweight plan-scales`) or None
         nbytes = np.array([[charged[b][w] for w in BIT_WIDTHS] for b in table.block_ids], dtype=np.int64)
         self.table = BlockTable(
             table.block_ids, nbytes, table.sensitivity, table.num_layers, table.num_experts,
             table.calib_mass, table.calib_share,
         )
-        self.policy = make_policy(policy_name, self.table)
+        self.policy = make_policy(policy_name, self.table, scales=scales)
         self.context = PlanContext()  # routing statistics / prompt residuals, when fed
-        self.routing = routing
         self.num_plans = 0
 
     def _bits_array(self, bits: dict[BlockId, int]) -> np.ndarray:
@@ -40,8 +40,6 @@ class PolicyPlanner:
 
     def _plan(self, bits: dict[BlockId, int], budget: int) -> np.ndarray:
         self.num_plans += 1
-        if self.routing is not None:
-            self.context = PlanContext(relative_mass=self.routing.flush().relative_mass())
         return self.policy.plan(max(budget, 0), self.context).bits
 
     def initial_bits(self, budget: int) -> dict[BlockId, int]:

@@ -44,6 +44,7 @@ class RuntimeConfig:
     dtype: torch.dtype = torch.float32
     page_bytes: int = DEFAULT_PAGE_BYTES
     min_kv_tokens_at_start: int = 64  # KV room the starting bits leave free
+    scales_file: str | None = None  # loss scales for the policy (`pagedweight plan-scales`)
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self):
@@ -116,7 +117,9 @@ def build_runtime(paged_dir, config: RuntimeConfig, tokenizer=None) -> WorkerRun
     pool.allocate(WORKSPACE, workspace)
     arena = Arena.from_pool(pool, config.page_bytes, device)
     table = PageTable({bid: paged.block(bid) for bid in paged.block_ids}, arena)
-    planner = None if config.static_bits else _policy_planner(paged_dir, config.policy, table, model)
+    planner = feed = None
+    if config.static_bits is None:
+        planner, feed = _policy_planner(paged_dir, config, table, model)
     table.set_desired_bits(_starting_bits(config, paged.config, table, arena, planner))
     mover = PageMover(table)
     mover.load_all()
@@ -127,7 +130,7 @@ def build_runtime(paged_dir, config: RuntimeConfig, tokenizer=None) -> WorkerRun
         from services.worker.weights.weight_pager import WeightPager
 
         block = kv_block_bytes(paged.config, config.engine.kv.block_size, config.dtype)
-        pager = WeightPager(mover, planner, kv_block_bytes=block)
+        pager = WeightPager(mover, planner, kv_block_bytes=block, before_plan=feed.refresh)
     engine = Engine(model, tokenizer, config.engine, arena=arena, pager=pager,
                     max_kv_blocks=_max_kv_blocks(config, paged.config, table, arena))
     return WorkerRuntime(engine, pool, arena, table, mover, pager)
@@ -141,17 +144,22 @@ def _max_kv_blocks(config: RuntimeConfig, model_config: ModelConfig, table: Page
     return (arena.num_pages * arena.page_bytes - weights) // arena.charged_bytes(block)
 
 
-def _policy_planner(paged_dir, policy: str, table: PageTable, model: MoECausalLM):
-    """The planner library's policy, fed the traffic's routing statistics."""
+def _policy_planner(paged_dir, config: RuntimeConfig, table: PageTable, model: MoECausalLM):
+    """The planner library's policy, and the feed of the traffic's routing into it."""
     from services.planner.artifact import load_planner_inputs
+    from services.planner.loss_scale import GroupScales
     from services.planner.routing_stats import RoutingStats
     from services.worker.policy_planner import PolicyPlanner
-    from services.worker.routing_collector import RoutingCollector
+    from services.worker.weights.routing_feed import RoutingFeed
 
     inputs = load_planner_inputs(paged_dir, with_heads=False)
     t = inputs.table
+    scales = GroupScales.read(config.scales_file) if config.scales_file else None
+    planner = PolicyPlanner(config.policy, t, table.charged_bytes_table(), scales)
     stats = RoutingStats(t.num_layers, t.num_experts, inputs.top_k, prior_mass=t.calib_mass)
-    return PolicyPlanner(policy, t, table.charged_bytes_table(), RoutingCollector(model, stats))
+    feed = RoutingFeed(stats, planner.context, model.device)
+    feed.install(model)
+    return planner, feed
 
 
 def _starting_bits(config: RuntimeConfig, model_config: ModelConfig, table: PageTable, arena: Arena, planner):

@@ -141,3 +141,15 @@ def test_metadata_carries_calibration_routing_and_heads(paged):
     assert set(meta["residual_heads"]["heldout_r2"]) >= {"all"}
     json.dumps(meta)  # JSON-clean
     assert (paged.path / META_FILE).is_file()
+
+
+def test_fast_dequantisation_equals_the_format_reference():
+    from services.worker.weights.apl_format import dequantize, pack_planes
+    from services.worker.weights.paged_experts import dequantize_block
+
+    g = torch.Generator().manual_seed(3)
+    codes = torch.randint(0, 256, (6, 96), dtype=torch.uint8, generator=g)
+    planes = pack_planes(codes)
+    for b in BIT_WIDTHS:
+        lut = torch.randn(6, 2 ** b, generator=g).half()
+        assert torch.equal(dequantize_block(planes, lut, b), dequantize(planes, lut, b))

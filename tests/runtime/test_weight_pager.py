@@ -101,7 +101,7 @@ def test_split_moves_with_random_pressure_and_steps_match_the_static_model(micro
         means.append(pager.stats().mean_committed_bits)
     rises = sum(b > a for a, b in zip(means, means[1:]))
     falls = sum(b < a for a, b in zip(means, means[1:]))
-    assert num_waits > 3 and min(means) < 7.5 and rises > 2 and falls > 2, (num_waits, means)
+    assert num_waits > 3 and min(means) < 7.75 and rises > 2 and falls > 2, (num_waits, means)
 
     copies_may_land.set()
     for x in kv:  # drain: every bit comes back
@@ -113,7 +113,7 @@ def test_split_moves_with_random_pressure_and_steps_match_the_static_model(micro
             break
         mover.wait_for_transits()
     stats = pager.stats()
-    assert stats.mean_committed_bits == 8 and stats.mean_committed_bits_min < 7.5
+    assert stats.mean_committed_bits == 8 and stats.mean_committed_bits_min < 7.75
     assert torch.equal(paged_model(ids), static.logits(ids, table.committed_bits()))
     assert pool.snapshot().peak_reserved_bytes <= pool.budget_bytes
     check_accounting(pool, arena, table, mover)
@@ -146,4 +146,17 @@ def test_request_cancels_raises_not_started_and_offer_waits_for_pressure_to_fall
     assert pager.offer_bytes(pool.free_bytes) > 0
     pager.request_bytes(0)  # pressure before the next boundary: the planned raises are dropped
     assert table.desired_bits() == low
+    mover.close()
+
+
+def test_compaction_learns_the_kv_block_size_and_makes_the_bytes_asked_for_usable(micro):
+    pool, arena, table, mover, pager = make_pager(micro, 3 * BIG_KV_BLOCK_BYTES)
+    kv = [arena.allocate(KV_USED, BIG_KV_BLOCK_BYTES) for _ in range(3)]
+    assert arena.last_kv_bytes == BIG_KV_BLOCK_BYTES
+    pager.request_bytes(20 * BIG_KV_BLOCK_BYTES)
+    pager.step_boundary()
+    per_block = arena.pages_for(BIG_KV_BLOCK_BYTES)
+    assert arena.num_free_pages // per_block >= arena.num_fitting(BIG_KV_BLOCK_BYTES) >= 20
+    kv += [arena.allocate(KV_USED, BIG_KV_BLOCK_BYTES) for _ in range(20)]
+    check_accounting(pool, arena, table, mover)
     mover.close()

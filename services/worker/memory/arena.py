@@ -24,7 +24,7 @@ from __future__ import annotations
 import bisect
 import math
 import threading
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -65,6 +65,7 @@ class Arena:
         self._free_starts: list[int] = [0] if self.num_pages else []  # sorted starts of free runs
         self._free_len: dict[int, int] = {0: self.num_pages} if self.num_pages else {}  # start -> pages
         self._live: dict[int, Extent] = {}  # first_page -> extent
+        self.last_kv_bytes: int | None = None  # size of the latest KV allocation (the KV block size)
         self._lock = threading.Lock()
 
     @classmethod
@@ -100,6 +101,8 @@ class Arena:
             self._take(start, num_pages)
             extent = Extent(start, num_pages, num_bytes, kind)
             self._live[start] = extent
+            if kind in KV_KINDS:
+                self.last_kv_bytes = num_bytes
             return extent
 
     def free(self, extent: Extent) -> None:
@@ -112,12 +115,21 @@ class Arena:
 
     def relabel(self, extent: Extent, kind: str) -> Extent:
         """Charge an extent's pages to another kind (a commit: transit -> expert@b)."""
+        return self.relabel_many([extent], kind)[0]
+
+    def relabel_many(self, extents: list[Extent], kind: str) -> list[Extent]:
+        """`relabel` for several extents (one pool update per source kind)."""
         with self._lock:
-            if self._live.get(extent.first_page) != extent:
-                raise ValueError(f"relabelling an extent the arena does not hold: {extent}")
-            self.pool.move(extent.kind, kind, extent.num_pages * self.page_bytes)
-            new = replace(extent, kind=kind)
-            self._live[extent.first_page] = new
+            moved: dict[str, int] = {}  # source kind -> bytes
+            for x in extents:
+                if self._live.get(x.first_page) != x:
+                    raise ValueError(f"relabelling an extent the arena does not hold: {x}")
+                moved[x.kind] = moved.get(x.kind, 0) + x.num_pages * self.page_bytes
+            for src, num_bytes in moved.items():
+                self.pool.move(src, kind, num_bytes)
+            new = [Extent(x.first_page, x.num_pages, x.num_bytes, kind) for x in extents]
+            for x in new:
+                self._live[x.first_page] = x
             return new
 
     # ---- views ------------------------------------------------------------------------

@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.worker.model.experts import moe_forward
-from services.worker.weights.apl_format import BlockId, dequantize
+from services.worker.weights.apl_format import BlockId
+from services.worker.weights.paged_experts import dequantize_block
 from services.worker.weights.page_table import PageTable
 
 
@@ -40,7 +41,7 @@ class ArenaExperts(nn.Module):
         if hit is not None and hit[0] == version and hit[1].dtype == dtype:
             return hit[1]
         planes, lut, bits = self.table.resident_views(block_id)
-        w = dequantize(torch.stack(planes), lut, bits).to(dtype)
+        w = dequantize_block(torch.stack(planes), lut, bits).to(dtype)  # equal to apl_format.dequantize
         if self.cache_dequantized:
             self._cache[block_id] = (version, w)
         return w

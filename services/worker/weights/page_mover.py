@@ -181,10 +181,11 @@ class PageMover:
         kind = expert_kind(t.target_bits)
         if e.lut_extent is not None:
             result.num_bytes_freed += self._free(e.lut_extent)
-        kept = [self.arena.relabel(x, kind) for x in e.plane_extents]
-        new = [self.arena.relabel(x, kind) for x in t.plane_extents]
-        e.plane_extents = kept + new
-        e.lut_extent = self.arena.relabel(t.lut_extent, kind)
+        kept = self.arena.relabel_many(e.plane_extents, kind)
+        new = self.arena.relabel_many(t.plane_extents + [t.lut_extent], kind)
+        e.plane_extents = kept + new[:-1]
+        e.lut_extent = new[-1]
+        new = new[:-1]
         self.counters.num_planes_copied += len(new)
         self.counters.num_bytes_copied += sum(x.num_bytes for x in new) + t.lut_extent.num_bytes
         self.counters.num_raises_committed += 1
@@ -203,7 +204,7 @@ class PageMover:
         lut_extent = self.arena.allocate(kind, lut.numel() * lut.element_size())  # fits: LUT_q was larger
         self.arena.view(lut_extent, lut.dtype, tuple(lut.shape)).copy_(lut, non_blocking=True)  # compute stream
         result.num_bytes_taken += lut_extent.num_pages * self.arena.page_bytes
-        e.plane_extents = [self.arena.relabel(x, kind) for x in e.plane_extents[:b]]
+        e.plane_extents = self.arena.relabel_many(e.plane_extents[:b], kind)
         e.lut_extent = lut_extent
         e.committed_bits = b
         e.version += 1

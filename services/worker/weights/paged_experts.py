@@ -3,7 +3,7 @@
 `PagedExperts` has the call of `DenseExperts` (`experts(x, topk_ids, topk_weights)`), so
 the MoE block never knows the storage. This is the dense torch reference path: a block
 at b bits is dequantised (`apl_format.dequantize`: planes 0..b-1 and LUT_b) into a dense
-matrix, cached per (expert, module, bits), and run through `moe_forward`. A width of
+matrix, cached per block at its current width only, and run through `moe_forward`. A width of
 `None` means the original bf16 weights kept in the artifact (the unquantised reference).
 
 Widths change at run time through `set_bits({block_id: bits})`, on one layer's operator
@@ -25,10 +25,26 @@ from torch import nn
 from services.worker.model.config import ModelConfig
 from services.worker.model.experts import moe_forward
 from services.worker.model.transformer import MoECausalLM
-from services.worker.weights.apl_format import MODULES, BlockId, check_bits, dequantize
+from services.worker.weights.apl_format import MODULES, BlockId, check_bits
 from services.worker.weights.paged_model import LayerPlanes, PagedModel, all_block_ids
 
 Bits = int | None  # None: the original bf16 weights
+
+# bit i of every byte value, [256, 8]: unpacks a plane byte into its 8 columns (LSB first)
+_BYTE_BITS = ((torch.arange(256)[:, None] >> torch.arange(8)) & 1).to(torch.uint8)
+
+
+def dequantize_block(planes: torch.Tensor, lut: torch.Tensor, bits: int) -> torch.Tensor:
+    """Same result as `apl_format.dequantize` (tested equal), ~40x faster on CPU: bytes are
+    unpacked by table lookup and codes built in int16 instead of int64 shifts per bit."""
+    check_bits(bits)
+    _, rows, packed = planes.shape
+    table = _BYTE_BITS.to(planes.device)
+    plane_bits = table[planes[:bits].long()].view(bits, rows, packed * 8)
+    codes = plane_bits[0].to(torch.int16)
+    for p in range(1, bits):
+        codes = (codes << 1) | plane_bits[p]
+    return torch.gather(lut, 1, codes.long())
 
 
 class PagedExperts(nn.Module):
@@ -44,7 +60,7 @@ class PagedExperts(nn.Module):
                     for m, lp in apl.items()}
         self.bf16 = bf16  # module -> bf16 [E, rows, cols] on the CPU, or None
         self.bits: dict[tuple[int, str], Bits] = {(e, m): None for e in range(num_experts) for m in MODULES}
-        self._cache: dict[tuple[int, str, Bits], torch.Tensor] = {}
+        self._cache: dict[tuple[int, str], tuple[Bits, torch.Tensor]] = {}  # (expert, module) -> (bits, W)
 
     def set_bits(self, assignment: dict[BlockId, Bits]) -> None:
         """# block_id -> bits (3..8, or None for bf16); blocks of other layers are an error."""
@@ -68,15 +84,16 @@ class PagedExperts(nn.Module):
     def weight(self, expert: int, module: str) -> torch.Tensor:
         """The dense [rows, cols] matrix of one block at its current width."""
         bits = self.bits[(expert, module)]
-        key = (expert, module, bits)
-        if key not in self._cache:
+        cached = self._cache.get((expert, module))
+        if cached is None or cached[0] != bits:
             if bits is None:
                 w = self.bf16[module][expert]
             else:
                 lp = self.apl[module]
-                w = dequantize(lp.planes[expert], lp.luts[bits][expert], bits)
-            self._cache[key] = w.to(device=self.device, dtype=self.dtype)
-        return self._cache[key]
+                w = dequantize_block(lp.planes[expert], lp.luts[bits][expert], bits)
+            cached = (bits, w.to(device=self.device, dtype=self.dtype))
+            self._cache[(expert, module)] = cached
+        return cached[1]
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         gate, up = F.linear(x, self.weight(e, "gate_up")).chunk(2, dim=-1)

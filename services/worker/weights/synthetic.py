@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from services.worker.weights.apl_format import BIT_WIDTHS, LUT_DTYPE, MODULES, APLBlock, BlockId, pack_planes
+from services.worker.weights.apl_format import BIT_WIDTHS, LUT_DTYPE, MODULES, APLBlock, BlockId, check_shape, pack_planes
 
 
 def nested_uniform_block(weight: torch.Tensor) -> APLBlock:
@@ -29,10 +29,12 @@ def nested_uniform_block(weight: torch.Tensor) -> APLBlock:
 
 
 def random_block(rows: int, cols: int, generator: torch.Generator | None = None) -> APLBlock:
-    codes = torch.randint(0, 256, (rows, cols), dtype=torch.uint8, generator=generator)
+    """Random 8-bit codes (drawn as random planes: every bit pattern is a valid code)."""
+    check_shape(rows, cols)
+    planes = torch.randint(0, 256, (8, rows, cols // 8), dtype=torch.uint8, generator=generator)
     luts = {b: torch.randn(rows, 1 << b, generator=generator).sort(dim=1).values.mul(0.02).to(LUT_DTYPE)
             for b in BIT_WIDTHS}
-    return APLBlock(rows, cols, pack_planes(codes), luts)
+    return APLBlock(rows, cols, planes, luts)
 
 
 def blocks_from_model(model) -> dict[BlockId, APLBlock]:

@@ -12,14 +12,16 @@ the engine's thread, between forward steps.
   bits; raises start at the next boundary and commit when their copies land.
 - `step_boundary()`: commits finished moves, frees planes no step reads any more,
   starts raises, and after lowering compacts weight pages (moves them down) until the
-  free runs can hold the requested bytes as KV blocks of `kv_block_bytes` (without it,
-  compacts fully). Returns what changed (a `BoundaryResult`).
+  free page runs hold, as KV blocks of `kv_block_bytes` (by default the size of the
+  arena's latest KV allocation; with none seen yet, it compacts fully), the bytes asked
+  for plus those that were free when asked (or every free byte, if fewer). Returns what changed (a `BoundaryResult`).
 Bytes are arena bytes (whole pages, LUTs included): what the KV cache really gets.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from services.worker.weights.apl_format import BIT_WIDTHS, BlockId
 from services.worker.weights.greedy_planner import BitPlanner
@@ -47,13 +49,15 @@ class PagerStats:
 
 
 class WeightPager:
-    def __init__(self, mover: PageMover, planner: BitPlanner, kv_block_bytes: int | None = None):
+    def __init__(self, mover: PageMover, planner: BitPlanner, kv_block_bytes: int | None = None,
+                 before_plan: Callable[[], None] | None = None):
         self.mover = mover
         self.table = mover.table
         self.planner = planner
-        self.kv_block_bytes = kv_block_bytes  # the KV cache's block size: what compaction must make room for
+        self.kv_block_bytes = kv_block_bytes  # the KV cache's block size (None: learnt from the arena)
+        self.before_plan = before_plan  # e.g. RoutingFeed.refresh: live routing into the planner
+        self._kv_target_bytes = 0  # what compaction must make usable as KV blocks
         self.num_plans = 0
-        self._requested = 0  # bytes asked for by request_bytes since the last lowering
         self._mean_min = self._mean_bits()
 
     # ---- pressure -----------------------------------------------------------------------
@@ -62,12 +66,13 @@ class WeightPager:
         returns the bytes the pending lowerings will free (less than asked when every
         block is at its floor)."""
         entries = self.table.entries
-        self._requested = max(self._requested, num_bytes)
+        self._kv_target_bytes = max(self._kv_target_bytes, num_bytes + self.mover.arena.pool.free_bytes)
         for e in entries.values():  # cancel raises that have not started
             e.desired_bits = min(e.desired_bits, e.effective_bits)
         pending = self._pending_free()
         if pending < num_bytes:
             bits = {bid: e.desired_bits for bid, e in entries.items()}  # block_id -> bits
+            self._before_plan()
             plan = self.planner.plan_free(bits, num_bytes - pending)
             self.num_plans += 1
             self.table.set_desired_bits(plan)
@@ -83,6 +88,7 @@ class WeightPager:
         if spendable <= 0:
             return 0
         bits = self.table.desired_bits()
+        self._before_plan()
         plan = self.planner.plan_spend(bits, spendable)
         self.num_plans += 1
         self.table.set_desired_bits(plan)
@@ -123,14 +129,19 @@ class WeightPager:
         )
 
     # ---- internals ----------------------------------------------------------------------
+    def _before_plan(self) -> None:
+        if self.before_plan is not None:
+            self.before_plan()
+
     def _compact(self) -> None:
-        arena, wanted = self.mover.arena, self._requested
-        self._requested = 0
-        if self.kv_block_bytes is None:
+        arena, target = self.mover.arena, self._kv_target_bytes
+        self._kv_target_bytes = 0
+        block_bytes = self.kv_block_bytes or arena.last_kv_bytes
+        if block_bytes is None:
             self.mover.compact()
             return
-        num_blocks = -(-wanted // self.kv_block_bytes)
-        self.mover.compact(done=lambda: arena.num_fitting(self.kv_block_bytes) >= num_blocks)
+        num_blocks = min(arena.num_free_pages // arena.pages_for(block_bytes), -(-target // block_bytes))
+        self.mover.compact(done=lambda: arena.num_fitting(block_bytes) >= num_blocks)
 
     def _mean_bits(self) -> float:
         entries = self.table.entries.values()

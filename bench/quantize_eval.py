@@ -1,0 +1,310 @@
+"""Evidence for the APL quantiser and the sensitivity tables (issue 3).
+
+For each paged model, on every `valid` domain (first --max-tokens tokens each):
+1. perplexity with bf16 experts and at uniform 3..8 bits;
+2. per layer: that layer's blocks alone at 3 bits (the rest bf16), pooled NLL increase;
+   per expert: that expert's two blocks alone at 3 bits (first --expert-tokens tokens
+   per domain); Spearman rank correlation of the increase with S(3) summed over the
+   lowered blocks, and with S(3) times the expert's calibration routing share;
+3. quantisation wall time of --time-model (fresh `quantize_model` into a temp dir).
+Evaluation runs in fp32 on --device (the numbers do not depend on it beyond float
+rounding); quantisation timing always runs on the CPU with 2 threads. A perturbation at
+layer l reuses the bf16 model's cached layer-l inputs and runs layers l.. only (exact:
+earlier layers are unchanged). --per-block adds the study for every block alone.
+
+    python bench/quantize_eval.py --models --out bench/results/quantize_time.json  # timing only
+    python bench/quantize_eval.py --time-model "" --models tiny-qwen-moe --device cuda --per-block \
+        --quantize-missing --artifacts /tmp/paged --out bench/results/quantize_eval_tiny-qwen-moe.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from services.offline.perplexity import token_windows  # noqa: E402
+from services.worker.model.tokenizer import Tokenizer  # noqa: E402
+from services.worker.weights.apl_format import BIT_WIDTHS, MODULES, BlockId  # noqa: E402
+from services.worker.weights.paged_experts import build_paged_lm, set_model_bits, uniform_bits  # noqa: E402
+from services.worker.weights.paged_model import load_paged_model  # noqa: E402
+
+SHARED = Path(os.environ.get("PAGEDWEIGHT_SHARED", REPO.parent / "shared"))
+DOMAINS = ("kjv", "pydoc", "pycode", "cheader")
+
+
+def windows_by_domain(tokenizer, max_tokens: int, seq_len: int, device="cpu") -> dict[str, torch.Tensor]:
+    """domain -> [num_windows, seq_len + 1] token ids (full windows only)."""
+    out = {}
+    for d in DOMAINS:
+        ids = tokenizer.encode((SHARED / "data" / "corpus" / f"{d}.valid.txt").read_text())
+        wins = [w for w in token_windows(ids, seq_len, max_tokens) if len(w) == seq_len + 1]
+        out[d] = torch.tensor(wins, device=device)
+    return out
+
+
+@torch.inference_mode()
+def layer_inputs(model, batch: torch.Tensor) -> list[torch.Tensor]:
+    """The residual stream entering each decoder layer for batch [B, T]."""
+    inputs = []
+    hooks = [layer.register_forward_pre_hook(lambda m, args: inputs.append(args[0])) for layer in model.layers]
+    try:
+        model(batch)
+    finally:
+        for h in hooks:
+            h.remove()
+    return inputs
+
+
+@torch.inference_mode()
+def nll_from(model, x: torch.Tensor, targets: torch.Tensor, first_layer: int) -> tuple[float, int]:
+    """Sum of NLL and token count, running layers first_layer.. from their input x."""
+    B, T, _ = x.shape
+    cos, sin = model.rotary.cos_sin(torch.arange(T, device=x.device).expand(B, T), x.dtype)
+    for layer in model.layers[first_layer:]:
+        x = layer(x, cos, sin, 0, None)
+    logits = model.lm_head(model.norm(x)).float()
+    return float(F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")), targets.numel()
+
+
+class Evaluator:
+    """Mean NLL per domain; caches the bf16 model's layer inputs for layer-local changes."""
+
+    def __init__(self, model, windows: dict[str, torch.Tensor], batch_size: int = 4):
+        self.model = model
+        self.batches = {d: [w[i:i + batch_size] for i in range(0, len(w), batch_size)] for d, w in windows.items()}
+        self.cache = None
+
+    def cache_inputs(self):
+        set_model_bits(self.model, uniform_bits(self.model.config, None))
+        self.cache = {d: [layer_inputs(self.model, b[:, :-1]) for b in bs] for d, bs in self.batches.items()}
+
+    def nll(self, first_layer: int = 0) -> dict[str, float]:
+        out = {}
+        for d, batches in self.batches.items():
+            total, count = 0.0, 0
+            for i, batch in enumerate(batches):
+                if first_layer == 0 and self.cache is None:
+                    x = self.model.embed_tokens(batch[:, :-1])
+                else:
+                    x = self.cache[d][i][first_layer]
+                s, n = nll_from(self.model, x, batch[:, 1:], first_layer)
+                total, count = total + s, count + n
+            out[d] = total / count
+        return out
+
+
+def pooled(nll: dict[str, float]) -> float:
+    return sum(nll.values()) / len(nll)  # domains have equal token counts
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    ra = torch.tensor(a).argsort().argsort().double()
+    rb = torch.tensor(b).argsort().argsort().double()
+    ra, rb = ra - ra.mean(), rb - rb.mean()
+    return float((ra * rb).sum() / (ra.norm() * rb.norm()))
+
+
+def expert_blocks(layer: int, expert: int) -> list[BlockId]:
+    return [BlockId(layer, expert, m) for m in MODULES]
+
+
+def evaluate_model(path: Path, max_tokens: int, expert_tokens: int, seq_len: int, device: str,
+                   per_block: bool, log) -> dict:
+    paged = load_paged_model(path)
+    cfg = paged.config
+    model = build_paged_lm(paged, dtype=torch.float32, device=device)
+    windows = windows_by_domain(Tokenizer(path), max_tokens, seq_len, device)
+    ev = Evaluator(model, windows)
+    started = time.perf_counter()
+    result = {"tokens_per_domain": {d: int(w[:, 1:].numel()) for d, w in windows.items()}, "ppl": {}}
+    for bits in (None, *BIT_WIDTHS):
+        set_model_bits(model, uniform_bits(cfg, bits))
+        nll = ev.nll()
+        result["ppl"]["bf16" if bits is None else str(bits)] = {d: math.exp(v) for d, v in nll.items()}
+        log(f"{path.name} {bits or 'bf16'}: " + " ".join(f"{d}={math.exp(v):.3f}" for d, v in nll.items()))
+    sens, share = paged.sensitivity, routing_share(paged)
+    ev.cache_inputs()
+    base = {l: pooled(ev.nll(l)) for l in range(cfg.num_layers)}  # bf16, through the same path
+    layers = []
+    for layer in range(cfg.num_layers):
+        blocks = [b for e in range(cfg.num_experts) for b in expert_blocks(layer, e)]
+        damage = lowered_damage(model, ev, blocks, layer, base[layer])
+        layers.append({"layer": layer, "delta_nll": damage,
+                       "s3": sum(sens[b][3] for b in blocks),
+                       "s3_x_share": sum(sens[b][3] * share[b.layer][b.expert] for b in blocks)})
+    result["per_layer"] = layers
+    result["per_layer_spearman"] = {k: spearman([r["delta_nll"] for r in layers], [r[k] for r in layers])
+                                    for k in ("s3", "s3_x_share")}
+    log(f"{path.name} per layer: {result['per_layer_spearman']}")
+    ev = Evaluator(model, windows_by_domain(Tokenizer(path), expert_tokens, seq_len, device))
+    ev.cache_inputs()
+    base = {l: pooled(ev.nll(l)) for l in range(cfg.num_layers)}
+    experts = []
+    for layer in range(cfg.num_layers):
+        for e in range(cfg.num_experts):
+            blocks = expert_blocks(layer, e)
+            experts.append({"block": f"L{layer}.E{e}",
+                            "delta_nll": lowered_damage(model, ev, blocks, layer, base[layer]),
+                            "s3": sum(sens[b][3] for b in blocks),
+                            "s3_x_share": sum(sens[b][3] for b in blocks) * share[layer][e]})
+    result["per_expert"] = experts
+    result["per_expert_tokens_per_domain"] = expert_tokens
+    result["per_expert_spearman"] = {k: spearman([r["delta_nll"] for r in experts], [r[k] for r in experts])
+                                     for k in ("s3", "s3_x_share")}
+    log(f"{path.name} per expert: {result['per_expert_spearman']}")
+    if per_block:
+        blocks = []
+        for block_id in paged.block_ids:
+            blocks.append({"block": block_id.key(),
+                           "delta_nll": lowered_damage(model, ev, [block_id], block_id.layer, base[block_id.layer]),
+                           "s3": sens[block_id][3],
+                           "s3_x_share": sens[block_id][3] * share[block_id.layer][block_id.expert]})
+        result["per_block"] = blocks
+        result["per_block_spearman"] = {k: spearman([r["delta_nll"] for r in blocks], [r[k] for r in blocks])
+                                        for k in ("s3", "s3_x_share")}
+        log(f"{path.name} per block: {result['per_block_spearman']}")
+    result["eval_seconds"] = time.perf_counter() - started
+    result["calibration"] = {k: paged.meta["calibration"][k] for k in ("num_tokens", "under_covered_experts")}
+    result["quantizer"] = paged.meta["quantizer"]
+    result["residual_heads_heldout_r2"] = paged.meta["residual_heads"]["heldout_r2"]
+    return result
+
+
+def routing_share(paged) -> list[list[float]]:
+    """[L][E] fraction of the calibration tokens routed to each expert."""
+    counts = torch.tensor(paged.routing["token_counts"])
+    return (counts / paged.routing["num_tokens"]).tolist()
+
+
+def lowered_damage(model, ev: Evaluator, blocks: list[BlockId], layer: int, base: float) -> float:
+    set_model_bits(model, {b: 3 for b in blocks})
+    damage = pooled(ev.nll(layer)) - base
+    set_model_bits(model, {b: None for b in blocks})
+    return damage
+
+
+def time_quantize(model_name: str, log) -> dict:
+    from services.offline.quantize import quantize_model
+
+    files = sorted((SHARED / "data" / "corpus").glob("*.calib.txt"))
+    with tempfile.TemporaryDirectory() as out:
+        started, cpu_started = time.perf_counter(), time.process_time()
+        load_before = os.getloadavg()[0]
+        quantize_model(SHARED / "models" / model_name, Path(out) / "m", files, log=log)
+        seconds, cpu_seconds = time.perf_counter() - started, time.process_time() - cpu_started
+        meta = json.loads((Path(out) / "m" / "paged_model.json").read_text())
+    # cpu_seconds / threads is what the wall time would be with the 2 cores to ourselves
+    return {"model": model_name, "seconds": seconds, "cpu_seconds": cpu_seconds, "goal_seconds": 180,
+            "load_average_before": load_before, "load_average_after": os.getloadavg()[0],
+            "calibration_tokens": meta["calibration"]["num_tokens"], "phases": meta["quantizer"]}
+
+
+def quantize_into(model_name: str, out: Path, device: str, log) -> None:
+    from services.offline.quantize import QuantizeConfig, quantize_model
+
+    files = sorted((SHARED / "data" / "corpus").glob("*.calib.txt"))
+    quantize_model(SHARED / "models" / model_name, out, files, QuantizeConfig(device=device), log=log)
+
+
+def device_name(device: str) -> str:
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    return platform.processor() or platform.machine()
+
+
+def environment() -> dict:
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                           capture_output=True, text=True).stdout.strip() != ""
+    return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "commit": commit, "dirty": dirty,
+            "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
+            "load_average": os.getloadavg(), "torch": torch.__version__, "threads": torch.get_num_threads()}
+
+
+def render(report: dict) -> str:
+    """Markdown tables of a report (for docs/quantize_eval.md)."""
+    lines = []
+    for name, r in report["models"].items():
+        toks = next(iter(r["tokens_per_domain"].values()))
+        lines += [f"### {name} ({toks} tokens per domain, seq_len {report['seq_len']}, fp32 CPU)", "",
+                  "| experts | " + " | ".join(DOMAINS) + " | mean vs bf16 |", "|---" * (len(DOMAINS) + 2) + "|"]
+        base = r["ppl"]["bf16"]
+        for key, ppl in r["ppl"].items():
+            rel = sum(ppl[d] / base[d] - 1 for d in DOMAINS) / len(DOMAINS)
+            label = key if key == "bf16" else f"{key} bits"
+            lines.append(f"| {label} | " + " | ".join(f"{ppl[d]:.3f}" for d in DOMAINS) + f" | {rel:+.2%} |")
+        sl, se = r["per_layer_spearman"], r["per_expert_spearman"]
+        lines += ["", f"Spearman(damage, S(3)): per layer {sl['s3']:+.2f} (n={len(r['per_layer'])}), "
+                  f"per expert {se['s3']:+.2f} (n={len(r['per_expert'])}, {r['per_expert_tokens_per_domain']} "
+                  f"tokens/domain). With S(3) x routing share: per layer {sl['s3_x_share']:+.2f}, "
+                  f"per expert {se['s3_x_share']:+.2f}."]
+        if "per_block_spearman" in r:
+            sb = r["per_block_spearman"]
+            lines[-1] += (f" Per block (n={len(r['per_block'])}): S(3) {sb['s3']:+.2f}, "
+                          f"S(3) x share {sb['s3_x_share']:+.2f}.")
+        lines += ["",
+                  "Residual heads, held-out R^2: " + ", ".join(f"{d} {v:.2f}" for d, v in
+                                                              r["residual_heads_heldout_r2"].items()), ""]
+    q = report.get("quantize_time")
+    if q:
+        lines.append(f"Quantisation of {q['model']} on {report['environment']['machine']}: {q['seconds']:.0f} s wall, {q['cpu_seconds']:.0f} s CPU "
+                     f"(load average {q['load_average_before']:.1f} -> {q['load_average_after']:.1f}), "
+                     f"{q['calibration_tokens']} calibration tokens.")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="*", default=["tiny-mixtral", "tiny-qwen-moe"])
+    parser.add_argument("--artifacts", default="/work/artifacts/paged")
+    parser.add_argument("--max-tokens", type=int, default=4096, help="scored tokens per domain")
+    parser.add_argument("--expert-tokens", type=int, default=1024, help="per domain, per-expert study")
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--time-model", default="tiny-qwen-moe", help="'' to skip the timing")
+    parser.add_argument("--device", default="cpu", help="where evaluation runs")
+    parser.add_argument("--per-block", action="store_true", help="also lower every block alone")
+    parser.add_argument("--quantize-missing", action="store_true",
+                        help="quantise models missing from --artifacts first (k-means on --device)")
+    parser.add_argument("--out", default=str(REPO / "bench" / "results" / "quantize_eval.json"))
+    parser.add_argument("--render", metavar="JSON", help="print the markdown tables of a saved report")
+    args = parser.parse_args()
+    if args.render:
+        print(render(json.loads(Path(args.render).read_text())))
+        return
+    if args.device == "cpu":
+        torch.set_num_threads(2)
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    report = {"environment": environment(), "dtype": "float32", "seq_len": args.seq_len,
+              "device": device_name(args.device), "models": {}}
+    if args.time_model:
+        torch.set_num_threads(2)
+        report["quantize_time"] = time_quantize(args.time_model, log)
+        log(f"quantize {args.time_model}: {report['quantize_time']['seconds']:.1f} s")
+    for name in args.models:
+        path = Path(args.artifacts) / name
+        if args.quantize_missing and not path.is_dir():
+            quantize_into(name, path, args.device, log)
+        report["models"][name] = evaluate_model(path, args.max_tokens, args.expert_tokens, args.seq_len,
+                                                args.device, args.per_block, log)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=1))
+    log(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
