@@ -35,7 +35,7 @@ class WeightPager(Protocol):
 
 @dataclass(frozen=True)
 class BrokerConfig:
-    calm_steps: int = 4  # steps without KV shortage before bytes are given back
+    calm_steps: int = 16  # steps without KV shortage before bytes are given back (hysteresis)
     headroom_blocks: int = 4  # free KV blocks kept while sequences are running
 
     def __post_init__(self):
