@@ -75,7 +75,7 @@ def test_equal_after_preemption_and_chunked_prefill(model, requests, impl):
     assert_all_blocks_free(engine)
 
 
-def test_running_cap_and_token_budget_hold_every_step(model, requests):
+def test_running_cap_holds_and_only_running_sequences_hold_blocks(model, requests):
     prompts, params, expected = requests
     engine = make_engine(model, num_blocks=64, max_seqs=3, token_budget=20)
     for i, (p, sp) in enumerate(zip(prompts, params)):
