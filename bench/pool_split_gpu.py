@@ -137,7 +137,7 @@ def run_cycles(args, device, pool, arena, pager, experts, rec, gen):
     return boundary_ms
 
 
-def caching_allocator_baseline(args, device, table, samples_phases) -> dict | None:
+def caching_allocator_baseline(args, device, table) -> dict | None:
     """The same kind of split moves with one tensor per plane/LUT/KV block, no arena."""
     if device.type != "cuda":
         return None
@@ -182,7 +182,6 @@ def main():
     gen = torch.Generator().manual_seed(0)
     budget = parse_memory_budget(args.budget, device_memory_bytes(device))
     blocks = random_blocks(args.layers, args.experts, args.hidden, args.intermediate, seed=0)
-    rec = Recorder(device)
     pool = MemoryPool(budget)
 
     # Workspace: measured on a throw-away arena holding the blocks at 8 bits.
@@ -195,7 +194,7 @@ def main():
     del probe, probe_mover
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    rec = Recorder(device)
+    rec = Recorder(device)  # device memory counted from here
 
     pool.allocate(WORKSPACE, workspace)
     arena = Arena.from_pool(pool, args.page_bytes, device)
@@ -228,7 +227,7 @@ def main():
         "step_boundary_ms_mean": round(sum(boundary_ms) / len(boundary_ms), 3),
         "step_boundary_ms_max": round(max(boundary_ms), 3),
         "pager": stats.to_dict(),
-        "baseline_caching_allocator": caching_allocator_baseline(args, device, table, None),
+        "baseline_caching_allocator": caching_allocator_baseline(args, device, table),
         "samples": rec.samples,
     }
     summary = {k: v for k, v in result.items() if k not in ("samples", "pager", "config")}

@@ -31,6 +31,7 @@ def test_random_allocations_tile_the_arena_and_match_the_pool():
             size = rng.randint(1, 5 * PAGE)
             if arena.can_allocate(kind, size):
                 live.append(arena.allocate(kind, size))
+        assert arena.num_fitting(3 * PAGE) == sum(n // 3 for n in arena._free_len.values())
         arena.check_consistent()
         assert pool.reserved_bytes == arena.used_bytes + 1000 <= pool.budget_bytes
     for x in live:

@@ -122,3 +122,23 @@ def test_compaction_moves_weights_down_and_keeps_their_values(small_blocks):
         assert torch.equal(w, static_weight(table, bid, 3))
     check_accounting(pool, arena, table, mover)
     mover.close()
+
+
+def test_a_raise_goes_part_of_the_way_when_only_that_fits(small_blocks):
+    pool, arena, table, mover = build(small_blocks, BUDGET, initial_bits=3)
+    bid = next(iter(table.entries))
+    room = mover._transit_bytes(bid, 3, 5)
+    filler = arena.allocate(KV_USED, arena.num_free_pages * arena.page_bytes - room)
+    table.set_desired_bits({bid: 8})
+    assert mover.step_boundary().started_ids == [bid] and table.entries[bid].transit_bits == 5
+    check_accounting(pool, arena, table, mover)
+    mover.wait_for_transits()
+    assert mover.step_boundary().committed_ids == [bid]
+    assert table.entries[bid].committed_bits == 5 and mover.busy()
+    arena.free(filler)
+    mover.step_boundary()
+    mover.wait_for_transits()
+    mover.step_boundary()
+    assert table.entries[bid].committed_bits == 8 and not mover.busy()
+    assert torch.equal(weights_from_arena(table)[bid], static_weight(table, bid, 8))
+    mover.close()

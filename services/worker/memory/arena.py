@@ -66,6 +66,8 @@ class Arena:
         self._free_len: dict[int, int] = {0: self.num_pages} if self.num_pages else {}  # start -> pages
         self._live: dict[int, Extent] = {}  # first_page -> extent
         self.last_kv_bytes: int | None = None  # size of the latest KV allocation (the KV block size)
+        self._fit_pages = 0  # num_fitting's size, counted incrementally (0: none yet)
+        self._fit_count = 0  # allocations of _fit_pages the free runs hold
         self._lock = threading.Lock()
 
     @classmethod
@@ -136,7 +138,7 @@ class Arena:
     def view(self, extent: Extent, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         """The extent's bytes as a tensor of `dtype` and `shape` (no copy)."""
         offset = extent.first_page * self.page_bytes
-        num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        num_bytes = math.prod(shape) * dtype.itemsize
         if num_bytes > extent.num_pages * self.page_bytes:
             raise ValueError(f"a view of {num_bytes} bytes does not fit {extent}")
         return self.storage[offset: offset + num_bytes].view(dtype).view(shape)
@@ -146,7 +148,7 @@ class Arena:
 
         Rows overlap (consecutive rows are one page apart); index only with the
         first_page of live extents. Lets a KV cache gather blocks by block table."""
-        elem = torch.empty((), dtype=dtype).element_size()
+        elem = dtype.itemsize
         block_bytes = math.prod(block_shape) * elem
         if self.page_bytes % elem:
             raise ValueError(f"page size {self.page_bytes} is not a multiple of {dtype}'s size")
@@ -174,7 +176,10 @@ class Arena:
         """How many allocations of `num_bytes` the free runs could hold right now."""
         with self._lock:
             num_pages = self.pages_for(num_bytes)
-            return sum(length // num_pages for length in self._free_len.values())
+            if num_pages != self._fit_pages:  # start counting this size on every run change
+                self._fit_pages = num_pages
+                self._fit_count = sum(length // num_pages for length in self._free_len.values())
+            return self._fit_count
 
     def largest_free_run(self) -> int:
         return max(self._free_len.values(), default=0)
@@ -193,6 +198,8 @@ class Arena:
             assert start == pos, f"gap or overlap at page {pos} (next span starts at {start})"
             pos += length
         assert pos == self.num_pages, f"spans cover {pos} of {self.num_pages} pages"
+        if self._fit_pages:
+            assert self._fit_count == sum(n // self._fit_pages for n in self._free_len.values())
 
     # ---- free-run list ----------------------------------------------------------------
     def _find_run(self, num_pages: int, from_top: bool) -> int | None:
@@ -204,10 +211,14 @@ class Arena:
                 return start + length - num_pages if from_top else start
         return None
 
+    def _fits(self, length: int) -> int:
+        return length // self._fit_pages if self._fit_pages else 0
+
     def _take(self, start: int, num_pages: int) -> None:
         i = bisect.bisect_right(self._free_starts, start) - 1
         run_start = self._free_starts[i]
         run_len = self._free_len.pop(run_start)
+        self._fit_count -= self._fits(run_len)
         del self._free_starts[i]
         before, after = start - run_start, run_start + run_len - (start + num_pages)
         if before:
@@ -218,13 +229,18 @@ class Arena:
     def _give_back(self, start: int, num_pages: int) -> None:
         i = bisect.bisect_left(self._free_starts, start)
         if i < len(self._free_starts) and self._free_starts[i] == start + num_pages:  # merge right
-            num_pages += self._free_len.pop(self._free_starts.pop(i))
+            right_len = self._free_len.pop(self._free_starts.pop(i))
+            self._fit_count -= self._fits(right_len)
+            num_pages += right_len
         if i > 0 and self._free_starts[i - 1] + self._free_len[self._free_starts[i - 1]] == start:  # merge left
             left = self._free_starts[i - 1]
+            self._fit_count -= self._fits(self._free_len[left])
             self._free_len[left] += num_pages
+            self._fit_count += self._fits(self._free_len[left])
             return
         self._insert_run(start, num_pages)
 
     def _insert_run(self, start: int, num_pages: int) -> None:
         bisect.insort(self._free_starts, start)
         self._free_len[start] = num_pages
+        self._fit_count += self._fits(num_pages)

@@ -16,7 +16,8 @@ between two forward steps, never during one):
    copied from host memory on the compute stream, so the next step sees it; it needs no
    spare memory because the freed LUT_q alone is larger.
 3. Start raises for blocks with d_i > q_i, in the order given, while the arena can
-   hold their new planes; the rest wait for a later boundary.
+   hold their new planes (a raise goes part of the way when only that fits); the rest
+   wait for a later boundary.
 
 A forward step therefore reads, for every block, exactly the committed planes and LUT
 at q_i: the output equals the static model at the committed bits, whatever is in flight.
@@ -108,7 +109,6 @@ class PageMover:
         self._transits: dict[BlockId, _Transit] = {}  # block_id -> copy in flight
         self._copier = _Copier(self.arena.device, before_copy)
         self.counters = MoverCounters()
-        self._lock = threading.Lock()
 
     # ---- the protocol -----------------------------------------------------------------
     def step_boundary(self, raise_order: list[BlockId] | None = None) -> BoundaryResult:
@@ -154,8 +154,19 @@ class PageMover:
         self._copier.close()
 
     # ---- raise ------------------------------------------------------------------------
+    def _transit_bytes(self, bid: BlockId, q: int, b: int) -> int:
+        """Arena bytes a raise q -> b holds while in flight (LUT_q stays until commit)."""
+        return ((b - q) * self.arena.charged_bytes(self.table.plane_bytes(bid))
+                + self.arena.charged_bytes(self.table.lut_bytes(bid, b)))
+
     def _start_raise(self, e: BlockPages, result: BoundaryResult) -> bool:
-        bid, q, b = e.block_id, e.committed_bits, e.desired_bits
+        """Start copying toward d_i: all the way if the pool has the bytes, else as far
+        as it has (the rest follows at a later boundary)."""
+        bid, q = e.block_id, e.committed_bits
+        free = self.arena.pool.free_bytes
+        b = next((b for b in range(e.desired_bits, q, -1) if self._transit_bytes(bid, q, b) <= free), None)
+        if b is None:
+            return False
         host = self.table.host[bid]
         extents: list[Extent] = []
         try:
