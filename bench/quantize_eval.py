@@ -8,7 +8,7 @@ For each paged model, on every `valid` domain (first --max-tokens tokens each):
    lowered blocks, and with S(3) times the expert's calibration routing share;
 3. quantisation wall time of --time-model (fresh `quantize_model` into a temp dir).
 Evaluation runs in fp32 on --device (the numbers do not depend on it beyond float
-rounding); quantisation timing always runs on the CPU with 2 threads. A perturbation at
+rounding); quantisation timing always runs on the CPU (--threads, default 1). A perturbation at
 layer l reuses the bf16 model's cached layer-l inputs and runs layers l.. only (exact:
 earlier layers are unchanged). --per-block adds the study for every block alone.
 
@@ -233,7 +233,7 @@ def environment() -> dict:
                            capture_output=True, text=True).stdout.strip() != ""
     return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "commit": commit, "dirty": dirty,
             "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
-            "load_average": os.getloadavg(), "torch": torch.__version__, "threads": torch.get_num_threads()}
+            "load_average": os.getloadavg(), "torch": torch.__version__}
 
 
 def render(report: dict) -> str:
@@ -277,6 +277,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--time-model", default="tiny-qwen-moe", help="'' to skip the timing")
     parser.add_argument("--device", default="cpu", help="where evaluation runs")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--per-block", action="store_true", help="also lower every block alone")
     parser.add_argument("--quantize-missing", action="store_true",
                         help="quantise models missing from --artifacts first (k-means on --device)")
@@ -286,13 +287,13 @@ def main() -> None:
     if args.render:
         print(render(json.loads(Path(args.render).read_text())))
         return
-    if args.device == "cpu":
-        torch.set_num_threads(2)
+    # One thread by default: on the shared 2-core machine (load average 10+) two OpenMP
+    # threads spin against each other and ran a forward 13x slower than one (measured).
+    torch.set_num_threads(args.threads)
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
-    report = {"environment": environment(), "dtype": "float32", "seq_len": args.seq_len,
+    report = {"environment": {**environment(), "threads": args.threads}, "dtype": "float32", "seq_len": args.seq_len,
               "device": device_name(args.device), "models": {}}
     if args.time_model:
-        torch.set_num_threads(2)
         report["quantize_time"] = time_quantize(args.time_model, log)
         log(f"quantize {args.time_model}: {report['quantize_time']['seconds']:.1f} s")
     for name in args.models:

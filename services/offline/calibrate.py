@@ -133,11 +133,12 @@ def calibrate(model, chunks: list[list[int]], domains: list[str], config: CalibC
     """Run the chunks through `model` (dense experts) and collect per-chunk expert statistics."""
     cfg = model.config
     N, L, E = len(chunks), cfg.num_layers, cfg.num_experts
+    dev = model.device  # accumulate where the model runs; moved to the CPU at the end
     stats = CalibrationStats(
         chunk_domains=list(domains),
-        sum_sq_gate_up=torch.zeros(N, L, E, cfg.hidden_size),
-        sum_sq_down=torch.zeros(N, L, E, cfg.expert_intermediate_size),
-        token_counts=torch.zeros(N, L, E), routing_mass=torch.zeros(N, L, E),
+        sum_sq_gate_up=torch.zeros(N, L, E, cfg.hidden_size, device=dev),
+        sum_sq_down=torch.zeros(N, L, E, cfg.expert_intermediate_size, device=dev),
+        token_counts=torch.zeros(N, L, E, device=dev), routing_mass=torch.zeros(N, L, E, device=dev),
         num_tokens_per_chunk=config.seq_len, files=[str(f) for f in files or []],
     )
     recorders = []
@@ -149,13 +150,15 @@ def calibrate(model, chunks: list[list[int]], domains: list[str], config: CalibC
         for start in range(0, N, config.batch_size):
             batch = torch.tensor(chunks[start:start + config.batch_size], device=model.device)
             chunk_of_token = torch.arange(start, start + batch.shape[0], device=model.device)
-            chunk_of_token = chunk_of_token.repeat_interleave(batch.shape[1]).cpu()
+            chunk_of_token = chunk_of_token.repeat_interleave(batch.shape[1])
             for recorder in recorders:
                 recorder.chunk_of_token = chunk_of_token
             model(batch)
     finally:
         for block, dense in zip(model.moe_blocks, originals):
             block.experts = dense
+    for name in ("sum_sq_gate_up", "sum_sq_down", "token_counts", "routing_mass"):
+        setattr(stats, name, getattr(stats, name).cpu())
     return stats
 
 

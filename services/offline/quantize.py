@@ -38,7 +38,7 @@ class QuantizeConfig:
     calib: CalibConfig = field(default_factory=CalibConfig)
     quantizer: QuantizerConfig = field(default_factory=QuantizerConfig)
     residual: ResidualConfig = field(default_factory=ResidualConfig)
-    device: str = "cpu"  # where k-means runs (cuda works too)
+    device: str = "cpu"  # where calibration and k-means run (cuda works too)
 
 
 @dataclass
@@ -64,7 +64,7 @@ def quantize_model(model_dir: str | Path, out_dir: str | Path, calib_files: list
                    config: QuantizeConfig = QuantizeConfig(),
                    log: Callable[[str], None] = lambda msg: None) -> Path:
     started = time.perf_counter()
-    model = load_model(model_dir, dtype=torch.float32)
+    model = load_model(model_dir, dtype=torch.float32, device=config.device)
     cfg = model.config
     chunks, domains = read_chunks(Tokenizer(model_dir), calib_files, config.calib)
     log(f"calibrating on {len(chunks)} chunks of {config.calib.seq_len} tokens")
@@ -76,7 +76,7 @@ def quantize_model(model_dir: str | Path, out_dir: str | Path, calib_files: list
     for layer, block in enumerate(model.moe_blocks):
         log(f"quantising layer {layer + 1}/{cfg.num_layers}")
         for module in MODULES:
-            w = getattr(block.experts, module).detach()
+            w = getattr(block.experts, module).detach()  # on config.device
             result = quantize_layer(w, h[module][layer], config.quantizer, config.device)
             apl[(layer, module)], col_errors[(layer, module)] = result.planes, result.col_errors
     quant_seconds = time.perf_counter() - started - calib_seconds
@@ -96,8 +96,8 @@ def quantize_model(model_dir: str | Path, out_dir: str | Path, calib_files: list
                       "calibration_seconds": calib_seconds, "quantization_seconds": quant_seconds},
         "residual_heads": heads_report,
     }
-    dense = {k: v for k, v in model.state_dict().items() if ".experts." not in k}
-    bf16 = {(l, m): getattr(b.experts, m).detach() for l, b in enumerate(model.moe_blocks) for m in MODULES}
+    dense = {k: v.cpu() for k, v in model.state_dict().items() if ".experts." not in k}
+    bf16 = {(l, m): getattr(b.experts, m).detach().cpu() for l, b in enumerate(model.moe_blocks) for m in MODULES}
     hessians = {(l, m): h[m][l] for l in range(cfg.num_layers) for m in MODULES}
     out = save_paged_model(out_dir, model_dir, cfg, dense, apl, bf16, meta, heads.to_tensors(), hessians)
     log(f"wrote {out} in {time.perf_counter() - started:.1f} s")
