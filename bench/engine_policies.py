@@ -34,7 +34,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=48)
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     from services.cli.bench_cmd import run_engine_bench
@@ -46,7 +46,7 @@ def main() -> None:
             "--requests", str(args.requests), "--concurrency", str(args.concurrency),
             "--prompt-len", str(args.prompt_len), "--max-tokens", str(args.max_tokens),
             "--policy", policy, "--device", args.device,
-            "--max-num-seqs", "16", "--max-num-batched-tokens", "128",
+            "--max-num-seqs", "16", "--max-num-batched-tokens", "128", "--threads", str(args.threads),
         ])
         results[policy] = run_engine_bench(cli)
         print(policy, {k: results[policy][k] for k in (

@@ -45,6 +45,8 @@ def register(subparsers) -> None:
     engine.add_argument("--max-num-batched-tokens", type=int, default=512)
     engine.add_argument("--block-size", type=int, default=16)
     engine.add_argument("--seed", type=int, default=0)
+    engine.add_argument("--threads", type=int, default=1,
+                        help="torch CPU threads (1: OpenMP threads spin on a loaded small machine)")
     parser.set_defaults(handler=run)
 
 
@@ -62,6 +64,7 @@ def run_engine_bench(args) -> dict:
     for name in ("requests", "concurrency", "prompt_len", "max_tokens"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    torch.set_num_threads(max(1, args.threads))
     device = _device(args.device)
     dtype = DTYPES[args.dtype] if args.dtype else (torch.float32 if device.type == "cpu" else torch.bfloat16)
     budget = parse_memory_budget(args.memory_budget, device_memory_bytes(device))
