@@ -72,24 +72,55 @@ __device__ __forceinline__ BlockRef load_block(const long long* __restrict__ des
 // ---------------------------------------------------------------- bit-planes -> codes
 #define DELTA_SWAP(a, b, s, m) { u32 t_ = (((a) >> (s)) ^ (b)) & (m); (b) ^= t_; (a) ^= t_ << (s); }
 
-// pw[p] = word of plane p (column i in bit i). Returns o[k] whose byte lane L holds the
-// 8-bit code of column 8L+k, low (8-B) bits zero: an 8x8 bit transpose in every byte lane.
+// The 32 codes of one plane word (32 columns), rebuilt from pw[p] = word of plane p
+// (column i in bit i) by a bit-matrix transpose done in every nibble or byte lane at once:
+//   B <= 4: o[c] nibble n = code of column 4n+c (4 words, 4x4 transposes: ~0.6 ops/weight)
+//   B >= 5: o[k] byte L = code << (8-B) of column 8L+k (8 words, 8x8 transposes)
+// offset<E>(j) = code of column j times 2^E: a byte offset into a LUT of 2^E-byte entries,
+// whose row base is aligned so that base | offset == base + offset (one LOP3 per weight).
 template <int B>
-__device__ __forceinline__ void planes_to_codes(const u32 (&pw)[8], u32 (&o)[8]) {
-#pragma unroll
-    for (int q = 0; q < 8; ++q) o[q] = (7 - q < B) ? pw[7 - q] : 0u;
-#pragma unroll
-    for (int q = 0; q < 4; ++q) DELTA_SWAP(o[q], o[q + 4], 4, 0x0F0F0F0Fu);
-    DELTA_SWAP(o[0], o[2], 2, 0x33333333u); DELTA_SWAP(o[1], o[3], 2, 0x33333333u);
-    DELTA_SWAP(o[4], o[6], 2, 0x33333333u); DELTA_SWAP(o[5], o[7], 2, 0x33333333u);
-    DELTA_SWAP(o[0], o[1], 1, 0x55555555u); DELTA_SWAP(o[2], o[3], 1, 0x55555555u);
-    DELTA_SWAP(o[4], o[5], 1, 0x55555555u); DELTA_SWAP(o[6], o[7], 1, 0x55555555u);
-}
+struct Codes {
+    static constexpr bool NIB = B <= 4;
+    u32 o[NIB ? 4 : 8];
 
-// b-bit code of column i (0..31) of the word transposed into o.
-template <int B>
-__device__ __forceinline__ u32 code_of(const u32 (&o)[8], int i) {
-    return (o[i & 7] >> (8 * (i >> 3) + 8 - B)) & ((1u << B) - 1u);
+    __device__ __forceinline__ explicit Codes(const u32 (&pw)[8]) {
+        if constexpr (NIB) {
+#pragma unroll
+            for (int j = 0; j < 4; ++j) o[j] = (B - 1 - j >= 0) ? pw[B - 1 - j] : 0u;
+            DELTA_SWAP(o[0], o[2], 2, 0x33333333u); DELTA_SWAP(o[1], o[3], 2, 0x33333333u);
+            DELTA_SWAP(o[0], o[1], 1, 0x55555555u); DELTA_SWAP(o[2], o[3], 1, 0x55555555u);
+        } else {
+#pragma unroll
+            for (int q = 0; q < 8; ++q) o[q] = (7 - q < B) ? pw[7 - q] : 0u;
+#pragma unroll
+            for (int q = 0; q < 4; ++q) DELTA_SWAP(o[q], o[q + 4], 4, 0x0F0F0F0Fu);
+            DELTA_SWAP(o[0], o[2], 2, 0x33333333u); DELTA_SWAP(o[1], o[3], 2, 0x33333333u);
+            DELTA_SWAP(o[4], o[6], 2, 0x33333333u); DELTA_SWAP(o[5], o[7], 2, 0x33333333u);
+            DELTA_SWAP(o[0], o[1], 1, 0x55555555u); DELTA_SWAP(o[2], o[3], 1, 0x55555555u);
+            DELTA_SWAP(o[4], o[5], 1, 0x55555555u); DELTA_SWAP(o[6], o[7], 1, 0x55555555u);
+        }
+    }
+
+    template <int E>
+    __device__ __forceinline__ u32 offset(int j) const {
+        const u32 v = NIB ? o[j & 3] : o[j & 7];
+        const int shift = NIB ? 4 * (j >> 2) - E : 8 * (j >> 3) + 8 - B - E;
+        const u32 mask = ((1u << B) - 1u) << E;
+        return (shift >= 0 ? v >> shift : v << -shift) & mask;
+    }
+};
+
+__device__ __forceinline__ float lds_f32(u32 addr) {
+    float v; asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(addr)); return v;
+}
+__device__ __forceinline__ u16 lds_u16(u32 addr) {
+    u16 v; asm volatile("ld.shared.u16 %0, [%1];" : "=h"(v) : "r"(addr)); return v;
+}
+__device__ __forceinline__ u32 shared_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+// Dynamic shared memory, its start rounded up to 1 KB so LUT rows are aligned (see Codes).
+__device__ __forceinline__ unsigned char* aligned_smem(unsigned char* raw) {
+    const u32 a = shared_addr(raw);
+    return raw + (((a + 1023u) & ~1023u) - a);
 }
 
 // ---------------------------------------------------------------- 1. align
@@ -128,42 +159,6 @@ extern "C" __global__ void moe_align(const long long* __restrict__ topk_ids, int
 }
 
 // ---------------------------------------------------------------- 2/3. decode regime
-// One weight row (columns [c0, c0 + 32*KW)) against NT tokens; this lane takes words
-// lane, lane+LPR, ... Plane words are loaded one word ahead to keep loads in flight.
-template <int B, int NT, int LPR>
-__device__ __forceinline__ void dot_row(const BlockRef& blk, long long word0, int KW, int lane,
-                                        const float* __restrict__ lut_row,
-                                        const float* __restrict__ xs, int xstride,
-                                        float (&acc)[NT]) {
-    u32 cur[8], nxt[8];
-#pragma unroll
-    for (int p = 0; p < 8; ++p) cur[p] = (p < B && lane < KW) ? __ldg(blk.planes[p] + word0 + lane) : 0u;
-    for (int w = lane; w < KW; w += LPR) {
-        const int wn = w + LPR;
-#pragma unroll
-        for (int p = 0; p < 8; ++p) nxt[p] = (p < B && wn < KW) ? __ldg(blk.planes[p] + word0 + wn) : 0u;
-        u32 o[8];
-        planes_to_codes<B>(cur, o);
-        const float* xw = xs + w * NT;
-#pragma unroll
-        for (int i = 0; i < 32; ++i) {
-            const float wv = lut_row[code_of<B>(o, i)];
-            const float* xp = xw + i * xstride;
-            if constexpr (NT == 4) {
-                const float4 v = *reinterpret_cast<const float4*>(xp);
-                acc[0] += wv * v.x; acc[1] += wv * v.y; acc[2] += wv * v.z; acc[3] += wv * v.w;
-            } else if constexpr (NT == 2) {
-                const float2 v = *reinterpret_cast<const float2*>(xp);
-                acc[0] += wv * v.x; acc[1] += wv * v.y;
-            } else {
-                acc[0] += wv * xp[0];
-            }
-        }
-#pragma unroll
-        for (int p = 0; p < 8; ++p) cur[p] = nxt[p];
-    }
-}
-
 // MODE 0 (gate_up): the CTA owns output rows [r0, r0+rpc) of h, i.e. gate rows r0.. and
 // up rows I+r0..; local weight row lw < rpc is a gate row, lw >= rpc an up row.
 // MODE 1 (down): local weight row lw is row r0+lw.
@@ -178,90 +173,156 @@ __device__ __forceinline__ int weight_row(int lw, int r0, int rpc, int rows_out,
     return r0 + lw;
 }
 
+// Decode geometry: a group of LPR lanes owns RPG weight rows and walks their plane words
+// together, so each word's 32 activations (per token) are loaded into registers once and
+// used for RPG rows.
+template <int LPR> struct DecodeShape {
+    static constexpr int RPG = LPR >= 8 ? LPR / 8 : 1;    // weight rows per lane group
+    static constexpr int GROUPS = 256 / LPR;
+    static constexpr int ROWS_W = RPG * GROUPS;          // weight rows per CTA (32, or 64 at LPR 4)
+};
+
+// xs[t][w][32] with the 16-byte chunks of each word swizzled by w: conflict-free float4 reads.
+__device__ __forceinline__ int xs_index(int t, int w, int col, int KW) {
+    return (t * KW + w) * 32 + ((((col >> 2) ^ w) & 7) << 2) + (col & 3);
+}
+
+template <int B, int NT, int LPR>
+__device__ __forceinline__ void decode_rows(const BlockRef& blk, const long long (&word0)[DecodeShape<LPR>::RPG],
+                                            const bool (&valid)[DecodeShape<LPR>::RPG],
+                                            const u32 (&lut_base)[DecodeShape<LPR>::RPG], int KW, int lane,
+                                            const float* __restrict__ xs, float (&acc)[DecodeShape<LPR>::RPG][NT]) {
+    constexpr int RPG = DecodeShape<LPR>::RPG;
+    u32 cur[RPG][8], nxt[RPG][8];
+#pragma unroll
+    for (int r = 0; r < RPG; ++r)
+#pragma unroll
+        for (int p = 0; p < 8; ++p)
+            cur[r][p] = (p < B && valid[r] && lane < KW) ? __ldg(blk.planes[p] + word0[r] + lane) : 0u;
+    for (int w = lane; w < KW; w += LPR) {
+        const int wn = w + LPR;
+#pragma unroll
+        for (int r = 0; r < RPG; ++r)
+#pragma unroll
+            for (int p = 0; p < 8; ++p)
+                nxt[r][p] = (p < B && valid[r] && wn < KW) ? __ldg(blk.planes[p] + word0[r] + wn) : 0u;
+        float xr[NT][32];
+#pragma unroll
+        for (int t = 0; t < NT; ++t)
+#pragma unroll
+            for (int q = 0; q < 8; ++q) {
+                const float4 v = *reinterpret_cast<const float4*>(xs + xs_index(t, w, 4 * q, KW));
+                xr[t][4 * q] = v.x; xr[t][4 * q + 1] = v.y; xr[t][4 * q + 2] = v.z; xr[t][4 * q + 3] = v.w;
+            }
+#pragma unroll
+        for (int r = 0; r < RPG; ++r) {
+            const Codes<B> codes(cur[r]);
+#pragma unroll
+            for (int j = 0; j < 32; ++j) {
+                const float wv = lds_f32(lut_base[r] | codes.template offset<2>(j));
+#pragma unroll
+                for (int t = 0; t < NT; ++t) acc[r][t] += wv * xr[t][j];
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < RPG; ++r)
+#pragma unroll
+            for (int p = 0; p < 8; ++p) cur[r][p] = nxt[r][p];
+    }
+}
+
 // Grid (row tiles, active experts, column splits), 256 threads. rows_out: I (MODE 0) or H.
 // x: MODE 0 the tokens [T, cols] (row = slot / top_k); MODE 1 h [T*k, cols] by sorted position.
 // lut_log2: log2 of the shared LUT row stride (the layer's largest bit-width).
 template <int NT, int LPR, int MODE, bool BF16>
-__global__ void __launch_bounds__(256) apl_decode(
+__global__ void __launch_bounds__(256, 2) apl_decode(
     const long long* __restrict__ desc, const int* __restrict__ active,
     const int* __restrict__ num_active, const int* __restrict__ sorted_slot, int top_k,
-    const u16* __restrict__ x, int rows_out, int cols, int split_cols, int rpc, int lut_log2,
+    const u16* __restrict__ x, int rows_out, int cols, int split_cols, int lut_log2,
     u16* __restrict__ h_out, float* __restrict__ y_out, int num_slots) {
-    extern __shared__ float smem[];
+    using S = DecodeShape<LPR>;
+    constexpr int RPG = S::RPG, ROWS_W = S::ROWS_W, RPC = MODE == 0 ? ROWS_W / 2 : ROWS_W;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
     const int a = blockIdx.y;
     if (a >= *num_active) return;
     const int e = active[3 * a], start = active[3 * a + 1], n = active[3 * a + 2];
     const BlockRef blk = load_block(desc, e);
-    const int r0 = blockIdx.x * rpc;
-    const int nr = min(rpc, rows_out - r0);
-    const int rows_w = MODE == 0 ? 2 * rpc : rpc;  // weight rows in this CTA
+    const int r0 = blockIdx.x * RPC;
+    const int nr = min(RPC, rows_out - r0);
     const int c0 = blockIdx.z * split_cols;
     const int KW = min(split_cols, cols - c0) / 32, words_per_row = cols / 32;
-    const int xstride = KW * NT + NT;  // floats per column-in-word i; +NT pads banks
     const int lut_stride = 1 << lut_log2;
     const bool bad_bits = blk.bits < 3 || blk.bits > lut_log2;
-    float* lut_s = smem;                          // [rows_w][lut_stride] fp32
-    float* xs = lut_s + rows_w * lut_stride;      // [32][KW][NT] (+pad): xs[i][w][t] = x[t][32w+i]
-    float* res = xs + 32 * xstride;               // [rows_w][NT]
+    float* lut_s = reinterpret_cast<float*>(aligned_smem(smem_raw));  // [ROWS_W][lut_stride] fp32
+    float* xs = lut_s + ROWS_W * lut_stride;                           // [NT][KW][32], swizzled
+    float* res = xs + NT * KW * 32;                                    // [ROWS_W][NT]
 
     if (!bad_bits) {
         const int nent = 1 << blk.bits;
-        for (int idx = threadIdx.x; idx < rows_w * nent; idx += blockDim.x) {
+        for (int idx = threadIdx.x; idx < ROWS_W * nent; idx += blockDim.x) {
             const int lw = idx >> blk.bits, ent = idx & (nent - 1);
             bool valid;
-            const int row = weight_row<MODE>(lw, r0, rpc, rows_out, &valid);
+            const int row = weight_row<MODE>(lw, r0, RPC, rows_out, &valid);
             lut_s[lw * lut_stride + ent] =
                 valid ? act_to_float<BF16>(lut_to_act<BF16>(blk.lut[(long long)row * nent + ent])) : 0.f;
         }
     }
-    const int group = threadIdx.x / LPR, lane = threadIdx.x % LPR, num_groups = blockDim.x / LPR;
+    const int group = threadIdx.x / LPR, lane = threadIdx.x % LPR;
+    long long word0[RPG];
+    bool valid[RPG];
+    u32 lut_base[RPG];
+#pragma unroll
+    for (int r = 0; r < RPG; ++r) {
+        const int lw = group + S::GROUPS * r;
+        const int row = weight_row<MODE>(lw, r0, RPC, rows_out, &valid[r]);
+        valid[r] = valid[r] && !bad_bits;
+        word0[r] = (long long)row * words_per_row + c0 / 32;
+        lut_base[r] = shared_addr(lut_s + lw * lut_stride);
+    }
     for (int t0 = 0; t0 < n; t0 += NT) {
         __syncthreads();  // LUT written / previous chunk done with xs and res
-        for (int idx = threadIdx.x; idx < KW * 32 * NT; idx += blockDim.x) {
-            const int t = idx % NT, c = idx / NT;
+        for (int idx = threadIdx.x; idx < NT * KW * 32; idx += blockDim.x) {
+            const int t = idx / (KW * 32), c = idx % (KW * 32);
             float v = 0.f;
             if (t0 + t < n) {
                 const int s = start + t0 + t;
                 const long long row = MODE == 0 ? sorted_slot[s] / top_k : s;
                 v = act_to_float<BF16>(x[row * cols + c0 + c]);
             }
-            xs[(c & 31) * xstride + (c >> 5) * NT + t] = v;
+            xs[xs_index(t, c >> 5, c & 31, KW)] = v;
         }
         __syncthreads();
-        for (int base = 0; base < rows_w; base += num_groups) {
-            const int lw = base + group;
-            bool valid = false;
-            const int row = lw < rows_w ? weight_row<MODE>(lw, r0, rpc, rows_out, &valid) : 0;
-            float acc[NT];
+        float acc[RPG][NT];
 #pragma unroll
-            for (int t = 0; t < NT; ++t) acc[t] = 0.f;
-            if (valid && !bad_bits) {
-                const long long word0 = (long long)row * words_per_row + c0 / 32;
-                const float* lut_row = lut_s + lw * lut_stride;
-                switch (blk.bits) {
-                    case 3: dot_row<3, NT, LPR>(blk, word0, KW, lane, lut_row, xs, xstride, acc); break;
-                    case 4: dot_row<4, NT, LPR>(blk, word0, KW, lane, lut_row, xs, xstride, acc); break;
-                    case 5: dot_row<5, NT, LPR>(blk, word0, KW, lane, lut_row, xs, xstride, acc); break;
-                    case 6: dot_row<6, NT, LPR>(blk, word0, KW, lane, lut_row, xs, xstride, acc); break;
-                    case 7: dot_row<7, NT, LPR>(blk, word0, KW, lane, lut_row, xs, xstride, acc); break;
-                    default: dot_row<8, NT, LPR>(blk, word0, KW, lane, lut_row, xs, xstride, acc); break;
-                }
+        for (int r = 0; r < RPG; ++r)
+#pragma unroll
+            for (int t = 0; t < NT; ++t) acc[r][t] = 0.f;
+        if (!bad_bits) {
+            switch (blk.bits) {
+                case 3: decode_rows<3, NT, LPR>(blk, word0, valid, lut_base, KW, lane, xs, acc); break;
+                case 4: decode_rows<4, NT, LPR>(blk, word0, valid, lut_base, KW, lane, xs, acc); break;
+                case 5: decode_rows<5, NT, LPR>(blk, word0, valid, lut_base, KW, lane, xs, acc); break;
+                case 6: decode_rows<6, NT, LPR>(blk, word0, valid, lut_base, KW, lane, xs, acc); break;
+                case 7: decode_rows<7, NT, LPR>(blk, word0, valid, lut_base, KW, lane, xs, acc); break;
+                default: decode_rows<8, NT, LPR>(blk, word0, valid, lut_base, KW, lane, xs, acc); break;
             }
-#pragma unroll
-            for (int t = 0; t < NT; ++t)
-#pragma unroll
-                for (int off = LPR / 2; off > 0; off >>= 1) acc[t] += __shfl_xor_sync(0xffffffffu, acc[t], off);
-            if (lane == 0 && lw < rows_w)
-#pragma unroll
-                for (int t = 0; t < NT; ++t) res[lw * NT + t] = bad_bits ? __int_as_float(0x7fc00000) : acc[t];
         }
+#pragma unroll
+        for (int r = 0; r < RPG; ++r)
+#pragma unroll
+            for (int t = 0; t < NT; ++t) {
+                float v = acc[r][t];
+#pragma unroll
+                for (int off = LPR / 2; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+                if (lane == 0) res[(group + S::GROUPS * r) * NT + t] = bad_bits ? __int_as_float(0x7fc00000) : v;
+            }
         __syncthreads();
         for (int idx = threadIdx.x; idx < nr * NT; idx += blockDim.x) {
             const int lr = idx / NT, t = idx % NT;
             if (t0 + t >= n) continue;
             const int s = start + t0 + t;
             if (MODE == 0) {
-                const float g = res[lr * NT + t], u = res[(rpc + lr) * NT + t];
+                const float g = res[lr * NT + t], u = res[(RPC + lr) * NT + t];
                 h_out[(long long)s * rows_out + r0 + lr] = float_to_act<BF16>(g / (1.f + __expf(-g)) * u);
             } else {
                 y_out[((long long)blockIdx.z * num_slots + sorted_slot[s]) * rows_out + r0 + lr] = res[lr * NT + t];
@@ -289,17 +350,18 @@ __device__ __forceinline__ void mma16816(float (&c)[4], u32 a0, u32 a1, u32 a2, 
 }
 
 // Dequantise one plane word (32 columns of one row) into 32 act values at dst (16B aligned).
+// lut_base: shared address of the row's LUT (u16 act values), aligned (see Codes).
 template <int B>
-__device__ __forceinline__ void dequant_word(const u32 (&pw)[8], const u16* __restrict__ lut_row, u16* dst) {
-    u32 o[8];
-    planes_to_codes<B>(pw, o);
+__device__ __forceinline__ void dequant_word(const u32 (&pw)[8], u32 lut_base, u16* dst) {
+    const Codes<B> codes(pw);
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
         u32 v[4];
 #pragma unroll
         for (int m = 0; m < 4; ++m) {
-            const int i = q * 8 + 2 * m;
-            v[m] = (u32)lut_row[code_of<B>(o, i)] | ((u32)lut_row[code_of<B>(o, i + 1)] << 16);
+            const int j = q * 8 + 2 * m;
+            v[m] = (u32)lds_u16(lut_base | codes.template offset<1>(j)) |
+                   ((u32)lds_u16(lut_base | codes.template offset<1>(j + 1)) << 16);
         }
         *reinterpret_cast<uint4*>(dst + q * 8) = make_uint4(v[0], v[1], v[2], v[3]);
     }
@@ -320,13 +382,14 @@ __global__ void __launch_bounds__(256) apl_prefill(
     if (a >= *num_active) return;
     const int e = active[3 * a], start = active[3 * a + 1], n = active[3 * a + 2];
     if ((int)blockIdx.z * MT >= n) return;
+    unsigned char* smem = aligned_smem(smem_raw);
     const BlockRef blk = load_block(desc, e);
     const int rpc = MODE == 0 ? PF_ROWS / 2 : PF_ROWS;
     const int r0 = blockIdx.x * rpc;
     const int lut_stride = 1 << lut_log2;
     const bool bad_bits = blk.bits < 3 || blk.bits > lut_log2;
     const int words_per_row = cols / 32;
-    u16* lut_s = reinterpret_cast<u16*>(smem_raw);  // [64][lut_stride] act values
+    u16* lut_s = reinterpret_cast<u16*>(smem);      // [64][lut_stride] act values
     u16* ws = lut_s + PF_ROWS * lut_stride;          // [64][PF_SP]
     u16* xs = ws + PF_ROWS * PF_SP;                   // [MT][PF_SP]
     float* cs = reinterpret_cast<float*>(ws);         // epilogue [MT][PF_CS], reuses ws/xs
@@ -376,7 +439,7 @@ __global__ void __launch_bounds__(256) apl_prefill(
             __syncthreads();  // LUT written / previous step's mma done with ws and xs
             u16* dst = ws + dq_row * PF_SP + dq_word * 32;
             if (dq_valid && k0 / 32 + dq_word < words_per_row) {
-                const u16* lut_row = lut_s + dq_row * lut_stride;
+                const u32 lut_row = shared_addr(lut_s + dq_row * lut_stride);
                 switch (blk.bits) {
                     case 3: dequant_word<3>(pw, lut_row, dst); break;
                     case 4: dequant_word<4>(pw, lut_row, dst); break;

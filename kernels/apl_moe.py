@@ -36,10 +36,10 @@ MAX_EXPERTS = 1024  # moe_align's shared counters
 ACT_DTYPES = (torch.bfloat16, torch.float16)
 
 # Regime choice (per launch, from the host-known average tokens per expert, T*k/E).
-DECODE_MAX_TOKENS_PER_EXPERT = 4.0  # above: tensor-core prefill kernel
-PREFILL_WIDE_TOKENS_PER_EXPERT = 32.0  # above: 64-token tiles, else 32
-DECODE_ROWS_PER_CTA = 32  # weight rows per decode CTA (gate_up: 16 gate + 16 up rows)
+DECODE_MAX_TOKENS_PER_EXPERT = 2.0  # above: tensor-core prefill kernel
+PREFILL_TILES = ((12.0, 16), (40.0, 32))  # (up to this many tokens per expert, token tile); else 64
 DECODE_X_BYTES = 32 * 1024  # shared-memory budget for one column split's activations
+SMEM_ALIGN_PAD = 1024  # kernels round their shared memory start up to 1 KB (aligned LUT rows)
 PREFILL_ROWS, PREFILL_SP = 64, 136  # weight rows per prefill CTA; padded shared row (u16)
 THREADS = 256
 
@@ -208,40 +208,46 @@ def lanes_per_row(words: int) -> int:
     return max((32, 16, 8, 4), key=efficiency)
 
 
+def decode_rows_per_cta(lpr: int) -> int:
+    """Weight rows per decode CTA (DecodeShape in the .cu): lane groups of `lpr` own max(1, lpr/8) rows."""
+    return max(1, lpr // 8) * (THREADS // lpr)
+
+
 def plan_launch(num_tokens: int, top_k: int, num_experts: int, hidden: int, intermediate: int,
                 max_bits: int) -> LaunchPlan:
     """Pick the regime and the grids from host-known sizes only (no look at the routing)."""
     per_expert = num_tokens * top_k / num_experts
     max_active = min(num_experts, num_tokens * top_k)
     if per_expert <= DECODE_MAX_TOKENS_PER_EXPERT:
-        nt = min(4, _next_pow2(math.ceil(1.5 * per_expert)), _next_pow2(num_tokens))
-        gate_up = _decode_plan(0, nt, 2 * intermediate, hidden, intermediate, max_bits, max_active)
-        down = _decode_plan(1, nt, hidden, intermediate, hidden, max_bits, max_active)
+        nt = 1 if num_tokens == 1 else 2  # activations live in registers: a second token is nearly free
+        gate_up = _decode_plan(0, nt, hidden, intermediate, max_bits, max_active)
+        down = _decode_plan(1, nt, intermediate, hidden, max_bits, max_active)
     else:
-        mt = 64 if per_expert > PREFILL_WIDE_TOKENS_PER_EXPERT else 32
+        mt = next((tile for limit, tile in PREFILL_TILES if per_expert <= limit), 64)
         z = max(1, min(math.ceil(num_tokens / mt), math.ceil(per_expert / mt)))
         gate_up = _prefill_plan(0, mt, intermediate, max_bits, max_active, z)
         down = _prefill_plan(1, mt, hidden, max_bits, max_active, z)
     return LaunchPlan(gate_up, down, max_active)
 
 
-def _decode_plan(mode, nt, rows, cols, rows_out, max_bits, max_active) -> GemmPlan:
-    rows_w = DECODE_ROWS_PER_CTA
-    rpc = rows_w // 2 if mode == 0 else rows_w
+def _decode_plan(mode, nt, cols, rows_out, max_bits, max_active) -> GemmPlan:
     # gate_up keeps whole rows (its epilogue needs complete gate and up sums); down splits
     # long rows so one split's activations fit the shared-memory budget.
     splits = 1 if mode == 0 else max(1, math.ceil(cols * nt * 4 / DECODE_X_BYTES))
     split_cols = math.ceil(cols / splits / 32) * 32
     splits = math.ceil(cols / split_cols)
     kw = split_cols // 32
-    shared = 4 * (rows_w * (1 << max_bits) + 32 * (kw * nt + nt) + rows_w * nt)
+    lpr = lanes_per_row(kw)
+    rows_w = decode_rows_per_cta(lpr)
+    rpc = rows_w // 2 if mode == 0 else rows_w
+    shared = SMEM_ALIGN_PAD + 4 * (rows_w * (1 << max_bits) + nt * kw * 32 + rows_w * nt)
     grid = (math.ceil(rows_out / rpc), max_active, splits)
-    return GemmPlan("decode", nt, lanes_per_row(kw), rpc, splits, split_cols, grid, shared)
+    return GemmPlan("decode", nt, lpr, rpc, splits, split_cols, grid, shared)
 
 
 def _prefill_plan(mode, mt, rows_out, max_bits, max_active, z) -> GemmPlan:
     rpc = PREFILL_ROWS // 2 if mode == 0 else PREFILL_ROWS
-    shared = 2 * (PREFILL_ROWS * (1 << max_bits) + (PREFILL_ROWS + mt) * PREFILL_SP)
+    shared = SMEM_ALIGN_PAD + 2 * (PREFILL_ROWS * (1 << max_bits) + (PREFILL_ROWS + mt) * PREFILL_SP)
     grid = (math.ceil(rows_out / rpc), max_active, z)
     return GemmPlan("prefill", mt, 0, rpc, 1, 0, grid, shared)
 
@@ -290,9 +296,19 @@ def _launch(name: str, grid, args, shared: int = 0, block: int = THREADS):
         kernel.max_dynamic_shared_size_bytes = shared
     packed = tuple(np.uint64(a.data_ptr()) if isinstance(a, torch.Tensor) else
                    (np.uint64(0) if a is None else np.int32(a)) for a in args)
-    stream = cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
-    with stream:
+    with _cupy_stream(torch.cuda.current_stream().cuda_stream):  # PyTorch's current stream
         kernel(grid, (block,), packed, shared_mem=shared)
+
+
+@lru_cache(maxsize=64)
+def _cupy_stream(handle: int):
+    import warnings
+
+    import cupy as cp
+
+    with warnings.catch_warnings():  # cupy 14 deprecates ExternalStream for Stream.from_external
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return cp.cuda.ExternalStream(handle)
 
 
 def _flag(dtype) -> str:
@@ -305,7 +321,7 @@ def launch_gemm(mode: int, plan: GemmPlan, desc, active, num_active, sorted_slot
     if plan.regime == "decode":
         name = f"apl_decode<{plan.tokens}, {plan.lanes_per_row}, {mode}, {_flag(x.dtype)}>"
         args = (desc, active, num_active, sorted_slot, top_k, x, rows_out, cols, plan.split_cols,
-                plan.rows_per_cta, max_bits, h_out, y_out, num_slots)
+                max_bits, h_out, y_out, num_slots)
     else:
         name = f"apl_prefill<{plan.tokens}, {mode}, {_flag(x.dtype)}>"
         args = (desc, active, num_active, sorted_slot, top_k, x, rows_out, cols, max_bits, h_out, y_out)

@@ -62,12 +62,15 @@ def test_plan_picks_decode_for_few_tokens_per_expert_and_tensor_cores_for_many()
     one = plan_launch(1, 4, **qwen)
     assert one.gate_up.regime == one.down.regime == "decode" and one.gate_up.tokens == 1
     assert one.max_active == 4 and one.gate_up.grid == (1408 // 16, 4, 1)
-    assert plan_launch(16, 2, **mixtral).gate_up.tokens == 4
+    four = plan_launch(4, 2, **mixtral)
+    assert four.gate_up.regime == "decode" and four.gate_up.tokens == 2
+    sixteen = plan_launch(16, 2, **mixtral)
+    assert sixteen.gate_up.regime == "prefill" and sixteen.gate_up.tokens == 16
     assert plan_launch(64, 4, **qwen).gate_up.regime == "prefill"
     big = plan_launch(256, 2, **mixtral)
     assert big.gate_up.regime == "prefill" and big.gate_up.tokens == 64 and big.max_active == 8
     assert plan_launch(256, 4, **qwen).down.tokens == 32
-    for T in (1, 4, 16):  # decode splits long down rows so a split's activations fit shared memory
+    for T in (1, 2, 4):  # decode splits long down rows so a split's activations fit shared memory
         down = plan_launch(T, 2, **mixtral).down
         assert down.split_cols * down.tokens * 4 <= 32 * 1024 and down.splits * down.split_cols >= 14336
         assert down.shared_bytes <= 227 * 1024

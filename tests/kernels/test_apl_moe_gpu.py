@@ -29,9 +29,12 @@ TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
 CASES = [
     (8, 2, 160, 224, 1, 8, torch.bfloat16),      # decode, 1 token per pass, odd word counts
     (8, 2, 160, 224, 3, 5, torch.float16),       # decode, 2 per pass, idle experts
+    (8, 2, 128, 256, 2, 8, torch.bfloat16),      # decode, 4 lanes per row (micro-mixtral shapes)
     (16, 4, 256, 192, 7, 9, torch.bfloat16),     # decode, tiny-qwen-moe shapes
-    (8, 2, 512, 384, 16, 6, torch.bfloat16),     # decode, 4 per pass, hot expert needs 2+ passes
-    (8, 2, 160, 224, 40, 6, torch.bfloat16),     # prefill, 32-token tiles, partial K steps
+    (8, 2, 512, 384, 8, 6, torch.bfloat16),      # decode, hot expert needs several passes
+    (8, 2, 512, 384, 16, 6, torch.bfloat16),     # prefill, 16-token tiles
+    (8, 2, 160, 224, 40, 6, torch.bfloat16),     # prefill, partial K steps
+    (8, 2, 256, 384, 100, 7, torch.float16),     # prefill, 32-token tiles
     (8, 2, 256, 384, 200, 7, torch.float16),     # prefill, 64-token tiles, several m-tiles
     (60, 4, 2048, 1408, 1, 60, torch.bfloat16),  # Qwen1.5-MoE layer, decode
     (60, 4, 2048, 1408, 64, 40, torch.bfloat16),  # Qwen1.5-MoE layer, prefill
