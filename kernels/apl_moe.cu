@@ -24,6 +24,20 @@
 //
 // No headers: half/bf16 conversions and mma are inline PTX, so NVRTC needs no include path.
 
+// Tuning knobs (NVRTC -D; the launcher passes the same values it plans with).
+#ifndef APL_LDS_MODE
+#define APL_LDS_MODE 1      // LUT reads: 1 asm volatile ld.shared, 2 plain asm, 0 C++ pointer
+#endif
+#ifndef APL_RPG_DIV
+#define APL_RPG_DIV 8       // decode: a group of LPR lanes owns max(1, LPR / APL_RPG_DIV) rows
+#endif
+#ifndef APL_PREFETCH
+#define APL_PREFETCH 1      // decode: load the next plane words before using the current ones
+#endif
+#ifndef APL_DECODE_MIN_BLOCKS
+#define APL_DECODE_MIN_BLOCKS 2
+#endif
+
 typedef unsigned short u16;
 typedef unsigned int u32;
 #define DESC_WIDTH 10
@@ -111,7 +125,13 @@ struct Codes {
 };
 
 __device__ __forceinline__ float lds_f32(u32 addr) {
-    float v; asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(addr)); return v;
+    float v;
+#if APL_LDS_MODE == 2
+    asm("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(addr));
+#else
+    asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(addr));
+#endif
+    return v;
 }
 __device__ __forceinline__ u16 lds_u16(u32 addr) {
     u16 v; asm volatile("ld.shared.u16 %0, [%1];" : "=h"(v) : "r"(addr)); return v;
@@ -177,7 +197,7 @@ __device__ __forceinline__ int weight_row(int lw, int r0, int rpc, int rows_out,
 // together, so each word's 32 activations (per token) are loaded into registers once and
 // used for RPG rows.
 template <int LPR> struct DecodeShape {
-    static constexpr int RPG = LPR >= 8 ? LPR / 8 : 1;    // weight rows per lane group
+    static constexpr int RPG = LPR >= APL_RPG_DIV ? LPR / APL_RPG_DIV : 1;  // weight rows per lane group
     static constexpr int GROUPS = 256 / LPR;
     static constexpr int ROWS_W = RPG * GROUPS;          // weight rows per CTA (32, or 64 at LPR 4)
 };
@@ -190,7 +210,9 @@ __device__ __forceinline__ int xs_index(int t, int w, int col, int KW) {
 template <int B, int NT, int LPR>
 __device__ __forceinline__ void decode_rows(const BlockRef& blk, const long long (&word0)[DecodeShape<LPR>::RPG],
                                             const bool (&valid)[DecodeShape<LPR>::RPG],
-                                            const u32 (&lut_base)[DecodeShape<LPR>::RPG], int KW, int lane,
+                                            const u32 (&lut_base)[DecodeShape<LPR>::RPG],
+                                            const unsigned char* lut_ptr, const u32 (&lut_off)[DecodeShape<LPR>::RPG],
+                                            int KW, int lane,
                                             const float* __restrict__ xs, float (&acc)[DecodeShape<LPR>::RPG][NT]) {
     constexpr int RPG = DecodeShape<LPR>::RPG;
     u32 cur[RPG][8], nxt[RPG][8];
@@ -205,7 +227,7 @@ __device__ __forceinline__ void decode_rows(const BlockRef& blk, const long long
         for (int r = 0; r < RPG; ++r)
 #pragma unroll
             for (int p = 0; p < 8; ++p)
-                nxt[r][p] = (p < B && valid[r] && wn < KW) ? __ldg(blk.planes[p] + word0[r] + wn) : 0u;
+                nxt[r][p] = (APL_PREFETCH && p < B && valid[r] && wn < KW) ? __ldg(blk.planes[p] + word0[r] + wn) : 0u;
         float xr[NT][32];
 #pragma unroll
         for (int t = 0; t < NT; ++t)
@@ -216,10 +238,19 @@ __device__ __forceinline__ void decode_rows(const BlockRef& blk, const long long
             }
 #pragma unroll
         for (int r = 0; r < RPG; ++r) {
+            if (!APL_PREFETCH) {
+#pragma unroll
+                for (int p = 0; p < 8; ++p)
+                    cur[r][p] = (p < B && valid[r]) ? __ldg(blk.planes[p] + word0[r] + w) : 0u;
+            }
             const Codes<B> codes(cur[r]);
 #pragma unroll
             for (int j = 0; j < 32; ++j) {
+#if APL_LDS_MODE == 0
+                const float wv = *reinterpret_cast<const float*>(lut_ptr + (lut_off[r] | codes.template offset<2>(j)));
+#else
                 const float wv = lds_f32(lut_base[r] | codes.template offset<2>(j));
+#endif
 #pragma unroll
                 for (int t = 0; t < NT; ++t) acc[r][t] += wv * xr[t][j];
             }
@@ -235,7 +266,7 @@ __device__ __forceinline__ void decode_rows(const BlockRef& blk, const long long
 // x: MODE 0 the tokens [T, cols] (row = slot / top_k); MODE 1 h [T*k, cols] by sorted position.
 // lut_log2: log2 of the shared LUT row stride (the layer's largest bit-width).
 template <int NT, int LPR, int MODE, bool BF16>
-__global__ void __launch_bounds__(256, 2) apl_decode(
+__global__ void __launch_bounds__(256, APL_DECODE_MIN_BLOCKS) apl_decode(
     const long long* __restrict__ desc, const int* __restrict__ active,
     const int* __restrict__ num_active, const int* __restrict__ sorted_slot, int top_k,
     const u16* __restrict__ x, int rows_out, int cols, int split_cols, int lut_log2,
@@ -270,7 +301,8 @@ __global__ void __launch_bounds__(256, 2) apl_decode(
     const int group = threadIdx.x / LPR, lane = threadIdx.x % LPR;
     long long word0[RPG];
     bool valid[RPG];
-    u32 lut_base[RPG];
+    u32 lut_base[RPG], lut_off[RPG];
+    const unsigned char* lut_ptr = reinterpret_cast<const unsigned char*>(lut_s);
 #pragma unroll
     for (int r = 0; r < RPG; ++r) {
         const int lw = group + S::GROUPS * r;
@@ -278,6 +310,7 @@ __global__ void __launch_bounds__(256, 2) apl_decode(
         valid[r] = valid[r] && !bad_bits;
         word0[r] = (long long)row * words_per_row + c0 / 32;
         lut_base[r] = shared_addr(lut_s + lw * lut_stride);
+        lut_off[r] = (u32)(lw * lut_stride * 4);
     }
     for (int t0 = 0; t0 < n; t0 += NT) {
         __syncthreads();  // LUT written / previous chunk done with xs and res
@@ -299,12 +332,12 @@ __global__ void __launch_bounds__(256, 2) apl_decode(
             for (int t = 0; t < NT; ++t) acc[r][t] = 0.f;
         if (!bad_bits) {
             switch (blk.bits) {
-                case 3: decode_rows<3, NT, LPR>(blk, word0, valid, lut_base, KW, lane, xs, acc); break;
-                case 4: decode_rows<4, NT, LPR>(blk, word0, valid, lut_base, KW, lane, xs, acc); break;
-                case 5: decode_rows<5, NT, LPR>(blk, word0, valid, lut_base, KW, lane, xs, acc); break;
-                case 6: decode_rows<6, NT, LPR>(blk, word0, valid, lut_base, KW, lane, xs, acc); break;
-                case 7: decode_rows<7, NT, LPR>(blk, word0, valid, lut_base, KW, lane, xs, acc); break;
-                default: decode_rows<8, NT, LPR>(blk, word0, valid, lut_base, KW, lane, xs, acc); break;
+                case 3: decode_rows<3, NT, LPR>(blk, word0, valid, lut_base, lut_ptr, lut_off, KW, lane, xs, acc); break;
+                case 4: decode_rows<4, NT, LPR>(blk, word0, valid, lut_base, lut_ptr, lut_off, KW, lane, xs, acc); break;
+                case 5: decode_rows<5, NT, LPR>(blk, word0, valid, lut_base, lut_ptr, lut_off, KW, lane, xs, acc); break;
+                case 6: decode_rows<6, NT, LPR>(blk, word0, valid, lut_base, lut_ptr, lut_off, KW, lane, xs, acc); break;
+                case 7: decode_rows<7, NT, LPR>(blk, word0, valid, lut_base, lut_ptr, lut_off, KW, lane, xs, acc); break;
+                default: decode_rows<8, NT, LPR>(blk, word0, valid, lut_base, lut_ptr, lut_off, KW, lane, xs, acc); break;
             }
         }
 #pragma unroll

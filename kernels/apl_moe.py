@@ -37,11 +37,13 @@ ACT_DTYPES = (torch.bfloat16, torch.float16)
 
 # Regime choice (per launch, from the host-known average tokens per expert, T*k/E).
 DECODE_MAX_TOKENS_PER_EXPERT = 2.0  # above: tensor-core prefill kernel
-PREFILL_TILES = ((12.0, 16), (40.0, 32))  # (up to this many tokens per expert, token tile); else 64
+PREFILL_TILES = ((12.0, 16), (40.0, 32), (80.0, 64))  # (up to this many tokens per expert, tile); else 128
 DECODE_X_BYTES = 32 * 1024  # shared-memory budget for one column split's activations
 SMEM_ALIGN_PAD = 1024  # kernels round their shared memory start up to 1 KB (aligned LUT rows)
 PREFILL_ROWS, PREFILL_SP = 64, 136  # weight rows per prefill CTA; padded shared row (u16)
 THREADS = 256
+# Compile-time knobs of the .cu (see its header); the host plans with the same values.
+KERNEL_DEFINES = {"APL_LDS_MODE": 1, "APL_RPG_DIV": 8, "APL_PREFETCH": 1, "APL_DECODE_MIN_BLOCKS": 2}
 
 
 class APLKernelError(ValueError):
@@ -210,7 +212,7 @@ def lanes_per_row(words: int) -> int:
 
 def decode_rows_per_cta(lpr: int) -> int:
     """Weight rows per decode CTA (DecodeShape in the .cu): lane groups of `lpr` own max(1, lpr/8) rows."""
-    return max(1, lpr // 8) * (THREADS // lpr)
+    return max(1, lpr // KERNEL_DEFINES["APL_RPG_DIV"]) * (THREADS // lpr)
 
 
 def plan_launch(num_tokens: int, top_k: int, num_experts: int, hidden: int, intermediate: int,
@@ -223,7 +225,7 @@ def plan_launch(num_tokens: int, top_k: int, num_experts: int, hidden: int, inte
         gate_up = _decode_plan(0, nt, hidden, intermediate, max_bits, max_active)
         down = _decode_plan(1, nt, intermediate, hidden, max_bits, max_active)
     else:
-        mt = next((tile for limit, tile in PREFILL_TILES if per_expert <= limit), 64)
+        mt = next((tile for limit, tile in PREFILL_TILES if per_expert <= limit), 128)
         z = max(1, min(math.ceil(num_tokens / mt), math.ceil(per_expert / mt)))
         gate_up = _prefill_plan(0, mt, intermediate, max_bits, max_active, z)
         down = _prefill_plan(1, mt, hidden, max_bits, max_active, z)
@@ -278,12 +280,17 @@ def check_inputs(x, topk_ids, topk_weights, layer: APLLayer):
 
 
 # ---------------------------------------------------------------- CUDA launch (cupy)
-@lru_cache(maxsize=None)
 def _kernel(name: str):
+    return _compiled(name, tuple(sorted(KERNEL_DEFINES.items())))
+
+
+@lru_cache(maxsize=None)
+def _compiled(name: str, defines: tuple):
     """Compile (once per process) a module holding one kernel instance, e.g. 'apl_decode<1, 32, 0, true>'."""
     import cupy as cp
 
-    module = cp.RawModule(code=SOURCE.read_text(), options=("-std=c++17",), name_expressions=[name])
+    options = ("-std=c++17", *(f"-D{k}={v}" for k, v in defines))
+    module = cp.RawModule(code=SOURCE.read_text(), options=options, name_expressions=[name])
     return module.get_function(name)
 
 
