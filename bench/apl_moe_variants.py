@@ -23,13 +23,18 @@ PREFILL_SHAPES = [("mixtral-8x7b", 256, "4"), ("qwen1.5-moe-a2.7b", 64, "4")]
 BASE = dict(op.KERNEL_DEFINES)
 VARIANTS = {
     "base": {},
-    "lds_plain_asm": {"APL_LDS_MODE": 2},
+    "umulhi": {"APL_SHIFT_MODE": 1},
     "lds_cxx": {"APL_LDS_MODE": 0},
-    "asm2_rpg2": {"APL_LDS_MODE": 2, "APL_RPG_DIV": 16},
-    "asm2_nopf": {"APL_LDS_MODE": 2, "APL_PREFETCH": 0},
-    "asm2_rpg2_nopf_3blk": {"APL_LDS_MODE": 2, "APL_RPG_DIV": 16, "APL_PREFETCH": 0, "APL_DECODE_MIN_BLOCKS": 3},
+    "rpg2": {"APL_RPG_DIV": 16},
+    "nopf": {"APL_PREFETCH": 0},
+    "umulhi_rpg2_nopf_3blk": {"APL_SHIFT_MODE": 1, "APL_RPG_DIV": 16, "APL_PREFETCH": 0, "APL_DECODE_MIN_BLOCKS": 3},
+    "umulhi_nopf_3blk": {"APL_SHIFT_MODE": 1, "APL_PREFETCH": 0, "APL_DECODE_MIN_BLOCKS": 3},
 }
 PREFILL_VARIANTS = {"tiles_to_128": op.PREFILL_TILES, "tiles_to_64": ((12.0, 16), (40.0, 32))}
+
+
+def layer_calls(x, route, apl):
+    return [lambda c=i % COPIES, i=i: op.apl_moe(x[i], *route[i], apl[c]) for i in range(REPS)]
 
 
 def main():
@@ -42,7 +47,7 @@ def main():
         apl = [layer.apl(bit_assignment(bits, E, 17)) for layer in layers[name]]
         route = routings(T, E, k, REPS, device, seed=T)
         x = [torch.randn(T, H, device=device).bfloat16() for _ in range(REPS)]
-        cases[(name, T, bits)] = [lambda c=i % COPIES, i=i: op.apl_moe(x[i], *route[i], apl[c]) for i in range(REPS)]
+        cases[(name, T, bits)] = layer_calls(x, route, apl)
     for vname, change in VARIANTS.items():
         op.KERNEL_DEFINES.clear()
         op.KERNEL_DEFINES.update(BASE, **change)

@@ -34,6 +34,9 @@
 #ifndef APL_PREFETCH
 #define APL_PREFETCH 1      // decode: load the next plane words before using the current ones
 #endif
+#ifndef APL_SHIFT_MODE
+#define APL_SHIFT_MODE 0    // code extraction: 0 SHF (ALU pipe), 1 right shifts as IMAD.HI (FMA pipe)
+#endif
 #ifndef APL_DECODE_MIN_BLOCKS
 #define APL_DECODE_MIN_BLOCKS 2
 #endif
@@ -120,7 +123,8 @@ struct Codes {
         const u32 v = NIB ? o[j & 3] : o[j & 7];
         const int shift = NIB ? 4 * (j >> 2) - E : 8 * (j >> 3) + 8 - B - E;
         const u32 mask = ((1u << B) - 1u) << E;
-        return (shift >= 0 ? v >> shift : v << -shift) & mask;
+        if (shift > 0) return (APL_SHIFT_MODE ? __umulhi(v, 1u << (32 - shift)) : v >> shift) & mask;
+        return (v << -shift) & mask;
     }
 };
 

@@ -43,7 +43,8 @@ SMEM_ALIGN_PAD = 1024  # kernels round their shared memory start up to 1 KB (ali
 PREFILL_ROWS, PREFILL_SP = 64, 136  # weight rows per prefill CTA; padded shared row (u16)
 THREADS = 256
 # Compile-time knobs of the .cu (see its header); the host plans with the same values.
-KERNEL_DEFINES = {"APL_LDS_MODE": 1, "APL_RPG_DIV": 8, "APL_PREFETCH": 1, "APL_DECODE_MIN_BLOCKS": 2}
+KERNEL_DEFINES = {"APL_LDS_MODE": 1, "APL_RPG_DIV": 8, "APL_PREFETCH": 1, "APL_DECODE_MIN_BLOCKS": 2,
+                  "APL_SHIFT_MODE": 0}
 
 
 class APLKernelError(ValueError):
