@@ -44,14 +44,14 @@ def test_every_block_reads_only_its_own_bits():
 
 
 def test_nested_quantizer_luts_are_cluster_means():
-    w = torch.randn(5, 64)
+    w = torch.randn(5, 64, generator=torch.Generator().manual_seed(4))
     block = quantize_nested(w)
     for b in BIT_WIDTHS:
         codes = unpack_codes(block.planes, b)
         for r in range(5):
             for c in codes[r].unique().tolist():
                 mean = w[r][codes[r] == c].mean()
-                assert abs(block.luts[b][r, c].float() - mean) < 1e-3
+                assert abs(block.luts[b][r, c].float() - mean) <= 1e-3 * max(1.0, abs(mean))  # fp16
     step = (w.max(1).values - w.min(1).values) / 255
     assert ((block.dequantize(8).float() - w).abs() <= step[:, None] + 2e-3).all()  # within its bucket
 
