@@ -19,7 +19,8 @@ from bench.apl_moe_kernel import COPIES, MODELS, REPS, SyntheticLayer, bit_assig
 
 SHAPES = [("mixtral-8x7b", 1, "4"), ("mixtral-8x7b", 1, "8"), ("mixtral-8x7b", 4, "4"),
           ("qwen1.5-moe-a2.7b", 1, "4"), ("qwen1.5-moe-a2.7b", 16, "4")]
-PREFILL_SHAPES = [("mixtral-8x7b", 256, "4"), ("qwen1.5-moe-a2.7b", 64, "4")]
+PREFILL_SHAPES = [("mixtral-8x7b", 256, "4"), ("mixtral-8x7b", 16, "4"), ("qwen1.5-moe-a2.7b", 64, "4"),
+                  ("qwen1.5-moe-a2.7b", 256, "4")]
 BASE = dict(op.KERNEL_DEFINES)
 VARIANTS = {
     "base": {},
@@ -30,7 +31,12 @@ VARIANTS = {
     "umulhi_rpg2_nopf_3blk": {"APL_SHIFT_MODE": 1, "APL_RPG_DIV": 16, "APL_PREFETCH": 0, "APL_DECODE_MIN_BLOCKS": 3},
     "umulhi_nopf_3blk": {"APL_SHIFT_MODE": 1, "APL_PREFETCH": 0, "APL_DECODE_MIN_BLOCKS": 3},
 }
-PREFILL_VARIANTS = {"tiles_to_128": op.PREFILL_TILES, "tiles_to_64": ((12.0, 16), (40.0, 32))}
+PREFILL_VARIANTS = {  # name -> (tiles, defines)
+    "base": (op.PREFILL_TILES, {}),
+    "3_blocks": (op.PREFILL_TILES, {"APL_PREFILL_MIN_BLOCKS": 3}),
+    "2_blocks": (op.PREFILL_TILES, {"APL_PREFILL_MIN_BLOCKS": 2}),
+    "3_blocks_tiles_to_64": (((12.0, 16), (40.0, 32)), {"APL_PREFILL_MIN_BLOCKS": 3}),
+}
 
 
 def layer_calls(x, route, apl):
@@ -48,15 +54,17 @@ def main():
         route = routings(T, E, k, REPS, device, seed=T)
         x = [torch.randn(T, H, device=device).bfloat16() for _ in range(REPS)]
         cases[(name, T, bits)] = layer_calls(x, route, apl)
-    for vname, change in VARIANTS.items():
+    for vname, change in (VARIANTS.items() if "--decode" in sys.argv else ()):
         op.KERNEL_DEFINES.clear()
         op.KERNEL_DEFINES.update(BASE, **change)
         for shape in SHAPES:
             print(f"{vname:22s} {shape[0]:18s} T={shape[1]:3d} bits={shape[2]}  {time_calls(cases[shape]):8.1f} us", flush=True)
     op.KERNEL_DEFINES.clear()
     op.KERNEL_DEFINES.update(BASE)
-    for vname, tiles in PREFILL_VARIANTS.items():
+    for vname, (tiles, change) in PREFILL_VARIANTS.items():
         op.PREFILL_TILES = tiles
+        op.KERNEL_DEFINES.clear()
+        op.KERNEL_DEFINES.update(BASE, **change)
         for shape in PREFILL_SHAPES:
             print(f"{vname:22s} {shape[0]:18s} T={shape[1]:3d} bits={shape[2]}  {time_calls(cases[shape]):8.1f} us", flush=True)
 

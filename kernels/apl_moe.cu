@@ -37,6 +37,9 @@
 #ifndef APL_SHIFT_MODE
 #define APL_SHIFT_MODE 0    // code extraction: 0 SHF (ALU pipe), 1 right shifts as IMAD.HI (FMA pipe)
 #endif
+#ifndef APL_PREFILL_MIN_BLOCKS
+#define APL_PREFILL_MIN_BLOCKS 1  // prefill CTAs per SM the register budget must allow (tiles <= 64)
+#endif
 #ifndef APL_DECODE_MIN_BLOCKS
 #define APL_DECODE_MIN_BLOCKS 2
 #endif
@@ -407,7 +410,7 @@ __device__ __forceinline__ void dequant_word(const u32 (&pw)[8], u32 lut_base, u
 // Grid (row tiles of 64 weight rows, active experts, m-tile groups), 256 threads (8 warps).
 // MODE 0: the 64 weight rows are 32 gate rows and their 32 up rows (h columns r0..r0+31).
 template <int MT, int MODE, bool BF16>
-__global__ void __launch_bounds__(256) apl_prefill(
+__global__ void __launch_bounds__(256, (MT <= 64 ? APL_PREFILL_MIN_BLOCKS : 1)) apl_prefill(
     const long long* __restrict__ desc, const int* __restrict__ active,
     const int* __restrict__ num_active, const int* __restrict__ sorted_slot, int top_k,
     const u16* __restrict__ x, int rows_out, int cols, int lut_log2,

@@ -44,7 +44,7 @@ PREFILL_ROWS, PREFILL_SP = 64, 136  # weight rows per prefill CTA; padded shared
 THREADS = 256
 # Compile-time knobs of the .cu (see its header); the host plans with the same values.
 KERNEL_DEFINES = {"APL_LDS_MODE": 1, "APL_RPG_DIV": 8, "APL_PREFETCH": 1, "APL_DECODE_MIN_BLOCKS": 2,
-                  "APL_SHIFT_MODE": 0}
+                  "APL_SHIFT_MODE": 0, "APL_PREFILL_MIN_BLOCKS": 1}
 
 
 class APLKernelError(ValueError):
