@@ -106,6 +106,7 @@ class APLLayer:
     intermediate: int = field(init=False)
     gate_up_desc: torch.Tensor = field(init=False)  # int64 [E, DESC_WIDTH] on the blocks' device
     down_desc: torch.Tensor = field(init=False)
+    max_bits: int = field(init=False)  # largest committed bit-width: sizes the kernels' shared LUTs
 
     def __post_init__(self):
         self.num_experts = len(self.gate_up)
@@ -131,22 +132,19 @@ class APLLayer:
     def device(self) -> torch.device:
         return self.gate_up[0].device
 
-    @property
-    def max_bits(self) -> int:
-        """Largest committed bit-width: sizes the kernels' shared LUTs."""
-        return max(b.bits for b in self.gate_up + self.down)
-
     def set_block(self, expert: int, module: str, block: ResidentBlock):
         """Point one block at new planes/LUT (a page-table commit) and rewrite its descriptor row."""
         self._check_block(expert, module, block)
         getattr(self, module)[expert] = block
         desc = self.gate_up_desc if module == "gate_up" else self.down_desc
         desc[expert].copy_(torch.tensor(block.descriptor(), dtype=torch.int64))
+        self.max_bits = max(b.bits for b in self.gate_up + self.down)
 
     def refresh(self):
         """Rebuild both descriptor tensors from the blocks (host -> device copy)."""
         self.gate_up_desc = _descriptors(self.gate_up, self.device)
         self.down_desc = _descriptors(self.down, self.device)
+        self.max_bits = max(b.bits for b in self.gate_up + self.down)
 
     def nbytes_active(self, expert_ids) -> int:
         """Plane + LUT bytes the kernel reads for these experts at their committed bits."""

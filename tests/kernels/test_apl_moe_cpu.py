@@ -122,7 +122,7 @@ def test_apl_experts_on_cpu_runs_the_reference_and_commits_new_bits():
     torch.testing.assert_close(before, apl_moe_reference(x, ids, w, experts.layer))
     e = ids[0, 0].item()
     experts.commit_block(e, "down", resident_block(down[e], 8, "cpu"))
-    assert experts.layer.down_desc[e, 0].item() == 8
+    assert experts.layer.down_desc[e, 0].item() == 8 and experts.layer.max_bits == 8
     after = experts(x, ids, w)
     assert not torch.allclose(before, after)
     torch.testing.assert_close(after, apl_moe_reference(x, ids, w, experts.layer))
