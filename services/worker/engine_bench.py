@@ -35,13 +35,19 @@ def mean_committed_bits(runtime: WorkerRuntime) -> float:
     return sum(e.committed_bits * e.num_weights for e in entries) / max(num_weights, 1)
 
 
-def run_load(runtime: WorkerRuntime, spec: LoadSpec) -> dict:
-    engine = runtime.engine
+@dataclass
+class LoadResult:
+    completed: int  # requests finished with "length" (EOS is ignored)
+    failed: int  # requests that finished any other way
+    output_tokens: int
+    elapsed_s: float
+
+
+def drive_load(engine, spec: LoadSpec, after_step=lambda: None) -> LoadResult:
+    """Keep `concurrency` random requests in flight until `num_requests` have finished."""
     vocab = engine.model.config.vocab_size
     gen = torch.Generator().manual_seed(spec.seed)
     params = SamplingParams(max_tokens=spec.max_tokens, ignore_eos=True)
-    bits_start = bits_min = mean_committed_bits(runtime)
-    moves0, plans0 = _pager_counts(runtime)  # start-up loading is not part of the load
     sent = completed = failed = output_tokens = 0
     in_flight: set[str] = set()
     start = time.perf_counter()
@@ -59,19 +65,31 @@ def run_load(runtime: WorkerRuntime, spec: LoadSpec) -> dict:
                     completed += 1
                 else:
                     failed += 1
-        bits_min = min(bits_min, mean_committed_bits(runtime))
-    elapsed = time.perf_counter() - start
+        after_step()
+    return LoadResult(completed, failed, output_tokens, time.perf_counter() - start)
+
+
+def run_load(runtime: WorkerRuntime, spec: LoadSpec) -> dict:
+    engine = runtime.engine
+    bits_start = mean_committed_bits(runtime)
+    bits_min = [bits_start]
+    moves0, plans0 = _pager_counts(runtime)  # start-up loading is not part of the load
+
+    def track_bits():
+        bits_min[0] = min(bits_min[0], mean_committed_bits(runtime))
+
+    load = drive_load(engine, spec, track_bits)
     drain_steps = _drain(runtime, spec.max_drain_steps)
     pool = runtime.pool.snapshot()
     stats = engine.stats()
     pager = runtime.pager.stats() if runtime.pager is not None else None
     moves, plans = _pager_counts(runtime)
     return {
-        "requests_completed": completed,
-        "requests_failed": failed,
-        "output_tokens": output_tokens,
-        "elapsed_s": round(elapsed, 3),
-        "output_tokens_per_s": round(output_tokens / elapsed, 2),
+        "requests_completed": load.completed,
+        "requests_failed": load.failed,
+        "output_tokens": load.output_tokens,
+        "elapsed_s": round(load.elapsed_s, 3),
+        "output_tokens_per_s": round(load.output_tokens / load.elapsed_s, 2),
         "preemptions": stats.num_preemptions,
         "peak_pool_bytes": pool.peak_in_use_bytes,
         "peak_reserved_bytes": pool.peak_reserved_bytes,
@@ -83,7 +101,7 @@ def run_load(runtime: WorkerRuntime, spec: LoadSpec) -> dict:
         "steps": stats.num_steps,
         "drain_steps": drain_steps,
         "bits_mean_start": round(bits_start, 4),
-        "bits_mean_min": round(bits_min, 4),
+        "bits_mean_min": round(bits_min[0], 4),
         "bits_mean_end": round(mean_committed_bits(runtime), 4),
         "bits_histogram_end": pager.to_dict()["bits_histogram"] if pager else None,
     }
