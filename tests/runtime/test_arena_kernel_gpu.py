@@ -18,24 +18,25 @@ pytestmark = [
 ]
 
 
-def logits_both_paths(model, ids):
-    """Logits with the kernel and with the torch reference, same committed bits."""
-    experts = [moe.experts for moe in model.moe_blocks]
-    assert all(isinstance(e, ArenaExperts) and e.use_kernel for e in experts)
+def run(model, ids, use_kernel: bool) -> torch.Tensor:
+    for moe in model.moe_blocks:
+        moe.experts.use_kernel = use_kernel
     with torch.inference_mode():
-        kernel = model(ids).float()
-        for e in experts:
-            e.use_kernel = False
-        reference = model(ids).float()
-        for e in experts:
-            e.use_kernel = True
-    return kernel, reference
+        return model(ids).float()
 
 
-def assert_close_bf16(kernel, reference):
-    rel = (kernel - reference).norm() / reference.norm()
-    assert rel < 2e-2, f"kernel vs reference relative error {rel:.4f}"
-    assert (kernel.argmax(-1) == reference.argmax(-1)).float().mean() > 0.95
+def assert_kernel_within_bf16_bounds(model, ids):
+    """The kernel (bf16 in, fp32 accumulation) is at least as close to an fp32 computation
+    at the same committed bits as the bf16 torch reference path is."""
+    assert all(isinstance(m.experts, ArenaExperts) and m.experts.use_kernel for m in model.moe_blocks)
+    exact = run(model.float(), ids, use_kernel=False)  # fp32 everywhere, same bf16 weights
+    model.to(torch.bfloat16)  # bf16 -> fp32 -> bf16 is exact
+    reference = run(model, ids, use_kernel=False)
+    kernel = run(model, ids, use_kernel=True)
+    err_kernel = ((kernel - exact).norm() / exact.norm()).item()
+    err_reference = ((reference - exact).norm() / exact.norm()).item()
+    assert err_kernel <= 1.25 * err_reference + 1e-3, (err_kernel, err_reference)
+    assert (kernel.argmax(-1) == exact.argmax(-1)).float().mean() >= 0.9
 
 
 def test_kernel_follows_the_page_table_while_bits_move(paged_micro_dir):
@@ -45,7 +46,7 @@ def test_kernel_follows_the_page_table_while_bits_move(paged_micro_dir):
     try:
         model = runtime.engine.model
         ids = torch.randint(1, 4096, (2, 40), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
-        assert_close_bf16(*logits_both_paths(model, ids))
+        assert_kernel_within_bf16_bounds(model, ids)
         before = dict(runtime.table.committed_bits())
 
         # Lower bits through the pager, as KV pressure would, and let the moves commit.
@@ -57,9 +58,8 @@ def test_kernel_follows_the_page_table_while_bits_move(paged_micro_dir):
             time.sleep(0.005)
         after = runtime.table.committed_bits()
         assert any(after[b] < before[b] for b in before), "the pager lowered no block"
-        kernel, reference = logits_both_paths(model, ids)
-        assert_close_bf16(kernel, reference)
-        # The kernel computes at the new bits: its output moved with the reference's.
+        assert_kernel_within_bf16_bounds(model, ids)
+        # The kernel's descriptors show exactly the newly committed bits.
         layer = model.moe_blocks[0].experts.kernel_layer()
         assert [b.bits for b in layer.gate_up] == [
             after[bid] for bid in sorted(after) if bid.layer == 0 and bid.module == "gate_up"
