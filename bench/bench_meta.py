@@ -31,6 +31,10 @@ def machine() -> dict:
 
 
 def commit() -> str:
+    """HEAD (with -dirty for uncommitted changes); PAGEDWEIGHT_COMMIT where the tree is no
+    git checkout (the GPU machine receives a copy of the working tree)."""
+    if os.environ.get("PAGEDWEIGHT_COMMIT"):
+        return os.environ["PAGEDWEIGHT_COMMIT"]
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                              check=True, cwd=Path(__file__).parent).stdout.strip()
