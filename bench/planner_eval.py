@@ -161,7 +161,9 @@ def markdown(payload: dict) -> str:
              f"Per model and domain: {payload['prompt_tokens']} prompt tokens (the traffic the planner "
              f"sees), then {payload['eval_tokens']} scored tokens (windows of {payload['seq_len']}) of the "
              "domain's `valid` text. Budget = bytes of the uniform B-bit model, LUTs included. "
-             "Lower is better; **bold** = best in the row.", ""]
+             "Lower is better; **bold** = best in the row. What the numbers say, where the full "
+             "policy loses and why: docs/planner.md (Figures); the noise band: "
+             "bench/results/planner_eval_reference.json.", ""]
     for name, res in payload["results"].items():
         lines += [f"## {name}", "", "Mean perplexity over the four domains:", "",
                   "| budget | " + " | ".join(POLICY_NAMES) + " |", "|---" * (len(POLICY_NAMES) + 1) + "|"]
