@@ -33,6 +33,8 @@ def register(subparsers) -> None:
     parser.add_argument("--policy", default="pagedweight", choices=POLICY_NAMES, help="default: pagedweight")
     parser.add_argument("--prompt-file", default=None, help="UTF-8 text whose routing the plan adapts to")
     parser.add_argument("--prompt-tokens", type=int, default=1024, help="use at most N prompt tokens")
+    parser.add_argument("--sensitivity", default="sensitivity", choices=("sensitivity", "sensitivity_gn"),
+                        help="the artifact's S table: output-space (default) or Gauss-Newton")
     parser.add_argument("--scales", default=None,
                         help="loss scales from `pagedweight plan-scales` (default: raw sensitivity)")
     parser.add_argument("--out", required=True, help="where to write the JSON bits map")
@@ -63,13 +65,16 @@ def run_plan(args) -> int:
         raise UserError(f"{args.model}: paged model directory does not exist")
     if args.prompt_tokens < 1:
         raise UserError(f"--prompt-tokens must be >= 1, got {args.prompt_tokens}")
-    inputs = load_planner_inputs(args.model)
+    inputs = load_planner_inputs(args.model, sensitivity=args.sensitivity)
     table = inputs.table
     budget = resolve_budget(table, args.expert_bytes, args.avg_bits)
     context = PlanContext()
     if args.prompt_file is not None:
         context = context_from_prompt(args.model, read_text(args.prompt_file), inputs, args.prompt_tokens)
     scales = GroupScales.read(args.scales) if args.scales else None
+    if scales is not None and scales.sensitivity != args.sensitivity:
+        raise UserError(f"{args.scales}: scales were measured for the {scales.sensitivity!r} table, "
+                        f"not --sensitivity {args.sensitivity}")
     plan = make_policy(args.policy, table, scales=scales).plan(budget, context)
     # one damage model, the full one, as the yardstick for every policy's plan
     yardstick = make_policy("pagedweight", table, scales=scales)
@@ -81,6 +86,7 @@ def run_plan(args) -> int:
         "predicted_damage": plan_damage(damage, plan.bits),
         "bits_histogram": {str(b): int(n) for b, n in enumerate(np.bincount(plan.bits, minlength=9)) if b >= 3},
         "floors_relaxed": plan.floors_relaxed, "prompt_file": args.prompt_file, "scales": args.scales,
+        "sensitivity": args.sensitivity,
         "out": args.out,
     }))
     return 0

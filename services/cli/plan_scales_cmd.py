@@ -22,6 +22,8 @@ def register(subparsers) -> None:
     parser.add_argument("--calib", nargs="+", default=None, metavar="FILE",
                         help="calibration text files (default: the corpus *.calib.txt)")
     parser.add_argument("--tokens", type=int, default=256, help="tokens taken from each file")
+    parser.add_argument("--sensitivity", default="sensitivity", choices=("sensitivity", "sensitivity_gn"),
+                        help="the artifact's S table the scales are for (plan must use the same)")
     parser.set_defaults(handler=run_plan_scales)
 
 
@@ -40,7 +42,7 @@ def run_plan_scales(args) -> int:
         raise UserError(f"{args.model}: paged model directory does not exist")
     if args.tokens < 2:
         raise UserError(f"--tokens must be >= 2, got {args.tokens}")
-    table = load_planner_inputs(args.model, with_heads=False).table
+    table = load_planner_inputs(args.model, with_heads=False, sensitivity=args.sensitivity).table
     files = [Path(f) for f in args.calib] if args.calib else default_calib_files()
     tokenizer = Tokenizer(args.model)
     windows = [tokenizer.encode(read_text(str(f)))[: args.tokens] for f in files]
@@ -53,7 +55,8 @@ def run_plan_scales(args) -> int:
         set_model_bits(model, {b: int(v) for b, v in zip(table.block_ids, bits)})
 
     scales = measure_group_scales(model, table, windows, set_bits)
-    record = {"model": args.model, "calib_files": [str(f) for f in files], **scales.to_json()}
+    record = {"model": args.model, "calib_files": [str(f) for f in files], **scales.to_json(),
+              "sensitivity": args.sensitivity}
     try:
         Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
     except OSError as err:

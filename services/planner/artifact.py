@@ -27,24 +27,34 @@ class PagedPlannerInputs:
     meta_path: Path
 
 
-def load_planner_inputs(model_dir: str | Path, with_heads: bool = True) -> PagedPlannerInputs:
+SENSITIVITY_TABLES = ("sensitivity", "sensitivity_gn")  # output-space S (default), Gauss-Newton S
+
+
+def load_planner_inputs(model_dir: str | Path, with_heads: bool = True,
+                        sensitivity: str = "sensitivity") -> PagedPlannerInputs:
+    """`sensitivity`: which of the artifact's tables is S (SENSITIVITY_TABLES)."""
     from services.worker.weights.paged_model import META_FILE, read_meta
 
     path = Path(model_dir)
     meta = read_meta(path)  # raises CheckpointError for a missing/unknown/corrupt directory
-    table = table_from_meta(meta, path / META_FILE)
+    table = table_from_meta(meta, path / META_FILE, sensitivity)
     heads = load_heads(path, meta) if with_heads else None
     top_k = int(meta["model_config"].get("num_experts_per_tok", 2))
     keys = [b["key"] for b in meta["blocks"]]
     return PagedPlannerInputs(table, top_k, heads, keys, path / META_FILE)
 
 
-def table_from_meta(meta: dict, where: Path) -> BlockTable:
+def table_from_meta(meta: dict, where: Path, sensitivity_key: str = "sensitivity") -> BlockTable:
+    if sensitivity_key not in SENSITIVITY_TABLES:
+        raise ValueError(f"sensitivity table must be one of {SENSITIVITY_TABLES}, got {sensitivity_key!r}")
+    if meta.get(sensitivity_key) is None:
+        raise CheckpointError(f"{where}: the artifact has no {sensitivity_key!r} table "
+                              f"(re-run `pagedweight quantize` to add it)")
     try:
         blocks = meta["blocks"]
         block_ids = [BlockId.parse(b["key"]) for b in blocks]
         shapes = [(int(b["rows"]), int(b["cols"])) for b in blocks]
-        sensitivity = np.array([[float(meta["sensitivity"][b["key"]][str(w)]) for w in BIT_WIDTHS]
+        sensitivity = np.array([[float(meta[sensitivity_key][b["key"]][str(w)]) for w in BIT_WIDTHS]
                                 for b in blocks], dtype=np.float64)
         num_layers, num_experts = int(meta["num_layers"]), int(meta["num_experts"])
         routing = meta["routing"]

@@ -40,6 +40,7 @@ class GroupScales:
     scales: dict[str, float]  # "L3.gate_up" -> scale (loss units per S unit)
     kl: dict[str, float]  # "L3.gate_up" -> measured mean KL at 3 bits (nats per token)
     num_tokens: int
+    sensitivity: str = "sensitivity"  # which artifact table the scales calibrate
 
     def to_json(self) -> dict:
         return {"scales": self.scales, "kl_at_3_bits": self.kl, "num_tokens": self.num_tokens,
@@ -50,7 +51,8 @@ class GroupScales:
         try:
             raw = json.loads(Path(path).read_text())
             return cls({k: float(v) for k, v in raw["scales"].items()},
-                       {k: float(v) for k, v in raw.get("kl_at_3_bits", {}).items()}, int(raw.get("num_tokens", 0)))
+                       {k: float(v) for k, v in raw.get("kl_at_3_bits", {}).items()},
+                       int(raw.get("num_tokens", 0)), str(raw.get("sensitivity", "sensitivity")))
         except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
             raise UserError(f"{path}: not a planner scales file ({err})") from None
 

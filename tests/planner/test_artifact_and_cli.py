@@ -60,6 +60,15 @@ def test_table_from_meta_reads_bytes_sensitivity_and_routing(tmp_path):
     assert table.calib_mass[0, 0] == pytest.approx(meta["routing"]["routing_mass"][0][0] / 1000)
 
 
+def test_table_from_meta_reads_the_gauss_newton_table_when_asked(tmp_path):
+    meta = synthetic_meta()
+    with pytest.raises(CheckpointError, match="sensitivity_gn"):
+        table_from_meta(meta, tmp_path, "sensitivity_gn")
+    meta["sensitivity_gn"] = {k: {b: 2 * v for b, v in row.items()} for k, row in meta["sensitivity"].items()}
+    plain, gn = table_from_meta(meta, tmp_path), table_from_meta(meta, tmp_path, "sensitivity_gn")
+    assert np.allclose(gn.sensitivity, 2 * plain.sensitivity)
+
+
 def test_table_from_meta_rejects_bytes_that_disagree_with_the_format(tmp_path):
     meta = synthetic_meta()
     meta["blocks"][3]["bytes"]["5"] += 1
@@ -94,6 +103,18 @@ def test_plan_cli_expert_bytes_and_bad_input(paged_dir, tmp_path, capsys):
     assert main(["plan", "--model", str(tmp_path / "nope"), "--avg-bits", "4", "--out", str(out)]) == 2
     with pytest.raises(SystemExit):  # argparse: exactly one of the budget flags
         main(["plan", "--model", str(paged_dir), "--out", str(out)])
+
+
+def test_plan_cli_refuses_scales_measured_for_another_table(paged_dir, tmp_path, capsys):
+    scales = tmp_path / "scales.json"
+    groups = {f"L{l}.{m}": 1.0 for l in range(LAYERS) for m in MODULES}
+    scales.write_text(json.dumps({"scales": groups, "sensitivity": "sensitivity_gn"}))
+    args = ["plan", "--model", str(paged_dir), "--avg-bits", "4", "--scales", str(scales),
+            "--out", str(tmp_path / "plan.json")]
+    assert main(args) == 2
+    assert "sensitivity_gn" in capsys.readouterr().err
+    scales.write_text(json.dumps({"scales": groups}))  # no table named: the default one
+    assert main(args) == 0
 
 
 def test_loss_scales_multiply_each_group_and_must_cover_every_group(tmp_path):
