@@ -54,8 +54,8 @@ SCALE_TOKENS = 256  # calibration tokens per domain for the loss scales (calib f
 class Evaluator:
     """One loaded paged model; perplexity of a bit plan on a token list, cached per plan."""
 
-    def __init__(self, model_dir: Path, seq_len: int):
-        self.inputs = load_planner_inputs(model_dir)
+    def __init__(self, model_dir: Path, seq_len: int, sensitivity: str = "sensitivity"):
+        self.inputs = load_planner_inputs(model_dir, sensitivity=sensitivity)
         self.table = self.inputs.table
         self.model = build_paged_lm(load_paged_model(model_dir, with_bf16=False), dtype=torch.float32)
         self.tokenizer = Tokenizer(str(model_dir))
