@@ -39,3 +39,39 @@ def corpus_dir() -> Path:
     if not CORPUS_DIR.is_dir():
         pytest.skip("../shared/data/corpus is not present")
     return CORPUS_DIR
+
+
+@pytest.fixture(scope="session")
+def paged_micro_dir(tmp_path_factory) -> Path:
+    """micro-mixtral as a paged model directory, built fast for runtime tests: nested
+    uniform APL codes (services/worker/weights/synthetic.py) instead of the calibrated
+    quantiser, the uniform grid's expected squared error as sensitivity, uniform routing."""
+    import torch
+
+    from services.worker.model import load_model
+    from services.worker.weights.apl_format import BIT_WIDTHS, MODULES, BlockId
+    from services.worker.weights.paged_model import LayerPlanes, save_paged_model
+    from services.worker.weights.synthetic import nested_uniform_block
+
+    model = load_model(BUNDLED_MODEL, dtype=torch.float32)
+    config = model.config
+    L, E = config.num_layers, config.num_experts
+    apl, bf16, sensitivity = {}, {}, {}
+    for layer, moe in enumerate(model.moe_blocks):
+        for module in MODULES:
+            weights = getattr(moe.experts, module).detach()
+            blocks = [nested_uniform_block(weights[e]) for e in range(E)]
+            luts = {b: torch.stack([blk.luts[b] for blk in blocks]) for b in BIT_WIDTHS}
+            apl[(layer, module)] = LayerPlanes(torch.stack([blk.planes for blk in blocks]), luts)
+            bf16[(layer, module)] = weights
+            row_range = weights.amax(-1) - weights.amin(-1)  # [E, rows]
+            for e in range(E):
+                cols = weights.shape[-1]  # a b-bit bucket of width w has error w^2 / 12 per weight
+                sensitivity[BlockId(layer, e, module).key()] = {
+                    str(b): float(((row_range[e] / 2**b) ** 2 / 12 * cols).sum()) for b in BIT_WIDTHS
+                }
+    routing = {"num_tokens": 1, "token_counts": [[1] * E] * L, "routing_mass": [[1.0] * E] * L}
+    dense = {k: v for k, v in model.state_dict().items() if ".experts." not in k}
+    out = tmp_path_factory.mktemp("paged_micro") / "micro"
+    return save_paged_model(out, BUNDLED_MODEL, config, dense, apl, bf16,
+                            {"routing": routing, "sensitivity": sensitivity})

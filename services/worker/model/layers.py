@@ -84,6 +84,20 @@ class Attention(nn.Module):
         out = causal_attention(q, k, v, start_pos)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
+    def forward_paged(self, x: torch.Tensor, cos, sin, step) -> torch.Tensor:
+        """Varlen step: x [T, H] holds the new tokens of many sequences (see paged_attention)."""
+        from services.worker.model.paged_attention import paged_attention
+
+        T = x.shape[0]
+        q = self.q_proj(x).view(1, T, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(1, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(1, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        # [1, heads, T, D] -> [T, heads, D]
+        q, k, v = (t[0].transpose(0, 1) for t in (q, k, v))
+        out = paged_attention(self.layer_idx, q, k, v, step)  # [T, N, D]
+        return self.o_proj(out.reshape(T, -1))
+
 
 def causal_attention(q, k, v, start_pos: int) -> torch.Tensor:
     """q [B, N, T, D] attends to k, v [B, G, S, D] where query t sits at start_pos + t."""

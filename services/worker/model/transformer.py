@@ -23,6 +23,10 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, start_pos, kv_cache)
         return x + self.moe(self.post_attention_layernorm(x))
 
+    def forward_paged(self, x, cos, sin, step):
+        x = x + self.self_attn.forward_paged(self.input_layernorm(x), cos, sin, step)
+        return x + self.moe(self.post_attention_layernorm(x))
+
 
 class MoECausalLM(nn.Module):
     def __init__(self, config: ModelConfig):
@@ -59,3 +63,16 @@ class MoECausalLM(nn.Module):
         for layer in self.layers:
             x = layer(x, cos, sin, start_pos, kv_cache)
         return self.lm_head(self.norm(x))
+
+    def forward_paged(
+        self,
+        input_ids: torch.Tensor,  # [T]: the new tokens of every sequence in the step
+        step,  # PagedStep: positions, block tables, slots (services/worker/model/paged_attention.py)
+        logits_indices: torch.Tensor,  # [n]: the tokens whose next-token logits are wanted
+    ) -> torch.Tensor:  # logits [n, V]
+        """One continuous-batching step over the paged KV cache."""
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary.cos_sin(step.positions[None], x.dtype)  # [1, 1, T, D]
+        for layer in self.layers:
+            x = layer.forward_paged(x, cos, sin, step)
+        return self.lm_head(self.norm(x[logits_indices]))

@@ -1,0 +1,286 @@
+"""One MoE layer through the fused APL kernel, at real model sizes, on the GPU.
+
+For Qwen1.5-MoE-A2.7B and Mixtral-8x7B layer shapes with synthetic APL weights, for 1, 4,
+16, 64 and 256 tokens and uniform 3, 4, 8 bits plus a mixed assignment, times:
+  fused      kernels.apl_moe.apl_moe (4 launches per layer)
+  per_block  the same kernels launched once per expert block, as Any-Precision LLM does
+             (plus the gather/scatter glue such a design needs)
+  bf16_bmm   bf16 PyTorch, weights gathered per (token, slot) and a batched matmul
+             (only where the gathered copy is small: tokens*k <= 32)
+  bf16_grouped  bf16 PyTorch with torch._grouped_mm over tokens sorted by expert
+and the HBM floor: bytes the fused kernel must read (planes + LUTs of the active experts
+at their committed bits, activations in, output out) over the device-to-device copy
+bandwidth measured in the same run.
+
+Method: several copies of the layer (different random weights) and a fresh random routing
+per call, so repeated calls do not find the weights in L2 (a real model runs 24-32 such
+layers in turn); each method is captured in a CUDA graph of REPS calls and timed by
+replaying it (median of TRIALS). Writes bench/results/apl_moe_kernel.json.
+
+Usage on the GPU machine: PYTHONPATH=. python3 bench/apl_moe_kernel.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.bench_meta import write_result  # noqa: E402
+from kernels.apl_moe import APLLayer, ResidentBlock, apl_moe, launch_gemm, plan_launch  # noqa: E402
+from kernels.synthetic import nested_luts  # noqa: E402
+
+MODELS = {  # experts, top_k, hidden, intermediate
+    "qwen1.5-moe-a2.7b": (60, 4, 2048, 1408),
+    "mixtral-8x7b": (8, 2, 4096, 14336),
+}
+TOKENS = (1, 4, 16, 64, 256)
+BIT_CONFIGS = ("3", "4", "8", "mixed")
+MIXED_CHOICES = (3, 4, 4, 5, 6, 8)  # the mixed assignment draws each block's bits from these
+COPIES, REPS, TRIALS, REPLAYS = 3, 6, 5, 8
+
+
+# ---------------------------------------------------------------- synthetic layers
+class SyntheticLayer:
+    """All 8 planes and every LUT of every block of one layer, on the GPU, plus bf16 weights."""
+
+    def __init__(self, E, H, I, seed, device):
+        gen = torch.Generator(device=device).manual_seed(seed)
+        self.gu_planes = torch.randint(0, 256, (E, 8, 2 * I, H // 8), dtype=torch.uint8, device=device, generator=gen)
+        self.dn_planes = torch.randint(0, 256, (E, 8, H, I // 8), dtype=torch.uint8, device=device, generator=gen)
+        self.gu_luts = [nested_luts(self._lut8(2 * I, H, gen, device)) for _ in range(E)]
+        self.dn_luts = [nested_luts(self._lut8(H, I, gen, device)) for _ in range(E)]
+        self.gate_up = (torch.randn(E, 2 * I, H, device=device, generator=gen) * H ** -0.5).bfloat16()
+        self.down = (torch.randn(E, H, I, device=device, generator=gen) * I ** -0.5).bfloat16()
+
+    @staticmethod
+    def _lut8(rows, cols, gen, device):
+        return torch.randn(rows, 256, device=device, generator=gen).sort(dim=1).values * cols ** -0.5
+
+    def apl(self, bits: dict[tuple[int, str], int]) -> APLLayer:
+        E = self.gu_planes.shape[0]
+
+        def block(planes, luts, b):
+            return ResidentBlock(b, [planes[p] for p in range(b)], luts[b])
+
+        return APLLayer([block(self.gu_planes[e], self.gu_luts[e], bits[(e, "gate_up")]) for e in range(E)],
+                        [block(self.dn_planes[e], self.dn_luts[e], bits[(e, "down")]) for e in range(E)])
+
+
+def bit_assignment(config: str, E: int, seed: int) -> dict[tuple[int, str], int]:
+    if config != "mixed":
+        return {(e, m): int(config) for e in range(E) for m in ("gate_up", "down")}
+    gen = torch.Generator().manual_seed(seed)
+    picks = torch.randint(0, len(MIXED_CHOICES), (E, 2), generator=gen)
+    return {(e, m): MIXED_CHOICES[picks[e, i]] for e in range(E) for i, m in enumerate(("gate_up", "down"))}
+
+
+def routings(T, E, k, count, device, seed):
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(count):
+        probs = torch.softmax(torch.randn(T, E, generator=gen), dim=-1)
+        w, ids = probs.topk(k, dim=-1)
+        out.append((ids.to(device), (w / w.sum(-1, keepdim=True)).bfloat16().to(device)))
+    return out
+
+
+# ---------------------------------------------------------------- methods (one layer call each)
+def bf16_gathered_bmm(x, ids, w, layer: SyntheticLayer):
+    T, k = ids.shape
+    flat = ids.reshape(-1)
+    xs = x.repeat_interleave(k, dim=0)[:, :, None]  # [T*k, H, 1]
+    gate, up = torch.bmm(layer.gate_up[flat], xs)[..., 0].chunk(2, dim=-1)
+    y = torch.bmm(layer.down[flat], (F.silu(gate) * up)[:, :, None])[..., 0]
+    return (y.view(T, k, -1) * w[..., None]).sum(1)
+
+
+def bf16_grouped(x, ids, w, layer: SyntheticLayer):
+    T, k = ids.shape
+    E = layer.gate_up.shape[0]
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat)
+    counts = torch.zeros(E, dtype=torch.int32, device=x.device).index_add_(
+        0, flat, torch.ones_like(flat, dtype=torch.int32))
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    tokens = order // k
+    gate, up = torch._grouped_mm(x[tokens], layer.gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+    y = torch._grouped_mm(F.silu(gate) * up, layer.down.transpose(1, 2), offs=offs)
+    out = torch.zeros_like(x)
+    return out.index_add_(0, tokens, y * w.reshape(-1)[order, None])
+
+
+class PerBlock:
+    """One launch per expert block (gate_up, then down), host-side routing known in advance."""
+
+    def __init__(self, ids, w, layer: APLLayer):
+        device = ids.device
+        self.layer, self.w = layer, w
+        self.experts = []
+        ids_cpu = ids.cpu()
+        for e in ids_cpu.unique().tolist():
+            tok, slot = (ids_cpu == e).nonzero(as_tuple=True)
+            n = len(tok)
+            plan = plan_launch(n, 1, 1, layer.hidden, layer.intermediate, layer.max_bits)
+            meta = torch.tensor([0, 0, n], dtype=torch.int32, device=device)
+            self.experts.append((e, n, tok.to(device), slot.to(device), plan, meta,
+                                 torch.ones(1, dtype=torch.int32, device=device),
+                                 torch.arange(n, dtype=torch.int32, device=device)))
+
+    def __call__(self, x):
+        L, out = self.layer, torch.zeros_like(x)
+        for e, n, tok, slot, plan, meta, one, arange in self.experts:
+            h = torch.empty(n, L.intermediate, dtype=x.dtype, device=x.device)
+            y = torch.empty(plan.down.splits, n, L.hidden, dtype=torch.float32, device=x.device)
+            launch_gemm(0, plan.gate_up, L.gate_up_desc[e:], meta, one, arange, 1, x[tok], L.intermediate,
+                        L.hidden, L.max_bits, h_out=h)
+            launch_gemm(1, plan.down, L.down_desc[e:], meta, one, arange, 1, h, L.hidden, L.intermediate,
+                        L.max_bits, y_out=y, num_slots=n)
+            out.index_add_(0, tok, (y.sum(0) * self.w[tok, slot, None].float()).to(x.dtype))
+        return out
+
+
+# ---------------------------------------------------------------- timing
+def time_calls(calls) -> float:
+    """Microseconds per call: a CUDA graph of all calls, replayed; median over trials."""
+    for c in calls:  # warm-up: compiles kernels, fills caches of the allocator
+        c()
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for c in calls:
+            c()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in calls:
+            c()
+    graph.replay()
+    torch.cuda.synchronize()
+    trials = []
+    for _ in range(TRIALS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(REPLAYS):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        trials.append(start.elapsed_time(end) * 1000 / (REPLAYS * len(calls)))
+    del graph
+    return statistics.median(trials)
+
+
+def copy_bandwidth(device) -> dict:
+    """The HBM ceiling, bytes read + written per second, three ways (the card idles at low
+    clocks, so after warm-up copies): a memcpy in a CUDA graph, eager memcpys timed with
+    events, and an elementwise kernel (SM loads and stores, as our kernels move data)."""
+    n = 2 << 30
+    a, b = torch.empty(n, dtype=torch.uint8, device=device), torch.empty(n, dtype=torch.uint8, device=device)
+    a.random_(0, 255)
+    fa, fb = a.view(torch.float32), b.view(torch.float32)
+    for _ in range(20):
+        b.copy_(a)
+    graph_us = min(time_calls([lambda: b.copy_(a)]) for _ in range(2))
+    kernel_us = min(time_calls([lambda: torch.neg(fa, out=fb)]) for _ in range(2))
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        b.copy_(a)
+    end.record()
+    end.synchronize()
+    eager_us = start.elapsed_time(end) * 100
+    del a, b, fa, fb
+    return {name: 2 * n / (us * 1e-6) for name, us in
+            (("graph_memcpy", graph_us), ("eager_memcpy", eager_us), ("elementwise_kernel", kernel_us))}
+
+
+# ---------------------------------------------------------------- one model
+def bench_model(name, quick, device, bw) -> list[dict]:
+    E, k, H, I = MODELS[name]
+    layers = [SyntheticLayer(E, H, I, seed, device) for seed in range(COPIES)]
+    configs = {c: [layer.apl(bit_assignment(c, E, 17)) for layer in layers] for c in BIT_CONFIGS}
+    rows = []
+    for T in (TOKENS[:3] if quick else TOKENS):
+        route = routings(T, E, k, REPS, device, seed=T)
+        x = [torch.randn(T, H, device=device).bfloat16() for _ in range(REPS)]
+        pairs = [(i % COPIES, i) for i in range(REPS)]
+        active = [ids.unique().tolist() for ids, _ in route]
+        io_bytes = 2 * T * H * 2
+        row = {"model": name, "tokens": T, "experts_per_call": statistics.mean(len(a) for a in active)}
+        row["bf16_bytes"] = statistics.mean(len(a) * 3 * H * I * 2 for a in active) + io_bytes
+        row["bf16_floor_us"] = row["bf16_bytes"] / bw * 1e6
+        if T * k <= 32:
+            row["bf16_bmm_us"] = time_calls([lambda c=c, i=i: bf16_gathered_bmm(x[i], *route[i], layers[c])
+                                             for c, i in pairs])
+        try:
+            row["bf16_grouped_us"] = time_calls([lambda c=c, i=i: bf16_grouped(x[i], *route[i], layers[c])
+                                                 for c, i in pairs])
+        except (RuntimeError, AttributeError) as err:  # no _grouped_mm on this build / GPU
+            row["bf16_grouped_us"] = None
+            row["bf16_grouped_error"] = str(err).splitlines()[0][:200]
+        for config in BIT_CONFIGS:
+            apl = configs[config]
+            plan = plan_launch(T, k, E, H, I, apl[0].max_bits)
+            nbytes = statistics.mean(apl[c].nbytes_active(active[i]) for c, i in pairs) + io_bytes
+            fused = time_calls([lambda c=c, i=i: apl_moe(x[i], *route[i], apl[c]) for c, i in pairs])
+            cell = {"regime": plan.gate_up.regime, "bytes": nbytes, "floor_us": nbytes / bw * 1e6,
+                    "fused_us": fused}
+            cell["fused_over_floor"] = fused / cell["floor_us"]
+            if config in ("4", "mixed"):
+                per_block = [PerBlock(*route[i], apl[c]) for c, i in pairs]
+                cell["per_block_us"] = time_calls([lambda j=j, i=i: per_block[j](x[i])
+                                                   for j, (c, i) in enumerate(pairs)])
+            for base in ("bf16_bmm_us", "bf16_grouped_us"):
+                if row.get(base):
+                    cell[f"speedup_vs_{base[:-3]}"] = row[base] / fused
+            row[f"bits_{config}"] = cell
+            print(f"{name:18s} T={T:3d} bits={config:5s} {plan.gate_up.regime:7s} fused {fused:8.1f} us  "
+                  f"floor {cell['floor_us']:7.1f} us ({cell['fused_over_floor']:.2f}x)  "
+                  f"per-block {cell.get('per_block_us', float('nan')):8.1f}  "
+                  f"bf16 bmm {row.get('bf16_bmm_us') or float('nan'):8.1f}  "
+                  f"grouped {row.get('bf16_grouped_us') or float('nan'):8.1f}", flush=True)
+        rows.append(row)
+    del layers, configs
+    torch.cuda.empty_cache()
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="1, 4 and 16 tokens only")
+    parser.add_argument("--models", nargs="*", default=list(MODELS))
+    parser.add_argument("--out", default=None, help="also copy the JSON here")
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    ceilings = copy_bandwidth(device)
+    bw = max(ceilings.values())  # the floor uses the best copy rate measured
+    print("copy bandwidth (read + write): " + ", ".join(f"{k} {v / 1e12:.2f} TB/s" for k, v in ceilings.items()),
+          flush=True)
+    results = []
+    for name in args.models:
+        results += bench_model(name, args.quick, device, bw)
+    payload = {"copy_bandwidth_bytes_per_s": bw, "copy_bandwidths": ceilings, "copies": COPIES, "calls_per_graph": REPS,
+               "trials": TRIALS, "replays": REPLAYS, "quick": args.quick,
+               "has_grouped_mm": hasattr(torch, "_grouped_mm"), "results": results}
+    path = write_result("apl_moe_kernel" + ("_quick" if args.quick else ""), payload)
+    if os.environ.get("PAGEDWEIGHT_COMMIT"):  # the device copy is not a git checkout
+        record = json.loads(path.read_text())
+        record["commit"] = os.environ["PAGEDWEIGHT_COMMIT"]
+        path.write_text(json.dumps(record, indent=2) + "\n")
+    if args.out:
+        Path(args.out).write_text(path.read_text())
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,562 @@
+// Fused mixed-precision MoE over APL bit-planes (docs/apl_format.md, docs/kernel.md).
+//
+// One MoE layer = four launches on one stream, no host synchronisation:
+//   1. moe_align     one CTA: group the T*k (token, slot) assignments by expert; list the
+//                    active experts (expert id, first sorted position, token count).
+//   2. gate_up       every active expert's gate_up block at its own bit-width; the
+//                    epilogue applies SiLU(gate) * up and writes h [T*k, I] in sorted order.
+//   3. down          every active expert's down block; writes y [splits, T*k, H] in fp32,
+//                    indexed by the original slot t*k+j.
+//   4. moe_combine   out[t] = sum_j w[t,j] * sum_split y[split, t*k+j]: a fixed-order,
+//                    deterministic reduction (no float atomics).
+// Steps 2 and 3 come in two regimes, chosen per launch by the host from tokens per expert:
+//   apl_decode   few tokens per expert, memory-bound GEMV: LPR lanes share one weight row,
+//                each plane word is read once, LUTs and activations sit in shared memory,
+//                grid = (row tiles, active experts, column splits) so small experts still
+//                fill the GPU.
+//   apl_prefill  many tokens per expert: each CTA dequantises a 64-row x 128-column weight
+//                tile into shared memory and runs bf16/fp16 mma.sync (m16n8k16, fp32 accum).
+//
+// Block descriptor (int64 [DESC_WIDTH] per block, one row per expert and module):
+//   [0] bits (3..8)   [1] address of LUT_bits (fp16 [rows, 2^bits])
+//   [2 + p] address of plane p (uint8 [rows, cols/8], read as uint32 words), p < bits.
+// So every plane of every block may live anywhere in the memory pool.
+//
+// No headers: half/bf16 conversions and mma are inline PTX, so NVRTC needs no include path.
+
+// Tuning knobs (NVRTC -D; the launcher passes the same values it plans with).
+#ifndef APL_LDS_MODE
+#define APL_LDS_MODE 1      // LUT reads: 1 asm volatile ld.shared, 2 plain asm, 0 C++ pointer
+#endif
+#ifndef APL_RPG_DIV
+#define APL_RPG_DIV 8       // decode: a group of LPR lanes owns max(1, LPR / APL_RPG_DIV) rows
+#endif
+#ifndef APL_PREFETCH
+#define APL_PREFETCH 1      // decode: load the next plane words before using the current ones
+#endif
+#ifndef APL_SHIFT_MODE
+#define APL_SHIFT_MODE 0    // code extraction: 0 SHF (ALU pipe), 1 right shifts as IMAD.HI (FMA pipe)
+#endif
+#ifndef APL_PREFILL_MIN_BLOCKS
+#define APL_PREFILL_MIN_BLOCKS 1  // prefill CTAs per SM the register budget must allow (tiles <= 64)
+#endif
+#ifndef APL_DECODE_MIN_BLOCKS
+#define APL_DECODE_MIN_BLOCKS 2
+#endif
+
+typedef unsigned short u16;
+typedef unsigned int u32;
+#define DESC_WIDTH 10
+#define MAX_EXPERTS 1024
+
+// ---------------------------------------------------------------- conversions
+__device__ __forceinline__ float half_to_float(u16 v) {
+    float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v)); return f;
+}
+__device__ __forceinline__ u16 float_to_half(float f) {
+    u16 r; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(f)); return r;
+}
+__device__ __forceinline__ float bf16_to_float(u16 v) { return __uint_as_float(((u32)v) << 16); }
+__device__ __forceinline__ u16 float_to_bf16(float f) {
+    u16 r; asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f)); return r;
+}
+template <bool BF16> __device__ __forceinline__ float act_to_float(u16 v) {
+    return BF16 ? bf16_to_float(v) : half_to_float(v);
+}
+template <bool BF16> __device__ __forceinline__ u16 float_to_act(float f) {
+    return BF16 ? float_to_bf16(f) : float_to_half(f);
+}
+// A LUT entry (fp16) as the activation dtype sees it: the reference path rounds the
+// dequantised weights to x's dtype before the matmul, and so do we.
+template <bool BF16> __device__ __forceinline__ u16 lut_to_act(u16 v) {
+    return BF16 ? float_to_bf16(half_to_float(v)) : v;
+}
+
+// ---------------------------------------------------------------- descriptors
+struct BlockRef {
+    int bits;
+    const u16* lut;
+    const u32* planes[8];
+};
+
+__device__ __forceinline__ BlockRef load_block(const long long* __restrict__ desc, int e) {
+    const long long* d = desc + (long long)e * DESC_WIDTH;
+    BlockRef b;
+    b.bits = (int)d[0];
+    b.lut = (const u16*)d[1];
+#pragma unroll
+    for (int p = 0; p < 8; ++p) b.planes[p] = (const u32*)d[2 + p];
+    return b;
+}
+
+// ---------------------------------------------------------------- bit-planes -> codes
+#define DELTA_SWAP(a, b, s, m) { u32 t_ = (((a) >> (s)) ^ (b)) & (m); (b) ^= t_; (a) ^= t_ << (s); }
+
+// The 32 codes of one plane word (32 columns), rebuilt from pw[p] = word of plane p
+// (column i in bit i) by a bit-matrix transpose done in every nibble or byte lane at once:
+//   B <= 4: o[c] nibble n = code of column 4n+c (4 words, 4x4 transposes: ~0.6 ops/weight)
+//   B >= 5: o[k] byte L = code << (8-B) of column 8L+k (8 words, 8x8 transposes)
+// offset<E>(j) = code of column j times 2^E: a byte offset into a LUT of 2^E-byte entries,
+// whose row base is aligned so that base | offset == base + offset (one LOP3 per weight).
+template <int B>
+struct Codes {
+    static constexpr bool NIB = B <= 4;
+    u32 o[NIB ? 4 : 8];
+
+    __device__ __forceinline__ explicit Codes(const u32 (&pw)[8]) {
+        if constexpr (NIB) {
+#pragma unroll
+            for (int j = 0; j < 4; ++j) o[j] = (B - 1 - j >= 0) ? pw[B - 1 - j] : 0u;
+            DELTA_SWAP(o[0], o[2], 2, 0x33333333u); DELTA_SWAP(o[1], o[3], 2, 0x33333333u);
+            DELTA_SWAP(o[0], o[1], 1, 0x55555555u); DELTA_SWAP(o[2], o[3], 1, 0x55555555u);
+        } else {
+#pragma unroll
+            for (int q = 0; q < 8; ++q) o[q] = (7 - q < B) ? pw[7 - q] : 0u;
+#pragma unroll
+            for (int q = 0; q < 4; ++q) DELTA_SWAP(o[q], o[q + 4], 4, 0x0F0F0F0Fu);
+            DELTA_SWAP(o[0], o[2], 2, 0x33333333u); DELTA_SWAP(o[1], o[3], 2, 0x33333333u);
+            DELTA_SWAP(o[4], o[6], 2, 0x33333333u); DELTA_SWAP(o[5], o[7], 2, 0x33333333u);
+            DELTA_SWAP(o[0], o[1], 1, 0x55555555u); DELTA_SWAP(o[2], o[3], 1, 0x55555555u);
+            DELTA_SWAP(o[4], o[5], 1, 0x55555555u); DELTA_SWAP(o[6], o[7], 1, 0x55555555u);
+        }
+    }
+
+    template <int E>
+    __device__ __forceinline__ u32 offset(int j) const {
+        const u32 v = NIB ? o[j & 3] : o[j & 7];
+        const int shift = NIB ? 4 * (j >> 2) - E : 8 * (j >> 3) + 8 - B - E;
+        const u32 mask = ((1u << B) - 1u) << E;
+        if (shift > 0) return (APL_SHIFT_MODE ? __umulhi(v, 1u << (32 - shift)) : v >> shift) & mask;
+        return (v << -shift) & mask;
+    }
+};
+
+__device__ __forceinline__ float lds_f32(u32 addr) {
+    float v;
+#if APL_LDS_MODE == 2
+    asm("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(addr));
+#else
+    asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(addr));
+#endif
+    return v;
+}
+__device__ __forceinline__ u16 lds_u16(u32 addr) {
+    u16 v; asm volatile("ld.shared.u16 %0, [%1];" : "=h"(v) : "r"(addr)); return v;
+}
+__device__ __forceinline__ u32 shared_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+// Dynamic shared memory, its start rounded up to 1 KB so LUT rows are aligned (see Codes).
+__device__ __forceinline__ unsigned char* aligned_smem(unsigned char* raw) {
+    const u32 a = shared_addr(raw);
+    return raw + (((a + 1023u) & ~1023u) - a);
+}
+
+// ---------------------------------------------------------------- 1. align
+// One CTA. sorted_slot[pos] = assignment index t*k+j, grouped by expert; active[3a..3a+2] =
+// (expert, first position, count) for the a-th expert with tokens; *num_active = how many.
+// Ids outside [0, num_experts) are dropped (their outputs count as zero in moe_combine).
+extern "C" __global__ void moe_align(const long long* __restrict__ topk_ids, int num_assign,
+                                     int num_experts, int* __restrict__ sorted_slot,
+                                     int* __restrict__ active, int* __restrict__ num_active) {
+    __shared__ int count[MAX_EXPERTS], offset[MAX_EXPERTS], cursor[MAX_EXPERTS];
+    for (int e = threadIdx.x; e < num_experts; e += blockDim.x) { count[e] = 0; cursor[e] = 0; }
+    __syncthreads();
+    for (int a = threadIdx.x; a < num_assign; a += blockDim.x) {
+        long long e = topk_ids[a];
+        if (e >= 0 && e < num_experts) atomicAdd(&count[e], 1);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int pos = 0, na = 0;
+        for (int e = 0; e < num_experts; ++e) {
+            offset[e] = pos;
+            if (count[e]) {
+                active[3 * na] = e; active[3 * na + 1] = pos; active[3 * na + 2] = count[e];
+                ++na; pos += count[e];
+            }
+        }
+        *num_active = na;
+    }
+    __syncthreads();
+    // Order within an expert is arbitrary: every position's result is computed on its own
+    // and written back by slot, so the output does not depend on it.
+    for (int a = threadIdx.x; a < num_assign; a += blockDim.x) {
+        long long e = topk_ids[a];
+        if (e >= 0 && e < num_experts) sorted_slot[offset[e] + atomicAdd(&cursor[e], 1)] = a;
+    }
+}
+
+// ---------------------------------------------------------------- 2/3. decode regime
+// MODE 0 (gate_up): the CTA owns output rows [r0, r0+rpc) of h, i.e. gate rows r0.. and
+// up rows I+r0..; local weight row lw < rpc is a gate row, lw >= rpc an up row.
+// MODE 1 (down): local weight row lw is row r0+lw.
+template <int MODE>
+__device__ __forceinline__ int weight_row(int lw, int r0, int rpc, int rows_out, bool* valid) {
+    if (MODE == 0) {
+        const int r = lw < rpc ? lw : lw - rpc;
+        *valid = r0 + r < rows_out;
+        return (lw < rpc ? 0 : rows_out) + r0 + r;
+    }
+    *valid = r0 + lw < rows_out;
+    return r0 + lw;
+}
+
+// Decode geometry: a group of LPR lanes owns RPG weight rows and walks their plane words
+// together, so each word's 32 activations (per token) are loaded into registers once and
+// used for RPG rows.
+template <int LPR> struct DecodeShape {
+    static constexpr int RPG = LPR >= APL_RPG_DIV ? LPR / APL_RPG_DIV : 1;  // weight rows per lane group
+    static constexpr int GROUPS = 256 / LPR;
+    static constexpr int ROWS_W = RPG * GROUPS;          // weight rows per CTA (32, or 64 at LPR 4)
+};
+
+// xs[t][w][32] with the 16-byte chunks of each word swizzled by w: conflict-free float4 reads.
+__device__ __forceinline__ int xs_index(int t, int w, int col, int KW) {
+    return (t * KW + w) * 32 + ((((col >> 2) ^ w) & 7) << 2) + (col & 3);
+}
+
+template <int B, int NT, int LPR>
+__device__ __forceinline__ void decode_rows(const BlockRef& blk, const long long (&word0)[DecodeShape<LPR>::RPG],
+                                            const bool (&valid)[DecodeShape<LPR>::RPG],
+                                            const u32 (&lut_base)[DecodeShape<LPR>::RPG],
+                                            const unsigned char* lut_ptr, const u32 (&lut_off)[DecodeShape<LPR>::RPG],
+                                            int KW, int lane,
+                                            const float* __restrict__ xs, float (&acc)[DecodeShape<LPR>::RPG][NT]) {
+    constexpr int RPG = DecodeShape<LPR>::RPG;
+    u32 cur[RPG][8], nxt[RPG][8];
+#pragma unroll
+    for (int r = 0; r < RPG; ++r)
+#pragma unroll
+        for (int p = 0; p < 8; ++p)
+            cur[r][p] = (p < B && valid[r] && lane < KW) ? __ldg(blk.planes[p] + word0[r] + lane) : 0u;
+    for (int w = lane; w < KW; w += LPR) {
+        const int wn = w + LPR;
+#pragma unroll
+        for (int r = 0; r < RPG; ++r)
+#pragma unroll
+            for (int p = 0; p < 8; ++p)
+                nxt[r][p] = (APL_PREFETCH && p < B && valid[r] && wn < KW) ? __ldg(blk.planes[p] + word0[r] + wn) : 0u;
+        float xr[NT][32];
+#pragma unroll
+        for (int t = 0; t < NT; ++t)
+#pragma unroll
+            for (int q = 0; q < 8; ++q) {
+                const float4 v = *reinterpret_cast<const float4*>(xs + xs_index(t, w, 4 * q, KW));
+                xr[t][4 * q] = v.x; xr[t][4 * q + 1] = v.y; xr[t][4 * q + 2] = v.z; xr[t][4 * q + 3] = v.w;
+            }
+#pragma unroll
+        for (int r = 0; r < RPG; ++r) {
+            if (!APL_PREFETCH) {
+#pragma unroll
+                for (int p = 0; p < 8; ++p)
+                    cur[r][p] = (p < B && valid[r]) ? __ldg(blk.planes[p] + word0[r] + w) : 0u;
+            }
+            const Codes<B> codes(cur[r]);
+#pragma unroll
+            for (int j = 0; j < 32; ++j) {
+#if APL_LDS_MODE == 0
+                const float wv = *reinterpret_cast<const float*>(lut_ptr + (lut_off[r] | codes.template offset<2>(j)));
+#else
+                const float wv = lds_f32(lut_base[r] | codes.template offset<2>(j));
+#endif
+#pragma unroll
+                for (int t = 0; t < NT; ++t) acc[r][t] += wv * xr[t][j];
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < RPG; ++r)
+#pragma unroll
+            for (int p = 0; p < 8; ++p) cur[r][p] = nxt[r][p];
+    }
+}
+
+// Grid (row tiles, active experts, column splits), 256 threads. rows_out: I (MODE 0) or H.
+// x: MODE 0 the tokens [T, cols] (row = slot / top_k); MODE 1 h [T*k, cols] by sorted position.
+// lut_log2: log2 of the shared LUT row stride (the layer's largest bit-width).
+template <int NT, int LPR, int MODE, bool BF16>
+__global__ void __launch_bounds__(256, APL_DECODE_MIN_BLOCKS) apl_decode(
+    const long long* __restrict__ desc, const int* __restrict__ active,
+    const int* __restrict__ num_active, const int* __restrict__ sorted_slot, int top_k,
+    const u16* __restrict__ x, int rows_out, int cols, int split_cols, int lut_log2,
+    u16* __restrict__ h_out, float* __restrict__ y_out, int num_slots) {
+    using S = DecodeShape<LPR>;
+    constexpr int RPG = S::RPG, ROWS_W = S::ROWS_W, RPC = MODE == 0 ? ROWS_W / 2 : ROWS_W;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    const int a = blockIdx.y;
+    if (a >= *num_active) return;
+    const int e = active[3 * a], start = active[3 * a + 1], n = active[3 * a + 2];
+    const BlockRef blk = load_block(desc, e);
+    const int r0 = blockIdx.x * RPC;
+    const int nr = min(RPC, rows_out - r0);
+    const int c0 = blockIdx.z * split_cols;
+    const int KW = min(split_cols, cols - c0) / 32, words_per_row = cols / 32;
+    const int lut_stride = 1 << lut_log2;
+    const bool bad_bits = blk.bits < 3 || blk.bits > lut_log2;
+    float* lut_s = reinterpret_cast<float*>(aligned_smem(smem_raw));  // [ROWS_W][lut_stride] fp32
+    float* xs = lut_s + ROWS_W * lut_stride;                           // [NT][KW][32], swizzled
+    float* res = xs + NT * KW * 32;                                    // [ROWS_W][NT]
+
+    if (!bad_bits) {
+        const int nent = 1 << blk.bits;
+        for (int idx = threadIdx.x; idx < ROWS_W * nent; idx += blockDim.x) {
+            const int lw = idx >> blk.bits, ent = idx & (nent - 1);
+            bool valid;
+            const int row = weight_row<MODE>(lw, r0, RPC, rows_out, &valid);
+            lut_s[lw * lut_stride + ent] =
+                valid ? act_to_float<BF16>(lut_to_act<BF16>(blk.lut[(long long)row * nent + ent])) : 0.f;
+        }
+    }
+    const int group = threadIdx.x / LPR, lane = threadIdx.x % LPR;
+    long long word0[RPG];
+    bool valid[RPG];
+    u32 lut_base[RPG], lut_off[RPG];
+    const unsigned char* lut_ptr = reinterpret_cast<const unsigned char*>(lut_s);
+#pragma unroll
+    for (int r = 0; r < RPG; ++r) {
+        const int lw = group + S::GROUPS * r;
+        const int row = weight_row<MODE>(lw, r0, RPC, rows_out, &valid[r]);
+        valid[r] = valid[r] && !bad_bits;
+        word0[r] = (long long)row * words_per_row + c0 / 32;
+        lut_base[r] = shared_addr(lut_s + lw * lut_stride);
+        lut_off[r] = (u32)(lw * lut_stride * 4);
+    }
+    for (int t0 = 0; t0 < n; t0 += NT) {
+        __syncthreads();  // LUT written / previous chunk done with xs and res
+        for (int idx = threadIdx.x; idx < NT * KW * 32; idx += blockDim.x) {
+            const int t = idx / (KW * 32), c = idx % (KW * 32);
+            float v = 0.f;
+            if (t0 + t < n) {
+                const int s = start + t0 + t;
+                const long long row = MODE == 0 ? sorted_slot[s] / top_k : s;
+                v = act_to_float<BF16>(x[row * cols + c0 + c]);
+            }
+            xs[xs_index(t, c >> 5, c & 31, KW)] = v;
+        }
+        __syncthreads();
+        float acc[RPG][NT];
+#pragma unroll
+        for (int r = 0; r < RPG; ++r)
+#pragma unroll
+            for (int t = 0; t < NT; ++t) acc[r][t] = 0.f;
+        if (!bad_bits) {
+            switch (blk.bits) {
+                case 3: decode_rows<3, NT, LPR>(blk, word0, valid, lut_base, lut_ptr, lut_off, KW, lane, xs, acc); break;
+                case 4: decode_rows<4, NT, LPR>(blk, word0, valid, lut_base, lut_ptr, lut_off, KW, lane, xs, acc); break;
+                case 5: decode_rows<5, NT, LPR>(blk, word0, valid, lut_base, lut_ptr, lut_off, KW, lane, xs, acc); break;
+                case 6: decode_rows<6, NT, LPR>(blk, word0, valid, lut_base, lut_ptr, lut_off, KW, lane, xs, acc); break;
+                case 7: decode_rows<7, NT, LPR>(blk, word0, valid, lut_base, lut_ptr, lut_off, KW, lane, xs, acc); break;
+                default: decode_rows<8, NT, LPR>(blk, word0, valid, lut_base, lut_ptr, lut_off, KW, lane, xs, acc); break;
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < RPG; ++r)
+#pragma unroll
+            for (int t = 0; t < NT; ++t) {
+                float v = acc[r][t];
+#pragma unroll
+                for (int off = LPR / 2; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+                if (lane == 0) res[(group + S::GROUPS * r) * NT + t] = bad_bits ? __int_as_float(0x7fc00000) : v;
+            }
+        __syncthreads();
+        for (int idx = threadIdx.x; idx < nr * NT; idx += blockDim.x) {
+            const int lr = idx / NT, t = idx % NT;
+            if (t0 + t >= n) continue;
+            const int s = start + t0 + t;
+            if (MODE == 0) {
+                const float g = res[lr * NT + t], u = res[(RPC + lr) * NT + t];
+                h_out[(long long)s * rows_out + r0 + lr] = float_to_act<BF16>(g / (1.f + __expf(-g)) * u);
+            } else {
+                y_out[((long long)blockIdx.z * num_slots + sorted_slot[s]) * rows_out + r0 + lr] = res[lr * NT + t];
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------- 2/3. prefill regime
+#define PF_ROWS 64            // weight rows per CTA
+#define PF_KS 128             // columns per K step (4 plane words per row)
+#define PF_SP (PF_KS + 8)     // padded shared row stride (u16): conflict-free fragment loads
+#define PF_CS (PF_ROWS + 4)   // fp32 epilogue row stride
+
+template <bool BF16>
+__device__ __forceinline__ void mma16816(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    if (BF16)
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                     : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+    else
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                     : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Dequantise one plane word (32 columns of one row) into 32 act values at dst (16B aligned).
+// lut_base: shared address of the row's LUT (u16 act values), aligned (see Codes).
+template <int B>
+__device__ __forceinline__ void dequant_word(const u32 (&pw)[8], u32 lut_base, u16* dst) {
+    const Codes<B> codes(pw);
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+        u32 v[4];
+#pragma unroll
+        for (int m = 0; m < 4; ++m) {
+            const int j = q * 8 + 2 * m;
+            v[m] = (u32)lds_u16(lut_base | codes.template offset<1>(j)) |
+                   ((u32)lds_u16(lut_base | codes.template offset<1>(j + 1)) << 16);
+        }
+        *reinterpret_cast<uint4*>(dst + q * 8) = make_uint4(v[0], v[1], v[2], v[3]);
+    }
+}
+
+// Grid (row tiles of 64 weight rows, active experts, m-tile groups), 256 threads (8 warps).
+// MODE 0: the 64 weight rows are 32 gate rows and their 32 up rows (h columns r0..r0+31).
+template <int MT, int MODE, bool BF16>
+__global__ void __launch_bounds__(256, (MT <= 64 ? APL_PREFILL_MIN_BLOCKS : 1)) apl_prefill(
+    const long long* __restrict__ desc, const int* __restrict__ active,
+    const int* __restrict__ num_active, const int* __restrict__ sorted_slot, int top_k,
+    const u16* __restrict__ x, int rows_out, int cols, int lut_log2,
+    u16* __restrict__ h_out, float* __restrict__ y_out) {
+    constexpr int MTILES = MT / 16, WARPS_N = 8 / MTILES, NRANGE = PF_ROWS / WARPS_N, NN8 = NRANGE / 8;
+    constexpr int XV = MT * (PF_KS / 8) / 256;  // uint4 of x per thread per K step
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    const int a = blockIdx.y;
+    if (a >= *num_active) return;
+    const int e = active[3 * a], start = active[3 * a + 1], n = active[3 * a + 2];
+    if ((int)blockIdx.z * MT >= n) return;
+    unsigned char* smem = aligned_smem(smem_raw);
+    const BlockRef blk = load_block(desc, e);
+    const int rpc = MODE == 0 ? PF_ROWS / 2 : PF_ROWS;
+    const int r0 = blockIdx.x * rpc;
+    const int lut_stride = 1 << lut_log2;
+    const bool bad_bits = blk.bits < 3 || blk.bits > lut_log2;
+    const int words_per_row = cols / 32;
+    u16* lut_s = reinterpret_cast<u16*>(smem);      // [64][lut_stride] act values
+    u16* ws = lut_s + PF_ROWS * lut_stride;          // [64][PF_SP]
+    u16* xs = ws + PF_ROWS * PF_SP;                   // [MT][PF_SP]
+    float* cs = reinterpret_cast<float*>(ws);         // epilogue [MT][PF_CS], reuses ws/xs
+
+    if (!bad_bits) {
+        const int nent = 1 << blk.bits;
+        for (int idx = threadIdx.x; idx < PF_ROWS * nent; idx += blockDim.x) {
+            const int lw = idx >> blk.bits, ent = idx & (nent - 1);
+            bool valid;
+            const int row = weight_row<MODE>(lw, r0, rpc, rows_out, &valid);
+            lut_s[lw * lut_stride + ent] = valid ? lut_to_act<BF16>(blk.lut[(long long)row * nent + ent]) : (u16)0;
+        }
+    }
+    // This thread dequantises plane word dq_word of weight row dq_row in every K step.
+    const int dq_row = threadIdx.x >> 2, dq_word = threadIdx.x & 3;
+    bool dq_valid;
+    const int dq_wrow = weight_row<MODE>(dq_row, r0, rpc, rows_out, &dq_valid);
+    dq_valid = dq_valid && !bad_bits;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+    const int wm = warp % MTILES, wn = warp / MTILES;
+
+    for (int m0 = blockIdx.z * MT; m0 < n; m0 += gridDim.z * MT) {
+        float acc[NN8][4];
+#pragma unroll
+        for (int j = 0; j < NN8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+        u32 pw[8];
+        uint4 xr[XV];
+        auto load_step = [&](int k0) {
+            const int word = k0 / 32 + dq_word;
+            const bool ok = dq_valid && word < words_per_row;
+#pragma unroll
+            for (int p = 0; p < 8; ++p)
+                pw[p] = (ok && p < blk.bits) ? __ldg(blk.planes[p] + (long long)dq_wrow * words_per_row + word) : 0u;
+#pragma unroll
+            for (int v = 0; v < XV; ++v) {
+                const int idx = threadIdx.x + v * 256, m = idx / (PF_KS / 8), c = k0 + (idx % (PF_KS / 8)) * 8;
+                xr[v] = make_uint4(0, 0, 0, 0);
+                if (m0 + m < n && c < cols) {
+                    const int s = start + m0 + m;
+                    const long long row = MODE == 0 ? sorted_slot[s] / top_k : s;
+                    xr[v] = *reinterpret_cast<const uint4*>(x + row * cols + c);
+                }
+            }
+        };
+        load_step(0);
+        for (int k0 = 0; k0 < cols; k0 += PF_KS) {
+            __syncthreads();  // LUT written / previous step's mma done with ws and xs
+            u16* dst = ws + dq_row * PF_SP + dq_word * 32;
+            if (dq_valid && k0 / 32 + dq_word < words_per_row) {
+                const u32 lut_row = shared_addr(lut_s + dq_row * lut_stride);
+                switch (blk.bits) {
+                    case 3: dequant_word<3>(pw, lut_row, dst); break;
+                    case 4: dequant_word<4>(pw, lut_row, dst); break;
+                    case 5: dequant_word<5>(pw, lut_row, dst); break;
+                    case 6: dequant_word<6>(pw, lut_row, dst); break;
+                    case 7: dequant_word<7>(pw, lut_row, dst); break;
+                    default: dequant_word<8>(pw, lut_row, dst); break;
+                }
+            } else {
+#pragma unroll
+                for (int q = 0; q < 4; ++q) *reinterpret_cast<uint4*>(dst + q * 8) = make_uint4(0, 0, 0, 0);
+            }
+#pragma unroll
+            for (int v = 0; v < XV; ++v) {
+                const int idx = threadIdx.x + v * 256, m = idx / (PF_KS / 8), c8 = idx % (PF_KS / 8);
+                *reinterpret_cast<uint4*>(xs + m * PF_SP + c8 * 8) = xr[v];
+            }
+            __syncthreads();
+            if (k0 + PF_KS < cols) load_step(k0 + PF_KS);  // in flight during the mma below
+#pragma unroll
+            for (int kk = 0; kk < PF_KS; kk += 16) {
+                const u16* ap = xs + (wm * 16 + g) * PF_SP + kk + 2 * t4;
+                const u32 a0 = *reinterpret_cast<const u32*>(ap);
+                const u32 a1 = *reinterpret_cast<const u32*>(ap + 8 * PF_SP);
+                const u32 a2 = *reinterpret_cast<const u32*>(ap + 8);
+                const u32 a3 = *reinterpret_cast<const u32*>(ap + 8 * PF_SP + 8);
+#pragma unroll
+                for (int j = 0; j < NN8; ++j) {
+                    const u16* bp = ws + (wn * NRANGE + j * 8 + g) * PF_SP + kk + 2 * t4;
+                    mma16816<BF16>(acc[j], a0, a1, a2, a3, *reinterpret_cast<const u32*>(bp),
+                                   *reinterpret_cast<const u32*>(bp + 8));
+                }
+            }
+        }
+        __syncthreads();  // all mma done before cs overwrites ws/xs
+#pragma unroll
+        for (int j = 0; j < NN8; ++j) {
+            const int col = wn * NRANGE + j * 8 + 2 * t4, row = wm * 16 + g;
+            cs[row * PF_CS + col] = acc[j][0];
+            cs[row * PF_CS + col + 1] = acc[j][1];
+            cs[(row + 8) * PF_CS + col] = acc[j][2];
+            cs[(row + 8) * PF_CS + col + 1] = acc[j][3];
+        }
+        __syncthreads();
+        for (int idx = threadIdx.x; idx < MT * rpc; idx += blockDim.x) {
+            const int m = idx / rpc, c = idx % rpc;
+            if (m0 + m >= n || r0 + c >= rows_out) continue;
+            const int s = start + m0 + m;
+            float v = cs[m * PF_CS + c];
+            if (bad_bits) v = __int_as_float(0x7fc00000);
+            if (MODE == 0) {
+                const float u = cs[m * PF_CS + rpc + c];
+                h_out[(long long)s * rows_out + r0 + c] = float_to_act<BF16>(v / (1.f + __expf(-v)) * u);
+            } else {
+                y_out[(long long)sorted_slot[s] * rows_out + r0 + c] = v;
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------- 4. combine
+// out[t, h] = sum_j w[t, j] * sum_s y[s, t*k+j, h], in a fixed order (deterministic).
+template <bool BF16>
+__global__ void moe_combine(const float* __restrict__ y, int num_splits, int num_slots,
+                            const long long* __restrict__ topk_ids, const float* __restrict__ topk_w,
+                            int num_experts, int num_tokens, int top_k, int hidden, u16* __restrict__ out) {
+    const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (long long)num_tokens * hidden) return;
+    const int t = (int)(idx / hidden), h = (int)(idx % hidden);
+    float sum = 0.f;
+    for (int j = 0; j < top_k; ++j) {
+        const int slot = t * top_k + j;
+        const long long e = topk_ids[slot];
+        if (e < 0 || e >= num_experts) continue;
+        float v = 0.f;
+        for (int s = 0; s < num_splits; ++s) v += y[((long long)s * num_slots + slot) * hidden + h];
+        sum += topk_w[slot] * v;
+    }
+    out[idx] = float_to_act<BF16>(sum);
+}

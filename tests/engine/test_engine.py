@@ -1,0 +1,170 @@
+"""The continuous-batching engine against single-stream generation, and its bookkeeping."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.common.errors import ContextLengthError, UserError
+from services.worker.engine.engine import Engine, EngineConfig
+from services.worker.engine.generate import generate
+from services.worker.engine.sampler import SamplingParams
+from services.worker.engine.scheduler import SchedulerConfig
+from services.worker.memory.kv_cache import KVCacheConfig
+from services.worker.model import load_model
+from services.worker.model.tokenizer import Tokenizer
+from tests.conftest import BUNDLED_MODEL
+
+PROMPT_LENS = (3, 17, 33, 5, 40, 1, 29, 12)
+MAX_TOKENS = (10, 5, 12, 9, 8, 11, 7, 6)
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return load_model(BUNDLED_MODEL, dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def requests(model):
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, model.config.vocab_size, (n,), generator=gen).tolist() for n in PROMPT_LENS]
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in MAX_TOKENS]
+    expected = [generate(model, None, p, sp).token_ids for p, sp in zip(prompts, params)]
+    return prompts, params, expected
+
+
+def make_engine(model, num_blocks=1024, max_seqs=64, token_budget=512, impl="reference", **kw):
+    config = EngineConfig(
+        scheduler=SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=token_budget),
+        kv=KVCacheConfig(block_size=4), attention_impl=impl, num_kv_blocks=num_blocks,
+    )
+    return Engine(model, config=config, **kw)
+
+
+def run_all(engine, prompts, params):
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        engine.add_request(str(i), p, sp)
+    out = engine.run_to_completion()
+    return [out[str(i)] for i in range(len(prompts))]
+
+
+def assert_all_blocks_free(engine):
+    assert engine.kv.manager.num_used_blocks == 0
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+    assert not engine.scheduler.running and not engine.scheduler.waiting
+
+
+@pytest.mark.parametrize("impl", ["reference", "batched"])
+def test_concurrent_greedy_equals_single_stream(model, requests, impl):
+    prompts, params, expected = requests
+    engine = make_engine(model, impl=impl)
+    assert run_all(engine, prompts, params) == expected
+    assert engine.scheduler.num_preemptions == 0
+    assert_all_blocks_free(engine)
+
+
+@pytest.mark.parametrize("impl", ["reference", "batched"])
+def test_equal_after_preemption_and_chunked_prefill(model, requests, impl):
+    """A cache too small for everyone forces preemption (recompute); a small token budget
+    splits prompts into chunks. Outputs must not change."""
+    prompts, params, expected = requests
+    engine = make_engine(model, num_blocks=16, token_budget=24, impl=impl)
+    assert run_all(engine, prompts, params) == expected
+    assert engine.scheduler.num_preemptions > 0
+    assert_all_blocks_free(engine)
+
+
+def test_running_cap_holds_and_only_running_sequences_hold_blocks(model, requests):
+    prompts, params, expected = requests
+    engine = make_engine(model, num_blocks=64, max_seqs=3, token_budget=20)
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        engine.add_request(str(i), p, sp)
+    outputs: dict[str, list[int]] = {}
+    while engine.has_work:
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+        assert len(engine.scheduler.running) <= 3
+        used = sum(len(s.block_ids) for s in engine.scheduler.running)
+        assert engine.kv.manager.num_used_blocks == used  # only running sequences hold blocks
+    assert [outputs[str(i)] for i in range(len(prompts))] == expected
+
+
+def test_scheduler_mixes_prefill_and_decode_under_budget(model):
+    engine = make_engine(model, token_budget=10)
+    engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True))
+    engine.step()  # a: prefill
+    engine.add_request("b", list(range(1, 30)), SamplingParams(max_tokens=2, ignore_eos=True))
+    plan = engine.scheduler.schedule()
+    assert [(s.seq.request_id, s.num_new_tokens) for s in plan.scheduled] == [("a", 1), ("b", 9)]
+    assert plan.num_tokens == 10
+
+
+def test_abort_frees_blocks_and_reports_abort(model, requests):
+    prompts, params, expected = requests
+    engine = make_engine(model, num_blocks=64)
+    for i, (p, sp) in enumerate(zip(prompts[:4], params[:4])):
+        engine.add_request(str(i), p, sp)
+    engine.step()
+    engine.step()
+    held = len(engine.seqs["2"].block_ids)
+    used = engine.kv.manager.num_used_blocks
+    out = engine.abort("2")
+    assert out.finished and out.finish_reason == "abort"
+    assert engine.kv.manager.num_used_blocks == used - held
+    assert engine.abort("2") is None
+    rest = engine.run_to_completion()
+    # the others are untouched by the abort
+    for i in (0, 1, 3):
+        assert engine_outputs_tail(rest[str(i)], expected[i])
+    assert_all_blocks_free(engine)
+
+
+def engine_outputs_tail(tail, full):
+    return full[len(full) - len(tail) :] == tail and len(tail) > 0
+
+
+def test_finish_reasons_stop_string_eos_and_length(model):
+    tokenizer = Tokenizer(BUNDLED_MODEL)
+    engine = make_engine(model, tokenizer=tokenizer)
+    prompt = tokenizer.encode("And the LORD spake unto Moses")
+    full = generate(model, tokenizer, prompt, SamplingParams(max_tokens=30, ignore_eos=True))
+    stop = full.text[10:14]
+    engine.add_request("len", prompt, SamplingParams(max_tokens=30, ignore_eos=True))
+    engine.add_request("stop", prompt, SamplingParams(max_tokens=30, stop=(stop,)))
+    finals = {}
+    while engine.has_work:
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    assert finals["len"].finish_reason == "length"
+    assert finals["stop"].finish_reason == "stop"
+    assert finals["stop"].text == full.text[: full.text.find(stop)]
+    # EOS: make the first greedy token the EOS id
+    first = full.token_ids[0]
+    engine.eos_ids = {first}
+    engine.add_request("eos", prompt, SamplingParams(max_tokens=5))
+    outs = [o for _ in range(3) for o in engine.step()]
+    assert outs[0].finished and outs[0].finish_reason == "stop" and outs[0].new_token_ids == []
+
+
+def test_requests_that_cannot_fit_are_refused_at_once(model):
+    engine = make_engine(model, num_blocks=4)  # 16 tokens of KV
+    with pytest.raises(ContextLengthError):
+        engine.add_request("big", list(range(1, 12)), SamplingParams(max_tokens=6))
+    with pytest.raises(ContextLengthError):
+        engine.add_request("empty", [], SamplingParams())
+    with pytest.raises(UserError):
+        engine.add_request("vocab", [model.config.vocab_size], SamplingParams())
+    engine.add_request("ok", [1, 2], SamplingParams(max_tokens=3))
+    with pytest.raises(UserError):
+        engine.add_request("ok", [1, 2], SamplingParams(max_tokens=3))
+
+
+def test_seeded_sampling_is_reproducible_across_preemption(model, requests):
+    prompts, _, _ = requests
+    params = [SamplingParams(max_tokens=8, temperature=0.8, seed=i, ignore_eos=True) for i in range(6)]
+    roomy = run_all(make_engine(model), prompts[:6], params)
+    tight_engine = make_engine(model, num_blocks=16, token_budget=24)
+    tight = run_all(tight_engine, prompts[:6], params)
+    assert roomy == tight

@@ -1,0 +1,60 @@
+"""The engine on CUDA (`make test-gpu`): both attention paths, and the arena runtime."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.worker.engine.engine import Engine, EngineConfig
+from services.worker.engine.generate import generate
+from services.worker.engine.sampler import SamplingParams
+from services.worker.engine.scheduler import SchedulerConfig
+from services.worker.memory.kv_cache import KVCacheConfig
+from services.worker.model import load_model
+from tests.conftest import BUNDLED_MODEL
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+@pytest.mark.parametrize("impl", ["reference", "batched"])
+@pytest.mark.parametrize("num_blocks", [1024, 16])  # 16: preemption and chunked prefill
+def test_engine_on_cuda_equals_generate(impl, num_blocks):
+    model = load_model(BUNDLED_MODEL, dtype=torch.float32, device="cuda")
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, 4096, (n,), generator=gen).tolist() for n in (3, 17, 33, 5, 29, 12)]
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    expected = [generate(model, None, p, params).token_ids for p in prompts]
+    config = EngineConfig(
+        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=24),
+        kv=KVCacheConfig(block_size=4), attention_impl=impl, num_kv_blocks=num_blocks,
+    )
+    engine = Engine(model, config=config)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+    out = engine.run_to_completion()
+    assert [out[str(i)] for i in range(len(prompts))] == expected
+    assert engine.kv.manager.num_used_blocks == 0
+
+
+def test_dynamic_runtime_on_cuda_stays_in_budget(paged_micro_dir):
+    from services.worker.runtime import RuntimeConfig, build_runtime
+    from tests.engine.test_runtime_engine import ENGINE, check_pool, fixed_budget, prompts
+
+    budget = fixed_budget(paged_micro_dir, 8, kv_tokens=80)
+    runtime = build_runtime(
+        paged_micro_dir, RuntimeConfig(budget, "pagedweight", device="cuda", engine=ENGINE)
+    )
+    try:
+        engine = runtime.engine
+        for i, p in enumerate(prompts()):
+            engine.add_request(str(i), p, SamplingParams(max_tokens=10, ignore_eos=True))
+        done = 0
+        while engine.has_work:
+            done += sum(out.finished for out in engine.step())
+            check_pool(runtime)
+        assert done == len(prompts()) and engine.stats().memory_requests > 0
+    finally:
+        runtime.close()

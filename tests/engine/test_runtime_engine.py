@@ -1,0 +1,154 @@
+"""The engine on a whole worker runtime: KV blocks and expert planes in one arena."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.common.errors import UserError
+from services.worker.engine.engine import EngineConfig
+from services.worker.engine.generate import generate
+from services.worker.engine.sampler import SamplingParams
+from services.worker.engine.scheduler import SchedulerConfig
+from services.worker.memory.kv_cache import KVCacheConfig
+from services.worker.runtime import RuntimeConfig, build_runtime, workspace_bytes
+
+ENGINE = EngineConfig(
+    scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64), kv=KVCacheConfig(block_size=4)
+)
+PROMPT_LENS = (5, 30, 12, 21, 3, 17)
+MAX_TOKENS = 10
+
+
+def fixed_budget(paged_dir, bits: int, kv_tokens: int) -> int:
+    """Dense weights + workspace + experts at `bits` + room for kv_tokens tokens."""
+    from services.worker.weights.paged_model import load_paged_model
+
+    paged = load_paged_model(paged_dir, with_bf16=False)
+    c = paged.config
+    dense = sum(t.numel() for t in paged.dense_state.values()) * 4
+    experts = sum(paged.block_bytes(b, bits) for b in paged.block_ids)
+    kv = kv_tokens * 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4
+    return dense + workspace_bytes(c, ENGINE, torch.float32) + experts + kv + 8 * 1024
+
+
+def prompts():
+    gen = torch.Generator().manual_seed(3)
+    return [torch.randint(1, 4096, (n,), generator=gen).tolist() for n in PROMPT_LENS]
+
+
+def check_pool(runtime):
+    snap = runtime.pool.snapshot()
+    kv = runtime.engine.kv
+    assert snap.reserved_bytes <= snap.budget_bytes
+    assert snap.kv_used_bytes == kv.manager.num_used_blocks * kv.block_bytes
+    assert snap.kv_free_bytes == kv.manager.num_free_blocks * kv.block_bytes
+    assert snap.expert_bytes == runtime.table.resident_expert_bytes()
+
+
+def run_checked(runtime, requests):
+    engine = runtime.engine
+    for i, p in enumerate(requests):
+        engine.add_request(str(i), p, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+    outputs: dict[str, list[int]] = {}
+    while engine.has_work:
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+            assert not out.finished or out.finish_reason == "length"
+        check_pool(runtime)
+    return [outputs[str(i)] for i in range(len(requests))]
+
+
+def test_static_runtime_equals_generate_and_kv_never_touches_planes(paged_micro_dir):
+    budget = fixed_budget(paged_micro_dir, 8, kv_tokens=48)  # too little KV for all at once
+    runtime = build_runtime(paged_micro_dir, RuntimeConfig(budget, "static-8", engine=ENGINE))
+    try:
+        got = run_checked(runtime, prompts())
+        model = runtime.engine.model
+        params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+        assert got == [generate(model, None, p, params).token_ids for p in prompts()]
+        assert runtime.engine.stats().num_preemptions > 0  # the small KV forced recompute
+        for bid, entry in runtime.table.entries.items():  # KV writes left every plane intact
+            planes, lut, bits = runtime.table.resident_views(bid)
+            host = runtime.table.host[bid]
+            assert bits == 8 and all(torch.equal(p, host.planes[i]) for i, p in enumerate(planes))
+            assert torch.equal(lut, host.luts[8])
+    finally:
+        runtime.close()
+
+
+def test_static_policy_that_cannot_fit_is_a_user_error(paged_micro_dir):
+    budget = fixed_budget(paged_micro_dir, 4, kv_tokens=0)
+    with pytest.raises(UserError, match="static-8"):
+        build_runtime(paged_micro_dir, RuntimeConfig(budget, "static-8", engine=ENGINE))
+    with pytest.raises(UserError):
+        RuntimeConfig(budget, "static-9")
+
+
+def test_dynamic_runtime_lowers_bits_under_load_and_raises_them_after(paged_micro_dir):
+    """A budget too small for 8-bit experts plus the load's KV: the pager frees bytes for
+    KV (bits go down), every request completes without preemption, the pool never goes
+    over budget, and once the load has drained the weights take their bytes back."""
+    from services.worker.engine_bench import mean_committed_bits
+
+    budget = fixed_budget(paged_micro_dir, 8, kv_tokens=80)  # the load needs ~150 tokens
+    runtime = build_runtime(paged_micro_dir, RuntimeConfig(budget, "pagedweight", engine=ENGINE))
+    try:
+        assert mean_committed_bits(runtime) == 8.0  # memory to spare at rest: highest bits
+        engine = runtime.engine
+        requests = prompts()
+        for i, p in enumerate(requests):
+            engine.add_request(str(i), p, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+        lowest, outputs = 8.0, {}
+        while engine.has_work:
+            for out in engine.step():
+                outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+            check_pool(runtime)
+            lowest = min(lowest, mean_committed_bits(runtime))
+        assert all(len(outputs[str(i)]) == MAX_TOKENS for i in range(len(requests)))
+        assert lowest < 8.0 and engine.stats().memory_requests > 0
+        assert engine.stats().num_preemptions == 0
+        for _ in range(100):  # idle steps: the broker offers the KV bytes back
+            engine.step()
+            check_pool(runtime)
+            if mean_committed_bits(runtime) == 8.0 and not runtime.pager.busy():
+                break
+            runtime.mover.wait_for_transits()
+        assert mean_committed_bits(runtime) == 8.0 and engine.broker.num_offers > 0
+        assert engine.kv.num_blocks == 0 and runtime.pool.snapshot().peak_reserved_bytes <= budget
+    finally:
+        runtime.close()
+
+
+def test_abort_on_runtime_returns_blocks_to_the_pool_labels(paged_micro_dir):
+    budget = fixed_budget(paged_micro_dir, 8, kv_tokens=64)
+    runtime = build_runtime(paged_micro_dir, RuntimeConfig(budget, "static-8", engine=ENGINE))
+    try:
+        engine = runtime.engine
+        for i, p in enumerate(prompts()[:3]):
+            engine.add_request(str(i), p, SamplingParams(max_tokens=20, ignore_eos=True))
+        engine.step()
+        used = runtime.pool.snapshot().kv_used_bytes
+        held = len(engine.seqs["1"].block_ids) * engine.kv.block_bytes
+        assert engine.abort("1").finish_reason == "abort"
+        assert runtime.pool.snapshot().kv_used_bytes == used - held
+        check_pool(runtime)
+    finally:
+        runtime.close()
+
+
+def test_a_request_larger_than_kv_at_the_lowest_bits_is_refused(paged_micro_dir):
+    from services.common.errors import ContextLengthError
+
+    budget = fixed_budget(paged_micro_dir, 4, kv_tokens=80)
+    runtime = build_runtime(paged_micro_dir, RuntimeConfig(budget, "pagedweight", engine=ENGINE))
+    try:
+        limit = runtime.engine.max_kv_blocks * runtime.engine.kv.block_size
+        assert 100 < limit < 2000  # lowering bits to 3 makes room beyond what 4 bits leave
+        with pytest.raises(ContextLengthError):
+            runtime.engine.add_request("big", [1] * (limit - 5), SamplingParams(max_tokens=10))
+        runtime.engine.add_request("fits", [1] * (limit - 10), SamplingParams(max_tokens=10, ignore_eos=True))
+        out = runtime.engine.run_to_completion()
+        assert len(out["fits"]) == 10
+    finally:
+        runtime.close()

@@ -1,0 +1,128 @@
+"""The fused kernel's torch reference, launch planning and argument checks (CPU)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels.apl_moe import (
+    APLKernelError, ResidentBlock, apl_moe_reference, check_inputs, lanes_per_row, plan_launch,
+)
+from kernels.synthetic import quantize_nested, random_block
+from services.worker.model.apl_experts import APLExperts, resident_block
+from services.worker.weights.apl_format import BIT_WIDTHS, dequantize, unpack_codes
+from tests.kernels.apl_cases import mixed_bits, ragged_routing, random_layer
+
+
+def test_reference_equals_dense_experts_on_dequantised_weights():
+    E, H, I, T, k = 6, 64, 96, 9, 2
+    layer = random_layer(E, H, I, seed=1)
+    x = torch.randn(T, H)
+    ids, w = ragged_routing(T, E, k, num_used=4)
+    out = apl_moe_reference(x, ids, w, layer)
+    expected = torch.zeros(T, H)
+    for t in range(T):
+        for j in range(k):
+            e = ids[t, j].item()
+            gate_up = dequantize(torch.stack(layer.gate_up[e].planes), layer.gate_up[e].lut, layer.gate_up[e].bits)
+            gate, up = F.linear(x[t], gate_up.float()).chunk(2)
+            down = layer.down[e].dequantize().float()
+            expected[t] += w[t, j] * F.linear(F.silu(gate) * up, down)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_every_block_reads_only_its_own_bits():
+    layer = random_layer(6, 32, 32, seed=2)
+    widths = {b.bits for b in layer.gate_up + layer.down}
+    assert widths == set(BIT_WIDTHS)
+    for block in layer.gate_up + layer.down:
+        assert len(block.planes) == block.bits and block.lut.shape[1] == 1 << block.bits
+        desc = block.descriptor()
+        assert desc[0] == block.bits and desc[1] == block.lut.data_ptr()
+        assert desc[2:2 + block.bits] == [p.data_ptr() for p in block.planes]
+        assert desc[2 + block.bits:] == [0] * (8 - block.bits)
+    assert layer.gate_up_desc.shape == (6, 10) and layer.gate_up_desc[3].tolist() == layer.gate_up[3].descriptor()
+
+
+def test_nested_quantizer_luts_are_cluster_means():
+    w = torch.randn(5, 64, generator=torch.Generator().manual_seed(4))
+    block = quantize_nested(w)
+    for b in BIT_WIDTHS:
+        codes = unpack_codes(block.planes, b)
+        for r in range(5):
+            for c in codes[r].unique().tolist():
+                mean = w[r][codes[r] == c].mean()
+                assert abs(block.luts[b][r, c].float() - mean) <= 1e-3 * max(1.0, abs(mean))  # fp16
+    step = (w.max(1).values - w.min(1).values) / 255
+    assert ((block.dequantize(8).float() - w).abs() <= step[:, None] + 2e-3).all()  # within its bucket
+
+
+def test_plan_picks_decode_for_few_tokens_per_expert_and_tensor_cores_for_many():
+    qwen = dict(num_experts=60, hidden=2048, intermediate=1408, max_bits=8)
+    mixtral = dict(num_experts=8, hidden=4096, intermediate=14336, max_bits=4)
+    one = plan_launch(1, 4, **qwen)
+    assert one.gate_up.regime == one.down.regime == "decode" and one.gate_up.tokens == 1
+    assert one.max_active == 4 and one.gate_up.grid == (1408 // 16, 4, 1)
+    four = plan_launch(4, 2, **mixtral)
+    assert four.gate_up.regime == "decode" and four.gate_up.tokens == 2
+    sixteen = plan_launch(16, 2, **mixtral)
+    assert sixteen.gate_up.regime == "prefill" and sixteen.gate_up.tokens == 16
+    assert plan_launch(64, 4, **qwen).gate_up.regime == "prefill"
+    big = plan_launch(256, 2, **mixtral)
+    assert big.gate_up.regime == "prefill" and big.gate_up.tokens == 64 and big.max_active == 8
+    assert plan_launch(256, 4, **qwen).down.tokens == 32
+    for T in (1, 2, 4):  # decode splits long down rows so a split's activations fit shared memory
+        down = plan_launch(T, 2, **mixtral).down
+        assert down.split_cols * down.tokens * 4 <= 32 * 1024 and down.splits * down.split_cols >= 14336
+        assert down.shared_bytes <= 227 * 1024
+
+
+def test_lanes_per_row_keeps_lanes_busy():
+    assert lanes_per_row(64) == 32 and lanes_per_row(44) == 16 and lanes_per_row(4) == 4
+    assert lanes_per_row(6) == 8  # 6/8 beats 6/32, 6/16 and 6/12
+
+
+def test_checks_name_the_bad_argument():
+    layer = random_layer(4, 32, 32)
+    x = torch.randn(3, 32, dtype=torch.bfloat16)
+    ids, w = ragged_routing(3, 4, 2)
+    with pytest.raises(APLKernelError, match="bfloat16 or float16"):
+        check_inputs(x.float(), ids, w, layer)
+    with pytest.raises(APLKernelError, match=r"\[tokens, 32\]"):
+        check_inputs(torch.randn(3, 64, dtype=torch.bfloat16), ids, w, layer)
+    with pytest.raises(APLKernelError, match="contiguous"):
+        check_inputs(torch.randn(32, 3, dtype=torch.bfloat16).t(), ids, w, layer)
+    with pytest.raises(APLKernelError, match="topk_ids"):
+        check_inputs(x, ids.float(), w, layer)
+    with pytest.raises(APLKernelError, match="topk_weights"):
+        check_inputs(x, ids, w[:, :1], layer)
+    with pytest.raises(APLKernelError, match="CUDA"):
+        check_inputs(x, ids, w, layer)
+
+
+def test_resident_blocks_reject_bad_layouts():
+    block = random_block(8, 64, torch.Generator().manual_seed(0))
+    with pytest.raises(APLKernelError, match="planes 0..3"):
+        ResidentBlock(4, [block.planes[p] for p in range(3)], block.luts[4])
+    with pytest.raises(APLKernelError, match="LUT_4"):
+        ResidentBlock(4, [block.planes[p] for p in range(4)], block.luts[5])
+    with pytest.raises(APLKernelError, match="contiguous uint8"):
+        ResidentBlock(3, [block.planes[p].t() for p in range(3)], block.luts[3])
+
+
+def test_apl_experts_on_cpu_runs_the_reference_and_commits_new_bits():
+    E, H, I = 4, 32, 64
+    gen = torch.Generator().manual_seed(3)
+    gate_up = [random_block(2 * I, H, gen) for _ in range(E)]
+    down = [random_block(H, I, gen) for _ in range(E)]
+    experts = APLExperts.from_blocks(gate_up, down, mixed_bits(E), "cpu")
+    assert not experts.use_kernel or torch.cuda.is_available()
+    x = torch.randn(5, H)
+    ids, w = ragged_routing(5, E, 2)
+    before = experts(x, ids, w)
+    torch.testing.assert_close(before, apl_moe_reference(x, ids, w, experts.layer))
+    e = ids[0, 0].item()
+    experts.commit_block(e, "down", resident_block(down[e], 8, "cpu"))
+    assert experts.layer.down_desc[e, 0].item() == 8 and experts.layer.max_bits == 8
+    after = experts(x, ids, w)
+    assert not torch.allclose(before, after)
+    torch.testing.assert_close(after, apl_moe_reference(x, ids, w, experts.layer))
