@@ -38,6 +38,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     from services.cli.bench_cmd import run_engine_bench
+    from services.common.errors import UserError
 
     results = {}
     for policy in POLICIES:
@@ -48,7 +49,12 @@ def main() -> None:
             "--policy", policy, "--device", args.device,
             "--max-num-seqs", "16", "--max-num-batched-tokens", "128", "--threads", str(args.threads),
         ])
-        results[policy] = run_engine_bench(cli)
+        try:
+            results[policy] = run_engine_bench(cli)
+        except UserError as err:  # e.g. static-8 does not fit the budget at all
+            results[policy] = {"error": str(err)}
+            print(policy, results[policy])
+            continue
         print(policy, {k: results[policy][k] for k in (
             "requests_completed", "output_tokens_per_s", "preemptions", "bits_mean_min", "bits_mean_end")})
     name = f"engine_policies_{Path(args.model).name}_{args.device.split(':')[0]}"

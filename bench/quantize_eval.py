@@ -71,30 +71,39 @@ def layer_inputs(model, batch: torch.Tensor) -> list[torch.Tensor]:
 
 
 @torch.inference_mode()
-def nll_from(model, x: torch.Tensor, targets: torch.Tensor, first_layer: int) -> tuple[float, int]:
-    """Sum of NLL and token count, running layers first_layer.. from their input x."""
+def logits_from(model, x: torch.Tensor, first_layer: int) -> torch.Tensor:
+    """fp32 logits, running layers first_layer.. from their input x."""
     B, T, _ = x.shape
     cos, sin = model.rotary.cos_sin(torch.arange(T, device=x.device).expand(B, T), x.dtype)
     for layer in model.layers[first_layer:]:
         x = layer(x, cos, sin, 0, None)
-    logits = model.lm_head(model.norm(x)).float()
-    return float(F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")), targets.numel()
+    return model.lm_head(model.norm(x)).float()
 
 
 class Evaluator:
-    """Mean NLL per domain; caches the bf16 model's layer inputs for layer-local changes."""
+    """Mean NLL per domain and KL to the bf16 model; caches the bf16 model's layer inputs
+    (for layer-local changes) and its log-probabilities (for the KL)."""
 
     def __init__(self, model, windows: dict[str, torch.Tensor], batch_size: int = 4):
         self.model = model
         self.batches = {d: [w[i:i + batch_size] for i in range(0, len(w), batch_size)] for d, w in windows.items()}
         self.cache = None
+        self.ref_logp = None
 
+    @torch.inference_mode()
     def cache_inputs(self):
         set_model_bits(self.model, uniform_bits(self.model.config, None))
         self.cache = {d: [layer_inputs(self.model, b[:, :-1]) for b in bs] for d, bs in self.batches.items()}
+        self.ref_logp = {d: [torch.log_softmax(logits_from(self.model, c[0], 0), -1).half() for c in cs]
+                         for d, cs in self.cache.items()}
 
     def nll(self, first_layer: int = 0) -> dict[str, float]:
-        out = {}
+        return self.measure(first_layer)[0]
+
+    @torch.inference_mode()
+    def measure(self, first_layer: int = 0) -> tuple[dict[str, float], float | None]:
+        """(mean NLL per domain, mean KL(bf16 || current) per token or None before caching)."""
+        out, kl_sum, kl_count = {}, 0.0, 0
         for d, batches in self.batches.items():
             total, count = 0.0, 0
             for i, batch in enumerate(batches):
@@ -102,10 +111,16 @@ class Evaluator:
                     x = self.model.embed_tokens(batch[:, :-1])
                 else:
                     x = self.cache[d][i][first_layer]
-                s, n = nll_from(self.model, x, batch[:, 1:], first_layer)
-                total, count = total + s, count + n
+                logits = logits_from(self.model, x, first_layer)
+                targets = batch[:, 1:]
+                total += float(F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum"))
+                count += targets.numel()
+                if self.ref_logp is not None:
+                    ref = self.ref_logp[d][i].float()
+                    kl_sum += float((ref.exp() * (ref - torch.log_softmax(logits, -1))).sum())
+                    kl_count += targets.numel()
             out[d] = total / count
-        return out
+        return out, (kl_sum / kl_count if kl_count else None)
 
 
 def pooled(nll: dict[str, float]) -> float:
@@ -155,11 +170,10 @@ def evaluate_model(path: Path, max_tokens: int, expert_tokens: int, seq_len: int
     layers = []
     for layer in range(cfg.num_layers):
         blocks = [b for e in range(cfg.num_experts) for b in expert_blocks(layer, e)]
-        damage = lowered_damage(model, ev, blocks, layer, base[layer])
-        layers.append({"layer": layer, "delta_nll": damage, **predictors(blocks)})
+        layers.append({"layer": layer, **lowered_damage(model, ev, blocks, layer, base[layer]),
+                       **predictors(blocks)})
     result["per_layer"] = layers
-    result["per_layer_spearman"] = {k: spearman([r["delta_nll"] for r in layers], [r[k] for r in layers])
-                                    for k in keys}
+    result["per_layer_spearman"] = correlations(layers, keys)
     log(f"{path.name} per layer: {result['per_layer_spearman']}")
     ev = Evaluator(model, windows_by_domain(Tokenizer(path), expert_tokens, seq_len, device))
     ev.cache_inputs()
@@ -169,22 +183,20 @@ def evaluate_model(path: Path, max_tokens: int, expert_tokens: int, seq_len: int
         for e in range(cfg.num_experts):
             blocks = expert_blocks(layer, e)
             experts.append({"block": f"L{layer}.E{e}",
-                            "delta_nll": lowered_damage(model, ev, blocks, layer, base[layer]),
+                            **lowered_damage(model, ev, blocks, layer, base[layer]),
                             **predictors(blocks)})
     result["per_expert"] = experts
     result["per_expert_tokens_per_domain"] = expert_tokens
-    result["per_expert_spearman"] = {k: spearman([r["delta_nll"] for r in experts], [r[k] for r in experts])
-                                     for k in keys}
+    result["per_expert_spearman"] = correlations(experts, keys)
     log(f"{path.name} per expert: {result['per_expert_spearman']}")
     if per_block:
         blocks = []
         for block_id in paged.block_ids:
             blocks.append({"block": block_id.key(),
-                           "delta_nll": lowered_damage(model, ev, [block_id], block_id.layer, base[block_id.layer]),
+                           **lowered_damage(model, ev, [block_id], block_id.layer, base[block_id.layer]),
                            **predictors([block_id])})
         result["per_block"] = blocks
-        result["per_block_spearman"] = {k: spearman([r["delta_nll"] for r in blocks], [r[k] for r in blocks])
-                                        for k in keys}
+        result["per_block_spearman"] = correlations(blocks, keys)
         log(f"{path.name} per block: {result['per_block_spearman']}")
     result["eval_seconds"] = time.perf_counter() - started
     result["calibration"] = {k: paged.meta["calibration"][k] for k in ("num_tokens", "under_covered_experts")}
@@ -199,11 +211,18 @@ def routing_share(paged) -> list[list[float]]:
     return (counts / paged.routing["num_tokens"]).tolist()
 
 
-def lowered_damage(model, ev: Evaluator, blocks: list[BlockId], layer: int, base: float) -> float:
+def lowered_damage(model, ev: Evaluator, blocks: list[BlockId], layer: int, base: float) -> dict:
+    """NLL increase and KL to bf16 with `blocks` at 3 bits, the rest bf16."""
     set_model_bits(model, {b: 3 for b in blocks})
-    damage = pooled(ev.nll(layer)) - base
+    nll, kl = ev.measure(layer)
     set_model_bits(model, {b: None for b in blocks})
-    return damage
+    return {"delta_nll": pooled(nll) - base, "kl": kl}
+
+
+def correlations(rows: list[dict], keys) -> dict:
+    """damage measure -> predictor -> Spearman rho."""
+    return {target: {k: spearman([r[target] for r in rows], [r[k] for r in rows]) for k in keys}
+            for target in ("delta_nll", "kl")}
 
 
 def time_quantize(model_name: str, log) -> dict:
@@ -265,10 +284,13 @@ def render(report: dict) -> str:
                     r["per_expert_spearman"])]
         if "per_block_spearman" in r:
             studies.append((f"per block (n={len(r['per_block'])})", r["per_block_spearman"]))
-        lines += ["", "Spearman rank correlation of the measured NLL increase (blocks lowered alone to 3 bits) with:",
-                  "", "| predictor | " + " | ".join(name for name, _ in studies) + " |", "|---" * (len(studies) + 1) + "|"]
-        for key in studies[0][1]:
-            lines.append(f"| {PREDICTORS.get(key, key)} | " + " | ".join(f"{sp[key]:+.2f}" for _, sp in studies) + " |")
+        for target, label in (("delta_nll", "NLL increase"), ("kl", "KL(bf16 || lowered) per token")):
+            lines += ["", f"Spearman rank correlation of the measured {label} (blocks lowered alone to 3 bits, "
+                      "the rest bf16) with:", "", "| predictor | " + " | ".join(name for name, _ in studies) + " |",
+                      "|---" * (len(studies) + 1) + "|"]
+            for key in studies[0][1][target]:
+                lines.append(f"| {PREDICTORS.get(key, key)} | "
+                             + " | ".join(f"{sp[target][key]:+.2f}" for _, sp in studies) + " |")
         lines += ["",
                   "Residual heads, held-out R^2: " + ", ".join(f"{d} {v:.2f}" for d, v in
                                                               r["residual_heads_heldout_r2"].items()), ""]

@@ -26,7 +26,7 @@ from services.offline.calibrate import (
     routing_summary, smoothed_hessians,
 )
 from services.offline.residual_heads import ResidualConfig, fit_residual_heads, routing_features
-from services.offline.sensitivity import check_monotone, sensitivity_matrix
+from services.offline.sensitivity import check_monotone, sensitivity_matrix, sensitivity_table
 from services.worker.model import load_model
 from services.worker.model.tokenizer import Tokenizer
 from services.worker.weights.apl_format import BIT_WIDTHS, MODULES, BlockId, pack_planes
@@ -120,18 +120,6 @@ def quantize_model(model_dir: str | Path, out_dir: str | Path, calib_files: list
     out = save_paged_model(out_dir, model_dir, cfg, dense, apl, bf16, meta, heads.to_tensors(), hessians)
     log(f"wrote {out} in {time.perf_counter() - started:.1f} s")
     return out
-
-
-def sensitivity_table(h: dict[str, torch.Tensor], col_errors, num_layers: int) -> dict[BlockId, dict[int, float]]:
-    """# block_id -> bits -> S_i(b)."""
-    table = {}
-    for layer in range(num_layers):
-        for module in MODULES:
-            errs = torch.stack([col_errors[(layer, module)][b] for b in BIT_WIDTHS], -1).double()  # [E, C, nb]
-            s = torch.einsum("ec,ecb->eb", h[module][layer].double(), errs)
-            for e in range(s.shape[0]):
-                table[BlockId(layer, e, module)] = {b: float(v) for b, v in zip(BIT_WIDTHS, s[e])}
-    return table
 
 
 def gauss_newton_meta(h, col_errors_gn, num_layers: int, present: bool) -> dict:

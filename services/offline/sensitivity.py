@@ -5,19 +5,30 @@
 
 h_i is the block's diagonal input Hessian (calibrate.py). With the per-column error
 vectors err_i(b) kept, any other h (a single chunk's, a prompt's) gives its own S
-with one dot product; residual_heads.py uses that.
+with one dot product; residual_heads.py uses that. The Gauss-Newton table uses the same
+code with err rows weighted by the output Fisher G[r] (quantize.py, calibrate.py):
+    S_gn_i(b) = sum h_i[c] G_i[r] (w - Q_b(w))^2.
 """
 
 from __future__ import annotations
 
 import torch
 
-from services.worker.weights.apl_format import BIT_WIDTHS
+from services.worker.weights.apl_format import BIT_WIDTHS, MODULES, BlockId
 
 
-def sensitivity(h: torch.Tensor, col_errors: dict[int, torch.Tensor]) -> dict[int, float]:
-    """h [C], col_errors bits -> [C]  ->  bits -> S(b)."""
-    return {b: float(h.double() @ col_errors[b].double()) for b in BIT_WIDTHS}
+def sensitivity_table(h: dict[str, torch.Tensor], col_errors, num_layers: int) -> dict[BlockId, dict[int, float]]:
+    """h: module -> [L, E, C]; col_errors: (layer, module) -> bits -> [E, C].
+
+    Returns # block_id -> bits -> S_i(b)."""
+    table = {}
+    for layer in range(num_layers):
+        for module in MODULES:
+            errs = torch.stack([col_errors[(layer, module)][b] for b in BIT_WIDTHS], -1).double()  # [E, C, nb]
+            s = torch.einsum("ec,ecb->eb", h[module][layer].double(), errs)
+            for e in range(s.shape[0]):
+                table[BlockId(layer, e, module)] = {b: float(v) for b, v in zip(BIT_WIDTHS, s[e])}
+    return table
 
 
 def sensitivity_matrix(h: torch.Tensor, col_errors: dict[int, torch.Tensor]) -> torch.Tensor:

@@ -50,7 +50,7 @@ def eval_ppl(pagedweight, text_file):
 def test_quantize_writes_a_paged_model_that_eval_runs(tmp_path, calib_files, eval_ppl, pagedweight):
     out = tmp_path / "out"
     result = pagedweight("quantize", "--model", str(BUNDLED_MODEL), "--out", str(out), "--quiet",
-                         "--calib", *map(str, calib_files), "--calib-tokens", "128", "--seq-len", "64")
+                         "--calib", *map(str, calib_files), "--calib-tokens", "128", "--seq-len", "64", "--threads", "1")
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == str(out)
     meta = json.loads((out / META_FILE).read_text())

@@ -18,25 +18,35 @@ pytestmark = [
 ]
 
 
-def run(model, ids, use_kernel: bool) -> torch.Tensor:
+def layer_inputs(model, ids) -> dict[int, tuple]:
+    """Each MoE layer's real inputs (x, topk_ids, topk_weights) in a bf16 forward."""
+    captured = {}
     for moe in model.moe_blocks:
-        moe.experts.use_kernel = use_kernel
+        moe.observer = lambda layer, x, i, w: captured.__setitem__(layer, (x.clone(), i.clone(), w.clone()))
     with torch.inference_mode():
-        return model(ids).float()
+        model(ids)
+    for moe in model.moe_blocks:
+        moe.observer = None
+    return captured
 
 
 def assert_kernel_within_bf16_bounds(model, ids):
-    """The kernel (bf16 in, fp32 accumulation) is at least as close to an fp32 computation
-    at the same committed bits as the bf16 torch reference path is."""
-    assert all(isinstance(m.experts, ArenaExperts) and m.experts.use_kernel for m in model.moe_blocks)
-    exact = run(model.float(), ids, use_kernel=False)  # fp32 everywhere, same bf16 weights
-    model.to(torch.bfloat16)  # bf16 -> fp32 -> bf16 is exact
-    reference = run(model, ids, use_kernel=False)
-    kernel = run(model, ids, use_kernel=True)
-    err_kernel = ((kernel - exact).norm() / exact.norm()).item()
-    err_reference = ((reference - exact).norm() / exact.norm()).item()
-    assert err_kernel <= 1.25 * err_reference + 1e-3, (err_kernel, err_reference)
-    assert (kernel.argmax(-1) == exact.argmax(-1)).float().mean() >= 0.9
+    """Per layer, on the layer's real inputs: the kernel (bf16 in, fp32 accumulation) is at
+    least as close to an fp32 computation at the same committed bits as the bf16 torch
+    reference path is. (Per layer, not on logits: through a whole 4-bit model two bf16
+    paths drift apart chaotically, and neither is then a sound judge of the other.)"""
+    for layer, (x, topk_ids, topk_weights) in layer_inputs(model, ids).items():
+        op = model.moe_blocks[layer].experts
+        assert isinstance(op, ArenaExperts) and op.use_kernel
+        with torch.inference_mode():
+            op.use_kernel = False
+            exact = op(x.float(), topk_ids, topk_weights.float())
+            reference = op(x, topk_ids, topk_weights)
+            op.use_kernel = True
+            kernel = op(x, topk_ids, topk_weights)
+        err_kernel = ((kernel.float() - exact).norm() / exact.norm()).item()
+        err_reference = ((reference.float() - exact).norm() / exact.norm()).item()
+        assert err_kernel <= 1.25 * err_reference + 1e-3, (layer, err_kernel, err_reference)
 
 
 def test_kernel_follows_the_page_table_while_bits_move(paged_micro_dir):
