@@ -160,3 +160,25 @@ def test_compaction_learns_the_kv_block_size_and_makes_the_bytes_asked_for_usabl
     kv += [arena.allocate(KV_USED, BIG_KV_BLOCK_BYTES) for _ in range(20)]
     check_accounting(pool, arena, table, mover)
     mover.close()
+
+
+def test_a_raise_that_cannot_start_is_dropped_not_waited_on_for_ever(small_blocks):
+    # Budget: exactly every block at 8 bits. Lower one block to 7, then ask for 8 again:
+    # the net bytes are free, but in flight the raise needs LUT_8 beside LUT_7.
+    probe = build(small_blocks, 64 << 20)
+    full = probe[0].reserved_bytes
+    probe[3].close()
+    pool, arena, table, mover = build(small_blocks, full)
+    pager = WeightPager(mover, GreedyPlanner(table.charged_bytes_table()))
+    bid = next(iter(table.entries))
+    table.set_desired_bits({bid: 7})
+    pager.step_boundary()
+    assert table.entries[bid].committed_bits == 7
+    table.set_desired_bits({bid: 8})
+    for _ in range(3):
+        pager.step_boundary()
+        check_accounting(pool, arena, table, mover)
+    assert not pager.busy() and pager.num_raises_dropped == 1
+    assert table.entries[bid].desired_bits == table.entries[bid].committed_bits == 7
+    assert pager.offer_bytes(pool.free_bytes) == 0  # the same bytes are not planned again
+    mover.close()

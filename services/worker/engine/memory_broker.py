@@ -53,6 +53,9 @@ class MemoryBroker:
         self.num_offers = 0  # accepted offer_bytes calls
         self._short_blocks = 0  # blocks sequences were short of in this step, all asks together
         self._calm_steps = 0
+        # Free bytes the pager last found no use for: offering the same again every calm
+        # step would only make it plan the same nothing again. Reset when bits go down.
+        self._refused_spare = 0
 
     def reserve(self, num_blocks: int) -> bool:
         """Make num_blocks free blocks exist, growing from the pool; True if they do."""
@@ -73,6 +76,7 @@ class MemoryBroker:
             wanted = needed
         if self.pager.request_bytes(wanted) > 0:
             self.num_requests += 1
+            self._refused_spare = 0
             return True
         return False
 
@@ -94,8 +98,13 @@ class MemoryBroker:
         if self.pager is None:
             return
         spare = self.pool_free_bytes()
-        if spare > 0 and self.pager.offer_bytes(spare) > 0:
+        if spare <= self._refused_spare:
+            return
+        if self.pager.offer_bytes(spare) > 0:
             self.num_offers += 1
+            self._refused_spare = 0
+        else:
+            self._refused_spare = spare
 
     def pool_free_bytes(self) -> int:
         if self.pool is None:

@@ -58,6 +58,9 @@ class WeightPager:
         self.before_plan = before_plan  # e.g. RoutingFeed.refresh: live routing into the planner
         self._kv_target_bytes = 0  # what compaction must make usable as KV blocks
         self.num_plans = 0
+        self.num_raises_dropped = 0  # raises given up because they could not start (see below)
+        self._stalled_boundaries = 0
+        self._free_bytes_at_drop = -1  # pool free bytes when raises were last dropped
         self._mean_min = self._mean_bits()
 
     # ---- pressure -----------------------------------------------------------------------
@@ -66,6 +69,7 @@ class WeightPager:
         returns the bytes the pending lowerings will free (less than asked when every
         block is at its floor)."""
         entries = self.table.entries
+        self._free_bytes_at_drop = -1  # bits go down: what is free afterwards is new
         self._kv_target_bytes = max(self._kv_target_bytes, num_bytes + self.mover.arena.pool.free_bytes)
         for e in entries.values():  # cancel raises that have not started
             e.desired_bits = min(e.desired_bits, e.effective_bits)
@@ -84,6 +88,8 @@ class WeightPager:
         Ignored (0) while lowerings are still pending: pressure has not fallen yet."""
         if self._pending_free() > 0:
             return 0
+        if self.mover.arena.pool.free_bytes <= self._free_bytes_at_drop:
+            return 0  # these bytes could not hold the last plan's raises in flight
         spendable = num_bytes - self._pending_take()
         if spendable <= 0:
             return 0
@@ -100,8 +106,31 @@ class WeightPager:
             self._compact()
         elif result.num_raises_fragmented:
             self.mover.compact()  # the raises retry at the next boundary
+        self._drop_stalled_raises(result)
         self._mean_min = min(self._mean_min, self._mean_bits())
         return result
+
+    def _drop_stalled_raises(self, result: BoundaryResult) -> None:
+        """Give up raises the arena cannot start even after a compaction.
+
+        A raise holds the new LUT beside the old one until it commits, so a plan that fits
+        in net bytes can still find no room in flight; waiting would keep the pager busy
+        for ever. When a boundary starts, commits and lowers nothing with no copy in
+        flight, twice in a row (the first is followed by a compaction), the waiting raises
+        are cancelled; a later offer plans them again with the bytes then free."""
+        idle = not (result.started_ids or result.committed_ids or result.lowered_ids)
+        waiting = [e for e in self.table.entries.values()
+                   if e.desired_bits > e.committed_bits and not e.transit_bits]
+        if not (idle and waiting and not self.mover.in_transit_extents()):
+            self._stalled_boundaries = 0
+            return
+        self._stalled_boundaries += 1
+        if self._stalled_boundaries >= 2:
+            for e in waiting:
+                e.desired_bits = e.committed_bits
+            self.num_raises_dropped += len(waiting)
+            self._stalled_boundaries = 0
+            self._free_bytes_at_drop = self.mover.arena.pool.free_bytes
 
     def busy(self) -> bool:
         return self.mover.busy()
