@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.common.errors import UserError
-from services.worker.model.experts import group_tokens_by_expert
+from services.worker.model.experts import expert_groups
 
 
 @dataclass(frozen=True)
@@ -87,17 +87,8 @@ class RecordingExperts(nn.Module):
         self.chunk_of_token: torch.Tensor | None = None
 
     def forward(self, x, topk_ids, topk_weights):
-        num_experts, k = self.dense.num_experts, topk_ids.shape[1]
-        order, counts = group_tokens_by_expert(topk_ids, num_experts)
-        token_of = order // k
-        weights = topk_weights.reshape(-1)[order]
         out = torch.zeros_like(x)
-        start = 0
-        for e, n in enumerate(counts.tolist()):
-            if n == 0:
-                continue
-            tokens, w = token_of[start:start + n], weights[start:start + n]
-            start += n
+        for e, tokens, w in expert_groups(topk_ids, topk_weights, self.dense.num_experts):
             xe = x[tokens]
             pre = F.linear(xe, self.dense.gate_up[e])
             gate, up = pre.chunk(2, dim=-1)

@@ -40,25 +40,29 @@ def group_tokens_by_expert(topk_ids: torch.Tensor, num_experts: int):
     return order, counts
 
 
+def expert_groups(topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int):
+    """Yield (expert, token indices [n], routing weights [n]) for every expert with tokens."""
+    k = topk_ids.shape[1]
+    order, counts = group_tokens_by_expert(topk_ids, num_experts)
+    token_of = order // k
+    weights = topk_weights.reshape(-1)[order]
+    start = 0
+    for e, n in enumerate(counts.tolist()):
+        if n:
+            yield e, token_of[start : start + n], weights[start : start + n]
+        start += n
+
+
 def moe_forward(x, topk_ids, topk_weights, expert_fn, num_experts: int) -> torch.Tensor:
     """Reference MoE combine: run each expert on its tokens, weight, scatter-add.
 
     `expert_fn(e, tokens [n, H]) -> [n, H]` computes one expert; only experts that
     received tokens are called.
     """
-    k = topk_ids.shape[1]
-    order, counts = group_tokens_by_expert(topk_ids, num_experts)
-    token_of = order // k
-    weights = topk_weights.reshape(-1)[order]
     out = torch.zeros_like(x)
-    start = 0
-    for e, n in enumerate(counts.tolist()):
-        if n == 0:
-            continue
-        tokens = token_of[start : start + n]
-        y = expert_fn(e, x[tokens]) * weights[start : start + n, None]
+    for e, tokens, weights in expert_groups(topk_ids, topk_weights, num_experts):
+        y = expert_fn(e, x[tokens]) * weights[:, None]
         out.index_add_(0, tokens, y.to(out.dtype))
-        start += n
     return out
 
 
