@@ -198,12 +198,17 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_eval_args(parser: argparse.ArgumentParser) -> None:
+    """The flags every planner evaluation script shares: which models, how many tokens."""
     parser.add_argument("--models", nargs="+", default=list(MODELS))
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--eval-tokens", type=int, default=2048)
     parser.add_argument("--seq-len", type=int, default=512)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_eval_args(parser)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

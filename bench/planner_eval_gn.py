@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.bench_meta import write_result  # noqa: E402
-from bench.planner_eval import ARTIFACTS, DOMAINS, MODELS, Evaluator, domain_tokens, log  # noqa: E402
+from bench.planner_eval import ARTIFACTS, DOMAINS, Evaluator, add_eval_args, domain_tokens, log  # noqa: E402
 from services.planner.policies import make_policy  # noqa: E402
 
 WIDTHS = (3.5, 4, 5)
@@ -52,10 +52,7 @@ def evaluate(name: str, args) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", default=list(MODELS))
-    parser.add_argument("--prompt-tokens", type=int, default=256)
-    parser.add_argument("--eval-tokens", type=int, default=2048)
-    parser.add_argument("--seq-len", type=int, default=512)
+    add_eval_args(parser)
     args = parser.parse_args()
     torch.set_num_threads(2)
     results = {name: evaluate(name, args) for name in args.models}
