@@ -44,6 +44,8 @@ class ArenaExperts(nn.Module):
         self._cache: dict[BlockId, tuple[int, torch.Tensor]] = {}  # block_id -> (version, weight)
         # None: the fused kernel wherever it can run.
         self.use_kernel = (on_cuda and kernel_available()) if use_kernel is None else use_kernel
+        # gate_up blocks of experts 0..E-1, then down blocks: the order APLLayer takes them in
+        self._block_ids = [BlockId(layer, e, m) for m in ("gate_up", "down") for e in range(num_experts)]
         self._kernel_layer: APLLayer | None = None
         self._kernel_versions: dict[BlockId, int] = {}  # block_id -> version its descriptor row shows
 
@@ -53,16 +55,15 @@ class ArenaExperts(nn.Module):
 
     def kernel_layer(self) -> APLLayer:
         """The kernel's view of this layer, its descriptors brought up to the committed state."""
-        block_ids = [BlockId(self.layer, e, m) for m in ("gate_up", "down") for e in range(self.num_experts)]
         if self._kernel_layer is None:
             E = self.num_experts
-            blocks = [self._resident(b) for b in block_ids]
+            blocks = [self._resident(b) for b in self._block_ids]
             self._kernel_layer = APLLayer(blocks[:E], blocks[E:])
         else:
-            for b in block_ids:
+            for b in self._block_ids:
                 if self.table.entries[b].version != self._kernel_versions[b]:
                     self._kernel_layer.set_block(b.expert, b.module, self._resident(b))
-        self._kernel_versions = {b: self.table.entries[b].version for b in block_ids}
+        self._kernel_versions = {b: self.table.entries[b].version for b in self._block_ids}
         return self._kernel_layer
 
     def weight(self, block_id: BlockId, dtype: torch.dtype) -> torch.Tensor:

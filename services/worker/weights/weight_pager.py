@@ -119,9 +119,10 @@ class WeightPager:
         flight, twice in a row (the first is followed by a compaction), the waiting raises
         are cancelled; a later offer plans them again with the bytes then free."""
         idle = not (result.started_ids or result.committed_ids or result.lowered_ids)
-        waiting = [e for e in self.table.entries.values()
-                   if e.desired_bits > e.committed_bits and not e.transit_bits]
-        if not (idle and waiting and not self.mover.in_transit_extents()):
+        # Cheap tests first: this runs at every step boundary, the scan below only when idle.
+        waiting = [] if not idle or self.mover.in_transit_extents() else [
+            e for e in self.table.entries.values() if e.desired_bits > e.committed_bits and not e.transit_bits]
+        if not waiting:
             self._stalled_boundaries = 0
             return
         self._stalled_boundaries += 1
