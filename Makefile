@@ -16,7 +16,7 @@ test:
 
 # On a CUDA machine (no venv there): the kernel and GPU-path tests.
 test-gpu:
-	PYTHONPATH=. python3 -m pytest -q -m gpu
+	PYTHONPATH=.:services:kernels python3 -m pytest -q -m gpu
 
 clean:
 	rm -rf $(VENV) .pytest_cache *.egg-info

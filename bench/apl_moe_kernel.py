@@ -17,7 +17,7 @@ per call, so repeated calls do not find the weights in L2 (a real model runs 24-
 layers in turn); each method is captured in a CUDA graph of REPS calls and timed by
 replaying it (median of TRIALS). Writes bench/results/apl_moe_kernel.json.
 
-Usage on the GPU machine: PYTHONPATH=. python3 bench/apl_moe_kernel.py [--quick]
+Usage on the GPU machine: PYTHONPATH=.:services:kernels python3 bench/apl_moe_kernel.py [--quick]
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.bench_meta import write_result  # noqa: E402
-from kernels.apl_moe import APLLayer, ResidentBlock, apl_moe, launch_gemm, plan_launch  # noqa: E402
-from kernels.synthetic import nested_luts  # noqa: E402
+from pagedweight_kernels.apl_moe import APLLayer, ResidentBlock, apl_moe, launch_gemm, plan_launch  # noqa: E402
+from pagedweight_kernels.synthetic import nested_luts  # noqa: E402
 
 MODELS = {  # experts, top_k, hidden, intermediate
     "qwen1.5-moe-a2.7b": (60, 4, 2048, 1408),

@@ -1,10 +1,10 @@
 """Batch-1 greedy decode tokens/s of the tiny models on the GPU: bf16 experts against the
 fused APL kernel (APLExperts, mixed 3..8-bit blocks), same run, same prompt.
 
-The reference decode loop (services/worker/engine/generate.py), eager (no CUDA graphs), so
+The reference decode loop (services/pagedweight/engine/generate.py), eager (no CUDA graphs), so
 per-token host work counts for both. Writes bench/results/apl_moe_tiny_decode.json.
 
-Usage on the GPU machine: PYTHONPATH=. python3 bench/apl_moe_tiny_decode.py [model dirs...]
+Usage on the GPU machine: PYTHONPATH=.:services:kernels python3 bench/apl_moe_tiny_decode.py [model dirs...]
 """
 
 import json
@@ -18,12 +18,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.bench_meta import write_result  # noqa: E402
-from kernels.synthetic import quantize_experts  # noqa: E402
-from services.worker.engine.generate import generate  # noqa: E402
-from services.worker.engine.sampler import SamplingParams  # noqa: E402
-from services.worker.model import load_model  # noqa: E402
-from services.worker.model.apl_experts import APLExperts  # noqa: E402
-from services.worker.model.tokenizer import Tokenizer  # noqa: E402
+from pagedweight_kernels.synthetic import quantize_experts  # noqa: E402
+from pagedweight.engine.generate import generate  # noqa: E402
+from pagedweight.engine.sampler import SamplingParams  # noqa: E402
+from pagedweight.model import load_model  # noqa: E402
+from pagedweight.model.apl_experts import APLExperts  # noqa: E402
+from pagedweight.model.tokenizer import Tokenizer  # noqa: E402
 from tests.kernels.apl_cases import mixed_bits  # noqa: E402
 
 NEW_TOKENS, RUNS = 64, 3

@@ -5,7 +5,7 @@ fresh routing per call, CUDA-graph replays) for each variant of kernels.apl_moe.
 and prefill tile choice; prints one line per (variant, shape). Used to pick the defaults;
 results are recorded in docs/kernel.md.
 
-Usage on the GPU machine: PYTHONPATH=. python3 bench/apl_moe_variants.py
+Usage on the GPU machine: PYTHONPATH=.:services:kernels python3 bench/apl_moe_variants.py
 """
 
 import sys
@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import kernels.apl_moe as op  # noqa: E402
+import pagedweight_kernels.apl_moe as op  # noqa: E402
 from bench.apl_moe_kernel import COPIES, MODELS, REPS, SyntheticLayer, bit_assignment, routings, time_calls  # noqa: E402
 
 SHAPES = [("mixtral-8x7b", 1, "4"), ("mixtral-8x7b", 1, "8"), ("mixtral-8x7b", 4, "4"),

@@ -18,9 +18,9 @@ from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.bench_meta import write_result  # noqa: E402
-from services.worker.engine.generate import generate  # noqa: E402
-from services.worker.engine.sampler import SamplingParams  # noqa: E402
-from services.worker.model import load_model  # noqa: E402
+from pagedweight.engine.generate import generate  # noqa: E402
+from pagedweight.engine.sampler import SamplingParams  # noqa: E402
+from pagedweight.model import load_model  # noqa: E402
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "models"
 

@@ -9,7 +9,7 @@ EOS ignored) through
 - `apl-8-reference`: the same at 8 bits through the torch dequantising path (what the
   kernel replaces).
 Concurrency 1 is batch-1 decode; 16 is a small batch. Writes bench/results/engine_gpu_decode.json.
-Run on the GPU machine: PYTHONPATH=. python3 bench/engine_gpu_decode.py --calib FILE ...
+Run on the GPU machine: PYTHONPATH=.:services:kernels python3 bench/engine_gpu_decode.py --calib FILE ...
 """
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.bench_meta import write_result  # noqa: E402
-from services.offline.calibrate import CalibConfig  # noqa: E402
-from services.offline.quantize import QuantizeConfig, quantize_model  # noqa: E402
-from services.worker.engine.engine import Engine, EngineConfig  # noqa: E402
-from services.worker.engine_bench import LoadSpec, drive_load  # noqa: E402
-from services.worker.model import load_model  # noqa: E402
-from services.worker.runtime import RuntimeConfig, build_runtime  # noqa: E402
+from pagedweight.offline.calibrate import CalibConfig  # noqa: E402
+from pagedweight.offline.quantize import QuantizeConfig, quantize_model  # noqa: E402
+from pagedweight.engine.engine import Engine, EngineConfig  # noqa: E402
+from pagedweight.engine.load_bench import LoadSpec, drive_load  # noqa: E402
+from pagedweight.model import load_model  # noqa: E402
+from pagedweight.runtime import RuntimeConfig, build_runtime  # noqa: E402
 
 BUDGET = 1 << 30  # ample for the tiny models: this measures speed, not memory pressure
 

@@ -1,6 +1,6 @@
 """The engine under load at one memory budget: pagedweight against static uniform bits.
 
-Runs `pagedweight bench engine` (services/cli/bench_cmd.py) three times in one process,
+Runs `pagedweight bench engine` (services/pagedweight/cli/bench_cmd.py) three times in one process,
 same load, same budget: `pagedweight` (bits move with the load), `static-8` and
 `static-4` (every expert block pinned). The budget is chosen too small for 8-bit experts
 plus the load's KV, so static-8 must queue or preempt, static-4 has room at low quality,
@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.bench_meta import write_result  # noqa: E402
-from services.cli.main import build_parser  # noqa: E402
+from pagedweight.cli.main import build_parser  # noqa: E402
 
 POLICIES = ("pagedweight", "static-8", "static-4")
 
@@ -37,8 +37,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    from services.cli.bench_cmd import run_engine_bench
-    from services.common.errors import UserError
+    from pagedweight.cli.bench_cmd import run_engine_bench
+    from pagedweight.common.errors import UserError
 
     results = {}
     for policy in POLICIES:

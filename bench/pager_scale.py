@@ -21,13 +21,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.bench_meta import write_result  # noqa: E402
-from services.worker.memory.arena import Arena  # noqa: E402
-from services.worker.memory.pool import KV_USED, MemoryPool  # noqa: E402
-from services.worker.weights.greedy_planner import GreedyPlanner  # noqa: E402
-from services.worker.weights.page_mover import PageMover  # noqa: E402
-from services.worker.weights.page_table import PageTable  # noqa: E402
-from services.worker.weights.synthetic import random_blocks  # noqa: E402
-from services.worker.weights.weight_pager import WeightPager  # noqa: E402
+from pagedweight.memory.arena import Arena  # noqa: E402
+from pagedweight.memory.pool import KV_USED, MemoryPool  # noqa: E402
+from pagedweight.weights.greedy_planner import GreedyPlanner  # noqa: E402
+from pagedweight.weights.page_mover import PageMover  # noqa: E402
+from pagedweight.weights.page_table import PageTable  # noqa: E402
+from pagedweight.weights.synthetic import random_blocks  # noqa: E402
+from pagedweight.weights.weight_pager import WeightPager  # noqa: E402
 
 KV_BLOCK, PAGE = 4096, 256
 

@@ -30,16 +30,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.bench_meta import write_result  # noqa: E402
-from services.offline.perplexity import perplexity  # noqa: E402
-from services.planner.artifact import load_planner_inputs  # noqa: E402
-from services.planner.loss_scale import GroupScales, measure_group_scales  # noqa: E402
-from services.planner.policies import POLICY_NAMES, PlanContext, make_policy  # noqa: E402
-from services.planner.prompt_context import (  # noqa: E402
+from pagedweight.offline.perplexity import perplexity  # noqa: E402
+from pagedweight.planner.artifact import load_planner_inputs  # noqa: E402
+from pagedweight.planner.loss_scale import GroupScales, measure_group_scales  # noqa: E402
+from pagedweight.planner.policies import POLICY_NAMES, PlanContext, make_policy  # noqa: E402
+from pagedweight.planner.prompt_context import (  # noqa: E402
     prompt_context, record_prompt_routing, steady_traffic_tokens,
 )
-from services.worker.model.tokenizer import Tokenizer  # noqa: E402
-from services.worker.weights.paged_experts import build_paged_lm, set_model_bits  # noqa: E402
-from services.worker.weights.paged_model import load_paged_model  # noqa: E402
+from pagedweight.model.tokenizer import Tokenizer  # noqa: E402
+from pagedweight.weights.paged_experts import build_paged_lm, set_model_bits  # noqa: E402
+from pagedweight.format.paged_model import load_paged_model  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 ARTIFACTS = Path("/work/artifacts/paged")

@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.bench_meta import write_result  # noqa: E402
 from bench.planner_eval import ARTIFACTS, DOMAINS, Evaluator, add_eval_args, domain_tokens, log  # noqa: E402
-from services.planner.policies import make_policy  # noqa: E402
+from pagedweight.planner.policies import make_policy  # noqa: E402
 
 WIDTHS = (3.5, 4, 5)
 TABLES = ("sensitivity", "sensitivity_gn")

@@ -1,6 +1,6 @@
 """Planner speed at Qwen1.5-MoE-A2.7B size: 24 layers x 60 experts x 2 blocks = 2880 blocks.
 
-Synthetic sensitivity and routing tables (services/planner/synthetic.py), true APL
+Synthetic sensitivity and routing tables (services/pagedweight/planner/synthetic.py), true APL
 bytes. Timed, each as the median (and p90) of repeated runs after a warm-up:
 - every policy's static plan at budgets of uniform 3, 3.5, 4 and 5 bits (from scratch:
   every block starts at 8 bits and is lowered to the budget, the most work a plan does);
@@ -21,10 +21,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.bench_meta import write_result  # noqa: E402
-from services.planner.damage import DamageInputs, DamageModel  # noqa: E402
-from services.planner.planner import OnlinePlanner  # noqa: E402
-from services.planner.policies import POLICY_NAMES, PlanContext, make_policy  # noqa: E402
-from services.planner.synthetic import QWEN15_MOE_A27B, synthetic_table  # noqa: E402
+from pagedweight.planner.damage import DamageInputs, DamageModel  # noqa: E402
+from pagedweight.planner.planner import OnlinePlanner  # noqa: E402
+from pagedweight.planner.policies import POLICY_NAMES, PlanContext, make_policy  # noqa: E402
+from pagedweight.planner.synthetic import QWEN15_MOE_A27B, synthetic_table  # noqa: E402
 
 TARGET_MS = 5.0
 WIDTHS = (3, 3.5, 4, 5)

@@ -15,7 +15,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.apl_moe_kernel import MODELS, SyntheticLayer, bit_assignment, routings  # noqa: E402
-from kernels.apl_moe import apl_moe  # noqa: E402
+from pagedweight_kernels.apl_moe import apl_moe  # noqa: E402
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--model", default="mixtral-8x7b", choices=list(MODELS))

@@ -37,11 +37,11 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from services.offline.perplexity import token_windows  # noqa: E402
-from services.worker.model.tokenizer import Tokenizer  # noqa: E402
-from services.worker.weights.apl_format import BIT_WIDTHS, MODULES, BlockId  # noqa: E402
-from services.worker.weights.paged_experts import build_paged_lm, set_model_bits, uniform_bits  # noqa: E402
-from services.worker.weights.paged_model import load_paged_model  # noqa: E402
+from pagedweight.offline.perplexity import token_windows  # noqa: E402
+from pagedweight.model.tokenizer import Tokenizer  # noqa: E402
+from pagedweight.format.apl_format import BIT_WIDTHS, MODULES, BlockId  # noqa: E402
+from pagedweight.weights.paged_experts import build_paged_lm, set_model_bits, uniform_bits  # noqa: E402
+from pagedweight.format.paged_model import load_paged_model  # noqa: E402
 
 SHARED = Path(os.environ.get("PAGEDWEIGHT_SHARED", REPO.parent / "shared"))
 DOMAINS = ("kjv", "pydoc", "pycode", "cheader")
@@ -226,7 +226,7 @@ def correlations(rows: list[dict], keys) -> dict:
 
 
 def time_quantize(model_name: str, log) -> dict:
-    from services.offline.quantize import quantize_model
+    from pagedweight.offline.quantize import quantize_model
 
     files = sorted((SHARED / "data" / "corpus").glob("*.calib.txt"))
     with tempfile.TemporaryDirectory() as out:
@@ -242,7 +242,7 @@ def time_quantize(model_name: str, log) -> dict:
 
 
 def quantize_into(model_name: str, out: Path, device: str, log) -> None:
-    from services.offline.quantize import QuantizeConfig, quantize_model
+    from pagedweight.offline.quantize import QuantizeConfig, quantize_model
 
     files = sorted((SHARED / "data" / "corpus").glob("*.calib.txt"))
     quantize_model(SHARED / "models" / model_name, out, files, QuantizeConfig(device=device), log=log)

@@ -48,10 +48,10 @@ def paged_micro_dir(tmp_path_factory) -> Path:
     quantiser, the uniform grid's expected squared error as sensitivity, uniform routing."""
     import torch
 
-    from services.worker.model import load_model
-    from services.worker.weights.apl_format import BIT_WIDTHS, MODULES, BlockId
-    from services.worker.weights.paged_model import LayerPlanes, save_paged_model
-    from services.worker.weights.synthetic import nested_uniform_block
+    from pagedweight.model import load_model
+    from pagedweight.format.apl_format import BIT_WIDTHS, MODULES, BlockId
+    from pagedweight.format.paged_model import LayerPlanes, save_paged_model
+    from pagedweight.weights.synthetic import nested_uniform_block
 
     model = load_model(BUNDLED_MODEL, dtype=torch.float32)
     config = model.config

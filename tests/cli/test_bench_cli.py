@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from services.common.errors import UserError
+from pagedweight.common.errors import UserError
 from tests.cli.test_cli import assert_one_line_error, pagedweight
 
 FIELDS = ("requests_completed", "requests_failed", "output_tokens_per_s", "preemptions",
@@ -34,8 +34,8 @@ def test_bench_engine_bad_input_is_one_line(paged_micro_dir):
 
 
 def test_bench_engine_budget_below_the_dense_weights_is_a_user_error(paged_micro_dir):
-    from services.cli.bench_cmd import run_engine_bench
-    from services.cli.main import build_parser
+    from pagedweight.cli.bench_cmd import run_engine_bench
+    from pagedweight.cli.main import build_parser
 
     for budget, policy, fragment in (("1MiB", "pagedweight", "memory budget"),
                                      ("12MiB", "static-8", "static-8"),

@@ -13,7 +13,7 @@ from tests.conftest import BUNDLED_MODEL, REPO_ROOT
 
 def pagedweight(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "services.cli.main", *args],
+        [sys.executable, "-m", "pagedweight.cli.main", *args],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
     )
 
@@ -28,10 +28,10 @@ def assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str) 
 
 
 def test_generate_prints_only_the_completion():
-    from services.worker.engine.generate import generate
-    from services.worker.engine.sampler import SamplingParams
-    from services.worker.model import load_model
-    from services.worker.model.tokenizer import Tokenizer
+    from pagedweight.engine.generate import generate
+    from pagedweight.engine.sampler import SamplingParams
+    from pagedweight.model import load_model
+    from pagedweight.model.tokenizer import Tokenizer
 
     result = pagedweight("generate", "--model", str(BUNDLED_MODEL), "--prompt", "And God said",
                          "--max-tokens", "12")

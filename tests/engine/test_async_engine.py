@@ -7,13 +7,13 @@ import asyncio
 import pytest
 import torch
 
-from services.common.errors import UserError
-from services.worker.engine.async_engine import AsyncEngine
-from services.worker.engine.engine import Engine, EngineConfig
-from services.worker.engine.generate import generate
-from services.worker.engine.sampler import SamplingParams
-from services.worker.memory.kv_cache import KVCacheConfig
-from services.worker.model import load_model
+from pagedweight.common.errors import UserError
+from pagedweight.engine.async_engine import AsyncEngine
+from pagedweight.engine.engine import Engine, EngineConfig
+from pagedweight.engine.generate import generate
+from pagedweight.engine.sampler import SamplingParams
+from pagedweight.memory.kv_cache import KVCacheConfig
+from pagedweight.model import load_model
 from tests.conftest import BUNDLED_MODEL
 
 

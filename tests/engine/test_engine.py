@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.common.errors import ContextLengthError, UserError
-from services.worker.engine.engine import Engine, EngineConfig
-from services.worker.engine.generate import generate
-from services.worker.engine.sampler import SamplingParams
-from services.worker.engine.scheduler import SchedulerConfig
-from services.worker.memory.kv_cache import KVCacheConfig
-from services.worker.model import load_model
-from services.worker.model.tokenizer import Tokenizer
+from pagedweight.common.errors import ContextLengthError, UserError
+from pagedweight.engine.engine import Engine, EngineConfig
+from pagedweight.engine.generate import generate
+from pagedweight.engine.sampler import SamplingParams
+from pagedweight.engine.scheduler import SchedulerConfig
+from pagedweight.memory.kv_cache import KVCacheConfig
+from pagedweight.model import load_model
+from pagedweight.model.tokenizer import Tokenizer
 from tests.conftest import BUNDLED_MODEL
 
 PROMPT_LENS = (3, 17, 33, 5, 40, 1, 29, 12)

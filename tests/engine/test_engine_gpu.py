@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.worker.engine.engine import Engine, EngineConfig
-from services.worker.engine.generate import generate
-from services.worker.engine.sampler import SamplingParams
-from services.worker.engine.scheduler import SchedulerConfig
-from services.worker.memory.kv_cache import KVCacheConfig
-from services.worker.model import load_model
+from pagedweight.engine.engine import Engine, EngineConfig
+from pagedweight.engine.generate import generate
+from pagedweight.engine.sampler import SamplingParams
+from pagedweight.engine.scheduler import SchedulerConfig
+from pagedweight.memory.kv_cache import KVCacheConfig
+from pagedweight.model import load_model
 from tests.conftest import BUNDLED_MODEL
 
 pytestmark = [
@@ -40,7 +40,7 @@ def test_engine_on_cuda_equals_generate(impl, num_blocks):
 
 
 def test_dynamic_runtime_on_cuda_stays_in_budget(paged_micro_dir):
-    from services.worker.runtime import RuntimeConfig, build_runtime
+    from pagedweight.runtime import RuntimeConfig, build_runtime
     from tests.engine.test_runtime_engine import ENGINE, check_pool, fixed_budget, prompts
 
     budget = fixed_budget(paged_micro_dir, 8, kv_tokens=80)

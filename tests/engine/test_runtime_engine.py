@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.common.errors import UserError
-from services.worker.engine.engine import EngineConfig
-from services.worker.engine.generate import generate
-from services.worker.engine.sampler import SamplingParams
-from services.worker.engine.scheduler import SchedulerConfig
-from services.worker.memory.kv_cache import KVCacheConfig
-from services.worker.runtime import RuntimeConfig, build_runtime, workspace_bytes
+from pagedweight.common.errors import UserError
+from pagedweight.engine.engine import EngineConfig
+from pagedweight.engine.generate import generate
+from pagedweight.engine.sampler import SamplingParams
+from pagedweight.engine.scheduler import SchedulerConfig
+from pagedweight.memory.kv_cache import KVCacheConfig
+from pagedweight.runtime import RuntimeConfig, build_runtime, workspace_bytes
 
 ENGINE = EngineConfig(
     scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64), kv=KVCacheConfig(block_size=4)
@@ -22,7 +22,7 @@ MAX_TOKENS = 10
 
 def fixed_budget(paged_dir, bits: int, kv_tokens: int) -> int:
     """Dense weights + workspace + experts at `bits` + room for kv_tokens tokens."""
-    from services.worker.weights.paged_model import load_paged_model
+    from pagedweight.format.paged_model import load_paged_model
 
     paged = load_paged_model(paged_dir, with_bf16=False)
     c = paged.config
@@ -89,7 +89,7 @@ def test_dynamic_runtime_lowers_bits_under_load_and_raises_them_after(paged_micr
     """A budget too small for 8-bit experts plus the load's KV: the pager frees bytes for
     KV (bits go down), every request completes without preemption, the pool never goes
     over budget, and once the load has drained the weights take their bytes back."""
-    from services.worker.engine_bench import mean_committed_bits
+    from pagedweight.engine.load_bench import mean_committed_bits
 
     budget = fixed_budget(paged_micro_dir, 8, kv_tokens=80)  # the load needs ~150 tokens
     runtime = build_runtime(paged_micro_dir, RuntimeConfig(budget, "pagedweight", engine=ENGINE))
@@ -138,7 +138,7 @@ def test_abort_on_runtime_returns_blocks_to_the_pool_labels(paged_micro_dir):
 
 
 def test_a_request_larger_than_kv_at_the_lowest_bits_is_refused(paged_micro_dir):
-    from services.common.errors import ContextLengthError
+    from pagedweight.common.errors import ContextLengthError
 
     budget = fixed_budget(paged_micro_dir, 4, kv_tokens=80)
     runtime = build_runtime(paged_micro_dir, RuntimeConfig(budget, "pagedweight", engine=ENGINE))

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels.apl_moe import APLLayer
-from kernels.synthetic import random_block
-from services.worker.model.apl_experts import resident_block
+from pagedweight_kernels.apl_moe import APLLayer
+from pagedweight_kernels.synthetic import random_block
+from pagedweight.model.apl_experts import resident_block
 
 
 def mixed_bits(num_experts: int) -> dict[tuple[int, str], int]:

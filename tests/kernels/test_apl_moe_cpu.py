@@ -4,12 +4,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.apl_moe import (
+from pagedweight_kernels.apl_moe import (
     APLKernelError, ResidentBlock, apl_moe_reference, check_inputs, lanes_per_row, plan_launch,
 )
-from kernels.synthetic import quantize_nested, random_block
-from services.worker.model.apl_experts import APLExperts, resident_block
-from services.worker.weights.apl_format import BIT_WIDTHS, dequantize, unpack_codes
+from pagedweight_kernels.synthetic import quantize_nested, random_block
+from pagedweight.model.apl_experts import APLExperts, resident_block
+from pagedweight.format.apl_format import BIT_WIDTHS, dequantize, unpack_codes
 from tests.kernels.apl_cases import mixed_bits, ragged_routing, random_layer
 
 

@@ -12,9 +12,9 @@ import sys
 import pytest
 import torch
 
-from kernels.apl_moe import APLLayer, apl_moe, apl_moe_reference, kernel_available, plan_launch
-from kernels.synthetic import quantize_experts
-from services.worker.model.apl_experts import APLExperts, resident_block
+from pagedweight_kernels.apl_moe import APLLayer, apl_moe, apl_moe_reference, kernel_available, plan_launch
+from pagedweight_kernels.synthetic import quantize_experts
+from pagedweight.model.apl_experts import APLExperts, resident_block
 from tests.conftest import BUNDLED_MODEL, CORPUS_DIR, SHARED_MODELS
 from tests.kernels.apl_cases import mixed_bits, ragged_routing, random_layer
 
@@ -140,9 +140,9 @@ def model_dirs():
 
 @pytest.mark.parametrize("model_dir", model_dirs(), ids=lambda p: p.name)
 def test_perplexity_with_kernel_equals_reference(model_dir):
-    from services.offline.perplexity import perplexity
-    from services.worker.model import load_model
-    from services.worker.model.tokenizer import Tokenizer
+    from pagedweight.offline.perplexity import perplexity
+    from pagedweight.model import load_model
+    from pagedweight.model.tokenizer import Tokenizer
 
     device = torch.device("cuda")
     model = load_model(model_dir, dtype=torch.bfloat16, device=device)

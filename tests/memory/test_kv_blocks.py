@@ -9,11 +9,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.worker.memory.arena import Arena
-from services.worker.memory.kv_cache import KV_FREE, KV_USED, KVBlockManager, KVCacheConfig, PagedKVCache
-from services.worker.memory.pool import OTHER_WEIGHTS, MemoryPool
-from services.worker.model.config import ModelConfig
-from services.worker.model.paged_attention import SeqSlice, build_step, paged_attention
+from pagedweight.memory.arena import Arena
+from pagedweight.memory.kv_cache import KV_FREE, KV_USED, KVBlockManager, KVCacheConfig, PagedKVCache
+from pagedweight.memory.pool import OTHER_WEIGHTS, MemoryPool
+from pagedweight.format.model_config import ModelConfig
+from pagedweight.model.paged_attention import SeqSlice, build_step, paged_attention
 from tests.conftest import BUNDLED_MODEL
 
 

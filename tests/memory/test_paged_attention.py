@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.worker.memory.kv_cache import KVCacheConfig, PagedKVCache
-from services.worker.model import load_model
-from services.worker.model.config import ModelConfig
-from services.worker.model.paged_attention import SeqSlice, build_step, paged_attention
+from pagedweight.memory.kv_cache import KVCacheConfig, PagedKVCache
+from pagedweight.model import load_model
+from pagedweight.format.model_config import ModelConfig
+from pagedweight.model.paged_attention import SeqSlice, build_step, paged_attention
 from tests.conftest import BUNDLED_MODEL
 
 

@@ -3,7 +3,7 @@
 import torch
 import torch.nn.functional as F
 
-from services.worker.model.experts import DenseExperts
+from pagedweight.model.experts import DenseExperts
 
 
 def test_dense_experts_equal_per_token_sum():

@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from services.common.errors import CheckpointError, UnsupportedModelError
-from services.worker.model import load_model
+from pagedweight.common.errors import CheckpointError, UnsupportedModelError
+from pagedweight.model import load_model
 from tests.conftest import BUNDLED_MODEL
 
 

@@ -6,10 +6,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from services.worker.engine.generate import generate
-from services.worker.engine.sampler import SamplingParams
-from services.worker.model import load_model
-from services.worker.model.tokenizer import Tokenizer
+from pagedweight.engine.generate import generate
+from pagedweight.engine.sampler import SamplingParams
+from pagedweight.model import load_model
+from pagedweight.model.tokenizer import Tokenizer
 from tests.conftest import domain_prompts, shared_model_dirs
 
 MODELS = shared_model_dirs()

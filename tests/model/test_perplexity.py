@@ -3,8 +3,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from services.offline.perplexity import perplexity, token_windows
-from services.worker.model import load_model
+from pagedweight.offline.perplexity import perplexity, token_windows
+from pagedweight.model import load_model
 from tests.conftest import BUNDLED_MODEL
 
 

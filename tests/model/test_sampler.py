@@ -1,9 +1,9 @@
 import pytest
 import torch
 
-from services.common.errors import UserError
-from services.worker.engine.generate import find_stop
-from services.worker.engine.sampler import SamplingParams, sample
+from pagedweight.common.errors import UserError
+from pagedweight.engine.generate import find_stop
+from pagedweight.engine.sampler import SamplingParams, sample
 
 
 def draws(logits, params, n=2000):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 from hypothesis import strategies as st
 
-from services.planner.tables import BlockTable
-from services.worker.weights.apl_format import BIT_WIDTHS, MODULES, BlockId
+from pagedweight.planner.tables import BlockTable
+from pagedweight.format.apl_format import BIT_WIDTHS, MODULES, BlockId
 
 SHAPES = [(32, 32), (64, 32), (128, 64), (256, 128), (96, 256), (512, 64)]
 

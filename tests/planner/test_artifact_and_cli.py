@@ -8,15 +8,15 @@ import numpy as np
 import pytest
 import torch
 
-from services.cli.main import main
-from services.common.errors import CheckpointError, UserError
-from services.offline.residual_heads import ResidualHeads
-from services.planner.artifact import PagedPlannerInputs, table_from_meta
-from services.planner.loss_scale import GroupScales, apply_group_scales, measure_group_scales
-from services.planner.prompt_context import prompt_context, record_prompt_routing
-from services.worker.model import load_model
-from services.worker.weights.apl_format import BIT_WIDTHS, MODULES, BlockId, block_bytes
-from services.worker.weights.paged_model import FORMAT_NAME, FORMAT_VERSION, APL_FORMAT_VERSION, META_FILE
+from pagedweight.cli.main import main
+from pagedweight.common.errors import CheckpointError, UserError
+from pagedweight.offline.residual_heads import ResidualHeads
+from pagedweight.planner.artifact import PagedPlannerInputs, table_from_meta
+from pagedweight.planner.loss_scale import GroupScales, apply_group_scales, measure_group_scales
+from pagedweight.planner.prompt_context import prompt_context, record_prompt_routing
+from pagedweight.model import load_model
+from pagedweight.format.apl_format import BIT_WIDTHS, MODULES, BlockId, block_bytes
+from pagedweight.format.paged_model import FORMAT_NAME, FORMAT_VERSION, APL_FORMAT_VERSION, META_FILE
 from tests.conftest import BUNDLED_MODEL
 
 LAYERS, EXPERTS, HIDDEN, INTER = 2, 4, 64, 96

@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 import torch
 
-from services.planner.config import PlannerConfig
-from services.planner.damage import DamageInputs, DamageModel, block_numel
-from services.planner.policies import POLICY_NAMES, PlanContext, make_policy
-from services.planner.routing_stats import RoutingStats
-from services.planner.tables import BlockTable
-from services.worker.weights.apl_format import BlockId, block_bytes
+from pagedweight.planner.config import PlannerConfig
+from pagedweight.planner.damage import DamageInputs, DamageModel, block_numel
+from pagedweight.planner.policies import POLICY_NAMES, PlanContext, make_policy
+from pagedweight.planner.routing_stats import RoutingStats
+from pagedweight.planner.tables import BlockTable
+from pagedweight.format.apl_format import BlockId, block_bytes
 from tests.planner.strategies import SHAPES, random_table
 
 

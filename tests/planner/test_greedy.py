@@ -8,9 +8,9 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.planner import greedy
-from services.planner.greedy import free_bytes, spend_bytes
-from services.planner.planner import plan_bytes, plan_damage
+from pagedweight.planner import greedy
+from pagedweight.planner.greedy import free_bytes, spend_bytes
+from pagedweight.planner.planner import plan_bytes, plan_damage
 from tests.planner.strategies import block_tables, random_table
 
 MIN, MAX = 3, 8

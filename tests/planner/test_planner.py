@@ -6,10 +6,10 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.planner.config import PlannerConfig
-from services.planner.damage import DamageInputs, DamageModel
-from services.planner.planner import OnlinePlanner, plan_bytes, solve
-from services.planner.routing_stats import RoutingStats
+from pagedweight.planner.config import PlannerConfig
+from pagedweight.planner.damage import DamageInputs, DamageModel
+from pagedweight.planner.planner import OnlinePlanner, plan_bytes, solve
+from pagedweight.planner.routing_stats import RoutingStats
 from tests.planner.strategies import block_tables, random_table
 
 MIN, MAX = 3, 8

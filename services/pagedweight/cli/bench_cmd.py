@@ -1,0 +1,99 @@
+"""`pagedweight bench engine`: a closed-loop load on one worker; prints one JSON line last.
+
+    pagedweight bench engine --model PAGED_DIR --memory-budget 24MiB --requests 64 \\
+        --concurrency 16 --prompt-len 64 --max-tokens 64 [--policy pagedweight] [--device cpu]
+
+`--policy` is a planner policy (pagedweight, uniform, mxmoe, dpllm, no-routing,
+no-residual, no-sensitivity: bits move with the load) or static-B (every expert block
+pinned at B bits). Progress goes to stderr; the JSON object is the last stdout line.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+import time
+
+import torch
+
+from pagedweight.cli.model_args import DTYPES
+from pagedweight.common.errors import UserError
+from pagedweight.engine.engine import EngineConfig
+from pagedweight.engine.scheduler import SchedulerConfig
+from pagedweight.memory.kv_cache import KVCacheConfig
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser("bench", help="benchmarks")
+    targets = parser.add_subparsers(dest="target", required=True)
+    engine = targets.add_parser("engine", help="load the continuous-batching engine")
+    engine.add_argument("--model", required=True, help="paged model directory (pagedweight quantize)")
+    engine.add_argument("--memory-budget", required=True,
+                        help="bytes for weights + KV + workspace (e.g. 24MiB, or 0.9 of a GPU)")
+    engine.add_argument("--requests", type=int, default=64)
+    engine.add_argument("--concurrency", type=int, default=16)
+    engine.add_argument("--prompt-len", type=int, default=64)
+    engine.add_argument("--max-tokens", type=int, default=64)
+    engine.add_argument("--policy", default="pagedweight", help="planner policy, or static-B")
+    engine.add_argument("--scales", default=None,
+                        help="loss scales for the policy (from `pagedweight plan-scales`)")
+    engine.add_argument("--device", default="cpu")
+    engine.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                        help="default: float32 on CPU, bfloat16 on CUDA")
+    engine.add_argument("--max-num-seqs", type=int, default=64)
+    engine.add_argument("--max-num-batched-tokens", type=int, default=512)
+    engine.add_argument("--block-size", type=int, default=16)
+    engine.add_argument("--seed", type=int, default=0)
+    engine.add_argument("--threads", type=int, default=1,
+                        help="torch CPU threads (1: OpenMP threads spin on a loaded small machine)")
+    parser.set_defaults(handler=run)
+
+
+def run(args) -> int:
+    result = run_engine_bench(args)
+    print(json.dumps(result))
+    return 0
+
+
+def run_engine_bench(args) -> dict:
+    from pagedweight.engine.load_bench import LoadSpec, run_load
+    from pagedweight.memory.pool import device_memory_bytes, parse_memory_budget
+    from pagedweight.runtime import RuntimeConfig, build_runtime
+
+    for name in ("requests", "concurrency", "prompt_len", "max_tokens"):
+        if getattr(args, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    torch.set_num_threads(max(1, args.threads))
+    device = _device(args.device)
+    dtype = DTYPES[args.dtype] if args.dtype else (torch.float32 if device.type == "cpu" else torch.bfloat16)
+    budget = parse_memory_budget(args.memory_budget, device_memory_bytes(device))
+    engine = EngineConfig(
+        scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens),
+        kv=KVCacheConfig(args.block_size),
+    )
+    config = RuntimeConfig(budget, args.policy, str(device), dtype, engine=engine, scales_file=args.scales)
+    started = time.time()
+    runtime = build_runtime(args.model, config)
+    print(f"bench engine: runtime ready in {time.time() - started:.1f}s", file=sys.stderr)
+    try:
+        spec = LoadSpec(args.requests, args.concurrency, args.prompt_len, args.max_tokens, args.seed)
+        result = run_load(runtime, spec)
+    finally:
+        runtime.close()
+    return {
+        "bench": "engine", "model": str(args.model), "policy": args.policy, "device": str(device),
+        "dtype": str(dtype).removeprefix("torch."), "requests": args.requests,
+        "concurrency": args.concurrency, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
+        "machine": platform.node(), **result,
+    }
+
+
+def _device(name: str) -> torch.device:
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise UserError(f"--device {name!r} is not a device name") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"--device {name}: CUDA is not available on this machine")
+    return device

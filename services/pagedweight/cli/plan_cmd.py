@@ -1,0 +1,117 @@
+"""`pagedweight plan`: a static bit-width plan for a paged model at an expert-weight budget.
+
+    pagedweight plan --model PAGED_DIR (--expert-bytes N | --avg-bits B) [--policy P]
+                     [--prompt-file FILE] --out PLAN.json
+
+The plan file is the JSON bits map `pagedweight eval ppl --bits-file` reads (block key
+-> bits). `--avg-bits B` is the byte count of the uniform B-bit model, LUTs included (a
+fractional B interpolates between the two neighbouring widths). With `--prompt-file`,
+the prompt is prefilled once (every block at 8 bits) and its routing feeds the routing
+statistics and the prompt-residual heads, as the online planner's would; the plan is for
+a steady stream of such traffic (the moving average sees it for four half-lives). Prints one JSON
+line: budget, the plan's bytes, and its predicted damage under the full damage model.
+`--scales` (from `pagedweight plan-scales`) puts the sensitivity tables in loss units.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from pagedweight.common.errors import UserError
+from pagedweight.planner.policies import POLICY_NAMES
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser("plan", help="bit-width plan for a paged model at a memory budget")
+    parser.add_argument("--model", required=True, help="paged model directory (pagedweight quantize)")
+    budget = parser.add_mutually_exclusive_group(required=True)
+    budget.add_argument("--expert-bytes", type=int, help="expert-weight budget in bytes (planes + LUTs)")
+    budget.add_argument("--avg-bits", type=float, help="budget = bytes of the uniform B-bit model (3..8)")
+    parser.add_argument("--policy", default="pagedweight", choices=POLICY_NAMES, help="default: pagedweight")
+    parser.add_argument("--prompt-file", default=None, help="UTF-8 text whose routing the plan adapts to")
+    parser.add_argument("--prompt-tokens", type=int, default=1024, help="use at most N prompt tokens")
+    parser.add_argument("--sensitivity", default="sensitivity", choices=("sensitivity", "sensitivity_gn"),
+                        help="the artifact's S table: output-space (default) or Gauss-Newton")
+    parser.add_argument("--scales", default=None,
+                        help="loss scales from `pagedweight plan-scales` (default: raw sensitivity)")
+    parser.add_argument("--out", required=True, help="where to write the JSON bits map")
+    parser.set_defaults(handler=run_plan)
+
+
+def resolve_budget(table, expert_bytes: int | None, avg_bits: float | None) -> int:
+    if avg_bits is not None:
+        if not 3 <= avg_bits <= 8:
+            raise UserError(f"--avg-bits must be in 3..8, got {avg_bits}")
+        return table.uniform_bytes(avg_bits)
+    minimum = table.uniform_bytes(3)
+    if expert_bytes < minimum:
+        raise UserError(f"--expert-bytes {expert_bytes} is below the smallest plan: every block at "
+                        f"3 bits needs {minimum} bytes")
+    return expert_bytes
+
+
+def run_plan(args) -> int:
+    from pagedweight.cli.eval_cmd import read_text
+    from pagedweight.planner.artifact import load_planner_inputs
+    from pagedweight.planner.damage import DamageModel
+    from pagedweight.planner.loss_scale import GroupScales
+    from pagedweight.planner.policies import PlanContext, make_policy
+    from pagedweight.planner.planner import plan_damage
+
+    if not Path(args.model).is_dir():
+        raise UserError(f"{args.model}: paged model directory does not exist")
+    if args.prompt_tokens < 1:
+        raise UserError(f"--prompt-tokens must be >= 1, got {args.prompt_tokens}")
+    inputs = load_planner_inputs(args.model, sensitivity=args.sensitivity)
+    table = inputs.table
+    budget = resolve_budget(table, args.expert_bytes, args.avg_bits)
+    context = PlanContext()
+    if args.prompt_file is not None:
+        context = context_from_prompt(args.model, read_text(args.prompt_file), inputs, args.prompt_tokens)
+    scales = GroupScales.read(args.scales) if args.scales else None
+    if scales is not None and scales.sensitivity != args.sensitivity:
+        raise UserError(f"{args.scales}: scales were measured for the {scales.sensitivity!r} table, "
+                        f"not --sensitivity {args.sensitivity}")
+    plan = make_policy(args.policy, table, scales=scales).plan(budget, context)
+    # one damage model, the full one, as the yardstick for every policy's plan
+    yardstick = make_policy("pagedweight", table, scales=scales)
+    damage = yardstick.model.damage(yardstick.inputs(context))
+    write_plan(Path(args.out), table.bits_map(plan.bits))
+    print(json.dumps({
+        "model": args.model, "policy": args.policy, "budget_bytes": budget, "plan_bytes": plan.num_bytes,
+        "uniform_bytes": {str(b): table.uniform_bytes(b) for b in range(3, 9)},
+        "predicted_damage": plan_damage(damage, plan.bits),
+        "bits_histogram": {str(b): int(n) for b, n in enumerate(np.bincount(plan.bits, minlength=9)) if b >= 3},
+        "floors_relaxed": plan.floors_relaxed, "prompt_file": args.prompt_file, "scales": args.scales,
+        "sensitivity": args.sensitivity,
+        "out": args.out,
+    }))
+    return 0
+
+
+def context_from_prompt(model_dir: str, text: str, inputs, max_tokens: int):
+    import torch
+
+    from pagedweight.planner.prompt_context import prompt_context, record_prompt_routing, steady_traffic_tokens
+    from pagedweight.model.tokenizer import Tokenizer
+    from pagedweight.weights.paged_experts import build_paged_lm
+    from pagedweight.format.paged_model import load_paged_model
+
+    ids = Tokenizer(model_dir).encode(text)[:max_tokens]
+    if not ids:
+        raise UserError("--prompt-file has no tokens")
+    model = build_paged_lm(load_paged_model(model_dir, with_bf16=False), dtype=torch.float32)
+    recorder = record_prompt_routing(model, ids, inputs.table.num_experts)
+    # a static plan is for a steady stream of traffic like the prompt file
+    return prompt_context(recorder, inputs, traffic_tokens=steady_traffic_tokens())
+
+
+def write_plan(path: Path, bits_map: dict[str, int]) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(bits_map, indent=1) + "\n")
+    except OSError as err:
+        raise UserError(f"{path}: cannot write the plan ({err.strerror})") from None

@@ -1,0 +1,126 @@
+"""The asyncio API the worker service wraps: add a request, stream its tokens, abort, stats.
+
+One background task drives the engine: it applies the adds and aborts queued since the
+last step, runs `Engine.step()` in a worker thread (so the event loop keeps serving) and
+hands each request's outputs to its stream. Adds and aborts only ever touch the engine
+between steps, from the event loop, so the engine itself needs no locks. A stream whose
+consumer stops early (closes the async iterator) aborts its request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from typing import AsyncIterator
+
+from pagedweight.common.errors import UserError
+from pagedweight.engine.engine import Engine, EngineStats, RequestOutput
+from pagedweight.engine.sampler import SamplingParams
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._streams: dict[str, asyncio.Queue] = {}  # request_id -> outputs (or an error)
+        self._adds: list[tuple[str, list[int], SamplingParams]] = []
+        self._aborts: list[str] = []
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+        self._stats = engine.stats()  # refreshed after every step, in the step's thread
+        self._ids = itertools.count()
+
+    # ---- the API --------------------------------------------------------------------
+    def add_request(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Queue a request; iterate the result to receive its outputs as they come."""
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self._streams:
+            raise UserError(f"request id {request_id!r} is already in use")
+        self.engine.check_request(prompt_ids, params)  # bad input fails here, not later
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = queue
+        self._adds.append((request_id, list(prompt_ids), params))
+        self._ensure_running()
+        return self._stream(request_id, queue)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request; its stream ends with finish_reason 'abort'."""
+        if request_id in self._streams:
+            self._aborts.append(request_id)
+            self._ensure_running()
+
+    def stats(self) -> EngineStats:
+        """The snapshot taken after the latest step."""
+        return self._stats
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+
+    # ---- the driver -----------------------------------------------------------------
+    async def _stream(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+        finished = False
+        try:
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self.abort(request_id)  # the consumer went away
+
+    def _ensure_running(self) -> None:
+        if self._task is None or self._task.done():
+            self._wake = asyncio.Event()
+            self._task = asyncio.get_running_loop().create_task(self._loop())
+        self._wake.set()
+
+    async def _loop(self) -> None:
+        while True:
+            self._apply_queued()
+            if not self.engine.has_work:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            try:
+                outputs = await asyncio.to_thread(self._step)
+            except Exception as err:  # a bug: every open stream gets it
+                for queue in self._streams.values():
+                    queue.put_nowait(err)
+                self._streams.clear()
+                raise
+            for out in outputs:
+                self._deliver(out)
+
+    def _step(self) -> list[RequestOutput]:
+        outputs = self.engine.step()
+        self._stats = self.engine.stats()
+        return outputs
+
+    def _apply_queued(self) -> None:
+        adds, self._adds = self._adds, []
+        for request_id, prompt_ids, params in adds:
+            self.engine.add_request(request_id, prompt_ids, params)
+        aborts, self._aborts = self._aborts, []
+        for request_id in aborts:
+            out = self.engine.abort(request_id)
+            if out is not None:
+                self._deliver(out)
+        if adds or aborts:
+            self._stats = self.engine.stats()
+
+    def _deliver(self, out: RequestOutput) -> None:
+        queue = self._streams.get(out.request_id)
+        if queue is None:
+            return
+        queue.put_nowait(out)
+        if out.finished:
+            del self._streams[out.request_id]

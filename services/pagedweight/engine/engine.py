@@ -1,0 +1,233 @@
+"""The continuous-batching engine: requests in, one token per sequence per step out.
+
+`step()` = schedule (scheduler.py) -> one varlen forward over the paged KV cache
+(prefill chunks and decodes together) -> sample the sequences whose last known token was
+computed -> finish those that hit EOS, a stop string or max_tokens -> step boundary (the
+weight pager commits page moves, the broker rebalances bytes between KV and weights).
+Greedy outputs equal single-stream `generate` token for token, preempted or not.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedweight.common.errors import ContextLengthError, UserError
+from pagedweight.engine.generate import check_context, find_stop
+from pagedweight.engine.memory_broker import BrokerConfig, MemoryBroker
+from pagedweight.engine.sampler import SamplingParams, make_generator, sample
+from pagedweight.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
+from pagedweight.engine.sequence import FinishReason, Sequence
+from pagedweight.memory.kv_cache import KVCacheConfig, PagedKVCache, blocks_for
+from pagedweight.model.paged_attention import SeqSlice, build_step
+from pagedweight.model.transformer import MoECausalLM
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    kv: KVCacheConfig = field(default_factory=KVCacheConfig)
+    broker: BrokerConfig = field(default_factory=BrokerConfig)
+    attention_impl: str = "auto"  # "reference", "batched" or "auto" (batched on CUDA)
+    num_kv_blocks: int = 1024  # fixed KV size when there is no memory arena
+
+    def __post_init__(self):
+        if self.num_kv_blocks < 1:
+            raise UserError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]  # 0 or 1 token
+    finished: bool = False
+    finish_reason: str | None = None  # "stop", "length" or "abort" once finished
+    text: str | None = None  # the output text cut at a stop string (when stop strings are set)
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_finished: int
+    num_preemptions: int
+    num_steps: int
+    num_output_tokens: int
+    kv_block_size: int
+    kv_num_blocks: int  # blocks that exist (reserved from the pool)
+    kv_num_used_blocks: int  # blocks holding tokens
+    kv_used_bytes: int
+    kv_reserved_bytes: int
+    memory_requests: int  # accepted asks to the pager for bytes
+    memory_offers: int  # accepted offers of bytes back to the weights
+    pool: dict | None = None  # the pool's snapshot (bytes by kind, peak)
+    pager: dict | None = None  # the pager's stats (bits histogram, page moves, plans)
+
+
+class Engine:
+    def __init__(
+        self,
+        model: MoECausalLM,
+        tokenizer=None,
+        config: EngineConfig | None = None,
+        arena=None,  # memory Arena: KV blocks are allocated from it (None: fixed num_kv_blocks)
+        pager=None,  # the weight pager / memory controller (None: weights never move)
+        max_kv_blocks: int | None = None,  # with an arena: the most KV blocks it could ever give
+    ):
+        self.model, self.tokenizer = model, tokenizer
+        self.config = config or EngineConfig()
+        self.arena, self.pager = arena, pager
+        self.pool = arena.pool if arena is not None else None
+        self.kv = PagedKVCache(
+            model.config, self.config.kv, model.dtype, model.device, self.config.num_kv_blocks, arena
+        )
+        self.broker = MemoryBroker(self.kv, self.config.broker, pager)
+        self.max_kv_blocks = self.config.num_kv_blocks if arena is None else max_kv_blocks
+        self.scheduler = Scheduler(self.config.scheduler, self.kv, self.broker)
+        self.seqs: dict[str, Sequence] = {}  # request_id -> live sequence
+        self.eos_ids = set(model.config.eos_token_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            self.eos_ids.add(tokenizer.eos_token_id)
+        self._seq_ids = itertools.count()
+        self.num_steps = self.num_finished = self.num_output_tokens = 0
+
+    # ---- requests -------------------------------------------------------------------
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise a UserError for a request that can never run (changes nothing)."""
+        if not prompt_ids:
+            raise ContextLengthError("the prompt is empty: give at least one token")
+        vocab = self.model.config.vocab_size
+        if not all(0 <= t < vocab for t in prompt_ids):
+            raise UserError(f"prompt token ids must be in [0, {vocab})")
+        check_context(self.model, len(prompt_ids), params.max_tokens)
+        self._check_fits(len(prompt_ids) + params.max_tokens)
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        if request_id in self.seqs:
+            raise UserError(f"request id {request_id!r} is already in use")
+        self.check_request(prompt_ids, params)
+        seq = Sequence(next(self._seq_ids), request_id, list(prompt_ids), params)
+        seq.generator = make_generator(params, self.model.device)
+        self.seqs[request_id] = seq
+        self.scheduler.add(seq)
+
+    def _check_fits(self, num_tokens: int) -> None:
+        """A request that could never fit the KV cache is refused now, not dropped later."""
+        if self.max_kv_blocks is None:
+            return
+        limit = self.max_kv_blocks * self.kv.block_size
+        if blocks_for(num_tokens, self.kv.block_size) > self.max_kv_blocks:
+            raise ContextLengthError(
+                f"prompt plus max_tokens needs {num_tokens} tokens of KV; the cache holds {limit}"
+            )
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request and free its blocks; None when it is unknown or already done."""
+        seq = self.seqs.pop(request_id, None)
+        if seq is None:
+            return None
+        self.scheduler.finish(seq, FinishReason.ABORT)
+        self.num_finished += 1
+        return RequestOutput(request_id, [], True, FinishReason.ABORT.value)
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    # ---- one step -------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        outputs = []
+        if plan.scheduled:
+            logits = self._forward(plan.scheduled)
+            outputs = self._postprocess(plan.scheduled, logits)
+        self.broker.step_boundary(len(self.scheduler.waiting), self.scheduler.blocks_needed_next_step())
+        self.num_steps += 1
+        return outputs
+
+    def _forward(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
+        input_ids, slices, logits_indices = [], [], []
+        for s in scheduled:
+            start = s.seq.num_computed_tokens
+            end = start + s.num_new_tokens
+            input_ids.extend(s.seq.token_ids[start:end])
+            slices.append(SeqSlice(s.seq.block_ids, end, s.num_new_tokens))
+            if s.samples:
+                logits_indices.append(len(input_ids) - 1)
+        device = self.model.device
+        step = build_step(self.kv, slices, self.config.attention_impl)
+        return self.model.forward_paged(
+            torch.tensor(input_ids, device=device), step,
+            torch.tensor(logits_indices, dtype=torch.int64, device=device),
+        )
+
+    def _postprocess(self, scheduled: list[ScheduledSeq], logits: torch.Tensor) -> list[RequestOutput]:
+        samplers = [s for s in scheduled if s.samples]
+        token_ids = self._sample([s.seq for s in samplers], logits)
+        for s in scheduled:
+            s.seq.num_computed_tokens += s.num_new_tokens
+        return [self._append(s.seq, token) for s, token in zip(samplers, token_ids)]
+
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
+        """Greedy rows in one argmax; others one by one with their own parameters."""
+        tokens = logits.argmax(dim=-1)
+        for i, seq in enumerate(seqs):
+            if not seq.params.greedy:
+                tokens[i] = sample(logits[i : i + 1], seq.params, seq.generator)[0]
+        return tokens.tolist()
+
+    def _append(self, seq: Sequence, token: int) -> RequestOutput:
+        params = seq.params
+        if token in self.eos_ids and not params.ignore_eos:
+            return self._finish(seq, FinishReason.STOP, [])
+        seq.output_ids.append(token)
+        self.num_output_tokens += 1
+        if params.stop and self.tokenizer is not None:
+            text = self.tokenizer.decode(seq.output_ids)
+            cut = find_stop(text, params.stop)
+            if cut >= 0:
+                seq.text = text[:cut]
+                return self._finish(seq, FinishReason.STOP, [token])
+        if len(seq.output_ids) >= params.max_tokens:
+            return self._finish(seq, FinishReason.LENGTH, [token])
+        return RequestOutput(seq.request_id, [token])
+
+    def _finish(self, seq: Sequence, reason: FinishReason, new_ids: list[int]) -> RequestOutput:
+        self.scheduler.finish(seq, reason)
+        del self.seqs[seq.request_id]
+        self.num_finished += 1
+        text = seq.text if seq.params.stop else None
+        return RequestOutput(seq.request_id, new_ids, True, reason.value, text)
+
+    # ---- conveniences ---------------------------------------------------------------
+    def run_to_completion(self) -> dict[str, list[int]]:
+        """Step until no work is left; request_id -> output token ids."""
+        outputs: dict[str, list[int]] = {}
+        while self.has_work:
+            for out in self.step():
+                outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+        return outputs
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_finished=self.num_finished,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_steps=self.num_steps,
+            num_output_tokens=self.num_output_tokens,
+            kv_block_size=self.kv.block_size,
+            kv_num_blocks=self.kv.num_blocks,
+            kv_num_used_blocks=self.kv.manager.num_used_blocks,
+            kv_used_bytes=self.kv.used_bytes,
+            kv_reserved_bytes=self.kv.reserved_bytes,
+            memory_requests=self.broker.num_requests,
+            memory_offers=self.broker.num_offers,
+            pool=self.pool.snapshot().to_dict() if self.pool is not None else None,
+            pager=self.pager.stats().to_dict() if self.pager is not None else None,
+        )

@@ -1,0 +1,112 @@
+"""Moves bytes between the KV cache and the expert weights, for the scheduler.
+
+The scheduler asks for KV blocks; the broker
+- `reserve`s them: grows the KV cache with blocks from the arena's free bytes;
+- when the pool has no bytes left, `ask`s the weight pager to lower bits
+  (`request_bytes`, non-blocking: the freed planes land in the pool at a later step
+  boundary; asking again while lowerings are pending plans nothing twice). While bytes
+  are pending every short sequence waits; `ask` says False only when the pager can free
+  nothing more, which is when the scheduler may preempt;
+- at each step boundary lets the pager commit (`step_boundary`), and once the load has
+  been calm for a few steps (nobody short of KV, nobody waiting) shrinks the KV cache to
+  what the running sequences need and `offer_bytes` the pool's free bytes back to the
+  weights, so bits go up again when load falls.
+Without a pager (fixed weights) the broker only grows the cache from the arena (a cache
+without an arena has a fixed size) and `ask` is always False.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from pagedweight.common.errors import UserError
+from pagedweight.memory.kv_cache import PagedKVCache
+
+
+class WeightPager(Protocol):
+    """The memory controller of the weight pages (services/worker/memory, runtime side)."""
+
+    def request_bytes(self, num_bytes: int) -> int: ...  # bytes pending lowerings will free
+    def offer_bytes(self, num_bytes: int) -> int: ...  # bytes it will take back
+    def step_boundary(self): ...
+    def busy(self) -> bool: ...
+
+
+@dataclass(frozen=True)
+class BrokerConfig:
+    calm_steps: int = 16  # steps without KV shortage before bytes are given back (hysteresis)
+    headroom_blocks: int = 4  # free KV blocks kept while sequences are running
+
+    def __post_init__(self):
+        if self.calm_steps < 1:
+            raise UserError(f"calm_steps must be >= 1, got {self.calm_steps}")
+        if self.headroom_blocks < 0:
+            raise UserError(f"headroom_blocks must be >= 0, got {self.headroom_blocks}")
+
+
+class MemoryBroker:
+    def __init__(self, kv: PagedKVCache, config: BrokerConfig, pager: WeightPager | None = None):
+        self.kv, self.config, self.pager = kv, config, pager
+        self.pool = kv.arena.pool if kv.arena is not None else None
+        self.num_requests = 0  # request_bytes calls that had bytes to free
+        self.num_offers = 0  # accepted offer_bytes calls
+        self._short_blocks = 0  # blocks sequences were short of in this step, all asks together
+        self._calm_steps = 0
+        # Free bytes the pager last found no use for: offering the same again every calm
+        # step would only make it plan the same nothing again. Reset when bits go down.
+        self._refused_spare = 0
+
+    def reserve(self, num_blocks: int) -> bool:
+        """Make num_blocks free blocks exist, growing from the pool; True if they do."""
+        missing = num_blocks - self.kv.num_free_blocks
+        if missing > 0:
+            self.kv.grow(missing)
+        return self.kv.num_free_blocks >= num_blocks
+
+    def ask(self, num_blocks: int) -> bool:
+        """KV is short by num_blocks (on top of earlier asks this step); True while
+        waiting for the pager can help."""
+        self._short_blocks += max(num_blocks, 1)
+        if self.pager is None:
+            return False
+        needed = self._short_blocks * self.kv.arena.charged_bytes(self.kv.block_bytes)
+        wanted = needed - self.pool_free_bytes()
+        if wanted <= 0:  # the bytes are free but scattered: ask for whole blocks' worth
+            wanted = needed
+        if self.pager.request_bytes(wanted) > 0:
+            self.num_requests += 1
+            self._refused_spare = 0
+            return True
+        return False
+
+    def step_boundary(self, num_waiting: int, blocks_needed_next: int) -> None:
+        if self.pager is not None:
+            self.pager.step_boundary()
+        self._calm_steps = 0 if (self._short_blocks or num_waiting) else self._calm_steps + 1
+        self._short_blocks = 0
+        if self._calm_steps >= self.config.calm_steps:
+            self._give_back(blocks_needed_next)
+
+    def _give_back(self, blocks_needed_next: int) -> None:
+        if self.kv.arena is None:
+            return  # a fixed-size cache keeps its blocks
+        keep = blocks_needed_next
+        if self.kv.manager.num_used_blocks:  # sequences running: keep some headroom
+            keep += self.config.headroom_blocks
+        self.kv.shrink(keep_free_blocks=keep)
+        if self.pager is None:
+            return
+        spare = self.pool_free_bytes()
+        if spare <= self._refused_spare:
+            return
+        if self.pager.offer_bytes(spare) > 0:
+            self.num_offers += 1
+            self._refused_spare = 0
+        else:
+            self._refused_spare = spare
+
+    def pool_free_bytes(self) -> int:
+        if self.pool is None:
+            return 0
+        return self.pool.free_bytes

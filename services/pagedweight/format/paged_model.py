@@ -1,0 +1,304 @@
+"""The paged model directory: what `pagedweight quantize` writes and the worker loads.
+
+Layout (docs/paged_model.md):
+    paged_model.json          metadata: format version, architecture, block list with
+                              shapes and bytes per bit-width (LUTs included), calibration
+                              summary, routing statistics, sensitivity tables, residual
+                              heads' description, size and sha256 of every file below
+    config.json, tokenizer.json, tokenizer_config.json   copied from the source checkpoint
+    dense.safetensors         every non-routed-expert parameter (our parameter names), bf16;
+                              shared experts stay here, unquantised
+    experts_apl.safetensors   per layer l and module m (gate_up | down), all experts stacked:
+                                layers.{l}.{m}.planes    uint8 [E, 8, rows, cols/8]
+                                layers.{l}.{m}.lut{b}    fp16  [E, rows, 2^b], b = 3..8
+                              expert e's slice is exactly one APL block (apl_format.py)
+    experts_bf16.safetensors  the original routed experts, layers.{l}.{m} bf16 [E, rows, cols]
+                              (the "no bits given" reference)
+    residual_heads.safetensors  prompt-residual ridge heads (residual_heads.py)
+    hessians.safetensors      the calibration's smoothed input-Hessian diagonals h,
+                              layers.{l}.{m} fp32 [E, cols] (S_i(b) = h . err_i(b)), and
+                              the output Fisher diagonals G, layers.{l}.{m}.grad_sq [E, rows]
+
+Loading checks the format name and version, every file's size (truncation) and sha256
+(corruption), and every tensor's shape against the block list; any failure is one
+`CheckpointError` line.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from pagedweight.common.errors import CheckpointError
+from pagedweight.format.model_config import ModelConfig
+from pagedweight.format.apl_format import BIT_WIDTHS, MODULES, APLBlock, BlockId, block_bytes
+
+FORMAT_NAME = "pagedweight.paged_model"
+FORMAT_VERSION = 1
+APL_FORMAT_VERSION = 1  # docs/apl_format.md
+META_FILE = "paged_model.json"
+DENSE_FILE = "dense.safetensors"
+APL_FILE = "experts_apl.safetensors"
+BF16_FILE = "experts_bf16.safetensors"
+HEADS_FILE = "residual_heads.safetensors"
+HESSIAN_FILE = "hessians.safetensors"
+COPIED_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json")
+
+
+def is_paged_model_dir(path: str | Path) -> bool:
+    return (Path(path) / META_FILE).is_file()
+
+
+def block_shape(config: ModelConfig, module: str) -> tuple[int, int]:
+    """(rows, cols) of an expert block: gate_up [2I, H], down [H, I]."""
+    H, I = config.hidden_size, config.expert_intermediate_size
+    return (2 * I, H) if module == "gate_up" else (H, I)
+
+
+def all_block_ids(config: ModelConfig) -> list[BlockId]:
+    """Every routed-expert block, in (layer, expert, module) order."""
+    return [BlockId(l, e, m) for l in range(config.num_layers)
+            for e in range(config.num_experts) for m in MODULES]
+
+
+@dataclass
+class LayerPlanes:
+    """All experts of one (layer, module): the APL tensors as stored."""
+
+    planes: torch.Tensor  # uint8 [E, 8, rows, cols/8]
+    luts: dict[int, torch.Tensor]  # bits -> fp16 [E, rows, 2^bits]
+
+    def block(self, expert: int) -> APLBlock:
+        _, _, rows, packed = self.planes.shape
+        return APLBlock(rows, packed * 8, self.planes[expert], {b: l[expert] for b, l in self.luts.items()})
+
+
+@dataclass
+class PagedModel:
+    """A loaded paged model. Tensors live on the CPU (the pinned-RAM copy of every plane)."""
+
+    path: Path | None
+    config: ModelConfig
+    meta: dict  # the parsed paged_model.json
+    dense_state: dict[str, torch.Tensor]  # parameter name -> bf16 tensor
+    apl: dict[tuple[int, str], LayerPlanes]  # (layer, module) -> planes and LUTs
+    bf16_experts: dict[tuple[int, str], torch.Tensor] | None  # (layer, module) -> [E, rows, cols]
+    residual_heads: dict[str, torch.Tensor] = field(default_factory=dict)  # see residual_heads.py
+    # (layer, module) -> h [E, cols]; (layer, module + ".grad_sq") -> G [E, rows] when recorded
+    hessians: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def block_ids(self) -> list[BlockId]:
+        return all_block_ids(self.config)
+
+    def block(self, block_id: BlockId) -> APLBlock:
+        return self.apl[(block_id.layer, block_id.module)].block(block_id.expert)
+
+    def block_bytes(self, block_id: BlockId, bits: int) -> int:
+        rows, cols = block_shape(self.config, block_id.module)
+        return block_bytes(rows, cols, bits)
+
+    @property
+    def sensitivity(self) -> dict[BlockId, dict[int, float]]:
+        """# block_id -> bits -> S_i(b) (Hessian-weighted squared error, sensitivity.py)."""
+        return {BlockId.parse(k): {int(b): s for b, s in row.items()}
+                for k, row in self.meta["sensitivity"].items()}
+
+    @property
+    def sensitivity_gn(self) -> dict[BlockId, dict[int, float]] | None:
+        """# block_id -> bits -> S_gn_i(b) = sum G[r] h[c] (w - Q_b)^2, an estimate of the
+        loss increase (calibrate.py); None for artifacts calibrated without gradients."""
+        table = self.meta.get("sensitivity_gn")
+        if table is None:
+            return None
+        return {BlockId.parse(k): {int(b): s for b, s in row.items()} for k, row in table.items()}
+
+    @property
+    def routing(self) -> dict:
+        """Routing statistics of the calibration run (calibrate.routing_summary)."""
+        return self.meta["routing"]
+
+
+# ---------------------------------------------------------------- saving
+
+def block_table(config: ModelConfig) -> list[dict]:
+    rows_of = {m: block_shape(config, m) for m in MODULES}
+    return [{
+        "key": b.key(), "layer": b.layer, "expert": b.expert, "module": b.module,
+        "rows": rows_of[b.module][0], "cols": rows_of[b.module][1],
+        "bytes": {str(bits): block_bytes(*rows_of[b.module], bits) for bits in BIT_WIDTHS},
+        "bf16_bytes": rows_of[b.module][0] * rows_of[b.module][1] * 2,
+    } for b in all_block_ids(config)]
+
+
+def save_paged_model(out_dir: str | Path, source_dir: str | Path, config: ModelConfig,
+                     dense_state: dict[str, torch.Tensor],
+                     apl: dict[tuple[int, str], LayerPlanes],
+                     bf16_experts: dict[tuple[int, str], torch.Tensor],
+                     extra_meta: dict, residual_heads: dict[str, torch.Tensor] | None = None,
+                     hessians: dict[tuple[int, str], torch.Tensor] | None = None) -> Path:
+    """Write the directory; `extra_meta` adds calibration, routing, sensitivity, ... sections."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for name in COPIED_FILES:
+        if (Path(source_dir) / name).is_file():
+            shutil.copyfile(Path(source_dir) / name, out / name)
+    tensors = {
+        DENSE_FILE: {k: v.to(torch.bfloat16).contiguous() for k, v in dense_state.items()},
+        APL_FILE: _apl_tensors(apl),
+        BF16_FILE: {f"layers.{l}.{m}": t.to(torch.bfloat16).contiguous() for (l, m), t in bf16_experts.items()},
+    }
+    if residual_heads:
+        tensors[HEADS_FILE] = {k: v.contiguous() for k, v in residual_heads.items()}
+    if hessians:
+        tensors[HESSIAN_FILE] = {f"layers.{l}.{m}": h.float().contiguous() for (l, m), h in hessians.items()}
+    for name, named in tensors.items():
+        save_file(named, str(out / name))
+    raw_config = json.loads((Path(source_dir) / "config.json").read_text())
+    meta = {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "apl_format_version": APL_FORMAT_VERSION,
+        "architecture": config.architecture,
+        "model_config": raw_config,
+        "source": {"path": str(Path(source_dir).resolve())},
+        "num_layers": config.num_layers,
+        "num_experts": config.num_experts,
+        "bit_widths": list(BIT_WIDTHS),
+        "blocks": block_table(config),
+        **extra_meta,
+        "files": {name: _file_record(out / name) for name in tensors},
+    }
+    (out / META_FILE).write_text(json.dumps(meta, indent=1))
+    return out
+
+
+def _apl_tensors(apl: dict[tuple[int, str], LayerPlanes]) -> dict[str, torch.Tensor]:
+    named = {}
+    for (layer, module), lp in apl.items():
+        named[f"layers.{layer}.{module}.planes"] = lp.planes.contiguous()
+        for bits, lut in lp.luts.items():
+            named[f"layers.{layer}.{module}.lut{bits}"] = lut.to(torch.float16).contiguous()
+    return named
+
+
+def _file_record(path: Path) -> dict:
+    return {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+# ---------------------------------------------------------------- loading
+
+def load_paged_model(path: str | Path, with_bf16: bool = True, verify: bool = True) -> PagedModel:
+    """Load and check a paged model directory (CPU tensors).
+
+    `with_bf16=False` skips the original experts (the serving path never reads them);
+    `verify=False` skips the sha256 checks (sizes and shapes are always checked).
+    """
+    path = Path(path)
+    meta = read_meta(path)
+    config = ModelConfig.from_dict(meta["model_config"], source=str(path / META_FILE))
+    for name, record in meta["files"].items():
+        _check_file(path / name, record, verify)
+    dense = _load(path / DENSE_FILE)
+    apl = _parse_apl(path, _load(path / APL_FILE), config)
+    bf16 = _parse_bf16(path, _load(path / BF16_FILE), config) if with_bf16 else None
+    heads = _load(path / HEADS_FILE) if HEADS_FILE in meta["files"] else {}
+    hessians = _parse_hessians(path, _load(path / HESSIAN_FILE), config) if HESSIAN_FILE in meta["files"] else {}
+    return PagedModel(path, config, meta, dense, apl, bf16, heads, hessians)
+
+
+def read_meta(path: Path) -> dict:
+    meta_path = path / META_FILE
+    if not meta_path.is_file():
+        raise CheckpointError(f"{path}: not a paged model directory (no {META_FILE})")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{meta_path}: corrupt metadata, not valid JSON ({err})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
+        raise CheckpointError(f"{meta_path}: not a PagedWeight paged model (format {meta.get('format')!r})"
+                              if isinstance(meta, dict) else f"{meta_path}: not a JSON object")
+    version = meta.get("format_version")
+    if version != FORMAT_VERSION or meta.get("apl_format_version") != APL_FORMAT_VERSION:
+        raise CheckpointError(
+            f"{meta_path}: unknown paged model format version {version!r} (APL "
+            f"{meta.get('apl_format_version')!r}); this PagedWeight reads version {FORMAT_VERSION} "
+            f"(APL {APL_FORMAT_VERSION}): re-run `pagedweight quantize`")
+    for key in ("model_config", "files", "blocks", "sensitivity", "routing"):
+        if key not in meta:
+            raise CheckpointError(f"{meta_path}: metadata has no {key!r} section")
+    return meta
+
+
+def _check_file(file: Path, record: dict, verify: bool) -> None:
+    if not file.is_file():
+        raise CheckpointError(f"{file}: file of the paged model is missing")
+    size = file.stat().st_size
+    if size != record["bytes"]:
+        raise CheckpointError(f"{file}: truncated or altered: {size} bytes, metadata says {record['bytes']}")
+    if verify and _sha256(file) != record["sha256"]:
+        raise CheckpointError(f"{file}: corrupt: sha256 does not match the metadata")
+
+
+def _load(file: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(str(file))
+    except (SafetensorError, OSError, RuntimeError) as err:
+        raise CheckpointError(f"{file}: unreadable safetensors file ({err})") from None
+
+
+def _get(named: dict, key: str, shape: tuple, dtype: torch.dtype, file: Path) -> torch.Tensor:
+    tensor = named.get(key)
+    if tensor is None:
+        raise CheckpointError(f"{file}: tensor {key!r} is missing")
+    if tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
+        raise CheckpointError(f"{file}: tensor {key!r} is {tensor.dtype} {tuple(tensor.shape)}, "
+                              f"expected {dtype} {tuple(shape)}")
+    return tensor
+
+
+def _parse_apl(path: Path, named: dict, config: ModelConfig) -> dict[tuple[int, str], LayerPlanes]:
+    file, E = path / APL_FILE, config.num_experts
+    apl = {}
+    for layer in range(config.num_layers):
+        for module in MODULES:
+            rows, cols = block_shape(config, module)
+            prefix = f"layers.{layer}.{module}"
+            planes = _get(named, f"{prefix}.planes", (E, 8, rows, cols // 8), torch.uint8, file)
+            luts = {b: _get(named, f"{prefix}.lut{b}", (E, rows, 1 << b), torch.float16, file)
+                    for b in BIT_WIDTHS}
+            apl[(layer, module)] = LayerPlanes(planes, luts)
+    return apl
+
+
+def _parse_bf16(path: Path, named: dict, config: ModelConfig) -> dict[tuple[int, str], torch.Tensor]:
+    file, E = path / BF16_FILE, config.num_experts
+    return {(l, m): _get(named, f"layers.{l}.{m}", (E, *block_shape(config, m)), torch.bfloat16, file)
+            for l in range(config.num_layers) for m in MODULES}
+
+
+def _parse_hessians(path: Path, named: dict, config: ModelConfig) -> dict[tuple[int, str], torch.Tensor]:
+    file, E = path / HESSIAN_FILE, config.num_experts
+    out = {(l, m): _get(named, f"layers.{l}.{m}", (E, block_shape(config, m)[1]), torch.float32, file)
+           for l in range(config.num_layers) for m in MODULES}
+    for l in range(config.num_layers):
+        for m in MODULES:
+            if f"layers.{l}.{m}.grad_sq" in named:
+                out[(l, f"{m}.grad_sq")] = _get(named, f"layers.{l}.{m}.grad_sq",
+                                                (E, block_shape(config, m)[0]), torch.float32, file)
+    return out

@@ -1,0 +1,52 @@
+"""Paged any-precision experts: the experts operator over APL blocks.
+
+Same call as DenseExperts, `experts(x [T, H], topk_ids [T, k], topk_weights [T, k])`;
+the model never sees the storage. On CUDA (bf16/fp16 activations, cupy present) it runs the
+fused kernel (kernels/apl_moe.cu), elsewhere the torch reference; both read the same
+planes and LUTs. The runtime's page table commits a new bit-width for a block with
+`commit_block`, which only rewrites that block's descriptor row.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedweight_kernels.apl_moe import (
+    ACT_DTYPES, APLLayer, ResidentBlock, apl_moe, apl_moe_reference, kernel_available,
+)
+from pagedweight.format.apl_format import APLBlock
+
+
+def resident_block(block: APLBlock, bits: int, device) -> ResidentBlock:
+    """The planes 0..bits-1 and LUT_bits of a block, copied to `device`."""
+    planes = [block.planes[p].to(device).contiguous() for p in range(bits)]
+    return ResidentBlock(bits, planes, block.luts[bits].to(device).contiguous())
+
+
+class APLExperts(nn.Module):
+    def __init__(self, layer: APLLayer, use_kernel: bool | None = None):
+        super().__init__()
+        self.layer = layer
+        self.num_experts = layer.num_experts
+        # None: the kernel wherever it can run.
+        self.use_kernel = kernel_available() if use_kernel is None else use_kernel
+
+    @classmethod
+    def from_blocks(cls, gate_up: list[APLBlock], down: list[APLBlock],
+                    bits: dict[tuple[int, str], int], device, use_kernel: bool | None = None) -> "APLExperts":
+        """bits: # (expert, module) -> committed bit-width."""
+        layer = APLLayer(
+            [resident_block(b, bits[(e, "gate_up")], device) for e, b in enumerate(gate_up)],
+            [resident_block(b, bits[(e, "down")], device) for e, b in enumerate(down)],
+        )
+        return cls(layer, use_kernel)
+
+    def commit_block(self, expert: int, module: str, block: ResidentBlock):
+        """Make the kernels read `block` (new bits, planes anywhere) from the next call on."""
+        self.layer.set_block(expert, module, block)
+
+    def forward(self, x, topk_ids, topk_weights):
+        if self.use_kernel and x.is_cuda and x.dtype in ACT_DTYPES:
+            return apl_moe(x.contiguous(), topk_ids, topk_weights, self.layer)
+        return apl_moe_reference(x, topk_ids, topk_weights, self.layer)

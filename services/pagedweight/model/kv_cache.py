@@ -1,0 +1,35 @@
+"""A contiguous KV cache: one preallocated [B, G, max_len, D] buffer per layer.
+
+Used by single-stream generation and evaluation. The serving engine uses the paged KV
+cache instead (`services/worker/memory`), which reads through block tables.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedweight.format.model_config import ModelConfig
+
+
+class ContiguousKVCache:
+    def __init__(
+        self,
+        config: ModelConfig,
+        batch_size: int,
+        max_len: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ):
+        shape = (batch_size, config.num_kv_heads, max_len, config.head_dim)
+        self.max_len = max_len
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+
+    def append(self, layer_idx: int, start_pos: int, k: torch.Tensor, v: torch.Tensor):
+        """Write k, v [B, G, T, D] at start_pos; return the cache up to the new end."""
+        end = start_pos + k.shape[2]
+        if end > self.max_len:
+            raise ValueError(f"KV cache overflow: {end} tokens > capacity {self.max_len}")
+        self.keys[layer_idx][:, :, start_pos:end] = k
+        self.values[layer_idx][:, :, start_pos:end] = v
+        return self.keys[layer_idx][:, :, :end], self.values[layer_idx][:, :, :end]

@@ -1,0 +1,124 @@
+"""Building blocks of the decoder: RMSNorm, rotary embedding, attention, dense MLP.
+
+Shape legend: B = batch, T = new tokens, S = tokens in the cache, H = hidden size,
+N = query heads, G = key/value heads, D = head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedweight.format.model_config import ModelConfig
+from pagedweight.model.kv_cache import ContiguousKVCache
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 and cast back before the scale, as the reference does.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class RotaryEmbedding:
+    """Default (unscaled) RoPE with the rotate-half layout used by Llama-family checkpoints.
+
+    Not a module: its fp32 frequencies must survive `model.to(bfloat16)` and meta-device
+    construction, so they are kept on the CPU and copied to the device on first use.
+    """
+
+    def __init__(self, head_dim: int, theta: float):
+        exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+        self.inv_freq = 1.0 / (theta**exponent)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
+        """positions [B, T] -> cos, sin [B, 1, T, D]."""
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+        freqs = positions.float()[..., None] * self.inv_freq  # [B, T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        hidden, bias = config.hidden_size, config.attention_bias
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [B, T, H]
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        start_pos: int,
+        kv_cache: ContiguousKVCache | None,
+    ) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if kv_cache is not None:
+            k, v = kv_cache.append(self.layer_idx, start_pos, k, v)  # [B, G, S, D]
+        out = causal_attention(q, k, v, start_pos)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+    def forward_paged(self, x: torch.Tensor, cos, sin, step) -> torch.Tensor:
+        """Varlen step: x [T, H] holds the new tokens of many sequences (see paged_attention)."""
+        from pagedweight.model.paged_attention import paged_attention
+
+        T = x.shape[0]
+        q = self.q_proj(x).view(1, T, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(1, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(1, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        # [1, heads, T, D] -> [T, heads, D]
+        q, k, v = (t[0].transpose(0, 1) for t in (q, k, v))
+        out = paged_attention(self.layer_idx, q, k, v, step)  # [T, N, D]
+        return self.o_proj(out.reshape(T, -1))
+
+
+def causal_attention(q, k, v, start_pos: int) -> torch.Tensor:
+    """q [B, N, T, D] attends to k, v [B, G, S, D] where query t sits at start_pos + t."""
+    T, S = q.shape[2], k.shape[2]
+    if start_pos == 0 and T == S:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    if T == 1:  # one new token sees the whole cache
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    query_pos = torch.arange(start_pos, start_pos + T, device=q.device)[:, None]
+    mask = torch.arange(S, device=q.device)[None, :] <= query_pos  # [T, S]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
+class GatedMLP(nn.Module):
+    """SiLU-gated MLP, used for Qwen1.5-MoE's always-on shared expert."""
+
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

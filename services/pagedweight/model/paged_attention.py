@@ -1,0 +1,147 @@
+"""Attention over the paged KV cache for a varlen batch (many sequences in one step).
+
+A step flattens the new tokens of every scheduled sequence into one [T, ...] batch: a
+sequence contributes `query_len` tokens at positions `context_len - query_len ..
+context_len - 1` (a prefill chunk, or one decode token). Each layer first writes the new
+keys/values at their slots, then attends through the block tables. Two paths:
+- `reference`: per sequence, read its tokens slot by slot and call the same
+  `causal_attention` the contiguous path uses. Plain and obviously right; the CPU default.
+- `batched`: gather whole blocks for all sequences at once ([B, max_blocks * block_size]),
+  pad the queries to [B, max_query_len] and run one masked SDPA. The CUDA default; on
+  CUDA the key/value heads are expanded so SDPA can pick its memory-efficient kernel.
+Tests compare the two, and the engine against single-stream generation.
+
+Shape legend: T = new tokens in the step, B = sequences, N = query heads,
+G = key/value heads, D = head dim, S = padded context length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from pagedweight.memory.kv_cache import PagedKVCache
+from pagedweight.model.layers import causal_attention
+
+IMPLS = ("reference", "batched")
+
+
+@dataclass(frozen=True)
+class SeqSlice:
+    """One sequence's part of a step."""
+
+    block_ids: list[int]  # its block table, already covering context_len tokens
+    context_len: int  # tokens in the cache after this step
+    query_len: int  # new tokens computed in this step
+
+
+@dataclass
+class PagedStep:
+    """Attention metadata of one forward step, built once and shared by every layer."""
+
+    kv: PagedKVCache
+    impl: str  # one of IMPLS
+    positions: torch.Tensor  # [T] int64 position of each new token
+    query_lens: list[int]  # per sequence
+    context_lens: list[int]  # per sequence
+    new_offsets: torch.Tensor  # [T] where each new token's k, v go (PagedKVCache.token_offsets)
+    # reference path: every sequence's context tokens, concatenated
+    context_offsets: torch.Tensor | None = None
+    # batched path
+    block_table: torch.Tensor | None = None  # [B, max_blocks] block ids (pads: masked out)
+    query_index: torch.Tensor | None = None  # [B, max_q] -> flat token (pad: 0)
+    output_index: torch.Tensor | None = None  # [T] -> row in the flattened [B * max_q]
+    mask: torch.Tensor | None = None  # [B, 1, max_q, S] bool
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.positions.shape[0])
+
+
+def build_step(kv: PagedKVCache, seqs: list[SeqSlice], impl: str = "auto") -> PagedStep:
+    if impl == "auto":
+        impl = "batched" if kv.device.type == "cuda" else "reference"
+    if impl not in IMPLS:
+        raise ValueError(f"paged attention impl {impl!r} is not one of {IMPLS}")
+    device = kv.device
+    positions, new_offsets = [], []
+    for s in seqs:
+        start = s.context_len - s.query_len
+        positions.extend(range(start, s.context_len))
+        new_offsets.extend(kv.token_offsets(s.block_ids, start, s.context_len))
+    step = PagedStep(
+        kv=kv, impl=impl,
+        positions=torch.tensor(positions, dtype=torch.int64, device=device),
+        query_lens=[s.query_len for s in seqs],
+        context_lens=[s.context_len for s in seqs],
+        new_offsets=torch.tensor(new_offsets, dtype=torch.int64, device=device),
+    )
+    if impl == "reference":
+        context = [o for s in seqs for o in kv.token_offsets(s.block_ids, 0, s.context_len)]
+        step.context_offsets = torch.tensor(context, dtype=torch.int64, device=device)
+    else:
+        _add_batched_metadata(step, seqs)
+    return step
+
+
+def _add_batched_metadata(step: PagedStep, seqs: list[SeqSlice]) -> None:
+    device, bs = step.kv.device, step.kv.block_size
+    max_blocks = max(-(-s.context_len // bs) for s in seqs)
+    max_q = max(s.query_len for s in seqs)
+    table = torch.zeros(len(seqs), max_blocks, dtype=torch.int64)
+    query_index = torch.zeros(len(seqs), max_q, dtype=torch.int64)
+    query_pos = torch.zeros(len(seqs), max_q, dtype=torch.int64)  # pad rows see key 0 only
+    output_index, start = [], 0
+    for b, s in enumerate(seqs):
+        used = s.block_ids[: -(-s.context_len // bs)]
+        table[b] = torch.tensor(used + [used[0]] * (max_blocks - len(used)))  # pads are masked out
+        n = s.query_len
+        query_index[b, :n] = torch.arange(start, start + n)
+        query_pos[b, :n] = torch.arange(s.context_len - n, s.context_len)
+        output_index.extend(range(b * max_q, b * max_q + n))
+        start += n
+    key_pos = torch.arange(max_blocks * bs)
+    step.block_table = table.to(device)
+    step.query_index = query_index.to(device)
+    step.output_index = torch.tensor(output_index, dtype=torch.int64, device=device)
+    step.mask = (key_pos[None, None, :] <= query_pos[:, :, None])[:, None].to(device)
+
+
+def paged_attention(layer: int, q, k, v, step: PagedStep) -> torch.Tensor:
+    """q [T, N, D], new k, v [T, G, D] -> attention output [T, N, D]."""
+    step.kv.write(layer, step.new_offsets, k, v)
+    if step.impl == "reference":
+        return _reference(layer, q, step)
+    return _batched(layer, q, step)
+
+
+def _reference(layer: int, q, step: PagedStep) -> torch.Tensor:
+    keys, values = step.kv.read_tokens(layer, step.context_offsets)
+    outs, q_start, k_start = [], 0, 0
+    for n, ctx in zip(step.query_lens, step.context_lens):
+        qi = q[q_start : q_start + n].transpose(0, 1)[None]  # [1, N, n, D]
+        ki = keys[k_start : k_start + ctx].transpose(0, 1)[None]  # [1, G, ctx, D]
+        vi = values[k_start : k_start + ctx].transpose(0, 1)[None]
+        outs.append(causal_attention(qi, ki, vi, ctx - n)[0].transpose(0, 1))
+        q_start, k_start = q_start + n, k_start + ctx
+    return torch.cat(outs, dim=0)
+
+
+def _batched(layer: int, q, step: PagedStep) -> torch.Tensor:
+    kv = step.kv
+    B, max_blocks = step.block_table.shape
+    k, v = kv.read_blocks(layer, step.block_table.reshape(-1))  # [B * max_blocks, bs, G, D]
+    S = max_blocks * kv.block_size
+    k = k.view(B, S, kv.num_kv_heads, kv.head_dim).transpose(1, 2)  # [B, G, S, D]
+    v = v.view(B, S, kv.num_kv_heads, kv.head_dim).transpose(1, 2)
+    qp = q[step.query_index].transpose(1, 2)  # [B, N, max_q, D]
+    if q.device.type == "cuda":  # expanded heads let SDPA use its memory-efficient kernel
+        groups = q.shape[1] // kv.num_kv_heads
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(qp, k, v, attn_mask=step.mask)
+    else:
+        out = F.scaled_dot_product_attention(qp, k, v, attn_mask=step.mask, enable_gqa=True)
+    out = out.transpose(1, 2).reshape(-1, q.shape[1], q.shape[2])  # [B * max_q, N, D]
+    return out[step.output_index]

@@ -1,0 +1,132 @@
+"""Any-precision (APL) quantisation of expert weight matrices, every row at once.
+
+Algorithm (after Any-Precision LLM, Park et al. 2024), per output row of a block:
+1. Seed: a weighted 1-D k-means with 2^3 centroids over the row's weights. The weight of
+   column c is h[c], the diagonal of the input Hessian (mean squared input of column c),
+   so the clusters minimise sum_c h[c] * (w[c] - centroid)^2, the error the layer's
+   output actually sees.
+2. Upscaling, for b = 3..7: every cluster of the b-bit quantiser is split in two by a
+   weighted 1-D 2-means over its own members only. Child 2p holds the smaller values
+   of parent p and child 2p+1 the larger, so a weight's (b+1)-bit code is its b-bit code
+   followed by one more bit, and the b-bit code is exactly the top b bits of the 8-bit
+   code (nested quantisation).
+3. LUT_b[row] holds the 2^b weighted means at level b, rounded to fp16.
+
+Everything is vectorised over all rows of all blocks passed in: 1-D assignment to
+sorted centroids is a `searchsorted` against the midpoints, and cluster sums are
+`scatter_add`s over (row, code) pairs. Works on CPU and CUDA tensors alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedweight.format.apl_format import BIT_WIDTHS, LUT_DTYPE, MAX_BITS, MIN_BITS
+
+
+@dataclass(frozen=True)
+class QuantizerConfig:
+    seed_iters: int = 24  # Lloyd iterations of the 3-bit seed k-means
+    split_iters: int = 6  # 2-means iterations per cluster split
+    # Importance weights below floor * mean(importance) of the row are raised to it: a
+    # column no calibration token excites still gets a say in where centroids go.
+    importance_floor: float = 1e-3
+
+
+@dataclass
+class QuantizedRows:
+    codes: torch.Tensor  # uint8 [R, C], 8-bit nested codes
+    luts: dict[int, torch.Tensor]  # bits -> fp16 [R, 2^bits]
+
+
+def quantize_rows(w: torch.Tensor, importance: torch.Tensor,
+                  config: QuantizerConfig = QuantizerConfig()) -> QuantizedRows:
+    """w [R, C] (any float dtype), importance [R, C] or [C] (>= 0) -> nested codes and LUTs."""
+    w = w.float()
+    imp = importance.float().expand_as(w)
+    imp = torch.maximum(imp, config.importance_floor * imp.mean(dim=1, keepdim=True).clamp_min(1e-30))
+    centroids = _seed_kmeans(w, imp, 1 << MIN_BITS, config.seed_iters)
+    codes = _assign(w, centroids)
+    luts = {MIN_BITS: centroids}
+    for bits in range(MIN_BITS, MAX_BITS):
+        codes, centroids = _split_clusters(w, imp, codes, centroids, config.split_iters)
+        luts[bits + 1] = centroids
+    return QuantizedRows(codes.to(torch.uint8), {b: luts[b].to(LUT_DTYPE) for b in BIT_WIDTHS})
+
+
+def _weighted_means(w, imp, codes, num_clusters, fallback):
+    """Per (row, cluster) weighted mean of w; clusters with no members keep `fallback`."""
+    rows = w.shape[0]
+    flat = codes + torch.arange(rows, device=w.device)[:, None] * num_clusters
+    sums = torch.zeros(rows * num_clusters, device=w.device).scatter_add_(0, flat.reshape(-1), (w * imp).reshape(-1))
+    mass = torch.zeros(rows * num_clusters, device=w.device).scatter_add_(0, flat.reshape(-1), imp.reshape(-1))
+    sums, mass = sums.view(rows, num_clusters), mass.view(rows, num_clusters)
+    return torch.where(mass > 0, sums / mass.clamp_min(1e-30), fallback)
+
+
+def _assign(w, centroids):
+    """Nearest of the sorted centroids [R, K] for every weight of w [R, C]."""
+    midpoints = (centroids[:, 1:] + centroids[:, :-1]) / 2
+    return torch.searchsorted(midpoints.contiguous(), w.contiguous())
+
+
+def _seed_kmeans(w, imp, num_clusters, iters):
+    """Weighted Lloyd iterations per row, started from evenly spaced quantiles."""
+    q = (torch.arange(num_clusters, device=w.device, dtype=torch.float32) + 0.5) / num_clusters
+    centroids = torch.quantile(w, q, dim=1).T.contiguous()  # [R, K], sorted
+    for _ in range(iters):
+        codes = _assign(w, centroids)
+        new = _weighted_means(w, imp, codes, num_clusters, centroids)
+        new, _ = torch.sort(new, dim=1)  # an empty cluster could break the order
+        if torch.equal(new, centroids):
+            break
+        centroids = new
+    return centroids
+
+
+def _split_clusters(w, imp, codes, centroids, iters):
+    """One upscaling step: split every cluster p into children 2p (low) and 2p+1 (high).
+
+    Each parent's members are divided by a threshold t_p (start: the parent's weighted
+    mean); 2-means moves t_p to the midpoint of the two children's means. A weight's
+    new bit is (w > t_p), so members never leave their parent.
+    """
+    num_parents = centroids.shape[1]
+    thresholds = centroids
+    parent_of = codes
+    for _ in range(iters + 1):
+        high = (w > torch.gather(thresholds, 1, parent_of)).long()
+        child = parent_of * 2 + high
+        # An empty child takes its parent's centroid, so LUT entries are always defined.
+        fallback = centroids.repeat_interleave(2, dim=1)
+        children = _weighted_means(w, imp, child, 2 * num_parents, fallback)
+        thresholds = (children[:, 0::2] + children[:, 1::2]) / 2
+    return child, children
+
+
+def dequantize_rows(q: QuantizedRows, bits: int) -> torch.Tensor:
+    """fp32 [R, C] weights of the b-bit quantiser (for error tables; the format's own
+    `dequantize` reads packed planes and is what the model runs)."""
+    codes = q.codes.long() >> (MAX_BITS - bits)
+    return torch.gather(q.luts[bits].float(), 1, codes)
+
+
+def column_sq_errors(w: torch.Tensor, q: QuantizedRows) -> dict[int, torch.Tensor]:
+    """bits -> [C]: sum over rows of (w - Q_b(w))^2 per input column.
+
+    S(b) = h . err[b] for any Hessian diagonal h over the same columns, so per-prompt
+    sensitivities come from these vectors without re-quantising.
+    """
+    w = w.float()
+    return {b: ((w - dequantize_rows(q, b)) ** 2).sum(dim=0) for b in BIT_WIDTHS}
+
+
+def uniform_grid_rows(w: torch.Tensor, bits: int) -> torch.Tensor:
+    """Round-to-nearest on a uniform min..max grid per row (the baseline k-means must beat)."""
+    w = w.float()
+    lo, hi = w.min(dim=1, keepdim=True).values, w.max(dim=1, keepdim=True).values
+    levels = (1 << bits) - 1
+    scale = ((hi - lo) / levels).clamp_min(1e-12)
+    return torch.round((w - lo) / scale).clamp(0, levels) * scale + lo

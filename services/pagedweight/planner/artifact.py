@@ -1,0 +1,89 @@
+"""Adapter: a paged model directory -> the planner's inputs.
+
+The planner needs only the artifact's metadata (paged_model.json: blocks with shapes
+and bytes, sensitivity tables, calibration routing) and its residual heads; it never
+loads planes. Bytes are recomputed from the shapes through apl_format.block_bytes and
+checked against the metadata, so a plan's byte count is the format's, not a copy's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from pagedweight.common.errors import CheckpointError
+from pagedweight.planner.tables import BlockTable
+from pagedweight.format.apl_format import BIT_WIDTHS, BlockId
+
+
+@dataclass
+class PagedPlannerInputs:
+    table: BlockTable
+    top_k: int  # experts per token (for routing statistics)
+    heads: object | None  # pagedweight.offline.residual_heads.ResidualHeads, or None
+    head_block_keys: list[str]  # block order of the heads' outputs
+    meta_path: Path
+
+
+SENSITIVITY_TABLES = ("sensitivity", "sensitivity_gn")  # output-space S (default), Gauss-Newton S
+
+
+def load_planner_inputs(model_dir: str | Path, with_heads: bool = True,
+                        sensitivity: str = "sensitivity") -> PagedPlannerInputs:
+    """`sensitivity`: which of the artifact's tables is S (SENSITIVITY_TABLES)."""
+    from pagedweight.format.paged_model import META_FILE, read_meta
+
+    path = Path(model_dir)
+    meta = read_meta(path)  # raises CheckpointError for a missing/unknown/corrupt directory
+    table = table_from_meta(meta, path / META_FILE, sensitivity)
+    heads = load_heads(path, meta) if with_heads else None
+    top_k = int(meta["model_config"].get("num_experts_per_tok", 2))
+    keys = [b["key"] for b in meta["blocks"]]
+    return PagedPlannerInputs(table, top_k, heads, keys, path / META_FILE)
+
+
+def table_from_meta(meta: dict, where: Path, sensitivity_key: str = "sensitivity") -> BlockTable:
+    if sensitivity_key not in SENSITIVITY_TABLES:
+        raise ValueError(f"sensitivity table must be one of {SENSITIVITY_TABLES}, got {sensitivity_key!r}")
+    if meta.get(sensitivity_key) is None:
+        raise CheckpointError(f"{where}: the artifact has no {sensitivity_key!r} table "
+                              f"(re-run `pagedweight quantize` to add it)")
+    try:
+        blocks = meta["blocks"]
+        block_ids = [BlockId.parse(b["key"]) for b in blocks]
+        shapes = [(int(b["rows"]), int(b["cols"])) for b in blocks]
+        sensitivity = np.array([[float(meta[sensitivity_key][b["key"]][str(w)]) for w in BIT_WIDTHS]
+                                for b in blocks], dtype=np.float64)
+        num_layers, num_experts = int(meta["num_layers"]), int(meta["num_experts"])
+        routing = meta["routing"]
+        num_tokens = max(float(routing["num_tokens"]), 1.0)
+        mass = np.array(routing["routing_mass"], dtype=np.float64) / num_tokens
+        share = np.array(routing["token_counts"], dtype=np.float64) / num_tokens
+    except (KeyError, ValueError, TypeError) as err:
+        raise CheckpointError(f"{where}: metadata lacks what the planner needs ({err!r})") from None
+    try:
+        table = BlockTable.from_shapes(block_ids, shapes, sensitivity, num_layers, num_experts, mass, share)
+    except ValueError as err:
+        raise CheckpointError(f"{where}: {err}") from None
+    for i, block in enumerate(blocks):
+        stored = [int(block["bytes"][str(w)]) for w in BIT_WIDTHS]
+        if stored != table.nbytes[i].tolist():
+            raise CheckpointError(f"{where}: block {block['key']} bytes {stored} disagree with the "
+                                  f"APL format's {table.nbytes[i].tolist()}")
+    return table
+
+
+def load_heads(path: Path, meta: dict):
+    from pagedweight.offline.residual_heads import ResidualHeads
+    from pagedweight.format.paged_model import HEADS_FILE
+
+    if HEADS_FILE not in meta.get("files", {}):
+        return None
+    from safetensors.torch import load_file
+
+    try:
+        return ResidualHeads.from_tensors(load_file(str(path / HEADS_FILE)))
+    except Exception as err:  # noqa: BLE001 - any unreadable heads file is one clear line
+        raise CheckpointError(f"{path / HEADS_FILE}: unreadable residual heads ({err})") from None

@@ -1,0 +1,178 @@
+"""Wiring of one worker: paged model + memory pool + arena + page table + pager + engine.
+
+`build_runtime` is the one place these parts are put together (the worker service and
+`pagedweight bench engine` both call it):
+1. load the paged model directory; build the model's dense part (embeddings, attention,
+   norms, routers, shared experts) on the device;
+2. open a `MemoryPool` of the budget and charge it the dense weights and a workspace
+   reserve (activations of the largest step);
+3. cut the rest into one `Arena`; put every expert block in the weight `PageTable` at its
+   starting bits and load them (`PageMover.load_all`);
+4. the experts operator reads the page table (`ArenaExperts`); the engine's KV blocks come
+   from the same arena, so bytes freed by lowering bits become KV blocks;
+5. a policy name from the planner library makes the weights move with the load (a
+   `WeightPager` over a `PolicyPlanner`); `static-B` pins every block at B bits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from pagedweight.common.errors import UserError
+from pagedweight.engine.engine import Engine, EngineConfig
+from pagedweight.memory.arena import DEFAULT_PAGE_BYTES, Arena
+from pagedweight.memory.kv_cache import kv_block_bytes
+from pagedweight.memory.pool import OTHER_WEIGHTS, WORKSPACE, MemoryPool
+from pagedweight.format.model_config import ModelConfig
+from pagedweight.model.transformer import MoECausalLM
+from pagedweight.format.apl_format import BIT_WIDTHS
+from pagedweight.weights.arena_experts import ArenaExperts
+from pagedweight.weights.page_mover import PageMover
+from pagedweight.weights.page_table import PageTable
+
+STATIC_PREFIX = "static-"  # "static-4": every block at 4 bits, never moved
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    memory_budget: int  # bytes for everything on the device: weights, KV, workspace
+    policy: str = "pagedweight"  # a planner policy (services/planner/policies.py) or static-B
+    device: str = "cpu"
+    dtype: torch.dtype = torch.float32
+    page_bytes: int = DEFAULT_PAGE_BYTES
+    min_kv_tokens_at_start: int = 64  # KV room the starting bits leave free
+    scales_file: str | None = None  # loss scales for the policy (`pagedweight plan-scales`)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+
+    def __post_init__(self):
+        if self.memory_budget <= 0:
+            raise UserError(f"memory budget must be positive, got {self.memory_budget}")
+        if self.static_bits is not None and self.static_bits not in BIT_WIDTHS:
+            raise UserError(f"policy {self.policy!r}: static bits must be in {BIT_WIDTHS}")
+
+    @property
+    def static_bits(self) -> int | None:
+        if not self.policy.startswith(STATIC_PREFIX):
+            return None
+        try:
+            return int(self.policy[len(STATIC_PREFIX):])
+        except ValueError:
+            raise UserError(f"policy {self.policy!r}: expected static-B with B in {BIT_WIDTHS}") from None
+
+
+@dataclass
+class WorkerRuntime:
+    engine: Engine
+    pool: MemoryPool
+    arena: Arena
+    table: PageTable
+    mover: PageMover
+    pager: object | None  # WeightPager, None for a static policy
+
+    def close(self) -> None:
+        self.mover.close()
+
+
+def build_dense_model(paged, dtype: torch.dtype, device) -> MoECausalLM:
+    """The model without routed experts (their operator is installed over the arena)."""
+    with torch.device("meta"):
+        model = MoECausalLM(paged.config)
+    for block in model.moe_blocks:
+        block.experts = nn.Identity()  # placeholder: no dense expert tensors on the device
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(paged.dense_state[name].to(param.dtype))
+    return model.to(dtype=dtype).eval()
+
+
+def workspace_bytes(config: ModelConfig, engine: EngineConfig, dtype: torch.dtype) -> int:
+    """Activations of the largest step: a few hidden-sized buffers and the expert
+    intermediates per token, plus fp32 logits of every sampled sequence."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    tokens = engine.scheduler.max_num_batched_tokens
+    per_token = 8 * config.hidden_size + 4 * config.num_experts_per_tok * config.expert_intermediate_size
+    logits = engine.scheduler.max_num_seqs * config.vocab_size * 4
+    return tokens * per_token * elem + logits
+
+
+def build_runtime(paged_dir, config: RuntimeConfig, tokenizer=None) -> WorkerRuntime:
+    from pagedweight.format.paged_model import load_paged_model
+
+    paged = load_paged_model(paged_dir, with_bf16=False)
+    device = torch.device(config.device)
+    model = build_dense_model(paged, config.dtype, device)
+    pool = MemoryPool(config.memory_budget)
+    dense = sum(p.numel() * p.element_size() for p in model.parameters())
+    workspace = workspace_bytes(paged.config, config.engine, config.dtype)
+    if dense + workspace >= config.memory_budget:
+        raise UserError(
+            f"memory budget {config.memory_budget} bytes does not hold the dense weights "
+            f"({dense} bytes) and the workspace ({workspace} bytes)"
+        )
+    pool.allocate(OTHER_WEIGHTS, dense)
+    pool.allocate(WORKSPACE, workspace)
+    arena = Arena.from_pool(pool, config.page_bytes, device)
+    table = PageTable({bid: paged.block(bid) for bid in paged.block_ids}, arena)
+    planner = feed = None
+    if config.static_bits is None:
+        planner, feed = _policy_planner(paged_dir, config, table, model)
+    table.set_desired_bits(_starting_bits(config, paged.config, table, arena, planner))
+    mover = PageMover(table)
+    mover.load_all()
+    for layer, moe in enumerate(model.moe_blocks):
+        moe.experts = ArenaExperts(table, layer, paged.config.num_experts)
+    pager = None
+    if planner is not None:
+        from pagedweight.weights.weight_pager import WeightPager
+
+        block = kv_block_bytes(paged.config, config.engine.kv.block_size, config.dtype)
+        pager = WeightPager(mover, planner, kv_block_bytes=block, before_plan=feed.refresh)
+    engine = Engine(model, tokenizer, config.engine, arena=arena, pager=pager,
+                    max_kv_blocks=_max_kv_blocks(config, paged.config, table, arena))
+    return WorkerRuntime(engine, pool, arena, table, mover, pager)
+
+
+def _max_kv_blocks(config: RuntimeConfig, model_config: ModelConfig, table: PageTable, arena: Arena) -> int:
+    """KV blocks the arena holds once every expert block is at its lowest allowed bits."""
+    floor_bits = config.static_bits or min(BIT_WIDTHS)
+    weights = sum(table.charged_bytes(bid, floor_bits) for bid in table.entries)
+    block = kv_block_bytes(model_config, config.engine.kv.block_size, config.dtype)
+    return (arena.num_pages * arena.page_bytes - weights) // arena.charged_bytes(block)
+
+
+def _policy_planner(paged_dir, config: RuntimeConfig, table: PageTable, model: MoECausalLM):
+    """The planner library's policy, and the feed of the traffic's routing into it."""
+    from pagedweight.planner.artifact import load_planner_inputs
+    from pagedweight.planner.loss_scale import GroupScales
+    from pagedweight.planner.routing_stats import RoutingStats
+    from pagedweight.weights.policy_planner import PolicyPlanner
+    from pagedweight.weights.routing_feed import RoutingFeed
+
+    inputs = load_planner_inputs(paged_dir, with_heads=False)
+    t = inputs.table
+    scales = GroupScales.read(config.scales_file) if config.scales_file else None
+    planner = PolicyPlanner(config.policy, t, table.charged_bytes_table(), scales)
+    stats = RoutingStats(t.num_layers, t.num_experts, inputs.top_k, prior_mass=t.calib_mass)
+    feed = RoutingFeed(stats, planner.context, model.device)
+    feed.install(model)
+    return planner, feed
+
+
+def _starting_bits(config: RuntimeConfig, model_config: ModelConfig, table: PageTable, arena: Arena, planner):
+    """# block_id -> bits: static-B, or the policy's plan for the arena less some KV room."""
+    capacity = arena.num_pages * arena.page_bytes
+    if config.static_bits is not None:
+        bits = {bid: config.static_bits for bid in table.entries}
+        need = sum(table.charged_bytes(bid, b) for bid, b in bits.items())
+        if need > capacity:
+            raise UserError(
+                f"policy {config.policy}: the experts need {need} bytes at {config.static_bits} bits; "
+                f"the budget leaves {capacity} for weights and KV"
+            )
+        return bits
+    kv_per_token = kv_block_bytes(model_config, 1, config.dtype)
+    return planner.initial_bits(capacity - config.min_kv_tokens_at_start * kv_per_token)

@@ -1,0 +1,58 @@
+"""APL blocks without calibration: for tests and memory benchmarks, not for quality.
+
+The real quantizer (weighted k-means, issue 3) lives in services/offline. These helpers
+make valid APL blocks fast: `nested_uniform_block` quantises a weight matrix with
+per-row min-max uniform 8-bit codes (whose top b bits are the b-bit codes, so nesting
+holds) and b-bit LUTs holding the centre of each b-bit bucket; `random_block` draws
+random codes and sorted random LUTs for synthetic sizes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedweight.format.apl_format import BIT_WIDTHS, LUT_DTYPE, MODULES, APLBlock, BlockId, check_shape, pack_planes
+
+
+def nested_uniform_block(weight: torch.Tensor) -> APLBlock:
+    """weight [rows, cols] -> APLBlock with min-max uniform nested codes."""
+    w = weight.detach().float().cpu()
+    lo, hi = w.min(dim=1, keepdim=True).values, w.max(dim=1, keepdim=True).values
+    step = (hi - lo).clamp_min(1e-8) / 256  # 256 equal 8-bit buckets per row
+    codes = ((w - lo) / step).floor().clamp(0, 255).to(torch.uint8)
+    luts = {}
+    for bits in BIT_WIDTHS:
+        width = 1 << (8 - bits)  # 8-bit buckets per b-bit bucket
+        centres = (torch.arange(1 << bits, dtype=torch.float32) + 0.5) * width
+        luts[bits] = (lo + centres[None] * step).to(LUT_DTYPE)
+    return APLBlock(w.shape[0], w.shape[1], pack_planes(codes), luts)
+
+
+def random_block(rows: int, cols: int, generator: torch.Generator | None = None) -> APLBlock:
+    """Random 8-bit codes (drawn as random planes: every bit pattern is a valid code)."""
+    check_shape(rows, cols)
+    planes = torch.randint(0, 256, (8, rows, cols // 8), dtype=torch.uint8, generator=generator)
+    luts = {b: torch.randn(rows, 1 << b, generator=generator).sort(dim=1).values.mul(0.02).to(LUT_DTYPE)
+            for b in BIT_WIDTHS}
+    return APLBlock(rows, cols, planes, luts)
+
+
+def blocks_from_model(model) -> dict[BlockId, APLBlock]:
+    """Every expert block of a loaded MoECausalLM (DenseExperts), nested-uniform quantised."""
+    blocks = {}
+    for layer, moe in enumerate(model.moe_blocks):
+        for expert in range(moe.experts.num_experts):
+            blocks[BlockId(layer, expert, MODULES[0])] = nested_uniform_block(moe.experts.gate_up[expert])
+            blocks[BlockId(layer, expert, MODULES[1])] = nested_uniform_block(moe.experts.down[expert])
+    return blocks
+
+
+def random_blocks(num_layers: int, num_experts: int, hidden: int, intermediate: int, seed: int = 0):
+    """Synthetic blocks of a model's shape (gate_up [2I, H], down [H, I])."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks = {}
+    for layer in range(num_layers):
+        for expert in range(num_experts):
+            blocks[BlockId(layer, expert, "gate_up")] = random_block(2 * intermediate, hidden, gen)
+            blocks[BlockId(layer, expert, "down")] = random_block(hidden, intermediate, gen)
+    return blocks

@@ -1,1 +1,0 @@
-"""The GPU worker: model, engine, paged KV cache, weight page table, page mover."""

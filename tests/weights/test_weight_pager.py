@@ -1,0 +1,184 @@
+"""The weight pager on micro-mixtral: the split between expert bits and KV blocks moves
+with random pressure while every forward step equals the static model at the committed
+bits, the budget holds at every instant and every byte stays accounted."""
+
+import random
+import threading
+
+import pytest
+import torch
+
+from conftest import build, check_accounting
+from pagedweight.memory.pool import KV_USED
+from pagedweight.model.loader import load_model
+from pagedweight.weights.arena_experts import install_arena_experts
+from pagedweight.weights.greedy_planner import GreedyPlanner
+from pagedweight.weights.synthetic import blocks_from_model
+from pagedweight.weights.weight_pager import WeightPager
+from pagedweight.format.apl_format import BlockId
+
+KV_BLOCK_BYTES = 4 * 512
+BIG_KV_BLOCK_BYTES = 128 * 512  # experts at 8 bits hold ~210 of these
+
+
+@pytest.fixture(scope="module")
+def micro(bundled_model_dir):
+    model = load_model(bundled_model_dir, dtype=torch.float32)
+    return model, blocks_from_model(model)
+
+
+def make_pager(micro, extra_bytes, before_copy=None, kv_block_bytes=None):
+    model, blocks = micro
+    probe = build(blocks, 64 << 20)
+    full = probe[0].reserved_bytes  # every block at 8 bits
+    probe[3].close()
+    pool, arena, table, mover = build(blocks, full + extra_bytes, before_copy=before_copy)
+    return pool, arena, table, mover, WeightPager(mover, GreedyPlanner(table.charged_bytes_table()), kv_block_bytes)
+
+
+class StaticModel:
+    """The same model with dense experts holding the host weights at given bits."""
+
+    def __init__(self, model, table):
+        self.model, self.table, self._cache = model, table, {}
+
+    def logits(self, ids, bits):  # bits: block_id -> bits
+        for layer, moe in enumerate(self.model.moe_blocks):
+            with torch.no_grad():
+                for e in range(moe.experts.num_experts):
+                    for module, param in (("gate_up", moe.experts.gate_up), ("down", moe.experts.down)):
+                        bid = BlockId(layer, e, module)
+                        key = (bid, bits[bid])
+                        if key not in self._cache:
+                            self._cache[key] = self.table.host[bid].dequantize(bits[bid]).float()
+                        param[e].copy_(self._cache[key])
+        with torch.no_grad():
+            return self.model(ids)
+
+
+@pytest.fixture
+def models(micro, bundled_model_dir):
+    static = load_model(bundled_model_dir, dtype=torch.float32)
+    paged = load_model(bundled_model_dir, dtype=torch.float32)
+    return static, paged
+
+
+def test_split_moves_with_random_pressure_and_steps_match_the_static_model(micro, models):
+    static_model, paged_model = models
+    rng = random.Random(0)
+    copies_may_land = threading.Event()  # cleared: copies stay in flight across steps
+    copies_may_land.set()
+    pool, arena, table, mover, pager = make_pager(micro, 16 * BIG_KV_BLOCK_BYTES, copies_may_land.wait,
+                                                  BIG_KV_BLOCK_BYTES)
+    copies_may_land.clear()
+    install_arena_experts(paged_model, table)
+    static = StaticModel(static_model, table)
+    ids = torch.tensor([[1, 17, 250, 3000, 42, 7, 99, 1234]])
+    kv, means, num_waits = [], [], 0
+    for step in range(40):
+        if rng.random() < 0.6:  # load rises: the KV cache wants more blocks
+            want = rng.randint(1, 30)
+            for _ in range(want):
+                if not arena.can_allocate(KV_USED, BIG_KV_BLOCK_BYTES):
+                    pager.request_bytes(BIG_KV_BLOCK_BYTES * want)
+                    num_waits += 1
+                    break
+                kv.append(arena.allocate(KV_USED, BIG_KV_BLOCK_BYTES))
+                want -= 1
+        else:  # load falls: sequences finish, spare bytes go back to the weights
+            for _ in range(rng.randint(0, len(kv))):
+                arena.free(kv.pop(rng.randrange(len(kv))))
+            pager.offer_bytes(pool.free_bytes - 4 * BIG_KV_BLOCK_BYTES)
+        committed = table.committed_bits()
+        out = paged_model(ids)
+        assert torch.equal(out, static.logits(ids, committed)), f"step {step}"
+        if rng.random() < 0.5:  # the copies started so far land before this boundary
+            copies_may_land.set()
+            mover.wait_for_transits()
+            copies_may_land.clear()
+        pager.step_boundary()
+        check_accounting(pool, arena, table, mover)
+        means.append(pager.stats().mean_committed_bits)
+    rises = sum(b > a for a, b in zip(means, means[1:]))
+    falls = sum(b < a for a, b in zip(means, means[1:]))
+    assert num_waits > 3 and min(means) < 7.75 and rises > 2 and falls > 2, (num_waits, means)
+
+    copies_may_land.set()
+    for x in kv:  # drain: every bit comes back
+        arena.free(x)
+    for _ in range(50):
+        pager.offer_bytes(pool.free_bytes)
+        pager.step_boundary()
+        if not pager.busy():
+            break
+        mover.wait_for_transits()
+    stats = pager.stats()
+    assert stats.mean_committed_bits == 8 and stats.mean_committed_bits_min < 7.75
+    assert torch.equal(paged_model(ids), static.logits(ids, table.committed_bits()))
+    assert pool.snapshot().peak_reserved_bytes <= pool.budget_bytes
+    check_accounting(pool, arena, table, mover)
+    mover.close()
+
+
+def test_bytes_asked_for_become_kv_blocks(micro):
+    pool, arena, table, mover, pager = make_pager(micro, 0)
+    assert not arena.can_allocate(KV_USED, KV_BLOCK_BYTES)
+    num_blocks = 100
+    promised = pager.request_bytes(num_blocks * KV_BLOCK_BYTES)
+    assert promised >= num_blocks * KV_BLOCK_BYTES and pager.busy()
+    result = pager.step_boundary()
+    assert result.num_bytes_freed - result.num_bytes_taken == promised
+    kv = [arena.allocate(KV_USED, KV_BLOCK_BYTES) for _ in range(num_blocks)]  # no fragmentation left
+    assert len(kv) == num_blocks and not pager.busy()
+    stats = pager.stats()
+    assert stats.num_plans == 1 and stats.mean_committed_bits < 8
+    assert sum(stats.bits_histogram.values()) == len(table.entries)
+    check_accounting(pool, arena, table, mover)
+    mover.close()
+
+
+def test_request_cancels_raises_not_started_and_offer_waits_for_pressure_to_fall(micro):
+    pool, arena, table, mover, pager = make_pager(micro, 0)
+    pager.request_bytes(50 * KV_BLOCK_BYTES)
+    assert pager.offer_bytes(10 * KV_BLOCK_BYTES) == 0  # lowerings still pending
+    pager.step_boundary()
+    low = table.committed_bits()
+    assert pager.offer_bytes(pool.free_bytes) > 0
+    pager.request_bytes(0)  # pressure before the next boundary: the planned raises are dropped
+    assert table.desired_bits() == low
+    mover.close()
+
+
+def test_compaction_learns_the_kv_block_size_and_makes_the_bytes_asked_for_usable(micro):
+    pool, arena, table, mover, pager = make_pager(micro, 3 * BIG_KV_BLOCK_BYTES)
+    kv = [arena.allocate(KV_USED, BIG_KV_BLOCK_BYTES) for _ in range(3)]
+    assert arena.last_kv_bytes == BIG_KV_BLOCK_BYTES
+    pager.request_bytes(20 * BIG_KV_BLOCK_BYTES)
+    pager.step_boundary()
+    per_block = arena.pages_for(BIG_KV_BLOCK_BYTES)
+    assert arena.num_free_pages // per_block >= arena.num_fitting(BIG_KV_BLOCK_BYTES) >= 20
+    kv += [arena.allocate(KV_USED, BIG_KV_BLOCK_BYTES) for _ in range(20)]
+    check_accounting(pool, arena, table, mover)
+    mover.close()
+
+
+def test_a_raise_that_cannot_start_is_dropped_not_waited_on_for_ever(small_blocks):
+    # Budget: exactly every block at 8 bits. Lower one block to 7, then ask for 8 again:
+    # the net bytes are free, but in flight the raise needs LUT_8 beside LUT_7.
+    probe = build(small_blocks, 64 << 20)
+    full = probe[0].reserved_bytes
+    probe[3].close()
+    pool, arena, table, mover = build(small_blocks, full)
+    pager = WeightPager(mover, GreedyPlanner(table.charged_bytes_table()))
+    bid = next(iter(table.entries))
+    table.set_desired_bits({bid: 7})
+    pager.step_boundary()
+    assert table.entries[bid].committed_bits == 7
+    table.set_desired_bits({bid: 8})
+    for _ in range(3):
+        pager.step_boundary()
+        check_accounting(pool, arena, table, mover)
+    assert not pager.busy() and pager.num_raises_dropped == 1
+    assert table.entries[bid].desired_bits == table.entries[bid].committed_bits == 7
+    assert pager.offer_bytes(pool.free_bytes) == 0  # the same bytes are not planned again
+    mover.close()
