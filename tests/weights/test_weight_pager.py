@@ -12,7 +12,7 @@ from conftest import build, check_accounting
 from pagedweight.memory.pool import KV_USED
 from pagedweight.model.loader import load_model
 from pagedweight.weights.arena_experts import install_arena_experts
-from pagedweight.weights.greedy_planner import GreedyPlanner
+from tests.weights.greedy_planner import GreedyPlanner
 from pagedweight.weights.synthetic import blocks_from_model
 from pagedweight.weights.weight_pager import WeightPager
 from pagedweight.format.apl_format import BlockId

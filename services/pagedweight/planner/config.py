@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from pagedweight.format.apl_format import MAX_BITS, MIN_BITS
+from pagedweight.format.blocks import MAX_BITS, MIN_BITS
 
 
 @dataclass(frozen=True)

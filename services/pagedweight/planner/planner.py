@@ -28,7 +28,7 @@ from pagedweight.planner.config import PlannerConfig
 from pagedweight.planner.damage import DamageInputs, DamageModel
 from pagedweight.planner.greedy import free_bytes, spend_bytes
 from pagedweight.planner.tables import BlockTable
-from pagedweight.format.apl_format import MIN_BITS
+from pagedweight.format.blocks import MIN_BITS
 
 
 @dataclass
