@@ -1,10 +1,16 @@
 """The planner library behind the `BitPlanner` protocol, in the worker's own process.
 
-A request carries KV pressure: bytes needed (free them) or bytes free (spend them). A
-planner policy answers `plan(budget) -> bits for every block`, so a free of n bytes is
-the policy's plan for (bytes now - n) and a spend is its plan for (bytes now + n). The
-answer is clipped to the direction asked (a free never raises a block, a spend never
-lowers one), so a request for KV bytes only ever lowers bits and an offer only raises.
+A request carries KV pressure: bytes needed (free them) or bytes free (spend them), i.e.
+a budget of (bytes now - n) or (bytes now + n).
+- The damage-model policies (`pagedweight` and its ablations) plan with the planner's
+  `OnlinePlanner` from the worker's current bits: it frees exactly the excess, spends
+  spare bytes beyond its dead band and rebalances only for a real gain. When bytes move
+  is the broker's one time hysteresis (BrokerConfig.calm_steps).
+- The static baselines (uniform, mxmoe, dpllm) answer `plan(budget)` from scratch, as
+  their methods do.
+Either answer is clipped to the direction asked (a free never raises a block, a spend
+never lowers one; a spend keeps its raises, in table order, while they fit), so a
+request for KV bytes only ever lowers bits and an offer only raises.
 
 Routing arrives as a snapshot with each request and goes into the planner's own
 moving average (planner/routing_stats.py); the policy sees its relative mass (hot
@@ -23,7 +29,8 @@ import numpy as np
 from pagedweight.format.blocks import BIT_WIDTHS, MIN_BITS, BlockId
 from pagedweight.planner.config import PlannerConfig
 from pagedweight.planner.messages import SPEND, PlannerRegistration, PlanRequest, PlanResponse
-from pagedweight.planner.policies import PlanContext, make_policy
+from pagedweight.planner.planner import OnlinePlanner
+from pagedweight.planner.policies import PagedWeightPolicy, PlanContext, make_policy
 from pagedweight.planner.routing_stats import RoutingStats
 from pagedweight.planner.tables import BlockTable
 
@@ -44,6 +51,7 @@ class InProcessPlanner:
         self.stats = RoutingStats(r.num_layers, r.num_experts, r.top_k, self.config.routing_half_life_tokens,
                                   prior_mass=r.calib_mass)
         self.context = PlanContext()  # the calibration prior until routing arrives
+        self.online: OnlinePlanner | None = None  # made at the first request (from its bits)
 
     def initial_bits(self, budget: int) -> np.ndarray:
         return self.policy.plan(budget, self.context).bits.copy()
@@ -65,24 +73,30 @@ class InProcessPlanner:
         now = np.asarray(request.bits, dtype=np.int64)
         rows = np.arange(len(now))
         pressure = request.pressure
+        budget = self.table.bytes_of(now) + (pressure.bytes_free if pressure.direction == SPEND
+                                             else -pressure.bytes_needed)
+        plan = self._plan(now, max(budget, 0))
         if pressure.direction == SPEND:
-            plan = self._plan(self.table.bytes_of(now) + pressure.bytes_free)
             new = np.maximum(plan.bits, now)
             # A policy that reshuffles (lowers some blocks to raise others) overshoots once its
             # lowerings are clipped away: keep its raises, in table order, while they fit.
             cost = self.table.nbytes[rows, new - MIN_BITS] - self.table.nbytes[rows, now - MIN_BITS]
             new = np.where(np.cumsum(cost) > pressure.bytes_free, now, new)
         else:
-            plan = self._plan(self.table.bytes_of(now) - pressure.bytes_needed)
             new = np.minimum(plan.bits, now)
         changed = np.flatnonzero(new != now)
         delta = int((self.table.nbytes[changed, new[changed] - MIN_BITS]
                      - self.table.nbytes[changed, now[changed] - MIN_BITS]).sum())
         return PlanResponse(request.request_id, self.num_plans, changed, new[changed], delta, plan.damage)
 
-    def _plan(self, budget: int):
+    def _plan(self, now: np.ndarray, budget: int):
         self.num_plans += 1
-        return self.policy.plan(max(budget, 0), self.context)
+        if not isinstance(self.policy, PagedWeightPolicy):
+            return self.policy.plan(budget, self.context)
+        if self.online is None:
+            self.online = OnlinePlanner(self.table, self.policy.model, now, self.config)
+        self.online.bits = now.copy()  # the worker's truth: raises it cancelled or dropped count
+        return self.online.plan(budget, self.policy.inputs(self.context))
 
 
 def page_table_registration(charged: dict[BlockId, dict[int, int]], num_layers: int | None = None,

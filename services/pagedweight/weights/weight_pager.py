@@ -108,12 +108,15 @@ class WeightPager:
     def offer_bytes(self, num_bytes: int) -> int:
         """Spend up to `num_bytes` spare bytes on bits; returns the bytes planned.
         Ignored (0) while lowerings are still pending: pressure has not fallen yet."""
-        if self._in_flight is not None or self._pending_free() > 0:
+        if self._in_flight is not None:
             return 0
         free_bytes = self.mover.arena.pool.free_bytes
         if free_bytes <= max(self._free_bytes_at_drop, self._free_bytes_at_refusal):
             return 0  # these bytes could not hold the last plan's raises, or found no use
-        spendable = num_bytes - self._pending_take()
+        settled = self._is_settled()  # then nothing is pending: skip the scans
+        if not settled and self._pending_free() > 0:
+            return 0
+        spendable = num_bytes - (0 if settled else self._pending_take())
         if spendable <= 0:
             return 0
         request = self._submit(KVPressure(bytes_free=spendable))
