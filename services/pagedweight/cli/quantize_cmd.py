@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
 from pagedweight.common.errors import UserError
-
-_REPO = Path(__file__).resolve().parents[2]
-DEFAULT_CORPUS = Path(os.environ.get("PAGEDWEIGHT_SHARED", _REPO.parent / "shared")) / "data" / "corpus"
+from pagedweight.offline.calib_text import BUNDLED_NAME, USER_NAME, bundled_calib_files
 
 
 def register(subparsers) -> None:
@@ -17,7 +14,8 @@ def register(subparsers) -> None:
     parser.add_argument("--model", required=True, help="checkpoint directory (Hugging Face layout)")
     parser.add_argument("--out", required=True, help="output paged model directory")
     parser.add_argument("--calib", nargs="+", default=None, metavar="FILE",
-                        help=f"calibration text files (default: {DEFAULT_CORPUS}/*.calib.txt)")
+                        help="calibration text files, one domain each (default: the small mixed text bundled with "
+                             "the package; text like your traffic gives better low-bit quality)")
     parser.add_argument("--calib-tokens", type=int, default=16384, help="tokens taken from each file")
     parser.add_argument("--seq-len", type=int, default=256, help="tokens per calibration chunk")
     parser.add_argument("--device", default="cpu", help="where k-means runs: cpu or cuda[:N]")
@@ -28,10 +26,8 @@ def register(subparsers) -> None:
 
 
 def default_calib_files() -> list[Path]:
-    files = sorted(DEFAULT_CORPUS.glob("*.calib.txt"))
-    if not files:
-        raise UserError(f"no --calib files given and none found in {DEFAULT_CORPUS}")
-    return files
+    """The bundled calibration text (offline/calib_text/README.md says what and why)."""
+    return bundled_calib_files()
 
 
 def run_quantize(args) -> int:
@@ -50,6 +46,7 @@ def run_quantize(args) -> int:
     files = [Path(f) for f in args.calib] if args.calib else default_calib_files()
     calib = CalibConfig(seq_len=args.seq_len, max_tokens_per_file=args.calib_tokens)
     log = (lambda msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
-    out = quantize_model(args.model, args.out, files, QuantizeConfig(calib=calib, device=args.device), log)
+    config = QuantizeConfig(calib=calib, device=args.device, calib_text_name=USER_NAME if args.calib else BUNDLED_NAME)
+    out = quantize_model(args.model, args.out, files, config, log)
     print(out)
     return 0

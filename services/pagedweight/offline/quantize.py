@@ -21,6 +21,7 @@ from typing import Callable
 import torch
 
 from pagedweight.offline.apl_quantizer import QuantizerConfig, dequantize_rows, quantize_rows
+from pagedweight.offline.calib_text import calib_text_record
 from pagedweight.offline.calibrate import (
     CalibConfig, CalibrationStats, block_hessians, calibrate, output_fisher, read_chunks,
     routing_summary, smoothed_hessians,
@@ -39,6 +40,7 @@ class QuantizeConfig:
     quantizer: QuantizerConfig = field(default_factory=QuantizerConfig)
     residual: ResidualConfig = field(default_factory=ResidualConfig)
     device: str = "cpu"  # where calibration and k-means run (cuda works too)
+    calib_text_name: str = "user"  # what the calibration text was ("bundled:v1": the package's own)
 
 
 @dataclass
@@ -101,6 +103,7 @@ def quantize_model(model_dir: str | Path, out_dir: str | Path, calib_files: list
     meta = {
         "calibration": {**routing_summary(stats, config.calib)["coverage"],
                         "files": stats.files, "num_tokens": stats.num_tokens,
+                        "text": calib_text_record(calib_files, config.calib_text_name),
                         "num_chunks": stats.num_chunks, "seq_len": stats.num_tokens_per_chunk,
                         "hessian": "mean squared input per column over routed tokens, smoothed",
                         "config": asdict(config.calib)},
