@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -30,10 +31,13 @@ from pagedweight.memory.kv_cache import kv_block_bytes
 from pagedweight.memory.pool import OTHER_WEIGHTS, WORKSPACE, MemoryPool
 from pagedweight.format.model_config import ModelConfig
 from pagedweight.model.transformer import MoECausalLM
+from pagedweight.planner.sizing import format_sizing
 from pagedweight.format.apl_format import BIT_WIDTHS
 from pagedweight.weights.arena_experts import ArenaExperts
 from pagedweight.weights.page_mover import PageMover
 from pagedweight.weights.page_table import PageTable
+
+log = logging.getLogger(__name__)
 
 STATIC_PREFIX = "static-"  # "static-4": every block at 4 bits, never moved
 
@@ -117,6 +121,7 @@ def build_runtime(paged_dir, config: RuntimeConfig, tokenizer=None) -> WorkerRun
         )
     pool.allocate(OTHER_WEIGHTS, dense)
     pool.allocate(WORKSPACE, workspace)
+    log.info("sizing of %s\n%s", paged_dir, format_sizing(startup_sizing(paged_dir, config, dense, workspace)))
     arena = Arena.from_pool(pool, config.page_bytes, device)
     table = PageTable({bid: paged.block(bid) for bid in paged.block_ids}, arena)
     planner = feed = None
@@ -136,6 +141,18 @@ def build_runtime(paged_dir, config: RuntimeConfig, tokenizer=None) -> WorkerRun
     engine = Engine(model, tokenizer, config.engine, arena=arena, pager=pager,
                     max_kv_blocks=_max_kv_blocks(config, paged.config, table, arena))
     return WorkerRuntime(engine, pool, arena, table, mover, pager)
+
+
+def startup_sizing(paged_dir, config: RuntimeConfig, dense: int, workspace: int) -> dict:
+    """The report `pagedweight info` prints (planner/sizing.py), with this worker's own dense
+    and workspace bytes, dtype, page and KV block size; logged at start-up."""
+    from pagedweight.planner.sizing import model_sizes, sizing_report
+
+    name = str(config.dtype).removeprefix("torch.")
+    elem = torch.empty((), dtype=config.dtype).element_size()
+    sizes = model_sizes(paged_dir, name, elem, workspace, config.page_bytes, config.engine.kv.block_size,
+                        dense_bytes=dense)
+    return sizing_report(sizes, config.memory_budget)
 
 
 def _max_kv_blocks(config: RuntimeConfig, model_config: ModelConfig, table: PageTable, arena: Arena) -> int:
