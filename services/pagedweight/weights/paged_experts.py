@@ -26,7 +26,7 @@ from pagedweight.format.model_config import ModelConfig
 from pagedweight_kernels.moe_reference import moe_forward
 from pagedweight.model.transformer import MoECausalLM
 from pagedweight.format.apl_format import MODULES, BlockId, check_bits
-from pagedweight.format.paged_model import LayerPlanes, PagedModel, all_block_ids
+from pagedweight.format.paged_model import LayerPlanes, PagedModel, all_block_ids, check_dense_state
 
 Bits = int | None  # None: the original bf16 weights
 
@@ -112,6 +112,7 @@ def build_paged_lm(paged: PagedModel, dtype: torch.dtype = torch.float32,
         model = MoECausalLM(config)
     for block in model.moe_blocks:
         block.experts = nn.Identity()  # keep the dense experts off the device
+    check_dense_state(paged, {n: tuple(p.shape) for n, p in model.named_parameters()})
     model.to_empty(device=device)
     with torch.no_grad():
         for name, param in model.named_parameters():
