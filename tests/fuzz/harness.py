@@ -8,8 +8,9 @@ Exactly two outcomes are allowed:
 Never a traceback (any other exception fails the test with it), never a hang (an alarm
 stops an example after `TIME_LIMIT_S`), and no file outside `--out` changes.
 
-Profiles: `ci` (few examples, the default) keeps `make test` fast; `long` runs many more
-(`PAGEDWEIGHT_FUZZ=long make test`, or `--hypothesis-profile=fuzz-long` with pytest).
+Modes: `ci` (a few examples per test, the default) keeps `make test` fast; `long` runs
+300 per test: `PAGEDWEIGHT_FUZZ=long .venv/bin/python -m pytest -q tests/fuzz`. (An env var,
+not `--hypothesis-profile`: pytest loads that profile before this module registers it.)
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ settings.register_profile("fuzz-long", max_examples=300, deadline=None,
 
 
 def fuzz_settings(ci_examples: int = 10) -> settings:
-    """Per-test settings: the env var picks the mode; a loaded fuzz-long profile wins too."""
-    if os.environ.get("PAGEDWEIGHT_FUZZ") == "long" or settings.default.max_examples >= 300:
+    """Per-test settings: PAGEDWEIGHT_FUZZ=long picks the long mode."""
+    if os.environ.get("PAGEDWEIGHT_FUZZ") == "long":
         return settings(settings.get_profile("fuzz-long"))
     return settings(settings.get_profile("fuzz-ci"), max_examples=ci_examples)
 
