@@ -43,7 +43,7 @@ from pagedweight.common.json_files import read_json_object
 from pagedweight.format.model_config import ModelConfig
 from pagedweight.format.apl_format import BIT_WIDTHS, MODULES, APLBlock, BlockId, block_bytes
 from pagedweight.format.paged_model_checks import (block_keys, check_block_list, check_files_section,
-                                                   check_routing, check_sensitivity)
+                                                   check_routing, check_sections, check_sensitivity)
 
 FORMAT_NAME = "pagedweight.paged_model"
 FORMAT_VERSION = 1
@@ -261,6 +261,7 @@ def read_meta(path: Path) -> dict:
         if key not in meta:
             raise CheckpointError(f"{meta_path}: metadata has no {key!r} section")
     # what the planner reads from here alone (it never loads tensors): finite, well-formed
+    check_sections(meta, meta_path)
     keys = block_keys(meta, meta_path)
     for table in ("sensitivity", "sensitivity_gn"):
         check_sensitivity(meta, table, keys, meta_path)

@@ -72,12 +72,33 @@ def check_sensitivity(meta: dict, table_name: str, block_keys: list[str], where:
                                   f"{sorted(widths)} to a finite number >= 0")
 
 
+def check_sections(meta: dict, where: Path) -> None:
+    """Each section has its type, and the top-k the planner reads is a count it can use."""
+    for key, kind in (("model_config", dict), ("files", dict), ("blocks", list), ("sensitivity", dict),
+                      ("routing", dict)):
+        if not isinstance(meta.get(key), kind):
+            raise CheckpointError(f"{where}: metadata section {key!r} must be a JSON {kind.__name__}")
+    top_k = meta["model_config"].get("num_experts_per_tok", 2)
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= 4096:
+        raise CheckpointError(f"{where}: model_config num_experts_per_tok must be an integer in 1..4096")
+
+
 def block_keys(meta: dict, where: Path) -> list[str]:
+    """The blocks' keys, once every record has an int layout the planner can read."""
     blocks = meta.get("blocks")
-    if not isinstance(blocks, list) or not all(isinstance(b, dict) and isinstance(b.get("key"), str)
-                                               for b in blocks):
-        raise CheckpointError(f"{where}: 'blocks' must be a list of block records with a 'key'")
+    widths = {str(b) for b in BIT_WIDTHS}
+    for b in blocks if isinstance(blocks, list) else [None]:
+        if (not isinstance(b, dict) or not isinstance(b.get("key"), str)
+                or not all(_count(b.get(k)) for k in ("rows", "cols", "layer", "expert"))
+                or not isinstance(b.get("bytes"), dict) or set(b["bytes"]) != widths
+                or not all(_count(v) for v in b["bytes"].values())):
+            raise CheckpointError(f"{where}: 'blocks' must be a list of block records (key, layer, expert, "
+                                  f"rows, cols: integers; bytes: one integer per bit-width)")
     return [b["key"] for b in blocks]
+
+
+def _count(value) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int) and 0 <= value < 2**48
 
 
 def check_routing(meta: dict, where: Path) -> None:
