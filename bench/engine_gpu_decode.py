@@ -26,7 +26,7 @@ from bench.bench_meta import write_result  # noqa: E402
 from pagedweight.offline.calibrate import CalibConfig  # noqa: E402
 from pagedweight.offline.quantize import QuantizeConfig, quantize_model  # noqa: E402
 from pagedweight.engine.engine import Engine, EngineConfig  # noqa: E402
-from pagedweight.engine.load_bench import LoadSpec, drive_load  # noqa: E402
+from pagedweight.cli.load_bench import LoadSpec, drive_load  # noqa: E402
 from pagedweight.model import load_model  # noqa: E402
 from pagedweight.runtime import RuntimeConfig, build_runtime  # noqa: E402
 

@@ -57,7 +57,7 @@ def run(args) -> int:
 
 
 def run_engine_bench(args) -> dict:
-    from pagedweight.engine.load_bench import LoadSpec, run_load
+    from pagedweight.cli.load_bench import LoadSpec, run_load
     from pagedweight.memory.pool import device_memory_bytes, parse_memory_budget
     from pagedweight.runtime import RuntimeConfig, build_runtime
 
