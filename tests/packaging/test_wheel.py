@@ -4,6 +4,7 @@ the CUDA source the kernel compiles at run time, and only import roots named for
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -16,9 +17,17 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def wheel_names(tmp_path_factory) -> list[str]:
+    # setuptools builds in the source tree (build/, *.egg-info): build a copy, so the test
+    # leaves the checkout as it found it
+    src = tmp_path_factory.mktemp("src")
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO_ROOT / name, src / name)
+    for name in ("services", "kernels"):
+        shutil.copytree(REPO_ROOT / name, src / name,
+                        ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
     out = tmp_path_factory.mktemp("wheel")
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", str(REPO_ROOT), "--no-deps",
+        [sys.executable, "-m", "pip", "wheel", str(src), "--no-deps",
          "--no-build-isolation", "--quiet", "--wheel-dir", str(out)],
         check=True, cwd=out,
     )
