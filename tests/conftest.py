@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-BUNDLED_MODEL = REPO_ROOT / "models" / "micro-mixtral"
-SHARED_DIR = Path(os.environ.get("PAGEDWEIGHT_SHARED", REPO_ROOT.parent / "shared"))
-SHARED_MODELS = SHARED_DIR / "models"
-CORPUS_DIR = SHARED_DIR / "data" / "corpus"
+from pagedweight.common.paths import BUNDLED_MODEL, REPO_ROOT, corpus_dir, shared_dir, shared_models_dir
+
+SHARED_DIR = shared_dir()
+SHARED_MODELS = shared_models_dir()
+CORPUS_DIR = corpus_dir()
 DOMAINS = ("kjv", "pydoc", "pycode", "cheader")
 
 

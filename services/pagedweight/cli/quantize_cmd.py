@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
 from pagedweight.common.errors import UserError
+from pagedweight.common.paths import corpus_dir
 
-_REPO = Path(__file__).resolve().parents[2]
-DEFAULT_CORPUS = Path(os.environ.get("PAGEDWEIGHT_SHARED", _REPO.parent / "shared")) / "data" / "corpus"
+DEFAULT_CORPUS = corpus_dir()
 
 
 def register(subparsers) -> None:

@@ -13,15 +13,9 @@ import torch
 from torch import nn
 
 from pagedweight_kernels.apl_moe import (
-    ACT_DTYPES, APLLayer, ResidentBlock, apl_moe, apl_moe_reference, kernel_available,
+    ACT_DTYPES, APLLayer, ResidentBlock, apl_moe, apl_moe_reference, kernel_available, resident_block,
 )
 from pagedweight.format.apl_format import APLBlock
-
-
-def resident_block(block: APLBlock, bits: int, device) -> ResidentBlock:
-    """The planes 0..bits-1 and LUT_bits of a block, copied to `device`."""
-    planes = [block.planes[p].to(device).contiguous() for p in range(bits)]
-    return ResidentBlock(bits, planes, block.luts[bits].to(device).contiguous())
 
 
 class APLExperts(nn.Module):
