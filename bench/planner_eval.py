@@ -38,7 +38,7 @@ from pagedweight.planner.prompt_context import (
     prompt_context, record_prompt_routing, steady_traffic_tokens,
 )
 from pagedweight.model.tokenizer import Tokenizer
-from pagedweight.weights.paged_experts import build_paged_lm, set_model_bits
+from pagedweight.model.dequantized_experts import build_paged_lm, set_model_bits
 from pagedweight.format.paged_model import load_paged_model
 
 REPO = Path(__file__).resolve().parents[1]

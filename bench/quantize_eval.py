@@ -40,7 +40,7 @@ from pagedweight.common.paths import shared_dir
 from pagedweight.offline.perplexity import token_windows
 from pagedweight.model.tokenizer import Tokenizer
 from pagedweight.format.apl_format import BIT_WIDTHS, MODULES, BlockId
-from pagedweight.weights.paged_experts import build_paged_lm, set_model_bits, uniform_bits
+from pagedweight.model.dequantized_experts import build_paged_lm, set_model_bits, uniform_bits
 from pagedweight.format.paged_model import load_paged_model
 
 SHARED = shared_dir()

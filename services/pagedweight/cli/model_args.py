@@ -61,7 +61,7 @@ def load_from_args(args):
 
 def load_paged_from_args(path: str, bits: int | None, bits_file: str | None, dtype, device):
     from pagedweight.format.bit_assignment import check_width, read_bits_file
-    from pagedweight.weights.paged_experts import build_paged_lm, set_model_bits, uniform_bits
+    from pagedweight.model.dequantized_experts import build_paged_lm, set_model_bits, uniform_bits
     from pagedweight.format.paged_model import load_paged_model
 
     if bits is not None:

@@ -26,7 +26,7 @@ from torch import nn
 from pagedweight_kernels.apl_moe import ACT_DTYPES, APLLayer, ResidentBlock, apl_moe, kernel_available
 from pagedweight_kernels.moe_reference import moe_forward
 from pagedweight.format.apl_format import BlockId
-from pagedweight.weights.paged_experts import dequantize_block
+from pagedweight.model.dequantized_experts import dequantize_block
 from pagedweight.weights.page_table import PageTable
 
 
