@@ -43,7 +43,7 @@ def corpus_dir() -> Path:
 @pytest.fixture(scope="session")
 def paged_micro_dir(tmp_path_factory) -> Path:
     """micro-mixtral as a paged model directory, built fast for runtime tests: nested
-    uniform APL codes (services/worker/weights/synthetic.py) instead of the calibrated
+    uniform APL codes (services/pagedweight/weights/synthetic.py) instead of the calibrated
     quantiser, the uniform grid's expected squared error as sensitivity, uniform routing."""
     import torch
 

@@ -1,4 +1,4 @@
-"""The fused APL MoE operator: launcher for kernels/apl_moe.cu and its plain torch reference.
+"""The fused APL MoE operator: launcher for kernels/pagedweight_kernels/apl_moe.cu and its plain torch reference.
 
 `apl_moe(x, topk_ids, topk_weights, layer)` computes one MoE layer's routed experts
 straight from bit-planes and LUTs, every block at its own bit-width, in four launches on

@@ -1,7 +1,7 @@
 """APL blocks for tests and benchmarks: random ones, a simple nested quantizer, and whole
 kernel cases (a random layer at mixed widths, a skewed ragged routing).
 
-Neither is the project's quantizer (services/offline does the sensitivity-weighted
+Neither is the project's quantizer (services/pagedweight/offline does the sensitivity-weighted
 k-means); both write the real format, so the kernel and its reference read them as they
 will read quantized checkpoints.
 """

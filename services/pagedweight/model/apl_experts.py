@@ -2,7 +2,7 @@
 
 Same call as DenseExperts, `experts(x [T, H], topk_ids [T, k], topk_weights [T, k])`;
 the model never sees the storage. On CUDA (bf16/fp16 activations, cupy present) it runs the
-fused kernel (kernels/apl_moe.cu), elsewhere the torch reference; both read the same
+fused kernel (kernels/pagedweight_kernels/apl_moe.cu), elsewhere the torch reference; both read the same
 planes and LUTs. The runtime's page table commits a new bit-width for a block with
 `commit_block`, which only rewrites that block's descriptor row.
 """
