@@ -32,10 +32,12 @@ from bench.bench_meta import write_result
 from pagedweight.common.paths import corpus_dir
 from pagedweight.offline.perplexity import perplexity
 from pagedweight.planner.artifact import load_planner_inputs
-from pagedweight.planner.loss_scale import GroupScales, measure_group_scales
+from pagedweight.offline.group_scales import measure_group_scales
+from pagedweight.planner.loss_scale import GroupScales
 from pagedweight.planner.policies import POLICY_NAMES, PlanContext, make_policy
+from pagedweight.offline.prompt_routing import record_prompt_routing
 from pagedweight.planner.prompt_context import (
-    prompt_context, record_prompt_routing, steady_traffic_tokens,
+    prompt_context, steady_traffic_tokens,
 )
 from pagedweight.model.tokenizer import Tokenizer
 from pagedweight.model.dequantized_experts import build_paged_lm, set_model_bits

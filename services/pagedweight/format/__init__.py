@@ -1,1 +1,1 @@
-"""Shared definitions read by every service: the APL bit-plane format, the paged-model directory, the model config, bits files."""
+"""Shared definitions: the APL block format, the paged-model directory, model configs, bits files."""
