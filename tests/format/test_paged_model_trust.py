@@ -101,7 +101,7 @@ def test_a_tensor_the_config_does_not_account_for_is_refused(paged_copy):
 
 
 def test_an_extra_dense_tensor_is_refused_when_the_model_is_built(paged_copy):
-    from pagedweight.weights.paged_experts import build_paged_lm
+    from pagedweight.model.dequantized_experts import build_paged_lm
 
     rewrite_tensors(paged_copy, DENSE_FILE, lambda t: t.__setitem__("layers.7.attn.q.weight", torch.zeros(2)))
     with pytest.raises(CheckpointError, match="layers.7.attn.q.weight"):

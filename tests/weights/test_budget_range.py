@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pagedweight.common.errors import UserError
-from pagedweight.engine.load_bench import LoadSpec, run_load
+from pagedweight.cli.load_bench import LoadSpec, run_load
 from pagedweight.format.apl_format import BIT_WIDTHS
 from pagedweight.runtime import RuntimeConfig, build_runtime
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from pagedweight.common.errors import UserError
 from pagedweight.common.json_files import read_json_object
 from pagedweight.format.model_config import ModelConfig
-from pagedweight.format.apl_format import MAX_BITS, MIN_BITS, BlockId
+from pagedweight.format.blocks import MAX_BITS, MIN_BITS, BlockId
 from pagedweight.format.paged_model import all_block_ids
 
 

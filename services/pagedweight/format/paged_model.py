@@ -42,24 +42,11 @@ from pagedweight.common.errors import CheckpointError
 from pagedweight.common.json_files import read_json_object
 from pagedweight.format.model_config import ModelConfig
 from pagedweight.format.apl_format import BIT_WIDTHS, MODULES, APLBlock, BlockId, block_bytes
-from pagedweight.format.paged_model_checks import (block_keys, check_block_list, check_files_section,
-                                                   check_routing, check_sections, check_sensitivity)
-
-FORMAT_NAME = "pagedweight.paged_model"
-FORMAT_VERSION = 1
-APL_FORMAT_VERSION = 1  # docs/apl_format.md
-META_FILE = "paged_model.json"
-DENSE_FILE = "dense.safetensors"
-APL_FILE = "experts_apl.safetensors"
-BF16_FILE = "experts_bf16.safetensors"
-HEADS_FILE = "residual_heads.safetensors"
-HESSIAN_FILE = "hessians.safetensors"
-COPIED_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json")
-KNOWN_FILES = (DENSE_FILE, APL_FILE, BF16_FILE, HEADS_FILE, HESSIAN_FILE, *COPIED_FILES)
-
-
-def is_paged_model_dir(path: str | Path) -> bool:
-    return (Path(path) / META_FILE).is_file()
+from pagedweight.format.paged_meta import (  # noqa: F401 - re-exported
+    APL_FILE, APL_FORMAT_VERSION, BF16_FILE, COPIED_FILES, DENSE_FILE, FORMAT_NAME, FORMAT_VERSION,
+    HEADS_FILE, HESSIAN_FILE, KNOWN_FILES, META_FILE, is_paged_model_dir, read_meta,
+)
+from pagedweight.format.paged_model_checks import check_block_list, check_files_section
 
 
 def block_shape(config: ModelConfig, module: str) -> tuple[int, int]:
@@ -242,31 +229,6 @@ def check_dense_state(paged: PagedModel, expected: dict[str, tuple[int, ...]]) -
         if tensor is None or tuple(tensor.shape) != tuple(shape):
             found = "missing" if tensor is None else f"{tuple(tensor.shape)}"
             raise CheckpointError(f"{file}: tensor {name!r} is {found}, expected {tuple(shape)}")
-
-
-def read_meta(path: Path) -> dict:
-    meta_path = path / META_FILE
-    if not meta_path.is_file():
-        raise CheckpointError(f"{path}: not a paged model directory (no {META_FILE})")
-    meta = read_json_object(meta_path, "paged model metadata", CheckpointError)
-    if meta.get("format") != FORMAT_NAME:
-        raise CheckpointError(f"{meta_path}: not a PagedWeight paged model (format {repr(meta.get('format'))[:60]})")
-    version = meta.get("format_version")
-    if version != FORMAT_VERSION or meta.get("apl_format_version") != APL_FORMAT_VERSION:
-        raise CheckpointError(
-            f"{meta_path}: unknown paged model format version {repr(version)[:20]} (APL "
-            f"{repr(meta.get('apl_format_version'))[:20]}); this PagedWeight reads version {FORMAT_VERSION} "
-            f"(APL {APL_FORMAT_VERSION}): re-run `pagedweight quantize`")
-    for key in ("model_config", "files", "blocks", "sensitivity", "routing"):
-        if key not in meta:
-            raise CheckpointError(f"{meta_path}: metadata has no {key!r} section")
-    # what the planner reads from here alone (it never loads tensors): finite, well-formed
-    check_sections(meta, meta_path)
-    keys = block_keys(meta, meta_path)
-    for table in ("sensitivity", "sensitivity_gn"):
-        check_sensitivity(meta, table, keys, meta_path)
-    check_routing(meta, meta_path)
-    return meta
 
 
 def check_meta_against_config(path: Path, meta: dict, config: ModelConfig, with_bf16: bool) -> None:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from pagedweight.common.errors import CheckpointError
 from pagedweight.common.safe_paths import inside_dir
-from pagedweight.format.apl_format import BIT_WIDTHS
+from pagedweight.format.blocks import BIT_WIDTHS
 from pagedweight.format.model_config import ModelConfig
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")

@@ -19,6 +19,7 @@ from pagedweight.common.errors import CheckpointError
 from pagedweight.common.json_files import read_json_object
 from pagedweight.common.safe_paths import inside_dir
 from pagedweight.format.model_config import ModelConfig
+from pagedweight.model.materialize import materialize
 from pagedweight.model.transformer import MoECausalLM
 
 SINGLE_FILE = "model.safetensors"
@@ -158,30 +159,29 @@ def load_model(
         raise CheckpointError(f"{model_dir}: model directory does not exist")
     config = ModelConfig.from_dir(model_dir)
     reader = CheckpointReader(model_dir)
-    with torch.device("meta"):
-        model = MoECausalLM(config)
-    # Compare against the headers first: a config that disagrees with its tensors (or asks
-    # for far more than the files hold) fails here, before `to_empty` allocates anything.
-    reader.check_header(config, expected_shapes(config, model))
-    model.to_empty(device=device)
+
+    def fill(name: str, param: torch.Tensor) -> None:
+        if name.endswith("experts.gate_up") or name.endswith("experts.down"):
+            return  # stored per expert in the checkpoint: _load_experts below
+        param.copy_(reader.get(checkpoint_key(config, name), tuple(param.shape)).to(dtype))
+
+    # the headers first: a config that disagrees with its tensors (or asks for far more than
+    # the files hold) fails before anything is allocated
+    model = materialize(config, fill, dtype, device,
+                        check=lambda shapes: reader.check_header(config, expected_shapes(config, shapes)))
     with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("experts.gate_up") or name.endswith("experts.down"):
-                continue
-            tensor = reader.get(checkpoint_key(config, name), tuple(param.shape))
-            param.copy_(tensor.to(dtype))
         for layer_idx, block in enumerate(model.moe_blocks):
             _load_experts(reader, config, layer_idx, block.experts, dtype)
-    return model.to(dtype=dtype).eval()
+    return model
 
 
-def expected_shapes(config: ModelConfig, model: MoECausalLM) -> dict[str, tuple[int, ...]]:
-    """checkpoint key -> shape of every tensor the model reads (model may be on meta)."""
+def expected_shapes(config: ModelConfig, param_shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """checkpoint key -> shape of every tensor the model reads, from its parameter shapes."""
     H, I = config.hidden_size, config.expert_intermediate_size
     shapes = {}
-    for name, param in model.named_parameters():
+    for name, shape in param_shapes.items():
         if not (name.endswith("experts.gate_up") or name.endswith("experts.down")):
-            shapes[checkpoint_key(config, name)] = tuple(param.shape)
+            shapes[checkpoint_key(config, name)] = shape
     for layer in range(config.num_layers):
         for e in range(config.num_experts):
             keys = expert_keys(config, layer, e)
