@@ -116,3 +116,11 @@ def test_a_config_that_is_not_utf8_json(run, tmp_path):
     assert_error(run("generate", "--model", str(model), "--prompt", "x"), "not UTF-8")
     (model / "config.json").write_text(json.dumps([1, 2]))
     assert_error(run("generate", "--model", str(model), "--prompt", "x"), "expected a JSON object")
+
+
+def test_a_plan_prompt_longer_than_the_context_is_an_error(run, paged_micro_dir, tmp_path):
+    prompt = tmp_path / "long.txt"
+    prompt.write_text("In the beginning God created the heaven and the earth. " * 600)  # > 2048 tokens
+    assert_error(run("plan", "--model", str(paged_micro_dir), "--avg-bits", "4", "--out", str(tmp_path / "p.json"),
+                     "--prompt-file", str(prompt), "--prompt-tokens", str(10**20)), "context of 2048")
+    assert not (tmp_path / "p.json").exists()
