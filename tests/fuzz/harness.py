@@ -24,7 +24,7 @@ import os
 import signal
 from pathlib import Path
 
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, event, settings
 
 from pagedweight.cli.main import main
 
@@ -73,6 +73,7 @@ def _no_constant(name):
 
 
 def assert_clean_outcome(code: int, out: str, err: str) -> None:
+    event(f"exit {code}")  # --hypothesis-show-statistics: how often each outcome was reached
     assert "Traceback" not in err, err
     if code == 0:
         for line in out.splitlines():

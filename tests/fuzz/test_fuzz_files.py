@@ -9,7 +9,7 @@ import os
 import shutil
 import uuid
 
-from hypothesis import given
+from hypothesis import event, given
 from hypothesis import strategies as st
 
 from pagedweight.common.errors import UserError
@@ -82,10 +82,12 @@ def test_fuzz_bits_file_result_is_correct_or_an_error(tmp_path_factory, data, cl
     try:
         bits = read_bits_file(path, CONFIG, default=cli_bits)
     except UserError as err:
+        event("refused")
         assert "\n" not in str(err) and len(str(err)) < 1000
         return
     finally:
         path.unlink()
+    event("accepted")
     raw = json.loads(data)  # accepted, so it parsed as an object
     default = raw.get("default", cli_bits)
     assert set(bits) == set(all_block_ids(CONFIG))
