@@ -37,7 +37,7 @@ from pagedweight.planner.policies import POLICY_NAMES, PlanContext, make_policy 
 from pagedweight.planner.prompt_context import (  # noqa: E402
     prompt_context, record_prompt_routing, steady_traffic_tokens,
 )
-from pagedweight.model.tokenizer import Tokenizer  # noqa: E402
+from pagedweight.frontend.tokenizer import Tokenizer  # noqa: E402
 from pagedweight.weights.paged_experts import build_paged_lm, set_model_bits  # noqa: E402
 from pagedweight.format.paged_model import load_paged_model  # noqa: E402
 

@@ -99,7 +99,8 @@ def workspace_bytes(config: ModelConfig, engine: EngineConfig, dtype: torch.dtyp
     return tokens * per_token * elem + logits
 
 
-def build_runtime(paged_dir, config: RuntimeConfig, tokenizer=None) -> WorkerRuntime:
+def build_runtime(paged_dir, config: RuntimeConfig, eos_token_ids=()) -> WorkerRuntime:
+    """eos_token_ids: EOS ids beyond the model config's (the engine always has those)."""
     from pagedweight.format.paged_model import load_paged_model
 
     paged = load_paged_model(paged_dir, with_bf16=False)
@@ -131,7 +132,7 @@ def build_runtime(paged_dir, config: RuntimeConfig, tokenizer=None) -> WorkerRun
 
         block = kv_block_bytes(paged.config, config.engine.kv.block_size, config.dtype)
         pager = WeightPager(mover, planner, kv_block_bytes=block, before_plan=feed.refresh)
-    engine = Engine(model, tokenizer, config.engine, arena=arena, pager=pager,
+    engine = Engine(model, config.engine, arena=arena, pager=pager, eos_token_ids=eos_token_ids,
                     max_kv_blocks=_max_kv_blocks(config, paged.config, table, arena))
     return WorkerRuntime(engine, pool, arena, table, mover, pager)
 

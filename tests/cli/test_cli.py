@@ -31,15 +31,16 @@ def test_generate_prints_only_the_completion():
     from pagedweight.engine.generate import generate
     from pagedweight.engine.sampler import SamplingParams
     from pagedweight.model import load_model
-    from pagedweight.model.tokenizer import Tokenizer
+    from pagedweight.frontend.tokenizer import Tokenizer
 
     result = pagedweight("generate", "--model", str(BUNDLED_MODEL), "--prompt", "And God said",
                          "--max-tokens", "12")
     assert result.returncode == 0, result.stderr
     tokenizer = Tokenizer(BUNDLED_MODEL)
-    expected = generate(load_model(BUNDLED_MODEL, dtype=__import__("torch").float32), tokenizer,
-                        tokenizer.encode("And God said"), SamplingParams(max_tokens=12))
-    assert result.stdout == expected.text + "\n"
+    expected = generate(load_model(BUNDLED_MODEL, dtype=__import__("torch").float32),
+                        tokenizer.encode("And God said"), SamplingParams(max_tokens=12),
+                        tokenizer.eos_token_ids)
+    assert result.stdout == tokenizer.decode(expected.token_ids) + "\n"
 
 
 def test_sampled_generation_is_reproducible_with_a_seed():

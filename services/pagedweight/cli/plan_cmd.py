@@ -96,7 +96,7 @@ def context_from_prompt(model_dir: str, text: str, inputs, max_tokens: int):
     import torch
 
     from pagedweight.planner.prompt_context import prompt_context, record_prompt_routing, steady_traffic_tokens
-    from pagedweight.model.tokenizer import Tokenizer
+    from pagedweight.frontend.tokenizer import Tokenizer
     from pagedweight.weights.paged_experts import build_paged_lm
     from pagedweight.format.paged_model import load_paged_model
 

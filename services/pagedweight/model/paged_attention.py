@@ -18,12 +18,15 @@ G = key/value heads, D = head dim, S = padded context length.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from pagedweight.memory.kv_cache import PagedKVCache
 from pagedweight.model.layers import causal_attention
+
+if TYPE_CHECKING:  # the step only calls the cache's methods; no import at run time
+    from pagedweight.memory.kv_cache import PagedKVCache
 
 IMPLS = ("reference", "batched")
 
@@ -39,9 +42,13 @@ class SeqSlice:
 
 @dataclass
 class PagedStep:
-    """Attention metadata of one forward step, built once and shared by every layer."""
+    """Attention context of one forward step, built once and shared by every layer.
 
-    kv: PagedKVCache
+    The model passes it down to each attention layer, which calls `attend`: the layers
+    know nothing of how the cache or the step were built (one-way imports).
+    """
+
+    kv: "PagedKVCache"
     impl: str  # one of IMPLS
     positions: torch.Tensor  # [T] int64 position of each new token
     query_lens: list[int]  # per sequence
@@ -59,8 +66,11 @@ class PagedStep:
     def num_tokens(self) -> int:
         return int(self.positions.shape[0])
 
+    def attend(self, layer: int, q, k, v) -> torch.Tensor:
+        return paged_attention(layer, q, k, v, self)
 
-def build_step(kv: PagedKVCache, seqs: list[SeqSlice], impl: str = "auto") -> PagedStep:
+
+def build_step(kv: "PagedKVCache", seqs: list[SeqSlice], impl: str = "auto") -> PagedStep:
     if impl == "auto":
         impl = "batched" if kv.device.type == "cuda" else "reference"
     if impl not in IMPLS:
