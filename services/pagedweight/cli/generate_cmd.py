@@ -11,6 +11,7 @@ import sys
 from pagedweight.cli.model_args import add_model_args, load_from_args
 from pagedweight.engine.generate import stream_generate
 from pagedweight.engine.sampler import SamplingParams
+from pagedweight.format.model_config import read_eos_token_ids
 from pagedweight.frontend.detokenizer import RequestDetokenizer
 
 
@@ -35,7 +36,8 @@ def run(args) -> int:
     model, tokenizer = load_from_args(args)
     prompt_ids = tokenizer.encode(args.prompt)
     detok = RequestDetokenizer(tokenizer, prompt_ids, stop=args.stop)
-    for token in stream_generate(model, prompt_ids, params, tokenizer.eos_token_ids):
+    eos_ids = (*read_eos_token_ids(args.model), *tokenizer.eos_token_ids)
+    for token in stream_generate(model, prompt_ids, params, eos_ids):
         if detok.push([token]).stopped:
             break
     else:

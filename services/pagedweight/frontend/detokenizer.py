@@ -20,8 +20,9 @@ Guarantees:
   character split over byte tokens) and any suffix that could be the start of a stop
   string. `finish()` releases what is held (minus nothing: no stop string matched).
 - A stop string is matched on the detokenised text, so it is found however the tokenizer
-  splits it. The output is cut before the earliest match (or just after it with
-  `include_stop_str_in_output`), and nothing after it is ever sent.
+  splits it. The first stop string to complete wins (as a character stream would see it,
+  whatever the chunking); the output is cut before it (or just after it with
+  `include_stop_str_in_output`), and nothing after it is ever sent. `stop_reason` names it.
 
 Cost: each push decodes a short window of recent tokens (vLLM's prefix/read offsets), not
 the whole output; `finish()` decodes the output once to make the final text exact.
@@ -48,13 +49,19 @@ class TextDelta:
 
 
 def find_stop(text: str, stops: Sequence[str], start: int = 0) -> tuple[int, str] | None:
-    """(index, stop string) of the earliest stop string in text[start:], or None."""
-    best = None
+    """(index, stop string) of the first stop string to complete in text[start:], or None.
+
+    "First to complete" (the smallest end index; on a tie the longer string) is what a
+    character-by-character stream would see, so the result does not depend on how the
+    text arrived in chunks.
+    """
+    best = None  # (end, -len, index, stop)
     for stop in stops:
         i = text.find(stop, start)
-        if i >= 0 and (best is None or i < best[0] or (i == best[0] and len(stop) > len(best[1]))):
-            best = (i, stop)
-    return best
+        if i >= 0:
+            key = (i + len(stop), -len(stop), i, stop)
+            best = key if best is None or key < best else best
+    return None if best is None else (best[2], best[3])
 
 
 def partial_stop_len(text: str, stops: Sequence[str]) -> int:
