@@ -43,6 +43,18 @@ def test_generate_prints_only_the_completion():
     assert result.stdout == tokenizer.decode(expected.token_ids) + "\n"
 
 
+def test_generate_stop_string_cuts_the_printed_text():
+    full = pagedweight("generate", "--model", str(BUNDLED_MODEL), "--prompt", "And God said",
+                       "--max-tokens", "16")
+    assert full.returncode == 0, full.stderr
+    text = full.stdout[:-1]
+    stop = text[6:9]
+    cut = pagedweight("generate", "--model", str(BUNDLED_MODEL), "--prompt", "And God said",
+                      "--max-tokens", "16", "--stop", "zzzz", "--stop", stop)
+    assert cut.returncode == 0, cut.stderr
+    assert cut.stdout == text[: text.find(stop)] + "\n"
+
+
 def test_sampled_generation_is_reproducible_with_a_seed():
     args = ("generate", "--model", str(BUNDLED_MODEL), "--prompt", "The", "--max-tokens", "16",
             "--temperature", "1.0", "--top-p", "0.9", "--seed", "7")
