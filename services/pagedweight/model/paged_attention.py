@@ -18,15 +18,27 @@ G = key/value heads, D = head dim, S = padded context length.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
 from pagedweight.model.layers import causal_attention
 
-if TYPE_CHECKING:  # the step only calls the cache's methods; no import at run time
-    from pagedweight.memory.kv_cache import PagedKVCache
+
+class KVStore(Protocol):
+    """What attention needs of the paged KV cache (memory.kv_cache.PagedKVCache is one);
+    a protocol so model code never imports the memory layer."""
+
+    device: torch.device
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+
+    def token_offsets(self, block_ids: list[int], start: int, end: int) -> list[int]: ...
+    def write(self, layer: int, offsets: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None: ...
+    def read_tokens(self, layer: int, offsets: torch.Tensor): ...
+    def read_blocks(self, layer: int, block_ids: torch.Tensor): ...
 
 IMPLS = ("reference", "batched")
 
@@ -48,7 +60,7 @@ class PagedStep:
     know nothing of how the cache or the step were built (one-way imports).
     """
 
-    kv: "PagedKVCache"
+    kv: KVStore
     impl: str  # one of IMPLS
     positions: torch.Tensor  # [T] int64 position of each new token
     query_lens: list[int]  # per sequence
@@ -70,7 +82,7 @@ class PagedStep:
         return paged_attention(layer, q, k, v, self)
 
 
-def build_step(kv: "PagedKVCache", seqs: list[SeqSlice], impl: str = "auto") -> PagedStep:
+def build_step(kv: KVStore, seqs: list[SeqSlice], impl: str = "auto") -> PagedStep:
     if impl == "auto":
         impl = "batched" if kv.device.type == "cuda" else "reference"
     if impl not in IMPLS:
