@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from pagedweight.format.model_config import ModelConfig
-from pagedweight.model.kv_cache import ContiguousKVCache
+from pagedweight.model.contiguous_kv import ContiguousKVCache
 from pagedweight.model.layers import Attention, RMSNorm, RotaryEmbedding
 from pagedweight.model.moe_block import SparseMoeBlock
 
