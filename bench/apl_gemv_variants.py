@@ -5,7 +5,7 @@ CUDA-graph replays) under variants of its compile-time knobs (KERNEL_DEFINES) an
 plan constants, and prints one line per (variant, shape). Used to pick the defaults; the
 results are recorded in docs/kernel.md.
 
-Usage on the GPU machine: PYTHONPATH=.:services:kernels python3 bench/apl_gemv_variants.py
+Usage on the GPU machine: PYTHONPATH=.:services:kernels python3 bench/apl_gemv_variants.py [variants] [--mixed]
 """
 
 import sys
@@ -21,22 +21,26 @@ SHAPES = [("mixtral-8x7b", 1, "3"), ("mixtral-8x7b", 1, "4"), ("mixtral-8x7b", 1
           ("mixtral-8x7b", 4, "4"), ("qwen1.5-moe-a2.7b", 1, "4"), ("qwen1.5-moe-a2.7b", 1, "mixed"),
           ("qwen1.5-moe-a2.7b", 16, "4")]
 BASE = dict(op.KERNEL_DEFINES)
-BASE_TARGET = op.GEMV_TARGET_CTAS
+HOST_KNOBS = {name: getattr(op, name) for name in ("GEMV_TARGET_CTAS", "GEMV_MERGE_CLASSES")}
 VARIANTS = {  # name -> (define changes, host changes)
     "base": ({}, {}),
     "no_l2_prefetch": ({"APL_GEMV_L2_PREFETCH": 0}, {}),
     "target_1056": ({}, {"GEMV_TARGET_CTAS": 1056}),
     "4byte_loads": ({}, {"aligned8": False}),
+    "merged_classes": ({}, {"GEMV_MERGE_CLASSES": True}),
 }
+MIXED_SHAPES = [("qwen1.5-moe-a2.7b", 1, "mixed"), ("qwen1.5-moe-a2.7b", 4, "mixed"), ("mixtral-8x7b", 1, "mixed"),
+                ("mixtral-8x7b", 4, "mixed"), ("qwen1.5-moe-a2.7b", 1, "4")]
 
 
 def main():
     device = torch.device("cuda")
-    names = sorted({s[0] for s in SHAPES})
+    shapes = MIXED_SHAPES if "--mixed" in sys.argv else SHAPES
+    names = sorted({s[0] for s in shapes})
     layers = {name: [SyntheticLayer(*MODELS[name][:1], *MODELS[name][2:], seed, device) for seed in range(COPIES)]
               for name in names}
     cases = {}
-    for name, T, bits in SHAPES:
+    for name, T, bits in shapes:
         E, k, H, I = MODELS[name]
         apl = [layer.apl(bit_assignment(bits, E, 17)) for layer in layers[name]]
         route = routings(T, E, k, REPS, device, seed=T)
@@ -47,8 +51,9 @@ def main():
         defines, host = VARIANTS[vname]
         op.KERNEL_DEFINES.clear()
         op.KERNEL_DEFINES.update(BASE, **defines)
-        op.GEMV_TARGET_CTAS = host.get("GEMV_TARGET_CTAS", BASE_TARGET)
-        for shape in SHAPES:
+        for knob, value in HOST_KNOBS.items():
+            setattr(op, knob, host.get(knob, value))
+        for shape in shapes:
             x, route, apl = cases[shape]
             for layer in apl:
                 layer._summarise()

@@ -12,8 +12,9 @@
 //                     expert and split) forms out[t] = sum_j w[t,j] * sum_split y, in a fixed
 //                     order (no moe_combine launch, no float atomics: bit-identical reruns).
 //
-// Per-width classes (CLS), one launch per class present in the layer; a CTA whose block is
-// of another class exits at once:
+// Per-width classes (CLS): a layer of one class takes that class's kernel, a layer holding
+// both takes the merged one (CLS 2); with GEMV_MERGE_CLASSES off, one launch per class
+// present, where a CTA whose block is of another class exits at once:
 //   CLS 0, 3-4 bits: the row's LUT lives in registers as two byte tables (low and high byte
 //          of the 8 or 16 act-dtype entries); four codes in the nibbles of a PRMT selector
 //          give four low bytes in one PRMT and four high bytes in another (at 4 bits, one
@@ -21,6 +22,10 @@
 //          interleave them into the two bf16x2/fp16x2 registers of an mma A fragment.
 //   CLS 1, 5-8 bits: the LUT in shared memory (2^bits act values per row: sized by the
 //          class's widest block, not 8 bits), one LDS.U16 per weight.
+//   CLS 2, every width in one launch (both paths compiled into one kernel; either one already
+//          fills the 128-register budget, so the union costs no occupancy): the host picks it
+//          for layers holding both classes (GEMV_MERGE_CLASSES; measured faster than a
+//          launch per class, docs/kernel.md).
 //
 // Warp = 16 weight rows; thread (g = lane/4, t = lane%4) holds rows g and g+8 and, per
 // 256-column step, plane words 2t and 2t+1 of both. A plane word's 32 codes come out of the
@@ -353,7 +358,8 @@ __global__ void __launch_bounds__(GV_THREADS, APL_GEMV_MIN_BLOCKS) apl_gemv(
     if (route.expert < 0) return;
     const BlockRef blk = load_block(desc, route.expert);
     const bool bad_bits = blk.bits < 3 || blk.bits > 8;
-    if ((blk.bits >= 5 && blk.bits <= 8 ? 1 : 0) != CLS) return;  // bad bits: class 0 writes NaN
+    const int cls = blk.bits >= 5 && blk.bits <= 8 ? 1 : 0;  // bad bits: class 0 writes NaN
+    if (CLS != 2 && cls != CLS) return;
 
     auto weight_row_of = [&](int lw, bool* valid) {
         if (MODE == 0) {
@@ -442,7 +448,7 @@ __global__ void __launch_bounds__(GV_THREADS, APL_GEMV_MIN_BLOCKS) apl_gemv(
             const float nan4[4] = {0.f, 0.f, 0.f, 0.f};
             emit(p0, min(stage_tokens, route.count - p0), nan4);
         }
-    } else if (CLS == 0) {
+    } else if (CLS == 0 || (CLS == 2 && cls == 0)) {
         if (blk.bits == 4) {
             RegLut<4> la, lb;
             run_passes<4, BF16, V2>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, reg_lut, stage, emit);

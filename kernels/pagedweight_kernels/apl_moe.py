@@ -50,6 +50,7 @@ GEMV_TARGET_CTAS = 528  # one wave on a 132-SM H200 (4 CTAs per SM): longer CTAs
 GEMV_X_BYTES = 40 * 1024  # shared memory for one split's staged activations
 GEMV_MIN_SPLIT_WORDS = 16  # a split covers at least two warp steps
 GEMV_MAX_ASSIGN = 4096  # tokens * top_k a CTA's shared slot list holds
+GEMV_MERGE_CLASSES = True  # a layer with 3-4- and 5-8-bit blocks: one launch per projection (measured faster)
 
 
 def bit_class(bits: int) -> int:
@@ -400,6 +401,14 @@ def launch_gemm(mode: int, plan: GemmPlan, desc, active, num_active, sorted_slot
 _WEIGHT_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
+def _class_launches(classes: dict[int, int]) -> list[tuple[int, int]]:
+    """(kernel class, widest bits for its shared LUT) per launch: one per class present, or
+    the merged kernel (class 2) once when GEMV_MERGE_CLASSES and both are present."""
+    if GEMV_MERGE_CLASSES and len(classes) > 1:
+        return [(2, classes[1])]
+    return list(classes.items())
+
+
 def _apl_moe_gemv(x, ids, topk_weights, layer: APLLayer, plan: LaunchPlan, out: torch.Tensor):
     """Decode on tensor cores: per bit class present, one gate_up and one down launch; the
     kernels route, reduce their column splits and combine the top-k outputs themselves."""
@@ -415,14 +424,15 @@ def _apl_moe_gemv(x, ids, topk_weights, layer: APLLayer, plan: LaunchPlan, out: 
     part_dn = torch.empty(dn.splits * num_assign * H, dtype=torch.float32, device=x.device)
     h = torch.empty(num_assign, I, dtype=x.dtype, device=x.device)
     v2 = {m: "true" if layer.aligned8[m] else "false" for m in ("gate_up", "down")}
-    for cls, widest in layer.classes["gate_up"].items():
-        lut = 1 << widest if cls == 1 else 0
+    launches = {m: _class_launches(layer.classes[m]) for m in ("gate_up", "down")}
+    for cls, widest in launches["gate_up"]:
+        lut = 1 << widest if cls >= 1 else 0
         _launch(f"apl_gemv<{cls}, 0, {flag}, {v2['gate_up']}>", gu.grid,
                 (layer.gate_up_desc, ids, num_assign, k, E, x, I, H, gu.split_cols // 32, lut, gu.tokens,
                  part_gu, layer.counters, h, weights, w_kind, T, out, 0),
                 gu.shared_bytes + (GEMV_ROWS * lut * 2 + 512 if lut else 0), block=GEMV_THREADS)
-    for i, (cls, widest) in enumerate(layer.classes["down"].items()):
-        lut = 1 << widest if cls == 1 else 0
+    for i, (cls, widest) in enumerate(launches["down"]):
+        lut = 1 << widest if cls >= 1 else 0
         _launch(f"apl_gemv<{cls}, 1, {flag}, {v2['down']}>", dn.grid,
                 (layer.down_desc, ids, num_assign, k, E, h, H, I, dn.split_cols // 32, lut, dn.tokens,
                  part_dn, layer.counters, None, weights, w_kind, T, out, int(i == 0)),

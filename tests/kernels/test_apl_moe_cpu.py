@@ -101,6 +101,14 @@ def test_layers_know_their_bit_classes():
     assert block.bits == 3 and not uniform.counters.any()
 
 
+def test_a_layer_of_both_classes_takes_the_merged_kernel_once(monkeypatch):
+    import pagedweight_kernels.apl_moe as op
+
+    assert op._class_launches({0: 4, 1: 8}) == [(2, 8)] and op._class_launches({1: 6}) == [(1, 6)]
+    monkeypatch.setattr(op, "GEMV_MERGE_CLASSES", False)
+    assert op._class_launches({0: 4, 1: 8}) == [(0, 4), (1, 8)]
+
+
 def test_lanes_per_row_keeps_lanes_busy():
     assert lanes_per_row(64) == 32 and lanes_per_row(44) == 16 and lanes_per_row(4) == 4
     assert lanes_per_row(6) == 8  # 6/8 beats 6/32, 6/16 and 6/12

@@ -84,6 +84,14 @@ def test_legacy_decode_matches_reference(case):
     check_case(case, legacy_decode=True)
 
 
+@pytest.mark.parametrize("case", [CASES[0], CASES[5], CASES[9]], ids=_case_id)
+def test_one_launch_for_both_bit_classes_matches_reference(case, monkeypatch):
+    import pagedweight_kernels.apl_moe as op
+
+    monkeypatch.setattr(op, "GEMV_MERGE_CLASSES", True)
+    check_case(case)
+
+
 @pytest.mark.parametrize("case,bits", UNIFORM_CASES, ids=lambda v: str(v) if isinstance(v, int) else _case_id(v))
 def test_uniform_width_layers_match_reference(case, bits):
     check_case(case, bits=bits)
