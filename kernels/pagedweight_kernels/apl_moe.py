@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 
 import torch
@@ -98,6 +98,11 @@ class ResidentBlock:
     @property
     def shape(self) -> tuple[int, int]:
         return self.planes[0].shape[0], self.planes[0].shape[1] * 8
+
+    @cached_property
+    def aligned8(self) -> bool:
+        """Every plane 8-byte aligned with an even word count per row (decode's 8-byte loads)."""
+        return self.shape[1] % 64 == 0 and all(p.data_ptr() % 8 == 0 for p in self.planes)
 
     @property
     def device(self) -> torch.device:
@@ -183,8 +188,7 @@ class APLLayer:
                 c = bit_class(b.bits)
                 widest[c] = max(widest.get(c, 0), b.bits)
             self.classes[module] = dict(sorted(widest.items()))
-        self.aligned8 = {m: all(b.shape[1] % 64 == 0 and all(p.data_ptr() % 8 == 0 for p in b.planes)
-                                for b in getattr(self, m)) for m in ("gate_up", "down")}
+        self.aligned8 = {m: all(b.aligned8 for b in getattr(self, m)) for m in ("gate_up", "down")}
 
     def nbytes_active(self, expert_ids) -> int:
         """Plane + LUT bytes the kernel reads for these experts at their committed bits."""

@@ -99,6 +99,14 @@ def test_layers_know_their_bit_classes():
     uniform.set_block(1, "down", raised)
     assert uniform.classes == {"gate_up": {0: 3}, "down": {0: 3, 1: 6}}
     assert block.bits == 3 and not uniform.counters.any()
+    assert uniform.aligned8 == {"gate_up": False, "down": False}  # 32 columns: one word per row
+    wide = random_layer(2, 64, 64, seed=3)
+    assert wide.aligned8 == {"gate_up": True, "down": True}
+    pool = torch.zeros(4 + 64 * 8, dtype=torch.uint8)
+    old = wide.down[0]
+    shifted = [pool[4:4 + 64 * 8].view(64, 8)] + old.planes[1:]  # plane 0 at a 4-byte offset
+    wide.set_block(0, "down", ResidentBlock(old.bits, shifted, old.lut))
+    assert wide.aligned8 == {"gate_up": True, "down": False}
 
 
 def test_a_layer_of_both_classes_takes_the_merged_kernel_once(monkeypatch):
