@@ -1,8 +1,9 @@
-"""The fused APL MoE operator: launcher for kernels/apl_moe.cu and its plain torch reference.
+"""The fused APL MoE operator: launcher for apl_moe.cu / apl_gemv.cu and its torch reference.
 
 `apl_moe(x, topk_ids, topk_weights, layer)` computes one MoE layer's routed experts
-straight from bit-planes and LUTs, every block at its own bit-width, in four launches on
-PyTorch's current stream with no host synchronisation (see the .cu file's header).
+straight from bit-planes and LUTs, every block at its own bit-width, on PyTorch's current
+stream with no host synchronisation: at decode (few tokens per expert) in two launches on
+tensor cores (apl_gemv.cu's header), at prefill in four (apl_moe.cu's header).
 `apl_moe_reference` is the same function in plain torch: dequantise each block with
 `pagedweight.format.apl_format.dequantize` (the one definition of the format), round
 to x's dtype, and run the reference combine `moe_forward`. Tests compare the two.
