@@ -5,17 +5,15 @@ CUDA-graph replays) under variants of its compile-time knobs (KERNEL_DEFINES) an
 plan constants, and prints one line per (variant, shape). Used to pick the defaults; the
 results are recorded in docs/kernel.md.
 
-Usage on the GPU machine: PYTHONPATH=.:services:kernels python3 bench/apl_gemv_variants.py [variants] [--mixed]
+Usage on the GPU machine: PYTHONPATH=.:services:kernels python3 -m bench.apl_gemv_variants [variants] [--mixed]
 """
 
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import pagedweight_kernels.apl_moe as op  # noqa: E402
-from bench.apl_moe_kernel import COPIES, MODELS, REPS, SyntheticLayer, bit_assignment, routings, time_calls  # noqa: E402
+import pagedweight_kernels.apl_moe as op
+from bench.apl_moe_kernel import COPIES, MODELS, REPS, SyntheticLayer, bit_assignment, routings, time_calls
 
 SHAPES = [("mixtral-8x7b", 1, "3"), ("mixtral-8x7b", 1, "4"), ("mixtral-8x7b", 1, "8"), ("mixtral-8x7b", 1, "mixed"),
           ("mixtral-8x7b", 4, "4"), ("qwen1.5-moe-a2.7b", 1, "4"), ("qwen1.5-moe-a2.7b", 1, "mixed"),
