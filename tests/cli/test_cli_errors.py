@@ -124,3 +124,12 @@ def test_a_plan_prompt_longer_than_the_context_is_an_error(run, paged_micro_dir,
     assert_error(run("plan", "--model", str(paged_micro_dir), "--avg-bits", "4", "--out", str(tmp_path / "p.json"),
                      "--prompt-file", str(prompt), "--prompt-tokens", str(10**20)), "context of 2048")
     assert not (tmp_path / "p.json").exists()
+
+
+@pytest.mark.parametrize("data, fragment", [(b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+                                            (b"\xff\xfe", "not UTF-8"), (b'{"a": NaN}', "NaN")])
+def test_a_hostile_tokenizer_config(run, tmp_path, data, fragment):
+    model = tmp_path / "model"
+    shutil.copytree(BUNDLED_MODEL, model)
+    (model / "tokenizer_config.json").write_bytes(data)
+    assert_error(run("generate", "--model", str(model), "--prompt", "x", "--max-tokens", "1"), fragment)
