@@ -12,6 +12,8 @@ setup:
 	$(BIN)/pip install --quiet -e ".[test]"
 
 test:
+	# imports run one way: the contracts in pyproject.toml ([tool.importlinter])
+	$(BIN)/lint-imports --no-cache
 	$(BIN)/python -m pytest -q -m "not gpu"
 
 # On a CUDA machine (no venv there): the kernel and GPU-path tests.

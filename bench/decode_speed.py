@@ -9,20 +9,19 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.bench_meta import write_result  # noqa: E402
-from pagedweight.engine.generate import generate  # noqa: E402
-from pagedweight.engine.sampler import SamplingParams  # noqa: E402
-from pagedweight.model import load_model  # noqa: E402
+from bench.bench_meta import write_result
+from pagedweight.engine.generate import generate
+from pagedweight.engine.sampler import SamplingParams
+from pagedweight.common.paths import shared_models_dir
+from pagedweight.model import load_model
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "models"
+SHARED = shared_models_dir()
 
 
 def timed(fn) -> float:
@@ -38,7 +37,7 @@ def bench_model(model_dir: Path, new_tokens: int, runs: int) -> dict:
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
 
     def run_ours():
-        assert len(generate(ours, None, prompt, params).token_ids) == new_tokens
+        assert len(generate(ours, prompt, params).token_ids) == new_tokens
 
     @torch.inference_mode()
     def run_reference():

@@ -26,7 +26,7 @@ def test_engine_on_cuda_equals_generate(impl, num_blocks):
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(1, 4096, (n,), generator=gen).tolist() for n in (3, 17, 33, 5, 29, 12)]
     params = SamplingParams(max_tokens=8, ignore_eos=True)
-    expected = [generate(model, None, p, params).token_ids for p in prompts]
+    expected = [generate(model, p, params).token_ids for p in prompts]
     config = EngineConfig(
         scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=24),
         kv=KVCacheConfig(block_size=4), attention_impl=impl, num_kv_blocks=num_blocks,
@@ -41,7 +41,7 @@ def test_engine_on_cuda_equals_generate(impl, num_blocks):
 
 def test_dynamic_runtime_on_cuda_stays_in_budget(paged_micro_dir):
     from pagedweight.runtime import RuntimeConfig, build_runtime
-    from tests.engine.test_runtime_engine import ENGINE, check_pool, fixed_budget, prompts
+    from tests.test_runtime import ENGINE, check_pool, fixed_budget, prompts
 
     budget = fixed_budget(paged_micro_dir, 8, kv_tokens=80)
     runtime = build_runtime(

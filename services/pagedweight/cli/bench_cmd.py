@@ -17,11 +17,14 @@ import time
 
 import torch
 
-from pagedweight.cli.model_args import DTYPES
+from pagedweight.cli.config_defaults import default_of
+from pagedweight.cli.load_bench import LoadSpec
+from pagedweight.cli.model_args import DTYPES, parse_device
 from pagedweight.common.errors import UserError
 from pagedweight.engine.engine import EngineConfig
 from pagedweight.engine.scheduler import SchedulerConfig
 from pagedweight.memory.kv_cache import KVCacheConfig
+from pagedweight.runtime import RuntimeConfig
 
 
 def register(subparsers) -> None:
@@ -31,20 +34,21 @@ def register(subparsers) -> None:
     engine.add_argument("--model", required=True, help="paged model directory (pagedweight quantize)")
     engine.add_argument("--memory-budget", required=True,
                         help="bytes for weights + KV + workspace (e.g. 24MiB, or 0.9 of a GPU)")
-    engine.add_argument("--requests", type=int, default=64)
-    engine.add_argument("--concurrency", type=int, default=16)
-    engine.add_argument("--prompt-len", type=int, default=64)
-    engine.add_argument("--max-tokens", type=int, default=64)
-    engine.add_argument("--policy", default="pagedweight", help="planner policy, or static-B")
+    engine.add_argument("--requests", type=int, default=default_of(LoadSpec, "num_requests"))
+    engine.add_argument("--concurrency", type=int, default=default_of(LoadSpec, "concurrency"))
+    engine.add_argument("--prompt-len", type=int, default=default_of(LoadSpec, "prompt_len"))
+    engine.add_argument("--max-tokens", type=int, default=default_of(LoadSpec, "max_tokens"))
+    engine.add_argument("--policy", default=default_of(RuntimeConfig, "policy"), help="planner policy, or static-B")
     engine.add_argument("--scales", default=None,
                         help="loss scales for the policy (from `pagedweight plan-scales`)")
-    engine.add_argument("--device", default="cpu")
+    engine.add_argument("--device", default=default_of(RuntimeConfig, "device"))
     engine.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                         help="default: float32 on CPU, bfloat16 on CUDA")
-    engine.add_argument("--max-num-seqs", type=int, default=64)
-    engine.add_argument("--max-num-batched-tokens", type=int, default=512)
-    engine.add_argument("--block-size", type=int, default=16)
-    engine.add_argument("--seed", type=int, default=0)
+    engine.add_argument("--max-num-seqs", type=int, default=default_of(SchedulerConfig, "max_num_seqs"))
+    engine.add_argument("--max-num-batched-tokens", type=int,
+                        default=default_of(SchedulerConfig, "max_num_batched_tokens"))
+    engine.add_argument("--block-size", type=int, default=default_of(KVCacheConfig, "block_size"))
+    engine.add_argument("--seed", type=int, default=default_of(LoadSpec, "seed"))
     engine.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (1: OpenMP threads spin on a loaded small machine)")
     parser.set_defaults(handler=run)
@@ -57,15 +61,20 @@ def run(args) -> int:
 
 
 def run_engine_bench(args) -> dict:
-    from pagedweight.engine.load_bench import LoadSpec, run_load
+    from pagedweight.cli.load_bench import run_load
     from pagedweight.memory.pool import device_memory_bytes, parse_memory_budget
-    from pagedweight.runtime import RuntimeConfig, build_runtime
+    from pagedweight.runtime import build_runtime
 
     for name in ("requests", "concurrency", "prompt_len", "max_tokens"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    torch.set_num_threads(max(1, args.threads))
-    device = _device(args.device)
+    _check_policy(args.policy)
+    if not 1 <= args.threads <= 1024:
+        raise UserError(f"--threads must be in 1..1024, got {args.threads}")
+    if not 0 <= args.seed < 2**63:
+        raise UserError(f"--seed must be in 0..2^63-1, got {args.seed}")
+    torch.set_num_threads(args.threads)
+    device = parse_device(args.device)
     dtype = DTYPES[args.dtype] if args.dtype else (torch.float32 if device.type == "cpu" else torch.bfloat16)
     budget = parse_memory_budget(args.memory_budget, device_memory_bytes(device))
     engine = EngineConfig(
@@ -89,11 +98,11 @@ def run_engine_bench(args) -> dict:
     }
 
 
-def _device(name: str) -> torch.device:
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise UserError(f"--device {name!r} is not a device name") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UserError(f"--device {name}: CUDA is not available on this machine")
-    return device
+def _check_policy(name: str) -> None:
+    """A planner policy or static-B, checked before the model is loaded."""
+    from pagedweight.planner.policies import POLICY_NAMES
+    from pagedweight.runtime import STATIC_PREFIX
+
+    if name not in POLICY_NAMES and not name.startswith(STATIC_PREFIX):
+        raise UserError(f"--policy {name[:40]!r}: choose one of {', '.join(POLICY_NAMES)}, or static-B "
+                        f"(B in 3..8)")

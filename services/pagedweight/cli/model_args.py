@@ -6,7 +6,9 @@ import argparse
 
 import torch
 
+from pagedweight.cli.config_defaults import default_of
 from pagedweight.common.errors import UserError
+from pagedweight.runtime import RuntimeConfig
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -14,20 +16,43 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True,
                         help="checkpoint directory, or a paged model directory (pagedweight quantize)")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: cpu)")
+    parser.add_argument("--device", default=default_of(RuntimeConfig, "device"),
+                        help="cpu or cuda[:N] (default: %(default)s)")
     parser.add_argument(
         "--dtype", choices=sorted(DTYPES), default=None,
         help="activation and weight dtype (default: float32 on CPU, bfloat16 on CUDA)",
     )
 
 
-def resolve_device_dtype(args) -> tuple[torch.device, torch.dtype]:
+def utf8_text(value: str) -> str:
+    """argparse type for text flags: Python hands undecodable argv bytes over as lone
+    surrogates, which the tokenizer cannot take; refuse them at parse time."""
     try:
-        device = torch.device(args.device)
-    except RuntimeError:
-        raise UserError(f"--device {args.device!r} is not a device name") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UserError(f"--device {args.device}: CUDA is not available on this machine")
+        value.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise argparse.ArgumentTypeError(f"not UTF-8 text (undecodable byte at position {err.start})") from None
+    return value
+
+
+def parse_device(name: str, flag: str = "--device") -> torch.device:
+    """`cpu` or `cuda[:N]` that exists here; anything else (meta, foo, cuda:99) is a UserError
+    now, before any work, not a traceback later."""
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise UserError(f"{flag} {name[:40]!r} is not a device name (cpu or cuda[:N])") from None
+    if device.type not in ("cpu", "cuda") or (device.type == "cpu" and device.index not in (None, 0)):
+        raise UserError(f"{flag} {name[:40]!r}: PagedWeight runs on cpu or cuda[:N]")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError(f"{flag} {name}: CUDA is not available on this machine")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise UserError(f"{flag} {name}: this machine has {torch.cuda.device_count()} CUDA devices")
+    return device
+
+
+def resolve_device_dtype(args) -> tuple[torch.device, torch.dtype]:
+    device = parse_device(args.device)
     if args.dtype is not None:
         return device, DTYPES[args.dtype]
     return device, torch.float32 if device.type == "cpu" else torch.bfloat16
@@ -44,7 +69,7 @@ def add_bits_args(parser: argparse.ArgumentParser) -> None:
 def load_from_args(args):
     """Load the model and tokenizer named by --model (a checkpoint or a paged model)."""
     from pagedweight.model import load_model
-    from pagedweight.model.tokenizer import Tokenizer
+    from pagedweight.frontend.tokenizer import Tokenizer
     from pagedweight.format.paged_model import is_paged_model_dir
 
     device, dtype = resolve_device_dtype(args)
@@ -61,7 +86,7 @@ def load_from_args(args):
 
 def load_paged_from_args(path: str, bits: int | None, bits_file: str | None, dtype, device):
     from pagedweight.format.bit_assignment import check_width, read_bits_file
-    from pagedweight.weights.paged_experts import build_paged_lm, set_model_bits, uniform_bits
+    from pagedweight.model.dequantized_experts import build_paged_lm, set_model_bits, uniform_bits
     from pagedweight.format.paged_model import load_paged_model
 
     if bits is not None:

@@ -6,7 +6,10 @@ import sys
 from pathlib import Path
 
 from pagedweight.common.errors import UserError
+from pagedweight.cli.config_defaults import default_of
 from pagedweight.offline.calib_text import BUNDLED_NAME, USER_NAME, bundled_calib_files
+from pagedweight.offline.calibrate import CalibConfig
+from pagedweight.offline.quantize import QuantizeConfig, quantize_model
 
 
 def register(subparsers) -> None:
@@ -16,12 +19,17 @@ def register(subparsers) -> None:
     parser.add_argument("--calib", nargs="+", default=None, metavar="FILE",
                         help="calibration text files, one domain each (default: the small mixed text bundled with "
                              "the package; text like your traffic gives better low-bit quality)")
-    parser.add_argument("--calib-tokens", type=int, default=16384, help="tokens taken from each file")
-    parser.add_argument("--seq-len", type=int, default=256, help="tokens per calibration chunk")
-    parser.add_argument("--device", default="cpu", help="where k-means runs: cpu or cuda[:N]")
+    parser.add_argument("--calib-tokens", type=int, default=default_of(CalibConfig, "max_tokens_per_file"),
+                        help="tokens taken from each file")
+    parser.add_argument("--seq-len", type=int, default=default_of(CalibConfig, "seq_len"),
+                        help="tokens per calibration chunk")
+    parser.add_argument("--device", default=default_of(QuantizeConfig, "device"),
+                        help="where k-means runs: cpu or cuda[:N]")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default: torch's choice; 1 is much faster on a busy machine)")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    parser.add_argument("--force", action="store_true",
+                        help="replace a non-empty --out (only once the new artifact is complete)")
     parser.set_defaults(handler=run_quantize)
 
 
@@ -31,22 +39,32 @@ def default_calib_files() -> list[Path]:
 
 
 def run_quantize(args) -> int:
-    from pagedweight.offline.calibrate import CalibConfig
-    from pagedweight.offline.quantize import QuantizeConfig, quantize_model
+    """Every flag and path is checked before calibration starts; the artifact is written
+    into a temporary sibling of --out and renamed into place only when complete."""
+    from pagedweight.cli.eval_cmd import read_text
+    from pagedweight.cli.model_args import parse_device
+    from pagedweight.offline.atomic_output import atomic_output_dir, check_output_dir
 
-    if not Path(args.model).is_dir():
+    model, out = Path(args.model).resolve(), Path(args.out).absolute()
+    if not model.is_dir():
         raise UserError(f"{args.model}: model directory does not exist")
-    if Path(args.out).resolve() == Path(args.model).resolve():
-        raise UserError("--out must differ from --model")
+    if out.resolve() == model or out.resolve().is_relative_to(model) or model.is_relative_to(out.resolve()):
+        raise UserError("--out must be outside --model (and must not contain it)")
+    check_output_dir(out, args.force)
+    device = parse_device(args.device)
     if args.threads is not None:
-        if args.threads < 1:
-            raise UserError(f"--threads must be >= 1, got {args.threads}")
+        if not 1 <= args.threads <= 1024:
+            raise UserError(f"--threads must be in 1..1024, got {args.threads}")
         import torch
         torch.set_num_threads(args.threads)
     files = [Path(f) for f in args.calib] if args.calib else default_calib_files()
+    for f in files:
+        read_text(str(f))  # exists and is UTF-8, before hours of work
     calib = CalibConfig(seq_len=args.seq_len, max_tokens_per_file=args.calib_tokens)
     log = (lambda msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
-    config = QuantizeConfig(calib=calib, device=args.device, calib_text_name=USER_NAME if args.calib else BUNDLED_NAME)
-    out = quantize_model(args.model, args.out, files, config, log)
-    print(out)
+    config = QuantizeConfig(calib=calib, device=str(device),
+                            calib_text_name=USER_NAME if args.calib else BUNDLED_NAME)
+    with atomic_output_dir(out, args.force) as tmp:
+        quantize_model(args.model, tmp, files, config, log)
+    print(args.out)
     return 0
