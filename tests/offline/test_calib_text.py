@@ -20,15 +20,6 @@ def test_bundled_text_is_four_small_domains_with_a_readme():
     assert (files[0].parent / "PYTHON-LICENSE.txt").is_file()
 
 
-def test_the_package_data_ships_the_text():
-    import tomllib
-    from pathlib import Path
-
-    pyproject = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
-    patterns = pyproject["tool"]["setuptools"]["package-data"]["pagedweight"]
-    assert "offline/calib_text/*" in patterns
-
-
 def test_quantize_without_calib_uses_and_records_the_bundled_text(tmp_path, pagedweight):  # noqa: F811
     out = tmp_path / "out"
     result = pagedweight("quantize", "--model", str(BUNDLED_MODEL), "--out", str(out), "--quiet",
