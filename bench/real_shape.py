@@ -166,7 +166,7 @@ def ours_from_hf(hf_model, config: ModelConfig) -> MoECausalLM:
     return model.eval()
 
 
-def nested_uniform_planes(w: torch.Tensor, group: int = 8) -> LayerPlanes:
+def nested_uniform_planes(w: torch.Tensor, group: int | None = None) -> LayerPlanes:
     """w [E, R, C] (one module of every expert of a layer) -> planes and LUTs, CPU.
 
     Per row: 8-bit codes on 256 equal buckets of min..max (the b-bit code is the top b bits,
@@ -174,6 +174,8 @@ def nested_uniform_planes(w: torch.Tensor, group: int = 8) -> LayerPlanes:
     and byte counts, not quality. Runs on w's device, `group` experts at a time.
     """
     E, R, C = w.shape
+    if group is None:  # about 40 bytes of temporaries per weight (fp32 copy, int32 bit planes)
+        group = max(1, min(8, (4 * GiB) // (R * C * 40)))
     planes = torch.empty(E, 8, R, C // 8, dtype=torch.uint8)
     luts = {b: torch.empty(E, R, 1 << b, dtype=torch.float16) for b in BIT_WIDTHS}
     for first in range(0, E, group):
@@ -386,6 +388,8 @@ def main() -> None:
     parser.add_argument("--pressure-prompt-len", type=int, default=256)
     parser.add_argument("--skip", nargs="*", default=[], help="sections to skip: hf bf16 static pressure")
     parser.add_argument("--time-limit-s", type=float, default=540.0)
+    parser.add_argument("--reserve-s", type=float, default=60.0,
+                        help="time a measurement must have left to start (a runtime build: 30 s more)")
     parser.add_argument("--out", type=Path, default=None, help="result path (default bench/results/)")
     args = parser.parse_args()
     clock = Clock(args.time_limit_s)
@@ -429,7 +433,7 @@ def main() -> None:
     if "hf" not in args.skip:
         rows = []
         for c in args.concurrency:
-            if clock.left() < 60:
+            if clock.left() < args.reserve_s:
                 rows.append({"concurrency": c, "skipped": "time limit"})
                 continue
             rows.append(hf_generate_tokens_per_s(hf_model, config.vocab_size, c, args.prompt_len,
@@ -440,14 +444,14 @@ def main() -> None:
         engine = Engine(ours, engine_config(max_seqs, batched_tokens, num_kv_blocks=1024 if device.type == "cuda" else 512))
         rows = []
         for spec in specs:
-            if clock.left() < 60:
+            if clock.left() < args.reserve_s:
                 break
             rows.append(tokens_per_s(engine, spec, device))
             report.put("engine_bf16_dense", rows)
-        if clock.left() > 90:
+        if clock.left() > args.reserve_s + 30:
             report.put("engine_bf16_dense_profile", decode_profile(engine, 16, args.prompt_len, device))
         report.put("engine_bf16_dense_ttft_s", {str(n): ttft(engine, n, device) for n in args.ttft_prompts
-                                                if clock.left() > 60})
+                                                if clock.left() > args.reserve_s})
         del engine
 
     t0 = time.perf_counter()
@@ -472,7 +476,7 @@ def main() -> None:
     def run_static(bits_list):
         ample = int(dense_bytes + workspace + experts8 + args.kv_gib * GiB)
         for bits in bits_list:
-            if clock.left() < 90:
+            if clock.left() < args.reserve_s + 30:
                 static[f"static-{bits}"] = {"skipped": "time limit"}
                 continue
             t0 = time.perf_counter()
@@ -480,14 +484,14 @@ def main() -> None:
             row = {"build_s": round(time.perf_counter() - t0, 1), "loads": []}
             static[f"static-{bits}"] = row
             for spec in specs:
-                if clock.left() < 60:
+                if clock.left() < args.reserve_s:
                     break
                 row["loads"].append(tokens_per_s(rt.engine, spec, device))
                 report.put("runtime_static", static)
-            if bits == 4 and clock.left() > 90:
+            if bits == 4 and clock.left() > args.reserve_s + 30:
                 row["profile"] = decode_profile(rt.engine, 16, args.prompt_len, device)
             if bits == 4:
-                row["ttft_s"] = {str(n): ttft(rt.engine, n, device) for n in args.ttft_prompts if clock.left() > 60}
+                row["ttft_s"] = {str(n): ttft(rt.engine, n, device) for n in args.ttft_prompts if clock.left() > args.reserve_s}
             report.put("runtime_static", static)
             rt.close()
             del rt
@@ -506,7 +510,7 @@ def main() -> None:
         pressure = {"budget_bytes": budget, "kv_wanted_bytes": wanted, "kv_room_at_8bit": wanted // 2,
                     "load": vars(spec), "policies": {}}
         for policy in ("static-4", "static-8", "pagedweight"):
-            if clock.left() < 90:
+            if clock.left() < args.reserve_s + 30:
                 pressure["policies"][policy] = {"skipped": "time limit"}
                 continue
             try:
