@@ -117,7 +117,9 @@ def build_runtime_from_paged(paged, config: RuntimeConfig, eos_token_ids=()) -> 
         )
     pool.allocate(OTHER_WEIGHTS, dense)
     pool.allocate(WORKSPACE, workspace)
-    log.info("sizing of %s\n%s", paged_dir, format_sizing(startup_sizing(paged_dir, config, dense, workspace)))
+    num_dense_params = sum(p.numel() for p in model.parameters())
+    log.info("sizing of %s\n%s", paged.path or "the paged model",
+             format_sizing(startup_sizing(paged, config, num_dense_params, dense, workspace)))
     arena = Arena.from_pool(pool, config.page_bytes, device)
     table = PageTable({bid: paged.block(bid) for bid in paged.block_ids}, arena)
     planner = feed = None
@@ -139,15 +141,18 @@ def build_runtime_from_paged(paged, config: RuntimeConfig, eos_token_ids=()) -> 
     return WorkerRuntime(engine, pool, arena, table, mover, pager)
 
 
-def startup_sizing(paged_dir, config: RuntimeConfig, dense: int, workspace: int) -> dict:
+def startup_sizing(paged, config: RuntimeConfig, num_dense_params: int, dense: int, workspace: int) -> dict:
     """The report `pagedweight info` prints (planner/sizing.py), with this worker's own dense
     and workspace bytes, dtype, page and KV block size; logged at start-up."""
-    from pagedweight.planner.sizing import model_sizes, sizing_report
+    from pathlib import Path
+
+    from pagedweight.format.paged_meta import META_FILE
+    from pagedweight.planner.sizing import sizes_from_meta, sizing_report
 
     name = str(config.dtype).removeprefix("torch.")
     elem = torch.empty((), dtype=config.dtype).element_size()
-    sizes = model_sizes(paged_dir, name, elem, workspace, config.page_bytes, config.engine.kv.block_size,
-                        dense_bytes=dense)
+    sizes = sizes_from_meta(paged.config, paged.meta, Path(paged.path or ".") / META_FILE, num_dense_params, name,
+                            elem, workspace, config.page_bytes, config.engine.kv.block_size, dense_bytes=dense)
     return sizing_report(sizes, config.memory_budget)
 
 

@@ -14,7 +14,8 @@ from safetensors import safe_open
 
 from pagedweight.format.apl_format import BIT_WIDTHS
 from pagedweight.format.model_config import ModelConfig
-from pagedweight.format.paged_model import APL_FILE
+from pagedweight.format.paged_model import APL_FILE, load_paged_model
+from pagedweight.memory.pool import WORKSPACE
 from pagedweight.memory.kv_cache import kv_block_bytes
 from pagedweight.planner.sizing import model_sizes, sizing_report
 from pagedweight.runtime import RuntimeConfig, build_runtime, startup_sizing
@@ -59,10 +60,11 @@ def test_kv_tokens_at_a_uniform_width_are_what_the_worker_gets(paged_micro_dir, 
     budget = 24 << 20
     runtime = build_runtime(paged_micro_dir, RuntimeConfig(budget, f"static-{bits}", dtype=torch.bfloat16))
     try:
-        dense = sum(p.numel() * p.element_size() for p in runtime.engine.model.parameters())
-        from pagedweight.memory.pool import WORKSPACE
-        report = startup_sizing(paged_micro_dir, RuntimeConfig(budget, f"static-{bits}", dtype=torch.bfloat16),
-                                dense, runtime.pool.bytes_of(WORKSPACE))
+        params = list(runtime.engine.model.parameters())
+        dense = sum(p.numel() * p.element_size() for p in params)
+        report = startup_sizing(load_paged_model(paged_micro_dir, with_bf16=False),
+                                RuntimeConfig(budget, f"static-{bits}", dtype=torch.bfloat16),
+                                sum(p.numel() for p in params), dense, runtime.pool.bytes_of(WORKSPACE))
         uniform = report["budget"]["uniform"][str(bits)]
         assert uniform["kv_tokens"] == runtime.engine.max_kv_blocks * runtime.engine.kv.block_size
         assert uniform["expert_bytes"] == runtime.table.resident_expert_bytes()

@@ -67,36 +67,45 @@ class ModelSizes:
 def model_sizes(model_dir: str | Path, dtype: str, dtype_bytes: int, workspace_bytes: int, page_bytes: int,
                 kv_block_size: int, dense_bytes: int | None = None) -> ModelSizes:
     """ModelSizes of a checkpoint or paged model directory, from config.json and tensor headers."""
-    from pagedweight.planner.artifact import table_from_meta
-
     path = Path(model_dir)
     if not path.is_dir():
         raise CheckpointError(f"{path}: model directory does not exist")
     config = ModelConfig.from_dir(path)
     h, i = config.hidden_size, config.expert_intermediate_size
     num_expert_params = config.num_layers * config.num_experts * 3 * h * i
-    sensitivity = mass = share = None
     if is_paged_model_dir(path):
-        source = "paged model"
-        meta = read_meta(path)
         num_dense_params = sum(t.numel for t in read_headers(path / DENSE_FILE))
-        table = table_from_meta(meta, path / "paged_model.json")
-        row = {b: n for n, b in enumerate(table.block_ids)}
-        order = [BlockId(l, e, m) for l in range(config.num_layers) for e in range(config.num_experts) for m in MODULES]
-        if set(row) != set(order):
-            raise CheckpointError(f"{path}: the block list does not match config.json's layers and experts")
-        sensitivity = table.sensitivity[[row[b] for b in order]]
-        mass, share = table.calib_mass, table.calib_share
-    else:
-        source = "checkpoint"
-        tensors = checkpoint_headers(path)
-        num_dense_params = sum(t.numel for t in tensors if not is_routed_expert(t.name))
-        in_headers = sum(t.numel for t in tensors if is_routed_expert(t.name))
-        if in_headers != num_expert_params:
-            raise CheckpointError(f"{path}: routed-expert tensors hold {in_headers} parameters, config.json "
-                                  f"says {num_expert_params}")
-    return ModelSizes(source, config, num_dense_params, num_expert_params, dtype, dtype_bytes, workspace_bytes,
-                      page_bytes, kv_block_size, sensitivity, mass, share, dense_bytes)
+        return sizes_from_meta(config, read_meta(path), path / "paged_model.json", num_dense_params, dtype,
+                               dtype_bytes, workspace_bytes, page_bytes, kv_block_size, dense_bytes)
+    tensors = checkpoint_headers(path)
+    num_dense_params = sum(t.numel for t in tensors if not is_routed_expert(t.name))
+    in_headers = sum(t.numel for t in tensors if is_routed_expert(t.name))
+    if in_headers != num_expert_params:
+        raise CheckpointError(f"{path}: routed-expert tensors hold {in_headers} parameters, config.json "
+                              f"says {num_expert_params}")
+    return ModelSizes("checkpoint", config, num_dense_params, num_expert_params, dtype, dtype_bytes,
+                      workspace_bytes, page_bytes, kv_block_size, dense_bytes=dense_bytes)
+
+
+def sizes_from_meta(config: ModelConfig, meta: dict, where: Path, num_dense_params: int, dtype: str,
+                    dtype_bytes: int, workspace_bytes: int, page_bytes: int, kv_block_size: int,
+                    dense_bytes: int | None = None) -> ModelSizes:
+    """ModelSizes of a paged model from its metadata (paged_model.json, read or in memory):
+    the artifact's sensitivity and calibration routing feed the planner's choice."""
+    from pagedweight.planner.artifact import table_from_meta
+
+    h, i = config.hidden_size, config.expert_intermediate_size
+    num_expert_params = config.num_layers * config.num_experts * 3 * h * i
+    if meta.get("sensitivity") is None:  # an in-memory synthetic model without a sensitivity table: the size prior
+        return ModelSizes("paged model", config, num_dense_params, num_expert_params, dtype, dtype_bytes,
+                          workspace_bytes, page_bytes, kv_block_size, dense_bytes=dense_bytes)
+    table = table_from_meta(meta, where)
+    row = {b: n for n, b in enumerate(table.block_ids)}
+    order = [BlockId(l, e, m) for l in range(config.num_layers) for e in range(config.num_experts) for m in MODULES]
+    if set(row) != set(order):
+        raise CheckpointError(f"{where}: the block list does not match config.json's layers and experts")
+    return ModelSizes("paged model", config, num_dense_params, num_expert_params, dtype, dtype_bytes,
+                      workspace_bytes, page_bytes, kv_block_size, table.sensitivity[[row[b] for b in order]], table.calib_mass, table.calib_share, dense_bytes)
 
 
 def sizing_report(sizes: ModelSizes, budget: int | None = None, context: int | None = None,
