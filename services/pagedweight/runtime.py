@@ -46,7 +46,9 @@ class RuntimeConfig:
     dtype: torch.dtype = torch.float32
     page_bytes: int = DEFAULT_PAGE_BYTES
     min_kv_tokens_at_start: int = 64  # KV room the starting bits leave free
-    scales_file: str | None = None  # loss scales for the policy (`pagedweight plan-scales`)
+    # loss scales for the policy: None = the artifact's (quantize measures them), "raw" = none,
+    # else a file from `pagedweight plan-scales`
+    scales_file: str | None = None
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self):
@@ -138,14 +140,13 @@ def _policy_planner(paged_dir, config: RuntimeConfig, table: PageTable, model: M
     the traffic's routing (snapshots sent with each plan request)."""
     import numpy as np
 
-    from pagedweight.planner.artifact import load_planner_inputs
-    from pagedweight.planner.loss_scale import GroupScales
+    from pagedweight.planner.artifact import choose_scales, load_planner_inputs
     from pagedweight.weights.in_process_planner import InProcessPlanner, page_table_registration
     from pagedweight.weights.routing_feed import RoutingFeed
 
     inputs = load_planner_inputs(paged_dir, with_heads=False)
     t = inputs.table
-    scales = GroupScales.read(config.scales_file) if config.scales_file else None
+    scales, _ = choose_scales(inputs, config.scales_file, "sensitivity")  # default: the artifact's
     row = {bid: i for i, bid in enumerate(t.block_ids)}
     sensitivity = np.stack([t.sensitivity[row[bid]] for bid in table.entries])  # page-table order
     planner = InProcessPlanner(config.policy, scales)

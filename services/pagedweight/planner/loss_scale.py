@@ -44,13 +44,17 @@ class GroupScales:
                 "method": "KL(8-bit || group at 3 bits) / sum m_i (S_i(3) - S_i(8))"}
 
     @classmethod
+    def from_json(cls, raw: dict) -> "GroupScales":
+        """The file's (or the artifact's `planner_scales` entry's) dict; KeyError etc. if malformed."""
+        return cls({k: float(v) for k, v in raw["scales"].items()},
+                   {k: float(v) for k, v in raw.get("kl_at_3_bits", {}).items()},
+                   int(raw.get("num_tokens", 0)), str(raw.get("sensitivity", "sensitivity")))
+
+    @classmethod
     def read(cls, path: str | Path) -> "GroupScales":
         try:
-            raw = json.loads(Path(path).read_text())
-            return cls({k: float(v) for k, v in raw["scales"].items()},
-                       {k: float(v) for k, v in raw.get("kl_at_3_bits", {}).items()},
-                       int(raw.get("num_tokens", 0)), str(raw.get("sensitivity", "sensitivity")))
-        except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
+            return cls.from_json(json.loads(Path(path).read_text()))
+        except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as err:
             raise UserError(f"{path}: not a planner scales file ({err})") from None
 
 
