@@ -95,14 +95,18 @@ def context_from_prompt(model_dir: str, text: str, inputs, max_tokens: int):
 
     from pagedweight.offline.prompt_routing import record_prompt_routing
     from pagedweight.planner.prompt_context import prompt_context, steady_traffic_tokens
-    from pagedweight.model.tokenizer import Tokenizer
+    from pagedweight.frontend.tokenizer import Tokenizer
     from pagedweight.model.dequantized_experts import build_paged_lm
     from pagedweight.format.paged_model import load_paged_model
 
     ids = Tokenizer(model_dir).encode(text)[:max_tokens]
     if not ids:
         raise UserError("--prompt-file has no tokens")
-    model = build_paged_lm(load_paged_model(model_dir, with_bf16=False), dtype=torch.float32)
+    paged = load_paged_model(model_dir, with_bf16=False)
+    if len(ids) > paged.config.max_position_embeddings:  # one prefill: it must fit the context
+        raise UserError(f"--prompt-file has {len(ids)} tokens, more than the model's context of "
+                        f"{paged.config.max_position_embeddings}: lower --prompt-tokens")
+    model = build_paged_lm(paged, dtype=torch.float32)
     recorder = record_prompt_routing(model, ids, inputs.table.num_experts)
     # a static plan is for a steady stream of traffic like the prompt file
     return prompt_context(recorder, inputs, traffic_tokens=steady_traffic_tokens())

@@ -22,13 +22,14 @@ measured KL is ~0 is still cheap, not free.
 
 from __future__ import annotations
 
-import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from pagedweight.common.errors import UserError
+from pagedweight.common.json_files import read_json_object
 from pagedweight.planner.tables import BlockTable
 
 
@@ -44,18 +45,24 @@ class GroupScales:
                 "method": "KL(8-bit || group at 3 bits) / sum m_i (S_i(3) - S_i(8))"}
 
     @classmethod
-    def from_json(cls, raw: dict) -> "GroupScales":
-        """The file's (or the artifact's `planner_scales` entry's) dict; KeyError etc. if malformed."""
-        return cls({k: float(v) for k, v in raw["scales"].items()},
-                   {k: float(v) for k, v in raw.get("kl_at_3_bits", {}).items()},
-                   int(raw.get("num_tokens", 0)), str(raw.get("sensitivity", "sensitivity")))
+    def from_json(cls, raw: dict, where: str = "planner scales") -> "GroupScales":
+        """The file's (or the artifact's `planner_scales` entry's) dict; KeyError etc. if
+        malformed, UserError for a NaN or negative value."""
+        scales = cls({k: float(v) for k, v in raw["scales"].items()},
+                     {k: float(v) for k, v in raw.get("kl_at_3_bits", {}).items()},
+                     int(raw.get("num_tokens", 0)), str(raw.get("sensitivity", "sensitivity")))
+        for key, value in [*scales.scales.items(), *scales.kl.items()]:
+            if not (math.isfinite(value) and value >= 0):  # a NaN or negative scale inverts the ranking
+                raise UserError(f"{where}: scale of {key[:40]!r} must be a finite number >= 0, got {value}")
+        return scales
 
     @classmethod
     def read(cls, path: str | Path) -> "GroupScales":
+        raw = read_json_object(path, "planner scales file")
         try:
-            return cls.from_json(json.loads(Path(path).read_text()))
-        except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as err:
-            raise UserError(f"{path}: not a planner scales file ({err})") from None
+            return cls.from_json(raw, str(path))
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as err:
+            raise UserError(f"{path}: not a planner scales file ({str(err)[:120]})") from None
 
 
 def group_key(layer: int, module: str) -> str:
