@@ -38,7 +38,7 @@ from pagedweight.format.blocks import MIN_BITS, block_bytes
 from pagedweight.format.paged_model import load_paged_model
 from pagedweight.model.dequantized_experts import build_paged_lm, set_model_bits
 from pagedweight.model.source_experts import attach_source_experts
-from pagedweight.model.tokenizer import Tokenizer
+from pagedweight.frontend.tokenizer import Tokenizer
 from pagedweight.offline.prompt_routing import record_prompt_routing
 from pagedweight.planner.artifact import load_planner_inputs
 from pagedweight.planner.policies import POLICY_NAMES, make_policy

@@ -23,7 +23,7 @@ from pagedweight.common.errors import UserError
 from pagedweight.format.paged_meta import META_FILE, read_meta
 from pagedweight.format.paged_model import load_paged_model
 from pagedweight.model.dequantized_experts import build_paged_lm, set_model_bits
-from pagedweight.model.tokenizer import Tokenizer
+from pagedweight.frontend.tokenizer import Tokenizer
 from pagedweight.offline.group_scales import measure_group_kls, scales_from_kls
 from pagedweight.planner.artifact import SENSITIVITY_TABLES, load_planner_inputs
 
