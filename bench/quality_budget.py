@@ -134,6 +134,7 @@ def evaluate_model(name: str, args) -> dict:
     min_bytes = table.uniform_bytes(MIN_BITS)
     budgets = {f: int(f * bf16_bytes) for f in FRACTIONS}
     result = {"scales": "artifact" if sc.inputs.scales is not None else "raw",
+              "calibration_tokens": sc.paged.meta["calibration"]["num_tokens"],
               "bf16_expert_bytes": bf16_bytes, "dense_bytes": sc.dense_bytes(),
               "all_3_bit_bytes": min_bytes, "all_3_bit_fraction": min_bytes / bf16_bytes,
               "uniform_fraction": {str(b): table.uniform_bytes(b) / bf16_bytes for b in range(3, 9)},
@@ -259,21 +260,28 @@ def plot(payload: dict, path: Path) -> None:
 
 def markdown(payload: dict) -> str:
     s = payload["summary"]["mean"]
+    if payload.get("runs"):  # combined from runs side by side, one model each
+        where = "Measured in runs side by side on " + "; ".join(
+            f"`{r['command'].split('--models ')[-1].split()[0]}` {r['date']} (HEAD `{r['commit'][:10]}` when written)"
+            for r in payload["runs"])
+    else:
+        where = f"Measured on commit `{payload['commit']}`, {payload['date']}"
     lines = ["# Quality vs memory: KL to bf16 at expert-byte budgets", "",
-             f"Measured on commit `{payload['commit']}`, {payload['date']}, {payload['machine']['cpu']} "
-             f"({payload['machine']['cpu_count']} CPUs). Command: `{payload['command']}`. "
+             f"{where}, {payload['machine']['cpu']} ({payload['machine']['cpu_count']} CPUs, shared with "
+             f"other work). Command: `{payload['command']}`. "
              f"Per domain: {payload['prompt_tokens']} prompt tokens (what the planner sees), then "
              f"{payload['eval_tokens']} scored tokens of the domain's `valid` text (windows of "
              f"{payload['seq_len']}). Budget: a fraction of the bf16 experts' bytes; plans count planes "
              "and LUTs. KL: mean per-token KL(bf16 || plan) of the next-token distribution, nats, mean "
              "over the four domains (lower is better, **bold** the best). `-` : the budget is below "
              "every block at 3 bits (no plan fits). Plot: docs/quality_budget.png. Numbers: "
-             "bench/results/quality_budget.json.", ""]
+             "bench/results/quality_budget.json. What the numbers say: docs/planner.md (Figures).", ""]
     for name, res in payload["results"].items():
         lines += [f"## {name}", "",
                   f"bf16 experts {res['bf16_expert_bytes']:,} B, dense {res['dense_bytes']:,} B; every block "
                   f"at 3 bits = {res['all_3_bit_fraction']:.1%} of bf16; mean bf16 perplexity "
-                  f"{s[name]['bf16_ppl']:.3f}; loss scales: {res['scales']}.", "",
+                  f"{s[name]['bf16_ppl']:.3f}; loss scales: {res['scales']}; artifact calibrated on "
+                  f"{res.get('calibration_tokens', '?')} tokens.", "",
                   "| policy | " + " | ".join(f"{f:.0%}" for f in FRACTIONS) + " | mean |",
                   "|---" * (len(FRACTIONS) + 2) + "|"]
         best = {str(f): min(v["kl"] for v in s[name][str(f)].values()) if s[name][str(f)] else None
@@ -333,6 +341,10 @@ def main() -> int:
     if args.combine:
         parts = [json.loads(Path(f).read_text()) for f in args.combine]
         results = {name: res for part in parts for name, res in part["results"].items()}
+        for name, res in results.items():  # runs older than this field: read it from the artifact
+            if "calibration_tokens" not in res and (Path(args.artifacts) / name).is_dir():
+                meta = json.loads((Path(args.artifacts) / name / "paged_model.json").read_text())
+                res["calibration_tokens"] = meta["calibration"]["num_tokens"]
         payload = {k: parts[0][k] for k in ("prompt_tokens", "eval_tokens", "seq_len", "calib_tokens")}
         payload["command"] = " ; ".join(p["command"] for p in parts)
         payload["runs"] = [{k: p[k] for k in ("date", "machine", "commit", "command")} for p in parts]
