@@ -25,9 +25,8 @@ from pagedweight.format.paged_model import load_paged_model
 from pagedweight.model.dequantized_experts import build_paged_lm, set_model_bits
 from pagedweight.frontend.tokenizer import Tokenizer
 from pagedweight.offline.group_scales import measure_group_kls, scales_from_kls
-from pagedweight.planner.artifact import SENSITIVITY_TABLES, load_planner_inputs
+from pagedweight.planner.artifact import SCALES_KEY, SENSITIVITY_TABLES, load_planner_inputs
 
-SCALES_KEY = "planner_scales"
 DEFAULT_TOKENS_PER_FILE = 256  # calibration tokens per file for the KL measurement
 
 

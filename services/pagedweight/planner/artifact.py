@@ -54,12 +54,10 @@ SCALES_KEY = "planner_scales"  # written by offline/artifact_scales.py at the en
 
 def artifact_scales(meta: dict, where: Path, sensitivity: str) -> GroupScales | None:
     """The artifact's loss scales for one sensitivity table, or None if it has none."""
-    entry = (meta.get(SCALES_KEY) or {}).get(sensitivity)
-    if entry is None:
-        return None
     try:
-        return GroupScales.from_json(entry)
-    except (KeyError, TypeError, ValueError, AttributeError) as err:
+        entry = (meta.get(SCALES_KEY) or {}).get(sensitivity)
+        return None if entry is None else GroupScales.from_json(entry, f"{where}: {SCALES_KEY}")
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as err:
         raise CheckpointError(f"{where}: malformed {SCALES_KEY}.{sensitivity} ({err!r})") from None
 
 
