@@ -32,14 +32,14 @@ def test_scales_of_the_requested_table_are_read(tmp_path):
     inputs = load_planner_inputs(path)
     assert inputs.scales.scales == groups(2.0) and inputs.scales.num_tokens == 9
     assert load_planner_inputs(path, sensitivity="sensitivity_gn").scales.scales == groups(3.0)
-    assert choose_scales(inputs, None, "sensitivity") == (inputs.scales, "artifact")
-    assert choose_scales(inputs, "raw", "sensitivity") == (None, "raw")
+    assert choose_scales(inputs.scales, None, "sensitivity") == (inputs.scales, "artifact")
+    assert choose_scales(inputs.scales, "raw", "sensitivity") == (None, "raw")
 
 
 def test_an_artifact_without_scales_plans_with_raw_s_and_says_so(tmp_path):
     inputs = load_planner_inputs(write(tmp_path, None))
     assert inputs.scales is None
-    assert choose_scales(inputs, None, "sensitivity") == (None, "raw (the artifact has no scales)")
+    assert choose_scales(inputs.scales, None, "sensitivity") == (None, "raw (the artifact has no scales)")
 
 
 @pytest.mark.parametrize("section, error", [

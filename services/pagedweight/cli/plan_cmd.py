@@ -72,7 +72,7 @@ def run_plan(args) -> int:
     context = PlanContext()
     if args.prompt_file is not None:
         context = context_from_prompt(args.model, read_text(args.prompt_file), inputs, args.prompt_tokens)
-    scales, scales_label = choose_scales(inputs, args.scales, args.sensitivity)
+    scales, scales_label = choose_scales(inputs.scales, args.scales, args.sensitivity)
     plan = make_policy(args.policy, table, scales=scales).plan(budget, context)
     # one damage model, the full one, as the yardstick for every policy's plan
     yardstick = make_policy("pagedweight", table, scales=scales)

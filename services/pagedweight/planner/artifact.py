@@ -61,11 +61,11 @@ def artifact_scales(meta: dict, where: Path, sensitivity: str) -> GroupScales | 
         raise CheckpointError(f"{where}: malformed {SCALES_KEY}.{sensitivity} ({err!r})") from None
 
 
-def choose_scales(inputs: PagedPlannerInputs, scales_arg: str | None, sensitivity: str):
-    """`--scales`: None -> the artifact's (the default), "raw" -> none, else a scales file.
-    Returns (GroupScales or None, a label for reports)."""
+def choose_scales(stored: GroupScales | None, scales_arg: str | None, sensitivity: str):
+    """`--scales`: None -> the artifact's (`stored`, the default), "raw" -> none, else a
+    scales file. Returns (GroupScales or None, a label for reports)."""
     if scales_arg is None:
-        return inputs.scales, ("artifact" if inputs.scales is not None else "raw (the artifact has no scales)")
+        return stored, ("artifact" if stored is not None else "raw (the artifact has no scales)")
     if scales_arg == "raw":
         return None, "raw"
     scales = GroupScales.read(scales_arg)
