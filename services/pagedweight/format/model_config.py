@@ -1,11 +1,18 @@
 """Model configuration read from a Hugging Face `config.json`.
 
-Two architectures share one decoder; they differ only in the MoE block:
+Four architectures share one decoder; they differ in the MoE block and in attention:
 - Mixtral (`MixtralForCausalLM`): top-k experts with renormalised weights, no shared
   expert, no attention bias.
 - Qwen1.5-MoE (`Qwen2MoeForCausalLM`): fine-grained experts, top-k without
   renormalisation (unless `norm_topk_prob`), a shared expert scaled by a sigmoid gate,
   bias on q/k/v.
+- Qwen3-MoE (`Qwen3MoeForCausalLM`): no shared expert, `norm_topk_prob`, an RMSNorm on
+  each query and key head before RoPE (`qk_norm="head"`), optional bias on q/k/v/o.
+- OLMoE (`OlmoeForCausalLM`): like Qwen3-MoE, but its q/k RMSNorms run over the whole
+  projection before the heads are split (`qk_norm="full"`).
+Switches these configs may carry that change the maths but that we do not implement
+(sliding windows on Qwen3-MoE, `clip_qkv` on OLMoE, dense-only layers, other
+activations) are refused with an error naming the field, never silently ignored.
 """
 
 from __future__ import annotations
@@ -16,7 +23,16 @@ from pathlib import Path
 
 from pagedweight.common.errors import CheckpointError, UnsupportedModelError
 
-SUPPORTED_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM")
+SUPPORTED_ARCHITECTURES = (
+    "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "OlmoeForCausalLM",
+)
+# Architectures whose MoE block sits under `model.layers.N.mlp` in checkpoints (Mixtral
+# uses `block_sparse_moe`).
+_MLP_NAMED_MOE = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM")
+QK_NORMS = ("none", "head", "full")
 
 
 @dataclass(frozen=True)
@@ -39,10 +55,18 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     eos_token_ids: tuple[int, ...]
+    # Added with Qwen3-MoE and OLMoE; the defaults are Mixtral's and Qwen1.5-MoE's.
+    qk_norm: str = "none"  # one of QK_NORMS: RMSNorm on q, k per head, over the full projection, or none
+    o_proj_bias: bool = False  # bias on the output projection (Qwen3-MoE/OLMoE `attention_bias`)
 
     @property
     def is_qwen2_moe(self) -> bool:
         return self.architecture == "Qwen2MoeForCausalLM"
+
+    @property
+    def moe_checkpoint_name(self) -> str:
+        """The MoE block's module name in checkpoint keys."""
+        return "mlp" if self.architecture in _MLP_NAMED_MOE else "block_sparse_moe"
 
     @classmethod
     def from_dict(cls, raw: dict, source: str = "config.json") -> "ModelConfig":
@@ -62,6 +86,8 @@ class ModelConfig:
     def _parse(cls, raw: dict, architecture: str) -> "ModelConfig":
         hidden = raw["hidden_size"]
         num_heads = raw["num_attention_heads"]
+        if architecture in ("Qwen3MoeForCausalLM", "OlmoeForCausalLM"):
+            return cls._parse_qk_norm_family(raw, architecture)
         qwen = architecture == "Qwen2MoeForCausalLM"
         if qwen and raw.get("mlp_only_layers"):
             raise UnsupportedModelError("config.json: dense `mlp_only_layers` are not supported")
@@ -95,6 +121,51 @@ class ModelConfig:
         )
 
     @classmethod
+    def _parse_qk_norm_family(cls, raw: dict, architecture: str) -> "ModelConfig":
+        """Qwen3-MoE and OLMoE: q/k RMSNorms, no shared expert, one bias switch for q/k/v/o."""
+        qwen3 = architecture == "Qwen3MoeForCausalLM"
+        _refuse_other_activations(raw)
+        if qwen3:
+            if raw.get("mlp_only_layers"):
+                raise UnsupportedModelError("config.json: dense `mlp_only_layers` are not supported")
+            if raw.get("decoder_sparse_step", 1) != 1:
+                raise UnsupportedModelError("config.json: `decoder_sparse_step` != 1 is not supported")
+            if raw.get("use_sliding_window"):
+                raise UnsupportedModelError("config.json: `use_sliding_window` is not supported for Qwen3-MoE")
+        elif raw.get("clip_qkv") is not None:
+            raise UnsupportedModelError("config.json: `clip_qkv` (clamped q/k/v) is not supported")
+        hidden = raw["hidden_size"]
+        num_heads = raw["num_attention_heads"]
+        # OLMoE has no head_dim key: its heads are hidden // num_heads, and its k_norm spans
+        # num_kv_heads of them.
+        head_dim = (raw.get("head_dim") if qwen3 else None) or hidden // num_heads
+        bias = bool(raw.get("attention_bias", False))
+        eos = raw.get("eos_token_id")
+        return cls(
+            architecture=architecture,
+            vocab_size=raw["vocab_size"],
+            hidden_size=hidden,
+            num_layers=raw["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=raw.get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            # transformers 5 writes `num_local_experts` (an alias) for these families
+            num_experts=raw["num_experts"] if "num_experts" in raw else raw["num_local_experts"],
+            num_experts_per_tok=raw["num_experts_per_tok"],
+            expert_intermediate_size=raw["moe_intermediate_size"] if qwen3 else raw["intermediate_size"],
+            shared_expert_intermediate_size=0,
+            norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+            attention_bias=bias,
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6 if qwen3 else 1e-5),
+            rope_theta=_rope_theta(raw),
+            max_position_embeddings=raw.get("max_position_embeddings", 4096),
+            tie_word_embeddings=raw.get("tie_word_embeddings", False),
+            eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
+            qk_norm="head" if qwen3 else "full",
+            o_proj_bias=bias,
+        )
+
+    @classmethod
     def from_dir(cls, model_dir: Path) -> "ModelConfig":
         path = Path(model_dir) / "config.json"
         if not path.is_file():
@@ -104,6 +175,12 @@ class ModelConfig:
         except json.JSONDecodeError as err:
             raise CheckpointError(f"{path}: not valid JSON ({err})") from None
         return cls.from_dict(raw, source=str(path))
+
+
+def _refuse_other_activations(raw: dict) -> None:
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        raise UnsupportedModelError(f"config.json: hidden_act {act!r} is not supported (experts use SiLU)")
 
 
 def _rope_theta(raw: dict) -> float:

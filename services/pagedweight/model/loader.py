@@ -2,8 +2,12 @@
 
 Reads single-file (`model.safetensors`) and sharded (`model.safetensors.index.json`)
 checkpoints. Every tensor is checked for presence and shape; problems raise a
-`CheckpointError` naming the file and key. Per-expert checkpoint keys are stacked into
-the experts operator's `gate_up` [E, 2I, H] and `down` [E, H, I] tensors.
+`CheckpointError` naming the file and key. Routed experts come in two layouts, both read:
+- per expert (the published checkpoints): `experts.{e}.gate_proj/up_proj/down_proj.weight`
+  (Mixtral: `w1/w3/w2`), stacked here into the experts operator's `gate_up` [E, 2I, H]
+  and `down` [E, H, I];
+- fused per layer (as `transformers` 5 holds them): `experts.gate_up_proj` [E, 2I, H] with
+  gate rows first, and `experts.down_proj` [E, H, I], already our layout.
 """
 
 from __future__ import annotations
@@ -77,7 +81,7 @@ class CheckpointReader:
 
 def expert_keys(config: ModelConfig, layer: int, expert: int) -> dict[str, str]:
     """Checkpoint keys of one routed expert: {'gate', 'up', 'down'} -> key."""
-    if config.is_qwen2_moe:
+    if config.moe_checkpoint_name == "mlp":
         prefix = f"model.layers.{layer}.mlp.experts.{expert}"
         return {p: f"{prefix}.{p}_proj.weight" for p in ("gate", "up", "down")}
     prefix = f"model.layers.{layer}.block_sparse_moe.experts.{expert}"
@@ -88,8 +92,13 @@ def checkpoint_key(config: ModelConfig, name: str) -> str:
     """Our parameter name -> the checkpoint key (for every non-routed-expert parameter)."""
     if name == "lm_head.weight":
         return "model.embed_tokens.weight" if config.tie_word_embeddings else name
-    moe_name = "mlp" if config.is_qwen2_moe else "block_sparse_moe"
-    return "model." + name.replace(".moe.", f".{moe_name}.")
+    return "model." + name.replace(".moe.", f".{config.moe_checkpoint_name}.")
+
+
+def fused_expert_keys(config: ModelConfig, layer: int) -> dict[str, str]:
+    """Checkpoint keys of one layer's experts in the fused layout: {'gate_up', 'down'} -> key."""
+    prefix = f"model.layers.{layer}.{config.moe_checkpoint_name}.experts"
+    return {"gate_up": f"{prefix}.gate_up_proj", "down": f"{prefix}.down_proj"}
 
 
 def load_model(
@@ -116,8 +125,13 @@ def load_model(
 
 
 def _load_experts(reader: CheckpointReader, config: ModelConfig, layer: int, experts, dtype):
-    H, I = config.hidden_size, config.expert_intermediate_size
-    for e in range(config.num_experts):
+    H, I, E = config.hidden_size, config.expert_intermediate_size, config.num_experts
+    fused = fused_expert_keys(config, layer)
+    if fused["gate_up"] in reader:
+        experts.gate_up.copy_(reader.get(fused["gate_up"], (E, 2 * I, H)).to(dtype))
+        experts.down.copy_(reader.get(fused["down"], (E, H, I)).to(dtype))
+        return
+    for e in range(E):
         keys = expert_keys(config, layer, e)
         gate = reader.get(keys["gate"], (I, H))
         up = reader.get(keys["up"], (I, H))
