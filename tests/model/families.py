@@ -37,6 +37,17 @@ FAMILIES = {
                     attention_bias=True, max_position_embeddings=512, tie_word_embeddings=False,
                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, eos_token_id=2),
     ),
+    # Qwen3-MoE with `use_sliding_window`: every layer sees only the last 6 keys, so prompts
+    # and 64 new tokens run far past the window (in prefill chunks and in decode).
+    "qwen3_moe_window": dict(
+        cls="Qwen3MoeForCausalLM", config="Qwen3MoeConfig",
+        kwargs=dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+                    moe_intermediate_size=32, intermediate_size=96, norm_topk_prob=False,
+                    use_sliding_window=True, sliding_window=6, max_position_embeddings=512,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, eos_token_id=2),
+        seed=1,  # seed 0 puts two logits 2e-6 apart on a greedy path: a coin flip, not a test
+    ),
     # OLMoE: 64 experts, top-8, q/k norms over the whole projection, no renormalisation.
     "olmoe": dict(
         cls="OlmoeForCausalLM", config="OlmoeConfig",
@@ -47,15 +58,17 @@ FAMILIES = {
     ),
 }
 LAYOUTS = ("fused", "per_expert")
+# the offline pipeline, runtime and kernel tests run one config per family
+PIPELINE_FAMILIES = ("qwen3_moe", "olmoe")
 
 
-def reference_model(family: str, seed: int = 0):
+def reference_model(family: str):
     """The `transformers` model of a family with redrawn random weights (fp32, eval)."""
     import transformers
 
     spec = FAMILIES[family]
     config = getattr(transformers, spec["config"])(**spec["kwargs"])
-    torch.manual_seed(seed)
+    torch.manual_seed(spec.get("seed", 0))
     model = getattr(transformers, spec["cls"])(config).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():

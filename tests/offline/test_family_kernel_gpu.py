@@ -14,7 +14,7 @@ from pagedweight.engine.engine import EngineConfig
 from pagedweight.engine.generate import generate
 from pagedweight.engine.sampler import SamplingParams
 from pagedweight.runtime import RuntimeConfig, build_runtime
-from tests.model.families import FAMILIES, reference_model, write_checkpoint
+from tests.model.families import PIPELINE_FAMILIES, reference_model, write_checkpoint
 from tests.offline.conftest import quick_config
 from tests.weights.test_arena_kernel_gpu import assert_kernel_within_bf16_bounds
 
@@ -24,7 +24,7 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
+@pytest.fixture(scope="module", params=list(PIPELINE_FAMILIES))
 def paged_dir(request, tmp_path_factory, calib_files):
     from pagedweight.offline.quantize import quantize_model
 

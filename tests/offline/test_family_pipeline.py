@@ -15,12 +15,12 @@ from pagedweight.format.paged_model import load_paged_model
 from pagedweight.model import load_model
 from pagedweight.model.dequantized_experts import build_paged_lm, set_model_bits, uniform_bits
 from pagedweight.runtime import RuntimeConfig, build_runtime
-from tests.model.families import FAMILIES, reference_model, write_checkpoint
+from tests.model.families import PIPELINE_FAMILIES, reference_model, write_checkpoint
 from tests.offline.conftest import quick_config
 from tests.test_runtime import ENGINE, fixed_budget, run_checked
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
+@pytest.fixture(scope="module", params=list(PIPELINE_FAMILIES))
 def quantized(request, tmp_path_factory, calib_files):
     """(checkpoint dir, paged dir) of one family."""
     from pagedweight.offline.quantize import quantize_model

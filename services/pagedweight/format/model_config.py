@@ -11,7 +11,7 @@ Four architectures share one decoder; they differ in the MoE block and in attent
 - OLMoE (`OlmoeForCausalLM`): like Qwen3-MoE, but its q/k RMSNorms run over the whole
   projection before the heads are split (`qk_norm="full"`).
 Switches these configs may carry that change the maths but that we do not implement
-(sliding windows on Qwen3-MoE, `clip_qkv` on OLMoE, dense-only layers, other
+(Qwen3-MoE windows on only the first `max_window_layers`, `clip_qkv` on OLMoE, dense-only layers, other
 activations) are refused with an error naming the field, never silently ignored.
 """
 
@@ -58,6 +58,13 @@ class ModelConfig:
     # Added with Qwen3-MoE and OLMoE; the defaults are Mixtral's and Qwen1.5-MoE's.
     qk_norm: str = "none"  # one of QK_NORMS: RMSNorm on q, k per head, over the full projection, or none
     o_proj_bias: bool = False  # bias on the output projection (Qwen3-MoE/OLMoE `attention_bias`)
+    # Sliding-window attention (Qwen3-MoE `use_sliding_window`): a query at position p sees
+    # keys at p - sliding_window + 1 .. p, in every layer. None: full causal attention.
+    sliding_window: int | None = None
+
+    def layer_window(self, layer: int) -> int | None:
+        """The attention window of one layer (None: full attention)."""
+        return self.sliding_window
 
     @property
     def is_qwen2_moe(self) -> bool:
@@ -130,8 +137,12 @@ class ModelConfig:
                 raise UnsupportedModelError("config.json: dense `mlp_only_layers` are not supported")
             if raw.get("decoder_sparse_step", 1) != 1:
                 raise UnsupportedModelError("config.json: `decoder_sparse_step` != 1 is not supported")
-            if raw.get("use_sliding_window"):
-                raise UnsupportedModelError("config.json: `use_sliding_window` is not supported for Qwen3-MoE")
+            if raw.get("use_sliding_window") and raw.get("max_window_layers", raw["num_hidden_layers"]) < raw["num_hidden_layers"]:
+                # transformers 5.24 windows every layer; older configs' max_window_layers
+                # said only the first N layers were windowed: refuse what we would misread
+                raise UnsupportedModelError(
+                    "config.json: `max_window_layers` below num_hidden_layers with `use_sliding_window` "
+                    "is not supported")
         elif raw.get("clip_qkv") is not None:
             raise UnsupportedModelError("config.json: `clip_qkv` (clamped q/k/v) is not supported")
         hidden = raw["hidden_size"]
@@ -163,6 +174,7 @@ class ModelConfig:
             eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
             qk_norm="head" if qwen3 else "full",
             o_proj_bias=bias,
+            sliding_window=_sliding_window(raw) if qwen3 else None,
         )
 
     @classmethod
@@ -175,6 +187,15 @@ class ModelConfig:
         except json.JSONDecodeError as err:
             raise CheckpointError(f"{path}: not valid JSON ({err})") from None
         return cls.from_dict(raw, source=str(path))
+
+
+def _sliding_window(raw: dict) -> int | None:
+    if not raw.get("use_sliding_window"):
+        return None
+    window = raw.get("sliding_window")
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        raise CheckpointError(f"config.json: `sliding_window` must be a positive integer, got {window!r}")
+    return window
 
 
 def _refuse_other_activations(raw: dict) -> None:
