@@ -84,9 +84,18 @@ def test_greedy_contiguous_and_paged_engine_match_transformers(family):
         ))
         for i, p in enumerate(requests):
             engine.add_request(str(i), p, params)
-        out = engine.run_to_completion()
+        out, most_live = {}, 0  # most blocks one sequence held after a step
+        while engine.has_work:
+            for o in engine.step():
+                out.setdefault(o.request_id, []).extend(o.new_token_ids)
+            most_live = max([most_live] + [len([b for b in s.block_ids if b >= 0]) for s in engine.scheduler.running])
         assert [out[str(i)] for i in range(len(requests))] == expected, f"{name}: paged engine ({impl})"
         assert engine.kv.manager.num_used_blocks == 0
+        window = model.config.kv_window
+        if window is not None:  # blocks behind every window were given back as decoding went on
+            bs, chunk = engine.kv.block_size, engine.scheduler.config.max_num_batched_tokens
+            assert most_live <= -(-(window - 1 + chunk) // bs) + 1, most_live
+            assert most_live < -(-(max(PROMPT_LENS) + NEW_TOKENS) // bs)
 
 
 @pytest.mark.parametrize("family_name, field, value", [

@@ -67,6 +67,13 @@ class ModelConfig:
         return self.sliding_window
 
     @property
+    def kv_window(self) -> int | None:
+        """The window every layer keeps within, or None if some layer attends to everything:
+        KV of tokens more than kv_window - 1 behind the next query is read by no layer again."""
+        windows = {self.layer_window(i) for i in range(self.num_layers)}
+        return None if None in windows else max(windows)
+
+    @property
     def is_qwen2_moe(self) -> bool:
         return self.architecture == "Qwen2MoeForCausalLM"
 

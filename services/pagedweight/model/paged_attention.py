@@ -103,6 +103,7 @@ def build_step(kv: KVStore, seqs: list[SeqSlice], impl: str = "auto") -> PagedSt
         impl = "batched" if kv.device.type == "cuda" else "reference"
     if impl not in IMPLS:
         raise ValueError(f"paged attention impl {impl!r} is not one of {IMPLS}")
+    seqs = [_read_released_as_live(s) for s in seqs]
     device = kv.device
     positions, new_offsets = [], []
     for s in seqs:
@@ -122,6 +123,16 @@ def build_step(kv: KVStore, seqs: list[SeqSlice], impl: str = "auto") -> PagedSt
     else:
         _add_batched_metadata(step, seqs)
     return step
+
+
+def _read_released_as_live(s: SeqSlice) -> SeqSlice:
+    """Sliding-window models give back blocks whose tokens fell out of every window; their
+    table entries are negative. Both paths read whole tables, so such an entry is pointed at
+    one of the sequence's live blocks: finite values, at positions every layer masks out."""
+    if min(s.block_ids, default=0) >= 0:
+        return s
+    live = next(b for b in s.block_ids if b >= 0)
+    return SeqSlice([b if b >= 0 else live for b in s.block_ids], s.context_len, s.query_len)
 
 
 def _add_batched_metadata(step: PagedStep, seqs: list[SeqSlice]) -> None:
