@@ -1,9 +1,9 @@
-# PagedWeight: `make setup` once, then `make test`.
+# PagedWeight: `make test` or `make run` (each creates the virtual environment when missing).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup test test-gpu bench clean
+.PHONY: setup test test-gpu bench clean proto proto-check run
 
 setup:
 	$(PYTHON) -m venv $(VENV)
@@ -11,8 +11,19 @@ setup:
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e ".[test]"
 
-test:
+# The venv as a file target: a fresh clone's first `make test` / `make run` sets it up.
+$(BIN)/pagedweight:
+	$(MAKE) setup
+
+test: $(BIN)/pagedweight
 	$(BIN)/python -m pytest -q -m "not gpu"
+
+# Regenerate the gRPC stubs in services/pagedweight/rpc from proto/ (never edit them).
+proto: $(BIN)/pagedweight
+	$(BIN)/python proto/generate.py
+
+proto-check: $(BIN)/pagedweight
+	$(BIN)/python proto/generate.py --check
 
 # On a CUDA machine (no venv there): the kernel and GPU-path tests.
 test-gpu:
