@@ -112,6 +112,24 @@ def test_abort_ends_the_stream_with_abort(cluster):
         assert not stub.Abort(worker_pb2.AbortRequest(request_id="long")).found
 
 
+def test_a_client_that_goes_away_aborts_its_request(cluster):
+    from pagedweight.rpc import worker_pb2, worker_pb2_grpc
+
+    labels = dict(model_name="micro", engine="0")
+    aborted = metric(scrape(cluster["ports"]["worker_http"]), "vllm:request_success_total",
+                     finished_reason="abort", **labels)
+    with grpc.insecure_channel(cluster["address"]) as channel:
+        stream = worker_pb2_grpc.WorkerStub(channel).Generate(worker_pb2.GenerateRequest(
+            request_id="gone", prompt_token_ids=[3, 4, 5],
+            sampling=worker_pb2.SamplingParams(max_tokens=1500, ignore_eos=True)), timeout=120)
+        next(stream)
+        stream.cancel()
+    wait_for(lambda: get_stats(cluster["address"]).load.num_running == 0, cluster["procs"]["worker"],
+             timeout=20, what="the request aborted")
+    samples = scrape(cluster["ports"]["worker_http"])
+    assert metric(samples, "vllm:request_success_total", finished_reason="abort", **labels) == aborted + 1
+
+
 def test_planner_killed_mid_run_worker_falls_back_and_reconnects(cluster):
     ports, procs, address = cluster["ports"], cluster["procs"], cluster["address"]
     labels = dict(model_name="micro", engine="0")

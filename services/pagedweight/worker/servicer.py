@@ -64,10 +64,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     finish_reason=finish_reason,
                     usage=worker_pb2.Usage(prompt_tokens=len(prompt), completion_tokens=record.num_tokens),
                     mean_expert_bits=record.mean_bits)
+        except asyncio.CancelledError:  # the client went away; closing the stream aborted it
+            finish_reason = "abort"
+            raise
         except Exception as err:  # the engine died: the client gets INTERNAL, not silence
-            if isinstance(err, asyncio.CancelledError):
-                finish_reason = "abort"  # the client went away; the stream's close aborted it
-                raise
             await context.abort(grpc.StatusCode.INTERNAL, f"engine failed: {err}")
         finally:
             self.telemetry.finish(record, finish_reason)
