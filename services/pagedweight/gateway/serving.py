@@ -45,7 +45,8 @@ def new_request_id(header: str | None) -> str:
 
 
 def sse(payload) -> str:
-    body = payload.model_dump_json() if hasattr(payload, "model_dump_json") else json.dumps(payload)
+    # vLLM drops unset fields from chunks (a content delta has no "role": null)
+    body = payload.model_dump_json(exclude_unset=True) if hasattr(payload, "model_dump_json") else json.dumps(payload)
     return f"data: {body}\n\n"
 
 

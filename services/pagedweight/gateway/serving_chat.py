@@ -103,18 +103,21 @@ class ChatServing(ServingBase):
         created, model = int(time.time()), self.state.config.model_name
 
         def chunk(choices, usage=None):
-            return sse(ChatCompletionStreamResponse(id=turn.response_id, created=created, model=model,
-                                                    choices=choices, usage=usage))
+            body = ChatCompletionStreamResponse(id=turn.response_id, object="chat.completion.chunk",
+                                                created=created, model=model, choices=choices)
+            if usage is not None:
+                body.usage = usage
+            return sse(body)
         try:
             # vLLM's first chunk per choice: the role, with empty content (or the echo)
-            yield chunk([ChatStreamChoice(index=k, delta=DeltaMessage(role="assistant", content=echo))
-                         for k in range(turn.n)])
+            yield chunk([ChatStreamChoice(index=k, delta=DeltaMessage(role="assistant", content=echo),
+                                          logprobs=None, finish_reason=None) for k in range(turn.n)])
             async for delta in deltas:
                 turn.add(delta)
                 if not delta.text and delta.finish_reason is None:
                     continue
                 yield chunk([ChatStreamChoice(index=delta.index, delta=DeltaMessage(content=delta.text),
-                                              finish_reason=delta.finish_reason,
+                                              logprobs=None, finish_reason=delta.finish_reason,
                                               stop_reason=delta.stop_reason)])
             if include_usage:
                 yield chunk([], turn.usage())

@@ -100,14 +100,15 @@ class CompletionServing(ServingBase):
                     continue
                 if delta.finish_reason:
                     reasons[k] = delta.finish_reason
-                choice = CompletionChoice(index=k, text=text, finish_reason=delta.finish_reason,
+                choice = CompletionChoice(index=k, text=text, logprobs=None, finish_reason=delta.finish_reason,
                                           stop_reason=delta.stop_reason)
-                yield sse(CompletionStreamResponse(id=response_id, created=created, model=model, choices=[choice]))
+                yield sse(CompletionStreamResponse(id=response_id, object="text_completion", created=created,
+                                                   model=model, choices=[choice]))
             if include_usage:
                 usage = UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=sum(counts),
                                   total_tokens=num_prompt_tokens + sum(counts))
-                yield sse(CompletionStreamResponse(id=response_id, created=created, model=model, choices=[],
-                                                   usage=usage))
+                yield sse(CompletionStreamResponse(id=response_id, object="text_completion", created=created,
+                                                   model=model, choices=[], usage=usage))
             await self._save_session(session_id, session, generation.address)
             yield SSE_DONE
         except APIError as err:
