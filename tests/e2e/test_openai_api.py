@@ -1,0 +1,237 @@
+"""The cluster as its users meet it: the official `openai` client against real processes.
+
+One module-scoped cluster on loopback: the planner service, two workers on the paged
+micro model (CPU), and two gateways sharing sessions through the real Redis. The test
+that kills a worker runs last, since it leaves one worker.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import httpx
+import openai
+import pytest
+import redis
+
+from tests.e2e.cluster import REDIS_URL, start_gateway, start_planner, start_worker, wait_until, wait_worker
+from tests.e2e.cluster import worker_stats
+
+MODEL = "micro"
+PROMPT = "In the beginning"
+
+
+@pytest.fixture(scope="module")
+def cluster(paged_micro_dir, tmp_path_factory, redis_prefix):
+    logs = tmp_path_factory.mktemp("e2e_logs")
+    services = []
+    try:
+        planner, planner_address = start_planner(logs)
+        services.append(planner)
+        workers = [start_worker(f"worker{i}", paged_micro_dir, logs, planner=planner_address) for i in (1, 2)]
+        services += [w for w, _ in workers]
+        for service, address in workers:
+            wait_worker(service, address)
+        addresses = [a for _, a in workers]
+        gateway_a, url_a = start_gateway("gateway_a", paged_micro_dir, addresses, logs, redis_prefix)
+        services.append(gateway_a)
+        gateway_b, url_b = start_gateway("gateway_b", paged_micro_dir, addresses, logs, redis_prefix)
+        services.append(gateway_b)
+        yield {"workers": workers, "url_a": url_a, "url_b": url_b, "gateways": (gateway_a, gateway_b),
+               "prefix": redis_prefix, "model_dir": paged_micro_dir, "logs": logs, "addresses": addresses}
+    finally:
+        for service in reversed(services):
+            service.stop()
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+# ---- completions and chat -----------------------------------------------------------------
+def test_completion_plain_and_streamed_agree(cluster):
+    api = client(cluster["url_a"])
+    done = api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=0)
+    assert done.id.startswith("cmpl-") and done.object == "text_completion"
+    assert done.usage.completion_tokens == 10 and done.usage.prompt_tokens > 0
+    assert done.choices[0].finish_reason == "length" and done.choices[0].text
+    chunks = list(api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=0, stream=True,
+                                         stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == done.choices[0].text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_chat_plain_and_streamed_agree(cluster):
+    api = client(cluster["url_b"])
+    messages = [{"role": "user", "content": "Say something."}]
+    done = api.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
+    assert done.id.startswith("chatcmpl-") and done.object == "chat.completion"
+    assert done.choices[0].message.role == "assistant"
+    stream = api.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,
+                                         stream=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert text == done.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == done.choices[0].finish_reason
+
+
+def test_request_id_is_used_and_echoed(cluster):
+    r = httpx.post(f"{cluster['url_a']}/v1/completions", headers={"X-Request-Id": "abc123"},
+                   json={"prompt": PROMPT, "max_tokens": 2, "unknown_field": {"x": 1}}, timeout=60)
+    assert r.status_code == 200, r.text  # unknown fields are accepted
+    assert r.headers["x-request-id"] == "abc123" and r.json()["id"] == "cmpl-abc123"
+    generated = httpx.get(f"{cluster['url_a']}/v1/models", timeout=10)
+    assert generated.headers["x-request-id"]
+    assert generated.json()["data"][0] | {"created": 0} == {
+        "id": MODEL, "object": "model", "created": 0, "owned_by": "pagedweight", "root": MODEL, "parent": None,
+        "max_model_len": 2048}
+
+
+# ---- sampling -----------------------------------------------------------------------------
+def test_seeded_choices_are_reproducible_across_gateways_and_streaming(cluster):
+    kwargs = dict(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=1.0, seed=7, n=3)
+    first = client(cluster["url_a"]).completions.create(**kwargs)
+    again = client(cluster["url_b"]).completions.create(**kwargs)
+    texts = [c.text for c in sorted(first.choices, key=lambda c: c.index)]
+    assert [c.index for c in first.choices] == [0, 1, 2]
+    assert texts == [c.text for c in sorted(again.choices, key=lambda c: c.index)]
+    assert len(set(texts)) > 1  # n samples, not one sample three times
+    streamed = ["", "", ""]
+    for chunk in client(cluster["url_a"]).completions.create(**kwargs, stream=True):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.text
+    assert streamed == texts
+    other_seed = client(cluster["url_a"]).completions.create(**(kwargs | {"seed": 8}))
+    assert [c.text for c in sorted(other_seed.choices, key=lambda c: c.index)] != texts
+
+
+def test_stop_string_cuts_the_text_plain_and_streamed(cluster):
+    api = client(cluster["url_a"])
+    full = api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0).choices[0].text
+    words = full.split()
+    assert len(words) >= 4, full
+    stop = words[len(words) // 2]
+    expected = full[: full.find(stop)]
+    done = api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, stop=[stop])
+    assert done.choices[0].text == expected
+    assert done.choices[0].finish_reason == "stop"
+    assert done.choices[0].model_extra["stop_reason"] == stop
+    chunks = list(api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, stop=stop,
+                                         stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == expected
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_echo_prepends_the_prompt(cluster):
+    done = client(cluster["url_a"]).completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0,
+                                                       echo=True)
+    assert done.choices[0].text.startswith(PROMPT) and len(done.choices[0].text) > len(PROMPT)
+
+
+# ---- sessions -----------------------------------------------------------------------------
+def test_session_continues_on_another_gateway(cluster):
+    session = f"s-{uuid.uuid4().hex[:8]}"
+    first_turn = [{"role": "user", "content": "Tell me a story."}]
+    reply = client(cluster["url_a"]).chat.completions.create(
+        model=MODEL, messages=first_turn, max_tokens=6, temperature=0,
+        extra_headers={"X-Session-ID": session}).choices[0].message.content
+    second_turn = [{"role": "user", "content": "And then?"}]
+    answer = client(cluster["url_b"]).chat.completions.create(  # only the new message, body session_id
+        model=MODEL, messages=second_turn, max_tokens=6, temperature=0, extra_body={"session_id": session})
+    whole = first_turn + [{"role": "assistant", "content": reply}] + second_turn
+    expected = httpx.post(f"{cluster['url_a']}/tokenize", json={"messages": whole}, timeout=10).json()["count"]
+    assert answer.usage.prompt_tokens == expected  # the gateway sent the whole conversation
+    stored = redis.Redis.from_url(REDIS_URL)
+    key = f"{cluster['prefix']}session:{session}"
+    record = json.loads(stored.get(key))
+    assert 0 < stored.pttl(key) <= 3600 * 1000
+    stored.close()
+    assert record["messages"] == whole + [{"role": "assistant", "content": answer.choices[0].message.content}]
+    assert record["worker"] in cluster["addresses"]
+
+
+# ---- bad requests -------------------------------------------------------------------------
+@pytest.mark.parametrize("path,body,status,param", [
+    ("/v1/completions", b'{"prompt": "x", "max_tokens": ', 400, None),  # malformed JSON
+    ("/v1/completions", {"prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": 5}, 400, "prompt"),
+    ("/v1/chat/completions", {"messages": "hello"}, 400, "messages"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 5000}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "model": "gpt-4o"}, 404, "model"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 2}, 400, "logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": [999999]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "x", "stop": [""]}, 400, "stop"),
+])
+def test_bad_request_gets_4xx_json_and_the_server_keeps_serving(cluster, path, body, status, param):
+    url = cluster["url_a"] + path
+    if isinstance(body, bytes):
+        r = httpx.post(url, content=body, headers={"content-type": "application/json"}, timeout=30)
+    else:
+        r = httpx.post(url, json=body, timeout=30)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["code"] == status and error["message"] and error["type"].endswith("Error")
+    if param is not None:
+        assert error["param"].split(".")[0] == param
+    assert client(cluster["url_a"]).completions.create(model=MODEL, prompt=PROMPT, max_tokens=2).choices
+
+
+def test_ten_megabyte_body_gets_413_json(cluster):
+    body = json.dumps({"prompt": "a" * (10 << 20), "max_tokens": 1})
+    r = httpx.post(f"{cluster['url_a']}/v1/completions", content=body,
+                   headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == 413 and r.json()["error"]["code"] == 413
+    assert httpx.get(f"{cluster['url_a']}/health", timeout=10).status_code == 200
+
+
+def test_api_key_guards_v1_only(cluster):
+    gateway, url = start_gateway("gateway_key", cluster["model_dir"], cluster["addresses"], cluster["logs"],
+                                 cluster["prefix"], extra=("--api-key", "sesame"))
+    try:
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 1}, timeout=30)
+        assert r.status_code == 401 and r.json()["error"]["code"] == 401
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
+        ok = openai.OpenAI(base_url=f"{url}/v1", api_key="sesame", max_retries=0)
+        assert ok.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1).choices
+        assert httpx.get(f"{url}/metrics", timeout=10).status_code == 200
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+    finally:
+        gateway.stop()
+
+
+def test_gateway_metrics_use_vllm_names(cluster):
+    text = httpx.get(f"{cluster['url_a']}/metrics", timeout=10).text
+    for name in ("vllm:e2e_request_latency_seconds_bucket", "vllm:time_to_first_token_seconds_bucket",
+                 "vllm:request_success_total", "vllm:generation_tokens_total", "vllm:prompt_tokens_total"):
+        assert name in text, name
+    served = [line for line in text.splitlines()
+              if line.startswith("vllm:request_success_total") and 'finished_reason="length"' in line]
+    assert float(served[0].rsplit(" ", 1)[1]) >= 1
+    assert 'pagedweight:session_store{backend="redis"} 1.0' in text
+
+
+# ---- failure: last, it leaves one worker ---------------------------------------------------
+def test_worker_killed_mid_stream_ends_with_error_and_the_gateway_keeps_serving(cluster):
+    api = client(cluster["url_a"])
+    stream = api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1500, temperature=0,
+                                    stream=True, extra_body={"ignore_eos": True})
+    received = []
+    with pytest.raises(openai.APIError) as failure:
+        for chunk in stream:
+            received.append(chunk)
+            if len(received) == 3:
+                busy = [(s, a) for s, a in cluster["workers"] if worker_stats(a).load.num_running > 0]
+                assert len(busy) == 1
+                busy[0][0].kill()
+    assert len(received) >= 3 and "worker" in str(failure.value)
+    for _ in range(4):  # the gateway routes around the dead worker
+        assert api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3).choices[0].text is not None
+    health = httpx.get(f"{cluster['url_a']}/health", timeout=10)
+    assert health.status_code == 200
