@@ -106,13 +106,32 @@ def wait_worker(service: Service, address: str) -> None:
     wait_until(lambda: worker_stats(address).ready, service)
 
 
-def start_gateway(name: str, model_dir: Path, workers: list[str], log_dir: Path, key_prefix: str,
-                  extra: tuple[str, ...] = ()) -> tuple[Service, str]:
+def launch_gateway(name: str, model_dir: Path, workers: list[str], log_dir: Path, key_prefix: str,
+                   extra: tuple[str, ...] = ()) -> tuple[Service, str]:
+    """Starts a gateway without waiting (see wait_gateway), so several start together."""
     port = free_port()
     argv = ["-m", "pagedweight.gateway", "--model", str(model_dir), "--port", str(port),
             "--workers", ",".join(workers), "--redis-url", REDIS_URL, "--session-key-prefix", key_prefix,
             "--served-model-name", "micro", *extra]
-    service = Service(name, argv, log_dir)
-    url = f"http://127.0.0.1:{port}"
-    wait_until(lambda: httpx.get(f"{url}/health", timeout=2).status_code == 200, service)
+    return Service(name, argv, log_dir), f"http://127.0.0.1:{port}"
+
+
+def wait_gateway(service: Service, url: str, ready: tuple[int, ...] = (200,)) -> None:
+    """ready: the /health statuses that count (503 means up, but no worker is ready)."""
+    wait_until(lambda: httpx.get(f"{url}/health", timeout=2).status_code in ready, service)
+
+
+def start_gateway(name: str, model_dir: Path, workers: list[str], log_dir: Path, key_prefix: str,
+                  extra: tuple[str, ...] = (), wait: bool = True) -> tuple[Service, str]:
+    service, url = launch_gateway(name, model_dir, workers, log_dir, key_prefix, extra)
+    wait_gateway(service, url, (200,) if wait else (200, 503))
     return service, url
+
+
+def stop_all(services: list[Service]) -> None:
+    """SIGTERM to all at once, then wait for each (front ones first in the list)."""
+    for service in services:
+        if service.process.poll() is None:
+            service.process.send_signal(signal.SIGTERM)
+    for service in services:
+        service.stop()

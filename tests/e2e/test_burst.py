@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.cluster import start_gateway, start_worker, wait_worker, worker_stats
+from tests.e2e.cluster import start_gateway, start_worker, stop_all, wait_worker, worker_stats
 
 NUM_REQUESTS = 200
 BUDGET = "26MiB"
@@ -33,8 +33,7 @@ def small_cluster(paged_micro_dir, tmp_path_factory, redis_prefix):
         services.append(gateway)
         yield {"url": url, "worker": address}
     finally:
-        for service in reversed(services):
-            service.stop()
+        stop_all(list(reversed(services)))
 
 
 class MemorySampler(threading.Thread):

@@ -8,6 +8,7 @@ that kills a worker runs last, since it leaves one worker.
 from __future__ import annotations
 
 import json
+import time
 import uuid
 
 import httpx
@@ -15,8 +16,10 @@ import openai
 import pytest
 import redis
 
-from tests.e2e.cluster import REDIS_URL, start_gateway, start_planner, start_worker, wait_until, wait_worker
-from tests.e2e.cluster import worker_stats
+from tests.e2e.cluster import REDIS_URL, launch_gateway, start_gateway, start_planner, start_worker, stop_all
+from tests.e2e.cluster import wait_gateway, wait_worker
+from tests.e2e.cluster import free_port, worker_stats
+from pagedweight.gateway.hashring import HashRing
 
 MODEL = "micro"
 PROMPT = "In the beginning"
@@ -34,15 +37,15 @@ def cluster(paged_micro_dir, tmp_path_factory, redis_prefix):
         for service, address in workers:
             wait_worker(service, address)
         addresses = [a for _, a in workers]
-        gateway_a, url_a = start_gateway("gateway_a", paged_micro_dir, addresses, logs, redis_prefix)
-        services.append(gateway_a)
-        gateway_b, url_b = start_gateway("gateway_b", paged_micro_dir, addresses, logs, redis_prefix)
-        services.append(gateway_b)
+        gateway_a, url_a = launch_gateway("gateway_a", paged_micro_dir, addresses, logs, redis_prefix)
+        gateway_b, url_b = launch_gateway("gateway_b", paged_micro_dir, addresses, logs, redis_prefix)
+        services += [gateway_a, gateway_b]
+        wait_gateway(gateway_a, url_a)
+        wait_gateway(gateway_b, url_b)
         yield {"workers": workers, "url_a": url_a, "url_b": url_b, "gateways": (gateway_a, gateway_b),
                "prefix": redis_prefix, "model_dir": paged_micro_dir, "logs": logs, "addresses": addresses}
     finally:
-        for service in reversed(services):
-            service.stop()
+        stop_all(list(reversed(services)))
 
 
 def client(url: str) -> openai.OpenAI:
@@ -217,8 +220,44 @@ def test_gateway_metrics_use_vllm_names(cluster):
     assert 'pagedweight:session_store{backend="redis"} 1.0' in text
 
 
+def wait_idle(addresses, timeout_s: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if all(worker_stats(a).load.num_running + worker_stats(a).load.num_waiting == 0 for a in addresses):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_client_gone_mid_stream_aborts_its_worker_request(cluster):
+    body = {"prompt": PROMPT, "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{cluster['url_a']}/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+        assert sum(w.load.num_running for w in map(worker_stats, cluster["addresses"])) == 1
+    assert wait_idle(cluster["addresses"])  # long before 1500 tokens could have been made
+
+
+def test_no_ready_worker_is_a_503_for_the_load_balancer(cluster):
+    gateway, url = start_gateway("gateway_nowhere", cluster["model_dir"], [f"127.0.0.1:{free_port()}"],
+                                 cluster["logs"], cluster["prefix"], wait=False)
+    try:
+        health = httpx.get(f"{url}/health", timeout=10)
+        assert health.status_code == 503 and health.json()["error"]["code"] == 503
+        with pytest.raises(openai.APIStatusError) as refused:
+            client(url).completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
+        assert refused.value.status_code == 503
+        assert refused.value.body["code"] == 503 and "no worker" in refused.value.body["message"]
+    finally:
+        gateway.stop()
+
+
 # ---- failure: last, it leaves one worker ---------------------------------------------------
 def test_worker_killed_mid_stream_ends_with_error_and_the_gateway_keeps_serving(cluster):
+    # a gateway that polls rarely: it still thinks the killed worker is ready, so its first
+    # request there fails before any byte and must be retried on the other worker
+    slow, slow_url = start_gateway("gateway_slow_poll", cluster["model_dir"], cluster["addresses"],
+                                   cluster["logs"], cluster["prefix"], extra=("--stats-interval", "600"))
     api = client(cluster["url_a"])
     stream = api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1500, temperature=0,
                                     stream=True, extra_body={"ignore_eos": True})
@@ -235,3 +274,14 @@ def test_worker_killed_mid_stream_ends_with_error_and_the_gateway_keeps_serving(
         assert api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3).choices[0].text is not None
     health = httpx.get(f"{cluster['url_a']}/health", timeout=10)
     assert health.status_code == 200
+    try:
+        dead = next(a for s, a in cluster["workers"] if s.process.poll() is not None)
+        ring = HashRing(cluster["addresses"])
+        session = next(f"k{i}" for i in range(1000) if ring.get(f"k{i}") == dead)
+        done = client(slow_url).completions.create(model=MODEL, prompt=PROMPT, max_tokens=3,
+                                                   extra_headers={"X-Session-ID": session})
+        assert done.choices[0].finish_reason in ("stop", "length")
+        metrics = httpx.get(f"{slow_url}/metrics", timeout=10).text
+        assert "pagedweight:gateway_retries_total 1.0" in metrics
+    finally:
+        slow.stop()

@@ -39,6 +39,8 @@ def add_arguments(parser) -> None:
                         help="requests in flight at this gateway before new ones get 503")
     parser.add_argument("--max-body-bytes", type=int, default=C.max_body_bytes,
                         help="larger request bodies get 413")
+    parser.add_argument("--stats-interval", type=float, default=C.stats_interval_s,
+                        help="seconds between polls of the workers' readiness and load")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
 
@@ -56,20 +58,21 @@ def config_from_args(args):
         model_dir=args.model, workers=workers, host=args.host, port=args.port,
         served_model_name=args.served_model_name, api_key=args.api_key or None, redis_url=args.redis_url,
         session_key_prefix=args.session_key_prefix, session_ttl_s=args.session_ttl,
-        max_queued_requests=args.max_queued_requests, max_body_bytes=args.max_body_bytes,
+        max_queued_requests=args.max_queued_requests, max_body_bytes=args.max_body_bytes, stats_interval_s=args.stats_interval,
     )
 
 
 def run_gateway(args) -> int:
     import logging
 
+    if not os.path.isdir(args.model):
+        raise UserError(f"--model {args.model}: no such directory")
+    config = config_from_args(args)  # bad flags fail here, before the heavier imports
+
     import uvicorn
 
     from pagedweight.gateway.api_server import build_app
 
-    if not os.path.isdir(args.model):
-        raise UserError(f"--model {args.model}: no such directory")
-    config = config_from_args(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = build_app(config)
     print(f"pagedweight gateway: http://{config.host}:{config.port}/v1 (model {config.model_name!r}, "

@@ -39,6 +39,8 @@ class GatewayConfig:
             raise UserError(f"--max-queued-requests must be >= 1, got {self.max_queued_requests}")
         if self.session_ttl_s <= 0:
             raise UserError(f"--session-ttl must be > 0 seconds, got {self.session_ttl_s}")
+        if self.stats_interval_s <= 0:
+            raise UserError(f"--stats-interval must be > 0 seconds, got {self.stats_interval_s}")
         if self.max_body_bytes < 1024:
             raise UserError(f"--max-body-bytes must be >= 1024, got {self.max_body_bytes}")
         if not (Path(self.model_dir) / "tokenizer.json").is_file():
