@@ -18,6 +18,14 @@ $(BIN)/pagedweight:
 test: $(BIN)/pagedweight
 	$(BIN)/python -m pytest -q -m "not gpu"
 
+# The whole cluster on this machine (gateway :8000, one worker, the planner) serving the
+# bundled micro-mixtral, quantised on first start into ~/.cache/pagedweight. Sessions go to
+# $(REDIS_URL) (default the local Redis); with none answering, the gateway keeps them in
+# process and says so in its log.
+REDIS_URL ?= redis://127.0.0.1:6379/0
+run: $(BIN)/pagedweight
+	$(BIN)/pagedweight serve --model models/micro-mixtral --port 8000 --redis-url $(REDIS_URL)
+
 # Regenerate the gRPC stubs in services/pagedweight/rpc from proto/ (never edit them).
 proto: $(BIN)/pagedweight
 	$(BIN)/python proto/generate.py

@@ -71,6 +71,7 @@ class WorkerRuntime:
     table: PageTable
     mover: PageMover
     pager: object | None  # WeightPager, None for a static policy
+    routing_feed: object | None = None  # RoutingFeed into the policy (the worker forwards its windows)
 
     def close(self) -> None:
         self.mover.close()
@@ -133,7 +134,7 @@ def build_runtime(paged_dir, config: RuntimeConfig, tokenizer=None) -> WorkerRun
         pager = WeightPager(mover, planner, kv_block_bytes=block, before_plan=feed.refresh)
     engine = Engine(model, tokenizer, config.engine, arena=arena, pager=pager,
                     max_kv_blocks=_max_kv_blocks(config, paged.config, table, arena))
-    return WorkerRuntime(engine, pool, arena, table, mover, pager)
+    return WorkerRuntime(engine, pool, arena, table, mover, pager, feed)
 
 
 def _max_kv_blocks(config: RuntimeConfig, model_config: ModelConfig, table: PageTable, arena: Arena) -> int:
