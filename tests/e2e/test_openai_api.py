@@ -130,6 +130,18 @@ def test_stop_string_cuts_the_text_plain_and_streamed(cluster):
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
+def test_several_prompts_times_n_choices_in_order(cluster):
+    api = client(cluster["url_a"])
+    single = api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0).choices[0].text
+    ids = httpx.post(f"{cluster['url_a']}/tokenize", json={"prompt": "Second one"}, timeout=10).json()["tokens"]
+    done = api.completions.create(model=MODEL, prompt=[PROMPT, "Second one"], max_tokens=6, temperature=0, n=2)
+    by_index = {c.index: c.text for c in done.choices}
+    assert sorted(by_index) == [0, 1, 2, 3]
+    assert by_index[0] == by_index[1] == single  # greedy: prompt 0's two choices
+    as_ids = api.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0).choices[0].text
+    assert by_index[2] == by_index[3] == as_ids  # the same prompt given as token ids
+
+
 def test_echo_prepends_the_prompt(cluster):
     done = client(cluster["url_a"]).completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0,
                                                        echo=True)
@@ -236,6 +248,19 @@ def test_client_gone_mid_stream_aborts_its_worker_request(cluster):
         assert next(lines).startswith("data: ")
         assert sum(w.load.num_running for w in map(worker_stats, cluster["addresses"])) == 1
     assert wait_idle(cluster["addresses"])  # long before 1500 tokens could have been made
+
+
+def test_requests_without_session_go_to_the_least_loaded_worker(cluster):
+    body = {"prompt": PROMPT, "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{cluster['url_a']}/v1/completions", json=body, timeout=60) as first:
+        first_lines = first.iter_lines()  # kept: a dropped iterator closes the response
+        assert next(first_lines).startswith("data: ")
+        time.sleep(0.6)  # gateway b polls the workers' load (every 0.5 s) before it routes
+        with httpx.stream("POST", f"{cluster['url_b']}/v1/completions", json=body, timeout=60) as second:
+            second_lines = second.iter_lines()
+            assert next(second_lines).startswith("data: ")
+            assert [worker_stats(a).load.num_running for a in cluster["addresses"]] == [1, 1]
+    assert wait_idle(cluster["addresses"])
 
 
 def test_no_ready_worker_is_a_503_for_the_load_balancer(cluster):
