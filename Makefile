@@ -16,6 +16,8 @@ $(BIN)/pagedweight:
 	$(MAKE) setup
 
 test: $(BIN)/pagedweight
+	# imports run one way: the contracts in pyproject.toml ([tool.importlinter])
+	$(BIN)/lint-imports --no-cache
 	$(BIN)/python -m pytest -q -m "not gpu"
 
 # The whole cluster on this machine (gateway :8000, one worker, the planner) serving the

@@ -27,16 +27,14 @@ import json
 import math
 import os
 import statistics
-import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.bench_meta import write_result  # noqa: E402
-from pagedweight_kernels.apl_moe import APLLayer, ResidentBlock, apl_moe, launch_gemm, plan_launch  # noqa: E402
-from pagedweight_kernels.synthetic import nested_luts  # noqa: E402
+from bench.bench_meta import write_result
+from pagedweight_kernels.apl_moe import APLLayer, ResidentBlock, apl_moe, launch_gemm, plan_launch
+from pagedweight_kernels.synthetic import nested_luts
 
 MODELS = {  # experts, top_k, hidden, intermediate
     "qwen1.5-moe-a2.7b": (60, 4, 2048, 1408),

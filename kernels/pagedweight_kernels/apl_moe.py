@@ -1,4 +1,4 @@
-"""The fused APL MoE operator: launcher for kernels/apl_moe.cu and its plain torch reference.
+"""The fused APL MoE operator: launcher for kernels/pagedweight_kernels/apl_moe.cu and its plain torch reference.
 
 `apl_moe(x, topk_ids, topk_weights, layer)` computes one MoE layer's routed experts
 straight from bit-planes and LUTs, every block at its own bit-width, in four launches on
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from pagedweight_kernels.moe_reference import moe_forward
 from pagedweight.format.apl_format import (
-    COL_ALIGN, LUT_DTYPE, MAX_BITS, MIN_BITS, check_bits, dequantize,
+    COL_ALIGN, LUT_DTYPE, MAX_BITS, MIN_BITS, APLBlock, check_bits, dequantize,
 )
 
 SOURCE = Path(__file__).with_name("apl_moe.cu")
@@ -93,6 +93,12 @@ class ResidentBlock:
     def dequantize(self) -> torch.Tensor:
         """fp16 [rows, cols] through the format's reference dequantisation."""
         return dequantize(torch.stack(self.planes), self.lut, self.bits)
+
+
+def resident_block(block: APLBlock, bits: int, device) -> ResidentBlock:
+    """The planes 0..bits-1 and LUT_bits of a block, copied to `device`."""
+    planes = [block.planes[p].to(device).contiguous() for p in range(bits)]
+    return ResidentBlock(bits, planes, block.luts[bits].to(device).contiguous())
 
 
 @dataclass

@@ -8,9 +8,10 @@ from pagedweight_kernels.apl_moe import (
     APLKernelError, ResidentBlock, apl_moe_reference, check_inputs, lanes_per_row, plan_launch,
 )
 from pagedweight_kernels.synthetic import quantize_nested, random_block
-from pagedweight.model.apl_experts import APLExperts, resident_block
+from pagedweight.model.apl_experts import APLExperts
+from pagedweight_kernels.apl_moe import resident_block
 from pagedweight.format.apl_format import BIT_WIDTHS, dequantize, unpack_codes
-from tests.kernels.apl_cases import mixed_bits, ragged_routing, random_layer
+from pagedweight_kernels.synthetic import mixed_bits, ragged_routing, random_layer
 
 
 def test_reference_equals_dense_experts_on_dequantised_weights():

@@ -14,9 +14,10 @@ import torch
 
 from pagedweight_kernels.apl_moe import APLLayer, apl_moe, apl_moe_reference, kernel_available, plan_launch
 from pagedweight_kernels.synthetic import quantize_experts
-from pagedweight.model.apl_experts import APLExperts, resident_block
+from pagedweight.model.apl_experts import APLExperts
+from pagedweight_kernels.apl_moe import resident_block
 from tests.conftest import BUNDLED_MODEL, CORPUS_DIR, SHARED_MODELS
-from tests.kernels.apl_cases import mixed_bits, ragged_routing, random_layer
+from pagedweight_kernels.synthetic import mixed_bits, ragged_routing, random_layer
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not kernel_available(), reason="needs a CUDA GPU and cupy")]

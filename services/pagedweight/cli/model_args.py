@@ -6,7 +6,9 @@ import argparse
 
 import torch
 
+from pagedweight.cli.config_defaults import default_of
 from pagedweight.common.errors import UserError
+from pagedweight.runtime import RuntimeConfig
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -14,7 +16,8 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True,
                         help="checkpoint directory, or a paged model directory (pagedweight quantize)")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: cpu)")
+    parser.add_argument("--device", default=default_of(RuntimeConfig, "device"),
+                        help="cpu or cuda[:N] (default: %(default)s)")
     parser.add_argument(
         "--dtype", choices=sorted(DTYPES), default=None,
         help="activation and weight dtype (default: float32 on CPU, bfloat16 on CUDA)",
@@ -61,7 +64,7 @@ def load_from_args(args):
 
 def load_paged_from_args(path: str, bits: int | None, bits_file: str | None, dtype, device):
     from pagedweight.format.bit_assignment import check_width, read_bits_file
-    from pagedweight.weights.paged_experts import build_paged_lm, set_model_bits, uniform_bits
+    from pagedweight.model.dequantized_experts import build_paged_lm, set_model_bits, uniform_bits
     from pagedweight.format.paged_model import load_paged_model
 
     if bits is not None:
