@@ -14,8 +14,8 @@ EOS is ignored, so every request generates exactly its drawn output length.
 
 Each run reports requests/s, output tokens/s, TTFT and ITL percentiles (client side),
 preemptions, and the worker's memory split sampled every `--sample-every` seconds.
-`overhead` is 1 - cluster output tok/s / in-process output tok/s (the service layers'
-cost; target < 0.10 at concurrency 16). Writes bench/results/serve_load_<model>.json.
+`overhead` is 1 - cluster output tok/s / in-process output tok/s, means over `--rounds`
+alternating runs (the service layers' cost; target < 0.10 at concurrency 16). Writes bench/results/serve_load_<model>.json.
 
     python -m bench.serve_load --model PAGED_DIR [--memory-budget 32MiB] [--url http://127.0.0.1:8000]
 """
@@ -26,6 +26,7 @@ import argparse
 import asyncio
 import http.client
 import json
+import os
 import threading
 import time
 import urllib.parse
@@ -183,12 +184,15 @@ def stream_completion(url: str, model: str, req: TraceRequest) -> RequestTiming:
             raise RuntimeError(f"stream error: {chunk['error']}")
         now = time.monotonic()
         for choice in chunk.get("choices", []):
-            if choice.get("text"):
-                if last is None:
-                    ttft = now - sent
-                else:
-                    itl.append(now - last)
-                last = now
+            # Every chunk with a choice carries new tokens. The gateway sends no chunk for
+            # tokens that decode to no text yet (EOS with ignore_eos, partial characters), so
+            # those tokens' latency folds into the next chunk's: client-side ITL as
+            # `vllm bench serve` measures it.
+            if last is None:
+                ttft = now - sent
+            else:
+                itl.append(now - last)
+            last = now
             reason = choice.get("finish_reason") or reason
         if chunk.get("usage"):
             tokens = chunk["usage"]["completion_tokens"]
@@ -197,9 +201,12 @@ def stream_completion(url: str, model: str, req: TraceRequest) -> RequestTiming:
 
 
 def scrape(port: int) -> dict[str, float]:
-    with http.client.HTTPConnection("127.0.0.1", port, timeout=5) as conn:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    try:
         conn.request("GET", "/metrics")
         text = conn.getresponse().read().decode()
+    finally:
+        conn.close()
     return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
             for line in text.splitlines() if line and not line.startswith("#")}
 
@@ -279,7 +286,8 @@ def main() -> None:
     parser.add_argument("--memory-budget", default="32MiB")
     parser.add_argument("--policy", default="pagedweight")
     parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--request-rate", type=float, default=8.0, help="Poisson arrivals per second")
+    parser.add_argument("--request-rate", type=float, default=8.0,
+                        help="Poisson arrivals per second (0: all at once, so --max-concurrency is the limit)")
     parser.add_argument("--max-concurrency", type=int, default=16)
     parser.add_argument("--prompt-len", default="32:128", help="LO:HI tokens, uniform")
     parser.add_argument("--output-len", default="16:64", help="LO:HI tokens, uniform")
@@ -289,6 +297,8 @@ def main() -> None:
     parser.add_argument("--url", default=None, help="a running gateway (default: start a cluster here)")
     parser.add_argument("--worker-metrics-port", type=int, default=9091, help="with --url: the worker's /metrics")
     parser.add_argument("--served-model-name", default="bench")
+    parser.add_argument("--rounds", type=int, default=2, help="alternating in-process / cluster runs")
+    parser.add_argument("--tag", default=None, help="suffix of the result file name")
     args = parser.parse_args()
 
     from pagedweight.format.model_config import ModelConfig
@@ -297,27 +307,34 @@ def main() -> None:
     lo_hi = lambda s: tuple(int(x) for x in s.split(":"))  # noqa: E731
     trace = make_trace(args.num_prompts, args.request_rate, lo_hi(args.prompt_len), lo_hi(args.output_len),
                        vocab, args.seed)
-    in_process = run_in_process(args, trace)
-    print(f"in-process: {in_process['output_tokens_per_s']} tok/s", flush=True)
-    services = []
+    # Rounds alternate in-process and cluster runs, so a busy spell of a shared machine
+    # does not land on one side only; the cluster stays up between its rounds.
+    in_process, cluster, services = [], [], []
     try:
-        if args.url:
-            url, worker_http = args.url, args.worker_metrics_port
-        else:
-            services, url, worker_http = start_cluster(args)
-        cluster = run_cluster(args, trace, url, args.served_model_name, worker_http)
+        for round_index in range(args.rounds):
+            in_process.append(run_in_process(args, trace))
+            print(f"round {round_index}: in-process {in_process[-1]['output_tokens_per_s']} tok/s", flush=True)
+            if round_index == 0:
+                if args.url:
+                    url, worker_http = args.url, args.worker_metrics_port
+                else:
+                    services, url, worker_http = start_cluster(args)
+            cluster.append(run_cluster(args, trace, url, args.served_model_name, worker_http))
+            print(f"round {round_index}: cluster    {cluster[-1]['output_tokens_per_s']} tok/s", flush=True)
     finally:
         for service in reversed(services):
             service.stop(30)
-    print(f"cluster:    {cluster['output_tokens_per_s']} tok/s", flush=True)
-    overhead = 1.0 - cluster["output_tokens_per_s"] / in_process["output_tokens_per_s"]
-    name = f"serve_load_{Path(args.model).resolve().name}"
+    mean = lambda runs: float(np.mean([r["output_tokens_per_s"] for r in runs]))  # noqa: E731
+    overhead = 1.0 - mean(cluster) / mean(in_process)
+    name = f"serve_load_{Path(args.model).resolve().name}" + (f"_{args.tag}" if args.tag else "")
     path = write_result(name, {
         "model": str(args.model), "memory_budget": args.memory_budget, "policy": args.policy,
         "trace": {"num_prompts": args.num_prompts, "request_rate": args.request_rate,
                   "max_concurrency": args.max_concurrency, "prompt_len": args.prompt_len,
                   "output_len": args.output_len, "seed": args.seed, "distribution": "uniform lengths, Poisson arrivals"},
-        "threads": args.threads, "in_process": in_process, "cluster": cluster,
+        "threads": args.threads, "rounds": args.rounds, "load_average_after": list(os.getloadavg()),
+        "in_process_output_tok_s_mean": round(mean(in_process), 2), "cluster_output_tok_s_mean": round(mean(cluster), 2),
+        "in_process": in_process, "cluster": cluster,
         "overhead_output_tok_s": round(overhead, 4), "target_overhead": 0.10,
     })
     print(f"overhead {overhead:.1%} (target < 10%); wrote {path}")

@@ -104,6 +104,7 @@ def run(args) -> int:
         print(f"pagedweight serve: {err}; stopping the cluster", file=sys.stderr)
         return 1
     finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the drain short
         for service in (gateway, worker, planner):
             service.stop(args.shutdown_timeout + 10)
     return 0
