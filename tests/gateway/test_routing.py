@@ -18,7 +18,8 @@ def test_ring_is_deterministic_and_independent_of_worker_order():
 
 
 def test_ring_spreads_keys_over_every_worker():
-    counts = collections.Counter(HashRing(WORKERS).get(k) for k in KEYS)
+    ring = HashRing(WORKERS)
+    counts = collections.Counter(ring.get(k) for k in KEYS)
     assert set(counts) == set(WORKERS)
     share = len(KEYS) / len(WORKERS)
     assert all(0.7 * share < c < 1.3 * share for c in counts.values()), counts

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from pagedweight.gateway.hashring import HashRing
 
@@ -33,4 +34,10 @@ def pick_worker(loads: dict[str, WorkerLoad], session_id: str | None, affinity: 
         return least_loaded(loads)
     if affinity in loads:
         return affinity
-    return HashRing(list(loads)).get(session_id)
+    return _ring(tuple(sorted(loads))).get(session_id)
+
+
+@lru_cache(maxsize=16)
+def _ring(nodes: tuple[str, ...]) -> HashRing:
+    """Rings of the recent sets of ready workers (the set changes rarely)."""
+    return HashRing(list(nodes))
