@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from dataclasses import dataclass
 from typing import AsyncIterator
 
@@ -111,7 +112,9 @@ class Generation:
             queue.put_nowait(APIError(500, f"internal error: {type(err).__name__}: {err}"))
 
     async def _generate(self, spec: ChoiceSpec, queue: asyncio.Queue) -> None:
-        worker_request_id = f"{self.request_id}-{spec.index}"
+        # the client's id first (worker logs find it), then the choice, then a suffix so two
+        # clients reusing one X-Request-Id never collide on a worker
+        worker_request_id = f"{self.request_id}-{spec.index}-{uuid.uuid4().hex[:6]}"
         tried: list[str] = []
         address = self.address
         while True:
