@@ -22,7 +22,7 @@ from typing import AsyncIterator
 import grpc
 
 from pagedweight.gateway.errors import APIError
-from pagedweight.gateway.text import StopStringFilter, TextCodec
+from pagedweight.gateway.text import TextCodec
 from pagedweight.gateway.workers import WorkerPool
 from pagedweight.rpc import worker_pb2
 
@@ -148,26 +148,25 @@ class Generation:
     async def _consume(self, spec: ChoiceSpec, call, address: str, queue: asyncio.Queue,
                        progress: "_Progress") -> None:
         """Reads one worker stream into deltas."""
-        detok = self.codec.detokenizer(spec.prompt_ids)
-        stops = StopStringFilter(spec.stops)
+        detok = self.codec.detokenizer(spec.prompt_ids, spec.stops)
         last = None
         async for response in call:
             progress.received = True
             ids = list(response.token_ids)
+            text = ""
             if ids:
                 last = self.timer.tokens_arrived(last)
-                text = stops.push(detok.push(ids))
-                if stops.hit is not None:
-                    queue.put_nowait(ChoiceDelta(spec.index, text, len(ids), "stop", stops.hit))
+                delta = detok.push(ids)
+                if delta.stopped:  # a stop string: the choice ends here; the worker is cancelled
+                    queue.put_nowait(ChoiceDelta(spec.index, delta.text, len(ids), "stop", detok.stop_reason))
                     return
-                if not response.finished:
-                    queue.put_nowait(ChoiceDelta(spec.index, text, len(ids)))
-                    continue
+                text = delta.text
             if response.finished:
-                tail = (text if ids else "") + stops.flush()
-                reason = response.finish_reason or "stop"
-                queue.put_nowait(ChoiceDelta(spec.index, tail, len(ids), reason))
+                tail = detok.finish()  # the held-back text (a stop string may still complete in it)
+                reason = "stop" if tail.stopped else (response.finish_reason or "stop")
+                queue.put_nowait(ChoiceDelta(spec.index, text + tail.text, len(ids), reason, detok.stop_reason))
                 return
+            queue.put_nowait(ChoiceDelta(spec.index, text, len(ids)))
         raise APIError(503, f"worker {address} ended the stream of {self.request_id} without finishing it")
 
 
