@@ -15,25 +15,28 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from pagedweight.common.metrics import PlannerServiceMetrics, WorkerMetrics
-from pagedweight.format.apl_format import BIT_WIDTHS, BlockId
-from pagedweight.planner.tables import BlockTable
+from pagedweight.format.blocks import BIT_WIDTHS, BlockId
+from pagedweight.planner.messages import KVPressure, PlannerRegistration, PlanRequest
 from pagedweight.planner_service.server import PlannerServicer
-from pagedweight.rpc import planner_pb2, planner_pb2_grpc
-from pagedweight.weights.policy_planner import PolicyPlanner
-from pagedweight.worker.remote_planner import RemotePlanner, register_request
+from pagedweight.rpc import planner_messages, planner_pb2, planner_pb2_grpc
+from pagedweight.weights.in_process_planner import InProcessPlanner
+from pagedweight.worker.remote_planner import RemotePlanner
 from service_procs import free_port
 
 L, E = 2, 4
 
 
-def local_planner(seed: int = 0) -> PolicyPlanner:
+def registration(seed: int = 0) -> PlannerRegistration:
     rng = np.random.default_rng(seed)
     blocks = [BlockId(layer, e, m) for layer in range(L) for e in range(E) for m in ("gate_up", "down")]
-    nbytes = np.array([[1000 * b + 64 for b in BIT_WIDTHS] for _ in blocks])
-    sens = np.sort(rng.uniform(0.1, 5.0, size=(len(blocks), len(BIT_WIDTHS))), axis=1)[:, ::-1]
-    table = BlockTable(blocks, nbytes, sens, L, E, calib_mass=np.full((L, E), 0.5))
-    charged = {b: {w: int(n) for w, n in zip(BIT_WIDTHS, row)} for b, row in zip(blocks, nbytes)}
-    return PolicyPlanner("pagedweight", table, charged)
+    nbytes = np.array([[1000 * b + 64 for b in BIT_WIDTHS] for _ in blocks], dtype=np.int64)
+    sens = np.sort(rng.uniform(0.1, 5.0, size=(len(blocks), len(BIT_WIDTHS))), axis=1)[:, ::-1].copy()
+    return PlannerRegistration(tuple(b.key() for b in blocks), nbytes, sens, L, E, 2,
+                               calib_mass=np.full((L, E), 0.5))
+
+
+def register_request(worker_id: str, reg: PlannerRegistration) -> planner_pb2.RegisterRequest:
+    return planner_messages.registration_to_proto(reg, worker_id, "m", "pagedweight")
 
 
 def with_server(servicer, body):
@@ -69,10 +72,10 @@ def test_register_then_plans_keep_the_contract():
 
 
 def _register_then_plan(port, metrics):
-    stub, local = stub_for(port), local_planner()
-    reply = stub.Register(register_request("w1", "m", "pagedweight", local, top_k=2))
+    stub, reg = stub_for(port), registration()
+    reply = stub.Register(register_request("w1", reg))
     assert reply.num_blocks == 2 * L * E and reply.registration_id
-    bits = {b.key(): 8 for b in local.table.block_ids}
+    bits = {key: 8 for key in reg.block_keys}
     free = stub.Plan(planner_pb2.PlanRequest(worker_id="w1", registration_id=reply.registration_id,
                                              direction=planner_pb2.PlanRequest.FREE, num_bytes=5000, bits=bits))
     assert free.changes and all(v < 8 for v in free.changes.values())
@@ -93,18 +96,18 @@ def test_routing_windows_change_what_the_service_keeps():
 
 
 def _routing(port, servicer):
-    stub, local = stub_for(port), local_planner()
-    reply = stub.Register(register_request("w1", "m", "pagedweight", local, top_k=2))
+    stub, reg = stub_for(port), registration()
+    reply = stub.Register(register_request("w1", reg))
     counts = np.zeros((L, E))
     counts[:, 0] = 100.0  # every token routed to expert 0
     window = planner_pb2.RoutingWindow(counts=counts.ravel().tolist(), mass=(counts * 0.5).ravel().tolist(),
                                        num_tokens=[100000] * L)
-    bits = {b.key(): 8 for b in local.table.block_ids}
+    bits = {key: 8 for key in reg.block_keys}
     plan = stub.Plan(planner_pb2.PlanRequest(worker_id="w1", registration_id=reply.registration_id,
                                              direction=planner_pb2.PlanRequest.FREE, num_bytes=20000,
                                              bits=bits, routing=window))
     state = servicer.workers["w1"]
-    assert state.routing.num_tokens_seen.tolist() == [100000] * L
+    assert state.planner.stats.num_tokens_seen.tolist() == [100000] * L
     new = {k: plan.changes.get(k, v) for k, v in bits.items()}
     hot = np.mean([v for k, v in new.items() if ".E0." in k])
     cold = np.mean([v for k, v in new.items() if ".E0." not in k])
@@ -117,21 +120,21 @@ def test_bad_requests_are_refused_with_clear_codes():
 
 
 def _bad_requests(port, metrics):
-    stub, local = stub_for(port), local_planner()
+    stub, reg = stub_for(port), registration()
     with pytest.raises(grpc.RpcError) as err:
         stub.Register(planner_pb2.RegisterRequest(worker_id="w1", num_layers=L, num_experts=E, top_k=2))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "at least one block" in err.value.details()
-    bad = register_request("w1", "m", "pagedweight", local, top_k=2)
+    bad = register_request("w1", reg)
     bad.blocks[0].bytes_by_bits[:] = [5, 4, 3, 2, 1, 0]
     with pytest.raises(grpc.RpcError) as err:
         stub.Register(bad)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "grow" in err.value.details()
-    reply = stub.Register(register_request("w1", "m", "pagedweight", local, top_k=2))
+    reply = stub.Register(register_request("w1", reg))
     with pytest.raises(grpc.RpcError) as err:  # stale registration (the service restarted)
         stub.Plan(planner_pb2.PlanRequest(worker_id="w1", registration_id="old",
                                           direction=planner_pb2.PlanRequest.FREE, num_bytes=1))
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
-    bits = {b.key(): 8 for b in local.table.block_ids}
+    bits = {key: 8 for key in reg.block_keys}
     bits["L9.E0.down"] = 8
     with pytest.raises(grpc.RpcError) as err:
         stub.Plan(planner_pb2.PlanRequest(worker_id="w1", registration_id=reply.registration_id,
@@ -166,21 +169,36 @@ def test_slow_or_lying_service_falls_back_to_the_local_planner(servicer_cls, rea
 
 
 def _fallback(port, reason):
-    local = local_planner()
+    reg = registration()
+    local, reference = InProcessPlanner("pagedweight"), InProcessPlanner("pagedweight")
+    local.register(reg)
+    reference.register(reg)
     metrics = WorkerMetrics(CollectorRegistry(), "m")
-    remote = RemotePlanner(f"127.0.0.1:{port}", local, register_request("w1", "m", "pagedweight", local, 2),
-                           deadline_s=0.3, metrics=metrics)
+    remote = RemotePlanner(f"127.0.0.1:{port}", local, "w1", "m", "pagedweight", deadline_s=0.3, metrics=metrics)
+    remote.register(reg)
     try:
         deadline = time.monotonic() + 10
         while not remote.connected and time.monotonic() < deadline:
             time.sleep(0.05)
         assert remote.connected
-        bits = {b: 6 for b in local.table.block_ids}
+        request = PlanRequest(1, KVPressure(bytes_needed=4000), np.full(len(reg.block_keys), 6))
         started = time.monotonic()
-        plan = remote.plan_free(bits, 4000)
+        remote.submit(request)
+        assert time.monotonic() - started < 0.1  # submit never waits for the service
+        response = None
+        while response is None and time.monotonic() - started < 5:
+            response = remote.poll()
+            time.sleep(0.01)
         assert time.monotonic() - started < 0.9  # did not wait for the slow answer
-        assert plan == local.plan_free(bits, 4000)  # the in-process planner's answer
+        reference.submit(request)
+        expected = reference.poll()
+        assert response.changes() == expected.changes()  # the in-process planner's answer
+        assert response.request_id == 1
         assert (remote.num_service_plans, remote.num_local_plans) == (0, 1)
+        deadline = time.monotonic() + 10  # the service still answers health: it re-registers
+        while remote.num_reconnects == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert remote.connected and remote.num_reconnects == 1
         assert metrics.planner_errors.labels(reason=reason, model_name="m", engine="0")._value.get() == 1
         assert metrics.plans["local"]._value.get() == 1
     finally:

@@ -117,17 +117,18 @@ def test_planner_killed_mid_run_worker_falls_back_and_reconnects(cluster):
     labels = dict(model_name="micro", engine="0")
     finals = load(address, 16)  # with the service: plans come from it
     assert all(f.finish_reason == "length" for f in finals)
-    before = get_stats(address).bits
-    assert before.num_plans_service > 0
+    assert get_stats(address).bits.num_plans_service > 0
 
     procs["planner"].signal(signal.SIGKILL)
     procs["planner"].wait()
+    before = get_stats(address).bits
     finals = load(address, 16)  # the worker keeps serving on the in-process planner
     assert all(f.finish_reason == "length" and f.usage.completion_tokens == 64 for f in finals)
     during = get_stats(address)
     assert not during.planner_connected
     assert during.bits.num_plans_local > before.num_plans_local
-    assert during.bits.num_plans_service == before.num_plans_service
+    # at most the one plan the service answered just before it died, applied at a later step
+    assert during.bits.num_plans_service <= before.num_plans_service + 1
     samples = scrape(ports["worker_http"])
     assert metric(samples, "pagedweight:planner_connected", **labels) == 0
     assert metric(samples, "pagedweight:planner_errors_total", **labels) >= 1
@@ -144,6 +145,8 @@ def test_planner_killed_mid_run_worker_falls_back_and_reconnects(cluster):
     assert after.num_plans_service > during.bits.num_plans_service  # the service plans again
     planner_samples = scrape(ports["planner_http"])
     assert metric(planner_samples, "pagedweight:planner_workers_registered") == 1
-    assert metric(planner_samples, "pagedweight:planner_plans_total") == after.num_plans_service - during.bits.num_plans_service
+    answered = metric(planner_samples, "pagedweight:planner_plans_total")
+    applied = after.num_plans_service - during.bits.num_plans_service
+    assert 0 <= answered - applied <= 1  # one answer may still wait for the worker's next step
     worker_log = procs["worker"].log()
     assert "using the in-process planner" in worker_log and "registered with the planner service" in worker_log

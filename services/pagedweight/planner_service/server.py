@@ -23,7 +23,7 @@ from pagedweight.common.errors import UserError
 from pagedweight.common.metrics import PlannerServiceMetrics
 from pagedweight.common.status_http import StatusHttpServer
 from pagedweight.planner_service.state import WorkerPlanState
-from pagedweight.rpc import planner_pb2, planner_pb2_grpc
+from pagedweight.rpc import planner_messages, planner_pb2, planner_pb2_grpc
 
 log = logging.getLogger("pagedweight.planner")
 SERVICE_NAME = "pagedweight.v1.Planner"
@@ -44,9 +44,8 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
         self.workers[request.worker_id] = state
         self.metrics.workers_registered.set(len(self.workers))
         log.info("worker %s %s: %d blocks, policy %s", request.worker_id,
-                 "re-registered" if replaced else "registered", len(state.block_ids), state.policy_name)
-        return planner_pb2.RegisterResponse(registration_id=state.registration_id,
-                                            num_blocks=len(state.block_ids))
+                 "re-registered" if replaced else "registered", state.num_blocks, state.policy_name)
+        return planner_pb2.RegisterResponse(registration_id=state.registration_id, num_blocks=state.num_blocks)
 
     async def Plan(self, request, context):
         state = self.workers.get(request.worker_id)
@@ -54,28 +53,17 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
             self.metrics.refused.labels(code="NOT_FOUND").inc()
             await context.abort(grpc.StatusCode.NOT_FOUND,
                                 f"worker {request.worker_id!r} is not registered (or registered again): register")
-        if request.direction not in (planner_pb2.PlanRequest.FREE, planner_pb2.PlanRequest.SPEND):
-            self.metrics.refused.labels(code="INVALID_ARGUMENT").inc()
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "direction must be FREE or SPEND")
-        free = request.direction == planner_pb2.PlanRequest.FREE
         started = time.perf_counter()
         try:
-            result = await asyncio.to_thread(self._plan, state, request, free)
+            response = await asyncio.to_thread(state.plan, request)
         except UserError as err:
             self.metrics.refused.labels(code="INVALID_ARGUMENT").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-        direction = "free" if free else "spend"
+        direction = "free" if request.direction == planner_pb2.PlanRequest.FREE else "spend"
         self.metrics.plan_latency.observe(time.perf_counter() - started)
         self.metrics.plans.labels(direction=direction).inc()
-        self.metrics.bytes_moved.labels(direction=direction).inc(abs(result.bytes_delta))
-        return planner_pb2.PlanResponse(
-            plan_id=result.plan_id, changes={b.key(): bits for b, bits in result.changes.items()},
-            expected_bytes_delta=result.bytes_delta, expected_damage=result.damage)
-
-    @staticmethod
-    def _plan(state: WorkerPlanState, request, free: bool):
-        state.observe(request.routing)
-        return state.plan(free, request.num_bytes, dict(request.bits))
+        self.metrics.bytes_moved.labels(direction=direction).inc(abs(response.bytes_delta))
+        return planner_messages.response_to_proto(response, state.registration)
 
 
 async def serve(port: int, http_port: int | None, host: str = "127.0.0.1",

@@ -58,19 +58,17 @@ def load_runtime(config: WorkerConfig):
 
 def attach_planner_service(runtime, config: WorkerConfig, address: str, metrics: WorkerMetrics):
     """Put the planner service in front of the pager's in-process planner; returns it."""
-    from pagedweight.worker.remote_planner import RemotePlanner, register_request
+    from pagedweight.planner.messages import PlannerRegistration
+    from pagedweight.worker.remote_planner import RemotePlanner
 
-    pager, feed = runtime.pager, runtime.routing_feed
-    worker_id = config.worker_id or f"{config.host}:{config.port}"
-    message = register_request(worker_id, config.model_name, config.policy, pager.planner, feed.stats.top_k)
-    remote = RemotePlanner(address, pager.planner, message, deadline_s=config.planner_deadline_s, metrics=metrics)
-
-    def before_plan():  # the window goes to the service, then into the local average
-        remote.capture_window(feed.counts.cpu().double().numpy(), feed.mass.cpu().double().numpy(),
-                              feed.num_tokens.cpu().numpy())
-        feed.refresh()
-
-    pager.planner, pager.before_plan = remote, before_plan
+    local = runtime.pager.planner  # the InProcessPlanner build_runtime registered
+    t = local.table  # registration order = the page table's = the pager's
+    registration = PlannerRegistration(tuple(b.key() for b in t.block_ids), t.nbytes, t.sensitivity,
+                                       t.num_layers, t.num_experts, local.stats.top_k, t.calib_mass, t.calib_share)
+    remote = RemotePlanner(address, local, config.worker_id or f"{config.host}:{config.port}", config.model_name,
+                           config.policy, deadline_s=config.planner_deadline_s, metrics=metrics)
+    remote.register(registration)
+    runtime.pager.planner = remote
     return remote
 
 
