@@ -175,13 +175,9 @@ class _Progress:
 
 
 def _api_error(err: grpc.aio.AioRpcError, address: str, received: bool) -> APIError:
-    code, details = err.code(), err.details() or code_name(err)
+    code, details = err.code(), err.details() or err.code().name
     if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.ALREADY_EXISTS,
                 grpc.StatusCode.OUT_OF_RANGE):
         return APIError(400, details)
     where = "mid-stream" if received else "before the first token"
     return APIError(503, f"worker {address} failed {where}: {err.code().name}: {details}")
-
-
-def code_name(err: grpc.aio.AioRpcError) -> str:
-    return err.code().name

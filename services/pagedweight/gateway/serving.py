@@ -66,9 +66,8 @@ class ServingBase:
             raise APIError(404, f"The model `{request.model}` does not exist.", "model")
         for field, used in unsupported.items():
             if used:
-                raise APIError(400, f"{field} is not supported by this server (the workers do not "
-                                    f"return log-probabilities)" if "logprobs" in field
-                               else f"{field} is not supported by this server", field)
+                why = " (the workers do not return log-probabilities)" if "logprobs" in field else ""
+                raise APIError(400, f"{field} is not supported by this server{why}", field)
         if request.stop_token_ids and any(t < 0 for t in request.stop_token_ids):
             raise APIError(400, "stop_token_ids must be token ids (>= 0)", "stop_token_ids")
         extra = request.unknown_fields()
