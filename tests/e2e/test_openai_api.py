@@ -83,6 +83,21 @@ def test_chat_plain_and_streamed_agree(cluster):
     assert chunks[-1].choices[0].finish_reason == done.choices[0].finish_reason
 
 
+def test_sse_wire_format_is_vllms(cluster):
+    body = {"prompt": PROMPT, "max_tokens": 4, "stream": True, "stream_options": {"include_usage": True}}
+    r = httpx.post(f"{cluster['url_a']}/v1/completions", json=body, timeout=60)
+    assert r.headers["content-type"].startswith("text/event-stream")
+    assert r.text.endswith("\n\n")
+    events = r.text[:-2].split("\n\n")
+    assert all(e.startswith("data: ") and "\n" not in e for e in events)
+    assert events[-1] == "data: [DONE]"
+    usage_chunk = json.loads(events[-2][len("data: "):])
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] == 4
+    chunks = [json.loads(e[len("data: "):]) for e in events[:-2]]
+    assert all(c["object"] == "text_completion" and "usage" not in c for c in chunks)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
 def test_request_id_is_used_and_echoed(cluster):
     r = httpx.post(f"{cluster['url_a']}/v1/completions", headers={"X-Request-Id": "abc123"},
                    json={"prompt": PROMPT, "max_tokens": 2, "unknown_field": {"x": 1}}, timeout=60)
