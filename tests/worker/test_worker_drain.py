@@ -97,7 +97,13 @@ def test_service_tokens_match_the_in_process_engine(micro_paged, tmp_path):
         wait_serving(worker, f"127.0.0.1:{port}", "pagedweight.v1.Worker")
         got = [[t for m in generate(f"127.0.0.1:{port}", p, max_tokens=12) for t in m.token_ids] for p in prompts]
         finals = [generate(f"127.0.0.1:{port}", p, max_tokens=12)[-1] for p in prompts[:1]]
+        stop_id = expected[0][3]  # a stop token id ends the request before it, and says so
+        stopped = generate(f"127.0.0.1:{port}", prompts[0], max_tokens=12, stop_token_ids=[stop_id])
     finally:
         worker.stop()
     assert got == expected
     assert finals[0].mean_expert_bits == 8.0  # static-8: every expert at 8 bits
+    first = expected[0].index(stop_id)
+    assert [t for m in stopped for t in m.token_ids] == expected[0][:first]
+    assert stopped[-1].finish_reason == "stop" and stopped[-1].stop_reason == stop_id
+    assert not finals[0].HasField("stop_reason")  # "length": no stop token

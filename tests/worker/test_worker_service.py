@@ -6,6 +6,7 @@ Order matters in this module: the last test kills and restarts the planner.
 from __future__ import annotations
 
 import signal
+import time
 
 import grpc
 import pytest
@@ -110,6 +111,29 @@ def test_abort_ends_the_stream_with_abort(cluster):
         assert rest[-1].finished and rest[-1].finish_reason == "abort"
         assert rest[-1].usage.completion_tokens < 1500
         assert not stub.Abort(worker_pb2.AbortRequest(request_id="long")).found
+
+
+def test_a_client_that_goes_away_aborts_its_request(cluster):
+    from pagedweight.rpc import worker_pb2, worker_pb2_grpc
+
+    labels = dict(model_name="micro", engine="0")
+
+    def aborted():
+        return metric(scrape(cluster["ports"]["worker_http"]), "vllm:request_success_total",
+                      finished_reason="abort", **labels)
+
+    time.sleep(0.5)  # the previous test's request is counted when its stream closes
+    before = aborted()
+    with grpc.insecure_channel(cluster["address"]) as channel:
+        stream = worker_pb2_grpc.WorkerStub(channel).Generate(worker_pb2.GenerateRequest(
+            request_id="gone", prompt_token_ids=[3, 4, 5],
+            sampling=worker_pb2.SamplingParams(max_tokens=1500, ignore_eos=True)), timeout=120)
+        next(stream)
+        stream.cancel()
+    wait_for(lambda: aborted() > before, cluster["procs"]["worker"], timeout=20, what="the request aborted")
+    assert aborted() == before + 1
+    wait_for(lambda: get_stats(cluster["address"]).load.num_running == 0, cluster["procs"]["worker"],
+             timeout=20, what="the engine dropped the request")  # not left generating for nobody
 
 
 def test_planner_killed_mid_run_worker_falls_back_and_reconnects(cluster):

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpagedweight/v1/worker.proto\x12\x0epagedweight.v1\"\xd1\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x01\x88\x01\x01\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nmin_tokens\x18\x08 \x01(\x05\x12\r\n\x05min_p\x18\t \x01(\x02\x42\x08\n\x06_top_pB\x07\n\x05_seed\"\x85\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x30\n\x08sampling\x18\x03 \x01(\x0b\x32\x1e.pagedweight.v1.SamplingParams\x12\x12\n\nsession_id\x18\x04 \x01(\t\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"\xbb\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12$\n\x05usage\x18\x05 \x01(\x0b\x32\x15.pagedweight.v1.Usage\x12\x18\n\x10mean_expert_bits\x18\x06 \x01(\x01\x12\x17\n\x0fnum_preemptions\x18\x07 \x01(\x05\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x11\n\x0fGetStatsRequest\"\xde\x02\n\x0bMemorySplit\x12\x14\n\x0c\x62udget_bytes\x18\x01 \x01(\x03\x12P\n\x14\x65xpert_bytes_by_bits\x18\x02 \x03(\x0b\x32\x32.pagedweight.v1.MemorySplit.ExpertBytesByBitsEntry\x12\x1a\n\x12\x64\x65nse_weight_bytes\x18\x03 \x01(\x03\x12\x17\n\x0fworkspace_bytes\x18\x04 \x01(\x03\x12\x15\n\rkv_used_bytes\x18\x05 \x01(\x03\x12\x15\n\rkv_free_bytes\x18\x06 \x01(\x03\x12\x18\n\x10in_transit_bytes\x18\x07 \x01(\x03\x12\x12\n\nfree_bytes\x18\x08 \x01(\x03\x12\x1c\n\x14kv_reclaimable_bytes\x18\t \x01(\x03\x1a\x38\n\x16\x45xpertBytesByBitsEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\xeb\x01\n\tBitsStats\x12\x18\n\x10mean_expert_bits\x18\x01 \x01(\x01\x12\x43\n\x0e\x62locks_by_bits\x18\x02 \x03(\x0b\x32+.pagedweight.v1.BitsStats.BlocksByBitsEntry\x12\x16\n\x0enum_page_moves\x18\x03 \x01(\x03\x12\x19\n\x11num_plans_service\x18\x04 \x01(\x03\x12\x17\n\x0fnum_plans_local\x18\x05 \x01(\x03\x1a\x33\n\x11\x42locksByBitsEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\"\x8b\x02\n\tLoadStats\x12\x13\n\x0bnum_running\x18\x01 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\x05\x12\x1b\n\x13kv_cache_usage_perc\x18\x03 \x01(\x01\x12\x15\n\rkv_block_size\x18\x04 \x01(\x05\x12\x15\n\rkv_num_blocks\x18\x05 \x01(\x05\x12\x1a\n\x12kv_num_used_blocks\x18\x06 \x01(\x05\x12\x1a\n\x12kv_capacity_blocks\x18\x07 \x01(\x05\x12\x17\n\x0fnum_preemptions\x18\x08 \x01(\x03\x12\x19\n\x11num_prompt_tokens\x18\t \x01(\x03\x12\x1d\n\x15num_generation_tokens\x18\n \x01(\x03\"\xf7\x01\n\x0bWorkerStats\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\r\n\x05ready\x18\x03 \x01(\x08\x12\x19\n\x11planner_connected\x18\x04 \x01(\x08\x12\'\n\x04load\x18\x05 \x01(\x0b\x32\x19.pagedweight.v1.LoadStats\x12+\n\x06memory\x18\x06 \x01(\x0b\x32\x1b.pagedweight.v1.MemorySplit\x12\'\n\x04\x62its\x18\x07 \x01(\x0b\x32\x19.pagedweight.v1.BitsStats\x12\x14\n\x0c\x65os_token_id\x18\x08 \x01(\x05\x32\xe9\x01\n\x06Worker\x12O\n\x08Generate\x12\x1f.pagedweight.v1.GenerateRequest\x1a .pagedweight.v1.GenerateResponse0\x01\x12\x44\n\x05\x41\x62ort\x12\x1c.pagedweight.v1.AbortRequest\x1a\x1d.pagedweight.v1.AbortResponse\x12H\n\x08GetStats\x12\x1f.pagedweight.v1.GetStatsRequest\x1a\x1b.pagedweight.v1.WorkerStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpagedweight/v1/worker.proto\x12\x0epagedweight.v1\"\xd1\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x01\x88\x01\x01\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nmin_tokens\x18\x08 \x01(\x05\x12\r\n\x05min_p\x18\t \x01(\x02\x42\x08\n\x06_top_pB\x07\n\x05_seed\"\x85\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x30\n\x08sampling\x18\x03 \x01(\x0b\x32\x1e.pagedweight.v1.SamplingParams\x12\x12\n\nsession_id\x18\x04 \x01(\t\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"\xe5\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12$\n\x05usage\x18\x05 \x01(\x0b\x32\x15.pagedweight.v1.Usage\x12\x18\n\x10mean_expert_bits\x18\x06 \x01(\x01\x12\x17\n\x0fnum_preemptions\x18\x07 \x01(\x05\x12\x18\n\x0bstop_reason\x18\x08 \x01(\x05H\x00\x88\x01\x01\x42\x0e\n\x0c_stop_reason\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x11\n\x0fGetStatsRequest\"\xde\x02\n\x0bMemorySplit\x12\x14\n\x0c\x62udget_bytes\x18\x01 \x01(\x03\x12P\n\x14\x65xpert_bytes_by_bits\x18\x02 \x03(\x0b\x32\x32.pagedweight.v1.MemorySplit.ExpertBytesByBitsEntry\x12\x1a\n\x12\x64\x65nse_weight_bytes\x18\x03 \x01(\x03\x12\x17\n\x0fworkspace_bytes\x18\x04 \x01(\x03\x12\x15\n\rkv_used_bytes\x18\x05 \x01(\x03\x12\x15\n\rkv_free_bytes\x18\x06 \x01(\x03\x12\x18\n\x10in_transit_bytes\x18\x07 \x01(\x03\x12\x12\n\nfree_bytes\x18\x08 \x01(\x03\x12\x1c\n\x14kv_reclaimable_bytes\x18\t \x01(\x03\x1a\x38\n\x16\x45xpertBytesByBitsEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\xeb\x01\n\tBitsStats\x12\x18\n\x10mean_expert_bits\x18\x01 \x01(\x01\x12\x43\n\x0e\x62locks_by_bits\x18\x02 \x03(\x0b\x32+.pagedweight.v1.BitsStats.BlocksByBitsEntry\x12\x16\n\x0enum_page_moves\x18\x03 \x01(\x03\x12\x19\n\x11num_plans_service\x18\x04 \x01(\x03\x12\x17\n\x0fnum_plans_local\x18\x05 \x01(\x03\x1a\x33\n\x11\x42locksByBitsEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\"\x8b\x02\n\tLoadStats\x12\x13\n\x0bnum_running\x18\x01 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\x05\x12\x1b\n\x13kv_cache_usage_perc\x18\x03 \x01(\x01\x12\x15\n\rkv_block_size\x18\x04 \x01(\x05\x12\x15\n\rkv_num_blocks\x18\x05 \x01(\x05\x12\x1a\n\x12kv_num_used_blocks\x18\x06 \x01(\x05\x12\x1a\n\x12kv_capacity_blocks\x18\x07 \x01(\x05\x12\x17\n\x0fnum_preemptions\x18\x08 \x01(\x03\x12\x19\n\x11num_prompt_tokens\x18\t \x01(\x03\x12\x1d\n\x15num_generation_tokens\x18\n \x01(\x03\"\xf7\x01\n\x0bWorkerStats\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\r\n\x05ready\x18\x03 \x01(\x08\x12\x19\n\x11planner_connected\x18\x04 \x01(\x08\x12\'\n\x04load\x18\x05 \x01(\x0b\x32\x19.pagedweight.v1.LoadStats\x12+\n\x06memory\x18\x06 \x01(\x0b\x32\x1b.pagedweight.v1.MemorySplit\x12\'\n\x04\x62its\x18\x07 \x01(\x0b\x32\x19.pagedweight.v1.BitsStats\x12\x14\n\x0c\x65os_token_id\x18\x08 \x01(\x05\x32\xe9\x01\n\x06Worker\x12O\n\x08Generate\x12\x1f.pagedweight.v1.GenerateRequest\x1a .pagedweight.v1.GenerateResponse0\x01\x12\x44\n\x05\x41\x62ort\x12\x1c.pagedweight.v1.AbortRequest\x1a\x1d.pagedweight.v1.AbortResponse\x12H\n\x08GetStats\x12\x1f.pagedweight.v1.GetStatsRequest\x1a\x1b.pagedweight.v1.WorkerStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,25 +42,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_USAGE']._serialized_start=395
   _globals['_USAGE']._serialized_end=452
   _globals['_GENERATERESPONSE']._serialized_start=455
-  _globals['_GENERATERESPONSE']._serialized_end=642
-  _globals['_ABORTREQUEST']._serialized_start=644
-  _globals['_ABORTREQUEST']._serialized_end=678
-  _globals['_ABORTRESPONSE']._serialized_start=680
-  _globals['_ABORTRESPONSE']._serialized_end=710
-  _globals['_GETSTATSREQUEST']._serialized_start=712
-  _globals['_GETSTATSREQUEST']._serialized_end=729
-  _globals['_MEMORYSPLIT']._serialized_start=732
-  _globals['_MEMORYSPLIT']._serialized_end=1082
-  _globals['_MEMORYSPLIT_EXPERTBYTESBYBITSENTRY']._serialized_start=1026
-  _globals['_MEMORYSPLIT_EXPERTBYTESBYBITSENTRY']._serialized_end=1082
-  _globals['_BITSSTATS']._serialized_start=1085
-  _globals['_BITSSTATS']._serialized_end=1320
-  _globals['_BITSSTATS_BLOCKSBYBITSENTRY']._serialized_start=1269
-  _globals['_BITSSTATS_BLOCKSBYBITSENTRY']._serialized_end=1320
-  _globals['_LOADSTATS']._serialized_start=1323
-  _globals['_LOADSTATS']._serialized_end=1590
-  _globals['_WORKERSTATS']._serialized_start=1593
-  _globals['_WORKERSTATS']._serialized_end=1840
-  _globals['_WORKER']._serialized_start=1843
-  _globals['_WORKER']._serialized_end=2076
+  _globals['_GENERATERESPONSE']._serialized_end=684
+  _globals['_ABORTREQUEST']._serialized_start=686
+  _globals['_ABORTREQUEST']._serialized_end=720
+  _globals['_ABORTRESPONSE']._serialized_start=722
+  _globals['_ABORTRESPONSE']._serialized_end=752
+  _globals['_GETSTATSREQUEST']._serialized_start=754
+  _globals['_GETSTATSREQUEST']._serialized_end=771
+  _globals['_MEMORYSPLIT']._serialized_start=774
+  _globals['_MEMORYSPLIT']._serialized_end=1124
+  _globals['_MEMORYSPLIT_EXPERTBYTESBYBITSENTRY']._serialized_start=1068
+  _globals['_MEMORYSPLIT_EXPERTBYTESBYBITSENTRY']._serialized_end=1124
+  _globals['_BITSSTATS']._serialized_start=1127
+  _globals['_BITSSTATS']._serialized_end=1362
+  _globals['_BITSSTATS_BLOCKSBYBITSENTRY']._serialized_start=1311
+  _globals['_BITSSTATS_BLOCKSBYBITSENTRY']._serialized_end=1362
+  _globals['_LOADSTATS']._serialized_start=1365
+  _globals['_LOADSTATS']._serialized_end=1632
+  _globals['_WORKERSTATS']._serialized_start=1635
+  _globals['_WORKERSTATS']._serialized_end=1882
+  _globals['_WORKER']._serialized_start=1885
+  _globals['_WORKER']._serialized_end=2118
 # @@protoc_insertion_point(module_scope)

@@ -58,7 +58,9 @@ class WorkerServicer:
         """Runs one request; streams its new tokens as they are sampled. The last message
         has finished = true with the finish reason, usage and the mean expert bits.
         Errors: INVALID_ARGUMENT for a request the engine refuses (too long, bad
-        sampling values), UNAVAILABLE while draining, ALREADY_EXISTS for a request id in use.
+        sampling values), UNAVAILABLE while loading, draining or after the engine died
+        (retry on another worker), ALREADY_EXISTS for a request id in use, INTERNAL when the
+        engine fails while the request runs.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

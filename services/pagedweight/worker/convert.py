@@ -15,10 +15,8 @@ from pagedweight.rpc import worker_pb2
 
 def sampling_params(msg: worker_pb2.SamplingParams) -> SamplingParams:
     """Raises UserError (-> INVALID_ARGUMENT) for values the engine refuses or lacks."""
-    unsupported = [name for name, on in (("min_p", msg.min_p != 0.0), ("min_tokens", msg.min_tokens != 0),
-                                         ("stop_token_ids", len(msg.stop_token_ids) > 0)) if on]
-    if unsupported:
-        raise UserError(f"this worker does not support {', '.join(unsupported)} yet")
+    if msg.min_p != 0.0:
+        raise UserError("this worker does not support min_p yet")
     return SamplingParams(
         max_tokens=msg.max_tokens,
         temperature=msg.temperature,
@@ -26,6 +24,8 @@ def sampling_params(msg: worker_pb2.SamplingParams) -> SamplingParams:
         top_k=msg.top_k,
         seed=msg.seed if msg.HasField("seed") else None,
         ignore_eos=msg.ignore_eos,
+        stop_token_ids=tuple(msg.stop_token_ids),
+        min_tokens=msg.min_tokens,
     )
 
 

@@ -4,6 +4,9 @@ Start-up: the gRPC server and health service come up first (liveness SERVING, re
 NOT_SERVING) so probes see a live process while the model loads in a thread; then the
 engine is attached, the planner service link (if any) installed, readiness SERVING.
 
+A dead engine (a step raised; AsyncEngine.errored) turns liveness and readiness
+NOT_SERVING and new requests get UNAVAILABLE.
+
 Drain (SIGTERM or SIGINT): readiness NOT_SERVING and new Generate calls get UNAVAILABLE
 (a gateway retries them elsewhere); running requests get `shutdown_timeout_s` to finish;
 those still running are aborted, so their streams end with finish_reason "abort"
@@ -115,7 +118,7 @@ async def serve(config: WorkerConfig, started: asyncio.Event | None = None) -> N
     engine = AsyncEngine(runtime.engine)
     servicer.telemetry = WorkerTelemetry(runtime, engine, vllm, ours, remote)
     servicer.engine = engine
-    status = StatusHttpServer(registry, lambda: True, lambda: servicer.ready, servicer.telemetry.refresh)
+    status = StatusHttpServer(registry, lambda: servicer.live, lambda: servicer.ready, servicer.telemetry.refresh)
     if config.http_port is not None:
         status.start(config.host, config.http_port)
     await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
@@ -125,7 +128,9 @@ async def serve(config: WorkerConfig, started: asyncio.Event | None = None) -> N
     if started is not None:
         started.set()
 
+    watcher = asyncio.create_task(watch_engine(servicer, health_servicer))
     await stop.wait()
+    watcher.cancel()
     await drain(servicer, health_servicer, config.shutdown_timeout_s)
     await server.stop(grace=1.0)
     status.stop()
@@ -134,6 +139,17 @@ async def serve(config: WorkerConfig, started: asyncio.Event | None = None) -> N
         remote.close()
     runtime.close()
     log.info("worker stopped")
+
+
+async def watch_engine(servicer: WorkerServicer, health_servicer, every_s: float = 0.5) -> None:
+    """A dead engine (a step raised) makes liveness and readiness NOT_SERVING: a
+    supervisor restarts the process, routers stop sending it requests."""
+    while not servicer.engine.errored:
+        await asyncio.sleep(every_s)
+    log.error("engine is dead (%s): liveness and readiness NOT_SERVING; restart this worker",
+              servicer.engine.dead_error)
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
 
 async def drain(servicer: WorkerServicer, health_servicer, timeout_s: float) -> None:

@@ -13,7 +13,7 @@ import uuid
 
 import grpc
 
-from pagedweight.common.errors import UserError
+from pagedweight.common.errors import EngineDeadError, UserError
 from pagedweight.rpc import worker_pb2, worker_pb2_grpc
 from pagedweight.worker import convert
 
@@ -30,12 +30,18 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     @property
     def ready(self) -> bool:
-        return self.engine is not None and not self.draining
+        return self.engine is not None and not self.draining and not self.engine.errored
+
+    @property
+    def live(self) -> bool:
+        """False once the engine died (a step raised): the process must be restarted."""
+        return self.engine is None or not self.engine.errored
 
     async def Generate(self, request, context):
         if not self.ready:
-            await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                "worker is draining" if self.draining else "worker is loading")
+            reason = ("worker is draining" if self.draining else "worker is loading" if self.engine is None
+                      else f"engine is dead: {self.engine.dead_error}")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, reason)
         arrived = time.monotonic()
         request_id = request.request_id or f"req-{uuid.uuid4().hex}"
         if request_id in self.running:
@@ -48,32 +54,49 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             stream = self.engine.add_request(prompt, params, request_id)
         except UserError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        except EngineDeadError as err:  # retryable on another worker; this one needs a restart
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
         self.running.add(request_id)
         self.idle.clear()
         record = self.telemetry.start(request_id, len(prompt), arrived)
-        finish_reason = "error"
+        state = {"final": None, "closed": False}  # final: the finish reason once sent
+
+        def close(reason: str) -> None:  # once per request, from whichever path ends it
+            if not state["closed"]:
+                state["closed"] = True
+                self.telemetry.finish(record, reason)
+                self.running.discard(request_id)
+                if not self.running:
+                    self.idle.set()
+
+        def on_rpc_done(_) -> None:
+            # grpc.aio may drop a cancelled call's generator while it waits at a `yield`
+            # without closing it: abort the engine's request here, or it would run on.
+            if state["final"] is None:
+                self.engine.abort(request_id)
+            close(state["final"] or "abort")
+
+        context.add_done_callback(on_rpc_done)
+        reason = "error"
         try:
             async for out in stream:
                 record.tokens(len(out.new_token_ids), self.telemetry.mean_expert_bits())
                 if not out.finished:
                     yield worker_pb2.GenerateResponse(request_id=request_id, token_ids=out.new_token_ids)
                     continue
-                finish_reason = out.finish_reason or "stop"
+                reason = state["final"] = out.finish_reason or "stop"
                 yield worker_pb2.GenerateResponse(
                     request_id=request_id, token_ids=out.new_token_ids, finished=True,
-                    finish_reason=finish_reason,
+                    finish_reason=reason,
                     usage=worker_pb2.Usage(prompt_tokens=len(prompt), completion_tokens=record.num_tokens),
-                    mean_expert_bits=record.mean_bits)
+                    mean_expert_bits=record.mean_bits, stop_reason=out.stop_reason)
+        except asyncio.CancelledError:  # the client went away; closing the stream aborted it
+            reason = "abort"
+            raise
         except Exception as err:  # the engine died: the client gets INTERNAL, not silence
-            if isinstance(err, asyncio.CancelledError):
-                finish_reason = "abort"  # the client went away; the stream's close aborted it
-                raise
             await context.abort(grpc.StatusCode.INTERNAL, f"engine failed: {err}")
         finally:
-            self.telemetry.finish(record, finish_reason)
-            self.running.discard(request_id)
-            if not self.running:
-                self.idle.set()
+            close(reason)
 
     async def Abort(self, request, context):
         found = request.request_id in self.running
