@@ -157,6 +157,34 @@ def test_several_prompts_times_n_choices_in_order(cluster):
     assert by_index[2] == by_index[3] == as_ids  # the same prompt given as token ids
 
 
+def test_stop_token_ids_end_the_choice_and_min_tokens_holds_them_off(cluster):
+    api, url = client(cluster["url_a"]), cluster["url_a"]
+    kwargs = dict(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0)
+    pieces = [c.choices[0].text for c in api.completions.create(**kwargs, stream=True)]
+
+    def ids_of(text):
+        return httpx.post(f"{url}/tokenize", json={"prompt": text}, timeout=10).json()["tokens"]
+
+    # a later piece that is exactly one token and not seen before: the stop token
+    seen, stop_at, stop_id = set(), None, None
+    for k, piece in enumerate(pieces):
+        ids = ids_of(piece) if piece else []
+        if k >= 2 and len(ids) == 1 and ids[0] not in seen:
+            stop_at, stop_id = k, ids[0]
+            break
+        seen.update(ids)
+    assert stop_id is not None, pieces
+    done = api.completions.create(**kwargs, extra_body={"stop_token_ids": [stop_id]})
+    choice = done.choices[0]
+    assert choice.text == "".join(pieces[:stop_at]) and choice.finish_reason == "stop"
+    assert choice.model_extra["stop_reason"] == stop_id
+    held = api.completions.create(**kwargs, extra_body={"stop_token_ids": [stop_id], "min_tokens": stop_at + 1})
+    assert held.usage.completion_tokens > stop_at  # the stop token could not end it that early
+    # greedy up to the stop token's place, then something else: the stop token was masked there
+    assert held.choices[0].text.startswith("".join(pieces[:stop_at]))
+    assert not held.choices[0].text.startswith("".join(pieces[: stop_at + 1]))
+
+
 def test_echo_prepends_the_prompt(cluster):
     done = client(cluster["url_a"]).completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0,
                                                        echo=True)

@@ -50,7 +50,7 @@ class ChoiceDelta:
     text: str  # new text ("" is possible: a token that completes no character yet)
     num_tokens: int  # tokens this delta covers
     finish_reason: str | None = None  # set on the choice's last delta
-    stop_reason: str | None = None  # the stop string that ended it
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
 
 
 class RequestTimer:
@@ -164,10 +164,20 @@ class Generation:
             if response.finished:
                 tail = detok.finish()  # the held-back text (a stop string may still complete in it)
                 reason = "stop" if tail.stopped else (response.finish_reason or "stop")
-                queue.put_nowait(ChoiceDelta(spec.index, text + tail.text, len(ids), reason, detok.stop_reason))
+                stop_reason = detok.stop_reason if tail.stopped else _stop_token(response, spec)
+                queue.put_nowait(ChoiceDelta(spec.index, text + tail.text, len(ids), reason, stop_reason))
                 return
             queue.put_nowait(ChoiceDelta(spec.index, text, len(ids)))
         raise APIError(503, f"worker {address} ended the stream of {self.request_id} without finishing it")
+
+
+def _stop_token(response: worker_pb2.GenerateResponse, spec: ChoiceSpec) -> int | None:
+    """vLLM's stop_reason for a token stop: the id when it is one of the request's
+    stop_token_ids; None for EOS (and for every other finish)."""
+    if response.finish_reason == "stop" and response.HasField("stop_reason"):
+        if response.stop_reason in spec.sampling.stop_token_ids:
+            return response.stop_reason
+    return None
 
 
 class _Progress:
