@@ -225,6 +225,7 @@ def test_session_continues_on_another_gateway(cluster):
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True}, 400, "logprobs"),
     ("/v1/completions", {"prompt": [999999]}, 400, "prompt"),
     ("/v1/completions", {"prompt": "x", "stop": [""]}, 400, "stop"),
+    ("/v1/completions", {"prompt": "x", "min_p": 0.1}, 400, None),  # refused by the worker: min_p
 ])
 def test_bad_request_gets_4xx_json_and_the_server_keeps_serving(cluster, path, body, status, param):
     url = cluster["url_a"] + path
