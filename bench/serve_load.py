@@ -12,6 +12,9 @@ EOS is ignored, so every request generates exactly its drawn output length.
    (`POST /v1/completions`, streamed, token-id prompts) of planner + worker + gateway
    processes started here on free ports (or an already running one: `--url`).
 
+3. worker gRPC: the same trace straight against the worker's `Generate` (no gateway), to
+   split the overhead between the worker's gRPC layer and the gateway.
+
 Each run reports requests/s, output tokens/s, TTFT and ITL percentiles (client side),
 preemptions, and the worker's memory split sampled every `--sample-every` seconds.
 `overhead` is 1 - cluster output tok/s / in-process output tok/s, means over `--rounds`
@@ -250,6 +253,40 @@ def run_cluster(args, trace: list[TraceRequest], url: str, model: str, worker_ht
     return result
 
 
+def run_worker_grpc(args, trace: list[TraceRequest], address: str) -> dict:
+    """The trace straight against the worker's gRPC API: the worker's share of the overhead."""
+    import grpc
+
+    from pagedweight.rpc import worker_pb2, worker_pb2_grpc
+
+    async def one(stub, req: TraceRequest, start: float, gate: asyncio.Semaphore) -> RequestTiming:
+        await asyncio.sleep(max(0.0, start + req.arrival_s - time.monotonic()))
+        async with gate:
+            sent, last, ttft, itl, n, reason = time.monotonic(), None, 0.0, [], 0, ""
+            request = worker_pb2.GenerateRequest(prompt_token_ids=req.prompt_ids, sampling=worker_pb2.SamplingParams(
+                max_tokens=req.output_len, ignore_eos=True))
+            async for m in stub.Generate(request):
+                now = time.monotonic()
+                if m.token_ids:
+                    if last is None:
+                        ttft = now - sent
+                    else:
+                        itl.append(now - last)
+                    last = now
+                    n += len(m.token_ids)
+                reason = m.finish_reason or reason
+            return RequestTiming(ttft, itl, n, reason)
+
+    async def main():
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = worker_pb2_grpc.WorkerStub(channel)
+            start, gate = time.monotonic(), asyncio.Semaphore(args.max_concurrency)
+            timings = await asyncio.gather(*[one(stub, r, start, gate) for r in trace])
+            return summarize(timings, time.monotonic() - start)
+
+    return asyncio.run(main())
+
+
 def start_cluster(args):
     """planner + worker + gateway on free ports; returns (services, url, worker metrics port)."""
     import socket
@@ -277,7 +314,7 @@ def start_cluster(args):
     for service, ready in zip(services, checks):
         service.start()
         wait_until(ready, service, 300)
-    return services, f"http://127.0.0.1:{g}", wh
+    return services, f"http://127.0.0.1:{g}", wh, f"127.0.0.1:{w}"
 
 
 def main() -> None:
@@ -309,16 +346,19 @@ def main() -> None:
                        vocab, args.seed)
     # Rounds alternate in-process and cluster runs, so a busy spell of a shared machine
     # does not land on one side only; the cluster stays up between its rounds.
-    in_process, cluster, services = [], [], []
+    in_process, worker, cluster, services = [], [], [], []
     try:
         for round_index in range(args.rounds):
             in_process.append(run_in_process(args, trace))
             print(f"round {round_index}: in-process {in_process[-1]['output_tokens_per_s']} tok/s", flush=True)
             if round_index == 0:
                 if args.url:
-                    url, worker_http = args.url, args.worker_metrics_port
+                    url, worker_http, worker_grpc = args.url, args.worker_metrics_port, None
                 else:
-                    services, url, worker_http = start_cluster(args)
+                    services, url, worker_http, worker_grpc = start_cluster(args)
+            if worker_grpc is not None:
+                worker.append(run_worker_grpc(args, trace, worker_grpc))
+                print(f"round {round_index}: worker gRPC {worker[-1]['output_tokens_per_s']} tok/s", flush=True)
             cluster.append(run_cluster(args, trace, url, args.served_model_name, worker_http))
             print(f"round {round_index}: cluster    {cluster[-1]['output_tokens_per_s']} tok/s", flush=True)
     finally:
@@ -334,7 +374,9 @@ def main() -> None:
                   "output_len": args.output_len, "seed": args.seed, "distribution": "uniform lengths, Poisson arrivals"},
         "threads": args.threads, "rounds": args.rounds, "load_average_after": list(os.getloadavg()),
         "in_process_output_tok_s_mean": round(mean(in_process), 2), "cluster_output_tok_s_mean": round(mean(cluster), 2),
-        "in_process": in_process, "cluster": cluster,
+        "worker_grpc_output_tok_s_mean": round(mean(worker), 2) if worker else None,
+        "overhead_worker_grpc_only": round(1.0 - mean(worker) / mean(in_process), 4) if worker else None,
+        "in_process": in_process, "worker_grpc": worker, "cluster": cluster,
         "overhead_output_tok_s": round(overhead, 4), "target_overhead": 0.10,
     })
     print(f"overhead {overhead:.1%} (target < 10%); wrote {path}")

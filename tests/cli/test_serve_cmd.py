@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -31,7 +32,12 @@ def test_the_cache_key_follows_the_checkpoint_files(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"x" * 10)
     first = checkpoint_digest(tmp_path)
     assert checkpoint_digest(tmp_path) == first
-    (tmp_path / "model.safetensors").write_bytes(b"x" * 11)
+    os.utime(tmp_path / "model.safetensors", (1, 1))  # a fresh clone: new times, same files
+    assert checkpoint_digest(tmp_path) == first
+    (tmp_path / "model.safetensors").write_bytes(b"y" * 10)
+    assert checkpoint_digest(tmp_path) != first
+    (tmp_path / "model.safetensors").write_bytes(b"x" * 10)
+    (tmp_path / "config.json").write_text('{"a": 1}')
     assert checkpoint_digest(tmp_path) != first
 
 

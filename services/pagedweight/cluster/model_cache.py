@@ -1,8 +1,8 @@
 """A served model directory: a paged model as given, or a checkpoint quantised once and cached.
 
 The cache entry is named after the checkpoint's name and a digest of its config and
-weight files (names, sizes, modification times), so an edited checkpoint gets a fresh
-entry. Quantisation writes to a temporary sibling and renames it into place when done:
+weight files (checkpoint_digest), so an edited checkpoint gets a fresh entry and a fresh
+clone of the same one does not. Quantisation writes to a temporary sibling and renames it into place when done:
 an interrupted first start leaves no half-written model that a later start would trust.
 """
 
@@ -23,11 +23,16 @@ DEFAULT_CACHE = Path(os.environ.get("PAGEDWEIGHT_CACHE", Path.home() / ".cache" 
 
 
 def checkpoint_digest(model_dir: Path) -> str:
+    """Content-based, cheap on big checkpoints: every JSON file whole, each safetensors
+    file's size and first MiB (its header: tensor names, dtypes, shapes, offsets). A fresh
+    clone or a copy (new modification times) reuses the cache entry; new weights do not."""
     h = hashlib.sha256()
     for path in sorted(model_dir.iterdir()):
-        if path.is_file() and (path.suffix in (".json", ".safetensors")):
-            st = path.stat()
-            h.update(f"{path.name}:{st.st_size}:{st.st_mtime_ns}\n".encode())
+        if path.is_file() and path.suffix == ".json":
+            h.update(f"{path.name}\n".encode() + path.read_bytes())
+        elif path.is_file() and path.suffix == ".safetensors":
+            with open(path, "rb") as f:
+                h.update(f"{path.name}:{path.stat().st_size}\n".encode() + f.read(1 << 20))
     return h.hexdigest()[:12]
 
 
