@@ -1,0 +1,156 @@
+"""The gateway's FastAPI app: routes of a few lines each, wiring in one lifespan.
+
+    POST /v1/completions, /v1/chat/completions   -> serving_completions, serving_chat
+    GET  /v1/models, /health, /metrics, /version
+    POST /tokenize, /detokenize
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import asynccontextmanager
+from importlib import metadata
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CollectorRegistry
+
+from pagedweight.common.errors import UserError
+from pagedweight.common.metrics import exposition
+from pagedweight.gateway.config import GatewayConfig
+from pagedweight.gateway.errors import APIError, api_error_handler, error_response, validation_error_handler
+from pagedweight.gateway.metrics import GatewayMetrics
+from pagedweight.gateway.middleware import GatewayMiddleware
+from pagedweight.gateway.protocol import (
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
+    TokenizeRequest, TokenizeResponse,
+)
+from pagedweight.gateway.serving import GatewayState
+from pagedweight.gateway.serving_chat import ChatServing, message_dicts
+from pagedweight.gateway.serving_completions import CompletionServing
+from pagedweight.gateway.sessions import open_session_store
+from pagedweight.gateway.text import TextCodec
+from pagedweight.gateway.workers import WorkerPool
+
+log = logging.getLogger("pagedweight.gateway")
+router = APIRouter()
+
+
+def _state(raw: Request) -> GatewayState:
+    return raw.app.state.gateway
+
+
+def _session_id(raw: Request, body_session_id: str | None) -> str | None:
+    return raw.headers.get("x-session-id") or body_session_id or None
+
+
+@router.post("/v1/completions")
+async def create_completion(request: CompletionRequest, raw: Request):
+    serving = raw.app.state.completions
+    return await serving.create(request, raw.state.request_id, _session_id(raw, request.session_id))
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(request: ChatCompletionRequest, raw: Request):
+    serving = raw.app.state.chat
+    return await serving.create(request, raw.state.request_id, _session_id(raw, request.session_id))
+
+
+@router.get("/v1/models")
+async def show_models(raw: Request) -> ModelList:
+    state = _state(raw)
+    name = state.config.model_name
+    return ModelList(data=[ModelCard(id=name, root=name, max_model_len=state.codec.max_model_len)])
+
+
+@router.get("/health")
+async def health(raw: Request):
+    if not _state(raw).pool.ready():
+        return error_response(503, "no worker is ready")
+    return Response(status_code=200)
+
+
+@router.get("/metrics")
+async def metrics(raw: Request):
+    state = _state(raw)
+    state.metrics.workers_ready.set(len(state.pool.ready()))
+    for backend in ("redis", "memory"):
+        state.metrics.session_store.labels(backend=backend).set(int(state.sessions.backend == backend))
+    body, content_type = exposition(raw.app.state.registry)
+    return Response(body, media_type=content_type)
+
+
+@router.get("/version")
+async def version():
+    return {"version": metadata.version("pagedweight")}
+
+
+@router.post("/tokenize")
+async def tokenize(request: TokenizeRequest, raw: Request) -> TokenizeResponse:
+    state = _state(raw)
+    if request.model is not None and request.model != state.config.model_name:
+        raise APIError(404, f"The model `{request.model}` does not exist.", "model")
+    if (request.prompt is None) == (request.messages is None):
+        raise APIError(400, "give either prompt or messages", "prompt")
+    text = request.prompt
+    if request.messages is not None:
+        try:
+            text = state.codec.render_chat(message_dicts(request.messages), request.add_generation_prompt)
+        except UserError as err:
+            raise APIError(400, str(err), "messages") from None
+    ids = state.codec.encode(text)
+    return TokenizeResponse(count=len(ids), max_model_len=state.codec.max_model_len, tokens=ids)
+
+
+@router.post("/detokenize")
+async def detokenize(request: DetokenizeRequest, raw: Request) -> DetokenizeResponse:
+    state = _state(raw)
+    if request.model is not None and request.model != state.config.model_name:
+        raise APIError(404, f"The model `{request.model}` does not exist.", "model")
+    bad = next((t for t in request.tokens if not 0 <= t < state.codec.vocab_size), None)
+    if bad is not None:
+        raise APIError(400, f"token id {bad} is outside the vocabulary", "tokens")
+    return DetokenizeResponse(prompt=state.codec.decode(request.tokens))
+
+
+def build_app(config: GatewayConfig) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        codec = TextCodec(config.model_dir)
+        registry = CollectorRegistry()
+        pool = WorkerPool(config.workers, config.stats_interval_s)
+        await pool.start()
+        sessions = await open_session_store(config.redis_url, config.session_key_prefix, config.session_ttl_s)
+        state = GatewayState(config, codec, pool, sessions,
+                             GatewayMetrics(registry, config.model_name, codec.max_model_len))
+        app.state.gateway, app.state.registry = state, registry
+        app.state.completions, app.state.chat = CompletionServing(state), ChatServing(state)
+        _log_workers(pool, config)
+        try:
+            yield
+        finally:
+            await pool.close()
+            await sessions.close()
+
+    app = FastAPI(title="PagedWeight gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.include_router(router)
+    app.add_exception_handler(APIError, api_error_handler)
+    app.add_exception_handler(RequestValidationError, validation_error_handler)
+    app.add_exception_handler(Exception, _internal_error_handler)
+    app.add_middleware(GatewayMiddleware, api_key=config.api_key, max_body_bytes=config.max_body_bytes)
+    return app
+
+
+async def _internal_error_handler(_: Request, err: Exception) -> JSONResponse:
+    log.exception("unhandled error", exc_info=err)
+    return error_response(500, f"internal error: {type(err).__name__}")
+
+
+def _log_workers(pool: WorkerPool, config: GatewayConfig) -> None:
+    ready = pool.ready()
+    log.info("workers: %d of %d ready (%s)", len(ready), len(pool.workers), ", ".join(pool.workers))
+    for address, worker in pool.workers.items():
+        if worker.stats is not None and worker.stats.model_name and worker.stats.model_name != config.model_name:
+            log.warning("worker %s serves %r but this gateway calls the model %r (--served-model-name)",
+                        address, worker.stats.model_name, config.model_name)

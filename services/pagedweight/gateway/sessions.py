@@ -1,0 +1,120 @@
+"""Sessions: a client's worker affinity and, for chat, its conversation so far.
+
+A session is one JSON value under `<prefix>session:<id>` in Redis with a TTL that every
+request renews, so any gateway replica (or a restarted one) continues it. When Redis does
+not answer, sessions live in this process instead; that loses them on restart and splits
+them across replicas, so it is said loudly in the log and in `pagedweight:session_store`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+log = logging.getLogger("pagedweight.gateway.sessions")
+
+FALLBACK_BANNER = (
+    "\n" + "!" * 78 + "\n"
+    "!! Redis at {url} does not answer ({err}).\n"
+    "!! Sessions are kept IN THIS PROCESS ONLY: a restart loses them and other gateway\n"
+    "!! replicas cannot see them. Start Redis or pass --redis-url to share sessions.\n"
+    + "!" * 78
+)
+
+
+@dataclass
+class Session:
+    worker: str | None = None  # the worker address that served it last
+    messages: list[dict] = field(default_factory=list)  # chat turns so far: {"role", "content"}
+
+    def to_json(self) -> str:
+        return json.dumps({"worker": self.worker, "messages": self.messages})
+
+    @classmethod
+    def from_json(cls, raw: str | bytes) -> "Session":
+        data = json.loads(raw)
+        return cls(worker=data.get("worker"), messages=list(data.get("messages") or []))
+
+
+class MemorySessionStore:
+    backend = "memory"
+
+    def __init__(self, ttl_s: float):
+        self.ttl_s = ttl_s
+        self._items: dict[str, tuple[float, str]] = {}  # session id -> (expiry time, JSON)
+
+    async def get(self, session_id: str) -> Session | None:
+        item = self._items.get(session_id)
+        if item is None or item[0] < time.monotonic():
+            self._items.pop(session_id, None)
+            return None
+        return Session.from_json(item[1])
+
+    async def put(self, session_id: str, session: Session) -> None:
+        if len(self._items) > 10_000:  # drop the expired before growing further
+            now = time.monotonic()
+            self._items = {k: v for k, v in self._items.items() if v[0] >= now}
+        self._items[session_id] = (time.monotonic() + self.ttl_s, session.to_json())
+
+    async def close(self) -> None:
+        pass
+
+
+class RedisSessionStore:
+    """Sessions in Redis; on a Redis error it moves to an in-process store (and says so)."""
+
+    backend = "redis"
+
+    def __init__(self, client: aioredis.Redis, url: str, prefix: str, ttl_s: float):
+        self._client, self._url = client, url
+        self._prefix, self.ttl_s = prefix, ttl_s
+        self._fallback: MemorySessionStore | None = None
+
+    def key(self, session_id: str) -> str:
+        return f"{self._prefix}session:{session_id}"
+
+    async def get(self, session_id: str) -> Session | None:
+        if self._fallback is not None:
+            return await self._fallback.get(session_id)
+        try:
+            raw = await self._client.get(self.key(session_id))
+        except (RedisError, OSError) as err:
+            return await self._fall_back(err).get(session_id)
+        return Session.from_json(raw) if raw is not None else None
+
+    async def put(self, session_id: str, session: Session) -> None:
+        if self._fallback is not None:
+            return await self._fallback.put(session_id, session)
+        try:
+            await self._client.set(self.key(session_id), session.to_json(), px=int(self.ttl_s * 1000))
+        except (RedisError, OSError) as err:
+            await self._fall_back(err).put(session_id, session)
+
+    def _fall_back(self, err: Exception) -> MemorySessionStore:
+        log.error(FALLBACK_BANNER.format(url=self._url, err=err))
+        self._fallback = MemorySessionStore(self.ttl_s)
+        self.backend = "memory"
+        return self._fallback
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+
+async def open_session_store(url: str, prefix: str, ttl_s: float):
+    """Redis when it answers a PING within a second, else the in-process store."""
+    client = None
+    try:
+        client = aioredis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0)
+        await client.ping()
+    except (RedisError, OSError, ValueError) as err:
+        if client is not None:
+            await client.aclose()
+        log.error(FALLBACK_BANNER.format(url=url, err=err))
+        return MemorySessionStore(ttl_s)
+    log.info("sessions in Redis at %s (keys %ssession:*, ttl %.0f s)", url, prefix, ttl_s)
+    return RedisSessionStore(client, url, prefix, ttl_s)
