@@ -1,12 +1,11 @@
-"""Container HEALTHCHECK for the PagedWeight images; exit 0 when the service is ready.
+"""Container HEALTHCHECK for the PagedWeight images: exit 0 when the service is ready.
 
-    python healthcheck.py http http://127.0.0.1:8000/health
-    python healthcheck.py grpc 127.0.0.1:50051 [SERVICE]
+    python healthcheck.py http://127.0.0.1:8000/health    # the gateway
+    python healthcheck.py http://127.0.0.1:9100/ready     # a worker's or the planner's side port
 
-`http` expects a 200; `grpc` asks the standard grpc.health.v1 service (SERVICE defaults to
-"readiness", the name the worker and planner report readiness under) for SERVING. The
-image runs it as a file, not through the package, so a broken install still reports
-unhealthy instead of failing to start the check.
+Any answer but 200 (503 while a worker loads its model or drains), or none within the
+timeout, is unhealthy. Standard library only, and run as a file rather than through the
+package, so a broken install reports unhealthy instead of failing to start the check.
 """
 
 from __future__ import annotations
@@ -17,34 +16,19 @@ import urllib.request
 TIMEOUT_S = 3.0
 
 
-def check_http(url: str) -> bool:
+def ready(url: str) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=TIMEOUT_S) as response:
             return response.status == 200
-    except OSError:
+    except OSError:  # refused, timed out, or an HTTP error status
         return False
 
 
-def check_grpc(address: str, service: str) -> bool:
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    with grpc.insecure_channel(address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        try:
-            reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=TIMEOUT_S)
-        except grpc.RpcError:
-            return False
-    return reply.status == health_pb2.HealthCheckResponse.SERVING
-
-
 def main(argv: list[str]) -> int:
-    if len(argv) >= 2 and argv[0] == "http":
-        return 0 if check_http(argv[1]) else 1
-    if len(argv) >= 2 and argv[0] == "grpc":
-        return 0 if check_grpc(argv[1], argv[2] if len(argv) > 2 else "readiness") else 1
-    print(__doc__, file=sys.stderr)
-    return 2
+    if len(argv) != 1 or not argv[0].startswith("http://"):
+        print(__doc__, file=sys.stderr)
+        return 2
+    return 0 if ready(argv[0]) else 1
 
 
 if __name__ == "__main__":

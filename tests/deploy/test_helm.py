@@ -54,13 +54,20 @@ def test_validation_can_fail(rendered, tmp_path):
     assert result.returncode != 0 and "grpcc" in result.stdout + result.stderr
 
 
-def containers(docs, kind="Deployment"):
-    return {d["metadata"]["name"]: d["spec"]["template"]["spec"] for d in by_kind(docs, kind)}
+def containers(docs):
+    """name -> pod spec of every Deployment and StatefulSet."""
+    return {d["metadata"]["name"]: d["spec"]["template"]["spec"] for d in docs
+            if d["kind"] in ("Deployment", "StatefulSet")}
+
+
+GATEWAY, WORKER = "rel-pagedweight-gateway-micro-mixtral", "rel-pagedweight-worker-micro-mixtral"
 
 
 @pytest.mark.parametrize("value_set", VALUE_SETS)
 def test_every_service_drains_before_it_is_killed(value_set, rendered):
     for name, pod in containers(rendered[value_set]).items():
+        if name.endswith("-redis"):
+            continue
         (container,) = pod["containers"]
         sleep = int(container["lifecycle"]["preStop"]["exec"]["command"][1])
         drain = next((int(a.split("=")[1]) for a in container["args"] if a.startswith("--shutdown-timeout=")), 0)
@@ -72,21 +79,24 @@ def test_every_service_drains_before_it_is_killed(value_set, rendered):
 
 def test_probes_use_health_endpoints(rendered):
     pods = containers(rendered["default"])
-    gateway = pods["rel-pagedweight-gateway"]["containers"][0]
+    gateway = pods[GATEWAY]["containers"][0]
     assert gateway["readinessProbe"]["httpGet"]["path"] == "/health"
-    worker = pods["rel-pagedweight-worker-micro-mixtral"]["containers"][0]
-    assert worker["readinessProbe"]["grpc"] == {"port": 50051, "service": "readiness"}
-    assert worker["livenessProbe"]["grpc"] == {"port": 50051, "service": "liveness"}
+    worker = pods[WORKER]["containers"][0]
+    # the worker's grpc.health.v1 names: "" live from the start, its service once loaded
+    assert worker["readinessProbe"]["grpc"] == {"port": 50051, "service": "pagedweight.v1.Worker"}
+    assert worker["livenessProbe"]["grpc"] == {"port": 50051}
+    planner = pods["rel-pagedweight-planner"]["containers"][0]
+    assert planner["readinessProbe"]["grpc"] == {"port": 50061, "service": "pagedweight.v1.Planner"}
     # the startup probe covers the first start's quantisation
     startup = worker["startupProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 1800
 
 
 def test_gpu_requests_follow_the_values(rendered):
-    default = containers(rendered["default"])["rel-pagedweight-worker-micro-mixtral"]["containers"][0]
+    default = containers(rendered["default"])[WORKER]["containers"][0]
     assert default["resources"]["limits"]["nvidia.com/gpu"] == "1"
     assert "--memory-budget=0.9" in default["args"] and "--device=cuda" in default["args"]
-    cpu = containers(rendered["no-gpu"])["rel-pagedweight-worker-micro-mixtral"]["containers"][0]
+    cpu = containers(rendered["no-gpu"])[WORKER]["containers"][0]
     assert not any("gpu" in k for k in cpu["resources"]["limits"]) and "--device=cpu" in cpu["args"]
     multi = containers(rendered["multi-worker"])
     mixtral = multi["rel-pagedweight-worker-mixtral-8x7b"]
@@ -98,41 +108,54 @@ def test_gpu_requests_follow_the_values(rendered):
     assert qwen["resources"]["limits"]["nvidia.com/mig-3g.40gb"] == 1  # resources replace requestGPU
 
 
-def test_several_workers_each_reachable_by_the_gateway(rendered):
+def test_each_gateway_lists_every_worker_its_model_can_scale_to(rendered):
+    """Workers are StatefulSets with a governing headless Service, so worker i of a model is
+    <sts>-<i>.<headless>; a model's gateway lists all of them up to KEDA's maximum."""
     docs = rendered["multi-worker"]
-    replicas = {d["metadata"]["name"]: d["spec"]["replicas"] for d in by_kind(docs, "Deployment")}
-    assert replicas["rel-pagedweight-worker-mixtral-8x7b"] == 4 and replicas["rel-pagedweight-gateway"] == 3
+    sets = {d["metadata"]["name"]: d for d in by_kind(docs, "StatefulSet")}
     headless = {d["metadata"]["name"] for d in by_kind(docs, "Service") if d["spec"].get("clusterIP") == "None"}
-    gateway_args = containers(docs)["rel-pagedweight-gateway"]["containers"][0]["args"]
-    workers = next(a for a in gateway_args if a.startswith("--workers=")).removeprefix("--workers=").split(",")
-    assert {re.match(r"dns:///([^:]+):50051", w).group(1) for w in workers} == headless
-    assert len(headless) == 2
+    pods = containers(docs)
+    for model, replicas in (("mixtral-8x7b", 4), ("qwen3-30b-a3b", 2)):
+        sts = sets[f"rel-pagedweight-worker-{model}"]
+        assert sts["spec"]["replicas"] == replicas and sts["spec"]["serviceName"] in headless
+        args = pods[f"rel-pagedweight-gateway-{model}"]["containers"][0]["args"]
+        assert f"--served-model-name={model}" in args
+        workers = next(a for a in args if a.startswith("--workers=")).removeprefix("--workers=").split(",")
+        assert workers == [f"{sts['metadata']['name']}-{i}.{sts['spec']['serviceName']}:50051" for i in range(8)]
+        worker_args = pods[f"rel-pagedweight-worker-{model}"]["containers"][0]["args"]
+        assert f"--served-model-name={model}" in worker_args  # the model_name label the dashboards filter on
+    default_args = containers(rendered["default"])[GATEWAY]["containers"][0]["args"]
+    assert f"--workers={WORKER}-0.{WORKER}-headless:50051" in default_args
+    gateways = {d["metadata"]["name"]: d["spec"]["replicas"] for d in by_kind(docs, "Deployment") if "gateway" in d["metadata"]["name"]}
+    assert gateways == {"rel-pagedweight-gateway-mixtral-8x7b": 3, "rel-pagedweight-gateway-qwen3-30b-a3b": 3}
 
 
 def test_redis_bundled_or_external(rendered):
     bundled = rendered["default"]
-    assert [s["metadata"]["name"] for s in by_kind(bundled, "StatefulSet")] == ["rel-pagedweight-redis"]
-    env = {e["name"]: e for e in containers(bundled)["rel-pagedweight-gateway"]["containers"][0]["env"]}
+    assert [s["metadata"]["name"] for s in by_kind(bundled, "StatefulSet") if "redis" in s["metadata"]["name"]] == ["rel-pagedweight-redis"]
+    env = {e["name"]: e for e in containers(bundled)[GATEWAY]["containers"][0]["env"]}
     assert env["REDIS_URL"]["value"] == "redis://rel-pagedweight-redis:6379/0"
     external = rendered["external-redis"]
-    assert not by_kind(external, "StatefulSet")
-    env = {e["name"]: e for e in containers(external)["rel-pagedweight-gateway"]["containers"][0]["env"]}
+    assert not [s for s in by_kind(external, "StatefulSet") if "redis" in s["metadata"]["name"]]
+    env = {e["name"]: e for e in containers(external)[GATEWAY]["containers"][0]["env"]}
     assert env["REDIS_URL"]["value"] == "redis://sessions-redis.cache.svc.cluster.local:6379/2"
     # the API key from the user's Secret; the chart makes none
     assert env["PAGEDWEIGHT_API_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "pagedweight-api-key", "key": "token"}
     assert not by_kind(external, "Secret")
     assert not any("planner" in n for n in containers(external))
-    worker_args = containers(external)["rel-pagedweight-worker-micro-mixtral"]["containers"][0]["args"]
+    worker_args = containers(external)[WORKER]["containers"][0]["args"]
     assert not any(a.startswith("--planner") for a in worker_args)
 
 
 def test_api_key_secret_made_by_the_chart(rendered):
     docs = rendered["multi-worker"]
     (secret,) = by_kind(docs, "Secret")
-    env = {e["name"]: e for e in containers(docs)["rel-pagedweight-gateway"]["containers"][0]["env"]}
-    ref = env["PAGEDWEIGHT_API_KEY"]["valueFrom"]["secretKeyRef"]
-    assert ref["name"] == secret["metadata"]["name"] and ref["key"] in secret["data"]
-    assert "PAGEDWEIGHT_API_KEY" not in {e["name"] for e in containers(rendered["default"])["rel-pagedweight-gateway"]["containers"][0]["env"]}
+    for name, pod in containers(docs).items():
+        if "gateway" in name:
+            env = {e["name"]: e for e in pod["containers"][0]["env"]}
+            ref = env["PAGEDWEIGHT_API_KEY"]["valueFrom"]["secretKeyRef"]
+            assert ref["name"] == secret["metadata"]["name"] and ref["key"] in secret["data"]
+    assert "PAGEDWEIGHT_API_KEY" not in {e["name"] for e in containers(rendered["default"])[GATEWAY]["containers"][0]["env"]}
 
 
 def test_optional_monitoring_objects(rendered):
@@ -152,8 +175,9 @@ def test_optional_monitoring_objects(rendered):
     prom_jobs = {j["job_name"] for j in yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())["scrape_configs"]}
     assert jobs == prom_jobs  # the rules' job names hold on Kubernetes too
     scaled = by_kind(docs, "ScaledObject")
-    deployments = {d["metadata"]["name"] for d in by_kind(docs, "Deployment")}
-    assert {s["spec"]["scaleTargetRef"]["name"] for s in scaled} == {n for n in deployments if "worker" in n}
+    workers = {d["metadata"]["name"] for d in by_kind(docs, "StatefulSet") if "worker" in d["metadata"]["name"]}
+    assert {s["spec"]["scaleTargetRef"]["name"] for s in scaled} == workers
+    assert {s["spec"]["scaleTargetRef"]["kind"] for s in scaled} == {"StatefulSet"}
     for s in scaled:
         (trigger,) = s["spec"]["triggers"]
         assert trigger["type"] == "prometheus" and "vllm:num_requests_waiting" in trigger["metadata"]["query"]
