@@ -9,7 +9,9 @@ check against a real Prometheus (tests/deploy/test_dashboards.py):
 - counters and histograms only through `rate()`/`increase()` over `$__rate_interval`
   (vLLM's production-stack dashboard plots lifetime averages: we do not);
 - every query filtered by the `model_name` variable, worker-side ones by `worker`
-  (the scrape `instance` of a worker); the datasource is a variable, so the same JSON works
+  (the scrape `instance` of a worker), client-side ones (latency, throughput, finish
+  reasons) to the gateway's series; the planner service's own panel has no model (it
+  serves every worker); the datasource is a variable, so the same JSON works
   with the Compose stack's Prometheus and with any Prometheus in a cluster.
 Standard library only, so it runs anywhere the repository does.
 """
@@ -25,6 +27,10 @@ OUT_DIR = Path(__file__).resolve().parent / "dashboards"
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 MODEL = 'model_name=~"$model_name"'
 WORKER = f'{MODEL}, instance=~"$worker"'  # series a worker exports
+# The gateway exports vLLM's request families too, with engine="gateway": the latency a
+# client sees (queueing, routing, detokenisation included). Client-side panels read those
+# and so never add a request twice (once at the gateway, once at its worker).
+CLIENT = f'{MODEL}, engine="gateway"'
 RATE = "$__rate_interval"
 QUANTILES = (0.5, 0.9, 0.99)
 
@@ -58,11 +64,11 @@ def panel(kind: str, title: str, description: str, tgts: list[dict], grid: tuple
     }
 
 
-def latency_panel(metric: str, title: str, description: str, grid: tuple) -> dict:
+def latency_panel(metric: str, title: str, description: str, grid: tuple, where: str = CLIENT) -> dict:
     """p50/p90/p99 and the mean of a vLLM latency histogram over the rate window."""
-    pairs = [(f"histogram_quantile({q}, sum by (le) (rate({metric}_bucket{{{MODEL}}}[{RATE}])))", f"p{round(q * 100)}")
+    pairs = [(f"histogram_quantile({q}, sum by (le) (rate({metric}_bucket{{{where}}}[{RATE}])))", f"p{round(q * 100)}")
              for q in QUANTILES]
-    pairs.append((f"sum(rate({metric}_sum{{{MODEL}}}[{RATE}])) / sum(rate({metric}_count{{{MODEL}}}[{RATE}]))", "mean"))
+    pairs.append((f"sum(rate({metric}_sum{{{where}}}[{RATE}])) / sum(rate({metric}_count{{{where}}}[{RATE}]))", "mean"))
     return panel("timeseries", title, description, targets(*pairs), grid, unit="s")
 
 
@@ -135,9 +141,10 @@ def memory_dashboard() -> dict:
                       (f"sum by (source) (rate(pagedweight:plans_total{{{WORKER}}}[{RATE}]))", "plans {{source}}")),
               (0, 18, 12, 8), unit="ops"),
         panel("timeseries", "Planner latency",
-              "Time from asking for a plan to having it, as the workers see it (p50/p99), over the rate window.",
-              targets(*[(f"histogram_quantile({q}, sum by (le) (rate(pagedweight:plan_latency_seconds_bucket{{{WORKER}}}[{RATE}])))",
-                         f"p{round(q * 100)}") for q in (0.5, 0.99)]),
+              "Time from asking for a plan to having it, as the workers see it, by who answered (the "
+              "planner service, or the local planner when the service is slow or down): p50 and p99.",
+              targets(*[(f"histogram_quantile({q}, sum by (source, le) (rate(pagedweight:plan_latency_seconds_bucket{{{WORKER}}}[{RATE}])))",
+                         f"p{round(q * 100)} {{{{source}}}}") for q in (0.5, 0.99)]),
               (12, 18, 6, 8), unit="s"),
         panel("state-timeline", "Planner connection",
               "1 while the worker is connected to the planner service; 0 while it plans locally and "
@@ -165,6 +172,16 @@ def memory_dashboard() -> dict:
               "mean the bits were already at their floor.",
               targets((f"sum by (instance) (rate(vllm:num_preemptions_total{{{WORKER}}}[{RATE}]))", "{{instance}}")),
               (18, 26, 6, 8), unit="reqps"),
+        panel("timeseries", "Planner service",
+              "The planner service itself (it serves every worker, so no model filter): workers registered, "
+              "plans answered per second by direction, and its p99 time to compute a plan (right axis).",
+              targets(("sum(pagedweight:planner_workers_registered)", "workers registered"),
+                      (f"sum by (direction) (rate(pagedweight:planner_plans_total[{RATE}]))", "plans/s {{direction}}"),
+                      (f"histogram_quantile(0.99, sum by (le) (rate(pagedweight:planner_plan_latency_seconds_bucket[{RATE}])))",
+                       "p99 compute")),
+              (0, 34, 24, 7),
+              overrides=[{"matcher": {"id": "byName", "options": "p99 compute"},
+                          "properties": [{"id": "unit", "value": "s"}, {"id": "custom.axisPlacement", "value": "right"}]}]),
     ]
     return dashboard("pagedweight-memory", "PagedWeight / memory",
                      "How each worker splits its device memory between expert weights (by bit-width) and KV cache.",
@@ -180,33 +197,36 @@ def serving_dashboard() -> dict:
               (0, 0, 12, 8)),
         panel("timeseries", "Token throughput",
               "Prompt and generated tokens per second over the rate window.",
-              targets((f"sum(rate(vllm:prompt_tokens_total{{{MODEL}}}[{RATE}]))", "prompt"),
-                      (f"sum(rate(vllm:generation_tokens_total{{{MODEL}}}[{RATE}]))", "generation")),
+              targets((f"sum(rate(vllm:prompt_tokens_total{{{CLIENT}}}[{RATE}]))", "prompt"),
+                      (f"sum(rate(vllm:generation_tokens_total{{{CLIENT}}}[{RATE}]))", "generation")),
               (12, 0, 12, 8), unit="suffix: tok/s"),
         latency_panel("vllm:time_to_first_token_seconds", "Time to first token",
-                      "TTFT quantiles and mean over the rate window (not lifetime averages).", (0, 8, 8, 8)),
+                      "TTFT as clients see it at the gateway: quantiles and mean over the rate window "
+                      "(not lifetime averages).", (0, 8, 8, 8)),
         latency_panel("vllm:inter_token_latency_seconds", "Inter-token latency",
-                      "ITL: time between consecutive output tokens of a request (vLLM's inter_token_latency, not TPOT).",
-                      (8, 8, 8, 8)),
+                      "ITL at the gateway: time between consecutive output tokens of a request (vLLM's "
+                      "inter_token_latency, not TPOT).", (8, 8, 8, 8)),
         latency_panel("vllm:e2e_request_latency_seconds", "End-to-end request latency",
-                      "From arrival to the last token, quantiles and mean over the rate window.", (16, 8, 8, 8)),
+                      "From arrival at the gateway to the last token, quantiles and mean over the rate window.",
+                      (16, 8, 8, 8)),
         latency_panel("vllm:request_queue_time_seconds", "Queue time",
-                      "Time requests wait before their first scheduling.", (0, 16, 8, 8)),
+                      "Time requests wait in a worker's queue before their first scheduling.", (0, 16, 8, 8),
+                      where=WORKER),
         panel("timeseries", "Finish reasons",
               "Finished requests per second by reason: stop (EOS or a stop string), length (max_tokens), "
               "abort (client gone, or drained at shutdown), error.",
-              targets((f"sum by (finished_reason) (rate(vllm:request_success_total{{{MODEL}}}[{RATE}]))", "{{finished_reason}}")),
+              targets((f"sum by (finished_reason) (rate(vllm:request_success_total{{{CLIENT}}}[{RATE}]))", "{{finished_reason}}")),
               (8, 16, 8, 8), unit="reqps"),
         panel("heatmap", "Prompt length",
               "Distribution of prompt lengths in tokens, per rate window.",
-              targets((f"sum by (le) (increase(vllm:request_prompt_tokens_bucket{{{MODEL}}}[{RATE}]))", "{{le}}"),
+              targets((f"sum by (le) (increase(vllm:request_prompt_tokens_bucket{{{CLIENT}}}[{RATE}]))", "{{le}}"),
                       format="heatmap"),
               (16, 16, 4, 8), calculate=False,
               panel_options={"calculate": False, "yAxis": {"unit": "short"}, "legend": {"show": False},
                              "color": {"mode": "scheme", "scheme": "Blues"}}),
         panel("heatmap", "Generation length",
               "Distribution of generated lengths in tokens, per rate window.",
-              targets((f"sum by (le) (increase(vllm:request_generation_tokens_bucket{{{MODEL}}}[{RATE}]))", "{{le}}"),
+              targets((f"sum by (le) (increase(vllm:request_generation_tokens_bucket{{{CLIENT}}}[{RATE}]))", "{{le}}"),
                       format="heatmap"),
               (20, 16, 4, 8), calculate=False,
               panel_options={"calculate": False, "yAxis": {"unit": "short"}, "legend": {"show": False},

@@ -3,6 +3,9 @@ generator's current output."""
 
 from __future__ import annotations
 
+import json
+import re
+
 import pytest
 
 from deploy_helpers import ROOT, run, tool
@@ -40,3 +43,36 @@ def test_config_check_clean(tmp_path):
 
 def test_dashboards_are_generated():
     run("python3", ROOT / "deploy/grafana/build_dashboards.py", "--check")
+
+
+GONE_IN_VLLM_0_33 = ("vllm:gpu_cache_usage_perc", "vllm:gpu_prefix_cache", "vllm:time_per_output_token_seconds",
+                     "vllm:num_requests_swapped")
+
+
+def dashboard_exprs() -> list[tuple[str, str, str]]:
+    out = []
+    for path in sorted((ROOT / "deploy/grafana/dashboards").glob("*.json")):
+        for panel in json.loads(path.read_text())["panels"]:
+            out += [(path.name, panel["title"], t["expr"]) for t in panel["targets"]]
+    return out
+
+
+def test_dashboard_queries_follow_the_conventions():
+    exprs = dashboard_exprs()
+    assert len(exprs) > 30
+    for name, title, expr in exprs:
+        where = f"{name} / {title}: {expr}"
+        # counters and histograms only as rates over Grafana's rate interval, never lifetime totals
+        for window in re.findall(r"(?:rate|increase)\([^\[]+\[([^\]]+)\]", expr):
+            assert window == "$__rate_interval", where
+        for metric in re.findall(r"([a-z0-9_:]+(?:_total|_bucket|_sum|_count))\{", expr):
+            assert re.search(rf"(rate|increase)\({re.escape(metric)}\{{", expr), f"raw counter in {where}"
+        assert not any(gone in expr for gone in GONE_IN_VLLM_0_33), where
+        if "planner_" not in expr or "planner_connected" in expr:
+            assert 'model_name=~"$model_name"' in expr, f"no model filter: {where}"
+
+
+def test_dashboards_have_the_model_and_worker_variables():
+    for path in sorted((ROOT / "deploy/grafana/dashboards").glob("*.json")):
+        names = {v["name"] for v in json.loads(path.read_text())["templating"]["list"]}
+        assert {"model_name", "worker", "datasource"} <= names, path.name
