@@ -83,7 +83,9 @@ class Cluster:
 
     def start(self, name: str, *cmd) -> None:
         log = self.tmp / f"{name}.log"
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        # this checkout's code, whatever the virtual environment has installed
+        path = os.pathsep.join([str(ROOT / "services"), str(ROOT / "kernels"), os.environ.get("PYTHONPATH", "")])
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}
         proc = subprocess.Popen([str(c) for c in cmd], stdout=log.open("w"), stderr=subprocess.STDOUT,
                                 cwd=self.tmp, env=env, start_new_session=True)
         self.procs.append((name, proc, log))
