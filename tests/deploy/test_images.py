@@ -68,3 +68,29 @@ def test_healthcheck_script_usage():
     # nothing listens on port 9 (discard): the check reports unhealthy, it does not crash
     result = run("python3", ROOT / "docker" / "healthcheck.py", "http://127.0.0.1:9/health", check=False)
     assert result.returncode == 1, result.stderr
+
+
+@pytest.fixture(scope="module")
+def torch_free_venvs(tmp_path_factory) -> dict:
+    """role -> the python of a fresh venv holding what the role's image installs: its
+    requirements file and the project with --no-deps (no Docker engine here, so the image's
+    pip steps run as they would inside it)."""
+    venvs = {}
+    for role in ("planner", "gateway"):
+        venv = tmp_path_factory.mktemp(f"{role}-image") / "venv"
+        run("python3", "-m", "venv", venv)
+        pip = venv / "bin" / "pip"
+        run(pip, "install", "--quiet", "--requirement", ROOT / "docker" / "requirements" / f"{role}.txt")
+        run(pip, "install", "--quiet", "--no-deps", ROOT)
+        venvs[role] = venv / "bin" / "python"
+    return venvs
+
+
+@pytest.mark.parametrize("role, module", [("planner", "pagedweight.planner_service.server"),
+                                          ("gateway", "pagedweight.gateway.serving")])
+def test_torch_free_image_runs_its_command_without_torch(torch_free_venvs, role, module):
+    python = torch_free_venvs[role]
+    assert run(python, "-c", "import torch", check=False).returncode != 0  # really torch-free
+    run(python, "-c", f"import {module}")
+    result = run(python, "-m", "pagedweight.cli.main", role, "--help")
+    assert "--port" in result.stdout

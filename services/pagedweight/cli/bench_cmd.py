@@ -18,13 +18,8 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
-from pagedweight.cli.model_args import DTYPES
+from pagedweight.cli.model_args import DTYPE_NAMES, torch_dtype
 from pagedweight.common.errors import UserError
-from pagedweight.engine.engine import EngineConfig
-from pagedweight.engine.scheduler import SchedulerConfig
-from pagedweight.memory.kv_cache import KVCacheConfig
 
 
 def register(subparsers) -> None:
@@ -42,7 +37,7 @@ def register(subparsers) -> None:
     engine.add_argument("--scales", default=None,
                         help="loss scales for the policy (from `pagedweight plan-scales`)")
     engine.add_argument("--device", default="cpu")
-    engine.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+    engine.add_argument("--dtype", choices=sorted(DTYPE_NAMES), default=None,
                         help="default: float32 on CPU, bfloat16 on CUDA")
     engine.add_argument("--max-num-seqs", type=int, default=64)
     engine.add_argument("--max-num-batched-tokens", type=int, default=512)
@@ -62,6 +57,11 @@ def run(args) -> int:
 
 
 def run_engine_bench(args) -> dict:
+    import torch
+
+    from pagedweight.engine.engine import EngineConfig
+    from pagedweight.engine.scheduler import SchedulerConfig
+    from pagedweight.memory.kv_cache import KVCacheConfig
     from pagedweight.engine.load_bench import LoadSpec, run_load
     from pagedweight.memory.pool import device_memory_bytes, parse_memory_budget
     from pagedweight.runtime import RuntimeConfig, build_runtime
@@ -75,7 +75,7 @@ def run_engine_bench(args) -> dict:
         check_plot_path(args.plot)  # before minutes of load, not after
     torch.set_num_threads(max(1, args.threads))
     device = _device(args.device)
-    dtype = DTYPES[args.dtype] if args.dtype else (torch.float32 if device.type == "cpu" else torch.bfloat16)
+    dtype = torch_dtype(args.dtype) if args.dtype else (torch.float32 if device.type == "cpu" else torch.bfloat16)
     budget = parse_memory_budget(args.memory_budget, device_memory_bytes(device))
     engine = EngineConfig(
         scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens),
@@ -113,6 +113,8 @@ def run_engine_bench(args) -> dict:
 
 
 def _device(name: str) -> torch.device:
+    import torch
+
     try:
         device = torch.device(name)
     except RuntimeError:

@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import argparse
 
-import torch
-
 from pagedweight.common.errors import UserError
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# torch is imported only when a command runs: `pagedweight gateway` and `pagedweight planner`
+# build this parser too, in images without torch.
+DTYPE_NAMES = ("bfloat16", "float16", "float32")
+
+
+def torch_dtype(name: str):
+    import torch
+
+    return getattr(torch, name)
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -16,12 +22,14 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                         help="checkpoint directory, or a paged model directory (pagedweight quantize)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: cpu)")
     parser.add_argument(
-        "--dtype", choices=sorted(DTYPES), default=None,
+        "--dtype", choices=sorted(DTYPE_NAMES), default=None,
         help="activation and weight dtype (default: float32 on CPU, bfloat16 on CUDA)",
     )
 
 
 def resolve_device_dtype(args) -> tuple[torch.device, torch.dtype]:
+    import torch
+
     try:
         device = torch.device(args.device)
     except RuntimeError:
@@ -29,7 +37,7 @@ def resolve_device_dtype(args) -> tuple[torch.device, torch.dtype]:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UserError(f"--device {args.device}: CUDA is not available on this machine")
     if args.dtype is not None:
-        return device, DTYPES[args.dtype]
+        return device, torch_dtype(args.dtype)
     return device, torch.float32 if device.type == "cpu" else torch.bfloat16
 
 
