@@ -237,3 +237,19 @@ def test_memory_budget_schema_agrees_with_the_worker(budget):
     except MemoryBudgetError:
         parses = False
     assert (re.search(pattern, budget) is not None) == parses
+
+
+def test_readme_values_example_installs(tmp_path):
+    """The README's `my-values.yaml` passes the schema, lints and renders valid manifests."""
+    readme = (ROOT / "README.md").read_text()
+    block = re.search(r"<!-- helm-values-example -->\n```yaml\n(.*?)```", readme, re.S)
+    assert block, "README lost its Helm values example"
+    values = tmp_path / "my-values.yaml"
+    values.write_text(block.group(1))
+    run(tool("helm"), "lint", "--strict", CHART, "-f", values)
+    docs = [d for d in manifests(helm_template(values).stdout) if d["kind"] not in CRD_KINDS]
+    path = tmp_path / "manifests.yaml"
+    path.write_text(yaml.safe_dump_all(docs))
+    result = run(tool("kubernetes-validate"), "--strict", "--quiet", path, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert any(d["kind"] == "StatefulSet" and d["metadata"]["name"] == "rel-pagedweight-worker-mixtral-8x7b" for d in docs)
