@@ -17,6 +17,13 @@ def torch_dtype(name: str):
     return getattr(torch, name)
 
 
+def __getattr__(name: str):
+    """`DTYPES` (name -> torch dtype), built on first use so importing this module needs no torch."""
+    if name == "DTYPES":
+        return {n: torch_dtype(n) for n in DTYPE_NAMES}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True,
                         help="checkpoint directory, or a paged model directory (pagedweight quantize)")
