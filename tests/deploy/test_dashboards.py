@@ -207,8 +207,14 @@ def resolve_variables(prom: dict, dashboard: dict) -> dict[str, str]:
         found = prom_api(prom, f"label/{match.group(2)}/values", **{"match[]": match.group(1),
                          "start": prom["start"], "end": prom["end"]})
         assert found, f"variable {var['name']} ({query}) has no values"
-        values[var["name"]] = "(" + "|".join(re.escape(v) for v in found) + ")"
+        values[var["name"]] = "(" + "|".join(promql_regex_escape(v) for v in found) + ")"
     return values
+
+
+def promql_regex_escape(value: str) -> str:
+    """A label value as Grafana puts it into a PromQL regex: regex metacharacters escaped
+    with a backslash that is itself escaped inside the PromQL string."""
+    return re.sub(r"([\\^$*+?.()|\[\]{}])", r"\\\\\1", value)
 
 
 def substitute(expr: str, values: dict[str, str]) -> str:
