@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.bench_meta import write_result  # noqa: E402
 from pagedweight.memory.arena import Arena  # noqa: E402
 from pagedweight.memory.pool import KV_USED, MemoryPool  # noqa: E402
-from pagedweight.weights.greedy_planner import GreedyPlanner  # noqa: E402
+from pagedweight.weights.in_process_planner import InProcessPlanner, page_table_registration  # noqa: E402
 from pagedweight.weights.page_mover import PageMover  # noqa: E402
 from pagedweight.weights.page_table import PageTable  # noqa: E402
 from pagedweight.weights.synthetic import random_blocks  # noqa: E402
@@ -46,7 +46,7 @@ def main():
     table = PageTable(blocks, arena)
     mover = PageMover(table)
     load_ms, _ = timed_ms(mover.load_all)
-    pager = WeightPager(mover, GreedyPlanner(table.charged_bytes_table()), kv_block_bytes=KV_BLOCK)
+    pager = WeightPager(mover, size_only_planner(table), kv_block_bytes=KV_BLOCK)
     kv = []
     while arena.can_allocate(KV_USED, KV_BLOCK):
         kv.append(arena.allocate(KV_USED, KV_BLOCK))
@@ -79,6 +79,13 @@ def main():
     }
     print(json.dumps(result))
     print(write_result("pager_scale", result))
+
+
+def size_only_planner(table: PageTable) -> InProcessPlanner:
+    """The serving planner over a synthetic table: no artifact, so S_i(b) ~ size * 4^-b."""
+    planner = InProcessPlanner("pagedweight")
+    planner.register(page_table_registration(table.charged_bytes_table()))
+    return planner
 
 
 if __name__ == "__main__":

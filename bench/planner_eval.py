@@ -32,10 +32,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.bench_meta import write_result  # noqa: E402
 from pagedweight.offline.perplexity import perplexity  # noqa: E402
 from pagedweight.planner.artifact import load_planner_inputs  # noqa: E402
-from pagedweight.planner.loss_scale import GroupScales, measure_group_scales  # noqa: E402
+from pagedweight.offline.group_scales import measure_group_scales  # noqa: E402
+from pagedweight.planner.loss_scale import GroupScales  # noqa: E402
 from pagedweight.planner.policies import POLICY_NAMES, PlanContext, make_policy  # noqa: E402
+from pagedweight.offline.prompt_routing import record_prompt_routing  # noqa: E402
 from pagedweight.planner.prompt_context import (  # noqa: E402
-    prompt_context, record_prompt_routing, steady_traffic_tokens,
+    prompt_context, steady_traffic_tokens,
 )
 from pagedweight.model.tokenizer import Tokenizer  # noqa: E402
 from pagedweight.weights.paged_experts import build_paged_lm, set_model_bits  # noqa: E402

@@ -33,7 +33,7 @@ from pagedweight.memory.arena import Arena  # noqa: E402
 from pagedweight.memory.pool import KV_USED, WORKSPACE, MemoryPool, parse_memory_budget, device_memory_bytes  # noqa: E402
 from pagedweight.format.apl_format import BlockId  # noqa: E402
 from pagedweight.weights.arena_experts import ArenaExperts  # noqa: E402
-from pagedweight.weights.greedy_planner import GreedyPlanner  # noqa: E402
+from pagedweight.weights.in_process_planner import InProcessPlanner, page_table_registration  # noqa: E402
 from pagedweight.weights.page_mover import PageMover  # noqa: E402
 from pagedweight.weights.page_table import PageTable  # noqa: E402
 from pagedweight.weights.synthetic import random_blocks  # noqa: E402
@@ -201,7 +201,7 @@ def main():
     table = PageTable(blocks, arena)
     mover = PageMover(table)
     mover.load_all()
-    pager = WeightPager(mover, GreedyPlanner(table.charged_bytes_table()), kv_block_bytes=args.kv_block_bytes)
+    pager = WeightPager(mover, size_only_planner(table), kv_block_bytes=args.kv_block_bytes)
     experts = [ArenaExperts(table, layer, args.experts) for layer in range(args.layers)]
     rec.sample("loaded", pool, pager)
     t0 = time.perf_counter()
@@ -234,6 +234,13 @@ def main():
     print(json.dumps(summary, indent=1))
     if not args.no_write:
         print(write_result("pool_split_gpu" if device.type == "cuda" else "pool_split_cpu", result))
+
+
+def size_only_planner(table: PageTable) -> InProcessPlanner:
+    """The serving planner over a synthetic table: no artifact, so S_i(b) ~ size * 4^-b."""
+    planner = InProcessPlanner("pagedweight")
+    planner.register(page_table_registration(table.charged_bytes_table()))
+    return planner
 
 
 if __name__ == "__main__":

@@ -11,7 +11,9 @@
 4. the experts operator reads the page table (`ArenaExperts`); the engine's KV blocks come
    from the same arena, so bytes freed by lowering bits become KV blocks;
 5. a policy name from the planner library makes the weights move with the load (a
-   `WeightPager` over a `PolicyPlanner`); `static-B` pins every block at B bits.
+   `WeightPager` over a `BitPlanner`, here the in-process one, registered with the page
+   table's block bytes, the artifact's sensitivity and its calibration routing; live
+   routing reaches it as snapshots from a `RoutingFeed`); `static-B` pins every block at B bits.
 """
 
 from __future__ import annotations
@@ -130,7 +132,7 @@ def build_runtime(paged_dir, config: RuntimeConfig, tokenizer=None) -> WorkerRun
         from pagedweight.weights.weight_pager import WeightPager
 
         block = kv_block_bytes(paged.config, config.engine.kv.block_size, config.dtype)
-        pager = WeightPager(mover, planner, kv_block_bytes=block, before_plan=feed.refresh)
+        pager = WeightPager(mover, planner, kv_block_bytes=block, routing=feed.snapshot)
     engine = Engine(model, tokenizer, config.engine, arena=arena, pager=pager,
                     max_kv_blocks=_max_kv_blocks(config, paged.config, table, arena))
     return WorkerRuntime(engine, pool, arena, table, mover, pager)
@@ -145,19 +147,24 @@ def _max_kv_blocks(config: RuntimeConfig, model_config: ModelConfig, table: Page
 
 
 def _policy_planner(paged_dir, config: RuntimeConfig, table: PageTable, model: MoECausalLM):
-    """The planner library's policy, and the feed of the traffic's routing into it."""
+    """The planner library's policy, registered with this worker's blocks, and the feed of
+    the traffic's routing (snapshots sent with each plan request)."""
+    import numpy as np
+
     from pagedweight.planner.artifact import load_planner_inputs
     from pagedweight.planner.loss_scale import GroupScales
-    from pagedweight.planner.routing_stats import RoutingStats
-    from pagedweight.weights.policy_planner import PolicyPlanner
+    from pagedweight.weights.in_process_planner import InProcessPlanner, page_table_registration
     from pagedweight.weights.routing_feed import RoutingFeed
 
     inputs = load_planner_inputs(paged_dir, with_heads=False)
     t = inputs.table
     scales = GroupScales.read(config.scales_file) if config.scales_file else None
-    planner = PolicyPlanner(config.policy, t, table.charged_bytes_table(), scales)
-    stats = RoutingStats(t.num_layers, t.num_experts, inputs.top_k, prior_mass=t.calib_mass)
-    feed = RoutingFeed(stats, planner.context, model.device)
+    row = {bid: i for i, bid in enumerate(t.block_ids)}
+    sensitivity = np.stack([t.sensitivity[row[bid]] for bid in table.entries])  # page-table order
+    planner = InProcessPlanner(config.policy, scales)
+    planner.register(page_table_registration(table.charged_bytes_table(), t.num_layers, t.num_experts,
+                                             inputs.top_k, sensitivity, t.calib_mass, t.calib_share))
+    feed = RoutingFeed(t.num_layers, t.num_experts, model.device)
     feed.install(model)
     return planner, feed
 
@@ -175,4 +182,5 @@ def _starting_bits(config: RuntimeConfig, model_config: ModelConfig, table: Page
             )
         return bits
     kv_per_token = kv_block_bytes(model_config, 1, config.dtype)
-    return planner.initial_bits(capacity - config.min_kv_tokens_at_start * kv_per_token)
+    bits = planner.initial_bits(capacity - config.min_kv_tokens_at_start * kv_per_token)
+    return {bid: int(b) for bid, b in zip(table.entries, bits)}  # registration order = page-table order

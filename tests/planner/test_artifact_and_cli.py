@@ -10,10 +10,12 @@ import torch
 
 from pagedweight.cli.main import main
 from pagedweight.common.errors import CheckpointError, UserError
-from pagedweight.offline.residual_heads import ResidualHeads
+from pagedweight.offline.group_scales import measure_group_scales
+from pagedweight.offline.prompt_routing import record_prompt_routing
 from pagedweight.planner.artifact import PagedPlannerInputs, table_from_meta
-from pagedweight.planner.loss_scale import GroupScales, apply_group_scales, measure_group_scales
-from pagedweight.planner.prompt_context import prompt_context, record_prompt_routing
+from pagedweight.planner.loss_scale import GroupScales, apply_group_scales
+from pagedweight.planner.prompt_context import prompt_context
+from pagedweight.planner.residual_predictor import ResidualPredictor
 from pagedweight.model import load_model
 from pagedweight.format.apl_format import BIT_WIDTHS, MODULES, BlockId, block_bytes
 from pagedweight.format.paged_model import FORMAT_NAME, FORMAT_VERSION, APL_FORMAT_VERSION, META_FILE
@@ -157,12 +159,10 @@ def test_prompt_context_counts_routing_and_applies_heads(micro_model):
     assert recorder.mass.sum(axis=1) == pytest.approx(np.full(cfg.num_layers, len(ids)), rel=1e-4)
     assert all(block.observer is None for block in micro_model.moe_blocks)
     num_features = cfg.num_layers * cfg.num_experts
-    weight = torch.zeros(table.num_blocks, num_features, dtype=torch.float64)
-    heads = ResidualHeads(weight, torch.linspace(-1, 1, table.num_blocks, dtype=torch.float64),
-                          torch.zeros(num_features, dtype=torch.float64),
-                          torch.ones(num_features, dtype=torch.float64), 1.0)
+    heads = ResidualPredictor(np.zeros((table.num_blocks, num_features)),
+                              np.linspace(-1, 1, table.num_blocks)[::-1],
+                              np.zeros(num_features), np.ones(num_features))
     keys = [b.key() for b in table.block_ids][::-1]  # heads in another order: mapped by key
-    heads.bias = heads.bias.flip(0)
     inputs = PagedPlannerInputs(table, cfg.num_experts_per_tok, heads, keys, BUNDLED_MODEL)
     context = prompt_context(recorder, inputs)
     assert np.allclose(context.residual, np.linspace(-1, 1, table.num_blocks))

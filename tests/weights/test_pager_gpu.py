@@ -15,7 +15,7 @@ from pagedweight.memory.arena import Arena
 from pagedweight.memory.pool import KV_USED, MemoryPool
 from pagedweight.format.apl_format import BlockId
 from pagedweight.weights.arena_experts import ArenaExperts
-from pagedweight.weights.greedy_planner import GreedyPlanner
+from tests.weights.greedy_planner import GreedyPlanner
 from pagedweight.weights.page_mover import PageMover
 from pagedweight.weights.page_table import PageTable
 from pagedweight.weights.synthetic import random_blocks

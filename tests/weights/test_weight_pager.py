@@ -12,7 +12,7 @@ from conftest import build, check_accounting
 from pagedweight.memory.pool import KV_USED
 from pagedweight.model.loader import load_model
 from pagedweight.weights.arena_experts import install_arena_experts
-from pagedweight.weights.greedy_planner import GreedyPlanner
+from tests.weights.greedy_planner import GreedyPlanner
 from pagedweight.weights.synthetic import blocks_from_model
 from pagedweight.weights.weight_pager import WeightPager
 from pagedweight.format.apl_format import BlockId
@@ -181,4 +181,31 @@ def test_a_raise_that_cannot_start_is_dropped_not_waited_on_for_ever(small_block
     assert not pager.busy() and pager.num_raises_dropped == 1
     assert table.entries[bid].desired_bits == table.entries[bid].committed_bits == 7
     assert pager.offer_bytes(pool.free_bytes) == 0  # the same bytes are not planned again
+    mover.close()
+
+
+def test_a_plan_that_answers_steps_later_is_applied_when_it_arrives(micro):
+    """A remote planner answers at a later boundary: the pager counts the asked bytes as
+    pending meanwhile, asks nothing twice, and lowers only once the answer is there."""
+    model, blocks = micro
+    probe = build(blocks, 64 << 20)
+    full = probe[0].reserved_bytes
+    probe[3].close()
+    pool, arena, table, mover = build(blocks, full)
+    planner = GreedyPlanner(table.charged_bytes_table(), answer_after_polls=3)  # submit polls once too
+    pager = WeightPager(mover, planner)
+    free_before = pool.free_bytes
+    assert pager.request_bytes(1 << 16) == 1 << 16  # in flight: the asked bytes are pending
+    assert pager.request_bytes(1 << 16) == 1 << 16 and len(planner.requests) == 1
+    assert pager.offer_bytes(1 << 20) == 0  # no spend while a free is in flight
+    pager.step_boundary()  # first poll: not answered yet, nothing lowered
+    assert pool.free_bytes == free_before and all(e.desired_bits == 8 for e in table.entries.values())
+    pager.step_boundary()  # second poll: still nothing
+    assert pool.free_bytes == free_before
+    pager.step_boundary()  # answered: applied, and the lowerings drop their planes at once
+    assert pool.free_bytes - free_before >= 1 << 16
+    assert pager.request_bytes(1 << 16) == 1 << 16 and len(planner.requests) == 2  # a new need, a new request
+    for _ in range(4):
+        pager.step_boundary()
+    check_accounting(pool, arena, table, mover)
     mover.close()

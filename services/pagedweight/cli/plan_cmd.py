@@ -95,7 +95,8 @@ def run_plan(args) -> int:
 def context_from_prompt(model_dir: str, text: str, inputs, max_tokens: int):
     import torch
 
-    from pagedweight.planner.prompt_context import prompt_context, record_prompt_routing, steady_traffic_tokens
+    from pagedweight.offline.prompt_routing import record_prompt_routing
+    from pagedweight.planner.prompt_context import prompt_context, steady_traffic_tokens
     from pagedweight.model.tokenizer import Tokenizer
     from pagedweight.weights.paged_experts import build_paged_lm
     from pagedweight.format.paged_model import load_paged_model

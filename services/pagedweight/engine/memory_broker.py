@@ -53,9 +53,6 @@ class MemoryBroker:
         self.num_offers = 0  # accepted offer_bytes calls
         self._short_blocks = 0  # blocks sequences were short of in this step, all asks together
         self._calm_steps = 0
-        # Free bytes the pager last found no use for: offering the same again every calm
-        # step would only make it plan the same nothing again. Reset when bits go down.
-        self._refused_spare = 0
 
     def reserve(self, num_blocks: int) -> bool:
         """Make num_blocks free blocks exist, growing from the pool; True if they do."""
@@ -76,7 +73,6 @@ class MemoryBroker:
             wanted = needed
         if self.pager.request_bytes(wanted) > 0:
             self.num_requests += 1
-            self._refused_spare = 0
             return True
         return False
 
@@ -97,14 +93,10 @@ class MemoryBroker:
         self.kv.shrink(keep_free_blocks=keep)
         if self.pager is None:
             return
-        spare = self.pool_free_bytes()
-        if spare <= self._refused_spare:
-            return
-        if self.pager.offer_bytes(spare) > 0:
+        # The pager refuses at once (O(1)) an offer of no more free bytes than it last found
+        # no use for, so calm steps do not re-plan the same nothing.
+        if self.pager.offer_bytes(self.pool_free_bytes()) > 0:
             self.num_offers += 1
-            self._refused_spare = 0
-        else:
-            self._refused_spare = spare
 
     def pool_free_bytes(self) -> int:
         if self.pool is None:

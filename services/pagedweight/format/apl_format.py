@@ -20,61 +20,15 @@ At b bits a block needs planes 0..b-1 and LUT_b only:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 
-MIN_BITS, MAX_BITS = 3, 8
-BIT_WIDTHS = tuple(range(MIN_BITS, MAX_BITS + 1))
-MODULES = ("gate_up", "down")
+from pagedweight.format.blocks import (  # noqa: F401 - re-exported: the format's one definition
+    BIT_WIDTHS, COL_ALIGN, MAX_BITS, MIN_BITS, MODULES, BlockId, block_bytes, check_bits, check_shape,
+    lut_bytes, plane_bytes,
+)
+
 LUT_DTYPE = torch.float16
-COL_ALIGN = 32  # columns per uint32 word of a plane
-
-
-class BlockId(NamedTuple):
-    """One expert linear block: (layer, expert, module)."""
-
-    layer: int
-    expert: int
-    module: str  # "gate_up" or "down"
-
-    def key(self) -> str:
-        """Stable string form used in files and JSON: 'L3.E5.gate_up'."""
-        return f"L{self.layer}.E{self.expert}.{self.module}"
-
-    @classmethod
-    def parse(cls, key: str) -> "BlockId":
-        try:
-            layer, expert, module = key.split(".", 2)
-            if not (layer[0] == "L" and expert[0] == "E" and module in MODULES):
-                raise ValueError
-            return cls(int(layer[1:]), int(expert[1:]), module)
-        except (ValueError, IndexError):
-            raise ValueError(f"not a block key: {key!r} (expected like 'L3.E5.gate_up')") from None
-
-
-def plane_bytes(rows: int, cols: int) -> int:
-    return rows * cols // 8
-
-
-def lut_bytes(rows: int, bits: int) -> int:
-    return rows * (1 << bits) * 2
-
-
-def block_bytes(rows: int, cols: int, bits: int) -> int:
-    """Bytes a block needs on the GPU at `bits`: planes 0..bits-1 plus LUT_bits."""
-    check_bits(bits)
-    return bits * plane_bytes(rows, cols) + lut_bytes(rows, bits)
-
-
-def check_bits(bits: int) -> None:
-    if not MIN_BITS <= bits <= MAX_BITS:
-        raise ValueError(f"bit-width must be in {MIN_BITS}..{MAX_BITS}, got {bits}")
-
-
-def check_shape(rows: int, cols: int) -> None:
-    if cols % COL_ALIGN:
-        raise ValueError(f"APL blocks need cols % {COL_ALIGN} == 0, got {rows}x{cols}")
 
 
 _BIT_WEIGHTS = 1 << torch.arange(8, dtype=torch.int32)  # bit i of a byte <- column 8j+i

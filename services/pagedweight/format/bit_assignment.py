@@ -13,7 +13,7 @@ from pathlib import Path
 
 from pagedweight.common.errors import UserError
 from pagedweight.format.model_config import ModelConfig
-from pagedweight.format.apl_format import MAX_BITS, MIN_BITS, BlockId
+from pagedweight.format.blocks import MAX_BITS, MIN_BITS, BlockId
 from pagedweight.format.paged_model import all_block_ids
 
 

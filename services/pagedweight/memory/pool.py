@@ -20,7 +20,7 @@ import threading
 from dataclasses import dataclass, field
 
 from pagedweight.common.errors import UserError
-from pagedweight.format.apl_format import BIT_WIDTHS
+from pagedweight.format.blocks import BIT_WIDTHS
 
 # The kinds. Expert weights are charged per committed bit-width: `expert_kind(bits)`.
 OTHER_WEIGHTS = "other_weights"  # embeddings, attention, norms, routers, shared experts

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedweight.planner.residual_predictor import routing_features as planner_routing_features
+
 RIDGE_LAMBDAS = (0.1, 1.0, 10.0, 100.0, 1000.0)
 
 
@@ -56,13 +58,9 @@ class ResidualHeads:
 
 
 def routing_features(token_counts: torch.Tensor) -> torch.Tensor:
-    """token_counts [..., L, E] routed tokens -> [..., L*E] per-layer routing fractions.
-
-    The worker computes the same from a prefill's routing (counts of top-k choices per
-    expert and layer) to query the heads.
-    """
-    frac = token_counts.double() / token_counts.sum(-1, keepdim=True).clamp_min(1)
-    return frac.flatten(-2)
+    """token_counts [..., L, E] routed tokens -> [..., L*E] per-layer routing fractions
+    (the planner's one definition, residual_predictor.routing_features, on a tensor)."""
+    return torch.from_numpy(planner_routing_features(token_counts.detach().cpu().numpy()))
 
 
 def fit_ridge(x: torch.Tensor, y: torch.Tensor, lam: float) -> ResidualHeads:

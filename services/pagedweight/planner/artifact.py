@@ -14,15 +14,17 @@ from pathlib import Path
 import numpy as np
 
 from pagedweight.common.errors import CheckpointError
+from pagedweight.format.blocks import BIT_WIDTHS, BlockId
+from pagedweight.format.paged_meta import HEADS_FILE, META_FILE, read_meta
+from pagedweight.planner.residual_predictor import ResidualPredictor
 from pagedweight.planner.tables import BlockTable
-from pagedweight.format.apl_format import BIT_WIDTHS, BlockId
 
 
 @dataclass
 class PagedPlannerInputs:
     table: BlockTable
     top_k: int  # experts per token (for routing statistics)
-    heads: object | None  # pagedweight.offline.residual_heads.ResidualHeads, or None
+    heads: ResidualPredictor | None  # the artifact's prompt-residual heads, or None
     head_block_keys: list[str]  # block order of the heads' outputs
     meta_path: Path
 
@@ -33,8 +35,6 @@ SENSITIVITY_TABLES = ("sensitivity", "sensitivity_gn")  # output-space S (defaul
 def load_planner_inputs(model_dir: str | Path, with_heads: bool = True,
                         sensitivity: str = "sensitivity") -> PagedPlannerInputs:
     """`sensitivity`: which of the artifact's tables is S (SENSITIVITY_TABLES)."""
-    from pagedweight.format.paged_model import META_FILE, read_meta
-
     path = Path(model_dir)
     meta = read_meta(path)  # raises CheckpointError for a missing/unknown/corrupt directory
     table = table_from_meta(meta, path / META_FILE, sensitivity)
@@ -75,15 +75,10 @@ def table_from_meta(meta: dict, where: Path, sensitivity_key: str = "sensitivity
     return table
 
 
-def load_heads(path: Path, meta: dict):
-    from pagedweight.offline.residual_heads import ResidualHeads
-    from pagedweight.format.paged_model import HEADS_FILE
-
+def load_heads(path: Path, meta: dict) -> ResidualPredictor | None:
     if HEADS_FILE not in meta.get("files", {}):
         return None
-    from safetensors.torch import load_file
-
     try:
-        return ResidualHeads.from_tensors(load_file(str(path / HEADS_FILE)))
+        return ResidualPredictor.load(path / HEADS_FILE)
     except Exception as err:  # noqa: BLE001 - any unreadable heads file is one clear line
         raise CheckpointError(f"{path / HEADS_FILE}: unreadable residual heads ({err})") from None

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from pagedweight.format.apl_format import MAX_BITS, MIN_BITS
+from pagedweight.format.blocks import MAX_BITS, MIN_BITS
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,6 @@ class PlannerConfig:
     # Moving average over tokens: a step of n tokens gets weight 1 - 2^(-n / half_life).
     routing_half_life_tokens: float = 2048.0
     # --- online hysteresis (planner.py) ---------------------------------------------------
-    min_residence_steps: int = 4  # a moved block may not move back for this many plans
     dead_band_fraction: float = 0.01  # spare bytes below this share of the budget stay unspent
     # A rebalance (raise some blocks, lower others, same budget) must cut predicted damage
     # by at least this fraction, and moves at most rebalance_fraction of the budget per plan.
@@ -52,7 +51,6 @@ class PlannerConfig:
                    f"hot_floors entry ({threshold}, {bits}): threshold > 0, bits in range")
         _check(self.residual_clip >= 0, "residual_clip must be >= 0")
         _check(self.routing_half_life_tokens > 0, "routing_half_life_tokens must be > 0")
-        _check(self.min_residence_steps >= 0, "min_residence_steps must be >= 0")
         _check(0 <= self.dead_band_fraction < 1, "dead_band_fraction must be in [0, 1)")
         _check(0 <= self.rebalance_min_gain < 1, "rebalance_min_gain must be in [0, 1)")
         _check(0 <= self.rebalance_fraction <= 1, "rebalance_fraction must be in [0, 1]")

@@ -29,7 +29,7 @@ import numpy as np
 from pagedweight.planner.config import PlannerConfig
 from pagedweight.planner.greedy import running
 from pagedweight.planner.tables import BlockTable
-from pagedweight.format.apl_format import BIT_WIDTHS, MIN_BITS
+from pagedweight.format.blocks import BIT_WIDTHS, MIN_BITS
 
 
 @dataclass

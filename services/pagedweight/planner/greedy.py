@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pagedweight.format.apl_format import MIN_BITS
+from pagedweight.format.blocks import MIN_BITS
 
 _CHAIN = np.arange(5)[None, :]  # chain position k: the k-th one-bit step of a block
 _MAX_FILL_ROUNDS = 64

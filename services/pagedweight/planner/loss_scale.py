@@ -8,7 +8,8 @@ early one's. So S ranks blocks well within a group but not across groups: on
 tiny-mixtral, S(3) of gate_up blocks is ~10x that of down blocks, while lowering a
 layer's gate_up blocks to 3 bits costs the model less than lowering its down blocks.
 
-The fix, measured once offline on calibration text: for every group g = (layer, module),
+The fix, measured once offline on calibration text (offline/group_scales.py runs the
+model; this module only holds and applies the result): for every group g = (layer, module),
 lower all its blocks to 3 bits (everything else at 8) and measure the damage as the mean
 KL divergence from the all-8-bit model's next-token distribution (a low-noise damage
 measure: unlike a perplexity difference it is never negative by chance). Then
@@ -26,13 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
-import torch.nn.functional as F
 
 from pagedweight.common.errors import UserError
 from pagedweight.planner.tables import BlockTable
-
-MIN_SCALE_FRACTION = 0.02  # of the median group scale
 
 
 @dataclass
@@ -70,36 +67,3 @@ def apply_group_scales(table: BlockTable, scales: GroupScales) -> BlockTable:
     factor = np.array([scales.scales[k] for k in keys])
     return BlockTable(table.block_ids, table.nbytes, table.sensitivity * factor[:, None],
                       table.num_layers, table.num_experts, table.calib_mass, table.calib_share)
-
-
-@torch.inference_mode()
-def measure_group_scales(model, table: BlockTable, windows: list[list[int]], set_bits) -> GroupScales:
-    """`set_bits(bits [N])` puts the model at a plan; windows are token lists (one forward each)."""
-    bits = np.full(table.num_blocks, 8)
-    set_bits(bits)
-    device = next(model.parameters()).device
-    batches = [torch.tensor([w], device=device) for w in windows]
-    reference = [F.log_softmax(model(x).float(), dim=-1) for x in batches]
-    num_tokens = sum(x.shape[1] for x in batches)
-    rel = table.calib_mass / np.maximum(table.calib_mass.mean(axis=1, keepdims=True), 1e-12) \
-        if table.calib_mass is not None else np.ones((table.num_layers, table.num_experts))
-    mult = np.maximum(rel.reshape(-1)[table.expert_index], 1e-3)
-    modules = sorted({b.module for b in table.block_ids})
-    module_of = np.array([b.module for b in table.block_ids])
-    scales, kls = {}, {}
-    for layer in range(table.num_layers):
-        for module in modules:
-            group = (table.layer == layer) & (module_of == module)
-            trial = bits.copy()
-            trial[group] = 3
-            set_bits(trial)
-            # sum over tokens of KL(p_8bit || p_trial), then the mean per token
-            kl = sum(float(F.kl_div(F.log_softmax(model(x).float(), dim=-1), ref,
-                                    log_target=True, reduction="sum"))
-                     for x, ref in zip(batches, reference)) / num_tokens
-            s = float((mult[group] * (table.sensitivity[group, 0] - table.sensitivity[group, 5])).sum())
-            key = group_key(layer, module)
-            kls[key], scales[key] = kl, kl / max(s, 1e-30)
-    set_bits(bits)
-    floor = MIN_SCALE_FRACTION * float(np.median(list(scales.values())))
-    return GroupScales({k: max(v, floor) for k, v in scales.items()}, kls, num_tokens)

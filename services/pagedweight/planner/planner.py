@@ -5,17 +5,20 @@ budget. Soft floors (hot experts) hold first; only if the budget cannot be met a
 them are they relaxed to config.min_bits (reported as `floors_relaxed`).
 
 `OnlinePlanner.plan(budget, inputs)` (one call per planning tick), in this order:
-1. Over budget: free exactly the excess (the budget is never exceeded). Blocks raised
-   less than `min_residence_steps` plans ago are not lowered, unless the budget cannot be
-   met otherwise.
-2. Spare bytes beyond the dead band (`dead_band_fraction` of the budget): spend them;
-   blocks lowered recently are not raised.
+1. Over budget: free exactly the excess (the budget is never exceeded).
+2. Spare bytes beyond the dead band (`dead_band_fraction` of the budget): spend them.
 3. Otherwise (inside the dead band) try one rebalance: spend `rebalance_fraction` of the
    budget on the best increases, free the excess from the other blocks, and keep the
    result only if it cuts predicted damage by at least `rebalance_min_gain`.
 Under a steady load the damage table and budget stop changing, so steps 1 and 2 have
 nothing to do after the first plan, and every accepted rebalance lowers damage by a
 fixed fraction, which can only happen finitely often: the plan converges and then holds.
+
+When to plan is not decided here: on the serving path the memory broker gives KV bytes
+back only after `BrokerConfig.calm_steps` calm steps, the one time hysteresis. A per-block
+residence time here (a moved block may not move back for n plans) was removed: with the
+broker's gating it made an offer find nothing to raise, the pager then remembers that
+offer as refused, and the bits never came back (tests/engine/test_runtime_engine.py).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from pagedweight.planner.config import PlannerConfig
 from pagedweight.planner.damage import DamageInputs, DamageModel
 from pagedweight.planner.greedy import free_bytes, spend_bytes
 from pagedweight.planner.tables import BlockTable
-from pagedweight.format.apl_format import MIN_BITS
+from pagedweight.format.blocks import MIN_BITS
 
 
 @dataclass
@@ -83,44 +86,34 @@ class OnlinePlanner:
         self.table, self.model, self.config = table, model, config
         self.bits = np.asarray(initial_bits, dtype=np.int64).copy()
         self.num_plans = 0
-        self.last_move = np.full(table.num_blocks, -(10**9), dtype=np.int64)  # plan index
-        self.last_direction = np.zeros(table.num_blocks, dtype=np.int64)  # +1 raised, -1 lowered
 
     def plan(self, budget: int, inputs: DamageInputs = DamageInputs()) -> Plan:
         self.num_plans += 1
         damage = self.model.damage(inputs)
         floors = self.model.floors(inputs)
-        recent = self.num_plans - self.last_move <= self.config.min_residence_steps
-        no_lower = recent & (self.last_direction > 0)  # raised recently: keep it up
-        no_raise = recent & (self.last_direction < 0)  # lowered recently: keep it down
         current = self.table.bytes_of(self.bits)
         relaxed, shortfall, action = False, 0, "hold"
         if current > budget:
-            new_bits, relaxed, shortfall = self._free(damage, budget, floors, no_lower)
+            new_bits, relaxed, shortfall = _free_to_budget(self.table.nbytes, damage, self.bits, budget,
+                                                           floors, self.config)
             action = "free"
         elif budget - current >= self.config.dead_band_fraction * budget:
-            ceilings = np.where(no_raise, self.bits, self.config.max_bits)
+            ceilings = np.full(self.table.num_blocks, self.config.max_bits)
             new_bits = spend_bytes(damage, self.table.nbytes, self.bits, ceilings, budget - current).bits
             action = "spend"
         else:
-            new_bits = self._rebalance(damage, budget, floors, no_lower, no_raise)
+            new_bits = self._rebalance(damage, budget, floors)
             action = "rebalance" if not np.array_equal(new_bits, self.bits) else "hold"
-        self._commit(new_bits)
+        self.bits = new_bits
         return Plan(self.bits.copy(), self.table.bytes_of(self.bits), budget,
                     plan_damage(damage, self.bits), relaxed, shortfall, action)
 
-    def _free(self, damage, budget, floors, no_lower):
-        # recently raised blocks hold; _free_to_budget lifts that (and the hot floors) only
-        # when the budget cannot be met otherwise, because the budget is never exceeded
-        locked_floors = np.where(no_lower, np.maximum(floors, self.bits), floors)
-        return _free_to_budget(self.table.nbytes, damage, self.bits, budget, locked_floors, self.config)
-
-    def _rebalance(self, damage, budget, floors, no_lower, no_raise) -> np.ndarray:
-        ceilings = np.where(no_raise, self.bits, self.config.max_bits)
+    def _rebalance(self, damage, budget, floors) -> np.ndarray:
+        ceilings = np.full(self.table.num_blocks, self.config.max_bits)
         extra = int(self.config.rebalance_fraction * budget)
         raised = spend_bytes(damage, self.table.nbytes, self.bits, ceilings, extra).bits
-        # blocks just raised, or raised recently, stay where they are while we free
-        keep = (raised > self.bits) | no_lower
+        # blocks just raised stay where they are while we free
+        keep = raised > self.bits
         lower_floors = np.where(keep, raised, np.minimum(floors, raised))
         excess = self.table.bytes_of(raised) - budget
         if excess <= 0:
@@ -130,9 +123,3 @@ class OnlinePlanner:
             return self.bits
         before, after = plan_damage(damage, self.bits), plan_damage(damage, result.bits)
         return result.bits if after <= (1 - self.config.rebalance_min_gain) * before else self.bits
-
-    def _commit(self, new_bits: np.ndarray) -> None:
-        moved = new_bits != self.bits
-        self.last_move[moved] = self.num_plans
-        self.last_direction[moved] = np.sign(new_bits - self.bits)[moved]
-        self.bits = new_bits

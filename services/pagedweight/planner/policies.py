@@ -39,7 +39,7 @@ from pagedweight.planner.damage import DamageInputs, DamageModel
 from pagedweight.planner.greedy import running
 from pagedweight.planner.planner import Plan, plan_bytes, plan_damage, solve
 from pagedweight.planner.tables import BlockTable
-from pagedweight.format.apl_format import BIT_WIDTHS, MIN_BITS
+from pagedweight.format.blocks import BIT_WIDTHS, MIN_BITS
 
 POLICY_NAMES = ("pagedweight", "uniform", "mxmoe", "dpllm",
                 "no-routing", "no-residual", "no-sensitivity", "no-loss-scale")

@@ -1,23 +1,26 @@
 """What the planner learns from the prompts now running: routing statistics and residuals.
 
-The model runs the prompt (a prefill) with a `RoutingRecorder` on every MoE block,
+The model runs the prompt (a prefill) with a `RoutingRecorder` (offline/prompt_routing.py)
+on every MoE block,
 which counts each expert's top-k selections and sums its gate weights per layer. From
 those counts:
 - the routing moving average (routing_stats.py), started from the calibration run's
   mass, is fed the prompt's tokens: hot experts for this traffic stand out;
-- the prompt features (per-layer routing fractions, residual_heads.routing_features)
+- the prompt features (per-layer routing fractions, residual_predictor.routing_features)
   go through the artifact's ridge heads: the predicted log(S_prompt / S) per block.
 Both land in a `PlanContext`, the policies' one input about traffic.
 """
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import numpy as np
-import torch
 
 from pagedweight.planner.artifact import PagedPlannerInputs
 from pagedweight.planner.config import PlannerConfig
 from pagedweight.planner.policies import PlanContext
+from pagedweight.planner.residual_predictor import routing_features
 from pagedweight.planner.routing_stats import RoutingStats
 
 
@@ -29,43 +32,15 @@ def steady_traffic_tokens(config: PlannerConfig = PlannerConfig()) -> int:
     return int(STEADY_HALF_LIVES * config.routing_half_life_tokens)
 
 
-class RoutingRecorder:
-    """Per-layer top-k counts and gate mass of every forward pass while attached."""
+class PromptRouting(Protocol):
+    """A prompt's routing, per MoE layer (offline.prompt_routing.RoutingRecorder records it)."""
 
-    def __init__(self, model, num_experts: int):
-        self.blocks = list(model.moe_blocks)
-        self.counts = np.zeros((len(self.blocks), num_experts))
-        self.mass = np.zeros((len(self.blocks), num_experts))
-        self.num_tokens = np.zeros(len(self.blocks), dtype=np.int64)
-        for block in self.blocks:
-            block.observer = self._observe
-
-    def _observe(self, layer: int, x, topk_ids, topk_weights) -> None:
-        ids = topk_ids.reshape(-1).cpu().numpy()
-        weights = topk_weights.reshape(-1).float().cpu().numpy()
-        self.counts[layer] += np.bincount(ids, minlength=self.counts.shape[1])
-        self.mass[layer] += np.bincount(ids, weights=weights, minlength=self.counts.shape[1])
-        self.num_tokens[layer] += topk_ids.shape[0]
-
-    def detach(self) -> None:
-        for block in self.blocks:
-            block.observer = None
+    counts: np.ndarray  # [L, E] top-k selections
+    mass: np.ndarray  # [L, E] gate weight
+    num_tokens: np.ndarray  # [L] tokens seen
 
 
-@torch.inference_mode()
-def record_prompt_routing(model, token_ids: list[int], num_experts: int, window: int = 256) -> RoutingRecorder:
-    """Prefill the prompt in windows of `window` tokens and record its routing."""
-    recorder = RoutingRecorder(model, num_experts)
-    try:
-        device = next(model.parameters()).device
-        for start in range(0, len(token_ids), window):
-            model(torch.tensor([token_ids[start:start + window]], device=device))
-    finally:
-        recorder.detach()
-    return recorder
-
-
-def prompt_context(recorder: RoutingRecorder, inputs: PagedPlannerInputs,
+def prompt_context(recorder: PromptRouting, inputs: PagedPlannerInputs,
                    config: PlannerConfig = PlannerConfig(), use_heads: bool = True,
                    traffic_tokens: int | None = None) -> PlanContext:
     """`traffic_tokens`: how many tokens of traffic routed like this prompt the moving
@@ -88,9 +63,6 @@ def prompt_context(recorder: RoutingRecorder, inputs: PagedPlannerInputs,
 
 def predict_residual(counts: np.ndarray, inputs: PagedPlannerInputs) -> np.ndarray:
     """[N] predicted log(S_prompt / S) per block, in the table's block order."""
-    from pagedweight.offline.residual_heads import routing_features
-
-    features = routing_features(torch.from_numpy(counts))
-    predicted = inputs.heads.predict(features).numpy()
+    predicted = inputs.heads.predict(routing_features(counts))
     by_key = dict(zip(inputs.head_block_keys, predicted))
     return np.array([by_key[b.key()] for b in inputs.table.block_ids], dtype=np.float64)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from pagedweight.planner.tables import BlockTable
-from pagedweight.format.apl_format import BIT_WIDTHS, MODULES, BlockId
+from pagedweight.format.blocks import BIT_WIDTHS, MODULES, BlockId
 
 # (num_layers, num_experts, hidden, expert_intermediate, top_k)
 QWEN15_MOE_A27B = (24, 60, 2048, 1408, 4)

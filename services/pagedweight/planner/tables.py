@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pagedweight.format.apl_format import BIT_WIDTHS, MIN_BITS, BlockId, block_bytes
+from pagedweight.format.blocks import BIT_WIDTHS, MIN_BITS, BlockId, block_bytes
 
 NUM_WIDTHS = len(BIT_WIDTHS)
 

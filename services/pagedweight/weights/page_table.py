@@ -71,6 +71,7 @@ class PageTable:
             bid: BlockPages(bid, b.rows, b.cols, initial_desired_bits) for bid, b in self.host.items()
         }
         self.read_log: list[Extent] | None = None  # when a list, readers append what they read (tests)
+        self.num_desired_updates = 0  # set_desired_bits calls (plans set from outside the pager)
 
     # ---- sizes ------------------------------------------------------------------------
     def plane_bytes(self, block_id: BlockId) -> int:
@@ -112,6 +113,7 @@ class PageTable:
         return {bid: e.desired_bits for bid, e in self.entries.items()}  # block_id -> bits
 
     def set_desired_bits(self, plan: dict[BlockId, int]) -> None:
+        self.num_desired_updates += 1  # lets the pager see a change it did not make
         for bid, bits in plan.items():
             check_bits(bits)
             self.entries[bid].desired_bits = bits

@@ -1,30 +1,28 @@
-"""Feeds the router's live choices to the planner's routing statistics.
+"""Collects the router's live choices for the planner, as snapshots.
 
 The planner's damage model weighs each block by its expert's routing mass, a moving
-average of live traffic (services/planner/routing_stats.py). `RoutingFeed` is the
-observer every MoE block calls after routing; it adds the step's per-expert selection
-counts and gate mass to [L, E] tensors on the model's device (no host sync in the
-forward pass). Just before each plan the weight pager calls `refresh()`: the
-accumulated window goes into `RoutingStats` (one update per layer, aged by its token
-count) and the planner's `PlanContext.relative_mass` is set from it.
+average of live traffic that the planner keeps (planner/routing_stats.py). `RoutingFeed`
+is the observer every MoE block calls after routing; it adds the step's per-expert
+selection counts and gate mass to [L, E] tensors on the model's device (no host sync in
+the forward pass). Just before each plan request the weight pager takes a `snapshot()`:
+the window so far as a plain `RoutingSnapshot` (one device-to-host copy), and the window
+starts again. The feed never touches planner state; the snapshot travels in the request.
 """
 
 from __future__ import annotations
 
 import torch
 
-from pagedweight.planner.policies import PlanContext
-from pagedweight.planner.routing_stats import RoutingStats
+from pagedweight.planner.messages import RoutingSnapshot
 
 
 class RoutingFeed:
-    def __init__(self, stats: RoutingStats, context: PlanContext, device: torch.device | str = "cpu"):
-        self.stats, self.context = stats, context
-        shape = (stats.num_layers, stats.num_experts)
+    def __init__(self, num_layers: int, num_experts: int, device: torch.device | str = "cpu"):
+        shape = (num_layers, num_experts)
         self.counts = torch.zeros(shape, dtype=torch.float32, device=device)  # selections this window
         self.mass = torch.zeros(shape, dtype=torch.float32, device=device)  # gate weight this window
-        self.num_tokens = torch.zeros(stats.num_layers, dtype=torch.int64, device=device)
-        self.num_refreshes = 0
+        self.num_tokens = torch.zeros(num_layers, dtype=torch.int64, device=device)
+        self.num_snapshots = 0
 
     def __call__(self, layer: int, x, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
         """The MoE block's observer: (layer, x [T, H], topk_ids [T, k], topk_weights [T, k])."""
@@ -37,12 +35,10 @@ class RoutingFeed:
         for block in model.moe_blocks:
             block.observer = self
 
-    def refresh(self) -> None:
-        """Move the window into the moving average and the planner's context."""
-        counts, mass = self.counts.cpu().double().numpy(), self.mass.cpu().double().numpy()
-        tokens = self.num_tokens.cpu().tolist()
-        for layer, num_tokens in enumerate(tokens):
-            self.stats.observe_counts(layer, counts[layer], mass[layer], num_tokens)
+    def snapshot(self) -> RoutingSnapshot:
+        """The window since the last snapshot, and a fresh window."""
+        snap = RoutingSnapshot(self.counts.cpu().double().numpy(), self.mass.cpu().double().numpy(),
+                               self.num_tokens.cpu().numpy().copy())
         self.counts.zero_(), self.mass.zero_(), self.num_tokens.zero_()
-        self.context.relative_mass = self.stats.relative_mass()
-        self.num_refreshes += 1
+        self.num_snapshots += 1
+        return snap

@@ -4,13 +4,19 @@ The engine calls it with KV pressure; the planner decides which blocks change bi
 page mover changes them under its commit protocol (page_mover.py). All calls come from
 the engine's thread, between forward steps.
 
+The planner sits behind the `BitPlanner` protocol (bit_planner.py): the pager sends a
+`PlanRequest` (KV pressure, the bits it is heading for, the routing snapshot since the
+last request) and applies the `PlanResponse` whenever `poll` returns it: at once for an
+in-process planner, at a later step boundary for a remote one. One request is in flight
+at a time; while it is, the bytes it asks for count as pending.
+
 - `request_bytes(n)`: the KV cache needs n more free bytes. Raises not yet started are
-  cancelled first; if lowerings already planned do not free n bytes, the planner is
-  asked for a plan freeing the rest. Non-blocking: the bytes are freed at the next
-  `step_boundary()` (lowering drops planes there), and the engine waits meanwhile.
+  cancelled first; if lowerings already planned (or asked for) do not free n bytes, the
+  planner is asked for a plan freeing the rest. Non-blocking: the bytes are freed at a
+  later `step_boundary()` (lowering drops planes there), and the engine waits meanwhile.
 - `offer_bytes(n)`: pressure fell and n bytes are spare: the planner spends them on
-  bits; raises start at the next boundary and commit when their copies land.
-- `step_boundary()`: commits finished moves, frees planes no step reads any more,
+  bits; raises start at a later boundary and commit when their copies land.
+- `step_boundary()`: applies a plan that has arrived, commits finished moves, frees planes no step reads any more,
   starts raises, and after lowering compacts weight pages (moves them down) until the
   free page runs hold, as KV blocks of `kv_block_bytes` (by default the size of the
   arena's latest KV allocation; with none seen yet, it compacts fully), the bytes asked
@@ -20,11 +26,15 @@ Bytes are arena bytes (whole pages, LUTs included): what the KV cache really get
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Callable
 
-from pagedweight.format.apl_format import BIT_WIDTHS, BlockId
-from pagedweight.weights.greedy_planner import BitPlanner
+import numpy as np
+
+from pagedweight.format.blocks import BIT_WIDTHS, BlockId, check_bits
+from pagedweight.planner.messages import FREE, KVPressure, PlanRequest, PlanResponse, RoutingSnapshot
+from pagedweight.weights.bit_planner import BitPlanner
 from pagedweight.weights.page_mover import BoundaryResult, PageMover
 
 
@@ -50,18 +60,31 @@ class PagerStats:
 
 class WeightPager:
     def __init__(self, mover: PageMover, planner: BitPlanner, kv_block_bytes: int | None = None,
-                 before_plan: Callable[[], None] | None = None):
+                 routing: Callable[[], RoutingSnapshot] | None = None):
+        """`planner` is registered with this page table's blocks, in the table's order
+        (in_process_planner.page_table_registration). `routing`: e.g. RoutingFeed.snapshot,
+        the live routing sent with every request."""
         self.mover = mover
         self.table = mover.table
         self.planner = planner
         self.kv_block_bytes = kv_block_bytes  # the KV cache's block size (None: learnt from the arena)
-        self.before_plan = before_plan  # e.g. RoutingFeed.refresh: live routing into the planner
+        self.routing = routing
+        self.block_ids: list[BlockId] = list(self.table.entries)  # the registration's block order
+        self._request_ids = itertools.count(1)
+        self._in_flight: PlanRequest | None = None  # the request whose response has not arrived
+        self._cannot_free = False  # the last free plan changed nothing: every block is at its floor
+        self._free_bytes_at_refusal = -1  # pool free bytes when a spend plan last took nothing
         self._kv_target_bytes = 0  # what compaction must make usable as KV blocks
         self.num_plans = 0
         self.num_raises_dropped = 0  # raises given up because they could not start (see below)
         self._stalled_boundaries = 0
         self._free_bytes_at_drop = -1  # pool free bytes when raises were last dropped
         self._mean_min = self._mean_bits()
+        self._last_applied_bytes = 0  # arena bytes the last applied plan took (< 0: freed)
+        # Every block at its desired bits, no copy in flight, no plan applied since: a step
+        # boundary has nothing to do. Anything that changes desired bits clears it.
+        self._settled = False
+        self._settled_at = -1  # the table's num_desired_updates when it settled
 
     # ---- pressure -----------------------------------------------------------------------
     def request_bytes(self, num_bytes: int) -> int:
@@ -69,38 +92,85 @@ class WeightPager:
         returns the bytes the pending lowerings will free (less than asked when every
         block is at its floor)."""
         entries = self.table.entries
-        self._free_bytes_at_drop = -1  # bits go down: what is free afterwards is new
+        self._free_bytes_at_drop = self._free_bytes_at_refusal = -1  # bits go down: what is free afterwards is new
         self._kv_target_bytes = max(self._kv_target_bytes, num_bytes + self.mover.arena.pool.free_bytes)
-        for e in entries.values():  # cancel raises that have not started
-            e.desired_bits = min(e.desired_bits, e.effective_bits)
-        pending = self._pending_free()
-        if pending < num_bytes:
-            bits = {bid: e.desired_bits for bid, e in entries.items()}  # block_id -> bits
-            self._before_plan()
-            plan = self.planner.plan_free(bits, num_bytes - pending)
-            self.num_plans += 1
-            self.table.set_desired_bits(plan)
-            pending = self._pending_free()
+        if not self._is_settled():  # settled: no raise is waiting to start
+            for e in entries.values():  # cancel raises that have not started
+                e.desired_bits = min(e.desired_bits, e.effective_bits)
+        if self._in_flight is not None and self._in_flight.pressure.direction != FREE:
+            self._in_flight = None  # a spend asked before pressure rose: its answer is dropped
+        pending = self._pending_free() + self._asked_free()
+        if pending < num_bytes and self._in_flight is None and not self._cannot_free:
+            self._submit(KVPressure(bytes_needed=num_bytes - pending))
+            pending = self._pending_free() + self._asked_free()
         return pending
 
     def offer_bytes(self, num_bytes: int) -> int:
         """Spend up to `num_bytes` spare bytes on bits; returns the bytes planned.
         Ignored (0) while lowerings are still pending: pressure has not fallen yet."""
-        if self._pending_free() > 0:
+        if self._in_flight is not None:
             return 0
-        if self.mover.arena.pool.free_bytes <= self._free_bytes_at_drop:
-            return 0  # these bytes could not hold the last plan's raises in flight
-        spendable = num_bytes - self._pending_take()
+        free_bytes = self.mover.arena.pool.free_bytes
+        if free_bytes <= max(self._free_bytes_at_drop, self._free_bytes_at_refusal):
+            return 0  # these bytes could not hold the last plan's raises, or found no use
+        settled = self._is_settled()  # then nothing is pending: skip the scans
+        if not settled and self._pending_free() > 0:
+            return 0
+        spendable = num_bytes - (0 if settled else self._pending_take())
         if spendable <= 0:
             return 0
-        bits = self.table.desired_bits()
-        self._before_plan()
-        plan = self.planner.plan_spend(bits, spendable)
+        request = self._submit(KVPressure(bytes_free=spendable))
+        if self._in_flight is request:  # not answered yet: the planner may spend all of it
+            return spendable
+        return self._last_applied_bytes
+
+    # ---- the planner's side of the seam -------------------------------------------------
+    def _submit(self, pressure: KVPressure) -> PlanRequest:
+        bits = np.fromiter((self.table.entries[b].desired_bits for b in self.block_ids), dtype=np.int64,
+                           count=len(self.block_ids))
+        routing = self.routing() if self.routing is not None else None
+        request = PlanRequest(next(self._request_ids), pressure, bits, routing)
+        self._in_flight = request
         self.num_plans += 1
-        self.table.set_desired_bits(plan)
-        return sum(self.table.charged_bytes(bid, b) - self.table.charged_bytes(bid, bits[bid]) for bid, b in plan.items())
+        self.planner.submit(request)
+        self._apply_arrived()  # an in-process planner has answered already; a remote one later
+        return request
+
+    def _apply_arrived(self) -> None:
+        """Apply every response that has arrived; only the one to the request in flight counts."""
+        while (response := self.planner.poll()) is not None:
+            request = self._in_flight
+            if request is None or response.request_id != request.request_id:
+                continue  # answers a request given up since (pressure changed direction)
+            self._in_flight = None
+            self._apply(request, response)
+
+    def _apply(self, request: PlanRequest, response: PlanResponse) -> None:
+        entries, taken = self.table.entries, 0
+        free = request.pressure.direction == FREE
+        if not free and self._pending_free() > 0:
+            return  # pressure rose while the spend was planned: raising now would fight it
+        for index, bits in response.changes().items():
+            check_bits(bits)
+            bid = self.block_ids[index]
+            e = entries[bid]
+            new = min(e.desired_bits, bits) if free else max(e.desired_bits, bits)
+            taken += self.table.charged_bytes(bid, new) - self.table.charged_bytes(bid, e.desired_bits)
+            e.desired_bits = new
+        self._last_applied_bytes = taken
+        self._settled = self._settled and taken == 0
+        if free:
+            self._cannot_free = taken == 0
+        elif taken > 0:
+            self._cannot_free = False  # bits went up: there is something to free again
+        else:
+            self._free_bytes_at_refusal = self.mover.arena.pool.free_bytes
 
     def step_boundary(self) -> BoundaryResult:
+        if self._in_flight is not None:
+            self._apply_arrived()
+        if self._is_settled():
+            return BoundaryResult()  # nothing to commit, lower or raise: no scan over the blocks
         result = self.mover.step_boundary(self._raise_order())
         if result.lowered_ids:
             self._compact()
@@ -108,6 +178,8 @@ class WeightPager:
             self.mover.compact()  # the raises retry at the next boundary
         self._drop_stalled_raises(result)
         self._mean_min = min(self._mean_min, self._mean_bits())
+        self._settled = not self.mover.busy()
+        self._settled_at = self.table.num_desired_updates
         return result
 
     def _drop_stalled_raises(self, result: BoundaryResult) -> None:
@@ -159,9 +231,13 @@ class WeightPager:
         )
 
     # ---- internals ----------------------------------------------------------------------
-    def _before_plan(self) -> None:
-        if self.before_plan is not None:
-            self.before_plan()
+    def _is_settled(self) -> bool:
+        return self._settled and self._settled_at == self.table.num_desired_updates
+
+    def _asked_free(self) -> int:
+        """Bytes the free request in flight asks for (counted as pending until it is answered)."""
+        request = self._in_flight
+        return request.pressure.bytes_needed if request is not None and request.pressure.direction == FREE else 0
 
     def _compact(self) -> None:
         arena, target = self.mover.arena, self._kv_target_bytes
