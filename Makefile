@@ -12,6 +12,8 @@ setup:
 	$(BIN)/pip install --quiet -e ".[test]"
 
 test:
+	# imports run one way: the contracts in pyproject.toml ([tool.importlinter])
+	$(BIN)/lint-imports --no-cache
 	$(BIN)/python -m pytest -q -m "not gpu and not deploy"
 
 # The deploy checkers (hadolint, docker compose, helm, kubernetes-validate, prometheus,

@@ -2,7 +2,10 @@
 
 For Qwen1.5-MoE-A2.7B and Mixtral-8x7B layer shapes with synthetic APL weights, for 1, 4,
 16, 64 and 256 tokens and uniform 3, 4, 8 bits plus a mixed assignment, times:
-  fused      kernels.apl_moe.apl_moe (4 launches per layer)
+  fused      pagedweight_kernels.apl_moe.apl_moe: at decode (<= 4 tokens per expert) the
+             tensor-core decode kernel, 2 launches per layer and bit class present
+  fused_legacy  the same operator with legacy_decode=True: the first decode kernel (CUDA
+             cores, shared-memory LUT, 4 launches), measured in the same run as the baseline
   per_block  the same kernels launched once per expert block, as Any-Precision LLM does
              (plus the gather/scatter glue such a design needs)
   bf16_bmm   bf16 PyTorch, weights gathered per (token, slot) and a batched matmul
@@ -27,16 +30,14 @@ import json
 import math
 import os
 import statistics
-import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.bench_meta import write_result  # noqa: E402
-from pagedweight_kernels.apl_moe import APLLayer, ResidentBlock, apl_moe, launch_gemm, plan_launch  # noqa: E402
-from pagedweight_kernels.synthetic import nested_luts  # noqa: E402
+from bench.bench_meta import write_result
+from pagedweight_kernels.apl_moe import APLLayer, ResidentBlock, apl_moe, launch_gemm, plan_launch
+from pagedweight_kernels.synthetic import nested_luts
 
 MODELS = {  # experts, top_k, hidden, intermediate
     "qwen1.5-moe-a2.7b": (60, 4, 2048, 1408),
@@ -129,7 +130,7 @@ class PerBlock:
         for e in ids_cpu.unique().tolist():
             tok, slot = (ids_cpu == e).nonzero(as_tuple=True)
             n = len(tok)
-            plan = plan_launch(n, 1, 1, layer.hidden, layer.intermediate, layer.max_bits)
+            plan = plan_launch(n, 1, 1, layer.hidden, layer.intermediate, layer.max_bits, legacy_decode=True)
             meta = torch.tensor([0, 0, n], dtype=torch.int32, device=device)
             self.experts.append((e, n, tok.to(device), slot.to(device), plan, meta,
                                  torch.ones(1, dtype=torch.int32, device=device),
@@ -235,6 +236,12 @@ def bench_model(name, quick, device, bw) -> list[dict]:
             cell = {"regime": plan.gate_up.regime, "bytes": nbytes, "floor_us": nbytes / bw * 1e6,
                     "fused_us": fused}
             cell["fused_over_floor"] = fused / cell["floor_us"]
+            legacy_plan = plan_launch(T, k, E, H, I, apl[0].max_bits, legacy_decode=True)
+            if legacy_plan.gate_up.regime != plan.gate_up.regime:
+                cell["legacy_regime"] = legacy_plan.gate_up.regime
+                cell["fused_legacy_us"] = time_calls([lambda c=c, i=i: apl_moe(x[i], *route[i], apl[c], legacy_decode=True)
+                                                      for c, i in pairs])
+                cell["legacy_over_new"] = cell["fused_legacy_us"] / fused
             if config in ("4", "mixed"):
                 per_block = [PerBlock(*route[i], apl[c]) for c, i in pairs]
                 cell["per_block_us"] = time_calls([lambda j=j, i=i: per_block[j](x[i])
@@ -244,6 +251,7 @@ def bench_model(name, quick, device, bw) -> list[dict]:
                     cell[f"speedup_vs_{base[:-3]}"] = row[base] / fused
             row[f"bits_{config}"] = cell
             print(f"{name:18s} T={T:3d} bits={config:5s} {plan.gate_up.regime:7s} fused {fused:8.1f} us  "
+                  f"legacy {cell.get('fused_legacy_us', float('nan')):8.1f}  "
                   f"floor {cell['floor_us']:7.1f} us ({cell['fused_over_floor']:.2f}x)  "
                   f"per-block {cell.get('per_block_us', float('nan')):8.1f}  "
                   f"bf16 bmm {row.get('bf16_bmm_us') or float('nan'):8.1f}  "

@@ -16,15 +16,14 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.bench_meta import write_result  # noqa: E402
-from pagedweight_kernels.synthetic import quantize_experts  # noqa: E402
-from pagedweight.engine.generate import generate  # noqa: E402
-from pagedweight.engine.sampler import SamplingParams  # noqa: E402
-from pagedweight.model import load_model  # noqa: E402
-from pagedweight.model.apl_experts import APLExperts  # noqa: E402
-from pagedweight.model.tokenizer import Tokenizer  # noqa: E402
-from tests.kernels.apl_cases import mixed_bits  # noqa: E402
+from bench.bench_meta import write_result
+from pagedweight_kernels.synthetic import quantize_experts
+from pagedweight.engine.generate import generate
+from pagedweight.engine.sampler import SamplingParams
+from pagedweight.model import load_model
+from pagedweight.model.apl_experts import APLExperts
+from pagedweight.model.tokenizer import Tokenizer
+from pagedweight_kernels.synthetic import mixed_bits
 
 NEW_TOKENS, RUNS = 64, 3
 

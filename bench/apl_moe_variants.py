@@ -9,13 +9,11 @@ Usage on the GPU machine: PYTHONPATH=.:services:kernels python3 bench/apl_moe_va
 """
 
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import pagedweight_kernels.apl_moe as op  # noqa: E402
-from bench.apl_moe_kernel import COPIES, MODELS, REPS, SyntheticLayer, bit_assignment, routings, time_calls  # noqa: E402
+import pagedweight_kernels.apl_moe as op
+from bench.apl_moe_kernel import COPIES, MODELS, REPS, SyntheticLayer, bit_assignment, routings, time_calls
 
 SHAPES = [("mixtral-8x7b", 1, "4"), ("mixtral-8x7b", 1, "8"), ("mixtral-8x7b", 4, "4"),
           ("qwen1.5-moe-a2.7b", 1, "4"), ("qwen1.5-moe-a2.7b", 16, "4")]

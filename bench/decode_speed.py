@@ -9,20 +9,19 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.bench_meta import write_result  # noqa: E402
-from pagedweight.engine.generate import generate  # noqa: E402
-from pagedweight.engine.sampler import SamplingParams  # noqa: E402
-from pagedweight.model import load_model  # noqa: E402
+from bench.bench_meta import write_result
+from pagedweight.engine.generate import generate
+from pagedweight.engine.sampler import SamplingParams
+from pagedweight.common.paths import shared_models_dir
+from pagedweight.model import load_model
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "models"
+SHARED = shared_models_dir()
 
 
 def timed(fn) -> float:

@@ -15,20 +15,18 @@ Run on the GPU machine: PYTHONPATH=.:services:kernels python3 bench/engine_gpu_d
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.bench_meta import write_result  # noqa: E402
-from pagedweight.offline.calibrate import CalibConfig  # noqa: E402
-from pagedweight.offline.quantize import QuantizeConfig, quantize_model  # noqa: E402
-from pagedweight.engine.engine import Engine, EngineConfig  # noqa: E402
-from pagedweight.engine.load_bench import LoadSpec, drive_load  # noqa: E402
-from pagedweight.model import load_model  # noqa: E402
-from pagedweight.runtime import RuntimeConfig, build_runtime  # noqa: E402
+from bench.bench_meta import write_result
+from pagedweight.offline.calibrate import CalibConfig
+from pagedweight.offline.quantize import QuantizeConfig, quantize_model
+from pagedweight.engine.engine import Engine, EngineConfig
+from pagedweight.cli.load_bench import LoadSpec, drive_load
+from pagedweight.model import load_model
+from pagedweight.runtime import RuntimeConfig, build_runtime
 
 BUDGET = 1 << 30  # ample for the tiny models: this measures speed, not memory pressure
 

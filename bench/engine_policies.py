@@ -13,14 +13,12 @@ Writes bench/results/engine_policies_<model>.json.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.bench_meta import write_result  # noqa: E402
-from pagedweight.cli.main import build_parser  # noqa: E402
+from bench.bench_meta import write_result
+from pagedweight.cli.main import build_parser
 
 POLICIES = ("pagedweight", "static-8", "static-4")
 

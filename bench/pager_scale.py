@@ -12,22 +12,19 @@ with nothing to do. CPU; one JSON in bench/results/pager_scale.json.
 from __future__ import annotations
 
 import json
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.bench_meta import write_result  # noqa: E402
-from pagedweight.memory.arena import Arena  # noqa: E402
-from pagedweight.memory.pool import KV_USED, MemoryPool  # noqa: E402
-from pagedweight.weights.in_process_planner import InProcessPlanner, page_table_registration  # noqa: E402
-from pagedweight.weights.page_mover import PageMover  # noqa: E402
-from pagedweight.weights.page_table import PageTable  # noqa: E402
-from pagedweight.weights.synthetic import random_blocks  # noqa: E402
-from pagedweight.weights.weight_pager import WeightPager  # noqa: E402
+from bench.bench_meta import write_result
+from pagedweight.memory.arena import Arena
+from pagedweight.memory.pool import KV_USED, MemoryPool
+from pagedweight.weights.in_process_planner import InProcessPlanner, page_table_registration
+from pagedweight.weights.page_mover import PageMover
+from pagedweight.weights.page_table import PageTable
+from pagedweight.weights.synthetic import random_blocks
+from pagedweight.weights.weight_pager import WeightPager
 
 KV_BLOCK, PAGE = 4096, 256
 

@@ -28,24 +28,24 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.bench_meta import write_result  # noqa: E402
-from pagedweight.offline.perplexity import perplexity  # noqa: E402
-from pagedweight.planner.artifact import load_planner_inputs  # noqa: E402
-from pagedweight.offline.group_scales import measure_group_scales  # noqa: E402
-from pagedweight.planner.loss_scale import GroupScales  # noqa: E402
-from pagedweight.planner.policies import POLICY_NAMES, PlanContext, make_policy  # noqa: E402
-from pagedweight.offline.prompt_routing import record_prompt_routing  # noqa: E402
-from pagedweight.planner.prompt_context import (  # noqa: E402
+from bench.bench_meta import write_result
+from pagedweight.common.paths import corpus_dir
+from pagedweight.offline.perplexity import perplexity
+from pagedweight.planner.artifact import load_planner_inputs
+from pagedweight.offline.group_scales import measure_group_scales
+from pagedweight.planner.loss_scale import GroupScales
+from pagedweight.planner.policies import POLICY_NAMES, PlanContext, make_policy
+from pagedweight.offline.prompt_routing import record_prompt_routing
+from pagedweight.planner.prompt_context import (
     prompt_context, steady_traffic_tokens,
 )
-from pagedweight.model.tokenizer import Tokenizer  # noqa: E402
-from pagedweight.weights.paged_experts import build_paged_lm, set_model_bits  # noqa: E402
-from pagedweight.format.paged_model import load_paged_model  # noqa: E402
+from pagedweight.model.tokenizer import Tokenizer
+from pagedweight.model.dequantized_experts import build_paged_lm, set_model_bits
+from pagedweight.format.paged_model import load_paged_model
 
 REPO = Path(__file__).resolve().parents[1]
 ARTIFACTS = Path("/work/artifacts/paged")
-CORPUS = REPO.parent / "shared" / "data" / "corpus"
+CORPUS = corpus_dir()
 MODELS = ("tiny-mixtral", "tiny-qwen-moe")
 DOMAINS = ("kjv", "pydoc", "pycode", "cheader")
 WIDTHS = (3, 3.5, 4, 5)
@@ -217,7 +217,7 @@ def main() -> int:
     results = {name: evaluate_model(name, args) for name in args.models}
     payload = {"prompt_tokens": args.prompt_tokens, "eval_tokens": args.eval_tokens, "seq_len": args.seq_len,
                "widths": list(WIDTHS), "policies": list(POLICY_NAMES),
-               "command": "python bench/planner_eval.py " + " ".join(sys.argv[1:]),
+               "command": "python -m bench.planner_eval " + " ".join(sys.argv[1:]),
                "results": results, "summary": summarise(results)}
     path = write_result("planner_eval", payload)
     import json

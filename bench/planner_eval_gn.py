@@ -12,15 +12,13 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.bench_meta import write_result  # noqa: E402
-from bench.planner_eval import ARTIFACTS, DOMAINS, Evaluator, add_eval_args, domain_tokens, log  # noqa: E402
-from pagedweight.planner.policies import make_policy  # noqa: E402
+from bench.bench_meta import write_result
+from bench.planner_eval import ARTIFACTS, DOMAINS, Evaluator, add_eval_args, domain_tokens, log
+from pagedweight.planner.policies import make_policy
 
 WIDTHS = (3.5, 4, 5)
 TABLES = ("sensitivity", "sensitivity_gn")
@@ -58,7 +56,7 @@ def main() -> int:
     results = {name: evaluate(name, args) for name in args.models}
     path = write_result("planner_eval_gn", {
         "prompt_tokens": args.prompt_tokens, "eval_tokens": args.eval_tokens, "seq_len": args.seq_len,
-        "command": "python bench/planner_eval_gn.py " + " ".join(sys.argv[1:]), "results": results})
+        "command": "python -m bench.planner_eval_gn " + " ".join(sys.argv[1:]), "results": results})
     log(f"wrote {path}")
     return 0
 

@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.bench_meta import write_result  # noqa: E402
-from bench.planner_eval import ARTIFACTS, DOMAINS, Evaluator, add_eval_args, domain_tokens, log  # noqa: E402
+from bench.bench_meta import write_result
+from bench.planner_eval import ARTIFACTS, DOMAINS, Evaluator, add_eval_args, domain_tokens, log
 
 
 def main() -> int:
@@ -40,7 +38,7 @@ def main() -> int:
             log(f"{name} {domain}: " + " ".join(f"{b}={v:.3f}" for b, v in ppl.items()))
     path = write_result("planner_eval_reference", {
         "prompt_tokens": args.prompt_tokens, "eval_tokens": args.eval_tokens, "seq_len": args.seq_len,
-        "command": "python bench/planner_eval_reference.py " + " ".join(sys.argv[1:]), "results": results})
+        "command": "python -m bench.planner_eval_reference " + " ".join(sys.argv[1:]), "results": results})
     log(f"wrote {path}")
     return 0
 

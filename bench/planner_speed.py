@@ -15,16 +15,14 @@ import heapq
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.bench_meta import write_result  # noqa: E402
-from pagedweight.planner.damage import DamageInputs, DamageModel  # noqa: E402
-from pagedweight.planner.planner import OnlinePlanner  # noqa: E402
-from pagedweight.planner.policies import POLICY_NAMES, PlanContext, make_policy  # noqa: E402
-from pagedweight.planner.synthetic import QWEN15_MOE_A27B, synthetic_table  # noqa: E402
+from bench.bench_meta import write_result
+from pagedweight.planner.damage import DamageInputs, DamageModel
+from pagedweight.planner.planner import OnlinePlanner
+from pagedweight.planner.policies import POLICY_NAMES, PlanContext, make_policy
+from pagedweight.planner.synthetic import QWEN15_MOE_A27B, synthetic_table
 
 TARGET_MS = 5.0
 WIDTHS = (3, 3.5, 4, 5)

@@ -20,24 +20,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.bench_meta import write_result  # noqa: E402
-from pagedweight.memory.arena import Arena  # noqa: E402
-from pagedweight.memory.pool import KV_USED, WORKSPACE, MemoryPool, parse_memory_budget, device_memory_bytes  # noqa: E402
-from pagedweight.format.apl_format import BlockId  # noqa: E402
-from pagedweight.weights.arena_experts import ArenaExperts  # noqa: E402
-from pagedweight.weights.in_process_planner import InProcessPlanner, page_table_registration  # noqa: E402
-from pagedweight.weights.page_mover import PageMover  # noqa: E402
-from pagedweight.weights.page_table import PageTable  # noqa: E402
-from pagedweight.weights.synthetic import random_blocks  # noqa: E402
-from pagedweight.weights.weight_pager import WeightPager  # noqa: E402
+from bench.bench_meta import write_result
+from pagedweight.memory.arena import Arena
+from pagedweight.memory.pool import KV_USED, WORKSPACE, MemoryPool, parse_memory_budget, device_memory_bytes
+from pagedweight.format.apl_format import BlockId
+from pagedweight.weights.arena_experts import ArenaExperts
+from pagedweight.weights.in_process_planner import InProcessPlanner, page_table_registration
+from pagedweight.weights.page_mover import PageMover
+from pagedweight.weights.page_table import PageTable
+from pagedweight.weights.synthetic import random_blocks
+from pagedweight.weights.weight_pager import WeightPager
 
 MiB = 1 << 20
 

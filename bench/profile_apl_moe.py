@@ -8,14 +8,11 @@ Usage on the GPU machine:
 """
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.apl_moe_kernel import MODELS, SyntheticLayer, bit_assignment, routings  # noqa: E402
-from pagedweight_kernels.apl_moe import apl_moe  # noqa: E402
+from bench.apl_moe_kernel import MODELS, SyntheticLayer, bit_assignment, routings
+from pagedweight_kernels.apl_moe import apl_moe
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--model", default="mixtral-8x7b", choices=list(MODELS))

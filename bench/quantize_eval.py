@@ -35,15 +35,15 @@ import torch
 import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
-from pagedweight.offline.perplexity import token_windows  # noqa: E402
-from pagedweight.model.tokenizer import Tokenizer  # noqa: E402
-from pagedweight.format.apl_format import BIT_WIDTHS, MODULES, BlockId  # noqa: E402
-from pagedweight.weights.paged_experts import build_paged_lm, set_model_bits, uniform_bits  # noqa: E402
-from pagedweight.format.paged_model import load_paged_model  # noqa: E402
+from pagedweight.common.paths import shared_dir
+from pagedweight.offline.perplexity import token_windows
+from pagedweight.model.tokenizer import Tokenizer
+from pagedweight.format.apl_format import BIT_WIDTHS, MODULES, BlockId
+from pagedweight.model.dequantized_experts import build_paged_lm, set_model_bits, uniform_bits
+from pagedweight.format.paged_model import load_paged_model
 
-SHARED = Path(os.environ.get("PAGEDWEIGHT_SHARED", REPO.parent / "shared"))
+SHARED = shared_dir()
 DOMAINS = ("kjv", "pydoc", "pycode", "cheader")
 
 

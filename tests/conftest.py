@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-BUNDLED_MODEL = REPO_ROOT / "models" / "micro-mixtral"
-SHARED_DIR = Path(os.environ.get("PAGEDWEIGHT_SHARED", REPO_ROOT.parent / "shared"))
-SHARED_MODELS = SHARED_DIR / "models"
-CORPUS_DIR = SHARED_DIR / "data" / "corpus"
+from pagedweight.common.paths import BUNDLED_MODEL, REPO_ROOT, corpus_dir, shared_dir, shared_models_dir
+
+SHARED_DIR = shared_dir()
+SHARED_MODELS = shared_models_dir()
+CORPUS_DIR = corpus_dir()
 DOMAINS = ("kjv", "pydoc", "pycode", "cheader")
 
 
@@ -44,7 +43,7 @@ def corpus_dir() -> Path:
 @pytest.fixture(scope="session")
 def paged_micro_dir(tmp_path_factory) -> Path:
     """micro-mixtral as a paged model directory, built fast for runtime tests: nested
-    uniform APL codes (services/worker/weights/synthetic.py) instead of the calibrated
+    uniform APL codes (services/pagedweight/weights/synthetic.py) instead of the calibrated
     quantiser, the uniform grid's expected squared error as sensitivity, uniform routing."""
     import torch
 

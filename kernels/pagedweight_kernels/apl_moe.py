@@ -1,8 +1,9 @@
-"""The fused APL MoE operator: launcher for kernels/apl_moe.cu and its plain torch reference.
+"""The fused APL MoE operator: launcher for apl_moe.cu / apl_gemv.cu and its torch reference.
 
 `apl_moe(x, topk_ids, topk_weights, layer)` computes one MoE layer's routed experts
-straight from bit-planes and LUTs, every block at its own bit-width, in four launches on
-PyTorch's current stream with no host synchronisation (see the .cu file's header).
+straight from bit-planes and LUTs, every block at its own bit-width, on PyTorch's current
+stream with no host synchronisation: at decode (few tokens per expert) in two launches on
+tensor cores (apl_gemv.cu's header), at prefill in four (apl_moe.cu's header).
 `apl_moe_reference` is the same function in plain torch: dequantise each block with
 `pagedweight.format.apl_format.dequantize` (the one definition of the format), round
 to x's dtype, and run the reference combine `moe_forward`. Tests compare the two.
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 
 import torch
@@ -26,10 +27,11 @@ import torch.nn.functional as F
 
 from pagedweight_kernels.moe_reference import moe_forward
 from pagedweight.format.apl_format import (
-    COL_ALIGN, LUT_DTYPE, MAX_BITS, MIN_BITS, check_bits, dequantize,
+    COL_ALIGN, LUT_DTYPE, MAX_BITS, MIN_BITS, APLBlock, check_bits, dequantize,
 )
 
 SOURCE = Path(__file__).with_name("apl_moe.cu")
+GEMV_SOURCE = Path(__file__).with_name("apl_gemv.cu")  # compiled after SOURCE (uses its helpers)
 DESC_WIDTH = 10  # int64 per block: bits, LUT address, 8 plane addresses (kept in step with the .cu)
 DESC_BITS, DESC_LUT, DESC_PLANES = 0, 1, 2
 MAX_EXPERTS = 1024  # moe_align's shared counters
@@ -42,9 +44,25 @@ DECODE_X_BYTES = 32 * 1024  # shared-memory budget for one column split's activa
 SMEM_ALIGN_PAD = 1024  # kernels round their shared memory start up to 1 KB (aligned LUT rows)
 PREFILL_ROWS, PREFILL_SP = 64, 136  # weight rows per prefill CTA; padded shared row (u16)
 THREADS = 256
+# The tensor-core decode kernel (apl_gemv.cu): two launches per layer and bit-width class.
+GEMV_MAX_TOKENS_PER_EXPERT = 4.0  # above: the prefill kernel; a hot expert takes passes of 8
+GEMV_ROWS, GEMV_THREADS, GEMV_STEP_WORDS, GEMV_TOKENS = 64, 128, 8, 8
+GEMV_TARGET_CTAS = 528  # one wave on a 132-SM H200 (4 CTAs per SM): longer CTAs, fewer prologues
+GEMV_X_BYTES = 40 * 1024  # shared memory for one split's staged activations
+GEMV_MIN_SPLIT_WORDS = 16  # a split covers at least two warp steps
+GEMV_MAX_ASSIGN = 4096  # tokens * top_k a CTA's shared slot list holds
+GEMV_MERGE_CLASSES = True  # a layer with 3-4- and 5-8-bit blocks: one launch per projection (measured faster)
+
+
+def bit_class(bits: int) -> int:
+    """The decode kernel compiled for this width: 0 for 3-4 bits (LUT in registers), 1 for 5-8."""
+    return 0 if bits <= 4 else 1
+
+
 # Compile-time knobs of the .cu (see its header); the host plans with the same values.
 KERNEL_DEFINES = {"APL_LDS_MODE": 1, "APL_RPG_DIV": 8, "APL_PREFETCH": 1, "APL_DECODE_MIN_BLOCKS": 2,
-                  "APL_SHIFT_MODE": 0, "APL_PREFILL_MIN_BLOCKS": 1}
+                  "APL_SHIFT_MODE": 0, "APL_PREFILL_MIN_BLOCKS": 1, "APL_GEMV_MIN_BLOCKS": 4,
+                  "APL_GEMV_L2_PREFETCH": 0}
 
 
 class APLKernelError(ValueError):
@@ -82,6 +100,11 @@ class ResidentBlock:
     def shape(self) -> tuple[int, int]:
         return self.planes[0].shape[0], self.planes[0].shape[1] * 8
 
+    @cached_property
+    def aligned8(self) -> bool:
+        """Every plane 8-byte aligned with an even word count per row (decode's 8-byte loads)."""
+        return self.shape[1] % 64 == 0 and all(p.data_ptr() % 8 == 0 for p in self.planes)
+
     @property
     def device(self) -> torch.device:
         return self.lut.device
@@ -93,6 +116,12 @@ class ResidentBlock:
     def dequantize(self) -> torch.Tensor:
         """fp16 [rows, cols] through the format's reference dequantisation."""
         return dequantize(torch.stack(self.planes), self.lut, self.bits)
+
+
+def resident_block(block: APLBlock, bits: int, device) -> ResidentBlock:
+    """The planes 0..bits-1 and LUT_bits of a block, copied to `device`."""
+    planes = [block.planes[p].to(device).contiguous() for p in range(bits)]
+    return ResidentBlock(bits, planes, block.luts[bits].to(device).contiguous())
 
 
 @dataclass
@@ -107,6 +136,11 @@ class APLLayer:
     gate_up_desc: torch.Tensor = field(init=False)  # int64 [E, DESC_WIDTH] on the blocks' device
     down_desc: torch.Tensor = field(init=False)
     max_bits: int = field(init=False)  # largest committed bit-width: sizes the kernels' shared LUTs
+    # per projection: bit class -> widest committed bits in it (decode: one launch per class)
+    classes: dict[str, dict[int, int]] = field(init=False)
+    # per projection: every plane 8-byte aligned with an even word count (decode: 8-byte loads)
+    aligned8: dict[str, bool] = field(init=False)
+    counters: torch.Tensor = field(init=False)  # int32 zeros: the decode kernels' last-CTA counters
 
     def __post_init__(self):
         self.num_experts = len(self.gate_up)
@@ -138,13 +172,30 @@ class APLLayer:
         getattr(self, module)[expert] = block
         desc = self.gate_up_desc if module == "gate_up" else self.down_desc
         desc[expert].copy_(torch.tensor(block.descriptor(), dtype=torch.int64))
-        self.max_bits = max(b.bits for b in self.gate_up + self.down)
+        self._summarise()
 
     def refresh(self):
         """Rebuild both descriptor tensors from the blocks (host -> device copy)."""
         self.gate_up_desc = _descriptors(self.gate_up, self.device)
         self.down_desc = _descriptors(self.down, self.device)
+        self._summarise()
+        # One counter per (active expert, gate_up row tile) at most; the down launches reuse
+        # them (every counter is back at zero when a launch ends). A layer runs on one stream
+        # at a time, as a model's forward does.
+        tiles = max(self.num_experts * math.ceil(self.intermediate / (GEMV_ROWS // 2)),
+                    math.ceil(self.hidden / GEMV_ROWS))
+        self.counters = torch.zeros(tiles, dtype=torch.int32, device=self.device)
+
+    def _summarise(self):
         self.max_bits = max(b.bits for b in self.gate_up + self.down)
+        self.classes = {}
+        for module in ("gate_up", "down"):
+            widest: dict[int, int] = {}
+            for b in getattr(self, module):
+                c = bit_class(b.bits)
+                widest[c] = max(widest.get(c, 0), b.bits)
+            self.classes[module] = dict(sorted(widest.items()))
+        self.aligned8 = {m: all(b.aligned8 for b in getattr(self, m)) for m in ("gate_up", "down")}
 
     def nbytes_active(self, expert_ids) -> int:
         """Plane + LUT bytes the kernel reads for these experts at their committed bits."""
@@ -178,14 +229,15 @@ def apl_moe_reference(x, topk_ids, topk_weights, layer: APLLayer) -> torch.Tenso
 class GemmPlan:
     """How one projection (gate_up or down) is launched."""
 
-    regime: str  # "decode" (GEMV, CUDA cores) or "prefill" (dequantised tiles, tensor cores)
-    tokens: int  # decode: tokens per pass (NT); prefill: token tile (MT)
+    regime: str  # "gemv" (tensor-core decode), "decode" (the first decode kernel, CUDA cores)
+    #              or "prefill" (dequantised tiles, tensor cores)
+    tokens: int  # gemv: tokens staged per pass; decode: tokens per pass (NT); prefill: token tile (MT)
     lanes_per_row: int  # decode: lanes sharing one weight row
     rows_per_cta: int  # output rows per CTA (gate_up: h columns)
     splits: int  # column splits (decode down only)
     split_cols: int
     grid: tuple[int, int, int]
-    shared_bytes: int
+    shared_bytes: int  # gemv: without the 5-8-bit class's LUT (added per launch)
 
 
 @dataclass(frozen=True)
@@ -215,11 +267,15 @@ def decode_rows_per_cta(lpr: int) -> int:
 
 
 def plan_launch(num_tokens: int, top_k: int, num_experts: int, hidden: int, intermediate: int,
-                max_bits: int) -> LaunchPlan:
-    """Pick the regime and the grids from host-known sizes only (no look at the routing)."""
+                max_bits: int, legacy_decode: bool = False) -> LaunchPlan:
+    """Pick the regime and the grids from host-known sizes only (no look at the routing).
+    legacy_decode: the first decode kernel (four launches, CUDA cores), kept as a baseline."""
     per_expert = num_tokens * top_k / num_experts
     max_active = min(num_experts, num_tokens * top_k)
-    if per_expert <= DECODE_MAX_TOKENS_PER_EXPERT:
+    if not legacy_decode and per_expert <= GEMV_MAX_TOKENS_PER_EXPERT and num_tokens * top_k <= GEMV_MAX_ASSIGN:
+        gate_up = _gemv_plan(0, num_tokens, top_k, hidden, intermediate, max_active)
+        down = _gemv_plan(1, num_tokens, top_k, intermediate, hidden, max_active)
+    elif legacy_decode and per_expert <= DECODE_MAX_TOKENS_PER_EXPERT:
         nt = 1 if num_tokens == 1 else 2  # activations live in registers: a second token is nearly free
         gate_up = _decode_plan(0, nt, hidden, intermediate, max_bits, max_active)
         down = _decode_plan(1, nt, intermediate, hidden, max_bits, max_active)
@@ -244,6 +300,24 @@ def _decode_plan(mode, nt, cols, rows_out, max_bits, max_active) -> GemmPlan:
     shared = SMEM_ALIGN_PAD + 4 * (rows_w * (1 << max_bits) + nt * kw * 32 + rows_w * nt)
     grid = (math.ceil(rows_out / rpc), max_active, splits)
     return GemmPlan("decode", nt, lpr, rpc, splits, split_cols, grid, shared)
+
+
+def _gemv_plan(mode, num_tokens, top_k, cols, rows_out, max_active) -> GemmPlan:
+    # Split the columns until the launch has about GEMV_TARGET_CTAS CTAs (small layers at 1
+    # token would otherwise leave most SMs idle) and a split's activations fit its budget.
+    rpc = GEMV_ROWS // 2 if mode == 0 else GEMV_ROWS
+    tiles = math.ceil(rows_out / rpc)
+    words = cols // 32
+    stage = min(GEMV_TOKENS, num_tokens)
+    max_split = max(GEMV_STEP_WORDS, GEMV_X_BYTES // ((stage + 1) * 64) // GEMV_STEP_WORDS * GEMV_STEP_WORDS)
+    want = math.ceil(GEMV_TARGET_CTAS / (tiles * max_active))
+    splits = min(want, max(1, words // GEMV_MIN_SPLIT_WORDS))
+    split_words = max(math.ceil(words / max(1, splits) / GEMV_STEP_WORDS) * GEMV_STEP_WORDS, GEMV_STEP_WORDS)
+    split_words = min(split_words, max_split)
+    splits = math.ceil(words / split_words)
+    num_assign = num_tokens * top_k
+    shared = (num_assign * 4 + 15) // 16 * 16 + (stage + 1) * (split_words * 32 + 32) * 2
+    return GemmPlan("gemv", stage, 0, rpc, splits, split_words * 32, (tiles, max_active, splits), shared)
 
 
 def _prefill_plan(mode, mt, rows_out, max_bits, max_active, z) -> GemmPlan:
@@ -289,7 +363,8 @@ def _compiled(name: str, defines: tuple):
     import cupy as cp
 
     options = ("-std=c++17", *(f"-D{k}={v}" for k, v in defines))
-    module = cp.RawModule(code=SOURCE.read_text(), options=options, name_expressions=[name])
+    code = SOURCE.read_text() + "\n" + GEMV_SOURCE.read_text()
+    module = cp.RawModule(code=code, options=options, name_expressions=[name])
     return module.get_function(name)
 
 
@@ -334,8 +409,52 @@ def launch_gemm(mode: int, plan: GemmPlan, desc, active, num_active, sorted_slot
     _launch(name, plan.grid, args, plan.shared_bytes)
 
 
-def apl_moe(x, topk_ids, topk_weights, layer: APLLayer, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The MoE layer's routed-expert output [T, H] in x's dtype, from planes and LUTs."""
+_WEIGHT_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def _class_launches(classes: dict[int, int]) -> list[tuple[int, int]]:
+    """(kernel class, widest bits for its shared LUT) per launch: one per class present, or
+    the merged kernel (class 2) once when GEMV_MERGE_CLASSES and both are present."""
+    if GEMV_MERGE_CLASSES and len(classes) > 1:
+        return [(2, classes[1])]
+    return list(classes.items())
+
+
+def _apl_moe_gemv(x, ids, topk_weights, layer: APLLayer, plan: LaunchPlan, out: torch.Tensor):
+    """Decode on tensor cores: per bit class present, one gate_up and one down launch; the
+    kernels route, reduce their column splits and combine the top-k outputs themselves."""
+    T, H = x.shape
+    k, E, I = ids.shape[1], layer.num_experts, layer.intermediate
+    num_assign = T * k
+    w_kind = _WEIGHT_KINDS.get(topk_weights.dtype)
+    weights = topk_weights.contiguous() if w_kind is not None else topk_weights.to(torch.float32).contiguous()
+    w_kind = w_kind or 0
+    flag = _flag(x.dtype)
+    gu, dn = plan.gate_up, plan.down
+    part_gu = torch.empty(gu.splits * num_assign * 2 * I, dtype=torch.float32, device=x.device)
+    part_dn = torch.empty(dn.splits * num_assign * H, dtype=torch.float32, device=x.device)
+    h = torch.empty(num_assign, I, dtype=x.dtype, device=x.device)
+    v2 = {m: "true" if layer.aligned8[m] else "false" for m in ("gate_up", "down")}
+    launches = {m: _class_launches(layer.classes[m]) for m in ("gate_up", "down")}
+    for cls, widest in launches["gate_up"]:
+        lut = 1 << widest if cls >= 1 else 0
+        _launch(f"apl_gemv<{cls}, 0, {flag}, {v2['gate_up']}>", gu.grid,
+                (layer.gate_up_desc, ids, num_assign, k, E, x, I, H, gu.split_cols // 32, lut, gu.tokens,
+                 part_gu, layer.counters, h, weights, w_kind, T, out, 0),
+                gu.shared_bytes + (GEMV_ROWS * lut * 2 + 512 if lut else 0), block=GEMV_THREADS)
+    for i, (cls, widest) in enumerate(launches["down"]):
+        lut = 1 << widest if cls >= 1 else 0
+        _launch(f"apl_gemv<{cls}, 1, {flag}, {v2['down']}>", dn.grid,
+                (layer.down_desc, ids, num_assign, k, E, h, H, I, dn.split_cols // 32, lut, dn.tokens,
+                 part_dn, layer.counters, None, weights, w_kind, T, out, int(i == 0)),
+                dn.shared_bytes + (GEMV_ROWS * lut * 2 + 512 if lut else 0), block=GEMV_THREADS)
+    return out
+
+
+def apl_moe(x, topk_ids, topk_weights, layer: APLLayer, out: torch.Tensor | None = None,
+            legacy_decode: bool = False) -> torch.Tensor:
+    """The MoE layer's routed-expert output [T, H] in x's dtype, from planes and LUTs.
+    legacy_decode: run few-token calls through the first decode kernel (a baseline)."""
     check_inputs(x, topk_ids, topk_weights, layer)
     T, H = x.shape
     k, E, I = topk_ids.shape[1], layer.num_experts, layer.intermediate
@@ -346,9 +465,12 @@ def apl_moe(x, topk_ids, topk_weights, layer: APLLayer, out: torch.Tensor | None
     if T == 0:
         return out
     max_bits = layer.max_bits
-    plan = plan_launch(T, k, E, H, I, max_bits)
+    plan = plan_launch(T, k, E, H, I, max_bits, legacy_decode)
     num_slots = T * k
     device = x.device
+    if plan.gate_up.regime == "gemv":
+        with torch.cuda.device(device):
+            return _apl_moe_gemv(x, topk_ids.to(torch.int64).contiguous(), topk_weights, layer, plan, out)
     with torch.cuda.device(device):
         ids = topk_ids.to(torch.int64).contiguous()
         weights = topk_weights.to(torch.float32).contiguous()
@@ -380,5 +502,5 @@ def kernel_available() -> bool:
 
 __all__ = [
     "APLKernelError", "APLLayer", "ResidentBlock", "apl_moe", "apl_moe_reference", "check_inputs",
-    "kernel_available", "lanes_per_row", "launch_gemm", "plan_launch", "MIN_BITS", "MAX_BITS",
+    "bit_class", "kernel_available", "lanes_per_row", "launch_gemm", "plan_launch", "MIN_BITS", "MAX_BITS",
 ]

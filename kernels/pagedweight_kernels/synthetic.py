@@ -1,6 +1,7 @@
-"""APL blocks for tests and benchmarks: random ones, and a simple nested quantizer.
+"""APL blocks for tests and benchmarks: random ones, a simple nested quantizer, and whole
+kernel cases (a random layer at mixed widths, a skewed ragged routing).
 
-Neither is the project's quantizer (services/offline does the sensitivity-weighted
+Neither is the project's quantizer (services/pagedweight/offline does the sensitivity-weighted
 k-means); both write the real format, so the kernel and its reference read them as they
 will read quantized checkpoints.
 """
@@ -9,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from pagedweight.format.apl_format import BIT_WIDTHS, LUT_DTYPE, APLBlock, pack_planes
+from pagedweight_kernels.apl_moe import APLLayer, resident_block
+from pagedweight.format.apl_format import BIT_WIDTHS, LUT_DTYPE, APLBlock, check_shape, pack_planes
 
 
 def nested_luts(lut8: torch.Tensor) -> dict[int, torch.Tensor]:
@@ -22,6 +24,7 @@ def nested_luts(lut8: torch.Tensor) -> dict[int, torch.Tensor]:
 def random_block(rows: int, cols: int, generator: torch.Generator, device="cpu") -> APLBlock:
     """Uniformly random codes (every plane a random byte array) and sorted random LUTs
     scaled like a 1/sqrt(cols) initialisation."""
+    check_shape(rows, cols)
     planes = torch.randint(0, 256, (8, rows, cols // 8), dtype=torch.uint8, generator=generator)
     lut8 = torch.randn(rows, 256, generator=generator).sort(dim=1).values * cols ** -0.5
     return APLBlock(rows, cols, planes.to(device), {b: t.to(device) for b, t in nested_luts(lut8).items()})
@@ -49,3 +52,31 @@ def quantize_experts(gate_up: torch.Tensor, down: torch.Tensor) -> tuple[list[AP
     """DenseExperts tensors (gate_up [E, 2I, H], down [E, H, I]) -> APL blocks per expert."""
     return ([quantize_nested(w.detach().cpu()) for w in gate_up],
             [quantize_nested(w.detach().cpu()) for w in down])
+
+
+def mixed_bits(num_experts: int) -> dict[tuple[int, str], int]:
+    """# (expert, module) -> bits, every width 3..8 present once there are >= 3 experts."""
+    return {(e, m): 3 + (2 * e + i) % 6 for e in range(num_experts) for i, m in enumerate(("gate_up", "down"))}
+
+
+def random_layer(num_experts, hidden, intermediate, seed=0, device="cpu", bits=None) -> APLLayer:
+    gen = torch.Generator().manual_seed(seed)
+    bits = bits or mixed_bits(num_experts)
+    gate_up = [resident_block(random_block(2 * intermediate, hidden, gen, device), bits[(e, "gate_up")], device)
+               for e in range(num_experts)]
+    down = [resident_block(random_block(hidden, intermediate, gen, device), bits[(e, "down")], device)
+            for e in range(num_experts)]
+    return APLLayer(gate_up, down)
+
+
+def ragged_routing(num_tokens, num_experts, top_k, seed=0, num_used=None, device="cpu"):
+    """Top-k routing over only `num_used` experts (the rest get no tokens), skewed so one
+    expert is hot; weights normalised like Mixtral's."""
+    gen = torch.Generator().manual_seed(seed)
+    num_used = num_used or num_experts
+    logits = torch.randn(num_tokens, num_experts, generator=gen)
+    logits[:, 0] += 2.0  # a hot expert
+    logits[:, num_used:] = float("-inf")
+    probs = torch.softmax(logits, dim=-1)
+    weights, ids = probs.topk(top_k, dim=-1)
+    return ids.to(device), (weights / weights.sum(-1, keepdim=True)).to(device)

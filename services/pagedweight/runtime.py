@@ -21,7 +21,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from torch import nn
 
 from pagedweight.common.errors import UserError
 from pagedweight.engine.engine import Engine, EngineConfig
@@ -29,6 +28,7 @@ from pagedweight.memory.arena import DEFAULT_PAGE_BYTES, Arena
 from pagedweight.memory.kv_cache import kv_block_bytes
 from pagedweight.memory.pool import OTHER_WEIGHTS, WORKSPACE, MemoryPool
 from pagedweight.format.model_config import ModelConfig
+from pagedweight.model.materialize import materialize_dense
 from pagedweight.model.transformer import MoECausalLM
 from pagedweight.format.apl_format import BIT_WIDTHS
 from pagedweight.weights.arena_experts import ArenaExperts
@@ -78,19 +78,6 @@ class WorkerRuntime:
         self.mover.close()
 
 
-def build_dense_model(paged, dtype: torch.dtype, device) -> MoECausalLM:
-    """The model without routed experts (their operator is installed over the arena)."""
-    with torch.device("meta"):
-        model = MoECausalLM(paged.config)
-    for block in model.moe_blocks:
-        block.experts = nn.Identity()  # placeholder: no dense expert tensors on the device
-    model.to_empty(device=device)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.copy_(paged.dense_state[name].to(param.dtype))
-    return model.to(dtype=dtype).eval()
-
-
 def workspace_bytes(config: ModelConfig, engine: EngineConfig, dtype: torch.dtype) -> int:
     """Activations of the largest step: a few hidden-sized buffers and the expert
     intermediates per token, plus fp32 logits of every sampled sequence."""
@@ -106,7 +93,7 @@ def build_runtime(paged_dir, config: RuntimeConfig, tokenizer=None) -> WorkerRun
 
     paged = load_paged_model(paged_dir, with_bf16=False)
     device = torch.device(config.device)
-    model = build_dense_model(paged, config.dtype, device)
+    model = materialize_dense(paged, config.dtype, device)  # routed experts: over the arena below
     pool = MemoryPool(config.memory_budget)
     dense = sum(p.numel() * p.element_size() for p in model.parameters())
     workspace = workspace_bytes(paged.config, config.engine, config.dtype)

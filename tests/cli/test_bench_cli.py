@@ -69,7 +69,7 @@ def test_bench_engine_plot_draws_the_memory_split(paged_micro_dir, tmp_path):
 def test_memory_timeline_samples_add_up_to_the_budget(paged_micro_dir):
     from pagedweight.cli.memory_timeline import MemoryTimeline
     from pagedweight.engine.engine import EngineConfig
-    from pagedweight.engine.load_bench import LoadSpec, run_load
+    from pagedweight.cli.load_bench import LoadSpec, run_load
     from pagedweight.engine.scheduler import SchedulerConfig
     from pagedweight.memory.kv_cache import KVCacheConfig
     from pagedweight.runtime import RuntimeConfig, build_runtime

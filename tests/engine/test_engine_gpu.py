@@ -41,7 +41,7 @@ def test_engine_on_cuda_equals_generate(impl, num_blocks):
 
 def test_dynamic_runtime_on_cuda_stays_in_budget(paged_micro_dir):
     from pagedweight.runtime import RuntimeConfig, build_runtime
-    from tests.engine.test_runtime_engine import ENGINE, check_pool, fixed_budget, prompts
+    from tests.test_runtime import ENGINE, check_pool, fixed_budget, prompts
 
     budget = fixed_budget(paged_micro_dir, 8, kv_tokens=80)
     runtime = build_runtime(

@@ -8,9 +8,10 @@ from pagedweight_kernels.apl_moe import (
     APLKernelError, ResidentBlock, apl_moe_reference, check_inputs, lanes_per_row, plan_launch,
 )
 from pagedweight_kernels.synthetic import quantize_nested, random_block
-from pagedweight.model.apl_experts import APLExperts, resident_block
+from pagedweight.model.apl_experts import APLExperts
+from pagedweight_kernels.apl_moe import resident_block
 from pagedweight.format.apl_format import BIT_WIDTHS, dequantize, unpack_codes
-from tests.kernels.apl_cases import mixed_bits, ragged_routing, random_layer
+from pagedweight_kernels.synthetic import mixed_bits, ragged_routing, random_layer
 
 
 def test_reference_equals_dense_experts_on_dequantised_weights():
@@ -60,20 +61,61 @@ def test_plan_picks_decode_for_few_tokens_per_expert_and_tensor_cores_for_many()
     qwen = dict(num_experts=60, hidden=2048, intermediate=1408, max_bits=8)
     mixtral = dict(num_experts=8, hidden=4096, intermediate=14336, max_bits=4)
     one = plan_launch(1, 4, **qwen)
-    assert one.gate_up.regime == one.down.regime == "decode" and one.gate_up.tokens == 1
-    assert one.max_active == 4 and one.gate_up.grid == (1408 // 16, 4, 1)
-    four = plan_launch(4, 2, **mixtral)
-    assert four.gate_up.regime == "decode" and four.gate_up.tokens == 2
-    sixteen = plan_launch(16, 2, **mixtral)
-    assert sixteen.gate_up.regime == "prefill" and sixteen.gate_up.tokens == 16
+    assert one.gate_up.regime == one.down.regime == "gemv" and one.gate_up.tokens == 1
+    assert one.max_active == 4 and one.gate_up.grid[:2] == (1408 // 32, 4) and one.down.grid[:2] == (2048 // 64, 4)
+    sixteen = plan_launch(16, 2, **mixtral)  # 4 tokens per expert: still decode, passes of 8
+    assert sixteen.gate_up.regime == "gemv" and sixteen.gate_up.tokens == 8
     assert plan_launch(64, 4, **qwen).gate_up.regime == "prefill"
     big = plan_launch(256, 2, **mixtral)
     assert big.gate_up.regime == "prefill" and big.gate_up.tokens == 64 and big.max_active == 8
     assert plan_launch(256, 4, **qwen).down.tokens == 32
+    for T in (1, 4, 16):  # column splits: enough CTAs, whole words, activations within budget
+        for model in (qwen, mixtral):
+            plan = plan_launch(T, 2, **model)
+            for gemm, cols in ((plan.gate_up, model["hidden"]), (plan.down, model["intermediate"])):
+                assert gemm.split_cols % 256 == 0 and gemm.splits * gemm.split_cols >= cols
+                assert (gemm.splits - 1) * gemm.split_cols < cols  # no empty split
+                assert gemm.shared_bytes + 64 * 256 * 2 <= 227 * 1024
+                assert gemm.grid[2] == gemm.splits
+    # the first decode kernel, kept as a baseline
+    one = plan_launch(1, 4, **qwen, legacy_decode=True)
+    assert one.gate_up.regime == one.down.regime == "decode" and one.gate_up.tokens == 1
+    assert one.max_active == 4 and one.gate_up.grid == (1408 // 16, 4, 1)
+    four = plan_launch(4, 2, **mixtral, legacy_decode=True)
+    assert four.gate_up.regime == "decode" and four.gate_up.tokens == 2
+    assert plan_launch(16, 2, **mixtral, legacy_decode=True).gate_up.regime == "prefill"
     for T in (1, 2, 4):  # decode splits long down rows so a split's activations fit shared memory
-        down = plan_launch(T, 2, **mixtral).down
+        down = plan_launch(T, 2, **mixtral, legacy_decode=True).down
         assert down.split_cols * down.tokens * 4 <= 32 * 1024 and down.splits * down.split_cols >= 14336
         assert down.shared_bytes <= 227 * 1024
+
+
+def test_layers_know_their_bit_classes():
+    layer = random_layer(6, 32, 32, seed=2)  # every width 3..8
+    assert layer.classes == {"gate_up": {0: 3, 1: 7}, "down": {0: 4, 1: 8}}  # see mixed_bits
+    uniform = random_layer(4, 32, 32, bits={(e, m): 3 for e in range(4) for m in ("gate_up", "down")})
+    assert uniform.classes == {"gate_up": {0: 3}, "down": {0: 3}}
+    block = uniform.down[1]
+    raised = resident_block(random_block(32, 32, torch.Generator().manual_seed(1)), 6, "cpu")
+    uniform.set_block(1, "down", raised)
+    assert uniform.classes == {"gate_up": {0: 3}, "down": {0: 3, 1: 6}}
+    assert block.bits == 3 and not uniform.counters.any()
+    assert uniform.aligned8 == {"gate_up": False, "down": False}  # 32 columns: one word per row
+    wide = random_layer(2, 64, 64, seed=3)
+    assert wide.aligned8 == {"gate_up": True, "down": True}
+    pool = torch.zeros(4 + 64 * 8, dtype=torch.uint8)
+    old = wide.down[0]
+    shifted = [pool[4:4 + 64 * 8].view(64, 8)] + old.planes[1:]  # plane 0 at a 4-byte offset
+    wide.set_block(0, "down", ResidentBlock(old.bits, shifted, old.lut))
+    assert wide.aligned8 == {"gate_up": True, "down": False}
+
+
+def test_a_layer_of_both_classes_takes_the_merged_kernel_once(monkeypatch):
+    import pagedweight_kernels.apl_moe as op
+
+    assert op._class_launches({0: 4, 1: 8}) == [(2, 8)] and op._class_launches({1: 6}) == [(1, 6)]
+    monkeypatch.setattr(op, "GEMV_MERGE_CLASSES", False)
+    assert op._class_launches({0: 4, 1: 8}) == [(0, 4), (1, 8)]
 
 
 def test_lanes_per_row_keeps_lanes_busy():

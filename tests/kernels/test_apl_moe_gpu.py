@@ -14,9 +14,10 @@ import torch
 
 from pagedweight_kernels.apl_moe import APLLayer, apl_moe, apl_moe_reference, kernel_available, plan_launch
 from pagedweight_kernels.synthetic import quantize_experts
-from pagedweight.model.apl_experts import APLExperts, resident_block
+from pagedweight.model.apl_experts import APLExperts
+from pagedweight_kernels.apl_moe import resident_block
 from tests.conftest import BUNDLED_MODEL, CORPUS_DIR, SHARED_MODELS
-from tests.kernels.apl_cases import mixed_bits, ragged_routing, random_layer
+from pagedweight_kernels.synthetic import mixed_bits, ragged_routing, random_layer
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not kernel_available(), reason="needs a CUDA GPU and cupy")]
@@ -27,12 +28,12 @@ TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
 # (experts, top_k, hidden, intermediate, tokens, experts used, dtype)
 CASES = [
-    (8, 2, 160, 224, 1, 8, torch.bfloat16),      # decode, 1 token per pass, odd word counts
-    (8, 2, 160, 224, 3, 5, torch.float16),       # decode, 2 per pass, idle experts
-    (8, 2, 128, 256, 2, 8, torch.bfloat16),      # decode, 4 lanes per row (micro-mixtral shapes)
+    (8, 2, 160, 224, 1, 8, torch.bfloat16),      # decode, 1 token, odd word counts (partial steps)
+    (8, 2, 160, 224, 3, 5, torch.float16),       # decode, idle experts
+    (8, 2, 128, 256, 2, 8, torch.bfloat16),      # decode, micro-mixtral shapes
     (16, 4, 256, 192, 7, 9, torch.bfloat16),     # decode, tiny-qwen-moe shapes
-    (8, 2, 512, 384, 8, 6, torch.bfloat16),      # decode, hot expert needs several passes
-    (8, 2, 512, 384, 16, 6, torch.bfloat16),     # prefill, 16-token tiles
+    (8, 2, 512, 384, 8, 6, torch.bfloat16),      # decode, column splits
+    (8, 2, 512, 384, 16, 6, torch.bfloat16),     # decode, the hot expert takes several passes of 8
     (8, 2, 160, 224, 40, 6, torch.bfloat16),     # prefill, partial K steps
     (8, 2, 256, 384, 100, 7, torch.float16),     # prefill, 32-token tiles
     (8, 2, 256, 384, 200, 7, torch.float16),     # prefill, 64-token tiles, several m-tiles
@@ -63,11 +64,45 @@ def _rounded(block, dtype):
     return type(block)(block.bits, block.planes, lut.contiguous())
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"E{c[0]}k{c[1]}H{c[2]}I{c[3]}T{c[4]}used{c[5]}-{str(c[6])[6:]}")
+# The first decode kernel, kept as the benchmark's baseline: (case, uniform bits or None).
+LEGACY_CASES = [CASES[1], CASES[4]]
+# Decode on layers of one width (one launch per projection) and of one class each.
+UNIFORM_CASES = [((8, 2, 160, 224, 3, 6, torch.bfloat16), b) for b in (3, 4, 5, 8)] + \
+                [((60, 4, 2048, 1408, 4, 60, torch.bfloat16), 4)]
+
+
+def _case_id(c):
+    return f"E{c[0]}k{c[1]}H{c[2]}I{c[3]}T{c[4]}used{c[5]}-{str(c[6])[6:]}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_kernel_matches_reference(case):
+    check_case(case)
+
+
+@pytest.mark.parametrize("case", LEGACY_CASES, ids=_case_id)
+def test_legacy_decode_matches_reference(case):
+    check_case(case, legacy_decode=True)
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[5], CASES[9]], ids=_case_id)
+def test_one_launch_for_both_bit_classes_matches_reference(case, monkeypatch):
+    import pagedweight_kernels.apl_moe as op
+
+    monkeypatch.setattr(op, "GEMV_MERGE_CLASSES", True)
+    check_case(case)
+
+
+@pytest.mark.parametrize("case,bits", UNIFORM_CASES, ids=lambda v: str(v) if isinstance(v, int) else _case_id(v))
+def test_uniform_width_layers_match_reference(case, bits):
+    check_case(case, bits=bits)
+
+
+def check_case(case, legacy_decode=False, bits=None):
     E, k, H, I, T, used, dtype = case
     device = torch.device("cuda")
-    layer = random_layer(E, H, I, seed=T, device=device)
+    uniform = {(e, m): bits for e in range(E) for m in ("gate_up", "down")} if bits else None
+    layer = random_layer(E, H, I, seed=T, device=device, bits=uniform)
     x = torch.randn(T, H, generator=torch.Generator().manual_seed(T)).to(device, dtype)
     ids, w = ragged_routing(T, E, k, seed=T, num_used=used, device=device)
     w = w.to(dtype)
@@ -77,13 +112,24 @@ def test_kernel_matches_reference(case):
     for _ in range(2):
         poison_allocator(device)
         out = torch.full_like(x, float("nan"))
-        apl_moe(x, ids, w, layer, out=out)
+        apl_moe(x, ids, w, layer, out=out, legacy_decode=legacy_decode)
         torch.cuda.synchronize()
         assert not out.isnan().any(), "some outputs were never written"
+        assert not layer.counters.any(), "the decode kernel left a last-CTA counter set"
         outs.append(out)
     err = relative_error(outs[0], ref)
     assert err < TOLERANCE[dtype], f"kernel error {err:.2e} (reference in {dtype}: {relative_error(ref_act, ref):.2e})"
     assert torch.equal(outs[0], outs[1]), "two runs differ: the reduction is not deterministic"
+
+
+def test_decode_with_no_valid_expert_writes_zeros():
+    device = torch.device("cuda")
+    layer = random_layer(8, 256, 384, seed=9, device=device)
+    x = torch.randn(2, 256, device=device, dtype=torch.bfloat16)
+    ids = torch.full((2, 2), 8, dtype=torch.int64, device=device)  # out of range: dropped
+    assert plan_launch(2, 2, 8, 256, 384, layer.max_bits).gate_up.regime == "gemv"
+    out = apl_moe(x, ids, torch.ones(2, 2, device=device), layer, out=torch.full_like(x, float("nan")))
+    assert torch.equal(out, torch.zeros_like(out))
 
 
 def test_no_host_sync_and_current_stream():

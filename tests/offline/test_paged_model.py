@@ -10,7 +10,7 @@ from pagedweight.offline.perplexity import perplexity
 from pagedweight.model import load_model
 from pagedweight.model.tokenizer import Tokenizer
 from pagedweight.format.apl_format import BIT_WIDTHS, BlockId, block_bytes
-from pagedweight.weights.paged_experts import (
+from pagedweight.model.dequantized_experts import (
     build_paged_lm, get_model_bits, set_model_bits, uniform_bits,
 )
 from pagedweight.format.paged_model import (
@@ -158,7 +158,7 @@ def test_metadata_carries_calibration_routing_and_heads(paged):
 
 def test_fast_dequantisation_equals_the_format_reference():
     from pagedweight.format.apl_format import dequantize, pack_planes
-    from pagedweight.weights.paged_experts import dequantize_block
+    from pagedweight.model.dequantized_experts import dequantize_block
 
     g = torch.Generator().manual_seed(3)
     codes = torch.randint(0, 256, (6, 96), dtype=torch.uint8, generator=g)

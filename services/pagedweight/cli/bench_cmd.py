@@ -18,8 +18,16 @@ import sys
 import time
 from pathlib import Path
 
-from pagedweight.cli.model_args import DTYPE_NAMES, torch_dtype
+import torch
+
+from pagedweight.cli.config_defaults import default_of
+from pagedweight.cli.load_bench import LoadSpec
+from pagedweight.cli.model_args import DTYPES
 from pagedweight.common.errors import UserError
+from pagedweight.engine.engine import EngineConfig
+from pagedweight.engine.scheduler import SchedulerConfig
+from pagedweight.memory.kv_cache import KVCacheConfig
+from pagedweight.runtime import RuntimeConfig
 
 
 def register(subparsers) -> None:
@@ -29,20 +37,21 @@ def register(subparsers) -> None:
     engine.add_argument("--model", required=True, help="paged model directory (pagedweight quantize)")
     engine.add_argument("--memory-budget", required=True,
                         help="bytes for weights + KV + workspace (e.g. 24MiB, or 0.9 of a GPU)")
-    engine.add_argument("--requests", type=int, default=64)
-    engine.add_argument("--concurrency", type=int, default=16)
-    engine.add_argument("--prompt-len", type=int, default=64)
-    engine.add_argument("--max-tokens", type=int, default=64)
-    engine.add_argument("--policy", default="pagedweight", help="planner policy, or static-B")
+    engine.add_argument("--requests", type=int, default=default_of(LoadSpec, "num_requests"))
+    engine.add_argument("--concurrency", type=int, default=default_of(LoadSpec, "concurrency"))
+    engine.add_argument("--prompt-len", type=int, default=default_of(LoadSpec, "prompt_len"))
+    engine.add_argument("--max-tokens", type=int, default=default_of(LoadSpec, "max_tokens"))
+    engine.add_argument("--policy", default=default_of(RuntimeConfig, "policy"), help="planner policy, or static-B")
     engine.add_argument("--scales", default=None,
                         help="loss scales for the policy (from `pagedweight plan-scales`)")
-    engine.add_argument("--device", default="cpu")
-    engine.add_argument("--dtype", choices=sorted(DTYPE_NAMES), default=None,
+    engine.add_argument("--device", default=default_of(RuntimeConfig, "device"))
+    engine.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                         help="default: float32 on CPU, bfloat16 on CUDA")
-    engine.add_argument("--max-num-seqs", type=int, default=64)
-    engine.add_argument("--max-num-batched-tokens", type=int, default=512)
-    engine.add_argument("--block-size", type=int, default=16)
-    engine.add_argument("--seed", type=int, default=0)
+    engine.add_argument("--max-num-seqs", type=int, default=default_of(SchedulerConfig, "max_num_seqs"))
+    engine.add_argument("--max-num-batched-tokens", type=int,
+                        default=default_of(SchedulerConfig, "max_num_batched_tokens"))
+    engine.add_argument("--block-size", type=int, default=default_of(KVCacheConfig, "block_size"))
+    engine.add_argument("--seed", type=int, default=default_of(LoadSpec, "seed"))
     engine.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (1: OpenMP threads spin on a loaded small machine)")
     engine.add_argument("--plot", default=None, metavar="FILE.png",
@@ -57,14 +66,9 @@ def run(args) -> int:
 
 
 def run_engine_bench(args) -> dict:
-    import torch
-
-    from pagedweight.engine.engine import EngineConfig
-    from pagedweight.engine.scheduler import SchedulerConfig
-    from pagedweight.memory.kv_cache import KVCacheConfig
-    from pagedweight.engine.load_bench import LoadSpec, run_load
+    from pagedweight.cli.load_bench import run_load
     from pagedweight.memory.pool import device_memory_bytes, parse_memory_budget
-    from pagedweight.runtime import RuntimeConfig, build_runtime
+    from pagedweight.runtime import build_runtime
 
     for name in ("requests", "concurrency", "prompt_len", "max_tokens"):
         if getattr(args, name) < 1:
@@ -75,7 +79,7 @@ def run_engine_bench(args) -> dict:
         check_plot_path(args.plot)  # before minutes of load, not after
     torch.set_num_threads(max(1, args.threads))
     device = _device(args.device)
-    dtype = torch_dtype(args.dtype) if args.dtype else (torch.float32 if device.type == "cpu" else torch.bfloat16)
+    dtype = DTYPES[args.dtype] if args.dtype else (torch.float32 if device.type == "cpu" else torch.bfloat16)
     budget = parse_memory_budget(args.memory_budget, device_memory_bytes(device))
     engine = EngineConfig(
         scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens),
@@ -113,8 +117,6 @@ def run_engine_bench(args) -> dict:
 
 
 def _device(name: str) -> torch.device:
-    import torch
-
     try:
         device = torch.device(name)
     except RuntimeError:

@@ -37,7 +37,7 @@ class MemoryTimeline:
     _start: float = field(default_factory=time.perf_counter)
 
     def record(self, runtime) -> None:
-        from pagedweight.engine.load_bench import mean_committed_bits
+        from pagedweight.cli.load_bench import mean_committed_bits
 
         pool = runtime.pool.snapshot()
         self.budget_bytes = pool.budget_bytes

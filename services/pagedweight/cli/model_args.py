@@ -4,39 +4,27 @@ from __future__ import annotations
 
 import argparse
 
+import torch
+
+from pagedweight.cli.config_defaults import default_of
 from pagedweight.common.errors import UserError
+from pagedweight.runtime import RuntimeConfig
 
-# torch is imported only when a command runs: `pagedweight gateway` and `pagedweight planner`
-# build this parser too, in images without torch.
-DTYPE_NAMES = ("bfloat16", "float16", "float32")
-
-
-def torch_dtype(name: str):
-    import torch
-
-    return getattr(torch, name)
-
-
-def __getattr__(name: str):
-    """`DTYPES` (name -> torch dtype), built on first use so importing this module needs no torch."""
-    if name == "DTYPES":
-        return {n: torch_dtype(n) for n in DTYPE_NAMES}
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True,
                         help="checkpoint directory, or a paged model directory (pagedweight quantize)")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: cpu)")
+    parser.add_argument("--device", default=default_of(RuntimeConfig, "device"),
+                        help="cpu or cuda[:N] (default: %(default)s)")
     parser.add_argument(
-        "--dtype", choices=sorted(DTYPE_NAMES), default=None,
+        "--dtype", choices=sorted(DTYPES), default=None,
         help="activation and weight dtype (default: float32 on CPU, bfloat16 on CUDA)",
     )
 
 
 def resolve_device_dtype(args) -> tuple[torch.device, torch.dtype]:
-    import torch
-
     try:
         device = torch.device(args.device)
     except RuntimeError:
@@ -44,7 +32,7 @@ def resolve_device_dtype(args) -> tuple[torch.device, torch.dtype]:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UserError(f"--device {args.device}: CUDA is not available on this machine")
     if args.dtype is not None:
-        return device, torch_dtype(args.dtype)
+        return device, DTYPES[args.dtype]
     return device, torch.float32 if device.type == "cpu" else torch.bfloat16
 
 
@@ -76,7 +64,7 @@ def load_from_args(args):
 
 def load_paged_from_args(path: str, bits: int | None, bits_file: str | None, dtype, device):
     from pagedweight.format.bit_assignment import check_width, read_bits_file
-    from pagedweight.weights.paged_experts import build_paged_lm, set_model_bits, uniform_bits
+    from pagedweight.model.dequantized_experts import build_paged_lm, set_model_bits, uniform_bits
     from pagedweight.format.paged_model import load_paged_model
 
     if bits is not None:

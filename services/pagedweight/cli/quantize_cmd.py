@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
 from pagedweight.common.errors import UserError
+from pagedweight.cli.config_defaults import default_of
+from pagedweight.common.paths import corpus_dir
+from pagedweight.offline.calibrate import CalibConfig
+from pagedweight.offline.quantize import QuantizeConfig, quantize_model
 
-_REPO = Path(__file__).resolve().parents[2]
-DEFAULT_CORPUS = Path(os.environ.get("PAGEDWEIGHT_SHARED", _REPO.parent / "shared")) / "data" / "corpus"
+DEFAULT_CORPUS = corpus_dir()
 
 
 def register(subparsers) -> None:
@@ -18,9 +20,12 @@ def register(subparsers) -> None:
     parser.add_argument("--out", required=True, help="output paged model directory")
     parser.add_argument("--calib", nargs="+", default=None, metavar="FILE",
                         help=f"calibration text files (default: {DEFAULT_CORPUS}/*.calib.txt)")
-    parser.add_argument("--calib-tokens", type=int, default=16384, help="tokens taken from each file")
-    parser.add_argument("--seq-len", type=int, default=256, help="tokens per calibration chunk")
-    parser.add_argument("--device", default="cpu", help="where k-means runs: cpu or cuda[:N]")
+    parser.add_argument("--calib-tokens", type=int, default=default_of(CalibConfig, "max_tokens_per_file"),
+                        help="tokens taken from each file")
+    parser.add_argument("--seq-len", type=int, default=default_of(CalibConfig, "seq_len"),
+                        help="tokens per calibration chunk")
+    parser.add_argument("--device", default=default_of(QuantizeConfig, "device"),
+                        help="where k-means runs: cpu or cuda[:N]")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default: torch's choice; 1 is much faster on a busy machine)")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
@@ -35,9 +40,6 @@ def default_calib_files() -> list[Path]:
 
 
 def run_quantize(args) -> int:
-    from pagedweight.offline.calibrate import CalibConfig
-    from pagedweight.offline.quantize import QuantizeConfig, quantize_model
-
     if not Path(args.model).is_dir():
         raise UserError(f"{args.model}: model directory does not exist")
     if Path(args.out).resolve() == Path(args.model).resolve():

@@ -13,7 +13,7 @@ import torch
 
 from pagedweight.common.errors import ContextLengthError
 from pagedweight.engine.sampler import SamplingParams, make_generator, sample
-from pagedweight.model.kv_cache import ContiguousKVCache
+from pagedweight.model.contiguous_kv import ContiguousKVCache
 from pagedweight.model.transformer import MoECausalLM
 
 

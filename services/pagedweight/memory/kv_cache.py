@@ -6,7 +6,7 @@ Two parts, as in nano-vllm's block manager:
 - `PagedKVCache` owns the bytes. A block holds `block_size` tokens of every layer's keys
   and values, laid out [L, 2, block_size, G, D]. The bytes live either
   - in a fixed tensor of `num_blocks` blocks (block id = index), or
-  - in the worker's memory arena (services/worker/memory/arena.py), one extent per block
+  - in the worker's memory arena (services/pagedweight/memory/arena.py), one extent per block
     (block id = the extent's first page). Then the cache grows and shrinks while the
     server runs: `grow` takes blocks from the arena (bytes the weight pager freed by
     lowering bits), `shrink` gives free blocks back. Each block is charged to the pool
@@ -32,7 +32,7 @@ import torch
 from pagedweight.common.errors import UserError
 from pagedweight.format.model_config import ModelConfig
 
-KV_USED, KV_FREE = "kv_used", "kv_free"  # the pool kinds (services/worker/memory/pool.py)
+KV_USED, KV_FREE = "kv_used", "kv_free"  # the pool kinds (services/pagedweight/memory/pool.py)
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ byte the worker holds is charged to exactly one *kind* (expert weights at each
 bit-width, other weights, the workspace reserve, KV blocks holding tokens, KV blocks
 kept free, plane copies in transit), and the sum of all kinds never exceeds the budget,
 at any instant: `allocate` raises `BudgetExceeded` instead of clamping. The physical
-half is `services/worker/memory/arena.py`: one device tensor whose page allocator charges
+half is `services/pagedweight/memory/arena.py`: one device tensor whose page allocator charges
 this pool for every page it hands out, so the accounting is the real memory.
 
 `peak_in_use_bytes` follows the issue's definition of pool use: resident weights, KV

@@ -2,7 +2,7 @@
 
 Same call as DenseExperts, `experts(x [T, H], topk_ids [T, k], topk_weights [T, k])`;
 the model never sees the storage. On CUDA (bf16/fp16 activations, cupy present) it runs the
-fused kernel (kernels/apl_moe.cu), elsewhere the torch reference; both read the same
+fused kernel (kernels/pagedweight_kernels/apl_moe.cu), elsewhere the torch reference; both read the same
 planes and LUTs. The runtime's page table commits a new bit-width for a block with
 `commit_block`, which only rewrites that block's descriptor row.
 """
@@ -13,15 +13,9 @@ import torch
 from torch import nn
 
 from pagedweight_kernels.apl_moe import (
-    ACT_DTYPES, APLLayer, ResidentBlock, apl_moe, apl_moe_reference, kernel_available,
+    ACT_DTYPES, APLLayer, ResidentBlock, apl_moe, apl_moe_reference, kernel_available, resident_block,
 )
 from pagedweight.format.apl_format import APLBlock
-
-
-def resident_block(block: APLBlock, bits: int, device) -> ResidentBlock:
-    """The planes 0..bits-1 and LUT_bits of a block, copied to `device`."""
-    planes = [block.planes[p].to(device).contiguous() for p in range(bits)]
-    return ResidentBlock(bits, planes, block.luts[bits].to(device).contiguous())
 
 
 class APLExperts(nn.Module):

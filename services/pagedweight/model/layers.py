@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedweight.format.model_config import ModelConfig
-from pagedweight.model.kv_cache import ContiguousKVCache
+from pagedweight.model.contiguous_kv import ContiguousKVCache
 
 
 class RMSNorm(nn.Module):

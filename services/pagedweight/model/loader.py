@@ -16,6 +16,7 @@ from safetensors import SafetensorError, safe_open
 
 from pagedweight.common.errors import CheckpointError
 from pagedweight.format.model_config import ModelConfig
+from pagedweight.model.materialize import materialize
 from pagedweight.model.transformer import MoECausalLM
 
 SINGLE_FILE = "model.safetensors"
@@ -101,18 +102,17 @@ def load_model(
         raise CheckpointError(f"{model_dir}: model directory does not exist")
     config = ModelConfig.from_dir(model_dir)
     reader = CheckpointReader(model_dir)
-    with torch.device("meta"):
-        model = MoECausalLM(config)
-    model.to_empty(device=device)
+
+    def fill(name: str, param: torch.Tensor) -> None:
+        if name.endswith("experts.gate_up") or name.endswith("experts.down"):
+            return  # stored per expert in the checkpoint: _load_experts below
+        param.copy_(reader.get(checkpoint_key(config, name), tuple(param.shape)).to(dtype))
+
+    model = materialize(config, fill, dtype, device)
     with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("experts.gate_up") or name.endswith("experts.down"):
-                continue
-            tensor = reader.get(checkpoint_key(config, name), tuple(param.shape))
-            param.copy_(tensor.to(dtype))
         for layer_idx, block in enumerate(model.moe_blocks):
             _load_experts(reader, config, layer_idx, block.experts, dtype)
-    return model.to(dtype=dtype).eval()
+    return model
 
 
 def _load_experts(reader: CheckpointReader, config: ModelConfig, layer: int, experts, dtype):

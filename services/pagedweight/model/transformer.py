@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from pagedweight.format.model_config import ModelConfig
-from pagedweight.model.kv_cache import ContiguousKVCache
+from pagedweight.model.contiguous_kv import ContiguousKVCache
 from pagedweight.model.layers import Attention, RMSNorm, RotaryEmbedding
 from pagedweight.model.moe_block import SparseMoeBlock
 
@@ -67,7 +67,7 @@ class MoECausalLM(nn.Module):
     def forward_paged(
         self,
         input_ids: torch.Tensor,  # [T]: the new tokens of every sequence in the step
-        step,  # PagedStep: positions, block tables, slots (services/worker/model/paged_attention.py)
+        step,  # PagedStep: positions, block tables, slots (services/pagedweight/model/paged_attention.py)
         logits_indices: torch.Tensor,  # [n]: the tokens whose next-token logits are wanted
     ) -> torch.Tensor:  # logits [n, V]
         """One continuous-batching step over the paged KV cache."""

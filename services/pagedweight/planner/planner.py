@@ -18,7 +18,7 @@ When to plan is not decided here: on the serving path the memory broker gives KV
 back only after `BrokerConfig.calm_steps` calm steps, the one time hysteresis. A per-block
 residence time here (a moved block may not move back for n plans) was removed: with the
 broker's gating it made an offer find nothing to raise, the pager then remembers that
-offer as refused, and the bits never came back (tests/engine/test_runtime_engine.py).
+offer as refused, and the bits never came back (tests/test_runtime.py).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ are committed (`PageTable.resident_views`), so a step computes at exactly the co
 bits q_i. The fused CUDA kernel (issue 6) reads the same extents.
 
 On CUDA with bf16/fp16 activations (and cupy present) the fused kernel
-(kernels/apl_moe.cu) computes the whole layer in one go, reading the committed planes
+(kernels/pagedweight_kernels/apl_moe.cu) computes the whole layer in one go, reading the committed planes
 and LUTs in place in the arena through per-block descriptors; elsewhere the torch
 reference path below runs. Both paths key what they keep on the block's page-table
 `version`, which every commit, lowering and relocation bumps, so neither ever reads a
@@ -26,7 +26,7 @@ from torch import nn
 from pagedweight_kernels.apl_moe import ACT_DTYPES, APLLayer, ResidentBlock, apl_moe, kernel_available
 from pagedweight_kernels.moe_reference import moe_forward
 from pagedweight.format.apl_format import BlockId
-from pagedweight.weights.paged_experts import dequantize_block
+from pagedweight.model.dequantized_experts import dequantize_block
 from pagedweight.weights.page_table import PageTable
 
 

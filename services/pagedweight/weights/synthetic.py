@@ -1,17 +1,18 @@
 """APL blocks without calibration: for tests and memory benchmarks, not for quality.
 
-The real quantizer (weighted k-means, issue 3) lives in services/offline. These helpers
+The real quantizer (weighted k-means, issue 3) lives in services/pagedweight/offline. These helpers
 make valid APL blocks fast: `nested_uniform_block` quantises a weight matrix with
 per-row min-max uniform 8-bit codes (whose top b bits are the b-bit codes, so nesting
-holds) and b-bit LUTs holding the centre of each b-bit bucket; `random_block` draws
-random codes and sorted random LUTs for synthetic sizes.
+holds) and b-bit LUTs holding the centre of each b-bit bucket; `random_blocks` fills a
+model's shape with the kernels' `random_block` (random codes, nested sorted LUTs).
 """
 
 from __future__ import annotations
 
 import torch
 
-from pagedweight.format.apl_format import BIT_WIDTHS, LUT_DTYPE, MODULES, APLBlock, BlockId, check_shape, pack_planes
+from pagedweight_kernels.synthetic import random_block
+from pagedweight.format.apl_format import BIT_WIDTHS, LUT_DTYPE, MODULES, APLBlock, BlockId, pack_planes
 
 
 def nested_uniform_block(weight: torch.Tensor) -> APLBlock:
@@ -26,15 +27,6 @@ def nested_uniform_block(weight: torch.Tensor) -> APLBlock:
         centres = (torch.arange(1 << bits, dtype=torch.float32) + 0.5) * width
         luts[bits] = (lo + centres[None] * step).to(LUT_DTYPE)
     return APLBlock(w.shape[0], w.shape[1], pack_planes(codes), luts)
-
-
-def random_block(rows: int, cols: int, generator: torch.Generator | None = None) -> APLBlock:
-    """Random 8-bit codes (drawn as random planes: every bit pattern is a valid code)."""
-    check_shape(rows, cols)
-    planes = torch.randint(0, 256, (8, rows, cols // 8), dtype=torch.uint8, generator=generator)
-    luts = {b: torch.randn(rows, 1 << b, generator=generator).sort(dim=1).values.mul(0.02).to(LUT_DTYPE)
-            for b in BIT_WIDTHS}
-    return APLBlock(rows, cols, planes, luts)
 
 
 def blocks_from_model(model) -> dict[BlockId, APLBlock]:

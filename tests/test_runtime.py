@@ -89,7 +89,7 @@ def test_dynamic_runtime_lowers_bits_under_load_and_raises_them_after(paged_micr
     """A budget too small for 8-bit experts plus the load's KV: the pager frees bytes for
     KV (bits go down), every request completes without preemption, the pool never goes
     over budget, and once the load has drained the weights take their bytes back."""
-    from pagedweight.engine.load_bench import mean_committed_bits
+    from pagedweight.cli.load_bench import mean_committed_bits
 
     budget = fixed_budget(paged_micro_dir, 8, kv_tokens=80)  # the load needs ~150 tokens
     runtime = build_runtime(paged_micro_dir, RuntimeConfig(budget, "pagedweight", engine=ENGINE))

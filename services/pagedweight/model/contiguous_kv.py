@@ -1,7 +1,7 @@
 """A contiguous KV cache: one preallocated [B, G, max_len, D] buffer per layer.
 
 Used by single-stream generation and evaluation. The serving engine uses the paged KV
-cache instead (`services/worker/memory`), which reads through block tables.
+cache instead (`services/pagedweight/memory`), which reads through block tables.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""Paged any-precision experts: the experts operator over APL blocks, each at its own width.
+"""The dequantising reference experts operator: APL blocks, each at its own width, as dense weights.
 
-`PagedExperts` has the call of `DenseExperts` (`experts(x, topk_ids, topk_weights)`), so
+`DequantizedExperts` has the call of `DenseExperts` (`experts(x, topk_ids, topk_weights)`), so
 the MoE block never knows the storage. This is the dense torch reference path: a block
 at b bits is dequantised (`apl_format.dequantize`: planes 0..b-1 and LUT_b) into a dense
 matrix, cached per block at its current width only, and run through `moe_forward`. A width of
@@ -8,7 +8,10 @@ matrix, cached per block at its current width only, and run through `moe_forward
 
 Widths change at run time through `set_bits({block_id: bits})`, on one layer's operator
 or, for the whole model, through `set_model_bits(model, ...)`. A change takes effect at
-the next forward call; the fused CUDA kernel path replaces this class, not its API.
+the next forward call. Serving does not use it: the runtime runs `weights.arena_experts.
+ArenaExperts` over the memory arena (fused kernel on CUDA, this same dequantisation elsewhere);
+this operator is for offline evaluation (perplexity and damage of an assignment, planning
+scales) and `generate --bits`, where no arena or page table exists.
 
     paged = load_paged_model(dir)
     model = build_paged_lm(paged, dtype=torch.float32)        # all blocks at bf16
@@ -24,6 +27,7 @@ from torch import nn
 
 from pagedweight.format.model_config import ModelConfig
 from pagedweight_kernels.moe_reference import moe_forward
+from pagedweight.model.materialize import materialize_dense
 from pagedweight.model.transformer import MoECausalLM
 from pagedweight.format.apl_format import MODULES, BlockId, check_bits
 from pagedweight.format.paged_model import LayerPlanes, PagedModel, all_block_ids
@@ -47,7 +51,7 @@ def dequantize_block(planes: torch.Tensor, lut: torch.Tensor, bits: int) -> torc
     return torch.gather(lut, 1, codes.long())
 
 
-class PagedExperts(nn.Module):
+class DequantizedExperts(nn.Module):
     """All routed experts of one layer, stored as APL blocks (plus the bf16 originals)."""
 
     def __init__(self, layer: int, num_experts: int, apl: dict[str, LayerPlanes],
@@ -105,32 +109,22 @@ class PagedExperts(nn.Module):
 
 def build_paged_lm(paged: PagedModel, dtype: torch.dtype = torch.float32,
                    device: str | torch.device = "cpu") -> MoECausalLM:
-    """An `MoECausalLM` whose MoE layers run `PagedExperts` (every block starts at bf16
+    """An `MoECausalLM` whose MoE layers run `DequantizedExperts` (every block starts at bf16
     if the artifact's bf16 experts were loaded, else at 8 bits)."""
     config = paged.config
-    with torch.device("meta"):
-        model = MoECausalLM(config)
-    for block in model.moe_blocks:
-        block.experts = nn.Identity()  # keep the dense experts off the device
-    model.to_empty(device=device)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name not in paged.dense_state:
-                raise ValueError(f"paged model lacks the non-expert parameter {name!r}")
-            param.copy_(paged.dense_state[name].to(param.dtype))
-    model = model.to(dtype=dtype).eval()
+    model = materialize_dense(paged, dtype, device)
     for layer, block in enumerate(model.moe_blocks):
         apl = {m: paged.apl[(layer, m)] for m in MODULES}
         bf16 = {m: paged.bf16_experts[(layer, m)] for m in MODULES} if paged.bf16_experts else None
-        block.experts = PagedExperts(layer, config.num_experts, apl, bf16, dtype, torch.device(device))
+        block.experts = DequantizedExperts(layer, config.num_experts, apl, bf16, dtype, torch.device(device))
     if paged.bf16_experts is None:
         set_model_bits(model, uniform_bits(config, 8))
     return model
 
 
-def paged_experts_of(model: MoECausalLM) -> list[PagedExperts]:
+def paged_experts_of(model: MoECausalLM) -> list[DequantizedExperts]:
     experts = [block.experts for block in model.moe_blocks]
-    if not all(isinstance(e, PagedExperts) for e in experts):
+    if not all(isinstance(e, DequantizedExperts) for e in experts):
         raise ValueError("the model does not run paged experts (build it with build_paged_lm)")
     return experts
 

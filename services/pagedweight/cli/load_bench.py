@@ -21,10 +21,10 @@ from pagedweight.runtime import WorkerRuntime
 
 @dataclass(frozen=True)
 class LoadSpec:
-    num_requests: int
-    concurrency: int
-    prompt_len: int
-    max_tokens: int
+    num_requests: int = 64
+    concurrency: int = 16
+    prompt_len: int = 64
+    max_tokens: int = 64
     seed: int = 0
     max_drain_steps: int = 500  # idle steps allowed for the weights to take bytes back
 

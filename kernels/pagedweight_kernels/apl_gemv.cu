@@ -1,0 +1,522 @@
+// Decode regime, second generation: the MoE layer in two launches, weights turned into
+// tensor-core fragments in registers (docs/kernel.md, "Decode on tensor cores").
+//
+// Compiled after apl_moe.cu (the launcher concatenates the two sources; it uses that file's
+// conversions, BlockRef, Codes and mma16816), so this file holds only what is new.
+//
+//   apl_gemv<CLS, 0>  gate_up: every CTA finds its expert from topk_ids itself (no moe_align
+//                     launch), multiplies a 64-row tile of the block by up to 8 tokens per pass
+//                     over one column split, writes fp32 partials; the last split of a tile to
+//                     finish sums the splits in a fixed order and writes h = SiLU(gate) * up.
+//   apl_gemv<CLS, 1>  down: the same over h; the last CTA to finish a row tile (over every
+//                     expert and split) forms out[t] = sum_j w[t,j] * sum_split y, in a fixed
+//                     order (no moe_combine launch, no float atomics: bit-identical reruns).
+//
+// Per-width classes (CLS): a layer of one class takes that class's kernel, a layer holding
+// both takes the merged one (CLS 2); with GEMV_MERGE_CLASSES off, one launch per class
+// present, where a CTA whose block is of another class exits at once:
+//   CLS 0, 3-4 bits: the row's LUT lives in registers as two byte tables (low and high byte
+//          of the 8 or 16 act-dtype entries); four codes in the nibbles of a PRMT selector
+//          give four low bytes in one PRMT and four high bytes in another (at 4 bits, one
+//          more of each for entries 8..15 and a LOP3 select by the top bit), and two PRMTs
+//          interleave them into the two bf16x2/fp16x2 registers of an mma A fragment.
+//   CLS 1, 5-8 bits: the LUT in shared memory (2^bits act values per row: sized by the
+//          class's widest block, not 8 bits), one LDS.U16 per weight.
+//   CLS 2, every width in one launch (both paths compiled into one kernel; either one already
+//          fills the 128-register budget, so the union costs no occupancy): the host picks it
+//          for layers holding both classes (GEMV_MERGE_CLASSES; measured faster than a
+//          launch per class, docs/kernel.md).
+//
+// Warp = 16 weight rows; thread (g = lane/4, t = lane%4) holds rows g and g+8 and, per
+// 256-column step, plane words 2t and 2t+1 of both. A plane word's 32 codes come out of the
+// nibble transpose (Codes<B>) as 8 selectors of 4 columns {16h+c+4i}; each selector is one
+// k16 slice of m16n8k16 (this thread's 4 k slots), the 8 columns of the mma B operand are
+// tokens, and the activations are staged in shared memory in the same permuted column order.
+
+#define GV_THREADS 128
+#define GV_ROWS 64             // weight rows per CTA (4 warps x 16)
+#define GV_STEP_WORDS 8        // plane words per row per warp step (256 columns)
+#define GV_TOKENS 8            // tokens per pass: the mma's N
+#ifndef APL_GEMV_MIN_BLOCKS
+#define APL_GEMV_MIN_BLOCKS 4
+#endif
+#ifndef APL_GEMV_L2_PREFETCH
+#define APL_GEMV_L2_PREFETCH 0  // 1: each step asks L2 for the plane sectors two steps ahead (measured slower)
+#endif
+
+__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
+    u32 d; asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel)); return d;
+}
+__device__ __forceinline__ u32 ldg_nc_u32(const u32* p) {
+    u32 v; asm volatile("ld.global.nc.u32 %0, [%1];" : "=r"(v) : "l"(p)); return v;
+}
+__device__ __forceinline__ uint2 ldg_nc_u64(const u32* p) {
+    uint2 v; asm volatile("ld.global.nc.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p)); return v;
+}
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" :: "l"(p)); }
+
+// The columns of selector s (0..7) of a plane word, in the order of the 4 k slots a thread
+// owns: (2t, 2t+1) then (2t+8, 2t+9). Codes<B> puts column 4n+c in nibble n of o[c].
+__device__ __forceinline__ int sel_col(int s, int i) { return 16 * (s >> 2) + (s & 3) + 4 * i; }
+
+// Register LUT of one row for 3-4 bits: lo[j] / hi[j] = low / high bytes of entries 4j..4j+3.
+template <int B>
+struct RegLut {
+    u32 lo[B == 4 ? 4 : 2], hi[B == 4 ? 4 : 2];
+
+    __device__ __forceinline__ void load(const u16* row_lut, bool valid, bool bf16) {
+        constexpr int N = 1 << B;
+        u32 e[N / 2];  // entries 2j, 2j+1 as act values (LUTs need only 2-byte alignment)
+#pragma unroll
+        for (int j = 0; j < N / 2; ++j) {
+            u32 a = valid ? __ldg(row_lut + 2 * j) : (u16)0, b = valid ? __ldg(row_lut + 2 * j + 1) : (u16)0;
+            if (bf16) {
+                a = float_to_bf16(half_to_float((u16)a));
+                b = float_to_bf16(half_to_float((u16)b));
+            }
+            e[j] = a | (b << 16);
+        }
+#pragma unroll
+        for (int j = 0; j < N / 8; ++j) {
+            // entries 8j..8j+7 = e[4j..4j+3]; low bytes are byte 0 and 2 of each pair
+            lo[2 * j] = prmt(e[4 * j], e[4 * j + 1], 0x6420);
+            hi[2 * j] = prmt(e[4 * j], e[4 * j + 1], 0x7531);
+            lo[2 * j + 1] = prmt(e[4 * j + 2], e[4 * j + 3], 0x6420);
+            hi[2 * j + 1] = prmt(e[4 * j + 2], e[4 * j + 3], 0x7531);
+        }
+    }
+
+    // Four weights (the codes in nibbles 4h..4h+3 of the Codes<B> word o) as two act x2
+    // registers; o3 = o & 0x77777777 (the selector without the top code bit), precomputed.
+    template <int HALF>
+    __device__ __forceinline__ void lookup(u32 o, u32 o3, u32& w01, u32& w23) const {
+        u32 lob, hib;
+        if constexpr (B == 3) {
+            const u32 s = HALF ? o >> 16 : o;  // PRMT reads the selector's low 16 bits only
+            lob = prmt(lo[0], lo[1], s);
+            hib = prmt(hi[0], hi[1], s);
+        } else {
+            // The top code bit (nibble bit 3) would switch PRMT to sign-replicate mode: the
+            // lookups use o3, and a sign-mode PRMT turns the top bits into a byte mask
+            // (o << 4 has nibble 2i's bit 3 at byte i's msb, o nibble 2i+1's).
+            const u32 s3 = HALF ? o3 >> 16 : o3;
+            const u32 m = prmt(o << 4, o, HALF ? 0xFBEAu : 0xD9C8u);
+            const u32 l0 = prmt(lo[0], lo[1], s3), l1 = prmt(lo[2], lo[3], s3);
+            const u32 h0 = prmt(hi[0], hi[1], s3), h1 = prmt(hi[2], hi[3], s3);
+            lob = (l0 & ~m) | (l1 & m);
+            hib = (h0 & ~m) | (h1 & m);
+        }
+        w01 = prmt(lob, hib, 0x5140);
+        w23 = prmt(lob, hib, 0x7362);
+    }
+
+    // Selectors s and s+4 of a plane word (the two halves of nibble word c = s & 3).
+    __device__ __forceinline__ void select2(const Codes<B>& c, int s, u32 (&w)[4]) const {
+        const u32 o = c.o[s & 3], o3 = B == 4 ? o & 0x77777777u : o;
+        lookup<0>(o, o3, w[0], w[1]);
+        lookup<1>(o, o3, w[2], w[3]);
+    }
+};
+
+// Shared-memory LUT of one row for 5-8 bits (act values, u16), read one entry per weight.
+template <int B>
+struct SmemLut {
+    u32 base;  // shared address of the row's entries, aligned to their size: base | offset
+
+    __device__ __forceinline__ void select(const Codes<B>& c, int s, u32& w01, u32& w23) const {
+        w01 = (u32)lds_u16(base | c.template offset<1>(sel_col(s, 0))) |
+              ((u32)lds_u16(base | c.template offset<1>(sel_col(s, 1))) << 16);
+        w23 = (u32)lds_u16(base | c.template offset<1>(sel_col(s, 2))) |
+              ((u32)lds_u16(base | c.template offset<1>(sel_col(s, 3))) << 16);
+    }
+    __device__ __forceinline__ void select2(const Codes<B>& c, int s, u32 (&w)[4]) const {
+        select(c, s, w[0], w[1]);
+        select(c, s + 4, w[2], w[3]);
+    }
+};
+
+// ---------------------------------------------------------------- routing inside the CTA
+// The a-th expert with tokens (ascending id) and its slots (ascending), as moe_align would
+// list them; every CTA derives the same answer from topk_ids, so no launch is needed.
+struct Route { int expert, count, num_active; };
+
+__device__ __forceinline__ Route route_cta(const long long* __restrict__ ids, int num_assign, int num_experts,
+                                           int a, int* slots, u32* present, int* scratch) {
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    if (tid < 32) present[tid] = 0u;
+    __syncthreads();
+    for (int i = tid; i < num_assign; i += GV_THREADS) {
+        const long long e = ids[i];
+        if (e >= 0 && e < num_experts) atomicOr(&present[e >> 5], 1u << (e & 31));
+    }
+    __syncthreads();
+    if (warp == 0) {
+        const u32 v = present[lane];
+        int incl = __popc(v);
+#pragma unroll
+        for (int off = 1; off < 32; off <<= 1) {
+            const int n = __shfl_up_sync(0xffffffffu, incl, off);
+            if (lane >= off) incl += n;
+        }
+        const int excl = incl - __popc(v);
+        if (a >= excl && a < incl) {
+            u32 bits = v;
+            for (int k = a - excl; k > 0; --k) bits &= bits - 1;  // drop the lower set bits
+            scratch[0] = 32 * lane + __ffs(bits) - 1;
+        }
+        if (lane == 31) scratch[1] = incl;
+    }
+    __syncthreads();
+    Route r;
+    r.num_active = scratch[1];
+    r.expert = a < r.num_active ? scratch[0] : -1;
+    r.count = 0;
+    if (r.expert < 0) return r;
+    int base = 0;
+    for (int i0 = 0; i0 < num_assign; i0 += GV_THREADS) {
+        const int i = i0 + tid;
+        const bool hit = i < num_assign && ids[i] == r.expert;
+        const u32 ballot = __ballot_sync(0xffffffffu, hit);
+        __syncthreads();  // previous round done with scratch
+        if (lane == 0) scratch[2 + warp] = __popc(ballot);
+        __syncthreads();
+        int before = base;
+        for (int w = 0; w < warp; ++w) before += scratch[2 + w];
+        if (hit) slots[before + __popc(ballot & ((1u << lane) - 1u))] = i;
+        base += scratch[2] + scratch[3] + scratch[4] + scratch[5];
+    }
+    __syncthreads();
+    r.count = base;
+    return r;
+}
+
+// ---------------------------------------------------------------- the mainloop of one warp
+// acc = the C fragment: (row g, tokens 2t, 2t+1), (row g+8, tokens 2t, 2t+1).
+// xs: staged activations [token][word][4 chunks of 16 B]; chunk q of word w is stored at
+// q ^ ((w >> 1) & 3), so the 4 threads of a quad read different banks. Plane words are
+// prefetched one step ahead in registers (2 rows x 2 words x B planes).
+// Plane words of one step into buf [row a/b][word 0/1][plane]. Words past the split are
+// clamped to its last word (valid memory, any codes): their staged activations are zero.
+// V2: the layer's planes are 8-byte aligned with an even number of words per row, so a
+// thread's two words come in one 8-byte load (a quad reads 32 contiguous bytes per row).
+template <int B, bool V2>
+__device__ __forceinline__ void load_step(const BlockRef& blk, u32 w0a, u32 w0b, int kw, int step,
+                                          u32 (&buf)[2][2][8]) {
+    const int t = threadIdx.x & 3;
+    if constexpr (V2) {
+        const u32 w = (u32)min(step * GV_STEP_WORDS + 2 * t, kw - 2);
+#pragma unroll
+        for (int p = 0; p < 8; ++p) {
+            if (p < B) {
+                const uint2 a = ldg_nc_u64(blk.planes[p] + (w0a + w)), b = ldg_nc_u64(blk.planes[p] + (w0b + w));
+                buf[0][0][p] = a.x; buf[0][1][p] = a.y; buf[1][0][p] = b.x; buf[1][1][p] = b.y;
+            }
+        }
+    } else {
+#pragma unroll
+        for (int wi = 0; wi < 2; ++wi) {
+            const u32 w = (u32)min(step * GV_STEP_WORDS + 2 * t + wi, kw - 1);
+#pragma unroll
+            for (int p = 0; p < 8; ++p) {
+                if (p < B) {
+                    buf[0][wi][p] = ldg_nc_u32(blk.planes[p] + (w0a + w));
+                    buf[1][wi][p] = ldg_nc_u32(blk.planes[p] + (w0b + w));
+                }
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------- the mainloop of one warp
+// acc = the C fragment: (row g, tokens 2t, 2t+1), (row g+8, tokens 2t, 2t+1).
+// xs: staged activations [token][word][4 chunks of 16 B]; chunk q of word w is stored at
+// q ^ ((w >> 1) & 3), so the 4 threads of a quad read different banks. Plane words are
+// loaded one step ahead in registers (2 rows x 2 words x B planes); b0 arrives holding step 0.
+template <int B, bool BF16, bool V2, class Lut>
+__device__ __forceinline__ void gemv_warp(const BlockRef& blk, u32 w0a, u32 w0b, const Lut& la, const Lut& lb,
+                                          int kw, const u16* xs, int tstride, int x_row, u32 (&b0)[2][2][8],
+                                          float (&acc)[4]) {
+    const int t = threadIdx.x & 3;
+    const int steps = (kw + GV_STEP_WORDS - 1) / GV_STEP_WORDS;
+    auto compute = [&](const u32 (&buf)[2][2][8], int step) {
+#pragma unroll
+        for (int wi = 0; wi < 2; ++wi) {
+            const int w = step * GV_STEP_WORDS + 2 * t + wi;
+            uint4 xb[4];
+            // Lanes of tokens past this pass read the zero row staged after the last token.
+            const uint4* xw = reinterpret_cast<const uint4*>(xs + x_row * tstride + w * 32);
+#pragma unroll
+            for (int q = 0; q < 4; ++q) xb[q] = xw[q ^ ((w >> 1) & 3)];
+            const Codes<B> ca(buf[0][wi]), cb(buf[1][wi]);
+#pragma unroll
+            for (int s = 0; s < 4; ++s) {
+                u32 wa[4], wb[4];  // selectors s and s+4 of rows a and b
+                la.select2(ca, s, wa);
+                lb.select2(cb, s, wb);
+                const uint4 v = xb[s >> 1], u = xb[2 + (s >> 1)];
+                mma16816<BF16>(acc, wa[0], wb[0], wa[1], wb[1], (s & 1) ? v.z : v.x, (s & 1) ? v.w : v.y);
+                mma16816<BF16>(acc, wa[2], wb[2], wa[3], wb[3], (s & 1) ? u.z : u.x, (s & 1) ? u.w : u.y);
+            }
+        }
+    };
+    // The 32-byte sectors of a step: 16 rows x B planes; lane (g, t) asks for row g / g+8,
+    // planes t, t+4 (t < 2B). Only the L2 is asked: the registers hold one step ahead.
+    auto prefetch = [&](int step) {
+        if (!APL_GEMV_L2_PREFETCH || step >= steps) return;
+        const u32 w = (u32)(step * GV_STEP_WORDS);
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            const int combo = t + 4 * c, p = combo >> 1;
+            if (combo < 2 * B) {
+#pragma unroll
+                for (int q = 0; q < 8; ++q)  // planes[] indexed by constants only
+                    if (q == p) prefetch_l2(blk.planes[q] + ((combo & 1) ? w0b : w0a) + w);
+            }
+        }
+    };
+    u32 b1[2][2][8];  // ping-pong: one step in flight while the other is used
+    prefetch(1);
+    for (int step = 0; step < steps; step += 2) {
+        if (step + 1 < steps) load_step<B, V2>(blk, w0a, w0b, kw, step + 1, b1);
+        prefetch(step + 2);
+        compute(b0, step);
+        if (step + 1 >= steps) break;
+        if (step + 2 < steps) load_step<B, V2>(blk, w0a, w0b, kw, step + 2, b0);
+        prefetch(step + 3);
+        compute(b1, step + 1);
+    }
+}
+
+// Every pass of up to stage_tokens tokens over this CTA's split. The first step's plane
+// sectors are asked of L2 before the LUT (prologue) and the activations (stage) are read, so
+// those loads overlap; holding them in registers instead spilled (128-register budget).
+template <int B, bool BF16, bool V2, class Lut, class Prologue, class Stage, class Emit>
+__device__ __forceinline__ void run_passes(const BlockRef& blk, u32 w0a, u32 w0b, Lut& la, Lut& lb, int kw,
+                                           const u16* xs, int tstride, int count, int stage_tokens,
+                                           Prologue prologue, Stage stage, Emit emit) {
+    const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {  // lane t: (row, plane) pairs t, t+4, ... of the first step
+        const int combo = t + 4 * c, p = combo >> 1;
+#pragma unroll
+        for (int q = 0; q < 8; ++q)  // planes[] indexed by constants only
+            if (q == p && combo < 2 * B) prefetch_l2(blk.planes[q] + ((combo & 1) ? w0b : w0a));
+    }
+    prologue(la, lb);
+    for (int p0 = 0; p0 < count; p0 += stage_tokens) {
+        const int np = min(stage_tokens, count - p0);
+        stage(p0, np);
+        u32 b0[2][2][8];
+        load_step<B, V2>(blk, w0a, w0b, kw, 0, b0);
+        float acc[4] = {0.f, 0.f, 0.f, 0.f};
+        gemv_warp<B, BF16, V2>(blk, w0a, w0b, la, lb, kw, xs, tstride, min(g, np), b0, acc);
+        emit(p0, np, acc);
+    }
+}
+
+// ---------------------------------------------------------------- the kernel
+// Grid (row tiles, max active experts, column splits), 128 threads.
+// MODE 0: rows_out = I, weight rows 2I (gate rows then up rows); the CTA's 64 weight rows
+//         are gate rows r0..r0+31 and up rows I+r0..; x = tokens [T, cols]; h_out [T*k, I]
+//         by slot.
+// MODE 1: rows_out = H = weight rows; x = h [T*k, cols] by slot; out [T, H].
+// part: fp32 [splits][num_assign][weight rows]; counters: int32, zero before, zero after.
+// w_kind: topk weights' dtype, 0 fp32, 1 bf16, 2 fp16. zero_fill (MODE 1, the first class
+// launched): write zeros where no token has a valid expert id.
+template <int CLS, int MODE, bool BF16, bool V2>
+__global__ void __launch_bounds__(GV_THREADS, APL_GEMV_MIN_BLOCKS) apl_gemv(
+    const long long* __restrict__ desc, const long long* __restrict__ topk_ids, int num_assign, int top_k,
+    int num_experts, const u16* __restrict__ x, int rows_out, int cols, int split_words, int lut_entries,
+    int stage_tokens, float* __restrict__ part, int* __restrict__ counters, u16* __restrict__ h_out,
+    const void* __restrict__ topk_w, int w_kind, int num_tokens, u16* __restrict__ out, int zero_fill) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    __shared__ u32 present[32];
+    __shared__ int scratch[8];
+    __shared__ int last_flag;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+    const int rows_w = MODE == 0 ? 2 * rows_out : rows_out;
+    const int rpc = MODE == 0 ? GV_ROWS / 2 : GV_ROWS;
+    const int r0 = blockIdx.x * rpc;
+    const int z = blockIdx.z, splits = gridDim.z;
+    const int words_per_row = cols / 32;
+    const int c0w = z * split_words;
+    const int kw = min(split_words, words_per_row - c0w);
+    // dynamic shared: slots int [num_assign] | xs u16 [stage_tokens + 1][tstride] | LUT u16 [64][lut_entries]
+    int* slots = reinterpret_cast<int*>(smem_raw);
+    const int tstride = split_words * 32 + 32;  // +64 B: consecutive tokens alternate bank halves
+    u16* xs = reinterpret_cast<u16*>(smem_raw + ((num_assign * 4 + 15) & ~15));
+    // LUT rows of lut_entries u16, from a 512-byte boundary: each row is aligned to its size
+    const u32 lut_off = ((num_assign * 4 + 15) & ~15) + (stage_tokens + 1) * tstride * 2;
+    const u32 lut_at = shared_addr(smem_raw) + lut_off;
+    u16* lut_s = reinterpret_cast<u16*>(smem_raw + lut_off + (((lut_at + 511u) & ~511u) - lut_at));
+
+    const Route route = route_cta(topk_ids, num_assign, num_experts, blockIdx.y, slots, present, scratch);
+    if (MODE == 1 && zero_fill && route.num_active == 0 && blockIdx.y == 0 && z == 0) {
+        for (int idx = tid; idx < num_tokens * rpc; idx += GV_THREADS)  // no valid expert id at all
+            if (r0 + idx % rpc < rows_out) out[(long long)(idx / rpc) * rows_out + r0 + idx % rpc] = 0;
+    }
+    if (route.expert < 0) return;
+    const BlockRef blk = load_block(desc, route.expert);
+    const bool bad_bits = blk.bits < 3 || blk.bits > 8;
+    const int cls = blk.bits >= 5 && blk.bits <= 8 ? 1 : 0;  // bad bits: class 0 writes NaN
+    if (CLS != 2 && cls != CLS) return;
+
+    auto weight_row_of = [&](int lw, bool* valid) {
+        if (MODE == 0) {
+            const int r = lw < 32 ? lw : lw - 32;
+            *valid = r0 + r < rows_out;
+            return (lw < 32 ? 0 : rows_out) + r0 + r;
+        }
+        *valid = r0 + lw < rows_out;
+        return r0 + lw;
+    };
+    bool va, vb;
+    const int lwa = 16 * warp + g, lwb = lwa + 8;
+    const int rowa = weight_row_of(lwa, &va), rowb = weight_row_of(lwb, &vb);
+    const bool in_a = va, in_b = vb;  // rows inside the block
+    va = va && !bad_bits;
+    vb = vb && !bad_bits;
+    // First plane word of this split in rows a and b; rows past the block read the last
+    // row instead (valid memory; their results are never written).
+    const u32 w0a = (u32)((in_a ? rowa : rows_w - 1) * words_per_row + c0w);
+    const u32 w0b = (u32)((in_b ? rowb : rows_w - 1) * words_per_row + c0w);
+    // CLS 1: the block's LUT into shared memory (act values), 16-byte loads where aligned.
+    auto fill_smem_lut = [&]() {
+        if ((reinterpret_cast<unsigned long long>(blk.lut) & 15) == 0) {
+            const int nvec = 1 << (blk.bits - 3);  // a row of 2^bits >= 32 entries is whole vectors
+            for (int idx = tid; idx < GV_ROWS * nvec; idx += GV_THREADS) {
+                const int lw = idx >> (blk.bits - 3), v = idx & (nvec - 1);
+                bool valid;
+                const int row = weight_row_of(lw, &valid);
+                uint4 e = valid ? __ldg(reinterpret_cast<const uint4*>(blk.lut + (long long)row * (8 * nvec)) + v)
+                                : make_uint4(0, 0, 0, 0);
+                if (BF16) {
+                    u32* w = &e.x;
+#pragma unroll
+                    for (int j = 0; j < 4; ++j)
+                        w[j] = (u32)lut_to_act<true>((u16)(w[j] & 0xffffu)) | ((u32)lut_to_act<true>((u16)(w[j] >> 16)) << 16);
+                }
+                *reinterpret_cast<uint4*>(lut_s + lw * lut_entries + 8 * v) = e;
+            }
+        } else {
+            const int nent = 1 << blk.bits;
+            for (int idx = tid; idx < GV_ROWS * nent; idx += GV_THREADS) {
+                const int lw = idx >> blk.bits, ent = idx & (nent - 1);
+                bool valid;
+                const int row = weight_row_of(lw, &valid);
+                lut_s[lw * lut_entries + ent] = valid ? lut_to_act<BF16>(blk.lut[(long long)row * nent + ent]) : (u16)0;
+            }
+        }
+    };
+    const int kwp = (kw + GV_STEP_WORDS - 1) / GV_STEP_WORDS * GV_STEP_WORDS;
+    // Activations of tokens p0..p0+np-1 (and a zero row after them) for this split:
+    // xs[i][w] holds, for selector s of word w, the act values of columns sel_col(s, 0..3).
+    auto stage = [&](int p0, int np) {
+        __syncthreads();  // LUT written; the previous pass is done with xs
+        for (int idx = tid; idx < (np + 1) * kwp * 8; idx += GV_THREADS) {
+            const int i = idx / (kwp * 8), rem = idx % (kwp * 8), w = rem >> 3, s = rem & 7;
+            const int slot = i < np ? slots[p0 + i] : 0;
+            const long long xrow = MODE == 0 ? slot / top_k : slot;
+            u32 v01 = 0u, v23 = 0u;
+            if (w < kw && i < np) {
+                const u16* src = x + xrow * cols + (long long)(c0w + w) * 32;
+                v01 = (u32)src[sel_col(s, 0)] | ((u32)src[sel_col(s, 1)] << 16);
+                v23 = (u32)src[sel_col(s, 2)] | ((u32)src[sel_col(s, 3)] << 16);
+            }
+            const int chunk = (s >> 1) ^ ((w >> 1) & 3);
+            *reinterpret_cast<uint2*>(xs + i * tstride + w * 32 + chunk * 8 + (s & 1) * 4) = make_uint2(v01, v23);
+        }
+        __syncthreads();
+    };
+    // Partials: tokens 2t, 2t+1 of this pass, rows a and b (NaN for a block of bad bits).
+    auto emit = [&](int p0, int np, const float (&acc)[4]) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int tok = 2 * t + (j & 1);
+            if (tok < np && (j < 2 ? in_a : in_b)) {
+                const float v = bad_bits ? __int_as_float(0x7fc00000) : acc[j];
+                part[((long long)z * num_assign + slots[p0 + tok]) * rows_w + (j < 2 ? rowa : rowb)] = v;
+            }
+        }
+    };
+    auto reg_lut = [&](auto& la, auto& lb) { la.load(blk.lut + (long long)rowa * (1 << blk.bits), va, BF16);
+                                              lb.load(blk.lut + (long long)rowb * (1 << blk.bits), vb, BF16); };
+    auto smem_lut = [&](auto&, auto&) { fill_smem_lut(); };
+    const u32 la_s = shared_addr(lut_s + lwa * lut_entries), lb_s = shared_addr(lut_s + lwb * lut_entries);
+    if (bad_bits) {
+        for (int p0 = 0; p0 < route.count; p0 += stage_tokens) {
+            const float nan4[4] = {0.f, 0.f, 0.f, 0.f};
+            emit(p0, min(stage_tokens, route.count - p0), nan4);
+        }
+    } else if (CLS == 0 || (CLS == 2 && cls == 0)) {
+        if (blk.bits == 4) {
+            RegLut<4> la, lb;
+            run_passes<4, BF16, V2>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, reg_lut, stage, emit);
+        } else {
+            RegLut<3> la, lb;
+            run_passes<3, BF16, V2>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, reg_lut, stage, emit);
+        }
+    } else {
+        switch (blk.bits) {
+            case 5: { SmemLut<5> la{la_s}, lb{lb_s};
+                      run_passes<5, BF16, V2>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, smem_lut, stage, emit); break; }
+            case 6: { SmemLut<6> la{la_s}, lb{lb_s};
+                      run_passes<6, BF16, V2>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, smem_lut, stage, emit); break; }
+            case 7: { SmemLut<7> la{la_s}, lb{lb_s};
+                      run_passes<7, BF16, V2>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, smem_lut, stage, emit); break; }
+            default: { SmemLut<8> la{la_s}, lb{lb_s};
+                       run_passes<8, BF16, V2>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, smem_lut, stage, emit); break; }
+        }
+    }
+
+    // The last CTA to finish this tile's splits (MODE 0) or this row tile over every expert
+    // and split (MODE 1) reduces the partials, in a fixed order.
+    const int expected = MODE == 0 ? splits : route.num_active * splits;
+    int* counter = counters + (MODE == 0 ? blockIdx.y * gridDim.x + blockIdx.x : blockIdx.x);
+    if (expected > 1) {
+        __threadfence();
+        __syncthreads();
+        if (tid == 0) {
+            const int done = atomicAdd(counter, 1) + 1;
+            last_flag = done == expected;
+            if (done == expected) atomicExch(counter, 0);  // every contributor has arrived
+        }
+        __syncthreads();
+        if (!last_flag) return;
+        __threadfence();
+    } else {
+        __syncthreads();
+    }
+    if (MODE == 0) {
+        for (int idx = tid; idx < route.count * rpc; idx += GV_THREADS) {
+            const int i = idx / rpc, c = idx % rpc;
+            if (r0 + c >= rows_out) continue;
+            const int slot = slots[i];
+            float gs = 0.f, us = 0.f;
+            for (int s = 0; s < splits; ++s) {
+                const float* p = part + ((long long)s * num_assign + slot) * rows_w;
+                gs += __ldcg(p + r0 + c);
+                us += __ldcg(p + rows_out + r0 + c);
+            }
+            h_out[(long long)slot * rows_out + r0 + c] = float_to_act<BF16>(gs / (1.f + __expf(-gs)) * us);
+        }
+    } else {
+        for (int idx = tid; idx < num_tokens * rpc; idx += GV_THREADS) {
+            const int tk = idx / rpc, c = idx % rpc;
+            if (r0 + c >= rows_out) continue;
+            float sum = 0.f;
+            for (int j = 0; j < top_k; ++j) {
+                const int slot = tk * top_k + j;
+                const long long e = topk_ids[slot];
+                if (e < 0 || e >= num_experts) continue;
+                float v = 0.f;
+                for (int s = 0; s < splits; ++s) v += __ldcg(part + ((long long)s * num_assign + slot) * rows_w + r0 + c);
+                const float wt = w_kind == 0 ? reinterpret_cast<const float*>(topk_w)[slot]
+                               : w_kind == 1 ? bf16_to_float(reinterpret_cast<const u16*>(topk_w)[slot])
+                                             : half_to_float(reinterpret_cast<const u16*>(topk_w)[slot]);
+                sum += wt * v;
+            }
+            out[(long long)tk * rows_out + r0 + c] = float_to_act<BF16>(sum);
+        }
+    }
+}
