@@ -230,12 +230,23 @@ def substitute(expr: str, values: dict[str, str]) -> str:
     return expr
 
 
+# (dashboard, panel) -> why its queries return no data yet; strict: the test fails once they do,
+# so the mark is removed the day the gap closes.
+KNOWN_GAPS = {
+    ("pagedweight-serving.json", "Queue time"):
+        "the worker registers vllm:request_queue_time_seconds but never observes it (issue 10 point 5)",
+}
+
+
 def panel_targets():
     for path in DASHBOARDS:
         dashboard = json.loads(path.read_text())
         for panel in dashboard["panels"]:
+            gap = KNOWN_GAPS.get((path.name, panel["title"]))
+            marks = [pytest.mark.xfail(strict=True, reason=gap)] if gap else []
             for target in panel.get("targets", []):
-                yield pytest.param(path.name, panel["title"], target["expr"], id=f"{path.stem}/{panel['title']}/{target['refId']}")
+                yield pytest.param(path.name, panel["title"], target["expr"], marks=marks,
+                                   id=f"{path.stem}/{panel['title']}/{target['refId']}")
 
 
 def test_the_test_covers_every_panel():

