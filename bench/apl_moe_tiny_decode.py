@@ -22,7 +22,7 @@ from pagedweight.engine.generate import generate
 from pagedweight.engine.sampler import SamplingParams
 from pagedweight.model import load_model
 from pagedweight.model.apl_experts import APLExperts
-from pagedweight.model.tokenizer import Tokenizer
+from pagedweight.frontend.tokenizer import Tokenizer
 from pagedweight_kernels.synthetic import mixed_bits
 
 NEW_TOKENS, RUNS = 64, 3
@@ -30,12 +30,12 @@ NEW_TOKENS, RUNS = 64, 3
 
 def tokens_per_s(model, tokenizer, prompt_ids) -> float:
     params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
-    generate(model, tokenizer, prompt_ids, params)  # warm-up (compiles kernels)
+    generate(model, prompt_ids, params)  # warm-up (compiles kernels)
     times = []
     for _ in range(RUNS):
         torch.cuda.synchronize()
         start = time.perf_counter()
-        generate(model, tokenizer, prompt_ids, params)
+        generate(model, prompt_ids, params)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     return NEW_TOKENS / statistics.median(times)

@@ -37,7 +37,7 @@ def bench_model(model_dir: Path, new_tokens: int, runs: int) -> dict:
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
 
     def run_ours():
-        assert len(generate(ours, None, prompt, params).token_ids) == new_tokens
+        assert len(generate(ours, prompt, params).token_ids) == new_tokens
 
     @torch.inference_mode()
     def run_reference():

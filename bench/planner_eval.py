@@ -39,7 +39,7 @@ from pagedweight.offline.prompt_routing import record_prompt_routing
 from pagedweight.planner.prompt_context import (
     prompt_context, steady_traffic_tokens,
 )
-from pagedweight.model.tokenizer import Tokenizer
+from pagedweight.frontend.tokenizer import Tokenizer
 from pagedweight.model.dequantized_experts import build_paged_lm, set_model_bits
 from pagedweight.format.paged_model import load_paged_model
 

@@ -38,7 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 from pagedweight.common.paths import shared_dir
 from pagedweight.offline.perplexity import token_windows
-from pagedweight.model.tokenizer import Tokenizer
+from pagedweight.frontend.tokenizer import Tokenizer
 from pagedweight.format.apl_format import BIT_WIDTHS, MODULES, BlockId
 from pagedweight.model.dequantized_experts import build_paged_lm, set_model_bits, uniform_bits
 from pagedweight.format.paged_model import load_paged_model

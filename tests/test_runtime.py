@@ -11,6 +11,7 @@ from pagedweight.engine.generate import generate
 from pagedweight.engine.sampler import SamplingParams
 from pagedweight.engine.scheduler import SchedulerConfig
 from pagedweight.memory.kv_cache import KVCacheConfig
+from pagedweight.format.model_config import read_eos_token_ids
 from pagedweight.runtime import RuntimeConfig, build_runtime, workspace_bytes
 
 ENGINE = EngineConfig(
@@ -66,7 +67,9 @@ def test_static_runtime_equals_generate_and_kv_never_touches_planes(paged_micro_
         got = run_checked(runtime, prompts())
         model = runtime.engine.model
         params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
-        assert got == [generate(model, None, p, params).token_ids for p in prompts()]
+        assert got == [generate(model, p, params).token_ids for p in prompts()]
+        # built without a tokenizer, the engine still has the model's EOS (config files)
+        assert runtime.engine.eos_ids >= set(read_eos_token_ids(paged_micro_dir)) > set()
         assert runtime.engine.stats().num_preemptions > 0  # the small KV forced recompute
         for bid, entry in runtime.table.entries.items():  # KV writes left every plane intact
             planes, lut, bits = runtime.table.resident_views(bid)

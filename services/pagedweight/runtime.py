@@ -88,7 +88,10 @@ def workspace_bytes(config: ModelConfig, engine: EngineConfig, dtype: torch.dtyp
     return tokens * per_token * elem + logits
 
 
-def build_runtime(paged_dir, config: RuntimeConfig, tokenizer=None) -> WorkerRuntime:
+def build_runtime(paged_dir, config: RuntimeConfig, eos_token_ids=()) -> WorkerRuntime:
+    """eos_token_ids: EOS ids beyond the model's own (config.json and generation_config.json,
+    which the engine always gets: a runtime built without a tokenizer still stops at EOS)."""
+    from pagedweight.format.model_config import read_eos_token_ids
     from pagedweight.format.paged_model import load_paged_model
 
     paged = load_paged_model(paged_dir, with_bf16=False)
@@ -120,7 +123,8 @@ def build_runtime(paged_dir, config: RuntimeConfig, tokenizer=None) -> WorkerRun
 
         block = kv_block_bytes(paged.config, config.engine.kv.block_size, config.dtype)
         pager = WeightPager(mover, planner, kv_block_bytes=block, routing=feed.snapshot)
-    engine = Engine(model, tokenizer, config.engine, arena=arena, pager=pager,
+    eos_token_ids = (*read_eos_token_ids(paged_dir), *eos_token_ids)
+    engine = Engine(model, config.engine, arena=arena, pager=pager, eos_token_ids=eos_token_ids,
                     max_kv_blocks=_max_kv_blocks(config, paged.config, table, arena))
     return WorkerRuntime(engine, pool, arena, table, mover, pager)
 

@@ -31,15 +31,28 @@ def test_generate_prints_only_the_completion():
     from pagedweight.engine.generate import generate
     from pagedweight.engine.sampler import SamplingParams
     from pagedweight.model import load_model
-    from pagedweight.model.tokenizer import Tokenizer
+    from pagedweight.frontend.tokenizer import Tokenizer
 
     result = pagedweight("generate", "--model", str(BUNDLED_MODEL), "--prompt", "And God said",
                          "--max-tokens", "12")
     assert result.returncode == 0, result.stderr
     tokenizer = Tokenizer(BUNDLED_MODEL)
-    expected = generate(load_model(BUNDLED_MODEL, dtype=__import__("torch").float32), tokenizer,
-                        tokenizer.encode("And God said"), SamplingParams(max_tokens=12))
-    assert result.stdout == expected.text + "\n"
+    expected = generate(load_model(BUNDLED_MODEL, dtype=__import__("torch").float32),
+                        tokenizer.encode("And God said"), SamplingParams(max_tokens=12),
+                        tokenizer.eos_token_ids)
+    assert result.stdout == tokenizer.decode(expected.token_ids) + "\n"
+
+
+def test_generate_stop_string_cuts_the_printed_text():
+    full = pagedweight("generate", "--model", str(BUNDLED_MODEL), "--prompt", "And God said",
+                       "--max-tokens", "16")
+    assert full.returncode == 0, full.stderr
+    text = full.stdout[:-1]
+    stop = text[6:9]
+    cut = pagedweight("generate", "--model", str(BUNDLED_MODEL), "--prompt", "And God said",
+                      "--max-tokens", "16", "--stop", "zzzz", "--stop", stop)
+    assert cut.returncode == 0, cut.stderr
+    assert cut.stdout == text[: text.find(stop)] + "\n"
 
 
 def test_sampled_generation_is_reproducible_with_a_seed():

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 import torch
 
-from pagedweight.common.errors import UserError
+from pagedweight.common.errors import EngineDeadError, UserError
 from pagedweight.engine.async_engine import AsyncEngine
 from pagedweight.engine.engine import Engine, EngineConfig
 from pagedweight.engine.generate import generate
@@ -38,7 +38,7 @@ async def collect(stream):
 def test_streams_deliver_the_same_tokens_as_generate(model):
     prompts = [[5, 6, 7, 8], list(range(10, 31)), [99]]
     params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (6, 3, 9)]
-    expected = [generate(model, None, p, sp).token_ids for p, sp in zip(prompts, params)]
+    expected = [generate(model, p, sp).token_ids for p, sp in zip(prompts, params)]
 
     async def main():
         engine = make_async(model)
@@ -110,3 +110,46 @@ def test_bad_requests_fail_at_add(model):
         await engine.close()
 
     asyncio.run(main())
+
+
+class _FailingStep:
+    """Wraps a real engine; its n-th step raises (a bug in the step, as far as the loop knows)."""
+
+    def __init__(self, engine, fail_on_step):
+        self._engine, self.fail_on_step = engine, fail_on_step
+        self.calls = 0
+
+    def step(self):
+        self.calls += 1
+        if self.calls >= self.fail_on_step:
+            raise RuntimeError("boom in step")
+        return self._engine.step()
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+
+def test_a_failed_step_kills_the_engine_and_every_request_fails_fast(model):
+    config = EngineConfig(kv=KVCacheConfig(block_size=4), num_kv_blocks=256)
+    failing = _FailingStep(Engine(model, config=config), fail_on_step=3)
+
+    async def main():
+        engine = AsyncEngine(failing)
+        assert not engine.errored and engine.dead_error is None
+        engine.check_health()
+        streams = [engine.add_request([5, 6, 7], SamplingParams(max_tokens=20, ignore_eos=True))
+                   for _ in range(3)]
+        results = await asyncio.gather(*(collect(s) for s in streams), return_exceptions=True)
+        assert all(isinstance(r, EngineDeadError) for r in results), results
+        assert isinstance(results[0].__cause__, RuntimeError) and "boom in step" in str(results[0])
+        assert engine.errored and isinstance(engine.dead_error, EngineDeadError)
+        with pytest.raises(EngineDeadError):
+            engine.check_health()
+        with pytest.raises(EngineDeadError):  # later adds fail at once, nothing is queued
+            engine.add_request([1, 2], SamplingParams(max_tokens=2))
+        engine.abort("req-0")  # harmless
+        await asyncio.sleep(0.05)
+        await engine.close()
+
+    asyncio.run(main())
+    assert failing.calls == failing.fail_on_step  # never stepped again after the failure

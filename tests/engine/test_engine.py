@@ -12,7 +12,7 @@ from pagedweight.engine.sampler import SamplingParams
 from pagedweight.engine.scheduler import SchedulerConfig
 from pagedweight.memory.kv_cache import KVCacheConfig
 from pagedweight.model import load_model
-from pagedweight.model.tokenizer import Tokenizer
+from pagedweight.frontend.tokenizer import Tokenizer
 from tests.conftest import BUNDLED_MODEL
 
 PROMPT_LENS = (3, 17, 33, 5, 40, 1, 29, 12)
@@ -30,7 +30,7 @@ def requests(model):
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(1, model.config.vocab_size, (n,), generator=gen).tolist() for n in PROMPT_LENS]
     params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in MAX_TOKENS]
-    expected = [generate(model, None, p, sp).token_ids for p, sp in zip(prompts, params)]
+    expected = [generate(model, p, sp).token_ids for p, sp in zip(prompts, params)]
     return prompts, params, expected
 
 
@@ -124,28 +124,61 @@ def engine_outputs_tail(tail, full):
     return full[len(full) - len(tail) :] == tail and len(tail) > 0
 
 
-def test_finish_reasons_stop_string_eos_and_length(model):
-    tokenizer = Tokenizer(BUNDLED_MODEL)
-    engine = make_engine(model, tokenizer=tokenizer)
-    prompt = tokenizer.encode("And the LORD spake unto Moses")
-    full = generate(model, tokenizer, prompt, SamplingParams(max_tokens=30, ignore_eos=True))
-    stop = full.text[10:14]
-    engine.add_request("len", prompt, SamplingParams(max_tokens=30, ignore_eos=True))
-    engine.add_request("stop", prompt, SamplingParams(max_tokens=30, stop=(stop,)))
-    finals = {}
+def test_finish_reasons_stop_token_eos_and_length(model):
+    prompt = list(range(5, 25))
+    full = generate(model, prompt, SamplingParams(max_tokens=12, ignore_eos=True))
+    stop_token = full.token_ids[4]
+    first = full.token_ids.index(stop_token)  # the first time it is sampled
+    engine = make_engine(model)
+    engine.add_request("len", prompt, SamplingParams(max_tokens=12, ignore_eos=True))
+    engine.add_request("stop", prompt, SamplingParams(max_tokens=12, stop_token_ids=(stop_token,)))
+    finals, outputs = {}, {}
     while engine.has_work:
         for out in engine.step():
+            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
             if out.finished:
                 finals[out.request_id] = out
-    assert finals["len"].finish_reason == "length"
-    assert finals["stop"].finish_reason == "stop"
-    assert finals["stop"].text == full.text[: full.text.find(stop)]
-    # EOS: make the first greedy token the EOS id
-    first = full.token_ids[0]
-    engine.eos_ids = {first}
+    assert finals["len"].finish_reason == "length" and outputs["len"] == full.token_ids
+    assert finals["stop"].finish_reason == "stop" and finals["stop"].stop_reason == stop_token
+    assert outputs["stop"] == full.token_ids[:first]  # the stop token is not in the output
+    # EOS given explicitly (a tokenizer's, say): make the first greedy token an EOS id
+    engine = make_engine(model, eos_token_ids=[full.token_ids[0]])
     engine.add_request("eos", prompt, SamplingParams(max_tokens=5))
     outs = [o for _ in range(3) for o in engine.step()]
     assert outs[0].finished and outs[0].finish_reason == "stop" and outs[0].new_token_ids == []
+    # min_tokens: the EOS cannot be sampled before it; the output differs from greedy only there
+    engine.add_request("min", prompt, SamplingParams(max_tokens=3, min_tokens=2))
+    got = engine.run_to_completion()["min"]
+    assert len(got) >= 2 and full.token_ids[0] not in got[:2]
+
+
+def test_stop_strings_are_refused_by_the_tokens_only_engine(model):
+    engine = make_engine(model)
+    with pytest.raises(UserError, match="stop strings"):
+        engine.add_request("s", [1, 2, 3], SamplingParams(max_tokens=4, stop=("x",)))
+    assert not engine.has_work
+
+
+def test_engine_stream_cut_by_the_frontend_matches_generate(model):
+    """The gateway's path: engine tokens -> RequestDetokenizer -> abort at the stop string."""
+    from pagedweight.frontend.detokenizer import RequestDetokenizer
+
+    tokenizer = Tokenizer(BUNDLED_MODEL)
+    prompt = tokenizer.encode("And the LORD spake unto Moses")
+    full = generate(model, prompt, SamplingParams(max_tokens=30, ignore_eos=True))
+    full_text = tokenizer.decode(full.token_ids)
+    stop = full_text[10:14]
+    engine = make_engine(model)
+    engine.add_request("stop", prompt, SamplingParams(max_tokens=30, ignore_eos=True))
+    detok, streamed = RequestDetokenizer(tokenizer, prompt, stop=[stop]), ""
+    while engine.has_work:
+        for out in engine.step():
+            delta = detok.push(out.new_token_ids)
+            streamed += delta.text
+            if delta.stopped:
+                engine.abort("stop")
+    assert detok.stopped and streamed == full_text[: full_text.find(stop)]
+    assert_all_blocks_free(engine)
 
 
 def test_requests_that_cannot_fit_are_refused_at_once(model):

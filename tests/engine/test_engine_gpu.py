@@ -26,7 +26,7 @@ def test_engine_on_cuda_equals_generate(impl, num_blocks):
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(1, 4096, (n,), generator=gen).tolist() for n in (3, 17, 33, 5, 29, 12)]
     params = SamplingParams(max_tokens=8, ignore_eos=True)
-    expected = [generate(model, None, p, params).token_ids for p in prompts]
+    expected = [generate(model, p, params).token_ids for p in prompts]
     config = EngineConfig(
         scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=24),
         kv=KVCacheConfig(block_size=4), attention_impl=impl, num_kv_blocks=num_blocks,

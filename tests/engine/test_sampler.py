@@ -2,7 +2,6 @@ import pytest
 import torch
 
 from pagedweight.common.errors import UserError
-from pagedweight.engine.generate import find_stop
 from pagedweight.engine.sampler import SamplingParams, sample
 
 
@@ -37,12 +36,11 @@ def test_seed_fixes_the_draws():
 
 
 @pytest.mark.parametrize("kwargs", [{"max_tokens": 0}, {"temperature": -1}, {"top_p": 1.5},
-                                    {"top_k": -2}, {"stop": ("",)}])
+                                    {"top_k": -2}, {"stop": ("",)},
+                                    {"min_tokens": 20, "max_tokens": 10}, {"min_tokens": -1},
+                                    {"stop_token_ids": (-1,)}])
 def test_invalid_params_raise(kwargs):
     with pytest.raises(UserError):
         SamplingParams(**kwargs)
 
 
-def test_find_stop_picks_the_earliest():
-    assert find_stop("abc END xyz STOP", ("STOP", "END")) == 4
-    assert find_stop("nothing", ("STOP",)) == -1

@@ -41,3 +41,18 @@ def test_mixtral_fields():
     assert config.norm_topk_prob and not config.attention_bias
     assert config.shared_expert_intermediate_size == 0
     assert config.head_dim == config.hidden_size // config.num_heads
+
+
+def test_eos_ids_come_from_config_and_generation_config(tmp_path):
+    import json
+
+    from pagedweight.common.errors import CheckpointError
+    from pagedweight.format.model_config import read_eos_token_ids
+
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 2}))
+    assert read_eos_token_ids(tmp_path) == (2,)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 2]}))
+    assert read_eos_token_ids(tmp_path) == (2, 7)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": "x"}))
+    with pytest.raises(CheckpointError, match="generation_config.json"):
+        read_eos_token_ids(tmp_path)

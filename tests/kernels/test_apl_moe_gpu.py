@@ -188,7 +188,7 @@ def model_dirs():
 def test_perplexity_with_kernel_equals_reference(model_dir):
     from pagedweight.offline.perplexity import perplexity
     from pagedweight.model import load_model
-    from pagedweight.model.tokenizer import Tokenizer
+    from pagedweight.frontend.tokenizer import Tokenizer
 
     device = torch.device("cuda")
     model = load_model(model_dir, dtype=torch.bfloat16, device=device)

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 from pagedweight.engine.generate import generate
 from pagedweight.engine.sampler import SamplingParams
 from pagedweight.model import load_model
-from pagedweight.model.tokenizer import Tokenizer
+from pagedweight.frontend.tokenizer import Tokenizer
 from tests.conftest import domain_prompts, shared_model_dirs
 
 MODELS = shared_model_dirs()
@@ -51,5 +51,5 @@ def test_greedy_generation_matches_transformers(model_pair):
             torch.tensor([prompt_ids]), max_new_tokens=64, min_new_tokens=64, do_sample=False,
             pad_token_id=0,
         )[0, len(prompt_ids):].tolist()
-        got = generate(ours, tokenizer, prompt_ids, params).token_ids
+        got = generate(ours, prompt_ids, params).token_ids
         assert got == expected, f"{model_dir.name}/{domain}: greedy tokens differ"

@@ -5,7 +5,7 @@ import torch.nn.functional as F
 
 from pagedweight.offline.calibrate import CalibConfig, block_hessians, calibrate, smoothed_hessians
 from pagedweight.model import load_model
-from pagedweight.model.tokenizer import Tokenizer
+from pagedweight.frontend.tokenizer import Tokenizer
 from tests.conftest import BUNDLED_MODEL
 from tests.offline.conftest import CALIB_TEXT
 

@@ -8,7 +8,7 @@ from safetensors.torch import load_file
 
 from pagedweight.offline.perplexity import perplexity
 from pagedweight.model import load_model
-from pagedweight.model.tokenizer import Tokenizer
+from pagedweight.frontend.tokenizer import Tokenizer
 from pagedweight.format.apl_format import BIT_WIDTHS, BlockId, block_bytes
 from pagedweight.model.dequantized_experts import (
     build_paged_lm, get_model_bits, set_model_bits, uniform_bits,

@@ -1,12 +1,18 @@
-"""`pagedweight generate`: complete one prompt; prints the completion text only."""
+"""`pagedweight generate`: complete one prompt; prints the completion text only.
+
+Token ids come from the single-stream loop (engine/generate.py); text and stop strings
+from the front end (pagedweight.frontend), the same path the gateway streams through.
+"""
 
 from __future__ import annotations
 
 import sys
 
 from pagedweight.cli.model_args import add_model_args, load_from_args
-from pagedweight.engine.generate import generate
+from pagedweight.engine.generate import stream_generate
 from pagedweight.engine.sampler import SamplingParams
+from pagedweight.format.model_config import read_eos_token_ids
+from pagedweight.frontend.detokenizer import RequestDetokenizer
 
 
 def register(subparsers) -> None:
@@ -25,9 +31,16 @@ def register(subparsers) -> None:
 def run(args) -> int:
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-        top_k=args.top_k, seed=args.seed, stop=tuple(args.stop),
+        top_k=args.top_k, seed=args.seed,
     )
     model, tokenizer = load_from_args(args)
-    completion = generate(model, tokenizer, tokenizer.encode(args.prompt), params)
-    sys.stdout.write(completion.text + "\n")
+    prompt_ids = tokenizer.encode(args.prompt)
+    detok = RequestDetokenizer(tokenizer, prompt_ids, stop=args.stop)
+    eos_ids = (*read_eos_token_ids(args.model), *tokenizer.eos_token_ids)
+    for token in stream_generate(model, prompt_ids, params, eos_ids):
+        if detok.push([token]).stopped:
+            break
+    else:
+        detok.finish()
+    sys.stdout.write(detok.text + "\n")
     return 0

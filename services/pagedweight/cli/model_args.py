@@ -47,7 +47,7 @@ def add_bits_args(parser: argparse.ArgumentParser) -> None:
 def load_from_args(args):
     """Load the model and tokenizer named by --model (a checkpoint or a paged model)."""
     from pagedweight.model import load_model
-    from pagedweight.model.tokenizer import Tokenizer
+    from pagedweight.frontend.tokenizer import Tokenizer
     from pagedweight.format.paged_model import is_paged_model_dir
 
     device, dtype = resolve_device_dtype(args)

@@ -97,7 +97,7 @@ def context_from_prompt(model_dir: str, text: str, inputs, max_tokens: int):
 
     from pagedweight.offline.prompt_routing import record_prompt_routing
     from pagedweight.planner.prompt_context import prompt_context, steady_traffic_tokens
-    from pagedweight.model.tokenizer import Tokenizer
+    from pagedweight.frontend.tokenizer import Tokenizer
     from pagedweight.model.dequantized_experts import build_paged_lm
     from pagedweight.format.paged_model import load_paged_model
 

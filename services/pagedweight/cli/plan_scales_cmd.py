@@ -34,7 +34,7 @@ def run_plan_scales(args) -> int:
     from pagedweight.cli.quantize_cmd import default_calib_files
     from pagedweight.planner.artifact import load_planner_inputs
     from pagedweight.offline.group_scales import measure_group_scales
-    from pagedweight.model.tokenizer import Tokenizer
+    from pagedweight.frontend.tokenizer import Tokenizer
     from pagedweight.model.dequantized_experts import build_paged_lm, set_model_bits
     from pagedweight.format.paged_model import load_paged_model
 

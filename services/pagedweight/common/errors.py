@@ -20,3 +20,8 @@ class UnsupportedModelError(UserError):
 
 class ContextLengthError(UserError):
     """A prompt (plus the tokens asked for) does not fit the model's context."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine failed a step and stopped: its state may be corrupt, so it takes no more
+    work. Not a user error (HTTP 503/500); the worker must be restarted."""

@@ -5,6 +5,12 @@ last step, runs `Engine.step()` in a worker thread (so the event loop keeps serv
 hands each request's outputs to its stream. Adds and aborts only ever touch the engine
 between steps, from the event loop, so the engine itself needs no locks. A stream whose
 consumer stops early (closes the async iterator) aborts its request.
+
+A step that raises kills the engine: its KV blocks, pager and scheduler may be half
+updated, so it is never stepped again. `errored` turns true, `dead_error` holds an
+`EngineDeadError` (caused by the original exception), every in-flight stream raises it,
+and every later `add_request` fails fast with it; `check_health()` raises it for the
+service's health endpoint.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ import asyncio
 import itertools
 from typing import AsyncIterator
 
-from pagedweight.common.errors import UserError
+from pagedweight.common.errors import EngineDeadError, UserError
 from pagedweight.engine.engine import Engine, EngineStats, RequestOutput
 from pagedweight.engine.sampler import SamplingParams
 
@@ -28,12 +34,28 @@ class AsyncEngine:
         self._task: asyncio.Task | None = None
         self._stats = engine.stats()  # refreshed after every step, in the step's thread
         self._ids = itertools.count()
+        self._dead: EngineDeadError | None = None
+
+    # ---- health ---------------------------------------------------------------------
+    @property
+    def errored(self) -> bool:
+        return self._dead is not None
+
+    @property
+    def dead_error(self) -> EngineDeadError | None:
+        return self._dead
+
+    def check_health(self) -> None:
+        if self._dead is not None:
+            raise self._dead
 
     # ---- the API --------------------------------------------------------------------
     def add_request(
         self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
     ) -> AsyncIterator[RequestOutput]:
         """Queue a request; iterate the result to receive its outputs as they come."""
+        if self._dead is not None:
+            raise self._dead
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._streams:
             raise UserError(f"request id {request_id!r} is already in use")
@@ -46,7 +68,7 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its stream ends with finish_reason 'abort'."""
-        if request_id in self._streams:
+        if request_id in self._streams and self._dead is None:
             self._aborts.append(request_id)
             self._ensure_running()
 
@@ -70,6 +92,7 @@ class AsyncEngine:
             while not finished:
                 item = await queue.get()
                 if isinstance(item, BaseException):
+                    finished = True  # nothing to abort: the engine is dead
                     raise item
                 finished = item.finished
                 yield item
@@ -78,27 +101,36 @@ class AsyncEngine:
                 self.abort(request_id)  # the consumer went away
 
     def _ensure_running(self) -> None:
+        if self._dead is not None:
+            return  # a dead engine is never restarted
         if self._task is None or self._task.done():
             self._wake = asyncio.Event()
             self._task = asyncio.get_running_loop().create_task(self._loop())
         self._wake.set()
 
     async def _loop(self) -> None:
-        while True:
-            self._apply_queued()
-            if not self.engine.has_work:
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            try:
+        try:
+            while True:
+                self._apply_queued()
+                if not self.engine.has_work:
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
                 outputs = await asyncio.to_thread(self._step)
-            except Exception as err:  # a bug: every open stream gets it
-                for queue in self._streams.values():
-                    queue.put_nowait(err)
-                self._streams.clear()
-                raise
-            for out in outputs:
-                self._deliver(out)
+                for out in outputs:
+                    self._deliver(out)
+        except Exception as err:  # a bug: the engine's state is suspect from here on
+            self._die(err)
+
+    def _die(self, err: Exception) -> None:
+        dead = EngineDeadError(f"the engine failed a step and stopped: {type(err).__name__}: {err}")
+        dead.__cause__ = err
+        self._dead = dead
+        self._adds.clear()
+        self._aborts.clear()
+        for queue in self._streams.values():
+            queue.put_nowait(dead)
+        self._streams.clear()
 
     def _step(self) -> list[RequestOutput]:
         outputs = self.engine.step()

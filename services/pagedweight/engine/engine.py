@@ -1,10 +1,15 @@
-"""The continuous-batching engine: requests in, one token per sequence per step out.
+"""The continuous-batching engine: token ids in, one token id per sequence per step out.
 
-`step()` = schedule (scheduler.py) -> one varlen forward over the paged KV cache
-(prefill chunks and decodes together) -> sample the sequences whose last known token was
-computed -> finish those that hit EOS, a stop string or max_tokens -> step boundary (the
-weight pager commits page moves, the broker rebalances bytes between KV and weights).
+`step()` = schedule (scheduler.py) -> run (model_runner.py: one varlen forward over the
+paged KV cache, prefill chunks and decodes together, and sampling) -> update (append the
+sampled tokens, finish sequences at EOS, a stop token id or max_tokens) -> step boundary
+(the weight pager commits page moves, the broker rebalances bytes between KV and weights).
 Greedy outputs equal single-stream `generate` token for token, preempted or not.
+
+Tokens in, tokens out: the engine never sees text. Detokenisation and stop strings live in
+pagedweight.frontend (the gateway and the CLI use it and abort a request whose stop string
+matched); params carrying stop strings are refused here rather than silently ignored. EOS
+ids are the model's (config.json) plus any the caller passes (e.g. the tokenizer's).
 """
 
 from __future__ import annotations
@@ -12,16 +17,15 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-import torch
 
 from pagedweight.common.errors import ContextLengthError, UserError
-from pagedweight.engine.generate import check_context, find_stop
+from pagedweight.engine.generate import check_context
 from pagedweight.engine.memory_broker import BrokerConfig, MemoryBroker
-from pagedweight.engine.sampler import SamplingParams, make_generator, sample
+from pagedweight.engine.model_runner import ModelRunner
+from pagedweight.engine.sampler import SamplingParams, make_generator
 from pagedweight.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 from pagedweight.engine.sequence import FinishReason, Sequence
 from pagedweight.memory.kv_cache import KVCacheConfig, PagedKVCache, blocks_for
-from pagedweight.model.paged_attention import SeqSlice, build_step
 from pagedweight.model.transformer import MoECausalLM
 
 
@@ -46,7 +50,7 @@ class RequestOutput:
     new_token_ids: list[int]  # 0 or 1 token
     finished: bool = False
     finish_reason: str | None = None  # "stop", "length" or "abort" once finished
-    text: str | None = None  # the output text cut at a stop string (when stop strings are set)
+    stop_reason: int | None = None  # the EOS / stop token id that finished it (not in output)
 
 
 @dataclass
@@ -72,13 +76,15 @@ class Engine:
     def __init__(
         self,
         model: MoECausalLM,
-        tokenizer=None,
         config: EngineConfig | None = None,
         arena=None,  # memory Arena: KV blocks are allocated from it (None: fixed num_kv_blocks)
         pager=None,  # the weight pager / memory controller (None: weights never move)
         max_kv_blocks: int | None = None,  # with an arena: the most KV blocks it could ever give
+        eos_token_ids=(),  # EOS ids beyond the model config's (e.g. the tokenizer's)
     ):
-        self.model, self.tokenizer = model, tokenizer
+        if not isinstance(config, (EngineConfig, type(None))):
+            raise TypeError("Engine(model, config, ...): the engine takes no tokenizer any more")
+        self.model = model
         self.config = config or EngineConfig()
         self.arena, self.pager = arena, pager
         self.pool = arena.pool if arena is not None else None
@@ -89,9 +95,8 @@ class Engine:
         self.max_kv_blocks = self.config.num_kv_blocks if arena is None else max_kv_blocks
         self.scheduler = Scheduler(self.config.scheduler, self.kv, self.broker)
         self.seqs: dict[str, Sequence] = {}  # request_id -> live sequence
-        self.eos_ids = set(model.config.eos_token_ids)
-        if tokenizer is not None and tokenizer.eos_token_id is not None:
-            self.eos_ids.add(tokenizer.eos_token_id)
+        self.eos_ids = set(model.config.eos_token_ids) | {int(t) for t in eos_token_ids}
+        self.runner = ModelRunner(model, self.kv, self.config.attention_impl, self.eos_ids)
         self._seq_ids = itertools.count()
         self.num_steps = self.num_finished = self.num_output_tokens = 0
 
@@ -103,6 +108,11 @@ class Engine:
         vocab = self.model.config.vocab_size
         if not all(0 <= t < vocab for t in prompt_ids):
             raise UserError(f"prompt token ids must be in [0, {vocab})")
+        if params.stop:
+            raise UserError(
+                "the engine takes token ids only: stop strings are matched by the front end "
+                "(pagedweight.frontend.RequestDetokenizer); pass stop_token_ids here"
+            )
         check_context(self.model, len(prompt_ids), params.max_tokens)
         self._check_fits(len(prompt_ids) + params.max_tokens)
 
@@ -139,70 +149,39 @@ class Engine:
         return self.scheduler.has_work
 
     # ---- one step -------------------------------------------------------------------
-    @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
         outputs = []
         if plan.scheduled:
-            logits = self._forward(plan.scheduled)
-            outputs = self._postprocess(plan.scheduled, logits)
+            token_ids = self.runner.run(plan.scheduled)
+            outputs = self._update(plan.scheduled, token_ids)
         self.broker.step_boundary(len(self.scheduler.waiting), self.scheduler.blocks_needed_next_step())
         self.num_steps += 1
         return outputs
 
-    def _forward(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
-        input_ids, slices, logits_indices = [], [], []
-        for s in scheduled:
-            start = s.seq.num_computed_tokens
-            end = start + s.num_new_tokens
-            input_ids.extend(s.seq.token_ids[start:end])
-            slices.append(SeqSlice(s.seq.block_ids, end, s.num_new_tokens))
-            if s.samples:
-                logits_indices.append(len(input_ids) - 1)
-        device = self.model.device
-        step = build_step(self.kv, slices, self.config.attention_impl)
-        return self.model.forward_paged(
-            torch.tensor(input_ids, device=device), step,
-            torch.tensor(logits_indices, dtype=torch.int64, device=device),
-        )
-
-    def _postprocess(self, scheduled: list[ScheduledSeq], logits: torch.Tensor) -> list[RequestOutput]:
-        samplers = [s for s in scheduled if s.samples]
-        token_ids = self._sample([s.seq for s in samplers], logits)
+    def _update(self, scheduled: list[ScheduledSeq], token_ids: list[int]) -> list[RequestOutput]:
+        samplers = [s.seq for s in scheduled if s.samples]  # before `samples` changes below
         for s in scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens
-        return [self._append(s.seq, token) for s, token in zip(samplers, token_ids)]
-
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
-        """Greedy rows in one argmax; others one by one with their own parameters."""
-        tokens = logits.argmax(dim=-1)
-        for i, seq in enumerate(seqs):
-            if not seq.params.greedy:
-                tokens[i] = sample(logits[i : i + 1], seq.params, seq.generator)[0]
-        return tokens.tolist()
+        return [self._append(seq, token) for seq, token in zip(samplers, token_ids)]
 
     def _append(self, seq: Sequence, token: int) -> RequestOutput:
         params = seq.params
-        if token in self.eos_ids and not params.ignore_eos:
-            return self._finish(seq, FinishReason.STOP, [])
+        if (token in self.eos_ids and not params.ignore_eos) or token in params.stop_token_ids:
+            return self._finish(seq, FinishReason.STOP, [], stop_reason=token)
         seq.output_ids.append(token)
         self.num_output_tokens += 1
-        if params.stop and self.tokenizer is not None:
-            text = self.tokenizer.decode(seq.output_ids)
-            cut = find_stop(text, params.stop)
-            if cut >= 0:
-                seq.text = text[:cut]
-                return self._finish(seq, FinishReason.STOP, [token])
         if len(seq.output_ids) >= params.max_tokens:
             return self._finish(seq, FinishReason.LENGTH, [token])
         return RequestOutput(seq.request_id, [token])
 
-    def _finish(self, seq: Sequence, reason: FinishReason, new_ids: list[int]) -> RequestOutput:
+    def _finish(
+        self, seq: Sequence, reason: FinishReason, new_ids: list[int], stop_reason: int | None = None
+    ) -> RequestOutput:
         self.scheduler.finish(seq, reason)
         del self.seqs[seq.request_id]
         self.num_finished += 1
-        text = seq.text if seq.params.stop else None
-        return RequestOutput(seq.request_id, new_ids, True, reason.value, text)
+        return RequestOutput(seq.request_id, new_ids, True, reason.value, stop_reason)
 
     # ---- conveniences ---------------------------------------------------------------
     def run_to_completion(self) -> dict[str, list[int]]:

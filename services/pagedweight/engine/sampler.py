@@ -16,8 +16,12 @@ class SamplingParams:
     top_p: float = 1.0  # nucleus mass kept, in (0, 1]
     top_k: int = 0  # 0 means no top-k cut
     seed: int | None = None  # fixes the sampled sequence
-    stop: tuple[str, ...] = field(default_factory=tuple)  # stop strings, not in the output
-    ignore_eos: bool = False  # keep going past EOS (benchmarks)
+    # Stop strings are text: the front end (pagedweight.frontend) matches them and aborts
+    # the request; the engine refuses params that carry any (it never sees text).
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)  # finish like EOS (not in output)
+    ignore_eos: bool = False  # keep going past EOS (benchmarks); stop_token_ids still stop
+    min_tokens: int = 0  # EOS and stop token ids cannot be sampled before this many tokens
 
     def __post_init__(self):
         if self.max_tokens < 1:
@@ -30,6 +34,10 @@ class SamplingParams:
             raise UserError(f"top_k must be >= 0, got {self.top_k}")
         if any(not s for s in self.stop):
             raise UserError("stop strings must not be empty")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise UserError("stop_token_ids must be non-negative integers")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise UserError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
 
     @property
     def greedy(self) -> bool:

@@ -17,7 +17,7 @@ class SequenceStatus(enum.Enum):
 
 
 class FinishReason(str, enum.Enum):
-    STOP = "stop"  # EOS or a stop string
+    STOP = "stop"  # EOS or a stop token id (stop strings: the front end aborts)
     LENGTH = "length"  # max_tokens reached
     ABORT = "abort"  # the client aborted
 
@@ -35,7 +35,6 @@ class Sequence:
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
     generator: torch.Generator | None = None  # seeded sampling survives preemption
-    text: str = ""  # decoded output, only kept when stop strings are set
 
     @property
     def num_tokens(self) -> int:

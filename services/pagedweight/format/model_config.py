@@ -115,3 +115,23 @@ def _rope_theta(raw: dict) -> float:
     if "rope_theta" in params:
         return float(params["rope_theta"])
     return float(raw.get("rope_theta", 10000.0))
+
+
+def read_eos_token_ids(model_dir) -> tuple[int, ...]:
+    """The model's EOS ids without a tokenizer: config.json's and generation_config.json's
+    `eos_token_id` (an int or a list), so a tokens-only engine never drops the model's EOS."""
+    ids: list[int] = []
+    for name in ("config.json", "generation_config.json"):
+        path = Path(model_dir) / name
+        if not path.is_file():
+            continue
+        try:
+            raw = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise CheckpointError(f"{path}: not valid JSON ({err})") from None
+        eos = raw.get("eos_token_id") if isinstance(raw, dict) else None
+        values = eos if isinstance(eos, list) else ([] if eos is None else [eos])
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+            raise CheckpointError(f"{path}: eos_token_id must be a non-negative integer or a list of them")
+        ids.extend(v for v in values if v not in ids)
+    return tuple(ids)

@@ -85,9 +85,12 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
     def forward_paged(self, x: torch.Tensor, cos, sin, step) -> torch.Tensor:
-        """Varlen step: x [T, H] holds the new tokens of many sequences (see paged_attention)."""
-        from pagedweight.model.paged_attention import paged_attention
+        """Varlen step: x [T, H] holds the new tokens of many sequences.
 
+        `step` is the step's attention context (paged_attention.PagedStep): it was built
+        once by the engine and carries the slots and block tables, so this layer calls
+        `step.attend` and never imports the KV cache or the engine.
+        """
         T = x.shape[0]
         q = self.q_proj(x).view(1, T, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(1, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
@@ -95,7 +98,7 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         # [1, heads, T, D] -> [T, heads, D]
         q, k, v = (t[0].transpose(0, 1) for t in (q, k, v))
-        out = paged_attention(self.layer_idx, q, k, v, step)  # [T, N, D]
+        out = step.attend(self.layer_idx, q, k, v)  # [T, N, D]
         return self.o_proj(out.reshape(T, -1))
 
 

@@ -18,12 +18,27 @@ G = key/value heads, D = head dim, S = padded context length.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
-from pagedweight.memory.kv_cache import PagedKVCache
 from pagedweight.model.layers import causal_attention
+
+
+class KVStore(Protocol):
+    """What attention needs of the paged KV cache (memory.kv_cache.PagedKVCache is one);
+    a protocol so model code never imports the memory layer."""
+
+    device: torch.device
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+
+    def token_offsets(self, block_ids: list[int], start: int, end: int) -> list[int]: ...
+    def write(self, layer: int, offsets: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None: ...
+    def read_tokens(self, layer: int, offsets: torch.Tensor): ...
+    def read_blocks(self, layer: int, block_ids: torch.Tensor): ...
 
 IMPLS = ("reference", "batched")
 
@@ -39,9 +54,13 @@ class SeqSlice:
 
 @dataclass
 class PagedStep:
-    """Attention metadata of one forward step, built once and shared by every layer."""
+    """Attention context of one forward step, built once and shared by every layer.
 
-    kv: PagedKVCache
+    The model passes it down to each attention layer, which calls `attend`: the layers
+    know nothing of how the cache or the step were built (one-way imports).
+    """
+
+    kv: KVStore
     impl: str  # one of IMPLS
     positions: torch.Tensor  # [T] int64 position of each new token
     query_lens: list[int]  # per sequence
@@ -59,8 +78,11 @@ class PagedStep:
     def num_tokens(self) -> int:
         return int(self.positions.shape[0])
 
+    def attend(self, layer: int, q, k, v) -> torch.Tensor:
+        return paged_attention(layer, q, k, v, self)
 
-def build_step(kv: PagedKVCache, seqs: list[SeqSlice], impl: str = "auto") -> PagedStep:
+
+def build_step(kv: KVStore, seqs: list[SeqSlice], impl: str = "auto") -> PagedStep:
     if impl == "auto":
         impl = "batched" if kv.device.type == "cuda" else "reference"
     if impl not in IMPLS:

@@ -67,7 +67,7 @@ class MoECausalLM(nn.Module):
     def forward_paged(
         self,
         input_ids: torch.Tensor,  # [T]: the new tokens of every sequence in the step
-        step,  # PagedStep: positions, block tables, slots (services/pagedweight/model/paged_attention.py)
+        step,  # the attention context (paged_attention.PagedStep): positions, slots, tables
         logits_indices: torch.Tensor,  # [n]: the tokens whose next-token logits are wanted
     ) -> torch.Tensor:  # logits [n, V]
         """One continuous-batching step over the paged KV cache."""

@@ -28,7 +28,7 @@ from pagedweight.offline.calibrate import (
 from pagedweight.offline.residual_heads import ResidualConfig, fit_residual_heads, routing_features
 from pagedweight.offline.sensitivity import check_monotone, sensitivity_matrix, sensitivity_table
 from pagedweight.model import load_model
-from pagedweight.model.tokenizer import Tokenizer
+from pagedweight.frontend.tokenizer import Tokenizer
 from pagedweight.format.apl_format import BIT_WIDTHS, MODULES, BlockId, pack_planes
 from pagedweight.format.paged_model import LayerPlanes, all_block_ids, save_paged_model
 

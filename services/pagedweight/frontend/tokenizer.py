@@ -1,14 +1,19 @@
-"""Tokenizer and chat template from a checkpoint directory (`tokenizers` + Jinja)."""
+"""Tokenizer and chat template from a model directory (`tokenizers` + a sandboxed Jinja).
+
+Torch-free: the gateway imports it. EOS ids here are the tokenizer's; the engine gets
+the model's own from config.json (see pagedweight.format.model_config) and callers that
+hold a tokenizer pass its ids in addition.
+"""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-import jinja2
 from tokenizers import Tokenizer as _HFTokenizer
 
 from pagedweight.common.errors import CheckpointError, UserError
+from pagedweight.frontend.chat_template import render_chat_template
 
 
 class Tokenizer:
@@ -21,9 +26,12 @@ class Tokenizer:
             self._tok = _HFTokenizer.from_file(str(path))
         except Exception as err:  # the Rust library raises a bare Exception
             raise CheckpointError(f"{path}: unreadable tokenizer ({err})") from None
-        settings = _read_json(model_dir / "tokenizer_config.json")
+        self._config_path = model_dir / "tokenizer_config.json"
+        settings = _read_json(self._config_path)
         self.chat_template: str | None = settings.get("chat_template")
         eos = settings.get("eos_token")
+        if isinstance(eos, dict):  # an AddedToken written out as {"content": ...}
+            eos = eos.get("content")
         self.eos_token_id = self._tok.token_to_id(eos) if isinstance(eos, str) else None
 
     @property
@@ -36,22 +44,25 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
 
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return () if self.eos_token_id is None else (self.eos_token_id,)
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if not self.chat_template:
             raise UserError("this model has no chat template in tokenizer_config.json")
-        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)
-        try:
-            return env.from_string(self.chat_template).render(
-                messages=messages, add_generation_prompt=add_generation_prompt
-            )
-        except jinja2.TemplateError as err:
-            raise UserError(f"chat template failed on these messages: {err}") from None
+        return render_chat_template(
+            self.chat_template, str(self._config_path), messages, add_generation_prompt
+        )
 
 
 def _read_json(path: Path) -> dict:
     if not path.is_file():
         return {}
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as err:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise CheckpointError(f"{path}: not valid JSON ({err})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: expected a JSON object")
+    return data

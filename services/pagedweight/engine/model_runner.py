@@ -1,0 +1,65 @@
+"""The model side of one engine step: input preparation, the forward, sampling.
+
+`ModelRunner.run(scheduled)` flattens the scheduled sequences' new tokens into one varlen
+batch, builds the step's attention context over the paged KV cache, runs the model and
+samples one token for each sequence whose last known token was computed. It changes no
+sequence state: the engine loop applies the results (engine.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedweight.engine.sampler import sample
+from pagedweight.engine.scheduler import ScheduledSeq
+from pagedweight.engine.sequence import Sequence
+from pagedweight.memory.kv_cache import PagedKVCache
+from pagedweight.model.paged_attention import SeqSlice, build_step
+from pagedweight.model.transformer import MoECausalLM
+
+
+class ModelRunner:
+    def __init__(self, model: MoECausalLM, kv: PagedKVCache, attention_impl: str, eos_ids: set[int]):
+        self.model, self.kv = model, kv
+        self.attention_impl = attention_impl
+        self.eos_ids = eos_ids
+
+    @torch.inference_mode()
+    def run(self, scheduled: list[ScheduledSeq]) -> list[int]:
+        """One forward over the step; a sampled token per sequence with `samples` set."""
+        input_ids, step, logits_indices = self.prepare(scheduled)
+        logits = self.model.forward_paged(input_ids, step, logits_indices)
+        return self.sample([s.seq for s in scheduled if s.samples], logits)
+
+    def prepare(self, scheduled: list[ScheduledSeq]):
+        input_ids, slices, logits_indices = [], [], []
+        for s in scheduled:
+            start = s.seq.num_computed_tokens
+            end = start + s.num_new_tokens
+            input_ids.extend(s.seq.token_ids[start:end])
+            slices.append(SeqSlice(s.seq.block_ids, end, s.num_new_tokens))
+            if s.samples:
+                logits_indices.append(len(input_ids) - 1)
+        device = self.model.device
+        step = build_step(self.kv, slices, self.attention_impl)
+        return (
+            torch.tensor(input_ids, device=device),
+            step,
+            torch.tensor(logits_indices, dtype=torch.int64, device=device),
+        )
+
+    def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
+        """Greedy rows in one argmax; others one by one with their own parameters."""
+        for i, seq in enumerate(seqs):
+            if len(seq.output_ids) < seq.params.min_tokens:
+                # Too early to finish: the tokens that would finish it cannot be sampled.
+                eos = set() if seq.params.ignore_eos else self.eos_ids
+                banned = list(eos | set(seq.params.stop_token_ids))
+                banned = [t for t in banned if t < logits.shape[-1]]
+                if banned:
+                    logits[i, banned] = float("-inf")
+        tokens = logits.argmax(dim=-1)
+        for i, seq in enumerate(seqs):
+            if not seq.params.greedy:
+                tokens[i] = sample(logits[i : i + 1], seq.params, seq.generator)[0]
+        return tokens.tolist()
