@@ -25,12 +25,12 @@ import torch
 from pagedweight.common.errors import UserError
 from pagedweight.engine.engine import Engine, EngineConfig
 from pagedweight.memory.arena import DEFAULT_PAGE_BYTES, Arena
-from pagedweight.memory.kv_cache import kv_block_bytes
+from pagedweight.memory.kv_cache import blocks_for, kv_block_bytes
 from pagedweight.memory.pool import OTHER_WEIGHTS, WORKSPACE, MemoryPool
 from pagedweight.format.model_config import ModelConfig
 from pagedweight.model.materialize import materialize_dense
 from pagedweight.model.transformer import MoECausalLM
-from pagedweight.format.apl_format import BIT_WIDTHS
+from pagedweight.format.apl_format import BIT_WIDTHS, MIN_BITS
 from pagedweight.weights.arena_experts import ArenaExperts
 from pagedweight.weights.page_mover import PageMover
 from pagedweight.weights.page_table import PageTable
@@ -161,17 +161,26 @@ def _policy_planner(paged_dir, config: RuntimeConfig, table: PageTable, model: M
 
 
 def _starting_bits(config: RuntimeConfig, model_config: ModelConfig, table: PageTable, arena: Arena, planner):
-    """# block_id -> bits: static-B, or the policy's plan for the arena less some KV room."""
+    """# block_id -> bits: static-B, or the policy's plan for the arena less some KV room.
+
+    The budget must hold every block at its floor (static-B, else MIN_BITS) plus the KV
+    room: a policy cannot plan below its floor, so a smaller arena would be over-committed
+    before the first step. That is the user's error, reported with the budget that fits."""
     capacity = arena.num_pages * arena.page_bytes
+    floor_bits = config.static_bits or MIN_BITS
+    floor = sum(table.charged_bytes(bid, floor_bits) for bid in table.entries)
+    kv_block = arena.charged_bytes(kv_block_bytes(model_config, config.engine.kv.block_size, config.dtype))
+    # a policy starts with min_kv_tokens_at_start of KV room; fixed bits need one KV block
+    kv_tokens = config.engine.kv.block_size if config.static_bits else config.min_kv_tokens_at_start
+    kv_room = kv_block * blocks_for(kv_tokens, config.engine.kv.block_size)
+    if floor + kv_room > capacity:
+        need = arena.pool.reserved_bytes + floor + kv_room  # dense weights and workspace are charged
+        raise UserError(
+            f"policy {config.policy}: memory budget too small: need at least {need} bytes, got "
+            f"{config.memory_budget} (every expert block at {floor_bits} bits takes {floor} bytes and "
+            f"{kv_tokens} tokens of KV {kv_room}, besides the dense weights and workspace)")
     if config.static_bits is not None:
-        bits = {bid: config.static_bits for bid in table.entries}
-        need = sum(table.charged_bytes(bid, b) for bid, b in bits.items())
-        if need > capacity:
-            raise UserError(
-                f"policy {config.policy}: the experts need {need} bytes at {config.static_bits} bits; "
-                f"the budget leaves {capacity} for weights and KV"
-            )
-        return bits
+        return {bid: config.static_bits for bid in table.entries}
     kv_per_token = kv_block_bytes(model_config, 1, config.dtype)
     bits = planner.initial_bits(capacity - config.min_kv_tokens_at_start * kv_per_token)
     return {bid: int(b) for bid, b in zip(table.entries, bits)}  # registration order = page-table order

@@ -22,7 +22,7 @@ import torch
 
 from pagedweight.cli.config_defaults import default_of
 from pagedweight.cli.load_bench import LoadSpec
-from pagedweight.cli.model_args import DTYPES
+from pagedweight.cli.model_args import DTYPES, parse_device
 from pagedweight.common.errors import UserError
 from pagedweight.engine.engine import EngineConfig
 from pagedweight.engine.scheduler import SchedulerConfig
@@ -73,12 +73,17 @@ def run_engine_bench(args) -> dict:
     for name in ("requests", "concurrency", "prompt_len", "max_tokens"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    _check_policy(args.policy)
     if args.plot is not None:
         from pagedweight.cli.memory_plot import check_plot_path
 
         check_plot_path(args.plot)  # before minutes of load, not after
-    torch.set_num_threads(max(1, args.threads))
-    device = _device(args.device)
+    if not 1 <= args.threads <= 1024:
+        raise UserError(f"--threads must be in 1..1024, got {args.threads}")
+    if not 0 <= args.seed < 2**63:
+        raise UserError(f"--seed must be in 0..2^63-1, got {args.seed}")
+    torch.set_num_threads(args.threads)
+    device = parse_device(args.device)
     dtype = DTYPES[args.dtype] if args.dtype else (torch.float32 if device.type == "cpu" else torch.bfloat16)
     budget = parse_memory_budget(args.memory_budget, device_memory_bytes(device))
     engine = EngineConfig(
@@ -116,11 +121,11 @@ def run_engine_bench(args) -> dict:
     }
 
 
-def _device(name: str) -> torch.device:
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise UserError(f"--device {name!r} is not a device name") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UserError(f"--device {name}: CUDA is not available on this machine")
-    return device
+def _check_policy(name: str) -> None:
+    """A planner policy or static-B, checked before the model is loaded."""
+    from pagedweight.planner.policies import POLICY_NAMES
+    from pagedweight.runtime import STATIC_PREFIX
+
+    if name not in POLICY_NAMES and not name.startswith(STATIC_PREFIX):
+        raise UserError(f"--policy {name[:40]!r}: choose one of {', '.join(POLICY_NAMES)}, or static-B "
+                        f"(B in 3..8)")

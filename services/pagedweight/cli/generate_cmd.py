@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-from pagedweight.cli.model_args import add_model_args, load_from_args
+from pagedweight.cli.model_args import add_model_args, load_from_args, utf8_text
 from pagedweight.engine.generate import stream_generate
 from pagedweight.engine.sampler import SamplingParams
 from pagedweight.format.model_config import read_eos_token_ids
@@ -18,13 +18,13 @@ from pagedweight.frontend.detokenizer import RequestDetokenizer
 def register(subparsers) -> None:
     parser = subparsers.add_parser("generate", help="complete one prompt")
     add_model_args(parser)
-    parser.add_argument("--prompt", required=True, help="prompt text")
+    parser.add_argument("--prompt", required=True, type=utf8_text, help="prompt text")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--stop", action="append", default=[], type=utf8_text, help="stop string (repeatable)")
     parser.set_defaults(handler=run)
 
 

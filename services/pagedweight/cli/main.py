@@ -30,8 +30,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.handler(args) or 0
     except UserError as err:
-        print(f"pagedweight {args.command}: error: {err}", file=sys.stderr)
+        print(f"pagedweight {args.command}: error: {one_line(str(err))}", file=sys.stderr)
         return 2
+
+
+def one_line(message: str) -> str:
+    """Messages quote what the user gave: escape newlines, other separators and controls
+    (and undecodable bytes) so the error stays one printable line."""
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in message)
 
 
 if __name__ == "__main__":

@@ -24,13 +24,35 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def resolve_device_dtype(args) -> tuple[torch.device, torch.dtype]:
+def utf8_text(value: str) -> str:
+    """argparse type for text flags: Python hands undecodable argv bytes over as lone
+    surrogates, which the tokenizer cannot take; refuse them at parse time."""
     try:
-        device = torch.device(args.device)
-    except RuntimeError:
-        raise UserError(f"--device {args.device!r} is not a device name") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UserError(f"--device {args.device}: CUDA is not available on this machine")
+        value.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise argparse.ArgumentTypeError(f"not UTF-8 text (undecodable byte at position {err.start})") from None
+    return value
+
+
+def parse_device(name: str, flag: str = "--device") -> torch.device:
+    """`cpu` or `cuda[:N]` that exists here; anything else (meta, foo, cuda:99) is a UserError
+    now, before any work, not a traceback later."""
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise UserError(f"{flag} {name[:40]!r} is not a device name (cpu or cuda[:N])") from None
+    if device.type not in ("cpu", "cuda") or (device.type == "cpu" and device.index not in (None, 0)):
+        raise UserError(f"{flag} {name[:40]!r}: PagedWeight runs on cpu or cuda[:N]")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError(f"{flag} {name}: CUDA is not available on this machine")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise UserError(f"{flag} {name}: this machine has {torch.cuda.device_count()} CUDA devices")
+    return device
+
+
+def resolve_device_dtype(args) -> tuple[torch.device, torch.dtype]:
+    device = parse_device(args.device)
     if args.dtype is not None:
         return device, DTYPES[args.dtype]
     return device, torch.float32 if device.type == "cpu" else torch.bfloat16

@@ -104,7 +104,11 @@ def context_from_prompt(model_dir: str, text: str, inputs, max_tokens: int):
     ids = Tokenizer(model_dir).encode(text)[:max_tokens]
     if not ids:
         raise UserError("--prompt-file has no tokens")
-    model = build_paged_lm(load_paged_model(model_dir, with_bf16=False), dtype=torch.float32)
+    paged = load_paged_model(model_dir, with_bf16=False)
+    if len(ids) > paged.config.max_position_embeddings:  # one prefill: it must fit the context
+        raise UserError(f"--prompt-file has {len(ids)} tokens, more than the model's context of "
+                        f"{paged.config.max_position_embeddings}: lower --prompt-tokens")
+    model = build_paged_lm(paged, dtype=torch.float32)
     recorder = record_prompt_routing(model, ids, inputs.table.num_experts)
     # a static plan is for a steady stream of traffic like the prompt file
     return prompt_context(recorder, inputs, traffic_tokens=steady_traffic_tokens())

@@ -29,6 +29,8 @@ def register(subparsers) -> None:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default: torch's choice; 1 is much faster on a busy machine)")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    parser.add_argument("--force", action="store_true",
+                        help="replace a non-empty --out (only once the new artifact is complete)")
     parser.set_defaults(handler=run_quantize)
 
 
@@ -40,18 +42,31 @@ def default_calib_files() -> list[Path]:
 
 
 def run_quantize(args) -> int:
-    if not Path(args.model).is_dir():
+    """Every flag and path is checked before calibration starts; the artifact is written
+    into a temporary sibling of --out and renamed into place only when complete."""
+    from pagedweight.cli.eval_cmd import read_text
+    from pagedweight.cli.model_args import parse_device
+    from pagedweight.offline.atomic_output import atomic_output_dir, check_output_dir
+
+    model, out = Path(args.model).resolve(), Path(args.out).absolute()
+    if not model.is_dir():
         raise UserError(f"{args.model}: model directory does not exist")
-    if Path(args.out).resolve() == Path(args.model).resolve():
-        raise UserError("--out must differ from --model")
+    if out.resolve() == model or out.resolve().is_relative_to(model) or model.is_relative_to(out.resolve()):
+        raise UserError("--out must be outside --model (and must not contain it)")
+    check_output_dir(out, args.force)
+    device = parse_device(args.device)
     if args.threads is not None:
-        if args.threads < 1:
-            raise UserError(f"--threads must be >= 1, got {args.threads}")
+        if not 1 <= args.threads <= 1024:
+            raise UserError(f"--threads must be in 1..1024, got {args.threads}")
         import torch
         torch.set_num_threads(args.threads)
     files = [Path(f) for f in args.calib] if args.calib else default_calib_files()
+    for f in files:
+        read_text(str(f))  # exists and is UTF-8, before hours of work
     calib = CalibConfig(seq_len=args.seq_len, max_tokens_per_file=args.calib_tokens)
     log = (lambda msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
-    out = quantize_model(args.model, args.out, files, QuantizeConfig(calib=calib, device=args.device), log)
-    print(out)
+    config = QuantizeConfig(calib=calib, device=str(device))
+    with atomic_output_dir(out, args.force) as tmp:
+        quantize_model(args.model, tmp, files, config, log)
+    print(args.out)
     return 0

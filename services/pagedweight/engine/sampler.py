@@ -32,6 +32,8 @@ class SamplingParams:
             raise UserError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise UserError(f"top_k must be >= 0, got {self.top_k}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise UserError(f"seed must be in 0..2^63-1, got {self.seed}")
         if any(not s for s in self.stop):
             raise UserError("stop strings must not be empty")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
@@ -54,7 +56,10 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     """logits [B, V] -> token ids [B]."""
     if params.greedy:
         return logits.argmax(dim=-1)
-    logits = logits.float() / params.temperature
+    # float64 and the max subtracted first: a tiny temperature (1e-300) then sends every
+    # other logit to -inf instead of overflowing to inf/NaN (float32 would round T to 0)
+    logits = logits.double()
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / params.temperature
     if params.top_k:
         kth = torch.topk(logits, min(params.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -63,6 +68,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         probs = sorted_logits.softmax(dim=-1)
         # Drop a token when the mass before it already reaches top_p (keeps at least one).
         drop = probs.cumsum(dim=-1) - probs >= params.top_p
+        drop[:, 0] = False  # the most likely token stays, however small top_p is
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, sorted_ids, sorted_logits)
     probs = logits.softmax(dim=-1)

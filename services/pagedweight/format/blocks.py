@@ -11,6 +11,7 @@ At b bits a block needs planes 0..b-1 (rows * cols / 8 bytes each) and LUT_b
 
 from __future__ import annotations
 
+import re
 from typing import NamedTuple
 
 MIN_BITS, MAX_BITS = 3, 8
@@ -32,13 +33,18 @@ class BlockId(NamedTuple):
 
     @classmethod
     def parse(cls, key: str) -> "BlockId":
-        try:
-            layer, expert, module = key.split(".", 2)
-            if not (layer[0] == "L" and expert[0] == "E" and module in MODULES):
-                raise ValueError
-            return cls(int(layer[1:]), int(expert[1:]), module)
-        except (ValueError, IndexError):
-            raise ValueError(f"not a block key: {key!r} (expected like 'L3.E5.gate_up')") from None
+        """The inverse of `key()`, and only of it: 'L 0', 'L+0', 'L00' or non-ASCII digits
+        would all be layer 0 to `int()` and silently override each other in a bits file."""
+        match = _BLOCK_KEY.fullmatch(key) if isinstance(key, str) else None
+        if match is None:
+            raise ValueError(f"not a block key: {repr(key)[:60]} (expected like 'L3.E5.gate_up')")
+        return cls(int(match.group(1)), int(match.group(2)), match.group(3))
+
+
+# canonical decimal: ASCII digits, no sign, no leading zero, at most 9 digits (a huge
+# number is not a layer, and int() refuses strings past 4300 digits with its own error)
+_INDEX = r"(0|[1-9][0-9]{0,8})"
+_BLOCK_KEY = re.compile(rf"L{_INDEX}\.E{_INDEX}\.(" + "|".join(MODULES) + ")")
 
 
 def plane_bytes(rows: int, cols: int) -> int:

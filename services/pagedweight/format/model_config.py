@@ -10,11 +10,12 @@ Two architectures share one decoder; they differ only in the MoE block:
 
 from __future__ import annotations
 
-import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 from pagedweight.common.errors import CheckpointError, UnsupportedModelError
+from pagedweight.common.json_files import read_json_object
 
 SUPPORTED_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM")
 
@@ -46,75 +47,170 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict, source: str = "config.json") -> "ModelConfig":
+        """Parse and check a config: types, ranges and the relations between fields, so a
+        config that asks for 10^7 layers or 0 experts per token fails here, before any
+        memory is allocated for it."""
+        if not isinstance(raw, dict):
+            raise CheckpointError(f"{source}: expected a JSON object, got {type(raw).__name__}")
         architectures = raw.get("architectures") or [raw.get("model_type", "?")]
-        architecture = architectures[0]
-        if architecture not in SUPPORTED_ARCHITECTURES:
+        architecture = architectures[0] if isinstance(architectures, list) else architectures
+        if not isinstance(architecture, str) or architecture not in SUPPORTED_ARCHITECTURES:
             raise UnsupportedModelError(
-                f"{source}: unsupported architecture {architecture!r}; "
+                f"{source}: unsupported architecture {repr(architecture)[:80]}; "
                 f"PagedWeight runs {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        try:
-            return cls._parse(raw, architecture)
-        except KeyError as missing:
-            raise CheckpointError(f"{source}: missing key {missing.args[0]!r}") from None
+        config = cls._parse(_Fields(raw, source), architecture)
+        config._check_relations(source)
+        return config
 
     @classmethod
-    def _parse(cls, raw: dict, architecture: str) -> "ModelConfig":
-        hidden = raw["hidden_size"]
-        num_heads = raw["num_attention_heads"]
+    def _parse(cls, f: "_Fields", architecture: str) -> "ModelConfig":
         qwen = architecture == "Qwen2MoeForCausalLM"
-        if qwen and raw.get("mlp_only_layers"):
-            raise UnsupportedModelError("config.json: dense `mlp_only_layers` are not supported")
-        if qwen and raw.get("decoder_sparse_step", 1) != 1:
-            raise UnsupportedModelError("config.json: `decoder_sparse_step` != 1 is not supported")
-        eos = raw.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        if qwen and f.raw.get("mlp_only_layers"):
+            raise UnsupportedModelError(f"{f.source}: dense `mlp_only_layers` are not supported")
+        if qwen and f.raw.get("decoder_sparse_step", 1) != 1:
+            raise UnsupportedModelError(f"{f.source}: `decoder_sparse_step` != 1 is not supported")
+        hidden = f.int("hidden_size", 1, MAX_HIDDEN)
+        num_heads = f.int("num_attention_heads", 1, MAX_HEADS)
+        vocab = f.int("vocab_size", 1, MAX_VOCAB)
         return cls(
             architecture=architecture,
-            vocab_size=raw["vocab_size"],
+            vocab_size=vocab,
             hidden_size=hidden,
-            num_layers=raw["num_hidden_layers"],
+            num_layers=f.int("num_hidden_layers", 1, MAX_LAYERS),
             num_heads=num_heads,
-            num_kv_heads=raw.get("num_key_value_heads") or num_heads,
-            head_dim=raw.get("head_dim") or hidden // num_heads,
-            num_experts=raw["num_experts"] if qwen else raw["num_local_experts"],
-            num_experts_per_tok=raw["num_experts_per_tok"],
-            expert_intermediate_size=(
-                raw["moe_intermediate_size"] if qwen else raw["intermediate_size"]
-            ),
+            num_kv_heads=f.int("num_key_value_heads", 1, MAX_HEADS, default=num_heads),
+            head_dim=f.int("head_dim", 1, MAX_HEAD_DIM, default=None) or _default_head_dim(f, hidden, num_heads),
+            num_experts=f.int("num_experts" if qwen else "num_local_experts", 1, MAX_EXPERTS),
+            num_experts_per_tok=f.int("num_experts_per_tok", 1, MAX_EXPERTS),
+            expert_intermediate_size=f.int("moe_intermediate_size" if qwen else "intermediate_size",
+                                           1, MAX_INTERMEDIATE),
             shared_expert_intermediate_size=(
-                raw.get("shared_expert_intermediate_size", 0) if qwen else 0
+                f.int("shared_expert_intermediate_size", 0, MAX_INTERMEDIATE, default=0) if qwen else 0
             ),
-            norm_topk_prob=raw.get("norm_topk_prob", False) if qwen else True,
-            attention_bias=raw.get("qkv_bias", True) if qwen else False,
-            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-            rope_theta=_rope_theta(raw),
-            max_position_embeddings=raw.get("max_position_embeddings", 4096),
-            tie_word_embeddings=raw.get("tie_word_embeddings", False),
-            eos_token_ids=eos_ids,
+            norm_topk_prob=f.bool("norm_topk_prob", False) if qwen else True,
+            attention_bias=f.bool("qkv_bias", True) if qwen else False,
+            rms_norm_eps=f.float("rms_norm_eps", 0.0, 1.0, default=1e-6),
+            rope_theta=_rope_theta(f),
+            max_position_embeddings=f.int("max_position_embeddings", 1, MAX_POSITIONS, default=4096),
+            tie_word_embeddings=f.bool("tie_word_embeddings", False),
+            eos_token_ids=_eos_ids(f, vocab),
         )
+
+    def _check_relations(self, source: str) -> None:
+        if self.num_experts_per_tok > self.num_experts:
+            raise CheckpointError(f"{source}: num_experts_per_tok {self.num_experts_per_tok} is more than "
+                                  f"the {self.num_experts} experts per layer")
+        if self.num_heads % self.num_kv_heads:
+            raise CheckpointError(f"{source}: num_attention_heads {self.num_heads} is not a multiple of "
+                                  f"num_key_value_heads {self.num_kv_heads}")
+        if self.head_dim % 2:
+            raise CheckpointError(f"{source}: head_dim {self.head_dim} must be even (rotary embedding)")
 
     @classmethod
     def from_dir(cls, model_dir: Path) -> "ModelConfig":
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise CheckpointError(f"{path}: no config.json in the model directory")
-        try:
-            raw = json.loads(path.read_text())
-        except json.JSONDecodeError as err:
-            raise CheckpointError(f"{path}: not valid JSON ({err})") from None
-        return cls.from_dict(raw, source=str(path))
+        return cls.from_dict(read_json_object(path, "config.json", CheckpointError), source=str(path))
 
 
-def _rope_theta(raw: dict) -> float:
+# Far above any real MoE (Mixtral-8x7B: 32 layers, hidden 4096, vocab 32000) and far below
+# what would exhaust a machine's memory before the checkpoint's own tensors are compared.
+MAX_LAYERS = 1024
+MAX_HIDDEN = 1 << 16
+MAX_HEADS = 1024
+MAX_HEAD_DIM = 4096
+MAX_EXPERTS = 4096
+MAX_INTERMEDIATE = 1 << 18
+MAX_VOCAB = 1 << 22
+MAX_POSITIONS = 1 << 24
+_MISSING = object()
+
+
+class _Fields:
+    """Typed reads of a raw config dict; each error names the file and the key. A key
+    that is absent or null takes its default (a required key has none)."""
+
+    def __init__(self, raw: dict, source: str):
+        self.raw, self.source = raw, source
+
+    def _absent(self, raw: dict, key: str, default) -> bool:
+        if raw.get(key) is not None:
+            return False
+        if default is _MISSING:
+            raise CheckpointError(f"{self.source}: missing key {key!r}")
+        return True
+
+    def int(self, key: str, lo: int, hi: int, default=_MISSING):
+        if self._absent(self.raw, key, default):
+            return default
+        value = self.raw[key]
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise CheckpointError(f"{self.source}: {key} must be an integer, got {repr(value)[:60]}")
+        if not lo <= value <= hi:
+            raise CheckpointError(f"{self.source}: {key} must be in {lo}..{hi}, got {repr(value)[:60]}")
+        return value
+
+    def float(self, key: str, lo: float, hi: float, default=_MISSING, raw: dict | None = None) -> float:
+        raw = self.raw if raw is None else raw
+        if self._absent(raw, key, default):
+            return default
+        value = raw[key]
+        number = _finite_float(value)
+        if number is None:
+            raise CheckpointError(f"{self.source}: {key} must be a finite number, got {repr(value)[:60]}")
+        if not lo < number <= hi:
+            raise CheckpointError(f"{self.source}: {key} must be in ({lo}, {hi}], got {number!r}")
+        return number
+
+    def bool(self, key: str, default: bool) -> bool:
+        if self._absent(self.raw, key, default):
+            return default
+        value = self.raw[key]
+        if not isinstance(value, bool):
+            raise CheckpointError(f"{self.source}: {key} must be true or false, got {repr(value)[:60]}")
+        return value
+
+
+def _finite_float(value) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        number = float(value)  # an integer past 1e308 overflows
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _default_head_dim(f: _Fields, hidden: int, num_heads: int) -> int:
+    if hidden % num_heads:
+        raise CheckpointError(f"{f.source}: hidden_size {hidden} is not a multiple of "
+                              f"num_attention_heads {num_heads} (and no head_dim is given)")
+    return hidden // num_heads
+
+
+def _eos_ids(f: _Fields, vocab: int) -> tuple[int, ...]:
+    eos = f.raw.get("eos_token_id")
+    ids = eos if isinstance(eos, list) else ([] if eos is None else [eos])
+    for i in ids:
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < vocab:
+            raise CheckpointError(f"{f.source}: eos_token_id must be token ids in 0..{vocab - 1}, "
+                                  f"got {repr(eos)[:60]}")
+    return tuple(ids)
+
+
+def _rope_theta(f: _Fields) -> float:
     """`rope_theta` lives at top level in older configs, in `rope_parameters` in newer ones."""
-    params = raw.get("rope_parameters") or {}
+    params = f.raw.get("rope_parameters") or {}
+    if not isinstance(params, dict):
+        raise CheckpointError(f"{f.source}: rope_parameters must be an object")
     rope_type = params.get("rope_type", "default")
     if rope_type != "default":
-        raise UnsupportedModelError(f"config.json: rope_type {rope_type!r} is not supported")
+        raise UnsupportedModelError(f"{f.source}: rope_type {repr(rope_type)[:40]} is not supported")
     if "rope_theta" in params:
-        return float(params["rope_theta"])
-    return float(raw.get("rope_theta", 10000.0))
+        return f.float("rope_theta", 0.0, 1e12, raw=params)
+    return f.float("rope_theta", 0.0, 1e12, default=10000.0)
 
 
 def read_eos_token_ids(model_dir) -> tuple[int, ...]:
@@ -125,11 +221,8 @@ def read_eos_token_ids(model_dir) -> tuple[int, ...]:
         path = Path(model_dir) / name
         if not path.is_file():
             continue
-        try:
-            raw = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise CheckpointError(f"{path}: not valid JSON ({err})") from None
-        eos = raw.get("eos_token_id") if isinstance(raw, dict) else None
+        raw = read_json_object(path, name, CheckpointError)
+        eos = raw.get("eos_token_id")
         values = eos if isinstance(eos, list) else ([] if eos is None else [eos])
         if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
             raise CheckpointError(f"{path}: eos_token_id must be a non-negative integer or a list of them")

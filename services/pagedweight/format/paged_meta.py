@@ -7,10 +7,11 @@ re-exports these beside the tensor files' loading and saving.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from pagedweight.common.errors import CheckpointError
+from pagedweight.common.json_files import read_json_object
+from pagedweight.format.paged_model_checks import block_keys, check_routing, check_sections, check_sensitivity
 
 FORMAT_NAME = "pagedweight.paged_model"
 FORMAT_VERSION = 1
@@ -22,6 +23,7 @@ BF16_FILE = "experts_bf16.safetensors"
 HEADS_FILE = "residual_heads.safetensors"
 HESSIAN_FILE = "hessians.safetensors"
 COPIED_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json")
+KNOWN_FILES = (DENSE_FILE, APL_FILE, BF16_FILE, HEADS_FILE, HESSIAN_FILE, *COPIED_FILES)  # all `files` may list
 
 
 def is_paged_model_dir(path: str | Path) -> bool:
@@ -29,23 +31,27 @@ def is_paged_model_dir(path: str | Path) -> bool:
 
 
 def read_meta(path: Path) -> dict:
+    """paged_model.json, checked as far as the planner reads it (paged_model_checks.py)."""
     meta_path = path / META_FILE
     if not meta_path.is_file():
         raise CheckpointError(f"{path}: not a paged model directory (no {META_FILE})")
-    try:
-        meta = json.loads(meta_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise CheckpointError(f"{meta_path}: corrupt metadata, not valid JSON ({err})") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
-        raise CheckpointError(f"{meta_path}: not a PagedWeight paged model (format {meta.get('format')!r})"
-                              if isinstance(meta, dict) else f"{meta_path}: not a JSON object")
+    meta = read_json_object(meta_path, "paged model metadata", CheckpointError)
+    if meta.get("format") != FORMAT_NAME:
+        raise CheckpointError(f"{meta_path}: not a PagedWeight paged model "
+                              f"(format {repr(meta.get('format'))[:60]})")
     version = meta.get("format_version")
     if version != FORMAT_VERSION or meta.get("apl_format_version") != APL_FORMAT_VERSION:
         raise CheckpointError(
-            f"{meta_path}: unknown paged model format version {version!r} (APL "
-            f"{meta.get('apl_format_version')!r}); this PagedWeight reads version {FORMAT_VERSION} "
+            f"{meta_path}: unknown paged model format version {repr(version)[:20]} (APL "
+            f"{repr(meta.get('apl_format_version'))[:20]}); this PagedWeight reads version {FORMAT_VERSION} "
             f"(APL {APL_FORMAT_VERSION}): re-run `pagedweight quantize`")
     for key in ("model_config", "files", "blocks", "sensitivity", "routing"):
         if key not in meta:
             raise CheckpointError(f"{meta_path}: metadata has no {key!r} section")
+    # what the planner reads from here alone (it never loads tensors): finite, well-formed
+    check_sections(meta, meta_path)
+    keys = block_keys(meta, meta_path)
+    for table in ("sensitivity", "sensitivity_gn"):
+        check_sensitivity(meta, table, keys, meta_path)
+    check_routing(meta, meta_path)
     return meta

@@ -19,9 +19,11 @@ Layout (docs/paged_model.md):
                               layers.{l}.{m} fp32 [E, cols] (S_i(b) = h . err_i(b)), and
                               the output Fisher diagonals G, layers.{l}.{m}.grad_sq [E, rows]
 
-Loading checks the format name and version, every file's size (truncation) and sha256
-(corruption), and every tensor's shape against the block list; any failure is one
-`CheckpointError` line.
+Loading checks the format name and version, the metadata against its own model_config
+(paged_model_checks.py), every file's size (truncation) and sha256 (corruption) -- every
+file it reads must be listed, under a name that stays inside the directory -- and every
+tensor's shape, dtype and finiteness against the block list, with no tensor left over;
+any failure is one `CheckpointError` line.
 """
 
 from __future__ import annotations
@@ -37,12 +39,14 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from pagedweight.common.errors import CheckpointError
+from pagedweight.common.json_files import read_json_object
 from pagedweight.format.model_config import ModelConfig
 from pagedweight.format.apl_format import BIT_WIDTHS, MODULES, APLBlock, BlockId, block_bytes
 from pagedweight.format.paged_meta import (  # noqa: F401 - re-exported
     APL_FILE, APL_FORMAT_VERSION, BF16_FILE, COPIED_FILES, DENSE_FILE, FORMAT_NAME, FORMAT_VERSION,
-    HEADS_FILE, HESSIAN_FILE, META_FILE, is_paged_model_dir, read_meta,
+    HEADS_FILE, HESSIAN_FILE, KNOWN_FILES, META_FILE, is_paged_model_dir, read_meta,
 )
+from pagedweight.format.paged_model_checks import check_block_list, check_files_section
 
 
 def block_shape(config: ModelConfig, module: str) -> tuple[int, int]:
@@ -136,9 +140,9 @@ def save_paged_model(out_dir: str | Path, source_dir: str | Path, config: ModelC
     """Write the directory; `extra_meta` adds calibration, routing, sensitivity, ... sections."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    for name in COPIED_FILES:
-        if (Path(source_dir) / name).is_file():
-            shutil.copyfile(Path(source_dir) / name, out / name)
+    copied = [name for name in COPIED_FILES if (Path(source_dir) / name).is_file()]
+    for name in copied:
+        shutil.copyfile(Path(source_dir) / name, out / name)
     tensors = {
         DENSE_FILE: {k: v.to(torch.bfloat16).contiguous() for k, v in dense_state.items()},
         APL_FILE: _apl_tensors(apl),
@@ -163,7 +167,7 @@ def save_paged_model(out_dir: str | Path, source_dir: str | Path, config: ModelC
         "bit_widths": list(BIT_WIDTHS),
         "blocks": block_table(config),
         **extra_meta,
-        "files": {name: _file_record(out / name) for name in tensors},
+        "files": {name: _file_record(out / name) for name in [*tensors, *copied]},
     }
     (out / META_FILE).write_text(json.dumps(meta, indent=1))
     return out
@@ -201,18 +205,41 @@ def load_paged_model(path: str | Path, with_bf16: bool = True, verify: bool = Tr
     path = Path(path)
     meta = read_meta(path)
     config = ModelConfig.from_dict(meta["model_config"], source=str(path / META_FILE))
+    check_meta_against_config(path, meta, config, with_bf16)
     for name, record in meta["files"].items():
         _check_file(path / name, record, verify)
-    dense = _load(path / DENSE_FILE)
+    # every file read below is listed in meta["files"], so its size (and hash) was just checked
+    dense = _check_floats(_load(path / DENSE_FILE), path / DENSE_FILE)
     apl = _parse_apl(path, _load(path / APL_FILE), config)
     bf16 = _parse_bf16(path, _load(path / BF16_FILE), config) if with_bf16 else None
-    heads = _load(path / HEADS_FILE) if HEADS_FILE in meta["files"] else {}
+    heads = _check_floats(_load(path / HEADS_FILE), path / HEADS_FILE) if HEADS_FILE in meta["files"] else {}
     hessians = _parse_hessians(path, _load(path / HESSIAN_FILE), config) if HESSIAN_FILE in meta["files"] else {}
     return PagedModel(path, config, meta, dense, apl, bf16, heads, hessians)
 
 
+def check_dense_state(paged: PagedModel, expected: dict[str, tuple[int, ...]]) -> None:
+    """dense.safetensors holds exactly the parameters `expected` (name -> shape) names:
+    a tensor left over means the file belongs to a different model than model_config."""
+    file = (paged.path or Path(".")) / DENSE_FILE
+    for name in sorted(set(paged.dense_state) - set(expected)):
+        raise CheckpointError(f"{file}: tensor {name[:80]!r} is not a parameter of the model "
+                              f"model_config describes")
+    for name, shape in expected.items():
+        tensor = paged.dense_state.get(name)
+        if tensor is None or tuple(tensor.shape) != tuple(shape):
+            found = "missing" if tensor is None else f"{tuple(tensor.shape)}"
+            raise CheckpointError(f"{file}: tensor {name!r} is {found}, expected {tuple(shape)}")
+
+
+def check_meta_against_config(path: Path, meta: dict, config: ModelConfig, with_bf16: bool) -> None:
+    """The metadata describes this model_config's blocks and lists every file to be read."""
+    required = (DENSE_FILE, APL_FILE, BF16_FILE) if with_bf16 else (DENSE_FILE, APL_FILE)
+    check_files_section(path, meta["files"], KNOWN_FILES, required)
+    check_block_list(meta, config, block_table(config), path / META_FILE)
+
+
 def _check_file(file: Path, record: dict, verify: bool) -> None:
-    if not file.is_file():
+    if file.is_symlink() or not file.is_file():
         raise CheckpointError(f"{file}: file of the paged model is missing")
     size = file.stat().st_size
     if size != record["bytes"]:
@@ -226,6 +253,23 @@ def _load(file: Path) -> dict[str, torch.Tensor]:
         return load_file(str(file))
     except (SafetensorError, OSError, RuntimeError) as err:
         raise CheckpointError(f"{file}: unreadable safetensors file ({err})") from None
+
+
+def _check_floats(named: dict[str, torch.Tensor], file: Path) -> dict[str, torch.Tensor]:
+    """Floating point and finite: a NaN weight would make every output NaN."""
+    for key, tensor in named.items():
+        if not tensor.dtype.is_floating_point:
+            raise CheckpointError(f"{file}: tensor {key[:80]!r} is {tensor.dtype}, expected floating point")
+        if not bool(torch.isfinite(tensor).all()):
+            raise CheckpointError(f"{file}: tensor {key[:80]!r} holds NaN or infinite values")
+    return named
+
+
+def _check_no_extra(named: dict, expected: set[str], file: Path) -> None:
+    extra = sorted(set(named) - expected)
+    if extra:
+        raise CheckpointError(f"{file}: {len(extra)} tensors the model_config does not account for "
+                              f"(first: {extra[0][:80]!r})")
 
 
 def _get(named: dict, key: str, shape: tuple, dtype: torch.dtype, file: Path) -> torch.Tensor:
@@ -249,11 +293,16 @@ def _parse_apl(path: Path, named: dict, config: ModelConfig) -> dict[tuple[int, 
             luts = {b: _get(named, f"{prefix}.lut{b}", (E, rows, 1 << b), torch.float16, file)
                     for b in BIT_WIDTHS}
             apl[(layer, module)] = LayerPlanes(planes, luts)
+    _check_no_extra(named, {f"layers.{l}.{m}.{t}" for l in range(config.num_layers) for m in MODULES
+                            for t in ("planes", *(f"lut{b}" for b in BIT_WIDTHS))}, file)
+    _check_floats({k: v for k, v in named.items() if ".lut" in k}, file)
     return apl
 
 
 def _parse_bf16(path: Path, named: dict, config: ModelConfig) -> dict[tuple[int, str], torch.Tensor]:
     file, E = path / BF16_FILE, config.num_experts
+    _check_no_extra(named, {f"layers.{l}.{m}" for l in range(config.num_layers) for m in MODULES}, file)
+    _check_floats(named, file)
     return {(l, m): _get(named, f"layers.{l}.{m}", (E, *block_shape(config, m)), torch.bfloat16, file)
             for l in range(config.num_layers) for m in MODULES}
 
@@ -267,4 +316,9 @@ def _parse_hessians(path: Path, named: dict, config: ModelConfig) -> dict[tuple[
             if f"layers.{l}.{m}.grad_sq" in named:
                 out[(l, f"{m}.grad_sq")] = _get(named, f"layers.{l}.{m}.grad_sq",
                                                 (E, block_shape(config, m)[0]), torch.float32, file)
+    _check_no_extra(named, {f"layers.{l}.{m}{s}" for l in range(config.num_layers) for m in MODULES
+                            for s in ("", ".grad_sq")}, file)
+    _check_floats(named, file)
+    if any(bool((t < 0).any()) for t in named.values()):
+        raise CheckpointError(f"{file}: Hessian diagonals must be >= 0")
     return out

@@ -7,12 +7,12 @@ hold a tokenizer pass its ids in addition.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from tokenizers import Tokenizer as _HFTokenizer
 
 from pagedweight.common.errors import CheckpointError, UserError
+from pagedweight.common.json_files import read_json_object
 from pagedweight.frontend.chat_template import render_chat_template
 
 
@@ -59,10 +59,4 @@ class Tokenizer:
 def _read_json(path: Path) -> dict:
     if not path.is_file():
         return {}
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise CheckpointError(f"{path}: not valid JSON ({err})") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path}: expected a JSON object")
-    return data
+    return read_json_object(path, path.name, CheckpointError)  # deep nesting, NaN, huge ints: one error

@@ -175,7 +175,8 @@ def _checked(kind: str) -> str:
 
 
 _SUFFIXES = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
-             "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
+             "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30,
+             "t": 1 << 40, "tb": 1 << 40, "tib": 1 << 40}
 
 
 def parse_memory_budget(text: str, device_total_bytes: int | None = None) -> int:
@@ -193,7 +194,7 @@ def parse_memory_budget(text: str, device_total_bytes: int | None = None) -> int
         if not 0 < fraction <= 1:
             raise MemoryBudgetError(f"--memory-budget {text!r}: a fraction must be in (0, 1]")
         return int(fraction * device_total_bytes)
-    match = re.fullmatch(r"(\d+)\s*([a-z]*)", raw)
+    match = re.fullmatch(r"([0-9]{1,30})\s*([a-z]*)", raw)  # ASCII digits; int() of 5000 digits raises
     if not match or match.group(2) not in _SUFFIXES:
         raise MemoryBudgetError(f"--memory-budget {text!r}: expected bytes (e.g. 8GiB, 512M, 1000000) or a fraction (0.9, 90%)")
     num_bytes = int(match.group(1)) * _SUFFIXES[match.group(2)]
@@ -219,10 +220,16 @@ def _parse_fraction(raw: str) -> float | None:
 
 
 def device_memory_bytes(device) -> int | None:
-    """Total memory of a CUDA device, or None for the CPU (no fixed size to take a fraction of)."""
+    """Total memory of a CUDA device, or the machine's physical memory for the CPU (a
+    budget beyond it would be allocated until the machine dies), None if unknown."""
+    import os
+
     import torch
 
     device = torch.device(device)
-    if device.type != "cuda":
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
         return None
-    return torch.cuda.get_device_properties(device).total_memory

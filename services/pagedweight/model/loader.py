@@ -1,20 +1,23 @@
 """Load a Hugging Face checkpoint directory into `MoECausalLM`.
 
 Reads single-file (`model.safetensors`) and sharded (`model.safetensors.index.json`)
-checkpoints. Every tensor is checked for presence and shape; problems raise a
-`CheckpointError` naming the file and key. Per-expert checkpoint keys are stacked into
+checkpoints. The directory is untrusted input: shard names must stay inside it; the
+tensor list must match the config exactly (every tensor present with its shape, none
+left over) before anything is allocated; weights must be floating point and finite.
+Problems raise a `CheckpointError` naming the file and key. Per-expert checkpoint keys are stacked into
 the experts operator's `gate_up` [E, 2I, H] and `down` [E, H, I] tensors.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 
 from pagedweight.common.errors import CheckpointError
+from pagedweight.common.json_files import read_json_object
+from pagedweight.common.safe_paths import inside_dir
 from pagedweight.format.model_config import ModelConfig
 from pagedweight.model.materialize import materialize
 from pagedweight.model.transformer import MoECausalLM
@@ -24,7 +27,10 @@ INDEX_FILE = "model.safetensors.index.json"
 
 
 class CheckpointReader:
-    """Tensor lookup by checkpoint key over one or more safetensors shards."""
+    """Tensor lookup by checkpoint key over one or more safetensors shards.
+
+    Shard names come from the index file, which is untrusted: each must be a plain file
+    name inside the model directory (no `../`, no absolute path, no symlink out)."""
 
     def __init__(self, model_dir: Path):
         self.model_dir = Path(model_dir)
@@ -34,22 +40,34 @@ class CheckpointReader:
     def _key_to_shard(self) -> dict[str, str]:
         index = self.model_dir / INDEX_FILE
         if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError) as err:
-                raise CheckpointError(f"{index}: malformed shard index ({err})") from None
+            weight_map = read_json_object(index, "shard index", CheckpointError).get("weight_map")
+            if not isinstance(weight_map, dict) or not all(
+                    isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+                raise CheckpointError(f"{index}: malformed shard index (expected a \"weight_map\" object "
+                                      f"from tensor names to shard file names)")
             for shard in sorted(set(weight_map.values())):
-                if not (self.model_dir / shard).is_file():
+                if not inside_dir(self.model_dir, shard).is_file():
                     raise CheckpointError(f"{self.model_dir / shard}: shard listed in {INDEX_FILE} is missing")
+            self._check_index_matches_shards(weight_map)
             return weight_map
         single = self.model_dir / SINGLE_FILE
         if not single.is_file():
             raise CheckpointError(f"{self.model_dir}: no {SINGLE_FILE} or {INDEX_FILE}")
         return {key: SINGLE_FILE for key in self._handle(SINGLE_FILE).keys()}
 
+    def _check_index_matches_shards(self, weight_map: dict[str, str]) -> None:
+        """The index must say where every tensor of every shard is, and only there."""
+        for shard in sorted(set(weight_map.values())):
+            listed = {k for k, v in weight_map.items() if v == shard}
+            stored = set(self._handle(shard).keys())
+            if listed != stored:
+                odd = sorted(listed ^ stored)[0]
+                raise CheckpointError(f"{self.model_dir / shard}: {INDEX_FILE} and the shard disagree "
+                                      f"about tensor {odd[:80]!r}")
+
     def _handle(self, shard: str):
         if shard not in self._open:
-            path = self.model_dir / shard
+            path = inside_dir(self.model_dir, shard)
             try:
                 self._open[shard] = safe_open(str(path), framework="pt")
             except (SafetensorError, OSError) as err:
@@ -58,6 +76,28 @@ class CheckpointReader:
 
     def __contains__(self, key: str) -> bool:
         return key in self.shard_of
+
+    def check_header(self, config: ModelConfig, expected: dict[str, tuple[int, ...]]) -> None:
+        """Compare the checkpoint's tensor list with `expected` (key -> shape) from the
+        headers alone, before anything is allocated: every key present with its shape
+        and a floating dtype, and no tensor the model would not use."""
+        unused = sorted(set(self.shard_of) - set(expected) - _tolerated_extra(self.shard_of, config))
+        if unused:
+            raise CheckpointError(f"{self.model_dir}: {len(unused)} tensors in the checkpoint are not "
+                                  f"used by the model its config.json describes (first: {unused[0][:80]!r}); "
+                                  f"config and checkpoint disagree")
+        for key, shape in expected.items():
+            shard = self.shard_of.get(key)
+            if shard is None:
+                raise CheckpointError(f"{self.model_dir}: tensor {key!r} is missing from the checkpoint")
+            info = self._handle(shard).get_slice(key)
+            if tuple(info.get_shape()) != tuple(shape):
+                raise CheckpointError(
+                    f"{self.model_dir / shard}: tensor {key!r} has shape {tuple(info.get_shape())}, "
+                    f"expected {tuple(shape)}")
+            if info.get_dtype() not in FLOAT_DTYPES:
+                raise CheckpointError(f"{self.model_dir / shard}: tensor {key!r} is {info.get_dtype()}; "
+                                      f"weights must be floating point ({', '.join(FLOAT_DTYPES)})")
 
     def get(self, key: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
         shard = self.shard_of.get(key)
@@ -72,7 +112,24 @@ class CheckpointReader:
                 f"{self.model_dir / shard}: tensor {key!r} has shape {tuple(tensor.shape)}, "
                 f"expected {tuple(shape)}"
             )
+        if not tensor.dtype.is_floating_point:
+            raise CheckpointError(f"{self.model_dir / shard}: tensor {key!r} is {tensor.dtype}, "
+                                  f"weights must be floating point")
+        if not bool(torch.isfinite(tensor).all()):
+            raise CheckpointError(f"{self.model_dir / shard}: tensor {key!r} holds NaN or infinite values")
         return tensor
+
+
+FLOAT_DTYPES = ("BF16", "F16", "F32", "F64")  # safetensors header names
+
+
+def _tolerated_extra(keys, config: ModelConfig) -> set[str]:
+    """Tensors some exporters write that carry nothing the model needs: rotary
+    frequencies (recomputed from rope_theta), and a tied model's copy of its embedding."""
+    extra = {k for k in keys if k.endswith(".rotary_emb.inv_freq")}
+    if config.tie_word_embeddings and "lm_head.weight" in keys:
+        extra.add("lm_head.weight")
+    return extra
 
 
 def expert_keys(config: ModelConfig, layer: int, expert: int) -> dict[str, str]:
@@ -108,11 +165,28 @@ def load_model(
             return  # stored per expert in the checkpoint: _load_experts below
         param.copy_(reader.get(checkpoint_key(config, name), tuple(param.shape)).to(dtype))
 
-    model = materialize(config, fill, dtype, device)
+    # the headers first: a config that disagrees with its tensors (or asks for far more than
+    # the files hold) fails before anything is allocated
+    model = materialize(config, fill, dtype, device,
+                        check=lambda shapes: reader.check_header(config, expected_shapes(config, shapes)))
     with torch.no_grad():
         for layer_idx, block in enumerate(model.moe_blocks):
             _load_experts(reader, config, layer_idx, block.experts, dtype)
     return model
+
+
+def expected_shapes(config: ModelConfig, param_shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """checkpoint key -> shape of every tensor the model reads, from its parameter shapes."""
+    H, I = config.hidden_size, config.expert_intermediate_size
+    shapes = {}
+    for name, shape in param_shapes.items():
+        if not (name.endswith("experts.gate_up") or name.endswith("experts.down")):
+            shapes[checkpoint_key(config, name)] = shape
+    for layer in range(config.num_layers):
+        for e in range(config.num_experts):
+            keys = expert_keys(config, layer, e)
+            shapes.update({keys["gate"]: (I, H), keys["up"]: (I, H), keys["down"]: (H, I)})
+    return shapes
 
 
 def _load_experts(reader: CheckpointReader, config: ModelConfig, layer: int, experts, dtype):

@@ -15,19 +15,25 @@ import torch
 from torch import nn
 
 from pagedweight.format.model_config import ModelConfig
+from pagedweight.format.paged_model import check_dense_state
 from pagedweight.model.transformer import MoECausalLM
 
 
 def materialize(config: ModelConfig, fill: Callable[[str, torch.Tensor], None], dtype: torch.dtype,
-                device: str | torch.device = "cpu", with_dense_experts: bool = True) -> MoECausalLM:
+                device: str | torch.device = "cpu", with_dense_experts: bool = True,
+                check: Callable[[dict[str, tuple[int, ...]]], None] | None = None) -> MoECausalLM:
     """`fill(name, param)` copies a parameter's values in (under no_grad); the model is then cast
     to `dtype` and set to eval. Without dense experts, each MoE block's experts operator is an
-    `nn.Identity` placeholder for the caller to replace."""
+    `nn.Identity` placeholder for the caller to replace. `check(shapes)` (parameter name ->
+    shape) runs before anything is allocated: the source's tensors must match them, so a
+    config asking for more than its files hold fails here, not after allocating it."""
     with torch.device("meta"):
         model = MoECausalLM(config)
     if not with_dense_experts:
         for block in model.moe_blocks:
             block.experts = nn.Identity()
+    if check is not None:
+        check({name: tuple(p.shape) for name, p in model.named_parameters()})
     model.to_empty(device=device)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -39,8 +45,7 @@ def materialize_dense(paged, dtype: torch.dtype, device: str | torch.device = "c
     """A paged model's non-expert weights (`paged.dense_state`) in a model without routed experts."""
 
     def fill(name: str, param: torch.Tensor) -> None:
-        if name not in paged.dense_state:
-            raise ValueError(f"paged model lacks the non-expert parameter {name!r}")
         param.copy_(paged.dense_state[name].to(param.dtype))
 
-    return materialize(paged.config, fill, dtype, device, with_dense_experts=False)
+    return materialize(paged.config, fill, dtype, device, with_dense_experts=False,
+                       check=lambda shapes: check_dense_state(paged, shapes))

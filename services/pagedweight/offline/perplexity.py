@@ -49,6 +49,9 @@ def perplexity(model, ids: list[int], seq_len: int = 512, max_tokens: int | None
     windows = token_windows(ids, seq_len, max_tokens)
     if not windows:
         raise UserError("the text has fewer than two tokens: nothing to score")
+    if max(max(w) for w in windows) >= model.config.vocab_size:
+        raise UserError(f"the tokenizer produced token id {max(max(w) for w in windows)}, outside the "
+                        f"model's vocabulary of {model.config.vocab_size}: tokenizer and config disagree")
     total_nll, total_tokens = 0.0, 0
     for i in range(0, len(windows), batch_size):
         for group in _same_length_groups(windows[i : i + batch_size]):
@@ -58,7 +61,18 @@ def perplexity(model, ids: list[int], seq_len: int = 512, max_tokens: int | None
             total_nll += nll.item()
             total_tokens += batch[:, 1:].numel()
     mean = total_nll / total_tokens
+    # NaN/inf would print as `"ppl": NaN` (not even JSON) with exit 0; exp overflows past ~709
+    if not math.isfinite(mean) or mean > MAX_NLL:
+        raise NonFiniteResult(f"perplexity is not a finite number (mean NLL {mean}): the model's outputs "
+                              f"are NaN or infinite; check its weights and --dtype")
     return PerplexityResult(math.exp(mean), mean, total_tokens, len(windows), seq_len)
+
+
+MAX_NLL = 700.0  # nats: exp(700) is near the largest float64
+
+
+class NonFiniteResult(UserError):
+    """An evaluation produced NaN or infinity: reported as an error, never as a result."""
 
 
 def _same_length_groups(windows: list[list[int]]) -> list[list[list[int]]]:

@@ -20,6 +20,7 @@ from typing import Callable
 
 import torch
 
+from pagedweight.common.errors import UserError
 from pagedweight.offline.apl_quantizer import QuantizerConfig, dequantize_rows, quantize_rows
 from pagedweight.offline.calibrate import (
     CalibConfig, CalibrationStats, block_hessians, calibrate, output_fisher, read_chunks,
@@ -56,6 +57,11 @@ def quantize_layer(w: torch.Tensor, h: torch.Tensor, config: QuantizerConfig, de
     row's own k-means (a constant factor per row), only how rows add up.
     """
     E, R, C = w.shape
+    # k-means over a NaN or infinite weight or importance gives NaN centroids for the whole
+    # row: stop here rather than write an artifact every later run would trust
+    for name, t in (("weights", w), ("input Hessian", h)) + ((("output Fisher", g),) if g is not None else ()):
+        if not bool(torch.isfinite(t).all()):
+            raise UserError(f"quantiser input {name} [{tuple(t.shape)}] holds NaN or infinite values")
     rows = w.to(device, torch.float32).reshape(E * R, C)
     importance = h.to(device, torch.float32)[:, None, :].expand(E, R, C).reshape(E * R, C)
     q = quantize_rows(rows, importance, config)

@@ -22,13 +22,14 @@ measured KL is ~0 is still cheap, not free.
 
 from __future__ import annotations
 
-import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from pagedweight.common.errors import UserError
+from pagedweight.common.json_files import read_json_object
 from pagedweight.planner.tables import BlockTable
 
 
@@ -45,13 +46,17 @@ class GroupScales:
 
     @classmethod
     def read(cls, path: str | Path) -> "GroupScales":
+        raw = read_json_object(path, "planner scales file")
         try:
-            raw = json.loads(Path(path).read_text())
-            return cls({k: float(v) for k, v in raw["scales"].items()},
-                       {k: float(v) for k, v in raw.get("kl_at_3_bits", {}).items()},
-                       int(raw.get("num_tokens", 0)), str(raw.get("sensitivity", "sensitivity")))
-        except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
-            raise UserError(f"{path}: not a planner scales file ({err})") from None
+            scales = cls({k: float(v) for k, v in raw["scales"].items()},
+                         {k: float(v) for k, v in raw.get("kl_at_3_bits", {}).items()},
+                         int(raw.get("num_tokens", 0)), str(raw.get("sensitivity", "sensitivity")))
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as err:
+            raise UserError(f"{path}: not a planner scales file ({str(err)[:120]})") from None
+        for key, value in [*scales.scales.items(), *scales.kl.items()]:
+            if not (math.isfinite(value) and value >= 0):  # a NaN or negative scale inverts the ranking
+                raise UserError(f"{path}: scale of {key[:40]!r} must be a finite number >= 0, got {value}")
+        return scales
 
 
 def group_key(layer: int, module: str) -> str:

@@ -16,8 +16,9 @@ between two forward steps, never during one):
    copied from host memory on the compute stream, so the next step sees it; it needs no
    spare memory because the freed LUT_q alone is larger.
 3. Start raises for blocks with d_i > q_i, in the order given, while the arena can
-   hold their new planes (a raise goes part of the way when only that fits); the rest
-   wait for a later boundary.
+   hold their new planes (a raise goes part of the way when only that fits, but always
+   to a bit-width: a CPU-only block comes in at MIN_BITS or not at all); the rest wait
+   for a later boundary.
 
 A forward step therefore reads, for every block, exactly the committed planes and LUT
 at q_i: the output equals the static model at the committed bits, whatever is in flight.
@@ -34,7 +35,7 @@ import torch
 
 from pagedweight.memory.arena import Arena, ArenaFragmented, Extent
 from pagedweight.memory.pool import TRANSIT, BudgetExceeded, expert_kind
-from pagedweight.format.apl_format import BlockId
+from pagedweight.format.apl_format import MIN_BITS, BlockId
 from pagedweight.weights.page_table import BlockPages, PageTable
 
 
@@ -164,7 +165,11 @@ class PageMover:
         as it has (the rest follows at a later boundary)."""
         bid, q = e.block_id, e.committed_bits
         free = self.arena.pool.free_bytes
-        b = next((b for b in range(e.desired_bits, q, -1) if self._transit_bytes(bid, q, b) <= free), None)
+        # Only a bit-width has a LUT: a partial raise of a CPU-only block (q = 0) must still
+        # land at MIN_BITS or more, never at 1 or 2 bits (committed bits are 0 or a width).
+        lowest = max(q + 1, MIN_BITS)
+        b = next((b for b in range(e.desired_bits, lowest - 1, -1)
+                  if self._transit_bytes(bid, q, b) <= free), None)
         if b is None:
             return False
         host = self.table.host[bid]

@@ -1,0 +1,116 @@
+"""A paged model directory is untrusted: every file it names stays inside it, every file
+read is listed and verified, and the metadata agrees with its own model_config
+(issue 16, defects 2 and 3)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from pagedweight.common.errors import CheckpointError
+from pagedweight.format.paged_model import APL_FILE, DENSE_FILE, META_FILE, load_paged_model
+
+
+@pytest.fixture
+def paged_copy(paged_micro_dir, tmp_path):
+    target = tmp_path / "paged"
+    shutil.copytree(paged_micro_dir, target)
+    return target
+
+
+def edit_meta(path, edit):
+    meta = json.loads((path / META_FILE).read_text())
+    edit(meta)
+    (path / META_FILE).write_text(json.dumps(meta))
+
+
+def rewrite_tensors(path, name, edit):
+    """Change a tensor file and record its new size and hash, as a careful attacker would."""
+    tensors = load_file(path / name)
+    edit(tensors)
+    save_file(tensors, path / name)
+    data = (path / name).read_bytes()
+    edit_meta(path, lambda m: m["files"].__setitem__(name, {"bytes": len(data),
+                                                            "sha256": hashlib.sha256(data).hexdigest()}))
+
+
+@pytest.mark.parametrize("name", ["../dense.safetensors", "/etc/passwd", "sub/../../x"])
+def test_manifest_names_must_stay_inside(paged_copy, name):
+    edit_meta(paged_copy, lambda m: m["files"].__setitem__(name, {"bytes": 1, "sha256": "0" * 64}))
+    with pytest.raises(CheckpointError, match="outside the model directory") as err:
+        load_paged_model(paged_copy)
+    assert "bytes" not in str(err.value).split(":", 2)[-1]  # no size of a file elsewhere
+
+
+def test_a_file_read_but_not_listed_is_refused(paged_copy):
+    edit_meta(paged_copy, lambda m: m["files"].pop(DENSE_FILE))
+    with pytest.raises(CheckpointError, match="dense.safetensors is not listed"):
+        load_paged_model(paged_copy)
+
+
+def test_an_unknown_listed_file_is_refused(paged_copy):
+    edit_meta(paged_copy, lambda m: m["files"].__setitem__("run.sh", {"bytes": 1, "sha256": "0" * 64}))
+    with pytest.raises(CheckpointError, match="'run.sh', which is not a file of a paged model"):
+        load_paged_model(paged_copy)
+
+
+def test_a_listed_file_that_is_a_symlink_is_refused(paged_copy, tmp_path):
+    os.replace(paged_copy / DENSE_FILE, tmp_path / "elsewhere.safetensors")
+    os.symlink(tmp_path / "elsewhere.safetensors", paged_copy / DENSE_FILE)
+    with pytest.raises(CheckpointError, match="outside the model directory"):
+        load_paged_model(paged_copy)
+
+
+def test_model_config_that_disagrees_with_the_block_list(paged_copy):
+    edit_meta(paged_copy, lambda m: m["model_config"].__setitem__("num_hidden_layers", 2))
+    with pytest.raises(CheckpointError, match="disagree"):
+        load_paged_model(paged_copy)
+
+
+@pytest.mark.parametrize("literal, match", [("-1.0", "finite number >= 0"), ("1e999", "finite number >= 0"),
+                                            ("null", "finite number >= 0"), ('"3"', "finite number >= 0"),
+                                            ("NaN", "not valid JSON")])
+def test_sensitivity_must_be_finite_and_non_negative(paged_copy, literal, match):
+    def mark(meta):
+        meta["sensitivity"][next(iter(meta["sensitivity"]))]["4"] = 12345.678
+    edit_meta(paged_copy, mark)
+    text = (paged_copy / META_FILE).read_text()
+    (paged_copy / META_FILE).write_text(text.replace("12345.678", literal))  # 1e999 parses as inf
+    with pytest.raises(CheckpointError, match=match):
+        load_paged_model(paged_copy)
+
+
+def test_nan_in_a_lut_is_refused_even_with_a_matching_hash(paged_copy):
+    def poison(tensors):
+        tensors["layers.1.down.lut4"][0, 0, 0] = float("nan")
+    rewrite_tensors(paged_copy, APL_FILE, poison)
+    with pytest.raises(CheckpointError, match="lut4.*NaN or infinite"):
+        load_paged_model(paged_copy)
+
+
+def test_a_tensor_the_config_does_not_account_for_is_refused(paged_copy):
+    rewrite_tensors(paged_copy, APL_FILE, lambda t: t.__setitem__("layers.9.down.planes", torch.zeros(1, dtype=torch.uint8)))
+    with pytest.raises(CheckpointError, match="layers.9.down.planes"):
+        load_paged_model(paged_copy)
+
+
+def test_an_extra_dense_tensor_is_refused_when_the_model_is_built(paged_copy):
+    from pagedweight.model.dequantized_experts import build_paged_lm
+
+    rewrite_tensors(paged_copy, DENSE_FILE, lambda t: t.__setitem__("layers.7.attn.q.weight", torch.zeros(2)))
+    with pytest.raises(CheckpointError, match="layers.7.attn.q.weight"):
+        build_paged_lm(load_paged_model(paged_copy, with_bf16=False))
+
+
+def test_copied_files_are_listed_and_verified(paged_copy):
+    meta = json.loads((paged_copy / META_FILE).read_text())
+    assert {"config.json", "tokenizer.json", "tokenizer_config.json"} <= set(meta["files"])
+    (paged_copy / "tokenizer.json").write_text("{}")
+    with pytest.raises(CheckpointError, match="tokenizer.json"):
+        load_paged_model(paged_copy)
