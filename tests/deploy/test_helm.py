@@ -249,7 +249,7 @@ def test_schema_rejects_bad_values(case, tmp_path):
 
 
 @pytest.mark.parametrize("budget", ["60GiB", "512M", "1000000", "8gib", "0.9", ".5", "1.0", "90%",
-                                    "lots", "0", "0GiB", "0%", "100%", "0.5%", "1.5", "0.0", "8TiB", "60 GiB", "-1GiB", "150%", "GiB"])
+                                    "lots", "0", "0GiB", "0%", "100%", "0.5%", "1.5", "2T", "3PiB", "0.0", "8TiB", "60 GiB", "-1GiB", "150%", "GiB"])
 def test_memory_budget_schema_agrees_with_the_worker(budget):
     """values.schema.json accepts a memoryBudget exactly when the worker's parser does."""
     pattern = json.loads((CHART / "values.schema.json").read_text())["properties"]["servingEngineSpec"][
