@@ -95,6 +95,12 @@ def build_runtime(paged_dir, config: RuntimeConfig, eos_token_ids=()) -> WorkerR
     from pagedweight.format.paged_model import load_paged_model
 
     paged = load_paged_model(paged_dir, with_bf16=False)
+    return build_runtime_from_paged(paged, config, (*read_eos_token_ids(paged_dir), *eos_token_ids))
+
+
+def build_runtime_from_paged(paged, config: RuntimeConfig, eos_token_ids=()) -> WorkerRuntime:
+    """The same wiring over a `PagedModel` already in memory (bench/real_shape.py builds one
+    at a real model's size without writing tens of GB to disk); eos_token_ids: all of them."""
     device = torch.device(config.device)
     model = materialize_dense(paged, config.dtype, device)  # routed experts: over the arena below
     pool = MemoryPool(config.memory_budget)
@@ -111,7 +117,7 @@ def build_runtime(paged_dir, config: RuntimeConfig, eos_token_ids=()) -> WorkerR
     table = PageTable({bid: paged.block(bid) for bid in paged.block_ids}, arena)
     planner = feed = None
     if config.static_bits is None:
-        planner, feed = _policy_planner(paged_dir, config, table, model)
+        planner, feed = _policy_planner(paged, config, table, model)
     table.set_desired_bits(_starting_bits(config, paged.config, table, arena, planner))
     mover = PageMover(table)
     mover.load_all()
@@ -123,7 +129,6 @@ def build_runtime(paged_dir, config: RuntimeConfig, eos_token_ids=()) -> WorkerR
 
         block = kv_block_bytes(paged.config, config.engine.kv.block_size, config.dtype)
         pager = WeightPager(mover, planner, kv_block_bytes=block, routing=feed.snapshot)
-    eos_token_ids = (*read_eos_token_ids(paged_dir), *eos_token_ids)
     engine = Engine(model, config.engine, arena=arena, pager=pager, eos_token_ids=eos_token_ids,
                     max_kv_blocks=_max_kv_blocks(config, paged.config, table, arena))
     return WorkerRuntime(engine, pool, arena, table, mover, pager)
@@ -137,24 +142,27 @@ def _max_kv_blocks(config: RuntimeConfig, model_config: ModelConfig, table: Page
     return (arena.num_pages * arena.page_bytes - weights) // arena.charged_bytes(block)
 
 
-def _policy_planner(paged_dir, config: RuntimeConfig, table: PageTable, model: MoECausalLM):
+def _policy_planner(paged, config: RuntimeConfig, table: PageTable, model: MoECausalLM):
     """The planner library's policy, registered with this worker's blocks, and the feed of
     the traffic's routing (snapshots sent with each plan request)."""
+    from pathlib import Path
+
     import numpy as np
 
-    from pagedweight.planner.artifact import load_planner_inputs
+    from pagedweight.format.paged_meta import META_FILE
+    from pagedweight.planner.artifact import table_from_meta
     from pagedweight.planner.loss_scale import GroupScales
     from pagedweight.weights.in_process_planner import InProcessPlanner, page_table_registration
     from pagedweight.weights.routing_feed import RoutingFeed
 
-    inputs = load_planner_inputs(paged_dir, with_heads=False)
-    t = inputs.table
+    t = table_from_meta(paged.meta, Path(paged.path or ".") / META_FILE)
+    top_k = int(paged.meta["model_config"].get("num_experts_per_tok", 2))
     scales = GroupScales.read(config.scales_file) if config.scales_file else None
     row = {bid: i for i, bid in enumerate(t.block_ids)}
     sensitivity = np.stack([t.sensitivity[row[bid]] for bid in table.entries])  # page-table order
     planner = InProcessPlanner(config.policy, scales)
     planner.register(page_table_registration(table.charged_bytes_table(), t.num_layers, t.num_experts,
-                                             inputs.top_k, sensitivity, t.calib_mass, t.calib_share))
+                                             top_k, sensitivity, t.calib_mass, t.calib_share))
     feed = RoutingFeed(t.num_layers, t.num_experts, model.device)
     feed.install(model)
     return planner, feed

@@ -14,7 +14,7 @@ from pagedweight.engine.sampler import sample
 from pagedweight.engine.scheduler import ScheduledSeq
 from pagedweight.engine.sequence import Sequence
 from pagedweight.memory.kv_cache import PagedKVCache
-from pagedweight.model.paged_attention import SeqSlice, build_step
+from pagedweight.model.paged_attention import SeqSlice, build_step_with
 from pagedweight.model.transformer import MoECausalLM
 
 
@@ -40,13 +40,9 @@ class ModelRunner:
             slices.append(SeqSlice(s.seq.block_ids, end, s.num_new_tokens))
             if s.samples:
                 logits_indices.append(len(input_ids) - 1)
-        device = self.model.device
-        step = build_step(self.kv, slices, self.attention_impl)
-        return (
-            torch.tensor(input_ids, device=device),
-            step,
-            torch.tensor(logits_indices, dtype=torch.int64, device=device),
-        )
+        # input ids and logits rows cross with the step's index tensors, in one copy
+        step, (ids, rows) = build_step_with(self.kv, slices, self.attention_impl, extra=(input_ids, logits_indices))
+        return ids, step, rows
 
     def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
         """Greedy rows in one argmax; others one by one with their own parameters."""

@@ -18,11 +18,12 @@ G = key/value heads, D = head dim, S = padded context length.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
 
+from pagedweight.model.host_upload import upload_int64
 from pagedweight.model.layers import causal_attention
 
 
@@ -83,33 +84,50 @@ class PagedStep:
 
 
 def build_step(kv: KVStore, seqs: list[SeqSlice], impl: str = "auto") -> PagedStep:
+    """The step's attention context (see `build_step_with`)."""
+    return build_step_with(kv, seqs, impl)[0]
+
+
+def build_step_with(kv: KVStore, seqs: list[SeqSlice], impl: str = "auto",
+                    extra: Sequence[list[int]] = ()) -> tuple[PagedStep, list[torch.Tensor]]:
+    """The step's attention context; `extra` host index lists (the runner's input ids and
+    logits rows) ride along in the same upload and come back on the device. Every index
+    tensor crosses in one non-blocking copy (host_upload.py): building a step never waits
+    for the GPU."""
     if impl == "auto":
         impl = "batched" if kv.device.type == "cuda" else "reference"
     if impl not in IMPLS:
         raise ValueError(f"paged attention impl {impl!r} is not one of {IMPLS}")
-    device = kv.device
     positions, new_offsets = [], []
     for s in seqs:
         start = s.context_len - s.query_len
         positions.extend(range(start, s.context_len))
         new_offsets.extend(kv.token_offsets(s.block_ids, start, s.context_len))
+    host = [positions, new_offsets]
+    if impl == "reference":
+        host.append([o for s in seqs for o in kv.token_offsets(s.block_ids, 0, s.context_len)])
+    else:
+        host.extend(_batched_metadata(kv.block_size, seqs))
+    device_parts = upload_int64(host + list(extra), kv.device)
+    parts, extras = device_parts[:len(host)], device_parts[len(host):]
     step = PagedStep(
-        kv=kv, impl=impl,
-        positions=torch.tensor(positions, dtype=torch.int64, device=device),
+        kv=kv, impl=impl, positions=parts[0],
         query_lens=[s.query_len for s in seqs],
         context_lens=[s.context_len for s in seqs],
-        new_offsets=torch.tensor(new_offsets, dtype=torch.int64, device=device),
+        new_offsets=parts[1],
     )
     if impl == "reference":
-        context = [o for s in seqs for o in kv.token_offsets(s.block_ids, 0, s.context_len)]
-        step.context_offsets = torch.tensor(context, dtype=torch.int64, device=device)
+        step.context_offsets = parts[2]
     else:
-        _add_batched_metadata(step, seqs)
-    return step
+        step.block_table, step.query_index, query_pos, step.output_index = parts[2:]
+        key_pos = torch.arange(step.block_table.shape[1] * kv.block_size, device=kv.device)
+        step.mask = (key_pos[None, None, :] <= query_pos[:, :, None])[:, None]  # built on the device
+    return step, extras
 
 
-def _add_batched_metadata(step: PagedStep, seqs: list[SeqSlice]) -> None:
-    device, bs = step.kv.device, step.kv.block_size
+def _batched_metadata(bs: int, seqs: list[SeqSlice]) -> list[torch.Tensor]:
+    """Host tensors of the batched path: block table [B, max_blocks], query index and query
+    positions [B, max_q], output index [T]."""
     max_blocks = max(-(-s.context_len // bs) for s in seqs)
     max_q = max(s.query_len for s in seqs)
     table = torch.zeros(len(seqs), max_blocks, dtype=torch.int64)
@@ -124,11 +142,7 @@ def _add_batched_metadata(step: PagedStep, seqs: list[SeqSlice]) -> None:
         query_pos[b, :n] = torch.arange(s.context_len - n, s.context_len)
         output_index.extend(range(b * max_q, b * max_q + n))
         start += n
-    key_pos = torch.arange(max_blocks * bs)
-    step.block_table = table.to(device)
-    step.query_index = query_index.to(device)
-    step.output_index = torch.tensor(output_index, dtype=torch.int64, device=device)
-    step.mask = (key_pos[None, None, :] <= query_pos[:, :, None])[:, None].to(device)
+    return [table, query_index, query_pos, torch.tensor(output_index, dtype=torch.int64)]
 
 
 def paged_attention(layer: int, q, k, v, step: PagedStep) -> torch.Tensor:

@@ -1,0 +1,537 @@
+"""Serving speed at a real model's size, one run: transformers, our engine in bf16, the
+runtime at static 8/4/3 bits, and the `pagedweight` policy under memory pressure, each
+against the HBM floor measured in the same run (issues 12 and 17).
+
+Nothing is written to disk but the result: the checkpoint is `transformers`' own class
+(`Qwen2MoeForCausalLM`, `MixtralForCausalLM`) randomly initialised on the device in bf16;
+our `MoECausalLM` is assembled over the same tensors (no copy); the routed experts are
+quantised by a fast nested-uniform path (`nested_uniform_planes`: per-row min-max 8-bit
+codes, b-bit LUTs at the b-bit bucket centres; no calibration, so quality is not measured
+here, but the planes, LUTs and their byte counts are the real format) into an in-memory
+`PagedModel` that the runtime is built from (`build_runtime_from_paged`).
+
+Sections, in order of what the device minutes buy (a time limit skips the rest; the JSON
+is rewritten after each section, so a cut run still leaves what it measured):
+1. copy bandwidth (device-to-device, bytes read + written) -> the HBM floor of every row:
+   bytes one decode step must read (non-expert weights, lm_head included, embeddings one
+   row per token; the experts the batch touches in expectation under uniform routing,
+   E * (1 - (1 - k/E)^B) per layer, at the row's bits) over that bandwidth;
+2. parity: our bf16 model's logits against transformers' on one prompt (same tensors);
+3. transformers `generate` (bf16, greedy, batch = concurrency);
+4. our engine over dense bf16 experts; TTFT of 512- and 4096-token prompts;
+5. the runtime at static-8/4/3 (fused kernel on CUDA), same loads, TTFT at 4 bits;
+6. pressure (issue 17): budget = 8-bit experts + non-expert weights + workspace + half the
+   KV the load wants; `pagedweight` against `static-8` and `static-4`: tokens/s,
+   preemptions, page moves, bytes copied, mean bits start/min/end.
+
+    PYTHONPATH=.:services:kernels python3 -m bench.real_shape --model qwen1.5-moe-a2.7b
+    .venv/bin/python -m bench.real_shape --model tiny-qwen-moe --device cpu   # checks the script
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from bench.bench_meta import RESULTS_DIR, commit, machine
+from pagedweight.cli.load_bench import LoadSpec, drive_load, run_load
+from pagedweight.engine.engine import Engine, EngineConfig
+from pagedweight.engine.sampler import SamplingParams
+from pagedweight.engine.scheduler import SchedulerConfig
+from pagedweight.format.apl_format import BIT_WIDTHS, MODULES, block_bytes, pack_planes
+from pagedweight.format.model_config import ModelConfig
+from pagedweight.format.paged_model import LayerPlanes, PagedModel, block_table
+from pagedweight.memory.kv_cache import KVCacheConfig, kv_block_bytes
+from pagedweight.model.loader import checkpoint_key
+from pagedweight.model.transformer import MoECausalLM
+from pagedweight.runtime import RuntimeConfig, build_runtime_from_paged, workspace_bytes
+
+GiB = 1 << 30
+
+# transformers config kwargs of the real models (public config.json values); "tiny-*"
+# keep the architecture at a size the CPU runs in seconds, to check the script.
+CONFIGS = {
+    "qwen1.5-moe-a2.7b": dict(
+        model_type="qwen2_moe", architectures=["Qwen2MoeForCausalLM"], vocab_size=151936,
+        hidden_size=2048, intermediate_size=5632, num_hidden_layers=24, num_attention_heads=16,
+        num_key_value_heads=16, num_experts=60, num_experts_per_tok=4, moe_intermediate_size=1408,
+        shared_expert_intermediate_size=5632, norm_topk_prob=False, max_position_embeddings=8192,
+        rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False),
+    "mixtral-8x7b": dict(
+        model_type="mixtral", architectures=["MixtralForCausalLM"], vocab_size=32000,
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
+        max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-5, tie_word_embeddings=False),
+    "tiny-qwen-moe": dict(
+        model_type="qwen2_moe", architectures=["Qwen2MoeForCausalLM"], vocab_size=512,
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=96,
+        shared_expert_intermediate_size=128, norm_topk_prob=False, max_position_embeddings=8192,
+        rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False),
+}
+
+
+class Clock:
+    """Wall time since the start, against the run's limit."""
+
+    def __init__(self, limit_s: float):
+        self.start, self.limit_s = time.perf_counter(), limit_s
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def left(self) -> float:
+        return self.limit_s - self.elapsed()
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ---------------------------------------------------------------- building
+
+def build_hf_model(name: str, device: torch.device, dtype: torch.dtype):
+    """transformers' own class, random init, built directly on the device in `dtype`."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kwargs = dict(CONFIGS[name])
+    model_type = kwargs.pop("model_type")
+    hf_config = AutoConfig.for_model(model_type, **kwargs)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(hf_config)
+    finally:
+        torch.set_default_dtype(previous)
+    model = model.to(dtype).eval()
+    raw = hf_config.to_dict()
+    raw["architectures"] = kwargs["architectures"]
+    return model, raw
+
+
+def _hf_tensor(state: dict, key: str) -> torch.Tensor:
+    """A checkpoint key in transformers' in-memory naming (v5 renamed Mixtral's
+    `block_sparse_moe` to `mlp`)."""
+    for candidate in (key, key.replace(".block_sparse_moe.", ".mlp.")):
+        if candidate in state:
+            return state[candidate]
+    raise KeyError(f"transformers model has no tensor {key!r}")
+
+
+def _hf_experts(state: dict, config: ModelConfig, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gate_up [E, 2I, H], down [E, H, I]) of one layer: transformers v5 keeps them fused in
+    this layout (gate rows first, as ours); older versions per expert (stacked here)."""
+    E, H, I = config.num_experts, config.hidden_size, config.expert_intermediate_size
+    for moe in ("mlp", "block_sparse_moe"):
+        gate_up = state.get(f"model.layers.{layer}.{moe}.experts.gate_up_proj")
+        if gate_up is not None:
+            down = state[f"model.layers.{layer}.{moe}.experts.down_proj"]
+            if tuple(gate_up.shape) != (E, 2 * I, H):  # stored input-major: transpose to ours
+                gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+            assert tuple(gate_up.shape) == (E, 2 * I, H) and tuple(down.shape) == (E, H, I)
+            return gate_up.contiguous(), down.contiguous()
+    from pagedweight.model.loader import expert_keys
+
+    keys = [expert_keys(config, layer, e) for e in range(E)]
+    gate_up = torch.stack([torch.cat([_hf_tensor(state, k["gate"]), _hf_tensor(state, k["up"])]) for k in keys])
+    down = torch.stack([_hf_tensor(state, k["down"]) for k in keys])
+    return gate_up, down
+
+
+def ours_from_hf(hf_model, config: ModelConfig) -> MoECausalLM:
+    """Our model over transformers' tensors (assigned, not copied: no second 28 GB)."""
+    state = dict(hf_model.state_dict())
+    with torch.device("meta"):
+        model = MoECausalLM(config)
+    ours = {}
+    for name, _ in model.named_parameters():
+        if name.endswith("experts.gate_up") or name.endswith("experts.down"):
+            continue
+        ours[name] = _hf_tensor(state, checkpoint_key(config, name))
+    for layer in range(config.num_layers):
+        ours[f"layers.{layer}.moe.experts.gate_up"], ours[f"layers.{layer}.moe.experts.down"] = \
+            _hf_experts(state, config, layer)
+    model.load_state_dict(ours, assign=True, strict=True)
+    for name, buf in list(model.named_buffers()):  # rotary tables etc. were built on meta
+        if buf.is_meta:
+            raise RuntimeError(f"buffer {name} left on the meta device")
+    return model.eval()
+
+
+def nested_uniform_planes(w: torch.Tensor, group: int | None = None) -> LayerPlanes:
+    """w [E, R, C] (one module of every expert of a layer) -> planes and LUTs, CPU.
+
+    Per row: 8-bit codes on 256 equal buckets of min..max (the b-bit code is the top b bits,
+    so nesting holds), LUT_b = the centres of the b-bit buckets. No calibration: for speed
+    and byte counts, not quality. Runs on w's device, `group` experts at a time.
+    """
+    E, R, C = w.shape
+    if group is None:  # about 40 bytes of temporaries per weight (fp32 copy, int32 bit planes)
+        group = max(1, min(8, (4 * GiB) // (R * C * 40)))
+    planes = torch.empty(E, 8, R, C // 8, dtype=torch.uint8)
+    luts = {b: torch.empty(E, R, 1 << b, dtype=torch.float16) for b in BIT_WIDTHS}
+    for first in range(0, E, group):
+        x = w[first:first + group].float()
+        g = x.shape[0]
+        lo, hi = x.amin(dim=2, keepdim=True), x.amax(dim=2, keepdim=True)
+        step = (hi - lo).clamp_min(1e-8) / 256
+        codes = ((x - lo) / step).floor_().clamp_(0, 255).to(torch.uint8)
+        packed = pack_planes(codes.reshape(g * R, C)).view(8, g, R, C // 8).permute(1, 0, 2, 3)
+        planes[first:first + g] = packed.cpu()
+        for b in BIT_WIDTHS:
+            centres = (torch.arange(1 << b, device=w.device, dtype=torch.float32) + 0.5) * (1 << (8 - b))
+            luts[b][first:first + g] = (lo + centres * step).to(torch.float16).cpu()
+    return LayerPlanes(planes, luts)
+
+
+def paged_in_memory(model: MoECausalLM, config: ModelConfig, raw_config: dict) -> PagedModel:
+    """The paged artifact `pagedweight quantize` would write, in memory: non-expert weights
+    (bf16, CPU), nested planes and LUTs of every routed expert, the metadata the runtime
+    and the planner read (block table; S_i(b) = 8-bit bytes * 4^-b, the rule the planner
+    uses without a table; uniform calibration routing)."""
+    apl = {}
+    for layer, block in enumerate(model.moe_blocks):
+        apl[(layer, "gate_up")] = nested_uniform_planes(block.experts.gate_up.detach())
+        apl[(layer, "down")] = nested_uniform_planes(block.experts.down.detach())
+    dense = {k: v.detach().to("cpu", torch.bfloat16) for k, v in model.state_dict().items()
+             if ".experts." not in k}
+    blocks = block_table(config)
+    sensitivity = {b["key"]: {str(w): b["bytes"]["8"] * 4.0 ** -w for w in BIT_WIDTHS} for b in blocks}
+    L, E, k = config.num_layers, config.num_experts, config.num_experts_per_tok
+    tokens = 1 << 16
+    routing = {"num_tokens": tokens, "routing_mass": [[tokens / E] * E] * L,
+               "token_counts": [[tokens * k / E] * E] * L}
+    meta = {"model_config": raw_config, "num_layers": L, "num_experts": E, "blocks": blocks,
+            "sensitivity": sensitivity, "routing": routing, "bit_widths": list(BIT_WIDTHS),
+            "quantizer": {"name": "nested-uniform (bench/real_shape.py), no calibration"}}
+    return PagedModel(None, config, meta, dense, apl, None)
+
+
+# ---------------------------------------------------------------- measuring
+
+def copy_bandwidth(device: torch.device, nbytes: int = 2 * GiB, repeats: int = 10) -> float:
+    """Device-to-device copy, bytes read + written per second (the floor's denominator)."""
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    sync(device)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    del src, dst
+    return 2 * nbytes / sorted(times)[len(times) // 2]
+
+
+def decode_bytes(config: ModelConfig, dense_bytes: int, embed_bytes_per_row: int, vocab_rows_bytes: int,
+                 batch: int, bits: int | None) -> float:
+    """Bytes one decode step of `batch` sequences must read: the non-expert weights once
+    (the embedding table only its `batch` rows), the experts the batch touches in
+    expectation under uniform routing at `bits` (None: bf16), KV not counted (short here)."""
+    E, k, L = config.num_experts, config.num_experts_per_tok, config.num_layers
+    H, I = config.hidden_size, config.expert_intermediate_size
+    touched = E * (1 - (1 - k / E) ** batch)
+    if bits is None:
+        per_expert = 2 * (2 * I * H + H * I)
+    else:
+        per_expert = block_bytes(2 * I, H, bits) + block_bytes(H, I, bits)
+    return dense_bytes - vocab_rows_bytes + batch * embed_bytes_per_row + L * touched * per_expert
+
+
+def tokens_per_s(engine, spec: LoadSpec, device: torch.device) -> dict:
+    drive_load(engine, LoadSpec(spec.concurrency, spec.concurrency, spec.prompt_len, 4, seed=1))  # warm-up
+    sync(device)
+    load = drive_load(engine, spec)
+    return {"concurrency": spec.concurrency, "requests": spec.num_requests, "completed": load.completed,
+            "output_tokens": load.output_tokens, "elapsed_s": round(load.elapsed_s, 3),
+            "output_tokens_per_s": round(load.output_tokens / load.elapsed_s, 1)}
+
+
+def ttft(engine, prompt_len: int, device: torch.device, repeats: int = 2) -> float:
+    """Seconds from add_request to the first token of one prompt on an idle engine (best of n)."""
+    vocab = engine.model.config.vocab_size
+    best = math.inf
+    for r in range(repeats + 1):  # the first one warms up the shapes
+        prompt = torch.randint(1, vocab, (prompt_len,), generator=torch.Generator().manual_seed(r)).tolist()
+        sync(device)
+        t0 = time.perf_counter()
+        engine.add_request(f"ttft{prompt_len}-{r}", prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+        done = False
+        while not done:
+            done = any(out.new_token_ids for out in engine.step())
+        elapsed = time.perf_counter() - t0
+        if r:
+            best = min(best, elapsed)
+        while engine.has_work:
+            engine.step()
+    return round(best, 4)
+
+
+def hf_generate_tokens_per_s(hf_model, vocab: int, batch: int, prompt_len: int, new_tokens: int,
+                             device: torch.device) -> dict:
+    gen = torch.Generator().manual_seed(batch)
+    ids = torch.randint(1, vocab, (batch, prompt_len), generator=gen).to(device)
+    mask = torch.ones_like(ids)
+    kwargs = dict(attention_mask=mask, do_sample=False, pad_token_id=0)
+    with torch.inference_mode():
+        hf_model.generate(ids, max_new_tokens=4, min_new_tokens=4, **kwargs)  # warm-up
+        sync(device)
+        t0 = time.perf_counter()
+        out = hf_model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kwargs)
+        sync(device)
+        elapsed = time.perf_counter() - t0
+    produced = batch * (out.shape[1] - prompt_len)
+    return {"concurrency": batch, "output_tokens": produced, "elapsed_s": round(elapsed, 3),
+            "output_tokens_per_s": round(produced / elapsed, 1)}
+
+
+def parity(hf_model, ours: MoECausalLM, vocab: int, device: torch.device) -> dict:
+    """Max |logit difference| between transformers and our model over one 16-token prompt."""
+    ids = torch.randint(1, vocab, (1, 16), generator=torch.Generator().manual_seed(7)).to(device)
+    with torch.inference_mode():
+        ref = hf_model(ids).logits[0].float()
+        got = ours(ids)[0].float()
+    return {"max_abs_diff": float((ref - got).abs().max()), "ref_abs_max": float(ref.abs().max()),
+            "argmax_agree": float((ref.argmax(-1) == got.argmax(-1)).float().mean())}
+
+
+def decode_profile(engine, concurrency: int, prompt_len: int, device: torch.device, steps: int = 8) -> dict:
+    """Where a decode step's time goes at `concurrency` sequences: host syncs per step
+    (torch.cuda.set_sync_debug_mode counts them), wall time per step, and the top operators
+    by device time (torch.profiler)."""
+    import warnings
+
+    vocab = engine.model.config.vocab_size
+    gen = torch.Generator().manual_seed(11)
+    for i in range(concurrency):
+        prompt = torch.randint(1, vocab, (prompt_len,), generator=gen).tolist()
+        engine.add_request(f"prof{i}", prompt, SamplingParams(max_tokens=steps + 8, ignore_eos=True))
+    for _ in range(4):  # prefill and a few decodes
+        engine.step()
+    result = {"concurrency": concurrency}
+    if device.type == "cuda":
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                engine.step()
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        sites = {}
+        for w in caught:
+            key = f"{Path(w.filename).name}:{w.lineno}"
+            sites[key] = sites.get(key, 0) + 1
+        result["host_syncs_per_step"] = len(caught)
+        result["sync_sites"] = sites
+        sync(device)
+    t0 = time.perf_counter()
+    for _ in range(steps // 2):
+        engine.step()
+    sync(device)
+    result["step_ms"] = round(1000 * (time.perf_counter() - t0) / (steps // 2), 2)
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(2):
+            engine.step()
+        sync(device)
+    sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    result["top_ops"] = prof.key_averages().table(sort_by=sort, row_limit=14, max_name_column_width=48)
+    while engine.has_work:
+        engine.step()
+    return result
+
+
+# ---------------------------------------------------------------- the run
+
+class Report:
+    """The result file, rewritten after every section."""
+
+    def __init__(self, path: Path, header: dict):
+        self.path, self.record = path, header
+
+    def put(self, key: str, value) -> None:
+        self.record[key] = value
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(json.dumps(self.record, indent=1) + "\n")
+        print(f"[{key}] {json.dumps(value)[:600]}", flush=True)
+
+
+def engine_config(max_seqs: int, max_tokens: int, num_kv_blocks: int = 1024) -> EngineConfig:
+    return EngineConfig(scheduler=SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=max_tokens),
+                        kv=KVCacheConfig(), num_kv_blocks=num_kv_blocks)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="qwen1.5-moe-a2.7b", choices=sorted(CONFIGS))
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--ttft-prompts", type=int, nargs="*", default=[512, 4096])
+    parser.add_argument("--static-bits", type=int, nargs="*", default=[4, 8, 3])
+    parser.add_argument("--kv-gib", type=float, default=8.0, help="KV room of the unpressured runtimes")
+    parser.add_argument("--pressure-requests", type=int, default=96)
+    parser.add_argument("--pressure-concurrency", type=int, default=64)
+    parser.add_argument("--pressure-prompt-len", type=int, default=256)
+    parser.add_argument("--skip", nargs="*", default=[], help="sections to skip: hf bf16 static pressure")
+    parser.add_argument("--time-limit-s", type=float, default=540.0)
+    parser.add_argument("--reserve-s", type=float, default=60.0,
+                        help="time a measurement must have left to start (a runtime build: 30 s more)")
+    parser.add_argument("--out", type=Path, default=None, help="result path (default bench/results/)")
+    args = parser.parse_args()
+    clock = Clock(args.time_limit_s)
+    device = torch.device(args.device)
+    dtype = torch.bfloat16
+    if device.type == "cpu":
+        torch.set_num_threads(2)
+    out = args.out or RESULTS_DIR / f"real_shape_{args.model}_{device.type}.json"
+    report = Report(out, {"benchmark": "real_shape", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                          "machine": machine(), "commit": commit(), "model": args.model,
+                          "dtype": "bfloat16", "args": {k: str(v) for k, v in vars(args).items()}})
+    specs = [LoadSpec(max(2, c), c, args.prompt_len, args.max_tokens) for c in args.concurrency]
+    max_seqs = max(max(args.concurrency), args.pressure_concurrency)
+    batched_tokens = max(512, min(2048, max(args.ttft_prompts or [0])))
+
+    bw = copy_bandwidth(device, GiB // 16 if device.type == "cpu" else 2 * GiB)
+    report.put("copy_bandwidth_bytes_per_s", bw)
+
+    t0 = time.perf_counter()
+    hf_model, raw = build_hf_model(args.model, device, dtype)
+    sync(device)
+    config = ModelConfig.from_dict(raw)
+    ours = ours_from_hf(hf_model, config)
+    report.put("build_s", round(time.perf_counter() - t0, 1))
+    report.put("parity_vs_transformers", parity(hf_model, ours, config.vocab_size, device))
+
+    # The floor: bytes per decode step over the copy bandwidth.
+    nonexpert = {k: v for k, v in ours.state_dict().items() if ".experts." not in k}
+    dense_bytes = sum(v.numel() * v.element_size() for v in nonexpert.values())
+    embed = ours.embed_tokens.weight if hasattr(ours, "embed_tokens") else next(
+        v for k, v in nonexpert.items() if "embed" in k)
+    row_bytes = embed.shape[1] * embed.element_size()
+    floors = {}
+    for name, bits in [("bf16", None)] + [(f"static-{b}", b) for b in args.static_bits]:
+        floors[name] = {}
+        for c in args.concurrency:
+            nbytes = decode_bytes(config, dense_bytes, row_bytes, embed.numel() * embed.element_size(), c, bits)
+            floors[name][str(c)] = {"bytes_per_step": round(nbytes), "floor_tokens_per_s": round(c * bw / nbytes, 1)}
+    report.put("hbm_floor", floors)
+
+    if "hf" not in args.skip:
+        rows = []
+        for c in args.concurrency:
+            if clock.left() < args.reserve_s:
+                rows.append({"concurrency": c, "skipped": "time limit"})
+                continue
+            rows.append(hf_generate_tokens_per_s(hf_model, config.vocab_size, c, args.prompt_len,
+                                                 args.max_tokens, device))
+            report.put("transformers_generate", rows)
+
+    if "bf16" not in args.skip:
+        engine = Engine(ours, engine_config(max_seqs, batched_tokens, num_kv_blocks=1024 if device.type == "cuda" else 512))
+        rows = []
+        for spec in specs:
+            if clock.left() < args.reserve_s:
+                break
+            rows.append(tokens_per_s(engine, spec, device))
+            report.put("engine_bf16_dense", rows)
+        if clock.left() > args.reserve_s + 30:
+            report.put("engine_bf16_dense_profile", decode_profile(engine, 16, args.prompt_len, device))
+        report.put("engine_bf16_dense_ttft_s", {str(n): ttft(engine, n, device) for n in args.ttft_prompts
+                                                if clock.left() > args.reserve_s})
+        del engine
+
+    t0 = time.perf_counter()
+    paged = paged_in_memory(ours, config, raw)
+    report.put("quantize_s", round(time.perf_counter() - t0, 1))
+    del ours, hf_model, nonexpert, embed
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+    ecfg = engine_config(max_seqs, batched_tokens)
+    workspace = workspace_bytes(config, ecfg, dtype)
+    experts8 = sum(block_bytes(b["rows"], b["cols"], 8) for b in paged.meta["blocks"])
+    report.put("bytes", {"non_expert_weights": dense_bytes, "workspace": workspace, "experts_8bit": experts8})
+
+    def runtime(policy: str, budget: int):
+        return build_runtime_from_paged(paged, RuntimeConfig(budget, policy, device=str(device), dtype=dtype,
+                                                             engine=ecfg), config.eos_token_ids)
+
+    static = {}
+
+    def run_static(bits_list):
+        ample = int(dense_bytes + workspace + experts8 + args.kv_gib * GiB)
+        for bits in bits_list:
+            if clock.left() < args.reserve_s + 30:
+                static[f"static-{bits}"] = {"skipped": "time limit"}
+                continue
+            t0 = time.perf_counter()
+            rt = runtime(f"static-{bits}", ample)
+            row = {"build_s": round(time.perf_counter() - t0, 1), "loads": []}
+            static[f"static-{bits}"] = row
+            for spec in specs:
+                if clock.left() < args.reserve_s:
+                    break
+                row["loads"].append(tokens_per_s(rt.engine, spec, device))
+                report.put("runtime_static", static)
+            if bits == 4 and clock.left() > args.reserve_s + 30:
+                row["profile"] = decode_profile(rt.engine, 16, args.prompt_len, device)
+            if bits == 4:
+                row["ttft_s"] = {str(n): ttft(rt.engine, n, device) for n in args.ttft_prompts if clock.left() > args.reserve_s}
+            report.put("runtime_static", static)
+            rt.close()
+            del rt
+            gc.collect()
+
+    # 8 and 4 bits first, then the pressure comparison, then 3 bits: what the limit cuts last
+    # matters least.
+    if "static" not in args.skip:
+        run_static([b for b in args.static_bits if b != 3])
+
+    if "pressure" not in args.skip:
+        kv_token = kv_block_bytes(config, 1, dtype)
+        wanted = args.pressure_concurrency * (args.pressure_prompt_len + args.max_tokens) * kv_token
+        budget = int(dense_bytes + workspace + experts8 + wanted // 2)
+        spec = LoadSpec(args.pressure_requests, args.pressure_concurrency, args.pressure_prompt_len, args.max_tokens)
+        pressure = {"budget_bytes": budget, "kv_wanted_bytes": wanted, "kv_room_at_8bit": wanted // 2,
+                    "load": vars(spec), "policies": {}}
+        for policy in ("static-4", "static-8", "pagedweight"):
+            if clock.left() < args.reserve_s + 30:
+                pressure["policies"][policy] = {"skipped": "time limit"}
+                continue
+            try:
+                rt = runtime(policy, budget)
+            except Exception as err:  # noqa: BLE001 - a policy that cannot start is a result too
+                pressure["policies"][policy] = {"error": repr(err)}
+                continue
+            result = run_load(rt, spec)
+            if rt.pager is not None:
+                result["pager"] = rt.pager.stats().to_dict()
+            pressure["policies"][policy] = result
+            report.put("pressure", pressure)
+            rt.close()
+            del rt
+            gc.collect()
+        report.put("pressure", pressure)
+    if "static" not in args.skip:
+        run_static([b for b in args.static_bits if b == 3])
+    report.put("total_s", round(clock.elapsed(), 1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
