@@ -9,7 +9,7 @@ setup:
 	$(PYTHON) -m venv $(VENV)
 	# The CPU build of torch first: a plain `torch` requirement would pull a multi-GB CUDA build.
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e ".[test]"
+	$(BIN)/pip install --quiet -e ".[test,bench]"
 
 test:
 	# imports run one way: the contracts in pyproject.toml ([tool.importlinter])

@@ -3,7 +3,7 @@ runtime at static 8/4/3 bits, and the `pagedweight` policy under memory pressure
 against the HBM floor measured in the same run (issues 12 and 17).
 
 Nothing is written to disk but the result: the checkpoint is `transformers`' own class
-(`Qwen2MoeForCausalLM`, `MixtralForCausalLM`) randomly initialised on the device in bf16;
+(`Qwen2MoeForCausalLM`, `MixtralForCausalLM`, `Qwen3MoeForCausalLM`, `OlmoeForCausalLM`) randomly initialised on the device in bf16;
 our `MoECausalLM` is assembled over the same tensors (no copy); the routed experts are
 quantised by a fast nested-uniform path (`nested_uniform_planes`: per-row min-max 8-bit
 codes, b-bit LUTs at the b-bit bucket centres; no calibration, so quality is not measured
@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 
 from bench.bench_meta import RESULTS_DIR, commit, machine
+from bench.real_shape_configs import REAL_SHAPE_CONFIGS
 from pagedweight.cli.load_bench import LoadSpec, drive_load, run_load
 from pagedweight.engine.engine import Engine, EngineConfig
 from pagedweight.engine.sampler import SamplingParams
@@ -75,6 +76,19 @@ CONFIGS = {
         shared_expert_intermediate_size=128, norm_topk_prob=False, max_position_embeddings=8192,
         rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False),
 }
+# Issue 15's families, at the shapes bench/real_shape_configs.py checks against the published
+# parameter counts, and tiny versions to check the script on the CPU.
+CONFIGS.update({
+    "qwen3-30b-a3b": dict(model_type="qwen3_moe", **REAL_SHAPE_CONFIGS["Qwen3-30B-A3B"]),
+    "olmoe-1b-7b": dict(model_type="olmoe", **REAL_SHAPE_CONFIGS["OLMoE-1B-7B"]),
+    "tiny-qwen3-moe": dict(model_type="qwen3_moe", **{**REAL_SHAPE_CONFIGS["Qwen3-30B-A3B"], **dict(
+        vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=96, intermediate_size=128,
+        eos_token_id=2)}),
+    "tiny-olmoe": dict(model_type="olmoe", **{**REAL_SHAPE_CONFIGS["OLMoE-1B-7B"], **dict(
+        vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+        num_experts=16, num_experts_per_tok=4, intermediate_size=96, eos_token_id=2)}),
+})
 
 
 class Clock:

@@ -46,7 +46,9 @@ class RuntimeConfig:
     dtype: torch.dtype = torch.float32
     page_bytes: int = DEFAULT_PAGE_BYTES
     min_kv_tokens_at_start: int = 64  # KV room the starting bits leave free
-    scales_file: str | None = None  # loss scales for the policy (`pagedweight plan-scales`)
+    # loss scales for the policy: None = the artifact's (quantize measures them), "raw" = none,
+    # else a file from `pagedweight plan-scales`
+    scales_file: str | None = None
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self):
@@ -150,14 +152,15 @@ def _policy_planner(paged, config: RuntimeConfig, table: PageTable, model: MoECa
     import numpy as np
 
     from pagedweight.format.paged_meta import META_FILE
-    from pagedweight.planner.artifact import table_from_meta
-    from pagedweight.planner.loss_scale import GroupScales
+    from pagedweight.planner.artifact import artifact_scales, choose_scales, table_from_meta
     from pagedweight.weights.in_process_planner import InProcessPlanner, page_table_registration
     from pagedweight.weights.routing_feed import RoutingFeed
 
-    t = table_from_meta(paged.meta, Path(paged.path or ".") / META_FILE)
+    where = Path(paged.path or ".") / META_FILE
+    t = table_from_meta(paged.meta, where)
     top_k = int(paged.meta["model_config"].get("num_experts_per_tok", 2))
-    scales = GroupScales.read(config.scales_file) if config.scales_file else None
+    # default: the loss scales quantize stored in the artifact; "raw": none; else a file
+    scales, _ = choose_scales(artifact_scales(paged.meta, where, "sensitivity"), config.scales_file, "sensitivity")
     row = {bid: i for i, bid in enumerate(t.block_ids)}
     sensitivity = np.stack([t.sensitivity[row[bid]] for bid in table.entries])  # page-table order
     planner = InProcessPlanner(config.policy, scales)

@@ -126,3 +126,26 @@ def test_tokens_read_back_through_block_tables(use_arena):
     assert torch.equal(bk.reshape(6, G, D), k[:6]) and torch.equal(bv.reshape(6, G, D), v[:6])
     other, _ = kv.read_blocks(0, torch.tensor(tables[0]))
     assert not torch.equal(other.reshape(6, G, D), k[:6])  # layer 0 was not written
+
+
+def test_release_before_gives_back_only_blocks_wholly_behind_the_window():
+    from pagedweight.memory.kv_cache import RELEASED
+
+    manager = KVBlockManager(block_size=4)
+    manager.add_blocks(range(8))
+    seq, other = Seq(1), Seq(2)
+    manager.allocate(seq, 14)  # blocks 0..3 hold positions 0..13
+    manager.allocate(other, 3)
+    assert manager.release_before(seq, 7) == [0]  # block 1 still holds position 7
+    assert manager.release_before(seq, 7) == []  # idempotent
+    assert manager.release_before(seq, 12) == [1, 2]
+    assert seq.block_ids == [RELEASED, RELEASED, RELEASED, 3]  # positions keep their index
+    assert manager.num_used_blocks == 2 and manager.num_free_blocks == 6
+    manager.allocate(seq, 17)  # the table grows past its released entries
+    assert len(seq.block_ids) == 5 and seq.block_ids[:3] == [RELEASED] * 3
+    live = [3, seq.block_ids[4]]
+    assert sorted(manager.free(seq)) == sorted(live)
+    assert manager.num_used_blocks == 1 and manager.num_free_blocks == 7
+    other.block_ids.append(5)  # a block it does not own
+    with pytest.raises(RuntimeError, match="not owned"):
+        manager.release_before(other, 8)

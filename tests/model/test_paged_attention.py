@@ -13,18 +13,23 @@ from pagedweight.model.paged_attention import SeqSlice, build_step, paged_attent
 from tests.conftest import BUNDLED_MODEL
 
 
-def plain_attention(q, k, v, start):
-    """q [n, N, D] at positions start.., k, v [S, G, D]: softmax attention, no SDPA."""
+def plain_attention(q, k, v, start, window=None):
+    """q [n, N, D] at positions start.., k, v [S, G, D]: softmax attention, no SDPA; with a
+    window W, query p sees keys p - W + 1 .. p."""
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
     scores = torch.einsum("qhd,khd->hqk", q, k) / q.shape[-1] ** 0.5
     q_pos = torch.arange(start, start + q.shape[0])[:, None]
-    scores = scores.masked_fill(torch.arange(k.shape[0])[None] > q_pos, float("-inf"))
+    k_pos = torch.arange(k.shape[0])[None]
+    scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+    if window is not None:
+        scores = scores.masked_fill(k_pos <= q_pos - window, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
+@pytest.mark.parametrize("window", [None, 3, 6])
 @pytest.mark.parametrize("impl", ["reference", "batched"])
-def test_paths_match_plain_attention_on_odd_lengths(impl):
+def test_paths_match_plain_attention_on_odd_lengths(impl, window):
     config = ModelConfig.from_dir(BUNDLED_MODEL)
     G, N, D = config.num_kv_heads, config.num_heads, config.head_dim
     gen = torch.Generator().manual_seed(1)
@@ -44,8 +49,8 @@ def test_paths_match_plain_attention_on_odd_lengths(impl):
     q = torch.cat([h[5] for h in history])
     new_k = torch.cat([h[3][h[1] - h[2] :] for h in history])
     new_v = torch.cat([h[4][h[1] - h[2] :] for h in history])
-    out = paged_attention(0, q, new_k, new_v, step)
-    expected = torch.cat([plain_attention(qi, k, v, ctx - n) for _, ctx, n, k, v, qi in history])
+    out = paged_attention(0, q, new_k, new_v, step, window)
+    expected = torch.cat([plain_attention(qi, k, v, ctx - n, window) for _, ctx, n, k, v, qi in history])
     assert out.shape == expected.shape
     assert (out - expected).abs().max().item() < 1e-5
 

@@ -23,7 +23,10 @@ TEXT = "And God saw the light, that it was good: and God divided the light from 
 
 @pytest.fixture(scope="module")
 def paged(paged_dir):
-    return load_paged_model(paged_dir)
+    from pagedweight.model.source_experts import attach_source_experts
+
+    # the artifact stores no bf16 experts: the reference comes from the source checkpoint
+    return attach_source_experts(load_paged_model(paged_dir))
 
 
 @pytest.fixture(scope="module")

@@ -43,7 +43,7 @@ def register(subparsers) -> None:
     engine.add_argument("--max-tokens", type=int, default=default_of(LoadSpec, "max_tokens"))
     engine.add_argument("--policy", default=default_of(RuntimeConfig, "policy"), help="planner policy, or static-B")
     engine.add_argument("--scales", default=None,
-                        help="loss scales for the policy (from `pagedweight plan-scales`)")
+                        help="loss scales: default the artifact's; 'raw' for none; or a plan-scales file")
     engine.add_argument("--device", default=default_of(RuntimeConfig, "device"))
     engine.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                         help="default: float32 on CPU, bfloat16 on CUDA")

@@ -92,6 +92,10 @@ def load_paged_from_args(path: str, bits: int | None, bits_file: str | None, dty
     if bits is not None:
         check_width(bits, "--bits")
     paged = load_paged_model(path, with_bf16=bits is None and bits_file is None)
+    if bits is None and bits_file is None:  # the unquantised reference
+        from pagedweight.model.source_experts import attach_source_experts
+
+        attach_source_experts(paged)
     model = build_paged_lm(paged, dtype=dtype, device=device)
     if bits_file is not None:
         set_model_bits(model, read_bits_file(bits_file, paged.config, default=bits))

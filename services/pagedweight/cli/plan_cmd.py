@@ -10,7 +10,9 @@ the prompt is prefilled once (every block at 8 bits) and its routing feeds the r
 statistics and the prompt-residual heads, as the online planner's would; the plan is for
 a steady stream of such traffic (the moving average sees it for four half-lives). Prints one JSON
 line: budget, the plan's bytes, and its predicted damage under the full damage model.
-`--scales` (from `pagedweight plan-scales`) puts the sensitivity tables in loss units.
+The sensitivity table is put in loss units by the artifact's loss scales (measured by
+`quantize`); `--scales raw` plans with the unscaled table (an ablation), `--scales FILE`
+with scales from `pagedweight plan-scales`.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ def register(subparsers) -> None:
     parser.add_argument("--sensitivity", default="sensitivity", choices=("sensitivity", "sensitivity_gn"),
                         help="the artifact's S table: output-space (default) or Gauss-Newton")
     parser.add_argument("--scales", default=None,
-                        help="loss scales from `pagedweight plan-scales` (default: raw sensitivity)")
+                        help="loss scales: default the artifact's (measured by quantize); 'raw' for the "
+                             "unscaled table (ablation); or a file from `pagedweight plan-scales`")
     parser.add_argument("--out", required=True, help="where to write the JSON bits map")
     parser.set_defaults(handler=run_plan)
 
@@ -55,9 +58,7 @@ def resolve_budget(table, expert_bytes: int | None, avg_bits: float | None) -> i
 
 def run_plan(args) -> int:
     from pagedweight.cli.eval_cmd import read_text
-    from pagedweight.planner.artifact import load_planner_inputs
-    from pagedweight.planner.damage import DamageModel
-    from pagedweight.planner.loss_scale import GroupScales
+    from pagedweight.planner.artifact import choose_scales, load_planner_inputs
     from pagedweight.planner.policies import PlanContext, make_policy
     from pagedweight.planner.planner import plan_damage
 
@@ -71,10 +72,7 @@ def run_plan(args) -> int:
     context = PlanContext()
     if args.prompt_file is not None:
         context = context_from_prompt(args.model, read_text(args.prompt_file), inputs, args.prompt_tokens)
-    scales = GroupScales.read(args.scales) if args.scales else None
-    if scales is not None and scales.sensitivity != args.sensitivity:
-        raise UserError(f"{args.scales}: scales were measured for the {scales.sensitivity!r} table, "
-                        f"not --sensitivity {args.sensitivity}")
+    scales, scales_label = choose_scales(inputs.scales, args.scales, args.sensitivity)
     plan = make_policy(args.policy, table, scales=scales).plan(budget, context)
     # one damage model, the full one, as the yardstick for every policy's plan
     yardstick = make_policy("pagedweight", table, scales=scales)
@@ -85,7 +83,7 @@ def run_plan(args) -> int:
         "uniform_bytes": {str(b): table.uniform_bytes(b) for b in range(3, 9)},
         "predicted_damage": plan_damage(damage, plan.bits),
         "bits_histogram": {str(b): int(n) for b, n in enumerate(np.bincount(plan.bits, minlength=9)) if b >= 3},
-        "floors_relaxed": plan.floors_relaxed, "prompt_file": args.prompt_file, "scales": args.scales,
+        "floors_relaxed": plan.floors_relaxed, "prompt_file": args.prompt_file, "scales": scales_label,
         "sensitivity": args.sensitivity,
         "out": args.out,
     }))

@@ -28,6 +28,12 @@ def register(subparsers) -> None:
                         help="where k-means runs: cpu or cuda[:N]")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default: torch's choice; 1 is much faster on a busy machine)")
+    parser.add_argument("--keep-bf16", action="store_true",
+                        help="also store the original experts in bf16 (default: the unquantised reference "
+                             "is read from --model, recorded in the artifact)")
+    parser.add_argument("--scale-tokens", type=int, default=default_of(QuantizeConfig, "scale_tokens"),
+                        help="calibration tokens per file for the planner's loss scales (0: skip them; "
+                             "the planner then ranks by raw sensitivity)")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     parser.add_argument("--force", action="store_true",
                         help="replace a non-empty --out (only once the new artifact is complete)")
@@ -60,12 +66,15 @@ def run_quantize(args) -> int:
             raise UserError(f"--threads must be in 1..1024, got {args.threads}")
         import torch
         torch.set_num_threads(args.threads)
+    if args.scale_tokens < 0 or args.scale_tokens == 1:
+        raise UserError(f"--scale-tokens must be 0 or >= 2, got {args.scale_tokens}")
     files = [Path(f) for f in args.calib] if args.calib else default_calib_files()
     for f in files:
         read_text(str(f))  # exists and is UTF-8, before hours of work
     calib = CalibConfig(seq_len=args.seq_len, max_tokens_per_file=args.calib_tokens)
     log = (lambda msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
-    config = QuantizeConfig(calib=calib, device=str(device))
+    config = QuantizeConfig(calib=calib, device=str(device), keep_bf16=args.keep_bf16,
+                            scale_tokens=args.scale_tokens)
     with atomic_output_dir(out, args.force) as tmp:
         quantize_model(args.model, tmp, files, config, log)
     print(args.out)

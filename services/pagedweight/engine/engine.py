@@ -161,8 +161,11 @@ class Engine:
 
     def _update(self, scheduled: list[ScheduledSeq], token_ids: list[int]) -> list[RequestOutput]:
         samplers = [s.seq for s in scheduled if s.samples]  # before `samples` changes below
+        window = self.model.config.kv_window
         for s in scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens
+            if window is not None:  # the next query (at num_computed_tokens) sees W keys back
+                self.kv.release_before(s.seq, s.seq.num_computed_tokens - window + 1)
         return [self._append(seq, token) for seq, token in zip(samplers, token_ids)]
 
     def _append(self, seq: Sequence, token: int) -> RequestOutput:

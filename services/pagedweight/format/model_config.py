@@ -1,11 +1,18 @@
 """Model configuration read from a Hugging Face `config.json`.
 
-Two architectures share one decoder; they differ only in the MoE block:
+Four architectures share one decoder; they differ in the MoE block and in attention:
 - Mixtral (`MixtralForCausalLM`): top-k experts with renormalised weights, no shared
   expert, no attention bias.
 - Qwen1.5-MoE (`Qwen2MoeForCausalLM`): fine-grained experts, top-k without
   renormalisation (unless `norm_topk_prob`), a shared expert scaled by a sigmoid gate,
   bias on q/k/v.
+- Qwen3-MoE (`Qwen3MoeForCausalLM`): no shared expert, `norm_topk_prob`, an RMSNorm on
+  each query and key head before RoPE (`qk_norm="head"`), optional bias on q/k/v/o.
+- OLMoE (`OlmoeForCausalLM`): like Qwen3-MoE, but its q/k RMSNorms run over the whole
+  projection before the heads are split (`qk_norm="full"`).
+Switches these configs may carry that change the maths but that we do not implement
+(Qwen3-MoE windows on only the first `max_window_layers`, `clip_qkv` on OLMoE, dense-only layers, other
+activations) are refused with an error naming the field, never silently ignored.
 """
 
 from __future__ import annotations
@@ -17,7 +24,16 @@ from pathlib import Path
 from pagedweight.common.errors import CheckpointError, UnsupportedModelError
 from pagedweight.common.json_files import read_json_object
 
-SUPPORTED_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM")
+SUPPORTED_ARCHITECTURES = (
+    "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "OlmoeForCausalLM",
+)
+# Architectures whose MoE block sits under `model.layers.N.mlp` in checkpoints (Mixtral
+# uses `block_sparse_moe`).
+_MLP_NAMED_MOE = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM")
+QK_NORMS = ("none", "head", "full")
 
 
 @dataclass(frozen=True)
@@ -40,10 +56,32 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     eos_token_ids: tuple[int, ...]
+    # Added with Qwen3-MoE and OLMoE; the defaults are Mixtral's and Qwen1.5-MoE's.
+    qk_norm: str = "none"  # one of QK_NORMS: RMSNorm on q, k per head, over the full projection, or none
+    o_proj_bias: bool = False  # bias on the output projection (Qwen3-MoE/OLMoE `attention_bias`)
+    # Sliding-window attention (Qwen3-MoE `use_sliding_window`): a query at position p sees
+    # keys at p - sliding_window + 1 .. p, in every layer. None: full causal attention.
+    sliding_window: int | None = None
+
+    def layer_window(self, layer: int) -> int | None:
+        """The attention window of one layer (None: full attention)."""
+        return self.sliding_window
+
+    @property
+    def kv_window(self) -> int | None:
+        """The window every layer keeps within, or None if some layer attends to everything:
+        KV of tokens more than kv_window - 1 behind the next query is read by no layer again."""
+        windows = {self.layer_window(i) for i in range(self.num_layers)}
+        return None if None in windows else max(windows)
 
     @property
     def is_qwen2_moe(self) -> bool:
         return self.architecture == "Qwen2MoeForCausalLM"
+
+    @property
+    def moe_checkpoint_name(self) -> str:
+        """The MoE block's module name in checkpoint keys."""
+        return "mlp" if self.architecture in _MLP_NAMED_MOE else "block_sparse_moe"
 
     @classmethod
     def from_dict(cls, raw: dict, source: str = "config.json") -> "ModelConfig":
@@ -65,6 +103,8 @@ class ModelConfig:
 
     @classmethod
     def _parse(cls, f: "_Fields", architecture: str) -> "ModelConfig":
+        if architecture in ("Qwen3MoeForCausalLM", "OlmoeForCausalLM"):
+            return cls._parse_qk_norm_family(f, architecture)
         qwen = architecture == "Qwen2MoeForCausalLM"
         if qwen and f.raw.get("mlp_only_layers"):
             raise UnsupportedModelError(f"{f.source}: dense `mlp_only_layers` are not supported")
@@ -106,6 +146,55 @@ class ModelConfig:
                                   f"num_key_value_heads {self.num_kv_heads}")
         if self.head_dim % 2:
             raise CheckpointError(f"{source}: head_dim {self.head_dim} must be even (rotary embedding)")
+
+    @classmethod
+    def _parse_qk_norm_family(cls, f: "_Fields", architecture: str) -> "ModelConfig":
+        """Qwen3-MoE and OLMoE: q/k RMSNorms, no shared expert, one bias switch for q/k/v/o."""
+        qwen3 = architecture == "Qwen3MoeForCausalLM"
+        raw, source = f.raw, f.source
+        _refuse_other_activations(f)
+        if qwen3:
+            if raw.get("mlp_only_layers"):
+                raise UnsupportedModelError(f"{source}: dense `mlp_only_layers` are not supported")
+            if raw.get("decoder_sparse_step", 1) != 1:
+                raise UnsupportedModelError(f"{source}: `decoder_sparse_step` != 1 is not supported")
+        elif raw.get("clip_qkv") is not None:
+            raise UnsupportedModelError(f"{source}: `clip_qkv` (clamped q/k/v) is not supported")
+        hidden = f.int("hidden_size", 1, MAX_HIDDEN)
+        num_heads = f.int("num_attention_heads", 1, MAX_HEADS)
+        num_layers = f.int("num_hidden_layers", 1, MAX_LAYERS)
+        vocab = f.int("vocab_size", 1, MAX_VOCAB)
+        # OLMoE has no head_dim key: its heads are hidden // num_heads, and its k_norm spans
+        # num_kv_heads of them.
+        head_dim = (f.int("head_dim", 1, MAX_HEAD_DIM, default=None) if qwen3 else None) \
+            or _default_head_dim(f, hidden, num_heads)
+        # transformers 5 writes `num_local_experts` (an alias) for these families
+        experts_key = "num_experts" if raw.get("num_experts") is not None else "num_local_experts"
+        bias = f.bool("attention_bias", False)
+        return cls(
+            architecture=architecture,
+            vocab_size=vocab,
+            hidden_size=hidden,
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=f.int("num_key_value_heads", 1, MAX_HEADS, default=num_heads),
+            head_dim=head_dim,
+            num_experts=f.int(experts_key, 1, MAX_EXPERTS),
+            num_experts_per_tok=f.int("num_experts_per_tok", 1, MAX_EXPERTS),
+            expert_intermediate_size=f.int("moe_intermediate_size" if qwen3 else "intermediate_size",
+                                           1, MAX_INTERMEDIATE),
+            shared_expert_intermediate_size=0,
+            norm_topk_prob=f.bool("norm_topk_prob", False),
+            attention_bias=bias,
+            rms_norm_eps=f.float("rms_norm_eps", 0.0, 1.0, default=1e-6 if qwen3 else 1e-5),
+            rope_theta=_rope_theta(f),
+            max_position_embeddings=f.int("max_position_embeddings", 1, MAX_POSITIONS, default=4096),
+            tie_word_embeddings=f.bool("tie_word_embeddings", False),
+            eos_token_ids=_eos_ids(f, vocab),
+            qk_norm="head" if qwen3 else "full",
+            o_proj_bias=bias,
+            sliding_window=_sliding_window(f, num_layers) if qwen3 else None,
+        )
 
     @classmethod
     def from_dir(cls, model_dir: Path) -> "ModelConfig":
@@ -198,6 +287,23 @@ def _eos_ids(f: _Fields, vocab: int) -> tuple[int, ...]:
             raise CheckpointError(f"{f.source}: eos_token_id must be token ids in 0..{vocab - 1}, "
                                   f"got {repr(eos)[:60]}")
     return tuple(ids)
+
+
+def _sliding_window(f: _Fields, num_layers: int) -> int | None:
+    """Qwen3-MoE's window: with `use_sliding_window`, transformers 5.24 windows every layer."""
+    if not f.bool("use_sliding_window", False):
+        return None
+    if f.int("max_window_layers", 0, MAX_LAYERS, default=num_layers) < num_layers:
+        # older configs' max_window_layers windowed only some layers: refuse what we would misread
+        raise UnsupportedModelError(
+            f"{f.source}: `max_window_layers` below num_hidden_layers with `use_sliding_window` is not supported")
+    return f.int("sliding_window", 1, MAX_POSITIONS)
+
+
+def _refuse_other_activations(f: _Fields) -> None:
+    act = f.raw.get("hidden_act", "silu")
+    if act != "silu":
+        raise UnsupportedModelError(f"{f.source}: hidden_act {repr(act)[:40]} is not supported (experts use SiLU)")
 
 
 def _rope_theta(f: _Fields) -> float:

@@ -14,7 +14,11 @@ from pagedweight.common.json_files import read_json_object
 from pagedweight.format.paged_model_checks import block_keys, check_routing, check_sections, check_sensitivity
 
 FORMAT_NAME = "pagedweight.paged_model"
-FORMAT_VERSION = 1
+# 2: the bf16 copy of the routed experts is optional (`quantize --keep-bf16`); without it
+# the unquantised reference is read from the source checkpoint recorded in `source.path`.
+# Version 1 directories (which always carry the copy) still load.
+FORMAT_VERSION = 2
+READABLE_FORMAT_VERSIONS = (1, 2)
 APL_FORMAT_VERSION = 1  # docs/apl_format.md
 META_FILE = "paged_model.json"
 DENSE_FILE = "dense.safetensors"
@@ -40,11 +44,12 @@ def read_meta(path: Path) -> dict:
         raise CheckpointError(f"{meta_path}: not a PagedWeight paged model "
                               f"(format {repr(meta.get('format'))[:60]})")
     version = meta.get("format_version")
-    if version != FORMAT_VERSION or meta.get("apl_format_version") != APL_FORMAT_VERSION:
+    if version not in READABLE_FORMAT_VERSIONS or meta.get("apl_format_version") != APL_FORMAT_VERSION:
         raise CheckpointError(
             f"{meta_path}: unknown paged model format version {repr(version)[:20]} (APL "
-            f"{repr(meta.get('apl_format_version'))[:20]}); this PagedWeight reads version {FORMAT_VERSION} "
-            f"(APL {APL_FORMAT_VERSION}): re-run `pagedweight quantize`")
+            f"{repr(meta.get('apl_format_version'))[:20]}); this PagedWeight reads versions "
+            f"{', '.join(map(str, READABLE_FORMAT_VERSIONS))} (APL {APL_FORMAT_VERSION}): "
+            f"re-run `pagedweight quantize`")
     for key in ("model_config", "files", "blocks", "sensitivity", "routing"):
         if key not in meta:
             raise CheckpointError(f"{meta_path}: metadata has no {key!r} section")

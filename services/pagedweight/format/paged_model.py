@@ -12,8 +12,11 @@ Layout (docs/paged_model.md):
                                 layers.{l}.{m}.planes    uint8 [E, 8, rows, cols/8]
                                 layers.{l}.{m}.lut{b}    fp16  [E, rows, 2^b], b = 3..8
                               expert e's slice is exactly one APL block (apl_format.py)
-    experts_bf16.safetensors  the original routed experts, layers.{l}.{m} bf16 [E, rows, cols]
-                              (the "no bits given" reference)
+    experts_bf16.safetensors  only with `quantize --keep-bf16`: the original routed experts,
+                              layers.{l}.{m} bf16 [E, rows, cols] (the "no bits given"
+                              reference); by default the reference is read from the source
+                              checkpoint (`source.path`, model/source_experts.py), so the
+                              artifact holds no second copy of the experts (format version 2)
     residual_heads.safetensors  prompt-residual ridge heads (residual_heads.py)
     hessians.safetensors      the calibration's smoothed input-Hessian diagonals h,
                               layers.{l}.{m} fp32 [E, cols] (S_i(b) = h . err_i(b)), and
@@ -134,7 +137,7 @@ def block_table(config: ModelConfig) -> list[dict]:
 def save_paged_model(out_dir: str | Path, source_dir: str | Path, config: ModelConfig,
                      dense_state: dict[str, torch.Tensor],
                      apl: dict[tuple[int, str], LayerPlanes],
-                     bf16_experts: dict[tuple[int, str], torch.Tensor],
+                     bf16_experts: dict[tuple[int, str], torch.Tensor] | None,
                      extra_meta: dict, residual_heads: dict[str, torch.Tensor] | None = None,
                      hessians: dict[tuple[int, str], torch.Tensor] | None = None) -> Path:
     """Write the directory; `extra_meta` adds calibration, routing, sensitivity, ... sections."""
@@ -146,8 +149,9 @@ def save_paged_model(out_dir: str | Path, source_dir: str | Path, config: ModelC
     tensors = {
         DENSE_FILE: {k: v.to(torch.bfloat16).contiguous() for k, v in dense_state.items()},
         APL_FILE: _apl_tensors(apl),
-        BF16_FILE: {f"layers.{l}.{m}": t.to(torch.bfloat16).contiguous() for (l, m), t in bf16_experts.items()},
     }
+    if bf16_experts is not None:
+        tensors[BF16_FILE] = {f"layers.{l}.{m}": t.to(torch.bfloat16).contiguous() for (l, m), t in bf16_experts.items()}
     if residual_heads:
         tensors[HEADS_FILE] = {k: v.contiguous() for k, v in residual_heads.items()}
     if hessians:
@@ -161,7 +165,8 @@ def save_paged_model(out_dir: str | Path, source_dir: str | Path, config: ModelC
         "apl_format_version": APL_FORMAT_VERSION,
         "architecture": config.architecture,
         "model_config": raw_config,
-        "source": {"path": str(Path(source_dir).resolve())},
+        "source": {"path": str(Path(source_dir).resolve()),
+                   "bf16_experts": "stored" if bf16_experts is not None else "source checkpoint"},
         "num_layers": config.num_layers,
         "num_experts": config.num_experts,
         "bit_widths": list(BIT_WIDTHS),
@@ -199,7 +204,9 @@ def _sha256(path: Path) -> str:
 def load_paged_model(path: str | Path, with_bf16: bool = True, verify: bool = True) -> PagedModel:
     """Load and check a paged model directory (CPU tensors).
 
-    `with_bf16=False` skips the original experts (the serving path never reads them);
+    `with_bf16=False` skips the original experts (the serving path never reads them); with
+    True they are read from the directory if it stores them, else left None for
+    `model.source_experts.attach_source_experts` to read from the source checkpoint;
     `verify=False` skips the sha256 checks (sizes and shapes are always checked).
     """
     path = Path(path)
@@ -211,7 +218,8 @@ def load_paged_model(path: str | Path, with_bf16: bool = True, verify: bool = Tr
     # every file read below is listed in meta["files"], so its size (and hash) was just checked
     dense = _check_floats(_load(path / DENSE_FILE), path / DENSE_FILE)
     apl = _parse_apl(path, _load(path / APL_FILE), config)
-    bf16 = _parse_bf16(path, _load(path / BF16_FILE), config) if with_bf16 else None
+    stored = BF16_FILE in meta["files"]
+    bf16 = _parse_bf16(path, _load(path / BF16_FILE), config) if with_bf16 and stored else None
     heads = _check_floats(_load(path / HEADS_FILE), path / HEADS_FILE) if HEADS_FILE in meta["files"] else {}
     hessians = _parse_hessians(path, _load(path / HESSIAN_FILE), config) if HESSIAN_FILE in meta["files"] else {}
     return PagedModel(path, config, meta, dense, apl, bf16, heads, hessians)
@@ -233,7 +241,10 @@ def check_dense_state(paged: PagedModel, expected: dict[str, tuple[int, ...]]) -
 
 def check_meta_against_config(path: Path, meta: dict, config: ModelConfig, with_bf16: bool) -> None:
     """The metadata describes this model_config's blocks and lists every file to be read."""
-    required = (DENSE_FILE, APL_FILE, BF16_FILE) if with_bf16 else (DENSE_FILE, APL_FILE)
+    # version 1 always stored the bf16 experts; from version 2 they are optional (the
+    # reference is then read from the source checkpoint, model/source_experts.py)
+    stores_bf16 = with_bf16 and meta.get("format_version") == 1
+    required = (DENSE_FILE, APL_FILE, BF16_FILE) if stores_bf16 else (DENSE_FILE, APL_FILE)
     check_files_section(path, meta["files"], KNOWN_FILES, required)
     check_block_list(meta, config, block_table(config), path / META_FILE)
 

@@ -62,6 +62,11 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+# A block-table entry whose block was given back because its tokens fell out of every
+# layer's attention window: the entry stays so later positions keep their table index.
+RELEASED = -1
+
+
 class KVBlockManager:
     """Free block ids and block tables; no tensors.
 
@@ -107,15 +112,32 @@ class KVBlockManager:
 
     def free(self, seq: BlockOwner) -> list[int]:
         """Return seq's blocks to the free list; returns them."""
-        for block_id in seq.block_ids:
+        live = [b for b in seq.block_ids if b != RELEASED]
+        for block_id in live:
             if self._owner.get(block_id) != seq.seq_id:
                 raise RuntimeError(f"KV: block {block_id} is not owned by sequence {seq.seq_id}")
-        freed = list(seq.block_ids)
+        freed = live
         for block_id in freed:
             del self._owner[block_id]
             heapq.heappush(self._free, self._sign * block_id)
         seq.block_ids.clear()
         return freed
+
+    def release_before(self, seq: BlockOwner, position: int) -> list[int]:
+        """Give back seq's blocks holding only tokens before `position` (no query will read
+        them again); their table entries become RELEASED. Returns the blocks given back."""
+        released = []
+        for i in range(min(position // self.block_size, len(seq.block_ids))):
+            block_id = seq.block_ids[i]
+            if block_id == RELEASED:
+                continue
+            if self._owner.get(block_id) != seq.seq_id:
+                raise RuntimeError(f"KV: block {block_id} is not owned by sequence {seq.seq_id}")
+            del self._owner[block_id]
+            heapq.heappush(self._free, self._sign * block_id)
+            seq.block_ids[i] = RELEASED
+            released.append(block_id)
+        return released
 
     def add_blocks(self, block_ids) -> None:
         for block_id in block_ids:
@@ -225,6 +247,11 @@ class PagedKVCache:
 
     def free(self, seq: BlockOwner) -> None:
         for block_id in self.manager.free(seq):
+            self._relabel(block_id, KV_FREE)
+
+    def release_before(self, seq: BlockOwner, position: int) -> None:
+        """Sliding-window models: free seq's blocks that fell out of every layer's window."""
+        for block_id in self.manager.release_before(seq, position):
             self._relabel(block_id, KV_FREE)
 
     def _relabel(self, block_id: int, kind: str) -> None:

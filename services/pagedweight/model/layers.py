@@ -64,7 +64,27 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=config.o_proj_bias)
+        self.qk_norm = config.qk_norm
+        self.window = config.layer_window(layer_idx)  # None: full causal attention
+        if config.qk_norm == "head":  # Qwen3-MoE: one norm shared by every head
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        elif config.qk_norm == "full":  # OLMoE: over the whole q (k) projection
+            self.q_norm = RMSNorm(self.num_heads * self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.num_kv_heads * self.head_dim, config.rms_norm_eps)
+
+    def _project(self, x: torch.Tensor):
+        """x [..., H] -> q [..., N, D], k, v [..., G, D], with the q/k norms applied (before RoPE)."""
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.unflatten(-1, (self.num_heads, self.head_dim))
+        k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))
+        v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v
 
     def forward(
         self,
@@ -75,13 +95,11 @@ class Attention(nn.Module):
         kv_cache: ContiguousKVCache | None,
     ) -> torch.Tensor:
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = (t.transpose(1, 2) for t in self._project(x))  # [B, heads, T, D]
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if kv_cache is not None:
             k, v = kv_cache.append(self.layer_idx, start_pos, k, v)  # [B, G, S, D]
-        out = causal_attention(q, k, v, start_pos)
+        out = causal_attention(q, k, v, start_pos, self.window)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
     def forward_paged(self, x: torch.Tensor, cos, sin, step) -> torch.Tensor:
@@ -92,19 +110,23 @@ class Attention(nn.Module):
         `step.attend` and never imports the KV cache or the engine.
         """
         T = x.shape[0]
-        q = self.q_proj(x).view(1, T, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(1, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(1, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = (t[None].transpose(1, 2) for t in self._project(x))  # [1, heads, T, D]
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         # [1, heads, T, D] -> [T, heads, D]
         q, k, v = (t[0].transpose(0, 1) for t in (q, k, v))
-        out = step.attend(self.layer_idx, q, k, v)  # [T, N, D]
+        out = step.attend(self.layer_idx, q, k, v, self.window)  # [T, N, D]
         return self.o_proj(out.reshape(T, -1))
 
 
-def causal_attention(q, k, v, start_pos: int) -> torch.Tensor:
-    """q [B, N, T, D] attends to k, v [B, G, S, D] where query t sits at start_pos + t."""
+def causal_attention(q, k, v, start_pos: int, window: int | None = None) -> torch.Tensor:
+    """q [B, N, T, D] attends to k, v [B, G, S, D] where query t sits at start_pos + t.
+    With a window W, query p sees only keys p - W + 1 .. p."""
     T, S = q.shape[2], k.shape[2]
+    if window is not None and start_pos + T > window:  # some query has keys outside its window
+        query_pos = torch.arange(start_pos, start_pos + T, device=q.device)[:, None]
+        key_pos = torch.arange(S, device=q.device)[None, :]
+        mask = (key_pos <= query_pos) & (key_pos > query_pos - window)  # [T, S]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     if start_pos == 0 and T == S:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     if T == 1:  # one new token sees the whole cache

@@ -4,8 +4,13 @@ Reads single-file (`model.safetensors`) and sharded (`model.safetensors.index.js
 checkpoints. The directory is untrusted input: shard names must stay inside it; the
 tensor list must match the config exactly (every tensor present with its shape, none
 left over) before anything is allocated; weights must be floating point and finite.
-Problems raise a `CheckpointError` naming the file and key. Per-expert checkpoint keys are stacked into
-the experts operator's `gate_up` [E, 2I, H] and `down` [E, H, I] tensors.
+Problems raise a `CheckpointError` naming the file and key. Routed experts come in two
+layouts, both read (each layer in one of them):
+- per expert (the published checkpoints): `experts.{e}.gate_proj/up_proj/down_proj.weight`
+  (Mixtral: `w1/w3/w2`), stacked here into the experts operator's `gate_up` [E, 2I, H]
+  and `down` [E, H, I];
+- fused per layer (as `transformers` 5 holds them): `experts.gate_up_proj` [E, 2I, H] with
+  gate rows first, and `experts.down_proj` [E, H, I], already our layout.
 """
 
 from __future__ import annotations
@@ -134,7 +139,7 @@ def _tolerated_extra(keys, config: ModelConfig) -> set[str]:
 
 def expert_keys(config: ModelConfig, layer: int, expert: int) -> dict[str, str]:
     """Checkpoint keys of one routed expert: {'gate', 'up', 'down'} -> key."""
-    if config.is_qwen2_moe:
+    if config.moe_checkpoint_name == "mlp":
         prefix = f"model.layers.{layer}.mlp.experts.{expert}"
         return {p: f"{prefix}.{p}_proj.weight" for p in ("gate", "up", "down")}
     prefix = f"model.layers.{layer}.block_sparse_moe.experts.{expert}"
@@ -145,8 +150,13 @@ def checkpoint_key(config: ModelConfig, name: str) -> str:
     """Our parameter name -> the checkpoint key (for every non-routed-expert parameter)."""
     if name == "lm_head.weight":
         return "model.embed_tokens.weight" if config.tie_word_embeddings else name
-    moe_name = "mlp" if config.is_qwen2_moe else "block_sparse_moe"
-    return "model." + name.replace(".moe.", f".{moe_name}.")
+    return "model." + name.replace(".moe.", f".{config.moe_checkpoint_name}.")
+
+
+def fused_expert_keys(config: ModelConfig, layer: int) -> dict[str, str]:
+    """Checkpoint keys of one layer's experts in the fused layout: {'gate_up', 'down'} -> key."""
+    prefix = f"model.layers.{layer}.{config.moe_checkpoint_name}.experts"
+    return {"gate_up": f"{prefix}.gate_up_proj", "down": f"{prefix}.down_proj"}
 
 
 def load_model(
@@ -168,21 +178,33 @@ def load_model(
     # the headers first: a config that disagrees with its tensors (or asks for far more than
     # the files hold) fails before anything is allocated
     model = materialize(config, fill, dtype, device,
-                        check=lambda shapes: reader.check_header(config, expected_shapes(config, shapes)))
+                        check=lambda shapes: reader.check_header(
+                            config, expected_shapes(config, shapes, _fused_layers(reader, config))))
     with torch.no_grad():
         for layer_idx, block in enumerate(model.moe_blocks):
             _load_experts(reader, config, layer_idx, block.experts, dtype)
     return model
 
 
-def expected_shapes(config: ModelConfig, param_shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
-    """checkpoint key -> shape of every tensor the model reads, from its parameter shapes."""
-    H, I = config.hidden_size, config.expert_intermediate_size
+def _fused_layers(reader: CheckpointReader, config: ModelConfig) -> frozenset[int]:
+    """The layers whose experts the checkpoint stores fused."""
+    return frozenset(l for l in range(config.num_layers) if fused_expert_keys(config, l)["gate_up"] in reader)
+
+
+def expected_shapes(config: ModelConfig, param_shapes: dict[str, tuple[int, ...]],
+                    fused_layers: frozenset[int] = frozenset()) -> dict[str, tuple[int, ...]]:
+    """checkpoint key -> shape of every tensor the model reads, from its parameter shapes
+    (experts per expert, except in `fused_layers`)."""
+    H, I, E = config.hidden_size, config.expert_intermediate_size, config.num_experts
     shapes = {}
     for name, shape in param_shapes.items():
         if not (name.endswith("experts.gate_up") or name.endswith("experts.down")):
             shapes[checkpoint_key(config, name)] = shape
     for layer in range(config.num_layers):
+        if layer in fused_layers:
+            keys = fused_expert_keys(config, layer)
+            shapes.update({keys["gate_up"]: (E, 2 * I, H), keys["down"]: (E, H, I)})
+            continue
         for e in range(config.num_experts):
             keys = expert_keys(config, layer, e)
             shapes.update({keys["gate"]: (I, H), keys["up"]: (I, H), keys["down"]: (H, I)})
@@ -190,8 +212,13 @@ def expected_shapes(config: ModelConfig, param_shapes: dict[str, tuple[int, ...]
 
 
 def _load_experts(reader: CheckpointReader, config: ModelConfig, layer: int, experts, dtype):
-    H, I = config.hidden_size, config.expert_intermediate_size
-    for e in range(config.num_experts):
+    H, I, E = config.hidden_size, config.expert_intermediate_size, config.num_experts
+    fused = fused_expert_keys(config, layer)
+    if fused["gate_up"] in reader:
+        experts.gate_up.copy_(reader.get(fused["gate_up"], (E, 2 * I, H)).to(dtype))
+        experts.down.copy_(reader.get(fused["down"], (E, H, I)).to(dtype))
+        return
+    for e in range(E):
         keys = expert_keys(config, layer, e)
         gate = reader.get(keys["gate"], (I, H))
         up = reader.get(keys["up"], (I, H))

@@ -10,6 +10,8 @@ keys/values at their slots, then attends through the block tables. Two paths:
   pad the queries to [B, max_query_len] and run one masked SDPA. The CUDA default; on
   CUDA the key/value heads are expanded so SDPA can pick its memory-efficient kernel.
 Tests compare the two, and the engine against single-stream generation.
+A layer with a sliding window W passes it to `attend`: both paths then also mask keys
+more than W - 1 positions behind the query (the cache still holds them).
 
 Shape legend: T = new tokens in the step, B = sequences, N = query heads,
 G = key/value heads, D = head dim, S = padded context length.
@@ -74,13 +76,27 @@ class PagedStep:
     query_index: torch.Tensor | None = None  # [B, max_q] -> flat token (pad: 0)
     output_index: torch.Tensor | None = None  # [T] -> row in the flattened [B * max_q]
     mask: torch.Tensor | None = None  # [B, 1, max_q, S] bool
+    query_pos: torch.Tensor | None = None  # [B, max_q] position of each padded query
+    window_masks: dict | None = None  # window -> mask with the window applied, made on first use
 
     @property
     def num_tokens(self) -> int:
         return int(self.positions.shape[0])
 
-    def attend(self, layer: int, q, k, v) -> torch.Tensor:
-        return paged_attention(layer, q, k, v, self)
+    def attend(self, layer: int, q, k, v, window: int | None = None) -> torch.Tensor:
+        return paged_attention(layer, q, k, v, self, window)
+
+    def batched_mask(self, window: int | None) -> torch.Tensor:
+        """The batched path's mask, narrowed to a sliding window (built once per step and window)."""
+        if window is None:
+            return self.mask
+        if self.window_masks is None:
+            self.window_masks = {}
+        if window not in self.window_masks:
+            key_pos = torch.arange(self.mask.shape[-1], device=self.mask.device)
+            inside = key_pos[None, None, :] > (self.query_pos[:, :, None] - window)  # [B, max_q, S]
+            self.window_masks[window] = self.mask & inside[:, None]
+        return self.window_masks[window]
 
 
 def build_step(kv: KVStore, seqs: list[SeqSlice], impl: str = "auto") -> PagedStep:
@@ -98,6 +114,7 @@ def build_step_with(kv: KVStore, seqs: list[SeqSlice], impl: str = "auto",
         impl = "batched" if kv.device.type == "cuda" else "reference"
     if impl not in IMPLS:
         raise ValueError(f"paged attention impl {impl!r} is not one of {IMPLS}")
+    seqs = [_read_released_as_live(s) for s in seqs]
     positions, new_offsets = [], []
     for s in seqs:
         start = s.context_len - s.query_len
@@ -122,7 +139,18 @@ def build_step_with(kv: KVStore, seqs: list[SeqSlice], impl: str = "auto",
         step.block_table, step.query_index, query_pos, step.output_index = parts[2:]
         key_pos = torch.arange(step.block_table.shape[1] * kv.block_size, device=kv.device)
         step.mask = (key_pos[None, None, :] <= query_pos[:, :, None])[:, None]  # built on the device
+        step.query_pos = query_pos  # sliding-window layers narrow the mask from it
     return step, extras
+
+
+def _read_released_as_live(s: SeqSlice) -> SeqSlice:
+    """Sliding-window models give back blocks whose tokens fell out of every window; their
+    table entries are negative. Both paths read whole tables, so such an entry is pointed at
+    one of the sequence's live blocks: finite values, at positions every layer masks out."""
+    if min(s.block_ids, default=0) >= 0:
+        return s
+    live = next(b for b in s.block_ids if b >= 0)
+    return SeqSlice([b if b >= 0 else live for b in s.block_ids], s.context_len, s.query_len)
 
 
 def _batched_metadata(bs: int, seqs: list[SeqSlice]) -> list[torch.Tensor]:
@@ -145,27 +173,27 @@ def _batched_metadata(bs: int, seqs: list[SeqSlice]) -> list[torch.Tensor]:
     return [table, query_index, query_pos, torch.tensor(output_index, dtype=torch.int64)]
 
 
-def paged_attention(layer: int, q, k, v, step: PagedStep) -> torch.Tensor:
+def paged_attention(layer: int, q, k, v, step: PagedStep, window: int | None = None) -> torch.Tensor:
     """q [T, N, D], new k, v [T, G, D] -> attention output [T, N, D]."""
     step.kv.write(layer, step.new_offsets, k, v)
     if step.impl == "reference":
-        return _reference(layer, q, step)
-    return _batched(layer, q, step)
+        return _reference(layer, q, step, window)
+    return _batched(layer, q, step, window)
 
 
-def _reference(layer: int, q, step: PagedStep) -> torch.Tensor:
+def _reference(layer: int, q, step: PagedStep, window: int | None = None) -> torch.Tensor:
     keys, values = step.kv.read_tokens(layer, step.context_offsets)
     outs, q_start, k_start = [], 0, 0
     for n, ctx in zip(step.query_lens, step.context_lens):
         qi = q[q_start : q_start + n].transpose(0, 1)[None]  # [1, N, n, D]
         ki = keys[k_start : k_start + ctx].transpose(0, 1)[None]  # [1, G, ctx, D]
         vi = values[k_start : k_start + ctx].transpose(0, 1)[None]
-        outs.append(causal_attention(qi, ki, vi, ctx - n)[0].transpose(0, 1))
+        outs.append(causal_attention(qi, ki, vi, ctx - n, window)[0].transpose(0, 1))
         q_start, k_start = q_start + n, k_start + ctx
     return torch.cat(outs, dim=0)
 
 
-def _batched(layer: int, q, step: PagedStep) -> torch.Tensor:
+def _batched(layer: int, q, step: PagedStep, window: int | None = None) -> torch.Tensor:
     kv = step.kv
     B, max_blocks = step.block_table.shape
     k, v = kv.read_blocks(layer, step.block_table.reshape(-1))  # [B * max_blocks, bs, G, D]
@@ -176,8 +204,8 @@ def _batched(layer: int, q, step: PagedStep) -> torch.Tensor:
     if q.device.type == "cuda":  # expanded heads let SDPA use its memory-efficient kernel
         groups = q.shape[1] // kv.num_kv_heads
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(qp, k, v, attn_mask=step.mask)
+        out = F.scaled_dot_product_attention(qp, k, v, attn_mask=step.batched_mask(window))
     else:
-        out = F.scaled_dot_product_attention(qp, k, v, attn_mask=step.mask, enable_gqa=True)
+        out = F.scaled_dot_product_attention(qp, k, v, attn_mask=step.batched_mask(window), enable_gqa=True)
     out = out.transpose(1, 2).reshape(-1, q.shape[1], q.shape[2])  # [B * max_q, N, D]
     return out[step.output_index]

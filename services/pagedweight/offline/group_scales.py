@@ -19,21 +19,25 @@ from pagedweight.planner.tables import BlockTable
 MIN_SCALE_FRACTION = 0.02  # of the median group scale
 
 
-@torch.inference_mode()
 def measure_group_scales(model, table: BlockTable, windows: list[list[int]], set_bits) -> GroupScales:
     """`set_bits(bits [N])` puts the model at a plan; windows are token lists (one forward each)."""
+    kls, num_tokens = measure_group_kls(model, table, windows, set_bits)
+    return scales_from_kls(table, kls, num_tokens)
+
+
+@torch.inference_mode()
+def measure_group_kls(model, table: BlockTable, windows: list[list[int]], set_bits) -> tuple[dict, int]:
+    """Per (layer, module) group: mean KL(8-bit || group at 3 bits) per token. The KL does
+    not depend on the sensitivity table, so one measurement calibrates every table."""
     bits = np.full(table.num_blocks, 8)
     set_bits(bits)
     device = next(model.parameters()).device
     batches = [torch.tensor([w], device=device) for w in windows]
     reference = [F.log_softmax(model(x).float(), dim=-1) for x in batches]
     num_tokens = sum(x.shape[1] for x in batches)
-    rel = table.calib_mass / np.maximum(table.calib_mass.mean(axis=1, keepdims=True), 1e-12) \
-        if table.calib_mass is not None else np.ones((table.num_layers, table.num_experts))
-    mult = np.maximum(rel.reshape(-1)[table.expert_index], 1e-3)
     modules = sorted({b.module for b in table.block_ids})
     module_of = np.array([b.module for b in table.block_ids])
-    scales, kls = {}, {}
+    kls = {}
     for layer in range(table.num_layers):
         for module in modules:
             group = (table.layer == layer) & (module_of == module)
@@ -41,12 +45,25 @@ def measure_group_scales(model, table: BlockTable, windows: list[list[int]], set
             trial[group] = 3
             set_bits(trial)
             # sum over tokens of KL(p_8bit || p_trial), then the mean per token
-            kl = sum(float(F.kl_div(F.log_softmax(model(x).float(), dim=-1), ref,
-                                    log_target=True, reduction="sum"))
-                     for x, ref in zip(batches, reference)) / num_tokens
-            s = float((mult[group] * (table.sensitivity[group, 0] - table.sensitivity[group, 5])).sum())
-            key = group_key(layer, module)
-            kls[key], scales[key] = kl, kl / max(s, 1e-30)
+            kls[group_key(layer, module)] = sum(
+                float(F.kl_div(F.log_softmax(model(x).float(), dim=-1), ref, log_target=True, reduction="sum"))
+                for x, ref in zip(batches, reference)) / num_tokens
     set_bits(bits)
+    return kls, num_tokens
+
+
+def scales_from_kls(table: BlockTable, kls: dict[str, float], num_tokens: int,
+                    sensitivity: str = "sensitivity") -> GroupScales:
+    """scale_g = KL_g / sum over g's blocks of m_i (S_i(3) - S_i(8)), floored (loss_scale.py)."""
+    rel = table.calib_mass / np.maximum(table.calib_mass.mean(axis=1, keepdims=True), 1e-12) \
+        if table.calib_mass is not None else np.ones((table.num_layers, table.num_experts))
+    mult = np.maximum(rel.reshape(-1)[table.expert_index], 1e-3)
+    module_of = np.array([b.module for b in table.block_ids])
+    scales = {}
+    for key in kls:
+        layer, module = key[1:].split(".", 1)
+        group = (table.layer == int(layer)) & (module_of == module)
+        s = float((mult[group] * (table.sensitivity[group, 0] - table.sensitivity[group, 5])).sum())
+        scales[key] = kls[key] / max(s, 1e-30)
     floor = MIN_SCALE_FRACTION * float(np.median(list(scales.values())))
-    return GroupScales({k: max(v, floor) for k, v in scales.items()}, kls, num_tokens)
+    return GroupScales({k: max(v, floor) for k, v in scales.items()}, dict(kls), num_tokens, sensitivity)

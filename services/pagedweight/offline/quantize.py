@@ -7,7 +7,11 @@ Phases:
    smoothed Hessian diagonal as k-means weights (apl_quantizer.py), then pack planes;
 3. sensitivity: S_i(b) from the Hessians and per-column errors (sensitivity.py), and
    per chunk for the residual heads (residual_heads.py);
-4. save the directory (paged_model.py).
+4. save the directory (paged_model.py); no bf16 copy of the routed experts unless
+   `keep_bf16` (the source checkpoint has them: model/source_experts.py);
+5. the planner's loss scales: one KL measurement per (layer, module) group on the
+   calibration files, recorded in the artifact for every sensitivity table
+   (artifact_scales.py), so `plan`, `eval` and the runtime rank in loss units by default.
 Shared experts and every non-expert weight are copied in bf16, unquantised.
 """
 
@@ -21,6 +25,7 @@ from typing import Callable
 import torch
 
 from pagedweight.common.errors import UserError
+from pagedweight.offline.artifact_scales import add_planner_scales
 from pagedweight.offline.apl_quantizer import QuantizerConfig, dequantize_rows, quantize_rows
 from pagedweight.offline.calibrate import (
     CalibConfig, CalibrationStats, block_hessians, calibrate, output_fisher, read_chunks,
@@ -40,6 +45,8 @@ class QuantizeConfig:
     quantizer: QuantizerConfig = field(default_factory=QuantizerConfig)
     residual: ResidualConfig = field(default_factory=ResidualConfig)
     device: str = "cpu"  # where calibration and k-means run (cuda works too)
+    keep_bf16: bool = False  # also store the original experts in bf16 (the source has them)
+    scale_tokens: int = 256  # calibration tokens per file for the planner's loss scales (0: skip)
 
 
 @dataclass
@@ -119,11 +126,18 @@ def quantize_model(model_dir: str | Path, out_dir: str | Path, calib_files: list
         "residual_heads": heads_report,
     }
     dense = {k: v.cpu() for k, v in model.state_dict().items() if ".experts." not in k}
-    bf16 = {(l, m): getattr(b.experts, m).detach().cpu() for l, b in enumerate(model.moe_blocks) for m in MODULES}
+    bf16 = {(l, m): getattr(b.experts, m).detach().cpu() for l, b in enumerate(model.moe_blocks)
+            for m in MODULES} if config.keep_bf16 else None
     hessians = {(l, m): h[m][l] for l in range(cfg.num_layers) for m in MODULES}
     if g:
         hessians.update({(l, f"{m}.grad_sq"): g[m][l] for l in range(cfg.num_layers) for m in MODULES})
+    del model
     out = save_paged_model(out_dir, model_dir, cfg, dense, apl, bf16, meta, heads.to_tensors(), hessians)
+    if config.scale_tokens > 0:
+        log(f"measuring the planner's loss scales ({2 * cfg.num_layers} groups)")
+        scales_started = time.perf_counter()
+        add_planner_scales(out, calib_files, config.scale_tokens, config.device)
+        log(f"loss scales in {time.perf_counter() - scales_started:.1f} s")
     log(f"wrote {out} in {time.perf_counter() - started:.1f} s")
     return out
 

@@ -16,6 +16,7 @@ import numpy as np
 from pagedweight.common.errors import CheckpointError
 from pagedweight.format.blocks import BIT_WIDTHS, BlockId
 from pagedweight.format.paged_meta import HEADS_FILE, META_FILE, read_meta
+from pagedweight.planner.loss_scale import GroupScales
 from pagedweight.planner.residual_predictor import ResidualPredictor
 from pagedweight.planner.tables import BlockTable
 
@@ -27,6 +28,9 @@ class PagedPlannerInputs:
     heads: ResidualPredictor | None  # the artifact's prompt-residual heads, or None
     head_block_keys: list[str]  # block order of the heads' outputs
     meta_path: Path
+    # the loss scales `quantize` measured for this table (loss_scale.py), None in artifacts
+    # made before quantize measured them: the planner then ranks by raw S
+    scales: GroupScales | None = None
 
 
 SENSITIVITY_TABLES = ("sensitivity", "sensitivity_gn")  # output-space S (default), Gauss-Newton S
@@ -41,7 +45,36 @@ def load_planner_inputs(model_dir: str | Path, with_heads: bool = True,
     heads = load_heads(path, meta) if with_heads else None
     top_k = int(meta["model_config"].get("num_experts_per_tok", 2))
     keys = [b["key"] for b in meta["blocks"]]
-    return PagedPlannerInputs(table, top_k, heads, keys, path / META_FILE)
+    return PagedPlannerInputs(table, top_k, heads, keys, path / META_FILE,
+                              artifact_scales(meta, path / META_FILE, sensitivity))
+
+
+SCALES_KEY = "planner_scales"  # written by offline/artifact_scales.py at the end of quantize
+
+
+def artifact_scales(meta: dict, where: Path, sensitivity: str) -> GroupScales | None:
+    """The artifact's loss scales for one sensitivity table, or None if it has none."""
+    try:
+        entry = (meta.get(SCALES_KEY) or {}).get(sensitivity)
+        return None if entry is None else GroupScales.from_json(entry, f"{where}: {SCALES_KEY}")
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as err:
+        raise CheckpointError(f"{where}: malformed {SCALES_KEY}.{sensitivity} ({err!r})") from None
+
+
+def choose_scales(stored: GroupScales | None, scales_arg: str | None, sensitivity: str):
+    """`--scales`: None -> the artifact's (`stored`, the default), "raw" -> none, else a
+    scales file. Returns (GroupScales or None, a label for reports)."""
+    if scales_arg is None:
+        return stored, ("artifact" if stored is not None else "raw (the artifact has no scales)")
+    if scales_arg == "raw":
+        return None, "raw"
+    scales = GroupScales.read(scales_arg)
+    if scales.sensitivity != sensitivity:
+        from pagedweight.common.errors import UserError
+
+        raise UserError(f"{scales_arg}: scales were measured for the {scales.sensitivity!r} table, "
+                        f"not --sensitivity {sensitivity}")
+    return scales, scales_arg
 
 
 def table_from_meta(meta: dict, where: Path, sensitivity_key: str = "sensitivity") -> BlockTable:

@@ -45,18 +45,24 @@ class GroupScales:
                 "method": "KL(8-bit || group at 3 bits) / sum m_i (S_i(3) - S_i(8))"}
 
     @classmethod
+    def from_json(cls, raw: dict, where: str = "planner scales") -> "GroupScales":
+        """The file's (or the artifact's `planner_scales` entry's) dict; KeyError etc. if
+        malformed, UserError for a NaN or negative value."""
+        scales = cls({k: float(v) for k, v in raw["scales"].items()},
+                     {k: float(v) for k, v in raw.get("kl_at_3_bits", {}).items()},
+                     int(raw.get("num_tokens", 0)), str(raw.get("sensitivity", "sensitivity")))
+        for key, value in [*scales.scales.items(), *scales.kl.items()]:
+            if not (math.isfinite(value) and value >= 0):  # a NaN or negative scale inverts the ranking
+                raise UserError(f"{where}: scale of {key[:40]!r} must be a finite number >= 0, got {value}")
+        return scales
+
+    @classmethod
     def read(cls, path: str | Path) -> "GroupScales":
         raw = read_json_object(path, "planner scales file")
         try:
-            scales = cls({k: float(v) for k, v in raw["scales"].items()},
-                         {k: float(v) for k, v in raw.get("kl_at_3_bits", {}).items()},
-                         int(raw.get("num_tokens", 0)), str(raw.get("sensitivity", "sensitivity")))
+            return cls.from_json(raw, str(path))
         except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as err:
             raise UserError(f"{path}: not a planner scales file ({str(err)[:120]})") from None
-        for key, value in [*scales.scales.items(), *scales.kl.items()]:
-            if not (math.isfinite(value) and value >= 0):  # a NaN or negative scale inverts the ranking
-                raise UserError(f"{path}: scale of {key[:40]!r} must be a finite number >= 0, got {value}")
-        return scales
 
 
 def group_key(layer: int, module: str) -> str:

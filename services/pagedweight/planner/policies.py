@@ -7,8 +7,14 @@ when the plan is made (routing statistics, prompt residuals); static policies ig
 - `pagedweight`: the full damage model (damage.py): sensitivity x routing multiplier x
   prompt residual, hot-expert floors, greedy per block.
   S is loss-calibrated per (layer, module) group when scales are given (loss_scale.py).
-- `no-routing`, `no-residual`, `no-sensitivity`, `no-loss-scale`: the same with one
-  signal switched off (`no-sensitivity` drops S and its loss scales together).
+  Uniform guard: the greedy from 8 bits down is not optimal, so every plan is compared
+  with uniform-plus-fill under the *same* damage table and the lower predicted damage
+  wins (`Plan.action` "uniform-guard" when the guard chose): by construction a
+  damage-model plan never predicts more damage than the uniform plan at equal bytes.
+- `no-routing`, `no-residual`, `no-sensitivity`, `no-loss-scale`, `no-guard`: the same
+  with one signal switched off (`no-sensitivity` drops S and its loss scales together).
+- `uniform-fill`: uniform, then the bytes left under the budget spent greedily (one-bit
+  raises by raw S removed per byte), what a careful uniform deployment would do.
 - `uniform` (Any-Precision LLM): one bit-width for every block, the highest whose bytes
   fit; under pressure the whole model steps down one bit. A budget between two widths
   (e.g. 3.5 bits) leaves the difference unused, as that system would.
@@ -36,16 +42,16 @@ import numpy as np
 
 from pagedweight.planner.config import PlannerConfig
 from pagedweight.planner.damage import DamageInputs, DamageModel
-from pagedweight.planner.greedy import running
+from pagedweight.planner.greedy import running, spend_bytes
 from pagedweight.planner.planner import Plan, plan_bytes, plan_damage, solve
 from pagedweight.planner.tables import BlockTable
 from pagedweight.format.blocks import BIT_WIDTHS, MIN_BITS
 
-POLICY_NAMES = ("pagedweight", "uniform", "mxmoe", "dpllm",
-                "no-routing", "no-residual", "no-sensitivity", "no-loss-scale")
+POLICY_NAMES = ("pagedweight", "uniform", "uniform-fill", "mxmoe", "dpllm",
+                "no-routing", "no-residual", "no-sensitivity", "no-loss-scale", "no-guard")
 # Policies that read the loss-calibrated sensitivity (loss_scale.py) when scales are given;
 # the others keep S in each block's own output space, as their methods define it.
-LOSS_SCALED = ("pagedweight", "no-routing", "no-residual")
+LOSS_SCALED = ("pagedweight", "no-routing", "no-residual", "no-guard")
 
 
 @dataclass
@@ -72,12 +78,23 @@ class Policy(ABC):
         return values / np.maximum(values.mean(axis=1, keepdims=True), 1e-12)
 
 
+def uniform_fill(table: BlockTable, damage: np.ndarray, budget: int, config: PlannerConfig) -> np.ndarray:
+    """The highest uniform width that fits, then the rest of the budget spent by `damage`."""
+    fitting = [b for b in BIT_WIDTHS if table.uniform_bytes(b) <= budget]
+    bits = np.full(table.num_blocks, max(fitting) if fitting else MIN_BITS, dtype=np.int64)
+    spare = budget - table.bytes_of(bits)
+    if spare > 0:
+        ceilings = np.full(table.num_blocks, config.max_bits)
+        bits = spend_bytes(damage, table.nbytes, bits, ceilings, spare).bits
+    return bits
+
+
 class PagedWeightPolicy(Policy):
     def __init__(self, table: BlockTable, config: PlannerConfig = PlannerConfig(), *,
                  use_sensitivity: bool = True, use_routing: bool = True,
-                 use_residual: bool = True, name: str = "pagedweight"):
+                 use_residual: bool = True, guard: bool = True, name: str = "pagedweight"):
         super().__init__(table, config)
-        self.name = name
+        self.name, self.guard = name, guard
         self.model = DamageModel(table, config, use_sensitivity, use_routing, use_residual)
 
     def inputs(self, context: PlanContext) -> DamageInputs:
@@ -88,8 +105,27 @@ class PagedWeightPolicy(Policy):
 
     def plan(self, budget: int, context: PlanContext = PlanContext()) -> Plan:
         inputs = self.inputs(context)
-        return solve(self.table.nbytes, self.model.damage(inputs), budget,
-                     self.model.floors(inputs), self.config)
+        damage, floors = self.model.damage(inputs), self.model.floors(inputs)
+        plan = solve(self.table.nbytes, damage, budget, floors, self.config)
+        if not self.guard or plan.shortfall:
+            return plan
+        candidate = uniform_fill(self.table, damage, budget, self.config)
+        candidate_damage = plan_damage(damage, candidate)
+        if candidate_damage >= plan.damage:
+            return plan
+        return Plan(candidate, self.table.bytes_of(candidate), budget, candidate_damage,
+                    floors_relaxed=bool(np.any(candidate < np.minimum(floors, self.config.max_bits))),
+                    action="uniform-guard")
+
+
+class UniformFillPolicy(Policy):
+    name = "uniform-fill"
+
+    def plan(self, budget: int, context: PlanContext = PlanContext()) -> Plan:
+        bits = uniform_fill(self.table, self.table.sensitivity, budget, self.config)
+        num_bytes = self.table.bytes_of(bits)
+        return Plan(bits, num_bytes, budget, plan_damage(self.table.sensitivity, bits),
+                    shortfall=max(num_bytes - budget, 0))
 
 
 class UniformPolicy(Policy):
@@ -174,8 +210,12 @@ def make_policy(name: str, table: BlockTable, config: PlannerConfig = PlannerCon
         return PagedWeightPolicy(table, config, use_sensitivity=False, name=name)
     if name == "no-loss-scale":
         return PagedWeightPolicy(table, config, name=name)
+    if name == "no-guard":
+        return PagedWeightPolicy(table, config, guard=False, name=name)
     if name == "uniform":
         return UniformPolicy(table, config)
+    if name == "uniform-fill":
+        return UniformFillPolicy(table, config)
     if name == "mxmoe":
         return MxMoEPolicy(table, config)
     if name == "dpllm":
