@@ -14,6 +14,7 @@ from pagedweight.format.apl_format import BIT_WIDTHS
 from pagedweight.format.paged_model import load_paged_model
 from pagedweight.model import load_model
 from pagedweight.model.dequantized_experts import build_paged_lm, set_model_bits, uniform_bits
+from pagedweight.model.source_experts import attach_source_experts
 from pagedweight.runtime import RuntimeConfig, build_runtime
 from tests.model.families import PIPELINE_FAMILIES, reference_model, write_checkpoint
 from tests.offline.conftest import quick_config
@@ -35,7 +36,8 @@ def quantized(request, tmp_path_factory, calib_files):
 
 def test_paged_model_covers_every_block_and_bf16_path_is_exact(quantized):
     ckpt, paged_dir = quantized
-    paged = load_paged_model(paged_dir)
+    # format 2 stores no bf16 copy: the exact path reads the experts from the source checkpoint
+    paged = attach_source_experts(load_paged_model(paged_dir))
     c = paged.config
     assert len(paged.block_ids) == c.num_layers * c.num_experts * 2
     sens = paged.sensitivity
