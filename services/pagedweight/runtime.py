@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -30,10 +31,13 @@ from pagedweight.memory.pool import OTHER_WEIGHTS, WORKSPACE, MemoryPool
 from pagedweight.format.model_config import ModelConfig
 from pagedweight.model.materialize import materialize_dense
 from pagedweight.model.transformer import MoECausalLM
+from pagedweight.planner.sizing import format_sizing
 from pagedweight.format.apl_format import BIT_WIDTHS, MIN_BITS
 from pagedweight.weights.arena_experts import ArenaExperts
 from pagedweight.weights.page_mover import PageMover
 from pagedweight.weights.page_table import PageTable
+
+log = logging.getLogger(__name__)
 
 STATIC_PREFIX = "static-"  # "static-4": every block at 4 bits, never moved
 
@@ -115,6 +119,9 @@ def build_runtime_from_paged(paged, config: RuntimeConfig, eos_token_ids=()) -> 
         )
     pool.allocate(OTHER_WEIGHTS, dense)
     pool.allocate(WORKSPACE, workspace)
+    num_dense_params = sum(p.numel() for p in model.parameters())
+    log.info("sizing of %s\n%s", paged.path or "the paged model",
+             format_sizing(startup_sizing(paged, config, num_dense_params, dense, workspace)))
     arena = Arena.from_pool(pool, config.page_bytes, device)
     table = PageTable({bid: paged.block(bid) for bid in paged.block_ids}, arena)
     planner = feed = None
@@ -134,6 +141,21 @@ def build_runtime_from_paged(paged, config: RuntimeConfig, eos_token_ids=()) -> 
     engine = Engine(model, config.engine, arena=arena, pager=pager, eos_token_ids=eos_token_ids,
                     max_kv_blocks=_max_kv_blocks(config, paged.config, table, arena))
     return WorkerRuntime(engine, pool, arena, table, mover, pager)
+
+
+def startup_sizing(paged, config: RuntimeConfig, num_dense_params: int, dense: int, workspace: int) -> dict:
+    """The report `pagedweight info` prints (planner/sizing.py), with this worker's own dense
+    and workspace bytes, dtype, page and KV block size; logged at start-up."""
+    from pathlib import Path
+
+    from pagedweight.format.paged_meta import META_FILE
+    from pagedweight.planner.sizing import sizes_from_meta, sizing_report
+
+    name = str(config.dtype).removeprefix("torch.")
+    elem = torch.empty((), dtype=config.dtype).element_size()
+    sizes = sizes_from_meta(paged.config, paged.meta, Path(paged.path or ".") / META_FILE, num_dense_params, name,
+                            elem, workspace, config.page_bytes, config.engine.kv.block_size, dense_bytes=dense)
+    return sizing_report(sizes, config.memory_budget)
 
 
 def _max_kv_blocks(config: RuntimeConfig, model_config: ModelConfig, table: PageTable, arena: Arena) -> int:

@@ -55,6 +55,8 @@ def test_quantize_writes_a_paged_model_that_eval_runs(tmp_path, calib_files, eva
     assert result.stdout.strip() == str(out)
     meta = json.loads((out / META_FILE).read_text())
     assert meta["calibration"]["num_tokens"] == 2 * 128
+    assert meta["calibration"]["text"]["name"] == "user"  # and each file's sha256 (test_calib_text.py)
+    assert [f["name"] for f in meta["calibration"]["text"]["files"]] == [f.name for f in calib_files]
     plain = json.loads(eval_ppl(BUNDLED_MODEL).stdout)
     bf16 = json.loads(eval_ppl(out).stdout)
     assert bf16["ppl"] == pytest.approx(plain["ppl"], rel=1e-6)

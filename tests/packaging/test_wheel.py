@@ -53,3 +53,11 @@ def test_wheel_has_every_source_module(wheel_names):
     for root, top in (("services", "pagedweight"), ("kernels", "pagedweight_kernels")):
         for src in (REPO_ROOT / root / top).rglob("*.py"):
             assert src.relative_to(REPO_ROOT / root).as_posix() in wheel_names, src
+
+
+def test_wheel_ships_the_calibration_text(wheel_names):
+    # `pagedweight quantize` without --calib reads it from the installed package
+    names = {n for n in wheel_names if "/offline/calib_text/" in n}
+    for f in ("prose.calib.txt", "code.calib.txt", "docs.calib.txt", "technical.calib.txt", "README.md",
+              "PYTHON-LICENSE.txt"):
+        assert f"pagedweight/offline/calib_text/{f}" in names, f

@@ -10,10 +10,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pagedweight.cli import bench_cmd, eval_cmd, generate_cmd, plan_cmd, plan_scales_cmd, quantize_cmd
+from pagedweight.cli import bench_cmd, eval_cmd, generate_cmd, info_cmd, plan_cmd, plan_scales_cmd, quantize_cmd
 from pagedweight.common.errors import UserError
 
-COMMANDS = (generate_cmd, eval_cmd, quantize_cmd, plan_cmd, plan_scales_cmd, bench_cmd)
+COMMANDS = (generate_cmd, eval_cmd, quantize_cmd, plan_cmd, plan_scales_cmd, bench_cmd, info_cmd)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -7,11 +7,9 @@ from pathlib import Path
 
 from pagedweight.common.errors import UserError
 from pagedweight.cli.config_defaults import default_of
-from pagedweight.common.paths import corpus_dir
+from pagedweight.offline.calib_text import BUNDLED_NAME, USER_NAME, bundled_calib_files
 from pagedweight.offline.calibrate import CalibConfig
 from pagedweight.offline.quantize import QuantizeConfig, quantize_model
-
-DEFAULT_CORPUS = corpus_dir()
 
 
 def register(subparsers) -> None:
@@ -19,7 +17,8 @@ def register(subparsers) -> None:
     parser.add_argument("--model", required=True, help="checkpoint directory (Hugging Face layout)")
     parser.add_argument("--out", required=True, help="output paged model directory")
     parser.add_argument("--calib", nargs="+", default=None, metavar="FILE",
-                        help=f"calibration text files (default: {DEFAULT_CORPUS}/*.calib.txt)")
+                        help="calibration text files, one domain each (default: the small mixed text bundled with "
+                             "the package; text like your traffic gives better low-bit quality)")
     parser.add_argument("--calib-tokens", type=int, default=default_of(CalibConfig, "max_tokens_per_file"),
                         help="tokens taken from each file")
     parser.add_argument("--seq-len", type=int, default=default_of(CalibConfig, "seq_len"),
@@ -41,10 +40,8 @@ def register(subparsers) -> None:
 
 
 def default_calib_files() -> list[Path]:
-    files = sorted(DEFAULT_CORPUS.glob("*.calib.txt"))
-    if not files:
-        raise UserError(f"no --calib files given and none found in {DEFAULT_CORPUS}")
-    return files
+    """The bundled calibration text (offline/calib_text/README.md says what and why)."""
+    return bundled_calib_files()
 
 
 def run_quantize(args) -> int:
@@ -74,7 +71,8 @@ def run_quantize(args) -> int:
     calib = CalibConfig(seq_len=args.seq_len, max_tokens_per_file=args.calib_tokens)
     log = (lambda msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
     config = QuantizeConfig(calib=calib, device=str(device), keep_bf16=args.keep_bf16,
-                            scale_tokens=args.scale_tokens)
+                            scale_tokens=args.scale_tokens,
+                            calib_text_name=USER_NAME if args.calib else BUNDLED_NAME)
     with atomic_output_dir(out, args.force) as tmp:
         quantize_model(args.model, tmp, files, config, log)
     print(args.out)

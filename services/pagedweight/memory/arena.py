@@ -172,6 +172,11 @@ class Arena:
             start = self._find_run(num_pages, from_top=False)
             return start is not None and start < below_page
 
+    def lowest_fit(self, num_pages: int) -> int | None:
+        """First page where a bottom-first allocation of `num_pages` would land (None: no run fits)."""
+        with self._lock:
+            return self._find_run(num_pages, from_top=False)
+
     def num_fitting(self, num_bytes: int) -> int:
         """How many allocations of `num_bytes` the free runs could hold right now."""
         with self._lock:

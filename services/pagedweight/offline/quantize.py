@@ -27,6 +27,7 @@ import torch
 from pagedweight.common.errors import UserError
 from pagedweight.offline.artifact_scales import add_planner_scales
 from pagedweight.offline.apl_quantizer import QuantizerConfig, dequantize_rows, quantize_rows
+from pagedweight.offline.calib_text import calib_text_record
 from pagedweight.offline.calibrate import (
     CalibConfig, CalibrationStats, block_hessians, calibrate, output_fisher, read_chunks,
     routing_summary, smoothed_hessians,
@@ -47,6 +48,7 @@ class QuantizeConfig:
     device: str = "cpu"  # where calibration and k-means run (cuda works too)
     keep_bf16: bool = False  # also store the original experts in bf16 (the source has them)
     scale_tokens: int = 256  # calibration tokens per file for the planner's loss scales (0: skip)
+    calib_text_name: str = "user"  # what the calibration text was ("bundled:v1": the package's own)
 
 
 @dataclass
@@ -114,6 +116,7 @@ def quantize_model(model_dir: str | Path, out_dir: str | Path, calib_files: list
     meta = {
         "calibration": {**routing_summary(stats, config.calib)["coverage"],
                         "files": stats.files, "num_tokens": stats.num_tokens,
+                        "text": calib_text_record(calib_files, config.calib_text_name),
                         "num_chunks": stats.num_chunks, "seq_len": stats.num_tokens_per_chunk,
                         "hessian": "mean squared input per column over routed tokens, smoothed",
                         "config": asdict(config.calib)},

@@ -119,10 +119,9 @@ class _Steps:
 def _down_steps(damage, nbytes, bits, floors) -> _Steps:
     src = (bits - MIN_BITS)[:, None] - _CHAIN  # column of the bit-width before step k
     valid = src - 1 >= (np.asarray(floors) - MIN_BITS)[:, None]
-    src = np.clip(src, 1, 5)
-    rows = np.arange(len(bits))[:, None]
-    step_damage = np.maximum(damage[rows, src - 1] - damage[rows, src], 0.0)
-    step_bytes = nbytes[rows, src] - nbytes[rows, src - 1]
+    src = _flat(np.clip(src, 1, 5), damage.shape[1])
+    step_damage = np.maximum(_take(damage, src - 1) - _take(damage, src), 0.0)
+    step_bytes = _take(nbytes, src) - _take(nbytes, src - 1)
     ratio = np.where(valid, step_damage / step_bytes, np.inf)
     key = running(np.maximum, ratio)
     flat = np.flatnonzero(valid)
@@ -132,16 +131,25 @@ def _down_steps(damage, nbytes, bits, floors) -> _Steps:
 def _up_steps(damage, nbytes, bits, ceilings) -> _Steps:
     src = (bits - MIN_BITS)[:, None] + _CHAIN
     valid = src + 1 <= (np.asarray(ceilings) - MIN_BITS)[:, None]
-    src = np.clip(src, 0, 4)
-    rows = np.arange(len(bits))[:, None]
-    step_damage = np.maximum(damage[rows, src] - damage[rows, src + 1], 0.0)
-    step_bytes = nbytes[rows, src + 1] - nbytes[rows, src]
+    src = _flat(np.clip(src, 0, 4), damage.shape[1])
+    step_damage = np.maximum(_take(damage, src) - _take(damage, src + 1), 0.0)
+    step_bytes = _take(nbytes, src + 1) - _take(nbytes, src)
     valid &= step_damage > 0
     valid = running(np.minimum, valid) > 0  # keep each row's valid steps a prefix
     ratio = np.where(valid, step_damage / step_bytes, -np.inf)
     key = running(np.minimum, ratio)
     flat = np.flatnonzero(valid)
     return _Steps(step_bytes, step_damage, valid, flat[_stable_order(key.flat[flat], descending=True)])
+
+
+def _flat(columns: np.ndarray, width: int) -> np.ndarray:
+    """[N, K] column indices of an [N, width] table -> flat indices (a 1-D take is ~3x faster
+    than 2-D fancy indexing at 10^4 blocks)."""
+    return columns + (np.arange(len(columns)) * width)[:, None]
+
+
+def _take(table: np.ndarray, flat: np.ndarray) -> np.ndarray:
+    return np.take(np.ascontiguousarray(table).ravel(), flat)
 
 
 def running(op, table: np.ndarray) -> np.ndarray:

@@ -238,19 +238,26 @@ class PageMover:
         freed by lowering join the free space next to the KV region; stop early once
         `done()`. Copies run on the compute stream at a step boundary (readers see the
         new place from the next step). Returns the number of extents moved."""
+        # Only allocating and freeing change what can move, so the lowest fit per extent
+        # size (a handful of sizes: planes, LUTs) is cached between moves, and `done()` is
+        # asked only after one: a scan over 10^5 extents then costs a dict lookup each.
+        if done():
+            return 0
         owners = {}  # first_page -> (entry, index in plane_extents or -1 for the LUT)
         for e in self.table.entries.values():
             for i, x in enumerate(e.plane_extents):
                 owners[x.first_page] = (e, i)
             if e.lut_extent is not None:
                 owners[e.lut_extent.first_page] = (e, -1)
+        lowest: dict[int, int | None] = {}  # num_pages -> lowest fit (cleared after every move)
         moved = 0
         for start in sorted(owners):
-            if done():
-                break
             e, i = owners[start]
             old = e.plane_extents[i] if i >= 0 else e.lut_extent
-            if not self.arena.has_lower_run(old.num_pages, old.first_page):
+            if old.num_pages not in lowest:
+                lowest[old.num_pages] = self.arena.lowest_fit(old.num_pages)
+            fit = lowest[old.num_pages]
+            if fit is None or fit >= old.first_page:
                 continue
             new = self.arena.allocate(old.kind, old.num_bytes)
             self.arena.view(new, torch.uint8, (old.num_bytes,)).copy_(self.arena.view(old, torch.uint8, (old.num_bytes,)))
@@ -261,5 +268,8 @@ class PageMover:
                 e.lut_extent = new
             e.version += 1
             moved += 1
+            lowest.clear()
+            if done():
+                break
         self.counters.num_extents_relocated += moved
         return moved

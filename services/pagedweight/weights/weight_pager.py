@@ -126,7 +126,8 @@ class WeightPager:
 
     # ---- the planner's side of the seam -------------------------------------------------
     def _submit(self, pressure: KVPressure) -> PlanRequest:
-        bits = np.fromiter((self.table.entries[b].desired_bits for b in self.block_ids), dtype=np.int64,
+        # the table's entries keep the registration's order (block_ids): no lookup per block
+        bits = np.fromiter((e.desired_bits for e in self.table.entries.values()), dtype=np.int64,
                            count=len(self.block_ids))
         routing = self.routing() if self.routing is not None else None
         request = PlanRequest(next(self._request_ids), pressure, bits, routing)
@@ -256,13 +257,15 @@ class WeightPager:
 
     def _pending_free(self) -> int:
         """Arena bytes that planned lowerings will free."""
-        return sum(self.table.charged_bytes(bid, e.effective_bits) - self.table.charged_bytes(bid, e.desired_bits)
-                   for bid, e in self.table.entries.items() if e.desired_bits < e.effective_bits)
+        charged = self.table.charged_bytes
+        return sum(charged(bid, q) - charged(bid, e.desired_bits) for bid, e in self.table.entries.items()
+                   if e.desired_bits < (q := e.transit_bits or e.committed_bits))  # q: effective bits
 
     def _pending_take(self) -> int:
         """Arena bytes that planned raises, not yet started, will take."""
-        return sum(self.table.charged_bytes(bid, e.desired_bits) - self.table.charged_bytes(bid, e.effective_bits)
-                   for bid, e in self.table.entries.items() if e.desired_bits > e.effective_bits)
+        charged = self.table.charged_bytes
+        return sum(charged(bid, e.desired_bits) - charged(bid, q) for bid, e in self.table.entries.items()
+                   if e.desired_bits > (q := e.transit_bits or e.committed_bits))  # q: effective bits
 
     def _raise_order(self) -> list[BlockId]:
         """Raise the blocks furthest below their desired bits first."""
