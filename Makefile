@@ -1,9 +1,9 @@
-# PagedWeight: `make setup` once, then `make test`.
+# PagedWeight: `make test` or `make run` (each creates the virtual environment when missing).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup test test-gpu test-deploy tools bench clean
+.PHONY: setup test test-gpu test-deploy tools bench clean proto proto-check run
 
 setup:
 	$(PYTHON) -m venv $(VENV)
@@ -11,7 +11,11 @@ setup:
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e ".[test,bench]"
 
-test:
+# The venv as a file target: a fresh clone's first `make test` / `make run` sets it up.
+$(BIN)/pagedweight:
+	$(MAKE) setup
+
+test: $(BIN)/pagedweight
 	# imports run one way: the contracts in pyproject.toml ([tool.importlinter])
 	$(BIN)/lint-imports --no-cache
 	$(BIN)/python -m pytest -q -m "not gpu and not deploy"
@@ -25,6 +29,21 @@ tools:
 # Prometheus, each with its real tool.
 test-deploy: tools
 	$(BIN)/python -m pytest -q -m deploy tests/deploy
+
+# The whole cluster on this machine (gateway :8000, one worker, the planner) serving the
+# bundled micro-mixtral, quantised on first start into ~/.cache/pagedweight. Sessions go to
+# $(REDIS_URL) (default the local Redis); with none answering, the gateway keeps them in
+# process and says so in its log.
+REDIS_URL ?= redis://127.0.0.1:6379/0
+run: $(BIN)/pagedweight
+	$(BIN)/pagedweight serve --model models/micro-mixtral --port 8000 --redis-url $(REDIS_URL)
+
+# Regenerate the gRPC stubs in services/pagedweight/rpc from proto/ (never edit them).
+proto: $(BIN)/pagedweight
+	$(BIN)/python proto/generate.py
+
+proto-check: $(BIN)/pagedweight
+	$(BIN)/python proto/generate.py --check
 
 # On a CUDA machine (no venv there): the kernel and GPU-path tests.
 test-gpu:

@@ -79,6 +79,7 @@ class WorkerRuntime:
     table: PageTable
     mover: PageMover
     pager: object | None  # WeightPager, None for a static policy
+    routing_feed: object | None = None  # RoutingFeed into the policy (the worker forwards its windows)
 
     def close(self) -> None:
         self.mover.close()
@@ -140,7 +141,7 @@ def build_runtime_from_paged(paged, config: RuntimeConfig, eos_token_ids=()) -> 
         pager = WeightPager(mover, planner, kv_block_bytes=block, routing=feed.snapshot)
     engine = Engine(model, config.engine, arena=arena, pager=pager, eos_token_ids=eos_token_ids,
                     max_kv_blocks=_max_kv_blocks(config, paged.config, table, arena))
-    return WorkerRuntime(engine, pool, arena, table, mover, pager)
+    return WorkerRuntime(engine, pool, arena, table, mover, pager, feed)
 
 
 def startup_sizing(paged, config: RuntimeConfig, num_dense_params: int, dense: int, workspace: int) -> dict:

@@ -11,9 +11,11 @@ import argparse
 import sys
 
 from pagedweight.cli import bench_cmd, eval_cmd, generate_cmd, info_cmd, plan_cmd, plan_scales_cmd, quantize_cmd
+from pagedweight.cli import planner_cmd, serve_cmd, worker_cmd
 from pagedweight.common.errors import UserError
 
 COMMANDS = (generate_cmd, eval_cmd, quantize_cmd, plan_cmd, plan_scales_cmd, bench_cmd, info_cmd)
+COMMANDS += (worker_cmd, planner_cmd, serve_cmd)  # the services
 
 
 def build_parser() -> argparse.ArgumentParser:

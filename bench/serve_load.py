@@ -1,0 +1,386 @@
+"""The serving cluster under a Poisson load, against the same trace on the in-process engine.
+
+One trace (seeded): arrivals form a Poisson process of `--request-rate` requests/s, at most
+`--max-concurrency` in flight (later arrivals wait, as `vllm bench serve
+--max-concurrency` does); prompt and output lengths are drawn uniformly from
+`--prompt-len LO:HI` and `--output-len LO:HI` tokens; prompts are random token ids and
+EOS is ignored, so every request generates exactly its drawn output length.
+
+1. in-process: the trace against `AsyncEngine` over `build_runtime` (same model, budget,
+   policy, scheduler, torch threads as the worker);
+2. cluster: the trace over HTTP against the OpenAI-compatible endpoint
+   (`POST /v1/completions`, streamed, token-id prompts) of planner + worker + gateway
+   processes started here on free ports (or an already running one: `--url`).
+
+3. worker gRPC: the same trace straight against the worker's `Generate` (no gateway), to
+   split the overhead between the worker's gRPC layer and the gateway.
+
+Each run reports requests/s, output tokens/s, TTFT and ITL percentiles (client side),
+preemptions, and the worker's memory split sampled every `--sample-every` seconds.
+`overhead` is 1 - cluster output tok/s / in-process output tok/s, means over `--rounds`
+alternating runs (the service layers' cost; target < 0.10 at concurrency 16). Writes bench/results/serve_load_<model>.json.
+
+    python -m bench.serve_load --model PAGED_DIR [--memory-budget 32MiB] [--url http://127.0.0.1:8000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import http.client
+import json
+import os
+import threading
+import time
+import urllib.parse
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from bench.bench_meta import write_result
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    arrival_s: float  # offset from the start of the run
+    prompt_ids: list[int]
+    output_len: int
+
+
+def make_trace(num: int, rate: float, prompt_len: tuple[int, int], output_len: tuple[int, int],
+               vocab: int, seed: int) -> list[TraceRequest]:
+    rng = np.random.default_rng(seed)
+    arrivals = np.cumsum(rng.exponential(1.0 / rate, size=num)) if rate > 0 else np.zeros(num)
+    out = []
+    for t in arrivals:
+        n = int(rng.integers(prompt_len[0], prompt_len[1] + 1))
+        out.append(TraceRequest(float(t), rng.integers(1, vocab, size=n).tolist(),
+                                int(rng.integers(output_len[0], output_len[1] + 1))))
+    return out
+
+
+@dataclass
+class RequestTiming:
+    ttft_s: float
+    itl_s: list[float]
+    output_tokens: int
+    finish_reason: str
+
+
+def summarize(timings: list[RequestTiming], elapsed_s: float) -> dict:
+    ttft = np.array([t.ttft_s for t in timings]) * 1000
+    itl = np.array([x for t in timings for x in t.itl_s]) * 1000
+    tokens = sum(t.output_tokens for t in timings)
+
+    def pct(a):
+        return {f"p{p}": round(float(np.percentile(a, p)), 2) for p in (50, 90, 99)} | {
+            "mean": round(float(a.mean()), 2)} if len(a) else {}
+
+    return {"completed": len(timings), "finish_reasons": sorted({t.finish_reason for t in timings}),
+            "elapsed_s": round(elapsed_s, 3), "requests_per_s": round(len(timings) / elapsed_s, 3),
+            "output_tokens": tokens, "output_tokens_per_s": round(tokens / elapsed_s, 2),
+            "ttft_ms": pct(ttft), "itl_ms": pct(itl)}
+
+
+class Sampler:
+    """Calls `sample()` every `every_s` seconds on a thread; keeps (t, value) pairs."""
+
+    def __init__(self, sample, every_s: float):
+        self.sample, self.every_s, self.points = sample, every_s, []
+        self._stop = threading.Event()
+        self._t0 = time.monotonic()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        while not self._stop.is_set():
+            try:
+                self.points.append({"t_s": round(time.monotonic() - self._t0, 2), **self.sample()})
+            except OSError:
+                pass
+            self._stop.wait(self.every_s)
+
+    def stop(self) -> list[dict]:
+        self._stop.set()
+        self._thread.join()
+        return self.points
+
+
+# ---- in-process ---------------------------------------------------------------------------
+def run_in_process(args, trace: list[TraceRequest]) -> dict:
+    import torch
+
+    from pagedweight.engine.async_engine import AsyncEngine
+    from pagedweight.engine.sampler import SamplingParams
+    from pagedweight.worker.config import WorkerConfig
+    from pagedweight.worker.server import load_runtime
+
+    runtime = load_runtime(WorkerConfig(model_dir=args.model, memory_budget=args.memory_budget,
+                                        policy=args.policy, threads=args.threads))
+    engine = AsyncEngine(runtime.engine)
+
+    def memory():
+        pool = engine.stats().pool
+        return {"expert_weights": sum(pool["expert_bytes_by_bits"].values()), "kv_used": pool["kv_used_bytes"],
+                "kv_free": pool["kv_free_bytes"], "in_transit": pool["transit_bytes"],
+                "free": pool["budget_bytes"] - pool["reserved_bytes"]}
+
+    async def one(req: TraceRequest, start: float, gate: asyncio.Semaphore) -> RequestTiming:
+        await asyncio.sleep(max(0.0, start + req.arrival_s - time.monotonic()))
+        async with gate:
+            sent, last, ttft, itl, n, reason = time.monotonic(), None, 0.0, [], 0, ""
+            params = SamplingParams(max_tokens=req.output_len, ignore_eos=True)
+            async for out in engine.add_request(req.prompt_ids, params):
+                now = time.monotonic()
+                if out.new_token_ids:
+                    if last is None:
+                        ttft = now - sent
+                    else:
+                        itl.append(now - last)
+                    last = now
+                    n += len(out.new_token_ids)
+                reason = out.finish_reason or reason
+            return RequestTiming(ttft, itl, n, reason)
+
+    async def main():
+        for warm in trace[:2]:  # first steps pay one-off costs
+            await one(TraceRequest(0.0, warm.prompt_ids, 4), time.monotonic(), asyncio.Semaphore(1))
+        preempt0 = engine.stats().num_preemptions
+        sampler = Sampler(memory, args.sample_every)
+        gate, start = asyncio.Semaphore(args.max_concurrency), time.monotonic()
+        timings = await asyncio.gather(*[one(r, start, gate) for r in trace])
+        elapsed = time.monotonic() - start
+        result = summarize(timings, elapsed)
+        result["preemptions"] = engine.stats().num_preemptions - preempt0
+        result["memory_bytes_over_time"] = sampler.stop()
+        await engine.close()
+        return result
+
+    torch.set_num_threads(args.threads)
+    try:
+        return asyncio.run(main())
+    finally:
+        runtime.close()
+
+
+# ---- cluster over HTTP --------------------------------------------------------------------
+def stream_completion(url: str, model: str, req: TraceRequest) -> RequestTiming:
+    parts = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=600)
+    body = json.dumps({"model": model, "prompt": req.prompt_ids, "max_tokens": req.output_len,
+                       "temperature": 0, "ignore_eos": True, "stream": True,
+                       "stream_options": {"include_usage": True}})
+    sent = time.monotonic()
+    conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    if response.status != 200:
+        raise RuntimeError(f"HTTP {response.status}: {response.read()[:300]!r}")
+    last, ttft, itl, tokens, reason = None, 0.0, [], 0, ""
+    for raw in response:
+        line = raw.decode().strip()
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        chunk = json.loads(line[6:])
+        if "error" in chunk:
+            raise RuntimeError(f"stream error: {chunk['error']}")
+        now = time.monotonic()
+        for choice in chunk.get("choices", []):
+            # Every chunk with a choice carries new tokens. The gateway sends no chunk for
+            # tokens that decode to no text yet (EOS with ignore_eos, partial characters), so
+            # those tokens' latency folds into the next chunk's: client-side ITL as
+            # `vllm bench serve` measures it.
+            if last is None:
+                ttft = now - sent
+            else:
+                itl.append(now - last)
+            last = now
+            reason = choice.get("finish_reason") or reason
+        if chunk.get("usage"):
+            tokens = chunk["usage"]["completion_tokens"]
+    conn.close()
+    return RequestTiming(ttft, itl, tokens, reason)
+
+
+def scrape(port: int) -> dict[str, float]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    try:
+        conn.request("GET", "/metrics")
+        text = conn.getresponse().read().decode()
+    finally:
+        conn.close()
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines() if line and not line.startswith("#")}
+
+
+def worker_memory(port: int) -> dict:
+    out = {"expert_weights": 0.0}
+    for series, value in scrape(port).items():
+        if series.startswith("pagedweight:gpu_memory_bytes{"):
+            component = series.split('component="', 1)[1].split('"', 1)[0]
+            if component == "expert_weights":
+                out["expert_weights"] += value
+            elif component in ("kv_used", "kv_free", "in_transit", "free"):
+                out[component] = value
+    return out
+
+
+def preemptions(port: int) -> float:
+    return sum(v for k, v in scrape(port).items() if k.startswith("vllm:num_preemptions_total"))
+
+
+def run_cluster(args, trace: list[TraceRequest], url: str, model: str, worker_http: int) -> dict:
+    for warm in trace[:2]:
+        stream_completion(url, model, TraceRequest(0.0, warm.prompt_ids, 4))
+    preempt0 = preemptions(worker_http)
+    sampler = Sampler(lambda: worker_memory(worker_http), args.sample_every)
+    start = time.monotonic()
+
+    def one(req: TraceRequest) -> RequestTiming:
+        return stream_completion(url, model, req)
+
+    with ThreadPoolExecutor(args.max_concurrency) as pool:  # at most max_concurrency in flight
+        futures = []
+        for req in trace:
+            time.sleep(max(0.0, start + req.arrival_s - time.monotonic()))
+            futures.append(pool.submit(one, req))
+        timings = [f.result() for f in futures]
+    elapsed = time.monotonic() - start
+    result = summarize(timings, elapsed)
+    result["preemptions"] = preemptions(worker_http) - preempt0
+    result["memory_bytes_over_time"] = sampler.stop()
+    return result
+
+
+def run_worker_grpc(args, trace: list[TraceRequest], address: str) -> dict:
+    """The trace straight against the worker's gRPC API: the worker's share of the overhead."""
+    import grpc
+
+    from pagedweight.rpc import worker_pb2, worker_pb2_grpc
+
+    async def one(stub, req: TraceRequest, start: float, gate: asyncio.Semaphore) -> RequestTiming:
+        await asyncio.sleep(max(0.0, start + req.arrival_s - time.monotonic()))
+        async with gate:
+            sent, last, ttft, itl, n, reason = time.monotonic(), None, 0.0, [], 0, ""
+            request = worker_pb2.GenerateRequest(prompt_token_ids=req.prompt_ids, sampling=worker_pb2.SamplingParams(
+                max_tokens=req.output_len, ignore_eos=True))
+            async for m in stub.Generate(request):
+                now = time.monotonic()
+                if m.token_ids:
+                    if last is None:
+                        ttft = now - sent
+                    else:
+                        itl.append(now - last)
+                    last = now
+                    n += len(m.token_ids)
+                reason = m.finish_reason or reason
+            return RequestTiming(ttft, itl, n, reason)
+
+    async def main():
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = worker_pb2_grpc.WorkerStub(channel)
+            start, gate = time.monotonic(), asyncio.Semaphore(args.max_concurrency)
+            timings = await asyncio.gather(*[one(stub, r, start, gate) for r in trace])
+            return summarize(timings, time.monotonic() - start)
+
+    return asyncio.run(main())
+
+
+def start_cluster(args):
+    """planner + worker + gateway on free ports; returns (services, url, worker metrics port)."""
+    import socket
+
+    from pagedweight.cluster.processes import Service, grpc_serving, http_ok, wait_until
+
+    def free_port():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    p, ph, w, wh, g = (free_port() for _ in range(5))
+    services = [
+        Service("planner", ["planner", "--port", str(p), "--http-port", str(ph)]),
+        Service("worker", ["worker", "--model", args.model, "--port", str(w), "--http-port", str(wh),
+                           "--memory-budget", args.memory_budget, "--policy", args.policy,
+                           "--threads", str(args.threads), "--planner", f"127.0.0.1:{p}",
+                           "--served-model-name", args.served_model_name]),
+        Service("gateway", ["gateway", "--model", args.model, "--port", str(g), "--workers", f"127.0.0.1:{w}",
+                            "--served-model-name", args.served_model_name]),
+    ]
+    checks = [lambda: grpc_serving(f"127.0.0.1:{p}"),
+              lambda: grpc_serving(f"127.0.0.1:{w}", "pagedweight.v1.Worker"),
+              lambda: http_ok(f"http://127.0.0.1:{g}/health")]
+    for service, ready in zip(services, checks):
+        service.start()
+        wait_until(ready, service, 300)
+    return services, f"http://127.0.0.1:{g}", wh, f"127.0.0.1:{w}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True, help="paged model directory")
+    parser.add_argument("--memory-budget", default="32MiB")
+    parser.add_argument("--policy", default="pagedweight")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--request-rate", type=float, default=8.0,
+                        help="Poisson arrivals per second (0: all at once, so --max-concurrency is the limit)")
+    parser.add_argument("--max-concurrency", type=int, default=16)
+    parser.add_argument("--prompt-len", default="32:128", help="LO:HI tokens, uniform")
+    parser.add_argument("--output-len", default="16:64", help="LO:HI tokens, uniform")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (worker and in-process)")
+    parser.add_argument("--sample-every", type=float, default=0.5, help="memory split sampling period, s")
+    parser.add_argument("--url", default=None, help="a running gateway (default: start a cluster here)")
+    parser.add_argument("--worker-metrics-port", type=int, default=9091, help="with --url: the worker's /metrics")
+    parser.add_argument("--served-model-name", default="bench")
+    parser.add_argument("--rounds", type=int, default=2, help="alternating in-process / cluster runs")
+    parser.add_argument("--tag", default=None, help="suffix of the result file name")
+    args = parser.parse_args()
+
+    from pagedweight.format.model_config import ModelConfig
+
+    vocab = ModelConfig.from_dir(Path(args.model)).vocab_size
+    lo_hi = lambda s: tuple(int(x) for x in s.split(":"))  # noqa: E731
+    trace = make_trace(args.num_prompts, args.request_rate, lo_hi(args.prompt_len), lo_hi(args.output_len),
+                       vocab, args.seed)
+    # Rounds alternate in-process and cluster runs, so a busy spell of a shared machine
+    # does not land on one side only; the cluster stays up between its rounds.
+    in_process, worker, cluster, services = [], [], [], []
+    try:
+        for round_index in range(args.rounds):
+            in_process.append(run_in_process(args, trace))
+            print(f"round {round_index}: in-process {in_process[-1]['output_tokens_per_s']} tok/s", flush=True)
+            if round_index == 0:
+                if args.url:
+                    url, worker_http, worker_grpc = args.url, args.worker_metrics_port, None
+                else:
+                    services, url, worker_http, worker_grpc = start_cluster(args)
+            if worker_grpc is not None:
+                worker.append(run_worker_grpc(args, trace, worker_grpc))
+                print(f"round {round_index}: worker gRPC {worker[-1]['output_tokens_per_s']} tok/s", flush=True)
+            cluster.append(run_cluster(args, trace, url, args.served_model_name, worker_http))
+            print(f"round {round_index}: cluster    {cluster[-1]['output_tokens_per_s']} tok/s", flush=True)
+    finally:
+        for service in reversed(services):
+            service.stop(30)
+    mean = lambda runs: float(np.mean([r["output_tokens_per_s"] for r in runs]))  # noqa: E731
+    overhead = 1.0 - mean(cluster) / mean(in_process)
+    name = f"serve_load_{Path(args.model).resolve().name}" + (f"_{args.tag}" if args.tag else "")
+    path = write_result(name, {
+        "model": str(args.model), "memory_budget": args.memory_budget, "policy": args.policy,
+        "trace": {"num_prompts": args.num_prompts, "request_rate": args.request_rate,
+                  "max_concurrency": args.max_concurrency, "prompt_len": args.prompt_len,
+                  "output_len": args.output_len, "seed": args.seed, "distribution": "uniform lengths, Poisson arrivals"},
+        "threads": args.threads, "rounds": args.rounds, "load_average_after": list(os.getloadavg()),
+        "in_process_output_tok_s_mean": round(mean(in_process), 2), "cluster_output_tok_s_mean": round(mean(cluster), 2),
+        "worker_grpc_output_tok_s_mean": round(mean(worker), 2) if worker else None,
+        "overhead_worker_grpc_only": round(1.0 - mean(worker) / mean(in_process), 4) if worker else None,
+        "in_process": in_process, "worker_grpc": worker, "cluster": cluster,
+        "overhead_output_tok_s": round(overhead, 4), "target_overhead": 0.10,
+    })
+    print(f"overhead {overhead:.1%} (target < 10%); wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""`pagedweight serve`: planner + one worker + gateway as local processes, in one command.
+
+    pagedweight serve --model DIR --port 8000 [--memory-budget 256MiB] [--redis-url URL]
+
+DIR is a paged model, or a Hugging Face checkpoint that is quantised on first start into
+a cache folder (--cache-dir, default ~/.cache/pagedweight) and reused afterwards. Sessions
+go to Redis at --redis-url (default $REDIS_URL, else redis://127.0.0.1:6379/0); the
+gateway falls back to an in-process store, loudly, when none answers. Startup ends by
+printing where to point a client. Ctrl-C (or SIGTERM) stops the services in order, the
+worker draining its running requests.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from pagedweight.common.errors import UserError
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser("serve", help="run gateway + worker + planner locally")
+    parser.add_argument("--model", required=True, help="paged model directory or Hugging Face checkpoint")
+    parser.add_argument("--port", type=int, default=8000, help="the gateway's HTTP port (OpenAI API)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--memory-budget", default="256MiB", help="the worker's device budget")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--policy", default="pagedweight", help="planner policy, or static-B")
+    parser.add_argument("--served-model-name", default=None, help="default: the --model directory's name")
+    parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
+    parser.add_argument("--cache-dir", default=None, help="where quantised checkpoints are kept")
+    parser.add_argument("--calib", nargs="+", default=None, metavar="FILE",
+                        help="calibration text for the first quantisation (default: the shared corpus, "
+                             "else data/sample.txt)")
+    parser.add_argument("--worker-port", type=int, default=50051)
+    parser.add_argument("--planner-port", type=int, default=50052)
+    parser.add_argument("--worker-metrics-port", type=int, default=9091)
+    parser.add_argument("--planner-metrics-port", type=int, default=9092)
+    parser.add_argument("--shutdown-timeout", type=float, default=30.0)
+    parser.add_argument("--startup-timeout", type=float, default=600.0, help="seconds each service may take")
+    parser.set_defaults(handler=run)
+
+
+def service_argvs(args, paged_dir: Path) -> dict[str, list[str]]:
+    """The command line of each service (a dict in start order)."""
+    name = args.served_model_name or Path(args.model).resolve().name
+    host = args.host
+    return {
+        "planner": ["planner", "--host", host, "--port", str(args.planner_port),
+                    "--http-port", str(args.planner_metrics_port)],
+        "worker": ["worker", "--model", str(paged_dir), "--host", host, "--port", str(args.worker_port),
+                   "--http-port", str(args.worker_metrics_port), "--memory-budget", args.memory_budget,
+                   "--device", args.device, "--policy", args.policy, "--served-model-name", name,
+                   "--planner", f"{host}:{args.planner_port}", "--shutdown-timeout", str(args.shutdown_timeout)],
+        "gateway": ["gateway", "--model", str(paged_dir), "--host", host, "--port", str(args.port),
+                    "--workers", f"{host}:{args.worker_port}", "--served-model-name", name,
+                    "--redis-url", args.redis_url],
+    }
+
+
+def run(args) -> int:
+    from pagedweight.cluster.model_cache import DEFAULT_CACHE, paged_model_for
+    from pagedweight.cluster.processes import Service, grpc_serving, http_ok, wait_until
+
+    calib = [Path(f) for f in args.calib] if args.calib else None
+    for f in calib or []:
+        if not f.is_file():
+            raise UserError(f"--calib {f}: no such file")
+    paged = paged_model_for(args.model, Path(args.cache_dir) if args.cache_dir else DEFAULT_CACHE, calib)
+    services = [Service(n, argv) for n, argv in service_argvs(args, paged).items()]
+    planner, worker, gateway = services
+    host = args.host
+    checks = {
+        "planner": lambda: grpc_serving(f"{host}:{args.planner_port}"),
+        "worker": lambda: grpc_serving(f"{host}:{args.worker_port}", "pagedweight.v1.Worker"),
+        "gateway": lambda: http_ok(f"http://{host}:{args.port}/health"),
+    }
+    stopping = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+    try:
+        for service in services:
+            service.start()
+            wait_until(checks[service.name], service, args.startup_timeout)
+        name = args.served_model_name or Path(args.model).resolve().name
+        print(f"\nPagedWeight is serving {name!r}:\n"
+              f"  OpenAI API  http://{host}:{args.port}/v1   (e.g. OPENAI_BASE_URL=http://{host}:{args.port}/v1)\n"
+              f"  try         curl http://{host}:{args.port}/v1/completions -H 'Content-Type: application/json' "
+              f"-d '{{\"model\": \"{name}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'\n"
+              f"  metrics     http://{host}:{args.port}/metrics (gateway), "
+              f"http://{host}:{args.worker_metrics_port}/metrics (worker), "
+              f"http://{host}:{args.planner_metrics_port}/metrics (planner)\n"
+              f"Ctrl-C stops the cluster.\n", flush=True)
+        while not stopping:
+            for service in services:
+                if service.exited is not None:
+                    raise RuntimeError(f"{service.name} exited with code {service.exited}")
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    except RuntimeError as err:
+        print(f"pagedweight serve: {err}; stopping the cluster", file=sys.stderr)
+        return 1
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the drain short
+        for service in (gateway, worker, planner):
+            service.stop(args.shutdown_timeout + 10)
+    return 0

@@ -1,0 +1,59 @@
+"""`pagedweight worker`: serve one paged model over gRPC (the worker service).
+
+    pagedweight worker --model PAGED_DIR --port 50051 [--planner 127.0.0.1:50052] \\
+        [--memory-budget 256MiB] [--http-port 9091] [--shutdown-timeout 30]
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from pagedweight.worker.config import WorkerConfig
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser("worker", help="serve a paged model over gRPC (the worker service)")
+    d = WorkerConfig.__dataclass_fields__
+    parser.add_argument("--model", required=True, help="paged model directory (pagedweight quantize)")
+    parser.add_argument("--port", type=int, default=d["port"].default, help="gRPC port (0: any free one)")
+    parser.add_argument("--host", default=d["host"].default, help="interface to listen on")
+    parser.add_argument("--http-port", "--metrics-port", dest="http_port", type=int, default=None,
+                        help="side HTTP port for /metrics, /health, /ready (default: none)")
+    parser.add_argument("--memory-budget", default=d["memory_budget"].default,
+                        help="bytes for weights + KV + workspace (e.g. 256MiB), or a fraction of the GPU")
+    parser.add_argument("--policy", default=d["policy"].default, help="planner policy, or static-B")
+    parser.add_argument("--device", default=d["device"].default)
+    parser.add_argument("--dtype", default=None, help="float32 / bfloat16 / float16")
+    parser.add_argument("--served-model-name", default=None, help="name in the API and metrics")
+    parser.add_argument("--planner", default=None, metavar="HOST:PORT",
+                        help="planner service address (default: the in-process planner only)")
+    parser.add_argument("--planner-deadline", type=float, default=d["planner_deadline_s"].default,
+                        help="seconds a plan may take before the in-process planner answers instead")
+    parser.add_argument("--worker-id", default=None, help="name at the planner service (default host:port)")
+    parser.add_argument("--shutdown-timeout", type=float, default=d["shutdown_timeout_s"].default,
+                        help="on SIGTERM, seconds running requests get before they are aborted")
+    parser.add_argument("--max-num-seqs", type=int, default=d["max_num_seqs"].default)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=d["max_num_batched_tokens"].default)
+    parser.add_argument("--block-size", type=int, default=d["block_size"].default)
+    parser.add_argument("--threads", type=int, default=d["threads"].default, help="torch CPU threads")
+    parser.set_defaults(handler=run)
+
+
+def config_from_args(args) -> WorkerConfig:
+    return WorkerConfig(
+        model_dir=args.model, port=args.port, host=args.host, http_port=args.http_port,
+        memory_budget=args.memory_budget, policy=args.policy, device=args.device, dtype=args.dtype,
+        served_model_name=args.served_model_name, planner_address=args.planner,
+        planner_deadline_s=args.planner_deadline, worker_id=args.worker_id,
+        shutdown_timeout_s=args.shutdown_timeout, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size, threads=args.threads)
+
+
+def run(args) -> int:
+    from pagedweight.worker.server import serve
+
+    config = config_from_args(args)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    asyncio.run(serve(config))
+    return 0

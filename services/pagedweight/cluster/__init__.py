@@ -1,0 +1,1 @@
+"""`pagedweight serve`: the whole cluster (planner, one worker, gateway) as local processes."""

@@ -1,0 +1,80 @@
+"""Start the cluster's processes, wait until each is ready, stop them in order.
+
+Each service runs as `python -m pagedweight.cli.main <command>` with its log lines
+prefixed by its name on our stdout. Readiness: the planner and the worker answer their
+gRPC health check (the worker's readiness service, so the model is loaded); the gateway
+answers GET /health with 200. Stopping goes front to back (gateway, worker, planner) with
+SIGTERM, so the worker drains its running requests.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+@dataclass
+class Service:
+    name: str
+    argv: list[str]
+    process: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        self.process = subprocess.Popen([sys.executable, "-m", "pagedweight.cli.main", *self.argv],
+                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+        threading.Thread(target=self._pipe, daemon=True).start()
+
+    def _pipe(self) -> None:
+        for line in self.process.stdout:
+            sys.stdout.write(f"[{self.name}] {line}")
+            sys.stdout.flush()
+
+    @property
+    def exited(self) -> int | None:
+        return None if self.process is None else self.process.poll()
+
+    def stop(self, timeout_s: float) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+def grpc_serving(address: str, service: str = "") -> bool:
+    with grpc.insecure_channel(address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
+                                                              timeout=1.0)
+        except grpc.RpcError:
+            return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1.0) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+def wait_until(ready, service: Service, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        if service.exited is not None:
+            raise RuntimeError(f"{service.name} exited with code {service.exited} while starting")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{service.name} not ready after {timeout_s:.0f}s")
+        time.sleep(0.2)

@@ -1,0 +1,48 @@
+"""The worker service's settings, checked at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from pagedweight.common.errors import UserError
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    model_dir: str  # a paged model directory (pagedweight quantize)
+    port: int = 50051  # gRPC port (0: any free port)
+    host: str = "127.0.0.1"  # interface to listen on ("0.0.0.0" in a container)
+    http_port: int | None = None  # /metrics, /health, /ready; None: no HTTP side port
+    memory_budget: str = "256MiB"  # bytes, or a fraction of the GPU ("0.9")
+    policy: str = "pagedweight"  # planner policy, or static-B
+    device: str = "cpu"
+    dtype: str | None = None  # float32 / bfloat16 / float16; None: float32 on CPU, bfloat16 on CUDA
+    served_model_name: str | None = None  # the model's name in APIs and metrics (default: directory name)
+    planner_address: str | None = None  # host:port of the planner service; None: in-process only
+    planner_deadline_s: float = 0.25  # the longest a step boundary waits for the service's plan
+    worker_id: str | None = None  # name at the planner service (default host:port)
+    shutdown_timeout_s: float = 30.0  # SIGTERM: how long running requests may take to finish
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    block_size: int = 16  # tokens per KV block
+    threads: int = 1  # torch CPU threads
+
+    def __post_init__(self):
+        if not Path(self.model_dir).is_dir():
+            raise UserError(f"--model {self.model_dir}: not a directory")
+        for name in ("port", "http_port"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= 65535:
+                raise UserError(f"--{name.replace('_', '-')} must be in 0..65535, got {value}")
+        if self.planner_deadline_s <= 0:
+            raise UserError(f"--planner-deadline must be > 0 seconds, got {self.planner_deadline_s}")
+        if self.shutdown_timeout_s < 0:
+            raise UserError(f"--shutdown-timeout must be >= 0 seconds, got {self.shutdown_timeout_s}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "threads"):
+            if getattr(self, name) < 1:
+                raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or Path(self.model_dir).resolve().name

@@ -1,0 +1,75 @@
+"""`pagedweight serve`: the model cache, and the whole cluster as real processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from pagedweight.cluster.model_cache import checkpoint_digest, paged_model_for
+from pagedweight.common.errors import UserError
+from service_procs import REPO, free_port
+
+
+def test_a_paged_model_is_served_as_is_and_bad_dirs_are_refused(paged_micro_dir, tmp_path):
+    assert paged_model_for(paged_micro_dir, tmp_path / "cache") == paged_micro_dir
+    assert not (tmp_path / "cache").exists()  # nothing quantised
+    with pytest.raises(UserError, match="not a directory"):
+        paged_model_for(tmp_path / "missing", tmp_path / "cache")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UserError, match="no config.json"):
+        paged_model_for(tmp_path / "empty", tmp_path / "cache")
+
+
+def test_the_cache_key_follows_the_checkpoint_files(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"x" * 10)
+    first = checkpoint_digest(tmp_path)
+    assert checkpoint_digest(tmp_path) == first
+    os.utime(tmp_path / "model.safetensors", (1, 1))  # a fresh clone: new times, same files
+    assert checkpoint_digest(tmp_path) == first
+    (tmp_path / "model.safetensors").write_bytes(b"y" * 10)
+    assert checkpoint_digest(tmp_path) != first
+    (tmp_path / "model.safetensors").write_bytes(b"x" * 10)
+    (tmp_path / "config.json").write_text('{"a": 1}')
+    assert checkpoint_digest(tmp_path) != first
+
+
+@pytest.mark.slow
+def test_serve_runs_the_cluster_and_stops_it(paged_micro_dir, tmp_path):
+    pytest.importorskip("pagedweight.gateway")
+    port = free_port()
+    argv = [sys.executable, "-m", "pagedweight.cli.main", "serve", "--model", str(paged_micro_dir),
+            "--port", str(port), "--memory-budget", "32MiB", "--served-model-name", "micro",
+            "--worker-port", str(free_port()), "--planner-port", str(free_port()),
+            "--worker-metrics-port", str(free_port()), "--planner-metrics-port", str(free_port())]
+    log = open(tmp_path / "serve.log", "w+")
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+    try:
+        deadline = time.monotonic() + 120
+        while "PagedWeight is serving" not in (tmp_path / "serve.log").read_text():
+            assert proc.poll() is None, (tmp_path / "serve.log").read_text()
+            assert time.monotonic() < deadline, (tmp_path / "serve.log").read_text()
+            time.sleep(0.2)
+        text = (tmp_path / "serve.log").read_text()
+        assert f"http://127.0.0.1:{port}/v1" in text
+        body = json.dumps({"model": "micro", "prompt": "Hello", "max_tokens": 5, "ignore_eos": True}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
+                                         {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            answer = json.loads(response.read())
+        assert answer["usage"]["completion_tokens"] == 5
+        assert answer["choices"][0]["finish_reason"] == "length"
+    finally:
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(60)
+        log.close()
+    assert code == 0, (tmp_path / "serve.log").read_text()
+    text = (tmp_path / "serve.log").read_text()
+    assert "[worker]" in text and "worker stopped" in text and "planner stopped" in text
