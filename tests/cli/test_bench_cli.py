@@ -44,3 +44,61 @@ def test_bench_engine_budget_below_the_dense_weights_is_a_user_error(paged_micro
                                           "--memory-budget", budget, "--policy", policy])
         with pytest.raises(UserError, match=fragment):
             run_engine_bench(args)
+
+
+def test_bench_engine_plot_draws_the_memory_split(paged_micro_dir, tmp_path):
+    """--plot writes a PNG of the run's memory split: a real image whose pixels are not blank,
+    and the samples behind it add up to the budget at every step."""
+    from pagedweight.cli.bench_cmd import run_engine_bench
+    from pagedweight.cli.main import build_parser
+
+    plot = tmp_path / "split.png"
+    args = build_parser().parse_args([
+        "bench", "engine", "--model", str(paged_micro_dir), "--memory-budget", "20MiB", "--requests", "6",
+        "--concurrency", "3", "--prompt-len", "8", "--max-tokens", "6", "--policy", "pagedweight",
+        "--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--plot", str(plot)])
+    record = run_engine_bench(args)
+    assert record["plot"] == str(plot)
+    import matplotlib.image
+
+    pixels = matplotlib.image.imread(plot)
+    assert pixels.shape[0] > 500 and pixels.shape[1] > 900
+    assert pixels[..., :3].std() > 0.05  # drawn, not a blank canvas
+
+
+def test_memory_timeline_samples_add_up_to_the_budget(paged_micro_dir):
+    from pagedweight.cli.memory_timeline import MemoryTimeline
+    from pagedweight.engine.engine import EngineConfig
+    from pagedweight.cli.load_bench import LoadSpec, run_load
+    from pagedweight.engine.scheduler import SchedulerConfig
+    from pagedweight.memory.kv_cache import KVCacheConfig
+    from pagedweight.runtime import RuntimeConfig, build_runtime
+
+    config = RuntimeConfig(20 * 2**20, "pagedweight",
+                           engine=EngineConfig(scheduler=SchedulerConfig(8, 64), kv=KVCacheConfig(16)))
+    runtime = build_runtime(paged_micro_dir, config)
+    timeline = MemoryTimeline()
+    try:
+        result = run_load(runtime, LoadSpec(6, 3, 8, 6), on_step=lambda: timeline.record(runtime))
+    finally:
+        runtime.close()
+    assert len(timeline.samples) == result["steps"]  # engine steps of the load and the drain
+    for s in timeline.samples:
+        total = (sum(s.expert_bytes_by_bits.values()) + s.dense_bytes + s.workspace_bytes + s.transit_bytes
+                 + s.kv_used_bytes + s.kv_free_bytes + s.free_bytes)
+        assert total == timeline.budget_bytes == 20 * 2**20
+    assert len(timeline.event_times("num_preemptions")) == result["preemptions"]
+    assert len(timeline.event_times("num_page_moves")) == timeline.samples[-1].num_page_moves - timeline.samples[0].num_page_moves
+
+
+def test_bench_engine_plot_bad_path_is_one_line(paged_micro_dir, tmp_path):
+    assert_one_line_error(
+        pagedweight("bench", "engine", "--model", str(paged_micro_dir), "--memory-budget", "20MiB",
+                    "--plot", str(tmp_path / "split.svg")),
+        "--plot",
+    )
+    assert_one_line_error(
+        pagedweight("bench", "engine", "--model", str(paged_micro_dir), "--memory-budget", "20MiB",
+                    "--plot", str(tmp_path / "missing" / "split.png")),
+        "does not exist",
+    )

@@ -6,6 +6,8 @@
 `--policy` is a planner policy (pagedweight, uniform, mxmoe, dpllm, no-routing,
 no-residual, no-sensitivity: bits move with the load) or static-B (every expert block
 pinned at B bits). Progress goes to stderr; the JSON object is the last stdout line.
+`--plot FILE.png` also draws the memory split over time (stacked by bit-width and KV) with
+preemptions and page moves marked (cli/memory_plot.py; needs matplotlib).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import json
 import platform
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -51,6 +54,8 @@ def register(subparsers) -> None:
     engine.add_argument("--seed", type=int, default=default_of(LoadSpec, "seed"))
     engine.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (1: OpenMP threads spin on a loaded small machine)")
+    engine.add_argument("--plot", default=None, metavar="FILE.png",
+                        help="draw the memory split over time, with preemptions and page moves, to this PNG")
     parser.set_defaults(handler=run)
 
 
@@ -69,6 +74,10 @@ def run_engine_bench(args) -> dict:
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     _check_policy(args.policy)
+    if args.plot is not None:
+        from pagedweight.cli.memory_plot import check_plot_path
+
+        check_plot_path(args.plot)  # before minutes of load, not after
     if not 1 <= args.threads <= 1024:
         raise UserError(f"--threads must be in 1..1024, got {args.threads}")
     if not 0 <= args.seed < 2**63:
@@ -87,9 +96,23 @@ def run_engine_bench(args) -> dict:
     print(f"bench engine: runtime ready in {time.time() - started:.1f}s", file=sys.stderr)
     try:
         spec = LoadSpec(args.requests, args.concurrency, args.prompt_len, args.max_tokens, args.seed)
-        result = run_load(runtime, spec)
+        timeline = None
+        if args.plot is not None:
+            from pagedweight.cli.memory_timeline import MemoryTimeline
+
+            timeline = MemoryTimeline()
+            timeline.record(runtime)
+            result = run_load(runtime, spec, on_step=lambda: timeline.record(runtime))
+        else:
+            result = run_load(runtime, spec)
     finally:
         runtime.close()
+    if timeline is not None:
+        from pagedweight.cli.memory_plot import plot_memory_timeline
+
+        title = (f"{Path(args.model).name}: policy {args.policy}, budget {args.memory_budget}, "
+                 f"{args.requests} requests at concurrency {args.concurrency}")
+        result["plot"] = str(plot_memory_timeline(timeline, args.plot, title))
     return {
         "bench": "engine", "model": str(args.model), "policy": args.policy, "device": str(device),
         "dtype": str(dtype).removeprefix("torch."), "requests": args.requests,

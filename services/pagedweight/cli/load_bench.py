@@ -69,7 +69,9 @@ def drive_load(engine, spec: LoadSpec, after_step=lambda: None) -> LoadResult:
     return LoadResult(completed, failed, output_tokens, time.perf_counter() - start)
 
 
-def run_load(runtime: WorkerRuntime, spec: LoadSpec) -> dict:
+def run_load(runtime: WorkerRuntime, spec: LoadSpec, on_step=lambda: None) -> dict:
+    """`on_step` is called after every engine step, of the load and of the drain after it
+    (`bench engine --plot` samples the memory split there)."""
     engine = runtime.engine
     bits_start = mean_committed_bits(runtime)
     bits_min = [bits_start]
@@ -77,9 +79,10 @@ def run_load(runtime: WorkerRuntime, spec: LoadSpec) -> dict:
 
     def track_bits():
         bits_min[0] = min(bits_min[0], mean_committed_bits(runtime))
+        on_step()
 
     load = drive_load(engine, spec, track_bits)
-    drain_steps = _drain(runtime, spec.max_drain_steps)
+    drain_steps = _drain(runtime, spec.max_drain_steps, on_step)
     pool = runtime.pool.snapshot()
     stats = engine.stats()
     pager = runtime.pager.stats() if runtime.pager is not None else None
@@ -115,13 +118,14 @@ def _pager_counts(runtime: WorkerRuntime) -> tuple[int, int]:
     return stats.num_page_moves, stats.num_plans
 
 
-def _drain(runtime: WorkerRuntime, max_steps: int) -> int:
+def _drain(runtime: WorkerRuntime, max_steps: int, on_step=lambda: None) -> int:
     """Step idle until the pager is done moving pages and has been offered the bytes."""
     calm = runtime.engine.config.broker.calm_steps
     quiet = 0
     for step in range(max_steps):
         before = mean_committed_bits(runtime)
         runtime.engine.step()
+        on_step()
         busy = runtime.pager is not None and runtime.pager.busy()
         quiet = 0 if (busy or mean_committed_bits(runtime) != before) else quiet + 1
         if busy:

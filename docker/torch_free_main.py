@@ -1,0 +1,36 @@
+"""Entry point of the torch-free images (planner, gateway): `pagedweight ROLE ARGS...`.
+
+`pagedweight.cli.main` imports every sub-command module to build its parser, and several
+of those import torch (bench, eval, generate), which these images do not have. This entry
+point builds the parser from the one sub-command the image runs, and handles errors like
+cli/main.py does: a UserError is one `error:` line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+ROLES = {"planner": "pagedweight.cli.planner_cmd", "gateway": "pagedweight.cli.gateway_cmd"}
+
+
+def main(argv: list[str]) -> int:
+    from pagedweight.common.errors import UserError
+
+    if not argv or argv[0] not in ROLES:
+        print(f"usage: pagedweight {{{','.join(ROLES)}}} ... (this image runs only these)", file=sys.stderr)
+        return 2
+    parser = argparse.ArgumentParser(prog="pagedweight")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    importlib.import_module(ROLES[argv[0]]).register(subparsers)
+    args = parser.parse_args(argv)
+    try:
+        return args.handler(args) or 0
+    except UserError as err:
+        print(f"pagedweight {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

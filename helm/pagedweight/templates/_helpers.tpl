@@ -1,0 +1,62 @@
+{{/* Names: <release>-pagedweight-<role>, cut to the 63 characters of a DNS label. */}}
+{{- define "pagedweight.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 50 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 50 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "pagedweight.name" -}}
+{{- printf "%s-%s" (include "pagedweight.fullname" .root) .role | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "pagedweight.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+app.kubernetes.io/part-of: pagedweight
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+{{- end -}}
+
+{{/* Selector labels of one role: {root, role}. */}}
+{{- define "pagedweight.selector" -}}
+app.kubernetes.io/name: pagedweight
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .role }}
+{{- end -}}
+
+{{/* image: {root, image: {repository, tag, pullPolicy}} */}}
+{{- define "pagedweight.image" -}}
+{{- printf "%s:%s" .image.repository (.image.tag | default .root.Chart.AppVersion) -}}
+{{- end -}}
+
+{{/* The Redis URL the gateway uses: the external one, or the bundled StatefulSet's. */}}
+{{- define "pagedweight.redisURL" -}}
+{{- if .Values.redis.url -}}
+{{- .Values.redis.url -}}
+{{- else -}}
+{{- printf "redis://%s:6379/0" (include "pagedweight.name" (dict "root" . "role" "redis")) -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "pagedweight.apiKeySecret" -}}
+{{- .Values.apiKey.existingSecret | default (include "pagedweight.name" (dict "root" . "role" "api-key")) -}}
+{{- end -}}
+
+{{/* Kubernetes waits this long after SIGTERM: the preStop sleep, the drain, and a margin. */}}
+{{- define "pagedweight.gracePeriod" -}}
+{{- add .preStopSleepSeconds .shutdownTimeoutSeconds 15 -}}
+{{- end -}}
+
+{{- define "pagedweight.preStop" -}}
+preStop:
+  exec:
+    # endpoints stop sending new requests before the process starts draining
+    command: ["sleep", "{{ .preStopSleepSeconds }}"]
+{{- end -}}
+
+{{/* The worker role of one model: {root, model}. Lowercased, so it is a DNS label. */}}
+{{- define "pagedweight.workerRole" -}}
+{{- printf "worker-%s" (.model.name | lower | replace "." "-" | replace "_" "-") -}}
+{{- end -}}
