@@ -14,12 +14,15 @@ from importlib import metadata
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from prometheus_client import CollectorRegistry
 
 from pagedweight.common.errors import UserError
 from pagedweight.common.metrics import exposition
 from pagedweight.gateway.config import GatewayConfig
-from pagedweight.gateway.errors import APIError, api_error_handler, error_response, validation_error_handler
+from pagedweight.gateway.errors import (
+    APIError, api_error_handler, error_response, http_error_handler, validation_error_handler,
+)
 from pagedweight.gateway.metrics import GatewayMetrics
 from pagedweight.gateway.middleware import GatewayMiddleware
 from pagedweight.gateway.protocol import (
@@ -137,6 +140,7 @@ def build_app(config: GatewayConfig) -> FastAPI:
     app.include_router(router)
     app.add_exception_handler(APIError, api_error_handler)
     app.add_exception_handler(RequestValidationError, validation_error_handler)
+    app.add_exception_handler(StarletteHTTPException, http_error_handler)
     app.add_exception_handler(Exception, _internal_error_handler)
     app.add_middleware(GatewayMiddleware, api_key=config.api_key, max_body_bytes=config.max_body_bytes)
     return app

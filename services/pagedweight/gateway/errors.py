@@ -13,6 +13,7 @@ from http import HTTPStatus
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
 
 ERROR_TYPES = {
     400: "BadRequestError",
@@ -53,6 +54,12 @@ def sse_error_event(err: APIError) -> str:
 
 async def api_error_handler(_: Request, err: APIError) -> JSONResponse:
     return error_response(err.status, err.message, err.param)
+
+
+async def http_error_handler(_: Request, err: HTTPException) -> JSONResponse:
+    """Errors the framework raises itself (an unparseable body such as 5,000 nested
+    brackets, an unknown route, a wrong method) in the same body shape as ours."""
+    return error_response(err.status_code, str(err.detail), headers=getattr(err, "headers", None))
 
 
 async def validation_error_handler(_: Request, err: RequestValidationError) -> JSONResponse:
