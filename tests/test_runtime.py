@@ -155,3 +155,36 @@ def test_a_request_larger_than_kv_at_the_lowest_bits_is_refused(paged_micro_dir)
         assert len(out["fits"]) == 10
     finally:
         runtime.close()
+
+
+def test_logits_stay_finite_while_the_split_moves(paged_micro_dir):
+    """KV pages and expert planes share the arena: a page handed to KV while planes still
+    live in it (or the reverse) shows as garbage logits. Under a load that moves the split
+    both ways, with sampling (torch.multinomial fails on NaN), every step's logits must be
+    finite and every request must complete."""
+    budget = fixed_budget(paged_micro_dir, 8, kv_tokens=64)
+    runtime = build_runtime(paged_micro_dir, RuntimeConfig(budget, "pagedweight", engine=ENGINE))
+    engine, non_finite_steps = runtime.engine, []
+    sample = engine.runner.sample
+
+    def checked_sample(seqs, logits):
+        if not torch.isfinite(logits).all():
+            non_finite_steps.append(engine.num_steps)
+        return sample(seqs, logits)
+
+    engine.runner.sample = checked_sample
+    try:
+        gen = torch.Generator().manual_seed(5)
+        for i in range(24):
+            prompt = torch.randint(1, 4096, (4 + i % 7,), generator=gen).tolist()
+            engine.add_request(str(i), prompt, SamplingParams(max_tokens=12 + i % 3 * 4, temperature=1.0,
+                                                              seed=i, ignore_eos=True))
+        finished = set()
+        while engine.has_work:
+            finished |= {out.request_id for out in engine.step() if out.finished}
+            check_pool(runtime)
+        assert finished == {str(i) for i in range(24)}
+        assert runtime.pager.stats().num_page_moves > 0  # the split did move
+        assert non_finite_steps == []
+    finally:
+        runtime.close()
