@@ -201,3 +201,19 @@ def test_seeded_sampling_is_reproducible_across_preemption(model, requests):
     tight_engine = make_engine(model, num_blocks=16, token_budget=24)
     tight = run_all(tight_engine, prompts[:6], params)
     assert roomy == tight
+
+
+def test_first_output_carries_the_queue_time_and_later_ones_do_not(model):
+    """vllm:request_queue_time_seconds comes from here: arrival to first scheduled, once per
+    request. With one sequence at a time, the second request waits for the whole first."""
+    engine = make_engine(model, max_seqs=1)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    engine.add_request("a", [1, 2, 3], params)
+    engine.add_request("b", [4, 5, 6], params)
+    queue_times: dict[str, list[float]] = {"a": [], "b": []}
+    while engine.has_work:
+        for out in engine.step():
+            if out.queue_time_s is not None:
+                queue_times[out.request_id].append(out.queue_time_s)
+    assert [len(v) for v in queue_times.values()] == [1, 1]
+    assert 0.0 <= queue_times["a"][0] < queue_times["b"][0]

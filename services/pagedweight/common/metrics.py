@@ -86,8 +86,9 @@ class EngineMetrics:
         self.e2e_request_latency = histogram("vllm:e2e_request_latency_seconds",
                                              "Histogram of e2e request latency in seconds.",
                                              REQUEST_LATENCY_BUCKETS)
-        # vllm:request_queue_time_seconds needs the time a request was first scheduled, which
-        # the engine does not report per request yet: left out rather than exported empty.
+        self.request_queue_time = histogram("vllm:request_queue_time_seconds",
+                                            "Histogram of time spent in WAITING phase for request.",
+                                            REQUEST_LATENCY_BUCKETS)
         token_buckets = build_1_2_5_buckets(max_model_len)
         self.request_prompt_tokens = histogram("vllm:request_prompt_tokens",
                                                "Number of prefill tokens processed.", token_buckets)

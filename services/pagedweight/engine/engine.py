@@ -51,6 +51,7 @@ class RequestOutput:
     finished: bool = False
     finish_reason: str | None = None  # "stop", "length" or "abort" once finished
     stop_reason: int | None = None  # the EOS / stop token id that finished it (not in output)
+    queue_time_s: float | None = None  # on a request's first output: arrival to first scheduled
 
 
 @dataclass
@@ -166,7 +167,12 @@ class Engine:
             s.seq.num_computed_tokens += s.num_new_tokens
             if window is not None:  # the next query (at num_computed_tokens) sees W keys back
                 self.kv.release_before(s.seq, s.seq.num_computed_tokens - window + 1)
-        return [self._append(seq, token) for seq, token in zip(samplers, token_ids)]
+        outputs = [self._append(seq, token) for seq, token in zip(samplers, token_ids)]
+        for seq, out in zip(samplers, outputs):
+            if not seq.queue_time_reported:
+                seq.queue_time_reported = True
+                out.queue_time_s = seq.first_scheduled_time - seq.arrival_time
+        return outputs
 
     def _append(self, seq: Sequence, token: int) -> RequestOutput:
         params = seq.params

@@ -17,6 +17,7 @@ Nothing is ever dropped: a sequence leaves only by finishing or by abort.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -105,6 +106,8 @@ class Scheduler:
             self.kv.allocate(seq, n)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.monotonic()
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -35,6 +36,9 @@ class Sequence:
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
     generator: torch.Generator | None = None  # seeded sampling survives preemption
+    arrival_time: float = field(default_factory=time.monotonic)  # added to the engine
+    first_scheduled_time: float | None = None  # first left WAITING (not reset by preemption)
+    queue_time_reported: bool = False  # the first output carried queue_time_s
 
     @property
     def num_tokens(self) -> int:

@@ -80,6 +80,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         reason = "error"
         try:
             async for out in stream:
+                if out.queue_time_s is not None:
+                    record.queued(out.queue_time_s)
                 record.tokens(len(out.new_token_ids), self.telemetry.mean_expert_bits())
                 if not out.finished:
                     yield worker_pb2.GenerateResponse(request_id=request_id, token_ids=out.new_token_ids)

@@ -28,6 +28,10 @@ class RequestRecord:
     bits_sum: float = 0.0  # sum over token-producing steps of the mean committed bits
     num_bit_samples: int = 0
 
+    def queued(self, seconds: float) -> None:
+        """The engine's arrival-to-first-scheduled time of this request."""
+        self.metrics.request_queue_time.observe(seconds)
+
     def tokens(self, n: int, mean_bits: float) -> None:
         if n == 0:
             return
