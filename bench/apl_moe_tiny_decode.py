@@ -21,7 +21,7 @@ from pagedweight_kernels.synthetic import quantize_experts
 from pagedweight.engine.generate import generate
 from pagedweight.engine.sampler import SamplingParams
 from pagedweight.model import load_model
-from pagedweight.model.apl_experts import APLExperts
+from pagedweight_kernels.resident_experts import APLExperts
 from pagedweight.frontend.tokenizer import Tokenizer
 from pagedweight_kernels.synthetic import mixed_bits
 

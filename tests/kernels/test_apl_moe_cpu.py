@@ -8,7 +8,7 @@ from pagedweight_kernels.apl_moe import (
     APLKernelError, ResidentBlock, apl_moe_reference, check_inputs, lanes_per_row, plan_launch,
 )
 from pagedweight_kernels.synthetic import quantize_nested, random_block
-from pagedweight.model.apl_experts import APLExperts
+from pagedweight_kernels.resident_experts import APLExperts
 from pagedweight_kernels.apl_moe import resident_block
 from pagedweight.format.apl_format import BIT_WIDTHS, dequantize, unpack_codes
 from pagedweight_kernels.synthetic import mixed_bits, ragged_routing, random_layer

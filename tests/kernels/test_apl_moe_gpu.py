@@ -14,7 +14,7 @@ import torch
 
 from pagedweight_kernels.apl_moe import APLLayer, apl_moe, apl_moe_reference, kernel_available, plan_launch
 from pagedweight_kernels.synthetic import quantize_experts
-from pagedweight.model.apl_experts import APLExperts
+from pagedweight_kernels.resident_experts import APLExperts
 from pagedweight_kernels.apl_moe import resident_block
 from tests.conftest import BUNDLED_MODEL, CORPUS_DIR, SHARED_MODELS
 from pagedweight_kernels.synthetic import mixed_bits, ragged_routing, random_layer

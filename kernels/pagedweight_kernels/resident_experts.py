@@ -1,7 +1,12 @@
-"""Paged any-precision experts: the experts operator over APL blocks.
+"""The fused kernel's own experts operator over resident APL blocks (no arena, no pager).
 
-Same call as DenseExperts, `experts(x [T, H], topk_ids [T, k], topk_weights [T, k])`;
-the model never sees the storage. On CUDA (bf16/fp16 activations, cupy present) it runs the
+It exists for the kernel's tests and benchmarks: a model's MoE blocks can run the kernel
+on blocks placed anywhere, without a worker runtime. The serving path uses one operator
+over the memory arena (`pagedweight.weights.arena_experts.ArenaExperts`) and the
+dequantising reference (`pagedweight.model.dequantized_experts`).
+
+Same call as DenseExperts, `experts(x [T, H], topk_ids [T, k], topk_weights [T, k])`; the
+model never sees the storage. On CUDA (bf16/fp16 activations, cupy present) it runs the
 fused kernel (kernels/pagedweight_kernels/apl_moe.cu), elsewhere the torch reference; both read the same
 planes and LUTs. The runtime's page table commits a new bit-width for a block with
 `commit_block`, which only rewrites that block's descriptor row.
