@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sys
 
+from pagedweight.cli.config_defaults import default_of
 from pagedweight.cli.model_args import add_model_args, load_from_args, utf8_text
 from pagedweight.engine.generate import stream_generate
 from pagedweight.engine.sampler import SamplingParams
@@ -19,11 +20,14 @@ def register(subparsers) -> None:
     parser = subparsers.add_parser("generate", help="complete one prompt")
     add_model_args(parser)
     parser.add_argument("--prompt", required=True, type=utf8_text, help="prompt text")
+    # The command's own length default (a reader wants a paragraph); the sampling defaults
+    # are the library's.
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--temperature", type=float, default=default_of(SamplingParams, "temperature"),
+                        help="0 means greedy")
+    parser.add_argument("--top-p", type=float, default=default_of(SamplingParams, "top_p"))
+    parser.add_argument("--top-k", type=int, default=default_of(SamplingParams, "top_k"))
+    parser.add_argument("--seed", type=int, default=default_of(SamplingParams, "seed"))
     parser.add_argument("--stop", action="append", default=[], type=utf8_text, help="stop string (repeatable)")
     parser.set_defaults(handler=run)
 

@@ -15,10 +15,10 @@ import sys
 from pathlib import Path
 
 from pagedweight.common.errors import UserError
+from pagedweight.common.paths import REPO_ROOT, corpus_dir
 
-REPO = Path(__file__).resolve().parents[3]
-BUNDLED_CALIB = REPO / "data" / "sample.txt"  # small: enough for a working micro model
-SHARED_CORPUS = Path(os.environ.get("PAGEDWEIGHT_SHARED", REPO.parent / "shared")) / "data" / "corpus"
+BUNDLED_CALIB = REPO_ROOT / "data" / "sample.txt"  # small: enough for a working micro model
+
 DEFAULT_CACHE = Path(os.environ.get("PAGEDWEIGHT_CACHE", Path.home() / ".cache" / "pagedweight"))
 
 
@@ -37,7 +37,7 @@ def checkpoint_digest(model_dir: Path) -> str:
 
 
 def default_calib_files() -> list[Path]:
-    files = sorted(SHARED_CORPUS.glob("*.calib.txt"))
+    files = sorted(corpus_dir().glob("*.calib.txt"))
     return files or [BUNDLED_CALIB]
 
 
