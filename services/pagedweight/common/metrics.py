@@ -51,49 +51,65 @@ def exposition(registry: CollectorRegistry) -> tuple[bytes, str]:
     return generate_latest(registry), CONTENT_TYPE_LATEST
 
 
-class EngineMetrics:
+class _Families:
+    """Makes families bound to one (model_name, engine) label pair."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str, engine: str):
+        self.registry, self.labels = registry, dict(model_name=model_name, engine=engine)
+
+    def gauge(self, name, doc):
+        return Gauge(name, doc, LABELS, registry=self.registry).labels(**self.labels)
+
+    def counter(self, name, doc):  # name without _total: prometheus-client appends it
+        return Counter(name, doc, LABELS, registry=self.registry).labels(**self.labels)
+
+    def histogram(self, name, doc, buckets):
+        return Histogram(name, doc, LABELS, buckets=buckets, registry=self.registry).labels(**self.labels)
+
+
+class RequestMetrics:
+    """vLLM's request-level families: what a worker and a gateway both observe per request
+    (the gateway from the client's side, under engine="gateway")."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str, max_model_len: int, engine: str):
+        f = self._families = _Families(registry, model_name, engine)
+        self.prompt_tokens = f.counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = f.counter("vllm:generation_tokens", "Number of generation tokens processed.")
+        success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                          LABELS + ("finished_reason",), registry=registry)
+        self.request_success = {r: success.labels(finished_reason=r, **f.labels) for r in FINISH_REASONS}
+        self.time_to_first_token = f.histogram("vllm:time_to_first_token_seconds",
+                                               "Histogram of time to first token in seconds.", TTFT_BUCKETS)
+        self.inter_token_latency = f.histogram("vllm:inter_token_latency_seconds",
+                                               "Histogram of inter-token latency in seconds.", ITL_BUCKETS)
+        self.e2e_request_latency = f.histogram("vllm:e2e_request_latency_seconds",
+                                               "Histogram of e2e request latency in seconds.",
+                                               REQUEST_LATENCY_BUCKETS)
+        token_buckets = build_1_2_5_buckets(max_model_len)
+        self.request_prompt_tokens = f.histogram("vllm:request_prompt_tokens",
+                                                 "Number of prefill tokens processed.", token_buckets)
+        self.request_generation_tokens = f.histogram("vllm:request_generation_tokens",
+                                                     "Number of generation tokens processed.", token_buckets)
+
+
+class EngineMetrics(RequestMetrics):
     """vLLM's engine-level families, bound to one model and engine index."""
 
     def __init__(self, registry: CollectorRegistry, model_name: str, max_model_len: int,
                  engine: str = "0"):
-        labels = dict(model_name=model_name, engine=engine)
-
-        def gauge(name, doc):
-            return Gauge(name, doc, LABELS, registry=registry).labels(**labels)
-
-        def counter(name, doc):  # name without _total: prometheus-client appends it
-            return Counter(name, doc, LABELS, registry=registry).labels(**labels)
-
-        def histogram(name, doc, buckets):
-            return Histogram(name, doc, LABELS, buckets=buckets, registry=registry).labels(**labels)
-
-        self.num_requests_running = gauge("vllm:num_requests_running",
-                                          "Number of requests in model execution batches.")
-        self.num_requests_waiting = gauge("vllm:num_requests_waiting",
-                                          "Number of requests waiting to be processed.")
-        self.kv_cache_usage_perc = gauge("vllm:kv_cache_usage_perc",
-                                         "KV-cache usage. 1 means 100 percent usage.")
-        self.num_preemptions = counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.")
-        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
-        self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
-        success = Counter("vllm:request_success", "Count of successfully processed requests.",
-                          LABELS + ("finished_reason",), registry=registry)
-        self.request_success = {r: success.labels(finished_reason=r, **labels) for r in FINISH_REASONS}
-        self.time_to_first_token = histogram("vllm:time_to_first_token_seconds",
-                                             "Histogram of time to first token in seconds.", TTFT_BUCKETS)
-        self.inter_token_latency = histogram("vllm:inter_token_latency_seconds",
-                                             "Histogram of inter-token latency in seconds.", ITL_BUCKETS)
-        self.e2e_request_latency = histogram("vllm:e2e_request_latency_seconds",
-                                             "Histogram of e2e request latency in seconds.",
-                                             REQUEST_LATENCY_BUCKETS)
-        self.request_queue_time = histogram("vllm:request_queue_time_seconds",
-                                            "Histogram of time spent in WAITING phase for request.",
-                                            REQUEST_LATENCY_BUCKETS)
-        token_buckets = build_1_2_5_buckets(max_model_len)
-        self.request_prompt_tokens = histogram("vllm:request_prompt_tokens",
-                                               "Number of prefill tokens processed.", token_buckets)
-        self.request_generation_tokens = histogram("vllm:request_generation_tokens",
-                                                   "Number of generation tokens processed.", token_buckets)
+        super().__init__(registry, model_name, max_model_len, engine)
+        f = self._families
+        self.num_requests_running = f.gauge("vllm:num_requests_running",
+                                            "Number of requests in model execution batches.")
+        self.num_requests_waiting = f.gauge("vllm:num_requests_waiting",
+                                            "Number of requests waiting to be processed.")
+        self.kv_cache_usage_perc = f.gauge("vllm:kv_cache_usage_perc",
+                                           "KV-cache usage. 1 means 100 percent usage.")
+        self.num_preemptions = f.counter("vllm:num_preemptions",
+                                         "Cumulative number of preemption from the engine.")
+        self.request_queue_time = f.histogram("vllm:request_queue_time_seconds",
+                                              "Histogram of time spent in WAITING phase for request.",
+                                              REQUEST_LATENCY_BUCKETS)
         self._cache_info = Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
                                  ("block_size", "num_gpu_blocks", "engine"), registry=registry)
         self._engine = engine
