@@ -2,8 +2,8 @@
 
 `pagedweight.cli.main` imports every sub-command module to build its parser, and several
 of those import torch (bench, eval, generate), which these images do not have. This entry
-point builds the parser from the one sub-command the image runs, and handles errors like
-cli/main.py does: a UserError is one `error:` line on stderr and exit code 2.
+point builds the parser from the one sub-command the image runs and hands it to the same
+runner the `pagedweight` command uses (a UserError is one `error:` line, exit code 2).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ ROLES = {"planner": "pagedweight.cli.planner_cmd", "gateway": "pagedweight.cli.g
 
 
 def main(argv: list[str]) -> int:
-    from pagedweight.common.errors import UserError
+    from pagedweight.cli.dispatch import run
 
     if not argv or argv[0] not in ROLES:
         print(f"usage: pagedweight {{{','.join(ROLES)}}} ... (this image runs only these)", file=sys.stderr)
@@ -24,12 +24,7 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="pagedweight")
     subparsers = parser.add_subparsers(dest="command", required=True)
     importlib.import_module(ROLES[argv[0]]).register(subparsers)
-    args = parser.parse_args(argv)
-    try:
-        return args.handler(args) or 0
-    except UserError as err:
-        print(f"pagedweight {args.command}: error: {err}", file=sys.stderr)
-        return 2
+    return run(parser, argv)
 
 
 if __name__ == "__main__":

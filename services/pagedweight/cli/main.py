@@ -12,7 +12,7 @@ import sys
 
 from pagedweight.cli import bench_cmd, eval_cmd, generate_cmd, info_cmd, plan_cmd, plan_scales_cmd, quantize_cmd
 from pagedweight.cli import gateway_cmd, planner_cmd, serve_cmd, worker_cmd
-from pagedweight.common.errors import UserError
+from pagedweight.cli.dispatch import run
 
 COMMANDS = (generate_cmd, eval_cmd, quantize_cmd, plan_cmd, plan_scales_cmd, bench_cmd, info_cmd)
 COMMANDS += (worker_cmd, planner_cmd, serve_cmd, gateway_cmd)  # the services
@@ -27,19 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        return args.handler(args) or 0
-    except UserError as err:
-        print(f"pagedweight {args.command}: error: {one_line(str(err))}", file=sys.stderr)
-        return 2
-
-
-def one_line(message: str) -> str:
-    """Messages quote what the user gave: escape newlines, other separators and controls
-    (and undecodable bytes) so the error stays one printable line."""
-    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in message)
+    return run(build_parser(), argv)
 
 
 if __name__ == "__main__":
