@@ -21,7 +21,7 @@ from torch import nn
 
 from pagedweight.format.model_config import ModelConfig
 from pagedweight.model.experts import DenseExperts, ExpertsOp
-from pagedweight.model.layers import Attention, GatedMLP, RMSNorm, rms_normalize
+from pagedweight.model.layers import Attention, GatedMLP, norm_for, rms_normalize
 from pagedweight.model.moe_block import RoutingObserver
 
 
@@ -54,8 +54,8 @@ class Gemma4MoeBlock(nn.Module):
         self.router = Gemma4Router(config)
         self.experts: ExpertsOp = DenseExperts(config.num_experts, H, config.expert_intermediate_size,
                                                config.expert_activation)
-        self.pre_feedforward_layernorm_2 = RMSNorm(H, config.rms_norm_eps)
-        self.post_feedforward_layernorm_2 = RMSNorm(H, config.rms_norm_eps)
+        self.pre_feedforward_layernorm_2 = norm_for(config, H)
+        self.post_feedforward_layernorm_2 = norm_for(config, H)
         self.observer: RoutingObserver | None = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -72,15 +72,15 @@ class Gemma4MoeBlock(nn.Module):
 class Gemma4DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
-        H, eps = config.hidden_size, config.rms_norm_eps
-        self.input_layernorm = RMSNorm(H, eps)
+        H = config.hidden_size
+        self.input_layernorm = norm_for(config, H)
         self.self_attn = Attention(config, layer_idx)
-        self.post_attention_layernorm = RMSNorm(H, eps)
-        self.pre_feedforward_layernorm = RMSNorm(H, eps)
+        self.post_attention_layernorm = norm_for(config, H)
+        self.pre_feedforward_layernorm = norm_for(config, H)
         self.mlp = GatedMLP(H, config.dense_intermediate_size, config.expert_activation)
-        self.post_feedforward_layernorm_1 = RMSNorm(H, eps)
+        self.post_feedforward_layernorm_1 = norm_for(config, H)
         self.moe = Gemma4MoeBlock(config, layer_idx)
-        self.post_feedforward_layernorm = RMSNorm(H, eps)
+        self.post_feedforward_layernorm = norm_for(config, H)
         # a buffer in transformers, stored in the checkpoint: a parameter here, so it is loaded
         # and kept in the paged model's dense state like every other non-expert weight
         self.layer_scalar = nn.Parameter(torch.ones(1))

@@ -22,16 +22,25 @@ def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float):
+    def __init__(self, size: int, eps: float, scale_in_fp32: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.scale_in_fp32 = scale_in_fp32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 and cast back before the scale, as the reference does.
+        # Normalise in fp32; Llama-style references cast back before the scale, Gemma-4's
+        # after it: in bf16 the two round differently, so each family follows its reference.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.scale_in_fp32:
+            return (x32 * self.weight.float()).to(x.dtype)
         return self.weight * x32.to(x.dtype)
+
+
+def norm_for(config: ModelConfig, size: int) -> RMSNorm:
+    """The family's RMSNorm over `size` features."""
+    return RMSNorm(size, config.rms_norm_eps, scale_in_fp32=config.is_gemma4)
 
 
 class RotaryEmbedding:
@@ -92,8 +101,8 @@ class Attention(nn.Module):
         self.scale = config.attention_scale  # None: SDPA's 1 / sqrt(head_dim)
         self.window = shape.window  # None: full causal attention
         if config.qk_norm == "head":  # Qwen3-MoE: one norm shared by every head
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.q_norm = norm_for(config, self.head_dim)
+            self.k_norm = norm_for(config, self.head_dim)
         elif config.qk_norm == "full":  # OLMoE: over the whole q (k) projection
             self.q_norm = RMSNorm(self.num_heads * self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.num_kv_heads * self.head_dim, config.rms_norm_eps)

@@ -9,7 +9,7 @@ from torch import nn
 from pagedweight.format.model_config import ModelConfig
 from pagedweight.model.contiguous_kv import ContiguousKVCache
 from pagedweight.model.gemma4_layer import Gemma4DecoderLayer
-from pagedweight.model.layers import Attention, RMSNorm, RotaryEmbedding, rope_key
+from pagedweight.model.layers import Attention, RMSNorm, RotaryEmbedding, norm_for, rope_key
 from pagedweight.model.moe_block import SparseMoeBlock
 
 
@@ -48,7 +48,7 @@ class MoECausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         layer_class = Gemma4DecoderLayer if config.is_gemma4 else DecoderLayer
         self.layers = nn.ModuleList(layer_class(config, i) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = norm_for(config, config.hidden_size)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         # one RoPE per distinct (head_dim, theta, rotated pairs): Gemma-4's sliding and full
         # layers have their own; cos/sin are computed once per forward for each
