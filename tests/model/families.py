@@ -57,13 +57,14 @@ FAMILIES = {
                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, eos_token_id=2),
     ),
     # Gemma-4 MoE: sliding layers (window 6, default RoPE, 2 KV heads of 16) and full layers
-    # (proportional RoPE over a quarter of the dims, 1 KV head of 32, values = keys) in
+    # (proportional RoPE over a quarter of the dims, 1 KV head of 24, values = keys) in
     # one model, q/k/v norms, router and per-expert scales, a dense MLP beside the experts,
-    # logit softcapping. The KV slot is the sliding layers' 2 x 16; full layers use 1 x 32.
+    # logit softcapping. The KV slot is the sliding layers' 2 x 16; full layers use 24 of its
+    # 32 elements per token (as Gemma-4-26B-A4B's full layers use half of theirs).
     "gemma4_moe": dict(
         cls="Gemma4ForCausalLM", config="Gemma4TextConfig",
         kwargs=dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
-                    num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
+                    num_key_value_heads=2, head_dim=16, global_head_dim=24, num_global_key_value_heads=1,
                     attention_k_eq_v=True, enable_moe_block=True, num_experts=8, top_k_experts=2,
                     moe_intermediate_size=32, intermediate_size=96, hidden_size_per_layer_input=0,
                     layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],

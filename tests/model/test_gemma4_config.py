@@ -21,13 +21,13 @@ def test_layer_shapes_windows_and_rope_per_layer_type():
     c = ModelConfig.from_dict(config_dict("gemma4_moe"))
     sliding, full = c.attention(0), c.attention(1)
     assert (sliding.num_kv_heads, sliding.head_dim, sliding.window, sliding.k_eq_v) == (2, 16, 6, False)
-    assert (full.num_kv_heads, full.head_dim, full.window, full.k_eq_v) == (1, 32, None, True)
-    # default RoPE rotates every pair; proportional RoPE int(0.25 * 32 // 2) = 4 of 16
+    assert (full.num_kv_heads, full.head_dim, full.window, full.k_eq_v) == (1, 24, None, True)
+    # default RoPE rotates every pair; proportional RoPE int(0.25 * 24 // 2) = 3 of 12
     assert (sliding.rope_theta, sliding.rope_pairs) == (10_000.0, 8)
-    assert (full.rope_theta, full.rope_pairs) == (1_000_000.0, 4)
+    assert (full.rope_theta, full.rope_pairs) == (1_000_000.0, 3)
     assert [c.layer_window(i) for i in range(4)] == [6, None, 6, None]
     assert c.kv_window is None  # full layers read every token: no block falls out of all windows
-    assert c.kv_slot == (2, 16)  # the widest layer's K/V elements per token (tie: the first)
+    assert c.kv_slot == (2, 16)  # the widest layer's K/V elements per token
     assert (c.expert_activation, c.dense_intermediate_size, c.final_logit_softcapping) == ("gelu_tanh", 96, 30.0)
     assert (c.num_experts, c.num_experts_per_tok, c.expert_intermediate_size) == (8, 2, 32)
     assert c.attention_scale == 1.0 and c.v_norm and c.qk_norm == "head" and c.tie_word_embeddings
@@ -38,12 +38,12 @@ def test_original_config_form_reads_like_the_saved_one():
     transformers 5.24 saves it (per_layer_config) describe the same model."""
     saved = config_dict("gemma4_moe")
     original = {k: v for k, v in saved.items() if k != "per_layer_config"}
-    original.update(global_head_dim=32, num_global_key_value_heads=1)
+    original.update(global_head_dim=24, num_global_key_value_heads=1)
     assert ModelConfig.from_dict(original) == ModelConfig.from_dict(saved)
     # without attention_k_eq_v, transformers keeps the KV heads of full layers global
     original["attention_k_eq_v"] = False
     full = ModelConfig.from_dict(original).attention(1)
-    assert (full.num_kv_heads, full.head_dim, full.k_eq_v) == (2, 32, False)
+    assert (full.num_kv_heads, full.head_dim, full.k_eq_v) == (2, 24, False)
 
 
 def test_default_layer_pattern_and_last_layer_forced_full():
