@@ -17,6 +17,8 @@ Switches that change the maths and that we do not implement are refused naming t
 dense Gemma-4 (no `enable_moe_block`), per-layer-input embeddings (`hidden_size_per_layer_input`),
 KV-shared layers (`num_kv_shared_layers`), bidirectional attention, other activations,
 other RoPE types or scaling, per-layer overrides of anything but head_dim / KV heads.
+Read and without effect here: `use_double_wide_mlp` (widens only KV-shared layers' MLPs),
+`vocab_size_per_layer_input` (only with per-layer input embeddings), `attention_dropout`.
 """
 
 from __future__ import annotations
