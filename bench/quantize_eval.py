@@ -73,11 +73,7 @@ def layer_inputs(model, batch: torch.Tensor) -> list[torch.Tensor]:
 @torch.inference_mode()
 def logits_from(model, x: torch.Tensor, first_layer: int) -> torch.Tensor:
     """fp32 logits, running layers first_layer.. from their input x."""
-    B, T, _ = x.shape
-    cos, sin = model.rotary.cos_sin(torch.arange(T, device=x.device).expand(B, T), x.dtype)
-    for layer in model.layers[first_layer:]:
-        x = layer(x, cos, sin, 0, None)
-    return model.lm_head(model.norm(x)).float()
+    return model.forward_from_layer(x, first_layer).float()
 
 
 class Evaluator:

@@ -3,7 +3,8 @@ runtime at static 8/4/3 bits, and the `pagedweight` policy under memory pressure
 against the HBM floor measured in the same run (issues 12 and 17).
 
 Nothing is written to disk but the result: the checkpoint is `transformers`' own class
-(`Qwen2MoeForCausalLM`, `MixtralForCausalLM`, `Qwen3MoeForCausalLM`, `OlmoeForCausalLM`) randomly initialised on the device in bf16;
+(`Qwen2MoeForCausalLM`, `MixtralForCausalLM`, `Qwen3MoeForCausalLM`, `OlmoeForCausalLM`,
+`Gemma4ForCausalLM`) randomly initialised on the device in bf16;
 our `MoECausalLM` is assembled over the same tensors (no copy); the routed experts are
 quantised by a fast nested-uniform path (`nested_uniform_planes`: per-row min-max 8-bit
 codes, b-bit LUTs at the b-bit bucket centres; no calibration, so quality is not measured
@@ -88,6 +89,13 @@ CONFIGS.update({
     "tiny-olmoe": dict(model_type="olmoe", **{**REAL_SHAPE_CONFIGS["OLMoE-1B-7B"], **dict(
         vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
         num_experts=16, num_experts_per_tok=4, intermediate_size=96, eos_token_id=2)}),
+    "gemma-4-26b-a4b": dict(REAL_SHAPE_CONFIGS["Gemma-4-26B-A4B"]),
+    # sliding and full layers of different shapes (k=v on the full ones), as in the real one
+    "tiny-gemma4": {**REAL_SHAPE_CONFIGS["Gemma-4-26B-A4B"], **dict(
+        vocab_size=512, hidden_size=64, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=32, num_global_key_value_heads=1, global_head_dim=64, num_experts=16, top_k_experts=4,
+        moe_intermediate_size=96, intermediate_size=128, sliding_window=16,
+        layer_types=["sliding_attention"] * 5 + ["full_attention"], eos_token_id=2)},
 })
 
 
@@ -143,11 +151,17 @@ def _hf_tensor(state: dict, key: str) -> torch.Tensor:
 def _hf_experts(state: dict, config: ModelConfig, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(gate_up [E, 2I, H], down [E, H, I]) of one layer: transformers v5 keeps them fused in
     this layout (gate rows first, as ours); older versions per expert (stacked here)."""
+    from pagedweight.model.loader import fused_expert_keys
+
     E, H, I = config.num_experts, config.hidden_size, config.expert_intermediate_size
-    for moe in ("mlp", "block_sparse_moe"):
-        gate_up = state.get(f"model.layers.{layer}.{moe}.experts.gate_up_proj")
+    # Gemma-4 keeps its experts in the layer itself (the loader's key), the others under mlp
+    # (Mixtral: block_sparse_moe before transformers 5)
+    prefixes = {fused_expert_keys(config, layer)["gate_up"][: -len("gate_up_proj")]} | {
+        f"model.layers.{layer}.{moe}.experts." for moe in ("mlp", "block_sparse_moe")}
+    for prefix in sorted(prefixes):
+        gate_up = state.get(prefix + "gate_up_proj")
         if gate_up is not None:
-            down = state[f"model.layers.{layer}.{moe}.experts.down_proj"]
+            down = state[prefix + "down_proj"]
             if tuple(gate_up.shape) != (E, 2 * I, H):  # stored input-major: transpose to ours
                 gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
             assert tuple(gate_up.shape) == (E, 2 * I, H) and tuple(down.shape) == (E, H, I)

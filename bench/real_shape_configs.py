@@ -5,8 +5,11 @@ Each entry is the `config.json` dict `ModelConfig.from_dict` reads, with the fie
 published checkpoints carry; `PUBLISHED_PARAMS` is the total parameter count the model
 cards state, which tests/bench/test_real_shape_configs.py checks our shapes against.
 
-Gemma-4-26B-A4B is not here yet: the loader does not run Gemma-4 (issue 15), and the
-public descriptions of its shape disagree with each other, so no numbers are guessed.
+Gemma-4-26B-A4B is the text config (`text_config`) of the published multimodal checkpoint,
+written as transformers 5.17 read it: the full-attention layers' shape as `global_head_dim`
+/ `num_global_key_value_heads` (ModelConfig reads it as transformers does, and also the
+`per_layer_config` form transformers 5.24 saves); RoPE, activation and the 5:1 layer
+pattern are transformers' Gemma4TextConfig defaults.
 """
 
 from __future__ import annotations
@@ -14,6 +17,22 @@ from __future__ import annotations
 from pagedweight.format.model_config import ModelConfig
 
 REAL_SHAPE_CONFIGS: dict[str, dict] = {
+    "Gemma-4-26B-A4B": {
+        "architectures": ["Gemma4ForCausalLM"], "model_type": "gemma4_text", "vocab_size": 262144,
+        "hidden_size": 2816, "num_hidden_layers": 30, "num_attention_heads": 16,
+        "num_key_value_heads": 8, "head_dim": 256, "num_global_key_value_heads": 2, "global_head_dim": 512,
+        "attention_k_eq_v": True, "enable_moe_block": True, "num_experts": 128, "top_k_experts": 8,
+        "moe_intermediate_size": 704, "intermediate_size": 2112, "hidden_activation": "gelu_pytorch_tanh",
+        "hidden_size_per_layer_input": 0, "num_kv_shared_layers": 0, "use_double_wide_mlp": False,
+        "use_bidirectional_attention": None, "attention_bias": False, "sliding_window": 1024,
+        "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 5,
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1000000.0},
+        },
+        "final_logit_softcapping": 30.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 262144,
+        "tie_word_embeddings": True, "eos_token_id": 1, "pad_token_id": 0, "bos_token_id": 2,
+    },
     "Qwen3-30B-A3B": {
         "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 151936, "hidden_size": 2048,
         "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
@@ -49,7 +68,9 @@ REAL_SHAPE_CONFIGS: dict[str, dict] = {
 }
 
 # Total parameters from the model cards, in billions (rounded as published).
-PUBLISHED_PARAMS = {"Qwen3-30B-A3B": 30.5, "OLMoE-1B-7B": 6.92, "Mixtral-8x7B": 46.7, "Qwen1.5-MoE-A2.7B": 14.3}
+# Gemma-4-26B-A4B: the 25.97B of issue 15, which is what parameter_count gives: it counts
+# lm_head apart from the embedding it is tied to (25.23B distinct parameters).
+PUBLISHED_PARAMS = {"Gemma-4-26B-A4B": 25.97, "Qwen3-30B-A3B": 30.5, "OLMoE-1B-7B": 6.92, "Mixtral-8x7B": 46.7, "Qwen1.5-MoE-A2.7B": 14.3}
 
 
 def real_shape_config(name: str) -> ModelConfig:

@@ -7,7 +7,7 @@
 //   apl_gemv<CLS, 0>  gate_up: every CTA finds its expert from topk_ids itself (no moe_align
 //                     launch), multiplies a 64-row tile of the block by up to 8 tokens per pass
 //                     over one column split, writes fp32 partials; the last split of a tile to
-//                     finish sums the splits in a fixed order and writes h = SiLU(gate) * up.
+//                     finish sums the splits in a fixed order and writes h = act(gate) * up.
 //   apl_gemv<CLS, 1>  down: the same over h; the last CTA to finish a row tile (over every
 //                     expert and split) forms out[t] = sum_j w[t,j] * sum_split y, in a fixed
 //                     order (no moe_combine launch, no float atomics: bit-identical reruns).
@@ -498,7 +498,7 @@ __global__ void __launch_bounds__(GV_THREADS, APL_GEMV_MIN_BLOCKS) apl_gemv(
                 gs += __ldcg(p + r0 + c);
                 us += __ldcg(p + rows_out + r0 + c);
             }
-            h_out[(long long)slot * rows_out + r0 + c] = float_to_act<BF16>(gs / (1.f + __expf(-gs)) * us);
+            h_out[(long long)slot * rows_out + r0 + c] = float_to_act<BF16>(gate_act(gs) * us);
         }
     } else {
         for (int idx = tid; idx < num_tokens * rpc; idx += GV_THREADS) {

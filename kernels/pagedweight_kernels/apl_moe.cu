@@ -6,7 +6,7 @@
 //   1. moe_align     one CTA: group the T*k (token, slot) assignments by expert; list the
 //                    active experts (expert id, first sorted position, token count).
 //   2. gate_up       every active expert's gate_up block at its own bit-width; the
-//                    epilogue applies SiLU(gate) * up and writes h [T*k, I] in sorted order.
+//                    epilogue applies act(gate) * up (gate_act: SiLU or GELU-tanh) and writes h [T*k, I] in sorted order.
 //   3. down          every active expert's down block; writes y [splits, T*k, H] in fp32,
 //                    indexed by the original slot t*k+j.
 //   4. moe_combine   out[t] = sum_j w[t,j] * sum_split y[split, t*k+j]: a fixed-order,
@@ -72,6 +72,21 @@ template <bool BF16> __device__ __forceinline__ u16 float_to_act(float f) {
 // dequantised weights to x's dtype before the matmul, and so do we.
 template <bool BF16> __device__ __forceinline__ u16 lut_to_act(u16 v) {
     return BF16 ? float_to_bf16(half_to_float(v)) : v;
+}
+
+// The experts' gate activation, chosen at compile time (the launcher compiles one module per
+// activation): APL_ACT 0 = SiLU, 1 = GELU's tanh approximation (Gemma-4), as torch's
+// F.gelu(approximate="tanh") computes it.
+#ifndef APL_ACT
+#define APL_ACT 0
+#endif
+__device__ __forceinline__ float gate_act(float g) {
+#if APL_ACT == 1
+    const float k = 0.7978845608028654f;  // sqrt(2 / pi)
+    return 0.5f * g * (1.f + tanhf(k * (g + 0.044715f * g * g * g)));
+#else
+    return g / (1.f + __expf(-g));
+#endif
 }
 
 // ---------------------------------------------------------------- descriptors
@@ -365,7 +380,7 @@ __global__ void __launch_bounds__(256, APL_DECODE_MIN_BLOCKS) apl_decode(
             const int s = start + t0 + t;
             if (MODE == 0) {
                 const float g = res[lr * NT + t], u = res[(RPC + lr) * NT + t];
-                h_out[(long long)s * rows_out + r0 + lr] = float_to_act<BF16>(g / (1.f + __expf(-g)) * u);
+                h_out[(long long)s * rows_out + r0 + lr] = float_to_act<BF16>(gate_act(g) * u);
             } else {
                 y_out[((long long)blockIdx.z * num_slots + sorted_slot[s]) * rows_out + r0 + lr] = res[lr * NT + t];
             }
@@ -534,7 +549,7 @@ __global__ void __launch_bounds__(256, (MT <= 64 ? APL_PREFILL_MIN_BLOCKS : 1)) 
             if (bad_bits) v = __int_as_float(0x7fc00000);
             if (MODE == 0) {
                 const float u = cs[m * PF_CS + rpc + c];
-                h_out[(long long)s * rows_out + r0 + c] = float_to_act<BF16>(v / (1.f + __expf(-v)) * u);
+                h_out[(long long)s * rows_out + r0 + c] = float_to_act<BF16>(gate_act(v) * u);
             } else {
                 y_out[(long long)sorted_slot[s] * rows_out + r0 + c] = v;
             }

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from pagedweight_kernels.moe_reference import moe_forward
+from pagedweight_kernels.moe_reference import check_activation, gated, moe_forward
 from pagedweight.format.apl_format import (
     COL_ALIGN, LUT_DTYPE, MAX_BITS, MIN_BITS, APLBlock, check_bits, dequantize,
 )
@@ -63,6 +63,8 @@ def bit_class(bits: int) -> int:
 KERNEL_DEFINES = {"APL_LDS_MODE": 1, "APL_RPG_DIV": 8, "APL_PREFETCH": 1, "APL_DECODE_MIN_BLOCKS": 2,
                   "APL_SHIFT_MODE": 0, "APL_PREFILL_MIN_BLOCKS": 1, "APL_GEMV_MIN_BLOCKS": 4,
                   "APL_GEMV_L2_PREFETCH": 0}
+# The .cu's APL_ACT per expert activation (moe_reference.ACTIVATIONS): one compiled module each.
+ACT_CODES = {"silu": 0, "gelu_tanh": 1}
 
 
 class APLKernelError(ValueError):
@@ -130,6 +132,7 @@ class APLLayer:
 
     gate_up: list[ResidentBlock]  # per expert, [2I, H] (gate rows, then up rows)
     down: list[ResidentBlock]  # per expert, [H, I]
+    activation: str = "silu"  # act(gate) * up: moe_reference.ACTIVATIONS
     num_experts: int = field(init=False)
     hidden: int = field(init=False)
     intermediate: int = field(init=False)
@@ -143,6 +146,7 @@ class APLLayer:
     counters: torch.Tensor = field(init=False)  # int32 zeros: the decode kernels' last-CTA counters
 
     def __post_init__(self):
+        check_activation(self.activation)
         self.num_experts = len(self.gate_up)
         if not 0 < self.num_experts <= MAX_EXPERTS or len(self.down) != self.num_experts:
             raise APLKernelError(f"need 1..{MAX_EXPERTS} experts with one gate_up and one down block each, "
@@ -219,7 +223,7 @@ def apl_moe_reference(x, topk_ids, topk_weights, layer: APLLayer) -> torch.Tenso
         gate_up = layer.gate_up[e].dequantize().to(tokens.device, tokens.dtype)
         gate, up = F.linear(tokens, gate_up).chunk(2, dim=-1)
         down = layer.down[e].dequantize().to(tokens.device, tokens.dtype)
-        return F.linear(F.silu(gate) * up, down)
+        return F.linear(gated(gate, up, layer.activation), down)
 
     return moe_forward(x, topk_ids, topk_weights, expert, layer.num_experts)
 
@@ -353,8 +357,8 @@ def check_inputs(x, topk_ids, topk_weights, layer: APLLayer):
 
 
 # ---------------------------------------------------------------- CUDA launch (cupy)
-def _kernel(name: str):
-    return _compiled(name, tuple(sorted(KERNEL_DEFINES.items())))
+def _kernel(name: str, activation: str = "silu"):
+    return _compiled(name, tuple(sorted({**KERNEL_DEFINES, "APL_ACT": ACT_CODES[activation]}.items())))
 
 
 @lru_cache(maxsize=None)
@@ -368,11 +372,11 @@ def _compiled(name: str, defines: tuple):
     return module.get_function(name)
 
 
-def _launch(name: str, grid, args, shared: int = 0, block: int = THREADS):
+def _launch(name: str, grid, args, shared: int = 0, block: int = THREADS, activation: str = "silu"):
     import cupy as cp
     import numpy as np
 
-    kernel = _kernel(name)
+    kernel = _kernel(name, activation)
     if shared > 48 * 1024 and kernel.max_dynamic_shared_size_bytes < shared:
         kernel.max_dynamic_shared_size_bytes = shared
     packed = tuple(np.uint64(a.data_ptr()) if isinstance(a, torch.Tensor) else
@@ -397,8 +401,9 @@ def _flag(dtype) -> str:
 
 
 def launch_gemm(mode: int, plan: GemmPlan, desc, active, num_active, sorted_slot, top_k: int,
-                x, rows_out: int, cols: int, max_bits: int, h_out=None, y_out=None, num_slots: int = 0):
-    """One projection for every active expert: mode 0 gate_up (+SiLU*up -> h), 1 down (-> y)."""
+                x, rows_out: int, cols: int, max_bits: int, h_out=None, y_out=None, num_slots: int = 0,
+                activation: str = "silu"):
+    """One projection for every active expert: mode 0 gate_up (+act(gate)*up -> h), 1 down (-> y)."""
     if plan.regime == "decode":
         name = f"apl_decode<{plan.tokens}, {plan.lanes_per_row}, {mode}, {_flag(x.dtype)}>"
         args = (desc, active, num_active, sorted_slot, top_k, x, rows_out, cols, plan.split_cols,
@@ -406,7 +411,7 @@ def launch_gemm(mode: int, plan: GemmPlan, desc, active, num_active, sorted_slot
     else:
         name = f"apl_prefill<{plan.tokens}, {mode}, {_flag(x.dtype)}>"
         args = (desc, active, num_active, sorted_slot, top_k, x, rows_out, cols, max_bits, h_out, y_out)
-    _launch(name, plan.grid, args, plan.shared_bytes)
+    _launch(name, plan.grid, args, plan.shared_bytes, activation=activation)
 
 
 _WEIGHT_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -441,7 +446,8 @@ def _apl_moe_gemv(x, ids, topk_weights, layer: APLLayer, plan: LaunchPlan, out: 
         _launch(f"apl_gemv<{cls}, 0, {flag}, {v2['gate_up']}>", gu.grid,
                 (layer.gate_up_desc, ids, num_assign, k, E, x, I, H, gu.split_cols // 32, lut, gu.tokens,
                  part_gu, layer.counters, h, weights, w_kind, T, out, 0),
-                gu.shared_bytes + (GEMV_ROWS * lut * 2 + 512 if lut else 0), block=GEMV_THREADS)
+                gu.shared_bytes + (GEMV_ROWS * lut * 2 + 512 if lut else 0), block=GEMV_THREADS,
+                activation=layer.activation)
     for i, (cls, widest) in enumerate(launches["down"]):
         lut = 1 << widest if cls >= 1 else 0
         _launch(f"apl_gemv<{cls}, 1, {flag}, {v2['down']}>", dn.grid,
@@ -481,7 +487,7 @@ def apl_moe(x, topk_ids, topk_weights, layer: APLLayer, out: torch.Tensor | None
         y = torch.empty(plan.down.splits, num_slots, H, dtype=torch.float32, device=device)
         _launch("moe_align", (1,), (ids, num_slots, E, sorted_slot, active, num_active), block=1024)
         launch_gemm(0, plan.gate_up, layer.gate_up_desc, active, num_active, sorted_slot, k,
-                    x, I, H, max_bits, h_out=h)
+                    x, I, H, max_bits, h_out=h, activation=layer.activation)
         launch_gemm(1, plan.down, layer.down_desc, active, num_active, sorted_slot, k,
                     h, H, I, max_bits, y_out=y, num_slots=num_slots)
         _launch(f"moe_combine<{_flag(x.dtype)}>", (math.ceil(T * H / THREADS),),

@@ -2,12 +2,33 @@
 
 The model's dense experts, the paged experts and the fused kernel's torch reference all
 compute a layer through `moe_forward`, so there is one definition of what a MoE layer's
-routed experts return. Shape legend: T tokens, H hidden, k top-k.
+routed experts return, and every expert's activation goes through `gated`, so there is one
+definition of each activation. Shape legend: T tokens, H hidden, k top-k.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+
+# The experts' activation, by the name ModelConfig.expert_activation uses: act(gate) * up.
+# "gelu_tanh" is GELU's tanh approximation (transformers' gelu_pytorch_tanh, Gemma-4's).
+ACTIVATIONS = ("silu", "gelu_tanh")
+
+
+def check_activation(activation: str) -> None:
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"expert activation {activation!r} is not one of {ACTIVATIONS}")
+
+
+def gated(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """act(gate) * up, the gated experts' intermediate activation."""
+    if activation == "silu":
+        return F.silu(gate) * up
+    if activation == "gelu_tanh":
+        return F.gelu(gate, approximate="tanh") * up
+    check_activation(activation)
+    raise AssertionError("unreachable")
 
 
 def group_tokens_by_expert(topk_ids: torch.Tensor, num_experts: int):

@@ -33,11 +33,13 @@ class APLExperts(nn.Module):
 
     @classmethod
     def from_blocks(cls, gate_up: list[APLBlock], down: list[APLBlock],
-                    bits: dict[tuple[int, str], int], device, use_kernel: bool | None = None) -> "APLExperts":
-        """bits: # (expert, module) -> committed bit-width."""
+                    bits: dict[tuple[int, str], int], device, use_kernel: bool | None = None,
+                    activation: str = "silu") -> "APLExperts":
+        """bits: # (expert, module) -> committed bit-width; activation: moe_reference.ACTIVATIONS."""
         layer = APLLayer(
             [resident_block(b, bits[(e, "gate_up")], device) for e, b in enumerate(gate_up)],
             [resident_block(b, bits[(e, "down")], device) for e, b in enumerate(down)],
+            activation,
         )
         return cls(layer, use_kernel)
 

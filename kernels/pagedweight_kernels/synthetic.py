@@ -59,14 +59,15 @@ def mixed_bits(num_experts: int) -> dict[tuple[int, str], int]:
     return {(e, m): 3 + (2 * e + i) % 6 for e in range(num_experts) for i, m in enumerate(("gate_up", "down"))}
 
 
-def random_layer(num_experts, hidden, intermediate, seed=0, device="cpu", bits=None) -> APLLayer:
+def random_layer(num_experts, hidden, intermediate, seed=0, device="cpu", bits=None,
+                 activation: str = "silu") -> APLLayer:
     gen = torch.Generator().manual_seed(seed)
     bits = bits or mixed_bits(num_experts)
     gate_up = [resident_block(random_block(2 * intermediate, hidden, gen, device), bits[(e, "gate_up")], device)
                for e in range(num_experts)]
     down = [resident_block(random_block(hidden, intermediate, gen, device), bits[(e, "down")], device)
             for e in range(num_experts)]
-    return APLLayer(gate_up, down)
+    return APLLayer(gate_up, down, activation)
 
 
 def ragged_routing(num_tokens, num_experts, top_k, seed=0, num_used=None, device="cpu"):

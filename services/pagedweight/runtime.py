@@ -132,7 +132,7 @@ def build_runtime_from_paged(paged, config: RuntimeConfig, eos_token_ids=()) -> 
     mover = PageMover(table)
     mover.load_all()
     for layer, moe in enumerate(model.moe_blocks):
-        moe.experts = ArenaExperts(table, layer, paged.config.num_experts)
+        moe.experts = ArenaExperts(table, layer, paged.config.num_experts, activation=paged.config.expert_activation)
     pager = None
     if planner is not None:
         from pagedweight.weights.weight_pager import WeightPager

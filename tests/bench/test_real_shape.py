@@ -18,7 +18,7 @@ TINY_MIXTRAL = dict(model_type="mixtral", architectures=["MixtralForCausalLM"], 
                     tie_word_embeddings=False)
 
 
-@pytest.mark.parametrize("name", ["tiny-qwen-moe", "tiny-mixtral"])
+@pytest.mark.parametrize("name", ["tiny-qwen-moe", "tiny-mixtral", "tiny-gemma4"])
 def test_assembled_model_matches_transformers(name, monkeypatch):
     monkeypatch.setitem(rs.CONFIGS, "tiny-mixtral", TINY_MIXTRAL)
     torch.manual_seed(0)

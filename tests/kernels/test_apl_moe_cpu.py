@@ -31,6 +31,31 @@ def test_reference_equals_dense_experts_on_dequantised_weights():
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("activation, act", [
+    ("silu", F.silu),
+    ("gelu_tanh", lambda g: 0.5 * g * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (g + 0.044715 * g ** 3)))),
+])
+def test_reference_applies_the_layers_activation(activation, act):
+    """The reference computes act(gate) * up with the layer's activation (GELU-tanh written out
+    from its formula here, not through the function under test)."""
+    E, H, I, T, k = 4, 32, 64, 5, 2
+    layer = random_layer(E, H, I, seed=3, activation=activation)
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(5))
+    ids, w = ragged_routing(T, E, k, num_used=3)
+    expected = torch.zeros(T, H)
+    for t in range(T):
+        for j in range(k):
+            e = ids[t, j].item()
+            gate, up = F.linear(x[t], layer.gate_up[e].dequantize().float()).chunk(2)
+            expected[t] += w[t, j] * F.linear(act(gate) * up, layer.down[e].dequantize().float())
+    torch.testing.assert_close(apl_moe_reference(x, ids, w, layer), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_unknown_activation_is_refused():
+    with pytest.raises(ValueError, match="relu"):
+        random_layer(2, 32, 32, activation="relu")
+
+
 def test_every_block_reads_only_its_own_bits():
     layer = random_layer(6, 32, 32, seed=2)
     widths = {b.bits for b in layer.gate_up + layer.down}

@@ -55,7 +55,7 @@ def relative_error(out, ref):
 def reference_fp32(x, ids, w, layer):
     """The reference on weights rounded to x's dtype (as the kernel reads them), in fp32."""
     rounded = APLLayer(
-        [_rounded(b, x.dtype) for b in layer.gate_up], [_rounded(b, x.dtype) for b in layer.down])
+        [_rounded(b, x.dtype) for b in layer.gate_up], [_rounded(b, x.dtype) for b in layer.down], layer.activation)
     return apl_moe_reference(x.float(), ids, w.float(), rounded)
 
 
@@ -98,11 +98,40 @@ def test_uniform_width_layers_match_reference(case, bits):
     check_case(case, bits=bits)
 
 
-def check_case(case, legacy_decode=False, bits=None):
+# GELU-tanh experts (Gemma-4): both regimes, both dtypes, merged and uniform-width decode.
+GELU_CASES = [CASES[0], CASES[3], CASES[5], CASES[7], CASES[8]]
+
+
+@pytest.mark.parametrize("case", GELU_CASES, ids=_case_id)
+def test_gelu_tanh_kernel_matches_reference(case):
+    check_case(case, activation="gelu_tanh")
+
+
+def test_gelu_tanh_uniform_width_decode_matches_reference():
+    check_case((8, 2, 160, 224, 3, 6, torch.bfloat16), bits=4, activation="gelu_tanh")
+
+
+def test_activation_changes_the_kernel_output():
+    """The switch reaches the kernel: SiLU and GELU-tanh layers on the same planes differ, and
+    each matches its own reference (a kernel ignoring the switch fails one of them)."""
+    E, k, H, I, T = 8, 2, 128, 256, 2
+    device = torch.device("cuda")
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(0)).to(device, torch.bfloat16)
+    ids, w = ragged_routing(T, E, k, seed=0, device=device)
+    w = w.to(torch.bfloat16)
+    outs = {}
+    for act in ("silu", "gelu_tanh"):
+        layer = random_layer(E, H, I, seed=3, device=device, activation=act)
+        outs[act] = apl_moe(x, ids, w, layer)
+        assert relative_error(outs[act], reference_fp32(x, ids, w, layer)) < TOLERANCE[torch.bfloat16]
+    assert relative_error(outs["silu"], outs["gelu_tanh"]) > 0.05
+
+
+def check_case(case, legacy_decode=False, bits=None, activation="silu"):
     E, k, H, I, T, used, dtype = case
     device = torch.device("cuda")
     uniform = {(e, m): bits for e in range(E) for m in ("gate_up", "down")} if bits else None
-    layer = random_layer(E, H, I, seed=T, device=device, bits=uniform)
+    layer = random_layer(E, H, I, seed=T, device=device, bits=uniform, activation=activation)
     x = torch.randn(T, H, generator=torch.Generator().manual_seed(T)).to(device, dtype)
     ids, w = ragged_routing(T, E, k, seed=T, num_used=used, device=device)
     w = w.to(dtype)

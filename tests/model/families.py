@@ -56,10 +56,27 @@ FAMILIES = {
                     intermediate_size=32, norm_topk_prob=False, max_position_embeddings=512,
                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, eos_token_id=2),
     ),
+    # Gemma-4 MoE: sliding layers (window 6, default RoPE, 2 KV heads of 16) and full layers
+    # (proportional RoPE over a quarter of the dims, 1 KV head of 24, values = keys) in
+    # one model, q/k/v norms, router and per-expert scales, a dense MLP beside the experts,
+    # logit softcapping. The KV slot is the sliding layers' 2 x 16; full layers use 24 of its
+    # 32 elements per token (as Gemma-4-26B-A4B's full layers use half of theirs).
+    "gemma4_moe": dict(
+        cls="Gemma4ForCausalLM", config="Gemma4TextConfig",
+        kwargs=dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=16, global_head_dim=24, num_global_key_value_heads=1,
+                    attention_k_eq_v=True, enable_moe_block=True, num_experts=8, top_k_experts=2,
+                    moe_intermediate_size=32, intermediate_size=96, hidden_size_per_layer_input=0,
+                    layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+                    sliding_window=6, final_logit_softcapping=30.0, max_position_embeddings=512,
+                    tie_word_embeddings=True, eos_token_id=2, pad_token_id=0, bos_token_id=1),
+    ),
 }
 LAYOUTS = ("fused", "per_expert")
 # the offline pipeline, runtime and kernel tests run one config per family
-PIPELINE_FAMILIES = ("qwen3_moe", "olmoe")
+PIPELINE_FAMILIES = ("qwen3_moe", "olmoe", "gemma4_moe")
+# 1-D parameters and buffers that are scales (perturbed around 1, not drawn like biases)
+_SCALES = (".scale", "per_expert_scale", "layer_scalar")
 
 
 def reference_model(family: str):
@@ -72,12 +89,15 @@ def reference_model(family: str):
     model = getattr(transformers, spec["cls"])(config).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
+            if name.endswith("norm.weight") or name.endswith(_SCALES):
                 param.copy_(1.0 + 0.3 * torch.randn_like(param))
             elif param.dim() == 1:  # biases
                 param.normal_(0.0, 0.1)
             else:  # scale by fan-in so activations stay O(1) through the layers
                 param.normal_(0.0, 1.0 / param.shape[-1] ** 0.5)
+        for name, buffer in model.named_buffers():  # Gemma-4's per-layer scalar is a buffer
+            if name.endswith("layer_scalar"):
+                buffer.copy_(1.0 + 0.3 * torch.randn_like(buffer))
     return model
 
 

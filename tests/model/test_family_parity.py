@@ -1,4 +1,4 @@
-"""Qwen3-MoE (with and without a sliding window) and OLMoE against `transformers`: logits,
+"""Qwen3-MoE (with and without a sliding window), OLMoE and Gemma-4 MoE against `transformers`: logits,
 64-token greedy decoding on the contiguous path and through the paged-KV engine (both
 attention paths), for both checkpoint layouts."""
 

@@ -1,4 +1,4 @@
-"""Qwen3-MoE and OLMoE on the fused kernel path (`make test-gpu`): quantised by the offline
+"""Qwen3-MoE, OLMoE and Gemma-4 MoE (GELU-tanh experts) on the fused kernel path (`make test-gpu`): quantised by the offline
 pipeline, served from the arena on CUDA in bf16, the kernel's per-layer output within bf16
 bounds of an fp32 computation at the same bits, and the paged engine decoding every request
 to its length through the kernel. (Greedy tokens are not compared with single-stream

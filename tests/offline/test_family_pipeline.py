@@ -1,4 +1,4 @@
-"""Qwen3-MoE and OLMoE through the whole offline-to-serving path: the quantiser writes a
+"""Qwen3-MoE, OLMoE and Gemma-4 MoE through the whole offline-to-serving path: the quantiser writes a
 paged model (calibration, APL blocks, sensitivity tables), the paged reference reproduces
 the checkpoint exactly at bf16, the runtime serves it from the arena, and the planner
 tables cover every routed-expert block."""

@@ -1,6 +1,6 @@
 """Model configuration read from a Hugging Face `config.json`.
 
-Four architectures share one decoder; they differ in the MoE block and in attention:
+Five architectures share one decoder; they differ in the MoE block and in attention:
 - Mixtral (`MixtralForCausalLM`): top-k experts with renormalised weights, no shared
   expert, no attention bias.
 - Qwen1.5-MoE (`Qwen2MoeForCausalLM`): fine-grained experts, top-k without
@@ -10,6 +10,9 @@ Four architectures share one decoder; they differ in the MoE block and in attent
   each query and key head before RoPE (`qk_norm="head"`), optional bias on q/k/v/o.
 - OLMoE (`OlmoeForCausalLM`): like Qwen3-MoE, but its q/k RMSNorms run over the whole
   projection before the heads are split (`qk_norm="full"`).
+- Gemma-4 MoE (`Gemma4ForCausalLM` with `enable_moe_block`): parsed in gemma4_config.py;
+  per-layer attention shapes, windows and RoPE (`layer_attention`), GELU-tanh experts,
+  a dense MLP beside them, q/k/v norms, embedding scale and logit softcapping.
 Switches these configs may carry that change the maths but that we do not implement
 (Qwen3-MoE windows on only the first `max_window_layers`, `clip_qkv` on OLMoE, dense-only layers, other
 activations) are refused with an error naming the field, never silently ignored.
@@ -29,11 +32,30 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM",
     "OlmoeForCausalLM",
+    "Gemma4ForCausalLM",
 )
 # Architectures whose MoE block sits under `model.layers.N.mlp` in checkpoints (Mixtral
 # uses `block_sparse_moe`).
 _MLP_NAMED_MOE = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM")
 QK_NORMS = ("none", "head", "full")
+# The gated experts' activation: act(gate) * up. "gelu_tanh" is GELU's tanh approximation
+# (transformers' `gelu_pytorch_tanh`), Gemma-4's.
+EXPERT_ACTIVATIONS = ("silu", "gelu_tanh")
+
+
+@dataclass(frozen=True)
+class LayerAttention:
+    """What one layer's attention looks like where layers differ (Gemma-4: sliding and full
+    layers have their own KV heads, head dim, window and RoPE)."""
+
+    num_kv_heads: int
+    head_dim: int
+    window: int | None  # None: full causal attention
+    rope_theta: float
+    # frequency pairs that rotate: head_dim // 2, fewer with partial ("proportional") RoPE,
+    # whose remaining pairs have frequency 0 (cos 1, sin 0: those dims pass through)
+    rope_pairs: int
+    k_eq_v: bool = False  # values are the key projection (no v_proj), before the k norm
 
 
 @dataclass(frozen=True)
@@ -62,10 +84,36 @@ class ModelConfig:
     # Sliding-window attention (Qwen3-MoE `use_sliding_window`): a query at position p sees
     # keys at p - sliding_window + 1 .. p, in every layer. None: full causal attention.
     sliding_window: int | None = None
+    # Added with Gemma-4; the defaults are the other families'.
+    expert_activation: str = "silu"  # one of EXPERT_ACTIVATIONS
+    layer_attention: tuple[LayerAttention, ...] = ()  # per layer; empty: every layer as `attention(0)`
+    v_norm: bool = False  # a scale-free RMSNorm on each value head
+    attention_scale: float | None = None  # q.k scale; None: 1 / sqrt(head_dim)
+    dense_intermediate_size: int = 0  # Gemma-4's dense MLP beside the routed experts
+    final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
+
+    @property
+    def is_gemma4(self) -> bool:
+        return self.architecture == "Gemma4ForCausalLM"
+
+    def attention(self, layer: int) -> LayerAttention:
+        """One layer's attention shape, window and RoPE."""
+        if self.layer_attention:
+            return self.layer_attention[layer]
+        return LayerAttention(self.num_kv_heads, self.head_dim, self.sliding_window, self.rope_theta,
+                              self.head_dim // 2)
 
     def layer_window(self, layer: int) -> int | None:
         """The attention window of one layer (None: full attention)."""
-        return self.sliding_window
+        return self.attention(layer).window
+
+    @property
+    def kv_slot(self) -> tuple[int, int]:
+        """(KV heads, head dim) of one layer's slot in the paged KV cache: the widest layer's
+        shape. Layers with fewer K/V elements per token (Gemma-4's full-attention layers)
+        use the front of the slot; the rest stays unused (the simple first step)."""
+        shapes = [(a.num_kv_heads, a.head_dim) for a in (self.attention(i) for i in range(self.num_layers))]
+        return max(shapes, key=lambda s: s[0] * s[1])
 
     @property
     def kv_window(self) -> int | None:
@@ -80,7 +128,10 @@ class ModelConfig:
 
     @property
     def moe_checkpoint_name(self) -> str:
-        """The MoE block's module name in checkpoint keys."""
+        """The MoE block's module name in checkpoint keys ("": Gemma-4's router and experts
+        sit directly in the decoder layer, whose `mlp` is the dense MLP)."""
+        if self.is_gemma4:
+            return ""
         return "mlp" if self.architecture in _MLP_NAMED_MOE else "block_sparse_moe"
 
     @classmethod
@@ -103,6 +154,11 @@ class ModelConfig:
 
     @classmethod
     def _parse(cls, f: "_Fields", architecture: str) -> "ModelConfig":
+        if architecture == "Gemma4ForCausalLM":
+            # imported here: gemma4_config builds a ModelConfig, so it imports this module
+            from pagedweight.format.gemma4_config import parse_gemma4
+
+            return parse_gemma4(cls, f)
         if architecture in ("Qwen3MoeForCausalLM", "OlmoeForCausalLM"):
             return cls._parse_qk_norm_family(f, architecture)
         qwen = architecture == "Qwen2MoeForCausalLM"
@@ -144,8 +200,14 @@ class ModelConfig:
         if self.num_heads % self.num_kv_heads:
             raise CheckpointError(f"{source}: num_attention_heads {self.num_heads} is not a multiple of "
                                   f"num_key_value_heads {self.num_kv_heads}")
-        if self.head_dim % 2:
-            raise CheckpointError(f"{source}: head_dim {self.head_dim} must be even (rotary embedding)")
+        for layer in range(self.num_layers):
+            shape = self.attention(layer)
+            if self.num_heads % shape.num_kv_heads:
+                raise CheckpointError(f"{source}: num_attention_heads {self.num_heads} is not a multiple of "
+                                      f"layer {layer}'s {shape.num_kv_heads} key/value heads")
+            if shape.head_dim % 2:
+                raise CheckpointError(f"{source}: head_dim {shape.head_dim} must be even "
+                                      f"(layer {layer}; rotary embedding)")
 
     @classmethod
     def _parse_qk_norm_family(cls, f: "_Fields", architecture: str) -> "ModelConfig":

@@ -54,8 +54,8 @@ class BlockOwner(Protocol):
 def kv_block_bytes(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     """Bytes of one block: keys and values of block_size tokens in every layer."""
     elem = torch.empty((), dtype=dtype).element_size()
-    c = model_config
-    return 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * elem
+    heads, head_dim = model_config.kv_slot  # the widest layer's shape (Gemma-4's layers differ)
+    return 2 * model_config.num_layers * block_size * heads * head_dim * elem
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -172,8 +172,8 @@ class PagedKVCache:
         self.dtype, self.arena = dtype, arena
         self.device = torch.device(device) if arena is None else arena.device
         self.num_layers = model_config.num_layers
-        self.num_kv_heads = model_config.num_kv_heads
-        self.head_dim = model_config.head_dim
+        # every layer gets its widest layer's slot; narrower layers use its front (paged_attention)
+        self.num_kv_heads, self.head_dim = model_config.kv_slot
         self.block_shape = (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
         self.block_elems = 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim
         elem = torch.empty((), dtype=dtype).element_size()

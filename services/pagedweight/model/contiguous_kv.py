@@ -1,4 +1,4 @@
-"""A contiguous KV cache: one preallocated [B, G, max_len, D] buffer per layer.
+"""A contiguous KV cache: one preallocated [B, G, max_len, D] buffer per layer (G, D per layer).
 
 Used by single-stream generation and evaluation. The serving engine uses the paged KV
 cache instead (`services/pagedweight/memory`), which reads through block tables.
@@ -20,10 +20,12 @@ class ContiguousKVCache:
         dtype: torch.dtype,
         device: torch.device | str,
     ):
-        shape = (batch_size, config.num_kv_heads, max_len, config.head_dim)
+        # each layer its own shape: Gemma-4's sliding and full layers differ
+        shapes = [(batch_size, config.attention(i).num_kv_heads, max_len, config.attention(i).head_dim)
+                  for i in range(config.num_layers)]
         self.max_len = max_len
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for shape in shapes]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for shape in shapes]
 
     def append(self, layer_idx: int, start_pos: int, k: torch.Tensor, v: torch.Tensor):
         """Write k, v [B, G, T, D] at start_pos; return the cache up to the new end."""

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedweight.format.model_config import ModelConfig
-from pagedweight_kernels.moe_reference import moe_forward
+from pagedweight_kernels.moe_reference import check_activation, gated, moe_forward
 from pagedweight.model.materialize import materialize_dense
 from pagedweight.model.transformer import MoECausalLM
 from pagedweight.format.apl_format import MODULES, BlockId, check_bits
@@ -55,9 +55,11 @@ class DequantizedExperts(nn.Module):
     """All routed experts of one layer, stored as APL blocks (plus the bf16 originals)."""
 
     def __init__(self, layer: int, num_experts: int, apl: dict[str, LayerPlanes],
-                 bf16: dict[str, torch.Tensor] | None, dtype: torch.dtype, device: torch.device):
+                 bf16: dict[str, torch.Tensor] | None, dtype: torch.dtype, device: torch.device,
+                 activation: str = "silu"):
         super().__init__()
-        self.layer, self.num_experts = layer, num_experts
+        check_activation(activation)
+        self.layer, self.num_experts, self.activation = layer, num_experts, activation
         self.dtype, self.device = dtype, torch.device(device)
         # Plain attributes, not buffers: `model.to(dtype)` must not cast planes or LUTs.
         self.apl = {m: LayerPlanes(lp.planes.to(self.device), {b: t.to(self.device) for b, t in lp.luts.items()})
@@ -101,7 +103,7 @@ class DequantizedExperts(nn.Module):
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         gate, up = F.linear(x, self.weight(e, "gate_up")).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.weight(e, "down"))
+        return F.linear(gated(gate, up, self.activation), self.weight(e, "down"))
 
     def forward(self, x, topk_ids, topk_weights):
         return moe_forward(x, topk_ids, topk_weights, self.expert, self.num_experts)
@@ -116,7 +118,8 @@ def build_paged_lm(paged: PagedModel, dtype: torch.dtype = torch.float32,
     for layer, block in enumerate(model.moe_blocks):
         apl = {m: paged.apl[(layer, m)] for m in MODULES}
         bf16 = {m: paged.bf16_experts[(layer, m)] for m in MODULES} if paged.bf16_experts else None
-        block.experts = DequantizedExperts(layer, config.num_experts, apl, bf16, dtype, torch.device(device))
+        block.experts = DequantizedExperts(layer, config.num_experts, apl, bf16, dtype, torch.device(device),
+                                           config.expert_activation)
     if paged.bf16_experts is None:
         set_model_bits(model, uniform_bits(config, 8))
     return model

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedweight_kernels.moe_reference import moe_forward
+from pagedweight_kernels.moe_reference import check_activation, gated, moe_forward
 
 
 class ExpertsOp(Protocol):
@@ -33,15 +33,17 @@ class ExpertsOp(Protocol):
 class DenseExperts(nn.Module):
     """All experts of one layer as dense tensors (the unquantized reference)."""
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int):
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, activation: str = "silu"):
         super().__init__()
+        check_activation(activation)
         self.num_experts = num_experts
+        self.activation = activation  # act(gate) * up: moe_reference.ACTIVATIONS
         self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.down = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         gate, up = F.linear(x, self.gate_up[e]).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down[e])
+        return F.linear(gated(gate, up, self.activation), self.down[e])
 
     def forward(self, x, topk_ids, topk_weights):
         return moe_forward(x, topk_ids, topk_weights, self.expert, self.num_experts)

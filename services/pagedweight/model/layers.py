@@ -12,31 +12,52 @@ from torch import nn
 
 from pagedweight.format.model_config import ModelConfig
 from pagedweight.model.contiguous_kv import ContiguousKVCache
+from pagedweight_kernels.moe_reference import gated
+
+
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm without a learned scale (Gemma-4's value and router norms), in fp32."""
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float):
+    def __init__(self, size: int, eps: float, scale_in_fp32: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.scale_in_fp32 = scale_in_fp32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 and cast back before the scale, as the reference does.
+        # Normalise in fp32; Llama-style references cast back before the scale, Gemma-4's
+        # after it: in bf16 the two round differently, so each family follows its reference.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.scale_in_fp32:
+            return (x32 * self.weight.float()).to(x.dtype)
         return self.weight * x32.to(x.dtype)
+
+
+def norm_for(config: ModelConfig, size: int) -> RMSNorm:
+    """The family's RMSNorm over `size` features."""
+    return RMSNorm(size, config.rms_norm_eps, scale_in_fp32=config.is_gemma4)
 
 
 class RotaryEmbedding:
     """Default (unscaled) RoPE with the rotate-half layout used by Llama-family checkpoints.
 
+    With `rope_pairs` below head_dim // 2 it is Gemma-4's "proportional" (partial) RoPE: the
+    first rope_pairs frequencies as the full RoPE would have them (exponents over the whole
+    head_dim), the rest 0, so those dimensions pass through unrotated.
+
     Not a module: its fp32 frequencies must survive `model.to(bfloat16)` and meta-device
     construction, so they are kept on the CPU and copied to the device on first use.
     """
 
-    def __init__(self, head_dim: int, theta: float):
-        exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
-        self.inv_freq = 1.0 / (theta**exponent)
+    def __init__(self, head_dim: int, theta: float, rope_pairs: int | None = None):
+        pairs = head_dim // 2 if rope_pairs is None else rope_pairs
+        exponent = torch.arange(0, 2 * pairs, 2, dtype=torch.int64, device="cpu").float() / head_dim
+        self.inv_freq = torch.cat([1.0 / (theta**exponent), torch.zeros(head_dim // 2 - pairs, device="cpu")])
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
         """positions [B, T] -> cos, sin [B, 1, T, D]."""
@@ -53,30 +74,43 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + rotated * sin
 
 
+def rope_key(config: ModelConfig, layer: int) -> tuple[int, float, int]:
+    """Which RotaryEmbedding a layer uses: layers with equal keys share cos/sin."""
+    a = config.attention(layer)
+    return a.head_dim, a.rope_theta, a.rope_pairs
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
+        shape = config.attention(layer_idx)  # Gemma-4's sliding and full layers differ
         self.layer_idx = layer_idx
         self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
-        self.head_dim = config.head_dim
+        self.num_kv_heads = shape.num_kv_heads
+        self.head_dim = shape.head_dim
+        self.rope_key = rope_key(config, layer_idx)
         hidden, bias = config.hidden_size, config.attention_bias
         self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        # Gemma-4's `attention_k_eq_v` full layers: the values are the key projection
+        self.v_proj = None if shape.k_eq_v else nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=config.o_proj_bias)
         self.qk_norm = config.qk_norm
-        self.window = config.layer_window(layer_idx)  # None: full causal attention
+        self.v_norm = config.v_norm
+        self.eps = config.rms_norm_eps
+        self.scale = config.attention_scale  # None: SDPA's 1 / sqrt(head_dim)
+        self.window = shape.window  # None: full causal attention
         if config.qk_norm == "head":  # Qwen3-MoE: one norm shared by every head
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.q_norm = norm_for(config, self.head_dim)
+            self.k_norm = norm_for(config, self.head_dim)
         elif config.qk_norm == "full":  # OLMoE: over the whole q (k) projection
             self.q_norm = RMSNorm(self.num_heads * self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.num_kv_heads * self.head_dim, config.rms_norm_eps)
 
     def _project(self, x: torch.Tensor):
         """x [..., H] -> q [..., N, D], k, v [..., G, D], with the q/k norms applied (before RoPE)."""
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k = self.q_proj(x), self.k_proj(x)
+        v = k if self.v_proj is None else self.v_proj(x)
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.unflatten(-1, (self.num_heads, self.head_dim))
@@ -84,6 +118,8 @@ class Attention(nn.Module):
         v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.v_norm:
+            v = rms_normalize(v, self.eps)
         return q, k, v
 
     def forward(
@@ -99,7 +135,7 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if kv_cache is not None:
             k, v = kv_cache.append(self.layer_idx, start_pos, k, v)  # [B, G, S, D]
-        out = causal_attention(q, k, v, start_pos, self.window)
+        out = causal_attention(q, k, v, start_pos, self.window, self.scale)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
     def forward_paged(self, x: torch.Tensor, cos, sin, step) -> torch.Tensor:
@@ -114,36 +150,39 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         # [1, heads, T, D] -> [T, heads, D]
         q, k, v = (t[0].transpose(0, 1) for t in (q, k, v))
-        out = step.attend(self.layer_idx, q, k, v, self.window)  # [T, N, D]
+        out = step.attend(self.layer_idx, q, k, v, self.window, self.scale)  # [T, N, D]
         return self.o_proj(out.reshape(T, -1))
 
 
-def causal_attention(q, k, v, start_pos: int, window: int | None = None) -> torch.Tensor:
+def causal_attention(q, k, v, start_pos: int, window: int | None = None,
+                     scale: float | None = None) -> torch.Tensor:
     """q [B, N, T, D] attends to k, v [B, G, S, D] where query t sits at start_pos + t.
-    With a window W, query p sees only keys p - W + 1 .. p."""
+    With a window W, query p sees only keys p - W + 1 .. p. scale: of q.k (None: 1/sqrt(D))."""
     T, S = q.shape[2], k.shape[2]
     if window is not None and start_pos + T > window:  # some query has keys outside its window
         query_pos = torch.arange(start_pos, start_pos + T, device=q.device)[:, None]
         key_pos = torch.arange(S, device=q.device)[None, :]
         mask = (key_pos <= query_pos) & (key_pos > query_pos - window)  # [T, S]
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True, scale=scale)
     if start_pos == 0 and T == S:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, scale=scale)
     if T == 1:  # one new token sees the whole cache
-        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True, scale=scale)
     query_pos = torch.arange(start_pos, start_pos + T, device=q.device)[:, None]
     mask = torch.arange(S, device=q.device)[None, :] <= query_pos  # [T, S]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True, scale=scale)
 
 
 class GatedMLP(nn.Module):
-    """SiLU-gated MLP, used for Qwen1.5-MoE's always-on shared expert."""
+    """Gated dense MLP: Qwen1.5-MoE's always-on shared expert (SiLU), Gemma-4's dense MLP
+    beside the experts (GELU-tanh)."""
 
-    def __init__(self, hidden: int, intermediate: int):
+    def __init__(self, hidden: int, intermediate: int, activation: str = "silu"):
         super().__init__()
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.activation = activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(gated(self.gate_proj(x), self.up_proj(x), self.activation))

@@ -137,10 +137,17 @@ def _tolerated_extra(keys, config: ModelConfig) -> set[str]:
     return extra
 
 
+def moe_prefix(config: ModelConfig, layer: int) -> str:
+    """Checkpoint key prefix of one layer's MoE block: 'model.layers.N.mlp.' (Mixtral:
+    '.block_sparse_moe.'); Gemma-4's router and experts sit in the layer itself."""
+    name = config.moe_checkpoint_name
+    return f"model.layers.{layer}." + (f"{name}." if name else "")
+
+
 def expert_keys(config: ModelConfig, layer: int, expert: int) -> dict[str, str]:
     """Checkpoint keys of one routed expert: {'gate', 'up', 'down'} -> key."""
-    if config.moe_checkpoint_name == "mlp":
-        prefix = f"model.layers.{layer}.mlp.experts.{expert}"
+    if config.moe_checkpoint_name != "block_sparse_moe":
+        prefix = f"{moe_prefix(config, layer)}experts.{expert}"
         return {p: f"{prefix}.{p}_proj.weight" for p in ("gate", "up", "down")}
     prefix = f"model.layers.{layer}.block_sparse_moe.experts.{expert}"
     return {"gate": f"{prefix}.w1.weight", "up": f"{prefix}.w3.weight", "down": f"{prefix}.w2.weight"}
@@ -150,12 +157,13 @@ def checkpoint_key(config: ModelConfig, name: str) -> str:
     """Our parameter name -> the checkpoint key (for every non-routed-expert parameter)."""
     if name == "lm_head.weight":
         return "model.embed_tokens.weight" if config.tie_word_embeddings else name
-    return "model." + name.replace(".moe.", f".{config.moe_checkpoint_name}.")
+    moe = config.moe_checkpoint_name
+    return "model." + name.replace(".moe.", f".{moe}." if moe else ".")
 
 
 def fused_expert_keys(config: ModelConfig, layer: int) -> dict[str, str]:
     """Checkpoint keys of one layer's experts in the fused layout: {'gate_up', 'down'} -> key."""
-    prefix = f"model.layers.{layer}.{config.moe_checkpoint_name}.experts"
+    prefix = f"{moe_prefix(config, layer)}experts"
     return {"gate_up": f"{prefix}.gate_up_proj", "down": f"{prefix}.down_proj"}
 
 

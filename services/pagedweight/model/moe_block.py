@@ -25,7 +25,7 @@ class SparseMoeBlock(nn.Module):
         self.norm_topk_prob = config.norm_topk_prob
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
         self.experts: ExpertsOp = DenseExperts(
-            config.num_experts, config.hidden_size, config.expert_intermediate_size
+            config.num_experts, config.hidden_size, config.expert_intermediate_size, config.expert_activation
         )
         self.shared_expert = None
         if config.shared_expert_intermediate_size:

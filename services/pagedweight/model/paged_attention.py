@@ -12,6 +12,10 @@ keys/values at their slots, then attends through the block tables. Two paths:
 Tests compare the two, and the engine against single-stream generation.
 A layer with a sliding window W passes it to `attend`: both paths then also mask keys
 more than W - 1 positions behind the query (the cache still holds them).
+Layers may differ in shape (Gemma-4's full-attention layers: fewer, wider KV heads): the
+cache gives every layer a slot of its widest layer's G x D elements per token
+(ModelConfig.kv_slot); a narrower layer writes its flattened k, v at the slot's front and
+reads them back from there (`_into_slot`, `_from_slot`).
 
 Shape legend: T = new tokens in the step, B = sequences, N = query heads,
 G = key/value heads, D = head dim, S = padded context length.
@@ -83,8 +87,8 @@ class PagedStep:
     def num_tokens(self) -> int:
         return int(self.positions.shape[0])
 
-    def attend(self, layer: int, q, k, v, window: int | None = None) -> torch.Tensor:
-        return paged_attention(layer, q, k, v, self, window)
+    def attend(self, layer: int, q, k, v, window: int | None = None, scale: float | None = None) -> torch.Tensor:
+        return paged_attention(layer, q, k, v, self, window, scale)
 
     def batched_mask(self, window: int | None) -> torch.Tensor:
         """The batched path's mask, narrowed to a sliding window (built once per step and window)."""
@@ -173,39 +177,62 @@ def _batched_metadata(bs: int, seqs: list[SeqSlice]) -> list[torch.Tensor]:
     return [table, query_index, query_pos, torch.tensor(output_index, dtype=torch.int64)]
 
 
-def paged_attention(layer: int, q, k, v, step: PagedStep, window: int | None = None) -> torch.Tensor:
-    """q [T, N, D], new k, v [T, G, D] -> attention output [T, N, D]."""
-    step.kv.write(layer, step.new_offsets, k, v)
+def paged_attention(layer: int, q, k, v, step: PagedStep, window: int | None = None,
+                    scale: float | None = None) -> torch.Tensor:
+    """q [T, N, D], new k, v [T, G, D] -> attention output [T, N, D] (scale: of q.k, None:
+    1/sqrt(D)). G, D are the layer's own; the cache's slot may be wider (kv_slot)."""
+    shape = (k.shape[1], k.shape[2])
+    step.kv.write(layer, step.new_offsets, _into_slot(step.kv, k), _into_slot(step.kv, v))
     if step.impl == "reference":
-        return _reference(layer, q, step, window)
-    return _batched(layer, q, step, window)
+        return _reference(layer, q, step, window, scale, shape)
+    return _batched(layer, q, step, window, scale, shape)
 
 
-def _reference(layer: int, q, step: PagedStep, window: int | None = None) -> torch.Tensor:
-    keys, values = step.kv.read_tokens(layer, step.context_offsets)
+def _into_slot(kv: KVStore, t: torch.Tensor) -> torch.Tensor:
+    """[T, G, D] of one layer -> [T, kv.num_kv_heads, kv.head_dim], zero-padded at the end."""
+    if (t.shape[1], t.shape[2]) == (kv.num_kv_heads, kv.head_dim):
+        return t
+    flat = t.reshape(t.shape[0], -1)
+    flat = F.pad(flat, (0, kv.num_kv_heads * kv.head_dim - flat.shape[1]))
+    return flat.view(t.shape[0], kv.num_kv_heads, kv.head_dim)
+
+
+def _from_slot(t: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    """[..., slot G, slot D] read from the cache -> [..., G, D] of the layer."""
+    if (t.shape[-2], t.shape[-1]) == shape:
+        return t
+    return t.flatten(-2)[..., : shape[0] * shape[1]].unflatten(-1, shape)
+
+
+def _reference(layer: int, q, step: PagedStep, window: int | None, scale: float | None,
+               shape: tuple[int, int]) -> torch.Tensor:
+    keys, values = (_from_slot(t, shape) for t in step.kv.read_tokens(layer, step.context_offsets))
     outs, q_start, k_start = [], 0, 0
     for n, ctx in zip(step.query_lens, step.context_lens):
         qi = q[q_start : q_start + n].transpose(0, 1)[None]  # [1, N, n, D]
         ki = keys[k_start : k_start + ctx].transpose(0, 1)[None]  # [1, G, ctx, D]
         vi = values[k_start : k_start + ctx].transpose(0, 1)[None]
-        outs.append(causal_attention(qi, ki, vi, ctx - n, window)[0].transpose(0, 1))
+        outs.append(causal_attention(qi, ki, vi, ctx - n, window, scale)[0].transpose(0, 1))
         q_start, k_start = q_start + n, k_start + ctx
     return torch.cat(outs, dim=0)
 
 
-def _batched(layer: int, q, step: PagedStep, window: int | None = None) -> torch.Tensor:
+def _batched(layer: int, q, step: PagedStep, window: int | None, scale: float | None,
+             shape: tuple[int, int]) -> torch.Tensor:
     kv = step.kv
     B, max_blocks = step.block_table.shape
-    k, v = kv.read_blocks(layer, step.block_table.reshape(-1))  # [B * max_blocks, bs, G, D]
+    G, D = shape
+    k, v = (_from_slot(t, shape) for t in kv.read_blocks(layer, step.block_table.reshape(-1)))  # [B * max_blocks, bs, G, D]
     S = max_blocks * kv.block_size
-    k = k.view(B, S, kv.num_kv_heads, kv.head_dim).transpose(1, 2)  # [B, G, S, D]
-    v = v.view(B, S, kv.num_kv_heads, kv.head_dim).transpose(1, 2)
+    k = k.reshape(B, S, G, D).transpose(1, 2)  # [B, G, S, D]
+    v = v.reshape(B, S, G, D).transpose(1, 2)
     qp = q[step.query_index].transpose(1, 2)  # [B, N, max_q, D]
     if q.device.type == "cuda":  # expanded heads let SDPA use its memory-efficient kernel
-        groups = q.shape[1] // kv.num_kv_heads
+        groups = q.shape[1] // G
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(qp, k, v, attn_mask=step.batched_mask(window))
+        out = F.scaled_dot_product_attention(qp, k, v, attn_mask=step.batched_mask(window), scale=scale)
     else:
-        out = F.scaled_dot_product_attention(qp, k, v, attn_mask=step.batched_mask(window), enable_gqa=True)
+        out = F.scaled_dot_product_attention(qp, k, v, attn_mask=step.batched_mask(window), enable_gqa=True,
+                                             scale=scale)
     out = out.transpose(1, 2).reshape(-1, q.shape[1], q.shape[2])  # [B * max_q, N, D]
     return out[step.output_index]

@@ -1,4 +1,5 @@
-"""The MoE decoder shared by Mixtral and Qwen1.5-MoE (see config.py for the differences)."""
+"""The MoE decoder shared by every family (see format/model_config.py for the differences);
+Gemma-4's layers are gemma4_layer.Gemma4DecoderLayer."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ from torch import nn
 
 from pagedweight.format.model_config import ModelConfig
 from pagedweight.model.contiguous_kv import ContiguousKVCache
-from pagedweight.model.layers import Attention, RMSNorm, RotaryEmbedding
+from pagedweight.model.gemma4_layer import Gemma4DecoderLayer
+from pagedweight.model.layers import Attention, RMSNorm, RotaryEmbedding, norm_for, rope_key
 from pagedweight.model.moe_block import SparseMoeBlock
 
 
@@ -19,11 +21,22 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.moe = SparseMoeBlock(config, layer_idx)
 
-    def forward(self, x, cos, sin, start_pos, kv_cache):
+    def forward(self, x, rope, start_pos, kv_cache):
+        cos, sin = rope[self.self_attn.rope_key]
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, start_pos, kv_cache)
         return x + self.moe(self.post_attention_layernorm(x))
 
-    def forward_paged(self, x, cos, sin, step):
+    def forward_from_layer(self, x: torch.Tensor, first_layer: int) -> torch.Tensor:
+        """Logits [B, T, V] of running layers first_layer.. on their input x [B, T, H] (no cache,
+        positions from 0): layer-local evaluation replays only the layers after a change."""
+        B, T, _ = x.shape
+        rope = self._rope(torch.arange(T, device=x.device).expand(B, T), x.dtype)
+        for layer in self.layers[first_layer:]:
+            x = layer(x, rope, 0, None)
+        return self._logits(x)
+
+    def forward_paged(self, x, rope, step):
+        cos, sin = rope[self.self_attn.rope_key]
         x = x + self.self_attn.forward_paged(self.input_layernorm(x), cos, sin, step)
         return x + self.moe(self.post_attention_layernorm(x))
 
@@ -33,10 +46,16 @@ class MoECausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        layer_class = Gemma4DecoderLayer if config.is_gemma4 else DecoderLayer
+        self.layers = nn.ModuleList(layer_class(config, i) for i in range(config.num_layers))
+        self.norm = norm_for(config, config.hidden_size)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
+        # one RoPE per distinct (head_dim, theta, rotated pairs): Gemma-4's sliding and full
+        # layers have their own; cos/sin are computed once per forward for each
+        keys = sorted({rope_key(config, i) for i in range(config.num_layers)})
+        self.rotaries = {key: RotaryEmbedding(*key) for key in keys}
+        # Gemma-4 scales embeddings by sqrt(H), rounded to the weights' dtype as transformers does
+        self.embed_scale = config.hidden_size ** 0.5 if config.is_gemma4 else None
 
     @property
     def moe_blocks(self) -> list[SparseMoeBlock]:
@@ -50,6 +69,22 @@ class MoECausalLM(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
 
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        if self.embed_scale is not None:
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        return x
+
+    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> dict:
+        return {key: rotary.cos_sin(positions, dtype) for key, rotary in self.rotaries.items()}
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(self.norm(x))
+        cap = self.config.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
     def forward(
         self,
         input_ids: torch.Tensor,  # [B, T]
@@ -58,11 +93,11 @@ class MoECausalLM(nn.Module):
     ) -> torch.Tensor:  # logits [B, T, V]
         B, T = input_ids.shape
         positions = torch.arange(start_pos, start_pos + T, device=input_ids.device).expand(B, T)
-        x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        x = self._embed(input_ids)
+        rope = self._rope(positions, x.dtype)
         for layer in self.layers:
-            x = layer(x, cos, sin, start_pos, kv_cache)
-        return self.lm_head(self.norm(x))
+            x = layer(x, rope, start_pos, kv_cache)
+        return self._logits(x)
 
     def forward_paged(
         self,
@@ -71,8 +106,8 @@ class MoECausalLM(nn.Module):
         logits_indices: torch.Tensor,  # [n]: the tokens whose next-token logits are wanted
     ) -> torch.Tensor:  # logits [n, V]
         """One continuous-batching step over the paged KV cache."""
-        x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary.cos_sin(step.positions[None], x.dtype)  # [1, 1, T, D]
+        x = self._embed(input_ids)
+        rope = self._rope(step.positions[None], x.dtype)  # each [1, 1, T, D]
         for layer in self.layers:
-            x = layer.forward_paged(x, cos, sin, step)
-        return self.lm_head(self.norm(x[logits_indices]))
+            x = layer.forward_paged(x, rope, step)
+        return self._logits(x[logits_indices])

@@ -6,7 +6,7 @@ layer's experts operator wrapped by a `RecordingExperts`, which computes the exp
 `DenseExperts` does and, per chunk and per expert, accumulates over the tokens routed
 to that expert:
 - sum of x^2 per input column of `gate_up` (x is the MoE block's input),
-- sum of a^2 per input column of `down` (a = silu(gate) * up of that expert),
+- sum of a^2 per input column of `down` (a = act(gate) * up of that expert),
 - the token count and the routing mass (sum of the token's routing weight).
 With `gradients=True` the chunks also run backward (loss: summed next-token NLL;
 gradients for activations only, no weight gradients) and each expert accumulates the
@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedweight.common.errors import UserError
-from pagedweight_kernels.moe_reference import expert_groups
+from pagedweight_kernels.moe_reference import expert_groups, gated
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,7 @@ class RecordingExperts(nn.Module):
             xe = x[tokens]
             pre = F.linear(xe, self.dense.gate_up[e])
             gate, up = pre.chunk(2, dim=-1)
-            act = F.silu(gate) * up
+            act = gated(gate, up, self.dense.activation)
             self._record(e, tokens, xe.detach(), act.detach(), w.detach())
             y = F.linear(act, self.dense.down[e]) * w[:, None]
             if y.requires_grad and self.stats.grad_sq_gate_up is not None:

@@ -115,7 +115,8 @@ def sizing_report(sizes: ModelSizes, budget: int | None = None, context: int | N
     num_experts = c.num_layers * c.num_experts
     shapes = sizes.block_shapes()
     expert_bytes = {b: num_experts * sum(block_bytes(r, k, b) for r, k in shapes.values()) for b in BIT_WIDTHS}
-    kv_per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * sizes.dtype_bytes
+    kv_heads, head_dim = c.kv_slot  # as the paged KV cache sizes a layer's slot
+    kv_per_token = 2 * c.num_layers * kv_heads * head_dim * sizes.dtype_bytes
     dense_bytes = sizes.dense_bytes if sizes.dense_bytes is not None else sizes.num_dense_params * sizes.dtype_bytes
     report = {
         "source": sizes.source,

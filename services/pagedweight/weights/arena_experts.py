@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedweight_kernels.apl_moe import ACT_DTYPES, APLLayer, ResidentBlock, apl_moe, kernel_available
-from pagedweight_kernels.moe_reference import moe_forward
+from pagedweight_kernels.moe_reference import check_activation, gated, moe_forward
 from pagedweight.format.apl_format import BlockId
 from pagedweight.model.dequantized_experts import dequantize_block
 from pagedweight.weights.page_table import PageTable
@@ -32,8 +32,10 @@ from pagedweight.weights.page_table import PageTable
 
 class ArenaExperts(nn.Module):
     def __init__(self, table: PageTable, layer: int, num_experts: int, cache_dequantized: bool | None = None,
-                 use_kernel: bool | None = None):
+                 use_kernel: bool | None = None, activation: str = "silu"):
         super().__init__()
+        check_activation(activation)
+        self.activation = activation  # act(gate) * up, on both paths
         self.table = table
         self.layer = layer
         self.num_experts = num_experts
@@ -58,7 +60,7 @@ class ArenaExperts(nn.Module):
         if self._kernel_layer is None:
             E = self.num_experts
             blocks = [self._resident(b) for b in self._block_ids]
-            self._kernel_layer = APLLayer(blocks[:E], blocks[E:])
+            self._kernel_layer = APLLayer(blocks[:E], blocks[E:], self.activation)
         else:
             for b in self._block_ids:
                 if self.table.entries[b].version != self._kernel_versions[b]:
@@ -82,7 +84,7 @@ class ArenaExperts(nn.Module):
         gate_up = self.weight(BlockId(self.layer, e, "gate_up"), x.dtype)
         down = self.weight(BlockId(self.layer, e, "down"), x.dtype)
         gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, down)
+        return F.linear(gated(gate, up, self.activation), down)
 
     def forward(self, x, topk_ids, topk_weights):
         if self.use_kernel and x.is_cuda and x.dtype in ACT_DTYPES:
@@ -94,4 +96,5 @@ def install_arena_experts(model, table: PageTable, cache_dequantized: bool | Non
     """Replace every MoE block's experts operator with one reading the page table, and
     drop the dense expert tensors (they are not part of the paged model's memory)."""
     for layer, moe in enumerate(model.moe_blocks):
-        moe.experts = ArenaExperts(table, layer, moe.experts.num_experts, cache_dequantized)
+        moe.experts = ArenaExperts(table, layer, moe.experts.num_experts, cache_dequantized,
+                                   activation=model.config.expert_activation)
