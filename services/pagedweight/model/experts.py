@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedweight_kernels.moe_reference import moe_forward
+from pagedweight_kernels.moe_reference import grouped_moe_forward, grouped_mm_supported, moe_forward
 
 
 class ExpertsOp(Protocol):
@@ -38,10 +38,19 @@ class DenseExperts(nn.Module):
         self.num_experts = num_experts
         self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.down = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        self.grouped = True  # False: the per-expert loop of moe_forward (a baseline for benchmarks)
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         gate, up = F.linear(x, self.gate_up[e]).chunk(2, dim=-1)
         return F.linear(F.silu(gate) * up, self.down[e])
 
     def forward(self, x, topk_ids, topk_weights):
+        # one sort and two grouped products, no host sync (CUDA bf16, CPU); else per expert
+        if self.grouped and grouped_mm_supported(x) and self.gate_up.dtype == x.dtype:
+            return grouped_moe_forward(x, topk_ids, topk_weights, self.gate_up, self.down)
         return moe_forward(x, topk_ids, topk_weights, self.expert, self.num_experts)
+
+    def graph_state(self):
+        """Nothing host-side decides this operator's launches: any captured graph stays valid
+        (see model/cuda_graph.py; None would mean: not capturable)."""
+        return () if self.grouped else None
