@@ -22,6 +22,7 @@ Q = N // G query heads per kv head, D head dim, W block-table width, bs block si
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 
 import torch
 
@@ -136,7 +137,7 @@ def _kernel():
         ctx = tl.load(ctx_ptr + b)
         q_pos = ctx - 1
         n_blocks = (ctx + BS - 1) // BS
-        first = 0
+        first = n_blocks * 0
         if HAS_WINDOW:
             first = tl.maximum(q_pos - window + 1, 0) // BS
         per = (n_blocks - first + SPLITS - 1) // SPLITS
@@ -187,8 +188,7 @@ def paged_decode_triton(q: torch.Tensor, flat: torch.Tensor, k_off: torch.Tensor
     if D & (D - 1) or block_size & (block_size - 1):
         raise ValueError(f"the decode kernel needs a power-of-two head dim and block size, got {D}, {block_size}")
     if splits is None:
-        props = torch.cuda.get_device_properties(q.device)
-        splits = num_splits(B, G, W, props.multi_processor_count)
+        splits = num_splits(B, G, W, _sm_count(q.device.index))
     table = block_table if block_table is not None else k_off.new_zeros(k_off.shape)
     m = torch.empty(B, N, splits, dtype=torch.float32, device=q.device)
     l_sum = torch.empty_like(m)
@@ -199,6 +199,11 @@ def paged_decode_triton(q: torch.Tensor, flat: torch.Tensor, k_off: torch.Tensor
         G=G, Q=Q, QP=max(2, 1 << (Q - 1).bit_length()), D=D, BS=block_size, SPLITS=splits,
         HAS_WINDOW=window is not None)
     return combine_splits(m, l_sum, acc).to(q.dtype)
+
+
+@lru_cache(maxsize=None)
+def _sm_count(index: int | None) -> int:
+    return torch.cuda.get_device_properties(index if index is not None else torch.cuda.current_device()).multi_processor_count
 
 
 def combine_splits(m: torch.Tensor, l_sum: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:

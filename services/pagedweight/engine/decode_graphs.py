@@ -14,7 +14,7 @@ What makes a replay valid for any step of its bucket:
 - Attention is the `inplace` path (model/paged_attention.py): it reads the cache through
   tile offsets computed on the device from the block-table buffer, and loops to each
   sequence's own length, so one graph serves every length up to the model's context.
-- The experts operators say what their launches depend on through `graph_state()`: it
+- The experts operators say what their launches depend on through `graph_state(dtype)`: it
   brings device-side state up to date in place (the fused kernel's descriptor rows after
   the pager moved pages) and returns the host-side choices a capture bakes in (bit
   classes, widest bits). A bucket is captured again when that signature changes, and an
@@ -29,6 +29,7 @@ check padding and buffers against the eager engine that way).
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -77,6 +78,7 @@ class DecodeGraphs:
         self.graphs: dict[int, tuple[object, torch.Tensor, tuple]] = {}  # bucket -> (graph, logits, sig)
         self.pool = None
         self.num_captures = self.num_replays = 0
+        self.disabled = False  # a capture failed: every step eager
 
     # ---- when a step can replay ------------------------------------------------------
     def signature(self) -> tuple | None:
@@ -84,7 +86,7 @@ class DecodeGraphs:
         parts = []
         for block in self.model.moe_blocks:
             state = getattr(block.experts, "graph_state", None)
-            state = state() if state is not None else None
+            state = state(self.model.dtype) if state is not None else None
             if state is None:
                 return None
             parts.append((id(block.observer), state))
@@ -97,7 +99,7 @@ class DecodeGraphs:
     # ---- one step --------------------------------------------------------------------
     def run(self, rows: list[DecodeRow]) -> torch.Tensor | None:
         """Logits [len(rows), V] of a decode step, or None when it must run eagerly."""
-        if not self.fits(rows):
+        if self.disabled or not self.fits(rows):
             return None
         sig = self.signature()
         if sig is None:
@@ -108,7 +110,13 @@ class DecodeGraphs:
             return self._forward(bucket)[: len(rows)]
         entry = self.graphs.get(bucket)
         if entry is None or entry[2] != sig:
-            entry = self._capture(bucket, sig)
+            try:
+                entry = self._capture(bucket, sig)
+            except RuntimeError as err:  # an operator that cannot be captured after all
+                warnings.warn(f"decode graphs off: capturing a step of {bucket} failed ({err}); "
+                              "steps run eagerly from now on", RuntimeWarning, stacklevel=2)
+                self.disabled = True
+                return None
         entry[0].replay()
         self.num_replays += 1
         return entry[1][: len(rows)]

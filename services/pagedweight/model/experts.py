@@ -50,7 +50,9 @@ class DenseExperts(nn.Module):
             return grouped_moe_forward(x, topk_ids, topk_weights, self.gate_up, self.down)
         return moe_forward(x, topk_ids, topk_weights, self.expert, self.num_experts)
 
-    def graph_state(self):
-        """Nothing host-side decides this operator's launches: any captured graph stays valid
-        (see model/cuda_graph.py; None would mean: not capturable)."""
-        return () if self.grouped else None
+    def graph_state(self, dtype: torch.dtype):
+        """For CUDA-graph replay (engine/decode_graphs.py): () when the grouped path runs (no
+        host-side choice to bake in), None when the per-expert loop would (it reads routing
+        counts on the host, so the step must stay eager)."""
+        probe = torch.empty(0, dtype=dtype, device=self.gate_up.device)
+        return () if self.grouped and grouped_mm_supported(probe) and self.gate_up.dtype == dtype else None

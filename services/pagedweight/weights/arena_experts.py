@@ -84,12 +84,13 @@ class ArenaExperts(nn.Module):
         gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
         return F.linear(F.silu(gate) * up, down)
 
-    def graph_state(self):
+    def graph_state(self, dtype: torch.dtype):
         """For CUDA-graph replay of decode steps (engine/decode_graphs.py): brings the kernel's
         descriptor rows up to the committed state in place (device tensors a captured graph
-        keeps reading) and returns the host-side launch choices a capture bakes in; None on
-        the reference path (its per-expert loop reads routing counts on the host)."""
-        if not (self.use_kernel and self.table.arena.device.type == "cuda"):
+        keeps reading) and returns the host-side launch choices a capture bakes in; None where
+        activations of `dtype` take the reference path (its per-expert loop reads routing
+        counts on the host)."""
+        if not (self.use_kernel and self.table.arena.device.type == "cuda" and dtype in ACT_DTYPES):
             return None
         layer = self.kernel_layer()
         return (layer.max_bits, tuple(tuple(c.items()) for c in layer.classes.values()),
