@@ -25,6 +25,7 @@ from bench.bench_meta import RESULTS_DIR, commit, machine
 from pagedweight.format.model_config import ModelConfig
 from pagedweight.memory.kv_cache import KVCacheConfig, PagedKVCache
 from pagedweight.model.paged_attention import SeqSlice, build_step, paged_attention
+from pagedweight_kernels.paged_decode import paged_decode_triton
 
 QWEN_ATTENTION = dict(model_type="qwen2_moe", architectures=["Qwen2MoeForCausalLM"], vocab_size=151936,
                       hidden_size=2048, intermediate_size=5632, num_hidden_layers=1, num_attention_heads=16,
@@ -95,6 +96,13 @@ def main() -> None:
             results[impl] = paged_attention(0, q, k_new, v_new, step)
             row[f"{impl}_ms"] = round(1000 * timed(lambda: paged_attention(0, q, k_new, v_new, step),
                                                    device, args.repeats), 4)
+        if device.type == "cuda":  # the kernel alone, by tiles read per loop iteration
+            step = build_step(kv, seqs, "inplace")
+            k_off, v_off = kv.kv_tile_offsets(0, step.block_table)
+            for tiles in (1, 4):
+                row[f"kernel_tiles{tiles}_ms"] = round(1000 * timed(lambda: paged_decode_triton(
+                    q, kv.flat, k_off, v_off, step.seq_context_lens, bs, G, block_table=step.block_table,
+                    tiles_per_iter=tiles), device, args.repeats), 4)
         kv_bytes = 2 * B * ctx * G * D * kv.flat.element_size()
         row["kv_bytes"] = kv_bytes
         row["floor_ms"] = round(1000 * kv_bytes / bw, 4)
@@ -107,10 +115,10 @@ def main() -> None:
         del kv
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=1) + "\n")
-    print("batch context batched_ms inplace_ms floor_ms speedup of_floor")
+    print("batch context batched_ms inplace_ms floor_ms speedup of_floor kernel_tiles1_ms kernel_tiles4_ms")
     for r in record["rows"]:
         print(r["batch"], r["context"], r["batched_ms"], r["inplace_ms"], r["floor_ms"], r["inplace_speedup"],
-              r["inplace_of_floor"])
+              r["inplace_of_floor"], r.get("kernel_tiles1_ms"), r.get("kernel_tiles4_ms"))
     print(f"wrote {out}")
 
 

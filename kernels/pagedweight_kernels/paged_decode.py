@@ -28,6 +28,7 @@ import torch
 
 # fallbacks (kept small so a CPU step reads a bounded slice of the cache at a time)
 TORCH_CHUNK_BLOCKS = 32
+TILES_PER_ITER = 4  # the kernel's tiles per loop iteration (a power of two)
 
 
 def _key_mask(context_lens, positions_of_keys, window: int | None, valid=None):
@@ -91,9 +92,9 @@ def paged_decode_torch(q: torch.Tensor, flat: torch.Tensor, k_off: torch.Tensor,
 # ---------------------------------------------------------------- the CUDA kernel (Triton)
 
 def num_splits(batch: int, kv_heads: int, width: int, sm_count: int = 132) -> int:
-    """Splits per (sequence, kv head): enough programs to fill about two waves of SMs,
+    """Splits per (sequence, kv head): enough programs to fill about four waves of SMs,
     at least 8 blocks each, at most 32. Depends on shapes only (stable under a graph)."""
-    want = -(-2 * sm_count // max(1, batch * kv_heads))
+    want = -(-4 * sm_count // max(1, batch * kv_heads))
     return max(1, min(32, want, -(-width // 8)))
 
 
@@ -123,13 +124,15 @@ def _kernel():
                      m_ptr, l_ptr, acc_ptr,
                      W, window, scale,
                      G: tl.constexpr, Q: tl.constexpr, QP: tl.constexpr, D: tl.constexpr,
-                     BS: tl.constexpr, SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr):
+                     BS: tl.constexpr, NB: tl.constexpr, SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr):
         b = tl.program_id(0)
         g = tl.program_id(1)
         s = tl.program_id(2)
         qi = tl.arange(0, QP)
         di = tl.arange(0, D)
-        ti = tl.arange(0, BS)
+        ri = tl.arange(0, NB * BS)  # NB tiles per iteration, BS token rows each
+        tile_of = ri // BS
+        ti = ri % BS
         q_rows = qi < Q
         # q [B, N, D] with N = G * Q: this group's query heads
         q = tl.load(q_ptr + (b * G * Q + g * Q + qi)[:, None] * D + di[None, :],
@@ -146,19 +149,23 @@ def _kernel():
         m_i = tl.full([QP], float("-inf"), tl.float32)
         l_i = tl.zeros([QP], tl.float32)
         acc = tl.zeros([QP, D], tl.float32)
-        for j in range(lo, hi):
-            entry = tl.load(table_ptr + b * W + j)
-            k_base = tl.load(koff_ptr + b * W + j)
-            v_base = tl.load(voff_ptr + b * W + j)
-            tok = ti[:, None] * (G * D) + g * D + di[None, :]  # [BS, D] inside the tile
+        row_in_tile = ti * (G * D) + g * D  # [R] start of each token's head-g row inside its tile
+        for j0 in range(lo, hi, NB):
+            j = j0 + tile_of
+            live = j < hi
+            entry = tl.load(table_ptr + b * W + j, mask=live, other=-1)
+            k_base = tl.load(koff_ptr + b * W + j, mask=live, other=0)
+            v_base = tl.load(voff_ptr + b * W + j, mask=live, other=0)
             key_pos = j * BS + ti
-            ok = (key_pos <= q_pos) & (entry >= 0)
+            ok = live & (key_pos <= q_pos) & (entry >= 0)
             if HAS_WINDOW:
                 ok = ok & (key_pos > q_pos - window)
             # masked slots may hold stale bytes (NaN patterns): read them as 0
-            k = tl.load(flat_ptr + k_base + tok, mask=ok[:, None], other=0.0).to(tl.float32)
-            v = tl.load(flat_ptr + v_base + tok, mask=ok[:, None], other=0.0).to(tl.float32)
-            sc = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [QP, BS]
+            k = tl.load(flat_ptr + (k_base + row_in_tile)[:, None] + di[None, :],
+                        mask=ok[:, None], other=0.0).to(tl.float32)
+            v = tl.load(flat_ptr + (v_base + row_in_tile)[:, None] + di[None, :],
+                        mask=ok[:, None], other=0.0).to(tl.float32)
+            sc = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [QP, R]
             sc = tl.where(ok[None, :], sc, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(sc, axis=1))
             ref = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -179,8 +186,9 @@ def _kernel():
 def paged_decode_triton(q: torch.Tensor, flat: torch.Tensor, k_off: torch.Tensor, v_off: torch.Tensor,
                         context_lens: torch.Tensor, block_size: int, kv_heads: int,
                         window: int | None = None, block_table: torch.Tensor | None = None,
-                        splits: int | None = None) -> torch.Tensor:
-    """The CUDA path of `paged_decode_torch` (same arguments, plus kv_heads): [B, N, D]."""
+                        splits: int | None = None, tiles_per_iter: int = TILES_PER_ITER) -> torch.Tensor:
+    """The CUDA path of `paged_decode_torch` (same arguments): [B, N, D]. Each loop
+    iteration of a program reads `tiles_per_iter` tiles (more bytes in flight)."""
     B, N, D = q.shape
     W = k_off.shape[1]
     G = kv_heads
@@ -196,8 +204,8 @@ def paged_decode_triton(q: torch.Tensor, flat: torch.Tensor, k_off: torch.Tensor
     _kernel()[(B, G, splits)](
         q.contiguous(), flat, k_off.contiguous(), v_off.contiguous(), table.contiguous(), context_lens.contiguous(),
         m, l_sum, acc, W, int(window or 0), 1.0 / math.sqrt(D),
-        G=G, Q=Q, QP=max(2, 1 << (Q - 1).bit_length()), D=D, BS=block_size, SPLITS=splits,
-        HAS_WINDOW=window is not None)
+        G=G, Q=Q, QP=max(2, 1 << (Q - 1).bit_length()), D=D, BS=block_size, NB=tiles_per_iter, SPLITS=splits,
+        HAS_WINDOW=window is not None, num_warps=8 if tiles_per_iter * block_size >= 64 else 4)
     return combine_splits(m, l_sum, acc).to(q.dtype)
 
 

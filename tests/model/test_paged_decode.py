@@ -144,7 +144,8 @@ def test_triton_kernel_matches_torch_path(dtype, window, block_size, heads):
     ctx = torch.tensor(lens, device="cuda")
     q = torch.randn(B, N, D, device="cuda", generator=gen).to(dtype)
     want = paged_decode_torch(q.float(), flat.float(), k_off, v_off, ctx, block_size, G, window, table)
-    for splits in (None, 1, 7):
-        got = paged_decode_triton(q, flat, k_off, v_off, ctx, block_size, G, window, table, splits=splits)
+    for splits, tiles in ((None, 4), (1, 1), (7, 2), (3, 4)):
+        got = paged_decode_triton(q, flat, k_off, v_off, ctx, block_size, G, window, table, splits=splits,
+                                  tiles_per_iter=tiles)
         err = ((got.float() - want).norm() / want.norm()).item()
-        assert torch.isfinite(got).all() and err < (1e-5 if dtype == torch.float32 else 1e-2), (splits, err)
+        assert torch.isfinite(got).all() and err < (1e-5 if dtype == torch.float32 else 1e-2), (splits, tiles, err)

@@ -41,6 +41,7 @@ def test_replays_follow_the_page_table_while_bits_move():
     ids_s = torch.zeros(TOKENS, TOP_K, dtype=torch.int64, device="cuda")
     w_s = torch.zeros(TOKENS, TOP_K, dtype=dtype, device="cuda")
     graphs = [None] * LAYERS  # (graph, output, signature)
+    cache, kv, captures, replays = {}, [], 0, 0
     for step in range(40):
         if rng.random() < 0.6:
             for _ in range(rng.randint(1, 80)):
