@@ -28,7 +28,10 @@ import torch
 
 # fallbacks (kept small so a CPU step reads a bounded slice of the cache at a time)
 TORCH_CHUNK_BLOCKS = 32
-TILES_PER_ITER = 4  # the kernel's tiles per loop iteration (a power of two)
+# The kernel's tiles per loop iteration (a power of two). 1: on the H200 (bench/results/
+# paged_decode_attention_cuda.json) 4 tiles ran 1.0-2.9x slower than 1 at every size
+# measured (the [Q, 4 * bs, D] product spills), so the option stays for further tuning only.
+TILES_PER_ITER = 1
 
 
 def _key_mask(context_lens, positions_of_keys, window: int | None, valid=None):
