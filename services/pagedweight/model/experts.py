@@ -38,15 +38,23 @@ class DenseExperts(nn.Module):
         self.num_experts = num_experts
         self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.down = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
-        self.grouped = True  # False: the per-expert loop of moe_forward (a baseline for benchmarks)
+        # The grouped path (one sort, two grouped products, no host sync) or the per-expert
+        # loop of moe_forward: None picks grouped on CUDA only, so CPU results stay bit for
+        # bit what they were (the dequantising reference equals them exactly); True / False
+        # force one (tests, and the benchmarks' baseline).
+        self.grouped: bool | None = None
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         gate, up = F.linear(x, self.gate_up[e]).chunk(2, dim=-1)
         return F.linear(F.silu(gate) * up, self.down[e])
 
+    def uses_grouped(self, dtype: torch.dtype) -> bool:
+        probe = torch.empty(0, dtype=dtype, device=self.gate_up.device)
+        wanted = self.grouped if self.grouped is not None else probe.is_cuda
+        return wanted and grouped_mm_supported(probe) and self.gate_up.dtype == dtype
+
     def forward(self, x, topk_ids, topk_weights):
-        # one sort and two grouped products, no host sync (CUDA bf16, CPU); else per expert
-        if self.grouped and grouped_mm_supported(x) and self.gate_up.dtype == x.dtype:
+        if self.uses_grouped(x.dtype):
             return grouped_moe_forward(x, topk_ids, topk_weights, self.gate_up, self.down)
         return moe_forward(x, topk_ids, topk_weights, self.expert, self.num_experts)
 
@@ -54,5 +62,4 @@ class DenseExperts(nn.Module):
         """For CUDA-graph replay (engine/decode_graphs.py): () when the grouped path runs (no
         host-side choice to bake in), None when the per-expert loop would (it reads routing
         counts on the host, so the step must stay eager)."""
-        probe = torch.empty(0, dtype=dtype, device=self.gate_up.device)
-        return () if self.grouped and grouped_mm_supported(probe) and self.gate_up.dtype == dtype else None
+        return () if self.uses_grouped(dtype) else None
