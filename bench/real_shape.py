@@ -19,8 +19,11 @@ is rewritten after each section, so a cut run still leaves what it measured):
    E * (1 - (1 - k/E)^B) per layer, at the row's bits) over that bandwidth;
 2. parity: our bf16 model's logits against transformers' on one prompt (same tensors);
 3. transformers `generate` (bf16, greedy, batch = concurrency);
-4. our engine over dense bf16 experts; TTFT of 512- and 4096-token prompts;
-5. the runtime at static-8/4/3 (fused kernel on CUDA), same loads, TTFT at 4 bits;
+4. our engine over dense bf16 experts in each of `--modes` (issue 12: the earlier eager
+   steps with the gathering attention and the per-expert loop, against CUDA-graph replay
+   of decode steps with in-place attention and grouped experts); TTFT of 512- and
+   4096-token prompts;
+5. the runtime at static-8/4/3 (fused kernel on CUDA), same loads in each mode, TTFT at 4 bits;
 6. pressure (issue 17): budget = 8-bit experts + non-expert weights + workspace + half the
    KV the load wants; `pagedweight` against `static-8` and `static-4`: tokens/s,
    preemptions, page moves, bytes copied, mean bits start/min/end.
@@ -43,6 +46,7 @@ import torch
 from bench.bench_meta import RESULTS_DIR, commit, machine
 from bench.real_shape_configs import REAL_SHAPE_CONFIGS
 from pagedweight.cli.load_bench import LoadSpec, drive_load, run_load
+from pagedweight.engine.decode_graphs import DecodeGraphs
 from pagedweight.engine.engine import Engine, EngineConfig
 from pagedweight.engine.sampler import SamplingParams
 from pagedweight.engine.scheduler import SchedulerConfig
@@ -396,6 +400,28 @@ class Report:
         print(f"[{key}] {json.dumps(value)[:600]}", flush=True)
 
 
+# How a step runs (issue 12): the earlier engine (every step eager, the batched path's
+# padded gather, the per-expert loop over dense experts), the in-place decode attention
+# alone, and CUDA-graph replay of decode steps on top of it (grouped dense experts).
+MODES = {
+    "eager-gather": dict(attention_impl="batched", graphs=False, grouped=False),
+    "eager-inplace": dict(attention_impl="inplace", graphs=False, grouped=True),
+    "graphs-inplace": dict(attention_impl="inplace", graphs=True, grouped=True),
+}
+
+
+def set_mode(engine, mode: str) -> None:
+    """Switch a built engine between MODES (no rebuild: the runtime takes 30 s to build)."""
+    m = MODES[mode]
+    engine.runner.attention_impl = m["attention_impl"]
+    graphs = m["graphs"] and engine.kv.device.type == "cuda"
+    engine.runner.graphs = DecodeGraphs(engine.model, engine.kv, engine.config.scheduler.max_num_seqs) \
+        if graphs else None
+    for block in engine.model.moe_blocks:
+        if hasattr(block.experts, "grouped"):
+            block.experts.grouped = m["grouped"]
+
+
 def engine_config(max_seqs: int, max_tokens: int, num_kv_blocks: int = 1024) -> EngineConfig:
     return EngineConfig(scheduler=SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=max_tokens),
                         kv=KVCacheConfig(), num_kv_blocks=num_kv_blocks)
@@ -414,6 +440,8 @@ def main() -> None:
     parser.add_argument("--pressure-requests", type=int, default=96)
     parser.add_argument("--pressure-concurrency", type=int, default=64)
     parser.add_argument("--pressure-prompt-len", type=int, default=256)
+    parser.add_argument("--modes", nargs="+", default=["eager-gather", "graphs-inplace"], choices=sorted(MODES),
+                        help="how steps run, each measured in the same run (the first is the baseline)")
     parser.add_argument("--skip", nargs="*", default=[], help="sections to skip: hf bf16 static pressure")
     parser.add_argument("--time-limit-s", type=float, default=540.0)
     parser.add_argument("--reserve-s", type=float, default=60.0,
@@ -470,16 +498,21 @@ def main() -> None:
 
     if "bf16" not in args.skip:
         engine = Engine(ours, engine_config(max_seqs, batched_tokens, num_kv_blocks=1024 if device.type == "cuda" else 512))
-        rows = []
-        for spec in specs:
-            if clock.left() < args.reserve_s:
-                break
-            rows.append(tokens_per_s(engine, spec, device))
-            report.put("engine_bf16_dense", rows)
-        if clock.left() > args.reserve_s + 30:
-            report.put("engine_bf16_dense_profile", decode_profile(engine, 16, args.prompt_len, device))
-        report.put("engine_bf16_dense_ttft_s", {str(n): ttft(engine, n, device) for n in args.ttft_prompts
-                                                if clock.left() > args.reserve_s})
+        modes = {}
+        for mode in args.modes:
+            set_mode(engine, mode)
+            row = modes[mode] = {"loads": []}
+            for spec in specs:
+                if clock.left() < args.reserve_s:
+                    break
+                row["loads"].append(tokens_per_s(engine, spec, device))
+                report.put("engine_bf16_dense", modes)
+            if mode == args.modes[-1] and clock.left() > args.reserve_s + 30:
+                row["profile"] = decode_profile(engine, 16, args.prompt_len, device)
+            if mode == args.modes[-1]:  # prefill runs eagerly in every mode
+                row["ttft_s"] = {str(n): ttft(engine, n, device) for n in args.ttft_prompts
+                                 if clock.left() > args.reserve_s}
+            report.put("engine_bf16_dense", modes)
         del engine
 
     t0 = time.perf_counter()
@@ -509,13 +542,16 @@ def main() -> None:
                 continue
             t0 = time.perf_counter()
             rt = runtime(f"static-{bits}", ample)
-            row = {"build_s": round(time.perf_counter() - t0, 1), "loads": []}
+            row = {"build_s": round(time.perf_counter() - t0, 1), "modes": {}}
             static[f"static-{bits}"] = row
-            for spec in specs:
-                if clock.left() < args.reserve_s:
-                    break
-                row["loads"].append(tokens_per_s(rt.engine, spec, device))
-                report.put("runtime_static", static)
+            for mode in args.modes:
+                set_mode(rt.engine, mode)
+                loads = row["modes"][mode] = []
+                for spec in specs:
+                    if clock.left() < args.reserve_s:
+                        break
+                    loads.append(tokens_per_s(rt.engine, spec, device))
+                    report.put("runtime_static", static)
             if bits == 4 and clock.left() > args.reserve_s + 30:
                 row["profile"] = decode_profile(rt.engine, 16, args.prompt_len, device)
             if bits == 4:

@@ -55,7 +55,7 @@ def assert_all_blocks_free(engine):
     assert not engine.scheduler.running and not engine.scheduler.waiting
 
 
-@pytest.mark.parametrize("impl", ["reference", "batched"])
+@pytest.mark.parametrize("impl", ["reference", "batched", "inplace"])
 def test_concurrent_greedy_equals_single_stream(model, requests, impl):
     prompts, params, expected = requests
     engine = make_engine(model, impl=impl)
@@ -64,7 +64,7 @@ def test_concurrent_greedy_equals_single_stream(model, requests, impl):
     assert_all_blocks_free(engine)
 
 
-@pytest.mark.parametrize("impl", ["reference", "batched"])
+@pytest.mark.parametrize("impl", ["reference", "batched", "inplace"])
 def test_equal_after_preemption_and_chunked_prefill(model, requests, impl):
     """A cache too small for everyone forces preemption (recompute); a small token budget
     splits prompts into chunks. Outputs must not change."""

@@ -19,7 +19,7 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("impl", ["reference", "batched"])
+@pytest.mark.parametrize("impl", ["reference", "batched", "inplace"])
 @pytest.mark.parametrize("num_blocks", [1024, 16])  # 16: preemption and chunked prefill
 def test_engine_on_cuda_equals_generate(impl, num_blocks):
     model = load_model(BUNDLED_MODEL, dtype=torch.float32, device="cuda")

@@ -76,7 +76,7 @@ def test_greedy_contiguous_and_paged_engine_match_transformers(family):
     assert len({tuple(e) for e in expected}) == len(expected), "degenerate model: every prompt decodes alike"
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     assert [generate(model, p, params).token_ids for p in requests] == expected, f"{name}: contiguous path"
-    for impl in ("reference", "batched"):
+    for impl in ("reference", "batched", "inplace"):
         # a small cache and token budget: chunked prefill and preemption go through paged KV too
         engine = Engine(model, config=EngineConfig(
             scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16),

@@ -29,7 +29,7 @@ def test_upload_keeps_values_shapes_and_order(device):
         assert got.shape == want.shape and torch.equal(got.cpu(), want)
 
 
-@pytest.mark.parametrize("impl", ["reference", "batched"])
+@pytest.mark.parametrize("impl", ["reference", "batched", "inplace"])
 def test_extra_lists_ride_along_and_the_step_is_unchanged(impl):
     config = ModelConfig.from_dir(BUNDLED_MODEL)
     kv = PagedKVCache(config, KVCacheConfig(block_size=4), torch.float32, "cpu", num_blocks=16)
@@ -45,7 +45,7 @@ def test_extra_lists_ride_along_and_the_step_is_unchanged(impl):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("impl", ["reference", "batched"])
+@pytest.mark.parametrize("impl", ["reference", "batched", "inplace"])
 def test_building_a_step_on_cuda_does_not_synchronise(impl):
     config = ModelConfig.from_dir(BUNDLED_MODEL)
     kv = PagedKVCache(config, KVCacheConfig(block_size=4), torch.float32, "cuda", num_blocks=16)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from pagedweight.common.errors import ContextLengthError, UserError
 from pagedweight.engine.generate import check_context
+from pagedweight.engine.decode_graphs import DecodeGraphs
 from pagedweight.engine.memory_broker import BrokerConfig, MemoryBroker
 from pagedweight.engine.model_runner import ModelRunner
 from pagedweight.engine.sampler import SamplingParams, make_generator
@@ -34,8 +35,10 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     kv: KVCacheConfig = field(default_factory=KVCacheConfig)
     broker: BrokerConfig = field(default_factory=BrokerConfig)
-    attention_impl: str = "auto"  # "reference", "batched" or "auto" (batched on CUDA)
+    attention_impl: str = "auto"  # "reference", "batched", "inplace" or "auto" (inplace on CUDA)
     num_kv_blocks: int = 1024  # fixed KV size when there is no memory arena
+    # True: no CUDA graphs (every step eager; vLLM's name). Graphs need the inplace path.
+    enforce_eager: bool = False
 
     def __post_init__(self):
         if self.num_kv_blocks < 1:
@@ -97,7 +100,11 @@ class Engine:
         self.scheduler = Scheduler(self.config.scheduler, self.kv, self.broker)
         self.seqs: dict[str, Sequence] = {}  # request_id -> live sequence
         self.eos_ids = set(model.config.eos_token_ids) | {int(t) for t in eos_token_ids}
-        self.runner = ModelRunner(model, self.kv, self.config.attention_impl, self.eos_ids)
+        graphs = None
+        if (self.kv.device.type == "cuda" and not self.config.enforce_eager
+                and self.config.attention_impl in ("auto", "inplace")):
+            graphs = DecodeGraphs(model, self.kv, self.config.scheduler.max_num_seqs)
+        self.runner = ModelRunner(model, self.kv, self.config.attention_impl, self.eos_ids, graphs)
         self._seq_ids = itertools.count()
         self.num_steps = self.num_finished = self.num_output_tokens = 0
 

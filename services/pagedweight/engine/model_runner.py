@@ -3,13 +3,17 @@
 `ModelRunner.run(scheduled)` flattens the scheduled sequences' new tokens into one varlen
 batch, builds the step's attention context over the paged KV cache, runs the model and
 samples one token for each sequence whose last known token was computed. It changes no
-sequence state: the engine loop applies the results (engine.py).
+sequence state: the engine loop applies the results (engine.py). On CUDA, decode steps
+replay a captured graph of the forward per padded batch bucket (decode_graphs.py) unless
+the engine runs with `enforce_eager`; other steps, and decode steps a graph cannot serve,
+run eagerly.
 """
 
 from __future__ import annotations
 
 import torch
 
+from pagedweight.engine.decode_graphs import DecodeGraphs, DecodeRow
 from pagedweight.engine.sampler import sample
 from pagedweight.engine.scheduler import ScheduledSeq
 from pagedweight.engine.sequence import Sequence
@@ -19,17 +23,33 @@ from pagedweight.model.transformer import MoECausalLM
 
 
 class ModelRunner:
-    def __init__(self, model: MoECausalLM, kv: PagedKVCache, attention_impl: str, eos_ids: set[int]):
+    def __init__(self, model: MoECausalLM, kv: PagedKVCache, attention_impl: str, eos_ids: set[int],
+                 graphs: DecodeGraphs | None = None):
         self.model, self.kv = model, kv
         self.attention_impl = attention_impl
         self.eos_ids = eos_ids
+        self.graphs = graphs  # None: every step eager
+        self.num_graph_steps = self.num_eager_steps = 0
 
     @torch.inference_mode()
     def run(self, scheduled: list[ScheduledSeq]) -> list[int]:
         """One forward over the step; a sampled token per sequence with `samples` set."""
-        input_ids, step, logits_indices = self.prepare(scheduled)
-        logits = self.model.forward_paged(input_ids, step, logits_indices)
+        logits = self._replay(scheduled)
+        if logits is None:
+            input_ids, step, logits_indices = self.prepare(scheduled)
+            logits = self.model.forward_paged(input_ids, step, logits_indices)
+            self.num_eager_steps += 1
+        else:
+            self.num_graph_steps += 1
         return self.sample([s.seq for s in scheduled if s.samples], logits)
+
+    def _replay(self, scheduled: list[ScheduledSeq]):
+        """Logits from a decode graph, or None: not a pure decode step, or no graph fits."""
+        if self.graphs is None or not all(s.num_new_tokens == 1 and s.samples for s in scheduled):
+            return None
+        rows = [DecodeRow(_token_at(s.seq, s.seq.num_computed_tokens), s.seq.block_ids,
+                          s.seq.num_computed_tokens + 1) for s in scheduled]
+        return self.graphs.run(rows)
 
     def prepare(self, scheduled: list[ScheduledSeq]):
         input_ids, slices, logits_indices = [], [], []
@@ -59,3 +79,9 @@ class ModelRunner:
             if not seq.params.greedy:
                 tokens[i] = sample(logits[i : i + 1], seq.params, seq.generator)[0]
         return tokens.tolist()
+
+
+def _token_at(seq: Sequence, i: int) -> int:
+    """seq.token_ids[i] without building the whole list."""
+    n = len(seq.prompt_ids)
+    return seq.prompt_ids[i] if i < n else seq.output_ids[i - n]

@@ -284,6 +284,18 @@ class PagedKVCache:
         v = self.flat[self._element_index(offsets, layer, 1)].view(shape)
         return k, v
 
+    def kv_tile_offsets(self, layer: int, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Element offsets into `flat` of the K tile and the V tile of `layer` for every block
+        id in `block_table` (any shape; entries < 0, released or padding, read block 0).
+
+        Each tile is contiguous, [block_size, G, D]. Plain arithmetic on the table's device,
+        no host work, so paged decode attention can compute it inside a CUDA graph and read
+        the blocks where they are (the contract with the layout: a block is [L, 2, bs, G, D]
+        at `block_id * block_stride`)."""
+        tile = self.block_size * self.num_kv_heads * self.head_dim
+        k = block_table.clamp_min(0) * self.block_stride + 2 * layer * tile
+        return k, k + tile
+
     def read_blocks(self, layer: int, block_ids: torch.Tensor):
         """Gather whole blocks by id: (k, v) [n, block_size, G, D]."""
         return self.blocks[block_ids, layer, 0], self.blocks[block_ids, layer, 1]

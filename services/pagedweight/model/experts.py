@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedweight_kernels.moe_reference import check_activation, gated, moe_forward
+from pagedweight_kernels.moe_reference import (check_activation, gated, grouped_mm_supported,
+                                              grouped_moe_forward, moe_forward)
 
 
 class ExpertsOp(Protocol):
@@ -40,10 +41,28 @@ class DenseExperts(nn.Module):
         self.activation = activation  # act(gate) * up: moe_reference.ACTIVATIONS
         self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.down = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        # The grouped path (one sort, two grouped products, no host sync) or the per-expert
+        # loop of moe_forward: None picks grouped on CUDA only, so CPU results stay bit for
+        # bit what they were (the dequantising reference equals them exactly); True / False
+        # force one (tests, and the benchmarks' baseline).
+        self.grouped: bool | None = None
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         gate, up = F.linear(x, self.gate_up[e]).chunk(2, dim=-1)
         return F.linear(gated(gate, up, self.activation), self.down[e])
 
+    def uses_grouped(self, dtype: torch.dtype) -> bool:
+        probe = torch.empty(0, dtype=dtype, device=self.gate_up.device)
+        wanted = self.grouped if self.grouped is not None else probe.is_cuda
+        return wanted and grouped_mm_supported(probe) and self.gate_up.dtype == dtype
+
     def forward(self, x, topk_ids, topk_weights):
+        if self.uses_grouped(x.dtype):
+            return grouped_moe_forward(x, topk_ids, topk_weights, self.gate_up, self.down, self.activation)
         return moe_forward(x, topk_ids, topk_weights, self.expert, self.num_experts)
+
+    def graph_state(self, dtype: torch.dtype):
+        """For CUDA-graph replay (engine/decode_graphs.py): () when the grouped path runs (no
+        host-side choice to bake in), None when the per-expert loop would (it reads routing
+        counts on the host, so the step must stay eager)."""
+        return () if self.uses_grouped(dtype) else None

@@ -7,9 +7,15 @@ keys/values at their slots, then attends through the block tables. Two paths:
 - `reference`: per sequence, read its tokens slot by slot and call the same
   `causal_attention` the contiguous path uses. Plain and obviously right; the CPU default.
 - `batched`: gather whole blocks for all sequences at once ([B, max_blocks * block_size]),
-  pad the queries to [B, max_query_len] and run one masked SDPA. The CUDA default; on
-  CUDA the key/value heads are expanded so SDPA can pick its memory-efficient kernel.
-Tests compare the two, and the engine against single-stream generation.
+  pad the queries to [B, max_query_len] and run one masked SDPA. On CUDA the key/value
+  heads are expanded so SDPA can pick its memory-efficient kernel. Steps with a prefill
+  chunk take this path on CUDA (tensor-core attention).
+- `inplace`: decode steps (one new token per sequence) read each sequence's K/V tiles
+  where they are in the cache, through `kv_tile_offsets`, with an online softmax
+  (pagedweight_kernels.paged_decode: a Triton kernel on CUDA, the same arithmetic in torch
+  elsewhere). No padded copy, no host values: it is what a CUDA graph of a decode step
+  runs. A step holding a prefill chunk falls back to `batched`. The CUDA default.
+Tests compare the paths, and the engine against single-stream generation.
 A layer with a sliding window W passes it to `attend`: both paths then also mask keys
 more than W - 1 positions behind the query (the cache still holds them).
 Layers may differ in shape (Gemma-4's full-attention layers: fewer, wider KV heads): the
@@ -31,6 +37,7 @@ import torch.nn.functional as F
 
 from pagedweight.model.host_upload import upload_int64
 from pagedweight.model.layers import causal_attention
+from pagedweight_kernels.paged_decode import paged_decode_torch, paged_decode_triton, triton_available
 
 
 class KVStore(Protocol):
@@ -41,13 +48,16 @@ class KVStore(Protocol):
     block_size: int
     num_kv_heads: int
     head_dim: int
+    flat: torch.Tensor  # the cache's storage as one 1-D tensor; it never moves while serving
 
     def token_offsets(self, block_ids: list[int], start: int, end: int) -> list[int]: ...
     def write(self, layer: int, offsets: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None: ...
     def read_tokens(self, layer: int, offsets: torch.Tensor): ...
     def read_blocks(self, layer: int, block_ids: torch.Tensor): ...
+    # where block b's K and V tiles of `layer` start in `flat` (entries < 0 read block 0)
+    def kv_tile_offsets(self, layer: int, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
-IMPLS = ("reference", "batched")
+IMPLS = ("reference", "batched", "inplace")
 
 
 @dataclass(frozen=True)
@@ -75,8 +85,10 @@ class PagedStep:
     new_offsets: torch.Tensor  # [T] where each new token's k, v go (PagedKVCache.token_offsets)
     # reference path: every sequence's context tokens, concatenated
     context_offsets: torch.Tensor | None = None
-    # batched path
+    # batched and inplace paths
     block_table: torch.Tensor | None = None  # [B, max_blocks] block ids (pads: masked out)
+    # inplace path: tokens in the cache per sequence (its query included), on the device
+    seq_context_lens: torch.Tensor | None = None  # [B]
     query_index: torch.Tensor | None = None  # [B, max_q] -> flat token (pad: 0)
     output_index: torch.Tensor | None = None  # [T] -> row in the flattened [B * max_q]
     mask: torch.Tensor | None = None  # [B, 1, max_q, S] bool
@@ -115,10 +127,13 @@ def build_step_with(kv: KVStore, seqs: list[SeqSlice], impl: str = "auto",
     tensor crosses in one non-blocking copy (host_upload.py): building a step never waits
     for the GPU."""
     if impl == "auto":
-        impl = "batched" if kv.device.type == "cuda" else "reference"
+        impl = "inplace" if kv.device.type == "cuda" else "reference"
     if impl not in IMPLS:
         raise ValueError(f"paged attention impl {impl!r} is not one of {IMPLS}")
-    seqs = [_read_released_as_live(s) for s in seqs]
+    if impl == "inplace" and any(s.query_len != 1 for s in seqs):
+        impl = "batched"  # a prefill chunk: tensor-core attention over a gathered copy
+    if impl != "inplace":  # the in-place path masks released entries itself
+        seqs = [_read_released_as_live(s) for s in seqs]
     positions, new_offsets = [], []
     for s in seqs:
         start = s.context_len - s.query_len
@@ -127,6 +142,8 @@ def build_step_with(kv: KVStore, seqs: list[SeqSlice], impl: str = "auto",
     host = [positions, new_offsets]
     if impl == "reference":
         host.append([o for s in seqs for o in kv.token_offsets(s.block_ids, 0, s.context_len)])
+    elif impl == "inplace":
+        host.extend(decode_metadata(kv.block_size, seqs))
     else:
         host.extend(_batched_metadata(kv.block_size, seqs))
     device_parts = upload_int64(host + list(extra), kv.device)
@@ -139,6 +156,8 @@ def build_step_with(kv: KVStore, seqs: list[SeqSlice], impl: str = "auto",
     )
     if impl == "reference":
         step.context_offsets = parts[2]
+    elif impl == "inplace":
+        step.block_table, step.seq_context_lens = parts[2:]
     else:
         step.block_table, step.query_index, query_pos, step.output_index = parts[2:]
         key_pos = torch.arange(step.block_table.shape[1] * kv.block_size, device=kv.device)
@@ -155,6 +174,17 @@ def _read_released_as_live(s: SeqSlice) -> SeqSlice:
         return s
     live = next(b for b in s.block_ids if b >= 0)
     return SeqSlice([b if b >= 0 else live for b in s.block_ids], s.context_len, s.query_len)
+
+
+def decode_metadata(bs: int, seqs: list[SeqSlice], width: int | None = None) -> list[torch.Tensor]:
+    """Host tensors of the inplace path: block table [B, width] (RELEASED entries and
+    padding stay negative: the kernel masks them) and context lengths [B]."""
+    width = width or max(-(-s.context_len // bs) for s in seqs)
+    table = torch.full((len(seqs), width), -1, dtype=torch.int64)
+    for b, s in enumerate(seqs):
+        used = s.block_ids[: -(-s.context_len // bs)]
+        table[b, : len(used)] = torch.tensor(used, dtype=torch.int64)
+    return [table, torch.tensor([s.context_len for s in seqs], dtype=torch.int64)]
 
 
 def _batched_metadata(bs: int, seqs: list[SeqSlice]) -> list[torch.Tensor]:
@@ -185,7 +215,46 @@ def paged_attention(layer: int, q, k, v, step: PagedStep, window: int | None = N
     step.kv.write(layer, step.new_offsets, _into_slot(step.kv, k), _into_slot(step.kv, v))
     if step.impl == "reference":
         return _reference(layer, q, step, window, scale, shape)
+    if step.impl == "inplace":
+        return _inplace(layer, q, step, window, scale, shape)
     return _batched(layer, q, step, window, scale, shape)
+
+
+def _inplace(layer: int, q, step: PagedStep, window: int | None, scale: float | None,
+             shape: tuple[int, int]) -> torch.Tensor:
+    """Decode: q [B, N, D], one token per sequence, reads the tiles where they are."""
+    kv = step.kv
+    k_off, v_off = kv.kv_tile_offsets(layer, step.block_table)
+    if shape != (kv.num_kv_heads, kv.head_dim):
+        return _inplace_narrow(q, step, k_off, v_off, window, scale, shape)
+    args = (q, kv.flat, k_off, v_off, step.seq_context_lens, kv.block_size, kv.num_kv_heads)
+    if q.is_cuda and triton_available():
+        return paged_decode_triton(*args, window=window, block_table=step.block_table, scale=scale)
+    return paged_decode_torch(*args, window=window, block_table=step.block_table, scale=scale)
+
+
+def _inplace_narrow(q, step: PagedStep, k_off, v_off, window: int | None, scale: float | None,
+                    shape: tuple[int, int]) -> torch.Tensor:
+    """A decode step of a layer narrower than the cache's slot (kv_slot): its tokens' rows
+    are strided by the slot, which the decode kernel does not take, so the tiles are read
+    whole, cut to the layer's shape and attended with SDPA. Device-side only (graph-safe);
+    the price is the gather, paid by the few narrow layers alone."""
+    kv = step.kv
+    B, W = k_off.shape
+    bs, G, D = kv.block_size, kv.num_kv_heads, kv.head_dim
+    within = torch.arange(bs * G * D, device=q.device)
+    k, v = (_from_slot(kv.flat[off[..., None] + within].view(B, W * bs, G, D), shape) for off in (k_off, v_off))
+    key_pos = torch.arange(W * bs, device=q.device)
+    visible = key_pos[None, :] < step.seq_context_lens[:, None]  # the query is the last token
+    if window is not None:
+        visible &= key_pos[None, :] >= step.seq_context_lens[:, None] - window
+    visible &= (step.block_table >= 0).repeat_interleave(bs, dim=1)
+    # masked keys may be stale bytes: zero them so no NaN there reaches the output
+    k = k.masked_fill(~visible[:, :, None, None], 0.0).transpose(1, 2)  # [B, G, S, D]
+    v = v.masked_fill(~visible[:, :, None, None], 0.0).transpose(1, 2)
+    out = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=visible[:, None, None, :],
+                                         scale=scale, enable_gqa=True)  # [B, N, 1, D]
+    return out[:, :, 0, :]
 
 
 def _into_slot(kv: KVStore, t: torch.Tensor) -> torch.Tensor:

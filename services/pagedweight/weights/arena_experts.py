@@ -86,6 +86,18 @@ class ArenaExperts(nn.Module):
         gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
         return F.linear(gated(gate, up, self.activation), down)
 
+    def graph_state(self, dtype: torch.dtype):
+        """For CUDA-graph replay of decode steps (engine/decode_graphs.py): brings the kernel's
+        descriptor rows up to the committed state in place (device tensors a captured graph
+        keeps reading) and returns the host-side launch choices a capture bakes in; None where
+        activations of `dtype` take the reference path (its per-expert loop reads routing
+        counts on the host)."""
+        if not (self.use_kernel and self.table.arena.device.type == "cuda" and dtype in ACT_DTYPES):
+            return None
+        layer = self.kernel_layer()
+        return (layer.max_bits, tuple(tuple(c.items()) for c in layer.classes.values()),
+                tuple(layer.aligned8.values()))
+
     def forward(self, x, topk_ids, topk_weights):
         if self.use_kernel and x.is_cuda and x.dtype in ACT_DTYPES:
             return apl_moe(x.contiguous(), topk_ids, topk_weights, self.kernel_layer())

@@ -1,0 +1,165 @@
+"""CUDA-graph replay of decode steps, per padded batch bucket (issue 12).
+
+At real sizes a decode step is bound by the host issuing ~1,500 small operators, not by
+the GPU (docs/real_shape.md). A decode step's work has a fixed shape once its batch is
+padded to a bucket, so it is captured once per bucket and replayed: one launch instead of
+thousands.
+
+What makes a replay valid for any step of its bucket:
+- Inputs live in static device buffers. Each step's host values (token ids, positions,
+  KV slot offsets, context lengths, block tables padded to the model's longest context)
+  go into one pinned host mirror and cross in one non-blocking copy into the rows the
+  bucket reads. Padding rows repeat row 0: they compute what row 0 computes and write the
+  same KV values to the same slot, so they disturb nothing and need no scratch block.
+- Attention is the `inplace` path (model/paged_attention.py): it reads the cache through
+  tile offsets computed on the device from the block-table buffer, and loops to each
+  sequence's own length, so one graph serves every length up to the model's context.
+- The experts operators say what their launches depend on through `graph_state(dtype)`: it
+  brings device-side state up to date in place (the fused kernel's descriptor rows after
+  the pager moved pages) and returns the host-side choices a capture bakes in (bit
+  classes, widest bits). A bucket is captured again when that signature changes, and an
+  operator that returns None (or has no such method) keeps the step eager. The routing
+  observer's identity is part of the signature: its device-side counters are captured.
+- Steps with a prefill chunk, more sequences than the largest bucket, or a sequence that
+  does not sample run eagerly.
+
+`capture=False` runs the same static-buffer plumbing without capturing (the CPU tests
+check padding and buffers against the eager engine that way).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from pagedweight.memory.kv_cache import PagedKVCache
+from pagedweight.model.paged_attention import PagedStep
+from pagedweight.model.transformer import MoECausalLM
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+_FIELDS = 4  # per row: input id, position, new KV offset, context length; then the block table
+
+
+def buckets_up_to(max_batch: int, buckets=DEFAULT_BUCKETS) -> tuple[int, ...]:
+    """The buckets a batch of at most max_batch sequences can use (max_batch itself last)."""
+    chosen = tuple(b for b in buckets if b < max_batch)
+    return chosen + (max_batch,)
+
+
+def pick_bucket(n: int, buckets: tuple[int, ...]) -> int | None:
+    """The smallest bucket holding n sequences; None when n exceeds them all."""
+    return next((b for b in buckets if b >= n), None)
+
+
+@dataclass
+class DecodeRow:
+    """One sequence of a decode step, as the host knows it."""
+
+    token_id: int  # the input token
+    block_ids: list[int]  # its block table (RELEASED entries stay negative)
+    context_len: int  # tokens in the cache after this step (its position + 1)
+
+
+class DecodeGraphs:
+    def __init__(self, model: MoECausalLM, kv: PagedKVCache, max_batch: int,
+                 buckets: tuple[int, ...] | None = None, capture: bool | None = None):
+        self.model, self.kv = model, kv
+        self.buckets = buckets_up_to(max_batch) if buckets is None else tuple(sorted(buckets))
+        self.max_batch = self.buckets[-1]
+        self.capture = kv.device.type == "cuda" if capture is None else capture
+        self.width = -(-model.config.max_position_embeddings // kv.block_size)  # table columns
+        row = _FIELDS + self.width
+        self.static = torch.zeros(self.max_batch, row, dtype=torch.int64, device=kv.device)
+        pin = kv.device.type == "cuda"
+        self.host = torch.zeros(self.max_batch, row, dtype=torch.int64, pin_memory=pin)
+        self.rows = torch.arange(self.max_batch, device=kv.device)  # logits rows: all of them
+        self.graphs: dict[int, tuple[object, torch.Tensor, tuple]] = {}  # bucket -> (graph, logits, sig)
+        self.pool = None
+        self.num_captures = self.num_replays = 0
+        self.disabled = False  # a capture failed: every step eager
+
+    # ---- when a step can replay ------------------------------------------------------
+    def signature(self) -> tuple | None:
+        """What captured graphs depend on beyond the buffers; None: not capturable now."""
+        parts = []
+        for block in self.model.moe_blocks:
+            state = getattr(block.experts, "graph_state", None)
+            state = state(self.model.dtype) if state is not None else None
+            if state is None:
+                return None
+            parts.append((id(block.observer), state))
+        return tuple(parts)
+
+    def fits(self, rows: list[DecodeRow]) -> bool:
+        return 0 < len(rows) <= self.max_batch and all(
+            -(-r.context_len // self.kv.block_size) <= self.width for r in rows)
+
+    # ---- one step --------------------------------------------------------------------
+    def run(self, rows: list[DecodeRow]) -> torch.Tensor | None:
+        """Logits [len(rows), V] of a decode step, or None when it must run eagerly."""
+        if self.disabled or not self.fits(rows):
+            return None
+        sig = self.signature()
+        if sig is None:
+            return None
+        bucket = pick_bucket(len(rows), self.buckets)
+        self._upload(rows, bucket)
+        if not self.capture:
+            return self._forward(bucket)[: len(rows)]
+        entry = self.graphs.get(bucket)
+        if entry is None or entry[2] != sig:
+            try:
+                entry = self._capture(bucket, sig)
+            except RuntimeError as err:  # an operator that cannot be captured after all
+                warnings.warn(f"decode graphs off: capturing a step of {bucket} failed ({err}); "
+                              "steps run eagerly from now on", RuntimeWarning, stacklevel=2)
+                self.disabled = True
+                return None
+        entry[0].replay()
+        self.num_replays += 1
+        return entry[1][: len(rows)]
+
+    def _upload(self, rows: list[DecodeRow], bucket: int) -> None:
+        """Host values of the step into the pinned mirror, one copy into the static rows.
+        The mirror is reused: the previous step's copy has finished, since the engine read
+        that step's sampled tokens back (its one synchronisation) before building this one."""
+        bs, host = self.kv.block_size, self.host
+        host[:bucket, _FIELDS:] = -1
+        for i, r in enumerate(rows):
+            pos = r.context_len - 1
+            used = r.block_ids[: -(-r.context_len // bs)]
+            host[i, 0], host[i, 1], host[i, 3] = r.token_id, pos, r.context_len
+            host[i, 2] = self.kv.token_offsets(used, pos, pos + 1)[0]
+            host[i, _FIELDS:_FIELDS + len(used)] = torch.tensor(used, dtype=torch.int64)
+        if bucket > len(rows):  # padding repeats row 0 (same inputs, same KV slot, same values)
+            host[len(rows):bucket] = host[0]
+        self.static[:bucket].copy_(host[:bucket], non_blocking=True)
+
+    def _step(self, bucket: int) -> PagedStep:
+        s = self.static[:bucket]
+        return PagedStep(kv=self.kv, impl="inplace", positions=s[:, 1], query_lens=[], context_lens=[],
+                         new_offsets=s[:, 2], block_table=s[:, _FIELDS:], seq_context_lens=s[:, 3])
+
+    def _forward(self, bucket: int) -> torch.Tensor:
+        return self.model.forward_paged(self.static[:bucket, 0], self._step(bucket), self.rows[:bucket])
+
+    def _capture(self, bucket: int, sig: tuple):
+        """Warm up on a side stream (compiles kernels, creates library handles: nothing of
+        that may happen during capture), then capture. The warm-up computes this very step
+        and the replay that follows computes it again: the same KV values to the same slots."""
+        self.graphs.pop(bucket, None)
+        stream = torch.cuda.Stream(self.kv.device)
+        stream.wait_stream(torch.cuda.current_stream(self.kv.device))
+        with torch.cuda.stream(stream):
+            self._forward(bucket)
+        torch.cuda.current_stream(self.kv.device).wait_stream(stream)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = self._forward(bucket)
+        self.graphs[bucket] = (graph, logits, sig)
+        self.num_captures += 1
+        return self.graphs[bucket]

@@ -1,0 +1,151 @@
+"""Decode steps through static buffers and padded batch buckets (engine/decode_graphs.py).
+
+On the CPU the plumbing runs without capture (`capture=False`): padding rows, the pinned
+mirror, the block-table buffer at the model's full context width, and the fallbacks are
+checked against single-stream generation. On CUDA (`make test-gpu`) the same with real
+graphs: greedy outputs equal generate, steps replay, and a changed experts signature
+recaptures."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedweight.engine.decode_graphs import DecodeGraphs, buckets_up_to, pick_bucket
+from pagedweight.engine.engine import Engine, EngineConfig
+from pagedweight.engine.generate import generate
+from pagedweight.engine.sampler import SamplingParams
+from pagedweight.engine.scheduler import SchedulerConfig
+from pagedweight.memory.kv_cache import KVCacheConfig
+from pagedweight.model import load_model
+from tests.conftest import BUNDLED_MODEL
+
+PROMPT_LENS = (3, 17, 33, 5, 40, 1, 29)
+MAX_TOKENS = (10, 5, 12, 9, 8, 11, 7)
+
+
+def test_buckets():
+    assert buckets_up_to(64) == (1, 2, 4, 8, 16, 24, 32, 48, 64)
+    assert buckets_up_to(20) == (1, 2, 4, 8, 16, 20)
+    assert [pick_bucket(n, (1, 2, 4, 8)) for n in (1, 3, 8, 9)] == [1, 4, 8, None]
+
+
+def _engine(model, device, capture, max_seqs=5, num_blocks=1024, **kw):
+    config = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=48),
+                          kv=KVCacheConfig(block_size=4), attention_impl="inplace", num_kv_blocks=num_blocks, **kw)
+    engine = Engine(model, config=config)
+    if capture is not None:  # the CPU: the same plumbing without capture
+        engine.runner.graphs = DecodeGraphs(model, engine.kv, max_seqs, capture=capture)
+    return engine
+
+
+def _run(model, engine, seed):
+    gen = torch.Generator().manual_seed(seed)
+    for i, n in enumerate(PROMPT_LENS):
+        prompt = torch.randint(1, model.config.vocab_size, (n,), generator=gen).tolist()
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=MAX_TOKENS[i], ignore_eos=True))
+    out = engine.run_to_completion()
+    assert len(out) == len(PROMPT_LENS) and engine.kv.manager.num_used_blocks == 0
+
+
+def _check_against_generate(model, engine, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(1, model.config.vocab_size, (n,), generator=gen).tolist() for n in PROMPT_LENS]
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in MAX_TOKENS]
+    expected = [generate(model, p, sp).token_ids for p, sp in zip(prompts, params)]
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        engine.add_request(str(i), p, sp)
+    out = engine.run_to_completion()
+    assert [out[str(i)] for i in range(len(prompts))] == expected
+    assert engine.kv.manager.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("num_blocks", [1024, 20])  # 20: preemption and chunked prefill
+def test_static_buffer_decode_equals_generate_on_cpu(num_blocks):
+    model = load_model(BUNDLED_MODEL, dtype=torch.float32)
+    for block in model.moe_blocks:  # the grouped experts (CUDA's default) are what graphs need
+        block.experts.grouped = True
+    engine = _engine(model, "cpu", capture=False, num_blocks=num_blocks)
+    _check_against_generate(model, engine)
+    runner = engine.runner
+    assert runner.num_graph_steps > 0 and runner.num_eager_steps > 0  # decodes and prefills
+
+
+def test_an_uncapturable_experts_operator_keeps_steps_eager():
+    model = load_model(BUNDLED_MODEL, dtype=torch.float32)
+    engine = _engine(model, "cpu", capture=False)
+    for block in model.moe_blocks:
+        block.experts.grouped = True
+    model.moe_blocks[1].experts.grouped = False  # the per-expert loop reads counts on the host
+    _check_against_generate(model, engine, seed=1)
+    assert engine.runner.num_graph_steps == 0
+
+
+def test_engine_builds_no_graphs_on_cpu_or_when_eager():
+    model = load_model(BUNDLED_MODEL, dtype=torch.float32)
+    assert _engine(model, "cpu", capture=None).runner.graphs is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_graph_replays_compute_the_eager_step():
+    """bf16 (where the grouped experts run): every replayed step's logits against the same
+    step run eagerly right after it (it rewrites the same KV values), rows padded or not."""
+    model = load_model(BUNDLED_MODEL, dtype=torch.bfloat16, device="cuda")
+    engine = _engine(model, "cuda", capture=None)
+    runner = engine.runner
+    assert runner.graphs is not None
+    replay, checked = runner._replay, []
+
+    def replay_and_compare(scheduled):
+        logits = replay(scheduled)
+        if logits is not None:
+            logits = logits.clone()
+            ids, step, rows = runner.prepare(scheduled)
+            eager = model.forward_paged(ids, step, rows).float()
+            rel = ((logits.float() - eager).norm() / eager.norm()).item()
+            same = (logits.float().argmax(-1) == eager.argmax(-1)).float().mean().item()
+            checked.append((len(scheduled), rel, same))
+        return logits
+
+    runner._replay = replay_and_compare
+    gen = torch.Generator().manual_seed(3)
+    for i, n in enumerate(PROMPT_LENS):
+        prompt = torch.randint(1, model.config.vocab_size, (n,), generator=gen).tolist()
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=MAX_TOKENS[i], ignore_eos=True))
+    engine.run_to_completion()
+    buckets = runner.graphs.buckets
+    assert checked and max(n for n, _, _ in checked) == 5
+    assert any(pick_bucket(n, buckets) > n for n, _, _ in checked)  # padded rows too
+    assert all(rel < 1e-2 and same >= 0.99 for _, rel, same in checked), checked
+    g = runner.graphs
+    assert g.num_replays == len(checked) and g.num_captures >= 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_graph_engine_equals_generate_and_falls_back_in_fp32():
+    """fp32 dense experts take the per-expert loop on CUDA (no grouped product): steps stay
+    eager and greedy outputs equal generate; enforce_eager builds no graphs at all."""
+    model = load_model(BUNDLED_MODEL, dtype=torch.float32, device="cuda")
+    assert _engine(model, "cuda", capture=None, enforce_eager=True).runner.graphs is None
+    engine = _engine(model, "cuda", capture=None)
+    _check_against_generate(model, engine, seed=2)
+    assert engine.runner.num_graph_steps == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_graph_recaptures_when_the_signature_changes():
+    model = load_model(BUNDLED_MODEL, dtype=torch.bfloat16, device="cuda")
+    engine = _engine(model, "cuda", capture=None)
+    _run(model, engine, seed=4)
+    before = engine.runner.graphs.num_captures
+    assert before >= 1
+    feed_calls = []
+    model.moe_blocks[0].observer = lambda layer, x, ids, w: feed_calls.append(layer)  # a new observer
+    try:
+        _run(model, engine, seed=5)
+    finally:
+        model.moe_blocks[0].observer = None
+    assert engine.runner.graphs.num_captures > before and feed_calls

@@ -1,0 +1,151 @@
+"""Paged decode attention in place (issue 12): the tile-offset contract of the KV cache, and
+the in-place path against plain attention on odd lengths, scattered blocks, sliding
+windows and released blocks; on CUDA the Triton kernel against the torch path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedweight.format.model_config import ModelConfig
+from pagedweight.memory.kv_cache import RELEASED, KVCacheConfig, PagedKVCache
+from pagedweight.model.paged_attention import SeqSlice, build_step, paged_attention
+from pagedweight_kernels.paged_decode import (
+    combine_splits, num_splits, paged_decode_torch, paged_decode_triton, triton_available)
+from tests.conftest import BUNDLED_MODEL
+from tests.model.test_paged_attention import plain_attention
+
+
+def _cache(block_size=4, num_blocks=40, dtype=torch.float32, device="cpu"):
+    config = ModelConfig.from_dir(BUNDLED_MODEL)
+    return config, PagedKVCache(config, KVCacheConfig(block_size=block_size), dtype, device, num_blocks=num_blocks)
+
+
+def test_tile_offsets_point_at_what_read_blocks_returns():
+    config, kv = _cache()
+    kv.flat.copy_(torch.randn(kv.flat.shape, generator=torch.Generator().manual_seed(3)))
+    tile = kv.block_size * kv.num_kv_heads * kv.head_dim
+    gen = torch.Generator().manual_seed(4)
+    for layer in range(config.num_layers):
+        table = torch.randint(0, 40, (3, 5), generator=gen)
+        k_off, v_off = kv.kv_tile_offsets(layer, table)
+        k, v = kv.read_blocks(layer, table.reshape(-1))
+        got_k = torch.stack([kv.flat[o: o + tile] for o in k_off.reshape(-1).tolist()])
+        got_v = torch.stack([kv.flat[o: o + tile] for o in v_off.reshape(-1).tolist()])
+        assert torch.equal(got_k, k.reshape(len(got_k), -1)) and torch.equal(got_v, v.reshape(len(got_v), -1))
+    # released / padding entries read block 0 (and are masked by the attention)
+    k_off, v_off = kv.kv_tile_offsets(1, torch.tensor([RELEASED, -5]))
+    assert torch.equal(k_off, kv.kv_tile_offsets(1, torch.tensor([0, 0]))[0])
+
+
+def _decode_history(kv, shapes, gen, window=None):
+    """Sequences with cached context and one new token each: (table, ctx, k, v, q)."""
+    config = ModelConfig.from_dir(BUNDLED_MODEL)
+    G, N, D = config.num_kv_heads, config.num_heads, config.head_dim
+    free = torch.randperm(kv.num_blocks, generator=gen).tolist()  # scattered blocks
+    history = []
+    for ctx in shapes:
+        table = [free.pop() for _ in range(-(-ctx // kv.block_size))]
+        k, v = torch.randn(ctx, G, D, generator=gen), torch.randn(ctx, G, D, generator=gen)
+        if ctx > 1:
+            old = build_step(kv, [SeqSlice(table, ctx - 1, ctx - 1)], "reference")
+            paged_attention(0, torch.zeros(ctx - 1, N, D), k[:-1], v[:-1], old)
+        history.append((table, ctx, k, v, torch.randn(1, N, D, generator=gen)))
+    return history
+
+
+@pytest.mark.parametrize("window", [None, 3, 6])
+def test_inplace_decode_matches_plain_attention(window):
+    gen = torch.Generator().manual_seed(5)
+    _, kv = _cache()
+    history = _decode_history(kv, [1, 9, 16, 17, 30, 5], gen)
+    step = build_step(kv, [SeqSlice(t, ctx, 1) for t, ctx, *_ in history], "inplace")
+    assert step.impl == "inplace"
+    q = torch.cat([h[4] for h in history])
+    out = paged_attention(0, q, torch.stack([h[2][-1] for h in history]),
+                          torch.stack([h[3][-1] for h in history]), step, window)
+    want = torch.cat([plain_attention(qi, k, v, ctx - 1, window) for _, ctx, k, v, qi in history])
+    assert (out - want).abs().max().item() < 1e-5
+
+
+def test_inplace_decode_ignores_released_blocks():
+    """A sliding-window sequence whose early blocks were given back (and reused by another
+    sequence with other values) attends as if they were still there: they are outside the
+    window, so nothing is read from them."""
+    gen = torch.Generator().manual_seed(6)
+    _, kv = _cache()
+    window = 5
+    (table, ctx, k, v, q), = _decode_history(kv, [23], gen)
+    released = [RELEASED if i < (ctx - window) // kv.block_size else b for i, b in enumerate(table)]
+    kv.flat[: kv.block_stride] = float("nan")  # block 0 (what released entries map to) poisoned
+    last = table[-1]  # and the last block's slots past the length (stale bytes in an arena)
+    kv.blocks[last, :, :, ctx % kv.block_size:] = float("nan")
+    for b in table[: (ctx - window) // kv.block_size]:
+        kv.blocks[b] = float("nan")  # the blocks given back now hold someone else's data
+    step = build_step(kv, [SeqSlice(released, ctx, 1)], "inplace")
+    out = paged_attention(0, q, k[-1:], v[-1:], step, window)
+    assert torch.isfinite(out).all()
+    assert (out - plain_attention(q, k, v, ctx - 1, window)).abs().max().item() < 1e-5
+
+
+def test_inplace_falls_back_to_batched_with_a_prefill_chunk():
+    _, kv = _cache()
+    step = build_step(kv, [SeqSlice([1, 2], 6, 3), SeqSlice([3], 2, 1)], "inplace")
+    assert step.impl == "batched"
+
+
+def test_torch_chunks_agree_and_splits_combine():
+    """Chunked online softmax equals one chunk; partials of disjoint key ranges combine to
+    the whole (the kernel's split merge)."""
+    gen = torch.Generator().manual_seed(8)
+    _, kv = _cache(num_blocks=60)
+    history = _decode_history(kv, [40, 3, 57], gen)
+    step = build_step(kv, [SeqSlice(t, ctx, 1) for t, ctx, *_ in history], "inplace")
+    q = torch.cat([h[4] for h in history])
+    k_off, v_off = kv.kv_tile_offsets(0, step.block_table)
+    args = (q, kv.flat, k_off, v_off, step.seq_context_lens, kv.block_size, kv.num_kv_heads)
+    one = paged_decode_torch(*args, block_table=step.block_table, chunk_blocks=1000)
+    many = paged_decode_torch(*args, block_table=step.block_table, chunk_blocks=1)
+    assert (one - many).abs().max().item() < 1e-5
+    m = torch.tensor([[[1.0, float("-inf")]]])
+    l_sum = torch.tensor([[[2.0, 0.0]]])
+    acc = torch.tensor([[[[4.0], [0.0]]]])
+    assert combine_splits(m, l_sum, acc).item() == 2.0
+    assert num_splits(1, 16, 2048) > 1 and num_splits(64, 16, 8) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and triton_available()), reason="needs CUDA and triton")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 37])
+@pytest.mark.parametrize("block_size,heads", [(16, (16, 16)), (16, (32, 8)), (4, (8, 2))])
+def test_triton_kernel_matches_torch_path(dtype, window, block_size, heads):
+    N, G = heads
+    D = 128 if block_size == 16 else 64
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    num_blocks = 600
+    flat = torch.randn(num_blocks * 2 * block_size * G * D * 2, device="cuda", generator=gen).to(dtype)
+    lens = [1, 17, 4099 if block_size == 16 else 333, 64, 5, 2000 if block_size == 16 else 100]
+    B = len(lens)
+    W = max(-(-n // block_size) for n in lens)
+    table = torch.full((B, W), -1, dtype=torch.int64)
+    perm = torch.randperm(num_blocks).tolist()
+    for b, n in enumerate(lens):
+        nb = -(-n // block_size)
+        table[b, :nb] = torch.tensor(perm[:nb]) if nb <= len(perm) else 0
+        perm = perm[nb:] or torch.randperm(num_blocks).tolist()
+    if window is not None:  # released blocks before the window of the long sequence
+        table[2, : max(0, (lens[2] - window) // block_size)] = -1
+    table = table.cuda()
+    stride = 2 * 2 * block_size * G * D  # two layers: read layer 1
+    tile = block_size * G * D
+    k_off = table.clamp_min(0) * stride + 2 * tile
+    v_off = k_off + tile
+    ctx = torch.tensor(lens, device="cuda")
+    q = torch.randn(B, N, D, device="cuda", generator=gen).to(dtype)
+    want = paged_decode_torch(q.float(), flat.float(), k_off, v_off, ctx, block_size, G, window, table)
+    for splits, tiles in ((None, 4), (1, 1), (7, 2), (3, 4)):
+        got = paged_decode_triton(q, flat, k_off, v_off, ctx, block_size, G, window, table, splits=splits,
+                                  tiles_per_iter=tiles)
+        err = ((got.float() - want).norm() / want.norm()).item()
+        assert torch.isfinite(got).all() and err < (1e-5 if dtype == torch.float32 else 1e-2), (splits, tiles, err)
