@@ -22,7 +22,7 @@ from pagedweight.format.apl_format import BIT_WIDTHS, MAX_BITS, pack_planes, unp
 from pagedweight.format.paged_model import LayerPlanes
 from pagedweight.offline.apl_quantizer import QuantizerConfig, dequantize_rows, quantize_rows
 
-DEFAULT_TILE_ELEMENTS = 1 << 25  # weights per k-means tile (~2.5 GB of temporaries)
+DEFAULT_TILE_ELEMENTS = 1 << 24  # weights per k-means tile (~1.5 GB of temporaries)
 
 
 @dataclass
