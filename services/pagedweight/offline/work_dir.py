@@ -69,9 +69,13 @@ class WorkDir:
             os.close(self._lock_fd)
             self._lock_fd = None
             raise UserError(f"--work-dir {self.path}: another quantize run is using it") from None
-        if self.restart:
-            self._clear()
-        self._read_manifest()
+        try:
+            if self.restart:
+                self._clear()
+            self._read_manifest()
+        except BaseException:
+            self.__exit__()  # a refused directory must not stay locked by this process
+            raise
         self.resumed_steps = len(self.steps)
         return self
 
