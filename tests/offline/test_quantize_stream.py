@@ -141,3 +141,27 @@ def test_cli_refuses_a_foreign_work_dir_in_one_line(tmp_path):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "unreadable work manifest" in lines[0] and "--restart" in lines[0], result.stderr
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("tile_elements", [64 * 32, 3 * 64 * 32, 16 * 32])  # groups, uneven groups, row ranges
+def test_tiled_quantisation_equals_one_pass(tile_elements):
+    """Tiles of whole experts, or row ranges of one expert (Mixtral-8x7B's experts exceed a
+    tile), give the planes and LUTs of quantising every row at once, and the same column
+    errors, plain and Gauss-Newton (from the stored planes)."""
+    from pagedweight.format.apl_format import BIT_WIDTHS
+    from pagedweight.offline.layer_quantize import gn_col_errors, quantize_experts, quantize_layer
+    from tests.offline.conftest import quick_config as qc
+
+    gen = torch.Generator().manual_seed(0)
+    E, R, C = 5, 64, 32
+    w = torch.randn(E, R, C, generator=gen)
+    h = torch.rand(E, C, generator=gen) + 0.1
+    g = torch.rand(E, R, generator=gen)
+    whole = quantize_layer(w, h, qc().quantizer, "cpu", g)
+    tiled = quantize_experts(w, h, qc().quantizer, "cpu", tile_elements)
+    gn = gn_col_errors(w, tiled.planes, g, "cpu", tile_elements)
+    assert torch.equal(tiled.planes.planes, whole.planes.planes)
+    for b in BIT_WIDTHS:
+        assert torch.equal(tiled.planes.luts[b], whole.planes.luts[b])
+        torch.testing.assert_close(tiled.col_errors[b], whole.col_errors[b], rtol=1e-5, atol=0)
+        torch.testing.assert_close(gn[b], whole.col_errors_gn[b], rtol=1e-5, atol=0)

@@ -46,7 +46,7 @@ from pagedweight.offline.apl_quantizer import QuantizerConfig
 from pagedweight.offline.artifact_scales import add_planner_scales
 from pagedweight.offline.calibrate import CalibConfig, CalibrationStats, read_chunks
 from pagedweight.offline.checkpoint_layers import CheckpointLayers
-from pagedweight.offline.layer_quantize import DEFAULT_TILE_ELEMENTS, LayerResult, quantize_layer  # noqa: F401
+from pagedweight.offline.layer_quantize import DEFAULT_TILE_ELEMENTS, LayerResult, quantize_layer  # noqa: F401 - re-exported
 from pagedweight.offline.progress import ProgressBar
 from pagedweight.offline.quantize_tables import artifact_meta, fit_heads
 from pagedweight.offline.residual_heads import ResidualConfig
