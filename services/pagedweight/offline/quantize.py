@@ -113,7 +113,8 @@ def quantize_model(model_dir: str | Path, out_dir: str | Path, calib_files: list
         with WorkDir(work_path, fingerprint, restart) as work:
             if work.resumed_steps:
                 log(f"resuming from {work.path}: {work.resumed_steps} steps already done")
-            log(f"streaming {layers.config.num_layers} layers in {layers.dtype} on {layers.device}, "
+            log(f"calibrating and quantising {layers.config.num_layers} layers one at a time in "
+                f"{str(layers.dtype).removeprefix('torch.')} on {layers.device}, "
                 f"{len(chunks)} calibration chunks of {config.calib.seq_len} tokens")
             run = StreamRun(layers, work, config, torch.tensor(chunks), domains, config.tile_elements)
             run_steps(run, progress)
