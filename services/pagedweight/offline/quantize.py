@@ -124,7 +124,7 @@ def quantize_model(model_dir: str | Path, out_dir: str | Path, calib_files: list
         if temporary:
             shutil.rmtree(work_path, ignore_errors=True)
         raise
-    WorkDir.remove(work)
+    work.remove()  # the artifact is whole: nothing left to resume
     if config.scale_tokens > 0:
         log(f"measuring the planner's loss scales ({2 * layers.config.num_layers} groups)")
         scales_started = time.perf_counter()
