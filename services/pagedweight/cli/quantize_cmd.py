@@ -33,7 +33,15 @@ def register(subparsers) -> None:
     parser.add_argument("--scale-tokens", type=int, default=default_of(QuantizeConfig, "scale_tokens"),
                         help="calibration tokens per file for the planner's loss scales (0: skip them; "
                              "the planner then ranks by raw sensitivity)")
-    parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    parser.add_argument("--dtype", default=default_of(QuantizeConfig, "dtype"),
+                        choices=["auto", "float32", "bfloat16", "float16"],
+                        help="compute dtype of the streamed layers (auto: the checkpoint's on cuda, float32 on cpu)")
+    parser.add_argument("--work-dir", default=None,
+                        help="per-layer results, so an interrupted run resumes where it stopped "
+                             "(default: .NAME.quantize-work beside --out; removed when the artifact is written)")
+    parser.add_argument("--restart", action="store_true",
+                        help="discard what --work-dir holds instead of resuming from it")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar or lines on stderr")
     parser.add_argument("--force", action="store_true",
                         help="replace a non-empty --out (only once the new artifact is complete)")
     parser.set_defaults(handler=run_quantize)
@@ -71,9 +79,13 @@ def run_quantize(args) -> int:
     calib = CalibConfig(seq_len=args.seq_len, max_tokens_per_file=args.calib_tokens)
     log = (lambda msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
     config = QuantizeConfig(calib=calib, device=str(device), keep_bf16=args.keep_bf16,
-                            scale_tokens=args.scale_tokens,
+                            scale_tokens=args.scale_tokens, dtype=args.dtype,
                             calib_text_name=USER_NAME if args.calib else BUNDLED_NAME)
+    work_dir = Path(args.work_dir) if args.work_dir else out.parent / f".{out.name}.quantize-work"
+    if work_dir.resolve() == model or work_dir.resolve().is_relative_to(model):
+        raise UserError("--work-dir must be outside --model")
     with atomic_output_dir(out, args.force) as tmp:
-        quantize_model(args.model, tmp, files, config, log)
+        quantize_model(args.model, tmp, files, config, log, work_dir=work_dir, restart=args.restart,
+                       progress=None if args.quiet else sys.stderr)
     print(args.out)
     return 0

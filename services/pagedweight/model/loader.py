@@ -180,21 +180,21 @@ def load_model(
 
     def fill(name: str, param: torch.Tensor) -> None:
         if name.endswith("experts.gate_up") or name.endswith("experts.down"):
-            return  # stored per expert in the checkpoint: _load_experts below
+            return  # stored per expert in the checkpoint: load_experts below
         param.copy_(reader.get(checkpoint_key(config, name), tuple(param.shape)).to(dtype))
 
     # the headers first: a config that disagrees with its tensors (or asks for far more than
     # the files hold) fails before anything is allocated
     model = materialize(config, fill, dtype, device,
                         check=lambda shapes: reader.check_header(
-                            config, expected_shapes(config, shapes, _fused_layers(reader, config))))
+                            config, expected_shapes(config, shapes, fused_layers(reader, config))))
     with torch.no_grad():
         for layer_idx, block in enumerate(model.moe_blocks):
-            _load_experts(reader, config, layer_idx, block.experts, dtype)
+            load_experts(reader, config, layer_idx, block.experts, dtype)
     return model
 
 
-def _fused_layers(reader: CheckpointReader, config: ModelConfig) -> frozenset[int]:
+def fused_layers(reader: CheckpointReader, config: ModelConfig) -> frozenset[int]:
     """The layers whose experts the checkpoint stores fused."""
     return frozenset(l for l in range(config.num_layers) if fused_expert_keys(config, l)["gate_up"] in reader)
 
@@ -219,7 +219,7 @@ def expected_shapes(config: ModelConfig, param_shapes: dict[str, tuple[int, ...]
     return shapes
 
 
-def _load_experts(reader: CheckpointReader, config: ModelConfig, layer: int, experts, dtype):
+def load_experts(reader: CheckpointReader, config: ModelConfig, layer: int, experts, dtype):
     H, I, E = config.hidden_size, config.expert_intermediate_size, config.num_experts
     fused = fused_expert_keys(config, layer)
     if fused["gate_up"] in reader:

@@ -41,21 +41,47 @@ class DecoderLayer(nn.Module):
         return x + self.moe(self.post_attention_layernorm(x))
 
 
+def decoder_layer_class(config: ModelConfig) -> type[nn.Module]:
+    return Gemma4DecoderLayer if config.is_gemma4 else DecoderLayer
+
+
+def rotaries_for(config: ModelConfig) -> dict:
+    """One RoPE per distinct (head_dim, theta, rotated pairs): Gemma-4's sliding and full
+    layers have their own; cos/sin are computed once per forward for each."""
+    keys = sorted({rope_key(config, i) for i in range(config.num_layers)})
+    return {key: RotaryEmbedding(*key) for key in keys}
+
+
+def rope_tables(rotaries: dict, positions: torch.Tensor, dtype: torch.dtype) -> dict:
+    """rope_key -> (cos, sin) for `positions`: what every decoder layer's forward takes."""
+    return {key: rotary.cos_sin(positions, dtype) for key, rotary in rotaries.items()}
+
+
+def embed_scale_for(config: ModelConfig) -> float | None:
+    """Gemma-4 scales embeddings by sqrt(H), rounded to the weights' dtype as transformers does."""
+    return config.hidden_size ** 0.5 if config.is_gemma4 else None
+
+
+def scale_embeddings(x: torch.Tensor, embed_scale: float | None) -> torch.Tensor:
+    return x if embed_scale is None else x * torch.tensor(embed_scale, dtype=x.dtype)
+
+
+def soft_cap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """Final logit softcapping (Gemma-4): cap * tanh(logits / cap); None leaves them."""
+    return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
 class MoECausalLM(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        layer_class = Gemma4DecoderLayer if config.is_gemma4 else DecoderLayer
+        layer_class = decoder_layer_class(config)
         self.layers = nn.ModuleList(layer_class(config, i) for i in range(config.num_layers))
         self.norm = norm_for(config, config.hidden_size)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        # one RoPE per distinct (head_dim, theta, rotated pairs): Gemma-4's sliding and full
-        # layers have their own; cos/sin are computed once per forward for each
-        keys = sorted({rope_key(config, i) for i in range(config.num_layers)})
-        self.rotaries = {key: RotaryEmbedding(*key) for key in keys}
-        # Gemma-4 scales embeddings by sqrt(H), rounded to the weights' dtype as transformers does
-        self.embed_scale = config.hidden_size ** 0.5 if config.is_gemma4 else None
+        self.rotaries = rotaries_for(config)
+        self.embed_scale = embed_scale_for(config)
 
     @property
     def moe_blocks(self) -> list[SparseMoeBlock]:
@@ -70,20 +96,13 @@ class MoECausalLM(nn.Module):
         return self.embed_tokens.weight.dtype
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        if self.embed_scale is not None:
-            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
-        return x
+        return scale_embeddings(self.embed_tokens(input_ids), self.embed_scale)
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> dict:
-        return {key: rotary.cos_sin(positions, dtype) for key, rotary in self.rotaries.items()}
+        return rope_tables(self.rotaries, positions, dtype)
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(self.norm(x))
-        cap = self.config.final_logit_softcapping
-        if cap is not None:
-            logits = torch.tanh(logits / cap) * cap
-        return logits
+        return soft_cap(self.lm_head(self.norm(x)), self.config.final_logit_softcapping)
 
     def forward(
         self,

@@ -78,7 +78,9 @@ class RecordingExperts(nn.Module):
     """Computes dense experts like `DenseExperts` and records their input statistics.
 
     Before each forward the calibrator sets `chunk_of_token` ([T] chunk index of every
-    flattened token); statistics go to that chunk's row of the accumulators.
+    flattened token); statistics go to that chunk's row of the accumulators. Left None,
+    no input statistics are recorded (the streaming quantiser's backward pass recomputes
+    a layer's forward only for its output gradients).
     """
 
     def __init__(self, dense, layer: int, stats: CalibrationStats):
@@ -93,7 +95,8 @@ class RecordingExperts(nn.Module):
             pre = F.linear(xe, self.dense.gate_up[e])
             gate, up = pre.chunk(2, dim=-1)
             act = gated(gate, up, self.dense.activation)
-            self._record(e, tokens, xe.detach(), act.detach(), w.detach())
+            if self.chunk_of_token is not None:  # None: a backward-only pass (quantize.py)
+                self._record(e, tokens, xe.detach(), act.detach(), w.detach())
             y = F.linear(act, self.dense.down[e]) * w[:, None]
             if y.requires_grad and self.stats.grad_sq_gate_up is not None:
                 pre.register_hook(self._grad_recorder(self.stats.grad_sq_gate_up, e))

@@ -1,43 +1,58 @@
-"""`pagedweight quantize`: checkpoint directory -> paged model directory.
+"""`pagedweight quantize`: checkpoint directory -> paged model directory, one decoder layer
+at a time.
 
-Phases:
-1. calibrate: run the calibration text through the dense model and collect, per chunk
-   and per expert block, input statistics and routing (calibrate.py);
-2. quantise: per layer and module, all experts' rows at once, with the block's
-   smoothed Hessian diagonal as k-means weights (apl_quantizer.py), then pack planes;
-3. sensitivity: S_i(b) from the Hessians and per-column errors (sensitivity.py), and
-   per chunk for the residual heads (residual_heads.py);
-4. save the directory (paged_model.py); no bf16 copy of the routed experts unless
+The model is never built whole: one layer is read from the safetensors files onto the
+device in the compute dtype (the checkpoint's on an accelerator), every calibration batch
+passes through it, and it is dropped; hidden states between layers live on the host, in
+the work directory (work_dir.py), which also makes the run resumable. Phases:
+1. embed, then forward layer by layer (stream_passes.py): each layer's expert input
+   statistics and routing (calibrate.RecordingExperts), its smoothed Hessian diagonals,
+   its experts quantised with them as k-means weights (layer_quantize.py, apl_quantizer.py)
+   and its per-chunk sensitivities for the residual heads;
+2. with gradients (the default), the loss, then backward layer by layer from the last,
+   recomputing each layer's forward: the output Fisher G per expert row and the
+   Gauss-Newton column errors from the planes phase 1 wrote;
+3. the tables (quantize_tables.py): sensitivity S_i(b), S_gn_i(b), residual heads; the
+   directory is saved (paged_model.py); no bf16 copy of the routed experts unless
    `keep_bf16` (the source checkpoint has them: model/source_experts.py);
-5. the planner's loss scales: one KL measurement per (layer, module) group on the
-   calibration files, recorded in the artifact for every sensitivity table
-   (artifact_scales.py), so `plan`, `eval` and the runtime rank in loss units by default.
-Shared experts and every non-expert weight are copied in bf16, unquantised.
+4. the planner's loss scales: one KL measurement per (layer, module) group on the
+   calibration files (artifact_scales.py), so `plan`, `eval` and the runtime rank in loss
+   units by default. This phase still runs the whole paged model (fp32 on `device`).
+Shared experts and every non-expert weight are copied in bf16, unquantised. Peak device
+and host memory are logged and recorded under the artifact's "quantizer" section. The
+result equals the whole-model quantiser's (quantize_in_memory.py) when both compute in
+fp32: the same batches meet the same operations, only one layer at a time.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import resource
+import shutil
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, TextIO
 
 import torch
 
-from pagedweight.common.errors import UserError
-from pagedweight.offline.artifact_scales import add_planner_scales
-from pagedweight.offline.apl_quantizer import QuantizerConfig, dequantize_rows, quantize_rows
-from pagedweight.offline.calib_text import calib_text_record
-from pagedweight.offline.calibrate import (
-    CalibConfig, CalibrationStats, block_hessians, calibrate, output_fisher, read_chunks,
-    routing_summary, smoothed_hessians,
-)
-from pagedweight.offline.residual_heads import ResidualConfig, fit_residual_heads, routing_features
-from pagedweight.offline.sensitivity import check_monotone, sensitivity_matrix, sensitivity_table
-from pagedweight.model import load_model
-from pagedweight.frontend.tokenizer import Tokenizer
-from pagedweight.format.apl_format import BIT_WIDTHS, MODULES, BlockId, pack_planes
+from pagedweight.format.apl_format import BIT_WIDTHS, MODULES
+from pagedweight.format.paged_meta import META_FILE, read_meta
 from pagedweight.format.paged_model import LayerPlanes, all_block_ids, save_paged_model
+from pagedweight.frontend.tokenizer import Tokenizer
+from pagedweight.offline.apl_quantizer import QuantizerConfig
+from pagedweight.offline.artifact_scales import add_planner_scales
+from pagedweight.offline.calibrate import CalibConfig, CalibrationStats, read_chunks
+from pagedweight.offline.checkpoint_layers import CheckpointLayers
+from pagedweight.offline.layer_quantize import DEFAULT_TILE_ELEMENTS, LayerResult, quantize_layer  # noqa: F401 - re-exported
+from pagedweight.offline.progress import ProgressBar
+from pagedweight.offline.quantize_tables import artifact_meta, fit_heads
+from pagedweight.offline.residual_heads import ResidualConfig
+from pagedweight.offline.sensitivity import sensitivity_table
+from pagedweight.offline.stream_passes import StreamRun, backward_step, embed_step, forward_step, loss_step
+from pagedweight.offline.work_dir import WorkDir, file_sha256
 
 
 @dataclass(frozen=True)
@@ -45,134 +60,159 @@ class QuantizeConfig:
     calib: CalibConfig = field(default_factory=CalibConfig)
     quantizer: QuantizerConfig = field(default_factory=QuantizerConfig)
     residual: ResidualConfig = field(default_factory=ResidualConfig)
-    device: str = "cpu"  # where calibration and k-means run (cuda works too)
+    device: str = "cpu"  # where the layers, calibration and k-means run (cuda works too)
     keep_bf16: bool = False  # also store the original experts in bf16 (the source has them)
     scale_tokens: int = 256  # calibration tokens per file for the planner's loss scales (0: skip)
     calib_text_name: str = "user"  # what the calibration text was ("bundled:v1": the package's own)
+    # compute dtype of the layers: "auto" is the checkpoint's on an accelerator, fp32 on
+    # the CPU (checkpoint_layers.py); "float32", "bfloat16", "float16" force one
+    dtype: str = "auto"
+    tile_elements: int = DEFAULT_TILE_ELEMENTS  # weights per k-means tile (bounds device memory)
 
 
-@dataclass
-class LayerResult:
-    planes: LayerPlanes
-    col_errors: dict[int, torch.Tensor]  # bits -> [E, C]
-    col_errors_gn: dict[int, torch.Tensor] | None  # bits -> [E, C], rows weighted by G
+def run_fingerprint(model_dir: Path, calib_files: list[Path], config: QuantizeConfig, dtype: torch.dtype) -> dict:
+    """What a resumed run must share with the run that wrote the work directory."""
+    settings = asdict(config)
+    for name in ("keep_bf16", "scale_tokens", "calib_text_name"):  # only the final assembly reads these
+        settings.pop(name)
+    return {
+        "model": str(model_dir.resolve()),
+        "model_files": {p.name: {"bytes": p.stat().st_size, "mtime_ns": p.stat().st_mtime_ns}
+                        for p in sorted(model_dir.iterdir()) if p.suffix in (".safetensors", ".json")},
+        "calib_files": [{"path": str(Path(f).resolve()), "sha256": file_sha256(Path(f))} for f in calib_files],
+        "settings": settings,
+        "compute_dtype": str(dtype).removeprefix("torch."),
+    }
 
 
-def quantize_layer(w: torch.Tensor, h: torch.Tensor, config: QuantizerConfig, device: str,
-                   g: torch.Tensor | None = None) -> LayerResult:
-    """w [E, R, C] (one module of every expert of a layer), h [E, C] -> planes, LUTs, errors.
-
-    g [E, R] (output Fisher per row) weights rows in `col_errors_gn`; it cannot change a
-    row's own k-means (a constant factor per row), only how rows add up.
-    """
-    E, R, C = w.shape
-    # k-means over a NaN or infinite weight or importance gives NaN centroids for the whole
-    # row: stop here rather than write an artifact every later run would trust
-    for name, t in (("weights", w), ("input Hessian", h)) + ((("output Fisher", g),) if g is not None else ()):
-        if not bool(torch.isfinite(t).all()):
-            raise UserError(f"quantiser input {name} [{tuple(t.shape)}] holds NaN or infinite values")
-    rows = w.to(device, torch.float32).reshape(E * R, C)
-    importance = h.to(device, torch.float32)[:, None, :].expand(E, R, C).reshape(E * R, C)
-    q = quantize_rows(rows, importance, config)
-    planes = pack_planes(q.codes).view(8, E, R, C // 8).permute(1, 0, 2, 3).contiguous()
-    # bits -> [E, C]: per expert, sum over its rows of the squared error per column
-    sq = {b: ((rows - dequantize_rows(q, b)) ** 2).view(E, R, C) for b in BIT_WIDTHS}
-    errors = {b: e.sum(1).cpu() for b, e in sq.items()}
-    errors_gn = None
-    if g is not None:
-        g = g.to(device, torch.float32)[:, :, None]
-        errors_gn = {b: (e * g).sum(1).cpu() for b, e in sq.items()}
-    luts = {b: lut.view(E, R, 1 << b).cpu() for b, lut in q.luts.items()}
-    return LayerResult(LayerPlanes(planes.cpu(), luts), errors, errors_gn)
+def peak_memory(device: torch.device) -> dict:
+    """Peak bytes so far: the device allocator's (CUDA) and this process's resident set."""
+    host = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    dev = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    return {"peak_device_bytes": dev, "peak_host_bytes": host}
 
 
 def quantize_model(model_dir: str | Path, out_dir: str | Path, calib_files: list[Path],
                    config: QuantizeConfig = QuantizeConfig(),
-                   log: Callable[[str], None] = lambda msg: None) -> Path:
+                   log: Callable[[str], None] = lambda msg: None,
+                   work_dir: str | Path | None = None, restart: bool = False,
+                   progress: TextIO | None = None) -> Path:
+    """Quantise into `out_dir`. With `work_dir`, a run interrupted earlier resumes from it
+    (and it is removed once the artifact is written); without, a temporary one is used.
+    `progress`: a stream for the progress bar (the CLI passes stderr)."""
     started = time.perf_counter()
-    model = load_model(model_dir, dtype=torch.float32, device=config.device)
-    cfg = model.config
+    model_dir = Path(model_dir)
+    layers = CheckpointLayers(model_dir, config.device, config.dtype)
+    if layers.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(layers.device)
     chunks, domains = read_chunks(Tokenizer(model_dir), calib_files, config.calib)
-    log(f"calibrating on {len(chunks)} chunks of {config.calib.seq_len} tokens")
-    stats = calibrate(model, chunks, domains, config.calib, files=[str(f) for f in calib_files])
-    calib_seconds = time.perf_counter() - started
-    h = dict(zip(MODULES, block_hessians(stats, config.calib)))  # module -> [L, E, C]
-    fisher = output_fisher(stats, config.calib)
-    g = dict(zip(MODULES, fisher)) if fisher else None  # module -> [L, E, rows]
-
-    apl, col_errors, col_errors_gn = {}, {}, {}
-    for layer, block in enumerate(model.moe_blocks):
-        log(f"quantising layer {layer + 1}/{cfg.num_layers}")
-        for module in MODULES:
-            w = getattr(block.experts, module).detach()  # on config.device
-            result = quantize_layer(w, h[module][layer], config.quantizer, config.device,
-                                    g[module][layer] if g else None)
-            apl[(layer, module)], col_errors[(layer, module)] = result.planes, result.col_errors
-            col_errors_gn[(layer, module)] = result.col_errors_gn
-    quant_seconds = time.perf_counter() - started - calib_seconds
-
-    sens = sensitivity_table(h, col_errors, cfg.num_layers)
-    heads, heads_report = fit_heads(stats, col_errors, sens, all_block_ids(cfg), config)
-    meta = {
-        "calibration": {**routing_summary(stats, config.calib)["coverage"],
-                        "files": stats.files, "num_tokens": stats.num_tokens,
-                        "text": calib_text_record(calib_files, config.calib_text_name),
-                        "num_chunks": stats.num_chunks, "seq_len": stats.num_tokens_per_chunk,
-                        "hessian": "mean squared input per column over routed tokens, smoothed",
-                        "config": asdict(config.calib)},
-        "routing": routing_summary(stats, config.calib),
-        "sensitivity": {b.key(): {str(bits): s for bits, s in row.items()} for b, row in sens.items()},
-        "sensitivity_non_monotone": check_monotone({b.key(): row for b, row in sens.items()}),
-        **gauss_newton_meta(h, col_errors_gn, cfg.num_layers, g is not None),
-        "quantizer": {"config": asdict(config.quantizer), "device": config.device,
-                      "calibration_seconds": calib_seconds, "quantization_seconds": quant_seconds},
-        "residual_heads": heads_report,
-    }
-    dense = {k: v.cpu() for k, v in model.state_dict().items() if ".experts." not in k}
-    bf16 = {(l, m): getattr(b.experts, m).detach().cpu() for l, b in enumerate(model.moe_blocks)
-            for m in MODULES} if config.keep_bf16 else None
-    hessians = {(l, m): h[m][l] for l in range(cfg.num_layers) for m in MODULES}
-    if g:
-        hessians.update({(l, f"{m}.grad_sq"): g[m][l] for l in range(cfg.num_layers) for m in MODULES})
-    del model
-    out = save_paged_model(out_dir, model_dir, cfg, dense, apl, bf16, meta, heads.to_tensors(), hessians)
+    fingerprint = run_fingerprint(model_dir, calib_files, config, layers.dtype)
+    temporary = work_dir is None
+    work_path = Path(tempfile.mkdtemp(prefix="pagedweight-quantize-")) if temporary else Path(work_dir)
+    try:
+        with WorkDir(work_path, fingerprint, restart) as work:
+            if work.resumed_steps:
+                log(f"resuming from {work.path}: {work.resumed_steps} steps already done")
+            log(f"calibrating and quantising {layers.config.num_layers} layers one at a time in "
+                f"{str(layers.dtype).removeprefix('torch.')} on {layers.device}, "
+                f"{len(chunks)} calibration chunks of {config.calib.seq_len} tokens")
+            run = StreamRun(layers, work, config, torch.tensor(chunks), domains, config.tile_elements)
+            run_steps(run, progress)
+            stream_peak = peak_memory(layers.device)
+            out = write_artifact(run, out_dir, model_dir, calib_files, started, stream_peak)
+    except BaseException:
+        if temporary:
+            shutil.rmtree(work_path, ignore_errors=True)
+        raise
+    work.remove()  # the artifact is whole: nothing left to resume
     if config.scale_tokens > 0:
-        log(f"measuring the planner's loss scales ({2 * cfg.num_layers} groups)")
+        log(f"measuring the planner's loss scales ({2 * layers.config.num_layers} groups)")
         scales_started = time.perf_counter()
         add_planner_scales(out, calib_files, config.scale_tokens, config.device)
         log(f"loss scales in {time.perf_counter() - scales_started:.1f} s")
-    log(f"wrote {out} in {time.perf_counter() - started:.1f} s")
+    peak = record_peaks(out, layers.device)
+    gib = lambda b: f"{b / 2**30:.2f} GiB" if b is not None else "n/a"  # noqa: E731
+    log(f"wrote {out} in {time.perf_counter() - started:.1f} s; peak device memory "
+        f"{gib(peak['peak_device_bytes'])}, peak host memory {gib(peak['peak_host_bytes'])}")
     return out
 
 
-def gauss_newton_meta(h, col_errors_gn, num_layers: int, present: bool) -> dict:
-    """The `sensitivity_gn` section: S_gn_i(b) = sum G[r] h[c] (w - Q_b)^2 (calibrate.py)."""
-    if not present:
-        return {}
-    table = sensitivity_table(h, col_errors_gn, num_layers)
-    return {"sensitivity_gn": {b.key(): {str(bits): s for bits, s in row.items()} for b, row in table.items()}}
+def run_steps(run: StreamRun, stream: TextIO | None) -> None:
+    """Every step not yet done, in order, with the progress bar."""
+    L, E = run.layers.config.num_layers, run.layers.config.num_experts
+    gradients = run.config.calib.gradients
+    steps = [("embed", "embedding", embed_step, (), 0)]
+    steps += [(f"forward{l}", f"forward layer {l + 1}/{L}", forward_step, (l,), E * len(MODULES)) for l in range(L)]
+    if gradients:
+        steps += [("loss", "loss", loss_step, (), 0)]
+        steps += [(f"backward{l}", f"backward layer {l + 1}/{L}", backward_step, (l,), 0)
+                  for l in reversed(range(L))]
+    bar = ProgressBar(len(steps), L * E * len(MODULES), stream)
+    for name, label, step, args, blocks in steps:
+        if run.work.done(name):
+            bar.skip(blocks)
+            continue
+        step(run, *args)
+        bar.advance(label, blocks)
 
 
-def chunk_sensitivities(stats: CalibrationStats, col_errors, config: CalibConfig) -> torch.Tensor:
-    """S_i^chunk(b) [N, B, nb] with each chunk's own smoothed Hessian (block order: all_block_ids)."""
-    counts = stats.token_counts
-    h_chunk = {"gate_up": smoothed_hessians(stats.sum_sq_gate_up, counts, config.prior_tokens, True),
-               "down": smoothed_hessians(stats.sum_sq_down, counts, config.prior_tokens, False)}
-    L, E = counts.shape[1], counts.shape[2]
-    out = torch.empty(stats.num_chunks, L, E, len(MODULES), len(BIT_WIDTHS), dtype=torch.float64)
-    for layer in range(L):
-        for mi, module in enumerate(MODULES):
-            for e in range(E):
-                errs = {b: col_errors[(layer, module)][b][e] for b in BIT_WIDTHS}
-                out[:, layer, e, mi] = sensitivity_matrix(h_chunk[module][:, layer, e], errs)
-    return out.reshape(stats.num_chunks, L * E * len(MODULES), len(BIT_WIDTHS))
+def write_artifact(run: StreamRun, out_dir, model_dir: Path, calib_files, started: float, peak: dict) -> Path:
+    """Gather every layer's results from the work directory and save the paged model."""
+    cfg, config, work = run.layers.config, run.config, run.work
+    L, gradients = cfg.num_layers, config.calib.gradients
+    apl, col_errors, col_errors_gn = {}, {}, {}
+    h = {m: [] for m in MODULES}
+    g = {m: [] for m in MODULES}
+    chunk_s, counts, mass = [], [], []
+    for l in range(L):
+        stored = work.load(f"layer{l}")
+        gn = work.load(f"gn{l}") if gradients else None
+        for m in MODULES:
+            apl[(l, m)] = LayerPlanes(stored[f"planes.{m}"], {b: stored[f"lut{b}.{m}"] for b in BIT_WIDTHS})
+            col_errors[(l, m)] = {b: stored[f"err{b}.{m}"] for b in BIT_WIDTHS}
+            col_errors_gn[(l, m)] = {b: gn[f"errgn{b}.{m}"] for b in BIT_WIDTHS} if gn else None
+            h[m].append(stored[f"h.{m}"])
+            if gn:
+                g[m].append(gn[f"g.{m}"])
+        chunk_s.append(stored["chunk_s"])
+        counts.append(stored["token_counts"])
+        mass.append(stored["routing_mass"])
+    h = {m: torch.stack(v) for m, v in h.items()}  # module -> [L, E, C]
+    N = run.chunks.shape[0]
+    token_counts = torch.stack(counts, 1)  # [N, L, E]
+    stats = CalibrationStats(run.domains, torch.empty(0), torch.empty(0), token_counts, torch.stack(mass, 1),
+                             run.chunks.shape[1], files=[str(f) for f in calib_files])
+    sens = sensitivity_table(h, col_errors, L)
+    heads, heads_report = fit_heads(torch.stack(chunk_s, 1).reshape(N, -1, len(BIT_WIDTHS)), sens,
+                                    all_block_ids(cfg), token_counts, run.domains, config)
+    elapsed = time.perf_counter() - started
+    quantizer = {
+        "calibration_seconds": run.seconds["forward"] + run.seconds["loss"] + run.seconds["backward"],
+        "quantization_seconds": run.seconds["quantize"],
+        "streaming": {"compute_dtype": str(run.layers.dtype).removeprefix("torch."),
+                      "checkpoint_dtype": str(run.layers.checkpoint_dtype).removeprefix("torch."),
+                      "steps_resumed": work.resumed_steps, "seconds": dict(run.seconds),
+                      "seconds_total": elapsed, "tile_elements": run.tile_elements, **peak},
+    }
+    meta = artifact_meta(stats, calib_files, config, h, col_errors, col_errors_gn, L, gradients,
+                         heads_report, quantizer)
+    dense = run.layers.dense_state()
+    bf16 = {(l, m): w for l in range(L) for m, w in run.layers.expert_weights(l).items()} \
+        if config.keep_bf16 else None
+    hessians = {(l, m): h[m][l] for l in range(L) for m in MODULES}
+    if gradients:
+        hessians.update({(l, f"{m}.grad_sq"): g[m][l] for l in range(L) for m in MODULES})
+    return save_paged_model(out_dir, model_dir, cfg, dense, apl, bf16, meta, heads.to_tensors(), hessians)
 
 
-def fit_heads(stats, col_errors, sens, ids: list[BlockId], config: QuantizeConfig):
-    """Per-chunk log corrections of S against routing features -> ridge heads + R^2 report."""
-    chunk_s = chunk_sensitivities(stats, col_errors, config.calib)
-    global_s = torch.tensor([[sens[b][bits] for bits in BIT_WIDTHS] for b in ids], dtype=torch.float64)
-    targets = torch.log(chunk_s.clamp_min(1e-30) / global_s.clamp_min(1e-30)).mean(-1)  # [N, B]
-    features = routing_features(stats.token_counts)
-    return fit_residual_heads(features, targets, stats.chunk_domains, config.residual)
+def record_peaks(out: Path, device: torch.device) -> dict:
+    """The whole run's peaks (loss scales included) into paged_model.json's quantizer section."""
+    peak = peak_memory(device)
+    meta = read_meta(out)
+    meta["quantizer"]["peak_device_bytes"] = peak["peak_device_bytes"]
+    meta["quantizer"]["peak_host_bytes"] = peak["peak_host_bytes"]
+    tmp = out / (META_FILE + ".tmp")
+    tmp.write_text(json.dumps(meta, indent=1))
+    os.replace(tmp, out / META_FILE)
+    return peak
 

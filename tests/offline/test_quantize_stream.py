@@ -1,0 +1,170 @@
+"""The streaming quantiser (the default `quantize`) against the whole-model one it replaced
+(quantize_in_memory.py, unchanged): same planes and LUTs bit for bit, the same Hessians,
+output Fisher, sensitivity tables and residual heads within float tolerance, on every
+shared model and on the Qwen3-MoE and OLMoE families; and a run interrupted mid-way
+resumes from its work directory to the same artifact, refusing a directory from another
+run or one whose files changed."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from pagedweight.common.errors import UserError
+from pagedweight.format.paged_model import load_paged_model
+from pagedweight.offline.quantize import quantize_model
+from pagedweight.offline.quantize_in_memory import quantize_model_in_memory
+from tests.conftest import BUNDLED_MODEL, REPO_ROOT, shared_model_dirs
+from tests.model.families import PIPELINE_FAMILIES, reference_model, write_checkpoint
+from tests.offline.conftest import quick_config
+
+RTOL = 1e-5
+
+
+def config():
+    # the loss scales are one shared phase run on the written artifact by both paths; few
+    # k-means iterations keep the tiny models' runs short (the same code runs either way)
+    quick = quick_config()
+    return dataclasses.replace(quick, scale_tokens=0,
+                               quantizer=dataclasses.replace(quick.quantizer, seed_iters=6, split_iters=2))
+
+
+def assert_same_artifact(a_dir, b_dir) -> None:
+    a, b = load_paged_model(a_dir, with_bf16=False), load_paged_model(b_dir, with_bf16=False)
+    assert a.apl.keys() == b.apl.keys()
+    for key in a.apl:
+        assert torch.equal(a.apl[key].planes, b.apl[key].planes), key
+        for bits in a.apl[key].luts:
+            assert torch.equal(a.apl[key].luts[bits], b.apl[key].luts[bits]), (key, bits)
+    assert a.hessians.keys() == b.hessians.keys() and any(m.endswith(".grad_sq") for _, m in a.hessians)
+    for key in a.hessians:
+        torch.testing.assert_close(b.hessians[key], a.hessians[key], rtol=RTOL, atol=0, msg=str(key))
+    for table in ("sensitivity", "sensitivity_gn"):
+        assert a.meta[table].keys() == b.meta[table].keys()
+        for block, row in a.meta[table].items():
+            for bits, value in row.items():
+                assert b.meta[table][block][bits] == pytest.approx(value, rel=RTOL, abs=1e-30), (table, block, bits)
+    for name, tensor in a.residual_heads.items():
+        torch.testing.assert_close(b.residual_heads[name], tensor, rtol=1e-4, atol=1e-6, msg=name)
+    assert a.dense_state.keys() == b.dense_state.keys()
+    for name, tensor in a.dense_state.items():
+        assert torch.equal(b.dense_state[name], tensor), name
+    for section in ("routing", "calibration", "sensitivity_non_monotone"):
+        assert a.meta[section] == b.meta[section], section
+    assert a.meta["residual_heads"]["ridge_lambda"] == b.meta["residual_heads"]["ridge_lambda"]
+
+
+def checkpoints():
+    return [pytest.param(path, id=path.name) for path in shared_model_dirs()] + \
+        [pytest.param(family, id=family) for family in PIPELINE_FAMILIES]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("source", checkpoints())
+def test_streaming_equals_the_whole_model_quantiser(source, tmp_path, calib_files):
+    if isinstance(source, str):  # a family: transformers' model with random weights, in bf16
+        source = write_checkpoint(reference_model(source).to(torch.bfloat16), tmp_path / "ckpt", "per_expert")
+    whole = quantize_model_in_memory(source, tmp_path / "whole", calib_files, config())
+    streamed = quantize_model(source, tmp_path / "streamed", calib_files, config())
+    assert_same_artifact(whole, streamed)
+    record = json.loads((streamed / "paged_model.json").read_text())["quantizer"]
+    assert record["streaming"]["compute_dtype"] == "float32" and record["peak_host_bytes"] > 0
+
+
+class StopAfter(io.StringIO):
+    """A progress stream that interrupts the run after `steps` completed steps."""
+
+    def __init__(self, steps: int):
+        super().__init__()
+        self.steps = steps
+
+    def write(self, text: str) -> int:
+        if " steps | " in text:
+            self.steps -= 1
+            if self.steps < 0:
+                raise KeyboardInterrupt
+        return super().write(text)
+
+
+def test_an_interrupted_run_resumes_to_the_same_artifact(tmp_path, calib_files):
+    reference = quantize_model(BUNDLED_MODEL, tmp_path / "reference", calib_files, config())
+    work = tmp_path / "work"
+    # micro-mixtral has 4 layers: embed, forward x4, loss, backward x4; stop inside the backward
+    with pytest.raises(KeyboardInterrupt):
+        quantize_model(BUNDLED_MODEL, tmp_path / "first", calib_files, config(), work_dir=work,
+                       progress=StopAfter(7))
+    manifest = json.loads((work / "manifest.json").read_text())
+    assert manifest["steps"][:7] == ["embed", "forward0", "forward1", "forward2", "forward3", "loss", "backward3"]
+
+    # another run's settings: refused, the work directory left as it was
+    other = dataclasses.replace(config(), quantizer=dataclasses.replace(config().quantizer, seed_iters=3))
+    with pytest.raises(UserError, match="settings"):
+        quantize_model(BUNDLED_MODEL, tmp_path / "other", calib_files, other, work_dir=work)
+
+    progress = io.StringIO()
+    resumed = quantize_model(BUNDLED_MODEL, tmp_path / "second", calib_files, config(), work_dir=work,
+                             progress=progress)
+    assert_same_artifact(reference, resumed)
+    record = json.loads((resumed / "paged_model.json").read_text())["quantizer"]["streaming"]
+    assert record["steps_resumed"] == len(manifest["steps"]) >= 7
+    assert progress.getvalue().count(" steps | ") == 10 - record["steps_resumed"]
+    assert "ETA" in progress.getvalue() and "blocks 64/64" in progress.getvalue()
+    assert not work.exists()  # removed once the artifact is written
+
+
+def test_a_changed_work_file_is_refused_and_restart_discards_it(tmp_path, calib_files):
+    work = tmp_path / "work"
+    with pytest.raises(KeyboardInterrupt):
+        quantize_model(BUNDLED_MODEL, tmp_path / "first", calib_files, config(), work_dir=work,
+                       progress=StopAfter(3))
+    layer = work / "layer0.safetensors"
+    layer.write_bytes(layer.read_bytes()[:-8] + b"\0" * 8)
+    with pytest.raises(UserError, match="layer0.safetensors: missing, truncated or changed"):
+        quantize_model(BUNDLED_MODEL, tmp_path / "second", calib_files, config(), work_dir=work)
+    out = quantize_model(BUNDLED_MODEL, tmp_path / "third", calib_files, config(), work_dir=work, restart=True)
+    assert json.loads((out / "paged_model.json").read_text())["quantizer"]["streaming"]["steps_resumed"] == 0
+
+
+def test_cli_refuses_a_foreign_work_dir_in_one_line(tmp_path):
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "manifest.json").write_text("{not json")
+    result = subprocess.run(
+        [sys.executable, "-m", "pagedweight.cli.main", "quantize", "--model", str(BUNDLED_MODEL),
+         "--out", str(tmp_path / "out"), "--work-dir", str(work), "--calib-tokens", "256", "--seq-len", "64",
+         "--scale-tokens", "0"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "unreadable work manifest" in lines[0] and "--restart" in lines[0], result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("tile_elements", [64 * 32, 3 * 64 * 32, 16 * 32])  # groups, uneven groups, row ranges
+def test_tiled_quantisation_equals_one_pass(tile_elements):
+    """Tiles of whole experts, or row ranges of one expert (Mixtral-8x7B's experts exceed a
+    tile), give the planes and LUTs of quantising every row at once, and the same column
+    errors, plain and Gauss-Newton (from the stored planes)."""
+    from pagedweight.format.apl_format import BIT_WIDTHS
+    from pagedweight.offline.layer_quantize import gn_col_errors, quantize_experts, quantize_layer
+    from tests.offline.conftest import quick_config as qc
+
+    gen = torch.Generator().manual_seed(0)
+    E, R, C = 5, 64, 32
+    w = torch.randn(E, R, C, generator=gen)
+    h = torch.rand(E, C, generator=gen) + 0.1
+    g = torch.rand(E, R, generator=gen)
+    whole = quantize_layer(w, h, qc().quantizer, "cpu", g)
+    tiled = quantize_experts(w, h, qc().quantizer, "cpu", tile_elements)
+    gn = gn_col_errors(w, tiled.planes, g, "cpu", tile_elements)
+    assert torch.equal(tiled.planes.planes, whole.planes.planes)
+    for b in BIT_WIDTHS:
+        assert torch.equal(tiled.planes.luts[b], whole.planes.luts[b])
+        torch.testing.assert_close(tiled.col_errors[b], whole.col_errors[b], rtol=1e-5, atol=0)
+        torch.testing.assert_close(gn[b], whole.col_errors_gn[b], rtol=1e-5, atol=0)
