@@ -253,9 +253,12 @@ def test_a_code_heavy_mix_keeps_bits_on_the_experts_code_routes_to(paged_dir, te
     code_gap = weighted_mean(code_bits, table, code_mask) - weighted_mean(code_bits, table, ~code_mask)
     prose_gap = weighted_mean(prose_bits, table, code_mask) - weighted_mean(prose_bits, table, ~code_mask)
     assert code_gap > prose_gap, (code_gap, prose_gap)
-    # the residual is part of it: the same traffic without it gives another plan
+    # and it is the residual that does it: the same traffic planned on routing alone (a few
+    # hundred prompt tokens hardly move the moving average) keeps fewer bits there
     no_residual_bits, _, _ = bits_under(paged_dir, texts, CODE_HEAVY, prompt_residuals=False)
-    assert not np.array_equal(code_bits, no_residual_bits)
+    no_residual_gap = weighted_mean(no_residual_bits, table, code_mask) - weighted_mean(no_residual_bits, table,
+                                                                                         ~code_mask)
+    assert code_gap > no_residual_gap, (code_gap, no_residual_gap)
 
 
 def test_the_planner_service_plans_with_the_same_prompt_residuals(paged_dir, texts, tmp_path):
