@@ -40,7 +40,9 @@ class PromptRoutingRecorder:
         self.device = torch.device(device)
         self._in_flight: dict[int, Sequence] = {}  # seq_id -> a request with recorded prompt tokens
         self._step: list[tuple[Sequence, int]] = []  # this step's prompts: (sequence, prompt end routed)
-        self._rows: torch.Tensor | None = None  # [T] row -> slot*E on the device (None: no prompt rows)
+        self._rows: torch.Tensor | None = None  # [T] (then [T*k]) row -> slot*E on the device (None: no prompt rows)
+        self._num_rows = 0  # T, the step's rows
+        self._ones: torch.Tensor | None = None  # [T*k] ones, made at the step's first layer
         self._counts: torch.Tensor | None = None  # [L, (slots + 1) * E], the last slot takes other rows
         self._next: dict[int, Callable] = {}  # the observers this one was chained in front of
 
@@ -72,6 +74,7 @@ class PromptRoutingRecorder:
         for slot, (a, b) in enumerate(spans):
             slot_of_row[a:b] = slot
         self._rows = torch.from_numpy(slot_of_row * self.num_experts).to(self.device)
+        self._num_rows, self._ones = offset, None
         self._counts = torch.zeros(self.num_layers, (slots + 1) * self.num_experts, device=self.device)
 
     def __call__(self, layer: int, x, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
@@ -80,11 +83,12 @@ class PromptRoutingRecorder:
             following(layer, x, topk_ids, topk_weights)
         if self._rows is None:
             return
-        if topk_ids.shape[0] != self._rows.shape[0]:
-            raise RuntimeError(f"prompt routing: {topk_ids.shape[0]} routed rows, the step has {self._rows.shape[0]}")
-        k = topk_ids.shape[1]
-        index = self._rows.repeat_interleave(k) + topk_ids.reshape(-1)
-        self._counts[layer].index_add_(0, index, torch.ones(index.shape[0], device=self.device))
+        if topk_ids.shape[0] != self._num_rows:
+            raise RuntimeError(f"prompt routing: {topk_ids.shape[0]} routed rows, the step has {self._num_rows}")
+        if self._ones is None:  # once per step: each row's slot k times, and the increments
+            self._rows = self._rows.repeat_interleave(topk_ids.shape[1])
+            self._ones = torch.ones(self._rows.shape[0], device=self.device)
+        self._counts[layer].index_add_(0, self._rows + topk_ids.reshape(-1), self._ones)
 
     def end_step(self) -> None:
         """Add the step's counts to each prompt's own (after the forward)."""
@@ -97,7 +101,7 @@ class PromptRoutingRecorder:
             seq.prompt_counts += counts[:, slot]
             seq.num_prompt_tokens_routed = end
             self._in_flight[seq.seq_id] = seq
-        self._rows = self._counts = None
+        self._rows = self._counts = self._ones = None
         self._step = []
         self._drop_finished()
 

@@ -6,7 +6,7 @@ the engine's thread, between forward steps.
 
 The planner sits behind the `BitPlanner` protocol (bit_planner.py): the pager sends a
 `PlanRequest` (KV pressure, the bits it is heading for, the routing snapshot since the
-last request) and applies the `PlanResponse` whenever `poll` returns it: at once for an
+last request, the prompts in flight) and applies the `PlanResponse` whenever `poll` returns it: at once for an
 in-process planner, at a later step boundary for a remote one. One request is in flight
 at a time; while it is, the bytes it asks for count as pending.
 
