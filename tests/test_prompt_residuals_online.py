@@ -276,3 +276,34 @@ def test_the_planner_service_plans_with_the_same_prompt_residuals(paged_dir, tex
     no_residual_bits, _, _ = bits_under(paged_dir, texts, CODE_HEAVY, prompt_residuals=False, scales="raw")
     assert np.array_equal(remote_bits, local_bits)
     assert not np.array_equal(remote_bits, no_residual_bits)
+
+
+@pytest.mark.parametrize("corrupt,words", [  # (NaN is refused by the format's own file check)
+    (lambda t: t.update(weight=t["weight"][:, :-1], feature_mean=t["feature_mean"][:-1],
+                        feature_std=t["feature_std"][:-1]), "features"),
+])
+def test_untrusted_heads_are_refused_at_start_not_at_the_first_plan(paged_dir, tmp_path, corrupt, words):
+    """Heads that would break a plan mid-serving (features of another model) stop the
+    worker at start with one clear error."""
+    import hashlib
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from pagedweight.common.errors import CheckpointError
+    from pagedweight.format.paged_meta import HEADS_FILE, META_FILE
+
+    copy = tmp_path / "paged"
+    shutil.copytree(paged_dir, copy)
+    tensors = load_file(str(copy / HEADS_FILE))
+    corrupt(tensors)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(copy / HEADS_FILE))
+    # a consistent artifact (its file record updated), so the heads' own check must catch it
+    meta = json.loads((copy / META_FILE).read_text())
+    data = (copy / HEADS_FILE).read_bytes()
+    meta["files"][HEADS_FILE] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (copy / META_FILE).write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match=words):
+        runtime_for(copy)
+    runtime_for(copy, prompt_residuals=False).close()  # the heads are not read when off

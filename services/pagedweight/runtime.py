@@ -218,7 +218,8 @@ def _prompt_mix(paged, config: RuntimeConfig, table: PageTable, model: MoECausal
         return None
     keys = [b["key"] for b in paged.meta["blocks"]]  # the heads' block order
     try:
-        residual_of = HeadsInBlockOrder(heads, keys, [bid.key() for bid in table.entries])
+        residual_of = HeadsInBlockOrder(heads, keys, [bid.key() for bid in table.entries],
+                                        paged.config.num_layers * paged.config.num_experts)
     except ValueError as err:
         from pagedweight.common.errors import CheckpointError
 

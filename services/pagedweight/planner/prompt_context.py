@@ -75,13 +75,18 @@ class HeadsInBlockOrder:
     """The artifact's residual heads with their outputs in another block order (a worker's
     registration order): routing [L, E] (counts or fractions) -> [N] predicted log(S_prompt / S)."""
 
-    def __init__(self, heads: ResidualPredictor, head_block_keys: list[str], block_keys: list[str]):
+    def __init__(self, heads: ResidualPredictor, head_block_keys: list[str], block_keys: list[str],
+                 num_features: int | None = None):
+        """`num_features`: L * E of the model, checked against the heads' (None: not checked)."""
         row = {key: i for i, key in enumerate(head_block_keys)}
         missing = [key for key in block_keys if key not in row]
         if missing or len(head_block_keys) != len(heads.bias):
             raise ValueError(f"residual heads do not cover the blocks (first missing: "
                              f"{missing[0] if missing else None}; {len(heads.bias)} heads for "
                              f"{len(head_block_keys)} keys)")
+        if num_features is not None and heads.weight.shape[1] != num_features:
+            raise ValueError(f"residual heads take {heads.weight.shape[1]} features, the model's routing "
+                             f"has {num_features} (layers x experts)")
         self.heads = heads
         self.rows = np.array([row[key] for key in block_keys], dtype=np.int64)
 
