@@ -13,7 +13,10 @@
 5. a policy name from the planner library makes the weights move with the load (a
    `WeightPager` over a `BitPlanner`, here the in-process one, registered with the page
    table's block bytes, the artifact's sensitivity and its calibration routing; live
-   routing reaches it as snapshots from a `RoutingFeed`); `static-B` pins every block at B bits.
+   routing reaches it as snapshots from a `RoutingFeed`); `static-B` pins every block at B bits;
+6. with the artifact's residual heads, each request's prefill routing is recorded
+   (engine/prompt_routing.py) and every plan request carries the prompts in flight, their
+   residual predicted by the heads in the page table's block order (`prompt_residuals`).
 """
 
 from __future__ import annotations
@@ -53,6 +56,9 @@ class RuntimeConfig:
     # loss scales for the policy: None = the artifact's (quantize measures them), "raw" = none,
     # else a file from `pagedweight plan-scales`
     scales_file: str | None = None
+    # feed the prompts in flight through the artifact's residual heads into every plan
+    # (the planner's third signal); off: the planner sees routing only (an ablation)
+    prompt_residuals: bool = True
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self):
@@ -80,6 +86,7 @@ class WorkerRuntime:
     mover: PageMover
     pager: object | None  # WeightPager, None for a static policy
     routing_feed: object | None = None  # RoutingFeed into the policy (the worker forwards its windows)
+    prompt_routing: object | None = None  # PromptRoutingRecorder: the prompts in flight (None: off)
 
     def close(self) -> None:
         self.mover.close()
@@ -125,23 +132,26 @@ def build_runtime_from_paged(paged, config: RuntimeConfig, eos_token_ids=()) -> 
              format_sizing(startup_sizing(paged, config, num_dense_params, dense, workspace)))
     arena = Arena.from_pool(pool, config.page_bytes, device)
     table = PageTable({bid: paged.block(bid) for bid in paged.block_ids}, arena)
-    planner = feed = None
+    planner = feed = prompts = None
     if config.static_bits is None:
         planner, feed = _policy_planner(paged, config, table, model)
+        prompts = _prompt_mix(paged, config, table, model)
     table.set_desired_bits(_starting_bits(config, paged.config, table, arena, planner))
     mover = PageMover(table)
     mover.load_all()
     for layer, moe in enumerate(model.moe_blocks):
         moe.experts = ArenaExperts(table, layer, paged.config.num_experts, activation=paged.config.expert_activation)
+    recorder, residual_of = prompts or (None, None)
     pager = None
     if planner is not None:
         from pagedweight.weights.weight_pager import WeightPager
 
         block = kv_block_bytes(paged.config, config.engine.kv.block_size, config.dtype)
-        pager = WeightPager(mover, planner, kv_block_bytes=block, routing=feed.snapshot)
+        pager = WeightPager(mover, planner, kv_block_bytes=block, routing=feed.snapshot,
+                            prompts=(lambda: recorder.mix(residual_of)) if recorder is not None else None)
     engine = Engine(model, config.engine, arena=arena, pager=pager, eos_token_ids=eos_token_ids,
-                    max_kv_blocks=_max_kv_blocks(config, paged.config, table, arena))
-    return WorkerRuntime(engine, pool, arena, table, mover, pager, feed)
+                    max_kv_blocks=_max_kv_blocks(config, paged.config, table, arena), prompt_routing=recorder)
+    return WorkerRuntime(engine, pool, arena, table, mover, pager, feed, recorder)
 
 
 def startup_sizing(paged, config: RuntimeConfig, num_dense_params: int, dense: int, workspace: int) -> dict:
@@ -192,6 +202,31 @@ def _policy_planner(paged, config: RuntimeConfig, table: PageTable, model: MoECa
     feed = RoutingFeed(t.num_layers, t.num_experts, model.device)
     feed.install(model)
     return planner, feed
+
+
+def _prompt_mix(paged, config: RuntimeConfig, table: PageTable, model: MoECausalLM):
+    """(recorder of each prompt's routing, the residual heads in page-table order), or None
+    when off or the artifact has no heads (then plans see routing only, as before)."""
+    from pathlib import Path
+
+    from pagedweight.engine.prompt_routing import PromptRoutingRecorder
+    from pagedweight.planner.artifact import load_heads
+    from pagedweight.planner.prompt_context import HeadsInBlockOrder
+
+    heads = load_heads(Path(paged.path), paged.meta) if config.prompt_residuals and paged.path else None
+    if heads is None:
+        return None
+    keys = [b["key"] for b in paged.meta["blocks"]]  # the heads' block order
+    try:
+        residual_of = HeadsInBlockOrder(heads, keys, [bid.key() for bid in table.entries],
+                                        paged.config.num_layers * paged.config.num_experts)
+    except ValueError as err:
+        from pagedweight.common.errors import CheckpointError
+
+        raise CheckpointError(f"{paged.path}: {err}") from None
+    recorder = PromptRoutingRecorder(paged.config.num_layers, paged.config.num_experts, model.device)
+    recorder.install(model)  # after the routing feed: both see every step
+    return recorder, residual_of
 
 
 def _starting_bits(config: RuntimeConfig, model_config: ModelConfig, table: PageTable, arena: Arena, planner):

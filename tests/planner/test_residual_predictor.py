@@ -38,3 +38,14 @@ def test_inconsistent_head_shapes_are_refused():
     with pytest.raises(ValueError, match="inconsistent head shapes"):
         ResidualPredictor.from_arrays({"weight": np.zeros((5, 8)), "bias": np.zeros(4),
                                        "feature_mean": np.zeros(8), "feature_std": np.ones(8)})
+
+
+def test_non_finite_heads_are_refused():
+    """The planner reads heads without the worker's file checks (`pagedweight plan`)."""
+    good = {"weight": np.zeros((4, 6)), "bias": np.zeros(4), "feature_mean": np.zeros(6), "feature_std": np.ones(6)}
+    ResidualPredictor.from_arrays(good)
+    for name, value in (("weight", np.nan), ("bias", np.inf), ("feature_std", 0.0)):
+        bad = {k: v.copy() for k, v in good.items()}
+        bad[name][0] = value
+        with pytest.raises(ValueError, match="finite"):
+            ResidualPredictor.from_arrays(bad)

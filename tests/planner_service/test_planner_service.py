@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry
 
 from pagedweight.common.metrics import PlannerServiceMetrics, WorkerMetrics
 from pagedweight.format.blocks import BIT_WIDTHS, BlockId
-from pagedweight.planner.messages import KVPressure, PlannerRegistration, PlanRequest
+from pagedweight.planner.messages import KVPressure, PlannerRegistration, PlanRequest, PromptMix
 from pagedweight.planner_service.server import PlannerServicer
 from pagedweight.rpc import planner_messages, planner_pb2, planner_pb2_grpc
 from pagedweight.weights.in_process_planner import InProcessPlanner
@@ -112,6 +112,59 @@ def _routing(port, servicer):
     hot = np.mean([v for k, v in new.items() if ".E0." in k])
     cold = np.mean([v for k, v in new.items() if ".E0." not in k])
     assert hot > cold
+
+
+def test_prompt_residuals_reach_the_services_plan():
+    """The prompts in flight say expert 1's blocks are far more sensitive: they keep more
+    bits than in the same plan without prompts, and a request without prompts clears it."""
+    servicer, _ = new_service()
+    with_server(servicer, lambda port: _prompts(port, servicer))
+
+
+def _prompts(port, servicer):
+    stub, reg = stub_for(port), registration()
+    reply = stub.Register(register_request("w1", reg))
+    bits = np.full(len(reg.block_keys), 8)
+    residual = np.array([2.0 if ".E1." in key else 0.0 for key in reg.block_keys])
+    routing = np.full((L, E), 1.0 / E)
+
+    def plan(prompts):
+        request = PlanRequest(1, KVPressure(bytes_needed=20000), bits, None, prompts)
+        message = planner_messages.request_to_proto(request, reg, "w1", reply.registration_id)
+        return {**dict(zip(reg.block_keys, bits.tolist())), **stub.Plan(message).changes}
+
+    with_prompts = plan(PromptMix(routing, residual, 3, 120))
+    np.testing.assert_array_equal(servicer.workers["w1"].planner.context.residual, residual)
+    without = plan(None)
+    assert servicer.workers["w1"].planner.context.residual is None  # the prompts left
+    mean = lambda plan_bits, hot: np.mean([v for k, v in plan_bits.items() if (".E1." in k) == hot])  # noqa: E731
+    assert mean(with_prompts, True) - mean(with_prompts, False) > mean(without, True) - mean(without, False)
+
+
+def test_prompt_mix_round_trips_and_bad_mixes_are_refused():
+    reg = registration()
+    residual = np.linspace(-1, 1, len(reg.block_keys))
+    routing = np.full((L, E), 1.0 / E)
+    request = PlanRequest(7, KVPressure(bytes_free=10), np.full(len(reg.block_keys), 4), None,
+                          PromptMix(routing, residual, 2, 50))
+    message = planner_messages.request_to_proto(request, reg, "w", "r")
+    back = planner_messages.request_from_proto(message, reg, 7).prompts
+    np.testing.assert_array_equal(back.residual, residual)
+    np.testing.assert_array_equal(back.routing, routing)
+    assert (back.num_prompts, back.num_tokens) == (2, 50)
+    assert planner_messages.request_from_proto(
+        planner_messages.request_to_proto(PlanRequest(8, KVPressure(bytes_free=10), request.bits), reg, "w", "r"),
+        reg, 8).prompts is None
+    for change, words in ((lambda m: m.prompt_residual.pop(), "one per block"),
+                          (lambda m: setattr(m, "num_prompts", 0), "num_prompts 0"),
+                          (lambda m: m.prompt_residual.__setitem__(0, float("nan")), "finite"),
+                          (lambda m: m.prompt_routing.values.__setitem__(0, -1.0), "non-negative"),
+                          (lambda m: m.prompt_routing.values.pop(), "prompt_routing")):
+        bad = planner_pb2.PlanRequest()
+        bad.CopyFrom(message)
+        change(bad)
+        with pytest.raises(ValueError, match=words):
+            planner_messages.request_from_proto(bad, reg, 9)
 
 
 def test_bad_requests_are_refused_with_clear_codes():

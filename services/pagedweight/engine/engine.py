@@ -85,6 +85,7 @@ class Engine:
         pager=None,  # the weight pager / memory controller (None: weights never move)
         max_kv_blocks: int | None = None,  # with an arena: the most KV blocks it could ever give
         eos_token_ids=(),  # EOS ids beyond the model config's (e.g. the tokenizer's)
+        prompt_routing=None,  # PromptRoutingRecorder: each prompt's routing for the planner (None: off)
     ):
         if not isinstance(config, (EngineConfig, type(None))):
             raise TypeError("Engine(model, config, ...): the engine takes no tokenizer any more")
@@ -105,6 +106,7 @@ class Engine:
                 and self.config.attention_impl in ("auto", "inplace")):
             graphs = DecodeGraphs(model, self.kv, self.config.scheduler.max_num_seqs)
         self.runner = ModelRunner(model, self.kv, self.config.attention_impl, self.eos_ids, graphs)
+        self.prompt_routing = prompt_routing
         self._seq_ids = itertools.count()
         self.num_steps = self.num_finished = self.num_output_tokens = 0
 
@@ -161,7 +163,11 @@ class Engine:
         plan = self.scheduler.schedule()
         outputs = []
         if plan.scheduled:
+            if self.prompt_routing is not None:
+                self.prompt_routing.begin_step(plan.scheduled)
             token_ids = self.runner.run(plan.scheduled)
+            if self.prompt_routing is not None:
+                self.prompt_routing.end_step()
             outputs = self._update(plan.scheduled, token_ids)
         self.broker.step_boundary(len(self.scheduler.waiting), self.scheduler.blocks_needed_next_step())
         self.num_steps += 1

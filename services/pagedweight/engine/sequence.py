@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from pagedweight.engine.sampler import SamplingParams
@@ -39,6 +40,9 @@ class Sequence:
     arrival_time: float = field(default_factory=time.monotonic)  # added to the engine
     first_scheduled_time: float | None = None  # first left WAITING (not reset by preemption)
     queue_time_reported: bool = False  # the first output carried queue_time_s
+    # the prompt's routing as prefilled (engine/prompt_routing.py; None: not recorded)
+    prompt_counts: np.ndarray | None = None  # float64 [L, E]: top-k selections of its prompt tokens
+    num_prompt_tokens_routed: int = 0  # prompt tokens counted (a recompute after preemption is not)
 
     @property
     def num_tokens(self) -> int:

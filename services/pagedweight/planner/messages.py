@@ -13,7 +13,9 @@ The exchange:
    calibration routing prior.
 2. `PlanRequest` at a step boundary where the KV cache is short of bytes or has bytes
    to spare: the routing seen since the previous request, the KV pressure, the bits the
-   worker is heading for, and optionally the running prompts' routing (prompt features).
+   worker is heading for, and the prompts in flight (`PromptMix`: their routing and the
+   residual heads' prediction for them; None when none is in flight or the worker has no
+   heads).
 3. `PlanResponse`, possibly at a later boundary: the new bits of the blocks that change,
    with the bytes they free or take and the predicted damage. The worker applies it
    when it arrives; a response to an older request is still valid as a direction (a
@@ -86,12 +88,38 @@ class KVPressure:
 
 
 @dataclass(frozen=True)
+class PromptMix:
+    """The prompts in flight when a request is made: the planner's third signal.
+
+    Each prompt's routing (per layer, the fraction of its prefill's top-k selections each
+    expert got) is weighted by the tokens its request still has to run, so a request near
+    its end counts little and a finished one not at all. The residual heads are affine in
+    these features, so `residual` (the heads on the weighted mean) is also the weighted
+    mean of each prompt's own predicted residual."""
+
+    routing: np.ndarray  # float64 [L, E]: weighted mean routing fractions (each row sums to 1)
+    residual: np.ndarray | None  # float64 [N]: predicted log(S_prompt / S), registration order
+    num_prompts: int  # prompts in the mix
+    num_tokens: int  # the weights' sum: tokens the prompts' requests still run
+
+    def __post_init__(self):
+        if self.num_prompts < 1 or self.num_tokens < 1:
+            raise ValueError(f"a prompt mix needs >= 1 prompt and token, got {self.num_prompts} and {self.num_tokens}")
+        if np.ndim(self.routing) != 2 or not np.all(np.isfinite(self.routing)) or np.any(self.routing < 0):
+            raise ValueError("prompt mix routing must be a finite, non-negative [L, E] array")
+        if self.residual is not None and (np.ndim(self.residual) != 1 or not np.all(np.isfinite(self.residual))):
+            raise ValueError("prompt mix residual must be a finite [N] array")
+
+
+@dataclass(frozen=True)
 class PlanRequest:
     request_id: int
     pressure: KVPressure
     bits: np.ndarray  # int64 [N]: the bits the worker is heading for (committed, or pending moves' targets)
     routing: RoutingSnapshot | None = None  # routing since the previous request (None: none recorded)
-    prompt_routing: np.ndarray | None = None  # [L, E] top-k counts of the running prompts (prompt features)
+    # the prompts in flight now (None: none, or no residual heads): every request carries the
+    # current mix, so prompts that left drop out of the planner's context with the next one
+    prompts: PromptMix | None = None
 
 
 @dataclass(frozen=True)

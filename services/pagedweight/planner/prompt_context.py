@@ -9,6 +9,10 @@ those counts:
 - the prompt features (per-layer routing fractions, residual_predictor.routing_features)
   go through the artifact's ridge heads: the predicted log(S_prompt / S) per block.
 Both land in a `PlanContext`, the policies' one input about traffic.
+
+Online (the worker), the routing moving average is fed by every step's routing anyway;
+the prompts in flight reach the planner as a `PromptMix` in each `PlanRequest`, its
+residual computed by `HeadsInBlockOrder` (the heads, rows in the worker's block order).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import numpy as np
 from pagedweight.planner.artifact import PagedPlannerInputs
 from pagedweight.planner.config import PlannerConfig
 from pagedweight.planner.policies import PlanContext
-from pagedweight.planner.residual_predictor import routing_features
+from pagedweight.planner.residual_predictor import ResidualPredictor, routing_features
 from pagedweight.planner.routing_stats import RoutingStats
 
 
@@ -63,6 +67,28 @@ def prompt_context(recorder: PromptRouting, inputs: PagedPlannerInputs,
 
 def predict_residual(counts: np.ndarray, inputs: PagedPlannerInputs) -> np.ndarray:
     """[N] predicted log(S_prompt / S) per block, in the table's block order."""
-    predicted = inputs.heads.predict(routing_features(counts))
-    by_key = dict(zip(inputs.head_block_keys, predicted))
-    return np.array([by_key[b.key()] for b in inputs.table.block_ids], dtype=np.float64)
+    heads = HeadsInBlockOrder(inputs.heads, inputs.head_block_keys, [b.key() for b in inputs.table.block_ids])
+    return heads(counts)
+
+
+class HeadsInBlockOrder:
+    """The artifact's residual heads with their outputs in another block order (a worker's
+    registration order): routing [L, E] (counts or fractions) -> [N] predicted log(S_prompt / S)."""
+
+    def __init__(self, heads: ResidualPredictor, head_block_keys: list[str], block_keys: list[str],
+                 num_features: int | None = None):
+        """`num_features`: L * E of the model, checked against the heads' (None: not checked)."""
+        row = {key: i for i, key in enumerate(head_block_keys)}
+        missing = [key for key in block_keys if key not in row]
+        if missing or len(head_block_keys) != len(heads.bias):
+            raise ValueError(f"residual heads do not cover the blocks (first missing: "
+                             f"{missing[0] if missing else None}; {len(heads.bias)} heads for "
+                             f"{len(head_block_keys)} keys)")
+        if num_features is not None and heads.weight.shape[1] != num_features:
+            raise ValueError(f"residual heads take {heads.weight.shape[1]} features, the model's routing "
+                             f"has {num_features} (layers x experts)")
+        self.heads = heads
+        self.rows = np.array([row[key] for key in block_keys], dtype=np.int64)
+
+    def __call__(self, routing: np.ndarray) -> np.ndarray:
+        return self.heads.predict(routing_features(routing))[self.rows]

@@ -47,6 +47,9 @@ class ResidualPredictor:
         if weight.ndim != 2 or bias.shape != weight.shape[:1] or mean.shape != std.shape != weight.shape[1:]:
             raise ValueError(f"inconsistent head shapes: weight {weight.shape}, bias {bias.shape}, "
                              f"feature mean {mean.shape}, std {std.shape}")
+        if not all(np.all(np.isfinite(a)) for a in (weight, bias, mean, std)) or np.any(std <= 0):
+            # the file is untrusted input: a NaN here would reach every plan the worker makes
+            raise ValueError("head arrays must be finite, with feature std > 0")
         return cls(weight, bias, mean, std)
 
     @classmethod

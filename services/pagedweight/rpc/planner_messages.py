@@ -13,7 +13,7 @@ import numpy as np
 
 from pagedweight.format.blocks import BIT_WIDTHS, BlockId
 from pagedweight.planner.messages import (
-    FREE, KVPressure, PlannerRegistration, PlanRequest, PlanResponse, RoutingSnapshot,
+    FREE, KVPressure, PlannerRegistration, PlanRequest, PlanResponse, PromptMix, RoutingSnapshot,
 )
 from pagedweight.rpc import planner_pb2
 
@@ -75,8 +75,12 @@ def request_to_proto(request: PlanRequest, reg: PlannerRegistration, worker_id: 
         msg.routing.CopyFrom(planner_pb2.RoutingWindow(counts=np.ravel(r.counts).tolist(),
                                                        mass=np.ravel(r.mass).tolist(),
                                                        num_tokens=[int(x) for x in r.num_tokens]))
-    if request.prompt_routing is not None:
-        msg.prompt_routing.CopyFrom(_array(request.prompt_routing))
+    mix = request.prompts
+    if mix is not None:
+        msg.prompt_routing.CopyFrom(_array(mix.routing))
+        msg.num_prompts, msg.prompt_tokens = mix.num_prompts, mix.num_tokens
+        if mix.residual is not None:
+            msg.prompt_residual.extend(np.asarray(mix.residual, dtype=np.float64).tolist())
     return msg
 
 
@@ -105,8 +109,25 @@ def request_from_proto(msg: planner_pb2.PlanRequest, reg: PlannerRegistration, r
         routing = RoutingSnapshot(np.asarray(w.counts, dtype=np.float64).reshape(L, E),
                                   np.asarray(w.mass, dtype=np.float64).reshape(L, E),
                                   np.asarray(w.num_tokens, dtype=np.int64))
-    prompt = _matrix(msg.prompt_routing, L, E, "prompt_routing")
-    return PlanRequest(request_id, pressure, bits, routing, prompt)
+    return PlanRequest(request_id, pressure, bits, routing, _prompt_mix(msg, reg))
+
+
+def _prompt_mix(msg: planner_pb2.PlanRequest, reg: PlannerRegistration) -> PromptMix | None:
+    """The request's prompts in flight; ValueError for a mix that does not fit the table."""
+    routing = _matrix(msg.prompt_routing, reg.num_layers, reg.num_experts, "prompt_routing")
+    if msg.num_prompts == 0:
+        if routing is not None or msg.prompt_residual:
+            raise ValueError("prompt_routing / prompt_residual sent with num_prompts 0")
+        return None
+    if routing is None:
+        raise ValueError(f"num_prompts {msg.num_prompts} without prompt_routing")
+    residual = None
+    if msg.prompt_residual:
+        if len(msg.prompt_residual) != len(reg.block_keys):
+            raise ValueError(f"prompt_residual: expected {len(reg.block_keys)} values (one per block), "
+                             f"got {len(msg.prompt_residual)}")
+        residual = np.asarray(msg.prompt_residual, dtype=np.float64)
+    return PromptMix(routing, residual, msg.num_prompts, msg.prompt_tokens)
 
 
 # ---- plan response ----------------------------------------------------------------------

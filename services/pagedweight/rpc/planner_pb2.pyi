@@ -72,7 +72,7 @@ class KvPressure(_message.Message):
     def __init__(self, bytes_needed: _Optional[int] = ..., bytes_free: _Optional[int] = ...) -> None: ...
 
 class PlanRequest(_message.Message):
-    __slots__ = ("worker_id", "registration_id", "direction", "num_bytes", "bits", "routing", "kv", "prompt_residual", "prompt_routing")
+    __slots__ = ("worker_id", "registration_id", "direction", "num_bytes", "bits", "routing", "kv", "prompt_residual", "prompt_routing", "num_prompts", "prompt_tokens")
     class Direction(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         DIRECTION_UNSPECIFIED: _ClassVar[PlanRequest.Direction]
@@ -97,6 +97,8 @@ class PlanRequest(_message.Message):
     KV_FIELD_NUMBER: _ClassVar[int]
     PROMPT_RESIDUAL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_ROUTING_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     registration_id: str
     direction: PlanRequest.Direction
@@ -106,7 +108,9 @@ class PlanRequest(_message.Message):
     kv: KvPressure
     prompt_residual: _containers.RepeatedScalarFieldContainer[float]
     prompt_routing: ExpertArray
-    def __init__(self, worker_id: _Optional[str] = ..., registration_id: _Optional[str] = ..., direction: _Optional[_Union[PlanRequest.Direction, str]] = ..., num_bytes: _Optional[int] = ..., bits: _Optional[_Mapping[str, int]] = ..., routing: _Optional[_Union[RoutingWindow, _Mapping]] = ..., kv: _Optional[_Union[KvPressure, _Mapping]] = ..., prompt_residual: _Optional[_Iterable[float]] = ..., prompt_routing: _Optional[_Union[ExpertArray, _Mapping]] = ...) -> None: ...
+    num_prompts: int
+    prompt_tokens: int
+    def __init__(self, worker_id: _Optional[str] = ..., registration_id: _Optional[str] = ..., direction: _Optional[_Union[PlanRequest.Direction, str]] = ..., num_bytes: _Optional[int] = ..., bits: _Optional[_Mapping[str, int]] = ..., routing: _Optional[_Union[RoutingWindow, _Mapping]] = ..., kv: _Optional[_Union[KvPressure, _Mapping]] = ..., prompt_residual: _Optional[_Iterable[float]] = ..., prompt_routing: _Optional[_Union[ExpertArray, _Mapping]] = ..., num_prompts: _Optional[int] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class PlanResponse(_message.Message):
     __slots__ = ("plan_id", "changes", "expected_bytes_delta", "expected_damage")

@@ -14,8 +14,10 @@ request for KV bytes only ever lowers bits and an offer only raises.
 
 Routing arrives as a snapshot with each request and goes into the planner's own
 moving average (planner/routing_stats.py); the policy sees its relative mass (hot
-experts keep more bits). Prompt features are not used yet: the runtime registers no
-residual heads (`PlanContext.residual` stays None), as before the protocol existed.
+experts keep more bits). The prompts in flight arrive with each request too (a
+`PromptMix`, its residual already predicted by the worker from the artifact's heads):
+the request's residual replaces the context's, so prompts that left drop out with the
+next request, and a request without one (no prompts in flight) clears it.
 
 Answers are immediate (ready at the next `poll`), but nothing in the pager relies on it.
 """
@@ -64,7 +66,15 @@ class InProcessPlanner:
                 self.stats.observe_counts(layer, request.routing.counts[layer], request.routing.mass[layer],
                                           int(num_tokens))
             self.context.relative_mass = self.stats.relative_mass()
+        self.observe_prompts(request)
         self._ready.append(self._answer(request))
+
+    def observe_prompts(self, request: PlanRequest) -> None:
+        """The request's prompts in flight become the context's residual (None: no prompts)."""
+        residual = request.prompts.residual if request.prompts is not None else None
+        if residual is not None and len(residual) != self.table.num_blocks:
+            raise ValueError(f"prompt residual has {len(residual)} values for {self.table.num_blocks} blocks")
+        self.context.residual = residual
 
     def poll(self) -> PlanResponse | None:
         return self._ready.popleft() if self._ready else None

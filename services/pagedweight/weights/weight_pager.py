@@ -6,7 +6,7 @@ the engine's thread, between forward steps.
 
 The planner sits behind the `BitPlanner` protocol (bit_planner.py): the pager sends a
 `PlanRequest` (KV pressure, the bits it is heading for, the routing snapshot since the
-last request) and applies the `PlanResponse` whenever `poll` returns it: at once for an
+last request, the prompts in flight) and applies the `PlanResponse` whenever `poll` returns it: at once for an
 in-process planner, at a later step boundary for a remote one. One request is in flight
 at a time; while it is, the bytes it asks for count as pending.
 
@@ -33,7 +33,7 @@ from typing import Callable
 import numpy as np
 
 from pagedweight.format.blocks import BIT_WIDTHS, BlockId, check_bits
-from pagedweight.planner.messages import FREE, KVPressure, PlanRequest, PlanResponse, RoutingSnapshot
+from pagedweight.planner.messages import FREE, KVPressure, PlanRequest, PlanResponse, PromptMix, RoutingSnapshot
 from pagedweight.weights.bit_planner import BitPlanner
 from pagedweight.weights.page_mover import BoundaryResult, PageMover
 
@@ -60,15 +60,18 @@ class PagerStats:
 
 class WeightPager:
     def __init__(self, mover: PageMover, planner: BitPlanner, kv_block_bytes: int | None = None,
-                 routing: Callable[[], RoutingSnapshot] | None = None):
+                 routing: Callable[[], RoutingSnapshot] | None = None,
+                 prompts: Callable[[], PromptMix | None] | None = None):
         """`planner` is registered with this page table's blocks, in the table's order
         (in_process_planner.page_table_registration). `routing`: e.g. RoutingFeed.snapshot,
-        the live routing sent with every request."""
+        the live routing sent with every request. `prompts`: the prompts in flight, sent
+        with every request (engine/prompt_routing.py)."""
         self.mover = mover
         self.table = mover.table
         self.planner = planner
         self.kv_block_bytes = kv_block_bytes  # the KV cache's block size (None: learnt from the arena)
         self.routing = routing
+        self.prompts = prompts
         self.block_ids: list[BlockId] = list(self.table.entries)  # the registration's block order
         self._request_ids = itertools.count(1)
         self._in_flight: PlanRequest | None = None  # the request whose response has not arrived
@@ -130,7 +133,8 @@ class WeightPager:
         bits = np.fromiter((e.desired_bits for e in self.table.entries.values()), dtype=np.int64,
                            count=len(self.block_ids))
         routing = self.routing() if self.routing is not None else None
-        request = PlanRequest(next(self._request_ids), pressure, bits, routing)
+        prompts = self.prompts() if self.prompts is not None else None
+        request = PlanRequest(next(self._request_ids), pressure, bits, routing, prompts)
         self._in_flight = request
         self.num_plans += 1
         self.planner.submit(request)

@@ -15,6 +15,7 @@ answers), so its moving average is current when it has to step in.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -95,10 +96,11 @@ class RemotePlanner:
 
     # ---- the in-process side -------------------------------------------------------------
     def _observe_locally(self, request: PlanRequest) -> None:
-        """Keep the local moving average current while the service answers."""
+        """Keep the local moving average and prompt context current while the service answers."""
+        local = self.local
+        local.observe_prompts(request)
         if request.routing is None:
             return
-        local = self.local
         for layer, num_tokens in enumerate(request.routing.num_tokens.tolist()):
             local.stats.observe_counts(layer, request.routing.counts[layer], request.routing.mass[layer],
                                        int(num_tokens))
@@ -107,7 +109,7 @@ class RemotePlanner:
     def _answer_locally(self, request: PlanRequest, observed: bool = False) -> None:
         started = time.perf_counter()
         if observed and request.routing is not None:  # already in the average: do not count it twice
-            request = PlanRequest(request.request_id, request.pressure, request.bits, None, request.prompt_routing)
+            request = dataclasses.replace(request, routing=None)
         self.local.submit(request)
         self.num_local_plans += 1
         self._observe_latency("local", started)
