@@ -52,6 +52,7 @@ class MemoryBroker:
         self.num_requests = 0  # request_bytes calls that had bytes to free
         self.num_offers = 0  # accepted offer_bytes calls
         self._short_blocks = 0  # blocks sequences were short of in this step, all asks together
+        self.num_short_steps = 0  # steps in which some sequence waited for KV bytes (stalled)
         self._calm_steps = 0
 
     def reserve(self, num_blocks: int) -> bool:
@@ -79,6 +80,7 @@ class MemoryBroker:
     def step_boundary(self, num_waiting: int, blocks_needed_next: int) -> None:
         if self.pager is not None:
             self.pager.step_boundary()
+        self.num_short_steps += bool(self._short_blocks)
         self._calm_steps = 0 if (self._short_blocks or num_waiting) else self._calm_steps + 1
         self._short_blocks = 0
         if self._calm_steps >= self.config.calm_steps:

@@ -51,6 +51,7 @@ class PagerStats:
     num_extents_relocated: int  # by compaction
     num_blocks_in_transit: int
     num_blocks_pending: int  # blocks whose desired bits differ from committed
+    profile: dict | None = None  # PagerProfile.to_dict(): time, bytes each way, churn
 
     def to_dict(self) -> dict:
         out = dict(self.__dict__)
@@ -133,8 +134,9 @@ class WeightPager:
         request = PlanRequest(next(self._request_ids), pressure, bits, routing)
         self._in_flight = request
         self.num_plans += 1
-        self.planner.submit(request)
-        self._apply_arrived()  # an in-process planner has answered already; a remote one later
+        with self.mover.profile.timed("plan"):
+            self.planner.submit(request)
+            self._apply_arrived()  # an in-process planner has answered already; a remote one later
         return request
 
     def _apply_arrived(self) -> None:
@@ -168,11 +170,17 @@ class WeightPager:
             self._free_bytes_at_refusal = self.mover.arena.pool.free_bytes
 
     def step_boundary(self) -> BoundaryResult:
+        with self.mover.profile.timed("boundary"):
+            return self._step_boundary()
+
+    def _step_boundary(self) -> BoundaryResult:
         if self._in_flight is not None:
             self._apply_arrived()
         if self._is_settled():
             return BoundaryResult()  # nothing to commit, lower or raise: no scan over the blocks
         result = self.mover.step_boundary(self._raise_order())
+        self.mover.profile.num_boundaries_with_work += bool(
+            result.lowered_ids or result.started_ids or result.committed_ids)
         if result.lowered_ids:
             self._compact()
         elif result.num_raises_fragmented:
@@ -229,6 +237,9 @@ class WeightPager:
             num_extents_relocated=c.num_extents_relocated,
             num_blocks_in_transit=sum(1 for e in entries if e.transit_bits),
             num_blocks_pending=sum(1 for e in entries if e.desired_bits != e.committed_bits),
+            profile=self.mover.profile.to_dict() | {
+                "descriptor_updates": self.table.num_descriptor_updates,
+                "descriptor_seconds": round(self.table.descriptor_seconds, 6)},
         )
 
     # ---- internals ----------------------------------------------------------------------
