@@ -68,7 +68,7 @@ class MemoryBroker:
         self._short_blocks += max(num_blocks, 1)
         if self.pager is None:
             return False
-        needed = self._short_blocks * self.kv.arena.charged_bytes(self.kv.block_bytes)
+        needed = self._short_blocks * self.kv.charged_block_bytes
         wanted = needed - self.pool_free_bytes()
         if wanted <= 0:  # the bytes are free but scattered: ask for whole blocks' worth
             wanted = needed
