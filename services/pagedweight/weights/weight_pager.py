@@ -18,9 +18,13 @@ at a time; while it is, the bytes it asks for count as pending.
   bits; raises start at a later boundary and commit when their copies land.
 - `step_boundary()`: applies a plan that has arrived, commits finished moves, frees planes no step reads any more,
   starts raises, and after lowering compacts weight pages (moves them down) until the
-  free page runs hold, as KV blocks of `kv_block_bytes` (by default the size of the
-  arena's latest KV allocation; with none seen yet, it compacts fully), the bytes asked
-  for plus those that were free when asked (or every free byte, if fewer). Returns what changed (a `BoundaryResult`).
+  free page runs hold, as KV units of `kv_block_bytes` (the KV cache's per-layer tile;
+  by default the size of the arena's latest KV allocation; with none seen yet, it
+  compacts fully), the bytes asked for plus those that were free when asked (or every
+  free byte, if fewer). Tiles are small enough that a dropped plane's hole holds some,
+  so this rarely moves anything; when it does, at most `compact_bytes_per_boundary` are
+  copied per boundary (the rest at the next ones), so no boundary stalls a step for
+  long. Returns what changed (a `BoundaryResult`).
 Bytes are arena bytes (whole pages, LUTs included): what the KV cache really gets.
 """
 
@@ -36,6 +40,10 @@ from pagedweight.format.blocks import BIT_WIDTHS, BlockId, check_bits
 from pagedweight.planner.messages import FREE, KVPressure, PlanRequest, PlanResponse, RoutingSnapshot
 from pagedweight.weights.bit_planner import BitPlanner
 from pagedweight.weights.page_mover import BoundaryResult, PageMover
+
+
+# Bytes one boundary's compaction may copy: ~20 us of an H200's HBM, a few ms on a CPU.
+DEFAULT_COMPACT_BYTES = 32 << 20
 
 
 @dataclass(frozen=True)
@@ -61,7 +69,8 @@ class PagerStats:
 
 class WeightPager:
     def __init__(self, mover: PageMover, planner: BitPlanner, kv_block_bytes: int | None = None,
-                 routing: Callable[[], RoutingSnapshot] | None = None):
+                 routing: Callable[[], RoutingSnapshot] | None = None,
+                 compact_bytes_per_boundary: int | None = DEFAULT_COMPACT_BYTES):
         """`planner` is registered with this page table's blocks, in the table's order
         (in_process_planner.page_table_registration). `routing`: e.g. RoutingFeed.snapshot,
         the live routing sent with every request."""
@@ -70,12 +79,16 @@ class WeightPager:
         self.planner = planner
         self.kv_block_bytes = kv_block_bytes  # the KV cache's block size (None: learnt from the arena)
         self.routing = routing
+        # Compaction copies on the compute stream at a boundary: the cap bounds how long one
+        # boundary can hold the next step back (None: no cap); the rest waits for later ones.
+        self.compact_bytes_per_boundary = compact_bytes_per_boundary
         self.block_ids: list[BlockId] = list(self.table.entries)  # the registration's block order
         self._request_ids = itertools.count(1)
         self._in_flight: PlanRequest | None = None  # the request whose response has not arrived
         self._cannot_free = False  # the last free plan changed nothing: every block is at its floor
         self._free_bytes_at_refusal = -1  # pool free bytes when a spend plan last took nothing
         self._kv_target_bytes = 0  # what compaction must make usable as KV blocks
+        self._compaction_left = False  # a capped compaction goes on at the next boundaries
         self.num_plans = 0
         self.num_raises_dropped = 0  # raises given up because they could not start (see below)
         self._stalled_boundaries = 0
@@ -176,6 +189,8 @@ class WeightPager:
     def _step_boundary(self) -> BoundaryResult:
         if self._in_flight is not None:
             self._apply_arrived()
+        if self._compaction_left:
+            self._compact()  # before anything else: the KV cache is waiting for these bytes
         if self._is_settled():
             return BoundaryResult()  # nothing to commit, lower or raise: no scan over the blocks
         result = self.mover.step_boundary(self._raise_order())
@@ -183,8 +198,8 @@ class WeightPager:
             result.lowered_ids or result.started_ids or result.committed_ids)
         if result.lowered_ids:
             self._compact()
-        elif result.num_raises_fragmented:
-            self.mover.compact()  # the raises retry at the next boundary
+        elif result.num_raises_fragmented:  # the raises retry at the next boundary
+            self.mover.compact(max_bytes=self.compact_bytes_per_boundary)
         self._drop_stalled_raises(result)
         self._mean_min = min(self._mean_min, self._mean_bits())
         self._settled = not self.mover.busy()
@@ -252,14 +267,25 @@ class WeightPager:
         return request.pressure.bytes_needed if request is not None and request.pressure.direction == FREE else 0
 
     def _compact(self) -> None:
+        """Compact toward the KV target, at most compact_bytes_per_boundary this boundary;
+        a capped compaction keeps its target and goes on at the next boundary."""
+        profile, target = self.mover.profile, self._kv_target_bytes
+        capped_before = profile.num_compaction_capped
+        self._compact_toward_target()
+        self._compaction_left = profile.num_compaction_capped > capped_before
+        if self._compaction_left:
+            self._kv_target_bytes = max(self._kv_target_bytes, target)
+
+    def _compact_toward_target(self) -> None:
         arena, target = self.mover.arena, self._kv_target_bytes
         self._kv_target_bytes = 0
         block_bytes = self.kv_block_bytes or arena.last_kv_bytes
+        cap = self.compact_bytes_per_boundary
         if block_bytes is None:
-            self.mover.compact()
+            self.mover.compact(max_bytes=cap)
             return
         num_blocks = min(arena.num_free_pages // arena.pages_for(block_bytes), -(-target // block_bytes))
-        self.mover.compact(done=lambda: arena.num_fitting(block_bytes) >= num_blocks)
+        self.mover.compact(done=lambda: arena.num_fitting(block_bytes) >= num_blocks, max_bytes=cap)
 
     def _mean_bits(self) -> float:
         entries = self.table.entries.values()
