@@ -153,14 +153,15 @@ def test_release_before_gives_back_only_blocks_wholly_behind_the_window():
         manager.release_before(other, 8)
 
 
-def _fragmented_tile_cache(seed: int):
+def _fragmented_tile_cache(seed: int, device: str = "cpu"):
     """An arena cache whose tiles are scattered: weights-like extents are allocated between
     growths and some freed, so blocks' tiles land in holes, not side by side."""
     config = ModelConfig.from_dir(BUNDLED_MODEL)
     kv_config = KVCacheConfig(block_size=2)
     probe = PagedKVCache(config, kv_config, torch.float32, "cpu")
-    pool, arena = make_arena(40, probe.block_bytes)
-    kv = PagedKVCache(config, kv_config, torch.float32, "cpu", arena=arena)
+    pool = MemoryPool(budget_bytes=40 * probe.block_bytes + 1000)
+    arena = Arena.from_pool(pool, page_bytes=1024, device=device)
+    kv = PagedKVCache(config, kv_config, torch.float32, device, arena=arena)
     gen = torch.Generator().manual_seed(seed)
     fillers = [arena.allocate(OTHER_WEIGHTS, int(torch.randint(1, 3, (), generator=gen)) * kv.tile_bytes)
                for _ in range(30)]
@@ -172,26 +173,31 @@ def _fragmented_tile_cache(seed: int):
     return config, kv
 
 
+GPU = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU")])
+
+
+@pytest.mark.parametrize("device", ["cpu", GPU])
 @pytest.mark.parametrize("use_arena", [False, True])
-def test_kv_tile_offsets_address_the_tiles_read_blocks_returns(use_arena):
+def test_kv_tile_offsets_address_the_tiles_read_blocks_returns(use_arena, device):
     """The contract with the paged decode kernel (issue 12): for random block tables,
     flat[k_off : k_off + tile] and flat[v_off : v_off + tile] are the blocks' K and V
     tiles of that layer, under the per-layer tile layout (tiles of one block anywhere)."""
     if use_arena:
-        config, kv = _fragmented_tile_cache(0)
+        config, kv = _fragmented_tile_cache(0, device)
         tiles = {b: [x.first_page for x in kv._tiles[b]] for b in kv._tiles}
         assert any(sorted(p) != list(range(p[0], p[0] + len(p) * (p[1] - p[0]), p[1] - p[0]))
                    or p[1] - p[0] != kv.arena.pages_for(kv.tile_bytes) for p in tiles.values()), tiles
     else:
         config = ModelConfig.from_dir(BUNDLED_MODEL)
-        kv = PagedKVCache(config, KVCacheConfig(block_size=2), torch.float32, "cpu", num_blocks=8)
+        kv = PagedKVCache(config, KVCacheConfig(block_size=2), torch.float32, device, num_blocks=8)
     kv.flat.copy_(torch.randn(kv.flat.shape))  # every tile distinct
     ids = sorted(kv.manager.take_free_blocks(8))
     kv.manager.add_blocks(ids)
     gen = torch.Generator().manual_seed(1)
     tile = kv.block_size * kv.num_kv_heads * kv.head_dim
     for layer in range(config.num_layers):
-        table = torch.tensor(ids)[torch.randint(0, len(ids), (3, 5), generator=gen)]
+        table = torch.tensor(ids)[torch.randint(0, len(ids), (3, 5), generator=gen)].to(device)
         table[0, -1] = -1  # a released / padding entry reads block 0's place, never raises
         k_off, v_off = kv.kv_tile_offsets(layer, table)
         assert k_off.shape == v_off.shape == table.shape

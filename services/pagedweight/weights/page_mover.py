@@ -244,14 +244,15 @@ class PageMover:
         return extent.num_pages * self.arena.page_bytes
 
     # ---- compaction -------------------------------------------------------------------
-    def compact(self, done: Callable[[], bool] = lambda: False, max_bytes: int | None = None) -> int:
+    def compact(self, done: Callable[[], bool] = lambda: False, max_bytes: int | None = None,
+                phase: str = "compact") -> int:
         """Move committed weight extents down into lower free runs, so that the pages
         freed by lowering join the free space next to the KV region; stop early once
         `done()`, or once `max_bytes` have been copied (None: no cap). Copies run on the
         compute stream at a step boundary (readers see the new place from the next step),
         so the cap bounds what one boundary can stall the next step by; a capped
         compaction goes on at a later boundary. Returns the number of extents moved."""
-        with self.profile.timed("compact"):
+        with self.profile.timed(phase):  # "compact" for KV room, "compact_for_raise" for raises
             moved, capped = self._compact(done, max_bytes)
         self.profile.num_compaction_capped += capped
         return moved

@@ -19,7 +19,7 @@ from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-PHASES = ("plan", "boundary", "lower", "raise_start", "raise_commit", "compact")
+PHASES = ("plan", "boundary", "lower", "raise_start", "raise_commit", "compact", "compact_for_raise")
 
 
 @dataclass

@@ -20,8 +20,8 @@ at a time; while it is, the bytes it asks for count as pending.
   starts raises, and after lowering compacts weight pages (moves them down) until the
   free page runs hold, as KV units of `kv_block_bytes` (the KV cache's per-layer tile;
   by default the size of the arena's latest KV allocation; with none seen yet, it
-  compacts fully), the bytes asked for plus those that were free when asked (or every
-  free byte, if fewer). Tiles are small enough that a dropped plane's hole holds some,
+  compacts fully), the bytes asked for plus the whole units that were free when asked
+  (or every free byte, if fewer). Tiles are small enough that a dropped plane's hole holds some,
   so this rarely moves anything; when it does, at most `compact_bytes_per_boundary` are
   copied per boundary (the rest at the next ones), so no boundary stalls a step for
   long. Returns what changed (a `BoundaryResult`).
@@ -107,7 +107,7 @@ class WeightPager:
         block is at its floor)."""
         entries = self.table.entries
         self._free_bytes_at_drop = self._free_bytes_at_refusal = -1  # bits go down: what is free afterwards is new
-        self._kv_target_bytes = max(self._kv_target_bytes, num_bytes + self.mover.arena.pool.free_bytes)
+        self._kv_target_bytes = max(self._kv_target_bytes, num_bytes + self._usable_kv_bytes())
         if not self._is_settled():  # settled: no raise is waiting to start
             for e in entries.values():  # cancel raises that have not started
                 e.desired_bits = min(e.desired_bits, e.effective_bits)
@@ -199,7 +199,7 @@ class WeightPager:
         if result.lowered_ids:
             self._compact()
         elif result.num_raises_fragmented:  # the raises retry at the next boundary
-            self.mover.compact(max_bytes=self.compact_bytes_per_boundary)
+            self.mover.compact(max_bytes=self.compact_bytes_per_boundary, phase="compact_for_raise")
         self._drop_stalled_raises(result)
         self._mean_min = min(self._mean_min, self._mean_bits())
         self._settled = not self.mover.busy()
@@ -265,6 +265,16 @@ class WeightPager:
         """Bytes the free request in flight asks for (counted as pending until it is answered)."""
         request = self._in_flight
         return request.pressure.bytes_needed if request is not None and request.pressure.direction == FREE else 0
+
+    def _usable_kv_bytes(self) -> int:
+        """Free bytes the KV cache can use as they lie: whole KV units in free runs (all free
+        bytes while the unit is unknown). Crumbs smaller than a unit are not counted, so
+        compaction never runs just to gather them: the bytes asked for are on top of these."""
+        arena = self.mover.arena
+        unit = self.kv_block_bytes or arena.last_kv_bytes
+        if unit is None:
+            return arena.pool.free_bytes
+        return arena.num_fitting(unit) * arena.charged_bytes(unit)
 
     def _compact(self) -> None:
         """Compact toward the KV target, at most compact_bytes_per_boundary this boundary;
