@@ -151,11 +151,26 @@ def run_order(trace_names: list[str], policies: list[str]) -> list[tuple[str, st
 
 
 def warm_up(runtime, prompt_len: int) -> None:
-    """Two short requests (kernels compiled and caches made before the clock starts); no
-    pressure, so nothing moves."""
+    """Kernels compiled and caches made before the clock starts: short loads at the
+    starting bits and, for a runtime whose bits move, at every bit-width a trace can reach
+    (half the experts lowered to b, then all of them: the fused kernel compiles one instance
+    per bit class and layout on first use, seconds each), then every block back to its
+    starting bits. Every policy gets the same loads, so no run pays another's compiles."""
     from pagedweight.cli.load_bench import LoadSpec, drive_load
 
-    drive_load(runtime.engine, LoadSpec(2, 2, prompt_len, 4, seed=1))
+    engine, table = runtime.engine, runtime.table
+    start = table.desired_bits()
+    drive_load(engine, LoadSpec(16, 16, prompt_len, 4, seed=1))
+    if runtime.pager is None:
+        return
+    for bits in (7, 6, 5, 4, 3):
+        for half in (True, False):
+            table.set_desired_bits({b: min(start[b], bits) for b in table.entries if not half or b.expert % 2})
+            runtime.mover.step_boundary()
+            drive_load(engine, LoadSpec(2, 2, prompt_len, 2, seed=2))
+    engine.kv.shrink()
+    table.set_desired_bits(start)
+    runtime.mover.load_all()
 
 
 def _sample(runtime, start: float, tokens: int) -> list:
@@ -176,7 +191,7 @@ def _bits_key(table):
 
 def engine_config(args) -> EngineConfig:
     broker = BrokerConfig(calm_steps=args.calm_steps, calm_seconds=args.calm_seconds,
-                          offer_min_blocks=args.offer_min_blocks)
+                          offer_min_blocks=args.offer_min_blocks, ask_ahead_blocks=args.ask_ahead_blocks)
     return EngineConfig(scheduler=SchedulerConfig(max_num_seqs=args.concurrency,
                                                   max_num_batched_tokens=args.batched_tokens),
                         kv=KVCacheConfig(), broker=broker)
@@ -283,6 +298,7 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=None, help="--shape: keep this many layers")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--policies", nargs="+", default=list(POLICIES))
+    parser.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="default: bf16 on CUDA, else fp32")
     parser.add_argument("--traces", nargs="+", default=["steady", "burst"])
     parser.add_argument("--requests", type=int, default=96)
     parser.add_argument("--concurrency", type=int, default=64)
@@ -295,6 +311,7 @@ def main() -> int:
     parser.add_argument("--calm-steps", type=int, default=16)
     parser.add_argument("--calm-seconds", type=float, default=0.5)
     parser.add_argument("--offer-min-blocks", type=int, default=4)
+    parser.add_argument("--ask-ahead-blocks", type=int, default=0)
     parser.add_argument("--drain-s", type=float, default=12.0)
     parser.add_argument("--kl", action="store_true", help="--artifact: KL to bf16 of the plans served")
     parser.add_argument("--kl-domain", default="kjv")
@@ -310,7 +327,8 @@ def main() -> int:
         parser.error("--kl needs --artifact (the bf16 reference is the artifact's source checkpoint)")
     started = time.perf_counter()
     device = torch.device(args.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(args.dtype) or (
+        torch.bfloat16 if device.type == "cuda" else torch.float32)
     if device.type == "cpu":
         torch.set_num_threads(args.threads)
     paged, config, eos, built = load_model(args, device, dtype)
@@ -346,6 +364,10 @@ def main() -> int:
         stats = rt.engine.stats()
         profile = rt.pager.stats().profile if rt.pager is not None else None
         row.update({"preemptions": stats.num_preemptions, "memory_short_steps": stats.memory_short_steps,
+                    "memory_requests": stats.memory_requests, "memory_offers": stats.memory_offers,
+                    "pool_free_bytes_end": rt.pool.free_bytes,
+                    "offers_too_small": rt.engine.broker.num_offers_too_small,
+                    "raises_dropped": getattr(rt.pager, "num_raises_dropped", 0),
                     "page_moves": _moves(rt) - moves0,
                     "page_moves_per_request": round((_moves(rt) - moves0) / row["requests"], 3),
                     "bytes_copied_host_to_device": profile["bytes_host_to_device"] if profile else 0,

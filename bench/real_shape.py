@@ -77,6 +77,13 @@ CONFIGS = {
         num_key_value_heads=1, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=352,
         shared_expert_intermediate_size=1408, norm_topk_prob=False, max_position_embeddings=8192,
         rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False),
+    # Qwen1.5-MoE's width and experts, 1 layer, small vocab: its planes and KV tiles on a CPU
+    "qwen-width": dict(
+        model_type="qwen2_moe", architectures=["Qwen2MoeForCausalLM"], vocab_size=2048,
+        hidden_size=2048, intermediate_size=5632, num_hidden_layers=1, num_attention_heads=16,
+        num_key_value_heads=16, num_experts=60, num_experts_per_tok=4, moe_intermediate_size=1408,
+        shared_expert_intermediate_size=5632, norm_topk_prob=False, max_position_embeddings=8192,
+        rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False),
     "tiny-qwen-moe": dict(
         model_type="qwen2_moe", architectures=["Qwen2MoeForCausalLM"], vocab_size=512,
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

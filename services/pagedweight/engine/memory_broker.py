@@ -44,15 +44,19 @@ class BrokerConfig:
     # it copies planes that the next lowering drops again).
     calm_seconds: float = 0.0
     offer_min_blocks: int = 0
+    # Lowering in larger steps (issue 17): an ask for KV bytes also asks for this many
+    # blocks beyond the shortage, so the next steps' growth finds bytes already free
+    # instead of each waiting a step for its own small plan.
+    ask_ahead_blocks: int = 0
 
     def __post_init__(self):
         if self.calm_steps < 1:
             raise UserError(f"calm_steps must be >= 1, got {self.calm_steps}")
         if self.headroom_blocks < 0:
             raise UserError(f"headroom_blocks must be >= 0, got {self.headroom_blocks}")
-        if self.calm_seconds < 0 or self.offer_min_blocks < 0:
-            raise UserError(f"calm_seconds and offer_min_blocks must be >= 0, got "
-                            f"{self.calm_seconds} and {self.offer_min_blocks}")
+        if self.calm_seconds < 0 or self.offer_min_blocks < 0 or self.ask_ahead_blocks < 0:
+            raise UserError(f"calm_seconds, offer_min_blocks and ask_ahead_blocks must be >= 0, got "
+                            f"{self.calm_seconds}, {self.offer_min_blocks} and {self.ask_ahead_blocks}")
 
 
 class MemoryBroker:
@@ -61,6 +65,7 @@ class MemoryBroker:
         self.pool = kv.arena.pool if kv.arena is not None else None
         self.num_requests = 0  # request_bytes calls that had bytes to free
         self.num_offers = 0  # accepted offer_bytes calls
+        self.num_offers_too_small = 0  # calm steps whose spare bytes were under offer_min_blocks
         self._short_blocks = 0  # blocks sequences were short of in this step, all asks together
         self.num_short_steps = 0  # steps in which some sequence waited for KV bytes (stalled)
         self._calm_steps = 0
@@ -79,7 +84,7 @@ class MemoryBroker:
         self._short_blocks += max(num_blocks, 1)
         if self.pager is None:
             return False
-        needed = self._short_blocks * self.kv.charged_block_bytes
+        needed = (self._short_blocks + self.config.ask_ahead_blocks) * self.kv.charged_block_bytes
         wanted = needed - self.pool_free_bytes()
         if wanted <= 0:  # the bytes are free but scattered: ask for whole blocks' worth
             wanted = needed
@@ -114,6 +119,7 @@ class MemoryBroker:
         # no use for, so calm steps do not re-plan the same nothing.
         spare = self.pool_free_bytes()
         if spare < self.config.offer_min_blocks * self.kv.charged_block_bytes:
+            self.num_offers_too_small += 1
             return  # too little to be worth copying planes for
         if self.pager.offer_bytes(spare) > 0:
             self.num_offers += 1

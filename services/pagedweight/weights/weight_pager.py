@@ -31,6 +31,7 @@ Bytes are arena bytes (whole pages, LUTs included): what the KV cache really get
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from dataclasses import dataclass
 from typing import Callable
 
@@ -91,6 +92,7 @@ class WeightPager:
         self._compaction_left = False  # a capped compaction goes on at the next boundaries
         self.num_plans = 0
         self.num_raises_dropped = 0  # raises given up because they could not start (see below)
+        self.offer_outcomes: Counter = Counter()  # offer_bytes results by reason
         self._stalled_boundaries = 0
         self._free_bytes_at_drop = -1  # pool free bytes when raises were last dropped
         self._mean_min = self._mean_bits()
@@ -122,20 +124,27 @@ class WeightPager:
     def offer_bytes(self, num_bytes: int) -> int:
         """Spend up to `num_bytes` spare bytes on bits; returns the bytes planned.
         Ignored (0) while lowerings are still pending: pressure has not fallen yet."""
+        outcomes = self.offer_outcomes  # why offers were taken or not (the profile reports them)
         if self._in_flight is not None:
+            outcomes["plan_in_flight"] += 1
             return 0
         free_bytes = self.mover.arena.pool.free_bytes
         if free_bytes <= max(self._free_bytes_at_drop, self._free_bytes_at_refusal):
+            outcomes["no_new_bytes"] += 1
             return 0  # these bytes could not hold the last plan's raises, or found no use
         settled = self._is_settled()  # then nothing is pending: skip the scans
         if not settled and self._pending_free() > 0:
+            outcomes["lowering_pending"] += 1
             return 0
         spendable = num_bytes - (0 if settled else self._pending_take())
         if spendable <= 0:
+            outcomes["raises_pending"] += 1
             return 0
         request = self._submit(KVPressure(bytes_free=spendable))
         if self._in_flight is request:  # not answered yet: the planner may spend all of it
+            outcomes["asked"] += 1
             return spendable
+        outcomes["planned" if self._last_applied_bytes > 0 else "planner_spent_nothing"] += 1
         return self._last_applied_bytes
 
     # ---- the planner's side of the seam -------------------------------------------------
@@ -254,7 +263,8 @@ class WeightPager:
             num_blocks_pending=sum(1 for e in entries if e.desired_bits != e.committed_bits),
             profile=self.mover.profile.to_dict() | {
                 "descriptor_updates": self.table.num_descriptor_updates,
-                "descriptor_seconds": round(self.table.descriptor_seconds, 6)},
+                "descriptor_seconds": round(self.table.descriptor_seconds, 6),
+                "offers": dict(self.offer_outcomes), "raises_dropped": self.num_raises_dropped},
         )
 
     # ---- internals ----------------------------------------------------------------------
