@@ -138,7 +138,8 @@ def build_runtime_from_paged(paged, config: RuntimeConfig, eos_token_ids=()) -> 
         from pagedweight.weights.weight_pager import WeightPager
 
         tile = kv_tile_bytes(paged.config, config.engine.kv.block_size, config.dtype)  # the unit KV is placed in
-        pager = WeightPager(mover, planner, kv_block_bytes=tile, routing=feed.snapshot)
+        # KV lives in tiles that fit the holes lowering leaves: no compaction for KV room
+        pager = WeightPager(mover, planner, kv_block_bytes=tile, routing=feed.snapshot, compact_for_kv=False)
     engine = Engine(model, config.engine, arena=arena, pager=pager, eos_token_ids=eos_token_ids,
                     max_kv_blocks=_max_kv_blocks(config, paged.config, table, arena))
     return WorkerRuntime(engine, pool, arena, table, mover, pager, feed)

@@ -45,3 +45,28 @@ def test_capped_compaction_continues_across_boundaries(bundled_model_dir):
     kv += [arena.allocate(KV_USED, BIG_KV) for _ in range(usable)]
     check_accounting(pool, arena, table, mover)
     mover.close()
+
+
+def test_without_compaction_for_kv_lowering_moves_no_weight_and_its_holes_hold_tiles(bundled_model_dir):
+    """compact_for_kv=False (the runtime's setting with per-layer KV tiles): a lowering
+    relocates nothing, and the holes it leaves hold KV tiles no larger than a plane."""
+    blocks = blocks_from_model(load_model(bundled_model_dir, dtype=torch.float32))
+    probe = build(blocks, 64 << 20)
+    full = probe[0].reserved_bytes
+    plane = min(probe[2].plane_bytes(b) for b in probe[2].entries)
+    probe[3].close()
+    pool, arena, table, mover = build(blocks, full)
+    tile = arena.charged_bytes(plane) // 2  # a KV unit smaller than any plane's hole
+    pager = WeightPager(mover, GreedyPlanner(table.charged_bytes_table()), tile, compact_for_kv=False)
+    mover.profile.reset()
+    assert not arena.can_allocate(KV_USED, tile)
+    pager.request_bytes(40 * tile)
+    result = pager.step_boundary()
+    assert result.lowered_ids
+    assert mover.counters.num_extents_relocated == 0 and mover.profile.bytes_device_to_device == 0
+    fitting = arena.num_fitting(tile)
+    assert fitting >= 2 * len(result.lowered_ids)  # every dropped plane's hole holds two tiles at least
+    kv = [arena.allocate(KV_USED, tile) for _ in range(fitting)]
+    assert len(kv) == fitting
+    check_accounting(pool, arena, table, mover)
+    mover.close()

@@ -71,7 +71,7 @@ class PagerStats:
 class WeightPager:
     def __init__(self, mover: PageMover, planner: BitPlanner, kv_block_bytes: int | None = None,
                  routing: Callable[[], RoutingSnapshot] | None = None,
-                 compact_bytes_per_boundary: int | None = DEFAULT_COMPACT_BYTES):
+                 compact_bytes_per_boundary: int | None = DEFAULT_COMPACT_BYTES, compact_for_kv: bool = True):
         """`planner` is registered with this page table's blocks, in the table's order
         (in_process_planner.page_table_registration). `routing`: e.g. RoutingFeed.snapshot,
         the live routing sent with every request."""
@@ -83,6 +83,12 @@ class WeightPager:
         # Compaction copies on the compute stream at a boundary: the cap bounds how long one
         # boundary can hold the next step back (None: no cap); the rest waits for later ones.
         self.compact_bytes_per_boundary = compact_bytes_per_boundary
+        # False: never move weights to make KV room after lowering; a shortage left by
+        # crumbs (hole remainders smaller than a KV tile) is met by the broker asking again,
+        # i.e. by lowering a little more. With per-layer KV tiles that is far cheaper: on the
+        # H200 at Qwen1.5-MoE's width compaction for KV moved 1.3 GB (and rewrote 12k kernel
+        # descriptors) to gather the crumbs of 1.0 GB of lowering.
+        self.compact_for_kv = compact_for_kv
         self.block_ids: list[BlockId] = list(self.table.entries)  # the registration's block order
         self._request_ids = itertools.count(1)
         self._in_flight: PlanRequest | None = None  # the request whose response has not arrived
@@ -205,7 +211,7 @@ class WeightPager:
         result = self.mover.step_boundary(self._raise_order())
         self.mover.profile.num_boundaries_with_work += bool(
             result.lowered_ids or result.started_ids or result.committed_ids)
-        if result.lowered_ids:
+        if result.lowered_ids and self.compact_for_kv:
             self._compact()
         elif result.num_raises_fragmented:  # the raises retry at the next boundary
             self.mover.compact(max_bytes=self.compact_bytes_per_boundary, phase="compact_for_raise")
