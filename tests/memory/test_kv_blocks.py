@@ -224,3 +224,32 @@ def test_a_block_fits_tile_by_tile_into_holes_no_whole_block_fits():
     assert kv.grow(10) == len(pieces[::2]) // L
     assert pool.bytes_of(KV_FREE) == kv.reserved_bytes == kv.num_blocks * L * arena.charged_bytes(kv.tile_bytes)
     arena.check_consistent()
+
+
+@pytest.mark.parametrize("device", ["cpu", GPU])
+def test_blocks_grown_over_nan_bytes_give_finite_batched_attention(device):
+    """The arena's pages may hold anything (weights' planes read as NaN in bf16 or fp32):
+    the batched path reads whole blocks, so unwritten positions of a block must not be NaN,
+    or 0 * NaN poisons the output of every sequence in that block. New tiles start at 0:
+    the batched path equals the reference path, finite."""
+    config = ModelConfig.from_dir(BUNDLED_MODEL)
+    kv_config = KVCacheConfig(block_size=4)
+    probe = PagedKVCache(config, kv_config, torch.float32, "cpu")
+    pool = MemoryPool(budget_bytes=8 * probe.block_bytes + 1000)
+    arena = Arena.from_pool(pool, page_bytes=1024, device=device)
+    arena.storage.fill_(0xFF)  # every float reads as NaN
+    kv = PagedKVCache(config, kv_config, torch.float32, device, arena=arena)
+    assert kv.grow(8) == 8
+    ids = sorted(kv.manager.take_free_blocks(8))
+    kv.manager.add_blocks(ids)
+    tables = [[ids[2], ids[5]], [ids[0]]]  # 6 and 3 tokens: both last blocks partly filled
+    G, D, N = config.num_kv_heads, config.head_dim, config.num_heads
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(9, N, D, generator=gen).to(device)
+    k, v = torch.randn(9, G, D, generator=gen).to(device), torch.randn(9, G, D, generator=gen).to(device)
+    out = {}
+    for impl in ("reference", "batched"):
+        step = build_step(kv, [SeqSlice(tables[0], 6, 6), SeqSlice(tables[1], 3, 3)], impl)
+        out[impl] = paged_attention(1, q, k, v, step)
+    assert torch.isfinite(out["batched"]).all()
+    torch.testing.assert_close(out["batched"], out["reference"])

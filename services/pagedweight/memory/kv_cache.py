@@ -279,6 +279,12 @@ class PagedKVCache:
         if new:
             index = torch.tensor(new, dtype=torch.int64, device=self.device)
             self._tile_row[:, index] = torch.tensor(rows, dtype=torch.int64).T.to(self.device)
+            # The pages held weights (or nothing) before: bytes that read as NaN in this dtype.
+            # Attention reads whole blocks and masks the positions past a sequence's end, but
+            # a masked NaN value still poisons softmax @ V (0 * NaN), so new tiles start at 0.
+            for pages in rows:
+                for page in pages:
+                    self.flat.narrow(0, page * self.row_stride, self.tile_elems).zero_()
         self.manager.add_blocks(new, ranks)
         return len(new)
 

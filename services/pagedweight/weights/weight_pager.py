@@ -99,6 +99,7 @@ class WeightPager:
         self.num_plans = 0
         self.num_raises_dropped = 0  # raises given up because they could not start (see below)
         self.offer_outcomes: Counter = Counter()  # offer_bytes results by reason
+        self.num_routing_non_finite = 0  # routing snapshots with NaN/inf, cleaned before planning
         self._stalled_boundaries = 0
         self._free_bytes_at_drop = -1  # pool free bytes when raises were last dropped
         self._mean_min = self._mean_bits()
@@ -158,7 +159,7 @@ class WeightPager:
         # the table's entries keep the registration's order (block_ids): no lookup per block
         bits = np.fromiter((e.desired_bits for e in self.table.entries.values()), dtype=np.int64,
                            count=len(self.block_ids))
-        routing = self.routing() if self.routing is not None else None
+        routing = self._finite(self.routing()) if self.routing is not None else None
         request = PlanRequest(next(self._request_ids), pressure, bits, routing)
         self._in_flight = request
         self.num_plans += 1
@@ -166,6 +167,16 @@ class WeightPager:
             self.planner.submit(request)
             self._apply_arrived()  # an in-process planner has answered already; a remote one later
         return request
+
+    def _finite(self, snapshot: RoutingSnapshot) -> RoutingSnapshot:
+        """The snapshot with non-finite counts or mass read as 0 (counted): one NaN step
+        would stay in the planner's moving average for good and make every raise look
+        worthless (a NaN damage step is never taken), so bits would never come back."""
+        if np.isfinite(snapshot.counts).all() and np.isfinite(snapshot.mass).all():
+            return snapshot
+        self.num_routing_non_finite += 1
+        clean = lambda a: np.nan_to_num(np.asarray(a, dtype=np.float64), nan=0.0, posinf=0.0, neginf=0.0)
+        return RoutingSnapshot(clean(snapshot.counts), clean(snapshot.mass), snapshot.num_tokens)
 
     def _apply_arrived(self) -> None:
         """Apply every response that has arrived; only the one to the request in flight counts."""
@@ -270,7 +281,8 @@ class WeightPager:
             profile=self.mover.profile.to_dict() | {
                 "descriptor_updates": self.table.num_descriptor_updates,
                 "descriptor_seconds": round(self.table.descriptor_seconds, 6),
-                "offers": dict(self.offer_outcomes), "raises_dropped": self.num_raises_dropped},
+                "offers": dict(self.offer_outcomes), "raises_dropped": self.num_raises_dropped,
+                "routing_non_finite": self.num_routing_non_finite},
         )
 
     # ---- internals ----------------------------------------------------------------------
