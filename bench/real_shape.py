@@ -74,6 +74,21 @@ CONFIGS = {
         hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
         num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
         max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-5, tie_word_embeddings=False),
+    # Qwen1.5-MoE's ratio at a CPU's size: a down plane holds 2.75 KV tiles (fp32), as the
+    # real one does in bf16 (the profile's scaled-down shape; 16 experts of 352, top-4)
+    "qwen-scaled": dict(
+        model_type="qwen2_moe", architectures=["Qwen2MoeForCausalLM"], vocab_size=4096,
+        hidden_size=512, intermediate_size=1408, num_hidden_layers=6, num_attention_heads=8,
+        num_key_value_heads=1, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=352,
+        shared_expert_intermediate_size=1408, norm_topk_prob=False, max_position_embeddings=8192,
+        rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False),
+    # Qwen1.5-MoE's width and experts, 1 layer, small vocab: its planes and KV tiles on a CPU
+    "qwen-width": dict(
+        model_type="qwen2_moe", architectures=["Qwen2MoeForCausalLM"], vocab_size=2048,
+        hidden_size=2048, intermediate_size=5632, num_hidden_layers=1, num_attention_heads=16,
+        num_key_value_heads=16, num_experts=60, num_experts_per_tok=4, moe_intermediate_size=1408,
+        shared_expert_intermediate_size=5632, norm_topk_prob=False, max_position_embeddings=8192,
+        rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False),
     "tiny-qwen-moe": dict(
         model_type="qwen2_moe", architectures=["Qwen2MoeForCausalLM"], vocab_size=512,
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -123,11 +138,12 @@ def sync(device: torch.device) -> None:
 
 # ---------------------------------------------------------------- building
 
-def build_hf_model(name: str, device: torch.device, dtype: torch.dtype):
-    """transformers' own class, random init, built directly on the device in `dtype`."""
+def build_hf_model(name: str, device: torch.device, dtype: torch.dtype, overrides: dict | None = None):
+    """transformers' own class, random init, built directly on the device in `dtype`;
+    `overrides`: config fields to change (e.g. fewer layers, to fit a disk or a time limit)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    kwargs = dict(CONFIGS[name])
+    kwargs = {**CONFIGS[name], **(overrides or {})}
     model_type = kwargs.pop("model_type")
     hf_config = AutoConfig.for_model(model_type, **kwargs)
     previous = torch.get_default_dtype()

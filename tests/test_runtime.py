@@ -42,8 +42,11 @@ def check_pool(runtime):
     snap = runtime.pool.snapshot()
     kv = runtime.engine.kv
     assert snap.reserved_bytes <= snap.budget_bytes
-    assert snap.kv_used_bytes == kv.manager.num_used_blocks * kv.block_bytes
-    assert snap.kv_free_bytes == kv.manager.num_free_blocks * kv.block_bytes
+    # a block is num_layers tiles, each charged in whole arena pages
+    assert snap.kv_used_bytes == kv.manager.num_used_blocks * kv.charged_block_bytes
+    assert snap.kv_free_bytes == kv.manager.num_free_blocks * kv.charged_block_bytes
+    live = sum(x.num_pages for x in runtime.arena.live_extents() if x.kind in ("kv_used", "kv_free"))
+    assert live * runtime.arena.page_bytes == snap.kv_used_bytes + snap.kv_free_bytes
     assert snap.expert_bytes == runtime.table.resident_expert_bytes()
 
 
@@ -132,7 +135,7 @@ def test_abort_on_runtime_returns_blocks_to_the_pool_labels(paged_micro_dir):
             engine.add_request(str(i), p, SamplingParams(max_tokens=20, ignore_eos=True))
         engine.step()
         used = runtime.pool.snapshot().kv_used_bytes
-        held = len(engine.seqs["1"].block_ids) * engine.kv.block_bytes
+        held = len(engine.seqs["1"].block_ids) * engine.kv.charged_block_bytes
         assert engine.abort("1").finish_reason == "abort"
         assert runtime.pool.snapshot().kv_used_bytes == used - held
         check_pool(runtime)

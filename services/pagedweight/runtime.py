@@ -29,7 +29,7 @@ import torch
 from pagedweight.common.errors import UserError
 from pagedweight.engine.engine import Engine, EngineConfig
 from pagedweight.memory.arena import DEFAULT_PAGE_BYTES, Arena
-from pagedweight.memory.kv_cache import blocks_for, kv_block_bytes
+from pagedweight.memory.kv_cache import blocks_for, kv_block_bytes, kv_tile_bytes
 from pagedweight.memory.pool import OTHER_WEIGHTS, WORKSPACE, MemoryPool
 from pagedweight.format.model_config import ModelConfig
 from pagedweight.model.materialize import materialize_dense
@@ -146,8 +146,9 @@ def build_runtime_from_paged(paged, config: RuntimeConfig, eos_token_ids=()) -> 
     if planner is not None:
         from pagedweight.weights.weight_pager import WeightPager
 
-        block = kv_block_bytes(paged.config, config.engine.kv.block_size, config.dtype)
-        pager = WeightPager(mover, planner, kv_block_bytes=block, routing=feed.snapshot,
+        tile = kv_tile_bytes(paged.config, config.engine.kv.block_size, config.dtype)  # the unit KV is placed in
+        # KV lives in tiles that fit the holes lowering leaves: no compaction for KV room
+        pager = WeightPager(mover, planner, kv_block_bytes=tile, routing=feed.snapshot, compact_for_kv=False,
                             prompts=(lambda: recorder.mix(residual_of)) if recorder is not None else None)
     engine = Engine(model, config.engine, arena=arena, pager=pager, eos_token_ids=eos_token_ids,
                     max_kv_blocks=_max_kv_blocks(config, paged.config, table, arena), prompt_routing=recorder)
@@ -173,8 +174,13 @@ def _max_kv_blocks(config: RuntimeConfig, model_config: ModelConfig, table: Page
     """KV blocks the arena holds once every expert block is at its lowest allowed bits."""
     floor_bits = config.static_bits or min(BIT_WIDTHS)
     weights = sum(table.charged_bytes(bid, floor_bits) for bid in table.entries)
-    block = kv_block_bytes(model_config, config.engine.kv.block_size, config.dtype)
-    return (arena.num_pages * arena.page_bytes - weights) // arena.charged_bytes(block)
+    return (arena.num_pages * arena.page_bytes - weights) // _charged_kv_block(model_config, config, arena)
+
+
+def _charged_kv_block(model_config: ModelConfig, config: RuntimeConfig, arena: Arena) -> int:
+    """Arena bytes of one KV block: its per-layer tiles, each in whole pages."""
+    tile = kv_tile_bytes(model_config, config.engine.kv.block_size, config.dtype)
+    return model_config.num_layers * arena.charged_bytes(tile)
 
 
 def _policy_planner(paged, config: RuntimeConfig, table: PageTable, model: MoECausalLM):
@@ -238,7 +244,7 @@ def _starting_bits(config: RuntimeConfig, model_config: ModelConfig, table: Page
     capacity = arena.num_pages * arena.page_bytes
     floor_bits = config.static_bits or MIN_BITS
     floor = sum(table.charged_bytes(bid, floor_bits) for bid in table.entries)
-    kv_block = arena.charged_bytes(kv_block_bytes(model_config, config.engine.kv.block_size, config.dtype))
+    kv_block = _charged_kv_block(model_config, config, arena)
     # a policy starts with min_kv_tokens_at_start of KV room; fixed bits need one KV block
     kv_tokens = config.engine.kv.block_size if config.static_bits else config.min_kv_tokens_at_start
     kv_room = kv_block * blocks_for(kv_tokens, config.engine.kv.block_size)

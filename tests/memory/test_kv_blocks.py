@@ -85,9 +85,11 @@ def test_arena_cache_grows_shrinks_and_labels_bytes_exactly():
     assert kv.grow(100) == 5 and kv.num_blocks == 5  # the budget holds five blocks
     assert pool.bytes_of(KV_FREE) == 5 * kv.block_bytes and pool.bytes_of(KV_USED) == 0
     a, b = Seq(0), Seq(1)
-    kv.allocate(a, 9)  # three blocks, highest pages first
+    kv.allocate(a, 9)  # three blocks, those placed highest first
     kv.allocate(b, 1)
-    assert a.block_ids == sorted(a.block_ids, reverse=True) and min(a.block_ids) > max(b.block_ids)
+    low = {bid: min(x.first_page for x in kv._tiles[bid]) for bid in a.block_ids + b.block_ids}
+    placed = [low[bid] for bid in a.block_ids]
+    assert placed == sorted(placed, reverse=True) and min(placed) > low[b.block_ids[0]]
     assert pool.bytes_of(KV_USED) == 4 * kv.block_bytes == kv.used_bytes
     assert pool.bytes_of(KV_FREE) == 1 * kv.block_bytes
     assert kv.shrink() == kv.block_bytes and kv.num_blocks == 4
@@ -149,3 +151,105 @@ def test_release_before_gives_back_only_blocks_wholly_behind_the_window():
     other.block_ids.append(5)  # a block it does not own
     with pytest.raises(RuntimeError, match="not owned"):
         manager.release_before(other, 8)
+
+
+def _fragmented_tile_cache(seed: int, device: str = "cpu"):
+    """An arena cache whose tiles are scattered: weights-like extents are allocated between
+    growths and some freed, so blocks' tiles land in holes, not side by side."""
+    config = ModelConfig.from_dir(BUNDLED_MODEL)
+    kv_config = KVCacheConfig(block_size=2)
+    probe = PagedKVCache(config, kv_config, torch.float32, "cpu")
+    pool = MemoryPool(budget_bytes=40 * probe.block_bytes + 1000)
+    arena = Arena.from_pool(pool, page_bytes=1024, device=device)
+    kv = PagedKVCache(config, kv_config, torch.float32, device, arena=arena)
+    gen = torch.Generator().manual_seed(seed)
+    fillers = [arena.allocate(OTHER_WEIGHTS, int(torch.randint(1, 3, (), generator=gen)) * kv.tile_bytes)
+               for _ in range(30)]
+    for x in fillers[::3]:  # holes among the "weights"
+        arena.free(x)
+    grown = kv.grow(8)
+    assert grown == 8
+    arena.check_consistent()
+    return config, kv
+
+
+GPU = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU")])
+
+
+@pytest.mark.parametrize("device", ["cpu", GPU])
+@pytest.mark.parametrize("use_arena", [False, True])
+def test_kv_tile_offsets_address_the_tiles_read_blocks_returns(use_arena, device):
+    """The contract with the paged decode kernel (issue 12): for random block tables,
+    flat[k_off : k_off + tile] and flat[v_off : v_off + tile] are the blocks' K and V
+    tiles of that layer, under the per-layer tile layout (tiles of one block anywhere)."""
+    if use_arena:
+        config, kv = _fragmented_tile_cache(0, device)
+        tiles = {b: [x.first_page for x in kv._tiles[b]] for b in kv._tiles}
+        assert any(sorted(p) != list(range(p[0], p[0] + len(p) * (p[1] - p[0]), p[1] - p[0]))
+                   or p[1] - p[0] != kv.arena.pages_for(kv.tile_bytes) for p in tiles.values()), tiles
+    else:
+        config = ModelConfig.from_dir(BUNDLED_MODEL)
+        kv = PagedKVCache(config, KVCacheConfig(block_size=2), torch.float32, device, num_blocks=8)
+    kv.flat.copy_(torch.randn(kv.flat.shape))  # every tile distinct
+    ids = sorted(kv.manager.take_free_blocks(8))
+    kv.manager.add_blocks(ids)
+    gen = torch.Generator().manual_seed(1)
+    tile = kv.block_size * kv.num_kv_heads * kv.head_dim
+    for layer in range(config.num_layers):
+        table = torch.tensor(ids)[torch.randint(0, len(ids), (3, 5), generator=gen)].to(device)
+        table[0, -1] = -1  # a released / padding entry reads block 0's place, never raises
+        k_off, v_off = kv.kv_tile_offsets(layer, table)
+        assert k_off.shape == v_off.shape == table.shape
+        k, v = kv.read_blocks(layer, table[1:].reshape(-1))
+        for i, (ko, vo) in enumerate(zip(k_off[1:].reshape(-1).tolist(), v_off[1:].reshape(-1).tolist())):
+            assert torch.equal(kv.flat[ko:ko + tile].view(k[i].shape), k[i])
+            assert torch.equal(kv.flat[vo:vo + tile].view(v[i].shape), v[i])
+
+
+def test_a_block_fits_tile_by_tile_into_holes_no_whole_block_fits():
+    """Holes smaller than a whole block but holding tiles are KV space: what lowering a
+    plane frees needs no compaction before the KV cache can use it."""
+    config = ModelConfig.from_dir(BUNDLED_MODEL)
+    kv_config = KVCacheConfig(block_size=2)
+    probe = PagedKVCache(config, kv_config, torch.float32, "cpu")
+    L = config.num_layers
+    assert L > 1
+    pool, arena = make_arena(2 * L, probe.tile_bytes)  # room for 2 blocks' tiles, no more
+    kv = PagedKVCache(config, kv_config, torch.float32, "cpu", arena=arena)
+    pieces = [arena.allocate(OTHER_WEIGHTS, kv.tile_bytes) for _ in range(arena.num_pages // arena.pages_for(kv.tile_bytes))]
+    for x in pieces[::2]:  # every other tile-sized piece freed: no two free tiles adjacent
+        arena.free(x)
+    assert arena.largest_free_run() < arena.pages_for(kv.block_bytes)
+    assert kv.grow(10) == len(pieces[::2]) // L
+    assert pool.bytes_of(KV_FREE) == kv.reserved_bytes == kv.num_blocks * L * arena.charged_bytes(kv.tile_bytes)
+    arena.check_consistent()
+
+
+@pytest.mark.parametrize("device", ["cpu", GPU])
+def test_blocks_grown_over_nan_bytes_give_finite_batched_attention(device):
+    """The arena's pages may hold anything (weights' planes read as NaN in bf16 or fp32):
+    the batched path reads whole blocks, so unwritten positions of a block must not be NaN,
+    or 0 * NaN poisons the output of every sequence in that block. New tiles start at 0:
+    the batched path equals the reference path, finite."""
+    config = ModelConfig.from_dir(BUNDLED_MODEL)
+    kv_config = KVCacheConfig(block_size=4)
+    probe = PagedKVCache(config, kv_config, torch.float32, "cpu")
+    pool = MemoryPool(budget_bytes=8 * probe.block_bytes + 1000)
+    arena = Arena.from_pool(pool, page_bytes=1024, device=device)
+    arena.storage.fill_(0xFF)  # every float reads as NaN
+    kv = PagedKVCache(config, kv_config, torch.float32, device, arena=arena)
+    assert kv.grow(8) == 8
+    ids = sorted(kv.manager.take_free_blocks(8))
+    kv.manager.add_blocks(ids)
+    tables = [[ids[2], ids[5]], [ids[0]]]  # 6 and 3 tokens: both last blocks partly filled
+    G, D, N = config.num_kv_heads, config.head_dim, config.num_heads
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(9, N, D, generator=gen).to(device)
+    k, v = torch.randn(9, G, D, generator=gen).to(device), torch.randn(9, G, D, generator=gen).to(device)
+    out = {}
+    for impl in ("reference", "batched"):
+        step = build_step(kv, [SeqSlice(tables[0], 6, 6), SeqSlice(tables[1], 3, 3)], impl)
+        out[impl] = paged_attention(1, q, k, v, step)
+    assert torch.isfinite(out["batched"]).all()
+    torch.testing.assert_close(out["batched"], out["reference"])

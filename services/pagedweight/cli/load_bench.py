@@ -76,6 +76,10 @@ def run_load(runtime: WorkerRuntime, spec: LoadSpec, on_step=lambda: None) -> di
     bits_start = mean_committed_bits(runtime)
     bits_min = [bits_start]
     moves0, plans0 = _pager_counts(runtime)  # start-up loading is not part of the load
+    short0 = engine.broker.num_short_steps
+    if runtime.pager is not None:
+        runtime.pager.mover.profile.reset()
+        runtime.table.num_descriptor_updates, runtime.table.descriptor_seconds = 0, 0.0
 
     def track_bits():
         bits_min[0] = min(bits_min[0], mean_committed_bits(runtime))
@@ -107,6 +111,8 @@ def run_load(runtime: WorkerRuntime, spec: LoadSpec, on_step=lambda: None) -> di
         "bits_mean_min": round(bits_min[0], 4),
         "bits_mean_end": round(mean_committed_bits(runtime), 4),
         "bits_histogram_end": pager.to_dict()["bits_histogram"] if pager else None,
+        "memory_short_steps": stats.memory_short_steps - short0,
+        "pager_profile": pager.profile if pager else None,
     }
 
 

@@ -72,6 +72,7 @@ class EngineStats:
     kv_reserved_bytes: int
     memory_requests: int  # accepted asks to the pager for bytes
     memory_offers: int  # accepted offers of bytes back to the weights
+    memory_short_steps: int  # steps in which some sequence waited for KV bytes
     pool: dict | None = None  # the pool's snapshot (bytes by kind, peak)
     pager: dict | None = None  # the pager's stats (bits histogram, page moves, plans)
 
@@ -229,6 +230,7 @@ class Engine:
             kv_reserved_bytes=self.kv.reserved_bytes,
             memory_requests=self.broker.num_requests,
             memory_offers=self.broker.num_offers,
+            memory_short_steps=self.broker.num_short_steps,
             pool=self.pool.snapshot().to_dict() if self.pool is not None else None,
             pager=self.pager.stats().to_dict() if self.pager is not None else None,
         )

@@ -17,6 +17,7 @@ without an arena has a fixed size) and `ask` is always False.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -37,12 +38,25 @@ class WeightPager(Protocol):
 class BrokerConfig:
     calm_steps: int = 16  # steps without KV shortage before bytes are given back (hysteresis)
     headroom_blocks: int = 4  # free KV blocks kept while sequences are running
+    # Raise hysteresis beyond calm_steps (issue 17): bytes go back to the weights only once
+    # the load has also been calm for calm_seconds, and only when at least offer_min_blocks
+    # KV blocks' worth of bytes are spare (a raise for crumbs is undone by the next burst:
+    # it copies planes that the next lowering drops again).
+    calm_seconds: float = 0.0
+    offer_min_blocks: int = 0
+    # Lowering in larger steps (issue 17): an ask for KV bytes also asks for this many
+    # blocks beyond the shortage, so the next steps' growth finds bytes already free
+    # instead of each waiting a step for its own small plan.
+    ask_ahead_blocks: int = 0
 
     def __post_init__(self):
         if self.calm_steps < 1:
             raise UserError(f"calm_steps must be >= 1, got {self.calm_steps}")
         if self.headroom_blocks < 0:
             raise UserError(f"headroom_blocks must be >= 0, got {self.headroom_blocks}")
+        if self.calm_seconds < 0 or self.offer_min_blocks < 0 or self.ask_ahead_blocks < 0:
+            raise UserError(f"calm_seconds, offer_min_blocks and ask_ahead_blocks must be >= 0, got "
+                            f"{self.calm_seconds}, {self.offer_min_blocks} and {self.ask_ahead_blocks}")
 
 
 class MemoryBroker:
@@ -51,8 +65,11 @@ class MemoryBroker:
         self.pool = kv.arena.pool if kv.arena is not None else None
         self.num_requests = 0  # request_bytes calls that had bytes to free
         self.num_offers = 0  # accepted offer_bytes calls
+        self.num_offers_too_small = 0  # calm steps whose spare bytes were under offer_min_blocks
         self._short_blocks = 0  # blocks sequences were short of in this step, all asks together
+        self.num_short_steps = 0  # steps in which some sequence waited for KV bytes (stalled)
         self._calm_steps = 0
+        self._calm_since = time.monotonic()  # when the load last was short of KV or queued
 
     def reserve(self, num_blocks: int) -> bool:
         """Make num_blocks free blocks exist, growing from the pool; True if they do."""
@@ -67,7 +84,7 @@ class MemoryBroker:
         self._short_blocks += max(num_blocks, 1)
         if self.pager is None:
             return False
-        needed = self._short_blocks * self.kv.arena.charged_bytes(self.kv.block_bytes)
+        needed = (self._short_blocks + self.config.ask_ahead_blocks) * self.kv.charged_block_bytes
         wanted = needed - self.pool_free_bytes()
         if wanted <= 0:  # the bytes are free but scattered: ask for whole blocks' worth
             wanted = needed
@@ -79,9 +96,14 @@ class MemoryBroker:
     def step_boundary(self, num_waiting: int, blocks_needed_next: int) -> None:
         if self.pager is not None:
             self.pager.step_boundary()
-        self._calm_steps = 0 if (self._short_blocks or num_waiting) else self._calm_steps + 1
+        self.num_short_steps += bool(self._short_blocks)
+        pressed = bool(self._short_blocks or num_waiting)
+        self._calm_steps = 0 if pressed else self._calm_steps + 1
+        now = time.monotonic()
+        if pressed:
+            self._calm_since = now
         self._short_blocks = 0
-        if self._calm_steps >= self.config.calm_steps:
+        if self._calm_steps >= self.config.calm_steps and now - self._calm_since >= self.config.calm_seconds:
             self._give_back(blocks_needed_next)
 
     def _give_back(self, blocks_needed_next: int) -> None:
@@ -95,7 +117,11 @@ class MemoryBroker:
             return
         # The pager refuses at once (O(1)) an offer of no more free bytes than it last found
         # no use for, so calm steps do not re-plan the same nothing.
-        if self.pager.offer_bytes(self.pool_free_bytes()) > 0:
+        spare = self.pool_free_bytes()
+        if spare < self.config.offer_min_blocks * self.kv.charged_block_bytes:
+            self.num_offers_too_small += 1
+            return  # too little to be worth copying planes for
+        if self.pager.offer_bytes(spare) > 0:
             self.num_offers += 1
 
     def pool_free_bytes(self) -> int:

@@ -4,19 +4,24 @@ Two parts, as in nano-vllm's block manager:
 - `KVBlockManager` keeps the bookkeeping only (free block ids, who owns which block) and
   speaks the shared vocabulary `can_allocate / allocate / free`.
 - `PagedKVCache` owns the bytes. A block holds `block_size` tokens of every layer's keys
-  and values, laid out [L, 2, block_size, G, D]. The bytes live either
-  - in a fixed tensor of `num_blocks` blocks (block id = index), or
-  - in the worker's memory arena (services/pagedweight/memory/arena.py), one extent per block
-    (block id = the extent's first page). Then the cache grows and shrinks while the
-    server runs: `grow` takes blocks from the arena (bytes the weight pager freed by
-    lowering bits), `shrink` gives free blocks back. Each block is charged to the pool
-    as `kv_free` while empty and `kv_used` while it holds tokens.
-Either way `blocks` is a view whose row `block_id` is that block, so attention gathers
-by block table directly, and `flat` is the same memory as one 1-D tensor for writes
-(the arena's block view has overlapping rows, which torch cannot write through).
+  and values, as `num_layers` TILES: tile (block, layer) is [2, block_size, G, D] (that
+  layer's keys, then its values), contiguous, and tiles of one block need not be next to
+  each other. The bytes live either
+  - in a fixed tensor of `num_blocks` blocks (a block's tiles side by side, so a block
+    is [L, 2, block_size, G, D] there), or
+  - in the worker's memory arena (services/pagedweight/memory/arena.py), one extent per
+    tile. Then the cache grows and shrinks while the server runs: `grow` takes tiles from
+    the arena (bytes the weight pager freed by lowering bits: a dropped plane's hole
+    holds whole tiles, so no weight has to move first), `shrink` gives free blocks back.
+    Each tile is charged to the pool as `kv_free` while its block is empty and `kv_used`
+    while it holds tokens.
+Either way a device table maps (layer, block id) to the tile's row in `tiles` (a view of
+the same memory), so attention gathers by block table on the device
+(`read_blocks`, `kv_tile_offsets`), and `flat` is the same memory as one 1-D tensor that
+never moves (writes, and kernels that take a base pointer plus offsets).
 
 Token t of a sequence lives in block `block_ids[t // block_size]`, offset
-`t % block_size`.
+`t % block_size`: its slot is block id * block_size + t % block_size.
 
 Shape legend: L = layers, G = key/value heads, D = head dim.
 """
@@ -58,6 +63,14 @@ def kv_block_bytes(model_config: ModelConfig, block_size: int, dtype: torch.dtyp
     return 2 * model_config.num_layers * block_size * heads * head_dim * elem
 
 
+def kv_tile_bytes(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one tile: keys and values of block_size tokens in one layer (the unit the
+    arena places; a block is num_layers tiles)."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    heads, head_dim = model_config.kv_slot  # the widest layer's shape (Gemma-4's layers differ)
+    return 2 * block_size * heads * head_dim * elem
+
+
 def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
@@ -77,8 +90,12 @@ class KVBlockManager:
     def __init__(self, block_size: int, prefer_high: bool = False):
         self.block_size = block_size
         self._sign = -1 if prefer_high else 1
-        self._free: list[int] = []  # heap of sign * block_id
+        self._free: list[tuple[int, int]] = []  # heap of (sign * rank, block_id)
         self._owner: dict[int, int] = {}  # block_id -> seq_id
+        self._rank: dict[int, int] = {}  # block_id -> where it sits (default: its id)
+
+    def _key(self, block_id: int) -> tuple[int, int]:
+        return self._sign * self._rank.get(block_id, block_id), block_id
 
     @property
     def num_blocks(self) -> int:
@@ -104,7 +121,7 @@ class KVBlockManager:
         missing = self.num_missing_blocks(seq, num_tokens)
         if missing > len(self._free):
             raise RuntimeError(f"KV: {missing} blocks wanted, {len(self._free)} free")
-        new = [self._sign * heapq.heappop(self._free) for _ in range(missing)]
+        new = [heapq.heappop(self._free)[1] for _ in range(missing)]
         for block_id in new:
             self._owner[block_id] = seq.seq_id
         seq.block_ids.extend(new)
@@ -119,7 +136,7 @@ class KVBlockManager:
         freed = live
         for block_id in freed:
             del self._owner[block_id]
-            heapq.heappush(self._free, self._sign * block_id)
+            heapq.heappush(self._free, self._key(block_id))
         seq.block_ids.clear()
         return freed
 
@@ -134,21 +151,26 @@ class KVBlockManager:
             if self._owner.get(block_id) != seq.seq_id:
                 raise RuntimeError(f"KV: block {block_id} is not owned by sequence {seq.seq_id}")
             del self._owner[block_id]
-            heapq.heappush(self._free, self._sign * block_id)
+            heapq.heappush(self._free, self._key(block_id))
             seq.block_ids[i] = RELEASED
             released.append(block_id)
         return released
 
-    def add_blocks(self, block_ids) -> None:
-        for block_id in block_ids:
-            heapq.heappush(self._free, self._sign * block_id)
+    def add_blocks(self, block_ids, ranks=None) -> None:
+        """Make blocks free; `ranks` (one per block) order them instead of their ids."""
+        for i, block_id in enumerate(block_ids):
+            if ranks is not None:
+                self._rank[block_id] = ranks[i]
+            heapq.heappush(self._free, self._key(block_id))
 
     def take_free_blocks(self, num_blocks: int) -> list[int]:
         """Remove up to num_blocks free blocks, least preferred first (to release them)."""
         ranked = sorted(self._free, reverse=True)  # least preferred first
-        taken = [self._sign * key for key in ranked[:num_blocks]]
+        taken = [block_id for _, block_id in ranked[:num_blocks]]
         self._free = ranked[num_blocks:]
         heapq.heapify(self._free)
+        for block_id in taken:
+            self._rank.pop(block_id, None)
         return taken
 
     def owned_block_ids(self) -> dict[int, int]:
@@ -156,7 +178,8 @@ class KVBlockManager:
 
 
 class PagedKVCache:
-    """Block-table-addressed KV storage: a fixed tensor, or blocks grown from the arena."""
+    """Block-table-addressed KV storage in per-layer tiles: a fixed tensor, or tiles grown
+    from the arena."""
 
     def __init__(
         self,
@@ -174,23 +197,41 @@ class PagedKVCache:
         self.num_layers = model_config.num_layers
         # every layer gets its widest layer's slot; narrower layers use its front (paged_attention)
         self.num_kv_heads, self.head_dim = model_config.kv_slot
-        self.block_shape = (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
-        self.block_elems = 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim
-        elem = torch.empty((), dtype=dtype).element_size()
+        self.tile_shape = (2, self.block_size, self.num_kv_heads, self.head_dim)  # one layer's K, V
+        self.tile_elems = 2 * self.block_size * self.num_kv_heads * self.head_dim
+        self.tile_bytes = kv_tile_bytes(model_config, config.block_size, dtype)
         self.block_bytes = kv_block_bytes(model_config, config.block_size, dtype)
         self.manager = KVBlockManager(config.block_size, prefer_high=arena is not None)
-        self._extents: dict = {}  # block_id -> arena Extent
+        self._tiles: dict[int, list] = {}  # block_id -> its L arena extents (layer order)
+        elem = torch.empty((), dtype=dtype).element_size()
+        L = self.num_layers
         if arena is None:
-            self.flat = torch.zeros(num_blocks * self.block_elems, dtype=dtype, device=self.device)
-            self.blocks = self.flat.view(num_blocks, *self.block_shape)
-            self.block_stride = self.block_elems  # elements from block id i to i + 1
+            # Tile row of (block b, layer l) = b * L + l: block b's bytes are contiguous,
+            # [L, 2, block_size, G, D], as before tiles existed.
+            self.flat = torch.zeros(num_blocks * L * self.tile_elems, dtype=dtype, device=self.device)
+            self.tiles = self.flat.view(num_blocks * L, *self.tile_shape)
+            self.row_stride = self.tile_elems  # elements from tile row r to r + 1
+            rows = torch.arange(num_blocks * L, dtype=torch.int64).view(num_blocks, L).T
+            self._tile_row = rows.contiguous().to(self.device)  # [L, blocks] -> tile row
             self.manager.add_blocks(range(num_blocks))
+            self._free_ids: list[int] = []
         else:
             if arena.page_bytes % elem:
                 raise ValueError(f"arena page size {arena.page_bytes} is not a multiple of {dtype}'s size")
             self.flat = arena.storage.view(dtype)
-            self.blocks = arena.block_view(dtype, self.block_shape)
-            self.block_stride = arena.page_bytes // elem
+            self.tiles = arena.block_view(dtype, self.tile_shape)  # row p: the tile at page p
+            self.row_stride = arena.page_bytes // elem
+            # The most blocks the arena could ever hold: the table's fixed width, so it never
+            # moves (a captured graph may hold it) and needs no host work to read.
+            capacity = max(1, arena.num_pages // (L * arena.pages_for(self.tile_bytes)))
+            self._tile_row = torch.zeros(L, capacity, dtype=torch.int64, device=self.device)
+            self._free_ids = list(range(capacity - 1, -1, -1))  # logical block ids, popped from the end
+        # K and V halves of every tile row as their own views, so a gather by row yields
+        # contiguous [n, block_size, G, D] keys and values
+        num_rows, half = self.tiles.shape[0], self.tile_elems // 2
+        shape, inner = (num_rows, *self.tile_shape[1:]), self.tiles.stride()[2:]
+        self._k_rows = self.flat.as_strided(shape, (self.row_stride, *inner), 0)
+        self._v_rows = self.flat.as_strided(shape, (self.row_stride, *inner), half)
 
     # ---- capacity -------------------------------------------------------------------
     @property
@@ -202,36 +243,63 @@ class PagedKVCache:
         return self.manager.num_free_blocks
 
     @property
+    def charged_block_bytes(self) -> int:
+        """What one block costs the pool: its L tiles, each rounded to whole pages."""
+        if self.arena is None:
+            return self.block_bytes
+        return self.num_layers * self.arena.charged_bytes(self.tile_bytes)
+
+    @property
     def used_bytes(self) -> int:
         """Bytes of blocks that hold tokens."""
-        return self.manager.num_used_blocks * self.block_bytes
+        return self.manager.num_used_blocks * self.charged_block_bytes
 
     @property
     def reserved_bytes(self) -> int:
-        return self.num_blocks * self.block_bytes
+        return self.num_blocks * self.charged_block_bytes
 
     def grow(self, num_blocks: int) -> int:
-        """Take up to num_blocks more blocks from the arena; returns how many it got."""
+        """Take up to num_blocks more blocks from the arena; returns how many it got.
+
+        A block is L tiles, each its own run of pages wherever the arena has one (highest
+        first): the hole one dropped plane leaves holds whole tiles, so the bytes lowering
+        frees are KV space without moving any weight."""
         if self.arena is None:
             return 0
-        new = []
-        while len(new) < num_blocks and self.arena.can_allocate(KV_FREE, self.block_bytes):
-            extent = self.arena.allocate(KV_FREE, self.block_bytes)
-            self._extents[extent.first_page] = extent
-            new.append(extent.first_page)
-        self.manager.add_blocks(new)
+        arena, need = self.arena, self.num_layers
+        new, rows, ranks = [], [], []
+        while len(new) < num_blocks and self._free_ids and arena.num_fitting(self.tile_bytes) >= need \
+                and arena.pool.can_allocate(KV_FREE, self.charged_block_bytes):
+            tiles = [arena.allocate(KV_FREE, self.tile_bytes) for _ in range(need)]
+            block_id = self._free_ids.pop()
+            self._tiles[block_id] = tiles
+            new.append(block_id)
+            rows.append([x.first_page for x in tiles])
+            ranks.append(min(x.first_page for x in tiles))  # given back first: the lowest
+        if new:
+            index = torch.tensor(new, dtype=torch.int64, device=self.device)
+            self._tile_row[:, index] = torch.tensor(rows, dtype=torch.int64).T.to(self.device)
+            # The pages held weights (or nothing) before: bytes that read as NaN in this dtype.
+            # Attention reads whole blocks and masks the positions past a sequence's end, but
+            # a masked NaN value still poisons softmax @ V (0 * NaN), so new tiles start at 0.
+            for pages in rows:
+                for page in pages:
+                    self.flat.narrow(0, page * self.row_stride, self.tile_elems).zero_()
+        self.manager.add_blocks(new, ranks)
         return len(new)
 
     def shrink(self, keep_free_blocks: int = 0) -> int:
-        """Give free blocks back to the arena, keeping keep_free_blocks; returns bytes freed."""
+        """Give free blocks back to the arena, keeping keep_free_blocks; returns bytes freed.
+        The blocks whose tiles sit lowest (among the weights) go first."""
         if self.arena is None:
             return 0
         surplus = self.manager.num_free_blocks - keep_free_blocks
         freed = 0
         for block_id in self.manager.take_free_blocks(max(0, surplus)):
-            extent = self._extents.pop(block_id)
-            self.arena.free(extent)
-            freed += extent.num_pages * self.arena.page_bytes
+            for extent in self._tiles.pop(block_id):
+                self.arena.free(extent)
+                freed += extent.num_pages * self.arena.page_bytes
+            self._free_ids.append(block_id)
         return freed
 
     # ---- block tables (the manager, plus the pool's kv_used / kv_free labels) --------
@@ -256,46 +324,47 @@ class PagedKVCache:
 
     def _relabel(self, block_id: int, kind: str) -> None:
         if self.arena is not None:
-            self._extents[block_id] = self.arena.relabel(self._extents[block_id], kind)
+            self._tiles[block_id] = self.arena.relabel_many(self._tiles[block_id], kind)
+
+    # ---- addressing -----------------------------------------------------------------
+    def token_offsets(self, block_ids: list[int], start: int, end: int) -> list[int]:
+        """Slots of token positions start..end-1: block id * block_size + offset in the block.
+        `write` and `read_tokens` turn a slot into each layer's place (tiles of one block
+        need not be next to each other)."""
+        bs = self.block_size
+        return [block_ids[t // bs] * bs + t % bs for t in range(start, end)]
+
+    def kv_tile_offsets(self, layer: int, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Element offsets into `flat` of the K tile and the V tile of `layer` of every block
+        in `block_table` (any shape; entries < 0 read as block 0). Each tile is contiguous,
+        [block_size, G, D]. A gather from a device table: no host work."""
+        rows = self._tile_row[layer][block_table.clamp(min=0)]
+        k = rows * self.row_stride
+        return k, k + self.tile_elems // 2
+
+    def _element_index(self, slots: torch.Tensor, layer: int, kv: int) -> torch.Tensor:
+        """[T] slots -> [T, G * D] flat element indices of one layer's k or v."""
+        per_token = self.num_kv_heads * self.head_dim
+        bs = self.block_size
+        rows = self._tile_row[layer][torch.div(slots, bs, rounding_mode="floor")]
+        base = rows * self.row_stride + (kv * bs + slots % bs) * per_token
+        return base[:, None] + torch.arange(per_token, device=slots.device)[None]
 
     # ---- reads and writes -----------------------------------------------------------
-    def token_offsets(self, block_ids: list[int], start: int, end: int) -> list[int]:
-        """Flat element offset (layer 0, keys) of token positions start..end-1."""
-        bs, stride = self.block_size, self.block_stride
-        per_token = self.num_kv_heads * self.head_dim
-        return [block_ids[t // bs] * stride + (t % bs) * per_token for t in range(start, end)]
-
-    def _element_index(self, offsets: torch.Tensor, layer: int, kv: int) -> torch.Tensor:
-        """[T] token offsets -> [T, G * D] flat element indices of one layer's k or v."""
-        per_token = self.num_kv_heads * self.head_dim
-        base = offsets + (2 * layer + kv) * self.block_size * per_token
-        return base[:, None] + torch.arange(per_token, device=offsets.device)[None]
-
     def write(self, layer: int, offsets: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store k, v [T, G, D] of the new tokens at their offsets."""
+        """Store k, v [T, G, D] of the new tokens at their slots (`token_offsets`)."""
         T = k.shape[0]
         self.flat[self._element_index(offsets, layer, 0)] = k.reshape(T, -1).to(self.dtype)
         self.flat[self._element_index(offsets, layer, 1)] = v.reshape(T, -1).to(self.dtype)
 
     def read_tokens(self, layer: int, offsets: torch.Tensor):
-        """Gather single tokens: (k, v) [T, G, D] (the reference path's read)."""
+        """Gather single tokens by slot: (k, v) [T, G, D] (the reference path's read)."""
         shape = (offsets.shape[0], self.num_kv_heads, self.head_dim)
         k = self.flat[self._element_index(offsets, layer, 0)].view(shape)
         v = self.flat[self._element_index(offsets, layer, 1)].view(shape)
         return k, v
 
-    def kv_tile_offsets(self, layer: int, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Element offsets into `flat` of the K tile and the V tile of `layer` for every block
-        id in `block_table` (any shape; entries < 0, released or padding, read block 0).
-
-        Each tile is contiguous, [block_size, G, D]. Plain arithmetic on the table's device,
-        no host work, so paged decode attention can compute it inside a CUDA graph and read
-        the blocks where they are (the contract with the layout: a block is [L, 2, bs, G, D]
-        at `block_id * block_stride`)."""
-        tile = self.block_size * self.num_kv_heads * self.head_dim
-        k = block_table.clamp_min(0) * self.block_stride + 2 * layer * tile
-        return k, k + tile
-
     def read_blocks(self, layer: int, block_ids: torch.Tensor):
         """Gather whole blocks by id: (k, v) [n, block_size, G, D]."""
-        return self.blocks[block_ids, layer, 0], self.blocks[block_ids, layer, 1]
+        rows = self._tile_row[layer][block_ids]
+        return self._k_rows[rows], self._v_rows[rows]

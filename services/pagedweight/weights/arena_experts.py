@@ -19,6 +19,8 @@ them every step); the cache lives outside the budget, so it is off by default on
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -62,9 +64,12 @@ class ArenaExperts(nn.Module):
             blocks = [self._resident(b) for b in self._block_ids]
             self._kernel_layer = APLLayer(blocks[:E], blocks[E:], self.activation)
         else:
+            start = time.perf_counter()
             for b in self._block_ids:
                 if self.table.entries[b].version != self._kernel_versions[b]:
                     self._kernel_layer.set_block(b.expert, b.module, self._resident(b))
+                    self.table.num_descriptor_updates += 1
+            self.table.descriptor_seconds += time.perf_counter() - start
         self._kernel_versions = {b: self.table.entries[b].version for b in self._block_ids}
         return self._kernel_layer
 

@@ -37,6 +37,7 @@ from pagedweight.memory.arena import Arena, ArenaFragmented, Extent
 from pagedweight.memory.pool import TRANSIT, BudgetExceeded, expert_kind
 from pagedweight.format.apl_format import MIN_BITS, BlockId
 from pagedweight.weights.page_table import BlockPages, PageTable
+from pagedweight.weights.pager_profile import PagerProfile
 
 
 @dataclass
@@ -110,22 +111,26 @@ class PageMover:
         self._transits: dict[BlockId, _Transit] = {}  # block_id -> copy in flight
         self._copier = _Copier(self.arena.device, before_copy)
         self.counters = MoverCounters()
+        self.profile = PagerProfile()
 
     # ---- the protocol -----------------------------------------------------------------
     def step_boundary(self, raise_order: list[BlockId] | None = None) -> BoundaryResult:
         """Commit finished raises, apply lowerings, start raises (see the module doc)."""
-        result = BoundaryResult()
-        for bid in [b for b, t in self._transits.items() if t.done()]:
-            self._commit_raise(bid, result)
-        for bid, e in self.table.entries.items():
-            if e.desired_bits < e.committed_bits and not e.transit_bits:
-                self._lower(e, result)
-        order = raise_order if raise_order is not None else list(self.table.entries)
-        for bid in order:
-            e = self.table.entries[bid]
-            if e.desired_bits > e.committed_bits and not e.transit_bits:
-                if self._start_raise(e, result):
-                    result.started_ids.append(bid)
+        result, profile = BoundaryResult(), self.profile
+        with profile.timed("raise_commit"):
+            for bid in [b for b, t in self._transits.items() if t.done()]:
+                self._commit_raise(bid, result)
+        with profile.timed("lower"):
+            for bid, e in self.table.entries.items():
+                if e.desired_bits < e.committed_bits and not e.transit_bits:
+                    self._lower(e, result)
+        with profile.timed("raise_start"):
+            order = raise_order if raise_order is not None else list(self.table.entries)
+            for bid in order:
+                e = self.table.entries[bid]
+                if e.desired_bits > e.committed_bits and not e.transit_bits:
+                    if self._start_raise(e, result):
+                        result.started_ids.append(bid)
         return result
 
     def busy(self) -> bool:
@@ -189,6 +194,7 @@ class PageMover:
         self._transits[bid] = _Transit(b, extents, lut_extent, self._copier.submit(pairs))
         e.transit_bits = b
         result.num_bytes_taken += sum(x.num_pages for x in extents + [lut_extent]) * self.arena.page_bytes
+        self.profile.bytes_host_to_device += sum(x.num_bytes for x in extents + [lut_extent])
         return True
 
     def _commit_raise(self, bid: BlockId, result: BoundaryResult) -> None:
@@ -205,6 +211,7 @@ class PageMover:
         self.counters.num_planes_copied += len(new)
         self.counters.num_bytes_copied += sum(x.num_bytes for x in new) + t.lut_extent.num_bytes
         self.counters.num_raises_committed += 1
+        self.profile.ups[bid] += 1
         e.committed_bits, e.transit_bits = t.target_bits, 0
         e.version += 1
         result.committed_ids.append(bid)
@@ -214,12 +221,16 @@ class PageMover:
         bid, b = e.block_id, e.desired_bits
         dropped = e.plane_extents[b:]
         for x in dropped + [e.lut_extent]:
-            result.num_bytes_freed += self._free(x)
+            freed = self._free(x)
+            result.num_bytes_freed += freed
+            self.profile.bytes_freed_by_lowering += freed
         kind = expert_kind(b)
         lut = self.table.host[bid].luts[b]
         lut_extent = self.arena.allocate(kind, lut.numel() * lut.element_size())  # fits: LUT_q was larger
         self.arena.view(lut_extent, lut.dtype, tuple(lut.shape)).copy_(lut, non_blocking=True)  # compute stream
         result.num_bytes_taken += lut_extent.num_pages * self.arena.page_bytes
+        self.profile.bytes_host_to_device += lut_extent.num_bytes
+        self.profile.downs[bid] += 1
         e.plane_extents = self.arena.relabel_many(e.plane_extents[:b], kind)
         e.lut_extent = lut_extent
         e.committed_bits = b
@@ -233,16 +244,25 @@ class PageMover:
         return extent.num_pages * self.arena.page_bytes
 
     # ---- compaction -------------------------------------------------------------------
-    def compact(self, done: Callable[[], bool] = lambda: False) -> int:
+    def compact(self, done: Callable[[], bool] = lambda: False, max_bytes: int | None = None,
+                phase: str = "compact") -> int:
         """Move committed weight extents down into lower free runs, so that the pages
         freed by lowering join the free space next to the KV region; stop early once
-        `done()`. Copies run on the compute stream at a step boundary (readers see the
-        new place from the next step). Returns the number of extents moved."""
+        `done()`, or once `max_bytes` have been copied (None: no cap). Copies run on the
+        compute stream at a step boundary (readers see the new place from the next step),
+        so the cap bounds what one boundary can stall the next step by; a capped
+        compaction goes on at a later boundary. Returns the number of extents moved."""
+        with self.profile.timed(phase):  # "compact" for KV room, "compact_for_raise" for raises
+            moved, capped = self._compact(done, max_bytes)
+        self.profile.num_compaction_capped += capped
+        return moved
+
+    def _compact(self, done: Callable[[], bool], max_bytes: int | None) -> tuple[int, bool]:
         # Only allocating and freeing change what can move, so the lowest fit per extent
         # size (a handful of sizes: planes, LUTs) is cached between moves, and `done()` is
         # asked only after one: a scan over 10^5 extents then costs a dict lookup each.
         if done():
-            return 0
+            return 0, False
         owners = {}  # first_page -> (entry, index in plane_extents or -1 for the LUT)
         for e in self.table.entries.values():
             for i, x in enumerate(e.plane_extents):
@@ -250,8 +270,10 @@ class PageMover:
             if e.lut_extent is not None:
                 owners[e.lut_extent.first_page] = (e, -1)
         lowest: dict[int, int | None] = {}  # num_pages -> lowest fit (cleared after every move)
-        moved = 0
+        moved = copied = 0
         for start in sorted(owners):
+            if max_bytes is not None and copied >= max_bytes:
+                break
             e, i = owners[start]
             old = e.plane_extents[i] if i >= 0 else e.lut_extent
             if old.num_pages not in lowest:
@@ -268,8 +290,11 @@ class PageMover:
                 e.lut_extent = new
             e.version += 1
             moved += 1
+            copied += old.num_bytes
             lowest.clear()
             if done():
                 break
         self.counters.num_extents_relocated += moved
-        return moved
+        self.profile.bytes_device_to_device += copied
+        capped = max_bytes is not None and copied >= max_bytes and not done()
+        return moved, capped

@@ -72,6 +72,10 @@ class PageTable:
         }
         self.read_log: list[Extent] | None = None  # when a list, readers append what they read (tests)
         self.num_desired_updates = 0  # set_desired_bits calls (plans set from outside the pager)
+        # kernel descriptor rows rewritten because a block's version moved, and the host
+        # seconds spent on it (ArenaExperts counts them; the pager's profile reports them)
+        self.num_descriptor_updates = 0
+        self.descriptor_seconds = 0.0
 
     # ---- sizes ------------------------------------------------------------------------
     def plane_bytes(self, block_id: BlockId) -> int:

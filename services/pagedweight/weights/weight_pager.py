@@ -18,15 +18,20 @@ at a time; while it is, the bytes it asks for count as pending.
   bits; raises start at a later boundary and commit when their copies land.
 - `step_boundary()`: applies a plan that has arrived, commits finished moves, frees planes no step reads any more,
   starts raises, and after lowering compacts weight pages (moves them down) until the
-  free page runs hold, as KV blocks of `kv_block_bytes` (by default the size of the
-  arena's latest KV allocation; with none seen yet, it compacts fully), the bytes asked
-  for plus those that were free when asked (or every free byte, if fewer). Returns what changed (a `BoundaryResult`).
+  free page runs hold, as KV units of `kv_block_bytes` (the KV cache's per-layer tile;
+  by default the size of the arena's latest KV allocation; with none seen yet, it
+  compacts fully), the bytes asked for plus the whole units that were free when asked
+  (or every free byte, if fewer). Tiles are small enough that a dropped plane's hole holds some,
+  so this rarely moves anything; when it does, at most `compact_bytes_per_boundary` are
+  copied per boundary (the rest at the next ones), so no boundary stalls a step for
+  long. Returns what changed (a `BoundaryResult`).
 Bytes are arena bytes (whole pages, LUTs included): what the KV cache really gets.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from dataclasses import dataclass
 from typing import Callable
 
@@ -36,6 +41,10 @@ from pagedweight.format.blocks import BIT_WIDTHS, BlockId, check_bits
 from pagedweight.planner.messages import FREE, KVPressure, PlanRequest, PlanResponse, PromptMix, RoutingSnapshot
 from pagedweight.weights.bit_planner import BitPlanner
 from pagedweight.weights.page_mover import BoundaryResult, PageMover
+
+
+# Bytes one boundary's compaction may copy: ~20 us of an H200's HBM, a few ms on a CPU.
+DEFAULT_COMPACT_BYTES = 32 << 20
 
 
 @dataclass(frozen=True)
@@ -51,6 +60,7 @@ class PagerStats:
     num_extents_relocated: int  # by compaction
     num_blocks_in_transit: int
     num_blocks_pending: int  # blocks whose desired bits differ from committed
+    profile: dict | None = None  # PagerProfile.to_dict(): time, bytes each way, churn
 
     def to_dict(self) -> dict:
         out = dict(self.__dict__)
@@ -61,7 +71,8 @@ class PagerStats:
 class WeightPager:
     def __init__(self, mover: PageMover, planner: BitPlanner, kv_block_bytes: int | None = None,
                  routing: Callable[[], RoutingSnapshot] | None = None,
-                 prompts: Callable[[], PromptMix | None] | None = None):
+                 prompts: Callable[[], PromptMix | None] | None = None,
+                 compact_bytes_per_boundary: int | None = DEFAULT_COMPACT_BYTES, compact_for_kv: bool = True):
         """`planner` is registered with this page table's blocks, in the table's order
         (in_process_planner.page_table_registration). `routing`: e.g. RoutingFeed.snapshot,
         the live routing sent with every request. `prompts`: the prompts in flight, sent
@@ -72,14 +83,26 @@ class WeightPager:
         self.kv_block_bytes = kv_block_bytes  # the KV cache's block size (None: learnt from the arena)
         self.routing = routing
         self.prompts = prompts
+        # Compaction copies on the compute stream at a boundary: the cap bounds how long one
+        # boundary can hold the next step back (None: no cap); the rest waits for later ones.
+        self.compact_bytes_per_boundary = compact_bytes_per_boundary
+        # False: never move weights to make KV room after lowering; a shortage left by
+        # crumbs (hole remainders smaller than a KV tile) is met by the broker asking again,
+        # i.e. by lowering a little more. With per-layer KV tiles that is far cheaper: on the
+        # H200 at Qwen1.5-MoE's width compaction for KV moved 1.3 GB (and rewrote 12k kernel
+        # descriptors) to gather the crumbs of 1.0 GB of lowering.
+        self.compact_for_kv = compact_for_kv
         self.block_ids: list[BlockId] = list(self.table.entries)  # the registration's block order
         self._request_ids = itertools.count(1)
         self._in_flight: PlanRequest | None = None  # the request whose response has not arrived
         self._cannot_free = False  # the last free plan changed nothing: every block is at its floor
         self._free_bytes_at_refusal = -1  # pool free bytes when a spend plan last took nothing
         self._kv_target_bytes = 0  # what compaction must make usable as KV blocks
+        self._compaction_left = False  # a capped compaction goes on at the next boundaries
         self.num_plans = 0
         self.num_raises_dropped = 0  # raises given up because they could not start (see below)
+        self.offer_outcomes: Counter = Counter()  # offer_bytes results by reason
+        self.num_routing_non_finite = 0  # routing snapshots with NaN/inf, cleaned before planning
         self._stalled_boundaries = 0
         self._free_bytes_at_drop = -1  # pool free bytes when raises were last dropped
         self._mean_min = self._mean_bits()
@@ -96,7 +119,7 @@ class WeightPager:
         block is at its floor)."""
         entries = self.table.entries
         self._free_bytes_at_drop = self._free_bytes_at_refusal = -1  # bits go down: what is free afterwards is new
-        self._kv_target_bytes = max(self._kv_target_bytes, num_bytes + self.mover.arena.pool.free_bytes)
+        self._kv_target_bytes = max(self._kv_target_bytes, num_bytes + self._usable_kv_bytes())
         if not self._is_settled():  # settled: no raise is waiting to start
             for e in entries.values():  # cancel raises that have not started
                 e.desired_bits = min(e.desired_bits, e.effective_bits)
@@ -111,20 +134,27 @@ class WeightPager:
     def offer_bytes(self, num_bytes: int) -> int:
         """Spend up to `num_bytes` spare bytes on bits; returns the bytes planned.
         Ignored (0) while lowerings are still pending: pressure has not fallen yet."""
+        outcomes = self.offer_outcomes  # why offers were taken or not (the profile reports them)
         if self._in_flight is not None:
+            outcomes["plan_in_flight"] += 1
             return 0
         free_bytes = self.mover.arena.pool.free_bytes
         if free_bytes <= max(self._free_bytes_at_drop, self._free_bytes_at_refusal):
+            outcomes["no_new_bytes"] += 1
             return 0  # these bytes could not hold the last plan's raises, or found no use
         settled = self._is_settled()  # then nothing is pending: skip the scans
         if not settled and self._pending_free() > 0:
+            outcomes["lowering_pending"] += 1
             return 0
         spendable = num_bytes - (0 if settled else self._pending_take())
         if spendable <= 0:
+            outcomes["raises_pending"] += 1
             return 0
         request = self._submit(KVPressure(bytes_free=spendable))
         if self._in_flight is request:  # not answered yet: the planner may spend all of it
+            outcomes["asked"] += 1
             return spendable
+        outcomes["planned" if self._last_applied_bytes > 0 else "planner_spent_nothing"] += 1
         return self._last_applied_bytes
 
     # ---- the planner's side of the seam -------------------------------------------------
@@ -132,14 +162,25 @@ class WeightPager:
         # the table's entries keep the registration's order (block_ids): no lookup per block
         bits = np.fromiter((e.desired_bits for e in self.table.entries.values()), dtype=np.int64,
                            count=len(self.block_ids))
-        routing = self.routing() if self.routing is not None else None
+        routing = self._finite(self.routing()) if self.routing is not None else None
         prompts = self.prompts() if self.prompts is not None else None
         request = PlanRequest(next(self._request_ids), pressure, bits, routing, prompts)
         self._in_flight = request
         self.num_plans += 1
-        self.planner.submit(request)
-        self._apply_arrived()  # an in-process planner has answered already; a remote one later
+        with self.mover.profile.timed("plan"):
+            self.planner.submit(request)
+            self._apply_arrived()  # an in-process planner has answered already; a remote one later
         return request
+
+    def _finite(self, snapshot: RoutingSnapshot) -> RoutingSnapshot:
+        """The snapshot with non-finite counts or mass read as 0 (counted): one NaN step
+        would stay in the planner's moving average for good and make every raise look
+        worthless (a NaN damage step is never taken), so bits would never come back."""
+        if np.isfinite(snapshot.counts).all() and np.isfinite(snapshot.mass).all():
+            return snapshot
+        self.num_routing_non_finite += 1
+        clean = lambda a: np.nan_to_num(np.asarray(a, dtype=np.float64), nan=0.0, posinf=0.0, neginf=0.0)
+        return RoutingSnapshot(clean(snapshot.counts), clean(snapshot.mass), snapshot.num_tokens)
 
     def _apply_arrived(self) -> None:
         """Apply every response that has arrived; only the one to the request in flight counts."""
@@ -172,15 +213,23 @@ class WeightPager:
             self._free_bytes_at_refusal = self.mover.arena.pool.free_bytes
 
     def step_boundary(self) -> BoundaryResult:
+        with self.mover.profile.timed("boundary"):
+            return self._step_boundary()
+
+    def _step_boundary(self) -> BoundaryResult:
         if self._in_flight is not None:
             self._apply_arrived()
+        if self._compaction_left:
+            self._compact()  # before anything else: the KV cache is waiting for these bytes
         if self._is_settled():
             return BoundaryResult()  # nothing to commit, lower or raise: no scan over the blocks
         result = self.mover.step_boundary(self._raise_order())
-        if result.lowered_ids:
+        self.mover.profile.num_boundaries_with_work += bool(
+            result.lowered_ids or result.started_ids or result.committed_ids)
+        if result.lowered_ids and self.compact_for_kv:
             self._compact()
-        elif result.num_raises_fragmented:
-            self.mover.compact()  # the raises retry at the next boundary
+        elif result.num_raises_fragmented:  # the raises retry at the next boundary
+            self.mover.compact(max_bytes=self.compact_bytes_per_boundary, phase="compact_for_raise")
         self._drop_stalled_raises(result)
         self._mean_min = min(self._mean_min, self._mean_bits())
         self._settled = not self.mover.busy()
@@ -233,6 +282,11 @@ class WeightPager:
             num_extents_relocated=c.num_extents_relocated,
             num_blocks_in_transit=sum(1 for e in entries if e.transit_bits),
             num_blocks_pending=sum(1 for e in entries if e.desired_bits != e.committed_bits),
+            profile=self.mover.profile.to_dict() | {
+                "descriptor_updates": self.table.num_descriptor_updates,
+                "descriptor_seconds": round(self.table.descriptor_seconds, 6),
+                "offers": dict(self.offer_outcomes), "raises_dropped": self.num_raises_dropped,
+                "routing_non_finite": self.num_routing_non_finite},
         )
 
     # ---- internals ----------------------------------------------------------------------
@@ -244,15 +298,36 @@ class WeightPager:
         request = self._in_flight
         return request.pressure.bytes_needed if request is not None and request.pressure.direction == FREE else 0
 
+    def _usable_kv_bytes(self) -> int:
+        """Free bytes the KV cache can use as they lie: whole KV units in free runs (all free
+        bytes while the unit is unknown). Crumbs smaller than a unit are not counted, so
+        compaction never runs just to gather them: the bytes asked for are on top of these."""
+        arena = self.mover.arena
+        unit = self.kv_block_bytes or arena.last_kv_bytes
+        if unit is None:
+            return arena.pool.free_bytes
+        return arena.num_fitting(unit) * arena.charged_bytes(unit)
+
     def _compact(self) -> None:
+        """Compact toward the KV target, at most compact_bytes_per_boundary this boundary;
+        a capped compaction keeps its target and goes on at the next boundary."""
+        profile, target = self.mover.profile, self._kv_target_bytes
+        capped_before = profile.num_compaction_capped
+        self._compact_toward_target()
+        self._compaction_left = profile.num_compaction_capped > capped_before
+        if self._compaction_left:
+            self._kv_target_bytes = max(self._kv_target_bytes, target)
+
+    def _compact_toward_target(self) -> None:
         arena, target = self.mover.arena, self._kv_target_bytes
         self._kv_target_bytes = 0
         block_bytes = self.kv_block_bytes or arena.last_kv_bytes
+        cap = self.compact_bytes_per_boundary
         if block_bytes is None:
-            self.mover.compact()
+            self.mover.compact(max_bytes=cap)
             return
         num_blocks = min(arena.num_free_pages // arena.pages_for(block_bytes), -(-target // block_bytes))
-        self.mover.compact(done=lambda: arena.num_fitting(block_bytes) >= num_blocks)
+        self.mover.compact(done=lambda: arena.num_fitting(block_bytes) >= num_blocks, max_bytes=cap)
 
     def _mean_bits(self) -> float:
         entries = self.table.entries.values()

@@ -1,0 +1,404 @@
+"""Precision elasticity under pressure traces (issue 17, point 3): the same trace for every
+policy at one memory budget, with what moving the split cost and what it bought.
+
+Policies: `pagedweight` (bits follow the KV pressure), `static-8/4/3` (bits pinned) and
+`uniform` (the planner's uniform policy: one bit-width for every block that fits the
+budget, re-planned from scratch under pressure). Traces (closed loop, random prompts,
+EOS ignored):
+- `steady`: a steady overload, `--requests` requests `--concurrency` at a time;
+- `burst`: a low load (concurrency `--low`), a burst at `--concurrency`, the low load again,
+  then idle: how long after the burst's last request finishes the mean bits take to come
+  back to where they started, and page moves per request.
+Budget: non-expert weights + workspace + every expert at 8 bits + `--kv-fraction` of the KV
+the steady load wants (default half), so static-8 must queue or preempt.
+
+Per policy and trace: output tokens/s, preemptions, steps that waited for KV bytes, page
+moves, bytes copied (host->device raises, device->device compaction), mean bits at start /
+min / end and served (token-weighted), the pager's profile, and the mean bits over time
+(sampled every step; plotted with --plot). With `--kl` (a paged artifact from `pagedweight
+quantize` whose source checkpoint is at hand, CPU), the quality cost under the trace: the
+token-weighted KL(bf16 || served) of the bit plans the trace actually served, scored on the
+shared corpus.
+
+The model: `--artifact DIR` (a paged artifact), or `--shape NAME` (bench/real_shape.py's
+random-weight model at a real size; `--layers N` keeps N layers, to fit the device time).
+
+    PYTHONPATH=.:services:kernels python3 -m bench.elasticity --shape qwen1.5-moe-a2.7b --layers 12
+    .venv/bin/python -m bench.elasticity --artifact ART/tiny-qwen-moe --device cpu --kl --plot docs/elasticity_cpu.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from bench.bench_meta import RESULTS_DIR, commit, machine
+from pagedweight.cli.load_bench import mean_committed_bits
+from pagedweight.engine.memory_broker import BrokerConfig
+from pagedweight.engine.engine import EngineConfig
+from pagedweight.engine.sampler import SamplingParams
+from pagedweight.engine.scheduler import SchedulerConfig
+from pagedweight.format.apl_format import block_bytes
+from pagedweight.memory.kv_cache import KVCacheConfig, kv_block_bytes
+from pagedweight.runtime import RuntimeConfig, build_runtime_from_paged, workspace_bytes
+
+POLICIES = ("pagedweight", "static-8", "static-4", "static-3", "uniform")
+
+
+@dataclass(frozen=True)
+class Phase:
+    num_requests: int
+    concurrency: int
+
+
+def traces(args) -> dict[str, list[Phase]]:
+    return {
+        "steady": [Phase(args.requests, args.concurrency)],
+        "burst": [Phase(args.low_requests, args.low), Phase(args.requests, args.concurrency),
+                  Phase(args.low_requests, args.low)],
+    }
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def drive_trace(runtime, phases: list[Phase], prompt_len: int, max_tokens: int, drain_s: float,
+                burst_phase: int | None, seed: int = 0) -> dict:
+    """Run the phases, then step idle up to `drain_s` (until the pager is done and the bits
+    are back); sample the mean bits every step."""
+    engine, table = runtime.engine, runtime.table
+    vocab = engine.model.config.vocab_size
+    gen = torch.Generator().manual_seed(seed)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    phase_of: dict[str, int] = {}
+    left_in_phase = [p.num_requests for p in phases]
+    in_flight: set[str] = set()
+    total = sum(p.num_requests for p in phases)
+    sent = finished = tokens = 0
+    bits_start = mean_committed_bits(runtime)
+    samples = []  # [t, mean bits, kv blocks used, running, waiting, tokens this step]
+    plans: dict[bytes, list] = {}  # committed bits -> [bits tensor, tokens served at them]
+    moves = _moves(runtime)
+    key = _bits_key(table)
+    burst_end = None
+    start = time.perf_counter()
+    last_report = start
+    while sent < total or in_flight:
+        phase = next((i for i, n in enumerate(left_in_phase) if n), None)
+        while phase is not None and len(in_flight) < phases[phase].concurrency:
+            prompt = torch.randint(1, vocab, (prompt_len,), generator=gen).tolist()
+            rid = f"r{sent}"
+            engine.add_request(rid, prompt, params)
+            in_flight.add(rid)
+            phase_of[rid] = phase
+            sent += 1
+            left_in_phase[phase] -= 1
+            if not left_in_phase[phase]:
+                phase = next((i for i, n in enumerate(left_in_phase) if n), None)
+        step_tokens = 0
+        for out in engine.step():
+            step_tokens += len(out.new_token_ids)
+            if out.finished:
+                in_flight.discard(out.request_id)
+                finished += 1
+                if phase_of[out.request_id] == burst_phase and not any(
+                        phase_of[r] == burst_phase for r in in_flight) and not left_in_phase[burst_phase]:
+                    burst_end = time.perf_counter() - start
+        tokens += step_tokens
+        now_moves = _moves(runtime)
+        if now_moves != moves:
+            moves, key = now_moves, _bits_key(table)
+        plans.setdefault(key[0], [key[1], 0])[1] += step_tokens
+        samples.append(_sample(runtime, start, step_tokens))
+        if time.perf_counter() - last_report > 5:
+            last_report = time.perf_counter()
+            log(f"  {finished}/{total} requests, {tokens} tokens, mean bits {samples[-1][1]:.3f}")
+    elapsed = time.perf_counter() - start
+    drain_start = time.perf_counter()
+    while time.perf_counter() - drain_start < drain_s:  # idle: the weights take their bytes back
+        engine.step()
+        samples.append(_sample(runtime, start, 0))
+        pager_busy = runtime.pager is not None and runtime.pager.busy()
+        if not pager_busy and samples[-1][1] >= bits_start - 1e-9:
+            break
+        if pager_busy:
+            time.sleep(0.001)
+    back = None
+    if burst_end is not None:
+        back = next((t - burst_end for t, b, *_ in samples if t >= burst_end and b >= bits_start - 1e-9), None)
+    served = sum(s[1] * s[5] for s in samples) / max(tokens, 1)
+    return {"elapsed_s": round(elapsed, 3), "output_tokens": tokens, "requests": total,
+            "output_tokens_per_s": round(tokens / elapsed, 2), "bits_mean_start": round(bits_start, 4),
+            "bits_mean_min": round(min(s[1] for s in samples), 4), "bits_mean_end": round(samples[-1][1], 4),
+            "bits_mean_served": round(served, 4), "burst_end_s": burst_end, "bits_back_after_burst_s": back,
+            "samples": samples, "_plans": plans}
+
+
+def run_order(trace_names: list[str], policies: list[str]) -> list[tuple[str, str]]:
+    """What a time limit should cut last first: pagedweight against static-8 and static-4
+    on every trace, then the other baselines."""
+    first = [p for p in ("pagedweight", "static-8", "static-4") if p in policies]
+    runs = [(t, p) for t in trace_names for p in first]
+    return runs + [(t, p) for t in trace_names for p in policies if p not in first]
+
+
+def warm_up(runtime, prompt_len: int) -> None:
+    """Kernels compiled and caches made before the clock starts: short loads at the
+    starting bits and, for a runtime whose bits move, at every bit-width a trace can reach
+    (half the experts lowered to b, then all of them: the fused kernel compiles one instance
+    per bit class and layout on first use, seconds each), then every block back to its
+    starting bits. Every policy gets the same loads, so no run pays another's compiles."""
+    from pagedweight.cli.load_bench import LoadSpec, drive_load
+
+    engine, table = runtime.engine, runtime.table
+    start = table.desired_bits()
+    drive_load(engine, LoadSpec(16, 16, prompt_len, 4, seed=1))
+    if runtime.pager is None:
+        return
+    for bits in (7, 6, 5, 4, 3):
+        for half in (True, False):
+            table.set_desired_bits({b: min(start[b], bits) for b in table.entries if not half or b.expert % 2})
+            runtime.mover.step_boundary()
+            drive_load(engine, LoadSpec(2, 2, prompt_len, 2, seed=2))
+    engine.kv.shrink()
+    table.set_desired_bits(start)
+    runtime.mover.load_all()
+
+
+def _sample(runtime, start: float, tokens: int) -> list:
+    engine = runtime.engine
+    return [round(time.perf_counter() - start, 4), round(mean_committed_bits(runtime), 4),
+            engine.kv.manager.num_used_blocks, len(engine.scheduler.running), len(engine.scheduler.waiting), tokens]
+
+
+def _moves(runtime) -> int:
+    c = runtime.mover.counters
+    return c.num_lowerings + c.num_raises_committed
+
+
+def _bits_key(table):
+    bits = torch.tensor([e.committed_bits for e in table.entries.values()], dtype=torch.int8)
+    return bits.numpy().tobytes(), bits
+
+
+def engine_config(args) -> EngineConfig:
+    broker = BrokerConfig(calm_steps=args.calm_steps, calm_seconds=args.calm_seconds,
+                          offer_min_blocks=args.offer_min_blocks, ask_ahead_blocks=args.ask_ahead_blocks)
+    return EngineConfig(scheduler=SchedulerConfig(max_num_seqs=args.concurrency,
+                                                  max_num_batched_tokens=args.batched_tokens),
+                        kv=KVCacheConfig(), broker=broker)
+
+
+def load_model(args, device: torch.device, dtype: torch.dtype):
+    """(paged model, its config, eos ids, what was built)."""
+    if args.artifact:
+        from pagedweight.format.model_config import read_eos_token_ids
+        from pagedweight.format.paged_model import load_paged_model
+
+        paged = load_paged_model(args.artifact, with_bf16=False)
+        return paged, paged.config, read_eos_token_ids(args.artifact), {"artifact": str(args.artifact)}
+    from bench.real_shape import build_hf_model, ours_from_hf, paged_in_memory
+    from pagedweight.format.model_config import ModelConfig
+
+    overrides = {"num_hidden_layers": args.layers} if args.layers else None
+    hf_model, raw = build_hf_model(args.shape, device, dtype, overrides)
+    config = ModelConfig.from_dict(raw)
+    paged = paged_in_memory(ours_from_hf(hf_model, config), config, raw)
+    del hf_model
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return paged, config, config.eos_token_ids, {"shape": args.shape, "layers": config.num_layers}
+
+
+def budget_bytes(paged, config, ecfg: EngineConfig, dtype: torch.dtype, args) -> dict:
+    elem = torch.empty((), dtype=dtype).element_size()
+    dense = sum(t.numel() for t in paged.dense_state.values()) * elem
+    workspace = workspace_bytes(config, ecfg, dtype)
+    experts8 = sum(block_bytes(b["rows"], b["cols"], 8) for b in paged.meta["blocks"])
+    wanted = args.concurrency * (args.prompt_len + args.max_tokens) * kv_block_bytes(config, 1, dtype)
+    return {"budget": int(dense + workspace + experts8 + args.kv_fraction * wanted), "dense": dense,
+            "workspace": workspace, "experts_8bit": experts8, "kv_wanted": wanted,
+            "kv_room_at_8bit": int(args.kv_fraction * wanted)}
+
+
+def kl_of_plans(args, rows: dict) -> None:
+    """Token-weighted KL(bf16 || served) of the plans each run served (CPU, shared corpus)."""
+    from bench.quality_budget import Scorer, windows_of
+    from pagedweight.common.paths import corpus_dir
+
+    sc = Scorer(Path(args.artifact))
+    ids = sc.tokenizer.encode((corpus_dir() / f"{args.kl_domain}.valid.txt").read_text())
+    windows = windows_of(ids, args.kl_seq_len, args.kl_windows)
+    order = {b.key(): i for i, b in enumerate(sc.table.block_ids)}
+    cache: dict[bytes, float] = {}
+    for name, row in rows.items():
+        plans = row.pop("_plans", None)
+        if not plans:
+            continue
+        top = sorted(plans.items(), key=lambda kv: -kv[1][1])[: args.kl_plans]
+        weighted = weight = 0.0
+        for key, (bits, tokens) in top:
+            if key not in cache:
+                keys = row["_block_keys"]
+                aligned = [0] * len(order)
+                for k, b in zip(keys, bits.tolist()):
+                    aligned[order[k]] = b
+                cache[key] = sc.score(torch.tensor(aligned).numpy(), args.kl_domain, windows)["kl"]
+            weighted += cache[key] * tokens
+            weight += tokens
+        total = sum(t for _, t in plans.values())
+        row["kl_served"] = round(weighted / max(weight, 1), 6)
+        row["kl_tokens_covered"] = round(weight / max(total, 1), 4)
+        row["kl_plans_scored"] = len(top)
+        log(f"  KL {name}: {row['kl_served']:.5f} ({row['kl_tokens_covered']:.0%} of tokens)")
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(result["traces"])
+    fig, axes = plt.subplots(1, len(names), figsize=(6 * len(names), 4), squeeze=False)
+    for ax, trace in zip(axes[0], names):
+        for policy, row in result["traces"][trace].items():
+            if "samples" not in row:
+                continue
+            t = [s[0] for s in row["samples"]]
+            ax.plot(t, [s[1] for s in row["samples"]], label=f"{policy} ({row['output_tokens_per_s']:.0f} tok/s)")
+            if row.get("burst_end_s") is not None and policy == "pagedweight":
+                ax.axvline(row["burst_end_s"], color="grey", linestyle=":", label="burst ends")
+        ax.set_title(f"{trace}: mean expert bits over time")
+        ax.set_xlabel("seconds")
+        ax.set_ylabel("mean committed bits")
+        ax.legend(fontsize=7)
+    fig.suptitle(f"{result['model']} - budget {result['bytes']['budget'] / 2**30:.2f} GiB, {result['machine']}",
+                 fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    log(f"wrote {path}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--artifact", type=Path, help="paged artifact directory")
+    what.add_argument("--shape", help="a bench/real_shape.py config (random weights)")
+    parser.add_argument("--layers", type=int, default=None, help="--shape: keep this many layers")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--policies", nargs="+", default=list(POLICIES))
+    parser.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="default: bf16 on CUDA, else fp32")
+    parser.add_argument("--traces", nargs="+", default=["steady", "burst"])
+    parser.add_argument("--requests", type=int, default=96)
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--low", type=int, default=8, help="burst trace: concurrency before and after")
+    parser.add_argument("--low-requests", type=int, default=16)
+    parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--batched-tokens", type=int, default=2048)
+    parser.add_argument("--kv-fraction", type=float, default=0.5, help="KV room at 8 bits / KV the load wants")
+    parser.add_argument("--calm-steps", type=int, default=16)
+    parser.add_argument("--calm-seconds", type=float, default=0.5)
+    parser.add_argument("--offer-min-blocks", type=int, default=4)
+    parser.add_argument("--ask-ahead-blocks", type=int, default=0)
+    parser.add_argument("--drain-s", type=float, default=12.0)
+    parser.add_argument("--kl", action="store_true", help="--artifact: KL to bf16 of the plans served")
+    parser.add_argument("--kl-domain", default="kjv")
+    parser.add_argument("--kl-seq-len", type=int, default=128)
+    parser.add_argument("--kl-windows", type=int, default=4)
+    parser.add_argument("--kl-plans", type=int, default=8, help="most-served plans scored per run")
+    parser.add_argument("--time-limit-s", type=float, default=1e9)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--plot", type=Path, default=None)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    if args.kl and not args.artifact:
+        parser.error("--kl needs --artifact (the bf16 reference is the artifact's source checkpoint)")
+    started = time.perf_counter()
+    device = torch.device(args.device)
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(args.dtype) or (
+        torch.bfloat16 if device.type == "cuda" else torch.float32)
+    if device.type == "cpu":
+        torch.set_num_threads(args.threads)
+    paged, config, eos, built = load_model(args, device, dtype)
+    ecfg = engine_config(args)
+    sizes = budget_bytes(paged, config, ecfg, dtype, args)
+    name = built.get("shape") or Path(args.artifact).name
+    out = args.out or RESULTS_DIR / f"elasticity_{name}_{device.type}.json"
+    result = {"benchmark": "elasticity", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+              "machine": machine(), "commit": commit(), "model": name, **built, "dtype": str(dtype),
+              "args": {k: str(v) for k, v in vars(args).items()}, "bytes": sizes,
+              "baseline": "static-8 at the same budget and trace", "traces": {}}
+    all_traces = traces(args)
+    for trace, policy in run_order(args.traces, args.policies):
+        phases = all_traces[trace]
+        burst_phase = 1 if trace == "burst" else None
+        rows = result["traces"].setdefault(trace, {})
+        if time.perf_counter() - started > args.time_limit_s:
+            rows[policy] = {"skipped": "time limit"}
+            continue
+        log(f"{trace} / {policy}")
+        try:
+            rt = build_runtime_from_paged(paged, RuntimeConfig(sizes["budget"], policy, device=str(device),
+                                                               dtype=dtype, engine=ecfg), eos)
+        except Exception as err:  # noqa: BLE001 - a policy that cannot start is a result too
+            rows[policy] = {"error": repr(err)}
+            log(f"  {policy}: {err!r}")
+            continue
+        warm_up(rt, args.prompt_len)
+        if rt.pager is not None:
+            rt.pager.mover.profile.reset()
+        moves0 = _moves(rt)
+        row = drive_trace(rt, phases, args.prompt_len, args.max_tokens, args.drain_s, burst_phase)
+        stats = rt.engine.stats()
+        profile = rt.pager.stats().profile if rt.pager is not None else None
+        row.update({"preemptions": stats.num_preemptions, "memory_short_steps": stats.memory_short_steps,
+                    "memory_requests": stats.memory_requests, "memory_offers": stats.memory_offers,
+                    "pool_free_bytes_end": rt.pool.free_bytes,
+                    "offers_too_small": rt.engine.broker.num_offers_too_small,
+                    "raises_dropped": getattr(rt.pager, "num_raises_dropped", 0),
+                    "page_moves": _moves(rt) - moves0,
+                    "page_moves_per_request": round((_moves(rt) - moves0) / row["requests"], 3),
+                    "bytes_copied_host_to_device": profile["bytes_host_to_device"] if profile else 0,
+                    "bytes_copied_device_to_device": profile["bytes_device_to_device"] if profile else 0,
+                    "pager_profile": profile, "_block_keys": [b.key() for b in rt.table.entries]})
+        rows[policy] = row
+        log(f"  {row['output_tokens_per_s']} tok/s, {row['preemptions']} preemptions, "
+            f"{row['page_moves']} moves, bits {row['bits_mean_start']}/{row['bits_mean_min']}/"
+            f"{row['bits_mean_end']}, back after burst {row['bits_back_after_burst_s']}")
+        rt.close()
+        del rt
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        _write(out, result)
+    if args.kl:
+        for rows in result["traces"].values():
+            kl_of_plans(args, rows)
+    _write(out, result)
+    if args.plot:
+        plot(result, args.plot)
+    log(f"wrote {out}")
+    return 0
+
+
+def _write(path: Path, result: dict) -> None:
+    clean = {**result, "traces": {t: {p: {k: v for k, v in row.items() if not k.startswith("_")}
+                                      for p, row in rows.items()} for t, rows in result["traces"].items()}}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(clean, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
