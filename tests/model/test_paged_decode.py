@@ -77,11 +77,12 @@ def test_inplace_decode_ignores_released_blocks():
     window = 5
     (table, ctx, k, v, q), = _decode_history(kv, [23], gen)
     released = [RELEASED if i < (ctx - window) // kv.block_size else b for i, b in enumerate(table)]
-    kv.flat[: kv.block_stride] = float("nan")  # block 0 (what released entries map to) poisoned
+    rows = kv._tile_row  # [L, blocks] -> the tile row of each layer's part of a block
+    kv.tiles[rows[:, 0]] = float("nan")  # block 0 (what released entries map to) poisoned
     last = table[-1]  # and the last block's slots past the length (stale bytes in an arena)
-    kv.blocks[last, :, :, ctx % kv.block_size:] = float("nan")
+    kv.tiles[rows[:, last], :, ctx % kv.block_size:] = float("nan")
     for b in table[: (ctx - window) // kv.block_size]:
-        kv.blocks[b] = float("nan")  # the blocks given back now hold someone else's data
+        kv.tiles[rows[:, b]] = float("nan")  # the blocks given back now hold someone else's data
     step = build_step(kv, [SeqSlice(released, ctx, 1)], "inplace")
     out = paged_attention(0, q, k[-1:], v[-1:], step, window)
     assert torch.isfinite(out).all()
