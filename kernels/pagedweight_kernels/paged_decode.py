@@ -48,12 +48,15 @@ def _key_mask(context_lens, positions_of_keys, window: int | None, valid=None):
 def paged_decode_torch(q: torch.Tensor, flat: torch.Tensor, k_off: torch.Tensor, v_off: torch.Tensor,
                        context_lens: torch.Tensor, block_size: int, kv_heads: int, window: int | None = None,
                        block_table: torch.Tensor | None = None,
-                       chunk_blocks: int = TORCH_CHUNK_BLOCKS, scale: float | None = None) -> torch.Tensor:
+                       chunk_blocks: int = TORCH_CHUNK_BLOCKS, scale: float | None = None,
+                       row_elems: int | None = None) -> torch.Tensor:
     """q [B, N, D] (one decode query per sequence), tile offsets k_off, v_off [B, W] into
     `flat`, context_lens [B] (tokens in the cache, the query's own included) -> [B, N, D].
 
     Entries of `block_table` < 0 (released, padding) are masked out; columns past a
     sequence's length are masked by position; `scale` multiplies q.k (None: 1/sqrt(D)).
+    `row_elems`: elements from one token's row of a tile to the next (None: G * D); a layer
+    narrower than the cache's slot (Gemma-4's full-attention layers) uses each row's front.
     Online softmax over chunks of columns: only one chunk's tiles are read at a time, in
     float32."""
     B, N, D = q.shape
@@ -66,7 +69,8 @@ def paged_decode_torch(q: torch.Tensor, flat: torch.Tensor, k_off: torch.Tensor,
     m = torch.full((B, G, Q), float("-inf"), device=q.device)
     l_sum = torch.zeros(B, G, Q, device=q.device)
     acc = torch.zeros(B, G, Q, D, device=q.device)
-    within = torch.arange(bs * G * D, device=q.device)
+    row = G * D if row_elems is None else row_elems
+    within = (torch.arange(bs, device=q.device)[:, None] * row + torch.arange(G * D, device=q.device)).flatten()
     for c0 in range(0, W, chunk_blocks):
         c1 = min(W, c0 + chunk_blocks)
         n = c1 - c0
@@ -114,6 +118,12 @@ def triton_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+def triton_shape_supported(head_dim: int, block_size: int) -> bool:
+    """The kernel's tiles are power-of-two wide (Triton's block shapes): other head dims
+    (some tiny test models) take the torch path, which is exact and graph-safe too."""
+    return head_dim & (head_dim - 1) == 0 and block_size & (block_size - 1) == 0
 
 
 def _kernel():
@@ -198,7 +208,7 @@ def paged_decode_triton(q: torch.Tensor, flat: torch.Tensor, k_off: torch.Tensor
     W = k_off.shape[1]
     G = kv_heads
     Q = N // G
-    if D & (D - 1) or block_size & (block_size - 1):
+    if not triton_shape_supported(D, block_size):
         raise ValueError(f"the decode kernel needs a power-of-two head dim and block size, got {D}, {block_size}")
     if splits is None:
         splits = num_splits(B, G, W, _sm_count(q.device.index))

@@ -150,3 +150,31 @@ def test_triton_kernel_matches_torch_path(dtype, window, block_size, heads):
                                   tiles_per_iter=tiles)
         err = ((got.float() - want).norm() / want.norm()).item()
         assert torch.isfinite(got).all() and err < (1e-5 if dtype == torch.float32 else 1e-2), (splits, tiles, err)
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_inplace_decode_of_a_layer_narrower_than_the_slot(window):
+    """Gemma-4's full-attention layers are narrower than the cache's slot (kv_slot): their
+    token rows sit at the front of each slot row. The in-place path reads them there
+    (row_elems) and agrees with the reference path, which cuts whole slots to the layer."""
+    gen = torch.Generator().manual_seed(8)
+    config, kv = _cache()
+    G, D = 1, kv.head_dim // 2  # a narrower layer: fewer heads, smaller head dim
+    assert G * D < kv.num_kv_heads * kv.head_dim
+    N = config.num_heads
+    free = torch.randperm(kv.num_blocks, generator=gen).tolist()
+    seqs, qs, new_k, new_v = [], [], [], []
+    for ctx in [1, 7, 13, 21]:
+        table = [free.pop() for _ in range(-(-ctx // kv.block_size))]
+        k, v = torch.randn(ctx, G, D, generator=gen), torch.randn(ctx, G, D, generator=gen)
+        if ctx > 1:
+            old = build_step(kv, [SeqSlice(table, ctx - 1, ctx - 1)], "reference")
+            paged_attention(0, torch.zeros(ctx - 1, N, D), k[:-1], v[:-1], old)
+        seqs.append(SeqSlice(table, ctx, 1))
+        qs.append(torch.randn(1, N, D, generator=gen))
+        new_k.append(k[-1:])
+        new_v.append(v[-1:])
+    q, k, v = torch.cat(qs), torch.cat(new_k), torch.cat(new_v)
+    outs = {impl: paged_attention(0, q, k, v, build_step(kv, seqs, impl), window, scale=0.7)
+            for impl in ("reference", "inplace")}
+    assert (outs["inplace"] - outs["reference"]).abs().max().item() < 1e-5

@@ -37,7 +37,9 @@ import torch.nn.functional as F
 
 from pagedweight.model.host_upload import upload_int64
 from pagedweight.model.layers import causal_attention
-from pagedweight_kernels.paged_decode import paged_decode_torch, paged_decode_triton, triton_available
+from pagedweight_kernels.paged_decode import (
+    paged_decode_torch, paged_decode_triton, triton_available, triton_shape_supported,
+)
 
 
 class KVStore(Protocol):
@@ -226,35 +228,16 @@ def _inplace(layer: int, q, step: PagedStep, window: int | None, scale: float | 
     kv = step.kv
     k_off, v_off = kv.kv_tile_offsets(layer, step.block_table)
     if shape != (kv.num_kv_heads, kv.head_dim):
-        return _inplace_narrow(q, step, k_off, v_off, window, scale, shape)
+        # a layer narrower than the slot: its token rows are strided by the slot, which the
+        # Triton kernel does not take; the torch path reads them in place, chunk by chunk
+        # (memory bounded at any table width, device-side only, so graph-safe)
+        return paged_decode_torch(q, kv.flat, k_off, v_off, step.seq_context_lens, kv.block_size, shape[0],
+                                  window=window, block_table=step.block_table, scale=scale,
+                                  row_elems=kv.num_kv_heads * kv.head_dim)
     args = (q, kv.flat, k_off, v_off, step.seq_context_lens, kv.block_size, kv.num_kv_heads)
-    if q.is_cuda and triton_available():
+    if q.is_cuda and triton_available() and triton_shape_supported(kv.head_dim, kv.block_size):
         return paged_decode_triton(*args, window=window, block_table=step.block_table, scale=scale)
     return paged_decode_torch(*args, window=window, block_table=step.block_table, scale=scale)
-
-
-def _inplace_narrow(q, step: PagedStep, k_off, v_off, window: int | None, scale: float | None,
-                    shape: tuple[int, int]) -> torch.Tensor:
-    """A decode step of a layer narrower than the cache's slot (kv_slot): its tokens' rows
-    are strided by the slot, which the decode kernel does not take, so the tiles are read
-    whole, cut to the layer's shape and attended with SDPA. Device-side only (graph-safe);
-    the price is the gather, paid by the few narrow layers alone."""
-    kv = step.kv
-    B, W = k_off.shape
-    bs, G, D = kv.block_size, kv.num_kv_heads, kv.head_dim
-    within = torch.arange(bs * G * D, device=q.device)
-    k, v = (_from_slot(kv.flat[off[..., None] + within].view(B, W * bs, G, D), shape) for off in (k_off, v_off))
-    key_pos = torch.arange(W * bs, device=q.device)
-    visible = key_pos[None, :] < step.seq_context_lens[:, None]  # the query is the last token
-    if window is not None:
-        visible &= key_pos[None, :] >= step.seq_context_lens[:, None] - window
-    visible &= (step.block_table >= 0).repeat_interleave(bs, dim=1)
-    # masked keys may be stale bytes: zero them so no NaN there reaches the output
-    k = k.masked_fill(~visible[:, :, None, None], 0.0).transpose(1, 2)  # [B, G, S, D]
-    v = v.masked_fill(~visible[:, :, None, None], 0.0).transpose(1, 2)
-    out = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=visible[:, None, None, :],
-                                         scale=scale, enable_gqa=True)  # [B, N, 1, D]
-    return out[:, :, 0, :]
 
 
 def _into_slot(kv: KVStore, t: torch.Tensor) -> torch.Tensor:
