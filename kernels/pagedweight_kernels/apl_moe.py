@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from pagedweight_kernels.cuda_packages import cuda_with
 from pagedweight_kernels.moe_reference import check_activation, gated, moe_forward
 from pagedweight.format.apl_format import (
     COL_ALIGN, LUT_DTYPE, MAX_BITS, MIN_BITS, APLBlock, check_bits, dequantize,
@@ -497,13 +498,7 @@ def apl_moe(x, topk_ids, topk_weights, layer: APLLayer, out: torch.Tensor | None
 
 def kernel_available() -> bool:
     """True where the fused kernel can run: a CUDA device and cupy."""
-    if not torch.cuda.is_available():
-        return False
-    try:
-        import cupy  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return cuda_with("cupy")
 
 
 __all__ = [

@@ -26,6 +26,8 @@ from functools import lru_cache
 
 import torch
 
+from pagedweight_kernels.cuda_packages import cuda_with
+
 # fallbacks (kept small so a CPU step reads a bounded slice of the cache at a time)
 TORCH_CHUNK_BLOCKS = 32
 # The kernel's tiles per loop iteration (a power of two). 1: on the H200 (bench/results/
@@ -111,13 +113,7 @@ _KERNEL = None
 
 def triton_available() -> bool:
     """True where the Triton kernel can be built (a CUDA device and the triton package)."""
-    if not torch.cuda.is_available():
-        return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return cuda_with("triton")
 
 
 def triton_shape_supported(head_dim: int, block_size: int) -> bool:
