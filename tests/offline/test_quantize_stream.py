@@ -139,6 +139,32 @@ def test_an_interrupted_run_resumes_to_the_same_artifact(tmp_path, calib_files):
     assert not work.exists()  # removed once the artifact is written
 
 
+def test_a_run_interrupted_in_the_loss_scales_resumes_to_the_same_scales(tmp_path, calib_files):
+    """The scale phase's steps are in the work directory like the others: stopped after its
+    second layer, the next run writes the artifact again and goes on from the third."""
+    reference = quantize_model(BUNDLED_MODEL, tmp_path / "reference", calib_files, config(SCALE_TOKENS))
+    work = tmp_path / "work"
+    # 10 calibration steps, then scalex, scale0, scale1 | scale2, scale3, scalekl
+    with pytest.raises(KeyboardInterrupt):
+        quantize_model(BUNDLED_MODEL, tmp_path / "first", calib_files, config(SCALE_TOKENS), work_dir=work,
+                       progress=StopAfter(12))
+    manifest = json.loads((work / "manifest.json").read_text())
+    assert manifest["steps"][10:] == ["scalex", "scale0", "scale1"]
+    assert sorted(f for f in manifest["files"] if f.startswith("sx")) == ["sx2"]  # consumed ones dropped
+
+    with pytest.raises(UserError, match="with other inputs"):  # scale tokens are part of the run
+        quantize_model(BUNDLED_MODEL, tmp_path / "other", calib_files, config(SCALE_TOKENS + 8), work_dir=work)
+
+    progress = io.StringIO()
+    resumed = quantize_model(BUNDLED_MODEL, tmp_path / "second", calib_files, config(SCALE_TOKENS),
+                             work_dir=work, progress=progress)
+    assert progress.getvalue().count(" steps | ") == 3 and "loss scales layer 4/4" in progress.getvalue()
+    assert_same_artifact(reference, resumed)
+    planner = lambda d: json.loads((d / "paged_model.json").read_text())["planner_scales"]  # noqa: E731
+    assert planner(resumed) == planner(reference)
+    assert not work.exists()
+
+
 def test_a_changed_work_file_is_refused_and_restart_discards_it(tmp_path, calib_files):
     work = tmp_path / "work"
     with pytest.raises(KeyboardInterrupt):
