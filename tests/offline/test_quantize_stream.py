@@ -152,9 +152,6 @@ def test_a_run_interrupted_in_the_loss_scales_resumes_to_the_same_scales(tmp_pat
     assert manifest["steps"][10:] == ["scalex", "scale0", "scale1"]
     assert sorted(f for f in manifest["files"] if f.startswith("sx")) == ["sx2"]  # consumed ones dropped
 
-    with pytest.raises(UserError, match="with other inputs"):  # scale tokens are part of the run
-        quantize_model(BUNDLED_MODEL, tmp_path / "other", calib_files, config(SCALE_TOKENS + 8), work_dir=work)
-
     progress = io.StringIO()
     resumed = quantize_model(BUNDLED_MODEL, tmp_path / "second", calib_files, config(SCALE_TOKENS),
                              work_dir=work, progress=progress)
@@ -163,6 +160,22 @@ def test_a_run_interrupted_in_the_loss_scales_resumes_to_the_same_scales(tmp_pat
     planner = lambda d: json.loads((d / "paged_model.json").read_text())["planner_scales"]  # noqa: E731
     assert planner(resumed) == planner(reference)
     assert not work.exists()
+
+
+def test_other_scale_tokens_redo_only_the_loss_scale_steps(tmp_path, calib_files):
+    """Interrupted in the scale phase, a run with another --scale-tokens keeps the
+    calibration steps and measures the scales again on its own windows."""
+    reference = quantize_model(BUNDLED_MODEL, tmp_path / "reference", calib_files, config(SCALE_TOKENS + 8))
+    work = tmp_path / "work"
+    with pytest.raises(KeyboardInterrupt):
+        quantize_model(BUNDLED_MODEL, tmp_path / "first", calib_files, config(SCALE_TOKENS), work_dir=work,
+                       progress=StopAfter(12))
+    progress = io.StringIO()
+    resumed = quantize_model(BUNDLED_MODEL, tmp_path / "second", calib_files, config(SCALE_TOKENS + 8),
+                             work_dir=work, progress=progress)
+    assert progress.getvalue().count(" steps | ") == 6  # scalex, scale0..3, scalekl
+    planner = lambda d: json.loads((d / "paged_model.json").read_text())["planner_scales"]  # noqa: E731
+    assert planner(resumed) == planner(reference) and planner(resumed)["tokens_per_file"] == SCALE_TOKENS + 8
 
 
 def test_a_changed_work_file_is_refused_and_restart_discards_it(tmp_path, calib_files):

@@ -54,7 +54,7 @@ from pagedweight.offline.quantize_tables import artifact_meta, fit_heads
 from pagedweight.offline.residual_heads import ResidualConfig
 from pagedweight.offline.sensitivity import sensitivity_table
 from pagedweight.offline.stream_passes import StreamRun, backward_step, embed_step, forward_step, loss_step
-from pagedweight.offline.stream_scales import ScaleRun, group_kls, scale_steps
+from pagedweight.offline.stream_scales import ScaleRun, forget_other_windows, group_kls, scale_steps
 from pagedweight.offline.work_dir import WorkDir, file_sha256
 
 
@@ -76,7 +76,9 @@ class QuantizeConfig:
 def run_fingerprint(model_dir: Path, calib_files: list[Path], config: QuantizeConfig, dtype: torch.dtype) -> dict:
     """What a resumed run must share with the run that wrote the work directory."""
     settings = asdict(config)
-    for name in ("keep_bf16", "calib_text_name"):  # only the final assembly reads these
+    # only the final assembly reads these; the loss-scale steps check their own windows
+    # (stream_scales.forget_other_windows), so `--scale-tokens 0` can finish a run
+    for name in ("keep_bf16", "scale_tokens", "calib_text_name"):
         settings.pop(name)
     return {
         "model": str(model_dir.resolve()),
@@ -173,6 +175,7 @@ def measure_scales(out: Path, work: WorkDir, calib_files: list[Path], config: Qu
                    bar: ProgressBar) -> None:
     """Phase 4, streamed (stream_scales.py), recorded in the artifact."""
     run = ScaleRun(PagedLayers(out, config.device), work, scale_windows(out, calib_files, config.scale_tokens))
+    forget_other_windows(run)
     run_steps(run, [(*step, 0) for step in scale_steps(run.layers)], bar)
     kls, num_tokens = group_kls(run)
     record_planner_scales(out, calib_files, config.scale_tokens, kls, num_tokens)

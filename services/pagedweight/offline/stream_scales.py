@@ -73,7 +73,25 @@ def flat(streams: dict[str, list[torch.Tensor]]) -> dict[str, torch.Tensor]:
 @torch.inference_mode()
 def scale_embed_step(run: ScaleRun) -> None:
     ref = [run.layers.embed(torch.tensor([w])) for w in run.windows]
-    run.work.commit("scalex", {"sx0": flat({REFERENCE: ref})})
+    run.work.commit("scalex", {"sx0": flat({REFERENCE: ref}), "scalewin": {"lengths": window_lengths(run)}})
+
+
+def window_lengths(run: ScaleRun) -> torch.Tensor:
+    return torch.tensor([len(w) for w in run.windows], dtype=torch.int64)
+
+
+def forget_other_windows(run: ScaleRun) -> None:
+    """The windows are the first `scale tokens` of each calibration file, so their lengths
+    say which windows a resumed phase measured: another `--scale-tokens` (not part of the
+    run's fingerprint, so a run can be finished with `--scale-tokens 0`) redoes the phase
+    instead of mixing two runs' streams, and keeps the calibration steps."""
+    if not run.work.done("scalex"):
+        return
+    stored = run.work.load("scalewin").get("lengths")
+    if stored is None or not torch.equal(stored, window_lengths(run)):
+        L = run.layers.config.num_layers
+        run.work.forget([name for name, *_ in scale_steps(run.layers)],
+                        ["scalewin", "scalekl", *(f"sx{l}" for l in range(L + 1))])
 
 
 @torch.inference_mode()
