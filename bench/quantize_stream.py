@@ -7,8 +7,8 @@
    layers when the device minutes cannot pay for the whole depth (the JSON says so);
 2. quantise it with `pagedweight quantize`'s default path (quantize.quantize_model, one
    layer at a time, bundled calibration text) into a temporary directory, the planner's
-   loss scales skipped (`scale_tokens=0`: that phase still loads the whole paged model,
-   docs/quantize.md); the device allocator's peak and the process's peak RSS are read
+   loss scales skipped (`scale_tokens=0`: that phase is measured on its own by
+   bench/quantize_scales_stream.py, docs/quantize.md); the device allocator's peak and the process's peak RSS are read
    after the build's memory is released and the peak counters reset;
 3. per-layer times (forward + k-means, backward) from the artifact's record, and the
    full-depth time extrapolated from them: fixed part + num_hidden_layers x per layer.

@@ -3,7 +3,8 @@
 output Fisher, sensitivity tables and residual heads within float tolerance, on every
 shared model and on the Qwen3-MoE and OLMoE families; and a run interrupted mid-way
 resumes from its work directory to the same artifact, refusing a directory from another
-run or one whose files changed."""
+run or one whose files changed. The loss-scale phase streams too (stream_scales.py): its
+group KLs and every table's scales equal add_planner_scales' on the whole model."""
 
 from __future__ import annotations
 
@@ -25,14 +26,32 @@ from tests.model.families import PIPELINE_FAMILIES, reference_model, write_check
 from tests.offline.conftest import quick_config
 
 RTOL = 1e-5
+SCALE_TOKENS = 48  # per calibration file for the loss scales: two windows
 
 
-def config():
-    # the loss scales are one shared phase run on the written artifact by both paths; few
-    # k-means iterations keep the tiny models' runs short (the same code runs either way)
+def config(scale_tokens: int = 0):
+    # few k-means iterations keep the tiny models' runs short (the same code runs either
+    # way); the loss scales are measured where a test compares them (scale_tokens)
     quick = quick_config()
-    return dataclasses.replace(quick, scale_tokens=0,
+    return dataclasses.replace(quick, scale_tokens=scale_tokens,
                                quantizer=dataclasses.replace(quick.quantizer, seed_iters=6, split_iters=2))
+
+
+def assert_same_scales(a_dir, b_dir) -> None:
+    """The planner_scales sections: the same group KLs and scales per table within RTOL."""
+    a = json.loads((a_dir / "paged_model.json").read_text())["planner_scales"]
+    b = json.loads((b_dir / "paged_model.json").read_text())["planner_scales"]
+    assert a.keys() == b.keys() and {"sensitivity", "sensitivity_gn"} <= a.keys()
+    assert a["tokens_per_file"] == b["tokens_per_file"] and a["calib_files"] == b["calib_files"]
+    for table in ("sensitivity", "sensitivity_gn"):
+        assert a[table]["num_tokens"] == b[table]["num_tokens"] > 0
+        for field in ("scales", "kl_at_3_bits"):
+            assert a[table][field].keys() == b[table][field].keys() and len(a[table][field]) > 1
+            assert any(v > 0 for v in a[table][field].values())
+            for group, value in a[table][field].items():
+                assert b[table][field][group] == pytest.approx(value, rel=RTOL, abs=1e-30), (table, field, group)
+        rest = lambda r: {k: v for k, v in r.items() if k not in ("scales", "kl_at_3_bits")}  # noqa: E731
+        assert rest(a[table]) == rest(b[table])
 
 
 def assert_same_artifact(a_dir, b_dir) -> None:
@@ -70,11 +89,13 @@ def checkpoints():
 def test_streaming_equals_the_whole_model_quantiser(source, tmp_path, calib_files):
     if isinstance(source, str):  # a family: transformers' model with random weights, in bf16
         source = write_checkpoint(reference_model(source).to(torch.bfloat16), tmp_path / "ckpt", "per_expert")
-    whole = quantize_model_in_memory(source, tmp_path / "whole", calib_files, config())
-    streamed = quantize_model(source, tmp_path / "streamed", calib_files, config())
+    whole = quantize_model_in_memory(source, tmp_path / "whole", calib_files, config(SCALE_TOKENS))
+    streamed = quantize_model(source, tmp_path / "streamed", calib_files, config(SCALE_TOKENS))
     assert_same_artifact(whole, streamed)
+    assert_same_scales(whole, streamed)
     record = json.loads((streamed / "paged_model.json").read_text())["quantizer"]
     assert record["streaming"]["compute_dtype"] == "float32" and record["peak_host_bytes"] > 0
+    assert record["streaming"]["seconds"]["loss_scales"] > 0
 
 
 class StopAfter(io.StringIO):
@@ -116,6 +137,45 @@ def test_an_interrupted_run_resumes_to_the_same_artifact(tmp_path, calib_files):
     assert progress.getvalue().count(" steps | ") == 10 - record["steps_resumed"]
     assert "ETA" in progress.getvalue() and "blocks 64/64" in progress.getvalue()
     assert not work.exists()  # removed once the artifact is written
+
+
+def test_a_run_interrupted_in_the_loss_scales_resumes_to_the_same_scales(tmp_path, calib_files):
+    """The scale phase's steps are in the work directory like the others: stopped after its
+    second layer, the next run writes the artifact again and goes on from the third."""
+    reference = quantize_model(BUNDLED_MODEL, tmp_path / "reference", calib_files, config(SCALE_TOKENS))
+    work = tmp_path / "work"
+    # 10 calibration steps, then scalex, scale0, scale1 | scale2, scale3, scalekl
+    with pytest.raises(KeyboardInterrupt):
+        quantize_model(BUNDLED_MODEL, tmp_path / "first", calib_files, config(SCALE_TOKENS), work_dir=work,
+                       progress=StopAfter(12))
+    manifest = json.loads((work / "manifest.json").read_text())
+    assert manifest["steps"][10:] == ["scalex", "scale0", "scale1"]
+    assert sorted(f for f in manifest["files"] if f.startswith("sx")) == ["sx2"]  # consumed ones dropped
+
+    progress = io.StringIO()
+    resumed = quantize_model(BUNDLED_MODEL, tmp_path / "second", calib_files, config(SCALE_TOKENS),
+                             work_dir=work, progress=progress)
+    assert progress.getvalue().count(" steps | ") == 3 and "loss scales layer 4/4" in progress.getvalue()
+    assert_same_artifact(reference, resumed)
+    planner = lambda d: json.loads((d / "paged_model.json").read_text())["planner_scales"]  # noqa: E731
+    assert planner(resumed) == planner(reference)
+    assert not work.exists()
+
+
+def test_other_scale_tokens_redo_only_the_loss_scale_steps(tmp_path, calib_files):
+    """Interrupted in the scale phase, a run with another --scale-tokens keeps the
+    calibration steps and measures the scales again on its own windows."""
+    reference = quantize_model(BUNDLED_MODEL, tmp_path / "reference", calib_files, config(SCALE_TOKENS + 8))
+    work = tmp_path / "work"
+    with pytest.raises(KeyboardInterrupt):
+        quantize_model(BUNDLED_MODEL, tmp_path / "first", calib_files, config(SCALE_TOKENS), work_dir=work,
+                       progress=StopAfter(12))
+    progress = io.StringIO()
+    resumed = quantize_model(BUNDLED_MODEL, tmp_path / "second", calib_files, config(SCALE_TOKENS + 8),
+                             work_dir=work, progress=progress)
+    assert progress.getvalue().count(" steps | ") == 6  # scalex, scale0..3, scalekl
+    planner = lambda d: json.loads((d / "paged_model.json").read_text())["planner_scales"]  # noqa: E731
+    assert planner(resumed) == planner(reference) and planner(resumed)["tokens_per_file"] == SCALE_TOKENS + 8
 
 
 def test_a_changed_work_file_is_refused_and_restart_discards_it(tmp_path, calib_files):

@@ -41,10 +41,10 @@ def scale_windows(model_dir: str | Path, calib_files: list[Path], tokens: int) -
 
 def add_planner_scales(paged_dir: str | Path, calib_files: list[Path],
                        tokens: int = DEFAULT_TOKENS_PER_FILE, device: str = "cpu") -> dict:
-    """Measure the group KLs on calibration text and record every table's scales."""
+    """Measure the group KLs on calibration text with the whole model in fp32 on `device`
+    and record every table's scales (the whole-model quantiser's phase; `quantize` streams
+    the same measurement, stream_scales.py, and records it with `record_planner_scales`)."""
     paged_dir = Path(paged_dir)
-    meta = read_meta(paged_dir)
-    tables = [name for name in SENSITIVITY_TABLES if meta.get(name) is not None]
     base = load_planner_inputs(paged_dir, with_heads=False, sensitivity="sensitivity").table
     model = build_paged_lm(load_paged_model(paged_dir, with_bf16=False), dtype=torch.float32,
                            device=device)
@@ -53,9 +53,18 @@ def add_planner_scales(paged_dir: str | Path, calib_files: list[Path],
         set_model_bits(model, {b: int(v) for b, v in zip(base.block_ids, bits)})
 
     kls, num_tokens = measure_group_kls(model, base, scale_windows(paged_dir, calib_files, tokens), set_bits)
+    return record_planner_scales(paged_dir, calib_files, tokens, kls, num_tokens)
+
+
+def record_planner_scales(paged_dir: str | Path, calib_files: list[Path], tokens: int,
+                          kls: dict[str, float], num_tokens: int) -> dict:
+    """Every sensitivity table's scales from the group KLs, into paged_model.json."""
+    paged_dir = Path(paged_dir)
+    meta = read_meta(paged_dir)
+    tables = [name for name in SENSITIVITY_TABLES if meta.get(name) is not None]
     record = {"calib_files": [str(f) for f in calib_files], "tokens_per_file": tokens}
     for name in tables:
-        table = base if name == "sensitivity" else load_planner_inputs(paged_dir, False, name).table
+        table = load_planner_inputs(paged_dir, False, name).table
         scales = scales_from_kls(table, kls, num_tokens, name)
         record[name] = {**scales.to_json(), "sensitivity": name}
     meta[SCALES_KEY] = record

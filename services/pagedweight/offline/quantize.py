@@ -17,7 +17,8 @@ the work directory (work_dir.py), which also makes the run resumable. Phases:
    `keep_bf16` (the source checkpoint has them: model/source_experts.py);
 4. the planner's loss scales: one KL measurement per (layer, module) group on the
    calibration files (artifact_scales.py), so `plan`, `eval` and the runtime rank in loss
-   units by default. This phase still runs the whole paged model (fp32 on `device`).
+   units by default. It streams too (stream_scales.py): the written artifact's layers one
+   at a time in fp32, every group's trial carried forward together, resumable.
 Shared experts and every non-expert weight are copied in bf16, unquantised. Peak device
 and host memory are logged and recorded under the artifact's "quantizer" section. The
 result equals the whole-model quantiser's (quantize_in_memory.py) when both compute in
@@ -43,15 +44,17 @@ from pagedweight.format.paged_meta import META_FILE, read_meta
 from pagedweight.format.paged_model import LayerPlanes, all_block_ids, save_paged_model
 from pagedweight.frontend.tokenizer import Tokenizer
 from pagedweight.offline.apl_quantizer import QuantizerConfig
-from pagedweight.offline.artifact_scales import add_planner_scales
+from pagedweight.offline.artifact_scales import record_planner_scales, scale_windows
 from pagedweight.offline.calibrate import CalibConfig, CalibrationStats, read_chunks
 from pagedweight.offline.checkpoint_layers import CheckpointLayers
+from pagedweight.offline.paged_layers import PagedLayers
 from pagedweight.offline.layer_quantize import DEFAULT_TILE_ELEMENTS, LayerResult, quantize_layer  # noqa: F401 - re-exported
 from pagedweight.offline.progress import ProgressBar
 from pagedweight.offline.quantize_tables import artifact_meta, fit_heads
 from pagedweight.offline.residual_heads import ResidualConfig
 from pagedweight.offline.sensitivity import sensitivity_table
 from pagedweight.offline.stream_passes import StreamRun, backward_step, embed_step, forward_step, loss_step
+from pagedweight.offline.stream_scales import ScaleRun, forget_other_windows, group_kls, scale_steps
 from pagedweight.offline.work_dir import WorkDir, file_sha256
 
 
@@ -73,7 +76,9 @@ class QuantizeConfig:
 def run_fingerprint(model_dir: Path, calib_files: list[Path], config: QuantizeConfig, dtype: torch.dtype) -> dict:
     """What a resumed run must share with the run that wrote the work directory."""
     settings = asdict(config)
-    for name in ("keep_bf16", "scale_tokens", "calib_text_name"):  # only the final assembly reads these
+    # only the final assembly reads these; the loss-scale steps check their own windows
+    # (stream_scales.forget_other_windows), so `--scale-tokens 0` can finish a run
+    for name in ("keep_bf16", "scale_tokens", "calib_text_name"):
         settings.pop(name)
     return {
         "model": str(model_dir.resolve()),
@@ -117,28 +122,34 @@ def quantize_model(model_dir: str | Path, out_dir: str | Path, calib_files: list
                 f"{str(layers.dtype).removeprefix('torch.')} on {layers.device}, "
                 f"{len(chunks)} calibration chunks of {config.calib.seq_len} tokens")
             run = StreamRun(layers, work, config, torch.tensor(chunks), domains, config.tile_elements)
-            run_steps(run, progress)
+            steps = stream_steps(run)
+            L = layers.config.num_layers
+            scale_count = L + 2 if config.scale_tokens > 0 else 0  # scale_steps' length
+            bar = ProgressBar(len(steps) + scale_count, L * layers.config.num_experts * len(MODULES), progress)
+            run_steps(run, steps, bar)
             stream_peak = peak_memory(layers.device)
             out = write_artifact(run, out_dir, model_dir, calib_files, started, stream_peak)
+            scale_seconds = None
+            if config.scale_tokens > 0:
+                log(f"measuring the planner's loss scales ({2 * L} groups), one layer at a time")
+                scales_started = time.perf_counter()
+                measure_scales(out, work, calib_files, config, bar)
+                scale_seconds = time.perf_counter() - scales_started
+                log(f"loss scales in {scale_seconds:.1f} s")
     except BaseException:
         if temporary:
             shutil.rmtree(work_path, ignore_errors=True)
         raise
     work.remove()  # the artifact is whole: nothing left to resume
-    if config.scale_tokens > 0:
-        log(f"measuring the planner's loss scales ({2 * layers.config.num_layers} groups)")
-        scales_started = time.perf_counter()
-        add_planner_scales(out, calib_files, config.scale_tokens, config.device)
-        log(f"loss scales in {time.perf_counter() - scales_started:.1f} s")
-    peak = record_peaks(out, layers.device)
+    peak = record_peaks(out, layers.device, scale_seconds)
     gib = lambda b: f"{b / 2**30:.2f} GiB" if b is not None else "n/a"  # noqa: E731
     log(f"wrote {out} in {time.perf_counter() - started:.1f} s; peak device memory "
         f"{gib(peak['peak_device_bytes'])}, peak host memory {gib(peak['peak_host_bytes'])}")
     return out
 
 
-def run_steps(run: StreamRun, stream: TextIO | None) -> None:
-    """Every step not yet done, in order, with the progress bar."""
+def stream_steps(run: StreamRun) -> list[tuple]:
+    """(step name, progress label, function, args, blocks quantised) of phases 1-2, in order."""
     L, E = run.layers.config.num_layers, run.layers.config.num_experts
     gradients = run.config.calib.gradients
     steps = [("embed", "embedding", embed_step, (), 0)]
@@ -147,13 +158,27 @@ def run_steps(run: StreamRun, stream: TextIO | None) -> None:
         steps += [("loss", "loss", loss_step, (), 0)]
         steps += [(f"backward{l}", f"backward layer {l + 1}/{L}", backward_step, (l,), 0)
                   for l in reversed(range(L))]
-    bar = ProgressBar(len(steps), L * E * len(MODULES), stream)
+    return steps
+
+
+def run_steps(run, steps: list[tuple], bar: ProgressBar) -> None:
+    """Every step not yet done, in order, advancing the progress bar."""
     for name, label, step, args, blocks in steps:
         if run.work.done(name):
             bar.skip(blocks)
             continue
         step(run, *args)
         bar.advance(label, blocks)
+
+
+def measure_scales(out: Path, work: WorkDir, calib_files: list[Path], config: QuantizeConfig,
+                   bar: ProgressBar) -> None:
+    """Phase 4, streamed (stream_scales.py), recorded in the artifact."""
+    run = ScaleRun(PagedLayers(out, config.device), work, scale_windows(out, calib_files, config.scale_tokens))
+    forget_other_windows(run)
+    run_steps(run, [(*step, 0) for step in scale_steps(run.layers)], bar)
+    kls, num_tokens = group_kls(run)
+    record_planner_scales(out, calib_files, config.scale_tokens, kls, num_tokens)
 
 
 def write_artifact(run: StreamRun, out_dir, model_dir: Path, calib_files, started: float, peak: dict) -> Path:
@@ -205,10 +230,11 @@ def write_artifact(run: StreamRun, out_dir, model_dir: Path, calib_files, starte
     return save_paged_model(out_dir, model_dir, cfg, dense, apl, bf16, meta, heads.to_tensors(), hessians)
 
 
-def record_peaks(out: Path, device: torch.device) -> dict:
+def record_peaks(out: Path, device: torch.device, scale_seconds: float | None) -> dict:
     """The whole run's peaks (loss scales included) into paged_model.json's quantizer section."""
     peak = peak_memory(device)
     meta = read_meta(out)
+    meta["quantizer"]["streaming"]["seconds"]["loss_scales"] = scale_seconds
     meta["quantizer"]["peak_device_bytes"] = peak["peak_device_bytes"]
     meta["quantizer"]["peak_host_bytes"] = peak["peak_host_bytes"]
     tmp = out / (META_FILE + ".tmp")

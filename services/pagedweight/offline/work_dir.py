@@ -158,6 +158,11 @@ class WorkDir:
                 (self.path / f"{name}.safetensors").unlink(missing_ok=True)
         self._write_manifest()
 
+    def forget(self, steps: list[str], names: list[str]) -> None:
+        """Undo steps whose inputs changed (the loss scales' token count): they run again."""
+        self.steps = [s for s in self.steps if s not in steps]
+        self.discard(*names)
+
     def remove(self) -> None:
         """Delete the whole directory (after the artifact is complete)."""
         shutil.rmtree(self.path, ignore_errors=True)
