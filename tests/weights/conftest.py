@@ -27,6 +27,15 @@ def build(blocks, budget_bytes, page_bytes=PAGE, initial_bits=8, before_copy=Non
     return pool, arena, table, mover
 
 
+def full_bytes(blocks, page_bytes=PAGE) -> int:
+    """The pool bytes of every block at 8 bits: measured on a throw-away build, so budgets
+    in the tests can say "full + n KV blocks"."""
+    pool, _, _, mover = build(blocks, 64 << 20, page_bytes)
+    full = pool.reserved_bytes
+    mover.close()
+    return full
+
+
 def check_accounting(pool, arena, table, mover):
     """Every byte accounted by kind: the pool's kinds equal what the page table, the
     mover and the arena hold, and the total equals the arena's used pages."""

@@ -3,7 +3,7 @@ lowering equal what the boundaries freed, host->device bytes equal the planes an
 the raises and lowerings copied, compaction's device->device bytes equal the extents it
 moved, and a block that went down and up shows as a round trip."""
 
-from conftest import build, check_accounting
+from conftest import build, check_accounting, full_bytes
 from pagedweight.memory.pool import KV_USED
 from pagedweight.weights.synthetic import random_blocks
 from pagedweight.weights.weight_pager import WeightPager
@@ -14,9 +14,7 @@ KV = 256 << 10  # a LUT_8 of these blocks is 96 KiB: a raise needs room for one 
 
 def test_profile_matches_the_moves_made():
     blocks = random_blocks(num_layers=2, num_experts=4, hidden=64, intermediate=96, seed=3)
-    probe = build(blocks, 64 << 20)
-    full = probe[0].reserved_bytes
-    probe[3].close()
+    full = full_bytes(blocks)
     pool, arena, table, mover = build(blocks, full + 2 * KV)
     pager = WeightPager(mover, GreedyPlanner(table.charged_bytes_table()), KV)
     mover.profile.reset()

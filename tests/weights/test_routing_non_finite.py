@@ -5,7 +5,7 @@ policy never raised again after pressure, with 2 GB free)."""
 
 import numpy as np
 
-from conftest import build, check_accounting
+from conftest import build, check_accounting, full_bytes
 from pagedweight.memory.pool import KV_USED
 from pagedweight.planner.messages import RoutingSnapshot
 from pagedweight.weights.in_process_planner import InProcessPlanner, page_table_registration
@@ -17,9 +17,7 @@ KV = 256 << 10
 
 def test_nan_routing_does_not_stop_raises():
     blocks = random_blocks(num_layers=2, num_experts=4, hidden=64, intermediate=96, seed=5)
-    probe = build(blocks, 64 << 20)
-    full = probe[0].reserved_bytes
-    probe[3].close()
+    full = full_bytes(blocks)
     pool, arena, table, mover = build(blocks, full + 2 * KV)
     planner = InProcessPlanner("pagedweight")
     planner.register(page_table_registration(table.charged_bytes_table(), top_k=2))

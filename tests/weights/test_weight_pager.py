@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from conftest import build, check_accounting
+from conftest import build, check_accounting, full_bytes
 from pagedweight.memory.pool import KV_USED
 from pagedweight.model.loader import load_model
 from pagedweight.weights.arena_experts import install_arena_experts
@@ -29,9 +29,7 @@ def micro(bundled_model_dir):
 
 def make_pager(micro, extra_bytes, before_copy=None, kv_block_bytes=None):
     model, blocks = micro
-    probe = build(blocks, 64 << 20)
-    full = probe[0].reserved_bytes  # every block at 8 bits
-    probe[3].close()
+    full = full_bytes(blocks)  # every block at 8 bits
     pool, arena, table, mover = build(blocks, full + extra_bytes, before_copy=before_copy)
     return pool, arena, table, mover, WeightPager(mover, GreedyPlanner(table.charged_bytes_table()), kv_block_bytes)
 
@@ -165,9 +163,7 @@ def test_compaction_learns_the_kv_block_size_and_makes_the_bytes_asked_for_usabl
 def test_a_raise_that_cannot_start_is_dropped_not_waited_on_for_ever(small_blocks):
     # Budget: exactly every block at 8 bits. Lower one block to 7, then ask for 8 again:
     # the net bytes are free, but in flight the raise needs LUT_8 beside LUT_7.
-    probe = build(small_blocks, 64 << 20)
-    full = probe[0].reserved_bytes
-    probe[3].close()
+    full = full_bytes(small_blocks)
     pool, arena, table, mover = build(small_blocks, full)
     pager = WeightPager(mover, GreedyPlanner(table.charged_bytes_table()))
     bid = next(iter(table.entries))
@@ -188,9 +184,7 @@ def test_a_plan_that_answers_steps_later_is_applied_when_it_arrives(micro):
     """A remote planner answers at a later boundary: the pager counts the asked bytes as
     pending meanwhile, asks nothing twice, and lowers only once the answer is there."""
     model, blocks = micro
-    probe = build(blocks, 64 << 20)
-    full = probe[0].reserved_bytes
-    probe[3].close()
+    full = full_bytes(blocks)
     pool, arena, table, mover = build(blocks, full)
     planner = GreedyPlanner(table.charged_bytes_table(), answer_after_polls=3)  # submit polls once too
     pager = WeightPager(mover, planner)

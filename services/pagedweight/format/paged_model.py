@@ -31,7 +31,6 @@ any failure is one `CheckpointError` line.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 from dataclasses import dataclass, field
@@ -42,6 +41,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from pagedweight.common.errors import CheckpointError
+from pagedweight.common.file_digest import file_sha256
 from pagedweight.common.json_files import read_json_object
 from pagedweight.format.model_config import ModelConfig
 from pagedweight.format.apl_format import BIT_WIDTHS, MODULES, APLBlock, BlockId, block_bytes
@@ -188,15 +188,7 @@ def _apl_tensors(apl: dict[tuple[int, str], LayerPlanes]) -> dict[str, torch.Ten
 
 
 def _file_record(path: Path) -> dict:
-    return {"bytes": path.stat().st_size, "sha256": _sha256(path)}
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+    return {"bytes": path.stat().st_size, "sha256": file_sha256(path)}
 
 
 # ---------------------------------------------------------------- loading
@@ -255,7 +247,7 @@ def _check_file(file: Path, record: dict, verify: bool) -> None:
     size = file.stat().st_size
     if size != record["bytes"]:
         raise CheckpointError(f"{file}: truncated or altered: {size} bytes, metadata says {record['bytes']}")
-    if verify and _sha256(file) != record["sha256"]:
+    if verify and file_sha256(file) != record["sha256"]:
         raise CheckpointError(f"{file}: corrupt: sha256 does not match the metadata")
 
 

@@ -9,9 +9,10 @@ Torch-free: the CLI resolves the files before it imports the quantiser.
 
 from __future__ import annotations
 
-import hashlib
 from importlib import resources
 from pathlib import Path
+
+from pagedweight.common.file_digest import file_sha256
 
 BUNDLED_VERSION = "v1"  # bump when the bundled files change: the name travels in artifacts
 BUNDLED_NAME = f"bundled:{BUNDLED_VERSION}"
@@ -31,9 +32,5 @@ def bundled_calib_files() -> list[Path]:
 def calib_text_record(files: list[Path], name: str) -> dict:
     """{"name", "files": [{"name", "num_bytes", "sha256"}]}: what paged_model.json records."""
     return {"name": name,
-            "files": [{"name": Path(f).name, "num_bytes": Path(f).stat().st_size, "sha256": _sha256(Path(f))}
+            "files": [{"name": Path(f).name, "num_bytes": Path(f).stat().st_size, "sha256": file_sha256(Path(f))}
                       for f in files]}
-
-
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()

@@ -30,7 +30,7 @@ from pagedweight.model.layers import RMSNorm, norm_for
 from pagedweight.model.transformer import (
     MoECausalLM, decoder_layer_class, embed_scale_for, rope_tables, rotaries_for, scale_embeddings,
 )
-from pagedweight.offline.work_dir import file_sha256
+from pagedweight.common.file_digest import file_sha256
 
 DTYPE = torch.float32  # what add_planner_scales builds the whole model in
 

@@ -55,7 +55,8 @@ from pagedweight.offline.residual_heads import ResidualConfig
 from pagedweight.offline.sensitivity import sensitivity_table
 from pagedweight.offline.stream_passes import StreamRun, backward_step, embed_step, forward_step, loss_step
 from pagedweight.offline.stream_scales import ScaleRun, forget_other_windows, group_kls, scale_steps
-from pagedweight.offline.work_dir import WorkDir, file_sha256
+from pagedweight.common.file_digest import file_sha256
+from pagedweight.offline.work_dir import WorkDir
 
 
 @dataclass(frozen=True)

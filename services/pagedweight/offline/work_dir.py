@@ -19,7 +19,6 @@ second run out while one is writing.
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import json
 import os
 import re
@@ -31,19 +30,12 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from pagedweight.common.errors import UserError
+from pagedweight.common.file_digest import file_sha256
 
 MANIFEST = "manifest.json"
 FORMAT = "pagedweight-quantize-work"
 VERSION = 1
 _FILE_NAME = re.compile(r"^[a-z]+[0-9]*$")  # the names quantize.py uses: x3, dx4, layer0, gn2, embed
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 class WorkDir:
