@@ -26,6 +26,9 @@ VARIANTS = {  # name -> (define changes, host changes)
     "target_1056": ({}, {"GEMV_TARGET_CTAS": 1056}),
     "4byte_loads": ({}, {"aligned8": False}),
     "merged_classes": ({}, {"GEMV_MERGE_CLASSES": True}),
+    "ring3": ({"APL_GEMV_RING_STAGES": 3}, {}),  # 3-4 bits: plane words through a cp.async ring
+    "ring4": ({"APL_GEMV_RING_STAGES": 4}, {}),
+    "ring6": ({"APL_GEMV_RING_STAGES": 6}, {}),
 }
 MIXED_SHAPES = [("qwen1.5-moe-a2.7b", 1, "mixed"), ("qwen1.5-moe-a2.7b", 4, "mixed"), ("mixtral-8x7b", 1, "mixed"),
                 ("mixtral-8x7b", 4, "mixed"), ("qwen1.5-moe-a2.7b", 1, "4")]

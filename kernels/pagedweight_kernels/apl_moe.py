@@ -63,7 +63,8 @@ def bit_class(bits: int) -> int:
 # Compile-time knobs of the .cu (see its header); the host plans with the same values.
 KERNEL_DEFINES = {"APL_LDS_MODE": 1, "APL_RPG_DIV": 8, "APL_PREFETCH": 1, "APL_DECODE_MIN_BLOCKS": 2,
                   "APL_SHIFT_MODE": 0, "APL_PREFILL_MIN_BLOCKS": 1, "APL_GEMV_MIN_BLOCKS": 4,
-                  "APL_GEMV_L2_PREFETCH": 0}
+                  "APL_GEMV_L2_PREFETCH": 0, "APL_GEMV_RING_STAGES": 0}
+GEMV_RING_STAGE_BYTES = 2 * 4 * 32 * 8  # apl_gemv.cu: one warp step at 4 bits in the cp.async ring
 # The .cu's APL_ACT per expert activation (moe_reference.ACTIVATIONS): one compiled module each.
 ACT_CODES = {"silu": 0, "gelu_tanh": 1}
 
@@ -418,6 +419,16 @@ def launch_gemm(mode: int, plan: GemmPlan, desc, active, num_active, sorted_slot
 _WEIGHT_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
+def gemv_extra_shared(cls: int, lut_entries: int) -> int:
+    """Shared bytes a decode launch adds to its plan: the 5-8-bit LUT rows (512-byte aligned)
+    and, for the 3-4-bit kernel with APL_GEMV_RING_STAGES >= 2, its cp.async ring of 4 warps."""
+    extra = GEMV_ROWS * lut_entries * 2 + 512 if lut_entries else 0
+    stages = KERNEL_DEFINES.get("APL_GEMV_RING_STAGES", 0)
+    if cls == 0 and stages >= 2:
+        extra = 512 + (GEMV_THREADS // 32) * stages * GEMV_RING_STAGE_BYTES
+    return extra
+
+
 def _class_launches(classes: dict[int, int]) -> list[tuple[int, int]]:
     """(kernel class, widest bits for its shared LUT) per launch: one per class present, or
     the merged kernel (class 2) once when GEMV_MERGE_CLASSES and both are present."""
@@ -447,14 +458,14 @@ def _apl_moe_gemv(x, ids, topk_weights, layer: APLLayer, plan: LaunchPlan, out: 
         _launch(f"apl_gemv<{cls}, 0, {flag}, {v2['gate_up']}>", gu.grid,
                 (layer.gate_up_desc, ids, num_assign, k, E, x, I, H, gu.split_cols // 32, lut, gu.tokens,
                  part_gu, layer.counters, h, weights, w_kind, T, out, 0),
-                gu.shared_bytes + (GEMV_ROWS * lut * 2 + 512 if lut else 0), block=GEMV_THREADS,
+                gu.shared_bytes + gemv_extra_shared(cls, lut), block=GEMV_THREADS,
                 activation=layer.activation)
     for i, (cls, widest) in enumerate(launches["down"]):
         lut = 1 << widest if cls >= 1 else 0
         _launch(f"apl_gemv<{cls}, 1, {flag}, {v2['down']}>", dn.grid,
                 (layer.down_desc, ids, num_assign, k, E, h, H, I, dn.split_cols // 32, lut, dn.tokens,
                  part_dn, layer.counters, None, weights, w_kind, T, out, int(i == 0)),
-                dn.shared_bytes + (GEMV_ROWS * lut * 2 + 512 if lut else 0), block=GEMV_THREADS)
+                dn.shared_bytes + gemv_extra_shared(cls, lut), block=GEMV_THREADS)
     return out
 
 

@@ -143,6 +143,20 @@ def test_a_layer_of_both_classes_takes_the_merged_kernel_once(monkeypatch):
     assert op._class_launches({0: 4, 1: 8}) == [(0, 4), (1, 8)]
 
 
+def test_decode_shared_memory_adds_the_ring_only_to_the_register_lut_kernel(monkeypatch):
+    """The cp.async ring (APL_GEMV_RING_STAGES) lives after the 512-byte aligned LUT area of
+    the 3-4-bit kernel only: 4 warps x stages x one 4-bit step; 0 stages adds nothing."""
+    import pagedweight_kernels.apl_moe as op
+
+    monkeypatch.setitem(op.KERNEL_DEFINES, "APL_GEMV_RING_STAGES", 0)
+    assert op.gemv_extra_shared(0, 0) == 0
+    assert op.gemv_extra_shared(1, 256) == op.GEMV_ROWS * 256 * 2 + 512
+    monkeypatch.setitem(op.KERNEL_DEFINES, "APL_GEMV_RING_STAGES", 3)
+    assert op.gemv_extra_shared(0, 0) == 512 + 4 * 3 * 2 * 4 * 32 * 8
+    assert op.gemv_extra_shared(1, 32) == op.GEMV_ROWS * 32 * 2 + 512  # 5-8 bits: shared LUT, no ring
+    assert op.gemv_extra_shared(2, 256) == op.GEMV_ROWS * 256 * 2 + 512  # merged kernel: no ring
+
+
 def test_lanes_per_row_keeps_lanes_busy():
     assert lanes_per_row(64) == 32 and lanes_per_row(44) == 16 and lanes_per_row(4) == 4
     assert lanes_per_row(6) == 8  # 6/8 beats 6/32, 6/16 and 6/12
