@@ -207,6 +207,42 @@ def test_kv_tile_offsets_address_the_tiles_read_blocks_returns(use_arena, device
             assert torch.equal(kv.flat[vo:vo + tile].view(v[i].shape), v[i])
 
 
+@pytest.mark.parametrize("device", ["cpu", GPU])
+@pytest.mark.parametrize("use_arena", [False, True])
+def test_per_step_indices_equal_the_per_layer_ones(use_arena, device):
+    """The once-per-step index work (issue 12): `write_rows` through `token_rows` leaves
+    the cache exactly as `write` does, and `kv_tile_offsets_all` is `kv_tile_offsets` of
+    every layer, on scattered tiles and random slots."""
+    if use_arena:
+        config, kv = _fragmented_tile_cache(0, device)
+    else:
+        config = ModelConfig.from_dir(BUNDLED_MODEL)
+        kv = PagedKVCache(config, KVCacheConfig(block_size=2), torch.float32, device, num_blocks=8)
+    ids = sorted(kv.manager.take_free_blocks(8))
+    kv.manager.add_blocks(ids)
+    gen = torch.Generator().manual_seed(2)
+    slots = torch.tensor([b * kv.block_size + o for b in ids for o in range(kv.block_size)])
+    slots = slots[torch.randperm(len(slots), generator=gen)[:5]].to(device)  # distinct slots
+    table = torch.tensor(ids)[torch.randint(0, len(ids), (3, 4), generator=gen)].to(device)
+    table[1, -1] = -1
+    rows = kv.token_rows(slots)
+    assert rows is not None and rows.shape == (config.num_layers, 2, len(slots))
+    offsets_all = kv.kv_tile_offsets_all(table)
+    start = torch.randn(kv.flat.shape, generator=gen).to(device)
+    by_write, by_rows = start.clone(), start.clone()
+    for layer in range(config.num_layers):
+        k, v = (torch.randn(len(slots), kv.num_kv_heads, kv.head_dim, generator=gen).to(device) for _ in "kv")
+        kv.flat.copy_(by_write)
+        kv.write(layer, slots, k, v)
+        by_write.copy_(kv.flat)
+        kv.flat.copy_(by_rows)
+        kv.write_rows(layer, rows, k, v)
+        by_rows.copy_(kv.flat)
+        assert torch.equal(by_rows, by_write) and not torch.equal(by_rows, start)
+        for got, want in zip((t[layer] for t in offsets_all), kv.kv_tile_offsets(layer, table)):
+            assert torch.equal(got, want)
+
+
 def test_a_block_fits_tile_by_tile_into_holes_no_whole_block_fits():
     """Holes smaller than a whole block but holding tiles are KV space: what lowering a
     plane frees needs no compaction before the KV cache can use it."""

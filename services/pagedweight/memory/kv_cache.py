@@ -40,6 +40,11 @@ from pagedweight.format.model_config import ModelConfig
 KV_USED, KV_FREE = "kv_used", "kv_free"  # the pool kinds (services/pagedweight/memory/pool.py)
 
 
+# kv_tile_offsets_all answers None past this many table entries over all layers (two int64
+# tensors of it: 256 MiB at 2^24)
+_ALL_LAYERS_MAX_ENTRIES = 1 << 24
+
+
 @dataclass(frozen=True)
 class KVCacheConfig:
     block_size: int = 16  # tokens per block
@@ -232,6 +237,8 @@ class PagedKVCache:
         shape, inner = (num_rows, *self.tile_shape[1:]), self.tiles.stride()[2:]
         self._k_rows = self.flat.as_strided(shape, (self.row_stride, *inner), 0)
         self._v_rows = self.flat.as_strided(shape, (self.row_stride, *inner), half)
+        per_token = self.num_kv_heads * self.head_dim  # `flat` as token rows (write_rows)
+        self._token_view = self.flat.narrow(0, 0, self.flat.numel() // per_token * per_token).view(-1, per_token)
 
     # ---- capacity -------------------------------------------------------------------
     @property
@@ -341,6 +348,35 @@ class PagedKVCache:
         rows = self._tile_row[layer][block_table.clamp(min=0)]
         k = rows * self.row_stride
         return k, k + self.tile_elems // 2
+
+    def kv_tile_offsets_all(self, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`kv_tile_offsets` of every layer at once, [L, *block_table.shape] each: one gather
+        per step instead of one per layer (decode graphs replay every launch: 4 per layer
+        was 96 kernels a step at 24 layers). None when the result would be large (a wide
+        table at a large batch): then each layer computes its own."""
+        if self.num_layers * block_table.numel() > _ALL_LAYERS_MAX_ENTRIES:
+            return None
+        k = self._tile_row[:, block_table.clamp(min=0)] * self.row_stride
+        return k, k + self.tile_elems // 2
+
+    def token_rows(self, slots: torch.Tensor) -> torch.Tensor | None:
+        """[T] slots -> [L, 2, T]: the rows of the cache seen as [*, G * D] token rows where
+        each new token's K (0) and V (1) of every layer go, computed once per step; each
+        layer's write is then one indexed copy per K and V instead of the ~10 kernels of
+        building element indices. None when a tile row is not a whole number of token rows
+        (an arena page size that is not a multiple of G * D elements): `write` then."""
+        per_token = self.num_kv_heads * self.head_dim
+        if self.row_stride % per_token:
+            return None
+        bs = self.block_size
+        k = self._tile_row[:, torch.div(slots, bs, rounding_mode="floor")] * (self.row_stride // per_token) + slots % bs
+        return torch.stack((k, k + bs), dim=1)
+
+    def write_rows(self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """`write` through `token_rows(slots)` (rows [L, 2, T]): the same bytes to the same places."""
+        T = k.shape[0]
+        self._token_view.index_copy_(0, rows[layer, 0], k.reshape(T, -1).to(self.dtype))
+        self._token_view.index_copy_(0, rows[layer, 1], v.reshape(T, -1).to(self.dtype))
 
     def _element_index(self, slots: torch.Tensor, layer: int, kv: int) -> torch.Tensor:
         """[T] slots -> [T, G * D] flat element indices of one layer's k or v."""

@@ -21,6 +21,14 @@ def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
     return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
+def rms_norm_cast_then_scale(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The Llama-style RMSNorm (normalise in fp32, cast back to x's dtype, then scale) with
+    torch's own rms_norm for the normalisation: one kernel on CUDA where the composed form
+    launches five, and a decode graph replays two norms per layer (issue 12). Same
+    arithmetic: the composed form is the CPU's, and the tests hold the two equal."""
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float, scale_in_fp32: bool = False):
         super().__init__()
@@ -31,6 +39,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in fp32; Llama-style references cast back before the scale, Gemma-4's
         # after it: in bf16 the two round differently, so each family follows its reference.
+        if x.is_cuda and not self.scale_in_fp32:
+            return rms_norm_cast_then_scale(x, self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.scale_in_fp32:
