@@ -371,11 +371,16 @@ def decode_profile(engine, concurrency: int, prompt_len: int, device: torch.devi
     for i in range(concurrency):
         prompt = torch.randint(1, vocab, (prompt_len,), generator=gen).tolist()
         engine.add_request(f"prof{i}", prompt, SamplingParams(max_tokens=2 * steps + 16, ignore_eos=True))
-    for _ in range(4):  # prefill and a few decodes (captures this bucket's graph)
+    sync(device)
+    t0 = time.perf_counter()
+    engine.step()  # the prompts' prefill (eager), as many as the token budget takes
+    sync(device)
+    prefill_ms = 1000 * (time.perf_counter() - t0)
+    for _ in range(3):  # the rest of the prefill and a few decodes (captures this bucket's graph)
         engine.step()
     runner = engine.runner
     graph_steps0 = runner.num_graph_steps
-    result = {"concurrency": concurrency}
+    result = {"concurrency": concurrency, "first_prefill_step_ms": round(prefill_ms, 3)}
     if device.type == "cuda":
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")

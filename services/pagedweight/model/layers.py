@@ -84,6 +84,35 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + rotated * sin
 
 
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """sin with rotate-half's sign folded in: cat(-sin[:D/2], sin[D/2:])."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def apply_rotary_signed(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """`apply_rotary` as x * cos + roll(x, D/2) * signed_sin(sin): roll(x, D/2) is
+    cat(x2, x1), so the product is rotate-half's cat(-x2, x1) * sin. Three kernels where
+    apply_rotary launches five (a decode graph replays two per layer, issue 12)."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin_signed)
+
+
+class _SignedSinOfStep:
+    """signed_sin of the step's sin, made by the first layer and reused by the others: the
+    layers of one forward get the very same sin tensor (rope_tables), a new step a new one."""
+
+    def __init__(self):
+        self.source, self.value = None, None
+
+    def __call__(self, sin: torch.Tensor) -> torch.Tensor:
+        if self.source is not sin:
+            self.source, self.value = sin, signed_sin(sin)
+        return self.value
+
+
+_signed_sin_of_step = _SignedSinOfStep()
+
+
 def rope_key(config: ModelConfig, layer: int) -> tuple[int, float, int]:
     """Which RotaryEmbedding a layer uses: layers with equal keys share cos/sin."""
     a = config.attention(layer)
@@ -157,7 +186,11 @@ class Attention(nn.Module):
         """
         T = x.shape[0]
         q, k, v = (t[None].transpose(1, 2) for t in self._project(x))  # [1, heads, T, D]
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if x.is_cuda:  # fewer launches; the CPU keeps the reference's arithmetic
+            sin_signed = _signed_sin_of_step(sin)
+            q, k = apply_rotary_signed(q, cos, sin_signed), apply_rotary_signed(k, cos, sin_signed)
+        else:
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         # [1, heads, T, D] -> [T, heads, D]
         q, k, v = (t[0].transpose(0, 1) for t in (q, k, v))
         out = step.attend(self.layer_idx, q, k, v, self.window, self.scale)  # [T, N, D]

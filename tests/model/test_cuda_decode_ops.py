@@ -1,6 +1,6 @@
-"""The CUDA path of RMSNorm (torch's rms_norm for the normalisation, issue 12) against the
-composed form the CPU runs: the same arithmetic, so fp32 agrees to rounding and bf16
-outputs differ by at most one rounding step."""
+"""The CUDA decode path's fewer-launch forms (issue 12) against the forms the CPU runs:
+RMSNorm through torch's rms_norm, RoPE with its sign folded into sin. The same
+arithmetic, so fp32 agrees to rounding and bf16 within a rounding step or two."""
 
 import pytest
 import torch
@@ -32,3 +32,19 @@ def test_rms_norm_on_cuda_equals_the_cpu():
     want = norm(x).float()
     got = norm.cuda()(x.cuda()).float().cpu()
     assert ((got - want).abs() / want.abs().clamp_min(1e-3)).max().item() <= 2 ** -7
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 2e-2)])
+def test_signed_rotary_equals_apply_rotary(dtype, tol):
+    """The CUDA decode path's RoPE (sign folded into sin once per step) against the
+    rotate-half reference, at a real head dim and odd positions."""
+    from pagedweight.model.layers import RotaryEmbedding, apply_rotary, apply_rotary_signed, signed_sin
+
+    gen = torch.Generator().manual_seed(3)
+    rope = RotaryEmbedding(128, 1e6)
+    cos, sin = rope.cos_sin(torch.tensor([[0, 5, 17, 4095]]), dtype)
+    x = torch.randn(1, 16, 4, 128, generator=gen).to(dtype)
+    want = apply_rotary(x, cos, sin).float()
+    got = apply_rotary_signed(x, cos, signed_sin(sin)).float()
+    assert not torch.equal(want, x.float())
+    assert ((got - want).abs().max() / want.abs().max()).item() <= tol
