@@ -48,3 +48,24 @@ def test_signed_rotary_equals_apply_rotary(dtype, tol):
     got = apply_rotary_signed(x, cos, signed_sin(sin)).float()
     assert not torch.equal(want, x.float())
     assert ((got - want).abs().max() / want.abs().max()).item() <= tol
+
+
+def test_fused_qkv_computes_the_same_and_stays_the_parameters():
+    """fuse_qkv (the engine does it on CUDA): the same logits, the projections' parameters
+    are views of the fused weight (a later in-place load reaches the fused product), and
+    the state dict keeps its keys."""
+    from pagedweight.model import load_model
+    from tests.conftest import BUNDLED_MODEL
+
+    model = load_model(BUNDLED_MODEL, dtype=torch.float32)
+    ids = torch.randint(1, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        want = model(ids)
+        keys = sorted(model.state_dict())
+        model.fuse_projections()
+        assert sorted(model.state_dict()) == keys
+        torch.testing.assert_close(model(ids), want, rtol=1e-5, atol=1e-5)
+        attn = model.layers[0].self_attn
+        assert attn._qkv is not None and attn.k_proj.weight.data_ptr() != attn._qkv[0].data_ptr()
+        attn.k_proj.weight.mul_(0)  # written through the view: the fused product sees it
+        assert not torch.allclose(model(ids), want, rtol=1e-3, atol=1e-3)

@@ -134,6 +134,7 @@ class Attention(nn.Module):
         # Gemma-4's `attention_k_eq_v` full layers: the values are the key projection
         self.v_proj = None if shape.k_eq_v else nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=config.o_proj_bias)
+        self._qkv: tuple | None = None  # fuse_qkv: (weight, bias, split sizes), not a parameter
         self.qk_norm = config.qk_norm
         self.v_norm = config.v_norm
         self.eps = config.rms_norm_eps
@@ -146,10 +147,34 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.num_heads * self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.num_kv_heads * self.head_dim, config.rms_norm_eps)
 
+    def fuse_qkv(self) -> None:
+        """Serve q, k and v from one product (a decoded layer launches 2 kernels fewer,
+        issue 12). Their weights (and biases) move into one [q + k + v rows, H] tensor and
+        the three projections' parameters become views of it: nothing is stored twice, and
+        whatever later writes a projection's parameter in place writes the fused one."""
+        if self.v_proj is None or self._qkv is not None:
+            return  # Gemma-4's k = v layers keep their two products
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        with torch.no_grad():
+            weight = torch.cat([p.weight for p in projs])
+            bias = torch.cat([p.bias for p in projs]) if self.q_proj.bias is not None else None
+        start = 0
+        for p in projs:
+            rows = p.weight.shape[0]
+            p.weight = nn.Parameter(weight[start:start + rows], requires_grad=False)
+            if bias is not None:
+                p.bias = nn.Parameter(bias[start:start + rows], requires_grad=False)
+            start += rows
+        self._qkv = (weight, bias, tuple(p.weight.shape[0] for p in projs))
+
     def _project(self, x: torch.Tensor):
         """x [..., H] -> q [..., N, D], k, v [..., G, D], with the q/k norms applied (before RoPE)."""
-        q, k = self.q_proj(x), self.k_proj(x)
-        v = k if self.v_proj is None else self.v_proj(x)
+        if self._qkv is not None:
+            weight, bias, sizes = self._qkv
+            q, k, v = F.linear(x, weight, bias).split(sizes, dim=-1)
+        else:
+            q, k = self.q_proj(x), self.k_proj(x)
+            v = k if self.v_proj is None else self.v_proj(x)
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.unflatten(-1, (self.num_heads, self.head_dim))
