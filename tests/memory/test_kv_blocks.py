@@ -263,6 +263,36 @@ def test_a_block_fits_tile_by_tile_into_holes_no_whole_block_fits():
 
 
 @pytest.mark.parametrize("device", ["cpu", GPU])
+def test_grow_zeroes_exactly_the_new_tiles_pages(device):
+    """Growing places tiles in holes among other extents and zeroes them in one launch
+    (no per-tile loop, no synchronising upload): every page of every new tile reads 0,
+    every other page keeps its bytes, and the tile-row table points at the new tiles."""
+    config = ModelConfig.from_dir(BUNDLED_MODEL)
+    kv_config = KVCacheConfig(block_size=2)
+    probe = PagedKVCache(config, kv_config, torch.float32, "cpu")
+    pool = MemoryPool(budget_bytes=40 * probe.block_bytes + 1000)
+    arena = Arena.from_pool(pool, page_bytes=1024, device=device)
+    kv = PagedKVCache(config, kv_config, torch.float32, device, arena=arena)
+    fillers = [arena.allocate(OTHER_WEIGHTS, (1 + i % 2) * kv.tile_bytes) for i in range(30)]
+    for x in fillers[::3]:
+        arena.free(x)
+    pattern = torch.randn(arena.num_pages * kv.row_stride, generator=torch.Generator().manual_seed(3)).to(device)
+    kv.flat.copy_(pattern)
+    assert kv.grow(8) == 8
+    pages = kv.flat.view(arena.num_pages, kv.row_stride)
+    before = pattern.view(arena.num_pages, kv.row_stride)
+    tile_pages = {x.first_page + i for tiles in kv._tiles.values() for x in tiles for i in range(x.num_pages)}
+    assert len(tile_pages) == 8 * config.num_layers * arena.pages_for(kv.tile_bytes)
+    for page in range(arena.num_pages):
+        if page in tile_pages:
+            assert not pages[page].any(), page
+        else:
+            assert torch.equal(pages[page], before[page]), page
+    for block_id, tiles in kv._tiles.items():
+        assert kv._tile_row[:, block_id].tolist() == [x.first_page for x in tiles]
+
+
+@pytest.mark.parametrize("device", ["cpu", GPU])
 def test_blocks_grown_over_nan_bytes_give_finite_batched_attention(device):
     """The arena's pages may hold anything (weights' planes read as NaN in bf16 or fp32):
     the batched path reads whole blocks, so unwritten positions of a block must not be NaN,
