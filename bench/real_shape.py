@@ -437,6 +437,12 @@ def decode_profile(engine, concurrency: int, prompt_len: int, device: torch.devi
 
 # ---------------------------------------------------------------- the run
 
+def compact_json(record: dict) -> str:
+    """One line per top-level key: diffs of committed results stay readable."""
+    body = ",\n".join(f" {json.dumps(k)}: {json.dumps(v)}" for k, v in record.items())
+    return "{\n" + body + "\n}\n"
+
+
 class Report:
     """The result file, rewritten after every section."""
 
@@ -446,7 +452,7 @@ class Report:
     def put(self, key: str, value) -> None:
         self.record[key] = value
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.path.write_text(json.dumps(self.record, indent=1) + "\n")
+        self.path.write_text(compact_json(self.record))
         print(f"[{key}] {json.dumps(value)[:600]}", flush=True)
 
 
