@@ -38,11 +38,13 @@ import argparse
 import gc
 import json
 import math
+import os
 import time
 from pathlib import Path
 
 import torch
 
+import pagedweight
 from bench.bench_meta import RESULTS_DIR, commit, machine
 from bench.real_shape_configs import REAL_SHAPE_CONFIGS
 from pagedweight.cli.load_bench import LoadSpec, drive_load, run_load
@@ -354,19 +356,31 @@ def parity(hf_model, ours: MoECausalLM, vocab: int, device: torch.device) -> dic
 
 
 def decode_profile(engine, concurrency: int, prompt_len: int, device: torch.device, steps: int = 8) -> dict:
-    """Where a decode step's time goes at `concurrency` sequences: host syncs per step
-    (torch.cuda.set_sync_debug_mode counts them), wall time per step, and the top operators
-    by device time (torch.profiler)."""
+    """Where a decode step's time goes at `concurrency` sequences (issue 12): wall time per
+    step; the host's seconds per phase of the step (`Engine.phases`: schedule, prepare,
+    signature, launch, wait = reading the sampled tokens back, update, boundary), so host
+    work = wall - wait; the replayed graph's device span per step (CUDA events around the
+    replay); the kernels per step, their summed device time (span - sum = gaps between
+    kernels inside the graph) and the top operators (torch.profiler); host syncs per step
+    (torch.cuda.set_sync_debug_mode counts them). Engines without phases or replay events
+    (an older checkout run with this script) leave those fields out."""
     import warnings
 
     vocab = engine.model.config.vocab_size
     gen = torch.Generator().manual_seed(11)
     for i in range(concurrency):
         prompt = torch.randint(1, vocab, (prompt_len,), generator=gen).tolist()
-        engine.add_request(f"prof{i}", prompt, SamplingParams(max_tokens=steps + 8, ignore_eos=True))
-    for _ in range(4):  # prefill and a few decodes
+        engine.add_request(f"prof{i}", prompt, SamplingParams(max_tokens=2 * steps + 16, ignore_eos=True))
+    sync(device)
+    t0 = time.perf_counter()
+    engine.step()  # the prompts' prefill (eager), as many as the token budget takes
+    sync(device)
+    prefill_ms = 1000 * (time.perf_counter() - t0)
+    for _ in range(3):  # the rest of the prefill and a few decodes (captures this bucket's graph)
         engine.step()
-    result = {"concurrency": concurrency}
+    runner = engine.runner
+    graph_steps0 = runner.num_graph_steps
+    result = {"concurrency": concurrency, "first_prefill_step_ms": round(prefill_ms, 3)}
     if device.type == "cuda":
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -382,11 +396,26 @@ def decode_profile(engine, concurrency: int, prompt_len: int, device: torch.devi
         result["host_syncs_per_step"] = len(caught)
         result["sync_sites"] = sites
         sync(device)
+    phases = getattr(engine, "phases", None)
+    graphs = runner.graphs
+    timed = graphs is not None and hasattr(graphs, "replay_events") and device.type == "cuda"
+    if phases is not None:
+        phases.reset()
+    if timed:
+        graphs.replay_events = []
     t0 = time.perf_counter()
-    for _ in range(steps // 2):
+    for _ in range(steps):
         engine.step()
     sync(device)
-    result["step_ms"] = round(1000 * (time.perf_counter() - t0) / (steps // 2), 2)
+    result["step_ms"] = round(1000 * (time.perf_counter() - t0) / steps, 3)
+    if phases is not None:
+        result["host_phase_ms"] = phases.per_step_ms()
+        result["host_ms_excluding_wait"] = round(sum(v for k, v in result["host_phase_ms"].items() if k != "wait"), 3)
+    if timed:
+        spans = [start.elapsed_time(end) for _, start, end in graphs.replay_events]
+        graphs.replay_events = None
+        result["replays"] = len(spans)
+        result["replay_device_ms"] = round(sum(spans) / max(1, len(spans)), 3)
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -394,6 +423,11 @@ def decode_profile(engine, concurrency: int, prompt_len: int, device: torch.devi
         for _ in range(2):
             engine.step()
         sync(device)
+    if device.type == "cuda":
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        result["kernels_per_step"] = round(len(kernels) / 2, 1)
+        result["kernel_ms_per_step"] = round(sum(e.time_range.elapsed_us() for e in kernels) / 2000, 3)
+    result["graph_steps"] = runner.num_graph_steps - graph_steps0
     sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     result["top_ops"] = prof.key_averages().table(sort_by=sort, row_limit=14, max_name_column_width=48)
     while engine.has_work:
@@ -402,6 +436,12 @@ def decode_profile(engine, concurrency: int, prompt_len: int, device: torch.devi
 
 
 # ---------------------------------------------------------------- the run
+
+def compact_json(record: dict) -> str:
+    """One line per top-level key: diffs of committed results stay readable."""
+    body = ",\n".join(f" {json.dumps(k)}: {json.dumps(v)}" for k, v in record.items())
+    return "{\n" + body + "\n}\n"
+
 
 class Report:
     """The result file, rewritten after every section."""
@@ -412,7 +452,7 @@ class Report:
     def put(self, key: str, value) -> None:
         self.record[key] = value
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.path.write_text(json.dumps(self.record, indent=1) + "\n")
+        self.path.write_text(compact_json(self.record))
         print(f"[{key}] {json.dumps(value)[:600]}", flush=True)
 
 
@@ -458,6 +498,9 @@ def main() -> None:
     parser.add_argument("--pressure-prompt-len", type=int, default=256)
     parser.add_argument("--modes", nargs="+", default=["eager-gather", "graphs-inplace"], choices=sorted(MODES),
                         help="how steps run, each measured in the same run (the first is the baseline)")
+    parser.add_argument("--profile-concurrency", type=int, nargs="*", default=[1, 64],
+                        help="concurrencies of the per-step profile (host phases, device span, kernels)")
+    parser.add_argument("--label", default="", help="what this run measures (e.g. before / after)")
     parser.add_argument("--skip", nargs="*", default=[], help="sections to skip: hf bf16 static pressure")
     parser.add_argument("--time-limit-s", type=float, default=540.0)
     parser.add_argument("--reserve-s", type=float, default=60.0,
@@ -471,7 +514,10 @@ def main() -> None:
         torch.set_num_threads(2)
     out = args.out or RESULTS_DIR / f"real_shape_{args.model}_{device.type}.json"
     report = Report(out, {"benchmark": "real_shape", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                          "machine": machine(), "commit": commit(), "model": args.model,
+                          "machine": machine(), "commit": commit(),
+                          "code_commit": os.environ.get("PAGEDWEIGHT_CODE_COMMIT", commit()),
+                          "code_path": str(Path(pagedweight.__file__).parent), "label": args.label,
+                          "model": args.model,
                           "dtype": "bfloat16", "args": {k: str(v) for k, v in vars(args).items()}})
     specs = [LoadSpec(max(2, c), c, args.prompt_len, args.max_tokens) for c in args.concurrency]
     max_seqs = max(max(args.concurrency), args.pressure_concurrency)
@@ -523,8 +569,9 @@ def main() -> None:
                     break
                 row["loads"].append(tokens_per_s(engine, spec, device))
                 report.put("engine_bf16_dense", modes)
-            if mode == args.modes[-1] and clock.left() > args.reserve_s + 30:
-                row["profile"] = decode_profile(engine, 16, args.prompt_len, device)
+            if mode == args.modes[-1]:
+                row["profile"] = {str(c): decode_profile(engine, c, args.prompt_len, device)
+                                  for c in args.profile_concurrency if clock.left() > args.reserve_s + 30}
             if mode == args.modes[-1]:  # prefill runs eagerly in every mode
                 row["ttft_s"] = {str(n): ttft(engine, n, device) for n in args.ttft_prompts
                                  if clock.left() > args.reserve_s}
@@ -568,8 +615,9 @@ def main() -> None:
                         break
                     loads.append(tokens_per_s(rt.engine, spec, device))
                     report.put("runtime_static", static)
-            if bits == 4 and clock.left() > args.reserve_s + 30:
-                row["profile"] = decode_profile(rt.engine, 16, args.prompt_len, device)
+            if bits == 4:
+                row["profile"] = {str(c): decode_profile(rt.engine, c, args.prompt_len, device)
+                                  for c in args.profile_concurrency if clock.left() > args.reserve_s + 30}
             if bits == 4:
                 row["ttft_s"] = {str(n): ttft(rt.engine, n, device) for n in args.ttft_prompts if clock.left() > args.reserve_s}
             report.put("runtime_static", static)

@@ -11,6 +11,8 @@ Shape legend: T tokens, H hidden, k top-k, E experts, I expert intermediate.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -93,8 +95,11 @@ def grouped_moe_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: t
     k = topk_ids.shape[1]
     if T == 0:
         return torch.zeros_like(x)
-    order, counts = group_tokens_by_expert(topk_ids, gate_up.shape[0])
-    offs = torch.cumsum(counts, 0).to(torch.int32)
+    # One sort, and the groups' ends by a binary search of every expert id in the sorted
+    # ids (offs[e] = assignments to experts <= e): 3 launches where argsort, a scatter-add
+    # count and its running sum took 6, in a decode graph that replays them every layer.
+    sorted_ids, order = torch.sort(topk_ids.reshape(-1), stable=True)
+    offs = torch.searchsorted(sorted_ids, _expert_ids(gate_up.shape[0], x.device), right=True, out_int32=True)
     rows = x[order // k]  # [T*k, H], sorted by expert
     gate, up = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)
     y = torch._grouped_mm(gated(gate, up, activation), down.transpose(1, 2), offs=offs)  # [T*k, H]
@@ -102,3 +107,9 @@ def grouped_moe_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: t
     placed[order] = y  # back to (token, slot) order
     weights = topk_weights.to(y.dtype)[..., None]
     return (placed.view(T, k, H) * weights).sum(dim=1).to(x.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _expert_ids(num_experts: int, device: torch.device) -> torch.Tensor:
+    """0..E-1 on the device, made once (not inside a graph capture: the warm-up makes it)."""
+    return torch.arange(num_experts, device=device)

@@ -228,6 +228,8 @@ def _sm_count(index: int | None) -> int:
 def combine_splits(m: torch.Tensor, l_sum: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
     """Partials m, l [B, N, S], acc [B, N, S, D] (unnormalised) -> [B, N, D] float32.
     A split that saw no key has m = -inf, l = 0, acc = 0 and weighs nothing."""
+    if m.shape[-1] == 1:  # one split (large batches): it saw the query's own key; 2 kernels, not 9
+        return acc[..., 0, :] / l_sum
     top = m.amax(-1, keepdim=True)
     w = torch.exp(m - top)  # 0 for empty splits (some split always holds the query's own key)
     return (acc * w[..., None]).sum(-2) / (l_sum * w).sum(-1)[..., None]

@@ -207,6 +207,42 @@ def test_kv_tile_offsets_address_the_tiles_read_blocks_returns(use_arena, device
             assert torch.equal(kv.flat[vo:vo + tile].view(v[i].shape), v[i])
 
 
+@pytest.mark.parametrize("device", ["cpu", GPU])
+@pytest.mark.parametrize("use_arena", [False, True])
+def test_per_step_indices_equal_the_per_layer_ones(use_arena, device):
+    """The once-per-step index work (issue 12): `write_rows` through `token_rows` leaves
+    the cache exactly as `write` does, and `kv_tile_offsets_all` is `kv_tile_offsets` of
+    every layer, on scattered tiles and random slots."""
+    if use_arena:
+        config, kv = _fragmented_tile_cache(0, device)
+    else:
+        config = ModelConfig.from_dir(BUNDLED_MODEL)
+        kv = PagedKVCache(config, KVCacheConfig(block_size=2), torch.float32, device, num_blocks=8)
+    ids = sorted(kv.manager.take_free_blocks(8))
+    kv.manager.add_blocks(ids)
+    gen = torch.Generator().manual_seed(2)
+    slots = torch.tensor([b * kv.block_size + o for b in ids for o in range(kv.block_size)])
+    slots = slots[torch.randperm(len(slots), generator=gen)[:5]].to(device)  # distinct slots
+    table = torch.tensor(ids)[torch.randint(0, len(ids), (3, 4), generator=gen)].to(device)
+    table[1, -1] = -1
+    rows = kv.token_rows(slots)
+    assert rows is not None and rows.shape == (config.num_layers, 2, len(slots))
+    offsets_all = kv.kv_tile_offsets_all(table)
+    start = torch.randn(kv.flat.shape, generator=gen).to(device)
+    by_write, by_rows = start.clone(), start.clone()
+    for layer in range(config.num_layers):
+        k, v = (torch.randn(len(slots), kv.num_kv_heads, kv.head_dim, generator=gen).to(device) for _ in "kv")
+        kv.flat.copy_(by_write)
+        kv.write(layer, slots, k, v)
+        by_write.copy_(kv.flat)
+        kv.flat.copy_(by_rows)
+        kv.write_rows(layer, rows, k, v)
+        by_rows.copy_(kv.flat)
+        assert torch.equal(by_rows, by_write) and not torch.equal(by_rows, start)
+        for got, want in zip((t[layer] for t in offsets_all), kv.kv_tile_offsets(layer, table)):
+            assert torch.equal(got, want)
+
+
 def test_a_block_fits_tile_by_tile_into_holes_no_whole_block_fits():
     """Holes smaller than a whole block but holding tiles are KV space: what lowering a
     plane frees needs no compaction before the KV cache can use it."""
@@ -224,6 +260,36 @@ def test_a_block_fits_tile_by_tile_into_holes_no_whole_block_fits():
     assert kv.grow(10) == len(pieces[::2]) // L
     assert pool.bytes_of(KV_FREE) == kv.reserved_bytes == kv.num_blocks * L * arena.charged_bytes(kv.tile_bytes)
     arena.check_consistent()
+
+
+@pytest.mark.parametrize("device", ["cpu", GPU])
+def test_grow_zeroes_exactly_the_new_tiles_pages(device):
+    """Growing places tiles in holes among other extents and zeroes them in one launch
+    (no per-tile loop, no synchronising upload): every page of every new tile reads 0,
+    every other page keeps its bytes, and the tile-row table points at the new tiles."""
+    config = ModelConfig.from_dir(BUNDLED_MODEL)
+    kv_config = KVCacheConfig(block_size=2)
+    probe = PagedKVCache(config, kv_config, torch.float32, "cpu")
+    pool = MemoryPool(budget_bytes=40 * probe.block_bytes + 1000)
+    arena = Arena.from_pool(pool, page_bytes=1024, device=device)
+    kv = PagedKVCache(config, kv_config, torch.float32, device, arena=arena)
+    fillers = [arena.allocate(OTHER_WEIGHTS, (1 + i % 2) * kv.tile_bytes) for i in range(30)]
+    for x in fillers[::3]:
+        arena.free(x)
+    pattern = torch.randn(arena.num_pages * kv.row_stride, generator=torch.Generator().manual_seed(3)).to(device)
+    kv.flat.copy_(pattern)
+    assert kv.grow(8) == 8
+    pages = kv.flat.view(arena.num_pages, kv.row_stride)
+    before = pattern.view(arena.num_pages, kv.row_stride)
+    tile_pages = {x.first_page + i for tiles in kv._tiles.values() for x in tiles for i in range(x.num_pages)}
+    assert len(tile_pages) == 8 * config.num_layers * arena.pages_for(kv.tile_bytes)
+    for page in range(arena.num_pages):
+        if page in tile_pages:
+            assert not pages[page].any(), page
+        else:
+            assert torch.equal(pages[page], before[page]), page
+    for block_id, tiles in kv._tiles.items():
+        assert kv._tile_row[:, block_id].tolist() == [x.first_page for x in tiles]
 
 
 @pytest.mark.parametrize("device", ["cpu", GPU])

@@ -178,3 +178,18 @@ def test_inplace_decode_of_a_layer_narrower_than_the_slot(window):
     outs = {impl: paged_attention(0, q, k, v, build_step(kv, seqs, impl), window, scale=0.7)
             for impl in ("reference", "inplace")}
     assert (outs["inplace"] - outs["reference"]).abs().max().item() < 1e-5
+
+
+def test_one_split_combines_as_the_general_path():
+    """One split (large batches) skips the max/exp weighting: the same as combining it
+    with an empty split (m = -inf, l = 0, acc = 0), which takes the general path."""
+    gen = torch.Generator().manual_seed(5)
+    m = torch.randn(3, 4, 1, generator=gen)
+    l_sum = torch.rand(3, 4, 1, generator=gen) + 0.5
+    acc = torch.randn(3, 4, 1, 8, generator=gen)
+    one = combine_splits(m, l_sum, acc)
+    two = combine_splits(torch.cat([m, torch.full_like(m, float("-inf"))], -1),
+                         torch.cat([l_sum, torch.zeros_like(l_sum)], -1),
+                         torch.cat([acc, torch.zeros_like(acc)], -2))
+    assert one.shape == (3, 4, 8)
+    torch.testing.assert_close(one, two, rtol=1e-6, atol=1e-6)

@@ -142,3 +142,31 @@ def test_a_raise_goes_part_of_the_way_when_only_that_fits(small_blocks):
     assert table.entries[bid].committed_bits == 8 and not mover.busy()
     assert torch.equal(weights_from_arena(table)[bid], static_weight(table, bid, 8))
     mover.close()
+
+
+def test_table_generation_counts_every_version_bump(small_blocks):
+    """Readers that cache descriptors (ArenaExperts.kernel_layer, graph_state) skip their
+    walk over the blocks while the table's generation stands still: it must move with
+    every lowering, raise and relocation, and only then."""
+    pool, arena, table, mover = build(small_blocks, BUDGET)
+
+    def bumps():
+        return sum(e.version for e in table.entries.values())
+
+    start = table.generation - bumps()
+    mover.step_boundary()  # nothing to do
+    assert table.generation - bumps() == start
+    table.set_desired_bits({bid: 3 for bid in table.entries})
+    before = table.generation
+    mover.step_boundary()  # lowerings
+    assert table.generation > before and table.generation - bumps() == start
+    before = table.generation
+    assert mover.compact() > 0  # relocations
+    assert table.generation > before and table.generation - bumps() == start
+    table.set_desired_bits({bid: 5 for bid in table.entries})
+    mover.step_boundary()
+    mover.wait_for_transits()
+    before = table.generation
+    mover.step_boundary()  # raises commit
+    assert table.generation > before and table.generation - bumps() == start
+    mover.close()

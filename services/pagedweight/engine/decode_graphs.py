@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedweight.engine.step_phases import StepPhases
 from pagedweight.memory.kv_cache import PagedKVCache
 from pagedweight.model.paged_attention import PagedStep
 from pagedweight.model.transformer import MoECausalLM
@@ -74,11 +75,14 @@ class DecodeGraphs:
         self.static = torch.zeros(self.max_batch, row, dtype=torch.int64, device=kv.device)
         pin = kv.device.type == "cuda"
         self.host = torch.zeros(self.max_batch, row, dtype=torch.int64, pin_memory=pin)
+        self.host_np = self.host.numpy()  # the same memory: rows are filled without torch dispatch
         self.rows = torch.arange(self.max_batch, device=kv.device)  # logits rows: all of them
-        self.graphs: dict[int, tuple[object, torch.Tensor, tuple]] = {}  # bucket -> (graph, logits, sig)
+        # bucket -> (graph, (logits, greedy tokens), sig)
+        self.graphs: dict[int, tuple[object, tuple[torch.Tensor, torch.Tensor], tuple]] = {}
         self.pool = None
         self.num_captures = self.num_replays = 0
         self.disabled = False  # a capture failed: every step eager
+        self.replay_events: list | None = None  # a list: (bucket, start, end) CUDA events per replay
 
     # ---- when a step can replay ------------------------------------------------------
     def signature(self) -> tuple | None:
@@ -97,17 +101,25 @@ class DecodeGraphs:
             -(-r.context_len // self.kv.block_size) <= self.width for r in rows)
 
     # ---- one step --------------------------------------------------------------------
-    def run(self, rows: list[DecodeRow]) -> torch.Tensor | None:
-        """Logits [len(rows), V] of a decode step, or None when it must run eagerly."""
+    def run(self, rows: list[DecodeRow], phases: StepPhases | None = None):
+        """(logits [n, V], greedy tokens [n]) of a decode step of n = len(rows) sequences, on
+        the device; None when it must run eagerly. The argmax is part of the graph: a greedy
+        step reads its tokens back without another launch."""
         if self.disabled or not self.fits(rows):
             return None
         sig = self.signature()
+        if phases is not None:
+            phases.mark("signature")
         if sig is None:
             return None
         bucket = pick_bucket(len(rows), self.buckets)
         self._upload(rows, bucket)
+        if phases is not None:
+            phases.mark("prepare")
+        n = len(rows)
         if not self.capture:
-            return self._forward(bucket)[: len(rows)]
+            logits, tokens = self._forward(bucket)
+            return logits[:n], tokens[:n]
         entry = self.graphs.get(bucket)
         if entry is None or entry[2] != sig:
             try:
@@ -117,33 +129,44 @@ class DecodeGraphs:
                               "steps run eagerly from now on", RuntimeWarning, stacklevel=2)
                 self.disabled = True
                 return None
-        entry[0].replay()
+        if self.replay_events is None:
+            entry[0].replay()
+        else:  # a benchmark's profile: the replay's device span, between two events
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            entry[0].replay()
+            end.record()
+            self.replay_events.append((bucket, start, end))
         self.num_replays += 1
-        return entry[1][: len(rows)]
+        logits, tokens = entry[1]
+        return logits[:n], tokens[:n]
 
     def _upload(self, rows: list[DecodeRow], bucket: int) -> None:
         """Host values of the step into the pinned mirror, one copy into the static rows.
         The mirror is reused: the previous step's copy has finished, since the engine read
-        that step's sampled tokens back (its one synchronisation) before building this one."""
-        bs, host = self.kv.block_size, self.host
+        that step's sampled tokens back (its one synchronisation) before building this one.
+        Written through numpy: a torch element assignment costs microseconds of dispatch,
+        and a step of 64 rows made hundreds of them."""
+        bs, host = self.kv.block_size, self.host_np
         host[:bucket, _FIELDS:] = -1
         for i, r in enumerate(rows):
             pos = r.context_len - 1
-            used = r.block_ids[: -(-r.context_len // bs)]
+            n = -(-r.context_len // bs)
             host[i, 0], host[i, 1], host[i, 3] = r.token_id, pos, r.context_len
-            host[i, 2] = self.kv.token_offsets(used, pos, pos + 1)[0]
-            host[i, _FIELDS:_FIELDS + len(used)] = torch.tensor(used, dtype=torch.int64)
+            host[i, 2] = self.kv.token_offsets(r.block_ids, pos, pos + 1)[0]
+            host[i, _FIELDS:_FIELDS + n] = r.block_ids[:n]
         if bucket > len(rows):  # padding repeats row 0 (same inputs, same KV slot, same values)
             host[len(rows):bucket] = host[0]
-        self.static[:bucket].copy_(host[:bucket], non_blocking=True)
+        self.static[:bucket].copy_(self.host[:bucket], non_blocking=True)
 
     def _step(self, bucket: int) -> PagedStep:
         s = self.static[:bucket]
         return PagedStep(kv=self.kv, impl="inplace", positions=s[:, 1], query_lens=[], context_lens=[],
                          new_offsets=s[:, 2], block_table=s[:, _FIELDS:], seq_context_lens=s[:, 3])
 
-    def _forward(self, bucket: int) -> torch.Tensor:
-        return self.model.forward_paged(self.static[:bucket, 0], self._step(bucket), self.rows[:bucket])
+    def _forward(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.model.forward_paged(self.static[:bucket, 0], self._step(bucket), self.rows[:bucket])
+        return logits, logits.argmax(dim=-1)
 
     def _capture(self, bucket: int, sig: tuple):
         """Warm up on a side stream (compiles kernels, creates library handles: nothing of
@@ -159,7 +182,7 @@ class DecodeGraphs:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            logits = self._forward(bucket)
-        self.graphs[bucket] = (graph, logits, sig)
+            outputs = self._forward(bucket)
+        self.graphs[bucket] = (graph, outputs, sig)
         self.num_captures += 1
         return self.graphs[bucket]

@@ -26,6 +26,7 @@ from pagedweight.engine.model_runner import ModelRunner
 from pagedweight.engine.sampler import SamplingParams, make_generator
 from pagedweight.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 from pagedweight.engine.sequence import FinishReason, Sequence
+from pagedweight.engine.step_phases import StepPhases
 from pagedweight.memory.kv_cache import KVCacheConfig, PagedKVCache, blocks_for
 from pagedweight.model.transformer import MoECausalLM
 
@@ -92,6 +93,8 @@ class Engine:
             raise TypeError("Engine(model, config, ...): the engine takes no tokenizer any more")
         self.model = model
         self.config = config or EngineConfig()
+        if model.device.type == "cuda":
+            model.fuse_projections()  # fewer launches per layer; values unchanged
         self.arena, self.pager = arena, pager
         self.pool = arena.pool if arena is not None else None
         self.kv = PagedKVCache(
@@ -106,7 +109,8 @@ class Engine:
         if (self.kv.device.type == "cuda" and not self.config.enforce_eager
                 and self.config.attention_impl in ("auto", "inplace")):
             graphs = DecodeGraphs(model, self.kv, self.config.scheduler.max_num_seqs)
-        self.runner = ModelRunner(model, self.kv, self.config.attention_impl, self.eos_ids, graphs)
+        self.phases = StepPhases()  # host seconds per phase of a step (benchmarks read it)
+        self.runner = ModelRunner(model, self.kv, self.config.attention_impl, self.eos_ids, graphs, self.phases)
         self.prompt_routing = prompt_routing
         self._seq_ids = itertools.count()
         self.num_steps = self.num_finished = self.num_output_tokens = 0
@@ -161,7 +165,10 @@ class Engine:
 
     # ---- one step -------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        phases = self.phases
+        phases.start()
         plan = self.scheduler.schedule()
+        phases.mark("schedule")
         outputs = []
         if plan.scheduled:
             if self.prompt_routing is not None:
@@ -170,7 +177,10 @@ class Engine:
             if self.prompt_routing is not None:
                 self.prompt_routing.end_step()
             outputs = self._update(plan.scheduled, token_ids)
+            phases.mark("update")
         self.broker.step_boundary(len(self.scheduler.waiting), self.scheduler.blocks_needed_next_step())
+        phases.mark("boundary")
+        phases.end_step()
         self.num_steps += 1
         return outputs
 

@@ -17,6 +17,7 @@ from pagedweight.engine.decode_graphs import DecodeGraphs, DecodeRow
 from pagedweight.engine.sampler import sample
 from pagedweight.engine.scheduler import ScheduledSeq
 from pagedweight.engine.sequence import Sequence
+from pagedweight.engine.step_phases import StepPhases
 from pagedweight.memory.kv_cache import PagedKVCache
 from pagedweight.model.paged_attention import SeqSlice, build_step_with
 from pagedweight.model.transformer import MoECausalLM
@@ -24,32 +25,44 @@ from pagedweight.model.transformer import MoECausalLM
 
 class ModelRunner:
     def __init__(self, model: MoECausalLM, kv: PagedKVCache, attention_impl: str, eos_ids: set[int],
-                 graphs: DecodeGraphs | None = None):
+                 graphs: DecodeGraphs | None = None, phases: StepPhases | None = None):
         self.model, self.kv = model, kv
         self.attention_impl = attention_impl
         self.eos_ids = eos_ids
         self.graphs = graphs  # None: every step eager
+        self.phases = phases if phases is not None else StepPhases()
         self.num_graph_steps = self.num_eager_steps = 0
 
     @torch.inference_mode()
     def run(self, scheduled: list[ScheduledSeq]) -> list[int]:
         """One forward over the step; a sampled token per sequence with `samples` set."""
-        logits = self._replay(scheduled)
-        if logits is None:
+        seqs = [s.seq for s in scheduled if s.samples]
+        replayed = self._replay(scheduled)
+        if replayed is None:
             input_ids, step, logits_indices = self.prepare(scheduled)
+            self.phases.mark("prepare")
             logits = self.model.forward_paged(input_ids, step, logits_indices)
+            self.phases.mark("launch")
             self.num_eager_steps += 1
-        else:
-            self.num_graph_steps += 1
-        return self.sample([s.seq for s in scheduled if s.samples], logits)
+            return self.sample(seqs, logits)
+        self.num_graph_steps += 1
+        logits, tokens = replayed
+        self.phases.mark("launch")
+        if all(s.params.greedy and len(s.output_ids) >= s.params.min_tokens for s in seqs):
+            out = tokens.tolist()  # the graph's own argmax: nothing more to launch
+            self.phases.mark("wait")
+            return out
+        return self.sample(seqs, logits)
 
     def _replay(self, scheduled: list[ScheduledSeq]):
-        """Logits from a decode graph, or None: not a pure decode step, or no graph fits."""
+        """(logits, greedy tokens) from a decode graph, or None: not a pure decode step, or
+        no graph fits."""
         if self.graphs is None or not all(s.num_new_tokens == 1 and s.samples for s in scheduled):
             return None
         rows = [DecodeRow(_token_at(s.seq, s.seq.num_computed_tokens), s.seq.block_ids,
                           s.seq.num_computed_tokens + 1) for s in scheduled]
-        return self.graphs.run(rows)
+        self.phases.mark("prepare")
+        return self.graphs.run(rows, self.phases)
 
     def prepare(self, scheduled: list[ScheduledSeq]):
         input_ids, slices, logits_indices = [], [], []
@@ -78,7 +91,10 @@ class ModelRunner:
         for i, seq in enumerate(seqs):
             if not seq.params.greedy:
                 tokens[i] = sample(logits[i : i + 1], seq.params, seq.generator)[0]
-        return tokens.tolist()
+        self.phases.mark("launch")
+        out = tokens.tolist()  # the step's one synchronisation
+        self.phases.mark("wait")
+        return out
 
 
 def _token_at(seq: Sequence, i: int) -> int:

@@ -40,6 +40,11 @@ from pagedweight.format.model_config import ModelConfig
 KV_USED, KV_FREE = "kv_used", "kv_free"  # the pool kinds (services/pagedweight/memory/pool.py)
 
 
+# kv_tile_offsets_all answers None past this many table entries over all layers (two int64
+# tensors of it: 256 MiB at 2^24)
+_ALL_LAYERS_MAX_ENTRIES = 1 << 24
+
+
 @dataclass(frozen=True)
 class KVCacheConfig:
     block_size: int = 16  # tokens per block
@@ -226,12 +231,15 @@ class PagedKVCache:
             capacity = max(1, arena.num_pages // (L * arena.pages_for(self.tile_bytes)))
             self._tile_row = torch.zeros(L, capacity, dtype=torch.int64, device=self.device)
             self._free_ids = list(range(capacity - 1, -1, -1))  # logical block ids, popped from the end
+            self._page_rows = self.flat.view(arena.num_pages, self.row_stride)  # one row per page
         # K and V halves of every tile row as their own views, so a gather by row yields
         # contiguous [n, block_size, G, D] keys and values
         num_rows, half = self.tiles.shape[0], self.tile_elems // 2
         shape, inner = (num_rows, *self.tile_shape[1:]), self.tiles.stride()[2:]
         self._k_rows = self.flat.as_strided(shape, (self.row_stride, *inner), 0)
         self._v_rows = self.flat.as_strided(shape, (self.row_stride, *inner), half)
+        per_token = self.num_kv_heads * self.head_dim  # `flat` as token rows (write_rows)
+        self._token_view = self.flat.narrow(0, 0, self.flat.numel() // per_token * per_token).view(-1, per_token)
 
     # ---- capacity -------------------------------------------------------------------
     @property
@@ -277,16 +285,30 @@ class PagedKVCache:
             rows.append([x.first_page for x in tiles])
             ranks.append(min(x.first_page for x in tiles))  # given back first: the lowest
         if new:
-            index = torch.tensor(new, dtype=torch.int64, device=self.device)
-            self._tile_row[:, index] = torch.tensor(rows, dtype=torch.int64).T.to(self.device)
-            # The pages held weights (or nothing) before: bytes that read as NaN in this dtype.
-            # Attention reads whole blocks and masks the positions past a sequence's end, but
-            # a masked NaN value still poisons softmax @ V (0 * NaN), so new tiles start at 0.
-            for pages in rows:
-                for page in pages:
-                    self.flat.narrow(0, page * self.row_stride, self.tile_elems).zero_()
+            self._place_new_blocks(new, rows)
         self.manager.add_blocks(new, ranks)
         return len(new)
+
+    def _place_new_blocks(self, block_ids: list[int], first_pages: list[list[int]]) -> None:
+        """Point the tile-row table at the new blocks' tiles and zero their pages, with no
+        host synchronisation: ids and pages cross in one non-blocking copy from pinned
+        memory, then two launches (a scatter and an index fill). A step in which 64
+        sequences each crossed a block boundary made 128 synchronising uploads and 1,536
+        small zeroing launches before (issue 12's profile at concurrency 64, 4 bits).
+
+        The pages held weights (or nothing) before: bytes that read as NaN in this dtype.
+        Attention reads whole blocks and masks the positions past a sequence's end, but a
+        masked NaN value still poisons softmax @ V (0 * NaN), so new tiles start at 0."""
+        n, L = len(block_ids), self.num_layers
+        host = torch.tensor([*block_ids, *(p for pages in first_pages for p in pages)], dtype=torch.int64)
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        both = host.to(self.device, non_blocking=True)
+        ids, pages = both[:n], both[n:].view(n, L)
+        self._tile_row[:, ids] = pages.T
+        per_tile = self.arena.pages_for(self.tile_bytes)  # an extent owns its whole pages
+        every_page = (pages.reshape(-1, 1) + torch.arange(per_tile, device=self.device)).reshape(-1)
+        self._page_rows.index_fill_(0, every_page, 0)
 
     def shrink(self, keep_free_blocks: int = 0) -> int:
         """Give free blocks back to the arena, keeping keep_free_blocks; returns bytes freed.
@@ -341,6 +363,35 @@ class PagedKVCache:
         rows = self._tile_row[layer][block_table.clamp(min=0)]
         k = rows * self.row_stride
         return k, k + self.tile_elems // 2
+
+    def kv_tile_offsets_all(self, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`kv_tile_offsets` of every layer at once, [L, *block_table.shape] each: one gather
+        per step instead of one per layer (decode graphs replay every launch: 4 per layer
+        was 96 kernels a step at 24 layers). None when the result would be large (a wide
+        table at a large batch): then each layer computes its own."""
+        if self.num_layers * block_table.numel() > _ALL_LAYERS_MAX_ENTRIES:
+            return None
+        k = self._tile_row[:, block_table.clamp(min=0)] * self.row_stride
+        return k, k + self.tile_elems // 2
+
+    def token_rows(self, slots: torch.Tensor) -> torch.Tensor | None:
+        """[T] slots -> [L, 2, T]: the rows of the cache seen as [*, G * D] token rows where
+        each new token's K (0) and V (1) of every layer go, computed once per step; each
+        layer's write is then one indexed copy per K and V instead of the ~10 kernels of
+        building element indices. None when a tile row is not a whole number of token rows
+        (an arena page size that is not a multiple of G * D elements): `write` then."""
+        per_token = self.num_kv_heads * self.head_dim
+        if self.row_stride % per_token:
+            return None
+        bs = self.block_size
+        k = self._tile_row[:, torch.div(slots, bs, rounding_mode="floor")] * (self.row_stride // per_token) + slots % bs
+        return torch.stack((k, k + bs), dim=1)
+
+    def write_rows(self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """`write` through `token_rows(slots)` (rows [L, 2, T]): the same bytes to the same places."""
+        T = k.shape[0]
+        self._token_view.index_copy_(0, rows[layer, 0], k.reshape(T, -1).to(self.dtype))
+        self._token_view.index_copy_(0, rows[layer, 1], v.reshape(T, -1).to(self.dtype))
 
     def _element_index(self, slots: torch.Tensor, layer: int, kv: int) -> torch.Tensor:
         """[T] slots -> [T, G * D] flat element indices of one layer's k or v."""

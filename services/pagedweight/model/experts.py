@@ -11,6 +11,7 @@ Per expert, `gate_up` stacks the gate and up projections ([2I, H], gate first) a
 
 from __future__ import annotations
 
+import functools
 from typing import Protocol
 
 import torch
@@ -52,9 +53,12 @@ class DenseExperts(nn.Module):
         return F.linear(gated(gate, up, self.activation), self.down[e])
 
     def uses_grouped(self, dtype: torch.dtype) -> bool:
-        probe = torch.empty(0, dtype=dtype, device=self.gate_up.device)
-        wanted = self.grouped if self.grouped is not None else probe.is_cuda
-        return wanted and grouped_mm_supported(probe) and self.gate_up.dtype == dtype
+        device = self.gate_up.device
+        wanted = self.grouped if self.grouped is not None else device.type == "cuda"
+        if not wanted or self.gate_up.dtype != dtype:
+            return False
+        # asked every decode step by every layer (graph_state): no probe tensor each time
+        return _grouped_supported(device.type, dtype)
 
     def forward(self, x, topk_ids, topk_weights):
         if self.uses_grouped(x.dtype):
@@ -66,3 +70,8 @@ class DenseExperts(nn.Module):
         host-side choice to bake in), None when the per-expert loop would (it reads routing
         counts on the host, so the step must stay eager)."""
         return () if self.uses_grouped(dtype) else None
+
+
+@functools.lru_cache(maxsize=None)
+def _grouped_supported(device_type: str, dtype: torch.dtype) -> bool:
+    return grouped_mm_supported(torch.empty(0, dtype=dtype, device=device_type))

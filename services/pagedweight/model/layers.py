@@ -21,6 +21,14 @@ def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
     return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
+def rms_norm_cast_then_scale(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The Llama-style RMSNorm (normalise in fp32, cast back to x's dtype, then scale) with
+    torch's own rms_norm for the normalisation: one kernel on CUDA where the composed form
+    launches five, and a decode graph replays two norms per layer (issue 12). Same
+    arithmetic: the composed form is the CPU's, and the tests hold the two equal."""
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float, scale_in_fp32: bool = False):
         super().__init__()
@@ -31,6 +39,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in fp32; Llama-style references cast back before the scale, Gemma-4's
         # after it: in bf16 the two round differently, so each family follows its reference.
+        if x.is_cuda and not self.scale_in_fp32:
+            return rms_norm_cast_then_scale(x, self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.scale_in_fp32:
@@ -74,6 +84,35 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + rotated * sin
 
 
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """sin with rotate-half's sign folded in: cat(-sin[:D/2], sin[D/2:])."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def apply_rotary_signed(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """`apply_rotary` as x * cos + roll(x, D/2) * signed_sin(sin): roll(x, D/2) is
+    cat(x2, x1), so the product is rotate-half's cat(-x2, x1) * sin. Three kernels where
+    apply_rotary launches five (a decode graph replays two per layer, issue 12)."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin_signed)
+
+
+class _SignedSinOfStep:
+    """signed_sin of the step's sin, made by the first layer and reused by the others: the
+    layers of one forward get the very same sin tensor (rope_tables), a new step a new one."""
+
+    def __init__(self):
+        self.source, self.value = None, None
+
+    def __call__(self, sin: torch.Tensor) -> torch.Tensor:
+        if self.source is not sin:
+            self.source, self.value = sin, signed_sin(sin)
+        return self.value
+
+
+_signed_sin_of_step = _SignedSinOfStep()
+
+
 def rope_key(config: ModelConfig, layer: int) -> tuple[int, float, int]:
     """Which RotaryEmbedding a layer uses: layers with equal keys share cos/sin."""
     a = config.attention(layer)
@@ -95,6 +134,7 @@ class Attention(nn.Module):
         # Gemma-4's `attention_k_eq_v` full layers: the values are the key projection
         self.v_proj = None if shape.k_eq_v else nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=config.o_proj_bias)
+        self._qkv: tuple | None = None  # fuse_qkv: (weight, bias, split sizes), not a parameter
         self.qk_norm = config.qk_norm
         self.v_norm = config.v_norm
         self.eps = config.rms_norm_eps
@@ -107,10 +147,34 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.num_heads * self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.num_kv_heads * self.head_dim, config.rms_norm_eps)
 
+    def fuse_qkv(self) -> None:
+        """Serve q, k and v from one product (a decoded layer launches 2 kernels fewer,
+        issue 12). Their weights (and biases) move into one [q + k + v rows, H] tensor and
+        the three projections' parameters become views of it: nothing is stored twice, and
+        whatever later writes a projection's parameter in place writes the fused one."""
+        if self.v_proj is None or self._qkv is not None:
+            return  # Gemma-4's k = v layers keep their two products
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        with torch.no_grad():
+            weight = torch.cat([p.weight for p in projs])
+            bias = torch.cat([p.bias for p in projs]) if self.q_proj.bias is not None else None
+        start = 0
+        for p in projs:
+            rows = p.weight.shape[0]
+            p.weight = nn.Parameter(weight[start:start + rows], requires_grad=False)
+            if bias is not None:
+                p.bias = nn.Parameter(bias[start:start + rows], requires_grad=False)
+            start += rows
+        self._qkv = (weight, bias, tuple(p.weight.shape[0] for p in projs))
+
     def _project(self, x: torch.Tensor):
         """x [..., H] -> q [..., N, D], k, v [..., G, D], with the q/k norms applied (before RoPE)."""
-        q, k = self.q_proj(x), self.k_proj(x)
-        v = k if self.v_proj is None else self.v_proj(x)
+        if self._qkv is not None:
+            weight, bias, sizes = self._qkv
+            q, k, v = F.linear(x, weight, bias).split(sizes, dim=-1)
+        else:
+            q, k = self.q_proj(x), self.k_proj(x)
+            v = k if self.v_proj is None else self.v_proj(x)
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.unflatten(-1, (self.num_heads, self.head_dim))
@@ -147,7 +211,11 @@ class Attention(nn.Module):
         """
         T = x.shape[0]
         q, k, v = (t[None].transpose(1, 2) for t in self._project(x))  # [1, heads, T, D]
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if x.is_cuda:  # fewer launches; the CPU keeps the reference's arithmetic
+            sin_signed = _signed_sin_of_step(sin)
+            q, k = apply_rotary_signed(q, cos, sin_signed), apply_rotary_signed(k, cos, sin_signed)
+        else:
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         # [1, heads, T, D] -> [T, heads, D]
         q, k, v = (t[0].transpose(0, 1) for t in (q, k, v))
         out = step.attend(self.layer_idx, q, k, v, self.window, self.scale)  # [T, N, D]

@@ -58,6 +58,11 @@ class KVStore(Protocol):
     def read_blocks(self, layer: int, block_ids: torch.Tensor): ...
     # where block b's K and V tiles of `layer` start in `flat` (entries < 0 read block 0)
     def kv_tile_offsets(self, layer: int, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+    # the same for every layer at once, [L, ...] (None: too large, ask per layer)
+    def kv_tile_offsets_all(self, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None: ...
+    # where the new tokens' K, V of every layer go, [L, 2, T] (None: use `write`)
+    def token_rows(self, slots: torch.Tensor) -> torch.Tensor | None: ...
+    def write_rows(self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None: ...
 
 IMPLS = ("reference", "batched", "inplace")
 
@@ -96,6 +101,28 @@ class PagedStep:
     mask: torch.Tensor | None = None  # [B, 1, max_q, S] bool
     query_pos: torch.Tensor | None = None  # [B, max_q] position of each padded query
     window_masks: dict | None = None  # window -> mask with the window applied, made on first use
+    # Per-step index work shared by every layer, made by the first layer that needs it
+    # (inside a captured decode graph too: then it is part of the graph, once per replay)
+    _write_rows: object = None  # KVStore.token_rows(new_offsets), or False where it gave None
+    _tile_offsets: object = None  # KVStore.kv_tile_offsets_all(block_table), or False
+
+    def write_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store the layer's new k, v [T, slot G, slot D] at the step's slots."""
+        if self._write_rows is None:
+            self._write_rows = _or_false(self.kv.token_rows(self.new_offsets))
+        if self._write_rows is False:
+            self.kv.write(layer, self.new_offsets, k, v)
+        else:
+            self.kv.write_rows(layer, self._write_rows, k, v)
+
+    def tile_offsets(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's K and V tile offsets of the block table (in-place path)."""
+        if self._tile_offsets is None:
+            self._tile_offsets = _or_false(self.kv.kv_tile_offsets_all(self.block_table))
+        if self._tile_offsets is False:
+            return self.kv.kv_tile_offsets(layer, self.block_table)
+        k_all, v_all = self._tile_offsets
+        return k_all[layer], v_all[layer]
 
     @property
     def num_tokens(self) -> int:
@@ -168,6 +195,11 @@ def build_step_with(kv: KVStore, seqs: list[SeqSlice], impl: str = "auto",
     return step, extras
 
 
+def _or_false(value):
+    """None -> False: a per-step cache entry that was asked for and is not available."""
+    return False if value is None else value
+
+
 def _read_released_as_live(s: SeqSlice) -> SeqSlice:
     """Sliding-window models give back blocks whose tokens fell out of every window; their
     table entries are negative. Both paths read whole tables, so such an entry is pointed at
@@ -214,7 +246,7 @@ def paged_attention(layer: int, q, k, v, step: PagedStep, window: int | None = N
     """q [T, N, D], new k, v [T, G, D] -> attention output [T, N, D] (scale: of q.k, None:
     1/sqrt(D)). G, D are the layer's own; the cache's slot may be wider (kv_slot)."""
     shape = (k.shape[1], k.shape[2])
-    step.kv.write(layer, step.new_offsets, _into_slot(step.kv, k), _into_slot(step.kv, v))
+    step.write_kv(layer, _into_slot(step.kv, k), _into_slot(step.kv, v))
     if step.impl == "reference":
         return _reference(layer, q, step, window, scale, shape)
     if step.impl == "inplace":
@@ -226,7 +258,7 @@ def _inplace(layer: int, q, step: PagedStep, window: int | None, scale: float | 
              shape: tuple[int, int]) -> torch.Tensor:
     """Decode: q [B, N, D], one token per sequence, reads the tiles where they are."""
     kv = step.kv
-    k_off, v_off = kv.kv_tile_offsets(layer, step.block_table)
+    k_off, v_off = step.tile_offsets(layer)
     if shape != (kv.num_kv_heads, kv.head_dim):
         # a layer narrower than the slot: its token rows are strided by the slot, which the
         # Triton kernel does not take; the torch path reads them in place, chunk by chunk

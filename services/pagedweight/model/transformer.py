@@ -83,6 +83,14 @@ class MoECausalLM(nn.Module):
         self.rotaries = rotaries_for(config)
         self.embed_scale = embed_scale_for(config)
 
+    def fuse_projections(self) -> None:
+        """Each attention layer's q, k, v from one product (Attention.fuse_qkv): done by the
+        engine on CUDA, once the weights are where they will be served from."""
+        for layer in self.layers:
+            fuse = getattr(layer.self_attn, "fuse_qkv", None)
+            if fuse is not None:
+                fuse()
+
     @property
     def moe_blocks(self) -> list[SparseMoeBlock]:
         return [layer.moe for layer in self.layers]

@@ -52,13 +52,20 @@ class ArenaExperts(nn.Module):
         self._block_ids = [BlockId(layer, e, m) for m in ("gate_up", "down") for e in range(num_experts)]
         self._kernel_layer: APLLayer | None = None
         self._kernel_versions: dict[BlockId, int] = {}  # block_id -> version its descriptor row shows
+        self._kernel_generation = -1  # the table generation the descriptors show
+        self._graph_state: tuple | None = None  # graph_state's answer at that generation
 
     def _resident(self, block_id: BlockId) -> ResidentBlock:
         planes, lut, bits = self.table.resident_views(block_id)
         return ResidentBlock(bits, [p.contiguous() for p in planes], lut.contiguous())
 
     def kernel_layer(self) -> APLLayer:
-        """The kernel's view of this layer, its descriptors brought up to the committed state."""
+        """The kernel's view of this layer, its descriptors brought up to the committed state.
+        While the table's generation has not moved no row has, so a step costs one compare
+        here, not a walk over the layer's 2E blocks."""
+        generation = self.table.generation
+        if self._kernel_layer is not None and generation == self._kernel_generation:
+            return self._kernel_layer
         if self._kernel_layer is None:
             E = self.num_experts
             blocks = [self._resident(b) for b in self._block_ids]
@@ -71,6 +78,8 @@ class ArenaExperts(nn.Module):
                     self.table.num_descriptor_updates += 1
             self.table.descriptor_seconds += time.perf_counter() - start
         self._kernel_versions = {b: self.table.entries[b].version for b in self._block_ids}
+        self._kernel_generation = generation
+        self._graph_state = None  # the bit classes may have changed
         return self._kernel_layer
 
     def weight(self, block_id: BlockId, dtype: torch.dtype) -> torch.Tensor:
@@ -99,9 +108,11 @@ class ArenaExperts(nn.Module):
         counts on the host)."""
         if not (self.use_kernel and self.table.arena.device.type == "cuda" and dtype in ACT_DTYPES):
             return None
-        layer = self.kernel_layer()
-        return (layer.max_bits, tuple(tuple(c.items()) for c in layer.classes.values()),
-                tuple(layer.aligned8.values()))
+        layer = self.kernel_layer()  # resets the cached state when the generation moved
+        if self._graph_state is None:
+            self._graph_state = (layer.max_bits, tuple(tuple(c.items()) for c in layer.classes.values()),
+                                 tuple(layer.aligned8.values()))
+        return self._graph_state
 
     def forward(self, x, topk_ids, topk_weights):
         if self.use_kernel and x.is_cuda and x.dtype in ACT_DTYPES:

@@ -29,6 +29,16 @@ class Residency(str, enum.Enum):
     IN_TRANSIT = "in_transit"
 
 
+class ChangeCounter:
+    """How many times any row of a table changed version: readers that cache what the
+    rows pointed at compare one number per step instead of every row's version."""
+
+    __slots__ = ("count",)
+
+    def __init__(self):
+        self.count = 0
+
+
 @dataclass
 class BlockPages:
     """One row of the page table."""
@@ -41,7 +51,20 @@ class BlockPages:
     plane_extents: list[Extent] = field(default_factory=list)  # plane p -> extent, p < q_i
     lut_extent: Extent | None = None  # LUT_{q_i}
     transit_bits: int = 0  # bit-width being copied in (0 = nothing in transit)
-    version: int = 0  # bumps whenever what readers see changes (commit, relocation)
+    _version: int = field(default=0, repr=False)
+    # the table's count of version bumps, shared by its rows (None: a row of no table)
+    changes: "ChangeCounter | None" = field(default=None, repr=False, compare=False)
+
+    @property
+    def version(self) -> int:
+        """Bumps whenever what readers see changes (commit, lowering, relocation)."""
+        return self._version
+
+    @version.setter
+    def version(self, value: int) -> None:
+        self._version = value
+        if self.changes is not None:
+            self.changes.count += 1
 
     @property
     def state(self) -> Residency:
@@ -67,8 +90,10 @@ class PageTable:
         self.host: dict[BlockId, APLBlock] = {  # block_id -> every plane and LUT, on the host
             bid: _host_copy(block, pin) for bid, block in host_blocks.items()
         }
+        self._changes = ChangeCounter()
         self.entries: dict[BlockId, BlockPages] = {
-            bid: BlockPages(bid, b.rows, b.cols, initial_desired_bits) for bid, b in self.host.items()
+            bid: BlockPages(bid, b.rows, b.cols, initial_desired_bits, changes=self._changes)
+            for bid, b in self.host.items()
         }
         self.read_log: list[Extent] | None = None  # when a list, readers append what they read (tests)
         self.num_desired_updates = 0  # set_desired_bits calls (plans set from outside the pager)
@@ -76,6 +101,12 @@ class PageTable:
         # seconds spent on it (ArenaExperts counts them; the pager's profile reports them)
         self.num_descriptor_updates = 0
         self.descriptor_seconds = 0.0
+
+    @property
+    def generation(self) -> int:
+        """Changes whenever any row's version does (never goes back): equal generations mean
+        every row still points where it did."""
+        return self._changes.count
 
     # ---- sizes ------------------------------------------------------------------------
     def plane_bytes(self, block_id: BlockId) -> int:

@@ -1,0 +1,71 @@
+"""The CUDA decode path's fewer-launch forms (issue 12) against the forms the CPU runs:
+RMSNorm through torch's rms_norm, RoPE with its sign folded into sin. The same
+arithmetic, so fp32 agrees to rounding and bf16 within a rounding step or two."""
+
+import pytest
+import torch
+
+from pagedweight.model.layers import RMSNorm, rms_norm_cast_then_scale
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 2 ** -7)])
+def test_rms_norm_cast_then_scale_equals_the_composed_norm(dtype, tol):
+    gen = torch.Generator().manual_seed(0)
+    norm = RMSNorm(96, 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(96, generator=gen) * 2 + 0.1)
+    norm = norm.to(dtype)
+    x = (torch.randn(5, 7, 96, generator=gen) * 3).to(dtype)
+    want = norm(x)  # the CPU: composed
+    got = rms_norm_cast_then_scale(x, norm.weight, norm.eps)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    rel = ((got.float() - want.float()).abs() / want.float().abs().clamp_min(1e-3)).max().item()
+    assert rel <= tol, rel
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_rms_norm_on_cuda_equals_the_cpu():
+    gen = torch.Generator().manual_seed(1)
+    norm = RMSNorm(2048, 1e-6).to(torch.bfloat16)
+    x = torch.randn(64, 2048, generator=gen).to(torch.bfloat16)
+    want = norm(x).float()
+    got = norm.cuda()(x.cuda()).float().cpu()
+    assert ((got - want).abs() / want.abs().clamp_min(1e-3)).max().item() <= 2 ** -7
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 2e-2)])
+def test_signed_rotary_equals_apply_rotary(dtype, tol):
+    """The CUDA decode path's RoPE (sign folded into sin once per step) against the
+    rotate-half reference, at a real head dim and odd positions."""
+    from pagedweight.model.layers import RotaryEmbedding, apply_rotary, apply_rotary_signed, signed_sin
+
+    gen = torch.Generator().manual_seed(3)
+    rope = RotaryEmbedding(128, 1e6)
+    cos, sin = rope.cos_sin(torch.tensor([[0, 5, 17, 4095]]), dtype)
+    x = torch.randn(1, 16, 4, 128, generator=gen).to(dtype)
+    want = apply_rotary(x, cos, sin).float()
+    got = apply_rotary_signed(x, cos, signed_sin(sin)).float()
+    assert not torch.equal(want, x.float())
+    assert ((got - want).abs().max() / want.abs().max()).item() <= tol
+
+
+def test_fused_qkv_computes_the_same_and_stays_the_parameters():
+    """fuse_qkv (the engine does it on CUDA): the same logits, the projections' parameters
+    are views of the fused weight (a later in-place load reaches the fused product), and
+    the state dict keeps its keys."""
+    from pagedweight.model import load_model
+    from tests.conftest import BUNDLED_MODEL
+
+    model = load_model(BUNDLED_MODEL, dtype=torch.float32)
+    ids = torch.randint(1, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        want = model(ids)
+        keys = sorted(model.state_dict())
+        model.fuse_projections()
+        assert sorted(model.state_dict()) == keys
+        torch.testing.assert_close(model(ids), want, rtol=1e-5, atol=1e-5)
+        attn = model.layers[0].self_attn
+        assert attn._qkv is not None and attn.k_proj.weight.data_ptr() != attn._qkv[0].data_ptr()
+        attn.k_proj.weight.mul_(0)  # written through the view: the fused product sees it
+        assert not torch.allclose(model(ids), want, rtol=1e-3, atol=1e-3)
