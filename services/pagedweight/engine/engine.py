@@ -170,7 +170,8 @@ class Engine:
             if self.prompt_routing is not None:
                 self.prompt_routing.end_step()
             outputs = self._update(plan.scheduled, token_ids)
-        self.broker.step_boundary(len(self.scheduler.waiting), self.scheduler.blocks_needed_next_step())
+        self.broker.step_boundary(len(self.scheduler.waiting), self.scheduler.blocks_needed_next_step(),
+                                  self.scheduler.blocks_projected())
         self.num_steps += 1
         return outputs
 

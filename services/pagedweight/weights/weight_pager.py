@@ -262,6 +262,15 @@ class WeightPager:
     def busy(self) -> bool:
         return self.mover.busy()
 
+    def wants_boundaries(self, offer_bytes: int) -> bool:
+        """Whether a step boundary, or an offer of `offer_bytes` (< 0: none), could still
+        change anything: a plan or a compaction in flight, blocks not at their desired
+        bits, or more free bytes than the last offer found no use for. O(1): an idle
+        worker asks this on every tick to know when to stop ticking."""
+        if self._in_flight is not None or self._compaction_left or not self._is_settled():
+            return True
+        return offer_bytes > max(self._free_bytes_at_drop, self._free_bytes_at_refusal)
+
     # ---- reporting ----------------------------------------------------------------------
     def stats(self) -> PagerStats:
         entries = self.table.entries.values()
