@@ -316,6 +316,9 @@ def main() -> int:
     parser.add_argument("--no-project-demand", action="store_true",
                         help="the broker asks for this step's shortage only and offers every spare byte "
                              "(the behaviour before issue 17's projected demand, for comparison)")
+    parser.add_argument("--move-cost", type=float, default=0.0,
+                        help="pagedweight: cost of each moved block in a lowering plan, in medians of one "
+                             "bit's damage (fewer blocks lowered further); 0: the one-bit greedy")
     parser.add_argument("--drain-s", type=float, default=12.0)
     parser.add_argument("--kl", action="store_true", help="--artifact: KL to bf16 of the plans served")
     parser.add_argument("--kl-domain", default="kjv")
@@ -355,7 +358,7 @@ def main() -> int:
         log(f"{trace} / {policy}")
         try:
             rt = build_runtime_from_paged(paged, RuntimeConfig(sizes["budget"], policy, device=str(device),
-                                                               dtype=dtype, engine=ecfg), eos)
+                                                               dtype=dtype, engine=ecfg, move_cost=args.move_cost), eos)
         except Exception as err:  # noqa: BLE001 - a policy that cannot start is a result too
             rows[policy] = {"error": repr(err)}
             log(f"  {policy}: {err!r}")
