@@ -42,6 +42,18 @@ class BlockPages:
     lut_extent: Extent | None = None  # LUT_{q_i}
     transit_bits: int = 0  # bit-width being copied in (0 = nothing in transit)
     version: int = 0  # bumps whenever what readers see changes (commit, relocation)
+    owner: PageTable | None = field(default=None, repr=False, compare=False)  # set by the table
+
+    def __setattr__(self, name, value):
+        # The table's dirty set and weighted bit sum follow every change, whoever makes it
+        # (pager, mover, tests, benchmarks), so a boundary visits only the blocks that moved.
+        owner = self.__dict__.get("owner")
+        if owner is not None:
+            if name == "desired_bits":
+                owner.dirty.add(self.block_id)
+            elif name == "committed_bits":
+                owner.committed_weight_bits += (value - self.committed_bits) * self.rows * self.cols
+        object.__setattr__(self, name, value)
 
     @property
     def state(self) -> Residency:
@@ -70,6 +82,14 @@ class PageTable:
         self.entries: dict[BlockId, BlockPages] = {
             bid: BlockPages(bid, b.rows, b.cols, initial_desired_bits) for bid, b in self.host.items()
         }
+        # Blocks that may not be at their desired bits (desired set since they last were, or
+        # a copy in flight): what a step boundary visits, O(blocks changed) instead of O(all).
+        self.dirty: set[BlockId] = set(self.entries)
+        self.index = {bid: i for i, bid in enumerate(self.entries)}  # table order, for determinism
+        self.committed_weight_bits = 0  # sum of committed bits x weights (the mean without a scan)
+        self.num_weights = sum(e.num_weights for e in self.entries.values())
+        for e in self.entries.values():
+            e.owner = self
         self.read_log: list[Extent] | None = None  # when a list, readers append what they read (tests)
         self.num_desired_updates = 0  # set_desired_bits calls (plans set from outside the pager)
         # kernel descriptor rows rewritten because a block's version moved, and the host
@@ -121,6 +141,17 @@ class PageTable:
         for bid, bits in plan.items():
             check_bits(bits)
             self.entries[bid].desired_bits = bits
+
+    def unsettled(self) -> list[BlockPages]:
+        """The dirty blocks still off their desired bits or in transit, in table order; the
+        others leave the dirty set here."""
+        settled = [bid for bid in self.dirty if (e := self.entries[bid]).desired_bits == e.committed_bits
+                   and not e.transit_bits]
+        self.dirty.difference_update(settled)
+        return [self.entries[bid] for bid in sorted(self.dirty, key=self.index.__getitem__)]
+
+    def mean_committed_bits(self) -> float:
+        return self.committed_weight_bits / max(self.num_weights, 1)
 
     def resident_expert_bytes(self) -> int:
         """Arena bytes of committed planes and LUTs (what the pool's expert kinds hold)."""
