@@ -410,7 +410,21 @@ def _write(path: Path, result: dict) -> None:
     clean = {**result, "traces": {t: {p: {k: v for k, v in row.items() if not k.startswith("_")}
                                       for p, row in rows.items()} for t, rows in result["traces"].items()}}
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(clean, indent=1) + "\n")
+    path.write_text(compact_json(clean))
+
+
+def compact_json(result: dict) -> str:
+    """One line per top-level key and one per (trace, policy) row, so diffs stay readable."""
+    one = lambda v: json.dumps(v, separators=(",", ":"))
+    lines = []
+    for key, value in result.items():
+        if key != "traces":
+            lines.append(f" {json.dumps(key)}: {one(value)}")
+            continue
+        traces = [f"  {json.dumps(t)}: {{\n" + ",\n".join(f"   {json.dumps(p)}: {one(row)}" for p, row in rows.items())
+                  + "\n  }" for t, rows in value.items()]
+        lines.append(' "traces": {\n' + ",\n".join(traces) + "\n }")
+    return "{\n" + ",\n".join(lines) + "\n}\n"
 
 
 if __name__ == "__main__":
