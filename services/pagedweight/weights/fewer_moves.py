@@ -4,11 +4,12 @@ The greedy (planner/greedy.py) frees bytes at the least damage per byte; since d
 grows ~4x per bit lost, that is almost always one bit off many blocks: a 1 GB shortage at
 Qwen1.5-MoE's width lowers every one of its 1,440 blocks by a bit. Each lowered block is
 a descriptor rewrite now and, once the pressure goes, a raise that copies its plane back.
-Here every block that moves also costs `move_cost` (in damage units), and each block is
-offered whole drops q -> q - j: a block's best drop minimises (damage + move_cost) per
-byte freed, the blocks are taken by that ratio until the bytes are met. With move_cost 0
-this is the one-bit greedy's answer in spirit; larger values trade a little damage
-(deeper drops on fewer blocks) for fewer moves. Pure arrays, O(N log N) per plan.
+Here every block that moves also costs `move_cost` (in damage units) on top of its
+damage, and each block is offered whole drops q -> q - j, taken along the lower convex
+hull of its (bytes freed, damage + move_cost) points (see free_with_fewer_moves). With
+move_cost 0 this is the one-bit greedy's answer up to its overshoot handling; larger
+values trade a little damage (deeper drops on fewer blocks) for fewer moves. O(N log N)
+per plan, a short Python loop per block (plans are rare: one per ask, not per step).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def free_with_fewer_moves(damage: np.ndarray, nbytes: np.ndarray, bits: np.ndarr
     col_new = np.clip(col_now - drops, 0, width - 1)
     freed = np.where(valid, nbytes[rows, col_now] - nbytes[rows, col_new], 0)
     cost = damage[rows, col_new] - damage[rows, col_now] + move_cost
-    if freed.sum(axis=1).size == 0 or int(freed.max(axis=1, initial=0).sum()) < target:
+    if int(freed.max(axis=1, initial=0).sum()) < target:  # even every block at its floor falls short
         return None
     segments = []  # (cost per byte, block, drop at its end, bytes)
     for i in np.flatnonzero(valid[:, 0]):
