@@ -344,7 +344,8 @@ def main() -> int:
     name = built.get("shape") or Path(args.artifact).name
     out = args.out or RESULTS_DIR / f"elasticity_{name}_{device.type}.json"
     result = {"benchmark": "elasticity", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-              "machine": machine(), "commit": commit(), "code_commit": commit(), "model": name, **built, "dtype": str(dtype),
+              "machine": machine(), "commit": commit(), "code_commit": commit(), "model": name, **built,
+              "dtype": str(dtype),
               "args": {k: str(v) for k, v in vars(args).items()}, "bytes": sizes,
               "baseline": "static-8 at the same budget and trace", "traces": {}}
     all_traces = traces(args)
