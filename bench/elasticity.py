@@ -191,7 +191,8 @@ def _bits_key(table):
 
 def engine_config(args) -> EngineConfig:
     broker = BrokerConfig(calm_steps=args.calm_steps, calm_seconds=args.calm_seconds,
-                          offer_min_blocks=args.offer_min_blocks, ask_ahead_blocks=args.ask_ahead_blocks)
+                          offer_min_blocks=args.offer_min_blocks, ask_ahead_blocks=args.ask_ahead_blocks,
+                          project_demand=not args.no_project_demand)
     return EngineConfig(scheduler=SchedulerConfig(max_num_seqs=args.concurrency,
                                                   max_num_batched_tokens=args.batched_tokens),
                         kv=KVCacheConfig(), broker=broker)
@@ -312,6 +313,12 @@ def main() -> int:
     parser.add_argument("--calm-seconds", type=float, default=0.5)
     parser.add_argument("--offer-min-blocks", type=int, default=4)
     parser.add_argument("--ask-ahead-blocks", type=int, default=0)
+    parser.add_argument("--no-project-demand", action="store_true",
+                        help="the broker asks for this step's shortage only and offers every spare byte "
+                             "(the behaviour before issue 17's projected demand, for comparison)")
+    parser.add_argument("--move-cost", type=float, default=0.0,
+                        help="pagedweight: cost of each moved block in a lowering plan, in medians of one "
+                             "bit's damage (fewer blocks lowered further); 0: the one-bit greedy")
     parser.add_argument("--drain-s", type=float, default=12.0)
     parser.add_argument("--kl", action="store_true", help="--artifact: KL to bf16 of the plans served")
     parser.add_argument("--kl-domain", default="kjv")
@@ -337,7 +344,8 @@ def main() -> int:
     name = built.get("shape") or Path(args.artifact).name
     out = args.out or RESULTS_DIR / f"elasticity_{name}_{device.type}.json"
     result = {"benchmark": "elasticity", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-              "machine": machine(), "commit": commit(), "model": name, **built, "dtype": str(dtype),
+              "machine": machine(), "commit": commit(), "code_commit": commit(), "model": name, **built,
+              "dtype": str(dtype),
               "args": {k: str(v) for k, v in vars(args).items()}, "bytes": sizes,
               "baseline": "static-8 at the same budget and trace", "traces": {}}
     all_traces = traces(args)
@@ -351,7 +359,7 @@ def main() -> int:
         log(f"{trace} / {policy}")
         try:
             rt = build_runtime_from_paged(paged, RuntimeConfig(sizes["budget"], policy, device=str(device),
-                                                               dtype=dtype, engine=ecfg), eos)
+                                                               dtype=dtype, engine=ecfg, move_cost=args.move_cost), eos)
         except Exception as err:  # noqa: BLE001 - a policy that cannot start is a result too
             rows[policy] = {"error": repr(err)}
             log(f"  {policy}: {err!r}")
@@ -359,7 +367,7 @@ def main() -> int:
         warm_up(rt, args.prompt_len)
         if rt.pager is not None:
             rt.pager.mover.profile.reset()
-        moves0 = _moves(rt)
+        moves0, plans0 = _moves(rt), rt.pager.num_plans if rt.pager is not None else 0
         row = drive_trace(rt, phases, args.prompt_len, args.max_tokens, args.drain_s, burst_phase)
         stats = rt.engine.stats()
         profile = rt.pager.stats().profile if rt.pager is not None else None
@@ -370,6 +378,12 @@ def main() -> int:
                     "raises_dropped": getattr(rt.pager, "num_raises_dropped", 0),
                     "page_moves": _moves(rt) - moves0,
                     "page_moves_per_request": round((_moves(rt) - moves0) / row["requests"], 3),
+                    # What a "page move" is, counted three ways: page_moves above are block bit
+                    # changes (a block lowered 8 -> 4 in one plan is one); plans are the planner's
+                    # answers applied (one lowering of 300 blocks is one); churn counts distinct
+                    # blocks and round trips (lowered, then raised again: a copy for nothing).
+                    "plans": (rt.pager.num_plans - plans0) if rt.pager is not None else 0,
+                    "churn": profile["churn"] if profile else None,
                     "bytes_copied_host_to_device": profile["bytes_host_to_device"] if profile else 0,
                     "bytes_copied_device_to_device": profile["bytes_device_to_device"] if profile else 0,
                     "pager_profile": profile, "_block_keys": [b.key() for b in rt.table.entries]})
@@ -397,7 +411,21 @@ def _write(path: Path, result: dict) -> None:
     clean = {**result, "traces": {t: {p: {k: v for k, v in row.items() if not k.startswith("_")}
                                       for p, row in rows.items()} for t, rows in result["traces"].items()}}
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(clean, indent=1) + "\n")
+    path.write_text(compact_json(clean))
+
+
+def compact_json(result: dict) -> str:
+    """One line per top-level key and one per (trace, policy) row, so diffs stay readable."""
+    one = lambda v: json.dumps(v, separators=(",", ":"))
+    lines = []
+    for key, value in result.items():
+        if key != "traces":
+            lines.append(f" {json.dumps(key)}: {one(value)}")
+            continue
+        traces = [f"  {json.dumps(t)}: {{\n" + ",\n".join(f"   {json.dumps(p)}: {one(row)}" for p, row in rows.items())
+                  + "\n  }" for t, rows in value.items()]
+        lines.append(' "traces": {\n' + ",\n".join(traces) + "\n }")
+    return "{\n" + ",\n".join(lines) + "\n}\n"
 
 
 if __name__ == "__main__":

@@ -59,11 +59,16 @@ class RuntimeConfig:
     # feed the prompts in flight through the artifact's residual heads into every plan
     # (the planner's third signal); off: the planner sees routing only (an ablation)
     prompt_residuals: bool = True
+    # lowering plans move fewer blocks further: each moved block costs this many medians of
+    # one bit's damage (weights/fewer_moves.py); 0: the planner's one-bit greedy
+    move_cost: float = 0.0
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self):
         if self.memory_budget <= 0:
             raise UserError(f"memory budget must be positive, got {self.memory_budget}")
+        if self.move_cost < 0:
+            raise UserError(f"move_cost must be >= 0, got {self.move_cost}")
         if self.static_bits is not None and self.static_bits not in BIT_WIDTHS:
             raise UserError(f"policy {self.policy!r}: static bits must be in {BIT_WIDTHS}")
 
@@ -202,7 +207,7 @@ def _policy_planner(paged, config: RuntimeConfig, table: PageTable, model: MoECa
     scales, _ = choose_scales(artifact_scales(paged.meta, where, "sensitivity"), config.scales_file, "sensitivity")
     row = {bid: i for i, bid in enumerate(t.block_ids)}
     sensitivity = np.stack([t.sensitivity[row[bid]] for bid in table.entries])  # page-table order
-    planner = InProcessPlanner(config.policy, scales)
+    planner = InProcessPlanner(config.policy, scales, move_cost=config.move_cost)
     planner.register(page_table_registration(table.charged_bytes_table(), t.num_layers, t.num_experts,
                                              top_k, sensitivity, t.calib_mass, t.calib_share))
     feed = RoutingFeed(t.num_layers, t.num_experts, model.device)

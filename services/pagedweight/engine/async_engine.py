@@ -11,6 +11,11 @@ updated, so it is never stepped again. `errored` turns true, `dead_error` holds 
 `EngineDeadError` (caused by the original exception), every in-flight stream raises it,
 and every later `add_request` fails fast with it; `check_health()` raises it for the
 service's health endpoint.
+
+Without requests the loop still ticks (an empty step every `idle_tick_s`) while the memory
+broker has work (`MemoryBroker.wants_idle_steps`): the pager's raises wait for calm step
+boundaries, so without ticks the bits lowered under a load would never come back between
+loads. Once the weights have taken what they can, the loop sleeps until the next request.
 """
 
 from __future__ import annotations
@@ -25,8 +30,12 @@ from pagedweight.engine.sampler import SamplingParams
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, idle_tick_s: float = 0.05):
+        if not idle_tick_s > 0:
+            raise UserError(f"idle_tick_s must be > 0, got {idle_tick_s}")
         self.engine = engine
+        self.idle_tick_s = idle_tick_s  # idle steps while the weights still move (module doc)
+        self.num_idle_ticks = 0
         self._streams: dict[str, asyncio.Queue] = {}  # request_id -> outputs (or an error)
         self._adds: list[tuple[str, list[int], SamplingParams]] = []
         self._aborts: list[str] = []
@@ -114,13 +123,24 @@ class AsyncEngine:
                 self._apply_queued()
                 if not self.engine.has_work:
                     self._wake.clear()
-                    await self._wake.wait()
+                    if not self.engine.broker.wants_idle_steps():
+                        await self._wake.wait()
+                    elif not await self._woken_within(self.idle_tick_s):
+                        await asyncio.to_thread(self._step)  # an idle tick: no request to serve
+                        self.num_idle_ticks += 1
                     continue
                 outputs = await asyncio.to_thread(self._step)
                 for out in outputs:
                     self._deliver(out)
         except Exception as err:  # a bug: the engine's state is suspect from here on
             self._die(err)
+
+    async def _woken_within(self, seconds: float) -> bool:
+        try:
+            await asyncio.wait_for(self._wake.wait(), seconds)
+            return True
+        except asyncio.TimeoutError:
+            return False
 
     def _die(self, err: Exception) -> None:
         dead = EngineDeadError(f"the engine failed a step and stopped: {type(err).__name__}: {err}")

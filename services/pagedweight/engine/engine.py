@@ -178,7 +178,8 @@ class Engine:
                 self.prompt_routing.end_step()
             outputs = self._update(plan.scheduled, token_ids)
             phases.mark("update")
-        self.broker.step_boundary(len(self.scheduler.waiting), self.scheduler.blocks_needed_next_step())
+        self.broker.step_boundary(len(self.scheduler.waiting), self.scheduler.blocks_needed_next_step(),
+                                  self.scheduler.blocks_projected())
         phases.mark("boundary")
         phases.end_step()
         self.num_steps += 1

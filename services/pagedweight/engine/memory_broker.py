@@ -6,11 +6,18 @@ The scheduler asks for KV blocks; the broker
   (`request_bytes`, non-blocking: the freed planes land in the pool at a later step
   boundary; asking again while lowerings are pending plans nothing twice). While bytes
   are pending every short sequence waits; `ask` says False only when the pager can free
-  nothing more, which is when the scheduler may preempt;
+  nothing more, which is when the scheduler may preempt. An ask lowers once for the
+  projected demand (below) rather than for this step's shortage only, so one deeper
+  plan replaces a string of small ones;
 - at each step boundary lets the pager commit (`step_boundary`), and once the load has
   been calm for a few steps (nobody short of KV, nobody waiting) shrinks the KV cache to
   what the running sequences need and `offer_bytes` the pool's free bytes back to the
   weights, so bits go up again when load falls.
+The projected demand (issue 17) is the KV blocks that the sequences in flight and those
+queued that can be admitted still need to finish (prompt + max_tokens, less what they
+hold), given by the scheduler at every step boundary. The cache keeps free blocks for it
+when it shrinks, so only bytes that will stay free are offered: a raise for bytes the
+load takes back a few steps later costs a copy now and a lowering then (churn).
 Without a pager (fixed weights) the broker only grows the cache from the arena (a cache
 without an arena has a fixed size) and `ask` is always False.
 """
@@ -32,6 +39,7 @@ class WeightPager(Protocol):
     def offer_bytes(self, num_bytes: int) -> int: ...  # bytes it will take back
     def step_boundary(self): ...
     def busy(self) -> bool: ...
+    def wants_boundaries(self, offer_bytes: int) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -48,6 +56,8 @@ class BrokerConfig:
     # blocks beyond the shortage, so the next steps' growth finds bytes already free
     # instead of each waiting a step for its own small plan.
     ask_ahead_blocks: int = 0
+    # Use the projected demand (see the module doc): ask once for it, keep it when giving back.
+    project_demand: bool = True
 
     def __post_init__(self):
         if self.calm_steps < 1:
@@ -70,6 +80,7 @@ class MemoryBroker:
         self.num_short_steps = 0  # steps in which some sequence waited for KV bytes (stalled)
         self._calm_steps = 0
         self._calm_since = time.monotonic()  # when the load last was short of KV or queued
+        self._projected_blocks = 0  # blocks the admitted and admissible sequences still need
 
     def reserve(self, num_blocks: int) -> bool:
         """Make num_blocks free blocks exist, growing from the pool; True if they do."""
@@ -84,7 +95,10 @@ class MemoryBroker:
         self._short_blocks += max(num_blocks, 1)
         if self.pager is None:
             return False
-        needed = (self._short_blocks + self.config.ask_ahead_blocks) * self.kv.charged_block_bytes
+        blocks = self._short_blocks + self.config.ask_ahead_blocks
+        if self.config.project_demand:  # the demand still to come, beyond the free blocks
+            blocks = max(blocks, self._projected_blocks - self.kv.num_free_blocks)
+        needed = blocks * self.kv.charged_block_bytes
         wanted = needed - self.pool_free_bytes()
         if wanted <= 0:  # the bytes are free but scattered: ask for whole blocks' worth
             wanted = needed
@@ -93,7 +107,10 @@ class MemoryBroker:
             return True
         return False
 
-    def step_boundary(self, num_waiting: int, blocks_needed_next: int) -> None:
+    def step_boundary(self, num_waiting: int, blocks_needed_next: int, blocks_projected: int = 0) -> None:
+        """blocks_projected: KV blocks the running and admissible queued sequences still
+        need to finish (Scheduler.blocks_projected); 0 when unknown."""
+        self._projected_blocks = blocks_projected if self.config.project_demand else 0
         if self.pager is not None:
             self.pager.step_boundary()
         self.num_short_steps += bool(self._short_blocks)
@@ -109,7 +126,8 @@ class MemoryBroker:
     def _give_back(self, blocks_needed_next: int) -> None:
         if self.kv.arena is None:
             return  # a fixed-size cache keeps its blocks
-        keep = blocks_needed_next
+        # Blocks the load in flight will still take stay in the cache: their bytes are not spare.
+        keep = max(blocks_needed_next, self._projected_blocks)
         if self.kv.manager.num_used_blocks:  # sequences running: keep some headroom
             keep += self.config.headroom_blocks
         self.kv.shrink(keep_free_blocks=keep)
@@ -123,6 +141,18 @@ class MemoryBroker:
             return  # too little to be worth copying planes for
         if self.pager.offer_bytes(spare) > 0:
             self.num_offers += 1
+
+    def wants_idle_steps(self) -> bool:
+        """Whether steps without requests still have work: KV blocks to shrink, or the
+        pager moving bits or able to take the spare bytes. The worker's idle ticks run
+        while this holds, so bits come back after a load ends (engine/async_engine.py)."""
+        if self.pager is None:
+            return False
+        if self.kv.arena is not None and self.kv.num_free_blocks > 0:
+            return True
+        spare = self.pool_free_bytes()
+        offerable = spare >= max(self.config.offer_min_blocks * self.kv.charged_block_bytes, 1)
+        return self.pager.wants_boundaries(spare if offerable else -1)
 
     def pool_free_bytes(self) -> int:
         if self.pool is None:

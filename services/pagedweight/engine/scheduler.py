@@ -17,6 +17,7 @@ Nothing is ever dropped: a sequence leaves only by finishing or by abort.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -152,3 +153,12 @@ class Scheduler:
         return sum(
             max(0, blocks_for(s.num_tokens + 1, bs) - len(s.block_ids)) for s in self.running
         )
+
+    def blocks_projected(self) -> int:
+        """KV blocks the running sequences, and the queued ones that free slots admit, still
+        need to finish: prompt + max_tokens, less the blocks they hold. The memory broker
+        lowers once for this and offers only bytes beyond it (memory_broker.py)."""
+        bs = self.kv.block_size
+        admissible = itertools.islice(self.waiting, max(0, self.config.max_num_seqs - len(self.running)))
+        return sum(max(0, blocks_for(s.max_total_tokens, bs) - len(s.block_ids))
+                   for s in itertools.chain(self.running, admissible))

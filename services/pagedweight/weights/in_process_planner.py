@@ -19,6 +19,10 @@ experts keep more bits). The prompts in flight arrive with each request too (a
 the request's residual replaces the context's, so prompts that left drop out with the
 next request, and a request without one (no prompts in flight) clears it.
 
+`move_cost` > 0 (issue 17): a free request for the damage-model policies is answered by
+lowering fewer blocks further (weights/fewer_moves.py), each moved block costing
+move_cost times the median damage of one bit; 0 keeps the one-bit greedy.
+
 Answers are immediate (ready at the next `poll`), but nothing in the pager relies on it.
 """
 
@@ -35,12 +39,16 @@ from pagedweight.planner.planner import OnlinePlanner
 from pagedweight.planner.policies import PagedWeightPolicy, PlanContext, make_policy
 from pagedweight.planner.routing_stats import RoutingStats
 from pagedweight.planner.tables import BlockTable
+from pagedweight.weights.fewer_moves import free_with_fewer_moves, move_cost_scale
 
 
 class InProcessPlanner:
     def __init__(self, policy_name: str, scales=None,  # loss_scale.GroupScales or None
-                 config: PlannerConfig = PlannerConfig()):
+                 config: PlannerConfig = PlannerConfig(), move_cost: float = 0.0):
+        if move_cost < 0:
+            raise ValueError(f"move_cost must be >= 0, got {move_cost}")
         self.policy_name, self.scales, self.config = policy_name, scales, config
+        self.move_cost = move_cost  # per moved block on frees, in medians of one bit's damage
         self.table: BlockTable | None = None
         self.num_plans = 0
         self._ready: deque[PlanResponse] = deque()
@@ -94,10 +102,25 @@ class InProcessPlanner:
             new = np.where(np.cumsum(cost) > pressure.bytes_free, now, new)
         else:
             new = np.minimum(plan.bits, now)
+            if self.move_cost > 0 and isinstance(self.policy, PagedWeightPolicy):
+                new = self._fewer_moves(now, new, pressure.bytes_needed)
         changed = np.flatnonzero(new != now)
         delta = int((self.table.nbytes[changed, new[changed] - MIN_BITS]
                      - self.table.nbytes[changed, now[changed] - MIN_BITS]).sum())
         return PlanResponse(request.request_id, self.num_plans, changed, new[changed], delta, plan.damage)
+
+    def _fewer_moves(self, now: np.ndarray, greedy: np.ndarray, needed: int) -> np.ndarray:
+        """Free what the greedy freed (at least `needed`) with fewer blocks moved."""
+        inputs = self.policy.inputs(self.context)
+        damage, floors = self.policy.model.damage(inputs), np.minimum(self.policy.model.floors(inputs), now)
+        target = max(needed, self.table.bytes_of(now) - self.table.bytes_of(greedy))
+        scale = move_cost_scale(damage, now, floors)
+        fewer = free_with_fewer_moves(damage, self.table.nbytes, now, floors, target, self.move_cost * scale)
+        if fewer is None or np.count_nonzero(fewer != now) >= np.count_nonzero(greedy != now):
+            return greedy
+        if self.online is not None:
+            self.online.bits = fewer.copy()
+        return fewer
 
     def _plan(self, now: np.ndarray, budget: int):
         self.num_plans += 1

@@ -120,12 +120,13 @@ class PageMover:
         with profile.timed("raise_commit"):
             for bid in [b for b, t in self._transits.items() if t.done()]:
                 self._commit_raise(bid, result)
+        unsettled = self.table.unsettled()  # the dirty set: O(blocks changed), not O(all)
         with profile.timed("lower"):
-            for bid, e in self.table.entries.items():
+            for e in unsettled:
                 if e.desired_bits < e.committed_bits and not e.transit_bits:
                     self._lower(e, result)
         with profile.timed("raise_start"):
-            order = raise_order if raise_order is not None else list(self.table.entries)
+            order = raise_order if raise_order is not None else [e.block_id for e in unsettled]
             for bid in order:
                 e = self.table.entries[bid]
                 if e.desired_bits > e.committed_bits and not e.transit_bits:
@@ -135,7 +136,7 @@ class PageMover:
 
     def busy(self) -> bool:
         """A copy is in flight or some block is not yet at its desired bits."""
-        return bool(self._transits) or any(e.desired_bits != e.committed_bits for e in self.table.entries.values())
+        return bool(self._transits) or any(e.desired_bits != e.committed_bits for e in self.table.unsettled())
 
     def in_transit_extents(self) -> list[Extent]:
         return [x for t in self._transits.values() for x in t.plane_extents + [t.lut_extent]]

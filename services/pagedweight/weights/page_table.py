@@ -29,16 +29,6 @@ class Residency(str, enum.Enum):
     IN_TRANSIT = "in_transit"
 
 
-class ChangeCounter:
-    """How many times any row of a table changed version: readers that cache what the
-    rows pointed at compare one number per step instead of every row's version."""
-
-    __slots__ = ("count",)
-
-    def __init__(self):
-        self.count = 0
-
-
 @dataclass
 class BlockPages:
     """One row of the page table."""
@@ -51,20 +41,21 @@ class BlockPages:
     plane_extents: list[Extent] = field(default_factory=list)  # plane p -> extent, p < q_i
     lut_extent: Extent | None = None  # LUT_{q_i}
     transit_bits: int = 0  # bit-width being copied in (0 = nothing in transit)
-    _version: int = field(default=0, repr=False)
-    # the table's count of version bumps, shared by its rows (None: a row of no table)
-    changes: "ChangeCounter | None" = field(default=None, repr=False, compare=False)
+    version: int = 0  # bumps whenever what readers see changes (commit, relocation)
+    owner: PageTable | None = field(default=None, repr=False, compare=False)  # set by the table
 
-    @property
-    def version(self) -> int:
-        """Bumps whenever what readers see changes (commit, lowering, relocation)."""
-        return self._version
-
-    @version.setter
-    def version(self, value: int) -> None:
-        self._version = value
-        if self.changes is not None:
-            self.changes.count += 1
+    def __setattr__(self, name, value):
+        # The table's dirty set and weighted bit sum follow every change, whoever makes it
+        # (pager, mover, tests, benchmarks), so a boundary visits only the blocks that moved.
+        owner = self.__dict__.get("owner")
+        if owner is not None:
+            if name == "desired_bits":
+                owner.dirty.add(self.block_id)
+            elif name == "committed_bits":
+                owner.committed_weight_bits += (value - self.committed_bits) * self.rows * self.cols
+            elif name == "version":
+                owner.version_changes += 1
+        object.__setattr__(self, name, value)
 
     @property
     def state(self) -> Residency:
@@ -90,11 +81,20 @@ class PageTable:
         self.host: dict[BlockId, APLBlock] = {  # block_id -> every plane and LUT, on the host
             bid: _host_copy(block, pin) for bid, block in host_blocks.items()
         }
-        self._changes = ChangeCounter()
         self.entries: dict[BlockId, BlockPages] = {
-            bid: BlockPages(bid, b.rows, b.cols, initial_desired_bits, changes=self._changes)
-            for bid, b in self.host.items()
+            bid: BlockPages(bid, b.rows, b.cols, initial_desired_bits) for bid, b in self.host.items()
         }
+        # How many times any row's version moved: readers that cache what the rows pointed at
+        # compare this one number per step instead of every row's version.
+        self.version_changes = 0
+        # Blocks that may not be at their desired bits (desired set since they last were, or
+        # a copy in flight): what a step boundary visits, O(blocks changed) instead of O(all).
+        self.dirty: set[BlockId] = set(self.entries)
+        self.index = {bid: i for i, bid in enumerate(self.entries)}  # table order, for determinism
+        self.committed_weight_bits = 0  # sum of committed bits x weights (the mean without a scan)
+        self.num_weights = sum(e.num_weights for e in self.entries.values())
+        for e in self.entries.values():
+            e.owner = self
         self.read_log: list[Extent] | None = None  # when a list, readers append what they read (tests)
         self.num_desired_updates = 0  # set_desired_bits calls (plans set from outside the pager)
         # kernel descriptor rows rewritten because a block's version moved, and the host
@@ -106,7 +106,7 @@ class PageTable:
     def generation(self) -> int:
         """Changes whenever any row's version does (never goes back): equal generations mean
         every row still points where it did."""
-        return self._changes.count
+        return self.version_changes
 
     # ---- sizes ------------------------------------------------------------------------
     def plane_bytes(self, block_id: BlockId) -> int:
@@ -152,6 +152,17 @@ class PageTable:
         for bid, bits in plan.items():
             check_bits(bits)
             self.entries[bid].desired_bits = bits
+
+    def unsettled(self) -> list[BlockPages]:
+        """The dirty blocks still off their desired bits or in transit, in table order; the
+        others leave the dirty set here."""
+        settled = [bid for bid in self.dirty if (e := self.entries[bid]).desired_bits == e.committed_bits
+                   and not e.transit_bits]
+        self.dirty.difference_update(settled)
+        return [self.entries[bid] for bid in sorted(self.dirty, key=self.index.__getitem__)]
+
+    def mean_committed_bits(self) -> float:
+        return self.committed_weight_bits / max(self.num_weights, 1)
 
     def resident_expert_bytes(self) -> int:
         """Arena bytes of committed planes and LUTs (what the pool's expert kinds hold)."""

@@ -117,11 +117,10 @@ class WeightPager:
         """Plan lowerings freeing at least `num_bytes` (with those already planned);
         returns the bytes the pending lowerings will free (less than asked when every
         block is at its floor)."""
-        entries = self.table.entries
         self._free_bytes_at_drop = self._free_bytes_at_refusal = -1  # bits go down: what is free afterwards is new
         self._kv_target_bytes = max(self._kv_target_bytes, num_bytes + self._usable_kv_bytes())
         if not self._is_settled():  # settled: no raise is waiting to start
-            for e in entries.values():  # cancel raises that have not started
+            for e in self.table.unsettled():  # cancel raises that have not started
                 e.desired_bits = min(e.desired_bits, e.effective_bits)
         if self._in_flight is not None and self._in_flight.pressure.direction != FREE:
             self._in_flight = None  # a spend asked before pressure rose: its answer is dropped
@@ -247,7 +246,7 @@ class WeightPager:
         idle = not (result.started_ids or result.committed_ids or result.lowered_ids)
         # Cheap tests first: this runs at every step boundary, the scan below only when idle.
         waiting = [] if not idle or self.mover.in_transit_extents() else [
-            e for e in self.table.entries.values() if e.desired_bits > e.committed_bits and not e.transit_bits]
+            e for e in self.table.unsettled() if e.desired_bits > e.committed_bits and not e.transit_bits]
         if not waiting:
             self._stalled_boundaries = 0
             return
@@ -261,6 +260,15 @@ class WeightPager:
 
     def busy(self) -> bool:
         return self.mover.busy()
+
+    def wants_boundaries(self, offer_bytes: int) -> bool:
+        """Whether a step boundary, or an offer of `offer_bytes` (< 0: none), could still
+        change anything: a plan or a compaction in flight, blocks not at their desired
+        bits, or more free bytes than the last offer found no use for. O(1): an idle
+        worker asks this on every tick to know when to stop ticking."""
+        if self._in_flight is not None or self._compaction_left or not self._is_settled():
+            return True
+        return offer_bytes > max(self._free_bytes_at_drop, self._free_bytes_at_refusal)
 
     # ---- reporting ----------------------------------------------------------------------
     def stats(self) -> PagerStats:
@@ -330,23 +338,21 @@ class WeightPager:
         self.mover.compact(done=lambda: arena.num_fitting(block_bytes) >= num_blocks, max_bytes=cap)
 
     def _mean_bits(self) -> float:
-        entries = self.table.entries.values()
-        num_weights = sum(e.num_weights for e in entries)
-        return sum(e.committed_bits * e.num_weights for e in entries) / max(num_weights, 1)
+        return self.table.mean_committed_bits()  # kept by the table: no scan per boundary
 
     def _pending_free(self) -> int:
         """Arena bytes that planned lowerings will free."""
         charged = self.table.charged_bytes
-        return sum(charged(bid, q) - charged(bid, e.desired_bits) for bid, e in self.table.entries.items()
+        return sum(charged(e.block_id, q) - charged(e.block_id, e.desired_bits) for e in self.table.unsettled()
                    if e.desired_bits < (q := e.transit_bits or e.committed_bits))  # q: effective bits
 
     def _pending_take(self) -> int:
         """Arena bytes that planned raises, not yet started, will take."""
         charged = self.table.charged_bytes
-        return sum(charged(bid, e.desired_bits) - charged(bid, q) for bid, e in self.table.entries.items()
+        return sum(charged(e.block_id, e.desired_bits) - charged(e.block_id, q) for e in self.table.unsettled()
                    if e.desired_bits > (q := e.transit_bits or e.committed_bits))  # q: effective bits
 
     def _raise_order(self) -> list[BlockId]:
         """Raise the blocks furthest below their desired bits first."""
-        entries = self.table.entries
-        return sorted(entries, key=lambda bid: entries[bid].committed_bits - entries[bid].desired_bits)
+        unsettled = self.table.unsettled()
+        return [e.block_id for e in sorted(unsettled, key=lambda e: e.committed_bits - e.desired_bits)]
