@@ -135,6 +135,28 @@ def test_layers_know_their_bit_classes():
     assert wide.aligned8 == {"gate_up": True, "down": False}
 
 
+def test_a_batch_of_block_updates_equals_one_at_a_time():
+    bits = {(e, m): 3 + (e % 3) for e in range(4) for m in ("gate_up", "down")}
+    batched, single = random_layer(4, 32, 32, bits=bits, seed=5), random_layer(4, 32, 32, bits=bits, seed=5)
+    gen = torch.Generator().manual_seed(7)
+    updates = [(1, "down", resident_block(random_block(32, 32, gen), 8, "cpu")),
+               (3, "gate_up", resident_block(random_block(64, 32, gen), 6, "cpu")),
+               (1, "down", resident_block(random_block(32, 32, gen), 5, "cpu"))]  # the last one wins
+    batched.set_blocks(updates)
+    for e, m, block in updates:
+        single.set_block(e, m, block)
+    for module in ("gate_up", "down"):  # every row shows its block, the updated ones included
+        desc = batched.gate_up_desc if module == "gate_up" else batched.down_desc
+        assert desc.tolist() == [b.descriptor() for b in getattr(batched, module)]
+    assert batched.down[1] is updates[2][2] and batched.gate_up[3] is updates[1][2]
+    assert batched.classes == single.classes and batched.max_bits == single.max_bits == 6
+    before = batched.down_desc.clone()
+    wrong = resident_block(random_block(16, 32, gen), 4, "cpu")
+    with pytest.raises(APLKernelError):  # one bad block: nothing of the batch is applied
+        batched.set_blocks([(0, "down", updates[0][2]), (2, "down", wrong)])
+    assert torch.equal(batched.down_desc, before) and batched.down[0] is not updates[0][2]
+
+
 def test_a_layer_of_both_classes_takes_the_merged_kernel_once(monkeypatch):
     import pagedweight_kernels.apl_moe as op
 

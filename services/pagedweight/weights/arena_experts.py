@@ -72,10 +72,10 @@ class ArenaExperts(nn.Module):
             self._kernel_layer = APLLayer(blocks[:E], blocks[E:], self.activation)
         else:
             start = time.perf_counter()
-            for b in self._block_ids:
-                if self.table.entries[b].version != self._kernel_versions[b]:
-                    self._kernel_layer.set_block(b.expert, b.module, self._resident(b))
-                    self.table.num_descriptor_updates += 1
+            moved = [(b.expert, b.module, self._resident(b)) for b in self._block_ids
+                     if self.table.entries[b].version != self._kernel_versions[b]]
+            self._kernel_layer.set_blocks(moved)
+            self.table.num_descriptor_updates += len(moved)
             self.table.descriptor_seconds += time.perf_counter() - start
         self._kernel_versions = {b: self.table.entries[b].version for b in self._block_ids}
         self._kernel_generation = generation
