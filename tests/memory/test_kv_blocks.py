@@ -153,15 +153,20 @@ def test_release_before_gives_back_only_blocks_wholly_behind_the_window():
         manager.release_before(other, 8)
 
 
-def _fragmented_tile_cache(seed: int, device: str = "cpu"):
-    """An arena cache whose tiles are scattered: weights-like extents are allocated between
-    growths and some freed, so blocks' tiles land in holes, not side by side."""
+def _cache_in_small_arena(device: str):
+    """The bundled model's config, an arena of 1 KiB pages with room for about 40 blocks, a KV cache in it."""
     config = ModelConfig.from_dir(BUNDLED_MODEL)
     kv_config = KVCacheConfig(block_size=2)
     probe = PagedKVCache(config, kv_config, torch.float32, "cpu")
     pool = MemoryPool(budget_bytes=40 * probe.block_bytes + 1000)
     arena = Arena.from_pool(pool, page_bytes=1024, device=device)
-    kv = PagedKVCache(config, kv_config, torch.float32, device, arena=arena)
+    return config, arena, PagedKVCache(config, kv_config, torch.float32, device, arena=arena)
+
+
+def _fragmented_tile_cache(seed: int, device: str = "cpu"):
+    """An arena cache whose tiles are scattered: weights-like extents are allocated between
+    growths and some freed, so blocks' tiles land in holes, not side by side."""
+    config, arena, kv = _cache_in_small_arena(device)
     gen = torch.Generator().manual_seed(seed)
     fillers = [arena.allocate(OTHER_WEIGHTS, int(torch.randint(1, 3, (), generator=gen)) * kv.tile_bytes)
                for _ in range(30)]
@@ -267,12 +272,7 @@ def test_grow_zeroes_exactly_the_new_tiles_pages(device):
     """Growing places tiles in holes among other extents and zeroes them in one launch
     (no per-tile loop, no synchronising upload): every page of every new tile reads 0,
     every other page keeps its bytes, and the tile-row table points at the new tiles."""
-    config = ModelConfig.from_dir(BUNDLED_MODEL)
-    kv_config = KVCacheConfig(block_size=2)
-    probe = PagedKVCache(config, kv_config, torch.float32, "cpu")
-    pool = MemoryPool(budget_bytes=40 * probe.block_bytes + 1000)
-    arena = Arena.from_pool(pool, page_bytes=1024, device=device)
-    kv = PagedKVCache(config, kv_config, torch.float32, device, arena=arena)
+    config, arena, kv = _cache_in_small_arena(device)
     fillers = [arena.allocate(OTHER_WEIGHTS, (1 + i % 2) * kv.tile_bytes) for i in range(30)]
     for x in fillers[::3]:
         arena.free(x)
