@@ -195,7 +195,7 @@ def engine_config(args) -> EngineConfig:
                           project_demand=not args.no_project_demand)
     return EngineConfig(scheduler=SchedulerConfig(max_num_seqs=args.concurrency,
                                                   max_num_batched_tokens=args.batched_tokens),
-                        kv=KVCacheConfig(), broker=broker)
+                        kv=KVCacheConfig(), broker=broker, graphs_per_bucket=args.graphs_per_bucket)
 
 
 def load_model(args, device: torch.device, dtype: torch.dtype):
@@ -320,6 +320,8 @@ def main() -> int:
                         help="pagedweight: cost of each moved block in a lowering plan, in medians of one "
                              "bit's damage (fewer blocks lowered further); 0: the one-bit greedy")
     parser.add_argument("--drain-s", type=float, default=12.0)
+    parser.add_argument("--graphs-per-bucket", type=int, default=1,
+                        help="decode graphs kept per batch bucket, one per bit-class signature")
     parser.add_argument("--kl", action="store_true", help="--artifact: KL to bf16 of the plans served")
     parser.add_argument("--kl-domain", default="kjv")
     parser.add_argument("--kl-seq-len", type=int, default=128)
@@ -368,7 +370,12 @@ def main() -> int:
         if rt.pager is not None:
             rt.pager.mover.profile.reset()
         moves0, plans0 = _moves(rt), rt.pager.num_plans if rt.pager is not None else 0
+        graphs = rt.engine.runner.graphs  # None: decode steps run eagerly (CPU)
+        captures0 = (graphs.num_captures, graphs.capture_seconds) if graphs is not None else (0, 0.0)
         row = drive_trace(rt, phases, args.prompt_len, args.max_tokens, args.drain_s, burst_phase)
+        if graphs is not None:  # a bit-class change in any layer re-captures each bucket it meets
+            row.update({"graph_captures": graphs.num_captures - captures0[0],
+                        "graph_capture_s": round(graphs.capture_seconds - captures0[1], 3)})
         stats = rt.engine.stats()
         profile = rt.pager.stats().profile if rt.pager is not None else None
         row.update({"preemptions": stats.num_preemptions, "memory_short_steps": stats.memory_short_steps,

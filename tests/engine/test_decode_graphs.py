@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pagedweight.common.errors import UserError
 from pagedweight.engine.decode_graphs import DecodeGraphs, buckets_up_to, pick_bucket
 from pagedweight.engine.engine import Engine, EngineConfig
 from pagedweight.engine.generate import generate
@@ -46,6 +47,7 @@ def _run(model, engine, seed):
         engine.add_request(str(i), prompt, SamplingParams(max_tokens=MAX_TOKENS[i], ignore_eos=True))
     out = engine.run_to_completion()
     assert len(out) == len(PROMPT_LENS) and engine.kv.manager.num_used_blocks == 0
+    return out
 
 
 def _check_against_generate(model, engine, seed=0):
@@ -150,3 +152,32 @@ def test_cuda_graph_recaptures_when_the_signature_changes():
     finally:
         model.moe_blocks[0].observer = None
     assert engine.runner.graphs.num_captures > before and feed_calls
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kept", [1, 2])
+def test_cuda_graphs_kept_per_signature_replay_without_capture(kept):
+    """Signature A, then B, then A again over the same loads: with two graphs kept per
+    bucket the return to A replays the graphs captured first (no capture); with one, every
+    change captures again. A kept graph gives the tokens it gave when it was captured."""
+    model = load_model(BUNDLED_MODEL, dtype=torch.bfloat16, device="cuda")
+    engine = _engine(model, "cuda", capture=None, graphs_per_bucket=kept)
+    graphs = engine.runner.graphs
+    outputs_a = _run(model, engine, seed=4)
+    first = graphs.num_captures
+    model.moe_blocks[0].observer = lambda layer, x, ids, w: None  # signature B
+    try:
+        _run(model, engine, seed=4)
+    finally:
+        model.moe_blocks[0].observer = None
+    second = graphs.num_captures
+    assert _run(model, engine, seed=4) == outputs_a  # back to A
+    assert first >= 1 and second > first
+    assert (graphs.num_captures == second) == (kept == 2)
+    assert all(len(by_sig) <= kept for by_sig in graphs.graphs.values())
+
+
+def test_graphs_per_bucket_must_be_positive():
+    with pytest.raises(UserError, match="graphs_per_bucket"):
+        EngineConfig(graphs_per_bucket=0)

@@ -29,7 +29,9 @@ check padding and buffers against the eager engine that way).
 
 from __future__ import annotations
 
+import time
 import warnings
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -65,8 +67,16 @@ class DecodeRow:
 
 class DecodeGraphs:
     def __init__(self, model: MoECausalLM, kv: PagedKVCache, max_batch: int,
-                 buckets: tuple[int, ...] | None = None, capture: bool | None = None):
+                 buckets: tuple[int, ...] | None = None, capture: bool | None = None,
+                 graphs_per_bucket: int = 1):
+        if graphs_per_bucket < 1:
+            raise ValueError(f"graphs_per_bucket must be >= 1, got {graphs_per_bucket}")
         self.model, self.kv = model, kv
+        # Graphs kept per bucket, one per signature, least recently used dropped first: a pager
+        # that lowers bits under pressure and raises them back returns to signatures it has
+        # captured before, and replaying a kept graph costs nothing where a capture costs a
+        # warm-up step and the capture itself. Each kept graph holds its outputs (logits).
+        self.graphs_per_bucket = graphs_per_bucket
         self.buckets = buckets_up_to(max_batch) if buckets is None else tuple(sorted(buckets))
         self.max_batch = self.buckets[-1]
         self.capture = kv.device.type == "cuda" if capture is None else capture
@@ -77,10 +87,11 @@ class DecodeGraphs:
         self.host = torch.zeros(self.max_batch, row, dtype=torch.int64, pin_memory=pin)
         self.host_np = self.host.numpy()  # the same memory: rows are filled without torch dispatch
         self.rows = torch.arange(self.max_batch, device=kv.device)  # logits rows: all of them
-        # bucket -> (graph, (logits, greedy tokens), sig)
-        self.graphs: dict[int, tuple[object, tuple[torch.Tensor, torch.Tensor], tuple]] = {}
+        # bucket -> {sig: (graph, (logits, greedy tokens))}, most recently used last
+        self.graphs: dict[int, OrderedDict[tuple, tuple[object, tuple[torch.Tensor, torch.Tensor]]]] = {}
         self.pool = None
         self.num_captures = self.num_replays = 0
+        self.capture_seconds = 0.0  # host time in captures, warm-up included (a step waits for it)
         self.disabled = False  # a capture failed: every step eager
         self.replay_events: list | None = None  # a list: (bucket, start, end) CUDA events per replay
 
@@ -120,8 +131,11 @@ class DecodeGraphs:
         if not self.capture:
             logits, tokens = self._forward(bucket)
             return logits[:n], tokens[:n]
-        entry = self.graphs.get(bucket)
-        if entry is None or entry[2] != sig:
+        kept = self.graphs.setdefault(bucket, OrderedDict())
+        entry = kept.get(sig)
+        if entry is not None:
+            kept.move_to_end(sig)
+        else:
             try:
                 entry = self._capture(bucket, sig)
             except RuntimeError as err:  # an operator that cannot be captured after all
@@ -172,7 +186,10 @@ class DecodeGraphs:
         """Warm up on a side stream (compiles kernels, creates library handles: nothing of
         that may happen during capture), then capture. The warm-up computes this very step
         and the replay that follows computes it again: the same KV values to the same slots."""
-        self.graphs.pop(bucket, None)
+        kept = self.graphs.setdefault(bucket, OrderedDict())
+        while len(kept) >= self.graphs_per_bucket:  # release before capturing: the pool reuses it
+            kept.popitem(last=False)
+        start = time.perf_counter()
         stream = torch.cuda.Stream(self.kv.device)
         stream.wait_stream(torch.cuda.current_stream(self.kv.device))
         with torch.cuda.stream(stream):
@@ -183,6 +200,7 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             outputs = self._forward(bucket)
-        self.graphs[bucket] = (graph, outputs, sig)
+        kept[sig] = (graph, outputs)
         self.num_captures += 1
-        return self.graphs[bucket]
+        self.capture_seconds += time.perf_counter() - start
+        return kept[sig]

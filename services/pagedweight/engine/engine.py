@@ -40,10 +40,15 @@ class EngineConfig:
     num_kv_blocks: int = 1024  # fixed KV size when there is no memory arena
     # True: no CUDA graphs (every step eager; vLLM's name). Graphs need the inplace path.
     enforce_eager: bool = False
+    # Decode graphs kept per padded batch size, one per weight-precision signature (1: only
+    # the current one; more: bits lowered and raised back replay a kept graph, no capture).
+    graphs_per_bucket: int = 1
 
     def __post_init__(self):
         if self.num_kv_blocks < 1:
             raise UserError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.graphs_per_bucket < 1:
+            raise UserError(f"graphs_per_bucket must be >= 1, got {self.graphs_per_bucket}")
 
 
 @dataclass
@@ -108,7 +113,8 @@ class Engine:
         graphs = None
         if (self.kv.device.type == "cuda" and not self.config.enforce_eager
                 and self.config.attention_impl in ("auto", "inplace")):
-            graphs = DecodeGraphs(model, self.kv, self.config.scheduler.max_num_seqs)
+            graphs = DecodeGraphs(model, self.kv, self.config.scheduler.max_num_seqs,
+                                  graphs_per_bucket=self.config.graphs_per_bucket)
         self.phases = StepPhases()  # host seconds per phase of a step (benchmarks read it)
         self.runner = ModelRunner(model, self.kv, self.config.attention_impl, self.eos_ids, graphs, self.phases)
         self.prompt_routing = prompt_routing
