@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry
 
 from pagedweight.common.metrics import PlannerServiceMetrics, WorkerMetrics
 from pagedweight.format.blocks import BIT_WIDTHS, BlockId
+from pagedweight.planner.loss_scale import GroupScales, group_key
 from pagedweight.planner.messages import KVPressure, PlannerRegistration, PlanRequest, PromptMix
 from pagedweight.planner_service.server import PlannerServicer
 from pagedweight.rpc import planner_messages, planner_pb2, planner_pb2_grpc
@@ -256,6 +257,43 @@ def _fallback(port, reason):
         assert metrics.plans["local"]._value.get() == 1
     finally:
         remote.close()
+
+
+def test_the_service_plans_with_the_workers_loss_scales_and_move_cost():
+    """The worker registers its planner's loss scales and move cost: the service's plan is
+    the one the worker's own planner makes (not the raw-sensitivity plan, which differs),
+    and malformed scales are refused at registration."""
+    servicer, _ = new_service()
+    with_server(servicer, _scaled_registration)
+
+
+def _scaled_registration(port):
+    reg = registration(seed=3)
+    # layer 1's down blocks count 50x: the scaled plan spares them, the raw one need not
+    scales = GroupScales({group_key(layer, m): (50.0 if (layer, m) == (1, "down") else 1.0)
+                          for layer in range(L) for m in ("gate_up", "down")}, {}, 128)
+    stub = stub_for(port)
+    bits = {key: 8 for key in reg.block_keys}
+    plans = {}
+    for name, sent_scales, move_cost in (("scaled", scales, 4.0), ("raw", None, 0.0)):
+        reply = stub.Register(planner_messages.registration_to_proto(reg, name, "m", "pagedweight",
+                                                                     scales=sent_scales, move_cost=move_cost))
+        plan = stub.Plan(planner_pb2.PlanRequest(worker_id=name, registration_id=reply.registration_id,
+                                                 direction=planner_pb2.PlanRequest.FREE, num_bytes=12000, bits=bits))
+        plans[name] = dict(plan.changes)
+        local = InProcessPlanner("pagedweight", sent_scales, move_cost=move_cost)
+        local.register(reg)
+        local.submit(PlanRequest(1, KVPressure(bytes_needed=12000), np.full(len(reg.block_keys), 8)))
+        expected = local.poll()
+        assert plans[name] == {reg.block_keys[i]: b for i, b in expected.changes().items()}, name
+    assert plans["scaled"] != plans["raw"]
+    assert not any(".L1." in f".{k}" and k.endswith("down") for k in plans["scaled"])  # spared
+    bad = planner_messages.registration_to_proto(reg, "w9", "m", "pagedweight")
+    for text in ('{"scales": {"L0.down": -1}}', "not json", '{"kl_at_3_bits": {}}'):
+        bad.loss_scales_json = text
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Register(bad)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
 def test_planner_service_is_torch_free():

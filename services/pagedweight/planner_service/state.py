@@ -25,7 +25,9 @@ class WorkerPlanState:
             raise UserError("a worker must register at least one block")
         try:
             self.registration = planner_messages.registration_from_proto(request)
-            self.planner = InProcessPlanner(request.policy or "pagedweight")
+            # the worker's own scales and move cost: the service plans as its fallback would
+            self.planner = InProcessPlanner(request.policy or "pagedweight", planner_messages.scales_from_proto(request),
+                                            move_cost=request.move_cost)
             self.planner.register(self.registration)
         except ValueError as err:  # ragged arrays, bad keys, shapes, unknown policy
             raise UserError(f"bad registration: {err}") from None

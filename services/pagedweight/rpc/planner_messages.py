@@ -9,9 +9,12 @@ a broken plan).
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 
 from pagedweight.format.blocks import BIT_WIDTHS, BlockId
+from pagedweight.planner.loss_scale import GroupScales
 from pagedweight.planner.messages import (
     FREE, KVPressure, PlannerRegistration, PlanRequest, PlanResponse, PromptMix, RoutingSnapshot,
 )
@@ -32,14 +35,26 @@ def _matrix(msg: planner_pb2.ExpertArray, num_layers: int, num_experts: int, nam
 
 # ---- registration -----------------------------------------------------------------------
 def registration_to_proto(reg: PlannerRegistration, worker_id: str, model_name: str,
-                          policy: str) -> planner_pb2.RegisterRequest:
+                          policy: str, scales: GroupScales | None = None,
+                          move_cost: float = 0.0) -> planner_pb2.RegisterRequest:
     blocks = [planner_pb2.BlockInfo(block_id=key, bytes_by_bits=[int(x) for x in reg.nbytes[i]],
                                     sensitivity=[float(x) for x in reg.sensitivity[i]])
               for i, key in enumerate(reg.block_keys)]
     return planner_pb2.RegisterRequest(
         worker_id=worker_id, model_name=model_name, policy=policy, blocks=blocks, num_layers=reg.num_layers,
         num_experts=reg.num_experts, top_k=reg.top_k, calib_mass=_array(reg.calib_mass),
-        calib_share=_array(reg.calib_share))
+        calib_share=_array(reg.calib_share), move_cost=move_cost,
+        loss_scales_json="" if scales is None else json.dumps(scales.to_json() | {"sensitivity": scales.sensitivity}))
+
+
+def scales_from_proto(msg: planner_pb2.RegisterRequest) -> GroupScales | None:
+    """The registration's loss scales, None when it sent none; ValueError if malformed."""
+    if not msg.loss_scales_json:
+        return None
+    try:
+        return GroupScales.from_json(json.loads(msg.loss_scales_json), "loss_scales_json")
+    except (KeyError, TypeError, AttributeError, OverflowError, json.JSONDecodeError) as err:
+        raise ValueError(f"malformed loss_scales_json ({err!r})"[:300]) from None
 
 
 def registration_from_proto(msg: planner_pb2.RegisterRequest) -> PlannerRegistration:

@@ -24,7 +24,7 @@ class ExpertArray(_message.Message):
     def __init__(self, values: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("worker_id", "model_name", "policy", "blocks", "num_layers", "num_experts", "top_k", "calib_mass", "calib_share")
+    __slots__ = ("worker_id", "model_name", "policy", "blocks", "num_layers", "num_experts", "top_k", "calib_mass", "calib_share", "loss_scales_json", "move_cost")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
@@ -34,6 +34,8 @@ class RegisterRequest(_message.Message):
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     CALIB_MASS_FIELD_NUMBER: _ClassVar[int]
     CALIB_SHARE_FIELD_NUMBER: _ClassVar[int]
+    LOSS_SCALES_JSON_FIELD_NUMBER: _ClassVar[int]
+    MOVE_COST_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     model_name: str
     policy: str
@@ -43,7 +45,9 @@ class RegisterRequest(_message.Message):
     top_k: int
     calib_mass: ExpertArray
     calib_share: ExpertArray
-    def __init__(self, worker_id: _Optional[str] = ..., model_name: _Optional[str] = ..., policy: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[BlockInfo, _Mapping]]] = ..., num_layers: _Optional[int] = ..., num_experts: _Optional[int] = ..., top_k: _Optional[int] = ..., calib_mass: _Optional[_Union[ExpertArray, _Mapping]] = ..., calib_share: _Optional[_Union[ExpertArray, _Mapping]] = ...) -> None: ...
+    loss_scales_json: str
+    move_cost: float
+    def __init__(self, worker_id: _Optional[str] = ..., model_name: _Optional[str] = ..., policy: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[BlockInfo, _Mapping]]] = ..., num_layers: _Optional[int] = ..., num_experts: _Optional[int] = ..., top_k: _Optional[int] = ..., calib_mass: _Optional[_Union[ExpertArray, _Mapping]] = ..., calib_share: _Optional[_Union[ExpertArray, _Mapping]] = ..., loss_scales_json: _Optional[str] = ..., move_cost: _Optional[float] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("registration_id", "num_blocks")

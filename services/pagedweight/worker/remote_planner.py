@@ -50,8 +50,9 @@ class RemotePlanner:
         self.registration = registration
         if self.local.table is None:
             self.local.register(registration)
-        self._register_msg = planner_messages.registration_to_proto(registration, self.worker_id,
-                                                                    self.model_name, self.policy)
+        self._register_msg = planner_messages.registration_to_proto(
+            registration, self.worker_id, self.model_name, self.policy,
+            scales=self.local.scales, move_cost=self.local.move_cost)
         if self._thread is None:
             self._thread = threading.Thread(target=self._reconnect_loop, daemon=True, name="planner-reconnect")
             self._thread.start()
