@@ -136,7 +136,7 @@ class MemoryBroker:
         # The pager refuses at once (O(1)) an offer of no more free bytes than it last found
         # no use for, so calm steps do not re-plan the same nothing.
         spare = self.pool_free_bytes()
-        if spare < self.config.offer_min_blocks * self.kv.charged_block_bytes:
+        if spare < self._min_offer_bytes():
             self.num_offers_too_small += 1
             return  # too little to be worth copying planes for
         if self.pager.offer_bytes(spare) > 0:
@@ -151,8 +151,12 @@ class MemoryBroker:
         if self.kv.arena is not None and self.kv.num_free_blocks > 0:
             return True
         spare = self.pool_free_bytes()
-        offerable = spare >= max(self.config.offer_min_blocks * self.kv.charged_block_bytes, 1)
+        offerable = spare >= max(self._min_offer_bytes(), 1)
         return self.pager.wants_boundaries(spare if offerable else -1)
+
+    def _min_offer_bytes(self) -> int:
+        """Spare bytes below this are too little to be worth copying planes for."""
+        return self.config.offer_min_blocks * self.kv.charged_block_bytes
 
     def pool_free_bytes(self) -> int:
         if self.pool is None:

@@ -206,7 +206,7 @@ def load_paged_model(path: str | Path, with_bf16: bool = True, verify: bool = Tr
     config = ModelConfig.from_dict(meta["model_config"], source=str(path / META_FILE))
     check_meta_against_config(path, meta, config, with_bf16)
     for name, record in meta["files"].items():
-        _check_file(path / name, record, verify)
+        check_file(path / name, record, verify)
     # every file read below is listed in meta["files"], so its size (and hash) was just checked
     dense = _check_floats(_load(path / DENSE_FILE), path / DENSE_FILE)
     apl = _parse_apl(path, _load(path / APL_FILE), config)
@@ -241,7 +241,9 @@ def check_meta_against_config(path: Path, meta: dict, config: ModelConfig, with_
     check_block_list(meta, config, block_table(config), path / META_FILE)
 
 
-def _check_file(file: Path, record: dict, verify: bool) -> None:
+def check_file(file: Path, record: dict, verify: bool = True) -> None:
+    """One file of the directory against its paged_model.json record: present, a plain
+    file, its size, and (verify) its sha256; CheckpointError otherwise."""
     if file.is_symlink() or not file.is_file():
         raise CheckpointError(f"{file}: file of the paged model is missing")
     size = file.stat().st_size

@@ -102,12 +102,16 @@ class _SignedSinOfStep:
     layers of one forward get the very same sin tensor (rope_tables), a new step a new one."""
 
     def __init__(self):
-        self.source, self.value = None, None
+        self._cached: tuple[torch.Tensor, torch.Tensor] | None = None  # (sin, signed_sin(sin))
 
     def __call__(self, sin: torch.Tensor) -> torch.Tensor:
-        if self.source is not sin:
-            self.source, self.value = sin, signed_sin(sin)
-        return self.value
+        # One attribute read and one write, so two models stepping in two threads can never
+        # pair one's sin with the other's signed sin (two attributes could be read torn).
+        cached = self._cached
+        if cached is None or cached[0] is not sin:
+            cached = (sin, signed_sin(sin))
+            self._cached = cached
+        return cached[1]
 
 
 _signed_sin_of_step = _SignedSinOfStep()

@@ -23,14 +23,13 @@ from pagedweight.format.apl_format import BIT_WIDTHS, MODULES
 from pagedweight.format.model_config import ModelConfig
 from pagedweight.format.paged_meta import META_FILE, read_meta
 from pagedweight.format.paged_model import (
-    APL_FILE, DENSE_FILE, LayerPlanes, block_shape, check_meta_against_config,
+    APL_FILE, DENSE_FILE, LayerPlanes, block_shape, check_file, check_meta_against_config,
 )
 from pagedweight.model.dequantized_experts import DequantizedExperts
 from pagedweight.model.layers import RMSNorm, norm_for
 from pagedweight.model.transformer import (
     MoECausalLM, decoder_layer_class, embed_scale_for, rope_tables, rotaries_for, scale_embeddings,
 )
-from pagedweight.common.file_digest import file_sha256
 
 DTYPE = torch.float32  # what add_planner_scales builds the whole model in
 
@@ -42,10 +41,7 @@ class PagedLayers:
         self.config = ModelConfig.from_dict(meta["model_config"], source=str(self.path / META_FILE))
         check_meta_against_config(self.path, meta, self.config, with_bf16=False)
         for name in (DENSE_FILE, APL_FILE):
-            file, record = self.path / name, meta["files"][name]
-            if file.is_symlink() or not file.is_file() or file.stat().st_size != record["bytes"] \
-                    or file_sha256(file) != record["sha256"]:
-                raise CheckpointError(f"{file}: missing, truncated or changed since it was written")
+            check_file(self.path / name, meta["files"][name])
         with torch.device("meta"):
             skeleton = MoECausalLM(self.config)  # names and shapes only
         self.shapes = {n: tuple(p.shape) for n, p in skeleton.named_parameters() if ".experts." not in n}

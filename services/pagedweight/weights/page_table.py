@@ -54,7 +54,7 @@ class BlockPages:
             elif name == "committed_bits":
                 owner.committed_weight_bits += (value - self.committed_bits) * self.rows * self.cols
             elif name == "version":
-                owner.version_changes += 1
+                owner.generation += 1
         object.__setattr__(self, name, value)
 
     @property
@@ -84,9 +84,9 @@ class PageTable:
         self.entries: dict[BlockId, BlockPages] = {
             bid: BlockPages(bid, b.rows, b.cols, initial_desired_bits) for bid, b in self.host.items()
         }
-        # How many times any row's version moved: readers that cache what the rows pointed at
-        # compare this one number per step instead of every row's version.
-        self.version_changes = 0
+        # Moves whenever any row's version does (never goes back): readers that cache what the
+        # rows pointed at compare this one number per step instead of every row's version.
+        self.generation = 0
         # Blocks that may not be at their desired bits (desired set since they last were, or
         # a copy in flight): what a step boundary visits, O(blocks changed) instead of O(all).
         self.dirty: set[BlockId] = set(self.entries)
@@ -101,12 +101,6 @@ class PageTable:
         # seconds spent on it (ArenaExperts counts them; the pager's profile reports them)
         self.num_descriptor_updates = 0
         self.descriptor_seconds = 0.0
-
-    @property
-    def generation(self) -> int:
-        """Changes whenever any row's version does (never goes back): equal generations mean
-        every row still points where it did."""
-        return self.version_changes
 
     # ---- sizes ------------------------------------------------------------------------
     def plane_bytes(self, block_id: BlockId) -> int:
