@@ -77,7 +77,8 @@ __global__ void add_rms_norm(const void* __restrict__ x, const void* __restrict_
         float v = ld<DT>(x, row + i);
         if (MODE >= 1) {
             float d = ld<DT>(delta, row + i);
-            if (MODE == 2) d = rnd<DT>(d + rnd<DT>(g * ld<DT>(shared, row + i)));
+            // __fmul_rn: no contraction into an FMA, which would round once where the chain rounds twice
+            if (MODE == 2) d = rnd<DT>(d + rnd<DT>(__fmul_rn(g, ld<DT>(shared, row + i))));
             v = rnd<DT>(v + d);
             st<DT>(residual, row + i, v);
         }
@@ -230,7 +231,7 @@ __global__ void combine_rows(const void* __restrict__ y, const int* __restrict__
     float acc = 0.f;
     for (int j = 0; j < k; ++j) {
         const long long a = t * k + j;
-        acc += rnd<DT>(ld<DT>(w, a) * ld<DT>(y, (long long)inv[a] * H + h));
+        acc += rnd<DT>(__fmul_rn(ld<DT>(w, a), ld<DT>(y, (long long)inv[a] * H + h)));  // not an FMA
     }
     st<DT>(out, idx, acc);
 }
