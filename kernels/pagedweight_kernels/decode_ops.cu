@@ -62,27 +62,42 @@ template <int ACT> __device__ __forceinline__ float activate(float g) {
 // One block per token row. MODE 0: out = norm(x) (the residual is x, not written);
 // 1: residual = x + delta; 2: residual = x + (delta + sigmoid(gate) * shared) (Qwen's gated
 // shared expert, added where the MoE block's chain adds it); then out = w * norm(residual),
-// normalised in fp32 and cast before the scale (the Llama-style RMSNorm).
-template <int DT, int MODE>
+// normalised in fp32 and cast before the scale (the Llama-style RMSNorm). The row stays in
+// registers (VPT elements per thread, H <= VPT * blockDim): its loads are all in flight at
+// once, not each behind the previous element's store.
+template <int DT, int MODE, int VPT>
 __global__ void add_rms_norm(const void* __restrict__ x, const void* __restrict__ delta,
                              const void* __restrict__ shared, const void* __restrict__ gate, long long gate_stride,
-                             const void* __restrict__ weight, void* residual, void* __restrict__ out,
+                             const void* __restrict__ weight, void* __restrict__ residual, void* __restrict__ out,
                              int H, float eps) {
     __shared__ float partial[32];
     const long long row = (long long)blockIdx.x * H;
     float g = 0.f;
     if (MODE == 2) g = rnd<DT>(1.f / (1.f + expf(-ld<DT>(gate, (long long)blockIdx.x * gate_stride))));
+    float vals[VPT];
     float ss = 0.f;
-    for (int i = threadIdx.x; i < H; i += blockDim.x) {
-        float v = ld<DT>(x, row + i);
-        if (MODE >= 1) {
-            float d = ld<DT>(delta, row + i);
-            // __fmul_rn: no contraction into an FMA, which would round once where the chain rounds twice
-            if (MODE == 2) d = rnd<DT>(d + rnd<DT>(__fmul_rn(g, ld<DT>(shared, row + i))));
-            v = rnd<DT>(v + d);
-            st<DT>(residual, row + i, v);
+#pragma unroll
+    for (int j = 0; j < VPT; ++j) {
+        const int i = threadIdx.x + j * blockDim.x;
+        float v = 0.f;
+        if (i < H) {
+            v = ld<DT>(x, row + i);
+            if (MODE >= 1) {
+                float d = ld<DT>(delta, row + i);
+                // __fmul_rn: no contraction into an FMA, which would round once where the chain rounds twice
+                if (MODE == 2) d = rnd<DT>(d + rnd<DT>(__fmul_rn(g, ld<DT>(shared, row + i))));
+                v = rnd<DT>(v + d);
+            }
         }
+        vals[j] = v;
         ss += v * v;
+    }
+    if (MODE >= 1) {
+#pragma unroll
+        for (int j = 0; j < VPT; ++j) {
+            const int i = threadIdx.x + j * blockDim.x;
+            if (i < H) st<DT>(residual, row + i, vals[j]);
+        }
     }
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
     ss = warp_sum(ss);
@@ -94,10 +109,10 @@ __global__ void add_rms_norm(const void* __restrict__ x, const void* __restrict_
     }
     __syncthreads();
     const float r = rsqrtf(partial[0] / (float)H + eps);
-    for (int i = threadIdx.x; i < H; i += blockDim.x) {
-        // this thread wrote residual[row + i] above: its own write, visible to it
-        const float v = MODE >= 1 ? ld<DT>(residual, row + i) : ld<DT>(x, row + i);
-        st<DT>(out, row + i, ld<DT>(weight, i) * rnd<DT>(v * r));
+#pragma unroll
+    for (int j = 0; j < VPT; ++j) {
+        const int i = threadIdx.x + j * blockDim.x;
+        if (i < H) st<DT>(out, row + i, ld<DT>(weight, i) * rnd<DT>(vals[j] * r));
     }
 }
 
@@ -239,12 +254,13 @@ __global__ void combine_rows(const void* __restrict__ y, const int* __restrict__
 // ---------------------------------------------------------------- RoPE + KV write
 // qkv [T, ld] holds q (N heads), k (G), v (G) of D each, from the fused projection. q and k
 // are rotated as x * cos + roll(x, D / 2) * signed_sin (rounding x * cos first, as the torch
-// chain's addcmul does); q goes to q_out [T, N, D], k and v straight to their token rows of
-// the cache (flat viewed as [rows, G * D]: rows_k[t], rows_v[t]). cos, ssin: [T, D].
+// chain's addcmul does); q goes to q_out [T, N, D], k and v straight into the cache's flat
+// storage, token t's G * D elements at k_start[t] and v_start[t] (any tile layout).
+// cos, ssin: [T, D].
 template <int DT>
 __global__ void rope_write(const void* __restrict__ qkv, long long ld_qkv, const void* __restrict__ cos,
                            const void* __restrict__ ssin, int N, int G, int D, void* __restrict__ q_out,
-                           void* cache, const long long* __restrict__ rows_k, const long long* __restrict__ rows_v) {
+                           void* cache, const long long* __restrict__ k_start, const long long* __restrict__ v_start) {
     const int t = blockIdx.y;
     const int e = blockIdx.x * blockDim.x + threadIdx.x;
     if (e >= (N + 2 * G) * D) return;
@@ -256,8 +272,7 @@ __global__ void rope_write(const void* __restrict__ qkv, long long ld_qkv, const
         const long long c = (long long)t * D + d;
         v = rnd<DT>(v * ld<DT>(cos, c)) + partner * ld<DT>(ssin, c);
     }
-    const long long gd = (long long)G * D;
     if (head < N) st<DT>(q_out, (long long)t * N * D + e, v);
-    else if (head < N + G) st<DT>(cache, rows_k[t] * gd + (e - N * D), v);
-    else st<DT>(cache, rows_v[t] * gd + (e - (long long)(N + G) * D), v);
+    else if (head < N + G) st<DT>(cache, k_start[t] + (e - N * D), v);
+    else st<DT>(cache, v_start[t] + (e - (N + G) * D), v);
 }

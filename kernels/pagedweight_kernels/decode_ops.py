@@ -12,10 +12,10 @@ launches with one kernel computing the same values, rounding where the chain rou
   of the grouped dense experts (6-7 -> 1); `combine_rows`: back to the tokens, weighted
   and summed over k (3 -> 1);
 - `rope_write`: RoPE of q and k from the fused q/k/v product and the new k, v written to
-  their token rows of the paged cache (8-10 -> 1).
+  their places in the paged cache, any tile layout (8-20 -> 1).
 
 The references are the torch forms the CPU runs (layers.RMSNorm, SparseMoeBlock.route,
-moe_reference.gated / grouped_moe_forward, apply_rotary_signed and PagedKVCache.write_rows):
+moe_reference.gated / grouped_moe_forward, apply_rotary_signed and PagedKVCache.write):
 tests/kernels/test_decode_ops_gpu.py holds each kernel to its reference. Every launch runs
 on PyTorch's current stream and reads no host values, so all of them run inside a CUDA
 graph capture. Shape legend: T tokens, H hidden, E experts, k top-k, I intermediate.
@@ -40,6 +40,8 @@ MAX_ROUTE_EXPERTS = 1024  # a warp's probabilities live in shared memory (4 KB)
 MAX_TOP_K = 32  # lane j keeps the j-th weight
 MAX_GROUP_ASSIGN = 1024  # group_rows sorts in O(n^2 / threads) per block: small n only
 GROUP_BLOCKS = 64  # blocks sharing group_rows' row copies
+NORM_VPT = (8, 16)  # add_rms_norm's row elements per thread (held in registers)
+MAX_NORM_HIDDEN = 16 * 1024  # 16 per thread, 1024 threads
 
 
 @lru_cache(maxsize=None)
@@ -51,7 +53,7 @@ def available() -> bool:
 def _instances() -> list[str]:
     """Every kernel instance the launchers can ask for: compiled together, once."""
     dts = range(len(_DT))
-    return ([f"add_rms_norm<{d}, {m}>" for d in dts for m in range(3)]
+    return ([f"add_rms_norm<{d}, {m}, {v}>" for d in dts for m in range(3) for v in NORM_VPT]
             + [f"route_topk<{d}, {o}>" for d in dts for o in dts]
             + [f"gated_rows<{d}, {a}>" for d in dts for a in _ACT.values()]
             + ["group_rows"] + [f"combine_rows<{d}>" for d in dts] + [f"rope_write<{d}>" for d in dts])
@@ -120,13 +122,25 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch
         if gate is None or gate.shape != (T, 1) or gate.dtype != x.dtype:
             raise ValueError(f"gate must be {x.dtype} [{T}, 1] beside shared, got "
                              f"{None if gate is None else (gate.dtype, tuple(gate.shape))}")
+    if H > MAX_NORM_HIDDEN:
+        raise ValueError(f"add_rms_norm takes rows of up to {MAX_NORM_HIDDEN} elements, got {H}")
     residual = x if mode == 0 else torch.empty_like(x)
     out = torch.empty_like(x)
     if T:
-        _launch(f"add_rms_norm<{code}, {mode}>", (T,), THREADS,
-                (x, delta, shared, gate, _i64(gate.stride(0) if mode == 2 else 0), weight, residual, out, H,
-                 float(eps)))
+        vpt, threads = _norm_shape(H)
+        _launch(f"add_rms_norm<{code}, {mode}, {vpt}>", (T,), threads,
+                (x, delta, shared, gate, _i64(gate.stride(0) if mode == 2 else 0), weight,
+                 None if mode == 0 else residual, out, H, float(eps)))
     return residual, out
+
+
+def _norm_shape(hidden: int) -> tuple[int, int]:
+    """(elements per thread, threads) of add_rms_norm for a row of `hidden` elements."""
+    if hidden <= 8 * THREADS:
+        return 8, THREADS
+    if hidden <= 16 * THREADS:
+        return 16, THREADS
+    return 16, -(-hidden // (16 * 32)) * 32  # up to 1024 threads
 
 
 def route_topk(logits: torch.Tensor, k: int, renorm: bool, out_dtype: torch.dtype):
@@ -225,10 +239,10 @@ def grouped_moe_fused(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
 
 
 def rope_write(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, heads: int, kv_heads: int,
-               head_dim: int, cache: torch.Tensor, rows_k: torch.Tensor, rows_v: torch.Tensor) -> torch.Tensor:
+               head_dim: int, cache: torch.Tensor, k_start: torch.Tensor, v_start: torch.Tensor) -> torch.Tensor:
     """qkv [T, (N + 2 G) D] (rows may be strided), cos, signed_sin [T, D] -> q [T, N, D]
-    rotated; the rotated k and the v land in `cache` (flat, viewed as [rows, G D]) at token
-    rows rows_k, rows_v [T] (int64)."""
+    rotated; token t's rotated k and its v land in `cache` (the flat storage) as G D
+    contiguous elements from k_start[t] and v_start[t] (int64 [T], PagedKVCache.token_elements)."""
     T = qkv.shape[0]
     N, G, D = heads, kv_heads, head_dim
     code = _dtype_code(qkv, "qkv")
@@ -237,7 +251,7 @@ def rope_write(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, h
                          f"{tuple(qkv.shape)} {qkv.stride()}, D={D}")
     for name, t in (("cos", cos), ("signed_sin", signed_sin)):
         _check_rows(t, (T, D), qkv.dtype, name)
-    for name, t in (("rows_k", rows_k), ("rows_v", rows_v)):
+    for name, t in (("k_start", k_start), ("v_start", v_start)):
         if tuple(t.shape) != (T,) or t.dtype != torch.int64 or t.stride(0) != 1:
             raise ValueError(f"{name} must be int64 [{T}] with unit stride, got {t.dtype} {tuple(t.shape)}")
     if cache.dtype != qkv.dtype or cache.dim() != 1 or not cache.is_contiguous():
@@ -246,7 +260,7 @@ def rope_write(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, h
     width = (N + 2 * G) * D
     if T:
         _launch(f"rope_write<{code}>", (-(-width // THREADS), T), THREADS,
-                (qkv, _i64(qkv.stride(0)), cos, signed_sin, N, G, D, q, cache, rows_k, rows_v))
+                (qkv, _i64(qkv.stride(0)), cos, signed_sin, N, G, D, q, cache, k_start, v_start))
     return q
 
 

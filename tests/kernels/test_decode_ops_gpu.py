@@ -26,7 +26,7 @@ def _randn(*shape, dtype, seed, scale=1.0):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("mode", ["norm", "add", "add_shared"])
-@pytest.mark.parametrize("T,H", [(1, 2048), (7, 96), (64, 4096)])
+@pytest.mark.parametrize("T,H", [(1, 2048), (7, 96), (64, 4096), (2, 5000)])  # 8, 8, 16 per thread; 320 threads
 def test_add_rms_norm_equals_add_then_rmsnorm(dtype, mode, T, H):
     from pagedweight.model.layers import RMSNorm
 
@@ -116,7 +116,7 @@ def test_grouped_moe_fused_equals_grouped_moe_forward(T):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("T,N,G,D", [(1, 16, 16, 128), (5, 4, 2, 64), (64, 32, 8, 128)])
-def test_rope_write_equals_rotary_then_row_write(dtype, T, N, G, D):
+def test_rope_write_equals_rotary_then_cache_write(dtype, T, N, G, D):
     from pagedweight.model.layers import RotaryEmbedding, apply_rotary_signed, signed_sin
 
     width = (N + 2 * G) * D
@@ -128,7 +128,8 @@ def test_rope_write_equals_rotary_then_row_write(dtype, T, N, G, D):
     rows = torch.randperm(rows_total, generator=torch.Generator().manual_seed(2))[:2 * T].cuda()
     rows_k, rows_v = rows[:T].contiguous(), rows[T:].contiguous()
     cache = torch.full((rows_total * G * D,), float("nan"), dtype=dtype, device="cuda")
-    q = decode_ops.rope_write(qkv, cos.reshape(T, D), ssin.reshape(T, D), N, G, D, cache, rows_k, rows_v)
+    q = decode_ops.rope_write(qkv, cos.reshape(T, D), ssin.reshape(T, D), N, G, D, cache,
+                              rows_k * (G * D), rows_v * (G * D))  # element starts of whole token rows
     heads = qkv.reshape(T, N + 2 * G, D).transpose(0, 1)[None]  # [1, heads, T, D]
     rotated = apply_rotary_signed(heads[:, :N + G], cos, ssin)[0].transpose(0, 1)  # [T, N + G, D]
     torch.testing.assert_close(q, rotated[:, :N], **TOL[dtype])

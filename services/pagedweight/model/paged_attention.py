@@ -64,6 +64,8 @@ class KVStore(Protocol):
     # where the new tokens' K, V of every layer go, [L, 2, T] (None: use `write`)
     def token_rows(self, slots: torch.Tensor) -> torch.Tensor | None: ...
     def write_rows(self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None: ...
+    # where each new token's K and V row of every layer starts in `flat`, [L, 2, T]
+    def token_elements(self, slots: torch.Tensor) -> torch.Tensor: ...
 
 IMPLS = ("reference", "batched", "inplace")
 
@@ -106,6 +108,7 @@ class PagedStep:
     # (inside a captured decode graph too: then it is part of the graph, once per replay)
     _write_rows: object = None  # KVStore.token_rows(new_offsets), or False where it gave None
     _tile_offsets: object = None  # KVStore.kv_tile_offsets_all(block_table), or False
+    _elements: torch.Tensor | None = None  # KVStore.token_elements(new_offsets)
 
     def _rows(self):
         """KVStore.token_rows of the step's slots (made once), or False where it gave None."""
@@ -123,22 +126,23 @@ class PagedStep:
 
     def writes_rows_in_place(self, kv_heads: int, head_dim: int, dtype: torch.dtype) -> bool:
         """Whether `rope_write` takes this step for a layer of kv_heads x head_dim in dtype:
-        an in-place decode step, a layer as wide as the cache's slot, per-token rows in the
+        an in-place decode step, a layer as wide as the cache's slot, activations in the
         cache's own dtype, and the kernels present."""
         kv = self.kv
         return (self.impl == "inplace" and (kv_heads, head_dim) == (kv.num_kv_heads, kv.head_dim)
-                and kv.flat.dtype == dtype and kv.flat.is_cuda and decode_ops.available()
-                and self._rows() is not False)
+                and kv.flat.dtype == dtype and kv.flat.is_cuda and decode_ops.available())
 
     def rope_write(self, layer: int, qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
                    heads: int) -> torch.Tensor:
         """RoPE of q and k from the fused product qkv [T, (N + 2 G) D] and the layer's new
         k, v written to the cache, in one kernel (decode_ops.rope_write) -> q [T, N, D].
         Only where `writes_rows_in_place`; `attend_written` then attends."""
-        rows = self._rows()
         kv = self.kv
+        if self._elements is None:
+            self._elements = kv.token_elements(self.new_offsets)
+        starts = self._elements
         return decode_ops.rope_write(qkv, cos, signed_sin, heads, kv.num_kv_heads, kv.head_dim, kv.flat,
-                                     rows[layer, 0], rows[layer, 1])
+                                     starts[layer, 0], starts[layer, 1])
 
     def attend_written(self, layer: int, q: torch.Tensor, window: int | None = None,
                        scale: float | None = None) -> torch.Tensor:
