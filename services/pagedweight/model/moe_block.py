@@ -37,7 +37,7 @@ class SparseMoeBlock(nn.Module):
 
     def fuse_inputs(self) -> None:
         """Serve the shared expert's gate and up projections, the router and the shared
-        expert's gate from one product of the normalised input (3 launches fewer per layer,
+        expert's gate from one product of the normalised input (4 products -> 1 per layer,
         issue 12), as Attention.fuse_qkv does for q, k, v: the parameters become views of
         the one [2 I_shared + E + 1 (+ zero rows to a multiple of 8), H] weight, gate/up rows
         first (the product's front, aligned, is what `decode_ops.gated_rows` reads)."""
@@ -78,11 +78,9 @@ class SparseMoeBlock(nn.Module):
         shared expert, and act(gate) * up is one kernel."""
         shared_gu = gate_logit = None
         if self._inputs is not None:
-            weight, (gate_rows, up_rows, num_experts, _, _) = self._inputs
-            z = F.linear(x, weight)
-            shared_gu = z[:, :gate_rows + up_rows]
-            logits = z[:, gate_rows + up_rows:gate_rows + up_rows + num_experts]
-            gate_logit = z[:, gate_rows + up_rows + num_experts:gate_rows + up_rows + num_experts + 1]
+            weight, (gate_rows, up_rows, num_experts, one, pad) = self._inputs
+            shared_gu, logits, gate_logit, _ = F.linear(x, weight).split(
+                (gate_rows + up_rows, num_experts, one, pad), dim=-1)
         else:
             logits = self.gate(x)
         if decode_ops.route_supported(logits.shape[-1], self.top_k):
