@@ -35,6 +35,7 @@ is rewritten after each section, so a cut run still leaves what it measured):
 from __future__ import annotations
 
 import argparse
+import collections
 import gc
 import json
 import math
@@ -427,6 +428,9 @@ def decode_profile(engine, concurrency: int, prompt_len: int, device: torch.devi
         kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
         result["kernels_per_step"] = round(len(kernels) / 2, 1)
         result["kernel_ms_per_step"] = round(sum(e.time_range.elapsed_us() for e in kernels) / 2000, 3)
+        # every kernel of the step by name, launches per step: the full list (top_ops keeps 14)
+        by_name = collections.Counter(e.name for e in kernels)
+        result["kernels_by_name"] = {name[:96]: n / 2 for name, n in by_name.most_common()}
     result["graph_steps"] = runner.num_graph_steps - graph_steps0
     sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     result["top_ops"] = prof.key_averages().table(sort_by=sort, row_limit=14, max_name_column_width=48)

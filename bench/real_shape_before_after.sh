@@ -7,30 +7,32 @@
 #     one, which leaves out the profile fields an older engine has not got);
 #  3. the Mixtral-8x7B shape at concurrency 1, 4 bits, while time is left.
 # Results and logs go to $OUT (default bench/results/). Usage:
-#   BASE_DIR=.base BASE_COMMIT=8696dd6 CODE_COMMIT=<HEAD> bash bench/real_shape_before_after.sh
+#   BASE_DIR=.base BASE_COMMIT=8696dd6 CODE_COMMIT=<HEAD> TAG=step bash bench/real_shape_before_after.sh
+# TAG names the result files (real_shape_<model>_cuda_<TAG>_{after,before}.json, ...).
 set -u
 OUT=$(cd "${OUT:-bench/results}" && pwd)  # absolute: the "before" run works from $BASE_DIR
 BASE_DIR=${BASE_DIR:-.base}
+TAG=${TAG:-step}
 export PYTHONUNBUFFERED=1
 QWEN_ARGS="--model qwen1.5-moe-a2.7b --modes graphs-inplace --skip hf pressure --static-bits 4
   --concurrency 1 16 64 --ttft-prompts 512 --profile-concurrency 1 64 --time-limit-s 140 --reserve-s 20"
 
-PYTHONPATH=.:services:kernels timeout 90 python3 -m pytest -q -x -m gpu -p no:cacheprovider \
-  tests/engine/test_decode_graphs.py tests/memory/test_kv_blocks.py tests/model/test_cuda_decode_ops.py \
-  tests/model/test_paged_decode.py tests/weights/test_arena_graph_gpu.py tests/engine/test_engine_gpu.py \
-  > "$OUT/speed12_gpu_tests_step.log" 2>&1
-tail -n 3 "$OUT/speed12_gpu_tests_step.log"
+PYTHONPATH=.:services:kernels timeout ${TESTS_S:-120} python3 -m pytest -q -m gpu -p no:cacheprovider \
+  ${GPU_TESTS:-tests/engine/test_decode_graphs.py tests/memory/test_kv_blocks.py tests/model/test_cuda_decode_ops.py \
+  tests/model/test_paged_decode.py tests/weights/test_arena_graph_gpu.py tests/engine/test_engine_gpu.py} \
+  > "$OUT/speed12_gpu_tests_$TAG.log" 2>&1
+tail -n 3 "$OUT/speed12_gpu_tests_$TAG.log"
 
 PAGEDWEIGHT_COMMIT=${CODE_COMMIT:-unknown} PAGEDWEIGHT_CODE_COMMIT=${CODE_COMMIT:-unknown} \
   PYTHONPATH=.:services:kernels timeout 160 python3 -m bench.real_shape $QWEN_ARGS --label after \
-  --out "$OUT/real_shape_qwen1.5-moe-a2.7b_cuda_step_after.json" > "$OUT/real_shape_step_after.log" 2>&1
-tail -n 2 "$OUT/real_shape_step_after.log"
+  --out "$OUT/real_shape_qwen1.5-moe-a2.7b_cuda_${TAG}_after.json" > "$OUT/real_shape_${TAG}_after.log" 2>&1
+tail -n 2 "$OUT/real_shape_${TAG}_after.log"
 
 if [ -d "$BASE_DIR/services" ]; then
   (cd "$BASE_DIR" && PAGEDWEIGHT_COMMIT=${BASE_COMMIT:-unknown} PAGEDWEIGHT_CODE_COMMIT=${BASE_COMMIT:-unknown} \
     PYTHONPATH=.:services:kernels timeout 160 python3 -m bench.real_shape $QWEN_ARGS --label before \
-    --out "$OUT/real_shape_qwen1.5-moe-a2.7b_cuda_step_before.json") > "$OUT/real_shape_step_before.log" 2>&1
-  tail -n 2 "$OUT/real_shape_step_before.log"
+    --out "$OUT/real_shape_qwen1.5-moe-a2.7b_cuda_${TAG}_before.json") > "$OUT/real_shape_${TAG}_before.log" 2>&1
+  tail -n 2 "$OUT/real_shape_${TAG}_before.log"
 fi
 
 # the Mixtral shape only with the time it needs (~130 s) inside the call's limit ($CALL_S)
@@ -39,6 +41,6 @@ left=$(( ${CALL_S:-300} - SECONDS - 10 ))
   PYTHONPATH=.:services:kernels timeout "$left" python3 -m bench.real_shape --model mixtral-8x7b \
   --skip hf bf16 pressure --static-bits 4 --concurrency 1 --ttft-prompts --profile-concurrency 1 --kv-gib 2 \
   --modes graphs-inplace --time-limit-s "$left" --reserve-s 10 --label after \
-  --out "$OUT/real_shape_mixtral-8x7b_cuda_step.json" > "$OUT/real_shape_mixtral_step.log" 2>&1
-tail -n 2 "$OUT/real_shape_mixtral_step.log"
-python3 bench/real_shape_summary.py "$OUT"/real_shape_*_step*.json | tee "$OUT/real_shape_step_summary.txt"
+  --out "$OUT/real_shape_mixtral-8x7b_cuda_$TAG.json" > "$OUT/real_shape_mixtral_$TAG.log" 2>&1
+tail -n 2 "$OUT/real_shape_mixtral_$TAG.log"
+python3 bench/real_shape_summary.py "$OUT"/real_shape_*_"$TAG"*.json | tee "$OUT/real_shape_${TAG}_summary.txt"

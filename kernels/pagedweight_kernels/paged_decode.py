@@ -131,10 +131,11 @@ def _kernel():
 
     @triton.jit
     def decode_split(q_ptr, flat_ptr, koff_ptr, voff_ptr, table_ptr, ctx_ptr,
-                     m_ptr, l_ptr, acc_ptr,
+                     m_ptr, l_ptr, acc_ptr, out_ptr,
                      W, window, scale,
                      G: tl.constexpr, Q: tl.constexpr, QP: tl.constexpr, D: tl.constexpr,
-                     BS: tl.constexpr, NB: tl.constexpr, SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr):
+                     BS: tl.constexpr, NB: tl.constexpr, SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                     DIRECT: tl.constexpr):
         b = tl.program_id(0)
         g = tl.program_id(1)
         s = tl.program_id(2)
@@ -184,10 +185,15 @@ def _kernel():
             l_i = l_i * alpha + tl.sum(p, axis=1)
             acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
             m_i = m_new
-        row = (b * G * Q + g * Q + qi) * SPLITS + s  # partials [B, N, SPLITS]
-        tl.store(m_ptr + row, m_i, mask=q_rows)
-        tl.store(l_ptr + row, l_i, mask=q_rows)
-        tl.store(acc_ptr + row[:, None] * D + di[None, :], acc, mask=q_rows[:, None])
+        if DIRECT:  # one split: the output itself, normalised, in q's dtype (no combine launches)
+            head = b * G * Q + g * Q + qi
+            tl.store(out_ptr + head[:, None] * D + di[None, :], (acc / l_i[:, None]).to(out_ptr.dtype.element_ty),
+                     mask=q_rows[:, None])
+        else:
+            row = (b * G * Q + g * Q + qi) * SPLITS + s  # partials [B, N, SPLITS]
+            tl.store(m_ptr + row, m_i, mask=q_rows)
+            tl.store(l_ptr + row, l_i, mask=q_rows)
+            tl.store(acc_ptr + row[:, None] * D + di[None, :], acc, mask=q_rows[:, None])
 
     _KERNEL = decode_split
     return _KERNEL
@@ -209,15 +215,21 @@ def paged_decode_triton(q: torch.Tensor, flat: torch.Tensor, k_off: torch.Tensor
     if splits is None:
         splits = num_splits(B, G, W, _sm_count(q.device.index))
     table = block_table if block_table is not None else k_off.new_zeros(k_off.shape)
-    m = torch.empty(B, N, splits, dtype=torch.float32, device=q.device)
-    l_sum = torch.empty_like(m)
-    acc = torch.empty(B, N, splits, D, dtype=torch.float32, device=q.device)
+    direct = splits == 1  # the kernel writes the output itself: 2 launches fewer per layer
+    if direct:
+        out = torch.empty(B, N, D, dtype=q.dtype, device=q.device)
+        m = l_sum = acc = out  # not written
+    else:
+        out = q  # not written
+        m = torch.empty(B, N, splits, dtype=torch.float32, device=q.device)
+        l_sum = torch.empty_like(m)
+        acc = torch.empty(B, N, splits, D, dtype=torch.float32, device=q.device)
     _kernel()[(B, G, splits)](
         q.contiguous(), flat, k_off.contiguous(), v_off.contiguous(), table.contiguous(), context_lens.contiguous(),
-        m, l_sum, acc, W, int(window or 0), 1.0 / math.sqrt(D) if scale is None else scale,
+        m, l_sum, acc, out, W, int(window or 0), 1.0 / math.sqrt(D) if scale is None else scale,
         G=G, Q=Q, QP=max(2, 1 << (Q - 1).bit_length()), D=D, BS=block_size, NB=tiles_per_iter, SPLITS=splits,
-        HAS_WINDOW=window is not None, num_warps=8 if tiles_per_iter * block_size >= 64 else 4)
-    return combine_splits(m, l_sum, acc).to(q.dtype)
+        HAS_WINDOW=window is not None, DIRECT=direct, num_warps=8 if tiles_per_iter * block_size >= 64 else 4)
+    return out if direct else combine_splits(m, l_sum, acc).to(q.dtype)
 
 
 @lru_cache(maxsize=None)

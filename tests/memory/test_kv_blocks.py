@@ -212,12 +212,9 @@ def test_kv_tile_offsets_address_the_tiles_read_blocks_returns(use_arena, device
             assert torch.equal(kv.flat[vo:vo + tile].view(v[i].shape), v[i])
 
 
-@pytest.mark.parametrize("device", ["cpu", GPU])
-@pytest.mark.parametrize("use_arena", [False, True])
-def test_per_step_indices_equal_the_per_layer_ones(use_arena, device):
-    """The once-per-step index work (issue 12): `write_rows` through `token_rows` leaves
-    the cache exactly as `write` does, and `kv_tile_offsets_all` is `kv_tile_offsets` of
-    every layer, on scattered tiles and random slots."""
+def _scattered_cache(use_arena: bool, device):
+    """(config, cache, its 8 block ids): tiles scattered through a fragmented arena, or the
+    fixed cache's layout."""
     if use_arena:
         config, kv = _fragmented_tile_cache(0, device)
     else:
@@ -225,6 +222,16 @@ def test_per_step_indices_equal_the_per_layer_ones(use_arena, device):
         kv = PagedKVCache(config, KVCacheConfig(block_size=2), torch.float32, device, num_blocks=8)
     ids = sorted(kv.manager.take_free_blocks(8))
     kv.manager.add_blocks(ids)
+    return config, kv, ids
+
+
+@pytest.mark.parametrize("device", ["cpu", GPU])
+@pytest.mark.parametrize("use_arena", [False, True])
+def test_per_step_indices_equal_the_per_layer_ones(use_arena, device):
+    """The once-per-step index work (issue 12): `write_rows` through `token_rows` leaves
+    the cache exactly as `write` does, and `kv_tile_offsets_all` is `kv_tile_offsets` of
+    every layer, on scattered tiles and random slots."""
+    config, kv, ids = _scattered_cache(use_arena, device)
     gen = torch.Generator().manual_seed(2)
     slots = torch.tensor([b * kv.block_size + o for b in ids for o in range(kv.block_size)])
     slots = slots[torch.randperm(len(slots), generator=gen)[:5]].to(device)  # distinct slots
@@ -246,6 +253,32 @@ def test_per_step_indices_equal_the_per_layer_ones(use_arena, device):
         assert torch.equal(by_rows, by_write) and not torch.equal(by_rows, start)
         for got, want in zip((t[layer] for t in offsets_all), kv.kv_tile_offsets(layer, table)):
             assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("device", ["cpu", GPU])
+@pytest.mark.parametrize("use_arena", [False, True])
+def test_token_elements_start_the_rows_write_fills(use_arena, device):
+    """`token_elements` (where decode_ops.rope_write puts each new token's K and V, issue 12):
+    under either layout, the G * D elements from each start are exactly the ones `write`
+    changes, in token order, and where whole token rows exist they are `token_rows` x G * D."""
+    config, kv, ids = _scattered_cache(use_arena, device)
+    gen = torch.Generator().manual_seed(3)
+    slots = torch.tensor([b * kv.block_size + o for b in ids for o in range(kv.block_size)])
+    slots = slots[torch.randperm(len(slots), generator=gen)[:5]].to(device)
+    starts = kv.token_elements(slots)
+    per_token = kv.num_kv_heads * kv.head_dim
+    assert starts.shape == (config.num_layers, 2, len(slots))
+    within = torch.arange(per_token, device=device)
+    for layer in range(config.num_layers):
+        k, v = (torch.randn(len(slots), kv.num_kv_heads, kv.head_dim, generator=gen).to(device) for _ in "kv")
+        kv.flat.zero_()
+        kv.write(layer, slots, k, v)
+        assert torch.equal(kv.flat[starts[layer, 0][:, None] + within], k.reshape(len(slots), -1))
+        assert torch.equal(kv.flat[starts[layer, 1][:, None] + within], v.reshape(len(slots), -1))
+        assert int((kv.flat != 0).sum()) == (k != 0).sum() + (v != 0).sum()
+    rows = kv.token_rows(slots)
+    if rows is not None:
+        assert torch.equal(starts, rows * per_token)
 
 
 def test_a_block_fits_tile_by_tile_into_holes_no_whole_block_fits():

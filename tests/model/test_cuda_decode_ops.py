@@ -69,3 +69,28 @@ def test_fused_qkv_computes_the_same_and_stays_the_parameters():
         assert attn._qkv is not None and attn.k_proj.weight.data_ptr() != attn._qkv[0].data_ptr()
         attn.k_proj.weight.mul_(0)  # written through the view: the fused product sees it
         assert not torch.allclose(model(ids), want, rtol=1e-3, atol=1e-3)
+
+
+def test_fused_moe_inputs_compute_the_same_and_stay_the_parameters():
+    """SparseMoeBlock.fuse_inputs (the CUDA decode path's one product for the router and the
+    shared expert): the block's output is unchanged, its parameters are views of the fused
+    weight, and the state dict keeps its keys."""
+    from bench import real_shape as rs
+    from pagedweight.format.model_config import ModelConfig
+
+    torch.manual_seed(0)
+    hf, raw = rs.build_hf_model("tiny-qwen-moe", torch.device("cpu"), torch.float32)
+    model = rs.ours_from_hf(hf, ModelConfig.from_dict(raw))
+    block = model.layers[0].moe
+    x = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = block(x)
+        keys = sorted(model.state_dict())
+        block.fuse_inputs()
+        assert sorted(model.state_dict()) == keys
+        torch.testing.assert_close(block(x), want, rtol=1e-5, atol=1e-5)
+        weight, sizes = block._inputs
+        assert weight.shape[0] % 8 == 0 and sum(sizes) == weight.shape[0]
+        assert block.gate.weight.data_ptr() == weight[sizes[0] + sizes[1]].data_ptr()
+        block.shared_expert_gate.weight.mul_(0)  # written through the view: the fused product sees it
+        assert weight[sum(sizes[:3])].abs().sum() == 0

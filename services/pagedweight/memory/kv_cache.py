@@ -387,6 +387,16 @@ class PagedKVCache:
         k = self._tile_row[:, torch.div(slots, bs, rounding_mode="floor")] * (self.row_stride // per_token) + slots % bs
         return torch.stack((k, k + bs), dim=1)
 
+    def token_elements(self, slots: torch.Tensor) -> torch.Tensor:
+        """[T] slots -> [L, 2, T]: where in `flat` each new token's K (0) and V (1) row of
+        every layer starts (G * D contiguous elements), for any tile layout (arena pages
+        that are not whole token rows included): what the fused RoPE + KV write kernel
+        (decode_ops.rope_write) writes through, computed once per step."""
+        per_token = self.num_kv_heads * self.head_dim
+        bs = self.block_size
+        k = self._tile_row[:, torch.div(slots, bs, rounding_mode="floor")] * self.row_stride + (slots % bs) * per_token
+        return torch.stack((k, k + bs * per_token), dim=1)
+
     def write_rows(self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """`write` through `token_rows(slots)` (rows [L, 2, T]): the same bytes to the same places."""
         T = k.shape[0]

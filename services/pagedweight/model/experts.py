@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedweight_kernels import decode_ops
 from pagedweight_kernels.moe_reference import (check_activation, gated, grouped_mm_supported,
                                               grouped_moe_forward, moe_forward)
 
@@ -62,6 +63,11 @@ class DenseExperts(nn.Module):
 
     def forward(self, x, topk_ids, topk_weights):
         if self.uses_grouped(x.dtype):
+            if x.is_cuda and decode_ops.available():  # the same chain in 5 launches (few tokens)
+                out = decode_ops.grouped_moe_fused(x, topk_ids, topk_weights, self.gate_up, self.down,
+                                                   self.activation)
+                if out is not None:
+                    return out
             return grouped_moe_forward(x, topk_ids, topk_weights, self.gate_up, self.down, self.activation)
         return moe_forward(x, topk_ids, topk_weights, self.expert, self.num_experts)
 

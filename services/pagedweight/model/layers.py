@@ -12,6 +12,7 @@ from torch import nn
 
 from pagedweight.format.model_config import ModelConfig
 from pagedweight.model.contiguous_kv import ContiguousKVCache
+from pagedweight_kernels import decode_ops
 from pagedweight_kernels.moe_reference import gated
 
 
@@ -139,6 +140,9 @@ class Attention(nn.Module):
         self.v_proj = None if shape.k_eq_v else nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=config.o_proj_bias)
         self._qkv: tuple | None = None  # fuse_qkv: (weight, bias, split sizes), not a parameter
+        # decode_ops' RoPE + KV write kernel on in-place decode steps (set by the model's
+        # fuse_projections on CUDA; needs fuse_qkv)
+        self.fused_kernels = False
         self.qk_norm = config.qk_norm
         self.v_norm = config.v_norm
         self.eps = config.rms_norm_eps
@@ -214,6 +218,12 @@ class Attention(nn.Module):
         `step.attend` and never imports the KV cache or the engine.
         """
         T = x.shape[0]
+        if self._rope_writes(x, step):  # one kernel for the RoPE of q, k and the KV write
+            weight, bias, _ = self._qkv
+            q = step.rope_write(self.layer_idx, F.linear(x, weight, bias), cos.reshape(T, -1),
+                                _signed_sin_of_step(sin).reshape(T, -1), self.num_heads)
+            out = step.attend_written(self.layer_idx, q, self.window, self.scale)
+            return self.o_proj(out.reshape(T, -1))
         q, k, v = (t[None].transpose(1, 2) for t in self._project(x))  # [1, heads, T, D]
         if x.is_cuda:  # fewer launches; the CPU keeps the reference's arithmetic
             sin_signed = _signed_sin_of_step(sin)
@@ -224,6 +234,12 @@ class Attention(nn.Module):
         q, k, v = (t[0].transpose(0, 1) for t in (q, k, v))
         out = step.attend(self.layer_idx, q, k, v, self.window, self.scale)  # [T, N, D]
         return self.o_proj(out.reshape(T, -1))
+
+    def _rope_writes(self, x: torch.Tensor, step) -> bool:
+        """Whether this step takes the fused RoPE + KV write: q, k, v from one product with
+        no norms between it and RoPE, and a step whose cache takes whole token rows."""
+        return (self.fused_kernels and self._qkv is not None and x.is_cuda and self.qk_norm == "none"
+                and not self.v_norm and step.writes_rows_in_place(self.num_kv_heads, self.head_dim, x.dtype))
 
 
 def causal_attention(q, k, v, start_pos: int, window: int | None = None,

@@ -11,6 +11,7 @@ from torch import nn
 from pagedweight.format.model_config import ModelConfig
 from pagedweight.model.experts import DenseExperts, ExpertsOp
 from pagedweight.model.layers import GatedMLP
+from pagedweight_kernels import decode_ops
 
 # Called after routing with (layer_idx, x [T, H], topk_ids [T, k], topk_weights [T, k]);
 # the worker feeds routing statistics from it, calibration records expert inputs.
@@ -32,14 +33,69 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert = GatedMLP(config.hidden_size, config.shared_expert_intermediate_size)
             self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
         self.observer: RoutingObserver | None = None
+        self._inputs: tuple | None = None  # fuse_inputs: (weight, split sizes), not a parameter
+
+    def fuse_inputs(self) -> None:
+        """Serve the shared expert's gate and up projections, the router and the shared
+        expert's gate from one product of the normalised input (4 products -> 1 per layer,
+        issue 12), as Attention.fuse_qkv does for q, k, v: the parameters become views of
+        the one [2 I_shared + E + 1 (+ zero rows to a multiple of 8), H] weight, gate/up rows
+        first (the product's front, aligned, is what `decode_ops.gated_rows` reads)."""
+        if self.shared_expert is None or self._inputs is not None:
+            return
+        se = self.shared_expert
+        mods = (se.gate_proj, se.up_proj, self.gate, self.shared_expert_gate)
+        if any(m.bias is not None for m in mods):
+            return
+        rows = sum(m.weight.shape[0] for m in mods)
+        pad = -rows % 8  # zero rows: the product's rows stay 16-byte aligned for any token count
+        with torch.no_grad():
+            weight = torch.cat([m.weight for m in mods] + [mods[0].weight.new_zeros(pad, mods[0].weight.shape[1])])
+        start = 0
+        for m in mods:
+            rows = m.weight.shape[0]
+            m.weight = nn.Parameter(weight[start:start + rows], requires_grad=False)
+            start += rows
+        self._inputs = (weight, tuple(m.weight.shape[0] for m in mods) + (pad,))
 
     def route(self, x: torch.Tensor):
         """x [T, H] -> topk_ids [T, k], topk_weights [T, k] (softmax in fp32, then top-k)."""
-        probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)
+        return self._route_logits(self.gate(x), x.dtype)
+
+    def _route_logits(self, logits: torch.Tensor, dtype: torch.dtype):
+        probs = F.softmax(logits, dim=-1, dtype=torch.float32)
         topk_weights, topk_ids = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
-        return topk_ids, topk_weights.to(x.dtype)
+        return topk_ids, topk_weights.to(dtype)
+
+    def forward_parts(self, x: torch.Tensor) -> tuple:
+        """The CUDA decode form of `forward` for x [T, H]: (routed,) or (routed, shared,
+        gate logit [T, 1]), whose sum routed + sigmoid(gate) * shared the next
+        `decode_ops.add_rms_norm` adds into the residual (the value `forward` returns,
+        rounded where it rounds). Routing in one kernel (decode_ops.route_topk) where it
+        takes the router's size; with fuse_inputs, one product feeds the router and the
+        shared expert, and act(gate) * up is one kernel."""
+        shared_gu = gate_logit = None
+        if self._inputs is not None:
+            weight, (gate_rows, up_rows, num_experts, one, pad) = self._inputs
+            shared_gu, logits, gate_logit, _ = F.linear(x, weight).split(
+                (gate_rows + up_rows, num_experts, one, pad), dim=-1)
+        else:
+            logits = self.gate(x)
+        if decode_ops.route_supported(logits.shape[-1], self.top_k):
+            topk_ids, topk_weights = decode_ops.route_topk(logits, self.top_k, self.norm_topk_prob, x.dtype)
+        else:
+            topk_ids, topk_weights = self._route_logits(logits, x.dtype)
+        if self.observer is not None:
+            self.observer(self.layer_idx, x, topk_ids, topk_weights)
+        routed = self.experts(x, topk_ids, topk_weights)
+        if self.shared_expert is None:
+            return (routed,)
+        se = self.shared_expert
+        if shared_gu is None:
+            return routed, se(x), self.shared_expert_gate(x)
+        return routed, se.down_proj(decode_ops.gated_rows(shared_gu, se.activation)), gate_logit
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         shape = hidden.shape

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 from pagedweight.model.host_upload import upload_int64
 from pagedweight.model.layers import causal_attention
+from pagedweight_kernels import decode_ops
 from pagedweight_kernels.paged_decode import (
     paged_decode_torch, paged_decode_triton, triton_available, triton_shape_supported,
 )
@@ -63,6 +64,8 @@ class KVStore(Protocol):
     # where the new tokens' K, V of every layer go, [L, 2, T] (None: use `write`)
     def token_rows(self, slots: torch.Tensor) -> torch.Tensor | None: ...
     def write_rows(self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None: ...
+    # where each new token's K and V row of every layer starts in `flat`, [L, 2, T]
+    def token_elements(self, slots: torch.Tensor) -> torch.Tensor: ...
 
 IMPLS = ("reference", "batched", "inplace")
 
@@ -105,15 +108,46 @@ class PagedStep:
     # (inside a captured decode graph too: then it is part of the graph, once per replay)
     _write_rows: object = None  # KVStore.token_rows(new_offsets), or False where it gave None
     _tile_offsets: object = None  # KVStore.kv_tile_offsets_all(block_table), or False
+    _elements: torch.Tensor | None = None  # KVStore.token_elements(new_offsets)
+
+    def _rows(self):
+        """KVStore.token_rows of the step's slots (made once), or False where it gave None."""
+        if self._write_rows is None:
+            self._write_rows = _or_false(self.kv.token_rows(self.new_offsets))
+        return self._write_rows
 
     def write_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the layer's new k, v [T, slot G, slot D] at the step's slots."""
-        if self._write_rows is None:
-            self._write_rows = _or_false(self.kv.token_rows(self.new_offsets))
-        if self._write_rows is False:
+        rows = self._rows()
+        if rows is False:
             self.kv.write(layer, self.new_offsets, k, v)
         else:
-            self.kv.write_rows(layer, self._write_rows, k, v)
+            self.kv.write_rows(layer, rows, k, v)
+
+    def writes_rows_in_place(self, kv_heads: int, head_dim: int, dtype: torch.dtype) -> bool:
+        """Whether `rope_write` takes this step for a layer of kv_heads x head_dim in dtype:
+        an in-place decode step, a layer as wide as the cache's slot, activations in the
+        cache's own dtype, and the kernels present."""
+        kv = self.kv
+        return (self.impl == "inplace" and (kv_heads, head_dim) == (kv.num_kv_heads, kv.head_dim)
+                and kv.flat.dtype == dtype and kv.flat.is_cuda and decode_ops.available())
+
+    def rope_write(self, layer: int, qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
+                   heads: int) -> torch.Tensor:
+        """RoPE of q and k from the fused product qkv [T, (N + 2 G) D] and the layer's new
+        k, v written to the cache, in one kernel (decode_ops.rope_write) -> q [T, N, D].
+        Only where `writes_rows_in_place`; `attend_written` then attends."""
+        kv = self.kv
+        if self._elements is None:
+            self._elements = kv.token_elements(self.new_offsets)
+        starts = self._elements
+        return decode_ops.rope_write(qkv, cos, signed_sin, heads, kv.num_kv_heads, kv.head_dim, kv.flat,
+                                     starts[layer, 0], starts[layer, 1])
+
+    def attend_written(self, layer: int, q: torch.Tensor, window: int | None = None,
+                       scale: float | None = None) -> torch.Tensor:
+        """`attend` for a layer whose new k, v are already in the cache (`rope_write`)."""
+        return _inplace(layer, q, self, window, scale, (self.kv.num_kv_heads, self.kv.head_dim))
 
     def tile_offsets(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's K and V tile offsets of the block table (in-place path)."""

@@ -11,6 +11,7 @@ from pagedweight.model.contiguous_kv import ContiguousKVCache
 from pagedweight.model.gemma4_layer import Gemma4DecoderLayer
 from pagedweight.model.layers import Attention, RMSNorm, RotaryEmbedding, norm_for, rope_key
 from pagedweight.model.moe_block import SparseMoeBlock
+from pagedweight_kernels import decode_ops
 
 
 class DecoderLayer(nn.Module):
@@ -39,6 +40,23 @@ class DecoderLayer(nn.Module):
         cos, sin = rope[self.self_attn.rope_key]
         x = x + self.self_attn.forward_paged(self.input_layernorm(x), cos, sin, step)
         return x + self.moe(self.post_attention_layernorm(x))
+
+    def forward_paged_fused(self, x: torch.Tensor, pending: tuple, rope, step):
+        """`forward_paged` with decode_ops' kernels (MoECausalLM.fused_kernels): x [T, H] is
+        the residual before the previous layer's MoE output `pending` (() for the first
+        layer) is added; that add happens inside this layer's first norm, and this layer's
+        own MoE output comes back unadded: -> (residual, pending)."""
+        cos, sin = rope[self.self_attn.rope_key]
+        x, h = add_rms_norm_pending(self.input_layernorm, x, pending)
+        x, h = add_rms_norm_pending(self.post_attention_layernorm, x,
+                                    (self.self_attn.forward_paged(h, cos, sin, step),))
+        return x, self.moe.forward_parts(h)
+
+
+def add_rms_norm_pending(norm: RMSNorm, x: torch.Tensor, pending: tuple):
+    """(x + the pending sum, norm of it) in one kernel: pending is (), (delta,) or the MoE
+    block's (routed, shared, gate logit) (SparseMoeBlock.forward_parts)."""
+    return decode_ops.add_rms_norm(x, norm.weight, norm.eps, *pending)
 
 
 def decoder_layer_class(config: ModelConfig) -> type[nn.Module]:
@@ -82,14 +100,26 @@ class MoECausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotaries = rotaries_for(config)
         self.embed_scale = embed_scale_for(config)
+        # paged steps through decode_ops' fused kernels (fuse_projections sets it on CUDA)
+        self.fused_kernels = False
 
-    def fuse_projections(self) -> None:
+    def fuse_projections(self, kernels: bool = True) -> None:
         """Each attention layer's q, k, v from one product (Attention.fuse_qkv): done by the
-        engine on CUDA, once the weights are where they will be served from."""
+        engine on CUDA, once the weights are where they will be served from. With `kernels`
+        on CUDA where decode_ops runs (not Gemma-4's layers), paged steps also take the fused
+        kernels: residual add + norm, routing, RoPE + KV write, the shared expert's inputs
+        from the router's product (SparseMoeBlock.fuse_inputs)."""
         for layer in self.layers:
             fuse = getattr(layer.self_attn, "fuse_qkv", None)
             if fuse is not None:
                 fuse()
+        self.fused_kernels = (kernels and self.device.type == "cuda" and not self.config.is_gemma4
+                              and decode_ops.available())
+        if self.fused_kernels:
+            for layer in self.layers:
+                layer.moe.fuse_inputs()
+        for layer in self.layers:
+            layer.self_attn.fused_kernels = self.fused_kernels
 
     @property
     def moe_blocks(self) -> list[SparseMoeBlock]:
@@ -135,6 +165,12 @@ class MoECausalLM(nn.Module):
         """One continuous-batching step over the paged KV cache."""
         x = self._embed(input_ids)
         rope = self._rope(step.positions[None], x.dtype)  # each [1, 1, T, D]
+        if self.fused_kernels:
+            pending = ()
+            for layer in self.layers:
+                x, pending = layer.forward_paged_fused(x, pending, rope, step)
+            _, h = add_rms_norm_pending(self.norm, x, pending)
+            return soft_cap(self.lm_head(h[logits_indices]), self.config.final_logit_softcapping)
         for layer in self.layers:
             x = layer.forward_paged(x, rope, step)
         return self._logits(x[logits_indices])
