@@ -205,12 +205,12 @@ def copy_bandwidth(device) -> dict:
 
 
 # ---------------------------------------------------------------- one model
-def bench_model(name, quick, device, bw) -> list[dict]:
+def bench_model(name, quick, device, bw, tokens=TOKENS, per_block=True) -> list[dict]:
     E, k, H, I = MODELS[name]
     layers = [SyntheticLayer(E, H, I, seed, device) for seed in range(COPIES)]
     configs = {c: [layer.apl(bit_assignment(c, E, 17)) for layer in layers] for c in BIT_CONFIGS}
     rows = []
-    for T in (TOKENS[:3] if quick else TOKENS):
+    for T in (TOKENS[:3] if quick else tokens):
         route = routings(T, E, k, REPS, device, seed=T)
         x = [torch.randn(T, H, device=device).bfloat16() for _ in range(REPS)]
         pairs = [(i % COPIES, i) for i in range(REPS)]
@@ -242,7 +242,7 @@ def bench_model(name, quick, device, bw) -> list[dict]:
                 cell["fused_legacy_us"] = time_calls([lambda c=c, i=i: apl_moe(x[i], *route[i], apl[c], legacy_decode=True)
                                                       for c, i in pairs])
                 cell["legacy_over_new"] = cell["fused_legacy_us"] / fused
-            if config in ("4", "mixed"):
+            if per_block and config in ("4", "mixed"):
                 per_block = [PerBlock(*route[i], apl[c]) for c, i in pairs]
                 cell["per_block_us"] = time_calls([lambda j=j, i=i: per_block[j](x[i])
                                                    for j, (c, i) in enumerate(pairs)])
@@ -266,6 +266,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="1, 4 and 16 tokens only")
     parser.add_argument("--models", nargs="*", default=list(MODELS))
+    parser.add_argument("--tokens", nargs="*", type=int, default=list(TOKENS), help="token counts to time")
+    parser.add_argument("--no-per-block", action="store_true", help="skip the per-block baseline")
+    parser.add_argument("--name", default="apl_moe_kernel", help="result file name (bench/results/NAME.json)")
     parser.add_argument("--out", default=None, help="also copy the JSON here")
     args = parser.parse_args()
     device = torch.device("cuda")
@@ -276,11 +279,11 @@ def main():
           flush=True)
     results = []
     for name in args.models:
-        results += bench_model(name, args.quick, device, bw)
+        results += bench_model(name, args.quick, device, bw, tuple(args.tokens), not args.no_per_block)
     payload = {"copy_bandwidth_bytes_per_s": bw, "copy_bandwidths": ceilings, "copies": COPIES, "calls_per_graph": REPS,
                "trials": TRIALS, "replays": REPLAYS, "quick": args.quick,
-               "has_grouped_mm": hasattr(torch, "_grouped_mm"), "results": results}
-    path = write_result("apl_moe_kernel" + ("_quick" if args.quick else ""), payload)
+               "has_grouped_mm": hasattr(torch, "_grouped_mm"), "tokens": args.tokens, "results": results}
+    path = write_result(args.name + ("_quick" if args.quick else ""), payload)
     if os.environ.get("PAGEDWEIGHT_COMMIT"):  # the device copy is not a git checkout
         record = json.loads(path.read_text())
         record["commit"] = os.environ["PAGEDWEIGHT_COMMIT"]

@@ -47,6 +47,9 @@
 #define APL_GEMV_RING_STAGES 0  // >= 2: 3-4-bit kernel (CLS 0) streams plane words through a cp.async ring
 #endif                          // of this many steps per warp in shared memory; 0: register ping-pong
 #define GV_RING_STAGE_BYTES (2 * 4 * 32 * 8)  // one warp step at 4 bits: [row 2][plane 4][lane 32] uint2
+#ifndef APL_TILES_MIN_BLOCKS
+#define APL_TILES_MIN_BLOCKS 2  // CTAs per SM the register budget must allow in the tiles regime (NT8 > 1)
+#endif
 
 __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
     u32 d; asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel)); return d;
@@ -389,10 +392,65 @@ __device__ __forceinline__ void gemv_warp_ring(const BlockRef& blk, u32 w0a, u32
     cp_async_wait<0>();  // only empty groups remain; the next pass refills slot 0 onwards
 }
 
+// ---------------------------------------------------------------- the tiles regime (NT8 > 1)
+// Many tokens per expert (prefill, large decode batches): a pass holds up to 8 * NT8 tokens,
+// so each weight is dequantised once per pass (once per layer call for an expert with at most
+// 8 * NT8 tokens) and its A fragments feed NT8 mma, one per 8-token tile. The activations are
+// staged one warp step (256 columns) at a time, so the staging buffer does not bound the
+// split (a split of the whole row keeps the fp32 partials small). stage_chunk(step) stages
+// step `step` of every token of the pass (it holds the barriers); plane words are loaded one
+// step ahead in registers as in gemv_warp, so their loads overlap the staging.
+template <int B, int NT8, bool BF16, bool V2, class Lut, class StageChunk>
+__device__ __forceinline__ void tiles_warp(const BlockRef& blk, u32 w0a, u32 w0b, const Lut& la, const Lut& lb,
+                                           int kw, const u16* xs, int tstride, int np, u32 (&b0)[2][2][8],
+                                           float (&acc)[NT8][4], StageChunk stage_chunk) {
+    const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+    const int steps = (kw + GV_STEP_WORDS - 1) / GV_STEP_WORDS;
+    auto compute = [&](const u32 (&buf)[2][2][8]) {
+#pragma unroll
+        for (int wi = 0; wi < 2; ++wi) {
+            const int wl = 2 * t + wi;  // word within the staged step
+            const Codes<B> ca(buf[0][wi]), cb(buf[1][wi]);
+            u32 wa[4][4], wb[4][4];  // selectors s and s+4 of rows a and b, s = 0..3
+#pragma unroll
+            for (int s = 0; s < 4; ++s) {
+                la.select2(ca, s, wa[s]);
+                lb.select2(cb, s, wb[s]);
+            }
+#pragma unroll
+            for (int j = 0; j < NT8; ++j) {
+                if (8 * j >= np) break;  // CTA-uniform: tiles past the pass's tokens
+                // Tokens past the pass read the zero row staged after the last token.
+                const uint4* xw = reinterpret_cast<const uint4*>(xs + min(8 * j + g, np) * tstride + wl * 32);
+                uint4 xb[4];
+#pragma unroll
+                for (int q = 0; q < 4; ++q) xb[q] = xw[q ^ ((wl >> 1) & 3)];
+#pragma unroll
+                for (int s = 0; s < 4; ++s) {
+                    const uint4 v = xb[s >> 1], u = xb[2 + (s >> 1)];
+                    mma16816<BF16>(acc[j], wa[s][0], wb[s][0], wa[s][1], wb[s][1], (s & 1) ? v.z : v.x, (s & 1) ? v.w : v.y);
+                    mma16816<BF16>(acc[j], wa[s][2], wb[s][2], wa[s][3], wb[s][3], (s & 1) ? u.z : u.x, (s & 1) ? u.w : u.y);
+                }
+            }
+        }
+    };
+    u32 b1[2][2][8];
+    for (int step = 0; step < steps; step += 2) {
+        if (step + 1 < steps) load_step<B, V2>(blk, w0a, w0b, kw, step + 1, b1);
+        stage_chunk(step);
+        compute(b0);
+        if (step + 1 >= steps) break;
+        if (step + 2 < steps) load_step<B, V2>(blk, w0a, w0b, kw, step + 2, b0);
+        stage_chunk(step + 1);
+        compute(b1);
+    }
+}
+
 // Every pass of up to stage_tokens tokens over this CTA's split. The first step's plane
 // sectors are asked of L2 before the LUT (prologue) and the activations (stage) are read, so
 // those loads overlap; holding them in registers instead spilled (128-register budget).
-template <int B, bool BF16, bool V2, bool RING, class Lut, class Prologue, class Stage, class Emit>
+// NT8 > 1: the tiles regime (tiles_warp); stage then stages one step: stage(p0, np, step).
+template <int B, bool BF16, bool V2, bool RING, int NT8, class Lut, class Prologue, class Stage, class Emit>
 __device__ __forceinline__ void run_passes(const BlockRef& blk, u32 w0a, u32 w0b, Lut& la, Lut& lb, int kw,
                                            const u16* xs, int tstride, int count, int stage_tokens,
                                            u32 lane_slot0, Prologue prologue, Stage stage, Emit emit) {
@@ -407,19 +465,35 @@ __device__ __forceinline__ void run_passes(const BlockRef& blk, u32 w0a, u32 w0b
     // The ring's first steps are issued before the LUT and the activations are read.
     if constexpr (RING) ring_prologue<B, V2>(blk, w0a, w0b, kw, lane_slot0);
     prologue(la, lb);
-    for (int p0 = 0; p0 < count; p0 += stage_tokens) {
-        const int np = min(stage_tokens, count - p0);
-        stage(p0, np);
-        float acc[4] = {0.f, 0.f, 0.f, 0.f};
-        if constexpr (RING) {
-            if (p0 > 0) ring_prologue<B, V2>(blk, w0a, w0b, kw, lane_slot0);
-            gemv_warp_ring<B, BF16, V2>(blk, w0a, w0b, la, lb, kw, xs, tstride, min(g, np), lane_slot0, acc);
-        } else {
+    if constexpr (NT8 > 1) {
+        for (int p0 = 0; p0 < count; p0 += stage_tokens) {
+            const int np = min(stage_tokens, count - p0);
+            float acc[NT8][4];
+#pragma unroll
+            for (int j = 0; j < NT8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
             u32 b0[2][2][8];
             load_step<B, V2>(blk, w0a, w0b, kw, 0, b0);
-            gemv_warp<B, BF16, V2>(blk, w0a, w0b, la, lb, kw, xs, tstride, min(g, np), b0, acc);
+            tiles_warp<B, NT8, BF16, V2>(blk, w0a, w0b, la, lb, kw, xs, tstride, np, b0, acc,
+                                         [&](int step) { stage(p0, np, step); });
+#pragma unroll
+            for (int j = 0; j < NT8; ++j)
+                if (8 * j < np) emit(p0 + 8 * j, min(8, np - 8 * j), acc[j]);
         }
-        emit(p0, np, acc);
+    } else {
+        for (int p0 = 0; p0 < count; p0 += stage_tokens) {
+            const int np = min(stage_tokens, count - p0);
+            stage(p0, np, -1);
+            float acc[4] = {0.f, 0.f, 0.f, 0.f};
+            if constexpr (RING) {
+                if (p0 > 0) ring_prologue<B, V2>(blk, w0a, w0b, kw, lane_slot0);
+                gemv_warp_ring<B, BF16, V2>(blk, w0a, w0b, la, lb, kw, xs, tstride, min(g, np), lane_slot0, acc);
+            } else {
+                u32 b0[2][2][8];
+                load_step<B, V2>(blk, w0a, w0b, kw, 0, b0);
+                gemv_warp<B, BF16, V2>(blk, w0a, w0b, la, lb, kw, xs, tstride, min(g, np), b0, acc);
+            }
+            emit(p0, np, acc);
+        }
     }
 }
 
@@ -432,8 +506,10 @@ __device__ __forceinline__ void run_passes(const BlockRef& blk, u32 w0a, u32 w0b
 // part: fp32 [splits][num_assign][weight rows]; counters: int32, zero before, zero after.
 // w_kind: topk weights' dtype, 0 fp32, 1 bf16, 2 fp16. zero_fill (MODE 1, the first class
 // launched): write zeros where no token has a valid expert id.
-template <int CLS, int MODE, bool BF16, bool V2>
-__global__ void __launch_bounds__(GV_THREADS, APL_GEMV_MIN_BLOCKS) apl_gemv(
+// NT8: 8-token tiles per pass. 1: decode (a pass's activations staged for the whole split);
+// > 1: the tiles regime (stage_tokens <= 8 * NT8 per pass, activations staged a step at a time).
+template <int CLS, int MODE, bool BF16, bool V2, int NT8>
+__global__ void __launch_bounds__(GV_THREADS, NT8 == 1 ? APL_GEMV_MIN_BLOCKS : APL_TILES_MIN_BLOCKS) apl_gemv(
     const long long* __restrict__ desc, const long long* __restrict__ topk_ids, int num_assign, int top_k,
     int num_experts, const u16* __restrict__ x, int rows_out, int cols, int split_words, int lut_entries,
     int stage_tokens, float* __restrict__ part, int* __restrict__ counters, u16* __restrict__ h_out,
@@ -452,7 +528,8 @@ __global__ void __launch_bounds__(GV_THREADS, APL_GEMV_MIN_BLOCKS) apl_gemv(
     const int kw = min(split_words, words_per_row - c0w);
     // dynamic shared: slots int [num_assign] | xs u16 [stage_tokens + 1][tstride] | LUT u16 [64][lut_entries]
     int* slots = reinterpret_cast<int*>(smem_raw);
-    const int tstride = split_words * 32 + 32;  // +64 B: consecutive tokens alternate bank halves
+    // +64 B: consecutive tokens alternate bank halves. The tiles regime stages one step.
+    const int tstride = (NT8 == 1 ? split_words : GV_STEP_WORDS) * 32 + 32;
     u16* xs = reinterpret_cast<u16*>(smem_raw + ((num_assign * 4 + 15) & ~15));
     // LUT rows of lut_entries u16, from a 512-byte boundary: each row is aligned to its size
     const u32 lut_off = ((num_assign * 4 + 15) & ~15) + (stage_tokens + 1) * tstride * 2;
@@ -520,7 +597,7 @@ __global__ void __launch_bounds__(GV_THREADS, APL_GEMV_MIN_BLOCKS) apl_gemv(
     const int kwp = (kw + GV_STEP_WORDS - 1) / GV_STEP_WORDS * GV_STEP_WORDS;
     // Activations of tokens p0..p0+np-1 (and a zero row after them) for this split:
     // xs[i][w] holds, for selector s of word w, the act values of columns sel_col(s, 0..3).
-    auto stage = [&](int p0, int np) {
+    auto stage_split = [&](int p0, int np) {
         __syncthreads();  // LUT written; the previous pass is done with xs
         for (int idx = tid; idx < (np + 1) * kwp * 8; idx += GV_THREADS) {
             const int i = idx / (kwp * 8), rem = idx % (kwp * 8), w = rem >> 3, s = rem & 7;
@@ -536,6 +613,41 @@ __global__ void __launch_bounds__(GV_THREADS, APL_GEMV_MIN_BLOCKS) apl_gemv(
             *reinterpret_cast<uint2*>(xs + i * tstride + w * 32 + chunk * 8 + (s & 1) * 4) = make_uint2(v01, v23);
         }
         __syncthreads();
+    };
+    // The tiles regime: step `step` (8 words) of tokens p0..p0+np-1 and the zero row after them,
+    // in the layout stage_split writes: a word's 32 values come in as 4 16-byte loads and are
+    // reordered by PRMT (chunk q holds selectors 2q and 2q+1, i.e. pairs m0, m0+2, m0+4, m0+6
+    // of column pairs, m0 = 8 (q >> 1) + (q & 1): low halves for 2q, high halves for 2q+1).
+    auto stage_step = [&](int p0, int np, int step) {
+        __syncthreads();  // the previous step's mma are done with xs
+        for (int idx = tid; idx < (np + 1) * GV_STEP_WORDS; idx += GV_THREADS) {
+            const int i = idx / GV_STEP_WORDS, wl = idx % GV_STEP_WORDS, w = step * GV_STEP_WORDS + wl;
+            u32 pr[16];
+            if (i < np && w < kw) {
+                const int slot = slots[p0 + i];
+                const long long xrow = MODE == 0 ? slot / top_k : slot;
+                const uint4* src = reinterpret_cast<const uint4*>(x + xrow * cols + (long long)(c0w + w) * 32);
+#pragma unroll
+                for (int q = 0; q < 4; ++q) {
+                    const uint4 v = __ldg(src + q);
+                    pr[4 * q] = v.x; pr[4 * q + 1] = v.y; pr[4 * q + 2] = v.z; pr[4 * q + 3] = v.w;
+                }
+            } else {
+#pragma unroll
+                for (int m = 0; m < 16; ++m) pr[m] = 0u;
+            }
+            uint4* dst = reinterpret_cast<uint4*>(xs + i * tstride + wl * 32);
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                const int m0 = 8 * (q >> 1) + (q & 1);
+                dst[q ^ ((wl >> 1) & 3)] = make_uint4(prmt(pr[m0], pr[m0 + 2], 0x5410), prmt(pr[m0 + 4], pr[m0 + 6], 0x5410),
+                                                      prmt(pr[m0], pr[m0 + 2], 0x7632), prmt(pr[m0 + 4], pr[m0 + 6], 0x7632));
+            }
+        }
+        __syncthreads();
+    };
+    auto stage = [&](int p0, int np, int step) {
+        if constexpr (NT8 == 1) stage_split(p0, np); else stage_step(p0, np, step);
     };
     // Partials: tokens 2t, 2t+1 of this pass, rows a and b (NaN for a block of bad bits).
     auto emit = [&](int p0, int np, const float (&acc)[4]) {
@@ -554,34 +666,34 @@ __global__ void __launch_bounds__(GV_THREADS, APL_GEMV_MIN_BLOCKS) apl_gemv(
     const u32 la_s = shared_addr(lut_s + lwa * lut_entries), lb_s = shared_addr(lut_s + lwb * lut_entries);
     // The 3-4-bit kernel's cp.async ring, after the (512-byte aligned) LUT rows: per warp
     // APL_GEMV_RING_STAGES slots of GV_RING_STAGE_BYTES (the host adds them to the launch).
-    constexpr bool RING = APL_GEMV_RING_STAGES >= 2 && CLS == 0;
+    constexpr bool RING = APL_GEMV_RING_STAGES >= 2 && CLS == 0 && NT8 == 1;
     const u32 lane_slot0 = shared_addr(lut_s + GV_ROWS * lut_entries) +
                            (u32)(warp * APL_GEMV_RING_STAGES * GV_RING_STAGE_BYTES + lane * 8);
     if (bad_bits) {
-        for (int p0 = 0; p0 < route.count; p0 += stage_tokens) {
+        for (int p0 = 0; p0 < route.count; p0 += GV_TOKENS) {  // emit writes up to 8 tokens
             const float nan4[4] = {0.f, 0.f, 0.f, 0.f};
-            emit(p0, min(stage_tokens, route.count - p0), nan4);
+            emit(p0, min(GV_TOKENS, route.count - p0), nan4);
         }
     } else if (CLS == 0 || (CLS == 2 && cls == 0)) {
         if (blk.bits == 4) {
             RegLut<4> la, lb;
-            run_passes<4, BF16, V2, RING>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, lane_slot0,
+            run_passes<4, BF16, V2, RING, NT8>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, lane_slot0,
                                           reg_lut, stage, emit);
         } else {
             RegLut<3> la, lb;
-            run_passes<3, BF16, V2, RING>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, lane_slot0,
+            run_passes<3, BF16, V2, RING, NT8>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, lane_slot0,
                                           reg_lut, stage, emit);
         }
     } else {
         switch (blk.bits) {
             case 5: { SmemLut<5> la{la_s}, lb{lb_s};
-                      run_passes<5, BF16, V2, false>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, 0u, smem_lut, stage, emit); break; }
+                      run_passes<5, BF16, V2, false, NT8>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, 0u, smem_lut, stage, emit); break; }
             case 6: { SmemLut<6> la{la_s}, lb{lb_s};
-                      run_passes<6, BF16, V2, false>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, 0u, smem_lut, stage, emit); break; }
+                      run_passes<6, BF16, V2, false, NT8>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, 0u, smem_lut, stage, emit); break; }
             case 7: { SmemLut<7> la{la_s}, lb{lb_s};
-                      run_passes<7, BF16, V2, false>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, 0u, smem_lut, stage, emit); break; }
+                      run_passes<7, BF16, V2, false, NT8>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, 0u, smem_lut, stage, emit); break; }
             default: { SmemLut<8> la{la_s}, lb{lb_s};
-                       run_passes<8, BF16, V2, false>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, 0u, smem_lut, stage, emit); break; }
+                       run_passes<8, BF16, V2, false, NT8>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, 0u, smem_lut, stage, emit); break; }
         }
     }
 
