@@ -205,10 +205,11 @@ def copy_bandwidth(device) -> dict:
 
 
 # ---------------------------------------------------------------- one model
-def bench_model(name, quick, device, bw, tokens=TOKENS, per_block=True) -> list[dict]:
+def bench_model(name, quick, device, bw, tokens=TOKENS, per_block=True, bit_configs=BIT_CONFIGS,
+                legacy=True) -> list[dict]:
     E, k, H, I = MODELS[name]
     layers = [SyntheticLayer(E, H, I, seed, device) for seed in range(COPIES)]
-    configs = {c: [layer.apl(bit_assignment(c, E, 17)) for layer in layers] for c in BIT_CONFIGS}
+    configs = {c: [layer.apl(bit_assignment(c, E, 17)) for layer in layers] for c in bit_configs}
     rows = []
     for T in (TOKENS[:3] if quick else tokens):
         route = routings(T, E, k, REPS, device, seed=T)
@@ -228,7 +229,7 @@ def bench_model(name, quick, device, bw, tokens=TOKENS, per_block=True) -> list[
         except (RuntimeError, AttributeError) as err:  # no _grouped_mm on this build / GPU
             row["bf16_grouped_us"] = None
             row["bf16_grouped_error"] = str(err).splitlines()[0][:200]
-        for config in BIT_CONFIGS:
+        for config in bit_configs:
             apl = configs[config]
             plan = plan_launch(T, k, E, H, I, apl[0].max_bits)
             nbytes = statistics.mean(apl[c].nbytes_active(active[i]) for c, i in pairs) + io_bytes
@@ -237,7 +238,7 @@ def bench_model(name, quick, device, bw, tokens=TOKENS, per_block=True) -> list[
                     "fused_us": fused}
             cell["fused_over_floor"] = fused / cell["floor_us"]
             legacy_plan = plan_launch(T, k, E, H, I, apl[0].max_bits, legacy_decode=True)
-            if legacy_plan.gate_up.regime != plan.gate_up.regime:
+            if legacy and legacy_plan.gate_up.regime != plan.gate_up.regime:
                 cell["legacy_regime"] = legacy_plan.gate_up.regime
                 cell["fused_legacy_us"] = time_calls([lambda c=c, i=i: apl_moe(x[i], *route[i], apl[c], legacy_decode=True)
                                                       for c, i in pairs])
@@ -268,6 +269,8 @@ def main():
     parser.add_argument("--models", nargs="*", default=list(MODELS))
     parser.add_argument("--tokens", nargs="*", type=int, default=list(TOKENS), help="token counts to time")
     parser.add_argument("--no-per-block", action="store_true", help="skip the per-block baseline")
+    parser.add_argument("--no-legacy", action="store_true", help="skip the legacy_decode=True baseline")
+    parser.add_argument("--bits", nargs="*", default=list(BIT_CONFIGS), choices=BIT_CONFIGS, help="bit configs to time")
     parser.add_argument("--name", default="apl_moe_kernel", help="result file name (bench/results/NAME.json)")
     parser.add_argument("--out", default=None, help="also copy the JSON here")
     args = parser.parse_args()
@@ -279,7 +282,8 @@ def main():
           flush=True)
     results = []
     for name in args.models:
-        results += bench_model(name, args.quick, device, bw, tuple(args.tokens), not args.no_per_block)
+        results += bench_model(name, args.quick, device, bw, tuple(args.tokens), not args.no_per_block,
+                               tuple(args.bits), not args.no_legacy)
     payload = {"copy_bandwidth_bytes_per_s": bw, "copy_bandwidths": ceilings, "copies": COPIES, "calls_per_graph": REPS,
                "trials": TRIALS, "replays": REPLAYS, "quick": args.quick,
                "has_grouped_mm": hasattr(torch, "_grouped_mm"), "tokens": args.tokens, "results": results}

@@ -50,6 +50,12 @@
 #ifndef APL_TILES_MIN_BLOCKS
 #define APL_TILES_MIN_BLOCKS 2  // CTAs per SM the register budget must allow in the tiles regime (NT8 > 1)
 #endif
+#ifndef APL_TILES_ASYNC
+#define APL_TILES_ASYNC 1  // tiles regime: 1 = the next step's activations come in by cp.async during this
+#endif                     // step's mma (raw rows in shared memory, reordered there); 0 = loads at each step
+#ifndef APL_TILES_GROUP
+#define APL_TILES_GROUP 4  // tiles regime: 8-token tiles whose mma chains interleave (activations in registers)
+#endif
 
 __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
     u32 d; asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel)); return d;
@@ -68,6 +74,10 @@ __device__ __forceinline__ void cp_async4(u32 dst, const u32* src) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" :: "r"(dst), "l"(src) : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+// 16 bytes, L2 only; src_bytes 0 fills the destination with zeros (no read).
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, u32 src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory"); }
 
@@ -404,6 +414,9 @@ template <int B, int NT8, bool BF16, bool V2, class Lut, class StageChunk>
 __device__ __forceinline__ void tiles_warp(const BlockRef& blk, u32 w0a, u32 w0b, const Lut& la, const Lut& lb,
                                            int kw, const u16* xs, int tstride, int np, u32 (&b0)[2][2][8],
                                            float (&acc)[NT8][4], StageChunk stage_chunk) {
+    // 5-8 bits hold twice the plane words in flight: groups of 2 there (4 spilled).
+    constexpr int TG_MAX = B >= 5 && APL_TILES_GROUP > 2 ? 2 : APL_TILES_GROUP;
+    constexpr int TG = NT8 < TG_MAX ? NT8 : TG_MAX;
     const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
     const int steps = (kw + GV_STEP_WORDS - 1) / GV_STEP_WORDS;
     auto compute = [&](const u32 (&buf)[2][2][8]) {
@@ -417,20 +430,29 @@ __device__ __forceinline__ void tiles_warp(const BlockRef& blk, u32 w0a, u32 w0b
                 la.select2(ca, s, wa[s]);
                 lb.select2(cb, s, wb[s]);
             }
+            // Tiles in groups of TG: the group's activations are loaded first, so its TG
+            // accumulation chains interleave (one chain alone waits on each mma's latency).
 #pragma unroll
-            for (int j = 0; j < NT8; ++j) {
-                if (8 * j >= np) break;  // CTA-uniform: tiles past the pass's tokens
-                // Tokens past the pass read the zero row staged after the last token.
-                const uint4* xw = reinterpret_cast<const uint4*>(xs + min(8 * j + g, np) * tstride + wl * 32);
-                uint4 xb[4];
+            for (int j0 = 0; j0 < NT8; j0 += TG) {
+                if (8 * j0 >= np) break;  // CTA-uniform: groups past the pass's tokens
+                uint4 xb[TG][4];
 #pragma unroll
-                for (int q = 0; q < 4; ++q) xb[q] = xw[q ^ ((wl >> 1) & 3)];
+                for (int jj = 0; jj < TG; ++jj) {
+                    // Tokens past the pass read the zero row staged after the last token.
+                    const uint4* xw = reinterpret_cast<const uint4*>(xs + min(8 * (j0 + jj) + g, np) * tstride + wl * 32);
 #pragma unroll
-                for (int s = 0; s < 4; ++s) {
-                    const uint4 v = xb[s >> 1], u = xb[2 + (s >> 1)];
-                    mma16816<BF16>(acc[j], wa[s][0], wb[s][0], wa[s][1], wb[s][1], (s & 1) ? v.z : v.x, (s & 1) ? v.w : v.y);
-                    mma16816<BF16>(acc[j], wa[s][2], wb[s][2], wa[s][3], wb[s][3], (s & 1) ? u.z : u.x, (s & 1) ? u.w : u.y);
+                    for (int q = 0; q < 4; ++q) xb[jj][q] = xw[q ^ ((wl >> 1) & 3)];
                 }
+#pragma unroll
+                for (int s = 0; s < 4; ++s)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h)
+#pragma unroll
+                        for (int jj = 0; jj < TG; ++jj) {
+                            const uint4 v = xb[jj][2 * h + (s >> 1)];
+                            mma16816<BF16>(acc[j0 + jj], wa[s][2 * h], wb[s][2 * h], wa[s][2 * h + 1], wb[s][2 * h + 1],
+                                           (s & 1) ? v.z : v.x, (s & 1) ? v.w : v.y);
+                        }
             }
         }
     };
@@ -619,23 +641,73 @@ __global__ void __launch_bounds__(GV_THREADS, NT8 == 1 ? APL_GEMV_MIN_BLOCKS : A
     // reordered by PRMT (chunk q holds selectors 2q and 2q+1, i.e. pairs m0, m0+2, m0+4, m0+6
     // of column pairs, m0 = 8 (q >> 1) + (q & 1): low halves for 2q, high halves for 2q+1).
     auto stage_step = [&](int p0, int np, int step) {
+        // A batch's loads are all issued before its stores (one L2 round trip per batch, not
+        // per item). ITEMS = the most (token, word) items a thread can own; batches of SB
+        // keep the 5-8-bit kernels, whose next plane words take 64 registers, from spilling.
+        constexpr int ITEMS = ((GV_TOKENS * NT8 + 1) * GV_STEP_WORDS + GV_THREADS - 1) / GV_THREADS;
+        constexpr int SB = CLS == 0 ? ITEMS : (ITEMS < 3 ? ITEMS : 3);
         __syncthreads();  // the previous step's mma are done with xs
-        for (int idx = tid; idx < (np + 1) * GV_STEP_WORDS; idx += GV_THREADS) {
-            const int i = idx / GV_STEP_WORDS, wl = idx % GV_STEP_WORDS, w = step * GV_STEP_WORDS + wl;
-            u32 pr[16];
-            if (i < np && w < kw) {
-                const int slot = slots[p0 + i];
-                const long long xrow = MODE == 0 ? slot / top_k : slot;
-                const uint4* src = reinterpret_cast<const uint4*>(x + xrow * cols + (long long)(c0w + w) * 32);
+#pragma unroll
+        for (int b = 0; b < ITEMS; b += SB) {
+            uint4 raw[SB][4];
+#pragma unroll
+            for (int it = 0; it < SB; ++it) {
+                const int idx = tid + (b + it) * GV_THREADS, i = idx / GV_STEP_WORDS;
+                const int w = step * GV_STEP_WORDS + idx % GV_STEP_WORDS;
+#pragma unroll
+                for (int q = 0; q < 4; ++q) raw[it][q] = make_uint4(0u, 0u, 0u, 0u);
+                if (b + it < ITEMS && i < np && w < kw) {
+                    const int slot = slots[p0 + i];
+                    const long long xrow = MODE == 0 ? slot / top_k : slot;
+                    const uint4* src = reinterpret_cast<const uint4*>(x + xrow * cols + (long long)(c0w + w) * 32);
+#pragma unroll
+                    for (int q = 0; q < 4; ++q) raw[it][q] = __ldg(src + q);
+                }
+            }
+#pragma unroll
+            for (int it = 0; it < SB; ++it) {
+                const int idx = tid + (b + it) * GV_THREADS, i = idx / GV_STEP_WORDS, wl = idx % GV_STEP_WORDS;
+                if (b + it >= ITEMS || i > np) break;  // rows 0..np: the pass's tokens and the zero row
+                const u32* pr = &raw[it][0].x;  // column pairs (2m, 2m+1), m = 0..15
+                uint4* dst = reinterpret_cast<uint4*>(xs + i * tstride + wl * 32);
 #pragma unroll
                 for (int q = 0; q < 4; ++q) {
-                    const uint4 v = __ldg(src + q);
-                    pr[4 * q] = v.x; pr[4 * q + 1] = v.y; pr[4 * q + 2] = v.z; pr[4 * q + 3] = v.w;
+                    const int m0 = 8 * (q >> 1) + (q & 1);
+                    dst[q ^ ((wl >> 1) & 3)] = make_uint4(prmt(pr[m0], pr[m0 + 2], 0x5410), prmt(pr[m0 + 4], pr[m0 + 6], 0x5410),
+                                                          prmt(pr[m0], pr[m0 + 2], 0x7632), prmt(pr[m0 + 4], pr[m0 + 6], 0x7632));
                 }
-            } else {
-#pragma unroll
-                for (int m = 0; m < 16; ++m) pr[m] = 0u;
             }
+        }
+        __syncthreads();
+    };
+    // APL_TILES_ASYNC: raw rows [token][word][4 chunks of 16 B] (chunk q at q ^ ((w >> 1) & 3)),
+    // after the LUT rows (the host adds 512 + 8 * NT8 * 512 bytes). Step s + 1 is copied in by
+    // cp.async while step s's mma run; at its turn it is reordered into xs (shared to shared).
+    u16* raw_s = lut_s + GV_ROWS * lut_entries;
+    const int steps_k = (kw + GV_STEP_WORDS - 1) / GV_STEP_WORDS;
+    auto issue_step = [&](int p0, int np, int step) {
+        for (int idx = tid; idx < np * GV_STEP_WORDS * 4; idx += GV_THREADS) {
+            const int i = idx >> 5, wl = (idx >> 2) & 7, q = idx & 3, w = step * GV_STEP_WORDS + wl;
+            const int slot = slots[p0 + i];
+            const long long xrow = MODE == 0 ? slot / top_k : slot;
+            const bool ok = w < kw;  // words past the split: zeros
+            const u16* src = x + (ok ? xrow * cols + (long long)(c0w + w) * 32 + q * 8 : 0);
+            cp_async16(shared_addr(raw_s + i * 256 + wl * 32 + (q ^ ((wl >> 1) & 3)) * 8), src, ok ? 16u : 0u);
+        }
+        cp_async_commit();
+    };
+    auto stage_async = [&](int p0, int np, int step) {
+        if (step == 0) issue_step(p0, np, 0);  // a pass's first step (raw is free: see below)
+        cp_async_wait<0>();
+        __syncthreads();  // raw holds this step for every thread; the previous mma are done with xs
+        for (int idx = tid; idx < (np + 1) * GV_STEP_WORDS; idx += GV_THREADS) {
+            const int i = idx / GV_STEP_WORDS, wl = idx % GV_STEP_WORDS;
+            uint4 v[4];
+#pragma unroll
+            for (int q = 0; q < 4; ++q)  // row np: the zero row
+                v[q] = i < np ? *reinterpret_cast<const uint4*>(raw_s + i * 256 + wl * 32 + (q ^ ((wl >> 1) & 3)) * 8)
+                              : make_uint4(0u, 0u, 0u, 0u);
+            const u32* pr = &v[0].x;  // column pairs (2m, 2m+1), m = 0..15
             uint4* dst = reinterpret_cast<uint4*>(xs + i * tstride + wl * 32);
 #pragma unroll
             for (int q = 0; q < 4; ++q) {
@@ -644,10 +716,13 @@ __global__ void __launch_bounds__(GV_THREADS, NT8 == 1 ? APL_GEMV_MIN_BLOCKS : A
                                                       prmt(pr[m0], pr[m0 + 2], 0x7632), prmt(pr[m0 + 4], pr[m0 + 6], 0x7632));
             }
         }
-        __syncthreads();
+        __syncthreads();  // xs ready; every thread is done reading raw
+        if (step + 1 < steps_k) issue_step(p0, np, step + 1);
     };
     auto stage = [&](int p0, int np, int step) {
-        if constexpr (NT8 == 1) stage_split(p0, np); else stage_step(p0, np, step);
+        if constexpr (NT8 == 1) stage_split(p0, np);
+        else if constexpr (APL_TILES_ASYNC) stage_async(p0, np, step);
+        else stage_step(p0, np, step);
     };
     // Partials: tokens 2t, 2t+1 of this pass, rows a and b (NaN for a block of bad bits).
     auto emit = [&](int p0, int np, const float (&acc)[4]) {

@@ -69,7 +69,8 @@ def bit_class(bits: int) -> int:
 # Compile-time knobs of the .cu (see its header); the host plans with the same values.
 KERNEL_DEFINES = {"APL_LDS_MODE": 1, "APL_RPG_DIV": 8, "APL_PREFETCH": 1, "APL_DECODE_MIN_BLOCKS": 2,
                   "APL_SHIFT_MODE": 0, "APL_PREFILL_MIN_BLOCKS": 1, "APL_GEMV_MIN_BLOCKS": 4,
-                  "APL_GEMV_L2_PREFETCH": 0, "APL_GEMV_RING_STAGES": 0}
+                  "APL_GEMV_L2_PREFETCH": 0, "APL_GEMV_RING_STAGES": 0,
+                  "APL_TILES_MIN_BLOCKS": 2, "APL_TILES_GROUP": 4, "APL_TILES_ASYNC": 1}
 GEMV_RING_STAGE_BYTES = 2 * 4 * 32 * 8  # apl_gemv.cu: one warp step at 4 bits in the cp.async ring
 # The .cu's APL_ACT per expert activation (moe_reference.ACTIVATIONS): one compiled module each.
 ACT_CODES = {"silu": 0, "gelu_tanh": 1}
@@ -459,10 +460,13 @@ _WEIGHT_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 def gemv_extra_shared(cls: int, lut_entries: int, tiles: int = 1) -> int:
-    """Shared bytes a decode launch adds to its plan: the 5-8-bit LUT rows (512-byte aligned)
-    and, for the 3-4-bit decode kernel with APL_GEMV_RING_STAGES >= 2, its cp.async ring of 4
-    warps (not compiled in the tiles regime)."""
+    """Shared bytes a decode launch adds to its plan: the 5-8-bit LUT rows (512-byte aligned);
+    for the 3-4-bit decode kernel with APL_GEMV_RING_STAGES >= 2, its cp.async ring of 4 warps
+    (not compiled in the tiles regime); in the tiles regime with APL_TILES_ASYNC, the raw
+    activation rows of one step (8 * tiles tokens x 512 bytes, after the aligned LUT rows)."""
     extra = GEMV_ROWS * lut_entries * 2 + 512 if lut_entries else 0
+    if tiles > 1 and KERNEL_DEFINES.get("APL_TILES_ASYNC", 0):
+        return extra + 512 + GEMV_TOKENS * tiles * GEMV_STEP_WORDS * 64
     stages = KERNEL_DEFINES.get("APL_GEMV_RING_STAGES", 0)
     if cls == 0 and stages >= 2 and tiles == 1:
         extra = 512 + (GEMV_THREADS // 32) * stages * GEMV_RING_STAGE_BYTES

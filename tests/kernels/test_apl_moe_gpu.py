@@ -102,6 +102,15 @@ def test_tiles_regime_matches_reference(case, nt8):
     check_case(case)
 
 
+@pytest.mark.parametrize("case", [TILES_CASES[0][0], CASES[7]], ids=_case_id)
+def test_tiles_regime_with_staging_at_each_step_matches_reference(case, monkeypatch):
+    """APL_TILES_ASYNC 0: activations loaded at each step instead of by cp.async a step ahead."""
+    import pagedweight_kernels.apl_moe as op
+
+    monkeypatch.setitem(op.KERNEL_DEFINES, "APL_TILES_ASYNC", 0)
+    check_case(case)
+
+
 @pytest.mark.parametrize("bits", (3, 4, 5, 8))
 def test_tiles_regime_uniform_width_layers_match_reference(bits):
     check_case((8, 2, 160, 224, 40, 6, torch.bfloat16), bits=bits)
