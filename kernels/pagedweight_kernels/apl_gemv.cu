@@ -681,23 +681,32 @@ __global__ void __launch_bounds__(GV_THREADS, NT8 == 1 ? APL_GEMV_MIN_BLOCKS : A
         __syncthreads();
     };
     // APL_TILES_ASYNC: raw rows [token][word][4 chunks of 16 B] (chunk q at q ^ ((w >> 1) & 3)),
-    // after the LUT rows (the host adds 512 + 8 * NT8 * 512 bytes). Step s + 1 is copied in by
-    // cp.async while step s's mma run; at its turn it is reordered into xs (shared to shared).
+    // after the LUT rows, then each pass token's row offset in x (the host adds 512 + 8 * NT8 *
+    // (512 + 4) bytes). Step s + 1 is copied in by cp.async while step s's mma run; at its turn
+    // it is reordered into xs (shared to shared). A thread copies chunk q = tid % 4 of word
+    // wl = tid / 4 % 8 of tokens tid / 32, + 4, + 8, ...
     u16* raw_s = lut_s + GV_ROWS * lut_entries;
+    int* rowoff_s = reinterpret_cast<int*>(raw_s + stage_tokens * 256);
     const int steps_k = (kw + GV_STEP_WORDS - 1) / GV_STEP_WORDS;
-    auto issue_step = [&](int p0, int np, int step) {
-        for (int idx = tid; idx < np * GV_STEP_WORDS * 4; idx += GV_THREADS) {
-            const int i = idx >> 5, wl = (idx >> 2) & 7, q = idx & 3, w = step * GV_STEP_WORDS + wl;
-            const int slot = slots[p0 + i];
-            const long long xrow = MODE == 0 ? slot / top_k : slot;
-            const bool ok = w < kw;  // words past the split: zeros
-            const u16* src = x + (ok ? xrow * cols + (long long)(c0w + w) * 32 + q * 8 : 0);
-            cp_async16(shared_addr(raw_s + i * 256 + wl * 32 + (q ^ ((wl >> 1) & 3)) * 8), src, ok ? 16u : 0u);
-        }
+    const int cp_wl = (tid >> 2) & 7, cp_q = tid & 3;
+    const u32 cp_dst = shared_addr(raw_s + cp_wl * 32 + (cp_q ^ ((cp_wl >> 1) & 3)) * 8);
+    auto issue_step = [&](int np, int step) {
+        const int w = step * GV_STEP_WORDS + cp_wl;
+        const bool ok = w < kw;  // words past the split: zeros
+        const u16* src = x + (ok ? (c0w + w) * 32 + cp_q * 8 : 0);
+        for (int i = tid >> 5; i < np; i += GV_THREADS / 32)
+            cp_async16(cp_dst + i * 512, src + (ok ? rowoff_s[i] : 0), ok ? 16u : 0u);
         cp_async_commit();
     };
     auto stage_async = [&](int p0, int np, int step) {
-        if (step == 0) issue_step(p0, np, 0);  // a pass's first step (raw is free: see below)
+        if (step == 0) {  // a pass's first step (raw and rowoff_s are free: see below)
+            for (int i = tid; i < np; i += GV_THREADS) {
+                const int slot = slots[p0 + i];
+                rowoff_s[i] = (MODE == 0 ? slot / top_k : slot) * cols;  // < 2^31: checked by the host
+            }
+            __syncthreads();
+            issue_step(np, 0);
+        }
         cp_async_wait<0>();
         __syncthreads();  // raw holds this step for every thread; the previous mma are done with xs
         for (int idx = tid; idx < (np + 1) * GV_STEP_WORDS; idx += GV_THREADS) {
@@ -717,7 +726,7 @@ __global__ void __launch_bounds__(GV_THREADS, NT8 == 1 ? APL_GEMV_MIN_BLOCKS : A
             }
         }
         __syncthreads();  // xs ready; every thread is done reading raw
-        if (step + 1 < steps_k) issue_step(p0, np, step + 1);
+        if (step + 1 < steps_k) issue_step(np, step + 1);
     };
     auto stage = [&](int p0, int np, int step) {
         if constexpr (NT8 == 1) stage_split(p0, np);

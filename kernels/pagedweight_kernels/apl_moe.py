@@ -304,7 +304,9 @@ def plan_launch(num_tokens: int, top_k: int, num_experts: int, hidden: int, inte
     legacy_decode: the first decode kernel (four launches, CUDA cores), kept as a baseline."""
     per_expert = num_tokens * top_k / num_experts
     max_active = min(num_experts, num_tokens * top_k)
-    fits_gemv = not legacy_decode and num_tokens * top_k <= GEMV_MAX_ASSIGN
+    # (the tiles regime keeps each token's row offset in x / h as an int32)
+    fits_gemv = not legacy_decode and num_tokens * top_k <= GEMV_MAX_ASSIGN \
+        and num_tokens * top_k * max(hidden, intermediate) < 2 ** 31
     if fits_gemv and per_expert <= TILES_MAX_TOKENS_PER_EXPERT:
         nt8 = 1 if per_expert <= GEMV_MAX_TOKENS_PER_EXPERT else tiles_per_pass(per_expert)
         gate_up = _gemv_plan(0, num_tokens, top_k, hidden, intermediate, max_active, nt8)
@@ -463,10 +465,11 @@ def gemv_extra_shared(cls: int, lut_entries: int, tiles: int = 1) -> int:
     """Shared bytes a decode launch adds to its plan: the 5-8-bit LUT rows (512-byte aligned);
     for the 3-4-bit decode kernel with APL_GEMV_RING_STAGES >= 2, its cp.async ring of 4 warps
     (not compiled in the tiles regime); in the tiles regime with APL_TILES_ASYNC, the raw
-    activation rows of one step (8 * tiles tokens x 512 bytes, after the aligned LUT rows)."""
+    activation rows of one step and each token's row offset (8 * tiles tokens x (512 + 4)
+    bytes, after the aligned LUT rows)."""
     extra = GEMV_ROWS * lut_entries * 2 + 512 if lut_entries else 0
     if tiles > 1 and KERNEL_DEFINES.get("APL_TILES_ASYNC", 0):
-        return extra + 512 + GEMV_TOKENS * tiles * GEMV_STEP_WORDS * 64
+        return extra + 512 + GEMV_TOKENS * tiles * (GEMV_STEP_WORDS * 64 + 4)
     stages = KERNEL_DEFINES.get("APL_GEMV_RING_STAGES", 0)
     if cls == 0 and stages >= 2 and tiles == 1:
         extra = 512 + (GEMV_THREADS // 32) * stages * GEMV_RING_STAGE_BYTES
