@@ -3,9 +3,11 @@
 For Qwen1.5-MoE-A2.7B and Mixtral-8x7B layer shapes with synthetic APL weights, for 1, 4,
 16, 64 and 256 tokens and uniform 3, 4, 8 bits plus a mixed assignment, times:
   fused      pagedweight_kernels.apl_moe.apl_moe: at decode (<= 4 tokens per expert) the
-             tensor-core decode kernel, 2 launches per layer and bit class present
+             tensor-core decode kernel, 2 launches per layer and bit class present; above,
+             the same kernel's tiles regime (up to 128 tokens per expert)
   fused_legacy  the same operator with legacy_decode=True: the first decode kernel (CUDA
-             cores, shared-memory LUT, 4 launches), measured in the same run as the baseline
+             cores, shared-memory LUT, 4 launches) or, from 2 tokens per expert, the prefill
+             kernel (apl_moe.cu), measured in the same run as the baseline
   per_block  the same kernels launched once per expert block, as Any-Precision LLM does
              (plus the gather/scatter glue such a design needs)
   bf16_bmm   bf16 PyTorch, weights gathered per (token, slot) and a batched matmul
@@ -20,7 +22,8 @@ per call, so repeated calls do not find the weights in L2 (a real model runs 24-
 layers in turn); each method is captured in a CUDA graph of REPS calls and timed by
 replaying it (median of TRIALS). Writes bench/results/apl_moe_kernel.json.
 
-Usage on the GPU machine: PYTHONPATH=.:services:kernels python3 bench/apl_moe_kernel.py [--quick]
+Usage on the GPU machine: PYTHONPATH=.:services:kernels python3 -m bench.apl_moe_kernel [--quick]
+[--tokens 64 256] [--bits 4 8] [--no-per-block] [--no-legacy] [--name FILE]
 """
 
 from __future__ import annotations

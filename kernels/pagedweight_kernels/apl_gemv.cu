@@ -27,6 +27,12 @@
 //          for layers holding both classes (GEMV_MERGE_CLASSES; measured faster than a
 //          launch per class, docs/kernel.md).
 //
+// The tiles regime (NT8 > 1, more tokens per expert: prefill and large decode batches) is the
+// same kernel with passes of up to 8 * NT8 tokens: each weight's A fragments are built once
+// per pass and feed one mma per 8-token tile (tiles_warp), the activations are staged a step
+// (256 columns) at a time (the next step by cp.async during this one's mma), so a split may
+// span the whole row and the fp32 partials stay small.
+//
 // Warp = 16 weight rows; thread (g = lane/4, t = lane%4) holds rows g and g+8 and, per
 // 256-column step, plane words 2t and 2t+1 of both. A plane word's 32 codes come out of the
 // nibble transpose (Codes<B>) as 8 selectors of 4 columns {16h+c+4i}; each selector is one
@@ -84,6 +90,21 @@ __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_gr
 // The columns of selector s (0..7) of a plane word, in the order of the 4 k slots a thread
 // owns: (2t, 2t+1) then (2t+8, 2t+9). Codes<B> puts column 4n+c in nibble n of o[c].
 __device__ __forceinline__ int sel_col(int s, int i) { return 16 * (s >> 2) + (s & 3) + 4 * i; }
+
+// The tiles regime's staging: one word's 32 activations v (4 16-byte chunks in column order,
+// i.e. column pairs (2m, 2m+1), m = 0..15) into the layout the mma slices read (see apl_gemv's
+// stage_split): chunk q holds selectors 2q and 2q+1 = low and high halves of pairs m0, m0+2,
+// m0+4, m0+6 with m0 = 8 (q >> 1) + (q & 1), stored at q ^ ((wl >> 1) & 3) of the word.
+__device__ __forceinline__ void stage_word(const uint4 (&v)[4], u16* word, int wl) {
+    const u32* pr = &v[0].x;
+    uint4* dst = reinterpret_cast<uint4*>(word);
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+        const int m0 = 8 * (q >> 1) + (q & 1);
+        dst[q ^ ((wl >> 1) & 3)] = make_uint4(prmt(pr[m0], pr[m0 + 2], 0x5410), prmt(pr[m0 + 4], pr[m0 + 6], 0x5410),
+                                              prmt(pr[m0], pr[m0 + 2], 0x7632), prmt(pr[m0 + 4], pr[m0 + 6], 0x7632));
+    }
+}
 
 // Register LUT of one row for 3-4 bits: lo[j] / hi[j] = low / high bytes of entries 4j..4j+3.
 template <int B>
@@ -638,8 +659,7 @@ __global__ void __launch_bounds__(GV_THREADS, NT8 == 1 ? APL_GEMV_MIN_BLOCKS : A
     };
     // The tiles regime: step `step` (8 words) of tokens p0..p0+np-1 and the zero row after them,
     // in the layout stage_split writes: a word's 32 values come in as 4 16-byte loads and are
-    // reordered by PRMT (chunk q holds selectors 2q and 2q+1, i.e. pairs m0, m0+2, m0+4, m0+6
-    // of column pairs, m0 = 8 (q >> 1) + (q & 1): low halves for 2q, high halves for 2q+1).
+    // reordered by PRMT (stage_word).
     auto stage_step = [&](int p0, int np, int step) {
         // A batch's loads are all issued before its stores (one L2 round trip per batch, not
         // per item). ITEMS = the most (token, word) items a thread can own; batches of SB
@@ -668,14 +688,7 @@ __global__ void __launch_bounds__(GV_THREADS, NT8 == 1 ? APL_GEMV_MIN_BLOCKS : A
             for (int it = 0; it < SB; ++it) {
                 const int idx = tid + (b + it) * GV_THREADS, i = idx / GV_STEP_WORDS, wl = idx % GV_STEP_WORDS;
                 if (b + it >= ITEMS || i > np) break;  // rows 0..np: the pass's tokens and the zero row
-                const u32* pr = &raw[it][0].x;  // column pairs (2m, 2m+1), m = 0..15
-                uint4* dst = reinterpret_cast<uint4*>(xs + i * tstride + wl * 32);
-#pragma unroll
-                for (int q = 0; q < 4; ++q) {
-                    const int m0 = 8 * (q >> 1) + (q & 1);
-                    dst[q ^ ((wl >> 1) & 3)] = make_uint4(prmt(pr[m0], pr[m0 + 2], 0x5410), prmt(pr[m0 + 4], pr[m0 + 6], 0x5410),
-                                                          prmt(pr[m0], pr[m0 + 2], 0x7632), prmt(pr[m0 + 4], pr[m0 + 6], 0x7632));
-                }
+                stage_word(raw[it], xs + i * tstride + wl * 32, wl);
             }
         }
         __syncthreads();
@@ -716,14 +729,7 @@ __global__ void __launch_bounds__(GV_THREADS, NT8 == 1 ? APL_GEMV_MIN_BLOCKS : A
             for (int q = 0; q < 4; ++q)  // row np: the zero row
                 v[q] = i < np ? *reinterpret_cast<const uint4*>(raw_s + i * 256 + wl * 32 + (q ^ ((wl >> 1) & 3)) * 8)
                               : make_uint4(0u, 0u, 0u, 0u);
-            const u32* pr = &v[0].x;  // column pairs (2m, 2m+1), m = 0..15
-            uint4* dst = reinterpret_cast<uint4*>(xs + i * tstride + wl * 32);
-#pragma unroll
-            for (int q = 0; q < 4; ++q) {
-                const int m0 = 8 * (q >> 1) + (q & 1);
-                dst[q ^ ((wl >> 1) & 3)] = make_uint4(prmt(pr[m0], pr[m0 + 2], 0x5410), prmt(pr[m0 + 4], pr[m0 + 6], 0x5410),
-                                                      prmt(pr[m0], pr[m0 + 2], 0x7632), prmt(pr[m0 + 4], pr[m0 + 6], 0x7632));
-            }
+            stage_word(v, xs + i * tstride + wl * 32, wl);
         }
         __syncthreads();  // xs ready; every thread is done reading raw
         if (step + 1 < steps_k) issue_step(np, step + 1);
