@@ -1,11 +1,11 @@
-"""Tuning runs for the tensor-core decode kernel (apl_gemv.cu), in one GPU call.
+"""Tuning runs for the tensor-core decode kernel (apl_gemv.cu) and its tiles regime, in one GPU call.
 
 Times decode shapes (bench/apl_moe_kernel.py's method: layer copies, fresh routing per call,
 CUDA-graph replays) under variants of its compile-time knobs (KERNEL_DEFINES) and host
 plan constants, and prints one line per (variant, shape). Used to pick the defaults; the
 results are recorded in docs/kernel.md.
 
-Usage on the GPU machine: PYTHONPATH=.:services:kernels python3 -m bench.apl_gemv_variants [variants] [--mixed]
+Usage on the GPU machine: PYTHONPATH=.:services:kernels python3 -m bench.apl_gemv_variants [variants] [--mixed | --tiles]
 """
 
 import sys
@@ -19,7 +19,7 @@ SHAPES = [("mixtral-8x7b", 1, "3"), ("mixtral-8x7b", 1, "4"), ("mixtral-8x7b", 1
           ("mixtral-8x7b", 4, "4"), ("qwen1.5-moe-a2.7b", 1, "4"), ("qwen1.5-moe-a2.7b", 1, "mixed"),
           ("qwen1.5-moe-a2.7b", 16, "4")]
 BASE = dict(op.KERNEL_DEFINES)
-HOST_KNOBS = {name: getattr(op, name) for name in ("GEMV_TARGET_CTAS", "GEMV_MERGE_CLASSES")}
+HOST_KNOBS = {name: getattr(op, name) for name in ("GEMV_TARGET_CTAS", "GEMV_MERGE_CLASSES", "TILES_MAX_NT8")}
 VARIANTS = {  # name -> (define changes, host changes)
     "base": ({}, {}),
     "no_l2_prefetch": ({"APL_GEMV_L2_PREFETCH": 0}, {}),
@@ -29,14 +29,18 @@ VARIANTS = {  # name -> (define changes, host changes)
     "ring3": ({"APL_GEMV_RING_STAGES": 3}, {}),  # 3-4 bits: plane words through a cp.async ring
     "ring4": ({"APL_GEMV_RING_STAGES": 4}, {}),
     "ring6": ({"APL_GEMV_RING_STAGES": 6}, {}),
+    "tiles_3_blocks": ({"APL_TILES_MIN_BLOCKS": 3}, {}),  # tiles regime: <= 168 registers, 3 CTAs per SM
+    "tiles_max_32": ({}, {"TILES_MAX_NT8": 4}),  # tiles regime: at most 32 tokens per pass
 }
 MIXED_SHAPES = [("qwen1.5-moe-a2.7b", 1, "mixed"), ("qwen1.5-moe-a2.7b", 4, "mixed"), ("mixtral-8x7b", 1, "mixed"),
                 ("mixtral-8x7b", 4, "mixed"), ("qwen1.5-moe-a2.7b", 1, "4")]
+TILES_SHAPES = [("qwen1.5-moe-a2.7b", 64, "4"), ("qwen1.5-moe-a2.7b", 256, "4"), ("mixtral-8x7b", 64, "4"),
+                ("mixtral-8x7b", 256, "4"), ("mixtral-8x7b", 256, "8")]
 
 
 def main():
     device = torch.device("cuda")
-    shapes = MIXED_SHAPES if "--mixed" in sys.argv else SHAPES
+    shapes = MIXED_SHAPES if "--mixed" in sys.argv else TILES_SHAPES if "--tiles" in sys.argv else SHAPES
     names = sorted({s[0] for s in shapes})
     layers = {name: [SyntheticLayer(*MODELS[name][:1], *MODELS[name][2:], seed, device) for seed in range(COPIES)]
               for name in names}

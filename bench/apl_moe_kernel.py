@@ -3,9 +3,11 @@
 For Qwen1.5-MoE-A2.7B and Mixtral-8x7B layer shapes with synthetic APL weights, for 1, 4,
 16, 64 and 256 tokens and uniform 3, 4, 8 bits plus a mixed assignment, times:
   fused      pagedweight_kernels.apl_moe.apl_moe: at decode (<= 4 tokens per expert) the
-             tensor-core decode kernel, 2 launches per layer and bit class present
+             tensor-core decode kernel, 2 launches per layer and bit class present; above,
+             the same kernel's tiles regime (up to 128 tokens per expert)
   fused_legacy  the same operator with legacy_decode=True: the first decode kernel (CUDA
-             cores, shared-memory LUT, 4 launches), measured in the same run as the baseline
+             cores, shared-memory LUT, 4 launches) or, from 2 tokens per expert, the prefill
+             kernel (apl_moe.cu), measured in the same run as the baseline
   per_block  the same kernels launched once per expert block, as Any-Precision LLM does
              (plus the gather/scatter glue such a design needs)
   bf16_bmm   bf16 PyTorch, weights gathered per (token, slot) and a batched matmul
@@ -20,7 +22,8 @@ per call, so repeated calls do not find the weights in L2 (a real model runs 24-
 layers in turn); each method is captured in a CUDA graph of REPS calls and timed by
 replaying it (median of TRIALS). Writes bench/results/apl_moe_kernel.json.
 
-Usage on the GPU machine: PYTHONPATH=.:services:kernels python3 bench/apl_moe_kernel.py [--quick]
+Usage on the GPU machine: PYTHONPATH=.:services:kernels python3 -m bench.apl_moe_kernel [--quick]
+[--tokens 64 256] [--bits 4 8] [--no-per-block] [--no-legacy] [--name FILE]
 """
 
 from __future__ import annotations
@@ -205,12 +208,13 @@ def copy_bandwidth(device) -> dict:
 
 
 # ---------------------------------------------------------------- one model
-def bench_model(name, quick, device, bw) -> list[dict]:
+def bench_model(name, quick, device, bw, tokens=TOKENS, per_block=True, bit_configs=BIT_CONFIGS,
+                legacy=True) -> list[dict]:
     E, k, H, I = MODELS[name]
     layers = [SyntheticLayer(E, H, I, seed, device) for seed in range(COPIES)]
-    configs = {c: [layer.apl(bit_assignment(c, E, 17)) for layer in layers] for c in BIT_CONFIGS}
+    configs = {c: [layer.apl(bit_assignment(c, E, 17)) for layer in layers] for c in bit_configs}
     rows = []
-    for T in (TOKENS[:3] if quick else TOKENS):
+    for T in (TOKENS[:3] if quick else tokens):
         route = routings(T, E, k, REPS, device, seed=T)
         x = [torch.randn(T, H, device=device).bfloat16() for _ in range(REPS)]
         pairs = [(i % COPIES, i) for i in range(REPS)]
@@ -228,7 +232,7 @@ def bench_model(name, quick, device, bw) -> list[dict]:
         except (RuntimeError, AttributeError) as err:  # no _grouped_mm on this build / GPU
             row["bf16_grouped_us"] = None
             row["bf16_grouped_error"] = str(err).splitlines()[0][:200]
-        for config in BIT_CONFIGS:
+        for config in bit_configs:
             apl = configs[config]
             plan = plan_launch(T, k, E, H, I, apl[0].max_bits)
             nbytes = statistics.mean(apl[c].nbytes_active(active[i]) for c, i in pairs) + io_bytes
@@ -237,12 +241,12 @@ def bench_model(name, quick, device, bw) -> list[dict]:
                     "fused_us": fused}
             cell["fused_over_floor"] = fused / cell["floor_us"]
             legacy_plan = plan_launch(T, k, E, H, I, apl[0].max_bits, legacy_decode=True)
-            if legacy_plan.gate_up.regime != plan.gate_up.regime:
+            if legacy and legacy_plan.gate_up.regime != plan.gate_up.regime:
                 cell["legacy_regime"] = legacy_plan.gate_up.regime
                 cell["fused_legacy_us"] = time_calls([lambda c=c, i=i: apl_moe(x[i], *route[i], apl[c], legacy_decode=True)
                                                       for c, i in pairs])
                 cell["legacy_over_new"] = cell["fused_legacy_us"] / fused
-            if config in ("4", "mixed"):
+            if per_block and config in ("4", "mixed"):
                 per_block = [PerBlock(*route[i], apl[c]) for c, i in pairs]
                 cell["per_block_us"] = time_calls([lambda j=j, i=i: per_block[j](x[i])
                                                    for j, (c, i) in enumerate(pairs)])
@@ -266,6 +270,11 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="1, 4 and 16 tokens only")
     parser.add_argument("--models", nargs="*", default=list(MODELS))
+    parser.add_argument("--tokens", nargs="*", type=int, default=list(TOKENS), help="token counts to time")
+    parser.add_argument("--no-per-block", action="store_true", help="skip the per-block baseline")
+    parser.add_argument("--no-legacy", action="store_true", help="skip the legacy_decode=True baseline")
+    parser.add_argument("--bits", nargs="*", default=list(BIT_CONFIGS), choices=BIT_CONFIGS, help="bit configs to time")
+    parser.add_argument("--name", default="apl_moe_kernel", help="result file name (bench/results/NAME.json)")
     parser.add_argument("--out", default=None, help="also copy the JSON here")
     args = parser.parse_args()
     device = torch.device("cuda")
@@ -276,11 +285,12 @@ def main():
           flush=True)
     results = []
     for name in args.models:
-        results += bench_model(name, args.quick, device, bw)
+        results += bench_model(name, args.quick, device, bw, tuple(args.tokens), not args.no_per_block,
+                               tuple(args.bits), not args.no_legacy)
     payload = {"copy_bandwidth_bytes_per_s": bw, "copy_bandwidths": ceilings, "copies": COPIES, "calls_per_graph": REPS,
                "trials": TRIALS, "replays": REPLAYS, "quick": args.quick,
-               "has_grouped_mm": hasattr(torch, "_grouped_mm"), "results": results}
-    path = write_result("apl_moe_kernel" + ("_quick" if args.quick else ""), payload)
+               "has_grouped_mm": hasattr(torch, "_grouped_mm"), "tokens": args.tokens, "results": results}
+    path = write_result(args.name + ("_quick" if args.quick else ""), payload)
     if os.environ.get("PAGEDWEIGHT_COMMIT"):  # the device copy is not a git checkout
         record = json.loads(path.read_text())
         record["commit"] = os.environ["PAGEDWEIGHT_COMMIT"]

@@ -27,6 +27,12 @@
 //          for layers holding both classes (GEMV_MERGE_CLASSES; measured faster than a
 //          launch per class, docs/kernel.md).
 //
+// The tiles regime (NT8 > 1, more tokens per expert: prefill and large decode batches) is the
+// same kernel with passes of up to 8 * NT8 tokens: each weight's A fragments are built once
+// per pass and feed one mma per 8-token tile (tiles_warp), the activations are staged a step
+// (256 columns) at a time (the next step by cp.async during this one's mma), so a split may
+// span the whole row and the fp32 partials stay small.
+//
 // Warp = 16 weight rows; thread (g = lane/4, t = lane%4) holds rows g and g+8 and, per
 // 256-column step, plane words 2t and 2t+1 of both. A plane word's 32 codes come out of the
 // nibble transpose (Codes<B>) as 8 selectors of 4 columns {16h+c+4i}; each selector is one
@@ -47,6 +53,15 @@
 #define APL_GEMV_RING_STAGES 0  // >= 2: 3-4-bit kernel (CLS 0) streams plane words through a cp.async ring
 #endif                          // of this many steps per warp in shared memory; 0: register ping-pong
 #define GV_RING_STAGE_BYTES (2 * 4 * 32 * 8)  // one warp step at 4 bits: [row 2][plane 4][lane 32] uint2
+#ifndef APL_TILES_MIN_BLOCKS
+#define APL_TILES_MIN_BLOCKS 2  // CTAs per SM the register budget must allow in the tiles regime (NT8 > 1)
+#endif
+#ifndef APL_TILES_ASYNC
+#define APL_TILES_ASYNC 1  // tiles regime: 1 = the next step's activations come in by cp.async during this
+#endif                     // step's mma (raw rows in shared memory, reordered there); 0 = loads at each step
+#ifndef APL_TILES_GROUP
+#define APL_TILES_GROUP 4  // tiles regime: 8-token tiles whose mma chains interleave (activations in registers)
+#endif
 
 __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
     u32 d; asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel)); return d;
@@ -65,12 +80,31 @@ __device__ __forceinline__ void cp_async4(u32 dst, const u32* src) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" :: "r"(dst), "l"(src) : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+// 16 bytes, L2 only; src_bytes 0 fills the destination with zeros (no read).
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, u32 src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory"); }
 
 // The columns of selector s (0..7) of a plane word, in the order of the 4 k slots a thread
 // owns: (2t, 2t+1) then (2t+8, 2t+9). Codes<B> puts column 4n+c in nibble n of o[c].
 __device__ __forceinline__ int sel_col(int s, int i) { return 16 * (s >> 2) + (s & 3) + 4 * i; }
+
+// The tiles regime's staging: one word's 32 activations v (4 16-byte chunks in column order,
+// i.e. column pairs (2m, 2m+1), m = 0..15) into the layout the mma slices read (see apl_gemv's
+// stage_split): chunk q holds selectors 2q and 2q+1 = low and high halves of pairs m0, m0+2,
+// m0+4, m0+6 with m0 = 8 (q >> 1) + (q & 1), stored at q ^ ((wl >> 1) & 3) of the word.
+__device__ __forceinline__ void stage_word(const uint4 (&v)[4], u16* word, int wl) {
+    const u32* pr = &v[0].x;
+    uint4* dst = reinterpret_cast<uint4*>(word);
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+        const int m0 = 8 * (q >> 1) + (q & 1);
+        dst[q ^ ((wl >> 1) & 3)] = make_uint4(prmt(pr[m0], pr[m0 + 2], 0x5410), prmt(pr[m0 + 4], pr[m0 + 6], 0x5410),
+                                              prmt(pr[m0], pr[m0 + 2], 0x7632), prmt(pr[m0 + 4], pr[m0 + 6], 0x7632));
+    }
+}
 
 // Register LUT of one row for 3-4 bits: lo[j] / hi[j] = low / high bytes of entries 4j..4j+3.
 template <int B>
@@ -389,10 +423,77 @@ __device__ __forceinline__ void gemv_warp_ring(const BlockRef& blk, u32 w0a, u32
     cp_async_wait<0>();  // only empty groups remain; the next pass refills slot 0 onwards
 }
 
+// ---------------------------------------------------------------- the tiles regime (NT8 > 1)
+// Many tokens per expert (prefill, large decode batches): a pass holds up to 8 * NT8 tokens,
+// so each weight is dequantised once per pass (once per layer call for an expert with at most
+// 8 * NT8 tokens) and its A fragments feed NT8 mma, one per 8-token tile. The activations are
+// staged one warp step (256 columns) at a time, so the staging buffer does not bound the
+// split (a split of the whole row keeps the fp32 partials small). stage_chunk(step) stages
+// step `step` of every token of the pass (it holds the barriers); plane words are loaded one
+// step ahead in registers as in gemv_warp, so their loads overlap the staging.
+template <int B, int NT8, bool BF16, bool V2, class Lut, class StageChunk>
+__device__ __forceinline__ void tiles_warp(const BlockRef& blk, u32 w0a, u32 w0b, const Lut& la, const Lut& lb,
+                                           int kw, const u16* xs, int tstride, int np, u32 (&b0)[2][2][8],
+                                           float (&acc)[NT8][4], StageChunk stage_chunk) {
+    // 5-8 bits hold twice the plane words in flight: groups of 2 there (4 spilled).
+    constexpr int TG_MAX = B >= 5 && APL_TILES_GROUP > 2 ? 2 : APL_TILES_GROUP;
+    constexpr int TG = NT8 < TG_MAX ? NT8 : TG_MAX;
+    const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+    const int steps = (kw + GV_STEP_WORDS - 1) / GV_STEP_WORDS;
+    auto compute = [&](const u32 (&buf)[2][2][8]) {
+#pragma unroll
+        for (int wi = 0; wi < 2; ++wi) {
+            const int wl = 2 * t + wi;  // word within the staged step
+            const Codes<B> ca(buf[0][wi]), cb(buf[1][wi]);
+            u32 wa[4][4], wb[4][4];  // selectors s and s+4 of rows a and b, s = 0..3
+#pragma unroll
+            for (int s = 0; s < 4; ++s) {
+                la.select2(ca, s, wa[s]);
+                lb.select2(cb, s, wb[s]);
+            }
+            // Tiles in groups of TG: the group's activations are loaded first, so its TG
+            // accumulation chains interleave (one chain alone waits on each mma's latency).
+#pragma unroll
+            for (int j0 = 0; j0 < NT8; j0 += TG) {
+                if (8 * j0 >= np) break;  // CTA-uniform: groups past the pass's tokens
+                uint4 xb[TG][4];
+#pragma unroll
+                for (int jj = 0; jj < TG; ++jj) {
+                    // Tokens past the pass read the zero row staged after the last token.
+                    const uint4* xw = reinterpret_cast<const uint4*>(xs + min(8 * (j0 + jj) + g, np) * tstride + wl * 32);
+#pragma unroll
+                    for (int q = 0; q < 4; ++q) xb[jj][q] = xw[q ^ ((wl >> 1) & 3)];
+                }
+#pragma unroll
+                for (int s = 0; s < 4; ++s)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h)
+#pragma unroll
+                        for (int jj = 0; jj < TG; ++jj) {
+                            const uint4 v = xb[jj][2 * h + (s >> 1)];
+                            mma16816<BF16>(acc[j0 + jj], wa[s][2 * h], wb[s][2 * h], wa[s][2 * h + 1], wb[s][2 * h + 1],
+                                           (s & 1) ? v.z : v.x, (s & 1) ? v.w : v.y);
+                        }
+            }
+        }
+    };
+    u32 b1[2][2][8];
+    for (int step = 0; step < steps; step += 2) {
+        if (step + 1 < steps) load_step<B, V2>(blk, w0a, w0b, kw, step + 1, b1);
+        stage_chunk(step);
+        compute(b0);
+        if (step + 1 >= steps) break;
+        if (step + 2 < steps) load_step<B, V2>(blk, w0a, w0b, kw, step + 2, b0);
+        stage_chunk(step + 1);
+        compute(b1);
+    }
+}
+
 // Every pass of up to stage_tokens tokens over this CTA's split. The first step's plane
 // sectors are asked of L2 before the LUT (prologue) and the activations (stage) are read, so
 // those loads overlap; holding them in registers instead spilled (128-register budget).
-template <int B, bool BF16, bool V2, bool RING, class Lut, class Prologue, class Stage, class Emit>
+// NT8 > 1: the tiles regime (tiles_warp); stage then stages one step: stage(p0, np, step).
+template <int B, bool BF16, bool V2, bool RING, int NT8, class Lut, class Prologue, class Stage, class Emit>
 __device__ __forceinline__ void run_passes(const BlockRef& blk, u32 w0a, u32 w0b, Lut& la, Lut& lb, int kw,
                                            const u16* xs, int tstride, int count, int stage_tokens,
                                            u32 lane_slot0, Prologue prologue, Stage stage, Emit emit) {
@@ -407,19 +508,35 @@ __device__ __forceinline__ void run_passes(const BlockRef& blk, u32 w0a, u32 w0b
     // The ring's first steps are issued before the LUT and the activations are read.
     if constexpr (RING) ring_prologue<B, V2>(blk, w0a, w0b, kw, lane_slot0);
     prologue(la, lb);
-    for (int p0 = 0; p0 < count; p0 += stage_tokens) {
-        const int np = min(stage_tokens, count - p0);
-        stage(p0, np);
-        float acc[4] = {0.f, 0.f, 0.f, 0.f};
-        if constexpr (RING) {
-            if (p0 > 0) ring_prologue<B, V2>(blk, w0a, w0b, kw, lane_slot0);
-            gemv_warp_ring<B, BF16, V2>(blk, w0a, w0b, la, lb, kw, xs, tstride, min(g, np), lane_slot0, acc);
-        } else {
+    if constexpr (NT8 > 1) {
+        for (int p0 = 0; p0 < count; p0 += stage_tokens) {
+            const int np = min(stage_tokens, count - p0);
+            float acc[NT8][4];
+#pragma unroll
+            for (int j = 0; j < NT8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
             u32 b0[2][2][8];
             load_step<B, V2>(blk, w0a, w0b, kw, 0, b0);
-            gemv_warp<B, BF16, V2>(blk, w0a, w0b, la, lb, kw, xs, tstride, min(g, np), b0, acc);
+            tiles_warp<B, NT8, BF16, V2>(blk, w0a, w0b, la, lb, kw, xs, tstride, np, b0, acc,
+                                         [&](int step) { stage(p0, np, step); });
+#pragma unroll
+            for (int j = 0; j < NT8; ++j)
+                if (8 * j < np) emit(p0 + 8 * j, min(8, np - 8 * j), acc[j]);
         }
-        emit(p0, np, acc);
+    } else {
+        for (int p0 = 0; p0 < count; p0 += stage_tokens) {
+            const int np = min(stage_tokens, count - p0);
+            stage(p0, np, -1);
+            float acc[4] = {0.f, 0.f, 0.f, 0.f};
+            if constexpr (RING) {
+                if (p0 > 0) ring_prologue<B, V2>(blk, w0a, w0b, kw, lane_slot0);
+                gemv_warp_ring<B, BF16, V2>(blk, w0a, w0b, la, lb, kw, xs, tstride, min(g, np), lane_slot0, acc);
+            } else {
+                u32 b0[2][2][8];
+                load_step<B, V2>(blk, w0a, w0b, kw, 0, b0);
+                gemv_warp<B, BF16, V2>(blk, w0a, w0b, la, lb, kw, xs, tstride, min(g, np), b0, acc);
+            }
+            emit(p0, np, acc);
+        }
     }
 }
 
@@ -432,8 +549,10 @@ __device__ __forceinline__ void run_passes(const BlockRef& blk, u32 w0a, u32 w0b
 // part: fp32 [splits][num_assign][weight rows]; counters: int32, zero before, zero after.
 // w_kind: topk weights' dtype, 0 fp32, 1 bf16, 2 fp16. zero_fill (MODE 1, the first class
 // launched): write zeros where no token has a valid expert id.
-template <int CLS, int MODE, bool BF16, bool V2>
-__global__ void __launch_bounds__(GV_THREADS, APL_GEMV_MIN_BLOCKS) apl_gemv(
+// NT8: 8-token tiles per pass. 1: decode (a pass's activations staged for the whole split);
+// > 1: the tiles regime (stage_tokens <= 8 * NT8 per pass, activations staged a step at a time).
+template <int CLS, int MODE, bool BF16, bool V2, int NT8>
+__global__ void __launch_bounds__(GV_THREADS, NT8 == 1 ? APL_GEMV_MIN_BLOCKS : APL_TILES_MIN_BLOCKS) apl_gemv(
     const long long* __restrict__ desc, const long long* __restrict__ topk_ids, int num_assign, int top_k,
     int num_experts, const u16* __restrict__ x, int rows_out, int cols, int split_words, int lut_entries,
     int stage_tokens, float* __restrict__ part, int* __restrict__ counters, u16* __restrict__ h_out,
@@ -452,7 +571,8 @@ __global__ void __launch_bounds__(GV_THREADS, APL_GEMV_MIN_BLOCKS) apl_gemv(
     const int kw = min(split_words, words_per_row - c0w);
     // dynamic shared: slots int [num_assign] | xs u16 [stage_tokens + 1][tstride] | LUT u16 [64][lut_entries]
     int* slots = reinterpret_cast<int*>(smem_raw);
-    const int tstride = split_words * 32 + 32;  // +64 B: consecutive tokens alternate bank halves
+    // +64 B: consecutive tokens alternate bank halves. The tiles regime stages one step.
+    const int tstride = (NT8 == 1 ? split_words : GV_STEP_WORDS) * 32 + 32;
     u16* xs = reinterpret_cast<u16*>(smem_raw + ((num_assign * 4 + 15) & ~15));
     // LUT rows of lut_entries u16, from a 512-byte boundary: each row is aligned to its size
     const u32 lut_off = ((num_assign * 4 + 15) & ~15) + (stage_tokens + 1) * tstride * 2;
@@ -520,7 +640,7 @@ __global__ void __launch_bounds__(GV_THREADS, APL_GEMV_MIN_BLOCKS) apl_gemv(
     const int kwp = (kw + GV_STEP_WORDS - 1) / GV_STEP_WORDS * GV_STEP_WORDS;
     // Activations of tokens p0..p0+np-1 (and a zero row after them) for this split:
     // xs[i][w] holds, for selector s of word w, the act values of columns sel_col(s, 0..3).
-    auto stage = [&](int p0, int np) {
+    auto stage_split = [&](int p0, int np) {
         __syncthreads();  // LUT written; the previous pass is done with xs
         for (int idx = tid; idx < (np + 1) * kwp * 8; idx += GV_THREADS) {
             const int i = idx / (kwp * 8), rem = idx % (kwp * 8), w = rem >> 3, s = rem & 7;
@@ -536,6 +656,88 @@ __global__ void __launch_bounds__(GV_THREADS, APL_GEMV_MIN_BLOCKS) apl_gemv(
             *reinterpret_cast<uint2*>(xs + i * tstride + w * 32 + chunk * 8 + (s & 1) * 4) = make_uint2(v01, v23);
         }
         __syncthreads();
+    };
+    // The tiles regime: step `step` (8 words) of tokens p0..p0+np-1 and the zero row after them,
+    // in the layout stage_split writes: a word's 32 values come in as 4 16-byte loads and are
+    // reordered by PRMT (stage_word).
+    auto stage_step = [&](int p0, int np, int step) {
+        // A batch's loads are all issued before its stores (one L2 round trip per batch, not
+        // per item). ITEMS = the most (token, word) items a thread can own; batches of SB
+        // keep the 5-8-bit kernels, whose next plane words take 64 registers, from spilling.
+        constexpr int ITEMS = ((GV_TOKENS * NT8 + 1) * GV_STEP_WORDS + GV_THREADS - 1) / GV_THREADS;
+        constexpr int SB = CLS == 0 ? ITEMS : (ITEMS < 3 ? ITEMS : 3);
+        __syncthreads();  // the previous step's mma are done with xs
+#pragma unroll
+        for (int b = 0; b < ITEMS; b += SB) {
+            uint4 raw[SB][4];
+#pragma unroll
+            for (int it = 0; it < SB; ++it) {
+                const int idx = tid + (b + it) * GV_THREADS, i = idx / GV_STEP_WORDS;
+                const int w = step * GV_STEP_WORDS + idx % GV_STEP_WORDS;
+#pragma unroll
+                for (int q = 0; q < 4; ++q) raw[it][q] = make_uint4(0u, 0u, 0u, 0u);
+                if (b + it < ITEMS && i < np && w < kw) {
+                    const int slot = slots[p0 + i];
+                    const long long xrow = MODE == 0 ? slot / top_k : slot;
+                    const uint4* src = reinterpret_cast<const uint4*>(x + xrow * cols + (long long)(c0w + w) * 32);
+#pragma unroll
+                    for (int q = 0; q < 4; ++q) raw[it][q] = __ldg(src + q);
+                }
+            }
+#pragma unroll
+            for (int it = 0; it < SB; ++it) {
+                const int idx = tid + (b + it) * GV_THREADS, i = idx / GV_STEP_WORDS, wl = idx % GV_STEP_WORDS;
+                if (b + it >= ITEMS || i > np) break;  // rows 0..np: the pass's tokens and the zero row
+                stage_word(raw[it], xs + i * tstride + wl * 32, wl);
+            }
+        }
+        __syncthreads();
+    };
+    // APL_TILES_ASYNC: raw rows [token][word][4 chunks of 16 B] (chunk q at q ^ ((w >> 1) & 3)),
+    // after the LUT rows, then each pass token's row offset in x (the host adds 512 + 8 * NT8 *
+    // (512 + 4) bytes). Step s + 1 is copied in by cp.async while step s's mma run; at its turn
+    // it is reordered into xs (shared to shared). A thread copies chunk q = tid % 4 of word
+    // wl = tid / 4 % 8 of tokens tid / 32, + 4, + 8, ...
+    u16* raw_s = lut_s + GV_ROWS * lut_entries;
+    int* rowoff_s = reinterpret_cast<int*>(raw_s + stage_tokens * 256);
+    const int steps_k = (kw + GV_STEP_WORDS - 1) / GV_STEP_WORDS;
+    const int cp_wl = (tid >> 2) & 7, cp_q = tid & 3;
+    const u32 cp_dst = shared_addr(raw_s + cp_wl * 32 + (cp_q ^ ((cp_wl >> 1) & 3)) * 8);
+    auto issue_step = [&](int np, int step) {
+        const int w = step * GV_STEP_WORDS + cp_wl;
+        const bool ok = w < kw;  // words past the split: zeros
+        const u16* src = x + (ok ? (c0w + w) * 32 + cp_q * 8 : 0);
+        for (int i = tid >> 5; i < np; i += GV_THREADS / 32)
+            cp_async16(cp_dst + i * 512, src + (ok ? rowoff_s[i] : 0), ok ? 16u : 0u);
+        cp_async_commit();
+    };
+    auto stage_async = [&](int p0, int np, int step) {
+        if (step == 0) {  // a pass's first step (raw and rowoff_s are free: see below)
+            for (int i = tid; i < np; i += GV_THREADS) {
+                const int slot = slots[p0 + i];
+                rowoff_s[i] = (MODE == 0 ? slot / top_k : slot) * cols;  // < 2^31: checked by the host
+            }
+            __syncthreads();
+            issue_step(np, 0);
+        }
+        cp_async_wait<0>();
+        __syncthreads();  // raw holds this step for every thread; the previous mma are done with xs
+        for (int idx = tid; idx < (np + 1) * GV_STEP_WORDS; idx += GV_THREADS) {
+            const int i = idx / GV_STEP_WORDS, wl = idx % GV_STEP_WORDS;
+            uint4 v[4];
+#pragma unroll
+            for (int q = 0; q < 4; ++q)  // row np: the zero row
+                v[q] = i < np ? *reinterpret_cast<const uint4*>(raw_s + i * 256 + wl * 32 + (q ^ ((wl >> 1) & 3)) * 8)
+                              : make_uint4(0u, 0u, 0u, 0u);
+            stage_word(v, xs + i * tstride + wl * 32, wl);
+        }
+        __syncthreads();  // xs ready; every thread is done reading raw
+        if (step + 1 < steps_k) issue_step(np, step + 1);
+    };
+    auto stage = [&](int p0, int np, int step) {
+        if constexpr (NT8 == 1) stage_split(p0, np);
+        else if constexpr (APL_TILES_ASYNC) stage_async(p0, np, step);
+        else stage_step(p0, np, step);
     };
     // Partials: tokens 2t, 2t+1 of this pass, rows a and b (NaN for a block of bad bits).
     auto emit = [&](int p0, int np, const float (&acc)[4]) {
@@ -554,34 +756,34 @@ __global__ void __launch_bounds__(GV_THREADS, APL_GEMV_MIN_BLOCKS) apl_gemv(
     const u32 la_s = shared_addr(lut_s + lwa * lut_entries), lb_s = shared_addr(lut_s + lwb * lut_entries);
     // The 3-4-bit kernel's cp.async ring, after the (512-byte aligned) LUT rows: per warp
     // APL_GEMV_RING_STAGES slots of GV_RING_STAGE_BYTES (the host adds them to the launch).
-    constexpr bool RING = APL_GEMV_RING_STAGES >= 2 && CLS == 0;
+    constexpr bool RING = APL_GEMV_RING_STAGES >= 2 && CLS == 0 && NT8 == 1;
     const u32 lane_slot0 = shared_addr(lut_s + GV_ROWS * lut_entries) +
                            (u32)(warp * APL_GEMV_RING_STAGES * GV_RING_STAGE_BYTES + lane * 8);
     if (bad_bits) {
-        for (int p0 = 0; p0 < route.count; p0 += stage_tokens) {
+        for (int p0 = 0; p0 < route.count; p0 += GV_TOKENS) {  // emit writes up to 8 tokens
             const float nan4[4] = {0.f, 0.f, 0.f, 0.f};
-            emit(p0, min(stage_tokens, route.count - p0), nan4);
+            emit(p0, min(GV_TOKENS, route.count - p0), nan4);
         }
     } else if (CLS == 0 || (CLS == 2 && cls == 0)) {
         if (blk.bits == 4) {
             RegLut<4> la, lb;
-            run_passes<4, BF16, V2, RING>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, lane_slot0,
+            run_passes<4, BF16, V2, RING, NT8>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, lane_slot0,
                                           reg_lut, stage, emit);
         } else {
             RegLut<3> la, lb;
-            run_passes<3, BF16, V2, RING>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, lane_slot0,
+            run_passes<3, BF16, V2, RING, NT8>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, lane_slot0,
                                           reg_lut, stage, emit);
         }
     } else {
         switch (blk.bits) {
             case 5: { SmemLut<5> la{la_s}, lb{lb_s};
-                      run_passes<5, BF16, V2, false>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, 0u, smem_lut, stage, emit); break; }
+                      run_passes<5, BF16, V2, false, NT8>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, 0u, smem_lut, stage, emit); break; }
             case 6: { SmemLut<6> la{la_s}, lb{lb_s};
-                      run_passes<6, BF16, V2, false>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, 0u, smem_lut, stage, emit); break; }
+                      run_passes<6, BF16, V2, false, NT8>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, 0u, smem_lut, stage, emit); break; }
             case 7: { SmemLut<7> la{la_s}, lb{lb_s};
-                      run_passes<7, BF16, V2, false>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, 0u, smem_lut, stage, emit); break; }
+                      run_passes<7, BF16, V2, false, NT8>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, 0u, smem_lut, stage, emit); break; }
             default: { SmemLut<8> la{la_s}, lb{lb_s};
-                       run_passes<8, BF16, V2, false>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, 0u, smem_lut, stage, emit); break; }
+                       run_passes<8, BF16, V2, false, NT8>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, 0u, smem_lut, stage, emit); break; }
         }
     }
 

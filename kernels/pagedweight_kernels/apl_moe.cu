@@ -1,7 +1,8 @@
 // Fused mixed-precision MoE over APL bit-planes (docs/apl_format.md, docs/kernel.md).
 //
-// The prefill regime, and the first decode kernel (kept as the benchmark's baseline; the
-// decode regime now runs apl_gemv.cu, compiled after this file and using its helpers).
+// The prefill regime (above apl_gemv.cu's tiles regime: more than 128 tokens per expert or
+// 4096 assignments), and the first decode kernel (kept as the benchmark's baseline; the
+// decode and tiles regimes run apl_gemv.cu, compiled after this file and using its helpers).
 // One MoE layer = four launches on one stream, no host synchronisation:
 //   1. moe_align     one CTA: group the T*k (token, slot) assignments by expert; list the
 //                    active experts (expert id, first sorted position, token count).

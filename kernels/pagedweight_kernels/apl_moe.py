@@ -2,8 +2,9 @@
 
 `apl_moe(x, topk_ids, topk_weights, layer)` computes one MoE layer's routed experts
 straight from bit-planes and LUTs, every block at its own bit-width, on PyTorch's current
-stream with no host synchronisation: at decode (few tokens per expert) in two launches on
-tensor cores (apl_gemv.cu's header), at prefill in four (apl_moe.cu's header).
+stream with no host synchronisation: at decode (few tokens per expert) and in the tiles
+regime (up to TILES_MAX_TOKENS_PER_EXPERT) in two launches on tensor cores (apl_gemv.cu's
+header), beyond that in four (apl_moe.cu's header).
 `apl_moe_reference` is the same function in plain torch: dequantise each block with
 `pagedweight.format.apl_format.dequantize` (the one definition of the format), round
 to x's dtype, and run the reference combine `moe_forward`. Tests compare the two.
@@ -53,6 +54,11 @@ GEMV_X_BYTES = 40 * 1024  # shared memory for one split's staged activations
 GEMV_MIN_SPLIT_WORDS = 16  # a split covers at least two warp steps
 GEMV_MAX_ASSIGN = 4096  # tokens * top_k a CTA's shared slot list holds
 GEMV_MERGE_CLASSES = True  # a layer with 3-4- and 5-8-bit blocks: one launch per projection (measured faster)
+# The tiles regime (apl_gemv.cu with NT8 > 1): the decode kernel's register-LUT dequantisation,
+# each weight's fragments reused for up to 8 * NT8 tokens per pass.
+TILES_MAX_TOKENS_PER_EXPERT = 128.0  # above: the prefill kernel (apl_moe.cu)
+TILES_MIN_NT8, TILES_MAX_NT8 = 2, 8  # the .cu's accumulators: 4 fp32 registers per 8-token tile
+TILES_HEADROOM = 1.5  # a pass holds 1.5x the mean tokens per expert (routing is uneven)
 
 
 def bit_class(bits: int) -> int:
@@ -63,7 +69,8 @@ def bit_class(bits: int) -> int:
 # Compile-time knobs of the .cu (see its header); the host plans with the same values.
 KERNEL_DEFINES = {"APL_LDS_MODE": 1, "APL_RPG_DIV": 8, "APL_PREFETCH": 1, "APL_DECODE_MIN_BLOCKS": 2,
                   "APL_SHIFT_MODE": 0, "APL_PREFILL_MIN_BLOCKS": 1, "APL_GEMV_MIN_BLOCKS": 4,
-                  "APL_GEMV_L2_PREFETCH": 0, "APL_GEMV_RING_STAGES": 0}
+                  "APL_GEMV_L2_PREFETCH": 0, "APL_GEMV_RING_STAGES": 0,
+                  "APL_TILES_MIN_BLOCKS": 2, "APL_TILES_GROUP": 4, "APL_TILES_ASYNC": 1}
 GEMV_RING_STAGE_BYTES = 2 * 4 * 32 * 8  # apl_gemv.cu: one warp step at 4 bits in the cp.async ring
 # The .cu's APL_ACT per expert activation (moe_reference.ACTIVATIONS): one compiled module each.
 ACT_CODES = {"silu": 0, "gelu_tanh": 1}
@@ -253,15 +260,16 @@ def apl_moe_reference(x, topk_ids, topk_weights, layer: APLLayer) -> torch.Tenso
 class GemmPlan:
     """How one projection (gate_up or down) is launched."""
 
-    regime: str  # "gemv" (tensor-core decode), "decode" (the first decode kernel, CUDA cores)
-    #              or "prefill" (dequantised tiles, tensor cores)
-    tokens: int  # gemv: tokens staged per pass; decode: tokens per pass (NT); prefill: token tile (MT)
+    regime: str  # "gemv" (tensor-core decode), "tiles" (the same kernel, 8-token tiles per pass),
+    #              "decode" (the first decode kernel, CUDA cores) or "prefill" (dequantised tiles)
+    tokens: int  # gemv/tiles: tokens per pass; decode: tokens per pass (NT); prefill: token tile (MT)
     lanes_per_row: int  # decode: lanes sharing one weight row
     rows_per_cta: int  # output rows per CTA (gate_up: h columns)
     splits: int  # column splits (decode down only)
     split_cols: int
     grid: tuple[int, int, int]
     shared_bytes: int  # gemv: without the 5-8-bit class's LUT (added per launch)
+    tiles: int = 1  # gemv/tiles: the kernel's NT8, 8-token tiles per pass (> 1: the tiles regime)
 
 
 @dataclass(frozen=True)
@@ -296,9 +304,13 @@ def plan_launch(num_tokens: int, top_k: int, num_experts: int, hidden: int, inte
     legacy_decode: the first decode kernel (four launches, CUDA cores), kept as a baseline."""
     per_expert = num_tokens * top_k / num_experts
     max_active = min(num_experts, num_tokens * top_k)
-    if not legacy_decode and per_expert <= GEMV_MAX_TOKENS_PER_EXPERT and num_tokens * top_k <= GEMV_MAX_ASSIGN:
-        gate_up = _gemv_plan(0, num_tokens, top_k, hidden, intermediate, max_active)
-        down = _gemv_plan(1, num_tokens, top_k, intermediate, hidden, max_active)
+    # (the tiles regime keeps each token's row offset in x / h as an int32)
+    fits_gemv = not legacy_decode and num_tokens * top_k <= GEMV_MAX_ASSIGN \
+        and num_tokens * top_k * max(hidden, intermediate) < 2 ** 31
+    if fits_gemv and per_expert <= TILES_MAX_TOKENS_PER_EXPERT:
+        nt8 = 1 if per_expert <= GEMV_MAX_TOKENS_PER_EXPERT else tiles_per_pass(per_expert)
+        gate_up = _gemv_plan(0, num_tokens, top_k, hidden, intermediate, max_active, nt8)
+        down = _gemv_plan(1, num_tokens, top_k, intermediate, hidden, max_active, nt8)
     elif legacy_decode and per_expert <= DECODE_MAX_TOKENS_PER_EXPERT:
         nt = 1 if num_tokens == 1 else 2  # activations live in registers: a second token is nearly free
         gate_up = _decode_plan(0, nt, hidden, intermediate, max_bits, max_active)
@@ -326,22 +338,34 @@ def _decode_plan(mode, nt, cols, rows_out, max_bits, max_active) -> GemmPlan:
     return GemmPlan("decode", nt, lpr, rpc, splits, split_cols, grid, shared)
 
 
-def _gemv_plan(mode, num_tokens, top_k, cols, rows_out, max_active) -> GemmPlan:
+def tiles_per_pass(per_expert: float) -> int:
+    """The tiles regime's NT8: 8-token tiles per pass, room for TILES_HEADROOM x the mean
+    tokens per expert, a power of two in [TILES_MIN_NT8, TILES_MAX_NT8]. An expert with more
+    tokens takes several passes (its weights dequantised once per pass)."""
+    return min(TILES_MAX_NT8, max(TILES_MIN_NT8, _next_pow2(math.ceil(TILES_HEADROOM * per_expert / GEMV_TOKENS))))
+
+
+def _gemv_plan(mode, num_tokens, top_k, cols, rows_out, max_active, nt8: int = 1) -> GemmPlan:
     # Split the columns until the launch has about GEMV_TARGET_CTAS CTAs (small layers at 1
-    # token would otherwise leave most SMs idle) and a split's activations fit its budget.
+    # token would otherwise leave most SMs idle) and, at decode, a split's activations fit
+    # their budget; the tiles regime stages one step at a time, so only the CTA count splits.
     rpc = GEMV_ROWS // 2 if mode == 0 else GEMV_ROWS
     tiles = math.ceil(rows_out / rpc)
     words = cols // 32
-    stage = min(GEMV_TOKENS, num_tokens)
+    stage = min(GEMV_TOKENS, num_tokens) if nt8 == 1 else GEMV_TOKENS * nt8
     max_split = max(GEMV_STEP_WORDS, GEMV_X_BYTES // ((stage + 1) * 64) // GEMV_STEP_WORDS * GEMV_STEP_WORDS)
+    if nt8 > 1:
+        max_split = math.ceil(words / GEMV_STEP_WORDS) * GEMV_STEP_WORDS
     want = math.ceil(GEMV_TARGET_CTAS / (tiles * max_active))
     splits = min(want, max(1, words // GEMV_MIN_SPLIT_WORDS))
     split_words = max(math.ceil(words / max(1, splits) / GEMV_STEP_WORDS) * GEMV_STEP_WORDS, GEMV_STEP_WORDS)
     split_words = min(split_words, max_split)
     splits = math.ceil(words / split_words)
     num_assign = num_tokens * top_k
-    shared = (num_assign * 4 + 15) // 16 * 16 + (stage + 1) * (split_words * 32 + 32) * 2
-    return GemmPlan("gemv", stage, 0, rpc, splits, split_words * 32, (tiles, max_active, splits), shared)
+    staged_words = split_words if nt8 == 1 else GEMV_STEP_WORDS  # the .cu's tstride
+    shared = (num_assign * 4 + 15) // 16 * 16 + (stage + 1) * (staged_words * 32 + 32) * 2
+    return GemmPlan("gemv" if nt8 == 1 else "tiles", stage, 0, rpc, splits, split_words * 32,
+                    (tiles, max_active, splits), shared, nt8)
 
 
 def _prefill_plan(mode, mt, rows_out, max_bits, max_active, z) -> GemmPlan:
@@ -437,12 +461,17 @@ def launch_gemm(mode: int, plan: GemmPlan, desc, active, num_active, sorted_slot
 _WEIGHT_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
-def gemv_extra_shared(cls: int, lut_entries: int) -> int:
-    """Shared bytes a decode launch adds to its plan: the 5-8-bit LUT rows (512-byte aligned)
-    and, for the 3-4-bit kernel with APL_GEMV_RING_STAGES >= 2, its cp.async ring of 4 warps."""
+def gemv_extra_shared(cls: int, lut_entries: int, tiles: int = 1) -> int:
+    """Shared bytes a decode launch adds to its plan: the 5-8-bit LUT rows (512-byte aligned);
+    for the 3-4-bit decode kernel with APL_GEMV_RING_STAGES >= 2, its cp.async ring of 4 warps
+    (not compiled in the tiles regime); in the tiles regime with APL_TILES_ASYNC, the raw
+    activation rows of one step and each token's row offset (8 * tiles tokens x (512 + 4)
+    bytes, after the aligned LUT rows)."""
     extra = GEMV_ROWS * lut_entries * 2 + 512 if lut_entries else 0
+    if tiles > 1 and KERNEL_DEFINES.get("APL_TILES_ASYNC", 0):
+        return extra + 512 + GEMV_TOKENS * tiles * (GEMV_STEP_WORDS * 64 + 4)
     stages = KERNEL_DEFINES.get("APL_GEMV_RING_STAGES", 0)
-    if cls == 0 and stages >= 2:
+    if cls == 0 and stages >= 2 and tiles == 1:
         extra = 512 + (GEMV_THREADS // 32) * stages * GEMV_RING_STAGE_BYTES
     return extra
 
@@ -456,7 +485,7 @@ def _class_launches(classes: dict[int, int]) -> list[tuple[int, int]]:
 
 
 def _apl_moe_gemv(x, ids, topk_weights, layer: APLLayer, plan: LaunchPlan, out: torch.Tensor):
-    """Decode on tensor cores: per bit class present, one gate_up and one down launch; the
+    """Decode and the tiles regime: per bit class present, one gate_up and one down launch; the
     kernels route, reduce their column splits and combine the top-k outputs themselves."""
     T, H = x.shape
     k, E, I = ids.shape[1], layer.num_experts, layer.intermediate
@@ -473,17 +502,17 @@ def _apl_moe_gemv(x, ids, topk_weights, layer: APLLayer, plan: LaunchPlan, out: 
     launches = {m: _class_launches(layer.classes[m]) for m in ("gate_up", "down")}
     for cls, widest in launches["gate_up"]:
         lut = 1 << widest if cls >= 1 else 0
-        _launch(f"apl_gemv<{cls}, 0, {flag}, {v2['gate_up']}>", gu.grid,
+        _launch(f"apl_gemv<{cls}, 0, {flag}, {v2['gate_up']}, {gu.tiles}>", gu.grid,
                 (layer.gate_up_desc, ids, num_assign, k, E, x, I, H, gu.split_cols // 32, lut, gu.tokens,
                  part_gu, layer.counters, h, weights, w_kind, T, out, 0),
-                gu.shared_bytes + gemv_extra_shared(cls, lut), block=GEMV_THREADS,
+                gu.shared_bytes + gemv_extra_shared(cls, lut, gu.tiles), block=GEMV_THREADS,
                 activation=layer.activation)
     for i, (cls, widest) in enumerate(launches["down"]):
         lut = 1 << widest if cls >= 1 else 0
-        _launch(f"apl_gemv<{cls}, 1, {flag}, {v2['down']}>", dn.grid,
+        _launch(f"apl_gemv<{cls}, 1, {flag}, {v2['down']}, {dn.tiles}>", dn.grid,
                 (layer.down_desc, ids, num_assign, k, E, h, H, I, dn.split_cols // 32, lut, dn.tokens,
                  part_dn, layer.counters, None, weights, w_kind, T, out, int(i == 0)),
-                dn.shared_bytes + gemv_extra_shared(cls, lut), block=GEMV_THREADS)
+                dn.shared_bytes + gemv_extra_shared(cls, lut, dn.tiles), block=GEMV_THREADS)
     return out
 
 
@@ -504,7 +533,7 @@ def apl_moe(x, topk_ids, topk_weights, layer: APLLayer, out: torch.Tensor | None
     plan = plan_launch(T, k, E, H, I, max_bits, legacy_decode)
     num_slots = T * k
     device = x.device
-    if plan.gate_up.regime == "gemv":
+    if plan.gate_up.regime in ("gemv", "tiles"):
         with torch.cuda.device(device):
             return _apl_moe_gemv(x, topk_ids.to(torch.int64).contiguous(), topk_weights, layer, plan, out)
     with torch.cuda.device(device):
@@ -532,5 +561,5 @@ def kernel_available() -> bool:
 
 __all__ = [
     "APLKernelError", "APLLayer", "ResidentBlock", "apl_moe", "apl_moe_reference", "check_inputs",
-    "bit_class", "kernel_available", "lanes_per_row", "launch_gemm", "plan_launch", "MIN_BITS", "MAX_BITS",
+    "bit_class", "kernel_available", "lanes_per_row", "launch_gemm", "plan_launch", "tiles_per_pass", "MIN_BITS", "MAX_BITS",
 ]

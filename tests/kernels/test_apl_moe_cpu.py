@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedweight_kernels.apl_moe import (
-    APLKernelError, ResidentBlock, apl_moe_reference, check_inputs, lanes_per_row, plan_launch,
+    APLKernelError, ResidentBlock, apl_moe_reference, check_inputs, gemv_extra_shared, lanes_per_row, plan_launch, tiles_per_pass,
 )
 from pagedweight_kernels.synthetic import quantize_nested, random_block
 from pagedweight_kernels.resident_experts import APLExperts
@@ -90,10 +90,22 @@ def test_plan_picks_decode_for_few_tokens_per_expert_and_tensor_cores_for_many()
     assert one.max_active == 4 and one.gate_up.grid[:2] == (1408 // 32, 4) and one.down.grid[:2] == (2048 // 64, 4)
     sixteen = plan_launch(16, 2, **mixtral)  # 4 tokens per expert: still decode, passes of 8
     assert sixteen.gate_up.regime == "gemv" and sixteen.gate_up.tokens == 8
-    assert plan_launch(64, 4, **qwen).gate_up.regime == "prefill"
+    # more tokens per expert: the tiles regime, a pass sized for 1.5x the mean per expert
+    qwen64 = plan_launch(64, 4, **qwen)
+    assert qwen64.gate_up.regime == qwen64.down.regime == "tiles" and qwen64.gate_up.tiles == 2
     big = plan_launch(256, 2, **mixtral)
-    assert big.gate_up.regime == "prefill" and big.gate_up.tokens == 64 and big.max_active == 8
+    assert big.gate_up.regime == "tiles" and big.gate_up.tokens == 64 and big.gate_up.tiles == 8
+    assert big.max_active == 8 and big.gate_up.splits == 1  # K whole: partials stay small
     assert plan_launch(256, 4, **qwen).down.tokens == 32
+    assert [tiles_per_pass(n) for n in (4.3, 16, 30, 64, 128)] == [2, 4, 8, 8, 8]
+    # beyond the tiles regime: the prefill kernel
+    assert plan_launch(1024, 2, **mixtral).gate_up.regime == "prefill"  # 256 tokens per expert
+    assert plan_launch(2048, 4, **qwen).gate_up.regime == "prefill"  # 8192 assignments
+    for T in (64, 256):  # staging one step per token: within shared memory with an 8-bit LUT
+        for model in (qwen, mixtral):
+            plan = plan_launch(T, 2 if model is mixtral else 4, **model)
+            for gemm in (plan.gate_up, plan.down):
+                assert gemm.shared_bytes + gemv_extra_shared(1, 256, gemm.tiles) <= 227 * 1024
     for T in (1, 4, 16):  # column splits: enough CTAs, whole words, activations within budget
         for model in (qwen, mixtral):
             plan = plan_launch(T, 2, **model)

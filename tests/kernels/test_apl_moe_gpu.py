@@ -1,7 +1,7 @@
 """The fused APL MoE kernel against its torch reference, on the GPU (`make test-gpu`).
 
 Random layers with every bit-width 3..8 across blocks, ragged routing with idle experts,
-both regimes (decode GEMV and tensor-core prefill), bf16 and fp16, outputs and
+every regime (decode GEMV, the tiles regime, the prefill kernel), bf16 and fp16, outputs and
 workspaces poisoned with NaN before each run; then a quantized model whose perplexity
 must not move when the kernel replaces the reference. Runnable without pytest's command
 line too: `python3 -m tests.kernels.test_apl_moe_gpu`.
@@ -34,12 +34,21 @@ CASES = [
     (16, 4, 256, 192, 7, 9, torch.bfloat16),     # decode, tiny-qwen-moe shapes
     (8, 2, 512, 384, 8, 6, torch.bfloat16),      # decode, column splits
     (8, 2, 512, 384, 16, 6, torch.bfloat16),     # decode, the hot expert takes several passes of 8
-    (8, 2, 160, 224, 40, 6, torch.bfloat16),     # prefill, partial K steps
-    (8, 2, 256, 384, 100, 7, torch.float16),     # prefill, 32-token tiles
-    (8, 2, 256, 384, 200, 7, torch.float16),     # prefill, 64-token tiles, several m-tiles
+    (8, 2, 160, 224, 40, 6, torch.bfloat16),     # tiles (16 per pass), partial K steps, hot expert: 3 passes
+    (8, 2, 256, 384, 100, 7, torch.float16),     # tiles (64 per pass), hot expert 90 tokens: 2 passes
+    (8, 2, 256, 384, 200, 7, torch.float16),     # tiles (64 per pass), hot expert 176 tokens: 3 passes
     (60, 4, 2048, 1408, 1, 60, torch.bfloat16),  # Qwen1.5-MoE layer, decode
-    (60, 4, 2048, 1408, 64, 40, torch.bfloat16),  # Qwen1.5-MoE layer, prefill
+    (60, 4, 2048, 1408, 64, 40, torch.bfloat16),  # Qwen1.5-MoE layer, tiles (16 per pass)
 ]
+# The tiles regime beyond CASES: (case, 8-token tiles per pass the plan must pick).
+TILES_CASES = [
+    ((8, 2, 256, 384, 60, 8, torch.bfloat16), 4),   # 32 per pass, hot expert 53 tokens: 2 passes
+    ((8, 2, 1024, 256, 120, 8, torch.bfloat16), 8),  # gate_up in two column splits
+    (CASES[6], 2), (CASES[7], 8), (CASES[10], 2),
+]
+# The prefill kernel (apl_moe.cu), now run only above TILES_MAX_TOKENS_PER_EXPERT tokens per
+# expert or GEMV_MAX_ASSIGN assignments; legacy_decode=True reaches it from fewer.
+PREFILL_CASES = [CASES[6], CASES[7], CASES[8], CASES[10]]
 
 
 def poison_allocator(device):
@@ -82,6 +91,35 @@ def test_kernel_matches_reference(case):
 
 @pytest.mark.parametrize("case", LEGACY_CASES, ids=_case_id)
 def test_legacy_decode_matches_reference(case):
+    check_case(case, legacy_decode=True)
+
+
+@pytest.mark.parametrize("case,nt8", TILES_CASES, ids=lambda v: str(v) if isinstance(v, int) else _case_id(v))
+def test_tiles_regime_matches_reference(case, nt8):
+    E, k, H, I, T = case[:5]
+    plan = plan_launch(T, k, E, H, I, 8)
+    assert plan.gate_up.regime == plan.down.regime == "tiles" and plan.gate_up.tiles == nt8
+    check_case(case)
+
+
+@pytest.mark.parametrize("case", [TILES_CASES[0][0], CASES[7]], ids=_case_id)
+def test_tiles_regime_with_staging_at_each_step_matches_reference(case, monkeypatch):
+    """APL_TILES_ASYNC 0: activations loaded at each step instead of by cp.async a step ahead."""
+    import pagedweight_kernels.apl_moe as op
+
+    monkeypatch.setitem(op.KERNEL_DEFINES, "APL_TILES_ASYNC", 0)
+    check_case(case)
+
+
+@pytest.mark.parametrize("bits", (3, 4, 5, 8))
+def test_tiles_regime_uniform_width_layers_match_reference(bits):
+    check_case((8, 2, 160, 224, 40, 6, torch.bfloat16), bits=bits)
+
+
+@pytest.mark.parametrize("case", PREFILL_CASES, ids=_case_id)
+def test_prefill_kernel_matches_reference(case):
+    E, k, H, I, T = case[:5]
+    assert plan_launch(T, k, E, H, I, 8, legacy_decode=True).gate_up.regime == "prefill"
     check_case(case, legacy_decode=True)
 
 
@@ -164,7 +202,7 @@ def test_decode_with_no_valid_expert_writes_zeros():
 def test_no_host_sync_and_current_stream():
     device = torch.device("cuda")
     layer = random_layer(8, 256, 384, seed=5, device=device)
-    for T in (2, 100):  # both regimes
+    for T in (2, 100, 1000):  # decode, tiles, prefill
         x = torch.randn(T, 256, device=device, dtype=torch.bfloat16)
         ids, w = ragged_routing(T, 8, 2, seed=T, device=device)
         apl_moe(x, ids, w, layer)  # compile outside the checks
