@@ -317,7 +317,7 @@ def main() -> int:
     parser.add_argument("--no-project-demand", action="store_true",
                         help="the broker asks for this step's shortage only and offers every spare byte "
                              "(the behaviour before issue 17's projected demand, for comparison)")
-    parser.add_argument("--move-cost", type=float, default=0.0,
+    parser.add_argument("--move-cost", type=float, default=RuntimeConfig.move_cost,
                         help="pagedweight: cost of each moved block in a lowering plan, in medians of one "
                              "bit's damage (fewer blocks lowered further); 0: the one-bit greedy")
     parser.add_argument("--drain-s", type=float, default=12.0)

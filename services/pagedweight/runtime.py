@@ -61,8 +61,10 @@ class RuntimeConfig:
     # (the planner's third signal); off: the planner sees routing only (an ablation)
     prompt_residuals: bool = True
     # lowering plans move fewer blocks further: each moved block costs this many medians of
-    # one bit's damage (weights/fewer_moves.py); 0: the planner's one-bit greedy
-    move_cost: float = 0.0
+    # one bit's damage (weights/fewer_moves.py); 0: the planner's one-bit greedy. 16 halved the
+    # blocks lowered for the same load (CPU, docs/elasticity.md 2c) for 0.06-0.1 fewer mean
+    # bits, and is what every H200 run since used
+    move_cost: float = 16.0
     # compile every fused-kernel instance the layers can meet at start-up (seconds, once per
     # process), so none compiles inside a step when the pager changes a layer's bit classes
     precompile_kernels: bool = True
