@@ -376,7 +376,8 @@ def main() -> int:
             rt.pager.mover.profile.reset()
         moves0, plans0 = _moves(rt), rt.pager.num_plans if rt.pager is not None else 0
         graphs = rt.engine.runner.graphs  # None: decode steps run eagerly (CPU)
-        captures0 = (graphs.num_captures, graphs.capture_seconds) if graphs is not None else (0, 0.0)
+        captures0 = (graphs.num_captures, graphs.capture_seconds, graphs.capture_warmup_seconds) \
+            if graphs is not None else (0, 0.0, 0.0)
         compiles0 = compile_stats()
         row = drive_trace(rt, phases, args.prompt_len, args.max_tokens, args.drain_s, burst_phase)
         compiles = compile_stats()  # fused-kernel instances first met inside the trace (0 after precompile)
@@ -384,7 +385,8 @@ def main() -> int:
                     "kernel_compile_s": round(compiles.seconds - compiles0.seconds, 3)})
         if graphs is not None:  # a bit-class change in any layer re-captures each bucket it meets
             row.update({"graph_captures": graphs.num_captures - captures0[0],
-                        "graph_capture_s": round(graphs.capture_seconds - captures0[1], 3)})
+                        "graph_capture_s": round(graphs.capture_seconds - captures0[1], 3),
+                        "graph_capture_warmup_s": round(graphs.capture_warmup_seconds - captures0[2], 3)})
         stats = rt.engine.stats()
         profile = rt.pager.stats().profile if rt.pager is not None else None
         row.update({"preemptions": stats.num_preemptions, "memory_short_steps": stats.memory_short_steps,
