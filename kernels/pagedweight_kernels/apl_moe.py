@@ -403,8 +403,8 @@ def _kernel(name: str, activation: str = "silu"):
 @dataclass
 class CompileStats:
     """Kernel instances compiled in this process and the host seconds they took. A compile
-    met inside a step (or a decode-graph capture) stalls it for 0.05-0.4 s on the H200:
-    after `precompile` the count should not move."""
+    met inside a step stalls it (seconds at first use on the H200, docs/elasticity.md
+    section 1): after `precompile` the count should not move."""
 
     count: int = 0
     seconds: float = 0.0
@@ -638,5 +638,6 @@ def kernel_available() -> bool:
 
 __all__ = [
     "APLKernelError", "APLLayer", "ResidentBlock", "apl_moe", "apl_moe_reference", "check_inputs",
-    "bit_class", "compile_stats", "kernel_available", "kernel_instances", "precompile", "lanes_per_row", "launch_gemm", "plan_launch", "MIN_BITS", "MAX_BITS",
+    "bit_class", "compile_stats", "kernel_available", "kernel_instances", "lanes_per_row", "launch_gemm",
+    "plan_launch", "precompile", "MIN_BITS", "MAX_BITS",
 ]

@@ -7,6 +7,7 @@ import dataclasses
 import numpy as np
 import pytest
 
+from conftest import build
 from pagedweight.format.blocks import BIT_WIDTHS, MIN_BITS
 from pagedweight.planner.greedy import free_bytes, spend_bytes
 from pagedweight.weights.fewer_moves import free_with_fewer_moves, move_cost_scale, raise_whole
@@ -112,7 +113,6 @@ def test_a_planner_with_a_move_cost_answers_a_spend_with_whole_raises():
     from pagedweight.planner.messages import KVPressure, PlanRequest
     from pagedweight.weights.in_process_planner import InProcessPlanner, page_table_registration
     from pagedweight.weights.synthetic import random_blocks
-    from conftest import build
 
     blocks = random_blocks(num_layers=2, num_experts=6, hidden=64, intermediate=96, seed=3)
     _, _, table_, mover = build(blocks, 1 << 22)

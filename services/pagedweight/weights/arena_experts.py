@@ -131,8 +131,8 @@ def precompile_kernels(operators: list[ArenaExperts], dtype: torch.dtype) -> int
     """Compile every fused-kernel instance these operators can launch with activations of
     `dtype` (every bit class, the merged one, both projections and plane layouts, every
     prefill tile), before the first step: the pager changes layers' bit classes while serving,
-    and an instance first met then compiles inside a step or a decode-graph capture (0.05-0.4 s
-    each on the H200). Returns the instances compiled (0 where no operator uses the kernel)."""
+    and an instance first met then would compile inside a step or a decode-graph capture.
+    Returns the instances compiled (0 where no operator uses the kernel)."""
     users = [op for op in operators if op.use_kernel and op.table.arena.device.type == "cuda"]
     if not users or dtype not in ACT_DTYPES:
         return 0

@@ -358,4 +358,5 @@ class WeightPager:
         come back first: a layer's bit classes (what its decode launches and a captured
         decode graph depend on) then change once, not at every boundary that lands a few."""
         unsettled = self.table.unsettled()
-        return [e.block_id for e in sorted(unsettled, key=lambda e: (e.block_id.layer, e.committed_bits - e.desired_bits))]
+        order = sorted(unsettled, key=lambda e: (e.block_id.layer, e.committed_bits - e.desired_bits))
+        return [e.block_id for e in order]
