@@ -48,6 +48,7 @@ from pagedweight.engine.scheduler import SchedulerConfig
 from pagedweight.format.apl_format import block_bytes
 from pagedweight.memory.kv_cache import KVCacheConfig, kv_block_bytes
 from pagedweight.runtime import RuntimeConfig, build_runtime_from_paged, workspace_bytes
+from pagedweight_kernels.apl_moe import compile_stats
 
 POLICIES = ("pagedweight", "static-8", "static-4", "static-3", "uniform")
 
@@ -316,12 +317,15 @@ def main() -> int:
     parser.add_argument("--no-project-demand", action="store_true",
                         help="the broker asks for this step's shortage only and offers every spare byte "
                              "(the behaviour before issue 17's projected demand, for comparison)")
-    parser.add_argument("--move-cost", type=float, default=0.0,
+    parser.add_argument("--move-cost", type=float, default=RuntimeConfig.move_cost,
                         help="pagedweight: cost of each moved block in a lowering plan, in medians of one "
                              "bit's damage (fewer blocks lowered further); 0: the one-bit greedy")
     parser.add_argument("--drain-s", type=float, default=12.0)
     parser.add_argument("--graphs-per-bucket", type=int, default=1,
                         help="decode graphs kept per batch bucket, one per bit-class signature")
+    parser.add_argument("--no-precompile", action="store_true",
+                        help="compile fused-kernel instances on first use instead of at start-up "
+                             "(the behaviour before issue 17's precompile, for comparison)")
     parser.add_argument("--kl", action="store_true", help="--artifact: KL to bf16 of the plans served")
     parser.add_argument("--kl-domain", default="kjv")
     parser.add_argument("--kl-seq-len", type=int, default=128)
@@ -361,7 +365,8 @@ def main() -> int:
         log(f"{trace} / {policy}")
         try:
             rt = build_runtime_from_paged(paged, RuntimeConfig(sizes["budget"], policy, device=str(device),
-                                                               dtype=dtype, engine=ecfg, move_cost=args.move_cost), eos)
+                                                               dtype=dtype, engine=ecfg, move_cost=args.move_cost,
+                                                               precompile_kernels=not args.no_precompile), eos)
         except Exception as err:  # noqa: BLE001 - a policy that cannot start is a result too
             rows[policy] = {"error": repr(err)}
             log(f"  {policy}: {err!r}")
@@ -371,11 +376,17 @@ def main() -> int:
             rt.pager.mover.profile.reset()
         moves0, plans0 = _moves(rt), rt.pager.num_plans if rt.pager is not None else 0
         graphs = rt.engine.runner.graphs  # None: decode steps run eagerly (CPU)
-        captures0 = (graphs.num_captures, graphs.capture_seconds) if graphs is not None else (0, 0.0)
+        captures0 = (graphs.num_captures, graphs.capture_seconds, graphs.capture_warmup_seconds) \
+            if graphs is not None else (0, 0.0, 0.0)
+        compiles0 = compile_stats()
         row = drive_trace(rt, phases, args.prompt_len, args.max_tokens, args.drain_s, burst_phase)
+        compiles = compile_stats()  # fused-kernel instances first met inside the trace (0 after precompile)
+        row.update({"kernel_compiles": compiles.count - compiles0.count,
+                    "kernel_compile_s": round(compiles.seconds - compiles0.seconds, 3)})
         if graphs is not None:  # a bit-class change in any layer re-captures each bucket it meets
             row.update({"graph_captures": graphs.num_captures - captures0[0],
-                        "graph_capture_s": round(graphs.capture_seconds - captures0[1], 3)})
+                        "graph_capture_s": round(graphs.capture_seconds - captures0[1], 3),
+                        "graph_capture_warmup_s": round(graphs.capture_warmup_seconds - captures0[2], 3)})
         stats = rt.engine.stats()
         profile = rt.pager.stats().profile if rt.pager is not None else None
         row.update({"preemptions": stats.num_preemptions, "memory_short_steps": stats.memory_short_steps,
@@ -403,6 +414,7 @@ def main() -> int:
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
+        result["kernel_compiles_process"] = vars(compile_stats())  # precompiles included
         _write(out, result)
     if args.kl:
         for rows in result["traces"].values():

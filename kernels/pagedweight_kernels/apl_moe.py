@@ -19,6 +19,10 @@ Shape legend: T tokens, H hidden, I expert intermediate, E experts, k top-k.
 from __future__ import annotations
 
 import math
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
 from pathlib import Path
@@ -41,7 +45,8 @@ ACT_DTYPES = (torch.bfloat16, torch.float16)
 
 # Regime choice (per launch, from the host-known average tokens per expert, T*k/E).
 DECODE_MAX_TOKENS_PER_EXPERT = 2.0  # above: tensor-core prefill kernel
-PREFILL_TILES = ((12.0, 16), (40.0, 32), (80.0, 64))  # (up to this many tokens per expert, tile); else 128
+PREFILL_TILES = ((12.0, 16), (40.0, 32), (80.0, 64))  # (up to this many tokens per expert, tile)
+PREFILL_LARGEST_TILE = 128  # above the last limit
 DECODE_X_BYTES = 32 * 1024  # shared-memory budget for one column split's activations
 SMEM_ALIGN_PAD = 1024  # kernels round their shared memory start up to 1 KB (aligned LUT rows)
 PREFILL_ROWS, PREFILL_SP = 64, 136  # weight rows per prefill CTA; padded shared row (u16)
@@ -228,6 +233,16 @@ class APLLayer:
             self.classes[module] = dict(sorted(widest.items()))
         self.aligned8 = {m: all(b.aligned8 for b in getattr(self, m)) for m in ("gate_up", "down")}
 
+    def launch_signature(self) -> tuple:
+        """What the layer's launches bake in beyond its descriptor rows (a CUDA graph of a step
+        replays them): widest bits (prefill's shared LUT), per projection the decode kernels
+        launched with their LUT sizes, and the plane alignment. Coarser than the bit classes: in
+        a layer with both classes one merged launch runs whatever the 3-4-bit class's widest
+        width is, so a 3 <-> 4-bit move there changes nothing a graph holds."""
+        launches = tuple(tuple((cls, widest if cls >= 1 else 0) for cls, widest in _class_launches(self.classes[m]))
+                         for m in ("gate_up", "down"))
+        return self.max_bits, launches, tuple(self.aligned8.values())
+
     def nbytes_active(self, expert_ids) -> int:
         """Plane + LUT bytes the kernel reads for these experts at their committed bits."""
         total = 0
@@ -316,7 +331,7 @@ def plan_launch(num_tokens: int, top_k: int, num_experts: int, hidden: int, inte
         gate_up = _decode_plan(0, nt, hidden, intermediate, max_bits, max_active)
         down = _decode_plan(1, nt, intermediate, hidden, max_bits, max_active)
     else:
-        mt = next((tile for limit, tile in PREFILL_TILES if per_expert <= limit), 128)
+        mt = next((tile for limit, tile in PREFILL_TILES if per_expert <= limit), PREFILL_LARGEST_TILE)
         z = max(1, min(math.ceil(num_tokens / mt), math.ceil(per_expert / mt)))
         gate_up = _prefill_plan(0, mt, intermediate, max_bits, max_active, z)
         down = _prefill_plan(1, mt, hidden, max_bits, max_active, z)
@@ -401,19 +416,120 @@ def check_inputs(x, topk_ids, topk_weights, layer: APLLayer):
 
 
 # ---------------------------------------------------------------- CUDA launch (cupy)
+def _defines(activation: str) -> tuple:
+    return tuple(sorted({**KERNEL_DEFINES, "APL_ACT": ACT_CODES[activation]}.items()))
+
+
 def _kernel(name: str, activation: str = "silu"):
-    return _compiled(name, tuple(sorted({**KERNEL_DEFINES, "APL_ACT": ACT_CODES[activation]}.items())))
+    return _compiled(name, _defines(activation))
 
 
-@lru_cache(maxsize=None)
+@dataclass
+class CompileStats:
+    """Kernel instances compiled in this process and the host seconds they took. A compile
+    met inside a step stalls it (seconds at first use on the H200, docs/elasticity.md
+    section 1): after `precompile` the count should not move."""
+
+    count: int = 0
+    seconds: float = 0.0
+
+
+COMPILE_STATS = CompileStats()
+_FUNCTIONS: dict[tuple[str, tuple], object] = {}  # (instance name, defines) -> loaded kernel
+_COMPILE_LOCK = threading.Lock()
+
+
 def _compiled(name: str, defines: tuple):
-    """Compile (once per process) a module holding one kernel instance, e.g. 'apl_decode<1, 32, 0, true>'."""
+    """Compile (once per process) a module holding one kernel instance, e.g. 'apl_gemv<2, 0, true, true>'."""
+    key = (name, defines)
+    function = _FUNCTIONS.get(key)
+    if function is not None:
+        return function
     import cupy as cp
 
+    start = time.perf_counter()
     options = ("-std=c++17", *(f"-D{k}={v}" for k, v in defines))
     code = SOURCE.read_text() + "\n" + GEMV_SOURCE.read_text()
     module = cp.RawModule(code=code, options=options, name_expressions=[name])
-    return module.get_function(name)
+    function = module.get_function(name)  # compiles (or reads cupy's disk cache) and loads
+    with _COMPILE_LOCK:
+        if key not in _FUNCTIONS:
+            _FUNCTIONS[key] = function
+            COMPILE_STATS.count += 1
+            COMPILE_STATS.seconds += time.perf_counter() - start
+        return _FUNCTIONS[key]
+
+
+def _gemv_name(cls: int, mode: int, flag: str, aligned8: str, tiles: int = 1) -> str:
+    return f"apl_gemv<{cls}, {mode}, {flag}, {aligned8}, {tiles}>"
+
+
+def tiles_choices() -> tuple[int, ...]:
+    """Every NT8 `plan_launch` can pick: 1 (decode) and the tiles regime's powers of two."""
+    nt8, out = TILES_MIN_NT8, [1]
+    while nt8 <= TILES_MAX_NT8:
+        out.append(nt8)
+        nt8 *= 2
+    return tuple(out)
+
+
+def _prefill_name(tile: int, mode: int, flag: str) -> str:
+    return f"apl_prefill<{tile}, {mode}, {flag}>"
+
+
+def _mode_activation(mode: int, activation: str) -> str:
+    """The activation a projection's module is compiled with: gate_up applies the layer's;
+    down applies none, and is compiled with the default define."""
+    return activation if mode == 0 else "silu"
+
+
+def kernel_instances(dtype: torch.dtype, activation: str = "silu") -> list[tuple[str, str]]:
+    """(instance name, activation) of every kernel `apl_moe` can launch for activations of
+    `dtype`, whatever the layer's bits, layout or token count: the decode kernel per bit class
+    (3-4, 5-8, merged), projection, plane alignment and 8-token tiles per pass, the prefill kernel per token tile and
+    projection, routing and combine. The legacy decode kernel (a baseline) is left out."""
+    if dtype not in ACT_DTYPES:
+        raise APLKernelError(f"the fused kernel takes bfloat16 or float16 activations, got {dtype}")
+    check_activation(activation)
+    flag = _flag(dtype)
+    names = [("moe_align", "silu"), (f"moe_combine<{flag}>", "silu")]
+    tiles = sorted({tile for _, tile in PREFILL_TILES} | {PREFILL_LARGEST_TILE})
+    for mode in (0, 1):
+        act = _mode_activation(mode, activation)
+        names += [(_gemv_name(cls, mode, flag, v2, nt8), act)
+                  for cls in (0, 1, 2) for v2 in ("true", "false") for nt8 in tiles_choices()]
+        names += [(_prefill_name(tile, mode, flag), act) for tile in tiles]
+    return names
+
+
+def precompile(dtype: torch.dtype, activation: str = "silu", device=None, max_workers: int | None = None) -> int:
+    """Compile every kernel instance `apl_moe` can need for `dtype` (kernel_instances) now, so
+    that no compile ever lands inside a step or a decode-graph capture when the pager changes
+    a layer's bit classes. NVRTC runs outside the GIL, so the instances compile in threads.
+    Returns the number compiled by this call (0 when all were already)."""
+    todo = [(name, _defines(act)) for name, act in kernel_instances(dtype, activation)]
+    todo = [key for key in todo if key not in _FUNCTIONS]
+    if not todo:
+        return 0
+    import cupy as cp
+
+    index = torch.device(device).index if device is not None else None
+    index = torch.cuda.current_device() if index is None else index
+
+    def compile_one(key):
+        with cp.cuda.Device(index):  # the thread's current context: the module loads there
+            _compiled(*key)
+
+    workers = max_workers or max(1, min(8, os.cpu_count() or 1))
+    with ThreadPoolExecutor(max_workers=min(workers, len(todo)), thread_name_prefix="apl-compile") as pool:
+        list(pool.map(compile_one, todo))
+    return len(todo)
+
+
+def compile_stats() -> CompileStats:
+    """A copy of the process's compile count and seconds (diff two to count a window's)."""
+    with _COMPILE_LOCK:
+        return CompileStats(COMPILE_STATS.count, COMPILE_STATS.seconds)
 
 
 def _launch(name: str, grid, args, shared: int = 0, block: int = THREADS, activation: str = "silu"):
@@ -453,9 +569,9 @@ def launch_gemm(mode: int, plan: GemmPlan, desc, active, num_active, sorted_slot
         args = (desc, active, num_active, sorted_slot, top_k, x, rows_out, cols, plan.split_cols,
                 max_bits, h_out, y_out, num_slots)
     else:
-        name = f"apl_prefill<{plan.tokens}, {mode}, {_flag(x.dtype)}>"
+        name = _prefill_name(plan.tokens, mode, _flag(x.dtype))
         args = (desc, active, num_active, sorted_slot, top_k, x, rows_out, cols, max_bits, h_out, y_out)
-    _launch(name, plan.grid, args, plan.shared_bytes, activation=activation)
+    _launch(name, plan.grid, args, plan.shared_bytes, activation=_mode_activation(mode, activation))
 
 
 _WEIGHT_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -502,14 +618,14 @@ def _apl_moe_gemv(x, ids, topk_weights, layer: APLLayer, plan: LaunchPlan, out: 
     launches = {m: _class_launches(layer.classes[m]) for m in ("gate_up", "down")}
     for cls, widest in launches["gate_up"]:
         lut = 1 << widest if cls >= 1 else 0
-        _launch(f"apl_gemv<{cls}, 0, {flag}, {v2['gate_up']}, {gu.tiles}>", gu.grid,
+        _launch(_gemv_name(cls, 0, flag, v2["gate_up"], gu.tiles), gu.grid,
                 (layer.gate_up_desc, ids, num_assign, k, E, x, I, H, gu.split_cols // 32, lut, gu.tokens,
                  part_gu, layer.counters, h, weights, w_kind, T, out, 0),
                 gu.shared_bytes + gemv_extra_shared(cls, lut, gu.tiles), block=GEMV_THREADS,
                 activation=layer.activation)
     for i, (cls, widest) in enumerate(launches["down"]):
         lut = 1 << widest if cls >= 1 else 0
-        _launch(f"apl_gemv<{cls}, 1, {flag}, {v2['down']}, {dn.tiles}>", dn.grid,
+        _launch(_gemv_name(cls, 1, flag, v2["down"], dn.tiles), dn.grid,
                 (layer.down_desc, ids, num_assign, k, E, h, H, I, dn.split_cols // 32, lut, dn.tokens,
                  part_dn, layer.counters, None, weights, w_kind, T, out, int(i == 0)),
                 dn.shared_bytes + gemv_extra_shared(cls, lut, dn.tiles), block=GEMV_THREADS)
@@ -561,5 +677,6 @@ def kernel_available() -> bool:
 
 __all__ = [
     "APLKernelError", "APLLayer", "ResidentBlock", "apl_moe", "apl_moe_reference", "check_inputs",
-    "bit_class", "kernel_available", "lanes_per_row", "launch_gemm", "plan_launch", "tiles_per_pass", "MIN_BITS", "MAX_BITS",
+    "bit_class", "compile_stats", "kernel_available", "kernel_instances", "lanes_per_row", "launch_gemm",
+    "plan_launch", "precompile", "tiles_per_pass", "MIN_BITS", "MAX_BITS",
 ]

@@ -22,6 +22,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -36,7 +37,7 @@ from pagedweight.model.materialize import materialize_dense
 from pagedweight.model.transformer import MoECausalLM
 from pagedweight.planner.sizing import format_sizing
 from pagedweight.format.apl_format import BIT_WIDTHS, MIN_BITS
-from pagedweight.weights.arena_experts import ArenaExperts
+from pagedweight.weights.arena_experts import ArenaExperts, precompile_kernels
 from pagedweight.weights.page_mover import PageMover
 from pagedweight.weights.page_table import PageTable
 
@@ -60,8 +61,13 @@ class RuntimeConfig:
     # (the planner's third signal); off: the planner sees routing only (an ablation)
     prompt_residuals: bool = True
     # lowering plans move fewer blocks further: each moved block costs this many medians of
-    # one bit's damage (weights/fewer_moves.py); 0: the planner's one-bit greedy
-    move_cost: float = 0.0
+    # one bit's damage (weights/fewer_moves.py); 0: the planner's one-bit greedy. 16 halved the
+    # blocks lowered for the same load (CPU, docs/elasticity.md 2c) for 0.06-0.1 fewer mean
+    # bits, and is what every H200 run since used
+    move_cost: float = 16.0
+    # compile every fused-kernel instance the layers can meet at start-up (seconds, once per
+    # process), so none compiles inside a step when the pager changes a layer's bit classes
+    precompile_kernels: bool = True
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self):
@@ -146,6 +152,11 @@ def build_runtime_from_paged(paged, config: RuntimeConfig, eos_token_ids=()) -> 
     mover.load_all()
     for layer, moe in enumerate(model.moe_blocks):
         moe.experts = ArenaExperts(table, layer, paged.config.num_experts, activation=paged.config.expert_activation)
+    if config.precompile_kernels:
+        start = time.perf_counter()
+        compiled = precompile_kernels([moe.experts for moe in model.moe_blocks], config.dtype)
+        if compiled:
+            log.info("compiled %d fused-kernel instances in %.1f s", compiled, time.perf_counter() - start)
     recorder, residual_of = prompts or (None, None)
     pager = None
     if planner is not None:

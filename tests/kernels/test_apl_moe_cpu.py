@@ -241,3 +241,54 @@ def test_apl_experts_on_cpu_runs_the_reference_and_commits_new_bits():
     after = experts(x, ids, w)
     assert not torch.allclose(before, after)
     torch.testing.assert_close(after, apl_moe_reference(x, ids, w, experts.layer))
+
+
+def test_kernel_instances_cover_every_class_layout_and_tile_once():
+    from pagedweight_kernels.apl_moe import PREFILL_LARGEST_TILE, PREFILL_TILES, kernel_instances
+
+    names = kernel_instances(torch.bfloat16, "gelu_tanh")
+    assert len(names) == len(set(names))
+    gemv = {n for n, _ in names if n.startswith("apl_gemv<")}
+    assert gemv == {f"apl_gemv<{c}, {m}, true, {v}, {t}>" for c in (0, 1, 2) for m in (0, 1)
+                    for v in ("true", "false") for t in (1, 2, 4, 8)}
+    tiles = [t for _, t in PREFILL_TILES] + [PREFILL_LARGEST_TILE]
+    assert {n for n, _ in names if n.startswith("apl_prefill<")} == {
+        f"apl_prefill<{t}, {m}, true>" for t in tiles for m in (0, 1)}
+    # gate_up applies the layer's activation; down, routing and combine are compiled with the default
+    assert {a for n, a in names if ", 0, true" in n} == {"gelu_tanh"}
+    assert {a for n, a in names if ", 0, true" not in n} == {"silu"}
+    assert all("false" not in n.split(",")[-2] for n, _ in names if n.startswith("apl_prefill<"))
+    assert "moe_combine<false>" in dict(kernel_instances(torch.float16))
+    with pytest.raises(APLKernelError, match="float32"):
+        kernel_instances(torch.float32)
+
+
+def test_launch_signature_follows_the_launches_not_the_widths():
+    """A graph of a step bakes in the launches: in a layer with both bit classes one merged
+    launch runs whatever the 3-4-bit class's widest width is, so 3 <-> 4 there is no change,
+    while the 5-8 class's widest (its LUT size) and a class appearing are."""
+    E = 4
+
+    def signature(bits_of):
+        bits = {(e, m): bits_of(e) for e in range(E) for m in ("gate_up", "down")}
+        return random_layer(E, 32, 32, seed=1, bits=bits).launch_signature()
+
+    mixed_3 = signature(lambda e: 3 if e == 0 else 8)
+    mixed_4 = signature(lambda e: 4 if e == 0 else 8)
+    assert mixed_3 == mixed_4
+    assert signature(lambda e: 8) != mixed_4  # one class -> both: another kernel
+    assert signature(lambda e: 3 if e == 0 else 7) != mixed_4  # widest 5-8 bits: another LUT size
+    assert signature(lambda e: 3) != signature(lambda e: 4)  # widest bits (prefill's LUT) moved
+
+
+def test_every_planned_tiles_count_is_one_precompile_covers():
+    # precompile compiles kernel_instances; a plan whose NT8 it misses would compile inside a capture
+    from pagedweight_kernels.apl_moe import tiles_choices
+
+    seen = set()
+    for tokens in list(range(1, 300)) + [511, 1024, 4096]:
+        for top_k, experts in ((2, 8), (4, 60), (8, 128)):
+            plan = plan_launch(tokens, top_k, experts, 2048, 1408, 4)
+            seen |= {plan.gate_up.tiles, plan.down.tiles}
+    assert seen <= set(tiles_choices())
+    assert {1, 2, 8} <= seen

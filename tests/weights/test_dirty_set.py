@@ -51,3 +51,25 @@ def test_dirty_set_and_mean_follow_every_change(micro):  # noqa: F811
         assert all(e.committed_bits == e.desired_bits for e in table.entries.values())
         assert abs(table.mean_committed_bits() - recomputed_mean(table)) < 1e-12
     mover.close()
+
+
+def test_unsettled_is_computed_once_until_a_block_changes(micro):  # noqa: F811
+    """A boundary asks for the unsettled blocks several times (pending sums, raise order, the
+    mover, busy): the filtered, sorted list is built once and rebuilt only after a change."""
+    pool, arena, table, mover, pager = make_pager(micro, 0)
+    settle(pager)
+    ids = list(table.entries)
+    table.set_desired_bits({ids[4]: 5, ids[2]: 6})
+    first = table.unsettled()
+    assert [e.block_id for e in first] == [ids[2], ids[4]]  # table order
+    assert table.unsettled() is first  # nothing changed: the same list, not a new sort
+    table.entries[ids[0]].desired_bits = 7
+    second = table.unsettled()
+    assert second is not first and [e.block_id for e in second] == [ids[0], ids[2], ids[4]]
+    for _ in range(20):
+        pager.step_boundary()
+        mover.wait_for_transits()
+        if not pager.busy():
+            break
+    assert table.unsettled() == [] and table.dirty == set()
+    mover.close()

@@ -7,9 +7,10 @@ import dataclasses
 import numpy as np
 import pytest
 
+from conftest import build
 from pagedweight.format.blocks import BIT_WIDTHS, MIN_BITS
-from pagedweight.planner.greedy import free_bytes
-from pagedweight.weights.fewer_moves import free_with_fewer_moves, move_cost_scale
+from pagedweight.planner.greedy import free_bytes, spend_bytes
+from pagedweight.weights.fewer_moves import free_with_fewer_moves, move_cost_scale, raise_whole
 
 
 def table(n=200, seed=0):
@@ -82,3 +83,55 @@ def test_runtime_with_a_move_cost_moves_fewer_blocks_under_the_same_load(paged_m
         finally:
             runtime.close()
     assert 0 < moves[64.0] < moves[0.0]
+
+
+def test_whole_raises_take_the_best_blocks_straight_to_their_ceiling_within_the_bytes():
+    nbytes, damage = table()
+    n = len(nbytes)
+    rows = np.arange(n)
+    bits = np.array([3, 4, 5, 6, 7, 8])[rows % 6]
+    ceilings = np.where(rows % 5 == 0, 7, 8)
+    limit = int(0.05 * nbytes[:, -1].sum())
+    new = raise_whole(damage, nbytes, bits, ceilings, limit)
+    moved = np.flatnonzero(new != bits)
+    cost = lambda b: nbytes[rows, b - MIN_BITS]
+    assert moved.size and (new >= bits).all() and (new[moved] == ceilings[moved]).all()
+    assert (cost(new) - cost(bits)).sum() <= limit
+    # best damage saved per byte first: no block left below its ceiling beats a raised one
+    top = np.maximum(ceilings, bits)
+    ratio = (damage[rows, bits - MIN_BITS] - damage[rows, top - MIN_BITS]) / np.maximum(cost(top) - cost(bits), 1)
+    left = np.flatnonzero((new == bits) & (top > bits))
+    assert ratio[moved].min() >= ratio[left].max()
+    # the one-bit greedy spends the same bytes on many more blocks
+    greedy = spend_bytes(damage, nbytes, bits, ceilings, limit).bits
+    assert np.count_nonzero(greedy != bits) > 2 * moved.size
+    smallest = (cost(top) - cost(bits))[top > bits].min()
+    assert raise_whole(damage, nbytes, bits, ceilings, smallest - 1) is None  # not one whole raise fits
+
+
+def test_a_planner_with_a_move_cost_answers_a_spend_with_whole_raises():
+    from pagedweight.planner.messages import KVPressure, PlanRequest
+    from pagedweight.weights.in_process_planner import InProcessPlanner, page_table_registration
+    from pagedweight.weights.synthetic import random_blocks
+
+    blocks = random_blocks(num_layers=2, num_experts=6, hidden=64, intermediate=96, seed=3)
+    _, _, table_, mover = build(blocks, 1 << 22)
+    registration = page_table_registration(table_.charged_bytes_table(), top_k=2)
+    mover.close()
+    nbytes = registration.nbytes
+    low = np.full(len(nbytes), 4)
+    spare = int((nbytes[:, -1] - nbytes[:, 4 - MIN_BITS]).sum() * 0.4)  # 40 % of what all of them back takes
+    moved = {}
+    for cost in (0.0, 16.0):
+        planner = InProcessPlanner("pagedweight", move_cost=cost)
+        planner.register(registration)
+        planner.submit(PlanRequest(1, KVPressure(bytes_free=spare), low))
+        changes = planner.poll().changes()
+        new = low.copy()
+        new[list(changes)] = list(changes.values())
+        assert (new >= low).all() and (nbytes[np.arange(len(new)), new - MIN_BITS]
+                                       - nbytes[np.arange(len(new)), low - MIN_BITS]).sum() <= spare
+        moved[cost] = changes
+    assert set(moved[0.0].values()) != {8}  # the greedy raises blocks part of the way
+    assert moved[16.0] and set(moved[16.0].values()) == {8}  # each raised block lands whole
+    assert len(moved[16.0]) < len(moved[0.0])

@@ -170,3 +170,33 @@ def test_table_generation_counts_every_version_bump(small_blocks):
     mover.step_boundary()  # raises commit
     assert table.generation > before and table.generation - bumps() == start
     mover.close()
+
+
+def test_a_raise_waits_for_bytes_in_flight_rather_than_landing_in_pieces(small_blocks):
+    """Bytes for one whole raise and part of a second: the second waits for the first to
+    commit (its old LUT freed) and then goes whole: two commits, not three (before, it went
+    part of the way at once and finished at a later boundary). With nothing in flight a
+    raise still goes part of the way (test_budget_range)."""
+    _, _, probe_table, probe = build(small_blocks, BUDGET, initial_bits=4)
+    used = probe.arena.pool.reserved_bytes
+    a, b = [bid for bid in probe_table.entries if bid.module == "gate_up"][:2]
+    whole_a, whole_b = probe._transit_bytes(a, 4, 8), probe._transit_bytes(b, 4, 8)
+    old_lut_a = probe.arena.charged_bytes(probe_table.lut_bytes(a, 4))
+    probe.close()
+    free = whole_a + whole_b - old_lut_a  # B whole fits only once A's LUT_4 is freed
+    pool, arena, table, mover = build(small_blocks, used + free, initial_bits=4)
+    assert pool.free_bytes == free and mover._transit_bytes(b, 4, 5) <= free - whole_a < whole_b
+    loaded = mover.counters.num_raises_committed
+    table.set_desired_bits({a: 8, b: 8})
+    first = mover.step_boundary([a, b])
+    assert first.started_ids == [a] and table.entries[b].transit_bits == 0
+    mover.wait_for_transits()
+    second = mover.step_boundary([a, b])
+    assert second.committed_ids == [a] and second.started_ids == [b] and table.entries[b].transit_bits == 8
+    mover.wait_for_transits()
+    assert mover.step_boundary([a, b]).committed_ids == [b]
+    assert mover.counters.num_raises_committed - loaded == 2 and not mover.busy()
+    for bid, w in weights_from_arena(table).items():
+        assert torch.equal(w, static_weight(table, bid, 8 if bid in (a, b) else 4))
+    check_accounting(pool, arena, table, mover)
+    mover.close()

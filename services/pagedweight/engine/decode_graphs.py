@@ -92,6 +92,7 @@ class DecodeGraphs:
         self.pool = None
         self.num_captures = self.num_replays = 0
         self.capture_seconds = 0.0  # host time in captures, warm-up included (a step waits for it)
+        self.capture_warmup_seconds = 0.0  # of which the eager warm-up step before each capture
         self.disabled = False  # a capture failed: every step eager
         self.replay_events: list | None = None  # a list: (bucket, start, end) CUDA events per replay
 
@@ -195,6 +196,7 @@ class DecodeGraphs:
         with torch.cuda.stream(stream):
             self._forward(bucket)
         torch.cuda.current_stream(self.kv.device).wait_stream(stream)
+        self.capture_warmup_seconds += time.perf_counter() - start
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()

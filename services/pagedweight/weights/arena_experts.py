@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedweight_kernels.apl_moe import ACT_DTYPES, APLLayer, ResidentBlock, apl_moe, kernel_available
+from pagedweight_kernels.apl_moe import ACT_DTYPES, APLLayer, ResidentBlock, apl_moe, kernel_available, precompile
 from pagedweight_kernels.moe_reference import check_activation, gated, moe_forward
 from pagedweight.format.apl_format import BlockId
 from pagedweight.model.dequantized_experts import dequantize_block
@@ -110,8 +110,7 @@ class ArenaExperts(nn.Module):
             return None
         layer = self.kernel_layer()  # resets the cached state when the generation moved
         if self._graph_state is None:
-            self._graph_state = (layer.max_bits, tuple(tuple(c.items()) for c in layer.classes.values()),
-                                 tuple(layer.aligned8.values()))
+            self._graph_state = layer.launch_signature()
         return self._graph_state
 
     def forward(self, x, topk_ids, topk_weights):
@@ -126,3 +125,16 @@ def install_arena_experts(model, table: PageTable, cache_dequantized: bool | Non
     for layer, moe in enumerate(model.moe_blocks):
         moe.experts = ArenaExperts(table, layer, moe.experts.num_experts, cache_dequantized,
                                    activation=model.config.expert_activation)
+
+
+def precompile_kernels(operators: list[ArenaExperts], dtype: torch.dtype) -> int:
+    """Compile every fused-kernel instance these operators can launch with activations of
+    `dtype` (every bit class, the merged one, both projections and plane layouts, every
+    prefill tile), before the first step: the pager changes layers' bit classes while serving,
+    and an instance first met then would compile inside a step or a decode-graph capture.
+    Returns the instances compiled (0 where no operator uses the kernel)."""
+    users = [op for op in operators if op.use_kernel and op.table.arena.device.type == "cuda"]
+    if not users or dtype not in ACT_DTYPES:
+        return 0
+    device = users[0].table.arena.device
+    return sum(precompile(dtype, activation, device) for activation in sorted({op.activation for op in users}))

@@ -75,3 +75,26 @@ def free_with_fewer_moves(damage: np.ndarray, nbytes: np.ndarray, bits: np.ndarr
 def _turn(o, a, b) -> float:
     """> 0 when o -> a -> b turns left (b lies above the line o-a extended): a stays on the lower hull."""
     return (a[0] - o[0]) * (b[1] - o[1]) - (a[1] - o[1]) * (b[0] - o[0])
+
+
+def raise_whole(damage: np.ndarray, nbytes: np.ndarray, bits: np.ndarray, ceilings: np.ndarray,
+                byte_limit: int) -> np.ndarray | None:
+    """New bits raising whole blocks, each straight to its ceiling, best damage saved per
+    byte first, within `byte_limit`; None when not one whole raise fits (the caller keeps its
+    own plan). The raising side of fewer moves: a spend greedy raises many blocks a bit at a
+    time, plan after plan (on the H200, 543 blocks came back in 900 raise commits), and every
+    commit is a descriptor rewrite and maybe a decode-graph capture; whole raises land each
+    block once."""
+    bits = np.asarray(bits, dtype=np.int64)
+    top = np.maximum(np.asarray(ceilings, dtype=np.int64), bits)
+    rows = np.arange(len(bits))
+    cost = nbytes[rows, top - MIN_BITS] - nbytes[rows, bits - MIN_BITS]
+    gain = damage[rows, bits - MIN_BITS] - damage[rows, top - MIN_BITS]
+    candidates = np.flatnonzero((top > bits) & (gain > 0))
+    order = candidates[np.lexsort((candidates, -gain[candidates] / np.maximum(cost[candidates], 1)))]
+    taken = order[np.cumsum(cost[order]) <= byte_limit]
+    if taken.size == 0:
+        return None
+    new = bits.copy()
+    new[taken] = top[taken]
+    return new

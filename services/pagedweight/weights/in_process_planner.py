@@ -21,7 +21,9 @@ next request, and a request without one (no prompts in flight) clears it.
 
 `move_cost` > 0 (issue 17): a free request for the damage-model policies is answered by
 lowering fewer blocks further (weights/fewer_moves.py), each moved block costing
-move_cost times the median damage of one bit; 0 keeps the one-bit greedy.
+move_cost times the median damage of one bit, and a spend by raising whole blocks to the
+ceiling within the bytes the greedy spent (best damage saved per byte first; the greedy's
+answer when none fits); 0 keeps the one-bit greedy both ways.
 
 Answers are immediate (ready at the next `poll`), but nothing in the pager relies on it.
 """
@@ -39,7 +41,7 @@ from pagedweight.planner.planner import OnlinePlanner
 from pagedweight.planner.policies import PagedWeightPolicy, PlanContext, make_policy
 from pagedweight.planner.routing_stats import RoutingStats
 from pagedweight.planner.tables import BlockTable
-from pagedweight.weights.fewer_moves import free_with_fewer_moves, move_cost_scale
+from pagedweight.weights.fewer_moves import free_with_fewer_moves, move_cost_scale, raise_whole
 
 
 class InProcessPlanner:
@@ -48,7 +50,7 @@ class InProcessPlanner:
         if move_cost < 0:
             raise ValueError(f"move_cost must be >= 0, got {move_cost}")
         self.policy_name, self.scales, self.config = policy_name, scales, config
-        self.move_cost = move_cost  # per moved block on frees, in medians of one bit's damage
+        self.move_cost = move_cost  # per moved block on frees, in medians of one bit's damage (> 0: whole raises too)
         self.table: BlockTable | None = None
         self.num_plans = 0
         self._ready: deque[PlanResponse] = deque()
@@ -100,6 +102,8 @@ class InProcessPlanner:
             # lowerings are clipped away: keep its raises, in table order, while they fit.
             cost = self.table.nbytes[rows, new - MIN_BITS] - self.table.nbytes[rows, now - MIN_BITS]
             new = np.where(np.cumsum(cost) > pressure.bytes_free, now, new)
+            if self.move_cost > 0 and isinstance(self.policy, PagedWeightPolicy) and (new != now).any():
+                new = self._whole_raises(now, new)
         else:
             new = np.minimum(plan.bits, now)
             if self.move_cost > 0 and isinstance(self.policy, PagedWeightPolicy):
@@ -121,6 +125,20 @@ class InProcessPlanner:
         if self.online is not None:
             self.online.bits = fewer.copy()
         return fewer
+
+    def _whole_raises(self, now: np.ndarray, greedy: np.ndarray) -> np.ndarray:
+        """Spend what the greedy spent on whole raises (each block to the ceiling at once);
+        the greedy's own answer when not one whole raise fits in those bytes."""
+        rows = np.arange(len(now))
+        spent = int((self.table.nbytes[rows, greedy - MIN_BITS] - self.table.nbytes[rows, now - MIN_BITS]).sum())
+        damage = self.policy.model.damage(self.policy.inputs(self.context))
+        ceilings = np.full(len(now), self.config.max_bits)
+        whole = raise_whole(damage, self.table.nbytes, now, ceilings, spent)
+        if whole is None:
+            return greedy
+        if self.online is not None:
+            self.online.bits = whole.copy()
+        return whole
 
     def _plan(self, now: np.ndarray, budget: int):
         self.num_plans += 1

@@ -16,9 +16,9 @@ between two forward steps, never during one):
    copied from host memory on the compute stream, so the next step sees it; it needs no
    spare memory because the freed LUT_q alone is larger.
 3. Start raises for blocks with d_i > q_i, in the order given, while the arena can
-   hold their new planes (a raise goes part of the way when only that fits, but always
-   to a bit-width: a CPU-only block comes in at MIN_BITS or not at all); the rest wait
-   for a later boundary.
+   hold their new planes; the rest wait for a later boundary. A raise goes part of the way
+   only when no whole one could start and no copy is in flight (and always to a bit-width:
+   a CPU-only block comes in at MIN_BITS or not at all).
 
 A forward step therefore reads, for every block, exactly the committed planes and LUT
 at q_i: the output equals the static model at the committed bits, whatever is in flight.
@@ -127,11 +127,17 @@ class PageMover:
                     self._lower(e, result)
         with profile.timed("raise_start"):
             order = raise_order if raise_order is not None else [e.block_id for e in unsettled]
-            for bid in order:
-                e = self.table.entries[bid]
-                if e.desired_bits > e.committed_bits and not e.transit_bits:
-                    if self._start_raise(e, result):
-                        result.started_ids.append(bid)
+            # Whole raises first: a raise cut short by the bytes free now lands in two commits
+            # (two descriptor rewrites, maybe two decode-graph captures). Part of the way only
+            # when no whole raise could start and no copy is in flight to free bytes later.
+            for partial in (False, True):
+                if partial and self._transits:
+                    break
+                for bid in order:
+                    e = self.table.entries[bid]
+                    if e.desired_bits > e.committed_bits and not e.transit_bits:
+                        if self._start_raise(e, result, partial):
+                            result.started_ids.append(bid)
         return result
 
     def busy(self) -> bool:
@@ -166,14 +172,14 @@ class PageMover:
         return ((b - q) * self.arena.charged_bytes(self.table.plane_bytes(bid))
                 + self.arena.charged_bytes(self.table.lut_bytes(bid, b)))
 
-    def _start_raise(self, e: BlockPages, result: BoundaryResult) -> bool:
-        """Start copying toward d_i: all the way if the pool has the bytes, else as far
-        as it has (the rest follows at a later boundary)."""
+    def _start_raise(self, e: BlockPages, result: BoundaryResult, partial: bool = True) -> bool:
+        """Start copying toward d_i: all the way if the pool has the bytes, else (`partial`)
+        as far as it has (the rest follows at a later boundary)."""
         bid, q = e.block_id, e.committed_bits
         free = self.arena.pool.free_bytes
         # Only a bit-width has a LUT: a partial raise of a CPU-only block (q = 0) must still
         # land at MIN_BITS or more, never at 1 or 2 bits (committed bits are 0 or a width).
-        lowest = max(q + 1, MIN_BITS)
+        lowest = max(q + 1, MIN_BITS) if partial else e.desired_bits
         b = next((b for b in range(e.desired_bits, lowest - 1, -1)
                   if self._transit_bytes(bid, q, b) <= free), None)
         if b is None:

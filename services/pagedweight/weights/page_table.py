@@ -29,6 +29,9 @@ class Residency(str, enum.Enum):
     IN_TRANSIT = "in_transit"
 
 
+_UNSETTLING = frozenset({"desired_bits", "committed_bits", "transit_bits"})  # fields `unsettled()` reads
+
+
 @dataclass
 class BlockPages:
     """One row of the page table."""
@@ -49,6 +52,8 @@ class BlockPages:
         # (pager, mover, tests, benchmarks), so a boundary visits only the blocks that moved.
         owner = self.__dict__.get("owner")
         if owner is not None:
+            if name in _UNSETTLING:
+                owner._unsettled = None  # the boundary's list may change: computed again on demand
             if name == "desired_bits":
                 owner.dirty.add(self.block_id)
             elif name == "committed_bits":
@@ -91,6 +96,7 @@ class PageTable:
         # a copy in flight): what a step boundary visits, O(blocks changed) instead of O(all).
         self.dirty: set[BlockId] = set(self.entries)
         self.index = {bid: i for i, bid in enumerate(self.entries)}  # table order, for determinism
+        self._unsettled: list[BlockPages] | None = None  # unsettled()'s answer until a block changes
         self.committed_weight_bits = 0  # sum of committed bits x weights (the mean without a scan)
         self.num_weights = sum(e.num_weights for e in self.entries.values())
         for e in self.entries.values():
@@ -149,11 +155,15 @@ class PageTable:
 
     def unsettled(self) -> list[BlockPages]:
         """The dirty blocks still off their desired bits or in transit, in table order; the
-        others leave the dirty set here."""
-        settled = [bid for bid in self.dirty if (e := self.entries[bid]).desired_bits == e.committed_bits
-                   and not e.transit_bits]
-        self.dirty.difference_update(settled)
-        return [self.entries[bid] for bid in sorted(self.dirty, key=self.index.__getitem__)]
+        others leave the dirty set here. Kept until a block's desired, committed or transit
+        bits change: a boundary asks several times (pager sums, raise order, mover, busy)
+        and would otherwise filter and sort the dirty set each time. Do not modify the list."""
+        if self._unsettled is None:
+            settled = [bid for bid in self.dirty if (e := self.entries[bid]).desired_bits == e.committed_bits
+                       and not e.transit_bits]
+            self.dirty.difference_update(settled)
+            self._unsettled = [self.entries[bid] for bid in sorted(self.dirty, key=self.index.__getitem__)]
+        return self._unsettled
 
     def mean_committed_bits(self) -> float:
         return self.committed_weight_bits / max(self.num_weights, 1)

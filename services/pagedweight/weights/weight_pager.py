@@ -353,6 +353,10 @@ class WeightPager:
                    if e.desired_bits > (q := e.transit_bits or e.committed_bits))  # q: effective bits
 
     def _raise_order(self) -> list[BlockId]:
-        """Raise the blocks furthest below their desired bits first."""
+        """A layer's raises together, layer by layer; in a layer the blocks furthest below
+        their desired bits first. When the bytes free hold only some raises, whole layers
+        come back first: a layer's bit classes (what its decode launches and a captured
+        decode graph depend on) then change once, not at every boundary that lands a few."""
         unsettled = self.table.unsettled()
-        return [e.block_id for e in sorted(unsettled, key=lambda e: e.committed_bits - e.desired_bits)]
+        order = sorted(unsettled, key=lambda e: (e.block_id.layer, e.committed_bits - e.desired_bits))
+        return [e.block_id for e in order]
