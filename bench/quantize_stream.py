@@ -157,6 +157,8 @@ def main(argv=None) -> int:
         print(f"built {args.model} with {raw['num_hidden_layers']} layers in {build_s:.1f} s",
               file=sys.stderr, flush=True)
     if args.build_only:
+        if args.work is None and not any(root.iterdir()):
+            root.rmdir()  # the checkpoint went elsewhere (--checkpoint): nothing to keep here
         return 0
     if device.type == "cuda":
         torch.cuda.empty_cache()
