@@ -134,7 +134,8 @@ def main(argv=None) -> int:
     parser.add_argument("--checkpoint", default=None, help="the checkpoint directory (default: WORK/ckpt); "
                         "built unless it holds a config.json already")
     parser.add_argument("--build-only", action="store_true", help="build the checkpoint and stop")
-    parser.add_argument("--work-dir", default=None, help="the quantiser's work directory (default: beside the artifact)")
+    parser.add_argument("--work-dir", default=None,
+                        help="the quantiser's work directory (default: beside the artifact)")
     parser.add_argument("--name", default="quantize_stream", help="bench/results/NAME.json")
     parser.add_argument("--copy-to", default=None, help="also write the JSON here (the GPU run's $OUT)")
     args = parser.parse_args(argv)

@@ -53,7 +53,9 @@ from pagedweight.offline.progress import ProgressBar
 from pagedweight.offline.quantize_tables import artifact_meta, fit_heads
 from pagedweight.offline.residual_heads import ResidualConfig
 from pagedweight.offline.sensitivity import sensitivity_table
-from pagedweight.offline.stream_passes import StreamRun, backward_step, embed_step, forward_step, loss_step, stored_planes
+from pagedweight.offline.stream_passes import (
+    StreamRun, backward_step, embed_step, forward_step, loss_step, stored_planes,
+)
 from pagedweight.offline.stream_scales import ScaleRun, forget_other_windows, group_kls, scale_steps
 from pagedweight.common.file_digest import file_sha256
 from pagedweight.offline.work_dir import WorkDir
