@@ -12,10 +12,20 @@
    after the build's memory is released and the peak counters reset;
 3. per-layer times (forward + k-means, backward) from the artifact's record, and the
    full-depth time extrapolated from them: fixed part + num_hidden_layers x per layer.
+Full depth does not fit a 64 GB disk as checkpoint + work directory + artifact (Qwen:
+28.6 + ~24 + ~23 GB): `--checkpoint` puts the checkpoint elsewhere (e.g. /dev/shm, where it
+stays for a later run; `--build-only` just builds it, so the quantisation's process and its
+peak RSS start clean), `--work-dir` the quantiser's work directory. While quantising, a
+thread samples the process's memory (/proc/self/status: anonymous, file-backed and shared
+resident pages; the checkpoint is read through mmap, whose pages count in the RSS but are
+the file's, not the process's) and the device allocator every 2 s, appending to
+NAME.samples.jsonl beside the JSON (the --copy-to folder), so a run cut off by a time
+limit still shows how far it got and how memory grew.
 The baseline it is held against: the whole-model quantiser would first allocate every
 parameter in fp32 on one device (params x 4 bytes, computed from the config, reported).
 
     PYTHONPATH=.:services:kernels python3 -m bench.quantize_stream --device cuda --layers 4
+    ... --checkpoint /dev/shm/qwen --build-only; ... --checkpoint /dev/shm/qwen --work-dir /dev/shm/w
     .venv/bin/python -m bench.quantize_stream --model tiny-qwen-moe --device cpu   # checks the script
 """
 
@@ -27,6 +37,7 @@ import json
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -72,6 +83,47 @@ def build_checkpoint(name: str, layers: int | None, out: Path, device: torch.dev
     return raw
 
 
+class MemorySampler(threading.Thread):
+    """Every `period` s: this process's resident pages by kind and the device allocator,
+    appended to `path` (JSON lines) and kept for the peaks."""
+
+    FIELDS = ("VmRSS", "RssAnon", "RssFile", "RssShmem")
+
+    def __init__(self, path: Path | None, device: torch.device, period: float = 2.0):
+        super().__init__(daemon=True)
+        self.path, self.device, self.period = path, device, period
+        self.samples: list[dict] = []
+        self.stop = threading.Event()
+        self.started = time.perf_counter()
+
+    def sample(self) -> dict:
+        status = {}
+        for line in Path("/proc/self/status").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key in self.FIELDS:
+                status[key] = int(value.split()[0]) * 1024  # kB
+        record = {"t": round(time.perf_counter() - self.started, 1), **status}
+        if self.device.type == "cuda":
+            record["device_allocated"] = torch.cuda.memory_allocated(self.device)
+        self.samples.append(record)
+        if self.path is not None:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        return record
+
+    def run(self) -> None:
+        while not self.stop.wait(self.period):
+            self.sample()
+
+    def peaks(self) -> dict:
+        return {f"peak_{k}_bytes_sampled": max((s.get(k, 0) for s in self.samples), default=None)
+                for k in self.FIELDS}
+
+
+def disk_free(*paths: Path) -> dict:
+    return {str(p): shutil.disk_usage(p).free for p in paths if p.exists()}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="Qwen1.5-MoE-A2.7B", choices=[*REAL_SHAPE_CONFIGS, *SMALL])
@@ -79,30 +131,54 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--calib-tokens", type=int, default=4096, help="tokens per bundled calibration file")
     parser.add_argument("--work", default=None, help="where checkpoint and artifact go (default: a temp dir)")
+    parser.add_argument("--checkpoint", default=None, help="the checkpoint directory (default: WORK/ckpt); "
+                        "built unless it holds a config.json already")
+    parser.add_argument("--build-only", action="store_true", help="build the checkpoint and stop")
+    parser.add_argument("--work-dir", default=None,
+                        help="the quantiser's work directory (default: beside the artifact)")
     parser.add_argument("--name", default="quantize_stream", help="bench/results/NAME.json")
     parser.add_argument("--copy-to", default=None, help="also write the JSON here (the GPU run's $OUT)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     root = Path(args.work or tempfile.mkdtemp(prefix="quantize-stream-"))
     root.mkdir(parents=True, exist_ok=True)
-    ckpt, paged = root / "ckpt", root / "paged"
+    ckpt, paged = Path(args.checkpoint) if args.checkpoint else root / "ckpt", root / "paged"
 
-    started = time.perf_counter()
-    raw = build_checkpoint(args.model, args.layers, ckpt, device)
-    build_s = time.perf_counter() - started
-    gc.collect()
+    build_record = ckpt.parent / f"{ckpt.name}.build.json"  # the build's time, for a later run
+    if (ckpt / "config.json").is_file():
+        raw = json.loads((ckpt / "config.json").read_text())
+        build_s = json.loads(build_record.read_text())["build_seconds"] if build_record.is_file() else None
+        print(f"using the checkpoint in {ckpt}", file=sys.stderr, flush=True)
+    else:
+        started = time.perf_counter()
+        raw = build_checkpoint(args.model, args.layers, ckpt, device)
+        build_s = time.perf_counter() - started
+        build_record.write_text(json.dumps({"build_seconds": build_s}))
+        gc.collect()
+        print(f"built {args.model} with {raw['num_hidden_layers']} layers in {build_s:.1f} s",
+              file=sys.stderr, flush=True)
+    if args.build_only:
+        if args.work is None and not any(root.iterdir()):
+            root.rmdir()  # the checkpoint went elsewhere (--checkpoint): nothing to keep here
+        return 0
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     config = ModelConfig.from_dict(raw, source=args.model)
-    print(f"built {args.model} with {config.num_layers} layers in {build_s:.1f} s", file=sys.stderr, flush=True)
+    free_before = disk_free(root, ckpt, Path("/dev/shm"))
 
     qconfig = replace(QuantizeConfig(), device=str(device), scale_tokens=0, calib_text_name="bundled:v1",
                       calib=CalibConfig(max_tokens_per_file=args.calib_tokens))
+    samples = Path(args.copy_to) / f"{args.name}.samples.jsonl" if args.copy_to else None
+    sampler = MemorySampler(samples, device)
+    sampler.start()
     started = time.perf_counter()
     quantize_model(ckpt, paged, bundled_calib_files(), qconfig,
-                   log=lambda msg: print(msg, file=sys.stderr, flush=True), progress=sys.stderr)
+                   log=lambda msg: print(msg, file=sys.stderr, flush=True),
+                   work_dir=args.work_dir, progress=sys.stderr)
     quantize_s = time.perf_counter() - started
+    sampler.stop.set()
+    sampler.sample()
     quantizer = json.loads((paged / "paged_model.json").read_text())["quantizer"]
     stream = quantizer["streaming"]
     seconds = stream["seconds"]
@@ -117,6 +193,10 @@ def main(argv=None) -> int:
         "calibration": {"files": len(bundled_calib_files()), "tokens_per_file": args.calib_tokens,
                         "seq_len": qconfig.calib.seq_len, "gradients": qconfig.calib.gradients},
         "build_seconds": build_s, "quantize_seconds": quantize_s,
+        "checkpoint_dir": str(ckpt), "work_dir": args.work_dir or "beside the artifact",
+        "artifact_dir": str(paged), "disk_free_bytes_before": free_before,
+        "host_memory_sampled": {**sampler.peaks(), "samples": len(sampler.samples),
+                                "period_s": sampler.period},
         "phase_seconds": seconds, "per_layer_seconds": per_layer, "fixed_seconds": fixed,
         "full_depth_seconds_extrapolated": fixed + per_layer * full_layers,
         "peak_device_bytes": quantizer["peak_device_bytes"], "peak_host_bytes": quantizer["peak_host_bytes"],

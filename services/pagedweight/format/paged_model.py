@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -50,6 +51,7 @@ from pagedweight.format.paged_meta import (  # noqa: F401 - re-exported
     HEADS_FILE, HESSIAN_FILE, KNOWN_FILES, META_FILE, is_paged_model_dir, read_meta,
 )
 from pagedweight.format.paged_model_checks import check_block_list, check_files_section
+from pagedweight.format.safetensors_writer import SafetensorsWriter
 
 
 def block_shape(config: ModelConfig, module: str) -> tuple[int, int]:
@@ -136,20 +138,21 @@ def block_table(config: ModelConfig) -> list[dict]:
 
 def save_paged_model(out_dir: str | Path, source_dir: str | Path, config: ModelConfig,
                      dense_state: dict[str, torch.Tensor],
-                     apl: dict[tuple[int, str], LayerPlanes],
+                     apl: Mapping[tuple[int, str], LayerPlanes] | Iterable[tuple[tuple[int, str], LayerPlanes]],
                      bf16_experts: dict[tuple[int, str], torch.Tensor] | None,
                      extra_meta: dict, residual_heads: dict[str, torch.Tensor] | None = None,
                      hessians: dict[tuple[int, str], torch.Tensor] | None = None) -> Path:
-    """Write the directory; `extra_meta` adds calibration, routing, sensitivity, ... sections."""
+    """Write the directory; `extra_meta` adds calibration, routing, sensitivity, ... sections.
+    `apl`: every (layer, module)'s planes, as a dict or as (key, planes) pairs that may be
+    produced one at a time (the streaming quantiser reads them layer by layer from its work
+    directory): each is written to experts_apl.safetensors as it comes and can be dropped."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     copied = [name for name in COPIED_FILES if (Path(source_dir) / name).is_file()]
     for name in copied:
         shutil.copyfile(Path(source_dir) / name, out / name)
-    tensors = {
-        DENSE_FILE: {k: v.to(torch.bfloat16).contiguous() for k, v in dense_state.items()},
-        APL_FILE: _apl_tensors(apl),
-    }
+    write_apl_file(out / APL_FILE, config, apl.items() if isinstance(apl, Mapping) else apl)
+    tensors = {DENSE_FILE: {k: v.to(torch.bfloat16).contiguous() for k, v in dense_state.items()}}
     if bf16_experts is not None:
         tensors[BF16_FILE] = {f"layers.{l}.{m}": t.to(torch.bfloat16).contiguous() for (l, m), t in bf16_experts.items()}
     if residual_heads:
@@ -172,19 +175,27 @@ def save_paged_model(out_dir: str | Path, source_dir: str | Path, config: ModelC
         "bit_widths": list(BIT_WIDTHS),
         "blocks": block_table(config),
         **extra_meta,
-        "files": {name: _file_record(out / name) for name in [*tensors, *copied]},
+        "files": {name: _file_record(out / name) for name in [APL_FILE, *tensors, *copied]},
     }
     (out / META_FILE).write_text(json.dumps(meta, indent=1))
     return out
 
 
-def _apl_tensors(apl: dict[tuple[int, str], LayerPlanes]) -> dict[str, torch.Tensor]:
-    named = {}
-    for (layer, module), lp in apl.items():
-        named[f"layers.{layer}.{module}.planes"] = lp.planes.contiguous()
-        for bits, lut in lp.luts.items():
-            named[f"layers.{layer}.{module}.lut{bits}"] = lut.to(torch.float16).contiguous()
-    return named
+def write_apl_file(path: Path, config: ModelConfig, apl: Iterable[tuple[tuple[int, str], LayerPlanes]]) -> None:
+    """experts_apl.safetensors, one (layer, module) at a time: the layout follows from the
+    config, so no more than one layer's planes need be in memory; every one must come."""
+    E = config.num_experts
+    specs = {}
+    for layer in range(config.num_layers):
+        for module in MODULES:
+            rows, cols = block_shape(config, module)
+            specs[f"layers.{layer}.{module}.planes"] = (torch.uint8, (E, 8, rows, cols // 8))
+            specs.update({f"layers.{layer}.{module}.lut{b}": (torch.float16, (E, rows, 1 << b)) for b in BIT_WIDTHS})
+    with SafetensorsWriter(path, specs) as writer:
+        for (layer, module), lp in apl:
+            writer.write(f"layers.{layer}.{module}.planes", lp.planes)
+            for bits, lut in lp.luts.items():
+                writer.write(f"layers.{layer}.{module}.lut{bits}", lut.to(torch.float16))
 
 
 def _file_record(path: Path) -> dict:

@@ -41,7 +41,7 @@ import torch
 
 from pagedweight.format.apl_format import BIT_WIDTHS, MODULES
 from pagedweight.format.paged_meta import META_FILE, read_meta
-from pagedweight.format.paged_model import LayerPlanes, all_block_ids, save_paged_model
+from pagedweight.format.paged_model import all_block_ids, save_paged_model
 from pagedweight.frontend.tokenizer import Tokenizer
 from pagedweight.offline.apl_quantizer import QuantizerConfig
 from pagedweight.offline.artifact_scales import record_planner_scales, scale_windows
@@ -53,7 +53,9 @@ from pagedweight.offline.progress import ProgressBar
 from pagedweight.offline.quantize_tables import artifact_meta, fit_heads
 from pagedweight.offline.residual_heads import ResidualConfig
 from pagedweight.offline.sensitivity import sensitivity_table
-from pagedweight.offline.stream_passes import StreamRun, backward_step, embed_step, forward_step, loss_step
+from pagedweight.offline.stream_passes import (
+    StreamRun, backward_step, embed_step, forward_step, loss_step, stored_planes,
+)
 from pagedweight.offline.stream_scales import ScaleRun, forget_other_windows, group_kls, scale_steps
 from pagedweight.common.file_digest import file_sha256
 from pagedweight.offline.work_dir import WorkDir
@@ -183,10 +185,11 @@ def measure_scales(out: Path, work: WorkDir, calib_files: list[Path], config: Qu
 
 
 def write_artifact(run: StreamRun, out_dir, model_dir: Path, calib_files, started: float, peak: dict) -> Path:
-    """Gather every layer's results from the work directory and save the paged model."""
+    """Gather every layer's tables from the work directory and save the paged model; the
+    planes and LUTs go to the artifact one layer at a time (host memory: one layer's)."""
     cfg, config, work = run.layers.config, run.config, run.work
     L, gradients = cfg.num_layers, config.calib.gradients
-    apl, col_errors, col_errors_gn = {}, {}, {}
+    col_errors, col_errors_gn = {}, {}
     h = {m: [] for m in MODULES}
     g = {m: [] for m in MODULES}
     chunk_s, counts, mass = [], [], []
@@ -194,7 +197,6 @@ def write_artifact(run: StreamRun, out_dir, model_dir: Path, calib_files, starte
         stored = work.load(f"layer{l}")
         gn = work.load(f"gn{l}") if gradients else None
         for m in MODULES:
-            apl[(l, m)] = LayerPlanes(stored[f"planes.{m}"], {b: stored[f"lut{b}.{m}"] for b in BIT_WIDTHS})
             col_errors[(l, m)] = {b: stored[f"err{b}.{m}"] for b in BIT_WIDTHS}
             col_errors_gn[(l, m)] = {b: gn[f"errgn{b}.{m}"] for b in BIT_WIDTHS} if gn else None
             h[m].append(stored[f"h.{m}"])
@@ -228,6 +230,7 @@ def write_artifact(run: StreamRun, out_dir, model_dir: Path, calib_files, starte
     hessians = {(l, m): h[m][l] for l in range(L) for m in MODULES}
     if gradients:
         hessians.update({(l, f"{m}.grad_sq"): g[m][l] for l in range(L) for m in MODULES})
+    apl = (((l, m), planes) for l in range(L) for m, planes in stored_planes(run, l).items())
     return save_paged_model(out_dir, model_dir, cfg, dense, apl, bf16, meta, heads.to_tensors(), hessians)
 
 

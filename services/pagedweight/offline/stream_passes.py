@@ -4,8 +4,9 @@ work directory (host files), never the whole model or all activations on the dev
 
     embed          token ids -> x0
     forward l      x_l -> x_{l+1}; the layer's input statistics (calibrate.RecordingExperts),
-                   its smoothed Hessians h, its experts quantised (planes, LUTs, column
-                   errors) and per-chunk sensitivities -> layer{l}
+                   its smoothed Hessians h, column errors and per-chunk sensitivities ->
+                   layer{l}; its experts quantised -> planes{l} (planes and LUTs, kept
+                   apart so the artifact's assembly reads the small tables without them)
     loss           x_L -> dx_L, the gradient of the summed next-token NLL
     backward l     recompute layer l's forward from x_l, backward dx_{l+1} -> dx_l with the
                    experts' squared output gradients recorded -> G and the Gauss-Newton
@@ -106,19 +107,27 @@ def forward_step(run: StreamRun, layer: int) -> None:
 
     started = time.perf_counter()
     tensors = {"token_counts": counts[:, 0], "routing_mass": stats.routing_mass[:, 0].cpu()}
+    planes = {}
     col_errors = {}
     for m in MODULES:
         result = quantize_experts(getattr(dense, m).detach(), h[m], run.config.quantizer, str(dev), run.tile_elements)
         col_errors[m] = result.col_errors
-        tensors[f"planes.{m}"] = result.planes.planes
+        planes[f"planes.{m}"] = result.planes.planes
         tensors[f"h.{m}"] = h[m]
         for b in BIT_WIDTHS:
-            tensors[f"lut{b}.{m}"] = result.planes.luts[b]
+            planes[f"lut{b}.{m}"] = result.planes.luts[b]
             tensors[f"err{b}.{m}"] = result.col_errors[b]
     del module, dense, recorder
     tensors["chunk_s"] = layer_chunk_sensitivities(sums, counts, col_errors, run.config.calib)
     run.seconds["quantize"] += time.perf_counter() - started
-    run.work.commit(f"forward{layer}", {f"layer{layer}": tensors, f"x{layer + 1}": {"x": out}})
+    run.work.commit(f"forward{layer}", {f"layer{layer}": tensors, f"planes{layer}": planes,
+                                        f"x{layer + 1}": {"x": out}})
+
+
+def stored_planes(run: StreamRun, layer: int) -> dict[str, LayerPlanes]:
+    """Module -> the planes and LUTs `forward layer` wrote."""
+    stored = run.work.load(f"planes{layer}")
+    return {m: LayerPlanes(stored[f"planes.{m}"], {b: stored[f"lut{b}.{m}"] for b in BIT_WIDTHS}) for m in MODULES}
 
 
 def loss_step(run: StreamRun) -> None:
@@ -171,9 +180,9 @@ def backward_step(run: StreamRun, layer: int) -> None:
     g = {"gate_up": smoothed_hessians(stats.grad_sq_gate_up.cpu(), counts, prior, False)[0],
          "down": smoothed_hessians(stats.grad_sq_down.cpu(), counts, prior, True)[0]}
     tensors = {}
+    planes = stored_planes(run, layer)
     for m in MODULES:
-        planes = LayerPlanes(stored[f"planes.{m}"], {b: stored[f"lut{b}.{m}"] for b in BIT_WIDTHS})
-        errors = gn_col_errors(getattr(dense, m).detach(), planes, g[m], str(dev), run.tile_elements)
+        errors = gn_col_errors(getattr(dense, m).detach(), planes[m], g[m], str(dev), run.tile_elements)
         tensors[f"g.{m}"] = g[m]
         tensors.update({f"errgn{b}.{m}": errors[b] for b in BIT_WIDTHS})
     del module, dense

@@ -34,7 +34,7 @@ from pagedweight.common.file_digest import file_sha256
 
 MANIFEST = "manifest.json"
 FORMAT = "pagedweight-quantize-work"
-VERSION = 1
+VERSION = 2  # 2: planes and LUTs in planes{l}, apart from layer{l}'s tables
 _FILE_NAME = re.compile(r"^[a-z]+[0-9]*$")  # the names quantize.py uses: x3, dx4, layer0, gn2, embed
 
 
