@@ -14,8 +14,9 @@ pytestmark = [pytest.mark.gpu,
 E, K = 8, 2
 # (hidden, intermediate): the first has cols % 64 != 0 (4-byte plane loads), the second 8-byte ones
 SHAPES = [(160, 224), (256, 384)]
-# one token per regime and prefill tile: gemv, then tiles 16, 32, 64, 128
-TOKENS = [1, 16, 40, 100, 200, 400]
+# E=8, K=2 gives T/4 tokens per expert: gemv (<= 4), the tiles regime with NT8 2, 4 and 8
+# (up to 128 per expert), then the prefill kernel's largest tile
+TOKENS = [1, 16, 20, 80, 200, 600]
 
 
 def _bits(kind: str) -> dict:
@@ -33,8 +34,8 @@ def test_nothing_compiles_after_precompile():
         for kind in ("low", "high", "mixed"):
             layer = random_layer(E, hidden, inter, seed=hidden, device=device, bits=_bits(kind))
             for tokens in TOKENS:
-                regimes.add((plan_launch(tokens, K, E, hidden, inter, layer.max_bits).gate_up.regime,
-                             plan_launch(tokens, K, E, hidden, inter, layer.max_bits).gate_up.tokens))
+                plan = plan_launch(tokens, K, E, hidden, inter, layer.max_bits).gate_up
+                regimes.add((plan.regime, plan.tiles if plan.regime != "prefill" else plan.tokens))
                 gen = torch.Generator().manual_seed(tokens)
                 x = torch.randn(tokens, hidden, generator=gen).to(device, torch.bfloat16)
                 ids, w = ragged_routing(tokens, E, K, seed=tokens, device=device)
@@ -43,7 +44,8 @@ def test_nothing_compiles_after_precompile():
                 err = relative_error(out, reference_fp32(x, ids, w, layer))
                 assert err < TOLERANCE[torch.bfloat16], (hidden, kind, tokens, err)
     torch.cuda.synchronize()
-    assert {r for r, _ in regimes} == {"gemv", "prefill"}
-    assert {t for r, t in regimes if r == "prefill"} == {16, 32, 64, 128}  # every tile was met
+    assert {r for r, _ in regimes} == {"gemv", "tiles", "prefill"}
+    assert {t for r, t in regimes if r == "tiles"} == {2, 4, 8}  # every NT8 was met
+    assert {t for r, t in regimes if r == "prefill"} == {128}
     after = compile_stats()
     assert after.count == before.count, f"{after.count - before.count} kernel instances compiled after precompile"
