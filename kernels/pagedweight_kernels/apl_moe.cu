@@ -47,22 +47,11 @@
 #define APL_DECODE_MIN_BLOCKS 2
 #endif
 
-typedef unsigned short u16;
-typedef unsigned int u32;
+// u16, u32 and the 16-bit float conversions: dtype_conversions.cu (prepended by apl_moe.py)
 #define DESC_WIDTH 10
 #define MAX_EXPERTS 1024
 
 // ---------------------------------------------------------------- conversions
-__device__ __forceinline__ float half_to_float(u16 v) {
-    float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v)); return f;
-}
-__device__ __forceinline__ u16 float_to_half(float f) {
-    u16 r; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(f)); return r;
-}
-__device__ __forceinline__ float bf16_to_float(u16 v) { return __uint_as_float(((u32)v) << 16); }
-__device__ __forceinline__ u16 float_to_bf16(float f) {
-    u16 r; asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f)); return r;
-}
 template <bool BF16> __device__ __forceinline__ float act_to_float(u16 v) {
     return BF16 ? bf16_to_float(v) : half_to_float(v);
 }

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from pagedweight_kernels.cuda_packages import cuda_with
+from pagedweight_kernels.cuda_packages import cuda_with, module_source
 from pagedweight_kernels.moe_reference import check_activation, gated, moe_forward
 from pagedweight.format.apl_format import (
     COL_ALIGN, LUT_DTYPE, MAX_BITS, MIN_BITS, APLBlock, check_bits, dequantize,
@@ -449,7 +449,7 @@ def _compiled(name: str, defines: tuple):
 
     start = time.perf_counter()
     options = ("-std=c++17", *(f"-D{k}={v}" for k, v in defines))
-    code = SOURCE.read_text() + "\n" + GEMV_SOURCE.read_text()
+    code = module_source(SOURCE, GEMV_SOURCE)
     module = cp.RawModule(code=code, options=options, name_expressions=[name])
     function = module.get_function(name)  # compiles (or reads cupy's disk cache) and loads
     with _COMPILE_LOCK:

@@ -1,8 +1,10 @@
-"""Where a kernel can run: a CUDA device and the package that builds it (cupy, triton)."""
+"""Where a kernel can run (a CUDA device and the package that builds it: cupy, triton), and
+the CUDA text a cupy module compiles."""
 
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 
 import torch
 
@@ -17,3 +19,12 @@ def cuda_with(package: str) -> bool:
     except ImportError:
         return False
     return True
+
+
+CONVERSIONS_SOURCE = Path(__file__).with_name("dtype_conversions.cu")
+
+
+def module_source(*sources: Path) -> str:
+    """One cupy module's CUDA text: the shared dtype conversions, then `sources` in order
+    (NVRTC through cupy compiles a single string; the package ships no headers)."""
+    return "\n".join(path.read_text() for path in (CONVERSIONS_SOURCE, *sources))

@@ -5,21 +5,8 @@
 // chains as the references; tests/kernels/test_decode_ops_gpu.py compares them).
 //
 // DT: the element type of activations and weights: 0 float32, 1 bfloat16, 2 float16.
-// No headers (NVRTC through cupy), the conversions as apl_moe.cu writes them.
-
-typedef unsigned short u16;
-typedef unsigned int u32;
-
-__device__ __forceinline__ float half_to_float(u16 v) {
-    float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v)); return f;
-}
-__device__ __forceinline__ u16 float_to_half(float f) {
-    u16 r; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(f)); return r;
-}
-__device__ __forceinline__ float bf16_to_float(u16 v) { return __uint_as_float(((u32)v) << 16); }
-__device__ __forceinline__ u16 float_to_bf16(float f) {
-    u16 r; asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f)); return r;
-}
+// No headers (NVRTC through cupy): u16, u32 and the conversions come from
+// dtype_conversions.cu, which decode_ops.py prepends.
 
 template <int DT> __device__ __forceinline__ float ld(const void* p, long long i) {
     if (DT == 0) return ((const float*)p)[i];

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from pagedweight_kernels.apl_moe import _cupy_stream
-from pagedweight_kernels.cuda_packages import cuda_with
+from pagedweight_kernels.cuda_packages import cuda_with, module_source
 
 SOURCE = Path(__file__).with_name("decode_ops.cu")
 _DT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -65,7 +65,7 @@ def _module():
     launch: a decode graph's warm-up, never its capture)."""
     import cupy as cp
 
-    return cp.RawModule(code=SOURCE.read_text(), options=("-std=c++17",), name_expressions=_instances())
+    return cp.RawModule(code=module_source(SOURCE), options=("-std=c++17",), name_expressions=_instances())
 
 
 @lru_cache(maxsize=None)
