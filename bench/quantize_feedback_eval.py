@@ -11,11 +11,13 @@ feedback gains and where it loses.
 
     python -m bench.quantize_feedback_eval --variant plain=/tmp/a/tiny-mixtral \
         --variant feedback=/tmp/b/tiny-mixtral --threads 1
+    python -m bench.quantize_feedback_eval --combine A.json B.json --out-name NAME  # runs side by side
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -64,7 +66,9 @@ def evaluate(model_dir: Path, fractions: list[float], uniform_bits: list[int], a
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--variant", action="append", required=True, metavar="NAME=DIR",
+    parser.add_argument("--combine", nargs="+", default=None, metavar="JSON",
+                        help="no measuring: merge earlier runs' results (one variant each, run side by side)")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME=DIR",
                         help="a paged model directory and the name it is reported under")
     parser.add_argument("--fractions", type=float, nargs="+", default=[0.25, 0.30])
     parser.add_argument("--uniform-bits", type=int, nargs="*", default=[3, 4, 5])
@@ -76,11 +80,19 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     import torch
     torch.set_num_threads(args.threads)
-    variants = dict(v.split("=", 1) for v in args.variant)
-    results = {name: evaluate(Path(d), args.fractions, args.uniform_bits, args) for name, d in variants.items()}
-    payload = {"fractions": args.fractions, "prompt_tokens": args.prompt_tokens, "eval_tokens": args.eval_tokens,
-               "seq_len": args.seq_len, "command": "python -m bench.quantize_feedback_eval " + " ".join(sys.argv[1:]),
-               "results": results}
+    if args.combine:
+        parts = [json.loads(Path(f).read_text()) for f in args.combine]
+        payload = {k: parts[0][k] for k in ("fractions", "prompt_tokens", "eval_tokens", "seq_len")}
+        payload["runs"] = [{k: p[k] for k in ("date", "machine", "commit", "command")} for p in parts]
+        payload["results"] = results = {name: r for p in parts for name, r in p["results"].items()}
+    else:
+        if not args.variant:
+            parser.error("give --variant NAME=DIR (or --combine)")
+        variants = dict(v.split("=", 1) for v in args.variant)
+        results = {name: evaluate(Path(d), args.fractions, args.uniform_bits, args) for name, d in variants.items()}
+        payload = {"fractions": args.fractions, "prompt_tokens": args.prompt_tokens, "eval_tokens": args.eval_tokens,
+                   "seq_len": args.seq_len, "results": results,
+                   "command": "python -m bench.quantize_feedback_eval " + " ".join(sys.argv[1:])}
     path = write_result(args.out_name, payload)
     for name, r in results.items():
         print(name, {k: f"{v['kl']:.4f} ({v['ppl']:.3f})" for k, v in r["mean"].items()})
