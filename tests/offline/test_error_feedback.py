@@ -18,7 +18,7 @@ from pagedweight.offline.apl_quantizer import QuantizerConfig, dequantize_rows, 
 from pagedweight.offline.error_feedback import block_error, feedback_codes, feedback_factors
 from pagedweight.offline.layer_quantize import quantize_experts, quantize_layer
 
-DAMP = 0.1
+DAMP = QuantizerConfig().feedback_damp
 
 
 def correlated_block(E=3, R=48, C=32, tokens=512, seed=0):

@@ -39,9 +39,12 @@ class QuantizerConfig:
     # column no calibration token excites still gets a say in where centroids go.
     importance_floor: float = 1e-3
     # GPTQ error feedback at the 3-bit seed width (needs the full input Hessians, which
-    # the calibration then records); dampening: this fraction of the mean diagonal
+    # the calibration then records); dampening: this fraction of the mean diagonal. 1.0,
+    # not the 0.1 that was best for one width alone (bench/quantize_gptq_probe.py): under
+    # nesting a gentler feedback keeps the seed clusters tighter, so the 4-5-bit splits
+    # lose less (docs/quantize.md, measured on the planner's mix)
     error_feedback: bool = False
-    feedback_damp: float = 0.1
+    feedback_damp: float = 1.0
 
 
 @dataclass

@@ -7,8 +7,11 @@ columns not yet quantised through the Cholesky factor U of the dampened inverse 
 (H + d * mean(diag H) * I)^-1 = U^T U, which lowers the block's output error
 trace((W - Q) H (W - Q)^T). Here the LUT stays the seed's: only which entry each weight
 takes changes, so the upscaling splits that follow divide these clusters as they divide
-the k-means ones and the codes stay nested. bench/quantize_gptq_probe.py measured it
-(d = 0.1 x mean diagonal the best of 0.01 / 0.1 / 1.0).
+the k-means ones and the codes stay nested. The price of nesting: the feedback's clusters
+overlap in value, so the splits above the seed width fit them worse than k-means'
+clusters; a stronger dampening gives up some of the seed width's gain for less of that
+loss (docs/quantize.md: d = 1.0 x mean diagonal measured best on the planner's mix, where
+bench/quantize_gptq_probe.py found 0.1 best for one width alone).
 
 The full Hessian of an expert is smoothed like its diagonal (calibrate.smoothed_hessians):
 the off-diagonal sums are divided by (tokens + prior_tokens) and the diagonal is the
