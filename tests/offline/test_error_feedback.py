@@ -117,7 +117,10 @@ def test_feedback_without_full_hessians_is_one_clear_error():
     with pytest.raises(UserError, match="full input Hessians"):
         quantize_layer(w, h.diagonal(dim1=1, dim2=2), QuantizerConfig(error_feedback=True), "cpu")
     with pytest.raises(UserError, match="dampening"):
-        feedback_factors(h, 0.0)
+        feedback_factors(h, -0.1)
+    singular = torch.zeros(1, 4, 4)
+    with pytest.raises(UserError, match="not positive definite"):
+        feedback_factors(singular, 0.0)
 
 
 def test_streaming_equals_the_whole_model_quantiser_with_feedback(tmp_path, calib_files):

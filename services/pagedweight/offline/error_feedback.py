@@ -38,8 +38,8 @@ def smoothed_full_hessians(gram: torch.Tensor, counts: torch.Tensor, h_diag: tor
 def feedback_factors(h: torch.Tensor, damp: float) -> torch.Tensor:
     """h [E, C, C] -> U [E, C, C] float32, upper triangular with U^T U = (h + damp *
     mean(diag h) * I)^-1 per expert (GPTQ's Cholesky form, computed in float64)."""
-    if damp <= 0:
-        raise UserError(f"error feedback needs a dampening > 0, got {damp}")
+    if damp < 0:  # 0 is GPTQ undampened: fine while H is positive definite (checked below)
+        raise UserError(f"error feedback needs a dampening >= 0, got {damp}")
     h = h.double()
     C = h.shape[-1]
     mean_diag = h.diagonal(dim1=1, dim2=2).mean(1).clamp_min(1e-12)
