@@ -6,7 +6,9 @@ GPTQ (Frantar et al. 2022) quantises a row column by column and pushes each colu
 error onto the columns not yet quantised through the inverse of the full Hessian
 H = sum_x x x^T, which the diagonal cannot express. Before building that into the
 quantiser (the calibration would have to record full Hessians, and the nested codes would
-have to be re-split above the width it runs at), this probe measures what it could give,
+have to be re-split above the width it runs at), this probe measured what it could give
+(since built in as `quantize --error-feedback`: offline/error_feedback.py, whose operations
+and the calibration's full-Hessian recording the probe now uses),
 on the layer-output error each expert block causes:
 
     err(Q) = trace((W - Q) H (W - Q)^T)     (H from held-out text: the `valid` files)
