@@ -6,7 +6,9 @@ GPTQ (Frantar et al. 2022) quantises a row column by column and pushes each colu
 error onto the columns not yet quantised through the inverse of the full Hessian
 H = sum_x x x^T, which the diagonal cannot express. Before building that into the
 quantiser (the calibration would have to record full Hessians, and the nested codes would
-have to be re-split above the width it runs at), this probe measures what it could give,
+have to be re-split above the width it runs at), this probe measured what it could give
+(since built in as `quantize --error-feedback`: offline/error_feedback.py, whose operations
+and the calibration's full-Hessian recording the probe now uses),
 on the layer-output error each expert block causes:
 
     err(Q) = trace((W - Q) H (W - Q)^T)     (H from held-out text: the `valid` files)
@@ -40,28 +42,23 @@ from bench.bench_meta import write_result
 from pagedweight.common.paths import corpus_dir, shared_dir
 from pagedweight.format.apl_format import MAX_BITS, MODULES
 from pagedweight.frontend.tokenizer import Tokenizer
-from pagedweight.offline.apl_quantizer import QuantizerConfig, _assign, quantize_rows
+from pagedweight.offline.apl_quantizer import QuantizerConfig, quantize_rows
 from pagedweight.offline.calib_text import bundled_calib_files
-from pagedweight.offline.calibrate import CalibConfig, RecordingExperts, read_chunks
+from pagedweight.offline.calibrate import CalibConfig, CalibrationStats, RecordingExperts, read_chunks
 from pagedweight.offline.checkpoint_layers import CheckpointLayers
+from pagedweight.offline.error_feedback import block_error, feedback_codes, feedback_factors
 
 DOMAINS = ("cheader", "kjv", "pycode", "pydoc")
 
 
-class HessianRecorder(RecordingExperts):
-    """Runs the experts as the calibration does and adds x x^T of every routed token to
-    its expert's full input Hessians (gate_up: the hidden state; down: the activation)."""
-
-    def __init__(self, dense):
-        super().__init__(dense, 0, None)
-        self.chunk_of_token = torch.empty(0)  # not None: _record runs
-        E = dense.num_experts
-        self.h = {"gate_up": torch.zeros(E, dense.gate_up.shape[2], dense.gate_up.shape[2]),
-                  "down": torch.zeros(E, dense.down.shape[2], dense.down.shape[2])}
-
-    def _record(self, e, tokens, xe, act, w):
-        self.h["gate_up"][e] += xe.double().T.mm(xe.double()).float()
-        self.h["down"][e] += act.double().T.mm(act.double()).float()
+def hessian_recorder(dense) -> RecordingExperts:
+    """The calibration's recorder with full input Hessians (calibrate.py): every token in
+    one chunk, so only the [E, C, C] sums of x x^T (gate_up) and a a^T (down) matter."""
+    E, H, I = dense.num_experts, dense.gate_up.shape[2], dense.down.shape[2]
+    stats = CalibrationStats([""], torch.zeros(1, 1, E, H), torch.zeros(1, 1, E, I), torch.zeros(1, 1, E),
+                             torch.zeros(1, 1, E), 0, gram_gate_up=torch.zeros(1, E, H, H),
+                             gram_down=torch.zeros(1, E, I, I))
+    return RecordingExperts(dense, 0, stats)
 
 
 def forward(layers: CheckpointLayers, chunks: torch.Tensor, batch: int, record: bool = False,
@@ -78,12 +75,18 @@ def forward(layers: CheckpointLayers, chunks: torch.Tensor, batch: int, record: 
             if weights is not None and (layer, m) in weights:
                 getattr(dense, m).data.copy_(weights[(layer, m)])
         if record:
-            module.moe.experts = HessianRecorder(dense)
-        with torch.inference_mode():
-            x = torch.cat([module(x[s:s + batch], layers.rope(min(batch, len(x) - s), x.shape[1]), 0, None)
-                           for s in range(0, len(x), batch)])
+            module.moe.experts = hessian_recorder(dense)
+        outputs = []
+        for s in range(0, len(x), batch):
+            xb = x[s:s + batch]
+            if record:
+                module.moe.experts.chunk_of_token = torch.zeros(xb.shape[0] * xb.shape[1], dtype=torch.long)
+            with torch.inference_mode():
+                outputs.append(module(xb, layers.rope(xb.shape[0], x.shape[1]), 0, None))
+        x = torch.cat(outputs)
         if record:
-            hessians.append(module.moe.experts.h)
+            stats = module.moe.experts.stats
+            hessians.append({"gate_up": stats.gram_gate_up[0], "down": stats.gram_down[0]})
     return x, hessians
 
 
@@ -101,20 +104,9 @@ def mean_kl(layers: CheckpointLayers, x_ref: torch.Tensor, x: torch.Tensor, batc
 
 
 def gptq_codes(w: torch.Tensor, h: torch.Tensor, lut: torch.Tensor, damp: float = 0.01) -> torch.Tensor:
-    """w [R, C], h [C, C], lut [R, K] sorted -> codes [R, C]: each column's nearest LUT entry
-    after the errors of the columns before it were fed forward (GPTQ's Cholesky form)."""
-    C = w.shape[1]
-    h = h.double() + damp * h.diagonal().mean().clamp_min(1e-12) * torch.eye(C, dtype=torch.float64)
-    u = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True).float()
-    w = w.clone()
-    codes = torch.empty(w.shape, dtype=torch.long)
-    for c in range(C):
-        col = w[:, c:c + 1]
-        code = _assign(col, lut)  # [R, 1]
-        codes[:, c:c + 1] = code
-        err = (col - torch.gather(lut, 1, code)) / u[c, c]
-        w[:, c + 1:] -= err * u[c, c + 1:][None, :]
-    return codes
+    """w [R, C], h [C, C], lut [R, K] sorted -> codes [R, C] with GPTQ's error feedback
+    (the quantiser's own operations: offline/error_feedback.py)."""
+    return feedback_codes(w[None], feedback_factors(h[None], damp), lut[None].float())[0]
 
 
 def refit_lut(w: torch.Tensor, h: torch.Tensor, codes: torch.Tensor, K: int, fallback: torch.Tensor) -> torch.Tensor:
@@ -127,11 +119,6 @@ def refit_lut(w: torch.Tensor, h: torch.Tensor, codes: torch.Tensor, K: int, fal
     lut = torch.linalg.solve(A, b).float()
     used = S.sum(2) > 0
     return torch.where(used, lut, fallback)
-
-
-def block_error(w: torch.Tensor, q: torch.Tensor, h: torch.Tensor) -> float:
-    d = (w - q).double()
-    return float(((d @ h.double()) * d).sum())
 
 
 def main(argv=None) -> int:

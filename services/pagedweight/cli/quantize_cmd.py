@@ -7,6 +7,7 @@ from pathlib import Path
 
 from pagedweight.common.errors import UserError
 from pagedweight.cli.config_defaults import default_of
+from pagedweight.offline.apl_quantizer import QuantizerConfig
 from pagedweight.offline.calib_text import BUNDLED_NAME, USER_NAME, bundled_calib_files
 from pagedweight.offline.calibrate import CalibConfig
 from pagedweight.offline.quantize import QuantizeConfig, quantize_model
@@ -36,6 +37,11 @@ def register(subparsers) -> None:
     parser.add_argument("--dtype", default=default_of(QuantizeConfig, "dtype"),
                         choices=["auto", "float32", "bfloat16", "float16"],
                         help="compute dtype of the streamed layers (auto: the checkpoint's on cuda, float32 on cpu)")
+    parser.add_argument("--error-feedback", action="store_true",
+                        help="choose the 3-bit seed codes with GPTQ error feedback through each expert's full "
+                             "input Hessian (recorded by the calibration; the 4-8-bit splits stay nested)")
+    parser.add_argument("--feedback-damp", type=float, default=default_of(QuantizerConfig, "feedback_damp"),
+                        help="error feedback's dampening: this fraction of the Hessian's mean diagonal is added")
     parser.add_argument("--work-dir", default=None,
                         help="per-layer results, so an interrupted run resumes where it stopped "
                              "(default: .NAME.quantize-work beside --out; removed when the artifact is written)")
@@ -77,8 +83,11 @@ def run_quantize(args) -> int:
     for f in files:
         read_text(str(f))  # exists and is UTF-8, before hours of work
     calib = CalibConfig(seq_len=args.seq_len, max_tokens_per_file=args.calib_tokens)
+    if not args.feedback_damp > 0:
+        raise UserError(f"--feedback-damp must be > 0, got {args.feedback_damp}")
+    quantizer = QuantizerConfig(error_feedback=args.error_feedback, feedback_damp=args.feedback_damp)
     log = (lambda msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
-    config = QuantizeConfig(calib=calib, device=str(device), keep_bf16=args.keep_bf16,
+    config = QuantizeConfig(calib=calib, quantizer=quantizer, device=str(device), keep_bf16=args.keep_bf16,
                             scale_tokens=args.scale_tokens, dtype=args.dtype,
                             calib_text_name=USER_NAME if args.calib else BUNDLED_NAME)
     work_dir = Path(args.work_dir) if args.work_dir else out.parent / f".{out.name}.quantize-work"

@@ -11,6 +11,10 @@ Algorithm (after Any-Precision LLM, Park et al. 2024), per output row of a block
    followed by one more bit, and the b-bit code is exactly the top b bits of the 8-bit
    code (nested quantisation).
 3. LUT_b[row] holds the 2^b weighted means at level b, rounded to fp16.
+With `error_feedback`, step 1's codes are chosen column by column against the seed LUT
+with GPTQ's error feedback through the full input Hessian (error_feedback.py) instead of
+nearest-centroid; the LUT_3 stays the seed's and step 2 splits those clusters, so the
+codes stay nested.
 
 Everything is vectorised over all rows of all blocks passed in: 1-D assignment to
 sorted centroids is a `searchsorted` against the midpoints, and cluster sums are
@@ -24,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedweight.format.apl_format import BIT_WIDTHS, LUT_DTYPE, MAX_BITS, MIN_BITS
+from pagedweight.offline.error_feedback import feedback_codes
 
 
 @dataclass(frozen=True)
@@ -33,6 +38,13 @@ class QuantizerConfig:
     # Importance weights below floor * mean(importance) of the row are raised to it: a
     # column no calibration token excites still gets a say in where centroids go.
     importance_floor: float = 1e-3
+    # GPTQ error feedback at the 3-bit seed width (needs the full input Hessians, which
+    # the calibration then records); dampening: this fraction of the mean diagonal. 1.0,
+    # not the 0.1 that was best for one width alone (bench/quantize_gptq_probe.py): under
+    # nesting a gentler feedback keeps the seed clusters tighter, so the 4-5-bit splits
+    # lose less (docs/quantize.md, measured on the planner's mix)
+    error_feedback: bool = False
+    feedback_damp: float = 1.0
 
 
 @dataclass
@@ -42,13 +54,22 @@ class QuantizedRows:
 
 
 def quantize_rows(w: torch.Tensor, importance: torch.Tensor,
-                  config: QuantizerConfig = QuantizerConfig()) -> QuantizedRows:
-    """w [R, C] (any float dtype), importance [R, C] or [C] (>= 0) -> nested codes and LUTs."""
+                  config: QuantizerConfig = QuantizerConfig(),
+                  feedback: torch.Tensor | None = None) -> QuantizedRows:
+    """w [R, C] (any float dtype), importance [R, C] or [C] (>= 0) -> nested codes and LUTs.
+
+    feedback: U [G, C, C] (error_feedback.feedback_factors) for G equal groups of
+    consecutive rows (the experts of a stack): the seed codes take GPTQ's error feedback.
+    """
     w = w.float()
     imp = importance.float().expand_as(w)
     imp = torch.maximum(imp, config.importance_floor * imp.mean(dim=1, keepdim=True).clamp_min(1e-30))
     centroids = _seed_kmeans(w, imp, 1 << MIN_BITS, config.seed_iters)
-    codes = _assign(w, centroids)
+    if feedback is None:
+        codes = _assign(w, centroids)
+    else:
+        G, (R, C) = feedback.shape[0], w.shape
+        codes = feedback_codes(w.view(G, R // G, C), feedback, centroids.view(G, R // G, -1)).view(R, C)
     luts = {MIN_BITS: centroids}
     for bits in range(MIN_BITS, MAX_BITS):
         codes, centroids = _split_clusters(w, imp, codes, centroids, config.split_iters)

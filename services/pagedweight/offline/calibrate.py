@@ -7,7 +7,9 @@ layer's experts operator wrapped by a `RecordingExperts`, which computes the exp
 to that expert:
 - sum of x^2 per input column of `gate_up` (x is the MoE block's input),
 - sum of a^2 per input column of `down` (a = act(gate) * up of that expert),
-- the token count and the routing mass (sum of the token's routing weight).
+- the token count and the routing mass (sum of the token's routing weight);
+- with `full_hessians` (the quantiser's error feedback), also the full sums of x x^T and
+  a a^T over all chunks (not per chunk), one [C, C] per expert and module.
 With `gradients=True` the chunks also run backward (loss: summed next-token NLL;
 gradients for activations only, no weight gradients) and each expert accumulates the
 squared loss gradient per output row of `gate_up` (its pre-activations) and of `down`
@@ -64,6 +66,8 @@ class CalibrationStats:
     files: list[str] = field(default_factory=list)
     grad_sq_gate_up: torch.Tensor | None = None  # [L, E, 2I] sum of squared output gradients
     grad_sq_down: torch.Tensor | None = None  # [L, E, H]
+    gram_gate_up: torch.Tensor | None = None  # [L, E, H, H] sum of x x^T (full_hessians)
+    gram_down: torch.Tensor | None = None  # [L, E, I, I] sum of a a^T
 
     @property
     def num_chunks(self) -> int:
@@ -116,6 +120,9 @@ class RecordingExperts(nn.Module):
         s.sum_sq_down[:, L, e].index_add_(0, chunks, act.float().square())
         s.token_counts[:, L, e].index_add_(0, chunks, torch.ones_like(w, dtype=torch.float32))
         s.routing_mass[:, L, e].index_add_(0, chunks, w.float())
+        if s.gram_gate_up is not None:
+            s.gram_gate_up[L, e] += xe.float().T @ xe.float()
+            s.gram_down[L, e] += act.float().T @ act.float()
 
 
 def read_chunks(tokenizer, files: list[Path], config: CalibConfig) -> tuple[list[list[int]], list[str]]:
@@ -141,8 +148,9 @@ def read_chunks(tokenizer, files: list[Path], config: CalibConfig) -> tuple[list
 
 
 def calibrate(model, chunks: list[list[int]], domains: list[str], config: CalibConfig,
-              files: list[str] | None = None) -> CalibrationStats:
-    """Run the chunks through `model` (dense experts) and collect per-chunk expert statistics."""
+              files: list[str] | None = None, full_hessians: bool = False) -> CalibrationStats:
+    """Run the chunks through `model` (dense experts) and collect per-chunk expert statistics
+    (with `full_hessians`, also every expert's full input Hessian sums)."""
     cfg = model.config
     N, L, E = len(chunks), cfg.num_layers, cfg.num_experts
     dev = model.device  # accumulate where the model runs; moved to the CPU at the end
@@ -156,6 +164,10 @@ def calibrate(model, chunks: list[list[int]], domains: list[str], config: CalibC
     if config.gradients:
         stats.grad_sq_gate_up = torch.zeros(L, E, 2 * cfg.expert_intermediate_size, device=dev)
         stats.grad_sq_down = torch.zeros(L, E, cfg.hidden_size, device=dev)
+    if full_hessians:
+        H, I = cfg.hidden_size, cfg.expert_intermediate_size
+        stats.gram_gate_up = torch.zeros(L, E, H, H, device=dev)
+        stats.gram_down = torch.zeros(L, E, I, I, device=dev)
     recorders = []
     originals = [block.experts for block in model.moe_blocks]
     for layer, block in enumerate(model.moe_blocks):
@@ -173,7 +185,7 @@ def calibrate(model, chunks: list[list[int]], domains: list[str], config: CalibC
         for block, dense in zip(model.moe_blocks, originals):
             block.experts = dense
     for name in ("sum_sq_gate_up", "sum_sq_down", "token_counts", "routing_mass",
-                 "grad_sq_gate_up", "grad_sq_down"):
+                 "grad_sq_gate_up", "grad_sq_down", "gram_gate_up", "gram_down"):
         if getattr(stats, name) is not None:
             setattr(stats, name, getattr(stats, name).cpu())
     return stats

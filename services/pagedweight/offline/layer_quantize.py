@@ -21,6 +21,7 @@ from pagedweight.common.errors import UserError
 from pagedweight.format.apl_format import BIT_WIDTHS, MAX_BITS, pack_planes, unpack_codes
 from pagedweight.format.paged_model import LayerPlanes
 from pagedweight.offline.apl_quantizer import QuantizerConfig, dequantize_rows, quantize_rows
+from pagedweight.offline.error_feedback import feedback_factors
 
 DEFAULT_TILE_ELEMENTS = 1 << 24  # weights per k-means tile (~1.5 GB of temporaries)
 
@@ -41,17 +42,18 @@ def _check_finite(named: dict[str, torch.Tensor | None]) -> None:
 
 
 def quantize_layer(w: torch.Tensor, h: torch.Tensor, config: QuantizerConfig, device: str,
-                   g: torch.Tensor | None = None) -> LayerResult:
+                   g: torch.Tensor | None = None, h_full: torch.Tensor | None = None) -> LayerResult:
     """w [E, R, C] (one module of every expert of a layer), h [E, C] -> planes, LUTs, errors.
 
     g [E, R] (output Fisher per row) weights rows in `col_errors_gn`; it cannot change a
     row's own k-means (a constant factor per row), only how rows add up.
+    h_full [E, C, C]: the full smoothed input Hessians, which `config.error_feedback` needs.
     """
     E, R, C = w.shape
-    _check_finite({"weights": w, "input Hessian": h, "output Fisher": g})
+    _check_finite({"weights": w, "input Hessian": h, "output Fisher": g, "full input Hessian": h_full})
     rows = w.to(device, torch.float32).reshape(E * R, C)
     importance = h.to(device, torch.float32)[:, None, :].expand(E, R, C).reshape(E * R, C)
-    q = quantize_rows(rows, importance, config)
+    q = quantize_rows(rows, importance, config, feedback_for(config, h_full, device))
     planes = pack_planes(q.codes).view(8, E, R, C // 8).permute(1, 0, 2, 3).contiguous()
     # bits -> [E, C]: per expert, sum over its rows of the squared error per column
     sq = {b: ((rows - dequantize_rows(q, b)) ** 2).view(E, R, C) for b in BIT_WIDTHS}
@@ -62,6 +64,15 @@ def quantize_layer(w: torch.Tensor, h: torch.Tensor, config: QuantizerConfig, de
         errors_gn = {b: (e * g).sum(1).cpu() for b, e in sq.items()}
     luts = {b: lut.view(E, R, 1 << b).cpu() for b, lut in q.luts.items()}
     return LayerResult(LayerPlanes(planes.cpu(), luts), errors, errors_gn)
+
+
+def feedback_for(config: QuantizerConfig, h_full: torch.Tensor | None, device: str) -> torch.Tensor | None:
+    """The error-feedback factors `quantize_rows` takes, or None when the option is off."""
+    if not config.error_feedback:
+        return None
+    if h_full is None:
+        raise UserError("error feedback needs the full input Hessians; this quantiser path does not record them")
+    return feedback_factors(h_full.to(device), config.feedback_damp)
 
 
 def tiles(num_experts: int, rows: int, cols: int, tile_elements: int):
@@ -79,14 +90,15 @@ def tiles(num_experts: int, rows: int, cols: int, tile_elements: int):
 
 
 def quantize_experts(w: torch.Tensor, h: torch.Tensor, config: QuantizerConfig, device: str,
-                     tile_elements: int = DEFAULT_TILE_ELEMENTS) -> LayerResult:
+                     tile_elements: int = DEFAULT_TILE_ELEMENTS, h_full: torch.Tensor | None = None) -> LayerResult:
     """`quantize_layer` without G, tile by tile; the same planes, LUTs and errors."""
     E, R, C = w.shape
     planes = torch.empty(E, 8, R, C // 8, dtype=torch.uint8)
     luts = {b: torch.empty(E, R, 1 << b, dtype=torch.float16) for b in BIT_WIDTHS}
     errors = {b: torch.zeros(E, C) for b in BIT_WIDTHS}
     for es, rs in tiles(E, R, C, tile_elements):
-        part = quantize_layer(w[es, rs], h[es], config, device)
+        part = quantize_layer(w[es, rs], h[es], config, device,
+                              h_full=h_full[es] if h_full is not None else None)
         planes[es, :, rs] = part.planes.planes
         for b in BIT_WIDTHS:
             luts[b][es, rs] = part.planes.luts[b]

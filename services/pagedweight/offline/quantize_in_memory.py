@@ -33,6 +33,7 @@ from pagedweight.offline.calibrate import (
     CalibConfig, CalibrationStats, block_hessians, calibrate, output_fisher, read_chunks,
     routing_summary, smoothed_hessians,
 )
+from pagedweight.offline.error_feedback import smoothed_full_hessians
 from pagedweight.offline.layer_quantize import quantize_layer
 from pagedweight.offline.quantize import QuantizeConfig
 from pagedweight.offline.residual_heads import fit_residual_heads, routing_features
@@ -51,11 +52,13 @@ def quantize_model_in_memory(model_dir: str | Path, out_dir: str | Path, calib_f
     cfg = model.config
     chunks, domains = read_chunks(Tokenizer(model_dir), calib_files, config.calib)
     log(f"calibrating on {len(chunks)} chunks of {config.calib.seq_len} tokens")
-    stats = calibrate(model, chunks, domains, config.calib, files=[str(f) for f in calib_files])
+    stats = calibrate(model, chunks, domains, config.calib, files=[str(f) for f in calib_files],
+                      full_hessians=config.quantizer.error_feedback)
     calib_seconds = time.perf_counter() - started
     h = dict(zip(MODULES, block_hessians(stats, config.calib)))  # module -> [L, E, C]
     fisher = output_fisher(stats, config.calib)
     g = dict(zip(MODULES, fisher)) if fisher else None  # module -> [L, E, rows]
+    h_full = full_hessians(stats, h, config.calib) if config.quantizer.error_feedback else None
 
     apl, col_errors, col_errors_gn = {}, {}, {}
     for layer, block in enumerate(model.moe_blocks):
@@ -63,7 +66,8 @@ def quantize_model_in_memory(model_dir: str | Path, out_dir: str | Path, calib_f
         for module in MODULES:
             w = getattr(block.experts, module).detach()  # on config.device
             result = quantize_layer(w, h[module][layer], config.quantizer, config.device,
-                                    g[module][layer] if g else None)
+                                    g[module][layer] if g else None,
+                                    h_full[module][layer] if h_full else None)
             apl[(layer, module)], col_errors[(layer, module)] = result.planes, result.col_errors
             col_errors_gn[(layer, module)] = result.col_errors_gn
     quant_seconds = time.perf_counter() - started - calib_seconds
@@ -100,6 +104,14 @@ def quantize_model_in_memory(model_dir: str | Path, out_dir: str | Path, calib_f
         log(f"loss scales in {time.perf_counter() - scales_started:.1f} s")
     log(f"wrote {out} in {time.perf_counter() - started:.1f} s")
     return out
+
+
+def full_hessians(stats: CalibrationStats, h: dict, config: CalibConfig) -> dict:
+    """module -> [L, E, C, C]: the smoothed full input Hessians error feedback runs on."""
+    counts = stats.token_counts.sum(0)  # [L, E]
+    grams = {"gate_up": stats.gram_gate_up, "down": stats.gram_down}
+    return {m: torch.stack([smoothed_full_hessians(grams[m][l], counts[l], h[m][l], config.prior_tokens)
+                            for l in range(counts.shape[0])]) for m in MODULES}
 
 
 def gauss_newton_meta(h, col_errors_gn, num_layers: int, present: bool) -> dict:

@@ -3,7 +3,9 @@ of the model held on the device, reading its inputs from and writing its outputs
 work directory (host files), never the whole model or all activations on the device.
 
     embed          token ids -> x0
-    forward l      x_l -> x_{l+1}; the layer's input statistics (calibrate.RecordingExperts),
+    forward l      x_l -> x_{l+1}; the layer's input statistics (calibrate.RecordingExperts;
+                   with error feedback also its experts' full input Hessians, held only
+                   for this step, on the device),
                    its smoothed Hessians h, column errors and per-chunk sensitivities ->
                    layer{l}; its experts quantised -> planes{l} (planes and LUTs, kept
                    apart so the artifact's assembly reads the small tables without them)
@@ -30,6 +32,7 @@ from pagedweight.format.paged_model import LayerPlanes
 from pagedweight.model.transformer import soft_cap
 from pagedweight.offline.calibrate import CalibrationStats, RecordingExperts, smoothed_hessians
 from pagedweight.offline.checkpoint_layers import CheckpointLayers
+from pagedweight.offline.error_feedback import smoothed_full_hessians
 from pagedweight.offline.layer_quantize import gn_col_errors, quantize_experts
 from pagedweight.offline.quantize_tables import layer_chunk_sensitivities
 from pagedweight.offline.work_dir import WorkDir
@@ -84,6 +87,11 @@ def forward_step(run: StreamRun, layer: int) -> None:
         sum_sq_down=torch.zeros(N, 1, E, c.expert_intermediate_size, device=dev),
         token_counts=torch.zeros(N, 1, E, device=dev), routing_mass=torch.zeros(N, 1, E, device=dev),
         num_tokens_per_chunk=T)
+    feedback = run.config.quantizer.error_feedback
+    if feedback:  # error feedback: every expert's full input Hessian sums
+        H, I = c.hidden_size, c.expert_intermediate_size
+        stats.gram_gate_up = torch.zeros(1, E, H, H, device=dev)
+        stats.gram_down = torch.zeros(1, E, I, I, device=dev)
     recorder = RecordingExperts(dense, 0, stats)
     module.moe.experts = recorder
     x = run.load_hidden(f"x{layer}")
@@ -103,6 +111,11 @@ def forward_step(run: StreamRun, layer: int) -> None:
     sums = {"gate_up": stats.sum_sq_gate_up.cpu(), "down": stats.sum_sq_down.cpu()}
     h = {m: smoothed_hessians(sums[m].sum(0), counts.sum(0), run.config.calib.prior_tokens,
                               PER_COLUMN_PRIOR[m])[0] for m in MODULES}
+    grams = {"gate_up": stats.gram_gate_up, "down": stats.gram_down}
+    h_full = {m: smoothed_full_hessians(grams[m][0].cpu(), counts.sum(0)[0], h[m], run.config.calib.prior_tokens)
+              for m in MODULES} if feedback else {}
+    del grams
+    stats.gram_gate_up = stats.gram_down = None
     run.seconds["forward"] += time.perf_counter() - started
 
     started = time.perf_counter()
@@ -110,7 +123,8 @@ def forward_step(run: StreamRun, layer: int) -> None:
     planes = {}
     col_errors = {}
     for m in MODULES:
-        result = quantize_experts(getattr(dense, m).detach(), h[m], run.config.quantizer, str(dev), run.tile_elements)
+        result = quantize_experts(getattr(dense, m).detach(), h[m], run.config.quantizer, str(dev),
+                                  run.tile_elements, h_full.pop(m, None))
         col_errors[m] = result.col_errors
         planes[f"planes.{m}"] = result.planes.planes
         tensors[f"h.{m}"] = h[m]

@@ -1,0 +1,74 @@
+"""GPTQ-style error feedback for the nested quantiser's 3-bit seed codes.
+
+The k-means seed (apl_quantizer.py) weighs each column by the diagonal of the input
+Hessian; how the columns' errors interact it cannot see. GPTQ (Frantar et al. 2022)
+chooses a row's codes column by column and pushes each column's rounding error onto the
+columns not yet quantised through the Cholesky factor U of the dampened inverse Hessian
+(H + d * mean(diag H) * I)^-1 = U^T U, which lowers the block's output error
+trace((W - Q) H (W - Q)^T). Here the LUT stays the seed's: only which entry each weight
+takes changes, so the upscaling splits that follow divide these clusters as they divide
+the k-means ones and the codes stay nested. The price of nesting: the feedback's clusters
+overlap in value, so the splits above the seed width fit them worse than k-means'
+clusters; a stronger dampening gives up some of the seed width's gain for less of that
+loss (docs/quantize.md: d = 1.0 x mean diagonal measured best on the planner's mix, where
+bench/quantize_gptq_probe.py found 0.1 best for one width alone).
+
+The full Hessian of an expert is smoothed like its diagonal (calibrate.smoothed_hessians):
+the off-diagonal sums are divided by (tokens + prior_tokens) and the diagonal is the
+smoothed diagonal, so an expert calibration rarely routes to leans on the layer's
+diagonal prior, which feeds no error forward.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedweight.common.errors import UserError
+
+
+def smoothed_full_hessians(gram: torch.Tensor, counts: torch.Tensor, h_diag: torch.Tensor,
+                           prior_tokens: float) -> torch.Tensor:
+    """gram [E, C, C] (sum of x x^T over routed tokens), counts [E], h_diag [E, C] (the
+    smoothed diagonal) -> [E, C, C] float32 whose diagonal is h_diag."""
+    full = gram.float() / (counts.float() + prior_tokens)[:, None, None]
+    full.diagonal(dim1=1, dim2=2).copy_(h_diag.float())
+    return full
+
+
+def feedback_factors(h: torch.Tensor, damp: float) -> torch.Tensor:
+    """h [E, C, C] -> U [E, C, C] float32, upper triangular with U^T U = (h + damp *
+    mean(diag h) * I)^-1 per expert (GPTQ's Cholesky form, computed in float64)."""
+    if damp < 0:  # 0 is GPTQ undampened: fine while H is positive definite (checked below)
+        raise UserError(f"error feedback needs a dampening >= 0, got {damp}")
+    h = h.double()
+    C = h.shape[-1]
+    mean_diag = h.diagonal(dim1=1, dim2=2).mean(1).clamp_min(1e-12)
+    eye = torch.eye(C, dtype=torch.float64, device=h.device)
+    h = h + damp * mean_diag[:, None, None] * eye
+    chol, info = torch.linalg.cholesky_ex(h)
+    if bool((info != 0).any()):
+        raise UserError(f"error feedback: the dampened input Hessian of expert(s) "
+                        f"{(info != 0).nonzero().flatten().tolist()} is not positive definite")
+    return torch.linalg.cholesky(torch.cholesky_inverse(chol), upper=True).float()
+
+
+def feedback_codes(w: torch.Tensor, u: torch.Tensor, lut: torch.Tensor) -> torch.Tensor:
+    """w [E, R, C], u [E, C, C] (feedback_factors), lut [E, R, K] sorted -> codes [E, R, C]
+    (int64): each column's nearest LUT entry after the errors of the columns before it
+    were fed forward."""
+    midpoints = ((lut[..., 1:] + lut[..., :-1]) / 2).contiguous()
+    w = w.float().clone()
+    codes = torch.empty(w.shape, dtype=torch.long, device=w.device)
+    for c in range(w.shape[2]):
+        col = w[:, :, c:c + 1].contiguous()  # [E, R, 1]
+        code = torch.searchsorted(midpoints, col)
+        codes[:, :, c:c + 1] = code
+        err = (col - torch.gather(lut, 2, code)) / u[:, c, c][:, None, None]
+        w[:, :, c + 1:] -= err * u[:, c:c + 1, c + 1:]
+    return codes
+
+
+def block_error(w: torch.Tensor, q: torch.Tensor, h: torch.Tensor) -> float:
+    """trace((w - q) h (w - q)^T): the error a block's output sees, w and q [R, C], h [C, C]."""
+    d = (w - q).double()
+    return float(((d @ h.double()) * d).sum())
