@@ -383,9 +383,7 @@ class PagedKVCache:
         per_token = self.num_kv_heads * self.head_dim
         if self.row_stride % per_token:
             return None
-        bs = self.block_size
-        k = self._tile_row[:, torch.div(slots, bs, rounding_mode="floor")] * (self.row_stride // per_token) + slots % bs
-        return torch.stack((k, k + bs), dim=1)
+        return torch.div(self.token_elements(slots), per_token, rounding_mode="floor")  # exact: rows start at multiples
 
     def token_elements(self, slots: torch.Tensor) -> torch.Tensor:
         """[T] slots -> [L, 2, T]: where in `flat` each new token's K (0) and V (1) row of
