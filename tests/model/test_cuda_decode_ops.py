@@ -50,6 +50,17 @@ def test_signed_rotary_equals_apply_rotary(dtype, tol):
     assert ((got - want).abs().max() / want.abs().max()).item() <= tol
 
 
+def fused_output_unchanged(model, fuse, run):
+    """Run, fuse, run again: the state dict keeps its keys and the output stays (the
+    unfused output is returned for later checks)."""
+    want = run()
+    keys = sorted(model.state_dict())
+    fuse()
+    assert sorted(model.state_dict()) == keys
+    torch.testing.assert_close(run(), want, rtol=1e-5, atol=1e-5)
+    return want
+
+
 def test_fused_qkv_computes_the_same_and_stays_the_parameters():
     """fuse_qkv (the engine does it on CUDA): the same logits, the projections' parameters
     are views of the fused weight (a later in-place load reaches the fused product), and
@@ -60,11 +71,7 @@ def test_fused_qkv_computes_the_same_and_stays_the_parameters():
     model = load_model(BUNDLED_MODEL, dtype=torch.float32)
     ids = torch.randint(1, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
-        want = model(ids)
-        keys = sorted(model.state_dict())
-        model.fuse_projections()
-        assert sorted(model.state_dict()) == keys
-        torch.testing.assert_close(model(ids), want, rtol=1e-5, atol=1e-5)
+        want = fused_output_unchanged(model, model.fuse_projections, lambda: model(ids))
         attn = model.layers[0].self_attn
         assert attn._qkv is not None and attn.k_proj.weight.data_ptr() != attn._qkv[0].data_ptr()
         attn.k_proj.weight.mul_(0)  # written through the view: the fused product sees it
@@ -84,11 +91,7 @@ def test_fused_moe_inputs_compute_the_same_and_stay_the_parameters():
     block = model.layers[0].moe
     x = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        want = block(x)
-        keys = sorted(model.state_dict())
-        block.fuse_inputs()
-        assert sorted(model.state_dict()) == keys
-        torch.testing.assert_close(block(x), want, rtol=1e-5, atol=1e-5)
+        fused_output_unchanged(model, block.fuse_inputs, lambda: block(x))
         weight, sizes = block._inputs
         assert weight.shape[0] % 8 == 0 and sum(sizes) == weight.shape[0]
         assert block.gate.weight.data_ptr() == weight[sizes[0] + sizes[1]].data_ptr()
