@@ -24,13 +24,13 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from functools import cached_property, lru_cache
+from functools import cached_property
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from pagedweight_kernels.cuda_packages import cuda_with, module_source
+from pagedweight_kernels.cuda_packages import cuda_with, launch_on_torch_stream, module_source
 from pagedweight_kernels.moe_reference import check_activation, gated, moe_forward
 from pagedweight.format.apl_format import (
     COL_ALIGN, LUT_DTYPE, MAX_BITS, MIN_BITS, APLBlock, check_bits, dequantize,
@@ -533,27 +533,10 @@ def compile_stats() -> CompileStats:
 
 
 def _launch(name: str, grid, args, shared: int = 0, block: int = THREADS, activation: str = "silu"):
-    import cupy as cp
-    import numpy as np
-
     kernel = _kernel(name, activation)
     if shared > 48 * 1024 and kernel.max_dynamic_shared_size_bytes < shared:
         kernel.max_dynamic_shared_size_bytes = shared
-    packed = tuple(np.uint64(a.data_ptr()) if isinstance(a, torch.Tensor) else
-                   (np.uint64(0) if a is None else np.int32(a)) for a in args)
-    with _cupy_stream(torch.cuda.current_stream().cuda_stream):  # PyTorch's current stream
-        kernel(grid, (block,), packed, shared_mem=shared)
-
-
-@lru_cache(maxsize=64)
-def _cupy_stream(handle: int):
-    import warnings
-
-    import cupy as cp
-
-    with warnings.catch_warnings():  # cupy 14 deprecates ExternalStream for Stream.from_external
-        warnings.simplefilter("ignore", DeprecationWarning)
-        return cp.cuda.ExternalStream(handle)
+    launch_on_torch_stream(kernel, grid, block, args, shared)
 
 
 def _flag(dtype) -> str:

@@ -28,8 +28,7 @@ from pathlib import Path
 
 import torch
 
-from pagedweight_kernels.apl_moe import _cupy_stream
-from pagedweight_kernels.cuda_packages import cuda_with, module_source
+from pagedweight_kernels.cuda_packages import cuda_with, launch_on_torch_stream, module_source
 
 SOURCE = Path(__file__).with_name("decode_ops.cu")
 _DT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -75,22 +74,7 @@ def _function(name: str):
 
 
 def _launch(name: str, grid, block: int, args, shared: int = 0) -> None:
-    import numpy as np
-
-    packed = []
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            packed.append(np.uint64(a.data_ptr()))
-        elif a is None:
-            packed.append(np.uint64(0))
-        elif isinstance(a, float):
-            packed.append(np.float32(a))
-        elif isinstance(a, np.generic):
-            packed.append(a)
-        else:
-            packed.append(np.int32(a))
-    with _cupy_stream(torch.cuda.current_stream().cuda_stream):
-        _function(name)(grid, (block,), tuple(packed), shared_mem=shared)
+    launch_on_torch_stream(_function(name), grid, block, args, shared)
 
 
 def _dtype_code(t: torch.Tensor, what: str) -> int:
