@@ -24,7 +24,7 @@ if [ -n "${GEMV_BENCH:-}" ]; then
   tail -n 24 "$OUT/expert_gemv_$TAG.log"
   GEMV_MAX=$(python3 -c "import json; print(json.load(open('$OUT/expert_gemv_$TAG.json'))['models']['qwen1.5-moe-a2.7b']['gemv_faster_up_to_tokens'])" 2>/dev/null)
   [ -n "$GEMV_MAX" ] && GEMV_ARGS="--gemv-max-tokens $GEMV_MAX"
-  echo "expert GEMV token limit for the runs below: ${GEMV_MAX:-the code's}"
+  echo "expert GEMV token limit for the runs below: ${GEMV_MAX:-the default in the code}"
 fi
 QWEN_ARGS="$GEMV_ARGS --model qwen1.5-moe-a2.7b --modes graphs-inplace --skip hf pressure --static-bits 4
   --concurrency 1 16 64 --ttft-prompts 512 --profile-concurrency ${QWEN_PROFILE:-1 64} --time-limit-s ${QWEN_LIMIT_S:-140}
