@@ -52,9 +52,10 @@ GEMV_ROWS = 4  # R: an expert's assignments per pass over its weight rows (more:
 # down row of Qwen1.5-MoE's 1408 columns is 5.5 vectors per lane: one round at 8)
 GEMV_UNROLL = {"gate_up": 4, "down": 8}
 MAX_GEMV_ROWS_PER_CTA = 8  # expert_gemv.cu's GV_MAX_ROWS_PER_CTA
+GEMV_CTAS_PER_SM = 2  # the kernels' __launch_bounds__ occupancy: the persistent grid is one wave
 # Up to this many tokens a step the dense experts take the GEMV, above it torch._grouped_mm:
 # chosen by bench/expert_gemv.py on the H200 (docs/real_shape.md).
-GEMV_MAX_TOKENS = 16
+GEMV_MAX_TOKENS = 8
 
 
 @lru_cache(maxsize=None)
@@ -138,10 +139,12 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch
 
 def _norm_shape(hidden: int) -> tuple[int, int]:
     """(elements per thread, threads) of add_rms_norm for a row of `hidden` elements."""
+    # 8 per thread up to 1,024 threads (Mixtral's 4,096: 512 threads, where 256 threads of 16
+    # each took 8.7 us a call at one token), then 16
     if hidden <= 8 * THREADS:
         return 8, THREADS
-    if hidden <= 16 * THREADS:
-        return 16, THREADS
+    if hidden <= 8 * 1024:
+        return 8, -(-hidden // (8 * 32)) * 32
     return 16, -(-hidden // (16 * 32)) * 32  # up to 1024 threads
 
 
@@ -289,10 +292,11 @@ def expert_gate_up(x: torch.Tensor, topk_ids: torch.Tensor, gate_up: torch.Tenso
     I, n, k = two_i // 2, topk_ids.numel(), topk_ids.shape[1]
     h = torch.empty(n, I, dtype=x.dtype, device=x.device) if out is None else out
     _check_rows(h, (n, I), x.dtype, "out")
-    rows = max(1, (GEMV_THREADS // 32) // k)  # gate/up row pairs per CTA: every warp busy at one token
+    rows = max(1, (GEMV_THREADS // 32) // k)  # gate/up pairs per tile: every warp busy at one token
     vec = "true" if _vectors_fit(x.dtype, x, gate_up, H, x.stride(0)) else "false"
-    _launch(f"expert_gate_up<{code}, {_ACT[activation]}, {GEMV_ROWS}, {GEMV_UNROLL['gate_up']}, {vec}>", (-(-I // rows),),
-            GEMV_THREADS, (x, _i64(x.stride(0)), topk_ids, n, k, gate_up, I, H, rows, h))
+    _launch(f"expert_gate_up<{code}, {_ACT[activation]}, {GEMV_ROWS}, {GEMV_UNROLL['gate_up']}, {vec}>",
+            (_persistent_grid(-(-I // rows), x.device),), GEMV_THREADS,
+            (x, _i64(x.stride(0)), topk_ids, n, k, gate_up, I, H, rows, h))
     return h
 
 
@@ -315,11 +319,23 @@ def expert_down_combine(h: torch.Tensor, topk_ids: torch.Tensor, topk_weights: t
         raise ValueError(f"down must be [E, H, {I}], got {tuple(down.shape)}")
     result = torch.empty(T, H, dtype=h.dtype, device=h.device) if out is None else out
     _check_rows(result, (T, H), h.dtype, "out")
-    rows = min(MAX_GEMV_ROWS_PER_CTA, max(1, (GEMV_THREADS // 32) // k))  # every warp busy at one token
+    # rows per tile, even (an item is two rows): every warp busy at one token (k experts x rows / 2 items)
+    rows = min(MAX_GEMV_ROWS_PER_CTA, max(2, 2 * (GEMV_THREADS // 32) // k)) & ~1
     vec = "true" if _vectors_fit(h.dtype, h, down, I) else "false"
-    _launch(f"expert_down_combine<{code}, {GEMV_ROWS}, {GEMV_UNROLL['down']}, {vec}>", (-(-H // rows),), GEMV_THREADS,
+    _launch(f"expert_down_combine<{code}, {GEMV_ROWS}, {GEMV_UNROLL['down']}, {vec}>",
+            (_persistent_grid(-(-H // rows), h.device),), GEMV_THREADS,
             (h, topk_ids, topk_weights, n, k, down, H, I, rows, result))
     return result
+
+
+def _persistent_grid(tiles: int, device: torch.device) -> int:
+    """CTAs of a persistent launch over `tiles`: one wave at most (every CTA groups once)."""
+    return max(1, min(tiles, GEMV_CTAS_PER_SM * _sm_count(device.index)))
+
+
+@lru_cache(maxsize=None)
+def _sm_count(index: int | None) -> int:
+    return torch.cuda.get_device_properties(torch.cuda.current_device() if index is None else index).multi_processor_count
 
 
 def experts_gemv(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, gate_up: torch.Tensor,

@@ -11,19 +11,24 @@
 //                                 (the combine in combine_rows' order: fixed, no atomics, so
 //                                 reruns are bit-identical).
 //
-// Every CTA groups the assignments by expert itself (one per thread, O(n) each, so n is
-// small: the launcher takes at most GV_MAX_ASSIGN) and owns a tile of output rows across
-// every expert present: its warps take (expert, row) items in turn. A warp computes one item
-// for up to R of the expert's rows per pass (more rows: another pass, whose weights come from
-// L2), its lanes splitting K in 16-byte vectors, U vectors per row in flight. The down CTA
-// holds its rows' results of every assignment in shared memory, so it also forms the
-// weighted sum over k: no combine launch. The grid depends on shapes only (graph-safe).
+// The grid is persistent (at most two CTAs per SM, the register budget's occupancy, so one
+// wave): every CTA groups the assignments by expert once (one per thread, O(n) each, so n is
+// small: the launcher takes at most GV_MAX_ASSIGN), then walks tiles of output rows
+// blockIdx.x, + gridDim.x, ..., each across every expert present: its warps take (expert,
+// rows) items in turn. A warp computes one item, two weight rows at once, for up to R of the
+// expert's assignments per pass (more: another pass, whose weights come from L2), its lanes
+// splitting K in 16-byte vectors, U vectors per row in flight. The down CTA holds its tile's
+// results of every assignment in shared memory (two buffers, one barrier per tile), so it
+// also forms the weighted sum over k: no combine launch. The grid depends on shapes only
+// (graph-safe). (First version, one tile per CTA and one row per down item: 17 + 16 us per
+// Qwen1.5-MoE layer at one token, 2.7 and 1.4 TB/s, bound by each CTA's grouping and by
+// 2.7 / 3.9 waves of short CTAs; docs/real_shape.md.)
 //
 // Compiled in decode_ops' module, after decode_ops.cu (ld, st, rnd, activate, warp_sum).
 
 #define GV_WARPS 8
 #define GV_MAX_ASSIGN (GV_WARPS * 32)  // the grouping gives each thread one assignment
-#define GV_MAX_ROWS_PER_CTA 8           // the down CTA's result rows (shared memory: 8 per assignment)
+#define GV_MAX_ROWS_PER_CTA 8           // the down tile's rows (shared memory: 2 x 8 results per assignment)
 
 // The n assignments grouped by expert in shared memory, in torch.sort(stable)'s order
 // (experts ascending, assignments in order inside one): sorted[pos] = a, and per group g its
@@ -146,7 +151,8 @@ __device__ __forceinline__ void warp_dots(const char* const (&w)[NR], const char
     __shared__ int g_expert[GV_MAX_ASSIGN], g_start[GV_MAX_ASSIGN], g_count[GV_MAX_ASSIGN];
 
 // x [T, H] (row stride ld_x), ids [T k], w_gu [E, 2I, H] (gate rows first) -> h [n, I]
-// (assignment order). A CTA owns rows i0 .. i0 + P of gate and up (P: the host's rows per CTA).
+// (assignment order). Tile: P rows of gate and up (P: the host's pairs per tile); an item is
+// one pair (gate row i, up row i) of one expert.
 template <int DT, int ACT, int R, int U, bool VEC>
 __global__ void __launch_bounds__(GV_MAX_ASSIGN, 2)
 expert_gate_up(const void* __restrict__ x, long long ld_x, const long long* __restrict__ ids, int n, int k,
@@ -155,83 +161,94 @@ expert_gate_up(const void* __restrict__ x, long long ld_x, const long long* __re
     const int groups = group_assignments(ids, n, id_s, first_s, sorted, g_expert, g_start, g_count);
     constexpr int ES = GV<DT>::ES;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int i0 = blockIdx.x * P;
-    for (int q = warp; q < groups * P; q += GV_WARPS) {
-        const int g = q / P, i = i0 + q % P;
-        if (i >= I) continue;
-        const int start = g_start[g], count = g_count[g];
-        const char* gate = (const char*)w_gu + ((long long)g_expert[g] * 2 * I + i) * H * ES;
-        const char* const rows[2] = {gate, gate + (long long)I * H * ES};
-        for (int c0 = 0; c0 < count; c0 += R) {
-            const int m = min(R, count - c0);
-            int as[R];
-            const char* xs[R];
-#pragma unroll
-            for (int j = 0; j < R; ++j) {
-                as[j] = sorted[start + c0 + min(j, m - 1)];
-                xs[j] = (const char*)x + (long long)(as[j] / k) * ld_x * ES;
-            }
-            float acc[2][R];
-            warp_dots<DT, 2, R, U, VEC>(rows, xs, m, H, acc);
-            if (lane == 0) {
+    const int tiles = (I + P - 1) / P;
+    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {  // no barrier: warps run ahead freely
+        for (int q = warp; q < groups * P; q += GV_WARPS) {
+            const int g = q / P, i = tile * P + q % P;
+            if (i >= I) continue;
+            const int start = g_start[g], count = g_count[g];
+            const char* gate = (const char*)w_gu + ((long long)g_expert[g] * 2 * I + i) * H * ES;
+            const char* const rows[2] = {gate, gate + (long long)I * H * ES};
+            for (int c0 = 0; c0 < count; c0 += R) {
+                const int m = min(R, count - c0);
+                int as[R];
+                const char* xs[R];
 #pragma unroll
                 for (int j = 0; j < R; ++j) {
-                    if (j >= m) break;
-                    const float a = rnd<DT>(activate<ACT>(rnd<DT>(acc[0][j])));
-                    st<DT>(h, (long long)as[j] * I + i, a * rnd<DT>(acc[1][j]));
+                    as[j] = sorted[start + c0 + min(j, m - 1)];
+                    xs[j] = (const char*)x + (long long)(as[j] / k) * ld_x * ES;
+                }
+                float acc[2][R];
+                warp_dots<DT, 2, R, U, VEC>(rows, xs, m, H, acc);
+                if (lane == 0) {
+#pragma unroll
+                    for (int j = 0; j < R; ++j) {
+                        if (j >= m) break;
+                        const float a = rnd<DT>(activate<ACT>(rnd<DT>(acc[0][j])));
+                        st<DT>(h, (long long)as[j] * I + i, a * rnd<DT>(acc[1][j]));
+                    }
                 }
             }
         }
     }
 }
 
-// h [n, I], w_d [E, H, I], weights [T, k] -> out [T, H]. A CTA owns rows h0 .. h0 + RB of down
-// (RB <= GV_MAX_ROWS_PER_CTA) for every assignment, then sums each token's k of them.
+// h [n, I], w_d [E, H, I], weights [T, k] -> out [T, H]. Tile: RB rows of down (even, <=
+// GV_MAX_ROWS_PER_CTA) for every assignment, then each token's sum over its k; an item is two
+// consecutive rows of one expert.
 template <int DT, int R, int U, bool VEC>
 __global__ void __launch_bounds__(GV_MAX_ASSIGN, 2)
 expert_down_combine(const void* __restrict__ h, const long long* __restrict__ ids, const void* __restrict__ weights,
                     int n, int k, const void* __restrict__ w_d, int H, int I, int RB, void* __restrict__ out) {
     GV_GROUPING_SHARED
-    __shared__ float y_s[GV_MAX_ASSIGN * GV_MAX_ROWS_PER_CTA];  // [assignment][row of the tile]
+    __shared__ float y_s[2][GV_MAX_ASSIGN * GV_MAX_ROWS_PER_CTA];  // [tile parity][assignment][row of the tile]
     const int groups = group_assignments(ids, n, id_s, first_s, sorted, g_expert, g_start, g_count);
     constexpr int ES = GV<DT>::ES;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int h0 = blockIdx.x * RB;
-    for (int q = warp; q < groups * RB; q += GV_WARPS) {
-        const int g = q / RB, r = q % RB;
-        if (h0 + r >= H) continue;
-        const int start = g_start[g], count = g_count[g];
-        const char* const rows[1] = {(const char*)w_d + ((long long)g_expert[g] * H + h0 + r) * I * ES};
-        for (int c0 = 0; c0 < count; c0 += R) {
-            const int m = min(R, count - c0);
-            int as[R];
-            const char* xs[R];
-#pragma unroll
-            for (int j = 0; j < R; ++j) {
-                as[j] = sorted[start + c0 + min(j, m - 1)];
-                xs[j] = (const char*)h + (long long)as[j] * I * ES;
-            }
-            float acc[1][R];
-            warp_dots<DT, 1, R, U, VEC>(rows, xs, m, I, acc);
-            if (lane == 0) {
+    const int tiles = (H + RB - 1) / RB, pairs = RB / 2, T = n / k;
+    for (int tile = blockIdx.x, parity = 0; tile < tiles; tile += gridDim.x, parity ^= 1) {
+        const int h0 = tile * RB;
+        float* y = y_s[parity];
+        for (int q = warp; q < groups * pairs; q += GV_WARPS) {
+            const int g = q / pairs, r = 2 * (q % pairs);
+            if (h0 + r >= H) continue;
+            const bool second = h0 + r + 1 < H;  // else the first row twice, its copy not stored
+            const int start = g_start[g], count = g_count[g];
+            const char* row = (const char*)w_d + ((long long)g_expert[g] * H + h0 + r) * I * ES;
+            const char* const rows[2] = {row, second ? row + (long long)I * ES : row};
+            for (int c0 = 0; c0 < count; c0 += R) {
+                const int m = min(R, count - c0);
+                int as[R];
+                const char* xs[R];
 #pragma unroll
                 for (int j = 0; j < R; ++j) {
-                    if (j >= m) break;
-                    y_s[as[j] * RB + r] = rnd<DT>(acc[0][j]);
+                    as[j] = sorted[start + c0 + min(j, m - 1)];
+                    xs[j] = (const char*)h + (long long)as[j] * I * ES;
+                }
+                float acc[2][R];
+                warp_dots<DT, 2, R, U, VEC>(rows, xs, m, I, acc);
+                if (lane == 0) {
+#pragma unroll
+                    for (int j = 0; j < R; ++j) {
+                        if (j >= m) break;
+                        y[as[j] * RB + r] = rnd<DT>(acc[0][j]);
+                        if (second) y[as[j] * RB + r + 1] = rnd<DT>(acc[1][j]);
+                    }
                 }
             }
         }
-    }
-    __syncthreads();
-    const int T = n / k;
-    for (int idx = threadIdx.x; idx < T * RB; idx += blockDim.x) {
-        const int t = idx / RB, r = idx - t * RB;
-        if (h0 + r >= H) continue;
-        float acc = 0.f;
-        for (int j = 0; j < k; ++j) {
-            const int a = t * k + j;
-            acc += rnd<DT>(__fmul_rn(ld<DT>(weights, a), y_s[a * RB + r]));  // not an FMA, as combine_rows
+        // One barrier per tile: the next tile writes the other buffer, and this buffer is
+        // written again only after every thread has passed the next tile's barrier.
+        __syncthreads();
+        for (int idx = threadIdx.x; idx < T * RB; idx += blockDim.x) {
+            const int t = idx / RB, r = idx - t * RB;
+            if (h0 + r >= H) continue;
+            float acc = 0.f;
+            for (int j = 0; j < k; ++j) {
+                const int a = t * k + j;
+                acc += rnd<DT>(__fmul_rn(ld<DT>(weights, a), y[a * RB + r]));  // not an FMA, as combine_rows
+            }
+            st<DT>(out, (long long)t * H + h0 + r, acc);
         }
-        st<DT>(out, (long long)t * H + h0 + r, acc);
     }
 }
