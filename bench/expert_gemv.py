@@ -3,7 +3,8 @@
 batches (`decode_ops.grouped_moe_fused`: group_rows, two torch._grouped_mm, gated_rows,
 combine_rows), bf16, at Qwen1.5-MoE-A2.7B's and Mixtral-8x7B's expert shapes, per token
 count; against the copy bandwidth of the same run (issue 12). It picks
-`decode_ops.GEMV_MAX_TOKENS`: the largest count up to which the GEMV is the faster.
+`decode_ops.GEMV_MAX_TOKENS_PER_EXPERT`: the most assignments per expert (T k / E) up to
+which the GEMV is the faster at every shape.
 
 Each timed replay is a CUDA graph over L layers (their own weights and routing, several GB
 together: no layer's experts stay in L2 from the last replay); time per layer = replay
@@ -95,7 +96,7 @@ def measure(name: str, shape: dict, tokens: list[int], bw: float) -> list[dict]:
         row = {"tokens": T, "experts_touched_per_layer": touched, "bytes_per_layer": touched * expert_bytes}
         outs = {}
         variants = {"grouped": decode_ops.grouped_moe_fused}
-        if T * k <= decode_ops.MAX_GEMV_ASSIGN:  # the kernels' limit (the model's is GEMV_MAX_TOKENS)
+        if T * k <= decode_ops.MAX_GEMV_ASSIGN:  # the kernels' limit (the model's: GEMV_MAX_TOKENS_PER_EXPERT)
             variants["gemv"] = decode_ops.experts_gemv
         for variant, op in variants.items():
             def run(op=op, variant=variant):
@@ -128,13 +129,17 @@ def main() -> None:
     result = {"benchmark": "expert_gemv", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "machine": machine(), "commit": commit(), "copy_bandwidth_bytes_per_s": bw,
               "kernel": {"rows_per_pass": decode_ops.GEMV_ROWS, "unroll": decode_ops.GEMV_UNROLL,
-                         "max_tokens_in_code": decode_ops.GEMV_MAX_TOKENS}, "models": {}}
+                         "max_tokens_per_expert_in_code": decode_ops.GEMV_MAX_TOKENS_PER_EXPERT}, "models": {}}
     for name in args.models:
         tokens = args.mixtral_tokens if name == "mixtral-8x7b" and args.mixtral_tokens is not None else args.tokens
         rows = measure(name, SHAPES[name], tokens, bw)
         faster = [r["tokens"] for r in rows if r.get("speedup", 0) > 1]
         crossover = max((t for t in faster if all(t2 in faster for t2 in tokens if t2 <= t)), default=0)
-        result["models"][name] = {"shape": SHAPES[name], "rows": rows, "gemv_faster_up_to_tokens": crossover}
+        per_expert = round(crossover * SHAPES[name]["k"] / SHAPES[name]["E"], 3)
+        result["models"][name] = {"shape": SHAPES[name], "rows": rows, "gemv_faster_up_to_tokens": crossover,
+                                  "gemv_faster_up_to_tokens_per_expert": per_expert}
+        result["gemv_faster_up_to_tokens_per_expert"] = min(
+            m["gemv_faster_up_to_tokens_per_expert"] for m in result["models"].values())
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1) + "\n")
     result["seconds"] = round(time.perf_counter() - t0, 1)

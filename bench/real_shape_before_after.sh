@@ -7,8 +7,9 @@
 #     one, which leaves out the profile fields an older engine has not got);
 #  3. the Mixtral-8x7B shape at concurrency 1, 4 bits (and bf16 dense unless MIXTRAL_SKIP
 #     names bf16), while time is left.
-# With GEMV_BENCH=1, first bench/expert_gemv.py: its measured crossover (Qwen1.5-MoE's shape)
-# becomes the expert GEMV's token limit of every real_shape run below (--gemv-max-tokens).
+# With GEMV_BENCH=1, first bench/expert_gemv.py: its measured crossover (assignments per
+# expert, the lower of its shapes') becomes the expert GEMV's limit of every real_shape run
+# below (--gemv-tokens-per-expert).
 # Results and logs go to $OUT (default bench/results/). Usage:
 #   BASE_DIR=.base BASE_COMMIT=8696dd6 CODE_COMMIT=<HEAD> TAG=step bash bench/real_shape_before_after.sh
 # TAG names the result files (real_shape_<model>_cuda_<TAG>_{after,before}.json, ...).
@@ -22,9 +23,9 @@ if [ -n "${GEMV_BENCH:-}" ]; then
   PAGEDWEIGHT_COMMIT=${CODE_COMMIT:-unknown} PYTHONPATH=.:services:kernels timeout ${GEMV_S:-60} \
     python3 -m bench.expert_gemv --out "$OUT/expert_gemv_$TAG.json" > "$OUT/expert_gemv_$TAG.log" 2>&1
   tail -n 24 "$OUT/expert_gemv_$TAG.log"
-  GEMV_MAX=$(python3 -c "import json; print(json.load(open('$OUT/expert_gemv_$TAG.json'))['models']['qwen1.5-moe-a2.7b']['gemv_faster_up_to_tokens'])" 2>/dev/null)
-  [ -n "$GEMV_MAX" ] && GEMV_ARGS="--gemv-max-tokens $GEMV_MAX"
-  echo "expert GEMV token limit for the runs below: ${GEMV_MAX:-the default in the code}"
+  GEMV_MAX=$(python3 -c "import json; print(json.load(open('$OUT/expert_gemv_$TAG.json'))['gemv_faster_up_to_tokens_per_expert'])" 2>/dev/null)
+  [ -n "$GEMV_MAX" ] && GEMV_ARGS="--gemv-tokens-per-expert $GEMV_MAX"
+  echo "expert GEMV limit (tokens per expert) for the runs below: ${GEMV_MAX:-the default in the code}"
 fi
 QWEN_ARGS="$GEMV_ARGS --model qwen1.5-moe-a2.7b --modes graphs-inplace --skip hf pressure --static-bits 4
   --concurrency 1 16 64 --ttft-prompts 512 --profile-concurrency ${QWEN_PROFILE:-1 64} --time-limit-s ${QWEN_LIMIT_S:-140}

@@ -59,28 +59,27 @@ __global__ void add_rms_norm(const void* __restrict__ x, const void* __restrict_
                              int H, float eps) {
     __shared__ float partial[32];
     const long long row = (long long)blockIdx.x * H;
-    // Every load first (the scale, the row's terms, the gate logit), then the arithmetic: the
-    // sigmoid of the gate would otherwise hold the row's loads behind its own round trip.
-    const float g_raw = MODE == 2 ? ld<DT>(gate, (long long)blockIdx.x * gate_stride) : 0.f;
-    float vals[VPT], w[VPT], d[VPT], sh[VPT];
+    float g = 0.f;
+    if (MODE == 2) g = rnd<DT>(1.f / (1.f + expf(-ld<DT>(gate, (long long)blockIdx.x * gate_stride))));
+    float vals[VPT], w[VPT];
+    float ss = 0.f;
+#pragma unroll
+    for (int j = 0; j < VPT; ++j) {  // the scale's loads too, before the reduction waits on the row's
+        const int i = threadIdx.x + j * blockDim.x;
+        w[j] = i < H ? ld<DT>(weight, i) : 0.f;
+    }
 #pragma unroll
     for (int j = 0; j < VPT; ++j) {
         const int i = threadIdx.x + j * blockDim.x;
-        const bool in = i < H;
-        w[j] = in ? ld<DT>(weight, i) : 0.f;
-        vals[j] = in ? ld<DT>(x, row + i) : 0.f;
-        d[j] = MODE >= 1 && in ? ld<DT>(delta, row + i) : 0.f;
-        sh[j] = MODE == 2 && in ? ld<DT>(shared, row + i) : 0.f;
-    }
-    const float g = MODE == 2 ? rnd<DT>(1.f / (1.f + expf(-g_raw))) : 0.f;
-    float ss = 0.f;
-#pragma unroll
-    for (int j = 0; j < VPT; ++j) {
-        float v = vals[j];
-        if (MODE >= 1) {
-            // __fmul_rn: no contraction into an FMA, which would round once where the chain rounds twice
-            const float dj = MODE == 2 ? rnd<DT>(d[j] + rnd<DT>(__fmul_rn(g, sh[j]))) : d[j];
-            v = rnd<DT>(v + dj);  // 0 + 0 past the row's end
+        float v = 0.f;
+        if (i < H) {
+            v = ld<DT>(x, row + i);
+            if (MODE >= 1) {
+                float d = ld<DT>(delta, row + i);
+                // __fmul_rn: no contraction into an FMA, which would round once where the chain rounds twice
+                if (MODE == 2) d = rnd<DT>(d + rnd<DT>(__fmul_rn(g, ld<DT>(shared, row + i))));
+                v = rnd<DT>(v + d);
+            }
         }
         vals[j] = v;
         ss += v * v;

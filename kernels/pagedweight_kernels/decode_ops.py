@@ -53,9 +53,11 @@ GEMV_ROWS = 4  # R: an expert's assignments per pass over its weight rows (more:
 GEMV_UNROLL = {"gate_up": 4, "down": 8}
 MAX_GEMV_ROWS_PER_CTA = 8  # expert_gemv.cu's GV_MAX_ROWS_PER_CTA
 GEMV_CTAS_PER_SM = 2  # the kernels' __launch_bounds__ occupancy: the persistent grid is one wave
-# Up to this many tokens a step the dense experts take the GEMV, above it torch._grouped_mm:
-# chosen by bench/expert_gemv.py on the H200 (docs/real_shape.md).
-GEMV_MAX_TOKENS = 8
+# The dense experts take the GEMV while a step's assignments per expert (T k / E, the mean)
+# stay at most this, torch._grouped_mm above: on the H200 (bench/expert_gemv.py, 2026-12-01)
+# the GEMV was the faster up to 64 / 60 (T = 16, 1.02x) at Qwen1.5-MoE's experts and at
+# 8 / 8 (T = 4, 1.11x) at Mixtral's, and slower from 2 at Mixtral's (first version, 0.70x).
+GEMV_MAX_TOKENS_PER_EXPERT = 1.0
 
 
 @lru_cache(maxsize=None)
@@ -139,12 +141,10 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch
 
 def _norm_shape(hidden: int) -> tuple[int, int]:
     """(elements per thread, threads) of add_rms_norm for a row of `hidden` elements."""
-    # 8 per thread up to 1,024 threads (Mixtral's 4,096: 512 threads, where 256 threads of 16
-    # each took 8.7 us a call at one token), then 16
     if hidden <= 8 * THREADS:
         return 8, THREADS
-    if hidden <= 8 * 1024:
-        return 8, -(-hidden // (8 * 32)) * 32
+    if hidden <= 16 * THREADS:
+        return 16, THREADS
     return 16, -(-hidden // (16 * 32)) * 32  # up to 1024 threads
 
 
@@ -243,11 +243,16 @@ def grouped_moe_fused(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
     return combine_rows(y, inv, topk_weights.contiguous())
 
 
-def gemv_supported(num_tokens: int, top_k: int, dtype: torch.dtype) -> bool:
-    """Where `experts_gemv` takes a step: at most GEMV_MAX_TOKENS tokens (the measured
-    crossover with the grouped product) and MAX_GEMV_ASSIGN assignments, a float dtype."""
-    return (0 < num_tokens <= GEMV_MAX_TOKENS and 0 < num_tokens * top_k <= MAX_GEMV_ASSIGN
-            and dtype in _DT)
+def gemv_supported(num_tokens: int, top_k: int, num_experts: int, dtype: torch.dtype) -> bool:
+    """Where `experts_gemv` takes a step: at most GEMV_MAX_TOKENS_PER_EXPERT assignments per
+    expert on average (the measured crossover with the grouped product) and MAX_GEMV_ASSIGN
+    in all, a float dtype."""
+    return 0 < num_tokens <= gemv_max_tokens(top_k, num_experts) and dtype in _DT
+
+
+def gemv_max_tokens(top_k: int, num_experts: int) -> int:
+    """The most tokens a step may have to take the GEMV (gemv_supported)."""
+    return min(int(GEMV_MAX_TOKENS_PER_EXPERT * num_experts), MAX_GEMV_ASSIGN) // top_k
 
 
 def _vectors_fit(dtype: torch.dtype, *tensors_and_strides) -> bool:

@@ -26,8 +26,7 @@ def _randn(*shape, dtype, seed, scale=1.0):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("mode", ["norm", "add", "add_shared"])
-@pytest.mark.parametrize("T,H", [(1, 2048), (7, 96), (64, 4096), (2, 5000), (1, 10000)])  # 8 per thread
-# (256, 256, 512, 640 threads), then 16 (640)
+@pytest.mark.parametrize("T,H", [(1, 2048), (7, 96), (64, 4096), (2, 5000)])  # 8, 8, 16 per thread; 320 threads
 def test_add_rms_norm_equals_add_then_rmsnorm(dtype, mode, T, H):
     from pagedweight.model.layers import RMSNorm
 

@@ -145,13 +145,15 @@ def test_bad_input_is_refused_with_one_clear_error():
     h = decode_ops.expert_gate_up(x, ids, gate_up)
     with pytest.raises(ValueError, match="down"):
         decode_ops.expert_down_combine(h, ids, w, down[:, :, :16].contiguous())
-    assert decode_ops.gemv_supported(decode_ops.GEMV_MAX_TOKENS, 4, torch.bfloat16)
-    assert not decode_ops.gemv_supported(decode_ops.GEMV_MAX_TOKENS + 1, 4, torch.bfloat16)
+    most = decode_ops.gemv_max_tokens(4, 60)
+    assert most * 4 <= decode_ops.GEMV_MAX_TOKENS_PER_EXPERT * 60 < (most + 1) * 4
+    assert decode_ops.gemv_supported(most, 4, 60, torch.bfloat16)
+    assert not decode_ops.gemv_supported(most + 1, 4, 60, torch.bfloat16)
 
 
 def test_dense_experts_take_the_gemv_for_few_tokens_only():
-    """DenseExperts with few_rows_kernel: the GEMV up to GEMV_MAX_TOKENS tokens (its values),
-    the grouped path above (its values); off, or with grouped=False, never."""
+    """DenseExperts with few_rows_kernel: the GEMV up to gemv_max_tokens (its values), the
+    grouped path above (its values); off, or with grouped=False, never."""
     from pagedweight.model.experts import DenseExperts
 
     E, k, H, I = 16, 4, 256, 96
@@ -160,11 +162,12 @@ def test_dense_experts_take_the_gemv_for_few_tokens_only():
         experts.gate_up.copy_(_experts(E, H, I, torch.bfloat16, seed=41)[0])
         experts.down.copy_(_experts(E, H, I, torch.bfloat16, seed=41)[1])
     experts.few_rows_kernel = True
-    for T in (1, decode_ops.GEMV_MAX_TOKENS, decode_ops.GEMV_MAX_TOKENS + 1):
+    most = decode_ops.gemv_max_tokens(k, E)
+    for T in (1, most, most + 1):
         x = _randn(T, H, dtype=torch.bfloat16, seed=T)
         ids, w = _routing(T, k, E, seed=T)
         w = w.to(torch.bfloat16).cuda()
-        few = T <= decode_ops.GEMV_MAX_TOKENS
+        few = T <= most
         assert experts.takes_gemv(x, ids, w) is few
         want = decode_ops.experts_gemv(x, ids, w, experts.gate_up, experts.down) if few else \
             decode_ops.grouped_moe_fused(x, ids, w, experts.gate_up, experts.down)
@@ -178,7 +181,7 @@ def test_dense_experts_take_the_gemv_for_few_tokens_only():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_model_with_the_gemv_equals_the_model_without(dtype):
     """A whole model's logits (Qwen2-MoE shape with the shared expert, a prompt of
-    GEMV_MAX_TOKENS tokens, so every layer's experts take the GEMV) with the kernel on and off
+    gemv_max_tokens tokens, so every layer's experts take the GEMV) with the kernel on and off
     (off: the grouped product in bf16, the per-expert loop in fp16)."""
     from bench import real_shape as rs
     from pagedweight.format.model_config import ModelConfig
@@ -190,7 +193,8 @@ def test_model_with_the_gemv_equals_the_model_without(dtype):
             if p.dim() > 1:
                 p.normal_(0.0, p.shape[-1] ** -0.5)
     model = rs.ours_from_hf(hf.to(dtype), ModelConfig.from_dict(raw))
-    T = decode_ops.GEMV_MAX_TOKENS
+    T = decode_ops.gemv_max_tokens(model.config.num_experts_per_tok, model.config.num_experts)
+    assert T >= 2
     ids = torch.randint(1, 500, (1, T), generator=torch.Generator().manual_seed(1)).cuda()
     logits = {}
     for on in (True, False):

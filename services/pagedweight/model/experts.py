@@ -48,7 +48,7 @@ class DenseExperts(nn.Module):
         # bit what they were (the dequantising reference equals them exactly); True / False
         # force one (tests, and the benchmarks' baseline).
         self.grouped: bool | None = None
-        # Steps of few tokens on CUDA through decode_ops.experts_gemv (two launches; the
+        # Steps of few tokens per expert on CUDA through decode_ops.experts_gemv (two launches; the
         # grouped product's tiles waste most of their rows at one token per expert), the
         # others as before. MoECausalLM.fuse_projections turns it on with the other fused
         # kernels; it follows `grouped` (off there: the per-expert loop, the baseline).
@@ -69,7 +69,7 @@ class DenseExperts(nn.Module):
     def takes_gemv(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> bool:
         return (self.few_rows_kernel and self.grouped is not False and x.is_cuda and decode_ops.available()
                 and self.gate_up.dtype == x.dtype == topk_weights.dtype
-                and decode_ops.gemv_supported(x.shape[0], topk_ids.shape[1], x.dtype))
+                and decode_ops.gemv_supported(x.shape[0], topk_ids.shape[1], self.num_experts, x.dtype))
 
     def forward(self, x, topk_ids, topk_weights):
         if self.takes_gemv(x, topk_ids, topk_weights):
