@@ -146,6 +146,19 @@ __device__ __forceinline__ void warp_dots(const char* const (&w)[NR], const char
             if (j < m) acc[r][j] = warp_sum(acc[r][j]);
 }
 
+// One pass over an expert's group: its assignments start .. start + m (m <= R; the tail
+// repeats the last, whose sums are not stored) and their input rows, base + (a / div) * stride
+// bytes (x rows are per token, div = k; h rows per assignment, div = 1).
+template <int R>
+__device__ __forceinline__ void pass_rows(const int* sorted, int start, int m, const void* base, int div,
+                                          long long stride, int (&as)[R], const char* (&xs)[R]) {
+#pragma unroll
+    for (int j = 0; j < R; ++j) {
+        as[j] = sorted[start + min(j, m - 1)];
+        xs[j] = (const char*)base + (long long)(as[j] / div) * stride;
+    }
+}
+
 #define GV_GROUPING_SHARED                                                                         \
     __shared__ int id_s[GV_MAX_ASSIGN], first_s[GV_MAX_ASSIGN], sorted[GV_MAX_ASSIGN];             \
     __shared__ int g_expert[GV_MAX_ASSIGN], g_start[GV_MAX_ASSIGN], g_count[GV_MAX_ASSIGN];
@@ -173,11 +186,7 @@ expert_gate_up(const void* __restrict__ x, long long ld_x, const long long* __re
                 const int m = min(R, count - c0);
                 int as[R];
                 const char* xs[R];
-#pragma unroll
-                for (int j = 0; j < R; ++j) {
-                    as[j] = sorted[start + c0 + min(j, m - 1)];
-                    xs[j] = (const char*)x + (long long)(as[j] / k) * ld_x * ES;
-                }
+                pass_rows<R>(sorted, start + c0, m, x, k, ld_x * ES, as, xs);
                 float acc[2][R];
                 warp_dots<DT, 2, R, U, VEC>(rows, xs, m, H, acc);
                 if (lane == 0) {
@@ -220,11 +229,7 @@ expert_down_combine(const void* __restrict__ h, const long long* __restrict__ id
                 const int m = min(R, count - c0);
                 int as[R];
                 const char* xs[R];
-#pragma unroll
-                for (int j = 0; j < R; ++j) {
-                    as[j] = sorted[start + c0 + min(j, m - 1)];
-                    xs[j] = (const char*)h + (long long)as[j] * I * ES;
-                }
+                pass_rows<R>(sorted, start + c0, m, h, 1, (long long)I * ES, as, xs);
                 float acc[2][R];
                 warp_dots<DT, 2, R, U, VEC>(rows, xs, m, I, acc);
                 if (lane == 0) {
