@@ -60,6 +60,7 @@ from pagedweight.memory.kv_cache import KVCacheConfig, kv_block_bytes
 from pagedweight.model.loader import checkpoint_key
 from pagedweight.model.transformer import MoECausalLM
 from pagedweight.runtime import RuntimeConfig, build_runtime_from_paged, workspace_bytes
+from pagedweight_kernels import decode_ops
 
 GiB = 1 << 30
 
@@ -482,6 +483,12 @@ def set_mode(engine, mode: str) -> None:
             block.experts.grouped = m["grouped"]
 
 
+def set_gemv_tokens_per_expert(limit: float | None) -> None:
+    """The expert GEMV's limit for this process (a checkout from before the GEMV has none)."""
+    if limit is not None and hasattr(decode_ops, "GEMV_MAX_TOKENS_PER_EXPERT"):
+        decode_ops.GEMV_MAX_TOKENS_PER_EXPERT = limit
+
+
 def engine_config(max_seqs: int, max_tokens: int, num_kv_blocks: int = 1024) -> EngineConfig:
     return EngineConfig(scheduler=SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=max_tokens),
                         kv=KVCacheConfig(), num_kv_blocks=num_kv_blocks)
@@ -510,7 +517,12 @@ def main() -> None:
     parser.add_argument("--reserve-s", type=float, default=60.0,
                         help="time a measurement must have left to start (a runtime build: 30 s more)")
     parser.add_argument("--out", type=Path, default=None, help="result path (default bench/results/)")
+    parser.add_argument("--gemv-tokens-per-expert", type=float, default=None,
+                        help="assignments per expert (T k / E) up to which dense experts take the expert GEMV "
+                             "(default: the code's decode_ops.GEMV_MAX_TOKENS_PER_EXPERT; bench/expert_gemv.py "
+                             "measures the crossover)")
     args = parser.parse_args()
+    set_gemv_tokens_per_expert(args.gemv_tokens_per_expert)
     clock = Clock(args.time_limit_s)
     device = torch.device(args.device)
     dtype = torch.bfloat16
@@ -522,7 +534,8 @@ def main() -> None:
                           "code_commit": os.environ.get("PAGEDWEIGHT_CODE_COMMIT", commit()),
                           "code_path": str(Path(pagedweight.__file__).parent), "label": args.label,
                           "model": args.model,
-                          "dtype": "bfloat16", "args": {k: str(v) for k, v in vars(args).items()}})
+                          "dtype": "bfloat16", "args": {k: str(v) for k, v in vars(args).items()},
+                          "gemv_max_tokens_per_expert": getattr(decode_ops, "GEMV_MAX_TOKENS_PER_EXPERT", None)})
     specs = [LoadSpec(max(2, c), c, args.prompt_len, args.max_tokens) for c in args.concurrency]
     max_seqs = max(max(args.concurrency), args.pressure_concurrency)
     batched_tokens = max(512, min(2048, max(args.ttft_prompts or [0])))

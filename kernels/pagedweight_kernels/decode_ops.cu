@@ -61,8 +61,13 @@ __global__ void add_rms_norm(const void* __restrict__ x, const void* __restrict_
     const long long row = (long long)blockIdx.x * H;
     float g = 0.f;
     if (MODE == 2) g = rnd<DT>(1.f / (1.f + expf(-ld<DT>(gate, (long long)blockIdx.x * gate_stride))));
-    float vals[VPT];
+    float vals[VPT], w[VPT];
     float ss = 0.f;
+#pragma unroll
+    for (int j = 0; j < VPT; ++j) {  // the scale's loads too, before the reduction waits on the row's
+        const int i = threadIdx.x + j * blockDim.x;
+        w[j] = i < H ? ld<DT>(weight, i) : 0.f;
+    }
 #pragma unroll
     for (int j = 0; j < VPT; ++j) {
         const int i = threadIdx.x + j * blockDim.x;
@@ -99,7 +104,7 @@ __global__ void add_rms_norm(const void* __restrict__ x, const void* __restrict_
 #pragma unroll
     for (int j = 0; j < VPT; ++j) {
         const int i = threadIdx.x + j * blockDim.x;
-        if (i < H) st<DT>(out, row + i, ld<DT>(weight, i) * rnd<DT>(vals[j] * r));
+        if (i < H) st<DT>(out, row + i, w[j] * rnd<DT>(vals[j] * r));
     }
 }
 

@@ -12,7 +12,10 @@ launches with one kernel computing the same values, rounding where the chain rou
   of the grouped dense experts (6-7 -> 1); `combine_rows`: back to the tokens, weighted
   and summed over k (3 -> 1);
 - `rope_write`: RoPE of q and k from the fused q/k/v product and the new k, v written to
-  their places in the paged cache, any tile layout (8-20 -> 1).
+  their places in the paged cache, any tile layout (8-20 -> 1);
+- `experts_gemv` (expert_gemv.cu): the routed dense experts at few tokens per expert as two
+  GEMVs that group by expert themselves and fold act(gate) * up and the combine in
+  (group_rows, two grouped products, gated_rows, combine_rows: 7 launches -> 2).
 
 The references are the torch forms the CPU runs (layers.RMSNorm, SparseMoeBlock.route,
 moe_reference.gated / grouped_moe_forward, apply_rotary_signed and PagedKVCache.write):
@@ -31,6 +34,7 @@ import torch
 from pagedweight_kernels.cuda_packages import cuda_with, launch_on_torch_stream, module_source
 
 SOURCE = Path(__file__).with_name("decode_ops.cu")
+GEMV_SOURCE = Path(__file__).with_name("expert_gemv.cu")  # compiled after SOURCE: uses its helpers
 _DT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _ACT = {"silu": 0, "gelu_tanh": 1}
 THREADS = 256
@@ -41,6 +45,19 @@ MAX_GROUP_ASSIGN = 1024  # group_rows sorts in O(n^2 / threads) per block: small
 GROUP_BLOCKS = 64  # blocks sharing group_rows' row copies
 NORM_VPT = (8, 16)  # add_rms_norm's row elements per thread (held in registers)
 MAX_NORM_HIDDEN = 16 * 1024  # 16 per thread, 1024 threads
+GEMV_THREADS = 256  # expert_gemv.cu's GV_WARPS * 32: one assignment per thread when grouping
+MAX_GEMV_ASSIGN = GEMV_THREADS
+GEMV_ROWS = 4  # R: an expert's assignments per pass over its weight rows (more: another pass, from L2)
+# U: 16-byte vectors per weight row in flight per lane (gate_up reads two rows at once; a
+# down row of Qwen1.5-MoE's 1408 columns is 5.5 vectors per lane: one round at 8)
+GEMV_UNROLL = {"gate_up": 4, "down": 8}
+MAX_GEMV_ROWS_PER_CTA = 8  # expert_gemv.cu's GV_MAX_ROWS_PER_CTA
+GEMV_CTAS_PER_SM = 2  # the kernels' __launch_bounds__ occupancy: the persistent grid is one wave
+# The dense experts take the GEMV while a step's assignments per expert (T k / E, the mean)
+# stay at most this, torch._grouped_mm above: on the H200 (bench/expert_gemv.py, 2026-12-01)
+# the GEMV was the faster up to 64 / 60 (T = 16, 1.02x) at Qwen1.5-MoE's experts and at
+# 8 / 8 (T = 4, 1.11x) at Mixtral's, and slower from 2 at Mixtral's (first version, 0.70x).
+GEMV_MAX_TOKENS_PER_EXPERT = 1.0
 
 
 @lru_cache(maxsize=None)
@@ -55,7 +72,10 @@ def _instances() -> list[str]:
     return ([f"add_rms_norm<{d}, {m}, {v}>" for d in dts for m in range(3) for v in NORM_VPT]
             + [f"route_topk<{d}, {o}>" for d in dts for o in dts]
             + [f"gated_rows<{d}, {a}>" for d in dts for a in _ACT.values()]
-            + ["group_rows"] + [f"combine_rows<{d}>" for d in dts] + [f"rope_write<{d}>" for d in dts])
+            + ["group_rows"] + [f"combine_rows<{d}>" for d in dts] + [f"rope_write<{d}>" for d in dts]
+            + [f"expert_gate_up<{d}, {a}, {GEMV_ROWS}, {GEMV_UNROLL['gate_up']}, {v}>"
+               for d in dts for a in _ACT.values() for v in ("true", "false")]
+            + [f"expert_down_combine<{d}, {GEMV_ROWS}, {GEMV_UNROLL['down']}, {v}>" for d in dts for v in ("true", "false")])
 
 
 @lru_cache(maxsize=None)
@@ -64,7 +84,8 @@ def _module():
     launch: a decode graph's warm-up, never its capture)."""
     import cupy as cp
 
-    return cp.RawModule(code=module_source(SOURCE), options=("-std=c++17",), name_expressions=_instances())
+    return cp.RawModule(code=module_source(SOURCE, GEMV_SOURCE), options=("-std=c++17",),
+                        name_expressions=_instances())
 
 
 @lru_cache(maxsize=None)
@@ -220,6 +241,116 @@ def grouped_moe_fused(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
     gu = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=offs)
     y = torch._grouped_mm(gated_rows(gu, activation), down.transpose(1, 2), offs=offs)
     return combine_rows(y, inv, topk_weights.contiguous())
+
+
+def gemv_supported(num_tokens: int, top_k: int, num_experts: int, dtype: torch.dtype) -> bool:
+    """Where `experts_gemv` takes a step: at most GEMV_MAX_TOKENS_PER_EXPERT assignments per
+    expert on average (the measured crossover with the grouped product) and MAX_GEMV_ASSIGN
+    in all, a float dtype."""
+    return 0 < num_tokens <= gemv_max_tokens(top_k, num_experts) and dtype in _DT
+
+
+def gemv_max_tokens(top_k: int, num_experts: int) -> int:
+    """The most tokens a step may have to take the GEMV (gemv_supported)."""
+    return min(int(GEMV_MAX_TOKENS_PER_EXPERT * num_experts), MAX_GEMV_ASSIGN) // top_k
+
+
+def _vectors_fit(dtype: torch.dtype, *tensors_and_strides) -> bool:
+    """16-byte vectors apply: every pointer 16-byte aligned and every row length / stride a
+    whole number of vectors (else the kernels read one element per lane: odd shapes)."""
+    per = 4 if dtype == torch.float32 else 8
+    for item in tensors_and_strides:
+        if isinstance(item, torch.Tensor):
+            if item.data_ptr() % 16:
+                return False
+        elif item % per:
+            return False
+    return True
+
+
+def _check_experts(topk_ids: torch.Tensor, T: int, weight: torch.Tensor, dtype: torch.dtype, what: str) -> None:
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != T or topk_ids.dtype != torch.int64 or not topk_ids.is_contiguous():
+        raise ValueError(f"topk_ids must be contiguous int64 [{T}, k], got {topk_ids.dtype} {tuple(topk_ids.shape)}")
+    n = topk_ids.numel()
+    if not 0 < n <= MAX_GEMV_ASSIGN:
+        raise ValueError(f"the expert GEMV takes 1..{MAX_GEMV_ASSIGN} assignments, got {n}")
+    if weight.dtype != dtype or weight.dim() != 3 or not weight.is_contiguous() or not weight.is_cuda:
+        raise ValueError(f"{what} must be contiguous CUDA {dtype} [E, rows, cols], got {weight.dtype} "
+                         f"{tuple(weight.shape)}")
+
+
+def expert_gate_up(x: torch.Tensor, topk_ids: torch.Tensor, gate_up: torch.Tensor, activation: str = "silu",
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, H] (rows may be strided), topk_ids [T, k], gate_up [E, 2I, H] (gate rows first)
+    -> h [T k, I]: act(x gate_e^T) * (x up_e^T) for assignment t k + j of expert e =
+    topk_ids[t, j], rounded as the grouped product and gated_rows round. `out`: where to write."""
+    T, H = x.shape
+    code = _dtype_code(x, "x")
+    if activation not in _ACT:
+        raise ValueError(f"activation {activation!r} is not one of {tuple(_ACT)}")
+    if x.stride(1) != 1 or not x.is_cuda:
+        raise ValueError(f"x must be CUDA [T, H] with contiguous columns, got {tuple(x.shape)} {x.stride()}")
+    _check_experts(topk_ids, T, gate_up, x.dtype, "gate_up")
+    E, two_i, h_cols = gate_up.shape
+    if two_i % 2 or h_cols != H:
+        raise ValueError(f"gate_up must be [E, 2I, {H}], got {tuple(gate_up.shape)}")
+    I, n, k = two_i // 2, topk_ids.numel(), topk_ids.shape[1]
+    h = torch.empty(n, I, dtype=x.dtype, device=x.device) if out is None else out
+    _check_rows(h, (n, I), x.dtype, "out")
+    rows = max(1, (GEMV_THREADS // 32) // k)  # gate/up pairs per tile: every warp busy at one token
+    vec = "true" if _vectors_fit(x.dtype, x, gate_up, H, x.stride(0)) else "false"
+    _launch(f"expert_gate_up<{code}, {_ACT[activation]}, {GEMV_ROWS}, {GEMV_UNROLL['gate_up']}, {vec}>",
+            (_persistent_grid(-(-I // rows), x.device),), GEMV_THREADS,
+            (x, _i64(x.stride(0)), topk_ids, n, k, gate_up, I, H, rows, h))
+    return h
+
+
+def expert_down_combine(h: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, down: torch.Tensor,
+                        out: torch.Tensor | None = None) -> torch.Tensor:
+    """h [T k, I] (expert_gate_up's), topk_ids, topk_weights [T, k], down [E, H, I] -> [T, H]:
+    sum over k of weight * (h down_e^T), each product rounded, summed in slot order (the
+    combine_rows chain). `out`: where to write."""
+    n, I = h.shape
+    code = _dtype_code(h, "h")
+    _check_rows(h, (n, I), h.dtype, "h")
+    T, k = topk_weights.shape
+    _check_experts(topk_ids, T, down, h.dtype, "down")
+    if topk_ids.shape[1] != k or T * k != n:
+        raise ValueError(f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} "
+                         f"must both be [T, k] with T k = {n} rows of h")
+    _check_rows(topk_weights, (T, k), h.dtype, "topk_weights")
+    E, H, i_cols = down.shape
+    if i_cols != I:
+        raise ValueError(f"down must be [E, H, {I}], got {tuple(down.shape)}")
+    result = torch.empty(T, H, dtype=h.dtype, device=h.device) if out is None else out
+    _check_rows(result, (T, H), h.dtype, "out")
+    # rows per tile, even (an item is two rows): every warp busy at one token (k experts x rows / 2 items)
+    rows = min(MAX_GEMV_ROWS_PER_CTA, max(2, 2 * (GEMV_THREADS // 32) // k)) & ~1
+    vec = "true" if _vectors_fit(h.dtype, h, down, I) else "false"
+    _launch(f"expert_down_combine<{code}, {GEMV_ROWS}, {GEMV_UNROLL['down']}, {vec}>",
+            (_persistent_grid(-(-H // rows), h.device),), GEMV_THREADS,
+            (h, topk_ids, topk_weights, n, k, down, H, I, rows, result))
+    return result
+
+
+def _persistent_grid(tiles: int, device: torch.device) -> int:
+    """CTAs of a persistent launch over `tiles`: one wave at most (every CTA groups once)."""
+    return max(1, min(tiles, GEMV_CTAS_PER_SM * _sm_count(device.index)))
+
+
+@lru_cache(maxsize=None)
+def _sm_count(index: int | None) -> int:
+    return torch.cuda.get_device_properties(torch.cuda.current_device() if index is None else index).multi_processor_count
+
+
+def experts_gemv(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, gate_up: torch.Tensor,
+                 down: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """moe_reference.grouped_moe_forward (the same roundings) in two launches for few tokens
+    (gemv_supported): each expert's weight rows read once per pass of up to GEMV_ROWS of its
+    tokens."""
+    ids = topk_ids.contiguous()
+    h = expert_gate_up(x, ids, gate_up, activation)
+    return expert_down_combine(h, ids, topk_weights.contiguous(), down)
 
 
 def rope_write(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, heads: int, kv_heads: int,

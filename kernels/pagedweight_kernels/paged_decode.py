@@ -9,8 +9,9 @@ graph, and the work follows each sequence's own length, not the longest one's.
 - `paged_decode_triton`: the CUDA path. One program per (sequence, kv head, split): it
   walks its share of the sequence's blocks with an online softmax, for every query head of
   the group at once, and writes an unnormalised partial (max, sum, weighted values). The
-  splits (flash-decoding) keep the GPU busy when a few sequences have long contexts; one
-  small torch combine merges them.
+  splits (flash-decoding) keep the GPU busy when a few sequences have long contexts; a
+  second small kernel (`combine_splits_triton`) merges them, where the torch combine took
+  about eight launches per layer.
 - `paged_decode_torch`: the same arithmetic in plain torch, a chunk of block columns at a
   time (only that chunk's tiles are read), for the CPU and as the kernel's reference.
 
@@ -109,6 +110,7 @@ def num_splits(batch: int, kv_heads: int, width: int, sm_count: int = 132) -> in
 
 
 _KERNEL = None
+_COMBINE = None
 
 
 def triton_available() -> bool:
@@ -199,6 +201,40 @@ def _kernel():
     return _KERNEL
 
 
+def _combine_kernel():
+    global _COMBINE
+    if _COMBINE is not None:
+        return _COMBINE
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def combine_split_rows(m_ptr, l_ptr, acc_ptr, out_ptr, SPLITS: tl.constexpr, SP: tl.constexpr, D: tl.constexpr):
+        r = tl.program_id(0)  # one (sequence, query head) row
+        si = tl.arange(0, SP)
+        di = tl.arange(0, D)
+        live = si < SPLITS
+        m = tl.load(m_ptr + r * SPLITS + si, mask=live, other=float("-inf"))
+        l_sum = tl.load(l_ptr + r * SPLITS + si, mask=live, other=0.0)
+        w = tl.where(live, tl.exp(m - tl.max(m, axis=0)), 0.0)  # empty splits: exp(-inf) = 0
+        acc = tl.load(acc_ptr + (r * SPLITS + si)[:, None] * D + di[None, :], mask=live[:, None], other=0.0)
+        out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l_sum * w, axis=0)
+        tl.store(out_ptr + r * D + di, out.to(out_ptr.dtype.element_ty))
+
+    _COMBINE = combine_split_rows
+    return _COMBINE
+
+
+def combine_splits_triton(m: torch.Tensor, l_sum: torch.Tensor, acc: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`combine_splits(m, l_sum, acc).to(dtype)` in one launch (CUDA, contiguous partials,
+    a power-of-two D, as decode_split writes them)."""
+    B, N, S, D = acc.shape
+    out = torch.empty(B, N, D, dtype=dtype, device=acc.device)
+    _combine_kernel()[(B * N,)](m, l_sum, acc, out, SPLITS=S, SP=max(2, 1 << (S - 1).bit_length()), D=D,
+                                num_warps=4)
+    return out
+
+
 def paged_decode_triton(q: torch.Tensor, flat: torch.Tensor, k_off: torch.Tensor, v_off: torch.Tensor,
                         context_lens: torch.Tensor, block_size: int, kv_heads: int,
                         window: int | None = None, block_table: torch.Tensor | None = None,
@@ -229,7 +265,7 @@ def paged_decode_triton(q: torch.Tensor, flat: torch.Tensor, k_off: torch.Tensor
         m, l_sum, acc, out, W, int(window or 0), 1.0 / math.sqrt(D) if scale is None else scale,
         G=G, Q=Q, QP=max(2, 1 << (Q - 1).bit_length()), D=D, BS=block_size, NB=tiles_per_iter, SPLITS=splits,
         HAS_WINDOW=window is not None, DIRECT=direct, num_warps=8 if tiles_per_iter * block_size >= 64 else 4)
-    return out if direct else combine_splits(m, l_sum, acc).to(q.dtype)
+    return out if direct else combine_splits_triton(m, l_sum, acc, q.dtype)
 
 
 @lru_cache(maxsize=None)

@@ -11,7 +11,7 @@ from pagedweight.format.model_config import ModelConfig
 from pagedweight.memory.kv_cache import RELEASED, KVCacheConfig, PagedKVCache
 from pagedweight.model.paged_attention import SeqSlice, build_step, paged_attention
 from pagedweight_kernels.paged_decode import (
-    combine_splits, num_splits, paged_decode_torch, paged_decode_triton, triton_available)
+    combine_splits, combine_splits_triton, num_splits, paged_decode_torch, paged_decode_triton, triton_available)
 from tests.conftest import BUNDLED_MODEL
 from tests.model.test_paged_attention import plain_attention
 
@@ -150,6 +150,29 @@ def test_triton_kernel_matches_torch_path(dtype, window, block_size, heads):
                                   tiles_per_iter=tiles)
         err = ((got.float() - want).norm() / want.norm()).item()
         assert torch.isfinite(got).all() and err < (1e-5 if dtype == torch.float32 else 1e-2), (splits, tiles, err)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and triton_available()), reason="needs CUDA and triton")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("splits", [2, 5, 32])
+def test_split_combine_kernel_equals_the_torch_combine(dtype, splits):
+    """The one-launch combine against combine_splits, with empty splits (m = -inf, l = 0,
+    acc = 0) in every row but the first split."""
+    gen = torch.Generator().manual_seed(splits)
+    B, N, D = 3, 8, 128
+    m = torch.randn(B, N, splits, generator=gen) * 3
+    l_sum = torch.rand(B, N, splits, generator=gen) + 0.5
+    acc = torch.randn(B, N, splits, D, generator=gen)
+    empty = torch.rand(B, N, splits, generator=gen) < 0.4
+    empty[..., 0] = False
+    m[empty], l_sum[empty] = float("-inf"), 0.0
+    acc[empty] = 0.0
+    m, l_sum, acc = m.cuda(), l_sum.cuda(), acc.cuda()
+    want = combine_splits(m, l_sum, acc).to(dtype)
+    got = combine_splits_triton(m, l_sum, acc, dtype)
+    assert got.dtype == dtype and torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, rtol=1e-5 if dtype == torch.float32 else 2 ** -7, atol=1e-5)
 
 
 @pytest.mark.parametrize("window", [None, 6])

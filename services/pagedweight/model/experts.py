@@ -48,6 +48,11 @@ class DenseExperts(nn.Module):
         # bit what they were (the dequantising reference equals them exactly); True / False
         # force one (tests, and the benchmarks' baseline).
         self.grouped: bool | None = None
+        # Steps of few tokens per expert on CUDA through decode_ops.experts_gemv (two launches; the
+        # grouped product's tiles waste most of their rows at one token per expert), the
+        # others as before. MoECausalLM.fuse_projections turns it on with the other fused
+        # kernels; it follows `grouped` (off there: the per-expert loop, the baseline).
+        self.few_rows_kernel = False
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         gate, up = F.linear(x, self.gate_up[e]).chunk(2, dim=-1)
@@ -61,7 +66,14 @@ class DenseExperts(nn.Module):
         # asked every decode step by every layer (graph_state): no probe tensor each time
         return _grouped_supported(device.type, dtype)
 
+    def takes_gemv(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> bool:
+        return (self.few_rows_kernel and self.grouped is not False and x.is_cuda and decode_ops.available()
+                and self.gate_up.dtype == x.dtype == topk_weights.dtype
+                and decode_ops.gemv_supported(x.shape[0], topk_ids.shape[1], self.num_experts, x.dtype))
+
     def forward(self, x, topk_ids, topk_weights):
+        if self.takes_gemv(x, topk_ids, topk_weights):
+            return decode_ops.experts_gemv(x, topk_ids, topk_weights, self.gate_up, self.down, self.activation)
         if self.uses_grouped(x.dtype):
             if x.is_cuda and decode_ops.available():  # the same chain in 5 launches (few tokens)
                 out = decode_ops.grouped_moe_fused(x, topk_ids, topk_weights, self.gate_up, self.down,

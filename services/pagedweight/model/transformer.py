@@ -8,6 +8,7 @@ from torch import nn
 
 from pagedweight.format.model_config import ModelConfig
 from pagedweight.model.contiguous_kv import ContiguousKVCache
+from pagedweight.model.experts import DenseExperts
 from pagedweight.model.gemma4_layer import Gemma4DecoderLayer
 from pagedweight.model.layers import Attention, RMSNorm, RotaryEmbedding, norm_for, rope_key
 from pagedweight.model.moe_block import SparseMoeBlock
@@ -120,6 +121,8 @@ class MoECausalLM(nn.Module):
                 layer.moe.fuse_inputs()
         for layer in self.layers:
             layer.self_attn.fused_kernels = self.fused_kernels
+            if isinstance(layer.moe.experts, DenseExperts):
+                layer.moe.experts.few_rows_kernel = self.fused_kernels
 
     @property
     def moe_blocks(self) -> list[SparseMoeBlock]:
