@@ -80,8 +80,36 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+class SlowestSteps:
+    """cProfile of each step, keeping the `keep` slowest (host functions by cumulative time):
+    where a step that stalls spends its host time. Profiling slows every step alike."""
+
+    def __init__(self, keep: int):
+        import cProfile
+
+        self.new, self.count = cProfile.Profile, keep
+        self.profile, self.kept = self.new(), []  # kept: (seconds, step, text)
+
+    def enable(self):
+        self.profile = self.new()
+        self.profile.enable()
+
+    def disable(self):
+        self.profile.disable()
+
+    def keep(self, step: int, seconds: float):
+        import io
+        import pstats
+
+        if len(self.kept) >= self.count and seconds <= self.kept[-1][0]:
+            return
+        out = io.StringIO()
+        pstats.Stats(self.profile, stream=out).sort_stats("cumulative").print_stats(25)
+        self.kept = sorted(self.kept + [(round(seconds, 4), step, out.getvalue())], reverse=True)[: self.count]
+
+
 def drive_trace(runtime, phases: list[Phase], prompt_len: int, max_tokens: int, drain_s: float,
-                burst_phase: int | None, seed: int = 0) -> dict:
+                burst_phase: int | None, seed: int = 0, profiler: SlowestSteps | None = None) -> dict:
     """Run the phases, then step idle up to `drain_s` (until the pager is done and the bits
     are back); sample the mean bits every step."""
     engine, table = runtime.engine, runtime.table
@@ -115,7 +143,13 @@ def drive_trace(runtime, phases: list[Phase], prompt_len: int, max_tokens: int, 
                 phase = next((i for i, n in enumerate(left_in_phase) if n), None)
         step_tokens = 0
         before = _step_counters(runtime)
-        for out in engine.step():
+        if profiler is not None:
+            profiler.enable()
+        outputs = engine.step()
+        if profiler is not None:
+            profiler.disable()
+            profiler.keep(len(samples), time.perf_counter() - before[0])
+        for out in outputs:
             step_tokens += len(out.new_token_ids)
             if out.finished:
                 in_flight.discard(out.request_id)
@@ -193,14 +227,18 @@ def warm_up(runtime, prompt_len: int, buckets: bool = True) -> None:
 
 SAMPLE_FIELDS = ("t_s", "mean_bits", "kv_blocks_used", "running", "waiting", "tokens",
                  # host seconds of this step: all of it, the step boundary (pager and broker),
-                 # decode-graph captures (warm-up included), kernel descriptor rewrites
-                 "step_s", "boundary_s", "capture_s", "descriptor_s")
+                 # decode-graph captures (warm-up included), kernel descriptor rewrites, then
+                 # the engine's other phases (engine/step_phases.py: "wait" is the host waiting
+                 # for the device to finish the step)
+                 "step_s", "boundary_s", "capture_s", "descriptor_s",
+                 "schedule_s", "prepare_s", "signature_s", "launch_s", "wait_s", "update_s")
+_OTHER_PHASES = ("schedule", "prepare", "signature", "launch", "wait", "update")
 
 
 def _step_counters(runtime) -> tuple:
-    graphs = runtime.engine.runner.graphs
-    return (time.perf_counter(), runtime.engine.phases.seconds["boundary"],
-            graphs.capture_seconds if graphs is not None else 0.0, runtime.table.descriptor_seconds)
+    graphs, phases = runtime.engine.runner.graphs, runtime.engine.phases.seconds
+    return (time.perf_counter(), phases["boundary"], graphs.capture_seconds if graphs is not None else 0.0,
+            runtime.table.descriptor_seconds, *(phases[p] for p in _OTHER_PHASES))
 
 
 def _sample(runtime, start: float, tokens: int, before: tuple | None = None) -> list:
@@ -369,6 +407,8 @@ def main() -> int:
                         help="decode launches independent of the layers' bits (auto: for moving policies)")
     parser.add_argument("--offer-min-used-fraction", type=float, default=BrokerConfig.offer_min_used_fraction,
                         help="spare bytes are offered back only when at least this fraction of the KV in use")
+    parser.add_argument("--profile-steps", type=int, default=0,
+                        help="cProfile every step and keep the host profile of this many slowest (slows all steps)")
     parser.add_argument("--kl", action="store_true", help="--artifact: KL to bf16 of the plans served")
     parser.add_argument("--kl-domain", default="kjv")
     parser.add_argument("--kl-seq-len", type=int, default=128)
@@ -431,7 +471,10 @@ def main() -> int:
         captures0 = (graphs.num_captures, graphs.capture_seconds, graphs.capture_warmup_seconds) \
             if graphs is not None else (0, 0.0, 0.0)
         compiles0 = compile_stats()
-        row = drive_trace(rt, phases, args.prompt_len, args.max_tokens, args.drain_s, burst_phase)
+        profiler = SlowestSteps(args.profile_steps) if args.profile_steps else None
+        row = drive_trace(rt, phases, args.prompt_len, args.max_tokens, args.drain_s, burst_phase, profiler=profiler)
+        if profiler is not None:
+            row["slowest_steps"] = [{"step": i, "seconds": t, "profile": text} for t, i, text in profiler.kept]
         compiles = compile_stats()  # fused-kernel instances first met inside the trace (0 after precompile)
         row.update({"kernel_compiles": compiles.count - compiles0.count,
                     "kernel_compile_s": round(compiles.seconds - compiles0.seconds, 3)})
