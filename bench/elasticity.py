@@ -14,8 +14,12 @@ the steady load wants (default half), so static-8 must queue or preempt.
 
 Per policy and trace: output tokens/s, preemptions, steps that waited for KV bytes, page
 moves, bytes copied (host->device raises, device->device compaction), mean bits at start /
-min / end and served (token-weighted), the pager's profile, and the mean bits over time
-(sampled every step; plotted with --plot). With `--kl` (a paged artifact from `pagedweight
+min / end and served (token-weighted), the pager's profile, and every step's sample
+(SAMPLE_FIELDS: mean bits, KV in use, and the step's host seconds in all, at the boundary,
+in graph captures and in kernel descriptor rewrites; the bits over time plotted with
+--plot). A policy may carry a variant (VARIANTS): `pagedweight:class-launches` (decode
+launches follow the bit classes, a capture per change) and `static-8:all-kv` (a budget with
+all the KV the load wants: the ceiling of any policy at 8 bits). With `--kl` (a paged artifact from `pagedweight
 quantize` whose source checkpoint is at hand, CPU), the quality cost under the trace: the
 token-weighted KL(bf16 || served) of the bit plans the trace actually served, scored on the
 shared corpus.
@@ -51,6 +55,11 @@ from pagedweight.runtime import RuntimeConfig, build_runtime_from_paged, workspa
 from pagedweight_kernels.apl_moe import compile_stats
 
 POLICIES = ("pagedweight", "static-8", "static-4", "static-3", "uniform")
+# A policy may carry a variant after a colon: ":class-launches" (decode launches follow the
+# layers' bit classes, the behaviour before issue 17's stable launches: a capture per change)
+# and ":all-kv" (the budget holds all the KV the load wants: no pressure, the ceiling of any
+# policy at those bits).
+VARIANTS = ("class-launches", "all-kv")
 
 
 @dataclass(frozen=True)
@@ -71,8 +80,36 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+class SlowestSteps:
+    """cProfile of each step, keeping the `keep` slowest (host functions by cumulative time):
+    where a step that stalls spends its host time. Profiling slows every step alike."""
+
+    def __init__(self, keep: int):
+        import cProfile
+
+        self.new, self.count = cProfile.Profile, keep
+        self.profile, self.kept = self.new(), []  # kept: (seconds, step, text)
+
+    def enable(self):
+        self.profile = self.new()
+        self.profile.enable()
+
+    def disable(self):
+        self.profile.disable()
+
+    def keep(self, step: int, seconds: float):
+        import io
+        import pstats
+
+        if len(self.kept) >= self.count and seconds <= self.kept[-1][0]:
+            return
+        out = io.StringIO()
+        pstats.Stats(self.profile, stream=out).sort_stats("cumulative").print_stats(25)
+        self.kept = sorted(self.kept + [(round(seconds, 4), step, out.getvalue())], reverse=True)[: self.count]
+
+
 def drive_trace(runtime, phases: list[Phase], prompt_len: int, max_tokens: int, drain_s: float,
-                burst_phase: int | None, seed: int = 0) -> dict:
+                burst_phase: int | None, seed: int = 0, profiler: SlowestSteps | None = None) -> dict:
     """Run the phases, then step idle up to `drain_s` (until the pager is done and the bits
     are back); sample the mean bits every step."""
     engine, table = runtime.engine, runtime.table
@@ -105,7 +142,14 @@ def drive_trace(runtime, phases: list[Phase], prompt_len: int, max_tokens: int, 
             if not left_in_phase[phase]:
                 phase = next((i for i, n in enumerate(left_in_phase) if n), None)
         step_tokens = 0
-        for out in engine.step():
+        before = _step_counters(runtime)
+        if profiler is not None:
+            profiler.enable()
+        outputs = engine.step()
+        if profiler is not None:
+            profiler.disable()
+            profiler.keep(len(samples), time.perf_counter() - before[0])
+        for out in outputs:
             step_tokens += len(out.new_token_ids)
             if out.finished:
                 in_flight.discard(out.request_id)
@@ -118,15 +162,16 @@ def drive_trace(runtime, phases: list[Phase], prompt_len: int, max_tokens: int, 
         if now_moves != moves:
             moves, key = now_moves, _bits_key(table)
         plans.setdefault(key[0], [key[1], 0])[1] += step_tokens
-        samples.append(_sample(runtime, start, step_tokens))
+        samples.append(_sample(runtime, start, step_tokens, before))
         if time.perf_counter() - last_report > 5:
             last_report = time.perf_counter()
             log(f"  {finished}/{total} requests, {tokens} tokens, mean bits {samples[-1][1]:.3f}")
     elapsed = time.perf_counter() - start
     drain_start = time.perf_counter()
     while time.perf_counter() - drain_start < drain_s:  # idle: the weights take their bytes back
+        before = _step_counters(runtime)
         engine.step()
-        samples.append(_sample(runtime, start, 0))
+        samples.append(_sample(runtime, start, 0, before))
         pager_busy = runtime.pager is not None and runtime.pager.busy()
         if not pager_busy and samples[-1][1] >= bits_start - 1e-9:
             break
@@ -151,33 +196,60 @@ def run_order(trace_names: list[str], policies: list[str]) -> list[tuple[str, st
     return runs + [(t, p) for t in trace_names for p in policies if p not in first]
 
 
-def warm_up(runtime, prompt_len: int) -> None:
+def warm_up(runtime, prompt_len: int, buckets: bool = True) -> None:
     """Kernels compiled and caches made before the clock starts: short loads at the
     starting bits and, for a runtime whose bits move, at every bit-width a trace can reach
-    (half the experts lowered to b, then all of them: the fused kernel compiles one instance
-    per bit class and layout on first use, seconds each), then every block back to its
-    starting bits. Every policy gets the same loads, so no run pays another's compiles."""
+    (half the experts lowered to b, then all of them), then every block back to its
+    starting bits and one more short load (the kernels' descriptor rows rewritten for them).
+    Then every decode bucket once (`warm_decode_buckets`: the attention kernel's split
+    count follows the batch, and each new one compiled inside the first policy's trace, 0.3-0.5 s
+    a bucket on the H200). Every policy gets the same loads, so no run pays another's compiles."""
     from pagedweight.cli.load_bench import LoadSpec, drive_load
+    from pagedweight.engine.graph_warmup import warm_decode_buckets
 
     engine, table = runtime.engine, runtime.table
     start = table.desired_bits()
     drive_load(engine, LoadSpec(16, 16, prompt_len, 4, seed=1))
-    if runtime.pager is None:
-        return
-    for bits in (7, 6, 5, 4, 3):
-        for half in (True, False):
-            table.set_desired_bits({b: min(start[b], bits) for b in table.entries if not half or b.expert % 2})
-            runtime.mover.step_boundary()
-            drive_load(engine, LoadSpec(2, 2, prompt_len, 2, seed=2))
+    if runtime.pager is not None:
+        for bits in (7, 6, 5, 4, 3):
+            for half in (True, False):
+                table.set_desired_bits({b: min(start[b], bits) for b in table.entries if not half or b.expert % 2})
+                runtime.mover.step_boundary()
+                drive_load(engine, LoadSpec(2, 2, prompt_len, 2, seed=2))
+        engine.kv.shrink()
+        table.set_desired_bits(start)
+        runtime.mover.load_all()
+        drive_load(engine, LoadSpec(2, 2, prompt_len, 2, seed=3))
+    if buckets:
+        warm_decode_buckets(engine)
     engine.kv.shrink()
-    table.set_desired_bits(start)
-    runtime.mover.load_all()
 
 
-def _sample(runtime, start: float, tokens: int) -> list:
+SAMPLE_FIELDS = ("t_s", "mean_bits", "kv_blocks_used", "running", "waiting", "tokens",
+                 # host seconds of this step: all of it, the step boundary (pager and broker),
+                 # decode-graph captures (warm-up included), kernel descriptor rewrites, then
+                 # the engine's other phases (engine/step_phases.py: "wait" is the host waiting
+                 # for the device to finish the step)
+                 "step_s", "boundary_s", "capture_s", "descriptor_s",
+                 "schedule_s", "prepare_s", "signature_s", "launch_s", "wait_s", "update_s")
+_OTHER_PHASES = ("schedule", "prepare", "signature", "launch", "wait", "update")
+
+
+def _step_counters(runtime) -> tuple:
+    graphs, phases = runtime.engine.runner.graphs, runtime.engine.phases.seconds
+    return (time.perf_counter(), phases["boundary"], graphs.capture_seconds if graphs is not None else 0.0,
+            runtime.table.descriptor_seconds, *(phases[p] for p in _OTHER_PHASES))
+
+
+def _sample(runtime, start: float, tokens: int, before: tuple | None = None) -> list:
+    """One row of SAMPLE_FIELDS; the step's own seconds when `before` is _step_counters
+    taken before it."""
     engine = runtime.engine
-    return [round(time.perf_counter() - start, 4), round(mean_committed_bits(runtime), 4),
-            engine.kv.manager.num_used_blocks, len(engine.scheduler.running), len(engine.scheduler.waiting), tokens]
+    row = [round(time.perf_counter() - start, 4), round(mean_committed_bits(runtime), 4),
+           engine.kv.manager.num_used_blocks, len(engine.scheduler.running), len(engine.scheduler.waiting), tokens]
+    if before is not None:
+        row += [round(a - b, 4) for a, b in zip(_step_counters(runtime), before)]
+    return row
 
 
 def _moves(runtime) -> int:
@@ -193,6 +265,7 @@ def _bits_key(table):
 def engine_config(args) -> EngineConfig:
     broker = BrokerConfig(calm_steps=args.calm_steps, calm_seconds=args.calm_seconds,
                           offer_min_blocks=args.offer_min_blocks, ask_ahead_blocks=args.ask_ahead_blocks,
+                          offer_min_used_fraction=args.offer_min_used_fraction,
                           project_demand=not args.no_project_demand)
     return EngineConfig(scheduler=SchedulerConfig(max_num_seqs=args.concurrency,
                                                   max_num_batched_tokens=args.batched_tokens),
@@ -229,7 +302,8 @@ def budget_bytes(paged, config, ecfg: EngineConfig, dtype: torch.dtype, args) ->
     wanted = args.concurrency * (args.prompt_len + args.max_tokens) * kv_block_bytes(config, 1, dtype)
     return {"budget": int(dense + workspace + experts8 + args.kv_fraction * wanted), "dense": dense,
             "workspace": workspace, "experts_8bit": experts8, "kv_wanted": wanted,
-            "kv_room_at_8bit": int(args.kv_fraction * wanted)}
+            "kv_room_at_8bit": int(args.kv_fraction * wanted),
+            "budget_all_kv": int(dense + workspace + experts8 + 1.25 * wanted)}  # block rounding, headroom
 
 
 def kl_of_plans(args, rows: dict) -> None:
@@ -326,6 +400,15 @@ def main() -> int:
     parser.add_argument("--no-precompile", action="store_true",
                         help="compile fused-kernel instances on first use instead of at start-up "
                              "(the behaviour before issue 17's precompile, for comparison)")
+    parser.add_argument("--no-warm-buckets", action="store_true",
+                        help="do not meet every decode bucket before the clock starts (the behaviour "
+                             "before issue 17's bucket warm-up: the first policy compiles them in its trace)")
+    parser.add_argument("--stable-launches", choices=("auto", "on", "off"), default="auto",
+                        help="decode launches independent of the layers' bits (auto: for moving policies)")
+    parser.add_argument("--offer-min-used-fraction", type=float, default=BrokerConfig.offer_min_used_fraction,
+                        help="spare bytes are offered back only when at least this fraction of the KV in use")
+    parser.add_argument("--profile-steps", type=int, default=0,
+                        help="cProfile every step and keep the host profile of this many slowest (slows all steps)")
     parser.add_argument("--kl", action="store_true", help="--artifact: KL to bf16 of the plans served")
     parser.add_argument("--kl-domain", default="kjv")
     parser.add_argument("--kl-seq-len", type=int, default=128)
@@ -350,6 +433,7 @@ def main() -> int:
     name = built.get("shape") or Path(args.artifact).name
     out = args.out or RESULTS_DIR / f"elasticity_{name}_{device.type}.json"
     result = {"benchmark": "elasticity", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+              "sample_fields": SAMPLE_FIELDS,
               "machine": machine(), "commit": commit(), "code_commit": commit(), "model": name, **built,
               "dtype": str(dtype),
               "args": {k: str(v) for k, v in vars(args).items()}, "bytes": sizes,
@@ -363,15 +447,23 @@ def main() -> int:
             rows[policy] = {"skipped": "time limit"}
             continue
         log(f"{trace} / {policy}")
+        base, _, variant = policy.partition(":")
+        if variant and variant not in VARIANTS:
+            parser.error(f"policy {policy!r}: the variants are {VARIANTS}")
+        stable = {"class-launches": False}.get(variant, None if args.stable_launches == "auto"
+                                                else args.stable_launches == "on")
+        budget = sizes["budget_all_kv"] if variant == "all-kv" else sizes["budget"]
         try:
-            rt = build_runtime_from_paged(paged, RuntimeConfig(sizes["budget"], policy, device=str(device),
+            rt = build_runtime_from_paged(paged, RuntimeConfig(budget, base, device=str(device),
                                                                dtype=dtype, engine=ecfg, move_cost=args.move_cost,
-                                                               precompile_kernels=not args.no_precompile), eos)
+                                                               precompile_kernels=not args.no_precompile,
+                                                               stable_decode_launches=stable), eos)
         except Exception as err:  # noqa: BLE001 - a policy that cannot start is a result too
             rows[policy] = {"error": repr(err)}
             log(f"  {policy}: {err!r}")
             continue
-        warm_up(rt, args.prompt_len)
+        warm_up(rt, args.prompt_len, buckets=not args.no_warm_buckets)
+        rt.table.num_descriptor_updates, rt.table.descriptor_seconds = 0, 0.0  # the trace's own
         if rt.pager is not None:
             rt.pager.mover.profile.reset()
         moves0, plans0 = _moves(rt), rt.pager.num_plans if rt.pager is not None else 0
@@ -379,7 +471,10 @@ def main() -> int:
         captures0 = (graphs.num_captures, graphs.capture_seconds, graphs.capture_warmup_seconds) \
             if graphs is not None else (0, 0.0, 0.0)
         compiles0 = compile_stats()
-        row = drive_trace(rt, phases, args.prompt_len, args.max_tokens, args.drain_s, burst_phase)
+        profiler = SlowestSteps(args.profile_steps) if args.profile_steps else None
+        row = drive_trace(rt, phases, args.prompt_len, args.max_tokens, args.drain_s, burst_phase, profiler=profiler)
+        if profiler is not None:
+            row["slowest_steps"] = [{"step": i, "seconds": t, "profile": text} for t, i, text in profiler.kept]
         compiles = compile_stats()  # fused-kernel instances first met inside the trace (0 after precompile)
         row.update({"kernel_compiles": compiles.count - compiles0.count,
                     "kernel_compile_s": round(compiles.seconds - compiles0.seconds, 3)})

@@ -147,6 +147,9 @@ class APLLayer:
     gate_up: list[ResidentBlock]  # per expert, [2I, H] (gate rows, then up rows)
     down: list[ResidentBlock]  # per expert, [H, I]
     activation: str = "silu"  # act(gate) * up: moe_reference.ACTIVATIONS
+    # True: decode launches the merged kernel with the 8-bit LUT size whatever the layer's bits
+    # (stable_launches below), so a captured decode graph stays valid across bit changes
+    stable_launches: bool = False
     num_experts: int = field(init=False)
     hidden: int = field(init=False)
     intermediate: int = field(init=False)
@@ -233,13 +236,23 @@ class APLLayer:
             self.classes[module] = dict(sorted(widest.items()))
         self.aligned8 = {m: all(b.aligned8 for b in getattr(self, m)) for m in ("gate_up", "down")}
 
+    def decode_launches(self, module: str) -> list[tuple[int, int]]:
+        """(kernel class, widest bits for its shared LUT) per decode launch of one projection."""
+        if self.stable_launches:
+            return [(2, MAX_BITS)]
+        return _class_launches(self.classes[module])
+
     def launch_signature(self) -> tuple:
         """What the layer's launches bake in beyond its descriptor rows (a CUDA graph of a step
         replays them): widest bits (prefill's shared LUT), per projection the decode kernels
         launched with their LUT sizes, and the plane alignment. Coarser than the bit classes: in
         a layer with both classes one merged launch runs whatever the 3-4-bit class's widest
-        width is, so a 3 <-> 4-bit move there changes nothing a graph holds."""
-        launches = tuple(tuple((cls, widest if cls >= 1 else 0) for cls, widest in _class_launches(self.classes[m]))
+        width is, so a 3 <-> 4-bit move there changes nothing a graph holds.
+        With stable_launches only the alignment is left: decode steps (what graphs capture)
+        launch the same merged kernel at any bits, and prefill's widest bits are never captured."""
+        if self.stable_launches:
+            return "stable", tuple(self.aligned8.values())
+        launches = tuple(tuple((cls, widest if cls >= 1 else 0) for cls, widest in self.decode_launches(m))
                          for m in ("gate_up", "down"))
         return self.max_bits, launches, tuple(self.aligned8.values())
 
@@ -598,7 +611,7 @@ def _apl_moe_gemv(x, ids, topk_weights, layer: APLLayer, plan: LaunchPlan, out: 
     part_dn = torch.empty(dn.splits * num_assign * H, dtype=torch.float32, device=x.device)
     h = torch.empty(num_assign, I, dtype=x.dtype, device=x.device)
     v2 = {m: "true" if layer.aligned8[m] else "false" for m in ("gate_up", "down")}
-    launches = {m: _class_launches(layer.classes[m]) for m in ("gate_up", "down")}
+    launches = {m: layer.decode_launches(m) for m in ("gate_up", "down")}
     for cls, widest in launches["gate_up"]:
         lut = 1 << widest if cls >= 1 else 0
         _launch(_gemv_name(cls, 0, flag, v2["gate_up"], gu.tiles), gu.grid,

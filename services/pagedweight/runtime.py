@@ -68,6 +68,10 @@ class RuntimeConfig:
     # compile every fused-kernel instance the layers can meet at start-up (seconds, once per
     # process), so none compiles inside a step when the pager changes a layer's bit classes
     precompile_kernels: bool = True
+    # the fused kernel's decode launches independent of the layers' bits (the merged kernel
+    # with the 8-bit LUT size), so the pager's bit changes never make a decode graph capture
+    # again; None: on for a policy whose bits move, off for static-B (its class kernels stay)
+    stable_decode_launches: bool | None = None
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self):
@@ -150,8 +154,10 @@ def build_runtime_from_paged(paged, config: RuntimeConfig, eos_token_ids=()) -> 
     table.set_desired_bits(_starting_bits(config, paged.config, table, arena, planner))
     mover = PageMover(table)
     mover.load_all()
+    stable = config.static_bits is None if config.stable_decode_launches is None else config.stable_decode_launches
     for layer, moe in enumerate(model.moe_blocks):
-        moe.experts = ArenaExperts(table, layer, paged.config.num_experts, activation=paged.config.expert_activation)
+        moe.experts = ArenaExperts(table, layer, paged.config.num_experts, activation=paged.config.expert_activation,
+                                   stable_launches=stable)
     if config.precompile_kernels:
         start = time.perf_counter()
         compiled = precompile_kernels([moe.experts for moe in model.moe_blocks], config.dtype)

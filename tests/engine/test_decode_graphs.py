@@ -15,6 +15,7 @@ from pagedweight.common.errors import UserError
 from pagedweight.engine.decode_graphs import DecodeGraphs, buckets_up_to, pick_bucket
 from pagedweight.engine.engine import Engine, EngineConfig
 from pagedweight.engine.generate import generate
+from pagedweight.engine.graph_warmup import warm_decode_buckets
 from pagedweight.engine.sampler import SamplingParams
 from pagedweight.engine.scheduler import SchedulerConfig
 from pagedweight.memory.kv_cache import KVCacheConfig
@@ -73,6 +74,23 @@ def test_static_buffer_decode_equals_generate_on_cpu(num_blocks):
     assert runner.num_graph_steps > 0 and runner.num_eager_steps > 0  # decodes and prefills
 
 
+def test_warm_decode_buckets_meets_every_bucket_once_and_leaves_nothing_behind():
+    """One decode step of exactly each bucket's rows, then no request, no KV block in use;
+    greedy outputs afterwards still equal generate."""
+    model = load_model(BUNDLED_MODEL, dtype=torch.float32)
+    for block in model.moe_blocks:
+        block.experts.grouped = True
+    engine = _engine(model, "cpu", capture=False)
+    graphs = engine.runner.graphs
+    assert warm_decode_buckets(engine) == [1, 2, 4, 5] == list(graphs.buckets)
+    assert graphs.steps_per_bucket == {1: 1, 2: 1, 4: 1, 5: 1}
+    assert not engine.has_work and not engine.seqs and engine.kv.manager.num_used_blocks == 0
+    _check_against_generate(model, engine)
+    engine.add_request("busy", [1, 2], SamplingParams(max_tokens=2))
+    with pytest.raises(RuntimeError, match="in flight"):
+        warm_decode_buckets(engine)
+
+
 def test_an_uncapturable_experts_operator_keeps_steps_eager():
     model = load_model(BUNDLED_MODEL, dtype=torch.float32)
     engine = _engine(model, "cpu", capture=False)
@@ -123,6 +141,18 @@ def test_cuda_graph_replays_compute_the_eager_step():
     assert all(rel < 1e-2 and same >= 0.99 for _, rel, same in checked), checked
     g = runner.graphs
     assert g.num_replays == len(checked) and g.num_captures >= 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_graphs_warmed_per_bucket_serve_a_load_without_capture():
+    model = load_model(BUNDLED_MODEL, dtype=torch.bfloat16, device="cuda")
+    engine = _engine(model, "cuda", capture=None)
+    graphs = engine.runner.graphs
+    warm_decode_buckets(engine)
+    assert set(graphs.graphs) == set(graphs.buckets) and graphs.num_captures == len(graphs.buckets)
+    _check_against_generate(model, engine, seed=1)
+    assert graphs.num_captures == len(graphs.buckets) and graphs.num_replays > len(graphs.buckets)
 
 
 @pytest.mark.gpu

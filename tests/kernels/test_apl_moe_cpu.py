@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedweight_kernels.apl_moe import (
-    APLKernelError, ResidentBlock, apl_moe_reference, check_inputs, gemv_extra_shared, lanes_per_row, plan_launch, tiles_per_pass,
+    APLKernelError, APLLayer, ResidentBlock, apl_moe_reference, check_inputs, gemv_extra_shared, lanes_per_row, plan_launch, tiles_per_pass,
 )
 from pagedweight_kernels.synthetic import quantize_nested, random_block
 from pagedweight_kernels.resident_experts import APLExperts
@@ -279,6 +279,26 @@ def test_launch_signature_follows_the_launches_not_the_widths():
     assert signature(lambda e: 8) != mixed_4  # one class -> both: another kernel
     assert signature(lambda e: 3 if e == 0 else 7) != mixed_4  # widest 5-8 bits: another LUT size
     assert signature(lambda e: 3) != signature(lambda e: 4)  # widest bits (prefill's LUT) moved
+
+
+def test_stable_launches_keep_one_signature_and_one_merged_launch_at_any_bits():
+    """A pager's layers decode through the merged kernel at the 8-bit LUT size whatever
+    their widths, so no bit change alters what a captured graph holds; the plane alignment
+    still counts."""
+    E = 4
+
+    def layer(bits_of, stable=True):
+        bits = {(e, m): bits_of(e) for e in range(E) for m in ("gate_up", "down")}
+        base = random_layer(E, 32, 64, seed=1, bits=bits)
+        return APLLayer(base.gate_up, base.down, base.activation, stable_launches=stable)
+
+    layers = [layer(lambda e: 8), layer(lambda e: 3), layer(lambda e: 3 if e else 7), layer(lambda e: 5 + e % 2)]
+    assert len({x.launch_signature() for x in layers}) == 1
+    assert all(x.decode_launches(m) == [(2, 8)] for x in layers for m in ("gate_up", "down"))
+    assert layer(lambda e: 8, stable=False).decode_launches("gate_up") == [(1, 8)]
+    assert layers[0].launch_signature() != layer(lambda e: 8, stable=False).launch_signature()
+    odd = random_layer(E, 32, 32, seed=1)  # 32 columns: no 8-byte loads for down (cols % 64)
+    assert APLLayer(odd.gate_up, odd.down, stable_launches=True).launch_signature() != layers[0].launch_signature()
 
 
 def test_every_planned_tiles_count_is_one_precompile_covers():

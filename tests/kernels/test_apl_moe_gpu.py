@@ -136,6 +136,15 @@ def test_uniform_width_layers_match_reference(case, bits):
     check_case(case, bits=bits)
 
 
+# Stable launches (a pager's layers): mixed and uniform widths, decode and tiles, Qwen's layer.
+STABLE_CASES = [(CASES[0], None), (CASES[3], 3), (CASES[6], 8), (CASES[9], 4), (CASES[10], None)]
+
+
+@pytest.mark.parametrize("case,bits", STABLE_CASES, ids=lambda v: str(v) if isinstance(v, (int, type(None))) else _case_id(v))
+def test_stable_launches_match_reference_at_any_widths(case, bits):
+    check_case(case, bits=bits, stable=True)
+
+
 # GELU-tanh experts (Gemma-4): both regimes, both dtypes, merged and uniform-width decode.
 GELU_CASES = [CASES[0], CASES[3], CASES[5], CASES[7], CASES[8]]
 
@@ -165,11 +174,13 @@ def test_activation_changes_the_kernel_output():
     assert relative_error(outs["silu"], outs["gelu_tanh"]) > 0.05
 
 
-def check_case(case, legacy_decode=False, bits=None, activation="silu"):
+def check_case(case, legacy_decode=False, bits=None, activation="silu", stable=False):
     E, k, H, I, T, used, dtype = case
     device = torch.device("cuda")
     uniform = {(e, m): bits for e in range(E) for m in ("gate_up", "down")} if bits else None
     layer = random_layer(E, H, I, seed=T, device=device, bits=uniform, activation=activation)
+    if stable:  # the same blocks, decode through the merged kernel at the 8-bit LUT size
+        layer = APLLayer(layer.gate_up, layer.down, layer.activation, stable_launches=True)
     x = torch.randn(T, H, generator=torch.Generator().manual_seed(T)).to(device, dtype)
     ids, w = ragged_routing(T, E, k, seed=T, num_used=used, device=device)
     w = w.to(dtype)

@@ -24,7 +24,10 @@ from tests.weights.test_pager_gpu import EXPERTS, HIDDEN, INTER, KV_BLOCK, LAYER
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_replays_follow_the_page_table_while_bits_move():
+@pytest.mark.parametrize("stable", [False, True])
+def test_replays_follow_the_page_table_while_bits_move(stable):
+    """stable: the layers' decode launches do not follow their bits (a pager's runtime), so
+    each layer is captured once and every later step replays it, through every page move."""
     rng = random.Random(1)
     gen = torch.Generator().manual_seed(1)
     blocks = random_blocks(LAYERS, EXPERTS, HIDDEN, INTER, seed=4)
@@ -35,7 +38,7 @@ def test_replays_follow_the_page_table_while_bits_move():
     mover = PageMover(table)
     mover.load_all()
     pager = WeightPager(mover, GreedyPlanner(table.charged_bytes_table()), kv_block_bytes=KV_BLOCK)
-    ops = [ArenaExperts(table, layer, EXPERTS) for layer in range(LAYERS)]
+    ops = [ArenaExperts(table, layer, EXPERTS, stable_launches=stable) for layer in range(LAYERS)]
     dtype = torch.bfloat16
     x_s = torch.zeros(TOKENS, HIDDEN, dtype=dtype, device="cuda")
     ids_s = torch.zeros(TOKENS, TOP_K, dtype=torch.int64, device="cuda")
@@ -80,3 +83,5 @@ def test_replays_follow_the_page_table_while_bits_move():
         pager.step_boundary()
     mover.close()
     assert pager.stats().num_page_moves > 0 and replays > captures  # replays outlived page moves
+    if stable:
+        assert captures == LAYERS

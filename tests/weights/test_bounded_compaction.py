@@ -3,6 +3,7 @@
 compaction goes on at the next boundaries until the KV target fits, every byte
 accounted at each one."""
 
+import pytest
 import torch
 
 from conftest import build, check_accounting
@@ -14,7 +15,10 @@ from tests.weights.greedy_planner import GreedyPlanner
 
 
 
-def test_capped_compaction_continues_across_boundaries(bundled_model_dir):
+@pytest.mark.parametrize("cap_by", ["bytes", "extents"])
+def test_capped_compaction_continues_across_boundaries(bundled_model_dir, cap_by):
+    """cap_by "extents": no byte cap, at most 3 extents moved per boundary (host work bounded
+    where many small extents fit under any byte cap)."""
     blocks = blocks_from_model(load_model(bundled_model_dir, dtype=torch.float32))
     probe = build(blocks, 64 << 20)
     full = probe[0].reserved_bytes
@@ -23,16 +27,18 @@ def test_capped_compaction_continues_across_boundaries(bundled_model_dir):
     BIG_KV = 4 * largest  # larger than any hole one lowering leaves: lowering alone cannot make room
     pool, arena, table, mover = build(blocks, full + 3 * BIG_KV)
     mover.profile.reset()
-    cap = 2 * largest
-    pager = WeightPager(mover, GreedyPlanner(table.charged_bytes_table()), BIG_KV, compact_bytes_per_boundary=cap)
+    cap, max_moves = (2 * largest, None) if cap_by == "bytes" else (None, 3)
+    pager = WeightPager(mover, GreedyPlanner(table.charged_bytes_table()), BIG_KV, compact_bytes_per_boundary=cap,
+                        compact_extents_per_boundary=max_moves)
     kv = [arena.allocate(KV_USED, BIG_KV) for _ in range(3)]
     pager.request_bytes(20 * BIG_KV)
     p = mover.profile
-    per_boundary, capped = [], 0
+    per_boundary, moves, capped = [], [], 0
     for _ in range(400):
-        before = p.bytes_device_to_device
+        before, moved_before = p.bytes_device_to_device, mover.counters.num_extents_relocated
         pager.step_boundary()
         per_boundary.append(p.bytes_device_to_device - before)
+        moves.append(mover.counters.num_extents_relocated - moved_before)
         check_accounting(pool, arena, table, mover)
         if not pager._compaction_left and per_boundary[-1] == 0:
             break
@@ -41,7 +47,10 @@ def test_capped_compaction_continues_across_boundaries(bundled_model_dir):
     usable = min(20, arena.num_free_pages // arena.pages_for(BIG_KV))
     assert usable >= 5 and arena.num_fitting(BIG_KV) >= usable, (per_boundary, arena.num_fitting(BIG_KV))
     assert capped >= 2 and len([n for n in per_boundary if n]) >= 3  # it really took several boundaries
-    assert max(per_boundary) < cap + largest
+    if cap_by == "bytes":
+        assert max(per_boundary) < cap + largest
+    else:
+        assert max(moves) == max_moves
     kv += [arena.allocate(KV_USED, BIG_KV) for _ in range(usable)]
     check_accounting(pool, arena, table, mover)
     mover.close()

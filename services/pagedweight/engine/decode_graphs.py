@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -91,6 +91,7 @@ class DecodeGraphs:
         self.graphs: dict[int, OrderedDict[tuple, tuple[object, tuple[torch.Tensor, torch.Tensor]]]] = {}
         self.pool = None
         self.num_captures = self.num_replays = 0
+        self.steps_per_bucket: Counter = Counter()  # bucket -> decode steps it served
         self.capture_seconds = 0.0  # host time in captures, warm-up included (a step waits for it)
         self.capture_warmup_seconds = 0.0  # of which the eager warm-up step before each capture
         self.disabled = False  # a capture failed: every step eager
@@ -125,6 +126,7 @@ class DecodeGraphs:
         if sig is None:
             return None
         bucket = pick_bucket(len(rows), self.buckets)
+        self.steps_per_bucket[bucket] += 1
         self._upload(rows, bucket)
         if phases is not None:
             phases.mark("prepare")

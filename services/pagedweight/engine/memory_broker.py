@@ -12,7 +12,9 @@ The scheduler asks for KV blocks; the broker
 - at each step boundary lets the pager commit (`step_boundary`), and once the load has
   been calm for a few steps (nobody short of KV, nobody waiting) shrinks the KV cache to
   what the running sequences need and `offer_bytes` the pool's free bytes back to the
-  weights, so bits go up again when load falls.
+  weights, so bits go up again when load falls; only spare bytes worth a raise are offered
+  (at least `offer_min_blocks`, and a quarter of the KV in use by default: under a steady
+  overload the lowered bits stay until the load has really fallen).
 The projected demand (issue 17) is the KV blocks that the sequences in flight and those
 queued that can be admitted still need to finish (prompt + max_tokens, less what they
 hold), given by the scheduler at every step boundary. The cache keeps free blocks for it
@@ -24,6 +26,7 @@ without an arena has a fixed size) and `ask` is always False.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Protocol
@@ -52,6 +55,11 @@ class BrokerConfig:
     # it copies planes that the next lowering drops again).
     calm_seconds: float = 0.0
     offer_min_blocks: int = 0
+    # ... and only when the spare bytes are at least this fraction of the KV blocks in use:
+    # under a steady overload the bytes a lowering overshot by are crumbs next to the load's
+    # KV and stay with it (raising them copies planes the load's next growth lowers again);
+    # once the load has really fallen (a quarter of its KV would be spare) the bits come back.
+    offer_min_used_fraction: float = 0.25
     # Lowering in larger steps (issue 17): an ask for KV bytes also asks for this many
     # blocks beyond the shortage, so the next steps' growth finds bytes already free
     # instead of each waiting a step for its own small plan.
@@ -64,6 +72,8 @@ class BrokerConfig:
             raise UserError(f"calm_steps must be >= 1, got {self.calm_steps}")
         if self.headroom_blocks < 0:
             raise UserError(f"headroom_blocks must be >= 0, got {self.headroom_blocks}")
+        if not 0 <= self.offer_min_used_fraction <= 1:
+            raise UserError(f"offer_min_used_fraction must be in [0, 1], got {self.offer_min_used_fraction}")
         if self.calm_seconds < 0 or self.offer_min_blocks < 0 or self.ask_ahead_blocks < 0:
             raise UserError(f"calm_seconds, offer_min_blocks and ask_ahead_blocks must be >= 0, got "
                             f"{self.calm_seconds}, {self.offer_min_blocks} and {self.ask_ahead_blocks}")
@@ -155,8 +165,11 @@ class MemoryBroker:
         return self.pager.wants_boundaries(spare if offerable else -1)
 
     def _min_offer_bytes(self) -> int:
-        """Spare bytes below this are too little to be worth copying planes for."""
-        return self.config.offer_min_blocks * self.kv.charged_block_bytes
+        """Spare bytes below this are too little to be worth copying planes for: the larger of
+        offer_min_blocks and offer_min_used_fraction of the blocks in use."""
+        used = self.kv.manager.num_used_blocks
+        blocks = max(self.config.offer_min_blocks, math.ceil(self.config.offer_min_used_fraction * used))
+        return blocks * self.kv.charged_block_bytes
 
     def pool_free_bytes(self) -> int:
         if self.pool is None:

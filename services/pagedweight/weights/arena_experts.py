@@ -34,13 +34,17 @@ from pagedweight.weights.page_table import PageTable
 
 class ArenaExperts(nn.Module):
     def __init__(self, table: PageTable, layer: int, num_experts: int, cache_dequantized: bool | None = None,
-                 use_kernel: bool | None = None, activation: str = "silu"):
+                 use_kernel: bool | None = None, activation: str = "silu", stable_launches: bool = False):
         super().__init__()
         check_activation(activation)
         self.activation = activation  # act(gate) * up, on both paths
         self.table = table
         self.layer = layer
         self.num_experts = num_experts
+        # The fused kernel's decode launches do not depend on the layer's bits (APLLayer
+        # .stable_launches): for a pager that moves bits, whose every change of a layer's bit
+        # classes would otherwise make each decode graph capture again.
+        self.stable_launches = stable_launches
         on_cuda = table.arena.device.type == "cuda"
         if cache_dequantized is None:
             cache_dequantized = not on_cuda
@@ -69,7 +73,7 @@ class ArenaExperts(nn.Module):
         if self._kernel_layer is None:
             E = self.num_experts
             blocks = [self._resident(b) for b in self._block_ids]
-            self._kernel_layer = APLLayer(blocks[:E], blocks[E:], self.activation)
+            self._kernel_layer = APLLayer(blocks[:E], blocks[E:], self.activation, self.stable_launches)
         else:
             start = time.perf_counter()
             moved = [(b.expert, b.module, self._resident(b)) for b in self._block_ids

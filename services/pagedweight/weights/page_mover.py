@@ -252,19 +252,22 @@ class PageMover:
 
     # ---- compaction -------------------------------------------------------------------
     def compact(self, done: Callable[[], bool] = lambda: False, max_bytes: int | None = None,
-                phase: str = "compact") -> int:
+                phase: str = "compact", max_moves: int | None = None) -> int:
         """Move committed weight extents down into lower free runs, so that the pages
         freed by lowering join the free space next to the KV region; stop early once
-        `done()`, or once `max_bytes` have been copied (None: no cap). Copies run on the
-        compute stream at a step boundary (readers see the new place from the next step),
-        so the cap bounds what one boundary can stall the next step by; a capped
-        compaction goes on at a later boundary. Returns the number of extents moved."""
+        `done()`, or once `max_bytes` have been copied or `max_moves` extents moved (None:
+        no cap). Copies run on the compute stream at a step boundary (readers see the new
+        place from the next step), so the caps bound what one boundary can stall the next
+        step by: the bytes bound the copies, the moves the host work (each move is an
+        allocation, a copy launch, a free and a descriptor row to rewrite, whatever its
+        size). A capped compaction goes on at a later boundary. Returns the extents moved."""
         with self.profile.timed(phase):  # "compact" for KV room, "compact_for_raise" for raises
-            moved, capped = self._compact(done, max_bytes)
+            moved, capped = self._compact(done, max_bytes, max_moves)
         self.profile.num_compaction_capped += capped
         return moved
 
-    def _compact(self, done: Callable[[], bool], max_bytes: int | None) -> tuple[int, bool]:
+    def _compact(self, done: Callable[[], bool], max_bytes: int | None,
+                 max_moves: int | None = None) -> tuple[int, bool]:
         # Only allocating and freeing change what can move, so the lowest fit per extent
         # size (a handful of sizes: planes, LUTs) is cached between moves, and `done()` is
         # asked only after one: a scan over 10^5 extents then costs a dict lookup each.
@@ -279,7 +282,7 @@ class PageMover:
         lowest: dict[int, int | None] = {}  # num_pages -> lowest fit (cleared after every move)
         moved = copied = 0
         for start in sorted(owners):
-            if max_bytes is not None and copied >= max_bytes:
+            if (max_bytes is not None and copied >= max_bytes) or (max_moves is not None and moved >= max_moves):
                 break
             e, i = owners[start]
             old = e.plane_extents[i] if i >= 0 else e.lut_extent
@@ -303,5 +306,6 @@ class PageMover:
                 break
         self.counters.num_extents_relocated += moved
         self.profile.bytes_device_to_device += copied
-        capped = max_bytes is not None and copied >= max_bytes and not done()
+        capped = ((max_bytes is not None and copied >= max_bytes)
+                  or (max_moves is not None and moved >= max_moves)) and not done()
         return moved, capped

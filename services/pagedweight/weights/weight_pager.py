@@ -23,8 +23,8 @@ at a time; while it is, the bytes it asks for count as pending.
   compacts fully), the bytes asked for plus the whole units that were free when asked
   (or every free byte, if fewer). Tiles are small enough that a dropped plane's hole holds some,
   so this rarely moves anything; when it does, at most `compact_bytes_per_boundary` are
-  copied per boundary (the rest at the next ones), so no boundary stalls a step for
-  long. Returns what changed (a `BoundaryResult`).
+  copied and `compact_extents_per_boundary` extents moved per boundary (the rest at the
+  next ones), so no boundary stalls a step for long. Returns what changed (a `BoundaryResult`).
 Bytes are arena bytes (whole pages, LUTs included): what the KV cache really gets.
 """
 
@@ -72,7 +72,8 @@ class WeightPager:
     def __init__(self, mover: PageMover, planner: BitPlanner, kv_block_bytes: int | None = None,
                  routing: Callable[[], RoutingSnapshot] | None = None,
                  prompts: Callable[[], PromptMix | None] | None = None,
-                 compact_bytes_per_boundary: int | None = DEFAULT_COMPACT_BYTES, compact_for_kv: bool = True):
+                 compact_bytes_per_boundary: int | None = DEFAULT_COMPACT_BYTES, compact_for_kv: bool = True,
+                 compact_extents_per_boundary: int | None = None):
         """`planner` is registered with this page table's blocks, in the table's order
         (in_process_planner.page_table_registration). `routing`: e.g. RoutingFeed.snapshot,
         the live routing sent with every request. `prompts`: the prompts in flight, sent
@@ -86,6 +87,13 @@ class WeightPager:
         # Compaction copies on the compute stream at a boundary: the cap bounds how long one
         # boundary can hold the next step back (None: no cap); the rest waits for later ones.
         self.compact_bytes_per_boundary = compact_bytes_per_boundary
+        # ... and the extents it moves (None: no cap): each move is host work (allocation, copy
+        # launch, free, a descriptor row) whatever its size, so many small LUT extents under
+        # the byte cap still stall a boundary. Off in the runtime: a capped compaction for
+        # raises that has not made room by the second idle boundary gives the raises up
+        # (_drop_stalled_raises), and with a small cap the bits then stay down (the runtime and
+        # worker idle-raise tests fail with 64); see docs/elasticity.md "What is left".
+        self.compact_extents_per_boundary = compact_extents_per_boundary
         # False: never move weights to make KV room after lowering; a shortage left by
         # crumbs (hole remainders smaller than a KV tile) is met by the broker asking again,
         # i.e. by lowering a little more. With per-layer KV tiles that is far cheaper: on the
@@ -228,7 +236,8 @@ class WeightPager:
         if result.lowered_ids and self.compact_for_kv:
             self._compact()
         elif result.num_raises_fragmented:  # the raises retry at the next boundary
-            self.mover.compact(max_bytes=self.compact_bytes_per_boundary, phase="compact_for_raise")
+            self.mover.compact(max_bytes=self.compact_bytes_per_boundary, phase="compact_for_raise",
+                               max_moves=self.compact_extents_per_boundary)
         self._drop_stalled_raises(result)
         self._mean_min = min(self._mean_min, self._mean_bits())
         self._settled = not self.mover.busy()
@@ -330,12 +339,12 @@ class WeightPager:
         arena, target = self.mover.arena, self._kv_target_bytes
         self._kv_target_bytes = 0
         block_bytes = self.kv_block_bytes or arena.last_kv_bytes
-        cap = self.compact_bytes_per_boundary
+        cap, moves = self.compact_bytes_per_boundary, self.compact_extents_per_boundary
         if block_bytes is None:
-            self.mover.compact(max_bytes=cap)
+            self.mover.compact(max_bytes=cap, max_moves=moves)
             return
         num_blocks = min(arena.num_free_pages // arena.pages_for(block_bytes), -(-target // block_bytes))
-        self.mover.compact(done=lambda: arena.num_fitting(block_bytes) >= num_blocks, max_bytes=cap)
+        self.mover.compact(done=lambda: arena.num_fitting(block_bytes) >= num_blocks, max_bytes=cap, max_moves=moves)
 
     def _mean_bits(self) -> float:
         return self.table.mean_committed_bits()  # kept by the table: no scan per boundary
