@@ -191,3 +191,36 @@ def test_logits_stay_finite_while_the_split_moves(paged_micro_dir):
         assert non_finite_steps == []
     finally:
         runtime.close()
+
+
+def test_warm_up_meets_every_bucket_and_drops_its_routing_window(paged_micro_dir):
+    """The worker's start-up warm-up: a step of each decode bucket's rows (on the CPU the
+    arena's experts keep steps eager; which steps replay graphs is tests/engine's), nothing left in flight, the pool's invariants intact, and the
+    routing window those synthetic requests filled discarded so the planner sees live traffic
+    only; where every step is eager it does nothing at all."""
+    from dataclasses import replace
+
+    from pagedweight.engine.decode_graphs import DecodeGraphs
+
+    budget = fixed_budget(paged_micro_dir, 8, kv_tokens=512)
+    eager = build_runtime(paged_micro_dir, RuntimeConfig(budget, "pagedweight", engine=ENGINE))
+    assert eager.engine.runner.graphs is None and eager.warm_up() == []
+    eager.close()
+
+    engine_config = replace(ENGINE, attention_impl="inplace")
+    runtime = build_runtime(paged_micro_dir, RuntimeConfig(budget, "pagedweight", engine=engine_config))
+    engine = runtime.engine
+    engine.runner.graphs = DecodeGraphs(engine.model, engine.kv, ENGINE.scheduler.max_num_seqs, capture=False)
+    snapshots = runtime.routing_feed.num_snapshots
+    buckets = runtime.warm_up()
+    assert buckets == list(engine.runner.graphs.buckets) and buckets[-1] == ENGINE.scheduler.max_num_seqs
+    assert engine.stats().num_finished == sum(buckets)  # one one-token request per row of each bucket
+    assert runtime.routing_feed.num_snapshots > snapshots
+    assert not engine.has_work and engine.kv.manager.num_used_blocks == 0
+    check_pool(runtime)
+    feed = runtime.routing_feed
+    assert int(feed.num_tokens.sum()) == 0 and float(feed.counts.sum()) == 0.0
+    # live traffic after the warm-up is counted again
+    run_checked(runtime, prompts()[:2])
+    assert int(feed.num_tokens.sum()) > 0
+    runtime.close()

@@ -103,6 +103,20 @@ class WorkerRuntime:
     routing_feed: object | None = None  # RoutingFeed into the policy (the worker forwards its windows)
     prompt_routing: object | None = None  # PromptRoutingRecorder: the prompts in flight (None: off)
 
+    def warm_up(self) -> list[int]:
+        """Meet every decode bucket once before serving (engine/graph_warmup.py: the
+        attention kernel's per-split compile and each bucket's graph capture, 0.3-0.5 s
+        steps on an H200 otherwise paid by the first load to reach a bucket), then drop the
+        routing window those synthetic one-token requests filled, so the planner's routing
+        mass starts from live traffic. A no-op where every step is eager (the CPU).
+        Returns the buckets met."""
+        from pagedweight.engine.graph_warmup import warm_decode_buckets
+
+        buckets = warm_decode_buckets(self.engine)
+        if buckets and self.routing_feed is not None:
+            self.routing_feed.snapshot()  # the warm-up's window, discarded
+        return buckets
+
     def close(self) -> None:
         self.mover.close()
 

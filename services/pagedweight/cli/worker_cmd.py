@@ -37,6 +37,8 @@ def register(subparsers) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=d["max_num_batched_tokens"].default)
     parser.add_argument("--block-size", type=int, default=d["block_size"].default)
     parser.add_argument("--threads", type=int, default=d["threads"].default, help="torch CPU threads")
+    parser.add_argument("--no-warm-up", dest="warm_up", action="store_false",
+                        help="skip meeting every decode bucket before readiness (faster start, slow first steps)")
     parser.set_defaults(handler=run)
 
 
@@ -47,7 +49,8 @@ def config_from_args(args) -> WorkerConfig:
         served_model_name=args.served_model_name, planner_address=args.planner,
         planner_deadline_s=args.planner_deadline, worker_id=args.worker_id,
         shutdown_timeout_s=args.shutdown_timeout, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size, threads=args.threads)
+        max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size, threads=args.threads,
+        warm_up=args.warm_up)
 
 
 def run(args) -> int:

@@ -27,6 +27,9 @@ class WorkerConfig:
     max_num_batched_tokens: int = 512
     block_size: int = 16  # tokens per KV block
     threads: int = 1  # torch CPU threads
+    # meet every decode bucket before readiness (CUDA graphs: the first step at a bucket
+    # compiles and captures); a no-op where steps are eager (the CPU)
+    warm_up: bool = True
 
     def __post_init__(self):
         if not Path(self.model_dir).is_dir():

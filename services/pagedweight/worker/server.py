@@ -56,7 +56,13 @@ def load_runtime(config: WorkerConfig):
     budget = parse_memory_budget(config.memory_budget, device_memory_bytes(device))
     engine = EngineConfig(scheduler=SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
                           kv=KVCacheConfig(config.block_size))
-    return build_runtime(config.model_dir, RuntimeConfig(budget, config.policy, str(device), dtype, engine=engine))
+    runtime = build_runtime(config.model_dir, RuntimeConfig(budget, config.policy, str(device), dtype, engine=engine))
+    if config.warm_up:
+        start = time.monotonic()
+        buckets = runtime.warm_up()
+        if buckets:
+            log.info("met decode buckets %s in %.1fs", buckets, time.monotonic() - start)
+    return runtime
 
 
 def attach_planner_service(runtime, config: WorkerConfig, address: str, metrics: WorkerMetrics):
