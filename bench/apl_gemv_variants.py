@@ -37,9 +37,10 @@ VARIANTS = {  # name -> (define changes, host changes)
     "ring4": ({"APL_GEMV_RING_STAGES": 4}, {}),
     "ring6": ({"APL_GEMV_RING_STAGES": 6}, {}),
     # 3-4 bits (8-byte plane loads): S steps of plane words in registers, S - 1 in flight
-    "pipe3": ({"APL_GEMV_PIPE": 3}, {}),  # 128 registers, 4 CTAs per SM; first steps loaded before the LUT
+    "pipe3": ({"APL_GEMV_PIPE": 3, "APL_GEMV_PIPE_EARLY": 1}, {}),  # 128 registers; first steps before the LUT
     "pipe3_late": ({"APL_GEMV_PIPE": 3, "APL_GEMV_PIPE_EARLY": 0}, {}),  # first steps loaded after staging
-    "pipe4_3_blocks": ({"APL_GEMV_PIPE": 4, "APL_GEMV_MIN_BLOCKS": 3}, {"GEMV_TARGET_CTAS": 396}),  # 168 registers
+    "pipe4_3_blocks": ({"APL_GEMV_PIPE": 4, "APL_GEMV_PIPE_EARLY": 1, "APL_GEMV_MIN_BLOCKS": 3},
+                       {"GEMV_TARGET_CTAS": 396}),  # 168 registers, 3 CTAs per SM
     "tiles_3_blocks": ({"APL_TILES_MIN_BLOCKS": 3}, {}),  # tiles regime: <= 168 registers, 3 CTAs per SM
     "tiles_max_32": ({}, {"TILES_MAX_NT8": 4}),  # tiles regime: at most 32 tokens per pass
 }

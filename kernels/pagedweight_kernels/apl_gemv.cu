@@ -57,8 +57,8 @@
 #define APL_GEMV_PIPE 2  // decode (NT8 1, no ring), 3-4 bits, 8-byte loads: steps of plane words held in
 #endif                   // registers; 2 = the ping-pong, S > 2 keeps S - 1 steps in flight (gemv_warp_pipe)
 #ifndef APL_GEMV_PIPE_EARLY
-#define APL_GEMV_PIPE_EARLY 1  // with APL_GEMV_PIPE > 2: the first pass's S - 1 steps are loaded before the
-#endif                         // LUT and the activations are read (their latency overlaps that prologue)
+#define APL_GEMV_PIPE_EARLY 0  // with APL_GEMV_PIPE > 2, 1: the first pass's S - 1 steps are loaded before the
+#endif                         // LUT and the activations are read (spills 156 bytes at S = 3; measured slower)
 #define GV_PIPE (APL_GEMV_PIPE > 2 ? APL_GEMV_PIPE : 3)  // (3 where unused: the arrays stay well-formed)
 #ifndef APL_TILES_MIN_BLOCKS
 #define APL_TILES_MIN_BLOCKS 2  // CTAs per SM the register budget must allow in the tiles regime (NT8 > 1)

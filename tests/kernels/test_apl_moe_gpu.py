@@ -146,9 +146,9 @@ PIPE_CASES = [((8, 2, 1216, 832, 3, 6, torch.bfloat16), 4, True), ((8, 2, 1216, 
               (UNIFORM_CASES[-1][0], 4, False), (CASES[9], 3, False)]
 
 
-@pytest.mark.parametrize("pipe,min_blocks", [(3, 4), (4, 3)])
+@pytest.mark.parametrize("pipe,early,min_blocks", [(3, 0, 4), (3, 1, 4), (4, 1, 3)])
 @pytest.mark.parametrize("case,bits,one_split", PIPE_CASES, ids=lambda v: _case_id(v) if isinstance(v, tuple) else str(v))
-def test_decode_register_pipeline_equals_ping_pong(case, bits, one_split, pipe, min_blocks, monkeypatch):
+def test_decode_register_pipeline_equals_ping_pong(case, bits, one_split, pipe, early, min_blocks, monkeypatch):
     import pagedweight_kernels.apl_moe as op
 
     if one_split:
@@ -161,6 +161,7 @@ def test_decode_register_pipeline_equals_ping_pong(case, bits, one_split, pipe, 
     assert all(layer.aligned8.values()) and set(layer.classes["down"]) == {0}  # the pipelined kernel runs
     ping_pong = check_case(case, bits=bits)
     monkeypatch.setitem(op.KERNEL_DEFINES, "APL_GEMV_PIPE", pipe)
+    monkeypatch.setitem(op.KERNEL_DEFINES, "APL_GEMV_PIPE_EARLY", early)
     monkeypatch.setitem(op.KERNEL_DEFINES, "APL_GEMV_MIN_BLOCKS", min_blocks)
     assert torch.equal(check_case(case, bits=bits), ping_pong)
 
