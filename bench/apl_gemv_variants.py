@@ -5,14 +5,21 @@ CUDA-graph replays) under variants of its compile-time knobs (KERNEL_DEFINES) an
 plan constants, and prints one line per (variant, shape). Used to pick the defaults; the
 results are recorded in docs/kernel.md.
 
-Usage on the GPU machine: PYTHONPATH=.:services:kernels python3 -m bench.apl_gemv_variants [variants] [--mixed | --tiles]
+Usage on the GPU machine: PYTHONPATH=.:services:kernels python3 -m bench.apl_gemv_variants [variants]
+    [--mixed | --tiles | --decode | --compile-only] [--json NAME]
+--compile-only: compile the variants' decode instances for bf16 and fp16 (for the GPU tests) and exit.
+--decode: every decode shape (1-16 tokens, 3 / 4 / 8 / mixed bits) at both model sizes; the
+variants' instances are compiled first, in threads (NVRTC runs outside the GIL). --json NAME
+also writes bench/results/NAME.json (date, machine, commit).
 """
 
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 import pagedweight_kernels.apl_moe as op
+from bench.bench_meta import write_result
 from bench.apl_moe_kernel import COPIES, MODELS, REPS, SyntheticLayer, bit_assignment, routings, time_calls
 
 SHAPES = [("mixtral-8x7b", 1, "3"), ("mixtral-8x7b", 1, "4"), ("mixtral-8x7b", 1, "8"), ("mixtral-8x7b", 1, "mixed"),
@@ -29,18 +36,59 @@ VARIANTS = {  # name -> (define changes, host changes)
     "ring3": ({"APL_GEMV_RING_STAGES": 3}, {}),  # 3-4 bits: plane words through a cp.async ring
     "ring4": ({"APL_GEMV_RING_STAGES": 4}, {}),
     "ring6": ({"APL_GEMV_RING_STAGES": 6}, {}),
+    # 3-4 bits (8-byte plane loads): S steps of plane words in registers, S - 1 in flight
+    "pipe3": ({"APL_GEMV_PIPE": 3, "APL_GEMV_PIPE_EARLY": 1}, {}),  # 128 registers; first steps before the LUT
+    "pipe3_late": ({"APL_GEMV_PIPE": 3, "APL_GEMV_PIPE_EARLY": 0}, {}),  # first steps loaded after staging
+    "pipe4_3_blocks": ({"APL_GEMV_PIPE": 4, "APL_GEMV_PIPE_EARLY": 1, "APL_GEMV_MIN_BLOCKS": 3},
+                       {"GEMV_TARGET_CTAS": 396}),  # 168 registers, 3 CTAs per SM
     "tiles_3_blocks": ({"APL_TILES_MIN_BLOCKS": 3}, {}),  # tiles regime: <= 168 registers, 3 CTAs per SM
     "tiles_max_32": ({}, {"TILES_MAX_NT8": 4}),  # tiles regime: at most 32 tokens per pass
 }
 MIXED_SHAPES = [("qwen1.5-moe-a2.7b", 1, "mixed"), ("qwen1.5-moe-a2.7b", 4, "mixed"), ("mixtral-8x7b", 1, "mixed"),
                 ("mixtral-8x7b", 4, "mixed"), ("qwen1.5-moe-a2.7b", 1, "4")]
+DECODE_SHAPES = [(name, T, bits) for name in ("mixtral-8x7b", "qwen1.5-moe-a2.7b") for T, bits in
+                 ((1, "3"), (1, "4"), (1, "8"), (1, "mixed"), (4, "3"), (4, "4"), (4, "mixed"), (16, "4"))]
 TILES_SHAPES = [("qwen1.5-moe-a2.7b", 64, "4"), ("qwen1.5-moe-a2.7b", 256, "4"), ("mixtral-8x7b", 64, "4"),
                 ("mixtral-8x7b", 256, "4"), ("mixtral-8x7b", 256, "8")]
 
 
+def set_variant(vname):
+    defines, host = VARIANTS[vname]
+    op.KERNEL_DEFINES.clear()
+    op.KERNEL_DEFINES.update(BASE, **defines)
+    for knob, value in HOST_KNOBS.items():
+        setattr(op, knob, host.get(knob, value))
+
+
+def compile_decode_instances(variants, device, both_dtypes=False):
+    """The decode instances with 8-byte plane loads (every class, both projections; bf16, or
+    with both_dtypes fp16 too) of each variant, in threads. cupy keeps them in its disk
+    cache, so a later process (the GPU tests) finds them compiled."""
+    import cupy as cp
+
+    layouts = [("true", "true"), ("false", "true")] if both_dtypes else [("true", "true")]
+    keys = []
+    for vname in variants:
+        set_variant(vname)
+        keys += [(op._gemv_name(cls, mode, flag, aligned, 1), op._defines("silu"))
+                 for cls in (0, 1, 2) for mode in (0, 1) for flag, aligned in layouts]
+
+    def compile_one(key):
+        with cp.cuda.Device(device.index or 0):
+            op._compiled(*key)
+
+    with ThreadPoolExecutor(max_workers=min(16, len(keys))) as pool:
+        list(pool.map(compile_one, keys))
+
+
 def main():
     device = torch.device("cuda")
-    shapes = MIXED_SHAPES if "--mixed" in sys.argv else TILES_SHAPES if "--tiles" in sys.argv else SHAPES
+    if "--compile-only" in sys.argv:
+        compile_decode_instances([a for a in sys.argv[1:] if a in VARIANTS], device, both_dtypes=True)
+        print(op.compile_stats())
+        return
+    shapes = MIXED_SHAPES if "--mixed" in sys.argv else TILES_SHAPES if "--tiles" in sys.argv \
+        else DECODE_SHAPES if "--decode" in sys.argv else SHAPES
     names = sorted({s[0] for s in shapes})
     layers = {name: [SyntheticLayer(*MODELS[name][:1], *MODELS[name][2:], seed, device) for seed in range(COPIES)]
               for name in names}
@@ -52,12 +100,12 @@ def main():
         x = [torch.randn(T, H, device=device).bfloat16() for _ in range(REPS)]
         cases[(name, T, bits)] = (x, route, apl)
     only = [a for a in sys.argv[1:] if a in VARIANTS] or list(VARIANTS)
+    if "--decode" in sys.argv:
+        compile_decode_instances(only, device)
+    rows = []
     for vname in only:
-        defines, host = VARIANTS[vname]
-        op.KERNEL_DEFINES.clear()
-        op.KERNEL_DEFINES.update(BASE, **defines)
-        for knob, value in HOST_KNOBS.items():
-            setattr(op, knob, host.get(knob, value))
+        set_variant(vname)
+        _, host = VARIANTS[vname]
         for shape in shapes:
             x, route, apl = cases[shape]
             for layer in apl:
@@ -65,7 +113,13 @@ def main():
                 if "aligned8" in host:
                     layer.aligned8 = {m: host["aligned8"] for m in layer.aligned8}
             calls = [lambda c=i % COPIES, i=i: op.apl_moe(x[i], *route[i], apl[c]) for i in range(REPS)]
-            print(f"{vname:16s} {shape[0]:18s} T={shape[1]:3d} bits={shape[2]:5s} {time_calls(calls):8.1f} us", flush=True)
+            us = time_calls(calls)
+            rows.append({"variant": vname, "model": shape[0], "tokens": shape[1], "bits": shape[2], "us": round(us, 1)})
+            print(f"{vname:16s} {shape[0]:18s} T={shape[1]:3d} bits={shape[2]:5s} {us:8.1f} us", flush=True)
+    if "--json" in sys.argv:
+        name = sys.argv[sys.argv.index("--json") + 1]
+        print(write_result(name, {"command": "python3 -m bench.apl_gemv_variants " + " ".join(sys.argv[1:]),
+                                  "results": rows}))
 
 
 if __name__ == "__main__":

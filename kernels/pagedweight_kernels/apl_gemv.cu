@@ -53,6 +53,13 @@
 #define APL_GEMV_RING_STAGES 0  // >= 2: 3-4-bit kernel (CLS 0) streams plane words through a cp.async ring
 #endif                          // of this many steps per warp in shared memory; 0: register ping-pong
 #define GV_RING_STAGE_BYTES (2 * 4 * 32 * 8)  // one warp step at 4 bits: [row 2][plane 4][lane 32] uint2
+#ifndef APL_GEMV_PIPE
+#define APL_GEMV_PIPE 2  // decode (NT8 1, no ring), 3-4 bits, 8-byte loads: steps of plane words held in
+#endif                   // registers; 2 = the ping-pong, S > 2 keeps S - 1 steps in flight (gemv_warp_pipe)
+#ifndef APL_GEMV_PIPE_EARLY
+#define APL_GEMV_PIPE_EARLY 0  // with APL_GEMV_PIPE > 2, 1: the first pass's S - 1 steps are loaded before the
+#endif                         // LUT and the activations are read (spills 156 bytes at S = 3; measured slower)
+#define GV_PIPE (APL_GEMV_PIPE > 2 ? APL_GEMV_PIPE : 3)  // (3 where unused: the arrays stay well-formed)
 #ifndef APL_TILES_MIN_BLOCKS
 #define APL_TILES_MIN_BLOCKS 2  // CTAs per SM the register budget must allow in the tiles regime (NT8 > 1)
 #endif
@@ -274,6 +281,32 @@ __device__ __forceinline__ void load_step(const BlockRef& blk, u32 w0a, u32 w0b,
     }
 }
 
+// One step of plane words (buf) times the staged activations of token row x_row, into acc.
+template <int B, bool BF16, class Lut>
+__device__ __forceinline__ void compute_step(const Lut& la, const Lut& lb, const u16* xs, int tstride, int x_row,
+                                             const u32 (&buf)[2][2][8], int step, float (&acc)[4]) {
+    const int t = threadIdx.x & 3;
+#pragma unroll
+    for (int wi = 0; wi < 2; ++wi) {
+        const int w = step * GV_STEP_WORDS + 2 * t + wi;
+        uint4 xb[4];
+        // Lanes of tokens past this pass read the zero row staged after the last token.
+        const uint4* xw = reinterpret_cast<const uint4*>(xs + x_row * tstride + w * 32);
+#pragma unroll
+        for (int q = 0; q < 4; ++q) xb[q] = xw[q ^ ((w >> 1) & 3)];
+        const Codes<B> ca(buf[0][wi]), cb(buf[1][wi]);
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {
+            u32 wa[4], wb[4];  // selectors s and s+4 of rows a and b
+            la.select2(ca, s, wa);
+            lb.select2(cb, s, wb);
+            const uint4 v = xb[s >> 1], u = xb[2 + (s >> 1)];
+            mma16816<BF16>(acc, wa[0], wb[0], wa[1], wb[1], (s & 1) ? v.z : v.x, (s & 1) ? v.w : v.y);
+            mma16816<BF16>(acc, wa[2], wb[2], wa[3], wb[3], (s & 1) ? u.z : u.x, (s & 1) ? u.w : u.y);
+        }
+    }
+}
+
 // ---------------------------------------------------------------- the mainloop of one warp
 // acc = the C fragment: (row g, tokens 2t, 2t+1), (row g+8, tokens 2t, 2t+1).
 // xs: staged activations [token][word][4 chunks of 16 B]; chunk q of word w is stored at
@@ -286,25 +319,7 @@ __device__ __forceinline__ void gemv_warp(const BlockRef& blk, u32 w0a, u32 w0b,
     const int t = threadIdx.x & 3;
     const int steps = (kw + GV_STEP_WORDS - 1) / GV_STEP_WORDS;
     auto compute = [&](const u32 (&buf)[2][2][8], int step) {
-#pragma unroll
-        for (int wi = 0; wi < 2; ++wi) {
-            const int w = step * GV_STEP_WORDS + 2 * t + wi;
-            uint4 xb[4];
-            // Lanes of tokens past this pass read the zero row staged after the last token.
-            const uint4* xw = reinterpret_cast<const uint4*>(xs + x_row * tstride + w * 32);
-#pragma unroll
-            for (int q = 0; q < 4; ++q) xb[q] = xw[q ^ ((w >> 1) & 3)];
-            const Codes<B> ca(buf[0][wi]), cb(buf[1][wi]);
-#pragma unroll
-            for (int s = 0; s < 4; ++s) {
-                u32 wa[4], wb[4];  // selectors s and s+4 of rows a and b
-                la.select2(ca, s, wa);
-                lb.select2(cb, s, wb);
-                const uint4 v = xb[s >> 1], u = xb[2 + (s >> 1)];
-                mma16816<BF16>(acc, wa[0], wb[0], wa[1], wb[1], (s & 1) ? v.z : v.x, (s & 1) ? v.w : v.y);
-                mma16816<BF16>(acc, wa[2], wb[2], wa[3], wb[3], (s & 1) ? u.z : u.x, (s & 1) ? u.w : u.y);
-            }
-        }
+        compute_step<B, BF16>(la, lb, xs, tstride, x_row, buf, step, acc);
     };
     // The 32-byte sectors of a step: 16 rows x B planes; lane (g, t) asks for row g / g+8,
     // planes t, t+4 (t < 2B). Only the L2 is asked: the registers hold one step ahead.
@@ -331,6 +346,42 @@ __device__ __forceinline__ void gemv_warp(const BlockRef& blk, u32 w0a, u32 w0b,
         if (step + 2 < steps) load_step<B, V2>(blk, w0a, w0b, kw, step + 2, b0);
         prefetch(step + 3);
         compute(b1, step + 1);
+    }
+}
+
+// ---------------------------------------------------------------- the register pipeline (3-4 bits)
+// APL_GEMV_PIPE = S > 2: S register buffers of one step, so while step s is computed steps
+// s+1..s+S-1 are in flight (the ping-pong keeps one). The steps are unrolled by S so every
+// buffer index is a constant (registers, not local memory). Only where a step is 2 rows x 2
+// words x B <= 4 planes loaded 8 bytes at a time: 5-8 bits take twice the registers per
+// step and the 4-byte loads (V2 false) spilled 156 bytes at S = 3. The loads and the mma
+// are those of the ping-pong in the same order, so the output is the same bit for bit. The
+// 3-4-bit kernel (CLS 0) only: in the merged kernel (CLS 2) three steps spilled 332-388 bytes.
+template <int B, bool V2>
+__device__ __forceinline__ void pipe_preload(const BlockRef& blk, u32 w0a, u32 w0b, int kw,
+                                             u32 (&bufs)[GV_PIPE][2][2][8]) {
+    const int steps = (kw + GV_STEP_WORDS - 1) / GV_STEP_WORDS;
+#pragma unroll
+    for (int j = 0; j < GV_PIPE - 1; ++j)
+        if (j < steps) load_step<B, V2>(blk, w0a, w0b, kw, j, bufs[j]);
+}
+
+// bufs[0..S-2] arrive holding steps 0..S-2 (pipe_preload).
+template <int B, bool BF16, bool V2, class Lut>
+__device__ __forceinline__ void gemv_warp_pipe(const BlockRef& blk, u32 w0a, u32 w0b, const Lut& la, const Lut& lb,
+                                               int kw, const u16* xs, int tstride, int x_row,
+                                               u32 (&bufs)[GV_PIPE][2][2][8], float (&acc)[4]) {
+    constexpr int S = GV_PIPE;
+    const int steps = (kw + GV_STEP_WORDS - 1) / GV_STEP_WORDS;
+    for (int step0 = 0; step0 < steps; step0 += S) {
+#pragma unroll
+        for (int j = 0; j < S; ++j) {
+            const int step = step0 + j;
+            if (step >= steps) break;
+            // bufs[(j + S - 1) % S] held step - 1, computed in the previous iteration
+            if (step + S - 1 < steps) load_step<B, V2>(blk, w0a, w0b, kw, step + S - 1, bufs[(j + S - 1) % S]);
+            compute_step<B, BF16>(la, lb, xs, tstride, x_row, bufs[j], step, acc);
+        }
     }
 }
 
@@ -381,7 +432,6 @@ __device__ __forceinline__ void gemv_warp_ring(const BlockRef& blk, u32 w0a, u32
                                                int kw, const u16* xs, int tstride, int x_row, u32 lane_slot0,
                                                float (&acc)[4]) {
     constexpr int S = APL_GEMV_RING_STAGES, SLOT = B * 512;
-    const int t = threadIdx.x & 3;
     const int steps = (kw + GV_STEP_WORDS - 1) / GV_STEP_WORDS;
     int rd = 0, wr = S - 1;  // slots of step `step` and of step + S - 1
     for (int step = 0; step < steps; ++step) {
@@ -401,24 +451,7 @@ __device__ __forceinline__ void gemv_warp_ring(const BlockRef& blk, u32 w0a, u32
         }
         rd = rd == S - 1 ? 0 : rd + 1;
         wr = wr == S - 1 ? 0 : wr + 1;
-#pragma unroll
-        for (int wi = 0; wi < 2; ++wi) {
-            const int w = step * GV_STEP_WORDS + 2 * t + wi;
-            uint4 xb[4];
-            const uint4* xw = reinterpret_cast<const uint4*>(xs + x_row * tstride + w * 32);
-#pragma unroll
-            for (int q = 0; q < 4; ++q) xb[q] = xw[q ^ ((w >> 1) & 3)];
-            const Codes<B> ca(buf[0][wi]), cb(buf[1][wi]);
-#pragma unroll
-            for (int s = 0; s < 4; ++s) {
-                u32 wa[4], wb[4];
-                la.select2(ca, s, wa);
-                lb.select2(cb, s, wb);
-                const uint4 v = xb[s >> 1], u = xb[2 + (s >> 1)];
-                mma16816<BF16>(acc, wa[0], wb[0], wa[1], wb[1], (s & 1) ? v.z : v.x, (s & 1) ? v.w : v.y);
-                mma16816<BF16>(acc, wa[2], wb[2], wa[3], wb[3], (s & 1) ? u.z : u.x, (s & 1) ? u.w : u.y);
-            }
-        }
+        compute_step<B, BF16>(la, lb, xs, tstride, x_row, buf, step, acc);
     }
     cp_async_wait<0>();  // only empty groups remain; the next pass refills slot 0 onwards
 }
@@ -493,13 +526,16 @@ __device__ __forceinline__ void tiles_warp(const BlockRef& blk, u32 w0a, u32 w0b
 // sectors are asked of L2 before the LUT (prologue) and the activations (stage) are read, so
 // those loads overlap; holding them in registers instead spilled (128-register budget).
 // NT8 > 1: the tiles regime (tiles_warp); stage then stages one step: stage(p0, np, step).
-template <int B, bool BF16, bool V2, bool RING, int NT8, class Lut, class Prologue, class Stage, class Emit>
+template <int B, bool BF16, bool V2, bool RING, int NT8, bool PIPE_CLS, class Lut, class Prologue, class Stage, class Emit>
 __device__ __forceinline__ void run_passes(const BlockRef& blk, u32 w0a, u32 w0b, Lut& la, Lut& lb, int kw,
                                            const u16* xs, int tstride, int count, int stage_tokens,
                                            u32 lane_slot0, Prologue prologue, Stage stage, Emit emit) {
     const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+    constexpr bool PIPE = APL_GEMV_PIPE > 2 && PIPE_CLS && B <= 4 && V2 && !RING && NT8 == 1;
+    constexpr bool EARLY = PIPE && APL_GEMV_PIPE_EARLY;
+    u32 pipe_bufs[GV_PIPE][2][2][8];  // PIPE only (unused registers otherwise)
 #pragma unroll
-    for (int c = 0; c < 4 && !RING; ++c) {  // lane t: (row, plane) pairs t, t+4, ... of the first step
+    for (int c = 0; c < 4 && !RING && !EARLY; ++c) {  // lane t: (row, plane) pairs t, t+4, ... of the first step
         const int combo = t + 4 * c, p = combo >> 1;
 #pragma unroll
         for (int q = 0; q < 8; ++q)  // planes[] indexed by constants only
@@ -507,6 +543,7 @@ __device__ __forceinline__ void run_passes(const BlockRef& blk, u32 w0a, u32 w0b
     }
     // The ring's first steps are issued before the LUT and the activations are read.
     if constexpr (RING) ring_prologue<B, V2>(blk, w0a, w0b, kw, lane_slot0);
+    if constexpr (EARLY) pipe_preload<B, V2>(blk, w0a, w0b, kw, pipe_bufs);  // in registers, ahead of both
     prologue(la, lb);
     if constexpr (NT8 > 1) {
         for (int p0 = 0; p0 < count; p0 += stage_tokens) {
@@ -527,7 +564,10 @@ __device__ __forceinline__ void run_passes(const BlockRef& blk, u32 w0a, u32 w0b
             const int np = min(stage_tokens, count - p0);
             stage(p0, np, -1);
             float acc[4] = {0.f, 0.f, 0.f, 0.f};
-            if constexpr (RING) {
+            if constexpr (PIPE) {
+                if (!EARLY || p0 > 0) pipe_preload<B, V2>(blk, w0a, w0b, kw, pipe_bufs);
+                gemv_warp_pipe<B, BF16, V2>(blk, w0a, w0b, la, lb, kw, xs, tstride, min(g, np), pipe_bufs, acc);
+            } else if constexpr (RING) {
                 if (p0 > 0) ring_prologue<B, V2>(blk, w0a, w0b, kw, lane_slot0);
                 gemv_warp_ring<B, BF16, V2>(blk, w0a, w0b, la, lb, kw, xs, tstride, min(g, np), lane_slot0, acc);
             } else {
@@ -767,23 +807,23 @@ __global__ void __launch_bounds__(GV_THREADS, NT8 == 1 ? APL_GEMV_MIN_BLOCKS : A
     } else if (CLS == 0 || (CLS == 2 && cls == 0)) {
         if (blk.bits == 4) {
             RegLut<4> la, lb;
-            run_passes<4, BF16, V2, RING, NT8>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, lane_slot0,
+            run_passes<4, BF16, V2, RING, NT8, CLS == 0>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, lane_slot0,
                                           reg_lut, stage, emit);
         } else {
             RegLut<3> la, lb;
-            run_passes<3, BF16, V2, RING, NT8>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, lane_slot0,
+            run_passes<3, BF16, V2, RING, NT8, CLS == 0>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, lane_slot0,
                                           reg_lut, stage, emit);
         }
     } else {
         switch (blk.bits) {
             case 5: { SmemLut<5> la{la_s}, lb{lb_s};
-                      run_passes<5, BF16, V2, false, NT8>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, 0u, smem_lut, stage, emit); break; }
+                      run_passes<5, BF16, V2, false, NT8, false>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, 0u, smem_lut, stage, emit); break; }
             case 6: { SmemLut<6> la{la_s}, lb{lb_s};
-                      run_passes<6, BF16, V2, false, NT8>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, 0u, smem_lut, stage, emit); break; }
+                      run_passes<6, BF16, V2, false, NT8, false>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, 0u, smem_lut, stage, emit); break; }
             case 7: { SmemLut<7> la{la_s}, lb{lb_s};
-                      run_passes<7, BF16, V2, false, NT8>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, 0u, smem_lut, stage, emit); break; }
+                      run_passes<7, BF16, V2, false, NT8, false>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, 0u, smem_lut, stage, emit); break; }
             default: { SmemLut<8> la{la_s}, lb{lb_s};
-                       run_passes<8, BF16, V2, false, NT8>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, 0u, smem_lut, stage, emit); break; }
+                       run_passes<8, BF16, V2, false, NT8, false>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, 0u, smem_lut, stage, emit); break; }
         }
     }
 

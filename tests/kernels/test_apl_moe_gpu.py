@@ -145,6 +145,36 @@ def test_stable_launches_match_reference_at_any_widths(case, bits):
     check_case(case, bits=bits, stable=True)
 
 
+# APL_GEMV_PIPE: more steps of plane words in flight changes when words are loaded, not what
+# is summed in which order, so the output must equal the ping-pong's bit for bit. It applies
+# to the 3-4-bit kernel with 8-byte plane loads: (case, bits, one column split?); H=1216 /
+# I=832 are 38 / 26 words per row, 5 / 4 steps in one split (partial last steps, step
+# counts no multiple of 3 or 4).
+PIPE_CASES = [((8, 2, 1216, 832, 3, 6, torch.bfloat16), 4, True), ((8, 2, 1216, 832, 2, 8, torch.float16), 3, True),
+              ((8, 2, 1216, 832, 5, 7, torch.bfloat16), 3, True), (CASES[4], 3, False), (CASES[5], 4, False),
+              (UNIFORM_CASES[-1][0], 4, False), (CASES[9], 3, False)]
+
+
+@pytest.mark.parametrize("pipe,early,min_blocks", [(3, 0, 4), (3, 1, 4), (4, 1, 3)])
+@pytest.mark.parametrize("case,bits,one_split", PIPE_CASES, ids=lambda v: _case_id(v) if isinstance(v, tuple) else str(v))
+def test_decode_register_pipeline_equals_ping_pong(case, bits, one_split, pipe, early, min_blocks, monkeypatch):
+    import pagedweight_kernels.apl_moe as op
+
+    if one_split:
+        monkeypatch.setattr(op, "GEMV_TARGET_CTAS", 1)
+    E, k, H, I, T = case[:5]
+    plan = plan_launch(T, k, E, H, I, bits)
+    assert plan.gate_up.regime == "gemv" and (plan.gate_up.splits == 1 or not one_split)
+    layer = random_layer(E, H, I, seed=T, device=torch.device("cuda"),
+                         bits={(e, m): bits for e in range(E) for m in ("gate_up", "down")})
+    assert all(layer.aligned8.values()) and set(layer.classes["down"]) == {0}  # the pipelined kernel runs
+    ping_pong = check_case(case, bits=bits)
+    monkeypatch.setitem(op.KERNEL_DEFINES, "APL_GEMV_PIPE", pipe)
+    monkeypatch.setitem(op.KERNEL_DEFINES, "APL_GEMV_PIPE_EARLY", early)
+    monkeypatch.setitem(op.KERNEL_DEFINES, "APL_GEMV_MIN_BLOCKS", min_blocks)
+    assert torch.equal(check_case(case, bits=bits), ping_pong)
+
+
 # GELU-tanh experts (Gemma-4): both regimes, both dtypes, merged and uniform-width decode.
 GELU_CASES = [CASES[0], CASES[3], CASES[5], CASES[7], CASES[8]]
 
@@ -198,6 +228,7 @@ def check_case(case, legacy_decode=False, bits=None, activation="silu", stable=F
     err = relative_error(outs[0], ref)
     assert err < TOLERANCE[dtype], f"kernel error {err:.2e} (reference in {dtype}: {relative_error(ref_act, ref):.2e})"
     assert torch.equal(outs[0], outs[1]), "two runs differ: the reduction is not deterministic"
+    return outs[0]
 
 
 def test_decode_with_no_valid_expert_writes_zeros():
