@@ -42,7 +42,7 @@ from bench.bench_meta import write_result
 from pagedweight.common.paths import corpus_dir, shared_dir
 from pagedweight.format.apl_format import MAX_BITS, MODULES
 from pagedweight.frontend.tokenizer import Tokenizer
-from pagedweight.offline.apl_quantizer import QuantizerConfig, quantize_rows
+from pagedweight.offline.apl_quantizer import KMEANS_ONLY, quantize_rows
 from pagedweight.offline.calib_text import bundled_calib_files
 from pagedweight.offline.calibrate import CalibConfig, CalibrationStats, RecordingExperts, read_chunks
 from pagedweight.offline.checkpoint_layers import CheckpointLayers
@@ -152,7 +152,7 @@ def main(argv=None) -> int:
             for e in range(dense.num_experts):
                 w = getattr(dense, module)[e].detach().float()
                 hc, hv = h_calib[layer][module][e], h_valid[layer][module][e]
-                q = quantize_rows(w, hc.diagonal(), QuantizerConfig())
+                q = quantize_rows(w, hc.diagonal(), KMEANS_ONLY)
                 for b in args.bits:
                     K = 1 << b
                     lut = q.luts[b].float()

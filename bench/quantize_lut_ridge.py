@@ -16,6 +16,7 @@ artifacts are made.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 
@@ -26,7 +27,7 @@ from bench.quantize_gptq_probe import DOMAINS, forward
 from pagedweight.common.paths import corpus_dir, shared_dir
 from pagedweight.format.apl_format import MAX_BITS, MODULES
 from pagedweight.frontend.tokenizer import Tokenizer
-from pagedweight.offline.apl_quantizer import QuantizerConfig, quantize_rows
+from pagedweight.offline.apl_quantizer import KMEANS_ONLY, quantize_rows
 from pagedweight.offline.calib_text import bundled_calib_files
 from pagedweight.offline.calibrate import CalibConfig, read_chunks
 from pagedweight.offline.checkpoint_layers import CheckpointLayers
@@ -54,7 +55,7 @@ def main(argv=None) -> int:
     _, h_valid = forward(layers, torch.tensor(read_chunks(tok, valid, calib)[0]), 8, record=True)
     print(f"Hessians in {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
     widths = tuple(range(3, args.top_bits + 1))
-    seeds = {"kmeans": QuantizerConfig(), "feedback": QuantizerConfig(error_feedback=True, feedback_damp=1.0)}
+    seeds = {"kmeans": KMEANS_ONLY, "feedback": dataclasses.replace(KMEANS_ONLY, error_feedback=True, feedback_damp=1.0)}
     # seed -> bits -> ridge ("means" for the bucket means) -> {"calib", "valid"} summed error
     totals = {s: {b: {r: {"calib": 0.0, "valid": 0.0} for r in ["means", *args.ridge]} for b in widths} for s in seeds}
     for layer in range(layers.config.num_layers):

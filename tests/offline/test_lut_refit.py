@@ -13,7 +13,7 @@ import torch
 
 from pagedweight.format.apl_format import BIT_WIDTHS, MAX_BITS
 from pagedweight.offline import lut_refit
-from pagedweight.offline.apl_quantizer import QuantizerConfig, dequantize_rows, quantize_rows
+from pagedweight.offline.apl_quantizer import KMEANS_ONLY, dequantize_rows, quantize_rows
 from pagedweight.offline.error_feedback import block_error
 from pagedweight.offline.layer_quantize import quantize_experts, quantize_layer
 from pagedweight.offline.lut_refit import refit_luts
@@ -40,7 +40,7 @@ def reference_refit(w, codes, means, h, ridge):
 
 
 def plain_rows(w, h):
-    return quantize_rows(w, h.diagonal(), QuantizerConfig())
+    return quantize_rows(w, h.diagonal(), KMEANS_ONLY)
 
 
 @pytest.mark.parametrize("ridge", [0.0, 0.3])
@@ -58,7 +58,7 @@ def test_refit_equals_per_row_least_squares(ridge):
 
 def test_diagonal_hessian_or_a_large_ridge_gives_the_bucket_means():
     w, h = correlated_block(E=1, R=12, C=32)
-    q = quantize_rows(w[0], h[0].diagonal(), dataclasses.replace(QuantizerConfig(), importance_floor=0.0))
+    q = quantize_rows(w[0], h[0].diagonal(), dataclasses.replace(KMEANS_ONLY, importance_floor=0.0))
     means = {b: q.luts[b].float() for b in BIT_WIDTHS}
     diagonal = torch.diag_embed(h.diagonal(dim1=1, dim2=2))
     for ridge in (0.0, 1.0):
@@ -73,7 +73,7 @@ def test_diagonal_hessian_or_a_large_ridge_gives_the_bucket_means():
 def test_refit_lowers_the_block_error_and_keeps_the_planes():
     w, h = correlated_block()
     diag = h.diagonal(dim1=1, dim2=2)
-    config = QuantizerConfig(seed_iters=6, split_iters=2)
+    config = dataclasses.replace(KMEANS_ONLY, seed_iters=6, split_iters=2)
     plain = quantize_layer(w, diag, config, "cpu")
     refit = quantize_layer(w, diag, dataclasses.replace(config, lut_refit_bits=WIDTHS, lut_ridge=0.0), "cpu",
                            h_full=h)
@@ -93,7 +93,7 @@ def test_refit_lowers_the_block_error_and_keeps_the_planes():
 @pytest.mark.parametrize("tile_elements", [48 * 32, 2 * 48 * 32, 16 * 32])  # experts, uneven, row ranges
 def test_tiles_and_row_chunks_change_nothing(tile_elements, monkeypatch):
     w, h = correlated_block()
-    config = QuantizerConfig(seed_iters=6, split_iters=2, error_feedback=True, lut_refit_bits=WIDTHS)
+    config = dataclasses.replace(KMEANS_ONLY, seed_iters=6, split_iters=2, error_feedback=True, lut_refit_bits=WIDTHS)
     diag = h.diagonal(dim1=1, dim2=2)
     whole = quantize_layer(w, diag, config, "cpu", h_full=h)
     monkeypatch.setattr(lut_refit, "_CHUNK_ELEMENTS", 5 * 32 * 32)  # 5 rows per solve at 5 bits
@@ -109,8 +109,11 @@ def test_streaming_equals_the_whole_model_quantiser_with_the_refit(tmp_path, cal
     from tests.conftest import BUNDLED_MODEL
     from tests.offline.test_quantize_stream import assert_same_artifact, config
 
-    base = config()
-    refit = dataclasses.replace(base, quantizer=dataclasses.replace(base.quantizer, lut_refit_bits=WIDTHS))
+    base = config()  # the default quantiser: error feedback and the refit
+    assert base.quantizer.error_feedback and base.quantizer.lut_refit_bits
+    plain = dataclasses.replace(base.quantizer, error_feedback=False, lut_refit_bits=())
+    refit = dataclasses.replace(base, quantizer=dataclasses.replace(plain, lut_refit_bits=WIDTHS))
+    base = dataclasses.replace(base, quantizer=plain)
     whole = quantize_model_in_memory(BUNDLED_MODEL, tmp_path / "whole", calib_files, refit)
     streamed = quantize_model(BUNDLED_MODEL, tmp_path / "streamed", calib_files, refit)
     assert_same_artifact(whole, streamed)
