@@ -23,14 +23,9 @@ import time
 import torch
 
 from bench.bench_meta import write_result
-from bench.quantize_gptq_probe import DOMAINS, forward
-from pagedweight.common.paths import corpus_dir, shared_dir
+from bench.quantize_gptq_probe import forward, probe_inputs
 from pagedweight.format.apl_format import MAX_BITS, MODULES
-from pagedweight.frontend.tokenizer import Tokenizer
 from pagedweight.offline.apl_quantizer import KMEANS_ONLY, quantize_rows
-from pagedweight.offline.calib_text import bundled_calib_files
-from pagedweight.offline.calibrate import CalibConfig, read_chunks
-from pagedweight.offline.checkpoint_layers import CheckpointLayers
 from pagedweight.offline.error_feedback import block_error, feedback_factors
 from pagedweight.offline.lut_refit import bucket_systems, solve_ridge
 
@@ -46,13 +41,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
-    model_dir = shared_dir() / "models" / args.model
-    layers = CheckpointLayers(model_dir, "cpu", "float32")
-    calib = CalibConfig(max_tokens_per_file=args.tokens)
-    tok = Tokenizer(model_dir)
-    _, h_calib = forward(layers, torch.tensor(read_chunks(tok, bundled_calib_files(), calib)[0]), 8, record=True)
-    valid = [corpus_dir() / f"{d}.valid.txt" for d in DOMAINS]
-    _, h_valid = forward(layers, torch.tensor(read_chunks(tok, valid, calib)[0]), 8, record=True)
+    layers, h_calib, valid = probe_inputs(args.model, args.tokens)
+    _, h_valid = forward(layers, valid, 8, record=True)
     print(f"Hessians in {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
     widths = tuple(range(3, args.top_bits + 1))
     seeds = {"kmeans": KMEANS_ONLY, "feedback": dataclasses.replace(KMEANS_ONLY, error_feedback=True, feedback_damp=1.0)}

@@ -1,8 +1,8 @@
 """GPTQ error feedback in the nested quantiser (offline/error_feedback.py): its codes
 against a plain textbook GPTQ (the inverse Hessian updated column by column, no Cholesky),
 a lower block error under the full Hessian than nearest-centroid codes at the seed width
-and above, nested planes, tiling that changes nothing, the streaming and whole-model
-quantisers writing the same artifact with it, and the CLI option recorded in the artifact."""
+and above, nested planes, tiling that changes nothing, the k-means-only ablation still
+streaming to the whole-model quantiser's artifact, and the CLI option recorded in the artifact."""
 
 from __future__ import annotations
 
@@ -126,22 +126,23 @@ def test_feedback_without_full_hessians_is_one_clear_error():
         feedback_factors(singular, 0.0)
 
 
-def test_streaming_equals_the_whole_model_quantiser_with_feedback(tmp_path, calib_files):
+def test_the_kmeans_only_ablation_streams_equal_to_the_whole_model_quantiser(tmp_path, calib_files):
+    """The default (feedback and the LUT refit) is held to the whole-model quantiser on every
+    model by test_quantize_stream; the ablation path must stay equal too, and differ."""
     from pagedweight.offline.quantize import quantize_model
     from pagedweight.offline.quantize_in_memory import quantize_model_in_memory
     from tests.conftest import BUNDLED_MODEL
     from tests.offline.test_quantize_stream import assert_same_artifact, config
 
-    base = config()
-    plain_quantizer = dataclasses.replace(base.quantizer, error_feedback=False, lut_refit_bits=())
-    base = dataclasses.replace(base, quantizer=plain_quantizer)
-    fb = dataclasses.replace(base, quantizer=dataclasses.replace(plain_quantizer, error_feedback=True))
-    whole = quantize_model_in_memory(BUNDLED_MODEL, tmp_path / "whole", calib_files, fb)
-    streamed = quantize_model(BUNDLED_MODEL, tmp_path / "streamed", calib_files, fb)
+    default = config()
+    assert default.quantizer.error_feedback and default.quantizer.lut_refit_bits
+    plain = dataclasses.replace(default, quantizer=dataclasses.replace(default.quantizer, error_feedback=False,
+                                                                       lut_refit_bits=()))
+    whole = quantize_model_in_memory(BUNDLED_MODEL, tmp_path / "whole", calib_files, plain)
+    streamed = quantize_model(BUNDLED_MODEL, tmp_path / "streamed", calib_files, plain)
     assert_same_artifact(whole, streamed)
-    plain = quantize_model(BUNDLED_MODEL, tmp_path / "plain", calib_files, base)
-    with pytest.raises(AssertionError):  # the option changes the planes
-        assert_same_artifact(plain, streamed)
+    with pytest.raises(AssertionError):  # the default's feedback and refit change planes and LUTs
+        assert_same_artifact(quantize_model(BUNDLED_MODEL, tmp_path / "default", calib_files, default), streamed)
 
 
 def test_cli_error_feedback_is_recorded_in_the_artifact(tmp_path, calib_files):

@@ -1,8 +1,8 @@
 """The LUT refit (offline/lut_refit.py): each row's LUT against a plain per-row least-squares
 reference built from explicit one-hot matrices, the bucket means back for a diagonal
 Hessian and for a large ridge, a lower block error under H at ridge 0, codes (planes)
-untouched, tiling and row chunks that change nothing, and the streaming and whole-model
-quantisers writing the same artifact with it."""
+untouched, tiling and row chunks that change nothing, and the CLI flags (the streaming and
+whole-model quantisers writing the same artifact with it: test_quantize_stream, the default)."""
 
 from __future__ import annotations
 
@@ -101,25 +101,6 @@ def test_tiles_and_row_chunks_change_nothing(tile_elements, monkeypatch):
     assert torch.equal(tiled.planes.planes, whole.planes.planes)
     for b in BIT_WIDTHS:
         torch.testing.assert_close(tiled.planes.luts[b], whole.planes.luts[b], rtol=0, atol=0)
-
-
-def test_streaming_equals_the_whole_model_quantiser_with_the_refit(tmp_path, calib_files):
-    from pagedweight.offline.quantize import quantize_model
-    from pagedweight.offline.quantize_in_memory import quantize_model_in_memory
-    from tests.conftest import BUNDLED_MODEL
-    from tests.offline.test_quantize_stream import assert_same_artifact, config
-
-    base = config()  # the default quantiser: error feedback and the refit
-    assert base.quantizer.error_feedback and base.quantizer.lut_refit_bits
-    plain = dataclasses.replace(base.quantizer, error_feedback=False, lut_refit_bits=())
-    refit = dataclasses.replace(base, quantizer=dataclasses.replace(plain, lut_refit_bits=WIDTHS))
-    base = dataclasses.replace(base, quantizer=plain)
-    whole = quantize_model_in_memory(BUNDLED_MODEL, tmp_path / "whole", calib_files, refit)
-    streamed = quantize_model(BUNDLED_MODEL, tmp_path / "streamed", calib_files, refit)
-    assert_same_artifact(whole, streamed)
-    plain = quantize_model(BUNDLED_MODEL, tmp_path / "plain", calib_files, base)
-    with pytest.raises(AssertionError):  # the option changes the LUTs
-        assert_same_artifact(plain, streamed)
 
 
 def test_cli_refit_is_recorded_and_a_bad_ridge_refused(tmp_path, calib_files, capsys):
