@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -42,7 +41,7 @@ from bench.bench_meta import write_result
 from pagedweight.common.paths import corpus_dir, shared_dir
 from pagedweight.format.apl_format import MAX_BITS, MODULES
 from pagedweight.frontend.tokenizer import Tokenizer
-from pagedweight.offline.apl_quantizer import QuantizerConfig, quantize_rows
+from pagedweight.offline.apl_quantizer import KMEANS_ONLY, quantize_rows
 from pagedweight.offline.calib_text import bundled_calib_files
 from pagedweight.offline.calibrate import CalibConfig, CalibrationStats, RecordingExperts, read_chunks
 from pagedweight.offline.checkpoint_layers import CheckpointLayers
@@ -121,6 +120,18 @@ def refit_lut(w: torch.Tensor, h: torch.Tensor, codes: torch.Tensor, K: int, fal
     return torch.where(used, lut, fallback)
 
 
+def probe_inputs(model: str, tokens: int) -> tuple[CheckpointLayers, list[dict], torch.Tensor]:
+    """A shared model's layers (fp32, CPU), its expert Hessians on `tokens` per bundled
+    calibration file, and the chunks of `tokens` per domain's `valid` file (held out)."""
+    model_dir = shared_dir() / "models" / model
+    layers = CheckpointLayers(model_dir, "cpu", "float32")
+    calib = CalibConfig(max_tokens_per_file=tokens)
+    tok = Tokenizer(model_dir)
+    _, h_calib = forward(layers, torch.tensor(read_chunks(tok, bundled_calib_files(), calib)[0]), 8, record=True)
+    valid_files = [corpus_dir() / f"{d}.valid.txt" for d in DOMAINS]
+    return layers, h_calib, torch.tensor(read_chunks(tok, valid_files, calib)[0])
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="tiny-mixtral")
@@ -133,13 +144,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
-    model_dir = shared_dir() / "models" / args.model
-    layers = CheckpointLayers(model_dir, "cpu", "float32")
-    calib = CalibConfig(max_tokens_per_file=args.tokens)
-    tok = Tokenizer(model_dir)
-    valid_files = [corpus_dir() / f"{d}.valid.txt" for d in DOMAINS]
-    _, h_calib = forward(layers, torch.tensor(read_chunks(tok, bundled_calib_files(), calib)[0]), 8, record=True)
-    valid = torch.tensor(read_chunks(tok, valid_files, calib)[0])
+    layers, h_calib, valid = probe_inputs(args.model, args.tokens)
     x_ref, h_valid = forward(layers, valid, 8, record=True)
     kl_methods = ("kmeans", "kmeans+lut", f"gptq@{args.kl_damp}", f"gptq+lut@{args.kl_damp}")
     kl_weights = {(b, m): {} for b in args.bits for m in kl_methods}  # every expert at b bits
@@ -152,7 +157,7 @@ def main(argv=None) -> int:
             for e in range(dense.num_experts):
                 w = getattr(dense, module)[e].detach().float()
                 hc, hv = h_calib[layer][module][e], h_valid[layer][module][e]
-                q = quantize_rows(w, hc.diagonal(), QuantizerConfig())
+                q = quantize_rows(w, hc.diagonal(), KMEANS_ONLY)
                 for b in args.bits:
                     K = 1 << b
                     lut = q.luts[b].float()

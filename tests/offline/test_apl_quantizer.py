@@ -1,10 +1,12 @@
 """The APL quantiser: nested codes, LUT consistency, and error against a uniform grid."""
 
+import dataclasses
+
 import pytest
 import torch
 
 from pagedweight.offline.apl_quantizer import (
-    QuantizerConfig, dequantize_rows, quantize_rows, uniform_grid_rows,
+    KMEANS_ONLY, dequantize_rows, quantize_rows, uniform_grid_rows,
 )
 from pagedweight.format.apl_format import BIT_WIDTHS, APLBlock, pack_planes
 
@@ -23,7 +25,7 @@ def weighted_error(w, w_hat, importance):
 
 def test_b_bit_clusters_are_the_top_b_bits_and_luts_are_their_weighted_means():
     w, imp = heavy_tailed_rows()
-    q = quantize_rows(w, imp, QuantizerConfig(importance_floor=0.0))  # the floor would change the weights
+    q = quantize_rows(w, imp, dataclasses.replace(KMEANS_ONLY, importance_floor=0.0))  # the floor would change the weights
     imp_full = imp.expand_as(w)
     for b in BIT_WIDTHS:
         codes = q.codes.long() >> (8 - b)
@@ -58,7 +60,7 @@ def test_weighting_protects_important_columns():
     w, _ = heavy_tailed_rows()
     imp = torch.full((w.shape[1],), 1e-3)
     imp[100:110] = 1.0
-    weighted = quantize_rows(w, imp, QuantizerConfig(importance_floor=0.0))
+    weighted = quantize_rows(w, imp, dataclasses.replace(KMEANS_ONLY, importance_floor=0.0))
     flat = quantize_rows(w, torch.ones_like(imp))
     cols = slice(100, 110)
     err_weighted = ((w - dequantize_rows(weighted, 3))[:, cols] ** 2).sum()

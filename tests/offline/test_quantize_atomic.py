@@ -112,9 +112,11 @@ def test_a_second_writer_of_the_same_out_fails_at_once(tmp_path, capsys, calib_f
 
 @pytest.mark.parametrize("which", ["w", "h", "g"])
 def test_quantiser_inputs_must_be_finite(which):
-    from pagedweight.offline.apl_quantizer import QuantizerConfig
+    import dataclasses
+
+    from pagedweight.offline.apl_quantizer import KMEANS_ONLY
 
     w, h, g = torch.randn(2, 8, 32), torch.rand(2, 32), torch.rand(2, 8)
     {"w": w, "h": h, "g": g}[which].view(-1)[5] = float("nan")
     with pytest.raises(UserError, match="NaN or infinite"):
-        quantize_layer(w, h, QuantizerConfig(seed_iters=2, split_iters=1), "cpu", g)
+        quantize_layer(w, h, dataclasses.replace(KMEANS_ONLY, seed_iters=2, split_iters=1), "cpu", g)

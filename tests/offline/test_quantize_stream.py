@@ -218,10 +218,12 @@ def test_tiled_quantisation_equals_one_pass(tile_elements):
     gen = torch.Generator().manual_seed(0)
     E, R, C = 5, 64, 32
     w = torch.randn(E, R, C, generator=gen)
-    h = torch.rand(E, C, generator=gen) + 0.1
+    x = torch.randn(E, 256, C, generator=gen) * (torch.rand(E, 1, C, generator=gen) + 0.3)
+    h_full = x.transpose(1, 2) @ x / 256  # the default quantiser's feedback and refit need them
+    h = h_full.diagonal(dim1=1, dim2=2).contiguous()
     g = torch.rand(E, R, generator=gen)
-    whole = quantize_layer(w, h, qc().quantizer, "cpu", g)
-    tiled = quantize_experts(w, h, qc().quantizer, "cpu", tile_elements)
+    whole = quantize_layer(w, h, qc().quantizer, "cpu", g, h_full)
+    tiled = quantize_experts(w, h, qc().quantizer, "cpu", tile_elements, h_full)
     gn = gn_col_errors(w, tiled.planes, g, "cpu", tile_elements)
     assert torch.equal(tiled.planes.planes, whole.planes.planes)
     for b in BIT_WIDTHS:

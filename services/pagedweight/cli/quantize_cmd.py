@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
 from pagedweight.common.errors import UserError
 from pagedweight.cli.config_defaults import default_of
+from pagedweight.format.apl_format import BIT_WIDTHS
 from pagedweight.offline.apl_quantizer import QuantizerConfig
 from pagedweight.offline.calib_text import BUNDLED_NAME, USER_NAME, bundled_calib_files
 from pagedweight.offline.calibrate import CalibConfig
@@ -37,11 +39,21 @@ def register(subparsers) -> None:
     parser.add_argument("--dtype", default=default_of(QuantizeConfig, "dtype"),
                         choices=["auto", "float32", "bfloat16", "float16"],
                         help="compute dtype of the streamed layers (auto: the checkpoint's on cuda, float32 on cpu)")
-    parser.add_argument("--error-feedback", action="store_true",
+    parser.add_argument("--error-feedback", action=argparse.BooleanOptionalAction,
+                        default=default_of(QuantizerConfig, "error_feedback"),
                         help="choose the 3-bit seed codes with GPTQ error feedback through each expert's full "
-                             "input Hessian (recorded by the calibration; the 4-8-bit splits stay nested)")
+                             "input Hessian (recorded by the calibration; the 4-8-bit splits stay nested; on by "
+                             "default, --no-error-feedback --lut-refit-bits: the plain k-means quantiser)")
     parser.add_argument("--feedback-damp", type=float, default=default_of(QuantizerConfig, "feedback_damp"),
-                        help="error feedback's dampening: this fraction of the Hessian's mean diagonal is added")
+                        help="error feedback's dampening: this fraction of the Hessian's mean diagonal is added "
+                             "(default: %(default)s)")
+    parser.add_argument("--lut-refit-bits", type=int, nargs="*", metavar="BITS",
+                        default=list(default_of(QuantizerConfig, "lut_refit_bits")),
+                        help="widths whose per-row LUTs are refitted by least squares under each expert's full "
+                             "input Hessian, codes unchanged (default: %(default)s; none given: no refit)")
+    parser.add_argument("--lut-ridge", type=float, default=default_of(QuantizerConfig, "lut_ridge"),
+                        help="the LUT refit's ridge toward the bucket means, in units of each bucket's "
+                             "Hessian-diagonal mass (larger: closer to the plain means; default: %(default)s)")
     parser.add_argument("--work-dir", default=None,
                         help="per-layer results, so an interrupted run resumes where it stopped "
                              "(default: .NAME.quantize-work beside --out; removed when the artifact is written)")
@@ -85,7 +97,12 @@ def run_quantize(args) -> int:
     calib = CalibConfig(seq_len=args.seq_len, max_tokens_per_file=args.calib_tokens)
     if not args.feedback_damp > 0:
         raise UserError(f"--feedback-damp must be > 0, got {args.feedback_damp}")
-    quantizer = QuantizerConfig(error_feedback=args.error_feedback, feedback_damp=args.feedback_damp)
+    if not set(args.lut_refit_bits) <= set(BIT_WIDTHS):
+        raise UserError(f"--lut-refit-bits must be among {list(BIT_WIDTHS)}, got {args.lut_refit_bits}")
+    if not args.lut_ridge >= 0:
+        raise UserError(f"--lut-ridge must be >= 0, got {args.lut_ridge}")
+    quantizer = QuantizerConfig(error_feedback=args.error_feedback, feedback_damp=args.feedback_damp,
+                                lut_refit_bits=tuple(sorted(set(args.lut_refit_bits))), lut_ridge=args.lut_ridge)
     log = (lambda msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
     config = QuantizeConfig(calib=calib, quantizer=quantizer, device=str(device), keep_bf16=args.keep_bf16,
                             scale_tokens=args.scale_tokens, dtype=args.dtype,

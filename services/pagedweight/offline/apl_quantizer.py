@@ -15,6 +15,9 @@ With `error_feedback`, step 1's codes are chosen column by column against the se
 with GPTQ's error feedback through the full input Hessian (error_feedback.py) instead of
 nearest-centroid; the LUT_3 stays the seed's and step 2 splits those clusters, so the
 codes stay nested.
+With `lut_refit_bits`, those widths' LUTs are then refitted per row by least squares under
+the full input Hessian, with a ridge toward the bucket means (lut_refit.py); the codes,
+hence the planes and the nesting, are unchanged.
 
 Everything is vectorised over all rows of all blocks passed in: 1-D assignment to
 sorted centroids is a `searchsorted` against the midpoints, and cluster sums are
@@ -27,8 +30,10 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedweight.common.errors import UserError
 from pagedweight.format.apl_format import BIT_WIDTHS, LUT_DTYPE, MAX_BITS, MIN_BITS
 from pagedweight.offline.error_feedback import feedback_codes
+from pagedweight.offline.lut_refit import refit_luts
 
 
 @dataclass(frozen=True)
@@ -39,12 +44,32 @@ class QuantizerConfig:
     # column no calibration token excites still gets a say in where centroids go.
     importance_floor: float = 1e-3
     # GPTQ error feedback at the 3-bit seed width (needs the full input Hessians, which
-    # the calibration then records); dampening: this fraction of the mean diagonal. 1.0,
+    # the calibration then records); dampening: this fraction of the mean diagonal. 3.0,
     # not the 0.1 that was best for one width alone (bench/quantize_gptq_probe.py): under
-    # nesting a gentler feedback keeps the seed clusters tighter, so the 4-5-bit splits
-    # lose less (docs/quantize.md, measured on the planner's mix)
-    error_feedback: bool = False
-    feedback_damp: float = 1.0
+    # nesting a gentler feedback keeps the seed clusters tighter, so the 4-6-bit splits
+    # lose less. Widths whose LUTs are refitted under the full input Hessian
+    # (lut_refit.py; () = off), and the ridge toward the bucket means (in units of each
+    # bucket's diagonal mass; 0.1-0.3 was best held out, 0 overfits at 5-6 bits). The
+    # defaults: the one combination measured to lower the planner's mean KL against plain
+    # k-means at every budget (25-50 %) on micro-mixtral, tiny-mixtral and tiny-qwen-moe
+    # (docs/quantize.md, "Error feedback and LUT refit"); KMEANS_ONLY is the old quantiser.
+    error_feedback: bool = True
+    feedback_damp: float = 3.0
+    lut_refit_bits: tuple[int, ...] = (3, 4, 5, 6)
+    lut_ridge: float = 0.3
+
+    def __post_init__(self):
+        object.__setattr__(self, "lut_refit_bits", tuple(self.lut_refit_bits))  # a list from JSON
+
+    @property
+    def needs_full_hessians(self) -> bool:
+        """Whether the calibration must record every expert's full input Hessian."""
+        return self.error_feedback or bool(self.lut_refit_bits)
+
+
+# The quantiser before issue 14's error feedback and LUT refit (the ablation): the weighted
+# k-means seed, nearest-centroid codes and bucket-mean LUTs; needs no full Hessians.
+KMEANS_ONLY = QuantizerConfig(error_feedback=False, lut_refit_bits=())
 
 
 @dataclass
@@ -54,12 +79,14 @@ class QuantizedRows:
 
 
 def quantize_rows(w: torch.Tensor, importance: torch.Tensor,
-                  config: QuantizerConfig = QuantizerConfig(),
-                  feedback: torch.Tensor | None = None) -> QuantizedRows:
+                  config: QuantizerConfig = KMEANS_ONLY,
+                  feedback: torch.Tensor | None = None, hessians: torch.Tensor | None = None) -> QuantizedRows:
     """w [R, C] (any float dtype), importance [R, C] or [C] (>= 0) -> nested codes and LUTs.
 
     feedback: U [G, C, C] (error_feedback.feedback_factors) for G equal groups of
     consecutive rows (the experts of a stack): the seed codes take GPTQ's error feedback.
+    hessians: the full input Hessians [G, C, C] of the same groups, which
+    `config.lut_refit_bits` refits those widths' LUTs under.
     """
     w = w.float()
     imp = importance.float().expand_as(w)
@@ -74,6 +101,10 @@ def quantize_rows(w: torch.Tensor, importance: torch.Tensor,
     for bits in range(MIN_BITS, MAX_BITS):
         codes, centroids = _split_clusters(w, imp, codes, centroids, config.split_iters)
         luts[bits + 1] = centroids
+    if config.lut_refit_bits:
+        if hessians is None:
+            raise UserError("the LUT refit needs the full input Hessians (pass them, or quantise with KMEANS_ONLY)")
+        luts = refit_luts(w, codes, luts, hessians, config.lut_ridge, config.lut_refit_bits)
     return QuantizedRows(codes.to(torch.uint8), {b: luts[b].to(LUT_DTYPE) for b in BIT_WIDTHS})
 
 

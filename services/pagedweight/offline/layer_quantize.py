@@ -47,13 +47,19 @@ def quantize_layer(w: torch.Tensor, h: torch.Tensor, config: QuantizerConfig, de
 
     g [E, R] (output Fisher per row) weights rows in `col_errors_gn`; it cannot change a
     row's own k-means (a constant factor per row), only how rows add up.
-    h_full [E, C, C]: the full smoothed input Hessians, which `config.error_feedback` needs.
+    h_full [E, C, C]: the full smoothed input Hessians, which `config.error_feedback` and
+    `config.lut_refit_bits` need.
     """
     E, R, C = w.shape
     _check_finite({"weights": w, "input Hessian": h, "output Fisher": g, "full input Hessian": h_full})
     rows = w.to(device, torch.float32).reshape(E * R, C)
     importance = h.to(device, torch.float32)[:, None, :].expand(E, R, C).reshape(E * R, C)
-    q = quantize_rows(rows, importance, config, feedback_for(config, h_full, device))
+    if config.needs_full_hessians and h_full is None:
+        raise UserError("error feedback and the LUT refit need the full input Hessians; "
+                        "this quantiser path does not record them")
+    h_full = h_full.to(device, torch.float32) if config.needs_full_hessians else None
+    q = quantize_rows(rows, importance, config, feedback_for(config, h_full),
+                      h_full if config.lut_refit_bits else None)
     planes = pack_planes(q.codes).view(8, E, R, C // 8).permute(1, 0, 2, 3).contiguous()
     # bits -> [E, C]: per expert, sum over its rows of the squared error per column
     sq = {b: ((rows - dequantize_rows(q, b)) ** 2).view(E, R, C) for b in BIT_WIDTHS}
@@ -66,13 +72,9 @@ def quantize_layer(w: torch.Tensor, h: torch.Tensor, config: QuantizerConfig, de
     return LayerResult(LayerPlanes(planes.cpu(), luts), errors, errors_gn)
 
 
-def feedback_for(config: QuantizerConfig, h_full: torch.Tensor | None, device: str) -> torch.Tensor | None:
+def feedback_for(config: QuantizerConfig, h_full: torch.Tensor | None) -> torch.Tensor | None:
     """The error-feedback factors `quantize_rows` takes, or None when the option is off."""
-    if not config.error_feedback:
-        return None
-    if h_full is None:
-        raise UserError("error feedback needs the full input Hessians; this quantiser path does not record them")
-    return feedback_factors(h_full.to(device), config.feedback_damp)
+    return feedback_factors(h_full, config.feedback_damp) if config.error_feedback else None
 
 
 def tiles(num_experts: int, rows: int, cols: int, tile_elements: int):

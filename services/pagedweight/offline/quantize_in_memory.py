@@ -53,12 +53,12 @@ def quantize_model_in_memory(model_dir: str | Path, out_dir: str | Path, calib_f
     chunks, domains = read_chunks(Tokenizer(model_dir), calib_files, config.calib)
     log(f"calibrating on {len(chunks)} chunks of {config.calib.seq_len} tokens")
     stats = calibrate(model, chunks, domains, config.calib, files=[str(f) for f in calib_files],
-                      full_hessians=config.quantizer.error_feedback)
+                      full_hessians=config.quantizer.needs_full_hessians)
     calib_seconds = time.perf_counter() - started
     h = dict(zip(MODULES, block_hessians(stats, config.calib)))  # module -> [L, E, C]
     fisher = output_fisher(stats, config.calib)
     g = dict(zip(MODULES, fisher)) if fisher else None  # module -> [L, E, rows]
-    h_full = full_hessians(stats, h, config.calib) if config.quantizer.error_feedback else None
+    h_full = full_hessians(stats, h, config.calib) if config.quantizer.needs_full_hessians else None
 
     apl, col_errors, col_errors_gn = {}, {}, {}
     for layer, block in enumerate(model.moe_blocks):

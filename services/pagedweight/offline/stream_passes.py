@@ -87,8 +87,8 @@ def forward_step(run: StreamRun, layer: int) -> None:
         sum_sq_down=torch.zeros(N, 1, E, c.expert_intermediate_size, device=dev),
         token_counts=torch.zeros(N, 1, E, device=dev), routing_mass=torch.zeros(N, 1, E, device=dev),
         num_tokens_per_chunk=T)
-    feedback = run.config.quantizer.error_feedback
-    if feedback:  # error feedback: every expert's full input Hessian sums
+    full = run.config.quantizer.needs_full_hessians
+    if full:  # error feedback / LUT refit: every expert's full input Hessian sums
         H, I = c.hidden_size, c.expert_intermediate_size
         stats.gram_gate_up = torch.zeros(1, E, H, H, device=dev)
         stats.gram_down = torch.zeros(1, E, I, I, device=dev)
@@ -113,7 +113,7 @@ def forward_step(run: StreamRun, layer: int) -> None:
                               PER_COLUMN_PRIOR[m])[0] for m in MODULES}
     grams = {"gate_up": stats.gram_gate_up, "down": stats.gram_down}
     h_full = {m: smoothed_full_hessians(grams[m][0].cpu(), counts.sum(0)[0], h[m], run.config.calib.prior_tokens)
-              for m in MODULES} if feedback else {}
+              for m in MODULES} if full else {}
     del grams
     stats.gram_gate_up = stats.gram_down = None
     run.seconds["forward"] += time.perf_counter() - started
