@@ -89,6 +89,21 @@ def test_generate_bad_flags(run, flags, fragment):
     assert_error(run("generate", "--model", str(BUNDLED_MODEL), *[x for kv in args.items() for x in kv]), fragment)
 
 
+@pytest.mark.parametrize("flags, fragment", [
+    (["--lut-ridge", "inf"], "--lut-ridge"),  # passed a >= 0 check, then NaN LUTs after the whole run
+    (["--lut-ridge", "nan"], "--lut-ridge"),
+    (["--lut-ridge", "-1"], "--lut-ridge"),
+    (["--feedback-damp", "inf"], "--feedback-damp"),
+    (["--feedback-damp", "0"], "--feedback-damp"),
+    (["--lut-refit-bits", "9"], "--lut-refit-bits"),
+])
+def test_quantize_bad_quantiser_flags_fail_before_any_work(run, tmp_path, flags, fragment):
+    out = tmp_path / "paged"
+    assert_error(run("quantize", "--model", str(BUNDLED_MODEL), "--out", str(out), "--calib-tokens", "256", *flags),
+                 fragment)
+    assert not out.exists() and list(tmp_path.iterdir()) == []  # nothing written, no work dir left
+
+
 def test_tiny_temperature_and_top_p_are_greedy_not_nan(run):
     base = ("generate", "--model", str(BUNDLED_MODEL), "--prompt", "And God said", "--max-tokens", "6")
     greedy = run(*base)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -95,12 +96,12 @@ def run_quantize(args) -> int:
     for f in files:
         read_text(str(f))  # exists and is UTF-8, before hours of work
     calib = CalibConfig(seq_len=args.seq_len, max_tokens_per_file=args.calib_tokens)
-    if not args.feedback_damp > 0:
-        raise UserError(f"--feedback-damp must be > 0, got {args.feedback_damp}")
+    if not (math.isfinite(args.feedback_damp) and args.feedback_damp > 0):
+        raise UserError(f"--feedback-damp must be a finite number > 0, got {args.feedback_damp}")
     if not set(args.lut_refit_bits) <= set(BIT_WIDTHS):
         raise UserError(f"--lut-refit-bits must be among {list(BIT_WIDTHS)}, got {args.lut_refit_bits}")
-    if not args.lut_ridge >= 0:
-        raise UserError(f"--lut-ridge must be >= 0, got {args.lut_ridge}")
+    if not (math.isfinite(args.lut_ridge) and args.lut_ridge >= 0):  # inf: NaN LUTs after the whole run
+        raise UserError(f"--lut-ridge must be a finite number >= 0, got {args.lut_ridge}")
     quantizer = QuantizerConfig(error_feedback=args.error_feedback, feedback_damp=args.feedback_damp,
                                 lut_refit_bits=tuple(sorted(set(args.lut_refit_bits))), lut_ridge=args.lut_ridge)
     log = (lambda msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
