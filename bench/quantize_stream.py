@@ -200,6 +200,7 @@ def main(argv=None) -> int:
         "phase_seconds": seconds, "per_layer_seconds": per_layer, "fixed_seconds": fixed,
         "full_depth_seconds_extrapolated": fixed + per_layer * full_layers,
         "peak_device_bytes": quantizer["peak_device_bytes"], "peak_host_bytes": quantizer["peak_host_bytes"],
+        "peak_host_anonymous_bytes": quantizer.get("peak_host_anonymous_bytes"),
         "peak_device_gib": (quantizer["peak_device_bytes"] or 0) / 2**30,
         "compute_dtype": stream["compute_dtype"],
         "checkpoint_params": params,

@@ -95,6 +95,8 @@ def test_streaming_equals_the_whole_model_quantiser(source, tmp_path, calib_file
     assert_same_scales(whole, streamed)
     record = json.loads((streamed / "paged_model.json").read_text())["quantizer"]
     assert record["streaming"]["compute_dtype"] == "float32" and record["peak_host_bytes"] > 0
+    # the anonymous figure leaves the checkpoint's mapped pages out: never above the resident peak
+    assert 0 < record["peak_host_anonymous_bytes"] <= record["peak_host_bytes"]
     assert record["streaming"]["seconds"]["loss_scales"] > 0
 
 
@@ -230,3 +232,29 @@ def test_tiled_quantisation_equals_one_pass(tile_elements):
         assert torch.equal(tiled.planes.luts[b], whole.planes.luts[b])
         torch.testing.assert_close(tiled.col_errors[b], whole.col_errors[b], rtol=1e-5, atol=0)
         torch.testing.assert_close(gn[b], whole.col_errors_gn[b], rtol=1e-5, atol=0)
+
+
+def test_anonymous_host_memory_counts_what_the_process_holds_not_what_it_maps(tmp_path):
+    """RssAnon grows with a tensor the process fills and not with a file it maps and reads
+    (the checkpoint's case), where the resident set grows with both."""
+    import mmap
+
+    from pagedweight.offline.host_memory import AnonymousPeak, anonymous_bytes
+
+    if anonymous_bytes() is None:
+        pytest.skip("no RssAnon in /proc/self/status (not Linux)")
+    path = tmp_path / "mapped.bin"
+    path.write_bytes(b"\x01" * (64 << 20))
+    peak = AnonymousPeak()
+    peak.sample()
+    before = anonymous_bytes()
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+        assert sum(mapped[i] for i in range(0, len(mapped), 4096)) == len(mapped) // 4096  # every page read
+        mapped_delta = anonymous_bytes() - before
+    held = torch.ones(64 << 18)  # 64 MiB of float32 the process writes
+    peak.sample()
+    held_delta = anonymous_bytes() - before
+    del held
+    assert mapped_delta < 16 << 20 and held_delta > 48 << 20, (mapped_delta, held_delta)
+    assert peak.peak >= before + (48 << 20)
+

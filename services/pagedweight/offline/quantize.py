@@ -47,6 +47,7 @@ from pagedweight.offline.apl_quantizer import QuantizerConfig
 from pagedweight.offline.artifact_scales import record_planner_scales, scale_windows
 from pagedweight.offline.calibrate import CalibConfig, CalibrationStats, read_chunks
 from pagedweight.offline.checkpoint_layers import CheckpointLayers
+from pagedweight.offline.host_memory import AnonymousPeak
 from pagedweight.offline.paged_layers import PagedLayers
 from pagedweight.offline.layer_quantize import DEFAULT_TILE_ELEMENTS, LayerResult, quantize_layer  # noqa: F401 - re-exported
 from pagedweight.offline.progress import ProgressBar
@@ -93,11 +94,16 @@ def run_fingerprint(model_dir: Path, calib_files: list[Path], config: QuantizeCo
     }
 
 
-def peak_memory(device: torch.device) -> dict:
-    """Peak bytes so far: the device allocator's (CUDA) and this process's resident set."""
+def peak_memory(device: torch.device, anonymous: AnonymousPeak | None = None) -> dict:
+    """Peak bytes so far: the device allocator's (CUDA), this process's resident set (which
+    counts the checkpoint's memory-mapped pages too) and, sampled after every step, its
+    anonymous memory alone (host_memory.py; None where the OS does not report it)."""
     host = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
     dev = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    return {"peak_device_bytes": dev, "peak_host_bytes": host}
+    if anonymous is not None:
+        anonymous.sample()
+    return {"peak_device_bytes": dev, "peak_host_bytes": host,
+            "peak_host_anonymous_bytes": anonymous.peak if anonymous is not None else None}
 
 
 def quantize_model(model_dir: str | Path, out_dir: str | Path, calib_files: list[Path],
@@ -129,14 +135,15 @@ def quantize_model(model_dir: str | Path, out_dir: str | Path, calib_files: list
             L = layers.config.num_layers
             scale_count = L + 2 if config.scale_tokens > 0 else 0  # scale_steps' length
             bar = ProgressBar(len(steps) + scale_count, L * layers.config.num_experts * len(MODULES), progress)
-            run_steps(run, steps, bar)
-            stream_peak = peak_memory(layers.device)
+            anonymous = AnonymousPeak()
+            run_steps(run, steps, bar, anonymous)
+            stream_peak = peak_memory(layers.device, anonymous)
             out = write_artifact(run, out_dir, model_dir, calib_files, started, stream_peak)
             scale_seconds = None
             if config.scale_tokens > 0:
                 log(f"measuring the planner's loss scales ({2 * L} groups), one layer at a time")
                 scales_started = time.perf_counter()
-                measure_scales(out, work, calib_files, config, bar)
+                measure_scales(out, work, calib_files, config, bar, anonymous)
                 scale_seconds = time.perf_counter() - scales_started
                 log(f"loss scales in {scale_seconds:.1f} s")
     except BaseException:
@@ -144,10 +151,11 @@ def quantize_model(model_dir: str | Path, out_dir: str | Path, calib_files: list
             shutil.rmtree(work_path, ignore_errors=True)
         raise
     work.remove()  # the artifact is whole: nothing left to resume
-    peak = record_peaks(out, layers.device, scale_seconds)
+    peak = record_peaks(out, layers.device, scale_seconds, anonymous)
     gib = lambda b: f"{b / 2**30:.2f} GiB" if b is not None else "n/a"  # noqa: E731
     log(f"wrote {out} in {time.perf_counter() - started:.1f} s; peak device memory "
-        f"{gib(peak['peak_device_bytes'])}, peak host memory {gib(peak['peak_host_bytes'])}")
+        f"{gib(peak['peak_device_bytes'])}, peak host memory {gib(peak['peak_host_anonymous_bytes'])} "
+        f"anonymous ({gib(peak['peak_host_bytes'])} resident, mapped checkpoint pages included)")
     return out
 
 
@@ -164,22 +172,25 @@ def stream_steps(run: StreamRun) -> list[tuple]:
     return steps
 
 
-def run_steps(run, steps: list[tuple], bar: ProgressBar) -> None:
-    """Every step not yet done, in order, advancing the progress bar."""
+def run_steps(run, steps: list[tuple], bar: ProgressBar, anonymous: AnonymousPeak | None = None) -> None:
+    """Every step not yet done, in order, advancing the progress bar (and sampling the host's
+    anonymous memory after each, where it is highest: before the step's temporaries go)."""
     for name, label, step, args, blocks in steps:
         if run.work.done(name):
             bar.skip(blocks)
             continue
         step(run, *args)
+        if anonymous is not None:
+            anonymous.sample()
         bar.advance(label, blocks)
 
 
 def measure_scales(out: Path, work: WorkDir, calib_files: list[Path], config: QuantizeConfig,
-                   bar: ProgressBar) -> None:
+                   bar: ProgressBar, anonymous: AnonymousPeak | None = None) -> None:
     """Phase 4, streamed (stream_scales.py), recorded in the artifact."""
     run = ScaleRun(PagedLayers(out, config.device), work, scale_windows(out, calib_files, config.scale_tokens))
     forget_other_windows(run)
-    run_steps(run, [(*step, 0) for step in scale_steps(run.layers)], bar)
+    run_steps(run, [(*step, 0) for step in scale_steps(run.layers)], bar, anonymous)
     kls, num_tokens = group_kls(run)
     record_planner_scales(out, calib_files, config.scale_tokens, kls, num_tokens)
 
@@ -234,13 +245,15 @@ def write_artifact(run: StreamRun, out_dir, model_dir: Path, calib_files, starte
     return save_paged_model(out_dir, model_dir, cfg, dense, apl, bf16, meta, heads.to_tensors(), hessians)
 
 
-def record_peaks(out: Path, device: torch.device, scale_seconds: float | None) -> dict:
+def record_peaks(out: Path, device: torch.device, scale_seconds: float | None,
+                 anonymous: AnonymousPeak | None = None) -> dict:
     """The whole run's peaks (loss scales included) into paged_model.json's quantizer section."""
-    peak = peak_memory(device)
+    peak = peak_memory(device, anonymous)
     meta = read_meta(out)
     meta["quantizer"]["streaming"]["seconds"]["loss_scales"] = scale_seconds
     meta["quantizer"]["peak_device_bytes"] = peak["peak_device_bytes"]
     meta["quantizer"]["peak_host_bytes"] = peak["peak_host_bytes"]
+    meta["quantizer"]["peak_host_anonymous_bytes"] = peak["peak_host_anonymous_bytes"]
     tmp = out / (META_FILE + ".tmp")
     tmp.write_text(json.dumps(meta, indent=1))
     os.replace(tmp, out / META_FILE)
