@@ -42,13 +42,15 @@ def _check_finite(named: dict[str, torch.Tensor | None]) -> None:
 
 
 def quantize_layer(w: torch.Tensor, h: torch.Tensor, config: QuantizerConfig, device: str,
-                   g: torch.Tensor | None = None, h_full: torch.Tensor | None = None) -> LayerResult:
+                   g: torch.Tensor | None = None, h_full: torch.Tensor | None = None,
+                   feedback: torch.Tensor | None = None) -> LayerResult:
     """w [E, R, C] (one module of every expert of a layer), h [E, C] -> planes, LUTs, errors.
 
     g [E, R] (output Fisher per row) weights rows in `col_errors_gn`; it cannot change a
     row's own k-means (a constant factor per row), only how rows add up.
     h_full [E, C, C]: the full smoothed input Hessians, which `config.error_feedback` and
-    `config.lut_refit_bits` need.
+    `config.lut_refit_bits` need. feedback: their factors (feedback_for) when the caller
+    has them already (quantize_experts: one expert's row ranges share them); else made here.
     """
     E, R, C = w.shape
     _check_finite({"weights": w, "input Hessian": h, "output Fisher": g, "full input Hessian": h_full})
@@ -58,8 +60,9 @@ def quantize_layer(w: torch.Tensor, h: torch.Tensor, config: QuantizerConfig, de
         raise UserError("error feedback and the LUT refit need the full input Hessians; "
                         "this quantiser path does not record them")
     h_full = h_full.to(device, torch.float32) if config.needs_full_hessians else None
-    q = quantize_rows(rows, importance, config, feedback_for(config, h_full),
-                      h_full if config.lut_refit_bits else None)
+    if feedback is None:
+        feedback = feedback_for(config, h_full)
+    q = quantize_rows(rows, importance, config, feedback, h_full if config.lut_refit_bits else None)
     planes = pack_planes(q.codes).view(8, E, R, C // 8).permute(1, 0, 2, 3).contiguous()
     # bits -> [E, C]: per expert, sum over its rows of the squared error per column
     sq = {b: ((rows - dequantize_rows(q, b)) ** 2).view(E, R, C) for b in BIT_WIDTHS}
@@ -98,9 +101,14 @@ def quantize_experts(w: torch.Tensor, h: torch.Tensor, config: QuantizerConfig, 
     planes = torch.empty(E, 8, R, C // 8, dtype=torch.uint8)
     luts = {b: torch.empty(E, R, 1 << b, dtype=torch.float16) for b in BIT_WIDTHS}
     errors = {b: torch.zeros(E, C) for b in BIT_WIDTHS}
+    experts, h_dev, feedback = None, None, None  # the last tile's experts, their Hessians on the device, factors
     for es, rs in tiles(E, R, C, tile_elements):
-        part = quantize_layer(w[es, rs], h[es], config, device,
-                              h_full=h_full[es] if h_full is not None else None)
+        if h_full is not None and config.needs_full_hessians and (es.start, es.stop) != experts:
+            # row ranges of one expert share its Hessians and their factors (a float64
+            # Cholesky of [C, C] each): moved and factored once per expert, not per range
+            experts, h_dev = (es.start, es.stop), h_full[es].to(device, torch.float32)
+            feedback = feedback_for(config, h_dev)
+        part = quantize_layer(w[es, rs], h[es], config, device, h_full=h_dev, feedback=feedback)
         planes[es, :, rs] = part.planes.planes
         for b in BIT_WIDTHS:
             luts[b][es, rs] = part.planes.luts[b]
