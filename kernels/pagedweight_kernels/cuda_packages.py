@@ -63,3 +63,10 @@ def _cupy_stream(handle: int):
     with warnings.catch_warnings():  # cupy 14 deprecates ExternalStream for Stream.from_external
         warnings.simplefilter("ignore", DeprecationWarning)
         return cp.cuda.ExternalStream(handle)
+
+
+@lru_cache(maxsize=None)
+def sm_count(index: int | None) -> int:
+    """Streaming multiprocessors of CUDA device `index` (None: the current one): what grid
+    sizes that fill the GPU are computed from."""
+    return torch.cuda.get_device_properties(torch.cuda.current_device() if index is None else index).multi_processor_count

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from pagedweight_kernels.cuda_packages import cuda_with, launch_on_torch_stream, module_source
+from pagedweight_kernels.cuda_packages import cuda_with, launch_on_torch_stream, module_source, sm_count
 
 SOURCE = Path(__file__).with_name("decode_ops.cu")
 GEMV_SOURCE = Path(__file__).with_name("expert_gemv.cu")  # compiled after SOURCE: uses its helpers
@@ -335,12 +335,7 @@ def expert_down_combine(h: torch.Tensor, topk_ids: torch.Tensor, topk_weights: t
 
 def _persistent_grid(tiles: int, device: torch.device) -> int:
     """CTAs of a persistent launch over `tiles`: one wave at most (every CTA groups once)."""
-    return max(1, min(tiles, GEMV_CTAS_PER_SM * _sm_count(device.index)))
-
-
-@lru_cache(maxsize=None)
-def _sm_count(index: int | None) -> int:
-    return torch.cuda.get_device_properties(torch.cuda.current_device() if index is None else index).multi_processor_count
+    return max(1, min(tiles, GEMV_CTAS_PER_SM * sm_count(device.index)))
 
 
 def experts_gemv(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, gate_up: torch.Tensor,

@@ -23,11 +23,10 @@ Q = N // G query heads per kv head, D head dim, W block-table width, bs block si
 from __future__ import annotations
 
 import math
-from functools import lru_cache
 
 import torch
 
-from pagedweight_kernels.cuda_packages import cuda_with
+from pagedweight_kernels.cuda_packages import cuda_with, sm_count
 
 # fallbacks (kept small so a CPU step reads a bounded slice of the cache at a time)
 TORCH_CHUNK_BLOCKS = 32
@@ -249,7 +248,7 @@ def paged_decode_triton(q: torch.Tensor, flat: torch.Tensor, k_off: torch.Tensor
     if not triton_shape_supported(D, block_size):
         raise ValueError(f"the decode kernel needs a power-of-two head dim and block size, got {D}, {block_size}")
     if splits is None:
-        splits = num_splits(B, G, W, _sm_count(q.device.index))
+        splits = num_splits(B, G, W, sm_count(q.device.index))
     table = block_table if block_table is not None else k_off.new_zeros(k_off.shape)
     direct = splits == 1  # the kernel writes the output itself: 2 launches fewer per layer
     if direct:
@@ -268,9 +267,6 @@ def paged_decode_triton(q: torch.Tensor, flat: torch.Tensor, k_off: torch.Tensor
     return out if direct else combine_splits_triton(m, l_sum, acc, q.dtype)
 
 
-@lru_cache(maxsize=None)
-def _sm_count(index: int | None) -> int:
-    return torch.cuda.get_device_properties(index if index is not None else torch.cuda.current_device()).multi_processor_count
 
 
 def combine_splits(m: torch.Tensor, l_sum: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
