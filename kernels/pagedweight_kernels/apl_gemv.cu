@@ -60,6 +60,9 @@
 #define APL_GEMV_PIPE_EARLY 0  // with APL_GEMV_PIPE > 2, 1: the first pass's S - 1 steps are loaded before the
 #endif                         // LUT and the activations are read (spills 156 bytes at S = 3; measured slower)
 #define GV_PIPE (APL_GEMV_PIPE > 2 ? APL_GEMV_PIPE : 3)  // (3 where unused: the arrays stay well-formed)
+#ifndef APL_GEMV_COMPACT
+#define APL_GEMV_COMPACT 0  // decode ping-pong (gemv_warp): 1 = one copy of the step's code, its two words in a
+#endif                      // rolled loop (a quarter of the SASS: short CTAs fetch it cold from L2)
 #ifndef APL_TILES_MIN_BLOCKS
 #define APL_TILES_MIN_BLOCKS 2  // CTAs per SM the register budget must allow in the tiles regime (NT8 > 1)
 #endif
@@ -325,29 +328,53 @@ __device__ __forceinline__ void load_step(const BlockRef& blk, u32 w0a, u32 w0b,
     }
 }
 
+// One plane word of rows a and b (pa, pb: its B plane words) times the staged activations of
+// token row x_row: word w of the split.
+template <int B, bool BF16, class Lut>
+__device__ __forceinline__ void compute_word(const Lut& la, const Lut& lb, const u16* xs, int tstride, int x_row,
+                                             const u32 (&pa)[8], const u32 (&pb)[8], int w, float (&acc)[4]) {
+    uint4 xb[4];
+    // Lanes of tokens past this pass read the zero row staged after the last token.
+    const uint4* xw = reinterpret_cast<const uint4*>(xs + x_row * tstride + w * 32);
+#pragma unroll
+    for (int q = 0; q < 4; ++q) xb[q] = xw[q ^ ((w >> 1) & 3)];
+    const Codes<B> ca(pa), cb(pb);
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+        u32 wa[4], wb[4];  // selectors s and s+4 of rows a and b
+        la.select2(ca, s, wa);
+        lb.select2(cb, s, wb);
+        const uint4 v = xb[s >> 1], u = xb[2 + (s >> 1)];
+        mma16816<BF16>(acc, wa[0], wb[0], wa[1], wb[1], (s & 1) ? v.z : v.x, (s & 1) ? v.w : v.y);
+        mma16816<BF16>(acc, wa[2], wb[2], wa[3], wb[3], (s & 1) ? u.z : u.x, (s & 1) ? u.w : u.y);
+    }
+}
+
 // One step of plane words (buf) times the staged activations of token row x_row, into acc.
 template <int B, bool BF16, class Lut>
 __device__ __forceinline__ void compute_step(const Lut& la, const Lut& lb, const u16* xs, int tstride, int x_row,
                                              const u32 (&buf)[2][2][8], int step, float (&acc)[4]) {
     const int t = threadIdx.x & 3;
 #pragma unroll
+    for (int wi = 0; wi < 2; ++wi)
+        compute_word<B, BF16>(la, lb, xs, tstride, x_row, buf[0][wi], buf[1][wi], step * GV_STEP_WORDS + 2 * t + wi, acc);
+}
+
+// APL_GEMV_COMPACT: the same words in the same order, with the two words of a step in a rolled
+// loop (word 1 picked by SEL, not by unrolling), so the step's code exists once.
+template <int B, bool BF16, class Lut>
+__device__ __forceinline__ void compute_step_rolled(const Lut& la, const Lut& lb, const u16* xs, int tstride,
+                                                    int x_row, const u32 (&buf)[2][2][8], int step, float (&acc)[4]) {
+    const int t = threadIdx.x & 3;
+#pragma unroll 1
     for (int wi = 0; wi < 2; ++wi) {
-        const int w = step * GV_STEP_WORDS + 2 * t + wi;
-        uint4 xb[4];
-        // Lanes of tokens past this pass read the zero row staged after the last token.
-        const uint4* xw = reinterpret_cast<const uint4*>(xs + x_row * tstride + w * 32);
+        u32 pa[8], pb[8];
 #pragma unroll
-        for (int q = 0; q < 4; ++q) xb[q] = xw[q ^ ((w >> 1) & 3)];
-        const Codes<B> ca(buf[0][wi]), cb(buf[1][wi]);
-#pragma unroll
-        for (int s = 0; s < 4; ++s) {
-            u32 wa[4], wb[4];  // selectors s and s+4 of rows a and b
-            la.select2(ca, s, wa);
-            lb.select2(cb, s, wb);
-            const uint4 v = xb[s >> 1], u = xb[2 + (s >> 1)];
-            mma16816<BF16>(acc, wa[0], wb[0], wa[1], wb[1], (s & 1) ? v.z : v.x, (s & 1) ? v.w : v.y);
-            mma16816<BF16>(acc, wa[2], wb[2], wa[3], wb[3], (s & 1) ? u.z : u.x, (s & 1) ? u.w : u.y);
+        for (int p = 0; p < 8; ++p) {
+            pa[p] = wi ? buf[0][1][p] : buf[0][0][p];
+            pb[p] = wi ? buf[1][1][p] : buf[1][0][p];
         }
+        compute_word<B, BF16>(la, lb, xs, tstride, x_row, pa, pb, step * GV_STEP_WORDS + 2 * t + wi, acc);
     }
 }
 
@@ -382,6 +409,24 @@ __device__ __forceinline__ void gemv_warp(const BlockRef& blk, u32 w0a, u32 w0b,
     };
     u32 b1[2][2][8];  // ping-pong: one step in flight while the other is used
     prefetch(1);
+    if constexpr (APL_GEMV_COMPACT) {
+        // One copy of the step's code: step + 1 loads into b1 during step's compute, then moves
+        // to b0 (register moves where the ping-pong would have unrolled a second copy).
+#pragma unroll 1
+        for (int step = 0; step < steps; ++step) {
+            if (step + 1 < steps) load_step<B, V2>(blk, w0a, w0b, kw, step + 1, b1);
+            prefetch(step + 2);
+            compute_step_rolled<B, BF16>(la, lb, xs, tstride, x_row, b0, step, acc);
+#pragma unroll
+            for (int r = 0; r < 2; ++r)
+#pragma unroll
+                for (int wi = 0; wi < 2; ++wi)
+#pragma unroll
+                    for (int p = 0; p < 8; ++p)
+                        if (p < B) b0[r][wi][p] = b1[r][wi][p];
+        }
+        return;
+    }
     for (int step = 0; step < steps; step += 2) {
         if (step + 1 < steps) load_step<B, V2>(blk, w0a, w0b, kw, step + 1, b1);
         prefetch(step + 2);

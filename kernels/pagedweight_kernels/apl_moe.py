@@ -61,8 +61,8 @@ GEMV_MAX_ASSIGN = 4096  # tokens * top_k a CTA's shared slot list holds
 GEMV_MERGE_CLASSES = True  # a layer with 3-4- and 5-8-bit blocks: one launch per projection (measured faster)
 # Decode of a layer whose blocks are all 3-4 bits: gate_up and down in one launch
 # (apl_gemv_fused: a work ticket per CTA, down CTAs wait on per-row-tile flags for their h
-# words). APL_GEMV_FUSED=0 in the environment selects the two launches (the baseline).
-GEMV_FUSED = os.environ.get("APL_GEMV_FUSED", "1") != "0"
+# words). APL_GEMV_FUSED=1 in the environment turns it on.
+GEMV_FUSED = os.environ.get("APL_GEMV_FUSED", "0") == "1"  # measured slower (docs/kernel.md): off by default
 # The tiles regime (apl_gemv.cu with NT8 > 1): the decode kernel's register-LUT dequantisation,
 # each weight's fragments reused for up to 8 * NT8 tokens per pass.
 TILES_MAX_TOKENS_PER_EXPERT = 128.0  # above: the prefill kernel (apl_moe.cu)
@@ -79,6 +79,7 @@ def bit_class(bits: int) -> int:
 KERNEL_DEFINES = {"APL_LDS_MODE": 1, "APL_RPG_DIV": 8, "APL_PREFETCH": 1, "APL_DECODE_MIN_BLOCKS": 2,
                   "APL_SHIFT_MODE": 0, "APL_PREFILL_MIN_BLOCKS": 1, "APL_GEMV_MIN_BLOCKS": 4,
                   "APL_GEMV_L2_PREFETCH": 0, "APL_GEMV_RING_STAGES": 0, "APL_GEMV_PIPE": 2, "APL_GEMV_PIPE_EARLY": 0,
+                  "APL_GEMV_COMPACT": 0,
                   "APL_TILES_MIN_BLOCKS": 2, "APL_TILES_GROUP": 4, "APL_TILES_ASYNC": 1}
 GEMV_RING_STAGE_BYTES = 2 * 4 * 32 * 8  # apl_gemv.cu: one warp step at 4 bits in the cp.async ring
 # The .cu's APL_ACT per expert activation (moe_reference.ACTIVATIONS): one compiled module each.

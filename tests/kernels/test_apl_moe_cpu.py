@@ -322,6 +322,7 @@ def test_fused_decode_launch_is_chosen_for_one_3_4_bit_class_only(monkeypatch):
     import pagedweight_kernels.apl_moe as op
 
     three_four, wide, both = [(0, 4)], [(1, 8)], [(2, 8)]
+    monkeypatch.setattr(op, "GEMV_FUSED", True)  # (off by default: measured slower, docs/kernel.md)
     assert op.fused_class({"gate_up": three_four, "down": three_four}, 1) == 0
     assert op.fused_class({"gate_up": three_four, "down": three_four}, 2) is None  # tiles regime
     assert op.fused_class({"gate_up": three_four, "down": wide}, 1) is None  # classes differ

@@ -200,17 +200,22 @@ def test_fused_decode_equals_two_launches(case, bits, monkeypatch):
     layer = random_layer(E, H, I, seed=T, device=torch.device("cuda"), bits=bits_map)
     plan = plan_launch(T, k, E, H, I, layer.max_bits)
     launches = {m: layer.decode_launches(m) for m in ("gate_up", "down")}
-    assert plan.gate_up.regime == "gemv" and op.fused_class(launches, plan.gate_up.tiles) == 0
+    assert plan.gate_up.regime == "gemv"
+    monkeypatch.setattr(op, "GEMV_FUSED", True)
+    assert op.fused_class(launches, plan.gate_up.tiles) == 0
     fused = check_case(case, bits=bits_map)
     monkeypatch.setattr(op, "GEMV_FUSED", False)
     assert op.fused_class(launches, plan.gate_up.tiles) is None
     assert torch.equal(check_case(case, bits=bits_map), fused)
 
 
-def test_fused_decode_replayed_in_a_cuda_graph_follows_new_inputs():
+def test_fused_decode_replayed_in_a_cuda_graph_follows_new_inputs(monkeypatch):
     """A captured fused launch replayed on new tokens and routing: each replay equals the eager
     call bit for bit, and the flags, ticket and counters it leaves are zero (the next replay
     starts from them)."""
+    import pagedweight_kernels.apl_moe as op
+
+    monkeypatch.setattr(op, "GEMV_FUSED", True)
     E, k, H, I, T = 16, 4, 256, 192, 3
     device = torch.device("cuda")
     layer = random_layer(E, H, I, seed=11, device=device, bits=_bits(E, 4))
@@ -238,6 +243,18 @@ def test_fused_decode_replayed_in_a_cuda_graph_follows_new_inputs():
         eager = apl_moe(x, ids, w, layer)
         assert torch.equal(out, eager)
         assert relative_error(out, reference_fp32(x, ids, w, layer)) < TOLERANCE[torch.bfloat16]
+
+
+# APL_GEMV_COMPACT: the decode step's code once (two words in a rolled loop, no unrolled
+# ping-pong): the same loads and mma in the same order, so the output equals the ping-pong's
+# bit for bit. 4-byte loads (H=160), column splits, and the merged kernel at Qwen size.
+@pytest.mark.parametrize("case", [CASES[0], CASES[4], CASES[9]], ids=_case_id)
+def test_compact_decode_loop_equals_ping_pong(case, monkeypatch):
+    import pagedweight_kernels.apl_moe as op
+
+    ping_pong = check_case(case)
+    monkeypatch.setitem(op.KERNEL_DEFINES, "APL_GEMV_COMPACT", 1)
+    assert torch.equal(check_case(case), ping_pong)
 
 
 # GELU-tanh experts (Gemma-4): both regimes, both dtypes, merged and uniform-width decode.
