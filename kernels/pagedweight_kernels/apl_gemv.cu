@@ -61,8 +61,9 @@
 #endif                         // LUT and the activations are read (spills 156 bytes at S = 3; measured slower)
 #define GV_PIPE (APL_GEMV_PIPE > 2 ? APL_GEMV_PIPE : 3)  // (3 where unused: the arrays stay well-formed)
 #ifndef APL_GEMV_COMPACT
-#define APL_GEMV_COMPACT 0  // decode ping-pong (gemv_warp): 1 = one copy of the step's code, its two words in a
-#endif                      // rolled loop (a quarter of the SASS: short CTAs fetch it cold from L2)
+#define APL_GEMV_COMPACT 4  // decode ping-pong (gemv_warp), a bit per kernel class CLS (1 << CLS): one copy of
+#endif                      // the step's code, its two words in a rolled loop (less SASS to fetch cold; the
+                            // merged kernel 214 -> 126 KB). Measured: faster for CLS 2, slower for CLS 0
 #ifndef APL_TILES_MIN_BLOCKS
 #define APL_TILES_MIN_BLOCKS 2  // CTAs per SM the register budget must allow in the tiles regime (NT8 > 1)
 #endif
@@ -383,7 +384,7 @@ __device__ __forceinline__ void compute_step_rolled(const Lut& la, const Lut& lb
 // xs: staged activations [token][word][4 chunks of 16 B]; chunk q of word w is stored at
 // q ^ ((w >> 1) & 3), so the 4 threads of a quad read different banks. Plane words are
 // loaded one step ahead in registers (2 rows x 2 words x B planes); b0 arrives holding step 0.
-template <int B, bool BF16, bool V2, class Lut>
+template <int B, bool BF16, bool V2, bool COMPACT, class Lut>
 __device__ __forceinline__ void gemv_warp(const BlockRef& blk, u32 w0a, u32 w0b, const Lut& la, const Lut& lb,
                                           int kw, const u16* xs, int tstride, int x_row, u32 (&b0)[2][2][8],
                                           float (&acc)[4]) {
@@ -409,7 +410,7 @@ __device__ __forceinline__ void gemv_warp(const BlockRef& blk, u32 w0a, u32 w0b,
     };
     u32 b1[2][2][8];  // ping-pong: one step in flight while the other is used
     prefetch(1);
-    if constexpr (APL_GEMV_COMPACT) {
+    if constexpr (COMPACT) {
         // One copy of the step's code: step + 1 loads into b1 during step's compute, then moves
         // to b0 (register moves where the ping-pong would have unrolled a second copy).
 #pragma unroll 1
@@ -615,7 +616,7 @@ __device__ __forceinline__ void tiles_warp(const BlockRef& blk, u32 w0a, u32 w0b
 // sectors are asked of L2 before the LUT (prologue) and the activations (stage) are read, so
 // those loads overlap; holding them in registers instead spilled (128-register budget).
 // NT8 > 1: the tiles regime (tiles_warp); stage then stages one step: stage(p0, np, step).
-template <int B, bool BF16, bool V2, bool RING, int NT8, bool PIPE_CLS, bool LATE_BUILD, class Lut, class Prologue, class Stage, class Emit>
+template <int B, bool BF16, bool V2, bool RING, int NT8, bool PIPE_CLS, bool LATE_BUILD, bool COMPACT, class Lut, class Prologue, class Stage, class Emit>
 __device__ __forceinline__ void run_passes(const BlockRef& blk, u32 w0a, u32 w0b, Lut& la, Lut& lb, int kw,
                                            const u16* xs, int tstride, int count, int stage_tokens,
                                            u32 lane_slot0, Prologue prologue, Stage stage, Emit emit) {
@@ -666,7 +667,7 @@ __device__ __forceinline__ void run_passes(const BlockRef& blk, u32 w0a, u32 w0b
             } else {
                 u32 b0[2][2][8];
                 load_step<B, V2>(blk, w0a, w0b, kw, 0, b0);
-                gemv_warp<B, BF16, V2>(blk, w0a, w0b, la, lb, kw, xs, tstride, min(g, np), b0, acc);
+                gemv_warp<B, BF16, V2, COMPACT>(blk, w0a, w0b, la, lb, kw, xs, tstride, min(g, np), b0, acc);
             }
             emit(p0, np, acc);
         }
@@ -928,6 +929,7 @@ __device__ __forceinline__ void gemv_cta(
     // the fused down CTAs build them at once instead, before they wait for h (holding the
     // raw entries across the wait spilled 56 bytes).
     constexpr bool LATE = !(FUSED && MODE == 1);
+    constexpr bool COMPACT = (APL_GEMV_COMPACT >> CLS) & 1;
     auto reg_lut = [&](auto& la, auto& lb) {
         la.fetch(blk.lut + (long long)rowa * (1 << blk.bits), va);
         lb.fetch(blk.lut + (long long)rowb * (1 << blk.bits), vb);
@@ -948,23 +950,23 @@ __device__ __forceinline__ void gemv_cta(
     } else if (CLS == 0 || (CLS == 2 && cls == 0)) {
         if (blk.bits == 4) {
             RegLut<4> la, lb;
-            run_passes<4, BF16, V2, RING, NT8, CLS == 0, LATE>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, lane_slot0,
+            run_passes<4, BF16, V2, RING, NT8, CLS == 0, LATE, COMPACT>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, lane_slot0,
                                           reg_lut, stage, emit);
         } else {
             RegLut<3> la, lb;
-            run_passes<3, BF16, V2, RING, NT8, CLS == 0, LATE>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, lane_slot0,
+            run_passes<3, BF16, V2, RING, NT8, CLS == 0, LATE, COMPACT>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, lane_slot0,
                                           reg_lut, stage, emit);
         }
     } else {
         switch (blk.bits) {
             case 5: { SmemLut<5> la{la_s}, lb{lb_s};
-                      run_passes<5, BF16, V2, false, NT8, false, LATE>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, 0u, smem_lut, stage, emit); break; }
+                      run_passes<5, BF16, V2, false, NT8, false, LATE, COMPACT>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, 0u, smem_lut, stage, emit); break; }
             case 6: { SmemLut<6> la{la_s}, lb{lb_s};
-                      run_passes<6, BF16, V2, false, NT8, false, LATE>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, 0u, smem_lut, stage, emit); break; }
+                      run_passes<6, BF16, V2, false, NT8, false, LATE, COMPACT>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, 0u, smem_lut, stage, emit); break; }
             case 7: { SmemLut<7> la{la_s}, lb{lb_s};
-                      run_passes<7, BF16, V2, false, NT8, false, LATE>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, 0u, smem_lut, stage, emit); break; }
+                      run_passes<7, BF16, V2, false, NT8, false, LATE, COMPACT>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, 0u, smem_lut, stage, emit); break; }
             default: { SmemLut<8> la{la_s}, lb{lb_s};
-                       run_passes<8, BF16, V2, false, NT8, false, LATE>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, 0u, smem_lut, stage, emit); break; }
+                       run_passes<8, BF16, V2, false, NT8, false, LATE, COMPACT>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, 0u, smem_lut, stage, emit); break; }
         }
     }
 

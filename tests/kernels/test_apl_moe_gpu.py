@@ -245,16 +245,19 @@ def test_fused_decode_replayed_in_a_cuda_graph_follows_new_inputs(monkeypatch):
         assert relative_error(out, reference_fp32(x, ids, w, layer)) < TOLERANCE[torch.bfloat16]
 
 
-# APL_GEMV_COMPACT: the decode step's code once (two words in a rolled loop, no unrolled
-# ping-pong): the same loads and mma in the same order, so the output equals the ping-pong's
-# bit for bit. 4-byte loads (H=160), column splits, and the merged kernel at Qwen size.
-@pytest.mark.parametrize("case", [CASES[0], CASES[4], CASES[9]], ids=_case_id)
-def test_compact_decode_loop_equals_ping_pong(case, monkeypatch):
+# APL_GEMV_COMPACT (a bit per kernel class): the decode step's code once (two words in a
+# rolled loop, no unrolled ping-pong): the same loads and mma in the same order, so the output
+# equals the ping-pong's bit for bit. Merged kernel (mixed bits) with 4-byte loads (H=160), with
+# column splits, at Qwen size; the 3-4-bit kernel (4 bits).
+@pytest.mark.parametrize("case,bits", [(CASES[0], None), (CASES[4], None), (CASES[9], None), UNIFORM_CASES[1]],
+                         ids=lambda v: str(v) if isinstance(v, (int, type(None))) else _case_id(v))
+def test_compact_decode_loop_equals_ping_pong(case, bits, monkeypatch):
     import pagedweight_kernels.apl_moe as op
 
-    ping_pong = check_case(case)
-    monkeypatch.setitem(op.KERNEL_DEFINES, "APL_GEMV_COMPACT", 1)
-    assert torch.equal(check_case(case), ping_pong)
+    monkeypatch.setitem(op.KERNEL_DEFINES, "APL_GEMV_COMPACT", 0)
+    ping_pong = check_case(case, bits=bits)
+    monkeypatch.setitem(op.KERNEL_DEFINES, "APL_GEMV_COMPACT", 7)
+    assert torch.equal(check_case(case, bits=bits), ping_pong)
 
 
 # GELU-tanh experts (Gemma-4): both regimes, both dtypes, merged and uniform-width decode.
