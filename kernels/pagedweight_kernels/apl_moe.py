@@ -522,7 +522,8 @@ def kernel_instances(dtype: torch.dtype, activation: str = "silu") -> list[tuple
     """(instance name, activation) of every kernel `apl_moe` can launch for activations of
     `dtype`, whatever the layer's bits, layout or token count: the decode kernel per bit class
     (3-4, 5-8, merged), projection, plane alignment and 8-token tiles per pass, the prefill kernel per token tile and
-    projection, routing and combine. The legacy decode kernel (a baseline) is left out."""
+    projection, routing and combine, and with GEMV_FUSED the one-launch decode. The legacy decode
+    kernel (a baseline) is left out."""
     if dtype not in ACT_DTYPES:
         raise APLKernelError(f"the fused kernel takes bfloat16 or float16 activations, got {dtype}")
     check_activation(activation)
@@ -534,7 +535,8 @@ def kernel_instances(dtype: torch.dtype, activation: str = "silu") -> list[tuple
         names += [(_gemv_name(cls, mode, flag, v2, nt8), act)
                   for cls in (0, 1, 2) for v2 in ("true", "false") for nt8 in tiles_choices()]
         names += [(_prefill_name(tile, mode, flag), act) for tile in tiles]
-    names += [(_fused_name(cls, flag, v2), activation) for cls in FUSED_CLASSES for v2 in ("true", "false")]
+    if GEMV_FUSED:  # (off by default: then no start-up time is spent compiling it)
+        names += [(_fused_name(cls, flag, v2), activation) for cls in FUSED_CLASSES for v2 in ("true", "false")]
     return names
 
 

@@ -243,9 +243,12 @@ def test_apl_experts_on_cpu_runs_the_reference_and_commits_new_bits():
     torch.testing.assert_close(after, apl_moe_reference(x, ids, w, experts.layer))
 
 
-def test_kernel_instances_cover_every_class_layout_and_tile_once():
+def test_kernel_instances_cover_every_class_layout_and_tile_once(monkeypatch):
+    import pagedweight_kernels.apl_moe as op
     from pagedweight_kernels.apl_moe import PREFILL_LARGEST_TILE, PREFILL_TILES, kernel_instances
 
+    assert not any(n.startswith("apl_gemv_fused<") for n, _ in kernel_instances(torch.bfloat16))  # off by default
+    monkeypatch.setattr(op, "GEMV_FUSED", True)
     names = kernel_instances(torch.bfloat16, "gelu_tanh")
     assert len(names) == len(set(names))
     gemv = {n for n, _ in names if n.startswith("apl_gemv<")}
