@@ -6,10 +6,14 @@ plan constants, and prints one line per (variant, shape). Used to pick the defau
 results are recorded in docs/kernel.md.
 
 Usage on the GPU machine: PYTHONPATH=.:services:kernels python3 -m bench.apl_gemv_variants [variants]
-    [--mixed | --tiles | --decode | --compile-only] [--json NAME]
+    [--mixed | --tiles | --decode | --fused | --compact | --merged | --compile-only] [--json NAME]
 --compile-only: compile the variants' decode instances for bf16 and fp16 (for the GPU tests) and exit.
 --decode: every decode shape (1-16 tokens, 3 / 4 / 8 / mixed bits) at both model sizes; the
-variants' instances are compiled first, in threads (NVRTC runs outside the GIL). --json NAME
+variants' instances are compiled first, in threads (NVRTC runs outside the GIL). --fused: the
+3-4-bit decode shapes of the one-launch decode (`base unfused` compares it with two launches).
+--compact: Qwen1.5-MoE 1-4 tokens and Mixtral 1-4 tokens, for the code-size and split variants.
+--merged: the merged kernel's shapes (mixed bits; 4 bits under the `stable` variants).
+--json NAME
 also writes bench/results/NAME.json (date, machine, commit).
 """
 
@@ -26,9 +30,21 @@ SHAPES = [("mixtral-8x7b", 1, "3"), ("mixtral-8x7b", 1, "4"), ("mixtral-8x7b", 1
           ("mixtral-8x7b", 4, "4"), ("qwen1.5-moe-a2.7b", 1, "4"), ("qwen1.5-moe-a2.7b", 1, "mixed"),
           ("qwen1.5-moe-a2.7b", 16, "4")]
 BASE = dict(op.KERNEL_DEFINES)
-HOST_KNOBS = {name: getattr(op, name) for name in ("GEMV_TARGET_CTAS", "GEMV_MERGE_CLASSES", "TILES_MAX_NT8")}
+HOST_KNOBS = {name: getattr(op, name) for name in ("GEMV_TARGET_CTAS", "GEMV_MERGE_CLASSES", "TILES_MAX_NT8", "GEMV_FUSED",
+                                                       "GEMV_MIN_SPLIT_WORDS")}
 VARIANTS = {  # name -> (define changes, host changes)
     "base": ({}, {}),
+    "unfused": ({}, {"GEMV_FUSED": False}),  # decode in two launches (gate_up, down), as before the fused kernel
+    "fused": ({}, {"GEMV_FUSED": True}),  # 3-4-bit decode in one launch (apl_gemv_fused)
+    # APL_GEMV_COMPACT, a bit per kernel class: one copy of the decode step's code (run at ea05a3c
+    # as 1 = every class: "compact", "fused_compact", "compact_split8"; now 7)
+    "compact": ({"APL_GEMV_COMPACT": 7}, {"GEMV_FUSED": False}),
+    "no_compact": ({"APL_GEMV_COMPACT": 0}, {"GEMV_FUSED": False}),
+    "fused_compact": ({"APL_GEMV_COMPACT": 7}, {"GEMV_FUSED": True}),
+    "compact_split8": ({"APL_GEMV_COMPACT": 7}, {"GEMV_FUSED": False, "GEMV_MIN_SPLIT_WORDS": 8}),  # 1-step splits allowed
+    "no_compact_stable": ({"APL_GEMV_COMPACT": 0}, {"stable": True}),  # stable launches: the merged kernel at any bits
+    "stable": ({}, {"stable": True}),
+    "unfused_t352": ({}, {"GEMV_FUSED": False, "GEMV_TARGET_CTAS": 352}),  # fewer, longer CTAs
     "no_l2_prefetch": ({"APL_GEMV_L2_PREFETCH": 0}, {}),
     "target_1056": ({}, {"GEMV_TARGET_CTAS": 1056}),
     "4byte_loads": ({}, {"aligned8": False}),
@@ -48,6 +64,15 @@ MIXED_SHAPES = [("qwen1.5-moe-a2.7b", 1, "mixed"), ("qwen1.5-moe-a2.7b", 4, "mix
                 ("mixtral-8x7b", 4, "mixed"), ("qwen1.5-moe-a2.7b", 1, "4")]
 DECODE_SHAPES = [(name, T, bits) for name in ("mixtral-8x7b", "qwen1.5-moe-a2.7b") for T, bits in
                  ((1, "3"), (1, "4"), (1, "8"), (1, "mixed"), (4, "3"), (4, "4"), (4, "mixed"), (16, "4"))]
+COMPACT_SHAPES = [("qwen1.5-moe-a2.7b", 1, "3"), ("qwen1.5-moe-a2.7b", 1, "4"), ("qwen1.5-moe-a2.7b", 4, "4"),
+                  ("qwen1.5-moe-a2.7b", 1, "mixed"), ("mixtral-8x7b", 1, "4"), ("mixtral-8x7b", 4, "4")]
+# --merged: the shapes that run the merged kernel (mixed bits; any bits with stable launches)
+MERGED_SHAPES = [(name, T, bits) for name in ("qwen1.5-moe-a2.7b", "mixtral-8x7b") for T, bits in
+                 ((1, "4"), (1, "mixed"), (4, "mixed"))]
+# --fused: the shapes the one-launch decode runs (3-4 bits, 1-16 tokens) and one it does not
+# (mixed bits: two launches in both variants, the noise check)
+FUSED_SHAPES = [(name, T, bits) for name in ("qwen1.5-moe-a2.7b", "mixtral-8x7b") for T, bits in
+                ((1, "3"), (1, "4"), (2, "4"), (4, "3"), (4, "4"), (16, "4"), (1, "mixed"))]
 TILES_SHAPES = [("qwen1.5-moe-a2.7b", 64, "4"), ("qwen1.5-moe-a2.7b", 256, "4"), ("mixtral-8x7b", 64, "4"),
                 ("mixtral-8x7b", 256, "4"), ("mixtral-8x7b", 256, "8")]
 
@@ -61,17 +86,19 @@ def set_variant(vname):
 
 
 def compile_decode_instances(variants, device, both_dtypes=False):
-    """The decode instances with 8-byte plane loads (every class, both projections; bf16, or
-    with both_dtypes fp16 too) of each variant, in threads. cupy keeps them in its disk
+    """The decode instances with 8-byte plane loads (every class, both projections, and the
+    fused launch; bf16, or with both_dtypes fp16 and 4-byte loads too) of each variant, in threads. cupy keeps them in its disk
     cache, so a later process (the GPU tests) finds them compiled."""
     import cupy as cp
 
-    layouts = [("true", "true"), ("false", "true")] if both_dtypes else [("true", "true")]
+    layouts = [(f, a) for f in ("true", "false") for a in ("true", "false")] if both_dtypes else [("true", "true")]
     keys = []
     for vname in variants:
         set_variant(vname)
         keys += [(op._gemv_name(cls, mode, flag, aligned, 1), op._defines("silu"))
                  for cls in (0, 1, 2) for mode in (0, 1) for flag, aligned in layouts]
+        keys += [(op._fused_name(cls, flag, aligned), op._defines("silu"))
+                 for cls in op.FUSED_CLASSES for flag, aligned in layouts]
 
     def compile_one(key):
         with cp.cuda.Device(device.index or 0):
@@ -88,7 +115,8 @@ def main():
         print(op.compile_stats())
         return
     shapes = MIXED_SHAPES if "--mixed" in sys.argv else TILES_SHAPES if "--tiles" in sys.argv \
-        else DECODE_SHAPES if "--decode" in sys.argv else SHAPES
+        else DECODE_SHAPES if "--decode" in sys.argv else FUSED_SHAPES if "--fused" in sys.argv \
+        else COMPACT_SHAPES if "--compact" in sys.argv else MERGED_SHAPES if "--merged" in sys.argv else SHAPES
     names = sorted({s[0] for s in shapes})
     layers = {name: [SyntheticLayer(*MODELS[name][:1], *MODELS[name][2:], seed, device) for seed in range(COPIES)]
               for name in names}
@@ -100,7 +128,7 @@ def main():
         x = [torch.randn(T, H, device=device).bfloat16() for _ in range(REPS)]
         cases[(name, T, bits)] = (x, route, apl)
     only = [a for a in sys.argv[1:] if a in VARIANTS] or list(VARIANTS)
-    if "--decode" in sys.argv:
+    if any(a in sys.argv for a in ("--decode", "--fused", "--compact", "--merged")):
         compile_decode_instances(only, device)
     rows = []
     for vname in only:
@@ -112,6 +140,7 @@ def main():
                 layer._summarise()
                 if "aligned8" in host:
                     layer.aligned8 = {m: host["aligned8"] for m in layer.aligned8}
+                layer.stable_launches = host.get("stable", False)
             calls = [lambda c=i % COPIES, i=i: op.apl_moe(x[i], *route[i], apl[c]) for i in range(REPS)]
             us = time_calls(calls)
             rows.append({"variant": vname, "model": shape[0], "tokens": shape[1], "bits": shape[2], "us": round(us, 1)})

@@ -60,6 +60,10 @@
 #define APL_GEMV_PIPE_EARLY 0  // with APL_GEMV_PIPE > 2, 1: the first pass's S - 1 steps are loaded before the
 #endif                         // LUT and the activations are read (spills 156 bytes at S = 3; measured slower)
 #define GV_PIPE (APL_GEMV_PIPE > 2 ? APL_GEMV_PIPE : 3)  // (3 where unused: the arrays stay well-formed)
+#ifndef APL_GEMV_COMPACT
+#define APL_GEMV_COMPACT 4  // decode ping-pong (gemv_warp), a bit per kernel class CLS (1 << CLS): one copy of
+#endif                      // the step's code, its two words in a rolled loop (less SASS to fetch cold; the
+                            // merged kernel 214 -> 126 KB). Measured: faster for CLS 2, slower for CLS 0
 #ifndef APL_TILES_MIN_BLOCKS
 #define APL_TILES_MIN_BLOCKS 2  // CTAs per SM the register budget must allow in the tiles regime (NT8 > 1)
 #endif
@@ -79,6 +83,13 @@ __device__ __forceinline__ u32 ldg_nc_u32(const u32* p) {
 __device__ __forceinline__ uint2 ldg_nc_u64(const u32* p) {
     uint2 v; asm volatile("ld.global.nc.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p)); return v;
 }
+__device__ __forceinline__ int ld_acquire_gpu(const int* p) {
+    int v; asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory"); return v;
+}
+__device__ __forceinline__ void st_release_gpu(int* p, int v) {
+    asm volatile("st.release.gpu.global.b32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ bool tid_is_zero() { return threadIdx.x == 0; }
 __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" :: "l"(p)); }
 __device__ __forceinline__ void cp_async8(u32 dst, const u32* src) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" :: "r"(dst), "l"(src) : "memory");
@@ -118,12 +129,25 @@ template <int B>
 struct RegLut {
     u32 lo[B == 4 ? 4 : 2], hi[B == 4 ? 4 : 2];
 
-    __device__ __forceinline__ void load(const u16* row_lut, bool valid, bool bf16) {
+    u32 raw[(1 << B) / 2];  // entries 2j, 2j+1 as loaded (fp16), between fetch and build
+
+    // The row's entries are loaded by fetch and turned into the byte tables by build, so the
+    // loads stay in flight while the CTA stages its activations (run_passes calls build
+    // after the first stage: one dependent global round trip less per CTA).
+    __device__ __forceinline__ void fetch(const u16* row_lut, bool valid) {
         constexpr int N = 1 << B;
-        u32 e[N / 2];  // entries 2j, 2j+1 as act values (LUTs need only 2-byte alignment)
+#pragma unroll
+        for (int j = 0; j < N / 2; ++j) {  // LUTs need only 2-byte alignment
+            const u32 a = valid ? __ldg(row_lut + 2 * j) : (u16)0, b = valid ? __ldg(row_lut + 2 * j + 1) : (u16)0;
+            raw[j] = a | (b << 16);
+        }
+    }
+    __device__ __forceinline__ void build(bool bf16) {
+        constexpr int N = 1 << B;
+        u32 e[N / 2];  // entries 2j, 2j+1 as act values
 #pragma unroll
         for (int j = 0; j < N / 2; ++j) {
-            u32 a = valid ? __ldg(row_lut + 2 * j) : (u16)0, b = valid ? __ldg(row_lut + 2 * j + 1) : (u16)0;
+            u32 a = raw[j] & 0xffffu, b = raw[j] >> 16;
             if (bf16) {
                 a = float_to_bf16(half_to_float((u16)a));
                 b = float_to_bf16(half_to_float((u16)b));
@@ -138,6 +162,10 @@ struct RegLut {
             lo[2 * j + 1] = prmt(e[4 * j + 2], e[4 * j + 3], 0x6420);
             hi[2 * j + 1] = prmt(e[4 * j + 2], e[4 * j + 3], 0x7531);
         }
+    }
+    __device__ __forceinline__ void load(const u16* row_lut, bool valid, bool bf16) {
+        fetch(row_lut, valid);
+        build(bf16);
     }
 
     // Four weights (the codes in nibbles 4h..4h+3 of the Codes<B> word o) as two act x2
@@ -194,16 +222,30 @@ struct SmemLut {
 // list them; every CTA derives the same answer from topk_ids, so no launch is needed.
 struct Route { int expert, count, num_active; };
 
-__device__ __forceinline__ Route route_cta(const long long* __restrict__ ids, int num_assign, int num_experts,
-                                           int a, int* slots, u32* present, int* scratch) {
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+// Phase 1, the experts with tokens as a bitmask in present[32]. The first round of ids is
+// loaded before the barrier that zeroes the mask, and in the fused kernel (ticket != null)
+// thread 0 takes the CTA's work ticket at the same time, so the two round trips overlap.
+__device__ __forceinline__ void route_mask(const long long* __restrict__ ids, int num_assign, int num_experts,
+                                           u32* present, int* ticket, int* ticket_s) {
+    const int tid = threadIdx.x;
+    const long long e0 = tid < num_assign ? ids[tid] : -1;
+    int tk = 0;
+    if (ticket != nullptr && tid == 0) tk = atomicAdd(ticket, 1);
     if (tid < 32) present[tid] = 0u;
     __syncthreads();
-    for (int i = tid; i < num_assign; i += GV_THREADS) {
+    if (e0 >= 0 && e0 < num_experts) atomicOr(&present[e0 >> 5], 1u << (e0 & 31));
+    for (int i = tid + GV_THREADS; i < num_assign; i += GV_THREADS) {
         const long long e = ids[i];
         if (e >= 0 && e < num_experts) atomicOr(&present[e >> 5], 1u << (e & 31));
     }
+    if (ticket != nullptr && tid == 0) *ticket_s = tk;
     __syncthreads();
+}
+
+// Phase 2 (after route_mask): the a-th expert with tokens and its slots.
+__device__ __forceinline__ Route route_pick(const long long* __restrict__ ids, int num_assign, int a, int* slots,
+                                            const u32* present, int* scratch) {
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     if (warp == 0) {
         const u32 v = present[lane];
         int incl = __popc(v);
@@ -244,6 +286,12 @@ __device__ __forceinline__ Route route_cta(const long long* __restrict__ ids, in
     return r;
 }
 
+__device__ __forceinline__ Route route_cta(const long long* __restrict__ ids, int num_assign, int num_experts,
+                                           int a, int* slots, u32* present, int* scratch) {
+    route_mask(ids, num_assign, num_experts, present, nullptr, nullptr);
+    return route_pick(ids, num_assign, a, slots, present, scratch);
+}
+
 // ---------------------------------------------------------------- the mainloop of one warp
 // acc = the C fragment: (row g, tokens 2t, 2t+1), (row g+8, tokens 2t, 2t+1).
 // xs: staged activations [token][word][4 chunks of 16 B]; chunk q of word w is stored at
@@ -281,29 +329,53 @@ __device__ __forceinline__ void load_step(const BlockRef& blk, u32 w0a, u32 w0b,
     }
 }
 
+// One plane word of rows a and b (pa, pb: its B plane words) times the staged activations of
+// token row x_row: word w of the split.
+template <int B, bool BF16, class Lut>
+__device__ __forceinline__ void compute_word(const Lut& la, const Lut& lb, const u16* xs, int tstride, int x_row,
+                                             const u32 (&pa)[8], const u32 (&pb)[8], int w, float (&acc)[4]) {
+    uint4 xb[4];
+    // Lanes of tokens past this pass read the zero row staged after the last token.
+    const uint4* xw = reinterpret_cast<const uint4*>(xs + x_row * tstride + w * 32);
+#pragma unroll
+    for (int q = 0; q < 4; ++q) xb[q] = xw[q ^ ((w >> 1) & 3)];
+    const Codes<B> ca(pa), cb(pb);
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+        u32 wa[4], wb[4];  // selectors s and s+4 of rows a and b
+        la.select2(ca, s, wa);
+        lb.select2(cb, s, wb);
+        const uint4 v = xb[s >> 1], u = xb[2 + (s >> 1)];
+        mma16816<BF16>(acc, wa[0], wb[0], wa[1], wb[1], (s & 1) ? v.z : v.x, (s & 1) ? v.w : v.y);
+        mma16816<BF16>(acc, wa[2], wb[2], wa[3], wb[3], (s & 1) ? u.z : u.x, (s & 1) ? u.w : u.y);
+    }
+}
+
 // One step of plane words (buf) times the staged activations of token row x_row, into acc.
 template <int B, bool BF16, class Lut>
 __device__ __forceinline__ void compute_step(const Lut& la, const Lut& lb, const u16* xs, int tstride, int x_row,
                                              const u32 (&buf)[2][2][8], int step, float (&acc)[4]) {
     const int t = threadIdx.x & 3;
 #pragma unroll
+    for (int wi = 0; wi < 2; ++wi)
+        compute_word<B, BF16>(la, lb, xs, tstride, x_row, buf[0][wi], buf[1][wi], step * GV_STEP_WORDS + 2 * t + wi, acc);
+}
+
+// APL_GEMV_COMPACT: the same words in the same order, with the two words of a step in a rolled
+// loop (word 1 picked by SEL, not by unrolling), so the step's code exists once.
+template <int B, bool BF16, class Lut>
+__device__ __forceinline__ void compute_step_rolled(const Lut& la, const Lut& lb, const u16* xs, int tstride,
+                                                    int x_row, const u32 (&buf)[2][2][8], int step, float (&acc)[4]) {
+    const int t = threadIdx.x & 3;
+#pragma unroll 1
     for (int wi = 0; wi < 2; ++wi) {
-        const int w = step * GV_STEP_WORDS + 2 * t + wi;
-        uint4 xb[4];
-        // Lanes of tokens past this pass read the zero row staged after the last token.
-        const uint4* xw = reinterpret_cast<const uint4*>(xs + x_row * tstride + w * 32);
+        u32 pa[8], pb[8];
 #pragma unroll
-        for (int q = 0; q < 4; ++q) xb[q] = xw[q ^ ((w >> 1) & 3)];
-        const Codes<B> ca(buf[0][wi]), cb(buf[1][wi]);
-#pragma unroll
-        for (int s = 0; s < 4; ++s) {
-            u32 wa[4], wb[4];  // selectors s and s+4 of rows a and b
-            la.select2(ca, s, wa);
-            lb.select2(cb, s, wb);
-            const uint4 v = xb[s >> 1], u = xb[2 + (s >> 1)];
-            mma16816<BF16>(acc, wa[0], wb[0], wa[1], wb[1], (s & 1) ? v.z : v.x, (s & 1) ? v.w : v.y);
-            mma16816<BF16>(acc, wa[2], wb[2], wa[3], wb[3], (s & 1) ? u.z : u.x, (s & 1) ? u.w : u.y);
+        for (int p = 0; p < 8; ++p) {
+            pa[p] = wi ? buf[0][1][p] : buf[0][0][p];
+            pb[p] = wi ? buf[1][1][p] : buf[1][0][p];
         }
+        compute_word<B, BF16>(la, lb, xs, tstride, x_row, pa, pb, step * GV_STEP_WORDS + 2 * t + wi, acc);
     }
 }
 
@@ -312,7 +384,7 @@ __device__ __forceinline__ void compute_step(const Lut& la, const Lut& lb, const
 // xs: staged activations [token][word][4 chunks of 16 B]; chunk q of word w is stored at
 // q ^ ((w >> 1) & 3), so the 4 threads of a quad read different banks. Plane words are
 // loaded one step ahead in registers (2 rows x 2 words x B planes); b0 arrives holding step 0.
-template <int B, bool BF16, bool V2, class Lut>
+template <int B, bool BF16, bool V2, bool COMPACT, class Lut>
 __device__ __forceinline__ void gemv_warp(const BlockRef& blk, u32 w0a, u32 w0b, const Lut& la, const Lut& lb,
                                           int kw, const u16* xs, int tstride, int x_row, u32 (&b0)[2][2][8],
                                           float (&acc)[4]) {
@@ -338,6 +410,24 @@ __device__ __forceinline__ void gemv_warp(const BlockRef& blk, u32 w0a, u32 w0b,
     };
     u32 b1[2][2][8];  // ping-pong: one step in flight while the other is used
     prefetch(1);
+    if constexpr (COMPACT) {
+        // One copy of the step's code: step + 1 loads into b1 during step's compute, then moves
+        // to b0 (register moves where the ping-pong would have unrolled a second copy).
+#pragma unroll 1
+        for (int step = 0; step < steps; ++step) {
+            if (step + 1 < steps) load_step<B, V2>(blk, w0a, w0b, kw, step + 1, b1);
+            prefetch(step + 2);
+            compute_step_rolled<B, BF16>(la, lb, xs, tstride, x_row, b0, step, acc);
+#pragma unroll
+            for (int r = 0; r < 2; ++r)
+#pragma unroll
+                for (int wi = 0; wi < 2; ++wi)
+#pragma unroll
+                    for (int p = 0; p < 8; ++p)
+                        if (p < B) b0[r][wi][p] = b1[r][wi][p];
+        }
+        return;
+    }
     for (int step = 0; step < steps; step += 2) {
         if (step + 1 < steps) load_step<B, V2>(blk, w0a, w0b, kw, step + 1, b1);
         prefetch(step + 2);
@@ -526,7 +616,7 @@ __device__ __forceinline__ void tiles_warp(const BlockRef& blk, u32 w0a, u32 w0b
 // sectors are asked of L2 before the LUT (prologue) and the activations (stage) are read, so
 // those loads overlap; holding them in registers instead spilled (128-register budget).
 // NT8 > 1: the tiles regime (tiles_warp); stage then stages one step: stage(p0, np, step).
-template <int B, bool BF16, bool V2, bool RING, int NT8, bool PIPE_CLS, class Lut, class Prologue, class Stage, class Emit>
+template <int B, bool BF16, bool V2, bool RING, int NT8, bool PIPE_CLS, bool LATE_BUILD, bool COMPACT, class Lut, class Prologue, class Stage, class Emit>
 __device__ __forceinline__ void run_passes(const BlockRef& blk, u32 w0a, u32 w0b, Lut& la, Lut& lb, int kw,
                                            const u16* xs, int tstride, int count, int stage_tokens,
                                            u32 lane_slot0, Prologue prologue, Stage stage, Emit emit) {
@@ -544,8 +634,9 @@ __device__ __forceinline__ void run_passes(const BlockRef& blk, u32 w0a, u32 w0b
     // The ring's first steps are issued before the LUT and the activations are read.
     if constexpr (RING) ring_prologue<B, V2>(blk, w0a, w0b, kw, lane_slot0);
     if constexpr (EARLY) pipe_preload<B, V2>(blk, w0a, w0b, kw, pipe_bufs);  // in registers, ahead of both
-    prologue(la, lb);
+    prologue(la, lb);  // register LUTs: the entries' loads are issued here, built below
     if constexpr (NT8 > 1) {
+        if constexpr (B <= 4 && LATE_BUILD) { la.build(BF16); lb.build(BF16); }
         for (int p0 = 0; p0 < count; p0 += stage_tokens) {
             const int np = min(stage_tokens, count - p0);
             float acc[NT8][4];
@@ -563,6 +654,9 @@ __device__ __forceinline__ void run_passes(const BlockRef& blk, u32 w0a, u32 w0b
         for (int p0 = 0; p0 < count; p0 += stage_tokens) {
             const int np = min(stage_tokens, count - p0);
             stage(p0, np, -1);
+            if constexpr (B <= 4 && LATE_BUILD) {
+                if (p0 == 0) { la.build(BF16); lb.build(BF16); }  // the LUT loads overlapped the staging
+            }
             float acc[4] = {0.f, 0.f, 0.f, 0.f};
             if constexpr (PIPE) {
                 if (!EARLY || p0 > 0) pipe_preload<B, V2>(blk, w0a, w0b, kw, pipe_bufs);
@@ -573,7 +667,7 @@ __device__ __forceinline__ void run_passes(const BlockRef& blk, u32 w0a, u32 w0b
             } else {
                 u32 b0[2][2][8];
                 load_step<B, V2>(blk, w0a, w0b, kw, 0, b0);
-                gemv_warp<B, BF16, V2>(blk, w0a, w0b, la, lb, kw, xs, tstride, min(g, np), b0, acc);
+                gemv_warp<B, BF16, V2, COMPACT>(blk, w0a, w0b, la, lb, kw, xs, tstride, min(g, np), b0, acc);
             }
             emit(p0, np, acc);
         }
@@ -591,21 +685,23 @@ __device__ __forceinline__ void run_passes(const BlockRef& blk, u32 w0a, u32 w0b
 // launched): write zeros where no token has a valid expert id.
 // NT8: 8-token tiles per pass. 1: decode (a pass's activations staged for the whole split);
 // > 1: the tiles regime (stage_tokens <= 8 * NT8 per pass, activations staged a step at a time).
-template <int CLS, int MODE, bool BF16, bool V2, int NT8>
-__global__ void __launch_bounds__(GV_THREADS, NT8 == 1 ? APL_GEMV_MIN_BLOCKS : APL_TILES_MIN_BLOCKS) apl_gemv(
+// One CTA's work item (row tile bx, bx < gx; the by-th active expert; column split z of
+// `splits`), the body of both kernels below. FUSED (apl_gemv_fused, decode only): routing's
+// first phase is done by the caller (route_mask); gate_up's last split of a row tile raises
+// ready[by * gx + bx] once h is written, and down waits for the flags of its split's h
+// columns (one gate_up row tile per h word) before staging h, read through L2 only.
+template <int CLS, int MODE, bool BF16, bool V2, int NT8, bool FUSED>
+__device__ __forceinline__ void gemv_cta(
     const long long* __restrict__ desc, const long long* __restrict__ topk_ids, int num_assign, int top_k,
     int num_experts, const u16* __restrict__ x, int rows_out, int cols, int split_words, int lut_entries,
     int stage_tokens, float* __restrict__ part, int* __restrict__ counters, u16* __restrict__ h_out,
-    const void* __restrict__ topk_w, int w_kind, int num_tokens, u16* __restrict__ out, int zero_fill) {
+    const void* __restrict__ topk_w, int w_kind, int num_tokens, u16* __restrict__ out, int zero_fill,
+    int bx, int by, int z, int splits, int gx, u32* present, int* scratch, int& last_flag, int* ready) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    __shared__ u32 present[32];
-    __shared__ int scratch[8];
-    __shared__ int last_flag;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
     const int rows_w = MODE == 0 ? 2 * rows_out : rows_out;
     const int rpc = MODE == 0 ? GV_ROWS / 2 : GV_ROWS;
-    const int r0 = blockIdx.x * rpc;
-    const int z = blockIdx.z, splits = gridDim.z;
+    const int r0 = bx * rpc;
     const int words_per_row = cols / 32;
     const int c0w = z * split_words;
     const int kw = min(split_words, words_per_row - c0w);
@@ -619,16 +715,19 @@ __global__ void __launch_bounds__(GV_THREADS, NT8 == 1 ? APL_GEMV_MIN_BLOCKS : A
     const u32 lut_at = shared_addr(smem_raw) + lut_off;
     u16* lut_s = reinterpret_cast<u16*>(smem_raw + lut_off + (((lut_at + 511u) & ~511u) - lut_at));
 
-    const Route route = route_cta(topk_ids, num_assign, num_experts, blockIdx.y, slots, present, scratch);
-    if (MODE == 1 && zero_fill && route.num_active == 0 && blockIdx.y == 0 && z == 0) {
+    const Route route = FUSED ? route_pick(topk_ids, num_assign, by, slots, present, scratch)
+                              : route_cta(topk_ids, num_assign, num_experts, by, slots, present, scratch);
+    if (MODE == 1 && zero_fill && route.num_active == 0 && by == 0 && z == 0) {
         for (int idx = tid; idx < num_tokens * rpc; idx += GV_THREADS)  // no valid expert id at all
             if (r0 + idx % rpc < rows_out) out[(long long)(idx / rpc) * rows_out + r0 + idx % rpc] = 0;
     }
     if (route.expert < 0) return;
     const BlockRef blk = load_block(desc, route.expert);
-    const bool bad_bits = blk.bits < 3 || blk.bits > 8;
     const int cls = blk.bits >= 5 && blk.bits <= 8 ? 1 : 0;  // bad bits: class 0 writes NaN
-    if (CLS != 2 && cls != CLS) return;
+    if (!FUSED && CLS != 2 && cls != CLS) return;  // another launch's class
+    // (the fused kernel is launched for one class per projection; a block of another class
+    // there can only be a bad descriptor: NaN, never a CTA that leaves without its flag)
+    const bool bad_bits = blk.bits < 3 || blk.bits > 8 || (CLS != 2 && cls != CLS);
 
     auto weight_row_of = [&](int lw, bool* valid) {
         if (MODE == 0) {
@@ -680,7 +779,38 @@ __global__ void __launch_bounds__(GV_THREADS, NT8 == 1 ? APL_GEMV_MIN_BLOCKS : A
     const int kwp = (kw + GV_STEP_WORDS - 1) / GV_STEP_WORDS * GV_STEP_WORDS;
     // Activations of tokens p0..p0+np-1 (and a zero row after them) for this split:
     // xs[i][w] holds, for selector s of word w, the act values of columns sel_col(s, 0..3).
+    // FUSED down: h's words c0w..c0w+kw-1 of expert `by` are ready once gate_up's row tiles
+    // of the same numbers have raised their flags. A CTA that finds them not yet raised first
+    // asks L2 for its whole split's plane sectors (it would idle otherwise), then spins; a
+    // wait that never ends (a broken flag protocol) traps instead of hanging the GPU.
+    auto wait_h = [&]() {
+        const int* f = ready + (long long)by * words_per_row + c0w;
+        bool ok = true;
+        for (int i = tid; i < kw; i += GV_THREADS) ok = ok && ld_acquire_gpu(f + i) != 0;
+        if (__syncthreads_and(ok)) return;
+        if (!bad_bits) {
+#pragma unroll
+            for (int p = 0; p < 8; ++p) {
+                if (p >= blk.bits) break;
+                for (int w = 8 * t; w < kw; w += 32) {  // 32-byte sectors of rows a and b
+                    prefetch_l2(blk.planes[p] + w0a + w);
+                    prefetch_l2(blk.planes[p] + w0b + w);
+                }
+                if (t == 0) { prefetch_l2(blk.planes[p] + w0a + kw - 1); prefetch_l2(blk.planes[p] + w0b + kw - 1); }
+            }
+        }
+        for (int i = tid; i < kw; i += GV_THREADS) {
+            for (int n = 0; ld_acquire_gpu(f + i) == 0; ++n) {
+                if (n > (1 << 22)) __trap();
+                __nanosleep(64);
+            }
+        }
+        __syncthreads();
+    };
     auto stage_split = [&](int p0, int np) {
+        if constexpr (FUSED && MODE == 1) {
+            if (p0 == 0) wait_h();
+        }
         __syncthreads();  // LUT written; the previous pass is done with xs
         for (int idx = tid; idx < (np + 1) * kwp * 8; idx += GV_THREADS) {
             const int i = idx / (kwp * 8), rem = idx % (kwp * 8), w = rem >> 3, s = rem & 7;
@@ -689,8 +819,13 @@ __global__ void __launch_bounds__(GV_THREADS, NT8 == 1 ? APL_GEMV_MIN_BLOCKS : A
             u32 v01 = 0u, v23 = 0u;
             if (w < kw && i < np) {
                 const u16* src = x + xrow * cols + (long long)(c0w + w) * 32;
-                v01 = (u32)src[sel_col(s, 0)] | ((u32)src[sel_col(s, 1)] << 16);
-                v23 = (u32)src[sel_col(s, 2)] | ((u32)src[sel_col(s, 3)] << 16);
+                if (FUSED && MODE == 1) {  // h, written in this launch by other CTAs: L2, not L1/nc
+                    v01 = (u32)__ldcg(src + sel_col(s, 0)) | ((u32)__ldcg(src + sel_col(s, 1)) << 16);
+                    v23 = (u32)__ldcg(src + sel_col(s, 2)) | ((u32)__ldcg(src + sel_col(s, 3)) << 16);
+                } else {
+                    v01 = (u32)src[sel_col(s, 0)] | ((u32)src[sel_col(s, 1)] << 16);
+                    v23 = (u32)src[sel_col(s, 2)] | ((u32)src[sel_col(s, 3)] << 16);
+                }
             }
             const int chunk = (s >> 1) ^ ((w >> 1) & 3);
             *reinterpret_cast<uint2*>(xs + i * tstride + w * 32 + chunk * 8 + (s & 1) * 4) = make_uint2(v01, v23);
@@ -790,8 +925,16 @@ __global__ void __launch_bounds__(GV_THREADS, NT8 == 1 ? APL_GEMV_MIN_BLOCKS : A
             }
         }
     };
-    auto reg_lut = [&](auto& la, auto& lb) { la.load(blk.lut + (long long)rowa * (1 << blk.bits), va, BF16);
-                                              lb.load(blk.lut + (long long)rowb * (1 << blk.bits), vb, BF16); };
+    // LATE: the register LUTs are built after the first staging (their loads overlap it);
+    // the fused down CTAs build them at once instead, before they wait for h (holding the
+    // raw entries across the wait spilled 56 bytes).
+    constexpr bool LATE = !(FUSED && MODE == 1);
+    constexpr bool COMPACT = (APL_GEMV_COMPACT >> CLS) & 1;
+    auto reg_lut = [&](auto& la, auto& lb) {
+        la.fetch(blk.lut + (long long)rowa * (1 << blk.bits), va);
+        lb.fetch(blk.lut + (long long)rowb * (1 << blk.bits), vb);
+        if constexpr (!LATE) { la.build(BF16); lb.build(BF16); }
+    };
     auto smem_lut = [&](auto&, auto&) { fill_smem_lut(); };
     const u32 la_s = shared_addr(lut_s + lwa * lut_entries), lb_s = shared_addr(lut_s + lwb * lut_entries);
     // The 3-4-bit kernel's cp.async ring, after the (512-byte aligned) LUT rows: per warp
@@ -807,30 +950,30 @@ __global__ void __launch_bounds__(GV_THREADS, NT8 == 1 ? APL_GEMV_MIN_BLOCKS : A
     } else if (CLS == 0 || (CLS == 2 && cls == 0)) {
         if (blk.bits == 4) {
             RegLut<4> la, lb;
-            run_passes<4, BF16, V2, RING, NT8, CLS == 0>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, lane_slot0,
+            run_passes<4, BF16, V2, RING, NT8, CLS == 0, LATE, COMPACT>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, lane_slot0,
                                           reg_lut, stage, emit);
         } else {
             RegLut<3> la, lb;
-            run_passes<3, BF16, V2, RING, NT8, CLS == 0>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, lane_slot0,
+            run_passes<3, BF16, V2, RING, NT8, CLS == 0, LATE, COMPACT>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, lane_slot0,
                                           reg_lut, stage, emit);
         }
     } else {
         switch (blk.bits) {
             case 5: { SmemLut<5> la{la_s}, lb{lb_s};
-                      run_passes<5, BF16, V2, false, NT8, false>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, 0u, smem_lut, stage, emit); break; }
+                      run_passes<5, BF16, V2, false, NT8, false, LATE, COMPACT>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, 0u, smem_lut, stage, emit); break; }
             case 6: { SmemLut<6> la{la_s}, lb{lb_s};
-                      run_passes<6, BF16, V2, false, NT8, false>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, 0u, smem_lut, stage, emit); break; }
+                      run_passes<6, BF16, V2, false, NT8, false, LATE, COMPACT>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, 0u, smem_lut, stage, emit); break; }
             case 7: { SmemLut<7> la{la_s}, lb{lb_s};
-                      run_passes<7, BF16, V2, false, NT8, false>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, 0u, smem_lut, stage, emit); break; }
+                      run_passes<7, BF16, V2, false, NT8, false, LATE, COMPACT>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, 0u, smem_lut, stage, emit); break; }
             default: { SmemLut<8> la{la_s}, lb{lb_s};
-                       run_passes<8, BF16, V2, false, NT8, false>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, 0u, smem_lut, stage, emit); break; }
+                       run_passes<8, BF16, V2, false, NT8, false, LATE, COMPACT>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, 0u, smem_lut, stage, emit); break; }
         }
     }
 
     // The last CTA to finish this tile's splits (MODE 0) or this row tile over every expert
     // and split (MODE 1) reduces the partials, in a fixed order.
     const int expected = MODE == 0 ? splits : route.num_active * splits;
-    int* counter = counters + (MODE == 0 ? blockIdx.y * gridDim.x + blockIdx.x : blockIdx.x);
+    int* counter = counters + (MODE == 0 ? by * gx + bx : bx);
     if (expected > 1) {
         __threadfence();
         __syncthreads();
@@ -858,6 +1001,11 @@ __global__ void __launch_bounds__(GV_THREADS, NT8 == 1 ? APL_GEMV_MIN_BLOCKS : A
             }
             h_out[(long long)slot * rows_out + r0 + c] = float_to_act<BF16>(gate_act(gs) * us);
         }
+        if constexpr (FUSED) {  // h of this row tile is complete: release it to the down CTAs
+            __threadfence();
+            __syncthreads();
+            if (tid == 0) st_release_gpu(ready + by * gx + bx, 1);
+        }
     } else {
         for (int idx = tid; idx < num_tokens * rpc; idx += GV_THREADS) {
             const int tk = idx / rpc, c = idx % rpc;
@@ -876,5 +1024,81 @@ __global__ void __launch_bounds__(GV_THREADS, NT8 == 1 ? APL_GEMV_MIN_BLOCKS : A
             }
             out[(long long)tk * rows_out + r0 + c] = float_to_act<BF16>(sum);
         }
+    }
+}
+
+// Grid (row tiles, max active experts, column splits), 128 threads: one launch per projection.
+template <int CLS, int MODE, bool BF16, bool V2, int NT8>
+__global__ void __launch_bounds__(GV_THREADS, NT8 == 1 ? APL_GEMV_MIN_BLOCKS : APL_TILES_MIN_BLOCKS) apl_gemv(
+    const long long* __restrict__ desc, const long long* __restrict__ topk_ids, int num_assign, int top_k,
+    int num_experts, const u16* __restrict__ x, int rows_out, int cols, int split_words, int lut_entries,
+    int stage_tokens, float* __restrict__ part, int* __restrict__ counters, u16* __restrict__ h_out,
+    const void* __restrict__ topk_w, int w_kind, int num_tokens, u16* __restrict__ out, int zero_fill) {
+    __shared__ u32 present[32];
+    __shared__ int scratch[8];
+    __shared__ int last_flag;
+    gemv_cta<CLS, MODE, BF16, V2, NT8, false>(desc, topk_ids, num_assign, top_k, num_experts, x, rows_out, cols,
+                                              split_words, lut_entries, stage_tokens, part, counters, h_out, topk_w,
+                                              w_kind, num_tokens, out, zero_fill, blockIdx.x, blockIdx.y, blockIdx.z,
+                                              gridDim.z, gridDim.x, present, scratch, last_flag, nullptr);
+}
+
+// ---------------------------------------------------------------- decode in one launch
+// gate_up and down in one grid of n_gu + n_dn CTAs (the two launches' grids, flattened x
+// fastest). A CTA takes a ticket (an atomic counter) when it starts and does work item
+// `ticket`: gate_up items first, then down items. Tickets are handed out in the order CTAs
+// start, so when a CTA holds a down item every gate_up item is held by a running (or
+// finished) CTA, and gate_up items wait on nothing: a down CTA's wait for its h words
+// always ends, whatever order the hardware starts CTAs in. Down CTAs that start early do
+// their routing, descriptor, LUT and plane prefetch while gate_up finishes, and no launch
+// gap separates the projections.
+// counters (int32, zero before and after): [gate_up last-split counters: max_active x gx_gu]
+// [down last-CTA counters: gx_dn] [ready flags: max_active x gx_gu] [ticket, CTAs done]; the
+// last CTA to finish zeroes the flags and the ticket (every other CTA is past its last read).
+// Both projections share one class (CLS) and one plane-load width (V2); stage_tokens is the
+// same for both (min(8, tokens)); gu_lut / dn_lut: 5-8-bit LUT entries per projection.
+template <int CLS, bool BF16, bool V2>
+__global__ void __launch_bounds__(GV_THREADS, APL_GEMV_MIN_BLOCKS) apl_gemv_fused(
+    const long long* __restrict__ gu_desc, const long long* __restrict__ dn_desc,
+    const long long* __restrict__ topk_ids, int num_assign, int top_k, int num_experts, int max_active,
+    const u16* __restrict__ x, int inter, int hidden, int gu_split_words, int gu_splits, int gu_lut,
+    int dn_split_words, int dn_splits, int dn_lut, int stage_tokens, float* __restrict__ part_gu,
+    float* __restrict__ part_dn, int* __restrict__ counters, u16* __restrict__ h, const void* __restrict__ topk_w,
+    int w_kind, int num_tokens, u16* __restrict__ out) {
+    __shared__ u32 present[32];
+    __shared__ int scratch[8];
+    __shared__ int last_flag;
+    __shared__ int ticket_s;
+    const int gx_gu = (inter + GV_ROWS / 2 - 1) / (GV_ROWS / 2), gx_dn = (hidden + GV_ROWS - 1) / GV_ROWS;
+    const int n_gu = gx_gu * max_active * gu_splits, n_dn = gx_dn * max_active * dn_splits;
+    int* cnt_gu = counters;
+    int* cnt_dn = cnt_gu + max_active * gx_gu;
+    int* ready = cnt_dn + gx_dn;
+    int* ctl = ready + max_active * gx_gu;
+    route_mask(topk_ids, num_assign, num_experts, present, ctl, &ticket_s);
+    const int tk = ticket_s;
+    if (tk < n_gu) {
+        gemv_cta<CLS, 0, BF16, V2, 1, true>(gu_desc, topk_ids, num_assign, top_k, num_experts, x, inter, hidden,
+                                            gu_split_words, gu_lut, stage_tokens, part_gu, cnt_gu, h, topk_w, w_kind,
+                                            num_tokens, out, 0, tk % gx_gu, tk / gx_gu % max_active,
+                                            tk / (gx_gu * max_active), gu_splits, gx_gu, present, scratch, last_flag,
+                                            ready);
+    } else if (tk < n_gu + n_dn) {
+        const int d = tk - n_gu;
+        gemv_cta<CLS, 1, BF16, V2, 1, true>(dn_desc, topk_ids, num_assign, top_k, num_experts, h, hidden, inter,
+                                            dn_split_words, dn_lut, stage_tokens, part_dn, cnt_dn, nullptr, topk_w,
+                                            w_kind, num_tokens, out, 1, d % gx_dn, d / gx_dn % max_active,
+                                            d / (gx_dn * max_active), dn_splits, gx_dn, present, scratch, last_flag,
+                                            ready);
+    }
+    __syncthreads();  // (every return inside gemv_cta is CTA-uniform)
+    if (tid_is_zero()) {
+        __threadfence();
+        last_flag = atomicAdd(ctl + 1, 1) == n_gu + n_dn - 1;
+    }
+    __syncthreads();
+    if (last_flag) {
+        for (int i = threadIdx.x; i < max_active * gx_gu; i += GV_THREADS) ready[i] = 0;
+        if (tid_is_zero()) { ctl[0] = 0; ctl[1] = 0; }
     }
 }

@@ -59,6 +59,10 @@ GEMV_X_BYTES = 40 * 1024  # shared memory for one split's staged activations
 GEMV_MIN_SPLIT_WORDS = 16  # a split covers at least two warp steps
 GEMV_MAX_ASSIGN = 4096  # tokens * top_k a CTA's shared slot list holds
 GEMV_MERGE_CLASSES = True  # a layer with 3-4- and 5-8-bit blocks: one launch per projection (measured faster)
+# Decode of a layer whose blocks are all 3-4 bits: gate_up and down in one launch
+# (apl_gemv_fused: a work ticket per CTA, down CTAs wait on per-row-tile flags for their h
+# words). APL_GEMV_FUSED=1 in the environment turns it on.
+GEMV_FUSED = os.environ.get("APL_GEMV_FUSED", "0") == "1"  # measured slower (docs/kernel.md): off by default
 # The tiles regime (apl_gemv.cu with NT8 > 1): the decode kernel's register-LUT dequantisation,
 # each weight's fragments reused for up to 8 * NT8 tokens per pass.
 TILES_MAX_TOKENS_PER_EXPERT = 128.0  # above: the prefill kernel (apl_moe.cu)
@@ -75,6 +79,7 @@ def bit_class(bits: int) -> int:
 KERNEL_DEFINES = {"APL_LDS_MODE": 1, "APL_RPG_DIV": 8, "APL_PREFETCH": 1, "APL_DECODE_MIN_BLOCKS": 2,
                   "APL_SHIFT_MODE": 0, "APL_PREFILL_MIN_BLOCKS": 1, "APL_GEMV_MIN_BLOCKS": 4,
                   "APL_GEMV_L2_PREFETCH": 0, "APL_GEMV_RING_STAGES": 0, "APL_GEMV_PIPE": 2, "APL_GEMV_PIPE_EARLY": 0,
+                  "APL_GEMV_COMPACT": 4,
                   "APL_TILES_MIN_BLOCKS": 2, "APL_TILES_GROUP": 4, "APL_TILES_ASYNC": 1}
 GEMV_RING_STAGE_BYTES = 2 * 4 * 32 * 8  # apl_gemv.cu: one warp step at 4 bits in the cp.async ring
 # The .cu's APL_ACT per expert activation (moe_reference.ACTIVATIONS): one compiled module each.
@@ -219,11 +224,12 @@ class APLLayer:
         self.down_desc = _descriptors(self.down, self.device)
         self._summarise()
         # One counter per (active expert, gate_up row tile) at most; the down launches reuse
-        # them (every counter is back at zero when a launch ends). A layer runs on one stream
-        # at a time, as a model's forward does.
-        tiles = max(self.num_experts * math.ceil(self.intermediate / (GEMV_ROWS // 2)),
-                    math.ceil(self.hidden / GEMV_ROWS))
-        self.counters = torch.zeros(tiles, dtype=torch.int32, device=self.device)
+        # them (every counter is back at zero when a launch ends). The fused decode launch
+        # needs both sets at once, then a ready flag per (active expert, gate_up row tile),
+        # a ticket and a done count (fused_counter_words). A layer runs on one stream at a
+        # time, as a model's forward does.
+        self.counters = torch.zeros(fused_counter_words(self.num_experts, self.hidden, self.intermediate),
+                                    dtype=torch.int32, device=self.device)
 
     def _summarise(self):
         self.max_bits = max(b.bits for b in self.gate_up + self.down)
@@ -264,6 +270,14 @@ class APLLayer:
                 rows, cols = block.shape
                 total += rows * cols * block.bits // 8 + rows * (1 << block.bits) * 2
         return total
+
+
+def fused_counter_words(max_active: int, hidden: int, intermediate: int) -> int:
+    """int32 words of counters the decode kernels use (apl_gemv_fused's layout, the largest):
+    gate_up last-split counters and ready flags, max_active x gate_up row tiles each, the
+    down counters (one per row tile), a ticket and a done count."""
+    gu_tiles, dn_tiles = math.ceil(intermediate / (GEMV_ROWS // 2)), math.ceil(hidden / GEMV_ROWS)
+    return 2 * max_active * gu_tiles + dn_tiles + 2
 
 
 def _descriptors(blocks: list[ResidentBlock], device) -> torch.Tensor:
@@ -477,6 +491,14 @@ def _gemv_name(cls: int, mode: int, flag: str, aligned8: str, tiles: int = 1) ->
     return f"apl_gemv<{cls}, {mode}, {flag}, {aligned8}, {tiles}>"
 
 
+def _fused_name(cls: int, flag: str, aligned8: str) -> str:
+    return f"apl_gemv_fused<{cls}, {flag}, {aligned8}>"
+
+
+FUSED_CLASSES = (0,)  # the fused launch is compiled for 3-4-bit layers only: with the 5-8-bit
+# or merged bodies in one kernel, ptxas spilled 3.2-3.4 KB (nvcc 13.0, sm_90)
+
+
 def tiles_choices() -> tuple[int, ...]:
     """Every NT8 `plan_launch` can pick: 1 (decode) and the tiles regime's powers of two."""
     nt8, out = TILES_MIN_NT8, [1]
@@ -500,7 +522,8 @@ def kernel_instances(dtype: torch.dtype, activation: str = "silu") -> list[tuple
     """(instance name, activation) of every kernel `apl_moe` can launch for activations of
     `dtype`, whatever the layer's bits, layout or token count: the decode kernel per bit class
     (3-4, 5-8, merged), projection, plane alignment and 8-token tiles per pass, the prefill kernel per token tile and
-    projection, routing and combine. The legacy decode kernel (a baseline) is left out."""
+    projection, routing and combine, and with GEMV_FUSED the one-launch decode. The legacy decode
+    kernel (a baseline) is left out."""
     if dtype not in ACT_DTYPES:
         raise APLKernelError(f"the fused kernel takes bfloat16 or float16 activations, got {dtype}")
     check_activation(activation)
@@ -512,6 +535,8 @@ def kernel_instances(dtype: torch.dtype, activation: str = "silu") -> list[tuple
         names += [(_gemv_name(cls, mode, flag, v2, nt8), act)
                   for cls in (0, 1, 2) for v2 in ("true", "false") for nt8 in tiles_choices()]
         names += [(_prefill_name(tile, mode, flag), act) for tile in tiles]
+    if GEMV_FUSED:  # (off by default: then no start-up time is spent compiling it)
+        names += [(_fused_name(cls, flag, v2), activation) for cls in FUSED_CLASSES for v2 in ("true", "false")]
     return names
 
 
@@ -596,6 +621,21 @@ def _class_launches(classes: dict[int, int]) -> list[tuple[int, int]]:
     return list(classes.items())
 
 
+def fused_class(launches: dict[str, list[tuple[int, int]]], tiles: int) -> int | None:
+    """The kernel class of the one-launch decode for a layer whose projections launch these
+    (class, widest bits) lists, or None for two launches: decode only (NT8 1), GEMV_FUSED
+    on, one launch per projection of the same class, a class FUSED_CLASSES holds."""
+    gu, dn = launches["gate_up"], launches["down"]
+    if not GEMV_FUSED or tiles != 1 or len(gu) != 1 or len(dn) != 1 or gu[0][0] != dn[0][0]:
+        return None
+    return gu[0][0] if gu[0][0] in FUSED_CLASSES else None
+
+
+def fused_ctas(plan: LaunchPlan) -> int:
+    """CTAs of the fused decode launch: the gate_up grid's, then the down grid's."""
+    return math.prod(plan.gate_up.grid) + math.prod(plan.down.grid)
+
+
 def _apl_moe_gemv(x, ids, topk_weights, layer: APLLayer, plan: LaunchPlan, out: torch.Tensor):
     """Decode and the tiles regime: per bit class present, one gate_up and one down launch; the
     kernels route, reduce their column splits and combine the top-k outputs themselves."""
@@ -612,6 +652,16 @@ def _apl_moe_gemv(x, ids, topk_weights, layer: APLLayer, plan: LaunchPlan, out: 
     h = torch.empty(num_assign, I, dtype=x.dtype, device=x.device)
     v2 = {m: "true" if layer.aligned8[m] else "false" for m in ("gate_up", "down")}
     launches = {m: layer.decode_launches(m) for m in ("gate_up", "down")}
+    fused = fused_class(launches, gu.tiles)
+    if fused is not None:
+        aligned = "true" if layer.aligned8["gate_up"] and layer.aligned8["down"] else "false"
+        shared = max(gu.shared_bytes, dn.shared_bytes) + gemv_extra_shared(fused, 0)
+        _launch(_fused_name(fused, flag, aligned), (fused_ctas(plan),),
+                (layer.gate_up_desc, layer.down_desc, ids, num_assign, k, E, gu.grid[1], x, I, H, gu.split_cols // 32,
+                 gu.splits, 0, dn.split_cols // 32, dn.splits, 0, gu.tokens, part_gu, part_dn, layer.counters, h,
+                 weights, w_kind, T, out),
+                shared, block=GEMV_THREADS, activation=layer.activation)
+        return out
     for cls, widest in launches["gate_up"]:
         lut = 1 << widest if cls >= 1 else 0
         _launch(_gemv_name(cls, 0, flag, v2["gate_up"], gu.tiles), gu.grid,
@@ -673,6 +723,6 @@ def kernel_available() -> bool:
 
 __all__ = [
     "APLKernelError", "APLLayer", "ResidentBlock", "apl_moe", "apl_moe_reference", "check_inputs",
-    "bit_class", "compile_stats", "kernel_available", "kernel_instances", "lanes_per_row", "launch_gemm",
+    "bit_class", "compile_stats", "fused_class", "fused_counter_words", "kernel_available", "kernel_instances", "lanes_per_row", "launch_gemm",
     "plan_launch", "precompile", "tiles_per_pass", "MIN_BITS", "MAX_BITS",
 ]

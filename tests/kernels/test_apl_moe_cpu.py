@@ -243,9 +243,12 @@ def test_apl_experts_on_cpu_runs_the_reference_and_commits_new_bits():
     torch.testing.assert_close(after, apl_moe_reference(x, ids, w, experts.layer))
 
 
-def test_kernel_instances_cover_every_class_layout_and_tile_once():
+def test_kernel_instances_cover_every_class_layout_and_tile_once(monkeypatch):
+    import pagedweight_kernels.apl_moe as op
     from pagedweight_kernels.apl_moe import PREFILL_LARGEST_TILE, PREFILL_TILES, kernel_instances
 
+    assert not any(n.startswith("apl_gemv_fused<") for n, _ in kernel_instances(torch.bfloat16))  # off by default
+    monkeypatch.setattr(op, "GEMV_FUSED", True)
     names = kernel_instances(torch.bfloat16, "gelu_tanh")
     assert len(names) == len(set(names))
     gemv = {n for n, _ in names if n.startswith("apl_gemv<")}
@@ -254,9 +257,13 @@ def test_kernel_instances_cover_every_class_layout_and_tile_once():
     tiles = [t for _, t in PREFILL_TILES] + [PREFILL_LARGEST_TILE]
     assert {n for n, _ in names if n.startswith("apl_prefill<")} == {
         f"apl_prefill<{t}, {m}, true>" for t in tiles for m in (0, 1)}
-    # gate_up applies the layer's activation; down, routing and combine are compiled with the default
-    assert {a for n, a in names if ", 0, true" in n} == {"gelu_tanh"}
-    assert {a for n, a in names if ", 0, true" not in n} == {"silu"}
+    # the one-launch decode (both projections), for the 3-4-bit class and both plane layouts
+    assert {n for n, _ in names if n.startswith("apl_gemv_fused<")} == {
+        f"apl_gemv_fused<0, true, {v}>" for v in ("true", "false")}
+    # gate_up and the fused launch apply the layer's activation; down, routing and combine are
+    # compiled with the default
+    assert {a for n, a in names if ", 0, true" in n or n.startswith("apl_gemv_fused<")} == {"gelu_tanh"}
+    assert {a for n, a in names if ", 0, true" not in n and not n.startswith("apl_gemv_fused<")} == {"silu"}
     assert all("false" not in n.split(",")[-2] for n, _ in names if n.startswith("apl_prefill<"))
     assert "moe_combine<false>" in dict(kernel_instances(torch.float16))
     with pytest.raises(APLKernelError, match="float32"):
@@ -312,3 +319,29 @@ def test_every_planned_tiles_count_is_one_precompile_covers():
             seen |= {plan.gate_up.tiles, plan.down.tiles}
     assert seen <= set(tiles_choices())
     assert {1, 2, 8} <= seen
+
+
+def test_fused_decode_launch_is_chosen_for_one_3_4_bit_class_only(monkeypatch):
+    import pagedweight_kernels.apl_moe as op
+
+    three_four, wide, both = [(0, 4)], [(1, 8)], [(2, 8)]
+    monkeypatch.setattr(op, "GEMV_FUSED", True)  # (off by default: measured slower, docs/kernel.md)
+    assert op.fused_class({"gate_up": three_four, "down": three_four}, 1) == 0
+    assert op.fused_class({"gate_up": three_four, "down": three_four}, 2) is None  # tiles regime
+    assert op.fused_class({"gate_up": three_four, "down": wide}, 1) is None  # classes differ
+    assert op.fused_class({"gate_up": wide, "down": wide}, 1) is None  # not compiled for 5-8 bits
+    assert op.fused_class({"gate_up": both, "down": both}, 1) is None  # nor merged
+    assert op.fused_class({"gate_up": [(0, 4), (1, 8)], "down": three_four}, 1) is None  # two launches
+    monkeypatch.setattr(op, "GEMV_FUSED", False)
+    assert op.fused_class({"gate_up": three_four, "down": three_four}, 1) is None
+
+
+def test_fused_counters_hold_both_projections_flags_and_ticket():
+    import pagedweight_kernels.apl_moe as op
+
+    # Qwen1.5-MoE: 60 experts, 2048 / 1408: 44 gate_up row tiles of 32, 32 down tiles of 64
+    assert op.fused_counter_words(60, 2048, 1408) == 2 * 60 * 44 + 32 + 2
+    plan = op.plan_launch(1, 4, 60, 2048, 1408, 4)
+    assert op.fused_ctas(plan) == 44 * 4 * plan.gate_up.splits + 32 * 4 * plan.down.splits
+    layer = random_layer(4, 64, 96, bits={(e, m): 4 for e in range(4) for m in ("gate_up", "down")})
+    assert layer.counters.numel() == op.fused_counter_words(layer.num_experts, layer.hidden, layer.intermediate)

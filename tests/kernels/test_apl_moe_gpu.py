@@ -175,6 +175,91 @@ def test_decode_register_pipeline_equals_ping_pong(case, bits, one_split, pipe, 
     assert torch.equal(check_case(case, bits=bits), ping_pong)
 
 
+# The one-launch decode (apl_gemv_fused, layers of 3-4-bit blocks): the same sums in the same
+# order as the two launches, so the output must equal theirs bit for bit. (case, bits): 34 =
+# 3 or 4 bits per block. Odd word counts, idle experts, column splits, a hot expert taking
+# passes of 8, Qwen1.5-MoE at 1, 2 and 4 tokens (4 tokens: 1216 CTAs, more than one wave, so
+# down CTAs start while gate_up CTAs still wait to start).
+FUSED_CASES = [(CASES[0], 4), (CASES[1], 3), (CASES[3], 34), (CASES[4], 4), (CASES[5], 3), (CASES[9], 4),
+               (UNIFORM_CASES[-1][0], 34), ((60, 4, 2048, 1408, 2, 60, torch.float16), 3)]
+
+
+def _bits(E, bits, seed=0):
+    if bits != 34:
+        return {(e, m): bits for e in range(E) for m in ("gate_up", "down")}
+    gen = torch.Generator().manual_seed(seed)
+    return {(e, m): 3 + int(torch.randint(0, 2, (1,), generator=gen)) for e in range(E) for m in ("gate_up", "down")}
+
+
+@pytest.mark.parametrize("case,bits", FUSED_CASES, ids=lambda v: str(v) if isinstance(v, int) else _case_id(v))
+def test_fused_decode_equals_two_launches(case, bits, monkeypatch):
+    import pagedweight_kernels.apl_moe as op
+
+    E, k, H, I, T = case[:5]
+    bits_map = _bits(E, bits)
+    layer = random_layer(E, H, I, seed=T, device=torch.device("cuda"), bits=bits_map)
+    plan = plan_launch(T, k, E, H, I, layer.max_bits)
+    launches = {m: layer.decode_launches(m) for m in ("gate_up", "down")}
+    assert plan.gate_up.regime == "gemv"
+    monkeypatch.setattr(op, "GEMV_FUSED", True)
+    assert op.fused_class(launches, plan.gate_up.tiles) == 0
+    fused = check_case(case, bits=bits_map)
+    monkeypatch.setattr(op, "GEMV_FUSED", False)
+    assert op.fused_class(launches, plan.gate_up.tiles) is None
+    assert torch.equal(check_case(case, bits=bits_map), fused)
+
+
+def test_fused_decode_replayed_in_a_cuda_graph_follows_new_inputs(monkeypatch):
+    """A captured fused launch replayed on new tokens and routing: each replay equals the eager
+    call bit for bit, and the flags, ticket and counters it leaves are zero (the next replay
+    starts from them)."""
+    import pagedweight_kernels.apl_moe as op
+
+    monkeypatch.setattr(op, "GEMV_FUSED", True)
+    E, k, H, I, T = 16, 4, 256, 192, 3
+    device = torch.device("cuda")
+    layer = random_layer(E, H, I, seed=11, device=device, bits=_bits(E, 4))
+    x = torch.randn(T, H, device=device, dtype=torch.bfloat16)
+    ids, w = ragged_routing(T, E, k, seed=1, device=device)
+    w = w.to(torch.bfloat16)
+    out = torch.empty_like(x)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        apl_moe(x, ids, w, layer, out=out)  # compiles, warms the allocator
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        apl_moe(x, ids, w, layer, out=out)
+    for seed in range(2, 5):
+        new_ids, new_w = ragged_routing(T, E, k, seed=seed, num_used=5 + seed, device=device)
+        x.copy_(torch.randn(T, H, device=device, dtype=torch.bfloat16))
+        ids.copy_(new_ids)
+        w.copy_(new_w.to(torch.bfloat16))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert not layer.counters.any(), "a replay left a flag, the ticket or a counter set"
+        eager = apl_moe(x, ids, w, layer)
+        assert torch.equal(out, eager)
+        assert relative_error(out, reference_fp32(x, ids, w, layer)) < TOLERANCE[torch.bfloat16]
+
+
+# APL_GEMV_COMPACT (a bit per kernel class): the decode step's code once (two words in a
+# rolled loop, no unrolled ping-pong): the same loads and mma in the same order, so the output
+# equals the ping-pong's bit for bit. Merged kernel (mixed bits) with 4-byte loads (H=160), with
+# column splits, at Qwen size; the 3-4-bit kernel (4 bits).
+@pytest.mark.parametrize("case,bits", [(CASES[0], None), (CASES[4], None), (CASES[9], None), UNIFORM_CASES[1]],
+                         ids=lambda v: str(v) if isinstance(v, (int, type(None))) else _case_id(v))
+def test_compact_decode_loop_equals_ping_pong(case, bits, monkeypatch):
+    import pagedweight_kernels.apl_moe as op
+
+    monkeypatch.setitem(op.KERNEL_DEFINES, "APL_GEMV_COMPACT", 0)
+    ping_pong = check_case(case, bits=bits)
+    monkeypatch.setitem(op.KERNEL_DEFINES, "APL_GEMV_COMPACT", 7)
+    assert torch.equal(check_case(case, bits=bits), ping_pong)
+
+
 # GELU-tanh experts (Gemma-4): both regimes, both dtypes, merged and uniform-width decode.
 GELU_CASES = [CASES[0], CASES[3], CASES[5], CASES[7], CASES[8]]
 
@@ -207,7 +292,8 @@ def test_activation_changes_the_kernel_output():
 def check_case(case, legacy_decode=False, bits=None, activation="silu", stable=False):
     E, k, H, I, T, used, dtype = case
     device = torch.device("cuda")
-    uniform = {(e, m): bits for e in range(E) for m in ("gate_up", "down")} if bits else None
+    uniform = bits if isinstance(bits, dict) else \
+        {(e, m): bits for e in range(E) for m in ("gate_up", "down")} if bits else None
     layer = random_layer(E, H, I, seed=T, device=device, bits=uniform, activation=activation)
     if stable:  # the same blocks, decode through the merged kernel at the 8-bit LUT size
         layer = APLLayer(layer.gate_up, layer.down, layer.activation, stable_launches=True)
