@@ -40,7 +40,7 @@ class WeightPager(Protocol):
 
     def request_bytes(self, num_bytes: int) -> int: ...  # bytes pending lowerings will free
     def offer_bytes(self, num_bytes: int) -> int: ...  # bytes it will take back
-    def step_boundary(self): ...
+    def step_boundary(self, sequences_running: bool = False): ...
     def busy(self) -> bool: ...
     def wants_boundaries(self, offer_bytes: int) -> bool: ...
 
@@ -122,7 +122,7 @@ class MemoryBroker:
         need to finish (Scheduler.blocks_projected); 0 when unknown."""
         self._projected_blocks = blocks_projected if self.config.project_demand else 0
         if self.pager is not None:
-            self.pager.step_boundary()
+            self.pager.step_boundary(sequences_running=self.kv.manager.num_used_blocks > 0)
         self.num_short_steps += bool(self._short_blocks)
         pressed = bool(self._short_blocks or num_waiting)
         self._calm_steps = 0 if pressed else self._calm_steps + 1
