@@ -133,6 +133,8 @@ def drive_trace(runtime, phases: list[Phase], prompt_len: int, max_tokens: int, 
     reserved = torch.cuda.memory_reserved() if cuda else 0
     growth = []  # MiB the caching allocator reserved during each step (a cudaMalloc)
     jits = []  # Triton kernels the process met for the first time in each step (compiled or loaded)
+    pinned = []  # pinned host blocks the caching host allocator newly allocated in each step
+    host_allocs = _host_allocs() if cuda else 0
     start = time.perf_counter()
     last_report = start
     while sent < total or in_flight:
@@ -162,6 +164,9 @@ def drive_trace(runtime, phases: list[Phase], prompt_len: int, max_tokens: int, 
             growth.append(round((now_reserved - reserved) / 2**20, 1))
             reserved = now_reserved
             jits.append(TRITON_COMPILES[0] - jit0)
+            now_allocs = _host_allocs()
+            pinned.append(now_allocs - host_allocs)
+            host_allocs = now_allocs
         if profiler is not None:
             profiler.disable()
             profiler.keep(len(samples), time.perf_counter() - before[0])
@@ -185,8 +190,8 @@ def drive_trace(runtime, phases: list[Phase], prompt_len: int, max_tokens: int, 
     elapsed = time.perf_counter() - start
     if cuda:  # every step's stream span: from the host's first launch to its last work done
         torch.cuda.synchronize()
-        for row, (a, b), grew, jit in zip(samples, events, growth, jits):
-            row += [round(a.elapsed_time(b) / 1000, 4), grew, jit]
+        for row, (a, b), grew, jit, pins in zip(samples, events, growth, jits, pinned):
+            row += [round(a.elapsed_time(b) / 1000, 4), grew, jit, pins]
     drain_start = time.perf_counter()
     while time.perf_counter() - drain_start < drain_s:  # idle: the weights take their bytes back
         before = _step_counters(runtime)
@@ -248,6 +253,14 @@ def warm_up(runtime, prompt_len: int, buckets: bool = True) -> None:
 TRITON_COMPILES = [0]  # Triton kernels first met by this process (count_triton_compiles)
 
 
+def _host_allocs() -> int:
+    """Pinned host blocks the caching host allocator has allocated so far (-1: no such stat)."""
+    try:
+        return int(torch.cuda.host_memory_stats().get("num_host_alloc", -1))
+    except (AttributeError, RuntimeError):
+        return -1
+
+
 def count_triton_compiles() -> bool:
     """Count Triton's first compile (or disk-cache load) of each kernel specialisation in this
     process through its post-compile hook: a specialisation first met inside a step (a new
@@ -296,8 +309,9 @@ SAMPLE_FIELDS = ("t_s", "mean_bits", "kv_blocks_used", "running", "waiting", "to
                  # CUDA, steps of the trace (not the drain): seconds between events recorded on
                  # the compute stream before and after the step (device work and the gaps the
                  # host left in it), MiB the caching allocator newly reserved in the step, and
-                 # Triton kernels the process met for the first time in it (TRITON_COMPILES)
-                 "stream_s", "alloc_growth_mib", "triton_compiles")
+                 # Triton kernels the process met for the first time in it (TRITON_COMPILES),
+                 # pinned host blocks newly allocated in it (cudaHostAlloc, -1: not counted)
+                 "stream_s", "alloc_growth_mib", "triton_compiles", "host_pinned_allocs")
 _OTHER_PHASES = ("schedule", "prepare", "signature", "launch", "wait", "update")
 
 
@@ -332,7 +346,7 @@ def engine_config(args) -> EngineConfig:
     broker = BrokerConfig(calm_steps=args.calm_steps, calm_seconds=args.calm_seconds,
                           offer_min_blocks=args.offer_min_blocks, ask_ahead_blocks=args.ask_ahead_blocks,
                           offer_min_used_fraction=args.offer_min_used_fraction,
-                          project_demand=not args.no_project_demand)
+                          project_demand=not args.no_project_demand, ask_before_short=not args.no_ask_before_short)
     return EngineConfig(scheduler=SchedulerConfig(max_num_seqs=args.concurrency,
                                                   max_num_batched_tokens=args.batched_tokens),
                         kv=KVCacheConfig(), broker=broker, graphs_per_bucket=args.graphs_per_bucket)
@@ -457,6 +471,9 @@ def main() -> int:
     parser.add_argument("--no-project-demand", action="store_true",
                         help="the broker asks for this step's shortage only and offers every spare byte "
                              "(the behaviour before issue 17's projected demand, for comparison)")
+    parser.add_argument("--no-ask-before-short", action="store_true",
+                        help="the broker asks for the projected demand only at the first shortage "
+                             "(the behaviour before issue 17 round 6)")
     parser.add_argument("--move-cost", type=float, default=RuntimeConfig.move_cost,
                         help="pagedweight: cost of each moved block in a lowering plan, in medians of one "
                              "bit's damage (fewer blocks lowered further); 0: the one-bit greedy")
