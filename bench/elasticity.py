@@ -45,6 +45,7 @@ import torch
 
 from bench.bench_meta import RESULTS_DIR, commit, machine
 from pagedweight.cli.load_bench import mean_committed_bits
+from pagedweight.common.gc_pauses import GCPauses, freeze_startup_heap, unfreeze
 from pagedweight.engine.memory_broker import BrokerConfig
 from pagedweight.engine.engine import EngineConfig
 from pagedweight.engine.sampler import SamplingParams
@@ -251,6 +252,7 @@ def warm_up(runtime, prompt_len: int, buckets: bool = True) -> None:
 
 
 TRITON_COMPILES = [0]  # Triton kernels first met by this process (count_triton_compiles)
+GC = GCPauses()  # the garbage collector's pauses (installed in main), in the samples as gc_s
 
 
 def _host_allocs() -> int:
@@ -306,6 +308,9 @@ SAMPLE_FIELDS = ("t_s", "mean_bits", "kv_blocks_used", "running", "waiting", "to
                  # for the device to finish the step)
                  "step_s", "boundary_s", "capture_s", "descriptor_s",
                  "schedule_s", "prepare_s", "signature_s", "launch_s", "wait_s", "update_s",
+                 # host seconds the garbage collector ran in the step (any phase), and of them in
+                 # full collections (common/gc_pauses.py)
+                 "gc_s", "gc_full_s",
                  # CUDA, steps of the trace (not the drain): seconds between events recorded on
                  # the compute stream before and after the step (device work and the gaps the
                  # host left in it), MiB the caching allocator newly reserved in the step, and
@@ -318,7 +323,7 @@ _OTHER_PHASES = ("schedule", "prepare", "signature", "launch", "wait", "update")
 def _step_counters(runtime) -> tuple:
     graphs, phases = runtime.engine.runner.graphs, runtime.engine.phases.seconds
     return (time.perf_counter(), phases["boundary"], graphs.capture_seconds if graphs is not None else 0.0,
-            runtime.table.descriptor_seconds, *(phases[p] for p in _OTHER_PHASES))
+            runtime.table.descriptor_seconds, *(phases[p] for p in _OTHER_PHASES), GC.seconds, GC.full_seconds)
 
 
 def _sample(runtime, start: float, tokens: int, before: tuple | None = None) -> list:
@@ -490,6 +495,9 @@ def main() -> int:
                         help="decode launches independent of the layers' bits (auto: for moving policies)")
     parser.add_argument("--offer-min-used-fraction", type=float, default=BrokerConfig.offer_min_used_fraction,
                         help="spare bytes are offered back only when at least this fraction of the KV in use")
+    parser.add_argument("--no-gc-freeze", action="store_true",
+                        help="leave the start-up heap in the garbage collector (a full collection then walks it "
+                             "inside the trace, the behaviour before issue 17 round 6)")
     parser.add_argument("--no-warm-trace", action="store_true",
                         help="do not run the first (trace, policy) once, discarded, before the first measured "
                              "row (process-wide first-run costs then land in the first row)")
@@ -515,6 +523,7 @@ def main() -> int:
         torch.set_num_threads(args.threads)
     paged, config, eos, built = load_model(args, device, dtype)
     counting_triton = device.type == "cuda" and count_triton_compiles()
+    GC.install()
     ecfg = engine_config(args)
     sizes = budget_bytes(paged, config, ecfg, dtype, args)
     name = built.get("shape") or Path(args.artifact).name
@@ -557,6 +566,9 @@ def main() -> int:
             log(f"  {policy}: {err!r}")
             continue
         warm_up(rt, args.prompt_len, buckets=not args.no_warm_buckets)
+        if not args.no_gc_freeze:  # as the worker does once warmed up (worker/server.py)
+            freeze_startup_heap()
+        gc0 = (GC.seconds, GC.full_seconds, GC.num_full)
         rt.table.num_descriptor_updates, rt.table.descriptor_seconds = 0, 0.0  # the trace's own
         if rt.pager is not None:
             rt.pager.mover.profile.reset()
@@ -570,6 +582,8 @@ def main() -> int:
         if profiler is not None:
             row["slowest_steps"] = [{"step": i, "seconds": t, "profile": text} for t, i, text in profiler.kept]
         compiles = compile_stats()  # fused-kernel instances first met inside the trace (0 after precompile)
+        row.update({"gc_s": round(GC.seconds - gc0[0], 4), "gc_full_s": round(GC.full_seconds - gc0[1], 4),
+                    "gc_full_collections": GC.num_full - gc0[2]})
         row.update({"kernel_compiles": compiles.count - compiles0.count,
                     "kernel_compile_s": round(compiles.seconds - compiles0.seconds, 3)})
         if graphs is not None:  # a bit-class change in any layer re-captures each bucket it meets
@@ -600,6 +614,7 @@ def main() -> int:
             f"{row['bits_mean_end']}, back after burst {row['bits_back_after_burst_s']}")
         rt.close()
         del rt
+        unfreeze()  # the runtime's objects: collectable again
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
