@@ -2,12 +2,12 @@
 
 A full (generation 2) collection walks every tracked object. A worker holds a few hundred
 thousand of them after start-up (modules, the page table's extents and entries, the host
-copies' wrappers): one full pass took 0.28 s on this repository's CPU machine for the
-qwen-scaled pagedweight runtime (docs/elasticity.md 2h). The collector starts one when
-enough objects have survived younger passes, which is what a lowering does (new extents and
-views for hundreds of blocks), so the pause landed in the step right after a lowering: the
-0.29-0.43 s "first prefill step after a lowering" of the H200 runs, host time in the
-scheduler or the boundary with no compile, allocation or copy in it.
+copies' wrappers): one full pass took 0.22-0.28 s on this repository's CPU machine with the
+qwen-scaled pagedweight runtime held (docs/elasticity.md 2h). The collector starts one when
+enough objects have survived younger passes, wherever the program is then. That fits the
+one 0.29-0.43 s host stall per pagedweight trace of the H200 runs (in the scheduler or the
+boundary, with no compile, allocation or copy in it), but is not confirmed: the CPU traces
+made no full collection (2h).
 
 `freeze_startup_heap` moves every object alive after start-up into the permanent generation
 (`gc.freeze`): later collections walk only what serving created. Objects frozen are never

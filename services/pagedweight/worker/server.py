@@ -64,7 +64,8 @@ def load_runtime(config: WorkerConfig):
         if buckets:
             log.info("met decode buckets %s in %.1fs", buckets, time.monotonic() - start)
         # Start-up is over: what is alive now stays, so full collections need not walk it
-        # (common/gc_pauses.py: a full pass was the ~0.3 s step after a lowering)
+        # (common/gc_pauses.py: a full pass, 0.2-0.3 s, is the candidate for the H200's ~0.3 s
+        # stall once per trace)
         log.info("froze %d start-up objects out of the garbage collector", freeze_startup_heap())
     return runtime
 
