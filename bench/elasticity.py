@@ -45,6 +45,7 @@ import torch
 
 from bench.bench_meta import RESULTS_DIR, commit, machine
 from pagedweight.cli.load_bench import mean_committed_bits
+from pagedweight.common.gc_pauses import GCPauses, freeze_startup_heap, unfreeze
 from pagedweight.engine.memory_broker import BrokerConfig
 from pagedweight.engine.engine import EngineConfig
 from pagedweight.engine.sampler import SamplingParams
@@ -58,8 +59,9 @@ POLICIES = ("pagedweight", "static-8", "static-4", "static-3", "uniform")
 # A policy may carry a variant after a colon: ":class-launches" (decode launches follow the
 # layers' bit classes, the behaviour before issue 17's stable launches: a capture per change)
 # and ":all-kv" (the budget holds all the KV the load wants: no pressure, the ceiling of any
-# policy at those bits).
-VARIANTS = ("class-launches", "all-kv")
+# policy at those bits), ":compact-while-running" (compaction for raises also while
+# sequences run, the behaviour before issue 17 round 6).
+VARIANTS = ("class-launches", "all-kv", "compact-while-running")
 
 
 @dataclass(frozen=True)
@@ -127,6 +129,13 @@ def drive_trace(runtime, phases: list[Phase], prompt_len: int, max_tokens: int, 
     moves = _moves(runtime)
     key = _bits_key(table)
     burst_end = None
+    events = []  # CUDA: (start, end) events around every step, read once the trace is over
+    cuda = runtime.arena.device.type == "cuda"
+    reserved = torch.cuda.memory_reserved() if cuda else 0
+    growth = []  # MiB the caching allocator reserved during each step (a cudaMalloc)
+    jits = []  # Triton kernels the process met for the first time in each step (compiled or loaded)
+    pinned = []  # pinned host blocks the caching host allocator newly allocated in each step
+    host_allocs = _host_allocs() if cuda else 0
     start = time.perf_counter()
     last_report = start
     while sent < total or in_flight:
@@ -145,7 +154,20 @@ def drive_trace(runtime, phases: list[Phase], prompt_len: int, max_tokens: int, 
         before = _step_counters(runtime)
         if profiler is not None:
             profiler.enable()
+        if cuda:
+            events.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
+            events[-1][0].record()
+            jit0 = TRITON_COMPILES[0]
         outputs = engine.step()
+        if cuda:
+            events[-1][1].record()
+            now_reserved = torch.cuda.memory_reserved()
+            growth.append(round((now_reserved - reserved) / 2**20, 1))
+            reserved = now_reserved
+            jits.append(TRITON_COMPILES[0] - jit0)
+            now_allocs = _host_allocs()
+            pinned.append(now_allocs - host_allocs)
+            host_allocs = now_allocs
         if profiler is not None:
             profiler.disable()
             profiler.keep(len(samples), time.perf_counter() - before[0])
@@ -167,6 +189,10 @@ def drive_trace(runtime, phases: list[Phase], prompt_len: int, max_tokens: int, 
             last_report = time.perf_counter()
             log(f"  {finished}/{total} requests, {tokens} tokens, mean bits {samples[-1][1]:.3f}")
     elapsed = time.perf_counter() - start
+    if cuda:  # every step's stream span: from the host's first launch to its last work done
+        torch.cuda.synchronize()
+        for row, (a, b), grew, jit, pins in zip(samples, events, growth, jits, pinned):
+            row += [round(a.elapsed_time(b) / 1000, 4), grew, jit, pins]
     drain_start = time.perf_counter()
     while time.perf_counter() - drain_start < drain_s:  # idle: the weights take their bytes back
         before = _step_counters(runtime)
@@ -225,20 +251,79 @@ def warm_up(runtime, prompt_len: int, buckets: bool = True) -> None:
     engine.kv.shrink()
 
 
+TRITON_COMPILES = [0]  # Triton kernels first met by this process (count_triton_compiles)
+GC = GCPauses()  # the garbage collector's pauses (installed in main), in the samples as gc_s
+
+
+def _host_allocs() -> int:
+    """Pinned host blocks the caching host allocator has allocated so far (-1: no such stat)."""
+    try:
+        return int(torch.cuda.host_memory_stats().get("num_host_alloc", -1))
+    except (AttributeError, RuntimeError):
+        return -1
+
+
+def count_triton_compiles() -> bool:
+    """Count Triton's first compile (or disk-cache load) of each kernel specialisation in this
+    process through its post-compile hook: a specialisation first met inside a step (a new
+    value class of an integer argument, say) is a stall the fused kernel's compile counts do
+    not see. False where this Triton has no such hook."""
+    try:
+        from triton import knobs
+
+        previous = knobs.runtime.jit_post_compile_hook
+    except (ImportError, AttributeError):
+        return False
+
+    def hook(*args, **kwargs):
+        TRITON_COMPILES[0] += 1
+        return previous(*args, **kwargs) if previous is not None else None
+
+    knobs.runtime.jit_post_compile_hook = hook
+    return True
+
+
+def warm_trace(config: RuntimeConfig, paged, eos, phases: list[Phase], args, burst_phase) -> None:
+    """The first measured row's trace once, on a runtime of its own, discarded: what a process
+    pays the first time it meets the trace's shapes (2g: the first policy's mixed prefill
+    steps took 0.13-0.15 s where the same policy later in the process took 0.07 s) is then
+    paid before every row alike. The runtime is closed after it; each row builds its own."""
+    log("warm-up trace (discarded)")
+    rt = build_runtime_from_paged(paged, config, eos)
+    try:
+        warm_up(rt, args.prompt_len, buckets=not args.no_warm_buckets)
+        drive_trace(rt, phases, args.prompt_len, args.max_tokens, min(args.drain_s, 2.0), burst_phase)
+    finally:
+        rt.close()
+        del rt
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
 SAMPLE_FIELDS = ("t_s", "mean_bits", "kv_blocks_used", "running", "waiting", "tokens",
                  # host seconds of this step: all of it, the step boundary (pager and broker),
                  # decode-graph captures (warm-up included), kernel descriptor rewrites, then
                  # the engine's other phases (engine/step_phases.py: "wait" is the host waiting
                  # for the device to finish the step)
                  "step_s", "boundary_s", "capture_s", "descriptor_s",
-                 "schedule_s", "prepare_s", "signature_s", "launch_s", "wait_s", "update_s")
+                 "schedule_s", "prepare_s", "signature_s", "launch_s", "wait_s", "update_s",
+                 # host seconds the garbage collector ran in the step (any phase), and of them in
+                 # full collections (common/gc_pauses.py)
+                 "gc_s", "gc_full_s",
+                 # CUDA, steps of the trace (not the drain): seconds between events recorded on
+                 # the compute stream before and after the step (device work and the gaps the
+                 # host left in it), MiB the caching allocator newly reserved in the step, and
+                 # Triton kernels the process met for the first time in it (TRITON_COMPILES),
+                 # pinned host blocks newly allocated in it (cudaHostAlloc, -1: not counted)
+                 "stream_s", "alloc_growth_mib", "triton_compiles", "host_pinned_allocs")
 _OTHER_PHASES = ("schedule", "prepare", "signature", "launch", "wait", "update")
 
 
 def _step_counters(runtime) -> tuple:
     graphs, phases = runtime.engine.runner.graphs, runtime.engine.phases.seconds
     return (time.perf_counter(), phases["boundary"], graphs.capture_seconds if graphs is not None else 0.0,
-            runtime.table.descriptor_seconds, *(phases[p] for p in _OTHER_PHASES))
+            runtime.table.descriptor_seconds, *(phases[p] for p in _OTHER_PHASES), GC.seconds, GC.full_seconds)
 
 
 def _sample(runtime, start: float, tokens: int, before: tuple | None = None) -> list:
@@ -266,7 +351,7 @@ def engine_config(args) -> EngineConfig:
     broker = BrokerConfig(calm_steps=args.calm_steps, calm_seconds=args.calm_seconds,
                           offer_min_blocks=args.offer_min_blocks, ask_ahead_blocks=args.ask_ahead_blocks,
                           offer_min_used_fraction=args.offer_min_used_fraction,
-                          project_demand=not args.no_project_demand)
+                          project_demand=not args.no_project_demand, ask_before_short=not args.no_ask_before_short)
     return EngineConfig(scheduler=SchedulerConfig(max_num_seqs=args.concurrency,
                                                   max_num_batched_tokens=args.batched_tokens),
                         kv=KVCacheConfig(), broker=broker, graphs_per_bucket=args.graphs_per_bucket)
@@ -391,6 +476,9 @@ def main() -> int:
     parser.add_argument("--no-project-demand", action="store_true",
                         help="the broker asks for this step's shortage only and offers every spare byte "
                              "(the behaviour before issue 17's projected demand, for comparison)")
+    parser.add_argument("--no-ask-before-short", action="store_true",
+                        help="the broker asks for the projected demand only at the first shortage "
+                             "(the behaviour before issue 17 round 6)")
     parser.add_argument("--move-cost", type=float, default=RuntimeConfig.move_cost,
                         help="pagedweight: cost of each moved block in a lowering plan, in medians of one "
                              "bit's damage (fewer blocks lowered further); 0: the one-bit greedy")
@@ -407,6 +495,12 @@ def main() -> int:
                         help="decode launches independent of the layers' bits (auto: for moving policies)")
     parser.add_argument("--offer-min-used-fraction", type=float, default=BrokerConfig.offer_min_used_fraction,
                         help="spare bytes are offered back only when at least this fraction of the KV in use")
+    parser.add_argument("--no-gc-freeze", action="store_true",
+                        help="leave the start-up heap in the garbage collector (a full collection then walks it "
+                             "inside the trace, the behaviour before issue 17 round 6)")
+    parser.add_argument("--no-warm-trace", action="store_true",
+                        help="do not run the first (trace, policy) once, discarded, before the first measured "
+                             "row (process-wide first-run costs then land in the first row)")
     parser.add_argument("--profile-steps", type=int, default=0,
                         help="cProfile every step and keep the host profile of this many slowest (slows all steps)")
     parser.add_argument("--kl", action="store_true", help="--artifact: KL to bf16 of the plans served")
@@ -428,6 +522,8 @@ def main() -> int:
     if device.type == "cpu":
         torch.set_num_threads(args.threads)
     paged, config, eos, built = load_model(args, device, dtype)
+    counting_triton = device.type == "cuda" and count_triton_compiles()
+    GC.install()
     ecfg = engine_config(args)
     sizes = budget_bytes(paged, config, ecfg, dtype, args)
     name = built.get("shape") or Path(args.artifact).name
@@ -438,7 +534,10 @@ def main() -> int:
               "dtype": str(dtype),
               "args": {k: str(v) for k, v in vars(args).items()}, "bytes": sizes,
               "baseline": "static-8 at the same budget and trace", "traces": {}}
+    if device.type == "cuda":
+        result["triton_compile_hook"] = counting_triton
     all_traces = traces(args)
+    warmed_process = False
     for trace, policy in run_order(args.traces, args.policies):
         phases = all_traces[trace]
         burst_phase = 1 if trace == "burst" else None
@@ -453,16 +552,23 @@ def main() -> int:
         stable = {"class-launches": False}.get(variant, None if args.stable_launches == "auto"
                                                 else args.stable_launches == "on")
         budget = sizes["budget_all_kv"] if variant == "all-kv" else sizes["budget"]
+        config = RuntimeConfig(budget, base, device=str(device), dtype=dtype, engine=ecfg, move_cost=args.move_cost,
+                               precompile_kernels=not args.no_precompile, stable_decode_launches=stable,
+                               compact_raises_while_running=variant == "compact-while-running")
         try:
-            rt = build_runtime_from_paged(paged, RuntimeConfig(budget, base, device=str(device),
-                                                               dtype=dtype, engine=ecfg, move_cost=args.move_cost,
-                                                               precompile_kernels=not args.no_precompile,
-                                                               stable_decode_launches=stable), eos)
+            if not warmed_process:
+                warmed_process = True
+                if not args.no_warm_trace:
+                    warm_trace(config, paged, eos, phases, args, burst_phase)
+            rt = build_runtime_from_paged(paged, config, eos)
         except Exception as err:  # noqa: BLE001 - a policy that cannot start is a result too
             rows[policy] = {"error": repr(err)}
             log(f"  {policy}: {err!r}")
             continue
         warm_up(rt, args.prompt_len, buckets=not args.no_warm_buckets)
+        if not args.no_gc_freeze:  # as the worker does once warmed up (worker/server.py)
+            freeze_startup_heap()
+        gc0 = (GC.seconds, GC.full_seconds, GC.num_full)
         rt.table.num_descriptor_updates, rt.table.descriptor_seconds = 0, 0.0  # the trace's own
         if rt.pager is not None:
             rt.pager.mover.profile.reset()
@@ -476,6 +582,8 @@ def main() -> int:
         if profiler is not None:
             row["slowest_steps"] = [{"step": i, "seconds": t, "profile": text} for t, i, text in profiler.kept]
         compiles = compile_stats()  # fused-kernel instances first met inside the trace (0 after precompile)
+        row.update({"gc_s": round(GC.seconds - gc0[0], 4), "gc_full_s": round(GC.full_seconds - gc0[1], 4),
+                    "gc_full_collections": GC.num_full - gc0[2]})
         row.update({"kernel_compiles": compiles.count - compiles0.count,
                     "kernel_compile_s": round(compiles.seconds - compiles0.seconds, 3)})
         if graphs is not None:  # a bit-class change in any layer re-captures each bucket it meets
@@ -506,6 +614,7 @@ def main() -> int:
             f"{row['bits_mean_end']}, back after burst {row['bits_back_after_burst_s']}")
         rt.close()
         del rt
+        unfreeze()  # the runtime's objects: collectable again
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()

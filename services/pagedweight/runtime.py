@@ -72,6 +72,10 @@ class RuntimeConfig:
     # with the 8-bit LUT size), so the pager's bit changes never make a decode graph capture
     # again; None: on for a policy whose bits move, off for static-B (its class kernels stay)
     stable_decode_launches: bool | None = None
+    # compaction for raises also while sequences run (the behaviour before issue 17 round 6);
+    # off: raises during a load take only free runs that already hold them, the rest wait for
+    # a boundary with nothing running (weights/weight_pager.py, docs/elasticity.md 2h)
+    compact_raises_while_running: bool = False
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self):
@@ -185,6 +189,7 @@ def build_runtime_from_paged(paged, config: RuntimeConfig, eos_token_ids=()) -> 
         tile = kv_tile_bytes(paged.config, config.engine.kv.block_size, config.dtype)  # the unit KV is placed in
         # KV lives in tiles that fit the holes lowering leaves: no compaction for KV room
         pager = WeightPager(mover, planner, kv_block_bytes=tile, routing=feed.snapshot, compact_for_kv=False,
+                            compact_raises_while_running=config.compact_raises_while_running,
                             prompts=(lambda: recorder.mix(residual_of)) if recorder is not None else None)
     engine = Engine(model, config.engine, arena=arena, pager=pager, eos_token_ids=eos_token_ids,
                     max_kv_blocks=_max_kv_blocks(config, paged.config, table, arena), prompt_routing=recorder)

@@ -12,8 +12,9 @@ from pagedweight.runtime import RuntimeConfig, build_runtime
 from tests.test_runtime import ENGINE, MAX_TOKENS, check_pool, fixed_budget, prompts
 
 
-def run_load(paged_dir, project_demand: bool) -> dict:
-    engine_config = dataclasses.replace(ENGINE, broker=BrokerConfig(project_demand=project_demand))
+def run_load(paged_dir, project_demand: bool, ask_before_short: bool = True) -> dict:
+    broker = BrokerConfig(project_demand=project_demand, ask_before_short=ask_before_short)
+    engine_config = dataclasses.replace(ENGINE, broker=broker)
     runtime = build_runtime(paged_dir, RuntimeConfig(fixed_budget(paged_dir, 8, 80), "pagedweight",
                                                      engine=engine_config))
     try:
@@ -34,7 +35,8 @@ def run_load(paged_dir, project_demand: bool) -> dict:
         stats, pager = engine.stats(), runtime.pager.stats()
         return {"projected_ok": projected_ok, "asks": engine.broker.num_requests, "plans": pager.num_plans,
                 "short_steps": stats.memory_short_steps, "preemptions": stats.num_preemptions,
-                "offers_while_queued": offers_while_queued, "min_bits": pager.mean_committed_bits_min}
+                "offers_while_queued": offers_while_queued, "min_bits": pager.mean_committed_bits_min,
+                "projected_asks": engine.broker.num_projected_asks}
     finally:
         runtime.close()
 
@@ -47,3 +49,15 @@ def test_projected_demand_lowers_once_and_stalls_less(paged_micro_dir):
     assert after["asks"] < before["asks"] and after["plans"] < before["plans"]
     assert after["short_steps"] < before["short_steps"]
     assert after["offers_while_queued"] == 0  # no raise for bytes the queue was about to take
+
+
+def test_asking_for_the_projection_before_a_shortage_removes_the_stalled_steps(paged_micro_dir):
+    """With requests queued, the broker lowers at a step boundary for the projected demand
+    the pool cannot hold, before any sequence is short: the load that stalled at its first
+    shortage (asking only then) runs without a stalled step, with as few plans and no
+    preemption."""
+    late, early = run_load(paged_micro_dir, True, ask_before_short=False), run_load(paged_micro_dir, True)
+    assert late["short_steps"] > 0 and late["projected_asks"] == 0
+    assert early["projected_asks"] > 0 and early["short_steps"] < late["short_steps"]
+    assert early["plans"] <= late["plans"] and early["preemptions"] == late["preemptions"] == 0
+    assert early["min_bits"] < 8.0 and early["offers_while_queued"] == 0

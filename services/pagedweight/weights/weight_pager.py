@@ -73,7 +73,7 @@ class WeightPager:
                  routing: Callable[[], RoutingSnapshot] | None = None,
                  prompts: Callable[[], PromptMix | None] | None = None,
                  compact_bytes_per_boundary: int | None = DEFAULT_COMPACT_BYTES, compact_for_kv: bool = True,
-                 compact_extents_per_boundary: int | None = None):
+                 compact_extents_per_boundary: int | None = None, compact_raises_while_running: bool = True):
         """`planner` is registered with this page table's blocks, in the table's order
         (in_process_planner.page_table_registration). `routing`: e.g. RoutingFeed.snapshot,
         the live routing sent with every request. `prompts`: the prompts in flight, sent
@@ -100,6 +100,15 @@ class WeightPager:
         # H200 at Qwen1.5-MoE's width compaction for KV moved 1.3 GB (and rewrote 12k kernel
         # descriptors) to gather the crumbs of 1.0 GB of lowering.
         self.compact_for_kv = compact_for_kv
+        # False: compaction for raises waits for a boundary with no sequence running (the
+        # broker says so); until then a raise starts only where a free run already holds it,
+        # and the ones that do not are dropped by the stall rule and planned again when the
+        # load has gone. Compaction copies on the compute stream and walks every extent on the
+        # host (~8 ms a boundary at Qwen1.5-MoE's width, 0.26 s in one boundary of the H200
+        # burst trace, docs/elasticity.md 2g-2h): with sequences running it stalls every one of
+        # them for bits that matter less than their tokens.
+        self.compact_raises_while_running = compact_raises_while_running
+        self.num_compactions_deferred = 0  # boundaries that skipped compaction for raises (load running)
         self.block_ids: list[BlockId] = list(self.table.entries)  # the registration's block order
         self._request_ids = itertools.count(1)
         self._in_flight: PlanRequest | None = None  # the request whose response has not arrived
@@ -219,11 +228,13 @@ class WeightPager:
         else:
             self._free_bytes_at_refusal = self.mover.arena.pool.free_bytes
 
-    def step_boundary(self) -> BoundaryResult:
+    def step_boundary(self, sequences_running: bool = False) -> BoundaryResult:
+        """`sequences_running`: some sequence holds KV (the broker knows); with
+        `compact_raises_while_running` off, no compaction for raises at this boundary."""
         with self.mover.profile.timed("boundary"):
-            return self._step_boundary()
+            return self._step_boundary(sequences_running)
 
-    def _step_boundary(self) -> BoundaryResult:
+    def _step_boundary(self, sequences_running: bool = False) -> BoundaryResult:
         if self._in_flight is not None:
             self._apply_arrived()
         if self._compaction_left:
@@ -236,8 +247,11 @@ class WeightPager:
         if result.lowered_ids and self.compact_for_kv:
             self._compact()
         elif result.num_raises_fragmented:  # the raises retry at the next boundary
-            self.mover.compact(max_bytes=self.compact_bytes_per_boundary, phase="compact_for_raise",
-                               max_moves=self.compact_extents_per_boundary)
+            if sequences_running and not self.compact_raises_while_running:
+                self.num_compactions_deferred += 1
+            else:
+                self.mover.compact(max_bytes=self.compact_bytes_per_boundary, phase="compact_for_raise",
+                                   max_moves=self.compact_extents_per_boundary)
         self._drop_stalled_raises(result)
         self._mean_min = min(self._mean_min, self._mean_bits())
         self._settled = not self.mover.busy()
@@ -303,6 +317,7 @@ class WeightPager:
                 "descriptor_updates": self.table.num_descriptor_updates,
                 "descriptor_seconds": round(self.table.descriptor_seconds, 6),
                 "offers": dict(self.offer_outcomes), "raises_dropped": self.num_raises_dropped,
+                "compactions_deferred": self.num_compactions_deferred,
                 "routing_non_finite": self.num_routing_non_finite},
         )
 
