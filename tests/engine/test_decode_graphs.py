@@ -124,6 +124,48 @@ def test_prefill_and_mixed_steps_as_token_rows_equal_generate_on_cpu(num_blocks)
         assert engine.scheduler.num_preemptions > 0
 
 
+def test_token_row_prefill_in_bf16_is_as_close_to_fp32_as_the_eager_prefill():
+    """In bf16 the token-row prefill (the decode kernel's attention, one row per token) and
+    the eager varlen prefill (SDPA over a gathered copy) round differently, so they differ
+    by about 1% at the last token's logits (0.5-2.4% here and at the Qwen shape on the
+    H200). That is rounding, not a different function: against the fp32 model on the same
+    prompt the token rows are as close as the eager step (measured: 0.5-3.0% vs 0.5-6.8%)."""
+    import copy
+
+    model = load_model(BUNDLED_MODEL, dtype=torch.bfloat16)
+    reference = copy.deepcopy(model).float()
+    for block in model.moe_blocks:
+        block.experts.grouped = True
+    engine = _engine(model, "cpu", capture=False)
+    runner = engine.runner
+    replay, errors = runner._replay, []
+
+    def rel(a, b):
+        return ((a - b).norm() / b.norm()).item()
+
+    def replay_and_compare(scheduled):
+        replayed = replay(scheduled)
+        if replayed is not None and scheduled[0].num_new_tokens > 1:
+            rows_logits = replayed[0].float().clone()
+            ids, step, rows = runner.prepare(scheduled)  # the eager step, after the replay
+            eager = model.forward_paged(ids, step, rows).float()
+            with torch.inference_mode():
+                exact = reference(torch.tensor([scheduled[0].seq.prompt_ids]))[0, -1:].float()
+            errors.append((rel(eager, exact), rel(rows_logits, exact)))
+        return replayed
+
+    runner._replay = replay_and_compare
+    gen = torch.Generator().manual_seed(5)
+    for i, n in enumerate((8, 16, 24, 32, 40, 48)):
+        engine.add_request(str(i), torch.randint(1, model.config.vocab_size, (n,), generator=gen).tolist(),
+                           SamplingParams(max_tokens=1, ignore_eos=True))
+        engine.run_to_completion()
+    assert len(errors) == 6 and runner.num_eager_steps == 0
+    eager_err = sum(e for e, _ in errors) / len(errors)
+    rows_err = sum(r for _, r in errors) / len(errors)
+    assert rows_err <= 1.25 * eager_err + 1e-3 and max(r for _, r in errors) < 0.05, errors
+
+
 def test_graph_prefill_off_or_prompt_routing_keeps_prefill_steps_eager():
     model = _grouped_model()
     engine = _engine(model, "cpu", capture=False, graph_prefill=False)
@@ -239,7 +281,12 @@ def test_cuda_graph_replays_compute_the_eager_step():
     assert checked and max(n for n, _, _, _ in checked) == 5
     assert any(rows > n > 1 for n, rows, _, _ in checked)  # a prefill chunk beside other sequences
     assert any(pick_bucket(rows, buckets) > rows for _, rows, _, _ in checked)  # padded rows too
-    assert all(rel < 1e-2 and same >= 0.99 for _, _, rel, same in checked), checked
+    # decode steps: the same kernels as the eager step; steps with prefill rows: the decode
+    # kernel's attention and the fused RoPE against SDPA and torch's RoPE, which round
+    # differently in bf16 (1.7-2.4% at the Qwen shape, argmax equal; the CPU test above
+    # holds both equally close to fp32). This test's first form held them to 1e-2 and
+    # failed on the H200 (2026-12-01; the log was cut before its report).
+    assert all(rel < (1e-2 if rows == n else 4e-2) and same >= 0.99 for n, rows, rel, same in checked), checked
     g = runner.graphs
     assert g.num_replays == len(checked) and g.num_captures >= 2
 
