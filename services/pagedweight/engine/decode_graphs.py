@@ -93,11 +93,6 @@ class StepChunk:
     samples: bool = True  # its last row's logits are wanted
 
 
-def DecodeRow(token_id: int, block_ids: list[int], context_len: int) -> StepChunk:
-    """A decode step's sequence: one new token (its position + 1 = context_len)."""
-    return StepChunk((token_id,), block_ids, context_len)
-
-
 class DecodeGraphs:
     def __init__(self, model: MoECausalLM, kv: PagedKVCache, max_batch: int,
                  buckets: tuple[int, ...] | None = None, capture: bool | None = None,
