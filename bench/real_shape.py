@@ -329,6 +329,96 @@ def ttft(engine, prompt_len: int, device: torch.device, repeats: int = 2) -> flo
     return round(best, 4)
 
 
+def prefill_profile(engine, prompt_len: int, device: torch.device, repeats: int = 5) -> dict:
+    """The first step of a request on an idle engine (its prompt's prefill and first token,
+    one step when the budget holds the prompt): wall ms per step (median of `repeats`, after
+    one that warms the shapes up or captures the bucket's graph), the host's ms per phase
+    (Engine.phases), whether the step replayed a graph, and the kernels of one more step
+    (torch.profiler: launches, summed kernel ms, and by name)."""
+    vocab = engine.model.config.vocab_size
+    gen = torch.Generator().manual_seed(13)
+    params = SamplingParams(max_tokens=1, ignore_eos=True)
+    runner = engine.runner
+
+    def one(i: int) -> tuple[float, bool]:
+        engine.add_request(f"pf{prompt_len}-{i}", torch.randint(1, vocab, (prompt_len,), generator=gen).tolist(),
+                           params)
+        sync(device)
+        graph_steps = runner.num_graph_steps
+        t0 = time.perf_counter()
+        engine.step()
+        sync(device)
+        ms = 1000 * (time.perf_counter() - t0)
+        replayed = runner.num_graph_steps > graph_steps
+        while engine.has_work:
+            engine.step()
+        return ms, replayed
+
+    one(-1)
+    phases = getattr(engine, "phases", None)
+    if phases is not None:
+        phases.reset()
+    times, replays = [], 0
+    for i in range(repeats):
+        ms, replayed = one(i)
+        times.append(ms)
+        replays += replayed
+    result = {"prompt_len": prompt_len, "step_ms": round(sorted(times)[len(times) // 2], 3),
+              "step_ms_all": [round(t, 3) for t in times], "replayed": replays}
+    if phases is not None:  # phases count every step: the prefill steps are all of them here
+        result["host_phase_ms"] = phases.per_step_ms()
+    if device.type == "cuda":
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            one(repeats)
+            sync(device)
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        result["kernels_per_step"] = len(kernels)
+        result["kernel_ms_per_step"] = round(sum(e.time_range.elapsed_us() for e in kernels) / 1000, 3)
+        by_name = collections.Counter(e.name for e in kernels)
+        result["kernels_by_name"] = {name[:96]: n for name, n in by_name.most_common(40)}
+        ms_by_name = collections.Counter()
+        for e in kernels:
+            ms_by_name[e.name[:96]] += e.time_range.elapsed_us() / 1000
+        result["kernel_ms_by_name"] = {k: round(v, 3) for k, v in ms_by_name.most_common(20)}
+    return result
+
+
+def prefill_parity(engine, prompt_lens, device: torch.device) -> list[dict]:
+    """Every replayed step of a few prompts (each prefilled in one step, then 3 decodes)
+    against the same step run eagerly right after it (the varlen batched path; it rewrites
+    the same KV slots): relative logit error and argmax agreement (issue 12: prefill as
+    token rows must compute the eager step)."""
+    runner = engine.runner
+    replay, checked = runner._replay, []
+
+    def replay_and_compare(scheduled):
+        replayed = replay(scheduled)
+        if replayed is not None:
+            logits = replayed[0].float().clone()
+            ids, step, rows = runner.prepare(scheduled)
+            eager = engine.model.forward_paged(ids, step, rows).float()
+            checked.append({"rows": sum(s.num_new_tokens for s in scheduled),
+                            "rel_err": float((logits - eager).norm() / eager.norm()),
+                            "argmax_agree": float((logits.argmax(-1) == eager.argmax(-1)).float().mean())})
+        return replayed
+
+    runner._replay = replay_and_compare
+    try:
+        vocab = engine.model.config.vocab_size
+        gen = torch.Generator().manual_seed(17)
+        for i, n in enumerate(prompt_lens):
+            engine.add_request(f"parity{i}", torch.randint(1, vocab, (n,), generator=gen).tolist(),
+                               SamplingParams(max_tokens=4, ignore_eos=True))
+            while engine.has_work:
+                engine.step()
+        sync(device)
+    finally:
+        runner._replay = replay
+    return checked
+
+
 def hf_generate_tokens_per_s(hf_model, vocab: int, batch: int, prompt_len: int, new_tokens: int,
                              device: torch.device) -> dict:
     gen = torch.Generator().manual_seed(batch)
@@ -463,20 +553,30 @@ class Report:
 
 # How a step runs (issue 12): the earlier engine (every step eager, the batched path's
 # padded gather, the per-expert loop over dense experts), the in-place decode attention
-# alone, and CUDA-graph replay of decode steps on top of it (grouped dense experts).
+# alone, CUDA-graph replay of decode steps with prefill steps eager (the engine before
+# prefill graphs), and replay of every step as token rows, prefill chunks included (the
+# engine's default; graph_prefill).
 MODES = {
     "eager-gather": dict(attention_impl="batched", graphs=False, grouped=False),
     "eager-inplace": dict(attention_impl="inplace", graphs=False, grouped=True),
-    "graphs-inplace": dict(attention_impl="inplace", graphs=True, grouped=True),
+    "graphs-eager-prefill": dict(attention_impl="inplace", graphs=True, grouped=True, prefill=False),
+    "graphs-inplace": dict(attention_impl="inplace", graphs=True, grouped=True, prefill=True),
 }
 
 
 def set_mode(engine, mode: str) -> None:
-    """Switch a built engine between MODES (no rebuild: the runtime takes 30 s to build)."""
+    """Switch a built engine between MODES (no rebuild: the runtime takes 30 s to build).
+    An engine from before prefill graphs (a base checkout) takes every graphs mode as
+    decode-only replay."""
     m = MODES[mode]
-    engine.runner.attention_impl = m["attention_impl"]
+    runner = engine.runner
+    runner.attention_impl = m["attention_impl"]
     graphs = m["graphs"] and engine.kv.device.type == "cuda"
-    engine.runner.graphs = DecodeGraphs(engine.model, engine.kv, engine.config.scheduler.max_num_seqs) \
+    prefill = m.get("prefill", False) and hasattr(runner, "graph_prefill")
+    if hasattr(runner, "graph_prefill"):
+        runner.graph_prefill = prefill
+    kwargs = {"max_tokens": engine.graph_tokens()} if prefill else {}
+    runner.graphs = DecodeGraphs(engine.model, engine.kv, engine.config.scheduler.max_num_seqs, **kwargs) \
         if graphs else None
     for block in engine.model.moe_blocks:
         if hasattr(block.experts, "grouped"):
@@ -512,6 +612,10 @@ def main() -> None:
     parser.add_argument("--profile-concurrency", type=int, nargs="*", default=[1, 64],
                         help="concurrencies of the per-step profile (host phases, device span, kernels)")
     parser.add_argument("--label", default="", help="what this run measures (e.g. before / after)")
+    parser.add_argument("--min-requests", type=int, default=2,
+                        help="requests of each load at least (the load has max(this, concurrency))")
+    parser.add_argument("--prefill-profile", type=int, nargs="*", default=[],
+                        help="prompt lengths whose first step (prefill) is profiled in every mode")
     parser.add_argument("--skip", nargs="*", default=[], help="sections to skip: hf bf16 static pressure")
     parser.add_argument("--time-limit-s", type=float, default=540.0)
     parser.add_argument("--reserve-s", type=float, default=60.0,
@@ -536,7 +640,7 @@ def main() -> None:
                           "model": args.model,
                           "dtype": "bfloat16", "args": {k: str(v) for k, v in vars(args).items()},
                           "gemv_max_tokens_per_expert": getattr(decode_ops, "GEMV_MAX_TOKENS_PER_EXPERT", None)})
-    specs = [LoadSpec(max(2, c), c, args.prompt_len, args.max_tokens) for c in args.concurrency]
+    specs = [LoadSpec(max(args.min_requests, c), c, args.prompt_len, args.max_tokens) for c in args.concurrency]
     max_seqs = max(max(args.concurrency), args.pressure_concurrency)
     batched_tokens = max(512, min(2048, max(args.ttft_prompts or [0])))
 
@@ -575,6 +679,18 @@ def main() -> None:
                                                  args.max_tokens, device))
             report.put("transformers_generate", rows)
 
+    def extras_per_mode(row: dict, engine, mode: str) -> None:
+        """TTFT, the prefill profile and (with prefill graphs) their parity, in each mode:
+        how the prefill runs is what the modes differ in."""
+        if args.prefill_profile and clock.left() > args.reserve_s:
+            row["prefill"] = {str(n): prefill_profile(engine, n, device) for n in args.prefill_profile
+                              if clock.left() > args.reserve_s}
+        if MODES[mode].get("prefill") and getattr(engine.runner, "graph_prefill", False) \
+                and clock.left() > args.reserve_s:
+            row["prefill_parity"] = prefill_parity(engine, sorted({args.prompt_len, 33, *args.prefill_profile}),
+                                                   device)
+        row["ttft_s"] = {str(n): ttft(engine, n, device) for n in args.ttft_prompts if clock.left() > args.reserve_s}
+
     if "bf16" not in args.skip:
         engine = Engine(ours, engine_config(max_seqs, batched_tokens, num_kv_blocks=1024 if device.type == "cuda" else 512))
         modes = {}
@@ -589,9 +705,7 @@ def main() -> None:
             if mode == args.modes[-1]:
                 row["profile"] = {str(c): decode_profile(engine, c, args.prompt_len, device)
                                   for c in args.profile_concurrency if clock.left() > args.reserve_s + 30}
-            if mode == args.modes[-1]:  # prefill runs eagerly in every mode
-                row["ttft_s"] = {str(n): ttft(engine, n, device) for n in args.ttft_prompts
-                                 if clock.left() > args.reserve_s}
+            extras_per_mode(row, engine, mode)
             report.put("engine_bf16_dense", modes)
         del engine
 
@@ -632,11 +746,14 @@ def main() -> None:
                         break
                     loads.append(tokens_per_s(rt.engine, spec, device))
                     report.put("runtime_static", static)
-            if bits == 4:
-                row["profile"] = {str(c): decode_profile(rt.engine, c, args.prompt_len, device)
-                                  for c in args.profile_concurrency if clock.left() > args.reserve_s + 30}
-            if bits == 4:
-                row["ttft_s"] = {str(n): ttft(rt.engine, n, device) for n in args.ttft_prompts if clock.left() > args.reserve_s}
+                if bits == 4:  # per mode: TTFT, prefill profile, parity (the last mode's TTFT as before)
+                    extras = row.setdefault("by_mode", {}).setdefault(mode, {})
+                    if mode == args.modes[-1]:
+                        row["profile"] = {str(c): decode_profile(rt.engine, c, args.prompt_len, device)
+                                          for c in args.profile_concurrency if clock.left() > args.reserve_s + 30}
+                    extras_per_mode(extras, rt.engine, mode)
+                    row["ttft_s"] = extras["ttft_s"]
+                    report.put("runtime_static", static)
             report.put("runtime_static", static)
             rt.close()
             del rt

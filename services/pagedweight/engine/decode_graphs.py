@@ -1,9 +1,21 @@
-"""CUDA-graph replay of decode steps, per padded batch bucket (issue 12).
+"""CUDA-graph replay of engine steps as token rows, per padded bucket (issue 12).
 
 At real sizes a decode step is bound by the host issuing ~1,500 small operators, not by
 the GPU (docs/real_shape.md). A decode step's work has a fixed shape once its batch is
 padded to a bucket, so it is captured once per bucket and replayed: one launch instead of
 thousands.
+
+Steps with prefill chunks replay the same graphs (`StepChunk`, issue 12's prefill work):
+every new token is one row, with its own position, KV slot, context length (its position
++ 1) and its sequence's block table. The in-place attention writes every row's k, v
+before it attends, and each row attends up to its own length, so a chunk's rows attend
+causally to each other and to the context before them: the step computes what the
+eager varlen step computes (the attention through the decode kernel instead of SDPA over
+a gathered copy: equal up to rounding). Decode buckets (up to the engine's max_num_seqs)
+and token buckets above them (up to `max_tokens`) are one list; a step of T rows takes
+the smallest bucket holding T. Logits are computed only for the rows that sample (a
+static row index, at most max_batch of them), so a token bucket's graph keeps a
+[max_batch, V] output, not [T, V].
 
 What makes a replay valid for any step of its bucket:
 - Inputs live in static device buffers. Each step's host values (token ids, positions,
@@ -20,8 +32,8 @@ What makes a replay valid for any step of its bucket:
   classes, widest bits). A bucket is captured again when that signature changes, and an
   operator that returns None (or has no such method) keeps the step eager. The routing
   observer's identity is part of the signature: its device-side counters are captured.
-- Steps with a prefill chunk, more sequences than the largest bucket, or a sequence that
-  does not sample run eagerly.
+- Steps with more rows than the largest bucket run eagerly; with `max_tokens` None (the
+  engine's `graph_prefill` off) so do steps with a prefill chunk (the runner decides).
 
 `capture=False` runs the same static-buffer plumbing without capturing (the CPU tests
 check padding and buffers against the eager engine that way).
@@ -33,7 +45,9 @@ import time
 import warnings
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
+from typing import Sequence
 
+import numpy as np
 import torch
 
 from pagedweight.engine.step_phases import StepPhases
@@ -41,8 +55,12 @@ from pagedweight.memory.kv_cache import PagedKVCache
 from pagedweight.model.paged_attention import PagedStep
 from pagedweight.model.transformer import MoECausalLM
 
-DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
-_FIELDS = 4  # per row: input id, position, new KV offset, context length; then the block table
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
+# per row: input id, position, new KV offset, context length, the logits row (row j of the
+# graph's logits is token row static[j, 4]: only the first min(bucket, max_batch) are read);
+# then the block table
+_FIELDS = 5
+LOGITS_ROW = 4
 
 
 def buckets_up_to(max_batch: int, buckets=DEFAULT_BUCKETS) -> tuple[int, ...]:
@@ -51,24 +69,34 @@ def buckets_up_to(max_batch: int, buckets=DEFAULT_BUCKETS) -> tuple[int, ...]:
     return chosen + (max_batch,)
 
 
+def token_buckets(max_batch: int, max_tokens: int | None, buckets=DEFAULT_BUCKETS) -> tuple[int, ...]:
+    """Buckets above the decode buckets for steps of up to max_tokens token rows (prefill
+    chunks); () when max_tokens is None or not above max_batch."""
+    if max_tokens is None or max_tokens <= max_batch:
+        return ()
+    return tuple(b for b in buckets if max_batch < b < max_tokens) + (max_tokens,)
+
+
 def pick_bucket(n: int, buckets: tuple[int, ...]) -> int | None:
     """The smallest bucket holding n sequences; None when n exceeds them all."""
     return next((b for b in buckets if b >= n), None)
 
 
 @dataclass
-class DecodeRow:
-    """One sequence of a decode step, as the host knows it."""
+class StepChunk:
+    """One sequence's part of a step, as the host knows it: its new tokens (one for a
+    decode, a prefill chunk's several) ending at context_len."""
 
-    token_id: int  # the input token
+    token_ids: Sequence[int]  # the input tokens, positions context_len - n .. context_len - 1
     block_ids: list[int]  # its block table (RELEASED entries stay negative)
-    context_len: int  # tokens in the cache after this step (its position + 1)
+    context_len: int  # tokens in the cache after this step
+    samples: bool = True  # its last row's logits are wanted
 
 
 class DecodeGraphs:
     def __init__(self, model: MoECausalLM, kv: PagedKVCache, max_batch: int,
                  buckets: tuple[int, ...] | None = None, capture: bool | None = None,
-                 graphs_per_bucket: int = 1):
+                 graphs_per_bucket: int = 1, max_tokens: int | None = None):
         if graphs_per_bucket < 1:
             raise ValueError(f"graphs_per_bucket must be >= 1, got {graphs_per_bucket}")
         self.model, self.kv = model, kv
@@ -78,23 +106,28 @@ class DecodeGraphs:
         # warm-up step and the capture itself. Each kept graph holds its outputs (logits).
         self.graphs_per_bucket = graphs_per_bucket
         self.buckets = buckets_up_to(max_batch) if buckets is None else tuple(sorted(buckets))
-        self.max_batch = self.buckets[-1]
+        self.max_batch = self.buckets[-1]  # the most sequences (logits rows) a step has
+        # steps of more rows than sequences (prefill chunks): buckets up to max_tokens rows
+        self.token_buckets = token_buckets(self.max_batch, max_tokens)
+        self.row_buckets = self.buckets + self.token_buckets
+        self.max_rows = self.row_buckets[-1]
         self.capture = kv.device.type == "cuda" if capture is None else capture
         self.width = -(-model.config.max_position_embeddings // kv.block_size)  # table columns
         row = _FIELDS + self.width
-        self.static = torch.zeros(self.max_batch, row, dtype=torch.int64, device=kv.device)
+        self.static = torch.zeros(self.max_rows, row, dtype=torch.int64, device=kv.device)
         pin = kv.device.type == "cuda"
-        self.host = torch.zeros(self.max_batch, row, dtype=torch.int64, pin_memory=pin)
+        self.host = torch.zeros(self.max_rows, row, dtype=torch.int64, pin_memory=pin)
         self.host_np = self.host.numpy()  # the same memory: rows are filled without torch dispatch
-        self.rows = torch.arange(self.max_batch, device=kv.device)  # logits rows: all of them
         # bucket -> {sig: (graph, (logits, greedy tokens))}, most recently used last
         self.graphs: dict[int, OrderedDict[tuple, tuple[object, tuple[torch.Tensor, torch.Tensor]]]] = {}
         self.pool = None
         self.num_captures = self.num_replays = 0
-        self.steps_per_bucket: Counter = Counter()  # bucket -> decode steps it served
+        self.steps_per_bucket: Counter = Counter()  # bucket -> steps it served
+        self.prefill_steps = 0  # steps served that had a chunk of more than one token
         self.capture_seconds = 0.0  # host time in captures, warm-up included (a step waits for it)
         self.capture_warmup_seconds = 0.0  # of which the eager warm-up step before each capture
         self.disabled = False  # a capture failed: every step eager
+        self.prefill_disabled = False  # a capture of a step with a prefill chunk failed: those eager
         self.replay_events: list | None = None  # a list: (bucket, start, end) CUDA events per replay
 
     # ---- when a step can replay ------------------------------------------------------
@@ -109,28 +142,38 @@ class DecodeGraphs:
             parts.append((id(block.observer), state))
         return tuple(parts)
 
-    def fits(self, rows: list[DecodeRow]) -> bool:
-        return 0 < len(rows) <= self.max_batch and all(
-            -(-r.context_len // self.kv.block_size) <= self.width for r in rows)
+    def fits(self, chunks: list[StepChunk]) -> bool:
+        rows = sum(len(c.token_ids) for c in chunks)
+        return (0 < rows <= self.max_rows and sum(c.samples for c in chunks) <= self.max_batch
+                and all(-(-c.context_len // self.kv.block_size) <= self.width for c in chunks))
+
+    def logits_rows(self, bucket: int) -> int:
+        """Rows of logits a bucket's graph computes (every sampling sequence's last row)."""
+        return min(bucket, self.max_batch)
 
     # ---- one step --------------------------------------------------------------------
-    def run(self, rows: list[DecodeRow], phases: StepPhases | None = None):
-        """(logits [n, V], greedy tokens [n]) of a decode step of n = len(rows) sequences, on
-        the device; None when it must run eagerly. The argmax is part of the graph: a greedy
-        step reads its tokens back without another launch."""
-        if self.disabled or not self.fits(rows):
+    def run(self, chunks: list[StepChunk], phases: StepPhases | None = None):
+        """(logits [n, V], greedy tokens [n]) of a step whose sequences' new tokens are
+        `chunks` (n = the chunks that sample, in order), on the device; None when it must
+        run eagerly. The argmax is part of the graph: a greedy step reads its tokens back
+        without another launch."""
+        if self.disabled or not self.fits(chunks):
+            return None
+        rows = sum(len(c.token_ids) for c in chunks)
+        prefill = rows > len(chunks)
+        if prefill and self.prefill_disabled:
             return None
         sig = self.signature()
         if phases is not None:
             phases.mark("signature")
         if sig is None:
             return None
-        bucket = pick_bucket(len(rows), self.buckets)
+        bucket = pick_bucket(rows, self.row_buckets)
         self.steps_per_bucket[bucket] += 1
-        self._upload(rows, bucket)
+        self.prefill_steps += prefill
+        n = self._upload(chunks, bucket)
         if phases is not None:
             phases.mark("prepare")
-        n = len(rows)
         if not self.capture:
             logits, tokens = self._forward(bucket)
             return logits[:n], tokens[:n]
@@ -142,9 +185,13 @@ class DecodeGraphs:
             try:
                 entry = self._capture(bucket, sig)
             except RuntimeError as err:  # an operator that cannot be captured after all
-                warnings.warn(f"decode graphs off: capturing a step of {bucket} failed ({err}); "
-                              "steps run eagerly from now on", RuntimeWarning, stacklevel=2)
-                self.disabled = True
+                what = "steps with a prefill chunk" if prefill else "steps"
+                warnings.warn(f"decode graphs off: capturing a step of {bucket} rows failed ({err}); "
+                              f"{what} run eagerly from now on", RuntimeWarning, stacklevel=2)
+                if prefill:  # the decode buckets' graphs still serve decode steps
+                    self.prefill_disabled = True
+                else:
+                    self.disabled = True
                 return None
         if self.replay_events is None:
             entry[0].replay()
@@ -158,23 +205,37 @@ class DecodeGraphs:
         logits, tokens = entry[1]
         return logits[:n], tokens[:n]
 
-    def _upload(self, rows: list[DecodeRow], bucket: int) -> None:
-        """Host values of the step into the pinned mirror, one copy into the static rows.
-        The mirror is reused: the previous step's copy has finished, since the engine read
-        that step's sampled tokens back (its one synchronisation) before building this one.
-        Written through numpy: a torch element assignment costs microseconds of dispatch,
-        and a step of 64 rows made hundreds of them."""
+    def _upload(self, chunks: list[StepChunk], bucket: int) -> int:
+        """Host values of the step into the pinned mirror, one copy into the static rows;
+        returns the number of sampling chunks. The mirror is reused: the previous step's
+        copy has finished, since the engine read that step's sampled tokens back (its one
+        synchronisation) before building this one. Written through numpy, a chunk's rows as
+        slices: a torch element assignment costs microseconds of dispatch, and a step of 64
+        rows made hundreds of them."""
         bs, host = self.kv.block_size, self.host_np
         host[:bucket, _FIELDS:] = -1
-        for i, r in enumerate(rows):
-            pos = r.context_len - 1
-            n = -(-r.context_len // bs)
-            host[i, 0], host[i, 1], host[i, 3] = r.token_id, pos, r.context_len
-            host[i, 2] = self.kv.token_offsets(r.block_ids, pos, pos + 1)[0]
-            host[i, _FIELDS:_FIELDS + n] = r.block_ids[:n]
-        if bucket > len(rows):  # padding repeats row 0 (same inputs, same KV slot, same values)
-            host[len(rows):bucket] = host[0]
+        i, samplers = 0, []
+        for c in chunks:
+            n, end = len(c.token_ids), c.context_len
+            start = end - n
+            rows = slice(i, i + n)
+            host[rows, 0] = c.token_ids
+            host[rows, 1] = np.arange(start, end)
+            host[rows, 2] = self.kv.token_offsets(c.block_ids, start, end)
+            host[rows, 3] = host[rows, 1] + 1
+            # every row of a chunk reads its sequence's table up to the chunk's end; the
+            # kernel stops at each row's own length
+            table = c.block_ids[:-(-end // bs)]
+            host[rows, _FIELDS:_FIELDS + len(table)] = table if n == 1 else np.asarray(table)  # one conversion
+            i += n
+            if c.samples:
+                samplers.append(i - 1)
+        if bucket > i:  # padding repeats row 0 (same inputs, same KV slot, same values)
+            host[i:bucket] = host[0]
+        wanted = self.logits_rows(bucket)  # the rest repeat the first: computed, not read
+        host[:wanted, LOGITS_ROW] = samplers + [samplers[0] if samplers else 0] * (wanted - len(samplers))
         self.static[:bucket].copy_(self.host[:bucket], non_blocking=True)
+        return len(samplers)
 
     def _step(self, bucket: int) -> PagedStep:
         s = self.static[:bucket]
@@ -182,7 +243,8 @@ class DecodeGraphs:
                          new_offsets=s[:, 2], block_table=s[:, _FIELDS:], seq_context_lens=s[:, 3])
 
     def _forward(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = self.model.forward_paged(self.static[:bucket, 0], self._step(bucket), self.rows[:bucket])
+        rows = self.static[:self.logits_rows(bucket), LOGITS_ROW]
+        logits = self.model.forward_paged(self.static[:bucket, 0], self._step(bucket), rows)
         return logits, logits.argmax(dim=-1)
 
     def _capture(self, bucket: int, sig: tuple):

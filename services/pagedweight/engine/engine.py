@@ -43,12 +43,22 @@ class EngineConfig:
     # Decode graphs kept per padded batch size, one per weight-precision signature (1: only
     # the current one; more: bits lowered and raised back replay a kept graph, no capture).
     graphs_per_bucket: int = 1
+    # Steps with prefill chunks replay graphs too, every new token a row (decode_graphs.py):
+    # an eager prefill of a short prompt at real sizes is bound by launching its kernels
+    # from the host (issue 12: 941 kernels, 30 ms of host for 6 ms of device work). Buckets of token rows above max_num_seqs go up to
+    # graph_max_tokens (at most the step's token budget); longer steps run eagerly. A prompt
+    # routing recorder (the planner's prompt residuals) keeps prefill steps eager: it maps
+    # each step's rows on the host. False: only pure decode steps replay (the earlier engine).
+    graph_prefill: bool = True
+    graph_max_tokens: int = 512
 
     def __post_init__(self):
         if self.num_kv_blocks < 1:
             raise UserError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.graphs_per_bucket < 1:
             raise UserError(f"graphs_per_bucket must be >= 1, got {self.graphs_per_bucket}")
+        if self.graph_max_tokens < 1:
+            raise UserError(f"graph_max_tokens must be >= 1, got {self.graph_max_tokens}")
 
 
 @dataclass
@@ -111,15 +121,22 @@ class Engine:
         self.seqs: dict[str, Sequence] = {}  # request_id -> live sequence
         self.eos_ids = set(model.config.eos_token_ids) | {int(t) for t in eos_token_ids}
         graphs = None
+        graph_prefill = self.config.graph_prefill and prompt_routing is None
         if (self.kv.device.type == "cuda" and not self.config.enforce_eager
                 and self.config.attention_impl in ("auto", "inplace")):
             graphs = DecodeGraphs(model, self.kv, self.config.scheduler.max_num_seqs,
-                                  graphs_per_bucket=self.config.graphs_per_bucket)
+                                  graphs_per_bucket=self.config.graphs_per_bucket,
+                                  max_tokens=self.graph_tokens() if graph_prefill else None)
         self.phases = StepPhases()  # host seconds per phase of a step (benchmarks read it)
-        self.runner = ModelRunner(model, self.kv, self.config.attention_impl, self.eos_ids, graphs, self.phases)
+        self.runner = ModelRunner(model, self.kv, self.config.attention_impl, self.eos_ids, graphs, self.phases,
+                                  graph_prefill=graph_prefill)
         self.prompt_routing = prompt_routing
         self._seq_ids = itertools.count()
         self.num_steps = self.num_finished = self.num_output_tokens = 0
+
+    def graph_tokens(self) -> int:
+        """The most token rows a step's graph takes (prefill chunks included)."""
+        return min(self.config.graph_max_tokens, self.config.scheduler.max_num_batched_tokens)
 
     # ---- requests -------------------------------------------------------------------
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:

@@ -3,17 +3,17 @@
 `ModelRunner.run(scheduled)` flattens the scheduled sequences' new tokens into one varlen
 batch, builds the step's attention context over the paged KV cache, runs the model and
 samples one token for each sequence whose last known token was computed. It changes no
-sequence state: the engine loop applies the results (engine.py). On CUDA, decode steps
-replay a captured graph of the forward per padded batch bucket (decode_graphs.py) unless
-the engine runs with `enforce_eager`; other steps, and decode steps a graph cannot serve,
-run eagerly.
+sequence state: the engine loop applies the results (engine.py). On CUDA, steps replay a
+captured graph of the forward per padded bucket of token rows (decode_graphs.py) unless
+the engine runs with `enforce_eager`: decode steps, and with `graph_prefill` steps with
+prefill chunks too (every new token a row); steps a graph cannot serve run eagerly.
 """
 
 from __future__ import annotations
 
 import torch
 
-from pagedweight.engine.decode_graphs import DecodeGraphs, DecodeRow
+from pagedweight.engine.decode_graphs import DecodeGraphs, StepChunk
 from pagedweight.engine.sampler import sample
 from pagedweight.engine.scheduler import ScheduledSeq
 from pagedweight.engine.sequence import Sequence
@@ -25,11 +25,15 @@ from pagedweight.model.transformer import MoECausalLM
 
 class ModelRunner:
     def __init__(self, model: MoECausalLM, kv: PagedKVCache, attention_impl: str, eos_ids: set[int],
-                 graphs: DecodeGraphs | None = None, phases: StepPhases | None = None):
+                 graphs: DecodeGraphs | None = None, phases: StepPhases | None = None,
+                 graph_prefill: bool = True):
         self.model, self.kv = model, kv
         self.attention_impl = attention_impl
         self.eos_ids = eos_ids
         self.graphs = graphs  # None: every step eager
+        # steps with a prefill chunk (or a sequence that does not sample) replay graphs too;
+        # False: only pure decode steps do, the others run eagerly (the earlier engine)
+        self.graph_prefill = graph_prefill
         self.phases = phases if phases is not None else StepPhases()
         self.num_graph_steps = self.num_eager_steps = 0
 
@@ -55,14 +59,17 @@ class ModelRunner:
         return self.sample(seqs, logits)
 
     def _replay(self, scheduled: list[ScheduledSeq]):
-        """(logits, greedy tokens) from a decode graph, or None: not a pure decode step, or
-        no graph fits."""
-        if self.graphs is None or not all(s.num_new_tokens == 1 and s.samples for s in scheduled):
+        """(logits, greedy tokens) of the sampling sequences from a graph, or None: no graph
+        fits, or (without graph_prefill) not a pure decode step."""
+        if self.graphs is None:
             return None
-        rows = [DecodeRow(_token_at(s.seq, s.seq.num_computed_tokens), s.seq.block_ids,
-                          s.seq.num_computed_tokens + 1) for s in scheduled]
+        decode = all(s.num_new_tokens == 1 and s.samples for s in scheduled)
+        if not (decode or self.graph_prefill):
+            return None
+        chunks = [StepChunk(_tokens_at(s.seq, s.seq.num_computed_tokens, s.num_new_tokens), s.seq.block_ids,
+                            s.seq.num_computed_tokens + s.num_new_tokens, s.samples) for s in scheduled]
         self.phases.mark("prepare")
-        return self.graphs.run(rows, self.phases)
+        return self.graphs.run(chunks, self.phases)
 
     def prepare(self, scheduled: list[ScheduledSeq]):
         input_ids, slices, logits_indices = [], [], []
@@ -97,7 +104,11 @@ class ModelRunner:
         return out
 
 
-def _token_at(seq: Sequence, i: int) -> int:
-    """seq.token_ids[i] without building the whole list."""
+def _tokens_at(seq: Sequence, i: int, count: int) -> list[int]:
+    """seq.token_ids[i:i + count] without building the whole list."""
     n = len(seq.prompt_ids)
-    return seq.prompt_ids[i] if i < n else seq.output_ids[i - n]
+    if i + count <= n:
+        return seq.prompt_ids[i:i + count]
+    if i >= n:
+        return seq.output_ids[i - n:i - n + count]
+    return seq.prompt_ids[i:] + seq.output_ids[:i + count - n]
