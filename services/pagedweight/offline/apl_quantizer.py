@@ -80,23 +80,25 @@ class QuantizedRows:
 
 def quantize_rows(w: torch.Tensor, importance: torch.Tensor,
                   config: QuantizerConfig = KMEANS_ONLY,
-                  feedback: torch.Tensor | None = None, hessians: torch.Tensor | None = None) -> QuantizedRows:
+                  feedback: torch.Tensor | None = None, hessians: torch.Tensor | None = None,
+                  seed: tuple[torch.Tensor, torch.Tensor] | None = None) -> QuantizedRows:
     """w [R, C] (any float dtype), importance [R, C] or [C] (>= 0) -> nested codes and LUTs.
 
     feedback: U [G, C, C] (error_feedback.feedback_factors) for G equal groups of
     consecutive rows (the experts of a stack): the seed codes take GPTQ's error feedback.
     hessians: the full input Hessians [G, C, C] of the same groups, which
     `config.lut_refit_bits` refits those widths' LUTs under.
+    seed: (centroids [R, 2^MIN_BITS], codes [R, C]) of the seed width, when the caller made
+    them already (layer_quantize.quantize_experts runs the feedback over more experts at
+    once than a k-means tile holds); `feedback` is then not used.
     """
     w = w.float()
-    imp = importance.float().expand_as(w)
-    imp = torch.maximum(imp, config.importance_floor * imp.mean(dim=1, keepdim=True).clamp_min(1e-30))
-    centroids = _seed_kmeans(w, imp, 1 << MIN_BITS, config.seed_iters)
-    if feedback is None:
-        codes = _assign(w, centroids)
+    imp = row_importance(w, importance, config)
+    if seed is not None:  # the seed width's LUT and codes, made by the caller (seed_codes)
+        centroids, codes = seed[0], seed[1].long()
     else:
-        G, (R, C) = feedback.shape[0], w.shape
-        codes = feedback_codes(w.view(G, R // G, C), feedback, centroids.view(G, R // G, -1)).view(R, C)
+        centroids = seed_centroids(w, imp, config)
+        codes = _assign(w, centroids) if feedback is None else seed_feedback_codes(w, centroids, feedback).long()
     luts = {MIN_BITS: centroids}
     for bits in range(MIN_BITS, MAX_BITS):
         codes, centroids = _split_clusters(w, imp, codes, centroids, config.split_iters)
@@ -106,6 +108,24 @@ def quantize_rows(w: torch.Tensor, importance: torch.Tensor,
             raise UserError("the LUT refit needs the full input Hessians (pass them, or quantise with KMEANS_ONLY)")
         luts = refit_luts(w, codes, luts, hessians, config.lut_ridge, config.lut_refit_bits)
     return QuantizedRows(codes.to(torch.uint8), {b: luts[b].to(LUT_DTYPE) for b in BIT_WIDTHS})
+
+
+def row_importance(w: torch.Tensor, importance: torch.Tensor, config: QuantizerConfig) -> torch.Tensor:
+    """importance [R, C] or [C] -> [R, C] with each row's floor applied (k-means' weights)."""
+    imp = importance.float().expand_as(w)
+    return torch.maximum(imp, config.importance_floor * imp.mean(dim=1, keepdim=True).clamp_min(1e-30))
+
+
+def seed_centroids(w: torch.Tensor, imp: torch.Tensor, config: QuantizerConfig) -> torch.Tensor:
+    """The seed width's LUT [R, 2^MIN_BITS] per row (weighted k-means, rows independent)."""
+    return _seed_kmeans(w.float(), imp, 1 << MIN_BITS, config.seed_iters)
+
+
+def seed_feedback_codes(w: torch.Tensor, centroids: torch.Tensor, feedback: torch.Tensor) -> torch.Tensor:
+    """w [R, C], centroids [R, K], feedback U [G, C, C] for G equal groups of rows -> the
+    seed codes [R, C] with GPTQ's error feedback (error_feedback.feedback_codes)."""
+    G, (R, C) = feedback.shape[0], w.shape
+    return feedback_codes(w.float().view(G, R // G, C), feedback, centroids.view(G, R // G, -1)).view(R, C)
 
 
 def _weighted_means(w, imp, codes, num_clusters, fallback):
