@@ -33,7 +33,7 @@ import torch
 from pagedweight.common.errors import UserError
 from pagedweight.format.apl_format import BIT_WIDTHS, LUT_DTYPE, MAX_BITS, MIN_BITS
 from pagedweight.offline.error_feedback import feedback_codes
-from pagedweight.offline.lut_refit import refit_luts
+from pagedweight.offline.lut_refit import AUTO, PRODUCTS, refit_luts
 
 
 @dataclass(frozen=True)
@@ -57,9 +57,18 @@ class QuantizerConfig:
     feedback_damp: float = 3.0
     lut_refit_bits: tuple[int, ...] = (3, 4, 5, 6)
     lut_ridge: float = 0.3
+    # The arithmetic of the refit's one large product, H S^T (lut_refit.PRODUCTS): float64,
+    # float32, or bf16x3 (three bfloat16 terms summing to H, on the tensor cores); "auto":
+    # bf16x3 on a CUDA device, float64 elsewhere. bf16x3 kept the planes and moved 10 of
+    # 7.4 M LUT entries by one fp16 step against float64 on tiny-qwen-moe (float32: 0.04 %,
+    # up to 9 steps); docs/quantize.md, "What it costs".
+    lut_refit_product: str = "auto"
 
     def __post_init__(self):
         object.__setattr__(self, "lut_refit_bits", tuple(self.lut_refit_bits))  # a list from JSON
+        if self.lut_refit_product not in (AUTO, *PRODUCTS):
+            raise UserError(f"unknown LUT refit product {self.lut_refit_product!r}; "
+                            f"known: {AUTO}, {', '.join(PRODUCTS)}")
 
     @property
     def needs_full_hessians(self) -> bool:
@@ -106,7 +115,7 @@ def quantize_rows(w: torch.Tensor, importance: torch.Tensor,
     if config.lut_refit_bits:
         if hessians is None:
             raise UserError("the LUT refit needs the full input Hessians (pass them, or quantise with KMEANS_ONLY)")
-        luts = refit_luts(w, codes, luts, hessians, config.lut_ridge, config.lut_refit_bits)
+        luts = refit_luts(w, codes, luts, hessians, config.lut_ridge, config.lut_refit_bits, config.lut_refit_product)
     return QuantizedRows(codes.to(torch.uint8), {b: luts[b].to(LUT_DTYPE) for b in BIT_WIDTHS})
 
 
