@@ -143,6 +143,8 @@ def main(argv=None) -> int:
             rec["grouped_equals_per_tile"] = same(out["default_grouped_float64"], out["default_per_tile_feedback"])
         ref = out["default_grouped_float64"]
         for p in PRODUCTS:
+            if f"default_grouped_{p}" not in out:
+                continue
             o = out[f"default_grouped_{p}"]
             rec[f"default_grouped_{p}"].update({
                 "planes_identical_to_float64": bool(torch.equal(o.planes.planes, ref.planes.planes)),
