@@ -135,6 +135,26 @@ def test_feedback_groups_change_nothing(tile_elements, feedback_elements):
         torch.testing.assert_close(grouped.col_errors[b], whole.col_errors[b], rtol=1e-5, atol=0)
 
 
+def test_feedback_groups_are_bounded_by_their_hessians_too(monkeypatch):
+    """Wide inputs (C^2 > R C, Mixtral's down): a group holds at most feedback_elements //
+    C^2 experts' Hessians, however few weights they have; the bits stay one pass's."""
+    from pagedweight.offline import layer_quantize
+
+    calls = []
+    real = layer_quantize.feedback_codes
+    monkeypatch.setattr(layer_quantize, "feedback_codes", lambda w, u, lut: calls.append(w.shape[0]) or real(w, u, lut))
+    w, h = correlated_block(E=4, R=8, C=64)
+    config = dataclasses.replace(QuantizerConfig(), seed_iters=6, split_iters=2)
+    diag = h.diagonal(dim1=1, dim2=2)
+    whole = quantize_layer(w, diag, config, "cpu", h_full=h)
+    # 2 * 64^2 elements: by weights all 4 experts (4 x 8 x 64) would fit, by Hessians 2
+    grouped = quantize_experts(w, diag, config, "cpu", 8 * 64, h_full=h, feedback_elements=2 * 64 * 64)
+    assert calls == [2, 2]
+    assert torch.equal(grouped.planes.planes, whole.planes.planes)
+    for b in BIT_WIDTHS:
+        assert torch.equal(grouped.planes.luts[b], whole.planes.luts[b])
+
+
 def test_feedback_without_full_hessians_is_one_clear_error():
     w, h = correlated_block(E=1)
     with pytest.raises(UserError, match="full input Hessians"):

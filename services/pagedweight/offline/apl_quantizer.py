@@ -33,7 +33,7 @@ import torch
 from pagedweight.common.errors import UserError
 from pagedweight.format.apl_format import BIT_WIDTHS, LUT_DTYPE, MAX_BITS, MIN_BITS
 from pagedweight.offline.error_feedback import feedback_codes
-from pagedweight.offline.lut_refit import AUTO, PRODUCTS, refit_luts
+from pagedweight.offline.lut_refit import PRODUCTS, refit_luts
 
 
 @dataclass(frozen=True)
@@ -58,17 +58,18 @@ class QuantizerConfig:
     lut_refit_bits: tuple[int, ...] = (3, 4, 5, 6)
     lut_ridge: float = 0.3
     # The arithmetic of the refit's one large product, H S^T (lut_refit.PRODUCTS): float64,
-    # float32, or bf16x3 (three bfloat16 terms summing to H, on the tensor cores); "auto":
-    # bf16x3 on a CUDA device, float64 elsewhere. bf16x3 kept the planes and moved 10 of
-    # 7.4 M LUT entries by one fp16 step against float64 on tiny-qwen-moe (float32: 0.04 %,
-    # up to 9 steps); docs/quantize.md, "What it costs".
-    lut_refit_product: str = "auto"
+    # float32, or bf16x3 (three bfloat16 terms summing to H, on CUDA's tensor cores with a
+    # float32 output). float64 stays the default: on the H200 the refit of a Qwen-shaped
+    # tile is not bound by that product (bf16x3: 2-12 % less time per stack, measured), and
+    # bf16x3's LUTs were checked against float64 on the CPU only (tiny-qwen-moe: planes
+    # identical, 10 of 7.4 M entries one fp16 step off; float32: 0.04 %, up to 9 steps);
+    # docs/quantize.md, "What the new default costs at real shape".
+    lut_refit_product: str = "float64"
 
     def __post_init__(self):
         object.__setattr__(self, "lut_refit_bits", tuple(self.lut_refit_bits))  # a list from JSON
-        if self.lut_refit_product not in (AUTO, *PRODUCTS):
-            raise UserError(f"unknown LUT refit product {self.lut_refit_product!r}; "
-                            f"known: {AUTO}, {', '.join(PRODUCTS)}")
+        if self.lut_refit_product not in PRODUCTS:
+            raise UserError(f"unknown LUT refit product {self.lut_refit_product!r}; known: {', '.join(PRODUCTS)}")
 
     @property
     def needs_full_hessians(self) -> bool:

@@ -118,7 +118,9 @@ def quantize_experts(w: torch.Tensor, h: torch.Tensor, config: QuantizerConfig, 
     With error feedback the seed codes are made first for a group of up to
     `feedback_elements` weights (many k-means tiles: the feedback's column loop has C
     sequential steps per call, so fewer, larger calls cost fewer launches; it needs 9 bytes
-    a weight, not k-means' tens), then the k-means tiles of that group are split and refitted.
+    a weight, not k-means' tens; and at most feedback_elements // C^2 experts, whose Hessians
+    and factors it holds: one expert of Mixtral's down, C = 14,336), then the k-means tiles
+    of that group are split and refitted.
     Rows are independent in the seed k-means and the feedback, so the grouping changes no bit.
     """
     E, R, C = w.shape
@@ -128,7 +130,10 @@ def quantize_experts(w: torch.Tensor, h: torch.Tensor, config: QuantizerConfig, 
     full = h_full is not None and config.needs_full_hessians
     fed = full and config.error_feedback
     experts, h_dev, factors = None, None, None  # the last group's experts, their Hessians on the device, factors
-    for eg, rg in tiles(E, R, C, max(feedback_elements, tile_elements) if fed else tile_elements):
+    group_elements = tile_elements
+    if fed:  # a group's Hessians and factors ([C, C] float32 each, on the device) are bounded too
+        group_elements = max(tile_elements, min(feedback_elements, max(1, feedback_elements // (C * C)) * R * C))
+    for eg, rg in tiles(E, R, C, group_elements):
         if full and (eg.start, eg.stop) != experts:
             # row ranges of one expert share its Hessians and their factors (a float64
             # Cholesky of [C, C] each): moved and factored once per expert, not per range

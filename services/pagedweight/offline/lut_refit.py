@@ -32,15 +32,6 @@ _CHUNK_ELEMENTS = 1 << 24  # rows x K x C of the one-hot product held at once
 
 
 PRODUCTS = ("float64", "float32", "bf16x3")
-AUTO = "auto"  # bf16x3 on a CUDA device (its tensor cores), float64 elsewhere (a CPU has no faster one)
-
-
-def resolve_product(product: str, device: torch.device) -> str:
-    if product == AUTO:
-        return "bf16x3" if device.type == "cuda" else "float64"
-    if product not in PRODUCTS:
-        raise ValueError(f"unknown refit product {product!r}; known: {AUTO}, {', '.join(PRODUCTS)}")
-    return product
 
 
 def refit_luts(w: torch.Tensor, codes: torch.Tensor, luts: dict[int, torch.Tensor], hessians: torch.Tensor,
@@ -54,7 +45,8 @@ def refit_luts(w: torch.Tensor, codes: torch.Tensor, luts: dict[int, torch.Tenso
     rows_per_group = R // G
     chunk = max(1, _CHUNK_ELEMENTS // ((1 << max(widths)) * C))
     fitted = {b: torch.empty(luts[b].shape, dtype=torch.float32, device=w.device) for b in widths}
-    product = resolve_product(product, w.device)
+    if product not in PRODUCTS:
+        raise ValueError(f"unknown refit product {product!r}; known: {', '.join(PRODUCTS)}")
     for g in range(G):
         h = hessians[g].double()
         parts = hessian_parts(h, product)
@@ -70,8 +62,6 @@ def hessian_parts(h: torch.Tensor, product: str) -> list[torch.Tensor] | None:
     bf16x3: three bfloat16 matrices whose sum is H to about 2^-24 relative (each the
     rounding of what the earlier ones leave); times a one-hot S^T, exact in bfloat16, with
     float32 accumulation, they give a float32-accurate H S^T on the tensor cores."""
-    if product not in PRODUCTS:
-        raise ValueError(f"unknown refit product {product!r}; known: {', '.join(PRODUCTS)}")
     if product == "float64":
         return None
     if product == "float32":
