@@ -17,9 +17,13 @@ touched, so every width still reads the same planes (the format's nesting).
 
 Cost: S H S^T for every row at the widest refitted width, by a one-hot matmul in float64
 (2 x rows x K x C^2 flops), in chunks of rows; the narrower widths' systems are sums of its
-2x2 blocks (a b-bit bucket is the union of two (b+1)-bit buckets). float64 so that the
-chunking (which the tiles decide) cannot move a LUT entry by an fp16 step: the streaming
-and whole-model quantisers must write the same LUTs.
+2x2 blocks (a b-bit bucket is the union of two (b+1)-bit buckets). float64 by default so
+that the chunking (which the tiles decide) cannot move a LUT entry by an fp16 step: the
+streaming and whole-model quantisers must write the same LUTs. `product` can make the large
+product H S^T float32-accurate instead (bf16x3: three bfloat16 terms; float32); the rest
+(S H S^T from it, the solves) stays float64. Measured (docs/quantize.md, "What the new
+default costs at real shape"): bf16x3 is within one fp16 step of float64 on the shared
+models, float32 not (up to 9), and on the H200 neither makes the refit much faster.
 """
 
 from __future__ import annotations
