@@ -5,6 +5,7 @@
 # together: the checkpoint and the work directory go to /dev/shm (RAM; the device has
 # 128 GiB), the artifact to the disk if it has room. The checkpoint is built in its own
 # process so the quantisation's peak host memory is its own.
+# LAYERS=N builds only the first N decoder layers (the bench then extrapolates to full depth).
 #   OUT=/tmp/out CALIB=2048 DEADLINE_S=280 bash bench/quantize_full_depth.sh
 set -uo pipefail
 OUT=${OUT:?the folder for the results}
@@ -13,6 +14,9 @@ DEADLINE_S=${DEADLINE_S:-280} # the whole script's time; the quantisation gets w
 MODEL=${MODEL:-Qwen1.5-MoE-A2.7B}
 DEVICE=${DEVICE:-cuda}
 NAME=${NAME:-quantize_full_depth_qwen}
+LAYERS=${LAYERS:-}            # empty: every layer
+layer_args=()
+if [ -n "$LAYERS" ]; then layer_args=(--layers "$LAYERS"); fi
 export PYTHONUNBUFFERED=1 PYTHONPATH=.:services:kernels
 start=$SECONDS
 SHM=/dev/shm/pagedweight-full-depth
@@ -23,7 +27,7 @@ df -B1 / /dev/shm "$DISK" | tee "$OUT/df_before.txt"
 free -g | tee -a "$OUT/df_before.txt"
 
 timeout $((DEADLINE_S - 30)) python3 -m bench.quantize_stream --model "$MODEL" --device "$DEVICE" \
-    --checkpoint "$SHM/ckpt" --build-only || { echo "build failed or timed out"; exit 3; }
+    --checkpoint "$SHM/ckpt" --build-only "${layer_args[@]}" || { echo "build failed or timed out"; exit 3; }
 du -sb "$SHM/ckpt" | tee -a "$OUT/df_before.txt"
 
 disk_free=$(df --output=avail -B1 "$DISK" | tail -1)

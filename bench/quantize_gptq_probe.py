@@ -105,7 +105,7 @@ def mean_kl(layers: CheckpointLayers, x_ref: torch.Tensor, x: torch.Tensor, batc
 def gptq_codes(w: torch.Tensor, h: torch.Tensor, lut: torch.Tensor, damp: float = 0.01) -> torch.Tensor:
     """w [R, C], h [C, C], lut [R, K] sorted -> codes [R, C] with GPTQ's error feedback
     (the quantiser's own operations: offline/error_feedback.py)."""
-    return feedback_codes(w[None], feedback_factors(h[None], damp), lut[None].float())[0]
+    return feedback_codes(w[None], feedback_factors(h[None], damp), lut[None].float())[0].long()
 
 
 def refit_lut(w: torch.Tensor, h: torch.Tensor, codes: torch.Tensor, K: int, fallback: torch.Tensor) -> torch.Tensor:

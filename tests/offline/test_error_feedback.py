@@ -86,7 +86,7 @@ def test_feedback_lowers_the_seed_widths_block_error_under_h_and_keeps_planes_ne
         # the seed LUT is kept and the 3-bit codes are the feedback's
         assert torch.equal(ours.luts[MIN_BITS], base.luts[MIN_BITS])
         u = feedback_factors(h[e][None], DAMP)
-        expected = feedback_codes(rows[None], u, base.luts[MIN_BITS].float()[None])[0]
+        expected = feedback_codes(rows[None], u, base.luts[MIN_BITS].float()[None])[0].long()
         assert torch.equal(ours.codes.long() >> (MAX_BITS - MIN_BITS), expected)
         # nested: each width's clusters split their parent's members by value, the low
         # child (bit 0) holding the parent's smaller weights, the high child the larger
@@ -113,6 +113,46 @@ def test_tiled_feedback_equals_one_pass(tile_elements):
     assert torch.equal(tiled.planes.planes, whole.planes.planes)
     for b in BIT_WIDTHS:
         assert torch.equal(tiled.planes.luts[b], whole.planes.luts[b])
+
+
+@pytest.mark.parametrize("tile_elements, feedback_elements", [
+    (48 * 32, 2 * 48 * 32),  # feedback over two experts, k-means over one
+    (16 * 32, 48 * 32),  # feedback over one expert, k-means over row ranges of it
+    (16 * 32, 24 * 32),  # feedback over row ranges, k-means over uneven ranges within them
+    (2 * 48 * 32, 48 * 32),  # a group smaller than a tile: the tile decides
+])
+def test_feedback_groups_change_nothing(tile_elements, feedback_elements):
+    """The default quantiser (feedback + LUT refit): the seed codes made for groups of
+    experts or of rows, however those and the k-means tiles fall, give one pass's bits."""
+    w, h = correlated_block()
+    config = dataclasses.replace(QuantizerConfig(), seed_iters=6, split_iters=2)
+    diag = h.diagonal(dim1=1, dim2=2)
+    whole = quantize_layer(w, diag, config, "cpu", h_full=h)
+    grouped = quantize_experts(w, diag, config, "cpu", tile_elements, h_full=h, feedback_elements=feedback_elements)
+    assert torch.equal(grouped.planes.planes, whole.planes.planes)
+    for b in BIT_WIDTHS:
+        assert torch.equal(grouped.planes.luts[b], whole.planes.luts[b])
+        torch.testing.assert_close(grouped.col_errors[b], whole.col_errors[b], rtol=1e-5, atol=0)
+
+
+def test_feedback_groups_are_bounded_by_their_hessians_too(monkeypatch):
+    """Wide inputs (C^2 > R C, Mixtral's down): a group holds at most feedback_elements //
+    C^2 experts' Hessians, however few weights they have; the bits stay one pass's."""
+    from pagedweight.offline import layer_quantize
+
+    calls = []
+    real = layer_quantize.feedback_codes
+    monkeypatch.setattr(layer_quantize, "feedback_codes", lambda w, u, lut: calls.append(w.shape[0]) or real(w, u, lut))
+    w, h = correlated_block(E=4, R=8, C=64)
+    config = dataclasses.replace(QuantizerConfig(), seed_iters=6, split_iters=2)
+    diag = h.diagonal(dim1=1, dim2=2)
+    whole = quantize_layer(w, diag, config, "cpu", h_full=h)
+    # 2 * 64^2 elements: by weights all 4 experts (4 x 8 x 64) would fit, by Hessians 2
+    grouped = quantize_experts(w, diag, config, "cpu", 8 * 64, h_full=h, feedback_elements=2 * 64 * 64)
+    assert calls == [2, 2]
+    assert torch.equal(grouped.planes.planes, whole.planes.planes)
+    for b in BIT_WIDTHS:
+        assert torch.equal(grouped.planes.luts[b], whole.planes.luts[b])
 
 
 def test_feedback_without_full_hessians_is_one_clear_error():

@@ -121,3 +121,54 @@ def test_cli_refit_is_recorded_and_a_bad_ridge_refused(tmp_path, calib_files, ca
         code = main([*args, "--out", str(tmp_path / "bad"), *bad])
         out, err = capsys.readouterr()
         assert_one_line_error(subprocess.CompletedProcess([], code, out, err), flag)
+
+
+def _products_against_float64(device: str):
+    """The default quantiser's rows on correlated_block with each refit product: planes
+    (codes) identical to float64's, LUT entries at most one fp16 step from it."""
+    from bench.quantize_refit_product import fp16_steps
+    from pagedweight.offline.apl_quantizer import QuantizerConfig
+    from pagedweight.offline.error_feedback import feedback_factors
+
+    w, h = correlated_block(E=2, R=64, C=128)
+    w, h = w.to(device), h.to(device)
+    for e in range(2):
+        fb = feedback_factors(h[e][None], QuantizerConfig().feedback_damp)
+        out = {p: quantize_rows(w[e], h[e].diagonal(), QuantizerConfig(lut_refit_product=p), fb, h[e][None])
+               for p in lut_refit.PRODUCTS}
+        ref = out["float64"]
+        for p, q in out.items():
+            assert torch.equal(q.codes, ref.codes), p
+            for b in QuantizerConfig().lut_refit_bits:
+                steps = fp16_steps(q.luts[b], ref.luts[b])
+                assert float(steps.max()) <= 1.0, (p, b, float(steps.max()))
+                assert float((steps > 0).float().mean()) < 0.01, (p, b)
+
+
+def test_float32_accurate_products_stay_within_one_fp16_step_of_float64():
+    _products_against_float64("cpu")
+
+
+@pytest.mark.gpu
+def test_bf16x3_on_the_tensor_cores_stays_within_one_fp16_step_of_float64():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    _products_against_float64("cuda")
+
+
+def test_bf16x3_parts_sum_to_the_hessian():
+    _, h = correlated_block(E=1, C=64)
+    parts = lut_refit.hessian_parts(h[0].double(), "bf16x3")
+    total = sum(p.double() for p in parts)
+    assert all(p.dtype == torch.bfloat16 for p in parts)
+    rel = float((total - h[0].double()).abs().max() / h[0].abs().max())
+    assert rel < 2 ** -22, rel
+    assert float((parts[0].double() - h[0].double()).abs().max() / h[0].abs().max()) > 2 ** -12  # bf16 alone is not
+
+
+def test_an_unknown_refit_product_is_refused():
+    from pagedweight.common.errors import UserError
+    from pagedweight.offline.apl_quantizer import QuantizerConfig
+
+    with pytest.raises(UserError, match="refit product"):
+        QuantizerConfig(lut_refit_product="float16")

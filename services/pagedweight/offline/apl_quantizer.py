@@ -33,7 +33,7 @@ import torch
 from pagedweight.common.errors import UserError
 from pagedweight.format.apl_format import BIT_WIDTHS, LUT_DTYPE, MAX_BITS, MIN_BITS
 from pagedweight.offline.error_feedback import feedback_codes
-from pagedweight.offline.lut_refit import refit_luts
+from pagedweight.offline.lut_refit import PRODUCTS, refit_luts
 
 
 @dataclass(frozen=True)
@@ -57,9 +57,19 @@ class QuantizerConfig:
     feedback_damp: float = 3.0
     lut_refit_bits: tuple[int, ...] = (3, 4, 5, 6)
     lut_ridge: float = 0.3
+    # The arithmetic of the refit's one large product, H S^T (lut_refit.PRODUCTS): float64,
+    # float32, or bf16x3 (three bfloat16 terms summing to H, on CUDA's tensor cores with a
+    # float32 output). float64 stays the default: on the H200 the refit of a Qwen-shaped
+    # tile is not bound by that product (bf16x3: 2-12 % less time per stack, measured), and
+    # bf16x3's LUTs were checked against float64 on the CPU only (tiny-qwen-moe: planes
+    # identical, 10 of 7.4 M entries one fp16 step off; float32: 0.04 %, up to 9 steps);
+    # docs/quantize.md, "What the new default costs at real shape".
+    lut_refit_product: str = "float64"
 
     def __post_init__(self):
         object.__setattr__(self, "lut_refit_bits", tuple(self.lut_refit_bits))  # a list from JSON
+        if self.lut_refit_product not in PRODUCTS:
+            raise UserError(f"unknown LUT refit product {self.lut_refit_product!r}; known: {', '.join(PRODUCTS)}")
 
     @property
     def needs_full_hessians(self) -> bool:
@@ -80,23 +90,25 @@ class QuantizedRows:
 
 def quantize_rows(w: torch.Tensor, importance: torch.Tensor,
                   config: QuantizerConfig = KMEANS_ONLY,
-                  feedback: torch.Tensor | None = None, hessians: torch.Tensor | None = None) -> QuantizedRows:
+                  feedback: torch.Tensor | None = None, hessians: torch.Tensor | None = None,
+                  seed: tuple[torch.Tensor, torch.Tensor] | None = None) -> QuantizedRows:
     """w [R, C] (any float dtype), importance [R, C] or [C] (>= 0) -> nested codes and LUTs.
 
     feedback: U [G, C, C] (error_feedback.feedback_factors) for G equal groups of
     consecutive rows (the experts of a stack): the seed codes take GPTQ's error feedback.
     hessians: the full input Hessians [G, C, C] of the same groups, which
     `config.lut_refit_bits` refits those widths' LUTs under.
+    seed: (centroids [R, 2^MIN_BITS], codes [R, C]) of the seed width, when the caller made
+    them already (layer_quantize.quantize_experts runs the feedback over more experts at
+    once than a k-means tile holds); `feedback` is then not used.
     """
     w = w.float()
-    imp = importance.float().expand_as(w)
-    imp = torch.maximum(imp, config.importance_floor * imp.mean(dim=1, keepdim=True).clamp_min(1e-30))
-    centroids = _seed_kmeans(w, imp, 1 << MIN_BITS, config.seed_iters)
-    if feedback is None:
-        codes = _assign(w, centroids)
+    imp = row_importance(w, importance, config)
+    if seed is not None:  # the seed width's LUT and codes, made by the caller (seed_codes)
+        centroids, codes = seed[0], seed[1].long()
     else:
-        G, (R, C) = feedback.shape[0], w.shape
-        codes = feedback_codes(w.view(G, R // G, C), feedback, centroids.view(G, R // G, -1)).view(R, C)
+        centroids = seed_centroids(w, imp, config)
+        codes = _assign(w, centroids) if feedback is None else seed_feedback_codes(w, centroids, feedback).long()
     luts = {MIN_BITS: centroids}
     for bits in range(MIN_BITS, MAX_BITS):
         codes, centroids = _split_clusters(w, imp, codes, centroids, config.split_iters)
@@ -104,8 +116,26 @@ def quantize_rows(w: torch.Tensor, importance: torch.Tensor,
     if config.lut_refit_bits:
         if hessians is None:
             raise UserError("the LUT refit needs the full input Hessians (pass them, or quantise with KMEANS_ONLY)")
-        luts = refit_luts(w, codes, luts, hessians, config.lut_ridge, config.lut_refit_bits)
+        luts = refit_luts(w, codes, luts, hessians, config.lut_ridge, config.lut_refit_bits, config.lut_refit_product)
     return QuantizedRows(codes.to(torch.uint8), {b: luts[b].to(LUT_DTYPE) for b in BIT_WIDTHS})
+
+
+def row_importance(w: torch.Tensor, importance: torch.Tensor, config: QuantizerConfig) -> torch.Tensor:
+    """importance [R, C] or [C] -> [R, C] with each row's floor applied (k-means' weights)."""
+    imp = importance.float().expand_as(w)
+    return torch.maximum(imp, config.importance_floor * imp.mean(dim=1, keepdim=True).clamp_min(1e-30))
+
+
+def seed_centroids(w: torch.Tensor, imp: torch.Tensor, config: QuantizerConfig) -> torch.Tensor:
+    """The seed width's LUT [R, 2^MIN_BITS] per row (weighted k-means, rows independent)."""
+    return _seed_kmeans(w.float(), imp, 1 << MIN_BITS, config.seed_iters)
+
+
+def seed_feedback_codes(w: torch.Tensor, centroids: torch.Tensor, feedback: torch.Tensor) -> torch.Tensor:
+    """w [R, C], centroids [R, K], feedback U [G, C, C] for G equal groups of rows -> the
+    seed codes [R, C] with GPTQ's error feedback (error_feedback.feedback_codes)."""
+    G, (R, C) = feedback.shape[0], w.shape
+    return feedback_codes(w.float().view(G, R // G, C), feedback, centroids.view(G, R // G, -1)).view(R, C)
 
 
 def _weighted_means(w, imp, codes, num_clusters, fallback):

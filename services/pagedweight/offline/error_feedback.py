@@ -36,36 +36,52 @@ def smoothed_full_hessians(gram: torch.Tensor, counts: torch.Tensor, h_diag: tor
     return full
 
 
+_FACTOR_CHUNK_ELEMENTS = 1 << 25  # Hessian elements factored at once (256 MB per float64 temporary)
+
+
 def feedback_factors(h: torch.Tensor, damp: float) -> torch.Tensor:
     """h [E, C, C] -> U [E, C, C] float32, upper triangular with U^T U = (h + damp *
-    mean(diag h) * I)^-1 per expert (GPTQ's Cholesky form, computed in float64)."""
+    mean(diag h) * I)^-1 per expert (GPTQ's Cholesky form, computed in float64, a few
+    experts at a time: quantize_experts hands it tens of experts' Hessians at once)."""
     if damp < 0:  # 0 is GPTQ undampened: fine while H is positive definite (checked below)
         raise UserError(f"error feedback needs a dampening >= 0, got {damp}")
-    h = h.double()
-    C = h.shape[-1]
-    mean_diag = h.diagonal(dim1=1, dim2=2).mean(1).clamp_min(1e-12)
+    E, C = h.shape[0], h.shape[-1]
+    step = max(1, _FACTOR_CHUNK_ELEMENTS // (C * C))
+    out = torch.empty(h.shape, dtype=torch.float32, device=h.device)
     eye = torch.eye(C, dtype=torch.float64, device=h.device)
-    h = h + damp * mean_diag[:, None, None] * eye
-    chol, info = torch.linalg.cholesky_ex(h)
-    if bool((info != 0).any()):
-        raise UserError(f"error feedback: the dampened input Hessian of expert(s) "
-                        f"{(info != 0).nonzero().flatten().tolist()} is not positive definite")
-    return torch.linalg.cholesky(torch.cholesky_inverse(chol), upper=True).float()
+    for start in range(0, E, step):
+        part = h[start:start + step].double()
+        mean_diag = part.diagonal(dim1=1, dim2=2).mean(1).clamp_min(1e-12)
+        chol, info = torch.linalg.cholesky_ex(part + damp * mean_diag[:, None, None] * eye)
+        if bool((info != 0).any()):
+            raise UserError(f"error feedback: the dampened input Hessian of expert(s) "
+                            f"{((info != 0).nonzero().flatten() + start).tolist()} is not positive definite")
+        out[start:start + step] = torch.linalg.cholesky(torch.cholesky_inverse(chol), upper=True)
+    return out
 
 
 def feedback_codes(w: torch.Tensor, u: torch.Tensor, lut: torch.Tensor) -> torch.Tensor:
     """w [E, R, C], u [E, C, C] (feedback_factors), lut [E, R, K] sorted -> codes [E, R, C]
-    (int64): each column's nearest LUT entry after the errors of the columns before it
-    were fed forward."""
+    (uint8): each column's nearest LUT entry after the errors of the columns before it
+    were fed forward.
+
+    The loop has C sequential steps whatever E and R are, so its cost at real shapes is the
+    launches of each step (layer_quantize.quantize_experts therefore hands it many experts
+    at once) plus one pass over the columns not yet quantised. Every step is elementwise in
+    the rows (no matrix product whose reduction order could depend on how many rows share
+    the call): a row's codes are the same bits however the rows are grouped.
+    """
     midpoints = ((lut[..., 1:] + lut[..., :-1]) / 2).contiguous()
     w = w.float().clone()
-    codes = torch.empty(w.shape, dtype=torch.long, device=w.device)
+    # U's rows divided by their diagonal: err / U[c, c] * U[c, c+1:] becomes one fused
+    # multiply-add over the remaining columns, with no [E, R, C] temporary
+    scaled = (u.float() / u.diagonal(dim1=1, dim2=2)[:, :, None]).contiguous()
+    codes = torch.empty(w.shape, dtype=torch.uint8, device=w.device)
     for c in range(w.shape[2]):
         col = w[:, :, c:c + 1].contiguous()  # [E, R, 1]
         code = torch.searchsorted(midpoints, col)
         codes[:, :, c:c + 1] = code
-        err = (col - torch.gather(lut, 2, code)) / u[:, c, c][:, None, None]
-        w[:, :, c + 1:] -= err * u[:, c:c + 1, c + 1:]
+        w[:, :, c + 1:].addcmul_(col - torch.gather(lut, 2, code), scaled[:, c:c + 1, c + 1:], value=-1.0)
     return codes
 
 

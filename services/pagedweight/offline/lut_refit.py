@@ -17,9 +17,13 @@ touched, so every width still reads the same planes (the format's nesting).
 
 Cost: S H S^T for every row at the widest refitted width, by a one-hot matmul in float64
 (2 x rows x K x C^2 flops), in chunks of rows; the narrower widths' systems are sums of its
-2x2 blocks (a b-bit bucket is the union of two (b+1)-bit buckets). float64 so that the
-chunking (which the tiles decide) cannot move a LUT entry by an fp16 step: the streaming
-and whole-model quantisers must write the same LUTs.
+2x2 blocks (a b-bit bucket is the union of two (b+1)-bit buckets). float64 by default so
+that the chunking (which the tiles decide) cannot move a LUT entry by an fp16 step: the
+streaming and whole-model quantisers must write the same LUTs. `product` can make the large
+product H S^T float32-accurate instead (bf16x3: three bfloat16 terms; float32); the rest
+(S H S^T from it, the solves) stays float64. Measured (docs/quantize.md, "What the new
+default costs at real shape"): bf16x3 is within one fp16 step of float64 on the shared
+models, float32 not (up to 9), and on the H200 neither makes the refit much faster.
 """
 
 from __future__ import annotations
@@ -31,34 +35,84 @@ from pagedweight.format.apl_format import MAX_BITS
 _CHUNK_ELEMENTS = 1 << 24  # rows x K x C of the one-hot product held at once
 
 
+PRODUCTS = ("float64", "float32", "bf16x3")
+
+
 def refit_luts(w: torch.Tensor, codes: torch.Tensor, luts: dict[int, torch.Tensor], hessians: torch.Tensor,
-               ridge: float, widths: tuple[int, ...]) -> dict[int, torch.Tensor]:
+               ridge: float, widths: tuple[int, ...], product: str = "float64") -> dict[int, torch.Tensor]:
     """w [R, C] fp32, codes [R, C] 8-bit nested codes, luts bits -> [R, 2^bits] (the bucket
     means), hessians [G, C, C] for G equal groups of consecutive rows -> the same dict
-    with the `widths` refitted (float32; others unchanged). Unused entries keep their value."""
+    with the `widths` refitted (float32; others unchanged). Unused entries keep their value.
+    product: the arithmetic of H S^T, the refit's only large cost (bucket_systems)."""
     R, C = w.shape
     G = hessians.shape[0]
     rows_per_group = R // G
     chunk = max(1, _CHUNK_ELEMENTS // ((1 << max(widths)) * C))
     fitted = {b: torch.empty(luts[b].shape, dtype=torch.float32, device=w.device) for b in widths}
+    if product not in PRODUCTS:
+        raise ValueError(f"unknown refit product {product!r}; known: {', '.join(PRODUCTS)}")
     for g in range(G):
-        h = hessians[g]
+        h = hessians[g].double()
+        parts = hessian_parts(h, product)
         for start in range(g * rows_per_group, (g + 1) * rows_per_group, chunk):
             rows = slice(start, min(start + chunk, (g + 1) * rows_per_group))
-            for b, system in bucket_systems(w[rows], codes[rows], h, widths).items():
+            for b, system in bucket_systems(w[rows], codes[rows], h, widths, parts).items():
                 fitted[b][rows] = solve_ridge(*system, luts[b][rows].double(), ridge).float()
     return {**luts, **fitted}
 
 
+def hessian_parts(h: torch.Tensor, product: str) -> list[torch.Tensor] | None:
+    """h [C, C] float64 -> the terms H S^T is summed from (None: one float64 product).
+    bf16x3: three bfloat16 matrices whose sum is H to about 2^-24 relative (each the
+    rounding of what the earlier ones leave); times a one-hot S^T, exact in bfloat16, with
+    float32 accumulation, they give a float32-accurate H S^T on the tensor cores."""
+    if product == "float64":
+        return None
+    if product == "float32":
+        return [h.float()]
+    parts, rest = [], h.float()
+    for _ in range(3):
+        parts.append(rest.to(torch.bfloat16))
+        rest = rest - parts[-1].float()
+    return parts
+
+
+def _times_one_hot(parts: list[torch.Tensor], one_hot: torch.Tensor) -> torch.Tensor:
+    """sum_i parts[i] @ one_hot, one_hot [C, N] of 0/1 -> [C, N] float64, each product
+    accumulated in float32 (bfloat16 parts: on CUDA by the tensor cores with a float32
+    output; elsewhere by a float32 product of the same bfloat16 values)."""
+    out = None
+    for p in parts:
+        term = None
+        if p.dtype == torch.bfloat16 and p.is_cuda:
+            try:
+                term = torch.mm(p, one_hot.to(torch.bfloat16), out_dtype=torch.float32)
+            except (RuntimeError, TypeError):  # a torch without mm(out_dtype=): the same sums in float32
+                term = None
+        if term is None:
+            term = torch.mm(p.float(), one_hot.float())
+        out = term.double() if out is None else out + term.double()
+    return out
+
+
 def bucket_systems(w: torch.Tensor, codes: torch.Tensor, h: torch.Tensor,
-                   widths: tuple[int, ...]) -> dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+                   widths: tuple[int, ...],
+                   parts: list[torch.Tensor] | None = None) -> dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Rows w [r, C] sharing one Hessian h [C, C] -> bits -> (S H S^T [r, K, K], S H w [r, K],
-    bucket mass [r, K]) in float64, for every width in `widths`."""
+    bucket mass [r, K]) in float64, for every width in `widths`. parts (hessian_parts):
+    H S^T from those terms instead of one float64 product."""
     top = max(widths)
     K = 1 << top
     h = h.double()
-    one_hot = torch.nn.functional.one_hot(codes.long() >> (MAX_BITS - top), K).double()  # [r, C, K]
-    hs = h @ one_hot
+    r, C = codes.shape
+    top_codes = codes.long() >> (MAX_BITS - top)
+    if parts is None:
+        one_hot = torch.nn.functional.one_hot(top_codes, K).double()  # [r, C, K]
+        hs = h @ one_hot
+    else:  # one [C, C] x [C, r K] product: the rows side by side
+        one_hot_t = torch.nn.functional.one_hot(top_codes.T, K).to(parts[0].dtype)  # [C, r, K]
+        hs = _times_one_hot(parts, one_hot_t.reshape(C, r * K)).view(C, r, K).transpose(0, 1)
+        one_hot = one_hot_t.transpose(0, 1).double()
     a = one_hot.transpose(1, 2) @ hs
     rhs = (hs * w.double()[:, :, None]).sum(1)  # S H w, H symmetric
     mass = h.diagonal() @ one_hot
