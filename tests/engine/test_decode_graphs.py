@@ -21,6 +21,7 @@ from pagedweight.engine.sampler import SamplingParams
 from pagedweight.engine.scheduler import SchedulerConfig
 from pagedweight.memory.kv_cache import KVCacheConfig
 from pagedweight.model import load_model
+from pagedweight.weights.routing_feed import RoutingFeed
 from tests.conftest import BUNDLED_MODEL
 
 PROMPT_LENS = (3, 17, 33, 5, 40, 1, 29)
@@ -57,6 +58,35 @@ def _grouped_model():
         block.experts.grouped = True
     return model
 
+
+
+def _routing_window(model, engine, seed=0):
+    """The routing feed's window after the standard load (a fresh feed on the model)."""
+    c = model.config
+    feed = RoutingFeed(c.num_layers, c.num_experts)
+    feed.install(model)
+    try:
+        _run(model, engine, seed)
+        return feed.snapshot()
+    finally:
+        for block in model.moe_blocks:
+            block.observer = None
+
+
+def test_padding_rows_are_not_counted_in_the_routing_statistics():
+    """A step padded to its bucket computes copies of row 0; the planner's routing feed must
+    count the step's own rows only, exactly as an eager engine counts the same load."""
+    model = _grouped_model()
+    eager = _routing_window(model, _engine(model, "cpu", capture=None))
+    padded_engine = _engine(model, "cpu", capture=False)
+    padded = _routing_window(model, padded_engine)
+    graphs = padded_engine.runner.graphs
+    assert graphs.num_replays == 0 and graphs.padding_rows > 0 and graphs.prefill_steps > 0
+    assert padded_engine.runner.num_eager_steps == 0  # every step went through the padded buffers
+    assert (padded.num_tokens == eager.num_tokens).all()
+    assert (padded.num_tokens == sum(PROMPT_LENS) + sum(MAX_TOKENS) - len(PROMPT_LENS)).all()
+    assert (padded.counts == eager.counts).all()
+    assert abs(padded.mass - eager.mass).max() < 1e-4
 
 def _run(model, engine, seed):
     gen = torch.Generator().manual_seed(seed)

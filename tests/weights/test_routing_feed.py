@@ -69,3 +69,23 @@ def test_pager_sends_the_routing_with_every_plan_request(model, bundled_model_di
     pager.offer_bytes(1 << 16)
     assert feed.num_snapshots == 2 and planner.requests[1].routing.is_empty()  # no forward since
     mover.close()
+
+
+def test_row_weights_leave_padding_rows_uncounted():
+    """A padded graph step hands the feed 0/1 row weights: weighted rows count as if the
+    zero rows were never routed; weights of the wrong length are refused."""
+    ids = torch.tensor([[0, 2], [1, 2], [0, 1]])
+    gates = torch.tensor([[0.6, 0.4], [0.7, 0.3], [0.5, 0.5]])
+    plain, weighted = RoutingFeed(1, 3), RoutingFeed(1, 3)
+    plain(0, None, ids[:2], gates[:2])
+    weighted.set_row_weights(torch.tensor([1, 1, 0]))
+    weighted(0, None, ids, gates)
+    a, b = plain.snapshot(), weighted.snapshot()
+    assert np.array_equal(a.counts, b.counts) and np.allclose(a.mass, b.mass)
+    assert a.num_tokens.tolist() == b.num_tokens.tolist() == [2]
+    weighted.set_row_weights(torch.tensor([1, 0]))
+    with pytest.raises(RuntimeError, match="row weights"):
+        weighted(0, None, ids, gates)
+    weighted.set_row_weights(None)
+    weighted(0, None, ids, gates)
+    assert weighted.snapshot().num_tokens.tolist() == [3]

@@ -23,6 +23,9 @@ What makes a replay valid for any step of its bucket:
   go into one pinned host mirror and cross in one non-blocking copy into the rows the
   bucket reads. Padding rows repeat row 0: they compute what row 0 computes and write the
   same KV values to the same slot, so they disturb nothing and need no scratch block.
+  They route as row 0 does, though: the routing observers are handed the static column
+  that marks the step's own rows (`set_row_weights`), so the planner's routing statistics
+  count each token once, however large the bucket's padding (prefill buckets go to 512).
 - Attention is the `inplace` path (model/paged_attention.py): it reads the cache through
   tile offsets computed on the device from the block-table buffer, and loops to each
   sequence's own length, so one graph serves every length up to the model's context.
@@ -57,10 +60,12 @@ from pagedweight.model.transformer import MoECausalLM
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
 # per row: input id, position, new KV offset, context length, the logits row (row j of the
-# graph's logits is token row static[j, 4]: only the first min(bucket, max_batch) are read);
-# then the block table
-_FIELDS = 5
+# graph's logits is token row static[j, 4]: only the first min(bucket, max_batch) are read),
+# 1 for a row of the step and 0 for a padding row (what the routing observers count); then
+# the block table
+_FIELDS = 6
 LOGITS_ROW = 4
+REAL_ROW = 5
 
 
 def buckets_up_to(max_batch: int, buckets=DEFAULT_BUCKETS) -> tuple[int, ...]:
@@ -124,6 +129,7 @@ class DecodeGraphs:
         self.num_captures = self.num_replays = 0
         self.steps_per_bucket: Counter = Counter()  # bucket -> steps it served
         self.prefill_steps = 0  # steps served that had a chunk of more than one token
+        self.padding_rows = 0  # rows computed only to fill a bucket, over all steps served
         self.capture_seconds = 0.0  # host time in captures, warm-up included (a step waits for it)
         self.capture_warmup_seconds = 0.0  # of which the eager warm-up step before each capture
         self.disabled = False  # a capture failed: every step eager
@@ -230,8 +236,11 @@ class DecodeGraphs:
             i += n
             if c.samples:
                 samplers.append(i - 1)
+        host[:i, REAL_ROW] = 1
         if bucket > i:  # padding repeats row 0 (same inputs, same KV slot, same values)
             host[i:bucket] = host[0]
+            host[i:bucket, REAL_ROW] = 0
+            self.padding_rows += bucket - i
         wanted = self.logits_rows(bucket)  # the rest repeat the first: computed, not read
         host[:wanted, LOGITS_ROW] = samplers + [samplers[0] if samplers else 0] * (wanted - len(samplers))
         self.static[:bucket].copy_(self.host[:bucket], non_blocking=True)
@@ -244,8 +253,24 @@ class DecodeGraphs:
 
     def _forward(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
         rows = self.static[:self.logits_rows(bucket), LOGITS_ROW]
-        logits = self.model.forward_paged(self.static[:bucket, 0], self._step(bucket), rows)
+        observers = self._row_weighted_observers()
+        for observer in observers:  # a view of the static buffer: a capture reads it at replay too
+            observer.set_row_weights(self.static[:bucket, REAL_ROW])
+        try:
+            logits = self.model.forward_paged(self.static[:bucket, 0], self._step(bucket), rows)
+        finally:  # eager steps have no padding rows
+            for observer in observers:
+                observer.set_row_weights(None)
         return logits, logits.argmax(dim=-1)
+
+    def _row_weighted_observers(self) -> list:
+        """The MoE blocks' routing observers that take row weights, each once."""
+        found = {}
+        for block in self.model.moe_blocks:
+            observer = block.observer
+            if observer is not None and hasattr(observer, "set_row_weights"):
+                found.setdefault(id(observer), observer)
+        return list(found.values())
 
     def _capture(self, bucket: int, sig: tuple):
         """Warm up on a side stream (compiles kernels, creates library handles: nothing of

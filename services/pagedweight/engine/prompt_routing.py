@@ -53,6 +53,13 @@ class PromptRoutingRecorder:
                 self._next[block.layer_idx] = block.observer
             block.observer = self
 
+    def set_row_weights(self, weights: torch.Tensor | None) -> None:
+        """Passed on to the observers behind this one (the routing feed). A padded step has no
+        prompt rows here: prefill steps run eagerly while this recorder is installed."""
+        for following in {id(o): o for o in self._next.values()}.values():
+            if hasattr(following, "set_row_weights"):
+                following.set_row_weights(weights)
+
     # ---- one engine step ------------------------------------------------------------------
     def begin_step(self, scheduled: list[ScheduledSeq]) -> None:
         """Map this step's rows (the scheduled sequences' new tokens, in batch order) to the

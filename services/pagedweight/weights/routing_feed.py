@@ -4,7 +4,8 @@ The planner's damage model weighs each block by its expert's routing mass, a mov
 average of live traffic that the planner keeps (planner/routing_stats.py). `RoutingFeed`
 is the observer every MoE block calls after routing; it adds the step's per-expert
 selection counts and gate mass to [L, E] tensors on the model's device (no host sync in
-the forward pass). Just before each plan request the weight pager takes a `snapshot()`:
+the forward pass). A CUDA-graph step padded to its bucket hands the feed a 0/1 weight per row
+(`set_row_weights`) so its padding rows, copies of row 0, are not counted. Just before each plan request the weight pager takes a `snapshot()`:
 the window so far as a plain `RoutingSnapshot` (one device-to-host copy), and the window
 starts again. The feed never touches planner state; the snapshot travels in the request.
 """
@@ -23,13 +24,27 @@ class RoutingFeed:
         self.mass = torch.zeros(shape, dtype=torch.float32, device=device)  # gate weight this window
         self.num_tokens = torch.zeros(num_layers, dtype=torch.int64, device=device)
         self.num_snapshots = 0
+        self._row_weights: torch.Tensor | None = None  # [T] int 0/1 for the step being run
+
+    def set_row_weights(self, weights: torch.Tensor | None) -> None:
+        """Count row t of the next forward passes weights[t] times (0 or 1; None: every row once)."""
+        self._row_weights = weights
 
     def __call__(self, layer: int, x, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
         """The MoE block's observer: (layer, x [T, H], topk_ids [T, k], topk_weights [T, k])."""
         ids = topk_ids.reshape(-1)
-        self.counts[layer].index_add_(0, ids, torch.ones_like(ids, dtype=torch.float32))
-        self.mass[layer].index_add_(0, ids, topk_weights.detach().reshape(-1).float())
-        self.num_tokens[layer] += topk_ids.shape[0]
+        rows = self._row_weights
+        if rows is None:
+            self.counts[layer].index_add_(0, ids, torch.ones_like(ids, dtype=torch.float32))
+            self.mass[layer].index_add_(0, ids, topk_weights.detach().reshape(-1).float())
+            self.num_tokens[layer] += topk_ids.shape[0]
+            return
+        if rows.shape[0] != topk_ids.shape[0]:
+            raise RuntimeError(f"routing feed: {topk_ids.shape[0]} routed rows, {rows.shape[0]} row weights")
+        per_choice = rows.to(torch.float32)[:, None].expand(topk_ids.shape).reshape(-1)
+        self.counts[layer].index_add_(0, ids, per_choice)
+        self.mass[layer].index_add_(0, ids, topk_weights.detach().reshape(-1).float() * per_choice)
+        self.num_tokens[layer] += rows.sum()
 
     def install(self, model) -> None:
         for block in model.moe_blocks:
