@@ -14,6 +14,7 @@ import torch
 
 from pagedweight.common.errors import UserError
 from pagedweight.engine.decode_graphs import DecodeGraphs, StepChunk, buckets_up_to, pick_bucket, token_buckets
+from pagedweight.engine.decode_graphs import LOGITS_ROW, REAL_ROW, TABLE_COLUMN
 from pagedweight.engine.engine import Engine, EngineConfig
 from pagedweight.engine.generate import generate
 from pagedweight.engine.graph_warmup import warm_decode_buckets
@@ -229,11 +230,13 @@ def test_upload_writes_each_chunk_as_token_rows():
     assert host[:6, 3].tolist() == [4, 5, 6, 9, 1, 2]
     slots = kv.token_offsets([7, 3], 3, 6) + kv.token_offsets([5, 9, 2], 8, 9) + kv.token_offsets([4], 0, 2)
     assert host[:6, 2].tolist() == slots == [7 * bs + 3, 3 * bs, 3 * bs + 1, 2 * bs, 4 * bs, 4 * bs + 1]
-    table = host[:, 5:]
+    table = host[:, TABLE_COLUMN:]
     assert all(table[r, :2].tolist() == [7, 3] for r in range(3)) and (table[:3, 2:] == -1).all()
     assert table[3, :3].tolist() == [5, 9, 2] and table[4, :1].tolist() == [4] and (table[4:6, 1:] == -1).all()
-    assert (host[6:8, :4] == host[0, :4]).all() and (host[6:8, 5:] == host[0, 5:]).all()  # padding
-    assert host[:5, 4].tolist() == [3, 5, 3, 3, 3]  # the decode's row, the last chunk's last row
+    # padding repeats row 0 (inputs, slot, table) but is marked as no row of the step
+    assert (host[6:8, :4] == host[0, :4]).all() and (host[6:8, TABLE_COLUMN:] == host[0, TABLE_COLUMN:]).all()
+    assert host[:8, REAL_ROW].tolist() == [1] * 6 + [0] * 2 and graphs.padding_rows == 2
+    assert host[:5, LOGITS_ROW].tolist() == [3, 5, 3, 3, 3]  # the decode's row, the last chunk's last row
     assert torch.equal(graphs.static[:bucket], graphs.host[:bucket])
 
 

@@ -63,7 +63,7 @@ DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 
 # graph's logits is token row static[j, 4]: only the first min(bucket, max_batch) are read),
 # 1 for a row of the step and 0 for a padding row (what the routing observers count); then
 # the block table
-_FIELDS = 6
+TABLE_COLUMN = 6
 LOGITS_ROW = 4
 REAL_ROW = 5
 
@@ -118,7 +118,7 @@ class DecodeGraphs:
         self.max_rows = self.row_buckets[-1]
         self.capture = kv.device.type == "cuda" if capture is None else capture
         self.width = -(-model.config.max_position_embeddings // kv.block_size)  # table columns
-        row = _FIELDS + self.width
+        row = TABLE_COLUMN + self.width
         self.static = torch.zeros(self.max_rows, row, dtype=torch.int64, device=kv.device)
         pin = kv.device.type == "cuda"
         self.host = torch.zeros(self.max_rows, row, dtype=torch.int64, pin_memory=pin)
@@ -219,7 +219,7 @@ class DecodeGraphs:
         slices: a torch element assignment costs microseconds of dispatch, and a step of 64
         rows made hundreds of them."""
         bs, host = self.kv.block_size, self.host_np
-        host[:bucket, _FIELDS:] = -1
+        host[:bucket, TABLE_COLUMN:] = -1
         i, samplers = 0, []
         for c in chunks:
             n, end = len(c.token_ids), c.context_len
@@ -232,7 +232,7 @@ class DecodeGraphs:
             # every row of a chunk reads its sequence's table up to the chunk's end; the
             # kernel stops at each row's own length
             table = c.block_ids[:-(-end // bs)]
-            host[rows, _FIELDS:_FIELDS + len(table)] = table if n == 1 else np.asarray(table)  # one conversion
+            host[rows, TABLE_COLUMN:TABLE_COLUMN + len(table)] = table if n == 1 else np.asarray(table)  # one conversion
             i += n
             if c.samples:
                 samplers.append(i - 1)
@@ -249,7 +249,7 @@ class DecodeGraphs:
     def _step(self, bucket: int) -> PagedStep:
         s = self.static[:bucket]
         return PagedStep(kv=self.kv, impl="inplace", positions=s[:, 1], query_lens=[], context_lens=[],
-                         new_offsets=s[:, 2], block_table=s[:, _FIELDS:], seq_context_lens=s[:, 3])
+                         new_offsets=s[:, 2], block_table=s[:, TABLE_COLUMN:], seq_context_lens=s[:, 3])
 
     def _forward(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
         rows = self.static[:self.logits_rows(bucket), LOGITS_ROW]
