@@ -281,8 +281,12 @@ class PageMover:
                 owners[e.lut_extent.first_page] = (e, -1)
         lowest: dict[int, int | None] = {}  # num_pages -> lowest fit (cleared after every move)
         moved = copied = 0
+
+        def at_cap() -> bool:
+            return (max_bytes is not None and copied >= max_bytes) or (max_moves is not None and moved >= max_moves)
+
         for start in sorted(owners):
-            if (max_bytes is not None and copied >= max_bytes) or (max_moves is not None and moved >= max_moves):
+            if at_cap():
                 break
             e, i = owners[start]
             old = e.plane_extents[i] if i >= 0 else e.lut_extent
@@ -306,6 +310,5 @@ class PageMover:
                 break
         self.counters.num_extents_relocated += moved
         self.profile.bytes_device_to_device += copied
-        capped = ((max_bytes is not None and copied >= max_bytes)
-                  or (max_moves is not None and moved >= max_moves)) and not done()
+        capped = at_cap() and not done()
         return moved, capped
