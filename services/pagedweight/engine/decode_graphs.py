@@ -148,8 +148,8 @@ class DecodeGraphs:
             parts.append((id(block.observer), state))
         return tuple(parts)
 
-    def fits(self, chunks: list[StepChunk]) -> bool:
-        rows = sum(len(c.token_ids) for c in chunks)
+    def fits(self, chunks: list[StepChunk], rows: int) -> bool:
+        """rows: the chunks' tokens (the caller has counted them)."""
         return (0 < rows <= self.max_rows and sum(c.samples for c in chunks) <= self.max_batch
                 and all(-(-c.context_len // self.kv.block_size) <= self.width for c in chunks))
 
@@ -163,9 +163,9 @@ class DecodeGraphs:
         `chunks` (n = the chunks that sample, in order), on the device; None when it must
         run eagerly. The argmax is part of the graph: a greedy step reads its tokens back
         without another launch."""
-        if self.disabled or not self.fits(chunks):
-            return None
         rows = sum(len(c.token_ids) for c in chunks)
+        if self.disabled or not self.fits(chunks, rows):
+            return None
         prefill = rows > len(chunks)
         if prefill and self.prefill_disabled:
             return None

@@ -45,10 +45,11 @@ class EngineConfig:
     graphs_per_bucket: int = 1
     # Steps with prefill chunks replay graphs too, every new token a row (decode_graphs.py):
     # an eager prefill of a short prompt at real sizes is bound by launching its kernels
-    # from the host (issue 12: 941 kernels, 30 ms of host for 6 ms of device work). Buckets of token rows above max_num_seqs go up to
-    # graph_max_tokens (at most the step's token budget); longer steps run eagerly. A prompt
-    # routing recorder (the planner's prompt residuals) keeps prefill steps eager: it maps
-    # each step's rows on the host. False: only pure decode steps replay (the earlier engine).
+    # from the host (issue 12: 941 kernels, 30 ms of host for 6 ms of device work). Buckets
+    # of token rows above max_num_seqs go up to graph_max_tokens (at most the step's token
+    # budget); longer steps run eagerly. A prompt routing recorder (the planner's prompt
+    # residuals) keeps prefill steps eager: it maps each step's rows on the host. False:
+    # only pure decode steps replay (the earlier engine).
     graph_prefill: bool = True
     graph_max_tokens: int = 512
 

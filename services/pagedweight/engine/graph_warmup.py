@@ -38,7 +38,7 @@ def warm_decode_buckets(engine, token_id: int = 1) -> list[int]:
         while engine.has_work:
             engine.step()
     met = list(graphs.buckets)
-    for bucket in getattr(graphs, "token_buckets", ()) if engine.runner.graph_prefill else ():
+    for bucket in graphs.token_buckets if engine.runner.graph_prefill else ():
         if blocks_for(bucket, engine.kv.block_size) > engine.kv.num_free_blocks:
             continue
         engine.add_request(f"warm-{bucket}", [token_id] * bucket, params)
