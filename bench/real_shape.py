@@ -555,12 +555,14 @@ class Report:
 # padded gather, the per-expert loop over dense experts), the in-place decode attention
 # alone, CUDA-graph replay of decode steps with prefill steps eager (the engine before
 # prefill graphs), and replay of every step as token rows, prefill chunks included (the
-# engine's default; graph_prefill).
+# engine's default; graph_prefill), then the same with each layer's shared expert on a side
+# stream (the engine's default; overlap_shared_experts).
 MODES = {
     "eager-gather": dict(attention_impl="batched", graphs=False, grouped=False),
     "eager-inplace": dict(attention_impl="inplace", graphs=False, grouped=True),
     "graphs-eager-prefill": dict(attention_impl="inplace", graphs=True, grouped=True, prefill=False),
     "graphs-inplace": dict(attention_impl="inplace", graphs=True, grouped=True, prefill=True),
+    "graphs-overlap": dict(attention_impl="inplace", graphs=True, grouped=True, prefill=True, overlap=True),
 }
 
 
@@ -575,6 +577,8 @@ def set_mode(engine, mode: str) -> None:
     prefill = m.get("prefill", False) and hasattr(runner, "graph_prefill")
     if hasattr(runner, "graph_prefill"):
         runner.graph_prefill = prefill
+    if hasattr(engine.model, "overlap_shared_experts"):  # before the graphs: captures bake it in
+        engine.model.overlap_shared_experts(m.get("overlap", False))
     kwargs = {"max_tokens": engine.graph_tokens()} if prefill else {}
     runner.graphs = DecodeGraphs(engine.model, engine.kv, engine.config.scheduler.max_num_seqs, **kwargs) \
         if graphs else None

@@ -52,6 +52,9 @@ class EngineConfig:
     # only pure decode steps replay (the earlier engine).
     graph_prefill: bool = True
     graph_max_tokens: int = 512
+    # CUDA: each layer's shared expert (Qwen-MoE) on a side stream, concurrent with the
+    # router and the routed experts (SparseMoeBlock._forward_parts_overlapped).
+    overlap_shared_experts: bool = True
 
     def __post_init__(self):
         if self.num_kv_blocks < 1:
@@ -110,7 +113,8 @@ class Engine:
         self.model = model
         self.config = config or EngineConfig()
         if model.device.type == "cuda":
-            model.fuse_projections()  # fewer launches per layer; values unchanged
+            # fewer launches per layer; values unchanged up to the split product's rounding
+            model.fuse_projections(overlap_shared_experts=self.config.overlap_shared_experts)
         self.arena, self.pager = arena, pager
         self.pool = arena.pool if arena is not None else None
         self.kv = PagedKVCache(

@@ -34,6 +34,9 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
         self.observer: RoutingObserver | None = None
         self._inputs: tuple | None = None  # fuse_inputs: (weight, split sizes), not a parameter
+        # A CUDA stream the shared expert runs on while the router and the routed experts run
+        # on the current one (MoECausalLM.overlap_shared_experts; None: one after the other).
+        self.shared_stream: torch.cuda.Stream | None = None
 
     def fuse_inputs(self) -> None:
         """Serve the shared expert's gate and up projections, the router and the shared
@@ -58,6 +61,12 @@ class SparseMoeBlock(nn.Module):
             start += rows
         self._inputs = (weight, tuple(m.weight.shape[0] for m in mods) + (pad,))
 
+    @property
+    def shared_inputs_fused(self) -> bool:
+        """True once fuse_inputs made one product of the router's and the shared expert's
+        inputs (what _forward_parts_overlapped splits)."""
+        return self._inputs is not None
+
     def route(self, x: torch.Tensor):
         """x [T, H] -> topk_ids [T, k], topk_weights [T, k] (softmax in fp32, then top-k)."""
         return self._route_logits(self.gate(x), x.dtype)
@@ -76,6 +85,8 @@ class SparseMoeBlock(nn.Module):
         rounded where it rounds). Routing in one kernel (decode_ops.route_topk) where it
         takes the router's size; with fuse_inputs, one product feeds the router and the
         shared expert, and act(gate) * up is one kernel."""
+        if self._inputs is not None and self.shared_stream is not None:
+            return self._forward_parts_overlapped(x)
         shared_gu = gate_logit = None
         if self._inputs is not None:
             weight, (gate_rows, up_rows, num_experts, one, pad) = self._inputs
@@ -83,19 +94,43 @@ class SparseMoeBlock(nn.Module):
                 (gate_rows + up_rows, num_experts, one, pad), dim=-1)
         else:
             logits = self.gate(x)
-        if decode_ops.route_supported(logits.shape[-1], self.top_k):
-            topk_ids, topk_weights = decode_ops.route_topk(logits, self.top_k, self.norm_topk_prob, x.dtype)
-        else:
-            topk_ids, topk_weights = self._route_logits(logits, x.dtype)
-        if self.observer is not None:
-            self.observer(self.layer_idx, x, topk_ids, topk_weights)
-        routed = self.experts(x, topk_ids, topk_weights)
+        routed = self._routed_from_logits(x, logits)
         if self.shared_expert is None:
             return (routed,)
         se = self.shared_expert
         if shared_gu is None:
             return routed, se(x), self.shared_expert_gate(x)
         return routed, se.down_proj(decode_ops.gated_rows(shared_gu, se.activation)), gate_logit
+
+    def _routed_from_logits(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        if decode_ops.route_supported(logits.shape[-1], self.top_k):
+            topk_ids, topk_weights = decode_ops.route_topk(logits, self.top_k, self.norm_topk_prob, x.dtype)
+        else:
+            topk_ids, topk_weights = self._route_logits(logits, x.dtype)
+        if self.observer is not None:
+            self.observer(self.layer_idx, x, topk_ids, topk_weights)
+        return self.experts(x, topk_ids, topk_weights)
+
+    def _forward_parts_overlapped(self, x: torch.Tensor) -> tuple:
+        """forward_parts with the shared expert on `shared_stream`, concurrent with the
+        router, routing and the routed experts on the current stream (issue 12: at a few
+        tokens the routed kernel is bound by dependent latency, not bytes, and leaves the
+        HBM idle that the shared expert's bandwidth-bound products can use). The fused input
+        product is split at its rows: the shared gate/up rows on the side stream, the router
+        and shared-gate rows (64 rows at Qwen1.5-MoE) on this one. A fork and a join of
+        streams, so a CUDA graph capture records the two branches and replays them
+        concurrently. Memory: x is produced on this stream before the fork and the outputs
+        are consumed after the join, so the caching allocator reuses none of them early."""
+        weight, (gate_rows, up_rows, num_experts, one, pad) = self._inputs
+        se, main, side = self.shared_expert, torch.cuda.current_stream(x.device), self.shared_stream
+        shared_rows = gate_rows + up_rows
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            shared = se.down_proj(decode_ops.gated_rows(F.linear(x, weight[:shared_rows]), se.activation))
+        logits, gate_logit, _ = F.linear(x, weight[shared_rows:]).split((num_experts, one, pad), dim=-1)
+        routed = self._routed_from_logits(x, logits)
+        main.wait_stream(side)
+        return routed, shared, gate_logit
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         shape = hidden.shape

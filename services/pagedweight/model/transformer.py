@@ -104,7 +104,7 @@ class MoECausalLM(nn.Module):
         # paged steps through decode_ops' fused kernels (fuse_projections sets it on CUDA)
         self.fused_kernels = False
 
-    def fuse_projections(self, kernels: bool = True) -> None:
+    def fuse_projections(self, kernels: bool = True, overlap_shared_experts: bool = False) -> None:
         """Each attention layer's q, k, v from one product (Attention.fuse_qkv): done by the
         engine on CUDA, once the weights are where they will be served from. With `kernels`
         on CUDA where decode_ops runs (not Gemma-4's layers), paged steps also take the fused
@@ -123,6 +123,18 @@ class MoECausalLM(nn.Module):
             layer.self_attn.fused_kernels = self.fused_kernels
             if isinstance(layer.moe.experts, DenseExperts):
                 layer.moe.experts.few_rows_kernel = self.fused_kernels
+        self.overlap_shared_experts(overlap_shared_experts)
+
+    def overlap_shared_experts(self, on: bool) -> bool:
+        """Run each fused layer's shared expert on one side stream, concurrent with its
+        routing and routed experts (SparseMoeBlock._forward_parts_overlapped); off: in
+        sequence. Only with fused_kernels (CUDA) and a shared expert; True if any layer
+        overlaps. CUDA graphs bake the choice in: switch before they are captured."""
+        blocks = [b for b in self.moe_blocks if b.shared_inputs_fused]
+        stream = torch.cuda.Stream(self.device) if on and self.fused_kernels and blocks else None
+        for block in blocks:
+            block.shared_stream = stream
+        return stream is not None
 
     @property
     def moe_blocks(self) -> list[SparseMoeBlock]:
