@@ -104,9 +104,9 @@ def test_overlapped_layer_computes_the_serial_layer_eagerly_and_in_a_graph(dtype
 @pytest.mark.gpu
 @needs_cuda
 def test_engines_with_and_without_the_overlap_give_the_same_tokens_and_replay_every_step():
-    """bf16: graphs need the grouped experts, which fp32 does not have. The split product
-    computes each output element as the fused one does (cuBLAS reduces each over the same
-    K), so the tokens must be equal, not just close."""
+    """bf16: graphs need the grouped experts, which fp32 does not have. At the real shape
+    the split product gave the fused one's values to every digit (docs/real_shape.md), so
+    the tokens are held equal, not just close."""
     model = _qwen_moe("cuda", torch.bfloat16)
     prompts = [torch.randint(1, 500, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (3, 17, 9)]
     params = SamplingParams(max_tokens=12, ignore_eos=True)
