@@ -39,6 +39,8 @@ def register(subparsers) -> None:
     parser.add_argument("--threads", type=int, default=d["threads"].default, help="torch CPU threads")
     parser.add_argument("--no-warm-up", dest="warm_up", action="store_false",
                         help="skip meeting every decode bucket before readiness (faster start, slow first steps)")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="run every step eagerly, without CUDA graphs (vLLM's flag; for debugging)")
     parser.set_defaults(handler=run)
 
 
@@ -50,7 +52,7 @@ def config_from_args(args) -> WorkerConfig:
         planner_deadline_s=args.planner_deadline, worker_id=args.worker_id,
         shutdown_timeout_s=args.shutdown_timeout, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size, threads=args.threads,
-        warm_up=args.warm_up)
+        warm_up=args.warm_up, enforce_eager=args.enforce_eager)
 
 
 def run(args) -> int:

@@ -30,6 +30,9 @@ class WorkerConfig:
     # meet every decode bucket before readiness (CUDA graphs: the first step at a bucket
     # compiles and captures); a no-op where steps are eager (the CPU)
     warm_up: bool = True
+    # every step eager, no CUDA graphs (vLLM's --enforce-eager): for debugging a graph
+    # capture or comparing against it; slower at small batches
+    enforce_eager: bool = False
 
     def __post_init__(self):
         if not Path(self.model_dir).is_dir():

@@ -56,7 +56,7 @@ def load_runtime(config: WorkerConfig):
     dtype = DTYPES[config.dtype] if config.dtype else (torch.float32 if device.type == "cpu" else torch.bfloat16)
     budget = parse_memory_budget(config.memory_budget, device_memory_bytes(device))
     engine = EngineConfig(scheduler=SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
-                          kv=KVCacheConfig(config.block_size))
+                          kv=KVCacheConfig(config.block_size), enforce_eager=config.enforce_eager)
     runtime = build_runtime(config.model_dir, RuntimeConfig(budget, config.policy, str(device), dtype, engine=engine))
     if config.warm_up:
         start = time.monotonic()

@@ -1,0 +1,25 @@
+"""Worker flags that reach the engine: `pagedweight worker --enforce-eager` (vLLM's flag)
+turns CUDA graphs off in the runtime the worker builds."""
+
+from __future__ import annotations
+
+from pagedweight.cli.main import build_parser
+from pagedweight.cli.worker_cmd import config_from_args
+from pagedweight.worker.server import load_runtime
+
+
+def _config(model_dir, *flags):
+    args = build_parser().parse_args(["worker", "--model", str(model_dir), "--no-warm-up", *flags])
+    return config_from_args(args)
+
+
+def test_enforce_eager_reaches_the_engine(micro_paged):
+    assert _config(micro_paged).enforce_eager is False
+    config = _config(micro_paged, "--enforce-eager")
+    assert config.enforce_eager is True
+    runtime = load_runtime(config)
+    try:
+        assert runtime.engine.config.enforce_eager is True
+        assert runtime.engine.runner.graphs is None
+    finally:
+        runtime.close()
