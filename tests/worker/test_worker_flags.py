@@ -1,9 +1,13 @@
 """Worker flags that reach the engine: `pagedweight worker --enforce-eager` (vLLM's flag)
-turns CUDA graphs off in the runtime the worker builds."""
+turns CUDA graphs off in the runtime the worker builds; with `--no-warm-up` the start-up
+heap is still frozen out of the garbage collector."""
 
 from __future__ import annotations
 
+import gc
+
 from pagedweight.cli.main import build_parser
+from pagedweight.common.gc_pauses import unfreeze
 from pagedweight.cli.worker_cmd import config_from_args
 from pagedweight.worker.server import load_runtime
 
@@ -17,9 +21,12 @@ def test_enforce_eager_reaches_the_engine(micro_paged):
     assert _config(micro_paged).enforce_eager is False
     config = _config(micro_paged, "--enforce-eager")
     assert config.enforce_eager is True
+    unfreeze()
     runtime = load_runtime(config)
     try:
         assert runtime.engine.config.enforce_eager is True
         assert runtime.engine.runner.graphs is None
+        assert gc.get_freeze_count() > 0  # frozen though the warm-up was skipped
     finally:
         runtime.close()
+        unfreeze()

@@ -63,10 +63,10 @@ def load_runtime(config: WorkerConfig):
         buckets = runtime.warm_up()
         if buckets:
             log.info("met decode buckets %s in %.1fs", buckets, time.monotonic() - start)
-        # Start-up is over: what is alive now stays, so full collections need not walk it
-        # (common/gc_pauses.py: a full pass, 0.2-0.3 s, is the candidate for the H200's ~0.3 s
-        # stall once per trace)
-        log.info("froze %d start-up objects out of the garbage collector", freeze_startup_heap())
+    # Start-up is over (with or without the warm-up): what is alive now stays, so full
+    # collections need not walk it (common/gc_pauses.py: a full pass, 0.2-0.3 s, is the
+    # candidate for the H200's ~0.3 s stall once per trace)
+    log.info("froze %d start-up objects out of the garbage collector", freeze_startup_heap())
     return runtime
 
 
