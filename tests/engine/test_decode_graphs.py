@@ -123,12 +123,16 @@ def test_static_buffer_decode_equals_generate_on_cpu(num_blocks):
 
 
 def _record_steps(runner) -> list[tuple[int, int, bool]]:
-    """(sequences, token rows, every sequence samples) of each step the graphs served."""
+    """(sequences, token rows, every sequence samples) of each step the graphs served; each
+    step's logits must be rows of the graphs' one shared buffer (no logits kept per graph)."""
     replay, steps = runner._replay, []
+    shared = runner.graphs.logits_out
 
     def recording(scheduled):
         replayed = replay(scheduled)
         if replayed is not None:
+            logits = replayed[0]
+            assert logits.data_ptr() == shared.data_ptr() and logits.shape[0] <= shared.shape[0]
             steps.append((len(scheduled), sum(s.num_new_tokens for s in scheduled), all(s.samples for s in scheduled)))
         return replayed
 
