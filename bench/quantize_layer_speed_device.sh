@@ -12,32 +12,34 @@
 set -uo pipefail
 OUT=${OUT:?the folder for the results}
 TOKENS=${TOKENS:-65536}
+MODEL=${MODEL:-Qwen1.5-MoE-A2.7B}  # qwen-scaled with DEVICE=cpu: a dry run of this script
+DEVICE=${DEVICE:-cuda}
 export PYTHONUNBUFFERED=1
 SHM=/dev/shm/pagedweight-layer-speed
 rm -rf "$SHM"
 mkdir -p "$SHM"
 start=$SECONDS
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>&1 | tee "$OUT/gpu.txt"
 
-PYTHONPATH=.:services:kernels timeout 60 python3 -c "
+PYTHONPATH=.:services:kernels timeout 45 python3 -c "
 import sys, time, torch
 from pathlib import Path
 from bench.quantize_stream import build_checkpoint
 t = time.perf_counter()
-build_checkpoint('Qwen1.5-MoE-A2.7B', 3, Path('$SHM/ckpt'), torch.device('cuda'))
+build_checkpoint('$MODEL', 3, Path('$SHM/ckpt'), torch.device('$DEVICE'))
 print(f'built 3 layers in {time.perf_counter() - t:.1f} s', file=sys.stderr)
 " 2>&1 | tail -3 | tee "$OUT/build.log"
 echo "build done at $((SECONDS - start)) s"
 
-PAGEDWEIGHT_COMMIT=${AFTER:-unknown} PYTHONPATH=.:services:kernels timeout 110 \
-    python3 -m bench.quantize_layer_speed --model Qwen1.5-MoE-A2.7B --tokens "$TOKENS" --device cuda \
+PAGEDWEIGHT_COMMIT=${AFTER:-unknown} PYTHONPATH=.:services:kernels timeout 95 \
+    python3 -m bench.quantize_layer_speed --model "$MODEL" --tokens "$TOKENS" --device "$DEVICE" \
     --checkpoint "$SHM/ckpt" --work-dir "$SHM/work-after" --label after --profile \
     --name quantize_layer_speed_after --copy-to "$OUT" 2>&1 | grep -v "^USDT\|profiler_st" | tail -20
 echo "after done at $((SECONDS - start)) s"
 rm -rf "$SHM/work-after"
 
-(cd before && PAGEDWEIGHT_COMMIT=${BEFORE:-unknown} PYTHONPATH=.:services:kernels timeout 100 \
-    python3 -m bench.quantize_layer_speed --model Qwen1.5-MoE-A2.7B --tokens "$TOKENS" --device cuda \
+(cd before && PAGEDWEIGHT_COMMIT=${BEFORE:-unknown} PYTHONPATH=.:services:kernels timeout 95 \
+    python3 -m bench.quantize_layer_speed --model "$MODEL" --tokens "$TOKENS" --device "$DEVICE" \
     --checkpoint "$SHM/ckpt" --work-dir "$SHM/work-before" --label before --run-layers 2 \
     --name quantize_layer_speed_before --copy-to "$OUT" 2>&1 | tail -12)
 echo "before done at $((SECONDS - start)) s"
