@@ -7,7 +7,7 @@
 #   OUT=/tmp/out AFTER=<sha> BEFORE=<sha> bash bench/quantize_layer_speed_device.sh
 # One 3-layer checkpoint in /dev/shm serves both runs; "after" runs its 3 layers with
 # torch.profiler tables of the last layer's forward and backward steps, "before" its first
-# 2 layers. Every step rewrites the run's JSON, so a run cut off by its timeout keeps what
+# layer (the session's device time: 259 s with the machine's start). Every step rewrites the run's JSON, so a run cut off by its timeout keeps what
 # it measured.
 set -uo pipefail
 OUT=${OUT:?the folder for the results}
@@ -21,7 +21,7 @@ mkdir -p "$SHM"
 start=$SECONDS
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>&1 | tee "$OUT/gpu.txt"
 
-PYTHONPATH=.:services:kernels timeout 45 python3 -c "
+PYTHONPATH=.:services:kernels timeout 35 python3 -c "
 import sys, time, torch
 from pathlib import Path
 from bench.quantize_stream import build_checkpoint
@@ -31,16 +31,16 @@ print(f'built 3 layers in {time.perf_counter() - t:.1f} s', file=sys.stderr)
 " 2>&1 | tail -3 | tee "$OUT/build.log"
 echo "build done at $((SECONDS - start)) s"
 
-PAGEDWEIGHT_COMMIT=${AFTER:-unknown} PYTHONPATH=.:services:kernels timeout 95 \
+PAGEDWEIGHT_COMMIT=${AFTER:-unknown} PYTHONPATH=.:services:kernels timeout 90 \
     python3 -m bench.quantize_layer_speed --model "$MODEL" --tokens "$TOKENS" --device "$DEVICE" \
     --checkpoint "$SHM/ckpt" --work-dir "$SHM/work-after" --label after --profile \
     --name quantize_layer_speed_after --copy-to "$OUT" 2>&1 | grep -v "^USDT\|profiler_st" | tail -20
 echo "after done at $((SECONDS - start)) s"
 rm -rf "$SHM/work-after"
 
-(cd before && PAGEDWEIGHT_COMMIT=${BEFORE:-unknown} PYTHONPATH=.:services:kernels timeout 95 \
+(cd before && PAGEDWEIGHT_COMMIT=${BEFORE:-unknown} PYTHONPATH=.:services:kernels timeout 60 \
     python3 -m bench.quantize_layer_speed --model "$MODEL" --tokens "$TOKENS" --device "$DEVICE" \
-    --checkpoint "$SHM/ckpt" --work-dir "$SHM/work-before" --label before --run-layers 2 \
+    --checkpoint "$SHM/ckpt" --work-dir "$SHM/work-before" --label before --run-layers 1 \
     --name quantize_layer_speed_before --copy-to "$OUT" 2>&1 | tail -12)
 echo "before done at $((SECONDS - start)) s"
 rm -rf "$SHM"
