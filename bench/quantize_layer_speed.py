@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import shutil
 import sys
@@ -123,7 +122,7 @@ def main(argv=None) -> int:
                     tables = [averages.table(sort_by="self_cpu_time_total", row_limit=40)]
                     if device.type == "cuda":
                         tables.append(averages.table(sort_by="self_device_time_total", row_limit=40))
-                    (RESULT_DIR(args) / f"{args.name}.{name}.profile.txt").write_text("\n\n".join(tables))
+                    (results_dir(args) / f"{args.name}.{name}.profile.txt").write_text("\n\n".join(tables))
                     value["profiled"] = 1.0
                 else:
                     value = timed_step(run, fn, *fargs)
@@ -133,7 +132,8 @@ def main(argv=None) -> int:
     return 0
 
 
-def RESULT_DIR(args) -> Path:  # noqa: N802 - where the profile tables go with the JSON
+def results_dir(args) -> Path:
+    """Where the profile tables go: beside the JSON copy (the GPU run's $OUT) or bench/results."""
     return Path(args.copy_to) if args.copy_to else Path(__file__).resolve().parent / "results"
 
 

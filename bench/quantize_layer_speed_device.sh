@@ -7,8 +7,10 @@
 #   OUT=/tmp/out AFTER=<sha> BEFORE=<sha> bash bench/quantize_layer_speed_device.sh
 # One 3-layer checkpoint in /dev/shm serves both runs; "after" runs its 3 layers with
 # torch.profiler tables of the last layer's forward and backward steps, "before" its first
-# layer (the session's device time: 259 s with the machine's start). Every step rewrites the run's JSON, so a run cut off by its timeout keeps what
-# it measured.
+# layer (the session's device time: 259 s with the machine's start). Every step rewrites
+# the run's JSON, so a run cut off by its timeout keeps what it measured. The profiled
+# forward step took "after" past its 90 s on the H200 (2026-12-01): drop --profile, or give
+# it its own call, to measure the backward steps.
 set -uo pipefail
 OUT=${OUT:?the folder for the results}
 TOKENS=${TOKENS:-65536}
