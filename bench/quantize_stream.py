@@ -58,6 +58,11 @@ SMALL = {  # the same class at a size the CPU runs in seconds: checks the script
                       "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 4,
                       "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                       "shared_expert_intermediate_size": 64, "eos_token_id": 2},
+    # Qwen1.5-MoE-A2.7B's routing (60 experts, top-4) at hidden 256: its loops over experts
+    # and batches are the real ones, its products small (bench/quantize_layer_speed.py)
+    "qwen-scaled": {**REAL_SHAPE_CONFIGS["Qwen1.5-MoE-A2.7B"], "vocab_size": 32000, "hidden_size": 256,
+                    "num_attention_heads": 4, "num_key_value_heads": 4, "moe_intermediate_size": 192,
+                    "shared_expert_intermediate_size": 768, "eos_token_id": 2},
 }
 
 

@@ -96,7 +96,8 @@ def test_tiles_and_row_chunks_change_nothing(tile_elements, monkeypatch):
     config = dataclasses.replace(KMEANS_ONLY, seed_iters=6, split_iters=2, error_feedback=True, lut_refit_bits=WIDTHS)
     diag = h.diagonal(dim1=1, dim2=2)
     whole = quantize_layer(w, diag, config, "cpu", h_full=h)
-    monkeypatch.setattr(lut_refit, "_CHUNK_ELEMENTS", 5 * 32 * 32)  # 5 rows per solve at 5 bits
+    monkeypatch.setattr(lut_refit, "_CHUNK_ELEMENTS", 5 * 32 * 32)  # 5 rows per product at 5 bits
+    monkeypatch.setattr(lut_refit, "_SOLVE_ELEMENTS", 7 * 32 * 32)  # solved 7 rows at a time: across experts
     tiled = quantize_experts(w, diag, config, "cpu", tile_elements, h_full=h)
     assert torch.equal(tiled.planes.planes, whole.planes.planes)
     for b in BIT_WIDTHS:

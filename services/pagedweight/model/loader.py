@@ -104,7 +104,10 @@ class CheckpointReader:
                 raise CheckpointError(f"{self.model_dir / shard}: tensor {key!r} is {info.get_dtype()}; "
                                       f"weights must be floating point ({', '.join(FLOAT_DTYPES)})")
 
-    def get(self, key: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+    def get(self, key: str, shape: tuple[int, ...] | None = None, check_finite: bool = True) -> torch.Tensor:
+        """The tensor, checked for shape and floating dtype and, unless the caller checks it
+        itself after moving it (check_finite=False: offline/checkpoint_layers.py does on the
+        device), for NaN and infinite values."""
         shard = self.shard_of.get(key)
         if shard is None:
             raise CheckpointError(f"{self.model_dir}: tensor {key!r} is missing from the checkpoint")
@@ -120,7 +123,7 @@ class CheckpointReader:
         if not tensor.dtype.is_floating_point:
             raise CheckpointError(f"{self.model_dir / shard}: tensor {key!r} is {tensor.dtype}, "
                                   f"weights must be floating point")
-        if not bool(torch.isfinite(tensor).all()):
+        if check_finite and not bool(torch.isfinite(tensor).all()):
             raise CheckpointError(f"{self.model_dir / shard}: tensor {key!r} holds NaN or infinite values")
         return tensor
 
@@ -219,16 +222,18 @@ def expected_shapes(config: ModelConfig, param_shapes: dict[str, tuple[int, ...]
     return shapes
 
 
-def load_experts(reader: CheckpointReader, config: ModelConfig, layer: int, experts, dtype):
+def load_experts(reader: CheckpointReader, config: ModelConfig, layer: int, experts, dtype,
+                 check_finite: bool = True):
     H, I, E = config.hidden_size, config.expert_intermediate_size, config.num_experts
     fused = fused_expert_keys(config, layer)
+    get = lambda key, shape: reader.get(key, shape, check_finite)  # noqa: E731
     if fused["gate_up"] in reader:
-        experts.gate_up.copy_(reader.get(fused["gate_up"], (E, 2 * I, H)).to(dtype))
-        experts.down.copy_(reader.get(fused["down"], (E, H, I)).to(dtype))
+        experts.gate_up.copy_(get(fused["gate_up"], (E, 2 * I, H)).to(dtype))
+        experts.down.copy_(get(fused["down"], (E, H, I)).to(dtype))
         return
     for e in range(E):
         keys = expert_keys(config, layer, e)
-        gate = reader.get(keys["gate"], (I, H))
-        up = reader.get(keys["up"], (I, H))
+        gate = get(keys["gate"], (I, H))
+        up = get(keys["up"], (I, H))
         experts.gate_up[e].copy_(torch.cat([gate, up], dim=0).to(dtype))
-        experts.down[e].copy_(reader.get(keys["down"], (H, I)).to(dtype))
+        experts.down[e].copy_(get(keys["down"], (H, I)).to(dtype))

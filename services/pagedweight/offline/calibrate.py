@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedweight.common.errors import UserError
-from pagedweight_kernels.moe_reference import expert_groups, gated
+from pagedweight_kernels.moe_reference import gated, group_tokens_by_expert
 
 
 @dataclass(frozen=True)
@@ -85,6 +85,16 @@ class RecordingExperts(nn.Module):
     flattened token); statistics go to that chunk's row of the accumulators. Left None,
     no input statistics are recorded (the streaming quantiser's backward pass recomputes
     a layer's forward only for its output gradients).
+
+    The T*k (token, slot) assignments are sorted by expert once; each expert's products
+    run on its slice of the sorted rows, and everything elementwise or accumulated (the
+    activation, the statistics, the output Fisher's hooks, the combine) runs once over
+    all experts' rows. The per-expert loop used to make ~26 launches per expert (a gather,
+    four index_adds, conversions, two hooks...), most of a calibration batch's time on a
+    GPU; it now makes the two products and the two Hessian updates. The sums per
+    (chunk, expert) add the same rows in the same order as before, so on the CPU the
+    products and the diagonal statistics are the same bits; the full Hessians are updated
+    by addmm_ and the output Fisher by one index_add_, which round differently.
     """
 
     def __init__(self, dense, layer: int, stats: CalibrationStats):
@@ -93,36 +103,58 @@ class RecordingExperts(nn.Module):
         self.chunk_of_token: torch.Tensor | None = None
 
     def forward(self, x, topk_ids, topk_weights):
-        out = torch.zeros_like(x)
-        for e, tokens, w in expert_groups(topk_ids, topk_weights, self.dense.num_experts):
-            xe = x[tokens]
-            pre = F.linear(xe, self.dense.gate_up[e])
-            gate, up = pre.chunk(2, dim=-1)
-            act = gated(gate, up, self.dense.activation)
-            if self.chunk_of_token is not None:  # None: a backward-only pass (quantize.py)
-                self._record(e, tokens, xe.detach(), act.detach(), w.detach())
-            y = F.linear(act, self.dense.down[e]) * w[:, None]
-            if y.requires_grad and self.stats.grad_sq_gate_up is not None:
-                pre.register_hook(self._grad_recorder(self.stats.grad_sq_gate_up, e))
-                y.register_hook(self._grad_recorder(self.stats.grad_sq_down, e))
-            out.index_add_(0, tokens, y.to(out.dtype))
-        return out
+        k, E = topk_ids.shape[1], self.dense.num_experts
+        order, counts = group_tokens_by_expert(topk_ids, E)
+        expert_of = topk_ids.reshape(-1)[order]  # [A] expert of every sorted assignment
+        token_of = order // k
+        w = topk_weights.reshape(-1)[order]
+        xs = x[token_of]  # [A, H], sorted by expert
+        sizes = counts.tolist()  # rows of each expert in the sorted assignments (one host read)
+        bounds = _bounds(sizes)
+        if not bounds:
+            return torch.zeros_like(x)
+        # split, not slices: a slice's backward writes a zero tensor of all rows per expert
+        pre = torch.cat([F.linear(part, self.dense.gate_up[e]) for e, part in enumerate(xs.split(sizes)) if len(part)])
+        gate, up = pre.chunk(2, dim=-1)
+        act = gated(gate, up, self.dense.activation)
+        if self.chunk_of_token is not None:  # None: a backward-only pass (quantize.py)
+            self._record(expert_of, token_of, xs.detach(), act.detach(), w.detach(), bounds)
+        y = torch.cat([F.linear(part, self.dense.down[e]) for e, part in enumerate(act.split(sizes)) if len(part)])
+        y = y * w[:, None]
+        if y.requires_grad and self.stats.grad_sq_gate_up is not None:
+            pre.register_hook(self._grad_recorder(self.stats.grad_sq_gate_up, expert_of))
+            y.register_hook(self._grad_recorder(self.stats.grad_sq_down, expert_of))
+        return torch.zeros_like(x).index_add_(0, token_of, y.to(x.dtype))
 
-    def _grad_recorder(self, target: torch.Tensor, e: int):
+    def _grad_recorder(self, target: torch.Tensor, expert_of: torch.Tensor):
         def record(grad: torch.Tensor) -> None:
-            target[self.layer, e] += grad.detach().float().square().sum(0)
+            target[self.layer].index_add_(0, expert_of, grad.detach().float().square())
         return record
 
-    def _record(self, e, tokens, xe, act, w):
-        chunks = self.chunk_of_token[tokens]
+    def _record(self, expert_of, token_of, xs, act, w, bounds):
         s, L = self.stats, self.layer
-        s.sum_sq_gate_up[:, L, e].index_add_(0, chunks, xe.float().square())
-        s.sum_sq_down[:, L, e].index_add_(0, chunks, act.float().square())
-        s.token_counts[:, L, e].index_add_(0, chunks, torch.ones_like(w, dtype=torch.float32))
-        s.routing_mass[:, L, e].index_add_(0, chunks, w.float())
+        num_layers, E = s.token_counts.shape[1], s.token_counts.shape[2]
+        # each accumulator [N, layers, E, ...] as rows (chunk, layer, expert): one index_add_ each
+        cell = (self.chunk_of_token[token_of] * num_layers + L) * E + expert_of
+        s.sum_sq_gate_up.view(-1, s.sum_sq_gate_up.shape[-1]).index_add_(0, cell, xs.float().square())
+        s.sum_sq_down.view(-1, s.sum_sq_down.shape[-1]).index_add_(0, cell, act.float().square())
+        s.token_counts.view(-1).index_add_(0, cell, torch.ones_like(w, dtype=torch.float32))
+        s.routing_mass.view(-1).index_add_(0, cell, w.float())
         if s.gram_gate_up is not None:
-            s.gram_gate_up[L, e] += xe.float().T @ xe.float()
-            s.gram_down[L, e] += act.float().T @ act.float()
+            xf, af = xs.float(), act.float()
+            for e, a, b in bounds:
+                s.gram_gate_up[L, e].addmm_(xf[a:b].T, xf[a:b])
+                s.gram_down[L, e].addmm_(af[a:b].T, af[a:b])
+
+
+def _bounds(counts: list[int]) -> list[tuple[int, int, int]]:
+    """(expert, first row, end row) in the expert-sorted assignments, experts with rows only."""
+    out, start = [], 0
+    for e, n in enumerate(counts):
+        if n:
+            out.append((e, start, start + n))
+        start += n
+    return out
 
 
 def read_chunks(tokenizer, files: list[Path], config: CalibConfig) -> tuple[list[list[int]], list[str]]:

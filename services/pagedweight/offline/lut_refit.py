@@ -17,7 +17,12 @@ touched, so every width still reads the same planes (the format's nesting).
 
 Cost: S H S^T for every row at the widest refitted width, by a one-hot matmul in float64
 (2 x rows x K x C^2 flops), in chunks of rows; the narrower widths' systems are sums of its
-2x2 blocks (a b-bit bucket is the union of two (b+1)-bit buckets). float64 by default so
+2x2 blocks (a b-bit bucket is the union of two (b+1)-bit buckets). The systems of many
+chunks are gathered and solved together, one batched solve per width for up to
+_SOLVE_ELEMENTS: on a GPU a Qwen-shaped tile made 44 chunks x 4 widths of small batched
+solves, each with its own launches and host sync, and those, not the product, were most of
+the refit's time (docs/quantize.md). Rows are independent in every step, so how rows are
+chunked or batched for the solve changes no value (test_tiles_and_row_chunks_change_nothing). float64 by default so
 that the chunking (which the tiles decide) cannot move a LUT entry by an fp16 step: the
 streaming and whole-model quantisers must write the same LUTs. `product` can make the large
 product H S^T float32-accurate instead (bf16x3: three bfloat16 terms; float32); the rest
@@ -32,7 +37,8 @@ import torch
 
 from pagedweight.format.apl_format import MAX_BITS
 
-_CHUNK_ELEMENTS = 1 << 24  # rows x K x C of the one-hot product held at once
+_CHUNK_ELEMENTS = 1 << 25  # rows x K x C of the one-hot product held at once (256 MB per float64 temporary)
+_SOLVE_ELEMENTS = 1 << 25  # rows x K^2 of the widest width's systems solved in one batch (256 MB)
 
 
 PRODUCTS = ("float64", "float32", "bf16x3")
@@ -47,18 +53,41 @@ def refit_luts(w: torch.Tensor, codes: torch.Tensor, luts: dict[int, torch.Tenso
     R, C = w.shape
     G = hessians.shape[0]
     rows_per_group = R // G
-    chunk = max(1, _CHUNK_ELEMENTS // ((1 << max(widths)) * C))
+    K = 1 << max(widths)
+    chunk = max(1, _CHUNK_ELEMENTS // (K * C))
+    block = max(chunk, _SOLVE_ELEMENTS // (K * K))  # rows whose systems are solved together
     fitted = {b: torch.empty(luts[b].shape, dtype=torch.float32, device=w.device) for b in widths}
     if product not in PRODUCTS:
         raise ValueError(f"unknown refit product {product!r}; known: {', '.join(PRODUCTS)}")
-    for g in range(G):
-        h = hessians[g].double()
-        parts = hessian_parts(h, product)
-        for start in range(g * rows_per_group, (g + 1) * rows_per_group, chunk):
-            rows = slice(start, min(start + chunk, (g + 1) * rows_per_group))
-            for b, system in bucket_systems(w[rows], codes[rows], h, widths, parts).items():
-                fitted[b][rows] = solve_ridge(*system, luts[b][rows].double(), ridge).float()
+    h, parts = None, None
+    for first in range(0, R, block):
+        stop = min(first + block, R)
+        # bits -> (S H S^T, S H w, mass) of rows first..stop, filled chunk by chunk
+        systems = {b: (torch.empty(stop - first, 1 << b, 1 << b, dtype=torch.float64, device=w.device),
+                       torch.empty(stop - first, 1 << b, dtype=torch.float64, device=w.device),
+                       torch.empty(stop - first, 1 << b, dtype=torch.float64, device=w.device)) for b in widths}
+        for rows in _chunks(first, stop, rows_per_group, chunk):
+            g = rows.start // rows_per_group
+            if h is None or g != h[0]:  # the group's Hessian (and its bf16x3 parts), once per group
+                h = (g, hessians[g].double())
+                parts = hessian_parts(h[1], product)
+            local = slice(rows.start - first, rows.stop - first)
+            for b, system in bucket_systems(w[rows], codes[rows], h[1], widths, parts).items():
+                for target, value in zip(systems[b], system):
+                    target[local] = value
+        for b in widths:
+            fitted[b][first:stop] = solve_ridge(*systems[b], luts[b][first:stop].double(), ridge).float()
     return {**luts, **fitted}
+
+
+def _chunks(first: int, stop: int, rows_per_group: int, chunk: int):
+    """Row slices of first..stop of at most `chunk` rows, none crossing a group's end
+    (a chunk's rows share one Hessian)."""
+    start = first
+    while start < stop:
+        end = min(start + chunk, stop, (start // rows_per_group + 1) * rows_per_group)
+        yield slice(start, end)
+        start = end
 
 
 def hessian_parts(h: torch.Tensor, product: str) -> list[torch.Tensor] | None:
@@ -107,14 +136,15 @@ def bucket_systems(w: torch.Tensor, codes: torch.Tensor, h: torch.Tensor,
     r, C = codes.shape
     top_codes = codes.long() >> (MAX_BITS - top)
     if parts is None:
-        one_hot = torch.nn.functional.one_hot(top_codes, K).double()  # [r, C, K]
+        # the one-hot [r, C, K] made in float64 at once (F.one_hot's int64 would be a second copy)
+        one_hot = torch.zeros(r, C, K, dtype=torch.float64, device=codes.device).scatter_(2, top_codes[..., None], 1.0)
         hs = h @ one_hot
     else:  # one [C, C] x [C, r K] product: the rows side by side
         one_hot_t = torch.nn.functional.one_hot(top_codes.T, K).to(parts[0].dtype)  # [C, r, K]
         hs = _times_one_hot(parts, one_hot_t.reshape(C, r * K)).view(C, r, K).transpose(0, 1)
         one_hot = one_hot_t.transpose(0, 1).double()
     a = one_hot.transpose(1, 2) @ hs
-    rhs = (hs * w.double()[:, :, None]).sum(1)  # S H w, H symmetric
+    rhs = torch.bmm(w.double()[:, None, :], hs)[:, 0]  # S H w, H symmetric (no [r, C, K] temporary)
     mass = h.diagonal() @ one_hot
     out = {}
     for b in range(top, min(widths) - 1, -1):
