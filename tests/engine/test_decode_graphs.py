@@ -201,7 +201,9 @@ def test_token_row_prefill_in_bf16_is_as_close_to_fp32_as_the_eager_prefill():
     assert rows_err <= 1.25 * eager_err + 1e-3 and max(r for _, r in errors) < 0.05, errors
 
 
-def test_graph_prefill_off_or_prompt_routing_keeps_prefill_steps_eager():
+def test_graph_prefill_off_keeps_prefill_steps_eager_and_prompt_routing_does_not():
+    """A prompt routing recorder kept prefill steps eager before its graph recording
+    (tests/engine/test_prompt_routing.py checks its counts through the graphs)."""
     model = _grouped_model()
     engine = _engine(model, "cpu", capture=False, graph_prefill=False)
     assert engine.runner.graph_prefill is False
@@ -211,7 +213,8 @@ def test_graph_prefill_off_or_prompt_routing_keeps_prefill_steps_eager():
 
     config = EngineConfig(kv=KVCacheConfig(block_size=4), attention_impl="inplace")
     recorder = PromptRoutingRecorder(model.config.num_layers, model.config.num_experts)
-    assert Engine(model, config, prompt_routing=recorder).runner.graph_prefill is False
+    assert Engine(model, config, prompt_routing=recorder).runner.graph_prefill is True
+    assert recorder.max_slots == config.scheduler.max_num_seqs  # its static counts, for replays
     assert Engine(model, config).runner.graph_prefill is True
 
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from pagedweight.engine.decode_graphs import DecodeGraphs
 from pagedweight.engine.engine import Engine, EngineConfig
 from pagedweight.engine.prompt_routing import PromptRoutingRecorder, prompt_mix, remaining_tokens
 from pagedweight.engine.sampler import SamplingParams
@@ -36,28 +37,39 @@ def prompts(model):
     return [torch.randint(1, model.config.vocab_size, (n,), generator=gen).tolist() for n in PROMPT_LENS]
 
 
-def engine_with_recorder(model, num_blocks, token_budget):
+def engine_with_recorder(model, num_blocks, token_budget, graphs=False):
+    """graphs: every step through the decode graphs' static buffers as token rows (their CPU
+    plumbing, capture off: the code a CUDA replay runs), padding rows and all."""
     c = model.config
     feed = RoutingFeed(c.num_layers, c.num_experts)
     feed.install(model)
     recorder = PromptRoutingRecorder(c.num_layers, c.num_experts)
     recorder.install(model)
     config = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=token_budget),
-                          kv=KVCacheConfig(block_size=4), attention_impl="reference", num_kv_blocks=num_blocks)
-    return Engine(model, config, prompt_routing=recorder), feed, recorder
+                          kv=KVCacheConfig(block_size=4), attention_impl="inplace" if graphs else "reference",
+                          num_kv_blocks=num_blocks)
+    engine = Engine(model, config, prompt_routing=recorder)
+    if graphs:
+        for block in model.moe_blocks:  # what graphs need (CUDA's default)
+            block.experts.grouped = True
+        engine.runner.graphs = DecodeGraphs(model, engine.kv, 64, capture=False, max_tokens=token_budget)
+    return engine, feed, recorder
 
 
 def detach(model):
     for block in model.moe_blocks:
         block.observer = None
+        block.experts.grouped = None
 
 
+@pytest.mark.parametrize("graphs", [False, True])
 @pytest.mark.parametrize("num_blocks,token_budget", [(1024, 512), (16, 24)])
-def test_each_prompts_counts_equal_a_plain_prefill_of_it(model, num_blocks, token_budget):
-    """(16, 24): chunked prefill and preemption by recompute."""
+def test_each_prompts_counts_equal_a_plain_prefill_of_it(model, num_blocks, token_budget, graphs):
+    """(16, 24): chunked prefill and preemption by recompute. graphs: the steps as the decode
+    graphs run them, the prompt rows recorded from the static buffers (padding rows not)."""
     ps = prompts(model)
     references = [record_prompt_routing(model, p, model.config.num_experts).counts for p in ps]
-    engine, feed, recorder = engine_with_recorder(model, num_blocks, token_budget)
+    engine, feed, recorder = engine_with_recorder(model, num_blocks, token_budget, graphs)
     try:
         for i, (p, m) in enumerate(zip(ps, MAX_TOKENS)):
             engine.add_request(str(i), p, SamplingParams(max_tokens=m, ignore_eos=True))
@@ -71,6 +83,35 @@ def test_each_prompts_counts_equal_a_plain_prefill_of_it(model, num_blocks, toke
         # the routing feed in front of it still saw every token (prompts, recomputes, decodes)
         assert feed.snapshot().num_tokens.min() >= sum(PROMPT_LENS)
         assert recorder.mix() is None  # every request finished: nothing in flight
+        if graphs:  # every step, the prefills too, went through the graphs
+            runner = engine.runner
+            assert runner.num_eager_steps == 0 and runner.graphs.prefill_steps > 0
+            assert runner.graphs.padding_rows > 0
+    finally:
+        detach(model)
+
+
+def test_graph_rows_say_whether_a_replay_can_record_the_step(model):
+    """What the decode graphs ask before a step: None (no prompt rows: a graph without the
+    recording), each row's offset into the static counts, or False where the recorder has
+    no reserved slots (no static counts: the step must run eagerly, or nothing is recorded)."""
+    c = model.config
+    recorder = PromptRoutingRecorder(c.num_layers, c.num_experts)
+    recorder.install(model)
+    try:
+        engine = Engine(model, EngineConfig(scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64),
+                                            kv=KVCacheConfig(block_size=4), num_kv_blocks=256))  # reserves nothing
+        graphs = DecodeGraphs(model, engine.kv, 4, capture=False, max_tokens=64)
+        prompt = prompts(model)[1]
+        engine.add_request("a", prompt, SamplingParams(max_tokens=3, ignore_eos=True))
+        scheduled = engine.scheduler.schedule().scheduled
+        recorder.begin_step(scheduled)
+        assert recorder.graph_rows() is False and graphs._prompt_rows() is False
+        recorder.reserve_slots(4)
+        recorder.begin_step(scheduled)
+        assert recorder.graph_rows().tolist() == [0] * len(prompt)  # slot 0 for every row
+        recorder.begin_step([])
+        assert recorder.graph_rows() is None and graphs._prompt_rows() is None
     finally:
         detach(model)
 

@@ -61,11 +61,12 @@ from pagedweight.model.transformer import MoECausalLM
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
 # per row: input id, position, new KV offset, context length, the logits row (row j of the
 # graph's logits is token row static[j, 4]: only the first min(bucket, max_batch) are read),
-# 1 for a row of the step and 0 for a padding row (what the routing observers count); then
-# the block table
-TABLE_COLUMN = 6
+# 1 for a row of the step and 0 for a padding row (what the routing observers count), the
+# row's offset into the prompt routing counts (steps with prompt rows); then the block table
+TABLE_COLUMN = 7
 LOGITS_ROW = 4
 REAL_ROW = 5
+PROMPT_ROW = 6
 
 
 def buckets_up_to(max_batch: int, buckets=DEFAULT_BUCKETS) -> tuple[int, ...]:
@@ -176,18 +177,20 @@ class DecodeGraphs:
         if prefill and self.prefill_disabled:
             return None
         sig = self.signature()
+        prompt_rows = self._prompt_rows()
         if phases is not None:
             phases.mark("signature")
-        if sig is None:
+        if sig is None or prompt_rows is False:
             return None
+        sig += (prompt_rows is not None,)  # the last part: this graph records prompt routing
         bucket = pick_bucket(rows, self.row_buckets)
         self.steps_per_bucket[bucket] += 1
         self.prefill_steps += prefill
-        n = self._upload(chunks, bucket)
+        n = self._upload(chunks, bucket, prompt_rows)
         if phases is not None:
             phases.mark("prepare")
         if not self.capture:
-            logits, tokens = self._forward(bucket)
+            logits, tokens = self._forward(bucket, sig[-1])
             return logits[:n], tokens[:n]
         kept = self.graphs.setdefault(bucket, OrderedDict())
         entry = kept.get(sig)
@@ -217,7 +220,16 @@ class DecodeGraphs:
         logits, tokens = entry[1]
         return logits[:n], tokens[:n]
 
-    def _upload(self, chunks: list[StepChunk], bucket: int) -> int:
+    def _prompt_rows(self):
+        """The prompt routing recorder's row offsets for this step (PromptRoutingRecorder.
+        graph_rows): None where there is none or the step has no prompt rows, False where the
+        step must run eagerly."""
+        for observer in self._row_weighted_observers():
+            if hasattr(observer, "graph_rows"):
+                return observer.graph_rows()
+        return None
+
+    def _upload(self, chunks: list[StepChunk], bucket: int, prompt_rows=None) -> int:
         """Host values of the step into the pinned mirror, one copy into the static rows;
         returns the number of sampling chunks. The mirror is reused: the previous step's
         copy has finished, since the engine read that step's sampled tokens back (its one
@@ -243,6 +255,8 @@ class DecodeGraphs:
             if c.samples:
                 samplers.append(i - 1)
         host[:i, REAL_ROW] = 1
+        if prompt_rows is not None:
+            host[:i, PROMPT_ROW] = prompt_rows
         if bucket > i:  # padding repeats row 0 (same inputs, same KV slot, same values)
             host[i:bucket] = host[0]
             host[i:bucket, REAL_ROW] = 0
@@ -257,16 +271,20 @@ class DecodeGraphs:
         return PagedStep(kv=self.kv, impl="inplace", positions=s[:, 1], query_lens=[], context_lens=[],
                          new_offsets=s[:, 2], block_table=s[:, TABLE_COLUMN:], seq_context_lens=s[:, 3])
 
-    def _forward(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(self, bucket: int, records_prompts: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         rows = self.static[:self.logits_rows(bucket), LOGITS_ROW]
         observers = self._row_weighted_observers()
-        for observer in observers:  # a view of the static buffer: a capture reads it at replay too
+        for observer in observers:  # views of the static buffer: a capture reads them at replay too
             observer.set_row_weights(self.static[:bucket, REAL_ROW])
+            if hasattr(observer, "set_graph_rows"):
+                observer.set_graph_rows(self.static[:bucket, PROMPT_ROW] if records_prompts else None)
         try:
             logits = self.model.forward_paged(self.static[:bucket, 0], self._step(bucket), rows)
         finally:  # eager steps have no padding rows
             for observer in observers:
                 observer.set_row_weights(None)
+                if hasattr(observer, "set_graph_rows"):
+                    observer.set_graph_rows(None)
         if logits.dtype != self.logits_out.dtype:
             raise RuntimeError(f"decode graphs: logits in {logits.dtype}, the shared buffer is {self.logits_out.dtype}")
         out = self.logits_out[:logits.shape[0]]
@@ -287,20 +305,24 @@ class DecodeGraphs:
         that may happen during capture), then capture. The warm-up computes this very step
         and the replay that follows computes it again: the same KV values to the same slots."""
         kept = self.graphs.setdefault(bucket, OrderedDict())
-        while len(kept) >= self.graphs_per_bucket:  # release before capturing: the pool reuses it
-            kept.popitem(last=False)
+        # release before capturing (the pool reuses it), least recently used first, among the
+        # graphs of the same kind: a bucket keeps graphs_per_bucket with and without the prompt
+        # recording, so prefills and decodes at one bucket do not evict each other
+        same_kind = [s for s in kept if s[-1] == sig[-1]]
+        while len(same_kind) >= self.graphs_per_bucket:
+            del kept[same_kind.pop(0)]
         start = time.perf_counter()
         stream = torch.cuda.Stream(self.kv.device)
         stream.wait_stream(torch.cuda.current_stream(self.kv.device))
         with torch.cuda.stream(stream):
-            self._forward(bucket)
+            self._forward(bucket, sig[-1])
         torch.cuda.current_stream(self.kv.device).wait_stream(stream)
         self.capture_warmup_seconds += time.perf_counter() - start
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            outputs = self._forward(bucket)
+            outputs = self._forward(bucket, sig[-1])
         kept[sig] = (graph, outputs)
         self.num_captures += 1
         self.capture_seconds += time.perf_counter() - start

@@ -47,9 +47,9 @@ class EngineConfig:
     # an eager prefill of a short prompt at real sizes is bound by launching its kernels
     # from the host (issue 12: 941 kernels, 30 ms of host for 6 ms of device work). Buckets
     # of token rows above max_num_seqs go up to graph_max_tokens (at most the step's token
-    # budget); longer steps run eagerly. A prompt routing recorder (the planner's prompt
-    # residuals) keeps prefill steps eager: it maps each step's rows on the host. False:
-    # only pure decode steps replay (the earlier engine).
+    # budget); longer steps run eagerly. With a prompt routing recorder (the planner's
+    # prompt residuals) steps with prompt rows replay graphs that record them
+    # (engine/prompt_routing.py). False: only pure decode steps replay (the earlier engine).
     graph_prefill: bool = True
     graph_max_tokens: int = 512
     # CUDA: each layer's shared expert (Qwen-MoE) on a side stream, concurrent with the
@@ -126,7 +126,9 @@ class Engine:
         self.seqs: dict[str, Sequence] = {}  # request_id -> live sequence
         self.eos_ids = set(model.config.eos_token_ids) | {int(t) for t in eos_token_ids}
         graphs = None
-        graph_prefill = self.config.graph_prefill and prompt_routing is None
+        graph_prefill = self.config.graph_prefill
+        if prompt_routing is not None:  # a static counts buffer: graph replays can record prompts
+            prompt_routing.reserve_slots(self.config.scheduler.max_num_seqs)
         if (self.kv.device.type == "cuda" and not self.config.enforce_eager
                 and self.config.attention_impl in ("auto", "inplace")):
             graphs = DecodeGraphs(model, self.kv, self.config.scheduler.max_num_seqs,
