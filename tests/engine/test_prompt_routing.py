@@ -153,3 +153,39 @@ def test_the_mix_weights_each_prompt_by_the_tokens_its_request_still_runs():
     sa.num_computed_tokens = 14  # nothing left to run: no weight
     assert prompt_mix([sa, sb]) is None
     assert prompt_mix([sequence(2, 4, 4, 0, None)]) is None  # not prefilled yet
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_graphs_record_each_prompt_as_the_eager_engine_does():
+    """bf16 on CUDA (where graphs run): every step replayed, prefills included, with the
+    recording captured in; each prompt's counts total its tokens x top-k per layer exactly
+    (no row lost, no padding row counted) and match the eager engine's counts up to the
+    few choices bf16 rounding may flip between the two forms (the graphs' attention and
+    RoPE round differently: docs/engine.md)."""
+    model = load_model(BUNDLED_MODEL, dtype=torch.bfloat16, device="cuda")
+    c = model.config
+    ps = prompts(model)
+    counts = {}
+    for eager in (True, False):
+        recorder = PromptRoutingRecorder(c.num_layers, c.num_experts, "cuda")
+        recorder.install(model)
+        try:
+            config = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64),
+                                  kv=KVCacheConfig(block_size=4), num_kv_blocks=512, enforce_eager=eager)
+            engine = Engine(model, config, prompt_routing=recorder)
+            for i, (p, m) in enumerate(zip(ps, MAX_TOKENS)):
+                engine.add_request(str(i), p, SamplingParams(max_tokens=m, ignore_eos=True))
+            seqs = list(engine.seqs.values())
+            engine.run_to_completion()
+            if not eager:
+                graphs = engine.runner.graphs
+                assert engine.runner.num_eager_steps == 0 and graphs.prefill_steps > 0 and graphs.padding_rows > 0
+                assert not graphs.disabled and not graphs.prefill_disabled
+            counts[eager] = [seq.prompt_counts for seq in seqs]
+        finally:
+            detach(model)
+    k = c.num_experts_per_tok
+    for got, want, p in zip(counts[False], counts[True], ps):
+        np.testing.assert_array_equal(got.sum(-1), np.full(c.num_layers, len(p) * k))
+        assert np.abs(got - want).sum() <= 0.05 * len(p) * k * c.num_layers
