@@ -556,13 +556,19 @@ class Report:
 # alone, CUDA-graph replay of decode steps with prefill steps eager (the engine before
 # prefill graphs), and replay of every step as token rows, prefill chunks included (the
 # engine's default; graph_prefill), then the same with each layer's shared expert on a side
-# stream (the engine's default; overlap_shared_experts).
+# stream (the engine's default; overlap_shared_experts). "-prompts": with a prompt routing
+# recorder installed, as the runtime does when its artifact has residual heads (the
+# production path; the in-memory artifact here has none).
 MODES = {
     "eager-gather": dict(attention_impl="batched", graphs=False, grouped=False),
     "eager-inplace": dict(attention_impl="inplace", graphs=False, grouped=True),
     "graphs-eager-prefill": dict(attention_impl="inplace", graphs=True, grouped=True, prefill=False),
     "graphs-inplace": dict(attention_impl="inplace", graphs=True, grouped=True, prefill=True),
     "graphs-overlap": dict(attention_impl="inplace", graphs=True, grouped=True, prefill=True, overlap=True),
+    "graphs-eager-prefill-prompts": dict(attention_impl="inplace", graphs=True, grouped=True, prefill=False,
+                                         overlap=True, prompts=True),
+    "graphs-overlap-prompts": dict(attention_impl="inplace", graphs=True, grouped=True, prefill=True, overlap=True,
+                                   prompts=True),
 }
 
 
@@ -571,6 +577,7 @@ def set_mode(engine, mode: str) -> None:
     An engine from before prefill graphs (a base checkout) takes every graphs mode as
     decode-only replay."""
     m = MODES[mode]
+    set_prompt_routing(engine, m.get("prompts", False))
     runner = engine.runner
     runner.attention_impl = m["attention_impl"]
     graphs = m["graphs"] and engine.kv.device.type == "cuda"
@@ -585,6 +592,23 @@ def set_mode(engine, mode: str) -> None:
     for block in engine.model.moe_blocks:
         if hasattr(block.experts, "grouped"):
             block.experts.grouped = m["grouped"]
+
+
+def set_prompt_routing(engine, on: bool) -> None:
+    """Install (or take out) a PromptRoutingRecorder on a built engine, reserved for its
+    max_num_seqs as Engine does for one it is given."""
+    from pagedweight.engine.prompt_routing import PromptRoutingRecorder
+
+    recorder = engine.prompt_routing
+    if on and recorder is None:
+        c = engine.model.config
+        recorder = PromptRoutingRecorder(c.num_layers, c.num_experts, engine.model.device)
+        recorder.install(engine.model)
+        recorder.reserve_slots(engine.config.scheduler.max_num_seqs)
+        engine.prompt_routing = recorder
+    elif not on and recorder is not None:
+        recorder.uninstall(engine.model)
+        engine.prompt_routing = None
 
 
 def set_gemv_tokens_per_expert(limit: float | None) -> None:

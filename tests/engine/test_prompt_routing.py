@@ -116,6 +116,20 @@ def test_graph_rows_say_whether_a_replay_can_record_the_step(model):
         detach(model)
 
 
+def test_uninstall_puts_back_the_observers_behind_it(model):
+    c = model.config
+    feed = RoutingFeed(c.num_layers, c.num_experts)
+    feed.install(model)
+    recorder = PromptRoutingRecorder(c.num_layers, c.num_experts)
+    recorder.install(model)
+    try:
+        assert all(block.observer is recorder for block in model.moe_blocks)
+        recorder.uninstall(model)
+        assert all(block.observer is feed for block in model.moe_blocks)
+    finally:
+        detach(model)
+
+
 def test_decode_steps_record_nothing(model):
     engine, _, recorder = engine_with_recorder(model, 1024, 512)
     try:

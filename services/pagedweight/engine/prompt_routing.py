@@ -70,6 +70,14 @@ class PromptRoutingRecorder:
             block.observer = self
         self._first_layer = min((block.layer_idx for block in model.moe_blocks), default=0)
 
+    def uninstall(self, model) -> None:
+        """Put back the observers this one was chained in front of (a benchmark switches the
+        recorder on and off on one engine)."""
+        for block in model.moe_blocks:
+            if block.observer is self:
+                block.observer = self._next.get(block.layer_idx)
+        self._next = {}
+
     def reserve_slots(self, max_slots: int) -> None:
         """At most max_slots prompts per step (the engine's max_num_seqs): fixes the spare slot
         and makes the counts buffer static, which graph replays need."""
