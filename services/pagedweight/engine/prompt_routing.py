@@ -106,6 +106,8 @@ class PromptRoutingRecorder:
         """The static offsets column a graph's forward reads (None after it, or for a graph
         without the recording)."""
         self._graph_rows = offsets
+        if offsets is None:  # made inside a capture: held here they would pin pool memory
+            self._graph_index = self._graph_source = None
 
     # ---- one engine step ------------------------------------------------------------------
     def begin_step(self, scheduled: list[ScheduledSeq]) -> None:
