@@ -50,17 +50,25 @@ def group_tokens_by_expert(topk_ids: torch.Tensor, num_experts: int):
     return order, counts
 
 
+def expert_bounds(counts: list[int]) -> list[tuple[int, int, int]]:
+    """(expert, first row, end row) of each expert with rows in the expert-sorted
+    assignments (group_tokens_by_expert's order), from its counts read to the host."""
+    out, start = [], 0
+    for e, n in enumerate(counts):
+        if n:
+            out.append((e, start, start + n))
+        start += n
+    return out
+
+
 def expert_groups(topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int):
     """Yield (expert, token indices [n], routing weights [n]) for every expert with tokens."""
     k = topk_ids.shape[1]
     order, counts = group_tokens_by_expert(topk_ids, num_experts)
     token_of = order // k
     weights = topk_weights.reshape(-1)[order]
-    start = 0
-    for e, n in enumerate(counts.tolist()):
-        if n:
-            yield e, token_of[start : start + n], weights[start : start + n]
-        start += n
+    for e, a, b in expert_bounds(counts.tolist()):
+        yield e, token_of[a:b], weights[a:b]
 
 
 def moe_forward(x, topk_ids, topk_weights, expert_fn, num_experts: int) -> torch.Tensor:

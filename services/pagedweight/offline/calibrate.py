@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedweight.common.errors import UserError
-from pagedweight_kernels.moe_reference import gated, group_tokens_by_expert
+from pagedweight_kernels.moe_reference import expert_bounds, gated, group_tokens_by_expert
 
 
 @dataclass(frozen=True)
@@ -110,7 +110,7 @@ class RecordingExperts(nn.Module):
         w = topk_weights.reshape(-1)[order]
         xs = x[token_of]  # [A, H], sorted by expert
         sizes = counts.tolist()  # rows of each expert in the sorted assignments (one host read)
-        bounds = _bounds(sizes)
+        bounds = expert_bounds(sizes)
         if not bounds:
             return torch.zeros_like(x)
         # split, not slices: a slice's backward writes a zero tensor of all rows per expert
@@ -145,16 +145,6 @@ class RecordingExperts(nn.Module):
             for e, a, b in bounds:
                 s.gram_gate_up[L, e].addmm_(xf[a:b].T, xf[a:b])
                 s.gram_down[L, e].addmm_(af[a:b].T, af[a:b])
-
-
-def _bounds(counts: list[int]) -> list[tuple[int, int, int]]:
-    """(expert, first row, end row) in the expert-sorted assignments, experts with rows only."""
-    out, start = [], 0
-    for e, n in enumerate(counts):
-        if n:
-            out.append((e, start, start + n))
-        start += n
-    return out
 
 
 def read_chunks(tokenizer, files: list[Path], config: CalibConfig) -> tuple[list[list[int]], list[str]]:
