@@ -39,6 +39,7 @@ import torch
 from pagedweight.engine.scheduler import ScheduledSeq
 from pagedweight.engine.sequence import Sequence
 from pagedweight.planner.messages import PromptMix
+from pagedweight.weights.routing_feed import each_choice
 
 
 class PromptRoutingRecorder:
@@ -151,7 +152,7 @@ class PromptRoutingRecorder:
             raise RuntimeError(f"prompt routing: {topk_ids.shape[0]} routed rows, the step has {self._num_rows}")
         if layer == self._first_layer:  # once per forward: each row's slot k times, the increments
             self._counts.zero_()  # the reserved buffer holds the last step's counts
-            self._rows = _each_k_times(torch.from_numpy(self._offsets).to(self.device), topk_ids.shape[1])
+            self._rows = each_choice(torch.from_numpy(self._offsets).to(self.device), topk_ids.shape[1])
             self._ones = torch.ones(self._rows.shape[0], device=self.device)
         self._counts[layer].index_add_(0, self._rows + topk_ids.reshape(-1), self._ones)
 
@@ -162,8 +163,8 @@ class PromptRoutingRecorder:
         if layer == self._first_layer:
             k = topk_ids.shape[1]
             self._buffer.zero_()
-            self._graph_index = _each_k_times(self._graph_rows, k)
-            self._graph_source = _each_k_times(self._row_weights.to(torch.float32), k)
+            self._graph_index = each_choice(self._graph_rows, k)
+            self._graph_source = each_choice(self._row_weights.to(torch.float32), k)
         self._buffer[layer].index_add_(0, self._graph_index + topk_ids.reshape(-1), self._graph_source)
 
     def end_step(self) -> None:
@@ -193,12 +194,6 @@ class PromptRoutingRecorder:
     def _drop_finished(self) -> None:
         for seq_id in [i for i, seq in self._in_flight.items() if seq.is_finished]:
             del self._in_flight[seq_id]
-
-
-def _each_k_times(rows: torch.Tensor, k: int) -> torch.Tensor:
-    """[T] -> [T k], each row's value for each of its k choices (an expand, no host sync:
-    graph-safe)."""
-    return rows[:, None].expand(-1, k).reshape(-1)
 
 
 def remaining_tokens(seq: Sequence) -> int:

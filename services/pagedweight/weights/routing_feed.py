@@ -17,6 +17,12 @@ import torch
 from pagedweight.planner.messages import RoutingSnapshot
 
 
+def each_choice(rows: torch.Tensor, k: int) -> torch.Tensor:
+    """[T] -> [T k]: each row's value once for each of its k routing choices, in
+    topk_ids.reshape(-1)'s order (an expand: no host sync, graph-safe)."""
+    return rows[:, None].expand(-1, k).reshape(-1)
+
+
 class RoutingFeed:
     def __init__(self, num_layers: int, num_experts: int, device: torch.device | str = "cpu"):
         shape = (num_layers, num_experts)
@@ -41,7 +47,7 @@ class RoutingFeed:
             return
         if rows.shape[0] != topk_ids.shape[0]:
             raise RuntimeError(f"routing feed: {topk_ids.shape[0]} routed rows, {rows.shape[0]} row weights")
-        per_choice = rows.to(torch.float32)[:, None].expand(topk_ids.shape).reshape(-1)
+        per_choice = each_choice(rows.to(torch.float32), topk_ids.shape[1])
         self.counts[layer].index_add_(0, ids, per_choice)
         self.mass[layer].index_add_(0, ids, topk_weights.detach().reshape(-1).float() * per_choice)
         self.num_tokens[layer] += rows.sum()
