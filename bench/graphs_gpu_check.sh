@@ -10,9 +10,17 @@ export PYTHONPATH=.:services:kernels PYTHONUNBUFFERED=1
 OUT=$(cd "${OUT:-bench/results}" && pwd)
 t0=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
-timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short \
-  tests/engine/test_decode_graphs.py tests/engine/test_prompt_routing.py tests/model/test_shared_expert_overlap.py \
-  > "$OUT/gpu_graphs_check.log" 2>&1
+# TESTS=paths: the whole of `make test-gpu-paths` (every GPU test outside tests/kernels, the
+# three files above among them), else only those three files.
+if [ "${TESTS:-three}" = paths ]; then
+  targets=(tests --ignore=tests/kernels --ignore=tests/cli --ignore=tests/e2e --ignore=tests/gateway
+           --ignore=tests/worker --ignore=tests/planner_service --ignore=tests/rpc --ignore=tests/fuzz
+           --ignore=tests/test_prompt_residuals_online.py)
+else
+  targets=(tests/engine/test_decode_graphs.py tests/engine/test_prompt_routing.py tests/model/test_shared_expert_overlap.py)
+fi
+timeout "${TEST_TIMEOUT_S:-150}" python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short --durations=15 \
+  "${targets[@]}" > "$OUT/gpu_graphs_check.log" 2>&1
 stamp "tests rc $?"; tail -n 4 "$OUT/gpu_graphs_check.log"
 PAGEDWEIGHT_COMMIT=${CODE_COMMIT:-unknown} PAGEDWEIGHT_CODE_COMMIT=${CODE_COMMIT:-unknown} \
   timeout 170 python3 -m bench.real_shape --model qwen1.5-moe-a2.7b \
