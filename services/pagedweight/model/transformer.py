@@ -9,7 +9,7 @@ from torch import nn
 from pagedweight.format.model_config import ModelConfig
 from pagedweight.model.contiguous_kv import ContiguousKVCache
 from pagedweight.model.experts import DenseExperts
-from pagedweight.model.gemma4_layer import Gemma4DecoderLayer
+from pagedweight.model.gemma4_layer import Gemma4DecoderLayer, Gemma4MoeBlock
 from pagedweight.model.layers import Attention, RMSNorm, RotaryEmbedding, norm_for, rope_key
 from pagedweight.model.moe_block import SparseMoeBlock
 from pagedweight_kernels import decode_ops
@@ -130,14 +130,15 @@ class MoECausalLM(nn.Module):
         routing and routed experts (SparseMoeBlock._forward_parts_overlapped); off: in
         sequence. Only with fused_kernels (CUDA) and a shared expert; True if any layer
         overlaps. CUDA graphs bake the choice in: switch before they are captured."""
-        blocks = [b for b in self.moe_blocks if b.shared_inputs_fused]
+        # Gemma-4's routed blocks (Gemma4MoeBlock) have no shared expert and no fused inputs
+        blocks = [b for b in self.moe_blocks if isinstance(b, SparseMoeBlock) and b.shared_inputs_fused]
         stream = torch.cuda.Stream(self.device) if on and self.fused_kernels and blocks else None
         for block in blocks:
             block.shared_stream = stream
         return stream is not None
 
     @property
-    def moe_blocks(self) -> list[SparseMoeBlock]:
+    def moe_blocks(self) -> list[SparseMoeBlock | Gemma4MoeBlock]:
         return [layer.moe for layer in self.layers]
 
     @property
