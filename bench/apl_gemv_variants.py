@@ -6,13 +6,14 @@ plan constants, and prints one line per (variant, shape). Used to pick the defau
 results are recorded in docs/kernel.md.
 
 Usage on the GPU machine: PYTHONPATH=.:services:kernels python3 -m bench.apl_gemv_variants [variants]
-    [--mixed | --tiles | --decode | --fused | --compact | --merged | --compile-only] [--json NAME]
+    [--mixed | --tiles | --decode | --fused | --compact | --merged | --waves | --compile-only] [--json NAME]
 --compile-only: compile the variants' decode instances for bf16 and fp16 (for the GPU tests) and exit.
 --decode: every decode shape (1-16 tokens, 3 / 4 / 8 / mixed bits) at both model sizes; the
 variants' instances are compiled first, in threads (NVRTC runs outside the GIL). --fused: the
 3-4-bit decode shapes of the one-launch decode (`base unfused` compares it with two launches).
 --compact: Qwen1.5-MoE 1-4 tokens and Mixtral 1-4 tokens, for the code-size and split variants.
 --merged: the merged kernel's shapes (mixed bits; 4 bits under the `stable` variants).
+--waves: the decode shapes whose column splits the whole-wave plan changed (`base no_wave`).
 --json NAME
 also writes bench/results/NAME.json (date, machine, commit).
 """
@@ -31,9 +32,10 @@ SHAPES = [("mixtral-8x7b", 1, "3"), ("mixtral-8x7b", 1, "4"), ("mixtral-8x7b", 1
           ("qwen1.5-moe-a2.7b", 16, "4")]
 BASE = dict(op.KERNEL_DEFINES)
 HOST_KNOBS = {name: getattr(op, name) for name in ("GEMV_TARGET_CTAS", "GEMV_MERGE_CLASSES", "TILES_MAX_NT8", "GEMV_FUSED",
-                                                       "GEMV_MIN_SPLIT_WORDS")}
+                                                       "GEMV_MIN_SPLIT_WORDS", "GEMV_WAVE_PLAN")}
 VARIANTS = {  # name -> (define changes, host changes)
     "base": ({}, {}),
+    "no_wave": ({}, {"GEMV_WAVE_PLAN": False}),  # decode splits to about one wave (before _wave_splits)
     "unfused": ({}, {"GEMV_FUSED": False}),  # decode in two launches (gate_up, down), as before the fused kernel
     "fused": ({}, {"GEMV_FUSED": True}),  # 3-4-bit decode in one launch (apl_gemv_fused)
     # APL_GEMV_COMPACT, a bit per kernel class: one copy of the decode step's code (run at ea05a3c
@@ -73,6 +75,10 @@ MERGED_SHAPES = [(name, T, bits) for name in ("qwen1.5-moe-a2.7b", "mixtral-8x7b
 # (mixed bits: two launches in both variants, the noise check)
 FUSED_SHAPES = [(name, T, bits) for name in ("qwen1.5-moe-a2.7b", "mixtral-8x7b") for T, bits in
                 ((1, "3"), (1, "4"), (2, "4"), (4, "3"), (4, "4"), (16, "4"), (1, "mixed"))]
+# --waves: the decode shapes whose column splits _wave_splits changed, and two it left alone
+WAVE_SHAPES = [("mixtral-8x7b", 1, "3"), ("mixtral-8x7b", 1, "4"), ("mixtral-8x7b", 1, "8"), ("mixtral-8x7b", 1, "mixed"),
+               ("mixtral-8x7b", 2, "4"), ("mixtral-8x7b", 4, "4"), ("qwen1.5-moe-a2.7b", 2, "4"),
+               ("qwen1.5-moe-a2.7b", 4, "4"), ("qwen1.5-moe-a2.7b", 1, "4"), ("qwen1.5-moe-a2.7b", 16, "4")]
 TILES_SHAPES = [("qwen1.5-moe-a2.7b", 64, "4"), ("qwen1.5-moe-a2.7b", 256, "4"), ("mixtral-8x7b", 64, "4"),
                 ("mixtral-8x7b", 256, "4"), ("mixtral-8x7b", 256, "8")]
 
@@ -116,7 +122,8 @@ def main():
         return
     shapes = MIXED_SHAPES if "--mixed" in sys.argv else TILES_SHAPES if "--tiles" in sys.argv \
         else DECODE_SHAPES if "--decode" in sys.argv else FUSED_SHAPES if "--fused" in sys.argv \
-        else COMPACT_SHAPES if "--compact" in sys.argv else MERGED_SHAPES if "--merged" in sys.argv else SHAPES
+        else COMPACT_SHAPES if "--compact" in sys.argv else MERGED_SHAPES if "--merged" in sys.argv \
+        else WAVE_SHAPES if "--waves" in sys.argv else SHAPES
     names = sorted({s[0] for s in shapes})
     layers = {name: [SyntheticLayer(*MODELS[name][:1], *MODELS[name][2:], seed, device) for seed in range(COPIES)]
               for name in names}
@@ -128,7 +135,7 @@ def main():
         x = [torch.randn(T, H, device=device).bfloat16() for _ in range(REPS)]
         cases[(name, T, bits)] = (x, route, apl)
     only = [a for a in sys.argv[1:] if a in VARIANTS] or list(VARIANTS)
-    if any(a in sys.argv for a in ("--decode", "--fused", "--compact", "--merged")):
+    if any(a in sys.argv for a in ("--decode", "--fused", "--compact", "--merged", "--waves")):
         compile_decode_instances(only, device)
     rows = []
     for vname in only:

@@ -57,6 +57,10 @@ GEMV_ROWS, GEMV_THREADS, GEMV_STEP_WORDS, GEMV_TOKENS = 64, 128, 8, 8
 GEMV_TARGET_CTAS = 528  # one wave on a 132-SM H200 (4 CTAs per SM): longer CTAs, fewer prologues
 GEMV_X_BYTES = 40 * 1024  # shared memory for one split's staged activations
 GEMV_MIN_SPLIT_WORDS = 16  # a split covers at least two warp steps
+# Decode column splits chosen by whole waves (_wave_splits): a grid of 1.21 waves (Mixtral's
+# down at 1 token, 5 splits: 640 CTAs) spends its last fifth with one CTA per SM, latency-bound.
+GEMV_WAVE_PLAN = True
+GEMV_CTA_FIXED_STEPS = 2  # a CTA's prologue and epilogue (route, descriptor, LUT, reduction) in warp steps
 GEMV_MAX_ASSIGN = 4096  # tokens * top_k a CTA's shared slot list holds
 GEMV_MERGE_CLASSES = True  # a layer with 3-4- and 5-8-bit blocks: one launch per projection (measured faster)
 # Decode of a layer whose blocks are all 3-4 bits: gate_up and down in one launch
@@ -387,6 +391,26 @@ def tiles_per_pass(per_expert: float) -> int:
     return min(TILES_MAX_NT8, max(TILES_MIN_NT8, _next_pow2(math.ceil(TILES_HEADROOM * per_expert / GEMV_TOKENS))))
 
 
+def _split_words(words: int, splits: int, max_split: int) -> int:
+    """Words (of 32 columns) per column split: whole warp steps, at most max_split."""
+    split_words = max(math.ceil(words / max(1, splits) / GEMV_STEP_WORDS) * GEMV_STEP_WORDS, GEMV_STEP_WORDS)
+    return min(split_words, max_split)
+
+
+def _wave_splits(ctas_per_split: int, words: int, most_splits: int, max_split: int) -> int:
+    """The decode launch's column splits, from a model of its time: whole waves of
+    GEMV_TARGET_CTAS (4 CTAs per SM) times the longest CTA (its warp steps plus a fixed cost).
+    Small layers split until one wave is full, as before; a grid just over a whole number of
+    waves takes fewer, longer splits instead of a tail wave (Mixtral's down at 1 token: 4
+    splits, 512 CTAs, one wave, instead of 5 splits, 640 CTAs, 1.21 waves)."""
+    def cost(splits):
+        split_words = _split_words(words, splits, max_split)
+        grid = ctas_per_split * math.ceil(words / split_words)
+        waves = math.ceil(grid / GEMV_TARGET_CTAS)
+        return waves * (math.ceil(split_words / GEMV_STEP_WORDS) + GEMV_CTA_FIXED_STEPS), grid
+    return min(range(1, most_splits + 1), key=cost)
+
+
 def _gemv_plan(mode, num_tokens, top_k, cols, rows_out, max_active, nt8: int = 1) -> GemmPlan:
     # Split the columns until the launch has about GEMV_TARGET_CTAS CTAs (small layers at 1
     # token would otherwise leave most SMs idle) and, at decode, a split's activations fit
@@ -398,10 +422,12 @@ def _gemv_plan(mode, num_tokens, top_k, cols, rows_out, max_active, nt8: int = 1
     max_split = max(GEMV_STEP_WORDS, GEMV_X_BYTES // ((stage + 1) * 64) // GEMV_STEP_WORDS * GEMV_STEP_WORDS)
     if nt8 > 1:
         max_split = math.ceil(words / GEMV_STEP_WORDS) * GEMV_STEP_WORDS
-    want = math.ceil(GEMV_TARGET_CTAS / (tiles * max_active))
-    splits = min(want, max(1, words // GEMV_MIN_SPLIT_WORDS))
-    split_words = max(math.ceil(words / max(1, splits) / GEMV_STEP_WORDS) * GEMV_STEP_WORDS, GEMV_STEP_WORDS)
-    split_words = min(split_words, max_split)
+    most_splits = max(1, words // GEMV_MIN_SPLIT_WORDS)
+    if GEMV_WAVE_PLAN and nt8 == 1:
+        splits = _wave_splits(tiles * max_active, words, most_splits, max_split)
+    else:
+        splits = min(math.ceil(GEMV_TARGET_CTAS / (tiles * max_active)), most_splits)
+    split_words = _split_words(words, splits, max_split)
     splits = math.ceil(words / split_words)
     num_assign = num_tokens * top_k
     staged_words = split_words if nt8 == 1 else GEMV_STEP_WORDS  # the .cu's tstride

@@ -1,5 +1,7 @@
 """The fused kernel's torch reference, launch planning and argument checks (CPU)."""
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -7,6 +9,7 @@ import torch.nn.functional as F
 from pagedweight_kernels.apl_moe import (
     APLKernelError, APLLayer, ResidentBlock, apl_moe_reference, check_inputs, gemv_extra_shared, lanes_per_row, plan_launch, tiles_per_pass,
 )
+from pagedweight_kernels import apl_moe
 from pagedweight_kernels.synthetic import quantize_nested, random_block
 from pagedweight_kernels.resident_experts import APLExperts
 from pagedweight_kernels.apl_moe import resident_block
@@ -125,6 +128,21 @@ def test_plan_picks_decode_for_few_tokens_per_expert_and_tensor_cores_for_many()
         down = plan_launch(T, 2, **mixtral, legacy_decode=True).down
         assert down.split_cols * down.tokens * 4 <= 32 * 1024 and down.splits * down.split_cols >= 14336
         assert down.shared_bytes <= 227 * 1024
+
+
+def test_decode_splits_fill_whole_waves(monkeypatch):
+    """Column splits are chosen by whole waves of GEMV_TARGET_CTAS: a small layer splits until
+    one wave is full; a grid just past a wave takes fewer, longer splits instead of a tail."""
+    wave = apl_moe.GEMV_TARGET_CTAS
+    qwen = dict(num_experts=60, hidden=2048, intermediate=1408, max_bits=4)
+    mixtral = dict(num_experts=8, hidden=4096, intermediate=14336, max_bits=4)
+    small = plan_launch(1, 4, **qwen).gate_up  # 44 row tiles x 4 experts: 3 splits fill the wave
+    assert small.splits == 3 and math.prod(small.grid) == wave
+    down = plan_launch(1, 2, **mixtral).down  # 5 splits would be 640 CTAs, 1.21 waves
+    assert down.splits == 4 and math.prod(down.grid) <= wave and down.split_cols * 4 >= 14336
+    assert plan_launch(1, 4, **qwen).down.splits == 2  # 44 words: at least two warp steps a split
+    monkeypatch.setattr(apl_moe, "GEMV_WAVE_PLAN", False)  # the earlier rule, kept for the benchmark
+    assert plan_launch(1, 2, **mixtral).down.splits == 5
 
 
 def test_layers_know_their_bit_classes():
