@@ -57,8 +57,10 @@ GEMV_ROWS, GEMV_THREADS, GEMV_STEP_WORDS, GEMV_TOKENS = 64, 128, 8, 8
 GEMV_TARGET_CTAS = 528  # one wave on a 132-SM H200 (4 CTAs per SM): longer CTAs, fewer prologues
 GEMV_X_BYTES = 40 * 1024  # shared memory for one split's staged activations
 GEMV_MIN_SPLIT_WORDS = 16  # a split covers at least two warp steps
-# Decode column splits chosen by whole waves (_wave_splits): a grid of 1.21 waves (Mixtral's
-# down at 1 token, 5 splits: 640 CTAs) spends its last fifth with one CTA per SM, latency-bound.
+# Decode column splits of 3-4-bit layers chosen by whole waves (_wave_splits): a grid of 1.21
+# waves (Mixtral's down at 1 token, 5 splits: 640 CTAs) ends with one CTA per SM. Measured
+# (H200, bench/results/apl_gemv_waves.json): Qwen1.5-MoE 2 tokens 5% and 4 tokens 2% faster,
+# Mixtral 3 bits 2.4% and 2 tokens 1.9% faster, Mixtral 1 token 4 bits unchanged.
 GEMV_WAVE_PLAN = True
 GEMV_CTA_FIXED_STEPS = 2  # a CTA's prologue and epilogue (route, descriptor, LUT, reduction) in warp steps
 GEMV_MAX_ASSIGN = 4096  # tokens * top_k a CTA's shared slot list holds
@@ -345,9 +347,11 @@ def decode_rows_per_cta(lpr: int) -> int:
 
 
 def plan_launch(num_tokens: int, top_k: int, num_experts: int, hidden: int, intermediate: int,
-                max_bits: int, legacy_decode: bool = False) -> LaunchPlan:
+                max_bits: int, legacy_decode: bool = False, stable_launches: bool = False) -> LaunchPlan:
     """Pick the regime and the grids from host-known sizes only (no look at the routing).
-    legacy_decode: the first decode kernel (four launches, CUDA cores), kept as a baseline."""
+    legacy_decode: the first decode kernel (four launches, CUDA cores), kept as a baseline.
+    stable_launches: the layer's decode launches must not depend on its widths (a captured
+    graph outlives bit moves; APLLayer.launch_signature), so no plan choice by max_bits."""
     per_expert = num_tokens * top_k / num_experts
     max_active = min(num_experts, num_tokens * top_k)
     # (the tiles regime keeps each token's row offset in x / h as an int32)
@@ -355,8 +359,12 @@ def plan_launch(num_tokens: int, top_k: int, num_experts: int, hidden: int, inte
         and num_tokens * top_k * max(hidden, intermediate) < 2 ** 31
     if fits_gemv and per_expert <= TILES_MAX_TOKENS_PER_EXPERT:
         nt8 = 1 if per_expert <= GEMV_MAX_TOKENS_PER_EXPERT else tiles_per_pass(per_expert)
-        gate_up = _gemv_plan(0, num_tokens, top_k, hidden, intermediate, max_active, nt8)
-        down = _gemv_plan(1, num_tokens, top_k, intermediate, hidden, max_active, nt8)
+        # Whole waves of GEMV_TARGET_CTAS hold for the register-LUT kernel only: the 5-8-bit
+        # class's shared LUT rows leave fewer CTAs per SM (measured: the wave plan made
+        # Mixtral's mixed layer 5% slower and changed 8 bits by < 1%).
+        waves = GEMV_WAVE_PLAN and nt8 == 1 and max_bits <= 4 and not stable_launches
+        gate_up = _gemv_plan(0, num_tokens, top_k, hidden, intermediate, max_active, nt8, waves)
+        down = _gemv_plan(1, num_tokens, top_k, intermediate, hidden, max_active, nt8, waves)
     elif legacy_decode and per_expert <= DECODE_MAX_TOKENS_PER_EXPERT:
         nt = 1 if num_tokens == 1 else 2  # activations live in registers: a second token is nearly free
         gate_up = _decode_plan(0, nt, hidden, intermediate, max_bits, max_active)
@@ -411,7 +419,7 @@ def _wave_splits(ctas_per_split: int, words: int, most_splits: int, max_split: i
     return min(range(1, most_splits + 1), key=cost)
 
 
-def _gemv_plan(mode, num_tokens, top_k, cols, rows_out, max_active, nt8: int = 1) -> GemmPlan:
+def _gemv_plan(mode, num_tokens, top_k, cols, rows_out, max_active, nt8: int = 1, waves: bool = False) -> GemmPlan:
     # Split the columns until the launch has about GEMV_TARGET_CTAS CTAs (small layers at 1
     # token would otherwise leave most SMs idle) and, at decode, a split's activations fit
     # their budget; the tiles regime stages one step at a time, so only the CTA count splits.
@@ -423,7 +431,7 @@ def _gemv_plan(mode, num_tokens, top_k, cols, rows_out, max_active, nt8: int = 1
     if nt8 > 1:
         max_split = math.ceil(words / GEMV_STEP_WORDS) * GEMV_STEP_WORDS
     most_splits = max(1, words // GEMV_MIN_SPLIT_WORDS)
-    if GEMV_WAVE_PLAN and nt8 == 1:
+    if waves:
         splits = _wave_splits(tiles * max_active, words, most_splits, max_split)
     else:
         splits = min(math.ceil(GEMV_TARGET_CTAS / (tiles * max_active)), most_splits)
@@ -718,7 +726,7 @@ def apl_moe(x, topk_ids, topk_weights, layer: APLLayer, out: torch.Tensor | None
     if T == 0:
         return out
     max_bits = layer.max_bits
-    plan = plan_launch(T, k, E, H, I, max_bits, legacy_decode)
+    plan = plan_launch(T, k, E, H, I, max_bits, legacy_decode, layer.stable_launches)
     num_slots = T * k
     device = x.device
     if plan.gate_up.regime in ("gemv", "tiles"):

@@ -131,8 +131,8 @@ def test_plan_picks_decode_for_few_tokens_per_expert_and_tensor_cores_for_many()
 
 
 def test_decode_splits_fill_whole_waves(monkeypatch):
-    """Column splits are chosen by whole waves of GEMV_TARGET_CTAS: a small layer splits until
-    one wave is full; a grid just past a wave takes fewer, longer splits instead of a tail."""
+    """3-4-bit decode splits are chosen by whole waves of GEMV_TARGET_CTAS: a small layer splits
+    until one wave is full; a grid just past a wave takes fewer, longer splits, not a tail."""
     wave = apl_moe.GEMV_TARGET_CTAS
     qwen = dict(num_experts=60, hidden=2048, intermediate=1408, max_bits=4)
     mixtral = dict(num_experts=8, hidden=4096, intermediate=14336, max_bits=4)
@@ -141,7 +141,11 @@ def test_decode_splits_fill_whole_waves(monkeypatch):
     down = plan_launch(1, 2, **mixtral).down  # 5 splits would be 640 CTAs, 1.21 waves
     assert down.splits == 4 and math.prod(down.grid) <= wave and down.split_cols * 4 >= 14336
     assert plan_launch(1, 4, **qwen).down.splits == 2  # 44 words: at least two warp steps a split
-    monkeypatch.setattr(apl_moe, "GEMV_WAVE_PLAN", False)  # the earlier rule, kept for the benchmark
+    # the earlier rule (splits to about one wave) where a wave is not 528 CTAs (the 5-8-bit
+    # class's shared LUT) or the launches must not follow the widths (stable launches)
+    assert plan_launch(1, 2, **dict(mixtral, max_bits=8)).down.splits == 5
+    assert plan_launch(1, 2, **mixtral, stable_launches=True).down.splits == 5
+    monkeypatch.setattr(apl_moe, "GEMV_WAVE_PLAN", False)  # off: the earlier rule, kept for the benchmark
     assert plan_launch(1, 2, **mixtral).down.splits == 5
 
 
