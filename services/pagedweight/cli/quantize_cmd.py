@@ -114,5 +114,6 @@ def run_quantize(args) -> int:
     with atomic_output_dir(out, args.force) as tmp:
         quantize_model(args.model, tmp, files, config, log, work_dir=work_dir, restart=args.restart,
                        progress=None if args.quiet else sys.stderr)
+    log(f"wrote {out}")
     print(args.out)
     return 0

@@ -153,7 +153,8 @@ def quantize_model(model_dir: str | Path, out_dir: str | Path, calib_files: list
     work.remove()  # the artifact is whole: nothing left to resume
     peak = record_peaks(out, layers.device, scale_seconds, anonymous)
     gib = lambda b: f"{b / 2**30:.2f} GiB" if b is not None else "n/a"  # noqa: E731
-    log(f"wrote {out} in {time.perf_counter() - started:.1f} s; peak device memory "
+    # (no path: the CLI writes into a temporary sibling of --out and renames it when complete)
+    log(f"artifact complete in {time.perf_counter() - started:.1f} s; peak device memory "
         f"{gib(peak['peak_device_bytes'])}, peak host memory {gib(peak['peak_host_anonymous_bytes'])} "
         f"anonymous ({gib(peak['peak_host_bytes'])} resident, mapped checkpoint pages included)")
     return out
