@@ -410,7 +410,8 @@ def _wave_splits(ctas_per_split: int, words: int, most_splits: int, max_split: i
     GEMV_TARGET_CTAS (4 CTAs per SM) times the longest CTA (its warp steps plus a fixed cost).
     Small layers split until one wave is full, as before; a grid just over a whole number of
     waves takes fewer, longer splits instead of a tail wave (Mixtral's down at 1 token: 4
-    splits, 512 CTAs, one wave, instead of 5 splits, 640 CTAs, 1.21 waves)."""
+    splits, 512 CTAs, one wave, instead of 5 splits, 640 CTAs, 1.21 waves).
+    Ties go to the smaller grid (fewer partials to reduce)."""
     def cost(splits):
         split_words = _split_words(words, splits, max_split)
         grid = ctas_per_split * math.ceil(words / split_words)
