@@ -50,7 +50,10 @@ def test_serve_runs_the_cluster_and_stops_it(paged_micro_dir, tmp_path):
             "--worker-port", str(free_port()), "--planner-port", str(free_port()),
             "--worker-metrics-port", str(free_port()), "--planner-metrics-port", str(free_port())]
     log = open(tmp_path / "serve.log", "w+")
-    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+    # started with SIGINT ignored, as a shell script's background job is: the SIGINT below
+    # must stop the cluster all the same
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     try:
         deadline = time.monotonic() + 120
         while "PagedWeight is serving" not in (tmp_path / "serve.log").read_text():
@@ -68,8 +71,14 @@ def test_serve_runs_the_cluster_and_stops_it(paged_micro_dir, tmp_path):
         assert answer["choices"][0]["finish_reason"] == "length"
     finally:
         proc.send_signal(signal.SIGINT)
-        code = proc.wait(60)
-        log.close()
+        try:
+            code = proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.terminate()  # SIGTERM, serve's other stop path: a failure leaves no services running
+            proc.wait(60)
+            raise
+        finally:
+            log.close()
     assert code == 0, (tmp_path / "serve.log").read_text()
     text = (tmp_path / "serve.log").read_text()
     assert "[worker]" in text and "worker stopped" in text and "planner stopped" in text

@@ -80,6 +80,9 @@ def run(args) -> int:
     }
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+    # Ctrl-C / `kill -INT` stops the cluster even when serve was started with SIGINT ignored
+    # (a shell script's background job inherits SIG_IGN, and Python then keeps it ignored)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         for service in services:
             service.start()
