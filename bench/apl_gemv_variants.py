@@ -36,6 +36,7 @@ HOST_KNOBS = {name: getattr(op, name) for name in ("GEMV_TARGET_CTAS", "GEMV_MER
 VARIANTS = {  # name -> (define changes, host changes)
     "base": ({}, {}),
     "no_wave": ({}, {"GEMV_WAVE_PLAN": False}),  # decode splits to about one wave (before _wave_splits)
+    "acqrel": ({"APL_GEMV_ACQREL": 1}, {}),  # last-CTA counter: one acq_rel atomic, no per-thread fences (not yet run)
     "unfused": ({}, {"GEMV_FUSED": False}),  # decode in two launches (gate_up, down), as before the fused kernel
     "fused": ({}, {"GEMV_FUSED": True}),  # 3-4-bit decode in one launch (apl_gemv_fused)
     # APL_GEMV_COMPACT, a bit per kernel class: one copy of the decode step's code (run at ea05a3c

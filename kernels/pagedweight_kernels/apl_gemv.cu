@@ -53,6 +53,11 @@
 #define APL_GEMV_RING_STAGES 0  // >= 2: 3-4-bit kernel (CLS 0) streams plane words through a cp.async ring
 #endif                          // of this many steps per warp in shared memory; 0: register ping-pong
 #define GV_RING_STAGE_BYTES (2 * 4 * 32 * 8)  // one warp step at 4 bits: [row 2][plane 4][lane 32] uint2
+#ifndef APL_GEMV_ACQREL
+#define APL_GEMV_ACQREL 0  // 1: the last-CTA counter by one thread's acq_rel atomic after a barrier, where
+                           // every thread fences (Nsight: the fences' MEMBAR holds 4-7% of the warp
+                           // stalls at Qwen1.5-MoE 1 token); not yet run on a GPU: measure and test first
+#endif
 #ifndef APL_GEMV_PIPE
 #define APL_GEMV_PIPE 2  // decode (NT8 1, no ring), 3-4 bits, 8-byte loads: steps of plane words held in
 #endif                   // registers; 2 = the ping-pong, S > 2 keeps S - 1 steps in flight (gemv_warp_pipe)
@@ -88,6 +93,11 @@ __device__ __forceinline__ int ld_acquire_gpu(const int* p) {
 }
 __device__ __forceinline__ void st_release_gpu(int* p, int v) {
     asm volatile("st.release.gpu.global.b32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ int atom_add_acq_rel_gpu(int* p, int v) {
+    int old;
+    asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+    return old;
 }
 __device__ __forceinline__ bool tid_is_zero() { return threadIdx.x == 0; }
 __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" :: "l"(p)); }
@@ -975,6 +985,19 @@ __device__ __forceinline__ void gemv_cta(
     const int expected = MODE == 0 ? splits : route.num_active * splits;
     int* counter = counters + (MODE == 0 ? by * gx + bx : bx);
     if (expected > 1) {
+#if APL_GEMV_ACQREL
+        // CUTLASS's semaphore pattern: the barrier orders every thread's partials before
+        // thread 0's release (fence cumulativity); its acquire orders the reduction's reads
+        // after every contributor's partials, and the second barrier hands that to the CTA.
+        __syncthreads();
+        if (tid == 0) {
+            const int done = atom_add_acq_rel_gpu(counter, 1) + 1;
+            last_flag = done == expected;
+            if (done == expected) atomicExch(counter, 0);  // every contributor has arrived
+        }
+        __syncthreads();
+        if (!last_flag) return;
+#else
         __threadfence();
         __syncthreads();
         if (tid == 0) {
@@ -985,6 +1008,7 @@ __device__ __forceinline__ void gemv_cta(
         __syncthreads();
         if (!last_flag) return;
         __threadfence();
+#endif
     } else {
         __syncthreads();
     }
