@@ -985,30 +985,20 @@ __device__ __forceinline__ void gemv_cta(
     const int expected = MODE == 0 ? splits : route.num_active * splits;
     int* counter = counters + (MODE == 0 ? by * gx + bx : bx);
     if (expected > 1) {
-#if APL_GEMV_ACQREL
-        // CUTLASS's semaphore pattern: the barrier orders every thread's partials before
-        // thread 0's release (fence cumulativity); its acquire orders the reduction's reads
-        // after every contributor's partials, and the second barrier hands that to the CTA.
+        // APL_GEMV_ACQREL: CUTLASS's semaphore pattern, no per-thread fences. The barrier
+        // orders every thread's partials before thread 0's release (fence cumulativity); its
+        // acquire orders the reduction's reads after every contributor's partials, and the
+        // second barrier hands that to the CTA.
+        if (!APL_GEMV_ACQREL) __threadfence();
         __syncthreads();
         if (tid == 0) {
-            const int done = atom_add_acq_rel_gpu(counter, 1) + 1;
+            const int done = (APL_GEMV_ACQREL ? atom_add_acq_rel_gpu(counter, 1) : atomicAdd(counter, 1)) + 1;
             last_flag = done == expected;
             if (done == expected) atomicExch(counter, 0);  // every contributor has arrived
         }
         __syncthreads();
         if (!last_flag) return;
-#else
-        __threadfence();
-        __syncthreads();
-        if (tid == 0) {
-            const int done = atomicAdd(counter, 1) + 1;
-            last_flag = done == expected;
-            if (done == expected) atomicExch(counter, 0);  // every contributor has arrived
-        }
-        __syncthreads();
-        if (!last_flag) return;
-        __threadfence();
-#endif
+        if (!APL_GEMV_ACQREL) __threadfence();
     } else {
         __syncthreads();
     }
