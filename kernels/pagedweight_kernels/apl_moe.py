@@ -24,7 +24,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, lru_cache
 from pathlib import Path
 
 import torch
@@ -411,12 +411,19 @@ def _wave_splits(ctas_per_split: int, words: int, most_splits: int, max_split: i
     Small layers split until one wave is full, as before; a grid just over a whole number of
     waves takes fewer, longer splits instead of a tail wave (Mixtral's down at 1 token: 4
     splits, 512 CTAs, one wave, instead of 5 splits, 640 CTAs, 1.21 waves).
-    Ties go to the smaller grid (fewer partials to reduce)."""
+    Ties go to the smaller grid (fewer partials to reduce). Memoised: an eager layer call
+    plans each projection (the search over splits cost ~17 us a Mixtral call on this CPU);
+    the knobs it reads are part of the key, so a benchmark that changes them gets new plans."""
+    return _wave_splits_for(ctas_per_split, words, most_splits, max_split, GEMV_TARGET_CTAS, GEMV_CTA_FIXED_STEPS)
+
+
+@lru_cache(maxsize=4096)
+def _wave_splits_for(ctas_per_split: int, words: int, most_splits: int, max_split: int,
+                     wave: int, fixed_steps: int) -> int:
     def cost(splits):
         split_words = _split_words(words, splits, max_split)
         grid = ctas_per_split * math.ceil(words / split_words)
-        waves = math.ceil(grid / GEMV_TARGET_CTAS)
-        return waves * (math.ceil(split_words / GEMV_STEP_WORDS) + GEMV_CTA_FIXED_STEPS), grid
+        return math.ceil(grid / wave) * (math.ceil(split_words / GEMV_STEP_WORDS) + fixed_steps), grid
     return min(range(1, most_splits + 1), key=cost)
 
 
