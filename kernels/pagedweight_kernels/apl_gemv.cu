@@ -58,6 +58,9 @@
                            // every thread fences (Nsight: the fences' MEMBAR holds 4-7% of the warp
                            // stalls at Qwen1.5-MoE 1 token); not yet run on a GPU: measure and test first
 #endif
+#ifndef APL_PRMT_SELECT
+#define APL_PRMT_SELECT 0  // 4 bits: the top code bit picks between the two byte tables' lookups by a PRMT
+#endif                     // (one selector LOP3 per 8 weights) instead of a mask PRMT and two LOP3 per 4
 #ifndef APL_GEMV_PIPE
 #define APL_GEMV_PIPE 2  // decode (NT8 1, no ring), 3-4 bits, 8-byte loads: steps of plane words held in
 #endif                   // registers; 2 = the ping-pong, S > 2 keeps S - 1 steps in flight (gemv_warp_pipe)
@@ -181,22 +184,30 @@ struct RegLut {
     // Four weights (the codes in nibbles 4h..4h+3 of the Codes<B> word o) as two act x2
     // registers; o3 = o & 0x77777777 (the selector without the top code bit), precomputed.
     template <int HALF>
-    __device__ __forceinline__ void lookup(u32 o, u32 o3, u32& w01, u32& w23) const {
+    __device__ __forceinline__ void lookup(u32 o, u32 o3, u32 tsel, u32& w01, u32& w23) const {
         u32 lob, hib;
         if constexpr (B == 3) {
-            const u32 s = HALF ? o >> 16 : o;  // PRMT reads the selector's low 16 bits only
+            const u32 s = HALF ? shr_pipe(o, 16) : o;  // PRMT reads the selector's low 16 bits only
             lob = prmt(lo[0], lo[1], s);
             hib = prmt(hi[0], hi[1], s);
         } else {
             // The top code bit (nibble bit 3) would switch PRMT to sign-replicate mode: the
             // lookups use o3, and a sign-mode PRMT turns the top bits into a byte mask
             // (o << 4 has nibble 2i's bit 3 at byte i's msb, o nibble 2i+1's).
-            const u32 s3 = HALF ? o3 >> 16 : o3;
-            const u32 m = prmt(o << 4, o, HALF ? 0xFBEAu : 0xD9C8u);
+            const u32 s3 = HALF ? shr_pipe(o3, 16) : o3;
             const u32 l0 = prmt(lo[0], lo[1], s3), l1 = prmt(lo[2], lo[3], s3);
             const u32 h0 = prmt(hi[0], hi[1], s3), h1 = prmt(hi[2], hi[3], s3);
+#if APL_PRMT_SELECT
+            // A third PRMT per table picks byte i from l0 or l1 (selector nibble i + 4 * top bit);
+            // the selectors of both halves come from one LOP3 (tsel, precomputed with o3).
+            const u32 t = HALF ? shr_pipe(tsel, 16) : tsel;
+            lob = prmt(l0, l1, t);
+            hib = prmt(h0, h1, t);
+#else
+            const u32 m = prmt(o << 4, o, HALF ? 0xFBEAu : 0xD9C8u);
             lob = (l0 & ~m) | (l1 & m);
             hib = (h0 & ~m) | (h1 & m);
+#endif
         }
         w01 = prmt(lob, hib, 0x5140);
         w23 = prmt(lob, hib, 0x7362);
@@ -205,8 +216,12 @@ struct RegLut {
     // Selectors s and s+4 of a plane word (the two halves of nibble word c = s & 3).
     __device__ __forceinline__ void select2(const Codes<B>& c, int s, u32 (&w)[4]) const {
         const u32 o = c.o[s & 3], o3 = B == 4 ? o & 0x77777777u : o;
-        lookup<0>(o, o3, w[0], w[1]);
-        lookup<1>(o, o3, w[2], w[3]);
+        // APL_PRMT_SELECT at 4 bits: nibble n = n % 4 + 4 * (top bit of code n), n = 0..7
+        u32 tsel = 0u;
+        if constexpr (B == 4 && APL_PRMT_SELECT)  // one LOP3: (o >> 1 & 0x44444444) | 0x32103210
+            asm("lop3.b32 %0, %1, 0x44444444, %2, 0xEA;" : "=r"(tsel) : "r"(shr_pipe(o, 1)), "r"(0x32103210u));
+        lookup<0>(o, o3, tsel, w[0], w[1]);
+        lookup<1>(o, o3, tsel, w[2], w[3]);
     }
 };
 

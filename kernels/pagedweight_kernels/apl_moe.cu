@@ -97,7 +97,35 @@ __device__ __forceinline__ BlockRef load_block(const long long* __restrict__ des
 }
 
 // ---------------------------------------------------------------- bit-planes -> codes
+#ifndef APL_FMA_SHIFTS
+#define APL_FMA_SHIFTS 0  // 1: the nibble transpose's right shifts as IMAD.HI (FMA pipe) instead of SHF (ALU pipe)
+#endif
+// a >> s; with APL_FMA_SHIFTS as a multiply-high by 2^(32-s), which the FMA pipe runs, so the
+// integer (ALU) pipe that binds Mixtral-size decode (docs/kernel.md) issues one op less.
+__device__ __forceinline__ u32 shr_pipe(u32 a, int s) {
+#if APL_FMA_SHIFTS
+    u32 r;
+    asm("mul.hi.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(1u << (32 - s)));
+    return r;
+#else
+    return a >> s;
+#endif
+}
+// Swap the bits of b under mask m with the bits of a under m << s. With APL_FMA_SHIFTS, as two
+// bitfield merges (one LOP3 each) of shifted copies (IMAD.SHL / IMAD.HI): 2 ALU ops, not 5.
+#if APL_FMA_SHIFTS
+// (x & m) | (b & ~m) in one LOP3 (nvcc splits it into two when written in C).
+template <u32 M>
+__device__ __forceinline__ u32 bit_merge(u32 b, u32 x) {
+    u32 r;
+    asm("lop3.b32 %0, %1, %2, %3, 0xD8;" : "=r"(r) : "r"(b), "r"(x), "n"(M));
+    return r;
+}
+#define DELTA_SWAP(a, b, s, m) { const u32 a_ = (a), b_ = (b); \
+    (b) = bit_merge<(m)>(b_, shr_pipe(a_, (s))); (a) = bit_merge<((m) << (s))>(a_, b_ << (s)); }
+#else
 #define DELTA_SWAP(a, b, s, m) { u32 t_ = (((a) >> (s)) ^ (b)) & (m); (b) ^= t_; (a) ^= t_ << (s); }
+#endif
 
 // The 32 codes of one plane word (32 columns), rebuilt from pw[p] = word of plane p
 // (column i in bit i) by a bit-matrix transpose done in every nibble or byte lane at once:

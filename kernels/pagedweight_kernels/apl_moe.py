@@ -85,7 +85,7 @@ def bit_class(bits: int) -> int:
 KERNEL_DEFINES = {"APL_LDS_MODE": 1, "APL_RPG_DIV": 8, "APL_PREFETCH": 1, "APL_DECODE_MIN_BLOCKS": 2,
                   "APL_SHIFT_MODE": 0, "APL_PREFILL_MIN_BLOCKS": 1, "APL_GEMV_MIN_BLOCKS": 4,
                   "APL_GEMV_L2_PREFETCH": 0, "APL_GEMV_RING_STAGES": 0, "APL_GEMV_PIPE": 2, "APL_GEMV_PIPE_EARLY": 0,
-                  "APL_GEMV_COMPACT": 4, "APL_GEMV_ACQREL": 0,
+                  "APL_GEMV_COMPACT": 4, "APL_GEMV_ACQREL": 0, "APL_FMA_SHIFTS": 0, "APL_PRMT_SELECT": 0,
                   "APL_TILES_MIN_BLOCKS": 2, "APL_TILES_GROUP": 4, "APL_TILES_ASYNC": 1}
 GEMV_RING_STAGE_BYTES = 2 * 4 * 32 * 8  # apl_gemv.cu: one warp step at 4 bits in the cp.async ring
 # The .cu's APL_ACT per expert activation (moe_reference.ACTIVATIONS): one compiled module each.

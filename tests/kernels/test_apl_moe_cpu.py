@@ -367,3 +367,17 @@ def test_fused_counters_hold_both_projections_flags_and_ticket():
     assert op.fused_ctas(plan) == 44 * 4 * plan.gate_up.splits + 32 * 4 * plan.down.splits
     layer = random_layer(4, 64, 96, bits={(e, m): 4 for e in range(4) for m in ("gate_up", "down")})
     assert layer.counters.numel() == op.fused_counter_words(layer.num_experts, layer.hidden, layer.intermediate)
+
+
+def test_every_compile_time_knob_is_planned_with_the_value_the_source_defaults_to():
+    """The host passes KERNEL_DEFINES to every compile and plans shared memory and launches
+    from them; a knob of the .cu files missing there, or defaulting to another value, would
+    make the source (what the SASS counts of docs/kernel.md are read from) and what runs differ."""
+    import re
+
+    import pagedweight_kernels.apl_moe as op
+
+    source = op.SOURCE.read_text() + op.GEMV_SOURCE.read_text()
+    knobs = dict(re.findall(r"#ifndef (APL_\w+)\s*\n#define \1 (-?\d+)", source))
+    knobs.pop("APL_ACT")  # one module per expert activation (ACT_CODES)
+    assert knobs == {k: str(v) for k, v in op.KERNEL_DEFINES.items()}

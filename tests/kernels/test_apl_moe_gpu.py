@@ -260,6 +260,29 @@ def test_compact_decode_loop_equals_ping_pong(case, bits, monkeypatch):
     assert torch.equal(check_case(case, bits=bits), ping_pong)
 
 
+# Knobs that move work between pipes or reorder the last-CTA counter's synchronisation, not
+# what is summed: APL_FMA_SHIFTS (the code transposes as bitfield merges, shifts by IMAD),
+# APL_PRMT_SELECT (the 4-bit top-bit select by PRMT), APL_SHIFT_MODE (5-8-bit LUT offsets by
+# IMAD.HI), APL_GEMV_ACQREL (one acq_rel atomic instead of fences). All flipped from their
+# defaults at once, the output equals the defaults' bit for bit in every regime and class:
+# decode at 3, 4, 5, 8 bits and mixed, column splits, Qwen size, tiles, prefill, legacy decode.
+ALU_KNOBS = ("APL_FMA_SHIFTS", "APL_PRMT_SELECT", "APL_SHIFT_MODE", "APL_GEMV_ACQREL")
+KNOB_CASES = [(c, b, False) for c, b in UNIFORM_CASES[:4]] + [
+    (CASES[0], None, False), (CASES[4], None, False), (CASES[9], 4, False), (CASES[7], None, False),
+    (CASES[7], None, True), (CASES[1], None, True)]
+
+
+@pytest.mark.parametrize("case,bits,legacy", KNOB_CASES,
+                         ids=lambda v: str(v) if isinstance(v, (int, bool, type(None))) else _case_id(v))
+def test_integer_pipe_knobs_keep_the_output_bit_for_bit(case, bits, legacy, monkeypatch):
+    import pagedweight_kernels.apl_moe as op
+
+    default = check_case(case, bits=bits, legacy_decode=legacy)
+    for knob in ALU_KNOBS:
+        monkeypatch.setitem(op.KERNEL_DEFINES, knob, 1 - op.KERNEL_DEFINES[knob])
+    assert torch.equal(check_case(case, bits=bits, legacy_decode=legacy), default)
+
+
 # GELU-tanh experts (Gemma-4): both regimes, both dtypes, merged and uniform-width decode.
 GELU_CASES = [CASES[0], CASES[3], CASES[5], CASES[7], CASES[8]]
 
