@@ -87,6 +87,21 @@ KERNEL_DEFINES = {"APL_LDS_MODE": 1, "APL_RPG_DIV": 8, "APL_PREFETCH": 1, "APL_D
                   "APL_GEMV_L2_PREFETCH": 0, "APL_GEMV_RING_STAGES": 0, "APL_GEMV_PIPE": 2, "APL_GEMV_PIPE_EARLY": 0,
                   "APL_GEMV_COMPACT": 4, "APL_GEMV_ACQREL": 0, "APL_FMA_SHIFTS": 0, "APL_PRMT_SELECT": 0,
                   "APL_TILES_MIN_BLOCKS": 2, "APL_TILES_GROUP": 4, "APL_TILES_ASYNC": 1}
+
+
+def knob_overrides(text: str) -> dict[str, int]:
+    """Knob values from "APL_X=1,APL_Y=0" (the APL_KERNEL_DEFINES environment variable): a
+    device run tries a candidate default in the tests and benchmarks without editing the source."""
+    overrides = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, value = item.partition("=")
+        if name not in KERNEL_DEFINES or not sep or not value.strip().lstrip("-").isdigit():
+            raise ValueError(f"APL_KERNEL_DEFINES: {item!r} is not NAME=integer for a knob of {sorted(KERNEL_DEFINES)}")
+        overrides[name] = int(value)
+    return overrides
+
+
+KERNEL_DEFINES.update(knob_overrides(os.environ.get("APL_KERNEL_DEFINES", "")))
 GEMV_RING_STAGE_BYTES = 2 * 4 * 32 * 8  # apl_gemv.cu: one warp step at 4 bits in the cp.async ring
 # The .cu's APL_ACT per expert activation (moe_reference.ACTIVATIONS): one compiled module each.
 ACT_CODES = {"silu": 0, "gelu_tanh": 1}

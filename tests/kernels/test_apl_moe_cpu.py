@@ -381,3 +381,13 @@ def test_every_compile_time_knob_is_planned_with_the_value_the_source_defaults_t
     knobs = dict(re.findall(r"#ifndef (APL_\w+)\s*\n#define \1 (-?\d+)", source))
     knobs.pop("APL_ACT")  # one module per expert activation (ACT_CODES)
     assert knobs == {k: str(v) for k, v in op.KERNEL_DEFINES.items()}
+
+
+def test_knob_overrides_read_names_and_integers_and_refuse_anything_else():
+    import pagedweight_kernels.apl_moe as op
+
+    assert op.knob_overrides("") == {}
+    assert op.knob_overrides("APL_FMA_SHIFTS=1, APL_GEMV_PIPE=3,") == {"APL_FMA_SHIFTS": 1, "APL_GEMV_PIPE": 3}
+    for bad in ("APL_NO_SUCH_KNOB=1", "APL_FMA_SHIFTS", "APL_FMA_SHIFTS=yes", "APL_FMA_SHIFTS="):
+        with pytest.raises(ValueError, match="APL_KERNEL_DEFINES"):
+            op.knob_overrides(bad)
