@@ -36,14 +36,22 @@ HOST_KNOBS = {name: getattr(op, name) for name in ("GEMV_TARGET_CTAS", "GEMV_MER
 VARIANTS = {  # name -> (define changes, host changes)
     "base": ({}, {}),
     "no_wave": ({}, {"GEMV_WAVE_PLAN": False}),  # decode splits to about one wave (before _wave_splits)
-    "acqrel": ({"APL_GEMV_ACQREL": 1}, {}),  # last-CTA counter: one acq_rel atomic, no per-thread fences
-    # fewer integer-pipe (ALU) instructions per weight (SASS counts in docs/kernel.md):
-    "fma_shifts": ({"APL_FMA_SHIFTS": 1}, {}),  # nibble/byte transposes as bitfield merges, shifts on the FMA pipe
-    "prmt_select": ({"APL_FMA_SHIFTS": 1, "APL_PRMT_SELECT": 1}, {}),  # + 4 bits: top-bit select by PRMT
-    "alu_diet": ({"APL_FMA_SHIFTS": 1, "APL_PRMT_SELECT": 1, "APL_SHIFT_MODE": 1}, {}),  # + 5-8 bits: LUT offsets by IMAD.HI
-    "alu_acqrel": ({"APL_FMA_SHIFTS": 1, "APL_PRMT_SELECT": 1, "APL_SHIFT_MODE": 1, "APL_GEMV_ACQREL": 1}, {}),
-    "alu_pipe3_late": ({"APL_FMA_SHIFTS": 1, "APL_PRMT_SELECT": 1, "APL_SHIFT_MODE": 1, "APL_GEMV_PIPE": 3,
+    # the last-CTA counter: one acq_rel atomic, no per-thread fences (the default since 2026-12-01)
+    "acqrel": ({"APL_GEMV_ACQREL": 1}, {}),
+    "no_acqrel": ({"APL_GEMV_ACQREL": 0}, {}),
+    # fewer integer-pipe (ALU) instructions per weight (SASS counts in docs/kernel.md). Run at
+    # 18a43a5 as APL_FMA_SHIFTS=1, which is APL_FMA_SHIFTS_MIN_BITS=3 here:
+    "fma_shifts": ({"APL_FMA_SHIFTS_MIN_BITS": 3}, {}),  # code transposes as bitfield merges, shifts on the FMA pipe
+    "fma_none": ({"APL_FMA_SHIFTS_MIN_BITS": 9}, {}),  # at no width (the code before 2026-12-01)
+    "prmt_select": ({"APL_FMA_SHIFTS_MIN_BITS": 3, "APL_PRMT_SELECT": 1}, {}),  # + 4 bits: top-bit select by PRMT
+    "alu_diet": ({"APL_FMA_SHIFTS_MIN_BITS": 3, "APL_PRMT_SELECT": 1, "APL_SHIFT_MODE": 1}, {}),  # + 5-8 bits: IMAD.HI offsets
+    "alu_acqrel": ({"APL_FMA_SHIFTS_MIN_BITS": 3, "APL_PRMT_SELECT": 1, "APL_SHIFT_MODE": 1, "APL_GEMV_ACQREL": 1}, {}),
+    "alu_pipe3_late": ({"APL_FMA_SHIFTS_MIN_BITS": 3, "APL_PRMT_SELECT": 1, "APL_SHIFT_MODE": 1, "APL_GEMV_PIPE": 3,
                         "APL_GEMV_PIPE_EARLY": 0}, {}),
+    # more CTAs per SM at decode (registers capped: 5 -> 96, 6 -> 80; spills outside the step loop only)
+    "blocks5": ({"APL_GEMV_MIN_BLOCKS": 5}, {"GEMV_TARGET_CTAS": 660}),
+    "blocks6": ({"APL_GEMV_MIN_BLOCKS": 6}, {"GEMV_TARGET_CTAS": 792}),
+    "blocks5_t528": ({"APL_GEMV_MIN_BLOCKS": 5}, {}),  # the same grids as base
     "unfused": ({}, {"GEMV_FUSED": False}),  # decode in two launches (gate_up, down), as before the fused kernel
     "fused": ({}, {"GEMV_FUSED": True}),  # 3-4-bit decode in one launch (apl_gemv_fused)
     # APL_GEMV_COMPACT, a bit per kernel class: one copy of the decode step's code (run at ea05a3c

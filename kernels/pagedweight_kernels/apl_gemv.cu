@@ -54,9 +54,8 @@
 #endif                          // of this many steps per warp in shared memory; 0: register ping-pong
 #define GV_RING_STAGE_BYTES (2 * 4 * 32 * 8)  // one warp step at 4 bits: [row 2][plane 4][lane 32] uint2
 #ifndef APL_GEMV_ACQREL
-#define APL_GEMV_ACQREL 0  // 1: the last-CTA counter by one thread's acq_rel atomic after a barrier, where
-                           // every thread fences (Nsight: the fences' MEMBAR holds 4-7% of the warp
-                           // stalls at Qwen1.5-MoE 1 token); not yet run on a GPU: measure and test first
+#define APL_GEMV_ACQREL 1  // 1: the last-CTA counter by one thread's acq_rel atomic after a barrier; 0: every
+                           // thread fences before and after (measured 0.5-1.6% slower, docs/kernel.md)
 #endif
 #ifndef APL_PRMT_SELECT
 #define APL_PRMT_SELECT 0  // 4 bits: the top code bit picks between the two byte tables' lookups by a PRMT
@@ -187,20 +186,20 @@ struct RegLut {
     __device__ __forceinline__ void lookup(u32 o, u32 o3, u32 tsel, u32& w01, u32& w23) const {
         u32 lob, hib;
         if constexpr (B == 3) {
-            const u32 s = HALF ? shr_pipe(o, 16) : o;  // PRMT reads the selector's low 16 bits only
+            const u32 s = HALF ? shr_pipe<FmaShifts<B>::on, 16>(o) : o;  // PRMT reads the selector's low 16 bits only
             lob = prmt(lo[0], lo[1], s);
             hib = prmt(hi[0], hi[1], s);
         } else {
             // The top code bit (nibble bit 3) would switch PRMT to sign-replicate mode: the
             // lookups use o3, and a sign-mode PRMT turns the top bits into a byte mask
             // (o << 4 has nibble 2i's bit 3 at byte i's msb, o nibble 2i+1's).
-            const u32 s3 = HALF ? shr_pipe(o3, 16) : o3;
+            const u32 s3 = HALF ? shr_pipe<FmaShifts<B>::on, 16>(o3) : o3;
             const u32 l0 = prmt(lo[0], lo[1], s3), l1 = prmt(lo[2], lo[3], s3);
             const u32 h0 = prmt(hi[0], hi[1], s3), h1 = prmt(hi[2], hi[3], s3);
 #if APL_PRMT_SELECT
             // A third PRMT per table picks byte i from l0 or l1 (selector nibble i + 4 * top bit);
             // the selectors of both halves come from one LOP3 (tsel, precomputed with o3).
-            const u32 t = HALF ? shr_pipe(tsel, 16) : tsel;
+            const u32 t = HALF ? shr_pipe<FmaShifts<B>::on, 16>(tsel) : tsel;
             lob = prmt(l0, l1, t);
             hib = prmt(h0, h1, t);
 #else
@@ -219,7 +218,7 @@ struct RegLut {
         // APL_PRMT_SELECT at 4 bits: nibble n = n % 4 + 4 * (top bit of code n), n = 0..7
         u32 tsel = 0u;
         if constexpr (B == 4 && APL_PRMT_SELECT)  // one LOP3: (o >> 1 & 0x44444444) | 0x32103210
-            asm("lop3.b32 %0, %1, 0x44444444, %2, 0xEA;" : "=r"(tsel) : "r"(shr_pipe(o, 1)), "r"(0x32103210u));
+            asm("lop3.b32 %0, %1, 0x44444444, %2, 0xEA;" : "=r"(tsel) : "r"(shr_pipe<FmaShifts<B>::on, 1>(o)), "r"(0x32103210u));
         lookup<0>(o, o3, tsel, w[0], w[1]);
         lookup<1>(o, o3, tsel, w[2], w[3]);
     }

@@ -97,35 +97,47 @@ __device__ __forceinline__ BlockRef load_block(const long long* __restrict__ des
 }
 
 // ---------------------------------------------------------------- bit-planes -> codes
-#ifndef APL_FMA_SHIFTS
-#define APL_FMA_SHIFTS 0  // 1: the nibble transpose's right shifts as IMAD.HI (FMA pipe) instead of SHF (ALU pipe)
+#ifndef APL_FMA_SHIFTS_MIN_BITS
+#define APL_FMA_SHIFTS_MIN_BITS 4  // widths from this one up: the code transposes' shifts on the FMA pipe (9: none)
 #endif
-// a >> s; with APL_FMA_SHIFTS as a multiply-high by 2^(32-s), which the FMA pipe runs, so the
-// integer (ALU) pipe that binds Mixtral-size decode (docs/kernel.md) issues one op less.
-__device__ __forceinline__ u32 shr_pipe(u32 a, int s) {
-#if APL_FMA_SHIFTS
-    u32 r;
-    asm("mul.hi.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(1u << (32 - s)));
-    return r;
-#else
-    return a >> s;
-#endif
+// Measured (docs/kernel.md, "Fewer integer-pipe instructions"): 1-2.6% faster at 4, 8 and
+// mixed bits on every decode shape, 1-2% slower at 3 bits, hence a threshold per width.
+template <int B>
+struct FmaShifts { static constexpr bool on = B >= APL_FMA_SHIFTS_MIN_BITS; };
+
+// a >> S; with FMA, as a multiply-high by 2^(32-S), which the FMA pipe runs, so the integer
+// (ALU) pipe that binds Mixtral-size decode issues one op less.
+template <bool FMA, int S>
+__device__ __forceinline__ u32 shr_pipe(u32 a) {
+    if constexpr (FMA) {
+        u32 r;
+        asm("mul.hi.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "n"(1u << (32 - S)));
+        return r;
+    } else {
+        return a >> S;
+    }
 }
-// Swap the bits of b under mask m with the bits of a under m << s. With APL_FMA_SHIFTS, as two
-// bitfield merges (one LOP3 each) of shifted copies (IMAD.SHL / IMAD.HI): 2 ALU ops, not 5.
-#if APL_FMA_SHIFTS
-// (x & m) | (b & ~m) in one LOP3 (nvcc splits it into two when written in C).
+// (x & M) | (b & ~M) in one LOP3 (nvcc splits it into two when written in C).
 template <u32 M>
 __device__ __forceinline__ u32 bit_merge(u32 b, u32 x) {
     u32 r;
     asm("lop3.b32 %0, %1, %2, %3, 0xD8;" : "=r"(r) : "r"(b), "r"(x), "n"(M));
     return r;
 }
-#define DELTA_SWAP(a, b, s, m) { const u32 a_ = (a), b_ = (b); \
-    (b) = bit_merge<(m)>(b_, shr_pipe(a_, (s))); (a) = bit_merge<((m) << (s))>(a_, b_ << (s)); }
-#else
-#define DELTA_SWAP(a, b, s, m) { u32 t_ = (((a) >> (s)) ^ (b)) & (m); (b) ^= t_; (a) ^= t_ << (s); }
-#endif
+// Swap the bits of b under mask M with the bits of a under M << S. With FMA, as two bitfield
+// merges (one LOP3 each) of shifted copies (IMAD.SHL / IMAD.HI): 2 ALU ops instead of 5.
+template <bool FMA, int S, u32 M>
+__device__ __forceinline__ void delta_swap(u32& a, u32& b) {
+    if constexpr (FMA) {
+        const u32 a0 = a, b0 = b;
+        b = bit_merge<M>(b0, shr_pipe<true, S>(a0));
+        a = bit_merge<(M << S)>(a0, b0 << S);
+    } else {
+        const u32 t = ((a >> S) ^ b) & M;
+        b ^= t;
+        a ^= t << S;
+    }
+}
 
 // The 32 codes of one plane word (32 columns), rebuilt from pw[p] = word of plane p
 // (column i in bit i) by a bit-matrix transpose done in every nibble or byte lane at once:
@@ -139,20 +151,21 @@ struct Codes {
     u32 o[NIB ? 4 : 8];
 
     __device__ __forceinline__ explicit Codes(const u32 (&pw)[8]) {
+        constexpr bool F = FmaShifts<B>::on;
         if constexpr (NIB) {
 #pragma unroll
             for (int j = 0; j < 4; ++j) o[j] = (B - 1 - j >= 0) ? pw[B - 1 - j] : 0u;
-            DELTA_SWAP(o[0], o[2], 2, 0x33333333u); DELTA_SWAP(o[1], o[3], 2, 0x33333333u);
-            DELTA_SWAP(o[0], o[1], 1, 0x55555555u); DELTA_SWAP(o[2], o[3], 1, 0x55555555u);
+            delta_swap<F, 2, 0x33333333u>(o[0], o[2]); delta_swap<F, 2, 0x33333333u>(o[1], o[3]);
+            delta_swap<F, 1, 0x55555555u>(o[0], o[1]); delta_swap<F, 1, 0x55555555u>(o[2], o[3]);
         } else {
 #pragma unroll
             for (int q = 0; q < 8; ++q) o[q] = (7 - q < B) ? pw[7 - q] : 0u;
 #pragma unroll
-            for (int q = 0; q < 4; ++q) DELTA_SWAP(o[q], o[q + 4], 4, 0x0F0F0F0Fu);
-            DELTA_SWAP(o[0], o[2], 2, 0x33333333u); DELTA_SWAP(o[1], o[3], 2, 0x33333333u);
-            DELTA_SWAP(o[4], o[6], 2, 0x33333333u); DELTA_SWAP(o[5], o[7], 2, 0x33333333u);
-            DELTA_SWAP(o[0], o[1], 1, 0x55555555u); DELTA_SWAP(o[2], o[3], 1, 0x55555555u);
-            DELTA_SWAP(o[4], o[5], 1, 0x55555555u); DELTA_SWAP(o[6], o[7], 1, 0x55555555u);
+            for (int q = 0; q < 4; ++q) delta_swap<F, 4, 0x0F0F0F0Fu>(o[q], o[q + 4]);
+            delta_swap<F, 2, 0x33333333u>(o[0], o[2]); delta_swap<F, 2, 0x33333333u>(o[1], o[3]);
+            delta_swap<F, 2, 0x33333333u>(o[4], o[6]); delta_swap<F, 2, 0x33333333u>(o[5], o[7]);
+            delta_swap<F, 1, 0x55555555u>(o[0], o[1]); delta_swap<F, 1, 0x55555555u>(o[2], o[3]);
+            delta_swap<F, 1, 0x55555555u>(o[4], o[5]); delta_swap<F, 1, 0x55555555u>(o[6], o[7]);
         }
     }
 

@@ -387,7 +387,7 @@ def test_knob_overrides_read_names_and_integers_and_refuse_anything_else():
     import pagedweight_kernels.apl_moe as op
 
     assert op.knob_overrides("") == {}
-    assert op.knob_overrides("APL_FMA_SHIFTS=1, APL_GEMV_PIPE=3,") == {"APL_FMA_SHIFTS": 1, "APL_GEMV_PIPE": 3}
-    for bad in ("APL_NO_SUCH_KNOB=1", "APL_FMA_SHIFTS", "APL_FMA_SHIFTS=yes", "APL_FMA_SHIFTS="):
+    assert op.knob_overrides("APL_GEMV_ACQREL=0, APL_GEMV_PIPE=3,") == {"APL_GEMV_ACQREL": 0, "APL_GEMV_PIPE": 3}
+    for bad in ("APL_NO_SUCH_KNOB=1", "APL_GEMV_ACQREL", "APL_GEMV_ACQREL=yes", "APL_GEMV_ACQREL="):
         with pytest.raises(ValueError, match="APL_KERNEL_DEFINES"):
             op.knob_overrides(bad)

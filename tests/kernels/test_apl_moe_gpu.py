@@ -261,15 +261,25 @@ def test_compact_decode_loop_equals_ping_pong(case, bits, monkeypatch):
 
 
 # Knobs that move work between pipes or reorder the last-CTA counter's synchronisation, not
-# what is summed: APL_FMA_SHIFTS (the code transposes as bitfield merges, shifts by IMAD),
-# APL_PRMT_SELECT (the 4-bit top-bit select by PRMT), APL_SHIFT_MODE (5-8-bit LUT offsets by
-# IMAD.HI), APL_GEMV_ACQREL (one acq_rel atomic instead of fences). All flipped from their
-# defaults at once, the output equals the defaults' bit for bit in every regime and class:
-# decode at 3, 4, 5, 8 bits and mixed, column splits, Qwen size, tiles, prefill, legacy decode.
-ALU_KNOBS = ("APL_FMA_SHIFTS", "APL_PRMT_SELECT", "APL_SHIFT_MODE", "APL_GEMV_ACQREL")
+# what is summed: APL_FMA_SHIFTS_MIN_BITS (from which width the code transposes are bitfield
+# merges with their shifts by IMAD), APL_PRMT_SELECT (the 4-bit top-bit select by PRMT),
+# APL_SHIFT_MODE (5-8-bit LUT offsets by IMAD.HI), APL_GEMV_ACQREL (one acq_rel atomic instead
+# of fences). All flipped from their defaults at once (the FMA shifts on at 3 bits for a 3-bit
+# layer, off at every width otherwise), the output equals the defaults' bit for bit in every
+# regime and class: decode at 3, 4, 5, 8 bits and mixed, column splits, Qwen size, tiles,
+# prefill, legacy decode.
 KNOB_CASES = [(c, b, False) for c, b in UNIFORM_CASES[:4]] + [
     (CASES[0], None, False), (CASES[4], None, False), (CASES[9], 4, False), (CASES[7], None, False),
     (CASES[7], None, True), (CASES[1], None, True)]
+
+
+def _flipped_knobs(bits):
+    import pagedweight_kernels.apl_moe as op
+
+    fma_from = op.KERNEL_DEFINES["APL_FMA_SHIFTS_MIN_BITS"]
+    flipped = {k: 1 - op.KERNEL_DEFINES[k] for k in ("APL_PRMT_SELECT", "APL_SHIFT_MODE", "APL_GEMV_ACQREL")}
+    flipped["APL_FMA_SHIFTS_MIN_BITS"] = 3 if bits == 3 and fma_from > 3 else 9 if fma_from <= 8 else 3
+    return flipped
 
 
 @pytest.mark.parametrize("case,bits,legacy", KNOB_CASES,
@@ -278,8 +288,8 @@ def test_integer_pipe_knobs_keep_the_output_bit_for_bit(case, bits, legacy, monk
     import pagedweight_kernels.apl_moe as op
 
     default = check_case(case, bits=bits, legacy_decode=legacy)
-    for knob in ALU_KNOBS:
-        monkeypatch.setitem(op.KERNEL_DEFINES, knob, 1 - op.KERNEL_DEFINES[knob])
+    for knob, value in _flipped_knobs(bits).items():
+        monkeypatch.setitem(op.KERNEL_DEFINES, knob, value)
     assert torch.equal(check_case(case, bits=bits, legacy_decode=legacy), default)
 
 
