@@ -47,7 +47,8 @@ MODELS = {  # experts, top_k, hidden, intermediate
     "mixtral-8x7b": (8, 2, 4096, 14336),
 }
 TOKENS = (1, 4, 16, 64, 256)
-BIT_CONFIGS = ("3", "4", "8", "mixed")
+BIT_CONFIGS = ("3", "4", "8", "mixed")  # the default run
+BIT_CHOICES = ("3", "4", "5", "6", "8", "mixed")  # --bits: 5 and 6 too (for the mixed layer's byte-weighted time)
 MIXED_CHOICES = (3, 4, 4, 5, 6, 8)  # the mixed assignment draws each block's bits from these
 COPIES, REPS, TRIALS, REPLAYS = 3, 6, 5, 8
 
@@ -208,6 +209,38 @@ def copy_bandwidth(device) -> dict:
 
 
 # ---------------------------------------------------------------- one model
+def bytes_by_width(layer, expert_ids) -> dict[int, int]:
+    """The plane + LUT bytes of these experts' blocks, per committed width (APLLayer.nbytes_active's sum, split)."""
+    out: dict[int, int] = {}
+    for e in expert_ids:
+        for block in (layer.gate_up[e], layer.down[e]):
+            rows, cols = block.shape
+            out[block.bits] = out.get(block.bits, 0) + rows * cols * block.bits // 8 + rows * (1 << block.bits) * 2
+    return out
+
+
+def add_byte_weighted(row, mixed_layers, active, pairs, io_bytes) -> None:
+    """The mixed layer against the time its bytes predict (issue 13: within 1.2x): each width's
+    share of the mixed layer's bytes read at that width's own uniform-layer rate (us per byte,
+    measured in this run), summed. Written only when every width the mix holds was timed."""
+    if not mixed_layers or "bits_mixed" not in row:
+        return
+    shares: dict[int, float] = {}
+    for c, i in pairs:
+        for bits, nbytes in bytes_by_width(mixed_layers[c], active[i]).items():
+            shares[bits] = shares.get(bits, 0.0) + nbytes / len(pairs)
+    if not all(f"bits_{b}" in row for b in shares):
+        return
+    # (activations and outputs, io_bytes, are < 0.1% of the weight bytes at these shapes: left out)
+    predicted = sum(nbytes * row[f"bits_{b}"]["fused_us"] / (row[f"bits_{b}"]["bytes"] - io_bytes)
+                    for b, nbytes in shares.items())
+    cell = row["bits_mixed"]
+    cell["byte_weighted_us"] = predicted
+    cell["over_byte_weighted"] = cell["fused_us"] / predicted
+    print(f"{row['model']:18s} T={row['tokens']:3d} mixed {cell['fused_us']:.1f} us, byte-weighted {predicted:.1f} us: "
+          f"{cell['over_byte_weighted']:.2f}x", flush=True)
+
+
 def bench_model(name, quick, device, bw, tokens=TOKENS, per_block=True, bit_configs=BIT_CONFIGS,
                 legacy=True) -> list[dict]:
     E, k, H, I = MODELS[name]
@@ -260,6 +293,7 @@ def bench_model(name, quick, device, bw, tokens=TOKENS, per_block=True, bit_conf
                   f"per-block {cell.get('per_block_us', float('nan')):8.1f}  "
                   f"bf16 bmm {row.get('bf16_bmm_us') or float('nan'):8.1f}  "
                   f"grouped {row.get('bf16_grouped_us') or float('nan'):8.1f}", flush=True)
+        add_byte_weighted(row, configs.get("mixed"), active, pairs, io_bytes)
         rows.append(row)
     del layers, configs
     torch.cuda.empty_cache()
@@ -273,7 +307,7 @@ def main():
     parser.add_argument("--tokens", nargs="*", type=int, default=list(TOKENS), help="token counts to time")
     parser.add_argument("--no-per-block", action="store_true", help="skip the per-block baseline")
     parser.add_argument("--no-legacy", action="store_true", help="skip the legacy_decode=True baseline")
-    parser.add_argument("--bits", nargs="*", default=list(BIT_CONFIGS), choices=BIT_CONFIGS, help="bit configs to time")
+    parser.add_argument("--bits", nargs="*", default=list(BIT_CONFIGS), choices=BIT_CHOICES, help="bit configs to time")
     parser.add_argument("--name", default="apl_moe_kernel", help="result file name (bench/results/NAME.json)")
     parser.add_argument("--out", default=None, help="also copy the JSON here")
     args = parser.parse_args()
