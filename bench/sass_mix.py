@@ -1,0 +1,122 @@
+"""The instruction mix per weight of the decode kernel's step loops, read from its SASS
+(docs/kernel.md, "Instruction counts"): compiles one `apl_gemv` instance with the host's
+KERNEL_DEFINES (plus overrides) for sm_90 with nvcc, disassembles it with nvdisasm, finds the
+innermost loops holding HMMA and counts their opcodes. An m16n8k16 A fragment is 8 weights a
+thread, so weights = 8 x HMMA in the loop.
+
+Usage: python -m bench.sass_mix ["apl_gemv<0, 0, true, true, 1>"] [NAME=VALUE ...] [--json OUT]
+Needs nvcc (CUDA 12.4+ for sm_90) and nvdisasm on PATH or in NVDISASM (the `nvidia-cuda-nvdisasm`
+wheel ships one); no GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+GEMV_PARAMS = ("const long long* __restrict__, const long long* __restrict__, int, int, int, const u16* __restrict__, "
+               "int, int, int, int, int, float* __restrict__, int* __restrict__, u16* __restrict__, "
+               "const void* __restrict__, int, int, u16* __restrict__, int")
+_LABEL = re.compile(r"^\s*(\.L_x_\d+):")
+_BRANCH = re.compile(r"\bBRA\s+`?\(?(\.L_x_\d+)")
+_OPCODE = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)")
+
+
+def loops(sass: str) -> list[tuple[int, int]]:
+    """(first line, last line) of every backward branch's body."""
+    lines = sass.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := _LABEL.match(line))}
+    out = []
+    for i, line in enumerate(lines):
+        m = _BRANCH.search(line)
+        if m and labels.get(m.group(1), i) < i:
+            out.append((labels[m.group(1)], i))
+    return out
+
+
+def step_loop_mixes(sass: str) -> list[dict]:
+    """Per innermost loop holding HMMA: instructions, HMMA, weights and opcodes per weight."""
+    lines = sass.splitlines()
+    spans = loops(sass)
+
+    def has_hmma(a, b):
+        return any("HMMA" in line for line in lines[a:b + 1])
+
+    out = []
+    for a, b in spans:
+        if not has_hmma(a, b) or any(a <= a2 and b2 <= b and (a2, b2) != (a, b) and has_hmma(a2, b2)
+                                     for a2, b2 in spans):
+            continue
+        ops = [m.group(1) for line in lines[a:b + 1] if (m := _OPCODE.search(line))]
+        hmma = sum(op.startswith("HMMA") for op in ops)
+        weights = 8 * hmma
+        counts = collections.Counter(op.split(".")[0] for op in ops)
+        out.append({"first_line": a, "instructions": len(ops), "hmma": hmma,
+                    "per_weight": round(len(ops) / weights, 4),
+                    "alu_per_weight": round(sum(counts[o] for o in ("PRMT", "LOP3", "SHF")) / weights, 4),
+                    "mix": {op: round(n / weights, 4) for op, n in counts.most_common()}})
+    return out
+
+
+def compile_instance(instance: str, overrides: dict[str, int], workdir: Path) -> tuple[str, str]:
+    """(SASS text, ptxas resource lines) of one apl_gemv instance."""
+    sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "kernels")]
+    from pagedweight_kernels import apl_moe as op
+    from pagedweight_kernels.cuda_packages import module_source
+
+    defines = {**dict(op._defines("silu")), **overrides}
+    source = module_source(op.SOURCE, op.GEMV_SOURCE) + f"\ntemplate __global__ void {instance}({GEMV_PARAMS});\n"
+    (workdir / "k.cu").write_text(source)
+    cubin = workdir / "k.cubin"
+    build = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90", "-cubin", "-o", str(cubin), str(workdir / "k.cu"),
+                            "-Xptxas", "-v", *(f"-D{k}={v}" for k, v in defines.items())],
+                           capture_output=True, text=True)
+    if build.returncode:
+        raise RuntimeError(build.stderr[-4000:])
+    resources = "\n".join(line.strip() for line in build.stderr.splitlines() if "registers" in line or "spill" in line)
+    nvdisasm = os.environ.get("NVDISASM") or shutil.which("nvdisasm") or "nvdisasm"
+    sass = subprocess.run([nvdisasm, "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
+    return sass, resources
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("instance", nargs="?", default="apl_gemv<0, 0, true, true, 1>")
+    parser.add_argument("defines", nargs="*", help="NAME=VALUE overrides of KERNEL_DEFINES")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    try:
+        overrides = {k: int(v) for k, _, v in (d.partition("=") for d in args.defines)}
+    except ValueError:
+        print(f"sass_mix: defines must be NAME=integer, got {args.defines}", file=sys.stderr)
+        return 2
+    if not shutil.which("nvcc"):
+        print("sass_mix: nvcc not found on PATH", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            sass, resources = compile_instance(args.instance, overrides, Path(tmp))
+        except (RuntimeError, subprocess.CalledProcessError, FileNotFoundError) as err:
+            print(f"sass_mix: {err}", file=sys.stderr)
+            return 2
+    mixes = step_loop_mixes(sass)
+    print(resources)
+    for m in mixes:
+        print(f"loop @{m['first_line']}: {m['instructions']} instructions, HMMA {m['hmma']}: {m['per_weight']:.3f} / weight "
+              f"(PRMT+LOP3+SHF {m['alu_per_weight']:.3f}) | " + "  ".join(f"{k} {v:.3f}" for k, v in list(m["mix"].items())[:12]))
+    if args.json:
+        args.json.write_text(json.dumps({"instance": args.instance, "overrides": overrides, "resources": resources,
+                                         "loops": mixes}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

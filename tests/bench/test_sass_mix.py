@@ -1,0 +1,33 @@
+"""bench/sass_mix.py on a small nvdisasm-shaped listing: only the innermost loops holding HMMA
+are counted, per weight (8 weights per HMMA), predicated instructions by their opcode."""
+
+from bench import sass_mix
+
+LISTING = """
+.L_x_1:
+        /*0010*/                   IMAD.SHL.U32 R1, R2, 0x2, RZ ;
+.L_x_2:
+        /*0020*/                   PRMT R3, R4, R5, R6 ;
+        /*0030*/                   LOP3.LUT R7, R3, 0x7777, RZ, 0xc0, !PT ;
+        /*0040*/               @P0 SHF.R.U32.HI R8, RZ, 0x10, R7 ;
+        /*0050*/                   HMMA.16816.F32.BF16 R10, R12, R14, R10 ;
+        /*0060*/               @P1 BRA `(.L_x_2) ;
+        /*0070*/                   HMMA.16816.F32.BF16 R10, R12, R14, R10 ;
+        /*0080*/                   BRA `(.L_x_1) ;
+.L_x_3:
+        /*0090*/                   LDG.E R1, desc[UR4][R2.64] ;
+        /*00a0*/                   BRA `(.L_x_3) ;
+"""
+
+
+def test_only_the_innermost_hmma_loop_is_counted_per_weight():
+    (inner,) = sass_mix.step_loop_mixes(LISTING)
+    assert inner["hmma"] == 1 and inner["instructions"] == 5
+    assert inner["per_weight"] == round(5 / 8, 4)
+    assert inner["mix"] == {"PRMT": 0.125, "LOP3": 0.125, "SHF": 0.125, "HMMA": 0.125, "BRA": 0.125}
+    assert inner["alu_per_weight"] == round(3 / 8, 4)
+
+
+def test_bad_defines_are_one_error_line_and_exit_2(capsys):
+    assert sass_mix.main(["apl_gemv<0, 0, true, true, 1>", "APL_GEMV_PIPE=three"]) == 2
+    assert "NAME=integer" in capsys.readouterr().err
