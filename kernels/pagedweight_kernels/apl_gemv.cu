@@ -55,7 +55,7 @@
 #define GV_RING_STAGE_BYTES (2 * 4 * 32 * 8)  // one warp step at 4 bits: [row 2][plane 4][lane 32] uint2
 #ifndef APL_GEMV_ACQREL
 #define APL_GEMV_ACQREL 1  // 1: the last-CTA counter by one thread's acq_rel atomic after a barrier; 0: every
-                           // thread fences before and after (measured 0.5-1.6% slower, docs/kernel.md)
+                           // thread fences before and after (measured up to 2% slower, docs/kernel.md)
 #endif
 #ifndef APL_PRMT_SELECT
 #define APL_PRMT_SELECT 0  // 4 bits: the top code bit picks between the two byte tables' lookups by a PRMT

@@ -100,8 +100,9 @@ __device__ __forceinline__ BlockRef load_block(const long long* __restrict__ des
 #ifndef APL_FMA_SHIFTS_MIN_BITS
 #define APL_FMA_SHIFTS_MIN_BITS 4  // widths from this one up: the code transposes' shifts on the FMA pipe (9: none)
 #endif
-// Measured (docs/kernel.md, "Fewer integer-pipe instructions"): 1-2.6% faster at 4, 8 and
-// mixed bits on every decode shape, 1-2% slower at 3 bits, hence a threshold per width.
+// Measured (docs/kernel.md, "Fewer integer-pipe instructions"): up to 2.6% faster at 4, 8 and
+// mixed bits on the decode shapes and up to 4% on the tiles regime, 0.4-1.9% slower at 3 bits,
+// hence a threshold per width.
 template <int B>
 struct FmaShifts { static constexpr bool on = B >= APL_FMA_SHIFTS_MIN_BITS; };
 
