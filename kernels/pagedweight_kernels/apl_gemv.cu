@@ -57,6 +57,9 @@
 #define APL_GEMV_ACQREL 1  // 1: the last-CTA counter by one thread's acq_rel atomic after a barrier; 0: every
                            // thread fences before and after (measured up to 2% slower, docs/kernel.md)
 #endif
+#ifndef APL_GEMV_STAGE16
+#define APL_GEMV_STAGE16 0  // decode: a (token, word) of activations staged by 4 16-byte loads and PRMTs
+#endif                      // (stage_word); 0: 8 items a word, each 4 scattered 2-byte loads
 #ifndef APL_PRMT_SELECT
 #define APL_PRMT_SELECT 0  // 4 bits: the top code bit picks between the two byte tables' lookups by a PRMT
 #endif                     // (one selector LOP3 per 8 weights) instead of a mask PRMT and two LOP3 per 4
@@ -836,6 +839,25 @@ __device__ __forceinline__ void gemv_cta(
             if (p0 == 0) wait_h();
         }
         __syncthreads();  // LUT written; the previous pass is done with xs
+#if APL_GEMV_STAGE16
+        // A (token, word) item: the word's 32 values as 4 16-byte loads (x is 16-byte aligned
+        // and a word is 64 bytes), reordered into the mma slices' layout by stage_word.
+        for (int idx = tid; idx < (np + 1) * kwp; idx += GV_THREADS) {
+            const int i = idx / kwp, w = idx % kwp;
+            uint4 raw[4];
+#pragma unroll
+            for (int q = 0; q < 4; ++q) raw[q] = make_uint4(0u, 0u, 0u, 0u);
+            if (w < kw && i < np) {
+                const int slot = slots[p0 + i];
+                const long long xrow = MODE == 0 ? slot / top_k : slot;
+                const uint4* src = reinterpret_cast<const uint4*>(x + xrow * cols + (long long)(c0w + w) * 32);
+#pragma unroll
+                for (int q = 0; q < 4; ++q)  // h, written in this launch by other CTAs: L2, not L1/nc
+                    raw[q] = (FUSED && MODE == 1) ? __ldcg(src + q) : __ldg(src + q);
+            }
+            stage_word(raw, xs + i * tstride + w * 32, w);  // (its swizzle reads w mod 8 only)
+        }
+#else
         for (int idx = tid; idx < (np + 1) * kwp * 8; idx += GV_THREADS) {
             const int i = idx / (kwp * 8), rem = idx % (kwp * 8), w = rem >> 3, s = rem & 7;
             const int slot = i < np ? slots[p0 + i] : 0;
@@ -854,6 +876,7 @@ __device__ __forceinline__ void gemv_cta(
             const int chunk = (s >> 1) ^ ((w >> 1) & 3);
             *reinterpret_cast<uint2*>(xs + i * tstride + w * 32 + chunk * 8 + (s & 1) * 4) = make_uint2(v01, v23);
         }
+#endif
         __syncthreads();
     };
     // The tiles regime: step `step` (8 words) of tokens p0..p0+np-1 and the zero row after them,
