@@ -58,8 +58,9 @@
                            // thread fences before and after (measured up to 2% slower, docs/kernel.md)
 #endif
 #ifndef APL_GEMV_STAGE16
-#define APL_GEMV_STAGE16 0  // decode: a (token, word) of activations staged by 4 16-byte loads and PRMTs
-#endif                      // (stage_word); 0: 8 items a word, each 4 scattered 2-byte loads
+#define APL_GEMV_STAGE16 1  // decode: a (token, word) of activations staged by 4 16-byte loads and PRMTs
+#endif                      // (stage_word); 0: 8 items a word, each 4 scattered 2-byte loads (measured
+                            // 3-11% slower at every decode shape, docs/kernel.md)
 #ifndef APL_PRMT_SELECT
 #define APL_PRMT_SELECT 0  // 4 bits: the top code bit picks between the two byte tables' lookups by a PRMT
 #endif                     // (one selector LOP3 per 8 weights) instead of a mask PRMT and two LOP3 per 4
