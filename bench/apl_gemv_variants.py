@@ -52,6 +52,7 @@ VARIANTS = {  # name -> (define changes, host changes)
     # decode activation staging: 4 16-byte loads per (token, word) and stage_word, not 32 2-byte loads
     "stage16": ({"APL_GEMV_STAGE16": 1}, {}),
     "stage2": ({"APL_GEMV_STAGE16": 0}, {}),
+    "lut16": ({"APL_GEMV_LUT16": 1}, {}),  # aligned register-LUT rows by 16-byte loads (not yet run)
     "blocks5": ({"APL_GEMV_MIN_BLOCKS": 5}, {"GEMV_TARGET_CTAS": 660}),
     "blocks6": ({"APL_GEMV_MIN_BLOCKS": 6}, {"GEMV_TARGET_CTAS": 792}),
     "blocks5_t528": ({"APL_GEMV_MIN_BLOCKS": 5}, {}),  # the same grids as base

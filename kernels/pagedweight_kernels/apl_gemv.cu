@@ -61,6 +61,9 @@
 #define APL_GEMV_STAGE16 1  // decode: a (token, word) of activations staged by 4 16-byte loads and PRMTs
 #endif                      // (stage_word); 0: 8 items a word, each 4 scattered 2-byte loads (measured
                             // 3-11% slower at every decode shape, docs/kernel.md)
+#ifndef APL_GEMV_LUT16
+#define APL_GEMV_LUT16 0  // 3-4 bits: a 16-byte aligned LUT row read by 16-byte loads (else 2-byte loads,
+#endif                    // as always); not yet run on a GPU
 #ifndef APL_PRMT_SELECT
 #define APL_PRMT_SELECT 0  // 4 bits: the top code bit picks between the two byte tables' lookups by a PRMT
 #endif                     // (one selector LOP3 per 8 weights) instead of a mask PRMT and two LOP3 per 4
@@ -152,6 +155,18 @@ struct RegLut {
     // after the first stage: one dependent global round trip less per CTA).
     __device__ __forceinline__ void fetch(const u16* row_lut, bool valid) {
         constexpr int N = 1 << B;
+#if APL_GEMV_LUT16
+        // A row of 8 or 16 entries is 16 or 32 bytes, so a 16-byte aligned LUT (the arena's
+        // extents are page-aligned) has every row aligned: one or two 16-byte loads.
+        if (valid && (reinterpret_cast<unsigned long long>(row_lut) & 15u) == 0) {
+#pragma unroll
+            for (int q = 0; q < N / 8; ++q) {
+                const uint4 v = __ldg(reinterpret_cast<const uint4*>(row_lut) + q);
+                raw[4 * q] = v.x; raw[4 * q + 1] = v.y; raw[4 * q + 2] = v.z; raw[4 * q + 3] = v.w;
+            }
+            return;
+        }
+#endif
 #pragma unroll
         for (int j = 0; j < N / 2; ++j) {  // LUTs need only 2-byte alignment
             const u32 a = valid ? __ldg(row_lut + 2 * j) : (u16)0, b = valid ? __ldg(row_lut + 2 * j + 1) : (u16)0;

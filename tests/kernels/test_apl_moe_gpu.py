@@ -264,7 +264,8 @@ def test_compact_decode_loop_equals_ping_pong(case, bits, monkeypatch):
 # what is summed: APL_FMA_SHIFTS_MIN_BITS (from which width the code transposes are bitfield
 # merges with their shifts by IMAD), APL_PRMT_SELECT (the 4-bit top-bit select by PRMT),
 # APL_SHIFT_MODE (5-8-bit LUT offsets by IMAD.HI), APL_GEMV_ACQREL (one acq_rel atomic instead
-# of fences), APL_GEMV_STAGE16 (decode activations by 16-byte loads). All flipped from their defaults at once (the FMA shifts on at 3 bits for a 3-bit
+# of fences), APL_GEMV_STAGE16 (decode activations by 16-byte loads), APL_GEMV_LUT16 (aligned
+# register-LUT rows by 16-byte loads). All flipped from their defaults at once (the FMA shifts on at 3 bits for a 3-bit
 # layer, off at every width otherwise), the output equals the defaults' bit for bit in every
 # regime and class: decode at 3, 4, 5, 8 bits and mixed, column splits, Qwen size, tiles,
 # prefill, legacy decode.
@@ -278,7 +279,7 @@ def _flipped_knobs(bits):
 
     fma_from = op.KERNEL_DEFINES["APL_FMA_SHIFTS_MIN_BITS"]
     flipped = {k: 1 - op.KERNEL_DEFINES[k]
-               for k in ("APL_PRMT_SELECT", "APL_SHIFT_MODE", "APL_GEMV_ACQREL", "APL_GEMV_STAGE16")}
+               for k in ("APL_PRMT_SELECT", "APL_SHIFT_MODE", "APL_GEMV_ACQREL", "APL_GEMV_STAGE16", "APL_GEMV_LUT16")}
     flipped["APL_FMA_SHIFTS_MIN_BITS"] = 3 if bits == 3 and fma_from > 3 else 9 if fma_from <= 8 else 3
     return flipped
 
@@ -403,6 +404,37 @@ def test_commit_moves_a_block_anywhere_in_a_pool():
     lut = torch.randn(rows, 1 << new_bits, device=device).sort(1).values.half() * H ** -0.5
     experts.commit_block(e, "gate_up", type(old)(new_bits, planes, lut))
     out = experts(x, ids, w)
+    assert relative_error(out, reference_fp32(x, ids, w, layer)) < TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.parametrize("lut_offset_bytes", [0, 2], ids=["lut-16-byte-aligned", "lut-at-2-bytes"])
+def test_register_lut_loads_take_any_lut_alignment(lut_offset_bytes, monkeypatch):
+    """APL_GEMV_LUT16: a 3-4-bit block's LUT rows by 16-byte loads where the LUT is 16-byte
+    aligned, by 2-byte loads where it is not (a LUT view at a 2-byte offset of a pool); the
+    output is the 2-byte path's bit for bit and the reference's within tolerance."""
+    import pagedweight_kernels.apl_moe as op
+
+    device = torch.device("cuda")
+    E, H, I, T = 8, 256, 384, 3
+    layer = random_layer(E, H, I, seed=5, device=device, bits={(e, m): 3 + (e % 2) for e in range(E) for m in ("gate_up", "down")})
+    pool = torch.zeros(1 << 20, dtype=torch.uint8, device=device)
+    offset = 4096 + lut_offset_bytes
+    for e in range(E):
+        for m in ("gate_up", "down"):
+            block = getattr(layer, m)[e]
+            nbytes = block.lut.numel() * 2
+            view = pool[offset: offset + nbytes].view(torch.float16).view(block.lut.shape)
+            view.copy_(block.lut)
+            layer.set_block(e, m, type(block)(block.bits, block.planes, view))
+            offset += nbytes + 64
+    x = torch.randn(T, H, device=device, dtype=torch.bfloat16)
+    ids, w = ragged_routing(T, E, 2, seed=4, device=device)
+    w = w.to(torch.bfloat16)
+    monkeypatch.setitem(op.KERNEL_DEFINES, "APL_GEMV_LUT16", 0)
+    two_byte = apl_moe(x, ids, w, layer)
+    monkeypatch.setitem(op.KERNEL_DEFINES, "APL_GEMV_LUT16", 1)
+    out = apl_moe(x, ids, w, layer)
+    assert torch.equal(out, two_byte)
     assert relative_error(out, reference_fp32(x, ids, w, layer)) < TOLERANCE[torch.bfloat16]
 
 
