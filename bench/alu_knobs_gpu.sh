@@ -6,13 +6,9 @@
 # the kernel's GPU tests. Usage (device): OUT=$OUT CODE_COMMIT=<c> bash bench/alu_knobs_gpu.sh
 # Run at 18a43a5 (bench/results/apl_gemv_alu_variants.json), where CAND read APL_FMA_SHIFTS=1 (now
 # APL_FMA_SHIFTS_MIN_BITS=3) and the defaults had APL_GEMV_ACQREL 0.
-set -u
-export PYTHONPATH=.:services:kernels PYTHONUNBUFFERED=1 PAGEDWEIGHT_COMMIT=${CODE_COMMIT:-unknown}
-OUT=$(cd "${OUT:-bench/results}" && pwd)
+. "$(dirname "$0")/device_call.sh"
 VARIANTS=${VARIANTS:-base acqrel fma_shifts prmt_select alu_diet alu_acqrel alu_pipe3_late}
 CAND=${CAND:-APL_FMA_SHIFTS_MIN_BITS=3,APL_PRMT_SELECT=1,APL_SHIFT_MODE=1,APL_GEMV_ACQREL=1}
-t0=$(date +%s)
-stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
 timeout "${VARIANTS_TIMEOUT_S:-280}" python3 -m bench.apl_gemv_variants $VARIANTS --decode --json apl_gemv_alu_variants \
   > "$OUT/apl_gemv_alu_variants.log" 2>&1
 stamp "variants rc $?"; grep " us$" "$OUT/apl_gemv_alu_variants.log"; tail -n 2 "$OUT/apl_gemv_alu_variants.log"

@@ -5,12 +5,8 @@
 # engine, graphs and models on the kernel), then the engine at the Qwen1.5-MoE shape
 # (bench/real_shape.py, production path, bf16 and static-4, concurrency 1, 16, 64).
 # Usage (device): OUT=$OUT CODE_COMMIT=<c> bash bench/decode_widths_gpu.sh
-set -u
-export PYTHONPATH=.:services:kernels PYTHONUNBUFFERED=1 PAGEDWEIGHT_COMMIT=${CODE_COMMIT:-unknown}
+. "$(dirname "$0")/device_call.sh"
 export PAGEDWEIGHT_CODE_COMMIT=${CODE_COMMIT:-unknown}
-OUT=$(cd "${OUT:-bench/results}" && pwd)
-t0=$(date +%s)
-stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
 timeout 120 python3 -m bench.apl_moe_kernel --tokens 1 4 16 --bits 3 4 5 6 8 mixed --no-per-block --no-legacy \
   --name apl_moe_kernel_widths > "$OUT/apl_moe_kernel_widths.log" 2>&1
 stamp "layer bench rc $?"; grep "T=" "$OUT/apl_moe_kernel_widths.log" | cut -c1-60,100-200

@@ -3,12 +3,8 @@
 # the details page and the per-SASS warp-stall samples (bench/ncu_stall_table.py reads the
 # CSV). The stalls section of bench/kernel_stalls_gpu.sh, alone, for a re-read after a change.
 # Usage (device): OUT=$OUT TAG=<name> [MODELS="mixtral-8x7b qwen1.5-moe-a2.7b"] bash bench/ncu_decode_gpu.sh
-set -u
-export PYTHONPATH=.:services:kernels PYTHONUNBUFFERED=1
-OUT=$(cd "${OUT:-bench/results}" && pwd)
+. "$(dirname "$0")/device_call.sh"
 TAG=${TAG:-defaults}
-t0=$(date +%s)
-stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
 command -v ncu > /dev/null || { stamp "no ncu"; exit 2; }
 for model in ${MODELS:-mixtral-8x7b qwen1.5-moe-a2.7b}; do
   rep=/tmp/ncu_$model

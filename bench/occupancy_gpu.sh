@@ -4,11 +4,7 @@
 # against none and all widths, the same on the tiles regime, the bit-for-bit knob test at the
 # new defaults, the layer benchmark against bf16 grouped_mm, and the kernel's GPU tests.
 # Usage (device): OUT=$OUT CODE_COMMIT=<c> bash bench/occupancy_gpu.sh
-set -u
-export PYTHONPATH=.:services:kernels PYTHONUNBUFFERED=1 PAGEDWEIGHT_COMMIT=${CODE_COMMIT:-unknown}
-OUT=$(cd "${OUT:-bench/results}" && pwd)
-t0=$(date +%s)
-stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
+. "$(dirname "$0")/device_call.sh"
 run_variants() {  # name, args...
   local name=$1; shift
   timeout 150 python3 -m bench.apl_gemv_variants "$@" --json "$name" > "$OUT/$name.log" 2>&1

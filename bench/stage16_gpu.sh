@@ -3,11 +3,7 @@
 # (APL_GEMV_STAGE16; Nsight at c5d0986 put the 2-byte staging loads' PRMT at the top of Qwen's
 # stall samples) against the 2-byte loads, then the decode GPU tests with it on.
 # Usage (device): OUT=$OUT CODE_COMMIT=<c> bash bench/stage16_gpu.sh
-set -u
-export PYTHONPATH=.:services:kernels PYTHONUNBUFFERED=1 PAGEDWEIGHT_COMMIT=${CODE_COMMIT:-unknown}
-OUT=$(cd "${OUT:-bench/results}" && pwd)
-t0=$(date +%s)
-stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
+. "$(dirname "$0")/device_call.sh"
 timeout 75 python3 -m bench.apl_gemv_variants stage2 stage16 --waves --json apl_gemv_stage16 > "$OUT/apl_gemv_stage16.log" 2>&1
 stamp "variants rc $?"; grep " us$" "$OUT/apl_gemv_stage16.log" | sed 's/  */ /g'; cp bench/results/apl_gemv_stage16.json "$OUT/" 2>/dev/null
 APL_KERNEL_DEFINES=APL_GEMV_STAGE16=1 timeout "${TEST_TIMEOUT_S:-140}" python3 -m pytest -q -m gpu -p no:cacheprovider -rfE \

@@ -2,11 +2,7 @@
 # One device call (issue 13): the decode kernel's whole-wave column splits (_wave_splits)
 # against the earlier rule in the same process, the 1-token layer against bf16 grouped_mm,
 # and the kernel's GPU tests on the new plans. Usage (device): OUT=$OUT CODE_COMMIT=<c> bash bench/wave_plan_gpu.sh
-set -u
-export PYTHONPATH=.:services:kernels PYTHONUNBUFFERED=1 PAGEDWEIGHT_COMMIT=${CODE_COMMIT:-unknown}
-OUT=$(cd "${OUT:-bench/results}" && pwd)
-t0=$(date +%s)
-stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
+. "$(dirname "$0")/device_call.sh"
 timeout 200 python3 -m bench.apl_gemv_variants base no_wave --waves --json apl_gemv_waves > "$OUT/apl_gemv_waves.log" 2>&1
 stamp "variants rc $?"; cat "$OUT/apl_gemv_waves.log" | grep " us$"
 cp bench/results/apl_gemv_waves.json "$OUT/" 2>/dev/null
