@@ -209,16 +209,6 @@ def copy_bandwidth(device) -> dict:
 
 
 # ---------------------------------------------------------------- one model
-def bytes_by_width(layer, expert_ids) -> dict[int, int]:
-    """The plane + LUT bytes of these experts' blocks, per committed width (APLLayer.nbytes_active's sum, split)."""
-    out: dict[int, int] = {}
-    for e in expert_ids:
-        for block in (layer.gate_up[e], layer.down[e]):
-            rows, cols = block.shape
-            out[block.bits] = out.get(block.bits, 0) + rows * cols * block.bits // 8 + rows * (1 << block.bits) * 2
-    return out
-
-
 def add_byte_weighted(row, mixed_layers, active, pairs, io_bytes) -> None:
     """The mixed layer against the time its bytes predict (issue 13: within 1.2x): each width's
     share of the mixed layer's bytes read at that width's own uniform-layer rate (us per byte,
@@ -227,7 +217,7 @@ def add_byte_weighted(row, mixed_layers, active, pairs, io_bytes) -> None:
         return
     shares: dict[int, float] = {}
     for c, i in pairs:
-        for bits, nbytes in bytes_by_width(mixed_layers[c], active[i]).items():
+        for bits, nbytes in mixed_layers[c].nbytes_by_width(active[i]).items():
             shares[bits] = shares.get(bits, 0.0) + nbytes / len(pairs)
     if not all(f"bits_{b}" in row for b in shares):
         return

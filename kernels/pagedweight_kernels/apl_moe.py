@@ -285,12 +285,16 @@ class APLLayer:
 
     def nbytes_active(self, expert_ids) -> int:
         """Plane + LUT bytes the kernel reads for these experts at their committed bits."""
-        total = 0
+        return sum(self.nbytes_by_width(expert_ids).values())
+
+    def nbytes_by_width(self, expert_ids) -> dict[int, int]:
+        """nbytes_active split by the blocks' committed widths."""
+        out: dict[int, int] = {}
         for e in expert_ids:
             for block in (self.gate_up[e], self.down[e]):
                 rows, cols = block.shape
-                total += rows * cols * block.bits // 8 + rows * (1 << block.bits) * 2
-        return total
+                out[block.bits] = out.get(block.bits, 0) + rows * cols * block.bits // 8 + rows * (1 << block.bits) * 2
+        return out
 
 
 def fused_counter_words(max_active: int, hidden: int, intermediate: int) -> int:

@@ -1,6 +1,6 @@
 """The layer benchmark's byte-weighted prediction for a mixed layer (bench/apl_moe_kernel.py), on the CPU."""
 
-from bench.apl_moe_kernel import add_byte_weighted, bit_assignment, bytes_by_width
+from bench.apl_moe_kernel import add_byte_weighted, bit_assignment
 from pagedweight_kernels.synthetic import random_layer
 
 
@@ -11,15 +11,18 @@ def _mixed_layer(E=6, H=64, I=96):
 def test_bytes_by_width_splits_what_the_kernel_reads():
     layer = _mixed_layer()
     experts = [0, 2, 5]
-    split = bytes_by_width(layer, experts)
+    split = layer.nbytes_by_width(experts)
     assert sum(split.values()) == layer.nbytes_active(experts)
+    tensors = [(b.bits, [*b.planes, b.lut]) for e in experts for b in (layer.gate_up[e], layer.down[e])]
+    for bits in split:  # the bytes the blocks' plane and LUT tensors hold, width by width
+        assert split[bits] == sum(t.numel() * t.element_size() for b, ts in tensors if b == bits for t in ts)
     assert set(split) == {layer.gate_up[e].bits for e in experts} | {layer.down[e].bits for e in experts}
 
 
 def test_byte_weighted_time_reads_each_width_at_its_own_rate():
     layer = _mixed_layer()
     active, pairs, io = [[0, 1, 2], [3, 4, 5]], [(0, 0), (0, 1)], 512
-    shares = [bytes_by_width(layer, a) for a in active]
+    shares = [layer.nbytes_by_width(a) for a in active]
     widths = set(shares[0]) | set(shares[1])
     # each uniform width at 1 us per 1000 bytes, except 8 bits at twice that
     rate = {b: (2e-3 if b == 8 else 1e-3) for b in widths}
