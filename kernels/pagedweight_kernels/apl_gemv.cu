@@ -850,27 +850,29 @@ __device__ __forceinline__ void gemv_cta(
         }
         __syncthreads();
     };
+    // Word w of the split for assignment `slot` (its token's row of x, or its own row of h):
+    // 32 act values as 4 16-byte loads (x is checked 16-byte aligned; a word is 64 bytes).
+    auto load_word = [&](int slot, int w, uint4 (&raw)[4]) {
+        const long long xrow = MODE == 0 ? slot / top_k : slot;
+        const uint4* src = reinterpret_cast<const uint4*>(x + xrow * cols + (long long)(c0w + w) * 32);
+#pragma unroll
+        for (int q = 0; q < 4; ++q)  // h, written in this launch by other CTAs: L2, not L1/nc
+            raw[q] = (FUSED && MODE == 1) ? __ldcg(src + q) : __ldg(src + q);
+    };
     auto stage_split = [&](int p0, int np) {
         if constexpr (FUSED && MODE == 1) {
             if (p0 == 0) wait_h();
         }
         __syncthreads();  // LUT written; the previous pass is done with xs
 #if APL_GEMV_STAGE16
-        // A (token, word) item: the word's 32 values as 4 16-byte loads (x is 16-byte aligned
-        // and a word is 64 bytes), reordered into the mma slices' layout by stage_word.
+        // A (token, word) item: the word's 32 values (load_word), reordered into the mma
+        // slices' layout by stage_word.
         for (int idx = tid; idx < (np + 1) * kwp; idx += GV_THREADS) {
             const int i = idx / kwp, w = idx % kwp;
             uint4 raw[4];
 #pragma unroll
             for (int q = 0; q < 4; ++q) raw[q] = make_uint4(0u, 0u, 0u, 0u);
-            if (w < kw && i < np) {
-                const int slot = slots[p0 + i];
-                const long long xrow = MODE == 0 ? slot / top_k : slot;
-                const uint4* src = reinterpret_cast<const uint4*>(x + xrow * cols + (long long)(c0w + w) * 32);
-#pragma unroll
-                for (int q = 0; q < 4; ++q)  // h, written in this launch by other CTAs: L2, not L1/nc
-                    raw[q] = (FUSED && MODE == 1) ? __ldcg(src + q) : __ldg(src + q);
-            }
+            if (w < kw && i < np) load_word(slots[p0 + i], w, raw);
             stage_word(raw, xs + i * tstride + w * 32, w);  // (its swizzle reads w mod 8 only)
         }
 #else
@@ -914,13 +916,7 @@ __device__ __forceinline__ void gemv_cta(
                 const int w = step * GV_STEP_WORDS + idx % GV_STEP_WORDS;
 #pragma unroll
                 for (int q = 0; q < 4; ++q) raw[it][q] = make_uint4(0u, 0u, 0u, 0u);
-                if (b + it < ITEMS && i < np && w < kw) {
-                    const int slot = slots[p0 + i];
-                    const long long xrow = MODE == 0 ? slot / top_k : slot;
-                    const uint4* src = reinterpret_cast<const uint4*>(x + xrow * cols + (long long)(c0w + w) * 32);
-#pragma unroll
-                    for (int q = 0; q < 4; ++q) raw[it][q] = __ldg(src + q);
-                }
+                if (b + it < ITEMS && i < np && w < kw) load_word(slots[p0 + i], w, raw[it]);
             }
 #pragma unroll
             for (int it = 0; it < SB; ++it) {
