@@ -48,11 +48,11 @@ VARIANTS = {  # name -> (define changes, host changes)
     "alu_acqrel": ({"APL_FMA_SHIFTS_MIN_BITS": 3, "APL_PRMT_SELECT": 1, "APL_SHIFT_MODE": 1, "APL_GEMV_ACQREL": 1}, {}),
     "alu_pipe3_late": ({"APL_FMA_SHIFTS_MIN_BITS": 3, "APL_PRMT_SELECT": 1, "APL_SHIFT_MODE": 1, "APL_GEMV_PIPE": 3,
                         "APL_GEMV_PIPE_EARLY": 0}, {}),
-    # more CTAs per SM at decode (registers capped: 5 -> 96, 6 -> 80; spills outside the step loop only)
     # decode activation staging: 4 16-byte loads per (token, word) and stage_word, not 32 2-byte loads
     "stage16": ({"APL_GEMV_STAGE16": 1}, {}),
     "stage2": ({"APL_GEMV_STAGE16": 0}, {}),
     "lut16": ({"APL_GEMV_LUT16": 1}, {}),  # aligned register-LUT rows by 16-byte loads (not yet run)
+    # more CTAs per SM at decode (registers capped: 5 -> 96, 6 -> 80; spills outside the step loop only)
     "blocks5": ({"APL_GEMV_MIN_BLOCKS": 5}, {"GEMV_TARGET_CTAS": 660}),
     "blocks6": ({"APL_GEMV_MIN_BLOCKS": 6}, {"GEMV_TARGET_CTAS": 792}),
     "blocks5_t528": ({"APL_GEMV_MIN_BLOCKS": 5}, {}),  # the same grids as base
