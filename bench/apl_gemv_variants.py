@@ -81,6 +81,9 @@ VARIANTS = {  # name -> (define changes, host changes)
                        {"GEMV_TARGET_CTAS": 396}),  # 168 registers, 3 CTAs per SM
     "tiles_3_blocks": ({"APL_TILES_MIN_BLOCKS": 3}, {}),  # tiles regime: <= 168 registers, 3 CTAs per SM
     "tiles_max_32": ({}, {"TILES_MAX_NT8": 4}),  # tiles regime: at most 32 tokens per pass
+    # tiles regime on wgmma (sm_90a): a pass's tokens as the N of one warpgroup instruction per k16 slice
+    "wgmma": ({"APL_TILES_WGMMA": 1}, {}),
+    "wgmma_3_blocks": ({"APL_TILES_WGMMA": 1, "APL_TILES_MIN_BLOCKS": 3}, {}),  # 168 registers, 3 CTAs per SM
 }
 MIXED_SHAPES = [("qwen1.5-moe-a2.7b", 1, "mixed"), ("qwen1.5-moe-a2.7b", 4, "mixed"), ("mixtral-8x7b", 1, "mixed"),
                 ("mixtral-8x7b", 4, "mixed"), ("qwen1.5-moe-a2.7b", 1, "4")]
@@ -99,8 +102,8 @@ FUSED_SHAPES = [(name, T, bits) for name in ("qwen1.5-moe-a2.7b", "mixtral-8x7b"
 WAVE_SHAPES = [("mixtral-8x7b", 1, "3"), ("mixtral-8x7b", 1, "4"), ("mixtral-8x7b", 1, "8"), ("mixtral-8x7b", 1, "mixed"),
                ("mixtral-8x7b", 2, "4"), ("mixtral-8x7b", 4, "4"), ("qwen1.5-moe-a2.7b", 2, "4"),
                ("qwen1.5-moe-a2.7b", 4, "4"), ("qwen1.5-moe-a2.7b", 1, "4"), ("qwen1.5-moe-a2.7b", 16, "4")]
-TILES_SHAPES = [("qwen1.5-moe-a2.7b", 64, "4"), ("qwen1.5-moe-a2.7b", 256, "4"), ("mixtral-8x7b", 64, "4"),
-                ("mixtral-8x7b", 256, "4"), ("mixtral-8x7b", 256, "8")]
+TILES_SHAPES = [(name, T, bits) for name in ("qwen1.5-moe-a2.7b", "mixtral-8x7b") for T in (64, 256)
+                for bits in ("4", "8")] + [("mixtral-8x7b", 256, "mixed")]
 
 
 def set_variant(vname):
@@ -111,18 +114,20 @@ def set_variant(vname):
         setattr(op, knob, host.get(knob, value))
 
 
-def compile_decode_instances(variants, device, both_dtypes=False):
+def compile_decode_instances(variants, device, both_dtypes=False, tiles=(1,)):
     """The decode instances with 8-byte plane loads (every class, both projections, and the
-    fused launch; bf16, or with both_dtypes fp16 and 4-byte loads too) of each variant, in threads. cupy keeps them in its disk
-    cache, so a later process (the GPU tests) finds them compiled."""
+    fused launch; bf16, or with both_dtypes fp16 and 4-byte loads too) of each variant, in threads
+    (tiles: the NT8 values; (2, 4, 8) for the tiles regime). cupy keeps them in its disk cache
+    (and compile_for_arch the sm_90a ones in its own), so a later process (the GPU tests) finds
+    them compiled."""
     import cupy as cp
 
     layouts = [(f, a) for f in ("true", "false") for a in ("true", "false")] if both_dtypes else [("true", "true")]
     keys = []
     for vname in variants:
         set_variant(vname)
-        keys += [(op._gemv_name(cls, mode, flag, aligned, 1), op._defines("silu"))
-                 for cls in (0, 1, 2) for mode in (0, 1) for flag, aligned in layouts]
+        keys += [(op._gemv_name(cls, mode, flag, aligned, nt8), op._defines("silu"))
+                 for cls in (0, 1, 2) for mode in (0, 1) for flag, aligned in layouts for nt8 in tiles]
         keys += [(op._fused_name(cls, flag, aligned), op._defines("silu"))
                  for cls in op.FUSED_CLASSES for flag, aligned in layouts]
 
@@ -157,6 +162,8 @@ def main():
     only = [a for a in sys.argv[1:] if a in VARIANTS] or list(VARIANTS)
     if any(a in sys.argv for a in ("--decode", "--fused", "--compact", "--merged", "--waves")):
         compile_decode_instances(only, device)
+    if "--tiles" in sys.argv:
+        compile_decode_instances(only, device, tiles=op.tiles_choices()[1:])
     rows = []
     for vname in only:
         set_variant(vname)

@@ -84,6 +84,9 @@
 #ifndef APL_TILES_ASYNC
 #define APL_TILES_ASYNC 1  // tiles regime: 1 = the next step's activations come in by cp.async during this
 #endif                     // step's mma (raw rows in shared memory, reordered there); 0 = loads at each step
+#ifndef APL_TILES_WGMMA
+#define APL_TILES_WGMMA 0  // tiles regime with APL_TILES_ASYNC, compiled for sm_90a: one warpgroup wgmma per k16
+#endif                     // slice, A from the dequantised registers, B the staged tokens in shared memory
 #ifndef APL_TILES_GROUP
 #define APL_TILES_GROUP 4  // tiles regime: 8-token tiles whose mma chains interleave (activations in registers)
 #endif
@@ -589,6 +592,64 @@ __device__ __forceinline__ void gemv_warp_ring(const BlockRef& blk, u32 w0a, u32
     cp_async_wait<0>();  // only empty groups remain; the next pass refills slot 0 onwards
 }
 
+// ---------------------------------------------------------------- wgmma (sm_90a), the tiles regime
+// APL_TILES_WGMMA: a pass's 8 * NT8 tokens are the N of one warpgroup wgmma.m64nNk16 per k16
+// slice, A (the CTA's 64 weight rows) from the registers the dequantisation fills, exactly
+// the mma.sync A fragments (warp w: rows 16w..16w+15), B (the staged activations) read by the
+// tensor cores from shared memory, so one instruction replaces NT8 mma.sync and their
+// activation loads. D: warp w's rows, 8-token chunk j in acc[j], the mma.sync C layout.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define APL_HAS_WGMMA 1
+#else
+#define APL_HAS_WGMMA 0
+#endif
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" :: "n"(N) : "memory"); }
+// Shared memory written by ordinary stores and read next by wgmma (the async proxy).
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
+// The B operand's descriptor, no swizzle, K-major: 8-token x 16-byte core matrices of 128
+// contiguous bytes, the slice's second 8 k at +128 bytes (leading byte offset), the next 8
+// tokens at +256 (stride byte offset). Addresses and offsets in 16-byte units.
+__device__ __forceinline__ unsigned long long wgmma_desc(u32 smem_addr) {
+    return (unsigned long long)((smem_addr & 0x3FFFFu) >> 4) | ((unsigned long long)(128 >> 4) << 16) |
+           ((unsigned long long)(256 >> 4) << 32);
+}
+
+// acc += A (rows of this warp: a0 = (g, k 2t..), a1 = (g+8, k 2t..), a2 = (g, k 2t+8..), a3 =
+// (g+8, k 2t+8..)) x B (the slice at desc), N = 8 * N8 tokens.
+template <int N8, bool BF16>
+__device__ __forceinline__ void wgmma_rs(float (&acc)[N8][4], u32 a0, u32 a1, u32 a2, u32 a3, unsigned long long desc) {
+#if APL_HAS_WGMMA
+    if constexpr (N8 == 2 && BF16)
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\nwgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, p, 1, 1, 0;\n}"
+                     : "+f"(acc[0][0]), "+f"(acc[0][1]), "+f"(acc[0][2]), "+f"(acc[0][3]), "+f"(acc[1][0]), "+f"(acc[1][1]), "+f"(acc[1][2]), "+f"(acc[1][3])
+                     : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(1));
+    else if constexpr (N8 == 2 && !BF16)
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\nwgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, p, 1, 1, 0;\n}"
+                     : "+f"(acc[0][0]), "+f"(acc[0][1]), "+f"(acc[0][2]), "+f"(acc[0][3]), "+f"(acc[1][0]), "+f"(acc[1][1]), "+f"(acc[1][2]), "+f"(acc[1][3])
+                     : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(1));
+    else if constexpr (N8 == 4 && BF16)
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\nwgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}"
+                     : "+f"(acc[0][0]), "+f"(acc[0][1]), "+f"(acc[0][2]), "+f"(acc[0][3]), "+f"(acc[1][0]), "+f"(acc[1][1]), "+f"(acc[1][2]), "+f"(acc[1][3]), "+f"(acc[2][0]), "+f"(acc[2][1]), "+f"(acc[2][2]), "+f"(acc[2][3]), "+f"(acc[3][0]), "+f"(acc[3][1]), "+f"(acc[3][2]), "+f"(acc[3][3])
+                     : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(1));
+    else if constexpr (N8 == 4 && !BF16)
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\nwgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}"
+                     : "+f"(acc[0][0]), "+f"(acc[0][1]), "+f"(acc[0][2]), "+f"(acc[0][3]), "+f"(acc[1][0]), "+f"(acc[1][1]), "+f"(acc[1][2]), "+f"(acc[1][3]), "+f"(acc[2][0]), "+f"(acc[2][1]), "+f"(acc[2][2]), "+f"(acc[2][3]), "+f"(acc[3][0]), "+f"(acc[3][1]), "+f"(acc[3][2]), "+f"(acc[3][3])
+                     : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(1));
+    else if constexpr (N8 == 8 && BF16)
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\nwgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}"
+                     : "+f"(acc[0][0]), "+f"(acc[0][1]), "+f"(acc[0][2]), "+f"(acc[0][3]), "+f"(acc[1][0]), "+f"(acc[1][1]), "+f"(acc[1][2]), "+f"(acc[1][3]), "+f"(acc[2][0]), "+f"(acc[2][1]), "+f"(acc[2][2]), "+f"(acc[2][3]), "+f"(acc[3][0]), "+f"(acc[3][1]), "+f"(acc[3][2]), "+f"(acc[3][3]), "+f"(acc[4][0]), "+f"(acc[4][1]), "+f"(acc[4][2]), "+f"(acc[4][3]), "+f"(acc[5][0]), "+f"(acc[5][1]), "+f"(acc[5][2]), "+f"(acc[5][3]), "+f"(acc[6][0]), "+f"(acc[6][1]), "+f"(acc[6][2]), "+f"(acc[6][3]), "+f"(acc[7][0]), "+f"(acc[7][1]), "+f"(acc[7][2]), "+f"(acc[7][3])
+                     : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(1));
+    else if constexpr (N8 == 8 && !BF16)
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\nwgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}"
+                     : "+f"(acc[0][0]), "+f"(acc[0][1]), "+f"(acc[0][2]), "+f"(acc[0][3]), "+f"(acc[1][0]), "+f"(acc[1][1]), "+f"(acc[1][2]), "+f"(acc[1][3]), "+f"(acc[2][0]), "+f"(acc[2][1]), "+f"(acc[2][2]), "+f"(acc[2][3]), "+f"(acc[3][0]), "+f"(acc[3][1]), "+f"(acc[3][2]), "+f"(acc[3][3]), "+f"(acc[4][0]), "+f"(acc[4][1]), "+f"(acc[4][2]), "+f"(acc[4][3]), "+f"(acc[5][0]), "+f"(acc[5][1]), "+f"(acc[5][2]), "+f"(acc[5][3]), "+f"(acc[6][0]), "+f"(acc[6][1]), "+f"(acc[6][2]), "+f"(acc[6][3]), "+f"(acc[7][0]), "+f"(acc[7][1]), "+f"(acc[7][2]), "+f"(acc[7][3])
+                     : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(1));
+#endif
+}
+
 // ---------------------------------------------------------------- the tiles regime (NT8 > 1)
 // Many tokens per expert (prefill, large decode batches): a pass holds up to 8 * NT8 tokens,
 // so each weight is dequantised once per pass (once per layer call for an expert with at most
@@ -606,6 +667,32 @@ __device__ __forceinline__ void tiles_warp(const BlockRef& blk, u32 w0a, u32 w0b
     constexpr int TG = NT8 < TG_MAX ? NT8 : TG_MAX;
     const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
     const int steps = (kw + GV_STEP_WORDS - 1) / GV_STEP_WORDS;
+#if APL_TILES_WGMMA && APL_TILES_ASYNC && APL_HAS_WGMMA
+    // One wgmma per k16 slice (stage_async's layout: slice 8 wi + s holds selector s of words
+    // 2t + wi, t = 0..3, of every pass token). A stage is one selector pair's 8 A registers and
+    // its two wgmma; one stage stays in flight while the next is dequantised. The step ends with
+    // every wgmma done, so the next staging may overwrite the slices.
+    const unsigned long long desc0 = wgmma_desc(shared_addr(xs));
+    auto compute = [&](const u32 (&buf)[2][2][8]) {
+#pragma unroll
+        for (int wi = 0; wi < 2; ++wi) {
+            const Codes<B> ca(buf[0][wi]), cb(buf[1][wi]);
+#pragma unroll
+            for (int s = 0; s < 4; ++s) {
+                u32 wa[4], wb[4];  // selectors s and s + 4 of rows a and b
+                la.select2(ca, s, wa);
+                lb.select2(cb, s, wb);
+                wgmma_fence();
+                wgmma_rs<NT8, BF16>(acc, wa[0], wb[0], wa[1], wb[1], desc0 + (unsigned long long)((8 * wi + s) * NT8 * 16));
+                wgmma_rs<NT8, BF16>(acc, wa[2], wb[2], wa[3], wb[3], desc0 + (unsigned long long)((8 * wi + s + 4) * NT8 * 16));
+                wgmma_commit();
+                wgmma_wait<1>();
+            }
+        }
+        wgmma_wait<0>();
+    };
+    (void)g; (void)np;
+#else
     auto compute = [&](const u32 (&buf)[2][2][8]) {
 #pragma unroll
         for (int wi = 0; wi < 2; ++wi) {
@@ -643,6 +730,7 @@ __device__ __forceinline__ void tiles_warp(const BlockRef& blk, u32 w0a, u32 w0b
             }
         }
     };
+#endif
     u32 b1[2][2][8];
     for (int step = 0; step < steps; step += 2) {
         if (step + 1 < steps) load_step<B, V2>(blk, w0a, w0b, kw, step + 1, b1);
@@ -932,8 +1020,12 @@ __device__ __forceinline__ void gemv_cta(
     // (512 + 4) bytes). Step s + 1 is copied in by cp.async while step s's mma run; at its turn
     // it is reordered into xs (shared to shared). A thread copies chunk q = tid % 4 of word
     // wl = tid / 4 % 8 of tokens tid / 32, + 4, + 8, ...
+    // WG (APL_TILES_WGMMA on sm_90a): raw rows padded to 528 bytes, so the wgmma staging's 8
+    // tokens per 8 threads read different banks.
+    constexpr bool WG = NT8 > 1 && APL_TILES_WGMMA && APL_TILES_ASYNC && APL_HAS_WGMMA;
+    constexpr int RAW_ROW = WG ? 264 : 256;  // u16 per token of raw
     u16* raw_s = lut_s + GV_ROWS * lut_entries;
-    int* rowoff_s = reinterpret_cast<int*>(raw_s + stage_tokens * 256);
+    int* rowoff_s = reinterpret_cast<int*>(raw_s + stage_tokens * RAW_ROW);
     const int steps_k = (kw + GV_STEP_WORDS - 1) / GV_STEP_WORDS;
     const int cp_wl = (tid >> 2) & 7, cp_q = tid & 3;
     const u32 cp_dst = shared_addr(raw_s + cp_wl * 32 + (cp_q ^ ((cp_wl >> 1) & 3)) * 8);
@@ -942,7 +1034,7 @@ __device__ __forceinline__ void gemv_cta(
         const bool ok = w < kw;  // words past the split: zeros
         const u16* src = x + (ok ? (c0w + w) * 32 + cp_q * 8 : 0);
         for (int i = tid >> 5; i < np; i += GV_THREADS / 32)
-            cp_async16(cp_dst + i * 512, src + (ok ? rowoff_s[i] : 0), ok ? 16u : 0u);
+            cp_async16(cp_dst + i * (2 * RAW_ROW), src + (ok ? rowoff_s[i] : 0), ok ? 16u : 0u);
         cp_async_commit();
     };
     auto stage_async = [&](int p0, int np, int step) {
@@ -956,12 +1048,45 @@ __device__ __forceinline__ void gemv_cta(
         }
         cp_async_wait<0>();
         __syncthreads();  // raw holds this step for every thread; the previous mma are done with xs
+        if constexpr (WG) {
+            // The wgmma B layout: slice 8 wi + s (s = 0..7) of token n is 16 k values, k 2t, 2t+1
+            // = columns sel_col(s, 0..1) of word 2t + wi (t = 0..3) and k 2t+8, 2t+9 = sel_col(s,
+            // 2..3): [slice][token / 8][k half][token % 8][16 bytes]. An item (n, wi, h) reads
+            // the column pairs 8h..8h+7 of its 4 words (raw chunks 2h, 2h+1) and writes the 4
+            // slices of selectors 4h..4h+3. Tokens past the pass are not written: their columns
+            // of the product are never read.
+            for (int idx = tid; idx < ((np + 7) & ~7) * 4; idx += GV_THREADS) {
+                const int n = (idx & 7) | ((idx >> 5) << 3), wi = (idx >> 3) & 1, h = (idx >> 4) & 1;
+                if (n >= np) continue;
+                u32 lo[4][4], hi[4][4];  // [selector 4h + r][t]
+#pragma unroll
+                for (int tw = 0; tw < 4; ++tw) {
+                    const u16* src = raw_s + n * RAW_ROW + (2 * tw + wi) * 32;  // chunk q at q ^ tw
+                    const uint4 c0 = *reinterpret_cast<const uint4*>(src + ((2 * h) ^ tw) * 8);
+                    const uint4 c1 = *reinterpret_cast<const uint4*>(src + ((2 * h + 1) ^ tw) * 8);
+                    const u32 pr[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
+#pragma unroll
+                    for (int r = 0; r < 4; ++r) {
+                        const u32 sel = (r & 1) ? 0x7632u : 0x5410u;  // column 16h + r: high or low half
+                        lo[r][tw] = prmt(pr[r >> 1], pr[2 + (r >> 1)], sel);
+                        hi[r][tw] = prmt(pr[4 + (r >> 1)], pr[6 + (r >> 1)], sel);
+                    }
+                }
+#pragma unroll
+                for (int r = 0; r < 4; ++r) {
+                    uint4* dst = reinterpret_cast<uint4*>(xs + (8 * wi + 4 * h + r) * NT8 * 128 + (n >> 3) * 128 + (n & 7) * 8);
+                    dst[0] = make_uint4(lo[r][0], lo[r][1], lo[r][2], lo[r][3]);
+                    dst[8] = make_uint4(hi[r][0], hi[r][1], hi[r][2], hi[r][3]);  // the second 8 k, +128 bytes
+                }
+            }
+            fence_proxy_async();  // the tensor cores read these stores next
+        } else
         for (int idx = tid; idx < (np + 1) * GV_STEP_WORDS; idx += GV_THREADS) {
             const int i = idx / GV_STEP_WORDS, wl = idx % GV_STEP_WORDS;
             uint4 v[4];
 #pragma unroll
             for (int q = 0; q < 4; ++q)  // row np: the zero row
-                v[q] = i < np ? *reinterpret_cast<const uint4*>(raw_s + i * 256 + wl * 32 + (q ^ ((wl >> 1) & 3)) * 8)
+                v[q] = i < np ? *reinterpret_cast<const uint4*>(raw_s + i * RAW_ROW + wl * 32 + (q ^ ((wl >> 1) & 3)) * 8)
                               : make_uint4(0u, 0u, 0u, 0u);
             stage_word(v, xs + i * tstride + wl * 32, wl);
         }

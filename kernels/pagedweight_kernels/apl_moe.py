@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from pagedweight_kernels.cuda_packages import cuda_with, launch_on_torch_stream, module_source
+from pagedweight_kernels.cuda_packages import compile_for_arch, cuda_with, launch_on_torch_stream, module_source
 from pagedweight_kernels.moe_reference import check_activation, gated, moe_forward
 from pagedweight.format.apl_format import (
     COL_ALIGN, LUT_DTYPE, MAX_BITS, MIN_BITS, APLBlock, check_bits, dequantize,
@@ -86,7 +86,7 @@ KERNEL_DEFINES = {"APL_LDS_MODE": 1, "APL_RPG_DIV": 8, "APL_PREFETCH": 1, "APL_D
                   "APL_SHIFT_MODE": 0, "APL_PREFILL_MIN_BLOCKS": 1, "APL_GEMV_MIN_BLOCKS": 4,
                   "APL_GEMV_L2_PREFETCH": 0, "APL_GEMV_RING_STAGES": 0, "APL_GEMV_PIPE": 2, "APL_GEMV_PIPE_EARLY": 0,
                   "APL_GEMV_COMPACT": 4, "APL_GEMV_ACQREL": 1, "APL_FMA_SHIFTS_MIN_BITS": 4, "APL_PRMT_SELECT": 0, "APL_GEMV_STAGE16": 1, "APL_GEMV_LUT16": 0,
-                  "APL_TILES_MIN_BLOCKS": 2, "APL_TILES_GROUP": 4, "APL_TILES_ASYNC": 1}
+                  "APL_TILES_MIN_BLOCKS": 2, "APL_TILES_GROUP": 4, "APL_TILES_ASYNC": 1, "APL_TILES_WGMMA": 0}
 
 
 def knob_overrides(text: str) -> dict[str, int]:
@@ -538,14 +538,27 @@ def _compiled(name: str, defines: tuple):
     start = time.perf_counter()
     options = ("-std=c++17", *(f"-D{k}={v}" for k, v in defines))
     code = module_source(SOURCE, GEMV_SOURCE)
-    module = cp.RawModule(code=code, options=options, name_expressions=[name])
-    function = module.get_function(name)  # compiles (or reads cupy's disk cache) and loads
+    if wgmma_instance(name, dict(defines)):
+        function = compile_for_arch(code, options, name, "sm_90a")
+    else:
+        module = cp.RawModule(code=code, options=options, name_expressions=[name])
+        function = module.get_function(name)  # compiles (or reads cupy's disk cache) and loads
     with _COMPILE_LOCK:
         if key not in _FUNCTIONS:
             _FUNCTIONS[key] = function
             COMPILE_STATS.count += 1
             COMPILE_STATS.seconds += time.perf_counter() - start
         return _FUNCTIONS[key]
+
+
+def wgmma_instance(name: str, defines: dict[str, int]) -> bool:
+    """True where `name` is a tiles-regime instance (apl_gemv with NT8 > 1) that runs on wgmma:
+    APL_TILES_WGMMA and APL_TILES_ASYNC on, and a compute-capability 9.0 device to compile it
+    for (sm_90a). Elsewhere the same source compiles to the mma.sync path."""
+    if not (defines.get("APL_TILES_WGMMA") and defines.get("APL_TILES_ASYNC")) or not name.startswith("apl_gemv<"):
+        return False
+    tiles = int(name.rstrip(">").rsplit(",", 1)[1])
+    return tiles > 1 and torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
 def _gemv_name(cls: int, mode: int, flag: str, aligned8: str, tiles: int = 1) -> str:
@@ -664,10 +677,11 @@ def gemv_extra_shared(cls: int, lut_entries: int, tiles: int = 1) -> int:
     for the 3-4-bit decode kernel with APL_GEMV_RING_STAGES >= 2, its cp.async ring of 4 warps
     (not compiled in the tiles regime); in the tiles regime with APL_TILES_ASYNC, the raw
     activation rows of one step and each token's row offset (8 * tiles tokens x (512 + 4)
-    bytes, after the aligned LUT rows)."""
+    bytes, after the aligned LUT rows; rows of 528 bytes with APL_TILES_WGMMA)."""
     extra = GEMV_ROWS * lut_entries * 2 + 512 if lut_entries else 0
     if tiles > 1 and KERNEL_DEFINES.get("APL_TILES_ASYNC", 0):
-        return extra + 512 + GEMV_TOKENS * tiles * (GEMV_STEP_WORDS * 64 + 4)
+        raw_row = GEMV_STEP_WORDS * 64 + (16 if KERNEL_DEFINES.get("APL_TILES_WGMMA", 0) else 0)  # the .cu's RAW_ROW
+        return extra + 512 + GEMV_TOKENS * tiles * (raw_row + 4)
     stages = KERNEL_DEFINES.get("APL_GEMV_RING_STAGES", 0)
     if cls == 0 and stages >= 2 and tiles == 1:
         extra = 512 + (GEMV_THREADS // 32) * stages * GEMV_RING_STAGE_BYTES

@@ -1,9 +1,13 @@
 """Where a kernel can run (a CUDA device and the package that builds it: cupy, triton), the
-CUDA text a cupy module compiles, and how its kernels launch on PyTorch's stream."""
+CUDA text a cupy module compiles, a compile for an architecture cupy does not target (sm_90a),
+and how its kernels launch on PyTorch's stream."""
 
 from __future__ import annotations
 
+import hashlib
 import importlib
+import os
+import tempfile
 from functools import lru_cache
 from pathlib import Path
 
@@ -29,6 +33,52 @@ def module_source(*sources: Path) -> str:
     """One cupy module's CUDA text: the shared dtype conversions, then `sources` in order
     (NVRTC through cupy compiles a single string; the package ships no headers)."""
     return "\n".join(path.read_text() for path in (CONVERSIONS_SOURCE, *sources))
+
+
+def compile_for_arch(code: str, options: tuple[str, ...], name: str, arch: str):
+    """The cupy kernel `name` (a template instance's name expression) of `code`, compiled by
+    NVRTC for `arch` (e.g. "sm_90a": cupy's RawModule targets the device's plain sm_XX, which
+    has no wgmma). Cubins are kept in a disk cache (PAGEDWEIGHT_KERNEL_CACHE, default
+    ~/.cache/pagedweight/kernels) keyed by the text, options, name, arch and NVRTC version, so a
+    process pays each compile once per machine, as with cupy's own cache."""
+    from cupy.cuda import function, nvrtc
+
+    version = nvrtc.getVersion()
+    key = hashlib.sha256("\0".join([code, *options, name, arch, repr(version)]).encode()).hexdigest()
+    cache = Path(os.environ.get("PAGEDWEIGHT_KERNEL_CACHE", Path.home() / ".cache" / "pagedweight" / "kernels"))
+    entry = cache / f"{key}.cubin"
+    lowered_path = cache / f"{key}.name"
+    if entry.exists() and lowered_path.exists():
+        cubin, lowered = entry.read_bytes(), lowered_path.read_text()
+    else:
+        program = nvrtc.createProgram(code, "kernel.cu", [], [])
+        try:
+            nvrtc.addNameExpression(program, name)
+            try:
+                nvrtc.compileProgram(program, [*options, f"--gpu-architecture={arch}",
+                                               "--device-as-default-execution-space"])
+            except nvrtc.NVRTCError as exc:
+                raise RuntimeError(f"NVRTC could not compile {name} for {arch}:\n{nvrtc.getProgramLog(program)}") from exc
+            lowered = nvrtc.getLoweredName(program, name)
+            cubin = nvrtc.getCUBIN(program)
+        finally:
+            nvrtc.destroyProgram(program)
+        _write_atomically(entry, cubin)
+        _write_atomically(lowered_path, lowered.encode())
+    module = function.Module()
+    module.load(cubin)
+    return module.get_function(lowered)  # (the function keeps its module loaded)
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    """Write by rename, so a concurrent reader sees the whole file or none (a cache miss)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path.parent, delete=False) as handle:
+            handle.write(data)
+        os.replace(handle.name, path)
+    except OSError:  # an unwritable cache costs the next process a compile, nothing more
+        pass
 
 
 def launch_on_torch_stream(kernel, grid, block: int, args, shared: int = 0) -> None:

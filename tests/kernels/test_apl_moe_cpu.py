@@ -199,6 +199,38 @@ def test_a_layer_of_both_classes_takes_the_merged_kernel_once(monkeypatch):
     assert op._class_launches({0: 4, 1: 8}) == [(0, 4), (1, 8)]
 
 
+def test_tiles_shared_memory_pads_the_raw_rows_for_wgmma(monkeypatch):
+    """The tiles regime's raw activation rows (APL_TILES_ASYNC): 512 bytes a token, 528 with
+    APL_TILES_WGMMA (the .cu's RAW_ROW), plus each token's row offset, after the LUT rows."""
+    import pagedweight_kernels.apl_moe as op
+
+    monkeypatch.setitem(op.KERNEL_DEFINES, "APL_TILES_ASYNC", 1)
+    monkeypatch.setitem(op.KERNEL_DEFINES, "APL_TILES_WGMMA", 0)
+    assert op.gemv_extra_shared(0, 0, tiles=8) == 512 + 64 * (512 + 4)
+    monkeypatch.setitem(op.KERNEL_DEFINES, "APL_TILES_WGMMA", 1)
+    assert op.gemv_extra_shared(0, 0, tiles=8) == 512 + 64 * (528 + 4)
+    assert op.gemv_extra_shared(1, 64, tiles=2) == op.GEMV_ROWS * 64 * 2 + 512 + 512 + 16 * (528 + 4)
+    assert op.gemv_extra_shared(0, 0, tiles=1) == 0  # decode: no raw rows
+
+
+def test_only_tiles_instances_on_a_hopper_device_compile_for_wgmma(monkeypatch):
+    """wgmma_instance: the knob (with APL_TILES_ASYNC), an apl_gemv instance with NT8 > 1 and a
+    compute-capability 9.0 device; anything else compiles for the device's plain architecture."""
+    import pagedweight_kernels.apl_moe as op
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    on = {"APL_TILES_WGMMA": 1, "APL_TILES_ASYNC": 1}
+    assert op.wgmma_instance(op._gemv_name(0, 0, "true", "true", 8), on)
+    assert op.wgmma_instance(op._gemv_name(2, 1, "false", "false", 2), on)
+    assert not op.wgmma_instance(op._gemv_name(0, 0, "true", "true", 1), on)  # decode
+    assert not op.wgmma_instance(op._prefill_name(64, 0, "true"), on)
+    assert not op.wgmma_instance(op._gemv_name(0, 0, "true", "true", 8), {**on, "APL_TILES_ASYNC": 0})
+    assert not op.wgmma_instance(op._gemv_name(0, 0, "true", "true", 8), {**on, "APL_TILES_WGMMA": 0})
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    assert not op.wgmma_instance(op._gemv_name(0, 0, "true", "true", 8), on)
+
+
 def test_decode_shared_memory_adds_the_ring_only_to_the_register_lut_kernel(monkeypatch):
     """The cp.async ring (APL_GEMV_RING_STAGES) lives after the 512-byte aligned LUT area of
     the 3-4-bit kernel only: 4 warps x stages x one 4-bit step; 0 stages adds nothing."""

@@ -1,0 +1,66 @@
+"""The tiles regime on wgmma (APL_TILES_WGMMA, sm_90a) against the torch reference and the
+mma.sync path, on a Hopper GPU (`make test-gpu`).
+
+The wgmma path stages the activations in another shared-memory layout (the B operand's core
+matrices) and multiplies a pass's tokens by one warpgroup instruction per k16 slice, so every
+tiles case is re-run with it: every NT8 (2, 4, 8), several passes per hot expert, partial
+steps and partial 8-token tiles, column splits, every width and the merged kernel, bf16 and
+fp16, GELU-tanh. Outputs are poisoned with NaN first (every element written) and two runs must
+be bit-identical.
+"""
+
+import pytest
+import torch
+
+import pagedweight_kernels.apl_moe as op
+from pagedweight_kernels.apl_moe import apl_moe, kernel_available, plan_launch
+from pagedweight_kernels.synthetic import ragged_routing, random_layer
+from tests.kernels.test_apl_moe_gpu import (CASES, TILES_CASES, TOLERANCE, _case_id, check_case, reference_fp32,
+                                            relative_error)
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not kernel_available() or torch.cuda.get_device_capability() != (9, 0),
+                                 reason="needs a compute-capability 9.0 GPU (sm_90a) and cupy")]
+
+WGMMA_CASES = [case for case, _ in TILES_CASES] + [CASES[8]]  # + hot expert in 3 passes of 64, fp16
+
+
+@pytest.fixture
+def wgmma(monkeypatch):
+    monkeypatch.setitem(op.KERNEL_DEFINES, "APL_TILES_WGMMA", 1)
+    monkeypatch.setitem(op.KERNEL_DEFINES, "APL_TILES_ASYNC", 1)
+
+
+@pytest.mark.parametrize("case", WGMMA_CASES, ids=_case_id)
+def test_wgmma_tiles_match_reference_and_mma_sync(case, monkeypatch):
+    E, k, H, I, T = case[:5]
+    assert plan_launch(T, k, E, H, I, 8).gate_up.regime == "tiles"
+    monkeypatch.setitem(op.KERNEL_DEFINES, "APL_TILES_WGMMA", 0)
+    mma_sync = check_case(case)
+    monkeypatch.setitem(op.KERNEL_DEFINES, "APL_TILES_WGMMA", 1)
+    out = check_case(case)
+    assert relative_error(out, mma_sync) < TOLERANCE[case[6]]
+
+
+@pytest.mark.parametrize("bits", (3, 4, 5, 6, 8))
+def test_wgmma_tiles_uniform_width_layers_match_reference(bits, wgmma):
+    check_case((8, 2, 160, 224, 40, 6, torch.bfloat16), bits=bits)
+
+
+@pytest.mark.parametrize("case", [CASES[7], CASES[10]], ids=_case_id)
+def test_wgmma_tiles_gelu_tanh_match_reference(case, wgmma):
+    check_case(case, activation="gelu_tanh")
+
+
+def test_wgmma_tiles_no_host_sync(wgmma):
+    device = torch.device("cuda")
+    layer = random_layer(8, 256, 384, seed=5, device=device)
+    x = torch.randn(100, 256, device=device, dtype=torch.bfloat16)
+    ids, w = ragged_routing(100, 8, 2, seed=100, device=device)
+    apl_moe(x, ids, w, layer)  # compile outside the check
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = apl_moe(x, ids, w, layer)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert relative_error(out, reference_fp32(x, ids, w, layer)) < TOLERANCE[torch.bfloat16]
