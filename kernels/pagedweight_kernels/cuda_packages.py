@@ -67,7 +67,32 @@ def compile_for_arch(code: str, options: tuple[str, ...], name: str, arch: str):
         _write_atomically(lowered_path, lowered.encode())
     module = function.Module()
     module.load(cubin)
-    return module.get_function(lowered)  # (the function keeps its module loaded)
+    return ArchKernel(module.get_function(lowered))  # (the function keeps its module loaded)
+
+
+class ArchKernel:
+    """A kernel from compile_for_arch with what the launcher uses of cupy's RawKernel: the
+    call and the dynamic shared-memory limit (a bare cupy Function has no such property)."""
+
+    _MAX_DYNAMIC_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+
+    def __init__(self, function):
+        self.function = function
+
+    def __call__(self, grid, block, args, shared_mem: int = 0):
+        self.function(grid, block, args, shared_mem=shared_mem)
+
+    @property
+    def max_dynamic_shared_size_bytes(self) -> int:
+        from cupy.cuda import driver
+
+        return driver.funcGetAttribute(self._MAX_DYNAMIC_SHARED, self.function.ptr)
+
+    @max_dynamic_shared_size_bytes.setter
+    def max_dynamic_shared_size_bytes(self, nbytes: int) -> None:
+        from cupy.cuda import driver
+
+        driver.funcSetAttribute(self.function.ptr, self._MAX_DYNAMIC_SHARED, nbytes)
 
 
 def _write_atomically(path: Path, data: bytes) -> None:
