@@ -607,6 +607,22 @@ __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.a
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" :: "n"(N) : "memory"); }
+// The compiler sees a wgmma's registers as written when the asm statement issues, but the
+// tensor cores write the accumulators (and read A) until the wait_group: these empty volatile
+// statements pin every access to them to its side of the fence or wait (CUTLASS's
+// warpgroup_fence_operand), whatever the compiler's scheduling (nvcc 13.0 emits the same
+// SASS with and without them today).
+template <int N8>
+__device__ __forceinline__ void fence_accumulators(float (&acc)[N8][4]) {
+#pragma unroll
+    for (int j = 0; j < N8; ++j)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) asm volatile("" : "+f"(acc[j][i]) :: "memory");
+}
+__device__ __forceinline__ void fence_registers(u32 (&r)[4]) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(r[i]) :: "memory");
+}
 // Shared memory written by ordinary stores and read next by wgmma (the async proxy).
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
@@ -626,27 +642,27 @@ __device__ __forceinline__ void wgmma_rs(float (&acc)[N8][4], u32 a0, u32 a1, u3
     if constexpr (N8 == 2 && BF16)
         asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\nwgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, p, 1, 1, 0;\n}"
                      : "+f"(acc[0][0]), "+f"(acc[0][1]), "+f"(acc[0][2]), "+f"(acc[0][3]), "+f"(acc[1][0]), "+f"(acc[1][1]), "+f"(acc[1][2]), "+f"(acc[1][3])
-                     : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(1));
+                     : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(1) : "memory");
     else if constexpr (N8 == 2 && !BF16)
         asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\nwgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, p, 1, 1, 0;\n}"
                      : "+f"(acc[0][0]), "+f"(acc[0][1]), "+f"(acc[0][2]), "+f"(acc[0][3]), "+f"(acc[1][0]), "+f"(acc[1][1]), "+f"(acc[1][2]), "+f"(acc[1][3])
-                     : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(1));
+                     : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(1) : "memory");
     else if constexpr (N8 == 4 && BF16)
         asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\nwgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}"
                      : "+f"(acc[0][0]), "+f"(acc[0][1]), "+f"(acc[0][2]), "+f"(acc[0][3]), "+f"(acc[1][0]), "+f"(acc[1][1]), "+f"(acc[1][2]), "+f"(acc[1][3]), "+f"(acc[2][0]), "+f"(acc[2][1]), "+f"(acc[2][2]), "+f"(acc[2][3]), "+f"(acc[3][0]), "+f"(acc[3][1]), "+f"(acc[3][2]), "+f"(acc[3][3])
-                     : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(1));
+                     : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(1) : "memory");
     else if constexpr (N8 == 4 && !BF16)
         asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\nwgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}"
                      : "+f"(acc[0][0]), "+f"(acc[0][1]), "+f"(acc[0][2]), "+f"(acc[0][3]), "+f"(acc[1][0]), "+f"(acc[1][1]), "+f"(acc[1][2]), "+f"(acc[1][3]), "+f"(acc[2][0]), "+f"(acc[2][1]), "+f"(acc[2][2]), "+f"(acc[2][3]), "+f"(acc[3][0]), "+f"(acc[3][1]), "+f"(acc[3][2]), "+f"(acc[3][3])
-                     : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(1));
+                     : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(1) : "memory");
     else if constexpr (N8 == 8 && BF16)
         asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\nwgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}"
                      : "+f"(acc[0][0]), "+f"(acc[0][1]), "+f"(acc[0][2]), "+f"(acc[0][3]), "+f"(acc[1][0]), "+f"(acc[1][1]), "+f"(acc[1][2]), "+f"(acc[1][3]), "+f"(acc[2][0]), "+f"(acc[2][1]), "+f"(acc[2][2]), "+f"(acc[2][3]), "+f"(acc[3][0]), "+f"(acc[3][1]), "+f"(acc[3][2]), "+f"(acc[3][3]), "+f"(acc[4][0]), "+f"(acc[4][1]), "+f"(acc[4][2]), "+f"(acc[4][3]), "+f"(acc[5][0]), "+f"(acc[5][1]), "+f"(acc[5][2]), "+f"(acc[5][3]), "+f"(acc[6][0]), "+f"(acc[6][1]), "+f"(acc[6][2]), "+f"(acc[6][3]), "+f"(acc[7][0]), "+f"(acc[7][1]), "+f"(acc[7][2]), "+f"(acc[7][3])
-                     : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(1));
+                     : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(1) : "memory");
     else if constexpr (N8 == 8 && !BF16)
         asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\nwgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}"
                      : "+f"(acc[0][0]), "+f"(acc[0][1]), "+f"(acc[0][2]), "+f"(acc[0][3]), "+f"(acc[1][0]), "+f"(acc[1][1]), "+f"(acc[1][2]), "+f"(acc[1][3]), "+f"(acc[2][0]), "+f"(acc[2][1]), "+f"(acc[2][2]), "+f"(acc[2][3]), "+f"(acc[3][0]), "+f"(acc[3][1]), "+f"(acc[3][2]), "+f"(acc[3][3]), "+f"(acc[4][0]), "+f"(acc[4][1]), "+f"(acc[4][2]), "+f"(acc[4][3]), "+f"(acc[5][0]), "+f"(acc[5][1]), "+f"(acc[5][2]), "+f"(acc[5][3]), "+f"(acc[6][0]), "+f"(acc[6][1]), "+f"(acc[6][2]), "+f"(acc[6][3]), "+f"(acc[7][0]), "+f"(acc[7][1]), "+f"(acc[7][2]), "+f"(acc[7][3])
-                     : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(1));
+                     : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(1) : "memory");
 #endif
 }
 
@@ -674,6 +690,7 @@ __device__ __forceinline__ void tiles_warp(const BlockRef& blk, u32 w0a, u32 w0b
     // every wgmma done, so the next staging may overwrite the slices.
     const unsigned long long desc0 = wgmma_desc(shared_addr(xs));
     auto compute = [&](const u32 (&buf)[2][2][8]) {
+        fence_accumulators(acc);
 #pragma unroll
         for (int wi = 0; wi < 2; ++wi) {
             const Codes<B> ca(buf[0][wi]), cb(buf[1][wi]);
@@ -682,6 +699,8 @@ __device__ __forceinline__ void tiles_warp(const BlockRef& blk, u32 w0a, u32 w0b
                 u32 wa[4], wb[4];  // selectors s and s + 4 of rows a and b
                 la.select2(ca, s, wa);
                 lb.select2(cb, s, wb);
+                fence_registers(wa);  // A is complete before the fence
+                fence_registers(wb);
                 wgmma_fence();
                 wgmma_rs<NT8, BF16>(acc, wa[0], wb[0], wa[1], wb[1], desc0 + (unsigned long long)((8 * wi + s) * NT8 * 16));
                 wgmma_rs<NT8, BF16>(acc, wa[2], wb[2], wa[3], wb[3], desc0 + (unsigned long long)((8 * wi + s + 4) * NT8 * 16));
@@ -690,6 +709,7 @@ __device__ __forceinline__ void tiles_warp(const BlockRef& blk, u32 w0a, u32 w0b
             }
         }
         wgmma_wait<0>();
+        fence_accumulators(acc);
     };
     (void)g; (void)np;
 #else
@@ -1080,15 +1100,16 @@ __device__ __forceinline__ void gemv_cta(
                 }
             }
             fence_proxy_async();  // the tensor cores read these stores next
-        } else
-        for (int idx = tid; idx < (np + 1) * GV_STEP_WORDS; idx += GV_THREADS) {
-            const int i = idx / GV_STEP_WORDS, wl = idx % GV_STEP_WORDS;
-            uint4 v[4];
+        } else {  // (braced: with `else for`, nvcc 13.0 dropped the barrier below from the WG instances)
+            for (int idx = tid; idx < (np + 1) * GV_STEP_WORDS; idx += GV_THREADS) {
+                const int i = idx / GV_STEP_WORDS, wl = idx % GV_STEP_WORDS;
+                uint4 v[4];
 #pragma unroll
-            for (int q = 0; q < 4; ++q)  // row np: the zero row
-                v[q] = i < np ? *reinterpret_cast<const uint4*>(raw_s + i * RAW_ROW + wl * 32 + (q ^ ((wl >> 1) & 3)) * 8)
-                              : make_uint4(0u, 0u, 0u, 0u);
-            stage_word(v, xs + i * tstride + wl * 32, wl);
+                for (int q = 0; q < 4; ++q)  // row np: the zero row
+                    v[q] = i < np ? *reinterpret_cast<const uint4*>(raw_s + i * RAW_ROW + wl * 32 + (q ^ ((wl >> 1) & 3)) * 8)
+                                  : make_uint4(0u, 0u, 0u, 0u);
+                stage_word(v, xs + i * tstride + wl * 32, wl);
+            }
         }
         __syncthreads();  // xs ready; every thread is done reading raw
         if (step + 1 < steps_k) issue_step(np, step + 1);
