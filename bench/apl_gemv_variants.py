@@ -82,7 +82,8 @@ VARIANTS = {  # name -> (define changes, host changes)
     "tiles_3_blocks": ({"APL_TILES_MIN_BLOCKS": 3}, {}),  # tiles regime: <= 168 registers, 3 CTAs per SM
     "tiles_max_32": ({}, {"TILES_MAX_NT8": 4}),  # tiles regime: at most 32 tokens per pass
     # tiles regime on wgmma (sm_90a): a pass's tokens as the N of one warpgroup instruction per k16 slice
-    "wgmma": ({"APL_TILES_WGMMA": 1}, {}),
+    "wgmma": ({"APL_TILES_WGMMA": 1}, {}),  # (the default since 2026-12-01)
+    "mma_sync": ({"APL_TILES_WGMMA": 0}, {}),  # the tiles regime's mma.sync path, as other GPUs run it
     "wgmma_3_blocks": ({"APL_TILES_WGMMA": 1, "APL_TILES_MIN_BLOCKS": 3}, {}),  # 168 registers, 3 CTAs per SM
 }
 MIXED_SHAPES = [("qwen1.5-moe-a2.7b", 1, "mixed"), ("qwen1.5-moe-a2.7b", 4, "mixed"), ("mixtral-8x7b", 1, "mixed"),
