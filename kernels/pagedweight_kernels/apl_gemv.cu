@@ -679,10 +679,6 @@ template <int B, int NT8, bool BF16, bool V2, class Lut, class StageChunk>
 __device__ __forceinline__ void tiles_warp(const BlockRef& blk, u32 w0a, u32 w0b, const Lut& la, const Lut& lb,
                                            int kw, const u16* xs, int tstride, int np, u32 (&b0)[2][2][8],
                                            float (&acc)[NT8][4], StageChunk stage_chunk) {
-    // 5-8 bits hold twice the plane words in flight: groups of 2 there (4 spilled).
-    constexpr int TG_MAX = B >= 5 && APL_TILES_GROUP > 2 ? 2 : APL_TILES_GROUP;
-    constexpr int TG = NT8 < TG_MAX ? NT8 : TG_MAX;
-    const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
     const int steps = (kw + GV_STEP_WORDS - 1) / GV_STEP_WORDS;
 #if APL_TILES_WGMMA && APL_TILES_ASYNC && APL_HAS_WGMMA
     // One wgmma per k16 slice (stage_async's layout: slice 8 wi + s holds selector s of words
@@ -712,8 +708,11 @@ __device__ __forceinline__ void tiles_warp(const BlockRef& blk, u32 w0a, u32 w0b
         wgmma_wait<0>();
         fence_accumulators(acc);
     };
-    (void)g; (void)np;
 #else
+    // 5-8 bits hold twice the plane words in flight: groups of 2 there (4 spilled).
+    constexpr int TG_MAX = B >= 5 && APL_TILES_GROUP > 2 ? 2 : APL_TILES_GROUP;
+    constexpr int TG = NT8 < TG_MAX ? NT8 : TG_MAX;
+    const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
     auto compute = [&](const u32 (&buf)[2][2][8]) {
 #pragma unroll
         for (int wi = 0; wi < 2; ++wi) {
