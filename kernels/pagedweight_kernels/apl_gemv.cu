@@ -87,7 +87,7 @@
 #ifndef APL_TILES_WGMMA
 #define APL_TILES_WGMMA 1  // tiles regime with APL_TILES_ASYNC, compiled for sm_90a: one warpgroup wgmma per k16
 #endif                     // slice, A from the dequantised registers, B the staged tokens in shared memory (measured
-                           // 7-16% faster at 4 bits and mixed, -3%..+4% at 8 bits); 0 or another GPU: mma.sync
+                           // 1-18% faster at 4 bits, 7% mixed, -3%..+4% at 8 bits); 0 or another GPU: mma.sync
 #ifndef APL_TILES_GROUP
 #define APL_TILES_GROUP 4  // tiles regime: 8-token tiles whose mma chains interleave (activations in registers)
 #endif
