@@ -1,8 +1,10 @@
 """The instruction mix per weight of the decode kernel's step loops, read from its SASS
 (docs/kernel.md, "Instruction counts"): compiles one `apl_gemv` instance with the host's
-KERNEL_DEFINES (plus overrides) for sm_90 with nvcc, disassembles it with nvdisasm, finds the
-innermost loops holding HMMA and counts their opcodes. An m16n8k16 A fragment is 8 weights a
-thread, so weights = 8 x HMMA in the loop.
+KERNEL_DEFINES (plus overrides) with nvcc (for sm_90a where the host would: the tiles
+instances on wgmma), disassembles it with nvdisasm, finds the innermost loops holding HMMA or
+HGMMA and counts their opcodes. An m16n8k16 A fragment is 8 weights a thread, so weights =
+8 x HMMA in a decode loop and 8 x HMMA / NT8 in a tiles loop (a fragment feeds NT8 mma); a
+wgmma m64nNk16 is 64 x 16 weights over 128 threads, 8 a thread, so weights = 8 x HGMMA.
 
 Usage: python -m bench.sass_mix ["apl_gemv<0, 0, true, true, 1>"] [NAME=VALUE ...] [--json OUT]
 Needs nvcc (CUDA 12.4+ for sm_90) and nvdisasm on PATH or in NVDISASM (the `nvidia-cuda-nvdisasm`
@@ -27,6 +29,7 @@ GEMV_PARAMS = ("const long long* __restrict__, const long long* __restrict__, in
                "const void* __restrict__, int, int, u16* __restrict__, int")
 _LABEL = re.compile(r"^\s*(\.L_x_\d+):")
 _BRANCH = re.compile(r"\bBRA\s+`?\(?(\.L_x_\d+)")
+_INSTANCE = re.compile(r"apl_gemv<\d, \d, (true|false), (true|false), \d+>")
 _OPCODE = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)")
 
 
@@ -42,13 +45,14 @@ def loops(sass: str) -> list[tuple[int, int]]:
     return out
 
 
-def step_loop_mixes(sass: str) -> list[dict]:
-    """Per innermost loop holding HMMA: instructions, HMMA, weights and opcodes per weight."""
+def step_loop_mixes(sass: str, tiles: int = 1) -> list[dict]:
+    """Per innermost loop holding HMMA or HGMMA: instructions, mma, weights and opcodes per
+    weight (tiles: the instance's NT8, the mma.sync each A fragment feeds)."""
     lines = sass.splitlines()
     spans = loops(sass)
 
     def has_hmma(a, b):
-        return any("HMMA" in line for line in lines[a:b + 1])
+        return any("HMMA" in line or "HGMMA" in line for line in lines[a:b + 1])
 
     out = []
     for a, b in spans:
@@ -57,13 +61,25 @@ def step_loop_mixes(sass: str) -> list[dict]:
             continue
         ops = [m.group(1) for line in lines[a:b + 1] if (m := _OPCODE.search(line))]
         hmma = sum(op.startswith("HMMA") for op in ops)
-        weights = 8 * hmma
+        hgmma = sum(op.startswith("HGMMA") for op in ops)
+        weights = 8 * hgmma + 8 * hmma / tiles
         counts = collections.Counter(op.split(".")[0] for op in ops)
-        out.append({"first_line": a, "instructions": len(ops), "hmma": hmma,
+        out.append({"first_line": a, "instructions": len(ops), "hmma": hmma, "hgmma": hgmma,
                     "per_weight": round(len(ops) / weights, 4),
                     "alu_per_weight": round(sum(counts[o] for o in ("PRMT", "LOP3", "SHF")) / weights, 4),
                     "mix": {op: round(n / weights, 4) for op, n in counts.most_common()}})
     return out
+
+
+def tiles_of(instance: str) -> int:
+    """The NT8 of an `apl_gemv<CLS, MODE, BF16, V2, NT8>` instance name."""
+    return int(instance.rstrip("> ").rsplit(",", 1)[1])
+
+
+def wgmma_build(instance: str, defines: dict[str, int]) -> bool:
+    """Whether the host compiles this instance for sm_90a on a Hopper GPU (apl_moe.wgmma_instance
+    without the device check: this compile is for an H200 whatever machine runs it)."""
+    return tiles_of(instance) > 1 and bool(defines.get("APL_TILES_WGMMA")) and bool(defines.get("APL_TILES_ASYNC"))
 
 
 def compile_instance(instance: str, overrides: dict[str, int], workdir: Path) -> tuple[str, str]:
@@ -76,7 +92,8 @@ def compile_instance(instance: str, overrides: dict[str, int], workdir: Path) ->
     source = module_source(op.SOURCE, op.GEMV_SOURCE) + f"\ntemplate __global__ void {instance}({GEMV_PARAMS});\n"
     (workdir / "k.cu").write_text(source)
     cubin = workdir / "k.cubin"
-    build = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90", "-cubin", "-o", str(cubin), str(workdir / "k.cu"),
+    arch = "-gencode=arch=compute_90a,code=sm_90a" if wgmma_build(instance, defines) else "-arch=sm_90"
+    build = subprocess.run(["nvcc", "-std=c++17", arch, "-cubin", "-o", str(cubin), str(workdir / "k.cu"),
                             "-Xptxas", "-v", *(f"-D{k}={v}" for k, v in defines.items())],
                            capture_output=True, text=True)
     if build.returncode:
@@ -98,6 +115,10 @@ def main(argv=None) -> int:
     except ValueError:
         print(f"sass_mix: defines must be NAME=integer, got {args.defines}", file=sys.stderr)
         return 2
+    if not _INSTANCE.fullmatch(args.instance):
+        print(f"sass_mix: the instance must read apl_gemv<CLS, MODE, true|false, true|false, NT8>, got {args.instance!r}",
+              file=sys.stderr)
+        return 2
     if not shutil.which("nvcc"):
         print("sass_mix: nvcc not found on PATH", file=sys.stderr)
         return 2
@@ -107,10 +128,11 @@ def main(argv=None) -> int:
         except (RuntimeError, subprocess.CalledProcessError, FileNotFoundError) as err:
             print(f"sass_mix: {err}", file=sys.stderr)
             return 2
-    mixes = step_loop_mixes(sass)
+    mixes = step_loop_mixes(sass, tiles_of(args.instance))
     print(resources)
     for m in mixes:
-        print(f"loop @{m['first_line']}: {m['instructions']} instructions, HMMA {m['hmma']}: {m['per_weight']:.3f} / weight "
+        print(f"loop @{m['first_line']}: {m['instructions']} instructions, HMMA {m['hmma']}, HGMMA {m['hgmma']}: "
+              f"{m['per_weight']:.3f} / weight "
               f"(PRMT+LOP3+SHF {m['alu_per_weight']:.3f}) | " + "  ".join(f"{k} {v:.3f}" for k, v in list(m["mix"].items())[:12]))
     if args.json:
         args.json.write_text(json.dumps({"instance": args.instance, "overrides": overrides, "resources": resources,
