@@ -636,34 +636,36 @@ __device__ __forceinline__ unsigned long long wgmma_desc(u32 smem_addr) {
 }
 
 // acc += A (rows of this warp: a0 = (g, k 2t..), a1 = (g+8, k 2t..), a2 = (g, k 2t+8..), a3 =
-// (g+8, k 2t+8..)) x B (the slice at desc), N = 8 * N8 tokens.
+// (g+8, k 2t+8..)) x B (the slice at desc), N = 8 * N8 tokens. One asm text per shape and
+// dtype (PTX names both in the opcode): APL_WGMMA_RS(shape, type, D operands, A, desc, scale-d,
+// the accumulators' constraints).
+#define APL_ACC4(j) "+f"(acc[j][0]), "+f"(acc[j][1]), "+f"(acc[j][2]), "+f"(acc[j][3])
+#define APL_WGMMA_RS(SHAPE, TY, D, A, DESC, SCALE, ...)                                                      \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " SCALE ", 0;\nwgmma.mma_async.sync.aligned." SHAPE ".f32." \
+                 TY "." TY " {" D "}, {" A "}, " DESC ", p, 1, 1, 0;\n}"                                       \
+                 : __VA_ARGS__ : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(1) : "memory")
+#define APL_D8 "%0, %1, %2, %3, %4, %5, %6, %7"
+#define APL_D16 APL_D8 ", %8, %9, %10, %11, %12, %13, %14, %15"
+#define APL_D32 APL_D16 ", %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
 template <int N8, bool BF16>
 __device__ __forceinline__ void wgmma_rs(float (&acc)[N8][4], u32 a0, u32 a1, u32 a2, u32 a3, unsigned long long desc) {
 #if APL_HAS_WGMMA
     if constexpr (N8 == 2 && BF16)
-        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\nwgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, p, 1, 1, 0;\n}"
-                     : "+f"(acc[0][0]), "+f"(acc[0][1]), "+f"(acc[0][2]), "+f"(acc[0][3]), "+f"(acc[1][0]), "+f"(acc[1][1]), "+f"(acc[1][2]), "+f"(acc[1][3])
-                     : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(1) : "memory");
-    else if constexpr (N8 == 2 && !BF16)
-        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\nwgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, p, 1, 1, 0;\n}"
-                     : "+f"(acc[0][0]), "+f"(acc[0][1]), "+f"(acc[0][2]), "+f"(acc[0][3]), "+f"(acc[1][0]), "+f"(acc[1][1]), "+f"(acc[1][2]), "+f"(acc[1][3])
-                     : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(1) : "memory");
+        APL_WGMMA_RS("m64n16k16", "bf16", APL_D8, "%8, %9, %10, %11", "%12", "%13", APL_ACC4(0), APL_ACC4(1));
+    else if constexpr (N8 == 2)
+        APL_WGMMA_RS("m64n16k16", "f16", APL_D8, "%8, %9, %10, %11", "%12", "%13", APL_ACC4(0), APL_ACC4(1));
     else if constexpr (N8 == 4 && BF16)
-        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\nwgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}"
-                     : "+f"(acc[0][0]), "+f"(acc[0][1]), "+f"(acc[0][2]), "+f"(acc[0][3]), "+f"(acc[1][0]), "+f"(acc[1][1]), "+f"(acc[1][2]), "+f"(acc[1][3]), "+f"(acc[2][0]), "+f"(acc[2][1]), "+f"(acc[2][2]), "+f"(acc[2][3]), "+f"(acc[3][0]), "+f"(acc[3][1]), "+f"(acc[3][2]), "+f"(acc[3][3])
-                     : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(1) : "memory");
-    else if constexpr (N8 == 4 && !BF16)
-        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\nwgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}"
-                     : "+f"(acc[0][0]), "+f"(acc[0][1]), "+f"(acc[0][2]), "+f"(acc[0][3]), "+f"(acc[1][0]), "+f"(acc[1][1]), "+f"(acc[1][2]), "+f"(acc[1][3]), "+f"(acc[2][0]), "+f"(acc[2][1]), "+f"(acc[2][2]), "+f"(acc[2][3]), "+f"(acc[3][0]), "+f"(acc[3][1]), "+f"(acc[3][2]), "+f"(acc[3][3])
-                     : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(1) : "memory");
+        APL_WGMMA_RS("m64n32k16", "bf16", APL_D16, "%16, %17, %18, %19", "%20", "%21",
+                     APL_ACC4(0), APL_ACC4(1), APL_ACC4(2), APL_ACC4(3));
+    else if constexpr (N8 == 4)
+        APL_WGMMA_RS("m64n32k16", "f16", APL_D16, "%16, %17, %18, %19", "%20", "%21",
+                     APL_ACC4(0), APL_ACC4(1), APL_ACC4(2), APL_ACC4(3));
     else if constexpr (N8 == 8 && BF16)
-        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\nwgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}"
-                     : "+f"(acc[0][0]), "+f"(acc[0][1]), "+f"(acc[0][2]), "+f"(acc[0][3]), "+f"(acc[1][0]), "+f"(acc[1][1]), "+f"(acc[1][2]), "+f"(acc[1][3]), "+f"(acc[2][0]), "+f"(acc[2][1]), "+f"(acc[2][2]), "+f"(acc[2][3]), "+f"(acc[3][0]), "+f"(acc[3][1]), "+f"(acc[3][2]), "+f"(acc[3][3]), "+f"(acc[4][0]), "+f"(acc[4][1]), "+f"(acc[4][2]), "+f"(acc[4][3]), "+f"(acc[5][0]), "+f"(acc[5][1]), "+f"(acc[5][2]), "+f"(acc[5][3]), "+f"(acc[6][0]), "+f"(acc[6][1]), "+f"(acc[6][2]), "+f"(acc[6][3]), "+f"(acc[7][0]), "+f"(acc[7][1]), "+f"(acc[7][2]), "+f"(acc[7][3])
-                     : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(1) : "memory");
-    else if constexpr (N8 == 8 && !BF16)
-        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\nwgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}"
-                     : "+f"(acc[0][0]), "+f"(acc[0][1]), "+f"(acc[0][2]), "+f"(acc[0][3]), "+f"(acc[1][0]), "+f"(acc[1][1]), "+f"(acc[1][2]), "+f"(acc[1][3]), "+f"(acc[2][0]), "+f"(acc[2][1]), "+f"(acc[2][2]), "+f"(acc[2][3]), "+f"(acc[3][0]), "+f"(acc[3][1]), "+f"(acc[3][2]), "+f"(acc[3][3]), "+f"(acc[4][0]), "+f"(acc[4][1]), "+f"(acc[4][2]), "+f"(acc[4][3]), "+f"(acc[5][0]), "+f"(acc[5][1]), "+f"(acc[5][2]), "+f"(acc[5][3]), "+f"(acc[6][0]), "+f"(acc[6][1]), "+f"(acc[6][2]), "+f"(acc[6][3]), "+f"(acc[7][0]), "+f"(acc[7][1]), "+f"(acc[7][2]), "+f"(acc[7][3])
-                     : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(1) : "memory");
+        APL_WGMMA_RS("m64n64k16", "bf16", APL_D32, "%32, %33, %34, %35", "%36", "%37",
+                     APL_ACC4(0), APL_ACC4(1), APL_ACC4(2), APL_ACC4(3), APL_ACC4(4), APL_ACC4(5), APL_ACC4(6), APL_ACC4(7));
+    else if constexpr (N8 == 8)
+        APL_WGMMA_RS("m64n64k16", "f16", APL_D32, "%32, %33, %34, %35", "%36", "%37",
+                     APL_ACC4(0), APL_ACC4(1), APL_ACC4(2), APL_ACC4(3), APL_ACC4(4), APL_ACC4(5), APL_ACC4(6), APL_ACC4(7));
 #endif
 }
 
