@@ -71,28 +71,23 @@ def step_loop_mixes(sass: str, tiles: int = 1) -> list[dict]:
     return out
 
 
-def tiles_of(instance: str) -> int:
-    """The NT8 of an `apl_gemv<CLS, MODE, BF16, V2, NT8>` instance name."""
-    return int(instance.rstrip("> ").rsplit(",", 1)[1])
-
-
-def wgmma_build(instance: str, defines: dict[str, int]) -> bool:
-    """Whether the host compiles this instance for sm_90a on a Hopper GPU (apl_moe.wgmma_instance
-    without the device check: this compile is for an H200 whatever machine runs it)."""
-    return tiles_of(instance) > 1 and bool(defines.get("APL_TILES_WGMMA")) and bool(defines.get("APL_TILES_ASYNC"))
+def _kernels():
+    """The kernels package's apl_moe and module_source (kernels/ on the path, as for the tests)."""
+    sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "kernels")]
+    from pagedweight_kernels import apl_moe
+    from pagedweight_kernels.cuda_packages import module_source
+    return apl_moe, module_source
 
 
 def compile_instance(instance: str, overrides: dict[str, int], workdir: Path) -> tuple[str, str]:
     """(SASS text, ptxas resource lines) of one apl_gemv instance."""
-    sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "kernels")]
-    from pagedweight_kernels import apl_moe as op
-    from pagedweight_kernels.cuda_packages import module_source
+    op, module_source = _kernels()
 
     defines = {**dict(op._defines("silu")), **overrides}
     source = module_source(op.SOURCE, op.GEMV_SOURCE) + f"\ntemplate __global__ void {instance}({GEMV_PARAMS});\n"
     (workdir / "k.cu").write_text(source)
     cubin = workdir / "k.cubin"
-    arch = "-gencode=arch=compute_90a,code=sm_90a" if wgmma_build(instance, defines) else "-arch=sm_90"
+    arch = "-gencode=arch=compute_90a,code=sm_90a" if op.wgmma_build(instance, defines) else "-arch=sm_90"
     build = subprocess.run(["nvcc", "-std=c++17", arch, "-cubin", "-o", str(cubin), str(workdir / "k.cu"),
                             "-Xptxas", "-v", *(f"-D{k}={v}" for k, v in defines.items())],
                            capture_output=True, text=True)
@@ -128,7 +123,7 @@ def main(argv=None) -> int:
         except (RuntimeError, subprocess.CalledProcessError, FileNotFoundError) as err:
             print(f"sass_mix: {err}", file=sys.stderr)
             return 2
-    mixes = step_loop_mixes(sass, tiles_of(args.instance))
+    mixes = step_loop_mixes(sass, _kernels()[0].instance_tiles(args.instance))
     print(resources)
     for m in mixes:
         print(f"loop @{m['first_line']}: {m['instructions']} instructions, HMMA {m['hmma']}, HGMMA {m['hgmma']}: "

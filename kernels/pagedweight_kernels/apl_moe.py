@@ -551,14 +551,23 @@ def _compiled(name: str, defines: tuple):
         return _FUNCTIONS[key]
 
 
+def instance_tiles(name: str) -> int:
+    """The NT8 of an apl_gemv instance name, `apl_gemv<CLS, MODE, BF16, V2, NT8>`."""
+    return int(name.rstrip("> ").rsplit(",", 1)[1])
+
+
+def wgmma_build(name: str, defines: dict[str, int]) -> bool:
+    """True where `name` is a tiles-regime instance (apl_gemv with NT8 > 1) whose wgmma path
+    the defines turn on (APL_TILES_WGMMA with APL_TILES_ASYNC): on a Hopper GPU it is compiled
+    for sm_90a (wgmma_instance; bench/sass_mix compiles it so for the H200 on any machine)."""
+    return (bool(defines.get("APL_TILES_WGMMA")) and bool(defines.get("APL_TILES_ASYNC"))
+            and name.startswith("apl_gemv<") and instance_tiles(name) > 1)
+
+
 def wgmma_instance(name: str, defines: dict[str, int]) -> bool:
-    """True where `name` is a tiles-regime instance (apl_gemv with NT8 > 1) that runs on wgmma:
-    APL_TILES_WGMMA and APL_TILES_ASYNC on, and a compute-capability 9.0 device to compile it
-    for (sm_90a). Elsewhere the same source compiles to the mma.sync path."""
-    if not (defines.get("APL_TILES_WGMMA") and defines.get("APL_TILES_ASYNC")) or not name.startswith("apl_gemv<"):
-        return False
-    tiles = int(name.rstrip(">").rsplit(",", 1)[1])
-    return tiles > 1 and torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+    """wgmma_build on a compute-capability 9.0 device, which the instance is compiled for
+    (sm_90a). Elsewhere the same source compiles to the mma.sync path."""
+    return wgmma_build(name, defines) and torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
 def _gemv_name(cls: int, mode: int, flag: str, aligned8: str, tiles: int = 1) -> str:

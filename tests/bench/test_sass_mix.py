@@ -55,13 +55,6 @@ def test_tiles_loops_count_weights_per_hgmma_and_per_fragment():
     assert mma_sync["hmma"] == 2 and mma_sync["per_weight"] == round(3 / 8, 4)  # 2 HMMA / NT8 2 = one fragment
 
 
-def test_wgmma_builds_are_the_tiles_instances_with_the_knob():
-    on = {"APL_TILES_WGMMA": 1, "APL_TILES_ASYNC": 1}
-    assert sass_mix.wgmma_build("apl_gemv<0, 0, true, true, 8>", on)
-    assert not sass_mix.wgmma_build("apl_gemv<0, 0, true, true, 1>", on)
-    assert not sass_mix.wgmma_build("apl_gemv<0, 0, true, true, 8>", {**on, "APL_TILES_WGMMA": 0})
-
-
 def test_a_malformed_instance_is_one_error_line_and_exit_2(capsys):
     assert sass_mix.main(["apl_gemv<0, 0, true>"]) == 2
     assert "apl_gemv<CLS, MODE" in capsys.readouterr().err

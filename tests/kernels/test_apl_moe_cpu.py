@@ -229,6 +229,8 @@ def test_only_tiles_instances_on_a_hopper_device_compile_for_wgmma(monkeypatch):
     assert not op.wgmma_instance(op._gemv_name(0, 0, "true", "true", 8), {**on, "APL_TILES_WGMMA": 0})
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
     assert not op.wgmma_instance(op._gemv_name(0, 0, "true", "true", 8), on)
+    assert op.wgmma_build(op._gemv_name(0, 0, "true", "true", 8), on)  # what bench/sass_mix compiles for the H200
+    assert op.instance_tiles(op._gemv_name(1, 1, "false", "true", 4)) == 4
 
 
 def test_decode_shared_memory_adds_the_ring_only_to_the_register_lut_kernel(monkeypatch):
