@@ -132,18 +132,28 @@ __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_gr
 // owns: (2t, 2t+1) then (2t+8, 2t+9). Codes<B> puts column 4n+c in nibble n of o[c].
 __device__ __forceinline__ int sel_col(int s, int i) { return 16 * (s >> 2) + (s & 3) + 4 * i; }
 
+// Selector s = 4h + r of a word as the mma's two k pairs: lo = the act values of columns
+// sel_col(s, 0..1), hi = sel_col(s, 2..3), from pr = the word's column pairs 8h..8h+7 (pair m
+// = columns 2m, 2m+1; column 16h + r + 4i is the low half of pair 8h + r/2 + 2i for even r).
+__device__ __forceinline__ void selector_pairs(const u32* pr, int r, u32& lo, u32& hi) {
+    const u32 sel = (r & 1) ? 0x7632u : 0x5410u;
+    lo = prmt(pr[r >> 1], pr[2 + (r >> 1)], sel);
+    hi = prmt(pr[4 + (r >> 1)], pr[6 + (r >> 1)], sel);
+}
+
 // The tiles regime's staging: one word's 32 activations v (4 16-byte chunks in column order,
 // i.e. column pairs (2m, 2m+1), m = 0..15) into the layout the mma slices read (see apl_gemv's
-// stage_split): chunk q holds selectors 2q and 2q+1 = low and high halves of pairs m0, m0+2,
-// m0+4, m0+6 with m0 = 8 (q >> 1) + (q & 1), stored at q ^ ((wl >> 1) & 3) of the word.
+// stage_split): chunk q holds selectors 2q and 2q+1 (lo, hi of each), stored at
+// q ^ ((wl >> 1) & 3) of the word.
 __device__ __forceinline__ void stage_word(const uint4 (&v)[4], u16* word, int wl) {
     const u32* pr = &v[0].x;
     uint4* dst = reinterpret_cast<uint4*>(word);
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
-        const int m0 = 8 * (q >> 1) + (q & 1);
-        dst[q ^ ((wl >> 1) & 3)] = make_uint4(prmt(pr[m0], pr[m0 + 2], 0x5410), prmt(pr[m0 + 4], pr[m0 + 6], 0x5410),
-                                              prmt(pr[m0], pr[m0 + 2], 0x7632), prmt(pr[m0 + 4], pr[m0 + 6], 0x7632));
+        uint4 d;
+        selector_pairs(pr + 8 * (q >> 1), 2 * (q & 1), d.x, d.y);
+        selector_pairs(pr + 8 * (q >> 1), 2 * (q & 1) + 1, d.z, d.w);
+        dst[q ^ ((wl >> 1) & 3)] = d;
     }
 }
 
@@ -1088,11 +1098,7 @@ __device__ __forceinline__ void gemv_cta(
                     const uint4 c1 = *reinterpret_cast<const uint4*>(src + ((2 * h + 1) ^ tw) * 8);
                     const u32 pr[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
 #pragma unroll
-                    for (int r = 0; r < 4; ++r) {
-                        const u32 sel = (r & 1) ? 0x7632u : 0x5410u;  // column 16h + r: high or low half
-                        lo[r][tw] = prmt(pr[r >> 1], pr[2 + (r >> 1)], sel);
-                        hi[r][tw] = prmt(pr[4 + (r >> 1)], pr[6 + (r >> 1)], sel);
-                    }
+                    for (int r = 0; r < 4; ++r) selector_pairs(pr, r, lo[r][tw], hi[r][tw]);
                 }
 #pragma unroll
                 for (int r = 0; r < 4; ++r) {
