@@ -11,10 +11,8 @@ timeout 120 python3 -m bench.apl_moe_kernel --tokens 1 4 16 --bits 3 4 5 6 8 mix
   --name apl_moe_kernel_widths > "$OUT/apl_moe_kernel_widths.log" 2>&1
 stamp "layer bench rc $?"; grep "T=" "$OUT/apl_moe_kernel_widths.log" | cut -c1-60,100-200
 cp bench/results/apl_moe_kernel_widths.json "$OUT/" 2>/dev/null
-timeout "${TEST_TIMEOUT_S:-230}" python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests \
-  --ignore=tests/kernels --ignore=tests/cli --ignore=tests/e2e --ignore=tests/gateway --ignore=tests/worker \
-  --ignore=tests/planner_service --ignore=tests/rpc --ignore=tests/fuzz --ignore=tests/test_prompt_residuals_online.py \
-  > "$OUT/gpu_paths_defaults.log" 2>&1
+PYTEST_ADDOPTS="-p no:cacheprovider -rfE --tb=short" timeout "${TEST_TIMEOUT_S:-230}" make test-gpu-paths \
+  > "$OUT/gpu_paths_defaults.log" 2>&1  # (the Makefile's selection, not a copy of its ignore list)
 stamp "test-gpu-paths rc $?"; tail -n 4 "$OUT/gpu_paths_defaults.log"
 left=$(( ${BUDGET_S:-540} - ($(date +%s) - t0) ))
 timeout "$left" python3 -m bench.real_shape --model qwen1.5-moe-a2.7b --modes graphs-overlap-prompts --skip hf pressure \

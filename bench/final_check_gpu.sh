@@ -13,8 +13,9 @@ run_tests() {  # name timeout pytest-args...
 }
 run_tests gpu_rest_tests "${REST_TIMEOUT_S:-230}" tests/kernels/test_apl_moe_gpu.py -k "gelu or activation_changes or \
   integer_pipe_knobs or register_lut or commit_moves or compact_decode or no_valid_expert or no_host_sync"
-run_tests gpu_paths_tests "${PATHS_TIMEOUT_S:-150}" tests --ignore=tests/kernels --ignore=tests/cli --ignore=tests/e2e \
-  --ignore=tests/gateway --ignore=tests/worker --ignore=tests/planner_service --ignore=tests/rpc --ignore=tests/fuzz \
-  --ignore=tests/test_prompt_residuals_online.py
+# (the Makefile's selection of the GPU tests outside tests/kernels, with run_tests' flags)
+PYTEST_ADDOPTS="-p no:cacheprovider -rfE --tb=short" timeout "${PATHS_TIMEOUT_S:-150}" make test-gpu-paths \
+  > "$OUT/gpu_paths_tests.log" 2>&1
+stamp "gpu_paths_tests rc $?"; grep -E "passed|failed|FAILED|Error" "$OUT/gpu_paths_tests.log" | tail -n 6
 run_tests gpu_tiles_default_tests "${TILES_TIMEOUT_S:-90}" tests/kernels/test_apl_moe_gpu.py -k "tiles_regime or \
   (kernel_matches_reference and (T40 or T100 or T200 or T64))"

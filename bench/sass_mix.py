@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import json
 import os
 import re
@@ -71,8 +72,9 @@ def step_loop_mixes(sass: str, tiles: int = 1) -> list[dict]:
     return out
 
 
+@functools.lru_cache(maxsize=None)
 def _kernels():
-    """The kernels package's apl_moe and module_source (kernels/ on the path, as for the tests)."""
+    """The kernels package's apl_moe and module_source (kernels/ put on the path once, as for the tests)."""
     sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "kernels")]
     from pagedweight_kernels import apl_moe
     from pagedweight_kernels.cuda_packages import module_source
