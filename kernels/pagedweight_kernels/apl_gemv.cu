@@ -88,6 +88,9 @@
 #define APL_TILES_WGMMA 1  // tiles regime with APL_TILES_ASYNC, compiled for sm_90a: one warpgroup wgmma per k16
 #endif                     // slice, A from the dequantised registers, B the staged tokens in shared memory (measured
                            // 1-18% faster at 4 bits, 7% mixed, -3%..+4% at 8 bits); 0 or another GPU: mma.sync
+#ifndef APL_GEMV_BATCHED_LOADS
+#define APL_GEMV_BATCHED_LOADS 1  // routing, the reductions and the tiles' cp.async issue read their inputs in batches
+#endif                            // (loads in flight together); 0: one round trip at a time, as before 2026-12-01
 #ifndef APL_TILES_GROUP
 #define APL_TILES_GROUP 4  // tiles regime: 8-token tiles whose mma chains interleave (activations in registers)
 #endif
@@ -285,16 +288,39 @@ struct Route { int expert, count, num_active; };
 __device__ __forceinline__ void route_mask(const long long* __restrict__ ids, int num_assign, int num_experts,
                                            u32* present, int* ticket, int* ticket_s) {
     const int tid = threadIdx.x;
+#if APL_GEMV_BATCHED_LOADS
+    // Rounds of 8 ids a thread, loaded together (the atomics kept each load of a one-id round
+    // behind the previous round's atomic: a round trip per 128 ids).
+    constexpr int U = 8;
+    long long e[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) e[u] = tid + u * GV_THREADS < num_assign ? ids[tid + u * GV_THREADS] : -1;
+#else
     const long long e0 = tid < num_assign ? ids[tid] : -1;
+#endif
     int tk = 0;
     if (ticket != nullptr && tid == 0) tk = atomicAdd(ticket, 1);
     if (tid < 32) present[tid] = 0u;
     __syncthreads();
+#if APL_GEMV_BATCHED_LOADS
+    for (int i0 = tid;; i0 += U * GV_THREADS) {
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+            if (e[u] >= 0 && e[u] < num_experts) atomicOr(&present[e[u] >> 5], 1u << (e[u] & 31));
+        if (i0 + U * GV_THREADS >= num_assign) break;
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int i = i0 + (U + u) * GV_THREADS;
+            e[u] = i < num_assign ? ids[i] : -1;
+        }
+    }
+#else
     if (e0 >= 0 && e0 < num_experts) atomicOr(&present[e0 >> 5], 1u << (e0 & 31));
     for (int i = tid + GV_THREADS; i < num_assign; i += GV_THREADS) {
         const long long e = ids[i];
         if (e >= 0 && e < num_experts) atomicOr(&present[e >> 5], 1u << (e & 31));
     }
+#endif
     if (ticket != nullptr && tid == 0) *ticket_s = tk;
     __syncthreads();
 }
@@ -325,6 +351,37 @@ __device__ __forceinline__ Route route_pick(const long long* __restrict__ ids, i
     r.expert = a < r.num_active ? scratch[0] : -1;
     r.count = 0;
     if (r.expert < 0) return r;
+#if APL_GEMV_BATCHED_LOADS
+    // Thread tid owns the ids [tid * R, tid * R + R), R = ceil(num_assign / 128) <= 32 (the host
+    // keeps num_assign <= GEMV_MAX_ASSIGN = 4096): its hits as a bitmask from loads issued 8 at
+    // a time, then one block-wide scan of the hit counts places its slots, in ascending order,
+    // the same list as the rounds below, which took a round trip and two barriers per 128 ids.
+    const int R = (num_assign + GV_THREADS - 1) / GV_THREADS, i0 = tid * R;
+    u32 hits = 0u;
+    for (int q0 = 0; q0 < R; q0 += 8) {
+        long long e[8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) e[u] = q0 + u < R && i0 + q0 + u < num_assign ? ids[i0 + q0 + u] : -1;
+#pragma unroll
+        for (int u = 0; u < 8; ++u)
+            if (e[u] == r.expert) hits |= 1u << (q0 + u);  // (r.expert >= 0: never an id past R)
+    }
+    const int own = __popc(hits);
+    int incl = own;
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+        const int n = __shfl_up_sync(0xffffffffu, incl, off);
+        if (lane >= off) incl += n;
+    }
+    if (lane == 31) scratch[2 + warp] = incl;  // (scratch[0..1] are only read past the barrier above)
+    __syncthreads();
+    int before = incl - own;
+    for (int w = 0; w < warp; ++w) before += scratch[2 + w];
+    for (u32 b = hits; b != 0u; b &= b - 1u) slots[before++] = i0 + __ffs(b) - 1;
+    r.count = scratch[2] + scratch[3] + scratch[4] + scratch[5];
+    __syncthreads();
+    return r;
+#else
     int base = 0;
     for (int i0 = 0; i0 < num_assign; i0 += GV_THREADS) {
         const int i = i0 + tid;
@@ -341,6 +398,7 @@ __device__ __forceinline__ Route route_pick(const long long* __restrict__ ids, i
     __syncthreads();
     r.count = base;
     return r;
+#endif
 }
 
 __device__ __forceinline__ Route route_cta(const long long* __restrict__ ids, int num_assign, int num_experts,
@@ -637,6 +695,9 @@ __device__ __forceinline__ void fence_registers(u32 (&r)[4]) {
 // Shared memory written by ordinary stores and read next by wgmma (the async proxy).
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
+// One step's B operand (16 k16 slices x 8 * NT8 tokens, bf16/fp16): bytes of one xs buffer.
+__host__ __device__ constexpr int wg_xs_buf_bytes(int nt8) { return 16 * nt8 * 256; }
+
 // The B operand's descriptor, no swizzle, K-major: 8-token x 16-byte core matrices of 128
 // contiguous bytes, the slice's second 8 k at +128 bytes (leading byte offset), the next 8
 // tokens at +256 (stride byte offset). Addresses and offsets in 16-byte units.
@@ -693,12 +754,13 @@ __device__ __forceinline__ void tiles_warp(const BlockRef& blk, u32 w0a, u32 w0b
                                            float (&acc)[NT8][4], StageChunk stage_chunk) {
     const int steps = (kw + GV_STEP_WORDS - 1) / GV_STEP_WORDS;
 #if APL_TILES_WGMMA && APL_TILES_ASYNC && APL_HAS_WGMMA
-    // One wgmma per k16 slice (stage_async's layout: slice 8 wi + s holds selector s of words
-    // 2t + wi, t = 0..3, of every pass token). A stage is one selector pair's 8 A registers and
-    // its two wgmma; one stage stays in flight while the next is dequantised. The step ends with
-    // every wgmma done, so the next staging may overwrite the slices.
-    const unsigned long long desc0 = wgmma_desc(shared_addr(xs));
-    auto compute = [&](const u32 (&buf)[2][2][8]) {
+    // One wgmma per k16 slice (issue_wg's layout, buffer step % 2: slice 8 wi + s holds
+    // selector s of words 2t + wi, t = 0..3, of every pass token). A stage is one selector pair's
+    // 8 A registers and its two wgmma; one stage stays in flight while the next is dequantised.
+    // The step ends with every wgmma done, so the copies of step + 2 may overwrite the buffer.
+    const unsigned long long desc_xs = wgmma_desc(shared_addr(xs));
+    auto compute = [&](const u32 (&buf)[2][2][8], int parity) {  // (a constant: the descriptors stay uniform)
+        const unsigned long long desc0 = desc_xs + (unsigned long long)(parity * (wg_xs_buf_bytes(NT8) >> 4));
         fence_accumulators(acc);
 #pragma unroll
         for (int wi = 0; wi < 2; ++wi) {
@@ -725,7 +787,7 @@ __device__ __forceinline__ void tiles_warp(const BlockRef& blk, u32 w0a, u32 w0b
     constexpr int TG_MAX = B >= 5 && APL_TILES_GROUP > 2 ? 2 : APL_TILES_GROUP;
     constexpr int TG = NT8 < TG_MAX ? NT8 : TG_MAX;
     const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
-    auto compute = [&](const u32 (&buf)[2][2][8]) {
+    auto compute = [&](const u32 (&buf)[2][2][8], int) {
 #pragma unroll
         for (int wi = 0; wi < 2; ++wi) {
             const int wl = 2 * t + wi;  // word within the staged step
@@ -767,11 +829,11 @@ __device__ __forceinline__ void tiles_warp(const BlockRef& blk, u32 w0a, u32 w0b
     for (int step = 0; step < steps; step += 2) {
         if (step + 1 < steps) load_step<B, V2>(blk, w0a, w0b, kw, step + 1, b1);
         stage_chunk(step);
-        compute(b0);
+        compute(b0, 0);  // (step is even: xs buffer 0 on wgmma)
         if (step + 1 >= steps) break;
         if (step + 2 < steps) load_step<B, V2>(blk, w0a, w0b, kw, step + 2, b0);
         stage_chunk(step + 1);
-        compute(b1);
+        compute(b1, 1);
     }
 }
 
@@ -872,9 +934,13 @@ __device__ __forceinline__ void gemv_cta(
     int* slots = reinterpret_cast<int*>(smem_raw);
     // +64 B: consecutive tokens alternate bank halves. The tiles regime stages one step.
     const int tstride = (NT8 == 1 ? split_words : GV_STEP_WORDS) * 32 + 32;
+    // WG (the tiles regime on wgmma): xs is two buffers of one step in the B layout, x's rows
+    // are padded to whole steps (see issue_wg).
+    constexpr bool WG = NT8 > 1 && APL_TILES_WGMMA && APL_TILES_ASYNC && APL_HAS_WGMMA;
+    const int x_stride = WG ? (cols + 255) & ~255 : cols;
     u16* xs = reinterpret_cast<u16*>(smem_raw + ((num_assign * 4 + 15) & ~15));
     // LUT rows of lut_entries u16, from a 512-byte boundary: each row is aligned to its size
-    const u32 lut_off = ((num_assign * 4 + 15) & ~15) + (stage_tokens + 1) * tstride * 2;
+    const u32 lut_off = ((num_assign * 4 + 15) & ~15) + (WG ? 2 * wg_xs_buf_bytes(NT8) : (stage_tokens + 1) * tstride * 2);
     const u32 lut_at = shared_addr(smem_raw) + lut_off;
     u16* lut_s = reinterpret_cast<u16*>(smem_raw + lut_off + (((lut_at + 511u) & ~511u) - lut_at));
 
@@ -1047,17 +1113,14 @@ __device__ __forceinline__ void gemv_cta(
         }
         __syncthreads();
     };
-    // APL_TILES_ASYNC: raw rows [token][word][4 chunks of 16 B] (chunk q at q ^ ((w >> 1) & 3)),
-    // after the LUT rows, then each pass token's row offset in x (the host adds 512 + 8 * NT8 *
-    // (512 + 4) bytes). Step s + 1 is copied in by cp.async while step s's mma run; at its turn
-    // it is reordered into xs (shared to shared). A thread copies chunk q = tid % 4 of word
+    // APL_TILES_ASYNC (mma.sync): raw rows [token][word][4 chunks of 16 B] (chunk q at q ^ ((w >> 1)
+    // & 3)), after the LUT rows, then each pass token's row offset in x (the host adds 512 + 8 *
+    // NT8 * (512 + 4) bytes). Step s + 1 is copied in by cp.async while step s's mma run; at its
+    // turn it is reordered into xs (shared to shared). A thread copies chunk q = tid % 4 of word
     // wl = tid / 4 % 8 of tokens tid / 32, + 4, + 8, ...
-    // WG (APL_TILES_WGMMA on sm_90a): raw rows padded to 528 bytes, so the wgmma staging's 8
-    // tokens per 8 threads read different banks.
-    constexpr bool WG = NT8 > 1 && APL_TILES_WGMMA && APL_TILES_ASYNC && APL_HAS_WGMMA;
-    constexpr int RAW_ROW = WG ? 264 : 256;  // u16 per token of raw
+    // WG: no raw rows (x comes in the B layout's column order, see issue_wg), only the offsets.
     u16* raw_s = lut_s + GV_ROWS * lut_entries;
-    int* rowoff_s = reinterpret_cast<int*>(raw_s + stage_tokens * RAW_ROW);
+    int* rowoff_s = reinterpret_cast<int*>(raw_s + (WG ? 0 : stage_tokens * 256));
     const int steps_k = (kw + GV_STEP_WORDS - 1) / GV_STEP_WORDS;
     const int cp_wl = (tid >> 2) & 7, cp_q = tid & 3;
     const u32 cp_dst = shared_addr(raw_s + cp_wl * 32 + (cp_q ^ ((cp_wl >> 1) & 3)) * 8);
@@ -1065,65 +1128,93 @@ __device__ __forceinline__ void gemv_cta(
         const int w = step * GV_STEP_WORDS + cp_wl;
         const bool ok = w < kw;  // words past the split: zeros
         const u16* src = x + (ok ? (c0w + w) * 32 + cp_q * 8 : 0);
+#if APL_GEMV_BATCHED_LOADS
+        // The row offsets of 4 tokens are read before their 4 copies issue (each copy's "memory"
+        // clobber kept the next token's shared read behind it: a shared round trip per token).
+        constexpr int WARPS = GV_THREADS / 32;
+        for (int i0 = tid >> 5; i0 < np; i0 += 4 * WARPS) {
+            int off[4];
+#pragma unroll
+            for (int u = 0; u < 4; ++u) off[u] = ok && i0 + u * WARPS < np ? rowoff_s[i0 + u * WARPS] : 0;
+#pragma unroll
+            for (int u = 0; u < 4; ++u)
+                if (i0 + u * WARPS < np) cp_async16(cp_dst + (i0 + u * WARPS) * 512, src + off[u], ok ? 16u : 0u);
+        }
+#else
         for (int i = tid >> 5; i < np; i += GV_THREADS / 32)
-            cp_async16(cp_dst + i * (2 * RAW_ROW), src + (ok ? rowoff_s[i] : 0), ok ? 16u : 0u);
+            cp_async16(cp_dst + i * 512, src + (ok ? rowoff_s[i] : 0), ok ? 16u : 0u);
+#endif
         cp_async_commit();
     };
+    // A pass's first step: each token's row offset in x (raw and rowoff_s are free: the previous
+    // pass issued its last copies before its last barrier).
+    auto pass_offsets = [&](int p0, int np) {
+        for (int i = tid; i < np; i += GV_THREADS) {
+            const int slot = slots[p0 + i];
+            rowoff_s[i] = (MODE == 0 ? slot / top_k : slot) * x_stride;  // < 2^31: checked by the host
+        }
+        __syncthreads();
+    };
     auto stage_async = [&](int p0, int np, int step) {
-        if (step == 0) {  // a pass's first step (raw and rowoff_s are free: see below)
-            for (int i = tid; i < np; i += GV_THREADS) {
-                const int slot = slots[p0 + i];
-                rowoff_s[i] = (MODE == 0 ? slot / top_k : slot) * cols;  // < 2^31: checked by the host
-            }
-            __syncthreads();
+        if (step == 0) {
+            pass_offsets(p0, np);
             issue_step(np, 0);
         }
         cp_async_wait<0>();
         __syncthreads();  // raw holds this step for every thread; the previous mma are done with xs
-        if constexpr (WG) {
-            // The wgmma B layout: slice 8 wi + s (s = 0..7) of token n is 16 k values, k 2t, 2t+1
-            // = columns sel_col(s, 0..1) of word 2t + wi (t = 0..3) and k 2t+8, 2t+9 = sel_col(s,
-            // 2..3): [slice][token / 8][k half][token % 8][16 bytes]. An item (n, wi, h) reads
-            // the column pairs 8h..8h+7 of its 4 words (raw chunks 2h, 2h+1) and writes the 4
-            // slices of selectors 4h..4h+3. Tokens past the pass are not written: their columns
-            // of the product are never read.
-            for (int idx = tid; idx < ((np + 7) & ~7) * 4; idx += GV_THREADS) {
-                const int n = (idx & 7) | ((idx >> 5) << 3), wi = (idx >> 3) & 1, h = (idx >> 4) & 1;
-                if (n >= np) continue;
-                u32 lo[4][4], hi[4][4];  // [selector 4h + r][t]
+        for (int idx = tid; idx < (np + 1) * GV_STEP_WORDS; idx += GV_THREADS) {
+            const int i = idx / GV_STEP_WORDS, wl = idx % GV_STEP_WORDS;
+            uint4 v[4];
 #pragma unroll
-                for (int tw = 0; tw < 4; ++tw) {
-                    const u16* src = raw_s + n * RAW_ROW + (2 * tw + wi) * 32;  // chunk q at q ^ tw
-                    const uint4 c0 = *reinterpret_cast<const uint4*>(src + ((2 * h) ^ tw) * 8);
-                    const uint4 c1 = *reinterpret_cast<const uint4*>(src + ((2 * h + 1) ^ tw) * 8);
-                    const u32 pr[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
-#pragma unroll
-                    for (int r = 0; r < 4; ++r) selector_pairs(pr, r, lo[r][tw], hi[r][tw]);
-                }
-#pragma unroll
-                for (int r = 0; r < 4; ++r) {
-                    uint4* dst = reinterpret_cast<uint4*>(xs + (8 * wi + 4 * h + r) * NT8 * 128 + (n >> 3) * 128 + (n & 7) * 8);
-                    dst[0] = make_uint4(lo[r][0], lo[r][1], lo[r][2], lo[r][3]);
-                    dst[8] = make_uint4(hi[r][0], hi[r][1], hi[r][2], hi[r][3]);  // the second 8 k, +128 bytes
-                }
-            }
-            fence_proxy_async();  // the tensor cores read these stores next
-        } else {  // (braced: with `else for`, nvcc 13.0 dropped the barrier below from the WG instances)
-            for (int idx = tid; idx < (np + 1) * GV_STEP_WORDS; idx += GV_THREADS) {
-                const int i = idx / GV_STEP_WORDS, wl = idx % GV_STEP_WORDS;
-                uint4 v[4];
-#pragma unroll
-                for (int q = 0; q < 4; ++q)  // row np: the zero row
-                    v[q] = i < np ? *reinterpret_cast<const uint4*>(raw_s + i * RAW_ROW + wl * 32 + (q ^ ((wl >> 1) & 3)) * 8)
-                                  : make_uint4(0u, 0u, 0u, 0u);
-                stage_word(v, xs + i * tstride + wl * 32, wl);
-            }
+            for (int q = 0; q < 4; ++q)  // row np: the zero row
+                v[q] = i < np ? *reinterpret_cast<const uint4*>(raw_s + i * 256 + wl * 32 + (q ^ ((wl >> 1) & 3)) * 8)
+                              : make_uint4(0u, 0u, 0u, 0u);
+            stage_word(v, xs + i * tstride + wl * 32, wl);
         }
         __syncthreads();  // xs ready; every thread is done reading raw
         if (step + 1 < steps_k) issue_step(np, step + 1);
     };
+    // WG: x (gate_up: the layer input; down: h, which gate_up's epilogue writes so) comes with
+    // each step's 256 columns in the wgmma B layout's order, rows padded to whole steps (the
+    // host's wgmma_column_order): a token's step is 32 16-byte chunks, chunk 2 sl + half = k
+    // half `half` of slice sl, so cp.async puts them in place, into xs buffer step % 2, while
+    // step - 1 is multiplied; no reorder, no raw rows (the staging was 40% of the wgmma tiles
+    // loop's instructions). Tokens past the pass are not copied: their columns of the product
+    // are never read. Thread tid copies chunks c and c + 16 (c = tid / 8) of tokens tid % 8 + 8 j:
+    // the 8 lanes of a 128-byte store phase write 8 tokens' 16 bytes, different banks; a warp
+    // reads 64 contiguous bytes a token.
+    auto issue_wg = [&](int np, int step) {
+        const int n0 = tid & 7, c = tid >> 3;
+        const u32 dst = shared_addr(xs) + (u32)((step & 1) * wg_xs_buf_bytes(NT8)) + (c >> 1) * (NT8 * 256) + (c & 1) * 128 + n0 * 16;
+        const u16* src = x + (c0w + step * GV_STEP_WORDS) * 32 + c * 8;
+        constexpr u32 HIGH = 8 * NT8 * 256;  // chunk c + 16: slice + 8
+        for (int n = n0; n < np; n += 32) {  // tokens n, n + 8, n + 16, n + 24: offsets read first
+            int off[4];
+#pragma unroll
+            for (int u = 0; u < 4; ++u) off[u] = n + 8 * u < np ? rowoff_s[n + 8 * u] : 0;
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                if (n + 8 * u >= np) break;
+                const u32 d = dst + ((n >> 3) + u) * 256;
+                cp_async16(d, src + off[u], 16u);
+                cp_async16(d + HIGH, src + off[u] + 128, 16u);
+            }
+        }
+        cp_async_commit();
+    };
+    auto stage_wg = [&](int p0, int np, int step) {
+        if (step == 0) {
+            pass_offsets(p0, np);
+            issue_wg(np, 0);
+        }
+        cp_async_wait<0>();
+        fence_proxy_async();  // this thread's copies, read next by the tensor cores
+        __syncthreads();      // every copy of this step is in; every warp's wgmma of step - 1 are done
+        if (step + 1 < steps_k) issue_wg(np, step + 1);
+    };
     auto stage = [&](int p0, int np, int step) {
         if constexpr (NT8 == 1) stage_split(p0, np);
+        else if constexpr (WG) stage_wg(p0, np, step);
         else if constexpr (APL_TILES_ASYNC) stage_async(p0, np, step);
         else stage_step(p0, np, step);
     };
@@ -1205,10 +1296,72 @@ __device__ __forceinline__ void gemv_cta(
     } else {
         __syncthreads();
     }
+    // The reductions' partials come from L2. APL_GEMV_BATCHED_LOADS: a round holds U items of a
+    // thread and the partials of up to SU splits (gate_up) or PU (expert, split) pairs (down) of
+    // each, all loaded before any is summed (one L2 round trip per round, where every split of
+    // every item was one; the Nsight samples of the 256-token layers had up to 45% of a
+    // launch's warps waiting there). The sums run in the same order: the same bits.
+    constexpr int U = NT8 == 1 ? 1 : 4, SU = NT8 == 1 ? 8 : 4, PU = NT8 == 1 ? 8 : 4;
+    // WG: h is the down launch's x, so its rows are written padded to whole steps, each column
+    // at its B-layout position (issue_wg), and the last row tile also zeroes the padding.
+    const int h_stride = WG ? (rows_out + 255) & ~255 : rows_out;
+    auto h_col = [&](int c) -> int {
+        if constexpr (!WG) return c;
+        const int q = c & 255, wl = q >> 5, cc = q & 31;  // column cc = sel_col(s, i) of word wl
+        const int sel = 4 * (cc >> 4) + (cc & 3), i = (cc >> 2) & 3;
+        return (c & ~255) + (8 * (wl & 1) + sel) * 16 + (i >> 1) * 8 + 2 * (wl >> 1) + (i & 1);
+    };
+    const int h_cols = WG && bx == gx - 1 ? h_stride - r0 : rpc;  // columns of h this row tile writes
     if (MODE == 0) {
-        for (int idx = tid; idx < route.count * rpc; idx += GV_THREADS) {
-            const int i = idx / rpc, c = idx % rpc;
-            if (r0 + c >= rows_out) continue;
+#if APL_GEMV_BATCHED_LOADS
+        const int n_items = route.count * h_cols;
+        const long long split_stride = (long long)num_assign * rows_w;
+        for (int idx0 = tid; idx0 < n_items; idx0 += U * GV_THREADS) {
+            float gs[U], us[U];
+            const float* p[U];
+            bool ok[U];
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const int idx = idx0 + u * GV_THREADS, c = idx % h_cols;
+                ok[u] = idx < n_items && r0 + c < rows_out;  // (else padding, or past the layer)
+                p[u] = part + (long long)(ok[u] ? slots[idx / h_cols] : 0) * rows_w + r0 + c;
+                gs[u] = 0.f;
+                us[u] = 0.f;
+            }
+            for (int s0 = 0; s0 < splits; s0 += SU) {
+                float g[SU][U], v[SU][U];
+#pragma unroll
+                for (int s = 0; s < SU; ++s)
+#pragma unroll
+                    for (int u = 0; u < U; ++u) {
+                        const bool in = ok[u] && s0 + s < splits;
+                        g[s][u] = in ? __ldcg(p[u] + (s0 + s) * split_stride) : 0.f;
+                        v[s][u] = in ? __ldcg(p[u] + (s0 + s) * split_stride + rows_out) : 0.f;
+                    }
+#pragma unroll
+                for (int s = 0; s < SU; ++s)
+#pragma unroll
+                    for (int u = 0; u < U; ++u)
+                        if (s0 + s < splits) {
+                            gs[u] += g[s][u];
+                            us[u] += v[s][u];
+                        }
+            }
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const int idx = idx0 + u * GV_THREADS, c = r0 + idx % h_cols;
+                if (idx < n_items && c < h_stride)
+                    h_out[(long long)slots[idx / h_cols] * h_stride + h_col(c)] =
+                        ok[u] ? float_to_act<BF16>(gate_act(gs[u]) * us[u]) : (u16)0;
+            }
+        }
+#else
+        for (int idx = tid; idx < route.count * h_cols; idx += GV_THREADS) {
+            const int i = idx / h_cols, c = idx % h_cols;
+            if (r0 + c >= rows_out) {
+                if (r0 + c < h_stride) h_out[(long long)slots[i] * h_stride + h_col(r0 + c)] = 0;  // WG padding
+                continue;
+            }
             const int slot = slots[i];
             float gs = 0.f, us = 0.f;
             for (int s = 0; s < splits; ++s) {
@@ -1216,14 +1369,71 @@ __device__ __forceinline__ void gemv_cta(
                 gs += __ldcg(p + r0 + c);
                 us += __ldcg(p + rows_out + r0 + c);
             }
-            h_out[(long long)slot * rows_out + r0 + c] = float_to_act<BF16>(gate_act(gs) * us);
+            h_out[(long long)slot * h_stride + h_col(r0 + c)] = float_to_act<BF16>(gate_act(gs) * us);
         }
+#endif
         if constexpr (FUSED) {  // h of this row tile is complete: release it to the down CTAs
             __threadfence();
             __syncthreads();
             if (tid == 0) st_release_gpu(ready + by * gx + bx, 1);
         }
     } else {
+        auto weight_of = [&](int slot) {
+            return w_kind == 0 ? reinterpret_cast<const float*>(topk_w)[slot]
+                 : w_kind == 1 ? bf16_to_float(reinterpret_cast<const u16*>(topk_w)[slot])
+                               : half_to_float(reinterpret_cast<const u16*>(topk_w)[slot]);
+        };
+#if APL_GEMV_BATCHED_LOADS
+        // Pair q = (expert j, split s) in the order below (j outer): the partials of a slot with
+        // an invalid expert id are loaded too (the buffer holds every slot) and dropped unread.
+        const int n_items = num_tokens * rpc, pairs = top_k * splits;
+        for (int idx0 = tid; idx0 < n_items; idx0 += U * GV_THREADS) {
+            int tk[U], c[U];
+            bool ok[U];
+            float sum[U], v[U];
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const int idx = idx0 + u * GV_THREADS;
+                tk[u] = idx / rpc;
+                c[u] = idx % rpc;
+                ok[u] = idx < n_items && r0 + c[u] < rows_out;
+                sum[u] = 0.f;
+                v[u] = 0.f;
+            }
+            for (int q0 = 0; q0 < pairs; q0 += PU) {
+                long long e[PU][U];
+                float y[PU][U], wt[PU][U];
+#pragma unroll
+                for (int q = 0; q < PU; ++q) {
+                    const int j = (q0 + q) / splits, s = q0 + q - j * splits;
+#pragma unroll
+                    for (int u = 0; u < U; ++u) {
+                        const bool in = ok[u] && q0 + q < pairs;
+                        const int slot = tk[u] * top_k + j;
+                        e[q][u] = in ? topk_ids[slot] : -1;
+                        y[q][u] = in ? __ldcg(part + ((long long)s * num_assign + slot) * rows_w + r0 + c[u]) : 0.f;
+                        wt[q][u] = in ? weight_of(slot) : 0.f;
+                    }
+                }
+#pragma unroll
+                for (int q = 0; q < PU; ++q) {
+                    if (q0 + q >= pairs) break;
+                    const int j = (q0 + q) / splits, s = q0 + q - j * splits;
+#pragma unroll
+                    for (int u = 0; u < U; ++u) {
+                        v[u] += y[q][u];
+                        if (s == splits - 1) {  // expert j's partials summed
+                            if (e[q][u] >= 0 && e[q][u] < num_experts) sum[u] += wt[q][u] * v[u];
+                            v[u] = 0.f;
+                        }
+                    }
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < U; ++u)
+                if (ok[u]) out[(long long)tk[u] * rows_out + r0 + c[u]] = float_to_act<BF16>(sum[u]);
+        }
+#else
         for (int idx = tid; idx < num_tokens * rpc; idx += GV_THREADS) {
             const int tk = idx / rpc, c = idx % rpc;
             if (r0 + c >= rows_out) continue;
@@ -1234,13 +1444,11 @@ __device__ __forceinline__ void gemv_cta(
                 if (e < 0 || e >= num_experts) continue;
                 float v = 0.f;
                 for (int s = 0; s < splits; ++s) v += __ldcg(part + ((long long)s * num_assign + slot) * rows_w + r0 + c);
-                const float wt = w_kind == 0 ? reinterpret_cast<const float*>(topk_w)[slot]
-                               : w_kind == 1 ? bf16_to_float(reinterpret_cast<const u16*>(topk_w)[slot])
-                                             : half_to_float(reinterpret_cast<const u16*>(topk_w)[slot]);
-                sum += wt * v;
+                sum += weight_of(slot) * v;
             }
             out[(long long)tk * rows_out + r0 + c] = float_to_act<BF16>(sum);
         }
+#endif
     }
 }
 

@@ -265,7 +265,8 @@ def test_compact_decode_loop_equals_ping_pong(case, bits, monkeypatch):
 # merges with their shifts by IMAD), APL_PRMT_SELECT (the 4-bit top-bit select by PRMT),
 # APL_SHIFT_MODE (5-8-bit LUT offsets by IMAD.HI), APL_GEMV_ACQREL (one acq_rel atomic instead
 # of fences), APL_GEMV_STAGE16 (decode activations by 16-byte loads), APL_GEMV_LUT16 (aligned
-# register-LUT rows by 16-byte loads). All flipped from their defaults at once (the FMA shifts on at 3 bits for a 3-bit
+# register-LUT rows by 16-byte loads), APL_GEMV_BATCHED_LOADS (routing, reductions and the tiles'
+# copies with their loads in flight together). All flipped from their defaults at once (the FMA shifts on at 3 bits for a 3-bit
 # layer, off at every width otherwise), the output equals the defaults' bit for bit in every
 # regime and class: decode at 3, 4, 5, 8 bits and mixed, column splits, Qwen size, tiles,
 # prefill, legacy decode.
@@ -279,7 +280,8 @@ def _flipped_knobs(bits):
 
     fma_from = op.KERNEL_DEFINES["APL_FMA_SHIFTS_MIN_BITS"]
     flipped = {k: 1 - op.KERNEL_DEFINES[k]
-               for k in ("APL_PRMT_SELECT", "APL_SHIFT_MODE", "APL_GEMV_ACQREL", "APL_GEMV_STAGE16", "APL_GEMV_LUT16")}
+               for k in ("APL_PRMT_SELECT", "APL_SHIFT_MODE", "APL_GEMV_ACQREL", "APL_GEMV_STAGE16", "APL_GEMV_LUT16",
+                         "APL_GEMV_BATCHED_LOADS")}
     flipped["APL_FMA_SHIFTS_MIN_BITS"] = 3 if bits == 3 and fma_from > 3 else 9 if fma_from <= 8 else 3
     return flipped
 
