@@ -9,8 +9,11 @@
 . "$(dirname "$0")/device_call.sh"
 export PAGEDWEIGHT_KERNEL_CACHE=/tmp/kcache/arch CUPY_CACHE_DIR=/tmp/kcache/cupy
 [ -f kernel_cache/kernel_cache.tgz ] && mkdir -p /tmp/kcache && tar xzf kernel_cache/kernel_cache.tgz -C /tmp/kcache
+# bf16 instances first, in threads (the tests compile one at a time otherwise)
+python3 -c "import torch; from pagedweight_kernels.apl_moe import precompile; print('precompiled', precompile(torch.bfloat16, max_workers=16))"
+stamp "precompile rc $?"
 PAGEDWEIGHT_TEST_PRECOMPILE=0 timeout "${TEST_TIMEOUT_S:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short -x \
-  tests/kernels/test_apl_tiles_wgmma_gpu.py tests/kernels/test_apl_moe_gpu.py \
+  ${TEST_FILES:-tests/kernels/test_apl_tiles_wgmma_gpu.py tests/kernels/test_apl_moe_gpu.py} \
   -k "${TEST_K:-tiles or knobs or kernel_matches_reference or uniform_width_layers or no_host_sync}" > "$OUT/gpu_inplace_tests.log" 2>&1
 rc=$?; stamp "tests rc $rc"; tail -n 30 "$OUT/gpu_inplace_tests.log" | grep -v "^$" | tail -n 25
 [ "$rc" = 0 ] || exit 1

@@ -695,8 +695,11 @@ __device__ __forceinline__ void fence_registers(u32 (&r)[4]) {
 // Shared memory written by ordinary stores and read next by wgmma (the async proxy).
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
-// One step's B operand (16 k16 slices x 8 * NT8 tokens, bf16/fp16): bytes of one xs buffer.
-__host__ __device__ constexpr int wg_xs_buf_bytes(int nt8) { return 16 * nt8 * 256; }
+// One k16 slice of the B operand: NT8 groups of 8 tokens x 2 k halves x 128 bytes, and 16 bytes
+// more, so slice sl + 1's core matrices start one bank group after slice sl's (issue_wg's
+// copies of one token's 16 slices then fall in different banks); one xs buffer: a step's 16.
+__host__ __device__ constexpr int wg_slice_bytes(int nt8) { return nt8 * 256 + 16; }
+__host__ __device__ constexpr int wg_xs_buf_bytes(int nt8) { return 16 * wg_slice_bytes(nt8); }
 
 // The B operand's descriptor, no swizzle, K-major: 8-token x 16-byte core matrices of 128
 // contiguous bytes, the slice's second 8 k at +128 bytes (leading byte offset), the next 8
@@ -773,8 +776,9 @@ __device__ __forceinline__ void tiles_warp(const BlockRef& blk, u32 w0a, u32 w0b
                 fence_registers(wa);  // A is complete before the fence
                 fence_registers(wb);
                 wgmma_fence();
-                wgmma_rs<NT8, BF16>(acc, wa[0], wb[0], wa[1], wb[1], desc0 + (unsigned long long)((8 * wi + s) * NT8 * 16));
-                wgmma_rs<NT8, BF16>(acc, wa[2], wb[2], wa[3], wb[3], desc0 + (unsigned long long)((8 * wi + s + 4) * NT8 * 16));
+                constexpr int SLICE = wg_slice_bytes(NT8) >> 4;  // (descriptor addresses in 16-byte units)
+                wgmma_rs<NT8, BF16>(acc, wa[0], wb[0], wa[1], wb[1], desc0 + (unsigned long long)((8 * wi + s) * SLICE));
+                wgmma_rs<NT8, BF16>(acc, wa[2], wb[2], wa[3], wb[3], desc0 + (unsigned long long)((8 * wi + s + 4) * SLICE));
                 wgmma_commit();
                 wgmma_wait<1>();
             }
@@ -1176,28 +1180,33 @@ __device__ __forceinline__ void gemv_cta(
     };
     // WG: x (gate_up: the layer input; down: h, which gate_up's epilogue writes so) comes with
     // each step's 256 columns in the wgmma B layout's order, rows padded to whole steps (the
-    // host's wgmma_column_order): a token's step is 32 16-byte chunks, chunk 2 sl + half = k
-    // half `half` of slice sl, so cp.async puts them in place, into xs buffer step % 2, while
-    // step - 1 is multiplied; no reorder, no raw rows (the staging was 40% of the wgmma tiles
-    // loop's instructions). Tokens past the pass are not copied: their columns of the product
-    // are never read. Thread tid copies chunks c and c + 16 (c = tid / 8) of tokens tid % 8 + 8 j:
-    // the 8 lanes of a 128-byte store phase write 8 tokens' 16 bytes, different banks; a warp
-    // reads 64 contiguous bytes a token.
+    // host's wgmma_column_order): a token's step is 2 k halves x 16 slices x 16 bytes, the chunk
+    // (half, slice) being k 8 half..8 half + 7 of that slice, so cp.async puts the chunks in
+    // place, into xs buffer step % 2, while step - 1 is multiplied: no reorder, no raw rows (the
+    // reorder was 40% of the wgmma tiles loop's instructions). A warp copies one k half of the
+    // token pair (n, n + 4), n % 8 < 4: lane l takes slice 4 (l / 8) + l % 4 of token n + 4
+    // ((l / 4) % 2), so each token's 256 bytes are read whole, and a store phase's 8 lanes write
+    // 8 different bank groups (wg_slice_bytes). Tokens past the pass are not copied: their
+    // columns of the product are never read.
     auto issue_wg = [&](int np, int step) {
-        const int n0 = tid & 7, c = tid >> 3;
-        const u32 dst = shared_addr(xs) + (u32)((step & 1) * wg_xs_buf_bytes(NT8)) + (c >> 1) * (NT8 * 256) + (c & 1) * 128 + n0 * 16;
-        const u16* src = x + (c0w + step * GV_STEP_WORDS) * 32 + c * 8;
-        constexpr u32 HIGH = 8 * NT8 * 256;  // chunk c + 16: slice + 8
-        for (int n = n0; n < np; n += 32) {  // tokens n, n + 8, n + 16, n + 24: offsets read first
+        const int sl = 4 * (lane >> 3) + (lane & 3), second = (lane >> 2) & 1;
+        const u32 dst = shared_addr(xs) + (u32)((step & 1) * wg_xs_buf_bytes(NT8) + sl * wg_slice_bytes(NT8) + second * 64);
+        const u16* src = x + (c0w + step * GV_STEP_WORDS) * 32 + sl * 8;
+        const int pairs = ((np + 7) >> 3) * 4;  // pair p: tokens 8 (p / 4) + p % 4 and + 4
+        for (int p0 = warp; p0 < pairs; p0 += 4 * (GV_THREADS / 32)) {  // 4 pairs: offsets read first
             int off[4];
 #pragma unroll
-            for (int u = 0; u < 4; ++u) off[u] = n + 8 * u < np ? rowoff_s[n + 8 * u] : 0;
+            for (int u = 0; u < 4; ++u) {
+                const int p = p0 + u * (GV_THREADS / 32), n = 8 * (p >> 2) + (p & 3) + 4 * second;
+                off[u] = p < pairs && n < np ? rowoff_s[n] : -1;
+            }
 #pragma unroll
             for (int u = 0; u < 4; ++u) {
-                if (n + 8 * u >= np) break;
-                const u32 d = dst + ((n >> 3) + u) * 256;
-                cp_async16(d, src + off[u], 16u);
-                cp_async16(d + HIGH, src + off[u] + 128, 16u);
+                const int p = p0 + u * (GV_THREADS / 32);
+                if (off[u] < 0) continue;
+                const u32 d = dst + (p >> 2) * 256 + (p & 3) * 16;
+                cp_async16(d, src + off[u], 16u);              // k 0..7 of the slice
+                cp_async16(d + 128, src + off[u] + 128, 16u);  // k 8..15
             }
         }
         cp_async_commit();
@@ -1309,7 +1318,7 @@ __device__ __forceinline__ void gemv_cta(
         if constexpr (!WG) return c;
         const int q = c & 255, wl = q >> 5, cc = q & 31;  // column cc = sel_col(s, i) of word wl
         const int sel = 4 * (cc >> 4) + (cc & 3), i = (cc >> 2) & 3;
-        return (c & ~255) + (8 * (wl & 1) + sel) * 16 + (i >> 1) * 8 + 2 * (wl >> 1) + (i & 1);
+        return (c & ~255) + (i >> 1) * 128 + (8 * (wl & 1) + sel) * 8 + 2 * (wl >> 1) + (i & 1);
     };
     const int h_cols = WG && bx == gx - 1 ? h_stride - r0 : rpc;  // columns of h this row tile writes
     if (MODE == 0) {

@@ -708,8 +708,8 @@ def _tiles_staged_bytes(tiles: int) -> int:
 
 def wgmma_staged_bytes(tiles: int) -> int:
     """The tiles regime on wgmma (the .cu's WG): two buffers of one step of the B operand, 16
-    k16 slices x 8 * tiles tokens x 16 values (wg_xs_buf_bytes)."""
-    return 2 * 16 * tiles * 256
+    k16 slices of 8 * tiles tokens x 16 values and 16 bytes (wg_xs_buf_bytes)."""
+    return 2 * 16 * (tiles * 256 + 16)
 
 
 WGMMA_STEP = GEMV_STEP_WORDS * 32  # columns a step of the wgmma staging copies in place
@@ -723,14 +723,14 @@ def wgmma_padded(cols: int) -> int:
 @lru_cache(maxsize=64)
 def wgmma_column_order(cols: int) -> torch.Tensor:
     """For each position of a row padded to whole steps (wgmma_padded), the column of x it
-    holds (>= cols: padding, zero): per step of 256 columns, position 16 sl + 8 half + 2 t + e
+    holds (>= cols: padding, zero): per step of 256 columns, position 128 half + 8 sl + 2 t + e
     is k 8 half + 2 t + e of the B operand's k16 slice sl = 8 wi + s, the column sel_col(s,
     2 half + e) = 16 (s / 4) + s % 4 + 4 (2 half + e) of the step's word 2 t + wi: the k order
-    the dequantised A fragments have (apl_gemv.cu's h_col writes h so). CPU int64; a copy per
-    device is cached by _wgmma_order_on."""
+    the dequantised A fragments have (apl_gemv.cu's issue_wg copies it in place; its h_col
+    writes h so). CPU int64; a copy per device is cached by _wgmma_order_on."""
     p = torch.arange(wgmma_padded(cols), dtype=torch.int64)
     q = p % WGMMA_STEP
-    sl, half, t, e = q // 16, (q // 8) % 2, (q // 2) % 4, q % 2
+    half, sl, t, e = q // 128, (q // 8) % 16, (q // 2) % 4, q % 2
     wi, s = sl // 8, sl % 8
     return p - q + (2 * t + wi) * 32 + 16 * (s // 4) + s % 4 + 4 * (2 * half + e)
 

@@ -211,15 +211,15 @@ def test_tiles_shared_memory_of_the_raw_rows_and_of_the_wgmma_buffers(monkeypatc
     staged = (64 + 1) * (8 * 32 + 32) * 2
     assert plan.tiles == 8 and plan.shared_bytes == 512 * 4 + staged
     wgmma_total = plan.shared_bytes + op.gemv_extra_shared(0, 0, tiles=8, wgmma=True)
-    assert wgmma_total == 512 * 4 + 2 * 16 * 8 * 256 + 512 + 64 * 4
+    assert wgmma_total == 512 * 4 + 2 * 16 * (8 * 256 + 16) + 512 + 64 * 4
     assert op.gemv_extra_shared(1, 64, tiles=2, wgmma=True) == \
-        op.GEMV_ROWS * 64 * 2 + 512 + 512 + 16 * 4 + 2 * 16 * 2 * 256 - 17 * 288 * 2
+        op.GEMV_ROWS * 64 * 2 + 512 + 512 + 16 * 4 + 2 * 16 * (2 * 256 + 16) - 17 * 288 * 2
     assert op.gemv_extra_shared(0, 0, tiles=1) == 0  # decode: no raw rows
     assert op.gemv_extra_shared(0, 0, tiles=1, wgmma=True) == 0
 
 
 def test_wgmma_column_order_is_the_dequantised_fragments_k_order():
-    """Each step of 256 columns: position 16 sl + 8 half + 2 t + e holds column sel_col(s,
+    """Each step of 256 columns: position 128 half + 8 sl + 2 t + e holds column sel_col(s,
     2 half + e) of word 2 t + wi (sl = 8 wi + s), the k order of the A fragments; a row is
     padded to whole steps with zeros; h_col in apl_gemv.cu is the inverse (spelled here too)."""
     import pagedweight_kernels.apl_moe as op
@@ -230,9 +230,10 @@ def test_wgmma_column_order_is_the_dequantised_fragments_k_order():
     order = op.wgmma_column_order(512).tolist()
     for p in (0, 1, 2, 7, 8, 15, 16, 130, 255, 256 + 77):
         step, q = divmod(p, 256)
-        sl, half, t, e = q // 16, (q // 8) % 2, (q // 2) % 4, q % 2
+        half, sl, t, e = q // 128, (q // 8) % 16, (q // 2) % 4, q % 2
         assert order[p] == 256 * step + 32 * (2 * t + sl // 8) + sel_col(sl % 8, 2 * half + e)
     assert order[:8] == [0, 4, 64, 68, 128, 132, 192, 196]  # slice 0, k 0..7: 2 columns of 4 words
+    assert order[128:136] == [8, 12, 72, 76, 136, 140, 200, 204]  # slice 0, k 8..15
     for cols in (32, 96, 256, 1408, 4096):
         padded = op.wgmma_padded(cols)
         assert padded % 256 == 0 and cols <= padded < cols + 256
@@ -242,7 +243,7 @@ def test_wgmma_column_order_is_the_dequantised_fragments_k_order():
         q = c & 255
         wl, cc = q >> 5, q & 31
         sel, i = 4 * (cc >> 4) + (cc & 3), (cc >> 2) & 3
-        return (c & ~255) + (8 * (wl & 1) + sel) * 16 + (i >> 1) * 8 + 2 * (wl >> 1) + (i & 1)
+        return (c & ~255) + (i >> 1) * 128 + (8 * (wl & 1) + sel) * 8 + 2 * (wl >> 1) + (i & 1)
 
     order = op.wgmma_column_order(1408).tolist()
     assert all(order[h_col(c)] == c for c in range(1408))
