@@ -695,12 +695,6 @@ __device__ __forceinline__ void fence_registers(u32 (&r)[4]) {
 // Shared memory written by ordinary stores and read next by wgmma (the async proxy).
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
-// One k16 slice of the B operand: NT8 groups of 8 tokens x 2 k halves x 128 bytes, and 16 bytes
-// more, so slice sl + 1's core matrices start one bank group after slice sl's (issue_wg's
-// copies of one token's 16 slices then fall in different banks); one xs buffer: a step's 16.
-__host__ __device__ constexpr int wg_slice_bytes(int nt8) { return nt8 * 256 + 16; }
-__host__ __device__ constexpr int wg_xs_buf_bytes(int nt8) { return 16 * wg_slice_bytes(nt8); }
-
 // The B operand's descriptor, no swizzle, K-major: 8-token x 16-byte core matrices of 128
 // contiguous bytes, the slice's second 8 k at +128 bytes (leading byte offset), the next 8
 // tokens at +256 (stride byte offset). Addresses and offsets in 16-byte units.
@@ -757,13 +751,12 @@ __device__ __forceinline__ void tiles_warp(const BlockRef& blk, u32 w0a, u32 w0b
                                            float (&acc)[NT8][4], StageChunk stage_chunk) {
     const int steps = (kw + GV_STEP_WORDS - 1) / GV_STEP_WORDS;
 #if APL_TILES_WGMMA && APL_TILES_ASYNC && APL_HAS_WGMMA
-    // One wgmma per k16 slice (issue_wg's layout, buffer step % 2: slice 8 wi + s holds
-    // selector s of words 2t + wi, t = 0..3, of every pass token). A stage is one selector pair's
-    // 8 A registers and its two wgmma; one stage stays in flight while the next is dequantised.
-    // The step ends with every wgmma done, so the copies of step + 2 may overwrite the buffer.
-    const unsigned long long desc_xs = wgmma_desc(shared_addr(xs));
-    auto compute = [&](const u32 (&buf)[2][2][8], int parity) {  // (a constant: the descriptors stay uniform)
-        const unsigned long long desc0 = desc_xs + (unsigned long long)(parity * (wg_xs_buf_bytes(NT8) >> 4));
+    // One wgmma per k16 slice (stage_async's layout: slice 8 wi + s holds selector s of words
+    // 2t + wi, t = 0..3, of every pass token). A stage is one selector pair's 8 A registers and
+    // its two wgmma; one stage stays in flight while the next is dequantised. The step ends with
+    // every wgmma done, so the next staging may overwrite the slices.
+    const unsigned long long desc0 = wgmma_desc(shared_addr(xs));
+    auto compute = [&](const u32 (&buf)[2][2][8]) {
         fence_accumulators(acc);
 #pragma unroll
         for (int wi = 0; wi < 2; ++wi) {
@@ -776,9 +769,8 @@ __device__ __forceinline__ void tiles_warp(const BlockRef& blk, u32 w0a, u32 w0b
                 fence_registers(wa);  // A is complete before the fence
                 fence_registers(wb);
                 wgmma_fence();
-                constexpr int SLICE = wg_slice_bytes(NT8) >> 4;  // (descriptor addresses in 16-byte units)
-                wgmma_rs<NT8, BF16>(acc, wa[0], wb[0], wa[1], wb[1], desc0 + (unsigned long long)((8 * wi + s) * SLICE));
-                wgmma_rs<NT8, BF16>(acc, wa[2], wb[2], wa[3], wb[3], desc0 + (unsigned long long)((8 * wi + s + 4) * SLICE));
+                wgmma_rs<NT8, BF16>(acc, wa[0], wb[0], wa[1], wb[1], desc0 + (unsigned long long)((8 * wi + s) * NT8 * 16));
+                wgmma_rs<NT8, BF16>(acc, wa[2], wb[2], wa[3], wb[3], desc0 + (unsigned long long)((8 * wi + s + 4) * NT8 * 16));
                 wgmma_commit();
                 wgmma_wait<1>();
             }
@@ -791,7 +783,7 @@ __device__ __forceinline__ void tiles_warp(const BlockRef& blk, u32 w0a, u32 w0b
     constexpr int TG_MAX = B >= 5 && APL_TILES_GROUP > 2 ? 2 : APL_TILES_GROUP;
     constexpr int TG = NT8 < TG_MAX ? NT8 : TG_MAX;
     const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
-    auto compute = [&](const u32 (&buf)[2][2][8], int) {
+    auto compute = [&](const u32 (&buf)[2][2][8]) {
 #pragma unroll
         for (int wi = 0; wi < 2; ++wi) {
             const int wl = 2 * t + wi;  // word within the staged step
@@ -833,11 +825,11 @@ __device__ __forceinline__ void tiles_warp(const BlockRef& blk, u32 w0a, u32 w0b
     for (int step = 0; step < steps; step += 2) {
         if (step + 1 < steps) load_step<B, V2>(blk, w0a, w0b, kw, step + 1, b1);
         stage_chunk(step);
-        compute(b0, 0);  // (step is even: xs buffer 0 on wgmma)
+        compute(b0);
         if (step + 1 >= steps) break;
         if (step + 2 < steps) load_step<B, V2>(blk, w0a, w0b, kw, step + 2, b0);
         stage_chunk(step + 1);
-        compute(b1, 1);
+        compute(b1);
     }
 }
 
@@ -938,13 +930,9 @@ __device__ __forceinline__ void gemv_cta(
     int* slots = reinterpret_cast<int*>(smem_raw);
     // +64 B: consecutive tokens alternate bank halves. The tiles regime stages one step.
     const int tstride = (NT8 == 1 ? split_words : GV_STEP_WORDS) * 32 + 32;
-    // WG (the tiles regime on wgmma): xs is two buffers of one step in the B layout, x's rows
-    // are padded to whole steps (see issue_wg).
-    constexpr bool WG = NT8 > 1 && APL_TILES_WGMMA && APL_TILES_ASYNC && APL_HAS_WGMMA;
-    const int x_stride = WG ? (cols + 255) & ~255 : cols;
     u16* xs = reinterpret_cast<u16*>(smem_raw + ((num_assign * 4 + 15) & ~15));
     // LUT rows of lut_entries u16, from a 512-byte boundary: each row is aligned to its size
-    const u32 lut_off = ((num_assign * 4 + 15) & ~15) + (WG ? 2 * wg_xs_buf_bytes(NT8) : (stage_tokens + 1) * tstride * 2);
+    const u32 lut_off = ((num_assign * 4 + 15) & ~15) + (stage_tokens + 1) * tstride * 2;
     const u32 lut_at = shared_addr(smem_raw) + lut_off;
     u16* lut_s = reinterpret_cast<u16*>(smem_raw + lut_off + (((lut_at + 511u) & ~511u) - lut_at));
 
@@ -1117,14 +1105,17 @@ __device__ __forceinline__ void gemv_cta(
         }
         __syncthreads();
     };
-    // APL_TILES_ASYNC (mma.sync): raw rows [token][word][4 chunks of 16 B] (chunk q at q ^ ((w >> 1)
-    // & 3)), after the LUT rows, then each pass token's row offset in x (the host adds 512 + 8 *
-    // NT8 * (512 + 4) bytes). Step s + 1 is copied in by cp.async while step s's mma run; at its
-    // turn it is reordered into xs (shared to shared). A thread copies chunk q = tid % 4 of word
+    // APL_TILES_ASYNC: raw rows [token][word][4 chunks of 16 B] (chunk q at q ^ ((w >> 1) & 3)),
+    // after the LUT rows, then each pass token's row offset in x (the host adds 512 + 8 * NT8 *
+    // (512 + 4) bytes). Step s + 1 is copied in by cp.async while step s's mma run; at its turn
+    // it is reordered into xs (shared to shared). A thread copies chunk q = tid % 4 of word
     // wl = tid / 4 % 8 of tokens tid / 32, + 4, + 8, ...
-    // WG: no raw rows (x comes in the B layout's column order, see issue_wg), only the offsets.
+    // WG (APL_TILES_WGMMA on sm_90a): raw rows padded to 528 bytes, so the wgmma staging's 8
+    // tokens per 8 threads read different banks.
+    constexpr bool WG = NT8 > 1 && APL_TILES_WGMMA && APL_TILES_ASYNC && APL_HAS_WGMMA;
+    constexpr int RAW_ROW = WG ? 264 : 256;  // u16 per token of raw
     u16* raw_s = lut_s + GV_ROWS * lut_entries;
-    int* rowoff_s = reinterpret_cast<int*>(raw_s + (WG ? 0 : stage_tokens * 256));
+    int* rowoff_s = reinterpret_cast<int*>(raw_s + stage_tokens * RAW_ROW);
     const int steps_k = (kw + GV_STEP_WORDS - 1) / GV_STEP_WORDS;
     const int cp_wl = (tid >> 2) & 7, cp_q = tid & 3;
     const u32 cp_dst = shared_addr(raw_s + cp_wl * 32 + (cp_q ^ ((cp_wl >> 1) & 3)) * 8);
@@ -1142,88 +1133,69 @@ __device__ __forceinline__ void gemv_cta(
             for (int u = 0; u < 4; ++u) off[u] = ok && i0 + u * WARPS < np ? rowoff_s[i0 + u * WARPS] : 0;
 #pragma unroll
             for (int u = 0; u < 4; ++u)
-                if (i0 + u * WARPS < np) cp_async16(cp_dst + (i0 + u * WARPS) * 512, src + off[u], ok ? 16u : 0u);
+                if (i0 + u * WARPS < np) cp_async16(cp_dst + (i0 + u * WARPS) * (2 * RAW_ROW), src + off[u], ok ? 16u : 0u);
         }
 #else
         for (int i = tid >> 5; i < np; i += GV_THREADS / 32)
-            cp_async16(cp_dst + i * 512, src + (ok ? rowoff_s[i] : 0), ok ? 16u : 0u);
+            cp_async16(cp_dst + i * (2 * RAW_ROW), src + (ok ? rowoff_s[i] : 0), ok ? 16u : 0u);
 #endif
         cp_async_commit();
     };
-    // A pass's first step: each token's row offset in x (raw and rowoff_s are free: the previous
-    // pass issued its last copies before its last barrier).
-    auto pass_offsets = [&](int p0, int np) {
-        for (int i = tid; i < np; i += GV_THREADS) {
-            const int slot = slots[p0 + i];
-            rowoff_s[i] = (MODE == 0 ? slot / top_k : slot) * x_stride;  // < 2^31: checked by the host
-        }
-        __syncthreads();
-    };
     auto stage_async = [&](int p0, int np, int step) {
-        if (step == 0) {
-            pass_offsets(p0, np);
+        if (step == 0) {  // a pass's first step (raw and rowoff_s are free: see below)
+            for (int i = tid; i < np; i += GV_THREADS) {
+                const int slot = slots[p0 + i];
+                rowoff_s[i] = (MODE == 0 ? slot / top_k : slot) * cols;  // < 2^31: checked by the host
+            }
+            __syncthreads();
             issue_step(np, 0);
         }
         cp_async_wait<0>();
         __syncthreads();  // raw holds this step for every thread; the previous mma are done with xs
-        for (int idx = tid; idx < (np + 1) * GV_STEP_WORDS; idx += GV_THREADS) {
-            const int i = idx / GV_STEP_WORDS, wl = idx % GV_STEP_WORDS;
-            uint4 v[4];
+        if constexpr (WG) {
+            // The wgmma B layout: slice 8 wi + s (s = 0..7) of token n is 16 k values, k 2t, 2t+1
+            // = columns sel_col(s, 0..1) of word 2t + wi (t = 0..3) and k 2t+8, 2t+9 = sel_col(s,
+            // 2..3): [slice][token / 8][k half][token % 8][16 bytes]. An item (n, wi, h) reads
+            // the column pairs 8h..8h+7 of its 4 words (raw chunks 2h, 2h+1) and writes the 4
+            // slices of selectors 4h..4h+3. Tokens past the pass are not written: their columns
+            // of the product are never read.
+            for (int idx = tid; idx < ((np + 7) & ~7) * 4; idx += GV_THREADS) {
+                const int n = (idx & 7) | ((idx >> 5) << 3), wi = (idx >> 3) & 1, h = (idx >> 4) & 1;
+                if (n >= np) continue;
+                u32 lo[4][4], hi[4][4];  // [selector 4h + r][t]
 #pragma unroll
-            for (int q = 0; q < 4; ++q)  // row np: the zero row
-                v[q] = i < np ? *reinterpret_cast<const uint4*>(raw_s + i * 256 + wl * 32 + (q ^ ((wl >> 1) & 3)) * 8)
-                              : make_uint4(0u, 0u, 0u, 0u);
-            stage_word(v, xs + i * tstride + wl * 32, wl);
+                for (int tw = 0; tw < 4; ++tw) {
+                    const u16* src = raw_s + n * RAW_ROW + (2 * tw + wi) * 32;  // chunk q at q ^ tw
+                    const uint4 c0 = *reinterpret_cast<const uint4*>(src + ((2 * h) ^ tw) * 8);
+                    const uint4 c1 = *reinterpret_cast<const uint4*>(src + ((2 * h + 1) ^ tw) * 8);
+                    const u32 pr[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
+#pragma unroll
+                    for (int r = 0; r < 4; ++r) selector_pairs(pr, r, lo[r][tw], hi[r][tw]);
+                }
+#pragma unroll
+                for (int r = 0; r < 4; ++r) {
+                    uint4* dst = reinterpret_cast<uint4*>(xs + (8 * wi + 4 * h + r) * NT8 * 128 + (n >> 3) * 128 + (n & 7) * 8);
+                    dst[0] = make_uint4(lo[r][0], lo[r][1], lo[r][2], lo[r][3]);
+                    dst[8] = make_uint4(hi[r][0], hi[r][1], hi[r][2], hi[r][3]);  // the second 8 k, +128 bytes
+                }
+            }
+            fence_proxy_async();  // the tensor cores read these stores next
+        } else {  // (braced: with `else for`, nvcc 13.0 dropped the barrier below from the WG instances)
+            for (int idx = tid; idx < (np + 1) * GV_STEP_WORDS; idx += GV_THREADS) {
+                const int i = idx / GV_STEP_WORDS, wl = idx % GV_STEP_WORDS;
+                uint4 v[4];
+#pragma unroll
+                for (int q = 0; q < 4; ++q)  // row np: the zero row
+                    v[q] = i < np ? *reinterpret_cast<const uint4*>(raw_s + i * RAW_ROW + wl * 32 + (q ^ ((wl >> 1) & 3)) * 8)
+                                  : make_uint4(0u, 0u, 0u, 0u);
+                stage_word(v, xs + i * tstride + wl * 32, wl);
+            }
         }
         __syncthreads();  // xs ready; every thread is done reading raw
         if (step + 1 < steps_k) issue_step(np, step + 1);
     };
-    // WG: x (gate_up: the layer input; down: h, which gate_up's epilogue writes so) comes with
-    // each step's 256 columns in the wgmma B layout's order, rows padded to whole steps (the
-    // host's wgmma_column_order): a token's step is 2 k halves x 16 slices x 16 bytes, the chunk
-    // (half, slice) being k 8 half..8 half + 7 of that slice, so cp.async puts the chunks in
-    // place, into xs buffer step % 2, while step - 1 is multiplied: no reorder, no raw rows (the
-    // reorder was 40% of the wgmma tiles loop's instructions). A warp copies one k half of the
-    // token pair (n, n + 4), n % 8 < 4: lane l takes slice 4 (l / 8) + l % 4 of token n + 4
-    // ((l / 4) % 2), so each token's 256 bytes are read whole, and a store phase's 8 lanes write
-    // 8 different bank groups (wg_slice_bytes). Tokens past the pass are not copied: their
-    // columns of the product are never read.
-    auto issue_wg = [&](int np, int step) {
-        const int sl = 4 * (lane >> 3) + (lane & 3), second = (lane >> 2) & 1;
-        const u32 dst = shared_addr(xs) + (u32)((step & 1) * wg_xs_buf_bytes(NT8) + sl * wg_slice_bytes(NT8) + second * 64);
-        const u16* src = x + (c0w + step * GV_STEP_WORDS) * 32 + sl * 8;
-        const int pairs = ((np + 7) >> 3) * 4;  // pair p: tokens 8 (p / 4) + p % 4 and + 4
-        for (int p0 = warp; p0 < pairs; p0 += 4 * (GV_THREADS / 32)) {  // 4 pairs: offsets read first
-            int off[4];
-#pragma unroll
-            for (int u = 0; u < 4; ++u) {
-                const int p = p0 + u * (GV_THREADS / 32), n = 8 * (p >> 2) + (p & 3) + 4 * second;
-                off[u] = p < pairs && n < np ? rowoff_s[n] : -1;
-            }
-#pragma unroll
-            for (int u = 0; u < 4; ++u) {
-                const int p = p0 + u * (GV_THREADS / 32);
-                if (off[u] < 0) continue;
-                const u32 d = dst + (p >> 2) * 256 + (p & 3) * 16;
-                cp_async16(d, src + off[u], 16u);              // k 0..7 of the slice
-                cp_async16(d + 128, src + off[u] + 128, 16u);  // k 8..15
-            }
-        }
-        cp_async_commit();
-    };
-    auto stage_wg = [&](int p0, int np, int step) {
-        if (step == 0) {
-            pass_offsets(p0, np);
-            issue_wg(np, 0);
-        }
-        cp_async_wait<0>();
-        fence_proxy_async();  // this thread's copies, read next by the tensor cores
-        __syncthreads();      // every copy of this step is in; every warp's wgmma of step - 1 are done
-        if (step + 1 < steps_k) issue_wg(np, step + 1);
-    };
     auto stage = [&](int p0, int np, int step) {
         if constexpr (NT8 == 1) stage_split(p0, np);
-        else if constexpr (WG) stage_wg(p0, np, step);
         else if constexpr (APL_TILES_ASYNC) stage_async(p0, np, step);
         else stage_step(p0, np, step);
     };
@@ -1307,23 +1279,13 @@ __device__ __forceinline__ void gemv_cta(
     }
     // The reductions' partials come from L2. APL_GEMV_BATCHED_LOADS: a round holds U items of a
     // thread and the partials of up to SU splits (gate_up) or PU (expert, split) pairs (down) of
-    // each, all loaded before any is summed (one L2 round trip per round, where every split of
-    // every item was one; the Nsight samples of the 256-token layers had up to 45% of a
+    // each, all loaded before any is summed: one L2 round trip per round, where every split of
+    // every item was one (the Nsight samples of the 256-token layers had up to 45% of a
     // launch's warps waiting there). The sums run in the same order: the same bits.
     constexpr int U = NT8 == 1 ? 1 : 4, SU = NT8 == 1 ? 8 : 4, PU = NT8 == 1 ? 8 : 4;
-    // WG: h is the down launch's x, so its rows are written padded to whole steps, each column
-    // at its B-layout position (issue_wg), and the last row tile also zeroes the padding.
-    const int h_stride = WG ? (rows_out + 255) & ~255 : rows_out;
-    auto h_col = [&](int c) -> int {
-        if constexpr (!WG) return c;
-        const int q = c & 255, wl = q >> 5, cc = q & 31;  // column cc = sel_col(s, i) of word wl
-        const int sel = 4 * (cc >> 4) + (cc & 3), i = (cc >> 2) & 3;
-        return (c & ~255) + (i >> 1) * 128 + (8 * (wl & 1) + sel) * 8 + 2 * (wl >> 1) + (i & 1);
-    };
-    const int h_cols = WG && bx == gx - 1 ? h_stride - r0 : rpc;  // columns of h this row tile writes
     if (MODE == 0) {
 #if APL_GEMV_BATCHED_LOADS
-        const int n_items = route.count * h_cols;
+        const int n_items = route.count * rpc;
         const long long split_stride = (long long)num_assign * rows_w;
         for (int idx0 = tid; idx0 < n_items; idx0 += U * GV_THREADS) {
             float gs[U], us[U];
@@ -1331,9 +1293,9 @@ __device__ __forceinline__ void gemv_cta(
             bool ok[U];
 #pragma unroll
             for (int u = 0; u < U; ++u) {
-                const int idx = idx0 + u * GV_THREADS, c = idx % h_cols;
-                ok[u] = idx < n_items && r0 + c < rows_out;  // (else padding, or past the layer)
-                p[u] = part + (long long)(ok[u] ? slots[idx / h_cols] : 0) * rows_w + r0 + c;
+                const int idx = idx0 + u * GV_THREADS, c = idx % rpc;
+                ok[u] = idx < n_items && r0 + c < rows_out;
+                p[u] = part + (long long)(ok[u] ? slots[idx / rpc] : 0) * rows_w + r0 + c;
                 gs[u] = 0.f;
                 us[u] = 0.f;
             }
@@ -1358,19 +1320,15 @@ __device__ __forceinline__ void gemv_cta(
             }
 #pragma unroll
             for (int u = 0; u < U; ++u) {
-                const int idx = idx0 + u * GV_THREADS, c = r0 + idx % h_cols;
-                if (idx < n_items && c < h_stride)
-                    h_out[(long long)slots[idx / h_cols] * h_stride + h_col(c)] =
-                        ok[u] ? float_to_act<BF16>(gate_act(gs[u]) * us[u]) : (u16)0;
+                const int idx = idx0 + u * GV_THREADS;
+                if (ok[u])
+                    h_out[(long long)slots[idx / rpc] * rows_out + r0 + idx % rpc] = float_to_act<BF16>(gate_act(gs[u]) * us[u]);
             }
         }
 #else
-        for (int idx = tid; idx < route.count * h_cols; idx += GV_THREADS) {
-            const int i = idx / h_cols, c = idx % h_cols;
-            if (r0 + c >= rows_out) {
-                if (r0 + c < h_stride) h_out[(long long)slots[i] * h_stride + h_col(r0 + c)] = 0;  // WG padding
-                continue;
-            }
+        for (int idx = tid; idx < route.count * rpc; idx += GV_THREADS) {
+            const int i = idx / rpc, c = idx % rpc;
+            if (r0 + c >= rows_out) continue;
             const int slot = slots[i];
             float gs = 0.f, us = 0.f;
             for (int s = 0; s < splits; ++s) {
@@ -1378,7 +1336,7 @@ __device__ __forceinline__ void gemv_cta(
                 gs += __ldcg(p + r0 + c);
                 us += __ldcg(p + rows_out + r0 + c);
             }
-            h_out[(long long)slot * h_stride + h_col(r0 + c)] = float_to_act<BF16>(gate_act(gs) * us);
+            h_out[(long long)slot * rows_out + r0 + c] = float_to_act<BF16>(gate_act(gs) * us);
         }
 #endif
         if constexpr (FUSED) {  // h of this row tile is complete: release it to the down CTAs

@@ -374,9 +374,9 @@ def plan_launch(num_tokens: int, top_k: int, num_experts: int, hidden: int, inte
     graph outlives bit moves; APLLayer.launch_signature), so no plan choice by max_bits."""
     per_expert = num_tokens * top_k / num_experts
     max_active = min(num_experts, num_tokens * top_k)
-    # (the tiles regime keeps each token's row offset in x / h, rows padded to whole steps on wgmma, as an int32)
+    # (the tiles regime keeps each token's row offset in x / h as an int32)
     fits_gemv = not legacy_decode and num_tokens * top_k <= GEMV_MAX_ASSIGN \
-        and num_tokens * top_k * (max(hidden, intermediate) + 256) < 2 ** 31
+        and num_tokens * top_k * max(hidden, intermediate) < 2 ** 31
     if fits_gemv and per_expert <= TILES_MAX_TOKENS_PER_EXPERT:
         nt8 = 1 if per_expert <= GEMV_MAX_TOKENS_PER_EXPERT else tiles_per_pass(per_expert)
         # Whole waves of GEMV_TARGET_CTAS hold for the register-LUT kernel only: the 5-8-bit
@@ -682,75 +682,20 @@ def launch_gemm(mode: int, plan: GemmPlan, desc, active, num_active, sorted_slot
 _WEIGHT_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
-def gemv_extra_shared(cls: int, lut_entries: int, tiles: int = 1, wgmma: bool = False) -> int:
+def gemv_extra_shared(cls: int, lut_entries: int, tiles: int = 1) -> int:
     """Shared bytes a decode launch adds to its plan: the 5-8-bit LUT rows (512-byte aligned);
     for the 3-4-bit decode kernel with APL_GEMV_RING_STAGES >= 2, its cp.async ring of 4 warps
     (not compiled in the tiles regime); in the tiles regime with APL_TILES_ASYNC, the raw
     activation rows of one step and each token's row offset (8 * tiles tokens x (512 + 4)
-    bytes, after the aligned LUT rows). wgmma (a tiles instance on wgmma, wgmma_instance): no
-    raw rows, and the plan's one staged step is two in the B layout (wgmma_staged_bytes)."""
+    bytes, after the aligned LUT rows; rows of 528 bytes with APL_TILES_WGMMA)."""
     extra = GEMV_ROWS * lut_entries * 2 + 512 if lut_entries else 0
-    if tiles > 1 and wgmma:
-        return extra + 512 + GEMV_TOKENS * tiles * 4 + wgmma_staged_bytes(tiles) - _tiles_staged_bytes(tiles)
     if tiles > 1 and KERNEL_DEFINES.get("APL_TILES_ASYNC", 0):
-        return extra + 512 + GEMV_TOKENS * tiles * (GEMV_STEP_WORDS * 64 + 4)
+        raw_row = GEMV_STEP_WORDS * 64 + (16 if KERNEL_DEFINES.get("APL_TILES_WGMMA", 0) else 0)  # the .cu's RAW_ROW
+        return extra + 512 + GEMV_TOKENS * tiles * (raw_row + 4)
     stages = KERNEL_DEFINES.get("APL_GEMV_RING_STAGES", 0)
     if cls == 0 and stages >= 2 and tiles == 1:
         extra = 512 + (GEMV_THREADS // 32) * stages * GEMV_RING_STAGE_BYTES
     return extra
-
-
-def _tiles_staged_bytes(tiles: int) -> int:
-    """The plan's staged activations in the tiles regime (_gemv_plan, the .cu's xs): one step of
-    8 * tiles tokens and the zero row, GEMV_STEP_WORDS * 32 + 32 values each."""
-    return (GEMV_TOKENS * tiles + 1) * (GEMV_STEP_WORDS * 32 + 32) * 2
-
-
-def wgmma_staged_bytes(tiles: int) -> int:
-    """The tiles regime on wgmma (the .cu's WG): two buffers of one step of the B operand, 16
-    k16 slices of 8 * tiles tokens x 16 values and 16 bytes (wg_xs_buf_bytes)."""
-    return 2 * 16 * (tiles * 256 + 16)
-
-
-WGMMA_STEP = GEMV_STEP_WORDS * 32  # columns a step of the wgmma staging copies in place
-
-
-def wgmma_padded(cols: int) -> int:
-    """A row of x or h as the tiles regime on wgmma reads it: whole steps."""
-    return -(-cols // WGMMA_STEP) * WGMMA_STEP
-
-
-@lru_cache(maxsize=64)
-def wgmma_column_order(cols: int) -> torch.Tensor:
-    """For each position of a row padded to whole steps (wgmma_padded), the column of x it
-    holds (>= cols: padding, zero): per step of 256 columns, position 128 half + 8 sl + 2 t + e
-    is k 8 half + 2 t + e of the B operand's k16 slice sl = 8 wi + s, the column sel_col(s,
-    2 half + e) = 16 (s / 4) + s % 4 + 4 (2 half + e) of the step's word 2 t + wi: the k order
-    the dequantised A fragments have (apl_gemv.cu's issue_wg copies it in place; its h_col
-    writes h so). CPU int64; a copy per device is cached by _wgmma_order_on."""
-    p = torch.arange(wgmma_padded(cols), dtype=torch.int64)
-    q = p % WGMMA_STEP
-    half, sl, t, e = q // 128, (q // 8) % 16, (q // 2) % 4, q % 2
-    wi, s = sl // 8, sl % 8
-    return p - q + (2 * t + wi) * 32 + 16 * (s // 4) + s % 4 + 4 * (2 * half + e)
-
-
-_WGMMA_ORDERS: dict[tuple[int, str], torch.Tensor] = {}
-
-
-def _wgmma_order_on(cols: int, device: torch.device) -> torch.Tensor:
-    key = (cols, str(device))
-    if key not in _WGMMA_ORDERS:  # (a host-to-device copy: first at a size, before any graph capture of it)
-        _WGMMA_ORDERS[key] = wgmma_column_order(cols).to(device)
-    return _WGMMA_ORDERS[key]
-
-
-def wgmma_columns(x: torch.Tensor) -> torch.Tensor:
-    """x [T, cols] as the tiles regime on wgmma reads it: [T, wgmma_padded(cols)], columns in
-    wgmma_column_order, zero padding."""
-    cols = x.shape[1]
-    padded = F.pad(x, (0, wgmma_padded(cols) - cols)) if cols % WGMMA_STEP else x
-    return torch.index_select(padded, 1, _wgmma_order_on(cols, x.device))
 
 
 def _class_launches(classes: dict[int, int]) -> list[tuple[int, int]]:
@@ -789,12 +734,8 @@ def _apl_moe_gemv(x, ids, topk_weights, layer: APLLayer, plan: LaunchPlan, out: 
     gu, dn = plan.gate_up, plan.down
     part_gu = torch.empty(gu.splits * num_assign * 2 * I, dtype=torch.float32, device=x.device)
     part_dn = torch.empty(dn.splits * num_assign * H, dtype=torch.float32, device=x.device)
+    h = torch.empty(num_assign, I, dtype=x.dtype, device=x.device)
     v2 = {m: "true" if layer.aligned8[m] else "false" for m in ("gate_up", "down")}
-    # The tiles regime on wgmma reads x and h with their columns in the B layout's order, rows
-    # padded to whole steps (gate_up writes h so): both projections' instances share the NT8.
-    wgmma = gu.tiles > 1 and wgmma_instance(_gemv_name(0, 0, flag, v2["gate_up"], gu.tiles), KERNEL_DEFINES)
-    h = torch.empty(num_assign, wgmma_padded(I) if wgmma else I, dtype=x.dtype, device=x.device)
-    x_in = wgmma_columns(x) if wgmma else x
     launches = {m: layer.decode_launches(m) for m in ("gate_up", "down")}
     fused = fused_class(launches, gu.tiles)
     if fused is not None:
@@ -809,16 +750,16 @@ def _apl_moe_gemv(x, ids, topk_weights, layer: APLLayer, plan: LaunchPlan, out: 
     for cls, widest in launches["gate_up"]:
         lut = 1 << widest if cls >= 1 else 0
         _launch(_gemv_name(cls, 0, flag, v2["gate_up"], gu.tiles), gu.grid,
-                (layer.gate_up_desc, ids, num_assign, k, E, x_in, I, H, gu.split_cols // 32, lut, gu.tokens,
+                (layer.gate_up_desc, ids, num_assign, k, E, x, I, H, gu.split_cols // 32, lut, gu.tokens,
                  part_gu, layer.counters, h, weights, w_kind, T, out, 0),
-                gu.shared_bytes + gemv_extra_shared(cls, lut, gu.tiles, wgmma), block=GEMV_THREADS,
+                gu.shared_bytes + gemv_extra_shared(cls, lut, gu.tiles), block=GEMV_THREADS,
                 activation=layer.activation)
     for i, (cls, widest) in enumerate(launches["down"]):
         lut = 1 << widest if cls >= 1 else 0
         _launch(_gemv_name(cls, 1, flag, v2["down"], dn.tiles), dn.grid,
                 (layer.down_desc, ids, num_assign, k, E, h, H, I, dn.split_cols // 32, lut, dn.tokens,
                  part_dn, layer.counters, None, weights, w_kind, T, out, int(i == 0)),
-                dn.shared_bytes + gemv_extra_shared(cls, lut, dn.tiles, wgmma), block=GEMV_THREADS)
+                dn.shared_bytes + gemv_extra_shared(cls, lut, dn.tiles), block=GEMV_THREADS)
     return out
 
 

@@ -199,68 +199,18 @@ def test_a_layer_of_both_classes_takes_the_merged_kernel_once(monkeypatch):
     assert op._class_launches({0: 4, 1: 8}) == [(0, 4), (1, 8)]
 
 
-def test_tiles_shared_memory_of_the_raw_rows_and_of_the_wgmma_buffers(monkeypatch):
-    """The tiles regime's raw activation rows (APL_TILES_ASYNC on mma.sync): 512 bytes a
-    token plus its row offset, after the LUT rows. On wgmma: no raw rows, and the plan's one
-    staged step (with the zero row) becomes two B-layout buffers of 16 slices x 8 * NT8 tokens."""
+def test_tiles_shared_memory_pads_the_raw_rows_for_wgmma(monkeypatch):
+    """The tiles regime's raw activation rows (APL_TILES_ASYNC): 512 bytes a token, 528 with
+    APL_TILES_WGMMA (the .cu's RAW_ROW), plus each token's row offset, after the LUT rows."""
     import pagedweight_kernels.apl_moe as op
 
     monkeypatch.setitem(op.KERNEL_DEFINES, "APL_TILES_ASYNC", 1)
+    monkeypatch.setitem(op.KERNEL_DEFINES, "APL_TILES_WGMMA", 0)
     assert op.gemv_extra_shared(0, 0, tiles=8) == 512 + 64 * (512 + 4)
-    plan = op.plan_launch(256, 2, 8, 4096, 14336, 4).gate_up
-    staged = (64 + 1) * (8 * 32 + 32) * 2
-    assert plan.tiles == 8 and plan.shared_bytes == 512 * 4 + staged
-    wgmma_total = plan.shared_bytes + op.gemv_extra_shared(0, 0, tiles=8, wgmma=True)
-    assert wgmma_total == 512 * 4 + 2 * 16 * (8 * 256 + 16) + 512 + 64 * 4
-    assert op.gemv_extra_shared(1, 64, tiles=2, wgmma=True) == \
-        op.GEMV_ROWS * 64 * 2 + 512 + 512 + 16 * 4 + 2 * 16 * (2 * 256 + 16) - 17 * 288 * 2
+    monkeypatch.setitem(op.KERNEL_DEFINES, "APL_TILES_WGMMA", 1)
+    assert op.gemv_extra_shared(0, 0, tiles=8) == 512 + 64 * (528 + 4)
+    assert op.gemv_extra_shared(1, 64, tiles=2) == op.GEMV_ROWS * 64 * 2 + 512 + 512 + 16 * (528 + 4)
     assert op.gemv_extra_shared(0, 0, tiles=1) == 0  # decode: no raw rows
-    assert op.gemv_extra_shared(0, 0, tiles=1, wgmma=True) == 0
-
-
-def test_wgmma_column_order_is_the_dequantised_fragments_k_order():
-    """Each step of 256 columns: position 128 half + 8 sl + 2 t + e holds column sel_col(s,
-    2 half + e) of word 2 t + wi (sl = 8 wi + s), the k order of the A fragments; a row is
-    padded to whole steps with zeros; h_col in apl_gemv.cu is the inverse (spelled here too)."""
-    import pagedweight_kernels.apl_moe as op
-
-    def sel_col(s, i):
-        return 16 * (s >> 2) + (s & 3) + 4 * i
-
-    order = op.wgmma_column_order(512).tolist()
-    for p in (0, 1, 2, 7, 8, 15, 16, 130, 255, 256 + 77):
-        step, q = divmod(p, 256)
-        half, sl, t, e = q // 128, (q // 8) % 16, (q // 2) % 4, q % 2
-        assert order[p] == 256 * step + 32 * (2 * t + sl // 8) + sel_col(sl % 8, 2 * half + e)
-    assert order[:8] == [0, 4, 64, 68, 128, 132, 192, 196]  # slice 0, k 0..7: 2 columns of 4 words
-    assert order[128:136] == [8, 12, 72, 76, 136, 140, 200, 204]  # slice 0, k 8..15
-    for cols in (32, 96, 256, 1408, 4096):
-        padded = op.wgmma_padded(cols)
-        assert padded % 256 == 0 and cols <= padded < cols + 256
-        assert sorted(op.wgmma_column_order(cols).tolist()) == list(range(padded))
-
-    def h_col(c):  # apl_gemv.cu's inverse, as the gate_up epilogue writes h
-        q = c & 255
-        wl, cc = q >> 5, q & 31
-        sel, i = 4 * (cc >> 4) + (cc & 3), (cc >> 2) & 3
-        return (c & ~255) + (i >> 1) * 128 + (8 * (wl & 1) + sel) * 8 + 2 * (wl >> 1) + (i & 1)
-
-    order = op.wgmma_column_order(1408).tolist()
-    assert all(order[h_col(c)] == c for c in range(1408))
-
-
-def test_wgmma_columns_permutes_and_zero_pads_the_rows():
-    import pagedweight_kernels.apl_moe as op
-
-    x = torch.randn(5, 96, dtype=torch.bfloat16)
-    out = op.wgmma_columns(x)
-    assert out.shape == (5, 256) and out.is_contiguous()
-    order = op.wgmma_column_order(96)
-    for p in range(256):
-        col = int(order[p])
-        assert torch.equal(out[:, p], x[:, col] if col < 96 else torch.zeros(5, dtype=x.dtype))
-    x = torch.randn(3, 512)
-    assert torch.equal(op.wgmma_columns(x)[:, op.wgmma_column_order(512).argsort()], x)
 
 
 def test_only_tiles_instances_on_a_hopper_device_compile_for_wgmma(monkeypatch):
