@@ -285,47 +285,46 @@ struct Route { int expert, count, num_active; };
 // Phase 1, the experts with tokens as a bitmask in present[32]. The first round of ids is
 // loaded before the barrier that zeroes the mask, and in the fused kernel (ticket != null)
 // thread 0 takes the CTA's work ticket at the same time, so the two round trips overlap.
+// BATCH (the tiles regime with APL_GEMV_BATCHED_LOADS): rounds of 8 ids a thread, loaded
+// together (the atomics kept each load of a one-id round behind the previous round's atomic:
+// a round trip per 128 ids).
+template <bool BATCH>
 __device__ __forceinline__ void route_mask(const long long* __restrict__ ids, int num_assign, int num_experts,
                                            u32* present, int* ticket, int* ticket_s) {
     const int tid = threadIdx.x;
-#if APL_GEMV_BATCHED_LOADS
-    // Rounds of 8 ids a thread, loaded together (the atomics kept each load of a one-id round
-    // behind the previous round's atomic: a round trip per 128 ids).
-    constexpr int U = 8;
+    constexpr int U = BATCH ? 8 : 1;
     long long e[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) e[u] = tid + u * GV_THREADS < num_assign ? ids[tid + u * GV_THREADS] : -1;
-#else
-    const long long e0 = tid < num_assign ? ids[tid] : -1;
-#endif
     int tk = 0;
     if (ticket != nullptr && tid == 0) tk = atomicAdd(ticket, 1);
     if (tid < 32) present[tid] = 0u;
     __syncthreads();
-#if APL_GEMV_BATCHED_LOADS
-    for (int i0 = tid;; i0 += U * GV_THREADS) {
+    if constexpr (BATCH) {
+        for (int i0 = tid;; i0 += U * GV_THREADS) {
 #pragma unroll
-        for (int u = 0; u < U; ++u)
-            if (e[u] >= 0 && e[u] < num_experts) atomicOr(&present[e[u] >> 5], 1u << (e[u] & 31));
-        if (i0 + U * GV_THREADS >= num_assign) break;
+            for (int u = 0; u < U; ++u)
+                if (e[u] >= 0 && e[u] < num_experts) atomicOr(&present[e[u] >> 5], 1u << (e[u] & 31));
+            if (i0 + U * GV_THREADS >= num_assign) break;
 #pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const int i = i0 + (U + u) * GV_THREADS;
-            e[u] = i < num_assign ? ids[i] : -1;
+            for (int u = 0; u < U; ++u) {
+                const int i = i0 + (U + u) * GV_THREADS;
+                e[u] = i < num_assign ? ids[i] : -1;
+            }
+        }
+    } else {
+        if (e[0] >= 0 && e[0] < num_experts) atomicOr(&present[e[0] >> 5], 1u << (e[0] & 31));
+        for (int i = tid + GV_THREADS; i < num_assign; i += GV_THREADS) {
+            const long long e1 = ids[i];
+            if (e1 >= 0 && e1 < num_experts) atomicOr(&present[e1 >> 5], 1u << (e1 & 31));
         }
     }
-#else
-    if (e0 >= 0 && e0 < num_experts) atomicOr(&present[e0 >> 5], 1u << (e0 & 31));
-    for (int i = tid + GV_THREADS; i < num_assign; i += GV_THREADS) {
-        const long long e = ids[i];
-        if (e >= 0 && e < num_experts) atomicOr(&present[e >> 5], 1u << (e & 31));
-    }
-#endif
     if (ticket != nullptr && tid == 0) *ticket_s = tk;
     __syncthreads();
 }
 
 // Phase 2 (after route_mask): the a-th expert with tokens and its slots.
+template <bool BATCH>
 __device__ __forceinline__ Route route_pick(const long long* __restrict__ ids, int num_assign, int a, int* slots,
                                             const u32* present, int* scratch) {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -351,37 +350,37 @@ __device__ __forceinline__ Route route_pick(const long long* __restrict__ ids, i
     r.expert = a < r.num_active ? scratch[0] : -1;
     r.count = 0;
     if (r.expert < 0) return r;
-#if APL_GEMV_BATCHED_LOADS
-    // Thread tid owns the ids [tid * R, tid * R + R), R = ceil(num_assign / 128) <= 32 (the host
-    // keeps num_assign <= GEMV_MAX_ASSIGN = 4096): its hits as a bitmask from loads issued 8 at
-    // a time, then one block-wide scan of the hit counts places its slots, in ascending order,
-    // the same list as the rounds below, which took a round trip and two barriers per 128 ids.
-    const int R = (num_assign + GV_THREADS - 1) / GV_THREADS, i0 = tid * R;
-    u32 hits = 0u;
-    for (int q0 = 0; q0 < R; q0 += 8) {
-        long long e[8];
+    if constexpr (BATCH) {
+        // Thread tid owns the ids [tid * R, tid * R + R), R = ceil(num_assign / 128) <= 32 (the host
+        // keeps num_assign <= GEMV_MAX_ASSIGN = 4096): its hits as a bitmask from loads issued 8 at
+        // a time, then one block-wide scan of the hit counts places its slots, in ascending order,
+        // the same list as the rounds below, which took a round trip and two barriers per 128 ids.
+        const int R = (num_assign + GV_THREADS - 1) / GV_THREADS, i0 = tid * R;
+        u32 hits = 0u;
+        for (int q0 = 0; q0 < R; q0 += 8) {
+            long long e[8];
 #pragma unroll
-        for (int u = 0; u < 8; ++u) e[u] = q0 + u < R && i0 + q0 + u < num_assign ? ids[i0 + q0 + u] : -1;
+            for (int u = 0; u < 8; ++u) e[u] = q0 + u < R && i0 + q0 + u < num_assign ? ids[i0 + q0 + u] : -1;
 #pragma unroll
-        for (int u = 0; u < 8; ++u)
-            if (e[u] == r.expert) hits |= 1u << (q0 + u);  // (r.expert >= 0: never an id past R)
+            for (int u = 0; u < 8; ++u)
+                if (e[u] == r.expert) hits |= 1u << (q0 + u);  // (r.expert >= 0: never an id past R)
+        }
+        const int own = __popc(hits);
+        int incl = own;
+#pragma unroll
+        for (int off = 1; off < 32; off <<= 1) {
+            const int n = __shfl_up_sync(0xffffffffu, incl, off);
+            if (lane >= off) incl += n;
+        }
+        if (lane == 31) scratch[2 + warp] = incl;  // (scratch[0..1] are only read past the barrier above)
+        __syncthreads();
+        int before = incl - own;
+        for (int w = 0; w < warp; ++w) before += scratch[2 + w];
+        for (u32 b = hits; b != 0u; b &= b - 1u) slots[before++] = i0 + __ffs(b) - 1;
+        r.count = scratch[2] + scratch[3] + scratch[4] + scratch[5];
+        __syncthreads();
+        return r;
     }
-    const int own = __popc(hits);
-    int incl = own;
-#pragma unroll
-    for (int off = 1; off < 32; off <<= 1) {
-        const int n = __shfl_up_sync(0xffffffffu, incl, off);
-        if (lane >= off) incl += n;
-    }
-    if (lane == 31) scratch[2 + warp] = incl;  // (scratch[0..1] are only read past the barrier above)
-    __syncthreads();
-    int before = incl - own;
-    for (int w = 0; w < warp; ++w) before += scratch[2 + w];
-    for (u32 b = hits; b != 0u; b &= b - 1u) slots[before++] = i0 + __ffs(b) - 1;
-    r.count = scratch[2] + scratch[3] + scratch[4] + scratch[5];
-    __syncthreads();
-    return r;
-#else
     int base = 0;
     for (int i0 = 0; i0 < num_assign; i0 += GV_THREADS) {
         const int i = i0 + tid;
@@ -398,13 +397,13 @@ __device__ __forceinline__ Route route_pick(const long long* __restrict__ ids, i
     __syncthreads();
     r.count = base;
     return r;
-#endif
 }
 
+template <bool BATCH>
 __device__ __forceinline__ Route route_cta(const long long* __restrict__ ids, int num_assign, int num_experts,
                                            int a, int* slots, u32* present, int* scratch) {
-    route_mask(ids, num_assign, num_experts, present, nullptr, nullptr);
-    return route_pick(ids, num_assign, a, slots, present, scratch);
+    route_mask<BATCH>(ids, num_assign, num_experts, present, nullptr, nullptr);
+    return route_pick<BATCH>(ids, num_assign, a, slots, present, scratch);
 }
 
 // ---------------------------------------------------------------- the mainloop of one warp
@@ -936,8 +935,11 @@ __device__ __forceinline__ void gemv_cta(
     const u32 lut_at = shared_addr(smem_raw) + lut_off;
     u16* lut_s = reinterpret_cast<u16*>(smem_raw + lut_off + (((lut_at + 511u) & ~511u) - lut_at));
 
-    const Route route = FUSED ? route_pick(topk_ids, num_assign, by, slots, present, scratch)
-                              : route_cta(topk_ids, num_assign, num_experts, by, slots, present, scratch);
+    // APL_GEMV_BATCHED_LOADS in the tiles regime only: measured 2-29% faster there, and at
+    // decode (<= 128 ids, the epilogue's few items) 1-5% slower at Mixtral sizes (docs/kernel.md).
+    constexpr bool BATCH = APL_GEMV_BATCHED_LOADS && NT8 > 1;
+    const Route route = FUSED ? route_pick<false>(topk_ids, num_assign, by, slots, present, scratch)
+                              : route_cta<BATCH>(topk_ids, num_assign, num_experts, by, slots, present, scratch);
     if (MODE == 1 && zero_fill && route.num_active == 0 && by == 0 && z == 0) {
         for (int idx = tid; idx < num_tokens * rpc; idx += GV_THREADS)  // no valid expert id at all
             if (r0 + idx % rpc < rows_out) out[(long long)(idx / rpc) * rows_out + r0 + idx % rpc] = 0;
@@ -1282,63 +1284,63 @@ __device__ __forceinline__ void gemv_cta(
     // each, all loaded before any is summed: one L2 round trip per round, where every split of
     // every item was one (the Nsight samples of the 256-token layers had up to 45% of a
     // launch's warps waiting there). The sums run in the same order: the same bits.
-    constexpr int U = NT8 == 1 ? 1 : 4, SU = NT8 == 1 ? 8 : 4, PU = NT8 == 1 ? 8 : 4;
+    constexpr int U = 4, SU = 4, PU = 4;
     if (MODE == 0) {
-#if APL_GEMV_BATCHED_LOADS
-        const int n_items = route.count * rpc;
-        const long long split_stride = (long long)num_assign * rows_w;
-        for (int idx0 = tid; idx0 < n_items; idx0 += U * GV_THREADS) {
-            float gs[U], us[U];
-            const float* p[U];
-            bool ok[U];
+        if constexpr (BATCH) {
+            const int n_items = route.count * rpc;
+            const long long split_stride = (long long)num_assign * rows_w;
+            for (int idx0 = tid; idx0 < n_items; idx0 += U * GV_THREADS) {
+                float gs[U], us[U];
+                const float* p[U];
+                bool ok[U];
 #pragma unroll
-            for (int u = 0; u < U; ++u) {
-                const int idx = idx0 + u * GV_THREADS, c = idx % rpc;
-                ok[u] = idx < n_items && r0 + c < rows_out;
-                p[u] = part + (long long)(ok[u] ? slots[idx / rpc] : 0) * rows_w + r0 + c;
-                gs[u] = 0.f;
-                us[u] = 0.f;
-            }
-            for (int s0 = 0; s0 < splits; s0 += SU) {
-                float g[SU][U], v[SU][U];
+                for (int u = 0; u < U; ++u) {
+                    const int idx = idx0 + u * GV_THREADS, c = idx % rpc;
+                    ok[u] = idx < n_items && r0 + c < rows_out;
+                    p[u] = part + (long long)(ok[u] ? slots[idx / rpc] : 0) * rows_w + r0 + c;
+                    gs[u] = 0.f;
+                    us[u] = 0.f;
+                }
+                for (int s0 = 0; s0 < splits; s0 += SU) {
+                    float g[SU][U], v[SU][U];
 #pragma unroll
-                for (int s = 0; s < SU; ++s)
+                    for (int s = 0; s < SU; ++s)
 #pragma unroll
-                    for (int u = 0; u < U; ++u) {
-                        const bool in = ok[u] && s0 + s < splits;
-                        g[s][u] = in ? __ldcg(p[u] + (s0 + s) * split_stride) : 0.f;
-                        v[s][u] = in ? __ldcg(p[u] + (s0 + s) * split_stride + rows_out) : 0.f;
-                    }
-#pragma unroll
-                for (int s = 0; s < SU; ++s)
-#pragma unroll
-                    for (int u = 0; u < U; ++u)
-                        if (s0 + s < splits) {
-                            gs[u] += g[s][u];
-                            us[u] += v[s][u];
+                        for (int u = 0; u < U; ++u) {
+                            const bool in = ok[u] && s0 + s < splits;
+                            g[s][u] = in ? __ldcg(p[u] + (s0 + s) * split_stride) : 0.f;
+                            v[s][u] = in ? __ldcg(p[u] + (s0 + s) * split_stride + rows_out) : 0.f;
                         }
-            }
 #pragma unroll
-            for (int u = 0; u < U; ++u) {
-                const int idx = idx0 + u * GV_THREADS;
-                if (ok[u])
-                    h_out[(long long)slots[idx / rpc] * rows_out + r0 + idx % rpc] = float_to_act<BF16>(gate_act(gs[u]) * us[u]);
+                    for (int s = 0; s < SU; ++s)
+#pragma unroll
+                        for (int u = 0; u < U; ++u)
+                            if (s0 + s < splits) {
+                                gs[u] += g[s][u];
+                                us[u] += v[s][u];
+                            }
+                }
+#pragma unroll
+                for (int u = 0; u < U; ++u) {
+                    const int idx = idx0 + u * GV_THREADS;
+                    if (ok[u])
+                        h_out[(long long)slots[idx / rpc] * rows_out + r0 + idx % rpc] = float_to_act<BF16>(gate_act(gs[u]) * us[u]);
+                }
+            }
+        } else {
+            for (int idx = tid; idx < route.count * rpc; idx += GV_THREADS) {
+                const int i = idx / rpc, c = idx % rpc;
+                if (r0 + c >= rows_out) continue;
+                const int slot = slots[i];
+                float gs = 0.f, us = 0.f;
+                for (int s = 0; s < splits; ++s) {
+                    const float* p = part + ((long long)s * num_assign + slot) * rows_w;
+                    gs += __ldcg(p + r0 + c);
+                    us += __ldcg(p + rows_out + r0 + c);
+                }
+                h_out[(long long)slot * rows_out + r0 + c] = float_to_act<BF16>(gate_act(gs) * us);
             }
         }
-#else
-        for (int idx = tid; idx < route.count * rpc; idx += GV_THREADS) {
-            const int i = idx / rpc, c = idx % rpc;
-            if (r0 + c >= rows_out) continue;
-            const int slot = slots[i];
-            float gs = 0.f, us = 0.f;
-            for (int s = 0; s < splits; ++s) {
-                const float* p = part + ((long long)s * num_assign + slot) * rows_w;
-                gs += __ldcg(p + r0 + c);
-                us += __ldcg(p + rows_out + r0 + c);
-            }
-            h_out[(long long)slot * rows_out + r0 + c] = float_to_act<BF16>(gate_act(gs) * us);
-        }
-#endif
         if constexpr (FUSED) {  // h of this row tile is complete: release it to the down CTAs
             __threadfence();
             __syncthreads();
@@ -1350,72 +1352,72 @@ __device__ __forceinline__ void gemv_cta(
                  : w_kind == 1 ? bf16_to_float(reinterpret_cast<const u16*>(topk_w)[slot])
                                : half_to_float(reinterpret_cast<const u16*>(topk_w)[slot]);
         };
-#if APL_GEMV_BATCHED_LOADS
-        // Pair q = (expert j, split s) in the order below (j outer): the partials of a slot with
-        // an invalid expert id are loaded too (the buffer holds every slot) and dropped unread.
-        const int n_items = num_tokens * rpc, pairs = top_k * splits;
-        for (int idx0 = tid; idx0 < n_items; idx0 += U * GV_THREADS) {
-            int tk[U], c[U];
-            bool ok[U];
-            float sum[U], v[U];
+        if constexpr (BATCH) {
+            // Pair q = (expert j, split s) in the order below (j outer): the partials of a slot with
+            // an invalid expert id are loaded too (the buffer holds every slot) and dropped unread.
+            const int n_items = num_tokens * rpc, pairs = top_k * splits;
+            for (int idx0 = tid; idx0 < n_items; idx0 += U * GV_THREADS) {
+                int tk[U], c[U];
+                bool ok[U];
+                float sum[U], v[U];
 #pragma unroll
-            for (int u = 0; u < U; ++u) {
-                const int idx = idx0 + u * GV_THREADS;
-                tk[u] = idx / rpc;
-                c[u] = idx % rpc;
-                ok[u] = idx < n_items && r0 + c[u] < rows_out;
-                sum[u] = 0.f;
-                v[u] = 0.f;
-            }
-            for (int q0 = 0; q0 < pairs; q0 += PU) {
-                long long e[PU][U];
-                float y[PU][U], wt[PU][U];
-#pragma unroll
-                for (int q = 0; q < PU; ++q) {
-                    const int j = (q0 + q) / splits, s = q0 + q - j * splits;
-#pragma unroll
-                    for (int u = 0; u < U; ++u) {
-                        const bool in = ok[u] && q0 + q < pairs;
-                        const int slot = tk[u] * top_k + j;
-                        e[q][u] = in ? topk_ids[slot] : -1;
-                        y[q][u] = in ? __ldcg(part + ((long long)s * num_assign + slot) * rows_w + r0 + c[u]) : 0.f;
-                        wt[q][u] = in ? weight_of(slot) : 0.f;
-                    }
+                for (int u = 0; u < U; ++u) {
+                    const int idx = idx0 + u * GV_THREADS;
+                    tk[u] = idx / rpc;
+                    c[u] = idx % rpc;
+                    ok[u] = idx < n_items && r0 + c[u] < rows_out;
+                    sum[u] = 0.f;
+                    v[u] = 0.f;
                 }
+                for (int q0 = 0; q0 < pairs; q0 += PU) {
+                    long long e[PU][U];
+                    float y[PU][U], wt[PU][U];
 #pragma unroll
-                for (int q = 0; q < PU; ++q) {
-                    if (q0 + q >= pairs) break;
-                    const int j = (q0 + q) / splits, s = q0 + q - j * splits;
+                    for (int q = 0; q < PU; ++q) {
+                        const int j = (q0 + q) / splits, s = q0 + q - j * splits;
 #pragma unroll
-                    for (int u = 0; u < U; ++u) {
-                        v[u] += y[q][u];
-                        if (s == splits - 1) {  // expert j's partials summed
-                            if (e[q][u] >= 0 && e[q][u] < num_experts) sum[u] += wt[q][u] * v[u];
-                            v[u] = 0.f;
+                        for (int u = 0; u < U; ++u) {
+                            const bool in = ok[u] && q0 + q < pairs;
+                            const int slot = tk[u] * top_k + j;
+                            e[q][u] = in ? topk_ids[slot] : -1;
+                            y[q][u] = in ? __ldcg(part + ((long long)s * num_assign + slot) * rows_w + r0 + c[u]) : 0.f;
+                            wt[q][u] = in ? weight_of(slot) : 0.f;
+                        }
+                    }
+#pragma unroll
+                    for (int q = 0; q < PU; ++q) {
+                        if (q0 + q >= pairs) break;
+                        const int j = (q0 + q) / splits, s = q0 + q - j * splits;
+#pragma unroll
+                        for (int u = 0; u < U; ++u) {
+                            v[u] += y[q][u];
+                            if (s == splits - 1) {  // expert j's partials summed
+                                if (e[q][u] >= 0 && e[q][u] < num_experts) sum[u] += wt[q][u] * v[u];
+                                v[u] = 0.f;
+                            }
                         }
                     }
                 }
-            }
 #pragma unroll
-            for (int u = 0; u < U; ++u)
-                if (ok[u]) out[(long long)tk[u] * rows_out + r0 + c[u]] = float_to_act<BF16>(sum[u]);
-        }
-#else
-        for (int idx = tid; idx < num_tokens * rpc; idx += GV_THREADS) {
-            const int tk = idx / rpc, c = idx % rpc;
-            if (r0 + c >= rows_out) continue;
-            float sum = 0.f;
-            for (int j = 0; j < top_k; ++j) {
-                const int slot = tk * top_k + j;
-                const long long e = topk_ids[slot];
-                if (e < 0 || e >= num_experts) continue;
-                float v = 0.f;
-                for (int s = 0; s < splits; ++s) v += __ldcg(part + ((long long)s * num_assign + slot) * rows_w + r0 + c);
-                sum += weight_of(slot) * v;
+                for (int u = 0; u < U; ++u)
+                    if (ok[u]) out[(long long)tk[u] * rows_out + r0 + c[u]] = float_to_act<BF16>(sum[u]);
             }
-            out[(long long)tk * rows_out + r0 + c] = float_to_act<BF16>(sum);
+        } else {
+            for (int idx = tid; idx < num_tokens * rpc; idx += GV_THREADS) {
+                const int tk = idx / rpc, c = idx % rpc;
+                if (r0 + c >= rows_out) continue;
+                float sum = 0.f;
+                for (int j = 0; j < top_k; ++j) {
+                    const int slot = tk * top_k + j;
+                    const long long e = topk_ids[slot];
+                    if (e < 0 || e >= num_experts) continue;
+                    float v = 0.f;
+                    for (int s = 0; s < splits; ++s) v += __ldcg(part + ((long long)s * num_assign + slot) * rows_w + r0 + c);
+                    sum += weight_of(slot) * v;
+                }
+                out[(long long)tk * rows_out + r0 + c] = float_to_act<BF16>(sum);
+            }
         }
-#endif
     }
 }
 
@@ -1467,7 +1469,7 @@ __global__ void __launch_bounds__(GV_THREADS, APL_GEMV_MIN_BLOCKS) apl_gemv_fuse
     int* cnt_dn = cnt_gu + max_active * gx_gu;
     int* ready = cnt_dn + gx_dn;
     int* ctl = ready + max_active * gx_gu;
-    route_mask(topk_ids, num_assign, num_experts, present, ctl, &ticket_s);
+    route_mask<false>(topk_ids, num_assign, num_experts, present, ctl, &ticket_s);
     const int tk = ticket_s;
     if (tk < n_gu) {
         gemv_cta<CLS, 0, BF16, V2, 1, true>(gu_desc, topk_ids, num_assign, top_k, num_experts, x, inter, hidden,
