@@ -89,8 +89,9 @@
 #endif                     // slice, A from the dequantised registers, B the staged tokens in shared memory (measured
                            // 1-18% faster at 4 bits, 7% mixed, -3%..+4% at 8 bits); 0 or another GPU: mma.sync
 #ifndef APL_GEMV_BATCHED_LOADS
-#define APL_GEMV_BATCHED_LOADS 1  // routing, the reductions and the tiles' cp.async issue read their inputs in batches
-#endif                            // (loads in flight together); 0: one round trip at a time, as before 2026-12-01
+#define APL_GEMV_BATCHED_LOADS 1  // tiles regime: routing, the reductions and the cp.async issue read their inputs in
+#endif                            // batches, loads in flight together (measured 2-29% faster); 0, and decode: one round
+                                  // trip at a time (batched, decode was 1-5% slower at Mixtral sizes)
 #ifndef APL_TILES_GROUP
 #define APL_TILES_GROUP 4  // tiles regime: 8-token tiles whose mma chains interleave (activations in registers)
 #endif
