@@ -1,0 +1,73 @@
+"""Figure of the tiles regime (prefill sizes) against bf16 `torch._grouped_mm`: per shape,
+the fused kernel's time under each variant of an `apl_gemv_variants --tiles` result over the
+grouped time of an `apl_moe_kernel` result (both runs on the same machine kind; below 1 is
+faster than grouped), with the issue's targets (1.0 at 4 bits, 1.3 at 8 bits) drawn in.
+
+    .venv/bin/python -m bench.plot_prefill bench/results/apl_gemv_batched_tiles.json \\
+        bench/results/apl_moe_kernel_batched.json docs/prefill_vs_grouped.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+TARGETS = {"4": 1.0, "8": 1.3}  # issue 13: fused time / grouped time at most this
+
+
+def ratios(variants: dict, layer: dict) -> dict[str, dict[tuple[str, int, str], float]]:
+    """variant -> {(model, tokens, bits): fused us / grouped us} for the shapes both results hold."""
+    grouped = {(row["model"], row["tokens"]): row["bf16_grouped_us"] for row in layer["results"]
+               if row.get("bf16_grouped_us") == row.get("bf16_grouped_us")}  # (NaN: no grouped_mm)
+    out: dict[str, dict[tuple[str, int, str], float]] = {}
+    for row in variants["results"]:
+        g = grouped.get((row["model"], row["tokens"]))
+        if g:
+            out.setdefault(row["variant"], {})[(row["model"], row["tokens"], str(row["bits"]))] = row["us"] / g
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("variants", type=Path, help="an apl_gemv_variants --tiles JSON")
+    parser.add_argument("layer", type=Path, help="an apl_moe_kernel JSON with bf16_grouped_us")
+    parser.add_argument("out", type=Path, help="the PNG to write")
+    args = parser.parse_args(argv)
+    try:
+        data = ratios(json.loads(args.variants.read_text()), json.loads(args.layer.read_text()))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        print(f"plot_prefill: cannot read the results: {exc}", file=sys.stderr)
+        return 2
+    if not data:
+        print("plot_prefill: no shape is in both results", file=sys.stderr)
+        return 2
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shapes = sorted({s for v in data.values() for s in v}, key=lambda s: (s[0], s[1], s[2]))
+    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(shapes)), 4))
+    width = 0.8 / len(data)
+    for i, (variant, points) in enumerate(data.items()):
+        xs = [j + i * width for j, s in enumerate(shapes) if s in points]
+        ax.bar(xs, [points[s] for s in shapes if s in points], width, label=variant)
+    for j, (_, _, bits) in enumerate(shapes):
+        if bits in TARGETS:
+            ax.hlines(TARGETS[bits], j - 0.1, j + 0.9 - 0.1, colors="k", linestyles="dashed", linewidth=1)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(shapes))])
+    ax.set_xticklabels([f"{m.split('-')[0]}\n{t} tok, {b} b" for m, t, b in shapes], fontsize=7)
+    ax.set_ylabel("fused time / bf16 grouped_mm time")
+    ax.set_title("Tiles regime (H200) against bf16 grouped_mm; dashed: the issue's targets")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(args.out, dpi=120)
+    print(args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
