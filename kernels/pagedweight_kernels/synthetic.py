@@ -23,10 +23,13 @@ def nested_luts(lut8: torch.Tensor) -> dict[int, torch.Tensor]:
 
 def random_block(rows: int, cols: int, generator: torch.Generator, device="cpu") -> APLBlock:
     """Uniformly random codes (every plane a random byte array) and sorted random LUTs
-    scaled like a 1/sqrt(cols) initialisation."""
+    scaled like a 1/sqrt(cols) initialisation, drawn where the generator lives (a CUDA
+    generator draws a Qwen1.5-MoE-size layer in well under a second; the CPU one took ~22 s
+    on 2 cores, most of a GPU test's time) and then moved to `device`."""
     check_shape(rows, cols)
-    planes = torch.randint(0, 256, (8, rows, cols // 8), dtype=torch.uint8, generator=generator)
-    lut8 = torch.randn(rows, 256, generator=generator).sort(dim=1).values * cols ** -0.5
+    where = generator.device
+    planes = torch.randint(0, 256, (8, rows, cols // 8), dtype=torch.uint8, generator=generator, device=where)
+    lut8 = torch.randn(rows, 256, generator=generator, device=where).sort(dim=1).values * cols ** -0.5
     return APLBlock(rows, cols, planes.to(device), {b: t.to(device) for b, t in nested_luts(lut8).items()})
 
 
@@ -61,7 +64,7 @@ def mixed_bits(num_experts: int) -> dict[tuple[int, str], int]:
 
 def random_layer(num_experts, hidden, intermediate, seed=0, device="cpu", bits=None,
                  activation: str = "silu") -> APLLayer:
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(seed)  # (on a GPU: other draws than the CPU's, as deterministic)
     bits = bits or mixed_bits(num_experts)
     gate_up = [resident_block(random_block(2 * intermediate, hidden, gen, device), bits[(e, "gate_up")], device)
                for e in range(num_experts)]
