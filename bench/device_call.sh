@@ -3,6 +3,18 @@
 # absolute path, and `stamp` for the elapsed-seconds log lines.
 set -u
 export PYTHONPATH=.:services:kernels PYTHONUNBUFFERED=1 PAGEDWEIGHT_COMMIT=${CODE_COMMIT:-unknown}
+OUT_GIVEN=${OUT:+1}
 OUT=$(cd "${OUT:-bench/results}" && pwd)
 t0=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
+# Compiled kernels (compile_for_arch's cubins and cupy's cache) live under /tmp/kcache. A call
+# that carries kernel_cache/ (git-ignored: copy a previous call's $OUT/kernel_cache.tgz there
+# and name the folder in `carry`) starts with them, so a fresh machine compiles only what
+# changed since (entries are keyed by the source text); a call given an OUT leaves the cache
+# there as kernel_cache.tgz (5.4 MB after the tiles instances of both regimes, bf16).
+export PAGEDWEIGHT_KERNEL_CACHE=/tmp/kcache/arch CUPY_CACHE_DIR=/tmp/kcache/cupy
+mkdir -p /tmp/kcache
+[ -f kernel_cache/kernel_cache.tgz ] && tar xzf kernel_cache/kernel_cache.tgz -C /tmp/kcache
+if [ -n "$OUT_GIVEN" ]; then
+  trap 'tar czf "$OUT/kernel_cache.tgz" -C /tmp/kcache . 2> /dev/null' EXIT
+fi
