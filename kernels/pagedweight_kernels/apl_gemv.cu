@@ -92,6 +92,9 @@
 #define APL_GEMV_BATCHED_LOADS 1  // tiles regime: routing, the reductions and the cp.async issue read their inputs in
 #endif                            // batches, loads in flight together (measured 2-29% faster); 0, and decode: one round
                                   // trip at a time (batched, decode was 1-5% slower at Mixtral sizes)
+#ifndef APL_TILES_PAIR
+#define APL_TILES_PAIR 0  // tiles regime on wgmma: 1 = clusters of 2 CTAs (apl_gemv_pair), each staging half a step's
+#endif                    // activations into both CTAs' shared memory (DSMEM); not yet run on a GPU
 #ifndef APL_TILES_GROUP
 #define APL_TILES_GROUP 4  // tiles regime: 8-token tiles whose mma chains interleave (activations in registers)
 #endif
@@ -694,6 +697,26 @@ __device__ __forceinline__ void fence_registers(u32 (&r)[4]) {
 }
 // Shared memory written by ordinary stores and read next by wgmma (the async proxy).
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+// The cluster pair (APL_TILES_PAIR): the peer CTA's address of a shared-memory location, a
+// 16-byte store there, the same proxy fence for stores into either CTA, and a barrier over
+// both CTAs' threads (release / acquire: each CTA's stores are visible to the other after it).
+#if APL_HAS_WGMMA
+__device__ __forceinline__ u32 peer_shared(u32 addr, u32 peer) {
+    u32 r; asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(addr), "r"(peer)); return r;
+}
+__device__ __forceinline__ void st_cluster_v4(u32 addr, const uint4& v) {
+    asm volatile("st.shared::cluster.v4.u32 [%0], {%1, %2, %3, %4};" :: "r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+}
+__device__ __forceinline__ void fence_proxy_async_cluster() { asm volatile("fence.proxy.async.shared::cluster;" ::: "memory"); }
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+#else
+__device__ __forceinline__ u32 peer_shared(u32 addr, u32) { return addr; }
+__device__ __forceinline__ void st_cluster_v4(u32, const uint4&) {}
+__device__ __forceinline__ void fence_proxy_async_cluster() {}
+__device__ __forceinline__ void cluster_sync() { __syncthreads(); }
+#endif
 
 // The B operand's descriptor, no swizzle, K-major: 8-token x 16-byte core matrices of 128
 // contiguous bytes, the slice's second 8 k at +128 bytes (leading byte offset), the next 8
@@ -911,7 +934,7 @@ __device__ __forceinline__ void run_passes(const BlockRef& blk, u32 w0a, u32 w0b
 // first phase is done by the caller (route_mask); gate_up's last split of a row tile raises
 // ready[by * gx + bx] once h is written, and down waits for the flags of its split's h
 // columns (one gate_up row tile per h word) before staging h, read through L2 only.
-template <int CLS, int MODE, bool BF16, bool V2, int NT8, bool FUSED>
+template <int CLS, int MODE, bool BF16, bool V2, int NT8, bool FUSED, bool PAIR = false>
 __device__ __forceinline__ void gemv_cta(
     const long long* __restrict__ desc, const long long* __restrict__ topk_ids, int num_assign, int top_k,
     int num_experts, const u16* __restrict__ x, int rows_out, int cols, int split_words, int lut_entries,
@@ -1117,10 +1140,18 @@ __device__ __forceinline__ void gemv_cta(
     // tokens per 8 threads read different banks.
     constexpr bool WG = NT8 > 1 && APL_TILES_WGMMA && APL_TILES_ASYNC && APL_HAS_WGMMA;
     constexpr int RAW_ROW = WG ? 264 : 256;  // u16 per token of raw
+    // PAIR (apl_gemv_pair, a cluster of the row tiles 2k and 2k + 1: the same expert, split and
+    // passes): CTA `rank` copies and reorders only the words of parity wi = rank (16 threads a
+    // token, 8 tokens a round) and stores its slices into both CTAs' xs, so each does half a
+    // step's staging; the step's two barriers become cluster barriers.
+    static_assert(!PAIR || WG, "the cluster pair is built on the wgmma staging");
+    const int rank = PAIR ? (int)(blockIdx.x & 1) : 0;  // (the cluster is (2, 1, 1): rank = x % 2)
+    constexpr int CP_TOKENS = PAIR ? GV_THREADS / 16 : GV_THREADS / 32;  // tokens a round of copies
     u16* raw_s = lut_s + GV_ROWS * lut_entries;
     int* rowoff_s = reinterpret_cast<int*>(raw_s + stage_tokens * RAW_ROW);
     const int steps_k = (kw + GV_STEP_WORDS - 1) / GV_STEP_WORDS;
-    const int cp_wl = (tid >> 2) & 7, cp_q = tid & 3;
+    const int cp_wl = PAIR ? 2 * ((tid >> 2) & 3) + rank : (tid >> 2) & 7, cp_q = tid & 3;
+    const int cp_t0 = PAIR ? tid >> 4 : tid >> 5;  // this thread's first token
     const u32 cp_dst = shared_addr(raw_s + cp_wl * 32 + (cp_q ^ ((cp_wl >> 1) & 3)) * 8);
     auto issue_step = [&](int np, int step) {
         const int w = step * GV_STEP_WORDS + cp_wl;
@@ -1129,17 +1160,16 @@ __device__ __forceinline__ void gemv_cta(
 #if APL_GEMV_BATCHED_LOADS
         // The row offsets of 4 tokens are read before their 4 copies issue (each copy's "memory"
         // clobber kept the next token's shared read behind it: a shared round trip per token).
-        constexpr int WARPS = GV_THREADS / 32;
-        for (int i0 = tid >> 5; i0 < np; i0 += 4 * WARPS) {
+        for (int i0 = cp_t0; i0 < np; i0 += 4 * CP_TOKENS) {
             int off[4];
 #pragma unroll
-            for (int u = 0; u < 4; ++u) off[u] = ok && i0 + u * WARPS < np ? rowoff_s[i0 + u * WARPS] : 0;
+            for (int u = 0; u < 4; ++u) off[u] = ok && i0 + u * CP_TOKENS < np ? rowoff_s[i0 + u * CP_TOKENS] : 0;
 #pragma unroll
             for (int u = 0; u < 4; ++u)
-                if (i0 + u * WARPS < np) cp_async16(cp_dst + (i0 + u * WARPS) * (2 * RAW_ROW), src + off[u], ok ? 16u : 0u);
+                if (i0 + u * CP_TOKENS < np) cp_async16(cp_dst + (i0 + u * CP_TOKENS) * (2 * RAW_ROW), src + off[u], ok ? 16u : 0u);
         }
 #else
-        for (int i = tid >> 5; i < np; i += GV_THREADS / 32)
+        for (int i = cp_t0; i < np; i += CP_TOKENS)
             cp_async16(cp_dst + i * (2 * RAW_ROW), src + (ok ? rowoff_s[i] : 0), ok ? 16u : 0u);
 #endif
         cp_async_commit();
@@ -1154,7 +1184,9 @@ __device__ __forceinline__ void gemv_cta(
             issue_step(np, 0);
         }
         cp_async_wait<0>();
-        __syncthreads();  // raw holds this step for every thread; the previous mma are done with xs
+        // raw holds this step for every thread; the previous mma are done with xs (PAIR: with
+        // both CTAs' xs, which this CTA's stores reach; the first one also finds the peer started)
+        if constexpr (PAIR) cluster_sync(); else __syncthreads();
         if constexpr (WG) {
             // The wgmma B layout: slice 8 wi + s (s = 0..7) of token n is 16 k values, k 2t, 2t+1
             // = columns sel_col(s, 0..1) of word 2t + wi (t = 0..3) and k 2t+8, 2t+9 = sel_col(s,
@@ -1162,8 +1194,10 @@ __device__ __forceinline__ void gemv_cta(
             // the column pairs 8h..8h+7 of its 4 words (raw chunks 2h, 2h+1) and writes the 4
             // slices of selectors 4h..4h+3. Tokens past the pass are not written: their columns
             // of the product are never read.
-            for (int idx = tid; idx < ((np + 7) & ~7) * 4; idx += GV_THREADS) {
-                const int n = (idx & 7) | ((idx >> 5) << 3), wi = (idx >> 3) & 1, h = (idx >> 4) & 1;
+            // PAIR: items (n, h) of words wi = rank only.
+            for (int idx = tid; idx < ((np + 7) & ~7) * (PAIR ? 2 : 4); idx += GV_THREADS) {
+                const int n = PAIR ? (idx & 7) | ((idx >> 4) << 3) : (idx & 7) | ((idx >> 5) << 3);
+                const int wi = PAIR ? rank : (idx >> 3) & 1, h = PAIR ? (idx >> 3) & 1 : (idx >> 4) & 1;
                 if (n >= np) continue;
                 u32 lo[4][4], hi[4][4];  // [selector 4h + r][t]
 #pragma unroll
@@ -1178,11 +1212,19 @@ __device__ __forceinline__ void gemv_cta(
 #pragma unroll
                 for (int r = 0; r < 4; ++r) {
                     uint4* dst = reinterpret_cast<uint4*>(xs + (8 * wi + 4 * h + r) * NT8 * 128 + (n >> 3) * 128 + (n & 7) * 8);
-                    dst[0] = make_uint4(lo[r][0], lo[r][1], lo[r][2], lo[r][3]);
-                    dst[8] = make_uint4(hi[r][0], hi[r][1], hi[r][2], hi[r][3]);  // the second 8 k, +128 bytes
+                    const uint4 vlo = make_uint4(lo[r][0], lo[r][1], lo[r][2], lo[r][3]);
+                    const uint4 vhi = make_uint4(hi[r][0], hi[r][1], hi[r][2], hi[r][3]);
+                    dst[0] = vlo;
+                    dst[8] = vhi;  // the second 8 k, +128 bytes
+                    if constexpr (PAIR) {  // the same slices into the peer's xs
+                        const u32 remote = peer_shared(shared_addr(dst), (u32)(rank ^ 1));
+                        st_cluster_v4(remote, vlo);
+                        st_cluster_v4(remote + 128, vhi);
+                    }
                 }
             }
-            fence_proxy_async();  // the tensor cores read these stores next
+            // the tensor cores read these stores next (PAIR: both CTAs' tensor cores)
+            if constexpr (PAIR) fence_proxy_async_cluster(); else fence_proxy_async();
         } else {  // (braced: with `else for`, nvcc 13.0 dropped the barrier below from the WG instances)
             for (int idx = tid; idx < (np + 1) * GV_STEP_WORDS; idx += GV_THREADS) {
                 const int i = idx / GV_STEP_WORDS, wl = idx % GV_STEP_WORDS;
@@ -1194,7 +1236,7 @@ __device__ __forceinline__ void gemv_cta(
                 stage_word(v, xs + i * tstride + wl * 32, wl);
             }
         }
-        __syncthreads();  // xs ready; every thread is done reading raw
+        if constexpr (PAIR) cluster_sync(); else __syncthreads();  // xs ready; every thread is done reading raw
         if (step + 1 < steps_k) issue_step(np, step + 1);
     };
     auto stage = [&](int p0, int np, int step) {
@@ -1258,6 +1300,8 @@ __device__ __forceinline__ void gemv_cta(
         }
     }
 
+    // PAIR: the grid's row tiles are padded to even; the extra CTA only staged its peer's half.
+    if (PAIR && bx >= gx) return;
     // The last CTA to finish this tile's splits (MODE 0) or this row tile over every expert
     // and split (MODE 1) reduces the partials, in a fixed order.
     const int expected = MODE == 0 ? splits : route.num_active * splits;
@@ -1437,6 +1481,27 @@ __global__ void __launch_bounds__(GV_THREADS, NT8 == 1 ? APL_GEMV_MIN_BLOCKS : A
                                               w_kind, num_tokens, out, zero_fill, blockIdx.x, blockIdx.y, blockIdx.z,
                                               gridDim.z, gridDim.x, present, scratch, last_flag, nullptr);
 }
+
+#if APL_HAS_WGMMA
+// APL_TILES_PAIR: the tiles regime on wgmma in clusters of 2 CTAs (gemv_cta's PAIR), row tiles
+// 2k and 2k + 1 of one expert and split; the host pads the grid's row tiles to even.
+template <int CLS, int MODE, bool BF16, bool V2, int NT8>
+__global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(GV_THREADS, APL_TILES_MIN_BLOCKS) apl_gemv_pair(
+    const long long* __restrict__ desc, const long long* __restrict__ topk_ids, int num_assign, int top_k,
+    int num_experts, const u16* __restrict__ x, int rows_out, int cols, int split_words, int lut_entries,
+    int stage_tokens, float* __restrict__ part, int* __restrict__ counters, u16* __restrict__ h_out,
+    const void* __restrict__ topk_w, int w_kind, int num_tokens, u16* __restrict__ out, int zero_fill) {
+    __shared__ u32 present[32];
+    __shared__ int scratch[8];
+    __shared__ int last_flag;
+    constexpr int rpc = MODE == 0 ? GV_ROWS / 2 : GV_ROWS;
+    gemv_cta<CLS, MODE, BF16, V2, NT8, false, true>(desc, topk_ids, num_assign, top_k, num_experts, x, rows_out, cols,
+                                                    split_words, lut_entries, stage_tokens, part, counters, h_out,
+                                                    topk_w, w_kind, num_tokens, out, zero_fill, blockIdx.x, blockIdx.y,
+                                                    blockIdx.z, gridDim.z, (rows_out + rpc - 1) / rpc, present, scratch,
+                                                    last_flag, nullptr);
+}
+#endif
 
 // ---------------------------------------------------------------- decode in one launch
 // gate_up and down in one grid of n_gu + n_dn CTAs (the two launches' grids, flattened x

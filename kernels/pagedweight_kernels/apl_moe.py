@@ -87,7 +87,7 @@ KERNEL_DEFINES = {"APL_LDS_MODE": 1, "APL_RPG_DIV": 8, "APL_PREFETCH": 1, "APL_D
                   "APL_GEMV_L2_PREFETCH": 0, "APL_GEMV_RING_STAGES": 0, "APL_GEMV_PIPE": 2, "APL_GEMV_PIPE_EARLY": 0,
                   "APL_GEMV_COMPACT": 4, "APL_GEMV_ACQREL": 1, "APL_FMA_SHIFTS_MIN_BITS": 4, "APL_PRMT_SELECT": 0, "APL_GEMV_STAGE16": 1, "APL_GEMV_LUT16": 0,
                   "APL_TILES_MIN_BLOCKS": 2, "APL_TILES_GROUP": 4, "APL_TILES_ASYNC": 1, "APL_TILES_WGMMA": 1,
-                  "APL_GEMV_BATCHED_LOADS": 1}
+                  "APL_GEMV_BATCHED_LOADS": 1, "APL_TILES_PAIR": 0}
 
 
 def knob_overrides(text: str) -> dict[str, int]:
@@ -558,11 +558,12 @@ def instance_tiles(name: str) -> int:
 
 
 def wgmma_build(name: str, defines: dict[str, int]) -> bool:
-    """True where `name` is a tiles-regime instance (apl_gemv with NT8 > 1) whose wgmma path
-    the defines turn on (APL_TILES_WGMMA with APL_TILES_ASYNC): on a Hopper GPU it is compiled
-    for sm_90a (wgmma_instance; bench/sass_mix compiles it so for the H200 on any machine)."""
+    """True where `name` is a tiles-regime instance (apl_gemv with NT8 > 1, or its cluster pair
+    apl_gemv_pair) whose wgmma path the defines turn on (APL_TILES_WGMMA with APL_TILES_ASYNC):
+    on a Hopper GPU it is compiled for sm_90a (wgmma_instance; bench/sass_mix compiles it so for
+    the H200 on any machine)."""
     return (bool(defines.get("APL_TILES_WGMMA")) and bool(defines.get("APL_TILES_ASYNC"))
-            and name.startswith("apl_gemv<") and instance_tiles(name) > 1)
+            and name.startswith(("apl_gemv<", "apl_gemv_pair<")) and instance_tiles(name) > 1)
 
 
 def wgmma_instance(name: str, defines: dict[str, int]) -> bool:
@@ -573,6 +574,15 @@ def wgmma_instance(name: str, defines: dict[str, int]) -> bool:
 
 def _gemv_name(cls: int, mode: int, flag: str, aligned8: str, tiles: int = 1) -> str:
     return f"apl_gemv<{cls}, {mode}, {flag}, {aligned8}, {tiles}>"
+
+
+def tiles_launch(name: str, grid: tuple[int, int, int], wgmma: bool) -> tuple[str, tuple[int, int, int]]:
+    """The instance and grid a tiles launch takes: with APL_TILES_PAIR on a wgmma build, the
+    cluster pair (apl_gemv_pair: 2 CTAs of adjacent row tiles share the staging) over row tiles
+    padded to even; otherwise `name` and `grid` as they are."""
+    if not (wgmma and KERNEL_DEFINES.get("APL_TILES_PAIR") and instance_tiles(name) > 1):
+        return name, grid
+    return name.replace("apl_gemv<", "apl_gemv_pair<", 1), (grid[0] + grid[0] % 2, grid[1], grid[2])
 
 
 def _fused_name(cls: int, flag: str, aligned8: str) -> str:
@@ -618,6 +628,9 @@ def kernel_instances(dtype: torch.dtype, activation: str = "silu") -> list[tuple
         act = _mode_activation(mode, activation)
         names += [(_gemv_name(cls, mode, flag, v2, nt8), act)
                   for cls in (0, 1, 2) for v2 in ("true", "false") for nt8 in tiles_choices()]
+        if KERNEL_DEFINES.get("APL_TILES_PAIR") and wgmma_instance(_gemv_name(0, mode, flag, "true", 2), KERNEL_DEFINES):
+            names += [(tiles_launch(_gemv_name(cls, mode, flag, v2, nt8), (1, 1, 1), True)[0], act)
+                      for cls in (0, 1, 2) for v2 in ("true", "false") for nt8 in tiles_choices() if nt8 > 1]
         names += [(_prefill_name(tile, mode, flag), act) for tile in tiles]
     if GEMV_FUSED:  # (off by default: then no start-up time is spent compiling it)
         names += [(_fused_name(cls, flag, v2), activation) for cls in FUSED_CLASSES for v2 in ("true", "false")]
@@ -747,16 +760,17 @@ def _apl_moe_gemv(x, ids, topk_weights, layer: APLLayer, plan: LaunchPlan, out: 
                  weights, w_kind, T, out),
                 shared, block=GEMV_THREADS, activation=layer.activation)
         return out
+    wgmma = gu.tiles > 1 and wgmma_instance(_gemv_name(0, 0, flag, v2["gate_up"], gu.tiles), KERNEL_DEFINES)
     for cls, widest in launches["gate_up"]:
         lut = 1 << widest if cls >= 1 else 0
-        _launch(_gemv_name(cls, 0, flag, v2["gate_up"], gu.tiles), gu.grid,
+        _launch(*tiles_launch(_gemv_name(cls, 0, flag, v2["gate_up"], gu.tiles), gu.grid, wgmma),
                 (layer.gate_up_desc, ids, num_assign, k, E, x, I, H, gu.split_cols // 32, lut, gu.tokens,
                  part_gu, layer.counters, h, weights, w_kind, T, out, 0),
                 gu.shared_bytes + gemv_extra_shared(cls, lut, gu.tiles), block=GEMV_THREADS,
                 activation=layer.activation)
     for i, (cls, widest) in enumerate(launches["down"]):
         lut = 1 << widest if cls >= 1 else 0
-        _launch(_gemv_name(cls, 1, flag, v2["down"], dn.tiles), dn.grid,
+        _launch(*tiles_launch(_gemv_name(cls, 1, flag, v2["down"], dn.tiles), dn.grid, wgmma),
                 (layer.down_desc, ids, num_assign, k, E, h, H, I, dn.split_cols // 32, lut, dn.tokens,
                  part_dn, layer.counters, None, weights, w_kind, T, out, int(i == 0)),
                 dn.shared_bytes + gemv_extra_shared(cls, lut, dn.tiles), block=GEMV_THREADS)

@@ -425,3 +425,22 @@ def test_knob_overrides_read_names_and_integers_and_refuse_anything_else():
     for bad in ("APL_NO_SUCH_KNOB=1", "APL_GEMV_ACQREL", "APL_GEMV_ACQREL=yes", "APL_GEMV_ACQREL="):
         with pytest.raises(ValueError, match="APL_KERNEL_DEFINES"):
             op.knob_overrides(bad)
+
+
+def test_tiles_launch_takes_the_cluster_pair_only_on_wgmma_with_the_knob(monkeypatch):
+    """APL_TILES_PAIR: tiles instances on a wgmma build launch as apl_gemv_pair over row tiles
+    padded to even (a cluster is 2 adjacent row tiles); decode and mma.sync launch unchanged."""
+    import pagedweight_kernels.apl_moe as op
+
+    tiles, decode = "apl_gemv<0, 0, true, true, 8>", "apl_gemv<0, 0, true, true, 1>"
+    monkeypatch.setitem(op.KERNEL_DEFINES, "APL_TILES_PAIR", 0)
+    assert op.tiles_launch(tiles, (7, 8, 1), True) == (tiles, (7, 8, 1))
+    monkeypatch.setitem(op.KERNEL_DEFINES, "APL_TILES_PAIR", 1)
+    assert op.tiles_launch(tiles, (7, 8, 2), True) == ("apl_gemv_pair<0, 0, true, true, 8>", (8, 8, 2))
+    assert op.tiles_launch(tiles, (448, 8, 1), True) == ("apl_gemv_pair<0, 0, true, true, 8>", (448, 8, 1))
+    assert op.tiles_launch(tiles, (7, 8, 1), False) == (tiles, (7, 8, 1))  # mma.sync: no clusters
+    assert op.tiles_launch(decode, (7, 8, 1), True) == (decode, (7, 8, 1))
+    assert op.wgmma_build("apl_gemv_pair<0, 0, true, true, 8>", op.KERNEL_DEFINES)
+    assert op.instance_tiles("apl_gemv_pair<2, 1, false, true, 4>") == 4
+    # no Hopper device here: no pair instance among those to precompile
+    assert not any(name.startswith("apl_gemv_pair") for name, _ in op.kernel_instances(torch.bfloat16))

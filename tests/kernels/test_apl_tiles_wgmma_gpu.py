@@ -64,3 +64,23 @@ def test_wgmma_tiles_no_host_sync(wgmma):
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert relative_error(out, reference_fp32(x, ids, w, layer)) < TOLERANCE[torch.bfloat16]
+
+
+# APL_TILES_PAIR (apl_gemv_pair, not yet run on a GPU when written): clusters of 2 CTAs that
+# each stage half a step into both CTAs' shared memory. The B operand and the wgmma sequence are
+# those of one CTA staging alone, so the output must be the same bit for bit: every tiles case
+# (odd row-tile counts, whose padded CTA writes nothing; gate_up in two column splits; hot
+# experts in several passes), every width and the merged kernel.
+@pytest.mark.parametrize("case", WGMMA_CASES, ids=_case_id)
+def test_wgmma_cluster_pair_equals_one_cta_staging(case, wgmma, monkeypatch):
+    alone = check_case(case)
+    monkeypatch.setitem(op.KERNEL_DEFINES, "APL_TILES_PAIR", 1)
+    assert torch.equal(check_case(case), alone)
+
+
+@pytest.mark.parametrize("bits", (3, 4, 6, 8))
+def test_wgmma_cluster_pair_uniform_widths_equal_one_cta_staging(bits, wgmma, monkeypatch):
+    case = (8, 2, 160, 224, 40, 6, torch.bfloat16)  # 7 gate_up row tiles: a padded CTA
+    alone = check_case(case, bits=bits)
+    monkeypatch.setitem(op.KERNEL_DEFINES, "APL_TILES_PAIR", 1)
+    assert torch.equal(check_case(case, bits=bits), alone)
