@@ -626,11 +626,12 @@ def kernel_instances(dtype: torch.dtype, activation: str = "silu") -> list[tuple
     tiles = sorted({tile for _, tile in PREFILL_TILES} | {PREFILL_LARGEST_TILE})
     for mode in (0, 1):
         act = _mode_activation(mode, activation)
-        names += [(_gemv_name(cls, mode, flag, v2, nt8), act)
-                  for cls in (0, 1, 2) for v2 in ("true", "false") for nt8 in tiles_choices()]
-        if KERNEL_DEFINES.get("APL_TILES_PAIR") and wgmma_instance(_gemv_name(0, mode, flag, "true", 2), KERNEL_DEFINES):
-            names += [(tiles_launch(_gemv_name(cls, mode, flag, v2, nt8), (1, 1, 1), True)[0], act)
-                      for cls in (0, 1, 2) for v2 in ("true", "false") for nt8 in tiles_choices() if nt8 > 1]
+        gemv = [_gemv_name(cls, mode, flag, v2, nt8)
+                for cls in (0, 1, 2) for v2 in ("true", "false") for nt8 in tiles_choices()]
+        names += [(name, act) for name in gemv]
+        # APL_TILES_PAIR on a wgmma build: the tiles instances' cluster pairs too
+        names += [(tiles_launch(name, (1, 1, 1), True)[0], act) for name in gemv
+                  if KERNEL_DEFINES.get("APL_TILES_PAIR") and wgmma_instance(name, KERNEL_DEFINES)]
         names += [(_prefill_name(tile, mode, flag), act) for tile in tiles]
     if GEMV_FUSED:  # (off by default: then no start-up time is spent compiling it)
         names += [(_fused_name(cls, flag, v2), activation) for cls in FUSED_CLASSES for v2 in ("true", "false")]
