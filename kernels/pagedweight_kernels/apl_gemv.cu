@@ -1466,20 +1466,33 @@ __device__ __forceinline__ void gemv_cta(
     }
 }
 
-// Grid (row tiles, max active experts, column splits), 128 threads: one launch per projection.
-template <int CLS, int MODE, bool BF16, bool V2, int NT8>
-__global__ void __launch_bounds__(GV_THREADS, NT8 == 1 ? APL_GEMV_MIN_BLOCKS : APL_TILES_MIN_BLOCKS) apl_gemv(
-    const long long* __restrict__ desc, const long long* __restrict__ topk_ids, int num_assign, int top_k,
-    int num_experts, const u16* __restrict__ x, int rows_out, int cols, int split_words, int lut_entries,
-    int stage_tokens, float* __restrict__ part, int* __restrict__ counters, u16* __restrict__ h_out,
-    const void* __restrict__ topk_w, int w_kind, int num_tokens, u16* __restrict__ out, int zero_fill) {
+// The entry of one projection's launch, apl_gemv and apl_gemv_pair alike (the host passes both
+// the same arguments): grid (row tiles, max active experts, column splits), 128 threads; gx =
+// the row tiles gemv_cta indexes its counters by.
+#define APL_GEMV_ENTRY_PARAMS                                                                                 \
+    const long long* __restrict__ desc, const long long* __restrict__ topk_ids, int num_assign, int top_k,    \
+    int num_experts, const u16* __restrict__ x, int rows_out, int cols, int split_words, int lut_entries,     \
+    int stage_tokens, float* __restrict__ part, int* __restrict__ counters, u16* __restrict__ h_out,          \
+    const void* __restrict__ topk_w, int w_kind, int num_tokens, u16* __restrict__ out, int zero_fill
+template <int CLS, int MODE, bool BF16, bool V2, int NT8, bool PAIR>
+__device__ __forceinline__ void gemv_entry(APL_GEMV_ENTRY_PARAMS, int gx) {
     __shared__ u32 present[32];
     __shared__ int scratch[8];
     __shared__ int last_flag;
-    gemv_cta<CLS, MODE, BF16, V2, NT8, false>(desc, topk_ids, num_assign, top_k, num_experts, x, rows_out, cols,
-                                              split_words, lut_entries, stage_tokens, part, counters, h_out, topk_w,
-                                              w_kind, num_tokens, out, zero_fill, blockIdx.x, blockIdx.y, blockIdx.z,
-                                              gridDim.z, gridDim.x, present, scratch, last_flag, nullptr);
+    gemv_cta<CLS, MODE, BF16, V2, NT8, false, PAIR>(desc, topk_ids, num_assign, top_k, num_experts, x, rows_out, cols,
+                                                    split_words, lut_entries, stage_tokens, part, counters, h_out,
+                                                    topk_w, w_kind, num_tokens, out, zero_fill, blockIdx.x, blockIdx.y,
+                                                    blockIdx.z, gridDim.z, gx, present, scratch, last_flag, nullptr);
+}
+#define APL_GEMV_ENTRY_ARGS                                                                                   \
+    desc, topk_ids, num_assign, top_k, num_experts, x, rows_out, cols, split_words, lut_entries, stage_tokens, \
+    part, counters, h_out, topk_w, w_kind, num_tokens, out, zero_fill
+
+// One launch per projection.
+template <int CLS, int MODE, bool BF16, bool V2, int NT8>
+__global__ void __launch_bounds__(GV_THREADS, NT8 == 1 ? APL_GEMV_MIN_BLOCKS : APL_TILES_MIN_BLOCKS) apl_gemv(
+    APL_GEMV_ENTRY_PARAMS) {
+    gemv_entry<CLS, MODE, BF16, V2, NT8, false>(APL_GEMV_ENTRY_ARGS, gridDim.x);
 }
 
 #if APL_HAS_WGMMA
@@ -1487,19 +1500,9 @@ __global__ void __launch_bounds__(GV_THREADS, NT8 == 1 ? APL_GEMV_MIN_BLOCKS : A
 // 2k and 2k + 1 of one expert and split; the host pads the grid's row tiles to even.
 template <int CLS, int MODE, bool BF16, bool V2, int NT8>
 __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(GV_THREADS, APL_TILES_MIN_BLOCKS) apl_gemv_pair(
-    const long long* __restrict__ desc, const long long* __restrict__ topk_ids, int num_assign, int top_k,
-    int num_experts, const u16* __restrict__ x, int rows_out, int cols, int split_words, int lut_entries,
-    int stage_tokens, float* __restrict__ part, int* __restrict__ counters, u16* __restrict__ h_out,
-    const void* __restrict__ topk_w, int w_kind, int num_tokens, u16* __restrict__ out, int zero_fill) {
-    __shared__ u32 present[32];
-    __shared__ int scratch[8];
-    __shared__ int last_flag;
-    constexpr int rpc = MODE == 0 ? GV_ROWS / 2 : GV_ROWS;
-    gemv_cta<CLS, MODE, BF16, V2, NT8, false, true>(desc, topk_ids, num_assign, top_k, num_experts, x, rows_out, cols,
-                                                    split_words, lut_entries, stage_tokens, part, counters, h_out,
-                                                    topk_w, w_kind, num_tokens, out, zero_fill, blockIdx.x, blockIdx.y,
-                                                    blockIdx.z, gridDim.z, (rows_out + rpc - 1) / rpc, present, scratch,
-                                                    last_flag, nullptr);
+    APL_GEMV_ENTRY_PARAMS) {
+    constexpr int rpc = MODE == 0 ? GV_ROWS / 2 : GV_ROWS;  // (gridDim.x may hold one row tile more)
+    gemv_entry<CLS, MODE, BF16, V2, NT8, true>(APL_GEMV_ENTRY_ARGS, (rows_out + rpc - 1) / rpc);
 }
 #endif
 

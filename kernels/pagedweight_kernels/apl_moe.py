@@ -582,7 +582,12 @@ def tiles_launch(name: str, grid: tuple[int, int, int], wgmma: bool) -> tuple[st
     padded to even; otherwise `name` and `grid` as they are."""
     if not (wgmma and KERNEL_DEFINES.get("APL_TILES_PAIR") and instance_tiles(name) > 1):
         return name, grid
-    return name.replace("apl_gemv<", "apl_gemv_pair<", 1), (grid[0] + grid[0] % 2, grid[1], grid[2])
+    return _pair_name(name), (grid[0] + grid[0] % 2, grid[1], grid[2])
+
+
+def _pair_name(name: str) -> str:
+    """The cluster pair instance of an apl_gemv tiles instance (same template arguments)."""
+    return name.replace("apl_gemv<", "apl_gemv_pair<", 1)
 
 
 def _fused_name(cls: int, flag: str, aligned8: str) -> str:
@@ -630,7 +635,7 @@ def kernel_instances(dtype: torch.dtype, activation: str = "silu") -> list[tuple
                 for cls in (0, 1, 2) for v2 in ("true", "false") for nt8 in tiles_choices()]
         names += [(name, act) for name in gemv]
         # APL_TILES_PAIR on a wgmma build: the tiles instances' cluster pairs too
-        names += [(tiles_launch(name, (1, 1, 1), True)[0], act) for name in gemv
+        names += [(_pair_name(name), act) for name in gemv
                   if KERNEL_DEFINES.get("APL_TILES_PAIR") and wgmma_instance(name, KERNEL_DEFINES)]
         names += [(_prefill_name(tile, mode, flag), act) for tile in tiles]
     if GEMV_FUSED:  # (off by default: then no start-up time is spent compiling it)
