@@ -53,7 +53,7 @@ VARIANTS = {  # name -> (define changes, host changes)
     "stage2": ({"APL_GEMV_STAGE16": 0}, {}),
     # routing, the reductions and the tiles' copies one round trip at a time (before 2026-12-01, 22:00)
     "serial_loads": ({"APL_GEMV_BATCHED_LOADS": 0}, {}),
-    # tiles on wgmma in clusters of 2 CTAs, each staging half a step into both (not yet run on a GPU)
+    # tiles on wgmma in clusters of 2 CTAs, each staging half a step into both (13-29% slower)
     "pair": ({"APL_TILES_PAIR": 1}, {}),
     "lut16": ({"APL_GEMV_LUT16": 1}, {}),  # aligned register-LUT rows by 16-byte loads (not yet run)
     # more CTAs per SM at decode (registers capped: 5 -> 96, 6 -> 80; spills outside the step loop only)

@@ -66,7 +66,7 @@ def test_wgmma_tiles_no_host_sync(wgmma):
     assert relative_error(out, reference_fp32(x, ids, w, layer)) < TOLERANCE[torch.bfloat16]
 
 
-# APL_TILES_PAIR (apl_gemv_pair, not yet run on a GPU when written): clusters of 2 CTAs that
+# APL_TILES_PAIR (apl_gemv_pair, off by default: measured slower): clusters of 2 CTAs that
 # each stage half a step into both CTAs' shared memory. The B operand and the wgmma sequence are
 # those of one CTA staging alone, so the output must be the same bit for bit: every tiles case
 # (odd row-tile counts, whose padded CTA writes nothing; gate_up in two column splits; hot
