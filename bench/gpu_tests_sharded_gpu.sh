@@ -1,0 +1,47 @@
+#!/bin/bash
+# One device call: every kernel GPU test (`make test-gpu-kernels`, tests/kernels) and, with
+# PATHS=1, the other GPU tests (`make test-gpu-paths`), in parallel pytest processes on the one
+# GPU, so the suite fits a call's 600 s (one process at a time ran out after 18-54 kernel tests).
+# Every default instance is compiled first, in threads, into the disk cache the shards share
+# (atomic writes); then the kernel tests' node ids are split into SHARDS contiguous runs (the
+# cases of one test stay together, so a knob variant compiles in one shard only).
+# Carry kernel_cache/ from an earlier call of the same source to skip the compiles.
+# Usage (device): OUT=$OUT CODE_COMMIT=<c> [SHARDS=4] [PATHS=1] bash bench/gpu_tests_sharded_gpu.sh
+. "$(dirname "$0")/device_call.sh"
+SHARDS=${SHARDS:-4}
+PATHS=${PATHS:-1}
+LIMIT=${TEST_TIMEOUT_S:-480}
+python3 - << 'EOF'
+import torch
+from pagedweight_kernels.apl_moe import precompile
+for dtype in (torch.bfloat16, torch.float16):
+    for activation in ("silu", "gelu_tanh"):
+        print("precompiled", dtype, activation, precompile(dtype, activation, max_workers=16), flush=True)
+EOF
+stamp "precompile rc $?"
+ids=/tmp/gpu_test_ids.txt
+python3 -m pytest -q -m gpu --collect-only -p no:cacheprovider tests/kernels | grep "::" > "$ids"
+n=$(wc -l < "$ids")
+stamp "kernel tests: $n in $SHARDS shards"
+run_shard() {  # name, then pytest arguments
+  local name=$1; shift
+  PAGEDWEIGHT_TEST_PRECOMPILE=0 timeout "$LIMIT" python3 -m pytest -q -m gpu -p no:cacheprovider -rfE \
+    --tb=short --durations=8 "$@" > "$OUT/gpu_tests_$name.log" 2>&1
+  echo "$name rc $?"
+}
+for ((i = 0; i < SHARDS; i++)); do
+  mapfile -t part < <(awk -v i="$i" -v s="$SHARDS" -v n="$n" 'NR > int(i * n / s) && NR <= int((i + 1) * n / s)' "$ids")
+  run_shard "kernels$i" "${part[@]}" &
+done
+if [ "$PATHS" = 1 ]; then
+  # the Makefile's test-gpu-paths selection
+  run_shard paths tests --ignore=tests/kernels --ignore=tests/cli --ignore=tests/e2e --ignore=tests/gateway \
+    --ignore=tests/worker --ignore=tests/planner_service --ignore=tests/rpc --ignore=tests/fuzz \
+    --ignore=tests/test_prompt_residuals_online.py &
+fi
+wait
+stamp "shards done"
+for f in "$OUT"/gpu_tests_*.log; do
+  echo "== $(basename "$f"): $(grep -E "passed|failed|error" "$f" | tail -n 1)"
+  grep -E "^(FAILED|ERROR)" "$f" | head -n 10
+done
