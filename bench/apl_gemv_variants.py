@@ -84,6 +84,7 @@ VARIANTS = {  # name -> (define changes, host changes)
     "pipe4_3_blocks": ({"APL_GEMV_PIPE": 4, "APL_GEMV_PIPE_EARLY": 1, "APL_GEMV_MIN_BLOCKS": 3},
                        {"GEMV_TARGET_CTAS": 396}),  # 168 registers, 3 CTAs per SM
     "tiles_3_blocks": ({"APL_TILES_MIN_BLOCKS": 3}, {}),  # tiles regime: <= 168 registers, 3 CTAs per SM
+    "tiles_2_blocks": ({"APL_TILES_MIN_BLOCKS": 2}, {}),  # tiles regime: 2 CTAs per SM at every class (before 2026-12-02)
     "tiles_max_32": ({}, {"TILES_MAX_NT8": 4}),  # tiles regime: at most 32 tokens per pass
     # tiles regime on wgmma (sm_90a): a pass's tokens as the N of one warpgroup instruction per k16 slice
     "wgmma": ({"APL_TILES_WGMMA": 1}, {}),  # (the default since 2026-12-01)

@@ -63,7 +63,7 @@
                             // 3-11% slower at every decode shape, docs/kernel.md)
 #ifndef APL_GEMV_LUT16
 #define APL_GEMV_LUT16 0  // 3-4 bits: a 16-byte aligned LUT row read by 16-byte loads (else 2-byte loads,
-#endif                    // as always); not yet run on a GPU
+#endif                    // as always); measured no faster
 #ifndef APL_PRMT_SELECT
 #define APL_PRMT_SELECT 0  // 4 bits: the top code bit picks between the two byte tables' lookups by a PRMT
 #endif                     // (one selector LOP3 per 8 weights) instead of a mask PRMT and two LOP3 per 4
@@ -79,8 +79,15 @@
 #endif                      // the step's code, its two words in a rolled loop (less SASS to fetch cold; the
                             // merged kernel 214 -> 126 KB). Measured: faster for CLS 2, slower for CLS 0
 #ifndef APL_TILES_MIN_BLOCKS
-#define APL_TILES_MIN_BLOCKS 2  // CTAs per SM the register budget must allow in the tiles regime (NT8 > 1)
-#endif
+#define APL_TILES_MIN_BLOCKS 0  // CTAs per SM the register budget must allow in the tiles regime (NT8 > 1);
+#endif                          // 0 = per instance, APL_TILES_BLOCKS below
+// 3 CTAs (<= 168 registers) where the body fits them without spilling (nvcc 13.0, sm_90a): the
+// 3-4-bit class at any NT8 and the 5-8-bit class at NT8 2; else 2 (the 5-8-bit class at NT8 4-8
+// takes 217-228 registers, the merged class spills at 168). Measured on wgmma (docs/kernel.md):
+// 3 everywhere was 14% faster at Qwen1.5-MoE 64 tokens 8 bits (NT8 2) and 1-2% at 4 bits, but
+// 10% slower at Mixtral 64 tokens 8 bits (NT8 4) and its 256-token mixed layer (NT8 8).
+#define APL_TILES_BLOCKS(CLS, NT8) \
+    (APL_TILES_MIN_BLOCKS > 0 ? APL_TILES_MIN_BLOCKS : ((CLS) == 0 || ((CLS) == 1 && (NT8) == 2) ? 3 : 2))
 #ifndef APL_TILES_ASYNC
 #define APL_TILES_ASYNC 1  // tiles regime: 1 = the next step's activations come in by cp.async during this
 #endif                     // step's mma (raw rows in shared memory, reordered there); 0 = loads at each step
@@ -94,7 +101,7 @@
                                   // trip at a time (batched, decode was 1-5% slower at Mixtral sizes)
 #ifndef APL_TILES_PAIR
 #define APL_TILES_PAIR 0  // tiles regime on wgmma: 1 = clusters of 2 CTAs (apl_gemv_pair), each staging half a step's
-#endif                    // activations into both CTAs' shared memory (DSMEM); not yet run on a GPU
+#endif                    // activations into both CTAs' shared memory (DSMEM); measured 13-29% slower
 #ifndef APL_TILES_GROUP
 #define APL_TILES_GROUP 4  // tiles regime: 8-token tiles whose mma chains interleave (activations in registers)
 #endif
@@ -1490,7 +1497,7 @@ __device__ __forceinline__ void gemv_entry(APL_GEMV_ENTRY_PARAMS, int gx) {
 
 // One launch per projection.
 template <int CLS, int MODE, bool BF16, bool V2, int NT8>
-__global__ void __launch_bounds__(GV_THREADS, NT8 == 1 ? APL_GEMV_MIN_BLOCKS : APL_TILES_MIN_BLOCKS) apl_gemv(
+__global__ void __launch_bounds__(GV_THREADS, NT8 == 1 ? APL_GEMV_MIN_BLOCKS : APL_TILES_BLOCKS(CLS, NT8)) apl_gemv(
     APL_GEMV_ENTRY_PARAMS) {
     gemv_entry<CLS, MODE, BF16, V2, NT8, false>(APL_GEMV_ENTRY_ARGS, gridDim.x);
 }
@@ -1499,7 +1506,7 @@ __global__ void __launch_bounds__(GV_THREADS, NT8 == 1 ? APL_GEMV_MIN_BLOCKS : A
 // APL_TILES_PAIR: the tiles regime on wgmma in clusters of 2 CTAs (gemv_cta's PAIR), row tiles
 // 2k and 2k + 1 of one expert and split; the host pads the grid's row tiles to even.
 template <int CLS, int MODE, bool BF16, bool V2, int NT8>
-__global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(GV_THREADS, APL_TILES_MIN_BLOCKS) apl_gemv_pair(
+__global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(GV_THREADS, APL_TILES_BLOCKS(CLS, NT8)) apl_gemv_pair(
     APL_GEMV_ENTRY_PARAMS) {
     constexpr int rpc = MODE == 0 ? GV_ROWS / 2 : GV_ROWS;  // (gridDim.x may hold one row tile more)
     gemv_entry<CLS, MODE, BF16, V2, NT8, true>(APL_GEMV_ENTRY_ARGS, (rows_out + rpc - 1) / rpc);
