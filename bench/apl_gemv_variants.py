@@ -6,7 +6,7 @@ plan constants, and prints one line per (variant, shape). Used to pick the defau
 results are recorded in docs/kernel.md.
 
 Usage on the GPU machine: PYTHONPATH=.:services:kernels python3 -m bench.apl_gemv_variants [variants]
-    [--mixed | --tiles | --decode | --fused | --compact | --merged | --waves | --compile-only] [--json NAME]
+    [--mixed | --tiles | --tiles-mixed | --decode | --fused | --compact | --merged | --waves | --compile-only] [--json NAME]
 --compile-only: compile the variants' decode instances for bf16 and fp16 (for the GPU tests) and exit.
 --decode: every decode shape (1-16 tokens, 3 / 4 / 8 / mixed bits) at both model sizes; the
 variants' instances are compiled first, in threads (NVRTC runs outside the GIL). --fused: the
@@ -75,6 +75,7 @@ VARIANTS = {  # name -> (define changes, host changes)
     "target_1056": ({}, {"GEMV_TARGET_CTAS": 1056}),
     "4byte_loads": ({}, {"aligned8": False}),
     "merged_classes": ({}, {"GEMV_MERGE_CLASSES": True}),
+    "per_class": ({}, {"GEMV_MERGE_CLASSES": False}),  # mixed layers: one launch per bit class
     "ring3": ({"APL_GEMV_RING_STAGES": 3}, {}),  # 3-4 bits: plane words through a cp.async ring
     "ring4": ({"APL_GEMV_RING_STAGES": 4}, {}),
     "ring6": ({"APL_GEMV_RING_STAGES": 6}, {}),
@@ -110,6 +111,8 @@ WAVE_SHAPES = [("mixtral-8x7b", 1, "3"), ("mixtral-8x7b", 1, "4"), ("mixtral-8x7
                ("qwen1.5-moe-a2.7b", 4, "4"), ("qwen1.5-moe-a2.7b", 1, "4"), ("qwen1.5-moe-a2.7b", 16, "4")]
 TILES_SHAPES = [(name, T, bits) for name in ("qwen1.5-moe-a2.7b", "mixtral-8x7b") for T in (64, 256)
                 for bits in ("4", "8")] + [("mixtral-8x7b", 256, "mixed")]
+# --tiles-mixed: the tiles shapes at mixed bits (the merged kernel against one launch per class)
+TILES_MIXED_SHAPES = [(name, T, "mixed") for name in ("qwen1.5-moe-a2.7b", "mixtral-8x7b") for T in (64, 256)]
 
 
 def set_variant(vname):
@@ -151,7 +154,9 @@ def main():
         compile_decode_instances([a for a in sys.argv[1:] if a in VARIANTS], device, both_dtypes=True)
         print(op.compile_stats())
         return
+    tiles_run = "--tiles" in sys.argv or "--tiles-mixed" in sys.argv
     shapes = MIXED_SHAPES if "--mixed" in sys.argv else TILES_SHAPES if "--tiles" in sys.argv \
+        else TILES_MIXED_SHAPES if "--tiles-mixed" in sys.argv \
         else DECODE_SHAPES if "--decode" in sys.argv else FUSED_SHAPES if "--fused" in sys.argv \
         else COMPACT_SHAPES if "--compact" in sys.argv else MERGED_SHAPES if "--merged" in sys.argv \
         else WAVE_SHAPES if "--waves" in sys.argv else SHAPES
@@ -168,7 +173,7 @@ def main():
     only = [a for a in sys.argv[1:] if a in VARIANTS] or list(VARIANTS)
     if any(a in sys.argv for a in ("--decode", "--fused", "--compact", "--merged", "--waves")):
         compile_decode_instances(only, device)
-    if "--tiles" in sys.argv:
+    if tiles_run:
         compile_decode_instances(only, device, tiles=op.tiles_choices()[1:])
     rows = []
     for vname in only:
