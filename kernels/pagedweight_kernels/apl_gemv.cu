@@ -81,13 +81,13 @@
 #ifndef APL_TILES_MIN_BLOCKS
 #define APL_TILES_MIN_BLOCKS 0  // CTAs per SM the register budget must allow in the tiles regime (NT8 > 1);
 #endif                          // 0 = per instance, APL_TILES_BLOCKS below
-// 3 CTAs (<= 168 registers) where the body fits them without spilling (nvcc 13.0, sm_90a): the
-// 3-4-bit class at any NT8 and the 5-8-bit class at NT8 2; else 2 (the 5-8-bit class at NT8 4-8
-// takes 217-228 registers, the merged class spills at 168). Measured on wgmma (docs/kernel.md):
-// 3 everywhere was 14% faster at Qwen1.5-MoE 64 tokens 8 bits (NT8 2) and 1-2% at 4 bits, but
-// 10% slower at Mixtral 64 tokens 8 bits (NT8 4) and its 256-token mixed layer (NT8 8).
+// 3 CTAs (<= 168 registers) for the 3-4-bit class at any NT8 and for every class at NT8 2, else 2
+// (the 5-8-bit and merged bodies at NT8 4-8 take 217-230 registers; nvcc 13.0, sm_90a). Measured
+// on wgmma (docs/kernel.md): 3 everywhere was 13-14% faster at Qwen1.5-MoE 64 tokens 8 bits and
+// 11% with mixed bits (NT8 2; the merged body spills 16 bytes there), 1-2% at 4 bits, but 10-13%
+// slower at Mixtral 64 tokens 8 bits and mixed (NT8 4) and its 256-token mixed layer (NT8 8).
 #define APL_TILES_BLOCKS(CLS, NT8) \
-    (APL_TILES_MIN_BLOCKS > 0 ? APL_TILES_MIN_BLOCKS : ((CLS) == 0 || ((CLS) == 1 && (NT8) == 2) ? 3 : 2))
+    (APL_TILES_MIN_BLOCKS > 0 ? APL_TILES_MIN_BLOCKS : ((CLS) == 0 || (NT8) == 2 ? 3 : 2))
 #ifndef APL_TILES_ASYNC
 #define APL_TILES_ASYNC 1  // tiles regime: 1 = the next step's activations come in by cp.async during this
 #endif                     // step's mma (raw rows in shared memory, reordered there); 0 = loads at each step
