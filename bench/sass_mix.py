@@ -81,8 +81,8 @@ def _kernels():
     return apl_moe, module_source
 
 
-def compile_instance(instance: str, overrides: dict[str, int], workdir: Path) -> tuple[str, str]:
-    """(SASS text, ptxas resource lines) of one apl_gemv instance."""
+def build_instance(instance: str, overrides: dict[str, int], workdir: Path) -> tuple[Path, str]:
+    """(cubin, ptxas resource lines) of one apl_gemv instance, compiled by nvcc as the host would."""
     op, module_source = _kernels()
 
     defines = {**dict(op._defines("silu")), **overrides}
@@ -96,6 +96,22 @@ def compile_instance(instance: str, overrides: dict[str, int], workdir: Path) ->
     if build.returncode:
         raise RuntimeError(build.stderr[-4000:])
     resources = "\n".join(line.strip() for line in build.stderr.splitlines() if "registers" in line or "spill" in line)
+    return cubin, resources
+
+
+def resource_usage(resources: str) -> tuple[int, int]:
+    """(registers, spill store + load bytes) of the instance from build_instance's resource
+    lines: ptxas reports it first (the module's other entry, moe_align, follows)."""
+    registers = re.search(r"Used (\d+) registers", resources)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", resources)
+    if registers is None or spills is None:
+        raise ValueError(f"no ptxas resource usage in: {resources!r}")
+    return int(registers.group(1)), int(spills.group(1)) + int(spills.group(2))
+
+
+def compile_instance(instance: str, overrides: dict[str, int], workdir: Path) -> tuple[str, str]:
+    """(SASS text, ptxas resource lines) of one apl_gemv instance."""
+    cubin, resources = build_instance(instance, overrides, workdir)
     nvdisasm = os.environ.get("NVDISASM") or shutil.which("nvdisasm") or "nvdisasm"
     sass = subprocess.run([nvdisasm, "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
     return sass, resources
