@@ -20,9 +20,10 @@ def test_the_rule_is_the_one_this_test_checks():
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
-@pytest.mark.parametrize("cls, mode, nt8", [(0, 0, 8), (0, 1, 4), (1, 0, 2), (1, 1, 2)])
-def test_three_cta_tiles_instances_fit_without_spilling(cls, mode, nt8, tmp_path):
-    _, resources = build_instance(f"apl_gemv<{cls}, {mode}, true, true, {nt8}>", {}, tmp_path)
+@pytest.mark.parametrize("cls, mode, bf16, nt8", [(0, 0, "true", 8), (0, 1, "true", 4), (0, 0, "false", 2),
+                                                 (1, 0, "true", 2), (1, 1, "true", 2), (1, 0, "false", 2)])
+def test_three_cta_tiles_instances_fit_without_spilling(cls, mode, bf16, nt8, tmp_path):
+    _, resources = build_instance(f"apl_gemv<{cls}, {mode}, {bf16}, true, {nt8}>", {}, tmp_path)
     registers, spilled = resource_usage(resources)
     assert registers <= THREE_CTA_REGISTERS, resources
     assert spilled == 0, resources
