@@ -55,7 +55,7 @@ VARIANTS = {  # name -> (define changes, host changes)
     "serial_loads": ({"APL_GEMV_BATCHED_LOADS": 0}, {}),
     # tiles on wgmma in clusters of 2 CTAs, each staging half a step into both (13-29% slower)
     "pair": ({"APL_TILES_PAIR": 1}, {}),
-    "lut16": ({"APL_GEMV_LUT16": 1}, {}),  # aligned register-LUT rows by 16-byte loads (not yet run)
+    "lut16": ({"APL_GEMV_LUT16": 1}, {}),  # aligned register-LUT rows by 16-byte loads (measured no faster)
     # more CTAs per SM at decode (registers capped: 5 -> 96, 6 -> 80; spills outside the step loop only)
     "blocks5": ({"APL_GEMV_MIN_BLOCKS": 5}, {"GEMV_TARGET_CTAS": 660}),
     "blocks6": ({"APL_GEMV_MIN_BLOCKS": 6}, {"GEMV_TARGET_CTAS": 792}),

@@ -33,11 +33,9 @@ for ((i = 0; i < SHARDS; i++)); do
   mapfile -t part < <(awk -v i="$i" -v s="$SHARDS" -v n="$n" 'NR > int(i * n / s) && NR <= int((i + 1) * n / s)' "$ids")
   run_shard "kernels$i" "${part[@]}" &
 done
-if [ "$PATHS" = 1 ]; then
-  # the Makefile's test-gpu-paths selection
-  run_shard paths tests --ignore=tests/kernels --ignore=tests/cli --ignore=tests/e2e --ignore=tests/gateway \
-    --ignore=tests/worker --ignore=tests/planner_service --ignore=tests/rpc --ignore=tests/fuzz \
-    --ignore=tests/test_prompt_residuals_online.py &
+if [ "$PATHS" = 1 ]; then  # the Makefile's own selection, with the shards' flags
+  (PYTEST_ADDOPTS="-p no:cacheprovider -rfE --tb=short --durations=8" timeout "$LIMIT" make test-gpu-paths \
+    > "$OUT/gpu_tests_paths.log" 2>&1; echo "paths rc $?") &
 fi
 wait
 stamp "shards done"

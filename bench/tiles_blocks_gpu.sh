@@ -1,6 +1,6 @@
 #!/bin/bash
-# One device call (issue 13, 2026-12-02): 3 CTAs per SM where the tiles body fits 168 registers
-# (APL_TILES_BLOCKS: the 3-4-bit class, and the 5-8-bit class at NT8 2). Every kernel GPU test
+# One device call (issue 13, 2026-12-02): the tiles register rule (APL_TILES_BLOCKS: 3 CTAs per SM
+# where the body fits 168 registers, else 2) against 2 CTAs everywhere. Every kernel GPU test
 # first (bench/gpu_tests_sharded_gpu.sh, without the paths), then the tiles shapes against 2
 # CTAs everywhere (tiles_2_blocks, the earlier default) in one process, then the layer
 # benchmark's tiles shapes (64 and 256 tokens, 3 / 4 / 8 bits and mixed) with grouped_mm.
