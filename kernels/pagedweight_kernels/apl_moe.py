@@ -65,6 +65,11 @@ GEMV_WAVE_PLAN = True
 GEMV_CTA_FIXED_STEPS = 2  # a CTA's prologue and epilogue (route, descriptor, LUT, reduction) in warp steps
 GEMV_MAX_ASSIGN = 4096  # tokens * top_k a CTA's shared slot list holds
 GEMV_MERGE_CLASSES = True  # a layer with 3-4- and 5-8-bit blocks: one launch per projection (measured faster)
+# Unused dynamic shared memory added to every decode launch (NT8 1): 0 in service. A tuning
+# knob (bench/apl_gemv_variants.py `shared_pad`): the 3-4-bit kernel given the merged kernel's
+# 8-bit LUT room tells whether that room (the shared-memory carveout it takes from L1) is what
+# makes stable launches 1.07-1.21x slower at 3-4 bits (docs/elasticity.md).
+GEMV_SHARED_PAD = 0
 # Decode of a layer whose blocks are all 3-4 bits: gate_up and down in one launch
 # (apl_gemv_fused: a work ticket per CTA, down CTAs wait on per-row-tile flags for their h
 # words). APL_GEMV_FUSED=1 in the environment turns it on.
@@ -772,15 +777,19 @@ def _apl_moe_gemv(x, ids, topk_weights, layer: APLLayer, plan: LaunchPlan, out: 
         _launch(*tiles_launch(_gemv_name(cls, 0, flag, v2["gate_up"], gu.tiles), gu.grid, wgmma),
                 (layer.gate_up_desc, ids, num_assign, k, E, x, I, H, gu.split_cols // 32, lut, gu.tokens,
                  part_gu, layer.counters, h, weights, w_kind, T, out, 0),
-                gu.shared_bytes + gemv_extra_shared(cls, lut, gu.tiles), block=GEMV_THREADS,
+                gu.shared_bytes + gemv_extra_shared(cls, lut, gu.tiles) + _decode_pad(gu), block=GEMV_THREADS,
                 activation=layer.activation)
     for i, (cls, widest) in enumerate(launches["down"]):
         lut = 1 << widest if cls >= 1 else 0
         _launch(*tiles_launch(_gemv_name(cls, 1, flag, v2["down"], dn.tiles), dn.grid, wgmma),
                 (layer.down_desc, ids, num_assign, k, E, h, H, I, dn.split_cols // 32, lut, dn.tokens,
                  part_dn, layer.counters, None, weights, w_kind, T, out, int(i == 0)),
-                dn.shared_bytes + gemv_extra_shared(cls, lut, dn.tiles), block=GEMV_THREADS)
+                dn.shared_bytes + gemv_extra_shared(cls, lut, dn.tiles) + _decode_pad(dn), block=GEMV_THREADS)
     return out
+
+
+def _decode_pad(plan: GemmPlan) -> int:
+    return GEMV_SHARED_PAD if plan.tiles == 1 else 0
 
 
 def apl_moe(x, topk_ids, topk_weights, layer: APLLayer, out: torch.Tensor | None = None,
