@@ -72,7 +72,7 @@ VARIANTS = {  # name -> (define changes, host changes)
     "stable": ({}, {"stable": True}),
     # decode launches given the merged kernel's 8-bit LUT room, unused (not yet run): is that room
     # what costs stable launches 7-21% at 3-4 bits? (`base shared_pad stable --merged`)
-    "shared_pad": ({}, {"GEMV_SHARED_PAD": op.gemv_extra_shared(2, 1 << 8)}),
+    "shared_pad": ({}, {"GEMV_SHARED_PAD": op.gemv_extra_shared(2, 1 << 8)}),  # (read while the pad is 0)
     "unfused_t352": ({}, {"GEMV_FUSED": False, "GEMV_TARGET_CTAS": 352}),  # fewer, longer CTAs
     "no_l2_prefetch": ({"APL_GEMV_L2_PREFETCH": 0}, {}),
     "target_1056": ({}, {"GEMV_TARGET_CTAS": 1056}),

@@ -65,7 +65,7 @@ GEMV_WAVE_PLAN = True
 GEMV_CTA_FIXED_STEPS = 2  # a CTA's prologue and epilogue (route, descriptor, LUT, reduction) in warp steps
 GEMV_MAX_ASSIGN = 4096  # tokens * top_k a CTA's shared slot list holds
 GEMV_MERGE_CLASSES = True  # a layer with 3-4- and 5-8-bit blocks: one launch per projection (measured faster)
-# Unused dynamic shared memory added to every decode launch (NT8 1): 0 in service. A tuning
+# Unused dynamic shared memory added to every decode launch (NT8 1; gemv_extra_shared): 0 in service. A tuning
 # knob (bench/apl_gemv_variants.py `shared_pad`): the 3-4-bit kernel given the merged kernel's
 # 8-bit LUT room tells whether that room (the shared-memory carveout it takes from L1) is what
 # makes stable launches 1.07-1.21x slower at 3-4 bits (docs/elasticity.md).
@@ -711,7 +711,8 @@ def gemv_extra_shared(cls: int, lut_entries: int, tiles: int = 1) -> int:
     for the 3-4-bit decode kernel with APL_GEMV_RING_STAGES >= 2, its cp.async ring of 4 warps
     (not compiled in the tiles regime); in the tiles regime with APL_TILES_ASYNC, the raw
     activation rows of one step and each token's row offset (8 * tiles tokens x (512 + 4)
-    bytes, after the aligned LUT rows; rows of 528 bytes with APL_TILES_WGMMA)."""
+    bytes, after the aligned LUT rows; rows of 528 bytes with APL_TILES_WGMMA). Decode launches
+    also take GEMV_SHARED_PAD (0 in service: a tuning knob)."""
     extra = GEMV_ROWS * lut_entries * 2 + 512 if lut_entries else 0
     if tiles > 1 and KERNEL_DEFINES.get("APL_TILES_ASYNC", 0):
         raw_row = GEMV_STEP_WORDS * 64 + (16 if KERNEL_DEFINES.get("APL_TILES_WGMMA", 0) else 0)  # the .cu's RAW_ROW
@@ -719,7 +720,7 @@ def gemv_extra_shared(cls: int, lut_entries: int, tiles: int = 1) -> int:
     stages = KERNEL_DEFINES.get("APL_GEMV_RING_STAGES", 0)
     if cls == 0 and stages >= 2 and tiles == 1:
         extra = 512 + (GEMV_THREADS // 32) * stages * GEMV_RING_STAGE_BYTES
-    return extra
+    return extra + GEMV_SHARED_PAD
 
 
 def _class_launches(classes: dict[int, int]) -> list[tuple[int, int]]:
@@ -777,19 +778,15 @@ def _apl_moe_gemv(x, ids, topk_weights, layer: APLLayer, plan: LaunchPlan, out: 
         _launch(*tiles_launch(_gemv_name(cls, 0, flag, v2["gate_up"], gu.tiles), gu.grid, wgmma),
                 (layer.gate_up_desc, ids, num_assign, k, E, x, I, H, gu.split_cols // 32, lut, gu.tokens,
                  part_gu, layer.counters, h, weights, w_kind, T, out, 0),
-                gu.shared_bytes + gemv_extra_shared(cls, lut, gu.tiles) + _decode_pad(gu), block=GEMV_THREADS,
+                gu.shared_bytes + gemv_extra_shared(cls, lut, gu.tiles), block=GEMV_THREADS,
                 activation=layer.activation)
     for i, (cls, widest) in enumerate(launches["down"]):
         lut = 1 << widest if cls >= 1 else 0
         _launch(*tiles_launch(_gemv_name(cls, 1, flag, v2["down"], dn.tiles), dn.grid, wgmma),
                 (layer.down_desc, ids, num_assign, k, E, h, H, I, dn.split_cols // 32, lut, dn.tokens,
                  part_dn, layer.counters, None, weights, w_kind, T, out, int(i == 0)),
-                dn.shared_bytes + gemv_extra_shared(cls, lut, dn.tiles) + _decode_pad(dn), block=GEMV_THREADS)
+                dn.shared_bytes + gemv_extra_shared(cls, lut, dn.tiles), block=GEMV_THREADS)
     return out
-
-
-def _decode_pad(plan: GemmPlan) -> int:
-    return GEMV_SHARED_PAD if plan.tiles == 1 else 0
 
 
 def apl_moe(x, topk_ids, topk_weights, layer: APLLayer, out: torch.Tensor | None = None,
