@@ -32,7 +32,7 @@ SHAPES = [("mixtral-8x7b", 1, "3"), ("mixtral-8x7b", 1, "4"), ("mixtral-8x7b", 1
           ("qwen1.5-moe-a2.7b", 16, "4")]
 BASE = dict(op.KERNEL_DEFINES)
 HOST_KNOBS = {name: getattr(op, name) for name in ("GEMV_TARGET_CTAS", "GEMV_MERGE_CLASSES", "TILES_MAX_NT8", "GEMV_FUSED",
-                                                       "GEMV_MIN_SPLIT_WORDS", "GEMV_WAVE_PLAN", "GEMV_SHARED_PAD")}
+                                                       "GEMV_MIN_SPLIT_WORDS", "GEMV_WAVE_PLAN", "GEMV_SHARED_PAD", "GEMV_PDL")}
 VARIANTS = {  # name -> (define changes, host changes)
     "base": ({}, {}),
     "no_wave": ({}, {"GEMV_WAVE_PLAN": False}),  # decode splits to about one wave (before _wave_splits)
@@ -73,6 +73,14 @@ VARIANTS = {  # name -> (define changes, host changes)
     # decode launches given the merged kernel's 8-bit LUT room, unused (not yet run): is that room
     # what costs stable launches 7-21% at 3-4 bits? (`base shared_pad stable --merged`)
     "shared_pad": ({}, {"GEMV_SHARED_PAD": op.gemv_extra_shared(2, 1 << 8)}),  # (read while the pad is 0)
+    # programmatic dependent launch (GEMV_PDL): the waits compiled in but launches serial
+    # (the code's own cost), down overlapping gate_up's end, gate_up too overlapping the kernel
+    # before it (in these graphs the previous call's down: an upper bound for a model, where
+    # other kernels come between), down asking L2 for its split's planes before it waits (3-4 bits)
+    "pdl_code": ({"APL_GEMV_PDL": 1}, {}),
+    "pdl": ({"APL_GEMV_PDL": 1}, {"GEMV_PDL": 1}),
+    "pdl_all": ({"APL_GEMV_PDL": 1}, {"GEMV_PDL": 2}),
+    "pdl_prefetch": ({"APL_GEMV_PDL": 1, "APL_GEMV_PDL_PREFETCH": 1}, {"GEMV_PDL": 1}),
     "unfused_t352": ({}, {"GEMV_FUSED": False, "GEMV_TARGET_CTAS": 352}),  # fewer, longer CTAs
     "no_l2_prefetch": ({"APL_GEMV_L2_PREFETCH": 0}, {}),
     "target_1056": ({}, {"GEMV_TARGET_CTAS": 1056}),

@@ -102,6 +102,12 @@
 #ifndef APL_TILES_PAIR
 #define APL_TILES_PAIR 0  // tiles regime on wgmma: 1 = clusters of 2 CTAs (apl_gemv_pair), each staging half a step's
 #endif                    // activations into both CTAs' shared memory (DSMEM); measured 13-29% slower
+#ifndef APL_GEMV_PDL
+#define APL_GEMV_PDL 0  // 1: each projection waits for its launch's prerequisite grid (griddepcontrol) where it
+#endif                  // first needs that grid's output, and lets its dependents launch at once (see gemv_cta)
+#ifndef APL_GEMV_PDL_PREFETCH
+#define APL_GEMV_PDL_PREFETCH 0  // with APL_GEMV_PDL, down: ask L2 for the split's plane sectors before the wait
+#endif
 #ifndef APL_TILES_GROUP
 #define APL_TILES_GROUP 4  // tiles regime: 8-token tiles whose mma chains interleave (activations in registers)
 #endif
@@ -127,6 +133,20 @@ __device__ __forceinline__ int atom_add_acq_rel_gpu(int* p, int v) {
     return old;
 }
 __device__ __forceinline__ bool tid_is_zero() { return threadIdx.x == 0; }
+// Programmatic dependent launch (sm_90+; no-ops for a grid launched without the attribute).
+// wait: this thread waits until the grid it depends on has finished and its writes are visible;
+// launch_dependents: the grid launched after this one with the attribute may start once every
+// CTA of this grid has executed it (or exited), on the SM slots this grid's CTAs free.
+__device__ __forceinline__ void grid_dependency_wait() {
+#if APL_GEMV_PDL && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void launch_dependents() {
+#if APL_GEMV_PDL && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
 __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" :: "l"(p)); }
 __device__ __forceinline__ void cp_async8(u32 dst, const u32* src) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" :: "r"(dst), "l"(src) : "memory");
@@ -969,9 +989,23 @@ __device__ __forceinline__ void gemv_cta(
     // APL_GEMV_BATCHED_LOADS in the tiles regime only: measured 2-29% faster there, and at
     // decode (<= 128 ids, the epilogue's few items) 1-5% slower at Mixtral sizes (docs/kernel.md).
     constexpr bool BATCH = APL_GEMV_BATCHED_LOADS && NT8 > 1;
+    // APL_GEMV_PDL, with the host's launch attribute (GEMV_PDL): gate_up waits for the grid before
+    // it (the router's output) before it reads anything; down reads only what existed before
+    // gate_up started (routing, descriptors, LUTs, planes) until await_h, before its first read of
+    // h and its first global write, so its prologue runs while gate_up's last CTAs finish. Both let
+    // their dependents launch at once: those take only the SM slots this grid's CTAs leave, once
+    // every one of them has started.
+    if constexpr (!FUSED) {
+        if constexpr (MODE == 0) grid_dependency_wait();
+        launch_dependents();
+    }
     const Route route = FUSED ? route_pick<false>(topk_ids, num_assign, by, slots, present, scratch)
                               : route_cta<BATCH>(topk_ids, num_assign, num_experts, by, slots, present, scratch);
+    auto await_h = [&]() {
+        if constexpr (MODE == 1 && !FUSED) grid_dependency_wait();
+    };
     if (MODE == 1 && zero_fill && route.num_active == 0 && by == 0 && z == 0) {
+        await_h();
         for (int idx = tid; idx < num_tokens * rpc; idx += GV_THREADS)  // no valid expert id at all
             if (r0 + idx % rpc < rows_out) out[(long long)(idx / rpc) * rows_out + r0 + idx % rpc] = 0;
     }
@@ -1037,22 +1071,24 @@ __device__ __forceinline__ void gemv_cta(
     // of the same numbers have raised their flags. A CTA that finds them not yet raised first
     // asks L2 for its whole split's plane sectors (it would idle otherwise), then spins; a
     // wait that never ends (a broken flag protocol) traps instead of hanging the GPU.
+    auto prefetch_split = [&]() {  // every plane sector of this split's rows a and b, into L2
+        if (bad_bits) return;
+#pragma unroll
+        for (int p = 0; p < 8; ++p) {
+            if (p >= blk.bits) break;
+            for (int w = 8 * t; w < kw; w += 32) {  // 32-byte sectors of rows a and b
+                prefetch_l2(blk.planes[p] + w0a + w);
+                prefetch_l2(blk.planes[p] + w0b + w);
+            }
+            if (t == 0) { prefetch_l2(blk.planes[p] + w0a + kw - 1); prefetch_l2(blk.planes[p] + w0b + kw - 1); }
+        }
+    };
     auto wait_h = [&]() {
         const int* f = ready + (long long)by * words_per_row + c0w;
         bool ok = true;
         for (int i = tid; i < kw; i += GV_THREADS) ok = ok && ld_acquire_gpu(f + i) != 0;
         if (__syncthreads_and(ok)) return;
-        if (!bad_bits) {
-#pragma unroll
-            for (int p = 0; p < 8; ++p) {
-                if (p >= blk.bits) break;
-                for (int w = 8 * t; w < kw; w += 32) {  // 32-byte sectors of rows a and b
-                    prefetch_l2(blk.planes[p] + w0a + w);
-                    prefetch_l2(blk.planes[p] + w0b + w);
-                }
-                if (t == 0) { prefetch_l2(blk.planes[p] + w0a + kw - 1); prefetch_l2(blk.planes[p] + w0b + kw - 1); }
-            }
-        }
+        prefetch_split();
         for (int i = tid; i < kw; i += GV_THREADS) {
             for (int n = 0; ld_acquire_gpu(f + i) == 0; ++n) {
                 if (n > (1 << 22)) __trap();
@@ -1067,12 +1103,17 @@ __device__ __forceinline__ void gemv_cta(
         const long long xrow = MODE == 0 ? slot / top_k : slot;
         const uint4* src = reinterpret_cast<const uint4*>(x + xrow * cols + (long long)(c0w + w) * 32);
 #pragma unroll
-        for (int q = 0; q < 4; ++q)  // h, written in this launch by other CTAs: L2, not L1/nc
-            raw[q] = (FUSED && MODE == 1) ? __ldcg(src + q) : __ldg(src + q);
+        for (int q = 0; q < 4; ++q)  // h, written in this launch by other CTAs, or (APL_GEMV_PDL) by
+            raw[q] = ((FUSED || APL_GEMV_PDL) && MODE == 1) ? __ldcg(src + q) : __ldg(src + q);  // a grid
+            // that ran while this one started: L2, not L1/nc
     };
     auto stage_split = [&](int p0, int np) {
         if constexpr (FUSED && MODE == 1) {
             if (p0 == 0) wait_h();
+        }
+        if (p0 == 0) {
+            if (APL_GEMV_PDL_PREFETCH && MODE == 1 && !FUSED && CLS == 0) prefetch_split();  // (5-8 bits: spills)
+            await_h();
         }
         __syncthreads();  // LUT written; the previous pass is done with xs
 #if APL_GEMV_STAGE16
@@ -1117,6 +1158,7 @@ __device__ __forceinline__ void gemv_cta(
         // keep the 5-8-bit kernels, whose next plane words take 64 registers, from spilling.
         constexpr int ITEMS = ((GV_TOKENS * NT8 + 1) * GV_STEP_WORDS + GV_THREADS - 1) / GV_THREADS;
         constexpr int SB = CLS == 0 ? ITEMS : (ITEMS < 3 ? ITEMS : 3);
+        if (step == 0) await_h();
         __syncthreads();  // the previous step's mma are done with xs
 #pragma unroll
         for (int b = 0; b < ITEMS; b += SB) {
@@ -1183,6 +1225,7 @@ __device__ __forceinline__ void gemv_cta(
     };
     auto stage_async = [&](int p0, int np, int step) {
         if (step == 0) {  // a pass's first step (raw and rowoff_s are free: see below)
+            await_h();
             for (int i = tid; i < np; i += GV_THREADS) {
                 const int slot = slots[p0 + i];
                 rowoff_s[i] = (MODE == 0 ? slot / top_k : slot) * cols;  // < 2^31: checked by the host
@@ -1280,6 +1323,7 @@ __device__ __forceinline__ void gemv_cta(
     const u32 lane_slot0 = shared_addr(lut_s + GV_ROWS * lut_entries) +
                            (u32)(warp * APL_GEMV_RING_STAGES * GV_RING_STAGE_BYTES + lane * 8);
     if (bad_bits) {
+        await_h();
         for (int p0 = 0; p0 < route.count; p0 += GV_TOKENS) {  // emit writes up to 8 tokens
             const float nan4[4] = {0.f, 0.f, 0.f, 0.f};
             emit(p0, min(GV_TOKENS, route.count - p0), nan4);

@@ -74,6 +74,11 @@ GEMV_SHARED_PAD = 0
 # (apl_gemv_fused: a work ticket per CTA, down CTAs wait on per-row-tile flags for their h
 # words). APL_GEMV_FUSED=1 in the environment turns it on.
 GEMV_FUSED = os.environ.get("APL_GEMV_FUSED", "0") == "1"  # measured slower (docs/kernel.md): off by default
+# Programmatic dependent launch of the decode and tiles projections (sm_90+, with the .cu's
+# APL_GEMV_PDL, which compiles in the waits): 1 = down may start while gate_up finishes (its
+# routing, descriptor, LUT and first planes before it waits for h); 2 = gate_up too, after whatever
+# kernel precedes it (it waits before reading anything). 0 = every launch waits for the one before.
+GEMV_PDL = 0
 # The tiles regime (apl_gemv.cu with NT8 > 1): the decode kernel's register-LUT dequantisation,
 # each weight's fragments reused for up to 8 * NT8 tokens per pass.
 TILES_MAX_TOKENS_PER_EXPERT = 128.0  # above: the prefill kernel (apl_moe.cu)
@@ -92,7 +97,7 @@ KERNEL_DEFINES = {"APL_LDS_MODE": 1, "APL_RPG_DIV": 8, "APL_PREFETCH": 1, "APL_D
                   "APL_GEMV_L2_PREFETCH": 0, "APL_GEMV_RING_STAGES": 0, "APL_GEMV_PIPE": 2, "APL_GEMV_PIPE_EARLY": 0,
                   "APL_GEMV_COMPACT": 4, "APL_GEMV_ACQREL": 1, "APL_FMA_SHIFTS_MIN_BITS": 4, "APL_PRMT_SELECT": 0, "APL_GEMV_STAGE16": 1, "APL_GEMV_LUT16": 0,
                   "APL_TILES_MIN_BLOCKS": 0, "APL_TILES_GROUP": 4, "APL_TILES_ASYNC": 1, "APL_TILES_WGMMA": 1,
-                  "APL_GEMV_BATCHED_LOADS": 1, "APL_TILES_PAIR": 0}
+                  "APL_GEMV_BATCHED_LOADS": 1, "APL_TILES_PAIR": 0, "APL_GEMV_PDL": 0, "APL_GEMV_PDL_PREFETCH": 0}
 
 
 def knob_overrides(text: str) -> dict[str, int]:
@@ -678,11 +683,20 @@ def compile_stats() -> CompileStats:
         return CompileStats(COMPILE_STATS.count, COMPILE_STATS.seconds)
 
 
-def _launch(name: str, grid, args, shared: int = 0, block: int = THREADS, activation: str = "silu"):
+def _launch(name: str, grid, args, shared: int = 0, block: int = THREADS, activation: str = "silu",
+            programmatic: bool = False):
     kernel = _kernel(name, activation)
     if shared > 48 * 1024 and kernel.max_dynamic_shared_size_bytes < shared:
         kernel.max_dynamic_shared_size_bytes = shared
-    launch_on_torch_stream(kernel, grid, block, args, shared)
+    launch_on_torch_stream(kernel, grid, block, args, shared, programmatic)
+
+
+def programmatic_projections() -> tuple[bool, bool]:
+    """(gate_up, down): which projection launches may overlap the kernel before them (GEMV_PDL,
+    on a device of compute capability 9.0 or later, with the kernels' waits compiled in)."""
+    if not GEMV_PDL or not KERNEL_DEFINES.get("APL_GEMV_PDL") or torch.cuda.get_device_capability() < (9, 0):
+        return False, False
+    return GEMV_PDL >= 2, True
 
 
 def _flag(dtype) -> str:
@@ -773,19 +787,21 @@ def _apl_moe_gemv(x, ids, topk_weights, layer: APLLayer, plan: LaunchPlan, out: 
                 shared, block=GEMV_THREADS, activation=layer.activation)
         return out
     wgmma = gu.tiles > 1 and wgmma_instance(_gemv_name(0, 0, flag, v2["gate_up"], gu.tiles), KERNEL_DEFINES)
+    pdl_gate_up, pdl_down = programmatic_projections()
     for cls, widest in launches["gate_up"]:
         lut = 1 << widest if cls >= 1 else 0
         _launch(*tiles_launch(_gemv_name(cls, 0, flag, v2["gate_up"], gu.tiles), gu.grid, wgmma),
                 (layer.gate_up_desc, ids, num_assign, k, E, x, I, H, gu.split_cols // 32, lut, gu.tokens,
                  part_gu, layer.counters, h, weights, w_kind, T, out, 0),
                 gu.shared_bytes + gemv_extra_shared(cls, lut, gu.tiles), block=GEMV_THREADS,
-                activation=layer.activation)
+                activation=layer.activation, programmatic=pdl_gate_up)
     for i, (cls, widest) in enumerate(launches["down"]):
         lut = 1 << widest if cls >= 1 else 0
         _launch(*tiles_launch(_gemv_name(cls, 1, flag, v2["down"], dn.tiles), dn.grid, wgmma),
                 (layer.down_desc, ids, num_assign, k, E, h, H, I, dn.split_cols // 32, lut, dn.tokens,
                  part_dn, layer.counters, None, weights, w_kind, T, out, int(i == 0)),
-                dn.shared_bytes + gemv_extra_shared(cls, lut, dn.tiles), block=GEMV_THREADS)
+                dn.shared_bytes + gemv_extra_shared(cls, lut, dn.tiles), block=GEMV_THREADS,
+                programmatic=pdl_down)
     return out
 
 

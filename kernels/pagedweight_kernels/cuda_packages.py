@@ -106,11 +106,25 @@ def _write_atomically(path: Path, data: bytes) -> None:
         pass
 
 
-def launch_on_torch_stream(kernel, grid, block: int, args, shared: int = 0) -> None:
+def launch_on_torch_stream(kernel, grid, block: int, args, shared: int = 0, programmatic: bool = False) -> None:
     """Launch a compiled cupy kernel on PyTorch's current stream (so it orders with the
     torch work around it and is captured into a CUDA graph with it). Arguments: a tensor
     passes its device pointer, None a null pointer, a float a float32, a numpy scalar itself,
-    any other int an int32."""
+    any other int an int32. programmatic: the kernel may start before the one ahead of it on
+    the stream ends (programmatic_launch; the kernel must wait for it itself)."""
+    packed = pack_arguments(args)
+    stream = torch.cuda.current_stream().cuda_stream
+    if programmatic:
+        from pagedweight_kernels.programmatic_launch import launch_programmatic
+
+        launch_programmatic(kernel, grid, block, packed, shared, stream)
+        return
+    with _cupy_stream(stream):
+        kernel(grid, (block,), tuple(packed), shared_mem=shared)
+
+
+def pack_arguments(args) -> list:
+    """Kernel arguments as numpy scalars (launch_on_torch_stream's rules)."""
     import numpy as np
 
     packed = []
@@ -125,8 +139,7 @@ def launch_on_torch_stream(kernel, grid, block: int, args, shared: int = 0) -> N
             packed.append(a)
         else:
             packed.append(np.int32(a))
-    with _cupy_stream(torch.cuda.current_stream().cuda_stream):
-        kernel(grid, (block,), tuple(packed), shared_mem=shared)
+    return packed
 
 
 @lru_cache(maxsize=64)
