@@ -77,7 +77,8 @@ VARIANTS = {  # name -> (define changes, host changes)
     # (the code's own cost), down overlapping gate_up's end, gate_up too overlapping the kernel
     # before it (in these graphs the previous call's down: an upper bound for a model, where
     # other kernels come between), down asking L2 for its split's planes before it waits (3-4 bits)
-    "pdl_code": ({"APL_GEMV_PDL": 1}, {}),
+    "pdl_code": ({"APL_GEMV_PDL": 1}, {"GEMV_PDL": 0}),
+    "no_pdl": ({"APL_GEMV_PDL": 0}, {"GEMV_PDL": 0}),  # serial launches, no waits compiled (before 2026-12-02)
     "pdl": ({"APL_GEMV_PDL": 1}, {"GEMV_PDL": 1}),
     "pdl_all": ({"APL_GEMV_PDL": 1}, {"GEMV_PDL": 2}),
     "pdl_prefetch": ({"APL_GEMV_PDL": 1, "APL_GEMV_PDL_PREFETCH": 1}, {"GEMV_PDL": 1}),

@@ -78,7 +78,9 @@ GEMV_FUSED = os.environ.get("APL_GEMV_FUSED", "0") == "1"  # measured slower (do
 # APL_GEMV_PDL, which compiles in the waits): 1 = down may start while gate_up finishes (its
 # routing, descriptor, LUT and first planes before it waits for h); 2 = gate_up too, after whatever
 # kernel precedes it (it waits before reading anything). 0 = every launch waits for the one before.
-GEMV_PDL = 0
+# Measured (H200, bench/results/apl_gemv_pdl.json): 1 is 3-6% faster at Qwen1.5-MoE decode, 1-3%
+# in the tiles regime, 2% at Mixtral 1 token, level at Mixtral 4 tokens; 2 no better than 1.
+GEMV_PDL = 1
 # The tiles regime (apl_gemv.cu with NT8 > 1): the decode kernel's register-LUT dequantisation,
 # each weight's fragments reused for up to 8 * NT8 tokens per pass.
 TILES_MAX_TOKENS_PER_EXPERT = 128.0  # above: the prefill kernel (apl_moe.cu)
@@ -97,7 +99,7 @@ KERNEL_DEFINES = {"APL_LDS_MODE": 1, "APL_RPG_DIV": 8, "APL_PREFETCH": 1, "APL_D
                   "APL_GEMV_L2_PREFETCH": 0, "APL_GEMV_RING_STAGES": 0, "APL_GEMV_PIPE": 2, "APL_GEMV_PIPE_EARLY": 0,
                   "APL_GEMV_COMPACT": 4, "APL_GEMV_ACQREL": 1, "APL_FMA_SHIFTS_MIN_BITS": 4, "APL_PRMT_SELECT": 0, "APL_GEMV_STAGE16": 1, "APL_GEMV_LUT16": 0,
                   "APL_TILES_MIN_BLOCKS": 0, "APL_TILES_GROUP": 4, "APL_TILES_ASYNC": 1, "APL_TILES_WGMMA": 1,
-                  "APL_GEMV_BATCHED_LOADS": 1, "APL_TILES_PAIR": 0, "APL_GEMV_PDL": 0, "APL_GEMV_PDL_PREFETCH": 0}
+                  "APL_GEMV_BATCHED_LOADS": 1, "APL_TILES_PAIR": 0, "APL_GEMV_PDL": 1, "APL_GEMV_PDL_PREFETCH": 0}
 
 
 def knob_overrides(text: str) -> dict[str, int]:

@@ -68,8 +68,9 @@ def _count_programmatic(monkeypatch) -> list:
 def test_programmatic_launches_equal_serial_launches(case, bits, pdl, monkeypatch):
     E, k, H, I, T = case[:5]
     assert plan_launch(T, k, E, H, I, 8).gate_up.regime in ("gemv", "tiles")
-    serial = check_case(case, bits=bits)
     monkeypatch.setitem(op.KERNEL_DEFINES, "APL_GEMV_PDL", 1)
+    monkeypatch.setattr(op, "GEMV_PDL", 0)
+    serial = check_case(case, bits=bits)
     monkeypatch.setattr(op, "GEMV_PDL", pdl)
     launched = _count_programmatic(monkeypatch)
     assert torch.equal(check_case(case, bits=bits), serial)
@@ -80,8 +81,9 @@ def test_programmatic_launches_equal_serial_launches(case, bits, pdl, monkeypatc
 def test_programmatic_launches_with_one_launch_per_bit_class(monkeypatch):
     """Two gate_up and two down launches per call (GEMV_MERGE_CLASSES off, mixed widths)."""
     monkeypatch.setattr(op, "GEMV_MERGE_CLASSES", False)
-    serial = check_case(CASES[3])
     monkeypatch.setitem(op.KERNEL_DEFINES, "APL_GEMV_PDL", 1)
+    monkeypatch.setattr(op, "GEMV_PDL", 0)
+    serial = check_case(CASES[3])
     monkeypatch.setattr(op, "GEMV_PDL", 2)
     launched = _count_programmatic(monkeypatch)
     assert torch.equal(check_case(CASES[3]), serial)
