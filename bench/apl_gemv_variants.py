@@ -81,6 +81,7 @@ VARIANTS = {  # name -> (define changes, host changes)
     "no_pdl": ({"APL_GEMV_PDL": 0}, {"GEMV_PDL": 0}),  # serial launches, no waits compiled (before 2026-12-02)
     "pdl": ({"APL_GEMV_PDL": 1}, {"GEMV_PDL": 1}),
     "pdl_all": ({"APL_GEMV_PDL": 1}, {"GEMV_PDL": 2}),
+    "pdl_planes": ({"APL_GEMV_PDL_PLANES": 1}, {}),  # decode down: the first step's planes in registers before the wait
     "pdl_prefetch": ({"APL_GEMV_PDL": 1, "APL_GEMV_PDL_PREFETCH": 1}, {"GEMV_PDL": 1}),
     "unfused_t352": ({}, {"GEMV_FUSED": False, "GEMV_TARGET_CTAS": 352}),  # fewer, longer CTAs
     "no_l2_prefetch": ({"APL_GEMV_L2_PREFETCH": 0}, {}),

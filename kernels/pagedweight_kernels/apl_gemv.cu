@@ -108,6 +108,9 @@
 #ifndef APL_GEMV_PDL_PREFETCH
 #define APL_GEMV_PDL_PREFETCH 0  // with APL_GEMV_PDL, down: ask L2 for the split's plane sectors before the wait
 #endif
+#ifndef APL_GEMV_PDL_PLANES
+#define APL_GEMV_PDL_PLANES 0  // with APL_GEMV_PDL, decode down: the first step's plane words into registers
+#endif                         // before the wait for h (not after the staging)
 #ifndef APL_TILES_GROUP
 #define APL_TILES_GROUP 4  // tiles regime: 8-token tiles whose mma chains interleave (activations in registers)
 #endif
@@ -887,7 +890,8 @@ __device__ __forceinline__ void tiles_warp(const BlockRef& blk, u32 w0a, u32 w0b
 // sectors are asked of L2 before the LUT (prologue) and the activations (stage) are read, so
 // those loads overlap; holding them in registers instead spilled (128-register budget).
 // NT8 > 1: the tiles regime (tiles_warp); stage then stages one step: stage(p0, np, step).
-template <int B, bool BF16, bool V2, bool RING, int NT8, bool PIPE_CLS, bool LATE_BUILD, bool COMPACT, class Lut, class Prologue, class Stage, class Emit>
+template <int B, bool BF16, bool V2, bool RING, int NT8, bool PIPE_CLS, bool LATE_BUILD, bool COMPACT, bool EARLY_B0,
+          class Lut, class Prologue, class Stage, class Emit>
 __device__ __forceinline__ void run_passes(const BlockRef& blk, u32 w0a, u32 w0b, Lut& la, Lut& lb, int kw,
                                            const u16* xs, int tstride, int count, int stage_tokens,
                                            u32 lane_slot0, Prologue prologue, Stage stage, Emit emit) {
@@ -922,6 +926,11 @@ __device__ __forceinline__ void run_passes(const BlockRef& blk, u32 w0a, u32 w0b
                 if (8 * j < np) emit(p0 + 8 * j, min(8, np - 8 * j), acc[j]);
         }
     } else {
+        // EARLY_B0: the first pass's first step is loaded before its staging (down under
+        // APL_GEMV_PDL: before the wait for h, while gate_up's last CTAs run).
+        constexpr bool B0_FIRST = EARLY_B0 && !PIPE && !RING && B <= 4;
+        u32 b_first[2][2][8];
+        if constexpr (B0_FIRST) load_step<B, V2>(blk, w0a, w0b, kw, 0, b_first);
         for (int p0 = 0; p0 < count; p0 += stage_tokens) {
             const int np = min(stage_tokens, count - p0);
             stage(p0, np, -1);
@@ -937,7 +946,12 @@ __device__ __forceinline__ void run_passes(const BlockRef& blk, u32 w0a, u32 w0b
                 gemv_warp_ring<B, BF16, V2>(blk, w0a, w0b, la, lb, kw, xs, tstride, min(g, np), lane_slot0, acc);
             } else {
                 u32 b0[2][2][8];
-                load_step<B, V2>(blk, w0a, w0b, kw, 0, b0);
+                if (B0_FIRST && p0 == 0) {
+#pragma unroll
+                    for (int i = 0; i < 32; ++i) (&b0[0][0][0])[i] = (&b_first[0][0][0])[i];
+                } else {
+                    load_step<B, V2>(blk, w0a, w0b, kw, 0, b0);
+                }
                 gemv_warp<B, BF16, V2, COMPACT>(blk, w0a, w0b, la, lb, kw, xs, tstride, min(g, np), b0, acc);
             }
             emit(p0, np, acc);
@@ -1310,6 +1324,7 @@ __device__ __forceinline__ void gemv_cta(
     // raw entries across the wait spilled 56 bytes).
     constexpr bool LATE = !(FUSED && MODE == 1);
     constexpr bool COMPACT = (APL_GEMV_COMPACT >> CLS) & 1;
+    constexpr bool EARLY_B0 = APL_GEMV_PDL && APL_GEMV_PDL_PLANES && MODE == 1 && !FUSED && NT8 == 1;
     auto reg_lut = [&](auto& la, auto& lb) {
         la.fetch(blk.lut + (long long)rowa * (1 << blk.bits), va);
         lb.fetch(blk.lut + (long long)rowb * (1 << blk.bits), vb);
@@ -1331,23 +1346,23 @@ __device__ __forceinline__ void gemv_cta(
     } else if (CLS == 0 || (CLS == 2 && cls == 0)) {
         if (blk.bits == 4) {
             RegLut<4> la, lb;
-            run_passes<4, BF16, V2, RING, NT8, CLS == 0, LATE, COMPACT>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, lane_slot0,
+            run_passes<4, BF16, V2, RING, NT8, CLS == 0, LATE, COMPACT, EARLY_B0>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, lane_slot0,
                                           reg_lut, stage, emit);
         } else {
             RegLut<3> la, lb;
-            run_passes<3, BF16, V2, RING, NT8, CLS == 0, LATE, COMPACT>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, lane_slot0,
+            run_passes<3, BF16, V2, RING, NT8, CLS == 0, LATE, COMPACT, EARLY_B0>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, lane_slot0,
                                           reg_lut, stage, emit);
         }
     } else {
         switch (blk.bits) {
             case 5: { SmemLut<5> la{la_s}, lb{lb_s};
-                      run_passes<5, BF16, V2, false, NT8, false, LATE, COMPACT>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, 0u, smem_lut, stage, emit); break; }
+                      run_passes<5, BF16, V2, false, NT8, false, LATE, COMPACT, EARLY_B0>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, 0u, smem_lut, stage, emit); break; }
             case 6: { SmemLut<6> la{la_s}, lb{lb_s};
-                      run_passes<6, BF16, V2, false, NT8, false, LATE, COMPACT>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, 0u, smem_lut, stage, emit); break; }
+                      run_passes<6, BF16, V2, false, NT8, false, LATE, COMPACT, EARLY_B0>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, 0u, smem_lut, stage, emit); break; }
             case 7: { SmemLut<7> la{la_s}, lb{lb_s};
-                      run_passes<7, BF16, V2, false, NT8, false, LATE, COMPACT>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, 0u, smem_lut, stage, emit); break; }
+                      run_passes<7, BF16, V2, false, NT8, false, LATE, COMPACT, EARLY_B0>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, 0u, smem_lut, stage, emit); break; }
             default: { SmemLut<8> la{la_s}, lb{lb_s};
-                       run_passes<8, BF16, V2, false, NT8, false, LATE, COMPACT>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, 0u, smem_lut, stage, emit); break; }
+                       run_passes<8, BF16, V2, false, NT8, false, LATE, COMPACT, EARLY_B0>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, 0u, smem_lut, stage, emit); break; }
         }
     }
 

@@ -147,3 +147,13 @@ def test_programmatic_layers_replayed_in_a_cuda_graph_follow_new_inputs(monkeypa
             assert relative_error(out, reference_fp32(inp, ids, w, layer)) < TOLERANCE[torch.bfloat16]
             inp = eager
         monkeypatch.setattr(op, "GEMV_PDL", 2)
+
+
+@pytest.mark.parametrize("case,bits", [(CASES[0], None), (CASES[9], 4), (QWEN_4, 3)],
+                         ids=lambda v: str(v) if isinstance(v, (int, type(None))) else
+                         "-".join(str(x).replace("torch.", "") for x in v))
+def test_first_planes_loaded_before_the_wait_keep_the_output(case, bits, monkeypatch):
+    """APL_GEMV_PDL_PLANES: down's first step of plane words comes in before it waits for h."""
+    serial = check_case(case, bits=bits)
+    monkeypatch.setitem(op.KERNEL_DEFINES, "APL_GEMV_PDL_PLANES", 1)
+    assert torch.equal(check_case(case, bits=bits), serial)
