@@ -103,7 +103,7 @@
 #define APL_TILES_PAIR 0  // tiles regime on wgmma: 1 = clusters of 2 CTAs (apl_gemv_pair), each staging half a step's
 #endif                    // activations into both CTAs' shared memory (DSMEM); measured 13-29% slower
 #ifndef APL_GEMV_PDL
-#define APL_GEMV_PDL 0  // 1: each projection waits for its launch's prerequisite grid (griddepcontrol) where it
+#define APL_GEMV_PDL 1  // 1: each projection waits for its launch's prerequisite grid (griddepcontrol) where it
 #endif                  // first needs that grid's output, and lets its dependents launch at once (see gemv_cta)
 #ifndef APL_GEMV_PDL_PREFETCH
 #define APL_GEMV_PDL_PREFETCH 0  // with APL_GEMV_PDL, down: ask L2 for the split's plane sectors before the wait
