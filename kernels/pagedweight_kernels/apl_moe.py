@@ -693,6 +693,14 @@ def _launch(name: str, grid, args, shared: int = 0, block: int = THREADS, activa
     launch_on_torch_stream(kernel, grid, block, args, shared, programmatic)
 
 
+def programmatic_down(cls: int, tiles: int) -> bool:
+    """Whether a down launch of this kernel class and NT8 overlaps gate_up (under GEMV_PDL): the
+    tiles regime and the 3-4-bit decode kernel. Measured slower for the 5-8-bit and merged decode
+    kernels (Mixtral 1 token 8 bits 322.8 against 303.4 us, mixed 178.0 against 173.9;
+    bench/results/apl_gemv_pdl_decode.json), whose waiting CTAs first fill their shared LUT rows."""
+    return tiles > 1 or cls == 0
+
+
 def programmatic_projections() -> tuple[bool, bool]:
     """(gate_up, down): which projection launches may overlap the kernel before them (GEMV_PDL,
     on a device of compute capability 9.0 or later, with the kernels' waits compiled in)."""
@@ -803,7 +811,7 @@ def _apl_moe_gemv(x, ids, topk_weights, layer: APLLayer, plan: LaunchPlan, out: 
                 (layer.down_desc, ids, num_assign, k, E, h, H, I, dn.split_cols // 32, lut, dn.tokens,
                  part_dn, layer.counters, None, weights, w_kind, T, out, int(i == 0)),
                 dn.shared_bytes + gemv_extra_shared(cls, lut, dn.tiles), block=GEMV_THREADS,
-                programmatic=pdl_down)
+                programmatic=pdl_down and programmatic_down(cls, dn.tiles))
     return out
 
 

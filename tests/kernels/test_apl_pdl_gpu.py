@@ -50,6 +50,10 @@ def pdl_instances_compiled():
         op.KERNEL_DEFINES.update(saved)
 
 
+def _uniform(E, bits):
+    return {(e, m): bits for e in range(E) for m in ("gate_up", "down")} if bits else None
+
+
 def _count_programmatic(monkeypatch) -> list:
     launched = []
     real = pl.launch_programmatic
@@ -74,8 +78,12 @@ def test_programmatic_launches_equal_serial_launches(case, bits, pdl, monkeypatc
     monkeypatch.setattr(op, "GEMV_PDL", pdl)
     launched = _count_programmatic(monkeypatch)
     assert torch.equal(check_case(case, bits=bits), serial)
-    # check_case calls the layer twice: a down launch per call (and gate_up's with GEMV_PDL 2)
-    assert len(launched) == 2 * pdl
+    # check_case calls the layer twice: a down launch per call where its class takes it (and
+    # gate_up's with GEMV_PDL 2)
+    layer = random_layer(E, H, I, seed=T, device=torch.device("cuda"), bits=_uniform(E, bits))
+    plan = plan_launch(T, k, E, H, I, layer.max_bits)
+    downs = sum(op.programmatic_down(cls, plan.down.tiles) for cls, _ in layer.decode_launches("down"))
+    assert len(launched) == 2 * (downs + (pdl == 2) * len(layer.decode_launches("gate_up")))
 
 
 def test_programmatic_launches_with_one_launch_per_bit_class(monkeypatch):
@@ -87,7 +95,7 @@ def test_programmatic_launches_with_one_launch_per_bit_class(monkeypatch):
     monkeypatch.setattr(op, "GEMV_PDL", 2)
     launched = _count_programmatic(monkeypatch)
     assert torch.equal(check_case(CASES[3]), serial)
-    assert len(launched) == 2 * 4
+    assert len(launched) == 2 * 3  # both gate_up launches, the 3-4-bit down
 
 
 def test_programmatic_decode_with_no_valid_expert_writes_zeros(monkeypatch):
