@@ -78,6 +78,7 @@ GEMV_FUSED = os.environ.get("APL_GEMV_FUSED", "0") == "1"  # measured slower (do
 # APL_GEMV_PDL, which compiles in the waits): 1 = down may start while gate_up finishes (its
 # routing, descriptor, LUT and first planes before it waits for h); 2 = gate_up too, after whatever
 # kernel precedes it (it waits before reading anything). 0 = every launch waits for the one before.
+# Down launches only where programmatic_down says (the 3-4-bit decode kernel and the tiles regime).
 # Measured (H200, bench/results/apl_gemv_pdl.json): 1 is 3-6% faster at Qwen1.5-MoE decode, 1-3%
 # in the tiles regime, 2% at Mixtral 1 token, level at Mixtral 4 tokens; 2 no better than 1.
 GEMV_PDL = 1

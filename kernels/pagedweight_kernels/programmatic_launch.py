@@ -82,10 +82,9 @@ def launch_programmatic(kernel, grid, block: int, packed, shared: int, stream: i
     attrs[0].id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
     attrs[0].value.as_u32 = 1
     config = launch_config(grid, block, shared, stream, attrs)
-    values, pointers = kernel_parameters(packed)
+    values, pointers = kernel_parameters(packed)  # values: what pointers point at, alive through the call
     driver = _driver()
     result = driver.cuLaunchKernelEx(ctypes.byref(config), ctypes.c_void_p(function_handle(kernel)), pointers, None)
-    del values  # (kept alive until the driver has copied the parameters)
     if result:
         name = ctypes.c_char_p()
         driver.cuGetErrorName(result, ctypes.byref(name))
