@@ -71,6 +71,15 @@ def _driver():
     return driver
 
 
+@lru_cache(maxsize=1)
+def _programmatic_attributes() -> ctypes.Array:
+    """The one attribute every launch here passes (built once: launches are a host hot path)."""
+    attrs = (LaunchAttribute * 1)()
+    attrs[0].id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attrs[0].value.as_u32 = 1
+    return attrs
+
+
 def launch_config(grid, block: int, shared: int, stream: int, attrs: ctypes.Array) -> LaunchConfig:
     gx, gy, gz = (tuple(grid) + (1, 1, 1))[:3]
     return LaunchConfig(gx, gy, gz, block, 1, 1, shared, ctypes.c_void_p(stream or None), attrs, len(attrs))
@@ -78,10 +87,7 @@ def launch_config(grid, block: int, shared: int, stream: int, attrs: ctypes.Arra
 
 def launch_programmatic(kernel, grid, block: int, packed, shared: int, stream: int) -> None:
     """Launch `kernel` on `stream` (a CUstream handle) allowed to overlap the kernel before it."""
-    attrs = (LaunchAttribute * 1)()
-    attrs[0].id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-    attrs[0].value.as_u32 = 1
-    config = launch_config(grid, block, shared, stream, attrs)
+    config = launch_config(grid, block, shared, stream, _programmatic_attributes())
     values, pointers = kernel_parameters(packed)  # values: what pointers point at, alive through the call
     driver = _driver()
     result = driver.cuLaunchKernelEx(ctypes.byref(config), ctypes.c_void_p(function_handle(kernel)), pointers, None)

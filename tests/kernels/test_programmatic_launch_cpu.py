@@ -60,3 +60,11 @@ def test_programmatic_projections_need_the_compiled_waits(monkeypatch):
     monkeypatch.setattr(op, "GEMV_PDL", 0)
     monkeypatch.setitem(op.KERNEL_DEFINES, "APL_GEMV_PDL", 1)
     assert op.programmatic_projections() == (False, False)
+
+
+def test_the_programmatic_attribute_allows_overlap():
+    from pagedweight_kernels.programmatic_launch import _programmatic_attributes
+
+    attrs = _programmatic_attributes()
+    assert len(attrs) == 1 and attrs[0].id == CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    assert attrs[0].value.as_u32 == 1
