@@ -6,7 +6,7 @@ plan constants, and prints one line per (variant, shape). Used to pick the defau
 results are recorded in docs/kernel.md.
 
 Usage on the GPU machine: PYTHONPATH=.:services:kernels python3 -m bench.apl_gemv_variants [variants]
-    [--mixed | --tiles | --tiles-mixed | --decode | --fused | --compact | --merged | --waves | --compile-only] [--json NAME]
+    [--mixed | --tiles | --tiles-mixed | --decode | --fused | --compact | --merged | --waves | --order | --compile-only] [--json NAME]
 --compile-only: compile the variants' decode instances for bf16 and fp16 (for the GPU tests) and exit.
 --decode: every decode shape (1-16 tokens, 3 / 4 / 8 / mixed bits) at both model sizes; the
 variants' instances are compiled first, in threads (NVRTC runs outside the GIL). --fused: the
@@ -14,6 +14,7 @@ variants' instances are compiled first, in threads (NVRTC runs outside the GIL).
 --compact: Qwen1.5-MoE 1-4 tokens and Mixtral 1-4 tokens, for the code-size and split variants.
 --merged: the merged kernel's shapes (mixed bits; 4 bits under the `stable` variants).
 --waves: the decode shapes whose column splits the whole-wave plan changed (`base no_wave`).
+--order: mixed bits at 1-256 tokens and uniform 8 bits (the APL_GEMV_ORDER variants).
 --json NAME
 also writes bench/results/NAME.json (date, machine, commit).
 """
@@ -32,7 +33,8 @@ SHAPES = [("mixtral-8x7b", 1, "3"), ("mixtral-8x7b", 1, "4"), ("mixtral-8x7b", 1
           ("qwen1.5-moe-a2.7b", 16, "4")]
 BASE = dict(op.KERNEL_DEFINES)
 HOST_KNOBS = {name: getattr(op, name) for name in ("GEMV_TARGET_CTAS", "GEMV_MERGE_CLASSES", "TILES_MAX_NT8", "GEMV_FUSED",
-                                                       "GEMV_MIN_SPLIT_WORDS", "GEMV_WAVE_PLAN", "GEMV_SHARED_PAD", "GEMV_PDL")}
+                                                       "GEMV_MIN_SPLIT_WORDS", "GEMV_WAVE_PLAN", "GEMV_SHARED_PAD", "GEMV_PDL",
+                                                       "GEMV_WAVE_PLAN_MAX_BITS")}
 VARIANTS = {  # name -> (define changes, host changes)
     "base": ({}, {}),
     "no_wave": ({}, {"GEMV_WAVE_PLAN": False}),  # decode splits to about one wave (before _wave_splits)
@@ -104,6 +106,14 @@ VARIANTS = {  # name -> (define changes, host changes)
     "wgmma": ({"APL_TILES_WGMMA": 1}, {}),  # (the default since 2026-12-01)
     "mma_sync": ({"APL_TILES_WGMMA": 0}, {}),  # the tiles regime's mma.sync path, as other GPUs run it
     "wgmma_3_blocks": ({"APL_TILES_WGMMA": 1, "APL_TILES_MIN_BLOCKS": 3}, {}),  # 168 registers, 3 CTAs per SM
+    # the 5-8-bit and merged kernels' CTA order (APL_GEMV_ORDER): widest experts first, expert-major
+    # CTA numbering, the tiles regime too (`base order_0 order_heavy order_major order_3 order_7 --order`)
+    "order_0": ({"APL_GEMV_ORDER": 0}, {}),
+    "order_heavy": ({"APL_GEMV_ORDER": 1}, {}),
+    "order_major": ({"APL_GEMV_ORDER": 2}, {}),
+    "order_3": ({"APL_GEMV_ORDER": 3}, {}),
+    "order_7": ({"APL_GEMV_ORDER": 7}, {}),
+    "order_3_waves": ({"APL_GEMV_ORDER": 3}, {"GEMV_WAVE_PLAN_MAX_BITS": 8}),  # + whole waves at any width
 }
 MIXED_SHAPES = [("qwen1.5-moe-a2.7b", 1, "mixed"), ("qwen1.5-moe-a2.7b", 4, "mixed"), ("mixtral-8x7b", 1, "mixed"),
                 ("mixtral-8x7b", 4, "mixed"), ("qwen1.5-moe-a2.7b", 1, "4")]
@@ -124,6 +134,10 @@ WAVE_SHAPES = [("mixtral-8x7b", 1, "3"), ("mixtral-8x7b", 1, "4"), ("mixtral-8x7
                ("qwen1.5-moe-a2.7b", 4, "4"), ("qwen1.5-moe-a2.7b", 1, "4"), ("qwen1.5-moe-a2.7b", 16, "4")]
 TILES_SHAPES = [(name, T, bits) for name in ("qwen1.5-moe-a2.7b", "mixtral-8x7b") for T in (64, 256)
                 for bits in ("4", "8")] + [("mixtral-8x7b", 256, "mixed")]
+# --order: the shapes whose launches hold blocks of several widths (mixed bits, decode and tiles)
+# and a uniform 8-bit one (one width: the order is the natural one, so only its cost shows)
+ORDER_SHAPES = [(name, T, "mixed") for name in ("qwen1.5-moe-a2.7b", "mixtral-8x7b") for T in (1, 4, 16, 64, 256)] + \
+               [("mixtral-8x7b", 1, "8"), ("mixtral-8x7b", 16, "8")]
 # --tiles-mixed: the tiles shapes at mixed bits (the merged kernel against one launch per class)
 TILES_MIXED_SHAPES = [(name, T, "mixed") for name in ("qwen1.5-moe-a2.7b", "mixtral-8x7b") for T in (64, 256)]
 
@@ -172,7 +186,7 @@ def main():
         else TILES_MIXED_SHAPES if "--tiles-mixed" in sys.argv \
         else DECODE_SHAPES if "--decode" in sys.argv else FUSED_SHAPES if "--fused" in sys.argv \
         else COMPACT_SHAPES if "--compact" in sys.argv else MERGED_SHAPES if "--merged" in sys.argv \
-        else WAVE_SHAPES if "--waves" in sys.argv else SHAPES
+        else WAVE_SHAPES if "--waves" in sys.argv else ORDER_SHAPES if "--order" in sys.argv else SHAPES
     names = sorted({s[0] for s in shapes})
     layers = {name: [SyntheticLayer(*MODELS[name][:1], *MODELS[name][2:], seed, device) for seed in range(COPIES)]
               for name in names}
@@ -184,9 +198,9 @@ def main():
         x = [torch.randn(T, H, device=device).bfloat16() for _ in range(REPS)]
         cases[(name, T, bits)] = (x, route, apl)
     only = [a for a in sys.argv[1:] if a in VARIANTS] or list(VARIANTS)
-    if any(a in sys.argv for a in ("--decode", "--fused", "--compact", "--merged", "--waves")):
+    if any(a in sys.argv for a in ("--decode", "--fused", "--compact", "--merged", "--waves", "--order")):
         compile_decode_instances(only, device)
-    if tiles_run:
+    if tiles_run or "--order" in sys.argv:
         compile_decode_instances(only, device, tiles=op.tiles_choices()[1:])
     rows = []
     for vname in only:

@@ -111,6 +111,11 @@
 #ifndef APL_GEMV_PDL_PLANES
 #define APL_GEMV_PDL_PLANES 0  // with APL_GEMV_PDL, decode down: the first step's plane words into registers
 #endif                         // before the wait for h (not after the staging)
+#ifndef APL_GEMV_ORDER
+#define APL_GEMV_ORDER 0  // launches of the 5-8-bit and merged kernels (CLS 1, 2), whose blocks differ in width:
+#endif                    // bit 0: active experts taken widest first (route_pick's HEAVY); bit 1: CTAs numbered
+                          // expert-major (all of an expert's row tiles and splits before the next); bit 2: in the
+                          // tiles regime too (else decode only)
 #ifndef APL_TILES_GROUP
 #define APL_TILES_GROUP 4  // tiles regime: 8-token tiles whose mma chains interleave (activations in registers)
 #endif
@@ -357,12 +362,54 @@ __device__ __forceinline__ void route_mask(const long long* __restrict__ ids, in
     __syncthreads();
 }
 
+// HEAVY order (APL_GEMV_ORDER bit 0): the sort key of expert e's block, widest first; bits outside
+// 3..8 (a block whose CTAs only write NaN) first of all. -1 for an expert without tokens.
+__device__ __forceinline__ int heavy_key(const long long* __restrict__ desc, const u32* present, int e, int num_experts) {
+    if (e >= num_experts || !((present[e >> 5] >> (e & 31)) & 1u)) return -1;
+    const long long b = desc[(long long)e * DESC_WIDTH];
+    return b < 3 || b > 8 ? 0 : 9 - (int)b;  // 8 bits -> 1 ... 3 bits -> 6
+}
+
+// Warp 0 of route_pick under HEAVY: scratch[0] = the a-th expert with tokens in the order (key,
+// ascending id), scratch[1] = how many have tokens. A launch whose blocks differ in width (the
+// merged kernel, a 5-8-bit layer) then starts its longest CTAs first and ends on short ones,
+// instead of a tail of the widest expert's CTAs when that expert has the largest id.
+__device__ __forceinline__ void pick_heavy_first(int a, const u32* present, const long long* __restrict__ desc,
+                                                 int num_experts, int* scratch) {
+    const int lane = threadIdx.x & 31;
+    int count[7];
+#pragma unroll
+    for (int q = 0; q < 7; ++q) count[q] = 0;
+    for (int j0 = 0; j0 < num_experts; j0 += 32) {
+        const int key = heavy_key(desc, present, j0 + lane, num_experts);
+#pragma unroll
+        for (int q = 0; q < 7; ++q) count[q] += __popc(__ballot_sync(0xffffffffu, key == q));
+    }
+    int total = 0, target = -1, rank = 0;
+#pragma unroll
+    for (int q = 0; q < 7; ++q) {
+        if (target < 0 && a < total + count[q]) { target = q; rank = a - total; }
+        total += count[q];
+    }
+    if (lane == 0) scratch[1] = total;
+    if (target < 0) return;  // (warp-uniform) a >= total: this CTA has no expert
+    for (int j0 = 0, seen = 0; j0 < num_experts && seen <= rank; j0 += 32) {
+        const bool hit = heavy_key(desc, present, j0 + lane, num_experts) == target;  // (desc from L1 now)
+        const u32 ballot = __ballot_sync(0xffffffffu, hit);
+        if (hit && seen + __popc(ballot & ((1u << lane) - 1u)) == rank) scratch[0] = j0 + lane;
+        seen += __popc(ballot);
+    }
+}
+
 // Phase 2 (after route_mask): the a-th expert with tokens and its slots.
-template <bool BATCH>
+template <bool BATCH, bool HEAVY = false>
 __device__ __forceinline__ Route route_pick(const long long* __restrict__ ids, int num_assign, int a, int* slots,
-                                            const u32* present, int* scratch) {
+                                            const u32* present, int* scratch, const long long* __restrict__ desc = nullptr,
+                                            int num_experts = 0) {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    if (warp == 0) {
+    if (HEAVY && warp == 0) {
+        pick_heavy_first(a, present, desc, num_experts, scratch);
+    } else if (warp == 0) {
         const u32 v = present[lane];
         int incl = __popc(v);
 #pragma unroll
@@ -433,11 +480,12 @@ __device__ __forceinline__ Route route_pick(const long long* __restrict__ ids, i
     return r;
 }
 
-template <bool BATCH>
+template <bool BATCH, bool HEAVY = false>
 __device__ __forceinline__ Route route_cta(const long long* __restrict__ ids, int num_assign, int num_experts,
-                                           int a, int* slots, u32* present, int* scratch) {
+                                           int a, int* slots, u32* present, int* scratch,
+                                           const long long* __restrict__ desc = nullptr) {
     route_mask<BATCH>(ids, num_assign, num_experts, present, nullptr, nullptr);
-    return route_pick<BATCH>(ids, num_assign, a, slots, present, scratch);
+    return route_pick<BATCH, HEAVY>(ids, num_assign, a, slots, present, scratch, desc, num_experts);
 }
 
 // ---------------------------------------------------------------- the mainloop of one warp
@@ -975,7 +1023,7 @@ __device__ __forceinline__ void run_passes(const BlockRef& blk, u32 w0a, u32 w0b
 // first phase is done by the caller (route_mask); gate_up's last split of a row tile raises
 // ready[by * gx + bx] once h is written, and down waits for the flags of its split's h
 // columns (one gate_up row tile per h word) before staging h, read through L2 only.
-template <int CLS, int MODE, bool BF16, bool V2, int NT8, bool FUSED, bool PAIR = false>
+template <int CLS, int MODE, bool BF16, bool V2, int NT8, bool FUSED, bool PAIR = false, bool HEAVY = false>
 __device__ __forceinline__ void gemv_cta(
     const long long* __restrict__ desc, const long long* __restrict__ topk_ids, int num_assign, int top_k,
     int num_experts, const u16* __restrict__ x, int rows_out, int cols, int split_words, int lut_entries,
@@ -1014,7 +1062,7 @@ __device__ __forceinline__ void gemv_cta(
         launch_dependents();
     }
     const Route route = FUSED ? route_pick<false>(topk_ids, num_assign, by, slots, present, scratch)
-                              : route_cta<BATCH>(topk_ids, num_assign, num_experts, by, slots, present, scratch);
+                              : route_cta<BATCH, HEAVY>(topk_ids, num_assign, num_experts, by, slots, present, scratch, desc);
     auto await_h = [&]() {
         if constexpr (MODE == 1 && !FUSED) grid_dependency_wait();
     };
@@ -1545,10 +1593,21 @@ __device__ __forceinline__ void gemv_entry(APL_GEMV_ENTRY_PARAMS, int gx) {
     __shared__ u32 present[32];
     __shared__ int scratch[8];
     __shared__ int last_flag;
-    gemv_cta<CLS, MODE, BF16, V2, NT8, false, PAIR>(desc, topk_ids, num_assign, top_k, num_experts, x, rows_out, cols,
-                                                    split_words, lut_entries, stage_tokens, part, counters, h_out,
-                                                    topk_w, w_kind, num_tokens, out, zero_fill, blockIdx.x, blockIdx.y,
-                                                    blockIdx.z, gridDim.z, gx, present, scratch, last_flag, nullptr);
+    // APL_GEMV_ORDER: the kernels whose blocks may differ in width, at decode (and bit 2: tiles).
+    constexpr bool ORDERED = CLS != 0 && (NT8 == 1 || (APL_GEMV_ORDER & 4) != 0);
+    constexpr bool HEAVY = ORDERED && (APL_GEMV_ORDER & 1) != 0;
+    constexpr bool EXPERT_MAJOR = ORDERED && (APL_GEMV_ORDER & 2) != 0 && !PAIR;
+    int bx = blockIdx.x, by = blockIdx.y, bz = blockIdx.z;
+    if (EXPERT_MAJOR) {  // CTAs start in about linear order: expert slot slowest, then split, then row tile
+        const int lin = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z), per = gridDim.x * gridDim.z;
+        by = lin / per;
+        bz = (lin - by * per) / gridDim.x;
+        bx = lin - by * per - bz * gridDim.x;
+    }
+    gemv_cta<CLS, MODE, BF16, V2, NT8, false, PAIR, HEAVY>(desc, topk_ids, num_assign, top_k, num_experts, x, rows_out,
+                                                           cols, split_words, lut_entries, stage_tokens, part, counters,
+                                                           h_out, topk_w, w_kind, num_tokens, out, zero_fill, bx, by,
+                                                           bz, gridDim.z, gx, present, scratch, last_flag, nullptr);
 }
 #define APL_GEMV_ENTRY_ARGS                                                                                   \
     desc, topk_ids, num_assign, top_k, num_experts, x, rows_out, cols, split_words, lut_entries, stage_tokens, \

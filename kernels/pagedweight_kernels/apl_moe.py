@@ -62,6 +62,7 @@ GEMV_MIN_SPLIT_WORDS = 16  # a split covers at least two warp steps
 # (H200, bench/results/apl_gemv_waves.json): Qwen1.5-MoE 2 tokens 5% and 4 tokens 2% faster,
 # Mixtral 3 bits 2.4% and 2 tokens 1.9% faster, Mixtral 1 token 4 bits unchanged.
 GEMV_WAVE_PLAN = True
+GEMV_WAVE_PLAN_MAX_BITS = 4  # the whole-wave plan for layers up to this width (the register-LUT kernel)
 GEMV_CTA_FIXED_STEPS = 2  # a CTA's prologue and epilogue (route, descriptor, LUT, reduction) in warp steps
 GEMV_MAX_ASSIGN = 4096  # tokens * top_k a CTA's shared slot list holds
 GEMV_MERGE_CLASSES = True  # a layer with 3-4- and 5-8-bit blocks: one launch per projection (measured faster)
@@ -100,7 +101,8 @@ KERNEL_DEFINES = {"APL_LDS_MODE": 1, "APL_RPG_DIV": 8, "APL_PREFETCH": 1, "APL_D
                   "APL_GEMV_L2_PREFETCH": 0, "APL_GEMV_RING_STAGES": 0, "APL_GEMV_PIPE": 2, "APL_GEMV_PIPE_EARLY": 0,
                   "APL_GEMV_COMPACT": 4, "APL_GEMV_ACQREL": 1, "APL_FMA_SHIFTS_MIN_BITS": 4, "APL_PRMT_SELECT": 0, "APL_GEMV_STAGE16": 1, "APL_GEMV_LUT16": 0,
                   "APL_TILES_MIN_BLOCKS": 0, "APL_TILES_GROUP": 4, "APL_TILES_ASYNC": 1, "APL_TILES_WGMMA": 1,
-                  "APL_GEMV_BATCHED_LOADS": 1, "APL_TILES_PAIR": 0, "APL_GEMV_PDL": 1, "APL_GEMV_PDL_PREFETCH": 0, "APL_GEMV_PDL_PLANES": 0}
+                  "APL_GEMV_BATCHED_LOADS": 1, "APL_TILES_PAIR": 0, "APL_GEMV_PDL": 1, "APL_GEMV_PDL_PREFETCH": 0, "APL_GEMV_PDL_PLANES": 0,
+                  "APL_GEMV_ORDER": 0}
 
 
 def knob_overrides(text: str) -> dict[str, int]:
@@ -395,7 +397,7 @@ def plan_launch(num_tokens: int, top_k: int, num_experts: int, hidden: int, inte
         # Whole waves of GEMV_TARGET_CTAS hold for the register-LUT kernel only: the 5-8-bit
         # class's shared LUT rows leave fewer CTAs per SM (measured: the wave plan made
         # Mixtral's mixed layer 5% slower and changed 8 bits by < 1%).
-        waves = GEMV_WAVE_PLAN and nt8 == 1 and max_bits <= 4 and not stable_launches
+        waves = GEMV_WAVE_PLAN and nt8 == 1 and max_bits <= GEMV_WAVE_PLAN_MAX_BITS and not stable_launches
         gate_up = _gemv_plan(0, num_tokens, top_k, hidden, intermediate, max_active, nt8, waves)
         down = _gemv_plan(1, num_tokens, top_k, intermediate, hidden, max_active, nt8, waves)
     elif legacy_decode and per_expert <= DECODE_MAX_TOKENS_PER_EXPERT:
