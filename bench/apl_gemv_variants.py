@@ -109,11 +109,14 @@ VARIANTS = {  # name -> (define changes, host changes)
     # the 5-8-bit and merged kernels' CTA order (APL_GEMV_ORDER): widest experts first, expert-major
     # CTA numbering, the tiles regime too (`base order_0 order_heavy order_major order_3 order_7 --order`)
     "order_0": ({"APL_GEMV_ORDER": 0}, {}),
-    "order_heavy": ({"APL_GEMV_ORDER": 1}, {}),
-    "order_major": ({"APL_GEMV_ORDER": 2}, {}),
+    "order_1": ({"APL_GEMV_ORDER": 1}, {}),  # widest first, at decode
+    "order_2": ({"APL_GEMV_ORDER": 2}, {}),  # expert-major, at decode
     "order_3": ({"APL_GEMV_ORDER": 3}, {}),
+    "order_5": ({"APL_GEMV_ORDER": 5}, {}),  # widest first, decode and tiles
     "order_7": ({"APL_GEMV_ORDER": 7}, {}),
+    "order_15": ({"APL_GEMV_ORDER": 15}, {}),  # the 5-8-bit kernel too
     "order_3_waves": ({"APL_GEMV_ORDER": 3}, {"GEMV_WAVE_PLAN_MAX_BITS": 8}),  # + whole waves at any width
+    "order_7_stable": ({"APL_GEMV_ORDER": 7}, {"stable": True}),
 }
 MIXED_SHAPES = [("qwen1.5-moe-a2.7b", 1, "mixed"), ("qwen1.5-moe-a2.7b", 4, "mixed"), ("mixtral-8x7b", 1, "mixed"),
                 ("mixtral-8x7b", 4, "mixed"), ("qwen1.5-moe-a2.7b", 1, "4")]
@@ -137,7 +140,11 @@ TILES_SHAPES = [(name, T, bits) for name in ("qwen1.5-moe-a2.7b", "mixtral-8x7b"
 # --order: the shapes whose launches hold blocks of several widths (mixed bits, decode and tiles)
 # and a uniform 8-bit one (one width: the order is the natural one, so only its cost shows)
 ORDER_SHAPES = [(name, T, "mixed") for name in ("qwen1.5-moe-a2.7b", "mixtral-8x7b") for T in (1, 4, 16, 64, 256)] + \
-               [("mixtral-8x7b", 1, "8"), ("mixtral-8x7b", 16, "8")]
+               [("mixtral-8x7b", 1, "8"), ("mixtral-8x7b", 16, "8"), ("mixtral-8x7b", 1, "4"), ("qwen1.5-moe-a2.7b", 1, "4")]
+# and, timed under the first variant only (a uniform layer launches no merged kernel, so no order
+# variant changes it), each width the mixed layers hold at 1-16 tokens: their byte-weighted time
+UNIFORM_FOR_WEIGHTS = [(name, T, bits) for name in ("qwen1.5-moe-a2.7b", "mixtral-8x7b") for T in (1, 4, 16)
+                       for bits in ("3", "4", "5", "6", "8")]
 # --tiles-mixed: the tiles shapes at mixed bits (the merged kernel against one launch per class)
 TILES_MIXED_SHAPES = [(name, T, "mixed") for name in ("qwen1.5-moe-a2.7b", "mixtral-8x7b") for T in (64, 256)]
 
@@ -175,6 +182,32 @@ def compile_decode_instances(variants, device, both_dtypes=False, tiles=(1,)):
         list(pool.map(compile_one, keys))
 
 
+def add_byte_weighted_rows(rows, cases):
+    """Each mixed row at 1-16 tokens against its byte-weighted time (bench/apl_moe_kernel.py's
+    add_byte_weighted: each width's share of the mixed layer's bytes at that width's uniform rate,
+    the uniform rows of this process); printed and added to the row."""
+    uniform = {(r["model"], r["tokens"], r["bits"]): r["us"] for r in rows if r["bits"] != "mixed"}
+    for r in rows:
+        if r["bits"] != "mixed" or r["tokens"] > 16:
+            continue
+        model, T = r["model"], r["tokens"]
+        _, route, apl = cases[(model, T, "mixed")]
+        active = [ids.unique().tolist() for ids, _ in route]
+        shares: dict[int, float] = {}
+        for i, experts in enumerate(active):
+            for bits, nbytes in apl[i % COPIES].nbytes_by_width(experts).items():
+                shares[bits] = shares.get(bits, 0.0) + nbytes / len(route)
+        predicted = 0.0
+        for bits, nbytes in shares.items():
+            key = (model, T, str(bits))
+            width_bytes = sum(cases[key][2][i % COPIES].nbytes_active(a) for i, a in enumerate(active)) / len(route)
+            predicted += nbytes * uniform[key] / width_bytes
+        r["byte_weighted_us"] = round(predicted, 1)
+        r["over_byte_weighted"] = round(r["us"] / predicted, 3)
+        print(f"{r['variant']:16s} {model:18s} T={T:3d} mixed {r['us']:.1f} us, byte-weighted {predicted:.1f} us: "
+              f"{r['over_byte_weighted']:.3f}x", flush=True)
+
+
 def main():
     device = torch.device("cuda")
     if "--compile-only" in sys.argv:
@@ -187,11 +220,12 @@ def main():
         else DECODE_SHAPES if "--decode" in sys.argv else FUSED_SHAPES if "--fused" in sys.argv \
         else COMPACT_SHAPES if "--compact" in sys.argv else MERGED_SHAPES if "--merged" in sys.argv \
         else WAVE_SHAPES if "--waves" in sys.argv else ORDER_SHAPES if "--order" in sys.argv else SHAPES
-    names = sorted({s[0] for s in shapes})
+    once = [s for s in UNIFORM_FOR_WEIGHTS if s not in shapes] if "--order" in sys.argv else []
+    names = sorted({s[0] for s in shapes + once})
     layers = {name: [SyntheticLayer(*MODELS[name][:1], *MODELS[name][2:], seed, device) for seed in range(COPIES)]
               for name in names}
     cases = {}
-    for name, T, bits in shapes:
+    for name, T, bits in shapes + once:
         E, k, H, I = MODELS[name]
         apl = [layer.apl(bit_assignment(bits, E, 17)) for layer in layers[name]]
         route = routings(T, E, k, REPS, device, seed=T)
@@ -206,7 +240,7 @@ def main():
     for vname in only:
         set_variant(vname)
         _, host = VARIANTS[vname]
-        for shape in shapes:
+        for shape in shapes + (once if vname == only[0] else []):
             x, route, apl = cases[shape]
             for layer in apl:
                 layer._summarise()
@@ -217,6 +251,8 @@ def main():
             us = time_calls(calls)
             rows.append({"variant": vname, "model": shape[0], "tokens": shape[1], "bits": shape[2], "us": round(us, 1)})
             print(f"{vname:16s} {shape[0]:18s} T={shape[1]:3d} bits={shape[2]:5s} {us:8.1f} us", flush=True)
+    if once:
+        add_byte_weighted_rows(rows, cases)
     if "--json" in sys.argv:
         name = sys.argv[sys.argv.index("--json") + 1]
         print(write_result(name, {"command": "python3 -m bench.apl_gemv_variants " + " ".join(sys.argv[1:]),

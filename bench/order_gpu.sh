@@ -1,12 +1,14 @@
 #!/bin/bash
 # One device call (issue 13, 2026-12-02, fourth session): APL_GEMV_ORDER, the CTA order of the
 # 5-8-bit and merged kernels (widest experts first, expert-major CTA numbering; in the tiles
-# regime too at 7). First the variants on the mixed shapes (1-256 tokens) and uniform 8 bits, in
-# one process (which compiles their instances in threads); then the order GPU tests (ordered
-# launches bit for bit equal to natural ones).
-# Usage (device): OUT=$OUT CODE_COMMIT=<c> [VARIANTS="base order_3 order_7 order_3_waves"] bash bench/order_gpu.sh
+# regime too at 7). First the variants on the mixed shapes (1-256 tokens) and uniform 4 and 8 bits,
+# in one process (which compiles their instances in threads), with the mixed layers' byte-weighted
+# times from uniform 3-8-bit layers timed once in the same process; then the order GPU tests
+# (ordered launches bit for bit equal to natural ones). The first call (df20185) ran
+# VARIANTS="base order_3 order_7 order_3_waves".
+# Usage (device): OUT=$OUT CODE_COMMIT=<c> [VARIANTS="base order_1 order_3 ..."] bash bench/order_gpu.sh
 . "$(dirname "$0")/device_call.sh"
-VARIANTS=${VARIANTS:-base order_3 order_7 order_3_waves}
+VARIANTS=${VARIANTS:-base order_1 order_3 order_5 order_7 order_15 stable order_7_stable}
 timeout "${VARIANTS_TIMEOUT_S:-260}" python3 -m bench.apl_gemv_variants $VARIANTS --order --json apl_gemv_order \
   > "$OUT/apl_gemv_order.log" 2>&1
 stamp "variants rc $?"; grep " us$" "$OUT/apl_gemv_order.log" | sed 's/  */ /g'; cp bench/results/apl_gemv_order.json "$OUT/" 2>/dev/null

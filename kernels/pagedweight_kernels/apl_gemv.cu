@@ -112,10 +112,10 @@
 #define APL_GEMV_PDL_PLANES 0  // with APL_GEMV_PDL, decode down: the first step's plane words into registers
 #endif                         // before the wait for h (not after the staging)
 #ifndef APL_GEMV_ORDER
-#define APL_GEMV_ORDER 0  // launches of the 5-8-bit and merged kernels (CLS 1, 2), whose blocks differ in width:
-#endif                    // bit 0: active experts taken widest first (route_pick's HEAVY); bit 1: CTAs numbered
-                          // expert-major (all of an expert's row tiles and splits before the next); bit 2: in the
-                          // tiles regime too (else decode only)
+#define APL_GEMV_ORDER 0  // launches of the merged kernel (CLS 2), whose blocks differ in width: bit 0: active
+#endif                    // experts taken widest first (route_pick's HEAVY); bit 1: CTAs numbered expert-major (all
+                          // of an expert's row tiles and splits before the next); bit 2: in the tiles regime too
+                          // (else decode only); bit 3: the 5-8-bit kernel (CLS 1) too
 #ifndef APL_TILES_GROUP
 #define APL_TILES_GROUP 4  // tiles regime: 8-token tiles whose mma chains interleave (activations in registers)
 #endif
@@ -362,26 +362,34 @@ __device__ __forceinline__ void route_mask(const long long* __restrict__ ids, in
     __syncthreads();
 }
 
-// HEAVY order (APL_GEMV_ORDER bit 0): the sort key of expert e's block, widest first; bits outside
-// 3..8 (a block whose CTAs only write NaN) first of all. -1 for an expert without tokens.
-__device__ __forceinline__ int heavy_key(const long long* __restrict__ desc, const u32* present, int e, int num_experts) {
-    if (e >= num_experts || !((present[e >> 5] >> (e & 31)) & 1u)) return -1;
-    const long long b = desc[(long long)e * DESC_WIDTH];
-    return b < 3 || b > 8 ? 0 : 9 - (int)b;  // 8 bits -> 1 ... 3 bits -> 6
+// HEAVY order (APL_GEMV_ORDER bit 0): the sort key of a block of these bits, widest first; bits
+// outside 3..8 (a block whose CTAs only write NaN) first of all.
+__device__ __forceinline__ int heavy_key(long long bits) { return bits < 3 || bits > 8 ? 0 : 9 - (int)bits; }
+
+// The bits of expert e's block (0 past the layer): warp 0 loads those of experts lane and lane + 32
+// before the mask is built (route_cta), so at Mixtral and Qwen1.5-MoE sizes the pick waits on no load.
+__device__ __forceinline__ long long block_bits(const long long* __restrict__ desc, int e, int num_experts) {
+    return e < num_experts ? desc[(long long)e * DESC_WIDTH] : 0;
 }
 
 // Warp 0 of route_pick under HEAVY: scratch[0] = the a-th expert with tokens in the order (key,
 // ascending id), scratch[1] = how many have tokens. A launch whose blocks differ in width (the
-// merged kernel, a 5-8-bit layer) then starts its longest CTAs first and ends on short ones,
-// instead of a tail of the widest expert's CTAs when that expert has the largest id.
+// merged kernel) then starts its longest CTAs first and ends on short ones, instead of a tail of
+// the widest expert's CTAs when that expert has the largest id. bits01: block_bits of experts
+// lane and lane + 32.
 __device__ __forceinline__ void pick_heavy_first(int a, const u32* present, const long long* __restrict__ desc,
-                                                 int num_experts, int* scratch) {
+                                                 int num_experts, const long long (&bits01)[2], int* scratch) {
     const int lane = threadIdx.x & 31;
+    auto key_at = [&](int j0) {  // -1: no tokens (or past the layer)
+        const int e = j0 + lane;
+        if (e >= num_experts || !((present[e >> 5] >> (e & 31)) & 1u)) return -1;
+        return heavy_key(j0 == 0 ? bits01[0] : j0 == 32 ? bits01[1] : block_bits(desc, e, num_experts));
+    };
     int count[7];
 #pragma unroll
     for (int q = 0; q < 7; ++q) count[q] = 0;
     for (int j0 = 0; j0 < num_experts; j0 += 32) {
-        const int key = heavy_key(desc, present, j0 + lane, num_experts);
+        const int key = key_at(j0);
 #pragma unroll
         for (int q = 0; q < 7; ++q) count[q] += __popc(__ballot_sync(0xffffffffu, key == q));
     }
@@ -394,7 +402,7 @@ __device__ __forceinline__ void pick_heavy_first(int a, const u32* present, cons
     if (lane == 0) scratch[1] = total;
     if (target < 0) return;  // (warp-uniform) a >= total: this CTA has no expert
     for (int j0 = 0, seen = 0; j0 < num_experts && seen <= rank; j0 += 32) {
-        const bool hit = heavy_key(desc, present, j0 + lane, num_experts) == target;  // (desc from L1 now)
+        const bool hit = key_at(j0) == target;  // (past 64 experts: the loads above, now in L1)
         const u32 ballot = __ballot_sync(0xffffffffu, hit);
         if (hit && seen + __popc(ballot & ((1u << lane) - 1u)) == rank) scratch[0] = j0 + lane;
         seen += __popc(ballot);
@@ -405,10 +413,10 @@ __device__ __forceinline__ void pick_heavy_first(int a, const u32* present, cons
 template <bool BATCH, bool HEAVY = false>
 __device__ __forceinline__ Route route_pick(const long long* __restrict__ ids, int num_assign, int a, int* slots,
                                             const u32* present, int* scratch, const long long* __restrict__ desc = nullptr,
-                                            int num_experts = 0) {
+                                            int num_experts = 0, const long long (&bits01)[2] = {0, 0}) {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     if (HEAVY && warp == 0) {
-        pick_heavy_first(a, present, desc, num_experts, scratch);
+        pick_heavy_first(a, present, desc, num_experts, bits01, scratch);
     } else if (warp == 0) {
         const u32 v = present[lane];
         int incl = __popc(v);
@@ -484,8 +492,13 @@ template <bool BATCH, bool HEAVY = false>
 __device__ __forceinline__ Route route_cta(const long long* __restrict__ ids, int num_assign, int num_experts,
                                            int a, int* slots, u32* present, int* scratch,
                                            const long long* __restrict__ desc = nullptr) {
+    long long bits01[2] = {0, 0};
+    if (HEAVY && threadIdx.x < 32) {
+        bits01[0] = block_bits(desc, threadIdx.x, num_experts);
+        bits01[1] = block_bits(desc, threadIdx.x + 32, num_experts);
+    }
     route_mask<BATCH>(ids, num_assign, num_experts, present, nullptr, nullptr);
-    return route_pick<BATCH, HEAVY>(ids, num_assign, a, slots, present, scratch, desc, num_experts);
+    return route_pick<BATCH, HEAVY>(ids, num_assign, a, slots, present, scratch, desc, num_experts, bits01);
 }
 
 // ---------------------------------------------------------------- the mainloop of one warp
@@ -1594,20 +1607,21 @@ __device__ __forceinline__ void gemv_entry(APL_GEMV_ENTRY_PARAMS, int gx) {
     __shared__ int scratch[8];
     __shared__ int last_flag;
     // APL_GEMV_ORDER: the kernels whose blocks may differ in width, at decode (and bit 2: tiles).
-    constexpr bool ORDERED = CLS != 0 && (NT8 == 1 || (APL_GEMV_ORDER & 4) != 0);
+    constexpr bool ORDERED = (CLS == 2 || (CLS == 1 && (APL_GEMV_ORDER & 8) != 0)) &&
+                             (NT8 == 1 || (APL_GEMV_ORDER & 4) != 0);
     constexpr bool HEAVY = ORDERED && (APL_GEMV_ORDER & 1) != 0;
+    // Bit 1, expert-major: the host launches the grid as (row tiles, splits, active experts), so CTAs,
+    // which start in about linear order, take every row tile and split of one expert before the next.
+    // (The indices stay special registers: computed from a linear index, they stayed live through
+    // the step loop and the merged gate_up spilled 80 bytes; nvcc 13.0.)
     constexpr bool EXPERT_MAJOR = ORDERED && (APL_GEMV_ORDER & 2) != 0 && !PAIR;
-    int bx = blockIdx.x, by = blockIdx.y, bz = blockIdx.z;
-    if (EXPERT_MAJOR) {  // CTAs start in about linear order: expert slot slowest, then split, then row tile
-        const int lin = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z), per = gridDim.x * gridDim.z;
-        by = lin / per;
-        bz = (lin - by * per) / gridDim.x;
-        bx = lin - by * per - bz * gridDim.x;
-    }
     gemv_cta<CLS, MODE, BF16, V2, NT8, false, PAIR, HEAVY>(desc, topk_ids, num_assign, top_k, num_experts, x, rows_out,
                                                            cols, split_words, lut_entries, stage_tokens, part, counters,
-                                                           h_out, topk_w, w_kind, num_tokens, out, zero_fill, bx, by,
-                                                           bz, gridDim.z, gx, present, scratch, last_flag, nullptr);
+                                                           h_out, topk_w, w_kind, num_tokens, out, zero_fill, blockIdx.x,
+                                                           EXPERT_MAJOR ? blockIdx.z : blockIdx.y,
+                                                           EXPERT_MAJOR ? blockIdx.y : blockIdx.z,
+                                                           EXPERT_MAJOR ? gridDim.y : gridDim.z, gx, present, scratch,
+                                                           last_flag, nullptr);
 }
 #define APL_GEMV_ENTRY_ARGS                                                                                   \
     desc, topk_ids, num_assign, top_k, num_experts, x, rows_out, cols, split_words, lut_entries, stage_tokens, \

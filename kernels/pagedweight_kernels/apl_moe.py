@@ -600,6 +600,26 @@ def tiles_launch(name: str, grid: tuple[int, int, int], wgmma: bool) -> tuple[st
     return _pair_name(name), (grid[0] + grid[0] % 2, grid[1], grid[2])
 
 
+def expert_major(cls: int, tiles: int) -> bool:
+    """Whether a projection launch of this kernel class and NT8 numbers its CTAs expert-major
+    (APL_GEMV_ORDER bit 1; apl_gemv.cu's gemv_entry, the cluster pair aside): its grid is then
+    (row tiles, splits, active experts), so every row tile and split of one expert starts before
+    the next expert's."""
+    order = KERNEL_DEFINES.get("APL_GEMV_ORDER", 0)
+    ordered = (cls == 2 or (cls == 1 and order & 8)) and (tiles == 1 or order & 4)
+    return bool(ordered and order & 2)
+
+
+def gemv_launch(cls: int, name: str, grid: tuple[int, int, int], wgmma: bool) -> tuple[str, tuple[int, int, int]]:
+    """The instance and grid of one projection launch of apl_gemv instance `name` (kernel class
+    cls) planned as (row tiles, active experts, splits): tiles_launch's, then the expert-major
+    numbering where expert_major says."""
+    name, grid = tiles_launch(name, grid, wgmma)
+    if name.startswith("apl_gemv<") and expert_major(cls, instance_tiles(name)):
+        return name, (grid[0], grid[2], grid[1])
+    return name, grid
+
+
 def _pair_name(name: str) -> str:
     """The cluster pair instance of an apl_gemv tiles instance (same template arguments)."""
     return name.replace("apl_gemv<", "apl_gemv_pair<", 1)
@@ -803,14 +823,14 @@ def _apl_moe_gemv(x, ids, topk_weights, layer: APLLayer, plan: LaunchPlan, out: 
     pdl_gate_up, pdl_down = programmatic_projections()
     for cls, widest in launches["gate_up"]:
         lut = 1 << widest if cls >= 1 else 0
-        _launch(*tiles_launch(_gemv_name(cls, 0, flag, v2["gate_up"], gu.tiles), gu.grid, wgmma),
+        _launch(*gemv_launch(cls, _gemv_name(cls, 0, flag, v2["gate_up"], gu.tiles), gu.grid, wgmma),
                 (layer.gate_up_desc, ids, num_assign, k, E, x, I, H, gu.split_cols // 32, lut, gu.tokens,
                  part_gu, layer.counters, h, weights, w_kind, T, out, 0),
                 gu.shared_bytes + gemv_extra_shared(cls, lut, gu.tiles), block=GEMV_THREADS,
                 activation=layer.activation, programmatic=pdl_gate_up)
     for i, (cls, widest) in enumerate(launches["down"]):
         lut = 1 << widest if cls >= 1 else 0
-        _launch(*tiles_launch(_gemv_name(cls, 1, flag, v2["down"], dn.tiles), dn.grid, wgmma),
+        _launch(*gemv_launch(cls, _gemv_name(cls, 1, flag, v2["down"], dn.tiles), dn.grid, wgmma),
                 (layer.down_desc, ids, num_assign, k, E, h, H, I, dn.split_cols // 32, lut, dn.tokens,
                  part_dn, layer.counters, None, weights, w_kind, T, out, int(i == 0)),
                 dn.shared_bytes + gemv_extra_shared(cls, lut, dn.tiles), block=GEMV_THREADS,

@@ -444,3 +444,22 @@ def test_tiles_launch_takes_the_cluster_pair_only_on_wgmma_with_the_knob(monkeyp
     assert op.instance_tiles("apl_gemv_pair<2, 1, false, true, 4>") == 4
     # no Hopper device here: no pair instance among those to precompile
     assert not any(name.startswith("apl_gemv_pair") for name, _ in op.kernel_instances(torch.bfloat16))
+
+
+@pytest.mark.parametrize("order,cls,tiles,major", [
+    (0, 2, 1, False), (1, 2, 1, False), (3, 2, 1, True), (3, 2, 8, False), (7, 2, 8, True), (7, 1, 1, False),
+    (15, 1, 1, True), (15, 1, 4, True), (15, 0, 1, False), (11, 1, 4, False)])
+def test_expert_major_grids_follow_the_order_knob(order, cls, tiles, major, monkeypatch):
+    """APL_GEMV_ORDER bit 1: the merged kernel (and with bit 3 the 5-8-bit one) launches its grid as
+    (row tiles, splits, experts), at decode, and with bit 2 in the tiles regime; never the 3-4-bit
+    kernel nor the cluster pair, whose kernels read the planned (row tiles, experts, splits)."""
+    import pagedweight_kernels.apl_moe as op
+
+    monkeypatch.setitem(op.KERNEL_DEFINES, "APL_GEMV_ORDER", order)
+    monkeypatch.setitem(op.KERNEL_DEFINES, "APL_TILES_PAIR", 0)
+    name = op._gemv_name(cls, 0, "true", "true", tiles)
+    assert op.expert_major(cls, tiles) == major
+    assert op.gemv_launch(cls, name, (7, 5, 3), True) == (name, (7, 3, 5) if major else (7, 5, 3))
+    if tiles > 1:
+        monkeypatch.setitem(op.KERNEL_DEFINES, "APL_TILES_PAIR", 1)
+        assert op.gemv_launch(cls, name, (7, 5, 3), True) == (op._pair_name(name), (8, 5, 3))

@@ -53,9 +53,10 @@ def test_ordered_launches_equal_natural_ones(case, order, monkeypatch):
     assert torch.equal(check_case(case), natural)
 
 
-@pytest.mark.parametrize("order", (0, 3))
+@pytest.mark.parametrize("order", (3, 15))
 def test_five_to_eight_bit_layer_in_order(order, monkeypatch):
-    """A layer of 5-8-bit blocks only: the 5-8-bit kernel's launch (CLS 1), widths per expert."""
+    """A layer of 5-8-bit blocks only: the 5-8-bit kernel's launch (CLS 1), widths per expert, in
+    its natural order at 3 and ordered at 15 (bit 3)."""
     monkeypatch.setitem(op.KERNEL_DEFINES, "APL_GEMV_ORDER", 0)
     natural = check_case(CASES[4], bits=FIVE_TO_EIGHT)
     monkeypatch.setitem(op.KERNEL_DEFINES, "APL_GEMV_ORDER", order)
