@@ -8,10 +8,11 @@
 # VARIANTS="base order_3 order_7 order_3_waves".
 # Usage (device): OUT=$OUT CODE_COMMIT=<c> [VARIANTS="base order_1 order_3 ..."] bash bench/order_gpu.sh
 . "$(dirname "$0")/device_call.sh"
+TAG=${TAG:-split}
 VARIANTS=${VARIANTS:-base order_1 order_3 order_5 order_7 order_15 stable order_7_stable}
-timeout "${VARIANTS_TIMEOUT_S:-260}" python3 -m bench.apl_gemv_variants $VARIANTS --order --json apl_gemv_order \
-  > "$OUT/apl_gemv_order.log" 2>&1
-stamp "variants rc $?"; grep " us$" "$OUT/apl_gemv_order.log" | sed 's/  */ /g'; cp bench/results/apl_gemv_order.json "$OUT/" 2>/dev/null
+timeout "${VARIANTS_TIMEOUT_S:-260}" python3 -m bench.apl_gemv_variants $VARIANTS --order --json apl_gemv_order_$TAG \
+  > "$OUT/apl_gemv_order_$TAG.log" 2>&1
+stamp "variants rc $?"; grep -E " us$|byte-weighted" "$OUT/apl_gemv_order_$TAG.log" | sed 's/  */ /g'; cp bench/results/apl_gemv_order_$TAG.json "$OUT/" 2>/dev/null
 PAGEDWEIGHT_TEST_PRECOMPILE=0 timeout "${TEST_TIMEOUT_S:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short \
   tests/kernels/test_apl_order_gpu.py > "$OUT/gpu_order_tests.log" 2>&1
 stamp "order tests rc $?"; tail -n 25 "$OUT/gpu_order_tests.log" | grep -v "^$" | tail -n 20
