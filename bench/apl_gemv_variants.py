@@ -117,6 +117,9 @@ VARIANTS = {  # name -> (define changes, host changes)
     "order_15": ({"APL_GEMV_ORDER": 15}, {}),  # the 5-8-bit kernel too
     "order_3_waves": ({"APL_GEMV_ORDER": 3}, {"GEMV_WAVE_PLAN_MAX_BITS": 8}),  # + whole waves at any width
     "order_7_stable": ({"APL_GEMV_ORDER": 7}, {"stable": True}),
+    "order_1_stable": ({"APL_GEMV_ORDER": 1}, {"stable": True}),
+    "order_5_stable": ({"APL_GEMV_ORDER": 5}, {"stable": True}),
+    "order_2_stable": ({"APL_GEMV_ORDER": 2}, {"stable": True}),
 }
 MIXED_SHAPES = [("qwen1.5-moe-a2.7b", 1, "mixed"), ("qwen1.5-moe-a2.7b", 4, "mixed"), ("mixtral-8x7b", 1, "mixed"),
                 ("mixtral-8x7b", 4, "mixed"), ("qwen1.5-moe-a2.7b", 1, "4")]
@@ -186,12 +189,13 @@ def add_byte_weighted_rows(rows, cases):
     """Each mixed row at 1-16 tokens against its byte-weighted time (bench/apl_moe_kernel.py's
     add_byte_weighted: each width's share of the mixed layer's bytes at that width's uniform rate,
     the uniform rows of this process); printed and added to the row."""
-    uniform = {(r["model"], r["tokens"], r["bits"]): r["us"] for r in rows if r["bits"] != "mixed"}
+    first = rows[0]["variant"]  # (the uniform shapes of ORDER_SHAPES are timed under every variant)
+    uniform = {(r["model"], r["tokens"], r["bits"]): r["us"] for r in rows if r["bits"] != "mixed" and r["variant"] == first}
     for r in rows:
         if r["bits"] != "mixed" or r["tokens"] > 16:
             continue
         model, T = r["model"], r["tokens"]
-        _, route, apl = cases[(model, T, "mixed")]
+        route, apl = cases[(model, T, "mixed")][1:]
         active = [ids.unique().tolist() for ids, _ in route]
         shares: dict[int, float] = {}
         for i, experts in enumerate(active):
@@ -200,7 +204,8 @@ def add_byte_weighted_rows(rows, cases):
         predicted = 0.0
         for bits, nbytes in shares.items():
             key = (model, T, str(bits))
-            width_bytes = sum(cases[key][2][i % COPIES].nbytes_active(a) for i, a in enumerate(active)) / len(route)
+            width_layers = cases[key][2]
+            width_bytes = sum(width_layers[i % COPIES].nbytes_active(a) for i, a in enumerate(active)) / len(route)
             predicted += nbytes * uniform[key] / width_bytes
         r["byte_weighted_us"] = round(predicted, 1)
         r["over_byte_weighted"] = round(r["us"] / predicted, 3)

@@ -5,7 +5,9 @@
 # in one process (which compiles their instances in threads), with the mixed layers' byte-weighted
 # times from uniform 3-8-bit layers timed once in the same process; then the order GPU tests
 # (ordered launches bit for bit equal to natural ones). The first call (df20185) ran
-# VARIANTS="base order_3 order_7 order_3_waves".
+# VARIANTS="base order_3 order_7 order_3_waves"; the second (ec8c2d0, TAG=split) the default list; the
+# third (TAG=stable, SKIP_TESTS=1) VARIANTS="base order_5 order_7 stable order_1_stable order_2_stable
+# order_5_stable order_7_stable".
 # Usage (device): OUT=$OUT CODE_COMMIT=<c> [VARIANTS="base order_1 order_3 ..."] bash bench/order_gpu.sh
 . "$(dirname "$0")/device_call.sh"
 TAG=${TAG:-split}
@@ -13,6 +15,7 @@ VARIANTS=${VARIANTS:-base order_1 order_3 order_5 order_7 order_15 stable order_
 timeout "${VARIANTS_TIMEOUT_S:-260}" python3 -m bench.apl_gemv_variants $VARIANTS --order --json apl_gemv_order_$TAG \
   > "$OUT/apl_gemv_order_$TAG.log" 2>&1
 stamp "variants rc $?"; grep -E " us$|byte-weighted" "$OUT/apl_gemv_order_$TAG.log" | sed 's/  */ /g'; cp bench/results/apl_gemv_order_$TAG.json "$OUT/" 2>/dev/null
+[ -n "${SKIP_TESTS:-}" ] && exit 0
 PAGEDWEIGHT_TEST_PRECOMPILE=0 timeout "${TEST_TIMEOUT_S:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short \
   tests/kernels/test_apl_order_gpu.py > "$OUT/gpu_order_tests.log" 2>&1
 stamp "order tests rc $?"; tail -n 25 "$OUT/gpu_order_tests.log" | grep -v "^$" | tail -n 20
