@@ -120,6 +120,10 @@ VARIANTS = {  # name -> (define changes, host changes)
     "order_1_stable": ({"APL_GEMV_ORDER": 1}, {"stable": True}),
     "order_5_stable": ({"APL_GEMV_ORDER": 5}, {"stable": True}),
     "order_2_stable": ({"APL_GEMV_ORDER": 2}, {"stable": True}),
+    "order_0_stable": ({"APL_GEMV_ORDER": 0}, {"stable": True}),
+    # the heavy order at 1 token too (the default, 5, takes it from 2 tokens: APL_GEMV_HEAVY_MIN_TOKENS)
+    "heavy_all": ({"APL_GEMV_ORDER": 5, "APL_GEMV_HEAVY_MIN_TOKENS": 1}, {}),
+    "heavy_all_stable": ({"APL_GEMV_ORDER": 5, "APL_GEMV_HEAVY_MIN_TOKENS": 1}, {"stable": True}),
 }
 MIXED_SHAPES = [("qwen1.5-moe-a2.7b", 1, "mixed"), ("qwen1.5-moe-a2.7b", 4, "mixed"), ("mixtral-8x7b", 1, "mixed"),
                 ("mixtral-8x7b", 4, "mixed"), ("qwen1.5-moe-a2.7b", 1, "4")]

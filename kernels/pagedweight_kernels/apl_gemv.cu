@@ -112,10 +112,13 @@
 #define APL_GEMV_PDL_PLANES 0  // with APL_GEMV_PDL, decode down: the first step's plane words into registers
 #endif                         // before the wait for h (not after the staging)
 #ifndef APL_GEMV_ORDER
-#define APL_GEMV_ORDER 0  // launches of the merged kernel (CLS 2), whose blocks differ in width: bit 0: active
+#define APL_GEMV_ORDER 5  // launches of the merged kernel (CLS 2), whose blocks differ in width: bit 0: active
 #endif                    // experts taken widest first (route_pick's HEAVY); bit 1: CTAs numbered expert-major (all
                           // of an expert's row tiles and splits before the next); bit 2: in the tiles regime too
                           // (else decode only); bit 3: the 5-8-bit kernel (CLS 1) too
+#ifndef APL_GEMV_HEAVY_MIN_TOKENS
+#define APL_GEMV_HEAVY_MIN_TOKENS 2  // the heavy order (bit 0) in launches of at least this many tokens: at 1
+#endif                               // token it bought nothing at Mixtral size and cost 3-4% at Qwen1.5-MoE's
 #ifndef APL_TILES_GROUP
 #define APL_TILES_GROUP 4  // tiles regime: 8-token tiles whose mma chains interleave (activations in registers)
 #endif
@@ -413,9 +416,10 @@ __device__ __forceinline__ void pick_heavy_first(int a, const u32* present, cons
 template <bool BATCH, bool HEAVY = false>
 __device__ __forceinline__ Route route_pick(const long long* __restrict__ ids, int num_assign, int a, int* slots,
                                             const u32* present, int* scratch, const long long* __restrict__ desc = nullptr,
-                                            int num_experts = 0, const long long (&bits01)[2] = {0, 0}) {
+                                            int num_experts = 0, const long long (&bits01)[2] = {0, 0},
+                                            bool heavy = HEAVY) {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    if (HEAVY && warp == 0) {
+    if (HEAVY && heavy && warp == 0) {
         pick_heavy_first(a, present, desc, num_experts, bits01, scratch);
     } else if (warp == 0) {
         const u32 v = present[lane];
@@ -491,14 +495,14 @@ __device__ __forceinline__ Route route_pick(const long long* __restrict__ ids, i
 template <bool BATCH, bool HEAVY = false>
 __device__ __forceinline__ Route route_cta(const long long* __restrict__ ids, int num_assign, int num_experts,
                                            int a, int* slots, u32* present, int* scratch,
-                                           const long long* __restrict__ desc = nullptr) {
+                                           const long long* __restrict__ desc = nullptr, bool heavy = HEAVY) {
     long long bits01[2] = {0, 0};
-    if (HEAVY && threadIdx.x < 32) {
+    if (HEAVY && heavy && threadIdx.x < 32) {
         bits01[0] = block_bits(desc, threadIdx.x, num_experts);
         bits01[1] = block_bits(desc, threadIdx.x + 32, num_experts);
     }
     route_mask<BATCH>(ids, num_assign, num_experts, present, nullptr, nullptr);
-    return route_pick<BATCH, HEAVY>(ids, num_assign, a, slots, present, scratch, desc, num_experts, bits01);
+    return route_pick<BATCH, HEAVY>(ids, num_assign, a, slots, present, scratch, desc, num_experts, bits01, heavy);
 }
 
 // ---------------------------------------------------------------- the mainloop of one warp
@@ -1075,7 +1079,8 @@ __device__ __forceinline__ void gemv_cta(
         launch_dependents();
     }
     const Route route = FUSED ? route_pick<false>(topk_ids, num_assign, by, slots, present, scratch)
-                              : route_cta<BATCH, HEAVY>(topk_ids, num_assign, num_experts, by, slots, present, scratch, desc);
+                              : route_cta<BATCH, HEAVY>(topk_ids, num_assign, num_experts, by, slots, present, scratch, desc,
+                                                        num_tokens >= APL_GEMV_HEAVY_MIN_TOKENS);
     auto await_h = [&]() {
         if constexpr (MODE == 1 && !FUSED) grid_dependency_wait();
     };
