@@ -34,7 +34,7 @@ SHAPES = [("mixtral-8x7b", 1, "3"), ("mixtral-8x7b", 1, "4"), ("mixtral-8x7b", 1
 BASE = dict(op.KERNEL_DEFINES)
 HOST_KNOBS = {name: getattr(op, name) for name in ("GEMV_TARGET_CTAS", "GEMV_MERGE_CLASSES", "TILES_MAX_NT8", "GEMV_FUSED",
                                                        "GEMV_MIN_SPLIT_WORDS", "GEMV_WAVE_PLAN", "GEMV_SHARED_PAD", "GEMV_PDL",
-                                                       "GEMV_WAVE_PLAN_MAX_BITS")}
+                                                       "GEMV_WAVE_PLAN_MAX_BITS", "GEMV_WIDE_TARGET_CTAS")}
 VARIANTS = {  # name -> (define changes, host changes)
     "base": ({}, {}),
     "no_wave": ({}, {"GEMV_WAVE_PLAN": False}),  # decode splits to about one wave (before _wave_splits)
@@ -124,6 +124,12 @@ VARIANTS = {  # name -> (define changes, host changes)
     # the heavy order at 1 token too (the default, 5, takes it from 2 tokens: APL_GEMV_HEAVY_MIN_TOKENS)
     "heavy_all": ({"APL_GEMV_ORDER": 5, "APL_GEMV_HEAVY_MIN_TOKENS": 1}, {}),
     "heavy_all_stable": ({"APL_GEMV_ORDER": 5, "APL_GEMV_HEAVY_MIN_TOKENS": 1}, {"stable": True}),
+    # decode launches not planned by whole waves (5-8-bit, merged, stable) split to 2 or 4 waves of
+    # CTAs: finer work items, so a launch whose CTAs differ in width ends on a shorter tail
+    "wide_2w": ({}, {"GEMV_WIDE_TARGET_CTAS": 1056}),
+    "wide_4w": ({}, {"GEMV_WIDE_TARGET_CTAS": 2112}),
+    "wide_2w_stable": ({}, {"GEMV_WIDE_TARGET_CTAS": 1056, "stable": True}),
+    "wide_4w_stable": ({}, {"GEMV_WIDE_TARGET_CTAS": 2112, "stable": True}),
 }
 MIXED_SHAPES = [("qwen1.5-moe-a2.7b", 1, "mixed"), ("qwen1.5-moe-a2.7b", 4, "mixed"), ("mixtral-8x7b", 1, "mixed"),
                 ("mixtral-8x7b", 4, "mixed"), ("qwen1.5-moe-a2.7b", 1, "4")]

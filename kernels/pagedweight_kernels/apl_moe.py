@@ -55,6 +55,9 @@ THREADS = 256
 GEMV_MAX_TOKENS_PER_EXPERT = 4.0  # above: the prefill kernel; a hot expert takes passes of 8
 GEMV_ROWS, GEMV_THREADS, GEMV_STEP_WORDS, GEMV_TOKENS = 64, 128, 8, 8
 GEMV_TARGET_CTAS = 528  # one wave on a 132-SM H200 (4 CTAs per SM): longer CTAs, fewer prologues
+# Decode launches not planned by whole waves (5-8-bit, merged and stable ones, whose CTAs may
+# differ in width, so in length) split to about this many CTAs.
+GEMV_WIDE_TARGET_CTAS = 528
 GEMV_X_BYTES = 40 * 1024  # shared memory for one split's staged activations
 GEMV_MIN_SPLIT_WORDS = 16  # a split covers at least two warp steps
 # Decode column splits of 3-4-bit layers chosen by whole waves (_wave_splits): a grid of 1.21
@@ -477,7 +480,8 @@ def _gemv_plan(mode, num_tokens, top_k, cols, rows_out, max_active, nt8: int = 1
     if waves:
         splits = _wave_splits(tiles * max_active, words, most_splits, max_split)
     else:
-        splits = min(math.ceil(GEMV_TARGET_CTAS / (tiles * max_active)), most_splits)
+        target = GEMV_WIDE_TARGET_CTAS if nt8 == 1 else GEMV_TARGET_CTAS
+        splits = min(math.ceil(target / (tiles * max_active)), most_splits)
     split_words = _split_words(words, splits, max_split)
     splits = math.ceil(words / split_words)
     num_assign = num_tokens * top_k
