@@ -8,7 +8,9 @@
 # VARIANTS="base order_3 order_7 order_3_waves"; the second (ec8c2d0, TAG=split) the default list; the
 # third (TAG=stable, SKIP_TESTS=1) VARIANTS="base order_5 order_7 stable order_1_stable order_2_stable
 # order_5_stable order_7_stable"; the fourth (2026-12-03, the default 5 with the heavy order from 2 tokens,
-# TAG=default, SKIP_TESTS=1) VARIANTS="base order_0 heavy_all stable order_0_stable heavy_all_stable".
+# TAG=default, SKIP_TESTS=1) VARIANTS="base order_0 heavy_all stable order_0_stable heavy_all_stable wide_2w
+# wide_4w wide_2w_stable wide_4w_stable", then bench/gpu_tests_sharded_gpu.sh; the fifth (TAG=per_class)
+# VARIANTS="base per_class", then the layer benchmark (apl_moe_kernel_order, docs/kernel.md's command).
 # Usage (device): OUT=$OUT CODE_COMMIT=<c> [VARIANTS="base order_1 order_3 ..."] bash bench/order_gpu.sh
 . "$(dirname "$0")/device_call.sh"
 TAG=${TAG:-split}
