@@ -34,7 +34,7 @@ SHAPES = [("mixtral-8x7b", 1, "3"), ("mixtral-8x7b", 1, "4"), ("mixtral-8x7b", 1
 BASE = dict(op.KERNEL_DEFINES)
 HOST_KNOBS = {name: getattr(op, name) for name in ("GEMV_TARGET_CTAS", "GEMV_MERGE_CLASSES", "TILES_MAX_NT8", "GEMV_FUSED",
                                                        "GEMV_MIN_SPLIT_WORDS", "GEMV_WAVE_PLAN", "GEMV_SHARED_PAD", "GEMV_PDL",
-                                                       "GEMV_WAVE_PLAN_MAX_BITS", "GEMV_WIDE_TARGET_CTAS")}
+                                                       "GEMV_WAVE_PLAN_MAX_BITS", "GEMV_WIDE_TARGET_CTAS", "GEMV_LUT_AWARE_CTAS")}
 VARIANTS = {  # name -> (define changes, host changes)
     "base": ({}, {}),
     "no_wave": ({}, {"GEMV_WAVE_PLAN": False}),  # decode splits to about one wave (before _wave_splits)
@@ -130,6 +130,10 @@ VARIANTS = {  # name -> (define changes, host changes)
     "wide_4w": ({}, {"GEMV_WIDE_TARGET_CTAS": 2112}),
     "wide_2w_stable": ({}, {"GEMV_WIDE_TARGET_CTAS": 1056, "stable": True}),
     "wide_4w_stable": ({}, {"GEMV_WIDE_TARGET_CTAS": 2112, "stable": True}),
+    # decode launches with shared LUT rows staging whatever split the budget allows (before
+    # 2026-12-03; the default now caps the split so 4 CTAs fit: GEMV_LUT_AWARE_CTAS)
+    "lut_unaware": ({}, {"GEMV_LUT_AWARE_CTAS": 0}),
+    "lut_unaware_stable": ({}, {"GEMV_LUT_AWARE_CTAS": 0, "stable": True}),
 }
 MIXED_SHAPES = [("qwen1.5-moe-a2.7b", 1, "mixed"), ("qwen1.5-moe-a2.7b", 4, "mixed"), ("mixtral-8x7b", 1, "mixed"),
                 ("mixtral-8x7b", 4, "mixed"), ("qwen1.5-moe-a2.7b", 1, "4")]
@@ -158,6 +162,11 @@ ORDER_SHAPES = [(name, T, "mixed") for name in ("qwen1.5-moe-a2.7b", "mixtral-8x
 # variant changes it), each width the mixed layers hold at 1-16 tokens: their byte-weighted time
 UNIFORM_FOR_WEIGHTS = [(name, T, bits) for name in ("qwen1.5-moe-a2.7b", "mixtral-8x7b") for T in (1, 4, 16)
                        for bits in ("3", "4", "5", "6", "8")]
+# --lut: the decode shapes GEMV_LUT_AWARE_CTAS changes (8-bit LUT rows from 2 tokens: mixed, uniform 8
+# bits, and every width under stable launches), with a 1-token control, and the byte-weighted rows
+LUT_SHAPES = [(name, T, "mixed") for name in ("qwen1.5-moe-a2.7b", "mixtral-8x7b") for T in (1, 4, 16)] + \
+             [(name, T, bits) for name in ("qwen1.5-moe-a2.7b", "mixtral-8x7b") for T, bits in
+              ((1, "8"), (4, "8"), (16, "8"), (4, "4"), (16, "4"))] + [("mixtral-8x7b", 2, "8")]
 # --tiles-mixed: the tiles shapes at mixed bits (the merged kernel against one launch per class)
 TILES_MIXED_SHAPES = [(name, T, "mixed") for name in ("qwen1.5-moe-a2.7b", "mixtral-8x7b") for T in (64, 256)]
 
@@ -234,8 +243,10 @@ def main():
         else TILES_MIXED_SHAPES if "--tiles-mixed" in sys.argv \
         else DECODE_SHAPES if "--decode" in sys.argv else FUSED_SHAPES if "--fused" in sys.argv \
         else COMPACT_SHAPES if "--compact" in sys.argv else MERGED_SHAPES if "--merged" in sys.argv \
-        else WAVE_SHAPES if "--waves" in sys.argv else ORDER_SHAPES if "--order" in sys.argv else SHAPES
-    once = [s for s in UNIFORM_FOR_WEIGHTS if s not in shapes] if "--order" in sys.argv else []
+        else WAVE_SHAPES if "--waves" in sys.argv else ORDER_SHAPES if "--order" in sys.argv \
+        else LUT_SHAPES if "--lut" in sys.argv else SHAPES
+    weighed = "--order" in sys.argv or "--lut" in sys.argv
+    once = [s for s in UNIFORM_FOR_WEIGHTS if s not in shapes] if weighed else []
     names = sorted({s[0] for s in shapes + once})
     layers = {name: [SyntheticLayer(*MODELS[name][:1], *MODELS[name][2:], seed, device) for seed in range(COPIES)]
               for name in names}
@@ -247,7 +258,7 @@ def main():
         x = [torch.randn(T, H, device=device).bfloat16() for _ in range(REPS)]
         cases[(name, T, bits)] = (x, route, apl)
     only = [a for a in sys.argv[1:] if a in VARIANTS] or list(VARIANTS)
-    if any(a in sys.argv for a in ("--decode", "--fused", "--compact", "--merged", "--waves", "--order")):
+    if any(a in sys.argv for a in ("--decode", "--fused", "--compact", "--merged", "--waves", "--order", "--lut")):
         compile_decode_instances(only, device)
     if tiles_run or "--order" in sys.argv:
         compile_decode_instances(only, device, tiles=op.tiles_choices()[1:])

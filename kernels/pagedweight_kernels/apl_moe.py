@@ -59,6 +59,12 @@ GEMV_TARGET_CTAS = 528  # one wave on a 132-SM H200 (4 CTAs per SM): longer CTAs
 # differ in width, so in length) split to about this many CTAs.
 GEMV_WIDE_TARGET_CTAS = 528
 GEMV_X_BYTES = 40 * 1024  # shared memory for one split's staged activations
+# A decode launch that reserves shared LUT rows (5-8-bit, merged and stable launches) stages at most
+# what leaves room for GEMV_LUT_AWARE_CTAS CTAs per SM (GEMV_SM_SHARED bytes, 1 KB reserved per CTA);
+# 0: off (the staging budget alone decides, so 8-bit LUT rows left 3 CTAs per SM from 2 tokens up).
+GEMV_LUT_AWARE_CTAS = 4
+GEMV_SM_SHARED = 228 * 1024
+GEMV_STATIC_SHARED = 512  # the kernel's own __shared__ (present, scratch, flags: ~170 bytes), rounded up
 GEMV_MIN_SPLIT_WORDS = 16  # a split covers at least two warp steps
 # Decode column splits of 3-4-bit layers chosen by whole waves (_wave_splits): a grid of 1.21
 # waves (Mixtral's down at 1 token, 5 splits: 640 CTAs) ends with one CTA per SM. Measured
@@ -401,8 +407,11 @@ def plan_launch(num_tokens: int, top_k: int, num_experts: int, hidden: int, inte
         # class's shared LUT rows leave fewer CTAs per SM (measured: the wave plan made
         # Mixtral's mixed layer 5% slower and changed 8 bits by < 1%).
         waves = GEMV_WAVE_PLAN and nt8 == 1 and max_bits <= GEMV_WAVE_PLAN_MAX_BITS and not stable_launches
-        gate_up = _gemv_plan(0, num_tokens, top_k, hidden, intermediate, max_active, nt8, waves)
-        down = _gemv_plan(1, num_tokens, top_k, intermediate, hidden, max_active, nt8, waves)
+        # the LUT rows the decode launches reserve: the widest 5-8-bit block's (the merged
+        # kernel's 8-bit room under stable launches), none for a 3-4-bit layer
+        lut_bits = MAX_BITS if stable_launches else max_bits if max_bits > GEMV_WAVE_PLAN_MAX_BITS else 0
+        gate_up = _gemv_plan(0, num_tokens, top_k, hidden, intermediate, max_active, nt8, waves, lut_bits)
+        down = _gemv_plan(1, num_tokens, top_k, intermediate, hidden, max_active, nt8, waves, lut_bits)
     elif legacy_decode and per_expert <= DECODE_MAX_TOKENS_PER_EXPERT:
         nt = 1 if num_tokens == 1 else 2  # activations live in registers: a second token is nearly free
         gate_up = _decode_plan(0, nt, hidden, intermediate, max_bits, max_active)
@@ -465,7 +474,17 @@ def _wave_splits_for(ctas_per_split: int, words: int, most_splits: int, max_spli
     return min(range(1, most_splits + 1), key=cost)
 
 
-def _gemv_plan(mode, num_tokens, top_k, cols, rows_out, max_active, nt8: int = 1, waves: bool = False) -> GemmPlan:
+def _lut_aware_split(stage: int, num_assign: int, lut_bits: int) -> int:
+    """The most words a decode split may stage and still leave GEMV_LUT_AWARE_CTAS CTAs per SM
+    room for their slot lists, (stage + 1) staged rows of split_words * 32 + 32 u16 (the .cu's
+    tstride) and LUT rows of 2^lut_bits entries (gemv_extra_shared's)."""
+    per_cta = GEMV_SM_SHARED // GEMV_LUT_AWARE_CTAS - 1024 - GEMV_STATIC_SHARED
+    budget = per_cta - (num_assign * 4 + 15) // 16 * 16 - gemv_extra_shared(1, 1 << lut_bits)
+    return (budget // ((stage + 1) * 2) - 32) // 32
+
+
+def _gemv_plan(mode, num_tokens, top_k, cols, rows_out, max_active, nt8: int = 1, waves: bool = False,
+               lut_bits: int = 0) -> GemmPlan:
     # Split the columns until the launch has about GEMV_TARGET_CTAS CTAs (small layers at 1
     # token would otherwise leave most SMs idle) and, at decode, a split's activations fit
     # their budget; the tiles regime stages one step at a time, so only the CTA count splits.
@@ -473,7 +492,10 @@ def _gemv_plan(mode, num_tokens, top_k, cols, rows_out, max_active, nt8: int = 1
     tiles = math.ceil(rows_out / rpc)
     words = cols // 32
     stage = min(GEMV_TOKENS, num_tokens) if nt8 == 1 else GEMV_TOKENS * nt8
-    max_split = max(GEMV_STEP_WORDS, GEMV_X_BYTES // ((stage + 1) * 64) // GEMV_STEP_WORDS * GEMV_STEP_WORDS)
+    max_split = GEMV_X_BYTES // ((stage + 1) * 64)
+    if nt8 == 1 and GEMV_LUT_AWARE_CTAS and lut_bits:
+        max_split = min(max_split, _lut_aware_split(stage, num_tokens * top_k, lut_bits))
+    max_split = max(GEMV_STEP_WORDS, max_split // GEMV_STEP_WORDS * GEMV_STEP_WORDS)
     if nt8 > 1:
         max_split = math.ceil(words / GEMV_STEP_WORDS) * GEMV_STEP_WORDS
     most_splits = max(1, words // GEMV_MIN_SPLIT_WORDS)

@@ -130,6 +130,33 @@ def test_plan_picks_decode_for_few_tokens_per_expert_and_tensor_cores_for_many()
         assert down.shared_bytes <= 227 * 1024
 
 
+
+@pytest.mark.parametrize("bits,stable", [(5, False), (6, False), (8, False), (4, True), (3, True)])
+def test_decode_launches_with_lut_rows_leave_room_for_four_ctas(bits, stable, monkeypatch):
+    """GEMV_LUT_AWARE_CTAS: a decode launch that reserves shared LUT rows (the widest 5-8-bit
+    block's; 8 bits under stable launches) splits its columns so GEMV_LUT_AWARE_CTAS CTAs fit one
+    SM's shared memory, slot list, staged rows, LUT rows, the kernel's own and the 1 KB the
+    driver keeps per CTA; off, the staging budget alone decides, and 8-bit rows at 16 tokens fit 3."""
+    models = (dict(num_experts=60, hidden=2048, intermediate=1408), dict(num_experts=8, hidden=4096, intermediate=14336),
+              dict(num_experts=128, hidden=2048, intermediate=768), dict(num_experts=64, hidden=5120, intermediate=1536))
+    lut = 1 << (apl_moe.MAX_BITS if stable else bits)
+    ctas = apl_moe.GEMV_LUT_AWARE_CTAS
+    assert ctas == 4
+    for model in models:
+        for T in (1, 2, 3, 4, 8, 16, 32):
+            for k in (2, 4, 8):
+                plan = plan_launch(T, k, **model, max_bits=bits, stable_launches=stable)
+                for gemm, cols in ((plan.gate_up, model["hidden"]), (plan.down, model["intermediate"])):
+                    if gemm.regime != "gemv":
+                        continue
+                    per_cta = gemm.shared_bytes + gemv_extra_shared(2, lut) + apl_moe.GEMV_STATIC_SHARED + 1024
+                    assert ctas * per_cta <= apl_moe.GEMV_SM_SHARED, (model, T, k, gemm)
+                    assert gemm.splits * gemm.split_cols >= cols and (gemm.splits - 1) * gemm.split_cols < cols
+    monkeypatch.setattr(apl_moe, "GEMV_LUT_AWARE_CTAS", 0)
+    mixtral16 = plan_launch(16, 2, **models[1], max_bits=8).down
+    assert 3 * (mixtral16.shared_bytes + gemv_extra_shared(2, 256) + 1024) <= apl_moe.GEMV_SM_SHARED \
+        < 4 * (mixtral16.shared_bytes + gemv_extra_shared(2, 256) + 1024)
+
 def test_decode_splits_fill_whole_waves(monkeypatch):
     """3-4-bit decode splits are chosen by whole waves of GEMV_TARGET_CTAS: a small layer splits
     until one wave is full; a grid just past a wave takes fewer, longer splits, not a tail."""
