@@ -130,8 +130,10 @@ VARIANTS = {  # name -> (define changes, host changes)
     "wide_4w": ({}, {"GEMV_WIDE_TARGET_CTAS": 2112}),
     "wide_2w_stable": ({}, {"GEMV_WIDE_TARGET_CTAS": 1056, "stable": True}),
     "wide_4w_stable": ({}, {"GEMV_WIDE_TARGET_CTAS": 2112, "stable": True}),
-    # decode launches with shared LUT rows staging whatever split the budget allows (before
-    # 2026-12-03; the default now caps the split so 4 CTAs fit: GEMV_LUT_AWARE_CTAS)
+    # decode launches with shared LUT rows: the split capped so 4 CTAs fit an SM (GEMV_LUT_AWARE_CTAS;
+    # measured 6-27% slower, off), and uncapped as by default (the run of 1fe6f5e, where 4 was base)
+    "lut_aware": ({}, {"GEMV_LUT_AWARE_CTAS": 4}),
+    "lut_aware_stable": ({}, {"GEMV_LUT_AWARE_CTAS": 4, "stable": True}),
     "lut_unaware": ({}, {"GEMV_LUT_AWARE_CTAS": 0}),
     "lut_unaware_stable": ({}, {"GEMV_LUT_AWARE_CTAS": 0, "stable": True}),
 }

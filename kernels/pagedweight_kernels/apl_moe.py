@@ -59,10 +59,12 @@ GEMV_TARGET_CTAS = 528  # one wave on a 132-SM H200 (4 CTAs per SM): longer CTAs
 # differ in width, so in length) split to about this many CTAs.
 GEMV_WIDE_TARGET_CTAS = 528
 GEMV_X_BYTES = 40 * 1024  # shared memory for one split's staged activations
-# A decode launch that reserves shared LUT rows (5-8-bit, merged and stable launches) stages at most
-# what leaves room for GEMV_LUT_AWARE_CTAS CTAs per SM (GEMV_SM_SHARED bytes, 1 KB reserved per CTA);
-# 0: off (the staging budget alone decides, so 8-bit LUT rows left 3 CTAs per SM from 2 tokens up).
-GEMV_LUT_AWARE_CTAS = 4
+# With GEMV_LUT_AWARE_CTAS n, a decode launch that reserves shared LUT rows (5-8-bit, merged and
+# stable launches) stages at most what leaves room for n CTAs per SM (GEMV_SM_SHARED bytes, 1 KB
+# reserved per CTA). Off (0): the staging budget alone decides, so 8-bit LUT rows leave 3 CTAs per
+# SM from 2 tokens up; measured, 4 with the splits that takes was 6-27% slower at 2-16 tokens
+# (H200, bench/results/apl_gemv_lut_aware.json, docs/kernel.md): occupancy is not what binds them.
+GEMV_LUT_AWARE_CTAS = 0
 GEMV_SM_SHARED = 228 * 1024
 GEMV_STATIC_SHARED = 512  # the kernel's own __shared__ (present, scratch, flags: ~170 bytes), rounded up
 GEMV_MIN_SPLIT_WORDS = 16  # a split covers at least two warp steps

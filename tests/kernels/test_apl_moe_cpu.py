@@ -136,12 +136,13 @@ def test_decode_launches_with_lut_rows_leave_room_for_four_ctas(bits, stable, mo
     """GEMV_LUT_AWARE_CTAS: a decode launch that reserves shared LUT rows (the widest 5-8-bit
     block's; 8 bits under stable launches) splits its columns so GEMV_LUT_AWARE_CTAS CTAs fit one
     SM's shared memory, slot list, staged rows, LUT rows, the kernel's own and the 1 KB the
-    driver keeps per CTA; off, the staging budget alone decides, and 8-bit rows at 16 tokens fit 3."""
+    driver keeps per CTA; off (the default), the staging budget alone decides, and 8-bit rows at 16
+    tokens fit 3."""
     models = (dict(num_experts=60, hidden=2048, intermediate=1408), dict(num_experts=8, hidden=4096, intermediate=14336),
               dict(num_experts=128, hidden=2048, intermediate=768), dict(num_experts=64, hidden=5120, intermediate=1536))
     lut = 1 << (apl_moe.MAX_BITS if stable else bits)
-    ctas = apl_moe.GEMV_LUT_AWARE_CTAS
-    assert ctas == 4
+    ctas = 4
+    monkeypatch.setattr(apl_moe, "GEMV_LUT_AWARE_CTAS", ctas)  # (off by default: measured slower)
     for model in models:
         for T in (1, 2, 3, 4, 8, 16, 32):
             for k in (2, 4, 8):
