@@ -118,7 +118,7 @@
                           // (else decode only); bit 3: the 5-8-bit kernel (CLS 1) too
 #ifndef APL_GEMV_HEAVY_MIN_TOKENS
 #define APL_GEMV_HEAVY_MIN_TOKENS 2  // the heavy order (bit 0) in launches of at least this many tokens: at 1
-#endif                               // token it bought nothing at Mixtral size and cost 3-4% at Qwen1.5-MoE's
+#endif                               // token it bought nothing at Mixtral size and cost 2-5% at Qwen1.5-MoE's
 #ifndef APL_TILES_GROUP
 #define APL_TILES_GROUP 4  // tiles regime: 8-token tiles whose mma chains interleave (activations in registers)
 #endif

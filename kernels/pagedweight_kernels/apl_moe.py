@@ -56,7 +56,8 @@ GEMV_MAX_TOKENS_PER_EXPERT = 4.0  # above: the prefill kernel; a hot expert take
 GEMV_ROWS, GEMV_THREADS, GEMV_STEP_WORDS, GEMV_TOKENS = 64, 128, 8, 8
 GEMV_TARGET_CTAS = 528  # one wave on a 132-SM H200 (4 CTAs per SM): longer CTAs, fewer prologues
 # Decode launches not planned by whole waves (5-8-bit, merged and stable ones, whose CTAs may
-# differ in width, so in length) split to about this many CTAs.
+# differ in width, so in length) split to about this many CTAs; 2 and 4 waves (finer work items
+# for a shorter tail) were measured no better overall (H200, apl_gemv_order_default.json).
 GEMV_WIDE_TARGET_CTAS = 528
 GEMV_X_BYTES = 40 * 1024  # shared memory for one split's staged activations
 # With GEMV_LUT_AWARE_CTAS n, a decode launch that reserves shared LUT rows (5-8-bit, merged and
@@ -411,7 +412,7 @@ def plan_launch(num_tokens: int, top_k: int, num_experts: int, hidden: int, inte
         waves = GEMV_WAVE_PLAN and nt8 == 1 and max_bits <= GEMV_WAVE_PLAN_MAX_BITS and not stable_launches
         # the LUT rows the decode launches reserve: the widest 5-8-bit block's (the merged
         # kernel's 8-bit room under stable launches), none for a 3-4-bit layer
-        lut_bits = MAX_BITS if stable_launches else max_bits if max_bits > GEMV_WAVE_PLAN_MAX_BITS else 0
+        lut_bits = MAX_BITS if stable_launches else max_bits if bit_class(max_bits) == 1 else 0
         gate_up = _gemv_plan(0, num_tokens, top_k, hidden, intermediate, max_active, nt8, waves, lut_bits)
         down = _gemv_plan(1, num_tokens, top_k, intermediate, hidden, max_active, nt8, waves, lut_bits)
     elif legacy_decode and per_expert <= DECODE_MAX_TOKENS_PER_EXPERT:

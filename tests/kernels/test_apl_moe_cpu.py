@@ -130,7 +130,6 @@ def test_plan_picks_decode_for_few_tokens_per_expert_and_tensor_cores_for_many()
         assert down.shared_bytes <= 227 * 1024
 
 
-
 @pytest.mark.parametrize("bits,stable", [(5, False), (6, False), (8, False), (4, True), (3, True)])
 def test_decode_launches_with_lut_rows_leave_room_for_four_ctas(bits, stable, monkeypatch):
     """GEMV_LUT_AWARE_CTAS: a decode launch that reserves shared LUT rows (the widest 5-8-bit
