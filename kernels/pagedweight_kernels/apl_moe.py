@@ -81,7 +81,9 @@ GEMV_MERGE_CLASSES = True  # a layer with 3-4- and 5-8-bit blocks: one launch pe
 # Unused dynamic shared memory added to every decode launch (NT8 1; gemv_extra_shared): 0 in service. A tuning
 # knob (bench/apl_gemv_variants.py `shared_pad`): the 3-4-bit kernel given the merged kernel's
 # 8-bit LUT room tells whether that room (the shared-memory carveout it takes from L1) is what
-# makes stable launches 1.07-1.21x slower at 3-4 bits (docs/elasticity.md).
+# makes stable launches slower at 3-4 bits (docs/elasticity.md: 1.07-1.21x in the engine; the
+# layer alone, docs/kernel.md: 18-20% at 1 token, 22-29% at 4-16 tokens; about a third of it at
+# Mixtral size and 1 token is the room).
 GEMV_SHARED_PAD = 0
 # Decode of a layer whose blocks are all 3-4 bits: gate_up and down in one launch
 # (apl_gemv_fused: a work ticket per CTA, down CTAs wait on per-row-tile flags for their h
