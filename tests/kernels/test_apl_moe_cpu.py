@@ -154,8 +154,8 @@ def test_decode_launches_with_lut_rows_leave_room_for_four_ctas(bits, stable, mo
                     assert gemm.splits * gemm.split_cols >= cols and (gemm.splits - 1) * gemm.split_cols < cols
     monkeypatch.setattr(apl_moe, "GEMV_LUT_AWARE_CTAS", 0)
     mixtral16 = plan_launch(16, 2, **models[1], max_bits=8).down
-    assert 3 * (mixtral16.shared_bytes + gemv_extra_shared(2, 256) + 1024) <= apl_moe.GEMV_SM_SHARED \
-        < 4 * (mixtral16.shared_bytes + gemv_extra_shared(2, 256) + 1024)
+    per_cta = mixtral16.shared_bytes + gemv_extra_shared(2, 256) + 1024
+    assert 3 * per_cta <= apl_moe.GEMV_SM_SHARED < 4 * per_cta
 
 def test_decode_splits_fill_whole_waves(monkeypatch):
     """3-4-bit decode splits are chosen by whole waves of GEMV_TARGET_CTAS: a small layer splits
