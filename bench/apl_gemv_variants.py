@@ -6,7 +6,8 @@ plan constants, and prints one line per (variant, shape). Used to pick the defau
 results are recorded in docs/kernel.md.
 
 Usage on the GPU machine: PYTHONPATH=.:services:kernels python3 -m bench.apl_gemv_variants [variants]
-    [--mixed | --tiles | --tiles-mixed | --decode | --fused | --compact | --merged | --waves | --order | --compile-only] [--json NAME]
+    [--mixed | --tiles | --tiles-mixed | --decode | --fused | --compact | --merged | --waves | --order | --lut | --hint
+     | --compile-only] [--json NAME]
 --compile-only: compile the variants' decode instances for bf16 and fp16 (for the GPU tests) and exit.
 --decode: every decode shape (1-16 tokens, 3 / 4 / 8 / mixed bits) at both model sizes; the
 variants' instances are compiled first, in threads (NVRTC runs outside the GIL). --fused: the
@@ -15,6 +16,7 @@ variants' instances are compiled first, in threads (NVRTC runs outside the GIL).
 --merged: the merged kernel's shapes (mixed bits; 4 bits under the `stable` variants).
 --waves: the decode shapes whose column splits the whole-wave plan changed (`base no_wave`).
 --order: mixed bits at 1-256 tokens and uniform 8 bits (the APL_GEMV_ORDER variants).
+--hint: 3 / 4 / 8 / mixed bits at 1-256 tokens (the APL_PLANE_HINT and stable-launch variants).
 --json NAME
 also writes bench/results/NAME.json (date, machine, commit).
 """
@@ -34,7 +36,8 @@ SHAPES = [("mixtral-8x7b", 1, "3"), ("mixtral-8x7b", 1, "4"), ("mixtral-8x7b", 1
 BASE = dict(op.KERNEL_DEFINES)
 HOST_KNOBS = {name: getattr(op, name) for name in ("GEMV_TARGET_CTAS", "GEMV_MERGE_CLASSES", "TILES_MAX_NT8", "GEMV_FUSED",
                                                        "GEMV_MIN_SPLIT_WORDS", "GEMV_WAVE_PLAN", "GEMV_SHARED_PAD", "GEMV_PDL",
-                                                       "GEMV_WAVE_PLAN_MAX_BITS", "GEMV_WIDE_TARGET_CTAS", "GEMV_LUT_AWARE_CTAS")}
+                                                       "GEMV_WAVE_PLAN_MAX_BITS", "GEMV_WIDE_TARGET_CTAS", "GEMV_LUT_AWARE_CTAS",
+                                                       "GEMV_PDL_DOWN_CLASSES")}
 VARIANTS = {  # name -> (define changes, host changes)
     "base": ({}, {}),
     "no_wave": ({}, {"GEMV_WAVE_PLAN": False}),  # decode splits to about one wave (before _wave_splits)
@@ -136,6 +139,20 @@ VARIANTS = {  # name -> (define changes, host changes)
     "lut_aware_stable": ({}, {"GEMV_LUT_AWARE_CTAS": 4, "stable": True}),
     "lut_unaware": ({}, {"GEMV_LUT_AWARE_CTAS": 0}),
     "lut_unaware_stable": ({}, {"GEMV_LUT_AWARE_CTAS": 0, "stable": True}),
+    # the plane words' loads with cache qualifiers (APL_PLANE_HINT; `base hint_1 hint_2 hint_3 hint_5 stable
+    # stable_hint_1 stable_hint_3 pdl_merged stable_pdl_merged --hint`): L1::no_allocate, L2::256B, both,
+    # no_allocate with L2::128B
+    "hint_1": ({"APL_PLANE_HINT": 1}, {}),
+    "hint_2": ({"APL_PLANE_HINT": 2}, {}),
+    "hint_3": ({"APL_PLANE_HINT": 3}, {}),
+    "hint_5": ({"APL_PLANE_HINT": 5}, {}),
+    "stable_hint_1": ({"APL_PLANE_HINT": 1}, {"stable": True}),
+    "stable_hint_3": ({"APL_PLANE_HINT": 3}, {"stable": True}),
+    # the 5-8-bit and merged decode kernels' down launched programmatically too, their shared LUT
+    # rows filled after the wait for h (APL_GEMV_PDL_LUT_WAIT): under stable launches a 3-4-bit
+    # layer's down then overlaps gate_up as the 3-4-bit kernel's does
+    "pdl_merged": ({"APL_GEMV_PDL_LUT_WAIT": 1}, {"GEMV_PDL_DOWN_CLASSES": (0, 1, 2)}),
+    "stable_pdl_merged": ({"APL_GEMV_PDL_LUT_WAIT": 1}, {"GEMV_PDL_DOWN_CLASSES": (0, 1, 2), "stable": True}),
 }
 MIXED_SHAPES = [("qwen1.5-moe-a2.7b", 1, "mixed"), ("qwen1.5-moe-a2.7b", 4, "mixed"), ("mixtral-8x7b", 1, "mixed"),
                 ("mixtral-8x7b", 4, "mixed"), ("qwen1.5-moe-a2.7b", 1, "4")]
@@ -169,6 +186,11 @@ UNIFORM_FOR_WEIGHTS = [(name, T, bits) for name in ("qwen1.5-moe-a2.7b", "mixtra
 LUT_SHAPES = [(name, T, "mixed") for name in ("qwen1.5-moe-a2.7b", "mixtral-8x7b") for T in (1, 4, 16)] + \
              [(name, T, bits) for name in ("qwen1.5-moe-a2.7b", "mixtral-8x7b") for T, bits in
               ((1, "8"), (4, "8"), (16, "8"), (4, "4"), (16, "4"))] + [("mixtral-8x7b", 2, "8")]
+# --hint: decode (3-4 / 8 / mixed bits, 1-16 tokens) and tiles (64 / 256 tokens) shapes at both sizes,
+# with the mixed layers' byte-weighted rows
+HINT_SHAPES = [(name, T, bits) for name in ("mixtral-8x7b", "qwen1.5-moe-a2.7b") for T, bits in
+               ((1, "3"), (1, "4"), (1, "8"), (1, "mixed"), (4, "4"), (4, "mixed"), (16, "4"), (16, "mixed"),
+                (64, "4"), (256, "4"))] + [("mixtral-8x7b", 256, "8")]
 # --tiles-mixed: the tiles shapes at mixed bits (the merged kernel against one launch per class)
 TILES_MIXED_SHAPES = [(name, T, "mixed") for name in ("qwen1.5-moe-a2.7b", "mixtral-8x7b") for T in (64, 256)]
 
@@ -202,6 +224,7 @@ def compile_decode_instances(variants, device, both_dtypes=False, tiles=(1,)):
         with cp.cuda.Device(device.index or 0):
             op._compiled(*key)
 
+    keys = list(dict.fromkeys(keys))  # variants that differ only in host knobs share their instances
     with ThreadPoolExecutor(max_workers=min(16, len(keys))) as pool:
         list(pool.map(compile_one, keys))
 
@@ -246,8 +269,8 @@ def main():
         else DECODE_SHAPES if "--decode" in sys.argv else FUSED_SHAPES if "--fused" in sys.argv \
         else COMPACT_SHAPES if "--compact" in sys.argv else MERGED_SHAPES if "--merged" in sys.argv \
         else WAVE_SHAPES if "--waves" in sys.argv else ORDER_SHAPES if "--order" in sys.argv \
-        else LUT_SHAPES if "--lut" in sys.argv else SHAPES
-    weighed = "--order" in sys.argv or "--lut" in sys.argv
+        else LUT_SHAPES if "--lut" in sys.argv else HINT_SHAPES if "--hint" in sys.argv else SHAPES
+    weighed = "--order" in sys.argv or "--lut" in sys.argv or "--hint" in sys.argv
     once = [s for s in UNIFORM_FOR_WEIGHTS if s not in shapes] if weighed else []
     names = sorted({s[0] for s in shapes + once})
     layers = {name: [SyntheticLayer(*MODELS[name][:1], *MODELS[name][2:], seed, device) for seed in range(COPIES)]
@@ -260,9 +283,9 @@ def main():
         x = [torch.randn(T, H, device=device).bfloat16() for _ in range(REPS)]
         cases[(name, T, bits)] = (x, route, apl)
     only = [a for a in sys.argv[1:] if a in VARIANTS] or list(VARIANTS)
-    if any(a in sys.argv for a in ("--decode", "--fused", "--compact", "--merged", "--waves", "--order", "--lut")):
+    if any(a in sys.argv for a in ("--decode", "--fused", "--compact", "--merged", "--waves", "--order", "--lut", "--hint")):
         compile_decode_instances(only, device)
-    if tiles_run or "--order" in sys.argv:
+    if tiles_run or "--order" in sys.argv or "--hint" in sys.argv:
         compile_decode_instances(only, device, tiles=op.tiles_choices()[1:])
     rows = []
     for vname in only:

@@ -18,10 +18,12 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--model", default="mixtral-8x7b", choices=list(MODELS))
 parser.add_argument("--tokens", type=int, default=1)
 parser.add_argument("--bits", default="4")
+parser.add_argument("--stable", action="store_true", help="stable launches (the merged kernel at any bits)")
 args = parser.parse_args()
 E, k, H, I = MODELS[args.model]
 device = torch.device("cuda")
 layer = SyntheticLayer(E, H, I, 0, device).apl(bit_assignment(args.bits, E, 17))
+layer.stable_launches = args.stable
 ids, w = routings(args.tokens, E, k, 1, device, seed=1)[0]
 x = torch.randn(args.tokens, H, device=device).bfloat16()
 for _ in range(4):

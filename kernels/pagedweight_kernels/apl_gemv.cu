@@ -111,11 +111,18 @@
 #ifndef APL_GEMV_PDL_PLANES
 #define APL_GEMV_PDL_PLANES 0  // with APL_GEMV_PDL, decode down: the first step's plane words into registers
 #endif                         // before the wait for h (not after the staging)
+#ifndef APL_GEMV_PDL_LUT_WAIT
+#define APL_GEMV_PDL_LUT_WAIT 0  // with APL_GEMV_PDL, down's shared LUT rows (5-8-bit blocks) are filled after the wait
+#endif                           // for h, not before (their loads took DRAM from gate_up's last CTAs: GEMV_PDL_DOWN_CLASSES)
 #ifndef APL_GEMV_ORDER
 #define APL_GEMV_ORDER 5  // launches of the merged kernel (CLS 2), whose blocks differ in width: bit 0: active
 #endif                    // experts taken widest first (route_pick's HEAVY); bit 1: CTAs numbered expert-major (all
                           // of an expert's row tiles and splits before the next); bit 2: in the tiles regime too
                           // (else decode only); bit 3: the 5-8-bit kernel (CLS 1) too
+#ifndef APL_PLANE_HINT
+#define APL_PLANE_HINT 0  // the plane words' loads (load_step, every regime): bit 0: L1::no_allocate (streamed once,
+#endif                    // they need no L1 line); bit 1: L2::256B (the first load of a row's 256 bytes asks L2 to
+                          // fetch them all, so its next 7 steps hit L2); bit 2: L2::128B instead of 256B
 #ifndef APL_GEMV_HEAVY_MIN_TOKENS
 #define APL_GEMV_HEAVY_MIN_TOKENS 2  // the heavy order (bit 0) in launches of at least this many tokens: at 1
 #endif                               // token it bought nothing at Mixtral size and cost 2-5% at Qwen1.5-MoE's
@@ -126,11 +133,27 @@
 __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
     u32 d; asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel)); return d;
 }
-__device__ __forceinline__ u32 ldg_nc_u32(const u32* p) {
-    u32 v; asm volatile("ld.global.nc.u32 %0, [%1];" : "=r"(v) : "l"(p)); return v;
+// Plane words through the non-coherent path, with APL_PLANE_HINT's cache qualifiers (the same
+// bytes whatever the hint; only where the caches keep them).
+#if (APL_PLANE_HINT & 1)
+#define APL_PLANE_L1 ".L1::no_allocate"
+#else
+#define APL_PLANE_L1 ""
+#endif
+#if (APL_PLANE_HINT & 4)
+#define APL_PLANE_L2 ".L2::128B"
+#elif (APL_PLANE_HINT & 2)
+#define APL_PLANE_L2 ".L2::256B"
+#else
+#define APL_PLANE_L2 ""
+#endif
+__device__ __forceinline__ u32 ldg_plane_u32(const u32* p) {
+    u32 v; asm volatile("ld.global.nc" APL_PLANE_L1 APL_PLANE_L2 ".u32 %0, [%1];" : "=r"(v) : "l"(p)); return v;
 }
-__device__ __forceinline__ uint2 ldg_nc_u64(const u32* p) {
-    uint2 v; asm volatile("ld.global.nc.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p)); return v;
+__device__ __forceinline__ uint2 ldg_plane_u64(const u32* p) {
+    uint2 v;
+    asm volatile("ld.global.nc" APL_PLANE_L1 APL_PLANE_L2 ".v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+    return v;
 }
 __device__ __forceinline__ int ld_acquire_gpu(const int* p) {
     int v; asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory"); return v;
@@ -523,7 +546,7 @@ __device__ __forceinline__ void load_step(const BlockRef& blk, u32 w0a, u32 w0b,
 #pragma unroll
         for (int p = 0; p < 8; ++p) {
             if (p < B) {
-                const uint2 a = ldg_nc_u64(blk.planes[p] + (w0a + w)), b = ldg_nc_u64(blk.planes[p] + (w0b + w));
+                const uint2 a = ldg_plane_u64(blk.planes[p] + (w0a + w)), b = ldg_plane_u64(blk.planes[p] + (w0b + w));
                 buf[0][0][p] = a.x; buf[0][1][p] = a.y; buf[1][0][p] = b.x; buf[1][1][p] = b.y;
             }
         }
@@ -534,8 +557,8 @@ __device__ __forceinline__ void load_step(const BlockRef& blk, u32 w0a, u32 w0b,
 #pragma unroll
             for (int p = 0; p < 8; ++p) {
                 if (p < B) {
-                    buf[0][wi][p] = ldg_nc_u32(blk.planes[p] + (w0a + w));
-                    buf[1][wi][p] = ldg_nc_u32(blk.planes[p] + (w0b + w));
+                    buf[0][wi][p] = ldg_plane_u32(blk.planes[p] + (w0a + w));
+                    buf[1][wi][p] = ldg_plane_u32(blk.planes[p] + (w0b + w));
                 }
             }
         }
@@ -1396,7 +1419,10 @@ __device__ __forceinline__ void gemv_cta(
         lb.fetch(blk.lut + (long long)rowb * (1 << blk.bits), vb);
         if constexpr (!LATE) { la.build(BF16); lb.build(BF16); }
     };
-    auto smem_lut = [&](auto&, auto&) { fill_smem_lut(); };
+    auto smem_lut = [&](auto&, auto&) {
+        if constexpr (APL_GEMV_PDL_LUT_WAIT) await_h();  // (a no-op in gate_up)
+        fill_smem_lut();
+    };
     const u32 la_s = shared_addr(lut_s + lwa * lut_entries), lb_s = shared_addr(lut_s + lwb * lut_entries);
     // The 3-4-bit kernel's cp.async ring, after the (512-byte aligned) LUT rows: per warp
     // APL_GEMV_RING_STAGES slots of GV_RING_STAGE_BYTES (the host adds them to the launch).

@@ -97,6 +97,10 @@ GEMV_FUSED = os.environ.get("APL_GEMV_FUSED", "0") == "1"  # measured slower (do
 # Measured (H200, bench/results/apl_gemv_pdl.json): 1 is 3-6% faster at Qwen1.5-MoE decode, 1-3%
 # in the tiles regime, 2% at Mixtral 1 token, level at Mixtral 4 tokens; 2 no better than 1.
 GEMV_PDL = 1
+# The decode kernel classes whose down launch is programmatic (programmatic_down): the 3-4-bit
+# kernel's. The 5-8-bit and merged down CTAs fill their shared LUT rows as they start, which took
+# DRAM from gate_up's last CTAs (slower, docs/kernel.md); APL_GEMV_PDL_LUT_WAIT fills them after the wait.
+GEMV_PDL_DOWN_CLASSES = (0,)
 # The tiles regime (apl_gemv.cu with NT8 > 1): the decode kernel's register-LUT dequantisation,
 # each weight's fragments reused for up to 8 * NT8 tokens per pass.
 TILES_MAX_TOKENS_PER_EXPERT = 128.0  # above: the prefill kernel (apl_moe.cu)
@@ -116,7 +120,7 @@ KERNEL_DEFINES = {"APL_LDS_MODE": 1, "APL_RPG_DIV": 8, "APL_PREFETCH": 1, "APL_D
                   "APL_GEMV_COMPACT": 4, "APL_GEMV_ACQREL": 1, "APL_FMA_SHIFTS_MIN_BITS": 4, "APL_PRMT_SELECT": 0, "APL_GEMV_STAGE16": 1, "APL_GEMV_LUT16": 0,
                   "APL_TILES_MIN_BLOCKS": 0, "APL_TILES_GROUP": 4, "APL_TILES_ASYNC": 1, "APL_TILES_WGMMA": 1,
                   "APL_GEMV_BATCHED_LOADS": 1, "APL_TILES_PAIR": 0, "APL_GEMV_PDL": 1, "APL_GEMV_PDL_PREFETCH": 0, "APL_GEMV_PDL_PLANES": 0,
-                  "APL_GEMV_ORDER": 5, "APL_GEMV_HEAVY_MIN_TOKENS": 2}
+                  "APL_GEMV_ORDER": 5, "APL_GEMV_HEAVY_MIN_TOKENS": 2, "APL_PLANE_HINT": 0, "APL_GEMV_PDL_LUT_WAIT": 0}
 
 
 def knob_overrides(text: str) -> dict[str, int]:
@@ -752,7 +756,7 @@ def programmatic_down(cls: int, tiles: int) -> bool:
     tiles regime and the 3-4-bit decode kernel. Measured slower for the 5-8-bit and merged decode
     kernels (Mixtral 1 token 8 bits 322.8 against 303.4 us, mixed 178.0 against 173.9;
     bench/results/apl_gemv_pdl_decode.json), whose waiting CTAs first fill their shared LUT rows."""
-    return tiles > 1 or cls == 0
+    return tiles > 1 or cls in GEMV_PDL_DOWN_CLASSES
 
 
 def programmatic_projections() -> tuple[bool, bool]:
