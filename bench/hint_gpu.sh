@@ -7,12 +7,16 @@
 # then Nsight Compute's warp-state and instruction summaries of one Mixtral-size 1-token 4-bit
 # layer call, the 3-4-bit kernel against the stable launch (where the merged kernel's 3-4-bit
 # path loses its time).
-# Usage (device): OUT=$OUT CODE_COMMIT=<c> [VARIANTS="..."] [SKIP_NCU=1] bash bench/hint_gpu.sh
+# The first call (dfa916b, no hint by default) ran VARIANTS="base hint_1 hint_2 hint_3 hint_5 stable stable_hint_1
+# stable_hint_3 pdl_merged stable_pdl_merged"; the second (the rule: L2::256B on splits of >= 128 words, TAG=rule,
+# SKIP_NCU=1, LAYER=1) the default list, then the layer benchmark (docs/kernel.md's command).
+# Usage (device): OUT=$OUT CODE_COMMIT=<c> [VARIANTS="..."] [TAG=t] [SKIP_NCU=1] [LAYER=1] bash bench/hint_gpu.sh
 . "$(dirname "$0")/device_call.sh"
-VARIANTS=${VARIANTS:-base hint_1 hint_2 hint_3 hint_5 stable stable_hint_1 stable_hint_3 pdl_merged stable_pdl_merged}
-timeout "${VARIANTS_TIMEOUT_S:-360}" python3 -m bench.apl_gemv_variants $VARIANTS --hint --json apl_gemv_hint \
-  > "$OUT/apl_gemv_hint.log" 2>&1
-stamp "variants rc $?"; cp bench/results/apl_gemv_hint.json "$OUT/" 2>/dev/null
+TAG=${TAG:-rule}
+VARIANTS=${VARIANTS:-base hint_0 hint_2 hint_2_w64 stable stable_hint_0}
+timeout "${VARIANTS_TIMEOUT_S:-300}" python3 -m bench.apl_gemv_variants $VARIANTS --hint --json apl_gemv_hint_$TAG \
+  > "$OUT/apl_gemv_hint_$TAG.log" 2>&1
+stamp "variants rc $?"; cp bench/results/apl_gemv_hint_$TAG.json "$OUT/apl_gemv_hint.json" 2>/dev/null
 # the tail: one line per shape, the variants' times side by side
 python3 - "$OUT/apl_gemv_hint.json" <<'PY'
 import json, sys
@@ -29,6 +33,11 @@ for (m, T, b), by in table.items():
              if v in by else "-" for v in variants]
     print(f"{m}{T}/{b}", *cells)
 PY
+if [ -n "${LAYER:-}" ]; then
+  timeout "${BENCH_TIMEOUT_S:-240}" python3 -m bench.apl_moe_kernel --tokens 1 4 16 64 256 --bits 3 4 5 6 8 mixed \
+    --no-per-block --name apl_moe_kernel_hint --out "$OUT/apl_moe_kernel_hint.json" > "$OUT/apl_moe_kernel_hint.log" 2>&1
+  stamp "layer bench rc $?"; grep -E "byte-weighted" "$OUT/apl_moe_kernel_hint.log" | sed 's/  */ /g' | cut -c1-100 | head -20
+fi
 [ -n "${SKIP_NCU:-}" ] && exit 0
 if command -v ncu > /dev/null; then
   for mode in base stable; do

@@ -120,9 +120,14 @@
                           // of an expert's row tiles and splits before the next); bit 2: in the tiles regime too
                           // (else decode only); bit 3: the 5-8-bit kernel (CLS 1) too
 #ifndef APL_PLANE_HINT
-#define APL_PLANE_HINT 0  // the plane words' loads (load_step, every regime): bit 0: L1::no_allocate (streamed once,
-#endif                    // they need no L1 line); bit 1: L2::256B (the first load of a row's 256 bytes asks L2 to
-                          // fetch them all, so its next 7 steps hit L2); bit 2: L2::128B instead of 256B
+#define APL_PLANE_HINT 2  // the plane words' loads (load_step, every regime): bit 0: L1::no_allocate; bit 1: L2::256B
+#endif                    // (a row's first load in each 256 bytes has L2 fetch them all, so the warp's next steps hit
+                          // L2); bit 2: L2::128B instead. Measured (docs/kernel.md): no_allocate 1-23% slower; 256B
+                          // 4-7% faster on long rows (Mixtral-size mixed decode at 4-16 tokens, 256-token tiles), 5-10%
+                          // slower on short splits (Qwen1.5-MoE decode), hence APL_PLANE_L2_MIN_WORDS
+#ifndef APL_PLANE_L2_MIN_WORDS
+#define APL_PLANE_L2_MIN_WORDS 128  // the L2 prefetch sizes (bits 1, 2) only for column splits of at least this many
+#endif                              // words: two 256-byte blocks per plane row, fetched for the CTA that reads them
 #ifndef APL_GEMV_HEAVY_MIN_TOKENS
 #define APL_GEMV_HEAVY_MIN_TOKENS 2  // the heavy order (bit 0) in launches of at least this many tokens: at 1
 #endif                               // token it bought nothing at Mixtral size and cost 2-5% at Qwen1.5-MoE's
@@ -134,7 +139,8 @@ __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
     u32 d; asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel)); return d;
 }
 // Plane words through the non-coherent path, with APL_PLANE_HINT's cache qualifiers (the same
-// bytes whatever the hint; only where the caches keep them).
+// bytes whatever the hint; only where the caches keep them). l2: the split is long enough for
+// the L2 prefetch size (APL_PLANE_L2_MIN_WORDS; uniform over the CTA, so no divergence).
 #if (APL_PLANE_HINT & 1)
 #define APL_PLANE_L1 ".L1::no_allocate"
 #else
@@ -147,12 +153,18 @@ __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
 #else
 #define APL_PLANE_L2 ""
 #endif
-__device__ __forceinline__ u32 ldg_plane_u32(const u32* p) {
-    u32 v; asm volatile("ld.global.nc" APL_PLANE_L1 APL_PLANE_L2 ".u32 %0, [%1];" : "=r"(v) : "l"(p)); return v;
+__device__ __forceinline__ u32 ldg_plane_u32(const u32* p, bool l2) {
+    u32 v;
+    if ((APL_PLANE_HINT & 6) && l2) asm volatile("ld.global.nc" APL_PLANE_L1 APL_PLANE_L2 ".u32 %0, [%1];" : "=r"(v) : "l"(p));
+    else asm volatile("ld.global.nc" APL_PLANE_L1 ".u32 %0, [%1];" : "=r"(v) : "l"(p));
+    return v;
 }
-__device__ __forceinline__ uint2 ldg_plane_u64(const u32* p) {
+__device__ __forceinline__ uint2 ldg_plane_u64(const u32* p, bool l2) {
     uint2 v;
-    asm volatile("ld.global.nc" APL_PLANE_L1 APL_PLANE_L2 ".v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+    if ((APL_PLANE_HINT & 6) && l2)
+        asm volatile("ld.global.nc" APL_PLANE_L1 APL_PLANE_L2 ".v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+    else
+        asm volatile("ld.global.nc" APL_PLANE_L1 ".v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
     return v;
 }
 __device__ __forceinline__ int ld_acquire_gpu(const int* p) {
@@ -541,12 +553,13 @@ template <int B, bool V2>
 __device__ __forceinline__ void load_step(const BlockRef& blk, u32 w0a, u32 w0b, int kw, int step,
                                           u32 (&buf)[2][2][8]) {
     const int t = threadIdx.x & 3;
+    const bool l2 = kw >= APL_PLANE_L2_MIN_WORDS;
     if constexpr (V2) {
         const u32 w = (u32)min(step * GV_STEP_WORDS + 2 * t, kw - 2);
 #pragma unroll
         for (int p = 0; p < 8; ++p) {
             if (p < B) {
-                const uint2 a = ldg_plane_u64(blk.planes[p] + (w0a + w)), b = ldg_plane_u64(blk.planes[p] + (w0b + w));
+                const uint2 a = ldg_plane_u64(blk.planes[p] + (w0a + w), l2), b = ldg_plane_u64(blk.planes[p] + (w0b + w), l2);
                 buf[0][0][p] = a.x; buf[0][1][p] = a.y; buf[1][0][p] = b.x; buf[1][1][p] = b.y;
             }
         }
@@ -557,8 +570,8 @@ __device__ __forceinline__ void load_step(const BlockRef& blk, u32 w0a, u32 w0b,
 #pragma unroll
             for (int p = 0; p < 8; ++p) {
                 if (p < B) {
-                    buf[0][wi][p] = ldg_plane_u32(blk.planes[p] + (w0a + w));
-                    buf[1][wi][p] = ldg_plane_u32(blk.planes[p] + (w0b + w));
+                    buf[0][wi][p] = ldg_plane_u32(blk.planes[p] + (w0a + w), l2);
+                    buf[1][wi][p] = ldg_plane_u32(blk.planes[p] + (w0b + w), l2);
                 }
             }
         }
