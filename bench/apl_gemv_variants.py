@@ -140,18 +140,18 @@ VARIANTS = {  # name -> (define changes, host changes)
     "lut_unaware": ({}, {"GEMV_LUT_AWARE_CTAS": 0}),
     "lut_unaware_stable": ({}, {"GEMV_LUT_AWARE_CTAS": 0, "stable": True}),
     # the plane words' loads with cache qualifiers (APL_PLANE_HINT): L1::no_allocate, L2::256B, both, no_allocate
-    # with L2::128B, on every split (run at dfa916b, before APL_PLANE_L2_MIN_WORDS, as `base hint_1 hint_2 hint_3
-    # hint_5 stable stable_hint_1 stable_hint_3 pdl_merged stable_pdl_merged --hint`, base = no hint); the default
-    # since: L2::256B on splits of at least 128 words (`base hint_0 hint_2 hint_2_w64 stable stable_hint_0 --hint`)
+    # with L2::128B, in every instance (run at dfa916b as `base hint_1 hint_2 hint_3 hint_5 stable stable_hint_1
+    # stable_hint_3 pdl_merged stable_pdl_merged --hint`, base = no hint); the default since: L2::256B in the tiles
+    # instances of 64-token passes (APL_PLANE_HINT_MIN_NT8 8; `base hint_0 hint_nt4 hint_2 --tiles`)
     "hint_0": ({"APL_PLANE_HINT": 0}, {}),
-    "hint_1": ({"APL_PLANE_HINT": 1}, {}),
-    "hint_2": ({"APL_PLANE_HINT": 2, "APL_PLANE_L2_MIN_WORDS": 0}, {}),
-    "hint_3": ({"APL_PLANE_HINT": 3, "APL_PLANE_L2_MIN_WORDS": 0}, {}),
-    "hint_5": ({"APL_PLANE_HINT": 5, "APL_PLANE_L2_MIN_WORDS": 0}, {}),
-    "hint_2_w64": ({"APL_PLANE_HINT": 2, "APL_PLANE_L2_MIN_WORDS": 64}, {}),
+    "hint_1": ({"APL_PLANE_HINT": 1, "APL_PLANE_HINT_MIN_NT8": 1}, {}),
+    "hint_2": ({"APL_PLANE_HINT": 2, "APL_PLANE_HINT_MIN_NT8": 1}, {}),
+    "hint_3": ({"APL_PLANE_HINT": 3, "APL_PLANE_HINT_MIN_NT8": 1}, {}),
+    "hint_5": ({"APL_PLANE_HINT": 5, "APL_PLANE_HINT_MIN_NT8": 1}, {}),
+    "hint_nt4": ({"APL_PLANE_HINT": 2, "APL_PLANE_HINT_MIN_NT8": 4}, {}),  # tiles from 32 tokens a pass
     "stable_hint_0": ({"APL_PLANE_HINT": 0}, {"stable": True}),
-    "stable_hint_1": ({"APL_PLANE_HINT": 1}, {"stable": True}),
-    "stable_hint_3": ({"APL_PLANE_HINT": 3, "APL_PLANE_L2_MIN_WORDS": 0}, {"stable": True}),
+    "stable_hint_1": ({"APL_PLANE_HINT": 1, "APL_PLANE_HINT_MIN_NT8": 1}, {"stable": True}),
+    "stable_hint_3": ({"APL_PLANE_HINT": 3, "APL_PLANE_HINT_MIN_NT8": 1}, {"stable": True}),
     # the 5-8-bit and merged decode kernels' down launched programmatically too, their shared LUT
     # rows filled after the wait for h (APL_GEMV_PDL_LUT_WAIT): under stable launches a 3-4-bit
     # layer's down then overlaps gate_up as the 3-4-bit kernel's does

@@ -120,14 +120,15 @@
                           // of an expert's row tiles and splits before the next); bit 2: in the tiles regime too
                           // (else decode only); bit 3: the 5-8-bit kernel (CLS 1) too
 #ifndef APL_PLANE_HINT
-#define APL_PLANE_HINT 2  // the plane words' loads (load_step, every regime): bit 0: L1::no_allocate; bit 1: L2::256B
-#endif                    // (a row's first load in each 256 bytes has L2 fetch them all, so the warp's next steps hit
-                          // L2); bit 2: L2::128B instead. Measured (docs/kernel.md): no_allocate 1-23% slower; 256B
-                          // 4-7% faster on long rows (Mixtral-size mixed decode at 4-16 tokens, 256-token tiles), 5-10%
-                          // slower on short splits (Qwen1.5-MoE decode), hence APL_PLANE_L2_MIN_WORDS
-#ifndef APL_PLANE_L2_MIN_WORDS
-#define APL_PLANE_L2_MIN_WORDS 128  // the L2 prefetch sizes (bits 1, 2) only for column splits of at least this many
-#endif                              // words: two 256-byte blocks per plane row, fetched for the CTA that reads them
+#define APL_PLANE_HINT 2  // the plane words' loads (load_step) in instances of at least APL_PLANE_HINT_MIN_NT8: bit 0:
+#endif                    // L1::no_allocate; bit 1: L2::256B (a row's first load in each 256 bytes has L2 fetch them
+                          // all, so the warp's next steps hit L2); bit 2: L2::128B instead. Measured (docs/kernel.md):
+                          // no_allocate 1-23% slower; 256B 5-7% faster in 64-token passes (Mixtral-size 256-token
+                          // layers), 4-5% on Mixtral-size mixed decode at 4-16 tokens but 5-10% slower at Qwen1.5-MoE
+                          // decode; chosen by a run-time test on the split's length, 4-8% slower everywhere (the loop)
+#ifndef APL_PLANE_HINT_MIN_NT8
+#define APL_PLANE_HINT_MIN_NT8 8  // the instances APL_PLANE_HINT applies to: NT8 >= this (1: decode too)
+#endif
 #ifndef APL_GEMV_HEAVY_MIN_TOKENS
 #define APL_GEMV_HEAVY_MIN_TOKENS 2  // the heavy order (bit 0) in launches of at least this many tokens: at 1
 #endif                               // token it bought nothing at Mixtral size and cost 2-5% at Qwen1.5-MoE's
@@ -138,9 +139,8 @@
 __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
     u32 d; asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel)); return d;
 }
-// Plane words through the non-coherent path, with APL_PLANE_HINT's cache qualifiers (the same
-// bytes whatever the hint; only where the caches keep them). l2: the split is long enough for
-// the L2 prefetch size (APL_PLANE_L2_MIN_WORDS; uniform over the CTA, so no divergence).
+// Plane words through the non-coherent path; HINT: with APL_PLANE_HINT's cache qualifiers (the
+// same bytes either way; only where the caches keep them).
 #if (APL_PLANE_HINT & 1)
 #define APL_PLANE_L1 ".L1::no_allocate"
 #else
@@ -153,18 +153,20 @@ __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
 #else
 #define APL_PLANE_L2 ""
 #endif
-__device__ __forceinline__ u32 ldg_plane_u32(const u32* p, bool l2) {
+template <bool HINT>
+__device__ __forceinline__ u32 ldg_plane_u32(const u32* p) {
     u32 v;
-    if ((APL_PLANE_HINT & 6) && l2) asm volatile("ld.global.nc" APL_PLANE_L1 APL_PLANE_L2 ".u32 %0, [%1];" : "=r"(v) : "l"(p));
-    else asm volatile("ld.global.nc" APL_PLANE_L1 ".u32 %0, [%1];" : "=r"(v) : "l"(p));
+    if constexpr (HINT) asm volatile("ld.global.nc" APL_PLANE_L1 APL_PLANE_L2 ".u32 %0, [%1];" : "=r"(v) : "l"(p));
+    else asm volatile("ld.global.nc.u32 %0, [%1];" : "=r"(v) : "l"(p));
     return v;
 }
-__device__ __forceinline__ uint2 ldg_plane_u64(const u32* p, bool l2) {
+template <bool HINT>
+__device__ __forceinline__ uint2 ldg_plane_u64(const u32* p) {
     uint2 v;
-    if ((APL_PLANE_HINT & 6) && l2)
+    if constexpr (HINT)
         asm volatile("ld.global.nc" APL_PLANE_L1 APL_PLANE_L2 ".v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
     else
-        asm volatile("ld.global.nc" APL_PLANE_L1 ".v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+        asm volatile("ld.global.nc.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
     return v;
 }
 __device__ __forceinline__ int ld_acquire_gpu(const int* p) {
@@ -549,17 +551,19 @@ __device__ __forceinline__ Route route_cta(const long long* __restrict__ ids, in
 // clamped to its last word (valid memory, any codes): their staged activations are zero.
 // V2: the layer's planes are 8-byte aligned with an even number of words per row, so a
 // thread's two words come in one 8-byte load (a quad reads 32 contiguous bytes per row).
-template <int B, bool V2>
+// HINT: the instance's NT8 is at least APL_PLANE_HINT_MIN_NT8 (load_hint).
+template <int NT8>
+__host__ __device__ constexpr bool load_hint() { return APL_PLANE_HINT != 0 && NT8 >= APL_PLANE_HINT_MIN_NT8; }
+template <int B, bool V2, bool HINT = false>
 __device__ __forceinline__ void load_step(const BlockRef& blk, u32 w0a, u32 w0b, int kw, int step,
                                           u32 (&buf)[2][2][8]) {
     const int t = threadIdx.x & 3;
-    const bool l2 = kw >= APL_PLANE_L2_MIN_WORDS;
     if constexpr (V2) {
         const u32 w = (u32)min(step * GV_STEP_WORDS + 2 * t, kw - 2);
 #pragma unroll
         for (int p = 0; p < 8; ++p) {
             if (p < B) {
-                const uint2 a = ldg_plane_u64(blk.planes[p] + (w0a + w), l2), b = ldg_plane_u64(blk.planes[p] + (w0b + w), l2);
+                const uint2 a = ldg_plane_u64<HINT>(blk.planes[p] + (w0a + w)), b = ldg_plane_u64<HINT>(blk.planes[p] + (w0b + w));
                 buf[0][0][p] = a.x; buf[0][1][p] = a.y; buf[1][0][p] = b.x; buf[1][1][p] = b.y;
             }
         }
@@ -570,8 +574,8 @@ __device__ __forceinline__ void load_step(const BlockRef& blk, u32 w0a, u32 w0b,
 #pragma unroll
             for (int p = 0; p < 8; ++p) {
                 if (p < B) {
-                    buf[0][wi][p] = ldg_plane_u32(blk.planes[p] + (w0a + w), l2);
-                    buf[1][wi][p] = ldg_plane_u32(blk.planes[p] + (w0b + w), l2);
+                    buf[0][wi][p] = ldg_plane_u32<HINT>(blk.planes[p] + (w0a + w));
+                    buf[1][wi][p] = ldg_plane_u32<HINT>(blk.planes[p] + (w0b + w));
                 }
             }
         }
@@ -664,7 +668,7 @@ __device__ __forceinline__ void gemv_warp(const BlockRef& blk, u32 w0a, u32 w0b,
         // to b0 (register moves where the ping-pong would have unrolled a second copy).
 #pragma unroll 1
         for (int step = 0; step < steps; ++step) {
-            if (step + 1 < steps) load_step<B, V2>(blk, w0a, w0b, kw, step + 1, b1);
+            if (step + 1 < steps) load_step<B, V2, load_hint<1>()>(blk, w0a, w0b, kw, step + 1, b1);
             prefetch(step + 2);
             compute_step_rolled<B, BF16>(la, lb, xs, tstride, x_row, b0, step, acc);
 #pragma unroll
@@ -678,11 +682,11 @@ __device__ __forceinline__ void gemv_warp(const BlockRef& blk, u32 w0a, u32 w0b,
         return;
     }
     for (int step = 0; step < steps; step += 2) {
-        if (step + 1 < steps) load_step<B, V2>(blk, w0a, w0b, kw, step + 1, b1);
+        if (step + 1 < steps) load_step<B, V2, load_hint<1>()>(blk, w0a, w0b, kw, step + 1, b1);
         prefetch(step + 2);
         compute(b0, step);
         if (step + 1 >= steps) break;
-        if (step + 2 < steps) load_step<B, V2>(blk, w0a, w0b, kw, step + 2, b0);
+        if (step + 2 < steps) load_step<B, V2, load_hint<1>()>(blk, w0a, w0b, kw, step + 2, b0);
         prefetch(step + 3);
         compute(b1, step + 1);
     }
@@ -702,7 +706,7 @@ __device__ __forceinline__ void pipe_preload(const BlockRef& blk, u32 w0a, u32 w
     const int steps = (kw + GV_STEP_WORDS - 1) / GV_STEP_WORDS;
 #pragma unroll
     for (int j = 0; j < GV_PIPE - 1; ++j)
-        if (j < steps) load_step<B, V2>(blk, w0a, w0b, kw, j, bufs[j]);
+        if (j < steps) load_step<B, V2, load_hint<1>()>(blk, w0a, w0b, kw, j, bufs[j]);
 }
 
 // bufs[0..S-2] arrive holding steps 0..S-2 (pipe_preload).
@@ -718,7 +722,7 @@ __device__ __forceinline__ void gemv_warp_pipe(const BlockRef& blk, u32 w0a, u32
             const int step = step0 + j;
             if (step >= steps) break;
             // bufs[(j + S - 1) % S] held step - 1, computed in the previous iteration
-            if (step + S - 1 < steps) load_step<B, V2>(blk, w0a, w0b, kw, step + S - 1, bufs[(j + S - 1) % S]);
+            if (step + S - 1 < steps) load_step<B, V2, load_hint<1>()>(blk, w0a, w0b, kw, step + S - 1, bufs[(j + S - 1) % S]);
             compute_step<B, BF16>(la, lb, xs, tstride, x_row, bufs[j], step, acc);
         }
     }
@@ -977,11 +981,11 @@ __device__ __forceinline__ void tiles_warp(const BlockRef& blk, u32 w0a, u32 w0b
 #endif
     u32 b1[2][2][8];
     for (int step = 0; step < steps; step += 2) {
-        if (step + 1 < steps) load_step<B, V2>(blk, w0a, w0b, kw, step + 1, b1);
+        if (step + 1 < steps) load_step<B, V2, load_hint<NT8>()>(blk, w0a, w0b, kw, step + 1, b1);
         stage_chunk(step);
         compute(b0);
         if (step + 1 >= steps) break;
-        if (step + 2 < steps) load_step<B, V2>(blk, w0a, w0b, kw, step + 2, b0);
+        if (step + 2 < steps) load_step<B, V2, load_hint<NT8>()>(blk, w0a, w0b, kw, step + 2, b0);
         stage_chunk(step + 1);
         compute(b1);
     }
@@ -1019,7 +1023,7 @@ __device__ __forceinline__ void run_passes(const BlockRef& blk, u32 w0a, u32 w0b
 #pragma unroll
             for (int j = 0; j < NT8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
             u32 b0[2][2][8];
-            load_step<B, V2>(blk, w0a, w0b, kw, 0, b0);
+            load_step<B, V2, load_hint<NT8>()>(blk, w0a, w0b, kw, 0, b0);
             tiles_warp<B, NT8, BF16, V2>(blk, w0a, w0b, la, lb, kw, xs, tstride, np, b0, acc,
                                          [&](int step) { stage(p0, np, step); });
 #pragma unroll
@@ -1031,7 +1035,7 @@ __device__ __forceinline__ void run_passes(const BlockRef& blk, u32 w0a, u32 w0b
         // APL_GEMV_PDL: before the wait for h, while gate_up's last CTAs run).
         constexpr bool B0_FIRST = EARLY_B0 && !PIPE && !RING && B <= 4;
         u32 b_first[2][2][8];
-        if constexpr (B0_FIRST) load_step<B, V2>(blk, w0a, w0b, kw, 0, b_first);
+        if constexpr (B0_FIRST) load_step<B, V2, load_hint<1>()>(blk, w0a, w0b, kw, 0, b_first);
         for (int p0 = 0; p0 < count; p0 += stage_tokens) {
             const int np = min(stage_tokens, count - p0);
             stage(p0, np, -1);
@@ -1051,7 +1055,7 @@ __device__ __forceinline__ void run_passes(const BlockRef& blk, u32 w0a, u32 w0b
 #pragma unroll
                     for (int i = 0; i < 32; ++i) (&b0[0][0][0])[i] = (&b_first[0][0][0])[i];
                 } else {
-                    load_step<B, V2>(blk, w0a, w0b, kw, 0, b0);
+                    load_step<B, V2, load_hint<1>()>(blk, w0a, w0b, kw, 0, b0);
                 }
                 gemv_warp<B, BF16, V2, COMPACT>(blk, w0a, w0b, la, lb, kw, xs, tstride, min(g, np), b0, acc);
             }
