@@ -113,7 +113,8 @@
 #endif                         // before the wait for h (not after the staging)
 #ifndef APL_GEMV_PDL_LUT_WAIT
 #define APL_GEMV_PDL_LUT_WAIT 0  // with APL_GEMV_PDL, down's shared LUT rows (5-8-bit blocks) are filled after the wait
-#endif                           // for h, not before (their loads took DRAM from gate_up's last CTAs: GEMV_PDL_DOWN_CLASSES)
+#endif                           // for h, not before (their loads took DRAM from gate_up's last CTAs). Only where the host
+                                 // launches those down kernels programmatically (GEMV_PDL_DOWN_CLASSES; measured: no)
 #ifndef APL_GEMV_ORDER
 #define APL_GEMV_ORDER 5  // launches of the merged kernel (CLS 2), whose blocks differ in width: bit 0: active
 #endif                    // experts taken widest first (route_pick's HEAVY); bit 1: CTAs numbered expert-major (all

@@ -99,7 +99,10 @@ GEMV_FUSED = os.environ.get("APL_GEMV_FUSED", "0") == "1"  # measured slower (do
 GEMV_PDL = 1
 # The decode kernel classes whose down launch is programmatic (programmatic_down): the 3-4-bit
 # kernel's. The 5-8-bit and merged down CTAs fill their shared LUT rows as they start, which took
-# DRAM from gate_up's last CTAs (slower, docs/kernel.md); APL_GEMV_PDL_LUT_WAIT fills them after the wait.
+# DRAM from gate_up's last CTAs (slower, docs/kernel.md). With every class and those rows filled
+# after the wait (APL_GEMV_PDL_LUT_WAIT 1), measured on the H200 (bench/results/apl_gemv_hint_dfa916b.json):
+# Mixtral 1 token 8 bits 6% slower, stable launches of Qwen1.5-MoE 4-bit layers 7-10% faster but
+# of Mixtral's 3% slower: left at the 3-4-bit kernel.
 GEMV_PDL_DOWN_CLASSES = (0,)
 # The tiles regime (apl_gemv.cu with NT8 > 1): the decode kernel's register-LUT dequantisation,
 # each weight's fragments reused for up to 8 * NT8 tokens per pass.
@@ -755,7 +758,8 @@ def programmatic_down(cls: int, tiles: int) -> bool:
     """Whether a down launch of this kernel class and NT8 overlaps gate_up (under GEMV_PDL): the
     tiles regime and the 3-4-bit decode kernel. Measured slower for the 5-8-bit and merged decode
     kernels (Mixtral 1 token 8 bits 322.8 against 303.4 us, mixed 178.0 against 173.9;
-    bench/results/apl_gemv_pdl_decode.json), whose waiting CTAs first fill their shared LUT rows."""
+    bench/results/apl_gemv_pdl_decode.json), whose waiting CTAs first fill their shared LUT rows
+    (GEMV_PDL_DOWN_CLASSES adds classes, for the benchmark's variants)."""
     return tiles > 1 or cls in GEMV_PDL_DOWN_CLASSES
 
 
