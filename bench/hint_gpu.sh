@@ -9,7 +9,7 @@
 # path loses its time).
 # The first call (dfa916b, no hint by default) ran VARIANTS="base hint_1 hint_2 hint_3 hint_5 stable stable_hint_1
 # stable_hint_3 pdl_merged stable_pdl_merged"; the second (the rule: L2::256B on splits of >= 128 words, TAG=rule,
-# SKIP_NCU=1, LAYER=1, at 9cabb61: measured slower, replaced) VARIANTS="base hint_0 hint_2 hint_2_w64 stable
+# SKIP_NCU=1, LAYER=1, at 9cabb61, whose variants were since replaced: measured slower) VARIANTS="base hint_0 hint_2 hint_2_w64 stable
 # stable_hint_0", then the layer benchmark (docs/kernel.md's command); the third (the hint in the tiles instances
 # of 64-token passes, TAG=tiles SET=--tiles SKIP_NCU=1 LAYER=1) the default list.
 # Usage (device): OUT=$OUT CODE_COMMIT=<c> [VARIANTS="..."] [TAG=t] [SET=--hint] [SKIP_NCU=1] [LAYER=1] bash bench/hint_gpu.sh

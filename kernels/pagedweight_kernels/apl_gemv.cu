@@ -124,7 +124,7 @@
 #define APL_PLANE_HINT 2  // the plane words' loads (load_step) in instances of at least APL_PLANE_HINT_MIN_NT8: bit 0:
 #endif                    // L1::no_allocate; bit 1: L2::256B (a row's first load in each 256 bytes has L2 fetch them
                           // all, so the warp's next steps hit L2); bit 2: L2::128B instead. Measured (docs/kernel.md):
-                          // no_allocate 1-23% slower; 256B 5-7% faster in 64-token passes (Mixtral-size 256-token
+                          // no_allocate 1-23% slower; 256B 4-7% faster in 64-token passes (Mixtral-size 256-token
                           // layers), 4-5% on Mixtral-size mixed decode at 4-16 tokens but 5-10% slower at Qwen1.5-MoE
                           // decode; chosen by a run-time test on the split's length, 4-8% slower everywhere (the loop)
 #ifndef APL_PLANE_HINT_MIN_NT8
