@@ -157,6 +157,7 @@ def test_decode_launches_with_lut_rows_leave_room_for_four_ctas(bits, stable, mo
     per_cta = mixtral16.shared_bytes + gemv_extra_shared(2, 256) + 1024
     assert 3 * per_cta <= apl_moe.GEMV_SM_SHARED < 4 * per_cta
 
+
 def test_decode_splits_fill_whole_waves(monkeypatch):
     """3-4-bit decode splits are chosen by whole waves of GEMV_TARGET_CTAS: a small layer splits
     until one wave is full; a grid just past a wave takes fewer, longer splits, not a tail."""
