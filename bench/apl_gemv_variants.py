@@ -7,7 +7,7 @@ results are recorded in docs/kernel.md.
 
 Usage on the GPU machine: PYTHONPATH=.:services:kernels python3 -m bench.apl_gemv_variants [variants]
     [--mixed | --tiles | --tiles-mixed | --decode | --fused | --compact | --merged | --waves | --order | --lut | --hint
-     | --compile-only] [--json NAME]
+     | --long | --compile-only] [--json NAME]
 --compile-only: compile the variants' decode instances for bf16 and fp16 (for the GPU tests) and exit.
 --decode: every decode shape (1-16 tokens, 3 / 4 / 8 / mixed bits) at both model sizes; the
 variants' instances are compiled first, in threads (NVRTC runs outside the GIL). --fused: the
@@ -17,6 +17,7 @@ variants' instances are compiled first, in threads (NVRTC runs outside the GIL).
 --waves: the decode shapes whose column splits the whole-wave plan changed (`base no_wave`).
 --order: mixed bits at 1-256 tokens and uniform 8 bits (the APL_GEMV_ORDER variants).
 --hint: 3 / 4 / 8 / mixed bits at 1-256 tokens (the APL_PLANE_HINT and stable-launch variants).
+--long: every decode width and mixed bits at 1 / 4 / 16 tokens (the long-split instance variants).
 --json NAME
 also writes bench/results/NAME.json (date, machine, commit).
 """
@@ -37,7 +38,8 @@ BASE = dict(op.KERNEL_DEFINES)
 HOST_KNOBS = {name: getattr(op, name) for name in ("GEMV_TARGET_CTAS", "GEMV_MERGE_CLASSES", "TILES_MAX_NT8", "GEMV_FUSED",
                                                        "GEMV_MIN_SPLIT_WORDS", "GEMV_WAVE_PLAN", "GEMV_SHARED_PAD", "GEMV_PDL",
                                                        "GEMV_WAVE_PLAN_MAX_BITS", "GEMV_WIDE_TARGET_CTAS", "GEMV_LUT_AWARE_CTAS",
-                                                       "GEMV_PDL_DOWN_CLASSES")}
+                                                       "GEMV_PDL_DOWN_CLASSES", "GEMV_LONG_SPLIT_CLASSES",
+                                                       "GEMV_LONG_SPLIT_WORDS")}
 VARIANTS = {  # name -> (define changes, host changes)
     "base": ({}, {}),
     "no_wave": ({}, {"GEMV_WAVE_PLAN": False}),  # decode splits to about one wave (before _wave_splits)
@@ -158,6 +160,14 @@ VARIANTS = {  # name -> (define changes, host changes)
     # Qwen1.5-MoE 4 bits -7..-10%, stable Mixtral 3-4 bits +1..+3%; left off)
     "pdl_merged": ({"APL_GEMV_PDL_LUT_WAIT": 1}, {"GEMV_PDL_DOWN_CLASSES": (0, 1, 2)}),
     "stable_pdl_merged": ({"APL_GEMV_PDL_LUT_WAIT": 1}, {"GEMV_PDL_DOWN_CLASSES": (0, 1, 2), "stable": True}),
+    # decode launches of long column splits on the instances compiled with L2::256B plane loads
+    # (GEMV_LONG_SPLIT_CLASSES / GEMV_LONG_SPLIT_WORDS: every class from 64 words by default;
+    # `base long_off long_merged long_w128 stable stable_long_off --long`)
+    "long_off": ({}, {"GEMV_LONG_SPLIT_CLASSES": ()}),  # no decode launch hinted (before 2026-12-03, third session)
+    "long_merged": ({}, {"GEMV_LONG_SPLIT_CLASSES": (2,)}),  # the merged kernel's launches only
+    "long_w128": ({}, {"GEMV_LONG_SPLIT_WORDS": 128}),  # splits of 512 bytes a row and plane and more
+    "long_w32": ({}, {"GEMV_LONG_SPLIT_WORDS": 32}),
+    "stable_long_off": ({}, {"GEMV_LONG_SPLIT_CLASSES": (), "stable": True}),
 }
 MIXED_SHAPES = [("qwen1.5-moe-a2.7b", 1, "mixed"), ("qwen1.5-moe-a2.7b", 4, "mixed"), ("mixtral-8x7b", 1, "mixed"),
                 ("mixtral-8x7b", 4, "mixed"), ("qwen1.5-moe-a2.7b", 1, "4")]
@@ -196,6 +206,12 @@ LUT_SHAPES = [(name, T, "mixed") for name in ("qwen1.5-moe-a2.7b", "mixtral-8x7b
 HINT_SHAPES = [(name, T, bits) for name in ("mixtral-8x7b", "qwen1.5-moe-a2.7b") for T, bits in
                ((1, "3"), (1, "4"), (1, "8"), (1, "mixed"), (4, "4"), (4, "mixed"), (16, "4"), (16, "mixed"),
                 (64, "4"), (256, "4"))] + [("mixtral-8x7b", 256, "8")]
+# --long: every decode width at 1, 4 and 16 tokens at both sizes (the long-split variants change uniform
+# layers too, so each variant weighs its mixed layers' bytes with its own uniform rates), 2 and 8 tokens at
+# 4 bits, and 4 bits at 1 and 16 tokens (the stable variants: the merged kernel at one width)
+LONG_SHAPES = [(name, T, bits) for name in ("mixtral-8x7b", "qwen1.5-moe-a2.7b") for T in (1, 4, 16)
+               for bits in ("3", "4", "5", "6", "8", "mixed")] + \
+              [(name, T, "4") for name in ("mixtral-8x7b", "qwen1.5-moe-a2.7b") for T in (2, 8)]
 # --tiles-mixed: the tiles shapes at mixed bits (the merged kernel against one launch per class)
 TILES_MIXED_SHAPES = [(name, T, "mixed") for name in ("qwen1.5-moe-a2.7b", "mixtral-8x7b") for T in (64, 256)]
 
@@ -222,6 +238,9 @@ def compile_decode_instances(variants, device, both_dtypes=False, tiles=(1,)):
         set_variant(vname)
         keys += [(op._gemv_name(cls, mode, flag, aligned, nt8), op._defines("silu"))
                  for cls in (0, 1, 2) for mode in (0, 1) for flag, aligned in layouts for nt8 in tiles]
+        if 1 in tiles and op.KERNEL_DEFINES.get("APL_PLANE_HINT"):  # the long-split decode instances
+            keys += [(op._gemv_name(cls, mode, flag, aligned, 1, True), op._defines("silu"))
+                     for cls in op.GEMV_LONG_SPLIT_CLASSES for mode in (0, 1) for flag, aligned in layouts]
         keys += [(op._fused_name(cls, flag, aligned), op._defines("silu"))
                  for cls in op.FUSED_CLASSES for flag, aligned in layouts]
 
@@ -237,12 +256,15 @@ def compile_decode_instances(variants, device, both_dtypes=False, tiles=(1,)):
 def add_byte_weighted_rows(rows, cases):
     """Each mixed row at 1-16 tokens against its byte-weighted time (bench/apl_moe_kernel.py's
     add_byte_weighted: each width's share of the mixed layer's bytes at that width's uniform rate,
-    the uniform rows of this process); printed and added to the row."""
+    the uniform rows of this process: the row's own variant's where it timed that width, else the
+    first variant's); printed and added to the row."""
     first = rows[0]["variant"]  # (the uniform shapes of ORDER_SHAPES are timed under every variant)
-    uniform = {(r["model"], r["tokens"], r["bits"]): r["us"] for r in rows if r["bits"] != "mixed" and r["variant"] == first}
+    timed = {(r["variant"], r["model"], r["tokens"], r["bits"]): r["us"] for r in rows if r["bits"] != "mixed"}
     for r in rows:
         if r["bits"] != "mixed" or r["tokens"] > 16:
             continue
+        uniform = {key[1:]: us for key, us in timed.items() if key[0] == first}
+        uniform.update({key[1:]: us for key, us in timed.items() if key[0] == r["variant"]})
         model, T = r["model"], r["tokens"]
         route, apl = cases[(model, T, "mixed")][1:]
         active = [ids.unique().tolist() for ids, _ in route]
@@ -274,8 +296,9 @@ def main():
         else DECODE_SHAPES if "--decode" in sys.argv else FUSED_SHAPES if "--fused" in sys.argv \
         else COMPACT_SHAPES if "--compact" in sys.argv else MERGED_SHAPES if "--merged" in sys.argv \
         else WAVE_SHAPES if "--waves" in sys.argv else ORDER_SHAPES if "--order" in sys.argv \
-        else LUT_SHAPES if "--lut" in sys.argv else HINT_SHAPES if "--hint" in sys.argv else SHAPES
-    weighed = "--order" in sys.argv or "--lut" in sys.argv or "--hint" in sys.argv
+        else LUT_SHAPES if "--lut" in sys.argv else HINT_SHAPES if "--hint" in sys.argv \
+        else LONG_SHAPES if "--long" in sys.argv else SHAPES
+    weighed = "--order" in sys.argv or "--lut" in sys.argv or "--hint" in sys.argv or "--long" in sys.argv
     once = [s for s in UNIFORM_FOR_WEIGHTS if s not in shapes] if weighed else []
     names = sorted({s[0] for s in shapes + once})
     layers = {name: [SyntheticLayer(*MODELS[name][:1], *MODELS[name][2:], seed, device) for seed in range(COPIES)]
@@ -288,7 +311,8 @@ def main():
         x = [torch.randn(T, H, device=device).bfloat16() for _ in range(REPS)]
         cases[(name, T, bits)] = (x, route, apl)
     only = [a for a in sys.argv[1:] if a in VARIANTS] or list(VARIANTS)
-    if any(a in sys.argv for a in ("--decode", "--fused", "--compact", "--merged", "--waves", "--order", "--lut", "--hint")):
+    if any(a in sys.argv for a in ("--decode", "--fused", "--compact", "--merged", "--waves", "--order", "--lut", "--hint",
+                                   "--long")):
         compile_decode_instances(only, device)
     if tiles_run or "--order" in sys.argv or "--hint" in sys.argv:
         compile_decode_instances(only, device, tiles=op.tiles_choices()[1:])
@@ -307,7 +331,7 @@ def main():
             us = time_calls(calls)
             rows.append({"variant": vname, "model": shape[0], "tokens": shape[1], "bits": shape[2], "us": round(us, 1)})
             print(f"{vname:16s} {shape[0]:18s} T={shape[1]:3d} bits={shape[2]:5s} {us:8.1f} us", flush=True)
-    if once:
+    if weighed:
         add_byte_weighted_rows(rows, cases)
     if "--json" in sys.argv:
         name = sys.argv[sys.argv.index("--json") + 1]

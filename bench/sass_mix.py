@@ -30,7 +30,7 @@ GEMV_PARAMS = ("const long long* __restrict__, const long long* __restrict__, in
                "const void* __restrict__, int, int, u16* __restrict__, int")
 _LABEL = re.compile(r"^\s*(\.L_x_\d+):")
 _BRANCH = re.compile(r"\bBRA\s+`?\(?(\.L_x_\d+)")
-_INSTANCE = re.compile(r"apl_gemv<\d, \d, (true|false), (true|false), \d+>")
+_INSTANCE = re.compile(r"apl_gemv<\d, \d, (true|false), (true|false), \d+(, (true|false))?>")
 _OPCODE = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)")
 
 

@@ -121,12 +121,14 @@
                           // of an expert's row tiles and splits before the next); bit 2: in the tiles regime too
                           // (else decode only); bit 3: the 5-8-bit kernel (CLS 1) too
 #ifndef APL_PLANE_HINT
-#define APL_PLANE_HINT 2  // the plane words' loads (load_step) in instances of at least APL_PLANE_HINT_MIN_NT8: bit 0:
-#endif                    // L1::no_allocate; bit 1: L2::256B (a row's first load in each 256 bytes has L2 fetch them
-                          // all, so the warp's next steps hit L2); bit 2: L2::128B instead. Measured (docs/kernel.md):
-                          // no_allocate 1-23% slower; 256B 4-7% faster in 64-token passes (Mixtral-size 256-token
-                          // layers), 4-5% on Mixtral-size mixed decode at 4-16 tokens but 5-10% slower at Qwen1.5-MoE
-                          // decode; chosen by a run-time test on the split's length, 4-8% slower everywhere (the loop)
+#define APL_PLANE_HINT 2  // the plane words' loads (load_step) in instances of at least APL_PLANE_HINT_MIN_NT8, and in
+#endif                    // the decode instances compiled for long splits (LONG): bit 0: L1::no_allocate; bit 1:
+                          // L2::256B (a row's first load in each 256 bytes has L2 fetch them all, so the warp's next
+                          // steps hit L2); bit 2: L2::128B instead. Measured (docs/kernel.md): no_allocate 1-23%
+                          // slower; 256B 4-7% faster in 64-token passes (Mixtral-size 256-token layers), 4-5% on
+                          // Mixtral-size mixed decode at 4-16 tokens but 5-10% slower at Qwen1.5-MoE decode (splits
+                          // of 24-48 words: the 256 bytes overshoot the split); chosen by a run-time test on the
+                          // split's length, 4-8% slower everywhere (the loop): so the host picks a LONG instance
 #ifndef APL_PLANE_HINT_MIN_NT8
 #define APL_PLANE_HINT_MIN_NT8 8  // the instances APL_PLANE_HINT applies to: NT8 >= this (1: decode too)
 #endif
@@ -552,9 +554,11 @@ __device__ __forceinline__ Route route_cta(const long long* __restrict__ ids, in
 // clamped to its last word (valid memory, any codes): their staged activations are zero.
 // V2: the layer's planes are 8-byte aligned with an even number of words per row, so a
 // thread's two words come in one 8-byte load (a quad reads 32 contiguous bytes per row).
-// HINT: the instance's NT8 is at least APL_PLANE_HINT_MIN_NT8 (load_hint).
-template <int NT8>
-__host__ __device__ constexpr bool load_hint() { return APL_PLANE_HINT != 0 && NT8 >= APL_PLANE_HINT_MIN_NT8; }
+// HINT: the instance's NT8 is at least APL_PLANE_HINT_MIN_NT8, or it is a decode instance the host
+// launches for long column splits only (LONG: GEMV_LONG_SPLIT_WORDS and more, so the 256 bytes an
+// L2::256B load fetches per row and plane are all the split's own) (load_hint).
+template <int NT8, bool LONG = false>
+__host__ __device__ constexpr bool load_hint() { return APL_PLANE_HINT != 0 && (NT8 >= APL_PLANE_HINT_MIN_NT8 || LONG); }
 template <int B, bool V2, bool HINT = false>
 __device__ __forceinline__ void load_step(const BlockRef& blk, u32 w0a, u32 w0b, int kw, int step,
                                           u32 (&buf)[2][2][8]) {
@@ -638,7 +642,7 @@ __device__ __forceinline__ void compute_step_rolled(const Lut& la, const Lut& lb
 // xs: staged activations [token][word][4 chunks of 16 B]; chunk q of word w is stored at
 // q ^ ((w >> 1) & 3), so the 4 threads of a quad read different banks. Plane words are
 // loaded one step ahead in registers (2 rows x 2 words x B planes); b0 arrives holding step 0.
-template <int B, bool BF16, bool V2, bool COMPACT, class Lut>
+template <int B, bool BF16, bool V2, bool COMPACT, bool LONG, class Lut>
 __device__ __forceinline__ void gemv_warp(const BlockRef& blk, u32 w0a, u32 w0b, const Lut& la, const Lut& lb,
                                           int kw, const u16* xs, int tstride, int x_row, u32 (&b0)[2][2][8],
                                           float (&acc)[4]) {
@@ -669,7 +673,7 @@ __device__ __forceinline__ void gemv_warp(const BlockRef& blk, u32 w0a, u32 w0b,
         // to b0 (register moves where the ping-pong would have unrolled a second copy).
 #pragma unroll 1
         for (int step = 0; step < steps; ++step) {
-            if (step + 1 < steps) load_step<B, V2, load_hint<1>()>(blk, w0a, w0b, kw, step + 1, b1);
+            if (step + 1 < steps) load_step<B, V2, load_hint<1, LONG>()>(blk, w0a, w0b, kw, step + 1, b1);
             prefetch(step + 2);
             compute_step_rolled<B, BF16>(la, lb, xs, tstride, x_row, b0, step, acc);
 #pragma unroll
@@ -683,11 +687,11 @@ __device__ __forceinline__ void gemv_warp(const BlockRef& blk, u32 w0a, u32 w0b,
         return;
     }
     for (int step = 0; step < steps; step += 2) {
-        if (step + 1 < steps) load_step<B, V2, load_hint<1>()>(blk, w0a, w0b, kw, step + 1, b1);
+        if (step + 1 < steps) load_step<B, V2, load_hint<1, LONG>()>(blk, w0a, w0b, kw, step + 1, b1);
         prefetch(step + 2);
         compute(b0, step);
         if (step + 1 >= steps) break;
-        if (step + 2 < steps) load_step<B, V2, load_hint<1>()>(blk, w0a, w0b, kw, step + 2, b0);
+        if (step + 2 < steps) load_step<B, V2, load_hint<1, LONG>()>(blk, w0a, w0b, kw, step + 2, b0);
         prefetch(step + 3);
         compute(b1, step + 1);
     }
@@ -997,7 +1001,7 @@ __device__ __forceinline__ void tiles_warp(const BlockRef& blk, u32 w0a, u32 w0b
 // those loads overlap; holding them in registers instead spilled (128-register budget).
 // NT8 > 1: the tiles regime (tiles_warp); stage then stages one step: stage(p0, np, step).
 template <int B, bool BF16, bool V2, bool RING, int NT8, bool PIPE_CLS, bool LATE_BUILD, bool COMPACT, bool EARLY_B0,
-          class Lut, class Prologue, class Stage, class Emit>
+          bool LONG, class Lut, class Prologue, class Stage, class Emit>
 __device__ __forceinline__ void run_passes(const BlockRef& blk, u32 w0a, u32 w0b, Lut& la, Lut& lb, int kw,
                                            const u16* xs, int tstride, int count, int stage_tokens,
                                            u32 lane_slot0, Prologue prologue, Stage stage, Emit emit) {
@@ -1036,7 +1040,7 @@ __device__ __forceinline__ void run_passes(const BlockRef& blk, u32 w0a, u32 w0b
         // APL_GEMV_PDL: before the wait for h, while gate_up's last CTAs run).
         constexpr bool B0_FIRST = EARLY_B0 && !PIPE && !RING && B <= 4;
         u32 b_first[2][2][8];
-        if constexpr (B0_FIRST) load_step<B, V2, load_hint<1>()>(blk, w0a, w0b, kw, 0, b_first);
+        if constexpr (B0_FIRST) load_step<B, V2, load_hint<1, LONG>()>(blk, w0a, w0b, kw, 0, b_first);
         for (int p0 = 0; p0 < count; p0 += stage_tokens) {
             const int np = min(stage_tokens, count - p0);
             stage(p0, np, -1);
@@ -1056,9 +1060,9 @@ __device__ __forceinline__ void run_passes(const BlockRef& blk, u32 w0a, u32 w0b
 #pragma unroll
                     for (int i = 0; i < 32; ++i) (&b0[0][0][0])[i] = (&b_first[0][0][0])[i];
                 } else {
-                    load_step<B, V2, load_hint<1>()>(blk, w0a, w0b, kw, 0, b0);
+                    load_step<B, V2, load_hint<1, LONG>()>(blk, w0a, w0b, kw, 0, b0);
                 }
-                gemv_warp<B, BF16, V2, COMPACT>(blk, w0a, w0b, la, lb, kw, xs, tstride, min(g, np), b0, acc);
+                gemv_warp<B, BF16, V2, COMPACT, LONG>(blk, w0a, w0b, la, lb, kw, xs, tstride, min(g, np), b0, acc);
             }
             emit(p0, np, acc);
         }
@@ -1081,7 +1085,8 @@ __device__ __forceinline__ void run_passes(const BlockRef& blk, u32 w0a, u32 w0b
 // first phase is done by the caller (route_mask); gate_up's last split of a row tile raises
 // ready[by * gx + bx] once h is written, and down waits for the flags of its split's h
 // columns (one gate_up row tile per h word) before staging h, read through L2 only.
-template <int CLS, int MODE, bool BF16, bool V2, int NT8, bool FUSED, bool PAIR = false, bool HEAVY = false>
+template <int CLS, int MODE, bool BF16, bool V2, int NT8, bool FUSED, bool PAIR = false, bool HEAVY = false,
+          bool LONG = false>
 __device__ __forceinline__ void gemv_cta(
     const long long* __restrict__ desc, const long long* __restrict__ topk_ids, int num_assign, int top_k,
     int num_experts, const u16* __restrict__ x, int rows_out, int cols, int split_words, int lut_entries,
@@ -1456,23 +1461,23 @@ __device__ __forceinline__ void gemv_cta(
     } else if (CLS == 0 || (CLS == 2 && cls == 0)) {
         if (blk.bits == 4) {
             RegLut<4> la, lb;
-            run_passes<4, BF16, V2, RING, NT8, CLS == 0, LATE, COMPACT, EARLY_B0>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, lane_slot0,
+            run_passes<4, BF16, V2, RING, NT8, CLS == 0, LATE, COMPACT, EARLY_B0, LONG>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, lane_slot0,
                                           reg_lut, stage, emit);
         } else {
             RegLut<3> la, lb;
-            run_passes<3, BF16, V2, RING, NT8, CLS == 0, LATE, COMPACT, EARLY_B0>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, lane_slot0,
+            run_passes<3, BF16, V2, RING, NT8, CLS == 0, LATE, COMPACT, EARLY_B0, LONG>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, lane_slot0,
                                           reg_lut, stage, emit);
         }
     } else {
         switch (blk.bits) {
             case 5: { SmemLut<5> la{la_s}, lb{lb_s};
-                      run_passes<5, BF16, V2, false, NT8, false, LATE, COMPACT, EARLY_B0>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, 0u, smem_lut, stage, emit); break; }
+                      run_passes<5, BF16, V2, false, NT8, false, LATE, COMPACT, EARLY_B0, LONG>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, 0u, smem_lut, stage, emit); break; }
             case 6: { SmemLut<6> la{la_s}, lb{lb_s};
-                      run_passes<6, BF16, V2, false, NT8, false, LATE, COMPACT, EARLY_B0>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, 0u, smem_lut, stage, emit); break; }
+                      run_passes<6, BF16, V2, false, NT8, false, LATE, COMPACT, EARLY_B0, LONG>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, 0u, smem_lut, stage, emit); break; }
             case 7: { SmemLut<7> la{la_s}, lb{lb_s};
-                      run_passes<7, BF16, V2, false, NT8, false, LATE, COMPACT, EARLY_B0>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, 0u, smem_lut, stage, emit); break; }
+                      run_passes<7, BF16, V2, false, NT8, false, LATE, COMPACT, EARLY_B0, LONG>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, 0u, smem_lut, stage, emit); break; }
             default: { SmemLut<8> la{la_s}, lb{lb_s};
-                       run_passes<8, BF16, V2, false, NT8, false, LATE, COMPACT, EARLY_B0>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, 0u, smem_lut, stage, emit); break; }
+                       run_passes<8, BF16, V2, false, NT8, false, LATE, COMPACT, EARLY_B0, LONG>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, 0u, smem_lut, stage, emit); break; }
         }
     }
 
@@ -1650,7 +1655,7 @@ __device__ __forceinline__ void gemv_cta(
     int num_experts, const u16* __restrict__ x, int rows_out, int cols, int split_words, int lut_entries,     \
     int stage_tokens, float* __restrict__ part, int* __restrict__ counters, u16* __restrict__ h_out,          \
     const void* __restrict__ topk_w, int w_kind, int num_tokens, u16* __restrict__ out, int zero_fill
-template <int CLS, int MODE, bool BF16, bool V2, int NT8, bool PAIR>
+template <int CLS, int MODE, bool BF16, bool V2, int NT8, bool PAIR, bool LONG = false>
 __device__ __forceinline__ void gemv_entry(APL_GEMV_ENTRY_PARAMS, int gx) {
     __shared__ u32 present[32];
     __shared__ int scratch[8];
@@ -1664,7 +1669,7 @@ __device__ __forceinline__ void gemv_entry(APL_GEMV_ENTRY_PARAMS, int gx) {
     // (The indices stay special registers: computed from a linear index, they stayed live through
     // the step loop and the merged gate_up spilled 80 bytes; nvcc 13.0.)
     constexpr bool EXPERT_MAJOR = ORDERED && (APL_GEMV_ORDER & 2) != 0 && !PAIR;
-    gemv_cta<CLS, MODE, BF16, V2, NT8, false, PAIR, HEAVY>(desc, topk_ids, num_assign, top_k, num_experts, x, rows_out,
+    gemv_cta<CLS, MODE, BF16, V2, NT8, false, PAIR, HEAVY, LONG>(desc, topk_ids, num_assign, top_k, num_experts, x, rows_out,
                                                            cols, split_words, lut_entries, stage_tokens, part, counters,
                                                            h_out, topk_w, w_kind, num_tokens, out, zero_fill, blockIdx.x,
                                                            EXPERT_MAJOR ? blockIdx.z : blockIdx.y,
@@ -1676,11 +1681,14 @@ __device__ __forceinline__ void gemv_entry(APL_GEMV_ENTRY_PARAMS, int gx) {
     desc, topk_ids, num_assign, top_k, num_experts, x, rows_out, cols, split_words, lut_entries, stage_tokens, \
     part, counters, h_out, topk_w, w_kind, num_tokens, out, zero_fill
 
-// One launch per projection.
-template <int CLS, int MODE, bool BF16, bool V2, int NT8>
+// One launch per projection. LONG (decode only): the instance for column splits of at least
+// GEMV_LONG_SPLIT_WORDS, whose plane loads take APL_PLANE_HINT's qualifiers (load_hint); the
+// host picks it from the plan, so a launch's instance never depends on the layer's bits.
+template <int CLS, int MODE, bool BF16, bool V2, int NT8, bool LONG = false>
 __global__ void __launch_bounds__(GV_THREADS, NT8 == 1 ? APL_GEMV_MIN_BLOCKS : APL_TILES_BLOCKS(CLS, NT8)) apl_gemv(
     APL_GEMV_ENTRY_PARAMS) {
-    gemv_entry<CLS, MODE, BF16, V2, NT8, false>(APL_GEMV_ENTRY_ARGS, gridDim.x);
+    static_assert(!LONG || NT8 == 1, "LONG instances are decode instances (the tiles' hint is APL_PLANE_HINT_MIN_NT8's)");
+    gemv_entry<CLS, MODE, BF16, V2, NT8, false, LONG>(APL_GEMV_ENTRY_ARGS, gridDim.x);
 }
 
 #if APL_HAS_WGMMA

@@ -104,6 +104,14 @@ GEMV_PDL = 1
 # Mixtral 1 token 8 bits 6% slower, stable launches of Qwen1.5-MoE 4-bit layers 7-10% faster but
 # of Mixtral's 3% slower: left at the 3-4-bit kernel.
 GEMV_PDL_DOWN_CLASSES = (0,)
+# Decode launches (NT8 1) of these kernel classes whose column split is at least GEMV_LONG_SPLIT_WORDS
+# words take the instance compiled for long splits (apl_gemv's LONG): its plane loads carry
+# APL_PLANE_HINT's L2::256B, so a row's first load in each 256 bytes has L2 fetch the rest of them
+# for the warp's next steps. 64 words are 256 bytes a row and plane: below that the fetch overshoots
+# the split (Qwen1.5-MoE's 24-48-word splits, 5-10% slower with the hint in every decode instance).
+# Chosen from the plan (shapes), never from the bits, so stable launches keep their instances.
+GEMV_LONG_SPLIT_CLASSES = (0, 1, 2)
+GEMV_LONG_SPLIT_WORDS = 64
 # The tiles regime (apl_gemv.cu with NT8 > 1): the decode kernel's register-LUT dequantisation,
 # each weight's fragments reused for up to 8 * NT8 tokens per pass.
 TILES_MAX_TOKENS_PER_EXPERT = 128.0  # above: the prefill kernel (apl_moe.cu)
@@ -606,8 +614,8 @@ def _compiled(name: str, defines: tuple):
 
 
 def instance_tiles(name: str) -> int:
-    """The NT8 of an apl_gemv instance name, `apl_gemv<CLS, MODE, BF16, V2, NT8>`."""
-    return int(name.rstrip("> ").rsplit(",", 1)[1])
+    """The NT8 of an apl_gemv instance name, `apl_gemv<CLS, MODE, BF16, V2, NT8[, LONG]>`."""
+    return int(name[name.index("<") + 1:].rstrip("> ").split(",")[4])
 
 
 def wgmma_build(name: str, defines: dict[str, int]) -> bool:
@@ -625,8 +633,15 @@ def wgmma_instance(name: str, defines: dict[str, int]) -> bool:
     return wgmma_build(name, defines) and torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
-def _gemv_name(cls: int, mode: int, flag: str, aligned8: str, tiles: int = 1) -> str:
-    return f"apl_gemv<{cls}, {mode}, {flag}, {aligned8}, {tiles}>"
+def _gemv_name(cls: int, mode: int, flag: str, aligned8: str, tiles: int = 1, long_split: bool = False) -> str:
+    return f"apl_gemv<{cls}, {mode}, {flag}, {aligned8}, {tiles}{', true' if long_split else ''}>"
+
+
+def long_split(cls: int, plan: GemmPlan) -> bool:
+    """Whether a projection launch of this kernel class takes the long-split decode instance
+    (GEMV_LONG_SPLIT_CLASSES, GEMV_LONG_SPLIT_WORDS; a hint to compile only where APL_PLANE_HINT is)."""
+    return (plan.tiles == 1 and cls in GEMV_LONG_SPLIT_CLASSES and bool(KERNEL_DEFINES.get("APL_PLANE_HINT"))
+            and plan.split_cols // 32 >= GEMV_LONG_SPLIT_WORDS)
 
 
 def tiles_launch(name: str, grid: tuple[int, int, int], wgmma: bool) -> tuple[str, tuple[int, int, int]]:
@@ -693,7 +708,8 @@ def _mode_activation(mode: int, activation: str) -> str:
 def kernel_instances(dtype: torch.dtype, activation: str = "silu") -> list[tuple[str, str]]:
     """(instance name, activation) of every kernel `apl_moe` can launch for activations of
     `dtype`, whatever the layer's bits, layout or token count: the decode kernel per bit class
-    (3-4, 5-8, merged), projection, plane alignment and 8-token tiles per pass, the prefill kernel per token tile and
+    (3-4, 5-8, merged), projection, plane alignment and 8-token tiles per pass (and split length:
+    long_split), the prefill kernel per token tile and
     projection, routing and combine, and with GEMV_FUSED the one-launch decode. The legacy decode
     kernel (a baseline) is left out."""
     if dtype not in ACT_DTYPES:
@@ -706,6 +722,8 @@ def kernel_instances(dtype: torch.dtype, activation: str = "silu") -> list[tuple
         act = _mode_activation(mode, activation)
         gemv = [_gemv_name(cls, mode, flag, v2, nt8)
                 for cls in (0, 1, 2) for v2 in ("true", "false") for nt8 in tiles_choices()]
+        if KERNEL_DEFINES.get("APL_PLANE_HINT"):  # the long-split decode instances (long_split)
+            gemv += [_gemv_name(cls, mode, flag, v2, 1, True) for cls in GEMV_LONG_SPLIT_CLASSES for v2 in ("true", "false")]
         names += [(name, act) for name in gemv]
         # APL_TILES_PAIR on a wgmma build: the tiles instances' cluster pairs too
         names += [(_pair_name(name), act) for name in gemv
@@ -862,14 +880,14 @@ def _apl_moe_gemv(x, ids, topk_weights, layer: APLLayer, plan: LaunchPlan, out: 
     pdl_gate_up, pdl_down = programmatic_projections()
     for cls, widest in launches["gate_up"]:
         lut = 1 << widest if cls >= 1 else 0
-        _launch(*gemv_launch(cls, _gemv_name(cls, 0, flag, v2["gate_up"], gu.tiles), gu.grid, wgmma),
+        _launch(*gemv_launch(cls, _gemv_name(cls, 0, flag, v2["gate_up"], gu.tiles, long_split(cls, gu)), gu.grid, wgmma),
                 (layer.gate_up_desc, ids, num_assign, k, E, x, I, H, gu.split_cols // 32, lut, gu.tokens,
                  part_gu, layer.counters, h, weights, w_kind, T, out, 0),
                 gu.shared_bytes + gemv_extra_shared(cls, lut, gu.tiles), block=GEMV_THREADS,
                 activation=layer.activation, programmatic=pdl_gate_up)
     for i, (cls, widest) in enumerate(launches["down"]):
         lut = 1 << widest if cls >= 1 else 0
-        _launch(*gemv_launch(cls, _gemv_name(cls, 1, flag, v2["down"], dn.tiles), dn.grid, wgmma),
+        _launch(*gemv_launch(cls, _gemv_name(cls, 1, flag, v2["down"], dn.tiles, long_split(cls, dn)), dn.grid, wgmma),
                 (layer.down_desc, ids, num_assign, k, E, h, H, I, dn.split_cols // 32, lut, dn.tokens,
                  part_dn, layer.counters, None, weights, w_kind, T, out, int(i == 0)),
                 dn.shared_bytes + gemv_extra_shared(cls, lut, dn.tiles), block=GEMV_THREADS,
@@ -922,6 +940,6 @@ def kernel_available() -> bool:
 
 __all__ = [
     "APLKernelError", "APLLayer", "ResidentBlock", "apl_moe", "apl_moe_reference", "check_inputs",
-    "bit_class", "compile_stats", "fused_class", "fused_counter_words", "kernel_available", "kernel_instances", "lanes_per_row", "launch_gemm",
+    "bit_class", "compile_stats", "fused_class", "fused_counter_words", "kernel_available", "kernel_instances", "lanes_per_row", "launch_gemm", "long_split",
     "plan_launch", "precompile", "tiles_per_pass", "MIN_BITS", "MAX_BITS",
 ]

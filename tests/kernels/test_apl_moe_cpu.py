@@ -337,7 +337,9 @@ def test_kernel_instances_cover_every_class_layout_and_tile_once(monkeypatch):
     assert len(names) == len(set(names))
     gemv = {n for n, _ in names if n.startswith("apl_gemv<")}
     assert gemv == {f"apl_gemv<{c}, {m}, true, {v}, {t}>" for c in (0, 1, 2) for m in (0, 1)
-                    for v in ("true", "false") for t in (1, 2, 4, 8)}
+                    for v in ("true", "false") for t in (1, 2, 4, 8)} | {
+        f"apl_gemv<{c}, {m}, true, {v}, 1, true>" for c in op.GEMV_LONG_SPLIT_CLASSES for m in (0, 1)
+        for v in ("true", "false")}  # the long-split decode instances (long_split)
     tiles = [t for _, t in PREFILL_TILES] + [PREFILL_LARGEST_TILE]
     assert {n for n, _ in names if n.startswith("apl_prefill<")} == {
         f"apl_prefill<{t}, {m}, true>" for t in tiles for m in (0, 1)}
@@ -491,3 +493,37 @@ def test_expert_major_grids_follow_the_order_knob(order, cls, tiles, major, monk
     if tiles > 1:
         monkeypatch.setitem(op.KERNEL_DEFINES, "APL_TILES_PAIR", 1)
         assert op.gemv_launch(cls, name, (7, 5, 3), True) == (op._pair_name(name), (8, 5, 3))
+
+
+def test_long_split_instances_are_chosen_by_split_length_and_class_never_by_bits(monkeypatch):
+    """Decode launches whose column split is GEMV_LONG_SPLIT_WORDS or longer (every projection of a
+    Mixtral-size layer at 1-16 tokens) take the `, true` (LONG) instance, whose plane loads carry
+    L2::256B; Qwen1.5-MoE's 24-word splits at 1 token and the tiles regime never do. The choice
+    reads the plan only, so a stable launch keeps its instance whatever the bits."""
+    import pagedweight_kernels.apl_moe as op
+
+    def mixtral(tokens, bits, stable=False):
+        return op.plan_launch(tokens, 2, 8, 4096, 14336, bits, stable_launches=stable)
+
+    for T in (1, 4, 16):
+        plan = mixtral(T, 8, stable=True)
+        assert all(op.long_split(cls, p) for cls in (0, 1, 2) for p in (plan.gate_up, plan.down)), T
+        # stable launches: the same plan, so the same instances, at every width
+        assert all(mixtral(T, bits, stable=True) == plan for bits in (3, 4, 5, 6, 7))
+    qwen = op.plan_launch(1, 4, 60, 2048, 1408, 4)
+    assert (qwen.gate_up.split_cols // 32, qwen.down.split_cols // 32) == (24, 24)
+    assert not any(op.long_split(cls, p) for cls in (0, 1, 2) for p in (qwen.gate_up, qwen.down))
+    tiles = mixtral(256, 4).gate_up
+    assert tiles.tiles > 1 and tiles.split_cols // 32 >= op.GEMV_LONG_SPLIT_WORDS
+    assert not op.long_split(0, tiles)  # (the tiles' hint is APL_PLANE_HINT_MIN_NT8's)
+    gate_up = mixtral(1, 8).gate_up
+    monkeypatch.setattr(op, "GEMV_LONG_SPLIT_CLASSES", (2,))
+    assert op.long_split(2, gate_up) and not op.long_split(1, gate_up)
+    assert {n for n, _ in op.kernel_instances(torch.bfloat16) if n.startswith("apl_gemv<") and n.count(",") == 5} == {
+        f"apl_gemv<2, {m}, true, {v}, 1, true>" for m in (0, 1) for v in ("true", "false")}
+    monkeypatch.setitem(op.KERNEL_DEFINES, "APL_PLANE_HINT", 0)  # nothing to hint: no such instance either
+    assert not op.long_split(2, gate_up)
+    assert not any(n.startswith("apl_gemv<") and n.count(",") == 5 for n, _ in op.kernel_instances(torch.bfloat16))
+    assert op._gemv_name(2, 1, "true", "false", 1, True) == "apl_gemv<2, 1, true, false, 1, true>"
+    assert op.instance_tiles("apl_gemv<2, 1, true, false, 1, true>") == 1
+    assert op.instance_tiles(op._gemv_name(1, 0, "true", "true", 4)) == 4

@@ -41,3 +41,23 @@ def test_hinted_plane_loads_equal_plain_ones(case, bits, stable, monkeypatch):
         monkeypatch.setitem(op.KERNEL_DEFINES, "APL_PLANE_HINT", hint)
         monkeypatch.setitem(op.KERNEL_DEFINES, "APL_PLANE_HINT_MIN_NT8", min_nt8)
         assert torch.equal(check_case(case, bits=assignment, stable=stable), plain), (hint, min_nt8)
+
+
+@pytest.mark.parametrize("bits,stable", [(4, False), (8, False), ("mixed", False), (3, True)], ids=_id)
+@pytest.mark.parametrize("case", CASES[:2], ids=_id)
+def test_long_split_instances_equal_plain_ones(case, bits, stable, monkeypatch):
+    """The decode instances compiled for long splits (apl_gemv's LONG, the host's long_split) load
+    the same bytes with L2::256B: forced onto every decode launch of these small layers, they must
+    match the reference and equal the instances without the qualifier bit for bit."""
+    E, k, H, I, T = case[:5]
+    assignment = mixed_bits(E) if bits == "mixed" else bits
+    launched = []
+    launch = op._launch
+    monkeypatch.setattr(op, "_launch", lambda name, *args, **kw: (launched.append(name), launch(name, *args, **kw)))
+    monkeypatch.setattr(op, "GEMV_LONG_SPLIT_WORDS", 1 << 30)  # no launch takes a long-split instance
+    plain = check_case(case, bits=assignment, stable=stable)
+    assert launched and not any(name.endswith(", 1, true>") for name in launched)
+    launched.clear()
+    monkeypatch.setattr(op, "GEMV_LONG_SPLIT_WORDS", 1)  # every decode launch does
+    assert torch.equal(check_case(case, bits=assignment, stable=stable), plain)
+    assert launched and all(name.endswith(", 1, true>") for name in launched), launched
