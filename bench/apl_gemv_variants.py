@@ -39,7 +39,8 @@ HOST_KNOBS = {name: getattr(op, name) for name in ("GEMV_TARGET_CTAS", "GEMV_MER
                                                        "GEMV_MIN_SPLIT_WORDS", "GEMV_WAVE_PLAN", "GEMV_SHARED_PAD", "GEMV_PDL",
                                                        "GEMV_WAVE_PLAN_MAX_BITS", "GEMV_WIDE_TARGET_CTAS", "GEMV_LUT_AWARE_CTAS",
                                                        "GEMV_PDL_DOWN_CLASSES", "GEMV_LONG_SPLIT_CLASSES",
-                                                       "GEMV_LONG_SPLIT_WORDS")}
+                                                       "GEMV_LONG_SPLIT_WORDS", "GEMV_LONG_ROW_WORDS",
+                                                       "GEMV_LONG_MIN_TOKENS")}
 VARIANTS = {  # name -> (define changes, host changes)
     "base": ({}, {}),
     "no_wave": ({}, {"GEMV_WAVE_PLAN": False}),  # decode splits to about one wave (before _wave_splits)
@@ -160,13 +161,14 @@ VARIANTS = {  # name -> (define changes, host changes)
     # Qwen1.5-MoE 4 bits -7..-10%, stable Mixtral 3-4 bits +1..+3%; left off)
     "pdl_merged": ({"APL_GEMV_PDL_LUT_WAIT": 1}, {"GEMV_PDL_DOWN_CLASSES": (0, 1, 2)}),
     "stable_pdl_merged": ({"APL_GEMV_PDL_LUT_WAIT": 1}, {"GEMV_PDL_DOWN_CLASSES": (0, 1, 2), "stable": True}),
-    # decode launches of long column splits on the instances compiled with L2::256B plane loads
-    # (GEMV_LONG_SPLIT_CLASSES / GEMV_LONG_SPLIT_WORDS: every class from 64 words by default;
-    # `base long_off long_merged long_w128 stable stable_long_off --long`)
+    # decode launches of long rows on the instances compiled with L2::256B plane loads (GEMV_LONG_*:
+    # every class, splits of 64+ words, rows of 128+, from 2 tokens by default). The first run (211e33c:
+    # `base long_off long_merged long_w128 stable stable_long_off --long`) had every decode launch of 64+
+    # words hinted, which is `long_any` here
     "long_off": ({}, {"GEMV_LONG_SPLIT_CLASSES": ()}),  # no decode launch hinted (before 2026-12-03, third session)
+    "long_any": ({}, {"GEMV_LONG_ROW_WORDS": 0, "GEMV_LONG_MIN_TOKENS": 1}),  # any row, 1 token too
     "long_merged": ({}, {"GEMV_LONG_SPLIT_CLASSES": (2,)}),  # the merged kernel's launches only
     "long_w128": ({}, {"GEMV_LONG_SPLIT_WORDS": 128}),  # splits of 512 bytes a row and plane and more
-    "long_w32": ({}, {"GEMV_LONG_SPLIT_WORDS": 32}),
     "stable_long_off": ({}, {"GEMV_LONG_SPLIT_CLASSES": (), "stable": True}),
 }
 MIXED_SHAPES = [("qwen1.5-moe-a2.7b", 1, "mixed"), ("qwen1.5-moe-a2.7b", 4, "mixed"), ("mixtral-8x7b", 1, "mixed"),

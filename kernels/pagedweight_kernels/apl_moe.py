@@ -104,14 +104,20 @@ GEMV_PDL = 1
 # Mixtral 1 token 8 bits 6% slower, stable launches of Qwen1.5-MoE 4-bit layers 7-10% faster but
 # of Mixtral's 3% slower: left at the 3-4-bit kernel.
 GEMV_PDL_DOWN_CLASSES = (0,)
-# Decode launches (NT8 1) of these kernel classes whose column split is at least GEMV_LONG_SPLIT_WORDS
-# words take the instance compiled for long splits (apl_gemv's LONG): its plane loads carry
-# APL_PLANE_HINT's L2::256B, so a row's first load in each 256 bytes has L2 fetch the rest of them
-# for the warp's next steps. 64 words are 256 bytes a row and plane: below that the fetch overshoots
-# the split (Qwen1.5-MoE's 24-48-word splits, 5-10% slower with the hint in every decode instance).
-# Chosen from the plan (shapes), never from the bits, so stable launches keep their instances.
+# Decode launches (NT8 1) of these kernel classes over long rows take the instance compiled for long
+# splits (apl_gemv's LONG): its plane loads carry APL_PLANE_HINT's L2::256B, so a row's first load in
+# each 256 bytes has L2 fetch the rest of them for the warp's next steps. Long: a split of at least
+# GEMV_LONG_SPLIT_WORDS words (64 words are 256 bytes a row and plane, so the fetch never overshoots
+# the split), rows of at least GEMV_LONG_ROW_WORDS, and at least GEMV_LONG_MIN_TOKENS tokens staged.
+# Measured (H200, bench/results/apl_gemv_long_211e33c.json, every decode launch of 64+ words hinted):
+# Mixtral-size layers (rows of 128 and 448 words) at 4-16 tokens 1-6% faster at every width (mixed 5%
+# and 3.5%, 8 bits 6%), at 1 token 1-3% slower at 4-6 bits; Qwen1.5-MoE's 64-word gate_up rows level
+# to 3% slower at 3-6 bits. Chosen from the plan (shapes, tokens), never from the bits, so stable
+# launches keep their instances.
 GEMV_LONG_SPLIT_CLASSES = (0, 1, 2)
 GEMV_LONG_SPLIT_WORDS = 64
+GEMV_LONG_ROW_WORDS = 128
+GEMV_LONG_MIN_TOKENS = 2
 # The tiles regime (apl_gemv.cu with NT8 > 1): the decode kernel's register-LUT dequantisation,
 # each weight's fragments reused for up to 8 * NT8 tokens per pass.
 TILES_MAX_TOKENS_PER_EXPERT = 128.0  # above: the prefill kernel (apl_moe.cu)
@@ -639,9 +645,11 @@ def _gemv_name(cls: int, mode: int, flag: str, aligned8: str, tiles: int = 1, lo
 
 def long_split(cls: int, plan: GemmPlan) -> bool:
     """Whether a projection launch of this kernel class takes the long-split decode instance
-    (GEMV_LONG_SPLIT_CLASSES, GEMV_LONG_SPLIT_WORDS; a hint to compile only where APL_PLANE_HINT is)."""
+    (GEMV_LONG_SPLIT_CLASSES and the lengths above; only where APL_PLANE_HINT gives a hint to compile)."""
+    split_words = plan.split_cols // 32
     return (plan.tiles == 1 and cls in GEMV_LONG_SPLIT_CLASSES and bool(KERNEL_DEFINES.get("APL_PLANE_HINT"))
-            and plan.split_cols // 32 >= GEMV_LONG_SPLIT_WORDS)
+            and plan.tokens >= GEMV_LONG_MIN_TOKENS and split_words >= GEMV_LONG_SPLIT_WORDS
+            and plan.splits * split_words >= GEMV_LONG_ROW_WORDS)
 
 
 def tiles_launch(name: str, grid: tuple[int, int, int], wgmma: bool) -> tuple[str, tuple[int, int, int]]:

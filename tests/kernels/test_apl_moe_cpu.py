@@ -495,28 +495,32 @@ def test_expert_major_grids_follow_the_order_knob(order, cls, tiles, major, monk
         assert op.gemv_launch(cls, name, (7, 5, 3), True) == (op._pair_name(name), (8, 5, 3))
 
 
-def test_long_split_instances_are_chosen_by_split_length_and_class_never_by_bits(monkeypatch):
-    """Decode launches whose column split is GEMV_LONG_SPLIT_WORDS or longer (every projection of a
-    Mixtral-size layer at 1-16 tokens) take the `, true` (LONG) instance, whose plane loads carry
-    L2::256B; Qwen1.5-MoE's 24-word splits at 1 token and the tiles regime never do. The choice
-    reads the plan only, so a stable launch keeps its instance whatever the bits."""
+def test_long_split_instances_are_chosen_by_shapes_and_tokens_never_by_bits(monkeypatch):
+    """Decode launches over long rows (GEMV_LONG_ROW_WORDS: Mixtral's 128- and 448-word rows), in
+    splits of GEMV_LONG_SPLIT_WORDS or more, staging GEMV_LONG_MIN_TOKENS tokens or more, take the
+    `, true` (LONG) instance, whose plane loads carry L2::256B; 1-token launches, Qwen1.5-MoE's 44-64-word
+    rows and the tiles regime never do. The choice reads the plan only, so a stable launch keeps its
+    instance whatever the bits."""
     import pagedweight_kernels.apl_moe as op
 
     def mixtral(tokens, bits, stable=False):
         return op.plan_launch(tokens, 2, 8, 4096, 14336, bits, stable_launches=stable)
 
-    for T in (1, 4, 16):
+    for T in (2, 4, 8, 16):
         plan = mixtral(T, 8, stable=True)
         assert all(op.long_split(cls, p) for cls in (0, 1, 2) for p in (plan.gate_up, plan.down)), T
         # stable launches: the same plan, so the same instances, at every width
         assert all(mixtral(T, bits, stable=True) == plan for bits in (3, 4, 5, 6, 7))
-    qwen = op.plan_launch(1, 4, 60, 2048, 1408, 4)
-    assert (qwen.gate_up.split_cols // 32, qwen.down.split_cols // 32) == (24, 24)
-    assert not any(op.long_split(cls, p) for cls in (0, 1, 2) for p in (qwen.gate_up, qwen.down))
+    one = mixtral(1, 4)
+    assert one.gate_up.split_cols // 32 == 128 and not op.long_split(0, one.gate_up)  # 1 token: no
+    for T in (1, 4, 16):
+        qwen = op.plan_launch(T, 4, 60, 2048, 1408, 8)
+        assert not any(op.long_split(cls, p) for cls in (0, 1, 2) for p in (qwen.gate_up, qwen.down)), T
+    assert qwen.gate_up.split_cols // 32 == op.GEMV_LONG_SPLIT_WORDS  # a long split, but the whole (short) row
     tiles = mixtral(256, 4).gate_up
-    assert tiles.tiles > 1 and tiles.split_cols // 32 >= op.GEMV_LONG_SPLIT_WORDS
+    assert tiles.tiles > 1 and tiles.split_cols // 32 >= op.GEMV_LONG_ROW_WORDS
     assert not op.long_split(0, tiles)  # (the tiles' hint is APL_PLANE_HINT_MIN_NT8's)
-    gate_up = mixtral(1, 8).gate_up
+    gate_up = mixtral(4, 8).gate_up
     monkeypatch.setattr(op, "GEMV_LONG_SPLIT_CLASSES", (2,))
     assert op.long_split(2, gate_up) and not op.long_split(1, gate_up)
     assert {n for n, _ in op.kernel_instances(torch.bfloat16) if n.startswith("apl_gemv<") and n.count(",") == 5} == {

@@ -59,5 +59,7 @@ def test_long_split_instances_equal_plain_ones(case, bits, stable, monkeypatch):
     assert launched and not any(name.endswith(", 1, true>") for name in launched)
     launched.clear()
     monkeypatch.setattr(op, "GEMV_LONG_SPLIT_WORDS", 1)  # every decode launch does
+    monkeypatch.setattr(op, "GEMV_LONG_ROW_WORDS", 1)
+    monkeypatch.setattr(op, "GEMV_LONG_MIN_TOKENS", 1)
     assert torch.equal(check_case(case, bits=assignment, stable=stable), plain)
     assert launched and all(name.endswith(", 1, true>") for name in launched), launched
