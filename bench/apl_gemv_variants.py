@@ -170,6 +170,10 @@ VARIANTS = {  # name -> (define changes, host changes)
     "long_merged": ({}, {"GEMV_LONG_SPLIT_CLASSES": (2,)}),  # the merged kernel's launches only
     "long_w128": ({}, {"GEMV_LONG_SPLIT_WORDS": 128}),  # splits of 512 bytes a row and plane and more
     "stable_long_off": ({}, {"GEMV_LONG_SPLIT_CLASSES": (), "stable": True}),
+    # 5-bit LUT rows in rooms of 64+ entries (merged, stable and wider 5-8-bit launches) not staggered
+    # (APL_LUT_STAGGER 0: every row from bank 0; `base stagger_off stable stable_stagger_off --long`)
+    "stagger_off": ({"APL_LUT_STAGGER": 0}, {}),
+    "stable_stagger_off": ({"APL_LUT_STAGGER": 0}, {"stable": True}),
 }
 MIXED_SHAPES = [("qwen1.5-moe-a2.7b", 1, "mixed"), ("qwen1.5-moe-a2.7b", 4, "mixed"), ("mixtral-8x7b", 1, "mixed"),
                 ("mixtral-8x7b", 4, "mixed"), ("qwen1.5-moe-a2.7b", 1, "4")]

@@ -4,14 +4,19 @@
 # GEMV_LONG_SPLIT_WORDS, for the classes of GEMV_LONG_SPLIT_CLASSES). First their GPU tests (bit for bit
 # against the plain instances, and the reference), then the variants on every decode width at 1 / 4 / 16
 # tokens at both sizes, each variant's mixed layers weighed by its own uniform rates; optionally the
-# layer benchmark (LAYER=1) and the whole GPU suite (SUITE=1) at the default.
-# Usage (device): OUT=$OUT CODE_COMMIT=<c> [VARIANTS="..."] [TAG=t] [SKIP_VARIANTS=1] [LAYER=1] bash bench/long_split_gpu.sh
+# layer benchmark (LAYER=1) at the default. The second call (c697377: the rule by rows and tokens) ran
+# VARIANTS="base long_off long_any stable stable_long_off" TAG=rule LAYER=1; the third (the 5-bit LUT rows'
+# stagger) TESTS=tests/kernels/test_apl_lut_stagger_gpu.py VARIANTS="base stagger_off stable stable_stagger_off"
+# TAG=stagger LAYER=1.
+# Usage (device): OUT=$OUT CODE_COMMIT=<c> [TESTS="pytest args"] [VARIANTS="..."] [TAG=t] [SKIP_VARIANTS=1] [LAYER=1]
+#   bash bench/long_split_gpu.sh
 . "$(dirname "$0")/device_call.sh"
 TAG=${TAG:-long}
 VARIANTS=${VARIANTS:-base long_off long_merged long_w128 stable stable_long_off}
-timeout "${TESTS_TIMEOUT_S:-200}" python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short \
-  tests/kernels/test_apl_plane_hint_gpu.py -k long_split > "$OUT/gpu_tests_long_split.log" 2>&1
-stamp "long-split tests rc $? ($(tail -n 1 "$OUT/gpu_tests_long_split.log"))"
+TESTS=${TESTS:-tests/kernels/test_apl_plane_hint_gpu.py -k long_split}
+timeout "${TESTS_TIMEOUT_S:-200}" python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short $TESTS \
+  > "$OUT/gpu_tests_$TAG.log" 2>&1
+stamp "tests rc $? ($(tail -n 1 "$OUT/gpu_tests_$TAG.log"))"
 if [ -z "${SKIP_VARIANTS:-}" ]; then
   timeout "${VARIANTS_TIMEOUT_S:-330}" python3 -m bench.apl_gemv_variants $VARIANTS --long --json apl_gemv_long_$TAG \
     > "$OUT/apl_gemv_long_$TAG.log" 2>&1

@@ -132,6 +132,9 @@
 #ifndef APL_PLANE_HINT_MIN_NT8
 #define APL_PLANE_HINT_MIN_NT8 8  // the instances APL_PLANE_HINT applies to: NT8 >= this (1: decode too)
 #endif
+#ifndef APL_LUT_STAGGER
+#define APL_LUT_STAGGER 1  // 5-bit LUT rows in a room of 64+ entries: odd rows in the room's second half (lut_row)
+#endif
 #ifndef APL_GEMV_HEAVY_MIN_TOKENS
 #define APL_GEMV_HEAVY_MIN_TOKENS 2  // the heavy order (bit 0) in launches of at least this many tokens: at 1
 #endif                               // token it bought nothing at Mixtral size and cost 2-5% at Qwen1.5-MoE's
@@ -1162,6 +1165,16 @@ __device__ __forceinline__ void gemv_cta(
     // row instead (valid memory; their results are never written).
     const u32 w0a = (u32)((in_a ? rowa : rows_w - 1) * words_per_row + c0w);
     const u32 w0b = (u32)((in_b ? rowb : rows_w - 1) * words_per_row + c0w);
+    // A 5-bit LUT (32 entries, 64 bytes: half the banks) in a row room of 64 entries or more (sized
+    // for the launch's widest block): odd rows keep theirs 64 bytes into the room (lut_stagger), so a
+    // warp's rows g = 0..7 read both halves of the banks, as rows of exactly 32 entries do. In a
+    // room of 256 entries (512 bytes, the merged kernel's) every row would start on bank 0, and an
+    // LDS.U16 by 32 lanes of random codes would meet about twice the conflicts. (Computed where
+    // used: one value held from here to the step loop made the 5-8-bit instances spill 48-64 bytes.)
+    auto lut_stagger = [&](int lw) -> int {  // in entries
+        return APL_LUT_STAGGER && (lw & 1) && blk.bits == 5 && lut_entries >= 64 ? 32 : 0;
+    };
+    auto lut_row = [&](int lw) { return lut_s + lw * lut_entries + lut_stagger(lw); };
     // CLS 1: the block's LUT into shared memory (act values), 16-byte loads where aligned.
     auto fill_smem_lut = [&]() {
         if ((reinterpret_cast<unsigned long long>(blk.lut) & 15) == 0) {
@@ -1178,7 +1191,7 @@ __device__ __forceinline__ void gemv_cta(
                     for (int j = 0; j < 4; ++j)
                         w[j] = (u32)lut_to_act<true>((u16)(w[j] & 0xffffu)) | ((u32)lut_to_act<true>((u16)(w[j] >> 16)) << 16);
                 }
-                *reinterpret_cast<uint4*>(lut_s + lw * lut_entries + 8 * v) = e;
+                *reinterpret_cast<uint4*>(lut_row(lw) + 8 * v) = e;
             }
         } else {
             const int nent = 1 << blk.bits;
@@ -1186,7 +1199,7 @@ __device__ __forceinline__ void gemv_cta(
                 const int lw = idx >> blk.bits, ent = idx & (nent - 1);
                 bool valid;
                 const int row = weight_row_of(lw, &valid);
-                lut_s[lw * lut_entries + ent] = valid ? lut_to_act<BF16>(blk.lut[(long long)row * nent + ent]) : (u16)0;
+                lut_row(lw)[ent] = valid ? lut_to_act<BF16>(blk.lut[(long long)row * nent + ent]) : (u16)0;
             }
         }
     };
@@ -1446,7 +1459,7 @@ __device__ __forceinline__ void gemv_cta(
         if constexpr (APL_GEMV_PDL_LUT_WAIT) await_h();  // (a no-op in gate_up)
         fill_smem_lut();
     };
-    const u32 la_s = shared_addr(lut_s + lwa * lut_entries), lb_s = shared_addr(lut_s + lwb * lut_entries);
+    const u32 la_s = shared_addr(lut_row(lwa)), lb_s = shared_addr(lut_row(lwb));
     // The 3-4-bit kernel's cp.async ring, after the (512-byte aligned) LUT rows: per warp
     // APL_GEMV_RING_STAGES slots of GV_RING_STAGE_BYTES (the host adds them to the launch).
     constexpr bool RING = APL_GEMV_RING_STAGES >= 2 && CLS == 0 && NT8 == 1;
