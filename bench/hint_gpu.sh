@@ -20,21 +20,7 @@ timeout "${VARIANTS_TIMEOUT_S:-300}" python3 -m bench.apl_gemv_variants $VARIANT
   > "$OUT/apl_gemv_hint_$TAG.log" 2>&1
 stamp "variants rc $?"; cp bench/results/apl_gemv_hint_$TAG.json "$OUT/apl_gemv_hint.json" 2>/dev/null
 # the tail: one line per shape, the variants' times side by side
-python3 - "$OUT/apl_gemv_hint.json" <<'PY'
-import json, sys
-rows = json.load(open(sys.argv[1]))["results"]
-variants = list(dict.fromkeys(r["variant"] for r in rows))
-table = {}
-for r in rows:
-    table.setdefault((r["model"][:3], r["tokens"], r["bits"]), {})[r["variant"]] = r
-print("shape", *variants)
-for (m, T, b), by in table.items():
-    if len(by) < 2:
-        continue
-    cells = [f'{by[v]["us"]:.1f}' + (f'({by[v]["over_byte_weighted"]:.2f})' if "over_byte_weighted" in by[v] else "")
-             if v in by else "-" for v in variants]
-    print(f"{m}{T}/{b}", *cells)
-PY
+python3 -m bench.variants_table "$OUT/apl_gemv_hint.json"
 if [ -n "${LAYER:-}" ]; then
   timeout "${BENCH_TIMEOUT_S:-240}" python3 -m bench.apl_moe_kernel --tokens 1 4 16 64 256 --bits 3 4 5 6 8 mixed \
     --no-per-block --name apl_moe_kernel_hint --out "$OUT/apl_moe_kernel_hint.json" > "$OUT/apl_moe_kernel_hint.log" 2>&1

@@ -22,19 +22,7 @@ if [ -z "${SKIP_VARIANTS:-}" ]; then
     > "$OUT/apl_gemv_long_$TAG.log" 2>&1
   stamp "variants rc $?"; cp bench/results/apl_gemv_long_$TAG.json "$OUT/" 2>/dev/null
   # the tail: one line per shape, the variants' times side by side (mixed: over byte-weighted)
-  python3 - "$OUT/apl_gemv_long_$TAG.json" <<'PY'
-import json, sys
-rows = json.load(open(sys.argv[1]))["results"]
-variants = list(dict.fromkeys(r["variant"] for r in rows))
-table = {}
-for r in rows:
-    table.setdefault((r["model"][:3], r["tokens"], r["bits"]), {})[r["variant"]] = r
-print("shape", *variants)
-for (m, T, b), by in table.items():
-    cells = [f'{by[v]["us"]:.1f}' + (f'({by[v]["over_byte_weighted"]:.3f})' if "over_byte_weighted" in by[v] else "")
-             if v in by else "-" for v in variants]
-    print(f"{m}{T}/{b}", *cells)
-PY
+  python3 -m bench.variants_table "$OUT/apl_gemv_long_$TAG.json"
 fi
 if [ -n "${LAYER:-}" ]; then
   timeout "${BENCH_TIMEOUT_S:-260}" python3 -m bench.apl_moe_kernel --tokens 1 4 16 64 256 --bits 3 4 5 6 8 mixed \

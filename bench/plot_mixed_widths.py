@@ -15,6 +15,8 @@ import json
 import sys
 from pathlib import Path
 
+from bench.bar_figure import save_grouped_bars
+
 TARGET = 1.2  # issue 13: every bit mix within 1.2x of its byte-weighted time
 
 
@@ -51,27 +53,16 @@ def main(argv=None) -> int:
     if not shapes:
         print("plot_mixed_widths: no result holds a mixed layer's byte-weighted ratio", file=sys.stderr)
         return 2
-    import matplotlib
+    top = max(max(points.values(), default=0.0) for points in data.values())
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    def target(ax, x_of):
+        ax.axhline(TARGET, color="k", linestyle="dashed", linewidth=1)
+        ax.axhline(1.0, color="grey", linewidth=0.5)
+        ax.set_ylim(0.9, max(TARGET + 0.1, top + 0.05))
 
-    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(shapes)), 4))
-    width = 0.8 / len(data)
-    for i, (name, points) in enumerate(data.items()):
-        xs = [j + i * width for j, s in enumerate(shapes) if s in points]
-        ax.bar(xs, [points[s] for s in shapes if s in points], width, label=name)
-    ax.axhline(TARGET, color="k", linestyle="dashed", linewidth=1)
-    ax.axhline(1.0, color="grey", linewidth=0.5)
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(shapes))])
-    ax.set_xticklabels([f"{m.split('-')[0]}\n{t} tok" for m, t in shapes], fontsize=7)
-    ax.set_ylim(0.9, max(TARGET + 0.1, max(max(p.values(), default=0) for p in data.values()) + 0.05))
-    ax.set_ylabel("mixed time / byte-weighted time")
-    ax.set_title("Mixed bit-widths against their bytes (H200); dashed: the 1.2x target")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(args.out, dpi=120)
+    save_grouped_bars(data, shapes, lambda s: f"{s[0].split('-')[0]}\n{s[1]} tok", "mixed time / byte-weighted time",
+                      "Mixed bit-widths against their bytes (H200); dashed: the 1.2x target", args.out, target,
+                      inches_per_shape=0.9)
     print(args.out)
     return 0
 

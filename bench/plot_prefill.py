@@ -14,6 +14,8 @@ import json
 import sys
 from pathlib import Path
 
+from bench.bar_figure import save_grouped_bars
+
 TARGETS = {"4": 1.0, "8": 1.3}  # issue 13: fused time / grouped time at most this
 
 
@@ -43,28 +45,16 @@ def main(argv=None) -> int:
     if not data:
         print("plot_prefill: no shape is in both results", file=sys.stderr)
         return 2
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     shapes = sorted({s for v in data.values() for s in v}, key=lambda s: (s[0], s[1], s[2]))
-    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(shapes)), 4))
-    width = 0.8 / len(data)
-    for i, (variant, points) in enumerate(data.items()):
-        xs = [j + i * width for j, s in enumerate(shapes) if s in points]
-        ax.bar(xs, [points[s] for s in shapes if s in points], width, label=variant)
-    for j, (_, _, bits) in enumerate(shapes):
-        if bits in TARGETS:
-            ax.hlines(TARGETS[bits], j - 0.1, j + 0.9 - 0.1, colors="k", linestyles="dashed", linewidth=1)
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(shapes))])
-    ax.set_xticklabels([f"{m.split('-')[0]}\n{t} tok, {b} b" for m, t, b in shapes], fontsize=7)
-    ax.set_ylabel("fused time / bf16 grouped_mm time")
-    ax.set_title("Tiles regime (H200) against bf16 grouped_mm; dashed: the issue's targets")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(args.out, dpi=120)
+
+    def targets(ax, x_of):
+        for (_, _, bits), j in x_of.items():
+            if bits in TARGETS:
+                ax.hlines(TARGETS[bits], j - 0.1, j + 0.9 - 0.1, colors="k", linestyles="dashed", linewidth=1)
+
+    save_grouped_bars(data, shapes, lambda s: f"{s[0].split('-')[0]}\n{s[1]} tok, {s[2]} b",
+                      "fused time / bf16 grouped_mm time",
+                      "Tiles regime (H200) against bf16 grouped_mm; dashed: the issue's targets", args.out, targets)
     print(args.out)
     return 0
 
