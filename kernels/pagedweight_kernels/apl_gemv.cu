@@ -1170,7 +1170,7 @@ __device__ __forceinline__ void gemv_cta(
     // for the launch's widest block): odd rows keep theirs 64 bytes into the room (lut_stagger), so a
     // warp's rows g = 0..7 read both halves of the banks, as rows of exactly 32 entries do. In a
     // room of 256 entries (512 bytes, the merged kernel's) every row would start on bank 0, and an
-    // LDS.U16 by 32 lanes of random codes would meet about twice the conflicts. (Computed where
+    // LDS.U16 by 32 lanes of random codes takes 4.1 wavefronts, not 2.9 (bench/lut_bank_model). (Computed where
     // used: one value held from here to the step loop made the 5-8-bit instances spill 48-64 bytes.)
     auto lut_stagger = [&](int lw) -> int {  // in entries
         return APL_LUT_STAGGER && (lw & 1) && blk.bits == 5 && lut_entries >= 64 ? 32 : 0;
