@@ -112,8 +112,9 @@ GEMV_PDL_DOWN_CLASSES = (0,)
 # Measured (H200, bench/results/apl_gemv_long_211e33c.json, every decode launch of 64+ words hinted):
 # Mixtral-size layers (rows of 128 and 448 words) at 4-16 tokens 1-6% faster at every width (mixed 5%
 # and 3.5%, 8 bits 6%), at 1 token 1-3% slower at 4-6 bits; Qwen1.5-MoE's 64-word gate_up rows level
-# to 3% slower at 3-6 bits. Chosen from the plan (shapes, tokens), never from the bits, so stable
-# launches keep their instances.
+# to 3% slower at 3-6 bits; the rule as set here in bench/results/apl_gemv_long_rule_c697377.json
+# (stable launches of 3-4-bit layers at Mixtral 4 tokens 6-9% faster too). Chosen from the plan
+# (shapes, tokens), never from the bits, so stable launches keep their instances.
 GEMV_LONG_SPLIT_CLASSES = (0, 1, 2)
 GEMV_LONG_SPLIT_WORDS = 64
 GEMV_LONG_ROW_WORDS = 128
