@@ -645,13 +645,17 @@ def _gemv_name(cls: int, mode: int, flag: str, aligned8: str, tiles: int = 1, lo
     return f"apl_gemv<{cls}, {mode}, {flag}, {aligned8}, {tiles}{', true' if long_split else ''}>"
 
 
-def long_split(cls: int, plan: GemmPlan) -> bool:
-    """Whether a projection launch of this kernel class takes the long-split decode instance
-    (GEMV_LONG_SPLIT_CLASSES and the lengths above; only where APL_PLANE_HINT gives a hint to compile)."""
-    split_words = plan.split_cols // 32
-    return (plan.tiles == 1 and cls in GEMV_LONG_SPLIT_CLASSES and bool(KERNEL_DEFINES.get("APL_PLANE_HINT"))
-            and plan.tokens >= GEMV_LONG_MIN_TOKENS and split_words >= GEMV_LONG_SPLIT_WORDS
-            and plan.splits * split_words >= GEMV_LONG_ROW_WORDS)
+def long_split_classes() -> tuple[int, ...]:
+    """The kernel classes compiled (and launched) with long-split decode instances: GEMV_LONG_SPLIT_CLASSES
+    where APL_PLANE_HINT gives their loads a qualifier, none otherwise."""
+    return tuple(GEMV_LONG_SPLIT_CLASSES) if KERNEL_DEFINES.get("APL_PLANE_HINT") else ()
+
+
+def long_split(cls: int, plan: GemmPlan, cols: int) -> bool:
+    """Whether a projection launch of this kernel class over rows of `cols` columns takes the
+    long-split decode instance (long_split_classes and the lengths above)."""
+    return (plan.tiles == 1 and cls in long_split_classes() and plan.tokens >= GEMV_LONG_MIN_TOKENS
+            and plan.split_cols // 32 >= GEMV_LONG_SPLIT_WORDS and cols // 32 >= GEMV_LONG_ROW_WORDS)
 
 
 def tiles_launch(name: str, grid: tuple[int, int, int], wgmma: bool) -> tuple[str, tuple[int, int, int]]:
@@ -732,8 +736,7 @@ def kernel_instances(dtype: torch.dtype, activation: str = "silu") -> list[tuple
         act = _mode_activation(mode, activation)
         gemv = [_gemv_name(cls, mode, flag, v2, nt8)
                 for cls in (0, 1, 2) for v2 in ("true", "false") for nt8 in tiles_choices()]
-        if KERNEL_DEFINES.get("APL_PLANE_HINT"):  # the long-split decode instances (long_split)
-            gemv += [_gemv_name(cls, mode, flag, v2, 1, True) for cls in GEMV_LONG_SPLIT_CLASSES for v2 in ("true", "false")]
+        gemv += [_gemv_name(cls, mode, flag, v2, 1, True) for cls in long_split_classes() for v2 in ("true", "false")]
         names += [(name, act) for name in gemv]
         # APL_TILES_PAIR on a wgmma build: the tiles instances' cluster pairs too
         names += [(_pair_name(name), act) for name in gemv
@@ -890,14 +893,14 @@ def _apl_moe_gemv(x, ids, topk_weights, layer: APLLayer, plan: LaunchPlan, out: 
     pdl_gate_up, pdl_down = programmatic_projections()
     for cls, widest in launches["gate_up"]:
         lut = 1 << widest if cls >= 1 else 0
-        _launch(*gemv_launch(cls, _gemv_name(cls, 0, flag, v2["gate_up"], gu.tiles, long_split(cls, gu)), gu.grid, wgmma),
+        _launch(*gemv_launch(cls, _gemv_name(cls, 0, flag, v2["gate_up"], gu.tiles, long_split(cls, gu, H)), gu.grid, wgmma),
                 (layer.gate_up_desc, ids, num_assign, k, E, x, I, H, gu.split_cols // 32, lut, gu.tokens,
                  part_gu, layer.counters, h, weights, w_kind, T, out, 0),
                 gu.shared_bytes + gemv_extra_shared(cls, lut, gu.tiles), block=GEMV_THREADS,
                 activation=layer.activation, programmatic=pdl_gate_up)
     for i, (cls, widest) in enumerate(launches["down"]):
         lut = 1 << widest if cls >= 1 else 0
-        _launch(*gemv_launch(cls, _gemv_name(cls, 1, flag, v2["down"], dn.tiles, long_split(cls, dn)), dn.grid, wgmma),
+        _launch(*gemv_launch(cls, _gemv_name(cls, 1, flag, v2["down"], dn.tiles, long_split(cls, dn, I)), dn.grid, wgmma),
                 (layer.down_desc, ids, num_assign, k, E, h, H, I, dn.split_cols // 32, lut, dn.tokens,
                  part_dn, layer.counters, None, weights, w_kind, T, out, int(i == 0)),
                 dn.shared_bytes + gemv_extra_shared(cls, lut, dn.tiles), block=GEMV_THREADS,
@@ -951,5 +954,6 @@ def kernel_available() -> bool:
 __all__ = [
     "APLKernelError", "APLLayer", "ResidentBlock", "apl_moe", "apl_moe_reference", "check_inputs",
     "bit_class", "compile_stats", "fused_class", "fused_counter_words", "kernel_available", "kernel_instances", "lanes_per_row", "launch_gemm", "long_split",
+    "long_split_classes",
     "plan_launch", "precompile", "tiles_per_pass", "MIN_BITS", "MAX_BITS",
 ]

@@ -508,25 +508,28 @@ def test_long_split_instances_are_chosen_by_shapes_and_tokens_never_by_bits(monk
 
     for T in (2, 4, 8, 16):
         plan = mixtral(T, 8, stable=True)
-        assert all(op.long_split(cls, p) for cls in (0, 1, 2) for p in (plan.gate_up, plan.down)), T
+        assert all(op.long_split(cls, p, cols) for cls in (0, 1, 2)
+                   for p, cols in ((plan.gate_up, 4096), (plan.down, 14336))), T
         # stable launches: the same plan, so the same instances, at every width
         assert all(mixtral(T, bits, stable=True) == plan for bits in (3, 4, 5, 6, 7))
     one = mixtral(1, 4)
-    assert one.gate_up.split_cols // 32 == 128 and not op.long_split(0, one.gate_up)  # 1 token: no
+    assert one.gate_up.split_cols // 32 == 128 and not op.long_split(0, one.gate_up, 4096)  # 1 token: no
     for T in (1, 4, 16):
         qwen = op.plan_launch(T, 4, 60, 2048, 1408, 8)
-        assert not any(op.long_split(cls, p) for cls in (0, 1, 2) for p in (qwen.gate_up, qwen.down)), T
+        assert not any(op.long_split(cls, p, cols) for cls in (0, 1, 2)
+                       for p, cols in ((qwen.gate_up, 2048), (qwen.down, 1408))), T
     assert qwen.gate_up.split_cols // 32 == op.GEMV_LONG_SPLIT_WORDS  # a long split, but the whole (short) row
     tiles = mixtral(256, 4).gate_up
     assert tiles.tiles > 1 and tiles.split_cols // 32 >= op.GEMV_LONG_ROW_WORDS
-    assert not op.long_split(0, tiles)  # (the tiles' hint is APL_PLANE_HINT_MIN_NT8's)
+    assert not op.long_split(0, tiles, 4096)  # (the tiles' hint is APL_PLANE_HINT_MIN_NT8's)
     gate_up = mixtral(4, 8).gate_up
     monkeypatch.setattr(op, "GEMV_LONG_SPLIT_CLASSES", (2,))
-    assert op.long_split(2, gate_up) and not op.long_split(1, gate_up)
+    assert op.long_split(2, gate_up, 4096) and not op.long_split(1, gate_up, 4096)
+    assert not op.long_split(2, gate_up, 32 * (op.GEMV_LONG_ROW_WORDS - 1))  # a long split of a short row
     assert {n for n, _ in op.kernel_instances(torch.bfloat16) if n.startswith("apl_gemv<") and n.count(",") == 5} == {
         f"apl_gemv<2, {m}, true, {v}, 1, true>" for m in (0, 1) for v in ("true", "false")}
     monkeypatch.setitem(op.KERNEL_DEFINES, "APL_PLANE_HINT", 0)  # nothing to hint: no such instance either
-    assert not op.long_split(2, gate_up)
+    assert not op.long_split(2, gate_up, 4096)
     assert not any(n.startswith("apl_gemv<") and n.count(",") == 5 for n, _ in op.kernel_instances(torch.bfloat16))
     assert op._gemv_name(2, 1, "true", "false", 1, True) == "apl_gemv<2, 1, true, false, 1, true>"
     assert op.instance_tiles("apl_gemv<2, 1, true, false, 1, true>") == 1

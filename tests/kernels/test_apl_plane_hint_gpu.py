@@ -49,7 +49,7 @@ def test_long_split_instances_equal_plain_ones(case, bits, stable, monkeypatch):
     """The decode instances compiled for long splits (apl_gemv's LONG, the host's long_split) load
     the same bytes with L2::256B: forced onto every decode launch of these small layers, they must
     match the reference and equal the instances without the qualifier bit for bit."""
-    E, k, H, I, T = case[:5]
+    E = case[0]
     assignment = mixed_bits(E) if bits == "mixed" else bits
     launched = []
     launch = op._launch
