@@ -244,9 +244,9 @@ def compile_decode_instances(variants, device, both_dtypes=False, tiles=(1,)):
         set_variant(vname)
         keys += [(op._gemv_name(cls, mode, flag, aligned, nt8), op._defines("silu"))
                  for cls in (0, 1, 2) for mode in (0, 1) for flag, aligned in layouts for nt8 in tiles]
-        if 1 in tiles and op.KERNEL_DEFINES.get("APL_PLANE_HINT"):  # the long-split decode instances
+        if 1 in tiles:  # the long-split decode instances
             keys += [(op._gemv_name(cls, mode, flag, aligned, 1, True), op._defines("silu"))
-                     for cls in op.GEMV_LONG_SPLIT_CLASSES for mode in (0, 1) for flag, aligned in layouts]
+                     for cls in op.long_split_classes() for mode in (0, 1) for flag, aligned in layouts]
         keys += [(op._fused_name(cls, flag, aligned), op._defines("silu"))
                  for cls in op.FUSED_CLASSES for flag, aligned in layouts]
 
@@ -265,12 +265,14 @@ def add_byte_weighted_rows(rows, cases):
     the uniform rows of this process: the row's own variant's where it timed that width, else the
     first variant's); printed and added to the row."""
     first = rows[0]["variant"]  # (the uniform shapes of ORDER_SHAPES are timed under every variant)
-    timed = {(r["variant"], r["model"], r["tokens"], r["bits"]): r["us"] for r in rows if r["bits"] != "mixed"}
+    timed: dict[str, dict[tuple, float]] = {}  # variant -> {(model, tokens, bits): us} of its uniform rows
+    for r in rows:
+        if r["bits"] != "mixed":
+            timed.setdefault(r["variant"], {})[(r["model"], r["tokens"], r["bits"])] = r["us"]
     for r in rows:
         if r["bits"] != "mixed" or r["tokens"] > 16:
             continue
-        uniform = {key[1:]: us for key, us in timed.items() if key[0] == first}
-        uniform.update({key[1:]: us for key, us in timed.items() if key[0] == r["variant"]})
+        uniform = {**timed.get(first, {}), **timed.get(r["variant"], {})}
         model, T = r["model"], r["tokens"]
         route, apl = cases[(model, T, "mixed")][1:]
         active = [ids.unique().tolist() for ids, _ in route]

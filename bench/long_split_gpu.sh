@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call (issue 13, 2026-12-03, third session): the decode instances compiled for long column
-# splits (apl_gemv's LONG: L2::256B plane loads, picked by the host from the split length,
-# GEMV_LONG_SPLIT_WORDS, for the classes of GEMV_LONG_SPLIT_CLASSES). First their GPU tests (bit for bit
+# splits (apl_gemv's LONG: L2::256B plane loads, picked by the host's long_split from the split and row
+# lengths and the tokens staged, GEMV_LONG_*). First their GPU tests (bit for bit
 # against the plain instances, and the reference), then the variants on every decode width at 1 / 4 / 16
 # tokens at both sizes, each variant's mixed layers weighed by its own uniform rates; optionally the
 # layer benchmark (LAYER=1) at the default. The second call (c697377: the rule by rows and tokens) ran
