@@ -188,6 +188,35 @@ __device__ __forceinline__ int atom_add_acq_rel_gpu(int* p, int v) {
     return old;
 }
 __device__ __forceinline__ bool tid_is_zero() { return threadIdx.x == 0; }
+// The CTA's barrier for the threads that run gemv_cta's body: every thread, or under WS (the
+// warp-specialised tiles kernel, apl_gemv_ws) the 4 consumer warps alone, by named barrier 1
+// (barrier 0 is __syncthreads'; the producer warp never waits at these).
+template <bool WS>
+__device__ __forceinline__ void cta_sync() {
+    if constexpr (WS) asm volatile("bar.sync 1, %0;" :: "n"(GV_THREADS) : "memory");
+    else __syncthreads();
+}
+// mbarriers (sm_90: try_wait.parity): the WS kernel's hand-overs between its producer warp and
+// its consumer warps. arrive releases and a completed wait acquires at CTA scope, so shared
+// memory written before an arrive is visible to the threads whose wait that arrive completed.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+__device__ __forceinline__ void mbar_init(unsigned long long* bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(shared_addr(bar)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(unsigned long long* bar) {
+    asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.shared::cta.b64 state, [%0];\n}" :: "r"(shared_addr(bar)) : "memory");
+}
+// Waits until the phase of this parity has completed (parity 0: the barrier's first phase).
+__device__ __forceinline__ void mbar_wait(unsigned long long* bar, u32 parity) {
+    asm volatile("{\n.reg .pred done;\nMBAR_WAIT_%=:\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+                 "@!done bra MBAR_WAIT_%=;\n}" :: "r"(shared_addr(bar)), "r"(parity) : "memory");
+}
+#else  // (the WS kernel is compiled for sm_90a only)
+__device__ __forceinline__ void mbar_init(unsigned long long*, u32) {}
+__device__ __forceinline__ void mbar_arrive(unsigned long long*) {}
+__device__ __forceinline__ void mbar_wait(unsigned long long*, u32) {}
+#endif
 // Programmatic dependent launch (sm_90+; no-ops for a grid launched without the attribute).
 // wait: this thread waits until the grid it depends on has finished and its writes are visible;
 // launch_dependents: the grid launched after this one with the attribute may start once every
@@ -374,7 +403,7 @@ struct Route { int expert, count, num_active; };
 // BATCH (the tiles regime with APL_GEMV_BATCHED_LOADS): rounds of 8 ids a thread, loaded
 // together (the atomics kept each load of a one-id round behind the previous round's atomic:
 // a round trip per 128 ids).
-template <bool BATCH>
+template <bool BATCH, bool WS = false>
 __device__ __forceinline__ void route_mask(const long long* __restrict__ ids, int num_assign, int num_experts,
                                            u32* present, int* ticket, int* ticket_s) {
     const int tid = threadIdx.x;
@@ -385,7 +414,7 @@ __device__ __forceinline__ void route_mask(const long long* __restrict__ ids, in
     int tk = 0;
     if (ticket != nullptr && tid == 0) tk = atomicAdd(ticket, 1);
     if (tid < 32) present[tid] = 0u;
-    __syncthreads();
+    cta_sync<WS>();
     if constexpr (BATCH) {
         for (int i0 = tid;; i0 += U * GV_THREADS) {
 #pragma unroll
@@ -406,7 +435,7 @@ __device__ __forceinline__ void route_mask(const long long* __restrict__ ids, in
         }
     }
     if (ticket != nullptr && tid == 0) *ticket_s = tk;
-    __syncthreads();
+    cta_sync<WS>();
 }
 
 // HEAVY order (APL_GEMV_ORDER bit 0): the sort key of a block of these bits, widest first; bits
@@ -457,7 +486,7 @@ __device__ __forceinline__ void pick_heavy_first(int a, const u32* present, cons
 }
 
 // Phase 2 (after route_mask): the a-th expert with tokens and its slots.
-template <bool BATCH, bool HEAVY = false>
+template <bool BATCH, bool HEAVY = false, bool WS = false>
 __device__ __forceinline__ Route route_pick(const long long* __restrict__ ids, int num_assign, int a, int* slots,
                                             const u32* present, int* scratch, const long long* __restrict__ desc = nullptr,
                                             int num_experts = 0, const long long (&bits01)[2] = {0, 0},
@@ -481,7 +510,7 @@ __device__ __forceinline__ Route route_pick(const long long* __restrict__ ids, i
         }
         if (lane == 31) scratch[1] = incl;
     }
-    __syncthreads();
+    cta_sync<WS>();
     Route r;
     r.num_active = scratch[1];
     r.expert = a < r.num_active ? scratch[0] : -1;
@@ -510,12 +539,12 @@ __device__ __forceinline__ Route route_pick(const long long* __restrict__ ids, i
             if (lane >= off) incl += n;
         }
         if (lane == 31) scratch[2 + warp] = incl;  // (scratch[0..1] are only read past the barrier above)
-        __syncthreads();
+        cta_sync<WS>();
         int before = incl - own;
         for (int w = 0; w < warp; ++w) before += scratch[2 + w];
         for (u32 b = hits; b != 0u; b &= b - 1u) slots[before++] = i0 + __ffs(b) - 1;
         r.count = scratch[2] + scratch[3] + scratch[4] + scratch[5];
-        __syncthreads();
+        cta_sync<WS>();
         return r;
     }
     int base = 0;
@@ -523,20 +552,20 @@ __device__ __forceinline__ Route route_pick(const long long* __restrict__ ids, i
         const int i = i0 + tid;
         const bool hit = i < num_assign && ids[i] == r.expert;
         const u32 ballot = __ballot_sync(0xffffffffu, hit);
-        __syncthreads();  // previous round done with scratch
+        cta_sync<WS>();  // previous round done with scratch
         if (lane == 0) scratch[2 + warp] = __popc(ballot);
-        __syncthreads();
+        cta_sync<WS>();
         int before = base;
         for (int w = 0; w < warp; ++w) before += scratch[2 + w];
         if (hit) slots[before + __popc(ballot & ((1u << lane) - 1u))] = i;
         base += scratch[2] + scratch[3] + scratch[4] + scratch[5];
     }
-    __syncthreads();
+    cta_sync<WS>();
     r.count = base;
     return r;
 }
 
-template <bool BATCH, bool HEAVY = false>
+template <bool BATCH, bool HEAVY = false, bool WS = false>
 __device__ __forceinline__ Route route_cta(const long long* __restrict__ ids, int num_assign, int num_experts,
                                            int a, int* slots, u32* present, int* scratch,
                                            const long long* __restrict__ desc = nullptr, bool heavy = HEAVY) {
@@ -545,8 +574,8 @@ __device__ __forceinline__ Route route_cta(const long long* __restrict__ ids, in
         bits01[0] = block_bits(desc, threadIdx.x, num_experts);
         bits01[1] = block_bits(desc, threadIdx.x + 32, num_experts);
     }
-    route_mask<BATCH>(ids, num_assign, num_experts, present, nullptr, nullptr);
-    return route_pick<BATCH, HEAVY>(ids, num_assign, a, slots, present, scratch, desc, num_experts, bits01, heavy);
+    route_mask<BATCH, WS>(ids, num_assign, num_experts, present, nullptr, nullptr);
+    return route_pick<BATCH, HEAVY, WS>(ids, num_assign, a, slots, present, scratch, desc, num_experts, bits01, heavy);
 }
 
 // ---------------------------------------------------------------- the mainloop of one warp
@@ -911,7 +940,8 @@ __device__ __forceinline__ void wgmma_rs(float (&acc)[N8][4], u32 a0, u32 a1, u3
 // staged one warp step (256 columns) at a time, so the staging buffer does not bound the
 // split (a split of the whole row keeps the fp32 partials small). stage_chunk(step) stages
 // step `step` of every token of the pass (it holds the barriers); plane words are loaded one
-// step ahead in registers as in gemv_warp, so their loads overlap the staging.
+// step ahead in registers as in gemv_warp, so their loads overlap the staging. stage_chunk
+// returns the staged step's buffer (xs, or under WS one of the producer's two).
 template <int B, int NT8, bool BF16, bool V2, class Lut, class StageChunk>
 __device__ __forceinline__ void tiles_warp(const BlockRef& blk, u32 w0a, u32 w0b, const Lut& la, const Lut& lb,
                                            int kw, const u16* xs, int tstride, int np, u32 (&b0)[2][2][8],
@@ -922,8 +952,8 @@ __device__ __forceinline__ void tiles_warp(const BlockRef& blk, u32 w0a, u32 w0b
     // 2t + wi, t = 0..3, of every pass token). A stage is one selector pair's 8 A registers and
     // its two wgmma; one stage stays in flight while the next is dequantised. The step ends with
     // every wgmma done, so the next staging may overwrite the slices.
-    const unsigned long long desc0 = wgmma_desc(shared_addr(xs));
-    auto compute = [&](const u32 (&buf)[2][2][8]) {
+    auto compute = [&](const u32 (&buf)[2][2][8], const u16* xsb) {
+        const unsigned long long desc0 = wgmma_desc(shared_addr(xsb));
         fence_accumulators(acc);
 #pragma unroll
         for (int wi = 0; wi < 2; ++wi) {
@@ -950,7 +980,7 @@ __device__ __forceinline__ void tiles_warp(const BlockRef& blk, u32 w0a, u32 w0b
     constexpr int TG_MAX = B >= 5 && APL_TILES_GROUP > 2 ? 2 : APL_TILES_GROUP;
     constexpr int TG = NT8 < TG_MAX ? NT8 : TG_MAX;
     const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
-    auto compute = [&](const u32 (&buf)[2][2][8]) {
+    auto compute = [&](const u32 (&buf)[2][2][8], const u16* xsb) {
 #pragma unroll
         for (int wi = 0; wi < 2; ++wi) {
             const int wl = 2 * t + wi;  // word within the staged step
@@ -970,7 +1000,7 @@ __device__ __forceinline__ void tiles_warp(const BlockRef& blk, u32 w0a, u32 w0b
 #pragma unroll
                 for (int jj = 0; jj < TG; ++jj) {
                     // Tokens past the pass read the zero row staged after the last token.
-                    const uint4* xw = reinterpret_cast<const uint4*>(xs + min(8 * (j0 + jj) + g, np) * tstride + wl * 32);
+                    const uint4* xw = reinterpret_cast<const uint4*>(xsb + min(8 * (j0 + jj) + g, np) * tstride + wl * 32);
 #pragma unroll
                     for (int q = 0; q < 4; ++q) xb[jj][q] = xw[q ^ ((wl >> 1) & 3)];
                 }
@@ -991,12 +1021,99 @@ __device__ __forceinline__ void tiles_warp(const BlockRef& blk, u32 w0a, u32 w0b
     u32 b1[2][2][8];
     for (int step = 0; step < steps; step += 2) {
         if (step + 1 < steps) load_step<B, V2, load_hint<NT8>()>(blk, w0a, w0b, kw, step + 1, b1);
-        stage_chunk(step);
-        compute(b0);
+        compute(b0, stage_chunk(step));
         if (step + 1 >= steps) break;
         if (step + 2 < steps) load_step<B, V2, load_hint<NT8>()>(blk, w0a, w0b, kw, step + 2, b0);
-        stage_chunk(step + 1);
-        compute(b1);
+        compute(b1, stage_chunk(step + 1));
+    }
+}
+
+// ---------------------------------------------------------------- the warp-specialised tiles kernel (WS)
+// APL_TILES_WS (apl_gemv_ws, sm_90a, the tiles regime on wgmma): a fifth warp, the producer,
+// stages each step's activations straight from global memory into the wgmma B layout (the
+// layout stage_async's reorder writes), in two buffers, while the 4 consumer warps dequantise
+// and run the wgmma of the step before. They hand buffers over by mbarrier, not by CTA barrier:
+// full[b] (32 producer arrivals) when step k's slices are in buffer b = k % 2, empty[b] (128
+// consumer arrivals) when step k's wgmma are done with it. No raw rows: the producer's loads
+// land in its registers, and the second buffer takes the raw rows' room.
+// bars: [0] start (the consumers' routing done: *count tokens to stage, 0 for none), [1, 2]
+// full, [3, 4] empty. Item (n, wi, h) = token n's column pairs 8h..8h+7 of its words 2 tw + wi
+// (tw = 0..3), the slices of selectors 4h..4h+3; a round is 8 tokens x (wi, h), one per lane,
+// and APL_TILES_WS_ROUNDS rounds have their loads in flight together.
+#ifndef APL_TILES_WS
+#define APL_TILES_WS 0  // 1: tiles launches on wgmma take apl_gemv_ws (the host's tiles_launch)
+#endif
+#ifndef APL_TILES_WS_ROUNDS
+#define APL_TILES_WS_ROUNDS 2  // the producer's rounds of 8 tokens whose loads are in flight together
+#endif
+#define WS_PRODUCER_WARP (GV_THREADS / 32)
+template <int MODE, int NT8>
+__device__ __forceinline__ void ws_produce(const u16* __restrict__ x, const int* slots, int top_k, int cols, int c0w,
+                                           int kw, int stage_tokens, u16* buf0, u16* buf1,
+                                           unsigned long long* bars, const volatile int* count_s) {
+    const int lane = threadIdx.x & 31, wi = (lane >> 3) & 1, h = (lane >> 4) & 1;
+    mbar_wait(bars, 0);
+    const int count = *count_s;
+    if (count == 0) return;
+    if constexpr (MODE == 1) grid_dependency_wait();  // h is the grid before's output
+    const int steps = (kw + GV_STEP_WORDS - 1) / GV_STEP_WORDS;
+    constexpr int RB = APL_TILES_WS_ROUNDS < NT8 ? APL_TILES_WS_ROUNDS : NT8;
+    int k = 0;  // steps staged over every pass: buffer k % 2, its phase k / 2
+    for (int p0 = 0; p0 < count; p0 += stage_tokens) {
+        const int np = min(stage_tokens, count - p0);
+        int rowoff[NT8];  // this lane's token of each round: its row's offset in x (< 2^31: checked by the host)
+#pragma unroll
+        for (int j = 0; j < NT8; ++j) {
+            const int n = 8 * j + (lane & 7);
+            const int slot = n < np ? slots[p0 + n] : 0;
+            rowoff[j] = (MODE == 0 ? slot / top_k : slot) * cols;
+        }
+        for (int step = 0; step < steps; ++step, ++k) {
+            u16* xsb = (k & 1) ? buf1 : buf0;
+            if (k >= 2) mbar_wait(bars + 3 + (k & 1), ((k >> 1) - 1) & 1);  // step k - 2's wgmma are done
+#pragma unroll
+            for (int j0 = 0; j0 < NT8; j0 += RB) {
+                if (8 * j0 >= np) break;
+                uint4 raw[RB][4][2];
+#pragma unroll
+                for (int jj = 0; jj < RB; ++jj) {
+                    const int n = 8 * (j0 + jj) + (lane & 7);
+#pragma unroll
+                    for (int tw = 0; tw < 4; ++tw) {
+                        const int w = step * GV_STEP_WORDS + 2 * tw + wi;
+                        raw[jj][tw][0] = raw[jj][tw][1] = make_uint4(0u, 0u, 0u, 0u);
+                        if (n < np && w < kw) {  // words past the split: zeros
+                            const uint4* src = reinterpret_cast<const uint4*>(
+                                x + (long long)rowoff[j0 + jj] + (long long)(c0w + w) * 32 + 16 * h);
+                            // h, written by the grid before (APL_GEMV_PDL): from L2, not L1/nc
+                            raw[jj][tw][0] = (MODE == 1 && APL_GEMV_PDL) ? __ldcg(src) : __ldg(src);
+                            raw[jj][tw][1] = (MODE == 1 && APL_GEMV_PDL) ? __ldcg(src + 1) : __ldg(src + 1);
+                        }
+                    }
+                }
+#pragma unroll
+                for (int jj = 0; jj < RB; ++jj) {
+                    const int n = 8 * (j0 + jj) + (lane & 7);
+                    if (n >= np) continue;  // tokens past the pass: their product columns are never read
+                    u32 lo[4][4], hi[4][4];  // [selector 4h + r][tw]
+#pragma unroll
+                    for (int tw = 0; tw < 4; ++tw) {
+                        const u32 pr[8] = {raw[jj][tw][0].x, raw[jj][tw][0].y, raw[jj][tw][0].z, raw[jj][tw][0].w,
+                                           raw[jj][tw][1].x, raw[jj][tw][1].y, raw[jj][tw][1].z, raw[jj][tw][1].w};
+#pragma unroll
+                        for (int r = 0; r < 4; ++r) selector_pairs(pr, r, lo[r][tw], hi[r][tw]);
+                    }
+#pragma unroll
+                    for (int r = 0; r < 4; ++r) {
+                        uint4* dst = reinterpret_cast<uint4*>(xsb + (8 * wi + 4 * h + r) * NT8 * 128 + (n >> 3) * 128 + (n & 7) * 8);
+                        dst[0] = make_uint4(lo[r][0], lo[r][1], lo[r][2], lo[r][3]);
+                        dst[8] = make_uint4(hi[r][0], hi[r][1], hi[r][2], hi[r][3]);  // the second 8 k, +128 bytes
+                    }
+                }
+            }
+            fence_proxy_async();  // the consumers' tensor cores read these stores next
+            mbar_arrive(bars + 1 + (k & 1));
+        }
     }
 }
 
@@ -1034,7 +1151,7 @@ __device__ __forceinline__ void run_passes(const BlockRef& blk, u32 w0a, u32 w0b
             u32 b0[2][2][8];
             load_step<B, V2, load_hint<NT8>()>(blk, w0a, w0b, kw, 0, b0);
             tiles_warp<B, NT8, BF16, V2>(blk, w0a, w0b, la, lb, kw, xs, tstride, np, b0, acc,
-                                         [&](int step) { stage(p0, np, step); });
+                                         [&](int step) { return stage(p0, np, step); });
 #pragma unroll
             for (int j = 0; j < NT8; ++j)
                 if (8 * j < np) emit(p0 + 8 * j, min(8, np - 8 * j), acc[j]);
@@ -1089,14 +1206,18 @@ __device__ __forceinline__ void run_passes(const BlockRef& blk, u32 w0a, u32 w0b
 // first phase is done by the caller (route_mask); gate_up's last split of a row tile raises
 // ready[by * gx + bx] once h is written, and down waits for the flags of its split's h
 // columns (one gate_up row tile per h word) before staging h, read through L2 only.
+// WS (apl_gemv_ws): warps 0-3 run this body (their barriers are cta_sync<WS>'s), warp 4 is the
+// producer (ws_produce); ws_bars and ws_count are its hand-over barriers and token count.
 template <int CLS, int MODE, bool BF16, bool V2, int NT8, bool FUSED, bool PAIR = false, bool HEAVY = false,
-          bool LONG = false>
+          bool LONG = false, bool WS = false>
 __device__ __forceinline__ void gemv_cta(
     const long long* __restrict__ desc, const long long* __restrict__ topk_ids, int num_assign, int top_k,
     int num_experts, const u16* __restrict__ x, int rows_out, int cols, int split_words, int lut_entries,
     int stage_tokens, float* __restrict__ part, int* __restrict__ counters, u16* __restrict__ h_out,
     const void* __restrict__ topk_w, int w_kind, int num_tokens, u16* __restrict__ out, int zero_fill,
-    int bx, int by, int z, int splits, int gx, u32* present, int* scratch, int& last_flag, int* ready) {
+    int bx, int by, int z, int splits, int gx, u32* present, int* scratch, int& last_flag, int* ready,
+    unsigned long long* ws_bars = nullptr, volatile int* ws_count = nullptr) {
+    static_assert(!WS || (NT8 > 1 && !FUSED && !PAIR), "WS is a tiles-regime kernel");
     extern __shared__ __align__(16) unsigned char smem_raw[];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
     const int rows_w = MODE == 0 ? 2 * rows_out : rows_out;
@@ -1124,13 +1245,40 @@ __device__ __forceinline__ void gemv_cta(
     // h and its first global write, so its prologue runs while gate_up's last CTAs finish. Both let
     // their dependents launch at once: those take only the SM slots this grid's CTAs leave, once
     // every one of them has started.
+    if constexpr (WS) {
+        if (tid == 0) {
+            mbar_init(ws_bars, 1);
+            mbar_init(ws_bars + 1, 32);
+            mbar_init(ws_bars + 2, 32);
+            mbar_init(ws_bars + 3, GV_THREADS);
+            mbar_init(ws_bars + 4, GV_THREADS);
+        }
+        __syncthreads();  // (all 160 threads: the last barrier the producer shares)
+    }
     if constexpr (!FUSED) {
         if constexpr (MODE == 0) grid_dependency_wait();
         launch_dependents();
     }
+    // WS: the producer's second buffer is the raw rows' room (stage_async's raw_s), after the LUT rows.
+    u16* const xs_ws1 = lut_s + GV_ROWS * lut_entries;
+    if constexpr (WS) {
+        if (warp == WS_PRODUCER_WARP) {
+            ws_produce<MODE, NT8>(x, slots, top_k, cols, c0w, kw, stage_tokens, xs, xs_ws1, ws_bars, ws_count);
+            return;
+        }
+    }
+    // WS: the consumers tell the producer how many tokens to stage (0: none) once the slots are placed.
+    auto ws_publish = [&](int count) {
+        if constexpr (WS) {
+            if (tid == 0) {
+                *ws_count = count;
+                mbar_arrive(ws_bars);
+            }
+        }
+    };
     const Route route = FUSED ? route_pick<false>(topk_ids, num_assign, by, slots, present, scratch)
-                              : route_cta<BATCH, HEAVY>(topk_ids, num_assign, num_experts, by, slots, present, scratch, desc,
-                                                        num_tokens >= APL_GEMV_HEAVY_MIN_TOKENS);
+                              : route_cta<BATCH, HEAVY, WS>(topk_ids, num_assign, num_experts, by, slots, present, scratch,
+                                                            desc, num_tokens >= APL_GEMV_HEAVY_MIN_TOKENS);
     auto await_h = [&]() {
         if constexpr (MODE == 1 && !FUSED) grid_dependency_wait();
     };
@@ -1139,13 +1287,20 @@ __device__ __forceinline__ void gemv_cta(
         for (int idx = tid; idx < num_tokens * rpc; idx += GV_THREADS)  // no valid expert id at all
             if (r0 + idx % rpc < rows_out) out[(long long)(idx / rpc) * rows_out + r0 + idx % rpc] = 0;
     }
-    if (route.expert < 0) return;
+    if (route.expert < 0) {
+        ws_publish(0);
+        return;
+    }
     const BlockRef blk = load_block(desc, route.expert);
     const int cls = blk.bits >= 5 && blk.bits <= 8 ? 1 : 0;  // bad bits: class 0 writes NaN
-    if (!FUSED && CLS != 2 && cls != CLS) return;  // another launch's class
+    if (!FUSED && CLS != 2 && cls != CLS) {  // another launch's class
+        ws_publish(0);
+        return;
+    }
     // (the fused kernel is launched for one class per projection; a block of another class
     // there can only be a bad descriptor: NaN, never a CTA that leaves without its flag)
     const bool bad_bits = blk.bits < 3 || blk.bits > 8 || (CLS != 2 && cls != CLS);
+    ws_publish(bad_bits ? 0 : route.count);
 
     auto weight_row_of = [&](int lw, bool* valid) {
         if (MODE == 0) {
@@ -1429,10 +1584,27 @@ __device__ __forceinline__ void gemv_cta(
         if constexpr (PAIR) cluster_sync(); else __syncthreads();  // xs ready; every thread is done reading raw
         if (step + 1 < steps_k) issue_step(np, step + 1);
     };
-    auto stage = [&](int p0, int np, int step) {
+    // WS: step `step` of the pass is the producer's; the buffer of the step before is handed back
+    // first (its wgmma were waited for at the end of its compute). ws_k counts the steps of every
+    // pass, in the producer's order.
+    int ws_k = 0;
+    auto stage_ws = [&](int p0, int np, int step) -> const u16* {
+        if (step == 0) {
+            await_h();  // (down) before this CTA's first global write
+            if (p0 == 0) cta_sync<WS>();  // 5-8 bits: the LUT rows are written before their first read
+        }
+        if (ws_k > 0) mbar_arrive(ws_bars + 3 + ((ws_k - 1) & 1));
+        mbar_wait(ws_bars + 1 + (ws_k & 1), (ws_k >> 1) & 1);
+        const u16* b = (ws_k & 1) ? xs_ws1 : xs;
+        ++ws_k;
+        return b;
+    };
+    auto stage = [&](int p0, int np, int step) -> const u16* {
         if constexpr (NT8 == 1) stage_split(p0, np);
+        else if constexpr (WS) return stage_ws(p0, np, step);
         else if constexpr (APL_TILES_ASYNC) stage_async(p0, np, step);
         else stage_step(p0, np, step);
+        return xs;
     };
     // Partials: tokens 2t, 2t+1 of this pass, rows a and b (NaN for a block of bad bits).
     auto emit = [&](int p0, int np, const float (&acc)[4]) {
@@ -1507,17 +1679,17 @@ __device__ __forceinline__ void gemv_cta(
         // acquire orders the reduction's reads after every contributor's partials, and the
         // second barrier hands that to the CTA.
         if (!APL_GEMV_ACQREL) __threadfence();
-        __syncthreads();
+        cta_sync<WS>();
         if (tid == 0) {
             const int done = (APL_GEMV_ACQREL ? atom_add_acq_rel_gpu(counter, 1) : atomicAdd(counter, 1)) + 1;
             last_flag = done == expected;
             if (done == expected) atomicExch(counter, 0);  // every contributor has arrived
         }
-        __syncthreads();
+        cta_sync<WS>();
         if (!last_flag) return;
         if (!APL_GEMV_ACQREL) __threadfence();
     } else {
-        __syncthreads();
+        cta_sync<WS>();
     }
     // The reductions' partials come from L2. APL_GEMV_BATCHED_LOADS: a round holds U items of a
     // thread and the partials of up to SU splits (gate_up) or PU (expert, split) pairs (down) of
@@ -1583,7 +1755,7 @@ __device__ __forceinline__ void gemv_cta(
         }
         if constexpr (FUSED) {  // h of this row tile is complete: release it to the down CTAs
             __threadfence();
-            __syncthreads();
+            cta_sync<WS>();
             if (tid == 0) st_release_gpu(ready + by * gx + bx, 1);
         }
     } else {
@@ -1669,11 +1841,13 @@ __device__ __forceinline__ void gemv_cta(
     int num_experts, const u16* __restrict__ x, int rows_out, int cols, int split_words, int lut_entries,     \
     int stage_tokens, float* __restrict__ part, int* __restrict__ counters, u16* __restrict__ h_out,          \
     const void* __restrict__ topk_w, int w_kind, int num_tokens, u16* __restrict__ out, int zero_fill
-template <int CLS, int MODE, bool BF16, bool V2, int NT8, bool PAIR, bool LONG = false>
+template <int CLS, int MODE, bool BF16, bool V2, int NT8, bool PAIR, bool LONG = false, bool WS = false>
 __device__ __forceinline__ void gemv_entry(APL_GEMV_ENTRY_PARAMS, int gx) {
     __shared__ u32 present[32];
     __shared__ int scratch[8];
     __shared__ int last_flag;
+    __shared__ __align__(8) unsigned long long ws_bars[WS ? 5 : 1];  // (WS only: gemv_cta's)
+    __shared__ int ws_count;
     // APL_GEMV_ORDER: the kernels whose blocks may differ in width, at decode (and bit 2: tiles).
     constexpr bool ORDERED = (CLS == 2 || (CLS == 1 && (APL_GEMV_ORDER & 8) != 0)) &&
                              (NT8 == 1 || (APL_GEMV_ORDER & 4) != 0);
@@ -1683,13 +1857,13 @@ __device__ __forceinline__ void gemv_entry(APL_GEMV_ENTRY_PARAMS, int gx) {
     // (The indices stay special registers: computed from a linear index, they stayed live through
     // the step loop and the merged gate_up spilled 80 bytes; nvcc 13.0.)
     constexpr bool EXPERT_MAJOR = ORDERED && (APL_GEMV_ORDER & 2) != 0 && !PAIR;
-    gemv_cta<CLS, MODE, BF16, V2, NT8, false, PAIR, HEAVY, LONG>(desc, topk_ids, num_assign, top_k, num_experts, x, rows_out,
+    gemv_cta<CLS, MODE, BF16, V2, NT8, false, PAIR, HEAVY, LONG, WS>(desc, topk_ids, num_assign, top_k, num_experts, x, rows_out,
                                                            cols, split_words, lut_entries, stage_tokens, part, counters,
                                                            h_out, topk_w, w_kind, num_tokens, out, zero_fill, blockIdx.x,
                                                            EXPERT_MAJOR ? blockIdx.z : blockIdx.y,
                                                            EXPERT_MAJOR ? blockIdx.y : blockIdx.z,
                                                            EXPERT_MAJOR ? gridDim.y : gridDim.z, gx, present, scratch,
-                                                           last_flag, nullptr);
+                                                           last_flag, nullptr, ws_bars, &ws_count);
 }
 #define APL_GEMV_ENTRY_ARGS                                                                                   \
     desc, topk_ids, num_assign, top_k, num_experts, x, rows_out, cols, split_words, lut_entries, stage_tokens, \
@@ -1713,6 +1887,18 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(GV_THREADS, APL_TILE
     APL_GEMV_ENTRY_PARAMS) {
     constexpr int rpc = MODE == 0 ? GV_ROWS / 2 : GV_ROWS;  // (gridDim.x may hold one row tile more)
     gemv_entry<CLS, MODE, BF16, V2, NT8, true>(APL_GEMV_ENTRY_ARGS, (rows_out + rpc - 1) / rpc);
+}
+#endif
+
+#if APL_HAS_WGMMA
+// APL_TILES_WS: the tiles regime on wgmma with a producer warp (gemv_cta's WS, ws_produce):
+// 160 threads, 2 CTAs per SM (the register file over 2 x 160 threads: 204 a thread).
+#ifndef APL_TILES_WS_BLOCKS
+#define APL_TILES_WS_BLOCKS 2
+#endif
+template <int CLS, int MODE, bool BF16, bool V2, int NT8>
+__global__ void __launch_bounds__(GV_THREADS + 32, APL_TILES_WS_BLOCKS) apl_gemv_ws(APL_GEMV_ENTRY_PARAMS) {
+    gemv_entry<CLS, MODE, BF16, V2, NT8, false, false, true>(APL_GEMV_ENTRY_ARGS, gridDim.x);
 }
 #endif
 

@@ -139,7 +139,7 @@ KERNEL_DEFINES = {"APL_LDS_MODE": 1, "APL_RPG_DIV": 8, "APL_PREFETCH": 1, "APL_D
                   "APL_TILES_MIN_BLOCKS": 0, "APL_TILES_GROUP": 4, "APL_TILES_ASYNC": 1, "APL_TILES_WGMMA": 1,
                   "APL_GEMV_BATCHED_LOADS": 1, "APL_TILES_PAIR": 0, "APL_GEMV_PDL": 1, "APL_GEMV_PDL_PREFETCH": 0, "APL_GEMV_PDL_PLANES": 0,
                   "APL_GEMV_ORDER": 5, "APL_GEMV_HEAVY_MIN_TOKENS": 2, "APL_PLANE_HINT": 2, "APL_PLANE_HINT_MIN_NT8": 8, "APL_GEMV_PDL_LUT_WAIT": 0,
-                  "APL_LUT_STAGGER": 1}
+                  "APL_LUT_STAGGER": 1, "APL_TILES_WS": 0, "APL_TILES_WS_ROUNDS": 2, "APL_TILES_WS_BLOCKS": 2}
 
 
 def knob_overrides(text: str) -> dict[str, int]:
@@ -622,7 +622,8 @@ def _compiled(name: str, defines: tuple):
 
 
 def instance_tiles(name: str) -> int:
-    """The NT8 of an apl_gemv instance name, `apl_gemv<CLS, MODE, BF16, V2, NT8[, LONG]>`."""
+    """The NT8 of an apl_gemv instance name, `apl_gemv<CLS, MODE, BF16, V2, NT8[, LONG]>` (or of
+    its cluster pair or warp-specialised form, the same arguments)."""
     return int(name[name.index("<") + 1:].rstrip("> ").split(",")[4])
 
 
@@ -632,7 +633,7 @@ def wgmma_build(name: str, defines: dict[str, int]) -> bool:
     on a Hopper GPU it is compiled for sm_90a (wgmma_instance; bench/sass_mix compiles it so for
     the H200 on any machine)."""
     return (bool(defines.get("APL_TILES_WGMMA")) and bool(defines.get("APL_TILES_ASYNC"))
-            and name.startswith(("apl_gemv<", "apl_gemv_pair<")) and instance_tiles(name) > 1)
+            and name.startswith(("apl_gemv<", "apl_gemv_pair<", "apl_gemv_ws<")) and instance_tiles(name) > 1)
 
 
 def wgmma_instance(name: str, defines: dict[str, int]) -> bool:
@@ -659,12 +660,22 @@ def long_split(cls: int, plan: GemmPlan, cols: int) -> bool:
 
 
 def tiles_launch(name: str, grid: tuple[int, int, int], wgmma: bool) -> tuple[str, tuple[int, int, int]]:
-    """The instance and grid a tiles launch takes: with APL_TILES_PAIR on a wgmma build, the
+    """The instance and grid a tiles launch takes on a wgmma build: with APL_TILES_PAIR the
     cluster pair (apl_gemv_pair: 2 CTAs of adjacent row tiles share the staging) over row tiles
-    padded to even; otherwise `name` and `grid` as they are."""
-    if not (wgmma and KERNEL_DEFINES.get("APL_TILES_PAIR") and instance_tiles(name) > 1):
+    padded to even; else with APL_TILES_WS the warp-specialised kernel (apl_gemv_ws: a producer
+    warp stages the activations) over the same grid; otherwise `name` and `grid` as they are."""
+    if not (wgmma and instance_tiles(name) > 1):
         return name, grid
-    return _pair_name(name), (grid[0] + grid[0] % 2, grid[1], grid[2])
+    if KERNEL_DEFINES.get("APL_TILES_PAIR"):
+        return _pair_name(name), (grid[0] + grid[0] % 2, grid[1], grid[2])
+    if KERNEL_DEFINES.get("APL_TILES_WS"):
+        return _ws_name(name), grid
+    return name, grid
+
+
+def gemv_block(name: str) -> int:
+    """Threads per CTA of an apl_gemv launch: 128, and the producer warp's 32 more in apl_gemv_ws."""
+    return GEMV_THREADS + 32 if name.startswith("apl_gemv_ws<") else GEMV_THREADS
 
 
 def expert_major(cls: int, tiles: int) -> bool:
@@ -682,7 +693,7 @@ def gemv_launch(cls: int, name: str, grid: tuple[int, int, int], wgmma: bool) ->
     cls) planned as (row tiles, active experts, splits): tiles_launch's, then the expert-major
     numbering where expert_major says."""
     name, grid = tiles_launch(name, grid, wgmma)
-    if name.startswith("apl_gemv<") and expert_major(cls, instance_tiles(name)):
+    if name.startswith(("apl_gemv<", "apl_gemv_ws<")) and expert_major(cls, instance_tiles(name)):
         return name, (grid[0], grid[2], grid[1])
     return name, grid
 
@@ -690,6 +701,11 @@ def gemv_launch(cls: int, name: str, grid: tuple[int, int, int], wgmma: bool) ->
 def _pair_name(name: str) -> str:
     """The cluster pair instance of an apl_gemv tiles instance (same template arguments)."""
     return name.replace("apl_gemv<", "apl_gemv_pair<", 1)
+
+
+def _ws_name(name: str) -> str:
+    """The warp-specialised instance of an apl_gemv tiles instance (same template arguments)."""
+    return name.replace("apl_gemv<", "apl_gemv_ws<", 1)
 
 
 def _fused_name(cls: int, flag: str, aligned8: str) -> str:
@@ -741,6 +757,10 @@ def kernel_instances(dtype: torch.dtype, activation: str = "silu") -> list[tuple
         # APL_TILES_PAIR on a wgmma build: the tiles instances' cluster pairs too
         names += [(_pair_name(name), act) for name in gemv
                   if KERNEL_DEFINES.get("APL_TILES_PAIR") and wgmma_instance(name, KERNEL_DEFINES)]
+        # APL_TILES_WS (and no pair) on a wgmma build: the warp-specialised tiles instances
+        names += [(_ws_name(name), act) for name in gemv
+                  if KERNEL_DEFINES.get("APL_TILES_WS") and not KERNEL_DEFINES.get("APL_TILES_PAIR")
+                  and wgmma_instance(name, KERNEL_DEFINES)]
         names += [(_prefill_name(tile, mode, flag), act) for tile in tiles]
     if GEMV_FUSED:  # (off by default: then no start-up time is spent compiling it)
         names += [(_fused_name(cls, flag, v2), activation) for cls in FUSED_CLASSES for v2 in ("true", "false")]
@@ -893,17 +913,19 @@ def _apl_moe_gemv(x, ids, topk_weights, layer: APLLayer, plan: LaunchPlan, out: 
     pdl_gate_up, pdl_down = programmatic_projections()
     for cls, widest in launches["gate_up"]:
         lut = 1 << widest if cls >= 1 else 0
-        _launch(*gemv_launch(cls, _gemv_name(cls, 0, flag, v2["gate_up"], gu.tiles, long_split(cls, gu, H)), gu.grid, wgmma),
+        name, grid = gemv_launch(cls, _gemv_name(cls, 0, flag, v2["gate_up"], gu.tiles, long_split(cls, gu, H)), gu.grid, wgmma)
+        _launch(name, grid,
                 (layer.gate_up_desc, ids, num_assign, k, E, x, I, H, gu.split_cols // 32, lut, gu.tokens,
                  part_gu, layer.counters, h, weights, w_kind, T, out, 0),
-                gu.shared_bytes + gemv_extra_shared(cls, lut, gu.tiles), block=GEMV_THREADS,
+                gu.shared_bytes + gemv_extra_shared(cls, lut, gu.tiles), block=gemv_block(name),
                 activation=layer.activation, programmatic=pdl_gate_up)
     for i, (cls, widest) in enumerate(launches["down"]):
         lut = 1 << widest if cls >= 1 else 0
-        _launch(*gemv_launch(cls, _gemv_name(cls, 1, flag, v2["down"], dn.tiles, long_split(cls, dn, I)), dn.grid, wgmma),
+        name, grid = gemv_launch(cls, _gemv_name(cls, 1, flag, v2["down"], dn.tiles, long_split(cls, dn, I)), dn.grid, wgmma)
+        _launch(name, grid,
                 (layer.down_desc, ids, num_assign, k, E, h, H, I, dn.split_cols // 32, lut, dn.tokens,
                  part_dn, layer.counters, None, weights, w_kind, T, out, int(i == 0)),
-                dn.shared_bytes + gemv_extra_shared(cls, lut, dn.tiles), block=GEMV_THREADS,
+                dn.shared_bytes + gemv_extra_shared(cls, lut, dn.tiles), block=gemv_block(name),
                 programmatic=pdl_down and programmatic_down(cls, dn.tiles))
     return out
 

@@ -476,6 +476,29 @@ def test_tiles_launch_takes_the_cluster_pair_only_on_wgmma_with_the_knob(monkeyp
     assert not any(name.startswith("apl_gemv_pair") for name, _ in op.kernel_instances(torch.bfloat16))
 
 
+def test_tiles_launch_takes_the_producer_warp_kernel_only_on_wgmma_with_the_knob(monkeypatch):
+    """APL_TILES_WS: tiles instances on a wgmma build launch as apl_gemv_ws (160 threads: a producer
+    warp beside the 4 consumer warps) over the planned grid; the cluster pair, where both knobs are
+    set, wins; decode and mma.sync launches are unchanged."""
+    import pagedweight_kernels.apl_moe as op
+
+    tiles, decode = "apl_gemv<1, 1, false, true, 4>", "apl_gemv<1, 1, false, true, 1>"
+    monkeypatch.setitem(op.KERNEL_DEFINES, "APL_TILES_PAIR", 0)
+    monkeypatch.setitem(op.KERNEL_DEFINES, "APL_TILES_WS", 1)
+    assert op.tiles_launch(tiles, (7, 8, 3), True) == ("apl_gemv_ws<1, 1, false, true, 4>", (7, 8, 3))
+    assert op.tiles_launch(tiles, (7, 8, 3), False) == (tiles, (7, 8, 3))
+    assert op.tiles_launch(decode, (7, 8, 3), True) == (decode, (7, 8, 3))
+    assert op.gemv_block("apl_gemv_ws<1, 1, false, true, 4>") == op.GEMV_THREADS + 32
+    assert op.gemv_block(tiles) == op.gemv_block(decode) == op.GEMV_THREADS
+    assert op.wgmma_build("apl_gemv_ws<1, 1, false, true, 4>", op.KERNEL_DEFINES)
+    assert op.instance_tiles("apl_gemv_ws<2, 0, true, true, 8>") == 8
+    monkeypatch.setitem(op.KERNEL_DEFINES, "APL_TILES_PAIR", 1)
+    assert op.tiles_launch(tiles, (7, 8, 3), True)[0] == "apl_gemv_pair<1, 1, false, true, 4>"
+    monkeypatch.setitem(op.KERNEL_DEFINES, "APL_TILES_WS", 0)
+    monkeypatch.setitem(op.KERNEL_DEFINES, "APL_TILES_PAIR", 0)
+    assert op.tiles_launch(tiles, (7, 8, 3), True) == (tiles, (7, 8, 3))
+
+
 @pytest.mark.parametrize("order,cls,tiles,major", [
     (0, 2, 1, False), (1, 2, 1, False), (3, 2, 1, True), (3, 2, 8, False), (7, 2, 8, True), (7, 1, 1, False),
     (15, 1, 1, True), (15, 1, 4, True), (15, 0, 1, False), (11, 1, 4, False)])

@@ -84,3 +84,23 @@ def test_wgmma_cluster_pair_uniform_widths_equal_one_cta_staging(bits, wgmma, mo
     alone = check_case(case, bits=bits)
     monkeypatch.setitem(op.KERNEL_DEFINES, "APL_TILES_PAIR", 1)
     assert torch.equal(check_case(case, bits=bits), alone)
+
+
+# APL_TILES_WS (apl_gemv_ws): a producer warp stages every step straight into the B layout, in two
+# buffers handed over by mbarrier, while the 4 consumer warps dequantise and run the step before.
+# The slices and the wgmma sequence are those of one CTA staging alone, so the output must be the
+# same bit for bit: every tiles case (hot experts in several passes, so buffers alternate across
+# passes; gate_up in two column splits; partial steps), every width and the merged kernel.
+@pytest.mark.parametrize("case", WGMMA_CASES, ids=_case_id)
+def test_wgmma_producer_warp_equals_one_cta_staging(case, wgmma, monkeypatch):
+    alone = check_case(case)
+    monkeypatch.setitem(op.KERNEL_DEFINES, "APL_TILES_WS", 1)
+    assert torch.equal(check_case(case), alone)
+
+
+@pytest.mark.parametrize("bits", (3, 4, 5, 6, 8))
+def test_wgmma_producer_warp_uniform_widths_equal_one_cta_staging(bits, wgmma, monkeypatch):
+    case = (8, 2, 160, 224, 40, 6, torch.bfloat16)
+    alone = check_case(case, bits=bits)
+    monkeypatch.setitem(op.KERNEL_DEFINES, "APL_TILES_WS", 1)
+    assert torch.equal(check_case(case, bits=bits), alone)
