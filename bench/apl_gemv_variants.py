@@ -66,6 +66,8 @@ VARIANTS = {  # name -> (define changes, host changes)
     # tiles on wgmma with a producer warp staging each step into two B buffers (apl_gemv_ws, 2026-12-03)
     "ws": ({"APL_TILES_WS": 1}, {}),
     "ws_rounds4": ({"APL_TILES_WS": 1, "APL_TILES_WS_ROUNDS": 4}, {}),  # 4 rounds of 8 tokens' loads in flight
+    "ws2": ({"APL_TILES_WS": 1, "APL_TILES_WS_WARPS": 2}, {}),  # two producer warps (6 warps: no more registers)
+    "ws2_s3": ({"APL_TILES_WS": 1, "APL_TILES_WS_WARPS": 2, "APL_TILES_WS_STAGES": 3}, {}),  # + a third B buffer
     "lut16": ({"APL_GEMV_LUT16": 1}, {}),  # aligned register-LUT rows by 16-byte loads (measured no faster)
     # more CTAs per SM at decode (registers capped: 5 -> 96, 6 -> 80; spills outside the step loop only)
     "blocks5": ({"APL_GEMV_MIN_BLOCKS": 5}, {"GEMV_TARGET_CTAS": 660}),

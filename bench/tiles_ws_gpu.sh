@@ -12,10 +12,10 @@ pre="import torch; from pagedweight_kernels.apl_moe import precompile; print('pr
 python3 -c "$pre" && APL_KERNEL_DEFINES=APL_TILES_WS=1 python3 -c "$pre"
 stamp "precompile rc $?"
 PAGEDWEIGHT_TEST_PRECOMPILE=0 timeout -k 10 "${TEST_TIMEOUT_S:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider -rfE \
-  --tb=short -x tests/kernels/test_apl_tiles_wgmma_gpu.py -k "${TEST_K:-producer_warp}" > "$OUT/gpu_ws_tests.log" 2>&1
+  --tb=short -x tests/kernels/test_apl_tiles_wgmma_gpu.py -k "${TEST_K:-producer_warps}" > "$OUT/gpu_ws_tests.log" 2>&1
 rc=$?; stamp "ws tests rc $rc"; tail -n 20 "$OUT/gpu_ws_tests.log" | grep -v "^$" | tail -n 15
 [ "$rc" = 0 ] || exit 1
-timeout -k 10 "${VARIANTS_TIMEOUT_S:-200}" python3 -m bench.apl_gemv_variants ${VARIANTS:-base ws ws_rounds4} --tiles \
+timeout -k 10 "${VARIANTS_TIMEOUT_S:-200}" python3 -m bench.apl_gemv_variants ${VARIANTS:-base ws ws2 ws2_s3} --tiles \
   --json apl_gemv_ws > "$OUT/apl_gemv_ws.log" 2>&1
 stamp "variants rc $?"; cp bench/results/apl_gemv_ws.json "$OUT/" 2>/dev/null
 python3 -m bench.variants_table "$OUT/apl_gemv_ws.json"

@@ -1029,55 +1029,69 @@ __device__ __forceinline__ void tiles_warp(const BlockRef& blk, u32 w0a, u32 w0b
 }
 
 // ---------------------------------------------------------------- the warp-specialised tiles kernel (WS)
-// APL_TILES_WS (apl_gemv_ws, sm_90a, the tiles regime on wgmma): a fifth warp, the producer,
-// stages each step's activations straight from global memory into the wgmma B layout (the
-// layout stage_async's reorder writes), in two buffers, while the 4 consumer warps dequantise
-// and run the wgmma of the step before. They hand buffers over by mbarrier, not by CTA barrier:
-// full[b] (32 producer arrivals) when step k's slices are in buffer b = k % 2, empty[b] (128
-// consumer arrivals) when step k's wgmma are done with it. No raw rows: the producer's loads
-// land in its registers, and the second buffer takes the raw rows' room.
-// bars: [0] start (the consumers' routing done: *count tokens to stage, 0 for none), [1, 2]
-// full, [3, 4] empty. Item (n, wi, h) = token n's column pairs 8h..8h+7 of its words 2 tw + wi
-// (tw = 0..3), the slices of selectors 4h..4h+3; a round is 8 tokens x (wi, h), one per lane,
-// and APL_TILES_WS_ROUNDS rounds have their loads in flight together.
+// APL_TILES_WS (apl_gemv_ws, sm_90a, the tiles regime on wgmma): producer warps (warps 4..)
+// stage each step's activations straight from global memory into the wgmma B layout (the
+// layout stage_async's reorder writes), in a ring of WS_STAGES buffers, while the 4 consumer
+// warps dequantise and run the wgmma of the steps before. They hand buffers over by mbarrier,
+// not by CTA barrier: full[b] (every producer lane arrives) when step k's slices are in buffer
+// b = k % WS_STAGES, empty[b] (128 consumer arrivals) when step k's wgmma are done with it. No
+// raw rows: the producers' loads land in their registers; the second buffer takes the raw
+// rows' room, a third (APL_TILES_WS_STAGES 3) follows it (the host's gemv_extra_shared).
+// bars: [0] start (the consumers' routing done: *count tokens to stage, 0 for none), [1, 1 + S)
+// full, [1 + S, 1 + 2S) empty. Item (n, wi, h) = token n's column pairs 8h..8h+7 of its words
+// 2 tw + wi (tw = 0..3), the slices of selectors 4h..4h+3; a round is 8 tokens x (wi, h), one
+// per lane; producer warp p takes rounds p, p + P, ..., APL_TILES_WS_ROUNDS of them with their
+// loads in flight together.
 #ifndef APL_TILES_WS
 #define APL_TILES_WS 0  // 1: tiles launches on wgmma take apl_gemv_ws (the host's tiles_launch)
 #endif
 #ifndef APL_TILES_WS_ROUNDS
-#define APL_TILES_WS_ROUNDS 2  // the producer's rounds of 8 tokens whose loads are in flight together
+#define APL_TILES_WS_ROUNDS 2  // a producer warp's rounds of 8 tokens whose loads are in flight together
 #endif
-#define WS_PRODUCER_WARP (GV_THREADS / 32)
+#ifndef APL_TILES_WS_WARPS
+#define APL_TILES_WS_WARPS 1  // producer warps (threads per CTA: 128 + 32 of each)
+#endif
+#ifndef APL_TILES_WS_STAGES
+#define APL_TILES_WS_STAGES 2  // B buffers in the ring (2 or 3)
+#endif
+#define WS_STAGES APL_TILES_WS_STAGES
+#define WS_THREADS (GV_THREADS + 32 * APL_TILES_WS_WARPS)
+static_assert(WS_STAGES == 2 || WS_STAGES == 3, "APL_TILES_WS_STAGES: 2 or 3");
 template <int MODE, int NT8>
 __device__ __forceinline__ void ws_produce(const u16* __restrict__ x, const int* slots, int top_k, int cols, int c0w,
-                                           int kw, int stage_tokens, u16* buf0, u16* buf1,
+                                           int kw, int stage_tokens, u16* const (&bufs)[WS_STAGES],
                                            unsigned long long* bars, const volatile int* count_s) {
+    constexpr int P = APL_TILES_WS_WARPS;
     const int lane = threadIdx.x & 31, wi = (lane >> 3) & 1, h = (lane >> 4) & 1;
+    const int pw = (threadIdx.x >> 5) - GV_THREADS / 32;  // this producer warp: rounds pw, pw + P, ...
     mbar_wait(bars, 0);
     const int count = *count_s;
     if (count == 0) return;
     if constexpr (MODE == 1) grid_dependency_wait();  // h is the grid before's output
     const int steps = (kw + GV_STEP_WORDS - 1) / GV_STEP_WORDS;
-    constexpr int RB = APL_TILES_WS_ROUNDS < NT8 ? APL_TILES_WS_ROUNDS : NT8;
-    int k = 0;  // steps staged over every pass: buffer k % 2, its phase k / 2
+    constexpr int NR = (NT8 + P - 1) / P;  // rounds a warp may own
+    constexpr int RB = APL_TILES_WS_ROUNDS < NR ? APL_TILES_WS_ROUNDS : NR;
+    int k = 0;  // steps staged over every pass: buffer k % WS_STAGES, its phase k / WS_STAGES
     for (int p0 = 0; p0 < count; p0 += stage_tokens) {
         const int np = min(stage_tokens, count - p0);
-        int rowoff[NT8];  // this lane's token of each round: its row's offset in x (< 2^31: checked by the host)
+        int rowoff[NR];  // this lane's token of each of its rounds: its row's offset in x (< 2^31: checked by the host)
 #pragma unroll
-        for (int j = 0; j < NT8; ++j) {
-            const int n = 8 * j + (lane & 7);
+        for (int j = 0; j < NR; ++j) {
+            const int n = 8 * (pw + P * j) + (lane & 7);
             const int slot = n < np ? slots[p0 + n] : 0;
             rowoff[j] = (MODE == 0 ? slot / top_k : slot) * cols;
         }
         for (int step = 0; step < steps; ++step, ++k) {
-            u16* xsb = (k & 1) ? buf1 : buf0;
-            if (k >= 2) mbar_wait(bars + 3 + (k & 1), ((k >> 1) - 1) & 1);  // step k - 2's wgmma are done
+            const int b = k % WS_STAGES, phase = k / WS_STAGES;
+            u16* xsb = bufs[b];
+            if (k >= WS_STAGES) mbar_wait(bars + 1 + WS_STAGES + b, (phase - 1) & 1);  // step k - S's wgmma are done
 #pragma unroll
-            for (int j0 = 0; j0 < NT8; j0 += RB) {
-                if (8 * j0 >= np) break;
+            for (int j0 = 0; j0 < NR; j0 += RB) {
+                if (8 * (pw + P * j0) >= np) break;
                 uint4 raw[RB][4][2];
 #pragma unroll
                 for (int jj = 0; jj < RB; ++jj) {
-                    const int n = 8 * (j0 + jj) + (lane & 7);
+                    const int n = 8 * (pw + P * (j0 + jj)) + (lane & 7);
 #pragma unroll
                     for (int tw = 0; tw < 4; ++tw) {
                         const int w = step * GV_STEP_WORDS + 2 * tw + wi;
@@ -1093,7 +1107,7 @@ __device__ __forceinline__ void ws_produce(const u16* __restrict__ x, const int*
                 }
 #pragma unroll
                 for (int jj = 0; jj < RB; ++jj) {
-                    const int n = 8 * (j0 + jj) + (lane & 7);
+                    const int n = 8 * (pw + P * (j0 + jj)) + (lane & 7);
                     if (n >= np) continue;  // tokens past the pass: their product columns are never read
                     u32 lo[4][4], hi[4][4];  // [selector 4h + r][tw]
 #pragma unroll
@@ -1112,7 +1126,7 @@ __device__ __forceinline__ void ws_produce(const u16* __restrict__ x, const int*
                 }
             }
             fence_proxy_async();  // the consumers' tensor cores read these stores next
-            mbar_arrive(bars + 1 + (k & 1));
+            mbar_arrive(bars + 1 + b);
         }
     }
 }
@@ -1248,22 +1262,25 @@ __device__ __forceinline__ void gemv_cta(
     if constexpr (WS) {
         if (tid == 0) {
             mbar_init(ws_bars, 1);
-            mbar_init(ws_bars + 1, 32);
-            mbar_init(ws_bars + 2, 32);
-            mbar_init(ws_bars + 3, GV_THREADS);
-            mbar_init(ws_bars + 4, GV_THREADS);
+            for (int b = 0; b < WS_STAGES; ++b) {
+                mbar_init(ws_bars + 1 + b, 32 * APL_TILES_WS_WARPS);
+                mbar_init(ws_bars + 1 + WS_STAGES + b, GV_THREADS);
+            }
         }
-        __syncthreads();  // (all 160 threads: the last barrier the producer shares)
+        __syncthreads();  // (every thread: the last barrier the producers share)
     }
     if constexpr (!FUSED) {
         if constexpr (MODE == 0) grid_dependency_wait();
         launch_dependents();
     }
-    // WS: the producer's second buffer is the raw rows' room (stage_async's raw_s), after the LUT rows.
+    // WS: the producers' second buffer is the raw rows' room (stage_async's raw_s), after the LUT
+    // rows; a third, NT8 x 4 KB (16 slices of NT8 x 256 bytes), after the second's room.
     u16* const xs_ws1 = lut_s + GV_ROWS * lut_entries;
+    u16* const ws_bufs[3] = {xs, xs_ws1, xs_ws1 + stage_tokens * (GV_STEP_WORDS * 32 + 8) + 2 * stage_tokens};
     if constexpr (WS) {
-        if (warp == WS_PRODUCER_WARP) {
-            ws_produce<MODE, NT8>(x, slots, top_k, cols, c0w, kw, stage_tokens, xs, xs_ws1, ws_bars, ws_count);
+        if (warp >= GV_THREADS / 32) {
+            ws_produce<MODE, NT8>(x, slots, top_k, cols, c0w, kw, stage_tokens,
+                                  reinterpret_cast<u16* const (&)[WS_STAGES]>(ws_bufs), ws_bars, ws_count);
             return;
         }
     }
@@ -1593,11 +1610,11 @@ __device__ __forceinline__ void gemv_cta(
             await_h();  // (down) before this CTA's first global write
             if (p0 == 0) cta_sync<WS>();  // 5-8 bits: the LUT rows are written before their first read
         }
-        if (ws_k > 0) mbar_arrive(ws_bars + 3 + ((ws_k - 1) & 1));
-        mbar_wait(ws_bars + 1 + (ws_k & 1), (ws_k >> 1) & 1);
-        const u16* b = (ws_k & 1) ? xs_ws1 : xs;
+        if (ws_k > 0) mbar_arrive(ws_bars + 1 + WS_STAGES + (ws_k - 1) % WS_STAGES);
+        const int b = ws_k % WS_STAGES;
+        mbar_wait(ws_bars + 1 + b, (ws_k / WS_STAGES) & 1);
         ++ws_k;
-        return b;
+        return ws_bufs[b];
     };
     auto stage = [&](int p0, int np, int step) -> const u16* {
         if constexpr (NT8 == 1) stage_split(p0, np);
@@ -1846,7 +1863,7 @@ __device__ __forceinline__ void gemv_entry(APL_GEMV_ENTRY_PARAMS, int gx) {
     __shared__ u32 present[32];
     __shared__ int scratch[8];
     __shared__ int last_flag;
-    __shared__ __align__(8) unsigned long long ws_bars[WS ? 5 : 1];  // (WS only: gemv_cta's)
+    __shared__ __align__(8) unsigned long long ws_bars[WS ? 1 + 2 * WS_STAGES : 1];  // (WS only: gemv_cta's)
     __shared__ int ws_count;
     // APL_GEMV_ORDER: the kernels whose blocks may differ in width, at decode (and bit 2: tiles).
     constexpr bool ORDERED = (CLS == 2 || (CLS == 1 && (APL_GEMV_ORDER & 8) != 0)) &&
@@ -1892,12 +1909,13 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(GV_THREADS, APL_TILE
 
 #if APL_HAS_WGMMA
 // APL_TILES_WS: the tiles regime on wgmma with a producer warp (gemv_cta's WS, ws_produce):
-// 160 threads, 2 CTAs per SM (the register file over 2 x 160 threads: 204 a thread).
+// WS_THREADS threads, 2 CTAs per SM (168 registers a thread: ptxas allocates warps in pairs, so 5
+// or 6 warps a CTA are 12 over 2 CTAs).
 #ifndef APL_TILES_WS_BLOCKS
 #define APL_TILES_WS_BLOCKS 2
 #endif
 template <int CLS, int MODE, bool BF16, bool V2, int NT8>
-__global__ void __launch_bounds__(GV_THREADS + 32, APL_TILES_WS_BLOCKS) apl_gemv_ws(APL_GEMV_ENTRY_PARAMS) {
+__global__ void __launch_bounds__(WS_THREADS, APL_TILES_WS_BLOCKS) apl_gemv_ws(APL_GEMV_ENTRY_PARAMS) {
     gemv_entry<CLS, MODE, BF16, V2, NT8, false, false, true>(APL_GEMV_ENTRY_ARGS, gridDim.x);
 }
 #endif

@@ -139,7 +139,8 @@ KERNEL_DEFINES = {"APL_LDS_MODE": 1, "APL_RPG_DIV": 8, "APL_PREFETCH": 1, "APL_D
                   "APL_TILES_MIN_BLOCKS": 0, "APL_TILES_GROUP": 4, "APL_TILES_ASYNC": 1, "APL_TILES_WGMMA": 1,
                   "APL_GEMV_BATCHED_LOADS": 1, "APL_TILES_PAIR": 0, "APL_GEMV_PDL": 1, "APL_GEMV_PDL_PREFETCH": 0, "APL_GEMV_PDL_PLANES": 0,
                   "APL_GEMV_ORDER": 5, "APL_GEMV_HEAVY_MIN_TOKENS": 2, "APL_PLANE_HINT": 2, "APL_PLANE_HINT_MIN_NT8": 8, "APL_GEMV_PDL_LUT_WAIT": 0,
-                  "APL_LUT_STAGGER": 1, "APL_TILES_WS": 0, "APL_TILES_WS_ROUNDS": 2, "APL_TILES_WS_BLOCKS": 2}
+                  "APL_LUT_STAGGER": 1, "APL_TILES_WS": 0, "APL_TILES_WS_ROUNDS": 2, "APL_TILES_WS_BLOCKS": 2,
+                  "APL_TILES_WS_WARPS": 1, "APL_TILES_WS_STAGES": 2}
 
 
 def knob_overrides(text: str) -> dict[str, int]:
@@ -674,8 +675,10 @@ def tiles_launch(name: str, grid: tuple[int, int, int], wgmma: bool) -> tuple[st
 
 
 def gemv_block(name: str) -> int:
-    """Threads per CTA of an apl_gemv launch: 128, and the producer warp's 32 more in apl_gemv_ws."""
-    return GEMV_THREADS + 32 if name.startswith("apl_gemv_ws<") else GEMV_THREADS
+    """Threads per CTA of an apl_gemv launch: 128, and 32 more per producer warp in apl_gemv_ws."""
+    if name.startswith("apl_gemv_ws<"):
+        return GEMV_THREADS + 32 * KERNEL_DEFINES.get("APL_TILES_WS_WARPS", 1)
+    return GEMV_THREADS
 
 
 def expert_major(cls: int, tiles: int) -> bool:
@@ -853,7 +856,9 @@ def gemv_extra_shared(cls: int, lut_entries: int, tiles: int = 1) -> int:
     extra = GEMV_ROWS * lut_entries * 2 + 512 if lut_entries else 0
     if tiles > 1 and KERNEL_DEFINES.get("APL_TILES_ASYNC", 0):
         raw_row = GEMV_STEP_WORDS * 64 + (16 if KERNEL_DEFINES.get("APL_TILES_WGMMA", 0) else 0)  # the .cu's RAW_ROW
-        return extra + 512 + GEMV_TOKENS * tiles * (raw_row + 4)
+        # APL_TILES_WS with 3 stages: the third B buffer, 16 slices of tiles x 256 bytes
+        ws_third = tiles * 4096 if KERNEL_DEFINES.get("APL_TILES_WS") and KERNEL_DEFINES.get("APL_TILES_WS_STAGES") == 3 else 0
+        return extra + 512 + GEMV_TOKENS * tiles * (raw_row + 4) + ws_third
     stages = KERNEL_DEFINES.get("APL_GEMV_RING_STAGES", 0)
     if cls == 0 and stages >= 2 and tiles == 1:
         extra = 512 + (GEMV_THREADS // 32) * stages * GEMV_RING_STAGE_BYTES

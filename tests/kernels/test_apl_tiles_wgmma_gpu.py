@@ -86,21 +86,34 @@ def test_wgmma_cluster_pair_uniform_widths_equal_one_cta_staging(bits, wgmma, mo
     assert torch.equal(check_case(case, bits=bits), alone)
 
 
-# APL_TILES_WS (apl_gemv_ws): a producer warp stages every step straight into the B layout, in two
-# buffers handed over by mbarrier, while the 4 consumer warps dequantise and run the step before.
+# APL_TILES_WS (apl_gemv_ws): producer warps stage every step straight into the B layout, in a ring
+# of buffers handed over by mbarrier, while the 4 consumer warps dequantise and run the steps before.
 # The slices and the wgmma sequence are those of one CTA staging alone, so the output must be the
-# same bit for bit: every tiles case (hot experts in several passes, so buffers alternate across
-# passes; gate_up in two column splits; partial steps), every width and the merged kernel.
-@pytest.mark.parametrize("case", WGMMA_CASES, ids=_case_id)
-def test_wgmma_producer_warp_equals_one_cta_staging(case, wgmma, monkeypatch):
-    alone = check_case(case)
+# same bit for bit: every tiles case (hot experts in several passes, so the ring turns across
+# passes; gate_up in two column splits; partial steps), every width and the merged kernel; with one
+# producer warp and 2 buffers, and with 2 warps (each its own rounds of 8 tokens) and 3 buffers.
+WS_CONFIGS = {"1warp_2stages": {"APL_TILES_WS_WARPS": 1, "APL_TILES_WS_STAGES": 2},
+              "2warps_3stages": {"APL_TILES_WS_WARPS": 2, "APL_TILES_WS_STAGES": 3}}
+
+
+def _producer_warps(monkeypatch, config):
     monkeypatch.setitem(op.KERNEL_DEFINES, "APL_TILES_WS", 1)
+    for name, value in WS_CONFIGS[config].items():
+        monkeypatch.setitem(op.KERNEL_DEFINES, name, value)
+
+
+@pytest.mark.parametrize("config", WS_CONFIGS)
+@pytest.mark.parametrize("case", WGMMA_CASES, ids=_case_id)
+def test_wgmma_producer_warps_equal_one_cta_staging(case, config, wgmma, monkeypatch):
+    alone = check_case(case)
+    _producer_warps(monkeypatch, config)
     assert torch.equal(check_case(case), alone)
 
 
+@pytest.mark.parametrize("config", WS_CONFIGS)
 @pytest.mark.parametrize("bits", (3, 4, 5, 6, 8))
-def test_wgmma_producer_warp_uniform_widths_equal_one_cta_staging(bits, wgmma, monkeypatch):
+def test_wgmma_producer_warps_uniform_widths_equal_one_cta_staging(bits, config, wgmma, monkeypatch):
     case = (8, 2, 160, 224, 40, 6, torch.bfloat16)
     alone = check_case(case, bits=bits)
-    monkeypatch.setitem(op.KERNEL_DEFINES, "APL_TILES_WS", 1)
+    _producer_warps(monkeypatch, config)
     assert torch.equal(check_case(case, bits=bits), alone)
