@@ -35,7 +35,7 @@ SHAPES = [("mixtral-8x7b", 1, "3"), ("mixtral-8x7b", 1, "4"), ("mixtral-8x7b", 1
           ("mixtral-8x7b", 4, "4"), ("qwen1.5-moe-a2.7b", 1, "4"), ("qwen1.5-moe-a2.7b", 1, "mixed"),
           ("qwen1.5-moe-a2.7b", 16, "4")]
 BASE = dict(op.KERNEL_DEFINES)
-HOST_KNOBS = {name: getattr(op, name) for name in ("GEMV_TARGET_CTAS", "GEMV_MERGE_CLASSES", "TILES_MAX_NT8", "GEMV_FUSED",
+HOST_KNOBS = {name: getattr(op, name) for name in ("GEMV_TARGET_CTAS", "GEMV_MERGE_CLASSES", "TILES_MAX_NT8", "TILES_WIDE_NT8", "GEMV_FUSED",
                                                        "GEMV_MIN_SPLIT_WORDS", "GEMV_WAVE_PLAN", "GEMV_SHARED_PAD", "GEMV_PDL",
                                                        "GEMV_WAVE_PLAN_MAX_BITS", "GEMV_WIDE_TARGET_CTAS", "GEMV_LUT_AWARE_CTAS",
                                                        "GEMV_PDL_DOWN_CLASSES", "GEMV_LONG_SPLIT_CLASSES",
@@ -113,6 +113,7 @@ VARIANTS = {  # name -> (define changes, host changes)
     "tiles_3_blocks": ({"APL_TILES_MIN_BLOCKS": 3}, {}),  # tiles regime: <= 168 registers, 3 CTAs per SM
     "tiles_2_blocks": ({"APL_TILES_MIN_BLOCKS": 2}, {}),  # tiles regime: 2 CTAs per SM at every class (before 2026-12-02)
     "tiles_max_32": ({}, {"TILES_MAX_NT8": 4}),  # tiles regime: at most 32 tokens per pass
+    "wide12": ({}, {"TILES_WIDE_NT8": 12}),  # 3-4-bit layers: 96-token passes where 64 would not hold 1.5x the mean
     # tiles regime on wgmma (sm_90a): a pass's tokens as the N of one warpgroup instruction per k16 slice
     "wgmma": ({"APL_TILES_WGMMA": 1}, {}),  # (the default since 2026-12-01)
     "mma_sync": ({"APL_TILES_WGMMA": 0}, {}),  # the tiles regime's mma.sync path, as other GPUs run it

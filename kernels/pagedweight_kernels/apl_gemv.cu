@@ -86,8 +86,10 @@
 // on wgmma (docs/kernel.md): 3 everywhere was 13-14% faster at Qwen1.5-MoE 64 tokens 8 bits and
 // 11% with mixed bits (NT8 2; the merged body spills 16 bytes there), 1-2% at 4 bits, but 10-13%
 // slower at Mixtral 64 tokens 8 bits and mixed (NT8 4) and its 256-token mixed layer (NT8 8).
+// NT8 12 (96-token passes, the 3-4-bit class only: the host's TILES_WIDE_NT8) holds 48 accumulators
+// a thread: 2 CTAs.
 #define APL_TILES_BLOCKS(CLS, NT8) \
-    (APL_TILES_MIN_BLOCKS > 0 ? APL_TILES_MIN_BLOCKS : ((CLS) == 0 || (NT8) == 2 ? 3 : 2))
+    (APL_TILES_MIN_BLOCKS > 0 ? APL_TILES_MIN_BLOCKS : (NT8) > 8 ? 2 : ((CLS) == 0 || (NT8) == 2 ? 3 : 2))
 #ifndef APL_TILES_ASYNC
 #define APL_TILES_ASYNC 1  // tiles regime: 1 = the next step's activations come in by cp.async during this
 #endif                     // step's mma (raw rows in shared memory, reordered there); 0 = loads at each step
@@ -911,6 +913,7 @@ __device__ __forceinline__ unsigned long long wgmma_desc(u32 smem_addr) {
 #define APL_D8 "%0, %1, %2, %3, %4, %5, %6, %7"
 #define APL_D16 APL_D8 ", %8, %9, %10, %11, %12, %13, %14, %15"
 #define APL_D32 APL_D16 ", %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+#define APL_D48 APL_D32 ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47"
 template <int N8, bool BF16>
 __device__ __forceinline__ void wgmma_rs(float (&acc)[N8][4], u32 a0, u32 a1, u32 a2, u32 a3, unsigned long long desc) {
 #if APL_HAS_WGMMA
@@ -930,6 +933,14 @@ __device__ __forceinline__ void wgmma_rs(float (&acc)[N8][4], u32 a0, u32 a1, u3
     else if constexpr (N8 == 8)
         APL_WGMMA_RS("m64n64k16", "f16", APL_D32, "%32, %33, %34, %35", "%36", "%37",
                      APL_ACC4(0), APL_ACC4(1), APL_ACC4(2), APL_ACC4(3), APL_ACC4(4), APL_ACC4(5), APL_ACC4(6), APL_ACC4(7));
+    else if constexpr (N8 == 12 && BF16)
+        APL_WGMMA_RS("m64n96k16", "bf16", APL_D48, "%48, %49, %50, %51", "%52", "%53",
+                     APL_ACC4(0), APL_ACC4(1), APL_ACC4(2), APL_ACC4(3), APL_ACC4(4), APL_ACC4(5), APL_ACC4(6), APL_ACC4(7),
+                     APL_ACC4(8), APL_ACC4(9), APL_ACC4(10), APL_ACC4(11));
+    else if constexpr (N8 == 12)
+        APL_WGMMA_RS("m64n96k16", "f16", APL_D48, "%48, %49, %50, %51", "%52", "%53",
+                     APL_ACC4(0), APL_ACC4(1), APL_ACC4(2), APL_ACC4(3), APL_ACC4(4), APL_ACC4(5), APL_ACC4(6), APL_ACC4(7),
+                     APL_ACC4(8), APL_ACC4(9), APL_ACC4(10), APL_ACC4(11));
 #endif
 }
 

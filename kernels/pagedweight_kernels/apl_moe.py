@@ -124,6 +124,11 @@ GEMV_LONG_MIN_TOKENS = 2
 TILES_MAX_TOKENS_PER_EXPERT = 128.0  # above: the prefill kernel (apl_moe.cu)
 TILES_MIN_NT8, TILES_MAX_NT8 = 2, 8  # the .cu's accumulators: 4 fp32 registers per 8-token tile
 TILES_HEADROOM = 1.5  # a pass holds 1.5x the mean tokens per expert (routing is uneven)
+# Layers of 3-4-bit blocks whose passes would need more than TILES_MAX_NT8 tiles take passes of
+# TILES_WIDE_NT8 tiles (96 tokens: 48 accumulators a thread, 2 CTAs per SM) where it is set, so an
+# expert a little over the mean (Mixtral-size prefill at 256 tokens: 46-82 tokens an expert) is
+# dequantised once, not twice. 0: off (the NT8 12 instances are then not compiled).
+TILES_WIDE_NT8 = 0
 
 
 def bit_class(bits: int) -> int:
@@ -431,7 +436,8 @@ def plan_launch(num_tokens: int, top_k: int, num_experts: int, hidden: int, inte
     fits_gemv = not legacy_decode and num_tokens * top_k <= GEMV_MAX_ASSIGN \
         and num_tokens * top_k * max(hidden, intermediate) < 2 ** 31
     if fits_gemv and per_expert <= TILES_MAX_TOKENS_PER_EXPERT:
-        nt8 = 1 if per_expert <= GEMV_MAX_TOKENS_PER_EXPERT else tiles_per_pass(per_expert)
+        wide = TILES_WIDE_NT8 if max_bits <= 4 and not stable_launches else 0
+        nt8 = 1 if per_expert <= GEMV_MAX_TOKENS_PER_EXPERT else tiles_per_pass(per_expert, wide)
         # Whole waves of GEMV_TARGET_CTAS hold for the register-LUT kernel only: the 5-8-bit
         # class's shared LUT rows leave fewer CTAs per SM (measured: the wave plan made
         # Mixtral's mixed layer 5% slower and changed 8 bits by < 1%).
@@ -468,11 +474,15 @@ def _decode_plan(mode, nt, cols, rows_out, max_bits, max_active) -> GemmPlan:
     return GemmPlan("decode", nt, lpr, rpc, splits, split_cols, grid, shared)
 
 
-def tiles_per_pass(per_expert: float) -> int:
+def tiles_per_pass(per_expert: float, wide: int = 0) -> int:
     """The tiles regime's NT8: 8-token tiles per pass, room for TILES_HEADROOM x the mean
-    tokens per expert, a power of two in [TILES_MIN_NT8, TILES_MAX_NT8]. An expert with more
-    tokens takes several passes (its weights dequantised once per pass)."""
-    return min(TILES_MAX_NT8, max(TILES_MIN_NT8, _next_pow2(math.ceil(TILES_HEADROOM * per_expert / GEMV_TOKENS))))
+    tokens per expert, a power of two in [TILES_MIN_NT8, TILES_MAX_NT8], or `wide` (a 3-4-bit
+    layer's TILES_WIDE_NT8) where more than TILES_MAX_NT8 are wanted. An expert with more tokens
+    takes several passes (its weights dequantised once per pass)."""
+    want = math.ceil(TILES_HEADROOM * per_expert / GEMV_TOKENS)
+    if wide and want > TILES_MAX_NT8:
+        return wide
+    return min(TILES_MAX_NT8, max(TILES_MIN_NT8, _next_pow2(want)))
 
 
 def _split_words(words: int, splits: int, max_split: int) -> int:
@@ -756,6 +766,7 @@ def kernel_instances(dtype: torch.dtype, activation: str = "silu") -> list[tuple
         gemv = [_gemv_name(cls, mode, flag, v2, nt8)
                 for cls in (0, 1, 2) for v2 in ("true", "false") for nt8 in tiles_choices()]
         gemv += [_gemv_name(cls, mode, flag, v2, 1, True) for cls in long_split_classes() for v2 in ("true", "false")]
+        gemv += [_gemv_name(0, mode, flag, v2, TILES_WIDE_NT8) for v2 in ("true", "false") if TILES_WIDE_NT8]
         names += [(name, act) for name in gemv]
         # APL_TILES_PAIR on a wgmma build: the tiles instances' cluster pairs too
         names += [(_pair_name(name), act) for name in gemv

@@ -101,6 +101,8 @@ def test_plan_picks_decode_for_few_tokens_per_expert_and_tensor_cores_for_many()
     assert big.max_active == 8 and big.gate_up.splits == 1  # K whole: partials stay small
     assert plan_launch(256, 4, **qwen).down.tokens == 32
     assert [tiles_per_pass(n) for n in (4.3, 16, 30, 64, 128)] == [2, 4, 8, 8, 8]
+    # wide passes (TILES_WIDE_NT8) only where more than TILES_MAX_NT8 tiles are wanted
+    assert [tiles_per_pass(n, 12) for n in (4.3, 16, 30, 42, 43, 64, 128)] == [2, 4, 8, 8, 12, 12, 12]
     # beyond the tiles regime: the prefill kernel
     assert plan_launch(1024, 2, **mixtral).gate_up.regime == "prefill"  # 256 tokens per expert
     assert plan_launch(2048, 4, **qwen).gate_up.regime == "prefill"  # 8192 assignments
@@ -557,3 +559,24 @@ def test_long_split_instances_are_chosen_by_shapes_and_tokens_never_by_bits(monk
     assert op._gemv_name(2, 1, "true", "false", 1, True) == "apl_gemv<2, 1, true, false, 1, true>"
     assert op.instance_tiles("apl_gemv<2, 1, true, false, 1, true>") == 1
     assert op.instance_tiles(op._gemv_name(1, 0, "true", "true", 4)) == 4
+
+
+def test_wide_passes_only_for_3_4_bit_layers_without_stable_launches(monkeypatch):
+    """TILES_WIDE_NT8: the 96-token passes are compiled for the 3-4-bit kernel only, so the plan
+    takes them for layers of at most 4 bits, and never under stable launches (whose plan may not
+    depend on the bits); off (0), the plan is the powers of two's."""
+    import pagedweight_kernels.apl_moe as op
+
+    mixtral = dict(num_experts=8, hidden=4096, intermediate=14336)
+    monkeypatch.setattr(op, "TILES_WIDE_NT8", 12)
+    assert op.plan_launch(256, 2, max_bits=4, **mixtral).gate_up.tiles == 12
+    assert op.plan_launch(256, 2, max_bits=4, **mixtral).down.tokens == 96
+    assert op.plan_launch(256, 2, max_bits=5, **mixtral).gate_up.tiles == 8
+    assert op.plan_launch(256, 2, max_bits=3, stable_launches=True, **mixtral).gate_up.tiles == 8
+    assert op.plan_launch(64, 2, max_bits=4, **mixtral).gate_up.tiles == 4  # 16 per expert: no wide pass
+    names = {name for name, _ in op.kernel_instances(torch.bfloat16)}
+    assert {"apl_gemv<0, 0, true, true, 12>", "apl_gemv<0, 1, true, false, 12>"} <= names
+    assert not any(name.startswith(("apl_gemv<1,", "apl_gemv<2,")) and name.endswith(", 12>") for name in names)
+    monkeypatch.setattr(op, "TILES_WIDE_NT8", 0)
+    assert op.plan_launch(256, 2, max_bits=4, **mixtral).gate_up.tiles == 8
+    assert not any(name.endswith(", 12>") for name, _ in op.kernel_instances(torch.bfloat16))

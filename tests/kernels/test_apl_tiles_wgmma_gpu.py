@@ -117,3 +117,27 @@ def test_wgmma_producer_warps_uniform_widths_equal_one_cta_staging(bits, config,
     alone = check_case(case, bits=bits)
     _producer_warps(monkeypatch, config)
     assert torch.equal(check_case(case, bits=bits), alone)
+
+
+# TILES_WIDE_NT8 (the host's, 12 when set): a 3-4-bit layer whose passes would want more than 8
+# tiles takes passes of 96 tokens (wgmma m64n96k16; 48 accumulators a thread). Against the
+# reference, NaN-poisoned outputs, bit-identical reruns: one pass per expert, a hot expert in two
+# passes of 96, partial K steps, bf16 and fp16, both widths, and the mma.sync path at the same NT8.
+WIDE_CASES = [CASES[8],                                      # 50 per expert, hot expert 176 tokens: 2 passes
+              (8, 2, 160, 224, 180, 6, torch.bfloat16),     # partial K steps (5 words), hot expert
+              (8, 2, 1024, 256, 240, 8, torch.bfloat16)]    # 60 per expert, longer rows
+
+
+@pytest.mark.parametrize("bits", (3, 4))
+@pytest.mark.parametrize("case", WIDE_CASES, ids=_case_id)
+def test_wide_passes_match_reference(case, bits, wgmma, monkeypatch):
+    monkeypatch.setattr(op, "TILES_WIDE_NT8", 12)
+    E, k, H, I, T = case[:5]
+    assert plan_launch(T, k, E, H, I, bits).gate_up.tiles == 12
+    check_case(case, bits=bits)
+
+
+def test_wide_passes_on_mma_sync_match_reference(monkeypatch):
+    monkeypatch.setattr(op, "TILES_WIDE_NT8", 12)
+    monkeypatch.setitem(op.KERNEL_DEFINES, "APL_TILES_WGMMA", 0)
+    check_case(CASES[8], bits=4)
