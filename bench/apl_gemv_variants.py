@@ -114,6 +114,7 @@ VARIANTS = {  # name -> (define changes, host changes)
     "tiles_2_blocks": ({"APL_TILES_MIN_BLOCKS": 2}, {}),  # tiles regime: 2 CTAs per SM at every class (before 2026-12-02)
     "tiles_max_32": ({}, {"TILES_MAX_NT8": 4}),  # tiles regime: at most 32 tokens per pass
     "wide12": ({}, {"TILES_WIDE_NT8": 12}),  # 3-4-bit layers: 96-token passes where 64 would not hold 1.5x the mean
+    "wide_off": ({}, {"TILES_WIDE_NT8": 0}),  # (the default since 2026-12-03: 12)
     # tiles regime on wgmma (sm_90a): a pass's tokens as the N of one warpgroup instruction per k16 slice
     "wgmma": ({"APL_TILES_WGMMA": 1}, {}),  # (the default since 2026-12-01)
     "mma_sync": ({"APL_TILES_WGMMA": 0}, {}),  # the tiles regime's mma.sync path, as other GPUs run it
@@ -329,7 +330,7 @@ def main():
                                    "--long")):
         compile_decode_instances(only, device)
     if tiles_run or "--order" in sys.argv or "--hint" in sys.argv:
-        compile_decode_instances(only, device, tiles=op.tiles_choices()[1:])
+        compile_decode_instances(only, device, tiles=op.tiles_choices(1)[1:])  # (the 3-4-bit wide passes compile at first use)
     rows = []
     for vname in only:
         set_variant(vname)

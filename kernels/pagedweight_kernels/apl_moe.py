@@ -124,11 +124,15 @@ GEMV_LONG_MIN_TOKENS = 2
 TILES_MAX_TOKENS_PER_EXPERT = 128.0  # above: the prefill kernel (apl_moe.cu)
 TILES_MIN_NT8, TILES_MAX_NT8 = 2, 8  # the .cu's accumulators: 4 fp32 registers per 8-token tile
 TILES_HEADROOM = 1.5  # a pass holds 1.5x the mean tokens per expert (routing is uneven)
-# Layers of 3-4-bit blocks whose passes would need more than TILES_MAX_NT8 tiles take passes of
-# TILES_WIDE_NT8 tiles (96 tokens: 48 accumulators a thread, 2 CTAs per SM) where it is set, so an
-# expert a little over the mean (Mixtral-size prefill at 256 tokens: 46-82 tokens an expert) is
-# dequantised once, not twice. 0: off (the NT8 12 instances are then not compiled).
-TILES_WIDE_NT8 = 0
+# Layers of 3-4-bit blocks whose passes want more than TILES_MAX_NT8 tiles, and at most this many,
+# take passes of TILES_WIDE_NT8 tiles (96 tokens: 48 accumulators a thread, 2 CTAs per SM), so an
+# expert a little over the mean (Mixtral-size prefill at 256 tokens: 46-82 tokens an expert, 12
+# passes of 64 for 8 experts) is dequantised once, not twice (8 passes of 96). Measured (H200,
+# bench/results/apl_gemv_wide_04ad757.json, one process): Mixtral 256 tokens 4 bits 1484.1 ->
+# 1441.2 us; no other benchmarked shape takes it. Past 12 tiles wanted, passes of 96 save no pass
+# over passes of 64 at 1.5x the mean and hold fewer CTAs, so the powers of two keep those. 0: off
+# (the NT8 12 instances are then not compiled).
+TILES_WIDE_NT8 = 12
 
 
 def bit_class(bits: int) -> int:
@@ -477,10 +481,10 @@ def _decode_plan(mode, nt, cols, rows_out, max_bits, max_active) -> GemmPlan:
 def tiles_per_pass(per_expert: float, wide: int = 0) -> int:
     """The tiles regime's NT8: 8-token tiles per pass, room for TILES_HEADROOM x the mean
     tokens per expert, a power of two in [TILES_MIN_NT8, TILES_MAX_NT8], or `wide` (a 3-4-bit
-    layer's TILES_WIDE_NT8) where more than TILES_MAX_NT8 are wanted. An expert with more tokens
+    layer's TILES_WIDE_NT8) where more than TILES_MAX_NT8 and at most `wide` are wanted. An expert with more tokens
     takes several passes (its weights dequantised once per pass)."""
     want = math.ceil(TILES_HEADROOM * per_expert / GEMV_TOKENS)
-    if wide and want > TILES_MAX_NT8:
+    if TILES_MAX_NT8 < want <= wide:
         return wide
     return min(TILES_MAX_NT8, max(TILES_MIN_NT8, _next_pow2(want)))
 
@@ -729,12 +733,15 @@ FUSED_CLASSES = (0,)  # the fused launch is compiled for 3-4-bit layers only: wi
 # or merged bodies in one kernel, ptxas spilled 3.2-3.4 KB (nvcc 13.0, sm_90)
 
 
-def tiles_choices() -> tuple[int, ...]:
-    """Every NT8 `plan_launch` can pick: 1 (decode) and the tiles regime's powers of two."""
+def tiles_choices(cls: int) -> tuple[int, ...]:
+    """Every NT8 `plan_launch` can pick for launches of kernel class `cls`: 1 (decode), the tiles
+    regime's powers of two, and for the 3-4-bit class TILES_WIDE_NT8 where it is set."""
     nt8, out = TILES_MIN_NT8, [1]
     while nt8 <= TILES_MAX_NT8:
         out.append(nt8)
         nt8 *= 2
+    if cls == 0 and TILES_WIDE_NT8:
+        out.append(TILES_WIDE_NT8)
     return tuple(out)
 
 
@@ -764,9 +771,8 @@ def kernel_instances(dtype: torch.dtype, activation: str = "silu") -> list[tuple
     for mode in (0, 1):
         act = _mode_activation(mode, activation)
         gemv = [_gemv_name(cls, mode, flag, v2, nt8)
-                for cls in (0, 1, 2) for v2 in ("true", "false") for nt8 in tiles_choices()]
+                for cls in (0, 1, 2) for v2 in ("true", "false") for nt8 in tiles_choices(cls)]
         gemv += [_gemv_name(cls, mode, flag, v2, 1, True) for cls in long_split_classes() for v2 in ("true", "false")]
-        gemv += [_gemv_name(0, mode, flag, v2, TILES_WIDE_NT8) for v2 in ("true", "false") if TILES_WIDE_NT8]
         names += [(name, act) for name in gemv]
         # APL_TILES_PAIR on a wgmma build: the tiles instances' cluster pairs too
         names += [(_pair_name(name), act) for name in gemv

@@ -97,12 +97,13 @@ def test_plan_picks_decode_for_few_tokens_per_expert_and_tensor_cores_for_many()
     qwen64 = plan_launch(64, 4, **qwen)
     assert qwen64.gate_up.regime == qwen64.down.regime == "tiles" and qwen64.gate_up.tiles == 2
     big = plan_launch(256, 2, **mixtral)
-    assert big.gate_up.regime == "tiles" and big.gate_up.tokens == 64 and big.gate_up.tiles == 8
+    # (a 3-4-bit layer at 64 per expert: passes of 96 tokens, TILES_WIDE_NT8)
+    assert big.gate_up.regime == "tiles" and big.gate_up.tokens == 96 and big.gate_up.tiles == 12
     assert big.max_active == 8 and big.gate_up.splits == 1  # K whole: partials stay small
     assert plan_launch(256, 4, **qwen).down.tokens == 32
     assert [tiles_per_pass(n) for n in (4.3, 16, 30, 64, 128)] == [2, 4, 8, 8, 8]
-    # wide passes (TILES_WIDE_NT8) only where more than TILES_MAX_NT8 tiles are wanted
-    assert [tiles_per_pass(n, 12) for n in (4.3, 16, 30, 42, 43, 64, 128)] == [2, 4, 8, 8, 12, 12, 12]
+    # wide passes (TILES_WIDE_NT8) only where more than TILES_MAX_NT8 and at most 12 tiles are wanted
+    assert [tiles_per_pass(n, 12) for n in (4.3, 16, 30, 42, 43, 64, 65, 128)] == [2, 4, 8, 8, 12, 12, 8, 8]
     # beyond the tiles regime: the prefill kernel
     assert plan_launch(1024, 2, **mixtral).gate_up.regime == "prefill"  # 256 tokens per expert
     assert plan_launch(2048, 4, **qwen).gate_up.regime == "prefill"  # 8192 assignments
@@ -340,6 +341,7 @@ def test_kernel_instances_cover_every_class_layout_and_tile_once(monkeypatch):
     gemv = {n for n, _ in names if n.startswith("apl_gemv<")}
     assert gemv == {f"apl_gemv<{c}, {m}, true, {v}, {t}>" for c in (0, 1, 2) for m in (0, 1)
                     for v in ("true", "false") for t in (1, 2, 4, 8)} | {
+        f"apl_gemv<0, {m}, true, {v}, 12>" for m in (0, 1) for v in ("true", "false")} | {  # TILES_WIDE_NT8
         f"apl_gemv<{c}, {m}, true, {v}, 1, true>" for c in op.GEMV_LONG_SPLIT_CLASSES for m in (0, 1)
         for v in ("true", "false")}  # the long-split decode instances (long_split)
     tiles = [t for _, t in PREFILL_TILES] + [PREFILL_LARGEST_TILE]
@@ -400,13 +402,15 @@ def test_every_planned_tiles_count_is_one_precompile_covers():
     # precompile compiles kernel_instances; a plan whose NT8 it misses would compile inside a capture
     from pagedweight_kernels.apl_moe import tiles_choices
 
-    seen = set()
-    for tokens in list(range(1, 300)) + [511, 1024, 4096]:
-        for top_k, experts in ((2, 8), (4, 60), (8, 128)):
-            plan = plan_launch(tokens, top_k, experts, 2048, 1408, 4)
-            seen |= {plan.gate_up.tiles, plan.down.tiles}
-    assert seen <= set(tiles_choices())
-    assert {1, 2, 8} <= seen
+    for max_bits, cls in ((4, 0), (8, 1)):
+        seen = set()
+        for tokens in list(range(1, 300)) + [511, 1024, 4096]:
+            for top_k, experts in ((2, 8), (4, 60), (8, 128)):
+                plan = plan_launch(tokens, top_k, experts, 2048, 1408, max_bits)
+                seen |= {plan.gate_up.tiles, plan.down.tiles}
+        assert seen <= set(tiles_choices(cls))
+        assert {1, 2, 8} <= seen
+    assert 12 in tiles_choices(0) and 12 not in tiles_choices(1)
 
 
 def test_fused_decode_launch_is_chosen_for_one_3_4_bit_class_only(monkeypatch):
@@ -562,9 +566,9 @@ def test_long_split_instances_are_chosen_by_shapes_and_tokens_never_by_bits(monk
 
 
 def test_wide_passes_only_for_3_4_bit_layers_without_stable_launches(monkeypatch):
-    """TILES_WIDE_NT8: the 96-token passes are compiled for the 3-4-bit kernel only, so the plan
-    takes them for layers of at most 4 bits, and never under stable launches (whose plan may not
-    depend on the bits); off (0), the plan is the powers of two's."""
+    """TILES_WIDE_NT8 (12 by default): the 96-token passes are compiled for the 3-4-bit kernel only,
+    so the plan takes them for layers of at most 4 bits, and never under stable launches (whose plan
+    may not depend on the bits); off (0), the plan is the powers of two's."""
     import pagedweight_kernels.apl_moe as op
 
     mixtral = dict(num_experts=8, hidden=4096, intermediate=14336)
@@ -575,7 +579,7 @@ def test_wide_passes_only_for_3_4_bit_layers_without_stable_launches(monkeypatch
     assert op.plan_launch(256, 2, max_bits=3, stable_launches=True, **mixtral).gate_up.tiles == 8
     assert op.plan_launch(64, 2, max_bits=4, **mixtral).gate_up.tiles == 4  # 16 per expert: no wide pass
     names = {name for name, _ in op.kernel_instances(torch.bfloat16)}
-    assert {"apl_gemv<0, 0, true, true, 12>", "apl_gemv<0, 1, true, false, 12>"} <= names
+    assert {"apl_gemv<0, 0, true, true, 12>", "apl_gemv<0, 1, true, false, 12>"} <= names  # (and the pair's, the WS ones)
     assert not any(name.startswith(("apl_gemv<1,", "apl_gemv<2,")) and name.endswith(", 12>") for name in names)
     monkeypatch.setattr(op, "TILES_WIDE_NT8", 0)
     assert op.plan_launch(256, 2, max_bits=4, **mixtral).gate_up.tiles == 8
