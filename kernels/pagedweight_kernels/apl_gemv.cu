@@ -1070,7 +1070,7 @@ __device__ __forceinline__ void tiles_warp(const BlockRef& blk, u32 w0a, u32 w0b
 static_assert(WS_STAGES == 2 || WS_STAGES == 3, "APL_TILES_WS_STAGES: 2 or 3");
 template <int MODE, int NT8>
 __device__ __forceinline__ void ws_produce(const u16* __restrict__ x, const int* slots, int top_k, int cols, int c0w,
-                                           int kw, int stage_tokens, u16* const (&bufs)[WS_STAGES],
+                                           int kw, int stage_tokens, u16* const* bufs,
                                            unsigned long long* bars, const volatile int* count_s) {
     constexpr int P = APL_TILES_WS_WARPS;
     const int lane = threadIdx.x & 31, wi = (lane >> 3) & 1, h = (lane >> 4) & 1;
@@ -1284,14 +1284,26 @@ __device__ __forceinline__ void gemv_cta(
         if constexpr (MODE == 0) grid_dependency_wait();
         launch_dependents();
     }
-    // WS: the producers' second buffer is the raw rows' room (stage_async's raw_s), after the LUT
-    // rows; a third, NT8 x 4 KB (16 slices of NT8 x 256 bytes), after the second's room.
-    u16* const xs_ws1 = lut_s + GV_ROWS * lut_entries;
-    u16* const ws_bufs[3] = {xs, xs_ws1, xs_ws1 + stage_tokens * (GV_STEP_WORDS * 32 + 8) + 2 * stage_tokens};
+    // APL_TILES_ASYNC: raw rows [token][word][4 chunks of 16 B] (chunk q at q ^ ((w >> 1) & 3)),
+    // after the LUT rows, then each pass token's row offset in x (the host adds 512 + 8 * NT8 *
+    // (512 + 4) bytes). Step s + 1 is copied in by cp.async while step s's mma run; at its turn
+    // it is reordered into xs (shared to shared). A thread copies chunk q = tid % 4 of word
+    // wl = tid / 4 % 8 of tokens tid / 32, + 4, + 8, ...
+    // WG (APL_TILES_WGMMA on sm_90a): raw rows padded to 528 bytes, so the wgmma staging's 8
+    // tokens per 8 threads read different banks.
+    constexpr bool WG = NT8 > 1 && APL_TILES_WGMMA && APL_TILES_ASYNC && APL_HAS_WGMMA;
+    constexpr int RAW_ROW = WG ? 264 : 256;  // u16 per token of raw
+    // (Lambdas: raw_s and rowoff_s are still computed where stage_async first needs them, below;
+    // computed here, before routing, they changed the tiles instances' SASS, nvcc 13.0.)
+    auto raw_rows_at = [&]() { return lut_s + GV_ROWS * lut_entries; };
+    auto row_offsets_at = [&](u16* raw) { return reinterpret_cast<int*>(raw + stage_tokens * RAW_ROW); };
+    // WS: the producers' second buffer is the raw rows' room, a third (NT8 x 4 KB: 16 slices of
+    // NT8 x 256 bytes) follows the row offsets (the host's gemv_extra_shared).
+    static_assert(!WS || WG, "the producer warps stage the wgmma layout");
+    u16* const ws_bufs[3] = {xs, raw_rows_at(), reinterpret_cast<u16*>(row_offsets_at(raw_rows_at()) + stage_tokens)};
     if constexpr (WS) {
         if (warp >= GV_THREADS / 32) {
-            ws_produce<MODE, NT8>(x, slots, top_k, cols, c0w, kw, stage_tokens,
-                                  reinterpret_cast<u16* const (&)[WS_STAGES]>(ws_bufs), ws_bars, ws_count);
+            ws_produce<MODE, NT8>(x, slots, top_k, cols, c0w, kw, stage_tokens, ws_bufs, ws_bars, ws_count);
             return;
         }
     }
@@ -1503,15 +1515,6 @@ __device__ __forceinline__ void gemv_cta(
         }
         __syncthreads();
     };
-    // APL_TILES_ASYNC: raw rows [token][word][4 chunks of 16 B] (chunk q at q ^ ((w >> 1) & 3)),
-    // after the LUT rows, then each pass token's row offset in x (the host adds 512 + 8 * NT8 *
-    // (512 + 4) bytes). Step s + 1 is copied in by cp.async while step s's mma run; at its turn
-    // it is reordered into xs (shared to shared). A thread copies chunk q = tid % 4 of word
-    // wl = tid / 4 % 8 of tokens tid / 32, + 4, + 8, ...
-    // WG (APL_TILES_WGMMA on sm_90a): raw rows padded to 528 bytes, so the wgmma staging's 8
-    // tokens per 8 threads read different banks.
-    constexpr bool WG = NT8 > 1 && APL_TILES_WGMMA && APL_TILES_ASYNC && APL_HAS_WGMMA;
-    constexpr int RAW_ROW = WG ? 264 : 256;  // u16 per token of raw
     // PAIR (apl_gemv_pair, a cluster of the row tiles 2k and 2k + 1: the same expert, split and
     // passes): CTA `rank` copies and reorders only the words of parity wi = rank (16 threads a
     // token, 8 tokens a round) and stores its slices into both CTAs' xs, so each does half a
@@ -1519,8 +1522,8 @@ __device__ __forceinline__ void gemv_cta(
     static_assert(!PAIR || WG, "the cluster pair is built on the wgmma staging");
     const int rank = PAIR ? (int)(blockIdx.x & 1) : 0;  // (the cluster is (2, 1, 1): rank = x % 2)
     constexpr int CP_TOKENS = PAIR ? GV_THREADS / 16 : GV_THREADS / 32;  // tokens a round of copies
-    u16* raw_s = lut_s + GV_ROWS * lut_entries;
-    int* rowoff_s = reinterpret_cast<int*>(raw_s + stage_tokens * RAW_ROW);
+    u16* raw_s = raw_rows_at();
+    int* rowoff_s = row_offsets_at(raw_s);
     const int steps_k = (kw + GV_STEP_WORDS - 1) / GV_STEP_WORDS;
     const int cp_wl = PAIR ? 2 * ((tid >> 2) & 3) + rank : (tid >> 2) & 7, cp_q = tid & 3;
     const int cp_t0 = PAIR ? tid >> 4 : tid >> 5;  // this thread's first token

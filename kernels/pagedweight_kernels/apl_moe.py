@@ -440,7 +440,7 @@ def plan_launch(num_tokens: int, top_k: int, num_experts: int, hidden: int, inte
     fits_gemv = not legacy_decode and num_tokens * top_k <= GEMV_MAX_ASSIGN \
         and num_tokens * top_k * max(hidden, intermediate) < 2 ** 31
     if fits_gemv and per_expert <= TILES_MAX_TOKENS_PER_EXPERT:
-        wide = TILES_WIDE_NT8 if max_bits <= 4 and not stable_launches else 0
+        wide = TILES_WIDE_NT8 if bit_class(max_bits) == 0 and not stable_launches else 0
         nt8 = 1 if per_expert <= GEMV_MAX_TOKENS_PER_EXPERT else tiles_per_pass(per_expert, wide)
         # Whole waves of GEMV_TARGET_CTAS hold for the register-LUT kernel only: the 5-8-bit
         # class's shared LUT rows leave fewer CTAs per SM (measured: the wave plan made
@@ -481,8 +481,8 @@ def _decode_plan(mode, nt, cols, rows_out, max_bits, max_active) -> GemmPlan:
 def tiles_per_pass(per_expert: float, wide: int = 0) -> int:
     """The tiles regime's NT8: 8-token tiles per pass, room for TILES_HEADROOM x the mean
     tokens per expert, a power of two in [TILES_MIN_NT8, TILES_MAX_NT8], or `wide` (a 3-4-bit
-    layer's TILES_WIDE_NT8) where more than TILES_MAX_NT8 and at most `wide` are wanted. An expert with more tokens
-    takes several passes (its weights dequantised once per pass)."""
+    layer's TILES_WIDE_NT8) where more than TILES_MAX_NT8 and at most `wide` are wanted. An
+    expert with more tokens takes several passes (its weights dequantised once per pass)."""
     want = math.ceil(TILES_HEADROOM * per_expert / GEMV_TOKENS)
     if TILES_MAX_NT8 < want <= wide:
         return wide
