@@ -40,9 +40,16 @@ HOST_KNOBS = {name: getattr(op, name) for name in ("GEMV_TARGET_CTAS", "GEMV_MER
                                                        "GEMV_WAVE_PLAN_MAX_BITS", "GEMV_WIDE_TARGET_CTAS", "GEMV_LUT_AWARE_CTAS",
                                                        "GEMV_PDL_DOWN_CLASSES", "GEMV_LONG_SPLIT_CLASSES",
                                                        "GEMV_LONG_SPLIT_WORDS", "GEMV_LONG_ROW_WORDS",
-                                                       "GEMV_LONG_MIN_TOKENS")}
+                                                       "GEMV_LONG_MIN_TOKENS", "STAGED_PREFILL", "STAGED_STAGES")}
 VARIANTS = {  # name -> (define changes, host changes)
     "base": ({}, {}),
+    # the staged regime (apl_staged.cu, 2026-12-03, fifth session): a producer warpgroup dequantises
+    # plane tiles into a ring of shared buffers, a consumer warpgroup runs wgmma on both from there
+    "staged": ({}, {"STAGED_PREFILL": True}),
+    "staged_p1": ({"APL_STAGED_PREFETCH": 1}, {"STAGED_PREFILL": True}),  # one unit of plane words in flight
+    "staged_p3": ({"APL_STAGED_PREFETCH": 3}, {"STAGED_PREFILL": True}),  # three
+    "staged_s2": ({}, {"STAGED_PREFILL": True, "STAGED_STAGES": 2}),  # a ring of two buffers
+    "staged_noregs": ({"APL_STAGED_REGS": 0}, {"STAGED_PREFILL": True}),  # no setmaxnreg: 128 registers each
     "no_wave": ({}, {"GEMV_WAVE_PLAN": False}),  # decode splits to about one wave (before _wave_splits)
     # the last-CTA counter: one acq_rel atomic, no per-thread fences (the default since 2026-12-01)
     "acqrel": ({"APL_GEMV_ACQREL": 1}, {}),

@@ -335,7 +335,9 @@ struct RegLut {
 
     // Four weights (the codes in nibbles 4h..4h+3 of the Codes<B> word o) as two act x2
     // registers; o3 = o & 0x77777777 (the selector without the top code bit), precomputed.
-    template <int HALF>
+    // S01 / S23: the PRMTs that pair the looked-up low and high bytes (byte i of each belongs to
+    // nibble 4h + i); by default nibbles (0, 1) and (2, 3), apl_staged.cu's pairs (0, 2) and (1, 3).
+    template <int HALF, u32 S01 = 0x5140u, u32 S23 = 0x7362u>
     __device__ __forceinline__ void lookup(u32 o, u32 o3, u32 tsel, u32& w01, u32& w23) const {
         u32 lob, hib;
         if constexpr (B == 3) {
@@ -361,8 +363,8 @@ struct RegLut {
             hib = (h0 & ~m) | (h1 & m);
 #endif
         }
-        w01 = prmt(lob, hib, 0x5140);
-        w23 = prmt(lob, hib, 0x7362);
+        w01 = prmt(lob, hib, S01);
+        w23 = prmt(lob, hib, S23);
     }
 
     // Selectors s and s+4 of a plane word (the two halves of nibble word c = s & 3).

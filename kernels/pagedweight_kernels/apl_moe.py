@@ -38,6 +38,7 @@ from pagedweight.format.apl_format import (
 
 SOURCE = Path(__file__).with_name("apl_moe.cu")
 GEMV_SOURCE = Path(__file__).with_name("apl_gemv.cu")  # compiled after SOURCE (uses its helpers)
+STAGED_SOURCE = Path(__file__).with_name("apl_staged.cu")  # compiled after both (uses their helpers)
 DESC_WIDTH = 10  # int64 per block: bits, LUT address, 8 plane addresses (kept in step with the .cu)
 DESC_BITS, DESC_LUT, DESC_PLANES = 0, 1, 2
 MAX_EXPERTS = 1024  # moe_align's shared counters
@@ -133,6 +134,18 @@ TILES_HEADROOM = 1.5  # a pass holds 1.5x the mean tokens per expert (routing is
 # over passes of 64 at 1.5x the mean and hold fewer CTAs, so the powers of two keep those. 0: off
 # (the NT8 12 instances are then not compiled).
 TILES_WIDE_NT8 = 12
+# The staged regime (apl_staged.cu, sm_90a): a producer warpgroup dequantises plane tiles into a
+# ring of shared-memory buffers while a consumer warpgroup runs wgmma with both operands there,
+# in the four-launch path (moe_align, gate_up, down, moe_combine). Taken, where STAGED_PREFILL is
+# on, for the calls the tiles regime would take, on a compute-capability 9.0 GPU, outside stable
+# launches (use_staged).
+STAGED_PREFILL = os.environ.get("APL_STAGED_PREFILL", "0") == "1"
+STAGED_ROWS, STAGED_THREADS, STAGED_STEP = 128, 256, 64  # the .cu's ST_ROWS, ST_THREADS, ST_KS
+STAGED_STAGES, STAGED_MAX_STAGES = 4, 8  # ring buffers wanted (fewer where shared memory is short); the .cu's most
+# Dynamic shared memory a CTA may take for 2 CTAs per SM (228 KB an SM, 1 KB reserved per CTA, the
+# kernel's 128 bytes of static mbarriers), and for 1; the kernel starts it on a 512-byte boundary.
+STAGED_CTA_SHARED = (GEMV_SM_SHARED // 2 - 1024 - 128, 227 * 1024 - 128)
+STAGED_ALIGN_PAD = 512
 
 
 def bit_class(bits: int) -> int:
@@ -149,7 +162,8 @@ KERNEL_DEFINES = {"APL_LDS_MODE": 1, "APL_RPG_DIV": 8, "APL_PREFETCH": 1, "APL_D
                   "APL_GEMV_BATCHED_LOADS": 1, "APL_TILES_PAIR": 0, "APL_GEMV_PDL": 1, "APL_GEMV_PDL_PREFETCH": 0, "APL_GEMV_PDL_PLANES": 0,
                   "APL_GEMV_ORDER": 5, "APL_GEMV_HEAVY_MIN_TOKENS": 2, "APL_PLANE_HINT": 2, "APL_PLANE_HINT_MIN_NT8": 8, "APL_GEMV_PDL_LUT_WAIT": 0,
                   "APL_LUT_STAGGER": 1, "APL_TILES_WS": 0, "APL_TILES_WS_ROUNDS": 2, "APL_TILES_WS_BLOCKS": 2,
-                  "APL_TILES_WS_WARPS": 1, "APL_TILES_WS_STAGES": 2}
+                  "APL_TILES_WS_WARPS": 1, "APL_TILES_WS_STAGES": 2, "APL_STAGED_PREFETCH": 2, "APL_STAGED_BLOCKS": 2,
+                  "APL_STAGED_REGS": 1}
 
 
 def knob_overrides(text: str) -> dict[str, int]:
@@ -210,6 +224,12 @@ class ResidentBlock:
         """Every plane 8-byte aligned with an even word count per row (decode's 8-byte loads)."""
         return self.shape[1] % 64 == 0 and all(p.data_ptr() % 8 == 0 for p in self.planes)
 
+    @cached_property
+    def aligned16(self) -> bool:
+        """Every plane 16-byte aligned with a word count per row divisible by 4 (the staged
+        regime's 16-byte plane loads)."""
+        return self.shape[1] % 128 == 0 and all(p.data_ptr() % 16 == 0 for p in self.planes)
+
     @property
     def device(self) -> torch.device:
         return self.lut.device
@@ -249,6 +269,8 @@ class APLLayer:
     classes: dict[str, dict[int, int]] = field(init=False)
     # per projection: every plane 8-byte aligned with an even word count (decode: 8-byte loads)
     aligned8: dict[str, bool] = field(init=False)
+    # per projection: every plane 16-byte aligned, words per row divisible by 4 (staged: 16-byte loads)
+    aligned16: dict[str, bool] = field(init=False)
     counters: torch.Tensor = field(init=False)  # int32 zeros: the decode kernels' last-CTA counters
 
     def __post_init__(self):
@@ -325,6 +347,7 @@ class APLLayer:
                 widest[c] = max(widest.get(c, 0), b.bits)
             self.classes[module] = dict(sorted(widest.items()))
         self.aligned8 = {m: all(b.aligned8 for b in getattr(self, m)) for m in ("gate_up", "down")}
+        self.aligned16 = {m: all(b.aligned16 for b in getattr(self, m)) for m in ("gate_up", "down")}
 
     def decode_launches(self, module: str) -> list[tuple[int, int]]:
         """(kernel class, widest bits for its shared LUT) per decode launch of one projection."""
@@ -399,7 +422,8 @@ class GemmPlan:
     split_cols: int
     grid: tuple[int, int, int]
     shared_bytes: int  # gemv: without the 5-8-bit class's LUT (added per launch)
-    tiles: int = 1  # gemv/tiles: the kernel's NT8, 8-token tiles per pass (> 1: the tiles regime)
+    tiles: int = 1  # gemv/tiles/staged: the kernel's NT8, 8-token tiles per pass (> 1: the tiles regime)
+    stages: int = 0  # staged: the ring's buffers
 
 
 @dataclass(frozen=True)
@@ -563,6 +587,41 @@ def _prefill_plan(mode, mt, rows_out, max_bits, max_active, z) -> GemmPlan:
     return GemmPlan("prefill", mt, 0, rpc, 1, 0, grid, shared)
 
 
+def staged_plan(mode: int, num_tokens: int, top_k: int, num_experts: int, rows_out: int, cls: int,
+                lut_bits: int, max_active: int) -> GemmPlan:
+    """One projection's launch in the staged regime (apl_staged.cu): passes of 8 * NT8 tokens as
+    the tiles regime would choose them (tiles_per_pass; 96 tokens for 3-4-bit layers where it would
+    take them), grid (row tiles of 64 gate and 64 up rows or of 128 rows, active experts, groups
+    of passes), and as many ring buffers, up to STAGED_STAGES, as leave 2 CTAs per SM room (else 1).
+    lut_bits: the widest 5-8-bit block's bits (its LUT rows sit in shared memory), 0 for none."""
+    per_expert = num_tokens * top_k / num_experts
+    nt8 = tiles_per_pass(per_expert, TILES_WIDE_NT8 if cls == 0 else 0)
+    tokens = GEMV_TOKENS * nt8
+    groups = max(1, min(math.ceil(num_tokens / tokens), math.ceil(per_expert / tokens)))
+    rpc = STAGED_ROWS // 2 if mode == 0 else STAGED_ROWS
+    lut = STAGED_ROWS * (1 << lut_bits) * 2 if lut_bits else 0
+    stage = (STAGED_ROWS + tokens) * STAGED_STEP * 2  # the A tile, then the B tile
+    for budget in STAGED_CTA_SHARED:
+        stages = min(STAGED_STAGES, STAGED_MAX_STAGES, (budget - STAGED_ALIGN_PAD - lut) // stage)
+        if stages >= 2:
+            break
+    grid = (math.ceil(rows_out / rpc), max_active, groups)
+    return GemmPlan("staged", tokens, 0, rpc, 1, 0, grid, STAGED_ALIGN_PAD + lut + stages * stage, nt8, stages)
+
+
+def staged_class(classes: dict[int, int]) -> tuple[int, int]:
+    """(kernel class, lut_bits) of a staged launch over blocks of these bit classes (class ->
+    widest bits): the merged class 2 where both are present; lut_bits the 5-8-bit class's widest."""
+    cls = 2 if len(classes) > 1 else next(iter(classes))
+    return cls, classes.get(1, 0)
+
+
+def use_staged(plan: LaunchPlan, layer: "APLLayer", device: torch.device) -> bool:
+    """Whether a layer call planned so runs the staged regime instead (STAGED_PREFILL's rule)."""
+    return (STAGED_PREFILL and plan.gate_up.regime == "tiles" and not layer.stable_launches
+            and device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0))
+
+
 # ---------------------------------------------------------------- argument checks
 def check_inputs(x, topk_ids, topk_weights, layer: APLLayer):
     """Everything the kernel assumes about its arguments; raises APLKernelError."""
@@ -622,7 +681,7 @@ def _compiled(name: str, defines: tuple):
 
     start = time.perf_counter()
     options = ("-std=c++17", *(f"-D{k}={v}" for k, v in defines))
-    code = module_source(SOURCE, GEMV_SOURCE)
+    code = module_source(SOURCE, GEMV_SOURCE, STAGED_SOURCE)
     if wgmma_instance(name, dict(defines)):
         function = compile_for_arch(code, options, name, "sm_90a")
     else:
@@ -638,7 +697,8 @@ def _compiled(name: str, defines: tuple):
 
 def instance_tiles(name: str) -> int:
     """The NT8 of an apl_gemv instance name, `apl_gemv<CLS, MODE, BF16, V2, NT8[, LONG]>` (or of
-    its cluster pair or warp-specialised form, the same arguments)."""
+    its cluster pair or warp-specialised form, the same arguments; or of `apl_staged<CLS, MODE,
+    BF16, V4, NT8>`)."""
     return int(name[name.index("<") + 1:].rstrip("> ").split(",")[4])
 
 
@@ -648,7 +708,8 @@ def wgmma_build(name: str, defines: dict[str, int]) -> bool:
     on a Hopper GPU it is compiled for sm_90a (wgmma_instance; bench/sass_mix compiles it so for
     the H200 on any machine)."""
     return (bool(defines.get("APL_TILES_WGMMA")) and bool(defines.get("APL_TILES_ASYNC"))
-            and name.startswith(("apl_gemv<", "apl_gemv_pair<", "apl_gemv_ws<")) and instance_tiles(name) > 1)
+            and name.startswith(("apl_gemv<", "apl_gemv_pair<", "apl_gemv_ws<")) and instance_tiles(name) > 1) \
+        or name.startswith("apl_staged<")
 
 
 def wgmma_instance(name: str, defines: dict[str, int]) -> bool:
@@ -745,6 +806,10 @@ def tiles_choices(cls: int) -> tuple[int, ...]:
     return tuple(out)
 
 
+def _staged_name(cls: int, mode: int, flag: str, aligned16: str, tiles: int) -> str:
+    return f"apl_staged<{cls}, {mode}, {flag}, {aligned16}, {tiles}>"
+
+
 def _prefill_name(tile: int, mode: int, flag: str) -> str:
     return f"apl_prefill<{tile}, {mode}, {flag}>"
 
@@ -782,6 +847,9 @@ def kernel_instances(dtype: torch.dtype, activation: str = "silu") -> list[tuple
                   if KERNEL_DEFINES.get("APL_TILES_WS") and not KERNEL_DEFINES.get("APL_TILES_PAIR")
                   and wgmma_instance(name, KERNEL_DEFINES)]
         names += [(_prefill_name(tile, mode, flag), act) for tile in tiles]
+        if STAGED_PREFILL and torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
+            names += [(_staged_name(cls, mode, flag, v4, nt8), act) for cls in (0, 1, 2) for v4 in ("true", "false")
+                      for nt8 in tiles_choices(cls) if nt8 > 1]
     if GEMV_FUSED:  # (off by default: then no start-up time is spent compiling it)
         names += [(_fused_name(cls, flag, v2), activation) for cls in FUSED_CLASSES for v2 in ("true", "false")]
     return names
@@ -967,27 +1035,57 @@ def apl_moe(x, topk_ids, topk_weights, layer: APLLayer, out: torch.Tensor | None
         return out
     max_bits = layer.max_bits
     plan = plan_launch(T, k, E, H, I, max_bits, legacy_decode, layer.stable_launches)
-    num_slots = T * k
     device = x.device
-    if plan.gate_up.regime in ("gemv", "tiles"):
-        with torch.cuda.device(device):
-            return _apl_moe_gemv(x, topk_ids.to(torch.int64).contiguous(), topk_weights, layer, plan, out)
     with torch.cuda.device(device):
         ids = topk_ids.to(torch.int64).contiguous()
-        weights = topk_weights.to(torch.float32).contiguous()
-        sorted_slot = torch.empty(num_slots, dtype=torch.int32, device=device)
-        active = torch.empty(plan.max_active * 3, dtype=torch.int32, device=device)
-        num_active = torch.empty(1, dtype=torch.int32, device=device)
-        h = torch.empty(num_slots, I, dtype=x.dtype, device=device)
-        y = torch.empty(plan.down.splits, num_slots, H, dtype=torch.float32, device=device)
-        _launch("moe_align", (1,), (ids, num_slots, E, sorted_slot, active, num_active), block=1024)
-        launch_gemm(0, plan.gate_up, layer.gate_up_desc, active, num_active, sorted_slot, k,
-                    x, I, H, max_bits, h_out=h, activation=layer.activation)
-        launch_gemm(1, plan.down, layer.down_desc, active, num_active, sorted_slot, k,
-                    h, H, I, max_bits, y_out=y, num_slots=num_slots)
-        _launch(f"moe_combine<{_flag(x.dtype)}>", (math.ceil(T * H / THREADS),),
-                (y, plan.down.splits, num_slots, ids, weights, E, T, k, H, out))
+        if use_staged(plan, layer, device):
+            return _four_launches(x, ids, topk_weights, layer, plan.max_active, out,
+                                  staged_projection(layer, T, k, plan.max_active, _flag(x.dtype)))
+        if plan.gate_up.regime in ("gemv", "tiles"):
+            return _apl_moe_gemv(x, ids, topk_weights, layer, plan, out)
+
+        def projection(mode, desc, active, num_active, sorted_slot, src, rows_out, cols, h_out, y_out):
+            launch_gemm(mode, plan.gate_up if mode == 0 else plan.down, desc, active, num_active, sorted_slot, k,
+                        src, rows_out, cols, max_bits, h_out=h_out, y_out=y_out, num_slots=T * k,
+                        activation=layer.activation)
+        return _four_launches(x, ids, topk_weights, layer, plan.max_active, out, projection, plan.down.splits)
+
+
+def _four_launches(x, ids, topk_weights, layer: APLLayer, max_active: int, out: torch.Tensor, projection,
+                   splits: int = 1):
+    """moe_align, the two projections (`projection(mode, desc, active, num_active, sorted_slot,
+    src, rows_out, cols, h_out, y_out)` launches one), then moe_combine: the prefill, first decode
+    and staged regimes. Down writes `splits` fp32 rows per assignment (its column splits)."""
+    T, H = x.shape
+    k, E, I = ids.shape[1], layer.num_experts, layer.intermediate
+    num_slots = T * k
+    device = x.device
+    weights = topk_weights.to(torch.float32).contiguous()
+    sorted_slot = torch.empty(num_slots, dtype=torch.int32, device=device)
+    active = torch.empty(max_active * 3, dtype=torch.int32, device=device)
+    num_active = torch.empty(1, dtype=torch.int32, device=device)
+    h = torch.empty(num_slots, I, dtype=x.dtype, device=device)
+    y = torch.empty(splits, num_slots, H, dtype=torch.float32, device=device)
+    _launch("moe_align", (1,), (ids, num_slots, E, sorted_slot, active, num_active), block=1024)
+    projection(0, layer.gate_up_desc, active, num_active, sorted_slot, x, I, H, h, None)
+    projection(1, layer.down_desc, active, num_active, sorted_slot, h, H, I, None, y)
+    _launch(f"moe_combine<{_flag(x.dtype)}>", (math.ceil(T * H / THREADS),),
+            (y, splits, num_slots, ids, weights, E, T, k, H, out))
     return out
+
+
+def staged_projection(layer: APLLayer, num_tokens: int, top_k: int, max_active: int, flag: str):
+    """_four_launches' projection for the staged regime: per projection the kernel class of its
+    blocks (staged_class) and their 16-byte alignment pick the instance, staged_plan the launch."""
+    def projection(mode, desc, active, num_active, sorted_slot, src, rows_out, cols, h_out, y_out):
+        module = "gate_up" if mode == 0 else "down"
+        cls, lut_bits = staged_class(layer.classes[module])
+        plan = staged_plan(mode, num_tokens, top_k, layer.num_experts, rows_out, cls, lut_bits, max_active)
+        name = _staged_name(cls, mode, flag, "true" if layer.aligned16[module] else "false", plan.tiles)
+        _launch(name, plan.grid, (desc, active, num_active, sorted_slot, top_k, src, rows_out, cols, lut_bits,
+                                  h_out, y_out, plan.stages),
+                plan.shared_bytes, block=STAGED_THREADS, activation=_mode_activation(mode, layer.activation))
+    return projection
 
 
 def kernel_available() -> bool:

@@ -447,7 +447,7 @@ def test_every_compile_time_knob_is_planned_with_the_value_the_source_defaults_t
 
     import pagedweight_kernels.apl_moe as op
 
-    source = op.SOURCE.read_text() + op.GEMV_SOURCE.read_text()
+    source = op.SOURCE.read_text() + op.GEMV_SOURCE.read_text() + op.STAGED_SOURCE.read_text()
     knobs = dict(re.findall(r"#ifndef (APL_\w+)\s*\n#define \1 (-?\d+)", source))
     knobs.pop("APL_ACT")  # one module per expert activation (ACT_CODES)
     assert knobs == {k: str(v) for k, v in op.KERNEL_DEFINES.items()}
@@ -584,3 +584,49 @@ def test_wide_passes_only_for_3_4_bit_layers_without_stable_launches(monkeypatch
     monkeypatch.setattr(op, "TILES_WIDE_NT8", 0)
     assert op.plan_launch(256, 2, max_bits=4, **mixtral).gate_up.tiles == 8
     assert not any(name.endswith(", 12>") for name, _ in op.kernel_instances(torch.bfloat16))
+
+
+def test_staged_plan_passes_grid_and_a_ring_that_leaves_two_ctas_per_sm():
+    """The staged regime's launches: passes as the tiles regime picks them (96 tokens for 3-4-bit
+    layers where it would), row tiles of 64 gate + 64 up rows (gate_up) or 128 rows (down), and
+    shared memory (LUT rows of the widest 5-8-bit block, then the ring of A + B tiles) for 2 CTAs
+    an SM with at least 2 buffers, 8-bit LUT rows included."""
+    import pagedweight_kernels.apl_moe as op
+
+    gate_up = op.staged_plan(0, 256, 2, 8, 14336, 0, 0, 8)  # Mixtral-size prefill, 256 tokens, 3-4 bits
+    assert (gate_up.regime, gate_up.tiles, gate_up.tokens, gate_up.grid) == ("staged", 12, 96, (224, 8, 1))
+    assert op.staged_plan(1, 256, 2, 8, 4096, 0, 0, 8).grid == (32, 8, 1)
+    plans = [(gate_up, 0), (op.staged_plan(1, 256, 2, 8, 4096, 0, 0, 8), 0),
+             (op.staged_plan(0, 256, 2, 8, 14336, 1, 8, 8), 8), (op.staged_plan(0, 256, 2, 8, 14336, 2, 5, 8), 5),
+             (op.staged_plan(0, 64, 4, 60, 1408, 1, 6, 60), 6)]
+    for plan, lut_bits in plans:
+        lut = op.STAGED_ROWS * (1 << lut_bits) * 2 if lut_bits else 0
+        stage = (op.STAGED_ROWS + plan.tokens) * op.STAGED_STEP * 2
+        assert 2 <= plan.stages <= op.STAGED_STAGES
+        assert plan.shared_bytes == op.STAGED_ALIGN_PAD + lut + plan.stages * stage
+        assert plan.shared_bytes <= op.STAGED_CTA_SHARED[0]
+    assert op.staged_plan(0, 256, 2, 8, 14336, 1, 8, 8).tiles == 8  # no 96-token passes at 5-8 bits
+    assert op.staged_plan(0, 400, 2, 8, 384, 0, 0, 8).grid[2] == 2  # 100 tokens an expert: 2 groups of passes of 64
+
+
+def test_staged_class_and_the_rule_that_takes_the_staged_regime(monkeypatch):
+    import pagedweight_kernels.apl_moe as op
+
+    assert op.staged_class({0: 4}) == (0, 0)
+    assert op.staged_class({1: 6}) == (1, 6)
+    assert op.staged_class({0: 3, 1: 8}) == (2, 8)
+    layer = random_layer(8, 64, 96, seed=1)
+    tiles = op.plan_launch(100, 2, 8, 64, 96, 8)
+    assert tiles.gate_up.regime == "tiles"
+    monkeypatch.setattr(op, "STAGED_PREFILL", True)
+    cpu = torch.device("cpu")
+    assert not op.use_staged(tiles, layer, cpu)  # no CUDA device: never
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    hopper = torch.device("cuda", 0)
+    assert op.use_staged(tiles, layer, hopper)
+    assert not op.use_staged(op.plan_launch(2, 2, 8, 64, 96, 8), layer, hopper)  # decode stays on apl_gemv
+    layer.stable_launches = True
+    assert not op.use_staged(tiles, layer, hopper)
+    layer.stable_launches = False
+    monkeypatch.setattr(op, "STAGED_PREFILL", False)
+    assert not op.use_staged(tiles, layer, hopper)

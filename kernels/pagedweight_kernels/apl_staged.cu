@@ -1,0 +1,383 @@
+// The staged regime (issue 13, deliverable 4 as the issue writes it; sm_90a only, compiled after
+// apl_moe.cu and apl_gemv.cu and using their helpers): a producer warpgroup dequantises plane
+// tiles into a ring of shared-memory buffers while a consumer warpgroup runs wgmma with both
+// operands in shared memory.
+//
+// One projection for every active expert, launched like apl_prefill (the four-launch path:
+// moe_align, gate_up, down, moe_combine) and with its arguments plus the ring's depth:
+// grid (row tiles of ST_ROWS weight rows, active experts, token-pass groups), ST_THREADS threads.
+//   warps 0-3 (the consumer warpgroup): per 64-column step, wait for the step's buffer, 4 k16
+//     slices x 2 wgmma.m64nNk16 (weight rows 0-63 and 64-127, N = the pass's 8 * NT8 tokens), then
+//     hand the previous step's buffer back; after a pass, the epilogue from the accumulators
+//     (act(gate) * up into h for gate_up, whose rows 0-63 are gate rows and 64-127 the same up
+//     rows; fp32 rows of y for down).
+//   warps 4-7 (the producer warpgroup): thread i owns weight row i of the CTA. Per step it waits
+//     for a free buffer, copies the pass's activations for the step into it (cp.async, completion
+//     tracked by the buffer's mbarrier), dequantises its row's 64 weights from plane words loaded
+//     APL_STAGED_PREFETCH units (2 steps each) ahead in registers, stores them in the wgmma
+//     layout and arrives. 3-4 bits: the row's LUT in registers (RegLut: PRMT lookups); 5-8 bits:
+//     LUT rows in shared memory (one LDS.U16 per weight).
+// Each weight is dequantised once per pass of 8 * NT8 tokens; a hotter expert takes more passes
+// (the step counter runs on across passes, so the ring's phases stay in step). Outputs are written
+// by position, so reruns are bit-identical; blocks whose bits the class does not hold produce NaN.
+
+#ifndef APL_STAGED_PREFETCH
+#define APL_STAGED_PREFETCH 2  // units of plane words (2 steps each) a producer thread has in flight
+#endif
+#ifndef APL_STAGED_BLOCKS
+#define APL_STAGED_BLOCKS 2    // CTAs per SM the register budget must allow (2: 128 registers a thread)
+#endif
+#define ST_THREADS 256
+#define ST_ROWS 128            // weight rows per CTA (two m64 wgmma per k16 slice)
+#define ST_KS 64               // columns per step (4 k16 slices)
+#define ST_MAX_STAGES 8
+#define ST_A_BYTES (ST_ROWS * ST_KS * 2)
+
+#if APL_HAS_WGMMA
+// 16-byte chunk c (columns 8c..8c+7) of row r of a [rows x 64] operand tile in the no-swizzle
+// K-major layout wgmma_desc describes: k16 slice c / 2 holds rows / 8 pairs of 128-byte core
+// matrices (8 rows x 8 columns), the pair's second matrix the slice's columns 8-15. A warp's 8
+// consecutive rows store 128 contiguous bytes: no bank conflicts.
+__device__ __forceinline__ u32 tile_chunk(u32 base, int rows, int r, int c) {
+    return base + (u32)((c >> 1) * (rows * 32) + (r >> 3) * 256 + (c & 1) * 128 + (r & 7) * 16);
+}
+__device__ __forceinline__ void st_shared_v4(u32 addr, const uint4& v) {
+    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" :: "r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+}
+// The arrive-on of the executing thread's earlier cp.async copies (the pending count is raised
+// now and lowered when they land, so the phase cannot complete before them).
+__device__ __forceinline__ void cp_async_mbar_arrive(unsigned long long* bar) {
+    asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];" :: "r"(shared_addr(bar)) : "memory");
+}
+template <bool HINT>
+__device__ __forceinline__ uint4 ldg_plane_v4(const u32* p) {
+    uint4 v;
+    if constexpr (HINT)
+        asm volatile("ld.global.nc" APL_PLANE_L1 APL_PLANE_L2 ".v4.u32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    else
+        asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
+// acc += A (64 rows at da) x B (8 * N8 tokens at db), one k16 slice, both from shared memory.
+#define APL_WGMMA_SS(SHAPE, TY, D, DA, DB, SCALE, ...)                                                       \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " SCALE ", 0;\nwgmma.mma_async.sync.aligned." SHAPE ".f32." \
+                 TY "." TY " {" D "}, " DA ", " DB ", p, 1, 1, 0, 0;\n}"                                      \
+                 : __VA_ARGS__ : "l"(da), "l"(db), "r"(1) : "memory")
+template <int N8, bool BF16>
+__device__ __forceinline__ void wgmma_ss(float (&acc)[N8][4], unsigned long long da, unsigned long long db) {
+    if constexpr (N8 == 2 && BF16)
+        APL_WGMMA_SS("m64n16k16", "bf16", APL_D8, "%8", "%9", "%10", APL_ACC4(0), APL_ACC4(1));
+    else if constexpr (N8 == 2)
+        APL_WGMMA_SS("m64n16k16", "f16", APL_D8, "%8", "%9", "%10", APL_ACC4(0), APL_ACC4(1));
+    else if constexpr (N8 == 4 && BF16)
+        APL_WGMMA_SS("m64n32k16", "bf16", APL_D16, "%16", "%17", "%18", APL_ACC4(0), APL_ACC4(1), APL_ACC4(2), APL_ACC4(3));
+    else if constexpr (N8 == 4)
+        APL_WGMMA_SS("m64n32k16", "f16", APL_D16, "%16", "%17", "%18", APL_ACC4(0), APL_ACC4(1), APL_ACC4(2), APL_ACC4(3));
+    else if constexpr (N8 == 8 && BF16)
+        APL_WGMMA_SS("m64n64k16", "bf16", APL_D32, "%32", "%33", "%34",
+                     APL_ACC4(0), APL_ACC4(1), APL_ACC4(2), APL_ACC4(3), APL_ACC4(4), APL_ACC4(5), APL_ACC4(6), APL_ACC4(7));
+    else if constexpr (N8 == 8)
+        APL_WGMMA_SS("m64n64k16", "f16", APL_D32, "%32", "%33", "%34",
+                     APL_ACC4(0), APL_ACC4(1), APL_ACC4(2), APL_ACC4(3), APL_ACC4(4), APL_ACC4(5), APL_ACC4(6), APL_ACC4(7));
+    else if constexpr (N8 == 12 && BF16)
+        APL_WGMMA_SS("m64n96k16", "bf16", APL_D48, "%48", "%49", "%50",
+                     APL_ACC4(0), APL_ACC4(1), APL_ACC4(2), APL_ACC4(3), APL_ACC4(4), APL_ACC4(5), APL_ACC4(6), APL_ACC4(7),
+                     APL_ACC4(8), APL_ACC4(9), APL_ACC4(10), APL_ACC4(11));
+    else if constexpr (N8 == 12)
+        APL_WGMMA_SS("m64n96k16", "f16", APL_D48, "%48", "%49", "%50",
+                     APL_ACC4(0), APL_ACC4(1), APL_ACC4(2), APL_ACC4(3), APL_ACC4(4), APL_ACC4(5), APL_ACC4(6), APL_ACC4(7),
+                     APL_ACC4(8), APL_ACC4(9), APL_ACC4(10), APL_ACC4(11));
+}
+
+// One plane word (32 columns) of a 3-4-bit row as 4 chunks of 8 consecutive columns (act x2
+// pairs (8j, 8j+1), ..., (8j+6, 8j+7)). Codes<B> puts column 4n + c in nibble n of o[c]; a 4x4
+// byte transpose makes W[j] (byte c = o[c]'s byte j), whose nibbles are columns 8j + (0, 4, 1,
+// 5, 2, 6, 3, 7), so each lookup half's bytes pair as (0, 2) and (1, 3): 8 PRMTs a word more
+// than the tiles regime's selector order, which the activations' cp.async copies could not follow.
+template <int B>
+__device__ __forceinline__ void dequant_chunks_reg(const RegLut<B>& lut, const u32 (&pw)[8], uint4 (&chunk)[4]) {
+    const Codes<B> c(pw);
+    const u32 t0 = prmt(c.o[0], c.o[1], 0x5140u), t1 = prmt(c.o[0], c.o[1], 0x7362u);
+    const u32 t2 = prmt(c.o[2], c.o[3], 0x5140u), t3 = prmt(c.o[2], c.o[3], 0x7362u);
+    const u32 w[4] = {prmt(t0, t2, 0x5410u), prmt(t0, t2, 0x7632u), prmt(t1, t3, 0x5410u), prmt(t1, t3, 0x7632u)};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const u32 o = w[j], o3 = B == 4 ? o & 0x77777777u : o;
+        u32 p01, p45, p23, p67;
+        lut.template lookup<0, 0x6240u, 0x7351u>(o, o3, 0u, p01, p45);
+        lut.template lookup<1, 0x6240u, 0x7351u>(o, o3, 0u, p23, p67);
+        chunk[j] = make_uint4(p01, p23, p45, p67);
+    }
+}
+// The same for 5-8 bits, from the row's LUT in shared memory (base: aligned to its size).
+template <int B>
+__device__ __forceinline__ void dequant_chunks_smem(u32 base, const u32 (&pw)[8], uint4 (&chunk)[4]) {
+    const Codes<B> c(pw);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        u32 v[4];
+#pragma unroll
+        for (int m = 0; m < 4; ++m)
+            v[m] = (u32)lds_u16(base | c.template offset<1>(8 * j + 2 * m)) |
+                   ((u32)lds_u16(base | c.template offset<1>(8 * j + 2 * m + 1)) << 16);
+        chunk[j] = make_uint4(v[0], v[1], v[2], v[3]);
+    }
+}
+
+// What both warpgroups know of the CTA's work.
+struct StagedWork {
+    int expert_start, n;      // the expert's first sorted position and its token count
+    int r0, rows_out, cols;   // first output row (h column for gate_up), projection sizes
+    int steps, stages;        // 64-column steps per pass, ring depth
+    u32 ring;                 // shared address of buffer 0 (A tile, then B tile)
+    unsigned long long* full;
+    unsigned long long* empty;
+};
+
+template <int NT8>
+__device__ __forceinline__ u32 stage_a(const StagedWork& w, int slot) {
+    return w.ring + (u32)slot * (ST_A_BYTES + NT8 * 8 * ST_KS * 2);
+}
+
+// The producer warpgroup: thread pt owns weight row pt of the CTA.
+template <int B, int MODE, bool BF16, bool V4, int NT8>
+__device__ __forceinline__ void staged_produce(const BlockRef& blk, const StagedWork& w, const int* __restrict__ sorted_slot,
+                                               int top_k, const u16* __restrict__ x, const u16* lut_s, int lut_stride) {
+    // P: units in flight; 5-8-bit rows keep one (8 planes' words, and the registers run out at 2)
+    constexpr int NT = 8 * NT8, P = B <= 4 ? APL_STAGED_PREFETCH : 1, MINE = NT8 / 2;  // MINE: B chunks a step
+    const int pt = threadIdx.x - 128;
+    const int rpc = MODE == 0 ? ST_ROWS / 2 : ST_ROWS;
+    bool valid;
+    int wrow = weight_row<MODE>(pt, w.r0, rpc, w.rows_out, &valid);
+    if (!valid) wrow = 0;  // (loads stay in bounds; the epilogue writes nothing for the row)
+    const int wpr = w.cols / 32, units = (w.steps + 1) / 2;
+    const u32* row_planes[8];
+#pragma unroll
+    for (int p = 0; p < 8; ++p) row_planes[p] = blk.planes[p] + (long long)wrow * wpr;
+    RegLut<(B <= 4 ? B : 4)> rlut;
+    u32 lut_base = 0;
+    if constexpr (B <= 4) rlut.load(blk.lut + (long long)wrow * (1 << B), true, BF16);
+    else lut_base = shared_addr(lut_s + pt * lut_stride);
+    // Unit u = steps 2u, 2u + 1 = words 4u..4u+3 of the row in every plane (clamped into the row:
+    // columns past the end meet zero activations).
+    auto load_unit = [&](u32 (&buf)[B][4], int u) {
+        const int w0 = 4 * min(u, units - 1);
+#pragma unroll
+        for (int p = 0; p < B; ++p) {
+            if constexpr (V4) {
+                const uint4 v = ldg_plane_v4<true>(row_planes[p] + w0);
+                buf[p][0] = v.x; buf[p][1] = v.y; buf[p][2] = v.z; buf[p][3] = v.w;
+            } else {
+#pragma unroll
+                for (int i = 0; i < 4; ++i) buf[p][i] = ldg_plane_u32<true>(row_planes[p] + min(w0 + i, wpr - 1));
+            }
+        }
+    };
+    const int c8 = pt & 7;  // this thread copies chunk c8 of tokens pt / 8 + 16 i
+    u32 it = 0;
+    for (int m0 = blockIdx.z * NT; m0 < w.n; m0 += gridDim.z * NT) {
+        const u16* src[MINE];
+#pragma unroll
+        for (int i = 0; i < MINE; ++i) {
+            const int tok = (pt >> 3) + 16 * i;
+            long long row = 0;
+            if (m0 + tok < w.n) {
+                const int s = w.expert_start + m0 + tok;
+                row = MODE == 0 ? sorted_slot[s] / top_k : s;
+            }
+            src[i] = x + row * w.cols + c8 * 8;
+        }
+        u32 buf[P][B][4];
+#pragma unroll
+        for (int d = 0; d < P; ++d) load_unit(buf[d], d);
+        for (int u0 = 0; u0 < units; u0 += P) {
+#pragma unroll
+            for (int d = 0; d < P; ++d) {
+                const int u = u0 + d;
+                if (u >= units) break;
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    const int step = 2 * u + half;
+                    if (step >= w.steps) break;
+                    const int slot = (int)(it % (u32)w.stages);
+                    const u32 use = it / (u32)w.stages;
+                    if (use > 0) mbar_wait(&w.empty[slot], (use - 1) & 1u);
+                    const u32 a_tile = stage_a<NT8>(w, slot), b_tile = a_tile + ST_A_BYTES;
+                    const int col = step * ST_KS + c8 * 8;
+#pragma unroll
+                    for (int i = 0; i < MINE; ++i) {
+                        const int tok = (pt >> 3) + 16 * i;
+                        const bool in = m0 + tok < w.n && col < w.cols;
+                        cp_async16(tile_chunk(b_tile, NT, tok, c8), src[i] + step * ST_KS, in ? 16u : 0u);
+                    }
+                    cp_async_mbar_arrive(&w.full[slot]);
+#pragma unroll
+                    for (int wi = 0; wi < 2; ++wi) {
+                        u32 pw[8];
+#pragma unroll
+                        for (int p = 0; p < 8; ++p) pw[p] = p < B ? buf[d][p < B ? p : 0][2 * half + wi] : 0u;
+                        uint4 chunk[4];
+                        if constexpr (B <= 4) dequant_chunks_reg<(B <= 4 ? B : 4)>(rlut, pw, chunk);
+                        else dequant_chunks_smem<B>(lut_base, pw, chunk);
+#pragma unroll
+                        for (int j = 0; j < 4; ++j) st_shared_v4(tile_chunk(a_tile, ST_ROWS, pt, 4 * wi + j), chunk[j]);
+                    }
+                    fence_proxy_async();  // the stores, before wgmma (the async proxy) reads them
+                    mbar_arrive(&w.full[slot]);
+                    ++it;
+                }
+                load_unit(buf[d], u + P);
+            }
+        }
+    }
+}
+
+// The consumer warpgroup: the pass's wgmma over the ring, then the epilogue.
+template <int MODE, bool BF16, int NT8>
+__device__ __forceinline__ void staged_consume(const StagedWork& w, bool bad, const int* __restrict__ sorted_slot,
+                                               u16* __restrict__ h_out, float* __restrict__ y_out) {
+    constexpr int NT = 8 * NT8;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+    u32 it = 0;
+    for (int m0 = blockIdx.z * NT; m0 < w.n; m0 += gridDim.z * NT) {
+        float acc0[NT8][4], acc1[NT8][4];
+#pragma unroll
+        for (int j = 0; j < NT8; ++j)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc0[j][i] = acc1[j][i] = 0.f;
+        if (!bad) {
+            int prev = -1;
+            for (int step = 0; step < w.steps; ++step, ++it) {
+                const int slot = (int)(it % (u32)w.stages);
+                mbar_wait(&w.full[slot], (it / (u32)w.stages) & 1u);
+                fence_proxy_async();  // the activations' cp.async copies, before wgmma reads them
+                const u32 a_tile = stage_a<NT8>(w, slot), b_tile = a_tile + ST_A_BYTES;
+                wgmma_fence();
+                fence_accumulators(acc0);
+                fence_accumulators(acc1);
+#pragma unroll
+                for (int kk = 0; kk < ST_KS / 16; ++kk) {
+                    const unsigned long long db = wgmma_desc(b_tile + kk * (NT * 32));
+                    wgmma_ss<NT8, BF16>(acc0, wgmma_desc(a_tile + kk * (ST_ROWS * 32)), db);
+                    wgmma_ss<NT8, BF16>(acc1, wgmma_desc(a_tile + kk * (ST_ROWS * 32) + 2048), db);
+                }
+                wgmma_commit();
+                fence_accumulators(acc0);
+                fence_accumulators(acc1);
+                wgmma_wait<1>();  // the previous step's wgmma are done with its buffer
+                if (prev >= 0) mbar_arrive(&w.empty[prev]);
+                prev = slot;
+            }
+            wgmma_wait<0>();
+            fence_accumulators(acc0);
+            fence_accumulators(acc1);
+            if (prev >= 0) mbar_arrive(&w.empty[prev]);
+        }
+        const float nan = __int_as_float(0x7fc00000);
+#pragma unroll
+        for (int j = 0; j < NT8; ++j) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int tok = 8 * j + 2 * t4 + (i & 1), row = 16 * warp + g + 8 * (i >> 1);
+                if (m0 + tok >= w.n) continue;
+                const int s = w.expert_start + m0 + tok;
+                if (MODE == 0) {
+                    if (w.r0 + row >= w.rows_out) continue;
+                    const float v = bad ? nan : gate_act(acc0[j][i]) * acc1[j][i];
+                    h_out[(long long)s * w.rows_out + w.r0 + row] = float_to_act<BF16>(v);
+                } else {
+                    const long long base = (long long)sorted_slot[s] * w.rows_out + w.r0;
+                    if (w.r0 + row < w.rows_out) y_out[base + row] = bad ? nan : acc0[j][i];
+                    if (w.r0 + 64 + row < w.rows_out) y_out[base + 64 + row] = bad ? nan : acc1[j][i];
+                }
+            }
+        }
+    }
+}
+
+// The warpgroups' register budgets (setmaxnreg; 2 CTAs of 256 threads share 64K registers, so
+// consumer + producer <= 256): the consumer holds 2 x 4 NT8 accumulators, the producer a row's
+// LUT, plane words in flight and a word's codes and chunks.
+#ifndef APL_STAGED_REGS
+#define APL_STAGED_REGS 1  // 0: every thread at the launch bound's 128
+#endif
+template <int NT8> struct StagedRegs {
+    static constexpr int consumer = NT8 == 12 ? 136 : NT8 == 8 ? 96 : 80;
+    static constexpr int producer = 256 - consumer;
+};
+// This warpgroup's registers to N from the launch bound's 128 (up or down; a no-op at 128).
+template <int N> __device__ __forceinline__ void set_warpgroup_registers() {
+    if constexpr (N > 128) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(N));
+    else if constexpr (N < 128) asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(N));
+}
+
+// Kernel classes as apl_gemv's: CLS 0 3-4 bits, 1 5-8 bits, 2 any (the merged class). V4: every
+// plane 16-byte aligned with a word count per row divisible by 4 (16-byte plane loads).
+template <int CLS, int MODE, bool BF16, bool V4, int NT8>
+__global__ void __launch_bounds__(ST_THREADS, APL_STAGED_BLOCKS) apl_staged(
+    const long long* __restrict__ desc, const int* __restrict__ active, const int* __restrict__ num_active,
+    const int* __restrict__ sorted_slot, int top_k, const u16* __restrict__ x, int rows_out, int cols, int lut_log2,
+    u16* __restrict__ h_out, float* __restrict__ y_out, int stages) {
+    static_assert(NT8 == 2 || NT8 == 4 || NT8 == 8 || NT8 == 12, "passes of 16, 32, 64 or 96 tokens");
+    __shared__ __align__(8) unsigned long long bars[2 * ST_MAX_STAGES];
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    const int a = blockIdx.y;
+    if (a >= *num_active) return;
+    const int e = active[3 * a];
+    StagedWork w;
+    w.expert_start = active[3 * a + 1];
+    w.n = active[3 * a + 2];
+    if ((int)blockIdx.z * 8 * NT8 >= w.n) return;
+    const BlockRef blk = load_block(desc, e);
+    const int lo = CLS == 1 ? 5 : 3, hi = CLS == 0 ? 4 : 8;
+    const bool bad = blk.bits < lo || blk.bits > hi || (blk.bits >= 5 && blk.bits > lut_log2);
+    w.r0 = blockIdx.x * (MODE == 0 ? ST_ROWS / 2 : ST_ROWS);
+    w.rows_out = rows_out;
+    w.cols = cols;
+    w.steps = (cols + ST_KS - 1) / ST_KS;
+    w.stages = stages;
+    w.full = bars;
+    w.empty = bars + ST_MAX_STAGES;
+    // Dynamic shared memory from a 512-byte boundary (the host's STAGED_ALIGN_PAD): an 8-bit LUT row's
+    // size, so every row is aligned to its own (Codes' base | offset); the ring needs 16 bytes.
+    const u32 raw = shared_addr(smem_raw);
+    unsigned char* smem = smem_raw + (((raw + 511u) & ~511u) - raw);
+    const int lut_stride = CLS == 0 ? 0 : 1 << lut_log2;
+    u16* lut_s = reinterpret_cast<u16*>(smem);  // [ST_ROWS][lut_stride] act values (5-8 bits)
+    w.ring = shared_addr(smem + ST_ROWS * lut_stride * 2);
+    if (threadIdx.x == 0) {
+        for (int i = 0; i < stages; ++i) {
+            mbar_init(&w.full[i], 128);   // the producers' arrivals (and their copies', tracked)
+            mbar_init(&w.empty[i], 128);  // the consumers'
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x < 128) {
+        if constexpr (APL_STAGED_REGS && APL_STAGED_BLOCKS == 2) set_warpgroup_registers<StagedRegs<NT8>::consumer>();
+        staged_consume<MODE, BF16, NT8>(w, bad, sorted_slot, h_out, y_out);
+        return;
+    }
+    if constexpr (APL_STAGED_REGS && APL_STAGED_BLOCKS == 2) set_warpgroup_registers<StagedRegs<NT8>::producer>();
+    if (bad) return;
+    if (CLS != 0 && blk.bits >= 5) {  // the rows' LUTs, by all producers together, then a producer barrier
+        const int nent = 1 << blk.bits, rpc = MODE == 0 ? ST_ROWS / 2 : ST_ROWS;
+        for (int idx = threadIdx.x - 128; idx < ST_ROWS * nent; idx += 128) {
+            const int lw = idx >> blk.bits, ent = idx & (nent - 1);
+            bool valid;
+            const int row = weight_row<MODE>(lw, w.r0, rpc, rows_out, &valid);
+            lut_s[lw * lut_stride + ent] = valid ? lut_to_act<BF16>(blk.lut[(long long)row * nent + ent]) : (u16)0;
+        }
+        asm volatile("bar.sync 2, 128;" ::: "memory");
+    }
+    switch (blk.bits) {
+        case 3: if constexpr (CLS != 1) staged_produce<3, MODE, BF16, V4, NT8>(blk, w, sorted_slot, top_k, x, lut_s, lut_stride); break;
+        case 4: if constexpr (CLS != 1) staged_produce<4, MODE, BF16, V4, NT8>(blk, w, sorted_slot, top_k, x, lut_s, lut_stride); break;
+        case 5: if constexpr (CLS != 0) staged_produce<5, MODE, BF16, V4, NT8>(blk, w, sorted_slot, top_k, x, lut_s, lut_stride); break;
+        case 6: if constexpr (CLS != 0) staged_produce<6, MODE, BF16, V4, NT8>(blk, w, sorted_slot, top_k, x, lut_s, lut_stride); break;
+        case 7: if constexpr (CLS != 0) staged_produce<7, MODE, BF16, V4, NT8>(blk, w, sorted_slot, top_k, x, lut_s, lut_stride); break;
+        default: if constexpr (CLS != 0) staged_produce<8, MODE, BF16, V4, NT8>(blk, w, sorted_slot, top_k, x, lut_s, lut_stride); break;
+    }
+}
+#endif

@@ -1,0 +1,94 @@
+"""The staged regime (apl_staged.cu, sm_90a: a producer warpgroup dequantises plane tiles into a
+ring of shared-memory buffers for a consumer warpgroup's wgmma) against the torch reference, on a
+Hopper GPU (`make test-gpu`).
+
+Every case runs with STAGED_PREFILL on, so the calls the tiles regime would take run the staged
+kernels instead (the test asserts it does): every width and the merged class, 16-byte and 4-byte
+plane loads (column counts of 128k and of 32 + 64k, so a last step of one word), hot experts in
+several passes and in several pass groups (grid z > 1), partial row tiles, bf16 and fp16,
+GELU-tanh. check_case poisons the workspaces and outputs with NaN and wants two bit-identical runs.
+"""
+
+import pytest
+import torch
+
+import pagedweight_kernels.apl_moe as op
+from pagedweight_kernels.apl_moe import apl_moe, kernel_available, plan_launch, use_staged
+from pagedweight_kernels.synthetic import ragged_routing, random_layer
+from tests.kernels.test_apl_moe_gpu import CASES, TILES_CASES, TOLERANCE, _case_id, check_case, reference_fp32, relative_error
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not kernel_available() or torch.cuda.get_device_capability() != (9, 0),
+                                 reason="needs a compute-capability 9.0 GPU (sm_90a) and cupy")]
+
+# (experts, top_k, hidden, intermediate, tokens, experts used, dtype)
+STAGED_CASES = [case for case, _ in TILES_CASES] + [
+    CASES[8],                                       # hot expert in 3 passes of 64, fp16
+    (8, 2, 256, 384, 400, 8, torch.bfloat16),       # 100 tokens an expert: passes of 64 in 2 groups (grid z 2)
+    (8, 2, 288, 352, 48, 8, torch.bfloat16),        # 4-byte plane loads, a last step of one word, partial row tiles
+    (16, 4, 512, 192, 40, 12, torch.float16),      # 10 tokens an expert: passes of 16
+]
+
+
+@pytest.fixture
+def staged(monkeypatch):
+    monkeypatch.setattr(op, "STAGED_PREFILL", True)
+
+
+def _assert_staged(case):
+    E, k, H, I, T = case[:5]
+    plan = plan_launch(T, k, E, H, I, 8)
+    layer = random_layer(E, H, I, seed=T, device=torch.device("cuda"))
+    assert use_staged(plan, layer, torch.device("cuda")), "the case must take the staged regime"
+
+
+@pytest.mark.parametrize("case", STAGED_CASES, ids=_case_id)
+def test_staged_matches_reference(case, staged):
+    _assert_staged(case)
+    check_case(case)
+
+
+@pytest.mark.parametrize("bits", (3, 4, 5, 6, 7, 8))
+@pytest.mark.parametrize("case", [STAGED_CASES[1], STAGED_CASES[-2]], ids=_case_id)
+def test_staged_uniform_width_layers_match_reference(case, bits, staged):
+    check_case(case, bits=bits)
+
+
+@pytest.mark.parametrize("case", [CASES[7], STAGED_CASES[-1]], ids=_case_id)
+def test_staged_gelu_tanh_matches_reference(case, staged):
+    check_case(case, activation="gelu_tanh")
+
+
+def test_staged_matches_the_tiles_regime(monkeypatch):
+    case = TILES_CASES[1][0]
+    tiles = check_case(case)
+    monkeypatch.setattr(op, "STAGED_PREFILL", True)
+    assert relative_error(check_case(case), tiles) < TOLERANCE[case[6]]
+
+
+def test_staged_block_of_a_width_its_class_lacks_gives_nan(staged):
+    """A descriptor row whose bits the launch's class does not hold (a commit racing the plan)
+    yields NaN rows for that expert's tokens, never a silent wrong number."""
+    device = torch.device("cuda")
+    bits = {(e, m): 4 for e in range(8) for m in ("gate_up", "down")}
+    layer = random_layer(8, 256, 384, seed=3, device=device, bits=bits)
+    x = torch.randn(60, 256, device=device, dtype=torch.bfloat16)
+    ids, w = ragged_routing(60, 8, 2, seed=3, device=device)
+    layer.gate_up_desc[2, 0] = 6  # the host still plans the 3-4-bit class
+    out = apl_moe(x, ids, w, layer)
+    hit = (ids == 2).any(dim=1)
+    assert out[hit].isnan().all() and not out[~hit].isnan().any()
+
+
+def test_staged_no_host_sync(staged):
+    device = torch.device("cuda")
+    layer = random_layer(8, 256, 384, seed=5, device=device)
+    x = torch.randn(100, 256, device=device, dtype=torch.bfloat16)
+    ids, w = ragged_routing(100, 8, 2, seed=100, device=device)
+    apl_moe(x, ids, w, layer)  # compile outside the check
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = apl_moe(x, ids, w, layer)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert relative_error(out, reference_fp32(x, ids, w, layer)) < TOLERANCE[torch.bfloat16]
