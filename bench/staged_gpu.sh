@@ -21,7 +21,7 @@ timeout -k 10 "${VARIANTS_TIMEOUT_S:-200}" python3 -m bench.apl_gemv_variants ${
 stamp "variants rc $?"; cp bench/results/apl_gemv_staged.json "$OUT/" 2>/dev/null
 python3 -m bench.variants_table "$OUT/apl_gemv_staged.json"
 if [ -n "${LAYER:-}" ]; then
-  APL_STAGED_PREFILL=1 timeout -k 10 "${BENCH_TIMEOUT_S:-150}" python3 -m bench.apl_moe_kernel --tokens 64 256 \
+  APL_STAGED_PREFILL=1 timeout -k 10 "${BENCH_TIMEOUT_S:-150}" python3 -m bench.apl_moe_kernel --tokens ${LAYER_TOKENS:-64 256} \
     --bits ${LAYER_BITS:-3 4 8 mixed} --no-per-block --no-legacy --name apl_moe_kernel_staged \
     --out "$OUT/apl_moe_kernel_staged.json" > "$OUT/apl_moe_kernel_staged.log" 2>&1
   stamp "layer bench rc $?"; grep -E "T=|copy" "$OUT/apl_moe_kernel_staged.log" | sed 's/  */ /g'

@@ -137,8 +137,8 @@ TILES_WIDE_NT8 = 12
 # The staged regime (apl_staged.cu, sm_90a): a producer warpgroup dequantises plane tiles into a
 # ring of shared-memory buffers while a consumer warpgroup runs wgmma with both operands there,
 # in the four-launch path (moe_align, gate_up, down, moe_combine). Taken, where STAGED_PREFILL is
-# on, for the calls the tiles regime would take, on a compute-capability 9.0 GPU, outside stable
-# launches (use_staged).
+# on, for the calls the tiles and prefill regimes would take, on a compute-capability 9.0 GPU,
+# outside stable launches (use_staged).
 STAGED_PREFILL = os.environ.get("APL_STAGED_PREFILL", "0") == "1"
 STAGED_ROWS, STAGED_THREADS, STAGED_STEP = 128, 256, 64  # the .cu's ST_ROWS, ST_THREADS, ST_KS
 STAGED_STAGES, STAGED_MAX_STAGES = 4, 8  # ring buffers wanted (fewer where shared memory is short); the .cu's most
@@ -616,9 +616,12 @@ def staged_class(classes: dict[int, int]) -> tuple[int, int]:
     return cls, classes.get(1, 0)
 
 
-def use_staged(plan: LaunchPlan, layer: "APLLayer", device: torch.device) -> bool:
-    """Whether a layer call planned so runs the staged regime instead (STAGED_PREFILL's rule)."""
-    return (STAGED_PREFILL and plan.gate_up.regime == "tiles" and not layer.stable_launches
+def use_staged(plan: LaunchPlan, layer: "APLLayer", device: torch.device, legacy_decode: bool = False) -> bool:
+    """Whether a layer call planned so runs the staged regime instead (STAGED_PREFILL's rule): the
+    tiles and prefill regimes' calls (not the first kernels a legacy_decode call asks for), outside
+    stable launches, on a compute-capability 9.0 device."""
+    return (STAGED_PREFILL and plan.gate_up.regime in ("tiles", "prefill") and not legacy_decode
+            and not layer.stable_launches
             and device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0))
 
 
@@ -1038,7 +1041,7 @@ def apl_moe(x, topk_ids, topk_weights, layer: APLLayer, out: torch.Tensor | None
     device = x.device
     with torch.cuda.device(device):
         ids = topk_ids.to(torch.int64).contiguous()
-        if use_staged(plan, layer, device):
+        if use_staged(plan, layer, device, legacy_decode):
             return _four_launches(x, ids, topk_weights, layer, plan.max_active, out,
                                   staged_projection(layer, T, k, plan.max_active, _flag(x.dtype)))
         if plan.gate_up.regime in ("gemv", "tiles"):

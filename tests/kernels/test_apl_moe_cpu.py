@@ -625,6 +625,9 @@ def test_staged_class_and_the_rule_that_takes_the_staged_regime(monkeypatch):
     hopper = torch.device("cuda", 0)
     assert op.use_staged(tiles, layer, hopper)
     assert not op.use_staged(op.plan_launch(2, 2, 8, 64, 96, 8), layer, hopper)  # decode stays on apl_gemv
+    prefill = op.plan_launch(1000, 2, 8, 64, 96, 8)
+    assert prefill.gate_up.regime == "prefill" and op.use_staged(prefill, layer, hopper)
+    assert not op.use_staged(prefill, layer, hopper, legacy_decode=True)
     layer.stable_launches = True
     assert not op.use_staged(tiles, layer, hopper)
     layer.stable_launches = False

@@ -2,8 +2,8 @@
 ring of shared-memory buffers for a consumer warpgroup's wgmma) against the torch reference, on a
 Hopper GPU (`make test-gpu`).
 
-Every case runs with STAGED_PREFILL on, so the calls the tiles regime would take run the staged
-kernels instead (the test asserts it does): every width and the merged class, 16-byte and 4-byte
+Every case runs with STAGED_PREFILL on, so the calls the tiles and prefill regimes would take run
+the staged kernels instead (the test asserts it does): every width and the merged class, 16-byte and 4-byte
 plane loads (column counts of 128k and of 32 + 64k, so a last step of one word), hot experts in
 several passes and in several pass groups (grid z > 1), partial row tiles, bf16 and fp16,
 GELU-tanh. check_case poisons the workspaces and outputs with NaN and wants two bit-identical runs.
@@ -27,6 +27,7 @@ STAGED_CASES = [case for case, _ in TILES_CASES] + [
     (8, 2, 256, 384, 400, 8, torch.bfloat16),       # 100 tokens an expert: passes of 64 in 2 groups (grid z 2)
     (8, 2, 288, 352, 48, 8, torch.bfloat16),        # 4-byte plane loads, a last step of one word, partial row tiles
     (16, 4, 512, 192, 40, 12, torch.float16),      # 10 tokens an expert: passes of 16
+    (8, 2, 256, 384, 1000, 8, torch.bfloat16),      # the prefill regime's size: passes of 64 in 4 groups
 ]
 
 
