@@ -5,8 +5,12 @@ instances on wgmma), disassembles it with nvdisasm, finds the innermost loops ho
 HGMMA and counts their opcodes. An m16n8k16 A fragment is 8 weights a thread, so weights =
 8 x HMMA in a decode loop and 8 x HMMA / NT8 in a tiles loop (a fragment feeds NT8 mma); a
 wgmma m64nNk16 is 64 x 16 weights over 128 threads, 8 a thread, so weights = 8 x HGMMA.
+For an `apl_staged` instance (the staged regime) it counts the producer warpgroup's step loop
+instead: the innermost loops storing dequantised weights to shared memory (STS.128, 8 weights
+each) and holding no HGMMA; weights = 8 x STS.128.
 
-Usage: python -m bench.sass_mix ["apl_gemv<0, 0, true, true, 1>"] [NAME=VALUE ...] [--json OUT]
+Usage: python -m bench.sass_mix ["apl_gemv<0, 0, true, true, 1>" | "apl_staged<0, 0, true, true, 8>"]
+       [NAME=VALUE ...] [--json OUT]
 Needs nvcc (CUDA 12.4+ for sm_90) and nvdisasm on PATH or in NVDISASM (the `nvidia-cuda-nvdisasm`
 wheel ships one); no GPU.
 """
@@ -28,9 +32,13 @@ from pathlib import Path
 GEMV_PARAMS = ("const long long* __restrict__, const long long* __restrict__, int, int, int, const u16* __restrict__, "
                "int, int, int, int, int, float* __restrict__, int* __restrict__, u16* __restrict__, "
                "const void* __restrict__, int, int, u16* __restrict__, int")
+STAGED_PARAMS = ("const long long* __restrict__, const int* __restrict__, const int* __restrict__, "
+                 "const int* __restrict__, int, const u16* __restrict__, int, int, int, u16* __restrict__, "
+                 "float* __restrict__, int")
 _LABEL = re.compile(r"^\s*(\.L_x_\d+):")
 _BRANCH = re.compile(r"\bBRA\s+`?\(?(\.L_x_\d+)")
-_INSTANCE = re.compile(r"apl_gemv<\d, \d, (true|false), (true|false), \d+(, (true|false))?>")
+_INSTANCE = re.compile(r"apl_gemv<\d, \d, (true|false), (true|false), \d+(, (true|false))?>"
+                       r"|apl_staged<\d, \d, (true|false), (true|false), \d+>")
 _OPCODE = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)")
 
 
@@ -72,6 +80,34 @@ def step_loop_mixes(sass: str, tiles: int = 1) -> list[dict]:
     return out
 
 
+def producer_loop_mixes(sass: str) -> list[dict]:
+    """Per innermost loop storing 16-byte tiles to shared memory (STS.128) without HGMMA (the
+    staged regime's producer steps): instructions and opcodes per weight, 8 weights a store.
+    An mbarrier wait's retry block sits after the loop and branches back into its middle: such a
+    span starts inside another loop and ends after it, and is no loop of its own."""
+    lines = sass.splitlines()
+    spans = loops(sass)
+    spans = [(a2, b2) for a2, b2 in spans if not any(a < a2 <= b < b2 for a, b in spans)]
+
+    def stores(a, b):
+        body = lines[a:b + 1]
+        return any("STS.128" in line for line in body) and not any("HGMMA" in line for line in body)
+
+    out = []
+    for a, b in spans:
+        if not stores(a, b) or any(a <= a2 and b2 <= b and (a2, b2) != (a, b) and stores(a2, b2) for a2, b2 in spans):
+            continue
+        ops = [m.group(1) for line in lines[a:b + 1] if (m := _OPCODE.search(line))]
+        weights = 8 * sum(op.startswith("STS.128") for op in ops)
+        counts = collections.Counter(op.split(".")[0] for op in ops)
+        out.append({"first_line": a, "instructions": len(ops), "sts128": weights // 8,
+                    "ldg": sum(op.startswith("LDG") for op in ops),
+                    "per_weight": round(len(ops) / weights, 4),
+                    "alu_per_weight": round(sum(counts[o] for o in ("PRMT", "LOP3", "SHF")) / weights, 4),
+                    "mix": {op: round(n / weights, 4) for op, n in counts.most_common()}})
+    return out
+
+
 @functools.lru_cache(maxsize=None)
 def _kernels():
     """The kernels package's apl_moe and module_source (kernels/ put on the path once, as for the tests)."""
@@ -82,14 +118,23 @@ def _kernels():
 
 
 def build_instance(instance: str, overrides: dict[str, int], workdir: Path) -> tuple[Path, str]:
-    """(cubin, ptxas resource lines) of one apl_gemv instance, compiled by nvcc as the host would."""
+    """(cubin, ptxas resource lines) of one apl_gemv or apl_staged instance, compiled by nvcc as
+    the host would."""
     op, module_source = _kernels()
-
     defines = {**dict(op._defines("silu")), **overrides}
-    source = module_source(op.SOURCE, op.GEMV_SOURCE) + f"\ntemplate __global__ void {instance}({GEMV_PARAMS});\n"
+    if instance.startswith("apl_staged<"):
+        source = module_source(op.SOURCE, op.GEMV_SOURCE, op.STAGED_SOURCE)
+        source += f"\ntemplate __global__ void {instance}({STAGED_PARAMS});\n"
+    else:
+        source = module_source(op.SOURCE, op.GEMV_SOURCE) + f"\ntemplate __global__ void {instance}({GEMV_PARAMS});\n"
+    return build_source(source, op.wgmma_build(instance, defines), defines, workdir)
+
+
+def build_source(source: str, sm90a: bool, defines: dict[str, int], workdir: Path) -> tuple[Path, str]:
+    """(cubin, ptxas resource lines) of a kernels source, for sm_90a (wgmma) or sm_90."""
     (workdir / "k.cu").write_text(source)
     cubin = workdir / "k.cubin"
-    arch = "-gencode=arch=compute_90a,code=sm_90a" if op.wgmma_build(instance, defines) else "-arch=sm_90"
+    arch = "-gencode=arch=compute_90a,code=sm_90a" if sm90a else "-arch=sm_90"
     build = subprocess.run(["nvcc", "-std=c++17", arch, "-cubin", "-o", str(cubin), str(workdir / "k.cu"),
                             "-Xptxas", "-v", *(f"-D{k}={v}" for k, v in defines.items())],
                            capture_output=True, text=True)
@@ -110,11 +155,14 @@ def resource_usage(resources: str) -> tuple[int, int]:
 
 
 def compile_instance(instance: str, overrides: dict[str, int], workdir: Path) -> tuple[str, str]:
-    """(SASS text, ptxas resource lines) of one apl_gemv instance."""
+    """(SASS text, ptxas resource lines) of one apl_gemv or apl_staged instance."""
     cubin, resources = build_instance(instance, overrides, workdir)
+    return disassemble(cubin), resources
+
+
+def disassemble(cubin: Path) -> str:
     nvdisasm = os.environ.get("NVDISASM") or shutil.which("nvdisasm") or "nvdisasm"
-    sass = subprocess.run([nvdisasm, "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
-    return sass, resources
+    return subprocess.run([nvdisasm, "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
 
 
 def main(argv=None) -> int:
@@ -129,7 +177,8 @@ def main(argv=None) -> int:
         print(f"sass_mix: defines must be NAME=integer, got {args.defines}", file=sys.stderr)
         return 2
     if not _INSTANCE.fullmatch(args.instance):
-        print(f"sass_mix: the instance must read apl_gemv<CLS, MODE, true|false, true|false, NT8>, got {args.instance!r}",
+        print("sass_mix: the instance must read apl_gemv<CLS, MODE, true|false, true|false, NT8> or apl_staged<...> "
+              f"with the same arguments, got {args.instance!r}",
               file=sys.stderr)
         return 2
     if not shutil.which("nvcc"):
@@ -141,12 +190,23 @@ def main(argv=None) -> int:
         except (RuntimeError, subprocess.CalledProcessError, FileNotFoundError) as err:
             print(f"sass_mix: {err}", file=sys.stderr)
             return 2
-    mixes = step_loop_mixes(sass, _kernels()[0].instance_tiles(args.instance))
     print(resources)
+    if args.instance.startswith("apl_staged<"):
+        mixes = producer_loop_mixes(sass)
+        for m in mixes:
+            print(f"producer loop @{m['first_line']}: {m['instructions']} instructions, STS.128 {m['sts128']}: "
+                  f"{m['per_weight']:.3f} / weight (PRMT+LOP3+SHF {m['alu_per_weight']:.3f}) | "
+                  + "  ".join(f"{k} {v:.3f}" for k, v in list(m["mix"].items())[:12]))
+        return _write_json(args, overrides, resources, mixes)
+    mixes = step_loop_mixes(sass, _kernels()[0].instance_tiles(args.instance))
     for m in mixes:
         print(f"loop @{m['first_line']}: {m['instructions']} instructions, HMMA {m['hmma']}, HGMMA {m['hgmma']}: "
               f"{m['per_weight']:.3f} / weight "
               f"(PRMT+LOP3+SHF {m['alu_per_weight']:.3f}) | " + "  ".join(f"{k} {v:.3f}" for k, v in list(m["mix"].items())[:12]))
+    return _write_json(args, overrides, resources, mixes)
+
+
+def _write_json(args, overrides: dict[str, int], resources: str, mixes: list[dict]) -> int:
     if args.json:
         args.json.write_text(json.dumps({"instance": args.instance, "overrides": overrides, "resources": resources,
                                          "loops": mixes}, indent=1))

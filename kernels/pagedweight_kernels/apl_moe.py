@@ -588,14 +588,15 @@ def _prefill_plan(mode, mt, rows_out, max_bits, max_active, z) -> GemmPlan:
 
 
 def staged_plan(mode: int, num_tokens: int, top_k: int, num_experts: int, rows_out: int, cls: int,
-                lut_bits: int, max_active: int) -> GemmPlan:
+                lut_bits: int, max_active: int, aligned16: bool = True) -> GemmPlan:
     """One projection's launch in the staged regime (apl_staged.cu): passes of 8 * NT8 tokens as
     the tiles regime would choose them (tiles_per_pass; 96 tokens for 3-4-bit layers where it would
-    take them), grid (row tiles of 64 gate and 64 up rows or of 128 rows, active experts, groups
+    take them and the planes are read as 16-byte vectors, aligned16: the 4-byte-load instances
+    spill at 96), grid (row tiles of 64 gate and 64 up rows or of 128 rows, active experts, groups
     of passes), and as many ring buffers, up to STAGED_STAGES, as leave 2 CTAs per SM room (else 1).
     lut_bits: the widest 5-8-bit block's bits (its LUT rows sit in shared memory), 0 for none."""
     per_expert = num_tokens * top_k / num_experts
-    nt8 = tiles_per_pass(per_expert, TILES_WIDE_NT8 if cls == 0 else 0)
+    nt8 = tiles_per_pass(per_expert, TILES_WIDE_NT8 if cls == 0 and aligned16 else 0)
     tokens = GEMV_TOKENS * nt8
     groups = max(1, min(math.ceil(num_tokens / tokens), math.ceil(per_expert / tokens)))
     rpc = STAGED_ROWS // 2 if mode == 0 else STAGED_ROWS
@@ -607,6 +608,15 @@ def staged_plan(mode: int, num_tokens: int, top_k: int, num_experts: int, rows_o
             break
     grid = (math.ceil(rows_out / rpc), max_active, groups)
     return GemmPlan("staged", tokens, 0, rpc, 1, 0, grid, STAGED_ALIGN_PAD + lut + stages * stage, nt8, stages)
+
+
+def staged_instances(flag: str, modes: tuple[int, ...] = (0, 1)) -> list[str]:
+    """Every apl_staged instance staged_projection can launch for activations of `flag` and these
+    projections: per kernel class, plane alignment and pass width (staged_plan's: the tiles
+    regime's above 1, 96 tokens with 16-byte plane loads only)."""
+    return [_staged_name(cls, mode, flag, v4, nt8) for mode in modes for cls in (0, 1, 2)
+            for v4 in ("true", "false") for nt8 in tiles_choices(cls)
+            if nt8 > 1 and (nt8 <= TILES_MAX_NT8 or v4 == "true")]
 
 
 def staged_class(classes: dict[int, int]) -> tuple[int, int]:
@@ -851,8 +861,7 @@ def kernel_instances(dtype: torch.dtype, activation: str = "silu") -> list[tuple
                   and wgmma_instance(name, KERNEL_DEFINES)]
         names += [(_prefill_name(tile, mode, flag), act) for tile in tiles]
         if STAGED_PREFILL and torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
-            names += [(_staged_name(cls, mode, flag, v4, nt8), act) for cls in (0, 1, 2) for v4 in ("true", "false")
-                      for nt8 in tiles_choices(cls) if nt8 > 1]
+            names += [(name, act) for name in staged_instances(flag, (mode,))]
     if GEMV_FUSED:  # (off by default: then no start-up time is spent compiling it)
         names += [(_fused_name(cls, flag, v2), activation) for cls in FUSED_CLASSES for v2 in ("true", "false")]
     return names
@@ -1083,8 +1092,9 @@ def staged_projection(layer: APLLayer, num_tokens: int, top_k: int, max_active: 
     def projection(mode, desc, active, num_active, sorted_slot, src, rows_out, cols, h_out, y_out):
         module = "gate_up" if mode == 0 else "down"
         cls, lut_bits = staged_class(layer.classes[module])
-        plan = staged_plan(mode, num_tokens, top_k, layer.num_experts, rows_out, cls, lut_bits, max_active)
-        name = _staged_name(cls, mode, flag, "true" if layer.aligned16[module] else "false", plan.tiles)
+        aligned16 = layer.aligned16[module]
+        plan = staged_plan(mode, num_tokens, top_k, layer.num_experts, rows_out, cls, lut_bits, max_active, aligned16)
+        name = _staged_name(cls, mode, flag, "true" if aligned16 else "false", plan.tiles)
         _launch(name, plan.grid, (desc, active, num_active, sorted_slot, top_k, src, rows_out, cols, lut_bits,
                                   h_out, y_out, plan.stages),
                 plan.shared_bytes, block=STAGED_THREADS, activation=_mode_activation(mode, layer.activation))

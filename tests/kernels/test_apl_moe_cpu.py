@@ -606,7 +606,30 @@ def test_staged_plan_passes_grid_and_a_ring_that_leaves_two_ctas_per_sm():
         assert plan.shared_bytes == op.STAGED_ALIGN_PAD + lut + plan.stages * stage
         assert plan.shared_bytes <= op.STAGED_CTA_SHARED[0]
     assert op.staged_plan(0, 256, 2, 8, 14336, 1, 8, 8).tiles == 8  # no 96-token passes at 5-8 bits
+    # nor with 4-byte plane loads (those instances spill at 96 tokens: bench/results/staged_sass.json)
+    assert op.staged_plan(0, 256, 2, 8, 14336, 0, 0, 8, aligned16=False).tiles == 8
     assert op.staged_plan(0, 400, 2, 8, 384, 0, 0, 8).grid[2] == 2  # 100 tokens an expert: 2 groups of passes of 64
+
+
+def test_staged_instances_are_every_launch_staged_plan_can_make():
+    """Every (class, projection, alignment, tokens) staged_plan and staged_projection can pick is
+    listed, so precompile covers it, and nothing else (no 96-token 4-byte-load instances)."""
+    import pagedweight_kernels.apl_moe as op
+
+    listed = op.staged_instances("true")
+    picked = set()
+    for mode in (0, 1):
+        for cls, lut_bits in ((0, 0), (1, 8), (2, 5)):
+            for aligned16 in (True, False):
+                for tokens in (1, 16, 40, 100, 256, 1000, 5000):
+                    plan = op.staged_plan(mode, tokens, 2, 8, 4096, cls, lut_bits, 8, aligned16)
+                    picked.add(op._staged_name(cls, mode, "true", "true" if aligned16 else "false", plan.tiles))
+    assert picked <= set(listed) and len(set(listed)) == len(listed)
+    assert "apl_staged<0, 0, true, true, 12>" in picked and "apl_staged<0, 0, true, false, 12>" not in listed
+    assert len(listed) == 2 * 2 * (4 + 3 + 3) - 2  # projections x alignments x the classes' widths
+    assert op.staged_instances("false", (1,)) == [n.replace("true, ", "false, ", 1) for n in listed
+                                                  if n.startswith(("apl_staged<0, 1,", "apl_staged<1, 1,",
+                                                                   "apl_staged<2, 1,"))]
 
 
 def test_staged_class_and_the_rule_that_takes_the_staged_regime(monkeypatch):

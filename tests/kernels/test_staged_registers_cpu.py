@@ -1,0 +1,21 @@
+"""The staged regime's register budget (StagedRegs in apl_staged.cu: setmaxnreg splits 2 CTAs'
+registers between the consumer and producer warpgroups): every instance staged_projection can
+launch must fit without spilling (the 96-token 4-byte-load instances spilled, and staged_plan
+does not pick them: test_apl_moe_cpu). Compiled by nvcc as bench/sass_mix does (bf16; fp16
+differs in conversions only), no GPU; skipped without nvcc."""
+
+import shutil
+
+import pytest
+
+from bench.sass_mix import build_instance, resource_usage
+from pagedweight_kernels.apl_moe import staged_instances
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+@pytest.mark.parametrize("instance", staged_instances("true"))
+def test_every_staged_instance_fits_without_spilling(instance, tmp_path):
+    _, resources = build_instance(instance, {}, tmp_path)
+    registers, spilled = resource_usage(resources)
+    assert registers <= 128, resources  # __launch_bounds__(256, 2)
+    assert spilled == 0, resources
