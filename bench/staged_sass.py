@@ -15,7 +15,9 @@ NVDISASM names nvdisasm where it is not on PATH: the `nvidia-cuda-nvdisasm` whee
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -59,6 +61,19 @@ def producer_loop(bits: int, mode: int, flag: str, v4: str, nt8: int, workdir: P
             "sts128": loop["sts128"], "probe_spill_bytes": spilled, "mix": dict(list(loop["mix"].items())[:10])}
 
 
+def tool_versions() -> dict:
+    """The last line of `nvcc --version` and `nvdisasm --version` (the counts depend on both)."""
+    nvdisasm = os.environ.get("NVDISASM") or shutil.which("nvdisasm") or "nvdisasm"
+    out = {}
+    for name, exe in (("nvcc", "nvcc"), ("nvdisasm", nvdisasm)):
+        try:
+            text = subprocess.run([exe, "--version"], capture_output=True, text=True, check=True).stdout
+            out[name] = text.strip().splitlines()[-1]
+        except (OSError, subprocess.CalledProcessError):
+            out[name] = "unknown"
+    return out
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
@@ -88,7 +103,8 @@ def main(argv=None) -> int:
             detail = (f"{done['registers']} registers, {done['spill_bytes']} B spilled" if i <= len(names)
                       else f"{done['per_weight']:.2f} instructions / weight, probe spills {done['probe_spill_bytes']} B")
             print(f"[{i}/{len(todo)}] {label}: {detail}", file=sys.stderr, flush=True)
-    path = write_result(args.out, {"dtype": args.dtype, "instances": kernels, "producer_loops": loops,
+    path = write_result(args.out, {"dtype": args.dtype, "tools": tool_versions(), "instances": kernels,
+                                   "producer_loops": loops,
                                    "command": "python -m bench.staged_sass " + " ".join(argv or sys.argv[1:])})
     print(path)
     return 0
