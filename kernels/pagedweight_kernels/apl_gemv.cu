@@ -367,13 +367,18 @@ struct RegLut {
         w23 = prmt(lob, hib, S23);
     }
 
-    // Selectors s and s+4 of a plane word (the two halves of nibble word c = s & 3).
-    __device__ __forceinline__ void select2(const Codes<B>& c, int s, u32 (&w)[4]) const {
-        const u32 o = c.o[s & 3], o3 = B == 4 ? o & 0x77777777u : o;
-        // APL_PRMT_SELECT at 4 bits: nibble n = n % 4 + 4 * (top bit of code n), n = 0..7
+    // lookup's tsel for the nibble word o: with APL_PRMT_SELECT at 4 bits, nibble n = n % 4 + 4 *
+    // (top bit of code n), n = 0..7 (per nibble position, whatever columns the nibbles hold); else 0.
+    __device__ __forceinline__ static u32 top_selectors(u32 o) {
         u32 tsel = 0u;
         if constexpr (B == 4 && APL_PRMT_SELECT)  // one LOP3: (o >> 1 & 0x44444444) | 0x32103210
             asm("lop3.b32 %0, %1, 0x44444444, %2, 0xEA;" : "=r"(tsel) : "r"(shr_pipe<FmaShifts<B>::on, 1>(o)), "r"(0x32103210u));
+        return tsel;
+    }
+
+    // Selectors s and s+4 of a plane word (the two halves of nibble word c = s & 3).
+    __device__ __forceinline__ void select2(const Codes<B>& c, int s, u32 (&w)[4]) const {
+        const u32 o = c.o[s & 3], o3 = B == 4 ? o & 0x77777777u : o, tsel = top_selectors(o);
         lookup<0>(o, o3, tsel, w[0], w[1]);
         lookup<1>(o, o3, tsel, w[2], w[3]);
     }

@@ -93,3 +93,28 @@ def test_staged_no_host_sync(staged):
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert relative_error(out, reference_fp32(x, ids, w, layer)) < TOLERANCE[torch.bfloat16]
+
+
+# The staged kernel's knobs and the integer-pipe knobs it shares with apl_gemv (APL_PRMT_SELECT:
+# the 3-4-bit lookups' top-bit select, which the staged producer's transposed codes must feed
+# too; APL_FMA_SHIFTS_MIN_BITS) change how the weights are made and staged, never their values or
+# the wgmma order: the output stays bit for bit.
+STAGED_KNOBS = [{"APL_PRMT_SELECT": 1, "APL_FMA_SHIFTS_MIN_BITS": 3}, {"APL_STAGED_PREFETCH": 1},
+                {"APL_STAGED_PREFETCH": 3, "APL_STAGED_REGS": 0}]
+
+
+@pytest.mark.parametrize("knobs", STAGED_KNOBS, ids=lambda k: ",".join(f"{n}={v}" for n, v in k.items()))
+@pytest.mark.parametrize("bits", (3, 4, None))
+def test_staged_knobs_keep_the_output_bit_for_bit(knobs, bits, staged, monkeypatch):
+    case = STAGED_CASES[-3]  # 4-byte plane loads, a last step of one word, partial row tiles
+    default = check_case(case, bits=bits)
+    for knob, value in knobs.items():
+        monkeypatch.setitem(op.KERNEL_DEFINES, knob, value)
+    assert torch.equal(check_case(case, bits=bits), default)
+
+
+def test_a_ring_of_two_buffers_keeps_the_output_bit_for_bit(staged, monkeypatch):
+    case = STAGED_CASES[-1]  # passes of 64 in 4 groups: the ring turns many times
+    default = check_case(case)
+    monkeypatch.setattr(op, "STAGED_STAGES", 2)
+    assert torch.equal(check_case(case), default)
