@@ -606,6 +606,8 @@ def staged_plan(mode: int, num_tokens: int, top_k: int, num_experts: int, rows_o
         stages = min(STAGED_STAGES, STAGED_MAX_STAGES, (budget - STAGED_ALIGN_PAD - lut) // stage)
         if stages >= 2:
             break
+    else:  # the consumers hand a buffer back after the next one's wgmma are issued: one would deadlock
+        raise APLKernelError(f"the staged regime needs 2 ring buffers of {stage} bytes beside {lut} bytes of LUT rows")
     grid = (math.ceil(rows_out / rpc), max_active, groups)
     return GemmPlan("staged", tokens, 0, rpc, 1, 0, grid, STAGED_ALIGN_PAD + lut + stages * stage, nt8, stages)
 

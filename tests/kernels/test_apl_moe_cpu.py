@@ -611,6 +611,19 @@ def test_staged_plan_passes_grid_and_a_ring_that_leaves_two_ctas_per_sm():
     assert op.staged_plan(0, 400, 2, 8, 384, 0, 0, 8).grid[2] == 2  # 100 tokens an expert: 2 groups of passes of 64
 
 
+def test_staged_plan_refuses_a_ring_of_one_buffer(monkeypatch):
+    """One buffer would deadlock (the consumers return a buffer after the next one's wgmma are
+    issued): where shared memory holds fewer than 2, the plan is an error, not a launch."""
+    import pagedweight_kernels.apl_moe as op
+
+    stage = (op.STAGED_ROWS + 64) * op.STAGED_STEP * 2
+    monkeypatch.setattr(op, "STAGED_CTA_SHARED", (op.STAGED_ALIGN_PAD + 2 * stage - 1,))
+    with pytest.raises(op.APLKernelError, match="2 ring buffers"):
+        op.staged_plan(0, 256, 2, 8, 4096, 1, 0, 8)
+    monkeypatch.setattr(op, "STAGED_CTA_SHARED", (op.STAGED_ALIGN_PAD + 2 * stage,))
+    assert op.staged_plan(0, 256, 2, 8, 4096, 1, 0, 8).stages == 2
+
+
 def test_staged_instances_are_every_launch_staged_plan_can_make():
     """Every (class, projection, alignment, tokens) staged_plan and staged_projection can pick is
     listed, so precompile covers it, and nothing else (no 96-token 4-byte-load instances)."""
