@@ -5,7 +5,10 @@
 # first, in threads (bf16 and fp16, STAGED_PREFILL on), then its GPU tests against the reference,
 # then the tiles shapes with and without it in one process (VARIANTS), and with LAYER=1 the layer
 # benchmark with it on (bf16 grouped_mm timed beside it). BENCH_ANYWAY=1 times even after a test failure.
-# Usage (device): OUT=$OUT CODE_COMMIT=<c> [VARIANTS="base staged"] [LAYER=1] bash bench/staged_gpu.sh
+# Usage (device): OUT=$OUT CODE_COMMIT=<c> [VARIANTS="base staged" | VARIANTS=none] [LAYER=1] bash bench/staged_gpu.sh
+# TEST_K selects tests (pytest -k), TEST_X="" runs past a failure. A first call on a fresh machine:
+# VARIANTS=none TEST_TIMEOUT_S=360 (compiles and every test, ~9 min at most); the next, while warm or
+# carrying kernel_cache/: TEST_K=matches_reference VARIANTS="base staged staged_p1 staged_p3" LAYER=1.
 . "$(dirname "$0")/device_call.sh"
 export APL_STAGED_PREFILL=1
 pre="import torch; from pagedweight_kernels.apl_moe import precompile as p; print('precompiled', p(torch.bfloat16, max_workers=16), p(torch.float16, max_workers=16))"
@@ -16,10 +19,12 @@ PAGEDWEIGHT_TEST_PRECOMPILE=0 timeout -k 10 "${TEST_TIMEOUT_S:-200}" python3 -m 
 rc=$?; stamp "staged tests rc $rc"; tail -n 40 "$OUT/gpu_staged_tests.log" | grep -v "^$" | tail -n 30
 [ "$rc" = 0 ] || [ -n "${BENCH_ANYWAY:-}" ] || exit 1
 unset APL_STAGED_PREFILL  # (the variants set STAGED_PREFILL themselves)
-timeout -k 10 "${VARIANTS_TIMEOUT_S:-200}" python3 -m bench.apl_gemv_variants ${VARIANTS:-base staged} --tiles \
-  --json apl_gemv_staged > "$OUT/apl_gemv_staged.log" 2>&1
-stamp "variants rc $?"; cp bench/results/apl_gemv_staged.json "$OUT/" 2>/dev/null
-python3 -m bench.variants_table "$OUT/apl_gemv_staged.json"
+if [ "${VARIANTS:-base staged}" != none ]; then
+  timeout -k 10 "${VARIANTS_TIMEOUT_S:-200}" python3 -m bench.apl_gemv_variants ${VARIANTS:-base staged} --tiles \
+    --json apl_gemv_staged > "$OUT/apl_gemv_staged.log" 2>&1
+  stamp "variants rc $?"; cp bench/results/apl_gemv_staged.json "$OUT/" 2>/dev/null
+  python3 -m bench.variants_table "$OUT/apl_gemv_staged.json"
+fi
 if [ -n "${LAYER:-}" ]; then
   APL_STAGED_PREFILL=1 timeout -k 10 "${BENCH_TIMEOUT_S:-150}" python3 -m bench.apl_moe_kernel --tokens ${LAYER_TOKENS:-64 256} \
     --bits ${LAYER_BITS:-3 4 8 mixed} --no-per-block --no-legacy --name apl_moe_kernel_staged \
