@@ -27,6 +27,16 @@ def test_the_stagger_brings_5_bit_rooms_to_the_5_bit_kernels_rate():
     assert room > 1.3 * own and abs(staggered - own) < 0.1
 
 
+def test_staged_lookups_of_32_rows_in_rooms_of_256_meet_in_half_the_banks():
+    """32 rows x 1 lane (the staged producers): 5-bit rows of their own size cover every bank, in
+    rooms of 256 entries all start at bank 0 and their 16 words meet in banks 0-15."""
+    assert wavefronts([[0]] * 32, 5, 256, False) == 32  # every row's entry 0: bank 0, 32 words
+    assert wavefronts([[0]] * 32, 5, 32, False) == 16  # rows 16 words apart: banks 0 and 16
+    rng = random.Random(2)
+    own, room = (mean_wavefronts(5, r, False, 3000, rng, 32, 1) for r in (32, 256))
+    assert room > 1.3 * own
+
+
 def test_main_rejects_no_trials(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["--trials", "0"])
