@@ -16,7 +16,7 @@
 //     tracked by the buffer's mbarrier), dequantises its row's 64 weights from plane words loaded
 //     APL_STAGED_PREFETCH units (2 steps each) ahead in registers, stores them in the wgmma
 //     layout and arrives. 3-4 bits: the row's LUT in registers (RegLut: PRMT lookups); 5-8 bits:
-//     LUT rows in shared memory (one LDS.U16 per weight).
+//     LUT rows in shared memory (one LDS.U16 per weight; 5-bit rows in larger rooms staggered, lut_stagger).
 // Each weight is dequantised once per pass of 8 * NT8 tokens; a hotter expert takes more passes
 // (the step counter runs on across passes, so the ring's phases stay in step). Outputs are written
 // by position, so reruns are bit-identical; blocks whose bits the class does not hold produce NaN.
@@ -159,7 +159,7 @@ __device__ __forceinline__ void staged_produce(const BlockRef& blk, const Staged
     RegLut<(B <= 4 ? B : 4)> rlut;
     u32 lut_base = 0;
     if constexpr (B <= 4) rlut.load(blk.lut + (long long)wrow * (1 << B), true, BF16);
-    else lut_base = shared_addr(lut_s + pt * lut_stride);
+    else lut_base = shared_addr(lut_s + pt * lut_stride + lut_stagger(pt, B, lut_stride));
     // Unit u = steps 2u, 2u + 1 = words 4u..4u+3 of the row in every plane (clamped into the row:
     // columns past the end meet zero activations).
     auto load_unit = [&](u32 (&buf)[B][4], int u) {
@@ -367,7 +367,8 @@ __global__ void __launch_bounds__(ST_THREADS, APL_STAGED_BLOCKS) apl_staged(
             const int lw = idx >> blk.bits, ent = idx & (nent - 1);
             bool valid;
             const int row = weight_row<MODE>(lw, w.r0, rpc, rows_out, &valid);
-            lut_s[lw * lut_stride + ent] = valid ? lut_to_act<BF16>(blk.lut[(long long)row * nent + ent]) : (u16)0;
+            lut_s[lw * lut_stride + lut_stagger(lw, blk.bits, lut_stride) + ent] =
+                valid ? lut_to_act<BF16>(blk.lut[(long long)row * nent + ent]) : (u16)0;
         }
         asm volatile("bar.sync 2, 128;" ::: "memory");
     }
