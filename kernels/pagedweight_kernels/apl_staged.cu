@@ -14,7 +14,7 @@
 //   warps 4-7 (the producer warpgroup): thread i owns weight row i of the CTA. Per step it waits
 //     for a free buffer, copies the pass's activations for the step into it (cp.async, completion
 //     tracked by the buffer's mbarrier), dequantises its row's 64 weights from plane words loaded
-//     APL_STAGED_PREFETCH units (2 steps each) ahead in registers, stores them in the wgmma
+//     APL_STAGED_PREFETCH units (APL_STAGED_UNIT steps each) ahead in registers, stores them in the wgmma
 //     layout and arrives. 3-4 bits: the row's LUT in registers (RegLut: PRMT lookups); 5-8 bits:
 //     LUT rows in shared memory (one LDS.U16 per weight; 5-bit rows in larger rooms staggered, lut_stagger).
 // Each weight is dequantised once per pass of 8 * NT8 tokens; a hotter expert takes more passes
@@ -22,7 +22,13 @@
 // by position, so reruns are bit-identical; blocks whose bits the class does not hold produce NaN.
 
 #ifndef APL_STAGED_PREFETCH
-#define APL_STAGED_PREFETCH 2  // units of plane words (2 steps each) a producer thread has in flight
+#define APL_STAGED_PREFETCH 2  // units of plane words (APL_STAGED_UNIT steps each) a producer thread has in flight
+#endif
+// Steps a unit of plane words covers: 2 (16 bytes a plane and row, half a 32-byte sector, the other
+// half a unit later) or 4 (the whole sector in one unit, twice the registers a unit: 3-4-bit rows
+// with 16-byte plane loads in passes of up to 64 tokens only; the others spill at 4 and keep 2)
+#ifndef APL_STAGED_UNIT
+#define APL_STAGED_UNIT 2
 #endif
 #ifndef APL_STAGED_BLOCKS
 #define APL_STAGED_BLOCKS 2    // CTAs per SM the register budget must allow (2: 128 registers a thread)
@@ -152,7 +158,9 @@ __device__ __forceinline__ void staged_produce(const BlockRef& blk, const Staged
     bool valid;
     int wrow = weight_row<MODE>(pt, w.r0, rpc, w.rows_out, &valid);
     if (!valid) wrow = 0;  // (loads stay in bounds; the epilogue writes nothing for the row)
-    const int wpr = w.cols / 32, units = (w.steps + 1) / 2;
+    constexpr int U = B <= 4 && V4 && NT8 <= 8 ? APL_STAGED_UNIT : 2, W = 2 * U;  // steps and words (per plane) a unit
+    static_assert(U == 2 || U == 4, "units of 2 or 4 steps");
+    const int wpr = w.cols / 32, units = (w.steps + U - 1) / U;
     const u32* row_planes[8];
 #pragma unroll
     for (int p = 0; p < 8; ++p) row_planes[p] = blk.planes[p] + (long long)wrow * wpr;
@@ -160,18 +168,21 @@ __device__ __forceinline__ void staged_produce(const BlockRef& blk, const Staged
     u32 lut_base = 0;
     if constexpr (B <= 4) rlut.load(blk.lut + (long long)wrow * (1 << B), true, BF16);
     else lut_base = shared_addr(lut_s + pt * lut_stride + lut_stagger(pt, B, lut_stride));
-    // Unit u = steps 2u, 2u + 1 = words 4u..4u+3 of the row in every plane (clamped into the row:
+    // Unit u = steps Uu..Uu+U-1 = words Wu..Wu+W-1 of the row in every plane (clamped into the row:
     // columns past the end meet zero activations).
-    auto load_unit = [&](u32 (&buf)[B][4], int u) {
-        const int w0 = 4 * min(u, units - 1);
+    auto load_unit = [&](u32 (&buf)[B][W], int u) {
+        const int w0 = W * min(u, units - 1);
 #pragma unroll
         for (int p = 0; p < B; ++p) {
             if constexpr (V4) {
-                const uint4 v = ldg_plane_v4<true>(row_planes[p] + w0);
-                buf[p][0] = v.x; buf[p][1] = v.y; buf[p][2] = v.z; buf[p][3] = v.w;
+#pragma unroll
+                for (int q = 0; q < W / 4; ++q) {  // (wpr is a multiple of 4: only a unit of 4 steps can pass the end)
+                    const uint4 v = ldg_plane_v4<true>(row_planes[p] + (q == 0 ? w0 : min(w0 + 4 * q, wpr - 4)));
+                    buf[p][4 * q] = v.x; buf[p][4 * q + 1] = v.y; buf[p][4 * q + 2] = v.z; buf[p][4 * q + 3] = v.w;
+                }
             } else {
 #pragma unroll
-                for (int i = 0; i < 4; ++i) buf[p][i] = ldg_plane_u32<true>(row_planes[p] + min(w0 + i, wpr - 1));
+                for (int i = 0; i < W; ++i) buf[p][i] = ldg_plane_u32<true>(row_planes[p] + min(w0 + i, wpr - 1));
             }
         }
     };
@@ -189,7 +200,7 @@ __device__ __forceinline__ void staged_produce(const BlockRef& blk, const Staged
             }
             src[i] = x + row * w.cols + c8 * 8;
         }
-        u32 buf[P][B][4];
+        u32 buf[P][B][W];
 #pragma unroll
         for (int d = 0; d < P; ++d) load_unit(buf[d], d);
         for (int u0 = 0; u0 < units; u0 += P) {
@@ -198,8 +209,8 @@ __device__ __forceinline__ void staged_produce(const BlockRef& blk, const Staged
                 const int u = u0 + d;
                 if (u >= units) break;
 #pragma unroll
-                for (int half = 0; half < 2; ++half) {
-                    const int step = 2 * u + half;
+                for (int half = 0; half < U; ++half) {  // (a unit's steps)
+                    const int step = U * u + half;
                     if (step >= w.steps) break;
                     const int slot = (int)(it % (u32)w.stages);
                     const u32 use = it / (u32)w.stages;

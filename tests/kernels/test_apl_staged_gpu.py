@@ -113,6 +113,16 @@ def test_staged_knobs_keep_the_output_bit_for_bit(knobs, bits, staged, monkeypat
     assert torch.equal(check_case(case, bits=bits), default)
 
 
+@pytest.mark.parametrize("bits", (3, 4, None))
+def test_units_of_4_steps_keep_the_output_bit_for_bit(bits, staged, monkeypatch):
+    """APL_STAGED_UNIT 4 (3-4-bit rows with 16-byte plane loads, passes of up to 64 tokens): down's
+    384 columns are 12 words a row, so its second unit passes the row's end and is clamped."""
+    case = STAGED_CASES[-1]
+    default = check_case(case, bits=bits)
+    monkeypatch.setitem(op.KERNEL_DEFINES, "APL_STAGED_UNIT", 4)
+    assert torch.equal(check_case(case, bits=bits), default)
+
+
 def test_a_ring_of_two_buffers_keeps_the_output_bit_for_bit(staged, monkeypatch):
     case = STAGED_CASES[-1]  # passes of 64 in 4 groups: the ring turns many times
     default = check_case(case)
