@@ -54,29 +54,38 @@ def loops(sass: str) -> list[tuple[int, int]]:
     return out
 
 
+def _innermost(spans: list[tuple[int, int]], holds) -> list[tuple[int, int]]:
+    """The spans for which holds(a, b) is true and which hold no other such span."""
+    return [(a, b) for a, b in spans if holds(a, b) and not any(
+        a <= a2 and b2 <= b and (a2, b2) != (a, b) and holds(a2, b2) for a2, b2 in spans)]
+
+
+def _loop_mix(lines: list[str], a: int, b: int, weights_of) -> tuple[list[str], dict]:
+    """(opcodes, the per-weight fields) of the loop at lines a..b; weights_of(opcodes) = its weights."""
+    ops = [m.group(1) for line in lines[a:b + 1] if (m := _OPCODE.search(line))]
+    weights = weights_of(ops)
+    counts = collections.Counter(op.split(".")[0] for op in ops)
+    return ops, {"per_weight": round(len(ops) / weights, 4),
+                 "alu_per_weight": round(sum(counts[o] for o in ("PRMT", "LOP3", "SHF")) / weights, 4),
+                 "mix": {op: round(n / weights, 4) for op, n in counts.most_common()}}
+
+
 def step_loop_mixes(sass: str, tiles: int = 1) -> list[dict]:
     """Per innermost loop holding HMMA or HGMMA: instructions, mma, weights and opcodes per
     weight (tiles: the instance's NT8, the mma.sync each A fragment feeds)."""
     lines = sass.splitlines()
-    spans = loops(sass)
 
     def has_hmma(a, b):
         return any("HMMA" in line or "HGMMA" in line for line in lines[a:b + 1])
 
+    def weights_of(ops):
+        return 8 * sum(op.startswith("HGMMA") for op in ops) + 8 * sum(op.startswith("HMMA") for op in ops) / tiles
+
     out = []
-    for a, b in spans:
-        if not has_hmma(a, b) or any(a <= a2 and b2 <= b and (a2, b2) != (a, b) and has_hmma(a2, b2)
-                                     for a2, b2 in spans):
-            continue
-        ops = [m.group(1) for line in lines[a:b + 1] if (m := _OPCODE.search(line))]
-        hmma = sum(op.startswith("HMMA") for op in ops)
-        hgmma = sum(op.startswith("HGMMA") for op in ops)
-        weights = 8 * hgmma + 8 * hmma / tiles
-        counts = collections.Counter(op.split(".")[0] for op in ops)
-        out.append({"first_line": a, "instructions": len(ops), "hmma": hmma, "hgmma": hgmma,
-                    "per_weight": round(len(ops) / weights, 4),
-                    "alu_per_weight": round(sum(counts[o] for o in ("PRMT", "LOP3", "SHF")) / weights, 4),
-                    "mix": {op: round(n / weights, 4) for op, n in counts.most_common()}})
+    for a, b in _innermost(loops(sass), has_hmma):
+        ops, mix = _loop_mix(lines, a, b, weights_of)
+        out.append({"first_line": a, "instructions": len(ops), "hmma": sum(op.startswith("HMMA") for op in ops),
+                    "hgmma": sum(op.startswith("HGMMA") for op in ops), **mix})
     return out
 
 
@@ -93,18 +102,14 @@ def producer_loop_mixes(sass: str) -> list[dict]:
         body = lines[a:b + 1]
         return any("STS.128" in line for line in body) and not any("HGMMA" in line for line in body)
 
+    def weights_of(ops):
+        return 8 * sum(op.startswith("STS.128") for op in ops)
+
     out = []
-    for a, b in spans:
-        if not stores(a, b) or any(a <= a2 and b2 <= b and (a2, b2) != (a, b) and stores(a2, b2) for a2, b2 in spans):
-            continue
-        ops = [m.group(1) for line in lines[a:b + 1] if (m := _OPCODE.search(line))]
-        weights = 8 * sum(op.startswith("STS.128") for op in ops)
-        counts = collections.Counter(op.split(".")[0] for op in ops)
-        out.append({"first_line": a, "instructions": len(ops), "sts128": weights // 8,
-                    "ldg": sum(op.startswith("LDG") for op in ops),
-                    "per_weight": round(len(ops) / weights, 4),
-                    "alu_per_weight": round(sum(counts[o] for o in ("PRMT", "LOP3", "SHF")) / weights, 4),
-                    "mix": {op: round(n / weights, 4) for op, n in counts.most_common()}})
+    for a, b in _innermost(spans, stores):
+        ops, mix = _loop_mix(lines, a, b, weights_of)
+        out.append({"first_line": a, "instructions": len(ops), "sts128": weights_of(ops) // 8,
+                    "ldg": sum(op.startswith("LDG") for op in ops), **mix})
     return out
 
 
@@ -120,14 +125,23 @@ def _kernels():
 def build_instance(instance: str, overrides: dict[str, int], workdir: Path) -> tuple[Path, str]:
     """(cubin, ptxas resource lines) of one apl_gemv or apl_staged instance, compiled by nvcc as
     the host would."""
-    op, module_source = _kernels()
-    defines = {**dict(op._defines("silu")), **overrides}
-    if instance.startswith("apl_staged<"):
-        source = module_source(op.SOURCE, op.GEMV_SOURCE, op.STAGED_SOURCE)
-        source += f"\ntemplate __global__ void {instance}({STAGED_PARAMS});\n"
-    else:
-        source = module_source(op.SOURCE, op.GEMV_SOURCE) + f"\ntemplate __global__ void {instance}({GEMV_PARAMS});\n"
+    op, _ = _kernels()
+    defines = kernel_defines(overrides)
+    staged = instance.startswith("apl_staged<")
+    source = module_text(staged) + f"\ntemplate __global__ void {instance}({STAGED_PARAMS if staged else GEMV_PARAMS});\n"
     return build_source(source, op.wgmma_build(instance, defines), defines, workdir)
+
+
+def kernel_defines(overrides: dict[str, int]) -> dict[str, int]:
+    """The host's compile defines (KERNEL_DEFINES, SiLU), with overrides."""
+    return {**dict(_kernels()[0]._defines("silu")), **overrides}
+
+
+def module_text(staged: bool) -> str:
+    """The NVRTC module's source as the host builds it: apl_moe.cu and apl_gemv.cu, and
+    apl_staged.cu after them where staged."""
+    op, module_source = _kernels()
+    return module_source(op.SOURCE, op.GEMV_SOURCE, *([op.STAGED_SOURCE] if staged else []))
 
 
 def build_source(source: str, sm90a: bool, defines: dict[str, int], workdir: Path) -> tuple[Path, str]:
@@ -160,9 +174,12 @@ def compile_instance(instance: str, overrides: dict[str, int], workdir: Path) ->
     return disassemble(cubin), resources
 
 
+def nvdisasm_path() -> str:
+    return os.environ.get("NVDISASM") or shutil.which("nvdisasm") or "nvdisasm"
+
+
 def disassemble(cubin: Path) -> str:
-    nvdisasm = os.environ.get("NVDISASM") or shutil.which("nvdisasm") or "nvdisasm"
-    return subprocess.run([nvdisasm, "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
+    return subprocess.run([nvdisasm_path(), "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
 
 
 def main(argv=None) -> int:

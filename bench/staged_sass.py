@@ -15,7 +15,6 @@ NVDISASM names nvdisasm where it is not on PATH: the `nvidia-cuda-nvdisasm` whee
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import subprocess
 import sys
@@ -49,11 +48,9 @@ def resources(instance: str, workdir: Path) -> dict:
 def producer_loop(bits: int, mode: int, flag: str, v4: str, nt8: int, workdir: Path) -> dict:
     """The producer step loop of one width, from the probe: instructions per weight, its mix,
     and the probe's spills."""
-    op, module_source = sass_mix._kernels()
     args = f"{bits}, {mode}, {flag}, {v4}, {nt8}"
-    source = module_source(op.SOURCE, op.GEMV_SOURCE, op.STAGED_SOURCE) + PROBE
-    source += f"template __global__ void staged_probe<{args}>({PROBE_PARAMS});\n"
-    cubin, lines = sass_mix.build_source(source, True, dict(op._defines("silu")), workdir)
+    source = sass_mix.module_text(True) + PROBE + f"template __global__ void staged_probe<{args}>({PROBE_PARAMS});\n"
+    cubin, lines = sass_mix.build_source(source, True, sass_mix.kernel_defines({}), workdir)
     _, spilled = sass_mix.resource_usage(lines)
     (loop,) = sass_mix.producer_loop_mixes(sass_mix.disassemble(cubin))
     return {"bits": bits, "mode": mode, "v4": v4 == "true", "nt8": nt8, "per_weight": loop["per_weight"],
@@ -63,9 +60,8 @@ def producer_loop(bits: int, mode: int, flag: str, v4: str, nt8: int, workdir: P
 
 def tool_versions() -> dict:
     """The last line of `nvcc --version` and `nvdisasm --version` (the counts depend on both)."""
-    nvdisasm = os.environ.get("NVDISASM") or shutil.which("nvdisasm") or "nvdisasm"
     out = {}
-    for name, exe in (("nvcc", "nvcc"), ("nvdisasm", nvdisasm)):
+    for name, exe in (("nvcc", "nvcc"), ("nvdisasm", sass_mix.nvdisasm_path())):
         try:
             text = subprocess.run([exe, "--version"], capture_output=True, text=True, check=True).stdout
             out[name] = text.strip().splitlines()[-1]
@@ -88,21 +84,21 @@ def main(argv=None) -> int:
     # the producer loops the layer calls take: gate_up, 16-byte plane loads, every pass width per width
     probes = [(bits, 0, flag, "true", nt8) for bits in range(3, 9) for nt8 in op.tiles_choices(0 if bits <= 4 else 1)
               if nt8 > 1]
-    kernels, loops = [], []
+    total, kernels, loops = len(names) + len(probes), [], []
     with tempfile.TemporaryDirectory() as tmp:
-        todo = [(name, lambda name=name: kernels.append(resources(name, Path(tmp)))) for name in names]
-        todo += [(f"producer {p[0]} bits, NT8 {p[4]}", lambda p=p: loops.append(producer_loop(*p, Path(tmp))))
-                 for p in probes]
-        for i, (label, job) in enumerate(todo, 1):
-            try:
-                job()
-            except Exception as err:  # a compile or disassembly failure: one line, exit 2
-                print(f"staged_sass: {label}: {err}", file=sys.stderr)
-                return 2
-            done = kernels[-1] if i <= len(names) else loops[-1]
-            detail = (f"{done['registers']} registers, {done['spill_bytes']} B spilled" if i <= len(names)
-                      else f"{done['per_weight']:.2f} instructions / weight, probe spills {done['probe_spill_bytes']} B")
-            print(f"[{i}/{len(todo)}] {label}: {detail}", file=sys.stderr, flush=True)
+        try:  # a compile or disassembly failure: one line, exit 2
+            for name in names:
+                kernels.append(resources(name, Path(tmp)))
+                print(f"[{len(kernels)}/{total}] {name}: {kernels[-1]['registers']} registers, "
+                      f"{kernels[-1]['spill_bytes']} B spilled", file=sys.stderr, flush=True)
+            for probe in probes:
+                loops.append(producer_loop(*probe, Path(tmp)))
+                print(f"[{len(kernels) + len(loops)}/{total}] producer {probe[0]} bits, NT8 {probe[4]}: "
+                      f"{loops[-1]['per_weight']:.2f} instructions / weight, probe spills "
+                      f"{loops[-1]['probe_spill_bytes']} B", file=sys.stderr, flush=True)
+        except Exception as err:
+            print(f"staged_sass: {err}", file=sys.stderr)
+            return 2
     path = write_result(args.out, {"dtype": args.dtype, "tools": tool_versions(), "instances": kernels,
                                    "producer_loops": loops,
                                    "command": "python -m bench.staged_sass " + " ".join(argv or sys.argv[1:])})
