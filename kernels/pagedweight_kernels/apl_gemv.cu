@@ -140,7 +140,7 @@
 #endif
 // Where local row lw's LUT starts in its room of `room` entries (in entries): APL_LUT_STAGGER moves
 // odd 5-bit rows 32 entries (64 bytes) in, so rows that all start on bank 0 use both bank halves.
-__device__ __forceinline__ int lut_stagger(int lw, int bits, int room) {
+APL_HD int lut_stagger(int lw, int bits, int room) {
     return APL_LUT_STAGGER && (lw & 1) && bits == 5 && room >= 64 ? 32 : 0;
 }
 #ifndef APL_GEMV_HEAVY_MIN_TOKENS
@@ -150,8 +150,21 @@ __device__ __forceinline__ int lut_stagger(int lw, int bits, int room) {
 #define APL_TILES_GROUP 4  // tiles regime: 8-token tiles whose mma chains interleave (activations in registers)
 #endif
 
-__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
+APL_HD u32 prmt(u32 a, u32 b, u32 sel) {
+#ifdef __CUDA_ARCH__
     u32 d; asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel)); return d;
+#else
+    return host_prmt(a, b, sel);
+#endif
+}
+// A read-only global load (__ldg) the host can run.
+template <class T>
+APL_HD T ldg_ro(const T* p) {
+#ifdef __CUDA_ARCH__
+    return __ldg(p);
+#else
+    return *p;
+#endif
 }
 // Plane words through the non-coherent path; HINT: with APL_PLANE_HINT's cache qualifiers (the
 // same bytes either way; only where the caches keep them).
@@ -292,7 +305,7 @@ struct RegLut {
     // The row's entries are loaded by fetch and turned into the byte tables by build, so the
     // loads stay in flight while the CTA stages its activations (run_passes calls build
     // after the first stage: one dependent global round trip less per CTA).
-    __device__ __forceinline__ void fetch(const u16* row_lut, bool valid) {
+    APL_HD void fetch(const u16* row_lut, bool valid) {
         constexpr int N = 1 << B;
 #if APL_GEMV_LUT16
         // A row of 8 or 16 entries is 16 or 32 bytes, so a 16-byte aligned LUT (the arena's
@@ -300,7 +313,7 @@ struct RegLut {
         if (valid && (reinterpret_cast<unsigned long long>(row_lut) & 15u) == 0) {
 #pragma unroll
             for (int q = 0; q < N / 8; ++q) {
-                const uint4 v = __ldg(reinterpret_cast<const uint4*>(row_lut) + q);
+                const uint4 v = ldg_ro(reinterpret_cast<const uint4*>(row_lut) + q);
                 raw[4 * q] = v.x; raw[4 * q + 1] = v.y; raw[4 * q + 2] = v.z; raw[4 * q + 3] = v.w;
             }
             return;
@@ -308,11 +321,11 @@ struct RegLut {
 #endif
 #pragma unroll
         for (int j = 0; j < N / 2; ++j) {  // LUTs need only 2-byte alignment
-            const u32 a = valid ? __ldg(row_lut + 2 * j) : (u16)0, b = valid ? __ldg(row_lut + 2 * j + 1) : (u16)0;
+            const u32 a = valid ? ldg_ro(row_lut + 2 * j) : (u16)0, b = valid ? ldg_ro(row_lut + 2 * j + 1) : (u16)0;
             raw[j] = a | (b << 16);
         }
     }
-    __device__ __forceinline__ void build(bool bf16) {
+    APL_HD void build(bool bf16) {
         constexpr int N = 1 << B;
         u32 e[N / 2];  // entries 2j, 2j+1 as act values
 #pragma unroll
@@ -333,7 +346,7 @@ struct RegLut {
             hi[2 * j + 1] = prmt(e[4 * j + 2], e[4 * j + 3], 0x7531);
         }
     }
-    __device__ __forceinline__ void load(const u16* row_lut, bool valid, bool bf16) {
+    APL_HD void load(const u16* row_lut, bool valid, bool bf16) {
         fetch(row_lut, valid);
         build(bf16);
     }
@@ -343,7 +356,7 @@ struct RegLut {
     // S01 / S23: the PRMTs that pair the looked-up low and high bytes (byte i of each belongs to
     // nibble 4h + i); by default nibbles (0, 1) and (2, 3), apl_staged.cu's pairs (0, 2) and (1, 3).
     template <int HALF, u32 S01 = 0x5140u, u32 S23 = 0x7362u>
-    __device__ __forceinline__ void lookup(u32 o, u32 o3, u32 tsel, u32& w01, u32& w23) const {
+    APL_HD void lookup(u32 o, u32 o3, u32 tsel, u32& w01, u32& w23) const {
         u32 lob, hib;
         if constexpr (B == 3) {
             const u32 s = HALF ? shr_pipe<FmaShifts<B>::on, 16>(o) : o;  // PRMT reads the selector's low 16 bits only
@@ -374,15 +387,20 @@ struct RegLut {
 
     // lookup's tsel for the nibble word o: with APL_PRMT_SELECT at 4 bits, nibble n = n % 4 + 4 *
     // (top bit of code n), n = 0..7 (per nibble position, whatever columns the nibbles hold); else 0.
-    __device__ __forceinline__ static u32 top_selectors(u32 o) {
+    APL_HD static u32 top_selectors(u32 o) {
         u32 tsel = 0u;
-        if constexpr (B == 4 && APL_PRMT_SELECT)  // one LOP3: (o >> 1 & 0x44444444) | 0x32103210
+        if constexpr (B == 4 && APL_PRMT_SELECT) {  // one LOP3: (o >> 1 & 0x44444444) | 0x32103210
+#ifdef __CUDA_ARCH__
             asm("lop3.b32 %0, %1, 0x44444444, %2, 0xEA;" : "=r"(tsel) : "r"(shr_pipe<FmaShifts<B>::on, 1>(o)), "r"(0x32103210u));
+#else
+            tsel = host_lop3(shr_pipe<FmaShifts<B>::on, 1>(o), 0x44444444u, 0x32103210u, 0xEA);
+#endif
+        }
         return tsel;
     }
 
     // Selectors s and s+4 of a plane word (the two halves of nibble word c = s & 3).
-    __device__ __forceinline__ void select2(const Codes<B>& c, int s, u32 (&w)[4]) const {
+    APL_HD void select2(const Codes<B>& c, int s, u32 (&w)[4]) const {
         const u32 o = c.o[s & 3], o3 = B == 4 ? o & 0x77777777u : o, tsel = top_selectors(o);
         lookup<0>(o, o3, tsel, w[0], w[1]);
         lookup<1>(o, o3, tsel, w[2], w[3]);

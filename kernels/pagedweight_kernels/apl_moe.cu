@@ -60,7 +60,7 @@ template <bool BF16> __device__ __forceinline__ u16 float_to_act(float f) {
 }
 // A LUT entry (fp16) as the activation dtype sees it: the reference path rounds the
 // dequantised weights to x's dtype before the matmul, and so do we.
-template <bool BF16> __device__ __forceinline__ u16 lut_to_act(u16 v) {
+template <bool BF16> APL_HD u16 lut_to_act(u16 v) {
     return BF16 ? float_to_bf16(half_to_float(v)) : v;
 }
 
@@ -109,26 +109,34 @@ struct FmaShifts { static constexpr bool on = B >= APL_FMA_SHIFTS_MIN_BITS; };
 // a >> S; with FMA, as a multiply-high by 2^(32-S), which the FMA pipe runs, so the integer
 // (ALU) pipe that binds Mixtral-size decode issues one op less.
 template <bool FMA, int S>
-__device__ __forceinline__ u32 shr_pipe(u32 a) {
+APL_HD u32 shr_pipe(u32 a) {
     if constexpr (FMA) {
+#ifdef __CUDA_ARCH__
         u32 r;
         asm("mul.hi.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "n"(1u << (32 - S)));
         return r;
+#else
+        return host_mul_hi(a, 1u << (32 - S));
+#endif
     } else {
         return a >> S;
     }
 }
 // (x & M) | (b & ~M) in one LOP3 (nvcc splits it into two when written in C).
 template <u32 M>
-__device__ __forceinline__ u32 bit_merge(u32 b, u32 x) {
+APL_HD u32 bit_merge(u32 b, u32 x) {
+#ifdef __CUDA_ARCH__
     u32 r;
     asm("lop3.b32 %0, %1, %2, %3, 0xD8;" : "=r"(r) : "r"(b), "r"(x), "n"(M));
     return r;
+#else
+    return host_lop3(b, x, M, 0xD8);
+#endif
 }
 // Swap the bits of b under mask M with the bits of a under M << S. With FMA, as two bitfield
 // merges (one LOP3 each) of shifted copies (IMAD.SHL / IMAD.HI): 2 ALU ops instead of 5.
 template <bool FMA, int S, u32 M>
-__device__ __forceinline__ void delta_swap(u32& a, u32& b) {
+APL_HD void delta_swap(u32& a, u32& b) {
     if constexpr (FMA) {
         const u32 a0 = a, b0 = b;
         b = bit_merge<M>(b0, shr_pipe<true, S>(a0));
@@ -151,7 +159,7 @@ struct Codes {
     static constexpr bool NIB = B <= 4;
     u32 o[NIB ? 4 : 8];
 
-    __device__ __forceinline__ explicit Codes(const u32 (&pw)[8]) {
+    APL_HD explicit Codes(const u32 (&pw)[8]) {
         constexpr bool F = FmaShifts<B>::on;
         if constexpr (NIB) {
 #pragma unroll
@@ -171,11 +179,15 @@ struct Codes {
     }
 
     template <int E>
-    __device__ __forceinline__ u32 offset(int j) const {
+    APL_HD u32 offset(int j) const {
         const u32 v = NIB ? o[j & 3] : o[j & 7];
         const int shift = NIB ? 4 * (j >> 2) - E : 8 * (j >> 3) + 8 - B - E;
         const u32 mask = ((1u << B) - 1u) << E;
+#ifdef __CUDA_ARCH__
         if (shift > 0) return (APL_SHIFT_MODE ? __umulhi(v, 1u << (32 - shift)) : v >> shift) & mask;
+#else
+        if (shift > 0) return (APL_SHIFT_MODE ? host_mul_hi(v, 1u << (32 - shift)) : v >> shift) & mask;
+#endif
         return (v << -shift) & mask;
     }
 };
@@ -189,8 +201,12 @@ __device__ __forceinline__ float lds_f32(u32 addr) {
 #endif
     return v;
 }
-__device__ __forceinline__ u16 lds_u16(u32 addr) {
+APL_HD u16 lds_u16(u32 addr) {
+#ifdef __CUDA_ARCH__
     u16 v; asm volatile("ld.shared.u16 %0, [%1];" : "=h"(v) : "r"(addr)); return v;
+#else
+    return host_lds_u16(addr);
+#endif
 }
 __device__ __forceinline__ u32 shared_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 // Dynamic shared memory, its start rounded up to 1 KB so LUT rows are aligned (see Codes).

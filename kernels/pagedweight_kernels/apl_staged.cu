@@ -39,17 +39,78 @@
 #define ST_MAX_STAGES 8
 #define ST_A_BYTES (ST_ROWS * ST_KS * 2)
 
-#if APL_HAS_WGMMA
+// The producer's dequantisation and the operand layout, for the device and for the host (APL_HD:
+// tests/kernels/staged_host/ runs them on the CPU and reads the tiles back by the PTX ISA's layout).
+
 // 16-byte chunk c (columns 8c..8c+7) of row r of a [rows x 64] operand tile in the no-swizzle
 // K-major layout wgmma_desc describes: k16 slice c / 2 holds rows / 8 pairs of 128-byte core
 // matrices (8 rows x 8 columns), the pair's second matrix the slice's columns 8-15. A warp's 8
 // consecutive rows store 128 contiguous bytes: no bank conflicts.
-__device__ __forceinline__ u32 tile_chunk(u32 base, int rows, int r, int c) {
+APL_HD u32 tile_chunk(u32 base, int rows, int r, int c) {
     return base + (u32)((c >> 1) * (rows * 32) + (r >> 3) * 256 + (c & 1) * 128 + (r & 7) * 16);
 }
-__device__ __forceinline__ void st_shared_v4(u32 addr, const uint4& v) {
+APL_HD void st_shared_v4(u32 addr, const uint4& v) {
+#ifdef __CUDA_ARCH__
     asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" :: "r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+#else
+    host_sts_v4(addr, v);
+#endif
 }
+// One plane word (32 columns) of a 3-4-bit row as 4 chunks of 8 consecutive columns (act x2
+// pairs (8j, 8j+1), ..., (8j+6, 8j+7)). Codes<B> puts column 4n + c in nibble n of o[c]; a 4x4
+// byte transpose makes W[j] (byte c = o[c]'s byte j), whose nibbles are columns 8j + (0, 4, 1,
+// 5, 2, 6, 3, 7), so each lookup half's bytes pair as (0, 2) and (1, 3): 8 PRMTs a word more
+// than the tiles regime's selector order, which the activations' cp.async copies could not follow.
+template <int B>
+APL_HD void dequant_chunks_reg(const RegLut<B>& lut, const u32 (&pw)[8], uint4 (&chunk)[4]) {
+    const Codes<B> c(pw);
+    const u32 t0 = prmt(c.o[0], c.o[1], 0x5140u), t1 = prmt(c.o[0], c.o[1], 0x7362u);
+    const u32 t2 = prmt(c.o[2], c.o[3], 0x5140u), t3 = prmt(c.o[2], c.o[3], 0x7362u);
+    const u32 w[4] = {prmt(t0, t2, 0x5410u), prmt(t0, t2, 0x7632u), prmt(t1, t3, 0x5410u), prmt(t1, t3, 0x7632u)};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const u32 o = w[j], o3 = B == 4 ? o & 0x77777777u : o, tsel = RegLut<B>::top_selectors(o);
+        u32 p01, p45, p23, p67;
+        lut.template lookup<0, 0x6240u, 0x7351u>(o, o3, tsel, p01, p45);
+        lut.template lookup<1, 0x6240u, 0x7351u>(o, o3, tsel, p23, p67);
+        chunk[j] = make_uint4(p01, p23, p45, p67);
+    }
+}
+// The same for 5-8 bits, from the row's LUT in shared memory (base: aligned to its size).
+template <int B>
+APL_HD void dequant_chunks_smem(u32 base, const u32 (&pw)[8], uint4 (&chunk)[4]) {
+    const Codes<B> c(pw);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        u32 v[4];
+#pragma unroll
+        for (int m = 0; m < 4; ++m)
+            v[m] = (u32)lds_u16(base | c.template offset<1>(8 * j + 2 * m)) |
+                   ((u32)lds_u16(base | c.template offset<1>(8 * j + 2 * m + 1)) << 16);
+        chunk[j] = make_uint4(v[0], v[1], v[2], v[3]);
+    }
+}
+
+// Row pt's 64 weights of one step into the step's A tile (at a_tile): words 2 * half and
+// 2 * half + 1 of a unit's plane words (W a plane), dequantised (3-4 bits: the row's register
+// LUT; 5-8 bits: its shared-memory LUT row at lut_base) and stored in the wgmma layout.
+template <int B, int W>
+APL_HD void stage_weights(const RegLut<(B <= 4 ? B : 4)>& rlut, u32 lut_base, const u32 (&unit)[B][W], int half,
+                          u32 a_tile, int pt) {
+#pragma unroll
+    for (int wi = 0; wi < 2; ++wi) {
+        u32 pw[8];
+#pragma unroll
+        for (int p = 0; p < 8; ++p) pw[p] = p < B ? unit[p < B ? p : 0][2 * half + wi] : 0u;
+        uint4 chunk[4];
+        if constexpr (B <= 4) dequant_chunks_reg<(B <= 4 ? B : 4)>(rlut, pw, chunk);
+        else dequant_chunks_smem<B>(lut_base, pw, chunk);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) st_shared_v4(tile_chunk(a_tile, ST_ROWS, pt, 4 * wi + j), chunk[j]);
+    }
+}
+
+#if APL_HAS_WGMMA
 // The arrive-on of the executing thread's earlier cp.async copies (the pending count is raised
 // now and lowered when they land, so the phase cannot complete before them).
 __device__ __forceinline__ void cp_async_mbar_arrive(unsigned long long* bar) {
@@ -95,41 +156,6 @@ __device__ __forceinline__ void wgmma_ss(float (&acc)[N8][4], unsigned long long
         APL_WGMMA_SS("m64n96k16", "f16", APL_D48, "%48", "%49", "%50",
                      APL_ACC4(0), APL_ACC4(1), APL_ACC4(2), APL_ACC4(3), APL_ACC4(4), APL_ACC4(5), APL_ACC4(6), APL_ACC4(7),
                      APL_ACC4(8), APL_ACC4(9), APL_ACC4(10), APL_ACC4(11));
-}
-
-// One plane word (32 columns) of a 3-4-bit row as 4 chunks of 8 consecutive columns (act x2
-// pairs (8j, 8j+1), ..., (8j+6, 8j+7)). Codes<B> puts column 4n + c in nibble n of o[c]; a 4x4
-// byte transpose makes W[j] (byte c = o[c]'s byte j), whose nibbles are columns 8j + (0, 4, 1,
-// 5, 2, 6, 3, 7), so each lookup half's bytes pair as (0, 2) and (1, 3): 8 PRMTs a word more
-// than the tiles regime's selector order, which the activations' cp.async copies could not follow.
-template <int B>
-__device__ __forceinline__ void dequant_chunks_reg(const RegLut<B>& lut, const u32 (&pw)[8], uint4 (&chunk)[4]) {
-    const Codes<B> c(pw);
-    const u32 t0 = prmt(c.o[0], c.o[1], 0x5140u), t1 = prmt(c.o[0], c.o[1], 0x7362u);
-    const u32 t2 = prmt(c.o[2], c.o[3], 0x5140u), t3 = prmt(c.o[2], c.o[3], 0x7362u);
-    const u32 w[4] = {prmt(t0, t2, 0x5410u), prmt(t0, t2, 0x7632u), prmt(t1, t3, 0x5410u), prmt(t1, t3, 0x7632u)};
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        const u32 o = w[j], o3 = B == 4 ? o & 0x77777777u : o, tsel = RegLut<B>::top_selectors(o);
-        u32 p01, p45, p23, p67;
-        lut.template lookup<0, 0x6240u, 0x7351u>(o, o3, tsel, p01, p45);
-        lut.template lookup<1, 0x6240u, 0x7351u>(o, o3, tsel, p23, p67);
-        chunk[j] = make_uint4(p01, p23, p45, p67);
-    }
-}
-// The same for 5-8 bits, from the row's LUT in shared memory (base: aligned to its size).
-template <int B>
-__device__ __forceinline__ void dequant_chunks_smem(u32 base, const u32 (&pw)[8], uint4 (&chunk)[4]) {
-    const Codes<B> c(pw);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        u32 v[4];
-#pragma unroll
-        for (int m = 0; m < 4; ++m)
-            v[m] = (u32)lds_u16(base | c.template offset<1>(8 * j + 2 * m)) |
-                   ((u32)lds_u16(base | c.template offset<1>(8 * j + 2 * m + 1)) << 16);
-        chunk[j] = make_uint4(v[0], v[1], v[2], v[3]);
-    }
 }
 
 // What both warpgroups know of the CTA's work.
@@ -224,17 +250,7 @@ __device__ __forceinline__ void staged_produce(const BlockRef& blk, const Staged
                         cp_async16(tile_chunk(b_tile, NT, tok, c8), src[i] + step * ST_KS, in ? 16u : 0u);
                     }
                     cp_async_mbar_arrive(&w.full[slot]);
-#pragma unroll
-                    for (int wi = 0; wi < 2; ++wi) {
-                        u32 pw[8];
-#pragma unroll
-                        for (int p = 0; p < 8; ++p) pw[p] = p < B ? buf[d][p < B ? p : 0][2 * half + wi] : 0u;
-                        uint4 chunk[4];
-                        if constexpr (B <= 4) dequant_chunks_reg<(B <= 4 ? B : 4)>(rlut, pw, chunk);
-                        else dequant_chunks_smem<B>(lut_base, pw, chunk);
-#pragma unroll
-                        for (int j = 0; j < 4; ++j) st_shared_v4(tile_chunk(a_tile, ST_ROWS, pt, 4 * wi + j), chunk[j]);
-                    }
+                    stage_weights<B, W>(rlut, lut_base, buf[d], half, a_tile, pt);
                     fence_proxy_async();  // the stores, before wgmma (the async proxy) reads them
                     mbar_arrive(&w.full[slot]);
                     ++it;

@@ -6,13 +6,28 @@
 typedef unsigned short u16;
 typedef unsigned int u32;
 
-__device__ __forceinline__ float half_to_float(u16 v) {
+// APL_HD: a helper the host can run too. The staged producer's dequantisation and everything it
+// calls are compiled for the host by the CPU test (tests/kernels/staged_host/): each such helper
+// keeps its PTX for the device and, where it has PTX, a host branch calling the stand-in of the
+// same name in apl_host.h, which only that test includes. NVRTC and the device pass of nvcc
+// define __CUDA_ARCH__ and never see the host branches.
+#define APL_HD __host__ __device__ __forceinline__
+
+APL_HD float half_to_float(u16 v) {
+#ifdef __CUDA_ARCH__
     float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v)); return f;
+#else
+    return host_half_to_float(v);
+#endif
 }
 __device__ __forceinline__ u16 float_to_half(float f) {
     u16 r; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(f)); return r;
 }
 __device__ __forceinline__ float bf16_to_float(u16 v) { return __uint_as_float(((u32)v) << 16); }
-__device__ __forceinline__ u16 float_to_bf16(float f) {
+APL_HD u16 float_to_bf16(float f) {
+#ifdef __CUDA_ARCH__
     u16 r; asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f)); return r;
+#else
+    return host_float_to_bf16(f);
+#endif
 }
