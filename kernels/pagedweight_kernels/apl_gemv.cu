@@ -181,11 +181,15 @@ APL_HD T ldg_ro(const T* p) {
 #define APL_PLANE_L2 ""
 #endif
 template <bool HINT>
-__device__ __forceinline__ u32 ldg_plane_u32(const u32* p) {
+APL_HD u32 ldg_plane_u32(const u32* p) {
+#ifdef __CUDA_ARCH__
     u32 v;
     if constexpr (HINT) asm volatile("ld.global.nc" APL_PLANE_L1 APL_PLANE_L2 ".u32 %0, [%1];" : "=r"(v) : "l"(p));
     else asm volatile("ld.global.nc.u32 %0, [%1];" : "=r"(v) : "l"(p));
     return v;
+#else
+    return *p;
+#endif
 }
 template <bool HINT>
 __device__ __forceinline__ uint2 ldg_plane_u64(const u32* p) {
@@ -232,6 +236,10 @@ __device__ __forceinline__ void mbar_wait(unsigned long long* bar, u32 parity) {
                  "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
                  "@!done bra MBAR_WAIT_%=;\n}" :: "r"(shared_addr(bar)), "r"(parity) : "memory");
 }
+#elif !defined(__CUDA_ARCH__)  // the host's CTA emulation (apl_host.h)
+__host__ __forceinline__ void mbar_init(unsigned long long* bar, u32 count) { host_mbar_init(shared_addr(bar), count); }
+__host__ __forceinline__ void mbar_arrive(unsigned long long* bar) { host_mbar_arrive(shared_addr(bar)); }
+__host__ __forceinline__ void mbar_wait(unsigned long long* bar, u32 parity) { host_mbar_wait(shared_addr(bar), parity); }
 #else  // (the WS kernel is compiled for sm_90a only)
 __device__ __forceinline__ void mbar_init(unsigned long long*, u32) {}
 __device__ __forceinline__ void mbar_arrive(unsigned long long*) {}
@@ -260,8 +268,12 @@ __device__ __forceinline__ void cp_async4(u32 dst, const u32* src) {
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 // 16 bytes, L2 only; src_bytes 0 fills the destination with zeros (no read).
-__device__ __forceinline__ void cp_async16(u32 dst, const void* src, u32 src_bytes) {
+APL_HD void cp_async16(u32 dst, const void* src, u32 src_bytes) {
+#ifdef __CUDA_ARCH__
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(src_bytes) : "memory");
+#else
+    host_cp_async16(dst, src, src_bytes);
+#endif
 }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory"); }
@@ -880,28 +892,52 @@ __device__ __forceinline__ void gemv_warp_ring(const BlockRef& blk, u32 w0a, u32
 #else
 #define APL_HAS_WGMMA 0
 #endif
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+// (Host branches: apl_host.h's CTA emulation runs a wgmma at the wait_group that covers it, and a
+// cp.async copy lands when it is issued, so the fences have nothing to order there.)
+APL_HD void wgmma_fence() {
+#ifdef __CUDA_ARCH__
+    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#endif
+}
+APL_HD void wgmma_commit() {
+#ifdef __CUDA_ARCH__
+    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+#else
+    host_wgmma_commit();
+#endif
+}
 template <int N>
-__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" :: "n"(N) : "memory"); }
+APL_HD void wgmma_wait() {
+#ifdef __CUDA_ARCH__
+    asm volatile("wgmma.wait_group.sync.aligned %0;" :: "n"(N) : "memory");
+#else
+    host_wgmma_wait(N);
+#endif
+}
 // The compiler sees a wgmma's registers as written when the asm statement issues, but the
 // tensor cores write the accumulators (and read A) until the wait_group: these empty volatile
 // statements pin every access to them to its side of the fence or wait (CUTLASS's
 // warpgroup_fence_operand), whatever the compiler's scheduling (nvcc 13.0 emits the same
 // SASS with and without them today).
 template <int N8>
-__device__ __forceinline__ void fence_accumulators(float (&acc)[N8][4]) {
+APL_HD void fence_accumulators(float (&acc)[N8][4]) {
+#ifdef __CUDA_ARCH__
 #pragma unroll
     for (int j = 0; j < N8; ++j)
 #pragma unroll
         for (int i = 0; i < 4; ++i) asm volatile("" : "+f"(acc[j][i]) :: "memory");
+#endif
 }
 __device__ __forceinline__ void fence_registers(u32 (&r)[4]) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(r[i]) :: "memory");
 }
 // Shared memory written by ordinary stores and read next by wgmma (the async proxy).
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+APL_HD void fence_proxy_async() {
+#ifdef __CUDA_ARCH__
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
+}
 // The cluster pair (APL_TILES_PAIR): the peer CTA's address of a shared-memory location, a
 // 16-byte store there, the same proxy fence for stores into either CTA, and a barrier over
 // both CTAs' threads (release / acquire: each CTA's stores are visible to the other after it).
@@ -926,7 +962,7 @@ __device__ __forceinline__ void cluster_sync() { __syncthreads(); }
 // The B operand's descriptor, no swizzle, K-major: 8-token x 16-byte core matrices of 128
 // contiguous bytes, the slice's second 8 k at +128 bytes (leading byte offset), the next 8
 // tokens at +256 (stride byte offset). Addresses and offsets in 16-byte units.
-__device__ __forceinline__ unsigned long long wgmma_desc(u32 smem_addr) {
+APL_HD unsigned long long wgmma_desc(u32 smem_addr) {
     return (unsigned long long)((smem_addr & 0x3FFFFu) >> 4) | ((unsigned long long)(128 >> 4) << 16) |
            ((unsigned long long)(256 >> 4) << 32);
 }

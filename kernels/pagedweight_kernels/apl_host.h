@@ -1,16 +1,28 @@
 // Host stand-ins for the PTX of the APL_HD helpers (dtype_conversions.cu), so that the staged
-// producer's dequantisation can run on a machine without a GPU. Included only by the CPU test's
-// harness (tests/kernels/staged_host/harness.cu), before the kernel sources; the kernels as the
-// launcher builds them (NVRTC, device code only) never read this file.
+// regime can run on a machine without a GPU: its producer's dequantisation, and whole CTAs of
+// apl_staged (staged_cta) with their 256 threads as host threads. Included only by the CPU test's
+// harness (tests/kernels/staged_host/harness.cu), before the kernel sources, and only in nvcc's
+// host pass; the kernels as the launcher builds them (NVRTC, device code only) never read it.
 //
 // Each stand-in follows the PTX ISA's definition of its instruction, including the cases the
 // kernels are meant never to hit (PRMT's sign-replicate selectors, NaN conversions), so a code
-// path that hits them gives a different answer here too.
+// path that hits them gives a different answer here too. What the emulation does not model:
+// timing and the memory model's weaker orders (every shared-memory hand-over goes through a
+// mutex), so a missing fence is invisible here; a missing arrive or a wrong phase is a deadlock,
+// which the waits report and abort on.
 #pragma once
+#ifndef __CUDA_ARCH__
 
+#include <chrono>
+#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <vector>
 
 // prmt.b32 d, a, b, c (default mode): bytes 0-3 of a and 4-7 of b; result byte i is the byte
 // that selector nibble i's low 3 bits name, or, with the nibble's bit 3 set, that byte's sign
@@ -95,3 +107,185 @@ inline void host_sts_v4(unsigned addr, const uint4& v) {  // (nvcc includes the 
     const unsigned w[4] = {v.x, v.y, v.z, v.w};
     std::memcpy(apl_host_shared + addr, w, 16);
 }
+
+// cvt.rn.f16.f32: round to nearest even, overflow to infinity, subnormals kept.
+inline unsigned short host_float_to_half(float f) {
+    unsigned x;
+    std::memcpy(&x, &f, 4);
+    const unsigned short sign = (unsigned short)((x >> 16) & 0x8000u);
+    const unsigned ax = x & 0x7FFFFFFFu;
+    if (ax > 0x7F800000u) return sign | 0x7E00u;  // NaN
+    if (ax >= 0x477FF000u) return sign | 0x7C00u;  // rounds to >= 65520: infinity
+    if (ax >= 0x38800000u) {  // normal half
+        const unsigned r = ax - 0x38000000u;  // rebias the exponent (127 -> 15)
+        const unsigned h = (r >> 13) + (((r >> 12) & 1u) & (((r & 0xFFFu) != 0) | ((r >> 13) & 1u)));
+        return sign | (unsigned short)h;
+    }
+    if (ax < 0x33000000u) return sign;  // below half the smallest subnormal: zero
+    const unsigned e = ax >> 23, m = (ax & 0x7FFFFFu) | 0x800000u;
+    const unsigned shift = 126u - e;  // 14..24: the subnormal's mantissa bits
+    const unsigned h = m >> shift, rest = m & ((1u << shift) - 1u), half = 1u << (shift - 1u);
+    return sign | (unsigned short)(h + (rest > half || (rest == half && (h & 1u))));
+}
+inline float host_quiet_nan() {
+    const unsigned bits = 0x7fc00000u;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+}
+
+// ---------------------------------------------------------------- the CTA emulation
+// APL_HOST_CTA: apl_staged.cu compiles staged_cta for the host. The thread's coordinates are
+// thread-local, set by the harness before a host thread runs its part of the CTA.
+#define APL_HOST_CTA 1
+inline thread_local uint3 apl_host_thread_idx, apl_host_block_idx;
+inline uint3 apl_host_grid_dim;
+#define threadIdx apl_host_thread_idx
+#define blockIdx apl_host_block_idx
+#define gridDim apl_host_grid_dim
+
+inline unsigned host_shared_addr(const void* p) {
+    const unsigned char* b = static_cast<const unsigned char*>(p);
+    if (b < apl_host_shared || b >= apl_host_shared + APL_HOST_SHARED_BYTES) {
+        std::fprintf(stderr, "host shared memory: a generic address outside the CTA's shared memory\n");
+        std::abort();
+    }
+    return (unsigned)(b - apl_host_shared);
+}
+
+// cp.async (16 bytes, src_bytes of them read, the rest zero-filled): lands when issued.
+inline void host_cp_async16(unsigned dst, const void* src, unsigned src_bytes) {
+    host_shared_check(dst, 16);
+    if (src_bytes > 16) {
+        std::fprintf(stderr, "cp.async: %u source bytes for a 16-byte copy\n", src_bytes);
+        std::abort();
+    }
+    std::memset(apl_host_shared + dst, 0, 16);
+    if (src_bytes) std::memcpy(apl_host_shared + dst, src, src_bytes);
+}
+
+// mbarriers and named barriers, under one mutex. A wait that outlasts APL_HOST_DEADLOCK_S seconds
+// (default 60) is a deadlock: it says which barrier and aborts.
+inline std::mutex apl_host_mutex;
+inline std::condition_variable apl_host_cv;
+struct HostMbar { unsigned count = 0, pending = 0, phase = 0; };
+struct HostBar { unsigned arrived = 0, generation = 0; };
+inline std::map<unsigned, HostMbar> apl_host_mbars;
+inline std::map<unsigned, HostBar> apl_host_bars;
+
+inline std::chrono::seconds host_deadlock_after() {
+    const char* s = std::getenv("APL_HOST_DEADLOCK_S");
+    return std::chrono::seconds(s ? std::atoi(s) : 60);
+}
+[[noreturn]] inline void host_deadlock(const char* what, unsigned which, unsigned arg) {
+    std::fprintf(stderr, "deadlock: thread %u of CTA (%u, %u, %u) waited %lld s on %s %u (%u)\n", apl_host_thread_idx.x,
+                 apl_host_block_idx.x, apl_host_block_idx.y, apl_host_block_idx.z,
+                 (long long)host_deadlock_after().count(), what, which, arg);
+    std::fflush(stderr);
+    std::_Exit(3);
+}
+inline HostMbar& host_mbar(unsigned addr) {
+    auto it = apl_host_mbars.find(addr);
+    if (it == apl_host_mbars.end()) {
+        std::fprintf(stderr, "mbarrier at %u used before mbarrier.init\n", addr);
+        std::abort();
+    }
+    return it->second;
+}
+inline void host_mbar_init(unsigned addr, unsigned count) {
+    host_shared_check(addr, 8);
+    std::lock_guard<std::mutex> lock(apl_host_mutex);
+    apl_host_mbars[addr] = HostMbar{count, count, 0};
+}
+inline void host_mbar_arrive(unsigned addr) {
+    std::lock_guard<std::mutex> lock(apl_host_mutex);
+    HostMbar& b = host_mbar(addr);
+    if (--b.pending == 0) {  // the phase completes; the next one expects count arrivals again
+        ++b.phase;
+        b.pending = b.count;
+        apl_host_cv.notify_all();
+    }
+}
+// mbarrier.try_wait.parity in a loop: returns once the phase of this parity has completed, i.e.
+// the current phase's parity differs from it.
+inline void host_mbar_wait(unsigned addr, unsigned parity) {
+    std::unique_lock<std::mutex> lock(apl_host_mutex);
+    HostMbar& b = host_mbar(addr);
+    if (!apl_host_cv.wait_for(lock, host_deadlock_after(), [&] { return (b.phase & 1u) != (parity & 1u); }))
+        host_deadlock("the mbarrier at", addr, parity);
+}
+// bar.sync id, count (and __syncthreads: id 0, every thread).
+inline void host_bar_sync(unsigned id, unsigned count) {
+    std::unique_lock<std::mutex> lock(apl_host_mutex);
+    HostBar& b = apl_host_bars[id];
+    const unsigned generation = b.generation;
+    if (++b.arrived == count) {
+        b.arrived = 0;
+        ++b.generation;
+        apl_host_cv.notify_all();
+    } else if (!apl_host_cv.wait_for(lock, host_deadlock_after(), [&] { return b.generation != generation; })) {
+        host_deadlock("named barrier", id, count);
+    }
+}
+
+// wgmma.mma_async m64nNk16 with A and B from shared memory (f32 accumulators, scale-d 1, neither
+// operand transposed: both K-major), by the PTX ISA: a matrix descriptor holds the start address
+// (bits 0-13), the leading byte offset (16-29: between core matrices adjacent in K) and the stride
+// byte offset (32-45: between 8-row groups), each in 16-byte units; a core matrix is 8 rows of 16
+// contiguous bytes. Only no-swizzle descriptors with base offset 0 are modelled. The executing
+// thread's accumulators are its fragment of D: warp w of the warpgroup, lane (g, t) = (lane / 4,
+// lane % 4) holds acc[j][i] = D(16 w + g + 8 (i / 2), 8 j + 2 t + i % 2).
+template <bool BF16>
+inline float host_operand(unsigned long long desc, int row, int k) {
+    if ((desc >> 49) & 7u || (desc >> 62)) {
+        std::fprintf(stderr, "wgmma: only no-swizzle descriptors with base offset 0 are emulated\n");
+        std::abort();
+    }
+    const unsigned start = (unsigned)(desc & 0x3FFFu) << 4, lbo = (unsigned)((desc >> 16) & 0x3FFFu) << 4,
+                   sbo = (unsigned)((desc >> 32) & 0x3FFFu) << 4;
+    const unsigned addr = start + (unsigned)(row / 8) * sbo + (unsigned)(k / 8) * lbo + (unsigned)(row % 8) * 16 +
+                          (unsigned)(k % 8) * 2;
+    const unsigned short v = host_lds_u16(addr);
+    if (BF16) {
+        const unsigned bits = (unsigned)v << 16;
+        float f;
+        std::memcpy(&f, &bits, 4);
+        return f;
+    }
+    return host_half_to_float(v);
+}
+// wgmma is asynchronous: it reads its operands and writes the accumulators at some time before the
+// wait_group that covers its commit group. The emulation runs each one at that wait (so a buffer
+// handed back or overwritten before its wgmma was waited for gives wrong sums here too, and
+// accumulators read before the wait are stale), in issue order, per thread.
+inline thread_local std::vector<std::function<void()>> apl_host_wgmma_open;           // issued, not committed
+inline thread_local std::deque<std::vector<std::function<void()>>> apl_host_wgmma_groups;  // committed, oldest first
+template <int N8, bool BF16>
+inline void host_wgmma_ss(float (&acc)[N8][4], unsigned long long da, unsigned long long db) {
+    const int tid = (int)(apl_host_thread_idx.x % 128u);
+    apl_host_wgmma_open.push_back([&acc, da, db, tid] {
+        const int warp = tid / 32, g = (tid % 32) / 4, t = tid % 4;
+        for (int j = 0; j < N8; ++j)
+            for (int i = 0; i < 4; ++i) {
+                const int row = 16 * warp + g + 8 * (i / 2), col = 8 * j + 2 * t + i % 2;
+                float sum = 0.f;
+                for (int k = 0; k < 16; ++k) sum += host_operand<BF16>(da, row, k) * host_operand<BF16>(db, col, k);
+                acc[j][i] += sum;
+            }
+    });
+}
+inline void host_wgmma_commit() {
+    apl_host_wgmma_groups.push_back(std::move(apl_host_wgmma_open));
+    apl_host_wgmma_open.clear();
+}
+// wgmma.wait_group n: every committed group but the n most recent has completed.
+inline void host_wgmma_wait(unsigned n) {
+    while (apl_host_wgmma_groups.size() > n) {
+        for (auto& op : apl_host_wgmma_groups.front()) op();
+        apl_host_wgmma_groups.pop_front();
+    }
+}
+// After a thread's part of the CTA: a wgmma issued and never waited for is a bug in the kernel.
+inline bool host_wgmma_all_waited() { return apl_host_wgmma_open.empty() && apl_host_wgmma_groups.empty(); }
+
+#endif  // __CUDA_ARCH__

@@ -55,7 +55,7 @@
 template <bool BF16> __device__ __forceinline__ float act_to_float(u16 v) {
     return BF16 ? bf16_to_float(v) : half_to_float(v);
 }
-template <bool BF16> __device__ __forceinline__ u16 float_to_act(float f) {
+template <bool BF16> APL_HD u16 float_to_act(float f) {
     return BF16 ? float_to_bf16(f) : float_to_half(f);
 }
 // A LUT entry (fp16) as the activation dtype sees it: the reference path rounds the
@@ -70,12 +70,14 @@ template <bool BF16> APL_HD u16 lut_to_act(u16 v) {
 #ifndef APL_ACT
 #define APL_ACT 0
 #endif
-__device__ __forceinline__ float gate_act(float g) {
+APL_HD float gate_act(float g) {
 #if APL_ACT == 1
     const float k = 0.7978845608028654f;  // sqrt(2 / pi)
     return 0.5f * g * (1.f + tanhf(k * (g + 0.044715f * g * g * g)));
-#else
+#elif defined(__CUDA_ARCH__)
     return g / (1.f + __expf(-g));
+#else
+    return g / (1.f + expf(-g));  // (the host's exp for the device's fast one: the CPU test compares with a tolerance)
 #endif
 }
 
@@ -86,7 +88,7 @@ struct BlockRef {
     const u32* planes[8];
 };
 
-__device__ __forceinline__ BlockRef load_block(const long long* __restrict__ desc, int e) {
+APL_HD BlockRef load_block(const long long* __restrict__ desc, int e) {
     const long long* d = desc + (long long)e * DESC_WIDTH;
     BlockRef b;
     b.bits = (int)d[0];
@@ -208,7 +210,13 @@ APL_HD u16 lds_u16(u32 addr) {
     return host_lds_u16(addr);
 #endif
 }
-__device__ __forceinline__ u32 shared_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+APL_HD u32 shared_addr(const void* p) {
+#ifdef __CUDA_ARCH__
+    return (u32)__cvta_generic_to_shared(p);
+#else
+    return host_shared_addr(p);
+#endif
+}
 // Dynamic shared memory, its start rounded up to 1 KB so LUT rows are aligned (see Codes).
 __device__ __forceinline__ unsigned char* aligned_smem(unsigned char* raw) {
     const u32 a = shared_addr(raw);
@@ -255,7 +263,7 @@ extern "C" __global__ void moe_align(const long long* __restrict__ topk_ids, int
 // up rows I+r0..; local weight row lw < rpc is a gate row, lw >= rpc an up row.
 // MODE 1 (down): local weight row lw is row r0+lw.
 template <int MODE>
-__device__ __forceinline__ int weight_row(int lw, int r0, int rpc, int rows_out, bool* valid) {
+APL_HD int weight_row(int lw, int r0, int rpc, int rows_out, bool* valid) {
     if (MODE == 0) {
         const int r = lw < rpc ? lw : lw - rpc;
         *valid = r0 + r < rows_out;

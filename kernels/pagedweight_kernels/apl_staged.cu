@@ -110,14 +110,20 @@ APL_HD void stage_weights(const RegLut<(B <= 4 ? B : 4)>& rlut, u32 lut_base, co
     }
 }
 
-#if APL_HAS_WGMMA
+// The kernel itself: for sm_90a, and for the host's CTA emulation (apl_host.h's APL_HOST_CTA: the
+// CPU test runs staged_cta's 256 threads as host threads, wgmma by the PTX ISA's definition).
+#if APL_HAS_WGMMA || APL_HOST_CTA
 // The arrive-on of the executing thread's earlier cp.async copies (the pending count is raised
-// now and lowered when they land, so the phase cannot complete before them).
-__device__ __forceinline__ void cp_async_mbar_arrive(unsigned long long* bar) {
+// now and lowered when they land, so the phase cannot complete before them; on the host they
+// have landed, and the arrive-on changes nothing).
+APL_HD void cp_async_mbar_arrive(unsigned long long* bar) {
+#ifdef __CUDA_ARCH__
     asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];" :: "r"(shared_addr(bar)) : "memory");
+#endif
 }
 template <bool HINT>
-__device__ __forceinline__ uint4 ldg_plane_v4(const u32* p) {
+APL_HD uint4 ldg_plane_v4(const u32* p) {
+#ifdef __CUDA_ARCH__
     uint4 v;
     if constexpr (HINT)
         asm volatile("ld.global.nc" APL_PLANE_L1 APL_PLANE_L2 ".v4.u32 {%0, %1, %2, %3}, [%4];"
@@ -125,6 +131,24 @@ __device__ __forceinline__ uint4 ldg_plane_v4(const u32* p) {
     else
         asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
     return v;
+#else
+    return *reinterpret_cast<const uint4*>(p);
+#endif
+}
+// The CTA's barrier, and the producer warpgroup's (named barrier 2).
+APL_HD void cta_barrier() {
+#ifdef __CUDA_ARCH__
+    __syncthreads();
+#else
+    host_bar_sync(0, ST_THREADS);
+#endif
+}
+APL_HD void producer_barrier() {
+#ifdef __CUDA_ARCH__
+    asm volatile("bar.sync 2, 128;" ::: "memory");
+#else
+    host_bar_sync(2, 128);
+#endif
 }
 
 // acc += A (64 rows at da) x B (8 * N8 tokens at db), one k16 slice, both from shared memory.
@@ -133,7 +157,10 @@ __device__ __forceinline__ uint4 ldg_plane_v4(const u32* p) {
                  TY "." TY " {" D "}, " DA ", " DB ", p, 1, 1, 0, 0;\n}"                                      \
                  : __VA_ARGS__ : "l"(da), "l"(db), "r"(1) : "memory")
 template <int N8, bool BF16>
-__device__ __forceinline__ void wgmma_ss(float (&acc)[N8][4], unsigned long long da, unsigned long long db) {
+APL_HD void wgmma_ss(float (&acc)[N8][4], unsigned long long da, unsigned long long db) {
+#ifndef __CUDA_ARCH__
+    host_wgmma_ss<N8, BF16>(acc, da, db);
+#else
     if constexpr (N8 == 2 && BF16)
         APL_WGMMA_SS("m64n16k16", "bf16", APL_D8, "%8", "%9", "%10", APL_ACC4(0), APL_ACC4(1));
     else if constexpr (N8 == 2)
@@ -156,6 +183,7 @@ __device__ __forceinline__ void wgmma_ss(float (&acc)[N8][4], unsigned long long
         APL_WGMMA_SS("m64n96k16", "f16", APL_D48, "%48", "%49", "%50",
                      APL_ACC4(0), APL_ACC4(1), APL_ACC4(2), APL_ACC4(3), APL_ACC4(4), APL_ACC4(5), APL_ACC4(6), APL_ACC4(7),
                      APL_ACC4(8), APL_ACC4(9), APL_ACC4(10), APL_ACC4(11));
+#endif
 }
 
 // What both warpgroups know of the CTA's work.
@@ -169,14 +197,14 @@ struct StagedWork {
 };
 
 template <int NT8>
-__device__ __forceinline__ u32 stage_a(const StagedWork& w, int slot) {
+APL_HD u32 stage_a(const StagedWork& w, int slot) {
     return w.ring + (u32)slot * (ST_A_BYTES + NT8 * 8 * ST_KS * 2);
 }
 
 // The producer warpgroup: thread pt owns weight row pt of the CTA.
 template <int B, int MODE, bool BF16, bool V4, int NT8>
-__device__ __forceinline__ void staged_produce(const BlockRef& blk, const StagedWork& w, const int* __restrict__ sorted_slot,
-                                               int top_k, const u16* __restrict__ x, const u16* lut_s, int lut_stride) {
+APL_HD void staged_produce(const BlockRef& blk, const StagedWork& w, const int* __restrict__ sorted_slot, int top_k,
+                           const u16* __restrict__ x, const u16* lut_s, int lut_stride) {
     // P: units in flight; 5-8-bit rows keep one (8 planes' words, and the registers run out at 2)
     constexpr int NT = 8 * NT8, P = B <= 4 ? APL_STAGED_PREFETCH : 1, MINE = NT8 / 2;  // MINE: B chunks a step
     const int pt = threadIdx.x - 128;
@@ -263,8 +291,8 @@ __device__ __forceinline__ void staged_produce(const BlockRef& blk, const Staged
 
 // The consumer warpgroup: the pass's wgmma over the ring, then the epilogue.
 template <int MODE, bool BF16, int NT8>
-__device__ __forceinline__ void staged_consume(const StagedWork& w, bool bad, const int* __restrict__ sorted_slot,
-                                               u16* __restrict__ h_out, float* __restrict__ y_out) {
+APL_HD void staged_consume(const StagedWork& w, bool bad, const int* __restrict__ sorted_slot, u16* __restrict__ h_out,
+                           float* __restrict__ y_out) {
     constexpr int NT = 8 * NT8;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
     u32 it = 0;
@@ -302,7 +330,7 @@ __device__ __forceinline__ void staged_consume(const StagedWork& w, bool bad, co
             fence_accumulators(acc1);
             if (prev >= 0) mbar_arrive(&w.empty[prev]);
         }
-        const float nan = __int_as_float(0x7fc00000);
+        const float nan = quiet_nan();
 #pragma unroll
         for (int j = 0; j < NT8; ++j) {
 #pragma unroll
@@ -335,21 +363,21 @@ template <int NT8> struct StagedRegs {
     static constexpr int producer = 256 - consumer;
 };
 // This warpgroup's registers to N from the launch bound's 128 (up or down; a no-op at 128).
-template <int N> __device__ __forceinline__ void set_warpgroup_registers() {
+template <int N> APL_HD void set_warpgroup_registers() {
+#ifdef __CUDA_ARCH__
     if constexpr (N > 128) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(N));
     else if constexpr (N < 128) asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(N));
+#endif
 }
 
-// Kernel classes as apl_gemv's: CLS 0 3-4 bits, 1 5-8 bits, 2 any (the merged class). V4: every
-// plane 16-byte aligned with a word count per row divisible by 4 (16-byte plane loads).
+// The CTA's work: the kernel's body (bars: 2 * ST_MAX_STAGES mbarriers, smem_raw: the dynamic
+// shared memory), a function of its own so that the host's CTA emulation can run it.
 template <int CLS, int MODE, bool BF16, bool V4, int NT8>
-__global__ void __launch_bounds__(ST_THREADS, APL_STAGED_BLOCKS) apl_staged(
-    const long long* __restrict__ desc, const int* __restrict__ active, const int* __restrict__ num_active,
-    const int* __restrict__ sorted_slot, int top_k, const u16* __restrict__ x, int rows_out, int cols, int lut_log2,
-    u16* __restrict__ h_out, float* __restrict__ y_out, int stages) {
+APL_HD void staged_cta(const long long* __restrict__ desc, const int* __restrict__ active, const int* __restrict__ num_active,
+                       const int* __restrict__ sorted_slot, int top_k, const u16* __restrict__ x, int rows_out, int cols,
+                       int lut_log2, u16* __restrict__ h_out, float* __restrict__ y_out, int stages,
+                       unsigned long long* bars, unsigned char* smem_raw) {
     static_assert(NT8 == 2 || NT8 == 4 || NT8 == 8 || NT8 == 12, "passes of 16, 32, 64 or 96 tokens");
-    __shared__ __align__(8) unsigned long long bars[2 * ST_MAX_STAGES];
-    extern __shared__ __align__(16) unsigned char smem_raw[];
     const int a = blockIdx.y;
     if (a >= *num_active) return;
     const int e = active[3 * a];
@@ -380,7 +408,7 @@ __global__ void __launch_bounds__(ST_THREADS, APL_STAGED_BLOCKS) apl_staged(
             mbar_init(&w.empty[i], 128);  // the consumers'
         }
     }
-    __syncthreads();
+    cta_barrier();
     if (threadIdx.x < 128) {
         if constexpr (APL_STAGED_REGS && APL_STAGED_BLOCKS == 2) set_warpgroup_registers<StagedRegs<NT8>::consumer>();
         staged_consume<MODE, BF16, NT8>(w, bad, sorted_slot, h_out, y_out);
@@ -397,7 +425,7 @@ __global__ void __launch_bounds__(ST_THREADS, APL_STAGED_BLOCKS) apl_staged(
             lut_s[lw * lut_stride + lut_stagger(lw, blk.bits, lut_stride) + ent] =
                 valid ? lut_to_act<BF16>(blk.lut[(long long)row * nent + ent]) : (u16)0;
         }
-        asm volatile("bar.sync 2, 128;" ::: "memory");
+        producer_barrier();
     }
     switch (blk.bits) {
         case 3: if constexpr (CLS != 1) staged_produce<3, MODE, BF16, V4, NT8>(blk, w, sorted_slot, top_k, x, lut_s, lut_stride); break;
@@ -407,5 +435,18 @@ __global__ void __launch_bounds__(ST_THREADS, APL_STAGED_BLOCKS) apl_staged(
         case 7: if constexpr (CLS != 0) staged_produce<7, MODE, BF16, V4, NT8>(blk, w, sorted_slot, top_k, x, lut_s, lut_stride); break;
         default: if constexpr (CLS != 0) staged_produce<8, MODE, BF16, V4, NT8>(blk, w, sorted_slot, top_k, x, lut_s, lut_stride); break;
     }
+}
+
+// Kernel classes as apl_gemv's: CLS 0 3-4 bits, 1 5-8 bits, 2 any (the merged class). V4: every
+// plane 16-byte aligned with a word count per row divisible by 4 (16-byte plane loads).
+template <int CLS, int MODE, bool BF16, bool V4, int NT8>
+__global__ void __launch_bounds__(ST_THREADS, APL_STAGED_BLOCKS) apl_staged(
+    const long long* __restrict__ desc, const int* __restrict__ active, const int* __restrict__ num_active,
+    const int* __restrict__ sorted_slot, int top_k, const u16* __restrict__ x, int rows_out, int cols, int lut_log2,
+    u16* __restrict__ h_out, float* __restrict__ y_out, int stages) {
+    __shared__ __align__(8) unsigned long long bars[2 * ST_MAX_STAGES];
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    staged_cta<CLS, MODE, BF16, V4, NT8>(desc, active, num_active, sorted_slot, top_k, x, rows_out, cols, lut_log2,
+                                         h_out, y_out, stages, bars, smem_raw);
 }
 #endif

@@ -20,10 +20,22 @@ APL_HD float half_to_float(u16 v) {
     return host_half_to_float(v);
 #endif
 }
-__device__ __forceinline__ u16 float_to_half(float f) {
+APL_HD u16 float_to_half(float f) {
+#ifdef __CUDA_ARCH__
     u16 r; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(f)); return r;
+#else
+    return host_float_to_half(f);
+#endif
 }
 __device__ __forceinline__ float bf16_to_float(u16 v) { return __uint_as_float(((u32)v) << 16); }
+// The quiet NaN the kernels write for blocks they cannot read.
+APL_HD float quiet_nan() {
+#ifdef __CUDA_ARCH__
+    return __int_as_float(0x7fc00000);
+#else
+    return host_quiet_nan();
+#endif
+}
 APL_HD u16 float_to_bf16(float f) {
 #ifdef __CUDA_ARCH__
     u16 r; asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f)); return r;

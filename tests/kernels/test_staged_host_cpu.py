@@ -1,14 +1,19 @@
-"""The staged regime's producer on the CPU: its dequantisation (register-LUT PRMT lookups with the
-4x4 byte transpose at 3-4 bits, shared-memory LUT rows at 5-8 bits, staggered in a merged
-launch's 256-entry rooms) and the A tiles it stores, checked bit for bit against the format's
-reference dequantisation, no GPU.
+"""The staged regime (apl_staged.cu) on the CPU, no GPU:
+
+1. its producer's dequantisation (register-LUT PRMT lookups with the 4x4 byte transpose at 3-4
+   bits, shared-memory LUT rows at 5-8 bits, staggered in a merged launch's 256-entry rooms) and
+   the A tiles it stores, bit for bit against the format's reference dequantisation;
+2. whole launches: every CTA of staged_plan's grid, its 256 threads (consumer and producer
+   warpgroups) as host threads running staged_cta, the mbarrier ring, the passes and the
+   epilogue, against a torch reference of the projection (gate_up's act(gate) * up, down's fp32
+   rows), with wgmma computed by the PTX ISA's definition.
 
 staged_host/harness.cu is compiled by nvcc with the kernel module's text as the launcher builds it
-and the launcher's defines (and once more with every knob of the lookup path flipped); its host
-pass runs stage_weights, the function staged_produce calls per step, with apl_host.h's stand-ins
-for the PTX. The tiles are read back here by the operand layout the consumer's descriptors
-describe (the PTX ISA's no-swizzle K-major layout), written out independently of tile_chunk.
-Skipped without nvcc."""
+and the launcher's defines (for 1, once more with every knob of the lookup path flipped); its host
+pass runs the kernel's own functions with apl_host.h's stand-ins for the PTX. The tiles are read
+back here by the operand layout the consumer's descriptors describe (the PTX ISA's no-swizzle
+K-major layout), written out independently of tile_chunk. What the emulation cannot show: timing,
+and a missing memory fence (apl_host.h). Skipped without nvcc."""
 
 import shutil
 import struct
@@ -20,7 +25,9 @@ import pytest
 import torch
 
 from bench.sass_mix import kernel_defines, module_text
-from pagedweight_kernels.synthetic import random_block
+from pagedweight_kernels.apl_moe import staged_class, staged_plan
+from pagedweight_kernels.moe_reference import expert_bounds, gated, group_tokens_by_expert
+from pagedweight_kernels.synthetic import random_block, ragged_routing
 
 HARNESS = Path(__file__).with_name("staged_host") / "harness.cu"
 KERNELS = Path(__file__).parents[2] / "kernels" / "pagedweight_kernels"
@@ -40,17 +47,35 @@ def _flipped_knobs() -> dict[str, int]:
             "APL_FMA_SHIFTS_MIN_BITS": 3 if d["APL_FMA_SHIFTS_MIN_BITS"] != 3 else 9}
 
 
-@pytest.fixture(scope="module", params=["launcher", "flipped"])
-def harness(request, tmp_path_factory) -> Path:
-    work = tmp_path_factory.mktemp(f"staged_host_{request.param}")
+def build_harness(work: Path, defines: dict[str, int], instance: tuple | None = None) -> Path:
+    """The harness for these defines, and with `instance` (CLS, MODE, BF16, V4, NT8) its cta mode
+    for that apl_staged instance."""
     (work / "module.cu").write_text(module_text(staged=True))
-    defines = kernel_defines(_flipped_knobs() if request.param == "flipped" else {})
+    cta = [] if instance is None else [f"-DHOST_{k}={str(v).lower()}" for k, v in zip(("CLS", "MODE", "BF16", "V4", "NT8"), instance)]
     # PTX only for the device pass (the host pass is what runs; no ptxas time)
-    build = subprocess.run(["nvcc", "-std=c++17", "-gencode=arch=compute_90a,code=compute_90a", f"-I{KERNELS}",
-                            f"-I{work}", *(f"-D{k}={v}" for k, v in defines.items()), str(HARNESS),
+    build = subprocess.run(["nvcc", "-std=c++17", "-O2", "-gencode=arch=compute_90a,code=compute_90a", f"-I{KERNELS}",
+                            f"-I{work}", *(f"-D{k}={v}" for k, v in defines.items()), *cta, str(HARNESS),
                             "-o", str(work / "harness")], capture_output=True, text=True)
     assert build.returncode == 0, build.stderr[-4000:]
     return work / "harness"
+
+
+@pytest.fixture(scope="module", params=["launcher", "flipped"])
+def harness(request, tmp_path_factory) -> Path:
+    work = tmp_path_factory.mktemp(f"staged_host_{request.param}")
+    return build_harness(work, kernel_defines(_flipped_knobs() if request.param == "flipped" else {}))
+
+
+@pytest.fixture(scope="module")
+def cta_harness(tmp_path_factory):
+    """instance -> its harness, built once per module."""
+    built = {}
+
+    def get(instance: tuple) -> Path:
+        if instance not in built:
+            built[instance] = build_harness(tmp_path_factory.mktemp("staged_cta"), kernel_defines({}), instance)
+        return built[instance]
+    return get
 
 
 def operand_offsets(rows: int) -> np.ndarray:
@@ -121,3 +146,149 @@ def test_harness_refuses_an_input_it_cannot_take(harness, tmp_path):
                          capture_output=True, text=True)
     assert run.returncode == 2 and "unsupported input" in run.stderr
     assert not (tmp_path / "out.bin").exists()
+
+
+# ---------------------------------------------------------------- whole launches
+def projection_case(mode: int, bits: list[int], rows_out: int, cols: int, num_tokens: int, top_k: int,
+                    dtype: torch.dtype, seed: int) -> dict:
+    """A layer projection with one block per expert at these bits, a skewed routing, the
+    projection's input and the expert-sorted assignments, as apl_moe's launch would see them."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = 2 * rows_out if mode == 0 else rows_out
+    blocks = [random_block(rows, cols, gen) for _ in bits]
+    topk_ids, _ = ragged_routing(num_tokens, len(bits), top_k, seed=seed)
+    order, counts = group_tokens_by_expert(topk_ids, len(bits))
+    active = [(e, start, end - start) for e, start, end in expert_bounds(counts.tolist())]
+    x_rows = num_tokens if mode == 0 else num_tokens * top_k  # down reads h in sorted order
+    x = torch.randn(x_rows, cols, generator=gen).to(dtype)
+    return {"mode": mode, "bits": bits, "blocks": blocks, "rows_out": rows_out, "cols": cols, "top_k": top_k,
+            "num_tokens": num_tokens, "sorted_slot": order.to(torch.int32), "active": active, "x": x, "dtype": dtype}
+
+
+def run_launch(harness: Path, work: Path, case: dict, plan, lut_bits: int, stages: int | None = None,
+               env: dict | None = None) -> subprocess.CompletedProcess:
+    """The harness's cta mode over every CTA of the plan's grid; the output is left in work/out.bin."""
+    gx, gy, gz = plan.grid
+    assignments = case["num_tokens"] * case["top_k"]
+    head = [len(case["bits"]), case["rows_out"], case["cols"], case["top_k"], lut_bits, stages or plan.stages,
+            gx, gy, gz, plan.shared_bytes, assignments, case["x"].shape[0], len(case["active"])]
+    parts = [struct.pack("<13i", *head)]
+    for b, block in zip(case["bits"], case["blocks"]):
+        parts += [struct.pack("<i", b), block.luts[b].contiguous().view(torch.int16).numpy().astype("<i2").tobytes(),
+                  block.planes[:b].contiguous().numpy().tobytes()]
+    parts += [np.asarray(case["active"], dtype="<i4").tobytes(), case["sorted_slot"].numpy().astype("<i4").tobytes(),
+              case["x"].view(torch.int16).numpy().astype("<i2").tobytes()]
+    (work / "in.bin").write_bytes(b"".join(parts))
+    return subprocess.run([str(harness), "cta", str(work / "in.bin"), str(work / "out.bin")],
+                          capture_output=True, text=True, timeout=600, env=env)
+
+
+def reference_projection(case: dict) -> torch.Tensor:
+    """fp32 [assignments, rows_out]: gate_up's act(gate) * up by sorted position, down's rows by
+    slot, from the blocks dequantised to the activation dtype (as the kernels' LUTs are)."""
+    rows_out, top_k, slot = case["rows_out"], case["top_k"], case["sorted_slot"].long()
+    out = torch.full((case["num_tokens"] * top_k, rows_out), float("nan"))
+    for e, start, n in case["active"]:
+        w = case["blocks"][e].dequantize(case["bits"][e]).to(case["dtype"]).float()
+        s = torch.arange(start, start + n)
+        if case["mode"] == 0:
+            y = case["x"][slot[s] // top_k].float() @ w.T
+            out[s] = gated(y[:, :rows_out], y[:, rows_out:]).to(case["dtype"]).float()
+        else:
+            out[slot[s]] = case["x"][s].float() @ w.T
+    return out
+
+
+def launch_output(work: Path, case: dict) -> torch.Tensor:
+    shape = (case["num_tokens"] * case["top_k"], case["rows_out"])
+    if case["mode"] == 0:
+        raw = np.fromfile(work / "out.bin", dtype="<i2").reshape(shape)
+        assert not np.any(raw == -1), "an h element no CTA wrote"
+        return torch.from_numpy(raw.copy()).view(case["dtype"]).float()
+    raw = np.fromfile(work / "out.bin", dtype="<i4").reshape(shape)
+    assert not np.any(raw == -1), "a y element no CTA wrote"
+    return torch.from_numpy(raw.copy()).view(torch.float32)
+
+
+def planned(case: dict) -> tuple[tuple, object, int]:
+    """(instance, plan, lut_bits) as staged_projection picks them for the case's blocks."""
+    classes: dict[int, int] = {}
+    for b in case["bits"]:
+        cls = 0 if b <= 4 else 1
+        classes[cls] = max(classes.get(cls, 0), b)
+    cls, lut_bits = staged_class(classes)
+    aligned16 = case["cols"] % 128 == 0  # (the harness's plane blobs are 16-byte aligned)
+    assignments = case["num_tokens"] * case["top_k"]
+    plan = staged_plan(case["mode"], case["num_tokens"], case["top_k"], len(case["bits"]), case["rows_out"], cls,
+                       lut_bits, min(len(case["bits"]), assignments), aligned16)
+    bf16 = case["dtype"] == torch.bfloat16
+    return (cls, case["mode"], bf16, aligned16, plan.tiles), plan, lut_bits
+
+
+def assert_matches(got: torch.Tensor, want: torch.Tensor, case: dict) -> None:
+    if case["mode"] == 0:  # h in the activation dtype: one rounding apart at most
+        rtol = 2.0 ** -7 if case["dtype"] == torch.bfloat16 else 2.0 ** -10
+        torch.testing.assert_close(got, want, rtol=rtol, atol=1e-6)
+    else:  # fp32 sums of exact products, in another order
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+# (mode, bits per expert, rows_out, cols, tokens, top_k, dtype, the instance staged_plan must pick)
+LAUNCHES = {
+    "gate_up_3_4_bits_16_token_passes": (0, [4, 3, 4, 3, 4, 3], 96, 256, 24, 2, torch.bfloat16, (0, 0, True, True, 2)),
+    "down_3_4_bits_4_byte_loads_ragged_step": (1, [3, 4, 4, 3], 192, 160, 40, 2, torch.float16, (0, 1, False, False, 4)),
+    "gate_up_5_8_bits_two_pass_groups": (0, [5, 6, 8, 7], 64, 128, 200, 2, torch.float16, (1, 0, False, True, 8)),
+    "down_merged_class": (1, [3, 5, 4, 8, 6, 4], 128, 128, 64, 2, torch.bfloat16, (2, 1, True, True, 4)),
+    "gate_up_96_token_passes": (0, [4, 3, 4, 4], 64, 256, 100, 2, torch.bfloat16, (0, 0, True, True, 12)),
+}
+
+
+@pytest.mark.parametrize("name", list(LAUNCHES))
+def test_staged_launch_matches_the_reference(cta_harness, tmp_path, name):
+    mode, bits, rows_out, cols, tokens, top_k, dtype, instance = LAUNCHES[name]
+    case = projection_case(mode, bits, rows_out, cols, tokens, top_k, dtype, seed=len(name))
+    picked, plan, lut_bits = planned(case)
+    assert picked == instance, (picked, plan)  # the case exercises what it says
+    run = run_launch(cta_harness(instance), tmp_path, case, plan, lut_bits)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert_matches(launch_output(tmp_path, case), reference_projection(case), case)
+
+
+def test_blocks_outside_the_launchs_class_come_out_nan(cta_harness, tmp_path):
+    # a 3-4-bit launch over a layer with one 6-bit block: that expert's outputs are NaN, the rest exact
+    mode, _, rows_out, cols, tokens, top_k, dtype, instance = LAUNCHES["gate_up_3_4_bits_16_token_passes"]
+    case = projection_case(mode, [4, 6, 4, 3, 4, 3], rows_out, cols, tokens, top_k, dtype, seed=7)
+    plan = staged_plan(mode, tokens, top_k, 6, rows_out, 0, 0, 6, True)
+    assert plan.tiles == instance[-1]
+    run = run_launch(cta_harness(instance), tmp_path, case, plan, lut_bits=0)
+    assert run.returncode == 0, run.stderr[-2000:]
+    got, want = launch_output(tmp_path, case), reference_projection(case)
+    bad = next((start, n) for e, start, n in case["active"] if e == 1)
+    rows = torch.arange(bad[0], bad[0] + bad[1])
+    assert bad[1] > 0 and torch.isnan(got[rows]).all()
+    keep = torch.ones(got.shape[0], dtype=torch.bool)
+    keep[rows] = False
+    assert_matches(got[keep], want[keep], case)
+
+
+def test_a_ring_of_one_buffer_deadlocks(cta_harness, tmp_path):
+    # why staged_plan refuses one buffer: the consumers hand a buffer back only after issuing the
+    # next step's wgmma, so with one the producers and consumers wait on each other for ever
+    mode, bits, rows_out, cols, tokens, top_k, dtype, instance = LAUNCHES["gate_up_3_4_bits_16_token_passes"]
+    case = projection_case(mode, bits, rows_out, cols, tokens, top_k, dtype, seed=3)
+    _, plan, lut_bits = planned(case)
+    env = {**__import__("os").environ, "APL_HOST_DEADLOCK_S": "2"}
+    run = run_launch(cta_harness(instance), tmp_path, case, plan, lut_bits, stages=1, env=env)
+    assert run.returncode == 3 and "deadlock" in run.stderr  # (staged_plan refuses it: test_apl_moe_cpu)
+
+
+@pytest.mark.parametrize("name", ["gate_up_3_4_bits_16_token_passes", "gate_up_5_8_bits_two_pass_groups"])
+def test_a_ring_of_two_buffers(cta_harness, tmp_path, name):
+    # the fewest staged_plan gives (where shared memory is short): each buffer is refilled while the
+    # next step's wgmma run, so a buffer handed back before its own wgmma were waited for shows here
+    mode, bits, rows_out, cols, tokens, top_k, dtype, instance = LAUNCHES[name]
+    case = projection_case(mode, bits, rows_out, cols, tokens, top_k, dtype, seed=11)
+    _, plan, lut_bits = planned(case)
+    run = run_launch(cta_harness(instance), tmp_path, case, plan, lut_bits, stages=2)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert_matches(launch_output(tmp_path, case), reference_projection(case), case)

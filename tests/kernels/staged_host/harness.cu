@@ -12,15 +12,29 @@
 //                           lut_log2: the LUT room of a 5-8-bit row (its own bits, or a merged
 //                           launch's 8); unit: steps per unit of plane words (APL_STAGED_UNIT).
 //   harness chunks NT OUT   tile_chunk(0, NT, r, c) for r < NT, c < 8, as int32 [NT][8].
-// Exit 2 with one line on stderr for an input it cannot take.
+//   harness cta IN OUT      one projection's launch of the apl_staged instance this binary is
+//                           compiled for (-DHOST_CLS, HOST_MODE, HOST_BF16, HOST_V4, HOST_NT8): every
+//                           CTA of the grid in turn, its 256 threads as host threads running
+//                           staged_cta. IN: int32 experts, rows_out, cols, top_k, lut_log2, stages,
+//                           grid x, y, z, shared bytes, assignments, x rows, active experts; per
+//                           expert int32 bits, fp16 LUT [rows][2^bits], plane bytes [bits][rows]
+//                           [cols / 8] (rows: 2 rows_out for gate_up, rows_out for down); int32
+//                           active [3 x active experts]; int32 sorted_slot [assignments]; act x [x
+//                           rows][cols]. OUT: h (act [assignments][rows_out], by sorted position)
+//                           for gate_up, y (fp32 [assignments][rows_out], by slot) for down, every
+//                           element first filled with all-ones bits (so one no CTA wrote shows).
+// Exit 2 with one line on stderr for an input it cannot take; a deadlock exits 3 (apl_host.h), a
+// wgmma never waited for 4.
 
 #include "apl_host.h"
 #include "module.cu"
 
 #include <algorithm>
 #include <cstdio>
+#include <thread>
 #include <vector>
 
+#ifndef __CUDA_ARCH__  // (nvcc's device pass sees the module only: apl_host.h is host-only)
 namespace {
 
 int fail(const char* what) {
@@ -129,10 +143,102 @@ int chunks(int nt, const char* out_path) {
     return std::fclose(f) == 0 && ok ? 0 : fail("cannot write the output");
 }
 
+
+#ifdef HOST_NT8
+// 16-byte aligned storage for a blob of `bytes` (plane rows are read as 16-byte vectors).
+struct Blob {
+    std::vector<uint4> words;
+    unsigned char* bytes(size_t n) { words.assign((n + 15) / 16, make_uint4(0, 0, 0, 0)); return reinterpret_cast<unsigned char*>(words.data()); }
+};
+
+int cta(const char* in_path, const char* out_path) {
+    FILE* f = std::fopen(in_path, "rb");
+    if (!f) return fail("cannot read the input");
+    int h[13];
+    if (std::fread(h, sizeof h, 1, f) != 1) { std::fclose(f); return fail("short header"); }
+    const int experts = h[0], rows_out = h[1], cols = h[2], top_k = h[3], lut_log2 = h[4], stages = h[5];
+    const int gx = h[6], gy = h[7], gz = h[8], shared_bytes = h[9], assignments = h[10], x_rows = h[11], num_active = h[12];
+    const int rows = HOST_MODE == 0 ? 2 * rows_out : rows_out;
+    if (experts <= 0 || experts > 64 || rows_out <= 0 || rows_out > 4096 || cols <= 0 || cols % 32 || cols > 8192 ||
+        top_k <= 0 || stages <= 0 || stages > ST_MAX_STAGES || gx <= 0 || gy <= 0 || gz <= 0 || gx * gy * gz > 4096 ||
+        shared_bytes < 0 || shared_bytes + 2 * ST_MAX_STAGES * 8 > (int)APL_HOST_SHARED_BYTES || assignments <= 0 ||
+        assignments > 1 << 16 || x_rows <= 0 || x_rows > 1 << 16 || num_active < 0 || num_active > experts) {
+        std::fclose(f);
+        return fail("unsupported input");
+    }
+    bool ok = true;
+    std::vector<Blob> luts(experts), planes(experts);
+    std::vector<long long> desc((size_t)experts * DESC_WIDTH, 0);
+    for (int e = 0; e < experts && ok; ++e) {
+        int bits = 0;
+        ok = std::fread(&bits, 4, 1, f) == 1 && bits >= 3 && bits <= 8;
+        if (!ok) break;
+        const size_t lut_bytes = ((size_t)rows << bits) * 2, plane_bytes = (size_t)rows * (cols / 8);
+        unsigned char* lut = luts[e].bytes(lut_bytes);
+        unsigned char* pl = planes[e].bytes(bits * plane_bytes);
+        ok = std::fread(lut, 1, lut_bytes, f) == lut_bytes && std::fread(pl, 1, bits * plane_bytes, f) == bits * plane_bytes;
+        desc[(size_t)e * DESC_WIDTH] = bits;
+        desc[(size_t)e * DESC_WIDTH + 1] = (long long)lut;
+        for (int p = 0; p < bits; ++p) desc[(size_t)e * DESC_WIDTH + 2 + p] = (long long)(pl + p * plane_bytes);
+    }
+    std::vector<int> active(3 * (size_t)std::max(num_active, 1)), sorted_slot(assignments);
+    std::vector<u16> x((size_t)x_rows * cols);
+    ok = ok && std::fread(active.data(), 4, 3 * (size_t)num_active, f) == 3 * (size_t)num_active &&
+         std::fread(sorted_slot.data(), 4, assignments, f) == (size_t)assignments &&
+         std::fread(x.data(), 2, x.size(), f) == x.size();
+    std::fclose(f);
+    if (!ok) return fail("short or unsupported input");
+    for (int a = 0; a < num_active; ++a)
+        if (active[3 * a] < 0 || active[3 * a] >= experts || active[3 * a + 1] < 0 || active[3 * a + 2] < 0 ||
+            active[3 * a + 1] + active[3 * a + 2] > assignments)
+            return fail("an active expert outside the layer or its assignments");
+    for (int s = 0; s < assignments; ++s)
+        if (sorted_slot[s] < 0 || sorted_slot[s] >= assignments || (HOST_MODE == 0 ? sorted_slot[s] / top_k : s) >= x_rows)
+            return fail("a sorted slot outside the assignments or x");
+
+    std::vector<u16> h_out(HOST_MODE == 0 ? (size_t)assignments * rows_out : 1, 0xFFFFu);
+    std::vector<float> y_out(HOST_MODE == 1 ? (size_t)assignments * rows_out : 1);
+    std::memset(y_out.data(), 0xFF, y_out.size() * 4);
+    apl_host_grid_dim = make_uint3(gx, gy, gz);
+    unsigned long long* bars = reinterpret_cast<unsigned long long*>(apl_host_shared);  // the kernel's static shared array
+    unsigned char* smem_raw = apl_host_shared + 2 * ST_MAX_STAGES * 8;
+    for (int z = 0; z < gz; ++z)
+        for (int y = 0; y < gy; ++y)
+            for (int bx = 0; bx < gx; ++bx) {
+                std::memset(apl_host_shared, 0xA5, APL_HOST_SHARED_BYTES);  // (what no store reaches stays visible)
+                apl_host_mbars.clear();
+                apl_host_bars.clear();
+                std::vector<std::thread> threads;
+                for (int t = 0; t < ST_THREADS; ++t)
+                    threads.emplace_back([&, t] {
+                        apl_host_thread_idx = make_uint3(t, 0, 0);
+                        apl_host_block_idx = make_uint3(bx, y, z);
+                        staged_cta<HOST_CLS, HOST_MODE, HOST_BF16, HOST_V4, HOST_NT8>(
+                            desc.data(), active.data(), &num_active, sorted_slot.data(), top_k, x.data(), rows_out, cols,
+                            lut_log2, h_out.data(), y_out.data(), stages, bars, smem_raw);
+                        if (!host_wgmma_all_waited()) {
+                            std::fprintf(stderr, "thread %d of CTA (%d, %d, %d) left a wgmma it never waited for\n", t, bx, y, z);
+                            std::_Exit(4);
+                        }
+                    });
+                for (auto& th : threads) th.join();
+            }
+    FILE* o = std::fopen(out_path, "wb");
+    if (!o) return fail("cannot write the output");
+    ok = HOST_MODE == 0 ? std::fwrite(h_out.data(), 2, h_out.size(), o) == h_out.size()
+                        : std::fwrite(y_out.data(), 4, y_out.size(), o) == y_out.size();
+    return std::fclose(o) == 0 && ok ? 0 : fail("cannot write the output");
+}
+#endif
+
 }  // namespace
 
 int main(int argc, char** argv) {
     if (argc == 4 && std::strcmp(argv[1], "tiles") == 0) return tiles(argv[2], argv[3]);
     if (argc == 4 && std::strcmp(argv[1], "chunks") == 0) return chunks(std::atoi(argv[2]), argv[3]);
-    return fail("usage: harness tiles IN OUT | harness chunks NT OUT");
+#ifdef HOST_NT8
+    if (argc == 4 && std::strcmp(argv[1], "cta") == 0) return cta(argv[2], argv[3]);
+#endif
+    return fail("usage: harness tiles IN OUT | harness chunks NT OUT | harness cta IN OUT");
 }
+#endif  // __CUDA_ARCH__
