@@ -9,12 +9,14 @@ which, so the widths are counted from a probe: a kernel with the same launch bou
 register budget (setmaxnreg) whose body is apl_staged.cu's producer for one width only.
 
 Usage: python -m bench.staged_sass [--dtype bf16|fp16] [--out NAME]   (nvcc and nvdisasm, no GPU;
-NVDISASM names nvdisasm where it is not on PATH: the `nvidia-cuda-nvdisasm` wheel ships one)
+NVDISASM names nvdisasm where it is not on PATH: the `nvidia-cuda-nvdisasm` wheel ships one;
+APL_KERNEL_DEFINES="APL_STAGED_PLANE_ASYNC=1" counts a knob's build, as the host would compile it)
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import subprocess
 import sys
@@ -33,7 +35,8 @@ __global__ void __launch_bounds__(ST_THREADS, APL_STAGED_BLOCKS) staged_probe(
     const long long* __restrict__ desc, StagedWork w, const int* __restrict__ sorted_slot, int top_k,
     const u16* __restrict__ x, const u16* lut_s, int lut_stride) {
     if constexpr (APL_STAGED_REGS && APL_STAGED_BLOCKS == 2) set_warpgroup_registers<StagedRegs<NT8>::producer>();
-    staged_produce<B, MODE, BF16, V4, NT8>(load_block(desc, 0), w, sorted_slot, top_k, x, lut_s, lut_stride);
+    staged_produce<B, MODE, BF16, V4, NT8, APL_STAGED_PLANE_ASYNC && B <= 4>(load_block(desc, 0), w, sorted_slot, top_k, x,
+                                                                           lut_s, lut_stride);
 }
 """
 
@@ -100,7 +103,7 @@ def main(argv=None) -> int:
             print(f"staged_sass: {err}", file=sys.stderr)
             return 2
     path = write_result(args.out, {"dtype": args.dtype, "tools": tool_versions(), "instances": kernels,
-                                   "producer_loops": loops,
+                                   "producer_loops": loops, "kernel_defines_env": os.environ.get("APL_KERNEL_DEFINES", ""),
                                    "command": "python -m bench.staged_sass " + " ".join(argv or sys.argv[1:])})
     print(path)
     return 0

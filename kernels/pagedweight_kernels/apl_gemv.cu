@@ -263,20 +263,33 @@ __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefe
 __device__ __forceinline__ void cp_async8(u32 dst, const u32* src) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" :: "r"(dst), "l"(src) : "memory");
 }
-__device__ __forceinline__ void cp_async4(u32 dst, const u32* src) {
+APL_HD void cp_async4(u32 dst, const u32* src) {
+#ifdef __CUDA_ARCH__
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" :: "r"(dst), "l"(src) : "memory");
+#else
+    host_cp_async(dst, src, 4, 4);
+#endif
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+APL_HD void cp_async_commit() {
+#ifdef __CUDA_ARCH__
+    asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
 // 16 bytes, L2 only; src_bytes 0 fills the destination with zeros (no read).
 APL_HD void cp_async16(u32 dst, const void* src, u32 src_bytes) {
 #ifdef __CUDA_ARCH__
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(src_bytes) : "memory");
 #else
-    host_cp_async16(dst, src, src_bytes);
+    host_cp_async(dst, src, 16, src_bytes);
 #endif
 }
+// (On the host a cp.async copy lands when issued: commit and wait have nothing to do.)
 template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory"); }
+APL_HD void cp_async_wait() {
+#ifdef __CUDA_ARCH__
+    asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory");
+#endif
+}
 
 // The columns of selector s (0..7) of a plane word, in the order of the 4 k slots a thread
 // owns: (2t, 2t+1) then (2t+8, 2t+9). Codes<B> puts column 4n+c in nibble n of o[c].

@@ -87,12 +87,16 @@ inline unsigned short host_float_to_bf16(float f) {
 
 // Shared memory: one CTA's worth of bytes, addressed as the device's shared window is (a u32
 // offset). An access outside it, or misaligned, is a bug in the code under test: abort loudly.
+// apl_host_shared_limit: the bytes the launch gave the CTA (the harness sets it per launch), so
+// that a kernel reaching past what its host planned for fails here as it would on the device.
 constexpr unsigned APL_HOST_SHARED_BYTES = 228u * 1024u;
 inline unsigned char apl_host_shared[APL_HOST_SHARED_BYTES];
+inline unsigned apl_host_shared_limit = APL_HOST_SHARED_BYTES;
 
 inline void host_shared_check(unsigned addr, unsigned size) {
-    if (addr % size != 0 || addr + size > APL_HOST_SHARED_BYTES) {
-        std::fprintf(stderr, "host shared memory: %u-byte access at %u is misaligned or out of range\n", size, addr);
+    if (addr % size != 0 || addr + size > apl_host_shared_limit) {
+        std::fprintf(stderr, "host shared memory: %u-byte access at %u is misaligned or past the CTA's %u bytes\n",
+                     size, addr, apl_host_shared_limit);
         std::abort();
     }
 }
@@ -102,7 +106,13 @@ inline unsigned short host_lds_u16(unsigned addr) {
     std::memcpy(&v, apl_host_shared + addr, 2);
     return v;
 }
-inline void host_sts_v4(unsigned addr, const uint4& v) {  // (nvcc includes the CUDA vector types first)
+inline uint2 host_lds_v2(unsigned addr) {  // (nvcc includes the CUDA vector types first)
+    host_shared_check(addr, 8);
+    uint2 v;
+    std::memcpy(&v, apl_host_shared + addr, 8);
+    return v;
+}
+inline void host_sts_v4(unsigned addr, const uint4& v) {
     host_shared_check(addr, 16);
     const unsigned w[4] = {v.x, v.y, v.z, v.w};
     std::memcpy(apl_host_shared + addr, w, 16);
@@ -153,14 +163,14 @@ inline unsigned host_shared_addr(const void* p) {
     return (unsigned)(b - apl_host_shared);
 }
 
-// cp.async (16 bytes, src_bytes of them read, the rest zero-filled): lands when issued.
-inline void host_cp_async16(unsigned dst, const void* src, unsigned src_bytes) {
-    host_shared_check(dst, 16);
-    if (src_bytes > 16) {
-        std::fprintf(stderr, "cp.async: %u source bytes for a 16-byte copy\n", src_bytes);
+// cp.async (size bytes, src_bytes of them read, the rest zero-filled): lands when issued.
+inline void host_cp_async(unsigned dst, const void* src, unsigned size, unsigned src_bytes) {
+    host_shared_check(dst, size);
+    if (src_bytes > size || reinterpret_cast<unsigned long long>(src) % size) {
+        std::fprintf(stderr, "cp.async: %u source bytes for a %u-byte copy, or a misaligned source\n", src_bytes, size);
         std::abort();
     }
-    std::memset(apl_host_shared + dst, 0, 16);
+    std::memset(apl_host_shared + dst, 0, size);
     if (src_bytes) std::memcpy(apl_host_shared + dst, src, src_bytes);
 }
 

@@ -210,6 +210,13 @@ APL_HD u16 lds_u16(u32 addr) {
     return host_lds_u16(addr);
 #endif
 }
+APL_HD uint2 lds_v2(u32 addr) {
+#ifdef __CUDA_ARCH__
+    uint2 v; asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(addr)); return v;
+#else
+    return host_lds_v2(addr);
+#endif
+}
 APL_HD u32 shared_addr(const void* p) {
 #ifdef __CUDA_ARCH__
     return (u32)__cvta_generic_to_shared(p);

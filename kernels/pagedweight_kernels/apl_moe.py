@@ -163,7 +163,7 @@ KERNEL_DEFINES = {"APL_LDS_MODE": 1, "APL_RPG_DIV": 8, "APL_PREFETCH": 1, "APL_D
                   "APL_GEMV_ORDER": 5, "APL_GEMV_HEAVY_MIN_TOKENS": 2, "APL_PLANE_HINT": 2, "APL_PLANE_HINT_MIN_NT8": 8, "APL_GEMV_PDL_LUT_WAIT": 0,
                   "APL_LUT_STAGGER": 1, "APL_TILES_WS": 0, "APL_TILES_WS_ROUNDS": 2, "APL_TILES_WS_BLOCKS": 2,
                   "APL_TILES_WS_WARPS": 1, "APL_TILES_WS_STAGES": 2, "APL_STAGED_PREFETCH": 2, "APL_STAGED_UNIT": 2, "APL_STAGED_BLOCKS": 2,
-                  "APL_STAGED_REGS": 1}
+                  "APL_STAGED_REGS": 1, "APL_STAGED_PLANE_ASYNC": 0}
 
 
 def knob_overrides(text: str) -> dict[str, int]:
@@ -601,15 +601,28 @@ def staged_plan(mode: int, num_tokens: int, top_k: int, num_experts: int, rows_o
     groups = max(1, min(math.ceil(num_tokens / tokens), math.ceil(per_expert / tokens)))
     rpc = STAGED_ROWS // 2 if mode == 0 else STAGED_ROWS
     lut = STAGED_ROWS * (1 << lut_bits) * 2 if lut_bits else 0
+    planes = staged_plane_ring_bytes(cls, nt8, aligned16)
     stage = (STAGED_ROWS + tokens) * STAGED_STEP * 2  # the A tile, then the B tile
     for budget in STAGED_CTA_SHARED:
-        stages = min(STAGED_STAGES, STAGED_MAX_STAGES, (budget - STAGED_ALIGN_PAD - lut) // stage)
+        stages = min(STAGED_STAGES, STAGED_MAX_STAGES, (budget - STAGED_ALIGN_PAD - lut - planes) // stage)
         if stages >= 2:
             break
     else:  # the consumers hand a buffer back after the next one's wgmma are issued: one would deadlock
-        raise APLKernelError(f"the staged regime needs 2 ring buffers of {stage} bytes beside {lut} bytes of LUT rows")
+        raise APLKernelError(f"the staged regime needs 2 ring buffers of {stage} bytes beside {lut} bytes of LUT rows"
+                             f" and {planes} of plane words")
     grid = (math.ceil(rows_out / rpc), max_active, groups)
-    return GemmPlan("staged", tokens, 0, rpc, 1, 0, grid, STAGED_ALIGN_PAD + lut + stages * stage, nt8, stages)
+    return GemmPlan("staged", tokens, 0, rpc, 1, 0, grid, STAGED_ALIGN_PAD + lut + stages * stage + planes, nt8, stages)
+
+
+def staged_plane_ring_bytes(cls: int, nt8: int, aligned16: bool) -> int:
+    """The producers' plane ring past the ring buffers (APL_STAGED_PLANE_ASYNC, the 3-4-bit class
+    only): per weight row, APL_STAGED_PREFETCH unit slots of 4 planes x 2 words a step, units of
+    APL_STAGED_UNIT steps where the kernel takes them (16-byte plane loads, passes of up to 64
+    tokens), else 2."""
+    if not KERNEL_DEFINES["APL_STAGED_PLANE_ASYNC"] or cls != 0:
+        return 0
+    unit = KERNEL_DEFINES["APL_STAGED_UNIT"] if aligned16 and nt8 <= TILES_MAX_NT8 else 2
+    return STAGED_ROWS * KERNEL_DEFINES["APL_STAGED_PREFETCH"] * 4 * (2 * unit) * 4
 
 
 def staged_instances(flag: str, modes: tuple[int, ...] = (0, 1)) -> list[str]:

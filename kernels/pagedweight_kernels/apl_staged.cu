@@ -30,6 +30,15 @@
 #ifndef APL_STAGED_UNIT
 #define APL_STAGED_UNIT 2
 #endif
+// 1: the 3-4-bit class's plane words come by cp.async into a ring of APL_STAGED_PREFETCH unit slots
+// per producer thread in shared memory (past the CTA's ring buffers; staged_plan counts it) and are
+// read back by LDS when used. Each step ends in fence.proxy.async, which compiles to MEMBAR.ALL.CTA:
+// if that waits for the thread's loads in flight, the register prefetch (0) is drained every step,
+// while cp.async copies complete by wait_group and the fence need not wait for them. (They also
+// delay the step's full phase: cp.async.mbarrier.arrive counts every earlier copy of the thread.)
+#ifndef APL_STAGED_PLANE_ASYNC
+#define APL_STAGED_PLANE_ASYNC 0
+#endif
 #ifndef APL_STAGED_BLOCKS
 #define APL_STAGED_BLOCKS 2    // CTAs per SM the register budget must allow (2: 128 registers a thread)
 #endif
@@ -201,8 +210,9 @@ APL_HD u32 stage_a(const StagedWork& w, int slot) {
     return w.ring + (u32)slot * (ST_A_BYTES + NT8 * 8 * ST_KS * 2);
 }
 
-// The producer warpgroup: thread pt owns weight row pt of the CTA.
-template <int B, int MODE, bool BF16, bool V4, int NT8>
+// The producer warpgroup: thread pt owns weight row pt of the CTA. PA: plane words by cp.async
+// (APL_STAGED_PLANE_ASYNC, 3-4 bits only).
+template <int B, int MODE, bool BF16, bool V4, int NT8, bool PA>
 APL_HD void staged_produce(const BlockRef& blk, const StagedWork& w, const int* __restrict__ sorted_slot, int top_k,
                            const u16* __restrict__ x, const u16* lut_s, int lut_stride) {
     // P: units in flight; 5-8-bit rows keep one (8 planes' words, and the registers run out at 2)
@@ -240,6 +250,29 @@ APL_HD void staged_produce(const BlockRef& blk, const StagedWork& w, const int* 
             }
         }
     };
+    // PA: unit u's words land in slot u % P of the thread's plane ring ([slot][plane][thread][W
+    // words]), one commit group a unit; past the row's last unit the group is empty, so no copy is
+    // ever in flight to a slot that is being read or refilled.
+    static_assert(!PA || B <= 4, "plane words by cp.async for 3-4-bit rows only");
+    const u32 plane_ring = stage_a<NT8>(w, w.stages) + (u32)pt * (W * 4);
+    auto plane_slot = [&](int d, int p) { return plane_ring + (u32)((d * B + p) * ST_ROWS * W * 4); };
+    auto issue_unit = [&](int d, int u) {
+        if (u < units) {
+            const int w0 = W * u;
+#pragma unroll
+            for (int p = 0; p < B; ++p) {
+                if constexpr (V4) {
+#pragma unroll
+                    for (int q = 0; q < W / 4; ++q)
+                        cp_async16(plane_slot(d, p) + 16 * q, row_planes[p] + (q == 0 ? w0 : min(w0 + 4 * q, wpr - 4)), 16u);
+                } else {
+#pragma unroll
+                    for (int i = 0; i < W; ++i) cp_async4(plane_slot(d, p) + 4 * i, row_planes[p] + min(w0 + i, wpr - 1));
+                }
+            }
+        }
+        cp_async_commit();
+    };
     const int c8 = pt & 7;  // this thread copies chunk c8 of tokens pt / 8 + 16 i
     u32 it = 0;
     for (int m0 = blockIdx.z * NT; m0 < w.n; m0 += gridDim.z * NT) {
@@ -254,14 +287,18 @@ APL_HD void staged_produce(const BlockRef& blk, const StagedWork& w, const int* 
             }
             src[i] = x + row * w.cols + c8 * 8;
         }
-        u32 buf[P][B][W];
+        u32 buf[PA ? 1 : P][B][W];
 #pragma unroll
-        for (int d = 0; d < P; ++d) load_unit(buf[d], d);
+        for (int d = 0; d < P; ++d) {
+            if constexpr (PA) issue_unit(d, d);
+            else load_unit(buf[d], d);
+        }
         for (int u0 = 0; u0 < units; u0 += P) {
 #pragma unroll
             for (int d = 0; d < P; ++d) {
                 const int u = u0 + d;
                 if (u >= units) break;
+                if constexpr (PA) cp_async_wait<P - 1>();  // unit u's group has landed (the P - 1 after it need not)
 #pragma unroll
                 for (int half = 0; half < U; ++half) {  // (a unit's steps)
                     const int step = U * u + half;
@@ -278,12 +315,24 @@ APL_HD void staged_produce(const BlockRef& blk, const StagedWork& w, const int* 
                         cp_async16(tile_chunk(b_tile, NT, tok, c8), src[i] + step * ST_KS, in ? 16u : 0u);
                     }
                     cp_async_mbar_arrive(&w.full[slot]);
-                    stage_weights<B, W>(rlut, lut_base, buf[d], half, a_tile, pt);
+                    if constexpr (PA) {  // this step's two words of every plane, from the slot
+                        u32 words[B][W] = {};
+#pragma unroll
+                        for (int p = 0; p < B; ++p) {
+                            const uint2 v = lds_v2(plane_slot(d, p) + 8 * half);
+                            words[p][2 * half] = v.x;
+                            words[p][2 * half + 1] = v.y;
+                        }
+                        stage_weights<B, W>(rlut, lut_base, words, half, a_tile, pt);
+                    } else {
+                        stage_weights<B, W>(rlut, lut_base, buf[d], half, a_tile, pt);
+                    }
                     fence_proxy_async();  // the stores, before wgmma (the async proxy) reads them
                     mbar_arrive(&w.full[slot]);
                     ++it;
                 }
-                load_unit(buf[d], u + P);
+                if constexpr (PA) issue_unit(d, u + P);
+                else load_unit(buf[d], u + P);
             }
         }
     }
@@ -427,13 +476,14 @@ APL_HD void staged_cta(const long long* __restrict__ desc, const int* __restrict
         }
         producer_barrier();
     }
+    constexpr bool PA = APL_STAGED_PLANE_ASYNC && CLS == 0;  // (the other classes' shared memory holds LUT rows)
     switch (blk.bits) {
-        case 3: if constexpr (CLS != 1) staged_produce<3, MODE, BF16, V4, NT8>(blk, w, sorted_slot, top_k, x, lut_s, lut_stride); break;
-        case 4: if constexpr (CLS != 1) staged_produce<4, MODE, BF16, V4, NT8>(blk, w, sorted_slot, top_k, x, lut_s, lut_stride); break;
-        case 5: if constexpr (CLS != 0) staged_produce<5, MODE, BF16, V4, NT8>(blk, w, sorted_slot, top_k, x, lut_s, lut_stride); break;
-        case 6: if constexpr (CLS != 0) staged_produce<6, MODE, BF16, V4, NT8>(blk, w, sorted_slot, top_k, x, lut_s, lut_stride); break;
-        case 7: if constexpr (CLS != 0) staged_produce<7, MODE, BF16, V4, NT8>(blk, w, sorted_slot, top_k, x, lut_s, lut_stride); break;
-        default: if constexpr (CLS != 0) staged_produce<8, MODE, BF16, V4, NT8>(blk, w, sorted_slot, top_k, x, lut_s, lut_stride); break;
+        case 3: if constexpr (CLS != 1) staged_produce<3, MODE, BF16, V4, NT8, PA>(blk, w, sorted_slot, top_k, x, lut_s, lut_stride); break;
+        case 4: if constexpr (CLS != 1) staged_produce<4, MODE, BF16, V4, NT8, PA>(blk, w, sorted_slot, top_k, x, lut_s, lut_stride); break;
+        case 5: if constexpr (CLS != 0) staged_produce<5, MODE, BF16, V4, NT8, false>(blk, w, sorted_slot, top_k, x, lut_s, lut_stride); break;
+        case 6: if constexpr (CLS != 0) staged_produce<6, MODE, BF16, V4, NT8, false>(blk, w, sorted_slot, top_k, x, lut_s, lut_stride); break;
+        case 7: if constexpr (CLS != 0) staged_produce<7, MODE, BF16, V4, NT8, false>(blk, w, sorted_slot, top_k, x, lut_s, lut_stride); break;
+        default: if constexpr (CLS != 0) staged_produce<8, MODE, BF16, V4, NT8, false>(blk, w, sorted_slot, top_k, x, lut_s, lut_stride); break;
     }
 }
 

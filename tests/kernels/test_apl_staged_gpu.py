@@ -100,7 +100,8 @@ def test_staged_no_host_sync(staged):
 # too; APL_FMA_SHIFTS_MIN_BITS) change how the weights are made and staged, never their values or
 # the wgmma order: the output stays bit for bit.
 STAGED_KNOBS = [{"APL_PRMT_SELECT": 1, "APL_FMA_SHIFTS_MIN_BITS": 3}, {"APL_STAGED_PREFETCH": 1},
-                {"APL_STAGED_PREFETCH": 3, "APL_STAGED_REGS": 0}]
+                {"APL_STAGED_PREFETCH": 3, "APL_STAGED_REGS": 0}, {"APL_STAGED_PLANE_ASYNC": 1},
+                {"APL_STAGED_PLANE_ASYNC": 1, "APL_STAGED_PREFETCH": 3}]
 
 
 @pytest.mark.parametrize("knobs", STAGED_KNOBS, ids=lambda k: ",".join(f"{n}={v}" for n, v in k.items()))
@@ -113,13 +114,16 @@ def test_staged_knobs_keep_the_output_bit_for_bit(knobs, bits, staged, monkeypat
     assert torch.equal(check_case(case, bits=bits), default)
 
 
+@pytest.mark.parametrize("plane_async", (0, 1))
 @pytest.mark.parametrize("bits", (3, 4, None))
-def test_units_of_4_steps_keep_the_output_bit_for_bit(bits, staged, monkeypatch):
+def test_units_of_4_steps_keep_the_output_bit_for_bit(bits, plane_async, staged, monkeypatch):
     """APL_STAGED_UNIT 4 (3-4-bit rows with 16-byte plane loads, passes of up to 64 tokens): down's
-    384 columns are 12 words a row, so its second unit passes the row's end and is clamped."""
+    384 columns are 12 words a row, so its second unit passes the row's end and is clamped; with
+    the plane words by 16-byte cp.async too."""
     case = STAGED_CASES[-1]
     default = check_case(case, bits=bits)
     monkeypatch.setitem(op.KERNEL_DEFINES, "APL_STAGED_UNIT", 4)
+    monkeypatch.setitem(op.KERNEL_DEFINES, "APL_STAGED_PLANE_ASYNC", plane_async)
     assert torch.equal(check_case(case, bits=bits), default)
 
 

@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from bench.sass_mix import kernel_defines, module_text
+from pagedweight_kernels import apl_moe as op
 from pagedweight_kernels.apl_moe import staged_class, staged_plan
 from pagedweight_kernels.moe_reference import expert_bounds, gated, group_tokens_by_expert
 from pagedweight_kernels.synthetic import random_block, ragged_routing
@@ -68,13 +69,14 @@ def harness(request, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def cta_harness(tmp_path_factory):
-    """instance -> its harness, built once per module."""
+    """(instance, define overrides) -> its harness, built once per module."""
     built = {}
 
-    def get(instance: tuple) -> Path:
-        if instance not in built:
-            built[instance] = build_harness(tmp_path_factory.mktemp("staged_cta"), kernel_defines({}), instance)
-        return built[instance]
+    def get(instance: tuple, overrides: dict[str, int] | None = None) -> Path:
+        key = (instance, tuple(sorted((overrides or {}).items())))
+        if key not in built:
+            built[key] = build_harness(tmp_path_factory.mktemp("staged_cta"), kernel_defines(overrides or {}), instance)
+        return built[key]
     return get
 
 
@@ -292,3 +294,41 @@ def test_a_ring_of_two_buffers(cta_harness, tmp_path, name):
     run = run_launch(cta_harness(instance), tmp_path, case, plan, lut_bits, stages=2)
     assert run.returncode == 0, run.stderr[-2000:]
     assert_matches(launch_output(tmp_path, case), reference_projection(case), case)
+
+
+# The knobs the GPU tests run bit for bit (test_apl_staged_gpu.py), here on whole launches: the
+# producers' schedule and lookups change, the sums the consumers form must not, to the bit.
+KNOBS = {"prefetch_1": {"APL_STAGED_PREFETCH": 1}, "prefetch_3": {"APL_STAGED_PREFETCH": 3},
+         "units_of_4": {"APL_STAGED_UNIT": 4}, "prmt_select": {"APL_PRMT_SELECT": 1, "APL_FMA_SHIFTS_MIN_BITS": 9},
+         "plane_async": {"APL_STAGED_PLANE_ASYNC": 1},
+         "plane_async_units_of_4_prefetch_3": {"APL_STAGED_PLANE_ASYNC": 1, "APL_STAGED_UNIT": 4, "APL_STAGED_PREFETCH": 3},
+         "plane_async_prefetch_1": {"APL_STAGED_PLANE_ASYNC": 1, "APL_STAGED_PREFETCH": 1}}
+
+
+@pytest.mark.parametrize("knob", list(KNOBS))
+@pytest.mark.parametrize("name", ["gate_up_3_4_bits_16_token_passes", "down_3_4_bits_4_byte_loads_ragged_step",
+                                  "down_merged_class"])
+def test_staged_knobs_leave_the_launch_bit_for_bit(cta_harness, tmp_path, monkeypatch, name, knob):
+    mode, bits, rows_out, cols, tokens, top_k, dtype, instance = LAUNCHES[name]
+    case = projection_case(mode, bits, rows_out, cols, tokens, top_k, dtype, seed=5)
+    runs = []
+    for overrides in ({}, KNOBS[knob]):
+        for define, value in overrides.items():  # the host plans with the kernel's knobs (the plane ring's bytes)
+            monkeypatch.setitem(op.KERNEL_DEFINES, define, value)
+        _, plan, lut_bits = planned(case)
+        run = run_launch(cta_harness(instance, overrides), tmp_path, case, plan, lut_bits)
+        assert run.returncode == 0, run.stderr[-2000:]
+        runs.append((tmp_path / "out.bin").read_bytes())
+    assert runs[0] == runs[1]
+
+
+def test_the_plane_ring_lives_in_the_bytes_the_host_plans(cta_harness, tmp_path, monkeypatch):
+    # the harness gives each CTA exactly the plan's shared bytes: planned without the plane ring, a
+    # launch that reads its plane words through it reaches past them
+    mode, bits, rows_out, cols, tokens, top_k, dtype, instance = LAUNCHES["gate_up_3_4_bits_16_token_passes"]
+    case = projection_case(mode, bits, rows_out, cols, tokens, top_k, dtype, seed=5)
+    _, plan, lut_bits = planned(case)  # (APL_STAGED_PLANE_ASYNC 0: no ring counted)
+    monkeypatch.setitem(op.KERNEL_DEFINES, "APL_STAGED_PLANE_ASYNC", 1)
+    assert planned(case)[1].shared_bytes == plan.shared_bytes + op.staged_plane_ring_bytes(0, instance[-1], True) > plan.shared_bytes
+    run = run_launch(cta_harness(instance, {"APL_STAGED_PLANE_ASYNC": 1}), tmp_path, case, plan, lut_bits)
+    assert run.returncode != 0 and "past the CTA's" in run.stderr

@@ -1,8 +1,9 @@
 """The staged regime's register budget (StagedRegs in apl_staged.cu: setmaxnreg splits 2 CTAs'
 registers between the consumer and producer warpgroups): every instance staged_projection can
 launch must fit without spilling (the 96-token 4-byte-load instances spilled, and staged_plan
-does not pick them: test_apl_moe_cpu). Compiled by nvcc as bench/sass_mix does (bf16; fp16
-differs in conversions only), no GPU; skipped without nvcc."""
+does not pick them: test_apl_moe_cpu), with the default knobs and with the plane words by
+cp.async. Compiled by nvcc as bench/sass_mix does (bf16; fp16 differs in conversions only), no
+GPU; skipped without nvcc."""
 
 import shutil
 
@@ -18,4 +19,14 @@ def test_every_staged_instance_fits_without_spilling(instance, tmp_path):
     _, resources = build_instance(instance, {}, tmp_path)
     registers, spilled = resource_usage(resources)
     assert registers <= 128, resources  # __launch_bounds__(256, 2)
+    assert spilled == 0, resources
+
+
+# APL_STAGED_PLANE_ASYNC (the 3-4-bit class's plane words by cp.async) changes that class's producer only
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+@pytest.mark.parametrize("instance", [name for name in staged_instances("true") if name.startswith("apl_staged<0,")])
+def test_staged_instances_fit_with_plane_words_by_cp_async(instance, tmp_path):
+    _, resources = build_instance(instance, {"APL_STAGED_PLANE_ASYNC": 1}, tmp_path)
+    registers, spilled = resource_usage(resources)
+    assert registers <= 128, resources
     assert spilled == 0, resources

@@ -202,6 +202,7 @@ int cta(const char* in_path, const char* out_path) {
     apl_host_grid_dim = make_uint3(gx, gy, gz);
     unsigned long long* bars = reinterpret_cast<unsigned long long*>(apl_host_shared);  // the kernel's static shared array
     unsigned char* smem_raw = apl_host_shared + 2 * ST_MAX_STAGES * 8;
+    apl_host_shared_limit = 2 * ST_MAX_STAGES * 8 + shared_bytes;  // the static mbarriers, then the launch's bytes
     for (int z = 0; z < gz; ++z)
         for (int y = 0; y < gy; ++y)
             for (int bx = 0; bx < gx; ++bx) {
