@@ -41,7 +41,10 @@ HOST_KNOBS = {name: getattr(op, name) for name in ("GEMV_TARGET_CTAS", "GEMV_MER
                                                        "GEMV_PDL_DOWN_CLASSES", "GEMV_LONG_SPLIT_CLASSES",
                                                        "GEMV_LONG_SPLIT_WORDS", "GEMV_LONG_ROW_WORDS",
                                                        "GEMV_LONG_MIN_TOKENS", "STAGED_PREFILL", "STAGED_STAGES")}
-VARIANTS = {  # name -> (define changes, host changes)
+# Host changes a variant may make to the layer rather than to a module attribute (main applies them):
+# stable launches, and 8-byte plane loads off.
+LAYER_SWITCHES = ("stable", "aligned8")
+VARIANTS = {  # name -> (define changes, host changes: HOST_KNOBS and LAYER_SWITCHES)
     "base": ({}, {}),
     # the staged regime (apl_staged.cu, 2026-12-03, fifth session): a producer warpgroup dequantises
     # plane tiles into a ring of shared buffers, a consumer warpgroup runs wgmma on both from there
