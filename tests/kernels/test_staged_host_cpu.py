@@ -195,7 +195,7 @@ def reference_projection(case: dict) -> torch.Tensor:
         s = torch.arange(start, start + n)
         if case["mode"] == 0:
             y = case["x"][slot[s] // top_k].float() @ w.T
-            out[s] = gated(y[:, :rows_out], y[:, rows_out:]).to(case["dtype"]).float()
+            out[s] = gated(y[:, :rows_out], y[:, rows_out:], case.get("activation", "silu")).to(case["dtype"]).float()
         else:
             out[slot[s]] = case["x"][s].float() @ w.T
     return out
@@ -332,3 +332,14 @@ def test_the_plane_ring_lives_in_the_bytes_the_host_plans(cta_harness, tmp_path,
     assert planned(case)[1].shared_bytes == plan.shared_bytes + op.staged_plane_ring_bytes(0, instance[-1], True) > plan.shared_bytes
     run = run_launch(cta_harness(instance, {"APL_STAGED_PLANE_ASYNC": 1}), tmp_path, case, plan, lut_bits)
     assert run.returncode != 0 and "past the CTA's" in run.stderr
+
+
+def test_gate_up_with_gelu(cta_harness, tmp_path):
+    # Gemma-4's experts: APL_ACT 1, GELU's tanh form (the launcher compiles gate_up once per activation)
+    mode, bits, rows_out, cols, tokens, top_k, dtype, instance = LAUNCHES["gate_up_3_4_bits_16_token_passes"]
+    case = projection_case(mode, bits, rows_out, cols, tokens, top_k, dtype, seed=13)
+    case["activation"] = "gelu_tanh"
+    _, plan, lut_bits = planned(case)
+    run = run_launch(cta_harness(instance, {"APL_ACT": op.ACT_CODES["gelu_tanh"]}), tmp_path, case, plan, lut_bits)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert_matches(launch_output(tmp_path, case), reference_projection(case), case)
