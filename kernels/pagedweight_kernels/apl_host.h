@@ -1,7 +1,7 @@
 // Host stand-ins for the PTX of the APL_HD helpers (dtype_conversions.cu), so that the staged
 // regime can run on a machine without a GPU: its producer's dequantisation, and whole CTAs of
 // apl_staged (staged_cta) with their 256 threads as host threads. Included only by the CPU test's
-// harness (tests/kernels/staged_host/harness.cu), before the kernel sources, and only in nvcc's
+// harness (bench/staged_host_harness.cu), before the kernel sources, and only in nvcc's
 // host pass; the kernels as the launcher builds them (NVRTC, device code only) never read it.
 //
 // Each stand-in follows the PTX ISA's definition of its instruction, including the cases the
@@ -100,20 +100,35 @@ inline void host_shared_check(unsigned addr, unsigned size) {
         std::abort();
     }
 }
+// Bank accounting (the harness's APL_HOST_BANKS): with apl_host_log_banks set, each thread logs its
+// shared-memory instructions in order: the LSU's (LDS, STS, cp.async), not wgmma's operand reads.
+// In the convergent code that issues them, the accesses of a warp's lanes with the same ordinal are
+// one warp instruction, whose bank conflicts the harness counts.
+enum HostAccessKind : unsigned char { LDS_U16, LDS_128, STS_128, CP_ASYNC_4, CP_ASYNC_16, HOST_ACCESS_KINDS };
+struct HostAccess { unsigned addr; HostAccessKind kind; };
+inline bool apl_host_log_banks = false;
+inline thread_local std::vector<HostAccess> apl_host_accesses;
+inline void host_log(unsigned addr, HostAccessKind kind) {
+    if (apl_host_log_banks) apl_host_accesses.push_back(HostAccess{addr, kind});
+}
+
 inline unsigned short host_lds_u16(unsigned addr) {
     host_shared_check(addr, 2);
+    host_log(addr, LDS_U16);
     unsigned short v;
     std::memcpy(&v, apl_host_shared + addr, 2);
     return v;
 }
-inline uint2 host_lds_v2(unsigned addr) {  // (nvcc includes the CUDA vector types first)
-    host_shared_check(addr, 8);
-    uint2 v;
-    std::memcpy(&v, apl_host_shared + addr, 8);
+inline uint4 host_lds_v4(unsigned addr) {  // (nvcc includes the CUDA vector types first)
+    host_shared_check(addr, 16);
+    host_log(addr, LDS_128);
+    uint4 v;
+    std::memcpy(&v, apl_host_shared + addr, 16);
     return v;
 }
 inline void host_sts_v4(unsigned addr, const uint4& v) {
     host_shared_check(addr, 16);
+    host_log(addr, STS_128);
     const unsigned w[4] = {v.x, v.y, v.z, v.w};
     std::memcpy(apl_host_shared + addr, w, 16);
 }
@@ -170,6 +185,7 @@ inline void host_cp_async(unsigned dst, const void* src, unsigned size, unsigned
         std::fprintf(stderr, "cp.async: %u source bytes for a %u-byte copy, or a misaligned source\n", src_bytes, size);
         std::abort();
     }
+    host_log(dst, size == 16 ? CP_ASYNC_16 : CP_ASYNC_4);
     std::memset(apl_host_shared + dst, 0, size);
     if (src_bytes) std::memcpy(apl_host_shared + dst, src, src_bytes);
 }
@@ -255,7 +271,9 @@ inline float host_operand(unsigned long long desc, int row, int k) {
                    sbo = (unsigned)((desc >> 32) & 0x3FFFu) << 4;
     const unsigned addr = start + (unsigned)(row / 8) * sbo + (unsigned)(k / 8) * lbo + (unsigned)(row % 8) * 16 +
                           (unsigned)(k % 8) * 2;
-    const unsigned short v = host_lds_u16(addr);
+    host_shared_check(addr, 2);  // (the tensor cores' read: not an LSU access, not logged)
+    unsigned short v;
+    std::memcpy(&v, apl_host_shared + addr, 2);
     if (BF16) {
         const unsigned bits = (unsigned)v << 16;
         float f;

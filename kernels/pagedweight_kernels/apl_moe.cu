@@ -210,11 +210,13 @@ APL_HD u16 lds_u16(u32 addr) {
     return host_lds_u16(addr);
 #endif
 }
-APL_HD uint2 lds_v2(u32 addr) {
+APL_HD uint4 lds_v4(u32 addr) {
 #ifdef __CUDA_ARCH__
-    uint2 v; asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(addr)); return v;
+    uint4 v;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+    return v;
 #else
-    return host_lds_v2(addr);
+    return host_lds_v4(addr);
 #endif
 }
 APL_HD u32 shared_addr(const void* p) {

@@ -49,7 +49,7 @@
 #define ST_A_BYTES (ST_ROWS * ST_KS * 2)
 
 // The producer's dequantisation and the operand layout, for the device and for the host (APL_HD:
-// tests/kernels/staged_host/ runs them on the CPU and reads the tiles back by the PTX ISA's layout).
+// bench/staged_host.py runs them on the CPU, and its test reads the tiles back by the PTX ISA's layout).
 
 // 16-byte chunk c (columns 8c..8c+7) of row r of a [rows x 64] operand tile in the no-swizzle
 // K-major layout wgmma_desc describes: k16 slice c / 2 holds rows / 8 pairs of 128-byte core
@@ -273,13 +273,18 @@ APL_HD void staged_produce(const BlockRef& blk, const StagedWork& w, const int* 
         }
         cp_async_commit();
     };
-    const int c8 = pt & 7;  // this thread copies chunk c8 of tokens pt / 8 + 16 i
+    // This thread copies chunk c8 (columns 8 c8.. of the step) of tokens tok0 + 16 i. A chunk's banks
+    // follow its token alone (tile_chunk: (tok & 7) * 16 bytes into a 128-byte line), so the 8 lanes
+    // of each quarter-warp take 8 consecutive tokens: 4 wavefronts a warp's 16-byte copy, not the 8
+    // of 8 chunks of 4 tokens (the harness's bank count, docs/kernel.md); each warp still reads 16
+    // sectors of activations (8 tokens x 64 bytes).
+    const int c8 = (pt >> 3) & 7, tok0 = (pt & 7) + 8 * (pt >> 6);
     u32 it = 0;
     for (int m0 = blockIdx.z * NT; m0 < w.n; m0 += gridDim.z * NT) {
         const u16* src[MINE];
 #pragma unroll
         for (int i = 0; i < MINE; ++i) {
-            const int tok = (pt >> 3) + 16 * i;
+            const int tok = tok0 + 16 * i;
             long long row = 0;
             if (m0 + tok < w.n) {
                 const int s = w.expert_start + m0 + tok;
@@ -299,6 +304,7 @@ APL_HD void staged_produce(const BlockRef& blk, const StagedWork& w, const int* 
                 const int u = u0 + d;
                 if (u >= units) break;
                 if constexpr (PA) cp_async_wait<P - 1>();  // unit u's group has landed (the P - 1 after it need not)
+                u32 words[B][W] = {};  // PA: two steps' words of every plane at a time, from the slot
 #pragma unroll
                 for (int half = 0; half < U; ++half) {  // (a unit's steps)
                     const int step = U * u + half;
@@ -310,18 +316,23 @@ APL_HD void staged_produce(const BlockRef& blk, const StagedWork& w, const int* 
                     const int col = step * ST_KS + c8 * 8;
 #pragma unroll
                     for (int i = 0; i < MINE; ++i) {
-                        const int tok = (pt >> 3) + 16 * i;
+                        const int tok = tok0 + 16 * i;
                         const bool in = m0 + tok < w.n && col < w.cols;
                         cp_async16(tile_chunk(b_tile, NT, tok, c8), src[i] + step * ST_KS, in ? 16u : 0u);
                     }
                     cp_async_mbar_arrive(&w.full[slot]);
-                    if constexpr (PA) {  // this step's two words of every plane, from the slot
-                        u32 words[B][W] = {};
+                    if constexpr (PA) {
+                        // one LDS.128 a plane for this step and the next: a warp's 32 x 16 contiguous
+                        // bytes take 4 wavefronts, where an LDS.64 a step took 4 each (bench/staged_banks)
+                        if (half % 2 == 0) {
 #pragma unroll
-                        for (int p = 0; p < B; ++p) {
-                            const uint2 v = lds_v2(plane_slot(d, p) + 8 * half);
-                            words[p][2 * half] = v.x;
-                            words[p][2 * half + 1] = v.y;
+                            for (int p = 0; p < B; ++p) {
+                                const uint4 v = lds_v4(plane_slot(d, p) + 8 * half);
+                                words[p][2 * half] = v.x;
+                                words[p][2 * half + 1] = v.y;
+                                words[p][2 * half + 2] = v.z;
+                                words[p][2 * half + 3] = v.w;
+                            }
                         }
                         stage_weights<B, W>(rlut, lut_base, words, half, a_tile, pt);
                     } else {

@@ -8,13 +8,14 @@
    epilogue, against a torch reference of the projection (gate_up's act(gate) * up, down's fp32
    rows), with wgmma computed by the PTX ISA's definition.
 
-staged_host/harness.cu is compiled by nvcc with the kernel module's text as the launcher builds it
-and the launcher's defines (for 1, once more with every knob of the lookup path flipped); its host
-pass runs the kernel's own functions with apl_host.h's stand-ins for the PTX. The tiles are read
+bench/staged_host builds bench/staged_host_harness.cu with nvcc from the kernel module's text as the
+launcher builds it and the launcher's defines (for 1, once more with every knob of the lookup path
+flipped); its host pass runs the kernel's own functions with apl_host.h's stand-ins for the PTX. The tiles are read
 back here by the operand layout the consumer's descriptors describe (the PTX ISA's no-swizzle
 K-major layout), written out independently of tile_chunk. What the emulation cannot show: timing,
 and a missing memory fence (apl_host.h). Skipped without nvcc."""
 
+import random
 import shutil
 import struct
 import subprocess
@@ -24,15 +25,13 @@ import numpy as np
 import pytest
 import torch
 
-from bench.sass_mix import kernel_defines, module_text
+from bench import lut_bank_model, staged_banks
+from bench.sass_mix import kernel_defines
+from bench.staged_host import ST_KS, ST_ROWS, build_harness, launch_output, planned, projection_case, run_launch
 from pagedweight_kernels import apl_moe as op
-from pagedweight_kernels.apl_moe import staged_class, staged_plan
-from pagedweight_kernels.moe_reference import expert_bounds, gated, group_tokens_by_expert
-from pagedweight_kernels.synthetic import random_block, ragged_routing
-
-HARNESS = Path(__file__).with_name("staged_host") / "harness.cu"
-KERNELS = Path(__file__).parents[2] / "kernels" / "pagedweight_kernels"
-ST_ROWS, ST_KS = 128, 64  # apl_staged.cu: weight rows a CTA, columns a step
+from pagedweight_kernels.apl_moe import staged_plan
+from pagedweight_kernels.moe_reference import gated
+from pagedweight_kernels.synthetic import random_block
 # wgmma_desc (apl_gemv.cu): LBO 128 bytes between the two core matrices of a k16 slice (columns
 # 0-7, 8-15), SBO 256 bytes between 8-row groups; a core matrix is 8 rows of 16 contiguous bytes.
 LBO, SBO = 128, 256
@@ -46,19 +45,6 @@ def _flipped_knobs() -> dict[str, int]:
     return {"APL_PRMT_SELECT": 1 - d["APL_PRMT_SELECT"], "APL_SHIFT_MODE": 1 - d["APL_SHIFT_MODE"],
             "APL_GEMV_LUT16": 1 - d["APL_GEMV_LUT16"],
             "APL_FMA_SHIFTS_MIN_BITS": 3 if d["APL_FMA_SHIFTS_MIN_BITS"] != 3 else 9}
-
-
-def build_harness(work: Path, defines: dict[str, int], instance: tuple | None = None) -> Path:
-    """The harness for these defines, and with `instance` (CLS, MODE, BF16, V4, NT8) its cta mode
-    for that apl_staged instance."""
-    (work / "module.cu").write_text(module_text(staged=True))
-    cta = [] if instance is None else [f"-DHOST_{k}={str(v).lower()}" for k, v in zip(("CLS", "MODE", "BF16", "V4", "NT8"), instance)]
-    # PTX only for the device pass (the host pass is what runs; no ptxas time)
-    build = subprocess.run(["nvcc", "-std=c++17", "-O2", "-gencode=arch=compute_90a,code=compute_90a", f"-I{KERNELS}",
-                            f"-I{work}", *(f"-D{k}={v}" for k, v in defines.items()), *cta, str(HARNESS),
-                            "-o", str(work / "harness")], capture_output=True, text=True)
-    assert build.returncode == 0, build.stderr[-4000:]
-    return work / "harness"
 
 
 @pytest.fixture(scope="module", params=["launcher", "flipped"])
@@ -151,40 +137,6 @@ def test_harness_refuses_an_input_it_cannot_take(harness, tmp_path):
 
 
 # ---------------------------------------------------------------- whole launches
-def projection_case(mode: int, bits: list[int], rows_out: int, cols: int, num_tokens: int, top_k: int,
-                    dtype: torch.dtype, seed: int) -> dict:
-    """A layer projection with one block per expert at these bits, a skewed routing, the
-    projection's input and the expert-sorted assignments, as apl_moe's launch would see them."""
-    gen = torch.Generator().manual_seed(seed)
-    rows = 2 * rows_out if mode == 0 else rows_out
-    blocks = [random_block(rows, cols, gen) for _ in bits]
-    topk_ids, _ = ragged_routing(num_tokens, len(bits), top_k, seed=seed)
-    order, counts = group_tokens_by_expert(topk_ids, len(bits))
-    active = [(e, start, end - start) for e, start, end in expert_bounds(counts.tolist())]
-    x_rows = num_tokens if mode == 0 else num_tokens * top_k  # down reads h in sorted order
-    x = torch.randn(x_rows, cols, generator=gen).to(dtype)
-    return {"mode": mode, "bits": bits, "blocks": blocks, "rows_out": rows_out, "cols": cols, "top_k": top_k,
-            "num_tokens": num_tokens, "sorted_slot": order.to(torch.int32), "active": active, "x": x, "dtype": dtype}
-
-
-def run_launch(harness: Path, work: Path, case: dict, plan, lut_bits: int, stages: int | None = None,
-               env: dict | None = None) -> subprocess.CompletedProcess:
-    """The harness's cta mode over every CTA of the plan's grid; the output is left in work/out.bin."""
-    gx, gy, gz = plan.grid
-    assignments = case["num_tokens"] * case["top_k"]
-    head = [len(case["bits"]), case["rows_out"], case["cols"], case["top_k"], lut_bits, stages or plan.stages,
-            gx, gy, gz, plan.shared_bytes, assignments, case["x"].shape[0], len(case["active"])]
-    parts = [struct.pack("<13i", *head)]
-    for b, block in zip(case["bits"], case["blocks"]):
-        parts += [struct.pack("<i", b), block.luts[b].contiguous().view(torch.int16).numpy().astype("<i2").tobytes(),
-                  block.planes[:b].contiguous().numpy().tobytes()]
-    parts += [np.asarray(case["active"], dtype="<i4").tobytes(), case["sorted_slot"].numpy().astype("<i4").tobytes(),
-              case["x"].view(torch.int16).numpy().astype("<i2").tobytes()]
-    (work / "in.bin").write_bytes(b"".join(parts))
-    return subprocess.run([str(harness), "cta", str(work / "in.bin"), str(work / "out.bin")],
-                          capture_output=True, text=True, timeout=600, env=env)
-
-
 def reference_projection(case: dict) -> torch.Tensor:
     """fp32 [assignments, rows_out]: gate_up's act(gate) * up by sorted position, down's rows by
     slot, from the blocks dequantised to the activation dtype (as the kernels' LUTs are)."""
@@ -199,32 +151,6 @@ def reference_projection(case: dict) -> torch.Tensor:
         else:
             out[slot[s]] = case["x"][s].float() @ w.T
     return out
-
-
-def launch_output(work: Path, case: dict) -> torch.Tensor:
-    shape = (case["num_tokens"] * case["top_k"], case["rows_out"])
-    if case["mode"] == 0:
-        raw = np.fromfile(work / "out.bin", dtype="<i2").reshape(shape)
-        assert not np.any(raw == -1), "an h element no CTA wrote"
-        return torch.from_numpy(raw.copy()).view(case["dtype"]).float()
-    raw = np.fromfile(work / "out.bin", dtype="<i4").reshape(shape)
-    assert not np.any(raw == -1), "a y element no CTA wrote"
-    return torch.from_numpy(raw.copy()).view(torch.float32)
-
-
-def planned(case: dict) -> tuple[tuple, object, int]:
-    """(instance, plan, lut_bits) as staged_projection picks them for the case's blocks."""
-    classes: dict[int, int] = {}
-    for b in case["bits"]:
-        cls = 0 if b <= 4 else 1
-        classes[cls] = max(classes.get(cls, 0), b)
-    cls, lut_bits = staged_class(classes)
-    aligned16 = case["cols"] % 128 == 0  # (the harness's plane blobs are 16-byte aligned)
-    assignments = case["num_tokens"] * case["top_k"]
-    plan = staged_plan(case["mode"], case["num_tokens"], case["top_k"], len(case["bits"]), case["rows_out"], cls,
-                       lut_bits, min(len(case["bits"]), assignments), aligned16)
-    bf16 = case["dtype"] == torch.bfloat16
-    return (cls, case["mode"], bf16, aligned16, plan.tiles), plan, lut_bits
 
 
 def assert_matches(got: torch.Tensor, want: torch.Tensor, case: dict) -> None:
@@ -343,3 +269,23 @@ def test_gate_up_with_gelu(cta_harness, tmp_path):
     run = run_launch(cta_harness(instance, {"APL_ACT": op.ACT_CODES["gelu_tanh"]}), tmp_path, case, plan, lut_bits)
     assert run.returncode == 0, run.stderr[-2000:]
     assert_matches(launch_output(tmp_path, case), reference_projection(case), case)
+
+
+# ---------------------------------------------------------------- bank conflicts (bench/staged_banks)
+@pytest.mark.parametrize("plane_async", [0, 1])
+def test_producer_stores_and_copies_take_the_fewest_wavefronts(tmp_path, plane_async):
+    # the A tiles' STS.128, the activations' (and plane words') 16-byte cp.async, the plane ring's LDS.128
+    got = staged_banks.count("4 bits", 4, {"APL_STAGED_PLANE_ASYNC": plane_async}, False, tmp_path)["kinds"]
+    assert set(got) == ({"STS.128", "LDGSTS.16", "LDS.128"} if plane_async else {"STS.128", "LDGSTS.16"})
+    for kind, c in got.items():
+        assert c["instructions"] > 0 and c["wavefronts"] == c["ideal"], (kind, c)
+
+
+@pytest.mark.parametrize("bits, room, stagger", [(8, 256, 1), (6, 64, 1), (5, 256, 1), (5, 256, 0)])
+def test_lut_lookups_cost_what_the_bank_model_says(tmp_path, bits, room, stagger):
+    # the kernel's own lookups (32 rows, a lane each; 5-bit rows in 256-entry rooms staggered by
+    # APL_LUT_STAGGER or not) against bench/lut_bank_model over random codes
+    got = staged_banks.count(f"{bits} bits", bits, {"APL_LUT_STAGGER": stagger}, room != 1 << bits, tmp_path)
+    got = got["kinds"]["LDS.U16"]
+    model = lut_bank_model.mean_wavefronts(bits, room, bool(stagger), 4000, random.Random(0), rows=32, lanes=1)
+    assert abs(got["wavefronts"] / got["instructions"] - model) < 0.1, (got, model)

@@ -1,4 +1,4 @@
-// The staged producer on the CPU (tests/kernels/test_staged_host_cpu.py builds and runs this).
+// The staged regime on the CPU (bench/staged_host.py builds and runs this for tests/kernels/test_staged_host_cpu.py and bench/staged_banks.py).
 //
 // Compiled by nvcc with the kernel module's text exactly as the launcher builds it (module.cu,
 // written by the test) and the launcher's defines; the host pass runs the APL_HD helpers with
@@ -23,6 +23,8 @@
 //                           rows][cols]. OUT: h (act [assignments][rows_out], by sorted position)
 //                           for gate_up, y (fp32 [assignments][rows_out], by slot) for down, every
 //                           element first filled with all-ones bits (so one no CTA wrote shows).
+//                           With APL_HOST_BANKS=<file>: the launch's shared-memory bank conflicts
+//                           per instruction kind, as JSON (count_banks).
 // Exit 2 with one line on stderr for an input it cannot take; a deadlock exits 3 (apl_host.h), a
 // wgmma never waited for 4.
 
@@ -145,6 +147,41 @@ int chunks(int nt, const char* out_path) {
 
 
 #ifdef HOST_NT8
+// Bank conflicts of a launch's shared-memory instructions (APL_HOST_BANKS=<file>): per kind, the warp
+// instructions, the wavefronts the 32 banks of 4 bytes take for them (the most distinct words one bank
+// is asked for, and at least one per 128 distinct bytes), and the fewest their bytes allow.
+struct BankStats { long long instructions = 0, wavefronts = 0, ideal = 0; };
+constexpr const char* KIND_NAMES[HOST_ACCESS_KINDS] = {"LDS.U16", "LDS.128", "STS.128", "LDGSTS.4", "LDGSTS.16"};
+constexpr unsigned KIND_BYTES[HOST_ACCESS_KINDS] = {2, 16, 16, 4, 16};
+
+void count_banks(const std::vector<std::vector<HostAccess>>& logs, BankStats (&stats)[HOST_ACCESS_KINDS]) {
+    for (int warp = 0; warp < ST_THREADS / 32; ++warp) {
+        size_t longest = 0;
+        for (int lane = 0; lane < 32; ++lane) longest = std::max(longest, logs[32 * warp + lane].size());
+        for (size_t k = 0; k < longest; ++k)
+            for (int kind = 0; kind < HOST_ACCESS_KINDS; ++kind) {  // (lanes of one ordinal share a kind where convergent)
+                std::vector<unsigned> words;
+                int lanes = 0;
+                for (int lane = 0; lane < 32; ++lane) {
+                    const auto& log = logs[32 * warp + lane];
+                    if (k >= log.size() || log[k].kind != kind) continue;
+                    ++lanes;
+                    for (unsigned b = 0; b < std::max(1u, KIND_BYTES[kind] / 4); ++b) words.push_back(log[k].addr / 4 + b);
+                }
+                if (!lanes) continue;
+                std::sort(words.begin(), words.end());
+                words.erase(std::unique(words.begin(), words.end()), words.end());
+                int per_bank[32] = {};
+                int most = 0;
+                for (unsigned w : words) most = std::max(most, ++per_bank[w % 32]);
+                BankStats& st = stats[kind];
+                st.instructions += 1;
+                st.wavefronts += std::max<long long>(most, (words.size() * 4 + 127) / 128);
+                st.ideal += std::max<long long>(1, (lanes * KIND_BYTES[kind] + 127) / 128);
+            }
+    }
+}
+
 // 16-byte aligned storage for a blob of `bytes` (plane rows are read as 16-byte vectors).
 struct Blob {
     std::vector<uint4> words;
@@ -203,6 +240,9 @@ int cta(const char* in_path, const char* out_path) {
     unsigned long long* bars = reinterpret_cast<unsigned long long*>(apl_host_shared);  // the kernel's static shared array
     unsigned char* smem_raw = apl_host_shared + 2 * ST_MAX_STAGES * 8;
     apl_host_shared_limit = 2 * ST_MAX_STAGES * 8 + shared_bytes;  // the static mbarriers, then the launch's bytes
+    const char* banks_path = std::getenv("APL_HOST_BANKS");
+    apl_host_log_banks = banks_path != nullptr;
+    BankStats banks[HOST_ACCESS_KINDS];
     for (int z = 0; z < gz; ++z)
         for (int y = 0; y < gy; ++y)
             for (int bx = 0; bx < gx; ++bx) {
@@ -210,8 +250,10 @@ int cta(const char* in_path, const char* out_path) {
                 apl_host_mbars.clear();
                 apl_host_bars.clear();
                 std::vector<std::thread> threads;
+                std::vector<std::vector<HostAccess>> logs(ST_THREADS);
                 for (int t = 0; t < ST_THREADS; ++t)
                     threads.emplace_back([&, t] {
+                        apl_host_accesses.clear();
                         apl_host_thread_idx = make_uint3(t, 0, 0);
                         apl_host_block_idx = make_uint3(bx, y, z);
                         staged_cta<HOST_CLS, HOST_MODE, HOST_BF16, HOST_V4, HOST_NT8>(
@@ -221,9 +263,21 @@ int cta(const char* in_path, const char* out_path) {
                             std::fprintf(stderr, "thread %d of CTA (%d, %d, %d) left a wgmma it never waited for\n", t, bx, y, z);
                             std::_Exit(4);
                         }
+                        logs[t] = std::move(apl_host_accesses);
                     });
                 for (auto& th : threads) th.join();
+                if (apl_host_log_banks) count_banks(logs, banks);
             }
+    if (banks_path) {
+        FILE* b = std::fopen(banks_path, "w");
+        if (!b) return fail("cannot write the bank counts");
+        std::fprintf(b, "{");
+        for (int kind = 0; kind < HOST_ACCESS_KINDS; ++kind)
+            std::fprintf(b, "%s\"%s\": {\"instructions\": %lld, \"wavefronts\": %lld, \"ideal\": %lld}", kind ? ", " : "",
+                         KIND_NAMES[kind], banks[kind].instructions, banks[kind].wavefronts, banks[kind].ideal);
+        std::fprintf(b, "}\n");
+        if (std::fclose(b) != 0) return fail("cannot write the bank counts");
+    }
     FILE* o = std::fopen(out_path, "wb");
     if (!o) return fail("cannot write the output");
     ok = HOST_MODE == 0 ? std::fwrite(h_out.data(), 2, h_out.size(), o) == h_out.size()

@@ -1,0 +1,106 @@
+"""The staged regime (apl_staged.cu) run on the CPU: build the harness (bench/staged_host_harness.cu)
+with nvcc and run it, no GPU.
+
+The harness includes the kernel module's text exactly as the launcher builds it (module_text) and is
+compiled with the launcher's defines (kernel_defines, plus overrides); nvcc's host pass compiles the
+kernel's APL_HD functions for the host, with kernels/pagedweight_kernels/apl_host.h's stand-ins for
+their PTX. Its modes: `tiles` (the producer's A tiles of one block), `chunks` (tile_chunk's B
+offsets) and `cta` (a whole projection launch, every CTA of the grid with its 256 threads as host
+threads). Used by tests/kernels/test_staged_host_cpu.py and bench/staged_banks.py.
+"""
+
+from __future__ import annotations
+
+import struct
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from bench.sass_mix import module_text
+from pagedweight_kernels.apl_moe import GemmPlan, staged_class, staged_plan
+from pagedweight_kernels.moe_reference import expert_bounds, group_tokens_by_expert
+from pagedweight_kernels.synthetic import random_block, ragged_routing
+
+HARNESS = Path(__file__).with_name("staged_host_harness.cu")
+KERNELS = Path(__file__).parents[1] / "kernels" / "pagedweight_kernels"
+ST_ROWS, ST_KS = 128, 64  # apl_staged.cu: weight rows a CTA, columns a step
+
+
+def build_harness(work: Path, defines: dict[str, int], instance: tuple | None = None) -> Path:
+    """The harness for these defines, and with `instance` (CLS, MODE, BF16, V4, NT8) its cta mode
+    for that apl_staged instance; raises RuntimeError with nvcc's message."""
+    (work / "module.cu").write_text(module_text(staged=True))
+    cta = [] if instance is None else [f"-DHOST_{k}={str(v).lower()}" for k, v in zip(("CLS", "MODE", "BF16", "V4", "NT8"), instance)]
+    # PTX only for the device pass (the host pass is what runs; no ptxas time)
+    build = subprocess.run(["nvcc", "-std=c++17", "-O2", "-gencode=arch=compute_90a,code=compute_90a", f"-I{KERNELS}",
+                            f"-I{work}", *(f"-D{k}={v}" for k, v in defines.items()), *cta, str(HARNESS),
+                            "-o", str(work / "harness")], capture_output=True, text=True)
+    if build.returncode:
+        raise RuntimeError(build.stderr[-4000:])
+    return work / "harness"
+
+
+def projection_case(mode: int, bits: list[int], rows_out: int, cols: int, num_tokens: int, top_k: int,
+                    dtype: torch.dtype, seed: int) -> dict:
+    """A layer projection with one block per expert at these bits, a skewed routing, the
+    projection's input and the expert-sorted assignments, as apl_moe's launch would see them."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = 2 * rows_out if mode == 0 else rows_out
+    blocks = [random_block(rows, cols, gen) for _ in bits]
+    topk_ids, _ = ragged_routing(num_tokens, len(bits), top_k, seed=seed)
+    order, counts = group_tokens_by_expert(topk_ids, len(bits))
+    active = [(e, start, end - start) for e, start, end in expert_bounds(counts.tolist())]
+    x_rows = num_tokens if mode == 0 else num_tokens * top_k  # down reads h in sorted order
+    x = torch.randn(x_rows, cols, generator=gen).to(dtype)
+    return {"mode": mode, "bits": bits, "blocks": blocks, "rows_out": rows_out, "cols": cols, "top_k": top_k,
+            "num_tokens": num_tokens, "sorted_slot": order.to(torch.int32), "active": active, "x": x, "dtype": dtype}
+
+
+def planned(case: dict) -> tuple[tuple, GemmPlan, int]:
+    """(instance, plan, lut_bits) as staged_projection picks them for the case's blocks."""
+    classes: dict[int, int] = {}
+    for b in case["bits"]:
+        cls = 0 if b <= 4 else 1
+        classes[cls] = max(classes.get(cls, 0), b)
+    cls, lut_bits = staged_class(classes)
+    aligned16 = case["cols"] % 128 == 0  # (the harness's plane blobs are 16-byte aligned)
+    assignments = case["num_tokens"] * case["top_k"]
+    plan = staged_plan(case["mode"], case["num_tokens"], case["top_k"], len(case["bits"]), case["rows_out"], cls,
+                       lut_bits, min(len(case["bits"]), assignments), aligned16)
+    bf16 = case["dtype"] == torch.bfloat16
+    return (cls, case["mode"], bf16, aligned16, plan.tiles), plan, lut_bits
+
+
+def run_launch(harness: Path, work: Path, case: dict, plan: GemmPlan, lut_bits: int, stages: int | None = None,
+               env: dict | None = None) -> subprocess.CompletedProcess:
+    """The harness's cta mode over every CTA of the plan's grid; the output is left in work/out.bin."""
+    gx, gy, gz = plan.grid
+    assignments = case["num_tokens"] * case["top_k"]
+    head = [len(case["bits"]), case["rows_out"], case["cols"], case["top_k"], lut_bits, stages or plan.stages,
+            gx, gy, gz, plan.shared_bytes, assignments, case["x"].shape[0], len(case["active"])]
+    parts = [struct.pack("<13i", *head)]
+    for b, block in zip(case["bits"], case["blocks"]):
+        parts += [struct.pack("<i", b), block.luts[b].contiguous().view(torch.int16).numpy().astype("<i2").tobytes(),
+                  block.planes[:b].contiguous().numpy().tobytes()]
+    parts += [np.asarray(case["active"], dtype="<i4").tobytes(), case["sorted_slot"].numpy().astype("<i4").tobytes(),
+              case["x"].view(torch.int16).numpy().astype("<i2").tobytes()]
+    (work / "in.bin").write_bytes(b"".join(parts))
+    return subprocess.run([str(harness), "cta", str(work / "in.bin"), str(work / "out.bin")],
+                          capture_output=True, text=True, timeout=600, env=env)
+
+
+def launch_output(work: Path, case: dict) -> torch.Tensor:
+    """The launch's output as fp32 [assignments, rows_out] (h by sorted position, y by slot);
+    raises ValueError where an element was never written."""
+    shape = (case["num_tokens"] * case["top_k"], case["rows_out"])
+    if case["mode"] == 0:
+        raw = np.fromfile(work / "out.bin", dtype="<i2").reshape(shape)
+        if np.any(raw == -1):
+            raise ValueError("an h element no CTA wrote")
+        return torch.from_numpy(raw.copy()).view(case["dtype"]).float()
+    raw = np.fromfile(work / "out.bin", dtype="<i4").reshape(shape)
+    if np.any(raw == -1):
+        raise ValueError("a y element no CTA wrote")
+    return torch.from_numpy(raw.copy()).view(torch.float32)
