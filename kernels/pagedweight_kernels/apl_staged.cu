@@ -20,6 +20,10 @@
 // Each weight is dequantised once per pass of 8 * NT8 tokens; a hotter expert takes more passes
 // (the step counter runs on across passes, so the ring's phases stay in step). Outputs are written
 // by position, so reruns are bit-identical; blocks whose bits the class does not hold produce NaN.
+//
+// The same source runs on the CPU (apl_host.h, bench/staged_host.py): the functions below are
+// APL_HD, with host branches for their PTX, and staged_cta is the kernel's body, so a whole launch
+// runs with its threads as host threads, checked against torch (tests/kernels/test_staged_host_cpu.py).
 
 #ifndef APL_STAGED_PREFETCH
 #define APL_STAGED_PREFETCH 2  // units of plane words (APL_STAGED_UNIT steps each) a producer thread has in flight
