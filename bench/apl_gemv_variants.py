@@ -55,6 +55,8 @@ VARIANTS = {  # name -> (define changes, host changes: HOST_KNOBS and LAYER_SWIT
     # 3-4-bit plane words by cp.async into a shared ring per producer thread (not drained by each step's MEMBAR)
     "staged_async": ({"APL_STAGED_PLANE_ASYNC": 1}, {"STAGED_PREFILL": True}),
     "staged_async_u4": ({"APL_STAGED_PLANE_ASYNC": 1, "APL_STAGED_UNIT": 4}, {"STAGED_PREFILL": True}),
+    # the producers' per-step proxy fence left to the consumers' (see apl_staged.cu)
+    "staged_nofence": ({"APL_STAGED_PRODUCER_FENCE": 0}, {"STAGED_PREFILL": True}),
     "staged_s2": ({}, {"STAGED_PREFILL": True, "STAGED_STAGES": 2}),  # a ring of two buffers
     "staged_noregs": ({"APL_STAGED_REGS": 0}, {"STAGED_PREFILL": True}),  # no setmaxnreg: 128 registers each
     "no_wave": ({}, {"GEMV_WAVE_PLAN": False}),  # decode splits to about one wave (before _wave_splits)

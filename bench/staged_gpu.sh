@@ -8,7 +8,7 @@
 # Usage (device): OUT=$OUT CODE_COMMIT=<c> [VARIANTS="base staged" | VARIANTS=none] [LAYER=1] bash bench/staged_gpu.sh
 # TEST_K selects tests (pytest -k), TEST_X="" runs past a failure. A first call on a fresh machine:
 # VARIANTS=none TEST_TIMEOUT_S=360 (compiles and every test, ~9 min at most); the next, while warm or
-# carrying kernel_cache/: TEST_K=matches_reference VARIANTS="base staged staged_p1 staged_u4 staged_async staged_async_u4" LAYER=1.
+# carrying kernel_cache/: TEST_K=matches_reference VARIANTS="base staged staged_p1 staged_u4 staged_async staged_nofence" LAYER=1.
 # (Before either: `make test` runs the whole staged kernel on the CPU, tests/kernels/test_staged_host_cpu.py.)
 . "$(dirname "$0")/device_call.sh"
 export APL_STAGED_PREFILL=1

@@ -43,6 +43,14 @@
 #ifndef APL_STAGED_PLANE_ASYNC
 #define APL_STAGED_PLANE_ASYNC 0
 #endif
+// 0: the producers skip their per-step fence.proxy.async (MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S), and
+// the consumers' fence after each full wait is the one proxy fence between the producers' stores and
+// the wgmma that read them. The PTX memory model asks for an async proxy fence somewhere on the
+// causality path from a generic write to an async-proxy read (release, acquire, then the consumers'
+// fence qualifies); 1 keeps one in the writer too, as CUTLASS's epilogues do. A variant to time.
+#ifndef APL_STAGED_PRODUCER_FENCE
+#define APL_STAGED_PRODUCER_FENCE 1
+#endif
 #ifndef APL_STAGED_BLOCKS
 #define APL_STAGED_BLOCKS 2    // CTAs per SM the register budget must allow (2: 128 registers a thread)
 #endif
@@ -342,7 +350,8 @@ APL_HD void staged_produce(const BlockRef& blk, const StagedWork& w, const int* 
                     } else {
                         stage_weights<B, W>(rlut, lut_base, buf[d], half, a_tile, pt);
                     }
-                    fence_proxy_async();  // the stores, before wgmma (the async proxy) reads them
+                    if constexpr (APL_STAGED_PRODUCER_FENCE)
+                        fence_proxy_async();  // the stores, before wgmma (the async proxy) reads them
                     mbar_arrive(&w.full[slot]);
                     ++it;
                 }
@@ -371,7 +380,7 @@ APL_HD void staged_consume(const StagedWork& w, bool bad, const int* __restrict_
             for (int step = 0; step < w.steps; ++step, ++it) {
                 const int slot = (int)(it % (u32)w.stages);
                 mbar_wait(&w.full[slot], (it / (u32)w.stages) & 1u);
-                fence_proxy_async();  // the activations' cp.async copies, before wgmma reads them
+                fence_proxy_async();  // the activations' cp.async copies (and the producers' stores), before wgmma reads them
                 const u32 a_tile = stage_a<NT8>(w, slot), b_tile = a_tile + ST_A_BYTES;
                 wgmma_fence();
                 fence_accumulators(acc0);

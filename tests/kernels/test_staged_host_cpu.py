@@ -228,7 +228,8 @@ KNOBS = {"prefetch_1": {"APL_STAGED_PREFETCH": 1}, "prefetch_3": {"APL_STAGED_PR
          "units_of_4": {"APL_STAGED_UNIT": 4}, "prmt_select": {"APL_PRMT_SELECT": 1, "APL_FMA_SHIFTS_MIN_BITS": 9},
          "plane_async": {"APL_STAGED_PLANE_ASYNC": 1},
          "plane_async_units_of_4_prefetch_3": {"APL_STAGED_PLANE_ASYNC": 1, "APL_STAGED_UNIT": 4, "APL_STAGED_PREFETCH": 3},
-         "plane_async_prefetch_1": {"APL_STAGED_PLANE_ASYNC": 1, "APL_STAGED_PREFETCH": 1}}
+         "plane_async_prefetch_1": {"APL_STAGED_PLANE_ASYNC": 1, "APL_STAGED_PREFETCH": 1},
+         "producer_fence_off": {"APL_STAGED_PRODUCER_FENCE": 0}}
 
 
 @pytest.mark.parametrize("knob", list(KNOBS))
