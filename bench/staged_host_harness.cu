@@ -12,6 +12,7 @@
 //                           lut_log2: the LUT room of a 5-8-bit row (its own bits, or a merged
 //                           launch's 8); unit: steps per unit of plane words (APL_STAGED_UNIT).
 //   harness chunks NT OUT   tile_chunk(0, NT, r, c) for r < NT, c < 8, as int32 [NT][8].
+//   harness convert IN OUT  the emulation's fp16/bf16 conversions of fp32 values (see convert).
 //   harness cta IN OUT      one projection's launch of the apl_staged instance this binary is
 //                           compiled for (-DHOST_CLS, HOST_MODE, HOST_BF16, HOST_V4, HOST_NT8): every
 //                           CTA of the grid in turn, its 256 threads as host threads running
@@ -286,14 +287,36 @@ int cta(const char* in_path, const char* out_path) {
 }
 #endif
 
+// The emulation's conversions, for the test to hold against torch's: IN is fp32 bit patterns, OUT
+// their fp16 and bf16 roundings (u16 each), then every fp16 pattern 0..65535 widened (fp32).
+int convert(const char* in_path, const char* out_path) {
+    FILE* f = std::fopen(in_path, "rb");
+    if (!f) return fail("cannot read the input");
+    std::vector<float> x;
+    float v;
+    while (std::fread(&v, 4, 1, f) == 1) x.push_back(v);
+    std::fclose(f);
+    std::vector<u16> narrowed;
+    for (float e : x) narrowed.push_back(float_to_half(e));
+    for (float e : x) narrowed.push_back(float_to_bf16(e));
+    std::vector<float> widened;
+    for (unsigned h = 0; h < 65536; ++h) widened.push_back(half_to_float((u16)h));
+    FILE* o = std::fopen(out_path, "wb");
+    if (!o) return fail("cannot write the output");
+    const bool ok = std::fwrite(narrowed.data(), 2, narrowed.size(), o) == narrowed.size() &&
+                    std::fwrite(widened.data(), 4, widened.size(), o) == widened.size();
+    return std::fclose(o) == 0 && ok ? 0 : fail("cannot write the output");
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
     if (argc == 4 && std::strcmp(argv[1], "tiles") == 0) return tiles(argv[2], argv[3]);
     if (argc == 4 && std::strcmp(argv[1], "chunks") == 0) return chunks(std::atoi(argv[2]), argv[3]);
+    if (argc == 4 && std::strcmp(argv[1], "convert") == 0) return convert(argv[2], argv[3]);
 #ifdef HOST_NT8
     if (argc == 4 && std::strcmp(argv[1], "cta") == 0) return cta(argv[2], argv[3]);
 #endif
-    return fail("usage: harness tiles IN OUT | harness chunks NT OUT | harness cta IN OUT");
+    return fail("usage: harness tiles IN OUT | harness chunks NT OUT | harness convert IN OUT | harness cta IN OUT");
 }
 #endif  // __CUDA_ARCH__

@@ -303,3 +303,41 @@ def test_lut_lookups_cost_what_the_bank_model_says(tmp_path, bits, room, stagger
     got = got["kinds"]["LDS.U16"]
     model = lut_bank_model.mean_wavefronts(bits, room, bool(stagger), 4000, random.Random(0), rows=32, lanes=1)
     assert abs(got["wavefronts"] / got["instructions"] - model) < 0.1, (got, model)
+
+
+# ---------------------------------------------------------------- the emulation's own parts
+def test_the_emulated_conversions_round_as_torch_does(harness, tmp_path):
+    # cvt.rn.f16.f32 / cvt.rn.bf16.f32 / cvt.f32.f16 on the host (apl_host.h), against torch's casts
+    # (round to nearest even): every fp16 tie, bf16 ties, subnormals, overflow, infinities, NaN
+    gen = torch.Generator().manual_seed(0)
+    bits = torch.randint(-2**31, 2**31, (200_000,), generator=gen, dtype=torch.int64).to(torch.int32)
+    special = torch.tensor([0.0, -0.0, 65504.0, 65519.99, 65520.0, 2.0**-24, 2.0**-25, 3 * 2.0**-26, 2.0**-14,
+                            1.0 + 2.0**-11, 1.0 + 3 * 2.0**-11, 1.0 + 2.0**-8, 1.0 + 3 * 2.0**-8, float("inf"), -float("inf")])
+    halves = torch.arange(-2**15, 2**15, dtype=torch.int32).to(torch.int16).view(torch.float16).float()
+    # every tie: the midpoints of consecutive finite fp16 values (subnormals included) and of a
+    # sample of consecutive bf16 values, exact in fp32
+    ordered = torch.arange(0, 0x7C00, dtype=torch.int32).to(torch.int16).view(torch.float16).double()
+    half_ties = ((ordered[1:] + ordered[:-1]) / 2).float()
+    b16 = torch.randint(0, 0x7F80, (20_000,), generator=gen, dtype=torch.int32)
+    lo, hi = (b16 << 16).view(torch.float32).double(), ((b16 + 1) << 16).view(torch.float32).double()
+    bf16_ties = ((lo + hi) / 2).float()
+    x = torch.cat([bits.view(torch.float32), special, halves, halves * (1 + 2.0**-12), half_ties, -half_ties,
+                   bf16_ties, -bf16_ties])
+    x = x[~torch.isnan(x)]  # (NaN payloads differ by design; a NaN is checked to stay a NaN below)
+    x = torch.cat([x, torch.tensor([float("nan")])])
+    (tmp_path / "in.bin").write_bytes(x.numpy().astype("<f4").tobytes())
+    run = subprocess.run([str(harness), "convert", str(tmp_path / "in.bin"), str(tmp_path / "out.bin")],
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    out = np.fromfile(tmp_path / "out.bin", dtype=np.uint8)
+    n = x.numel()
+    narrowed = torch.from_numpy(out[:4 * n].copy().view("<i2").astype(np.int16))
+    widened = torch.from_numpy(out[4 * n:].copy().view("<f4").astype(np.float32))
+    half, bf16 = narrowed[:n].view(torch.float16), narrowed[n:].view(torch.bfloat16)
+    assert torch.equal(half[:-1].view(torch.int16), x[:-1].half().view(torch.int16))
+    assert torch.equal(bf16[:-1].view(torch.int16), x[:-1].bfloat16().view(torch.int16))
+    assert torch.isnan(half[-1].float()) and torch.isnan(bf16[-1].float())
+    all_halves = torch.arange(0, 2**16, dtype=torch.int32).to(torch.int16).view(torch.float16).float()
+    assert torch.equal(torch.isnan(widened), torch.isnan(all_halves))
+    finite = ~torch.isnan(all_halves)
+    assert torch.equal(widened[finite].view(torch.int32), all_halves[finite].view(torch.int32))
