@@ -7,20 +7,29 @@ kernel's APL_HD functions for the host, with kernels/pagedweight_kernels/apl_hos
 their PTX. Its modes: `tiles` (the producer's A tiles of one block), `chunks` (tile_chunk's B
 offsets) and `cta` (a whole projection launch, every CTA of the grid with its 256 threads as host
 threads). Used by tests/kernels/test_staged_host_cpu.py and bench/staged_banks.py.
+
+Usage: python -m bench.staged_host --projection gate_up|down --bits 4,3,4,3 [--rows-out N] [--cols N]
+       [--tokens N] [--top-k K] [--dtype bf16|fp16] [--knobs "APL_X=1"] --out launch.pt
+runs one launch on the CPU and saves its output beside the torch reference (nvcc, no GPU).
 """
 
 from __future__ import annotations
 
+import argparse
+import shutil
 import struct
 import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from bench.sass_mix import module_text
+from bench.sass_mix import kernel_defines, module_text
+from pagedweight_kernels import apl_moe as op
 from pagedweight_kernels.apl_moe import GemmPlan, staged_class, staged_plan
-from pagedweight_kernels.moe_reference import expert_bounds, group_tokens_by_expert
+from pagedweight_kernels.moe_reference import expert_bounds, gated, group_tokens_by_expert
 from pagedweight_kernels.synthetic import random_block, ragged_routing
 
 HARNESS = Path(__file__).with_name("staged_host_harness.cu")
@@ -104,3 +113,99 @@ def launch_output(work: Path, case: dict) -> torch.Tensor:
     if np.any(raw == -1):
         raise ValueError("a y element no CTA wrote")
     return torch.from_numpy(raw.copy()).view(torch.float32)
+
+
+def reference_projection(case: dict) -> torch.Tensor:
+    """fp32 [assignments, rows_out]: gate_up's act(gate) * up by sorted position, down's rows by
+    slot, from the blocks dequantised to the activation dtype (as the kernels' LUTs are)."""
+    rows_out, top_k, slot = case["rows_out"], case["top_k"], case["sorted_slot"].long()
+    out = torch.full((case["num_tokens"] * top_k, rows_out), float("nan"))
+    for e, start, n in case["active"]:
+        w = case["blocks"][e].dequantize(case["bits"][e]).to(case["dtype"]).float()
+        s = torch.arange(start, start + n)
+        if case["mode"] == 0:
+            y = case["x"][slot[s] // top_k].float() @ w.T
+            out[s] = gated(y[:, :rows_out], y[:, rows_out:], case.get("activation", "silu")).to(case["dtype"]).float()
+        else:
+            out[slot[s]] = case["x"][s].float() @ w.T
+    return out
+
+
+# ---------------------------------------------------------------- command line
+def _bits_list(text: str) -> list[int]:
+    bits = [int(b) for b in text.split(",") if b.strip()]
+    if not bits or any(b < 3 or b > 8 for b in bits) or len(bits) > 64:
+        raise ValueError(f"--bits wants 1-64 widths from 3 to 8, comma-separated, got {text!r}")
+    return bits
+
+
+def main(argv=None) -> int:
+    """One projection launch run on the CPU, saved beside its torch reference: what a failing GPU
+    test of the staged regime can be compared with, launch for launch."""
+    parser = argparse.ArgumentParser(description="Run one apl_staged launch on the CPU (no GPU) and save it "
+                                                 "with its torch reference.")
+    parser.add_argument("--projection", choices=("gate_up", "down"), default="gate_up")
+    parser.add_argument("--bits", default="4,3,4,3", help="one width (3-8) per expert, comma-separated")
+    parser.add_argument("--rows-out", type=int, default=96, help="h columns (gate_up) or output rows (down)")
+    parser.add_argument("--cols", type=int, default=256, help="the projection's input width, a multiple of 32")
+    parser.add_argument("--tokens", type=int, default=24)
+    parser.add_argument("--top-k", type=int, default=2)
+    parser.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--knobs", default="", help='kernel knobs, "APL_X=1,APL_Y=0" (as APL_KERNEL_DEFINES)')
+    parser.add_argument("--out", required=True, help="a .pt file: output, reference, instance and plan")
+    args = parser.parse_args(argv)
+    try:
+        bits = _bits_list(args.bits)
+        overrides = op.knob_overrides(args.knobs)
+        if not (0 < args.rows_out <= 4096 and 0 < args.cols <= 8192 and args.cols % 32 == 0
+                and 0 < args.tokens <= 4096 and 0 < args.top_k <= len(bits)):
+            raise ValueError("want 0 < rows-out <= 4096, cols a multiple of 32 up to 8192, "
+                             "0 < tokens <= 4096 and 0 < top-k <= the number of experts")
+    except ValueError as err:
+        print(f"staged_host: {err}", file=sys.stderr)
+        return 2
+    if not shutil.which("nvcc"):
+        print("staged_host: nvcc not found on PATH", file=sys.stderr)
+        return 2
+    mode = 0 if args.projection == "gate_up" else 1
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
+    case = projection_case(mode, bits, args.rows_out, args.cols, args.tokens, args.top_k, dtype, args.seed)
+    saved = dict(op.KERNEL_DEFINES)  # the plan follows the knobs (the plane ring's bytes)
+    op.KERNEL_DEFINES.update(overrides)
+    try:
+        instance, plan, lut_bits = planned(case)
+    except op.APLKernelError as err:
+        print(f"staged_host: {err}", file=sys.stderr)
+        return 2
+    finally:
+        op.KERNEL_DEFINES.clear()
+        op.KERNEL_DEFINES.update(saved)
+    print(f"staged_host: apl_staged<{', '.join(str(v).lower() for v in instance)}>, grid {plan.grid}, "
+          f"{plan.stages} buffers; building", file=sys.stderr, flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            harness = build_harness(Path(tmp), kernel_defines(overrides), instance)
+            print(f"staged_host: running {plan.grid[0] * plan.grid[1] * plan.grid[2]} CTAs", file=sys.stderr, flush=True)
+            run = run_launch(harness, Path(tmp), case, plan, lut_bits)
+            if run.returncode:
+                raise RuntimeError(run.stderr.strip().splitlines()[-1] if run.stderr.strip() else f"exit {run.returncode}")
+            got = launch_output(Path(tmp), case)
+        except (RuntimeError, ValueError, OSError) as err:
+            print(f"staged_host: {err}", file=sys.stderr)
+            return 2
+    want = reference_projection(case)
+    try:
+        torch.save({"output": got, "reference": want, "instance": instance, "grid": plan.grid, "stages": plan.stages,
+                    "shared_bytes": plan.shared_bytes, "args": vars(args)}, args.out)
+    except (OSError, RuntimeError) as err:
+        print(f"staged_host: cannot write {args.out}: {err}", file=sys.stderr)
+        return 2
+    rows = ~torch.isnan(want).all(1)
+    print(f"max |output - reference| {float((got[rows] - want[rows]).abs().max()):.3g} over {int(rows.sum())} rows; "
+          f"saved {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

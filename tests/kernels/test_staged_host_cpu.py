@@ -25,12 +25,12 @@ import numpy as np
 import pytest
 import torch
 
-from bench import lut_bank_model, staged_banks
+from bench import lut_bank_model, staged_banks, staged_host
 from bench.sass_mix import kernel_defines
-from bench.staged_host import ST_KS, ST_ROWS, build_harness, launch_output, planned, projection_case, run_launch
+from bench.staged_host import (ST_KS, ST_ROWS, build_harness, launch_output, planned, projection_case,
+                               reference_projection, run_launch)
 from pagedweight_kernels import apl_moe as op
 from pagedweight_kernels.apl_moe import staged_plan
-from pagedweight_kernels.moe_reference import gated
 from pagedweight_kernels.synthetic import random_block
 # wgmma_desc (apl_gemv.cu): LBO 128 bytes between the two core matrices of a k16 slice (columns
 # 0-7, 8-15), SBO 256 bytes between 8-row groups; a core matrix is 8 rows of 16 contiguous bytes.
@@ -137,22 +137,6 @@ def test_harness_refuses_an_input_it_cannot_take(harness, tmp_path):
 
 
 # ---------------------------------------------------------------- whole launches
-def reference_projection(case: dict) -> torch.Tensor:
-    """fp32 [assignments, rows_out]: gate_up's act(gate) * up by sorted position, down's rows by
-    slot, from the blocks dequantised to the activation dtype (as the kernels' LUTs are)."""
-    rows_out, top_k, slot = case["rows_out"], case["top_k"], case["sorted_slot"].long()
-    out = torch.full((case["num_tokens"] * top_k, rows_out), float("nan"))
-    for e, start, n in case["active"]:
-        w = case["blocks"][e].dequantize(case["bits"][e]).to(case["dtype"]).float()
-        s = torch.arange(start, start + n)
-        if case["mode"] == 0:
-            y = case["x"][slot[s] // top_k].float() @ w.T
-            out[s] = gated(y[:, :rows_out], y[:, rows_out:], case.get("activation", "silu")).to(case["dtype"]).float()
-        else:
-            out[slot[s]] = case["x"][s].float() @ w.T
-    return out
-
-
 def assert_matches(got: torch.Tensor, want: torch.Tensor, case: dict) -> None:
     if case["mode"] == 0:  # h in the activation dtype: one rounding apart at most
         rtol = 2.0 ** -7 if case["dtype"] == torch.bfloat16 else 2.0 ** -10
@@ -341,3 +325,29 @@ def test_the_emulated_conversions_round_as_torch_does(harness, tmp_path):
     assert torch.equal(torch.isnan(widened), torch.isnan(all_halves))
     finite = ~torch.isnan(all_halves)
     assert torch.equal(widened[finite].view(torch.int32), all_halves[finite].view(torch.int32))
+
+
+# ---------------------------------------------------------------- python -m bench.staged_host
+def test_the_command_line_saves_a_launch_beside_its_reference(tmp_path, capsys):
+    out = tmp_path / "launch.pt"
+    assert staged_host.main(["--projection", "down", "--bits", "3,5,8", "--rows-out", "128", "--cols", "160",
+                             "--tokens", "40", "--dtype", "fp16", "--out", str(out)]) == 0
+    saved = torch.load(out)
+    rows = ~torch.isnan(saved["reference"]).all(1)
+    torch.testing.assert_close(saved["output"][rows], saved["reference"][rows], rtol=1e-4, atol=1e-5)
+    assert saved["instance"][:4] == (2, 1, False, False) and "saved" in capsys.readouterr().out  # merged, 4-byte loads
+
+
+@pytest.mark.parametrize("args", [["--bits", "4,9"], ["--cols", "100"], ["--top-k", "5"], ["--knobs", "APL_NOPE=1"],
+                                  ["--bits", ""]])
+def test_the_command_line_refuses_bad_input_with_one_line(tmp_path, capsys, args):
+    out = tmp_path / "launch.pt"
+    assert staged_host.main([*args, "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("staged_host: ")
+    assert not out.exists()
+
+
+def test_the_command_line_says_when_it_cannot_write(tmp_path, capsys):
+    assert staged_host.main(["--out", str(tmp_path / "missing" / "launch.pt")]) == 2
+    assert "cannot write" in capsys.readouterr().err
