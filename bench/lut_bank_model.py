@@ -21,7 +21,7 @@ ROWS_PER_LDS, LANES_PER_ROW, BANKS = 8, 4, 32
 
 
 def row_start(row: int, bits: int, room: int, stagger: bool) -> int:
-    """The row's first entry (apl_gemv.cu's lut_row): rooms of `room` entries, odd 5-bit rows 32 in."""
+    """The row's first entry (apl_gemv.cu's lut_row_start): rooms of `room` entries, odd 5-bit rows 32 in."""
     return row * room + (32 if stagger and row & 1 and bits == 5 and room >= 64 else 0)
 
 

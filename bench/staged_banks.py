@@ -23,7 +23,7 @@ import torch
 
 from bench.bench_meta import write_result
 from bench.sass_mix import kernel_defines
-from bench.staged_host import build_harness, planned, projection_case, run_launch
+from bench.staged_host import build_harness, host_knobs, planned, projection_case, run_launch
 from pagedweight_kernels import apl_moe as op
 
 # (name, bits per expert, define overrides, merged): down, 128 rows, 512 columns, 80 tokens x top-2
@@ -37,16 +37,11 @@ CASES = [("3 bits", 3, {}, False), ("4 bits", 4, {}, False), ("4 bits, plane rin
 def count(name: str, bits: int, overrides: dict[str, int], merged: bool, work: Path) -> dict:
     """One launch's bank counts per instruction kind (kinds it never issued left out)."""
     case = projection_case(1, [bits] * 4, 128, 512, 80, 2, torch.bfloat16, seed=1)
-    saved = dict(op.KERNEL_DEFINES)  # the plan follows the knobs (the plane ring's bytes)
-    op.KERNEL_DEFINES.update(overrides)
-    try:
+    with host_knobs(overrides):
         instance, plan, lut_bits = planned(case)
         if merged:
             instance, lut_bits = (2, *instance[1:]), 8
             plan = op.staged_plan(1, 80, 2, 4, 128, 2, lut_bits, 4, instance[3])
-    finally:
-        op.KERNEL_DEFINES.clear()
-        op.KERNEL_DEFINES.update(saved)
     harness = build_harness(work, kernel_defines(overrides), instance)
     banks = work / "banks.json"
     run = run_launch(harness, work, case, plan, lut_bits, env={**os.environ, "APL_HOST_BANKS": str(banks)})

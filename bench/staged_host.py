@@ -21,6 +21,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +29,7 @@ import torch
 
 from bench.sass_mix import kernel_defines, module_text
 from pagedweight_kernels import apl_moe as op
-from pagedweight_kernels.apl_moe import GemmPlan, staged_class, staged_plan
+from pagedweight_kernels.apl_moe import GemmPlan, staged_class, staged_plan, widest_by_class
 from pagedweight_kernels.moe_reference import expert_bounds, gated, group_tokens_by_expert
 from pagedweight_kernels.synthetic import random_block, ragged_routing
 
@@ -67,13 +68,22 @@ def projection_case(mode: int, bits: list[int], rows_out: int, cols: int, num_to
             "num_tokens": num_tokens, "sorted_slot": order.to(torch.int32), "active": active, "x": x, "dtype": dtype}
 
 
+@contextmanager
+def host_knobs(overrides: dict[str, int]):
+    """The host's KERNEL_DEFINES with these knobs for the block's duration: a plan follows the
+    knobs the kernel is compiled with (the plane ring's bytes), then they are put back."""
+    saved = dict(op.KERNEL_DEFINES)
+    op.KERNEL_DEFINES.update(overrides)
+    try:
+        yield
+    finally:
+        op.KERNEL_DEFINES.clear()
+        op.KERNEL_DEFINES.update(saved)
+
+
 def planned(case: dict) -> tuple[tuple, GemmPlan, int]:
     """(instance, plan, lut_bits) as staged_projection picks them for the case's blocks."""
-    classes: dict[int, int] = {}
-    for b in case["bits"]:
-        cls = 0 if b <= 4 else 1
-        classes[cls] = max(classes.get(cls, 0), b)
-    cls, lut_bits = staged_class(classes)
+    cls, lut_bits = staged_class(widest_by_class(case["bits"]))
     aligned16 = case["cols"] % 128 == 0  # (the harness's plane blobs are 16-byte aligned)
     assignments = case["num_tokens"] * case["top_k"]
     plan = staged_plan(case["mode"], case["num_tokens"], case["top_k"], len(case["bits"]), case["rows_out"], cls,
@@ -171,16 +181,12 @@ def main(argv=None) -> int:
     mode = 0 if args.projection == "gate_up" else 1
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
     case = projection_case(mode, bits, args.rows_out, args.cols, args.tokens, args.top_k, dtype, args.seed)
-    saved = dict(op.KERNEL_DEFINES)  # the plan follows the knobs (the plane ring's bytes)
-    op.KERNEL_DEFINES.update(overrides)
     try:
-        instance, plan, lut_bits = planned(case)
+        with host_knobs(overrides):
+            instance, plan, lut_bits = planned(case)
     except op.APLKernelError as err:
         print(f"staged_host: {err}", file=sys.stderr)
         return 2
-    finally:
-        op.KERNEL_DEFINES.clear()
-        op.KERNEL_DEFINES.update(saved)
     print(f"staged_host: apl_staged<{', '.join(str(v).lower() for v in instance)}>, grid {plan.grid}, "
           f"{plan.stages} buffers; building", file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory() as tmp:

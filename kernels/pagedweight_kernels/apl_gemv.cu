@@ -143,6 +143,8 @@
 APL_HD int lut_stagger(int lw, int bits, int room) {
     return APL_LUT_STAGGER && (lw & 1) && bits == 5 && room >= 64 ? 32 : 0;
 }
+// The first entry of local row lw's LUT in a CTA's shared rows of `room` entries each.
+APL_HD int lut_row_start(int lw, int bits, int room) { return lw * room + lut_stagger(lw, bits, room); }
 #ifndef APL_GEMV_HEAVY_MIN_TOKENS
 #define APL_GEMV_HEAVY_MIN_TOKENS 2  // the heavy order (bit 0) in launches of at least this many tokens: at 1
 #endif                               // token it bought nothing at Mixtral size and cost 2-5% at Qwen1.5-MoE's
@@ -1446,7 +1448,7 @@ __device__ __forceinline__ void gemv_cta(
     // room of 256 entries (512 bytes, the merged kernel's) every row would start on bank 0, and an
     // LDS.U16 by 32 lanes of random codes takes 4.1 wavefronts, not 2.9 (bench/lut_bank_model). (Computed where
     // used: one value held from here to the step loop made the 5-8-bit instances spill 48-64 bytes.)
-    auto lut_row = [&](int lw) { return lut_s + lw * lut_entries + lut_stagger(lw, blk.bits, lut_entries); };
+    auto lut_row = [&](int lw) { return lut_s + lut_row_start(lw, blk.bits, lut_entries); };
     // CLS 1: the block's LUT into shared memory (act values), 16-byte loads where aligned.
     auto fill_smem_lut = [&]() {
         if ((reinterpret_cast<unsigned long long>(blk.lut) & 15) == 0) {

@@ -153,6 +153,16 @@ def bit_class(bits: int) -> int:
     return 0 if bits <= 4 else 1
 
 
+def widest_by_class(widths) -> dict[int, int]:
+    """Bit class -> the widest of these widths in it (classes ascending), as APLLayer.classes
+    holds them per projection."""
+    widest: dict[int, int] = {}
+    for bits in widths:
+        c = bit_class(bits)
+        widest[c] = max(widest.get(c, 0), bits)
+    return dict(sorted(widest.items()))
+
+
 # Compile-time knobs of the .cu (see its header); the host plans with the same values.
 KERNEL_DEFINES = {"APL_LDS_MODE": 1, "APL_RPG_DIV": 8, "APL_PREFETCH": 1, "APL_DECODE_MIN_BLOCKS": 2,
                   "APL_SHIFT_MODE": 0, "APL_PREFILL_MIN_BLOCKS": 1, "APL_GEMV_MIN_BLOCKS": 4,
@@ -341,11 +351,7 @@ class APLLayer:
         self.max_bits = max(b.bits for b in self.gate_up + self.down)
         self.classes = {}
         for module in ("gate_up", "down"):
-            widest: dict[int, int] = {}
-            for b in getattr(self, module):
-                c = bit_class(b.bits)
-                widest[c] = max(widest.get(c, 0), b.bits)
-            self.classes[module] = dict(sorted(widest.items()))
+            self.classes[module] = widest_by_class(b.bits for b in getattr(self, module))
         self.aligned8 = {m: all(b.aligned8 for b in getattr(self, m)) for m in ("gate_up", "down")}
         self.aligned16 = {m: all(b.aligned16 for b in getattr(self, m)) for m in ("gate_up", "down")}
 

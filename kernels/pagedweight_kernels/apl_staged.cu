@@ -243,7 +243,7 @@ APL_HD void staged_produce(const BlockRef& blk, const StagedWork& w, const int* 
     RegLut<(B <= 4 ? B : 4)> rlut;
     u32 lut_base = 0;
     if constexpr (B <= 4) rlut.load(blk.lut + (long long)wrow * (1 << B), true, BF16);
-    else lut_base = shared_addr(lut_s + pt * lut_stride + lut_stagger(pt, B, lut_stride));
+    else lut_base = shared_addr(lut_s + lut_row_start(pt, B, lut_stride));
     // Unit u = steps Uu..Uu+U-1 = words Wu..Wu+W-1 of the row in every plane (clamped into the row:
     // columns past the end meet zero activations).
     auto load_unit = [&](u32 (&buf)[B][W], int u) {
@@ -495,7 +495,7 @@ APL_HD void staged_cta(const long long* __restrict__ desc, const int* __restrict
             const int lw = idx >> blk.bits, ent = idx & (nent - 1);
             bool valid;
             const int row = weight_row<MODE>(lw, w.r0, rpc, rows_out, &valid);
-            lut_s[lw * lut_stride + lut_stagger(lw, blk.bits, lut_stride) + ent] =
+            lut_s[lut_row_start(lw, blk.bits, lut_stride) + ent] =
                 valid ? lut_to_act<BF16>(blk.lut[(long long)row * nent + ent]) : (u16)0;
         }
         producer_barrier();

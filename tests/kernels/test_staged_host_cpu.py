@@ -15,6 +15,7 @@ back here by the operand layout the consumer's descriptors describe (the PTX ISA
 K-major layout), written out independently of tile_chunk. What the emulation cannot show: timing,
 and a missing memory fence (apl_host.h). Skipped without nvcc."""
 
+import os
 import random
 import shutil
 import struct
@@ -155,10 +156,15 @@ LAUNCHES = {
 }
 
 
+def launch_case(name: str, seed: int, bits: list[int] | None = None) -> tuple[dict, tuple]:
+    """(case, the instance it is written for) of LAUNCHES[name], its blocks at `bits` if given."""
+    mode, case_bits, rows_out, cols, tokens, top_k, dtype, instance = LAUNCHES[name]
+    return projection_case(mode, bits or case_bits, rows_out, cols, tokens, top_k, dtype, seed), instance
+
+
 @pytest.mark.parametrize("name", list(LAUNCHES))
 def test_staged_launch_matches_the_reference(cta_harness, tmp_path, name):
-    mode, bits, rows_out, cols, tokens, top_k, dtype, instance = LAUNCHES[name]
-    case = projection_case(mode, bits, rows_out, cols, tokens, top_k, dtype, seed=len(name))
+    case, instance = launch_case(name, seed=len(name))
     picked, plan, lut_bits = planned(case)
     assert picked == instance, (picked, plan)  # the case exercises what it says
     run = run_launch(cta_harness(instance), tmp_path, case, plan, lut_bits)
@@ -168,9 +174,8 @@ def test_staged_launch_matches_the_reference(cta_harness, tmp_path, name):
 
 def test_blocks_outside_the_launchs_class_come_out_nan(cta_harness, tmp_path):
     # a 3-4-bit launch over a layer with one 6-bit block: that expert's outputs are NaN, the rest exact
-    mode, _, rows_out, cols, tokens, top_k, dtype, instance = LAUNCHES["gate_up_3_4_bits_16_token_passes"]
-    case = projection_case(mode, [4, 6, 4, 3, 4, 3], rows_out, cols, tokens, top_k, dtype, seed=7)
-    plan = staged_plan(mode, tokens, top_k, 6, rows_out, 0, 0, 6, True)
+    case, instance = launch_case("gate_up_3_4_bits_16_token_passes", seed=7, bits=[4, 6, 4, 3, 4, 3])
+    plan = staged_plan(case["mode"], case["num_tokens"], case["top_k"], 6, case["rows_out"], 0, 0, 6, True)
     assert plan.tiles == instance[-1]
     run = run_launch(cta_harness(instance), tmp_path, case, plan, lut_bits=0)
     assert run.returncode == 0, run.stderr[-2000:]
@@ -186,10 +191,9 @@ def test_blocks_outside_the_launchs_class_come_out_nan(cta_harness, tmp_path):
 def test_a_ring_of_one_buffer_deadlocks(cta_harness, tmp_path):
     # why staged_plan refuses one buffer: the consumers hand a buffer back only after issuing the
     # next step's wgmma, so with one the producers and consumers wait on each other for ever
-    mode, bits, rows_out, cols, tokens, top_k, dtype, instance = LAUNCHES["gate_up_3_4_bits_16_token_passes"]
-    case = projection_case(mode, bits, rows_out, cols, tokens, top_k, dtype, seed=3)
+    case, instance = launch_case("gate_up_3_4_bits_16_token_passes", seed=3)
     _, plan, lut_bits = planned(case)
-    env = {**__import__("os").environ, "APL_HOST_DEADLOCK_S": "2"}
+    env = {**os.environ, "APL_HOST_DEADLOCK_S": "2"}
     run = run_launch(cta_harness(instance), tmp_path, case, plan, lut_bits, stages=1, env=env)
     assert run.returncode == 3 and "deadlock" in run.stderr  # (staged_plan refuses it: test_apl_moe_cpu)
 
@@ -198,8 +202,7 @@ def test_a_ring_of_one_buffer_deadlocks(cta_harness, tmp_path):
 def test_a_ring_of_two_buffers(cta_harness, tmp_path, name):
     # the fewest staged_plan gives (where shared memory is short): each buffer is refilled while the
     # next step's wgmma run, so a buffer handed back before its own wgmma were waited for shows here
-    mode, bits, rows_out, cols, tokens, top_k, dtype, instance = LAUNCHES[name]
-    case = projection_case(mode, bits, rows_out, cols, tokens, top_k, dtype, seed=11)
+    case, instance = launch_case(name, seed=11)
     _, plan, lut_bits = planned(case)
     run = run_launch(cta_harness(instance), tmp_path, case, plan, lut_bits, stages=2)
     assert run.returncode == 0, run.stderr[-2000:]
@@ -220,8 +223,7 @@ KNOBS = {"prefetch_1": {"APL_STAGED_PREFETCH": 1}, "prefetch_3": {"APL_STAGED_PR
 @pytest.mark.parametrize("name", ["gate_up_3_4_bits_16_token_passes", "down_3_4_bits_4_byte_loads_ragged_step",
                                   "down_merged_class"])
 def test_staged_knobs_leave_the_launch_bit_for_bit(cta_harness, default_outputs, tmp_path, monkeypatch, name, knob):
-    mode, bits, rows_out, cols, tokens, top_k, dtype, instance = LAUNCHES[name]
-    case = projection_case(mode, bits, rows_out, cols, tokens, top_k, dtype, seed=5)
+    case, instance = launch_case(name, seed=5)
     for define, value in KNOBS[knob].items():  # the host plans with the kernel's knobs (the plane ring's bytes)
         monkeypatch.setitem(op.KERNEL_DEFINES, define, value)
     _, plan, lut_bits = planned(case)
@@ -249,8 +251,7 @@ def default_outputs(cta_harness, tmp_path_factory):
 def test_the_plane_ring_lives_in_the_bytes_the_host_plans(cta_harness, tmp_path, monkeypatch):
     # the harness gives each CTA exactly the plan's shared bytes: planned without the plane ring, a
     # launch that reads its plane words through it reaches past them
-    mode, bits, rows_out, cols, tokens, top_k, dtype, instance = LAUNCHES["gate_up_3_4_bits_16_token_passes"]
-    case = projection_case(mode, bits, rows_out, cols, tokens, top_k, dtype, seed=5)
+    case, instance = launch_case("gate_up_3_4_bits_16_token_passes", seed=5)
     _, plan, lut_bits = planned(case)  # (APL_STAGED_PLANE_ASYNC 0: no ring counted)
     monkeypatch.setitem(op.KERNEL_DEFINES, "APL_STAGED_PLANE_ASYNC", 1)
     assert planned(case)[1].shared_bytes == plan.shared_bytes + op.staged_plane_ring_bytes(0, instance[-1], True) > plan.shared_bytes
@@ -260,8 +261,7 @@ def test_the_plane_ring_lives_in_the_bytes_the_host_plans(cta_harness, tmp_path,
 
 def test_gate_up_with_gelu(cta_harness, tmp_path):
     # Gemma-4's experts: APL_ACT 1, GELU's tanh form (the launcher compiles gate_up once per activation)
-    mode, bits, rows_out, cols, tokens, top_k, dtype, instance = LAUNCHES["gate_up_3_4_bits_16_token_passes"]
-    case = projection_case(mode, bits, rows_out, cols, tokens, top_k, dtype, seed=13)
+    case, instance = launch_case("gate_up_3_4_bits_16_token_passes", seed=13)
     case["activation"] = "gelu_tanh"
     _, plan, lut_bits = planned(case)
     run = run_launch(cta_harness(instance, {"APL_ACT": op.ACT_CODES["gelu_tanh"]}), tmp_path, case, plan, lut_bits)
