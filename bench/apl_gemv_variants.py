@@ -6,7 +6,7 @@ plan constants, and prints one line per (variant, shape). Used to pick the defau
 results are recorded in docs/kernel.md.
 
 Usage on the GPU machine: PYTHONPATH=.:services:kernels python3 -m bench.apl_gemv_variants [variants]
-    [--mixed | --tiles | --tiles-mixed | --decode | --fused | --compact | --merged | --waves | --order | --lut | --hint
+    [--mixed | --tiles | --tiles-mixed | --staged | --decode | --fused | --compact | --merged | --waves | --order | --lut | --hint
      | --long | --compile-only] [--json NAME]
 --compile-only: compile the variants' decode instances for bf16 and fp16 (for the GPU tests) and exit.
 --decode: every decode shape (1-16 tokens, 3 / 4 / 8 / mixed bits) at both model sizes; the
@@ -57,6 +57,11 @@ VARIANTS = {  # name -> (define changes, host changes: HOST_KNOBS and LAYER_SWIT
     "staged_async_u4": ({"APL_STAGED_PLANE_ASYNC": 1, "APL_STAGED_UNIT": 4}, {"STAGED_PREFILL": True}),
     # the producers' per-step proxy fence left to the consumers' (see apl_staged.cu)
     "staged_nofence": ({"APL_STAGED_PRODUCER_FENCE": 0}, {"STAGED_PREFILL": True}),
+    # the plane ring with the other knobs (2026-12-05: staged_async was the fastest staged variant at 3-4 bits)
+    "staged_async_nofence": ({"APL_STAGED_PLANE_ASYNC": 1, "APL_STAGED_PRODUCER_FENCE": 0}, {"STAGED_PREFILL": True}),
+    "staged_async_p1": ({"APL_STAGED_PLANE_ASYNC": 1, "APL_STAGED_PREFETCH": 1}, {"STAGED_PREFILL": True}),
+    "staged_async_p3": ({"APL_STAGED_PLANE_ASYNC": 1, "APL_STAGED_PREFETCH": 3}, {"STAGED_PREFILL": True}),
+    "staged_async_narrow": ({"APL_STAGED_PLANE_ASYNC": 1}, {"STAGED_PREFILL": True, "TILES_WIDE_NT8": 0}),  # no 96-token passes
     "staged_s2": ({}, {"STAGED_PREFILL": True, "STAGED_STAGES": 2}),  # a ring of two buffers
     "staged_noregs": ({"APL_STAGED_REGS": 0}, {"STAGED_PREFILL": True}),  # no setmaxnreg: 128 registers each
     "no_wave": ({}, {"GEMV_WAVE_PLAN": False}),  # decode splits to about one wave (before _wave_splits)
@@ -241,6 +246,10 @@ HINT_SHAPES = [(name, T, bits) for name in ("mixtral-8x7b", "qwen1.5-moe-a2.7b")
 LONG_SHAPES = [(name, T, bits) for name in ("mixtral-8x7b", "qwen1.5-moe-a2.7b") for T in (1, 4, 16)
                for bits in ("3", "4", "5", "6", "8", "mixed")] + \
               [(name, T, "4") for name in ("mixtral-8x7b", "qwen1.5-moe-a2.7b") for T in (2, 8)]
+# --staged: 3-4-bit layers from 32 to 1024 tokens (where the staged regime beats the tiles and prefill
+# regimes), and the 8-bit tiles shapes
+STAGED_SHAPES = [(name, T, bits) for name in ("qwen1.5-moe-a2.7b", "mixtral-8x7b") for T in (32, 64, 128, 256, 512, 1024)
+                 for bits in ("3", "4")] + [(name, T, "8") for name in ("qwen1.5-moe-a2.7b", "mixtral-8x7b") for T in (64, 256)]
 # --tiles-mixed: the tiles shapes at mixed bits (the merged kernel against one launch per class)
 TILES_MIXED_SHAPES = [(name, T, "mixed") for name in ("qwen1.5-moe-a2.7b", "mixtral-8x7b") for T in (64, 256)]
 
@@ -321,8 +330,9 @@ def main():
         compile_decode_instances([a for a in sys.argv[1:] if a in VARIANTS], device, both_dtypes=True)
         print(op.compile_stats())
         return
-    tiles_run = "--tiles" in sys.argv or "--tiles-mixed" in sys.argv
+    tiles_run = "--tiles" in sys.argv or "--tiles-mixed" in sys.argv or "--staged" in sys.argv
     shapes = MIXED_SHAPES if "--mixed" in sys.argv else TILES_SHAPES if "--tiles" in sys.argv \
+        else STAGED_SHAPES if "--staged" in sys.argv \
         else TILES_MIXED_SHAPES if "--tiles-mixed" in sys.argv \
         else DECODE_SHAPES if "--decode" in sys.argv else FUSED_SHAPES if "--fused" in sys.argv \
         else COMPACT_SHAPES if "--compact" in sys.argv else MERGED_SHAPES if "--merged" in sys.argv \

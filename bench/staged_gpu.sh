@@ -6,6 +6,7 @@
 # then the tiles shapes with and without it in one process (VARIANTS), and with LAYER=1 the layer
 # benchmark with it on (bf16 grouped_mm timed beside it). BENCH_ANYWAY=1 times even after a test failure.
 # Usage (device): OUT=$OUT CODE_COMMIT=<c> [VARIANTS="base staged" | VARIANTS=none] [LAYER=1] bash bench/staged_gpu.sh
+# VARIANT_SHAPES=--staged times the 3-4-bit layers at 32-1024 tokens instead of the tiles shapes.
 # TEST_K selects tests (pytest -k), TEST_X="" runs past a failure. A first call on a fresh machine:
 # VARIANTS=none TEST_TIMEOUT_S=360 (compiles and every test, ~9 min at most); the next, while warm or
 # carrying kernel_cache/: TEST_K=matches_reference VARIANTS="base staged staged_p1 staged_u4 staged_async staged_nofence" LAYER=1.
@@ -21,7 +22,7 @@ rc=$?; stamp "staged tests rc $rc"; tail -n 40 "$OUT/gpu_staged_tests.log" | gre
 [ "$rc" = 0 ] || [ -n "${BENCH_ANYWAY:-}" ] || exit 1
 unset APL_STAGED_PREFILL  # (the variants set STAGED_PREFILL themselves)
 if [ "${VARIANTS:-base staged}" != none ]; then
-  timeout -k 10 "${VARIANTS_TIMEOUT_S:-200}" python3 -m bench.apl_gemv_variants ${VARIANTS:-base staged} --tiles \
+  timeout -k 10 "${VARIANTS_TIMEOUT_S:-200}" python3 -m bench.apl_gemv_variants ${VARIANTS:-base staged} ${VARIANT_SHAPES:---tiles} \
     --json apl_gemv_staged > "$OUT/apl_gemv_staged.log" 2>&1
   stamp "variants rc $?"; cp bench/results/apl_gemv_staged.json "$OUT/" 2>/dev/null
   python3 -m bench.variants_table "$OUT/apl_gemv_staged.json"
