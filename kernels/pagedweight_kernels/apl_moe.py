@@ -136,10 +136,20 @@ TILES_HEADROOM = 1.5  # a pass holds 1.5x the mean tokens per expert (routing is
 TILES_WIDE_NT8 = 12
 # The staged regime (apl_staged.cu, sm_90a): a producer warpgroup dequantises plane tiles into a
 # ring of shared-memory buffers while a consumer warpgroup runs wgmma with both operands there,
-# in the four-launch path (moe_align, gate_up, down, moe_combine). Taken, where STAGED_PREFILL is
-# on, for the calls the tiles and prefill regimes would take, on a compute-capability 9.0 GPU,
-# outside stable launches (use_staged).
-STAGED_PREFILL = os.environ.get("APL_STAGED_PREFILL", "0") == "1"
+# in the four-launch path (moe_align, gate_up, down, moe_combine). Taken for the calls the tiles
+# and prefill regimes would take, on a compute-capability 9.0 GPU, outside stable launches
+# (use_staged): by default for layers whose blocks are all 3-4 bits (STAGED_CLASSES) at
+# STAGED_MIN_ASSIGNMENTS or more (token, expert) assignments; for every layer where STAGED_PREFILL
+# is on (APL_STAGED_PREFILL=1; =0 turns the default rule off too). Measured (H200, one process,
+# bench/results/apl_gemv_staged_sweep.json, 2026-12-05): with the plane ring, 3-4 bits, staged
+# against the tiles and prefill regimes: Qwen1.5-MoE 64-1024 tokens 1.06x-2.02x faster, Mixtral
+# 128-1024 tokens 1.04x-2.1x faster, Mixtral 32 and 64 tokens (64 and 128 assignments) 1.03x-1.21x
+# slower; 8 bits 2.0x-3.1x slower (the 5-8-bit producers' shared-memory LUT lookups), so class 1
+# and mixed layers keep the tiles and prefill regimes.
+_STAGED_ENV = os.environ.get("APL_STAGED_PREFILL", "")
+STAGED_PREFILL = _STAGED_ENV == "1"
+STAGED_CLASSES = frozenset() if _STAGED_ENV == "0" else frozenset({0})
+STAGED_MIN_ASSIGNMENTS = 256
 STAGED_ROWS, STAGED_THREADS, STAGED_STEP = 128, 256, 64  # the .cu's ST_ROWS, ST_THREADS, ST_KS
 STAGED_STAGES, STAGED_MAX_STAGES = 4, 8  # ring buffers wanted (fewer where shared memory is short); the .cu's most
 # Dynamic shared memory a CTA may take for 2 CTAs per SM (228 KB an SM, 1 KB reserved per CTA, the
@@ -173,7 +183,7 @@ KERNEL_DEFINES = {"APL_LDS_MODE": 1, "APL_RPG_DIV": 8, "APL_PREFETCH": 1, "APL_D
                   "APL_GEMV_ORDER": 5, "APL_GEMV_HEAVY_MIN_TOKENS": 2, "APL_PLANE_HINT": 2, "APL_PLANE_HINT_MIN_NT8": 8, "APL_GEMV_PDL_LUT_WAIT": 0,
                   "APL_LUT_STAGGER": 1, "APL_TILES_WS": 0, "APL_TILES_WS_ROUNDS": 2, "APL_TILES_WS_BLOCKS": 2,
                   "APL_TILES_WS_WARPS": 1, "APL_TILES_WS_STAGES": 2, "APL_STAGED_PREFETCH": 2, "APL_STAGED_UNIT": 2, "APL_STAGED_BLOCKS": 2,
-                  "APL_STAGED_REGS": 1, "APL_STAGED_PLANE_ASYNC": 0, "APL_STAGED_PRODUCER_FENCE": 1}
+                  "APL_STAGED_REGS": 1, "APL_STAGED_PLANE_ASYNC": 1, "APL_STAGED_PRODUCER_FENCE": 1}
 
 
 def knob_overrides(text: str) -> dict[str, int]:
@@ -631,11 +641,14 @@ def staged_plane_ring_bytes(cls: int, nt8: int, aligned16: bool) -> int:
     return STAGED_ROWS * KERNEL_DEFINES["APL_STAGED_PREFETCH"] * 4 * (2 * unit) * 4
 
 
-def staged_instances(flag: str, modes: tuple[int, ...] = (0, 1)) -> list[str]:
+def staged_instances(flag: str, modes: tuple[int, ...] = (0, 1), bit_classes=None) -> list[str]:
     """Every apl_staged instance staged_projection can launch for activations of `flag` and these
     projections: per kernel class, plane alignment and pass width (staged_plan's: the tiles
-    regime's above 1, 96 tokens with 16-byte plane loads only)."""
-    return [_staged_name(cls, mode, flag, v4, nt8) for mode in modes for cls in (0, 1, 2)
+    regime's above 1, 96 tokens with 16-byte plane loads only). bit_classes: the bit classes of
+    the layers that take the regime (None: any, so the merged class 2 too)."""
+    kernel_classes = (0, 1, 2) if bit_classes is None else \
+        tuple(sorted(set(bit_classes) | ({2} if len(bit_classes) > 1 else set())))
+    return [_staged_name(cls, mode, flag, v4, nt8) for mode in modes for cls in kernel_classes
             for v4 in ("true", "false") for nt8 in tiles_choices(cls)
             if nt8 > 1 and (nt8 <= TILES_MAX_NT8 or v4 == "true")]
 
@@ -647,12 +660,23 @@ def staged_class(classes: dict[int, int]) -> tuple[int, int]:
     return cls, classes.get(1, 0)
 
 
-def use_staged(plan: LaunchPlan, layer: "APLLayer", device: torch.device, legacy_decode: bool = False) -> bool:
-    """Whether a layer call planned so runs the staged regime instead (STAGED_PREFILL's rule): the
-    tiles and prefill regimes' calls (not the first kernels a legacy_decode call asks for), outside
-    stable launches, on a compute-capability 9.0 device."""
-    return (STAGED_PREFILL and plan.gate_up.regime in ("tiles", "prefill") and not legacy_decode
-            and not layer.stable_launches
+def staged_layer(layer: "APLLayer", num_tokens: int, top_k: int) -> bool:
+    """Whether the staged regime is the faster one for this layer's calls of num_tokens tokens:
+    every block of both projections in STAGED_CLASSES, and STAGED_MIN_ASSIGNMENTS assignments or
+    more (below them the tiles regime was faster at Mixtral size); any layer under STAGED_PREFILL."""
+    if STAGED_PREFILL:
+        return True
+    classes = {cls for module in ("gate_up", "down") for cls in layer.classes[module]}
+    return classes <= STAGED_CLASSES and num_tokens * top_k >= STAGED_MIN_ASSIGNMENTS
+
+
+def use_staged(plan: LaunchPlan, layer: "APLLayer", device: torch.device, legacy_decode: bool = False,
+               num_tokens: int = 0, top_k: int = 0) -> bool:
+    """Whether a layer call planned so runs the staged regime instead: the tiles and prefill
+    regimes' calls (not the first kernels a legacy_decode call asks for) that staged_layer takes,
+    outside stable launches, on a compute-capability 9.0 device."""
+    return (plan.gate_up.regime in ("tiles", "prefill") and not legacy_decode and not layer.stable_launches
+            and staged_layer(layer, num_tokens, top_k)
             and device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0))
 
 
@@ -881,8 +905,8 @@ def kernel_instances(dtype: torch.dtype, activation: str = "silu") -> list[tuple
                   if KERNEL_DEFINES.get("APL_TILES_WS") and not KERNEL_DEFINES.get("APL_TILES_PAIR")
                   and wgmma_instance(name, KERNEL_DEFINES)]
         names += [(_prefill_name(tile, mode, flag), act) for tile in tiles]
-        if STAGED_PREFILL and torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
-            names += [(name, act) for name in staged_instances(flag, (mode,))]
+        if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
+            names += [(name, act) for name in staged_instances(flag, (mode,), None if STAGED_PREFILL else STAGED_CLASSES)]
     if GEMV_FUSED:  # (off by default: then no start-up time is spent compiling it)
         names += [(_fused_name(cls, flag, v2), activation) for cls in FUSED_CLASSES for v2 in ("true", "false")]
     return names
@@ -1071,7 +1095,7 @@ def apl_moe(x, topk_ids, topk_weights, layer: APLLayer, out: torch.Tensor | None
     device = x.device
     with torch.cuda.device(device):
         ids = topk_ids.to(torch.int64).contiguous()
-        if use_staged(plan, layer, device, legacy_decode):
+        if use_staged(plan, layer, device, legacy_decode, T, k):
             return _four_launches(x, ids, topk_weights, layer, plan.max_active, out,
                                   staged_projection(layer, T, k, plan.max_active, _flag(x.dtype)))
         if plan.gate_up.regime in ("gemv", "tiles"):

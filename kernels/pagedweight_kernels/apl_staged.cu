@@ -34,14 +34,16 @@
 #ifndef APL_STAGED_UNIT
 #define APL_STAGED_UNIT 2
 #endif
-// 1: the 3-4-bit class's plane words come by cp.async into a ring of APL_STAGED_PREFETCH unit slots
+// 1 (the default since 2026-12-05: 3-8% faster than 0 at the 3-4-bit layers timed, the fence below
+// measured draining the register prefetch, bench/results/apl_gemv_staged_first.json):
+// the 3-4-bit class's plane words come by cp.async into a ring of APL_STAGED_PREFETCH unit slots
 // per producer thread in shared memory (past the CTA's ring buffers; staged_plan counts it) and are
 // read back by LDS when used. Each step ends in fence.proxy.async, which compiles to MEMBAR.ALL.CTA:
 // if that waits for the thread's loads in flight, the register prefetch (0) is drained every step,
 // while cp.async copies complete by wait_group and the fence need not wait for them. (They also
 // delay the step's full phase: cp.async.mbarrier.arrive counts every earlier copy of the thread.)
 #ifndef APL_STAGED_PLANE_ASYNC
-#define APL_STAGED_PLANE_ASYNC 0
+#define APL_STAGED_PLANE_ASYNC 1
 #endif
 // 0: the producers skip their per-step fence.proxy.async (MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S), and
 // the consumers' fence after each full wait is the one proxy fence between the producers' stores and

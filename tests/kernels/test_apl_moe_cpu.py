@@ -589,8 +589,8 @@ def test_wide_passes_only_for_3_4_bit_layers_without_stable_launches(monkeypatch
 def test_staged_plan_passes_grid_and_a_ring_that_leaves_two_ctas_per_sm():
     """The staged regime's launches: passes as the tiles regime picks them (96 tokens for 3-4-bit
     layers where it would), row tiles of 64 gate + 64 up rows (gate_up) or 128 rows (down), and
-    shared memory (LUT rows of the widest 5-8-bit block, then the ring of A + B tiles) for 2 CTAs
-    an SM with at least 2 buffers, 8-bit LUT rows included."""
+    shared memory (LUT rows of the widest 5-8-bit block, then the ring of A + B tiles, then the
+    3-4-bit class's plane ring) for 2 CTAs an SM with at least 2 buffers, 8-bit LUT rows included."""
     import pagedweight_kernels.apl_moe as op
 
     gate_up = op.staged_plan(0, 256, 2, 8, 14336, 0, 0, 8)  # Mixtral-size prefill, 256 tokens, 3-4 bits
@@ -603,7 +603,8 @@ def test_staged_plan_passes_grid_and_a_ring_that_leaves_two_ctas_per_sm():
         lut = op.STAGED_ROWS * (1 << lut_bits) * 2 if lut_bits else 0
         stage = (op.STAGED_ROWS + plan.tokens) * op.STAGED_STEP * 2
         assert 2 <= plan.stages <= op.STAGED_STAGES
-        assert plan.shared_bytes == op.STAGED_ALIGN_PAD + lut + plan.stages * stage
+        planes = op.staged_plane_ring_bytes(0, plan.tiles, True) if lut_bits == 0 else 0  # (class 0)
+        assert plan.shared_bytes == op.STAGED_ALIGN_PAD + lut + plan.stages * stage + planes
         assert plan.shared_bytes <= op.STAGED_CTA_SHARED[0]
     assert op.staged_plan(0, 256, 2, 8, 14336, 1, 8, 8).tiles == 8  # no 96-token passes at 5-8 bits
     # nor with 4-byte plane loads (those instances spill at 96 tokens: bench/results/staged_sass.json)
@@ -659,7 +660,7 @@ def test_staged_class_and_the_rule_that_takes_the_staged_regime(monkeypatch):
     assert not op.use_staged(tiles, layer, cpu)  # no CUDA device: never
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     hopper = torch.device("cuda", 0)
-    assert op.use_staged(tiles, layer, hopper)
+    assert op.use_staged(tiles, layer, hopper)  # STAGED_PREFILL: any bits, any number of tokens
     assert not op.use_staged(op.plan_launch(2, 2, 8, 64, 96, 8), layer, hopper)  # decode stays on apl_gemv
     prefill = op.plan_launch(1000, 2, 8, 64, 96, 8)
     assert prefill.gate_up.regime == "prefill" and op.use_staged(prefill, layer, hopper)
@@ -668,4 +669,41 @@ def test_staged_class_and_the_rule_that_takes_the_staged_regime(monkeypatch):
     assert not op.use_staged(tiles, layer, hopper)
     layer.stable_launches = False
     monkeypatch.setattr(op, "STAGED_PREFILL", False)
-    assert not op.use_staged(tiles, layer, hopper)
+    assert not op.use_staged(tiles, layer, hopper, num_tokens=100, top_k=2)  # mixed bits: not by default
+
+
+def test_the_default_staged_rule_takes_3_4_bit_layers_from_256_assignments(monkeypatch):
+    import pagedweight_kernels.apl_moe as op
+
+    monkeypatch.setattr(op, "STAGED_PREFILL", False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    hopper = torch.device("cuda", 0)
+    uniform = {(e, m): 3 + e % 2 for e in range(8) for m in ("gate_up", "down")}
+    low = random_layer(8, 64, 96, seed=1, bits=uniform)
+    with_8 = random_layer(8, 64, 96, seed=1, bits={**uniform, (3, "down"): 8})
+    tiles = op.plan_launch(128, 2, 8, 64, 96, 4)
+    prefill = op.plan_launch(1000, 2, 8, 64, 96, 4)
+    assert tiles.gate_up.regime == "tiles" and prefill.gate_up.regime == "prefill"
+    assert op.staged_layer(low, 128, 2) and op.use_staged(tiles, low, hopper, num_tokens=128, top_k=2)
+    assert op.use_staged(prefill, low, hopper, num_tokens=1000, top_k=2)
+    # below the threshold the tiles regime was faster (Mixtral 32 and 64 tokens)
+    assert not op.staged_layer(low, 127, 2) and op.staged_layer(low, 64, 4)
+    assert not op.use_staged(tiles, low, hopper, num_tokens=127, top_k=2)
+    # one 5-8-bit block anywhere in the layer: the tiles and prefill regimes
+    assert not op.staged_layer(with_8, 1000, 2)
+    # not on other GPUs, not under stable launches, not for decode
+    ampere = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert not op.use_staged(tiles, low, ampere, num_tokens=128, top_k=2)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    low.stable_launches = True
+    assert not op.use_staged(tiles, low, hopper, num_tokens=128, top_k=2)
+    low.stable_launches = False
+    assert not op.use_staged(op.plan_launch(2, 2, 8, 64, 96, 4), low, hopper, num_tokens=256, top_k=2)
+    # APL_STAGED_PREFILL=0 empties the default's classes
+    monkeypatch.setattr(op, "STAGED_CLASSES", frozenset())
+    assert not op.staged_layer(low, 1000, 2)
+    # the instances precompile compiles for the default rule: class 0 only
+    assert {n.split(",")[0] for n in op.staged_instances("true", (0, 1), frozenset({0}))} == {"apl_staged<0"}
+    assert {n.split(",")[0] for n in op.staged_instances("true", (0, 1), frozenset({0, 1}))} == \
+        {"apl_staged<0", "apl_staged<1", "apl_staged<2"}

@@ -213,7 +213,8 @@ def test_a_ring_of_two_buffers(cta_harness, tmp_path, name):
 # producers' schedule and lookups change, the sums the consumers form must not, to the bit.
 KNOBS = {"prefetch_1": {"APL_STAGED_PREFETCH": 1}, "prefetch_3": {"APL_STAGED_PREFETCH": 3},
          "units_of_4": {"APL_STAGED_UNIT": 4}, "prmt_select": {"APL_PRMT_SELECT": 1, "APL_FMA_SHIFTS_MIN_BITS": 9},
-         "plane_async": {"APL_STAGED_PLANE_ASYNC": 1},
+         "register_prefetch": {"APL_STAGED_PLANE_ASYNC": 0},
+         "register_prefetch_units_of_4_prefetch_3": {"APL_STAGED_PLANE_ASYNC": 0, "APL_STAGED_UNIT": 4, "APL_STAGED_PREFETCH": 3},
          "plane_async_units_of_4_prefetch_3": {"APL_STAGED_PLANE_ASYNC": 1, "APL_STAGED_UNIT": 4, "APL_STAGED_PREFETCH": 3},
          "plane_async_prefetch_1": {"APL_STAGED_PLANE_ASYNC": 1, "APL_STAGED_PREFETCH": 1},
          "producer_fence_off": {"APL_STAGED_PRODUCER_FENCE": 0}}
@@ -252,6 +253,7 @@ def test_the_plane_ring_lives_in_the_bytes_the_host_plans(cta_harness, tmp_path,
     # the harness gives each CTA exactly the plan's shared bytes: planned without the plane ring, a
     # launch that reads its plane words through it reaches past them
     case, instance = launch_case("gate_up_3_4_bits_16_token_passes", seed=5)
+    monkeypatch.setitem(op.KERNEL_DEFINES, "APL_STAGED_PLANE_ASYNC", 0)
     _, plan, lut_bits = planned(case)  # (APL_STAGED_PLANE_ASYNC 0: no ring counted)
     monkeypatch.setitem(op.KERNEL_DEFINES, "APL_STAGED_PLANE_ASYNC", 1)
     assert planned(case)[1].shared_bytes == plan.shared_bytes + op.staged_plane_ring_bytes(0, instance[-1], True) > plan.shared_bytes

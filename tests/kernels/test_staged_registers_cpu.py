@@ -22,11 +22,12 @@ def test_every_staged_instance_fits_without_spilling(instance, tmp_path):
     assert spilled == 0, resources
 
 
-# APL_STAGED_PLANE_ASYNC (the 3-4-bit class's plane words by cp.async) changes that class's producer only
+# APL_STAGED_PLANE_ASYNC (the 3-4-bit class's plane words by cp.async, the default; 0: in registers) changes
+# that class's producer only
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 @pytest.mark.parametrize("instance", [name for name in staged_instances("true") if name.startswith("apl_staged<0,")])
-def test_staged_instances_fit_with_plane_words_by_cp_async(instance, tmp_path):
-    _, resources = build_instance(instance, {"APL_STAGED_PLANE_ASYNC": 1}, tmp_path)
+def test_staged_instances_fit_with_plane_words_in_registers(instance, tmp_path):
+    _, resources = build_instance(instance, {"APL_STAGED_PLANE_ASYNC": 0}, tmp_path)
     registers, spilled = resource_usage(resources)
     assert registers <= 128, resources
     assert spilled == 0, resources
