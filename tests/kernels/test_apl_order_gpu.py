@@ -14,6 +14,14 @@ from tests.kernels.test_apl_moe_gpu import CASES, check_case
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not kernel_available(), reason="needs a CUDA GPU and cupy")]
 
+
+@pytest.fixture(autouse=True)
+def tiles_regime(monkeypatch):
+    """The tiles regime's own launches: 3-4-bit layers at 256 or more assignments would take the
+    staged regime by default (apl_moe.staged_layer), which test_apl_staged_gpu covers."""
+    monkeypatch.setattr(op, "STAGED_CLASSES", frozenset())
+
+
 ORDERS = (3, 7)  # decode only; decode and the tiles regime (bit 0 and bit 1 alone: bench only)
 # Mixed widths (the merged kernel) at decode: odd words, idle experts, column splits, several
 # passes, Qwen size; in the tiles regime (bit 2): 16 and 64 tokens a pass, Qwen-size tiles; and a

@@ -15,6 +15,14 @@ from tests.kernels.test_apl_moe_gpu import check_case
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not kernel_available(), reason="needs a CUDA GPU and cupy")]
 
+
+@pytest.fixture(autouse=True)
+def tiles_regime(monkeypatch):
+    """The tiles regime's own launches: 3-4-bit layers at 256 or more assignments would take the
+    staged regime by default (apl_moe.staged_layer), which test_apl_staged_gpu covers."""
+    monkeypatch.setattr(op, "STAGED_CLASSES", frozenset())
+
+
 # (experts, top_k, hidden, intermediate, tokens, experts used, dtype): decode at 1 and 3 tokens
 # (down's rows of 129 words at 3: 4-byte loads), the tiles regime at 64 (32 tokens an expert:
 # 8-token tiles per pass 8, the instances hinted by default)
