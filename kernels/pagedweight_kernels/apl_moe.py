@@ -142,9 +142,9 @@ TILES_WIDE_NT8 = 12
 # STAGED_MIN_ASSIGNMENTS or more (token, expert) assignments; for every layer where STAGED_PREFILL
 # is on (APL_STAGED_PREFILL=1; =0 turns the default rule off too). Measured (H200, one process,
 # bench/results/apl_gemv_staged_sweep.json, 2026-12-05): with the plane ring, 3-4 bits, staged
-# against the tiles and prefill regimes: Qwen1.5-MoE 64-1024 tokens 1.06x-2.02x faster, Mixtral
+# against the tiles and prefill regimes: Qwen1.5-MoE 64-1024 tokens 1.00x-2.06x faster, Mixtral
 # 128-1024 tokens 1.04x-2.1x faster, Mixtral 32 and 64 tokens (64 and 128 assignments) 1.03x-1.21x
-# slower; 8 bits 2.0x-3.1x slower (the 5-8-bit producers' shared-memory LUT lookups), so class 1
+# slower; 8 bits 1.6x-3.1x slower (the 5-8-bit producers' shared-memory LUT lookups), so class 1
 # and mixed layers keep the tiles and prefill regimes.
 _STAGED_ENV = os.environ.get("APL_STAGED_PREFILL", "")
 STAGED_PREFILL = _STAGED_ENV == "1"

@@ -34,8 +34,8 @@
 #ifndef APL_STAGED_UNIT
 #define APL_STAGED_UNIT 2
 #endif
-// 1 (the default since 2026-12-05: 3-8% faster than 0 at the 3-4-bit layers timed, the fence below
-// measured draining the register prefetch, bench/results/apl_gemv_staged_first.json):
+// 1 (the default since 2026-12-05: 6-11% faster than 0 at the 4-bit layers timed; a second unit in
+// registers bought nothing, as if the fence below drained it; bench/results/apl_gemv_staged_first.json):
 // the 3-4-bit class's plane words come by cp.async into a ring of APL_STAGED_PREFETCH unit slots
 // per producer thread in shared memory (past the CTA's ring buffers; staged_plan counts it) and are
 // read back by LDS when used. Each step ends in fence.proxy.async, which compiles to MEMBAR.ALL.CTA:
