@@ -40,7 +40,8 @@ HOST_KNOBS = {name: getattr(op, name) for name in ("GEMV_TARGET_CTAS", "GEMV_MER
                                                        "GEMV_WAVE_PLAN_MAX_BITS", "GEMV_WIDE_TARGET_CTAS", "GEMV_LUT_AWARE_CTAS",
                                                        "GEMV_PDL_DOWN_CLASSES", "GEMV_LONG_SPLIT_CLASSES",
                                                        "GEMV_LONG_SPLIT_WORDS", "GEMV_LONG_ROW_WORDS",
-                                                       "GEMV_LONG_MIN_TOKENS", "STAGED_PREFILL", "STAGED_STAGES")}
+                                                       "GEMV_LONG_MIN_TOKENS", "STAGED_PREFILL", "STAGED_STAGES", "STAGED_WIDE_NT8",
+                                                       "STAGED_CLASSES")}
 # Host changes a variant may make to the layer rather than to a module attribute (main applies them):
 # stable launches, and 8-byte plane loads off.
 LAYER_SWITCHES = ("stable", "aligned8")
@@ -61,6 +62,8 @@ VARIANTS = {  # name -> (define changes, host changes: HOST_KNOBS and LAYER_SWIT
     "staged_async_nofence": ({"APL_STAGED_PLANE_ASYNC": 1, "APL_STAGED_PRODUCER_FENCE": 0}, {"STAGED_PREFILL": True}),
     "staged_async_p1": ({"APL_STAGED_PLANE_ASYNC": 1, "APL_STAGED_PREFETCH": 1}, {"STAGED_PREFILL": True}),
     "staged_async_p3": ({"APL_STAGED_PLANE_ASYNC": 1, "APL_STAGED_PREFETCH": 3}, {"STAGED_PREFILL": True}),
+    "staged_wide16": ({}, {"STAGED_WIDE_NT8": 16}),  # passes of 128 tokens for 3-4-bit layers (the default rule)
+    "tiles_only": ({}, {"STAGED_CLASSES": frozenset()}),  # the staged regime nowhere: the tiles and prefill regimes
     "staged_async_narrow": ({"APL_STAGED_PLANE_ASYNC": 1}, {"STAGED_PREFILL": True, "TILES_WIDE_NT8": 0}),  # no 96-token passes
     "staged_s2": ({}, {"STAGED_PREFILL": True, "STAGED_STAGES": 2}),  # a ring of two buffers
     "staged_noregs": ({"APL_STAGED_REGS": 0}, {"STAGED_PREFILL": True}),  # no setmaxnreg: 128 registers each

@@ -150,6 +150,12 @@ _STAGED_ENV = os.environ.get("APL_STAGED_PREFILL", "")
 STAGED_PREFILL = _STAGED_ENV == "1"
 STAGED_CLASSES = frozenset() if _STAGED_ENV == "0" else frozenset({0})
 STAGED_MIN_ASSIGNMENTS = 256
+# Passes of 8 * STAGED_WIDE_NT8 tokens for 3-4-bit layers in the staged regime (16: 128 tokens, the
+# consumer's m64n128 accumulators), where more than TILES_MAX_NT8 tiles are wanted and the planes
+# are read as 16-byte vectors; it replaces TILES_WIDE_NT8 there. In passes of 64 instead of 96 the
+# staged regime was 30% slower at Mixtral 256 tokens (docs/kernel.md), so fewer passes are the
+# lead. 0: off (the instances are not compiled). Built 2026-12-05 and checked on the CPU; not yet timed.
+STAGED_WIDE_NT8 = 0
 STAGED_ROWS, STAGED_THREADS, STAGED_STEP = 128, 256, 64  # the .cu's ST_ROWS, ST_THREADS, ST_KS
 STAGED_STAGES, STAGED_MAX_STAGES = 4, 8  # ring buffers wanted (fewer where shared memory is short); the .cu's most
 # Dynamic shared memory a CTA may take for 2 CTAs per SM (228 KB an SM, 1 KB reserved per CTA, the
@@ -612,7 +618,7 @@ def staged_plan(mode: int, num_tokens: int, top_k: int, num_experts: int, rows_o
     of passes), and as many ring buffers, up to STAGED_STAGES, as leave 2 CTAs per SM room (else 1).
     lut_bits: the widest 5-8-bit block's bits (its LUT rows sit in shared memory), 0 for none."""
     per_expert = num_tokens * top_k / num_experts
-    nt8 = tiles_per_pass(per_expert, TILES_WIDE_NT8 if cls == 0 and aligned16 else 0)
+    nt8 = tiles_per_pass(per_expert, (STAGED_WIDE_NT8 or TILES_WIDE_NT8) if cls == 0 and aligned16 else 0)
     tokens = GEMV_TOKENS * nt8
     groups = max(1, min(math.ceil(num_tokens / tokens), math.ceil(per_expert / tokens)))
     rpc = STAGED_ROWS // 2 if mode == 0 else STAGED_ROWS
@@ -649,8 +655,17 @@ def staged_instances(flag: str, modes: tuple[int, ...] = (0, 1), bit_classes=Non
     kernel_classes = (0, 1, 2) if bit_classes is None else \
         tuple(sorted(set(bit_classes) | ({2} if len(bit_classes) > 1 else set())))
     return [_staged_name(cls, mode, flag, v4, nt8) for mode in modes for cls in kernel_classes
-            for v4 in ("true", "false") for nt8 in tiles_choices(cls)
+            for v4 in ("true", "false") for nt8 in staged_choices(cls)
             if nt8 > 1 and (nt8 <= TILES_MAX_NT8 or v4 == "true")]
+
+
+def staged_choices(cls: int) -> tuple[int, ...]:
+    """Every NT8 staged_plan can pick for kernel class `cls`: the tiles regime's, with the 3-4-bit
+    class's wide passes STAGED_WIDE_NT8 where it is set."""
+    choices = tiles_choices(cls)
+    if cls == 0 and STAGED_WIDE_NT8:
+        choices = tuple(n for n in choices if n <= TILES_MAX_NT8) + (STAGED_WIDE_NT8,)
+    return choices
 
 
 def staged_class(classes: dict[int, int]) -> tuple[int, int]:

@@ -175,6 +175,8 @@ APL_HD void producer_barrier() {
 }
 
 // acc += A (64 rows at da) x B (8 * N8 tokens at db), one k16 slice, both from shared memory.
+// (the m64n128 fragment: apl_gemv.cu's APL_D48 and 16 more)
+#define APL_D64 APL_D48 ", %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
 #define APL_WGMMA_SS(SHAPE, TY, D, DA, DB, SCALE, ...)                                                       \
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " SCALE ", 0;\nwgmma.mma_async.sync.aligned." SHAPE ".f32." \
                  TY "." TY " {" D "}, " DA ", " DB ", p, 1, 1, 0, 0;\n}"                                      \
@@ -206,6 +208,14 @@ APL_HD void wgmma_ss(float (&acc)[N8][4], unsigned long long da, unsigned long l
         APL_WGMMA_SS("m64n96k16", "f16", APL_D48, "%48", "%49", "%50",
                      APL_ACC4(0), APL_ACC4(1), APL_ACC4(2), APL_ACC4(3), APL_ACC4(4), APL_ACC4(5), APL_ACC4(6), APL_ACC4(7),
                      APL_ACC4(8), APL_ACC4(9), APL_ACC4(10), APL_ACC4(11));
+    else if constexpr (N8 == 16 && BF16)
+        APL_WGMMA_SS("m64n128k16", "bf16", APL_D64, "%64", "%65", "%66",
+                     APL_ACC4(0), APL_ACC4(1), APL_ACC4(2), APL_ACC4(3), APL_ACC4(4), APL_ACC4(5), APL_ACC4(6), APL_ACC4(7),
+                     APL_ACC4(8), APL_ACC4(9), APL_ACC4(10), APL_ACC4(11), APL_ACC4(12), APL_ACC4(13), APL_ACC4(14), APL_ACC4(15));
+    else if constexpr (N8 == 16)
+        APL_WGMMA_SS("m64n128k16", "f16", APL_D64, "%64", "%65", "%66",
+                     APL_ACC4(0), APL_ACC4(1), APL_ACC4(2), APL_ACC4(3), APL_ACC4(4), APL_ACC4(5), APL_ACC4(6), APL_ACC4(7),
+                     APL_ACC4(8), APL_ACC4(9), APL_ACC4(10), APL_ACC4(11), APL_ACC4(12), APL_ACC4(13), APL_ACC4(14), APL_ACC4(15));
 #endif
 }
 
@@ -434,7 +444,7 @@ APL_HD void staged_consume(const StagedWork& w, bool bad, const int* __restrict_
 #define APL_STAGED_REGS 1  // 0: every thread at the launch bound's 128
 #endif
 template <int NT8> struct StagedRegs {
-    static constexpr int consumer = NT8 == 12 ? 136 : NT8 == 8 ? 96 : 80;
+    static constexpr int consumer = NT8 == 16 ? 168 : NT8 == 12 ? 136 : NT8 == 8 ? 96 : 80;
     static constexpr int producer = 256 - consumer;
 };
 // This warpgroup's registers to N from the launch bound's 128 (up or down; a no-op at 128).
@@ -452,7 +462,7 @@ APL_HD void staged_cta(const long long* __restrict__ desc, const int* __restrict
                        const int* __restrict__ sorted_slot, int top_k, const u16* __restrict__ x, int rows_out, int cols,
                        int lut_log2, u16* __restrict__ h_out, float* __restrict__ y_out, int stages,
                        unsigned long long* bars, unsigned char* smem_raw) {
-    static_assert(NT8 == 2 || NT8 == 4 || NT8 == 8 || NT8 == 12, "passes of 16, 32, 64 or 96 tokens");
+    static_assert(NT8 == 2 || NT8 == 4 || NT8 == 8 || NT8 == 12 || NT8 == 16, "passes of 16, 32, 64, 96 or 128 tokens");
     const int a = blockIdx.y;
     if (a >= *num_active) return;
     const int e = active[3 * a];

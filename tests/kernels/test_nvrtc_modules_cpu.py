@@ -52,7 +52,7 @@ def nvrtc_compile(source: str, options: list[str]) -> tuple[int, str]:
 
 
 STAGED = [f"apl_staged<{cls}, {mode}, true, {v4}, {nt8}>" for cls, mode, v4, nt8 in
-          ((0, 0, "true", 12), (0, 1, "false", 4), (1, 0, "true", 8), (1, 1, "false", 2), (2, 0, "false", 8), (2, 1, "true", 4))]
+          ((0, 0, "true", 12), (0, 0, "true", 16), (0, 1, "false", 4), (1, 0, "true", 8), (1, 1, "false", 2), (2, 0, "false", 8), (2, 1, "true", 4))]
 GEMV = [f"apl_gemv<{cls}, {mode}, true, true, {nt8}>" for cls, mode, nt8 in ((0, 0, 1), (1, 1, 1), (2, 0, 8), (0, 1, 8))]
 STAGED_KNOBS = {"launcher": {}, "plane_async_units_of_4": {"APL_STAGED_PLANE_ASYNC": 1, "APL_STAGED_UNIT": 4},
                 "register_prefetch": {"APL_STAGED_PLANE_ASYNC": 0},

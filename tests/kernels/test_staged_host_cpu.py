@@ -172,6 +172,20 @@ def test_staged_launch_matches_the_reference(cta_harness, tmp_path, name):
     assert_matches(launch_output(tmp_path, case), reference_projection(case), case)
 
 
+@pytest.mark.parametrize("mode,rows_out,dtype", [(0, 64, torch.bfloat16), (1, 128, torch.float16)])
+def test_128_token_passes_match_the_reference(cta_harness, tmp_path, monkeypatch, mode, rows_out, dtype):
+    # STAGED_WIDE_NT8 16 (off by default): 75 tokens an expert want 15 tiles, so passes of 128, the
+    # consumers' m64n128 wgmma; the hot expert's 150 assignments take a second, partial pass
+    monkeypatch.setattr(op, "STAGED_WIDE_NT8", 16)
+    case = projection_case(mode, [4, 3, 4, 4], rows_out, 256, 150, 2, dtype, seed=19)
+    picked, plan, lut_bits = planned(case)
+    assert picked == (0, mode, dtype == torch.bfloat16, True, 16) and plan.tokens == 128, (picked, plan)
+    assert max(n for _, _, n in case["active"]) > 128  # (two passes for the hot expert)
+    run = run_launch(cta_harness(picked), tmp_path, case, plan, lut_bits)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert_matches(launch_output(tmp_path, case), reference_projection(case), case)
+
+
 def test_blocks_outside_the_launchs_class_come_out_nan(cta_harness, tmp_path):
     # a 3-4-bit launch over a layer with one 6-bit block: that expert's outputs are NaN, the rest exact
     case, instance = launch_case("gate_up_3_4_bits_16_token_passes", seed=7, bits=[4, 6, 4, 3, 4, 3])
