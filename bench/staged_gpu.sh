@@ -11,6 +11,8 @@
 # VARIANTS=none TEST_TIMEOUT_S=360 (compiles and every test, ~9 min at most); the next, while warm or
 # carrying kernel_cache/: TEST_K=matches_reference VARIANTS="base staged staged_p1 staged_u4 staged_async staged_nofence" LAYER=1.
 # (Before either: `make test` runs the whole staged kernel on the CPU, tests/kernels/test_staged_host_cpu.py.)
+# Since 2026-12-05 the staged regime is the default for 3-4-bit layers at 256+ assignments; the next
+# timing: VARIANT_SHAPES=--staged VARIANTS="base staged_wide16 tiles_only" (passes of 128 tokens, untimed).
 . "$(dirname "$0")/device_call.sh"
 export APL_STAGED_PREFILL=1
 pre="import torch; from pagedweight_kernels.apl_moe import precompile as p; print('precompiled', p(torch.bfloat16, max_workers=16), p(torch.float16, max_workers=16))"
