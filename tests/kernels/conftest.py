@@ -35,3 +35,13 @@ def kernel_instances_compiled(request):
     for dtype in (torch.bfloat16, torch.float16):
         for activation in ("silu", "gelu_tanh"):
             precompile(dtype, activation, max_workers=workers)
+
+
+@pytest.fixture
+def tiles_regime(monkeypatch):
+    """For the GPU tests of the tiles regime's own launches and knobs (their modules' pytestmark
+    uses it): 3-4-bit layers at 256 or more assignments would take the staged regime by default
+    (apl_moe.staged_layer), which test_apl_staged_gpu covers."""
+    import pagedweight_kernels.apl_moe as op
+
+    monkeypatch.setattr(op, "STAGED_CLASSES", frozenset())

@@ -692,9 +692,8 @@ def test_the_default_staged_rule_takes_3_4_bit_layers_from_256_assignments(monke
     # one 5-8-bit block anywhere in the layer: the tiles and prefill regimes
     assert not op.staged_layer(with_8, 1000, 2)
     # not on other GPUs, not under stable launches, not for decode
-    ampere = torch.device("cuda", 0)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
-    assert not op.use_staged(tiles, low, ampere, num_tokens=128, top_k=2)
+    assert not op.use_staged(tiles, low, hopper, num_tokens=128, top_k=2)  # (the same device, now sm_80)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     low.stable_launches = True
     assert not op.use_staged(tiles, low, hopper, num_tokens=128, top_k=2)

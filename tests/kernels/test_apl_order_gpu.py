@@ -12,14 +12,8 @@ from pagedweight_kernels.apl_moe import apl_moe, kernel_available, plan_launch
 from pagedweight_kernels.synthetic import mixed_bits, ragged_routing, random_layer
 from tests.kernels.test_apl_moe_gpu import CASES, check_case
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not kernel_available(), reason="needs a CUDA GPU and cupy")]
-
-
-@pytest.fixture(autouse=True)
-def tiles_regime(monkeypatch):
-    """The tiles regime's own launches: 3-4-bit layers at 256 or more assignments would take the
-    staged regime by default (apl_moe.staged_layer), which test_apl_staged_gpu covers."""
-    monkeypatch.setattr(op, "STAGED_CLASSES", frozenset())
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not kernel_available(), reason="needs a CUDA GPU and cupy"),
+              pytest.mark.usefixtures("tiles_regime")]  # (tests/kernels/conftest.py)
 
 
 ORDERS = (3, 7)  # decode only; decode and the tiles regime (bit 0 and bit 1 alone: bench only)

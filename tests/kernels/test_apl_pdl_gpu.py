@@ -15,14 +15,8 @@ from tests.kernels.test_apl_moe_gpu import CASES, TOLERANCE, _bits, check_case, 
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not kernel_available() or torch.cuda.get_device_capability() < (9, 0),
-                                 reason="needs cupy and a CUDA GPU of compute capability 9.0 or later")]
-
-
-@pytest.fixture(autouse=True)
-def tiles_regime(monkeypatch):
-    """The tiles regime's own launches: 3-4-bit layers at 256 or more assignments would take the
-    staged regime by default (apl_moe.staged_layer), which test_apl_staged_gpu covers."""
-    monkeypatch.setattr(op, "STAGED_CLASSES", frozenset())
+                                 reason="needs cupy and a CUDA GPU of compute capability 9.0 or later"),
+              pytest.mark.usefixtures("tiles_regime")]  # (tests/kernels/conftest.py)
 
 
 QWEN_4 = (60, 4, 2048, 1408, 4, 60, torch.bfloat16)  # 1216 CTAs: down CTAs start while gate_up's still run

@@ -13,14 +13,8 @@ from pagedweight_kernels.apl_moe import kernel_available, plan_launch
 from pagedweight_kernels.synthetic import mixed_bits
 from tests.kernels.test_apl_moe_gpu import check_case
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not kernel_available(), reason="needs a CUDA GPU and cupy")]
-
-
-@pytest.fixture(autouse=True)
-def tiles_regime(monkeypatch):
-    """The tiles regime's own launches: 3-4-bit layers at 256 or more assignments would take the
-    staged regime by default (apl_moe.staged_layer), which test_apl_staged_gpu covers."""
-    monkeypatch.setattr(op, "STAGED_CLASSES", frozenset())
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not kernel_available(), reason="needs a CUDA GPU and cupy"),
+              pytest.mark.usefixtures("tiles_regime")]  # (tests/kernels/conftest.py)
 
 
 # (experts, top_k, hidden, intermediate, tokens, experts used, dtype): decode at 1 and 3 tokens

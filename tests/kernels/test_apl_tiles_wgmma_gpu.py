@@ -20,14 +20,8 @@ from tests.kernels.test_apl_moe_gpu import (CASES, TILES_CASES, TOLERANCE, _case
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not kernel_available() or torch.cuda.get_device_capability() != (9, 0),
-                                 reason="needs a compute-capability 9.0 GPU (sm_90a) and cupy")]
-
-
-@pytest.fixture(autouse=True)
-def tiles_regime(monkeypatch):
-    """The tiles regime's own launches: 3-4-bit layers at 256 or more assignments would take the
-    staged regime by default (apl_moe.staged_layer), which test_apl_staged_gpu covers."""
-    monkeypatch.setattr(op, "STAGED_CLASSES", frozenset())
+                                 reason="needs a compute-capability 9.0 GPU (sm_90a) and cupy"),
+              pytest.mark.usefixtures("tiles_regime")]  # (tests/kernels/conftest.py)
 
 
 WGMMA_CASES = [case for case, _ in TILES_CASES] + [CASES[8]]  # + hot expert in 3 passes of 64, fp16
