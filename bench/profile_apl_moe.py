@@ -12,6 +12,7 @@ import argparse
 import torch
 
 from bench.apl_moe_kernel import MODELS, SyntheticLayer, bit_assignment, routings
+import pagedweight_kernels.apl_moe as op
 from pagedweight_kernels.apl_moe import apl_moe
 
 parser = argparse.ArgumentParser()
@@ -19,7 +20,10 @@ parser.add_argument("--model", default="mixtral-8x7b", choices=list(MODELS))
 parser.add_argument("--tokens", type=int, default=1)
 parser.add_argument("--bits", default="4")
 parser.add_argument("--stable", action="store_true", help="stable launches (the merged kernel at any bits)")
+parser.add_argument("--staged-wide", type=int, default=op.STAGED_WIDE_NT8,
+                    help="STAGED_WIDE_NT8: 16 for the staged regime's passes of 128 tokens, 0 for none")
 args = parser.parse_args()
+op.STAGED_WIDE_NT8 = args.staged_wide
 E, k, H, I = MODELS[args.model]
 device = torch.device("cuda")
 layer = SyntheticLayer(E, H, I, 0, device).apl(bit_assignment(args.bits, E, 17))
