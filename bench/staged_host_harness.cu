@@ -11,7 +11,7 @@
 //                           OUT: the A tile's bytes after each step, [steps][ST_ROWS * ST_KS] u16.
 //                           lut_log2: the LUT room of a 5-8-bit row (its own bits, or a merged
 //                           launch's 8); unit: steps per unit of plane words (APL_STAGED_UNIT).
-//   harness chunks NT OUT   b_chunk(0, NT, r, c) for r < NT, c < 8, as int32 [NT][8].
+//   harness chunks NT OUT   tile_chunk(0, NT, r, c) for r < NT, c < 8, as int32 [NT][8].
 //   harness convert IN OUT  the emulation's fp16/bf16 conversions of fp32 values (see convert).
 //   harness cta IN OUT      one projection's launch of the apl_staged instance this binary is
 //                           compiled for (-DHOST_CLS, HOST_MODE, HOST_BF16, HOST_V4, HOST_NT8): every
@@ -139,7 +139,7 @@ int chunks(int nt, const char* out_path) {
     if (nt <= 0 || nt > 256 || nt % 8) return fail("NT must be a multiple of 8 up to 256");
     std::vector<int> out;
     for (int r = 0; r < nt; ++r)
-        for (int c = 0; c < 8; ++c) out.push_back((int)b_chunk(0, nt, r, c));
+        for (int c = 0; c < 8; ++c) out.push_back((int)tile_chunk(0, nt, r, c));
     FILE* f = std::fopen(out_path, "wb");
     if (!f) return fail("cannot write the output");
     const bool ok = std::fwrite(out.data(), 4, out.size(), f) == out.size();

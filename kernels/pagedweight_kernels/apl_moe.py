@@ -189,8 +189,7 @@ KERNEL_DEFINES = {"APL_LDS_MODE": 1, "APL_RPG_DIV": 8, "APL_PREFETCH": 1, "APL_D
                   "APL_GEMV_ORDER": 5, "APL_GEMV_HEAVY_MIN_TOKENS": 2, "APL_PLANE_HINT": 2, "APL_PLANE_HINT_MIN_NT8": 8, "APL_GEMV_PDL_LUT_WAIT": 0,
                   "APL_LUT_STAGGER": 1, "APL_TILES_WS": 0, "APL_TILES_WS_ROUNDS": 2, "APL_TILES_WS_BLOCKS": 2,
                   "APL_TILES_WS_WARPS": 1, "APL_TILES_WS_STAGES": 2, "APL_STAGED_PREFETCH": 2, "APL_STAGED_UNIT": 2, "APL_STAGED_BLOCKS": 2,
-                  "APL_STAGED_REGS": 1, "APL_STAGED_PLANE_ASYNC": 1, "APL_STAGED_PRODUCER_FENCE": 1,
-                  "APL_STAGED_B_PAIRS": 1}
+                  "APL_STAGED_REGS": 1, "APL_STAGED_PLANE_ASYNC": 1, "APL_STAGED_PRODUCER_FENCE": 1}
 
 
 def knob_overrides(text: str) -> dict[str, int]:
@@ -625,7 +624,7 @@ def staged_plan(mode: int, num_tokens: int, top_k: int, num_experts: int, rows_o
     rpc = STAGED_ROWS // 2 if mode == 0 else STAGED_ROWS
     lut = STAGED_ROWS * (1 << lut_bits) * 2 if lut_bits else 0
     planes = staged_plane_ring_bytes(cls, nt8, aligned16)
-    stage = staged_stage_bytes(tokens)
+    stage = (STAGED_ROWS + tokens) * STAGED_STEP * 2  # the A tile, then the B tile
     for budget in STAGED_CTA_SHARED:
         stages = min(STAGED_STAGES, STAGED_MAX_STAGES, (budget - STAGED_ALIGN_PAD - lut - planes) // stage)
         if stages >= 2:
@@ -635,14 +634,6 @@ def staged_plan(mode: int, num_tokens: int, top_k: int, num_experts: int, rows_o
                              f" and {planes} of plane words")
     grid = (math.ceil(rows_out / rpc), max_active, groups)
     return GemmPlan("staged", tokens, 0, rpc, 1, 0, grid, STAGED_ALIGN_PAD + lut + stages * stage + planes, nt8, stages)
-
-
-def staged_stage_bytes(tokens: int) -> int:
-    """One ring buffer: the A tile (STAGED_ROWS weight rows x a step), then the B tile (the pass's
-    tokens x a step; with APL_STAGED_B_PAIRS 64 bytes more, between the k16 slices' first and
-    second halves: the .cu's b_tile_bytes)."""
-    pad = 64 if KERNEL_DEFINES["APL_STAGED_B_PAIRS"] else 0
-    return STAGED_ROWS * STAGED_STEP * 2 + tokens * STAGED_STEP * 2 + pad
 
 
 def staged_plane_ring_bytes(cls: int, nt8: int, aligned16: bool) -> int:

@@ -53,18 +53,6 @@
 #ifndef APL_STAGED_PRODUCER_FENCE
 #define APL_STAGED_PRODUCER_FENCE 1
 #endif
-// 1 (2026-12-05, second session): the activations' B tiles in whole sectors. Nsight at Mixtral 256
-// tokens (bench/results/ncu_staged_*) found the producers' activation copies the largest traffic of
-// the kernel: 46% of its shared-memory wavefronts and 79% of its L2 sectors, twice the sectors
-// their bytes need and 5x the wavefronts. With 8 tokens a quarter-warp (0), each lane's 16 bytes
-// are a sector of their own, and the other half of the sector is fetched again by another quarter.
-// With 1, a quarter-warp copies one k16 slice (2 chunks, a whole 32-byte sector) of 4 tokens, and
-// the B layout puts a slice's two k-halves LBO = NT * 64 + 64 bytes apart (every slice's first
-// half, then every slice's second half 64 bytes on), so the 8 lanes of a quarter-warp write 8
-// distinct 16-byte bank groups; 64 bytes more a ring buffer.
-#ifndef APL_STAGED_B_PAIRS
-#define APL_STAGED_B_PAIRS 1
-#endif
 #ifndef APL_STAGED_BLOCKS
 #define APL_STAGED_BLOCKS 2    // CTAs per SM the register budget must allow (2: 128 registers a thread)
 #endif
@@ -83,19 +71,6 @@
 // consecutive rows store 128 contiguous bytes: no bank conflicts.
 APL_HD u32 tile_chunk(u32 base, int rows, int r, int c) {
     return base + (u32)((c >> 1) * (rows * 32) + (r >> 3) * 256 + (c & 1) * 128 + (r & 7) * 16);
-}
-// The B tile ([NT tokens x 64], the pass's activations): chunk c of token r, and the descriptor of
-// its k16 slice at addr (no swizzle, K-major: LBO the k-halves' stride, SBO the 8-token groups').
-APL_HD constexpr u32 b_slice_bytes(int nt) { return (u32)(APL_STAGED_B_PAIRS ? nt * 16 : nt * 32); }
-APL_HD constexpr u32 b_tile_bytes(int nt) { return (u32)(nt * 128 + (APL_STAGED_B_PAIRS ? 64 : 0)); }
-APL_HD u32 b_chunk(u32 base, int nt, int r, int c) {
-    if (!APL_STAGED_B_PAIRS) return tile_chunk(base, nt, r, c);
-    return base + (u32)((c & 1) * (nt * 64 + 64) + (c >> 1) * (nt * 16) + (r >> 3) * 128 + (r & 7) * 16);
-}
-APL_HD unsigned long long b_desc(u32 addr, int nt) {
-    const u32 lbo = APL_STAGED_B_PAIRS ? (u32)(nt * 64 + 64) : 128u, sbo = APL_STAGED_B_PAIRS ? 128u : 256u;
-    return (unsigned long long)((addr & 0x3FFFFu) >> 4) | ((unsigned long long)(lbo >> 4) << 16) |
-           ((unsigned long long)(sbo >> 4) << 32);
 }
 APL_HD void st_shared_v4(u32 addr, const uint4& v) {
 #ifdef __CUDA_ARCH__
@@ -256,7 +231,7 @@ struct StagedWork {
 
 template <int NT8>
 APL_HD u32 stage_a(const StagedWork& w, int slot) {
-    return w.ring + (u32)slot * (ST_A_BYTES + b_tile_bytes(8 * NT8));
+    return w.ring + (u32)slot * (ST_A_BYTES + NT8 * 8 * ST_KS * 2);
 }
 
 // The producer warpgroup: thread pt owns weight row pt of the CTA. PA: plane words by cp.async
@@ -322,13 +297,12 @@ APL_HD void staged_produce(const BlockRef& blk, const StagedWork& w, const int* 
         }
         cp_async_commit();
     };
-    // This thread copies chunk c8 (columns 8 c8.. of the step) of tokens tok0 + 16 i. B pairs (the
-    // default): a quarter-warp's 8 lanes take chunks 2s, 2s + 1 (a whole sector) of 4 tokens, which
-    // b_chunk puts on 8 distinct bank groups. Without (0): 8 consecutive tokens, one chunk, a
-    // 128-byte line in shared memory, but 8 half-used sectors a quarter-warp (on the GPU each lane's
-    // sector then costs its own wavefront as well: the harness's bank count missed that).
-    const int c8 = APL_STAGED_B_PAIRS ? (pt & 1) + 2 * ((pt >> 3) & 3) : (pt >> 3) & 7;
-    const int tok0 = APL_STAGED_B_PAIRS ? ((pt >> 1) & 3) + 4 * (pt >> 5) : (pt & 7) + 8 * (pt >> 6);
+    // This thread copies chunk c8 (columns 8 c8.. of the step) of tokens tok0 + 16 i. A chunk's banks
+    // follow its token alone (tile_chunk: (tok & 7) * 16 bytes into a 128-byte line), so the 8 lanes
+    // of each quarter-warp take 8 consecutive tokens: 4 wavefronts a warp's 16-byte copy, not the 8
+    // of 8 chunks of 4 tokens (the harness's bank count, docs/kernel.md); each warp still reads 16
+    // sectors of activations (8 tokens x 64 bytes).
+    const int c8 = (pt >> 3) & 7, tok0 = (pt & 7) + 8 * (pt >> 6);
     u32 it = 0;
     for (int m0 = blockIdx.z * NT; m0 < w.n; m0 += gridDim.z * NT) {
         const u16* src[MINE];
@@ -368,7 +342,7 @@ APL_HD void staged_produce(const BlockRef& blk, const StagedWork& w, const int* 
                     for (int i = 0; i < MINE; ++i) {
                         const int tok = tok0 + 16 * i;
                         const bool in = m0 + tok < w.n && col < w.cols;
-                        cp_async16(b_chunk(b_tile, NT, tok, c8), src[i] + step * ST_KS, in ? 16u : 0u);
+                        cp_async16(tile_chunk(b_tile, NT, tok, c8), src[i] + step * ST_KS, in ? 16u : 0u);
                     }
                     cp_async_mbar_arrive(&w.full[slot]);
                     if constexpr (PA) {
@@ -425,7 +399,7 @@ APL_HD void staged_consume(const StagedWork& w, bool bad, const int* __restrict_
                 fence_accumulators(acc1);
 #pragma unroll
                 for (int kk = 0; kk < ST_KS / 16; ++kk) {
-                    const unsigned long long db = b_desc(b_tile + kk * b_slice_bytes(NT), NT);
+                    const unsigned long long db = wgmma_desc(b_tile + kk * (NT * 32));
                     wgmma_ss<NT8, BF16>(acc0, wgmma_desc(a_tile + kk * (ST_ROWS * 32)), db);
                     wgmma_ss<NT8, BF16>(acc1, wgmma_desc(a_tile + kk * (ST_ROWS * 32) + 2048), db);
                 }

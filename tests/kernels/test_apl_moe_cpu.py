@@ -601,7 +601,7 @@ def test_staged_plan_passes_grid_and_a_ring_that_leaves_two_ctas_per_sm():
              (op.staged_plan(0, 64, 4, 60, 1408, 1, 6, 60), 6)]
     for plan, lut_bits in plans:
         lut = op.STAGED_ROWS * (1 << lut_bits) * 2 if lut_bits else 0
-        stage = op.staged_stage_bytes(plan.tokens)
+        stage = (op.STAGED_ROWS + plan.tokens) * op.STAGED_STEP * 2
         assert 2 <= plan.stages <= op.STAGED_STAGES
         planes = op.staged_plane_ring_bytes(0, plan.tiles, True) if lut_bits == 0 else 0  # (class 0)
         assert plan.shared_bytes == op.STAGED_ALIGN_PAD + lut + plan.stages * stage + planes
@@ -617,7 +617,7 @@ def test_staged_plan_refuses_a_ring_of_one_buffer(monkeypatch):
     issued): where shared memory holds fewer than 2, the plan is an error, not a launch."""
     import pagedweight_kernels.apl_moe as op
 
-    stage = op.staged_stage_bytes(64)
+    stage = (op.STAGED_ROWS + 64) * op.STAGED_STEP * 2
     monkeypatch.setattr(op, "STAGED_CTA_SHARED", (op.STAGED_ALIGN_PAD + 2 * stage - 1,))
     with pytest.raises(op.APLKernelError, match="2 ring buffers"):
         op.staged_plan(0, 256, 2, 8, 4096, 1, 0, 8)

@@ -41,13 +41,11 @@ pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc
 
 
 def _flipped_knobs() -> dict[str, int]:
-    """Every compile knob on the producer's lookup path, and the B tiles' layout, set the other way
-    from the launcher's."""
+    """Every compile knob on the producer's lookup path set the other way from the launcher's."""
     d = kernel_defines({})
     return {"APL_PRMT_SELECT": 1 - d["APL_PRMT_SELECT"], "APL_SHIFT_MODE": 1 - d["APL_SHIFT_MODE"],
             "APL_GEMV_LUT16": 1 - d["APL_GEMV_LUT16"],
-            "APL_FMA_SHIFTS_MIN_BITS": 3 if d["APL_FMA_SHIFTS_MIN_BITS"] != 3 else 9,
-            "APL_STAGED_B_PAIRS": 1 - d["APL_STAGED_B_PAIRS"]}
+            "APL_FMA_SHIFTS_MIN_BITS": 3 if d["APL_FMA_SHIFTS_MIN_BITS"] != 3 else 9}
 
 
 @pytest.fixture(scope="module", params=["launcher", "flipped"])
@@ -69,15 +67,13 @@ def cta_harness(tmp_path_factory):
     return get
 
 
-def operand_offsets(rows: int, b_pairs: bool = False) -> np.ndarray:
+def operand_offsets(rows: int) -> np.ndarray:
     """Byte offset of element (m, k) of a [rows x 64] operand tile as the consumer's wgmma read it:
     k16 slice k // 16 at rows * 32 bytes a slice (staged_consume's descriptors), then the
-    no-swizzle K-major layout of the descriptor. b_pairs: a B tile under APL_STAGED_B_PAIRS (b_desc:
-    slices rows * 16 bytes apart, LBO rows * 64 + 64, SBO 128)."""
+    no-swizzle K-major layout of the descriptor."""
     m = np.arange(rows)[:, None]
     k = np.arange(ST_KS)[None, :]
-    slice_bytes, lbo, sbo = (rows * 16, rows * 64 + 64, 128) if b_pairs else (rows * 32, LBO, SBO)
-    return (k // 16) * slice_bytes + (m // 8) * sbo + ((k % 16) // 8) * lbo + (m % 8) * 16 + (k % 8) * 2
+    return (k // 16) * (rows * 32) + (m // 8) * SBO + ((k % 16) // 8) * LBO + (m % 8) * 16 + (k % 8) * 2
 
 
 def staged_weights(harness: Path, work: Path, block, bits: int, bf16: bool, lut_log2: int, unit: int) -> np.ndarray:
@@ -122,20 +118,15 @@ def test_staged_tiles_from_a_merged_launchs_lut_rooms(harness, tmp_path, bits):
 
 @pytest.mark.parametrize("tokens", [16, 32, 64, 96])
 def test_activation_chunks_land_where_the_b_descriptors_read(harness, tmp_path, tokens):
-    # B tiles ([tokens x 64], the pass's activations) are stored by b_chunk: chunk c of token row r
-    # must hold elements (r, 8c .. 8c + 7) of the layout the consumer's b_desc reads (the flipped
-    # harness has APL_STAGED_B_PAIRS the other way)
-    b_pairs = bool(kernel_defines(_flipped_knobs() if "flipped" in harness.parent.name else {})["APL_STAGED_B_PAIRS"])
+    # B tiles ([tokens x 64], the pass's activations) are stored by tile_chunk too: chunk c of
+    # token row r must hold elements (r, 8c .. 8c + 7) of the layout the consumer reads
     run = subprocess.run([str(harness), "chunks", str(tokens), str(tmp_path / "chunks.bin")],
                          capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     chunks = np.fromfile(tmp_path / "chunks.bin", dtype="<i4").reshape(tokens, 8)
-    expected = operand_offsets(tokens, b_pairs)[:, ::8]
+    expected = operand_offsets(tokens)[:, ::8]
     np.testing.assert_array_equal(chunks, expected)
-    assert np.all(np.diff(operand_offsets(tokens, b_pairs).reshape(tokens, 8, 8), axis=2) == 2)  # a chunk is contiguous
-    offsets = operand_offsets(tokens, b_pairs)
-    assert len(np.unique(offsets)) == tokens * ST_KS  # no two elements share bytes
-    assert offsets.max() + 2 <= tokens * 2 * ST_KS + (64 if b_pairs else 0)  # inside the tile's bytes (b_tile_bytes)
+    assert np.all(np.diff(operand_offsets(tokens).reshape(tokens, 8, 8), axis=2) == 2)  # a chunk is contiguous
 
 
 def test_harness_refuses_an_input_it_cannot_take(harness, tmp_path):
@@ -240,8 +231,7 @@ KNOBS = {"prefetch_1": {"APL_STAGED_PREFETCH": 1}, "prefetch_3": {"APL_STAGED_PR
          "register_prefetch_units_of_4_prefetch_3": {"APL_STAGED_PLANE_ASYNC": 0, "APL_STAGED_UNIT": 4, "APL_STAGED_PREFETCH": 3},
          "plane_async_units_of_4_prefetch_3": {"APL_STAGED_PLANE_ASYNC": 1, "APL_STAGED_UNIT": 4, "APL_STAGED_PREFETCH": 3},
          "plane_async_prefetch_1": {"APL_STAGED_PLANE_ASYNC": 1, "APL_STAGED_PREFETCH": 1},
-         "producer_fence_off": {"APL_STAGED_PRODUCER_FENCE": 0},
-         "b_tiles_by_token_lines": {"APL_STAGED_B_PAIRS": 0}}
+         "producer_fence_off": {"APL_STAGED_PRODUCER_FENCE": 0}}
 
 
 @pytest.mark.parametrize("knob", list(KNOBS))
