@@ -165,7 +165,7 @@ void count_banks(const std::vector<std::vector<HostAccess>>& logs, BankStats (&s
                 int lanes = 0;
                 for (int lane = 0; lane < 32; ++lane) {
                     const auto& log = logs[32 * warp + lane];
-                    if (k >= log.size() || log[k].kind != kind) continue;
+                    if (k >= log.size() || log[k].kind != kind || !log[k].active) continue;
                     ++lanes;
                     for (unsigned b = 0; b < std::max(1u, KIND_BYTES[kind] / 4); ++b) words.push_back(log[k].addr / 4 + b);
                 }
@@ -247,7 +247,9 @@ int cta(const char* in_path, const char* out_path) {
     for (int z = 0; z < gz; ++z)
         for (int y = 0; y < gy; ++y)
             for (int bx = 0; bx < gx; ++bx) {
-                std::memset(apl_host_shared, 0xA5, APL_HOST_SHARED_BYTES);  // (what no store reaches stays visible)
+                // NaN in every u16 (bf16 and fp16): what no store reaches stays visible, and the padding token
+                // rows a pass leaves uncopied (APL_STAGED_SKIP_PAD) must not reach an output
+                std::memset(apl_host_shared, 0xFF, APL_HOST_SHARED_BYTES);
                 apl_host_mbars.clear();
                 apl_host_bars.clear();
                 std::vector<std::thread> threads;

@@ -231,7 +231,8 @@ KNOBS = {"prefetch_1": {"APL_STAGED_PREFETCH": 1}, "prefetch_3": {"APL_STAGED_PR
          "register_prefetch_units_of_4_prefetch_3": {"APL_STAGED_PLANE_ASYNC": 0, "APL_STAGED_UNIT": 4, "APL_STAGED_PREFETCH": 3},
          "plane_async_units_of_4_prefetch_3": {"APL_STAGED_PLANE_ASYNC": 1, "APL_STAGED_UNIT": 4, "APL_STAGED_PREFETCH": 3},
          "plane_async_prefetch_1": {"APL_STAGED_PLANE_ASYNC": 1, "APL_STAGED_PREFETCH": 1},
-         "producer_fence_off": {"APL_STAGED_PRODUCER_FENCE": 0}}
+         "producer_fence_off": {"APL_STAGED_PRODUCER_FENCE": 0},
+         "padding_rows_zeroed": {"APL_STAGED_SKIP_PAD": 0}}
 
 
 @pytest.mark.parametrize("knob", list(KNOBS))
@@ -289,8 +290,11 @@ def test_gate_up_with_gelu(cta_harness, tmp_path):
 # ---------------------------------------------------------------- bank conflicts (bench/staged_banks)
 @pytest.mark.parametrize("plane_async", [0, 1])
 def test_producer_stores_and_copies_take_the_fewest_wavefronts(tmp_path, plane_async):
-    # the A tiles' STS.128, the activations' (and plane words') 16-byte cp.async, the plane ring's LDS.128
-    got = staged_banks.count("4 bits", 4, {"APL_STAGED_PLANE_ASYNC": plane_async}, False, tmp_path)["kinds"]
+    # the A tiles' STS.128, the activations' (and plane words') 16-byte cp.async, the plane ring's LDS.128;
+    # with every token row copied (APL_STAGED_SKIP_PAD 0): a copy whose padding lanes are off still
+    # takes the 4 wavefronts of its 4 bank-aligned chunk lines, more than its fewer bytes would need
+    knobs = {"APL_STAGED_PLANE_ASYNC": plane_async, "APL_STAGED_SKIP_PAD": 0}
+    got = staged_banks.count("4 bits", 4, knobs, False, tmp_path)["kinds"]
     assert set(got) == ({"STS.128", "LDGSTS.16", "LDS.128"} if plane_async else {"STS.128", "LDGSTS.16"})
     for kind, c in got.items():
         assert c["instructions"] > 0 and c["wavefronts"] == c["ideal"], (kind, c)
