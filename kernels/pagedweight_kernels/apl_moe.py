@@ -151,11 +151,12 @@ STAGED_PREFILL = _STAGED_ENV == "1"
 STAGED_CLASSES = frozenset() if _STAGED_ENV == "0" else frozenset({0})
 STAGED_MIN_ASSIGNMENTS = 256
 # Passes of 8 * STAGED_WIDE_NT8 tokens for 3-4-bit layers in the staged regime (16: 128 tokens, the
-# consumer's m64n128 accumulators), where more than TILES_MAX_NT8 tiles are wanted and the planes
-# are read as 16-byte vectors; it replaces TILES_WIDE_NT8 there. In passes of 64 instead of 96 the
-# staged regime was 30% slower at Mixtral 256 tokens (docs/kernel.md), so fewer passes are the
-# lead. 0: off (the instances are not compiled). Built 2026-12-05 and checked on the CPU; not yet timed.
-STAGED_WIDE_NT8 = 0
+# consumer's m64n128 accumulators), where more than TILES_WIDE_NT8 and at most STAGED_WIDE_NT8 tiles
+# are wanted and the planes are read as 16-byte vectors (one pass instead of two of 64 tokens).
+# Timed 2026-12-05 (bench/results/apl_gemv_staged_wide16.json, H200): Qwen1.5-MoE 1024 tokens 16-18%
+# faster; in place of the 96-token passes too it was 1-1.5% slower at Mixtral 256 tokens, so those
+# keep 96. 0: off (the instances are not compiled).
+STAGED_WIDE_NT8 = 16
 STAGED_ROWS, STAGED_THREADS, STAGED_STEP = 128, 256, 64  # the .cu's ST_ROWS, ST_THREADS, ST_KS
 STAGED_STAGES, STAGED_MAX_STAGES = 4, 8  # ring buffers wanted (fewer where shared memory is short); the .cu's most
 # Dynamic shared memory a CTA may take for 2 CTAs per SM (228 KB an SM, 1 KB reserved per CTA, the
@@ -525,14 +526,17 @@ def _decode_plan(mode, nt, cols, rows_out, max_bits, max_active) -> GemmPlan:
     return GemmPlan("decode", nt, lpr, rpc, splits, split_cols, grid, shared)
 
 
-def tiles_per_pass(per_expert: float, wide: int = 0) -> int:
+def tiles_per_pass(per_expert: float, *wide: int) -> int:
     """The tiles regime's NT8: 8-token tiles per pass, room for TILES_HEADROOM x the mean
-    tokens per expert, a power of two in [TILES_MIN_NT8, TILES_MAX_NT8], or `wide` (a 3-4-bit
-    layer's TILES_WIDE_NT8) where more than TILES_MAX_NT8 and at most `wide` are wanted. An
-    expert with more tokens takes several passes (its weights dequantised once per pass)."""
+    tokens per expert, a power of two in [TILES_MIN_NT8, TILES_MAX_NT8], or the narrowest of the
+    `wide` widths (a 3-4-bit layer's TILES_WIDE_NT8, the staged regime's STAGED_WIDE_NT8; 0: none)
+    that holds them where more than TILES_MAX_NT8 are wanted. An expert with more tokens takes
+    several passes (its weights dequantised once per pass)."""
     want = math.ceil(TILES_HEADROOM * per_expert / GEMV_TOKENS)
-    if TILES_MAX_NT8 < want <= wide:
-        return wide
+    if want > TILES_MAX_NT8:
+        for width in sorted(w for w in wide if w):
+            if want <= width:
+                return width
     return min(TILES_MAX_NT8, max(TILES_MIN_NT8, _next_pow2(want)))
 
 
@@ -615,11 +619,11 @@ def staged_plan(mode: int, num_tokens: int, top_k: int, num_experts: int, rows_o
     """One projection's launch in the staged regime (apl_staged.cu): passes of 8 * NT8 tokens as
     the tiles regime would choose them (tiles_per_pass; 96 tokens for 3-4-bit layers where it would
     take them and the planes are read as 16-byte vectors, aligned16: the 4-byte-load instances
-    spill at 96), grid (row tiles of 64 gate and 64 up rows or of 128 rows, active experts, groups
+    spill at 96; 128 tokens, STAGED_WIDE_NT8, where more than 96 are wanted there), grid (row tiles of 64 gate and 64 up rows or of 128 rows, active experts, groups
     of passes), and as many ring buffers, up to STAGED_STAGES, as leave 2 CTAs per SM room (else 1).
     lut_bits: the widest 5-8-bit block's bits (its LUT rows sit in shared memory), 0 for none."""
     per_expert = num_tokens * top_k / num_experts
-    nt8 = tiles_per_pass(per_expert, (STAGED_WIDE_NT8 or TILES_WIDE_NT8) if cls == 0 and aligned16 else 0)
+    nt8 = tiles_per_pass(per_expert, *((TILES_WIDE_NT8, STAGED_WIDE_NT8) if cls == 0 and aligned16 else ()))
     tokens = GEMV_TOKENS * nt8
     groups = max(1, min(math.ceil(num_tokens / tokens), math.ceil(per_expert / tokens)))
     rpc = STAGED_ROWS // 2 if mode == 0 else STAGED_ROWS
@@ -661,11 +665,11 @@ def staged_instances(flag: str, modes: tuple[int, ...] = (0, 1), bit_classes=Non
 
 
 def staged_choices(cls: int) -> tuple[int, ...]:
-    """Every NT8 staged_plan can pick for kernel class `cls`: the tiles regime's, with the 3-4-bit
-    class's wide passes STAGED_WIDE_NT8 where it is set."""
+    """Every NT8 staged_plan can pick for kernel class `cls`: the tiles regime's, and for the
+    3-4-bit class the wider passes STAGED_WIDE_NT8 where it is set."""
     choices = tiles_choices(cls)
-    if cls == 0 and STAGED_WIDE_NT8:
-        choices = tuple(n for n in choices if n <= TILES_MAX_NT8) + (STAGED_WIDE_NT8,)
+    if cls == 0 and STAGED_WIDE_NT8 and STAGED_WIDE_NT8 not in choices:
+        choices += (STAGED_WIDE_NT8,)
     return choices
 
 

@@ -104,6 +104,9 @@ def test_plan_picks_decode_for_few_tokens_per_expert_and_tensor_cores_for_many()
     assert [tiles_per_pass(n) for n in (4.3, 16, 30, 64, 128)] == [2, 4, 8, 8, 8]
     # wide passes (TILES_WIDE_NT8) only where more than TILES_MAX_NT8 and at most 12 tiles are wanted
     assert [tiles_per_pass(n, 12) for n in (4.3, 16, 30, 42, 43, 64, 65, 128)] == [2, 4, 8, 8, 12, 12, 8, 8]
+    # and the staged regime's 128-token passes (STAGED_WIDE_NT8) past 12, whatever order they come in
+    assert [tiles_per_pass(n, 12, 16) for n in (30, 64, 65, 85, 86)] == [8, 12, 16, 16, 8]
+    assert [tiles_per_pass(n, 16, 12) for n in (64, 65)] == [12, 16] and tiles_per_pass(65, 0, 12) == 8
     # beyond the tiles regime: the prefill kernel
     assert plan_launch(1024, 2, **mixtral).gate_up.regime == "prefill"  # 256 tokens per expert
     assert plan_launch(2048, 4, **qwen).gate_up.regime == "prefill"  # 8192 assignments
@@ -635,12 +638,14 @@ def test_staged_instances_are_every_launch_staged_plan_can_make():
     for mode in (0, 1):
         for cls, lut_bits in ((0, 0), (1, 8), (2, 5)):
             for aligned16 in (True, False):
-                for tokens in (1, 16, 40, 100, 256, 1000, 5000):
+                for tokens in (1, 16, 40, 100, 256, 300, 1000, 5000):
                     plan = op.staged_plan(mode, tokens, 2, 8, 4096, cls, lut_bits, 8, aligned16)
                     picked.add(op._staged_name(cls, mode, "true", "true" if aligned16 else "false", plan.tiles))
     assert picked <= set(listed) and len(set(listed)) == len(listed)
     assert "apl_staged<0, 0, true, true, 12>" in picked and "apl_staged<0, 0, true, false, 12>" not in listed
-    assert len(listed) == 2 * 2 * (4 + 3 + 3) - 2  # projections x alignments x the classes' widths
+    assert "apl_staged<0, 0, true, true, 16>" in picked and "apl_staged<0, 0, true, false, 16>" not in listed
+    # projections x (alignments x the classes' powers of two, + the 3-4-bit class's 96 and 128 tokens, 16-byte loads only)
+    assert len(listed) == 2 * (2 * (3 + 3 + 3) + 2)
     assert op.staged_instances("false", (1,)) == [n.replace("true, ", "false, ", 1) for n in listed
                                                   if n.startswith(("apl_staged<0, 1,", "apl_staged<1, 1,",
                                                                    "apl_staged<2, 1,"))]

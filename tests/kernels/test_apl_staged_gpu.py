@@ -139,7 +139,7 @@ def test_a_ring_of_two_buffers_keeps_the_output_bit_for_bit(staged, monkeypatch)
 @pytest.mark.parametrize("case", [(8, 2, 256, 384, 300, 8, torch.bfloat16), (8, 2, 512, 256, 280, 6, torch.float16)],
                          ids=_case_id)
 def test_128_token_passes_match_reference(case, bits, staged, monkeypatch):
-    """STAGED_WIDE_NT8 16 (off by default): the 3-4-bit class in passes of 128 tokens (m64n128
+    """STAGED_WIDE_NT8 16 (the default): the 3-4-bit class in passes of 128 tokens (m64n128
     wgmma) where 64-85 tokens an expert are the mean (75 and 70 here; a hotter expert takes a
     second pass). A mixed layer (bits None) keeps its other classes' passes and must still match."""
     monkeypatch.setattr(op, "STAGED_WIDE_NT8", 16)

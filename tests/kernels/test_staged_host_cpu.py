@@ -174,7 +174,7 @@ def test_staged_launch_matches_the_reference(cta_harness, tmp_path, name):
 
 @pytest.mark.parametrize("mode,rows_out,dtype", [(0, 64, torch.bfloat16), (1, 128, torch.float16)])
 def test_128_token_passes_match_the_reference(cta_harness, tmp_path, monkeypatch, mode, rows_out, dtype):
-    # STAGED_WIDE_NT8 16 (off by default): 75 tokens an expert want 15 tiles, so passes of 128, the
+    # STAGED_WIDE_NT8 16 (on since 2026-12-05): 75 tokens an expert want 15 tiles, so passes of 128, the
     # consumers' m64n128 wgmma; the hot expert's 150 assignments take a second, partial pass
     monkeypatch.setattr(op, "STAGED_WIDE_NT8", 16)
     case = projection_case(mode, [4, 3, 4, 4], rows_out, 256, 150, 2, dtype, seed=19)

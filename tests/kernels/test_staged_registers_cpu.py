@@ -33,9 +33,9 @@ def test_staged_instances_fit_with_plane_words_in_registers(instance, tmp_path):
     assert spilled == 0, resources
 
 
-# STAGED_WIDE_NT8 16 (off by default): passes of 128 tokens, the consumers' 2 x 64 accumulators of
+# STAGED_WIDE_NT8 16 (on since 2026-12-05): passes of 128 tokens, the consumers' 2 x 64 accumulators of
 # m64n128 beside the producers' plane ring. ptxas fits down without spilling; gate_up's act(gate) *
-# up epilogue spilled 12 bytes at nvcc 13.0 (docs/kernel.md), which a GPU timing must weigh.
+# up epilogue spilled 12 bytes at nvcc 13.0 (docs/kernel.md); timed on the GPU with them.
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 @pytest.mark.parametrize("mode", [0, 1])
 def test_128_token_pass_instances_compile_within_the_launch_bound(mode, tmp_path):
