@@ -63,6 +63,7 @@ VARIANTS = {  # name -> (define changes, host changes: HOST_KNOBS and LAYER_SWIT
     "staged_async_p1": ({"APL_STAGED_PLANE_ASYNC": 1, "APL_STAGED_PREFETCH": 1}, {"STAGED_PREFILL": True}),
     "staged_async_p3": ({"APL_STAGED_PLANE_ASYNC": 1, "APL_STAGED_PREFETCH": 3}, {"STAGED_PREFILL": True}),
     "staged_wide16": ({}, {"STAGED_WIDE_NT8": 16}),  # passes of 128 tokens for 3-4-bit layers (the default rule)
+    "staged_no128": ({}, {"STAGED_WIDE_NT8": 0}),  # no 128-token passes (before 2026-12-05's default)
     # every token row of a pass copied, zeros past the expert's count (before 2026-12-05's APL_STAGED_SKIP_PAD)
     "staged_zero_pad": ({"APL_STAGED_SKIP_PAD": 0}, {}),
     "tiles_only": ({}, {"STAGED_CLASSES": frozenset()}),  # the staged regime nowhere: the tiles and prefill regimes
