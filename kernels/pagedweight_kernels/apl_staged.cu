@@ -243,9 +243,14 @@ APL_HD u32 stage_a(const StagedWork& w, int slot) {
 
 // cp_async16 where `issue` holds; on the host a lane that skips it still takes the warp
 // instruction's ordinal (the harness's bank count groups lanes by ordinal).
+// On the device a predicated copy, not a branch (a branch made the 128-token down instance spill 64
+// bytes at nvcc 13.0).
 APL_HD void cp_async16_if(bool issue, u32 dst, const void* src, u32 src_bytes) {
+#ifdef __CUDA_ARCH__
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %3, 0;\n@p cp.async.cg.shared.global [%0], [%1], 16, %2;\n}"
+                 :: "r"(dst), "l"(src), "r"(src_bytes), "r"((int)issue) : "memory");
+#else
     if (issue) cp_async16(dst, src, src_bytes);
-#ifndef __CUDA_ARCH__
     else host_log_skipped(CP_ASYNC_16);
 #endif
 }
