@@ -4,7 +4,8 @@
 # warpgroup runs wgmma with both operands there; written without a GPU). Every instance compiled
 # first, in threads (bf16 and fp16, STAGED_PREFILL on), then its GPU tests against the reference,
 # then the tiles shapes with and without it in one process (VARIANTS), and with LAYER=1 the layer
-# benchmark with it on (bf16 grouped_mm timed beside it; LAYER_STAGED= for the default rule instead). BENCH_ANYWAY=1 times even after a test failure.
+# benchmark with it on (bf16 grouped_mm timed beside it; LAYER_STAGED= for the default rule instead).
+# BENCH_ANYWAY=1 times even after a test failure.
 # Usage (device): OUT=$OUT CODE_COMMIT=<c> [VARIANTS="base staged" | VARIANTS=none] [LAYER=1] bash bench/staged_gpu.sh
 # VARIANT_SHAPES=--staged times the 3-4-bit layers at 32-1024 tokens instead of the tiles shapes.
 # TEST_K selects tests (pytest -k), TEST_X="" runs past a failure. A first call on a fresh machine:

@@ -619,8 +619,8 @@ def staged_plan(mode: int, num_tokens: int, top_k: int, num_experts: int, rows_o
     """One projection's launch in the staged regime (apl_staged.cu): passes of 8 * NT8 tokens as
     the tiles regime would choose them (tiles_per_pass; 96 tokens for 3-4-bit layers where it would
     take them and the planes are read as 16-byte vectors, aligned16: the 4-byte-load instances
-    spill at 96; 128 tokens, STAGED_WIDE_NT8, where more than 96 are wanted there), grid (row tiles of 64 gate and 64 up rows or of 128 rows, active experts, groups
-    of passes), and as many ring buffers, up to STAGED_STAGES, as leave 2 CTAs per SM room (else 1).
+    spill at 96; 128 tokens, STAGED_WIDE_NT8, where more than 96 are wanted there), grid (row
+    tiles of 64 gate and 64 up rows or of 128 rows, active experts, groups of passes), and as many ring buffers, up to STAGED_STAGES, as leave 2 CTAs per SM room (else 1).
     lut_bits: the widest 5-8-bit block's bits (its LUT rows sit in shared memory), 0 for none."""
     per_expert = num_tokens * top_k / num_experts
     nt8 = tiles_per_pass(per_expert, *((TILES_WIDE_NT8, STAGED_WIDE_NT8) if cls == 0 and aligned16 else ()))

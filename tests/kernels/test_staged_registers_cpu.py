@@ -13,6 +13,9 @@ from bench.sass_mix import build_instance, resource_usage
 from pagedweight_kernels.apl_moe import staged_instances
 
 
+# (Among them the 128-token passes, STAGED_WIDE_NT8 16: the consumers' 2 x 64 accumulators of m64n128
+# beside the producers' plane ring. Gate_up's act(gate) * up epilogue spilled 12 bytes at nvcc 13.0
+# until the padding rows' copies became one predicated cp.async, cp_async16_if.)
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 @pytest.mark.parametrize("instance", staged_instances("true"))
 def test_every_staged_instance_fits_without_spilling(instance, tmp_path):
@@ -23,24 +26,13 @@ def test_every_staged_instance_fits_without_spilling(instance, tmp_path):
 
 
 # APL_STAGED_PLANE_ASYNC (the 3-4-bit class's plane words by cp.async, the default; 0: in registers) changes
-# that class's producer only (the 128-token passes are built with the plane ring only: not timed without it)
+# that class's producer only. Not the 128-token passes: with plane words in registers they spill (112 and
+# 244 bytes at nvcc 13.0), and they were timed with the plane ring only.
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 @pytest.mark.parametrize("instance", [name for name in staged_instances("true")
                                       if name.startswith("apl_staged<0,") and not name.endswith(", 16>")])
 def test_staged_instances_fit_with_plane_words_in_registers(instance, tmp_path):
     _, resources = build_instance(instance, {"APL_STAGED_PLANE_ASYNC": 0}, tmp_path)
-    registers, spilled = resource_usage(resources)
-    assert registers <= 128, resources
-    assert spilled == 0, resources
-
-
-# STAGED_WIDE_NT8 16 (on since 2026-12-05): passes of 128 tokens, the consumers' 2 x 64 accumulators of
-# m64n128 beside the producers' plane ring. Gate_up's act(gate) * up epilogue spilled 12 bytes at
-# nvcc 13.0 until the padding rows' copies became one predicated cp.async (cp_async16_if); none now.
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
-@pytest.mark.parametrize("mode", [0, 1])
-def test_128_token_pass_instances_compile_within_the_launch_bound(mode, tmp_path):
-    _, resources = build_instance(f"apl_staged<0, {mode}, true, true, 16>", {}, tmp_path)
     registers, spilled = resource_usage(resources)
     assert registers <= 128, resources
     assert spilled == 0, resources
