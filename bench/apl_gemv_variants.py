@@ -66,6 +66,8 @@ VARIANTS = {  # name -> (define changes, host changes: HOST_KNOBS and LAYER_SWIT
     "staged_no128": ({}, {"STAGED_WIDE_NT8": 0}),  # no 128-token passes (before 2026-12-05's default)
     # every token row of a pass copied, zeros past the expert's count (before 2026-12-05's APL_STAGED_SKIP_PAD)
     "staged_zero_pad": ({"APL_STAGED_SKIP_PAD": 0}, {}),
+    "staged_tma": ({"APL_STAGED_TMA": 1}, {}),  # activations by one TMA box a step (the default rule)
+    "staged_cp_async": ({"APL_STAGED_TMA": 0}, {}),  # activations by the producers' 16-byte cp.async copies
     "tiles_only": ({}, {"STAGED_CLASSES": frozenset()}),  # the staged regime nowhere: the tiles and prefill regimes
     "staged_async_narrow": ({"APL_STAGED_PLANE_ASYNC": 1}, {"STAGED_PREFILL": True, "TILES_WIDE_NT8": 0}),  # no 96-token passes
     "staged_s2": ({}, {"STAGED_PREFILL": True, "STAGED_STAGES": 2}),  # a ring of two buffers
@@ -345,6 +347,9 @@ def main():
         else WAVE_SHAPES if "--waves" in sys.argv else ORDER_SHAPES if "--order" in sys.argv \
         else LUT_SHAPES if "--lut" in sys.argv else HINT_SHAPES if "--hint" in sys.argv \
         else LONG_SHAPES if "--long" in sys.argv else SHAPES
+    if "--only-shapes" in sys.argv:  # model:tokens:bits,... (a subset of the chosen shapes)
+        wanted = {tuple(spec.split(":")) for spec in sys.argv[sys.argv.index("--only-shapes") + 1].split(",")}
+        shapes = [s for s in shapes if (s[0], str(s[1]), s[2]) in wanted]
     weighed = "--order" in sys.argv or "--lut" in sys.argv or "--hint" in sys.argv or "--long" in sys.argv
     once = [s for s in UNIFORM_FOR_WEIGHTS if s not in shapes] if weighed else []
     names = sorted({s[0] for s in shapes + once})

@@ -34,7 +34,7 @@ GEMV_PARAMS = ("const long long* __restrict__, const long long* __restrict__, in
                "const void* __restrict__, int, int, u16* __restrict__, int")
 STAGED_PARAMS = ("const long long* __restrict__, const int* __restrict__, const int* __restrict__, "
                  "const int* __restrict__, int, const u16* __restrict__, int, int, int, u16* __restrict__, "
-                 "float* __restrict__, int")
+                 "float* __restrict__, int, const __grid_constant__ StagedTensorMap")
 _LABEL = re.compile(r"^\s*(\.L_x_\d+):")
 _BRANCH = re.compile(r"\bBRA\s+`?\(?(\.L_x_\d+)")
 _INSTANCE = re.compile(r"apl_gemv<\d, \d, (true|false), (true|false), \d+(, (true|false))?>"

@@ -237,6 +237,20 @@ int cta(const char* in_path, const char* out_path) {
     std::vector<u16> h_out(HOST_MODE == 0 ? (size_t)assignments * rows_out : 1, 0xFFFFu);
     std::vector<float> y_out(HOST_MODE == 1 ? (size_t)assignments * rows_out : 1);
     std::memset(y_out.data(), 0xFF, y_out.size() * 4);
+    // The activations' tensor map (APL_STAGED_TMA), as the launcher encodes it: rows by sorted
+    // position, so gate_up's x gathered into that order first (moe_gather_rows), down's h itself.
+    std::vector<u16> x_sorted;
+    if (HOST_MODE == 0) {
+        x_sorted.resize((size_t)assignments * cols);
+        for (int s = 0; s < assignments; ++s)
+            std::memcpy(&x_sorted[(size_t)s * cols], &x[(size_t)(sorted_slot[s] / top_k) * cols], (size_t)cols * 2);
+    }
+    StagedTensorMap act_map{};
+    act_map.word[0] = (unsigned long long)(HOST_MODE == 0 ? x_sorted.data() : x.data());
+    act_map.word[1] = (unsigned long long)cols;
+    act_map.word[2] = (unsigned long long)(HOST_MODE == 0 ? assignments : x_rows);
+    act_map.word[3] = 8ull * HOST_NT8;
+    act_map.word[4] = ST_KS;
     apl_host_grid_dim = make_uint3(gx, gy, gz);
     unsigned long long* bars = reinterpret_cast<unsigned long long*>(apl_host_shared);  // the kernel's static shared array
     unsigned char* smem_raw = apl_host_shared + 2 * ST_MAX_STAGES * 8;
@@ -261,7 +275,7 @@ int cta(const char* in_path, const char* out_path) {
                         apl_host_block_idx = make_uint3(bx, y, z);
                         staged_cta<HOST_CLS, HOST_MODE, HOST_BF16, HOST_V4, HOST_NT8>(
                             desc.data(), active.data(), &num_active, sorted_slot.data(), top_k, x.data(), rows_out, cols,
-                            lut_log2, h_out.data(), y_out.data(), stages, bars, smem_raw);
+                            lut_log2, h_out.data(), y_out.data(), stages, act_map, bars, smem_raw);
                         if (!host_wgmma_all_waited()) {
                             std::fprintf(stderr, "thread %d of CTA (%d, %d, %d) left a wgmma it never waited for\n", t, bx, y, z);
                             std::_Exit(4);

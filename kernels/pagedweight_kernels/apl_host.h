@@ -198,7 +198,9 @@ inline void host_cp_async(unsigned dst, const void* src, unsigned size, unsigned
 // (default 60) is a deadlock: it says which barrier and aborts.
 inline std::mutex apl_host_mutex;
 inline std::condition_variable apl_host_cv;
-struct HostMbar { unsigned count = 0, pending = 0, phase = 0; };
+// tx: the bytes of asynchronous copies the current phase still waits for (expect_tx raises it, a
+// copy's complete_tx lowers it); a phase completes when its arrivals are in and tx is zero.
+struct HostMbar { unsigned count = 0, pending = 0, phase = 0; long long tx = 0; };
 struct HostBar { unsigned arrived = 0, generation = 0; };
 inline std::map<unsigned, HostMbar> apl_host_mbars;
 inline std::map<unsigned, HostBar> apl_host_bars;
@@ -227,15 +229,66 @@ inline void host_mbar_init(unsigned addr, unsigned count) {
     std::lock_guard<std::mutex> lock(apl_host_mutex);
     apl_host_mbars[addr] = HostMbar{count, count, 0};
 }
-inline void host_mbar_arrive(unsigned addr) {
-    std::lock_guard<std::mutex> lock(apl_host_mutex);
-    HostMbar& b = host_mbar(addr);
-    if (--b.pending == 0) {  // the phase completes; the next one expects count arrivals again
+// (under apl_host_mutex) the phase completes once its arrivals are in and no copy bytes are owed;
+// the next one expects count arrivals again.
+inline void host_mbar_try_complete(HostMbar& b) {
+    if (b.pending == 0 && b.tx == 0) {
         ++b.phase;
         b.pending = b.count;
         apl_host_cv.notify_all();
     }
 }
+inline void host_mbar_arrive(unsigned addr) {
+    std::lock_guard<std::mutex> lock(apl_host_mutex);
+    HostMbar& b = host_mbar(addr);
+    if (b.pending == 0) {
+        std::fprintf(stderr, "mbarrier at %u: an arrival beyond its count in one phase\n", addr);
+        std::abort();
+    }
+    --b.pending;
+    host_mbar_try_complete(b);
+}
+// mbarrier.expect_tx: the current phase also waits for `bytes` of copies.
+inline void host_mbar_expect_tx(unsigned addr, unsigned bytes) {
+    std::lock_guard<std::mutex> lock(apl_host_mutex);
+    host_mbar(addr).tx += bytes;
+}
+// complete_tx from an asynchronous copy that has landed.
+inline void host_mbar_complete_tx(unsigned addr, unsigned bytes) {
+    std::lock_guard<std::mutex> lock(apl_host_mutex);
+    HostMbar& b = host_mbar(addr);
+    b.tx -= bytes;
+    host_mbar_try_complete(b);
+}
+// The 128-byte swizzle (TMA's CU_TENSOR_MAP_SWIZZLE_128B, wgmma's layout type 1): the 16-byte chunk
+// bits 4-6 of a shared address XORed with its 128-byte row bits 7-9, so the 8 rows of a 1024-byte
+// atom hold their chunks in 8 different orders.
+inline unsigned host_swizzle128(unsigned addr) { return addr ^ (((addr >> 7) & 7u) << 4); }
+
+// cp.async.bulk.tensor.2d (tile mode) from the host's stand-in for a tensor map: word 0 the
+// tensor's address, 1 its columns, 2 its rows, 3 the box's rows, 4 the box's columns (2-byte
+// elements, rows packed); the box from (col, row) lands at dst with the 128-byte swizzle, elements
+// outside the tensor as zeros, and its bytes complete on the mbarrier at bar. Lands when issued.
+inline void host_tma_load_rows(unsigned dst, const unsigned long long* map, int col, int row, unsigned bar) {
+    const unsigned short* base = reinterpret_cast<const unsigned short*>(map[0]);
+    const long long cols = (long long)map[1], rows = (long long)map[2];
+    const int box_rows = (int)map[3], box_cols = (int)map[4];
+    if (dst % 1024u || box_cols * 2 != 128 || box_rows <= 0 || box_rows > 256 || col % 8) {
+        std::fprintf(stderr, "tma: a box of %d x %d at shared %u (col %d): needs 128-byte rows, a 1024-byte aligned"
+                     " destination and 16-byte aligned columns\n", box_rows, box_cols, dst, col);
+        std::abort();
+    }
+    host_shared_check(dst, 16);
+    host_shared_check(dst + (unsigned)box_rows * 128u - 16u, 16);
+    for (int r = 0; r < box_rows; ++r)
+        for (int c = 0; c < box_cols; ++c) {
+            const long long gr = (long long)row + r, gc = (long long)col + c;
+            const unsigned short v = gr < rows && gc < cols ? base[gr * cols + gc] : (unsigned short)0;
+            std::memcpy(apl_host_shared + host_swizzle128(dst + (unsigned)r * 128u + (unsigned)c * 2u), &v, 2);
+        }
+    host_mbar_complete_tx(bar, (unsigned)(box_rows * box_cols * 2));
+}
+
 // mbarrier.try_wait.parity in a loop: returns once the phase of this parity has completed, i.e.
 // the current phase's parity differs from it.
 inline void host_mbar_wait(unsigned addr, unsigned parity) {
@@ -261,20 +314,24 @@ inline void host_bar_sync(unsigned id, unsigned count) {
 // wgmma.mma_async m64nNk16 with A and B from shared memory (f32 accumulators, scale-d 1, neither
 // operand transposed: both K-major), by the PTX ISA: a matrix descriptor holds the start address
 // (bits 0-13), the leading byte offset (16-29: between core matrices adjacent in K) and the stride
-// byte offset (32-45: between 8-row groups), each in 16-byte units; a core matrix is 8 rows of 16
-// contiguous bytes. Only no-swizzle descriptors with base offset 0 are modelled. The executing
+// byte offset (32-45: between 8-row groups), each in 16-byte units, and the layout type (62-63);
+// type 0 (no swizzle): a core matrix is 8 rows of 16 contiguous bytes, LBO apart in K; type 1 (the
+// 128-byte swizzle): a row's K runs on in one 128-byte row, rows 128 bytes apart within 8-row groups
+// SBO apart, and host_swizzle128 applies to the address formed (the LBO unused). Base offset 0 only. The executing
 // thread's accumulators are its fragment of D: warp w of the warpgroup, lane (g, t) = (lane / 4,
 // lane % 4) holds acc[j][i] = D(16 w + g + 8 (i / 2), 8 j + 2 t + i % 2).
 template <bool BF16>
 inline float host_operand(unsigned long long desc, int row, int k) {
-    if ((desc >> 49) & 7u || (desc >> 62)) {
-        std::fprintf(stderr, "wgmma: only no-swizzle descriptors with base offset 0 are emulated\n");
+    const unsigned layout = (unsigned)(desc >> 62);
+    if ((desc >> 49) & 7u || layout > 1) {
+        std::fprintf(stderr, "wgmma: only no-swizzle and 128-byte-swizzle descriptors with base offset 0 are emulated\n");
         std::abort();
     }
     const unsigned start = (unsigned)(desc & 0x3FFFu) << 4, lbo = (unsigned)((desc >> 16) & 0x3FFFu) << 4,
                    sbo = (unsigned)((desc >> 32) & 0x3FFFu) << 4;
-    const unsigned addr = start + (unsigned)(row / 8) * sbo + (unsigned)(k / 8) * lbo + (unsigned)(row % 8) * 16 +
-                          (unsigned)(k % 8) * 2;
+    const unsigned addr = layout == 1
+        ? host_swizzle128(start + (unsigned)(row / 8) * sbo + (unsigned)(row % 8) * 128 + (unsigned)k * 2)
+        : start + (unsigned)(row / 8) * sbo + (unsigned)(k / 8) * lbo + (unsigned)(row % 8) * 16 + (unsigned)(k % 8) * 2;
     host_shared_check(addr, 2);  // (the tensor cores' read: not an LSU access, not logged)
     unsigned short v;
     std::memcpy(&v, apl_host_shared + addr, 2);

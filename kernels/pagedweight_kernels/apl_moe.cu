@@ -267,6 +267,17 @@ extern "C" __global__ void moe_align(const long long* __restrict__ topk_ids, int
     }
 }
 
+// The staged regime's gate_up with TMA activations (APL_STAGED_TMA): out[pos] = x[sorted_slot[pos] /
+// top_k], rows of `chunks` 16-byte chunks, so that each expert's tokens are consecutive rows a
+// tensor map can box. One thread a chunk.
+extern "C" __global__ void moe_gather_rows(const uint4* __restrict__ x, const int* __restrict__ sorted_slot,
+                                           int top_k, int num_slots, int chunks, uint4* __restrict__ out) {
+    const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (long long)num_slots * chunks) return;
+    const long long pos = idx / chunks, c = idx % chunks;
+    out[idx] = x[(long long)(sorted_slot[pos] / top_k) * chunks + c];
+}
+
 // ---------------------------------------------------------------- 2/3. decode regime
 // MODE 0 (gate_up): the CTA owns output rows [r0, r0+rpc) of h, i.e. gate rows r0.. and
 // up rows I+r0..; local weight row lw < rpc is a gate row, lw >= rpc an up row.

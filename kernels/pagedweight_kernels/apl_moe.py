@@ -160,9 +160,10 @@ STAGED_WIDE_NT8 = 16
 STAGED_ROWS, STAGED_THREADS, STAGED_STEP = 128, 256, 64  # the .cu's ST_ROWS, ST_THREADS, ST_KS
 STAGED_STAGES, STAGED_MAX_STAGES = 4, 8  # ring buffers wanted (fewer where shared memory is short); the .cu's most
 # Dynamic shared memory a CTA may take for 2 CTAs per SM (228 KB an SM, 1 KB reserved per CTA, the
-# kernel's 128 bytes of static mbarriers), and for 1; the kernel starts it on a 512-byte boundary.
+# kernel's 128 bytes of static mbarriers), and for 1; the kernel starts it on a 1024-byte boundary
+# (ST_ALIGN: a 128-byte-swizzled B tile's).
 STAGED_CTA_SHARED = (GEMV_SM_SHARED // 2 - 1024 - 128, 227 * 1024 - 128)
-STAGED_ALIGN_PAD = 512
+STAGED_ALIGN_PAD = 1024
 
 
 def bit_class(bits: int) -> int:
@@ -191,7 +192,7 @@ KERNEL_DEFINES = {"APL_LDS_MODE": 1, "APL_RPG_DIV": 8, "APL_PREFETCH": 1, "APL_D
                   "APL_LUT_STAGGER": 1, "APL_TILES_WS": 0, "APL_TILES_WS_ROUNDS": 2, "APL_TILES_WS_BLOCKS": 2,
                   "APL_TILES_WS_WARPS": 1, "APL_TILES_WS_STAGES": 2, "APL_STAGED_PREFETCH": 2, "APL_STAGED_UNIT": 2, "APL_STAGED_BLOCKS": 2,
                   "APL_STAGED_REGS": 1, "APL_STAGED_PLANE_ASYNC": 1, "APL_STAGED_PRODUCER_FENCE": 1,
-                  "APL_STAGED_SKIP_PAD": 1}
+                  "APL_STAGED_SKIP_PAD": 1, "APL_STAGED_TMA": 0}
 
 
 def knob_overrides(text: str) -> dict[str, int]:
@@ -927,6 +928,8 @@ def kernel_instances(dtype: torch.dtype, activation: str = "silu") -> list[tuple
         names += [(_prefill_name(tile, mode, flag), act) for tile in tiles]
         if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
             names += [(name, act) for name in staged_instances(flag, (mode,), None if STAGED_PREFILL else STAGED_CLASSES)]
+            if mode == 0 and KERNEL_DEFINES["APL_STAGED_TMA"]:
+                names.append(("moe_gather_rows", "silu"))
     if GEMV_FUSED:  # (off by default: then no start-up time is spent compiling it)
         names += [(_fused_name(cls, flag, v2), activation) for cls in FUSED_CLASSES for v2 in ("true", "false")]
     return names
@@ -1160,10 +1163,30 @@ def staged_projection(layer: APLLayer, num_tokens: int, top_k: int, max_active: 
         aligned16 = layer.aligned16[module]
         plan = staged_plan(mode, num_tokens, top_k, layer.num_experts, rows_out, cls, lut_bits, max_active, aligned16)
         name = _staged_name(cls, mode, flag, "true" if aligned16 else "false", plan.tiles)
+        act_map = staged_activation_map(mode, src, sorted_slot, top_k, plan.tokens)
         _launch(name, plan.grid, (desc, active, num_active, sorted_slot, top_k, src, rows_out, cols, lut_bits,
-                                  h_out, y_out, plan.stages),
+                                  h_out, y_out, plan.stages, act_map),
                 plan.shared_bytes, block=STAGED_THREADS, activation=_mode_activation(mode, layer.activation))
     return projection
+
+
+def staged_activation_map(mode: int, src: torch.Tensor, sorted_slot: torch.Tensor, top_k: int, tokens: int):
+    """The staged launch's tensor map over its activations by sorted position (APL_STAGED_TMA):
+    boxes of a pass's `tokens` rows by one 64-column step. Down's h is in that order already;
+    gate_up's x is gathered into it first (moe_gather_rows, [tokens * top_k, hidden]: 4 MB at
+    Mixtral size and 256 tokens). Without TMA the kernel reads no map: zeros."""
+    from pagedweight_kernels.tensor_maps import EMPTY_MAP, row_box_map
+
+    if not KERNEL_DEFINES["APL_STAGED_TMA"]:
+        return EMPTY_MAP
+    rows = src
+    if mode == 0:
+        num_slots, cols = sorted_slot.numel(), src.shape[1]
+        rows = torch.empty(num_slots, cols, dtype=src.dtype, device=src.device)
+        chunks = cols * src.element_size() // 16
+        _launch("moe_gather_rows", (math.ceil(num_slots * chunks / THREADS),),
+                (src, sorted_slot, top_k, num_slots, chunks, rows))
+    return row_box_map(rows, tokens, STAGED_STEP)
 
 
 def kernel_available() -> bool:

@@ -60,6 +60,16 @@
 #ifndef APL_STAGED_SKIP_PAD
 #define APL_STAGED_SKIP_PAD 1
 #endif
+// 1 (2026-12-05, third session): each step's activations come by one TMA copy (cp.async.bulk.tensor,
+// issued by producer thread 0, completion counted on the buffer's full mbarrier in bytes) from a
+// tensor map over rows by sorted position (down: h itself; gate_up: x gathered into that order by
+// moe_gather_rows first), into B tiles in the 128-byte-swizzled K-major layout the consumers'
+// descriptors then name. Nsight at Mixtral 256 tokens: the producers' 16-byte cp.async copies cost a
+// whole L2 sector and a shared-memory wavefront per lane (32 a warp instruction, where their bytes
+// need 16 and 4), 46% of the kernel's wavefronts. 0: those copies, into the no-swizzle layout.
+#ifndef APL_STAGED_TMA
+#define APL_STAGED_TMA 0
+#endif
 #ifndef APL_STAGED_BLOCKS
 #define APL_STAGED_BLOCKS 2    // CTAs per SM the register budget must allow (2: 128 registers a thread)
 #endif
@@ -68,6 +78,13 @@
 #define ST_KS 64               // columns per step (4 k16 slices)
 #define ST_MAX_STAGES 8
 #define ST_A_BYTES (ST_ROWS * ST_KS * 2)
+#define ST_ALIGN 1024          // the ring's alignment: a 128-byte-swizzled B tile's (8 rows of 128 bytes)
+
+// The activations' tensor map, a kernel parameter (__grid_constant__, so that its address is the
+// parameter's own, as cp.async.bulk.tensor needs): on the device a CUtensorMap's 128 bytes, encoded
+// by the host (tensor_maps.py); the host's CTA emulation keeps its own fields in the same bytes
+// (apl_host.h, host_tma_load_rows).
+struct __align__(64) StagedTensorMap { unsigned long long word[16]; };
 
 // The producer's dequantisation and the operand layout, for the device and for the host (APL_HD:
 // bench/staged_host.py runs them on the CPU, and its test reads the tiles back by the PTX ISA's layout).
@@ -255,11 +272,39 @@ APL_HD void cp_async16_if(bool issue, u32 dst, const void* src, u32 src_bytes) {
 #endif
 }
 
+// The B operand's descriptor for a TMA-written tile (APL_STAGED_TMA): K-major with the 128-byte
+// swizzle, a token's 64 columns in one 128-byte row, 8-token groups 1024 bytes apart (stride byte
+// offset; the leading one is unused in this mode), the k16 slice chosen by the start address (+32
+// bytes a slice: the swizzle applies to the address the tensor cores form, as TMA applied it).
+APL_HD unsigned long long wgmma_desc_sw128(u32 smem_addr) {
+    return (unsigned long long)((smem_addr & 0x3FFFFu) >> 4) | (1ull << 16) | ((unsigned long long)(1024 >> 4) << 32) |
+           (1ull << 62);
+}
+// The full barrier also waits for `bytes` more of asynchronous copies in this phase.
+APL_HD void mbar_expect_tx(unsigned long long* bar, u32 bytes) {
+#ifdef __CUDA_ARCH__
+    asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;" :: "r"(shared_addr(bar)), "r"(bytes) : "memory");
+#else
+    host_mbar_expect_tx(shared_addr(bar), bytes);
+#endif
+}
+// One box of the map (its 8 * NT8 rows from `row`, 64 columns from `col`; zeros past the tensor's
+// edges) into shared memory at dst, swizzled; its bytes complete on bar.
+APL_HD void tma_load_rows(u32 dst, const StagedTensorMap& map, int col, int row, unsigned long long* bar) {
+#ifdef __CUDA_ARCH__
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
+                 :: "r"(dst), "l"(reinterpret_cast<unsigned long long>(&map)), "r"(col), "r"(row), "r"(shared_addr(bar))
+                 : "memory");
+#else
+    host_tma_load_rows(dst, map.word, col, row, shared_addr(bar));
+#endif
+}
+
 // The producer warpgroup: thread pt owns weight row pt of the CTA. PA: plane words by cp.async
 // (APL_STAGED_PLANE_ASYNC, 3-4 bits only).
 template <int B, int MODE, bool BF16, bool V4, int NT8, bool PA>
 APL_HD void staged_produce(const BlockRef& blk, const StagedWork& w, const int* __restrict__ sorted_slot, int top_k,
-                           const u16* __restrict__ x, const u16* lut_s, int lut_stride) {
+                           const u16* __restrict__ x, const u16* lut_s, int lut_stride, const StagedTensorMap& act_map) {
     // P: units in flight; 5-8-bit rows keep one (8 planes' words, and the registers run out at 2)
     constexpr int NT = 8 * NT8, P = B <= 4 ? APL_STAGED_PREFETCH : 1, MINE = NT8 / 2;  // MINE: B chunks a step
     const int pt = threadIdx.x - 128;
@@ -328,7 +373,7 @@ APL_HD void staged_produce(const BlockRef& blk, const StagedWork& w, const int* 
     for (int m0 = blockIdx.z * NT; m0 < w.n; m0 += gridDim.z * NT) {
         const u16* src[MINE];
 #pragma unroll
-        for (int i = 0; i < MINE; ++i) {
+        for (int i = 0; i < (APL_STAGED_TMA ? 0 : MINE); ++i) {
             const int tok = tok0 + 16 * i;
             long long row = 0;
             if (m0 + tok < w.n) {
@@ -358,18 +403,28 @@ APL_HD void staged_produce(const BlockRef& blk, const StagedWork& w, const int* 
                     const u32 use = it / (u32)w.stages;
                     if (use > 0) mbar_wait(&w.empty[slot], (use - 1) & 1u);
                     const u32 a_tile = stage_a<NT8>(w, slot), b_tile = a_tile + ST_A_BYTES;
-                    const int col = step * ST_KS + c8 * 8;
+                    if constexpr (APL_STAGED_TMA) {
+                        // Rows past the expert's count are the next expert's (or zeros past the
+                        // tensor): wgmma keeps token columns apart and the epilogue skips them.
+                        // Columns past the row's end come as zeros (they meet the clamped weights).
+                        if (pt == 0) {
+                            mbar_expect_tx(&w.full[slot], NT * ST_KS * 2);
+                            tma_load_rows(b_tile, act_map, step * ST_KS, w.expert_start + m0, &w.full[slot]);
+                        }
+                    } else {
+                        const int col = step * ST_KS + c8 * 8;
 #pragma unroll
-                    for (int i = 0; i < MINE; ++i) {
-                        const int tok = tok0 + 16 * i;
-                        const bool in = m0 + tok < w.n && col < w.cols;
-                        // A pass's token rows past the expert's count are left as they are (any
-                        // bits, NaN too): wgmma keeps token columns apart and the epilogue skips them.
-                        // Columns past the row's end still need zeros (they meet the clamped weights).
-                        cp_async16_if(!APL_STAGED_SKIP_PAD || m0 + tok < w.n, tile_chunk(b_tile, NT, tok, c8),
-                                      src[i] + step * ST_KS, in ? 16u : 0u);
+                        for (int i = 0; i < MINE; ++i) {
+                            const int tok = tok0 + 16 * i;
+                            const bool in = m0 + tok < w.n && col < w.cols;
+                            // A pass's token rows past the expert's count are left as they are (any
+                            // bits, NaN too): wgmma keeps token columns apart and the epilogue skips them.
+                            // Columns past the row's end still need zeros (they meet the clamped weights).
+                            cp_async16_if(!APL_STAGED_SKIP_PAD || m0 + tok < w.n, tile_chunk(b_tile, NT, tok, c8),
+                                          src[i] + step * ST_KS, in ? 16u : 0u);
+                        }
+                        cp_async_mbar_arrive(&w.full[slot]);
                     }
-                    cp_async_mbar_arrive(&w.full[slot]);
                     if constexpr (PA) {
                         // one LDS.128 a plane for this step and the next: a warp's 32 x 16 contiguous
                         // bytes take 4 wavefronts, where an LDS.64 a step took 4 each (bench/staged_banks)
@@ -417,14 +472,15 @@ APL_HD void staged_consume(const StagedWork& w, bool bad, const int* __restrict_
             for (int step = 0; step < w.steps; ++step, ++it) {
                 const int slot = (int)(it % (u32)w.stages);
                 mbar_wait(&w.full[slot], (it / (u32)w.stages) & 1u);
-                fence_proxy_async();  // the activations' cp.async copies (and the producers' stores), before wgmma reads them
+                fence_proxy_async();  // the producers' stores (and the activations' cp.async copies), before wgmma reads them
                 const u32 a_tile = stage_a<NT8>(w, slot), b_tile = a_tile + ST_A_BYTES;
                 wgmma_fence();
                 fence_accumulators(acc0);
                 fence_accumulators(acc1);
 #pragma unroll
                 for (int kk = 0; kk < ST_KS / 16; ++kk) {
-                    const unsigned long long db = wgmma_desc(b_tile + kk * (NT * 32));
+                    const unsigned long long db =
+                        APL_STAGED_TMA ? wgmma_desc_sw128(b_tile + kk * 32) : wgmma_desc(b_tile + kk * (NT * 32));
                     wgmma_ss<NT8, BF16>(acc0, wgmma_desc(a_tile + kk * (ST_ROWS * 32)), db);
                     wgmma_ss<NT8, BF16>(acc1, wgmma_desc(a_tile + kk * (ST_ROWS * 32) + 2048), db);
                 }
@@ -486,7 +542,7 @@ template <int CLS, int MODE, bool BF16, bool V4, int NT8>
 APL_HD void staged_cta(const long long* __restrict__ desc, const int* __restrict__ active, const int* __restrict__ num_active,
                        const int* __restrict__ sorted_slot, int top_k, const u16* __restrict__ x, int rows_out, int cols,
                        int lut_log2, u16* __restrict__ h_out, float* __restrict__ y_out, int stages,
-                       unsigned long long* bars, unsigned char* smem_raw) {
+                       const StagedTensorMap& act_map, unsigned long long* bars, unsigned char* smem_raw) {
     static_assert(NT8 == 2 || NT8 == 4 || NT8 == 8 || NT8 == 12 || NT8 == 16, "passes of 16, 32, 64, 96 or 128 tokens");
     const int a = blockIdx.y;
     if (a >= *num_active) return;
@@ -505,10 +561,11 @@ APL_HD void staged_cta(const long long* __restrict__ desc, const int* __restrict
     w.stages = stages;
     w.full = bars;
     w.empty = bars + ST_MAX_STAGES;
-    // Dynamic shared memory from a 512-byte boundary (the host's STAGED_ALIGN_PAD): an 8-bit LUT row's
-    // size, so every row is aligned to its own (Codes' base | offset); the ring needs 16 bytes.
+    // Dynamic shared memory from a 1024-byte boundary (ST_ALIGN, the host's STAGED_ALIGN_PAD): at least
+    // an 8-bit LUT row's size, so every row is aligned to its own (Codes' base | offset), and the ring's
+    // B tiles to a swizzled tile's 1024 (LUT rooms and ring buffers are multiples of it).
     const u32 raw = shared_addr(smem_raw);
-    unsigned char* smem = smem_raw + (((raw + 511u) & ~511u) - raw);
+    unsigned char* smem = smem_raw + (((raw + (ST_ALIGN - 1u)) & ~(ST_ALIGN - 1u)) - raw);
     const int lut_stride = CLS == 0 ? 0 : 1 << lut_log2;
     u16* lut_s = reinterpret_cast<u16*>(smem);  // [ST_ROWS][lut_stride] act values (5-8 bits)
     w.ring = shared_addr(smem + ST_ROWS * lut_stride * 2);
@@ -539,12 +596,12 @@ APL_HD void staged_cta(const long long* __restrict__ desc, const int* __restrict
     }
     constexpr bool PA = APL_STAGED_PLANE_ASYNC && CLS == 0;  // (the other classes' shared memory holds LUT rows)
     switch (blk.bits) {
-        case 3: if constexpr (CLS != 1) staged_produce<3, MODE, BF16, V4, NT8, PA>(blk, w, sorted_slot, top_k, x, lut_s, lut_stride); break;
-        case 4: if constexpr (CLS != 1) staged_produce<4, MODE, BF16, V4, NT8, PA>(blk, w, sorted_slot, top_k, x, lut_s, lut_stride); break;
-        case 5: if constexpr (CLS != 0) staged_produce<5, MODE, BF16, V4, NT8, false>(blk, w, sorted_slot, top_k, x, lut_s, lut_stride); break;
-        case 6: if constexpr (CLS != 0) staged_produce<6, MODE, BF16, V4, NT8, false>(blk, w, sorted_slot, top_k, x, lut_s, lut_stride); break;
-        case 7: if constexpr (CLS != 0) staged_produce<7, MODE, BF16, V4, NT8, false>(blk, w, sorted_slot, top_k, x, lut_s, lut_stride); break;
-        default: if constexpr (CLS != 0) staged_produce<8, MODE, BF16, V4, NT8, false>(blk, w, sorted_slot, top_k, x, lut_s, lut_stride); break;
+        case 3: if constexpr (CLS != 1) staged_produce<3, MODE, BF16, V4, NT8, PA>(blk, w, sorted_slot, top_k, x, lut_s, lut_stride, act_map); break;
+        case 4: if constexpr (CLS != 1) staged_produce<4, MODE, BF16, V4, NT8, PA>(blk, w, sorted_slot, top_k, x, lut_s, lut_stride, act_map); break;
+        case 5: if constexpr (CLS != 0) staged_produce<5, MODE, BF16, V4, NT8, false>(blk, w, sorted_slot, top_k, x, lut_s, lut_stride, act_map); break;
+        case 6: if constexpr (CLS != 0) staged_produce<6, MODE, BF16, V4, NT8, false>(blk, w, sorted_slot, top_k, x, lut_s, lut_stride, act_map); break;
+        case 7: if constexpr (CLS != 0) staged_produce<7, MODE, BF16, V4, NT8, false>(blk, w, sorted_slot, top_k, x, lut_s, lut_stride, act_map); break;
+        default: if constexpr (CLS != 0) staged_produce<8, MODE, BF16, V4, NT8, false>(blk, w, sorted_slot, top_k, x, lut_s, lut_stride, act_map); break;
     }
 }
 
@@ -554,10 +611,10 @@ template <int CLS, int MODE, bool BF16, bool V4, int NT8>
 __global__ void __launch_bounds__(ST_THREADS, APL_STAGED_BLOCKS) apl_staged(
     const long long* __restrict__ desc, const int* __restrict__ active, const int* __restrict__ num_active,
     const int* __restrict__ sorted_slot, int top_k, const u16* __restrict__ x, int rows_out, int cols, int lut_log2,
-    u16* __restrict__ h_out, float* __restrict__ y_out, int stages) {
+    u16* __restrict__ h_out, float* __restrict__ y_out, int stages, const __grid_constant__ StagedTensorMap act_map) {
     __shared__ __align__(8) unsigned long long bars[2 * ST_MAX_STAGES];
     extern __shared__ __align__(16) unsigned char smem_raw[];
     staged_cta<CLS, MODE, BF16, V4, NT8>(desc, active, num_active, sorted_slot, top_k, x, rows_out, cols, lut_log2,
-                                         h_out, y_out, stages, bars, smem_raw);
+                                         h_out, y_out, stages, act_map, bars, smem_raw);
 }
 #endif

@@ -111,20 +111,25 @@ def launch_on_torch_stream(kernel, grid, block: int, args, shared: int = 0, prog
     torch work around it and is captured into a CUDA graph with it). Arguments: a tensor
     passes its device pointer, None a null pointer, a float a float32, a numpy scalar itself,
     any other int an int32. programmatic: the kernel may start before the one ahead of it on
-    the stream ends (programmatic_launch; the kernel must wait for it itself)."""
+    the stream ends (programmatic_launch; the kernel must wait for it itself). A ctypes
+    structure passes by value (a tensor map), through the driver as programmatic launches do."""
+    import ctypes
+
     packed = pack_arguments(args)
     stream = torch.cuda.current_stream().cuda_stream
-    if programmatic:
-        from pagedweight_kernels.programmatic_launch import launch_programmatic
+    if programmatic or any(isinstance(a, ctypes.Structure) for a in packed):
+        from pagedweight_kernels.programmatic_launch import launch_driver
 
-        launch_programmatic(kernel, grid, block, packed, shared, stream)
+        launch_driver(kernel, grid, block, packed, shared, stream, programmatic)
         return
     with _cupy_stream(stream):
         kernel(grid, (block,), tuple(packed), shared_mem=shared)
 
 
 def pack_arguments(args) -> list:
-    """Kernel arguments as numpy scalars (launch_on_torch_stream's rules)."""
+    """Kernel arguments as numpy scalars, or ctypes structures as they are (launch_on_torch_stream's rules)."""
+    import ctypes
+
     import numpy as np
 
     packed = []
@@ -135,7 +140,7 @@ def pack_arguments(args) -> list:
             packed.append(np.uint64(0))
         elif isinstance(a, float):
             packed.append(np.float32(a))
-        elif isinstance(a, np.generic):
+        elif isinstance(a, (np.generic, ctypes.Structure)):
             packed.append(a)
         else:
             packed.append(np.int32(a))

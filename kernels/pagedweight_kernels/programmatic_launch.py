@@ -39,9 +39,13 @@ _CTYPES = {np.dtype(np.uint64): ctypes.c_uint64, np.dtype(np.int32): ctypes.c_in
 
 def kernel_parameters(packed) -> tuple[list, ctypes.Array]:
     """(the ctypes values, the void* array cuLaunchKernelEx reads) of arguments packed as numpy
-    scalars (launch_on_torch_stream's packing). The values must outlive the launch call."""
+    scalars (launch_on_torch_stream's packing), or ctypes structures passed by value (a tensor
+    map). The values must outlive the launch call."""
     values = []
     for a in packed:
+        if isinstance(a, ctypes.Structure):
+            values.append(a)
+            continue
         kind = _CTYPES.get(np.asarray(a).dtype)
         if kind is None:
             raise TypeError(f"no kernel parameter type for {type(a).__name__} {np.asarray(a).dtype}")
@@ -58,6 +62,11 @@ def function_handle(kernel) -> int:
     if not ptr:
         raise TypeError(f"no CUfunction behind {type(kernel).__name__}")
     return int(ptr)
+
+
+def cuda_driver():
+    """libcuda (the driver API), loaded once, with the prototypes set that this module calls."""
+    return _driver()
 
 
 @lru_cache(maxsize=1)
@@ -87,11 +96,23 @@ def launch_config(grid, block: int, shared: int, stream: int, attrs: ctypes.Arra
 
 def launch_programmatic(kernel, grid, block: int, packed, shared: int, stream: int) -> None:
     """Launch `kernel` on `stream` (a CUstream handle) allowed to overlap the kernel before it."""
-    config = launch_config(grid, block, shared, stream, _programmatic_attributes())
+    launch_driver(kernel, grid, block, packed, shared, stream, programmatic=True)
+
+
+def launch_driver(kernel, grid, block: int, packed, shared: int, stream: int, programmatic: bool = False) -> None:
+    """Launch `kernel` on `stream` through cuLaunchKernelEx: for programmatic launches, and for
+    parameters cupy cannot pass (a tensor map by value)."""
+    config = launch_config(grid, block, shared, stream, _programmatic_attributes() if programmatic else _NO_ATTRIBUTES)
     values, pointers = kernel_parameters(packed)  # values: what pointers point at, alive through the call
-    driver = _driver()
-    result = driver.cuLaunchKernelEx(ctypes.byref(config), ctypes.c_void_p(function_handle(kernel)), pointers, None)
+    result = _driver().cuLaunchKernelEx(ctypes.byref(config), ctypes.c_void_p(function_handle(kernel)), pointers, None)
     if result:
-        name = ctypes.c_char_p()
-        driver.cuGetErrorName(result, ctypes.byref(name))
-        raise RuntimeError(f"cuLaunchKernelEx failed: {(name.value or b'?').decode()} ({result})")
+        raise RuntimeError(f"cuLaunchKernelEx failed: {driver_error_name(result)} ({result})")
+
+
+_NO_ATTRIBUTES = (LaunchAttribute * 0)()
+
+
+def driver_error_name(result: int) -> str:
+    name = ctypes.c_char_p()
+    _driver().cuGetErrorName(result, ctypes.byref(name))
+    return (name.value or b"?").decode()

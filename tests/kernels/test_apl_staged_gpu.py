@@ -102,7 +102,7 @@ def test_staged_no_host_sync(staged):
 STAGED_KNOBS = [{"APL_PRMT_SELECT": 1, "APL_FMA_SHIFTS_MIN_BITS": 3}, {"APL_STAGED_PREFETCH": 1},
                 {"APL_STAGED_PREFETCH": 3, "APL_STAGED_REGS": 0}, {"APL_STAGED_PLANE_ASYNC": 0},
                 {"APL_STAGED_PLANE_ASYNC": 0, "APL_STAGED_PREFETCH": 3}, {"APL_STAGED_PLANE_ASYNC": 1, "APL_STAGED_PREFETCH": 3},
-                {"APL_STAGED_PRODUCER_FENCE": 0}, {"APL_STAGED_SKIP_PAD": 0}]
+                {"APL_STAGED_PRODUCER_FENCE": 0}, {"APL_STAGED_SKIP_PAD": 0}, {"APL_STAGED_TMA": 1}]
 
 
 @pytest.mark.parametrize("knobs", STAGED_KNOBS, ids=lambda k: ",".join(f"{n}={v}" for n, v in k.items()))
@@ -113,6 +113,16 @@ def test_staged_knobs_keep_the_output_bit_for_bit(knobs, bits, staged, monkeypat
     for knob, value in knobs.items():
         monkeypatch.setitem(op.KERNEL_DEFINES, knob, value)
     assert torch.equal(check_case(case, bits=bits), default)
+
+
+@pytest.mark.parametrize("case", STAGED_CASES, ids=_case_id)
+def test_tma_activations_keep_the_output_bit_for_bit(case, staged, monkeypatch):
+    """APL_STAGED_TMA flipped against the default on every staged case: one tensor-map box a step
+    (gate_up's x gathered by sorted position first), 128-byte swizzled B tiles and their
+    descriptors. Same operands, same wgmma order: the same bits, whichever side is the default."""
+    default = check_case(case)
+    monkeypatch.setitem(op.KERNEL_DEFINES, "APL_STAGED_TMA", 1 - op.KERNEL_DEFINES["APL_STAGED_TMA"])
+    assert torch.equal(check_case(case), default)
 
 
 @pytest.mark.parametrize("plane_async", (0, 1))

@@ -1,0 +1,64 @@
+#!/bin/bash
+# One device call (issue 13, 2026-12-05, third session): the staged regime's activations by TMA
+# (APL_STAGED_TMA: one tensor-map box a step into 128-byte-swizzled B tiles, in place of the
+# producers' 16-byte cp.async copies). Steps, each skipped where its variable is "none":
+#   1. every instance at the default knobs (precompile, in threads) and the staged instances with
+#      APL_STAGED_TMA flipped (plus moe_gather_rows), so later steps compile nothing;
+#   2. BITS_K: the GPU tests that flip APL_STAGED_TMA against the default, bit for bit;
+#   3. VARIANTS at SHAPES (bench.apl_gemv_variants --staged --only-shapes), one process;
+#   4. SUITE_K: the staged GPU tests with APL_STAGED_TMA flipped for the whole process;
+#   5. LAYER=1: the layer benchmark (bf16 grouped_mm beside it) with the flipped default.
+# Usage (device): OUT=$OUT CODE_COMMIT=<c> bash bench/staged_tma_gpu.sh
+. "$(dirname "$0")/device_call.sh"
+flip=$(python3 -c "import pagedweight_kernels.apl_moe as op; print(1 - op.KERNEL_DEFINES['APL_STAGED_TMA'])")
+if [ "${PRECOMPILE:-1}" != none ]; then
+  APL_STAGED_PREFILL=1 timeout -k 10 "${COMPILE_TIMEOUT_S:-220}" python3 - "$flip" <<'PY'
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import cupy as cp
+import torch
+
+import pagedweight_kernels.apl_moe as op
+
+print("default", op.precompile(torch.bfloat16, max_workers=16), op.precompile(torch.float16, max_workers=16), flush=True)
+op.KERNEL_DEFINES["APL_STAGED_TMA"] = int(sys.argv[1])
+todo = [(name, op._defines(act)) for dtype in (torch.bfloat16, torch.float16) for name, act in op.kernel_instances(dtype)
+        if name.startswith(("apl_staged<", "moe_gather_rows"))]
+
+
+def one(key):
+    with cp.cuda.Device(0):
+        op._compiled(*key)
+
+
+with ThreadPoolExecutor(16) as pool:
+    list(pool.map(one, todo))
+print("flipped", len(todo), flush=True)
+PY
+  stamp "precompile rc $?"
+fi
+if [ "${BITS_K:-tma_activations or TMA}" != none ]; then
+  PAGEDWEIGHT_TEST_PRECOMPILE=0 timeout -k 10 "${BITS_TIMEOUT_S:-150}" python3 -m pytest -q -m gpu -p no:cacheprovider -rfE \
+    --tb=short tests/kernels/test_apl_staged_gpu.py -k "${BITS_K:-tma_activations or TMA}" > "$OUT/gpu_staged_tma_bits.log" 2>&1
+  stamp "bit-for-bit tests rc $?"; tail -n 25 "$OUT/gpu_staged_tma_bits.log" | grep -v "^$" | tail -n 15
+fi
+if [ "${VARIANTS:-base staged_tma}" != none ]; then
+  timeout -k 10 "${VARIANTS_TIMEOUT_S:-160}" python3 -m bench.apl_gemv_variants ${VARIANTS:-base staged_tma} --staged \
+    --only-shapes "${SHAPES:-mixtral-8x7b:256:4,mixtral-8x7b:256:3,mixtral-8x7b:128:4,mixtral-8x7b:512:4,qwen1.5-moe-a2.7b:64:4,qwen1.5-moe-a2.7b:256:4,qwen1.5-moe-a2.7b:1024:4}" \
+    --json apl_gemv_staged_tma > "$OUT/apl_gemv_staged_tma.log" 2>&1
+  stamp "variants rc $?"; cp bench/results/apl_gemv_staged_tma.json "$OUT/" 2>/dev/null
+  python3 -m bench.variants_table "$OUT/apl_gemv_staged_tma.json"
+fi
+if [ "${SUITE_K:-not knobs and not units_of_4 and not ring_of_two and not tma_activations}" != none ]; then
+  APL_KERNEL_DEFINES=APL_STAGED_TMA=$flip PAGEDWEIGHT_TEST_PRECOMPILE=0 timeout -k 10 "${SUITE_TIMEOUT_S:-150}" \
+    python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/kernels/test_apl_staged_gpu.py \
+    -k "${SUITE_K:-not knobs and not units_of_4 and not ring_of_two and not tma_activations}" > "$OUT/gpu_staged_tma_suite.log" 2>&1
+  stamp "suite with APL_STAGED_TMA=$flip rc $?"; tail -n 25 "$OUT/gpu_staged_tma_suite.log" | grep -v "^$" | tail -n 15
+fi
+if [ -n "${LAYER:-}" ]; then
+  APL_KERNEL_DEFINES=APL_STAGED_TMA=$flip timeout -k 10 "${BENCH_TIMEOUT_S:-150}" python3 -m bench.apl_moe_kernel \
+    --tokens ${LAYER_TOKENS:-64 256} --bits ${LAYER_BITS:-3 4} --no-per-block --no-legacy --name apl_moe_kernel_staged_tma \
+    --out "$OUT/apl_moe_kernel_staged_tma.json" > "$OUT/apl_moe_kernel_staged_tma.log" 2>&1
+  stamp "layer bench rc $?"; grep -E "T=|copy" "$OUT/apl_moe_kernel_staged_tma.log" | sed 's/  */ /g'
+fi
