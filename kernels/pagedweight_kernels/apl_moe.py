@@ -160,10 +160,17 @@ STAGED_WIDE_NT8 = 16
 STAGED_ROWS, STAGED_THREADS, STAGED_STEP = 128, 256, 64  # the .cu's ST_ROWS, ST_THREADS, ST_KS
 STAGED_STAGES, STAGED_MAX_STAGES = 4, 8  # ring buffers wanted (fewer where shared memory is short); the .cu's most
 # Dynamic shared memory a CTA may take for 2 CTAs per SM (228 KB an SM, 1 KB reserved per CTA, the
-# kernel's 128 bytes of static mbarriers), and for 1; the kernel starts it on a 1024-byte boundary
-# (ST_ALIGN: a 128-byte-swizzled B tile's).
+# kernel's 128 bytes of static mbarriers), and for 1; the kernel starts it on a 512-byte boundary
+# (ST_ALIGN: an 8-bit LUT row's), 1024 with APL_STAGED_TMA (a 128-byte-swizzled B tile's).
 STAGED_CTA_SHARED = (GEMV_SM_SHARED // 2 - 1024 - 128, 227 * 1024 - 128)
-STAGED_ALIGN_PAD = 1024
+STAGED_ALIGN_PAD = 512
+
+
+def staged_align_pad() -> int:
+    """The bytes a staged launch adds for the kernel's ST_ALIGN (its dynamic shared memory's start,
+    aligned up). With TMA, 8-bit LUT rows and passes of 64 leave room for one buffer fewer at 2 CTAs an
+    SM, so such launches run 1 CTA an SM (the staged regime is not the default at 5-8 bits)."""
+    return 1024 if KERNEL_DEFINES["APL_STAGED_TMA"] else STAGED_ALIGN_PAD
 
 
 def bit_class(bits: int) -> int:
@@ -632,14 +639,14 @@ def staged_plan(mode: int, num_tokens: int, top_k: int, num_experts: int, rows_o
     planes = staged_plane_ring_bytes(cls, nt8, aligned16)
     stage = (STAGED_ROWS + tokens) * STAGED_STEP * 2  # the A tile, then the B tile
     for budget in STAGED_CTA_SHARED:
-        stages = min(STAGED_STAGES, STAGED_MAX_STAGES, (budget - STAGED_ALIGN_PAD - lut - planes) // stage)
+        stages = min(STAGED_STAGES, STAGED_MAX_STAGES, (budget - staged_align_pad() - lut - planes) // stage)
         if stages >= 2:
             break
     else:  # the consumers hand a buffer back after the next one's wgmma are issued: one would deadlock
         raise APLKernelError(f"the staged regime needs 2 ring buffers of {stage} bytes beside {lut} bytes of LUT rows"
                              f" and {planes} of plane words")
     grid = (math.ceil(rows_out / rpc), max_active, groups)
-    return GemmPlan("staged", tokens, 0, rpc, 1, 0, grid, STAGED_ALIGN_PAD + lut + stages * stage + planes, nt8, stages)
+    return GemmPlan("staged", tokens, 0, rpc, 1, 0, grid, staged_align_pad() + lut + stages * stage + planes, nt8, stages)
 
 
 def staged_plane_ring_bytes(cls: int, nt8: int, aligned16: bool) -> int:

@@ -78,7 +78,9 @@
 #define ST_KS 64               // columns per step (4 k16 slices)
 #define ST_MAX_STAGES 8
 #define ST_A_BYTES (ST_ROWS * ST_KS * 2)
-#define ST_ALIGN 1024          // the ring's alignment: a 128-byte-swizzled B tile's (8 rows of 128 bytes)
+// The dynamic shared memory's alignment: an 8-bit LUT row's 512 bytes, and with TMA a 128-byte-
+// swizzled B tile's 1024 (8 rows of 128 bytes; the host's STAGED_ALIGN_PAD follows it).
+#define ST_ALIGN (APL_STAGED_TMA ? 1024u : 512u)
 
 // The activations' tensor map, a kernel parameter (__grid_constant__, so that its address is the
 // parameter's own, as cp.async.bulk.tensor needs): on the device a CUtensorMap's 128 bytes, encoded
@@ -561,8 +563,8 @@ APL_HD void staged_cta(const long long* __restrict__ desc, const int* __restrict
     w.stages = stages;
     w.full = bars;
     w.empty = bars + ST_MAX_STAGES;
-    // Dynamic shared memory from a 1024-byte boundary (ST_ALIGN, the host's STAGED_ALIGN_PAD): at least
-    // an 8-bit LUT row's size, so every row is aligned to its own (Codes' base | offset), and the ring's
+    // Dynamic shared memory from an ST_ALIGN boundary (the host's STAGED_ALIGN_PAD): at least an 8-bit
+    // LUT row's size, so every row is aligned to its own (Codes' base | offset), and with TMA the ring's
     // B tiles to a swizzled tile's 1024 (LUT rooms and ring buffers are multiples of it).
     const u32 raw = shared_addr(smem_raw);
     unsigned char* smem = smem_raw + (((raw + (ST_ALIGN - 1u)) & ~(ST_ALIGN - 1u)) - raw);

@@ -253,12 +253,14 @@ def test_staged_knobs_leave_the_launch_bit_for_bit(cta_harness, default_outputs,
 @pytest.mark.parametrize("name", [n for n in LAUNCHES if n not in ("gate_up_3_4_bits_16_token_passes",
                                                                  "down_3_4_bits_4_byte_loads_ragged_step",
                                                                  "down_merged_class")])
-def test_tma_activations_leave_the_other_launches_bit_for_bit(cta_harness, default_outputs, tmp_path, name):
+def test_tma_activations_leave_the_other_launches_bit_for_bit(cta_harness, default_outputs, tmp_path, monkeypatch,
+                                                              name):
     # APL_STAGED_TMA: B tiles by one tensor-map box a step, 128-byte swizzled, read by swizzled
     # descriptors (the knob test above covers three launches; these are the 5-8-bit two-group and
     # 96-token cases: a pass's box reaching past the tensor's last row, LUT rooms before the ring)
     case, instance = launch_case(name, seed=5)
     default = default_outputs(name, case)
+    monkeypatch.setitem(op.KERNEL_DEFINES, "APL_STAGED_TMA", 1)  # (planned with its alignment pad)
     _, plan, lut_bits = planned(case)
     run = run_launch(cta_harness(instance, {"APL_STAGED_TMA": 1}), tmp_path, case, plan, lut_bits)
     assert run.returncode == 0, run.stderr[-2000:]
