@@ -5,10 +5,11 @@
 # per-instruction warp-stall samples (source page CSV) that bench/ncu_stall_table.py reads.
 # STAGED_WIDE=16 (or 0) sets STAGED_WIDE_NT8: passes of 128 tokens (or none) whatever the default.
 # Carry kernel_cache/ from a previous call of the same source to skip the compiles.
-# Usage (device): OUT=$OUT CODE_COMMIT=<c> [STAGED_WIDE=16] [TOKENS=256] [BITS=4] bash bench/staged_ncu_gpu.sh
+# APL_KERNEL_DEFINES (e.g. APL_STAGED_TMA=1) sets knobs; TAG (e.g. _tma) names the outputs apart.
+# Usage (device): OUT=$OUT CODE_COMMIT=<c> [STAGED_WIDE=16] [TOKENS=256] [BITS=4] [TAG=_x] bash bench/staged_ncu_gpu.sh
 . "$(dirname "$0")/device_call.sh"
 command -v ncu > /dev/null || { stamp "no ncu"; exit 1; }
-tag=mixtral_t${TOKENS:-256}_b${BITS:-4}${STAGED_WIDE:+_wide$STAGED_WIDE}
+tag=mixtral_t${TOKENS:-256}_b${BITS:-4}${STAGED_WIDE:+_wide$STAGED_WIDE}${TAG:-}
 rep=/tmp/ncu_staged_$tag
 timeout -k 10 "${NCU_TIMEOUT_S:-240}" ncu --clock-control none --kernel-name regex:apl_staged --launch-skip 6 \
   --launch-count 2 --set full --import-source no -f -o "$rep" \
