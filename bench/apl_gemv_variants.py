@@ -69,6 +69,8 @@ VARIANTS = {  # name -> (define changes, host changes: HOST_KNOBS and LAYER_SWIT
     "staged_tma": ({"APL_STAGED_TMA": 1}, {}),  # activations by one TMA box a step (the default rule)
     "staged_cp_async": ({"APL_STAGED_TMA": 0}, {}),  # activations by the producers' 16-byte cp.async copies
     "staged_tma_nofence": ({"APL_STAGED_TMA": 1, "APL_STAGED_PRODUCER_FENCE": 0}, {}),  # and no producer fence
+    # TMA activations and the staged regime for every prefill call (5-8 bits and few assignments too)
+    "staged_tma_all": ({"APL_STAGED_TMA": 1}, {"STAGED_PREFILL": True}),
     "tiles_only": ({}, {"STAGED_CLASSES": frozenset()}),  # the staged regime nowhere: the tiles and prefill regimes
     "staged_async_narrow": ({"APL_STAGED_PLANE_ASYNC": 1}, {"STAGED_PREFILL": True, "TILES_WIDE_NT8": 0}),  # no 96-token passes
     "staged_s2": ({}, {"STAGED_PREFILL": True, "STAGED_STAGES": 2}),  # a ring of two buffers
