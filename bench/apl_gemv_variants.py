@@ -65,7 +65,7 @@ VARIANTS = {  # name -> (define changes, host changes: HOST_KNOBS and LAYER_SWIT
     "staged_wide16": ({}, {"STAGED_WIDE_NT8": 16}),  # passes of 128 tokens for 3-4-bit layers (the default rule)
     "staged_no128": ({}, {"STAGED_WIDE_NT8": 0}),  # no 128-token passes (before 2026-12-05's default)
     # every token row of a pass copied, zeros past the expert's count (before 2026-12-05's APL_STAGED_SKIP_PAD)
-    "staged_zero_pad": ({"APL_STAGED_SKIP_PAD": 0}, {}),
+    "staged_zero_pad": ({"APL_STAGED_SKIP_PAD": 0, "APL_STAGED_TMA": 0}, {}),
     "staged_tma": ({"APL_STAGED_TMA": 1}, {}),  # activations by one TMA box a step (the default rule)
     "staged_cp_async": ({"APL_STAGED_TMA": 0}, {}),  # activations by the producers' 16-byte cp.async copies
     "staged_tma_nofence": ({"APL_STAGED_TMA": 1, "APL_STAGED_PRODUCER_FENCE": 0}, {}),  # and no producer fence

@@ -7,7 +7,9 @@
 #   2. BITS_K: the GPU tests that flip APL_STAGED_TMA against the default, bit for bit;
 #   3. VARIANTS at SHAPES (bench.apl_gemv_variants --staged --only-shapes), one process;
 #   4. SUITE_K: the staged GPU tests with APL_STAGED_TMA flipped for the whole process;
-#   5. LAYER=1: the layer benchmark (bf16 grouped_mm beside it) with the flipped default.
+#   5. EXTRA: more GPU tests at the default knobs (pytest arguments);
+#   6. LAYER=1: the layer benchmark (bf16 grouped_mm beside it), with the flipped default, or with
+#      LAYER_FLIP=0 at the default (LAYER_BITS, LAYER_TOKENS).
 # Usage (device): OUT=$OUT CODE_COMMIT=<c> bash bench/staged_tma_gpu.sh
 . "$(dirname "$0")/device_call.sh"
 flip=$(python3 -c "import pagedweight_kernels.apl_moe as op; print(1 - op.KERNEL_DEFINES['APL_STAGED_TMA'])")
@@ -56,8 +58,14 @@ if [ "${SUITE_K:-not knobs and not units_of_4 and not ring_of_two and not tma_ac
     -k "${SUITE_K:-not knobs and not units_of_4 and not ring_of_two and not tma_activations}" > "$OUT/gpu_staged_tma_suite.log" 2>&1
   stamp "suite with APL_STAGED_TMA=$flip rc $?"; tail -n 25 "$OUT/gpu_staged_tma_suite.log" | grep -v "^$" | tail -n 15
 fi
+if [ -n "${EXTRA:-}" ]; then  # more GPU tests at the default knobs: pytest arguments
+  PAGEDWEIGHT_TEST_PRECOMPILE=0 timeout -k 10 "${EXTRA_TIMEOUT_S:-150}" python3 -m pytest -q -m gpu -p no:cacheprovider -rfE \
+    --tb=short $EXTRA > "$OUT/gpu_extra_tests.log" 2>&1
+  stamp "extra tests rc $?"; tail -n 25 "$OUT/gpu_extra_tests.log" | grep -v "^$" | tail -n 12
+fi
 if [ -n "${LAYER:-}" ]; then
-  APL_KERNEL_DEFINES=APL_STAGED_TMA=$flip timeout -k 10 "${BENCH_TIMEOUT_S:-150}" python3 -m bench.apl_moe_kernel \
+  [ "${LAYER_FLIP:-1}" = 1 ] && export APL_KERNEL_DEFINES=APL_STAGED_TMA=$flip
+  timeout -k 10 "${BENCH_TIMEOUT_S:-150}" python3 -m bench.apl_moe_kernel \
     --tokens ${LAYER_TOKENS:-64 256} --bits ${LAYER_BITS:-3 4} --no-per-block --no-legacy --name apl_moe_kernel_staged_tma \
     --out "$OUT/apl_moe_kernel_staged_tma.json" > "$OUT/apl_moe_kernel_staged_tma.log" 2>&1
   stamp "layer bench rc $?"; grep -E "T=|copy" "$OUT/apl_moe_kernel_staged_tma.log" | sed 's/  */ /g'

@@ -161,16 +161,21 @@ STAGED_ROWS, STAGED_THREADS, STAGED_STEP = 128, 256, 64  # the .cu's ST_ROWS, ST
 STAGED_STAGES, STAGED_MAX_STAGES = 4, 8  # ring buffers wanted (fewer where shared memory is short); the .cu's most
 # Dynamic shared memory a CTA may take for 2 CTAs per SM (228 KB an SM, 1 KB reserved per CTA, the
 # kernel's 128 bytes of static mbarriers), and for 1; the kernel starts it on a 512-byte boundary
-# (ST_ALIGN: an 8-bit LUT row's), 1024 with APL_STAGED_TMA (a 128-byte-swizzled B tile's).
+# (staged_align: an 8-bit LUT row's), 1024 where TMA writes B tiles (staged_align_pad).
 STAGED_CTA_SHARED = (GEMV_SM_SHARED // 2 - 1024 - 128, 227 * 1024 - 128)
 STAGED_ALIGN_PAD = 512
 
 
-def staged_align_pad() -> int:
-    """The bytes a staged launch adds for the kernel's ST_ALIGN (its dynamic shared memory's start,
-    aligned up). With TMA, 8-bit LUT rows and passes of 64 leave room for one buffer fewer at 2 CTAs an
-    SM, so such launches run 1 CTA an SM (the staged regime is not the default at 5-8 bits)."""
-    return 1024 if KERNEL_DEFINES["APL_STAGED_TMA"] else STAGED_ALIGN_PAD
+def staged_tma(cls: int) -> bool:
+    """Whether staged launches of kernel class `cls` take their activations by TMA (the .cu's
+    staged_tma: APL_STAGED_TMA, the 3-4-bit class only)."""
+    return bool(KERNEL_DEFINES["APL_STAGED_TMA"]) and cls == 0
+
+
+def staged_align_pad(cls: int) -> int:
+    """The bytes a staged launch of class `cls` adds for the kernel's staged_align (its dynamic shared
+    memory's start, aligned up): 1024 where a TMA-written B tile starts the ring, else 512."""
+    return 1024 if staged_tma(cls) else STAGED_ALIGN_PAD
 
 
 def bit_class(bits: int) -> int:
@@ -199,7 +204,7 @@ KERNEL_DEFINES = {"APL_LDS_MODE": 1, "APL_RPG_DIV": 8, "APL_PREFETCH": 1, "APL_D
                   "APL_LUT_STAGGER": 1, "APL_TILES_WS": 0, "APL_TILES_WS_ROUNDS": 2, "APL_TILES_WS_BLOCKS": 2,
                   "APL_TILES_WS_WARPS": 1, "APL_TILES_WS_STAGES": 2, "APL_STAGED_PREFETCH": 2, "APL_STAGED_UNIT": 2, "APL_STAGED_BLOCKS": 2,
                   "APL_STAGED_REGS": 1, "APL_STAGED_PLANE_ASYNC": 1, "APL_STAGED_PRODUCER_FENCE": 1,
-                  "APL_STAGED_SKIP_PAD": 1, "APL_STAGED_TMA": 0}
+                  "APL_STAGED_SKIP_PAD": 1, "APL_STAGED_TMA": 1}
 
 
 def knob_overrides(text: str) -> dict[str, int]:
@@ -639,14 +644,15 @@ def staged_plan(mode: int, num_tokens: int, top_k: int, num_experts: int, rows_o
     planes = staged_plane_ring_bytes(cls, nt8, aligned16)
     stage = (STAGED_ROWS + tokens) * STAGED_STEP * 2  # the A tile, then the B tile
     for budget in STAGED_CTA_SHARED:
-        stages = min(STAGED_STAGES, STAGED_MAX_STAGES, (budget - staged_align_pad() - lut - planes) // stage)
+        stages = min(STAGED_STAGES, STAGED_MAX_STAGES, (budget - staged_align_pad(cls) - lut - planes) // stage)
         if stages >= 2:
             break
     else:  # the consumers hand a buffer back after the next one's wgmma are issued: one would deadlock
         raise APLKernelError(f"the staged regime needs 2 ring buffers of {stage} bytes beside {lut} bytes of LUT rows"
                              f" and {planes} of plane words")
     grid = (math.ceil(rows_out / rpc), max_active, groups)
-    return GemmPlan("staged", tokens, 0, rpc, 1, 0, grid, staged_align_pad() + lut + stages * stage + planes, nt8, stages)
+    return GemmPlan("staged", tokens, 0, rpc, 1, 0, grid, staged_align_pad(cls) + lut + stages * stage + planes, nt8,
+                    stages)
 
 
 def staged_plane_ring_bytes(cls: int, nt8: int, aligned16: bool) -> int:
@@ -935,7 +941,7 @@ def kernel_instances(dtype: torch.dtype, activation: str = "silu") -> list[tuple
         names += [(_prefill_name(tile, mode, flag), act) for tile in tiles]
         if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
             names += [(name, act) for name in staged_instances(flag, (mode,), None if STAGED_PREFILL else STAGED_CLASSES)]
-            if mode == 0 and KERNEL_DEFINES["APL_STAGED_TMA"]:
+            if mode == 0 and staged_tma(0):
                 names.append(("moe_gather_rows", "silu"))
     if GEMV_FUSED:  # (off by default: then no start-up time is spent compiling it)
         names += [(_fused_name(cls, flag, v2), activation) for cls in FUSED_CLASSES for v2 in ("true", "false")]
@@ -1170,21 +1176,22 @@ def staged_projection(layer: APLLayer, num_tokens: int, top_k: int, max_active: 
         aligned16 = layer.aligned16[module]
         plan = staged_plan(mode, num_tokens, top_k, layer.num_experts, rows_out, cls, lut_bits, max_active, aligned16)
         name = _staged_name(cls, mode, flag, "true" if aligned16 else "false", plan.tiles)
-        act_map = staged_activation_map(mode, src, sorted_slot, top_k, plan.tokens)
+        act_map = staged_activation_map(mode, src, sorted_slot, top_k, plan.tokens, cls)
         _launch(name, plan.grid, (desc, active, num_active, sorted_slot, top_k, src, rows_out, cols, lut_bits,
                                   h_out, y_out, plan.stages, act_map),
                 plan.shared_bytes, block=STAGED_THREADS, activation=_mode_activation(mode, layer.activation))
     return projection
 
 
-def staged_activation_map(mode: int, src: torch.Tensor, sorted_slot: torch.Tensor, top_k: int, tokens: int):
-    """The staged launch's tensor map over its activations by sorted position (APL_STAGED_TMA):
+def staged_activation_map(mode: int, src: torch.Tensor, sorted_slot: torch.Tensor, top_k: int, tokens: int,
+                          cls: int):
+    """The staged launch's tensor map over its activations by sorted position (staged_tma(cls)):
     boxes of a pass's `tokens` rows by one 64-column step. Down's h is in that order already;
     gate_up's x is gathered into it first (moe_gather_rows, [tokens * top_k, hidden]: 4 MB at
     Mixtral size and 256 tokens). Without TMA the kernel reads no map: zeros."""
     from pagedweight_kernels.tensor_maps import EMPTY_MAP, row_box_map
 
-    if not KERNEL_DEFINES["APL_STAGED_TMA"]:
+    if not staged_tma(cls):
         return EMPTY_MAP
     rows = src
     if mode == 0:

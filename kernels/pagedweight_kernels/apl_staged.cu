@@ -60,15 +60,17 @@
 #ifndef APL_STAGED_SKIP_PAD
 #define APL_STAGED_SKIP_PAD 1
 #endif
-// 1 (2026-12-05, third session): each step's activations come by one TMA copy (cp.async.bulk.tensor,
+// 1 (2026-12-05, third session; the 3-4-bit class, staged_tma): each step's activations come by one TMA copy (cp.async.bulk.tensor,
 // issued by producer thread 0, completion counted on the buffer's full mbarrier in bytes) from a
 // tensor map over rows by sorted position (down: h itself; gate_up: x gathered into that order by
 // moe_gather_rows first), into B tiles in the 128-byte-swizzled K-major layout the consumers'
 // descriptors then name. Nsight at Mixtral 256 tokens: the producers' 16-byte cp.async copies cost a
 // whole L2 sector and a shared-memory wavefront per lane (32 a warp instruction, where their bytes
-// need 16 and 4), 46% of the kernel's wavefronts. 0: those copies, into the no-swizzle layout.
+// need 16 and 4), 46% of the kernel's wavefronts. Measured on an H100 (bench/results/
+// apl_gemv_staged_tma_sweep.json): 1.10-1.55x faster wherever the staged regime is taken (Mixtral 256
+// tokens, 4 bits: 892.9 against 1223.4 us), bit for bit. 0: those copies, into the no-swizzle layout.
 #ifndef APL_STAGED_TMA
-#define APL_STAGED_TMA 0
+#define APL_STAGED_TMA 1
 #endif
 #ifndef APL_STAGED_BLOCKS
 #define APL_STAGED_BLOCKS 2    // CTAs per SM the register budget must allow (2: 128 registers a thread)
@@ -78,9 +80,12 @@
 #define ST_KS 64               // columns per step (4 k16 slices)
 #define ST_MAX_STAGES 8
 #define ST_A_BYTES (ST_ROWS * ST_KS * 2)
-// The dynamic shared memory's alignment: an 8-bit LUT row's 512 bytes, and with TMA a 128-byte-
-// swizzled B tile's 1024 (8 rows of 128 bytes; the host's STAGED_ALIGN_PAD follows it).
-#define ST_ALIGN (APL_STAGED_TMA ? 1024u : 512u)
+// Whether class CLS's launches take their activations by TMA: the 3-4-bit class only. Its ring
+// starts the dynamic shared memory, which a 128-byte-swizzled B tile needs on a 1024-byte boundary;
+// the other classes keep 512 (an 8-bit LUT row's), so 8-bit LUT rows still leave 2 ring buffers at
+// 2 CTAs an SM (the host's staged_align_pad follows both).
+template <int CLS> APL_HD constexpr bool staged_tma() { return APL_STAGED_TMA && CLS == 0; }
+template <int CLS> APL_HD constexpr unsigned staged_align() { return staged_tma<CLS>() ? 1024u : 512u; }
 
 // The activations' tensor map, a kernel parameter (__grid_constant__, so that its address is the
 // parameter's own, as cp.async.bulk.tensor needs): on the device a CUtensorMap's 128 bytes, encoded
@@ -304,7 +309,7 @@ APL_HD void tma_load_rows(u32 dst, const StagedTensorMap& map, int col, int row,
 
 // The producer warpgroup: thread pt owns weight row pt of the CTA. PA: plane words by cp.async
 // (APL_STAGED_PLANE_ASYNC, 3-4 bits only).
-template <int B, int MODE, bool BF16, bool V4, int NT8, bool PA>
+template <int B, int MODE, bool BF16, bool V4, int NT8, bool PA, bool TMA>
 APL_HD void staged_produce(const BlockRef& blk, const StagedWork& w, const int* __restrict__ sorted_slot, int top_k,
                            const u16* __restrict__ x, const u16* lut_s, int lut_stride, const StagedTensorMap& act_map) {
     // P: units in flight; 5-8-bit rows keep one (8 planes' words, and the registers run out at 2)
@@ -375,7 +380,7 @@ APL_HD void staged_produce(const BlockRef& blk, const StagedWork& w, const int* 
     for (int m0 = blockIdx.z * NT; m0 < w.n; m0 += gridDim.z * NT) {
         const u16* src[MINE];
 #pragma unroll
-        for (int i = 0; i < (APL_STAGED_TMA ? 0 : MINE); ++i) {
+        for (int i = 0; i < (TMA ? 0 : MINE); ++i) {
             const int tok = tok0 + 16 * i;
             long long row = 0;
             if (m0 + tok < w.n) {
@@ -405,7 +410,7 @@ APL_HD void staged_produce(const BlockRef& blk, const StagedWork& w, const int* 
                     const u32 use = it / (u32)w.stages;
                     if (use > 0) mbar_wait(&w.empty[slot], (use - 1) & 1u);
                     const u32 a_tile = stage_a<NT8>(w, slot), b_tile = a_tile + ST_A_BYTES;
-                    if constexpr (APL_STAGED_TMA) {
+                    if constexpr (TMA) {
                         // Rows past the expert's count are the next expert's (or zeros past the
                         // tensor): wgmma keeps token columns apart and the epilogue skips them.
                         // Columns past the row's end come as zeros (they meet the clamped weights).
@@ -457,7 +462,7 @@ APL_HD void staged_produce(const BlockRef& blk, const StagedWork& w, const int* 
 }
 
 // The consumer warpgroup: the pass's wgmma over the ring, then the epilogue.
-template <int MODE, bool BF16, int NT8>
+template <int MODE, bool BF16, int NT8, bool TMA>
 APL_HD void staged_consume(const StagedWork& w, bool bad, const int* __restrict__ sorted_slot, u16* __restrict__ h_out,
                            float* __restrict__ y_out) {
     constexpr int NT = 8 * NT8;
@@ -482,7 +487,7 @@ APL_HD void staged_consume(const StagedWork& w, bool bad, const int* __restrict_
 #pragma unroll
                 for (int kk = 0; kk < ST_KS / 16; ++kk) {
                     const unsigned long long db =
-                        APL_STAGED_TMA ? wgmma_desc_sw128(b_tile + kk * 32) : wgmma_desc(b_tile + kk * (NT * 32));
+                        TMA ? wgmma_desc_sw128(b_tile + kk * 32) : wgmma_desc(b_tile + kk * (NT * 32));
                     wgmma_ss<NT8, BF16>(acc0, wgmma_desc(a_tile + kk * (ST_ROWS * 32)), db);
                     wgmma_ss<NT8, BF16>(acc1, wgmma_desc(a_tile + kk * (ST_ROWS * 32) + 2048), db);
                 }
@@ -563,11 +568,12 @@ APL_HD void staged_cta(const long long* __restrict__ desc, const int* __restrict
     w.stages = stages;
     w.full = bars;
     w.empty = bars + ST_MAX_STAGES;
-    // Dynamic shared memory from an ST_ALIGN boundary (the host's STAGED_ALIGN_PAD): at least an 8-bit
+    // Dynamic shared memory from a staged_align boundary (the host's staged_align_pad): at least an 8-bit
     // LUT row's size, so every row is aligned to its own (Codes' base | offset), and with TMA the ring's
     // B tiles to a swizzled tile's 1024 (LUT rooms and ring buffers are multiples of it).
     const u32 raw = shared_addr(smem_raw);
-    unsigned char* smem = smem_raw + (((raw + (ST_ALIGN - 1u)) & ~(ST_ALIGN - 1u)) - raw);
+    constexpr unsigned ALIGN = staged_align<CLS>();
+    unsigned char* smem = smem_raw + (((raw + (ALIGN - 1u)) & ~(ALIGN - 1u)) - raw);
     const int lut_stride = CLS == 0 ? 0 : 1 << lut_log2;
     u16* lut_s = reinterpret_cast<u16*>(smem);  // [ST_ROWS][lut_stride] act values (5-8 bits)
     w.ring = shared_addr(smem + ST_ROWS * lut_stride * 2);
@@ -580,7 +586,7 @@ APL_HD void staged_cta(const long long* __restrict__ desc, const int* __restrict
     cta_barrier();
     if (threadIdx.x < 128) {
         if constexpr (APL_STAGED_REGS && APL_STAGED_BLOCKS == 2) set_warpgroup_registers<StagedRegs<NT8>::consumer>();
-        staged_consume<MODE, BF16, NT8>(w, bad, sorted_slot, h_out, y_out);
+        staged_consume<MODE, BF16, NT8, staged_tma<CLS>()>(w, bad, sorted_slot, h_out, y_out);
         return;
     }
     if constexpr (APL_STAGED_REGS && APL_STAGED_BLOCKS == 2) set_warpgroup_registers<StagedRegs<NT8>::producer>();
@@ -598,12 +604,12 @@ APL_HD void staged_cta(const long long* __restrict__ desc, const int* __restrict
     }
     constexpr bool PA = APL_STAGED_PLANE_ASYNC && CLS == 0;  // (the other classes' shared memory holds LUT rows)
     switch (blk.bits) {
-        case 3: if constexpr (CLS != 1) staged_produce<3, MODE, BF16, V4, NT8, PA>(blk, w, sorted_slot, top_k, x, lut_s, lut_stride, act_map); break;
-        case 4: if constexpr (CLS != 1) staged_produce<4, MODE, BF16, V4, NT8, PA>(blk, w, sorted_slot, top_k, x, lut_s, lut_stride, act_map); break;
-        case 5: if constexpr (CLS != 0) staged_produce<5, MODE, BF16, V4, NT8, false>(blk, w, sorted_slot, top_k, x, lut_s, lut_stride, act_map); break;
-        case 6: if constexpr (CLS != 0) staged_produce<6, MODE, BF16, V4, NT8, false>(blk, w, sorted_slot, top_k, x, lut_s, lut_stride, act_map); break;
-        case 7: if constexpr (CLS != 0) staged_produce<7, MODE, BF16, V4, NT8, false>(blk, w, sorted_slot, top_k, x, lut_s, lut_stride, act_map); break;
-        default: if constexpr (CLS != 0) staged_produce<8, MODE, BF16, V4, NT8, false>(blk, w, sorted_slot, top_k, x, lut_s, lut_stride, act_map); break;
+        case 3: if constexpr (CLS != 1) staged_produce<3, MODE, BF16, V4, NT8, PA, staged_tma<CLS>()>(blk, w, sorted_slot, top_k, x, lut_s, lut_stride, act_map); break;
+        case 4: if constexpr (CLS != 1) staged_produce<4, MODE, BF16, V4, NT8, PA, staged_tma<CLS>()>(blk, w, sorted_slot, top_k, x, lut_s, lut_stride, act_map); break;
+        case 5: if constexpr (CLS != 0) staged_produce<5, MODE, BF16, V4, NT8, false, staged_tma<CLS>()>(blk, w, sorted_slot, top_k, x, lut_s, lut_stride, act_map); break;
+        case 6: if constexpr (CLS != 0) staged_produce<6, MODE, BF16, V4, NT8, false, staged_tma<CLS>()>(blk, w, sorted_slot, top_k, x, lut_s, lut_stride, act_map); break;
+        case 7: if constexpr (CLS != 0) staged_produce<7, MODE, BF16, V4, NT8, false, staged_tma<CLS>()>(blk, w, sorted_slot, top_k, x, lut_s, lut_stride, act_map); break;
+        default: if constexpr (CLS != 0) staged_produce<8, MODE, BF16, V4, NT8, false, staged_tma<CLS>()>(blk, w, sorted_slot, top_k, x, lut_s, lut_stride, act_map); break;
     }
 }
 

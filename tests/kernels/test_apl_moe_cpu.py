@@ -607,7 +607,8 @@ def test_staged_plan_passes_grid_and_a_ring_that_leaves_two_ctas_per_sm():
         stage = (op.STAGED_ROWS + plan.tokens) * op.STAGED_STEP * 2
         assert 2 <= plan.stages <= op.STAGED_STAGES
         planes = op.staged_plane_ring_bytes(0, plan.tiles, True) if lut_bits == 0 else 0  # (class 0)
-        assert plan.shared_bytes == op.STAGED_ALIGN_PAD + lut + plan.stages * stage + planes
+        cls = 0 if lut_bits == 0 else 1  # (the plans above: class 0, or a class with LUT rows)
+        assert plan.shared_bytes == op.staged_align_pad(cls) + lut + plan.stages * stage + planes
         assert plan.shared_bytes <= op.STAGED_CTA_SHARED[0]
     assert op.staged_plan(0, 256, 2, 8, 14336, 1, 8, 8).tiles == 8  # no 96-token passes at 5-8 bits
     # nor with 4-byte plane loads (those instances spill at 96 tokens: bench/results/staged_sass.json)

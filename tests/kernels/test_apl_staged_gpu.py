@@ -102,7 +102,8 @@ def test_staged_no_host_sync(staged):
 STAGED_KNOBS = [{"APL_PRMT_SELECT": 1, "APL_FMA_SHIFTS_MIN_BITS": 3}, {"APL_STAGED_PREFETCH": 1},
                 {"APL_STAGED_PREFETCH": 3, "APL_STAGED_REGS": 0}, {"APL_STAGED_PLANE_ASYNC": 0},
                 {"APL_STAGED_PLANE_ASYNC": 0, "APL_STAGED_PREFETCH": 3}, {"APL_STAGED_PLANE_ASYNC": 1, "APL_STAGED_PREFETCH": 3},
-                {"APL_STAGED_PRODUCER_FENCE": 0}, {"APL_STAGED_SKIP_PAD": 0}, {"APL_STAGED_TMA": 1}]
+                {"APL_STAGED_PRODUCER_FENCE": 0}, {"APL_STAGED_SKIP_PAD": 0, "APL_STAGED_TMA": 0},
+                {"APL_STAGED_TMA": 0}]
 
 
 @pytest.mark.parametrize("knobs", STAGED_KNOBS, ids=lambda k: ",".join(f"{n}={v}" for n, v in k.items()))

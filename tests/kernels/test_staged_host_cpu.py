@@ -232,8 +232,8 @@ KNOBS = {"prefetch_1": {"APL_STAGED_PREFETCH": 1}, "prefetch_3": {"APL_STAGED_PR
          "plane_async_units_of_4_prefetch_3": {"APL_STAGED_PLANE_ASYNC": 1, "APL_STAGED_UNIT": 4, "APL_STAGED_PREFETCH": 3},
          "plane_async_prefetch_1": {"APL_STAGED_PLANE_ASYNC": 1, "APL_STAGED_PREFETCH": 1},
          "producer_fence_off": {"APL_STAGED_PRODUCER_FENCE": 0},
-         "padding_rows_zeroed": {"APL_STAGED_SKIP_PAD": 0},
-         "tma_activations": {"APL_STAGED_TMA": 1}}
+         "padding_rows_zeroed": {"APL_STAGED_SKIP_PAD": 0, "APL_STAGED_TMA": 0},  # (the copies' knob)
+         "cp_async_activations": {"APL_STAGED_TMA": 0}}
 
 
 @pytest.mark.parametrize("knob", list(KNOBS))
@@ -253,16 +253,18 @@ def test_staged_knobs_leave_the_launch_bit_for_bit(cta_harness, default_outputs,
 @pytest.mark.parametrize("name", [n for n in LAUNCHES if n not in ("gate_up_3_4_bits_16_token_passes",
                                                                  "down_3_4_bits_4_byte_loads_ragged_step",
                                                                  "down_merged_class")])
-def test_tma_activations_leave_the_other_launches_bit_for_bit(cta_harness, default_outputs, tmp_path, monkeypatch,
-                                                              name):
-    # APL_STAGED_TMA: B tiles by one tensor-map box a step, 128-byte swizzled, read by swizzled
-    # descriptors (the knob test above covers three launches; these are the 5-8-bit two-group and
-    # 96-token cases: a pass's box reaching past the tensor's last row, LUT rooms before the ring)
+def test_either_activation_path_leaves_the_other_launches_bit_for_bit(cta_harness, default_outputs, tmp_path,
+                                                                      monkeypatch, name):
+    # APL_STAGED_TMA flipped: the 3-4-bit class's B tiles by one tensor-map box a step (128-byte
+    # swizzled, read by swizzled descriptors) or by the producers' cp.async copies (the knob test above
+    # covers three launches; these are the 96-token case, a pass's box reaching past the tensor's last
+    # row, and a 5-8-bit one, which takes the copies either way)
     case, instance = launch_case(name, seed=5)
     default = default_outputs(name, case)
-    monkeypatch.setitem(op.KERNEL_DEFINES, "APL_STAGED_TMA", 1)  # (planned with its alignment pad)
+    flipped = {"APL_STAGED_TMA": 1 - op.KERNEL_DEFINES["APL_STAGED_TMA"]}
+    monkeypatch.setitem(op.KERNEL_DEFINES, "APL_STAGED_TMA", flipped["APL_STAGED_TMA"])  # (planned with its pad)
     _, plan, lut_bits = planned(case)
-    run = run_launch(cta_harness(instance, {"APL_STAGED_TMA": 1}), tmp_path, case, plan, lut_bits)
+    run = run_launch(cta_harness(instance, flipped), tmp_path, case, plan, lut_bits)
     assert run.returncode == 0, run.stderr[-2000:]
     assert (tmp_path / "out.bin").read_bytes() == default
 
@@ -311,7 +313,7 @@ def test_producer_stores_and_copies_take_the_fewest_wavefronts(tmp_path, plane_a
     # the A tiles' STS.128, the activations' (and plane words') 16-byte cp.async, the plane ring's LDS.128;
     # with every token row copied (APL_STAGED_SKIP_PAD 0): a copy whose padding lanes are off still
     # takes the 4 wavefronts of its 4 bank-aligned chunk lines, more than its fewer bytes would need
-    knobs = {"APL_STAGED_PLANE_ASYNC": plane_async, "APL_STAGED_SKIP_PAD": 0}
+    knobs = {"APL_STAGED_PLANE_ASYNC": plane_async, "APL_STAGED_SKIP_PAD": 0, "APL_STAGED_TMA": 0}
     got = staged_banks.count("4 bits", 4, knobs, False, tmp_path)["kinds"]
     assert set(got) == ({"STS.128", "LDGSTS.16", "LDS.128"} if plane_async else {"STS.128", "LDGSTS.16"})
     for kind, c in got.items():
