@@ -7,7 +7,7 @@
 #   2. BITS_K: the GPU tests that flip APL_STAGED_TMA against the default, bit for bit;
 #   3. VARIANTS at SHAPES (bench.apl_gemv_variants --staged --only-shapes), one process;
 #   4. SUITE_K: the staged GPU tests with APL_STAGED_TMA flipped for the whole process;
-#   5. EXTRA: more GPU tests at the default knobs (pytest arguments);
+#   5. EXTRA: more GPU tests at the default knobs (pytest paths; EXTRA_K selects);
 #   6. LAYER=1: the layer benchmark (bf16 grouped_mm beside it), with the flipped default, or with
 #      LAYER_FLIP=0 at the default (LAYER_BITS, LAYER_TOKENS).
 # Usage (device): OUT=$OUT CODE_COMMIT=<c> bash bench/staged_tma_gpu.sh
@@ -60,7 +60,7 @@ if [ "${SUITE_K:-not knobs and not units_of_4 and not ring_of_two and not tma_ac
 fi
 if [ -n "${EXTRA:-}" ]; then  # more GPU tests at the default knobs: pytest arguments
   PAGEDWEIGHT_TEST_PRECOMPILE=0 timeout -k 10 "${EXTRA_TIMEOUT_S:-150}" python3 -m pytest -q -m gpu -p no:cacheprovider -rfE \
-    --tb=short $EXTRA > "$OUT/gpu_extra_tests.log" 2>&1
+    --tb=short $EXTRA ${EXTRA_K:+-k "$EXTRA_K"} > "$OUT/gpu_extra_tests.log" 2>&1
   stamp "extra tests rc $?"; tail -n 25 "$OUT/gpu_extra_tests.log" | grep -v "^$" | tail -n 12
 fi
 if [ -n "${LAYER:-}" ]; then
