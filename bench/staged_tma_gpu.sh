@@ -3,7 +3,7 @@
 # (APL_STAGED_TMA: one tensor-map box a step into 128-byte-swizzled B tiles, in place of the
 # producers' 16-byte cp.async copies). Steps, each skipped where its variable is "none":
 #   1. every instance at the default knobs (precompile, in threads) and the staged instances with
-#      APL_STAGED_TMA flipped (plus moe_gather_rows), so later steps compile nothing;
+#      APL_STAGED_TMA flipped (plus moe_gather_rows; FLIPPED=0: not), so later steps compile nothing;
 #   2. BITS_K: the GPU tests that flip APL_STAGED_TMA against the default, bit for bit;
 #   3. VARIANTS at SHAPES (bench.apl_gemv_variants --staged --only-shapes), one process;
 #   4. SUITE_K: the staged GPU tests with APL_STAGED_TMA flipped for the whole process;
@@ -14,7 +14,7 @@
 . "$(dirname "$0")/device_call.sh"
 flip=$(python3 -c "import pagedweight_kernels.apl_moe as op; print(1 - op.KERNEL_DEFINES['APL_STAGED_TMA'])")
 if [ "${PRECOMPILE:-1}" != none ]; then
-  APL_STAGED_PREFILL=1 timeout -k 10 "${COMPILE_TIMEOUT_S:-220}" python3 - "$flip" <<'PY'
+  APL_STAGED_PREFILL=1 timeout -k 10 "${COMPILE_TIMEOUT_S:-220}" python3 - "$flip" "${FLIPPED:-1}" <<'PY'
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
@@ -24,6 +24,8 @@ import torch
 import pagedweight_kernels.apl_moe as op
 
 print("default", op.precompile(torch.bfloat16, max_workers=16), op.precompile(torch.float16, max_workers=16), flush=True)
+if sys.argv[2] == "0":  # (FLIPPED=0: no later step runs the flipped knob)
+    sys.exit(0)
 op.KERNEL_DEFINES["APL_STAGED_TMA"] = int(sys.argv[1])
 todo = [(name, op._defines(act)) for dtype in (torch.bfloat16, torch.float16) for name, act in op.kernel_instances(dtype)
         if name.startswith(("apl_staged<", "moe_gather_rows"))]
