@@ -35,8 +35,8 @@ __global__ void __launch_bounds__(ST_THREADS, APL_STAGED_BLOCKS) staged_probe(
     const long long* __restrict__ desc, StagedWork w, const int* __restrict__ sorted_slot, int top_k,
     const u16* __restrict__ x, const u16* lut_s, int lut_stride, const __grid_constant__ StagedTensorMap act_map) {
     if constexpr (APL_STAGED_REGS && APL_STAGED_BLOCKS == 2) set_warpgroup_registers<StagedRegs<NT8>::producer>();
-    staged_produce<B, MODE, BF16, V4, NT8, APL_STAGED_PLANE_ASYNC && B <= 4, APL_STAGED_TMA && B <= 4>(load_block(desc, 0), w, sorted_slot, top_k, x,
-                                                                           lut_s, lut_stride, act_map);
+    staged_produce<B, MODE, BF16, V4, NT8, APL_STAGED_PLANE_ASYNC && B <= 4, APL_STAGED_TMA && B <= 4>(
+        load_block(desc, 0), w, sorted_slot, top_k, x, lut_s, lut_stride, act_map);
 }
 """
 

@@ -572,6 +572,7 @@ APL_HD void staged_cta(const long long* __restrict__ desc, const int* __restrict
     // LUT row's size, so every row is aligned to its own (Codes' base | offset), and with TMA the ring's
     // B tiles to a swizzled tile's 1024 (LUT rooms and ring buffers are multiples of it).
     const u32 raw = shared_addr(smem_raw);
+    constexpr bool TMA = staged_tma<CLS>();  // (activations by TMA: the 3-4-bit class)
     constexpr unsigned ALIGN = staged_align<CLS>();
     unsigned char* smem = smem_raw + (((raw + (ALIGN - 1u)) & ~(ALIGN - 1u)) - raw);
     const int lut_stride = CLS == 0 ? 0 : 1 << lut_log2;
@@ -586,7 +587,7 @@ APL_HD void staged_cta(const long long* __restrict__ desc, const int* __restrict
     cta_barrier();
     if (threadIdx.x < 128) {
         if constexpr (APL_STAGED_REGS && APL_STAGED_BLOCKS == 2) set_warpgroup_registers<StagedRegs<NT8>::consumer>();
-        staged_consume<MODE, BF16, NT8, staged_tma<CLS>()>(w, bad, sorted_slot, h_out, y_out);
+        staged_consume<MODE, BF16, NT8, TMA>(w, bad, sorted_slot, h_out, y_out);
         return;
     }
     if constexpr (APL_STAGED_REGS && APL_STAGED_BLOCKS == 2) set_warpgroup_registers<StagedRegs<NT8>::producer>();
@@ -604,12 +605,12 @@ APL_HD void staged_cta(const long long* __restrict__ desc, const int* __restrict
     }
     constexpr bool PA = APL_STAGED_PLANE_ASYNC && CLS == 0;  // (the other classes' shared memory holds LUT rows)
     switch (blk.bits) {
-        case 3: if constexpr (CLS != 1) staged_produce<3, MODE, BF16, V4, NT8, PA, staged_tma<CLS>()>(blk, w, sorted_slot, top_k, x, lut_s, lut_stride, act_map); break;
-        case 4: if constexpr (CLS != 1) staged_produce<4, MODE, BF16, V4, NT8, PA, staged_tma<CLS>()>(blk, w, sorted_slot, top_k, x, lut_s, lut_stride, act_map); break;
-        case 5: if constexpr (CLS != 0) staged_produce<5, MODE, BF16, V4, NT8, false, staged_tma<CLS>()>(blk, w, sorted_slot, top_k, x, lut_s, lut_stride, act_map); break;
-        case 6: if constexpr (CLS != 0) staged_produce<6, MODE, BF16, V4, NT8, false, staged_tma<CLS>()>(blk, w, sorted_slot, top_k, x, lut_s, lut_stride, act_map); break;
-        case 7: if constexpr (CLS != 0) staged_produce<7, MODE, BF16, V4, NT8, false, staged_tma<CLS>()>(blk, w, sorted_slot, top_k, x, lut_s, lut_stride, act_map); break;
-        default: if constexpr (CLS != 0) staged_produce<8, MODE, BF16, V4, NT8, false, staged_tma<CLS>()>(blk, w, sorted_slot, top_k, x, lut_s, lut_stride, act_map); break;
+        case 3: if constexpr (CLS != 1) staged_produce<3, MODE, BF16, V4, NT8, PA, TMA>(blk, w, sorted_slot, top_k, x, lut_s, lut_stride, act_map); break;
+        case 4: if constexpr (CLS != 1) staged_produce<4, MODE, BF16, V4, NT8, PA, TMA>(blk, w, sorted_slot, top_k, x, lut_s, lut_stride, act_map); break;
+        case 5: if constexpr (CLS != 0) staged_produce<5, MODE, BF16, V4, NT8, false, TMA>(blk, w, sorted_slot, top_k, x, lut_s, lut_stride, act_map); break;
+        case 6: if constexpr (CLS != 0) staged_produce<6, MODE, BF16, V4, NT8, false, TMA>(blk, w, sorted_slot, top_k, x, lut_s, lut_stride, act_map); break;
+        case 7: if constexpr (CLS != 0) staged_produce<7, MODE, BF16, V4, NT8, false, TMA>(blk, w, sorted_slot, top_k, x, lut_s, lut_stride, act_map); break;
+        default: if constexpr (CLS != 0) staged_produce<8, MODE, BF16, V4, NT8, false, TMA>(blk, w, sorted_slot, top_k, x, lut_s, lut_stride, act_map); break;
     }
 }
 

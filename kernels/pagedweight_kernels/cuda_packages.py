@@ -117,10 +117,15 @@ def launch_on_torch_stream(kernel, grid, block: int, args, shared: int = 0, prog
 
     packed = pack_arguments(args)
     stream = torch.cuda.current_stream().cuda_stream
-    if programmatic or any(isinstance(a, ctypes.Structure) for a in packed):
+    if programmatic:
+        from pagedweight_kernels.programmatic_launch import launch_programmatic
+
+        launch_programmatic(kernel, grid, block, packed, shared, stream)
+        return
+    if any(isinstance(a, ctypes.Structure) for a in packed):
         from pagedweight_kernels.programmatic_launch import launch_driver
 
-        launch_driver(kernel, grid, block, packed, shared, stream, programmatic)
+        launch_driver(kernel, grid, block, packed, shared, stream)
         return
     with _cupy_stream(stream):
         kernel(grid, (block,), tuple(packed), shared_mem=shared)

@@ -8,6 +8,7 @@ The enums below mirror cuda.h (CUDA 12.0+)."""
 from __future__ import annotations
 
 import ctypes
+from functools import lru_cache
 
 import torch
 
@@ -58,6 +59,7 @@ def row_box_map(tensor: torch.Tensor, box_rows: int, box_cols: int) -> TensorMap
     return TensorMap.from_buffer_copy(ctypes.string_at(at, ctypes.sizeof(TensorMap)))
 
 
+@lru_cache(maxsize=1)
 def _encoder():
     driver = cuda_driver()
     encode = driver.cuTensorMapEncodeTiled
