@@ -71,6 +71,13 @@ VARIANTS = {  # name -> (define changes, host changes: HOST_KNOBS and LAYER_SWIT
     "staged_tma_nofence": ({"APL_STAGED_TMA": 1, "APL_STAGED_PRODUCER_FENCE": 0}, {}),  # and no producer fence
     # TMA activations and the staged regime for every prefill call (5-8 bits and few assignments too)
     "staged_tma_all": ({"APL_STAGED_TMA": 1}, {"STAGED_PREFILL": True}),
+    # the 5-8-bit producers (2026-12-05, fourth session): lane-banked LUT rows (one wavefront a warp's
+    # lookups), a second unit of plane words in registers, activations by TMA for every class
+    "staged_lanes": ({"APL_STAGED_LUT_LANES": 1}, {"STAGED_PREFILL": True}),
+    "staged_lanes_p2": ({"APL_STAGED_LUT_LANES": 1, "APL_STAGED_PREFETCH_LUT": 2}, {"STAGED_PREFILL": True}),
+    "staged_lanes_tma2": ({"APL_STAGED_LUT_LANES": 1, "APL_STAGED_TMA": 2}, {"STAGED_PREFILL": True}),
+    "staged_lanes_p2_tma2": ({"APL_STAGED_LUT_LANES": 1, "APL_STAGED_PREFETCH_LUT": 2, "APL_STAGED_TMA": 2},
+                             {"STAGED_PREFILL": True}),
     "tiles_only": ({}, {"STAGED_CLASSES": frozenset()}),  # the staged regime nowhere: the tiles and prefill regimes
     "staged_async_narrow": ({"APL_STAGED_PLANE_ASYNC": 1}, {"STAGED_PREFILL": True, "TILES_WIDE_NT8": 0}),  # no 96-token passes
     "staged_s2": ({}, {"STAGED_PREFILL": True, "STAGED_STAGES": 2}),  # a ring of two buffers
@@ -258,9 +265,10 @@ LONG_SHAPES = [(name, T, bits) for name in ("mixtral-8x7b", "qwen1.5-moe-a2.7b")
                for bits in ("3", "4", "5", "6", "8", "mixed")] + \
               [(name, T, "4") for name in ("mixtral-8x7b", "qwen1.5-moe-a2.7b") for T in (2, 8)]
 # --staged: 3-4-bit layers from 32 to 1024 tokens (where the staged regime beats the tiles and prefill
-# regimes), and the 8-bit tiles shapes
+# regimes), and the 8-bit and mixed tiles shapes
 STAGED_SHAPES = [(name, T, bits) for name in ("qwen1.5-moe-a2.7b", "mixtral-8x7b") for T in (32, 64, 128, 256, 512, 1024)
-                 for bits in ("3", "4")] + [(name, T, "8") for name in ("qwen1.5-moe-a2.7b", "mixtral-8x7b") for T in (64, 256)]
+                 for bits in ("3", "4")] + [(name, T, bits) for name in ("qwen1.5-moe-a2.7b", "mixtral-8x7b") for T in (64, 256)
+                                            for bits in ("8", "mixed")]
 # --tiles-mixed: the tiles shapes at mixed bits (the merged kernel against one launch per class)
 TILES_MIXED_SHAPES = [(name, T, "mixed") for name in ("qwen1.5-moe-a2.7b", "mixtral-8x7b") for T in (64, 256)]
 

@@ -168,8 +168,8 @@ STAGED_ALIGN_PAD = 512
 
 def staged_tma(cls: int) -> bool:
     """Whether staged launches of kernel class `cls` take their activations by TMA (the .cu's
-    staged_tma: APL_STAGED_TMA, the 3-4-bit class only)."""
-    return bool(KERNEL_DEFINES["APL_STAGED_TMA"]) and cls == 0
+    staged_tma: APL_STAGED_TMA 1, the 3-4-bit class only; 2, every class)."""
+    return KERNEL_DEFINES["APL_STAGED_TMA"] == 2 or (KERNEL_DEFINES["APL_STAGED_TMA"] == 1 and cls == 0)
 
 
 def staged_align_pad(cls: int) -> int:
@@ -204,7 +204,7 @@ KERNEL_DEFINES = {"APL_LDS_MODE": 1, "APL_RPG_DIV": 8, "APL_PREFETCH": 1, "APL_D
                   "APL_LUT_STAGGER": 1, "APL_TILES_WS": 0, "APL_TILES_WS_ROUNDS": 2, "APL_TILES_WS_BLOCKS": 2,
                   "APL_TILES_WS_WARPS": 1, "APL_TILES_WS_STAGES": 2, "APL_STAGED_PREFETCH": 2, "APL_STAGED_UNIT": 2, "APL_STAGED_BLOCKS": 2,
                   "APL_STAGED_REGS": 1, "APL_STAGED_PLANE_ASYNC": 1, "APL_STAGED_PRODUCER_FENCE": 1,
-                  "APL_STAGED_SKIP_PAD": 1, "APL_STAGED_TMA": 1}
+                  "APL_STAGED_SKIP_PAD": 1, "APL_STAGED_TMA": 1, "APL_STAGED_LUT_LANES": 0, "APL_STAGED_PREFETCH_LUT": 1}
 
 
 def knob_overrides(text: str) -> dict[str, int]:

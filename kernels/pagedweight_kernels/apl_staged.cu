@@ -69,8 +69,23 @@
 // need 16 and 4), 46% of the kernel's wavefronts. Measured on an H100 (bench/results/
 // apl_gemv_staged_tma_sweep.json): 1.10-1.55x faster wherever the staged regime is taken (Mixtral 256
 // tokens, 4 bits: 892.9 against 1223.4 us), bit for bit. 0: those copies, into the no-swizzle layout.
+// 2: every class (the 5-8-bit and merged classes too, whose rings then start 1024-byte aligned).
 #ifndef APL_STAGED_TMA
 #define APL_STAGED_TMA 1
+#endif
+// 1: the 5-8-bit rows' LUTs in shared memory lane-banked (lut_lane_index): entry e of local row lw
+// at byte 128 e + 4 (lw % 32) + 2 ((lw / 32) % 2) of its 64-row group, so producer lane i (row i of
+// its warp) only ever reads bank i and a warp's 32 lookups take one wavefront; row-major rows
+// (0) put every lane's entry e on bank e / 2, and 32 random codes take 3.45-3.53 wavefronts
+// (bench/staged_banks). The address is the code's byte (one PRMT) times 2^(B-1) plus the thread's
+// base (one IMAD), as many instructions as the row-major OR-merge.
+#ifndef APL_STAGED_LUT_LANES
+#define APL_STAGED_LUT_LANES 0
+#endif
+// Units of plane words a 5-8-bit producer thread has in flight in registers (8 planes' words a unit:
+// 32 registers); 1 loads a unit only after the last one's steps, so every unit's latency is waited for.
+#ifndef APL_STAGED_PREFETCH_LUT
+#define APL_STAGED_PREFETCH_LUT 1
 #endif
 #ifndef APL_STAGED_BLOCKS
 #define APL_STAGED_BLOCKS 2    // CTAs per SM the register budget must allow (2: 128 registers a thread)
@@ -80,11 +95,12 @@
 #define ST_KS 64               // columns per step (4 k16 slices)
 #define ST_MAX_STAGES 8
 #define ST_A_BYTES (ST_ROWS * ST_KS * 2)
-// Whether class CLS's launches take their activations by TMA: the 3-4-bit class only. Its ring
+// Whether class CLS's launches take their activations by TMA: the 3-4-bit class (APL_STAGED_TMA 1) or
+// every class (2). Its ring
 // starts the dynamic shared memory, which a 128-byte-swizzled B tile needs on a 1024-byte boundary;
 // the other classes keep 512 (an 8-bit LUT row's), so 8-bit LUT rows still leave 2 ring buffers at
 // 2 CTAs an SM (the host's staged_align_pad follows both).
-template <int CLS> APL_HD constexpr bool staged_tma() { return APL_STAGED_TMA && CLS == 0; }
+template <int CLS> APL_HD constexpr bool staged_tma() { return APL_STAGED_TMA == 2 || (APL_STAGED_TMA == 1 && CLS == 0); }
 template <int CLS> APL_HD constexpr unsigned staged_align() { return staged_tma<CLS>() ? 1024u : 512u; }
 
 // The activations' tensor map, a kernel parameter (__grid_constant__, so that its address is the
@@ -145,6 +161,28 @@ APL_HD void dequant_chunks_smem(u32 base, const u32 (&pw)[8], uint4 (&chunk)[4])
     }
 }
 
+// The lane-banked LUT (APL_STAGED_LUT_LANES): where entry `ent` of local row lw sits, in entries
+// from the LUT's start (rows in rooms of `room` entries, 64 rows a group; two rows share a word, lw
+// and lw + 32, which two different warps read), and a row's entry 0 as a shared address.
+APL_HD int lut_lane_index(int lw, int ent, int room) {
+    return (lw >> 6) * 64 * room + ent * 64 + (lw & 31) * 2 + ((lw >> 5) & 1);
+}
+APL_HD u32 lut_lane_base(u32 lut_start, int lw, int room) { return lut_start + 2u * (u32)lut_lane_index(lw, 0, room); }
+// The same dequantisation from the thread's lane-banked row at base: column 8L + k's code is byte L
+// of Codes' o[k] (code << (8 - B)), its entry 128 bytes a code from entry 0.
+template <int B>
+APL_HD void dequant_chunks_lanes(u32 base, const u32 (&pw)[8], uint4 (&chunk)[4]) {
+    const Codes<B> c(pw);
+    auto entry = [&](int col) { return lds_u16(base + prmt(c.o[col & 7], 0u, 0x4440u | (u32)(col >> 3)) * (1u << (B - 1))); };
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        u32 v[4];
+#pragma unroll
+        for (int m = 0; m < 4; ++m) v[m] = (u32)entry(8 * j + 2 * m) | ((u32)entry(8 * j + 2 * m + 1) << 16);
+        chunk[j] = make_uint4(v[0], v[1], v[2], v[3]);
+    }
+}
+
 // Row pt's 64 weights of one step into the step's A tile (at a_tile): words 2 * half and
 // 2 * half + 1 of a unit's plane words (W a plane), dequantised (3-4 bits: the row's register
 // LUT; 5-8 bits: its shared-memory LUT row at lut_base) and stored in the wgmma layout.
@@ -158,6 +196,7 @@ APL_HD void stage_weights(const RegLut<(B <= 4 ? B : 4)>& rlut, u32 lut_base, co
         for (int p = 0; p < 8; ++p) pw[p] = p < B ? unit[p < B ? p : 0][2 * half + wi] : 0u;
         uint4 chunk[4];
         if constexpr (B <= 4) dequant_chunks_reg<(B <= 4 ? B : 4)>(rlut, pw, chunk);
+        else if constexpr (APL_STAGED_LUT_LANES) dequant_chunks_lanes<B>(lut_base, pw, chunk);
         else dequant_chunks_smem<B>(lut_base, pw, chunk);
 #pragma unroll
         for (int j = 0; j < 4; ++j) st_shared_v4(tile_chunk(a_tile, ST_ROWS, pt, 4 * wi + j), chunk[j]);
@@ -312,8 +351,9 @@ APL_HD void tma_load_rows(u32 dst, const StagedTensorMap& map, int col, int row,
 template <int B, int MODE, bool BF16, bool V4, int NT8, bool PA, bool TMA>
 APL_HD void staged_produce(const BlockRef& blk, const StagedWork& w, const int* __restrict__ sorted_slot, int top_k,
                            const u16* __restrict__ x, const u16* lut_s, int lut_stride, const StagedTensorMap& act_map) {
-    // P: units in flight; 5-8-bit rows keep one (8 planes' words, and the registers run out at 2)
-    constexpr int NT = 8 * NT8, P = B <= 4 ? APL_STAGED_PREFETCH : 1, MINE = NT8 / 2;  // MINE: B chunks a step
+    // P: units in flight; 5-8-bit rows APL_STAGED_PREFETCH_LUT (8 planes' words a unit; with 4-byte plane
+    // loads one: those instances spill 448-912 bytes at 2, nvcc 13.0)
+    constexpr int NT = 8 * NT8, P = B <= 4 ? APL_STAGED_PREFETCH : V4 ? APL_STAGED_PREFETCH_LUT : 1, MINE = NT8 / 2;  // MINE: B chunks a step
     const int pt = threadIdx.x - 128;
     const int rpc = MODE == 0 ? ST_ROWS / 2 : ST_ROWS;
     bool valid;
@@ -328,6 +368,7 @@ APL_HD void staged_produce(const BlockRef& blk, const StagedWork& w, const int* 
     RegLut<(B <= 4 ? B : 4)> rlut;
     u32 lut_base = 0;
     if constexpr (B <= 4) rlut.load(blk.lut + (long long)wrow * (1 << B), true, BF16);
+    else if constexpr (APL_STAGED_LUT_LANES) lut_base = lut_lane_base(shared_addr(lut_s), pt, lut_stride);
     else lut_base = shared_addr(lut_s + lut_row_start(pt, B, lut_stride));
     // Unit u = steps Uu..Uu+U-1 = words Wu..Wu+W-1 of the row in every plane (clamped into the row:
     // columns past the end meet zero activations).
@@ -525,6 +566,31 @@ APL_HD void staged_consume(const StagedWork& w, bool bad, const int* __restrict_
     }
 }
 
+// Producer thread pt's own row's LUT into the lane-banked layout (act values; zeros for a row past the
+// projection): 16-byte loads of 8 entries where the block's LUT is 16-byte aligned (a warp's lanes read
+// 32 rows, each sector twice), else one entry at a time; the stores of a warp's lanes fall on 32 banks.
+template <int MODE, bool BF16>
+APL_HD void fill_lut_lanes(const BlockRef& blk, u16* lut_s, int room, int r0, int rows_out) {
+    const int pt = threadIdx.x - 128, nent = 1 << blk.bits;
+    bool valid;
+    const int row = weight_row<MODE>(pt, r0, MODE == 0 ? ST_ROWS / 2 : ST_ROWS, rows_out, &valid);
+    u16* dst = lut_s + lut_lane_index(pt, 0, room);
+    const u16* src = blk.lut + (long long)(valid ? row : 0) * nent;
+    if ((reinterpret_cast<unsigned long long>(blk.lut) & 15) == 0) {
+        for (int e0 = 0; e0 < nent; e0 += 8) {
+            const uint4 v = valid ? *reinterpret_cast<const uint4*>(src + e0) : make_uint4(0, 0, 0, 0);
+            const u32 words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                const u16 e = (u16)(words[i >> 1] >> (16 * (i & 1)));
+                dst[(e0 + i) * 64] = valid ? lut_to_act<BF16>(e) : (u16)0;
+            }
+        }
+    } else {
+        for (int e = 0; e < nent; ++e) dst[e * 64] = valid ? lut_to_act<BF16>(src[e]) : (u16)0;
+    }
+}
+
 // The warpgroups' register budgets (setmaxnreg; 2 CTAs of 256 threads share 64K registers, so
 // consumer + producer <= 256): the consumer holds 2 x 4 NT8 accumulators, the producer a row's
 // LUT, plane words in flight and a word's codes and chunks.
@@ -592,7 +658,10 @@ APL_HD void staged_cta(const long long* __restrict__ desc, const int* __restrict
     }
     if constexpr (APL_STAGED_REGS && APL_STAGED_BLOCKS == 2) set_warpgroup_registers<StagedRegs<NT8>::producer>();
     if (bad) return;
-    if (CLS != 0 && blk.bits >= 5) {  // the rows' LUTs, by all producers together, then a producer barrier
+    if (CLS != 0 && blk.bits >= 5 && APL_STAGED_LUT_LANES) {  // each producer its own row's LUT, lane-banked
+        fill_lut_lanes<MODE, BF16>(blk, lut_s, lut_stride, w.r0, rows_out);
+        producer_barrier();
+    } else if (CLS != 0 && blk.bits >= 5) {  // the rows' LUTs, by all producers together, then a producer barrier
         const int nent = 1 << blk.bits, rpc = MODE == 0 ? ST_ROWS / 2 : ST_ROWS;
         for (int idx = threadIdx.x - 128; idx < ST_ROWS * nent; idx += 128) {
             const int lw = idx >> blk.bits, ent = idx & (nent - 1);

@@ -158,3 +158,21 @@ def test_128_token_passes_match_reference(case, bits, staged, monkeypatch):
     if bits is not None:
         assert staged_plan(0, T, k, E, 2 * I, 0, 0, E).tokens == 128
     check_case(case, bits=bits)
+
+
+# The 5-8-bit producers' knobs (apl_staged.cu): the lane-banked LUT rows against the row-major ones
+# (whichever is the default), a second unit of plane words in registers (16-byte plane loads only),
+# and activations by TMA for every class. The lookups' addresses, the loads' schedule and the B
+# tiles' layout change; the operands and the wgmma order do not.
+LUT_KNOBS = [{"APL_STAGED_LUT_LANES": "flip"}, {"APL_STAGED_LUT_LANES": "flip", "APL_STAGED_PREFETCH_LUT": 2},
+             {"APL_STAGED_TMA": 2}, {"APL_STAGED_LUT_LANES": "flip", "APL_STAGED_PREFETCH_LUT": 2, "APL_STAGED_TMA": 2}]
+
+
+@pytest.mark.parametrize("knobs", LUT_KNOBS, ids=lambda k: ",".join(f"{n}={v}" for n, v in k.items()))
+@pytest.mark.parametrize("bits", (5, 8, None))
+@pytest.mark.parametrize("case", [STAGED_CASES[-3], STAGED_CASES[-1]], ids=_case_id)
+def test_lut_row_knobs_keep_the_output_bit_for_bit(case, knobs, bits, staged, monkeypatch):
+    default = check_case(case, bits=bits)
+    for knob, value in knobs.items():
+        monkeypatch.setitem(op.KERNEL_DEFINES, knob, 1 - op.KERNEL_DEFINES[knob] if value == "flip" else value)
+    assert torch.equal(check_case(case, bits=bits), default)

@@ -57,7 +57,9 @@ GEMV = [f"apl_gemv<{cls}, {mode}, true, true, {nt8}>" for cls, mode, nt8 in ((0,
 STAGED_KNOBS = {"launcher": {}, "plane_async_units_of_4": {"APL_STAGED_PLANE_ASYNC": 1, "APL_STAGED_UNIT": 4},
                 "register_prefetch": {"APL_STAGED_PLANE_ASYNC": 0},
                 "no_producer_fence": {"APL_STAGED_PRODUCER_FENCE": 0},
-                "prefetch_3_no_regs": {"APL_STAGED_PREFETCH": 3, "APL_STAGED_REGS": 0}}
+                "prefetch_3_no_regs": {"APL_STAGED_PREFETCH": 3, "APL_STAGED_REGS": 0},
+                "lut_lanes_prefetch_2_tma_every_class": {"APL_STAGED_LUT_LANES": 1, "APL_STAGED_PREFETCH_LUT": 2,
+                                                         "APL_STAGED_TMA": 2}}
 
 
 def instantiate(names: list[str]) -> str:

@@ -269,6 +269,29 @@ def test_either_activation_path_leaves_the_other_launches_bit_for_bit(cta_harnes
     assert (tmp_path / "out.bin").read_bytes() == default
 
 
+# The 5-8-bit producers' knobs: the lane-banked LUT rows (and their fill), a second unit of plane words
+# in registers, and activations by TMA for every class (the 1024-byte alignment past LUT rows too).
+LUT_KNOBS = {"lut_lanes": {"APL_STAGED_LUT_LANES": 1},
+             "lut_lanes_prefetch_2": {"APL_STAGED_LUT_LANES": 1, "APL_STAGED_PREFETCH_LUT": 2},
+             "tma_every_class": {"APL_STAGED_TMA": 2},
+             "lut_lanes_tma_every_class": {"APL_STAGED_LUT_LANES": 1, "APL_STAGED_TMA": 2}}
+
+
+@pytest.mark.parametrize("knob", list(LUT_KNOBS))
+@pytest.mark.parametrize("name", ["gate_up_5_8_bits_two_pass_groups", "down_merged_class"])
+def test_lut_row_knobs_leave_the_launch_bit_for_bit(cta_harness, default_outputs, tmp_path, monkeypatch, name, knob):
+    case, instance = launch_case(name, seed=5)
+    default = default_outputs(name, case)
+    flipped = {define: 1 - value if define == "APL_STAGED_LUT_LANES" else value
+               for define, value in LUT_KNOBS[knob].items()}  # (lanes: the other layout than the default's)
+    for define, value in flipped.items():  # (planned with the knobs: TMA's alignment pad)
+        monkeypatch.setitem(op.KERNEL_DEFINES, define, value)
+    _, plan, lut_bits = planned(case)
+    run = run_launch(cta_harness(instance, flipped), tmp_path, case, plan, lut_bits)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert (tmp_path / "out.bin").read_bytes() == default
+
+
 @pytest.fixture(scope="module")
 def default_outputs(cta_harness, tmp_path_factory):
     """name -> the launch's output bytes with the launcher's knobs, run once per module."""
@@ -392,3 +415,11 @@ def test_the_command_line_refuses_bad_input_with_one_line(tmp_path, capsys, args
 def test_the_command_line_says_when_it_cannot_write(tmp_path, capsys):
     assert staged_host.main(["--out", str(tmp_path / "missing" / "launch.pt")]) == 2
     assert "cannot write" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("bits, merged", [(8, False), (6, False), (5, True)])
+def test_lane_banked_lut_lookups_take_one_wavefront(tmp_path, bits, merged):
+    # APL_STAGED_LUT_LANES: each producer lane reads only its own bank, whatever the codes, so a warp's
+    # LDS.U16 takes the one wavefront its 64 bytes need (row-major rows: 3.45-3.53, the test above)
+    got = staged_banks.count(f"{bits} bits", bits, {"APL_STAGED_LUT_LANES": 1}, merged, tmp_path)["kinds"]["LDS.U16"]
+    assert got["instructions"] > 0 and got["wavefronts"] == got["instructions"] == got["ideal"], got
