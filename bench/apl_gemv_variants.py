@@ -41,10 +41,12 @@ HOST_KNOBS = {name: getattr(op, name) for name in ("GEMV_TARGET_CTAS", "GEMV_MER
                                                        "GEMV_PDL_DOWN_CLASSES", "GEMV_LONG_SPLIT_CLASSES",
                                                        "GEMV_LONG_SPLIT_WORDS", "GEMV_LONG_ROW_WORDS",
                                                        "GEMV_LONG_MIN_TOKENS", "STAGED_PREFILL", "STAGED_STAGES", "STAGED_WIDE_NT8",
+                                                       "STAGED_LUT_WIDE_NT8", "STAGED_CTA_SHARED",
                                                        "STAGED_CLASSES")}
 # Host changes a variant may make to the layer rather than to a module attribute (main applies them):
 # stable launches, and 8-byte plane loads off.
 LAYER_SWITCHES = ("stable", "aligned8")
+LUT_BEST = {"APL_STAGED_LUT_LANES": 1, "APL_STAGED_PREFETCH_LUT": 2, "APL_STAGED_TMA": 2}  # (H100, 2026-12-05)
 VARIANTS = {  # name -> (define changes, host changes: HOST_KNOBS and LAYER_SWITCHES)
     "base": ({}, {}),
     # the staged regime (apl_staged.cu, 2026-12-03, fifth session): a producer warpgroup dequantises
@@ -78,6 +80,14 @@ VARIANTS = {  # name -> (define changes, host changes: HOST_KNOBS and LAYER_SWIT
     "staged_lanes_tma2": ({"APL_STAGED_LUT_LANES": 1, "APL_STAGED_TMA": 2}, {"STAGED_PREFILL": True}),
     "staged_lanes_p2_tma2": ({"APL_STAGED_LUT_LANES": 1, "APL_STAGED_PREFETCH_LUT": 2, "APL_STAGED_TMA": 2},
                              {"STAGED_PREFILL": True}),
+    # and those at one CTA an SM (more ring buffers), with no producer fence, with passes of 128 tokens
+    "staged_lut_one": ({**LUT_BEST, "APL_STAGED_LUT_BLOCKS": 1}, {"STAGED_PREFILL": True}),
+    "staged_lut_one_copies": ({**LUT_BEST, "APL_STAGED_LUT_BLOCKS": 1, "APL_STAGED_TMA": 1}, {"STAGED_PREFILL": True}),
+    "staged_lut_one_nofence": ({**LUT_BEST, "APL_STAGED_LUT_BLOCKS": 1, "APL_STAGED_PRODUCER_FENCE": 0},
+                               {"STAGED_PREFILL": True}),
+    "staged_lut_one_wide": ({**LUT_BEST, "APL_STAGED_LUT_BLOCKS": 1}, {"STAGED_PREFILL": True, "STAGED_LUT_WIDE_NT8": 16}),
+    "staged_lut_one_wide_p4": ({**LUT_BEST, "APL_STAGED_LUT_BLOCKS": 1, "APL_STAGED_PREFETCH_LUT": 4},
+                               {"STAGED_PREFILL": True, "STAGED_LUT_WIDE_NT8": 16}),
     "tiles_only": ({}, {"STAGED_CLASSES": frozenset()}),  # the staged regime nowhere: the tiles and prefill regimes
     "staged_async_narrow": ({"APL_STAGED_PLANE_ASYNC": 1}, {"STAGED_PREFILL": True, "TILES_WIDE_NT8": 0}),  # no 96-token passes
     "staged_s2": ({}, {"STAGED_PREFILL": True, "STAGED_STAGES": 2}),  # a ring of two buffers

@@ -20,10 +20,12 @@ import pagedweight_kernels.apl_moe as op
 
 print("default", op.precompile(torch.bfloat16, max_workers=16), flush=True)
 base = dict(op.KERNEL_DEFINES)
+op.STAGED_LUT_WIDE_NT8 = 16  # (the 128-token passes' instances too)
 todo = []
 for knobs in filter(None, sys.argv[1].split(";")):
+    overrides = op.knob_overrides(knobs)
     op.KERNEL_DEFINES.clear()
-    op.KERNEL_DEFINES.update(base, **op.knob_overrides(knobs))
+    op.KERNEL_DEFINES.update(base, **overrides)
     todo += [(name, op._defines(act)) for name, act in op.kernel_instances(torch.bfloat16)
              if name.startswith(("apl_staged<1", "apl_staged<2", "moe_gather_rows"))]
 

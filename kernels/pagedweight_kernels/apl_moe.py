@@ -157,6 +157,8 @@ STAGED_MIN_ASSIGNMENTS = 256
 # faster; in place of the 96-token passes too it was 1-1.5% slower at Mixtral 256 tokens, so those
 # keep 96. 0: off (the instances are not compiled).
 STAGED_WIDE_NT8 = 16
+# The same for the 5-8-bit and merged classes (0: off), with the planes read as 16-byte vectors.
+STAGED_LUT_WIDE_NT8 = 0
 STAGED_ROWS, STAGED_THREADS, STAGED_STEP = 128, 256, 64  # the .cu's ST_ROWS, ST_THREADS, ST_KS
 STAGED_STAGES, STAGED_MAX_STAGES = 4, 8  # ring buffers wanted (fewer where shared memory is short); the .cu's most
 # Dynamic shared memory a CTA may take for 2 CTAs per SM (228 KB an SM, 1 KB reserved per CTA, the
@@ -170,6 +172,12 @@ def staged_tma(cls: int) -> bool:
     """Whether staged launches of kernel class `cls` take their activations by TMA (the .cu's
     staged_tma: APL_STAGED_TMA 1, the 3-4-bit class only; 2, every class)."""
     return KERNEL_DEFINES["APL_STAGED_TMA"] == 2 or (KERNEL_DEFINES["APL_STAGED_TMA"] == 1 and cls == 0)
+
+
+def staged_blocks(cls: int) -> int:
+    """CTAs an SM the staged instances of kernel class `cls` are compiled for (the .cu's staged_blocks:
+    APL_STAGED_BLOCKS for the 3-4-bit class, APL_STAGED_LUT_BLOCKS for the others)."""
+    return KERNEL_DEFINES["APL_STAGED_BLOCKS" if cls == 0 else "APL_STAGED_LUT_BLOCKS"]
 
 
 def staged_align_pad(cls: int) -> int:
@@ -204,7 +212,8 @@ KERNEL_DEFINES = {"APL_LDS_MODE": 1, "APL_RPG_DIV": 8, "APL_PREFETCH": 1, "APL_D
                   "APL_LUT_STAGGER": 1, "APL_TILES_WS": 0, "APL_TILES_WS_ROUNDS": 2, "APL_TILES_WS_BLOCKS": 2,
                   "APL_TILES_WS_WARPS": 1, "APL_TILES_WS_STAGES": 2, "APL_STAGED_PREFETCH": 2, "APL_STAGED_UNIT": 2, "APL_STAGED_BLOCKS": 2,
                   "APL_STAGED_REGS": 1, "APL_STAGED_PLANE_ASYNC": 1, "APL_STAGED_PRODUCER_FENCE": 1,
-                  "APL_STAGED_SKIP_PAD": 1, "APL_STAGED_TMA": 1, "APL_STAGED_LUT_LANES": 0, "APL_STAGED_PREFETCH_LUT": 1}
+                  "APL_STAGED_SKIP_PAD": 1, "APL_STAGED_TMA": 1, "APL_STAGED_LUT_LANES": 0, "APL_STAGED_PREFETCH_LUT": 1,
+                  "APL_STAGED_LUT_BLOCKS": 2}
 
 
 def knob_overrides(text: str) -> dict[str, int]:
@@ -636,14 +645,15 @@ def staged_plan(mode: int, num_tokens: int, top_k: int, num_experts: int, rows_o
     tiles of 64 gate and 64 up rows or of 128 rows, active experts, groups of passes), and as many ring buffers, up to STAGED_STAGES, as leave 2 CTAs per SM room (else 1).
     lut_bits: the widest 5-8-bit block's bits (its LUT rows sit in shared memory), 0 for none."""
     per_expert = num_tokens * top_k / num_experts
-    nt8 = tiles_per_pass(per_expert, *((TILES_WIDE_NT8, STAGED_WIDE_NT8) if cls == 0 and aligned16 else ()))
+    wide = (TILES_WIDE_NT8, STAGED_WIDE_NT8) if cls == 0 else (STAGED_LUT_WIDE_NT8,)
+    nt8 = tiles_per_pass(per_expert, *(wide if aligned16 else ()))
     tokens = GEMV_TOKENS * nt8
     groups = max(1, min(math.ceil(num_tokens / tokens), math.ceil(per_expert / tokens)))
     rpc = STAGED_ROWS // 2 if mode == 0 else STAGED_ROWS
     lut = STAGED_ROWS * (1 << lut_bits) * 2 if lut_bits else 0
     planes = staged_plane_ring_bytes(cls, nt8, aligned16)
     stage = (STAGED_ROWS + tokens) * STAGED_STEP * 2  # the A tile, then the B tile
-    for budget in STAGED_CTA_SHARED:
+    for budget in STAGED_CTA_SHARED[2 - staged_blocks(cls):]:  # (one CTA an SM: its budget only)
         stages = min(STAGED_STAGES, STAGED_MAX_STAGES, (budget - staged_align_pad(cls) - lut - planes) // stage)
         if stages >= 2:
             break
@@ -682,8 +692,9 @@ def staged_choices(cls: int) -> tuple[int, ...]:
     """Every NT8 staged_plan can pick for kernel class `cls`: the tiles regime's, and for the
     3-4-bit class the wider passes STAGED_WIDE_NT8 where it is set."""
     choices = tiles_choices(cls)
-    if cls == 0 and STAGED_WIDE_NT8 and STAGED_WIDE_NT8 not in choices:
-        choices += (STAGED_WIDE_NT8,)
+    wide = STAGED_WIDE_NT8 if cls == 0 else STAGED_LUT_WIDE_NT8
+    if wide and wide not in choices:
+        choices += (wide,)
     return choices
 
 

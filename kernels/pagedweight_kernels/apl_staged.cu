@@ -90,6 +90,11 @@
 #ifndef APL_STAGED_BLOCKS
 #define APL_STAGED_BLOCKS 2    // CTAs per SM the register budget must allow (2: 128 registers a thread)
 #endif
+// The same for the 5-8-bit and merged classes, whose LUT rows (64 KB at 8 bits) leave one CTA an SM
+// more ring buffers than two do (1: up to 255 registers a thread, no setmaxnreg split).
+#ifndef APL_STAGED_LUT_BLOCKS
+#define APL_STAGED_LUT_BLOCKS 2
+#endif
 #define ST_THREADS 256
 #define ST_ROWS 128            // weight rows per CTA (two m64 wgmma per k16 slice)
 #define ST_KS 64               // columns per step (4 k16 slices)
@@ -101,6 +106,7 @@
 // the other classes keep 512 (an 8-bit LUT row's), so 8-bit LUT rows still leave 2 ring buffers at
 // 2 CTAs an SM (the host's staged_align_pad follows both).
 template <int CLS> APL_HD constexpr bool staged_tma() { return APL_STAGED_TMA == 2 || (APL_STAGED_TMA == 1 && CLS == 0); }
+template <int CLS> APL_HD constexpr int staged_blocks() { return CLS == 0 ? APL_STAGED_BLOCKS : APL_STAGED_LUT_BLOCKS; }
 template <int CLS> APL_HD constexpr unsigned staged_align() { return staged_tma<CLS>() ? 1024u : 512u; }
 
 // The activations' tensor map, a kernel parameter (__grid_constant__, so that its address is the
@@ -652,11 +658,11 @@ APL_HD void staged_cta(const long long* __restrict__ desc, const int* __restrict
     }
     cta_barrier();
     if (threadIdx.x < 128) {
-        if constexpr (APL_STAGED_REGS && APL_STAGED_BLOCKS == 2) set_warpgroup_registers<StagedRegs<NT8>::consumer>();
+        if constexpr (APL_STAGED_REGS && staged_blocks<CLS>() == 2) set_warpgroup_registers<StagedRegs<NT8>::consumer>();
         staged_consume<MODE, BF16, NT8, TMA>(w, bad, sorted_slot, h_out, y_out);
         return;
     }
-    if constexpr (APL_STAGED_REGS && APL_STAGED_BLOCKS == 2) set_warpgroup_registers<StagedRegs<NT8>::producer>();
+    if constexpr (APL_STAGED_REGS && staged_blocks<CLS>() == 2) set_warpgroup_registers<StagedRegs<NT8>::producer>();
     if (bad) return;
     if (CLS != 0 && blk.bits >= 5 && APL_STAGED_LUT_LANES) {  // each producer its own row's LUT, lane-banked
         fill_lut_lanes<MODE, BF16>(blk, lut_s, lut_stride, w.r0, rows_out);
@@ -686,7 +692,7 @@ APL_HD void staged_cta(const long long* __restrict__ desc, const int* __restrict
 // Kernel classes as apl_gemv's: CLS 0 3-4 bits, 1 5-8 bits, 2 any (the merged class). V4: every
 // plane 16-byte aligned with a word count per row divisible by 4 (16-byte plane loads).
 template <int CLS, int MODE, bool BF16, bool V4, int NT8>
-__global__ void __launch_bounds__(ST_THREADS, APL_STAGED_BLOCKS) apl_staged(
+__global__ void __launch_bounds__(ST_THREADS, staged_blocks<CLS>()) apl_staged(
     const long long* __restrict__ desc, const int* __restrict__ active, const int* __restrict__ num_active,
     const int* __restrict__ sorted_slot, int top_k, const u16* __restrict__ x, int rows_out, int cols, int lut_log2,
     u16* __restrict__ h_out, float* __restrict__ y_out, int stages, const __grid_constant__ StagedTensorMap act_map) {

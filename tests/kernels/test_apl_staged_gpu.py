@@ -165,7 +165,9 @@ def test_128_token_passes_match_reference(case, bits, staged, monkeypatch):
 # and activations by TMA for every class. The lookups' addresses, the loads' schedule and the B
 # tiles' layout change; the operands and the wgmma order do not.
 LUT_KNOBS = [{"APL_STAGED_LUT_LANES": "flip"}, {"APL_STAGED_LUT_LANES": "flip", "APL_STAGED_PREFETCH_LUT": 2},
-             {"APL_STAGED_TMA": 2}, {"APL_STAGED_LUT_LANES": "flip", "APL_STAGED_PREFETCH_LUT": 2, "APL_STAGED_TMA": 2}]
+             {"APL_STAGED_TMA": 2}, {"APL_STAGED_LUT_LANES": "flip", "APL_STAGED_PREFETCH_LUT": 2, "APL_STAGED_TMA": 2},
+             {"APL_STAGED_LUT_BLOCKS": "flip", "APL_STAGED_LUT_LANES": "flip", "APL_STAGED_PREFETCH_LUT": 4,
+              "APL_STAGED_TMA": 2}]
 
 
 @pytest.mark.parametrize("knobs", LUT_KNOBS, ids=lambda k: ",".join(f"{n}={v}" for n, v in k.items()))
@@ -174,5 +176,20 @@ LUT_KNOBS = [{"APL_STAGED_LUT_LANES": "flip"}, {"APL_STAGED_LUT_LANES": "flip", 
 def test_lut_row_knobs_keep_the_output_bit_for_bit(case, knobs, bits, staged, monkeypatch):
     default = check_case(case, bits=bits)
     for knob, value in knobs.items():
-        monkeypatch.setitem(op.KERNEL_DEFINES, knob, 1 - op.KERNEL_DEFINES[knob] if value == "flip" else value)
+        flipped = {"APL_STAGED_LUT_BLOCKS": 3} if knob == "APL_STAGED_LUT_BLOCKS" else {}  # (2 <-> 1)
+        monkeypatch.setitem(op.KERNEL_DEFINES, knob,
+                            flipped.get(knob, 1) - op.KERNEL_DEFINES[knob] if value == "flip" else value)
+    assert torch.equal(check_case(case, bits=bits), default)
+
+
+@pytest.mark.parametrize("bits", (8, None))
+def test_lut_rows_in_passes_of_128_tokens_keep_the_output_bit_for_bit(bits, staged, monkeypatch):
+    """STAGED_LUT_WIDE_NT8 16: the 5-8-bit and merged classes in passes of 128 tokens (m64n128), two
+    passes an expert of 250 tokens, at one CTA an SM."""
+    case = STAGED_CASES[-1]
+    default = check_case(case, bits=bits)
+    monkeypatch.setattr(op, "STAGED_LUT_WIDE_NT8", 16)
+    monkeypatch.setitem(op.KERNEL_DEFINES, "APL_STAGED_LUT_BLOCKS", 1)
+    E, k, H, I, T = case[:5]
+    assert op.staged_plan(0, T, k, E, I, 1, 8, E).tiles == 16
     assert torch.equal(check_case(case, bits=bits), default)
