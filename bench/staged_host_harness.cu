@@ -89,7 +89,7 @@ void stage_all(const Input& in, std::vector<u16>& out) {
         for (int lw = 0; lw < ST_ROWS; ++lw)
             for (int ent = 0; ent < nent; ++ent) {
                 const u16 v = in.lut[(size_t)lw * nent + ent];
-                lut_s[lut_row_start(lw, B, lut_stride) + ent] = in.bf16 ? lut_to_act<true>(v) : lut_to_act<false>(v);
+                lut_s[staged_lut_index(lw, ent, B, lut_stride)] = in.bf16 ? lut_to_act<true>(v) : lut_to_act<false>(v);
             }
     }
     std::vector<RegLut<(B <= 4 ? B : 4)>> rluts(ST_ROWS);
@@ -102,7 +102,7 @@ void stage_all(const Input& in, std::vector<u16>& out) {
             for (int p = 0; p < B; ++p)
                 for (int i = 0; i < W; ++i)
                     unit[p][i] = in.planes[((size_t)p * ST_ROWS + pt) * wpr + std::min(W * u + i, wpr - 1)];
-            const u32 lut_base = LUT_AT + 2u * (u32)lut_row_start(pt, B, lut_stride);
+            const u32 lut_base = staged_lut_base(LUT_AT, pt, B, lut_stride);
             stage_weights<B, W>(rluts[pt], lut_base, unit, half, TILE_AT, pt);
         }
         const u16* tile = reinterpret_cast<const u16*>(apl_host_shared + TILE_AT);

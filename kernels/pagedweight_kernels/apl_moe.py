@@ -144,12 +144,18 @@ TILES_WIDE_NT8 = 12
 # bench/results/apl_gemv_staged_sweep.json, 2026-12-05): with the plane ring, 3-4 bits, staged
 # against the tiles and prefill regimes: Qwen1.5-MoE 64-1024 tokens 1.00x-2.06x faster, Mixtral
 # 128-1024 tokens 1.04x-2.1x faster, Mixtral 32 and 64 tokens (64 and 128 assignments) 1.03x-1.21x
-# slower; 8 bits 1.6x-3.1x slower (the 5-8-bit producers' shared-memory LUT lookups), so class 1
-# and mixed layers keep the tiles and prefill regimes.
+# slower; 8 bits 1.6x-3.1x slower (the 5-8-bit producers' shared-memory LUT lookups). Since
+# 2026-12-05 (fourth session; H100, one process, bench/results/apl_gemv_staged_lut_one.json) the
+# 5-8-bit and merged classes take it too, at STAGED_LUT_MIN_ASSIGNMENTS or more: with lane-banked LUT
+# rows, one CTA an SM and passes of 128 tokens, Mixtral 256 tokens 8 bits 1774.6 against the tiles
+# regime's 2757.6 us, mixed 1350.9 against 1863.3; Qwen1.5-MoE 256 tokens (1024 assignments) 8 bits
+# 738.6 against 765.7, mixed 480.2 against 567.9; at 128 and 256 assignments (Mixtral and Qwen1.5-MoE
+# 64 tokens) the tiles regime was faster (1384.3 against 1447.0, 554.1 against 713.2).
 _STAGED_ENV = os.environ.get("APL_STAGED_PREFILL", "")
 STAGED_PREFILL = _STAGED_ENV == "1"
-STAGED_CLASSES = frozenset() if _STAGED_ENV == "0" else frozenset({0})
+STAGED_CLASSES = frozenset() if _STAGED_ENV == "0" else frozenset({0, 1})
 STAGED_MIN_ASSIGNMENTS = 256
+STAGED_LUT_MIN_ASSIGNMENTS = 512  # layers with 5-8-bit blocks (class 1 alone or merged)
 # Passes of 8 * STAGED_WIDE_NT8 tokens for 3-4-bit layers in the staged regime (16: 128 tokens, the
 # consumer's m64n128 accumulators), where more than TILES_WIDE_NT8 and at most STAGED_WIDE_NT8 tiles
 # are wanted and the planes are read as 16-byte vectors (one pass instead of two of 64 tokens).
@@ -157,8 +163,9 @@ STAGED_MIN_ASSIGNMENTS = 256
 # faster; in place of the 96-token passes too it was 1-1.5% slower at Mixtral 256 tokens, so those
 # keep 96. 0: off (the instances are not compiled).
 STAGED_WIDE_NT8 = 16
-# The same for the 5-8-bit and merged classes (0: off), with the planes read as 16-byte vectors.
-STAGED_LUT_WIDE_NT8 = 0
+# The same for the 5-8-bit and merged classes (0: off), with the planes read as 16-byte vectors: at
+# Mixtral 256 tokens 8 bits 1774.6 against 2244.5 us in passes of 64 (H100, apl_gemv_staged_lut_one.json).
+STAGED_LUT_WIDE_NT8 = 16
 STAGED_ROWS, STAGED_THREADS, STAGED_STEP = 128, 256, 64  # the .cu's ST_ROWS, ST_THREADS, ST_KS
 STAGED_STAGES, STAGED_MAX_STAGES = 4, 8  # ring buffers wanted (fewer where shared memory is short); the .cu's most
 # Dynamic shared memory a CTA may take for 2 CTAs per SM (228 KB an SM, 1 KB reserved per CTA, the
@@ -212,8 +219,8 @@ KERNEL_DEFINES = {"APL_LDS_MODE": 1, "APL_RPG_DIV": 8, "APL_PREFETCH": 1, "APL_D
                   "APL_LUT_STAGGER": 1, "APL_TILES_WS": 0, "APL_TILES_WS_ROUNDS": 2, "APL_TILES_WS_BLOCKS": 2,
                   "APL_TILES_WS_WARPS": 1, "APL_TILES_WS_STAGES": 2, "APL_STAGED_PREFETCH": 2, "APL_STAGED_UNIT": 2, "APL_STAGED_BLOCKS": 2,
                   "APL_STAGED_REGS": 1, "APL_STAGED_PLANE_ASYNC": 1, "APL_STAGED_PRODUCER_FENCE": 1,
-                  "APL_STAGED_SKIP_PAD": 1, "APL_STAGED_TMA": 1, "APL_STAGED_LUT_LANES": 0, "APL_STAGED_PREFETCH_LUT": 1,
-                  "APL_STAGED_LUT_BLOCKS": 2}
+                  "APL_STAGED_SKIP_PAD": 1, "APL_STAGED_TMA": 2, "APL_STAGED_LUT_LANES": 1, "APL_STAGED_PREFETCH_LUT": 2,
+                  "APL_STAGED_LUT_BLOCKS": 1}
 
 
 def knob_overrides(text: str) -> dict[str, int]:
@@ -708,11 +715,13 @@ def staged_class(classes: dict[int, int]) -> tuple[int, int]:
 def staged_layer(layer: "APLLayer", num_tokens: int, top_k: int) -> bool:
     """Whether the staged regime is the faster one for this layer's calls of num_tokens tokens:
     every block of both projections in STAGED_CLASSES, and STAGED_MIN_ASSIGNMENTS assignments or
-    more (below them the tiles regime was faster at Mixtral size); any layer under STAGED_PREFILL."""
+    more for 3-4-bit layers, STAGED_LUT_MIN_ASSIGNMENTS for layers with 5-8-bit blocks (below them
+    the tiles regime was faster); any layer under STAGED_PREFILL."""
     if STAGED_PREFILL:
         return True
     classes = {cls for module in ("gate_up", "down") for cls in layer.classes[module]}
-    return classes <= STAGED_CLASSES and num_tokens * top_k >= STAGED_MIN_ASSIGNMENTS
+    least = STAGED_MIN_ASSIGNMENTS if classes <= {0} else STAGED_LUT_MIN_ASSIGNMENTS
+    return classes <= STAGED_CLASSES and num_tokens * top_k >= least
 
 
 def use_staged(plan: LaunchPlan, layer: "APLLayer", device: torch.device, legacy_decode: bool = False,

@@ -69,31 +69,38 @@
 // need 16 and 4), 46% of the kernel's wavefronts. Measured on an H100 (bench/results/
 // apl_gemv_staged_tma_sweep.json): 1.10-1.55x faster wherever the staged regime is taken (Mixtral 256
 // tokens, 4 bits: 892.9 against 1223.4 us), bit for bit. 0: those copies, into the no-swizzle layout.
-// 2: every class (the 5-8-bit and merged classes too, whose rings then start 1024-byte aligned).
+// 2 (the default since 2026-12-05, fourth session): every class (the 5-8-bit and merged classes too,
+// whose rings then start 1024-byte aligned; with their other knobs, H100, bench/results/
+// apl_gemv_staged_lut.json: Mixtral 256 tokens 8 bits 2221.7 against 4084.4 us with the copies).
 #ifndef APL_STAGED_TMA
-#define APL_STAGED_TMA 1
+#define APL_STAGED_TMA 2
 #endif
 // 1: the 5-8-bit rows' LUTs in shared memory lane-banked (lut_lane_index): entry e of local row lw
 // at byte 128 e + 4 (lw % 32) + 2 ((lw / 32) % 2) of its 64-row group, so producer lane i (row i of
 // its warp) only ever reads bank i and a warp's 32 lookups take one wavefront; row-major rows
 // (0) put every lane's entry e on bank e / 2, and 32 random codes take 3.45-3.53 wavefronts
 // (bench/staged_banks). The address is the code's byte (one PRMT) times 2^(B-1) plus the thread's
-// base (one IMAD), as many instructions as the row-major OR-merge.
+// base (one IMAD), as many instructions as the row-major OR-merge. The default since 2026-12-05
+// (H100, apl_gemv_staged_lut.json, the staged regime forced): Mixtral 64 tokens 8 bits 2574.5 against
+// 3452.2 us, Qwen1.5-MoE 256 tokens 926.7 against 1732.5.
 #ifndef APL_STAGED_LUT_LANES
-#define APL_STAGED_LUT_LANES 0
+#define APL_STAGED_LUT_LANES 1
 #endif
 // Units of plane words a 5-8-bit producer thread has in flight in registers (8 planes' words a unit:
 // 32 registers); 1 loads a unit only after the last one's steps, so every unit's latency is waited for.
+// 2 (the default): 4-9% faster than 1 at the 8-bit shapes timed (apl_gemv_staged_lut.json).
 #ifndef APL_STAGED_PREFETCH_LUT
-#define APL_STAGED_PREFETCH_LUT 1
+#define APL_STAGED_PREFETCH_LUT 2
 #endif
 #ifndef APL_STAGED_BLOCKS
 #define APL_STAGED_BLOCKS 2    // CTAs per SM the register budget must allow (2: 128 registers a thread)
 #endif
 // The same for the 5-8-bit and merged classes, whose LUT rows (64 KB at 8 bits) leave one CTA an SM
-// more ring buffers than two do (1: up to 255 registers a thread, no setmaxnreg split).
+// more ring buffers than two do (1: up to 255 registers a thread, no setmaxnreg split). 1 (the default):
+// Mixtral 64 tokens 8 bits 1445.5 against 2297.3 us, Qwen1.5-MoE 256 tokens 736.7 against 853.9
+// (H100, bench/results/apl_gemv_staged_lut_one.json: 4 ring buffers where 2 CTAs had 2).
 #ifndef APL_STAGED_LUT_BLOCKS
-#define APL_STAGED_LUT_BLOCKS 2
+#define APL_STAGED_LUT_BLOCKS 1
 #endif
 #define ST_THREADS 256
 #define ST_ROWS 128            // weight rows per CTA (two m64 wgmma per k16 slice)
@@ -173,7 +180,14 @@ APL_HD void dequant_chunks_smem(u32 base, const u32 (&pw)[8], uint4 (&chunk)[4])
 APL_HD int lut_lane_index(int lw, int ent, int room) {
     return (lw >> 6) * 64 * room + ent * 64 + (lw & 31) * 2 + ((lw >> 5) & 1);
 }
-APL_HD u32 lut_lane_base(u32 lut_start, int lw, int room) { return lut_start + 2u * (u32)lut_lane_index(lw, 0, room); }
+// Entry ent of local row lw in the layout APL_STAGED_LUT_LANES picks (in entries from the LUT's start),
+// and the shared address of the row's entry 0, which stage_weights reads from.
+APL_HD int staged_lut_index(int lw, int ent, int bits, int room) {
+    return APL_STAGED_LUT_LANES ? lut_lane_index(lw, ent, room) : lut_row_start(lw, bits, room) + ent;
+}
+APL_HD u32 staged_lut_base(u32 lut_start, int lw, int bits, int room) {
+    return lut_start + 2u * (u32)staged_lut_index(lw, 0, bits, room);
+}
 // The same dequantisation from the thread's lane-banked row at base: column 8L + k's code is byte L
 // of Codes' o[k] (code << (8 - B)), its entry 128 bytes a code from entry 0.
 template <int B>
@@ -374,8 +388,7 @@ APL_HD void staged_produce(const BlockRef& blk, const StagedWork& w, const int* 
     RegLut<(B <= 4 ? B : 4)> rlut;
     u32 lut_base = 0;
     if constexpr (B <= 4) rlut.load(blk.lut + (long long)wrow * (1 << B), true, BF16);
-    else if constexpr (APL_STAGED_LUT_LANES) lut_base = lut_lane_base(shared_addr(lut_s), pt, lut_stride);
-    else lut_base = shared_addr(lut_s + lut_row_start(pt, B, lut_stride));
+    else lut_base = staged_lut_base(shared_addr(lut_s), pt, B, lut_stride);
     // Unit u = steps Uu..Uu+U-1 = words Wu..Wu+W-1 of the row in every plane (clamped into the row:
     // columns past the end meet zero activations).
     auto load_unit = [&](u32 (&buf)[B][W], int u) {

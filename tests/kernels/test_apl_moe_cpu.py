@@ -645,8 +645,10 @@ def test_staged_instances_are_every_launch_staged_plan_can_make():
     assert picked <= set(listed) and len(set(listed)) == len(listed)
     assert "apl_staged<0, 0, true, true, 12>" in picked and "apl_staged<0, 0, true, false, 12>" not in listed
     assert "apl_staged<0, 0, true, true, 16>" in picked and "apl_staged<0, 0, true, false, 16>" not in listed
-    # projections x (alignments x the classes' powers of two, + the 3-4-bit class's 96 and 128 tokens, 16-byte loads only)
-    assert len(listed) == 2 * (2 * (3 + 3 + 3) + 2)
+    assert "apl_staged<1, 0, true, true, 16>" in picked and "apl_staged<1, 0, true, false, 16>" not in listed
+    # projections x (alignments x the classes' powers of two, + the 3-4-bit class's 96 and 128 tokens and
+    # the other classes' 128 (STAGED_LUT_WIDE_NT8), 16-byte loads only)
+    assert len(listed) == 2 * (2 * (3 + 3 + 3) + 2 + 2)
     assert op.staged_instances("false", (1,)) == [n.replace("true, ", "false, ", 1) for n in listed
                                                   if n.startswith(("apl_staged<0, 1,", "apl_staged<1, 1,",
                                                                    "apl_staged<2, 1,"))]

@@ -258,10 +258,10 @@ def test_either_activation_path_leaves_the_other_launches_bit_for_bit(cta_harnes
     # APL_STAGED_TMA flipped: the 3-4-bit class's B tiles by one tensor-map box a step (128-byte
     # swizzled, read by swizzled descriptors) or by the producers' cp.async copies (the knob test above
     # covers three launches; these are the 96-token case, a pass's box reaching past the tensor's last
-    # row, and a 5-8-bit one, which takes the copies either way)
+    # row, and a 5-8-bit one; 0 against 2, every class)
     case, instance = launch_case(name, seed=5)
     default = default_outputs(name, case)
-    flipped = {"APL_STAGED_TMA": 1 - op.KERNEL_DEFINES["APL_STAGED_TMA"]}
+    flipped = {"APL_STAGED_TMA": 0 if op.KERNEL_DEFINES["APL_STAGED_TMA"] else 2}
     monkeypatch.setitem(op.KERNEL_DEFINES, "APL_STAGED_TMA", flipped["APL_STAGED_TMA"])  # (planned with its pad)
     _, plan, lut_bits = planned(case)
     run = run_launch(cta_harness(instance, flipped), tmp_path, case, plan, lut_bits)
@@ -271,10 +271,13 @@ def test_either_activation_path_leaves_the_other_launches_bit_for_bit(cta_harnes
 
 # The 5-8-bit producers' knobs: the lane-banked LUT rows (and their fill), a second unit of plane words
 # in registers, and activations by TMA for every class (the 1024-byte alignment past LUT rows too).
-LUT_KNOBS = {"lut_lanes": {"APL_STAGED_LUT_LANES": 1},
-             "lut_lanes_prefetch_2": {"APL_STAGED_LUT_LANES": 1, "APL_STAGED_PREFETCH_LUT": 2},
-             "tma_every_class": {"APL_STAGED_TMA": 2},
-             "lut_lanes_tma_every_class": {"APL_STAGED_LUT_LANES": 1, "APL_STAGED_TMA": 2}}
+# Against the defaults (lane-banked, 2 units, TMA for every class, one CTA an SM): each flipped, and
+# the defaults before 2026-12-05's fourth session all at once.
+LUT_KNOBS = {"lut_lanes_flipped": {"APL_STAGED_LUT_LANES": "flip"},
+             "prefetch_1": {"APL_STAGED_PREFETCH_LUT": 1},
+             "copies": {"APL_STAGED_TMA": 1},
+             "earlier_defaults": {"APL_STAGED_LUT_LANES": "flip", "APL_STAGED_PREFETCH_LUT": 1, "APL_STAGED_TMA": 1,
+                                  "APL_STAGED_LUT_BLOCKS": 2}}
 
 
 @pytest.mark.parametrize("knob", list(LUT_KNOBS))
@@ -282,7 +285,7 @@ LUT_KNOBS = {"lut_lanes": {"APL_STAGED_LUT_LANES": 1},
 def test_lut_row_knobs_leave_the_launch_bit_for_bit(cta_harness, default_outputs, tmp_path, monkeypatch, name, knob):
     case, instance = launch_case(name, seed=5)
     default = default_outputs(name, case)
-    flipped = {define: 1 - value if define == "APL_STAGED_LUT_LANES" else value
+    flipped = {define: 1 - op.KERNEL_DEFINES[define] if value == "flip" else value
                for define, value in LUT_KNOBS[knob].items()}  # (lanes: the other layout than the default's)
     for define, value in flipped.items():  # (planned with the knobs: TMA's alignment pad)
         monkeypatch.setitem(op.KERNEL_DEFINES, define, value)
@@ -345,9 +348,10 @@ def test_producer_stores_and_copies_take_the_fewest_wavefronts(tmp_path, plane_a
 
 @pytest.mark.parametrize("bits, room, stagger", [(8, 256, 1), (6, 64, 1), (5, 256, 1), (5, 256, 0)])
 def test_lut_lookups_cost_what_the_bank_model_says(tmp_path, bits, room, stagger):
-    # the kernel's own lookups (32 rows, a lane each; 5-bit rows in 256-entry rooms staggered by
+    # the kernel's own lookups from row-major LUT rows (APL_STAGED_LUT_LANES 0; 32 rows, a lane each; 5-bit rows in 256-entry rooms staggered by
     # APL_LUT_STAGGER or not) against bench/lut_bank_model over random codes
-    got = staged_banks.count(f"{bits} bits", bits, {"APL_LUT_STAGGER": stagger}, room != 1 << bits, tmp_path)
+    got = staged_banks.count(f"{bits} bits", bits, {"APL_LUT_STAGGER": stagger, "APL_STAGED_LUT_LANES": 0},
+                             room != 1 << bits, tmp_path)
     got = got["kinds"]["LDS.U16"]
     model = lut_bank_model.mean_wavefronts(bits, room, bool(stagger), 4000, random.Random(0), rows=32, lanes=1)
     assert abs(got["wavefronts"] / got["instructions"] - model) < 0.1, (got, model)
