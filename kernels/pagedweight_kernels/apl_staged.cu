@@ -71,7 +71,8 @@
 // tokens, 4 bits: 892.9 against 1223.4 us), bit for bit. 0: those copies, into the no-swizzle layout.
 // 2 (the default since 2026-12-05, fourth session): every class (the 5-8-bit and merged classes too,
 // whose rings then start 1024-byte aligned; with their other knobs, H100, bench/results/
-// apl_gemv_staged_lut.json: Mixtral 256 tokens 8 bits 2221.7 against 4084.4 us with the copies).
+// apl_gemv_staged_lut.json: Mixtral 256 tokens 8 bits 2221.7 against 4084.4 us with the copies, where
+// the alignment also left one CTA an SM with 4 ring buffers; at one CTA an SM either way, 0-11% faster).
 #ifndef APL_STAGED_TMA
 #define APL_STAGED_TMA 2
 #endif
@@ -88,7 +89,8 @@
 #endif
 // Units of plane words a 5-8-bit producer thread has in flight in registers (8 planes' words a unit:
 // 32 registers); 1 loads a unit only after the last one's steps, so every unit's latency is waited for.
-// 2 (the default): 4-9% faster than 1 at the 8-bit shapes timed (apl_gemv_staged_lut.json).
+// 2 (the default): 4-8% faster than 1 at the 8-bit shapes timed, -3% to +2% at mixed ones
+// (apl_gemv_staged_lut.json); 4 was 2-16% slower than 2 (apl_gemv_staged_lut_one.json).
 #ifndef APL_STAGED_PREFETCH_LUT
 #define APL_STAGED_PREFETCH_LUT 2
 #endif
