@@ -660,7 +660,7 @@ def staged_plan(mode: int, num_tokens: int, top_k: int, num_experts: int, rows_o
     lut = STAGED_ROWS * (1 << lut_bits) * 2 if lut_bits else 0
     planes = staged_plane_ring_bytes(cls, nt8, aligned16)
     stage = (STAGED_ROWS + tokens) * STAGED_STEP * 2  # the A tile, then the B tile
-    for budget in STAGED_CTA_SHARED[2 - staged_blocks(cls):]:  # (one CTA an SM: its budget only)
+    for budget in STAGED_CTA_SHARED[-1:] if staged_blocks(cls) == 1 else STAGED_CTA_SHARED:  # (one CTA an SM: its budget)
         stages = min(STAGED_STAGES, STAGED_MAX_STAGES, (budget - staged_align_pad(cls) - lut - planes) // stage)
         if stages >= 2:
             break

@@ -593,7 +593,8 @@ def test_staged_plan_passes_grid_and_a_ring_that_leaves_two_ctas_per_sm():
     """The staged regime's launches: passes as the tiles regime picks them (96 tokens for 3-4-bit
     layers where it would), row tiles of 64 gate + 64 up rows (gate_up) or 128 rows (down), and
     shared memory (LUT rows of the widest 5-8-bit block, then the ring of A + B tiles, then the
-    3-4-bit class's plane ring) for 2 CTAs an SM with at least 2 buffers, 8-bit LUT rows included."""
+    3-4-bit class's plane ring) for 2 CTAs an SM with at least 2 buffers (3-4-bit class), or for one
+    (the classes with LUT rows, compiled for one CTA an SM: staged_blocks), 8-bit LUT rows included."""
     import pagedweight_kernels.apl_moe as op
 
     gate_up = op.staged_plan(0, 256, 2, 8, 14336, 0, 0, 8)  # Mixtral-size prefill, 256 tokens, 3-4 bits
@@ -609,8 +610,12 @@ def test_staged_plan_passes_grid_and_a_ring_that_leaves_two_ctas_per_sm():
         planes = op.staged_plane_ring_bytes(0, plan.tiles, True) if lut_bits == 0 else 0  # (class 0)
         cls = 0 if lut_bits == 0 else 1  # (the plans above: class 0, or a class with LUT rows)
         assert plan.shared_bytes == op.staged_align_pad(cls) + lut + plan.stages * stage + planes
-        assert plan.shared_bytes <= op.STAGED_CTA_SHARED[0]
-    assert op.staged_plan(0, 256, 2, 8, 14336, 1, 8, 8).tiles == 8  # no 96-token passes at 5-8 bits
+        assert plan.shared_bytes <= op.STAGED_CTA_SHARED[0 if op.staged_blocks(cls) == 2 else -1]
+    assert op.staged_blocks(0) == 2 and op.staged_blocks(1) == op.staged_blocks(2) == 1
+    assert op.staged_plan(0, 256, 2, 8, 14336, 1, 8, 8).stages == op.STAGED_STAGES  # (one CTA: room for all)
+    # at 5-8 bits passes of 128 tokens (STAGED_LUT_WIDE_NT8), not 96; with 4-byte plane loads none wider than 64
+    assert op.staged_plan(0, 256, 2, 8, 14336, 1, 8, 8).tiles == 16
+    assert op.staged_plan(0, 256, 2, 8, 14336, 1, 8, 8, aligned16=False).tiles == 8
     # nor with 4-byte plane loads (those instances spill at 96 tokens: bench/results/staged_sass.json)
     assert op.staged_plan(0, 256, 2, 8, 14336, 0, 0, 8, aligned16=False).tiles == 8
     assert op.staged_plan(0, 400, 2, 8, 384, 0, 0, 8).grid[2] == 2  # 100 tokens an expert: 2 groups of passes of 64
@@ -621,12 +626,12 @@ def test_staged_plan_refuses_a_ring_of_one_buffer(monkeypatch):
     issued): where shared memory holds fewer than 2, the plan is an error, not a launch."""
     import pagedweight_kernels.apl_moe as op
 
-    stage = (op.STAGED_ROWS + 64) * op.STAGED_STEP * 2
-    monkeypatch.setattr(op, "STAGED_CTA_SHARED", (op.STAGED_ALIGN_PAD + 2 * stage - 1,))
+    stage = (op.STAGED_ROWS + 64) * op.STAGED_STEP * 2  # (128 tokens, 32 an expert: passes of 64)
+    monkeypatch.setattr(op, "STAGED_CTA_SHARED", (op.staged_align_pad(1) + 2 * stage - 1,))
     with pytest.raises(op.APLKernelError, match="2 ring buffers"):
-        op.staged_plan(0, 256, 2, 8, 4096, 1, 0, 8)
-    monkeypatch.setattr(op, "STAGED_CTA_SHARED", (op.STAGED_ALIGN_PAD + 2 * stage,))
-    assert op.staged_plan(0, 256, 2, 8, 4096, 1, 0, 8).stages == 2
+        op.staged_plan(0, 128, 2, 8, 4096, 1, 0, 8)
+    monkeypatch.setattr(op, "STAGED_CTA_SHARED", (op.staged_align_pad(1) + 2 * stage,))
+    assert op.staged_plan(0, 128, 2, 8, 4096, 1, 0, 8).stages == 2
 
 
 def test_staged_instances_are_every_launch_staged_plan_can_make():
@@ -680,7 +685,7 @@ def test_staged_class_and_the_rule_that_takes_the_staged_regime(monkeypatch):
     assert not op.use_staged(tiles, layer, hopper, num_tokens=100, top_k=2)  # mixed bits: not by default
 
 
-def test_the_default_staged_rule_takes_3_4_bit_layers_from_256_assignments(monkeypatch):
+def test_the_default_staged_rule_takes_3_4_bit_layers_from_256_assignments_and_others_from_512(monkeypatch):
     import pagedweight_kernels.apl_moe as op
 
     monkeypatch.setattr(op, "STAGED_PREFILL", False)
@@ -697,8 +702,10 @@ def test_the_default_staged_rule_takes_3_4_bit_layers_from_256_assignments(monke
     # below the threshold the tiles regime was faster (Mixtral 32 and 64 tokens)
     assert not op.staged_layer(low, 127, 2) and op.staged_layer(low, 64, 4)
     assert not op.use_staged(tiles, low, hopper, num_tokens=127, top_k=2)
-    # one 5-8-bit block anywhere in the layer: the tiles and prefill regimes
-    assert not op.staged_layer(with_8, 1000, 2)
+    # one 5-8-bit block anywhere in the layer (the merged class): from 512 assignments (STAGED_LUT_MIN_ASSIGNMENTS)
+    assert op.staged_layer(with_8, 1000, 2) and op.staged_layer(with_8, 256, 2)
+    assert not op.staged_layer(with_8, 255, 2) and not op.staged_layer(with_8, 128, 2)
+    assert op.use_staged(prefill, with_8, hopper, num_tokens=1000, top_k=2)
     # not on other GPUs, not under stable launches, not for decode
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     assert not op.use_staged(tiles, low, hopper, num_tokens=128, top_k=2)  # (the same device, now sm_80)
