@@ -88,6 +88,11 @@ VARIANTS = {  # name -> (define changes, host changes: HOST_KNOBS and LAYER_SWIT
     "staged_lut_one_wide": ({**LUT_BEST, "APL_STAGED_LUT_BLOCKS": 1}, {"STAGED_PREFILL": True, "STAGED_LUT_WIDE_NT8": 16}),
     "staged_lut_one_wide_p4": ({**LUT_BEST, "APL_STAGED_LUT_BLOCKS": 1, "APL_STAGED_PREFETCH_LUT": 4},
                                {"STAGED_PREFILL": True, "STAGED_LUT_WIDE_NT8": 16}),
+    # at the defaults since d2f4365, every prefill call staged: and the 5-8-bit plane words by cp.async
+    "staged_all": ({}, {"STAGED_PREFILL": True}),
+    "staged_pa_all": ({"APL_STAGED_PLANE_ASYNC_LUT": 1}, {"STAGED_PREFILL": True}),
+    "staged_pa_p3_all": ({"APL_STAGED_PLANE_ASYNC_LUT": 1, "APL_STAGED_PREFETCH_LUT": 3}, {"STAGED_PREFILL": True}),
+    "staged_pa_nofence_all": ({"APL_STAGED_PLANE_ASYNC_LUT": 1, "APL_STAGED_PRODUCER_FENCE": 0}, {"STAGED_PREFILL": True}),
     "tiles_only": ({}, {"STAGED_CLASSES": frozenset()}),  # the staged regime nowhere: the tiles and prefill regimes
     "staged_async_narrow": ({"APL_STAGED_PLANE_ASYNC": 1}, {"STAGED_PREFILL": True, "TILES_WIDE_NT8": 0}),  # no 96-token passes
     "staged_s2": ({}, {"STAGED_PREFILL": True, "STAGED_STAGES": 2}),  # a ring of two buffers

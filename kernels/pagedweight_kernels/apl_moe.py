@@ -220,7 +220,7 @@ KERNEL_DEFINES = {"APL_LDS_MODE": 1, "APL_RPG_DIV": 8, "APL_PREFETCH": 1, "APL_D
                   "APL_TILES_WS_WARPS": 1, "APL_TILES_WS_STAGES": 2, "APL_STAGED_PREFETCH": 2, "APL_STAGED_UNIT": 2, "APL_STAGED_BLOCKS": 2,
                   "APL_STAGED_REGS": 1, "APL_STAGED_PLANE_ASYNC": 1, "APL_STAGED_PRODUCER_FENCE": 1,
                   "APL_STAGED_SKIP_PAD": 1, "APL_STAGED_TMA": 2, "APL_STAGED_LUT_LANES": 1, "APL_STAGED_PREFETCH_LUT": 2,
-                  "APL_STAGED_LUT_BLOCKS": 1}
+                  "APL_STAGED_LUT_BLOCKS": 1, "APL_STAGED_PLANE_ASYNC_LUT": 0}
 
 
 def knob_overrides(text: str) -> dict[str, int]:
@@ -658,7 +658,7 @@ def staged_plan(mode: int, num_tokens: int, top_k: int, num_experts: int, rows_o
     groups = max(1, min(math.ceil(num_tokens / tokens), math.ceil(per_expert / tokens)))
     rpc = STAGED_ROWS // 2 if mode == 0 else STAGED_ROWS
     lut = STAGED_ROWS * (1 << lut_bits) * 2 if lut_bits else 0
-    planes = staged_plane_ring_bytes(cls, nt8, aligned16)
+    planes = staged_plane_ring_bytes(cls, nt8, aligned16, lut_bits)
     stage = (STAGED_ROWS + tokens) * STAGED_STEP * 2  # the A tile, then the B tile
     for budget in STAGED_CTA_SHARED[-1:] if staged_blocks(cls) == 1 else STAGED_CTA_SHARED:  # (one CTA an SM: its budget)
         stages = min(STAGED_STAGES, STAGED_MAX_STAGES, (budget - staged_align_pad(cls) - lut - planes) // stage)
@@ -672,15 +672,19 @@ def staged_plan(mode: int, num_tokens: int, top_k: int, num_experts: int, rows_o
                     stages)
 
 
-def staged_plane_ring_bytes(cls: int, nt8: int, aligned16: bool) -> int:
-    """The producers' plane ring past the ring buffers (APL_STAGED_PLANE_ASYNC, the 3-4-bit class
-    only): per weight row, APL_STAGED_PREFETCH unit slots of 4 planes x 2 words a step, units of
+def staged_plane_ring_bytes(cls: int, nt8: int, aligned16: bool, lut_bits: int = 0) -> int:
+    """The producers' plane ring past the ring buffers (APL_STAGED_PLANE_ASYNC: the 3-4-bit class;
+    with APL_STAGED_PLANE_ASYNC_LUT the others too): per weight row, the largest of its widths' slots.
+    3-4-bit rows: APL_STAGED_PREFETCH unit slots of 4 planes x 2 words a step, units of
     APL_STAGED_UNIT steps where the kernel takes them (16-byte plane loads, passes of up to 64
-    tokens), else 2."""
-    if not KERNEL_DEFINES["APL_STAGED_PLANE_ASYNC"] or cls != 0:
+    tokens), else 2. 5-8-bit rows (lut_bits planes, the launch's widest): APL_STAGED_PREFETCH_LUT
+    slots (1 with 4-byte plane loads) of units of 2 steps."""
+    if not KERNEL_DEFINES["APL_STAGED_PLANE_ASYNC"] or (cls != 0 and not KERNEL_DEFINES["APL_STAGED_PLANE_ASYNC_LUT"]):
         return 0
     unit = KERNEL_DEFINES["APL_STAGED_UNIT"] if aligned16 and nt8 <= TILES_MAX_NT8 else 2
-    return STAGED_ROWS * KERNEL_DEFINES["APL_STAGED_PREFETCH"] * 4 * (2 * unit) * 4
+    low = KERNEL_DEFINES["APL_STAGED_PREFETCH"] * 4 * (2 * unit) if cls != 1 else 0
+    high = (KERNEL_DEFINES["APL_STAGED_PREFETCH_LUT"] if aligned16 else 1) * lut_bits * 4 if cls != 0 else 0
+    return STAGED_ROWS * max(low, high) * 4
 
 
 def staged_instances(flag: str, modes: tuple[int, ...] = (0, 1), bit_classes=None) -> list[str]:

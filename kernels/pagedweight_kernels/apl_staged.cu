@@ -45,6 +45,13 @@
 #ifndef APL_STAGED_PLANE_ASYNC
 #define APL_STAGED_PLANE_ASYNC 1
 #endif
+// 1: the same for the 5-8-bit and merged classes (their plane ring sized for the launch's widest rows,
+// past the LUT rows and ring buffers; staged_plane_ring_bytes). Nsight on Mixtral 256 tokens, 8 bits
+// (2026-12-05, fourth session): the producers' long-scoreboard waits on their plane words in registers
+// were the largest stall after the consumers' barrier wait.
+#ifndef APL_STAGED_PLANE_ASYNC_LUT
+#define APL_STAGED_PLANE_ASYNC_LUT 0
+#endif
 // 0: the producers skip their per-step fence.proxy.async (MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S), and
 // the consumers' fence after each full wait is the one proxy fence between the producers' stores and
 // the wgmma that read them. The PTX memory model asks for an async proxy fence somewhere on the
@@ -412,7 +419,6 @@ APL_HD void staged_produce(const BlockRef& blk, const StagedWork& w, const int* 
     // PA: unit u's words land in slot u % P of the thread's plane ring ([slot][plane][thread][W
     // words]), one commit group a unit; past the row's last unit the group is empty, so no copy is
     // ever in flight to a slot that is being read or refilled.
-    static_assert(!PA || B <= 4, "plane words by cp.async for 3-4-bit rows only");
     const u32 plane_ring = stage_a<NT8>(w, w.stages) + (u32)pt * (W * 4);
     auto plane_slot = [&](int d, int p) { return plane_ring + (u32)((d * B + p) * ST_ROWS * W * 4); };
     auto issue_unit = [&](int d, int u) {
@@ -693,14 +699,16 @@ APL_HD void staged_cta(const long long* __restrict__ desc, const int* __restrict
         }
         producer_barrier();
     }
-    constexpr bool PA = APL_STAGED_PLANE_ASYNC && CLS == 0;  // (the other classes' shared memory holds LUT rows)
+    // (the other classes' shared memory holds LUT rows too: their plane ring only with APL_STAGED_PLANE_ASYNC_LUT)
+    constexpr bool PA_LUT = APL_STAGED_PLANE_ASYNC && APL_STAGED_PLANE_ASYNC_LUT && CLS != 0;
+    constexpr bool PA = (APL_STAGED_PLANE_ASYNC && CLS == 0) || PA_LUT;
     switch (blk.bits) {
         case 3: if constexpr (CLS != 1) staged_produce<3, MODE, BF16, V4, NT8, PA, TMA>(blk, w, sorted_slot, top_k, x, lut_s, lut_stride, act_map); break;
         case 4: if constexpr (CLS != 1) staged_produce<4, MODE, BF16, V4, NT8, PA, TMA>(blk, w, sorted_slot, top_k, x, lut_s, lut_stride, act_map); break;
-        case 5: if constexpr (CLS != 0) staged_produce<5, MODE, BF16, V4, NT8, false, TMA>(blk, w, sorted_slot, top_k, x, lut_s, lut_stride, act_map); break;
-        case 6: if constexpr (CLS != 0) staged_produce<6, MODE, BF16, V4, NT8, false, TMA>(blk, w, sorted_slot, top_k, x, lut_s, lut_stride, act_map); break;
-        case 7: if constexpr (CLS != 0) staged_produce<7, MODE, BF16, V4, NT8, false, TMA>(blk, w, sorted_slot, top_k, x, lut_s, lut_stride, act_map); break;
-        default: if constexpr (CLS != 0) staged_produce<8, MODE, BF16, V4, NT8, false, TMA>(blk, w, sorted_slot, top_k, x, lut_s, lut_stride, act_map); break;
+        case 5: if constexpr (CLS != 0) staged_produce<5, MODE, BF16, V4, NT8, PA_LUT, TMA>(blk, w, sorted_slot, top_k, x, lut_s, lut_stride, act_map); break;
+        case 6: if constexpr (CLS != 0) staged_produce<6, MODE, BF16, V4, NT8, PA_LUT, TMA>(blk, w, sorted_slot, top_k, x, lut_s, lut_stride, act_map); break;
+        case 7: if constexpr (CLS != 0) staged_produce<7, MODE, BF16, V4, NT8, PA_LUT, TMA>(blk, w, sorted_slot, top_k, x, lut_s, lut_stride, act_map); break;
+        default: if constexpr (CLS != 0) staged_produce<8, MODE, BF16, V4, NT8, PA_LUT, TMA>(blk, w, sorted_slot, top_k, x, lut_s, lut_stride, act_map); break;
     }
 }
 
