@@ -150,12 +150,17 @@ TILES_WIDE_NT8 = 12
 # rows, one CTA an SM and passes of 128 tokens, Mixtral 256 tokens 8 bits 1774.6 against the tiles
 # regime's 2757.6 us, mixed 1350.9 against 1863.3; Qwen1.5-MoE 256 tokens (1024 assignments) 8 bits
 # 738.6 against 765.7, mixed 480.2 against 567.9; at 128 and 256 assignments (Mixtral and Qwen1.5-MoE
-# 64 tokens) the tiles regime was faster (1384.3 against 1447.0, 554.1 against 713.2).
+# 64 tokens) the tiles regime was faster (1384.3 against 1447.0, 554.1 against 713.2) until the plane
+# words came by cp.async too (STAGED_LUT_MIN_PER_EXPERT).
 _STAGED_ENV = os.environ.get("APL_STAGED_PREFILL", "")
 STAGED_PREFILL = _STAGED_ENV == "1"
 STAGED_CLASSES = frozenset() if _STAGED_ENV == "0" else frozenset({0, 1})
 STAGED_MIN_ASSIGNMENTS = 256
-STAGED_LUT_MIN_ASSIGNMENTS = 512  # layers with 5-8-bit blocks (class 1 alone or merged)
+# Layers with 5-8-bit blocks (class 1 alone or merged) from STAGED_LUT_MIN_PER_EXPERT assignments an
+# expert (their plane words by cp.async, 62cc15a, H100, apl_gemv_staged_lut_pa.json: Mixtral 64 tokens
+# 8 bits, 16 an expert, staged 1309.0 against the tiles regime's 1402.6 us; Qwen1.5-MoE 256 tokens, 17,
+# 668.6 against 743.2; Qwen1.5-MoE 64 tokens, 4.3, 646.6 against 551.8, so the tiles regime there).
+STAGED_LUT_MIN_PER_EXPERT = 16
 # Passes of 8 * STAGED_WIDE_NT8 tokens for 3-4-bit layers in the staged regime (16: 128 tokens, the
 # consumer's m64n128 accumulators), where more than TILES_WIDE_NT8 and at most STAGED_WIDE_NT8 tiles
 # are wanted and the planes are read as 16-byte vectors (one pass instead of two of 64 tokens).
@@ -220,7 +225,7 @@ KERNEL_DEFINES = {"APL_LDS_MODE": 1, "APL_RPG_DIV": 8, "APL_PREFETCH": 1, "APL_D
                   "APL_TILES_WS_WARPS": 1, "APL_TILES_WS_STAGES": 2, "APL_STAGED_PREFETCH": 2, "APL_STAGED_UNIT": 2, "APL_STAGED_BLOCKS": 2,
                   "APL_STAGED_REGS": 1, "APL_STAGED_PLANE_ASYNC": 1, "APL_STAGED_PRODUCER_FENCE": 1,
                   "APL_STAGED_SKIP_PAD": 1, "APL_STAGED_TMA": 2, "APL_STAGED_LUT_LANES": 1, "APL_STAGED_PREFETCH_LUT": 2,
-                  "APL_STAGED_LUT_BLOCKS": 1, "APL_STAGED_PLANE_ASYNC_LUT": 0}
+                  "APL_STAGED_LUT_BLOCKS": 1, "APL_STAGED_PLANE_ASYNC_LUT": 1}
 
 
 def knob_overrides(text: str) -> dict[str, int]:
@@ -719,13 +724,14 @@ def staged_class(classes: dict[int, int]) -> tuple[int, int]:
 def staged_layer(layer: "APLLayer", num_tokens: int, top_k: int) -> bool:
     """Whether the staged regime is the faster one for this layer's calls of num_tokens tokens:
     every block of both projections in STAGED_CLASSES, and STAGED_MIN_ASSIGNMENTS assignments or
-    more for 3-4-bit layers, STAGED_LUT_MIN_ASSIGNMENTS for layers with 5-8-bit blocks (below them
-    the tiles regime was faster); any layer under STAGED_PREFILL."""
+    more for 3-4-bit layers, STAGED_LUT_MIN_PER_EXPERT an expert for layers with 5-8-bit blocks (below
+    them the tiles regime was faster); any layer under STAGED_PREFILL."""
     if STAGED_PREFILL:
         return True
     classes = {cls for module in ("gate_up", "down") for cls in layer.classes[module]}
-    least = STAGED_MIN_ASSIGNMENTS if classes <= {0} else STAGED_LUT_MIN_ASSIGNMENTS
-    return classes <= STAGED_CLASSES and num_tokens * top_k >= least
+    if classes <= {0}:
+        return classes <= STAGED_CLASSES and num_tokens * top_k >= STAGED_MIN_ASSIGNMENTS
+    return classes <= STAGED_CLASSES and num_tokens * top_k >= STAGED_LUT_MIN_PER_EXPERT * layer.num_experts
 
 
 def use_staged(plan: LaunchPlan, layer: "APLLayer", device: torch.device, legacy_decode: bool = False,

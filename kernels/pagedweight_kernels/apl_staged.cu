@@ -48,9 +48,11 @@
 // 1: the same for the 5-8-bit and merged classes (their plane ring sized for the launch's widest rows,
 // past the LUT rows and ring buffers; staged_plane_ring_bytes). Nsight on Mixtral 256 tokens, 8 bits
 // (2026-12-05, fourth session): the producers' long-scoreboard waits on their plane words in registers
-// were the largest stall after the consumers' barrier wait.
+// were the largest stall after the consumers' barrier wait. 1 (the default since 62cc15a; H100,
+// bench/results/apl_gemv_staged_lut_pa.json): Mixtral 256 tokens 8 bits 1581.9 against 1751.8 us,
+// Qwen1.5-MoE 256 tokens 668.6 against 742.9, mixed 1-3% faster; 3 units in the ring were slower.
 #ifndef APL_STAGED_PLANE_ASYNC_LUT
-#define APL_STAGED_PLANE_ASYNC_LUT 0
+#define APL_STAGED_PLANE_ASYNC_LUT 1
 #endif
 // 0: the producers skip their per-step fence.proxy.async (MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S), and
 // the consumers' fence after each full wait is the one proxy fence between the producers' stores and

@@ -607,8 +607,8 @@ def test_staged_plan_passes_grid_and_a_ring_that_leaves_two_ctas_per_sm():
         lut = op.STAGED_ROWS * (1 << lut_bits) * 2 if lut_bits else 0
         stage = (op.STAGED_ROWS + plan.tokens) * op.STAGED_STEP * 2
         assert 2 <= plan.stages <= op.STAGED_STAGES
-        planes = op.staged_plane_ring_bytes(0, plan.tiles, True) if lut_bits == 0 else 0  # (class 0)
         cls = 0 if lut_bits == 0 else 1  # (the plans above: class 0, or a class with LUT rows)
+        planes = op.staged_plane_ring_bytes(cls, plan.tiles, True, lut_bits)
         assert plan.shared_bytes == op.staged_align_pad(cls) + lut + plan.stages * stage + planes
         assert plan.shared_bytes <= op.STAGED_CTA_SHARED[0 if op.staged_blocks(cls) == 2 else -1]
     assert op.staged_blocks(0) == 2 and op.staged_blocks(1) == op.staged_blocks(2) == 1
@@ -682,10 +682,12 @@ def test_staged_class_and_the_rule_that_takes_the_staged_regime(monkeypatch):
     assert not op.use_staged(tiles, layer, hopper)
     layer.stable_launches = False
     monkeypatch.setattr(op, "STAGED_PREFILL", False)
-    assert not op.use_staged(tiles, layer, hopper, num_tokens=100, top_k=2)  # mixed bits: not by default
+    # mixed bits: by default from 16 assignments an expert (100 tokens x 2 over 8 experts: 25)
+    assert op.use_staged(tiles, layer, hopper, num_tokens=100, top_k=2)
+    assert not op.use_staged(tiles, layer, hopper, num_tokens=60, top_k=2)
 
 
-def test_the_default_staged_rule_takes_3_4_bit_layers_from_256_assignments_and_others_from_512(monkeypatch):
+def test_the_default_staged_rule_takes_3_4_bit_layers_from_256_assignments_others_from_16_an_expert(monkeypatch):
     import pagedweight_kernels.apl_moe as op
 
     monkeypatch.setattr(op, "STAGED_PREFILL", False)
@@ -702,9 +704,9 @@ def test_the_default_staged_rule_takes_3_4_bit_layers_from_256_assignments_and_o
     # below the threshold the tiles regime was faster (Mixtral 32 and 64 tokens)
     assert not op.staged_layer(low, 127, 2) and op.staged_layer(low, 64, 4)
     assert not op.use_staged(tiles, low, hopper, num_tokens=127, top_k=2)
-    # one 5-8-bit block anywhere in the layer (the merged class): from 512 assignments (STAGED_LUT_MIN_ASSIGNMENTS)
-    assert op.staged_layer(with_8, 1000, 2) and op.staged_layer(with_8, 256, 2)
-    assert not op.staged_layer(with_8, 255, 2) and not op.staged_layer(with_8, 128, 2)
+    # one 5-8-bit block anywhere in the layer (the merged class): from 16 assignments an expert (STAGED_LUT_MIN_PER_EXPERT)
+    assert op.staged_layer(with_8, 1000, 2) and op.staged_layer(with_8, 64, 2)
+    assert not op.staged_layer(with_8, 63, 2) and not op.staged_layer(with_8, 32, 2)
     assert op.use_staged(prefill, with_8, hopper, num_tokens=1000, top_k=2)
     # not on other GPUs, not under stable launches, not for decode
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))

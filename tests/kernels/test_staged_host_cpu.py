@@ -276,10 +276,10 @@ def test_either_activation_path_leaves_the_other_launches_bit_for_bit(cta_harnes
 LUT_KNOBS = {"lut_lanes_flipped": {"APL_STAGED_LUT_LANES": "flip"},
              "prefetch_1": {"APL_STAGED_PREFETCH_LUT": 1},
              "copies": {"APL_STAGED_TMA": 1},
-             "plane_ring": {"APL_STAGED_PLANE_ASYNC_LUT": 1},
-             "plane_ring_prefetch_3": {"APL_STAGED_PLANE_ASYNC_LUT": 1, "APL_STAGED_PREFETCH_LUT": 3},
+             "plane_words_in_registers": {"APL_STAGED_PLANE_ASYNC_LUT": 0},
+             "plane_ring_prefetch_3": {"APL_STAGED_PREFETCH_LUT": 3},
              "earlier_defaults": {"APL_STAGED_LUT_LANES": "flip", "APL_STAGED_PREFETCH_LUT": 1, "APL_STAGED_TMA": 1,
-                                  "APL_STAGED_LUT_BLOCKS": 2}}
+                                  "APL_STAGED_LUT_BLOCKS": 2, "APL_STAGED_PLANE_ASYNC_LUT": 0}}
 
 
 @pytest.mark.parametrize("knob", list(LUT_KNOBS))
