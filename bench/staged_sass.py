@@ -35,7 +35,7 @@ __global__ void __launch_bounds__(ST_THREADS, staged_blocks<(B <= 4 ? 0 : 1)>())
     const long long* __restrict__ desc, StagedWork w, const int* __restrict__ sorted_slot, int top_k,
     const u16* __restrict__ x, const u16* lut_s, int lut_stride, const __grid_constant__ StagedTensorMap act_map) {
     if constexpr (APL_STAGED_REGS && staged_blocks<(B <= 4 ? 0 : 1)>() == 2) set_warpgroup_registers<StagedRegs<NT8>::producer>();
-    staged_produce<B, MODE, BF16, V4, NT8, APL_STAGED_PLANE_ASYNC && B <= 4, staged_tma<(B <= 4 ? 0 : 1)>()>(
+    staged_produce<B, MODE, BF16, V4, NT8, APL_STAGED_PLANE_ASYNC && (B <= 4 || APL_STAGED_PLANE_ASYNC_LUT), staged_tma<(B <= 4 ? 0 : 1)>()>(
         load_block(desc, 0), w, sorted_slot, top_k, x, lut_s, lut_stride, act_map);
 }
 """
@@ -85,7 +85,7 @@ def main(argv=None) -> int:
     op, _ = sass_mix._kernels()
     names = op.staged_instances(flag)
     # the producer loops the layer calls take: gate_up, 16-byte plane loads, every pass width per width
-    probes = [(bits, 0, flag, "true", nt8) for bits in range(3, 9) for nt8 in op.tiles_choices(0 if bits <= 4 else 1)
+    probes = [(bits, 0, flag, "true", nt8) for bits in range(3, 9) for nt8 in op.staged_choices(0 if bits <= 4 else 1)
               if nt8 > 1]
     total, kernels, loops = len(names) + len(probes), [], []
     with tempfile.TemporaryDirectory() as tmp:
