@@ -282,8 +282,10 @@ LUT_KNOBS = {"lut_lanes_flipped": {"APL_STAGED_LUT_LANES": "flip"},
                                   "APL_STAGED_LUT_BLOCKS": 2, "APL_STAGED_PLANE_ASYNC_LUT": 0}}
 
 
-@pytest.mark.parametrize("knob", list(LUT_KNOBS))
-@pytest.mark.parametrize("name", ["gate_up_5_8_bits_two_pass_groups", "down_merged_class"])
+# (each pair builds a harness: the layout and the earlier defaults on both launches, the rest on the merged one)
+@pytest.mark.parametrize("name, knob", [(name, knob) for knob in LUT_KNOBS
+                                        for name in ("gate_up_5_8_bits_two_pass_groups", "down_merged_class")
+                                        if name == "down_merged_class" or knob in ("lut_lanes_flipped", "earlier_defaults")])
 def test_lut_row_knobs_leave_the_launch_bit_for_bit(cta_harness, default_outputs, tmp_path, monkeypatch, name, knob):
     case, instance = launch_case(name, seed=5)
     default = default_outputs(name, case)
