@@ -170,24 +170,9 @@ APL_HD void dequant_chunks_reg(const RegLut<B>& lut, const u32 (&pw)[8], uint4 (
         chunk[j] = make_uint4(p01, p23, p45, p67);
     }
 }
-// The same for 5-8 bits, from the row's LUT in shared memory (base: aligned to its size).
-template <int B>
-APL_HD void dequant_chunks_smem(u32 base, const u32 (&pw)[8], uint4 (&chunk)[4]) {
-    const Codes<B> c(pw);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        u32 v[4];
-#pragma unroll
-        for (int m = 0; m < 4; ++m)
-            v[m] = (u32)lds_u16(base | c.template offset<1>(8 * j + 2 * m)) |
-                   ((u32)lds_u16(base | c.template offset<1>(8 * j + 2 * m + 1)) << 16);
-        chunk[j] = make_uint4(v[0], v[1], v[2], v[3]);
-    }
-}
-
-// The lane-banked LUT (APL_STAGED_LUT_LANES): where entry `ent` of local row lw sits, in entries
-// from the LUT's start (rows in rooms of `room` entries, 64 rows a group; two rows share a word, lw
-// and lw + 32, which two different warps read), and a row's entry 0 as a shared address.
+// The 5-8-bit rows' LUTs in shared memory. Lane-banked (APL_STAGED_LUT_LANES): where entry `ent` of
+// local row lw sits, in entries from the LUT's start (rows in rooms of `room` entries, 64 rows a group;
+// two rows share a word, lw and lw + 32, which two different warps read).
 APL_HD int lut_lane_index(int lw, int ent, int room) {
     return (lw >> 6) * 64 * room + ent * 64 + (lw & 31) * 2 + ((lw >> 5) & 1);
 }
@@ -199,17 +184,25 @@ APL_HD int staged_lut_index(int lw, int ent, int bits, int room) {
 APL_HD u32 staged_lut_base(u32 lut_start, int lw, int bits, int room) {
     return lut_start + 2u * (u32)staged_lut_index(lw, 0, bits, room);
 }
-// The same dequantisation from the thread's lane-banked row at base: column 8L + k's code is byte L
-// of Codes' o[k] (code << (8 - B)), its entry 128 bytes a code from entry 0.
+// The shared address of column col's entry, from the row's entry 0 at base, in the same layout.
+// Lane-banked: column 8L + k's code is byte L of Codes' o[k] (code << (8 - B)), its entry 128 bytes a
+// code from entry 0. Row-major: base | code * 2 (the row aligned to its size).
 template <int B>
-APL_HD void dequant_chunks_lanes(u32 base, const u32 (&pw)[8], uint4 (&chunk)[4]) {
+APL_HD u32 lut_entry_addr(u32 base, const Codes<B>& c, int col) {
+    if constexpr (APL_STAGED_LUT_LANES) return base + prmt(c.o[col & 7], 0u, 0x4440u | (u32)(col >> 3)) * (1u << (B - 1));
+    else return base | c.template offset<1>(col);
+}
+// The same for 5-8 bits, from the row's LUT in shared memory (base: staged_lut_base).
+template <int B>
+APL_HD void dequant_chunks_smem(u32 base, const u32 (&pw)[8], uint4 (&chunk)[4]) {
     const Codes<B> c(pw);
-    auto entry = [&](int col) { return lds_u16(base + prmt(c.o[col & 7], 0u, 0x4440u | (u32)(col >> 3)) * (1u << (B - 1))); };
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
         u32 v[4];
 #pragma unroll
-        for (int m = 0; m < 4; ++m) v[m] = (u32)entry(8 * j + 2 * m) | ((u32)entry(8 * j + 2 * m + 1) << 16);
+        for (int m = 0; m < 4; ++m)
+            v[m] = (u32)lds_u16(lut_entry_addr<B>(base, c, 8 * j + 2 * m)) |
+                   ((u32)lds_u16(lut_entry_addr<B>(base, c, 8 * j + 2 * m + 1)) << 16);
         chunk[j] = make_uint4(v[0], v[1], v[2], v[3]);
     }
 }
@@ -227,7 +220,6 @@ APL_HD void stage_weights(const RegLut<(B <= 4 ? B : 4)>& rlut, u32 lut_base, co
         for (int p = 0; p < 8; ++p) pw[p] = p < B ? unit[p < B ? p : 0][2 * half + wi] : 0u;
         uint4 chunk[4];
         if constexpr (B <= 4) dequant_chunks_reg<(B <= 4 ? B : 4)>(rlut, pw, chunk);
-        else if constexpr (APL_STAGED_LUT_LANES) dequant_chunks_lanes<B>(lut_base, pw, chunk);
         else dequant_chunks_smem<B>(lut_base, pw, chunk);
 #pragma unroll
         for (int j = 0; j < 4; ++j) st_shared_v4(tile_chunk(a_tile, ST_ROWS, pt, 4 * wi + j), chunk[j]);
@@ -687,17 +679,18 @@ APL_HD void staged_cta(const long long* __restrict__ desc, const int* __restrict
     }
     if constexpr (APL_STAGED_REGS && staged_blocks<CLS>() == 2) set_warpgroup_registers<StagedRegs<NT8>::producer>();
     if (bad) return;
-    if (CLS != 0 && blk.bits >= 5 && APL_STAGED_LUT_LANES) {  // each producer its own row's LUT, lane-banked
-        fill_lut_lanes<MODE, BF16>(blk, lut_s, lut_stride, w.r0, rows_out);
-        producer_barrier();
-    } else if (CLS != 0 && blk.bits >= 5) {  // the rows' LUTs, by all producers together, then a producer barrier
-        const int nent = 1 << blk.bits, rpc = MODE == 0 ? ST_ROWS / 2 : ST_ROWS;
-        for (int idx = threadIdx.x - 128; idx < ST_ROWS * nent; idx += 128) {
-            const int lw = idx >> blk.bits, ent = idx & (nent - 1);
-            bool valid;
-            const int row = weight_row<MODE>(lw, w.r0, rpc, rows_out, &valid);
-            lut_s[lut_row_start(lw, blk.bits, lut_stride) + ent] =
-                valid ? lut_to_act<BF16>(blk.lut[(long long)row * nent + ent]) : (u16)0;
+    if (CLS != 0 && blk.bits >= 5) {  // the rows' LUTs into shared memory, then a producer barrier
+        if constexpr (APL_STAGED_LUT_LANES) {
+            fill_lut_lanes<MODE, BF16>(blk, lut_s, lut_stride, w.r0, rows_out);  // each producer its own row's
+        } else {  // row-major, by all producers together
+            const int nent = 1 << blk.bits, rpc = MODE == 0 ? ST_ROWS / 2 : ST_ROWS;
+            for (int idx = threadIdx.x - 128; idx < ST_ROWS * nent; idx += 128) {
+                const int lw = idx >> blk.bits, ent = idx & (nent - 1);
+                bool valid;
+                const int row = weight_row<MODE>(lw, w.r0, rpc, rows_out, &valid);
+                lut_s[lut_row_start(lw, blk.bits, lut_stride) + ent] =
+                    valid ? lut_to_act<BF16>(blk.lut[(long long)row * nent + ent]) : (u16)0;
+            }
         }
         producer_barrier();
     }
