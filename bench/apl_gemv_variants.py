@@ -78,8 +78,7 @@ VARIANTS = {  # name -> (define changes, host changes: HOST_KNOBS and LAYER_SWIT
     "staged_lanes": ({"APL_STAGED_LUT_LANES": 1}, {"STAGED_PREFILL": True}),
     "staged_lanes_p2": ({"APL_STAGED_LUT_LANES": 1, "APL_STAGED_PREFETCH_LUT": 2}, {"STAGED_PREFILL": True}),
     "staged_lanes_tma2": ({"APL_STAGED_LUT_LANES": 1, "APL_STAGED_TMA": 2}, {"STAGED_PREFILL": True}),
-    "staged_lanes_p2_tma2": ({"APL_STAGED_LUT_LANES": 1, "APL_STAGED_PREFETCH_LUT": 2, "APL_STAGED_TMA": 2},
-                             {"STAGED_PREFILL": True}),
+    "staged_lanes_p2_tma2": (LUT_BEST, {"STAGED_PREFILL": True}),
     # and those at one CTA an SM (more ring buffers), with no producer fence, with passes of 128 tokens
     "staged_lut_one": ({**LUT_BEST, "APL_STAGED_LUT_BLOCKS": 1}, {"STAGED_PREFILL": True}),
     "staged_lut_one_copies": ({**LUT_BEST, "APL_STAGED_LUT_BLOCKS": 1, "APL_STAGED_TMA": 1}, {"STAGED_PREFILL": True}),

@@ -146,7 +146,7 @@ TILES_WIDE_NT8 = 12
 # 128-1024 tokens 1.04x-2.1x faster, Mixtral 32 and 64 tokens (64 and 128 assignments) 1.03x-1.21x
 # slower; 8 bits 1.6x-3.1x slower (the 5-8-bit producers' shared-memory LUT lookups). Since
 # 2026-12-05 (fourth session; H100, one process, bench/results/apl_gemv_staged_lut_one.json) the
-# 5-8-bit and merged classes take it too, at STAGED_LUT_MIN_ASSIGNMENTS or more: with lane-banked LUT
+# 5-8-bit and merged classes take it too (STAGED_LUT_MIN_PER_EXPERT, below): with lane-banked LUT
 # rows, one CTA an SM and passes of 128 tokens, Mixtral 256 tokens 8 bits 1774.6 against the tiles
 # regime's 2757.6 us, mixed 1350.9 against 1863.3; Qwen1.5-MoE 256 tokens (1024 assignments) 8 bits
 # 738.6 against 765.7, mixed 480.2 against 567.9; at 128 and 256 assignments (Mixtral and Qwen1.5-MoE
@@ -729,9 +729,8 @@ def staged_layer(layer: "APLLayer", num_tokens: int, top_k: int) -> bool:
     if STAGED_PREFILL:
         return True
     classes = {cls for module in ("gate_up", "down") for cls in layer.classes[module]}
-    if classes <= {0}:
-        return classes <= STAGED_CLASSES and num_tokens * top_k >= STAGED_MIN_ASSIGNMENTS
-    return classes <= STAGED_CLASSES and num_tokens * top_k >= STAGED_LUT_MIN_PER_EXPERT * layer.num_experts
+    least = STAGED_MIN_ASSIGNMENTS if classes <= {0} else STAGED_LUT_MIN_PER_EXPERT * layer.num_experts
+    return classes <= STAGED_CLASSES and num_tokens * top_k >= least
 
 
 def use_staged(plan: LaunchPlan, layer: "APLLayer", device: torch.device, legacy_decode: bool = False,

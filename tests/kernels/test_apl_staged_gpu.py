@@ -177,10 +177,13 @@ LUT_KNOBS = [{"APL_STAGED_LUT_LANES": "flip"}, {"APL_STAGED_PREFETCH_LUT": 1}, {
 def test_lut_row_knobs_keep_the_output_bit_for_bit(case, knobs, bits, staged, monkeypatch):
     default = check_case(case, bits=bits)
     for knob, value in knobs.items():
-        flipped = {"APL_STAGED_LUT_BLOCKS": 3} if knob == "APL_STAGED_LUT_BLOCKS" else {}  # (2 <-> 1)
-        monkeypatch.setitem(op.KERNEL_DEFINES, knob,
-                            flipped.get(knob, 1) - op.KERNEL_DEFINES[knob] if value == "flip" else value)
+        monkeypatch.setitem(op.KERNEL_DEFINES, knob, _flipped(knob) if value == "flip" else value)
     assert torch.equal(check_case(case, bits=bits), default)
+
+
+def _flipped(knob: str) -> int:
+    """A two-valued knob's other value: 0 <-> 1, and APL_STAGED_LUT_BLOCKS's 1 <-> 2."""
+    return (3 if knob == "APL_STAGED_LUT_BLOCKS" else 1) - op.KERNEL_DEFINES[knob]
 
 
 @pytest.mark.parametrize("bits", (8, None))
