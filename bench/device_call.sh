@@ -20,3 +20,22 @@ mkdir -p /tmp/kcache
 if [ -n "$OUT_GIVEN" ]; then
   trap 'tar czf "$OUT/kernel_cache.tgz" -C /tmp/kcache . 2> /dev/null' EXIT
 fi
+# GPU tests on the instances compiled so far (no precompile fixture): gpu_pytest LOG TIMEOUT_S PYTEST_ARGS...,
+# the output in $OUT/LOG; pytest's status.
+gpu_pytest() {
+  local log=$1 limit=$2
+  shift 2
+  PAGEDWEIGHT_TEST_PRECOMPILE=0 timeout -k 10 "$limit" python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short \
+    "$@" > "$OUT/$log" 2>&1
+}
+# Staged-regime variants in one process: staged_variants JSON TIMEOUT_S SHAPES VARIANT...
+# (bench.apl_gemv_variants --staged --only-shapes SHAPES), the log and JSON under $OUT; its status.
+staged_variants() {
+  local json=$1 limit=$2 shapes=$3 rc
+  shift 3
+  timeout -k 10 "$limit" python3 -m bench.apl_gemv_variants "$@" --staged --only-shapes "$shapes" --json "$json" \
+    > "$OUT/$json.log" 2>&1
+  rc=$?
+  cp "bench/results/$json.json" "$OUT/" 2> /dev/null
+  return $rc
+}

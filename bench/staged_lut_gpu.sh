@@ -42,15 +42,13 @@ PY
   stamp "precompile rc $?"
 fi
 if [ "${TESTS:-tests/kernels/test_apl_staged_gpu.py}" != none ]; then
-  PAGEDWEIGHT_TEST_PRECOMPILE=0 timeout -k 10 "${TESTS_TIMEOUT_S:-150}" python3 -m pytest -q -m gpu -p no:cacheprovider -rfE \
-    --tb=short ${TESTS:-tests/kernels/test_apl_staged_gpu.py} -k "${TESTS_K:-lut_row_knobs}" > "$OUT/gpu_staged_lut_tests.log" 2>&1
+  gpu_pytest gpu_staged_lut_tests.log "${TESTS_TIMEOUT_S:-150}" ${TESTS:-tests/kernels/test_apl_staged_gpu.py} -k "${TESTS_K:-lut_row_knobs}"
   stamp "tests rc $?"; tail -n 25 "$OUT/gpu_staged_lut_tests.log" | grep -v "^$" | tail -n 12
 fi
 if [ "${VARIANTS:-base staged_tma_all staged_lanes staged_lanes_p2 staged_lanes_tma2 staged_lanes_p2_tma2}" != none ]; then
-  timeout -k 10 "${VARIANTS_TIMEOUT_S:-300}" python3 -m bench.apl_gemv_variants \
-    ${VARIANTS:-base staged_tma_all staged_lanes staged_lanes_p2 staged_lanes_tma2 staged_lanes_p2_tma2} --staged \
-    --only-shapes "${SHAPES:-mixtral-8x7b:256:8,mixtral-8x7b:64:8,qwen1.5-moe-a2.7b:256:8,qwen1.5-moe-a2.7b:64:8,mixtral-8x7b:256:mixed,qwen1.5-moe-a2.7b:256:mixed}" \
-    --json "${JSON:-apl_gemv_staged_lut}" > "$OUT/${JSON:-apl_gemv_staged_lut}.log" 2>&1
-  stamp "variants rc $?"; cp "bench/results/${JSON:-apl_gemv_staged_lut}.json" "$OUT/" 2>/dev/null
+  staged_variants "${JSON:-apl_gemv_staged_lut}" "${VARIANTS_TIMEOUT_S:-300}" \
+    "${SHAPES:-mixtral-8x7b:256:8,mixtral-8x7b:64:8,qwen1.5-moe-a2.7b:256:8,qwen1.5-moe-a2.7b:64:8,mixtral-8x7b:256:mixed,qwen1.5-moe-a2.7b:256:mixed}" \
+    ${VARIANTS:-base staged_tma_all staged_lanes staged_lanes_p2 staged_lanes_tma2 staged_lanes_p2_tma2}
+  stamp "variants rc $?"
   python3 -m bench.variants_table "$OUT/${JSON:-apl_gemv_staged_lut}.json"
 fi

@@ -12,7 +12,7 @@
 #      LAYER_FLIP=0 at the default (LAYER_BITS, LAYER_TOKENS).
 # Usage (device): OUT=$OUT CODE_COMMIT=<c> bash bench/staged_tma_gpu.sh
 . "$(dirname "$0")/device_call.sh"
-flip=$(python3 -c "import pagedweight_kernels.apl_moe as op; print(1 - op.KERNEL_DEFINES['APL_STAGED_TMA'])")
+flip=$(python3 -c "import pagedweight_kernels.apl_moe as op; print(0 if op.KERNEL_DEFINES['APL_STAGED_TMA'] else 2)")
 if [ "${PRECOMPILE:-1}" != none ]; then
   APL_STAGED_PREFILL=1 timeout -k 10 "${COMPILE_TIMEOUT_S:-220}" python3 - "$flip" "${FLIPPED:-1}" <<'PY'
 import sys
@@ -43,26 +43,23 @@ PY
   stamp "precompile rc $?"
 fi
 if [ "${BITS_K:-tma_activations or TMA}" != none ]; then
-  PAGEDWEIGHT_TEST_PRECOMPILE=0 timeout -k 10 "${BITS_TIMEOUT_S:-150}" python3 -m pytest -q -m gpu -p no:cacheprovider -rfE \
-    --tb=short tests/kernels/test_apl_staged_gpu.py -k "${BITS_K:-tma_activations or TMA}" > "$OUT/gpu_staged_tma_bits.log" 2>&1
+  gpu_pytest gpu_staged_tma_bits.log "${BITS_TIMEOUT_S:-150}" tests/kernels/test_apl_staged_gpu.py -k "${BITS_K:-tma_activations or TMA}"
   stamp "bit-for-bit tests rc $?"; tail -n 25 "$OUT/gpu_staged_tma_bits.log" | grep -v "^$" | tail -n 15
 fi
 if [ "${VARIANTS:-base staged_tma}" != none ]; then
-  timeout -k 10 "${VARIANTS_TIMEOUT_S:-160}" python3 -m bench.apl_gemv_variants ${VARIANTS:-base staged_tma} --staged \
-    --only-shapes "${SHAPES:-mixtral-8x7b:256:4,mixtral-8x7b:256:3,mixtral-8x7b:128:4,mixtral-8x7b:512:4,qwen1.5-moe-a2.7b:64:4,qwen1.5-moe-a2.7b:256:4,qwen1.5-moe-a2.7b:1024:4}" \
-    --json apl_gemv_staged_tma > "$OUT/apl_gemv_staged_tma.log" 2>&1
-  stamp "variants rc $?"; cp bench/results/apl_gemv_staged_tma.json "$OUT/" 2>/dev/null
+  staged_variants apl_gemv_staged_tma "${VARIANTS_TIMEOUT_S:-160}" \
+    "${SHAPES:-mixtral-8x7b:256:4,mixtral-8x7b:256:3,mixtral-8x7b:128:4,mixtral-8x7b:512:4,qwen1.5-moe-a2.7b:64:4,qwen1.5-moe-a2.7b:256:4,qwen1.5-moe-a2.7b:1024:4}" \
+    ${VARIANTS:-base staged_tma}
+  stamp "variants rc $?"
   python3 -m bench.variants_table "$OUT/apl_gemv_staged_tma.json"
 fi
 if [ "${SUITE_K:-not knobs and not units_of_4 and not ring_of_two and not tma_activations}" != none ]; then
-  APL_KERNEL_DEFINES=APL_STAGED_TMA=$flip PAGEDWEIGHT_TEST_PRECOMPILE=0 timeout -k 10 "${SUITE_TIMEOUT_S:-150}" \
-    python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/kernels/test_apl_staged_gpu.py \
-    -k "${SUITE_K:-not knobs and not units_of_4 and not ring_of_two and not tma_activations}" > "$OUT/gpu_staged_tma_suite.log" 2>&1
+  APL_KERNEL_DEFINES=APL_STAGED_TMA=$flip gpu_pytest gpu_staged_tma_suite.log "${SUITE_TIMEOUT_S:-150}" tests/kernels/test_apl_staged_gpu.py \
+    -k "${SUITE_K:-not knobs and not units_of_4 and not ring_of_two and not tma_activations}"
   stamp "suite with APL_STAGED_TMA=$flip rc $?"; tail -n 25 "$OUT/gpu_staged_tma_suite.log" | grep -v "^$" | tail -n 15
 fi
 if [ -n "${EXTRA:-}" ]; then  # more GPU tests at the default knobs: pytest arguments
-  PAGEDWEIGHT_TEST_PRECOMPILE=0 timeout -k 10 "${EXTRA_TIMEOUT_S:-150}" python3 -m pytest -q -m gpu -p no:cacheprovider -rfE \
-    --tb=short $EXTRA ${EXTRA_K:+-k "$EXTRA_K"} > "$OUT/gpu_extra_tests.log" 2>&1
+  gpu_pytest gpu_extra_tests.log "${EXTRA_TIMEOUT_S:-150}" $EXTRA ${EXTRA_K:+-k "$EXTRA_K"}
   stamp "extra tests rc $?"; tail -n 25 "$OUT/gpu_extra_tests.log" | grep -v "^$" | tail -n 12
 fi
 if [ -n "${LAYER:-}" ]; then
