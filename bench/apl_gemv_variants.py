@@ -92,6 +92,11 @@ VARIANTS = {  # name -> (define changes, host changes: HOST_KNOBS and LAYER_SWIT
     "staged_pa_all": ({"APL_STAGED_PLANE_ASYNC_LUT": 1}, {"STAGED_PREFILL": True}),
     "staged_pa_p3_all": ({"APL_STAGED_PLANE_ASYNC_LUT": 1, "APL_STAGED_PREFETCH_LUT": 3}, {"STAGED_PREFILL": True}),
     "staged_pa_nofence_all": ({"APL_STAGED_PLANE_ASYNC_LUT": 1, "APL_STAGED_PRODUCER_FENCE": 0}, {"STAGED_PREFILL": True}),
+    # a second producer warpgroup for the 5-8-bit and merged classes (384 threads; every other unit of steps),
+    # with two or one unit of plane words in flight a thread
+    "staged_wg2_all": ({"APL_STAGED_LUT_PRODUCERS": 2}, {"STAGED_PREFILL": True}),
+    "staged_wg2_p1_all": ({"APL_STAGED_LUT_PRODUCERS": 2, "APL_STAGED_PREFETCH_LUT": 1}, {"STAGED_PREFILL": True}),
+    "staged_wg2_nofence_all": ({"APL_STAGED_LUT_PRODUCERS": 2, "APL_STAGED_PRODUCER_FENCE": 0}, {"STAGED_PREFILL": True}),
     "tiles_only": ({}, {"STAGED_CLASSES": frozenset()}),  # the staged regime nowhere: the tiles and prefill regimes
     "staged_async_narrow": ({"APL_STAGED_PLANE_ASYNC": 1}, {"STAGED_PREFILL": True, "TILES_WIDE_NT8": 0}),  # no 96-token passes
     "staged_s2": ({}, {"STAGED_PREFILL": True, "STAGED_STAGES": 2}),  # a ring of two buffers

@@ -156,7 +156,7 @@ constexpr const char* KIND_NAMES[HOST_ACCESS_KINDS] = {"LDS.U16", "LDS.128", "ST
 constexpr unsigned KIND_BYTES[HOST_ACCESS_KINDS] = {2, 16, 16, 4, 16};
 
 void count_banks(const std::vector<std::vector<HostAccess>>& logs, BankStats (&stats)[HOST_ACCESS_KINDS]) {
-    for (int warp = 0; warp < ST_THREADS / 32; ++warp) {
+    for (int warp = 0; warp < (int)logs.size() / 32; ++warp) {
         size_t longest = 0;
         for (int lane = 0; lane < 32; ++lane) longest = std::max(longest, logs[32 * warp + lane].size());
         for (size_t k = 0; k < longest; ++k)
@@ -267,8 +267,8 @@ int cta(const char* in_path, const char* out_path) {
                 apl_host_mbars.clear();
                 apl_host_bars.clear();
                 std::vector<std::thread> threads;
-                std::vector<std::vector<HostAccess>> logs(ST_THREADS);
-                for (int t = 0; t < ST_THREADS; ++t)
+                std::vector<std::vector<HostAccess>> logs(staged_threads<HOST_CLS>());
+                for (int t = 0; t < staged_threads<HOST_CLS>(); ++t)
                     threads.emplace_back([&, t] {
                         apl_host_accesses.clear();
                         apl_host_thread_idx = make_uint3(t, 0, 0);

@@ -31,11 +31,11 @@ PROBE_PARAMS = ("const long long* __restrict__, StagedWork, const int* __restric
                 "const u16*, int, const __grid_constant__ StagedTensorMap")
 PROBE = """
 template <int B, int MODE, bool BF16, bool V4, int NT8>
-__global__ void __launch_bounds__(ST_THREADS, staged_blocks<(B <= 4 ? 0 : 1)>()) staged_probe(
+__global__ void __launch_bounds__(staged_threads<(B <= 4 ? 0 : 1)>(), staged_blocks<(B <= 4 ? 0 : 1)>()) staged_probe(
     const long long* __restrict__ desc, StagedWork w, const int* __restrict__ sorted_slot, int top_k,
     const u16* __restrict__ x, const u16* lut_s, int lut_stride, const __grid_constant__ StagedTensorMap act_map) {
     if constexpr (APL_STAGED_REGS && staged_blocks<(B <= 4 ? 0 : 1)>() == 2) set_warpgroup_registers<StagedRegs<NT8>::producer>();
-    staged_produce<B, MODE, BF16, V4, NT8, APL_STAGED_PLANE_ASYNC && (B <= 4 || APL_STAGED_PLANE_ASYNC_LUT), staged_tma<(B <= 4 ? 0 : 1)>()>(
+    staged_produce<B, MODE, BF16, V4, NT8, APL_STAGED_PLANE_ASYNC && (B <= 4 || APL_STAGED_PLANE_ASYNC_LUT), staged_tma<(B <= 4 ? 0 : 1)>(), staged_producers<(B <= 4 ? 0 : 1)>()>(
         load_block(desc, 0), w, sorted_slot, top_k, x, lut_s, lut_stride, act_map);
 }
 """

@@ -171,7 +171,7 @@ STAGED_WIDE_NT8 = 16
 # The same for the 5-8-bit and merged classes (0: off), with the planes read as 16-byte vectors: at
 # Mixtral 256 tokens 8 bits 1774.6 against 2244.5 us in passes of 64 (H100, apl_gemv_staged_lut_one.json).
 STAGED_LUT_WIDE_NT8 = 16
-STAGED_ROWS, STAGED_THREADS, STAGED_STEP = 128, 256, 64  # the .cu's ST_ROWS, ST_THREADS, ST_KS
+STAGED_ROWS, STAGED_STEP = 128, 64  # the .cu's ST_ROWS, ST_KS
 STAGED_STAGES, STAGED_MAX_STAGES = 4, 8  # ring buffers wanted (fewer where shared memory is short); the .cu's most
 # Dynamic shared memory a CTA may take for 2 CTAs per SM (228 KB an SM, 1 KB reserved per CTA, the
 # kernel's 128 bytes of static mbarriers), and for 1; the kernel starts it on a 512-byte boundary
@@ -190,6 +190,17 @@ def staged_blocks(cls: int) -> int:
     """CTAs an SM the staged instances of kernel class `cls` are compiled for (the .cu's staged_blocks:
     APL_STAGED_BLOCKS for the 3-4-bit class, APL_STAGED_LUT_BLOCKS for the others)."""
     return KERNEL_DEFINES["APL_STAGED_BLOCKS" if cls == 0 else "APL_STAGED_LUT_BLOCKS"]
+
+
+def staged_producers(cls: int) -> int:
+    """Producer warpgroups in a staged CTA of kernel class `cls` (the .cu's staged_producers: one for
+    the 3-4-bit class, APL_STAGED_LUT_PRODUCERS for the others)."""
+    return 1 if cls == 0 else KERNEL_DEFINES["APL_STAGED_LUT_PRODUCERS"]
+
+
+def staged_threads(cls: int) -> int:
+    """A staged CTA's threads (the .cu's staged_threads): the consumer warpgroup and the producers'."""
+    return 128 * (1 + staged_producers(cls))
 
 
 def staged_align_pad(cls: int) -> int:
@@ -225,7 +236,7 @@ KERNEL_DEFINES = {"APL_LDS_MODE": 1, "APL_RPG_DIV": 8, "APL_PREFETCH": 1, "APL_D
                   "APL_TILES_WS_WARPS": 1, "APL_TILES_WS_STAGES": 2, "APL_STAGED_PREFETCH": 2, "APL_STAGED_UNIT": 2, "APL_STAGED_BLOCKS": 2,
                   "APL_STAGED_REGS": 1, "APL_STAGED_PLANE_ASYNC": 1, "APL_STAGED_PRODUCER_FENCE": 1,
                   "APL_STAGED_SKIP_PAD": 1, "APL_STAGED_TMA": 2, "APL_STAGED_LUT_LANES": 1, "APL_STAGED_PREFETCH_LUT": 2,
-                  "APL_STAGED_LUT_BLOCKS": 1, "APL_STAGED_PLANE_ASYNC_LUT": 1}
+                  "APL_STAGED_LUT_BLOCKS": 1, "APL_STAGED_PLANE_ASYNC_LUT": 1, "APL_STAGED_LUT_PRODUCERS": 1}
 
 
 def knob_overrides(text: str) -> dict[str, int]:
@@ -683,13 +694,14 @@ def staged_plane_ring_bytes(cls: int, nt8: int, aligned16: bool, lut_bits: int =
     3-4-bit rows: APL_STAGED_PREFETCH unit slots of 4 planes x 2 words a step, units of
     APL_STAGED_UNIT steps where the kernel takes them (16-byte plane loads, passes of up to 64
     tokens), else 2. 5-8-bit rows (lut_bits planes, the launch's widest): APL_STAGED_PREFETCH_LUT
-    slots (1 with 4-byte plane loads) of units of 2 steps."""
+    slots (1 with 4-byte plane loads) of units of 2 steps. Per producer thread: staged_producers
+    warpgroups of STAGED_ROWS threads."""
     if not KERNEL_DEFINES["APL_STAGED_PLANE_ASYNC"] or (cls != 0 and not KERNEL_DEFINES["APL_STAGED_PLANE_ASYNC_LUT"]):
         return 0
     unit = KERNEL_DEFINES["APL_STAGED_UNIT"] if aligned16 and nt8 <= TILES_MAX_NT8 else 2
     low = KERNEL_DEFINES["APL_STAGED_PREFETCH"] * 4 * (2 * unit) if cls != 1 else 0
     high = (KERNEL_DEFINES["APL_STAGED_PREFETCH_LUT"] if aligned16 else 1) * lut_bits * 4 if cls != 0 else 0
-    return STAGED_ROWS * max(low, high) * 4
+    return staged_producers(cls) * STAGED_ROWS * max(low, high) * 4
 
 
 def staged_instances(flag: str, modes: tuple[int, ...] = (0, 1), bit_classes=None) -> list[str]:
@@ -1208,7 +1220,7 @@ def staged_projection(layer: APLLayer, num_tokens: int, top_k: int, max_active: 
         act_map = staged_activation_map(mode, src, sorted_slot, top_k, plan.tokens, cls)
         _launch(name, plan.grid, (desc, active, num_active, sorted_slot, top_k, src, rows_out, cols, lut_bits,
                                   h_out, y_out, plan.stages, act_map),
-                plan.shared_bytes, block=STAGED_THREADS, activation=_mode_activation(mode, layer.activation))
+                plan.shared_bytes, block=staged_threads(cls), activation=_mode_activation(mode, layer.activation))
     return projection
 
 

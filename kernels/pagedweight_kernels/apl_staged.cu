@@ -5,7 +5,7 @@
 //
 // One projection for every active expert, launched like apl_prefill (the four-launch path:
 // moe_align, gate_up, down, moe_combine) and with its arguments plus the ring's depth:
-// grid (row tiles of ST_ROWS weight rows, active experts, token-pass groups), ST_THREADS threads.
+// grid (row tiles of ST_ROWS weight rows, active experts, token-pass groups), staged_threads threads.
 //   warps 0-3 (the consumer warpgroup): per 64-column step, wait for the step's buffer, 4 k16
 //     slices x 2 wgmma.m64nNk16 (weight rows 0-63 and 64-127, N = the pass's 8 * NT8 tokens), then
 //     hand the previous step's buffer back; after a pass, the epilogue from the accumulators
@@ -113,7 +113,16 @@
 #ifndef APL_STAGED_LUT_BLOCKS
 #define APL_STAGED_LUT_BLOCKS 1
 #endif
-#define ST_THREADS 256
+// Producer warpgroups of the 5-8-bit and merged classes' CTAs (the 3-4-bit class keeps one: two CTAs an
+// SM, setmaxnreg). At one CTA an SM a single producer warpgroup leaves one producer warp a scheduler,
+// and Nsight at Mixtral 256 tokens, 8 bits (2026-12-05, fourth session) found the SM latency-bound:
+// 77% of cycles with no eligible warp. 2: 384 threads, the second producer warpgroup taking every
+// other unit of steps (each step still filled by one warpgroup, so the barriers count 128 arrivals
+// as before), every thread under the launch bound's 168 registers (no setmaxnreg split: the
+// consumers' 2 x 64 accumulators of m64n128 fit it, as at two CTAs an SM).
+#ifndef APL_STAGED_LUT_PRODUCERS
+#define APL_STAGED_LUT_PRODUCERS 1
+#endif
 #define ST_ROWS 128            // weight rows per CTA (two m64 wgmma per k16 slice)
 #define ST_KS 64               // columns per step (4 k16 slices)
 #define ST_MAX_STAGES 8
@@ -125,6 +134,9 @@
 // 2 CTAs an SM (the host's staged_align_pad follows both).
 template <int CLS> APL_HD constexpr bool staged_tma() { return APL_STAGED_TMA == 2 || (APL_STAGED_TMA == 1 && CLS == 0); }
 template <int CLS> APL_HD constexpr int staged_blocks() { return CLS == 0 ? APL_STAGED_BLOCKS : APL_STAGED_LUT_BLOCKS; }
+template <int CLS> APL_HD constexpr int staged_producers() { return CLS == 0 ? 1 : APL_STAGED_LUT_PRODUCERS; }
+// A CTA's threads: the consumer warpgroup, then the producer warpgroups.
+template <int CLS> APL_HD constexpr int staged_threads() { return 128 * (1 + staged_producers<CLS>()); }
 template <int CLS> APL_HD constexpr unsigned staged_align() { return staged_tma<CLS>() ? 1024u : 512u; }
 
 // The activations' tensor map, a kernel parameter (__grid_constant__, so that its address is the
@@ -251,19 +263,20 @@ APL_HD uint4 ldg_plane_v4(const u32* p) {
     return *reinterpret_cast<const uint4*>(p);
 #endif
 }
-// The CTA's barrier, and the producer warpgroup's (named barrier 2).
-APL_HD void cta_barrier() {
+// The CTA's barrier (its `threads`), and the producer warpgroups' (named barrier 2).
+APL_HD void cta_barrier(int threads) {
 #ifdef __CUDA_ARCH__
     __syncthreads();
 #else
-    host_bar_sync(0, ST_THREADS);
+    host_bar_sync(0, (unsigned)threads);
 #endif
 }
+template <int NP>
 APL_HD void producer_barrier() {
 #ifdef __CUDA_ARCH__
-    asm volatile("bar.sync 2, 128;" ::: "memory");
+    asm volatile("bar.sync 2, %0;" :: "n"(128 * NP) : "memory");
 #else
-    host_bar_sync(2, 128);
+    host_bar_sync(2, 128 * NP);
 #endif
 }
 
@@ -369,15 +382,16 @@ APL_HD void tma_load_rows(u32 dst, const StagedTensorMap& map, int col, int row,
 #endif
 }
 
-// The producer warpgroup: thread pt owns weight row pt of the CTA. PA: plane words by cp.async
-// (APL_STAGED_PLANE_ASYNC, 3-4 bits only).
-template <int B, int MODE, bool BF16, bool V4, int NT8, bool PA, bool TMA>
+// A producer warpgroup: its thread pt owns weight row pt of the CTA. PA: plane words by cp.async
+// (APL_STAGED_PLANE_ASYNC, APL_STAGED_PLANE_ASYNC_LUT). NP producer warpgroups (staged_producers):
+// warpgroup wg fills the steps of units wg, wg + NP, ... of each pass.
+template <int B, int MODE, bool BF16, bool V4, int NT8, bool PA, bool TMA, int NP>
 APL_HD void staged_produce(const BlockRef& blk, const StagedWork& w, const int* __restrict__ sorted_slot, int top_k,
                            const u16* __restrict__ x, const u16* lut_s, int lut_stride, const StagedTensorMap& act_map) {
     // P: units in flight; 5-8-bit rows APL_STAGED_PREFETCH_LUT (8 planes' words a unit; with 4-byte plane
     // loads one: those instances spill 448-912 bytes at 2, nvcc 13.0)
     constexpr int NT = 8 * NT8, P = B <= 4 ? APL_STAGED_PREFETCH : V4 ? APL_STAGED_PREFETCH_LUT : 1, MINE = NT8 / 2;  // MINE: B chunks a step
-    const int pt = threadIdx.x - 128;
+    const int wg = (threadIdx.x - 128) / 128, pt = (threadIdx.x - 128) % 128;
     const int rpc = MODE == 0 ? ST_ROWS / 2 : ST_ROWS;
     bool valid;
     int wrow = weight_row<MODE>(pt, w.r0, rpc, w.rows_out, &valid);
@@ -385,6 +399,7 @@ APL_HD void staged_produce(const BlockRef& blk, const StagedWork& w, const int* 
     constexpr int U = B <= 4 && V4 && NT8 <= 8 ? APL_STAGED_UNIT : 2, W = 2 * U;  // steps and words (per plane) a unit
     static_assert(U == 2 || U == 4, "units of 2 or 4 steps");
     const int wpr = w.cols / 32, units = (w.steps + U - 1) / U;
+    const int mine = units > wg ? (units - wg + NP - 1) / NP : 0;  // this warpgroup's units: j -> unit wg + NP j
     const u32* row_planes[8];
 #pragma unroll
     for (int p = 0; p < 8; ++p) row_planes[p] = blk.planes[p] + (long long)wrow * wpr;
@@ -393,9 +408,9 @@ APL_HD void staged_produce(const BlockRef& blk, const StagedWork& w, const int* 
     if constexpr (B <= 4) rlut.load(blk.lut + (long long)wrow * (1 << B), true, BF16);
     else lut_base = staged_lut_base(shared_addr(lut_s), pt, B, lut_stride);
     // Unit u = steps Uu..Uu+U-1 = words Wu..Wu+W-1 of the row in every plane (clamped into the row:
-    // columns past the end meet zero activations).
-    auto load_unit = [&](u32 (&buf)[B][W], int u) {
-        const int w0 = W * min(u, units - 1);
+    // columns past the end meet zero activations); the warpgroup's own unit j.
+    auto load_unit = [&](u32 (&buf)[B][W], int j) {
+        const int w0 = W * min(wg + NP * j, units - 1);
 #pragma unroll
         for (int p = 0; p < B; ++p) {
             if constexpr (V4) {
@@ -410,14 +425,14 @@ APL_HD void staged_produce(const BlockRef& blk, const StagedWork& w, const int* 
             }
         }
     };
-    // PA: unit u's words land in slot u % P of the thread's plane ring ([slot][plane][thread][W
-    // words]), one commit group a unit; past the row's last unit the group is empty, so no copy is
-    // ever in flight to a slot that is being read or refilled.
-    const u32 plane_ring = stage_a<NT8>(w, w.stages) + (u32)pt * (W * 4);
-    auto plane_slot = [&](int d, int p) { return plane_ring + (u32)((d * B + p) * ST_ROWS * W * 4); };
-    auto issue_unit = [&](int d, int u) {
-        if (u < units) {
-            const int w0 = W * u;
+    // PA: the warpgroup's unit j's words land in slot j % P of the thread's plane ring ([slot][plane]
+    // [producer thread][W words]), one commit group a unit; past its last unit the group is empty, so no
+    // copy is ever in flight to a slot that is being read or refilled.
+    const u32 plane_ring = stage_a<NT8>(w, w.stages) + (u32)(threadIdx.x - 128) * (W * 4);
+    auto plane_slot = [&](int d, int p) { return plane_ring + (u32)((d * B + p) * NP * ST_ROWS * W * 4); };
+    auto issue_unit = [&](int d, int j) {
+        if (j < mine) {
+            const int w0 = W * (wg + NP * j);
 #pragma unroll
             for (int p = 0; p < B; ++p) {
                 if constexpr (V4) {
@@ -438,8 +453,8 @@ APL_HD void staged_produce(const BlockRef& blk, const StagedWork& w, const int* 
     // of 8 chunks of 4 tokens (the harness's bank count, docs/kernel.md); each warp still reads 16
     // sectors of activations (8 tokens x 64 bytes).
     const int c8 = (pt >> 3) & 7, tok0 = (pt & 7) + 8 * (pt >> 6);
-    u32 it = 0;
-    for (int m0 = blockIdx.z * NT; m0 < w.n; m0 += gridDim.z * NT) {
+    u32 pass_it = 0;  // the ring's count of steps before this pass (consumers take every step in order)
+    for (int m0 = blockIdx.z * NT; m0 < w.n; m0 += gridDim.z * NT, pass_it += (u32)w.steps) {
         const u16* src[MINE];
 #pragma unroll
         for (int i = 0; i < (TMA ? 0 : MINE); ++i) {
@@ -457,17 +472,18 @@ APL_HD void staged_produce(const BlockRef& blk, const StagedWork& w, const int* 
             if constexpr (PA) issue_unit(d, d);
             else load_unit(buf[d], d);
         }
-        for (int u0 = 0; u0 < units; u0 += P) {
+        for (int j0 = 0; j0 < mine; j0 += P) {
 #pragma unroll
             for (int d = 0; d < P; ++d) {
-                const int u = u0 + d;
-                if (u >= units) break;
-                if constexpr (PA) cp_async_wait<P - 1>();  // unit u's group has landed (the P - 1 after it need not)
+                const int j = j0 + d, u = wg + NP * j;
+                if (j >= mine) break;
+                if constexpr (PA) cp_async_wait<P - 1>();  // unit j's group has landed (the P - 1 after it need not)
                 u32 words[B][W] = {};  // PA: two steps' words of every plane at a time, from the slot
 #pragma unroll
                 for (int half = 0; half < U; ++half) {  // (a unit's steps)
                     const int step = U * u + half;
                     if (step >= w.steps) break;
+                    const u32 it = pass_it + (u32)step;
                     const int slot = (int)(it % (u32)w.stages);
                     const u32 use = it / (u32)w.stages;
                     if (use > 0) mbar_wait(&w.empty[slot], (use - 1) & 1u);
@@ -514,10 +530,9 @@ APL_HD void staged_produce(const BlockRef& blk, const StagedWork& w, const int* 
                     if constexpr (APL_STAGED_PRODUCER_FENCE)
                         fence_proxy_async();  // the stores, before wgmma (the async proxy) reads them
                     mbar_arrive(&w.full[slot]);
-                    ++it;
                 }
-                if constexpr (PA) issue_unit(d, u + P);
-                else load_unit(buf[d], u + P);
+                if constexpr (PA) issue_unit(d, j + P);
+                else load_unit(buf[d], j + P);
             }
         }
     }
@@ -590,15 +605,16 @@ APL_HD void staged_consume(const StagedWork& w, bool bad, const int* __restrict_
 // Producer thread pt's own row's LUT into the lane-banked layout (act values; zeros for a row past the
 // projection): 16-byte loads of 8 entries where the block's LUT is 16-byte aligned (a warp's lanes read
 // 32 rows, each sector twice), else one entry at a time; the stores of a warp's lanes fall on 32 banks.
-template <int MODE, bool BF16>
+// With NP producer warpgroups, warpgroup wg fills every NP-th group of 8 entries (every NP-th entry).
+template <int MODE, bool BF16, int NP>
 APL_HD void fill_lut_lanes(const BlockRef& blk, u16* lut_s, int room, int r0, int rows_out) {
-    const int pt = threadIdx.x - 128, nent = 1 << blk.bits;
+    const int wg = (threadIdx.x - 128) / 128, pt = (threadIdx.x - 128) % 128, nent = 1 << blk.bits;
     bool valid;
     const int row = weight_row<MODE>(pt, r0, MODE == 0 ? ST_ROWS / 2 : ST_ROWS, rows_out, &valid);
     u16* dst = lut_s + lut_lane_index(pt, 0, room);
     const u16* src = blk.lut + (long long)(valid ? row : 0) * nent;
     if ((reinterpret_cast<unsigned long long>(blk.lut) & 15) == 0) {
-        for (int e0 = 0; e0 < nent; e0 += 8) {
+        for (int e0 = 8 * wg; e0 < nent; e0 += 8 * NP) {
             const uint4 v = valid ? *reinterpret_cast<const uint4*>(src + e0) : make_uint4(0, 0, 0, 0);
             const u32 words[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
@@ -608,7 +624,7 @@ APL_HD void fill_lut_lanes(const BlockRef& blk, u16* lut_s, int room, int r0, in
             }
         }
     } else {
-        for (int e = 0; e < nent; ++e) dst[e * 64] = valid ? lut_to_act<BF16>(src[e]) : (u16)0;
+        for (int e = wg; e < nent; e += NP) dst[e * 64] = valid ? lut_to_act<BF16>(src[e]) : (u16)0;
     }
 }
 
@@ -671,7 +687,7 @@ APL_HD void staged_cta(const long long* __restrict__ desc, const int* __restrict
             mbar_init(&w.empty[i], 128);  // the consumers'
         }
     }
-    cta_barrier();
+    cta_barrier(staged_threads<CLS>());
     if (threadIdx.x < 128) {
         if constexpr (APL_STAGED_REGS && staged_blocks<CLS>() == 2) set_warpgroup_registers<StagedRegs<NT8>::consumer>();
         staged_consume<MODE, BF16, NT8, TMA>(w, bad, sorted_slot, h_out, y_out);
@@ -679,12 +695,13 @@ APL_HD void staged_cta(const long long* __restrict__ desc, const int* __restrict
     }
     if constexpr (APL_STAGED_REGS && staged_blocks<CLS>() == 2) set_warpgroup_registers<StagedRegs<NT8>::producer>();
     if (bad) return;
+    constexpr int NP = staged_producers<CLS>();
     if (CLS != 0 && blk.bits >= 5) {  // the rows' LUTs into shared memory, then a producer barrier
         if constexpr (APL_STAGED_LUT_LANES) {
-            fill_lut_lanes<MODE, BF16>(blk, lut_s, lut_stride, w.r0, rows_out);  // each producer its own row's
+            fill_lut_lanes<MODE, BF16, NP>(blk, lut_s, lut_stride, w.r0, rows_out);  // each producer its own row's
         } else {  // row-major, by all producers together
             const int nent = 1 << blk.bits, rpc = MODE == 0 ? ST_ROWS / 2 : ST_ROWS;
-            for (int idx = threadIdx.x - 128; idx < ST_ROWS * nent; idx += 128) {
+            for (int idx = threadIdx.x - 128; idx < ST_ROWS * nent; idx += 128 * NP) {
                 const int lw = idx >> blk.bits, ent = idx & (nent - 1);
                 bool valid;
                 const int row = weight_row<MODE>(lw, w.r0, rpc, rows_out, &valid);
@@ -692,25 +709,25 @@ APL_HD void staged_cta(const long long* __restrict__ desc, const int* __restrict
                     valid ? lut_to_act<BF16>(blk.lut[(long long)row * nent + ent]) : (u16)0;
             }
         }
-        producer_barrier();
+        producer_barrier<NP>();
     }
     // (the other classes' shared memory holds LUT rows too: their plane ring only with APL_STAGED_PLANE_ASYNC_LUT)
     constexpr bool PA_LUT = APL_STAGED_PLANE_ASYNC && APL_STAGED_PLANE_ASYNC_LUT && CLS != 0;
     constexpr bool PA = (APL_STAGED_PLANE_ASYNC && CLS == 0) || PA_LUT;
     switch (blk.bits) {
-        case 3: if constexpr (CLS != 1) staged_produce<3, MODE, BF16, V4, NT8, PA, TMA>(blk, w, sorted_slot, top_k, x, lut_s, lut_stride, act_map); break;
-        case 4: if constexpr (CLS != 1) staged_produce<4, MODE, BF16, V4, NT8, PA, TMA>(blk, w, sorted_slot, top_k, x, lut_s, lut_stride, act_map); break;
-        case 5: if constexpr (CLS != 0) staged_produce<5, MODE, BF16, V4, NT8, PA_LUT, TMA>(blk, w, sorted_slot, top_k, x, lut_s, lut_stride, act_map); break;
-        case 6: if constexpr (CLS != 0) staged_produce<6, MODE, BF16, V4, NT8, PA_LUT, TMA>(blk, w, sorted_slot, top_k, x, lut_s, lut_stride, act_map); break;
-        case 7: if constexpr (CLS != 0) staged_produce<7, MODE, BF16, V4, NT8, PA_LUT, TMA>(blk, w, sorted_slot, top_k, x, lut_s, lut_stride, act_map); break;
-        default: if constexpr (CLS != 0) staged_produce<8, MODE, BF16, V4, NT8, PA_LUT, TMA>(blk, w, sorted_slot, top_k, x, lut_s, lut_stride, act_map); break;
+        case 3: if constexpr (CLS != 1) staged_produce<3, MODE, BF16, V4, NT8, PA, TMA, NP>(blk, w, sorted_slot, top_k, x, lut_s, lut_stride, act_map); break;
+        case 4: if constexpr (CLS != 1) staged_produce<4, MODE, BF16, V4, NT8, PA, TMA, NP>(blk, w, sorted_slot, top_k, x, lut_s, lut_stride, act_map); break;
+        case 5: if constexpr (CLS != 0) staged_produce<5, MODE, BF16, V4, NT8, PA_LUT, TMA, NP>(blk, w, sorted_slot, top_k, x, lut_s, lut_stride, act_map); break;
+        case 6: if constexpr (CLS != 0) staged_produce<6, MODE, BF16, V4, NT8, PA_LUT, TMA, NP>(blk, w, sorted_slot, top_k, x, lut_s, lut_stride, act_map); break;
+        case 7: if constexpr (CLS != 0) staged_produce<7, MODE, BF16, V4, NT8, PA_LUT, TMA, NP>(blk, w, sorted_slot, top_k, x, lut_s, lut_stride, act_map); break;
+        default: if constexpr (CLS != 0) staged_produce<8, MODE, BF16, V4, NT8, PA_LUT, TMA, NP>(blk, w, sorted_slot, top_k, x, lut_s, lut_stride, act_map); break;
     }
 }
 
 // Kernel classes as apl_gemv's: CLS 0 3-4 bits, 1 5-8 bits, 2 any (the merged class). V4: every
 // plane 16-byte aligned with a word count per row divisible by 4 (16-byte plane loads).
 template <int CLS, int MODE, bool BF16, bool V4, int NT8>
-__global__ void __launch_bounds__(ST_THREADS, staged_blocks<CLS>()) apl_staged(
+__global__ void __launch_bounds__(staged_threads<CLS>(), staged_blocks<CLS>()) apl_staged(
     const long long* __restrict__ desc, const int* __restrict__ active, const int* __restrict__ num_active,
     const int* __restrict__ sorted_slot, int top_k, const u16* __restrict__ x, int rows_out, int cols, int lut_log2,
     u16* __restrict__ h_out, float* __restrict__ y_out, int stages, const __grid_constant__ StagedTensorMap act_map) {

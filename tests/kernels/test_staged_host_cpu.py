@@ -186,6 +186,30 @@ def test_128_token_passes_match_the_reference(cta_harness, tmp_path, monkeypatch
     assert_matches(launch_output(tmp_path, case), reference_projection(case), case)
 
 
+# APL_STAGED_LUT_PRODUCERS 2: two producer warpgroups, the second taking every other unit (2 steps) of each
+# pass. Rows long enough that both have units: down at 5-8 bits, 10 steps (5 units, 3 and 2), 16-byte plane
+# loads; merged gate_up, 224 columns (4 steps, the last ragged), 4-byte loads, two passes for hot experts.
+@pytest.mark.parametrize("mode,bits,rows_out,cols,tokens,dtype", [
+    (1, [8, 5, 7, 6], 128, 640, 40, torch.bfloat16),
+    (0, [4, 6, 3, 8], 64, 224, 150, torch.float16)])
+def test_two_producer_warpgroups_match_the_reference_and_one(cta_harness, tmp_path, monkeypatch, mode, bits, rows_out,
+                                                             cols, tokens, dtype):
+    case = projection_case(mode, bits, rows_out, cols, tokens, 2, dtype, seed=23)
+    outputs = []
+    for producers in (1, 2):
+        monkeypatch.setitem(op.KERNEL_DEFINES, "APL_STAGED_LUT_PRODUCERS", producers)  # (the plane ring per thread)
+        picked, plan, lut_bits = planned(case)
+        work = tmp_path / f"producers_{producers}"
+        work.mkdir()
+        run = run_launch(cta_harness(picked, {"APL_STAGED_LUT_PRODUCERS": producers}), work, case, plan, lut_bits)
+        assert run.returncode == 0, run.stderr[-2000:]
+        outputs.append((work / "out.bin").read_bytes())
+    assert picked[0] != 0 and op.staged_threads(picked[0]) == 384
+    assert mode == 1 or plan.tokens < max(n for _, _, n in case["active"])  # (gate_up: a second pass)
+    assert_matches(launch_output(tmp_path / "producers_2", case), reference_projection(case), case)
+    assert outputs[1] == outputs[0]
+
+
 def test_blocks_outside_the_launchs_class_come_out_nan(cta_harness, tmp_path):
     # a 3-4-bit launch over a layer with one 6-bit block: that expert's outputs are NaN, the rest exact
     case, instance = launch_case("gate_up_3_4_bits_16_token_passes", seed=7, bits=[4, 6, 4, 3, 4, 3])
@@ -279,13 +303,19 @@ LUT_KNOBS = {"lut_lanes_flipped": {"APL_STAGED_LUT_LANES": "flip"},
              "plane_words_in_registers": {"APL_STAGED_PLANE_ASYNC_LUT": 0},
              "plane_ring_prefetch_3": {"APL_STAGED_PREFETCH_LUT": 3},
              "earlier_defaults": {"APL_STAGED_LUT_LANES": "flip", "APL_STAGED_PREFETCH_LUT": 1, "APL_STAGED_TMA": 1,
-                                  "APL_STAGED_LUT_BLOCKS": 2, "APL_STAGED_PLANE_ASYNC_LUT": 0}}
+                                  "APL_STAGED_LUT_BLOCKS": 2, "APL_STAGED_PLANE_ASYNC_LUT": 0},
+             # the second producer warpgroup (every other unit of steps, half the LUT fill), with the plane
+             # ring, and with the row-major fill, plane words in registers and the activations' copies
+             "two_producer_warpgroups": {"APL_STAGED_LUT_PRODUCERS": 2},
+             "two_producer_warpgroups_earlier": {"APL_STAGED_LUT_PRODUCERS": 2, "APL_STAGED_LUT_LANES": "flip",
+                                                 "APL_STAGED_TMA": 1, "APL_STAGED_PLANE_ASYNC_LUT": 0}}
 
 
 # (each pair builds a harness: the layout and the earlier defaults on both launches, the rest on the merged one)
 @pytest.mark.parametrize("name, knob", [(name, knob) for knob in LUT_KNOBS
                                         for name in ("gate_up_5_8_bits_two_pass_groups", "down_merged_class")
-                                        if name == "down_merged_class" or knob in ("lut_lanes_flipped", "earlier_defaults")])
+                                        if name == "down_merged_class" or knob in ("lut_lanes_flipped", "earlier_defaults",
+                                                                                   "two_producer_warpgroups_earlier")])
 def test_lut_row_knobs_leave_the_launch_bit_for_bit(cta_harness, default_outputs, tmp_path, monkeypatch, name, knob):
     case, instance = launch_case(name, seed=5)
     default = default_outputs(name, case)

@@ -10,7 +10,8 @@ import shutil
 import pytest
 
 from bench.sass_mix import build_instance, resource_usage
-from pagedweight_kernels.apl_moe import staged_blocks, staged_instances
+from pagedweight_kernels import apl_moe as op
+from pagedweight_kernels.apl_moe import staged_blocks, staged_instances, staged_threads
 
 
 # (Among them the 128-token passes, STAGED_WIDE_NT8 16: the consumers' 2 x 64 accumulators of m64n128
@@ -21,8 +22,8 @@ from pagedweight_kernels.apl_moe import staged_blocks, staged_instances
 def test_every_staged_instance_fits_without_spilling(instance, tmp_path):
     _, resources = build_instance(instance, {}, tmp_path)
     registers, spilled = resource_usage(resources)
-    blocks = staged_blocks(int(instance.split("<")[1].split(",")[0]))  # (the 5-8-bit classes: one CTA an SM)
-    assert registers <= min(255, 65536 // (256 * blocks)), resources  # __launch_bounds__(256, blocks)
+    cls = int(instance.split("<")[1].split(",")[0])  # (the 5-8-bit classes: one CTA an SM)
+    assert registers <= min(255, 65536 // (staged_threads(cls) * staged_blocks(cls))), resources  # (the launch bounds)
     assert spilled == 0, resources
 
 
@@ -36,4 +37,19 @@ def test_staged_instances_fit_with_plane_words_in_registers(instance, tmp_path):
     _, resources = build_instance(instance, {"APL_STAGED_PLANE_ASYNC": 0}, tmp_path)
     registers, spilled = resource_usage(resources)
     assert registers <= 128, resources
+    assert spilled == 0, resources
+
+
+# APL_STAGED_LUT_PRODUCERS flipped (1 <-> 2): the 5-8-bit and merged classes with the other count of
+# producer warpgroups (384 threads: every thread under 168 registers) must fit without spilling too.
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+@pytest.mark.parametrize("instance", [name for name in staged_instances("true")
+                                      if not name.startswith("apl_staged<0,") and ", true, " in name])
+def test_lut_class_instances_fit_with_the_other_producer_count(instance, tmp_path, monkeypatch):
+    producers = 3 - op.KERNEL_DEFINES["APL_STAGED_LUT_PRODUCERS"]
+    monkeypatch.setitem(op.KERNEL_DEFINES, "APL_STAGED_LUT_PRODUCERS", producers)
+    _, resources = build_instance(instance, {"APL_STAGED_LUT_PRODUCERS": producers}, tmp_path)
+    registers, spilled = resource_usage(resources)
+    cls = int(instance.split("<")[1].split(",")[0])
+    assert registers <= 65536 // (staged_threads(cls) * staged_blocks(cls)), resources
     assert spilled == 0, resources
