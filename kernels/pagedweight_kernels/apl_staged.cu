@@ -454,6 +454,7 @@ APL_HD void staged_produce(const BlockRef& blk, const StagedWork& w, const int* 
     // sectors of activations (8 tokens x 64 bytes).
     const int c8 = (pt >> 3) & 7, tok0 = (pt & 7) + 8 * (pt >> 6);
     u32 pass_it = 0;  // the ring's count of steps before this pass (consumers take every step in order)
+    [[maybe_unused]] u32 waited = 0;  // (NP > 1) the ring's steps whose buffers this warpgroup has seen handed back
     for (int m0 = blockIdx.z * NT; m0 < w.n; m0 += gridDim.z * NT, pass_it += (u32)w.steps) {
         const u16* src[MINE];
 #pragma unroll
@@ -485,8 +486,20 @@ APL_HD void staged_produce(const BlockRef& blk, const StagedWork& w, const int* 
                     if (step >= w.steps) break;
                     const u32 it = pass_it + (u32)step;
                     const int slot = (int)(it % (u32)w.stages);
-                    const u32 use = it / (u32)w.stages;
-                    if (use > 0) mbar_wait(&w.empty[slot], (use - 1) & 1u);
+                    if constexpr (NP == 1) {
+                        const u32 use = it / (u32)w.stages;
+                        if (use > 0) mbar_wait(&w.empty[slot], (use - 1) & 1u);
+                    } else {
+                        // A parity wait only tells the phase it names from the one before, so it is sound only
+                        // while the barrier has completed every earlier phase; a warpgroup that skipped the
+                        // other's steps could be a whole lap ahead (at a pass's end: 5 steps apart with 5
+                        // units a pass). So every step's buffer, the other warpgroup's too, is waited for in
+                        // order: each wait is then at most one phase ahead, and costs nothing a later one
+                        // would not (the consumers hand the buffers back in order).
+                        for (; waited <= it; ++waited)
+                            if (waited >= (u32)w.stages)
+                                mbar_wait(&w.empty[waited % (u32)w.stages], (waited / (u32)w.stages - 1) & 1u);
+                    }
                     const u32 a_tile = stage_a<NT8>(w, slot), b_tile = a_tile + ST_A_BYTES;
                     if constexpr (TMA) {
                         // Rows past the expert's count are the next expert's (or zeros past the

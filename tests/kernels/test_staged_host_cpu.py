@@ -188,7 +188,7 @@ def test_128_token_passes_match_the_reference(cta_harness, tmp_path, monkeypatch
 
 # APL_STAGED_LUT_PRODUCERS 2: two producer warpgroups, the second taking every other unit (2 steps) of each
 # pass. Rows long enough that both have units: down at 5-8 bits, 10 steps (5 units, 3 and 2), 16-byte plane
-# loads; merged gate_up, 224 columns (4 steps, the last ragged), 4-byte loads, two passes for hot experts.
+# loads; merged gate_up, 224 columns (4 steps, the last ragged), 4-byte loads; hot experts in two passes.
 @pytest.mark.parametrize("mode,bits,rows_out,cols,tokens,dtype", [
     (1, [8, 5, 7, 6], 128, 640, 40, torch.bfloat16),
     (0, [4, 6, 3, 8], 64, 224, 150, torch.float16)])
@@ -205,7 +205,9 @@ def test_two_producer_warpgroups_match_the_reference_and_one(cta_harness, tmp_pa
         assert run.returncode == 0, run.stderr[-2000:]
         outputs.append((work / "out.bin").read_bytes())
     assert picked[0] != 0 and op.staged_threads(picked[0]) == 384
-    assert mode == 1 or plan.tokens < max(n for _, _, n in case["active"])  # (gate_up: a second pass)
+    # (a hot expert's second pass: where a pass has an odd count of units, a warpgroup's next step can be
+    # more ring buffers ahead than the ring holds, which its waits must survive)
+    assert plan.tokens < max(n for _, _, n in case["active"])
     assert_matches(launch_output(tmp_path / "producers_2", case), reference_projection(case), case)
     assert outputs[1] == outputs[0]
 
