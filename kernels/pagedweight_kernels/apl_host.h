@@ -297,6 +297,17 @@ inline void host_mbar_wait(unsigned addr, unsigned parity) {
     if (!apl_host_cv.wait_for(lock, host_deadlock_after(), [&] { return (b.phase & 1u) != (parity & 1u); }))
         host_deadlock("the mbarrier at", addr, parity);
 }
+// A wait for phase `phase` of the mbarrier at addr (apl_staged.cu's mbar_wait_phase) is sound only while
+// the barrier has completed that phase's predecessors and at most the phase itself.
+inline void host_mbar_check_phase(unsigned addr, unsigned phase) {
+    std::unique_lock<std::mutex> lock(apl_host_mutex);
+    const unsigned done = host_mbar(addr).phase;
+    if (done < phase || done > phase + 1) {
+        std::fprintf(stderr, "a parity wait for phase %u of the mbarrier at %u, which has completed %u phases\n", phase,
+                     addr, done);
+        std::abort();
+    }
+}
 // bar.sync id, count (and __syncthreads: id 0, every thread).
 inline void host_bar_sync(unsigned id, unsigned count) {
     std::unique_lock<std::mutex> lock(apl_host_mutex);

@@ -676,16 +676,27 @@ def staged_plan(mode: int, num_tokens: int, top_k: int, num_experts: int, rows_o
     lut = STAGED_ROWS * (1 << lut_bits) * 2 if lut_bits else 0
     planes = staged_plane_ring_bytes(cls, nt8, aligned16, lut_bits)
     stage = (STAGED_ROWS + tokens) * STAGED_STEP * 2  # the A tile, then the B tile
+    least = staged_min_stages(cls, nt8, aligned16)
     for budget in STAGED_CTA_SHARED[-1:] if staged_blocks(cls) == 1 else STAGED_CTA_SHARED:  # (one CTA an SM: its budget)
-        stages = min(STAGED_STAGES, STAGED_MAX_STAGES, (budget - staged_align_pad(cls) - lut - planes) // stage)
-        if stages >= 2:
+        stages = min(max(STAGED_STAGES, least), STAGED_MAX_STAGES, (budget - staged_align_pad(cls) - lut - planes) // stage)
+        if stages >= least:
             break
-    else:  # the consumers hand a buffer back after the next one's wgmma are issued: one would deadlock
-        raise APLKernelError(f"the staged regime needs 2 ring buffers of {stage} bytes beside {lut} bytes of LUT rows"
-                             f" and {planes} of plane words")
+    else:
+        raise APLKernelError(f"the staged regime needs {least} ring buffers of {stage} bytes beside {lut} bytes of LUT"
+                             f" rows and {planes} of plane words")
     grid = (math.ceil(rows_out / rpc), max_active, groups)
     return GemmPlan("staged", tokens, 0, rpc, 1, 0, grid, staged_align_pad(cls) + lut + stages * stage + planes, nt8,
                     stages)
+
+
+def staged_min_stages(cls: int, nt8: int, aligned16: bool) -> int:
+    """The fewest ring buffers a staged launch can run with. 2: the consumers hand a buffer back after
+    the next one's wgmma are issued, so one would deadlock. With NP producer warpgroups taking every
+    NP-th unit of steps in turn, a warpgroup's next step can be U (NP - 1) + 1 steps on from its last
+    (U: the steps of its widest rows' units), and its parity wait for that step's buffer is sound only
+    if the ring holds as many (apl_staged.cu's mbar_wait_phase)."""
+    unit = KERNEL_DEFINES["APL_STAGED_UNIT"] if cls != 1 and aligned16 and nt8 <= TILES_MAX_NT8 else 2
+    return max(2, unit * (staged_producers(cls) - 1) + 1)
 
 
 def staged_plane_ring_bytes(cls: int, nt8: int, aligned16: bool, lut_bits: int = 0) -> int:

@@ -340,6 +340,16 @@ APL_HD u32 stage_a(const StagedWork& w, int slot) {
     return w.ring + (u32)slot * (ST_A_BYTES + NT8 * 8 * ST_KS * 2);
 }
 
+// Waits for phase `phase` (counted from the barrier's init) of an mbarrier to complete, by its parity. A
+// parity wait cannot tell phase k from k +- 2: issued before phase k - 1 completed it returns at once, issued
+// after k + 1 completed it waits a lap. The host's CTA emulation checks that neither is the case.
+APL_HD void mbar_wait_phase(unsigned long long* bar, u32 phase) {
+#ifndef __CUDA_ARCH__
+    host_mbar_check_phase(shared_addr(bar), phase);
+#endif
+    mbar_wait(bar, phase & 1u);
+}
+
 // cp_async16 where `issue` holds; on the host a lane that skips it still takes the warp
 // instruction's ordinal (the harness's bank count groups lanes by ordinal).
 // On the device a predicated copy, not a branch (a branch made the 128-token down instance spill 64
@@ -384,7 +394,7 @@ APL_HD void tma_load_rows(u32 dst, const StagedTensorMap& map, int col, int row,
 
 // A producer warpgroup: its thread pt owns weight row pt of the CTA. PA: plane words by cp.async
 // (APL_STAGED_PLANE_ASYNC, APL_STAGED_PLANE_ASYNC_LUT). NP producer warpgroups (staged_producers):
-// warpgroup wg fills the steps of units wg, wg + NP, ... of each pass.
+// warpgroup wg fills the steps of every NP-th unit (U steps) of the CTA's passes, from unit wg.
 template <int B, int MODE, bool BF16, bool V4, int NT8, bool PA, bool TMA, int NP>
 APL_HD void staged_produce(const BlockRef& blk, const StagedWork& w, const int* __restrict__ sorted_slot, int top_k,
                            const u16* __restrict__ x, const u16* lut_s, int lut_stride, const StagedTensorMap& act_map) {
@@ -399,7 +409,7 @@ APL_HD void staged_produce(const BlockRef& blk, const StagedWork& w, const int* 
     constexpr int U = B <= 4 && V4 && NT8 <= 8 ? APL_STAGED_UNIT : 2, W = 2 * U;  // steps and words (per plane) a unit
     static_assert(U == 2 || U == 4, "units of 2 or 4 steps");
     const int wpr = w.cols / 32, units = (w.steps + U - 1) / U;
-    const int mine = units > wg ? (units - wg + NP - 1) / NP : 0;  // this warpgroup's units: j -> unit wg + NP j
+    int first = 0, mine = 0;  // this pass's units of this warpgroup: j < mine -> unit first + NP j
     const u32* row_planes[8];
 #pragma unroll
     for (int p = 0; p < 8; ++p) row_planes[p] = blk.planes[p] + (long long)wrow * wpr;
@@ -410,7 +420,7 @@ APL_HD void staged_produce(const BlockRef& blk, const StagedWork& w, const int* 
     // Unit u = steps Uu..Uu+U-1 = words Wu..Wu+W-1 of the row in every plane (clamped into the row:
     // columns past the end meet zero activations); the warpgroup's own unit j.
     auto load_unit = [&](u32 (&buf)[B][W], int j) {
-        const int w0 = W * min(wg + NP * j, units - 1);
+        const int w0 = W * min(first + NP * j, units - 1);
 #pragma unroll
         for (int p = 0; p < B; ++p) {
             if constexpr (V4) {
@@ -432,7 +442,7 @@ APL_HD void staged_produce(const BlockRef& blk, const StagedWork& w, const int* 
     auto plane_slot = [&](int d, int p) { return plane_ring + (u32)((d * B + p) * NP * ST_ROWS * W * 4); };
     auto issue_unit = [&](int d, int j) {
         if (j < mine) {
-            const int w0 = W * (wg + NP * j);
+            const int w0 = W * (first + NP * j);
 #pragma unroll
             for (int p = 0; p < B; ++p) {
                 if constexpr (V4) {
@@ -454,8 +464,13 @@ APL_HD void staged_produce(const BlockRef& blk, const StagedWork& w, const int* 
     // sectors of activations (8 tokens x 64 bytes).
     const int c8 = (pt >> 3) & 7, tok0 = (pt & 7) + 8 * (pt >> 6);
     u32 pass_it = 0;  // the ring's count of steps before this pass (consumers take every step in order)
-    [[maybe_unused]] u32 waited = 0;  // (NP > 1) the ring's steps whose buffers this warpgroup has seen handed back
     for (int m0 = blockIdx.z * NT; m0 < w.n; m0 += gridDim.z * NT, pass_it += (u32)w.steps) {
+        // the units of all the CTA's passes in one sequence, dealt round the warpgroups: a warpgroup's next
+        // step is then at most U (NP - 1) + 1 steps on from its last, also across a pass's end, and a
+        // ring of as many buffers (staged_plan) keeps its parity waits one phase from the barrier's
+        const int pass = (int)(pass_it / (u32)w.steps);
+        first = (wg + NP - (int)((long long)pass * units % NP)) % NP;
+        mine = units > first ? (units - first + NP - 1) / NP : 0;
         const u16* src[MINE];
 #pragma unroll
         for (int i = 0; i < (TMA ? 0 : MINE); ++i) {
@@ -476,7 +491,7 @@ APL_HD void staged_produce(const BlockRef& blk, const StagedWork& w, const int* 
         for (int j0 = 0; j0 < mine; j0 += P) {
 #pragma unroll
             for (int d = 0; d < P; ++d) {
-                const int j = j0 + d, u = wg + NP * j;
+                const int j = j0 + d, u = first + NP * j;
                 if (j >= mine) break;
                 if constexpr (PA) cp_async_wait<P - 1>();  // unit j's group has landed (the P - 1 after it need not)
                 u32 words[B][W] = {};  // PA: two steps' words of every plane at a time, from the slot
@@ -486,20 +501,8 @@ APL_HD void staged_produce(const BlockRef& blk, const StagedWork& w, const int* 
                     if (step >= w.steps) break;
                     const u32 it = pass_it + (u32)step;
                     const int slot = (int)(it % (u32)w.stages);
-                    if constexpr (NP == 1) {
-                        const u32 use = it / (u32)w.stages;
-                        if (use > 0) mbar_wait(&w.empty[slot], (use - 1) & 1u);
-                    } else {
-                        // A parity wait only tells the phase it names from the one before, so it is sound only
-                        // while the barrier has completed every earlier phase; a warpgroup that skipped the
-                        // other's steps could be a whole lap ahead (at a pass's end: 5 steps apart with 5
-                        // units a pass). So every step's buffer, the other warpgroup's too, is waited for in
-                        // order: each wait is then at most one phase ahead, and costs nothing a later one
-                        // would not (the consumers hand the buffers back in order).
-                        for (; waited <= it; ++waited)
-                            if (waited >= (u32)w.stages)
-                                mbar_wait(&w.empty[waited % (u32)w.stages], (waited / (u32)w.stages - 1) & 1u);
-                    }
+                    const u32 use = it / (u32)w.stages;
+                    if (use > 0) mbar_wait_phase(&w.empty[slot], use - 1);
                     const u32 a_tile = stage_a<NT8>(w, slot), b_tile = a_tile + ST_A_BYTES;
                     if constexpr (TMA) {
                         // Rows past the expert's count are the next expert's (or zeros past the
@@ -568,7 +571,7 @@ APL_HD void staged_consume(const StagedWork& w, bool bad, const int* __restrict_
             int prev = -1;
             for (int step = 0; step < w.steps; ++step, ++it) {
                 const int slot = (int)(it % (u32)w.stages);
-                mbar_wait(&w.full[slot], (it / (u32)w.stages) & 1u);
+                mbar_wait_phase(&w.full[slot], it / (u32)w.stages);
                 fence_proxy_async();  // the producers' stores (and the activations' cp.async copies), before wgmma reads them
                 const u32 a_tile = stage_a<NT8>(w, slot), b_tile = a_tile + ST_A_BYTES;
                 wgmma_fence();

@@ -212,6 +212,21 @@ def test_two_producer_warpgroups_match_the_reference_and_one(cta_harness, tmp_pa
     assert outputs[1] == outputs[0]
 
 
+def test_two_producer_warpgroups_need_a_ring_of_three(monkeypatch):
+    # a warpgroup's next step can be 3 buffers on from its last (its unit of 2 steps, then the other's
+    # 2): a ring of 2 would let its parity wait run a lap ahead, so the plan asks for 3 or refuses
+    case = projection_case(1, [8, 5, 7, 6], 128, 640, 40, 2, torch.bfloat16, seed=23)
+    assert planned(case)[1].stages >= 2 and op.staged_min_stages(1, 4, True) == 2
+    monkeypatch.setitem(op.KERNEL_DEFINES, "APL_STAGED_LUT_PRODUCERS", 2)
+    assert op.staged_min_stages(1, 4, True) == 3 and op.staged_min_stages(0, 4, True) == 2
+    monkeypatch.setattr(op, "STAGED_STAGES", 2)
+    assert planned(case)[1].stages == 3
+    plan = planned(case)[1]
+    monkeypatch.setattr(op, "STAGED_CTA_SHARED", (plan.shared_bytes - 1,) * 2)
+    with pytest.raises(op.APLKernelError, match="needs 3 ring buffers"):
+        planned(case)
+
+
 def test_blocks_outside_the_launchs_class_come_out_nan(cta_harness, tmp_path):
     # a 3-4-bit launch over a layer with one 6-bit block: that expert's outputs are NaN, the rest exact
     case, instance = launch_case("gate_up_3_4_bits_16_token_passes", seed=7, bits=[4, 6, 4, 3, 4, 3])
