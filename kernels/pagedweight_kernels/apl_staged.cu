@@ -56,9 +56,11 @@
 #endif
 // 0: the producers skip their per-step fence.proxy.async (MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S), and
 // the consumers' fence after each full wait is the one proxy fence between the producers' stores and
-// the wgmma that read them. The PTX memory model asks for an async proxy fence somewhere on the
-// causality path from a generic write to an async-proxy read (release, acquire, then the consumers'
-// fence qualifies); 1 keeps one in the writer too, as CUTLASS's epilogues do. A variant to time.
+// the wgmma that read them: about 3% faster at 8 bits, and not supported by the PTX ISA, whose
+// proxy-preserved causality order has no case for a generic write read through the async proxy and
+// whose proxy fences take effect within the executing thread. 1 (the default, and the only documented
+// pattern, CUTLASS's and FlashAttention-3's): the writing thread fences, then synchronises. A variant
+// to time only (docs/kernel.md, "A second producer warpgroup, and the producer fence settled").
 #ifndef APL_STAGED_PRODUCER_FENCE
 #define APL_STAGED_PRODUCER_FENCE 1
 #endif
