@@ -472,9 +472,11 @@ def test_the_command_line_says_when_it_cannot_write(tmp_path, capsys):
     assert "cannot write" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("bits, merged", [(8, False), (6, False), (5, True)])
-def test_lane_banked_lut_lookups_take_one_wavefront(tmp_path, bits, merged):
+@pytest.mark.parametrize("bits, merged, producers", [(8, False, 1), (6, False, 1), (5, True, 1), (8, False, 2)])
+def test_lane_banked_lut_lookups_take_one_wavefront(tmp_path, bits, merged, producers):
     # APL_STAGED_LUT_LANES: each producer lane reads only its own bank, whatever the codes, so a warp's
-    # LDS.U16 takes the one wavefront its 64 bytes need (row-major rows: 3.45-3.53, the test above)
-    got = staged_banks.count(f"{bits} bits", bits, {"APL_STAGED_LUT_LANES": 1}, merged, tmp_path)["kinds"]["LDS.U16"]
+    # LDS.U16 takes the one wavefront its 64 bytes need (row-major rows: 3.45-3.53, the test above);
+    # with two producer warpgroups too (each warp of either reads the rows of its lanes)
+    knobs = {"APL_STAGED_LUT_LANES": 1, "APL_STAGED_LUT_PRODUCERS": producers}
+    got = staged_banks.count(f"{bits} bits", bits, knobs, merged, tmp_path)["kinds"]["LDS.U16"]
     assert got["instructions"] > 0 and got["wavefronts"] == got["instructions"] == got["ideal"], got
