@@ -39,3 +39,11 @@ staged_variants() {
   cp "bench/results/$json.json" "$OUT/" 2> /dev/null
   return $rc
 }
+# The layer benchmark (bf16 grouped_mm beside it) in one process: layer_bench NAME TIMEOUT_S ARGS...
+# (bench.apl_moe_kernel --no-per-block --no-legacy ARGS), the JSON and log as $OUT/NAME.*; its status.
+layer_bench() {
+  local name=$1 limit=$2
+  shift 2
+  timeout -k 10 "$limit" python3 -m bench.apl_moe_kernel "$@" --no-per-block --no-legacy --name "$name" \
+    --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1
+}

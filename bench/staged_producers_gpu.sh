@@ -16,10 +16,8 @@ KNOB_SETS=${KNOB_SETS:-APL_STAGED_LUT_PRODUCERS=2;APL_STAGED_LUT_PRODUCERS=2,APL
 if [ "${LAYER_DEFINES:-APL_STAGED_LUT_PRODUCERS=2}" != none ]; then
   IFS=';' read -r -a sets <<< ";${LAYER_DEFINES:-APL_STAGED_LUT_PRODUCERS=2}"  # (the first, empty: the defaults)
   for i in "${!sets[@]}"; do
-    APL_KERNEL_DEFINES=${sets[$i]} timeout -k 10 "${BENCH_TIMEOUT_S:-120}" python3 -m bench.apl_moe_kernel \
-      --tokens ${LAYER_TOKENS:-64 256} --bits ${LAYER_BITS:-8 mixed} --no-per-block --no-legacy \
-      --name "apl_moe_kernel_staged_wg2_$i" --out "$OUT/apl_moe_kernel_staged_wg2_$i.json" \
-      > "$OUT/apl_moe_kernel_staged_wg2_$i.log" 2>&1
+    APL_KERNEL_DEFINES=${sets[$i]} layer_bench "apl_moe_kernel_staged_wg2_$i" "${BENCH_TIMEOUT_S:-120}" \
+      --tokens ${LAYER_TOKENS:-64 256} --bits ${LAYER_BITS:-8 mixed}
     stamp "layer bench [${sets[$i]:-defaults}] rc $?"; grep -E "T=" "$OUT/apl_moe_kernel_staged_wg2_$i.log" | sed 's/  */ /g'
   done
 fi

@@ -64,8 +64,6 @@ if [ -n "${EXTRA:-}" ]; then  # more GPU tests at the default knobs: pytest argu
 fi
 if [ -n "${LAYER:-}" ]; then
   [ "${LAYER_FLIP:-1}" = 1 ] && export APL_KERNEL_DEFINES=APL_STAGED_TMA=$flip
-  timeout -k 10 "${BENCH_TIMEOUT_S:-150}" python3 -m bench.apl_moe_kernel \
-    --tokens ${LAYER_TOKENS:-64 256} --bits ${LAYER_BITS:-3 4} --no-per-block --no-legacy --name apl_moe_kernel_staged_tma \
-    --out "$OUT/apl_moe_kernel_staged_tma.json" > "$OUT/apl_moe_kernel_staged_tma.log" 2>&1
+  layer_bench apl_moe_kernel_staged_tma "${BENCH_TIMEOUT_S:-150}" --tokens ${LAYER_TOKENS:-64 256} --bits ${LAYER_BITS:-3 4}
   stamp "layer bench rc $?"; grep -E "T=|copy" "$OUT/apl_moe_kernel_staged_tma.log" | sed 's/  */ /g'
 fi

@@ -695,22 +695,26 @@ def staged_min_stages(cls: int, nt8: int, aligned16: bool) -> int:
     NP-th unit of steps in turn, a warpgroup's next step can be U (NP - 1) + 1 steps on from its last
     (U: the steps of its widest rows' units), and its parity wait for that step's buffer is sound only
     if the ring holds as many (apl_staged.cu's mbar_wait_phase)."""
-    unit = KERNEL_DEFINES["APL_STAGED_UNIT"] if cls != 1 and aligned16 and nt8 <= TILES_MAX_NT8 else 2
+    unit = staged_low_unit(nt8, aligned16) if cls != 1 else 2
     return max(2, unit * (staged_producers(cls) - 1) + 1)
+
+
+def staged_low_unit(nt8: int, aligned16: bool) -> int:
+    """Steps a unit of a 3-4-bit row's plane words covers (the .cu's U): APL_STAGED_UNIT where the kernel
+    takes it (16-byte plane loads, passes of up to 64 tokens), else 2 (5-8-bit rows: always 2)."""
+    return KERNEL_DEFINES["APL_STAGED_UNIT"] if aligned16 and nt8 <= TILES_MAX_NT8 else 2
 
 
 def staged_plane_ring_bytes(cls: int, nt8: int, aligned16: bool, lut_bits: int = 0) -> int:
     """The producers' plane ring past the ring buffers (APL_STAGED_PLANE_ASYNC: the 3-4-bit class;
     with APL_STAGED_PLANE_ASYNC_LUT the others too): per weight row, the largest of its widths' slots.
     3-4-bit rows: APL_STAGED_PREFETCH unit slots of 4 planes x 2 words a step, units of
-    APL_STAGED_UNIT steps where the kernel takes them (16-byte plane loads, passes of up to 64
-    tokens), else 2. 5-8-bit rows (lut_bits planes, the launch's widest): APL_STAGED_PREFETCH_LUT
+    staged_low_unit steps. 5-8-bit rows (lut_bits planes, the launch's widest): APL_STAGED_PREFETCH_LUT
     slots (1 with 4-byte plane loads) of units of 2 steps. Per producer thread: staged_producers
     warpgroups of STAGED_ROWS threads."""
     if not KERNEL_DEFINES["APL_STAGED_PLANE_ASYNC"] or (cls != 0 and not KERNEL_DEFINES["APL_STAGED_PLANE_ASYNC_LUT"]):
         return 0
-    unit = KERNEL_DEFINES["APL_STAGED_UNIT"] if aligned16 and nt8 <= TILES_MAX_NT8 else 2
-    low = KERNEL_DEFINES["APL_STAGED_PREFETCH"] * 4 * (2 * unit) if cls != 1 else 0
+    low = KERNEL_DEFINES["APL_STAGED_PREFETCH"] * 4 * (2 * staged_low_unit(nt8, aligned16)) if cls != 1 else 0
     high = (KERNEL_DEFINES["APL_STAGED_PREFETCH_LUT"] if aligned16 else 1) * lut_bits * 4 if cls != 0 else 0
     return staged_producers(cls) * STAGED_ROWS * max(low, high) * 4
 

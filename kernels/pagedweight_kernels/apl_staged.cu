@@ -465,12 +465,11 @@ APL_HD void staged_produce(const BlockRef& blk, const StagedWork& w, const int* 
     // of 8 chunks of 4 tokens (the harness's bank count, docs/kernel.md); each warp still reads 16
     // sectors of activations (8 tokens x 64 bytes).
     const int c8 = (pt >> 3) & 7, tok0 = (pt & 7) + 8 * (pt >> 6);
-    u32 pass_it = 0;  // the ring's count of steps before this pass (consumers take every step in order)
-    for (int m0 = blockIdx.z * NT; m0 < w.n; m0 += gridDim.z * NT, pass_it += (u32)w.steps) {
+    for (int m0 = blockIdx.z * NT, pass = 0; m0 < w.n; m0 += gridDim.z * NT, ++pass) {
+        const u32 pass_it = (u32)pass * (u32)w.steps;  // the ring's steps before this pass (consumers take each in order)
         // the units of all the CTA's passes in one sequence, dealt round the warpgroups: a warpgroup's next
         // step is then at most U (NP - 1) + 1 steps on from its last, also across a pass's end, and a
         // ring of as many buffers (staged_plan) keeps its parity waits one phase from the barrier's
-        const int pass = (int)(pass_it / (u32)w.steps);
         first = (wg + NP - (int)((long long)pass * units % NP)) % NP;
         mine = units > first ? (units - first + NP - 1) / NP : 0;
         const u16* src[MINE];

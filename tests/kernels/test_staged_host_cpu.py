@@ -220,8 +220,8 @@ def test_two_producer_warpgroups_need_a_ring_of_three(monkeypatch):
     monkeypatch.setitem(op.KERNEL_DEFINES, "APL_STAGED_LUT_PRODUCERS", 2)
     assert op.staged_min_stages(1, 4, True) == 3 and op.staged_min_stages(0, 4, True) == 2
     monkeypatch.setattr(op, "STAGED_STAGES", 2)
-    assert planned(case)[1].stages == 3
     plan = planned(case)[1]
+    assert plan.stages == 3
     monkeypatch.setattr(op, "STAGED_CTA_SHARED", (plan.shared_bytes - 1,) * 2)
     with pytest.raises(op.APLKernelError, match="needs 3 ring buffers"):
         planned(case)

@@ -14,6 +14,11 @@ from pagedweight_kernels import apl_moe as op
 from pagedweight_kernels.apl_moe import staged_blocks, staged_instances, staged_threads
 
 
+def _kernel_class(instance: str) -> int:
+    """The kernel class of an apl_staged instance name (its first template argument)."""
+    return int(instance.split("<")[1].split(",")[0])
+
+
 # (Among them the 128-token passes, STAGED_WIDE_NT8 16: the consumers' 2 x 64 accumulators of m64n128
 # beside the producers' plane ring. Gate_up's act(gate) * up epilogue spilled 12 bytes at nvcc 13.0
 # until the padding rows' copies became one predicated cp.async, cp_async16_if.)
@@ -22,7 +27,7 @@ from pagedweight_kernels.apl_moe import staged_blocks, staged_instances, staged_
 def test_every_staged_instance_fits_without_spilling(instance, tmp_path):
     _, resources = build_instance(instance, {}, tmp_path)
     registers, spilled = resource_usage(resources)
-    cls = int(instance.split("<")[1].split(",")[0])  # (the 5-8-bit classes: one CTA an SM)
+    cls = _kernel_class(instance)  # (the 5-8-bit classes: one CTA an SM)
     assert registers <= min(255, 65536 // (staged_threads(cls) * staged_blocks(cls))), resources  # (the launch bounds)
     assert spilled == 0, resources
 
@@ -50,6 +55,6 @@ def test_lut_class_instances_fit_with_the_other_producer_count(instance, tmp_pat
     monkeypatch.setitem(op.KERNEL_DEFINES, "APL_STAGED_LUT_PRODUCERS", producers)
     _, resources = build_instance(instance, {"APL_STAGED_LUT_PRODUCERS": producers}, tmp_path)
     registers, spilled = resource_usage(resources)
-    cls = int(instance.split("<")[1].split(",")[0])
+    cls = _kernel_class(instance)
     assert registers <= 65536 // (staged_threads(cls) * staged_blocks(cls)), resources
     assert spilled == 0, resources
