@@ -6,19 +6,21 @@
 # (atomic writes); then the kernel tests' node ids are split into SHARDS contiguous runs (the
 # cases of one test stay together, so a knob variant compiles in one shard only).
 # Carry kernel_cache/ from an earlier call of the same source to skip the compiles.
-# Usage (device): OUT=$OUT CODE_COMMIT=<c> [SHARDS=4] [PATHS=1] bash bench/gpu_tests_sharded_gpu.sh
+# Usage (device): OUT=$OUT CODE_COMMIT=<c> [SHARDS=4] [PATHS=1] [PRECOMPILE=none] bash bench/gpu_tests_sharded_gpu.sh
 . "$(dirname "$0")/device_call.sh"
 SHARDS=${SHARDS:-4}
 PATHS=${PATHS:-1}
 LIMIT=${TEST_TIMEOUT_S:-480}
-python3 - << 'EOF'
+if [ "${PRECOMPILE:-1}" != none ]; then  # (none: a caller compiled them already)
+  python3 - << 'EOF'
 import torch
 from pagedweight_kernels.apl_moe import precompile
 for dtype in (torch.bfloat16, torch.float16):
     for activation in ("silu", "gelu_tanh"):
         print("precompiled", dtype, activation, precompile(dtype, activation, max_workers=16), flush=True)
 EOF
-stamp "precompile rc $?"
+  stamp "precompile rc $?"
+fi
 ids=/tmp/gpu_test_ids.txt
 python3 -m pytest -q -m gpu --collect-only -p no:cacheprovider tests/kernels | grep "::" > "$ids"
 n=$(wc -l < "$ids")

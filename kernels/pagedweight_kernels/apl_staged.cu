@@ -101,9 +101,12 @@
 // Units of plane words a 5-8-bit producer thread has in flight in registers (8 planes' words a unit:
 // 32 registers); 1 loads a unit only after the last one's steps, so every unit's latency is waited for.
 // 2 (the default): 4-8% faster than 1 at the 8-bit shapes timed, -3% to +2% at mixed ones
-// (apl_gemv_staged_lut.json); 4 was 2-16% slower than 2 (apl_gemv_staged_lut_one.json).
+// (apl_gemv_staged_lut.json); 4 was 2-16% slower than 2 (apl_gemv_staged_lut_one.json). With two
+// producer warpgroups (below), each has its own units in flight, and 1 (the default since 2026-12-05,
+// sixth session) was 4-8% faster than 2 at five of the six 8-bit and mixed shapes timed and level at the
+// sixth (H100, bench/results/apl_gemv_staged_wg2.json: Mixtral 256 tokens 8 bits 1422.3 against 1538.3 us).
 #ifndef APL_STAGED_PREFETCH_LUT
-#define APL_STAGED_PREFETCH_LUT 2
+#define APL_STAGED_PREFETCH_LUT 1
 #endif
 #ifndef APL_STAGED_BLOCKS
 #define APL_STAGED_BLOCKS 2    // CTAs per SM the register budget must allow (2: 128 registers a thread)
@@ -121,9 +124,11 @@
 // 77% of cycles with no eligible warp. 2: 384 threads, the second producer warpgroup taking every
 // other unit of steps (each step still filled by one warpgroup, so the barriers count 128 arrivals
 // as before), every thread under the launch bound's 168 registers (no setmaxnreg split: the
-// consumers' 2 x 64 accumulators of m64n128 fit it, as at two CTAs an SM).
+// consumers' 2 x 64 accumulators of m64n128 fit it, as at two CTAs an SM). 2 (the default since
+// 2026-12-05, sixth session; with APL_STAGED_PREFETCH_LUT 1): Mixtral 256 tokens 8 bits 1420.4 against
+// 1550.0 us at one warpgroup, 1.20x bf16 grouped_mm (H100, bench/results/apl_moe_kernel_staged_wg2_*.json).
 #ifndef APL_STAGED_LUT_PRODUCERS
-#define APL_STAGED_LUT_PRODUCERS 1
+#define APL_STAGED_LUT_PRODUCERS 2
 #endif
 #define ST_ROWS 128            // weight rows per CTA (two m64 wgmma per k16 slice)
 #define ST_KS 64               // columns per step (4 k16 slices)

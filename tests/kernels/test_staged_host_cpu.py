@@ -216,6 +216,7 @@ def test_two_producer_warpgroups_need_a_ring_of_three(monkeypatch):
     # a warpgroup's next step can be 3 buffers on from its last (its unit of 2 steps, then the other's
     # 2): a ring of 2 would let its parity wait run a lap ahead, so the plan asks for 3 or refuses
     case = projection_case(1, [8, 5, 7, 6], 128, 640, 40, 2, torch.bfloat16, seed=23)
+    monkeypatch.setitem(op.KERNEL_DEFINES, "APL_STAGED_LUT_PRODUCERS", 1)
     assert planned(case)[1].stages >= 2 and op.staged_min_stages(1, 4, True) == 2
     monkeypatch.setitem(op.KERNEL_DEFINES, "APL_STAGED_LUT_PRODUCERS", 2)
     assert op.staged_min_stages(1, 4, True) == 3 and op.staged_min_stages(0, 4, True) == 2
@@ -310,20 +311,21 @@ def test_either_activation_path_leaves_the_other_launches_bit_for_bit(cta_harnes
     assert (tmp_path / "out.bin").read_bytes() == default
 
 
-# The 5-8-bit producers' knobs: the lane-banked LUT rows (and their fill), a second unit of plane words
-# in registers, and activations by TMA for every class (the 1024-byte alignment past LUT rows too).
-# Against the defaults (lane-banked, 2 units, TMA for every class, one CTA an SM): each flipped, and
-# the defaults before 2026-12-05's fourth session all at once.
+# The 5-8-bit producers' knobs: the lane-banked LUT rows (and their fill), units of plane words in
+# registers, activations by TMA for every class (the 1024-byte alignment past LUT rows too), and the
+# second producer warpgroup. Against the defaults (lane-banked, 1 unit a producer thread, TMA for every
+# class, one CTA an SM, two producer warpgroups): each flipped, and earlier defaults all at once.
 LUT_KNOBS = {"lut_lanes_flipped": {"APL_STAGED_LUT_LANES": "flip"},
-             "prefetch_1": {"APL_STAGED_PREFETCH_LUT": 1},
+             "prefetch_2": {"APL_STAGED_PREFETCH_LUT": 2},
              "copies": {"APL_STAGED_TMA": 1},
              "plane_words_in_registers": {"APL_STAGED_PLANE_ASYNC_LUT": 0},
              "plane_ring_prefetch_3": {"APL_STAGED_PREFETCH_LUT": 3},
              "earlier_defaults": {"APL_STAGED_LUT_LANES": "flip", "APL_STAGED_PREFETCH_LUT": 1, "APL_STAGED_TMA": 1,
-                                  "APL_STAGED_LUT_BLOCKS": 2, "APL_STAGED_PLANE_ASYNC_LUT": 0},
-             # the second producer warpgroup (every other unit of steps, half the LUT fill), with the plane
-             # ring, and with the row-major fill, plane words in registers and the activations' copies
-             "two_producer_warpgroups": {"APL_STAGED_LUT_PRODUCERS": 2},
+                                  "APL_STAGED_LUT_BLOCKS": 2, "APL_STAGED_PLANE_ASYNC_LUT": 0,
+                                  "APL_STAGED_LUT_PRODUCERS": 1},
+             # one producer warpgroup (the defaults before 2026-12-05's sixth session), and two with the
+             # row-major fill, plane words in registers and the activations' copies
+             "one_producer_warpgroup": {"APL_STAGED_LUT_PRODUCERS": 1, "APL_STAGED_PREFETCH_LUT": 2},
              "two_producer_warpgroups_earlier": {"APL_STAGED_LUT_PRODUCERS": 2, "APL_STAGED_LUT_LANES": "flip",
                                                  "APL_STAGED_TMA": 1, "APL_STAGED_PLANE_ASYNC_LUT": 0}}
 
