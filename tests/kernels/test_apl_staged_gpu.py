@@ -136,6 +136,9 @@ def test_units_of_4_steps_keep_the_output_bit_for_bit(bits, plane_async, staged,
     default = check_case(case, bits=bits)
     monkeypatch.setitem(op.KERNEL_DEFINES, "APL_STAGED_UNIT", 4)
     monkeypatch.setitem(op.KERNEL_DEFINES, "APL_STAGED_PLANE_ASYNC", plane_async)
+    # (the merged class's 3-4-bit rows in units of 4 steps: two producer warpgroups would want 5 ring
+    # buffers, which its LUT rows may leave no room for, so it runs one warpgroup here)
+    monkeypatch.setitem(op.KERNEL_DEFINES, "APL_STAGED_LUT_PRODUCERS", 1)
     assert torch.equal(check_case(case, bits=bits), default)
 
 

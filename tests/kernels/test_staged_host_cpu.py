@@ -266,12 +266,15 @@ def test_a_ring_of_two_buffers(cta_harness, tmp_path, name):
 
 
 # The knobs the GPU tests run bit for bit (test_apl_staged_gpu.py), here on whole launches: the
-# producers' schedule and lookups change, the sums the consumers form must not, to the bit.
+# producers' schedule and lookups change, the sums the consumers form must not, to the bit. Units of 4
+# steps run the merged class with one producer warpgroup: with two, its 3-4-bit rows' units would want
+# 5 ring buffers beside 8-bit LUT rows (staged_min_stages), and the plan refuses the launch.
+UNITS_OF_4 = {"APL_STAGED_UNIT": 4, "APL_STAGED_LUT_PRODUCERS": 1}
 KNOBS = {"prefetch_1": {"APL_STAGED_PREFETCH": 1}, "prefetch_3": {"APL_STAGED_PREFETCH": 3},
-         "units_of_4": {"APL_STAGED_UNIT": 4}, "prmt_select": {"APL_PRMT_SELECT": 1, "APL_FMA_SHIFTS_MIN_BITS": 9},
+         "units_of_4": UNITS_OF_4, "prmt_select": {"APL_PRMT_SELECT": 1, "APL_FMA_SHIFTS_MIN_BITS": 9},
          "register_prefetch": {"APL_STAGED_PLANE_ASYNC": 0},
-         "register_prefetch_units_of_4_prefetch_3": {"APL_STAGED_PLANE_ASYNC": 0, "APL_STAGED_UNIT": 4, "APL_STAGED_PREFETCH": 3},
-         "plane_async_units_of_4_prefetch_3": {"APL_STAGED_PLANE_ASYNC": 1, "APL_STAGED_UNIT": 4, "APL_STAGED_PREFETCH": 3},
+         "register_prefetch_units_of_4_prefetch_3": {"APL_STAGED_PLANE_ASYNC": 0, **UNITS_OF_4, "APL_STAGED_PREFETCH": 3},
+         "plane_async_units_of_4_prefetch_3": {"APL_STAGED_PLANE_ASYNC": 1, **UNITS_OF_4, "APL_STAGED_PREFETCH": 3},
          "plane_async_prefetch_1": {"APL_STAGED_PLANE_ASYNC": 1, "APL_STAGED_PREFETCH": 1},
          "producer_fence_off": {"APL_STAGED_PRODUCER_FENCE": 0},
          "padding_rows_zeroed": {"APL_STAGED_SKIP_PAD": 0, "APL_STAGED_TMA": 0},  # (the copies' knob)
