@@ -600,14 +600,13 @@ def test_staged_plan_passes_grid_and_a_ring_that_leaves_two_ctas_per_sm():
     gate_up = op.staged_plan(0, 256, 2, 8, 14336, 0, 0, 8)  # Mixtral-size prefill, 256 tokens, 3-4 bits
     assert (gate_up.regime, gate_up.tiles, gate_up.tokens, gate_up.grid) == ("staged", 12, 96, (224, 8, 1))
     assert op.staged_plan(1, 256, 2, 8, 4096, 0, 0, 8).grid == (32, 8, 1)
-    plans = [(gate_up, 0), (op.staged_plan(1, 256, 2, 8, 4096, 0, 0, 8), 0),
-             (op.staged_plan(0, 256, 2, 8, 14336, 1, 8, 8), 8), (op.staged_plan(0, 256, 2, 8, 14336, 2, 5, 8), 5),
-             (op.staged_plan(0, 64, 4, 60, 1408, 1, 6, 60), 6)]
-    for plan, lut_bits in plans:
+    plans = [(gate_up, 0, 0), (op.staged_plan(1, 256, 2, 8, 4096, 0, 0, 8), 0, 0),
+             (op.staged_plan(0, 256, 2, 8, 14336, 1, 8, 8), 1, 8), (op.staged_plan(0, 256, 2, 8, 14336, 2, 5, 8), 2, 5),
+             (op.staged_plan(0, 64, 4, 60, 1408, 1, 6, 60), 1, 6)]
+    for plan, cls, lut_bits in plans:
         lut = op.STAGED_ROWS * (1 << lut_bits) * 2 if lut_bits else 0
         stage = (op.STAGED_ROWS + plan.tokens) * op.STAGED_STEP * 2
-        assert 2 <= plan.stages <= op.STAGED_STAGES
-        cls = 0 if lut_bits == 0 else 1  # (the plans above: class 0, or a class with LUT rows)
+        assert op.staged_min_stages(cls, plan.tiles, True) <= plan.stages <= op.STAGED_STAGES
         planes = op.staged_plane_ring_bytes(cls, plan.tiles, True, lut_bits)
         assert plan.shared_bytes == op.staged_align_pad(cls) + lut + plan.stages * stage + planes
         assert plan.shared_bytes <= op.STAGED_CTA_SHARED[0 if op.staged_blocks(cls) == 2 else -1]
@@ -626,6 +625,8 @@ def test_staged_plan_refuses_a_ring_of_one_buffer(monkeypatch):
     issued): where shared memory holds fewer than 2, the plan is an error, not a launch."""
     import pagedweight_kernels.apl_moe as op
 
+    # (one producer warpgroup: with two, the class needs 3 buffers, test_two_producer_warpgroups_need_a_ring_of_three)
+    monkeypatch.setitem(op.KERNEL_DEFINES, "APL_STAGED_LUT_PRODUCERS", 1)
     stage = (op.STAGED_ROWS + 64) * op.STAGED_STEP * 2  # (128 tokens, 32 an expert: passes of 64)
     monkeypatch.setattr(op, "STAGED_CTA_SHARED", (op.staged_align_pad(1) + 2 * stage - 1,))
     with pytest.raises(op.APLKernelError, match="2 ring buffers"):
