@@ -47,3 +47,13 @@ layer_bench() {
   timeout -k 10 "$limit" python3 -m bench.apl_moe_kernel "$@" --no-per-block --no-legacy --name "$name" \
     --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1
 }
+# Every default instance (both dtypes and activations) into the disk cache, in threads; its status.
+precompile_defaults() {
+  python3 - << 'PY'
+import torch
+from pagedweight_kernels.apl_moe import precompile
+for dtype in (torch.bfloat16, torch.float16):
+    for activation in ("silu", "gelu_tanh"):
+        print("precompiled", dtype, activation, precompile(dtype, activation, max_workers=16), flush=True)
+PY
+}

@@ -9,13 +9,7 @@
 # Usage (device): OUT=$OUT CODE_COMMIT=<c> bash bench/final_defaults_gpu.sh
 here=$(dirname "$0")
 . "$here/device_call.sh"
-python3 - << 'PY'
-import torch
-from pagedweight_kernels.apl_moe import precompile
-for dtype in (torch.bfloat16, torch.float16):
-    for activation in ("silu", "gelu_tanh"):
-        print("precompiled", dtype, activation, precompile(dtype, activation, max_workers=16), flush=True)
-PY
+precompile_defaults
 stamp "precompile rc $?"
 if [ "${LAYER:-1}" != none ]; then
   layer_bench "${LAYER_NAME:-apl_moe_kernel_final}" "${BENCH_TIMEOUT_S:-240}" --bits 3 4 5 6 8 mixed

@@ -12,13 +12,7 @@ SHARDS=${SHARDS:-4}
 PATHS=${PATHS:-1}
 LIMIT=${TEST_TIMEOUT_S:-480}
 if [ "${PRECOMPILE:-1}" != none ]; then  # (none: a caller compiled them already)
-  python3 - << 'EOF'
-import torch
-from pagedweight_kernels.apl_moe import precompile
-for dtype in (torch.bfloat16, torch.float16):
-    for activation in ("silu", "gelu_tanh"):
-        print("precompiled", dtype, activation, precompile(dtype, activation, max_workers=16), flush=True)
-EOF
+  precompile_defaults
   stamp "precompile rc $?"
 fi
 ids=/tmp/gpu_test_ids.txt

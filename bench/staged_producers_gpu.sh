@@ -1,7 +1,10 @@
 #!/bin/bash
-# One device call (issue 13, written 2026-12-05, fifth session, when no device was lent; not yet run):
-# the second producer warpgroup of the 5-8-bit and merged classes (apl_staged.cu's
-# APL_STAGED_LUT_PRODUCERS 2: 384 threads a CTA). Steps, each skipped where its variable is "none":
+# One device call (issue 13, written 2026-12-05, fifth session; run in the sixth at 85ad85f, on an H100:
+# bench/results/apl_gemv_staged_wg2.json, apl_moe_kernel_staged_wg2_*.json): the second producer warpgroup
+# of the 5-8-bit and merged classes (apl_staged.cu's APL_STAGED_LUT_PRODUCERS 2: 384 threads a CTA). Since
+# 7dc961f two warpgroups (with APL_STAGED_PREFETCH_LUT 1) are the defaults, so a re-run compares against
+# one warpgroup by its sets (LAYER_DEFINES=APL_STAGED_LUT_PRODUCERS=1,APL_STAGED_PREFETCH_LUT=2, and
+# KNOB_SETS to match). Steps, each skipped where its variable is "none":
 #   1-3. bench/staged_lut_gpu.sh: every instance at the default knobs, and the 5-8-bit and merged
 #        classes' staged instances at each KNOB_SETS entry (precompile); the GPU knob tests with two
 #        producer warpgroups against the defaults, bit for bit (TESTS_K); VARIANTS at its SHAPES;

@@ -99,12 +99,14 @@
 #define APL_STAGED_LUT_LANES 1
 #endif
 // Units of plane words a 5-8-bit producer thread has in flight in registers (8 planes' words a unit:
-// 32 registers); 1 loads a unit only after the last one's steps, so every unit's latency is waited for.
-// 2 (the default): 4-8% faster than 1 at the 8-bit shapes timed, -3% to +2% at mixed ones
-// (apl_gemv_staged_lut.json); 4 was 2-16% slower than 2 (apl_gemv_staged_lut_one.json). With two
-// producer warpgroups (below), each has its own units in flight, and 1 (the default since 2026-12-05,
-// sixth session) was 4-8% faster than 2 at five of the six 8-bit and mixed shapes timed and level at the
-// sixth (H100, bench/results/apl_gemv_staged_wg2.json: Mixtral 256 tokens 8 bits 1422.3 against 1538.3 us).
+// 32 registers); 1 loads a unit only after the last one's steps, so a warpgroup waits for every unit's
+// latency. At one producer warpgroup, 2 (the default then) was 4-8% faster than 1 at the 8-bit shapes
+// timed, -3% to +2% at mixed ones (apl_gemv_staged_lut.json); 4 was 2-16% slower than 2
+// (apl_gemv_staged_lut_one.json). With two producer warpgroups (below), each has its own units in
+// flight (while one waits for a unit, the other can fill steps), and 1 (the default since 2026-12-05,
+// sixth session) was 4-8% faster than 2 at five of the six 8-bit and mixed shapes timed and level at
+// the sixth (H100, bench/results/apl_gemv_staged_wg2.json: Mixtral 256 tokens 8 bits 1422.3 against
+// 1538.3 us).
 #ifndef APL_STAGED_PREFETCH_LUT
 #define APL_STAGED_PREFETCH_LUT 1
 #endif
