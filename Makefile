@@ -3,7 +3,8 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup test test-gpu test-gpu-kernels test-gpu-paths test-deploy tools bench clean proto proto-check run
+
+.PHONY: setup test test-gpu test-gpu-smoke test-gpu-kernels test-gpu-paths test-deploy tools bench clean proto proto-check run
 
 setup:
 	$(PYTHON) -m venv $(VENV)
@@ -54,6 +55,11 @@ GPU_IGNORE := --ignore=tests/cli --ignore=tests/e2e --ignore=tests/gateway --ign
 	--ignore=tests/planner_service --ignore=tests/rpc --ignore=tests/fuzz --ignore=tests/test_prompt_residuals_online.py
 test-gpu:
 	$(GPU_PYTEST) tests $(GPU_IGNORE)
+
+# The kernel smoke set: every regime x width x dtype against the reference (run it in every device
+# call that changes kernels/; under 8 minutes on a fresh H100 with the compile).
+test-gpu-smoke:
+	$(GPU_PYTEST) -m "gpu and smoke" tests/kernels/test_gpu_smoke.py
 
 test-gpu-kernels:
 	$(GPU_PYTEST) tests/kernels

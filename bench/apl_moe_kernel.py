@@ -41,14 +41,16 @@ import torch.nn.functional as F
 from bench.bench_meta import write_result
 from pagedweight_kernels.apl_moe import APLLayer, ResidentBlock, apl_moe, launch_gemm, plan_launch
 from pagedweight_kernels.synthetic import nested_luts
+from pagedweight.format.apl_format import lut_width
 
 MODELS = {  # experts, top_k, hidden, intermediate
     "qwen1.5-moe-a2.7b": (60, 4, 2048, 1408),
     "mixtral-8x7b": (8, 2, 4096, 14336),
+    "gemma-4-26b-a4b": (128, 8, 2816, 704),
 }
 TOKENS = (1, 4, 16, 64, 256)
 BIT_CONFIGS = ("3", "4", "8", "mixed")  # the default run
-BIT_CHOICES = ("3", "4", "5", "6", "8", "mixed")  # --bits: 5 and 6 too (for the mixed layer's byte-weighted time)
+BIT_CHOICES = ("3", "4", "5", "6", "7", "8", "mixed")  # --bits: 5 and 6 too (for the mixed layer's byte-weighted time)
 MIXED_CHOICES = (3, 4, 4, 5, 6, 8)  # the mixed assignment draws each block's bits from these
 COPIES, REPS, TRIALS, REPLAYS = 3, 6, 5, 8
 
@@ -74,7 +76,7 @@ class SyntheticLayer:
         E = self.gu_planes.shape[0]
 
         def block(planes, luts, b):
-            return ResidentBlock(b, [planes[p] for p in range(b)], luts[b])
+            return ResidentBlock(b, [planes[p] for p in range(b)], luts[lut_width(b)])
 
         return APLLayer([block(self.gu_planes[e], self.gu_luts[e], bits[(e, "gate_up")]) for e in range(E)],
                         [block(self.dn_planes[e], self.dn_luts[e], bits[(e, "down")]) for e in range(E)])

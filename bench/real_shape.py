@@ -53,7 +53,7 @@ from pagedweight.engine.decode_graphs import DecodeGraphs
 from pagedweight.engine.engine import Engine, EngineConfig
 from pagedweight.engine.sampler import SamplingParams
 from pagedweight.engine.scheduler import SchedulerConfig
-from pagedweight.format.apl_format import BIT_WIDTHS, MODULES, block_bytes, pack_planes
+from pagedweight.format.apl_format import BIT_WIDTHS, LUT_WIDTHS, MODULES, block_bytes, lut_entries, pack_planes
 from pagedweight.format.model_config import ModelConfig
 from pagedweight.format.paged_model import LayerPlanes, PagedModel, block_table
 from pagedweight.memory.kv_cache import KVCacheConfig, kv_block_bytes
@@ -229,7 +229,7 @@ def nested_uniform_planes(w: torch.Tensor, group: int | None = None) -> LayerPla
     if group is None:  # about 40 bytes of temporaries per weight (fp32 copy, int32 bit planes)
         group = max(1, min(8, (4 * GiB) // (R * C * 40)))
     planes = torch.empty(E, 8, R, C // 8, dtype=torch.uint8)
-    luts = {b: torch.empty(E, R, 1 << b, dtype=torch.float16) for b in BIT_WIDTHS}
+    luts = {b: torch.empty(E, R, lut_entries(b), dtype=torch.float16) for b in LUT_WIDTHS}
     for first in range(0, E, group):
         x = w[first:first + group].float()
         g = x.shape[0]
@@ -238,9 +238,12 @@ def nested_uniform_planes(w: torch.Tensor, group: int | None = None) -> LayerPla
         codes = ((x - lo) / step).floor_().clamp_(0, 255).to(torch.uint8)
         packed = pack_planes(codes.reshape(g * R, C)).view(8, g, R, C // 8).permute(1, 0, 2, 3)
         planes[first:first + g] = packed.cpu()
-        for b in BIT_WIDTHS:
+        for b in LUT_WIDTHS:  # bucket centres; LUT_4's extent is half a 4-bit bucket, so the
             centres = (torch.arange(1 << b, device=w.device, dtype=torch.float32) + 0.5) * (1 << (8 - b))
-            luts[b][first:first + g] = (lo + centres * step).to(torch.float16).cpu()
+            table = (lo + centres * step).to(torch.float16)  # derived 5-8-bit values are the grid's centres
+            if b == 4:
+                table = torch.cat([table, (8 * step).to(torch.float16)], dim=2)
+            luts[b][first:first + g] = table.cpu()
     return LayerPlanes(planes, luts)
 
 

@@ -101,7 +101,7 @@ def run_launch(harness: Path, work: Path, case: dict, plan: GemmPlan, lut_bits: 
             gx, gy, gz, plan.shared_bytes, assignments, case["x"].shape[0], len(case["active"])]
     parts = [struct.pack("<13i", *head)]
     for b, block in zip(case["bits"], case["blocks"]):
-        parts += [struct.pack("<i", b), block.luts[b].contiguous().view(torch.int16).numpy().astype("<i2").tobytes(),
+        parts += [struct.pack("<i", b), block.lut(b).contiguous().view(torch.int16).numpy().astype("<i2").tobytes(),
                   block.planes[:b].contiguous().numpy().tobytes()]
     parts += [np.asarray(case["active"], dtype="<i4").tobytes(), case["sorted_slot"].numpy().astype("<i4").tobytes(),
               case["x"].view(torch.int16).numpy().astype("<i2").tobytes()]

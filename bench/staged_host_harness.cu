@@ -7,7 +7,7 @@
 // the output, and the test reads them back by the wgmma operand layout of the PTX ISA.
 //
 //   harness tiles IN OUT    IN: int32 bits, rows (= ST_ROWS), cols, bf16, lut_log2, unit; then
-//                           fp16 LUT [rows][2^bits]; then u32 plane words [bits][rows][cols / 32].
+//                           the stored fp16 LUT [rows][8 | 17]; then u32 plane words [bits][rows][cols / 32].
 //                           OUT: the A tile's bytes after each step, [steps][ST_ROWS * ST_KS] u16.
 //                           lut_log2: the LUT room of a 5-8-bit row (its own bits, or a merged
 //                           launch's 8); unit: steps per unit of plane words (APL_STAGED_UNIT).
@@ -18,7 +18,7 @@
 //                           CTA of the grid in turn, its 256 threads as host threads running
 //                           staged_cta. IN: int32 experts, rows_out, cols, top_k, lut_log2, stages,
 //                           grid x, y, z, shared bytes, assignments, x rows, active experts; per
-//                           expert int32 bits, fp16 LUT [rows][2^bits], plane bytes [bits][rows]
+//                           expert int32 bits, the stored fp16 LUT [rows][8 | 17], plane bytes [bits][rows]
 //                           [cols / 8] (rows: 2 rows_out for gate_up, rows_out for down); int32
 //                           active [3 x active experts]; int32 sorted_slot [assignments]; act x [x
 //                           rows][cols]. OUT: h (act [assignments][rows_out], by sorted position)
@@ -47,7 +47,7 @@ int fail(const char* what) {
 
 struct Input {
     int bits, rows, cols, bf16, lut_log2, unit;
-    std::vector<u16> lut;     // [rows][2^bits] fp16
+    std::vector<u16> lut;     // the stored LUT [rows][8 | 17] fp16
     std::vector<u32> planes;  // [bits][rows][cols / 32]
 };
 
@@ -64,7 +64,7 @@ bool read_input(const char* path, Input& in) {
              (in.bits <= 4 || (in.lut_log2 >= in.bits && in.lut_log2 <= 8));
     }
     if (ok) {
-        in.lut.resize((size_t)in.rows << in.bits);
+        in.lut.resize((size_t)in.rows * lut_row_entries(in.bits));
         in.planes.resize((size_t)in.bits * in.rows * (in.cols / 32));
         ok = std::fread(in.lut.data(), 2, in.lut.size(), f) == in.lut.size() &&
              std::fread(in.planes.data(), 4, in.planes.size(), f) == in.planes.size();
@@ -87,14 +87,14 @@ void stage_all(const Input& in, std::vector<u16>& out) {
     if constexpr (B >= 5) {
         u16* lut_s = reinterpret_cast<u16*>(apl_host_shared + LUT_AT);
         for (int lw = 0; lw < ST_ROWS; ++lw)
-            for (int ent = 0; ent < nent; ++ent) {
-                const u16 v = in.lut[(size_t)lw * nent + ent];
-                lut_s[staged_lut_index(lw, ent, B, lut_stride)] = in.bf16 ? lut_to_act<true>(v) : lut_to_act<false>(v);
-            }
+            for (int u = 0; u < lut_fill_units(B); ++u)
+                lut_fill_unit(in.lut.data(), B, lw, u, true, [&](int ent, u16 v) {
+                    lut_s[staged_lut_index(lw, ent, B, lut_stride)] = in.bf16 ? lut_to_act<true>(v) : lut_to_act<false>(v);
+                });
     }
     std::vector<RegLut<(B <= 4 ? B : 4)>> rluts(ST_ROWS);
     if constexpr (B <= 4)
-        for (int pt = 0; pt < ST_ROWS; ++pt) rluts[pt].load(in.lut.data() + (size_t)pt * nent, true, in.bf16 != 0);
+        for (int pt = 0; pt < ST_ROWS; ++pt) rluts[pt].load(in.lut.data() + (size_t)pt * lut_row_entries(B), true, in.bf16 != 0);
     for (int step = 0; step < steps; ++step) {
         const int u = step / U, half = step % U;
         for (int pt = 0; pt < ST_ROWS; ++pt) {
@@ -211,7 +211,7 @@ int cta(const char* in_path, const char* out_path) {
         int bits = 0;
         ok = std::fread(&bits, 4, 1, f) == 1 && bits >= 3 && bits <= 8;
         if (!ok) break;
-        const size_t lut_bytes = ((size_t)rows << bits) * 2, plane_bytes = (size_t)rows * (cols / 8);
+        const size_t lut_bytes = (size_t)rows * lut_row_entries(bits) * 2, plane_bytes = (size_t)rows * (cols / 8);
         unsigned char* lut = luts[e].bytes(lut_bytes);
         unsigned char* pl = planes[e].bytes(bits * plane_bytes);
         ok = std::fread(lut, 1, lut_bytes, f) == lut_bytes && std::fread(pl, 1, bits * plane_bytes, f) == bits * plane_bytes;

@@ -335,8 +335,9 @@ struct RegLut {
     APL_HD void fetch(const u16* row_lut, bool valid) {
         constexpr int N = 1 << B;
 #if APL_GEMV_LUT16
-        // A row of 8 or 16 entries is 16 or 32 bytes, so a 16-byte aligned LUT (the arena's
-        // extents are page-aligned) has every row aligned: one or two 16-byte loads.
+        // LUT_3's rows are 16 bytes, so in a 16-byte aligned LUT (the arena's extents are
+        // page-aligned) every row is aligned: one 16-byte load; LUT_4's 34-byte rows are
+        // aligned every eighth row, the others take the 2-byte loads below.
         if (valid && (reinterpret_cast<unsigned long long>(row_lut) & 15u) == 0) {
 #pragma unroll
             for (int q = 0; q < N / 8; ++q) {
@@ -1449,32 +1450,17 @@ __device__ __forceinline__ void gemv_cta(
     // LDS.U16 by 32 lanes of random codes takes 4.1 wavefronts, not 2.9 (bench/lut_bank_model). (Computed where
     // used: one value held from here to the step loop made the 5-8-bit instances spill 48-64 bytes.)
     auto lut_row = [&](int lw) { return lut_s + lut_row_start(lw, blk.bits, lut_entries); };
-    // CLS 1: the block's LUT into shared memory (act values), 16-byte loads where aligned.
+    // CLS 1: the block's table into shared memory (act values): a 5-8-bit row's entries derived
+    // from its LUT_4, one cell of 2^(bits-4) entries a work unit (lut_fill_unit).
     auto fill_smem_lut = [&]() {
-        if ((reinterpret_cast<unsigned long long>(blk.lut) & 15) == 0) {
-            const int nvec = 1 << (blk.bits - 3);  // a row of 2^bits >= 32 entries is whole vectors
-            for (int idx = tid; idx < GV_ROWS * nvec; idx += GV_THREADS) {
-                const int lw = idx >> (blk.bits - 3), v = idx & (nvec - 1);
-                bool valid;
-                const int row = weight_row_of(lw, &valid);
-                uint4 e = valid ? __ldg(reinterpret_cast<const uint4*>(blk.lut + (long long)row * (8 * nvec)) + v)
-                                : make_uint4(0, 0, 0, 0);
-                if (BF16) {
-                    u32* w = &e.x;
-#pragma unroll
-                    for (int j = 0; j < 4; ++j)
-                        w[j] = (u32)lut_to_act<true>((u16)(w[j] & 0xffffu)) | ((u32)lut_to_act<true>((u16)(w[j] >> 16)) << 16);
-                }
-                *reinterpret_cast<uint4*>(lut_row(lw) + 8 * v) = e;
-            }
-        } else {
-            const int nent = 1 << blk.bits;
-            for (int idx = tid; idx < GV_ROWS * nent; idx += GV_THREADS) {
-                const int lw = idx >> blk.bits, ent = idx & (nent - 1);
-                bool valid;
-                const int row = weight_row_of(lw, &valid);
-                lut_row(lw)[ent] = valid ? lut_to_act<BF16>(blk.lut[(long long)row * nent + ent]) : (u16)0;
-            }
+        const int units = lut_fill_units(blk.bits);
+        for (int idx = tid; idx < GV_ROWS * units; idx += GV_THREADS) {
+            const int lw = idx / units;
+            bool valid;
+            const int row = weight_row_of(lw, &valid);
+            u16* dst = lut_row(lw);
+            lut_fill_unit(blk.lut, blk.bits, row, idx % units, valid,
+                          [&](int ent, u16 v) { dst[ent] = valid ? lut_to_act<BF16>(v) : (u16)0; });
         }
     };
     const int kwp = (kw + GV_STEP_WORDS - 1) / GV_STEP_WORDS * GV_STEP_WORDS;
@@ -1733,8 +1719,8 @@ __device__ __forceinline__ void gemv_cta(
     constexpr bool COMPACT = (APL_GEMV_COMPACT >> CLS) & 1;
     constexpr bool EARLY_B0 = APL_GEMV_PDL && APL_GEMV_PDL_PLANES && MODE == 1 && !FUSED && NT8 == 1;
     auto reg_lut = [&](auto& la, auto& lb) {
-        la.fetch(blk.lut + (long long)rowa * (1 << blk.bits), va);
-        lb.fetch(blk.lut + (long long)rowb * (1 << blk.bits), vb);
+        la.fetch(blk.lut + (long long)rowa * lut_row_entries(blk.bits), va);
+        lb.fetch(blk.lut + (long long)rowb * lut_row_entries(blk.bits), vb);
         if constexpr (!LATE) { la.build(BF16); lb.build(BF16); }
     };
     auto smem_lut = [&](auto&, auto&) {

@@ -98,6 +98,61 @@ APL_HD BlockRef load_block(const long long* __restrict__ desc, int e) {
     return b;
 }
 
+// ---------------------------------------------------------------- LUT entries (APL format 2)
+// A block stores LUT_3 (8 fp16 a row) and LUT_4 (17 a row: 16 centroids, then the outer cells'
+// extent); from 5 bits up a code's value is derived from LUT_4 (apl_format.expand_lut, the one
+// definition): code p << s | j (s = bits - 4) is the centre of sub-interval j of the 2^s equal
+// parts of cell p, whose bounds are the midpoints to p's neighbours (the outer cells reach the
+// extent beyond their centroid). Each step is one fp32 rounding in the reference's order (no
+// contraction into FMA), so values are bit-identical.
+APL_HD float add_rn(float a, float b) {
+#ifdef __CUDA_ARCH__
+    return __fadd_rn(a, b);
+#else
+    return a + b;
+#endif
+}
+APL_HD float mul_rn(float a, float b) {
+#ifdef __CUDA_ARCH__
+    return __fmul_rn(a, b);
+#else
+    return a * b;
+#endif
+}
+// Entries a row of the stored LUT holds at `bits` (its row stride): LUT_3's 8, LUT_4's 17.
+APL_HD int lut_row_entries(int bits) { return bits <= 3 ? 8 : 17; }
+// Cell p of a row's LUT_4 (l4: the row's 17 entries): its low bound and width.
+struct LutCell { float lo, width; };
+APL_HD LutCell lut_cell(const u16* __restrict__ l4, int p) {
+    const float c = half_to_float(l4[p]), extent = half_to_float(l4[16]);
+    const float lo = p > 0 ? mul_rn(add_rn(half_to_float(l4[p - 1]), c), 0.5f) : add_rn(c, -extent);
+    const float hi = p < 15 ? mul_rn(add_rn(c, half_to_float(l4[p + 1])), 0.5f) : add_rn(c, extent);
+    return {lo, add_rn(hi, -lo)};
+}
+// Sub-interval j's centre of a cell split in 2^s (fp16 bits); (2j + 1) / 2^(s+1) is exact.
+APL_HD u16 lut_cell_entry(LutCell cell, int s, int j) {
+    return float_to_half(add_rn(cell.lo, mul_rn(cell.width, (float)(2 * j + 1) / (float)(2 << s))));
+}
+// Work units of one row's table fill at `bits`: one entry each up to 4 bits, one cell of LUT_4
+// (2^(bits-4) entries) each above, so a cell's bounds are computed once.
+APL_HD int lut_fill_units(int bits) { return bits <= 4 ? 1 << bits : 16; }
+// Unit u of row `row`'s table at `bits`: put(entry, fp16 bits) for each of its entries, zeros
+// for a row that is not `valid` (nothing is read for it). `lut`: the block's stored LUT.
+template <typename Put>
+APL_HD void lut_fill_unit(const u16* __restrict__ lut, int bits, long long row, int u, bool valid, Put put) {
+    if (bits <= 4) {
+        put(u, valid ? lut[row * lut_row_entries(bits) + u] : (u16)0);
+        return;
+    }
+    const int s = bits - 4;
+    if (!valid) {
+        for (int j = 0; j < (1 << s); ++j) put((u << s) | j, (u16)0);
+        return;
+    }
+    const LutCell cell = lut_cell(lut + row * 17, u);
+    for (int j = 0; j < (1 << s); ++j) put((u << s) | j, lut_cell_entry(cell, s, j));
+}
+
 // ---------------------------------------------------------------- bit-planes -> codes
 #ifndef APL_FMA_SHIFTS_MIN_BITS
 #define APL_FMA_SHIFTS_MIN_BITS 4  // widths from this one up: the code transposes' shifts on the FMA pipe (9: none)
@@ -389,13 +444,14 @@ __global__ void __launch_bounds__(256, APL_DECODE_MIN_BLOCKS) apl_decode(
     float* res = xs + NT * KW * 32;                                    // [ROWS_W][NT]
 
     if (!bad_bits) {
-        const int nent = 1 << blk.bits;
-        for (int idx = threadIdx.x; idx < ROWS_W * nent; idx += blockDim.x) {
-            const int lw = idx >> blk.bits, ent = idx & (nent - 1);
+        const int units = lut_fill_units(blk.bits);
+        for (int idx = threadIdx.x; idx < ROWS_W * units; idx += blockDim.x) {
+            const int lw = idx / units;
             bool valid;
             const int row = weight_row<MODE>(lw, r0, RPC, rows_out, &valid);
-            lut_s[lw * lut_stride + ent] =
-                valid ? act_to_float<BF16>(lut_to_act<BF16>(blk.lut[(long long)row * nent + ent])) : 0.f;
+            lut_fill_unit(blk.lut, blk.bits, row, idx % units, valid, [&](int ent, u16 v) {
+                lut_s[lw * lut_stride + ent] = valid ? act_to_float<BF16>(lut_to_act<BF16>(v)) : 0.f;
+            });
         }
     }
     const int group = threadIdx.x / LPR, lane = threadIdx.x % LPR;
@@ -528,12 +584,14 @@ __global__ void __launch_bounds__(256, (MT <= 64 ? APL_PREFILL_MIN_BLOCKS : 1)) 
     float* cs = reinterpret_cast<float*>(ws);         // epilogue [MT][PF_CS], reuses ws/xs
 
     if (!bad_bits) {
-        const int nent = 1 << blk.bits;
-        for (int idx = threadIdx.x; idx < PF_ROWS * nent; idx += blockDim.x) {
-            const int lw = idx >> blk.bits, ent = idx & (nent - 1);
+        const int units = lut_fill_units(blk.bits);
+        for (int idx = threadIdx.x; idx < PF_ROWS * units; idx += blockDim.x) {
+            const int lw = idx / units;
             bool valid;
             const int row = weight_row<MODE>(lw, r0, rpc, rows_out, &valid);
-            lut_s[lw * lut_stride + ent] = valid ? lut_to_act<BF16>(blk.lut[(long long)row * nent + ent]) : (u16)0;
+            lut_fill_unit(blk.lut, blk.bits, row, idx % units, valid, [&](int ent, u16 v) {
+                lut_s[lw * lut_stride + ent] = valid ? lut_to_act<BF16>(v) : (u16)0;
+            });
         }
     }
     // This thread dequantises plane word dq_word of weight row dq_row in every K step.

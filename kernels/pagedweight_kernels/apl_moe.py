@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from pagedweight_kernels.cuda_packages import compile_for_arch, cuda_with, launch_on_torch_stream, module_source
 from pagedweight_kernels.moe_reference import check_activation, gated, moe_forward
 from pagedweight.format.apl_format import (
-    COL_ALIGN, LUT_DTYPE, MAX_BITS, MIN_BITS, APLBlock, check_bits, dequantize,
+    COL_ALIGN, LUT_DTYPE, MAX_BITS, MIN_BITS, APLBlock, check_bits, dequantize, lut_entries,
 )
 
 SOURCE = Path(__file__).with_name("apl_moe.cu")
@@ -268,7 +268,7 @@ class ResidentBlock:
 
     bits: int
     planes: list[torch.Tensor]  # planes 0..bits-1, each uint8 [rows, cols/8], contiguous, anywhere
-    lut: torch.Tensor  # LUT_bits, fp16 [rows, 2^bits], contiguous
+    lut: torch.Tensor  # the stored LUT at `bits` (LUT_3, or LUT_4 from 4 bits up), fp16 [rows, lut_entries(bits)], contiguous
 
     def __post_init__(self):
         check_bits(self.bits)
@@ -283,9 +283,9 @@ class ResidentBlock:
                 raise APLKernelError(f"plane {p} must start on a 4-byte boundary (read as uint32 words)")
         if (packed * 8) % COL_ALIGN:
             raise APLKernelError(f"APL blocks need cols % {COL_ALIGN} == 0, got {packed * 8}")
-        if self.lut.dtype != LUT_DTYPE or tuple(self.lut.shape) != (rows, 1 << self.bits) \
-                or not self.lut.is_contiguous():
-            raise APLKernelError(f"LUT_{self.bits} must be contiguous {LUT_DTYPE} [{rows}, {1 << self.bits}], "
+        entries = lut_entries(self.bits)
+        if self.lut.dtype != LUT_DTYPE or tuple(self.lut.shape) != (rows, entries) or not self.lut.is_contiguous():
+            raise APLKernelError(f"a {self.bits}-bit block's LUT must be contiguous {LUT_DTYPE} [{rows}, {entries}], "
                                  f"got {self.lut.dtype} {tuple(self.lut.shape)}")
 
     @property
@@ -317,9 +317,9 @@ class ResidentBlock:
 
 
 def resident_block(block: APLBlock, bits: int, device) -> ResidentBlock:
-    """The planes 0..bits-1 and LUT_bits of a block, copied to `device`."""
+    """The planes 0..bits-1 and the stored LUT a block reads at `bits`, copied to `device`."""
     planes = [block.planes[p].to(device).contiguous() for p in range(bits)]
-    return ResidentBlock(bits, planes, block.luts[bits].to(device).contiguous())
+    return ResidentBlock(bits, planes, block.lut(bits).to(device).contiguous())
 
 
 @dataclass
@@ -465,14 +465,17 @@ def _descriptors(blocks: list[ResidentBlock], device) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------- the torch reference
-def apl_moe_reference(x, topk_ids, topk_weights, layer: APLLayer) -> torch.Tensor:
-    """Plain torch: dequantise each used block, round to x's dtype, reference combine."""
+def apl_moe_reference(x, topk_ids, topk_weights, layer: APLLayer, weight_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Plain torch: dequantise each used block, round to x's dtype, reference combine.
+    weight_dtype: round the weights to it first (an fp32 reference of what a bf16 kernel reads)."""
+
+    def weights(block: ResidentBlock, tokens: torch.Tensor) -> torch.Tensor:
+        w = block.dequantize()
+        return (w.to(weight_dtype) if weight_dtype is not None else w).to(tokens.device, tokens.dtype)
 
     def expert(e: int, tokens: torch.Tensor) -> torch.Tensor:
-        gate_up = layer.gate_up[e].dequantize().to(tokens.device, tokens.dtype)
-        gate, up = F.linear(tokens, gate_up).chunk(2, dim=-1)
-        down = layer.down[e].dequantize().to(tokens.device, tokens.dtype)
-        return F.linear(gated(gate, up, layer.activation), down)
+        gate, up = F.linear(tokens, weights(layer.gate_up[e], tokens)).chunk(2, dim=-1)
+        return F.linear(gated(gate, up, layer.activation), weights(layer.down[e], tokens))
 
     return moe_forward(x, topk_ids, topk_weights, expert, layer.num_experts)
 

@@ -424,7 +424,7 @@ APL_HD void staged_produce(const BlockRef& blk, const StagedWork& w, const int* 
     for (int p = 0; p < 8; ++p) row_planes[p] = blk.planes[p] + (long long)wrow * wpr;
     RegLut<(B <= 4 ? B : 4)> rlut;
     u32 lut_base = 0;
-    if constexpr (B <= 4) rlut.load(blk.lut + (long long)wrow * (1 << B), true, BF16);
+    if constexpr (B <= 4) rlut.load(blk.lut + (long long)wrow * lut_row_entries(B), true, BF16);
     else lut_base = staged_lut_base(shared_addr(lut_s), pt, B, lut_stride);
     // Unit u = steps Uu..Uu+U-1 = words Wu..Wu+W-1 of the row in every plane (clamped into the row:
     // columns past the end meet zero activations); the warpgroup's own unit j.
@@ -626,30 +626,18 @@ APL_HD void staged_consume(const StagedWork& w, bool bad, const int* __restrict_
     }
 }
 
-// Producer thread pt's own row's LUT into the lane-banked layout (act values; zeros for a row past the
-// projection): 16-byte loads of 8 entries where the block's LUT is 16-byte aligned (a warp's lanes read
-// 32 rows, each sector twice), else one entry at a time; the stores of a warp's lanes fall on 32 banks.
-// With NP producer warpgroups, warpgroup wg fills every NP-th group of 8 entries (every NP-th entry).
+// Producer thread pt's own row's table into the lane-banked layout (act values; zeros for a row past
+// the projection), derived from the row's LUT_4 one cell at a time (lut_fill_unit); the stores of a
+// warp's lanes fall on 32 banks. With NP producer warpgroups, warpgroup wg fills every NP-th cell.
 template <int MODE, bool BF16, int NP>
 APL_HD void fill_lut_lanes(const BlockRef& blk, u16* lut_s, int room, int r0, int rows_out) {
-    const int wg = (threadIdx.x - 128) / 128, pt = (threadIdx.x - 128) % 128, nent = 1 << blk.bits;
+    const int wg = (threadIdx.x - 128) / 128, pt = (threadIdx.x - 128) % 128;
     bool valid;
     const int row = weight_row<MODE>(pt, r0, MODE == 0 ? ST_ROWS / 2 : ST_ROWS, rows_out, &valid);
     u16* dst = lut_s + lut_lane_index(pt, 0, room);
-    const u16* src = blk.lut + (long long)(valid ? row : 0) * nent;
-    if ((reinterpret_cast<unsigned long long>(blk.lut) & 15) == 0) {
-        for (int e0 = 8 * wg; e0 < nent; e0 += 8 * NP) {
-            const uint4 v = valid ? *reinterpret_cast<const uint4*>(src + e0) : make_uint4(0, 0, 0, 0);
-            const u32 words[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-            for (int i = 0; i < 8; ++i) {
-                const u16 e = (u16)(words[i >> 1] >> (16 * (i & 1)));
-                dst[(e0 + i) * 64] = valid ? lut_to_act<BF16>(e) : (u16)0;
-            }
-        }
-    } else {
-        for (int e = wg; e < nent; e += NP) dst[e * 64] = valid ? lut_to_act<BF16>(src[e]) : (u16)0;
-    }
+    for (int u = wg; u < lut_fill_units(blk.bits); u += NP)
+        lut_fill_unit(blk.lut, blk.bits, valid ? row : 0, u, valid,
+                      [&](int ent, u16 v) { dst[ent * 64] = valid ? lut_to_act<BF16>(v) : (u16)0; });
 }
 
 // The warpgroups' register budgets (setmaxnreg; 2 CTAs of 256 threads share 64K registers, so
@@ -724,13 +712,14 @@ APL_HD void staged_cta(const long long* __restrict__ desc, const int* __restrict
         if constexpr (APL_STAGED_LUT_LANES) {
             fill_lut_lanes<MODE, BF16, NP>(blk, lut_s, lut_stride, w.r0, rows_out);  // each producer its own row's
         } else {  // row-major, by all producers together
-            const int nent = 1 << blk.bits, rpc = MODE == 0 ? ST_ROWS / 2 : ST_ROWS;
-            for (int idx = threadIdx.x - 128; idx < ST_ROWS * nent; idx += 128 * NP) {
-                const int lw = idx >> blk.bits, ent = idx & (nent - 1);
+            const int units = lut_fill_units(blk.bits), rpc = MODE == 0 ? ST_ROWS / 2 : ST_ROWS;
+            for (int idx = threadIdx.x - 128; idx < ST_ROWS * units; idx += 128 * NP) {
+                const int lw = idx / units;
                 bool valid;
                 const int row = weight_row<MODE>(lw, w.r0, rpc, rows_out, &valid);
-                lut_s[lut_row_start(lw, blk.bits, lut_stride) + ent] =
-                    valid ? lut_to_act<BF16>(blk.lut[(long long)row * nent + ent]) : (u16)0;
+                u16* dst = lut_s + lut_row_start(lw, blk.bits, lut_stride);
+                lut_fill_unit(blk.lut, blk.bits, row, idx % units, valid,
+                              [&](int ent, u16 v) { dst[ent] = valid ? lut_to_act<BF16>(v) : (u16)0; });
             }
         }
         producer_barrier<NP>();

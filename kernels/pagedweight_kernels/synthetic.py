@@ -11,14 +11,16 @@ from __future__ import annotations
 import torch
 
 from pagedweight_kernels.apl_moe import APLLayer, resident_block
-from pagedweight.format.apl_format import BIT_WIDTHS, LUT_DTYPE, APLBlock, check_shape, pack_planes
+from pagedweight.format.apl_format import LUT_DTYPE, LUT_WIDTHS, APLBlock, check_shape, pack_planes, refinement_bits, with_extent
 
 
 def nested_luts(lut8: torch.Tensor) -> dict[int, torch.Tensor]:
-    """LUT_b for every b from an fp32 LUT_8 [rows, 256]: each b-bit centroid is the mean of
-    its 2^(8-b) children, so codes nest (a b-bit code is the top b bits of the 8-bit one)."""
+    """The stored LUTs (3 and 4 bits) from an fp32 256-entry table [rows, 256]: each centroid is
+    the mean of its 2^(8-b) children, so codes nest (a b-bit code is the top b bits of the 8-bit one)."""
     rows = lut8.shape[0]
-    return {b: lut8.view(rows, 1 << b, 1 << (8 - b)).mean(-1).to(LUT_DTYPE) for b in BIT_WIDTHS}
+    luts = {b: lut8.view(rows, 1 << b, 1 << (8 - b)).mean(-1).to(LUT_DTYPE) for b in LUT_WIDTHS}
+    luts[4] = with_extent(luts[4], lut8)
+    return luts
 
 
 def random_block(rows: int, cols: int, generator: torch.Generator, device="cpu") -> APLBlock:
@@ -34,20 +36,24 @@ def random_block(rows: int, cols: int, generator: torch.Generator, device="cpu")
 
 
 def quantize_nested(w: torch.Tensor) -> APLBlock:
-    """A plain nested quantizer: 8-bit codes on each row's uniform min..max grid, and LUT_b
-    = the mean of the weights in each b-bit cluster (the cluster's grid centre if empty)."""
+    """A plain nested quantizer: 4-bit codes on each row's uniform min..max grid, the stored
+    LUT_3 / LUT_4 = the mean of the weights in each cluster (the cluster's grid centre if empty),
+    and the refinement bits the format's 5-8-bit values ask for (apl_format.refinement_bits)."""
     w = w.float()
     rows, cols = w.shape
     lo, hi = w.min(dim=1, keepdim=True).values, w.max(dim=1, keepdim=True).values
     step = (hi - lo).clamp_min(1e-8) / 255
     codes = ((w - lo) / step).round().clamp(0, 255).to(torch.uint8)
     luts = {}
-    for b in BIT_WIDTHS:
+    for b in LUT_WIDTHS:
         idx = codes.long() >> (8 - b)
         sums = torch.zeros(rows, 1 << b).scatter_add_(1, idx, w)
         counts = torch.zeros(rows, 1 << b).scatter_add_(1, idx, torch.ones_like(w))
         centres = lo + step * ((torch.arange(1 << b) + 0.5) * (1 << (8 - b)) - 0.5)
         luts[b] = torch.where(counts > 0, sums / counts.clamp_min(1), centres).to(LUT_DTYPE)
+    luts[4] = with_extent(luts[4], w)
+    codes4 = codes.long() >> 4
+    codes = ((codes4 << 4) | refinement_bits(w, codes4, luts[4])).to(torch.uint8)
     return APLBlock(rows, cols, pack_planes(codes), luts)
 
 

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from pagedweight.format.apl_format import (
-    APLBlock, BIT_WIDTHS, BlockId, block_bytes, dequantize, pack_planes, unpack_codes,
+    APLBlock, BIT_WIDTHS, LUT_WIDTHS, BlockId, block_bytes, cell_bounds, dequantize, expand_lut, lut_bytes,
+    lut_width, pack_planes, plane_bytes, unpack_codes,
 )
 
 
@@ -40,16 +41,84 @@ def test_dequantize_reads_the_lut():
     assert torch.equal(w, expected)
 
 
-def test_bytes_count_planes_and_luts():
-    # 8-bit row of 256 weights: 256 bytes of planes + 256 * 2 bytes of LUT (DESIGN.md's example).
-    assert block_bytes(1, 256, 8) == 256 + 512
+def test_bytes_count_planes_and_the_stored_lut():
+    # 8-bit row of 256 weights: 256 bytes of planes + LUT_4's 16 * 2 bytes (not 256 * 2).
+    assert block_bytes(1, 256, 8) == 256 + 32
     assert block_bytes(10, 64, 3) == 10 * 64 * 3 // 8 + 10 * 8 * 2
     rows, cols = 7, 96
     block = APLBlock(rows, cols, pack_planes(random_codes(rows, cols)),
-                     {b: torch.zeros(rows, 1 << b, dtype=torch.float16) for b in BIT_WIDTHS})
+                     {b: torch.zeros(rows, 1 << b, dtype=torch.float16) for b in LUT_WIDTHS})
     for b in BIT_WIDTHS:
-        resident = block.planes[:b].numel() * 1 + block.luts[b].numel() * 2
+        resident = block.planes[:b].numel() * 1 + block.lut(b).numel() * 2
         assert block.nbytes(b) == resident
+
+
+@pytest.mark.parametrize("cols", [704, 1408, 4096])
+def test_lut_bytes_at_8_bits_stay_under_5_percent_of_the_planes(cols):
+    # The target the format exists for: Gemma-4's 704- and Qwen1.5-MoE's 1408-input rows.
+    assert lut_bytes(1, 8) <= 0.05 * 8 * plane_bytes(1, cols)
+
+
+def test_wider_widths_read_lut_4():
+    assert [lut_width(b) for b in BIT_WIDTHS] == [3, 4, 4, 4, 4, 4]
+    with pytest.raises(ValueError):
+        lut_width(9)
+
+
+def sorted_lut4(rows=6, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, 16, generator=gen).sort(dim=1).values.to(torch.float16)
+
+
+@pytest.mark.parametrize("bits", [5, 6, 7, 8])
+def test_derived_values_split_each_cell_in_equal_parts(bits):
+    lut4 = sorted_lut4()
+    values = expand_lut(lut4, bits).float()
+    low, high = cell_bounds(lut4)
+    n = 1 << (bits - 4)
+    for p in range(16):
+        part = values[:, p * n:(p + 1) * n]
+        expected = low[:, p:p + 1] + (high - low)[:, p:p + 1] * (torch.arange(n) * 2 + 1) / (2 * n)
+        torch.testing.assert_close(part, expected, rtol=1e-3, atol=1e-3)  # fp16 rounding
+        assert (part >= low[:, p:p + 1] - 1e-3).all() and (part <= high[:, p:p + 1] + 1e-3).all()
+    # inner bounds are the midpoints between neighbouring centroids; cells tile the row's range
+    l4 = lut4.float()
+    torch.testing.assert_close(high[:, :-1], (l4[:, :15] + l4[:, 1:16]) / 2)
+    torch.testing.assert_close(low[:, 1:], high[:, :-1])
+
+
+def test_derived_values_nest_a_b_bit_value_is_its_children_s_mean():
+    lut4 = sorted_lut4(seed=1)
+    for bits in (5, 6, 7, 8):
+        wide, narrow = expand_lut(lut4, bits).float(), expand_lut(lut4, bits - 1).float()
+        children_mean = wide.view(wide.shape[0], -1, 2).mean(-1)
+        if bits > 5:
+            torch.testing.assert_close(children_mean, narrow, rtol=2e-3, atol=2e-3)
+
+
+def test_uniform_lut_4_derives_the_uniform_grid():
+    # centres of 16 equal buckets of [0, 1): every width's derived value is its bucket centre
+    lut4 = ((torch.arange(16) + 0.5) / 16).to(torch.float16)[None]
+    for bits in (5, 6, 7, 8):
+        n = 1 << bits
+        torch.testing.assert_close(expand_lut(lut4, bits).float()[0], (torch.arange(n) + 0.5) / n, rtol=0, atol=1e-3)
+
+
+def test_dequantize_above_4_bits_reads_derived_values():
+    codes = random_codes(rows=6, cols=64, seed=3)
+    lut4 = sorted_lut4()
+    w = dequantize(pack_planes(codes), lut4, 8)
+    table = expand_lut(lut4, 8)
+    assert torch.equal(w, torch.gather(table, 1, codes.long()))
+    with pytest.raises(ValueError, match="LUT"):
+        dequantize(pack_planes(codes), torch.zeros(6, 256, dtype=torch.float16), 8)  # a format-1 LUT_8
+
+
+def test_a_block_refuses_per_width_luts():
+    rows, cols = 2, 32
+    with pytest.raises(ValueError, match="stores LUTs"):
+        APLBlock(rows, cols, pack_planes(random_codes(rows, cols)),
+                 {b: torch.zeros(rows, 1 << b, dtype=torch.float16) for b in BIT_WIDTHS})
 
 
 def test_block_keys_round_trip():

@@ -114,3 +114,10 @@ def test_copied_files_are_listed_and_verified(paged_copy):
     (paged_copy / "tokenizer.json").write_text("{}")
     with pytest.raises(CheckpointError, match="tokenizer.json"):
         load_paged_model(paged_copy)
+
+
+def test_an_artifact_of_apl_format_1_is_refused_naming_the_version(paged_copy):
+    # format 1 stored a LUT per row and width (512 bytes a row at 8 bits); it must not be half-read
+    edit_meta(paged_copy, lambda m: m.__setitem__("apl_format_version", 1))
+    with pytest.raises(CheckpointError, match="APL format version 1.*re-run `pagedweight quantize`"):
+        load_paged_model(paged_copy)

@@ -13,7 +13,7 @@ from pagedweight_kernels import apl_moe
 from pagedweight_kernels.synthetic import quantize_nested, random_block
 from pagedweight_kernels.resident_experts import APLExperts
 from pagedweight_kernels.apl_moe import resident_block
-from pagedweight.format.apl_format import BIT_WIDTHS, dequantize, unpack_codes
+from pagedweight.format.apl_format import BIT_WIDTHS, dequantize, lut_entries, unpack_codes
 from pagedweight_kernels.synthetic import mixed_bits, ragged_routing, random_layer
 
 
@@ -64,7 +64,7 @@ def test_every_block_reads_only_its_own_bits():
     widths = {b.bits for b in layer.gate_up + layer.down}
     assert widths == set(BIT_WIDTHS)
     for block in layer.gate_up + layer.down:
-        assert len(block.planes) == block.bits and block.lut.shape[1] == 1 << block.bits
+        assert len(block.planes) == block.bits and block.lut.shape[1] == lut_entries(block.bits)
         desc = block.descriptor()
         assert desc[0] == block.bits and desc[1] == block.lut.data_ptr()
         assert desc[2:2 + block.bits] == [p.data_ptr() for p in block.planes]
@@ -75,14 +75,17 @@ def test_every_block_reads_only_its_own_bits():
 def test_nested_quantizer_luts_are_cluster_means():
     w = torch.randn(5, 64, generator=torch.Generator().manual_seed(4))
     block = quantize_nested(w)
-    for b in BIT_WIDTHS:
+    for b in (3, 4):  # the stored LUTs
         codes = unpack_codes(block.planes, b)
         for r in range(5):
             for c in codes[r].unique().tolist():
                 mean = w[r][codes[r] == c].mean()
                 assert abs(block.luts[b][r, c].float() - mean) <= 1e-3 * max(1.0, abs(mean))  # fp16
+    # 5-8 bits: each weight takes the nearest of its 4-bit cell's values, so errors shrink with width
+    errors = [(block.dequantize(b).float() - w).abs().mean().item() for b in BIT_WIDTHS]
+    assert all(a > b for a, b in zip(errors, errors[1:])), errors
     step = (w.max(1).values - w.min(1).values) / 255
-    assert ((block.dequantize(8).float() - w).abs() <= step[:, None] + 2e-3).all()  # within its bucket
+    assert (block.dequantize(8).float() - w).abs().median() <= step.max()
 
 
 def test_plan_picks_decode_for_few_tokens_per_expert_and_tensor_cores_for_many():
@@ -308,8 +311,8 @@ def test_resident_blocks_reject_bad_layouts():
     block = random_block(8, 64, torch.Generator().manual_seed(0))
     with pytest.raises(APLKernelError, match="planes 0..3"):
         ResidentBlock(4, [block.planes[p] for p in range(3)], block.luts[4])
-    with pytest.raises(APLKernelError, match="LUT_4"):
-        ResidentBlock(4, [block.planes[p] for p in range(4)], block.luts[5])
+    with pytest.raises(APLKernelError, match="LUT must be"):
+        ResidentBlock(4, [block.planes[p] for p in range(4)], block.luts[3])
     with pytest.raises(APLKernelError, match="contiguous uint8"):
         ResidentBlock(3, [block.planes[p].t() for p in range(3)], block.luts[3])
 

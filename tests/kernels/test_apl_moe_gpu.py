@@ -63,14 +63,7 @@ def relative_error(out, ref):
 
 def reference_fp32(x, ids, w, layer):
     """The reference on weights rounded to x's dtype (as the kernel reads them), in fp32."""
-    rounded = APLLayer(
-        [_rounded(b, x.dtype) for b in layer.gate_up], [_rounded(b, x.dtype) for b in layer.down], layer.activation)
-    return apl_moe_reference(x.float(), ids, w.float(), rounded)
-
-
-def _rounded(block, dtype):
-    lut = block.lut.to(dtype).to(torch.float16)  # exact for fp16; bf16 values fit fp16's range here
-    return type(block)(block.bits, block.planes, lut.contiguous())
+    return apl_moe_reference(x.float(), ids, w.float(), layer, weight_dtype=x.dtype)
 
 
 # The first decode kernel, kept as the benchmark's baseline: (case, uniform bits or None).

@@ -78,7 +78,7 @@ def operand_offsets(rows: int) -> np.ndarray:
 
 def staged_weights(harness: Path, work: Path, block, bits: int, bf16: bool, lut_log2: int, unit: int) -> np.ndarray:
     """The harness's A tiles, read back as the [rows, cols] weights the consumer multiplies (u16)."""
-    lut = block.luts[bits].contiguous().view(torch.int16).numpy()
+    lut = block.lut(bits).contiguous().view(torch.int16).numpy()
     planes = block.planes[:bits].contiguous().numpy()  # [bits, rows, cols / 8] bytes = little-endian words
     head = struct.pack("<6i", bits, ST_ROWS, block.cols, int(bf16), lut_log2, unit)
     (work / "in.bin").write_bytes(head + lut.astype("<i2").tobytes() + planes.tobytes())

@@ -43,12 +43,12 @@ def test_metadata_lists_every_block_with_true_bytes(paged):
         rows, cols = block_shape(cfg, entry["module"])
         assert (entry["rows"], entry["cols"]) == (rows, cols)
         for b in BIT_WIDTHS:
-            assert entry["bytes"][str(b)] == rows * cols * b // 8 + rows * (2 ** b) * 2
+            assert entry["bytes"][str(b)] == rows * cols * b // 8 + rows * (8 if b == 3 else 17) * 2
     # the stored tensors hold exactly those bytes: 8 planes + every LUT
     stored = load_file(str(paged.path / APL_FILE))
     total = sum(t.numel() * t.element_size() for t in stored.values())
-    all_luts = sum(rows * 2 ** b * 2 for e in blocks for rows in [e["rows"]] for b in BIT_WIDTHS)
-    assert total == sum(block_bytes(e["rows"], e["cols"], 8) - e["rows"] * 512 for e in blocks) + all_luts
+    all_luts = sum(rows * (8 + 17) * 2 for e in blocks for rows in [e["rows"]])
+    assert total == sum(block_bytes(e["rows"], e["cols"], 8) - e["rows"] * 17 * 2 for e in blocks) + all_luts
 
 
 def test_sensitivity_table_is_the_hessian_weighted_error(paged):
@@ -160,12 +160,12 @@ def test_metadata_carries_calibration_routing_and_heads(paged):
 
 
 def test_fast_dequantisation_equals_the_format_reference():
-    from pagedweight.format.apl_format import dequantize, pack_planes
+    from pagedweight.format.apl_format import dequantize, lut_entries, pack_planes
     from pagedweight.model.dequantized_experts import dequantize_block
 
     g = torch.Generator().manual_seed(3)
     codes = torch.randint(0, 256, (6, 96), dtype=torch.uint8, generator=g)
     planes = pack_planes(codes)
     for b in BIT_WIDTHS:
-        lut = torch.randn(6, 2 ** b, generator=g).half()
+        lut = torch.randn(6, lut_entries(b), generator=g).half()
         assert torch.equal(dequantize_block(planes, lut, b), dequantize(planes, lut, b))

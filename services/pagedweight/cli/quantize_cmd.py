@@ -43,15 +43,16 @@ def register(subparsers) -> None:
     parser.add_argument("--error-feedback", action=argparse.BooleanOptionalAction,
                         default=default_of(QuantizerConfig, "error_feedback"),
                         help="choose the 3-bit seed codes with GPTQ error feedback through each expert's full "
-                             "input Hessian (recorded by the calibration; the 4-8-bit splits stay nested; on by "
+                             "input Hessian (recorded by the calibration; the wider codes stay nested; on by "
                              "default, --no-error-feedback --lut-refit-bits: the plain k-means quantiser)")
     parser.add_argument("--feedback-damp", type=float, default=default_of(QuantizerConfig, "feedback_damp"),
                         help="error feedback's dampening: this fraction of the Hessian's mean diagonal is added "
                              "(default: %(default)s)")
     parser.add_argument("--lut-refit-bits", type=int, nargs="*", metavar="BITS",
                         default=list(default_of(QuantizerConfig, "lut_refit_bits")),
-                        help="widths whose per-row LUTs are refitted by least squares under each expert's full "
-                             "input Hessian, codes unchanged (default: %(default)s; none given: no refit)")
+                        help="stored LUTs (3 and 4 bits; wider widths derive from LUT_4) refitted by least squares "
+                             "under each expert's full input Hessian, codes unchanged (default: %(default)s; "
+                             "none given: no refit)")
     parser.add_argument("--lut-ridge", type=float, default=default_of(QuantizerConfig, "lut_ridge"),
                         help="the LUT refit's ridge toward the bucket means, in units of each bucket's "
                              "Hessian-diagonal mass (larger: closer to the plain means; default: %(default)s)")

@@ -11,10 +11,16 @@ code (nested quantisation). Storage:
   as uint8 [rows, cols/8]: byte j of a row holds columns 8j..8j+7, column 8j+i in bit i
   (LSB first). Read as little-endian uint32, word w holds columns 32w..32w+31 with
   column 32w+i in bit i. cols must be a multiple of 32.
-- per output row and per b in 3..8 a LUT of 2^b fp16 centroids: LUT_b [rows, 2^b].
+- per output row two stored LUTs, fp16: LUT_3 [rows, 8] (centroids) and LUT_4 [rows, 17]
+  (16 centroids, then the extent e of the outer cells).
+- from 5 bits up the values are derived from LUT_4 (`expand_lut`): a b-bit code is a 4-bit
+  code p and b-4 refinement bits j, and its value is the centre of sub-interval j of the
+  2^(b-4) equal parts of p's cell, the cell being [midpoint to p's lower neighbour, midpoint
+  to its upper one], the outer cells reaching e beyond their centroid (to the row's extremes).
+  So an 8-bit row carries 34 LUT bytes, not 512.
 
-At b bits a block needs planes 0..b-1 and LUT_b only:
-    bytes(b) = rows * cols * b / 8 + rows * 2^b * 2
+At b bits a block needs planes 0..b-1 and LUT_min(b, 4) only:
+    bytes(b) = rows * cols * b / 8 + rows * lut_entries(b) * 2
 """
 
 from __future__ import annotations
@@ -24,8 +30,8 @@ from dataclasses import dataclass
 import torch
 
 from pagedweight.format.blocks import (  # noqa: F401 - re-exported: the format's one definition
-    BIT_WIDTHS, COL_ALIGN, MAX_BITS, MIN_BITS, MODULES, BlockId, block_bytes, check_bits, check_shape,
-    lut_bytes, plane_bytes,
+    BASE_LUT_BITS, BIT_WIDTHS, COL_ALIGN, LUT_WIDTHS, MAX_BITS, MIN_BITS, MODULES, BlockId, block_bytes,
+    check_bits, check_shape, lut_bytes, lut_entries, lut_width, plane_bytes,
 )
 
 LUT_DTYPE = torch.float16
@@ -58,12 +64,73 @@ def unpack_codes(planes: torch.Tensor, bits: int) -> torch.Tensor:
     return codes
 
 
+def cell_bounds(lut4: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """LUT_4 [R, 17] -> each 4-bit cell's (low, high) bounds, fp32 [R, 16] each.
+
+    Inner bounds are midpoints between neighbouring centroids; the outer cells reach the
+    extent (entry 16) beyond their centroid. Every step is one fp32 rounding, in the order
+    the kernel's `lut_cell` computes it, so both derive bit-identical values.
+    """
+    lut = lut4.float()
+    centroids, extent = lut[:, :16], lut[:, 16:]
+    mids = (centroids[:, :-1] + centroids[:, 1:]) * 0.5
+    low = torch.cat([centroids[:, :1] - extent, mids], dim=1)
+    high = torch.cat([mids, centroids[:, -1:] + extent], dim=1)
+    return low, high
+
+
+def sub_cell_fractions(bits: int, device=None) -> torch.Tensor:
+    """Centres of the 2^(bits-4) equal sub-intervals of a cell, as fractions (exact in fp32)."""
+    n = 1 << (bits - BASE_LUT_BITS)
+    return (2 * torch.arange(n, dtype=torch.float32, device=device) + 1) / (2 * n)
+
+
+def expand_lut(lut: torch.Tensor, bits: int) -> torch.Tensor:
+    """The stored LUT of a block at `bits` -> its 2^bits values, fp16 [R, 2^bits].
+
+    Up to 4 bits the stored LUT is the table; above, value(p << s | j) = low_p + (high_p - low_p)
+    * (2j + 1) / 2^(s+1) with s = bits - 4 (cell_bounds), rounded to fp16.
+    """
+    rows = lut.shape[0]
+    if lut.dim() != 2 or lut.shape[1] != lut_entries(bits):
+        raise ValueError(f"LUT for {bits} bits must be [rows, {lut_entries(bits)}], got {tuple(lut.shape)}")
+    if bits <= BASE_LUT_BITS:
+        return lut[:, :1 << bits]
+    low, high = cell_bounds(lut)
+    values = low[:, :, None] + (high - low)[:, :, None] * sub_cell_fractions(bits, lut.device)
+    return values.reshape(rows, 1 << bits).to(LUT_DTYPE)
+
+
+def with_extent(centroids4: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """LUT_4's centroids [R, 16] and the rows' weights [R, C] -> the stored LUT_4 [R, 17] (fp16):
+    the extent is how far the row's extremes lie beyond the outer centroids (the larger side),
+    so the outer cells' 5-8-bit values reach every weight."""
+    c = centroids4.to(LUT_DTYPE).float()
+    w = w.float()
+    extent = torch.maximum(c[:, :1] - w.min(dim=1, keepdim=True).values,
+                           w.max(dim=1, keepdim=True).values - c[:, -1:]).clamp_min(0)
+    return torch.cat([c, extent], dim=1).to(LUT_DTYPE)
+
+
+def refinement_bits(w: torch.Tensor, codes4: torch.Tensor, lut4: torch.Tensor) -> torch.Tensor:
+    """w [R, C], its 4-bit codes and the stored fp16 LUT_4 -> the 4 low bits of every weight's
+    8-bit code: which 1/16 of its 4-bit cell it lies in (cell_bounds), clamped into the cell.
+    Floor of a uniform grid nests, so the top b bits pick the nearest b-bit value in the cell."""
+    low, high = cell_bounds(lut4)
+    w = w.float()
+    low, width = torch.gather(low, 1, codes4), torch.gather(high - low, 1, codes4)
+    steps = 1 << (MAX_BITS - BASE_LUT_BITS)
+    position = torch.where(width > 0, (w - low) / width.clamp_min(1e-30), torch.zeros_like(w))
+    return torch.floor(position * steps).clamp(0, steps - 1).long()
+
+
 def dequantize(planes: torch.Tensor, lut: torch.Tensor, bits: int) -> torch.Tensor:
-    """The reference dequantisation: W[r, c] = LUT_bits[r, code_bits[r, c]] (fp16)."""
+    """The reference dequantisation: W[r, c] = expand_lut(LUT, bits)[r, code_bits[r, c]] (fp16),
+    `lut` being the block's stored LUT at `bits` (LUT_3 or LUT_4)."""
     codes = unpack_codes(planes, bits)
-    if lut.shape != (codes.shape[0], 1 << bits):
-        raise ValueError(f"LUT for {bits} bits must be [{codes.shape[0]}, {1 << bits}], got {tuple(lut.shape)}")
-    return torch.gather(lut, 1, codes)
+    if lut.shape[0] != codes.shape[0]:
+        raise ValueError(f"LUT has {lut.shape[0]} rows, the planes {codes.shape[0]}")
+    return torch.gather(expand_lut(lut, bits), 1, codes)
 
 
 @dataclass
@@ -73,20 +140,25 @@ class APLBlock:
     rows: int
     cols: int
     planes: torch.Tensor  # uint8 [8, rows, cols/8]
-    luts: dict[int, torch.Tensor]  # bits -> fp16 [rows, 2^bits]
+    luts: dict[int, torch.Tensor]  # stored LUT width (3, 4) -> fp16 [rows, lut_entries(width)]
 
     def __post_init__(self):
         check_shape(self.rows, self.cols)
         if tuple(self.planes.shape) != (8, self.rows, self.cols // 8) or self.planes.dtype != torch.uint8:
             raise ValueError(f"planes must be uint8 [8, {self.rows}, {self.cols // 8}], got "
                              f"{self.planes.dtype} {tuple(self.planes.shape)}")
-        for bits in BIT_WIDTHS:
-            lut = self.luts.get(bits)
-            if lut is None or tuple(lut.shape) != (self.rows, 1 << bits):
-                raise ValueError(f"LUT_{bits} must be [{self.rows}, {1 << bits}]")
+        if set(self.luts) != set(LUT_WIDTHS):
+            raise ValueError(f"an APL block stores LUTs {list(LUT_WIDTHS)}, got {sorted(self.luts)}")
+        for width, lut in self.luts.items():
+            if tuple(lut.shape) != (self.rows, lut_entries(width)):
+                raise ValueError(f"LUT_{width} must be [{self.rows}, {lut_entries(width)}], got {tuple(lut.shape)}")
 
     def nbytes(self, bits: int) -> int:
         return block_bytes(self.rows, self.cols, bits)
 
+    def lut(self, bits: int) -> torch.Tensor:
+        """The stored LUT a block at `bits` reads (LUT_3 or LUT_4)."""
+        return self.luts[lut_width(bits)]
+
     def dequantize(self, bits: int) -> torch.Tensor:
-        return dequantize(self.planes, self.luts[bits], bits)
+        return dequantize(self.planes, self.lut(bits), bits)

@@ -19,7 +19,7 @@ FORMAT_NAME = "pagedweight.paged_model"
 # Version 1 directories (which always carry the copy) still load.
 FORMAT_VERSION = 2
 READABLE_FORMAT_VERSIONS = (1, 2)
-APL_FORMAT_VERSION = 1  # docs/apl_format.md
+APL_FORMAT_VERSION = 2  # docs/apl_format.md (2: LUT_3 and LUT_4 stored, 5-8 bits derived from LUT_4)
 META_FILE = "paged_model.json"
 DENSE_FILE = "dense.safetensors"
 APL_FILE = "experts_apl.safetensors"
@@ -44,10 +44,16 @@ def read_meta(path: Path) -> dict:
         raise CheckpointError(f"{meta_path}: not a PagedWeight paged model "
                               f"(format {repr(meta.get('format'))[:60]})")
     version = meta.get("format_version")
-    if version not in READABLE_FORMAT_VERSIONS or meta.get("apl_format_version") != APL_FORMAT_VERSION:
+    apl_version = meta.get("apl_format_version")
+    if apl_version == 1:
+        raise CheckpointError(
+            f"{meta_path}: APL format version 1 (a LUT per row and width, up to 512 bytes a row at 8 bits) "
+            f"is no longer read; this PagedWeight reads APL format {APL_FORMAT_VERSION} (LUT_3 and LUT_4, "
+            f"wider widths derived): re-run `pagedweight quantize` on the checkpoint")
+    if version not in READABLE_FORMAT_VERSIONS or apl_version != APL_FORMAT_VERSION:
         raise CheckpointError(
             f"{meta_path}: unknown paged model format version {repr(version)[:20]} (APL "
-            f"{repr(meta.get('apl_format_version'))[:20]}); this PagedWeight reads versions "
+            f"{repr(apl_version)[:20]}); this PagedWeight reads versions "
             f"{', '.join(map(str, READABLE_FORMAT_VERSIONS))} (APL {APL_FORMAT_VERSION}): "
             f"re-run `pagedweight quantize`")
     for key in ("model_config", "files", "blocks", "sensitivity", "routing"):

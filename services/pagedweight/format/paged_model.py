@@ -10,7 +10,7 @@ Layout (docs/paged_model.md):
                               shared experts stay here, unquantised
     experts_apl.safetensors   per layer l and module m (gate_up | down), all experts stacked:
                                 layers.{l}.{m}.planes    uint8 [E, 8, rows, cols/8]
-                                layers.{l}.{m}.lut{b}    fp16  [E, rows, 2^b], b = 3..8
+                                layers.{l}.{m}.lut{b}    fp16  [E, rows, 8 | 17], b = 3, 4 (the stored LUTs)
                               expert e's slice is exactly one APL block (apl_format.py)
     experts_bf16.safetensors  only with `quantize --keep-bf16`: the original routed experts,
                               layers.{l}.{m} bf16 [E, rows, cols] (the "no bits given"
@@ -45,7 +45,7 @@ from pagedweight.common.errors import CheckpointError
 from pagedweight.common.file_digest import file_sha256
 from pagedweight.common.json_files import read_json_object
 from pagedweight.format.model_config import ModelConfig
-from pagedweight.format.apl_format import BIT_WIDTHS, MODULES, APLBlock, BlockId, block_bytes
+from pagedweight.format.apl_format import BIT_WIDTHS, LUT_WIDTHS, MODULES, APLBlock, BlockId, block_bytes, lut_entries, lut_width
 from pagedweight.format.paged_meta import (  # noqa: F401 - re-exported
     APL_FILE, APL_FORMAT_VERSION, BF16_FILE, COPIED_FILES, DENSE_FILE, FORMAT_NAME, FORMAT_VERSION,
     HEADS_FILE, HESSIAN_FILE, KNOWN_FILES, META_FILE, is_paged_model_dir, read_meta,
@@ -71,7 +71,11 @@ class LayerPlanes:
     """All experts of one (layer, module): the APL tensors as stored."""
 
     planes: torch.Tensor  # uint8 [E, 8, rows, cols/8]
-    luts: dict[int, torch.Tensor]  # bits -> fp16 [E, rows, 2^bits]
+    luts: dict[int, torch.Tensor]  # stored LUT width (3, 4) -> fp16 [E, rows, lut_entries(width)]
+
+    def lut(self, bits: int) -> torch.Tensor:
+        """The stored LUTs [E, rows, lut_entries(bits)] blocks at `bits` read."""
+        return self.luts[lut_width(bits)]
 
     def block(self, expert: int) -> APLBlock:
         _, _, rows, packed = self.planes.shape
@@ -190,7 +194,7 @@ def write_apl_file(path: Path, config: ModelConfig, apl: Iterable[tuple[tuple[in
         for module in MODULES:
             rows, cols = block_shape(config, module)
             specs[f"layers.{layer}.{module}.planes"] = (torch.uint8, (E, 8, rows, cols // 8))
-            specs.update({f"layers.{layer}.{module}.lut{b}": (torch.float16, (E, rows, 1 << b)) for b in BIT_WIDTHS})
+            specs.update({f"layers.{layer}.{module}.lut{b}": (torch.float16, (E, rows, lut_entries(b))) for b in LUT_WIDTHS})
     with SafetensorsWriter(path, specs) as writer:
         for (layer, module), lp in apl:
             writer.write(f"layers.{layer}.{module}.planes", lp.planes)
@@ -306,11 +310,11 @@ def _parse_apl(path: Path, named: dict, config: ModelConfig) -> dict[tuple[int, 
             rows, cols = block_shape(config, module)
             prefix = f"layers.{layer}.{module}"
             planes = _get(named, f"{prefix}.planes", (E, 8, rows, cols // 8), torch.uint8, file)
-            luts = {b: _get(named, f"{prefix}.lut{b}", (E, rows, 1 << b), torch.float16, file)
-                    for b in BIT_WIDTHS}
+            luts = {b: _get(named, f"{prefix}.lut{b}", (E, rows, lut_entries(b)), torch.float16, file)
+                    for b in LUT_WIDTHS}
             apl[(layer, module)] = LayerPlanes(planes, luts)
     _check_no_extra(named, {f"layers.{l}.{m}.{t}" for l in range(config.num_layers) for m in MODULES
-                            for t in ("planes", *(f"lut{b}" for b in BIT_WIDTHS))}, file)
+                            for t in ("planes", *(f"lut{b}" for b in LUT_WIDTHS))}, file)
     _check_floats({k: v for k, v in named.items() if ".lut" in k}, file)
     return apl
 

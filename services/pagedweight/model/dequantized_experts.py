@@ -29,7 +29,7 @@ from pagedweight.format.model_config import ModelConfig
 from pagedweight_kernels.moe_reference import check_activation, gated, moe_forward
 from pagedweight.model.materialize import materialize_dense
 from pagedweight.model.transformer import MoECausalLM
-from pagedweight.format.apl_format import MODULES, BlockId, check_bits
+from pagedweight.format.apl_format import MODULES, BlockId, check_bits, expand_lut
 from pagedweight.format.paged_model import LayerPlanes, PagedModel, all_block_ids
 
 Bits = int | None  # None: the original bf16 weights
@@ -48,7 +48,7 @@ def dequantize_block(planes: torch.Tensor, lut: torch.Tensor, bits: int) -> torc
     codes = plane_bits[0].to(torch.int16)
     for p in range(1, bits):
         codes = (codes << 1) | plane_bits[p]
-    return torch.gather(lut, 1, codes.long())
+    return torch.gather(expand_lut(lut, bits), 1, codes.long())
 
 
 class DequantizedExperts(nn.Module):
@@ -96,7 +96,7 @@ class DequantizedExperts(nn.Module):
                 w = self.bf16[module][expert]
             else:
                 lp = self.apl[module]
-                w = dequantize_block(lp.planes[expert], lp.luts[bits][expert], bits)
+                w = dequantize_block(lp.planes[expert], lp.lut(bits)[expert], bits)
             cached = (bits, w.to(device=self.device, dtype=self.dtype))
             self._cache[(expert, module)] = cached
         return cached[1]

@@ -5,12 +5,16 @@ Algorithm (after Any-Precision LLM, Park et al. 2024), per output row of a block
    column c is h[c], the diagonal of the input Hessian (mean squared input of column c),
    so the clusters minimise sum_c h[c] * (w[c] - centroid)^2, the error the layer's
    output actually sees.
-2. Upscaling, for b = 3..7: every cluster of the b-bit quantiser is split in two by a
+2. Upscaling to 4 bits: every cluster of the 3-bit quantiser is split in two by a
    weighted 1-D 2-means over its own members only. Child 2p holds the smaller values
-   of parent p and child 2p+1 the larger, so a weight's (b+1)-bit code is its b-bit code
-   followed by one more bit, and the b-bit code is exactly the top b bits of the 8-bit
-   code (nested quantisation).
-3. LUT_b[row] holds the 2^b weighted means at level b, rounded to fp16.
+   of parent p and child 2p+1 the larger, so a weight's 4-bit code is its 3-bit code
+   followed by one more bit.
+3. LUT_3[row] and LUT_4[row] hold the weighted means at each level, rounded to fp16.
+4. Refinement, 5..8 bits: the format derives those widths' values from LUT_4's cells
+   (apl_format.expand_lut: equal sub-intervals of each cell), so a weight's 4 low code
+   bits are the index of the 1/16 sub-interval of its cell it falls in (clamped to the
+   cell). Floor of a uniform grid nests, so the top b bits of that 8-bit code pick the
+   nearest b-bit value in the weight's cell at every width (nested quantisation).
 With `error_feedback`, step 1's codes are chosen column by column against the seed LUT
 with GPTQ's error feedback through the full input Hessian (error_feedback.py) instead of
 nearest-centroid; the LUT_3 stays the seed's and step 2 splits those clusters, so the
@@ -31,7 +35,9 @@ from dataclasses import dataclass
 import torch
 
 from pagedweight.common.errors import UserError
-from pagedweight.format.apl_format import BIT_WIDTHS, LUT_DTYPE, MAX_BITS, MIN_BITS
+from pagedweight.format.apl_format import (
+    BASE_LUT_BITS, BIT_WIDTHS, LUT_DTYPE, LUT_WIDTHS, MAX_BITS, MIN_BITS, expand_lut, refinement_bits, with_extent,
+)
 from pagedweight.offline.error_feedback import feedback_codes
 from pagedweight.offline.lut_refit import PRODUCTS, refit_luts
 
@@ -55,7 +61,7 @@ class QuantizerConfig:
     # (docs/quantize.md, "Error feedback and LUT refit"); KMEANS_ONLY is the old quantiser.
     error_feedback: bool = True
     feedback_damp: float = 3.0
-    lut_refit_bits: tuple[int, ...] = (3, 4, 5, 6)
+    lut_refit_bits: tuple[int, ...] = LUT_WIDTHS
     lut_ridge: float = 0.3
     # The arithmetic of the refit's one large product, H S^T (lut_refit.PRODUCTS): float64,
     # float32, or bf16x3 (three bfloat16 terms summing to H, on CUDA's tensor cores with a
@@ -68,6 +74,9 @@ class QuantizerConfig:
 
     def __post_init__(self):
         object.__setattr__(self, "lut_refit_bits", tuple(self.lut_refit_bits))  # a list from JSON
+        if not set(self.lut_refit_bits) <= set(LUT_WIDTHS):
+            raise UserError(f"LUT refit widths {list(self.lut_refit_bits)}: only the stored LUTs "
+                            f"{list(LUT_WIDTHS)} can be refitted (wider widths derive from LUT_{BASE_LUT_BITS})")
         if self.lut_refit_product not in PRODUCTS:
             raise UserError(f"unknown LUT refit product {self.lut_refit_product!r}; known: {', '.join(PRODUCTS)}")
 
@@ -85,7 +94,7 @@ KMEANS_ONLY = QuantizerConfig(error_feedback=False, lut_refit_bits=())
 @dataclass
 class QuantizedRows:
     codes: torch.Tensor  # uint8 [R, C], 8-bit nested codes
-    luts: dict[int, torch.Tensor]  # bits -> fp16 [R, 2^bits]
+    luts: dict[int, torch.Tensor]  # stored LUT width (3, 4) -> fp16 [R, 2^width]
 
 
 def quantize_rows(w: torch.Tensor, importance: torch.Tensor,
@@ -110,14 +119,17 @@ def quantize_rows(w: torch.Tensor, importance: torch.Tensor,
         centroids = seed_centroids(w, imp, config)
         codes = _assign(w, centroids) if feedback is None else seed_feedback_codes(w, centroids, feedback).long()
     luts = {MIN_BITS: centroids}
-    for bits in range(MIN_BITS, MAX_BITS):
+    for bits in range(MIN_BITS, BASE_LUT_BITS):
         codes, centroids = _split_clusters(w, imp, codes, centroids, config.split_iters)
         luts[bits + 1] = centroids
+    codes = codes << (MAX_BITS - BASE_LUT_BITS)  # 8-bit codes with the refinement bits still 0
     if config.lut_refit_bits:
         if hessians is None:
             raise UserError("the LUT refit needs the full input Hessians (pass them, or quantise with KMEANS_ONLY)")
         luts = refit_luts(w, codes, luts, hessians, config.lut_ridge, config.lut_refit_bits, config.lut_refit_product)
-    return QuantizedRows(codes.to(torch.uint8), {b: luts[b].to(LUT_DTYPE) for b in BIT_WIDTHS})
+    luts = {MIN_BITS: luts[MIN_BITS].to(LUT_DTYPE), BASE_LUT_BITS: with_extent(luts[BASE_LUT_BITS], w)}
+    codes = codes | refinement_bits(w, codes >> (MAX_BITS - BASE_LUT_BITS), luts[BASE_LUT_BITS])
+    return QuantizedRows(codes.to(torch.uint8), luts)
 
 
 def row_importance(w: torch.Tensor, importance: torch.Tensor, config: QuantizerConfig) -> torch.Tensor:
@@ -192,7 +204,7 @@ def dequantize_rows(q: QuantizedRows, bits: int) -> torch.Tensor:
     """fp32 [R, C] weights of the b-bit quantiser (for error tables; the format's own
     `dequantize` reads packed planes and is what the model runs)."""
     codes = q.codes.long() >> (MAX_BITS - bits)
-    return torch.gather(q.luts[bits].float(), 1, codes)
+    return torch.gather(expand_lut(q.luts[min(bits, BASE_LUT_BITS)], bits).float(), 1, codes)
 
 
 def column_sq_errors(w: torch.Tensor, q: QuantizedRows) -> dict[int, torch.Tensor]:

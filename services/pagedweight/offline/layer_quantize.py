@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedweight.common.errors import UserError
-from pagedweight.format.apl_format import BIT_WIDTHS, MAX_BITS, MIN_BITS, pack_planes, unpack_codes
+from pagedweight.format.apl_format import BIT_WIDTHS, LUT_WIDTHS, MAX_BITS, MIN_BITS, expand_lut, lut_entries, pack_planes, unpack_codes
 from pagedweight.format.paged_model import LayerPlanes
 from pagedweight.offline.apl_quantizer import (QuantizerConfig, dequantize_rows, quantize_rows, row_importance,
                                                seed_centroids)
@@ -76,7 +76,7 @@ def quantize_layer(w: torch.Tensor, h: torch.Tensor, config: QuantizerConfig, de
     if g is not None:
         g = g.to(device, torch.float32)[:, :, None]
         errors_gn = {b: (e * g).sum(1).cpu() for b, e in sq.items()}
-    luts = {b: lut.view(E, R, 1 << b).cpu() for b, lut in q.luts.items()}
+    luts = {b: lut.view(E, R, -1).cpu() for b, lut in q.luts.items()}
     return LayerResult(LayerPlanes(planes.cpu(), luts), errors, errors_gn)
 
 
@@ -125,7 +125,7 @@ def quantize_experts(w: torch.Tensor, h: torch.Tensor, config: QuantizerConfig, 
     """
     E, R, C = w.shape
     planes = torch.empty(E, 8, R, C // 8, dtype=torch.uint8)
-    luts = {b: torch.empty(E, R, 1 << b, dtype=torch.float16) for b in BIT_WIDTHS}
+    luts = {b: torch.empty(E, R, lut_entries(b), dtype=torch.float16) for b in LUT_WIDTHS}
     errors = {b: torch.zeros(E, C) for b in BIT_WIDTHS}
     full = h_full is not None and config.needs_full_hessians
     fed = full and config.error_feedback
@@ -152,8 +152,9 @@ def quantize_experts(w: torch.Tensor, h: torch.Tensor, config: QuantizerConfig, 
             part = quantize_layer(part_w, h[es], config, device, h_full=h_dev[local] if full else None,
                                   feedback=factors, seed=seed)
             planes[es, :, rs] = part.planes.planes
-            for b in BIT_WIDTHS:
+            for b in LUT_WIDTHS:
                 luts[b][es, rs] = part.planes.luts[b]
+            for b in BIT_WIDTHS:
                 if rs.start == 0 and rs.stop == R:
                     errors[b][es] = part.col_errors[b]
                 else:  # row ranges of one expert: its column errors add up
@@ -196,7 +197,7 @@ def gn_col_errors(w: torch.Tensor, planes: LayerPlanes, g: torch.Tensor, device:
         codes = unpack_codes(packed, MAX_BITS).view(n, r, C)
         weight = g[es, rs].to(device, torch.float32)[:, :, None]
         for b in BIT_WIDTHS:
-            lut = planes.luts[b][es, rs].to(device).float()  # [n, r, 2^b]
+            lut = expand_lut(planes.lut(b)[es, rs].to(device).reshape(n * r, -1), b).float().view(n, r, -1)
             deq = torch.gather(lut, 2, codes >> (MAX_BITS - b))
             out[b][es] += (((rows - deq) ** 2) * weight).sum(1).cpu()
     return out

@@ -19,7 +19,7 @@ from safetensors import safe_open
 from torch import nn
 
 from pagedweight.common.errors import CheckpointError
-from pagedweight.format.apl_format import BIT_WIDTHS, MODULES
+from pagedweight.format.apl_format import LUT_WIDTHS, MODULES, lut_entries
 from pagedweight.format.model_config import ModelConfig
 from pagedweight.format.paged_meta import META_FILE, read_meta
 from pagedweight.format.paged_model import (
@@ -85,8 +85,8 @@ class PagedLayers:
             rows, cols = block_shape(c, m)
             prefix = f"layers.{layer}.{m}"
             planes = self._read(APL_FILE, f"{prefix}.planes", (c.num_experts, 8, rows, cols // 8), torch.uint8)
-            luts = {b: self._read(APL_FILE, f"{prefix}.lut{b}", (c.num_experts, rows, 1 << b), torch.float16)
-                    for b in BIT_WIDTHS}
+            luts = {b: self._read(APL_FILE, f"{prefix}.lut{b}", (c.num_experts, rows, lut_entries(b)), torch.float16)
+                    for b in LUT_WIDTHS}
             apl[m] = LayerPlanes(planes, luts)
         experts = DequantizedExperts(layer, c.num_experts, apl, None, DTYPE, self.device, c.expert_activation)
         experts.set_bits({b: 8 for b in experts.get_bits()})

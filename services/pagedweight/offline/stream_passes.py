@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedweight.common.errors import UserError
-from pagedweight.format.apl_format import BIT_WIDTHS, MODULES
+from pagedweight.format.apl_format import BIT_WIDTHS, LUT_WIDTHS, MODULES
 from pagedweight.format.paged_model import LayerPlanes
 from pagedweight.model.transformer import soft_cap
 from pagedweight.offline.calibrate import CalibrationStats, RecordingExperts, smoothed_hessians
@@ -132,8 +132,9 @@ def forward_step(run: StreamRun, layer: int) -> None:
         col_errors[m] = result.col_errors
         planes[f"planes.{m}"] = result.planes.planes
         tensors[f"h.{m}"] = h[m]
+        for b, lut in result.planes.luts.items():
+            planes[f"lut{b}.{m}"] = lut
         for b in BIT_WIDTHS:
-            planes[f"lut{b}.{m}"] = result.planes.luts[b]
             tensors[f"err{b}.{m}"] = result.col_errors[b]
     del module, dense, recorder
     tensors["chunk_s"] = layer_chunk_sensitivities(sums, counts, col_errors, run.config.calib)
@@ -145,7 +146,7 @@ def forward_step(run: StreamRun, layer: int) -> None:
 def stored_planes(run: StreamRun, layer: int) -> dict[str, LayerPlanes]:
     """Module -> the planes and LUTs `forward layer` wrote."""
     stored = run.work.load(f"planes{layer}")
-    return {m: LayerPlanes(stored[f"planes.{m}"], {b: stored[f"lut{b}.{m}"] for b in BIT_WIDTHS}) for m in MODULES}
+    return {m: LayerPlanes(stored[f"planes.{m}"], {b: stored[f"lut{b}.{m}"] for b in LUT_WIDTHS}) for m in MODULES}
 
 
 def loss_step(run: StreamRun) -> None:

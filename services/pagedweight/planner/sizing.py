@@ -28,7 +28,7 @@ from pagedweight.common.errors import CheckpointError
 from pagedweight.format.checkpoint_headers import checkpoint_headers, is_routed_expert, read_headers
 from pagedweight.format.paged_meta import DENSE_FILE, is_paged_model_dir, read_meta
 
-from pagedweight.format.blocks import BIT_WIDTHS, MODULES, BlockId, block_bytes
+from pagedweight.format.blocks import BIT_WIDTHS, MODULES, BlockId, block_bytes, lut_bytes
 from pagedweight.format.model_config import ModelConfig
 from pagedweight.planner.config import PlannerConfig
 from pagedweight.planner.policies import PlanContext, make_policy
@@ -190,7 +190,7 @@ def _charged_nbytes(sizes: ModelSizes) -> np.ndarray:
     page, per_module = sizes.page_bytes, {}
     for module, (rows, cols) in sizes.block_shapes().items():
         plane = _pages(rows * cols // 8, page)
-        per_module[module] = [b * plane + _pages(rows * (1 << b) * 2, page) for b in BIT_WIDTHS]
+        per_module[module] = [b * plane + _pages(lut_bytes(rows, b), page) for b in BIT_WIDTHS]
     return np.array([per_module[b.module] for b in sizes.block_ids()], dtype=np.int64).reshape(-1, len(BIT_WIDTHS))
 
 

@@ -197,7 +197,8 @@ class PageMover:
             return False
         pairs = [(self.arena.view(x, torch.uint8, (e.rows, e.cols // 8)), host.planes[p])
                  for p, x in zip(range(q, b), extents)]
-        pairs.append((self.arena.view(lut_extent, host.luts[b].dtype, tuple(host.luts[b].shape)), host.luts[b]))
+        lut = host.lut(b)
+        pairs.append((self.arena.view(lut_extent, lut.dtype, tuple(lut.shape)), lut))
         self._transits[bid] = _Transit(b, extents, lut_extent, self._copier.submit(pairs))
         e.transit_bits = b
         result.num_bytes_taken += sum(x.num_pages for x in extents + [lut_extent]) * self.arena.page_bytes
@@ -232,8 +233,8 @@ class PageMover:
             result.num_bytes_freed += freed
             self.profile.bytes_freed_by_lowering += freed
         kind = expert_kind(b)
-        lut = self.table.host[bid].luts[b]
-        lut_extent = self.arena.allocate(kind, lut.numel() * lut.element_size())  # fits: LUT_q was larger
+        lut = self.table.host[bid].lut(b)
+        lut_extent = self.arena.allocate(kind, lut.numel() * lut.element_size())  # fits: LUT_q was no smaller
         self.arena.view(lut_extent, lut.dtype, tuple(lut.shape)).copy_(lut, non_blocking=True)  # compute stream
         result.num_bytes_taken += lut_extent.num_pages * self.arena.page_bytes
         self.profile.bytes_host_to_device += lut_extent.num_bytes

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedweight.memory.arena import Arena, Extent
-from pagedweight.format.apl_format import BIT_WIDTHS, LUT_DTYPE, APLBlock, BlockId, check_bits
+from pagedweight.format.apl_format import BIT_WIDTHS, LUT_DTYPE, APLBlock, BlockId, check_bits, lut_bytes, lut_entries
 
 
 class Residency(str, enum.Enum):
@@ -114,7 +114,7 @@ class PageTable:
         return e.rows * e.cols // 8
 
     def lut_bytes(self, block_id: BlockId, bits: int) -> int:
-        return self.entries[block_id].rows * (1 << bits) * 2
+        return lut_bytes(self.entries[block_id].rows, bits)
 
     def charged_bytes(self, block_id: BlockId, bits: int) -> int:
         """Arena bytes (whole pages) a block costs at `bits`; 0 bits costs nothing."""
@@ -129,14 +129,14 @@ class PageTable:
 
     # ---- reading ----------------------------------------------------------------------
     def resident_views(self, block_id: BlockId) -> tuple[list[torch.Tensor], torch.Tensor, int]:
-        """(plane views [rows, cols/8] for p < q_i, LUT_{q_i} view [rows, 2^q_i], q_i).
+        """(plane views [rows, cols/8] for p < q_i, the stored LUT's view [rows, lut_entries(q_i)], q_i).
 
         Only committed extents are reachable from here: an in-transit copy is never read."""
         e = self.entries[block_id]
         if not e.committed_bits:
             raise RuntimeError(f"{block_id.key()} is not resident on {self.arena.device} (CPU only)")
         planes = [self.arena.view(x, torch.uint8, (e.rows, e.cols // 8)) for x in e.plane_extents]
-        lut = self.arena.view(e.lut_extent, LUT_DTYPE, (e.rows, 1 << e.committed_bits))
+        lut = self.arena.view(e.lut_extent, LUT_DTYPE, (e.rows, lut_entries(e.committed_bits)))
         if self.read_log is not None:
             self.read_log.extend(e.plane_extents + [e.lut_extent])
         return planes, lut, e.committed_bits
@@ -179,4 +179,4 @@ def _host_copy(block: APLBlock, pin: bool) -> APLBlock:
         t = t.detach().to("cpu").contiguous()
         return t.pin_memory() if pin else t
 
-    return APLBlock(block.rows, block.cols, host(block.planes), {b: host(block.luts[b]) for b in BIT_WIDTHS})
+    return APLBlock(block.rows, block.cols, host(block.planes), {b: host(lut) for b, lut in block.luts.items()})

@@ -3,7 +3,8 @@
 The real quantizer (weighted k-means, issue 3) lives in services/pagedweight/offline. These helpers
 make valid APL blocks fast: `nested_uniform_block` quantises a weight matrix with
 per-row min-max uniform 8-bit codes (whose top b bits are the b-bit codes, so nesting
-holds) and b-bit LUTs holding the centre of each b-bit bucket; `random_blocks` fills a
+holds) and LUT_3 / LUT_4 holding the centre of each bucket (the 5-8-bit values the format
+derives from LUT_4's cells are then the uniform grid's own centres); `random_blocks` fills a
 model's shape with the kernels' `random_block` (random codes, nested sorted LUTs).
 """
 
@@ -12,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from pagedweight_kernels.synthetic import random_block
-from pagedweight.format.apl_format import BIT_WIDTHS, LUT_DTYPE, MODULES, APLBlock, BlockId, pack_planes
+from pagedweight.format.apl_format import LUT_DTYPE, LUT_WIDTHS, MODULES, APLBlock, BlockId, pack_planes, with_extent
 
 
 def nested_uniform_block(weight: torch.Tensor) -> APLBlock:
@@ -22,10 +23,11 @@ def nested_uniform_block(weight: torch.Tensor) -> APLBlock:
     step = (hi - lo).clamp_min(1e-8) / 256  # 256 equal 8-bit buckets per row
     codes = ((w - lo) / step).floor().clamp(0, 255).to(torch.uint8)
     luts = {}
-    for bits in BIT_WIDTHS:
+    for bits in LUT_WIDTHS:
         width = 1 << (8 - bits)  # 8-bit buckets per b-bit bucket
         centres = (torch.arange(1 << bits, dtype=torch.float32) + 0.5) * width
         luts[bits] = (lo + centres[None] * step).to(LUT_DTYPE)
+    luts[4] = with_extent(luts[4], w)
     return APLBlock(w.shape[0], w.shape[1], pack_planes(codes), luts)
 
 
