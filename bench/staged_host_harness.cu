@@ -13,6 +13,7 @@
 //                           launch's 8); unit: steps per unit of plane words (APL_STAGED_UNIT).
 //   harness chunks NT OUT   tile_chunk(0, NT, r, c) for r < NT, c < 8, as int32 [NT][8].
 //   harness convert IN OUT  the emulation's fp16/bf16 conversions of fp32 values (see convert).
+//   harness luts IN OUT     the tables lut_fill_unit derives from stored LUTs (see luts).
 //   harness cta IN OUT      one projection's launch of the apl_staged instance this binary is
 //                           compiled for (-DHOST_CLS, HOST_MODE, HOST_BF16, HOST_V4, HOST_NT8): every
 //                           CTA of the grid in turn, its 256 threads as host threads running
@@ -324,9 +325,33 @@ int convert(const char* in_path, const char* out_path) {
     return std::fclose(o) == 0 && ok ? 0 : fail("cannot write the output");
 }
 
+// The tables the kernels derive from a stored LUT (apl_moe.cu's lut_fill_unit), for the test to hold
+// bit for bit against the format's expand_lut: IN int32 bits, rows, then the stored fp16 LUT
+// [rows][8 | 17]; OUT the fp16 table [rows][2^bits].
+int luts(const char* in_path, const char* out_path) {
+    FILE* f = std::fopen(in_path, "rb");
+    if (!f) return fail("cannot read the input");
+    int head[2];
+    bool ok = std::fread(head, 4, 2, f) == 2 && head[0] >= 3 && head[0] <= 8 && head[1] > 0 && head[1] <= 1 << 20;
+    const int bits = ok ? head[0] : 3, rows = ok ? head[1] : 0;
+    std::vector<u16> stored((size_t)rows * lut_row_entries(bits));
+    ok = ok && std::fread(stored.data(), 2, stored.size(), f) == stored.size();
+    std::fclose(f);
+    if (!ok) return fail("bad input");
+    std::vector<u16> table((size_t)rows << bits);
+    for (int r = 0; r < rows; ++r)
+        for (int u = 0; u < lut_fill_units(bits); ++u)
+            lut_fill_unit(stored.data(), bits, r, u, true, [&](int ent, u16 v) { table[((size_t)r << bits) + ent] = v; });
+    FILE* o = std::fopen(out_path, "wb");
+    if (!o) return fail("cannot write the output");
+    ok = std::fwrite(table.data(), 2, table.size(), o) == table.size();
+    return std::fclose(o) == 0 && ok ? 0 : fail("cannot write the output");
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
+    if (argc == 4 && std::strcmp(argv[1], "luts") == 0) return luts(argv[2], argv[3]);
     if (argc == 4 && std::strcmp(argv[1], "tiles") == 0) return tiles(argv[2], argv[3]);
     if (argc == 4 && std::strcmp(argv[1], "chunks") == 0) return chunks(std::atoi(argv[2]), argv[3]);
     if (argc == 4 && std::strcmp(argv[1], "convert") == 0) return convert(argv[2], argv[3]);

@@ -485,3 +485,27 @@ def test_lane_banked_lut_lookups_take_one_wavefront(tmp_path, bits, merged, prod
     knobs = {"APL_STAGED_LUT_LANES": 1, "APL_STAGED_LUT_PRODUCERS": producers}
     got = staged_banks.count(f"{bits} bits", bits, knobs, merged, tmp_path)["kinds"]["LDS.U16"]
     assert got["instructions"] > 0 and got["wavefronts"] == got["instructions"] == got["ideal"], got
+
+
+# ---------------------------------------------------------------- the derived tables
+@pytest.mark.parametrize("bits", [3, 4, 5, 6, 7, 8])
+def test_kernel_tables_equal_the_format_s_bit_for_bit(harness, tmp_path, bits):
+    """lut_fill_unit (every kernel's table fill) against apl_format.expand_lut on sorted,
+    unsorted, tiny, huge and repeated centroids and zero extents: the same fp16 bits."""
+    from pagedweight.format.apl_format import expand_lut, lut_entries
+
+    gen = torch.Generator().manual_seed(bits)
+    rows = 512
+    lut = torch.randn(rows, lut_entries(bits), generator=gen) * torch.logspace(-6, 3, rows)[:, None]
+    lut[: rows // 2, :16 if bits > 3 else 8] = lut[: rows // 2, :16 if bits > 3 else 8].sort(dim=1).values
+    if bits > 3:
+        lut[:, 16] = lut[:, 16].abs()
+        lut[::7, 16] = 0.0  # no room beyond the outer centroids
+        lut[::5, 3:6] = lut[::5, 3:4]  # repeated centroids: empty inner cells
+    stored = lut.to(torch.float16)
+    (tmp_path / "in.bin").write_bytes(struct.pack("<2i", bits, rows) + stored.view(torch.int16).numpy().astype("<i2").tobytes())
+    run = subprocess.run([str(harness), "luts", str(tmp_path / "in.bin"), str(tmp_path / "out.bin")],
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    table = torch.from_numpy(np.fromfile(tmp_path / "out.bin", dtype="<i2").astype(np.int16)).view(rows, 1 << bits)
+    assert torch.equal(table, expand_lut(stored, bits).view(torch.int16))

@@ -1,0 +1,105 @@
+"""The kernel benchmark's tables and figure in docs/kernel.md, regenerated from its results.
+
+    python -m bench.kernel_table bench/results/apl_moe_kernel_h100.json [--docs docs/kernel.md]
+        [--plot docs/kernel_speedup.png]
+
+Reads one `bench.apl_moe_kernel` result (several models, token counts and widths timed in one
+run on one GPU), and replaces the block between the KERNEL TABLE markers of the docs page with
+one table per model: microseconds per MoE layer call at each width, its ratio to the HBM floor
+and its speed-up over bf16 `torch._grouped_mm` on the same experts in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+START, END = "<!-- KERNEL TABLE START -->", "<!-- KERNEL TABLE END -->"
+WIDTHS = ("3", "4", "5", "6", "7", "8", "mixed")
+
+
+def cell(row: dict, width: str) -> str:
+    """'fused us (x floor, x bf16)' for one width of one row, or '' when not timed."""
+    timed = row.get(f"bits_{width}")
+    if not timed:
+        return ""
+    grouped = row.get("bf16_grouped_us")
+    speedup = f", {grouped / timed['fused_us']:.2f}x bf16" if grouped else ""
+    return f"{timed['fused_us']:.1f} ({timed['fused_over_floor']:.2f}x floor{speedup})"
+
+
+def model_table(rows: list[dict]) -> str:
+    widths = [w for w in WIDTHS if any(f"bits_{w}" in r for r in rows)]
+    head = "| tokens | " + " | ".join(f"{w} bits" if w != "mixed" else "mixed" for w in widths) + \
+        " | bf16 grouped | mixed / byte-weighted |"
+    lines = [head, "|" + "---|" * (len(widths) + 3)]
+    for row in sorted(rows, key=lambda r: r["tokens"]):
+        mixed = row.get("bits_mixed", {}).get("over_byte_weighted")
+        grouped = row.get("bf16_grouped_us")
+        grouped_text = f"{grouped:.1f}" if grouped else ""
+        mixed_text = f"{mixed:.2f}x" if mixed else ""
+        lines.append(f"| {row['tokens']} | " + " | ".join(cell(row, w) for w in widths)
+                     + f" | {grouped_text} | {mixed_text} |")
+    return "\n".join(lines)
+
+
+def render(record: dict) -> str:
+    gpu = record.get("machine", {}).get("gpu") or record.get("gpu") or "unknown GPU"
+    parts = [f"Measured on {gpu}, {record.get('date', '')[:10]}, commit {record.get('commit', 'unknown')} "
+             f"(`bench/results/{record.get('benchmark', 'apl_moe_kernel')}.json`); microseconds per layer "
+             "call (ratio to the HBM floor, speed-up over bf16 grouped GEMM in the same run)."]
+    models = {}
+    for row in record["results"]:
+        models.setdefault(row["model"], []).append(row)
+    for name, rows in models.items():
+        parts.append(f"**{name}**\n\n" + model_table(rows))
+    return "\n\n".join(parts)
+
+
+def replace_block(text: str, block: str) -> str:
+    if START not in text or END not in text:
+        raise SystemExit(f"the docs page has no {START} ... {END} block")
+    return re.sub(re.escape(START) + ".*?" + re.escape(END), lambda _: f"{START}\n{block}\n{END}", text, flags=re.S)
+
+
+def plot(record: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = sorted({r["model"] for r in record["results"]})
+    fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 3.6), squeeze=False)
+    for ax, name in zip(axes[0], models):
+        rows = sorted((r for r in record["results"] if r["model"] == name), key=lambda r: r["tokens"])
+        for width in WIDTHS:
+            points = [(r["tokens"], r["bf16_grouped_us"] / r[f"bits_{width}"]["fused_us"]) for r in rows
+                      if r.get(f"bits_{width}") and r.get("bf16_grouped_us")]
+            if points:
+                ax.plot(*zip(*points), marker="o", label=f"{width} bits" if width != "mixed" else "mixed")
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_title(name)
+        ax.set_xlabel("tokens per layer call")
+        ax.set_ylabel("speed-up over bf16 grouped GEMM")
+    axes[0][-1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("result", type=Path)
+    parser.add_argument("--docs", type=Path, default=Path("docs/kernel.md"))
+    parser.add_argument("--plot", type=Path, default=None)
+    args = parser.parse_args()
+    record = json.loads(args.result.read_text())
+    args.docs.write_text(replace_block(args.docs.read_text(), render(record)))
+    if args.plot:
+        plot(record, args.plot)
+    print(f"wrote {args.docs}" + (f" and {args.plot}" if args.plot else ""))
+
+
+if __name__ == "__main__":
+    main()
