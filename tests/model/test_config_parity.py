@@ -130,3 +130,20 @@ def test_every_field_transformers_writes_is_read_or_inert(family):
         value = raw[key]
         other = {**raw, key: (not value) if isinstance(value, bool) else 0.37 if isinstance(value, float) else value}
         assert ModelConfig.from_dict(other) == parsed, key
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_legacy_rope_scaling_reads_as_transformers_reads_it(family):
+    """Older config.json files keep `rope_theta` at top level and the scaling in `rope_scaling`
+    (with `type` for `rope_type`); transformers folds both into rope_parameters."""
+    import transformers
+
+    modern = config_dict(family, {"rope_parameters": {"rope_type": "yarn", "rope_theta": 5000.0, "factor": 4.0,
+                                                      "original_max_position_embeddings": 64}})
+    legacy = {k: v for k, v in modern.items() if k != "rope_parameters"}
+    legacy.update(rope_theta=5000.0, rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64})
+    config_cls = getattr(transformers, BASES[family][1])
+    standardized = config_cls(**{k: v for k, v in legacy.items() if k not in ("architectures", "model_type")})
+    assert standardized.rope_parameters["rope_type"] == "yarn" and standardized.rope_parameters["rope_theta"] == 5000.0
+    assert ModelConfig.from_dict(legacy) == ModelConfig.from_dict(modern)
+    assert ModelConfig.from_dict(legacy).rope_scaling.rope_type == "yarn"
