@@ -119,7 +119,6 @@ def test_greedy_contiguous_and_paged_engine_match_transformers(family):
     ("qwen3_moe", "mlp_only_layers", [0]),
     ("qwen3_moe", "decoder_sparse_step", 2),
     ("qwen3_moe", "hidden_act", "gelu"),
-    ("olmoe", "clip_qkv", 8.0),
     ("olmoe", "hidden_act", "relu"),
 ])
 def test_unsupported_switches_are_refused_naming_the_field(family_name, field, value):

@@ -2,20 +2,24 @@
 
 Five architectures share one decoder; they differ in the MoE block and in attention:
 - Mixtral (`MixtralForCausalLM`): top-k experts with renormalised weights, no shared
-  expert, no attention bias.
+  expert, no attention bias; `sliding_window` windows every layer.
 - Qwen1.5-MoE (`Qwen2MoeForCausalLM`): fine-grained experts, top-k without
   renormalisation (unless `norm_topk_prob`), a shared expert scaled by a sigmoid gate,
-  bias on q/k/v.
+  bias on q/k/v; with `use_sliding_window`, the layers `layer_types` names are windowed.
 - Qwen3-MoE (`Qwen3MoeForCausalLM`): no shared expert, `norm_topk_prob`, an RMSNorm on
   each query and key head before RoPE (`qk_norm="head"`), optional bias on q/k/v/o.
 - OLMoE (`OlmoeForCausalLM`): like Qwen3-MoE, but its q/k RMSNorms run over the whole
-  projection before the heads are split (`qk_norm="full"`).
+  projection before the heads are split (`qk_norm="full"`), and `clip_qkv` clamps q/k/v.
 - Gemma-4 MoE (`Gemma4ForCausalLM` with `enable_moe_block`): parsed in gemma4_config.py;
   per-layer attention shapes, windows and RoPE (`layer_attention`), GELU-tanh experts,
   a dense MLP beside them, q/k/v norms, embedding scale and logit softcapping.
-Switches these configs may carry that change the maths but that we do not implement
-(Qwen3-MoE windows on only the first `max_window_layers`, `clip_qkv` on OLMoE, dense-only layers, other
-activations) are refused with an error naming the field, never silently ignored.
+The first four share `hidden_act` (SiLU or GELU-tanh experts) and RoPE scaling
+(rope_config.py: default, linear, llama3, yarn).
+Every field a config carries is either read here or listed as inert in config_fields.py;
+any other is refused at load naming it. Switches that change the maths but that we do not
+implement (Qwen3-MoE windows on only the first `max_window_layers`, dense-only layers,
+other activations, dynamic or longrope RoPE) are refused with an error naming the field,
+never silently ignored.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from pathlib import Path
 
 from pagedweight.common.errors import CheckpointError, UnsupportedModelError
 from pagedweight.common.json_files import read_json_object
+from pagedweight.format.config_fields import refuse_unknown_fields
+from pagedweight.format.rope_config import RopeScaling, parse_rope
 
 SUPPORTED_ARCHITECTURES = (
     "MixtralForCausalLM",
@@ -41,6 +47,9 @@ QK_NORMS = ("none", "head", "full")
 # The gated experts' activation: act(gate) * up. "gelu_tanh" is GELU's tanh approximation
 # (transformers' `gelu_pytorch_tanh`), Gemma-4's.
 EXPERT_ACTIVATIONS = ("silu", "gelu_tanh")
+# transformers' `hidden_act` names -> EXPERT_ACTIVATIONS (the same function, up to rounding:
+# "gelu_new" writes GELU's tanh form out by hand)
+HIDDEN_ACTS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
 
 
 @dataclass(frozen=True)
@@ -56,6 +65,7 @@ class LayerAttention:
     # whose remaining pairs have frequency 0 (cos 1, sin 0: those dims pass through)
     rope_pairs: int
     k_eq_v: bool = False  # values are the key projection (no v_proj), before the k norm
+    rope_scaling: RopeScaling = RopeScaling()  # how the frequencies are rescaled (linear, llama3, yarn)
 
 
 @dataclass(frozen=True)
@@ -84,6 +94,11 @@ class ModelConfig:
     # Sliding-window attention (Qwen3-MoE `use_sliding_window`): a query at position p sees
     # keys at p - sliding_window + 1 .. p, in every layer. None: full causal attention.
     sliding_window: int | None = None
+    # Per layer where layers differ (Qwen1.5-MoE's `layer_types`): overrides sliding_window.
+    layer_windows: tuple[int | None, ...] = ()
+    rope_scaling: RopeScaling = RopeScaling()
+    # OLMoE: q, k and v are clamped to [-clip_qkv, clip_qkv] (after the q/k norms). None: not clamped.
+    clip_qkv: float | None = None
     # Added with Gemma-4; the defaults are the other families'.
     expert_activation: str = "silu"  # one of EXPERT_ACTIVATIONS
     layer_attention: tuple[LayerAttention, ...] = ()  # per layer; empty: every layer as `attention(0)`
@@ -100,8 +115,9 @@ class ModelConfig:
         """One layer's attention shape, window and RoPE."""
         if self.layer_attention:
             return self.layer_attention[layer]
-        return LayerAttention(self.num_kv_heads, self.head_dim, self.sliding_window, self.rope_theta,
-                              self.head_dim // 2)
+        window = self.layer_windows[layer] if self.layer_windows else self.sliding_window
+        return LayerAttention(self.num_kv_heads, self.head_dim, window, self.rope_theta, self.head_dim // 2,
+                              rope_scaling=self.rope_scaling)
 
     def layer_window(self, layer: int) -> int | None:
         """The attention window of one layer (None: full attention)."""
@@ -148,6 +164,7 @@ class ModelConfig:
                 f"{source}: unsupported architecture {repr(architecture)[:80]}; "
                 f"PagedWeight runs {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        refuse_unknown_fields(raw, architecture, source)
         config = cls._parse(_Fields(raw, source), architecture)
         config._check_relations(source)
         return config
@@ -162,22 +179,27 @@ class ModelConfig:
         if architecture in ("Qwen3MoeForCausalLM", "OlmoeForCausalLM"):
             return cls._parse_qk_norm_family(f, architecture)
         qwen = architecture == "Qwen2MoeForCausalLM"
-        if qwen and f.raw.get("mlp_only_layers"):
-            raise UnsupportedModelError(f"{f.source}: dense `mlp_only_layers` are not supported")
-        if qwen and f.raw.get("decoder_sparse_step", 1) != 1:
-            raise UnsupportedModelError(f"{f.source}: `decoder_sparse_step` != 1 is not supported")
+        if qwen:
+            _refuse_dense_layers(f)
         hidden = f.int("hidden_size", 1, MAX_HIDDEN)
         num_heads = f.int("num_attention_heads", 1, MAX_HEADS)
+        num_layers = f.int("num_hidden_layers", 1, MAX_LAYERS)
         vocab = f.int("vocab_size", 1, MAX_VOCAB)
+        # Mixtral's `sliding_window` windows every layer; Qwen1.5-MoE's the layers `layer_types` names
+        windows = _qwen2_windows(f, num_layers) if qwen else (f.int("sliding_window", 1, MAX_POSITIONS, default=None),)
+        # transformers' attribute_map lets either name of the expert count stand
+        experts_key = "num_experts" if qwen or (f.raw.get("num_local_experts") is None
+                                                and f.raw.get("num_experts") is not None) else "num_local_experts"
+        rope_theta, rope_scaling = parse_rope(f, default_theta=10_000.0 if qwen else 1_000_000.0)
         return cls(
             architecture=architecture,
             vocab_size=vocab,
             hidden_size=hidden,
-            num_layers=f.int("num_hidden_layers", 1, MAX_LAYERS),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=f.int("num_key_value_heads", 1, MAX_HEADS, default=num_heads),
             head_dim=f.int("head_dim", 1, MAX_HEAD_DIM, default=None) or _default_head_dim(f, hidden, num_heads),
-            num_experts=f.int("num_experts" if qwen else "num_local_experts", 1, MAX_EXPERTS),
+            num_experts=f.int(experts_key, 1, MAX_EXPERTS),
             num_experts_per_tok=f.int("num_experts_per_tok", 1, MAX_EXPERTS),
             expert_intermediate_size=f.int("moe_intermediate_size" if qwen else "intermediate_size",
                                            1, MAX_INTERMEDIATE),
@@ -187,10 +209,14 @@ class ModelConfig:
             norm_topk_prob=f.bool("norm_topk_prob", False) if qwen else True,
             attention_bias=f.bool("qkv_bias", True) if qwen else False,
             rms_norm_eps=f.float("rms_norm_eps", 0.0, 1.0, default=1e-6),
-            rope_theta=_rope_theta(f),
+            rope_theta=rope_theta,
             max_position_embeddings=f.int("max_position_embeddings", 1, MAX_POSITIONS, default=4096),
             tie_word_embeddings=f.bool("tie_word_embeddings", False),
             eos_token_ids=_eos_ids(f, vocab),
+            sliding_window=windows[0] if len(set(windows)) == 1 else None,
+            layer_windows=windows if len(set(windows)) > 1 else (),
+            rope_scaling=rope_scaling,
+            expert_activation=_expert_activation(f),
         )
 
     def _check_relations(self, source: str) -> None:
@@ -214,14 +240,8 @@ class ModelConfig:
         """Qwen3-MoE and OLMoE: q/k RMSNorms, no shared expert, one bias switch for q/k/v/o."""
         qwen3 = architecture == "Qwen3MoeForCausalLM"
         raw, source = f.raw, f.source
-        _refuse_other_activations(f)
         if qwen3:
-            if raw.get("mlp_only_layers"):
-                raise UnsupportedModelError(f"{source}: dense `mlp_only_layers` are not supported")
-            if raw.get("decoder_sparse_step", 1) != 1:
-                raise UnsupportedModelError(f"{source}: `decoder_sparse_step` != 1 is not supported")
-        elif raw.get("clip_qkv") is not None:
-            raise UnsupportedModelError(f"{source}: `clip_qkv` (clamped q/k/v) is not supported")
+            _refuse_dense_layers(f)
         hidden = f.int("hidden_size", 1, MAX_HIDDEN)
         num_heads = f.int("num_attention_heads", 1, MAX_HEADS)
         num_layers = f.int("num_hidden_layers", 1, MAX_LAYERS)
@@ -230,6 +250,11 @@ class ModelConfig:
         # num_kv_heads of them.
         head_dim = (f.int("head_dim", 1, MAX_HEAD_DIM, default=None) if qwen3 else None) \
             or _default_head_dim(f, hidden, num_heads)
+        if not qwen3 and raw.get("head_dim") not in (None, head_dim):
+            # transformers' OLMoE norms q and k over hidden_size-wide projections: no other head dim runs
+            raise UnsupportedModelError(f"{source}: head_dim {repr(raw.get('head_dim'))[:20]} other than "
+                                        f"hidden_size / num_attention_heads ({head_dim}) is not supported")
+        rope_theta, rope_scaling = parse_rope(f, default_theta=10_000.0)
         # transformers 5 writes `num_local_experts` (an alias) for these families
         experts_key = "num_experts" if raw.get("num_experts") is not None else "num_local_experts"
         bias = f.bool("attention_bias", False)
@@ -249,13 +274,16 @@ class ModelConfig:
             norm_topk_prob=f.bool("norm_topk_prob", False),
             attention_bias=bias,
             rms_norm_eps=f.float("rms_norm_eps", 0.0, 1.0, default=1e-6 if qwen3 else 1e-5),
-            rope_theta=_rope_theta(f),
+            rope_theta=rope_theta,
             max_position_embeddings=f.int("max_position_embeddings", 1, MAX_POSITIONS, default=4096),
             tie_word_embeddings=f.bool("tie_word_embeddings", False),
             eos_token_ids=_eos_ids(f, vocab),
             qk_norm="head" if qwen3 else "full",
             o_proj_bias=bias,
             sliding_window=_sliding_window(f, num_layers) if qwen3 else None,
+            rope_scaling=rope_scaling,
+            expert_activation=_expert_activation(f),
+            clip_qkv=None if qwen3 else f.float("clip_qkv", 0.0, 1e30, default=None),
         )
 
     @classmethod
@@ -362,23 +390,46 @@ def _sliding_window(f: _Fields, num_layers: int) -> int | None:
     return f.int("sliding_window", 1, MAX_POSITIONS)
 
 
-def _refuse_other_activations(f: _Fields) -> None:
+def _refuse_dense_layers(f: _Fields) -> None:
+    """Qwen's dense layers between the MoE ones: PagedWeight pages every layer's experts."""
+    if f.raw.get("mlp_only_layers"):
+        raise UnsupportedModelError(f"{f.source}: dense `mlp_only_layers` are not supported")
+    if f.raw.get("decoder_sparse_step", 1) != 1:
+        raise UnsupportedModelError(f"{f.source}: `decoder_sparse_step` != 1 is not supported")
+
+
+def _qwen2_windows(f: _Fields, num_layers: int) -> tuple[int | None, ...]:
+    """Qwen1.5-MoE's window per layer, as transformers 5.24's Qwen2MoeConfig sets them: with
+    `use_sliding_window`, the layers `layer_types` calls "sliding_attention" (by default the
+    even-indexed layers below `max_window_layers`) see the last `sliding_window` keys."""
+    use = f.bool("use_sliding_window", False)
+    types = f.raw.get("layer_types")
+    if types is None:
+        below = f.int("max_window_layers", 0, MAX_LAYERS, default=28)
+        types = ["sliding_attention" if (i + 1) % 2 and i < below and use else "full_attention"
+                 for i in range(num_layers)]
+    if not isinstance(types, list) or len(types) != num_layers:
+        raise CheckpointError(f"{f.source}: layer_types must be a list of {num_layers} layer types")
+    for t in types:
+        if t not in ("sliding_attention", "full_attention"):
+            raise UnsupportedModelError(f"{f.source}: layer_types entry {repr(t)[:40]} is not supported "
+                                        f"('sliding_attention' or 'full_attention')")
+    if "sliding_attention" not in types:
+        return (None,) * num_layers
+    if not use:  # transformers then sets the window to 0, a mask that hides every key
+        raise UnsupportedModelError(f"{f.source}: layer_types has sliding layers while use_sliding_window is "
+                                    f"false; not supported")
+    window = f.int("sliding_window", 1, MAX_POSITIONS)
+    return tuple(window if t == "sliding_attention" else None for t in types)
+
+
+def _expert_activation(f: _Fields) -> str:
+    """`hidden_act` (the experts', and Qwen1.5-MoE's shared expert's) as EXPERT_ACTIVATIONS names."""
     act = f.raw.get("hidden_act", "silu")
-    if act != "silu":
-        raise UnsupportedModelError(f"{f.source}: hidden_act {repr(act)[:40]} is not supported (experts use SiLU)")
-
-
-def _rope_theta(f: _Fields) -> float:
-    """`rope_theta` lives at top level in older configs, in `rope_parameters` in newer ones."""
-    params = f.raw.get("rope_parameters") or {}
-    if not isinstance(params, dict):
-        raise CheckpointError(f"{f.source}: rope_parameters must be an object")
-    rope_type = params.get("rope_type", "default")
-    if rope_type != "default":
-        raise UnsupportedModelError(f"{f.source}: rope_type {repr(rope_type)[:40]} is not supported")
-    if "rope_theta" in params:
-        return f.float("rope_theta", 0.0, 1e12, raw=params)
-    return f.float("rope_theta", 0.0, 1e12, default=10000.0)
+    if act not in HIDDEN_ACTS:
+        raise UnsupportedModelError(f"{f.source}: hidden_act {repr(act)[:40]} is not supported "
+                                    f"({', '.join(HIDDEN_ACTS)})")
+    return HIDDEN_ACTS[act]
 
 
 def read_eos_token_ids(model_dir) -> tuple[int, ...]:

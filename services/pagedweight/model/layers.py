@@ -11,7 +11,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedweight.format.model_config import ModelConfig
+from pagedweight.format.rope_config import RopeScaling
 from pagedweight.model.contiguous_kv import ContiguousKVCache
+from pagedweight.model.rope import inverse_frequencies
 from pagedweight_kernels import decode_ops
 from pagedweight_kernels.moe_reference import gated
 
@@ -55,7 +57,8 @@ def norm_for(config: ModelConfig, size: int) -> RMSNorm:
 
 
 class RotaryEmbedding:
-    """Default (unscaled) RoPE with the rotate-half layout used by Llama-family checkpoints.
+    """RoPE with the rotate-half layout used by Llama-family checkpoints; `scaling` rescales
+    its frequencies (linear, llama3, yarn: model/rope.py) and, for yarn, cos and sin.
 
     With `rope_pairs` below head_dim // 2 it is Gemma-4's "proportional" (partial) RoPE: the
     first rope_pairs frequencies as the full RoPE would have them (exponents over the whole
@@ -65,10 +68,10 @@ class RotaryEmbedding:
     construction, so they are kept on the CPU and copied to the device on first use.
     """
 
-    def __init__(self, head_dim: int, theta: float, rope_pairs: int | None = None):
+    def __init__(self, head_dim: int, theta: float, rope_pairs: int | None = None,
+                 scaling: RopeScaling = RopeScaling()):
         pairs = head_dim // 2 if rope_pairs is None else rope_pairs
-        exponent = torch.arange(0, 2 * pairs, 2, dtype=torch.int64, device="cpu").float() / head_dim
-        self.inv_freq = torch.cat([1.0 / (theta**exponent), torch.zeros(head_dim // 2 - pairs, device="cpu")])
+        self.inv_freq, self.scale = inverse_frequencies(head_dim, theta, pairs, scaling)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
         """positions [B, T] -> cos, sin [B, 1, T, D]."""
@@ -76,6 +79,8 @@ class RotaryEmbedding:
             self.inv_freq = self.inv_freq.to(positions.device)
         freqs = positions.float()[..., None] * self.inv_freq  # [B, T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]
+        if self.scale != 1.0:  # yarn's attention factor, applied to cos/sin in fp32 as transformers does
+            return (emb.cos() * self.scale).to(dtype), (emb.sin() * self.scale).to(dtype)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
@@ -118,10 +123,10 @@ class _SignedSinOfStep:
 _signed_sin_of_step = _SignedSinOfStep()
 
 
-def rope_key(config: ModelConfig, layer: int) -> tuple[int, float, int]:
+def rope_key(config: ModelConfig, layer: int) -> tuple[int, float, int, RopeScaling]:
     """Which RotaryEmbedding a layer uses: layers with equal keys share cos/sin."""
     a = config.attention(layer)
-    return a.head_dim, a.rope_theta, a.rope_pairs
+    return a.head_dim, a.rope_theta, a.rope_pairs, a.rope_scaling
 
 
 class Attention(nn.Module):
@@ -148,6 +153,7 @@ class Attention(nn.Module):
         self.eps = config.rms_norm_eps
         self.scale = config.attention_scale  # None: SDPA's 1 / sqrt(head_dim)
         self.window = shape.window  # None: full causal attention
+        self.clip_qkv = config.clip_qkv
         if config.qk_norm == "head":  # Qwen3-MoE: one norm shared by every head
             self.q_norm = norm_for(config, self.head_dim)
             self.k_norm = norm_for(config, self.head_dim)
@@ -185,6 +191,8 @@ class Attention(nn.Module):
             v = k if self.v_proj is None else self.v_proj(x)
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip_qkv is not None:
+            q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
         q = q.unflatten(-1, (self.num_heads, self.head_dim))
         k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))
         v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
@@ -239,7 +247,7 @@ class Attention(nn.Module):
         """Whether this step takes the fused RoPE + KV write: q, k, v from one product with
         no norms between it and RoPE, and a step whose cache takes whole token rows."""
         return (self.fused_kernels and self._qkv is not None and x.is_cuda and self.qk_norm == "none"
-                and not self.v_norm and step.writes_rows_in_place(self.num_kv_heads, self.head_dim, x.dtype))
+                and not self.v_norm and self.clip_qkv is None and step.writes_rows_in_place(self.num_kv_heads, self.head_dim, x.dtype))
 
 
 def causal_attention(q, k, v, start_pos: int, window: int | None = None,

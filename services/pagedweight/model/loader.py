@@ -137,6 +137,9 @@ def _tolerated_extra(keys, config: ModelConfig) -> set[str]:
     extra = {k for k in keys if k.endswith(".rotary_emb.inv_freq")}
     if config.tie_word_embeddings and "lm_head.weight" in keys:
         extra.add("lm_head.weight")
+    if config.is_qwen2_moe and not config.shared_expert_intermediate_size:
+        # transformers keeps a zero-width shared expert (and its gate), whose output is 0
+        extra |= {k for k in keys if ".mlp.shared_expert." in k or ".mlp.shared_expert_gate." in k}
     return extra
 
 

@@ -30,7 +30,8 @@ class SparseMoeBlock(nn.Module):
         )
         self.shared_expert = None
         if config.shared_expert_intermediate_size:
-            self.shared_expert = GatedMLP(config.hidden_size, config.shared_expert_intermediate_size)
+            self.shared_expert = GatedMLP(config.hidden_size, config.shared_expert_intermediate_size,
+                                          config.expert_activation)
             self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
         self.observer: RoutingObserver | None = None
         self._inputs: tuple | None = None  # fuse_inputs: (weight, split sizes), not a parameter
