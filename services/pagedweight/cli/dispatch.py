@@ -9,12 +9,14 @@ from __future__ import annotations
 import argparse
 import sys
 
+from pagedweight.cli.numbers import finite_floats_everywhere
 from pagedweight.common.errors import UserError
 
 
 def run(parser: argparse.ArgumentParser, argv: list[str] | None) -> int:
     """Parse argv and call the sub-command's handler; a UserError is one `error:` line on
     stderr and exit code 2, like argparse's own usage errors."""
+    finite_floats_everywhere(parser)  # NaN and infinities are refused by every flag
     args = parser.parse_args(argv)
     try:
         return args.handler(args) or 0

@@ -18,13 +18,14 @@ import sys
 import time
 from pathlib import Path
 
+from pagedweight.cli.numbers import port, positive_seconds, seconds
 from pagedweight.common.errors import UserError
 
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser("serve", help="run gateway + worker + planner locally")
     parser.add_argument("--model", required=True, help="paged model directory or Hugging Face checkpoint")
-    parser.add_argument("--port", type=int, default=8000, help="the gateway's HTTP port (OpenAI API)")
+    parser.add_argument("--port", type=port, default=8000, help="the gateway's HTTP port (OpenAI API)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--memory-budget", default="256MiB", help="the worker's device budget")
     parser.add_argument("--device", default="cpu")
@@ -35,12 +36,12 @@ def register(subparsers) -> None:
     parser.add_argument("--calib", nargs="+", default=None, metavar="FILE",
                         help="calibration text for the first quantisation (default: the shared corpus, "
                              "else data/sample.txt)")
-    parser.add_argument("--worker-port", type=int, default=50051)
-    parser.add_argument("--planner-port", type=int, default=50052)
-    parser.add_argument("--worker-metrics-port", type=int, default=9091)
-    parser.add_argument("--planner-metrics-port", type=int, default=9092)
-    parser.add_argument("--shutdown-timeout", type=float, default=30.0)
-    parser.add_argument("--startup-timeout", type=float, default=600.0, help="seconds each service may take")
+    parser.add_argument("--worker-port", type=port, default=50051)
+    parser.add_argument("--planner-port", type=port, default=50052)
+    parser.add_argument("--worker-metrics-port", type=port, default=9091)
+    parser.add_argument("--planner-metrics-port", type=port, default=9092)
+    parser.add_argument("--shutdown-timeout", type=seconds, default=30.0)
+    parser.add_argument("--startup-timeout", type=positive_seconds, default=600.0, help="seconds each service may take")
     parser.set_defaults(handler=run)
 
 
