@@ -18,7 +18,7 @@ from pagedweight.planner.prompt_context import prompt_context
 from pagedweight.planner.residual_predictor import ResidualPredictor
 from pagedweight.model import load_model
 from pagedweight.format.apl_format import BIT_WIDTHS, MODULES, BlockId, block_bytes
-from pagedweight.format.paged_model import FORMAT_NAME, FORMAT_VERSION, APL_FORMAT_VERSION, META_FILE
+from pagedweight.format.paged_model import FORMAT_NAME, FORMAT_VERSION, APL_FORMAT_VERSION, META_FILE, write_meta
 from tests.conftest import BUNDLED_MODEL
 
 LAYERS, EXPERTS, HIDDEN, INTER = 2, 4, 64, 96
@@ -48,7 +48,7 @@ def synthetic_meta(seed: int = 0) -> dict:
 
 @pytest.fixture
 def paged_dir(tmp_path):
-    (tmp_path / META_FILE).write_text(json.dumps(synthetic_meta()))
+    write_meta(tmp_path, synthetic_meta())
     return tmp_path
 
 
