@@ -5,6 +5,7 @@ loopback: the planner service in this process, the worker as its own process."""
 from __future__ import annotations
 
 import asyncio
+import shutil
 import subprocess
 import sys
 import threading
@@ -158,3 +159,61 @@ def test_a_worker_on_a_public_interface_without_a_token_does_not_start(paged_mic
     assert result.returncode == 2, result.stderr[-2000:]
     assert "--insecure-rpc" in result.stderr.strip().splitlines()[-1]
     assert "Traceback" not in result.stderr
+
+
+def _openssl(*args, cwd):
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+@pytest.fixture
+def certificates(tmp_path):
+    """A CA, a server certificate for 127.0.0.1/localhost and a client certificate."""
+    if shutil.which("openssl") is None:
+        pytest.skip("needs openssl")
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt", "-days", "1",
+             "-subj", "/CN=test-ca", cwd=tmp_path)
+    for name, san in (("server", "subjectAltName=IP:127.0.0.1,DNS:localhost"), ("client", "subjectAltName=DNS:client")):
+        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr",
+                 "-subj", f"/CN={name}", cwd=tmp_path)
+        (tmp_path / f"{name}.ext").write_text(san + "\n")
+        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+                 "-out", f"{name}.crt", "-days", "1", "-extfile", f"{name}.ext", cwd=tmp_path)
+    return tmp_path
+
+
+def test_mutual_tls_admits_only_clients_with_a_certificate_from_the_ca(certificates, token_file):
+    c = certificates
+    server_side = RpcSecurity.from_settings(str(token_file), ca=str(c / "ca.crt"), cert=str(c / "server.crt"),
+                                            key=str(c / "server.key"))
+    client_side = RpcSecurity.from_settings(str(token_file), ca=str(c / "ca.crt"), cert=str(c / "client.crt"),
+                                            key=str(c / "client.key"))
+    no_client_cert = RpcSecurity.from_settings(str(token_file), ca=str(c / "ca.crt"))
+
+    async def main():
+        port = free_port()
+        server = grpc.aio.server(interceptors=server_side.interceptors())
+        servicer = PlannerServicer(PlannerServiceMetrics(CollectorRegistry()), server_side)
+        planner_pb2_grpc.add_PlannerServicer_to_server(servicer, server)
+        assert server_side.add_port(server, "0.0.0.0", port) > 0  # TLS: a public interface is allowed
+        await server.start()
+        try:
+            request = register_request("w1", registration())
+            async with client_side.channel(f"127.0.0.1:{port}") as channel:
+                reply = await planner_pb2_grpc.PlannerStub(channel).Register(
+                    request, metadata=client_side.metadata(), timeout=10)
+                assert reply.registration_id
+            async with no_client_cert.channel(f"127.0.0.1:{port}") as channel:
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await planner_pb2_grpc.PlannerStub(channel).Register(
+                        request, metadata=no_client_cert.metadata(), timeout=10)
+                assert refused.value.code() == grpc.StatusCode.UNAVAILABLE  # the handshake fails
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:  # plaintext to a TLS port
+                with pytest.raises(grpc.aio.AioRpcError):
+                    await planner_pb2_grpc.PlannerStub(channel).Register(request, metadata=AUTH_A, timeout=10)
+        finally:
+            await server.stop(None)
+
+    asyncio.run(main())
+
+
+AUTH_A = (("authorization", f"Bearer {TOKEN_A}"),)
