@@ -72,7 +72,7 @@ class SamplingFields(OpenAIBaseModel):
     top_k: int | None = Field(default=None, ge=-1, le=INT32_MAX)  # -1 or 0: no cut (vLLM's -1)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     n: int = Field(default=1, ge=1, le=16)
-    stop: str | list[str] | None = Field(default=None, max_length=64)
+    stop: str | Annotated[list[str], Field(max_length=64)] | None = None  # at most 64 stop strings
     stop_token_ids: list[TokenId] | None = Field(default=None, max_length=1024)
     # any 64-bit value, signed or not: choice j samples with (seed + j) mod 2^63
     seed: int | None = Field(default=None, ge=-(1 << 63), le=(1 << 64) - 1)
