@@ -217,3 +217,21 @@ def test_mutual_tls_admits_only_clients_with_a_certificate_from_the_ca(certifica
 
 
 AUTH_A = (("authorization", f"Bearer {TOKEN_A}"),)
+
+
+def test_a_worker_registers_with_a_token_protected_planner(paged_micro_dir, token_file, tmp_path):
+    planner_port, worker_port = free_port(), free_port()
+    planner = Service("planner", ["-m", "pagedweight.cli.main", "planner", "--port", str(planner_port),
+                                  "--rpc-token-file", str(token_file)], tmp_path)
+    worker = Service("worker", ["-m", "pagedweight.cli.main", "worker", "--model", str(paged_micro_dir),
+                                "--port", str(worker_port), "--memory-budget", "64MiB",
+                                "--planner", f"127.0.0.1:{planner_port}", "--rpc-token-file", str(token_file)],
+                     tmp_path)
+    try:
+        wait_until(lambda: "registered" in planner.log_path.read_text(), planner, timeout_s=120,
+                   what="registered by the worker")
+        assert "worker 127.0.0.1:%d registered" % worker_port in planner.log_path.read_text()
+        assert "UNAUTHENTICATED" not in worker.log_path.read_text()
+    finally:
+        worker.stop()
+        planner.stop()
