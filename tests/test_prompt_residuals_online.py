@@ -17,6 +17,8 @@ import time
 
 import numpy as np
 import pytest
+
+from pagedweight.format.paged_meta import write_meta
 import torch
 
 from pagedweight.engine.engine import EngineConfig
@@ -314,7 +316,7 @@ def test_untrusted_heads_are_refused_at_start_not_at_the_first_plan(paged_dir, t
     meta = json.loads((copy / META_FILE).read_text())
     data = (copy / HEADS_FILE).read_bytes()
     meta["files"][HEADS_FILE] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    (copy / META_FILE).write_text(json.dumps(meta))
+    write_meta(copy, meta)
     with pytest.raises(CheckpointError, match=words):
         runtime_for(copy)
     runtime_for(copy, prompt_residuals=False).close()  # the heads are not read when off

@@ -31,6 +31,18 @@ def test_text_by_default_json_with_the_flag_and_the_same_numbers(capsys):
         assert f"{bits} bits       experts" in text and f"KV {row['kv_tokens']} tokens" in text
 
 
+def test_a_concurrency_the_memory_cannot_hold_is_reported_as_not_fitting(capsys):
+    args = (str(BUNDLED_MODEL), "--memory-budget", "32MiB", "--context", "256", "--json")
+    small = json.loads(info(capsys, *args, "--concurrency", "1")[1])["budget"]["requests"]
+    assert small["fits"] and small["max_concurrency"] >= 1
+    most = small["max_concurrency"]
+    at_most = json.loads(info(capsys, *args, "--concurrency", str(most))[1])["budget"]["requests"]
+    too_many = json.loads(info(capsys, *args, "--concurrency", str(most + 1))[1])["budget"]["requests"]
+    assert at_most["fits"] and not too_many["fits"] and too_many["widest_uniform_bits"] is None
+    code, text, _ = info(capsys, *args[:-1], "--concurrency", "1000")
+    assert code == 0 and f"does not fit: at most {most} requests of 256 tokens" in text
+
+
 def test_without_a_budget_only_the_model(capsys):
     code, out, _ = info(capsys, str(BUNDLED_MODEL), "--json")
     assert code == 0 and "budget" not in json.loads(out)
@@ -42,6 +54,8 @@ def test_without_a_budget_only_the_model(capsys):
     ((str(BUNDLED_MODEL), "--memory-budget", "1GiB", "--context", "64"), "go together"),
     ((str(BUNDLED_MODEL), "--context", "64", "--concurrency", "2"), "need --memory-budget"),
     ((str(BUNDLED_MODEL), "--memory-budget", "1GiB", "--context", "0", "--concurrency", "2"), ">= 1"),
+    ((str(BUNDLED_MODEL), "--memory-budget", "1GiB", "--context", str(10 ** 7), "--concurrency", "2"),
+     "beyond the model's context"),
 ])
 def test_bad_input_is_one_error_line_and_exit_2(capsys, args, fragment):
     code, out, err = info(capsys, *args)

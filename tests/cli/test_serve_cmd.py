@@ -41,6 +41,30 @@ def test_the_cache_key_follows_the_checkpoint_files(tmp_path):
     assert checkpoint_digest(tmp_path) != first
 
 
+def test_the_cache_key_covers_every_byte_and_remembers_digests_by_stat(tmp_path):
+    model, cache = tmp_path / "m", tmp_path / "cache"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    weights = model / "model.safetensors"
+    weights.write_bytes(b"h" * (3 << 20))
+    first = checkpoint_digest(model, cache)
+    assert (cache / "file-digests.json").is_file()
+    with open(weights, "r+b") as f:  # one byte past the header's first MiB (the old key's blind spot)
+        f.seek(2 << 20)
+        f.write(b"X")
+    assert checkpoint_digest(model, cache) != first
+    # a digest is reused only while size, mtime and inode match: a forged record for the
+    # current file's stat is believed (that is the speed-up), a stale one is not
+    stat = weights.stat()
+    records = json.loads((cache / "file-digests.json").read_text())
+    records[str(weights.resolve())] = {"stat": [stat.st_size, stat.st_mtime_ns + 1, stat.st_ino], "sha256": "0" * 64}
+    (cache / "file-digests.json").write_text(json.dumps(records))
+    second = checkpoint_digest(model, cache)
+    assert second == checkpoint_digest(model)  # the stale record was ignored: hashed again
+    (cache / "file-digests.json").write_text("not json")  # an unreadable record file: hashed again
+    assert checkpoint_digest(model, cache) == second
+
+
 @pytest.mark.slow
 def test_serve_runs_the_cluster_and_stops_it(paged_micro_dir, tmp_path):
     pytest.importorskip("pagedweight.gateway")

@@ -12,7 +12,7 @@ from deploy_helpers import ROOT, run, tool
 
 pytestmark = pytest.mark.deploy
 
-SERVICES = {"redis", "planner", "worker", "gateway", "prometheus", "grafana"}
+SERVICES = {"rpc-token", "redis", "planner", "worker", "gateway", "prometheus", "grafana"}
 
 
 def compose_config(*files) -> dict:

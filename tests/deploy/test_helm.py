@@ -162,9 +162,9 @@ def test_redis_bundled_or_external(rendered):
     assert not [s for s in by_kind(external, "StatefulSet") if "redis" in s["metadata"]["name"]]
     env = {e["name"]: e for e in containers(external)[GATEWAY]["containers"][0]["env"]}
     assert env["REDIS_URL"]["value"] == "redis://sessions-redis.cache.svc.cluster.local:6379/2"
-    # the API key from the user's Secret; the chart makes none
+    # the API key from the user's Secret; the chart makes none (only the RPC token's)
     assert env["PAGEDWEIGHT_API_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "pagedweight-api-key", "key": "token"}
-    assert not by_kind(external, "Secret")
+    assert [s["metadata"]["name"] for s in by_kind(external, "Secret")] == ["rel-pagedweight-rpc-token"]
     assert not any("planner" in n for n in containers(external))
     worker_args = containers(external)[WORKER]["containers"][0]["args"]
     assert not any(a.startswith("--planner") for a in worker_args)
@@ -172,7 +172,7 @@ def test_redis_bundled_or_external(rendered):
 
 def test_api_key_secret_made_by_the_chart(rendered):
     docs = rendered["multi-worker"]
-    (secret,) = by_kind(docs, "Secret")
+    (secret,) = [s for s in by_kind(docs, "Secret") if "api-key" in s["metadata"]["name"]]
     for name, pod in containers(docs).items():
         if "gateway" in name:
             env = {e["name"]: e for e in pod["containers"][0]["env"]}
@@ -276,3 +276,44 @@ def test_readme_values_example_installs(tmp_path):
     result = run(tool("kubernetes-validate"), "--strict", "--quiet", path, check=False)
     assert result.returncode == 0, result.stdout + result.stderr
     assert any(d["kind"] == "StatefulSet" and d["metadata"]["name"] == "rel-pagedweight-worker-mixtral-8x7b" for d in docs)
+
+
+@pytest.mark.parametrize("value_set", VALUE_SETS)
+def test_internal_rpc_carries_the_token_and_listens_on_the_pod_only(value_set, rendered):
+    docs = rendered[value_set]
+    (secret,) = [s for s in by_kind(docs, "Secret") if s["metadata"]["name"].endswith("rpc-token")]
+    assert len(secret["data"]["rpc-token"]) >= 48  # base64 of 48 random characters
+    for name, pod in containers(docs).items():
+        if "redis" in name:
+            continue
+        (container,) = pod["containers"]
+        env = {e["name"]: e for e in container["env"]}
+        assert env["PAGEDWEIGHT_RPC_TOKEN"]["valueFrom"]["secretKeyRef"] == {
+            "name": secret["metadata"]["name"], "key": "rpc-token"}, name
+        if "gateway" not in name:  # the gRPC servers: the pod's own address, never 0.0.0.0
+            assert "--host=$(POD_IP)" in container["args"], name
+            assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+
+
+def test_network_policies_admit_only_the_callers(rendered):
+    docs = rendered["default"]
+    policies = {p["metadata"]["name"]: p["spec"] for p in by_kind(docs, "NetworkPolicy")}
+    assert set(policies) == {"rel-pagedweight-workers", "rel-pagedweight-planner", "rel-pagedweight-redis"}
+    workers = policies["rel-pagedweight-workers"]
+    assert workers["podSelector"]["matchLabels"]["pagedweight.io/role"] == "worker"
+    grpc_rule = workers["ingress"][0]
+    assert grpc_rule["from"][0]["podSelector"]["matchLabels"]["pagedweight.io/role"] == "gateway"
+    planner = policies["rel-pagedweight-planner"]
+    assert planner["ingress"][0]["from"][0]["podSelector"]["matchLabels"]["pagedweight.io/role"] == "worker"
+    redis_from = policies["rel-pagedweight-redis"]["ingress"][0]["from"][0]["podSelector"]["matchLabels"]
+    assert redis_from["pagedweight.io/role"] == "gateway"
+    # the selectors match the pods they are meant for
+    labels = {name: pod_labels for name, pod_labels in pod_label_sets(docs)}
+    assert any(l.get("pagedweight.io/role") == "worker" for l in labels.values())
+    assert any(l.get("pagedweight.io/role") == "gateway" for l in labels.values())
+
+
+def pod_label_sets(docs):
+    for doc in docs:
+        if doc["kind"] in ("Deployment", "StatefulSet"):
+            yield doc["metadata"]["name"], doc["spec"]["template"]["metadata"]["labels"]

@@ -14,7 +14,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pagedweight.common.errors import CheckpointError
-from pagedweight.format.paged_model import APL_FILE, DENSE_FILE, META_FILE, load_paged_model
+from pagedweight.format.paged_meta import SEAL_KEY, meta_digest
+from pagedweight.format.paged_model import APL_FILE, DENSE_FILE, META_FILE, load_paged_model, write_meta
 
 
 @pytest.fixture
@@ -27,7 +28,7 @@ def paged_copy(paged_micro_dir, tmp_path):
 def edit_meta(path, edit):
     meta = json.loads((path / META_FILE).read_text())
     edit(meta)
-    (path / META_FILE).write_text(json.dumps(meta))
+    write_meta(path, meta)
 
 
 def rewrite_tensors(path, name, edit):
@@ -73,7 +74,7 @@ def test_model_config_that_disagrees_with_the_block_list(paged_copy):
         load_paged_model(paged_copy)
 
 
-@pytest.mark.parametrize("literal, match", [("-1.0", "finite number >= 0"), ("1e999", "finite number >= 0"),
+@pytest.mark.parametrize("literal, match", [("-1.0", "finite number >= 0"), ("1e999", "non-finite number"),
                                             ("null", "finite number >= 0"), ('"3"', "finite number >= 0"),
                                             ("NaN", "not valid JSON")])
 def test_sensitivity_must_be_finite_and_non_negative(paged_copy, literal, match):
@@ -81,8 +82,45 @@ def test_sensitivity_must_be_finite_and_non_negative(paged_copy, literal, match)
         meta["sensitivity"][next(iter(meta["sensitivity"]))]["4"] = 12345.678
     edit_meta(paged_copy, mark)
     text = (paged_copy / META_FILE).read_text()
-    (paged_copy / META_FILE).write_text(text.replace("12345.678", literal))  # 1e999 parses as inf
+    edited = text.replace("12345.678", literal)  # 1e999 parses as inf
+    try:  # sealed again, as a writer with this bug would: the value itself must be refused
+        meta = json.loads(edited)
+        meta[SEAL_KEY] = meta_digest(meta)
+        edited = json.dumps(meta)
+    except ValueError:  # NaN (not JSON) and inf (not sealable): refused as they are
+        pass
+    (paged_copy / META_FILE).write_text(edited)
     with pytest.raises(CheckpointError, match=match):
+        load_paged_model(paged_copy)
+
+
+@pytest.mark.parametrize("edit", [
+    lambda m: m["model_config"].__setitem__("num_experts_per_tok", 1),  # top-k, served silently before
+    lambda m: m["blocks"][0].__setitem__("rows", m["blocks"][0]["rows"]),  # a no-op: still sealed
+    lambda m: m.__setitem__("architecture", "Other"),
+    lambda m: m["files"].pop(next(iter(m["files"]))),
+])
+def test_every_field_of_the_metadata_is_inside_the_checksum(paged_copy, edit):
+    meta = json.loads((paged_copy / META_FILE).read_text())
+    before = json.dumps(meta, sort_keys=True)
+    edit(meta)
+    (paged_copy / META_FILE).write_text(json.dumps(meta, indent=2))  # re-indented: same fields
+    if json.dumps(meta, sort_keys=True) == before:
+        load_paged_model(paged_copy)  # formatting alone changes nothing
+        return
+    with pytest.raises(CheckpointError, match="changed since it was written"):
+        load_paged_model(paged_copy)
+
+
+def test_an_unsealed_or_older_artifact_is_refused_clearly(paged_copy):
+    meta = json.loads((paged_copy / META_FILE).read_text())
+    del meta[SEAL_KEY]
+    (paged_copy / META_FILE).write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match="not sealed"):
+        load_paged_model(paged_copy)
+    meta["format_version"] = 2
+    (paged_copy / META_FILE).write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match="version 2 has no checksum.*re-run `pagedweight quantize`"):
         load_paged_model(paged_copy)
 
 

@@ -16,6 +16,7 @@ from pagedweight.common.errors import UserError
 from pagedweight.format.apl_format import BIT_WIDTHS, BlockId
 from pagedweight.format.bit_assignment import read_bits_file
 from pagedweight.format.model_config import ModelConfig
+from pagedweight.format.paged_meta import SEAL_KEY, meta_digest
 from pagedweight.format.paged_model import META_FILE, all_block_ids
 from tests.conftest import BUNDLED_MODEL
 from tests.fuzz.harness import assert_clean_outcome, fuzz_settings, run_cli, tree_digest
@@ -59,6 +60,29 @@ def test_fuzz_paged_manifest(tmp_path_factory, paged_micro_dir, fuzz_text, data)
     command = data.draw(st.sampled_from([
         ["plan", "--model", str(model), "--avg-bits", "4", "--out", str(out)],
         ["eval", "ppl", "--model", str(model), "--bits", "4", "--text", str(fuzz_text / "valid.txt"), *EVAL],
+    ]), label="command")
+    assert_clean_outcome(*run_cli(command))
+    assert tree_digest(model, fuzz_text, paged_micro_dir) == before
+
+
+@fuzz_settings(ci_examples=20)
+@given(data=st.data())
+def test_fuzz_sealed_paged_manifest(tmp_path_factory, paged_micro_dir, fuzz_text, data):
+    """paged_model.json mutated and sealed again (as a buggy writer would): the checksum
+    no longer protects it, so the field checks behind it must refuse it or serve it right."""
+    base = json.loads((paged_micro_dir / META_FILE).read_text())
+    meta = data.draw(mutated_json(base), label="paged_model.json")
+    try:
+        meta = {**meta, SEAL_KEY: meta_digest(meta)}
+    except ValueError:  # a non-finite number: written unsealed, refused as such
+        event("unsealable")
+    text = json.dumps(meta).encode("utf-8", "surrogatepass")
+    model = linked_copy(paged_micro_dir, tmp_path_factory.mktemp("sealed") / "m", {META_FILE: text})
+    out = tmp_path_factory.mktemp("out") / "plan.json"
+    before = tree_digest(model, fuzz_text, paged_micro_dir)
+    command = data.draw(st.sampled_from([
+        ["plan", "--model", str(model), "--avg-bits", "4", "--out", str(out)],
+        ["info", str(model), "--memory-budget", "64MiB", "--context", "64", "--concurrency", "2"],
     ]), label="command")
     assert_clean_outcome(*run_cli(command))
     assert tree_digest(model, fuzz_text, paged_micro_dir) == before

@@ -117,3 +117,43 @@ def test_raw_bytes(gateway, raw, path):
     assert 400 <= response.status_code < 500, (response.status_code, response.text[:300])
     assert response.json()["error"]["code"] == response.status_code
     still_serving(gateway)
+
+
+HEADER_TEXT = st.one_of(st.text(st.characters(min_codepoint=0x20, max_codepoint=0xff), max_size=40),
+                        st.sampled_from(["caf\u00e9", "x" * 300, "a b", "\u00ff" * 5, "", " ", "ok-id"]))
+
+
+@fuzz_settings(ci_examples=40)
+@given(request_id=st.one_of(st.none(), HEADER_TEXT), session_id=st.one_of(st.none(), HEADER_TEXT),
+       authorization=st.one_of(st.none(), HEADER_TEXT))
+def test_header_values(gateway, request_id, session_id, authorization):
+    """Any header value the HTTP layer lets through: 200 or a 4xx, and never a worker taken
+    out of routing (the plain request after it is served)."""
+    headers = {name: value.encode("latin-1") for name, value in (
+        ("X-Request-Id", request_id), ("X-Session-ID", session_id), ("Authorization", authorization))
+        if value is not None and "\r" not in value and "\n" not in value}
+    try:
+        response = gateway.post("/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 1},
+                                headers=headers)
+    except httpx.LocalProtocolError:  # the client itself refuses to send it
+        return
+    check_answer(response, False)
+    still_serving(gateway)
+
+
+@fuzz_settings(ci_examples=30)
+@given(body=st.one_of(
+    st.fixed_dictionaries({"prompt": JUNK}), st.fixed_dictionaries({"messages": JUNK}),
+    st.fixed_dictionaries({"prompt": st.text(max_size=40), "add_special_tokens": JUNK}),
+    st.fixed_dictionaries({"tokens": st.one_of(JUNK, st.lists(st.integers(-5, 2 ** 40), max_size=5))}),
+    st.fixed_dictionaries({"tokens": st.lists(st.integers(0, 200), max_size=5), "model": JUNK})))
+def test_tokenize_and_detokenize(gateway, body):
+    path = "/detokenize" if "tokens" in body else "/tokenize"
+    response = gateway.post(path, json=body)
+    assert response.status_code < 500, (response.status_code, response.text[:300])
+    if response.status_code >= 400:
+        assert response.json()["error"]["code"] == response.status_code
+    else:
+        answer = response.json()
+        assert ("tokens" in answer and answer["count"] == len(answer["tokens"])) or isinstance(answer.get("prompt"), str)
+    still_serving(gateway)

@@ -13,7 +13,7 @@ import torch
 from pagedweight.cli.main import main
 from pagedweight.common.errors import CheckpointError
 from pagedweight.format.apl_format import MODULES
-from pagedweight.format.paged_model import BF16_FILE, META_FILE, load_paged_model
+from pagedweight.format.paged_model import BF16_FILE, FORMAT_VERSION, META_FILE, load_paged_model, write_meta
 from pagedweight.model import load_model
 from pagedweight.model.source_experts import attach_source_experts
 from pagedweight.offline.quantize import quantize_model
@@ -43,7 +43,7 @@ def kept_dir(tmp_path_factory, calib_files):
 def test_no_bf16_copy_is_stored_by_default(paged_dir):
     meta = json.loads((paged_dir / META_FILE).read_text())
     assert BF16_FILE not in meta["files"] and not (paged_dir / BF16_FILE).exists()
-    assert meta["format_version"] == 2
+    assert meta["format_version"] == FORMAT_VERSION
     assert meta["source"] == {"path": str(BUNDLED_MODEL.resolve()), "bf16_experts": "source checkpoint"}
     assert load_paged_model(paged_dir, with_bf16=True).bf16_experts is None
 
@@ -56,15 +56,16 @@ def test_the_reference_experts_come_from_the_source_checkpoint(paged_dir, kept_d
         assert torch.equal(stored[key], expected)
 
 
-def test_a_version_1_artifact_with_its_bf16_copy_still_loads(kept_dir, tmp_path, source_experts):
+def test_a_version_1_artifact_is_refused_with_a_clear_error(kept_dir, tmp_path):
+    # versions 1 and 2 carry no checksum over paged_model.json: an edit could not be told
     old = tmp_path / "v1"
     shutil.copytree(kept_dir, old)
     meta = json.loads((old / META_FILE).read_text())
     meta["format_version"] = 1
     del meta["source"]["bf16_experts"]
     (old / META_FILE).write_text(json.dumps(meta))
-    paged = load_paged_model(old, with_bf16=True)
-    assert torch.equal(paged.bf16_experts[(0, "down")], source_experts[(0, "down")])
+    with pytest.raises(CheckpointError, match="version 1 has no checksum"):
+        load_paged_model(old, with_bf16=True)
 
 
 def test_a_missing_source_checkpoint_is_one_clear_error(paged_dir, tmp_path, capsys):
@@ -72,7 +73,7 @@ def test_a_missing_source_checkpoint_is_one_clear_error(paged_dir, tmp_path, cap
     shutil.copytree(paged_dir, moved)
     meta = json.loads((moved / META_FILE).read_text())
     meta["source"]["path"] = str(tmp_path / "gone")
-    (moved / META_FILE).write_text(json.dumps(meta))
+    write_meta(moved, meta)
     with pytest.raises(CheckpointError, match="source checkpoint .*gone is not there"):
         attach_source_experts(load_paged_model(moved))
     text = tmp_path / "t.txt"

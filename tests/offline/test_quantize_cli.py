@@ -11,7 +11,7 @@ import subprocess
 import pytest
 
 from pagedweight.cli.main import main
-from pagedweight.format.paged_model import APL_FILE, META_FILE
+from pagedweight.format.paged_model import APL_FILE, META_FILE, write_meta
 from tests.cli.test_cli import assert_one_line_error
 from tests.conftest import BUNDLED_MODEL
 
@@ -113,7 +113,7 @@ def test_corrupted_artifact(broken_copy, eval_ppl):
 def test_unknown_format_version(broken_copy, eval_ppl):
     meta = json.loads((broken_copy / META_FILE).read_text())
     meta["format_version"] = 99
-    (broken_copy / META_FILE).write_text(json.dumps(meta))
+    write_meta(broken_copy, meta)
     assert_one_line_error(eval_ppl(broken_copy), "unknown paged model format version 99")
 
 

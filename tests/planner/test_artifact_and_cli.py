@@ -18,7 +18,7 @@ from pagedweight.planner.prompt_context import prompt_context
 from pagedweight.planner.residual_predictor import ResidualPredictor
 from pagedweight.model import load_model
 from pagedweight.format.apl_format import BIT_WIDTHS, MODULES, BlockId, block_bytes
-from pagedweight.format.paged_model import FORMAT_NAME, FORMAT_VERSION, APL_FORMAT_VERSION, META_FILE
+from pagedweight.format.paged_model import FORMAT_NAME, FORMAT_VERSION, APL_FORMAT_VERSION, META_FILE, write_meta
 from tests.conftest import BUNDLED_MODEL
 
 LAYERS, EXPERTS, HIDDEN, INTER = 2, 4, 64, 96
@@ -48,7 +48,7 @@ def synthetic_meta(seed: int = 0) -> dict:
 
 @pytest.fixture
 def paged_dir(tmp_path):
-    (tmp_path / META_FILE).write_text(json.dumps(synthetic_meta()))
+    write_meta(tmp_path, synthetic_meta())
     return tmp_path
 
 
@@ -100,7 +100,11 @@ def test_plan_cli_expert_bytes_and_bad_input(paged_dir, tmp_path, capsys):
     budget = table.uniform_bytes(3) + 12345
     assert main(["plan", "--model", str(paged_dir), "--expert-bytes", str(budget), "--out", str(out)]) == 0
     assert json.loads(capsys.readouterr().out)["plan_bytes"] <= budget
-    assert main(["plan", "--model", str(paged_dir), "--expert-bytes", "10", "--out", str(out)]) == 2
+    written = out.read_bytes()
+    # an existing --out is refused before any work, and left as it was
+    assert main(["plan", "--model", str(paged_dir), "--expert-bytes", str(budget), "--out", str(out)]) == 2
+    assert "--force" in capsys.readouterr().err and out.read_bytes() == written
+    assert main(["plan", "--model", str(paged_dir), "--expert-bytes", "10", "--out", str(out), "--force"]) == 2
     assert "below the smallest plan" in capsys.readouterr().err
     assert main(["plan", "--model", str(tmp_path / "nope"), "--avg-bits", "4", "--out", str(out)]) == 2
     with pytest.raises(SystemExit):  # argparse: exactly one of the budget flags

@@ -8,7 +8,7 @@ import pytest
 
 from pagedweight.common.errors import CheckpointError, UserError
 from pagedweight.format.apl_format import MODULES
-from pagedweight.format.paged_model import META_FILE
+from pagedweight.format.paged_model import META_FILE, write_meta
 from pagedweight.planner.artifact import choose_scales, load_planner_inputs
 from tests.planner.test_artifact_and_cli import LAYERS, synthetic_meta
 
@@ -18,7 +18,7 @@ def write(tmp_path, planner_scales):
     meta["sensitivity_gn"] = meta["sensitivity"]
     if planner_scales is not None:
         meta["planner_scales"] = planner_scales
-    (tmp_path / META_FILE).write_text(json.dumps(meta))
+    write_meta(tmp_path, meta)
     return tmp_path
 
 

@@ -60,3 +60,28 @@ preStop:
 {{- define "pagedweight.workerRole" -}}
 {{- printf "worker-%s" (.model.name | lower | replace "." "-" | replace "_" "-") -}}
 {{- end -}}
+
+{{- define "pagedweight.rpcSecret" -}}
+{{- .Values.rpcAuth.existingSecret | default (include "pagedweight.name" (dict "root" . "role" "rpc-token")) -}}
+{{- end -}}
+
+{{/* The internal RPC token and this pod's IP (the worker and planner listen on it only). */}}
+{{- define "pagedweight.rpcEnv" -}}
+- name: PAGEDWEIGHT_RPC_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "pagedweight.rpcSecret" . }}
+      key: {{ .Values.rpcAuth.secretKey }}
+- name: POD_IP
+  valueFrom:
+    fieldRef: {fieldPath: status.podIP}
+{{- end -}}
+
+{{/* TLS flags of the internal RPC when rpcAuth.tlsSecret is set (mounted at /etc/pagedweight/rpc-tls). */}}
+{{- define "pagedweight.rpcTLSArgs" -}}
+{{- if .Values.rpcAuth.tlsSecret }}
+- --rpc-tls-cert=/etc/pagedweight/rpc-tls/tls.crt
+- --rpc-tls-key=/etc/pagedweight/rpc-tls/tls.key
+- --rpc-tls-ca=/etc/pagedweight/rpc-tls/ca.crt
+{{- end }}
+{{- end -}}

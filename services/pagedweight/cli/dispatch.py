@@ -7,20 +7,46 @@ errors exactly as the `pagedweight` command does.
 from __future__ import annotations
 
 import argparse
+import errno
+import os
+import re
 import sys
 
+from pagedweight.cli.numbers import finite_floats_everywhere
 from pagedweight.common.errors import UserError
+
+OUT_OF_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
 def run(parser: argparse.ArgumentParser, argv: list[str] | None) -> int:
     """Parse argv and call the sub-command's handler; a UserError is one `error:` line on
     stderr and exit code 2, like argparse's own usage errors."""
+    finite_floats_everywhere(parser)  # NaN and infinities are refused by every flag
     args = parser.parse_args(argv)
     try:
         return args.handler(args) or 0
     except UserError as err:
         print(f"pagedweight {args.command}: error: {one_line(str(err))}", file=sys.stderr)
         return 2
+    except Exception as err:
+        # a full disk or quota, or a file past a size limit, is the machine's state, not a bug:
+        # one line (outputs are written atomically, so nothing whole was replaced by a part)
+        code = out_of_space(err)
+        if code is None:
+            raise
+        where = f" {err.filename}" if isinstance(err, OSError) and err.filename else ""
+        print(f"pagedweight {args.command}: error: cannot write{one_line(where)}: {os.strerror(code)}",
+              file=sys.stderr)
+        return 2
+
+
+def out_of_space(err: BaseException) -> int | None:
+    """The errno when `err` is a write that found no room: an OSError, or a native
+    library's error that carries it as "(os error N)" (safetensors' Rust writer does)."""
+    if isinstance(err, OSError):
+        return err.errno if err.errno in OUT_OF_SPACE else None
+    match = re.search(r"\(os error (\d+)\)", str(err))
+    return int(match.group(1)) if match and int(match.group(1)) in OUT_OF_SPACE else None
 
 
 def one_line(message: str) -> str:

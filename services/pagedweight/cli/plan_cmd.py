@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from pagedweight.common.atomic_file import check_output_file, write_output_file
 from pagedweight.common.errors import UserError
 from pagedweight.planner.policies import POLICY_NAMES
 
@@ -41,6 +42,7 @@ def register(subparsers) -> None:
                         help="loss scales: default the artifact's (measured by quantize); 'raw' for the "
                              "unscaled table (ablation); or a file from `pagedweight plan-scales`")
     parser.add_argument("--out", required=True, help="where to write the JSON bits map")
+    parser.add_argument("--force", action="store_true", help="replace an existing --out file")
     parser.set_defaults(handler=run_plan)
 
 
@@ -66,6 +68,7 @@ def run_plan(args) -> int:
         raise UserError(f"{args.model}: paged model directory does not exist")
     if args.prompt_tokens < 1:
         raise UserError(f"--prompt-tokens must be >= 1, got {args.prompt_tokens}")
+    prepare_output(Path(args.out), args.force)  # before the work, not after it
     inputs = load_planner_inputs(args.model, sensitivity=args.sensitivity)
     table = inputs.table
     budget = resolve_budget(table, args.expert_bytes, args.avg_bits)
@@ -77,7 +80,7 @@ def run_plan(args) -> int:
     # one damage model, the full one, as the yardstick for every policy's plan
     yardstick = make_policy("pagedweight", table, scales=scales)
     damage = yardstick.model.damage(yardstick.inputs(context))
-    write_plan(Path(args.out), table.bits_map(plan.bits))
+    write_plan(Path(args.out), table.bits_map(plan.bits), args.force)
     print(json.dumps({
         "model": args.model, "policy": args.policy, "budget_bytes": budget, "plan_bytes": plan.num_bytes,
         "uniform_bytes": {str(b): table.uniform_bytes(b) for b in range(3, 9)},
@@ -112,9 +115,15 @@ def context_from_prompt(model_dir: str, text: str, inputs, max_tokens: int):
     return prompt_context(recorder, inputs, traffic_tokens=steady_traffic_tokens())
 
 
-def write_plan(path: Path, bits_map: dict[str, int]) -> None:
+def prepare_output(path: Path, force: bool) -> None:
+    """The --out file's directory (made when missing), and a refusal of a file not ours to replace."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(bits_map, indent=1) + "\n")
     except OSError as err:
-        raise UserError(f"{path}: cannot write the plan ({err.strerror})") from None
+        raise UserError(f"--out {path}: cannot create its directory ({err.strerror})") from None
+    check_output_file(path, force)
+
+
+def write_plan(path: Path, bits_map: dict[str, int], force: bool = False) -> None:
+    prepare_output(path, force)
+    write_output_file(path, json.dumps(bits_map, indent=1) + "\n", force)

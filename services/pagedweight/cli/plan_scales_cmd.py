@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from pagedweight.common.atomic_file import check_output_file, write_output_file
 from pagedweight.common.errors import UserError
 
 
@@ -19,6 +20,7 @@ def register(subparsers) -> None:
     parser = subparsers.add_parser("plan-scales", help="measure the planner's per-group loss scales")
     parser.add_argument("--model", required=True, help="paged model directory")
     parser.add_argument("--out", required=True, help="where to write the scales JSON")
+    parser.add_argument("--force", action="store_true", help="replace an existing --out file")
     parser.add_argument("--calib", nargs="+", default=None, metavar="FILE",
                         help="calibration text files (default: the corpus *.calib.txt)")
     parser.add_argument("--tokens", type=int, default=256, help="tokens taken from each file")
@@ -42,6 +44,7 @@ def run_plan_scales(args) -> int:
         raise UserError(f"{args.model}: paged model directory does not exist")
     if args.tokens < 2:
         raise UserError(f"--tokens must be >= 2, got {args.tokens}")
+    check_output_file(Path(args.out), args.force)  # before the work, not after it
     table = load_planner_inputs(args.model, with_heads=False, sensitivity=args.sensitivity).table
     files = [Path(f) for f in args.calib] if args.calib else default_calib_files()
     tokenizer = Tokenizer(args.model)
@@ -57,9 +60,6 @@ def run_plan_scales(args) -> int:
     scales = measure_group_scales(model, table, windows, set_bits)
     record = {"model": args.model, "calib_files": [str(f) for f in files], **scales.to_json(),
               "sensitivity": args.sensitivity}
-    try:
-        Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
-    except OSError as err:
-        raise UserError(f"{args.out}: cannot write the scales ({err.strerror})") from None
+    write_output_file(Path(args.out), json.dumps(record, indent=1) + "\n", args.force)
     print(json.dumps({"out": args.out, "num_groups": len(scales.scales), "num_tokens": scales.num_tokens}))
     return 0

@@ -80,6 +80,8 @@ def run_quantize(args) -> int:
     from pagedweight.offline.atomic_output import atomic_output_dir, check_output_dir
 
     model, out = Path(args.model).resolve(), Path(args.out).absolute()
+    if args.work_dir:  # before the (possibly long) checks below
+        check_work_dir(Path(args.work_dir), model, out, [])
     if not model.is_dir():
         raise UserError(f"{args.model}: model directory does not exist")
     if out.resolve() == model or out.resolve().is_relative_to(model) or model.is_relative_to(out.resolve()):
@@ -110,11 +112,30 @@ def run_quantize(args) -> int:
                             scale_tokens=args.scale_tokens, dtype=args.dtype,
                             calib_text_name=USER_NAME if args.calib else BUNDLED_NAME)
     work_dir = Path(args.work_dir) if args.work_dir else out.parent / f".{out.name}.quantize-work"
-    if work_dir.resolve() == model or work_dir.resolve().is_relative_to(model):
-        raise UserError("--work-dir must be outside --model")
+    check_work_dir(work_dir, model, out, files)
     with atomic_output_dir(out, args.force) as tmp:
         quantize_model(args.model, tmp, files, config, log, work_dir=work_dir, restart=args.restart,
                        progress=None if args.quiet else sys.stderr)
     log(f"wrote {out}")
     print(args.out)
     return 0
+
+
+def _overlap(a: Path, b: Path) -> bool:
+    return a == b or a.is_relative_to(b) or b.is_relative_to(a)
+
+
+def check_work_dir(work_dir: Path, model: Path, out: Path, calib_files: list[Path]) -> None:
+    """The work directory is emptied (--restart) and removed at the end: it must share
+    nothing with what the command reads or writes, in either direction (a work directory
+    that is the model's parent would otherwise take the model with it)."""
+    work = work_dir.resolve()
+    if _overlap(work, model):
+        raise UserError(f"--work-dir {work_dir}: overlaps --model {model} (neither may contain the other)")
+    if _overlap(work, out.resolve()):
+        raise UserError(f"--work-dir {work_dir}: overlaps --out {out} (neither may contain the other)")
+    for f in calib_files:
+        if Path(f).resolve().is_relative_to(work):
+            raise UserError(f"--work-dir {work_dir}: contains the calibration file {f}")
+    if Path.home().resolve().is_relative_to(work) or Path.cwd().resolve().is_relative_to(work):
+        raise UserError(f"--work-dir {work_dir}: contains the home or current directory")

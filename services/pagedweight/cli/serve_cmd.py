@@ -5,7 +5,8 @@
 DIR is a paged model, or a Hugging Face checkpoint that is quantised on first start into
 a cache folder (--cache-dir, default ~/.cache/pagedweight) and reused afterwards. Sessions
 go to Redis at --redis-url (default $REDIS_URL, else redis://127.0.0.1:6379/0); the
-gateway falls back to an in-process store, loudly, when none answers. Startup ends by
+gateway falls back to an in-process store, loudly, when none answers. The internal gRPC
+calls carry a token made for the run ($PAGEDWEIGHT_RPC_TOKEN when set). Startup ends by
 printing where to point a client. Ctrl-C (or SIGTERM) stops the services in order, the
 worker draining its running requests.
 """
@@ -13,18 +14,21 @@ worker draining its running requests.
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import sys
 import time
 from pathlib import Path
 
+from pagedweight.cli.numbers import port, positive_seconds, seconds
 from pagedweight.common.errors import UserError
+from pagedweight.common.rpc_security import TOKEN_ENV
 
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser("serve", help="run gateway + worker + planner locally")
     parser.add_argument("--model", required=True, help="paged model directory or Hugging Face checkpoint")
-    parser.add_argument("--port", type=int, default=8000, help="the gateway's HTTP port (OpenAI API)")
+    parser.add_argument("--port", type=port, default=8000, help="the gateway's HTTP port (OpenAI API)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--memory-budget", default="256MiB", help="the worker's device budget")
     parser.add_argument("--device", default="cpu")
@@ -35,12 +39,12 @@ def register(subparsers) -> None:
     parser.add_argument("--calib", nargs="+", default=None, metavar="FILE",
                         help="calibration text for the first quantisation (default: the shared corpus, "
                              "else data/sample.txt)")
-    parser.add_argument("--worker-port", type=int, default=50051)
-    parser.add_argument("--planner-port", type=int, default=50052)
-    parser.add_argument("--worker-metrics-port", type=int, default=9091)
-    parser.add_argument("--planner-metrics-port", type=int, default=9092)
-    parser.add_argument("--shutdown-timeout", type=float, default=30.0)
-    parser.add_argument("--startup-timeout", type=float, default=600.0, help="seconds each service may take")
+    parser.add_argument("--worker-port", type=port, default=50051)
+    parser.add_argument("--planner-port", type=port, default=50052)
+    parser.add_argument("--worker-metrics-port", type=port, default=9091)
+    parser.add_argument("--planner-metrics-port", type=port, default=9092)
+    parser.add_argument("--shutdown-timeout", type=seconds, default=30.0)
+    parser.add_argument("--startup-timeout", type=positive_seconds, default=600.0, help="seconds each service may take")
     parser.set_defaults(handler=run)
 
 
@@ -70,6 +74,9 @@ def run(args) -> int:
         if not f.is_file():
             raise UserError(f"--calib {f}: no such file")
     paged = paged_model_for(args.model, Path(args.cache_dir) if args.cache_dir else DEFAULT_CACHE, calib)
+    # The services' gRPC links need a token (common/rpc_security.py): one made for this run
+    # and inherited by the three processes only, unless the operator gave their own.
+    os.environ.setdefault(TOKEN_ENV, secrets.token_urlsafe(32))
     services = [Service(n, argv) for n, argv in service_argvs(args, paged).items()]
     planner, worker, gateway = services
     host = args.host

@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from pagedweight.cli.numbers import port
+from pagedweight.cli.rpc_args import add_rpc_security_arguments
 from pagedweight.worker.config import WorkerConfig
 
 
@@ -16,9 +18,9 @@ def register(subparsers) -> None:
     parser = subparsers.add_parser("worker", help="serve a paged model over gRPC (the worker service)")
     d = WorkerConfig.__dataclass_fields__
     parser.add_argument("--model", required=True, help="paged model directory (pagedweight quantize)")
-    parser.add_argument("--port", type=int, default=d["port"].default, help="gRPC port (0: any free one)")
+    parser.add_argument("--port", type=port, default=d["port"].default, help="gRPC port (0: any free one)")
     parser.add_argument("--host", default=d["host"].default, help="interface to listen on")
-    parser.add_argument("--http-port", "--metrics-port", dest="http_port", type=int, default=None,
+    parser.add_argument("--http-port", "--metrics-port", dest="http_port", type=port, default=None,
                         help="side HTTP port for /metrics, /health, /ready (default: none)")
     parser.add_argument("--memory-budget", default=d["memory_budget"].default,
                         help="bytes for weights + KV + workspace (e.g. 256MiB), or a fraction of the GPU")
@@ -41,6 +43,7 @@ def register(subparsers) -> None:
                         help="skip meeting every decode bucket before readiness (faster start, slow first steps)")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="run every step eagerly, without CUDA graphs (vLLM's flag; for debugging)")
+    add_rpc_security_arguments(parser, server=True)
     parser.set_defaults(handler=run)
 
 
@@ -52,7 +55,9 @@ def config_from_args(args) -> WorkerConfig:
         planner_deadline_s=args.planner_deadline, worker_id=args.worker_id,
         shutdown_timeout_s=args.shutdown_timeout, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size, threads=args.threads,
-        warm_up=args.warm_up, enforce_eager=args.enforce_eager)
+        warm_up=args.warm_up, enforce_eager=args.enforce_eager, rpc_token_file=args.rpc_token_file,
+        rpc_tls_cert=args.rpc_tls_cert, rpc_tls_key=args.rpc_tls_key, rpc_tls_ca=args.rpc_tls_ca,
+        insecure_rpc=args.insecure_rpc)
 
 
 def run(args) -> int:

@@ -1,20 +1,24 @@
 """A served model directory: a paged model as given, or a checkpoint quantised once and cached.
 
-The cache entry is named after the checkpoint's name and a digest of its config and
-weight files (checkpoint_digest), so an edited checkpoint gets a fresh entry and a fresh
-clone of the same one does not. Quantisation writes to a temporary sibling and renames it into place when done:
+The cache entry is named after the checkpoint's name and a digest of the full content of
+every file in it (checkpoint_digest), so an edited checkpoint (any byte of any file) gets a
+fresh entry and a fresh clone of the same one does not. Each file is hashed whole, streamed;
+the digests are remembered by (size, mtime, inode) in the cache folder, so a restart with
+an unchanged checkpoint does not read its gigabytes again. Quantisation writes to a temporary sibling and renames it into place when done:
 an interrupted first start leaves no half-written model that a later start would trust.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import sys
 from pathlib import Path
 
 from pagedweight.common.errors import UserError
+from pagedweight.common.file_digest import file_sha256
 from pagedweight.common.paths import REPO_ROOT, corpus_dir
 
 BUNDLED_CALIB = REPO_ROOT / "data" / "sample.txt"  # small: enough for a working micro model
@@ -22,18 +26,47 @@ BUNDLED_CALIB = REPO_ROOT / "data" / "sample.txt"  # small: enough for a working
 DEFAULT_CACHE = Path(os.environ.get("PAGEDWEIGHT_CACHE", Path.home() / ".cache" / "pagedweight"))
 
 
-def checkpoint_digest(model_dir: Path) -> str:
-    """Content-based, cheap on big checkpoints: every JSON file whole, each safetensors
-    file's size and first MiB (its header: tensor names, dtypes, shapes, offsets). A fresh
-    clone or a copy (new modification times) reuses the cache entry; new weights do not."""
-    h = hashlib.sha256()
-    for path in sorted(model_dir.iterdir()):
-        if path.is_file() and path.suffix == ".json":
-            h.update(f"{path.name}\n".encode() + path.read_bytes())
-        elif path.is_file() and path.suffix == ".safetensors":
-            with open(path, "rb") as f:
-                h.update(f"{path.name}:{path.stat().st_size}\n".encode() + f.read(1 << 20))
-    return h.hexdigest()[:12]
+DIGESTS_FILE = "file-digests.json"  # path -> {"stat": [size, mtime_ns, inode], "sha256"}
+
+
+def checkpoint_digest(model_dir: Path, cache_dir: Path | None = None) -> str:
+    """sha256 over every regular file's name and full-content sha256 (sorted by name);
+    with `cache_dir`, per-file digests are reused while a file's size, mtime and inode
+    are unchanged (a copy or a rewrite changes one of them and is hashed again)."""
+    known = _read_digests(cache_dir)
+    h, changed = hashlib.sha256(), False
+    for path in sorted(p for p in model_dir.iterdir() if p.is_file() and not p.name.startswith(".")):
+        st = path.stat()
+        stamp = [st.st_size, st.st_mtime_ns, st.st_ino]
+        key = str(path.resolve())
+        record = known.get(key)
+        if not (isinstance(record, dict) and record.get("stat") == stamp and isinstance(record.get("sha256"), str)):
+            record = known[key] = {"stat": stamp, "sha256": file_sha256(path)}
+            changed = True
+        h.update(f"{path.name}\0{record['sha256']}\n".encode("utf-8", "surrogateescape"))
+    if changed and cache_dir is not None:
+        _write_digests(cache_dir, known)
+    return h.hexdigest()[:16]
+
+
+def _read_digests(cache_dir: Path | None) -> dict:
+    if cache_dir is None:
+        return {}
+    try:
+        data = json.loads((Path(cache_dir) / DIGESTS_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}  # none yet, or unreadable: everything is hashed again
+    return data if isinstance(data, dict) else {}
+
+
+def _write_digests(cache_dir: Path, known: dict) -> None:
+    try:
+        Path(cache_dir).mkdir(parents=True, exist_ok=True)
+        tmp = Path(cache_dir) / f".{DIGESTS_FILE}.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps(known), encoding="utf-8")
+        os.replace(tmp, Path(cache_dir) / DIGESTS_FILE)
+    except OSError:
+        pass  # only a speed-up: the next start hashes again
 
 
 def default_calib_files() -> list[Path]:
@@ -53,7 +86,7 @@ def paged_model_for(model_dir: str | Path, cache_dir: Path = DEFAULT_CACHE,
         return model_dir
     if not (model_dir / "config.json").is_file():
         raise UserError(f"--model {model_dir}: neither a paged model nor a checkpoint (no config.json)")
-    target = Path(cache_dir) / f"{model_dir.resolve().name}-{checkpoint_digest(model_dir)}"
+    target = Path(cache_dir) / f"{model_dir.resolve().name}-{checkpoint_digest(model_dir, Path(cache_dir))}"
     if is_paged_model_dir(target):
         log(f"using the quantised model cached in {target}")
         return target

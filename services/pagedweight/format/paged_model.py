@@ -48,7 +48,7 @@ from pagedweight.format.model_config import ModelConfig
 from pagedweight.format.apl_format import BIT_WIDTHS, LUT_WIDTHS, MODULES, APLBlock, BlockId, block_bytes, lut_entries, lut_width
 from pagedweight.format.paged_meta import (  # noqa: F401 - re-exported
     APL_FILE, APL_FORMAT_VERSION, BF16_FILE, COPIED_FILES, DENSE_FILE, FORMAT_NAME, FORMAT_VERSION,
-    HEADS_FILE, HESSIAN_FILE, KNOWN_FILES, META_FILE, is_paged_model_dir, read_meta,
+    HEADS_FILE, HESSIAN_FILE, KNOWN_FILES, META_FILE, is_paged_model_dir, read_meta, write_meta,
 )
 from pagedweight.format.paged_model_checks import check_block_list, check_files_section
 from pagedweight.format.safetensors_writer import SafetensorsWriter
@@ -181,7 +181,7 @@ def save_paged_model(out_dir: str | Path, source_dir: str | Path, config: ModelC
         **extra_meta,
         "files": {name: _file_record(out / name) for name in [APL_FILE, *tensors, *copied]},
     }
-    (out / META_FILE).write_text(json.dumps(meta, indent=1))
+    write_meta(out, meta)
     return out
 
 

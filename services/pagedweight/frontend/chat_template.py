@@ -36,14 +36,29 @@ def _compile(template: str) -> jinja2.Template:
     return env.from_string(template)
 
 
+class OutputTooLong(UserError):
+    """The rendered text passed `max_chars`: a template that multiplies its input."""
+
+
 def render_chat_template(
-    template: str, source: str, messages: list[dict], add_generation_prompt: bool = True, **extra
+    template: str, source: str, messages: list[dict], add_generation_prompt: bool = True,
+    max_chars: int | None = None, **extra
 ) -> str:
-    """Render `template` (read from `source`, named in errors) over the messages."""
+    """Render `template` (read from `source`, named in errors) over the messages; with
+    `max_chars`, rendering stops as soon as the text passes it (OutputTooLong), so a
+    template that loops over its input cannot build an unbounded string first."""
     try:
-        return _compile(template).render(
+        parts, size = [], 0
+        for part in _compile(template).generate(
             messages=messages, add_generation_prompt=add_generation_prompt, **extra
-        )
+        ):
+            size += len(part)
+            if max_chars is not None and size > max_chars:
+                raise OutputTooLong(f"{source}: the chat template rendered more than {max_chars} characters")
+            parts.append(part)
+        return "".join(parts)
+    except UserError:
+        raise
     except SecurityError as err:
         raise UserError(f"{source}: chat template refused by the sandbox ({err})") from None
     except TemplateRaised as err:

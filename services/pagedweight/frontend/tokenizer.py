@@ -48,11 +48,12 @@ class Tokenizer:
     def eos_token_ids(self) -> tuple[int, ...]:
         return () if self.eos_token_id is None else (self.eos_token_id,)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            max_chars: int | None = None) -> str:
         if not self.chat_template:
             raise UserError("this model has no chat template in tokenizer_config.json")
         return render_chat_template(
-            self.chat_template, str(self._config_path), messages, add_generation_prompt
+            self.chat_template, str(self._config_path), messages, add_generation_prompt, max_chars=max_chars
         )
 
 

@@ -4,12 +4,14 @@ import argparse
 import sys
 
 from pagedweight.cli.gateway_cmd import HELP, add_arguments, run_gateway
+from pagedweight.cli.numbers import finite_floats_everywhere
 from pagedweight.common.errors import UserError
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="pagedweight gateway", description=HELP)
     add_arguments(parser)
+    finite_floats_everywhere(parser)
     args = parser.parse_args(argv)
     try:
         return run_gateway(args)

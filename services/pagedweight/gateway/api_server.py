@@ -17,14 +17,14 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from prometheus_client import CollectorRegistry
 
-from pagedweight.common.errors import UserError
 from pagedweight.common.metrics import exposition
+from pagedweight.common.rpc_security import RpcSecurity
 from pagedweight.gateway.config import GatewayConfig
 from pagedweight.gateway.errors import (
     APIError, api_error_handler, error_response, http_error_handler, validation_error_handler,
 )
 from pagedweight.gateway.metrics import GatewayMetrics
-from pagedweight.gateway.middleware import GatewayMiddleware
+from pagedweight.gateway.middleware import MAX_ID_CHARS, GatewayMiddleware, valid_id
 from pagedweight.gateway.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
     TokenizeRequest, TokenizeResponse,
@@ -33,7 +33,9 @@ from pagedweight.gateway.serving import GatewayState
 from pagedweight.gateway.serving_chat import ChatServing, message_dicts
 from pagedweight.gateway.serving_completions import CompletionServing
 from pagedweight.gateway.sessions import open_session_store
+from pagedweight.gateway.tenants import Tenants
 from pagedweight.gateway.text import TextCodec
+from pagedweight.gateway.text_sandbox import TextSandbox
 from pagedweight.gateway.workers import WorkerPool
 
 log = logging.getLogger("pagedweight.gateway")
@@ -45,19 +47,28 @@ def _state(raw: Request) -> GatewayState:
 
 
 def _session_id(raw: Request, body_session_id: str | None) -> str | None:
-    return raw.headers.get("x-session-id") or body_session_id or None
+    """The client's session id. The header was checked by the middleware; the body's form
+    is checked the same way."""
+    session_id = raw.headers.get("x-session-id") or body_session_id or None
+    if session_id is None:
+        return None
+    if not valid_id(session_id):
+        raise APIError(400, f"session_id: must be 1 to {MAX_ID_CHARS} visible ASCII characters", "session_id")
+    return session_id
 
 
 @router.post("/v1/completions")
 async def create_completion(request: CompletionRequest, raw: Request):
     serving = raw.app.state.completions
-    return await serving.create(request, raw.state.request_id, _session_id(raw, request.session_id))
+    return await serving.create(request, raw.state.request_id, _session_id(raw, request.session_id),
+                                raw.state.tenant)
 
 
 @router.post("/v1/chat/completions")
 async def create_chat_completion(request: ChatCompletionRequest, raw: Request):
     serving = raw.app.state.chat
-    return await serving.create(request, raw.state.request_id, _session_id(raw, request.session_id))
+    return await serving.create(request, raw.state.request_id, _session_id(raw, request.session_id),
+                                raw.state.tenant)
 
 
 @router.get("/v1/models")
@@ -96,13 +107,10 @@ async def tokenize(request: TokenizeRequest, raw: Request) -> TokenizeResponse:
         raise APIError(404, f"The model `{request.model}` does not exist.", "model")
     if (request.prompt is None) == (request.messages is None):
         raise APIError(400, "give either prompt or messages", "prompt")
-    text = request.prompt
     if request.messages is not None:
-        try:
-            text = state.codec.render_chat(message_dicts(request.messages), request.add_generation_prompt)
-        except UserError as err:
-            raise APIError(400, str(err), "messages") from None
-    ids = state.codec.encode(text)
+        ids = await state.sandbox.chat(message_dicts(request.messages), request.add_generation_prompt)
+    else:
+        ids = await state.sandbox.encode(request.prompt, "prompt")
     return TokenizeResponse(count=len(ids), max_model_len=state.codec.max_model_len, tokens=ids)
 
 
@@ -114,19 +122,30 @@ async def detokenize(request: DetokenizeRequest, raw: Request) -> DetokenizeResp
     bad = next((t for t in request.tokens if not 0 <= t < state.codec.vocab_size), None)
     if bad is not None:
         raise APIError(400, f"token id {bad} is outside the vocabulary", "tokens")
+    if len(request.tokens) > state.config.max_prompt_chars:
+        raise APIError(413, f"tokens: more than {state.config.max_prompt_chars} tokens", "tokens")
     return DetokenizeResponse(prompt=state.codec.decode(request.tokens))
 
 
 def build_app(config: GatewayConfig) -> FastAPI:
+    # bad key or certificate files fail here, before the server starts
+    tenants = Tenants.from_settings(config.api_key, config.api_keys_file, config.rate_limit_rps,
+                                    config.rate_limit_burst)
+    security = RpcSecurity.from_settings(config.rpc_token_file, config.rpc_tls_ca, config.rpc_tls_cert,
+                                         config.rpc_tls_key)
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         codec = TextCodec(config.model_dir)
         registry = CollectorRegistry()
-        pool = WorkerPool(config.workers, config.stats_interval_s)
+        sandbox = TextSandbox(str(config.model_dir), config.text_workers, config.template_timeout_s,
+                              config.max_prompt_chars)
+        await sandbox.start()
+        pool = WorkerPool(config.workers, config.stats_interval_s, security)
         await pool.start()
         sessions = await open_session_store(config.redis_url, config.session_key_prefix, config.session_ttl_s)
         state = GatewayState(config, codec, pool, sessions,
-                             GatewayMetrics(registry, config.model_name, codec.max_model_len))
+                             GatewayMetrics(registry, config.model_name, codec.max_model_len), sandbox)
         app.state.gateway, app.state.registry = state, registry
         app.state.completions, app.state.chat = CompletionServing(state), ChatServing(state)
         _log_workers(pool, config)
@@ -135,6 +154,7 @@ def build_app(config: GatewayConfig) -> FastAPI:
         finally:
             await pool.close()
             await sessions.close()
+            await sandbox.close()
 
     app = FastAPI(title="PagedWeight gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.include_router(router)
@@ -142,7 +162,8 @@ def build_app(config: GatewayConfig) -> FastAPI:
     app.add_exception_handler(RequestValidationError, validation_error_handler)
     app.add_exception_handler(StarletteHTTPException, http_error_handler)
     app.add_exception_handler(Exception, _internal_error_handler)
-    app.add_middleware(GatewayMiddleware, api_key=config.api_key, max_body_bytes=config.max_body_bytes)
+    app.add_middleware(GatewayMiddleware, tenants=tenants, max_body_bytes=config.max_body_bytes,
+                       max_header_bytes=config.max_header_bytes, body_timeout_s=config.body_timeout_s)
     return app
 
 

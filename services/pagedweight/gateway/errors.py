@@ -19,7 +19,10 @@ ERROR_TYPES = {
     400: "BadRequestError",
     401: "AuthenticationError",
     404: "NotFoundError",
+    408: "RequestTimeoutError",
     413: "BadRequestError",
+    429: "RateLimitError",
+    431: "BadRequestError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
 }
@@ -38,7 +41,13 @@ class APIError(Exception):
         return error_body(self.status, self.message, self.param)
 
 
+def _printable(text: str | None) -> str | None:
+    # a message may quote client input: lone surrogates in it must not break the JSON encoder
+    return None if text is None else text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def error_body(status: int, message: str, param: str | None = None) -> dict:
+    message, param = _printable(message), _printable(param)
     kind = ERROR_TYPES.get(status) or HTTPStatus(status).phrase.replace(" ", "") + "Error"
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 

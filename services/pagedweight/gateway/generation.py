@@ -28,12 +28,13 @@ from pagedweight.rpc import worker_pb2
 
 log = logging.getLogger("pagedweight.gateway.generation")
 
-# Worst case before the first byte: try another worker. Only a worker that is down is
-# taken out of routing; one that is merely full (RESOURCE_EXHAUSTED) stays in.
+# Worst case before the first byte: try another worker. Only a worker that cannot be
+# reached is taken out of routing at once: UNKNOWN / INTERNAL / CANCELLED also come from
+# this side (bad metadata, a cancelled call) and one request must never take a healthy
+# worker out for everyone; a worker whose engine died says so in its next GetStats poll.
 RETRY_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
                grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.CANCELLED}
-DOWN_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,
-              grpc.StatusCode.CANCELLED}
+DOWN_CODES = {grpc.StatusCode.UNAVAILABLE}
 
 
 @dataclass(frozen=True)
@@ -122,7 +123,8 @@ class Generation:
                 request_id=worker_request_id, prompt_token_ids=spec.prompt_ids,
                 sampling=spec.sampling, session_id=self.session_id or "")
             call = self.pool.stub(address).Generate(
-                request, timeout=self.timeout_s, metadata=(("x-request-id", self.request_id),))
+                request, timeout=self.timeout_s,
+                metadata=(("x-request-id", self.request_id), *self.pool.metadata))
             progress = _Progress()
             try:
                 await self._consume(spec, call, address, queue, progress)

@@ -2,7 +2,10 @@
 
 Requests allow unknown fields (`extra="allow"`): tools send fields we do not use
 (`repetition_penalty`, `user`, ...) and must not be refused; the serving classes log them
-at debug. Field types are strict enough that a wrong type is a 400, not a crash later.
+at debug. Field types are strict (pydantic's strict mode: `"10"` is not an int, `1` is not
+a bool, NaN and infinities are no floats) and every integer is bounded, so a wrong value is
+a 400 naming the field, never a crash later in protobuf or the tokenizer. Strings with lone
+surrogates (valid JSON escapes, but no UTF-8 text) are refused the same way.
 """
 
 from __future__ import annotations
@@ -10,13 +13,45 @@ from __future__ import annotations
 import time
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Annotated
 
-TokenIds = list[int]
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+# Bounds that keep every number inside what the worker's protobuf fields hold (int32 /
+# int64); the model's own limits (context, vocabulary) are checked with their own messages.
+INT32_MAX = (1 << 31) - 1
+TokenId = Annotated[int, Field(ge=-INT32_MAX, le=INT32_MAX)]  # negatives: refused by name later
+TokenIds = list[TokenId]
+MAX_STRING_DEPTH = 64  # deeper nesting than this in a request is refused (JSON bombs)
+
+
+def _check_text(value, path: str, depth: int = 0) -> None:
+    """Every string in the request must be encodable as UTF-8 (no lone surrogates)."""
+    if depth > MAX_STRING_DEPTH:
+        raise ValueError(f"{path or 'body'}: nested more than {MAX_STRING_DEPTH} levels deep")
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"{path or 'body'}: the string contains a lone surrogate "
+                             f"(not valid Unicode text)") from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_text(key, path, depth + 1)
+            _check_text(item, f"{path}.{key}" if path else str(key), depth + 1)
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_text(item, f"{path}.{i}" if path else str(i), depth + 1)
 
 
 class OpenAIBaseModel(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_text(cls, data):
+        _check_text(data, "")
+        return data
 
     def unknown_fields(self) -> list[str]:
         return sorted((self.model_extra or {}).keys())
@@ -31,27 +66,28 @@ class SamplingFields(OpenAIBaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None  # None: the one served model
-    max_tokens: int | None = Field(default=None, ge=1)  # None: fill the context
+    max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)  # None: fill the context
     temperature: float | None = Field(default=None, ge=0.0, le=100.0)  # None: 1.0
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=-1)  # -1 or 0: no cut (vLLM's -1)
+    top_k: int | None = Field(default=None, ge=-1, le=INT32_MAX)  # -1 or 0: no cut (vLLM's -1)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     n: int = Field(default=1, ge=1, le=16)
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    seed: int | None = None
+    stop: str | Annotated[list[str], Field(max_length=64)] | None = None  # at most 64 stop strings
+    stop_token_ids: list[TokenId] | None = Field(default=None, max_length=1024)
+    # any 64-bit value, signed or not: choice j samples with (seed + j) mod 2^63
+    seed: int | None = Field(default=None, ge=-(1 << 63), le=(1 << 64) - 1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
-    min_tokens: int = Field(default=0, ge=0)
+    min_tokens: int = Field(default=0, ge=0, le=INT32_MAX)
     user: str | None = None
-    session_id: str | None = None  # the body form of X-Session-ID
+    session_id: str | None = None  # the body form of X-Session-ID (checked as the header is)
 
 
 class CompletionRequest(SamplingFields):
     prompt: Union[str, list[str], TokenIds, list[TokenIds]]
     echo: bool = False
-    logprobs: int | None = None  # not served: a 400 names it when set
+    logprobs: int | None = Field(default=None, ge=0, le=INT32_MAX)  # not served: a 400 names it when set
     suffix: str | None = None
 
 
@@ -63,9 +99,9 @@ class ChatMessage(OpenAIBaseModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = Field(default=None, ge=1)  # the newer name of max_tokens
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)  # the newer name of max_tokens
     logprobs: bool = False  # not served: a 400 names it when true
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=INT32_MAX)
     add_generation_prompt: bool = True
     echo: bool = False  # vLLM: prepend the last message's content when its role is the reply's
 

@@ -18,8 +18,9 @@ from pagedweight.gateway.errors import APIError, sse_error_event
 from pagedweight.gateway.generation import ChoiceDelta, ChoiceSpec, Generation
 from pagedweight.gateway.metrics import GatewayMetrics
 from pagedweight.gateway.protocol import SamplingFields
-from pagedweight.gateway.sessions import Session
+from pagedweight.gateway.sessions import Session, session_key
 from pagedweight.gateway.text import TextCodec
+from pagedweight.gateway.text_sandbox import TextSandbox
 from pagedweight.gateway.workers import WorkerPool
 from pagedweight.rpc import worker_pb2
 
@@ -37,6 +38,7 @@ class GatewayState:
     pool: WorkerPool
     sessions: object  # RedisSessionStore | MemorySessionStore
     metrics: GatewayMetrics
+    sandbox: TextSandbox  # templates and tokenisation of client text, in processes of their own
     num_in_flight: int = 0  # requests admitted and not yet answered (streams until their end)
 
 
@@ -136,10 +138,14 @@ class ServingBase:
         self.state.num_in_flight -= 1
         self.state.metrics.num_requests_running.dec()
 
-    async def load_session(self, session_id: str | None) -> Session | None:
+    async def load_session(self, session_id: str | None, tenant: str) -> Session | None:
+        """The tenant's session of that id (a new one when there is none)."""
         if session_id is None:
             return None
-        return await self.state.sessions.get(session_id) or Session()
+        key = session_key(session_id, tenant)
+        session = await self.state.sessions.get(key) or Session()
+        session.key = key
+        return session
 
     def route(self, request_id: str, session_id: str | None, session: Session | None) -> Generation:
         affinity = session.worker if session is not None else None

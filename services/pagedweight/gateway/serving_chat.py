@@ -12,7 +12,6 @@ from typing import AsyncIterator
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from pagedweight.common.errors import UserError
 from pagedweight.gateway.errors import APIError
 from pagedweight.gateway.generation import ChoiceSpec
 from pagedweight.gateway.protocol import (
@@ -51,7 +50,8 @@ def conversation(stored: list[dict], sent: list[dict]) -> list[dict]:
 
 
 class ChatServing(ServingBase):
-    async def create(self, request: ChatCompletionRequest, request_id: str, session_id: str | None):
+    async def create(self, request: ChatCompletionRequest, request_id: str, session_id: str | None,
+                     tenant: str = ""):
         self.check_common(request, {"logprobs": request.logprobs,
                                     "top_logprobs": bool(request.top_logprobs)})
         if not request.messages:
@@ -62,13 +62,10 @@ class ChatServing(ServingBase):
         param = "max_completion_tokens" if request.max_completion_tokens else "max_tokens"
         self.admit()
         try:
-            session = await self.load_session(session_id)
+            session = await self.load_session(session_id, tenant)
             messages = conversation(session.messages if session else [], sent)
-            try:
-                prompt = self.codec.render_chat(messages, request.add_generation_prompt)
-            except UserError as err:
-                raise APIError(400, str(err), "messages") from None
-            ids = self.check_token_ids(self.codec.encode(prompt), "messages")
+            ids = self.check_token_ids(await self.state.sandbox.chat(messages, request.add_generation_prompt),
+                                       "messages")
             max_tokens = self.resolve_max_tokens(requested, len(ids), param)
             specs = [ChoiceSpec(j, ids, self.sampling(request, max_tokens, j), stops) for j in range(request.n)]
             generation = self.route(request_id, session_id, session)
@@ -137,7 +134,7 @@ class ChatServing(ServingBase):
         session = turn.session
         session.worker = turn.generation.address
         session.messages = turn.messages + [{"role": "assistant", "content": turn.texts[0]}]
-        await self.state.sessions.put(turn.session_id, session)
+        await self.state.sessions.put(session.key, session)
 
 
 class _Turn:

@@ -24,12 +24,16 @@ from pagedweight.gateway.sessions import Session
 
 
 class CompletionServing(ServingBase):
-    def prompts(self, request: CompletionRequest) -> list[list[int]]:
+    async def prompts(self, request: CompletionRequest) -> list[list[int]]:
         prompt = request.prompt
+        encode = self.state.sandbox.encode
         if isinstance(prompt, str):
-            prompts = [self.codec.encode(prompt)]
+            prompts = [await encode(prompt, "prompt")]
         elif prompt and isinstance(prompt[0], str):
-            prompts = [self.codec.encode(p) for p in prompt]
+            if sum(len(p) for p in prompt) > self.state.config.max_prompt_chars:
+                raise APIError(413, f"the prompts are longer than {self.state.config.max_prompt_chars} "
+                                    f"characters in all", "prompt")
+            prompts = [await encode(p, "prompt") for p in prompt]
         elif prompt and isinstance(prompt[0], int):
             prompts = [list(prompt)]
         else:
@@ -38,10 +42,11 @@ class CompletionServing(ServingBase):
             raise APIError(400, "prompt is empty: give at least one token", "prompt")
         return [self.check_token_ids(p, "prompt") for p in prompts]
 
-    async def create(self, request: CompletionRequest, request_id: str, session_id: str | None):
+    async def create(self, request: CompletionRequest, request_id: str, session_id: str | None,
+                     tenant: str = ""):
         self.check_common(request, {"logprobs": request.logprobs is not None,
                                     "suffix": request.suffix is not None})
-        prompts = self.prompts(request)
+        prompts = await self.prompts(request)
         stops = self.stop_strings(request.stop)
         specs = []
         for i, ids in enumerate(prompts):
@@ -51,7 +56,7 @@ class CompletionServing(ServingBase):
         echoes = [self.codec.decode(p) if request.echo else "" for p in prompts]
         self.admit()
         try:
-            session = await self.load_session(session_id)
+            session = await self.load_session(session_id, tenant)
             generation = self.route(request_id, session_id, session)
             first, rest = await first_and_rest(generation.stream(specs))
         except BaseException:
@@ -122,7 +127,7 @@ class CompletionServing(ServingBase):
     async def _save_session(self, session_id: str | None, session: Session | None, address: str) -> None:
         if session_id is not None:
             session.worker = address
-            await self.state.sessions.put(session_id, session)
+            await self.state.sessions.put(session.key, session)
 
 
 def _collect_init(num: int):

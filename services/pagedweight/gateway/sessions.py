@@ -1,7 +1,11 @@
 """Sessions: a client's worker affinity and, for chat, its conversation so far.
 
 A session is one JSON value under `<prefix>session:<id>` in Redis with a TTL that every
-request renews, so any gateway replica (or a restarted one) continues it. When Redis does
+request renews, so any gateway replica (or a restarted one) continues it. With API keys
+the tenant is part of the key (`<prefix>tenant:<tenant>:session:<id>`): a session is
+bound to the key's tenant that created it, and another tenant sending the same id gets a
+session of its own, never this one. A value that is not a session (not JSON, wrong
+shape: written by something else, or corrupted) is logged and treated as no session. When Redis does
 not answer, sessions live in this process instead; that loses them on restart and splits
 them across replicas, so it is said loudly in the log and in `pagedweight:session_store`.
 """
@@ -31,14 +35,26 @@ FALLBACK_BANNER = (
 class Session:
     worker: str | None = None  # the worker address that served it last
     messages: list[dict] = field(default_factory=list)  # chat turns so far: {"role", "content"}
+    key: str | None = field(default=None, compare=False)  # where the store keeps it (session_key); not stored
 
     def to_json(self) -> str:
         return json.dumps({"worker": self.worker, "messages": self.messages})
 
     @classmethod
-    def from_json(cls, raw: str | bytes) -> "Session":
-        data = json.loads(raw)
-        return cls(worker=data.get("worker"), messages=list(data.get("messages") or []))
+    def from_json(cls, raw: str | bytes) -> "Session | None":
+        """The session, or None when `raw` is not one (logged)."""
+        try:
+            data = json.loads(raw)
+            worker, messages = data.get("worker"), data.get("messages") or []
+            if not (worker is None or isinstance(worker, str)) or not isinstance(messages, list):
+                raise ValueError("unexpected field types")
+            if not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                       for m in messages):
+                raise ValueError("a message is not {role, content} text")
+        except (ValueError, TypeError, AttributeError, RecursionError) as err:
+            log.warning("a stored session value is not a session (%s); starting the session afresh", err)
+            return None
+        return cls(worker=worker, messages=[{"role": m["role"], "content": m["content"]} for m in messages])
 
 
 class MemorySessionStore:
@@ -76,7 +92,7 @@ class RedisSessionStore:
         self._fallback: MemorySessionStore | None = None
 
     def key(self, session_id: str) -> str:
-        return f"{self._prefix}session:{session_id}"
+        return f"{self._prefix}{session_id}"
 
     async def get(self, session_id: str) -> Session | None:
         if self._fallback is not None:
@@ -118,3 +134,9 @@ async def open_session_store(url: str, prefix: str, ttl_s: float):
         return MemorySessionStore(ttl_s)
     log.info("sessions in Redis at %s (keys %ssession:*, ttl %.0f s)", url, prefix, ttl_s)
     return RedisSessionStore(client, url, prefix, ttl_s)
+
+
+def session_key(session_id: str, tenant: str) -> str:
+    """The store's key of a tenant's session (below the store's prefix): tenants' keys
+    and the anonymous ones never collide, whatever the ids."""
+    return f"tenant:{tenant}:session:{session_id}" if tenant else f"session:{session_id}"

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from pagedweight.common.rpc_security import RpcSecurity
 from pagedweight.gateway.routing import WorkerLoad, pick_worker
 from pagedweight.rpc import worker_pb2, worker_pb2_grpc
 
@@ -36,11 +37,13 @@ class WorkerState:
 
 
 class WorkerPool:
-    def __init__(self, addresses: tuple[str, ...], poll_interval_s: float):
+    def __init__(self, addresses: tuple[str, ...], poll_interval_s: float, security: RpcSecurity | None = None):
         self.poll_interval_s = poll_interval_s
+        self.security = security or RpcSecurity()
+        self.metadata = self.security.metadata()  # the RPC token every call carries
         self.workers: dict[str, WorkerState] = {}  # address -> state
         for address in addresses:
-            channel = grpc.aio.insecure_channel(address)
+            channel = self.security.channel(address)
             self.workers[address] = WorkerState(address, worker_pb2_grpc.WorkerStub(channel), channel)
         self._task: asyncio.Task | None = None
 
@@ -81,7 +84,8 @@ class WorkerPool:
     async def _poll_one(self, worker: WorkerState) -> None:
         timeout = max(self.poll_interval_s * 2, 1.0)
         try:
-            stats = await worker.stub.GetStats(worker_pb2.GetStatsRequest(), timeout=timeout)
+            stats = await worker.stub.GetStats(worker_pb2.GetStatsRequest(), timeout=timeout,
+                                               metadata=self.metadata)
         except grpc.aio.AioRpcError as err:
             if worker.ready:
                 log.warning("worker %s does not answer GetStats (%s); not ready", worker.address, err.code().name)

@@ -13,14 +13,12 @@ The metadata file is rewritten whole through a temporary file and a rename.
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 
 import torch
 
 from pagedweight.common.errors import UserError
-from pagedweight.format.paged_meta import META_FILE, read_meta
+from pagedweight.format.paged_meta import read_meta, write_meta
 from pagedweight.format.paged_model import load_paged_model
 from pagedweight.model.dequantized_experts import build_paged_lm, set_model_bits
 from pagedweight.frontend.tokenizer import Tokenizer
@@ -68,7 +66,5 @@ def record_planner_scales(paged_dir: str | Path, calib_files: list[Path], tokens
         scales = scales_from_kls(table, kls, num_tokens, name)
         record[name] = {**scales.to_json(), "sensitivity": name}
     meta[SCALES_KEY] = record
-    tmp = paged_dir / (META_FILE + ".tmp")
-    tmp.write_text(json.dumps(meta, indent=1))
-    os.replace(tmp, paged_dir / META_FILE)
+    write_meta(paged_dir, meta)
     return record

@@ -27,8 +27,6 @@ fp32: the same batches meet the same operations, only one layer at a time.
 
 from __future__ import annotations
 
-import json
-import os
 import resource
 import shutil
 import tempfile
@@ -40,7 +38,7 @@ from typing import Callable, TextIO
 import torch
 
 from pagedweight.format.apl_format import BIT_WIDTHS, MODULES
-from pagedweight.format.paged_meta import META_FILE, read_meta
+from pagedweight.format.paged_meta import read_meta, write_meta
 from pagedweight.format.paged_model import all_block_ids, save_paged_model
 from pagedweight.frontend.tokenizer import Tokenizer
 from pagedweight.offline.apl_quantizer import QuantizerConfig
@@ -255,8 +253,6 @@ def record_peaks(out: Path, device: torch.device, scale_seconds: float | None,
     meta["quantizer"]["peak_device_bytes"] = peak["peak_device_bytes"]
     meta["quantizer"]["peak_host_bytes"] = peak["peak_host_bytes"]
     meta["quantizer"]["peak_host_anonymous_bytes"] = peak["peak_host_anonymous_bytes"]
-    tmp = out / (META_FILE + ".tmp")
-    tmp.write_text(json.dumps(meta, indent=1))
-    os.replace(tmp, out / META_FILE)
+    write_meta(out, meta)
     return peak
 

@@ -25,7 +25,6 @@ import fcntl
 import json
 import os
 import re
-import shutil
 from pathlib import Path
 
 import torch
@@ -39,6 +38,7 @@ MANIFEST = "manifest.json"
 FORMAT = "pagedweight-quantize-work"
 VERSION = 2  # 2: planes and LUTs in planes{l}, apart from layer{l}'s tables
 _FILE_NAME = re.compile(r"^[a-z]+[0-9]*$")  # the names quantize.py uses: x3, dx4, layer0, gn2, embed
+_WORK_FILE = re.compile(r"^[a-z]+[0-9]*\.safetensors(\.tmp)?$")
 
 
 class WorkDir:
@@ -80,11 +80,20 @@ class WorkDir:
             os.close(self._lock_fd)
             self._lock_fd = None
 
+    def _ours(self) -> list[Path]:
+        """Entries this module writes: the manifest, work files and their temporaries."""
+        return [e for e in self.path.iterdir() if e.is_file() and not e.is_symlink() and (
+            e.name in (MANIFEST, MANIFEST + ".tmp") or _WORK_FILE.match(e.name))]
+
     def _clear(self) -> None:
-        for entry in self.path.iterdir():
-            if entry.name == ".lock":
-                continue
-            shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+        """--restart: remove what a run wrote; anything else there is not ours to delete."""
+        for entry in self._ours():
+            entry.unlink()
+        others = sorted(e.name for e in self.path.iterdir() if e.name != ".lock")
+        if others:
+            raise UserError(f"--work-dir {self.path}: holds files no quantize run wrote ({', '.join(others[:3])}"
+                            f"{', ...' if len(others) > 3 else ''}); they are left alone: choose another "
+                            f"directory")
 
     def _read_manifest(self) -> None:
         manifest = self.path / MANIFEST
@@ -162,5 +171,12 @@ class WorkDir:
         self.discard(*names)
 
     def remove(self) -> None:
-        """Delete the whole directory (after the artifact is complete)."""
-        shutil.rmtree(self.path, ignore_errors=True)
+        """Delete what runs wrote and the directory when that leaves it empty (after the
+        artifact is complete); nothing else, whatever the directory holds."""
+        for entry in self._ours():
+            entry.unlink(missing_ok=True)
+        (self.path / ".lock").unlink(missing_ok=True)
+        try:
+            self.path.rmdir()
+        except OSError:
+            pass

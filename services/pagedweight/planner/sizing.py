@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pagedweight.common.errors import CheckpointError
+from pagedweight.common.errors import CheckpointError, UserError
 from pagedweight.format.checkpoint_headers import checkpoint_headers, is_routed_expert, read_headers
 from pagedweight.format.paged_meta import DENSE_FILE, is_paged_model_dir, read_meta
 
@@ -133,6 +133,8 @@ def sizing_report(sizes: ModelSizes, budget: int | None = None, context: int | N
         "expert_bytes": {str(b): n for b, n in expert_bytes.items()},  # bits -> bytes (planes + LUTs)
         "kv_bytes_per_token": kv_per_token,
     }
+    if context is not None and context > c.max_position_embeddings:
+        raise UserError(f"--context {context} is beyond the model's context of {c.max_position_embeddings} tokens")
     if budget is not None:
         report["budget"] = _budget_report(sizes, budget, dense_bytes, kv_per_token, context, concurrency)
     return report
@@ -157,7 +159,11 @@ def _budget_report(sizes: ModelSizes, budget: int, dense_bytes: int, kv_per_toke
     kv_bytes = kv_blocks_needed * kv_block
     serving = [b for b in BIT_WIDTHS if out["uniform"][str(b)]["fits"]
                and out["uniform"][str(b)]["kv_tokens"] >= kv_blocks_needed * sizes.kv_block_size]
+    # the most requests of this context the arena holds: every expert at 3 bits, the rest KV
+    blocks_per_request = -(-context // sizes.kv_block_size)
+    max_concurrency = out["uniform"][str(BIT_WIDTHS[0])]["kv_tokens"] // sizes.kv_block_size // blocks_per_request
     out["requests"] = {"context": context, "concurrency": concurrency, "kv_bytes": kv_bytes,
+                       "max_concurrency": int(max_concurrency), "fits": concurrency <= max_concurrency,
                        "widest_uniform_bits": max(serving) if serving else None,
                        "planner": _planner_choice(sizes, charged, left - kv_bytes)}
     return out
@@ -225,6 +231,9 @@ def format_sizing(report: dict) -> str:
             widest = requests["widest_uniform_bits"]
             lines.append(f"{n} x {ctx} tokens  KV {_size(requests['kv_bytes'])}; widest uniform width: "
                          + (f"{widest} bits" if widest else "none (the budget is too small)"))
+            if not requests["fits"]:
+                lines.append(f"  does not fit: at most {requests['max_concurrency']} requests of {ctx} tokens "
+                             f"(every expert at 3 bits, the rest KV)")
             p = requests["planner"]
             if p["fits"]:
                 hist = ", ".join(f"{b}: {k}" for b, k in p["bits_histogram"].items() if k)

@@ -6,6 +6,13 @@ One `WorkerPlanState` per registered worker id, replaced when the worker registe
 again (a restarted worker). A Plan for an unknown worker or a stale registration id is
 NOT_FOUND, which tells the worker to register again (after this service restarted).
 Plans are computed in a thread so one slow plan does not hold up health checks.
+
+Registrations are bounded and expire: at most `max_workers` at once (RESOURCE_EXHAUSTED
+past that, after expired ones are dropped), and one with no Register or Plan for
+`registration_ttl_s` is dropped (its worker, idle until then, registers again on its next
+plan's NOT_FOUND). Every call is authenticated (common/rpc_security.py) and a worker id
+belongs to the caller that registered it: another caller can neither replace it nor
+receive its plans.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from prometheus_client import CollectorRegistry
 
 from pagedweight.common.errors import UserError
 from pagedweight.common.metrics import PlannerServiceMetrics
+from pagedweight.common.rpc_security import RpcSecurity
 from pagedweight.common.status_http import StatusHttpServer
 from pagedweight.planner_service.state import WorkerPlanState
 from pagedweight.rpc import planner_messages, planner_pb2, planner_pb2_grpc
@@ -29,30 +37,70 @@ log = logging.getLogger("pagedweight.planner")
 SERVICE_NAME = "pagedweight.v1.Planner"
 
 
+MAX_WORKER_ID_CHARS = 256
+
+
 class PlannerServicer(planner_pb2_grpc.PlannerServicer):
-    def __init__(self, metrics: PlannerServiceMetrics):
+    def __init__(self, metrics: PlannerServiceMetrics, security: RpcSecurity | None = None,
+                 max_workers: int = 64, registration_ttl_s: float = 900.0):
         self.metrics = metrics
+        self.security = security or RpcSecurity()
+        self.max_workers, self.registration_ttl_s = max_workers, registration_ttl_s
         self.workers: dict[str, WorkerPlanState] = {}  # worker_id -> state
+        self.owners: dict[str, str] = {}  # worker_id -> the caller that registered it
+        self.last_seen: dict[str, float] = {}  # worker_id -> time.monotonic() of its last call
+
+    def expire(self) -> None:
+        cutoff = time.monotonic() - self.registration_ttl_s
+        for worker_id in [w for w, seen in self.last_seen.items() if seen < cutoff]:
+            log.info("worker %s: no call in %.0f s; registration dropped", worker_id, self.registration_ttl_s)
+            for table in (self.workers, self.owners, self.last_seen):
+                table.pop(worker_id, None)
+        self.metrics.workers_registered.set(len(self.workers))
+
+    async def _refuse(self, context, code: grpc.StatusCode, message: str):
+        self.metrics.refused.labels(code=code.name).inc()
+        await context.abort(code, message)
 
     async def Register(self, request, context):
+        caller = self.security.caller(context)
+        if len(request.worker_id) > MAX_WORKER_ID_CHARS:
+            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT,
+                               f"worker_id is longer than {MAX_WORKER_ID_CHARS} characters")
+        self.expire()
+        replaced = request.worker_id in self.workers
+        if replaced and self.owners.get(request.worker_id) != caller:
+            await self._refuse(context, grpc.StatusCode.PERMISSION_DENIED,
+                               f"worker {request.worker_id!r} is registered by another caller")
+        if not replaced and len(self.workers) >= self.max_workers:
+            await self._refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"{self.max_workers} workers are registered (--max-workers); none more")
         try:
             state = await asyncio.to_thread(WorkerPlanState, request)
         except UserError as err:
-            self.metrics.refused.labels(code="INVALID_ARGUMENT").inc()
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-        replaced = request.worker_id in self.workers
+            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        if request.worker_id not in self.workers and len(self.workers) >= self.max_workers:
+            # another registration won the race while this one was being built
+            await self._refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"{self.max_workers} workers are registered (--max-workers); none more")
         self.workers[request.worker_id] = state
+        self.owners[request.worker_id] = caller
+        self.last_seen[request.worker_id] = time.monotonic()
         self.metrics.workers_registered.set(len(self.workers))
         log.info("worker %s %s: %d blocks, policy %s", request.worker_id,
                  "re-registered" if replaced else "registered", state.num_blocks, state.policy_name)
         return planner_pb2.RegisterResponse(registration_id=state.registration_id, num_blocks=state.num_blocks)
 
     async def Plan(self, request, context):
+        self.expire()
         state = self.workers.get(request.worker_id)
+        if state is not None and self.owners.get(request.worker_id) != self.security.caller(context):
+            state = None  # another caller's worker: as if unknown, its plans are not theirs
         if state is None or state.registration_id != request.registration_id:
             self.metrics.refused.labels(code="NOT_FOUND").inc()
             await context.abort(grpc.StatusCode.NOT_FOUND,
                                 f"worker {request.worker_id!r} is not registered (or registered again): register")
+        self.last_seen[request.worker_id] = time.monotonic()
         started = time.perf_counter()
         try:
             response = await asyncio.to_thread(state.plan, request)
@@ -67,15 +115,18 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
 
 
 async def serve(port: int, http_port: int | None, host: str = "127.0.0.1",
-                ready: asyncio.Event | None = None) -> None:
+                ready: asyncio.Event | None = None, security: RpcSecurity | None = None,
+                max_workers: int = 64, registration_ttl_s: float = 900.0) -> None:
+    security = security or RpcSecurity()
     registry = CollectorRegistry()
     metrics = PlannerServiceMetrics(registry)
     metrics.workers_registered.set(0)
-    server = grpc.aio.server()
-    planner_pb2_grpc.add_PlannerServicer_to_server(PlannerServicer(metrics), server)
+    server = grpc.aio.server(interceptors=security.interceptors())
+    planner_pb2_grpc.add_PlannerServicer_to_server(PlannerServicer(metrics, security, max_workers,
+                                                                   registration_ttl_s), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = security.add_port(server, host, port)
     if bound == 0:
         raise UserError(f"cannot listen on {host}:{port}")
     await server.start()

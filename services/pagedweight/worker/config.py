@@ -33,6 +33,14 @@ class WorkerConfig:
     # every step eager, no CUDA graphs (vLLM's --enforce-eager): for debugging a graph
     # capture or comparing against it; slower at small batches
     enforce_eager: bool = False
+    # internal RPC security (common/rpc_security.py): the token file callers must present
+    # (also the one sent to the planner service), TLS certificate/key, and the CA that
+    # client certificates must chain to (mutual TLS) and the planner's certificate is checked against
+    rpc_token_file: str | None = None
+    rpc_tls_cert: str | None = None
+    rpc_tls_key: str | None = None
+    rpc_tls_ca: str | None = None
+    insecure_rpc: bool = False  # allow an unauthenticated port on a non-loopback interface
 
     def __post_init__(self):
         if not Path(self.model_dir).is_dir():
@@ -41,13 +49,20 @@ class WorkerConfig:
             value = getattr(self, name)
             if value is not None and not 0 <= value <= 65535:
                 raise UserError(f"--{name.replace('_', '-')} must be in 0..65535, got {value}")
-        if self.planner_deadline_s <= 0:
-            raise UserError(f"--planner-deadline must be > 0 seconds, got {self.planner_deadline_s}")
-        if self.shutdown_timeout_s < 0:
-            raise UserError(f"--shutdown-timeout must be >= 0 seconds, got {self.shutdown_timeout_s}")
+        # `not x > 0` also refuses NaN
+        if not (0 < self.planner_deadline_s < 3600):
+            raise UserError(f"--planner-deadline must be > 0 and < 3600 seconds, got {self.planner_deadline_s}")
+        if not (0 <= self.shutdown_timeout_s <= 30 * 24 * 3600):
+            raise UserError(f"--shutdown-timeout must be a finite number of seconds >= 0, got {self.shutdown_timeout_s}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "threads"):
             if getattr(self, name) < 1:
                 raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+
+    def security(self):
+        from pagedweight.common.rpc_security import RpcSecurity
+
+        return RpcSecurity.from_settings(self.rpc_token_file, self.rpc_tls_ca, self.rpc_tls_cert, self.rpc_tls_key,
+                                         self.insecure_rpc)
 
     @property
     def model_name(self) -> str:

@@ -22,6 +22,7 @@ import time
 
 import grpc
 
+from pagedweight.common.rpc_security import RpcSecurity
 from pagedweight.planner.messages import PlannerRegistration, PlanRequest, PlanResponse
 from pagedweight.rpc import planner_messages, planner_pb2_grpc
 
@@ -30,7 +31,8 @@ log = logging.getLogger("pagedweight.worker.planner")
 
 class RemotePlanner:
     def __init__(self, address: str, local, worker_id: str, model_name: str, policy: str,
-                 deadline_s: float = 0.25, backoff_s: tuple[float, float] = (0.2, 10.0), metrics=None):
+                 deadline_s: float = 0.25, backoff_s: tuple[float, float] = (0.2, 10.0), metrics=None,
+                 security: RpcSecurity | None = None):
         self.address, self.local = address, local  # local: InProcessPlanner, registered or not
         self.worker_id, self.model_name, self.policy = worker_id, model_name, policy
         self.deadline_s, (self.backoff_min, self.backoff_max) = deadline_s, backoff_s
@@ -41,7 +43,9 @@ class RemotePlanner:
         self._wake = threading.Event()
         self._stopped = False
         self.num_service_plans = self.num_local_plans = self.num_reconnects = 0
-        self._channel = grpc.insecure_channel(address)
+        security = security or RpcSecurity()
+        self._metadata = security.metadata()  # the RPC token, when the service requires one
+        self._channel = security.sync_channel(address)
         self._stub = planner_pb2_grpc.PlannerStub(self._channel)
         self._thread: threading.Thread | None = None
 
@@ -67,7 +71,8 @@ class RemotePlanner:
             return
         self._observe_locally(request)
         message = planner_messages.request_to_proto(request, self.registration, self.worker_id, registration_id)
-        self._pending = (request, self._stub.Plan.future(message, timeout=self.deadline_s), time.perf_counter())
+        self._pending = (request, self._stub.Plan.future(message, timeout=self.deadline_s,
+                                                                  metadata=self._metadata), time.perf_counter())
 
     def poll(self) -> PlanResponse | None:
         if self._pending is not None and self._pending[1].done():
@@ -140,7 +145,8 @@ class RemotePlanner:
                 self._wake.clear()
                 continue
             try:
-                response = self._stub.Register(self._register_msg, timeout=max(self.deadline_s, 2.0))
+                response = self._stub.Register(self._register_msg, timeout=max(self.deadline_s, 2.0),
+                                               metadata=self._metadata)
             except grpc.RpcError as err:
                 if first or backoff >= self.backoff_max:
                     log.warning("planner service %s unreachable (%s); retrying in %.1fs",

@@ -80,7 +80,8 @@ def attach_planner_service(runtime, config: WorkerConfig, address: str, metrics:
     registration = PlannerRegistration(tuple(b.key() for b in t.block_ids), t.nbytes, t.sensitivity,
                                        t.num_layers, t.num_experts, local.stats.top_k, t.calib_mass, t.calib_share)
     remote = RemotePlanner(address, local, config.worker_id or f"{config.host}:{config.port}", config.model_name,
-                           config.policy, deadline_s=config.planner_deadline_s, metrics=metrics)
+                           config.policy, deadline_s=config.planner_deadline_s, metrics=metrics,
+                           security=config.security())
     remote.register(registration)
     runtime.pager.planner = remote
     return remote
@@ -92,12 +93,13 @@ async def serve(config: WorkerConfig, started: asyncio.Event | None = None) -> N
 
     model_config = ModelConfig.from_dir(config.model_dir)
     eos = model_config.eos_token_ids[0] if model_config.eos_token_ids else -1
-    servicer = WorkerServicer(config.model_name, model_config.max_position_embeddings, eos)
-    server = grpc.aio.server()
+    security = config.security()
+    servicer = WorkerServicer(config.model_name, model_config.max_position_embeddings, eos, security)
+    server = grpc.aio.server(interceptors=security.interceptors())
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    port = security.add_port(server, config.host, config.port)
     if port == 0:
         raise UserError(f"cannot listen on {config.host}:{config.port}")
     await server.start()

@@ -1,8 +1,10 @@
 """The Worker gRPC servicer: Generate / Abort / GetStats over the engine's async client.
 
-Thin on purpose: it converts messages (convert.py), keeps the set of running request
-ids (for drain and Abort), and times each request for the vLLM latency histograms
-(telemetry.py). Everything about scheduling and memory stays in the engine.
+Thin on purpose: it converts messages (convert.py), keeps the running request ids and
+the caller that started each (for drain and Abort: a caller may abort only its own
+requests, so one gateway, or anyone holding another token, cannot cancel another's), and
+times each request for the vLLM latency histograms (telemetry.py). Everything about
+scheduling and memory stays in the engine.
 """
 
 from __future__ import annotations
@@ -14,17 +16,23 @@ import uuid
 import grpc
 
 from pagedweight.common.errors import EngineDeadError, UserError
+from pagedweight.common.rpc_security import RpcSecurity
 from pagedweight.rpc import worker_pb2, worker_pb2_grpc
 from pagedweight.worker import convert
 
 
+MAX_REQUEST_ID_CHARS = 512  # the gateway's ids (<= 256) plus its choice and retry suffixes
+
+
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, model_name: str, max_model_len: int, eos_token_id: int):
+    def __init__(self, model_name: str, max_model_len: int, eos_token_id: int,
+                 security: RpcSecurity | None = None):
         self.model_name, self.max_model_len, self.eos_token_id = model_name, max_model_len, eos_token_id
+        self.security = security or RpcSecurity()
         self.engine = None  # AsyncEngine, set once the model is loaded
         self.telemetry = None  # telemetry.WorkerTelemetry, set with the engine
         self.draining = False
-        self.running: set[str] = set()  # request ids with an open stream
+        self.running: dict[str, str] = {}  # request id with an open stream -> the caller that owns it
         self.idle = asyncio.Event()  # set whenever `running` is empty
         self.idle.set()
 
@@ -44,6 +52,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, reason)
         arrived = time.monotonic()
         request_id = request.request_id or f"req-{uuid.uuid4().hex}"
+        if len(request_id) > MAX_REQUEST_ID_CHARS:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"request_id is longer than {MAX_REQUEST_ID_CHARS} characters")
         if request_id in self.running:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request id {request_id!r} is already running")
         prompt = list(request.prompt_token_ids)
@@ -56,7 +67,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         except EngineDeadError as err:  # retryable on another worker; this one needs a restart
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
-        self.running.add(request_id)
+        self.running[request_id] = self.security.caller(context)
         self.idle.clear()
         record = self.telemetry.start(request_id, len(prompt), arrived)
         state = {"final": None, "closed": False}  # final: the finish reason once sent
@@ -65,7 +76,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             if not state["closed"]:
                 state["closed"] = True
                 self.telemetry.finish(record, reason)
-                self.running.discard(request_id)
+                self.running.pop(request_id, None)
                 if not self.running:
                     self.idle.set()
 
@@ -101,7 +112,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             close(reason)
 
     async def Abort(self, request, context):
-        found = request.request_id in self.running
+        # another caller's request is answered as not found: its existence is not theirs to learn
+        found = self.running.get(request.request_id) == self.security.caller(context)
         if found:
             self.engine.abort(request.request_id)
         return worker_pb2.AbortResponse(found=found)
