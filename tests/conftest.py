@@ -60,7 +60,7 @@ def paged_micro_dir(tmp_path_factory) -> Path:
         for module in MODULES:
             weights = getattr(moe.experts, module).detach()
             blocks = [nested_uniform_block(weights[e]) for e in range(E)]
-            luts = {b: torch.stack([blk.luts[b] for blk in blocks]) for b in BIT_WIDTHS}
+            luts = {b: torch.stack([blk.luts[b] for blk in blocks]) for b in blocks[0].luts}
             apl[(layer, module)] = LayerPlanes(torch.stack([blk.planes for blk in blocks]), luts)
             bf16[(layer, module)] = weights
             row_range = weights.amax(-1) - weights.amin(-1)  # [E, rows]

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from pagedweight.format.apl_format import (
-    APLBlock, BIT_WIDTHS, LUT_WIDTHS, BlockId, block_bytes, cell_bounds, dequantize, expand_lut, lut_bytes,
+    APLBlock, BIT_WIDTHS, LUT_WIDTHS, BlockId, block_bytes, cell_bounds, dequantize, expand_lut, lut_bytes, lut_entries,
     lut_width, pack_planes, plane_bytes, unpack_codes,
 )
 
@@ -35,19 +35,19 @@ def test_b_bit_code_is_the_top_b_bits(bits):
 def test_dequantize_reads_the_lut():
     codes = random_codes(rows=3, cols=32)
     planes = pack_planes(codes)
-    lut = torch.randn(3, 16, dtype=torch.float16)
+    lut = torch.randn(3, 17, dtype=torch.float16)  # 16 centroids and the extent
     w = dequantize(planes, lut, 4)
     expected = torch.stack([lut[r, (codes[r].long() >> 4)] for r in range(3)])
     assert torch.equal(w, expected)
 
 
 def test_bytes_count_planes_and_the_stored_lut():
-    # 8-bit row of 256 weights: 256 bytes of planes + LUT_4's 16 * 2 bytes (not 256 * 2).
-    assert block_bytes(1, 256, 8) == 256 + 32
+    # 8-bit row of 256 weights: 256 bytes of planes + LUT_4's 17 * 2 bytes (not 256 * 2).
+    assert block_bytes(1, 256, 8) == 256 + 34
     assert block_bytes(10, 64, 3) == 10 * 64 * 3 // 8 + 10 * 8 * 2
     rows, cols = 7, 96
     block = APLBlock(rows, cols, pack_planes(random_codes(rows, cols)),
-                     {b: torch.zeros(rows, 1 << b, dtype=torch.float16) for b in LUT_WIDTHS})
+                     {b: torch.zeros(rows, lut_entries(b), dtype=torch.float16) for b in LUT_WIDTHS})
     for b in BIT_WIDTHS:
         resident = block.planes[:b].numel() * 1 + block.lut(b).numel() * 2
         assert block.nbytes(b) == resident
@@ -67,7 +67,8 @@ def test_wider_widths_read_lut_4():
 
 def sorted_lut4(rows=6, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    return torch.randn(rows, 16, generator=gen).sort(dim=1).values.to(torch.float16)
+    centroids = torch.randn(rows, 16, generator=gen).sort(dim=1).values
+    return torch.cat([centroids, torch.rand(rows, 1, generator=gen)], dim=1).to(torch.float16)
 
 
 @pytest.mark.parametrize("bits", [5, 6, 7, 8])
@@ -98,7 +99,7 @@ def test_derived_values_nest_a_b_bit_value_is_its_children_s_mean():
 
 def test_uniform_lut_4_derives_the_uniform_grid():
     # centres of 16 equal buckets of [0, 1): every width's derived value is its bucket centre
-    lut4 = ((torch.arange(16) + 0.5) / 16).to(torch.float16)[None]
+    lut4 = torch.cat([(torch.arange(16) + 0.5) / 16, torch.tensor([1 / 32])]).to(torch.float16)[None]
     for bits in (5, 6, 7, 8):
         n = 1 << bits
         torch.testing.assert_close(expand_lut(lut4, bits).float()[0], (torch.arange(n) + 0.5) / n, rtol=0, atol=1e-3)

@@ -112,8 +112,12 @@ def test_eight_bits_is_close_to_bf16_logits(paged, ids):
         q8 = model(batch)
         set_model_bits(model, uniform_bits(paged.config, 3))
         q3 = model(batch)
-    err8, err3 = (q8 - ref).abs().max(), (q3 - ref).abs().max()
-    assert err8 < 0.1 * err3 and err8 < 0.05 * ref.abs().max()
+    # root-mean-square logit error. Format 2's 8-bit values are within 1/32 of a 4-bit cell for
+    # the weights inside their cell; the few (3.5% on tiny-qwen-moe) that the 3-bit error
+    # feedback assigns outside it stop at its edge, which is what leaves 8 bits at ~0.2x of
+    # 3 bits here, not the ~0.05x of format 1's per-width LUTs (docs/apl_format.md)
+    err8, err3 = (q8 - ref).pow(2).mean().sqrt(), (q3 - ref).pow(2).mean().sqrt()
+    assert err8 < 0.3 * err3 and err8 < 0.01 * ref.abs().max(), (err8, err3)
 
 
 def test_a_mixed_assignment_runs_each_block_at_its_own_width(paged, ids):
