@@ -1,7 +1,7 @@
 """Streaming quantisation of a real-shape checkpoint: wall time and peak memory (issue 14.3).
 
 1. build: transformers' own class (`Qwen2MoeForCausalLM` for Qwen1.5-MoE-A2.7B) at the
-   published shape (bench/real_shape_configs.py), randomly initialised on the device in
+   published shape (pagedweight/offline/real_shape_configs.py), randomly initialised on the device in
    bf16, written with `save_pretrained` (per-expert or fused tensors, as transformers
    writes them) with the bundled tokenizer; `--layers N` keeps only the first N decoder
    layers when the device minutes cannot pay for the whole depth (the JSON says so);
@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 
 from bench.bench_meta import write_result
-from bench.real_shape_configs import REAL_SHAPE_CONFIGS
+from pagedweight.offline.real_shape_configs import REAL_SHAPE_CONFIGS
 from pagedweight.common.paths import BUNDLED_MODEL
 from pagedweight.format.model_config import ModelConfig
 from pagedweight.offline.calib_text import bundled_calib_files

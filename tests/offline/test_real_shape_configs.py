@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.real_shape_configs import PUBLISHED_PARAMS, REAL_SHAPE_CONFIGS, parameter_count, real_shape_config
+from pagedweight.offline.real_shape_configs import PUBLISHED_PARAMS, REAL_SHAPE_CONFIGS, parameter_count, real_shape_config
 
 
 @pytest.mark.parametrize("name", list(REAL_SHAPE_CONFIGS))

@@ -1,4 +1,4 @@
-"""What bench/real_shape.py's numbers rest on: our model assembled over transformers'
+"""What the real-shape benchmarks rest on: our model assembled over transformers'
 tensors computes transformers' function, and the fast quantiser writes the real format
 (the planes decode to the nested codes, within half a bucket of the weights)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench import real_shape as rs
+from pagedweight.offline import real_shape_models as rs
 from pagedweight.format.apl_format import BIT_WIDTHS, MAX_BITS, unpack_codes
 from pagedweight.format.model_config import ModelConfig
 
@@ -46,16 +46,3 @@ def test_nested_uniform_planes_decode_to_the_weights():
             half_bucket = span / (1 << bits) / 2
             assert ((decoded - w[e]).abs() <= half_bucket * 1.01 + 1e-3).all(), bits
 
-
-def test_plot_series_reads_every_mode_and_floor():
-    from bench.plot_real_shape import series
-
-    result = {"transformers_generate": [{"concurrency": 1, "output_tokens_per_s": 10.0}],
-              "engine_bf16_dense": {"eager-gather": {"loads": [{"concurrency": 1, "output_tokens_per_s": 20.0}]},
-                                    "graphs-inplace": {"loads": [{"concurrency": 16, "output_tokens_per_s": 900.0}]}},
-              "runtime_static": {"static-4": {"modes": {"graphs-inplace": [{"concurrency": 64, "output_tokens_per_s": 5.0}]}}},
-              "hbm_floor": {"bf16": {"1": {"floor_tokens_per_s": 800.0}}}}
-    got = series(result)
-    assert got == {"transformers generate, bf16": {1: 10.0}, "engine bf16 dense, eager-gather": {1: 20.0},
-                   "engine bf16 dense, graphs-inplace": {16: 900.0},
-                   "runtime static-4, graphs-inplace": {64: 5.0}, "floor bf16": {1: 800.0}}

@@ -3,7 +3,7 @@ published sizes (no checkpoint download: only the shapes matter for memory and s
 
 Each entry is the `config.json` dict `ModelConfig.from_dict` reads, with the fields the
 published checkpoints carry; `PUBLISHED_PARAMS` is the total parameter count the model
-cards state, which tests/bench/test_real_shape_configs.py checks our shapes against.
+cards state, which tests/offline/test_real_shape_configs.py checks our shapes against.
 
 Gemma-4-26B-A4B is the text config (`text_config`) of the published multimodal checkpoint,
 written as transformers 5.17 read it: the full-attention layers' shape as `global_head_dim`
