@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-from bench.bench_meta import RESULTS_DIR, commit, machine
+from bench.bench_meta import RESULTS_DIR, commit, device_tag, gpu, machine
 from pagedweight.cli.load_bench import mean_committed_bits
 from pagedweight.common.gc_pauses import GCPauses, freeze_startup_heap, unfreeze
 from pagedweight.engine.memory_broker import BrokerConfig
@@ -527,10 +527,10 @@ def main() -> int:
     ecfg = engine_config(args)
     sizes = budget_bytes(paged, config, ecfg, dtype, args)
     name = built.get("shape") or Path(args.artifact).name
-    out = args.out or RESULTS_DIR / f"elasticity_{name}_{device.type}.json"
+    out = args.out or RESULTS_DIR / f"elasticity_{name}_{device_tag()}.json"
     result = {"benchmark": "elasticity", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "sample_fields": SAMPLE_FIELDS,
-              "machine": machine(), "commit": commit(), "code_commit": commit(), "model": name, **built,
+              "machine": machine(), "commit": commit(), "gpu": gpu(), "code_commit": commit(), "model": name, **built,
               "dtype": str(dtype),
               "args": {k: str(v) for k, v in vars(args).items()}, "bytes": sizes,
               "baseline": "static-8 at the same budget and trace", "traces": {}}

@@ -44,7 +44,6 @@ from pagedweight.model.dequantized_experts import build_paged_lm, set_model_bits
 from pagedweight.format.paged_model import load_paged_model
 
 REPO = Path(__file__).resolve().parents[1]
-ARTIFACTS = Path("/work/artifacts/paged")
 CORPUS = corpus_dir()
 MODELS = ("tiny-mixtral", "tiny-qwen-moe")
 DOMAINS = ("kjv", "pydoc", "pycode", "cheader")
@@ -94,7 +93,7 @@ def domain_tokens(evaluator: Evaluator, domain: str, prompt: int, num_eval: int)
 
 def evaluate_model(name: str, args) -> dict:
     started = time.perf_counter()
-    ev = Evaluator(ARTIFACTS / name, args.seq_len)
+    ev = Evaluator(Path(args.artifacts) / name, args.seq_len)
     scales = ev.loss_scales()
     log(f"{name}: loss scales measured in {time.perf_counter() - started:.0f} s")
     policies = {p: make_policy(p, ev.table, scales=scales) for p in POLICY_NAMES}
@@ -158,14 +157,14 @@ def summarise(results: dict) -> dict:
 
 def markdown(payload: dict) -> str:
     lines = ["# Planner evaluation: perplexity of each policy at equal expert-weight budgets", "",
-             f"Measured on commit `{payload['commit']}`, {payload['date']}, {payload['machine']['cpu']} "
+             f"Measured {payload['date']}, {payload['machine']['cpu']} "
              f"({payload['machine']['cpu_count']} CPUs, shared). Command: `{payload['command']}`.", "",
              f"Per model and domain: {payload['prompt_tokens']} prompt tokens (the traffic the planner "
              f"sees), then {payload['eval_tokens']} scored tokens (windows of {payload['seq_len']}) of the "
              "domain's `valid` text. Budget = bytes of the uniform B-bit model, LUTs included. "
              "Lower is better; **bold** = best in the row. What the numbers say, where the full "
-             "policy loses and why: docs/planner.md (Figures); the noise band: "
-             "bench/results/planner_eval_reference.json.", ""]
+             "policy loses and why, and the noise band: "
+             "docs/planner.md.", ""]
     for name, res in payload["results"].items():
         lines += [f"## {name}", "", "Mean perplexity over the four domains:", "",
                   "| budget | " + " | ".join(POLICY_NAMES) + " |", "|---" * (len(POLICY_NAMES) + 1) + "|"]
@@ -200,18 +199,14 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def add_eval_args(parser: argparse.ArgumentParser) -> None:
-    """The flags every planner evaluation script shares: which models, how many tokens."""
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS))
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--eval-tokens", type=int, default=2048)
     parser.add_argument("--seq-len", type=int, default=512)
-
-
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_eval_args(parser)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--artifacts", default="/work/artifacts/paged", help="folder of paged models, one per name")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     results = {name: evaluate_model(name, args) for name in args.models}

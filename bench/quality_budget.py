@@ -262,10 +262,10 @@ def markdown(payload: dict) -> str:
     s = payload["summary"]["mean"]
     if payload.get("runs"):  # combined from runs side by side, one model each
         where = "Measured in runs side by side on " + "; ".join(
-            f"`{r['command'].split('--models ')[-1].split()[0]}` {r['date']} (HEAD `{r['commit'][:10]}` when written)"
+            f"`{r['command'].split('--models ')[-1].split()[0]}` {r['date']}"
             for r in payload["runs"])
     else:
-        where = f"Measured on commit `{payload['commit']}`, {payload['date']}"
+        where = f"Measured {payload['date']}"
     lines = ["# Quality vs memory: KL to bf16 at expert-byte budgets", "",
              f"{where}, {payload['machine']['cpu']} ({payload['machine']['cpu_count']} CPUs, shared with "
              f"other work). Command: `{payload['command']}`. "

@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 
 import pagedweight
-from bench.bench_meta import RESULTS_DIR, commit, machine
+from bench.bench_meta import RESULTS_DIR, commit, device_tag, gpu, machine
 from pagedweight.cli.load_bench import LoadSpec, drive_load, run_load
 from pagedweight.engine.decode_graphs import DecodeGraphs
 from pagedweight.engine.engine import Engine, EngineConfig
@@ -462,9 +462,9 @@ def main() -> None:
     dtype = torch.bfloat16
     if device.type == "cpu":
         torch.set_num_threads(2)
-    out = args.out or RESULTS_DIR / f"real_shape_{args.model}_{device.type}.json"
+    out = args.out or RESULTS_DIR / f"real_shape_{args.model}_{device_tag()}.json"
     report = Report(out, {"benchmark": "real_shape", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                          "machine": machine(), "commit": commit(),
+                          "machine": machine(), "commit": commit(), "gpu": gpu(),
                           "code_commit": os.environ.get("PAGEDWEIGHT_CODE_COMMIT", commit()),
                           "code_path": str(Path(pagedweight.__file__).parent), "label": args.label,
                           "model": args.model,
