@@ -1,4 +1,4 @@
-"""Lowering plans that move fewer blocks further (weights/fewer_moves.py)."""
+"""Lowering plans that move fewer blocks further (planner/fewer_moves.py)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import dataclasses
 import numpy as np
 import pytest
 
-from conftest import build
 from pagedweight.format.blocks import BIT_WIDTHS, MIN_BITS
+from pagedweight.planner.fewer_moves import free_with_fewer_moves, move_cost_scale, raise_whole
 from pagedweight.planner.greedy import free_bytes, spend_bytes
-from pagedweight.weights.fewer_moves import free_with_fewer_moves, move_cost_scale, raise_whole
+from tests.weights.conftest import build
 
 
 def table(n=200, seed=0):
@@ -111,7 +111,7 @@ def test_whole_raises_take_the_best_blocks_straight_to_their_ceiling_within_the_
 
 def test_a_planner_with_a_move_cost_answers_a_spend_with_whole_raises():
     from pagedweight.planner.messages import KVPressure, PlanRequest
-    from pagedweight.weights.in_process_planner import InProcessPlanner, page_table_registration
+    from pagedweight.planner.in_process_planner import InProcessPlanner, page_table_registration
     from pagedweight.weights.synthetic import random_blocks
 
     blocks = random_blocks(num_layers=2, num_experts=6, hidden=64, intermediate=96, seed=3)

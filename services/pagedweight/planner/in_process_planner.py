@@ -20,7 +20,7 @@ the request's residual replaces the context's, so prompts that left drop out wit
 next request, and a request without one (no prompts in flight) clears it.
 
 `move_cost` > 0 (issue 17): a free request for the damage-model policies is answered by
-lowering fewer blocks further (weights/fewer_moves.py), each moved block costing
+lowering fewer blocks further (planner/fewer_moves.py), each moved block costing
 move_cost times the median damage of one bit, and a spend by raising whole blocks to the
 ceiling within the bytes the greedy spent (best damage saved per byte first; the greedy's
 answer when none fits); 0 keeps the one-bit greedy both ways.
@@ -36,12 +36,12 @@ import numpy as np
 
 from pagedweight.format.blocks import BIT_WIDTHS, MIN_BITS, BlockId
 from pagedweight.planner.config import PlannerConfig
+from pagedweight.planner.fewer_moves import free_with_fewer_moves, move_cost_scale, raise_whole
 from pagedweight.planner.messages import SPEND, PlannerRegistration, PlanRequest, PlanResponse
 from pagedweight.planner.planner import OnlinePlanner
 from pagedweight.planner.policies import PagedWeightPolicy, PlanContext, make_policy
 from pagedweight.planner.routing_stats import RoutingStats
 from pagedweight.planner.tables import BlockTable
-from pagedweight.weights.fewer_moves import free_with_fewer_moves, move_cost_scale, raise_whole
 
 
 class InProcessPlanner:
