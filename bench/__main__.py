@@ -4,6 +4,7 @@
     python -m bench run planner-speed          # one recipe; the result lands in bench/results/
     python -m bench run real-shape-qwen --dry-run
     python -m bench run serve-load --artifacts /tmp/paged -- --request-rate 4
+    python -m bench tables [--check]           # the docs' tables from bench/results/ (bench/tables.py)
 
 Each recipe runs `python -m bench.<module> ARGS` in a child process with the import path
 set (services/ and kernels/ from the repository root), so it also runs on a machine given
@@ -71,10 +72,16 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--artifacts", default=os.environ.get("PAGEDWEIGHT_ARTIFACTS", "/work/artifacts/paged"),
                      help="folder of paged models, one per model name (pagedweight quantize writes them)")
     run.add_argument("--dry-run", action="store_true", help="print the command, run nothing")
+    tables = sub.add_parser("tables", help="rewrite the docs' tables from bench/results/")
+    tables.add_argument("--check", action="store_true", help="exit 1 where a page is stale; write nothing")
     args = parser.parse_args(own)
     if args.verb == "list":
         list_recipes()
         return 0
+    if args.verb == "tables":
+        from bench import tables as docs_tables
+
+        return docs_tables.main(["--check"] if args.check else [])
     recipe = BY_NAME[args.recipe]
     cmd = command(recipe, args.artifacts, extra)
     if args.dry_run:

@@ -4,8 +4,8 @@ For each shared model (paged artifacts made by `pagedweight quantize` with its d
 so the planner's loss scales are the artifact's) and each expert-byte budget of
 20, 25, 30, 40, 50% of the bf16 experts' bytes (planes + LUTs count against it):
 - per domain, the first PROMPT tokens of the domain's `valid` text are the traffic the
-  planner sees (prefilled at 8 bits; routing + prompt residuals -> PlanContext, as in
-  bench/planner_eval.py), the next EVAL tokens are scored;
+  planner sees (prefilled at 8 bits; routing + prompt residuals -> PlanContext), the next
+  EVAL tokens are scored;
 - each policy's plan is scored by the mean per-token KL(bf16 || plan) of the next-token
   distributions (the reference is the same model with the original bf16 experts, read from
   the source checkpoint) and by perplexity;

@@ -30,8 +30,6 @@ RECIPES = (
            "planner, pager, page table and routing feed at 2,880 / 12,288 / 30,000 blocks"),
     Recipe("quantize-eval", "quantize_eval", ("--artifacts", "{artifacts}", "--quantize-missing"), "cpu",
            "perplexity by bits, sensitivity against damage, quantisation time"),
-    Recipe("planner-eval", "planner_eval", ("--artifacts", "{artifacts}"), "cpu",
-           "perplexity of every planner policy at equal expert-weight budgets"),
     Recipe("quality-budget", "quality_budget", ("--artifacts", "{artifacts}"), "cpu",
            "KL to bf16 and perplexity of every policy at 20-50% of the bf16 expert bytes"),
     Recipe("online-residuals", "online_residuals", ("--artifacts", "{artifacts}"), "cpu",

@@ -44,3 +44,11 @@ def test_an_unknown_recipe_is_refused():
     result = subprocess.run([sys.executable, "-m", "bench", "run", "no-such-recipe"], cwd=REPO,
                             capture_output=True, text=True)
     assert result.returncode == 2 and "invalid choice" in result.stderr
+
+
+def test_the_docs_tables_are_what_the_results_give():
+    """`python -m bench tables --check`: a result file changed without `python -m bench tables`,
+    or a table edited by hand, fails here."""
+    result = subprocess.run([sys.executable, "-m", "bench", "tables", "--check"], cwd=REPO,
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr

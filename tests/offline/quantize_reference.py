@@ -1,5 +1,5 @@
 """The whole-model quantiser `pagedweight quantize` ran before the streaming one
-(quantize.py), kept unchanged as its reference: tests/offline/test_quantize_stream.py
+(services/pagedweight/offline/quantize.py), kept unchanged as its test oracle: test_quantize_stream.py
 checks that both write the same planes and tables. It holds the whole model in fp32 on
 one device, so it only suits small models.
 
