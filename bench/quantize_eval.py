@@ -265,7 +265,7 @@ PREDICTORS = {"s3": "S(3)", "s3_x_share": "S(3) x routing share", "s3_gn": "S_gn
 
 
 def render(report: dict) -> str:
-    """Markdown tables of a report (for docs/quantize_eval.md)."""
+    """Markdown tables of a report (`--render RESULT.json` prints them)."""
     lines = []
     for name, r in report["models"].items():
         toks = next(iter(r["tokens_per_domain"].values()))
