@@ -193,7 +193,3 @@ def main(argv: list[str] | None = None) -> int:
                 page.write_text(new)
     print(("stale: " if check else "rewrote: ") + (", ".join(stale) or "nothing"))
     return 1 if check and stale else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
