@@ -39,16 +39,18 @@ def child_env() -> dict:
     return env
 
 
-def full_depth_staging(cmd: list[str]) -> list[str]:
+def full_depth_staging(cmd: list[str]) -> tuple[list[str], list[Path]]:
     """quantize-full-depth: the checkpoint (28.6 GB) is built first, in its own process so the
     quantiser's peak memory is its own, into /dev/shm with the work directory, since a
-    64 GB device disk cannot hold checkpoint, work directory (~24 GB) and artifact (~23 GB)."""
+    64 GB device disk cannot hold checkpoint, work directory (~24 GB) and artifact (~23 GB).
+    Returns the quantising command and the folders to remove after it."""
     shm = Path("/dev/shm/pagedweight-full-depth")
     shutil.rmtree(shm, ignore_errors=True)
     subprocess.run([*cmd, "--checkpoint", str(shm / "ckpt"), "--build-only"], env=child_env(), check=True)
     disk = Path(os.environ.get("TMPDIR", "/tmp")) / "pagedweight-full-depth"
     artifact = disk if shutil.disk_usage(disk.parent).free > 35e9 else shm / "art"
-    return [*cmd, "--checkpoint", str(shm / "ckpt"), "--work", str(artifact), "--work-dir", str(shm / "work")]
+    run = [*cmd, "--checkpoint", str(shm / "ckpt"), "--work", str(artifact), "--work-dir", str(shm / "work")]
+    return run, [shm, disk]
 
 
 STAGING = {"quantize-full-depth": full_depth_staging}
@@ -87,9 +89,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         print(" ".join(cmd))
         return 0
+    staged: list[Path] = []
     if recipe.name in STAGING:
-        cmd = STAGING[recipe.name](cmd)
-    return subprocess.run(cmd, cwd=REPO, env=child_env()).returncode
+        cmd, staged = STAGING[recipe.name](cmd)
+    try:
+        return subprocess.run(cmd, cwd=REPO, env=child_env()).returncode
+    finally:
+        for path in staged:  # tens of GB, some of it in RAM (/dev/shm)
+            shutil.rmtree(path, ignore_errors=True)
 
 
 if __name__ == "__main__":
