@@ -46,7 +46,7 @@ def full_depth_staging(cmd: list[str]) -> tuple[list[str], list[Path]]:
     Returns the quantising command and the folders to remove after it."""
     shm = Path("/dev/shm/pagedweight-full-depth")
     shutil.rmtree(shm, ignore_errors=True)
-    subprocess.run([*cmd, "--checkpoint", str(shm / "ckpt"), "--build-only"], env=child_env(), check=True)
+    subprocess.run([*cmd, "--checkpoint", str(shm / "ckpt"), "--build-only"], cwd=REPO, env=child_env(), check=True)
     disk = Path(os.environ.get("TMPDIR", "/tmp")) / "pagedweight-full-depth"
     artifact = disk if shutil.disk_usage(disk.parent).free > 35e9 else shm / "art"
     run = [*cmd, "--checkpoint", str(shm / "ckpt"), "--work", str(artifact), "--work-dir", str(shm / "work")]
