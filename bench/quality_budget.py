@@ -275,7 +275,7 @@ def markdown(payload: dict) -> str:
              "and LUTs. KL: mean per-token KL(bf16 || plan) of the next-token distribution, nats, mean "
              "over the four domains (lower is better, **bold** the best). `-` : the budget is below "
              "every block at 3 bits (no plan fits). Plot: docs/quality_budget.png. Numbers: "
-             "bench/results/quality_budget.json. What the numbers say: docs/planner.md (Figures).", ""]
+             "bench/results/quality_budget.json. What the numbers say: docs/planner.md, section Measured.", ""]
     for name, res in payload["results"].items():
         lines += [f"## {name}", "",
                   f"bf16 experts {res['bf16_expert_bytes']:,} B, dense {res['dense_bytes']:,} B; every block "
