@@ -67,5 +67,10 @@ test-gpu-kernels:
 test-gpu-paths:
 	$(GPU_PYTEST) tests $(GPU_IGNORE) --ignore=tests/kernels
 
+# A benchmark recipe (bench/recipes.py; `make bench` alone lists them): `make bench RECIPE=planner-speed`.
+# On a GPU machine without the venv: `python3 -m bench run RECIPE` from the repository root.
+bench: $(BIN)/pagedweight
+	$(BIN)/python -m bench $(if $(RECIPE),run $(RECIPE),list)
+
 clean:
 	rm -rf $(VENV) .pytest_cache *.egg-info .tools

@@ -30,6 +30,26 @@ def machine() -> dict:
     return info
 
 
+def gpu() -> str:
+    """The GPU's name, or "none (CPU)": results are kept per GPU (the newest of each)."""
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "none (CPU)"
+
+
+def device_tag() -> str:
+    """A result-name suffix per machine kind: "cpu", "h100", "h200", ... so a run on one GPU
+    does not overwrite another's."""
+    if not torch.cuda.is_available():
+        return "cpu"
+    words = torch.cuda.get_device_name().lower().replace("nvidia", "").split()
+    return words[0] if words else "cuda"
+
+
+def stamp() -> dict:
+    """The fields every result opens with."""
+    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "commit": commit(), "gpu": gpu(), "machine": machine()}
+
+
 def commit() -> str:
     """HEAD (with -dirty for uncommitted changes); PAGEDWEIGHT_COMMIT where the tree is no
     git checkout (the GPU machine receives a copy of the working tree)."""
@@ -46,11 +66,11 @@ def commit() -> str:
 
 
 def write_result(name: str, payload: dict) -> Path:
-    """Write bench/results/<name>.json with date, machine and commit added."""
+    """Write bench/results/<name>_<device tag>.json with date, commit, GPU and machine added
+    (the tag is left out where the name already ends with it)."""
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    record = {"benchmark": name,
-              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "machine": machine(), "commit": commit(), **payload}
-    path = RESULTS_DIR / f"{name}.json"
+    record = {"benchmark": name, **stamp(), **payload}
+    tag = device_tag()
+    path = RESULTS_DIR / (f"{name}.json" if name.endswith(tag) else f"{name}_{tag}.json")
     path.write_text(json.dumps(record, indent=2) + "\n")
     return path

@@ -55,7 +55,7 @@ def measure(num_blocks: int) -> dict:
     from pagedweight.memory.arena import Arena
     from pagedweight.memory.pool import MemoryPool
     from pagedweight.planner.policies import PlanContext, make_policy
-    from pagedweight.weights.in_process_planner import InProcessPlanner, page_table_registration
+    from pagedweight.planner.in_process_planner import InProcessPlanner, page_table_registration
     from pagedweight.weights.page_mover import PageMover
     from pagedweight.weights.page_table import PageTable
     from pagedweight.weights.routing_feed import RoutingFeed

@@ -24,7 +24,7 @@ quantize` whose source checkpoint is at hand, CPU), the quality cost under the t
 token-weighted KL(bf16 || served) of the bit plans the trace actually served, scored on the
 shared corpus.
 
-The model: `--artifact DIR` (a paged artifact), or `--shape NAME` (bench/real_shape.py's
+The model: `--artifact DIR` (a paged artifact), or `--shape NAME` (offline/real_shape_models.py's
 random-weight model at a real size; `--layers N` keeps N layers, to fit the device time).
 
     PYTHONPATH=.:services:kernels python3 -m bench.elasticity --shape qwen1.5-moe-a2.7b --layers 12
@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-from bench.bench_meta import RESULTS_DIR, commit, machine
+from bench.bench_meta import RESULTS_DIR, commit, device_tag, gpu, machine
 from pagedweight.cli.load_bench import mean_committed_bits
 from pagedweight.common.gc_pauses import GCPauses, freeze_startup_heap, unfreeze
 from pagedweight.engine.memory_broker import BrokerConfig
@@ -365,7 +365,7 @@ def load_model(args, device: torch.device, dtype: torch.dtype):
 
         paged = load_paged_model(args.artifact, with_bf16=False)
         return paged, paged.config, read_eos_token_ids(args.artifact), {"artifact": str(args.artifact)}
-    from bench.real_shape import build_hf_model, ours_from_hf, paged_in_memory
+    from pagedweight.offline.real_shape_models import build_hf_model, ours_from_hf, paged_in_memory
     from pagedweight.format.model_config import ModelConfig
 
     overrides = {"num_hidden_layers": args.layers} if args.layers else None
@@ -455,7 +455,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--artifact", type=Path, help="paged artifact directory")
-    what.add_argument("--shape", help="a bench/real_shape.py config (random weights)")
+    what.add_argument("--shape", help="a real-shape config (pagedweight.offline.real_shape_models.CONFIGS; random weights)")
     parser.add_argument("--layers", type=int, default=None, help="--shape: keep this many layers")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--policies", nargs="+", default=list(POLICIES))
@@ -527,10 +527,10 @@ def main() -> int:
     ecfg = engine_config(args)
     sizes = budget_bytes(paged, config, ecfg, dtype, args)
     name = built.get("shape") or Path(args.artifact).name
-    out = args.out or RESULTS_DIR / f"elasticity_{name}_{device.type}.json"
+    out = args.out or RESULTS_DIR / f"elasticity_{name}_{device_tag()}.json"
     result = {"benchmark": "elasticity", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "sample_fields": SAMPLE_FIELDS,
-              "machine": machine(), "commit": commit(), "code_commit": commit(), "model": name, **built,
+              "machine": machine(), "commit": commit(), "gpu": gpu(), "code_commit": commit(), "model": name, **built,
               "dtype": str(dtype),
               "args": {k: str(v) for k, v in vars(args).items()}, "bytes": sizes,
               "baseline": "static-8 at the same budget and trace", "traces": {}}

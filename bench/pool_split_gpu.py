@@ -28,9 +28,8 @@ import torch
 from bench.bench_meta import write_result
 from pagedweight.memory.arena import Arena
 from pagedweight.memory.pool import KV_USED, WORKSPACE, MemoryPool, parse_memory_budget, device_memory_bytes
-from pagedweight.format.apl_format import BlockId
 from pagedweight.weights.arena_experts import ArenaExperts
-from pagedweight.weights.in_process_planner import InProcessPlanner, page_table_registration
+from pagedweight.planner.in_process_planner import InProcessPlanner, page_table_registration
 from pagedweight.weights.page_mover import PageMover
 from pagedweight.weights.page_table import PageTable
 from pagedweight.weights.synthetic import random_blocks

@@ -4,8 +4,8 @@ For each shared model (paged artifacts made by `pagedweight quantize` with its d
 so the planner's loss scales are the artifact's) and each expert-byte budget of
 20, 25, 30, 40, 50% of the bf16 experts' bytes (planes + LUTs count against it):
 - per domain, the first PROMPT tokens of the domain's `valid` text are the traffic the
-  planner sees (prefilled at 8 bits; routing + prompt residuals -> PlanContext, as in
-  bench/planner_eval.py), the next EVAL tokens are scored;
+  planner sees (prefilled at 8 bits; routing + prompt residuals -> PlanContext), the next
+  EVAL tokens are scored;
 - each policy's plan is scored by the mean per-token KL(bf16 || plan) of the next-token
   distributions (the reference is the same model with the original bf16 experts, read from
   the source checkpoint) and by perplexity;
@@ -262,10 +262,10 @@ def markdown(payload: dict) -> str:
     s = payload["summary"]["mean"]
     if payload.get("runs"):  # combined from runs side by side, one model each
         where = "Measured in runs side by side on " + "; ".join(
-            f"`{r['command'].split('--models ')[-1].split()[0]}` {r['date']} (HEAD `{r['commit'][:10]}` when written)"
+            f"`{r['command'].split('--models ')[-1].split()[0]}` {r['date']}"
             for r in payload["runs"])
     else:
-        where = f"Measured on commit `{payload['commit']}`, {payload['date']}"
+        where = f"Measured {payload['date']}"
     lines = ["# Quality vs memory: KL to bf16 at expert-byte budgets", "",
              f"{where}, {payload['machine']['cpu']} ({payload['machine']['cpu_count']} CPUs, shared with "
              f"other work). Command: `{payload['command']}`. "
@@ -275,7 +275,7 @@ def markdown(payload: dict) -> str:
              "and LUTs. KL: mean per-token KL(bf16 || plan) of the next-token distribution, nats, mean "
              "over the four domains (lower is better, **bold** the best). `-` : the budget is below "
              "every block at 3 bits (no plan fits). Plot: docs/quality_budget.png. Numbers: "
-             "bench/results/quality_budget.json. What the numbers say: docs/planner.md (Figures).", ""]
+             "bench/results/quality_budget.json. What the numbers say: docs/planner.md, section Measured.", ""]
     for name, res in payload["results"].items():
         lines += [f"## {name}", "",
                   f"bf16 experts {res['bf16_expert_bytes']:,} B, dense {res['dense_bytes']:,} B; every block "

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parents[1]
 
+from bench.bench_meta import stamp
 from pagedweight.common.paths import shared_dir
 from pagedweight.offline.perplexity import token_windows
 from pagedweight.frontend.tokenizer import Tokenizer
@@ -264,7 +265,7 @@ PREDICTORS = {"s3": "S(3)", "s3_x_share": "S(3) x routing share", "s3_gn": "S_gn
 
 
 def render(report: dict) -> str:
-    """Markdown tables of a report (for docs/quantize_eval.md)."""
+    """Markdown tables of a report (`--render RESULT.json` prints them)."""
     lines = []
     for name, r in report["models"].items():
         toks = next(iter(r["tokens_per_domain"].values()))
@@ -322,7 +323,7 @@ def main() -> None:
     # threads spin against each other and ran a forward 13x slower than one (measured).
     torch.set_num_threads(args.threads)
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
-    report = {"environment": {**environment(), "threads": args.threads}, "dtype": "float32", "seq_len": args.seq_len,
+    report = {"benchmark": "quantize_eval", **stamp(), "environment": {**environment(), "threads": args.threads}, "dtype": "float32", "seq_len": args.seq_len,
               "device": device_name(args.device), "models": {}}
     if args.time_model:
         report["quantize_time"] = time_quantize(args.time_model, log)

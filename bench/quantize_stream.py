@@ -1,14 +1,13 @@
 """Streaming quantisation of a real-shape checkpoint: wall time and peak memory (issue 14.3).
 
 1. build: transformers' own class (`Qwen2MoeForCausalLM` for Qwen1.5-MoE-A2.7B) at the
-   published shape (bench/real_shape_configs.py), randomly initialised on the device in
+   published shape (pagedweight/offline/real_shape_configs.py), randomly initialised on the device in
    bf16, written with `save_pretrained` (per-expert or fused tensors, as transformers
    writes them) with the bundled tokenizer; `--layers N` keeps only the first N decoder
    layers when the device minutes cannot pay for the whole depth (the JSON says so);
 2. quantise it with `pagedweight quantize`'s default path (quantize.quantize_model, one
    layer at a time, bundled calibration text) into a temporary directory, the planner's
-   loss scales skipped (`scale_tokens=0`: that phase is measured on its own by
-   bench/quantize_scales_stream.py, docs/quantize.md); the device allocator's peak and the process's peak RSS are read
+   loss scales skipped (`scale_tokens=0`: a phase of its own, docs/quantize.md); the device allocator's peak and the process's peak RSS are read
    after the build's memory is released and the peak counters reset;
 3. per-layer times (forward + k-means, backward) from the artifact's record, and the
    full-depth time extrapolated from them: fixed part + num_hidden_layers x per layer.
@@ -45,7 +44,7 @@ from pathlib import Path
 import torch
 
 from bench.bench_meta import write_result
-from bench.real_shape_configs import REAL_SHAPE_CONFIGS
+from pagedweight.offline.real_shape_configs import REAL_SHAPE_CONFIGS
 from pagedweight.common.paths import BUNDLED_MODEL
 from pagedweight.format.model_config import ModelConfig
 from pagedweight.offline.calib_text import bundled_calib_files
@@ -59,7 +58,7 @@ SMALL = {  # the same class at a size the CPU runs in seconds: checks the script
                       "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                       "shared_expert_intermediate_size": 64, "eos_token_id": 2},
     # Qwen1.5-MoE-A2.7B's routing (60 experts, top-4) at hidden 256: its loops over experts
-    # and batches are the real ones, its products small (bench/quantize_layer_speed.py)
+    # and batches are the real ones, its products small
     "qwen-scaled": {**REAL_SHAPE_CONFIGS["Qwen1.5-MoE-A2.7B"], "vocab_size": 32000, "hidden_size": 256,
                     "num_attention_heads": 4, "num_key_value_heads": 4, "moe_intermediate_size": 192,
                     "shared_expert_intermediate_size": 768, "eos_token_id": 2},

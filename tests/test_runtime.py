@@ -224,3 +224,22 @@ def test_warm_up_meets_every_bucket_and_drops_its_routing_window(paged_micro_dir
     run_checked(runtime, prompts()[:2])
     assert int(feed.num_tokens.sum()) > 0
     runtime.close()
+
+
+def test_min_kv_tokens_at_start_is_the_kv_room_the_starting_bits_leave(paged_micro_dir):
+    """A budget with room for the 8-bit experts and 64 tokens of KV: asked to start with 64
+    tokens' room the policy starts at 8 bits; asked for 512 it starts lower, and a room
+    larger than the budget can give is a user error naming the tokens."""
+    budget = fixed_budget(paged_micro_dir, 8, 64)
+    start_bits = {}
+    for tokens in (64, 512):
+        runtime = build_runtime(paged_micro_dir, RuntimeConfig(budget, "pagedweight", engine=ENGINE,
+                                                               min_kv_tokens_at_start=tokens))
+        try:
+            start_bits[tokens] = runtime.pager.stats().mean_committed_bits
+        finally:
+            runtime.close()
+    assert start_bits[64] == 8.0 and start_bits[512] < 8.0
+    with pytest.raises(UserError, match="100000 tokens of KV"):
+        build_runtime(paged_micro_dir, RuntimeConfig(budget, "pagedweight", engine=ENGINE,
+                                                     min_kv_tokens_at_start=100000))

@@ -61,7 +61,7 @@ class RuntimeConfig:
     # (the planner's third signal); off: the planner sees routing only (an ablation)
     prompt_residuals: bool = True
     # lowering plans move fewer blocks further: each moved block costs this many medians of
-    # one bit's damage (weights/fewer_moves.py); 0: the planner's one-bit greedy. 16 halved the
+    # one bit's damage (planner/fewer_moves.py); 0: the planner's one-bit greedy. 16 halved the
     # blocks lowered for the same load (CPU, docs/elasticity.md 2c) for 0.06-0.1 fewer mean
     # bits, and is what every H200 run since used
     move_cost: float = 16.0
@@ -233,7 +233,7 @@ def _policy_planner(paged, config: RuntimeConfig, table: PageTable, model: MoECa
 
     from pagedweight.format.paged_meta import META_FILE
     from pagedweight.planner.artifact import artifact_scales, choose_scales, table_from_meta
-    from pagedweight.weights.in_process_planner import InProcessPlanner, page_table_registration
+    from pagedweight.planner.in_process_planner import InProcessPlanner, page_table_registration
     from pagedweight.weights.routing_feed import RoutingFeed
 
     where = Path(paged.path or ".") / META_FILE

@@ -9,6 +9,8 @@ signature recaptures."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -423,3 +425,14 @@ def test_cuda_graphs_kept_per_signature_replay_without_capture(kept):
 def test_graphs_per_bucket_must_be_positive():
     with pytest.raises(UserError, match="graphs_per_bucket"):
         EngineConfig(graphs_per_bucket=0)
+
+
+@pytest.mark.parametrize("graph_max_tokens, step_tokens, top", [(512, 2048, 512), (256, 2048, 256), (512, 128, 128)])
+def test_graph_max_tokens_caps_the_token_buckets_at_the_step_budget(graph_max_tokens, step_tokens, top):
+    """Steps with prefill rows replay graphs up to graph_max_tokens rows, never more than a
+    step can hold; above that a step runs eagerly."""
+    config = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=step_tokens),
+                          graph_max_tokens=graph_max_tokens)
+    tokens = Engine.graph_tokens(SimpleNamespace(config=config))
+    assert tokens == top
+    assert token_buckets(16, tokens)[-1] == top and pick_bucket(top + 1, token_buckets(16, tokens)) is None

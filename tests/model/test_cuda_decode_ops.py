@@ -82,7 +82,7 @@ def test_fused_moe_inputs_compute_the_same_and_stay_the_parameters():
     """SparseMoeBlock.fuse_inputs (the CUDA decode path's one product for the router and the
     shared expert): the block's output is unchanged, its parameters are views of the fused
     weight, and the state dict keeps its keys."""
-    from bench import real_shape as rs
+    from pagedweight.offline import real_shape_models as rs
     from pagedweight.format.model_config import ModelConfig
 
     torch.manual_seed(0)

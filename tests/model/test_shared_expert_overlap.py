@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench import real_shape as rs
+from pagedweight.offline import real_shape_models as rs
 from pagedweight.engine.engine import Engine, EngineConfig
 from pagedweight.engine.sampler import SamplingParams
 from pagedweight.engine.scheduler import SchedulerConfig

@@ -170,7 +170,7 @@ def test_the_kmeans_only_ablation_streams_equal_to_the_whole_model_quantiser(tmp
     """The default (feedback and the LUT refit) is held to the whole-model quantiser on every
     model by test_quantize_stream; the ablation path must stay equal too, and differ."""
     from pagedweight.offline.quantize import quantize_model
-    from pagedweight.offline.quantize_in_memory import quantize_model_in_memory
+    from tests.offline.quantize_reference import quantize_model_in_memory
     from tests.conftest import BUNDLED_MODEL
     from tests.offline.test_quantize_stream import assert_same_artifact, config
 

@@ -124,10 +124,17 @@ def test_cli_refit_is_recorded_and_a_bad_ridge_refused(tmp_path, calib_files, ca
         assert_one_line_error(subprocess.CompletedProcess([], code, out, err), flag)
 
 
+def fp16_steps(a: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """|a - ref| in units of the fp16 spacing just above |ref| (both fp16; subnormals'
+    spacing 2^-24 near zero)."""
+    mag = ref.abs()
+    step = torch.nextafter(mag, torch.full_like(mag, torch.inf)).float() - mag.float()
+    return (a.float() - ref.float()).abs() / step
+
+
 def _products_against_float64(device: str):
     """The default quantiser's rows on correlated_block with each refit product: planes
     (codes) identical to float64's, LUT entries at most one fp16 step from it."""
-    from bench.quantize_refit_product import fp16_steps
     from pagedweight.offline.apl_quantizer import QuantizerConfig
     from pagedweight.offline.error_feedback import feedback_factors
 

@@ -1,5 +1,5 @@
 """The streaming quantiser (the default `quantize`) against the whole-model one it replaced
-(quantize_in_memory.py, unchanged): same planes and LUTs bit for bit, the same Hessians,
+(tests/offline/quantize_reference.py, unchanged): same planes and LUTs bit for bit, the same Hessians,
 output Fisher, sensitivity tables and residual heads within float tolerance, on every
 shared model and on the Qwen3-MoE and OLMoE families; and a run interrupted mid-way
 resumes from its work directory to the same artifact, refusing a directory from another
@@ -20,10 +20,10 @@ import torch
 from pagedweight.common.errors import UserError
 from pagedweight.format.paged_model import load_paged_model
 from pagedweight.offline.quantize import quantize_model
-from pagedweight.offline.quantize_in_memory import quantize_model_in_memory
 from tests.conftest import BUNDLED_MODEL, REPO_ROOT, shared_model_dirs
 from tests.model.families import PIPELINE_FAMILIES, reference_model, write_checkpoint
 from tests.offline.conftest import quick_config
+from tests.offline.quantize_reference import quantize_model_in_memory
 
 RTOL = 1e-5
 SCALE_TOKENS = 48  # per calibration file for the loss scales: two windows

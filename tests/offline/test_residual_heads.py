@@ -3,7 +3,7 @@
 import torch
 
 from pagedweight.offline.residual_heads import (
-    ResidualHeads, fit_residual_heads, holdout_mask, routing_features,
+    ResidualConfig, ResidualHeads, fit_residual_heads, holdout_mask, routing_features,
 )
 
 
@@ -35,6 +35,13 @@ def test_pure_noise_gives_no_skill():
 def test_holdout_takes_every_nth_chunk_of_each_domain():
     mask = holdout_mask(["a", "b", "a", "a", "b", "b"], 2)
     assert mask.tolist() == [False, False, True, False, True, False]
+
+
+def test_holdout_every_sets_how_many_chunks_the_report_holds_out():
+    x, y, domains = synthetic()  # 100 chunks per domain
+    for every, held in ((5, 40), (4, 50), (10, 20)):
+        _, report = fit_residual_heads(x, y, domains, ResidualConfig(holdout_every=every))
+        assert report["num_heldout_chunks"] == held and report["num_train_chunks"] == 200 - held
 
 
 def test_routing_features_are_per_layer_fractions():

@@ -20,7 +20,7 @@ from pagedweight.planner.loss_scale import GroupScales, group_key
 from pagedweight.planner.messages import KVPressure, PlannerRegistration, PlanRequest, PromptMix
 from pagedweight.planner_service.server import PlannerServicer
 from pagedweight.rpc import planner_messages, planner_pb2, planner_pb2_grpc
-from pagedweight.weights.in_process_planner import InProcessPlanner
+from pagedweight.planner.in_process_planner import InProcessPlanner
 from pagedweight.worker.remote_planner import RemotePlanner
 from service_procs import free_port
 

@@ -2,7 +2,7 @@
 
 The pager's tests need a planner whose choices are easy to predict and independent of
 the planner library, so a pager bug cannot hide behind a planner change. Serving uses
-weights/in_process_planner.py (the planner library's policies); nothing ships this.
+planner/in_process_planner.py (the planner library's policies); nothing ships this.
 
 To free X bytes, repeatedly take the one-bit reduction with the least added sensitivity
 per byte freed until at least X is freed; to spend Y bytes, take the one-bit increases
@@ -19,7 +19,7 @@ import numpy as np
 
 from pagedweight.format.blocks import MAX_BITS, MIN_BITS, BlockId
 from pagedweight.planner.messages import SPEND, PlannerRegistration, PlanRequest, PlanResponse
-from pagedweight.weights.in_process_planner import page_table_registration
+from pagedweight.planner.in_process_planner import page_table_registration
 
 
 class GreedyPlanner:

@@ -8,7 +8,7 @@ import numpy as np
 from conftest import build, check_accounting, full_bytes
 from pagedweight.memory.pool import KV_USED
 from pagedweight.planner.messages import RoutingSnapshot
-from pagedweight.weights.in_process_planner import InProcessPlanner, page_table_registration
+from pagedweight.planner.in_process_planner import InProcessPlanner, page_table_registration
 from pagedweight.weights.synthetic import random_blocks
 from pagedweight.weights.weight_pager import WeightPager
 

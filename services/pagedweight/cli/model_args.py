@@ -8,9 +8,8 @@ import torch
 
 from pagedweight.cli.config_defaults import default_of
 from pagedweight.common.errors import UserError
+from pagedweight.model.dtypes import DTYPES
 from pagedweight.runtime import RuntimeConfig
-
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from pagedweight.common.errors import CheckpointError, UnsupportedModelError
 from pagedweight.format.model_config import (
-    MAX_EXPERTS, MAX_HEAD_DIM, MAX_HEADS, MAX_HIDDEN, MAX_INTERMEDIATE, MAX_LAYERS, MAX_POSITIONS, MAX_VOCAB,
+    FAMILY_PARSERS, MAX_EXPERTS, MAX_HEAD_DIM, MAX_HEADS, MAX_HIDDEN, MAX_INTERMEDIATE, MAX_LAYERS, MAX_POSITIONS, MAX_VOCAB,
     LayerAttention, _eos_ids, _Fields,
 )
 
@@ -180,3 +180,6 @@ def _rope(f: _Fields, layer_types: list[str]) -> dict[str, tuple[float, float]]:
                                         f"rope_type 'default' is not supported")
         out[kind] = (fields.float("rope_theta", 0.0, 1e12, default=10_000.0), fraction)
     return out
+
+
+FAMILY_PARSERS["Gemma4ForCausalLM"] = parse_gemma4

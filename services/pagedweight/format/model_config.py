@@ -171,11 +171,8 @@ class ModelConfig:
 
     @classmethod
     def _parse(cls, f: "_Fields", architecture: str) -> "ModelConfig":
-        if architecture == "Gemma4ForCausalLM":
-            # imported here: gemma4_config builds a ModelConfig, so it imports this module
-            from pagedweight.format.gemma4_config import parse_gemma4
-
-            return parse_gemma4(cls, f)
+        if architecture in FAMILY_PARSERS:  # a family parsed in a module of its own
+            return FAMILY_PARSERS[architecture](cls, f)
         if architecture in ("Qwen3MoeForCausalLM", "OlmoeForCausalLM"):
             return cls._parse_qk_norm_family(f, architecture)
         qwen = architecture == "Qwen2MoeForCausalLM"
@@ -447,3 +444,9 @@ def read_eos_token_ids(model_dir) -> tuple[int, ...]:
             raise CheckpointError(f"{path}: eos_token_id must be a non-negative integer or a list of them")
         ids.extend(v for v in values if v not in ids)
     return tuple(ids)
+
+
+# architecture -> parse(ModelConfig, _Fields) for families parsed in their own module, which
+# imports this one and registers itself (gemma4_config.py; pagedweight.format imports it), so
+# imports run one way.
+FAMILY_PARSERS: dict = {}

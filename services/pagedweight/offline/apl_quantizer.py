@@ -51,7 +51,7 @@ class QuantizerConfig:
     importance_floor: float = 1e-3
     # GPTQ error feedback at the 3-bit seed width (needs the full input Hessians, which
     # the calibration then records); dampening: this fraction of the mean diagonal. 3.0,
-    # not the 0.1 that was best for one width alone (bench/quantize_gptq_probe.py): under
+    # not the 0.1 that was best for one width alone (docs/quantize.md): under
     # nesting a gentler feedback keeps the seed clusters tighter, so the 4-6-bit splits
     # lose less. Widths whose LUTs are refitted under the full input Hessian
     # (lut_refit.py; () = off), and the ridge toward the bucket means (in units of each

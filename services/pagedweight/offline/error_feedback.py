@@ -12,7 +12,7 @@ overlap in value, so the splits above the seed width fit them worse than k-means
 clusters; a stronger dampening gives up some of the seed width's gain for less of that
 loss (docs/quantize.md: with the LUT refit beside it, d = 3.0 x mean diagonal, the default,
 was the setting that lowered the planner's mean KL at every budget; feedback alone measured
-best at d = 1.0, and bench/quantize_gptq_probe.py found 0.1 best for one width alone).
+best at d = 1.0, and 0.1 for one width alone).
 
 The full Hessian of an expert is smoothed like its diagonal (calibrate.smoothed_hessians):
 the off-diagonal sums are divided by (tokens + prior_tokens) and the diagonal is the

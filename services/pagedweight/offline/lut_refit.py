@@ -5,7 +5,7 @@ bucket (the weights whose code selects it), which is optimal only when the colum
 do not interact (H diagonal). With the codes fixed, the LUT minimising the block's output
 error (w - lut[codes]) H (w - lut[codes])^T solves (S H S^T) lut = S H w, S the one-hot
 [K, C] of the row's codes. Solved alone that overfits: an entry few weights use comes from
-a nearly singular S H S^T and extrapolates (bench/quantize_gptq_probe.py: the held-out
+a nearly singular S H S^T and extrapolates (without it the held-out
 block error rose 1.3-3x at 4 bits on tiny-qwen-moe). The ridge pulls each entry toward its
 bucket mean with the bucket's own diagonal mass m_k = sum_{c in k} H[c, c]:
 

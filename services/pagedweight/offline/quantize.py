@@ -21,7 +21,7 @@ the work directory (work_dir.py), which also makes the run resumable. Phases:
    at a time in fp32, every group's trial carried forward together, resumable.
 Shared experts and every non-expert weight are copied in bf16, unquantised. Peak device
 and host memory are logged and recorded under the artifact's "quantizer" section. The
-result equals the whole-model quantiser's (quantize_in_memory.py) when both compute in
+result equals the whole-model quantiser's (tests/offline/quantize_reference.py) when both compute in
 fp32: the same batches meet the same operations, only one layer at a time.
 """
 

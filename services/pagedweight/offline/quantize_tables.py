@@ -1,7 +1,7 @@
 """The tables `quantize` derives from calibration statistics and quantisation errors:
 per-chunk sensitivities for one layer, the prompt-residual heads fitted on them, the
 Gauss-Newton section, and the artifact's metadata sections. Shared by the streaming
-quantiser (quantize.py) and the whole-model reference (quantize_in_memory.py), so both
+quantiser (quantize.py) and the whole-model reference (tests/offline/quantize_reference.py), so both
 write the same artifact from the same numbers.
 """
 

@@ -14,7 +14,7 @@ import uuid
 from pagedweight.common.errors import UserError
 from pagedweight.planner.messages import PlanResponse
 from pagedweight.rpc import planner_messages, planner_pb2
-from pagedweight.weights.in_process_planner import InProcessPlanner
+from pagedweight.planner.in_process_planner import InProcessPlanner
 
 
 class WorkerPlanState:

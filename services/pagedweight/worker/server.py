@@ -40,7 +40,7 @@ def load_runtime(config: WorkerConfig):
     """The engine's runtime (runtime.build_runtime) from the worker's flags."""
     import torch
 
-    from pagedweight.cli.model_args import DTYPES
+    from pagedweight.model.dtypes import DTYPES
     from pagedweight.engine.engine import EngineConfig
     from pagedweight.engine.scheduler import SchedulerConfig
     from pagedweight.memory.kv_cache import KVCacheConfig

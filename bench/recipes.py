@@ -1,0 +1,70 @@
+"""The named benchmark runs: one row per recipe, the only place a device call's arguments live.
+
+A recipe is a benchmark module of this package and the arguments of one documented run;
+`python -m bench run NAME` runs it (extra arguments after `--` are appended, so a flag given
+there overrides the recipe's). `{artifacts}` in an argument is the folder of paged models
+(`--artifacts`, default $PAGEDWEIGHT_ARTIFACTS): `pagedweight quantize` writes them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    module: str           # bench.<module>
+    args: tuple[str, ...]
+    device: str           # "cpu" or "gpu": where the recorded result was measured
+    what: str             # one line: what the run measures (docs/benchmarks.md lists them)
+
+
+RECIPES = (
+    # --- CPU: runs on a laptop in minutes ---------------------------------------------------
+    Recipe("decode-speed", "decode_speed", (), "cpu",
+           "batch-1 decode of the bundled models against transformers, same CPU, same run"),
+    Recipe("planner-speed", "planner_speed", (), "cpu",
+           "every planner policy's plan at Qwen1.5-MoE size (2,880 blocks) against a heapq greedy"),
+    Recipe("controller-scale", "controller_scale", ("--baseline-ref", ""), "cpu",
+           "planner, pager, page table and routing feed at 2,880 / 12,288 / 30,000 blocks"),
+    Recipe("quantize-eval", "quantize_eval", ("--artifacts", "{artifacts}", "--quantize-missing"), "cpu",
+           "perplexity by bits, sensitivity against damage, quantisation time"),
+    Recipe("quality-budget", "quality_budget", ("--artifacts", "{artifacts}"), "cpu",
+           "KL to bf16 and perplexity of every policy at 20-50% of the bf16 expert bytes"),
+    Recipe("online-residuals", "online_residuals", ("--artifacts", "{artifacts}"), "cpu",
+           "held-out quality with and without online prompt residuals at a fixed budget"),
+    Recipe("engine-policies", "engine_policies", ("--model", "{artifacts}/micro-mixtral"), "cpu",
+           "the engine under load: pagedweight against static 8 and 4 bits at one budget"),
+    Recipe("serve-load", "serve_load", ("--model", "{artifacts}/micro-mixtral"), "cpu",
+           "the gRPC/HTTP cluster under a Poisson trace against the in-process engine"),
+    Recipe("elasticity-cpu", "elasticity", ("--shape", "qwen-scaled", "--device", "cpu"), "cpu",
+           "precision elasticity at a CPU-sized Qwen1.5-MoE ratio (checks the benchmark)"),
+    Recipe("real-shape-cpu", "real_shape", ("--model", "tiny-qwen-moe", "--device", "cpu"), "cpu",
+           "the real-shape benchmark on a tiny model (checks the benchmark)"),
+    # --- GPU: one device call each (at most 10 minutes) ---------------------------------------
+    Recipe("real-shape-qwen", "real_shape",
+           ("--model", "qwen1.5-moe-a2.7b", "--modes", "graphs-inplace", "graphs-overlap", "--time-limit-s", "540"),
+           "gpu", "Qwen1.5-MoE-A2.7B serving: transformers, bf16, static bits, pressure, HBM floor"),
+    Recipe("real-shape-mixtral", "real_shape",
+           ("--model", "mixtral-8x7b", "--concurrency", "1", "--kv-gib", "2", "--skip", "hf", "pressure",
+            "--time-limit-s", "540"), "gpu", "Mixtral-8x7B at 4 bits, batch 1, against its HBM floor"),
+    Recipe("real-shape-qwen3", "real_shape", ("--model", "qwen3-30b-a3b", "--time-limit-s", "540"), "gpu",
+           "Qwen3-30B-A3B serving at its published shape"),
+    Recipe("real-shape-olmoe", "real_shape", ("--model", "olmoe-1b-7b", "--time-limit-s", "540"), "gpu",
+           "OLMoE-1B-7B serving at its published shape"),
+    Recipe("real-shape-gemma4", "real_shape", ("--model", "gemma-4-26b-a4b", "--time-limit-s", "540"), "gpu",
+           "Gemma-4-26B-A4B serving at its published shape"),
+    Recipe("elasticity-qwen", "elasticity",
+           ("--shape", "qwen1.5-moe-a2.7b", "--layers", "12", "--device", "cuda", "--time-limit-s", "540"),
+           "gpu", "pagedweight against static bits under KV pressure, Qwen1.5-MoE width, 12 layers"),
+    Recipe("pool-split", "pool_split_gpu", (), "gpu",
+           "reserved device memory against the budget while the weights/KV split moves"),
+    Recipe("quantize-stream-mixtral", "quantize_stream", ("--model", "Mixtral-8x7B", "--layers", "2"), "gpu",
+           "streaming quantisation at Mixtral-8x7B shape, 2 layers: time and peak memory"),
+    Recipe("quantize-full-depth", "quantize_stream",
+           ("--model", "Qwen1.5-MoE-A2.7B", "--calib-tokens", "2048", "--name", "quantize_full_depth_qwen"),
+           "gpu", "streaming quantisation of the whole Qwen1.5-MoE-A2.7B shape within one call"),
+)
+
+BY_NAME = {r.name: r for r in RECIPES}

@@ -1,0 +1,195 @@
+"""The docs' result tables, regenerated from bench/results/: `python -m bench tables`.
+
+A page marks each generated table with `<!-- table: NAME -->` ... `<!-- /table -->`; this
+rewrites what lies between from the result files NAME reads (TABLES below), so a new run
+followed by `python -m bench tables` updates the docs and the diff shows what moved.
+`--check` exits 1 where a page differs from what the results give (nothing is written).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "bench" / "results"
+DOCS = REPO / "docs"
+
+
+def load(name: str) -> dict:
+    return json.loads((RESULTS / name).read_text())
+
+
+def row(*cells) -> str:
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+def header(*names) -> list[str]:
+    return [row(*names), "|" + "---|" * len(names)]
+
+
+def source(*files: str) -> str:
+    stamps = [f"`{f}` ({load(f)['gpu']}, {str(load(f)['date'])[:10]})" for f in files]
+    return "From " + ", ".join(stamps) + "."
+
+
+def _loads_by_mode(entry) -> dict:
+    """mode -> {concurrency: tok/s} from a real_shape section (a list of loads, or per mode)."""
+    if isinstance(entry, list):
+        return {"eager": {r["concurrency"]: r["output_tokens_per_s"] for r in entry}}
+    out = {}
+    for mode, value in (entry or {}).items():
+        loads = value.get("loads") if isinstance(value, dict) else value
+        out[mode] = {r["concurrency"]: r["output_tokens_per_s"] for r in loads or []}
+    return out
+
+
+def real_shape(files: list[str]) -> list[str]:
+    """Output tok/s per concurrency: transformers, our engine in bf16 and the runtime at
+    static bits, each mode, with the HBM floor of the same run."""
+    lines = header("model", "decoder, mode", "c=1", "c=16", "c=64")
+    for f in files:
+        d = load(f)
+        model, rows = d["model"], []
+        hf = {r["concurrency"]: r["output_tokens_per_s"] for r in d.get("transformers_generate", [])}
+        if hf:
+            rows.append(("transformers generate, bf16", hf))
+        rows += [(f"engine bf16, {m}", v) for m, v in _loads_by_mode(d.get("engine_bf16_dense")).items()]
+        for name, static in (d.get("runtime_static") or {}).items():
+            modes = static.get("modes") if isinstance(static, dict) and "modes" in static else {"eager": static.get(
+                "loads", []) if isinstance(static, dict) else static}
+            rows += [(f"runtime {name}, {m}", {r["concurrency"]: r["output_tokens_per_s"] for r in v})
+                     for m, v in modes.items() if isinstance(v, list)]
+        rows += [(f"HBM floor {k}", {int(c): x["floor_tokens_per_s"] for c, x in v.items()})
+                 for k, v in d.get("hbm_floor", {}).items() if k in ("bf16", "static-4")]
+        for label, by_c in rows:
+            lines.append(row(model, label, *(by_c.get(c, "") for c in (1, 16, 64))))
+    return lines + ["", source(*files)]
+
+
+def elasticity(files: list[str]) -> list[str]:
+    lines = header("trace", "policy", "output tok/s", "preemptions", "mean bits min / served", "page moves", "plans")
+    for f in files:
+        for trace, policies in load(f)["traces"].items():
+            for name, r in policies.items():
+                if "output_tokens_per_s" not in r:  # cut by the run's time limit
+                    continue
+                bits = f"{r.get('bits_mean_min', 0):.2f} / {r.get('bits_mean_served', 0):.2f}"
+                lines.append(row(trace, name, round(r["output_tokens_per_s"]), r.get("preemptions", ""), bits,
+                                 r.get("page_moves", ""), r.get("plans", "")))
+    return lines + ["", source(*files)]
+
+
+def quantize_stream(files: list[str]) -> list[str]:
+    lines = header("model", "layers", "quantise s", "s per layer", "full depth s", "peak device GiB",
+                   "peak host GiB", "artifact GB")
+    for f in files:
+        d = load(f)
+        depth = f"{d['layers_built']} of {d['layers_full']}"
+        lines.append(row(d["model"], depth, round(d["quantize_seconds"]), round(d["per_layer_seconds"], 1),
+                         round(d["full_depth_seconds_extrapolated"]), round(d["peak_device_gib"], 1),
+                         round(d["peak_host_bytes"] / 2**30, 1), round(d.get("artifact_bytes", 0) / 1e9, 1)))
+    return lines + ["", source(*files)]
+
+
+def planner_speed(files: list[str]) -> list[str]:
+    d = load(files[0])
+    lines = header("plan", "median ms", "p90 ms")
+    shown = ("pagedweight@3", "pagedweight@4", "uniform@4", "mxmoe@4", "dpllm@4", "online tick", "heapq@3", "heapq@4")
+    plans = {**d["static_plans"], "online tick": d["online_tick"], **d["baseline_python_heapq"]}
+    for name, r in ((n, plans[n]) for n in shown if n in plans):
+        lines.append(row(name, r["median_ms"], r["p90_ms"]))
+    return lines + ["", source(*files)]
+
+
+def controller_scale(files: list[str]) -> list[str]:
+    d = load(files[0])
+    keys = ["planner_solve_ms", "idle_boundary_us", "plan_free_10pct_ms", "lower_10pct_boundary_ms",
+            "feed_snapshot_us"]
+    lines = header("blocks", *keys)
+    for r in d["results"]:
+        lines.append(row(r["num_blocks"], *(r.get(k, "") for k in keys)))
+    return lines + ["", source(*files)]
+
+
+def decode_speed(files: list[str]) -> list[str]:
+    lines = header("model", "pagedweight tok/s", "transformers tok/s", "speed-up")
+    for r in load(files[0])["results"]:
+        lines.append(row(r["model"], r["pagedweight_tokens_per_s"], r["transformers_tokens_per_s"], r["speedup"]))
+    return lines + ["", source(*files)]
+
+
+def serve_load(files: list[str]) -> list[str]:
+    lines = header("trace", "in-process tok/s", "worker gRPC tok/s", "cluster (HTTP) tok/s", "cluster overhead")
+    for f in files:
+        d = load(f)
+        t = d["trace"]
+        trace = f"{t['num_prompts']} prompts, rate {t['request_rate'] or 'max'}, concurrency {t['max_concurrency']}"
+        lines.append(row(trace, d["in_process_output_tok_s_mean"], d["worker_grpc_output_tok_s_mean"],
+                         d["cluster_output_tok_s_mean"], f"{d['overhead_output_tok_s']:.0%}"))
+    return lines + ["", source(*files)]
+
+
+def engine_policies(files: list[str]) -> list[str]:
+    lines = header("device", "policy", "output tok/s", "preemptions", "mean bits min")
+    for f in files:
+        d = load(f)
+        for name, r in d["results"].items():
+            lines.append(row(d["load"]["device"], name, r.get("output_tokens_per_s", ""), r.get("preemptions", ""),
+                             r.get("bits_mean_min", "")))
+    return lines + ["", source(*files)]
+
+
+# table name -> (generator, result files)
+TABLES = {
+    "real_shape": (real_shape, ["real_shape_qwen1.5-moe-a2.7b_cuda_overlap2.json",
+                                "real_shape_qwen1.5-moe-a2.7b_cuda_acqrel_fma.json",
+                                "real_shape_mixtral-8x7b_cuda_gemv.json", "real_shape_qwen3-30b-a3b_cuda.json",
+                                "real_shape_olmoe-1b-7b_cuda.json", "real_shape_gemma-4-26b-a4b_cuda.json"]),
+    "elasticity": (elasticity, ["elasticity_qwen1.5-moe-a2.7b_cuda_idle17.json"]),
+    "elasticity_all_policies": (elasticity, ["elasticity_qwen1.5-moe-a2.7b_cuda_stable17.json"]),
+    "quantize_stream": (quantize_stream, ["quantize_full_depth_qwen_a2bd005.json", "quantize_mixtral_2layer.json"]),
+    "planner_speed": (planner_speed, ["planner_speed.json"]),
+    "controller_scale": (controller_scale, ["controller_scale.json"]),
+    "decode_speed": (decode_speed, ["decode_speed.json"]),
+    "serve_load": (serve_load, ["serve_load_micro-mixtral_c16.json", "serve_load_micro-mixtral_poisson8_24MiB.json"]),
+    "engine_policies": (engine_policies, ["engine_policies_micro-mixtral_cpu.json",
+                                          "engine_policies_micro-mixtral_cuda.json"]),
+}
+# whole pages a benchmark renders from its own result: page -> (module of bench/, result file)
+PAGES = {"quality_budget.md": ("quality_budget", "quality_budget.json")}
+MARK = re.compile(r"(<!-- table: (\w+) -->\n)(.*?)(<!-- /table -->)", re.S)
+
+
+def render(text: str) -> str:
+    def fill(m: re.Match) -> str:
+        generate, files = TABLES[m.group(2)]
+        return m.group(1) + "\n".join(generate(files)) + "\n" + m.group(4)
+    return MARK.sub(fill, text)
+
+
+def page_text(page: Path) -> str:
+    """What a page should hold: a benchmark's whole rendered page, or the page with its
+    marked tables filled in."""
+    if page.name in PAGES:
+        import importlib
+
+        module, result = PAGES[page.name]
+        return importlib.import_module(f"bench.{module}").markdown(load(result))
+    return render(page.read_text())
+
+
+def main(argv: list[str] | None = None) -> int:
+    check = "--check" in (sys.argv[1:] if argv is None else argv)
+    stale = []
+    for page in sorted(DOCS.glob("*.md")):
+        text = page.read_text()
+        new = page_text(page)
+        if new != text:
+            stale.append(page.name)
+            if not check:
+                page.write_text(new)
+    print(("stale: " if check else "rewrote: ") + (", ".join(stale) or "nothing"))
+    return 1 if check and stale else 0
