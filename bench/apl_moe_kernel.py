@@ -5,10 +5,7 @@ For Qwen1.5-MoE-A2.7B and Mixtral-8x7B layer shapes with synthetic APL weights, 
   fused      pagedweight_kernels.apl_moe.apl_moe: at decode (<= 4 tokens per expert) the
              tensor-core decode kernel, 2 launches per layer and bit class present; above,
              the same kernel's tiles regime (up to 128 tokens per expert)
-  fused_legacy  the same operator with legacy_decode=True: the first decode kernel (CUDA
-             cores, shared-memory LUT, 4 launches) or, from 2 tokens per expert, the prefill
-             kernel (apl_moe.cu), measured in the same run as the baseline
-  per_block  the same kernels launched once per expert block, as Any-Precision LLM does
+  per_block  the prefill kernel launched once per expert block, as Any-Precision LLM does
              (plus the gather/scatter glue such a design needs)
   bf16_bmm   bf16 PyTorch, weights gathered per (token, slot) and a batched matmul
              (only where the gathered copy is small: tokens*k <= 32)
@@ -23,7 +20,7 @@ layers in turn); each method is captured in a CUDA graph of REPS calls and timed
 replaying it (median of TRIALS). Writes bench/results/apl_moe_kernel.json.
 
 Usage on the GPU machine: PYTHONPATH=.:services:kernels python3 -m bench.apl_moe_kernel [--quick]
-[--tokens 64 256] [--bits 4 8] [--no-per-block] [--no-legacy] [--name FILE]
+[--tokens 64 256] [--bits 4 8] [--no-per-block] [--name FILE]
 """
 
 from __future__ import annotations
@@ -39,7 +36,8 @@ import torch
 import torch.nn.functional as F
 
 from bench.bench_meta import write_result
-from pagedweight_kernels.apl_moe import APLLayer, ResidentBlock, apl_moe, launch_gemm, plan_launch
+from pagedweight_kernels.apl_moe import APLLayer, ResidentBlock, apl_moe, plan_launch
+from pagedweight_kernels.launch import launch_prefill
 from pagedweight_kernels.synthetic import nested_luts
 from pagedweight.format.apl_format import lut_width
 
@@ -136,7 +134,7 @@ class PerBlock:
         for e in ids_cpu.unique().tolist():
             tok, slot = (ids_cpu == e).nonzero(as_tuple=True)
             n = len(tok)
-            plan = plan_launch(n, 1, 1, layer.hidden, layer.intermediate, layer.max_bits, legacy_decode=True)
+            plan = plan_launch(n, 1, 1, layer.hidden, layer.intermediate, layer.max_bits, regime="prefill")
             meta = torch.tensor([0, 0, n], dtype=torch.int32, device=device)
             self.experts.append((e, n, tok.to(device), slot.to(device), plan, meta,
                                  torch.ones(1, dtype=torch.int32, device=device),
@@ -147,10 +145,10 @@ class PerBlock:
         for e, n, tok, slot, plan, meta, one, arange in self.experts:
             h = torch.empty(n, L.intermediate, dtype=x.dtype, device=x.device)
             y = torch.empty(plan.down.splits, n, L.hidden, dtype=torch.float32, device=x.device)
-            launch_gemm(0, plan.gate_up, L.gate_up_desc[e:], meta, one, arange, 1, x[tok], L.intermediate,
-                        L.hidden, L.max_bits, h_out=h)
-            launch_gemm(1, plan.down, L.down_desc[e:], meta, one, arange, 1, h, L.hidden, L.intermediate,
-                        L.max_bits, y_out=y, num_slots=n)
+            launch_prefill(0, plan.gate_up, L.gate_up_desc[e:], meta, one, arange, 1, x[tok], L.intermediate,
+                           L.hidden, L.max_bits, h_out=h)
+            launch_prefill(1, plan.down, L.down_desc[e:], meta, one, arange, 1, h, L.hidden, L.intermediate,
+                           L.max_bits, y_out=y)
             out.index_add_(0, tok, (y.sum(0) * self.w[tok, slot, None].float()).to(x.dtype))
         return out
 
@@ -233,8 +231,7 @@ def add_byte_weighted(row, mixed_layers, active, pairs, io_bytes) -> None:
           f"{cell['over_byte_weighted']:.2f}x", flush=True)
 
 
-def bench_model(name, quick, device, bw, tokens=TOKENS, per_block=True, bit_configs=BIT_CONFIGS,
-                legacy=True) -> list[dict]:
+def bench_model(name, quick, device, bw, tokens=TOKENS, per_block=True, bit_configs=BIT_CONFIGS) -> list[dict]:
     E, k, H, I = MODELS[name]
     layers = [SyntheticLayer(E, H, I, seed, device) for seed in range(COPIES)]
     configs = {c: [layer.apl(bit_assignment(c, E, 17)) for layer in layers] for c in bit_configs}
@@ -265,12 +262,6 @@ def bench_model(name, quick, device, bw, tokens=TOKENS, per_block=True, bit_conf
             cell = {"regime": plan.gate_up.regime, "bytes": nbytes, "floor_us": nbytes / bw * 1e6,
                     "fused_us": fused}
             cell["fused_over_floor"] = fused / cell["floor_us"]
-            legacy_plan = plan_launch(T, k, E, H, I, apl[0].max_bits, legacy_decode=True)
-            if legacy and legacy_plan.gate_up.regime != plan.gate_up.regime:
-                cell["legacy_regime"] = legacy_plan.gate_up.regime
-                cell["fused_legacy_us"] = time_calls([lambda c=c, i=i: apl_moe(x[i], *route[i], apl[c], legacy_decode=True)
-                                                      for c, i in pairs])
-                cell["legacy_over_new"] = cell["fused_legacy_us"] / fused
             if per_block and config in ("4", "mixed"):
                 per_block = [PerBlock(*route[i], apl[c]) for c, i in pairs]
                 cell["per_block_us"] = time_calls([lambda j=j, i=i: per_block[j](x[i])
@@ -280,7 +271,6 @@ def bench_model(name, quick, device, bw, tokens=TOKENS, per_block=True, bit_conf
                     cell[f"speedup_vs_{base[:-3]}"] = row[base] / fused
             row[f"bits_{config}"] = cell
             print(f"{name:18s} T={T:3d} bits={config:5s} {plan.gate_up.regime:7s} fused {fused:8.1f} us  "
-                  f"legacy {cell.get('fused_legacy_us', float('nan')):8.1f}  "
                   f"floor {cell['floor_us']:7.1f} us ({cell['fused_over_floor']:.2f}x)  "
                   f"per-block {cell.get('per_block_us', float('nan')):8.1f}  "
                   f"bf16 bmm {row.get('bf16_bmm_us') or float('nan'):8.1f}  "
@@ -298,7 +288,6 @@ def main():
     parser.add_argument("--models", nargs="*", default=list(MODELS))
     parser.add_argument("--tokens", nargs="*", type=int, default=list(TOKENS), help="token counts to time")
     parser.add_argument("--no-per-block", action="store_true", help="skip the per-block baseline")
-    parser.add_argument("--no-legacy", action="store_true", help="skip the legacy_decode=True baseline")
     parser.add_argument("--bits", nargs="*", default=list(BIT_CONFIGS), choices=BIT_CHOICES, help="bit configs to time")
     parser.add_argument("--name", default="apl_moe_kernel", help="result file name (bench/results/NAME.json)")
     parser.add_argument("--out", default=None, help="also copy the JSON here")
@@ -312,7 +301,7 @@ def main():
     results = []
     for name in args.models:
         results += bench_model(name, args.quick, device, bw, tuple(args.tokens), not args.no_per_block,
-                               tuple(args.bits), not args.no_legacy)
+                               tuple(args.bits))
     payload = {"copy_bandwidth_bytes_per_s": bw, "copy_bandwidths": ceilings, "copies": COPIES, "calls_per_graph": REPS,
                "trials": TRIALS, "replays": REPLAYS, "quick": args.quick,
                "has_grouped_mm": hasattr(torch, "_grouped_mm"), "tokens": args.tokens, "results": results}

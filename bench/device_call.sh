@@ -28,23 +28,12 @@ gpu_pytest() {
   PAGEDWEIGHT_TEST_PRECOMPILE=0 timeout -k 10 "$limit" python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short \
     "$@" > "$OUT/$log" 2>&1
 }
-# Staged-regime variants in one process: staged_variants JSON TIMEOUT_S SHAPES VARIANT...
-# (bench.apl_gemv_variants --staged --only-shapes SHAPES), the log and JSON under $OUT; its status.
-staged_variants() {
-  local json=$1 limit=$2 shapes=$3 rc
-  shift 3
-  timeout -k 10 "$limit" python3 -m bench.apl_gemv_variants "$@" --staged --only-shapes "$shapes" --json "$json" \
-    > "$OUT/$json.log" 2>&1
-  rc=$?
-  cp "bench/results/$json.json" "$OUT/" 2> /dev/null
-  return $rc
-}
 # The layer benchmark (bf16 grouped_mm beside it) in one process: layer_bench NAME TIMEOUT_S ARGS...
-# (bench.apl_moe_kernel --no-per-block --no-legacy ARGS), the JSON and log as $OUT/NAME.*; its status.
+# (bench.apl_moe_kernel --no-per-block ARGS), the JSON and log as $OUT/NAME.*; its status.
 layer_bench() {
   local name=$1 limit=$2
   shift 2
-  timeout -k 10 "$limit" python3 -m bench.apl_moe_kernel "$@" --no-per-block --no-legacy --name "$name" \
+  timeout -k 10 "$limit" python3 -m bench.apl_moe_kernel "$@" --no-per-block --name "$name" \
     --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1
 }
 # Every default instance (both dtypes and activations) into the disk cache, in threads; its status.

@@ -8,6 +8,7 @@ Usage on the GPU machine:
 """
 
 import argparse
+import dataclasses
 
 import torch
 
@@ -20,10 +21,10 @@ parser.add_argument("--model", default="mixtral-8x7b", choices=list(MODELS))
 parser.add_argument("--tokens", type=int, default=1)
 parser.add_argument("--bits", default="4")
 parser.add_argument("--stable", action="store_true", help="stable launches (the merged kernel at any bits)")
-parser.add_argument("--staged-wide", type=int, default=op.STAGED_WIDE_NT8,
-                    help="STAGED_WIDE_NT8: 16 for the staged regime's passes of 128 tokens, 0 for none")
+parser.add_argument("--staged-wide", type=int, default=op.DEFAULT_CONFIG.staged_wide_nt8,
+                    help="staged_wide_nt8: 16 for the staged regime's passes of 128 tokens, 0 for none")
 args = parser.parse_args()
-op.STAGED_WIDE_NT8 = args.staged_wide
+config = dataclasses.replace(op.DEFAULT_CONFIG, staged_wide_nt8=args.staged_wide)
 E, k, H, I = MODELS[args.model]
 device = torch.device("cuda")
 layer = SyntheticLayer(E, H, I, 0, device).apl(bit_assignment(args.bits, E, 17))
@@ -31,6 +32,6 @@ layer.stable_launches = args.stable
 ids, w = routings(args.tokens, E, k, 1, device, seed=1)[0]
 x = torch.randn(args.tokens, H, device=device).bfloat16()
 for _ in range(4):
-    apl_moe(x, ids, w, layer)
+    apl_moe(x, ids, w, layer, config=config)
 torch.cuda.synchronize()
 print("done")

@@ -1,6 +1,6 @@
 """The instruction mix per weight of the decode kernel's step loops, read from its SASS
 (docs/kernel.md, "Instruction counts"): compiles one `apl_gemv` instance with the host's
-KERNEL_DEFINES (plus overrides) with nvcc (for sm_90a where the host would: the tiles
+defines (DEFAULT_CONFIG's, plus overrides) with nvcc (for sm_90a where the host would: the tiles
 instances on wgmma), disassembles it with nvdisasm, finds the innermost loops holding HMMA or
 HGMMA and counts their opcodes. An m16n8k16 A fragment is 8 weights a thread, so weights =
 8 x HMMA in a decode loop and 8 x HMMA / NT8 in a tiles loop (a fragment feeds NT8 mma); a
@@ -129,12 +129,12 @@ def build_instance(instance: str, overrides: dict[str, int], workdir: Path) -> t
     defines = kernel_defines(overrides)
     staged = instance.startswith("apl_staged<")
     source = module_text(staged) + f"\ntemplate __global__ void {instance}({STAGED_PARAMS if staged else GEMV_PARAMS});\n"
-    return build_source(source, op.wgmma_build(instance, defines), defines, workdir)
+    return build_source(source, op.wgmma_build(instance), defines, workdir)
 
 
 def kernel_defines(overrides: dict[str, int]) -> dict[str, int]:
-    """The host's compile defines (KERNEL_DEFINES, SiLU), with overrides."""
-    return {**dict(_kernels()[0]._defines("silu")), **overrides}
+    """The host's compile defines (DEFAULT_CONFIG's, SiLU), with overrides."""
+    return {**dict(_kernels()[0].DEFAULT_CONFIG.defines("silu")), **overrides}
 
 
 def module_text(staged: bool) -> str:
@@ -185,7 +185,7 @@ def disassemble(cubin: Path) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("instance", nargs="?", default="apl_gemv<0, 0, true, true, 1>")
-    parser.add_argument("defines", nargs="*", help="NAME=VALUE overrides of KERNEL_DEFINES")
+    parser.add_argument("defines", nargs="*", help="NAME=VALUE overrides of the default defines")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     try:

@@ -3,8 +3,7 @@ per width (and the plane ring) run by bench/staged_host's harness with APL_HOST_
 logs every thread's LSU accesses (the A tiles' STS.128, the activations' and plane words' cp.async,
 the 5-8-bit LUT lookups' LDS.U16, the plane ring's LDS.128) and counts, per warp instruction, the
 wavefronts 32 banks of 4 bytes take (the most distinct words one bank is asked for, at least one
-per 128 bytes) against the fewest its bytes allow. The LUT lookups compare with
-bench/lut_bank_model's staged columns (random codes, 32 rows x 1 lane).
+per 128 bytes) against the fewest its bytes allow.
 
 Usage: python -m bench.staged_banks [--out NAME]   (nvcc, no GPU; bench/results/<NAME>.json)
 """
@@ -23,7 +22,7 @@ import torch
 
 from bench.bench_meta import write_result
 from bench.sass_mix import kernel_defines
-from bench.staged_host import build_harness, host_knobs, planned, projection_case, run_launch
+from bench.staged_host import build_harness, planned, projection_case, run_launch
 from pagedweight_kernels import apl_moe as op
 
 # (name, bits per expert, define overrides, merged): down, 128 rows, 512 columns, 80 tokens x top-2
@@ -37,11 +36,11 @@ CASES = [("3 bits", 3, {}, False), ("4 bits", 4, {}, False), ("4 bits, plane rin
 def count(name: str, bits: int, overrides: dict[str, int], merged: bool, work: Path) -> dict:
     """One launch's bank counts per instruction kind (kinds it never issued left out)."""
     case = projection_case(1, [bits] * 4, 128, 512, 80, 2, torch.bfloat16, seed=1)
-    with host_knobs(overrides):
-        instance, plan, lut_bits = planned(case)
-        if merged:
-            instance, lut_bits = (2, *instance[1:]), 8
-            plan = op.staged_plan(1, 80, 2, 4, 128, 2, lut_bits, 4, instance[3])
+    config = op.DEFAULT_CONFIG.with_knobs(**overrides)
+    instance, plan, lut_bits = planned(case, config)
+    if merged:
+        instance, lut_bits = (2, *instance[1:]), 8
+        plan = op.staged_plan(1, 80, 2, 4, 128, 2, lut_bits, 4, instance[3], config)
     harness = build_harness(work, kernel_defines(overrides), instance)
     banks = work / "banks.json"
     run = run_launch(harness, work, case, plan, lut_bits, env={**os.environ, "APL_HOST_BANKS": str(banks)})

@@ -21,7 +21,6 @@ import struct
 import subprocess
 import sys
 import tempfile
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +28,7 @@ import torch
 
 from bench.sass_mix import kernel_defines, module_text
 from pagedweight_kernels import apl_moe as op
-from pagedweight_kernels.apl_moe import GemmPlan, staged_class, staged_plan, widest_by_class
+from pagedweight_kernels.apl_moe import DEFAULT_CONFIG, GemmPlan, KernelConfig, staged_class, staged_plan, widest_by_class
 from pagedweight_kernels.moe_reference import expert_bounds, gated, group_tokens_by_expert
 from pagedweight_kernels.synthetic import random_block, ragged_routing
 
@@ -68,26 +67,25 @@ def projection_case(mode: int, bits: list[int], rows_out: int, cols: int, num_to
             "num_tokens": num_tokens, "sorted_slot": order.to(torch.int32), "active": active, "x": x, "dtype": dtype}
 
 
-@contextmanager
-def host_knobs(overrides: dict[str, int]):
-    """The host's KERNEL_DEFINES with these knobs for the block's duration: a plan follows the
-    knobs the kernel is compiled with (the plane ring's bytes), then they are put back."""
-    saved = dict(op.KERNEL_DEFINES)
-    op.KERNEL_DEFINES.update(overrides)
-    try:
-        yield
-    finally:
-        op.KERNEL_DEFINES.clear()
-        op.KERNEL_DEFINES.update(saved)
+def knob_overrides(text: str) -> dict[str, int]:
+    """Knob values from "APL_X=1,APL_Y=0" (names of KernelConfig.knobs())."""
+    overrides = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, value = item.partition("=")
+        if name not in DEFAULT_CONFIG.knobs() or not sep or not value.strip().lstrip("-").isdigit():
+            raise ValueError(f"--knobs: {item!r} is not NAME=integer for a knob of {sorted(DEFAULT_CONFIG.knobs())}")
+        overrides[name] = int(value)
+    return overrides
 
 
-def planned(case: dict) -> tuple[tuple, GemmPlan, int]:
-    """(instance, plan, lut_bits) as staged_projection picks them for the case's blocks."""
+def planned(case: dict, config: KernelConfig = DEFAULT_CONFIG) -> tuple[tuple, GemmPlan, int]:
+    """(instance, plan, lut_bits) as staged_projection picks them for the case's blocks under `config`
+    (the one the harness's kernel is compiled with: its plane ring's bytes follow the knobs)."""
     cls, lut_bits = staged_class(widest_by_class(case["bits"]))
     aligned16 = case["cols"] % 128 == 0  # (the harness's plane blobs are 16-byte aligned)
     assignments = case["num_tokens"] * case["top_k"]
     plan = staged_plan(case["mode"], case["num_tokens"], case["top_k"], len(case["bits"]), case["rows_out"], cls,
-                       lut_bits, min(len(case["bits"]), assignments), aligned16)
+                       lut_bits, min(len(case["bits"]), assignments), aligned16, config)
     bf16 = case["dtype"] == torch.bfloat16
     return (cls, case["mode"], bf16, aligned16, plan.tiles), plan, lut_bits
 
@@ -162,12 +160,12 @@ def main(argv=None) -> int:
     parser.add_argument("--top-k", type=int, default=2)
     parser.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--knobs", default="", help='kernel knobs, "APL_X=1,APL_Y=0" (as APL_KERNEL_DEFINES)')
+    parser.add_argument("--knobs", default="", help='kernel knobs, "APL_X=1,APL_Y=0" (KernelConfig.knobs() names)')
     parser.add_argument("--out", required=True, help="a .pt file: output, reference, instance and plan")
     args = parser.parse_args(argv)
     try:
         bits = _bits_list(args.bits)
-        overrides = op.knob_overrides(args.knobs)
+        overrides = knob_overrides(args.knobs)
         if not (0 < args.rows_out <= 4096 and 0 < args.cols <= 8192 and args.cols % 32 == 0
                 and 0 < args.tokens <= 4096 and 0 < args.top_k <= len(bits)):
             raise ValueError("want 0 < rows-out <= 4096, cols a multiple of 32 up to 8192, "
@@ -182,8 +180,7 @@ def main(argv=None) -> int:
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
     case = projection_case(mode, bits, args.rows_out, args.cols, args.tokens, args.top_k, dtype, args.seed)
     try:
-        with host_knobs(overrides):
-            instance, plan, lut_bits = planned(case)
+        instance, plan, lut_bits = planned(case, DEFAULT_CONFIG.with_knobs(**overrides))
     except op.APLKernelError as err:
         print(f"staged_host: {err}", file=sys.stderr)
         return 2

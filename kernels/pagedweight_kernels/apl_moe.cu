@@ -1,8 +1,7 @@
 // Fused mixed-precision MoE over APL bit-planes (docs/apl_format.md, docs/kernel.md).
 //
 // The prefill regime (above apl_gemv.cu's tiles regime: more than 128 tokens per expert or
-// 4096 assignments), and the first decode kernel (kept as the benchmark's baseline; the
-// decode and tiles regimes run apl_gemv.cu, compiled after this file and using its helpers).
+// 4096 assignments) and the helpers apl_gemv.cu and apl_staged.cu use (compiled after this file).
 // One MoE layer = four launches on one stream, no host synchronisation:
 //   1. moe_align     one CTA: group the T*k (token, slot) assignments by expert; list the
 //                    active experts (expert id, first sorted position, token count).
@@ -12,13 +11,9 @@
 //                    indexed by the original slot t*k+j.
 //   4. moe_combine   out[t] = sum_j w[t,j] * sum_split y[split, t*k+j]: a fixed-order,
 //                    deterministic reduction (no float atomics).
-// Steps 2 and 3 come in two regimes, chosen per launch by the host from tokens per expert:
-//   apl_decode   few tokens per expert, memory-bound GEMV: LPR lanes share one weight row,
-//                each plane word is read once, LUTs and activations sit in shared memory,
-//                grid = (row tiles, active experts, column splits) so small experts still
-//                fill the GPU.
-//   apl_prefill  many tokens per expert: each CTA dequantises a 64-row x 128-column weight
-//                tile into shared memory and runs bf16/fp16 mma.sync (m16n8k16, fp32 accum).
+// Steps 2 and 3 here are apl_prefill: each CTA dequantises a 64-row x 128-column weight tile
+// into shared memory and runs bf16/fp16 mma.sync (m16n8k16, fp32 accum). apl_staged.cu's
+// regime takes the same four launches with its own projection kernel.
 //
 // Block descriptor (int64 [DESC_WIDTH] per block, one row per expert and module):
 //   [0] bits (3..8)   [1] address of LUT_bits (fp16 [rows, 2^bits])
@@ -26,26 +21,6 @@
 // So every plane of every block may live anywhere in the memory pool.
 //
 // No headers: half/bf16 conversions and mma are inline PTX, so NVRTC needs no include path.
-
-// Tuning knobs (NVRTC -D; the launcher passes the same values it plans with).
-#ifndef APL_LDS_MODE
-#define APL_LDS_MODE 1      // LUT reads: 1 asm volatile ld.shared, 2 plain asm, 0 C++ pointer
-#endif
-#ifndef APL_RPG_DIV
-#define APL_RPG_DIV 8       // decode: a group of LPR lanes owns max(1, LPR / APL_RPG_DIV) rows
-#endif
-#ifndef APL_PREFETCH
-#define APL_PREFETCH 1      // decode: load the next plane words before using the current ones
-#endif
-#ifndef APL_SHIFT_MODE
-#define APL_SHIFT_MODE 0    // code extraction: 0 SHF (ALU pipe), 1 right shifts as IMAD.HI (FMA pipe)
-#endif
-#ifndef APL_PREFILL_MIN_BLOCKS
-#define APL_PREFILL_MIN_BLOCKS 1  // prefill CTAs per SM the register budget must allow (tiles <= 64)
-#endif
-#ifndef APL_DECODE_MIN_BLOCKS
-#define APL_DECODE_MIN_BLOCKS 2
-#endif
 
 // u16, u32 and the 16-bit float conversions: dtype_conversions.cu (prepended by apl_moe.py)
 #define DESC_WIDTH 10
@@ -154,14 +129,11 @@ APL_HD void lut_fill_unit(const u16* __restrict__ lut, int bits, long long row, 
 }
 
 // ---------------------------------------------------------------- bit-planes -> codes
-#ifndef APL_FMA_SHIFTS_MIN_BITS
-#define APL_FMA_SHIFTS_MIN_BITS 4  // widths from this one up: the code transposes' shifts on the FMA pipe (9: none)
-#endif
-// Measured (docs/kernel.md, "Fewer integer-pipe instructions"): up to 2.6% faster at 4, 8 and
-// mixed bits on the decode shapes and up to 4% on the tiles regime, 0.4-1.9% slower at 3 bits,
-// hence a threshold per width.
+// Widths from 4 up: the code transposes' shifts on the FMA pipe. Measured (docs/kernel.md, "Fewer
+// integer-pipe instructions"): up to 2.6% faster at 4, 8 and mixed bits on the decode shapes and up
+// to 4% on the tiles regime, 0.4-1.9% slower at 3 bits, hence a threshold per width.
 template <int B>
-struct FmaShifts { static constexpr bool on = B >= APL_FMA_SHIFTS_MIN_BITS; };
+struct FmaShifts { static constexpr bool on = B >= 4; };
 
 // a >> S; with FMA, as a multiply-high by 2^(32-S), which the FMA pipe runs, so the integer
 // (ALU) pipe that binds Mixtral-size decode issues one op less.
@@ -240,24 +212,11 @@ struct Codes {
         const u32 v = NIB ? o[j & 3] : o[j & 7];
         const int shift = NIB ? 4 * (j >> 2) - E : 8 * (j >> 3) + 8 - B - E;
         const u32 mask = ((1u << B) - 1u) << E;
-#ifdef __CUDA_ARCH__
-        if (shift > 0) return (APL_SHIFT_MODE ? __umulhi(v, 1u << (32 - shift)) : v >> shift) & mask;
-#else
-        if (shift > 0) return (APL_SHIFT_MODE ? host_mul_hi(v, 1u << (32 - shift)) : v >> shift) & mask;
-#endif
+        if (shift > 0) return (v >> shift) & mask;
         return (v << -shift) & mask;
     }
 };
 
-__device__ __forceinline__ float lds_f32(u32 addr) {
-    float v;
-#if APL_LDS_MODE == 2
-    asm("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(addr));
-#else
-    asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(addr));
-#endif
-    return v;
-}
 APL_HD u16 lds_u16(u32 addr) {
 #ifdef __CUDA_ARCH__
     u16 v; asm volatile("ld.shared.u16 %0, [%1];" : "=h"(v) : "r"(addr)); return v;
@@ -333,7 +292,7 @@ extern "C" __global__ void moe_gather_rows(const uint4* __restrict__ x, const in
     out[idx] = x[(long long)(sorted_slot[pos] / top_k) * chunks + c];
 }
 
-// ---------------------------------------------------------------- 2/3. decode regime
+// ---------------------------------------------------------------- 2/3. weight rows of a CTA
 // MODE 0 (gate_up): the CTA owns output rows [r0, r0+rpc) of h, i.e. gate rows r0.. and
 // up rows I+r0..; local weight row lw < rpc is a gate row, lw >= rpc an up row.
 // MODE 1 (down): local weight row lw is row r0+lw.
@@ -346,178 +305,6 @@ APL_HD int weight_row(int lw, int r0, int rpc, int rows_out, bool* valid) {
     }
     *valid = r0 + lw < rows_out;
     return r0 + lw;
-}
-
-// Decode geometry: a group of LPR lanes owns RPG weight rows and walks their plane words
-// together, so each word's 32 activations (per token) are loaded into registers once and
-// used for RPG rows.
-template <int LPR> struct DecodeShape {
-    static constexpr int RPG = LPR >= APL_RPG_DIV ? LPR / APL_RPG_DIV : 1;  // weight rows per lane group
-    static constexpr int GROUPS = 256 / LPR;
-    static constexpr int ROWS_W = RPG * GROUPS;          // weight rows per CTA (32, or 64 at LPR 4)
-};
-
-// xs[t][w][32] with the 16-byte chunks of each word swizzled by w: conflict-free float4 reads.
-__device__ __forceinline__ int xs_index(int t, int w, int col, int KW) {
-    return (t * KW + w) * 32 + ((((col >> 2) ^ w) & 7) << 2) + (col & 3);
-}
-
-template <int B, int NT, int LPR>
-__device__ __forceinline__ void decode_rows(const BlockRef& blk, const long long (&word0)[DecodeShape<LPR>::RPG],
-                                            const bool (&valid)[DecodeShape<LPR>::RPG],
-                                            const u32 (&lut_base)[DecodeShape<LPR>::RPG],
-                                            const unsigned char* lut_ptr, const u32 (&lut_off)[DecodeShape<LPR>::RPG],
-                                            int KW, int lane,
-                                            const float* __restrict__ xs, float (&acc)[DecodeShape<LPR>::RPG][NT]) {
-    constexpr int RPG = DecodeShape<LPR>::RPG;
-    u32 cur[RPG][8], nxt[RPG][8];
-#pragma unroll
-    for (int r = 0; r < RPG; ++r)
-#pragma unroll
-        for (int p = 0; p < 8; ++p)
-            cur[r][p] = (p < B && valid[r] && lane < KW) ? __ldg(blk.planes[p] + word0[r] + lane) : 0u;
-    for (int w = lane; w < KW; w += LPR) {
-        const int wn = w + LPR;
-#pragma unroll
-        for (int r = 0; r < RPG; ++r)
-#pragma unroll
-            for (int p = 0; p < 8; ++p)
-                nxt[r][p] = (APL_PREFETCH && p < B && valid[r] && wn < KW) ? __ldg(blk.planes[p] + word0[r] + wn) : 0u;
-        float xr[NT][32];
-#pragma unroll
-        for (int t = 0; t < NT; ++t)
-#pragma unroll
-            for (int q = 0; q < 8; ++q) {
-                const float4 v = *reinterpret_cast<const float4*>(xs + xs_index(t, w, 4 * q, KW));
-                xr[t][4 * q] = v.x; xr[t][4 * q + 1] = v.y; xr[t][4 * q + 2] = v.z; xr[t][4 * q + 3] = v.w;
-            }
-#pragma unroll
-        for (int r = 0; r < RPG; ++r) {
-            if (!APL_PREFETCH) {
-#pragma unroll
-                for (int p = 0; p < 8; ++p)
-                    cur[r][p] = (p < B && valid[r]) ? __ldg(blk.planes[p] + word0[r] + w) : 0u;
-            }
-            const Codes<B> codes(cur[r]);
-#pragma unroll
-            for (int j = 0; j < 32; ++j) {
-#if APL_LDS_MODE == 0
-                const float wv = *reinterpret_cast<const float*>(lut_ptr + (lut_off[r] | codes.template offset<2>(j)));
-#else
-                const float wv = lds_f32(lut_base[r] | codes.template offset<2>(j));
-#endif
-#pragma unroll
-                for (int t = 0; t < NT; ++t) acc[r][t] += wv * xr[t][j];
-            }
-        }
-#pragma unroll
-        for (int r = 0; r < RPG; ++r)
-#pragma unroll
-            for (int p = 0; p < 8; ++p) cur[r][p] = nxt[r][p];
-    }
-}
-
-// Grid (row tiles, active experts, column splits), 256 threads. rows_out: I (MODE 0) or H.
-// x: MODE 0 the tokens [T, cols] (row = slot / top_k); MODE 1 h [T*k, cols] by sorted position.
-// lut_log2: log2 of the shared LUT row stride (the layer's largest bit-width).
-template <int NT, int LPR, int MODE, bool BF16>
-__global__ void __launch_bounds__(256, APL_DECODE_MIN_BLOCKS) apl_decode(
-    const long long* __restrict__ desc, const int* __restrict__ active,
-    const int* __restrict__ num_active, const int* __restrict__ sorted_slot, int top_k,
-    const u16* __restrict__ x, int rows_out, int cols, int split_cols, int lut_log2,
-    u16* __restrict__ h_out, float* __restrict__ y_out, int num_slots) {
-    using S = DecodeShape<LPR>;
-    constexpr int RPG = S::RPG, ROWS_W = S::ROWS_W, RPC = MODE == 0 ? ROWS_W / 2 : ROWS_W;
-    extern __shared__ __align__(16) unsigned char smem_raw[];
-    const int a = blockIdx.y;
-    if (a >= *num_active) return;
-    const int e = active[3 * a], start = active[3 * a + 1], n = active[3 * a + 2];
-    const BlockRef blk = load_block(desc, e);
-    const int r0 = blockIdx.x * RPC;
-    const int nr = min(RPC, rows_out - r0);
-    const int c0 = blockIdx.z * split_cols;
-    const int KW = min(split_cols, cols - c0) / 32, words_per_row = cols / 32;
-    const int lut_stride = 1 << lut_log2;
-    const bool bad_bits = blk.bits < 3 || blk.bits > lut_log2;
-    float* lut_s = reinterpret_cast<float*>(aligned_smem(smem_raw));  // [ROWS_W][lut_stride] fp32
-    float* xs = lut_s + ROWS_W * lut_stride;                           // [NT][KW][32], swizzled
-    float* res = xs + NT * KW * 32;                                    // [ROWS_W][NT]
-
-    if (!bad_bits) {
-        const int units = lut_fill_units(blk.bits);
-        for (int idx = threadIdx.x; idx < ROWS_W * units; idx += blockDim.x) {
-            const int lw = idx / units;
-            bool valid;
-            const int row = weight_row<MODE>(lw, r0, RPC, rows_out, &valid);
-            lut_fill_unit(blk.lut, blk.bits, row, idx % units, valid, [&](int ent, u16 v) {
-                lut_s[lw * lut_stride + ent] = valid ? act_to_float<BF16>(lut_to_act<BF16>(v)) : 0.f;
-            });
-        }
-    }
-    const int group = threadIdx.x / LPR, lane = threadIdx.x % LPR;
-    long long word0[RPG];
-    bool valid[RPG];
-    u32 lut_base[RPG], lut_off[RPG];
-    const unsigned char* lut_ptr = reinterpret_cast<const unsigned char*>(lut_s);
-#pragma unroll
-    for (int r = 0; r < RPG; ++r) {
-        const int lw = group + S::GROUPS * r;
-        const int row = weight_row<MODE>(lw, r0, RPC, rows_out, &valid[r]);
-        valid[r] = valid[r] && !bad_bits;
-        word0[r] = (long long)row * words_per_row + c0 / 32;
-        lut_base[r] = shared_addr(lut_s + lw * lut_stride);
-        lut_off[r] = (u32)(lw * lut_stride * 4);
-    }
-    for (int t0 = 0; t0 < n; t0 += NT) {
-        __syncthreads();  // LUT written / previous chunk done with xs and res
-        for (int idx = threadIdx.x; idx < NT * KW * 32; idx += blockDim.x) {
-            const int t = idx / (KW * 32), c = idx % (KW * 32);
-            float v = 0.f;
-            if (t0 + t < n) {
-                const int s = start + t0 + t;
-                const long long row = MODE == 0 ? sorted_slot[s] / top_k : s;
-                v = act_to_float<BF16>(x[row * cols + c0 + c]);
-            }
-            xs[xs_index(t, c >> 5, c & 31, KW)] = v;
-        }
-        __syncthreads();
-        float acc[RPG][NT];
-#pragma unroll
-        for (int r = 0; r < RPG; ++r)
-#pragma unroll
-            for (int t = 0; t < NT; ++t) acc[r][t] = 0.f;
-        if (!bad_bits) {
-            switch (blk.bits) {
-                case 3: decode_rows<3, NT, LPR>(blk, word0, valid, lut_base, lut_ptr, lut_off, KW, lane, xs, acc); break;
-                case 4: decode_rows<4, NT, LPR>(blk, word0, valid, lut_base, lut_ptr, lut_off, KW, lane, xs, acc); break;
-                case 5: decode_rows<5, NT, LPR>(blk, word0, valid, lut_base, lut_ptr, lut_off, KW, lane, xs, acc); break;
-                case 6: decode_rows<6, NT, LPR>(blk, word0, valid, lut_base, lut_ptr, lut_off, KW, lane, xs, acc); break;
-                case 7: decode_rows<7, NT, LPR>(blk, word0, valid, lut_base, lut_ptr, lut_off, KW, lane, xs, acc); break;
-                default: decode_rows<8, NT, LPR>(blk, word0, valid, lut_base, lut_ptr, lut_off, KW, lane, xs, acc); break;
-            }
-        }
-#pragma unroll
-        for (int r = 0; r < RPG; ++r)
-#pragma unroll
-            for (int t = 0; t < NT; ++t) {
-                float v = acc[r][t];
-#pragma unroll
-                for (int off = LPR / 2; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-                if (lane == 0) res[(group + S::GROUPS * r) * NT + t] = bad_bits ? __int_as_float(0x7fc00000) : v;
-            }
-        __syncthreads();
-        for (int idx = threadIdx.x; idx < nr * NT; idx += blockDim.x) {
-            const int lr = idx / NT, t = idx % NT;
-            if (t0 + t >= n) continue;
-            const int s = start + t0 + t;
-            if (MODE == 0) {
-                const float g = res[lr * NT + t], u = res[(RPC + lr) * NT + t];
-                h_out[(long long)s * rows_out + r0 + lr] = float_to_act<BF16>(gate_act(g) * u);
-            } else {
-                y_out[((long long)blockIdx.z * num_slots + sorted_slot[s]) * rows_out + r0 + lr] = res[lr * NT + t];
-            }
-        }
-    }
 }
 
 // ---------------------------------------------------------------- 2/3. prefill regime
@@ -559,7 +346,7 @@ __device__ __forceinline__ void dequant_word(const u32 (&pw)[8], u32 lut_base, u
 // Grid (row tiles of 64 weight rows, active experts, m-tile groups), 256 threads (8 warps).
 // MODE 0: the 64 weight rows are 32 gate rows and their 32 up rows (h columns r0..r0+31).
 template <int MT, int MODE, bool BF16>
-__global__ void __launch_bounds__(256, (MT <= 64 ? APL_PREFILL_MIN_BLOCKS : 1)) apl_prefill(
+__global__ void __launch_bounds__(256, 1) apl_prefill(
     const long long* __restrict__ desc, const int* __restrict__ active,
     const int* __restrict__ num_active, const int* __restrict__ sorted_slot, int top_k,
     const u16* __restrict__ x, int rows_out, int cols, int lut_log2,

@@ -38,10 +38,12 @@ def kernel_instances_compiled(request):
 
 
 @pytest.fixture
-def tiles_regime(monkeypatch):
-    """For the GPU tests of the tiles regime's own launches and knobs (their modules' pytestmark
-    uses it): 3-4-bit layers at 256 or more assignments would take the staged regime by default
-    (apl_moe.staged_layer), which test_apl_staged_gpu covers."""
-    import pagedweight_kernels.apl_moe as op
+def tiles_regime():
+    """The configuration for the GPU tests of the tiles regime's own launches: 3-4-bit layers at 256
+    or more assignments would take the staged regime by default (plan.staged_layer), which
+    test_apl_staged_gpu covers."""
+    import dataclasses
 
-    monkeypatch.setattr(op, "STAGED_CLASSES", frozenset())
+    from pagedweight_kernels.config import DEFAULT_CONFIG
+
+    return dataclasses.replace(DEFAULT_CONFIG, staged_classes=frozenset())

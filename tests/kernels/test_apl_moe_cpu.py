@@ -1,5 +1,6 @@
 """The fused kernel's torch reference, launch planning and argument checks (CPU)."""
 
+import dataclasses
 import math
 
 import pytest
@@ -7,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedweight_kernels.apl_moe import (
-    APLKernelError, APLLayer, ResidentBlock, apl_moe_reference, check_inputs, gemv_extra_shared, lanes_per_row, plan_launch, tiles_per_pass,
+    APLKernelError, APLLayer, ResidentBlock, apl_moe_reference, check_inputs, gemv_extra_shared, plan_launch, tiles_per_pass,
 )
 from pagedweight_kernels import apl_moe
 from pagedweight_kernels.synthetic import quantize_nested, random_block
@@ -126,51 +127,19 @@ def test_plan_picks_decode_for_few_tokens_per_expert_and_tensor_cores_for_many()
                 assert (gemm.splits - 1) * gemm.split_cols < cols  # no empty split
                 assert gemm.shared_bytes + 64 * 256 * 2 <= 227 * 1024
                 assert gemm.grid[2] == gemm.splits
-    # the first decode kernel, kept as a baseline
-    one = plan_launch(1, 4, **qwen, legacy_decode=True)
-    assert one.gate_up.regime == one.down.regime == "decode" and one.gate_up.tokens == 1
-    assert one.max_active == 4 and one.gate_up.grid == (1408 // 16, 4, 1)
-    four = plan_launch(4, 2, **mixtral, legacy_decode=True)
-    assert four.gate_up.regime == "decode" and four.gate_up.tokens == 2
-    assert plan_launch(16, 2, **mixtral, legacy_decode=True).gate_up.regime == "prefill"
-    for T in (1, 2, 4):  # decode splits long down rows so a split's activations fit shared memory
-        down = plan_launch(T, 2, **mixtral, legacy_decode=True).down
-        assert down.split_cols * down.tokens * 4 <= 32 * 1024 and down.splits * down.split_cols >= 14336
-        assert down.shared_bytes <= 227 * 1024
+    # the prefill kernel asked for by regime, at any size (a baseline; the tests' way to reach it)
+    for T in (1, 4, 16):
+        forced = plan_launch(T, 2, **mixtral, regime="prefill")
+        assert forced.gate_up.regime == forced.down.regime == "prefill" and forced.gate_up.tokens == 16
+        assert forced.max_active == min(8, 2 * T) and forced.down.shared_bytes <= 227 * 1024
+    with pytest.raises(APLKernelError, match="regime"):
+        plan_launch(1, 2, **mixtral, regime="decode")
 
 
-@pytest.mark.parametrize("bits,stable", [(5, False), (6, False), (8, False), (4, True), (3, True)])
-def test_decode_launches_with_lut_rows_leave_room_for_four_ctas(bits, stable, monkeypatch):
-    """GEMV_LUT_AWARE_CTAS: a decode launch that reserves shared LUT rows (the widest 5-8-bit
-    block's; 8 bits under stable launches) splits its columns so GEMV_LUT_AWARE_CTAS CTAs fit one
-    SM's shared memory, slot list, staged rows, LUT rows, the kernel's own and the 1 KB the
-    driver keeps per CTA; off (the default), the staging budget alone decides, and 8-bit rows at 16
-    tokens fit 3."""
-    models = (dict(num_experts=60, hidden=2048, intermediate=1408), dict(num_experts=8, hidden=4096, intermediate=14336),
-              dict(num_experts=128, hidden=2048, intermediate=768), dict(num_experts=64, hidden=5120, intermediate=1536))
-    lut = 1 << (apl_moe.MAX_BITS if stable else bits)
-    ctas = 4
-    monkeypatch.setattr(apl_moe, "GEMV_LUT_AWARE_CTAS", ctas)  # (off by default: measured slower)
-    for model in models:
-        for T in (1, 2, 3, 4, 8, 16, 32):
-            for k in (2, 4, 8):
-                plan = plan_launch(T, k, **model, max_bits=bits, stable_launches=stable)
-                for gemm, cols in ((plan.gate_up, model["hidden"]), (plan.down, model["intermediate"])):
-                    if gemm.regime != "gemv":
-                        continue
-                    per_cta = gemm.shared_bytes + gemv_extra_shared(2, lut) + apl_moe.GEMV_STATIC_SHARED + 1024
-                    assert ctas * per_cta <= apl_moe.GEMV_SM_SHARED, (model, T, k, gemm)
-                    assert gemm.splits * gemm.split_cols >= cols and (gemm.splits - 1) * gemm.split_cols < cols
-    monkeypatch.setattr(apl_moe, "GEMV_LUT_AWARE_CTAS", 0)
-    mixtral16 = plan_launch(16, 2, **models[1], max_bits=8).down
-    per_cta = mixtral16.shared_bytes + gemv_extra_shared(2, 256) + 1024
-    assert 3 * per_cta <= apl_moe.GEMV_SM_SHARED < 4 * per_cta
-
-
-def test_decode_splits_fill_whole_waves(monkeypatch):
-    """3-4-bit decode splits are chosen by whole waves of GEMV_TARGET_CTAS: a small layer splits
+def test_decode_splits_fill_whole_waves():
+    """3-4-bit decode splits are chosen by whole waves of gemv_target_ctas: a small layer splits
     until one wave is full; a grid just past a wave takes fewer, longer splits, not a tail."""
-    wave = apl_moe.GEMV_TARGET_CTAS
+    wave = apl_moe.DEFAULT_CONFIG.gemv_target_ctas
     qwen = dict(num_experts=60, hidden=2048, intermediate=1408, max_bits=4)
     mixtral = dict(num_experts=8, hidden=4096, intermediate=14336, max_bits=4)
     small = plan_launch(1, 4, **qwen).gate_up  # 44 row tiles x 4 experts: 3 splits fill the wave
@@ -182,8 +151,9 @@ def test_decode_splits_fill_whole_waves(monkeypatch):
     # class's shared LUT) or the launches must not follow the widths (stable launches)
     assert plan_launch(1, 2, **dict(mixtral, max_bits=8)).down.splits == 5
     assert plan_launch(1, 2, **mixtral, stable_launches=True).down.splits == 5
-    monkeypatch.setattr(apl_moe, "GEMV_WAVE_PLAN", False)  # off: the earlier rule, kept for the benchmark
-    assert plan_launch(1, 2, **mixtral).down.splits == 5
+    # a smaller wave (a configuration for a GPU of fewer SMs) takes fewer splits
+    half = dataclasses.replace(apl_moe.DEFAULT_CONFIG, gemv_target_ctas=wave // 2)
+    assert plan_launch(1, 4, **qwen, config=half).gate_up.splits < small.splits
 
 
 def test_layers_know_their_bit_classes():
@@ -228,65 +198,43 @@ def test_a_batch_of_block_updates_equals_one_at_a_time():
     assert torch.equal(batched.down_desc, before) and batched.down[0] is not updates[0][2]
 
 
-def test_a_layer_of_both_classes_takes_the_merged_kernel_once(monkeypatch):
+def test_a_layer_of_both_classes_takes_the_merged_kernel_once():
+    from pagedweight_kernels.layer import class_launches
+
+    assert class_launches({0: 4, 1: 8}) == [(2, 8)] and class_launches({1: 6}) == [(1, 6)]
+    assert class_launches({0: 3}) == [(0, 3)]
+
+
+def test_apl_gemv_launches_add_lut_rows_and_the_tiles_raw_rows():
+    """The 5-8-bit LUT rows (64 rows of the launch's widest LUT, 512-byte aligned); in the tiles
+    regime the raw activation rows of one step, 528 bytes a token (the .cu's RAW_ROW on wgmma), plus
+    each token's row offset, after the LUT rows. Decode of 3-4 bits adds nothing."""
     import pagedweight_kernels.apl_moe as op
+    from pagedweight_kernels.layer import GEMV_ROWS
 
-    assert op._class_launches({0: 4, 1: 8}) == [(2, 8)] and op._class_launches({1: 6}) == [(1, 6)]
-    monkeypatch.setattr(op, "GEMV_MERGE_CLASSES", False)
-    assert op._class_launches({0: 4, 1: 8}) == [(0, 4), (1, 8)]
-
-
-def test_tiles_shared_memory_pads_the_raw_rows_for_wgmma(monkeypatch):
-    """The tiles regime's raw activation rows (APL_TILES_ASYNC): 512 bytes a token, 528 with
-    APL_TILES_WGMMA (the .cu's RAW_ROW), plus each token's row offset, after the LUT rows."""
-    import pagedweight_kernels.apl_moe as op
-
-    monkeypatch.setitem(op.KERNEL_DEFINES, "APL_TILES_ASYNC", 1)
-    monkeypatch.setitem(op.KERNEL_DEFINES, "APL_TILES_WGMMA", 0)
-    assert op.gemv_extra_shared(0, 0, tiles=8) == 512 + 64 * (512 + 4)
-    monkeypatch.setitem(op.KERNEL_DEFINES, "APL_TILES_WGMMA", 1)
     assert op.gemv_extra_shared(0, 0, tiles=8) == 512 + 64 * (528 + 4)
-    assert op.gemv_extra_shared(1, 64, tiles=2) == op.GEMV_ROWS * 64 * 2 + 512 + 512 + 16 * (528 + 4)
-    assert op.gemv_extra_shared(0, 0, tiles=1) == 0  # decode: no raw rows
+    assert op.gemv_extra_shared(1, 64, tiles=2) == GEMV_ROWS * 64 * 2 + 512 + 512 + 16 * (528 + 4)
+    assert op.gemv_extra_shared(0, 0, tiles=1) == 0
+    assert op.gemv_extra_shared(1, 256) == GEMV_ROWS * 256 * 2 + 512
+    assert op.gemv_extra_shared(2, 32) == GEMV_ROWS * 32 * 2 + 512
 
 
-def test_only_tiles_instances_on_a_hopper_device_compile_for_wgmma(monkeypatch):
-    """wgmma_instance: the knob (with APL_TILES_ASYNC), an apl_gemv instance with NT8 > 1 and a
-    compute-capability 9.0 device; anything else compiles for the device's plain architecture."""
+def test_only_tiles_and_staged_instances_on_a_hopper_device_compile_for_wgmma(monkeypatch):
+    """wgmma_instance: an apl_gemv instance with NT8 > 1 (or apl_staged) and a compute-capability
+    9.0 device; anything else compiles for the device's plain architecture."""
     import pagedweight_kernels.apl_moe as op
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
-    on = {"APL_TILES_WGMMA": 1, "APL_TILES_ASYNC": 1}
-    assert op.wgmma_instance(op._gemv_name(0, 0, "true", "true", 8), on)
-    assert op.wgmma_instance(op._gemv_name(2, 1, "false", "false", 2), on)
-    assert not op.wgmma_instance(op._gemv_name(0, 0, "true", "true", 1), on)  # decode
-    assert not op.wgmma_instance(op._prefill_name(64, 0, "true"), on)
-    assert not op.wgmma_instance(op._gemv_name(0, 0, "true", "true", 8), {**on, "APL_TILES_ASYNC": 0})
-    assert not op.wgmma_instance(op._gemv_name(0, 0, "true", "true", 8), {**on, "APL_TILES_WGMMA": 0})
+    assert op.wgmma_instance(op.gemv_name(0, 0, "true", "true", 8))
+    assert op.wgmma_instance(op.gemv_name(2, 1, "false", "false", 2))
+    assert op.wgmma_instance(op.staged_name(0, 0, "true", "true", 4))
+    assert not op.wgmma_instance(op.gemv_name(0, 0, "true", "true", 1))  # decode
+    assert not op.wgmma_instance(op.prefill_name(64, 0, "true"))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
-    assert not op.wgmma_instance(op._gemv_name(0, 0, "true", "true", 8), on)
-    assert op.wgmma_build(op._gemv_name(0, 0, "true", "true", 8), on)  # what bench/sass_mix compiles for the H200
-    assert op.instance_tiles(op._gemv_name(1, 1, "false", "true", 4)) == 4
-
-
-def test_decode_shared_memory_adds_the_ring_only_to_the_register_lut_kernel(monkeypatch):
-    """The cp.async ring (APL_GEMV_RING_STAGES) lives after the 512-byte aligned LUT area of
-    the 3-4-bit kernel only: 4 warps x stages x one 4-bit step; 0 stages adds nothing."""
-    import pagedweight_kernels.apl_moe as op
-
-    monkeypatch.setitem(op.KERNEL_DEFINES, "APL_GEMV_RING_STAGES", 0)
-    assert op.gemv_extra_shared(0, 0) == 0
-    assert op.gemv_extra_shared(1, 256) == op.GEMV_ROWS * 256 * 2 + 512
-    monkeypatch.setitem(op.KERNEL_DEFINES, "APL_GEMV_RING_STAGES", 3)
-    assert op.gemv_extra_shared(0, 0) == 512 + 4 * 3 * 2 * 4 * 32 * 8
-    assert op.gemv_extra_shared(1, 32) == op.GEMV_ROWS * 32 * 2 + 512  # 5-8 bits: shared LUT, no ring
-    assert op.gemv_extra_shared(2, 256) == op.GEMV_ROWS * 256 * 2 + 512  # merged kernel: no ring
-
-
-def test_lanes_per_row_keeps_lanes_busy():
-    assert lanes_per_row(64) == 32 and lanes_per_row(44) == 16 and lanes_per_row(4) == 4
-    assert lanes_per_row(6) == 8  # 6/8 beats 6/32, 6/16 and 6/12
+    assert not op.wgmma_instance(op.gemv_name(0, 0, "true", "true", 8))
+    assert op.wgmma_build(op.gemv_name(0, 0, "true", "true", 8))  # what bench/sass_mix compiles for the H200
+    assert op.instance_tiles(op.gemv_name(1, 1, "false", "true", 4)) == 4
 
 
 def test_checks_name_the_bad_argument():
@@ -336,30 +284,24 @@ def test_apl_experts_on_cpu_runs_the_reference_and_commits_new_bits():
     torch.testing.assert_close(after, apl_moe_reference(x, ids, w, experts.layer))
 
 
-def test_kernel_instances_cover_every_class_layout_and_tile_once(monkeypatch):
-    import pagedweight_kernels.apl_moe as op
-    from pagedweight_kernels.apl_moe import PREFILL_LARGEST_TILE, PREFILL_TILES, kernel_instances
+def test_kernel_instances_cover_every_class_layout_and_tile_once():
+    from pagedweight_kernels.apl_moe import kernel_instances
+    from pagedweight_kernels.plan import PREFILL_LARGEST_TILE, PREFILL_TILES
 
-    assert not any(n.startswith("apl_gemv_fused<") for n, _ in kernel_instances(torch.bfloat16))  # off by default
-    monkeypatch.setattr(op, "GEMV_FUSED", True)
     names = kernel_instances(torch.bfloat16, "gelu_tanh")
     assert len(names) == len(set(names))
     gemv = {n for n, _ in names if n.startswith("apl_gemv<")}
     assert gemv == {f"apl_gemv<{c}, {m}, true, {v}, {t}>" for c in (0, 1, 2) for m in (0, 1)
                     for v in ("true", "false") for t in (1, 2, 4, 8)} | {
-        f"apl_gemv<0, {m}, true, {v}, 12>" for m in (0, 1) for v in ("true", "false")} | {  # TILES_WIDE_NT8
-        f"apl_gemv<{c}, {m}, true, {v}, 1, true>" for c in op.GEMV_LONG_SPLIT_CLASSES for m in (0, 1)
+        f"apl_gemv<0, {m}, true, {v}, 12>" for m in (0, 1) for v in ("true", "false")} | {  # tiles_wide_nt8
+        f"apl_gemv<{c}, {m}, true, {v}, 1, true>" for c in (0, 1, 2) for m in (0, 1)
         for v in ("true", "false")}  # the long-split decode instances (long_split)
     tiles = [t for _, t in PREFILL_TILES] + [PREFILL_LARGEST_TILE]
     assert {n for n, _ in names if n.startswith("apl_prefill<")} == {
         f"apl_prefill<{t}, {m}, true>" for t in tiles for m in (0, 1)}
-    # the one-launch decode (both projections), for the 3-4-bit class and both plane layouts
-    assert {n for n, _ in names if n.startswith("apl_gemv_fused<")} == {
-        f"apl_gemv_fused<0, true, {v}>" for v in ("true", "false")}
-    # gate_up and the fused launch apply the layer's activation; down, routing and combine are
-    # compiled with the default
-    assert {a for n, a in names if ", 0, true" in n or n.startswith("apl_gemv_fused<")} == {"gelu_tanh"}
-    assert {a for n, a in names if ", 0, true" not in n and not n.startswith("apl_gemv_fused<")} == {"silu"}
+    # gate_up applies the layer's activation; down, routing and combine are compiled with the default
+    assert {a for n, a in names if ", 0, true" in n} == {"gelu_tanh"}
+    assert {a for n, a in names if ", 0, true" not in n} == {"silu"}
     assert all("false" not in n.split(",")[-2] for n, _ in names if n.startswith("apl_prefill<"))
     assert "moe_combine<false>" in dict(kernel_instances(torch.float16))
     with pytest.raises(APLKernelError, match="float32"):
@@ -419,124 +361,58 @@ def test_every_planned_tiles_count_is_one_precompile_covers():
     assert 12 in tiles_choices(0) and 12 not in tiles_choices(1)
 
 
-def test_fused_decode_launch_is_chosen_for_one_3_4_bit_class_only(monkeypatch):
-    import pagedweight_kernels.apl_moe as op
-
-    three_four, wide, both = [(0, 4)], [(1, 8)], [(2, 8)]
-    monkeypatch.setattr(op, "GEMV_FUSED", True)  # (off by default: measured slower, docs/kernel.md)
-    assert op.fused_class({"gate_up": three_four, "down": three_four}, 1) == 0
-    assert op.fused_class({"gate_up": three_four, "down": three_four}, 2) is None  # tiles regime
-    assert op.fused_class({"gate_up": three_four, "down": wide}, 1) is None  # classes differ
-    assert op.fused_class({"gate_up": wide, "down": wide}, 1) is None  # not compiled for 5-8 bits
-    assert op.fused_class({"gate_up": both, "down": both}, 1) is None  # nor merged
-    assert op.fused_class({"gate_up": [(0, 4), (1, 8)], "down": three_four}, 1) is None  # two launches
-    monkeypatch.setattr(op, "GEMV_FUSED", False)
-    assert op.fused_class({"gate_up": three_four, "down": three_four}, 1) is None
-
-
-def test_fused_counters_hold_both_projections_flags_and_ticket():
+def test_counters_hold_one_per_gate_up_row_tile_of_each_expert_or_one_per_down_tile():
     import pagedweight_kernels.apl_moe as op
 
     # Qwen1.5-MoE: 60 experts, 2048 / 1408: 44 gate_up row tiles of 32, 32 down tiles of 64
-    assert op.fused_counter_words(60, 2048, 1408) == 2 * 60 * 44 + 32 + 2
-    plan = op.plan_launch(1, 4, 60, 2048, 1408, 4)
-    assert op.fused_ctas(plan) == 44 * 4 * plan.gate_up.splits + 32 * 4 * plan.down.splits
+    assert op.counter_words(60, 2048, 1408) == 60 * 44
+    assert op.counter_words(1, 8192, 64) == 128  # one expert, a wide down: the down tiles
     layer = random_layer(4, 64, 96, bits={(e, m): 4 for e in range(4) for m in ("gate_up", "down")})
-    assert layer.counters.numel() == op.fused_counter_words(layer.num_experts, layer.hidden, layer.intermediate)
+    assert layer.counters.numel() == op.counter_words(layer.num_experts, layer.hidden, layer.intermediate)
+    plan = op.plan_launch(1, 4, 60, 2048, 1408, 4)  # every CTA's counter index is inside the buffer
+    assert plan.gate_up.grid[0] * plan.gate_up.grid[1] <= op.counter_words(60, 2048, 1408)
+    assert plan.down.grid[0] <= op.counter_words(60, 2048, 1408)
 
 
 def test_every_compile_time_knob_is_planned_with_the_value_the_source_defaults_to():
-    """The host passes KERNEL_DEFINES to every compile and plans shared memory and launches
-    from them; a knob of the .cu files missing there, or defaulting to another value, would
-    make the source (what the SASS counts of docs/kernel.md are read from) and what runs differ."""
+    """The host compiles every module with DEFAULT_CONFIG's defines (apl_staged.cu's knobs) and plans
+    shared memory and launches from them and from apl_gemv.cu's defaults (GEMV_SOURCE_DEFAULTS); a
+    source default that differs, or a staged knob the config lacks, would make the source (what the
+    SASS counts of docs/kernel.md are read from) and what runs differ."""
     import re
 
     import pagedweight_kernels.apl_moe as op
+    from pagedweight_kernels.plan import GEMV_SOURCE_DEFAULTS
 
     source = op.SOURCE.read_text() + op.GEMV_SOURCE.read_text() + op.STAGED_SOURCE.read_text()
-    knobs = dict(re.findall(r"#ifndef (APL_\w+)\s*\n#define \1 (-?\d+)", source))
+    knobs = {k: int(v) for k, v in re.findall(r"#ifndef (APL_\w+)\s*\n#define \1 (-?\d+)", source)}
     knobs.pop("APL_ACT")  # one module per expert activation (ACT_CODES)
-    assert knobs == {k: str(v) for k, v in op.KERNEL_DEFINES.items()}
+    staged = {k: v for k, v in knobs.items() if k.startswith("APL_STAGED_")}
+    assert staged == op.DEFAULT_CONFIG.knobs()
+    assert {k: knobs[k] for k in GEMV_SOURCE_DEFAULTS} == GEMV_SOURCE_DEFAULTS
+    assert not re.search(r"#ifndef APL_\w+", op.SOURCE.read_text().replace("#ifndef APL_ACT", ""))  # apl_moe.cu: none
 
 
-def test_knob_overrides_read_names_and_integers_and_refuse_anything_else():
+def test_with_knobs_sets_named_knobs_and_refuses_unknown_ones():
     import pagedweight_kernels.apl_moe as op
 
-    assert op.knob_overrides("") == {}
-    assert op.knob_overrides("APL_GEMV_ACQREL=0, APL_GEMV_PIPE=3,") == {"APL_GEMV_ACQREL": 0, "APL_GEMV_PIPE": 3}
-    for bad in ("APL_NO_SUCH_KNOB=1", "APL_GEMV_ACQREL", "APL_GEMV_ACQREL=yes", "APL_GEMV_ACQREL="):
-        with pytest.raises(ValueError, match="APL_KERNEL_DEFINES"):
-            op.knob_overrides(bad)
+    one = op.DEFAULT_CONFIG.with_knobs(APL_STAGED_LUT_PRODUCERS=1, APL_STAGED_TMA=0)
+    assert one.staged_lut_producers == 1 and one.staged_tma == 0 and op.DEFAULT_CONFIG.staged_lut_producers == 2
+    assert dict(one.defines("gelu_tanh"))["APL_ACT"] == op.ACT_CODES["gelu_tanh"]
+    assert one.defines() != op.DEFAULT_CONFIG.defines()  # another compile key: another module
+    with pytest.raises(ValueError, match="unknown kernel knobs"):
+        op.DEFAULT_CONFIG.with_knobs(APL_GEMV_PIPE=3)
+    assert op.config_for(2048, 1408) is op.DEFAULT_CONFIG  # no per-shape entry: the defaults
 
 
-def test_tiles_launch_takes_the_cluster_pair_only_on_wgmma_with_the_knob(monkeypatch):
-    """APL_TILES_PAIR: tiles instances on a wgmma build launch as apl_gemv_pair over row tiles
-    padded to even (a cluster is 2 adjacent row tiles); decode and mma.sync launch unchanged."""
-    import pagedweight_kernels.apl_moe as op
-
-    tiles, decode = "apl_gemv<0, 0, true, true, 8>", "apl_gemv<0, 0, true, true, 1>"
-    monkeypatch.setitem(op.KERNEL_DEFINES, "APL_TILES_PAIR", 0)
-    assert op.tiles_launch(tiles, (7, 8, 1), True) == (tiles, (7, 8, 1))
-    monkeypatch.setitem(op.KERNEL_DEFINES, "APL_TILES_PAIR", 1)
-    assert op.tiles_launch(tiles, (7, 8, 2), True) == ("apl_gemv_pair<0, 0, true, true, 8>", (8, 8, 2))
-    assert op.tiles_launch(tiles, (448, 8, 1), True) == ("apl_gemv_pair<0, 0, true, true, 8>", (448, 8, 1))
-    assert op.tiles_launch(tiles, (7, 8, 1), False) == (tiles, (7, 8, 1))  # mma.sync: no clusters
-    assert op.tiles_launch(decode, (7, 8, 1), True) == (decode, (7, 8, 1))
-    assert op.wgmma_build("apl_gemv_pair<0, 0, true, true, 8>", op.KERNEL_DEFINES)
-    assert op.instance_tiles("apl_gemv_pair<2, 1, false, true, 4>") == 4
-    # no Hopper device here: no pair instance among those to precompile
-    assert not any(name.startswith("apl_gemv_pair") for name, _ in op.kernel_instances(torch.bfloat16))
-
-
-def test_tiles_launch_takes_the_producer_warp_kernel_only_on_wgmma_with_the_knob(monkeypatch):
-    """APL_TILES_WS: tiles instances on a wgmma build launch as apl_gemv_ws (160 threads: a producer
-    warp beside the 4 consumer warps) over the planned grid; the cluster pair, where both knobs are
-    set, wins; decode and mma.sync launches are unchanged."""
-    import pagedweight_kernels.apl_moe as op
-
-    tiles, decode = "apl_gemv<1, 1, false, true, 4>", "apl_gemv<1, 1, false, true, 1>"
-    monkeypatch.setitem(op.KERNEL_DEFINES, "APL_TILES_PAIR", 0)
-    monkeypatch.setitem(op.KERNEL_DEFINES, "APL_TILES_WS", 1)
-    assert op.tiles_launch(tiles, (7, 8, 3), True) == ("apl_gemv_ws<1, 1, false, true, 4>", (7, 8, 3))
-    assert op.tiles_launch(tiles, (7, 8, 3), False) == (tiles, (7, 8, 3))
-    assert op.tiles_launch(decode, (7, 8, 3), True) == (decode, (7, 8, 3))
-    assert op.gemv_block("apl_gemv_ws<1, 1, false, true, 4>") == op.GEMV_THREADS + 32
-    assert op.gemv_block(tiles) == op.gemv_block(decode) == op.GEMV_THREADS
-    assert op.wgmma_build("apl_gemv_ws<1, 1, false, true, 4>", op.KERNEL_DEFINES)
-    assert op.instance_tiles("apl_gemv_ws<2, 0, true, true, 8>") == 8
-    monkeypatch.setitem(op.KERNEL_DEFINES, "APL_TILES_PAIR", 1)
-    assert op.tiles_launch(tiles, (7, 8, 3), True)[0] == "apl_gemv_pair<1, 1, false, true, 4>"
-    monkeypatch.setitem(op.KERNEL_DEFINES, "APL_TILES_WS", 0)
-    monkeypatch.setitem(op.KERNEL_DEFINES, "APL_TILES_PAIR", 0)
-    assert op.tiles_launch(tiles, (7, 8, 3), True) == (tiles, (7, 8, 3))
-
-
-@pytest.mark.parametrize("order,cls,tiles,major", [
-    (0, 2, 1, False), (1, 2, 1, False), (3, 2, 1, True), (3, 2, 8, False), (7, 2, 8, True), (7, 1, 1, False),
-    (15, 1, 1, True), (15, 1, 4, True), (15, 0, 1, False), (11, 1, 4, False)])
-def test_expert_major_grids_follow_the_order_knob(order, cls, tiles, major, monkeypatch):
-    """APL_GEMV_ORDER bit 1: the merged kernel (and with bit 3 the 5-8-bit one) launches its grid as
-    (row tiles, splits, experts), at decode, and with bit 2 in the tiles regime; never the 3-4-bit
-    kernel nor the cluster pair, whose kernels read the planned (row tiles, experts, splits)."""
-    import pagedweight_kernels.apl_moe as op
-
-    monkeypatch.setitem(op.KERNEL_DEFINES, "APL_GEMV_ORDER", order)
-    monkeypatch.setitem(op.KERNEL_DEFINES, "APL_TILES_PAIR", 0)
-    name = op._gemv_name(cls, 0, "true", "true", tiles)
-    assert op.expert_major(cls, tiles) == major
-    assert op.gemv_launch(cls, name, (7, 5, 3), True) == (name, (7, 3, 5) if major else (7, 5, 3))
-    if tiles > 1:
-        monkeypatch.setitem(op.KERNEL_DEFINES, "APL_TILES_PAIR", 1)
-        assert op.gemv_launch(cls, name, (7, 5, 3), True) == (op._pair_name(name), (8, 5, 3))
-
-
-def test_long_split_instances_are_chosen_by_shapes_and_tokens_never_by_bits(monkeypatch):
+def test_long_split_instances_are_chosen_by_shapes_and_tokens_never_by_bits():
     """Decode launches over long rows (GEMV_LONG_ROW_WORDS: Mixtral's 128- and 448-word rows), in
     splits of GEMV_LONG_SPLIT_WORDS or more, staging GEMV_LONG_MIN_TOKENS tokens or more, take the
     `, true` (LONG) instance, whose plane loads carry L2::256B; 1-token launches, Qwen1.5-MoE's 44-64-word
     rows and the tiles regime never do. The choice reads the plan only, so a stable launch keeps its
     instance whatever the bits."""
     import pagedweight_kernels.apl_moe as op
+    from pagedweight_kernels.plan import GEMV_LONG_ROW_WORDS, GEMV_LONG_SPLIT_WORDS
 
     def mixtral(tokens, bits, stable=False):
         return op.plan_launch(tokens, 2, 8, 4096, 14336, bits, stable_launches=stable)
@@ -553,43 +429,37 @@ def test_long_split_instances_are_chosen_by_shapes_and_tokens_never_by_bits(monk
         qwen = op.plan_launch(T, 4, 60, 2048, 1408, 8)
         assert not any(op.long_split(cls, p, cols) for cls in (0, 1, 2)
                        for p, cols in ((qwen.gate_up, 2048), (qwen.down, 1408))), T
-    assert qwen.gate_up.split_cols // 32 == op.GEMV_LONG_SPLIT_WORDS  # a long split, but the whole (short) row
+    assert qwen.gate_up.split_cols // 32 == GEMV_LONG_SPLIT_WORDS  # a long split, but the whole (short) row
     tiles = mixtral(256, 4).gate_up
-    assert tiles.tiles > 1 and tiles.split_cols // 32 >= op.GEMV_LONG_ROW_WORDS
+    assert tiles.tiles > 1 and tiles.split_cols // 32 >= GEMV_LONG_ROW_WORDS
     assert not op.long_split(0, tiles, 4096)  # (the tiles' hint is APL_PLANE_HINT_MIN_NT8's)
     gate_up = mixtral(4, 8).gate_up
-    monkeypatch.setattr(op, "GEMV_LONG_SPLIT_CLASSES", (2,))
-    assert op.long_split(2, gate_up, 4096) and not op.long_split(1, gate_up, 4096)
-    assert not op.long_split(2, gate_up, 32 * (op.GEMV_LONG_ROW_WORDS - 1))  # a long split of a short row
-    assert {n for n, _ in op.kernel_instances(torch.bfloat16) if n.startswith("apl_gemv<") and n.count(",") == 5} == {
-        f"apl_gemv<2, {m}, true, {v}, 1, true>" for m in (0, 1) for v in ("true", "false")}
-    monkeypatch.setitem(op.KERNEL_DEFINES, "APL_PLANE_HINT", 0)  # nothing to hint: no such instance either
-    assert not op.long_split(2, gate_up, 4096)
-    assert not any(n.startswith("apl_gemv<") and n.count(",") == 5 for n, _ in op.kernel_instances(torch.bfloat16))
-    assert op._gemv_name(2, 1, "true", "false", 1, True) == "apl_gemv<2, 1, true, false, 1, true>"
+    assert op.long_split(2, gate_up, 4096) and op.long_split(1, gate_up, 4096)
+    assert not op.long_split(2, gate_up, 32 * (GEMV_LONG_ROW_WORDS - 1))  # a long split of a short row
+    assert op.gemv_name(2, 1, "true", "false", 1, True) == "apl_gemv<2, 1, true, false, 1, true>"
     assert op.instance_tiles("apl_gemv<2, 1, true, false, 1, true>") == 1
-    assert op.instance_tiles(op._gemv_name(1, 0, "true", "true", 4)) == 4
+    assert op.instance_tiles(op.gemv_name(1, 0, "true", "true", 4)) == 4
 
 
-def test_wide_passes_only_for_3_4_bit_layers_without_stable_launches(monkeypatch):
-    """TILES_WIDE_NT8 (12 by default): the 96-token passes are compiled for the 3-4-bit kernel only,
+def test_wide_passes_only_for_3_4_bit_layers_without_stable_launches():
+    """tiles_wide_nt8 (12 by default): the 96-token passes are compiled for the 3-4-bit kernel only,
     so the plan takes them for layers of at most 4 bits, and never under stable launches (whose plan
     may not depend on the bits); off (0), the plan is the powers of two's."""
     import pagedweight_kernels.apl_moe as op
 
     mixtral = dict(num_experts=8, hidden=4096, intermediate=14336)
-    monkeypatch.setattr(op, "TILES_WIDE_NT8", 12)
+    assert op.DEFAULT_CONFIG.tiles_wide_nt8 == 12
     assert op.plan_launch(256, 2, max_bits=4, **mixtral).gate_up.tiles == 12
     assert op.plan_launch(256, 2, max_bits=4, **mixtral).down.tokens == 96
     assert op.plan_launch(256, 2, max_bits=5, **mixtral).gate_up.tiles == 8
     assert op.plan_launch(256, 2, max_bits=3, stable_launches=True, **mixtral).gate_up.tiles == 8
     assert op.plan_launch(64, 2, max_bits=4, **mixtral).gate_up.tiles == 4  # 16 per expert: no wide pass
     names = {name for name, _ in op.kernel_instances(torch.bfloat16)}
-    assert {"apl_gemv<0, 0, true, true, 12>", "apl_gemv<0, 1, true, false, 12>"} <= names  # (and the pair's, the WS ones)
+    assert {"apl_gemv<0, 0, true, true, 12>", "apl_gemv<0, 1, true, false, 12>"} <= names
     assert not any(name.startswith(("apl_gemv<1,", "apl_gemv<2,")) and name.endswith(", 12>") for name in names)
-    monkeypatch.setattr(op, "TILES_WIDE_NT8", 0)
-    assert op.plan_launch(256, 2, max_bits=4, **mixtral).gate_up.tiles == 8
-    assert not any(name.endswith(", 12>") for name, _ in op.kernel_instances(torch.bfloat16))
+    off = dataclasses.replace(op.DEFAULT_CONFIG, tiles_wide_nt8=0)
+    assert op.plan_launch(256, 2, max_bits=4, **mixtral, config=off).gate_up.tiles == 8
+    assert not any(name.endswith(", 12>") for name, _ in op.kernel_instances(torch.bfloat16, config=off))
 
 
 def test_staged_plan_passes_grid_and_a_ring_that_leaves_two_ctas_per_sm():
@@ -599,7 +469,9 @@ def test_staged_plan_passes_grid_and_a_ring_that_leaves_two_ctas_per_sm():
     3-4-bit class's plane ring) for 2 CTAs an SM with at least 2 buffers (3-4-bit class), or for one
     (the classes with LUT rows, compiled for one CTA an SM: staged_blocks), 8-bit LUT rows included."""
     import pagedweight_kernels.apl_moe as op
+    from pagedweight_kernels.plan import STAGED_ROWS, STAGED_STEP, staged_align_pad, staged_blocks
 
+    config = op.DEFAULT_CONFIG
     gate_up = op.staged_plan(0, 256, 2, 8, 14336, 0, 0, 8)  # Mixtral-size prefill, 256 tokens, 3-4 bits
     assert (gate_up.regime, gate_up.tiles, gate_up.tokens, gate_up.grid) == ("staged", 12, 96, (224, 8, 1))
     assert op.staged_plan(1, 256, 2, 8, 4096, 0, 0, 8).grid == (32, 8, 1)
@@ -607,35 +479,36 @@ def test_staged_plan_passes_grid_and_a_ring_that_leaves_two_ctas_per_sm():
              (op.staged_plan(0, 256, 2, 8, 14336, 1, 8, 8), 1, 8), (op.staged_plan(0, 256, 2, 8, 14336, 2, 5, 8), 2, 5),
              (op.staged_plan(0, 64, 4, 60, 1408, 1, 6, 60), 1, 6)]
     for plan, cls, lut_bits in plans:
-        lut = op.STAGED_ROWS * (1 << lut_bits) * 2 if lut_bits else 0
-        stage = (op.STAGED_ROWS + plan.tokens) * op.STAGED_STEP * 2
-        assert op.staged_min_stages(cls, plan.tiles, True) <= plan.stages <= op.STAGED_STAGES
+        lut = STAGED_ROWS * (1 << lut_bits) * 2 if lut_bits else 0
+        stage = (STAGED_ROWS + plan.tokens) * STAGED_STEP * 2
+        assert op.staged_min_stages(cls, plan.tiles, True) <= plan.stages <= config.staged_stages
         planes = op.staged_plane_ring_bytes(cls, plan.tiles, True, lut_bits)
-        assert plan.shared_bytes == op.staged_align_pad(cls) + lut + plan.stages * stage + planes
-        assert plan.shared_bytes <= op.STAGED_CTA_SHARED[0 if op.staged_blocks(cls) == 2 else -1]
-    assert op.staged_blocks(0) == 2 and op.staged_blocks(1) == op.staged_blocks(2) == 1
-    assert op.staged_plan(0, 256, 2, 8, 14336, 1, 8, 8).stages == op.STAGED_STAGES  # (one CTA: room for all)
-    # at 5-8 bits passes of 128 tokens (STAGED_LUT_WIDE_NT8), not 96; with 4-byte plane loads none wider than 64
+        assert plan.shared_bytes == staged_align_pad(cls) + lut + plan.stages * stage + planes
+        assert plan.shared_bytes <= config.staged_cta_shared[0 if staged_blocks(cls) == 2 else -1]
+    assert staged_blocks(0) == 2 and staged_blocks(1) == staged_blocks(2) == 1
+    assert op.staged_plan(0, 256, 2, 8, 14336, 1, 8, 8).stages == config.staged_stages  # (one CTA: room for all)
+    # at 5-8 bits passes of 128 tokens (staged_lut_wide_nt8), not 96; with 4-byte plane loads none wider than 64
     assert op.staged_plan(0, 256, 2, 8, 14336, 1, 8, 8).tiles == 16
     assert op.staged_plan(0, 256, 2, 8, 14336, 1, 8, 8, aligned16=False).tiles == 8
-    # nor with 4-byte plane loads (those instances spill at 96 tokens: bench/results/staged_sass.json)
+    # nor with 4-byte plane loads (those instances spill at 96 tokens, nvcc 13.0)
     assert op.staged_plan(0, 256, 2, 8, 14336, 0, 0, 8, aligned16=False).tiles == 8
     assert op.staged_plan(0, 400, 2, 8, 384, 0, 0, 8).grid[2] == 2  # 100 tokens an expert: 2 groups of passes of 64
 
 
-def test_staged_plan_refuses_a_ring_of_one_buffer(monkeypatch):
+def test_staged_plan_refuses_a_ring_of_one_buffer():
     """One buffer would deadlock (the consumers return a buffer after the next one's wgmma are
     issued): where shared memory holds fewer than 2, the plan is an error, not a launch."""
     import pagedweight_kernels.apl_moe as op
+    from pagedweight_kernels.plan import STAGED_ROWS, STAGED_STEP, staged_align_pad
 
     # (one producer warpgroup: with two, the class needs 3 buffers, test_two_producer_warpgroups_need_a_ring_of_three)
-    monkeypatch.setitem(op.KERNEL_DEFINES, "APL_STAGED_LUT_PRODUCERS", 1)
-    stage = (op.STAGED_ROWS + 64) * op.STAGED_STEP * 2  # (128 tokens, 32 an expert: passes of 64)
-    monkeypatch.setattr(op, "STAGED_CTA_SHARED", (op.staged_align_pad(1) + 2 * stage - 1,))
+    one = op.DEFAULT_CONFIG.with_knobs(APL_STAGED_LUT_PRODUCERS=1)
+    stage = (STAGED_ROWS + 64) * STAGED_STEP * 2  # (128 tokens, 32 an expert: passes of 64)
+    short = dataclasses.replace(one, staged_cta_shared=(staged_align_pad(1, one) + 2 * stage - 1,))
     with pytest.raises(op.APLKernelError, match="2 ring buffers"):
-        op.staged_plan(0, 128, 2, 8, 4096, 1, 0, 8)
-    monkeypatch.setattr(op, "STAGED_CTA_SHARED", (op.staged_align_pad(1) + 2 * stage,))
-    assert op.staged_plan(0, 128, 2, 8, 4096, 1, 0, 8).stages == 2
+        op.staged_plan(0, 128, 2, 8, 4096, 1, 0, 8, config=short)
+    enough = dataclasses.replace(one, staged_cta_shared=(staged_align_pad(1, one) + 2 * stage,))
+    assert op.staged_plan(0, 128, 2, 8, 4096, 1, 0, 8, config=enough).stages == 2
 
 
 def test_staged_instances_are_every_launch_staged_plan_can_make():
@@ -650,13 +523,13 @@ def test_staged_instances_are_every_launch_staged_plan_can_make():
             for aligned16 in (True, False):
                 for tokens in (1, 16, 40, 100, 256, 300, 1000, 5000):
                     plan = op.staged_plan(mode, tokens, 2, 8, 4096, cls, lut_bits, 8, aligned16)
-                    picked.add(op._staged_name(cls, mode, "true", "true" if aligned16 else "false", plan.tiles))
+                    picked.add(op.staged_name(cls, mode, "true", "true" if aligned16 else "false", plan.tiles))
     assert picked <= set(listed) and len(set(listed)) == len(listed)
     assert "apl_staged<0, 0, true, true, 12>" in picked and "apl_staged<0, 0, true, false, 12>" not in listed
     assert "apl_staged<0, 0, true, true, 16>" in picked and "apl_staged<0, 0, true, false, 16>" not in listed
     assert "apl_staged<1, 0, true, true, 16>" in picked and "apl_staged<1, 0, true, false, 16>" not in listed
     # projections x (alignments x the classes' powers of two, + the 3-4-bit class's 96 and 128 tokens and
-    # the other classes' 128 (STAGED_LUT_WIDE_NT8), 16-byte loads only)
+    # the other classes' 128 (staged_lut_wide_nt8), 16-byte loads only)
     assert len(listed) == 2 * (2 * (3 + 3 + 3) + 2 + 2)
     assert op.staged_instances("false", (1,)) == [n.replace("true, ", "false, ", 1) for n in listed
                                                   if n.startswith(("apl_staged<0, 1,", "apl_staged<1, 1,",
@@ -666,26 +539,26 @@ def test_staged_instances_are_every_launch_staged_plan_can_make():
 def test_staged_class_and_the_rule_that_takes_the_staged_regime(monkeypatch):
     import pagedweight_kernels.apl_moe as op
 
+    every = dataclasses.replace(op.DEFAULT_CONFIG, staged_every_layer=True)
     assert op.staged_class({0: 4}) == (0, 0)
     assert op.staged_class({1: 6}) == (1, 6)
     assert op.staged_class({0: 3, 1: 8}) == (2, 8)
     layer = random_layer(8, 64, 96, seed=1)
     tiles = op.plan_launch(100, 2, 8, 64, 96, 8)
     assert tiles.gate_up.regime == "tiles"
-    monkeypatch.setattr(op, "STAGED_PREFILL", True)
     cpu = torch.device("cpu")
-    assert not op.use_staged(tiles, layer, cpu)  # no CUDA device: never
+    assert not op.use_staged(tiles, layer, cpu, config=every)  # no CUDA device: never
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     hopper = torch.device("cuda", 0)
-    assert op.use_staged(tiles, layer, hopper)  # STAGED_PREFILL: any bits, any number of tokens
-    assert not op.use_staged(op.plan_launch(2, 2, 8, 64, 96, 8), layer, hopper)  # decode stays on apl_gemv
+    assert op.use_staged(tiles, layer, hopper, config=every)  # staged_every_layer: any bits, any number of tokens
+    assert not op.use_staged(op.plan_launch(2, 2, 8, 64, 96, 8), layer, hopper, config=every)  # decode stays on apl_gemv
     prefill = op.plan_launch(1000, 2, 8, 64, 96, 8)
-    assert prefill.gate_up.regime == "prefill" and op.use_staged(prefill, layer, hopper)
-    assert not op.use_staged(prefill, layer, hopper, legacy_decode=True)
+    assert prefill.gate_up.regime == "prefill" and op.use_staged(prefill, layer, hopper, config=every)
+    forced = op.plan_launch(1000, 2, 8, 64, 96, 8, regime="prefill")
+    assert not op.use_staged(forced, layer, hopper, regime="prefill", config=every)  # the prefill kernel asked for
     layer.stable_launches = True
-    assert not op.use_staged(tiles, layer, hopper)
+    assert not op.use_staged(tiles, layer, hopper, config=every)
     layer.stable_launches = False
-    monkeypatch.setattr(op, "STAGED_PREFILL", False)
     # mixed bits: by default from 16 assignments an expert (100 tokens x 2 over 8 experts: 25)
     assert op.use_staged(tiles, layer, hopper, num_tokens=100, top_k=2)
     assert not op.use_staged(tiles, layer, hopper, num_tokens=60, top_k=2)
@@ -694,7 +567,6 @@ def test_staged_class_and_the_rule_that_takes_the_staged_regime(monkeypatch):
 def test_the_default_staged_rule_takes_3_4_bit_layers_from_256_assignments_others_from_16_an_expert(monkeypatch):
     import pagedweight_kernels.apl_moe as op
 
-    monkeypatch.setattr(op, "STAGED_PREFILL", False)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     hopper = torch.device("cuda", 0)
     uniform = {(e, m): 3 + e % 2 for e in range(8) for m in ("gate_up", "down")}
@@ -708,7 +580,7 @@ def test_the_default_staged_rule_takes_3_4_bit_layers_from_256_assignments_other
     # below the threshold the tiles regime was faster (Mixtral 32 and 64 tokens)
     assert not op.staged_layer(low, 127, 2) and op.staged_layer(low, 64, 4)
     assert not op.use_staged(tiles, low, hopper, num_tokens=127, top_k=2)
-    # one 5-8-bit block anywhere in the layer (the merged class): from 16 assignments an expert (STAGED_LUT_MIN_PER_EXPERT)
+    # one 5-8-bit block anywhere in the layer (the merged class): from 16 assignments an expert (staged_lut_min_per_expert)
     assert op.staged_layer(with_8, 1000, 2) and op.staged_layer(with_8, 64, 2)
     assert not op.staged_layer(with_8, 63, 2) and not op.staged_layer(with_8, 32, 2)
     assert op.use_staged(prefill, with_8, hopper, num_tokens=1000, top_k=2)
@@ -720,9 +592,8 @@ def test_the_default_staged_rule_takes_3_4_bit_layers_from_256_assignments_other
     assert not op.use_staged(tiles, low, hopper, num_tokens=128, top_k=2)
     low.stable_launches = False
     assert not op.use_staged(op.plan_launch(2, 2, 8, 64, 96, 4), low, hopper, num_tokens=256, top_k=2)
-    # APL_STAGED_PREFILL=0 empties the default's classes
-    monkeypatch.setattr(op, "STAGED_CLASSES", frozenset())
-    assert not op.staged_layer(low, 1000, 2)
+    # no staged classes: never staged
+    assert not op.staged_layer(low, 1000, 2, dataclasses.replace(op.DEFAULT_CONFIG, staged_classes=frozenset()))
     # the instances precompile compiles for the default rule: class 0 only
     assert {n.split(",")[0] for n in op.staged_instances("true", (0, 1), frozenset({0}))} == {"apl_staged<0"}
     assert {n.split(",")[0] for n in op.staged_instances("true", (0, 1), frozenset({0, 1}))} == \

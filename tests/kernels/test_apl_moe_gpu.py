@@ -46,8 +46,8 @@ TILES_CASES = [
     ((8, 2, 1024, 256, 120, 8, torch.bfloat16), 8),  # gate_up in two column splits
     (CASES[6], 2), (CASES[7], 8), (CASES[10], 2),
 ]
-# The prefill kernel (apl_moe.cu), now run only above TILES_MAX_TOKENS_PER_EXPERT tokens per
-# expert or GEMV_MAX_ASSIGN assignments; legacy_decode=True reaches it from fewer.
+# The prefill kernel (apl_moe.cu), run by size only above TILES_MAX_TOKENS_PER_EXPERT tokens per
+# expert or GEMV_MAX_ASSIGN assignments; regime="prefill" reaches it from fewer.
 PREFILL_CASES = [CASES[6], CASES[7], CASES[8], CASES[10]]
 
 
@@ -66,8 +66,6 @@ def reference_fp32(x, ids, w, layer):
     return apl_moe_reference(x.float(), ids, w.float(), layer, weight_dtype=x.dtype)
 
 
-# The first decode kernel, kept as the benchmark's baseline: (case, uniform bits or None).
-LEGACY_CASES = [CASES[1], CASES[4]]
 # Decode on layers of one width (one launch per projection) and of one class each.
 UNIFORM_CASES = [((8, 2, 160, 224, 3, 6, torch.bfloat16), b) for b in (3, 4, 5, 8)] + \
                 [((60, 4, 2048, 1408, 4, 60, torch.bfloat16), 4)]
@@ -82,25 +80,11 @@ def test_kernel_matches_reference(case):
     check_case(case)
 
 
-@pytest.mark.parametrize("case", LEGACY_CASES, ids=_case_id)
-def test_legacy_decode_matches_reference(case):
-    check_case(case, legacy_decode=True)
-
-
 @pytest.mark.parametrize("case,nt8", TILES_CASES, ids=lambda v: str(v) if isinstance(v, int) else _case_id(v))
 def test_tiles_regime_matches_reference(case, nt8):
     E, k, H, I, T = case[:5]
     plan = plan_launch(T, k, E, H, I, 8)
     assert plan.gate_up.regime == plan.down.regime == "tiles" and plan.gate_up.tiles == nt8
-    check_case(case)
-
-
-@pytest.mark.parametrize("case", [TILES_CASES[0][0], CASES[7]], ids=_case_id)
-def test_tiles_regime_with_staging_at_each_step_matches_reference(case, monkeypatch):
-    """APL_TILES_ASYNC 0: activations loaded at each step instead of by cp.async a step ahead."""
-    import pagedweight_kernels.apl_moe as op
-
-    monkeypatch.setitem(op.KERNEL_DEFINES, "APL_TILES_ASYNC", 0)
     check_case(case)
 
 
@@ -112,15 +96,15 @@ def test_tiles_regime_uniform_width_layers_match_reference(bits):
 @pytest.mark.parametrize("case", PREFILL_CASES, ids=_case_id)
 def test_prefill_kernel_matches_reference(case):
     E, k, H, I, T = case[:5]
-    assert plan_launch(T, k, E, H, I, 8, legacy_decode=True).gate_up.regime == "prefill"
-    check_case(case, legacy_decode=True)
+    assert plan_launch(T, k, E, H, I, 8, regime="prefill").gate_up.regime == "prefill"
+    check_case(case, regime="prefill")
 
 
 @pytest.mark.parametrize("case", [CASES[0], CASES[5], CASES[9]], ids=_case_id)
-def test_one_launch_for_both_bit_classes_matches_reference(case, monkeypatch):
-    import pagedweight_kernels.apl_moe as op
-
-    monkeypatch.setattr(op, "GEMV_MERGE_CLASSES", True)
+def test_one_launch_for_both_bit_classes_matches_reference(case):
+    E, H, I = case[0], case[2], case[3]
+    layer = random_layer(E, H, I, seed=case[4], device=torch.device("cuda"))
+    assert layer.decode_launches("gate_up") == [(2, layer.classes["gate_up"][1])]  # the merged kernel, once
     check_case(case)
 
 
@@ -136,158 +120,6 @@ STABLE_CASES = [(CASES[0], None), (CASES[3], 3), (CASES[6], 8), (CASES[9], 4), (
 @pytest.mark.parametrize("case,bits", STABLE_CASES, ids=lambda v: str(v) if isinstance(v, (int, type(None))) else _case_id(v))
 def test_stable_launches_match_reference_at_any_widths(case, bits):
     check_case(case, bits=bits, stable=True)
-
-
-# APL_GEMV_PIPE: more steps of plane words in flight changes when words are loaded, not what
-# is summed in which order, so the output must equal the ping-pong's bit for bit. It applies
-# to the 3-4-bit kernel with 8-byte plane loads: (case, bits, one column split?); H=1216 /
-# I=832 are 38 / 26 words per row, 5 / 4 steps in one split (partial last steps, step
-# counts no multiple of 3 or 4).
-PIPE_CASES = [((8, 2, 1216, 832, 3, 6, torch.bfloat16), 4, True), ((8, 2, 1216, 832, 2, 8, torch.float16), 3, True),
-              ((8, 2, 1216, 832, 5, 7, torch.bfloat16), 3, True), (CASES[4], 3, False), (CASES[5], 4, False),
-              (UNIFORM_CASES[-1][0], 4, False), (CASES[9], 3, False)]
-
-
-@pytest.mark.parametrize("pipe,early,min_blocks", [(3, 0, 4), (3, 1, 4), (4, 1, 3)])
-@pytest.mark.parametrize("case,bits,one_split", PIPE_CASES, ids=lambda v: _case_id(v) if isinstance(v, tuple) else str(v))
-def test_decode_register_pipeline_equals_ping_pong(case, bits, one_split, pipe, early, min_blocks, monkeypatch):
-    import pagedweight_kernels.apl_moe as op
-
-    if one_split:
-        monkeypatch.setattr(op, "GEMV_TARGET_CTAS", 1)
-    E, k, H, I, T = case[:5]
-    plan = plan_launch(T, k, E, H, I, bits)
-    assert plan.gate_up.regime == "gemv" and (plan.gate_up.splits == 1 or not one_split)
-    layer = random_layer(E, H, I, seed=T, device=torch.device("cuda"),
-                         bits={(e, m): bits for e in range(E) for m in ("gate_up", "down")})
-    assert all(layer.aligned8.values()) and set(layer.classes["down"]) == {0}  # the pipelined kernel runs
-    ping_pong = check_case(case, bits=bits)
-    monkeypatch.setitem(op.KERNEL_DEFINES, "APL_GEMV_PIPE", pipe)
-    monkeypatch.setitem(op.KERNEL_DEFINES, "APL_GEMV_PIPE_EARLY", early)
-    monkeypatch.setitem(op.KERNEL_DEFINES, "APL_GEMV_MIN_BLOCKS", min_blocks)
-    assert torch.equal(check_case(case, bits=bits), ping_pong)
-
-
-# The one-launch decode (apl_gemv_fused, layers of 3-4-bit blocks): the same sums in the same
-# order as the two launches, so the output must equal theirs bit for bit. (case, bits): 34 =
-# 3 or 4 bits per block. Odd word counts, idle experts, column splits, a hot expert taking
-# passes of 8, Qwen1.5-MoE at 1, 2 and 4 tokens (4 tokens: 1216 CTAs, more than one wave, so
-# down CTAs start while gate_up CTAs still wait to start).
-FUSED_CASES = [(CASES[0], 4), (CASES[1], 3), (CASES[3], 34), (CASES[4], 4), (CASES[5], 3), (CASES[9], 4),
-               (UNIFORM_CASES[-1][0], 34), ((60, 4, 2048, 1408, 2, 60, torch.float16), 3)]
-
-
-def _bits(E, bits, seed=0):
-    if bits != 34:
-        return {(e, m): bits for e in range(E) for m in ("gate_up", "down")}
-    gen = torch.Generator().manual_seed(seed)
-    return {(e, m): 3 + int(torch.randint(0, 2, (1,), generator=gen)) for e in range(E) for m in ("gate_up", "down")}
-
-
-@pytest.mark.parametrize("case,bits", FUSED_CASES, ids=lambda v: str(v) if isinstance(v, int) else _case_id(v))
-def test_fused_decode_equals_two_launches(case, bits, monkeypatch):
-    import pagedweight_kernels.apl_moe as op
-
-    E, k, H, I, T = case[:5]
-    bits_map = _bits(E, bits)
-    layer = random_layer(E, H, I, seed=T, device=torch.device("cuda"), bits=bits_map)
-    plan = plan_launch(T, k, E, H, I, layer.max_bits)
-    launches = {m: layer.decode_launches(m) for m in ("gate_up", "down")}
-    assert plan.gate_up.regime == "gemv"
-    monkeypatch.setattr(op, "GEMV_FUSED", True)
-    assert op.fused_class(launches, plan.gate_up.tiles) == 0
-    fused = check_case(case, bits=bits_map)
-    monkeypatch.setattr(op, "GEMV_FUSED", False)
-    assert op.fused_class(launches, plan.gate_up.tiles) is None
-    assert torch.equal(check_case(case, bits=bits_map), fused)
-
-
-def test_fused_decode_replayed_in_a_cuda_graph_follows_new_inputs(monkeypatch):
-    """A captured fused launch replayed on new tokens and routing: each replay equals the eager
-    call bit for bit, and the flags, ticket and counters it leaves are zero (the next replay
-    starts from them)."""
-    import pagedweight_kernels.apl_moe as op
-
-    monkeypatch.setattr(op, "GEMV_FUSED", True)
-    E, k, H, I, T = 16, 4, 256, 192, 3
-    device = torch.device("cuda")
-    layer = random_layer(E, H, I, seed=11, device=device, bits=_bits(E, 4))
-    x = torch.randn(T, H, device=device, dtype=torch.bfloat16)
-    ids, w = ragged_routing(T, E, k, seed=1, device=device)
-    w = w.to(torch.bfloat16)
-    out = torch.empty_like(x)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        apl_moe(x, ids, w, layer, out=out)  # compiles, warms the allocator
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        apl_moe(x, ids, w, layer, out=out)
-    for seed in range(2, 5):
-        new_ids, new_w = ragged_routing(T, E, k, seed=seed, num_used=5 + seed, device=device)
-        x.copy_(torch.randn(T, H, device=device, dtype=torch.bfloat16))
-        ids.copy_(new_ids)
-        w.copy_(new_w.to(torch.bfloat16))
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert not layer.counters.any(), "a replay left a flag, the ticket or a counter set"
-        eager = apl_moe(x, ids, w, layer)
-        assert torch.equal(out, eager)
-        assert relative_error(out, reference_fp32(x, ids, w, layer)) < TOLERANCE[torch.bfloat16]
-
-
-# APL_GEMV_COMPACT (a bit per kernel class): the decode step's code once (two words in a
-# rolled loop, no unrolled ping-pong): the same loads and mma in the same order, so the output
-# equals the ping-pong's bit for bit. Merged kernel (mixed bits) with 4-byte loads (H=160), with
-# column splits, at Qwen size; the 3-4-bit kernel (4 bits).
-@pytest.mark.parametrize("case,bits", [(CASES[0], None), (CASES[4], None), (CASES[9], None), UNIFORM_CASES[1]],
-                         ids=lambda v: str(v) if isinstance(v, (int, type(None))) else _case_id(v))
-def test_compact_decode_loop_equals_ping_pong(case, bits, monkeypatch):
-    import pagedweight_kernels.apl_moe as op
-
-    monkeypatch.setitem(op.KERNEL_DEFINES, "APL_GEMV_COMPACT", 0)
-    ping_pong = check_case(case, bits=bits)
-    monkeypatch.setitem(op.KERNEL_DEFINES, "APL_GEMV_COMPACT", 7)
-    assert torch.equal(check_case(case, bits=bits), ping_pong)
-
-
-# Knobs that move work between pipes or reorder the last-CTA counter's synchronisation, not
-# what is summed: APL_FMA_SHIFTS_MIN_BITS (from which width the code transposes are bitfield
-# merges with their shifts by IMAD), APL_PRMT_SELECT (the 4-bit top-bit select by PRMT),
-# APL_SHIFT_MODE (5-8-bit LUT offsets by IMAD.HI), APL_GEMV_ACQREL (one acq_rel atomic instead
-# of fences), APL_GEMV_STAGE16 (decode activations by 16-byte loads), APL_GEMV_LUT16 (aligned
-# register-LUT rows by 16-byte loads), APL_GEMV_BATCHED_LOADS (routing, reductions and the tiles'
-# copies with their loads in flight together). All flipped from their defaults at once (the FMA shifts on at 3 bits for a 3-bit
-# layer, off at every width otherwise), the output equals the defaults' bit for bit in every
-# regime and class: decode at 3, 4, 5, 8 bits and mixed, column splits, Qwen size, tiles,
-# prefill, legacy decode.
-KNOB_CASES = [(c, b, False) for c, b in UNIFORM_CASES[:4]] + [
-    (CASES[0], None, False), (CASES[4], None, False), (CASES[9], 4, False), (CASES[7], None, False),
-    (CASES[7], None, True), (CASES[1], None, True)]
-
-
-def _flipped_knobs(bits):
-    import pagedweight_kernels.apl_moe as op
-
-    fma_from = op.KERNEL_DEFINES["APL_FMA_SHIFTS_MIN_BITS"]
-    flipped = {k: 1 - op.KERNEL_DEFINES[k]
-               for k in ("APL_PRMT_SELECT", "APL_SHIFT_MODE", "APL_GEMV_ACQREL", "APL_GEMV_STAGE16", "APL_GEMV_LUT16",
-                         "APL_GEMV_BATCHED_LOADS")}
-    flipped["APL_FMA_SHIFTS_MIN_BITS"] = 3 if bits == 3 and fma_from > 3 else 9 if fma_from <= 8 else 3
-    return flipped
-
-
-@pytest.mark.parametrize("case,bits,legacy", KNOB_CASES,
-                         ids=lambda v: str(v) if isinstance(v, (int, bool, type(None))) else _case_id(v))
-def test_integer_pipe_knobs_keep_the_output_bit_for_bit(case, bits, legacy, monkeypatch):
-    import pagedweight_kernels.apl_moe as op
-
-    default = check_case(case, bits=bits, legacy_decode=legacy)
-    for knob, value in _flipped_knobs(bits).items():
-        monkeypatch.setitem(op.KERNEL_DEFINES, knob, value)
-    assert torch.equal(check_case(case, bits=bits, legacy_decode=legacy), default)
 
 
 # GELU-tanh experts (Gemma-4): both regimes, both dtypes, merged and uniform-width decode.
@@ -319,7 +151,7 @@ def test_activation_changes_the_kernel_output():
     assert relative_error(outs["silu"], outs["gelu_tanh"]) > 0.05
 
 
-def check_case(case, legacy_decode=False, bits=None, activation="silu", stable=False):
+def check_case(case, regime=None, bits=None, activation="silu", stable=False, config=None):
     E, k, H, I, T, used, dtype = case
     device = torch.device("cuda")
     uniform = bits if isinstance(bits, dict) else \
@@ -336,7 +168,7 @@ def check_case(case, legacy_decode=False, bits=None, activation="silu", stable=F
     for _ in range(2):
         poison_allocator(device)
         out = torch.full_like(x, float("nan"))
-        apl_moe(x, ids, w, layer, out=out, legacy_decode=legacy_decode)
+        apl_moe(x, ids, w, layer, out=out, regime=regime, config=config)
         torch.cuda.synchronize()
         assert not out.isnan().any(), "some outputs were never written"
         assert not layer.counters.any(), "the decode kernel left a last-CTA counter set"
@@ -403,15 +235,16 @@ def test_commit_moves_a_block_anywhere_in_a_pool():
 
 
 @pytest.mark.parametrize("lut_offset_bytes", [0, 2], ids=["lut-16-byte-aligned", "lut-at-2-bytes"])
-def test_register_lut_loads_take_any_lut_alignment(lut_offset_bytes, monkeypatch):
-    """APL_GEMV_LUT16: a 3-4-bit block's LUT rows by 16-byte loads where the LUT is 16-byte
-    aligned, by 2-byte loads where it is not (a LUT view at a 2-byte offset of a pool); the
-    output is the 2-byte path's bit for bit and the reference's within tolerance."""
-    import pagedweight_kernels.apl_moe as op
-
+def test_register_lut_loads_take_any_lut_alignment(lut_offset_bytes):
+    """A 3-4-bit block's LUT rows are read by 2-byte loads, so a LUT at any 2-byte offset of a pool
+    gives the output of the LUTs where they were allocated, bit for bit, and the reference's."""
     device = torch.device("cuda")
     E, H, I, T = 8, 256, 384, 3
     layer = random_layer(E, H, I, seed=5, device=device, bits={(e, m): 3 + (e % 2) for e in range(E) for m in ("gate_up", "down")})
+    x = torch.randn(T, H, device=device, dtype=torch.bfloat16)
+    ids, w = ragged_routing(T, E, 2, seed=4, device=device)
+    w = w.to(torch.bfloat16)
+    allocated = apl_moe(x, ids, w, layer)
     pool = torch.zeros(1 << 20, dtype=torch.uint8, device=device)
     offset = 4096 + lut_offset_bytes
     for e in range(E):
@@ -422,14 +255,8 @@ def test_register_lut_loads_take_any_lut_alignment(lut_offset_bytes, monkeypatch
             view.copy_(block.lut)
             layer.set_block(e, m, type(block)(block.bits, block.planes, view))
             offset += nbytes + 64
-    x = torch.randn(T, H, device=device, dtype=torch.bfloat16)
-    ids, w = ragged_routing(T, E, 2, seed=4, device=device)
-    w = w.to(torch.bfloat16)
-    monkeypatch.setitem(op.KERNEL_DEFINES, "APL_GEMV_LUT16", 0)
-    two_byte = apl_moe(x, ids, w, layer)
-    monkeypatch.setitem(op.KERNEL_DEFINES, "APL_GEMV_LUT16", 1)
     out = apl_moe(x, ids, w, layer)
-    assert torch.equal(out, two_byte)
+    assert torch.equal(out, allocated)
     assert relative_error(out, reference_fp32(x, ids, w, layer)) < TOLERANCE[torch.bfloat16]
 
 

@@ -9,6 +9,8 @@ several passes and in several pass groups (grid z > 1), partial row tiles, bf16 
 GELU-tanh. check_case poisons the workspaces and outputs with NaN and wants two bit-identical runs.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -31,40 +33,43 @@ STAGED_CASES = [case for case, _ in TILES_CASES] + [
 ]
 
 
+# Every layer's tiles and prefill calls in the staged regime, whatever its widths and size.
+STAGED = dataclasses.replace(op.DEFAULT_CONFIG, staged_every_layer=True)
+
+
 @pytest.fixture
-def staged(monkeypatch):
-    monkeypatch.setattr(op, "STAGED_PREFILL", True)
+def staged():
+    return STAGED
 
 
 def _assert_staged(case):
     E, k, H, I, T = case[:5]
     plan = plan_launch(T, k, E, H, I, 8)
     layer = random_layer(E, H, I, seed=T, device=torch.device("cuda"))
-    assert use_staged(plan, layer, torch.device("cuda")), "the case must take the staged regime"
+    assert use_staged(plan, layer, torch.device("cuda"), config=STAGED), "the case must take the staged regime"
 
 
 @pytest.mark.parametrize("case", STAGED_CASES, ids=_case_id)
 def test_staged_matches_reference(case, staged):
     _assert_staged(case)
-    check_case(case)
+    check_case(case, config=staged)
 
 
 @pytest.mark.parametrize("bits", (3, 4, 5, 6, 7, 8))
 @pytest.mark.parametrize("case", [STAGED_CASES[1], STAGED_CASES[-2]], ids=_case_id)
 def test_staged_uniform_width_layers_match_reference(case, bits, staged):
-    check_case(case, bits=bits)
+    check_case(case, bits=bits, config=staged)
 
 
 @pytest.mark.parametrize("case", [CASES[7], STAGED_CASES[-1]], ids=_case_id)
 def test_staged_gelu_tanh_matches_reference(case, staged):
-    check_case(case, activation="gelu_tanh")
+    check_case(case, activation="gelu_tanh", config=staged)
 
 
-def test_staged_matches_the_tiles_regime(monkeypatch):
+def test_staged_matches_the_tiles_regime(staged):
     case = TILES_CASES[1][0]
-    tiles = check_case(case)
-    monkeypatch.setattr(op, "STAGED_PREFILL", True)
-    assert relative_error(check_case(case), tiles) < TOLERANCE[case[6]]
+    tiles = check_case(case, config=dataclasses.replace(op.DEFAULT_CONFIG, staged_classes=frozenset()))
+    assert relative_error(check_case(case, config=staged), tiles) < TOLERANCE[case[6]]
 
 
 def test_staged_block_of_a_width_its_class_lacks_gives_nan(staged):
@@ -76,7 +81,7 @@ def test_staged_block_of_a_width_its_class_lacks_gives_nan(staged):
     x = torch.randn(60, 256, device=device, dtype=torch.bfloat16)
     ids, w = ragged_routing(60, 8, 2, seed=3, device=device)
     layer.gate_up_desc[2, 0] = 6  # the host still plans the 3-4-bit class
-    out = apl_moe(x, ids, w, layer)
+    out = apl_moe(x, ids, w, layer, config=staged)
     hit = (ids == 2).any(dim=1)
     assert out[hit].isnan().all() and not out[~hit].isnan().any()
 
@@ -86,20 +91,18 @@ def test_staged_no_host_sync(staged):
     layer = random_layer(8, 256, 384, seed=5, device=device)
     x = torch.randn(100, 256, device=device, dtype=torch.bfloat16)
     ids, w = ragged_routing(100, 8, 2, seed=100, device=device)
-    apl_moe(x, ids, w, layer)  # compile outside the check
+    apl_moe(x, ids, w, layer, config=staged)  # compile outside the check
     torch.cuda.set_sync_debug_mode("error")
     try:
-        out = apl_moe(x, ids, w, layer)
+        out = apl_moe(x, ids, w, layer, config=staged)
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert relative_error(out, reference_fp32(x, ids, w, layer)) < TOLERANCE[torch.bfloat16]
 
 
-# The staged kernel's knobs and the integer-pipe knobs it shares with apl_gemv (APL_PRMT_SELECT:
-# the 3-4-bit lookups' top-bit select, which the staged producer's transposed codes must feed
-# too; APL_FMA_SHIFTS_MIN_BITS) change how the weights are made and staged, never their values or
-# the wgmma order: the output stays bit for bit.
-STAGED_KNOBS = [{"APL_PRMT_SELECT": 1, "APL_FMA_SHIFTS_MIN_BITS": 3}, {"APL_STAGED_PREFETCH": 1},
+# The staged kernel's knobs change how the weights are made and staged, never their values or the
+# wgmma order: the output stays bit for bit.
+STAGED_KNOBS = [{"APL_STAGED_PREFETCH": 1},
                 {"APL_STAGED_PREFETCH": 3, "APL_STAGED_REGS": 0}, {"APL_STAGED_PLANE_ASYNC": 0},
                 {"APL_STAGED_PLANE_ASYNC": 0, "APL_STAGED_PREFETCH": 3}, {"APL_STAGED_PLANE_ASYNC": 1, "APL_STAGED_PREFETCH": 3},
                 {"APL_STAGED_PRODUCER_FENCE": 0}, {"APL_STAGED_SKIP_PAD": 0, "APL_STAGED_TMA": 0},
@@ -108,59 +111,53 @@ STAGED_KNOBS = [{"APL_PRMT_SELECT": 1, "APL_FMA_SHIFTS_MIN_BITS": 3}, {"APL_STAG
 
 @pytest.mark.parametrize("knobs", STAGED_KNOBS, ids=lambda k: ",".join(f"{n}={v}" for n, v in k.items()))
 @pytest.mark.parametrize("bits", (3, 4, None))
-def test_staged_knobs_keep_the_output_bit_for_bit(knobs, bits, staged, monkeypatch):
+def test_staged_knobs_keep_the_output_bit_for_bit(knobs, bits, staged):
     case = STAGED_CASES[-3]  # 4-byte plane loads, a last step of one word, partial row tiles
-    default = check_case(case, bits=bits)
-    for knob, value in knobs.items():
-        monkeypatch.setitem(op.KERNEL_DEFINES, knob, value)
-    assert torch.equal(check_case(case, bits=bits), default)
+    default = check_case(case, bits=bits, config=staged)
+    assert torch.equal(check_case(case, bits=bits, config=staged.with_knobs(**knobs)), default)
 
 
 @pytest.mark.parametrize("case", STAGED_CASES, ids=_case_id)
-def test_tma_activations_keep_the_output_bit_for_bit(case, staged, monkeypatch):
+def test_tma_activations_keep_the_output_bit_for_bit(case, staged):
     """APL_STAGED_TMA flipped against the default on every staged case: one tensor-map box a step
     (gate_up's x gathered by sorted position first), 128-byte swizzled B tiles and their
     descriptors. Same operands, same wgmma order: the same bits, whichever side is the default."""
-    default = check_case(case)
-    monkeypatch.setitem(op.KERNEL_DEFINES, "APL_STAGED_TMA", 0 if op.KERNEL_DEFINES["APL_STAGED_TMA"] else 2)
-    assert torch.equal(check_case(case), default)
+    default = check_case(case, config=staged)
+    flipped = staged.with_knobs(APL_STAGED_TMA=0 if staged.staged_tma else 2)
+    assert torch.equal(check_case(case, config=flipped), default)
 
 
 @pytest.mark.parametrize("plane_async", (0, 1))
 @pytest.mark.parametrize("bits", (3, 4, None))
-def test_units_of_4_steps_keep_the_output_bit_for_bit(bits, plane_async, staged, monkeypatch):
+def test_units_of_4_steps_keep_the_output_bit_for_bit(bits, plane_async, staged):
     """APL_STAGED_UNIT 4 (3-4-bit rows with 16-byte plane loads, passes of up to 64 tokens): down's
     384 columns are 12 words a row, so its second unit passes the row's end and is clamped; with
     the plane words by 16-byte cp.async too."""
     case = STAGED_CASES[-1]
-    default = check_case(case, bits=bits)
-    monkeypatch.setitem(op.KERNEL_DEFINES, "APL_STAGED_UNIT", 4)
-    monkeypatch.setitem(op.KERNEL_DEFINES, "APL_STAGED_PLANE_ASYNC", plane_async)
+    default = check_case(case, bits=bits, config=staged)
     # (the merged class's 3-4-bit rows in units of 4 steps: two producer warpgroups would want 5 ring
     # buffers, which its LUT rows may leave no room for, so it runs one warpgroup here)
-    monkeypatch.setitem(op.KERNEL_DEFINES, "APL_STAGED_LUT_PRODUCERS", 1)
-    assert torch.equal(check_case(case, bits=bits), default)
+    units = staged.with_knobs(APL_STAGED_UNIT=4, APL_STAGED_PLANE_ASYNC=plane_async, APL_STAGED_LUT_PRODUCERS=1)
+    assert torch.equal(check_case(case, bits=bits, config=units), default)
 
 
-def test_a_ring_of_two_buffers_keeps_the_output_bit_for_bit(staged, monkeypatch):
+def test_a_ring_of_two_buffers_keeps_the_output_bit_for_bit(staged):
     case = STAGED_CASES[-1]  # passes of 64 in 4 groups: the ring turns many times
-    default = check_case(case)
-    monkeypatch.setattr(op, "STAGED_STAGES", 2)
-    assert torch.equal(check_case(case), default)
+    default = check_case(case, config=staged)
+    assert torch.equal(check_case(case, config=dataclasses.replace(staged, staged_stages=2)), default)
 
 
 @pytest.mark.parametrize("bits", (3, 4, None))
 @pytest.mark.parametrize("case", [(8, 2, 256, 384, 300, 8, torch.bfloat16), (8, 2, 512, 256, 280, 6, torch.float16)],
                          ids=_case_id)
-def test_128_token_passes_match_reference(case, bits, staged, monkeypatch):
-    """STAGED_WIDE_NT8 16 (the default): the 3-4-bit class in passes of 128 tokens (m64n128
+def test_128_token_passes_match_reference(case, bits, staged):
+    """staged_wide_nt8 16 (the default): the 3-4-bit class in passes of 128 tokens (m64n128
     wgmma) where 64-85 tokens an expert are the mean (75 and 70 here; a hotter expert takes a
     second pass). A mixed layer (bits None) keeps its other classes' passes and must still match."""
-    monkeypatch.setattr(op, "STAGED_WIDE_NT8", 16)
     E, k, H, I, T = case[:5]
     if bits is not None:
-        assert staged_plan(0, T, k, E, 2 * I, 0, 0, E).tokens == 128
-    check_case(case, bits=bits)
+        assert staged_plan(0, T, k, E, 2 * I, 0, 0, E, config=staged).tokens == 128
+    check_case(case, bits=bits, config=staged)
 
 
 # The 5-8-bit producers' knobs (apl_staged.cu) against their defaults: the lane-banked LUT rows against
@@ -171,7 +168,7 @@ def test_128_token_passes_match_reference(case, bits, staged, monkeypatch):
 LUT_KNOBS = [{"APL_STAGED_LUT_LANES": "flip"}, {"APL_STAGED_PREFETCH_LUT": 2}, {"APL_STAGED_PREFETCH_LUT": 4},
              {"APL_STAGED_TMA": 1}, {"APL_STAGED_LUT_BLOCKS": "flip"}, {"APL_STAGED_PLANE_ASYNC_LUT": 0},
              {"APL_STAGED_PREFETCH_LUT": 3}, {"APL_STAGED_LUT_PRODUCERS": 1},
-             {"APL_STAGED_LUT_PRODUCERS": 1, "APL_STAGED_PREFETCH_LUT": 2},  # (the defaults before 2026-12-05's sixth session)
+             {"APL_STAGED_LUT_PRODUCERS": 1, "APL_STAGED_PREFETCH_LUT": 2},  # (earlier defaults)
              {"APL_STAGED_LUT_BLOCKS": "flip", "APL_STAGED_LUT_LANES": "flip", "APL_STAGED_PREFETCH_LUT": 1,
               "APL_STAGED_TMA": 1, "APL_STAGED_PLANE_ASYNC_LUT": 0, "APL_STAGED_LUT_PRODUCERS": 1}]  # (before the fourth)
 
@@ -179,27 +176,25 @@ LUT_KNOBS = [{"APL_STAGED_LUT_LANES": "flip"}, {"APL_STAGED_PREFETCH_LUT": 2}, {
 @pytest.mark.parametrize("knobs", LUT_KNOBS, ids=lambda k: ",".join(f"{n}={v}" for n, v in k.items()))
 @pytest.mark.parametrize("bits", (5, 8, None))
 @pytest.mark.parametrize("case", [STAGED_CASES[-3], STAGED_CASES[-1]], ids=_case_id)
-def test_lut_row_knobs_keep_the_output_bit_for_bit(case, knobs, bits, staged, monkeypatch):
-    default = check_case(case, bits=bits)
-    for knob, value in knobs.items():
-        monkeypatch.setitem(op.KERNEL_DEFINES, knob, _flipped(knob) if value == "flip" else value)
-    assert torch.equal(check_case(case, bits=bits), default)
+def test_lut_row_knobs_keep_the_output_bit_for_bit(case, knobs, bits, staged):
+    default = check_case(case, bits=bits, config=staged)
+    flipped = staged.with_knobs(**{knob: _flipped(knob) if value == "flip" else value for knob, value in knobs.items()})
+    assert torch.equal(check_case(case, bits=bits, config=flipped), default)
 
 
 def _flipped(knob: str) -> int:
     """A two-valued knob's other value: 0 <-> 1, and APL_STAGED_LUT_BLOCKS's 1 <-> 2."""
-    return (3 if knob == "APL_STAGED_LUT_BLOCKS" else 1) - op.KERNEL_DEFINES[knob]
+    return (3 if knob == "APL_STAGED_LUT_BLOCKS" else 1) - op.DEFAULT_CONFIG.knobs()[knob]
 
 
 @pytest.mark.parametrize("bits", (8, None))
-def test_lut_rows_in_passes_of_128_tokens_keep_the_output_bit_for_bit(bits, staged, monkeypatch):
-    """STAGED_LUT_WIDE_NT8 (16): the 5-8-bit and merged classes in passes of 128 tokens (m64n128) where
+def test_lut_rows_in_passes_of_128_tokens_keep_the_output_bit_for_bit(bits, staged):
+    """staged_lut_wide_nt8 (16): the 5-8-bit and merged classes in passes of 128 tokens (m64n128) where
     80 tokens an expert want more than 64, against passes of 64 (hot experts in two)."""
     case = (8, 2, 256, 384, 320, 8, torch.bfloat16)
     E, k, H, I, T = case[:5]
-    monkeypatch.setattr(op, "STAGED_LUT_WIDE_NT8", 0)
-    assert op.staged_plan(0, T, k, E, I, 1, 8, E).tiles == 8
-    narrow = check_case(case, bits=bits)
-    monkeypatch.setattr(op, "STAGED_LUT_WIDE_NT8", 16)
-    assert op.staged_plan(0, T, k, E, I, 1, 8, E).tiles == 16
-    assert torch.equal(check_case(case, bits=bits), narrow)
+    narrow = dataclasses.replace(staged, staged_lut_wide_nt8=0)
+    assert op.staged_plan(0, T, k, E, I, 1, 8, E, config=narrow).tiles == 8
+    out_narrow = check_case(case, bits=bits, config=narrow)
+    assert op.staged_plan(0, T, k, E, I, 1, 8, E, config=staged).tiles == 16
+    assert torch.equal(check_case(case, bits=bits, config=staged), out_narrow)

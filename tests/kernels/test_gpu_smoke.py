@@ -3,7 +3,7 @@ reference, small enough to run in every device call that changes kernels/.
 
 Regimes are reached by token counts on small layers (8 experts, top-2, H=256, I=384): decode
 (1 token), tiles (40 tokens, 10 an expert), staged (320 tokens on compute capability 9.0; the
-prefill kernel elsewhere) and the prefill kernel (legacy_decode from 2 tokens an expert). Each
+prefill kernel elsewhere) and the prefill kernel (asked for by apl_moe's regime="prefill"). Each
 case asserts the regime it means to cover, so a planning change cannot silently skip one.
 """
 
@@ -24,12 +24,12 @@ WIDTHS = (3, 4, 5, 6, 7, 8, "mixed")
 
 def planned_regime(regime: str, tokens: int, bits) -> str:
     """The regime apl_moe will run for this case (staged only on a 9.0 device)."""
-    legacy = regime == "prefill"
+    forced = "prefill" if regime == "prefill" else None
     max_bits = 8 if bits == "mixed" else bits
-    plan = plan_launch(tokens, K, E, H, I, max_bits, legacy_decode=legacy)
+    plan = plan_launch(tokens, K, E, H, I, max_bits, regime=forced)
     assignment = mixed_bits(E) if bits == "mixed" else {(e, m): bits for e in range(E) for m in ("gate_up", "down")}
     layer = random_layer(E, H, I, device="cuda", bits=assignment)
-    if use_staged(plan, layer, torch.device("cuda"), legacy, tokens, K):
+    if use_staged(plan, layer, torch.device("cuda"), tokens, K, forced):
         return "staged"
     return plan.gate_up.regime
 
@@ -45,5 +45,5 @@ def test_every_regime_width_and_dtype_matches_the_reference(regime, bits, dtype)
                 "staged": "staged" if hopper else "prefill"}[regime]
     assert got == expected, f"{regime} case planned as {got}"
     case = (E, K, H, I, tokens, E, dtype)
-    check_case(case, legacy_decode=regime == "prefill",
+    check_case(case, regime="prefill" if regime == "prefill" else None,
                bits=mixed_bits(E) if bits == "mixed" else bits)

@@ -5,8 +5,9 @@ import ctypes
 
 import numpy as np
 import pytest
+import torch
 
-import pagedweight_kernels.apl_moe as op
+import pagedweight_kernels.launch as op
 from pagedweight_kernels.cuda_packages import pack_arguments
 from pagedweight_kernels.programmatic_launch import (CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
                                                      LaunchAttribute, LaunchAttributeValue, LaunchConfig,
@@ -53,13 +54,11 @@ def test_function_handle_needs_a_loaded_function():
         function_handle(object())
 
 
-def test_programmatic_projections_need_the_compiled_waits(monkeypatch):
-    monkeypatch.setattr(op, "GEMV_PDL", 2)
-    monkeypatch.setitem(op.KERNEL_DEFINES, "APL_GEMV_PDL", 0)
-    assert op.programmatic_projections() == (False, False)  # launches that overlap need the kernels' waits
-    monkeypatch.setattr(op, "GEMV_PDL", 0)
-    monkeypatch.setitem(op.KERNEL_DEFINES, "APL_GEMV_PDL", 1)
-    assert op.programmatic_projections() == (False, False)
+@pytest.mark.parametrize("capability, down", [((8, 0), False), ((9, 0), True), ((10, 0), True)])
+def test_only_down_overlaps_and_only_where_the_waits_exist(monkeypatch, capability, down):
+    # griddepcontrol (the kernels' waits) exists from compute capability 9.0; gate_up never overlaps
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: capability)
+    assert op.programmatic_projections() == (False, down)
 
 
 def test_the_programmatic_attribute_allows_overlap():

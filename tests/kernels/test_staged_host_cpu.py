@@ -15,8 +15,8 @@ back here by the operand layout the consumer's descriptors describe (the PTX ISA
 K-major layout), written out independently of tile_chunk. What the emulation cannot show: timing,
 and a missing memory fence (apl_host.h). Skipped without nvcc."""
 
+import dataclasses
 import os
-import random
 import shutil
 import struct
 import subprocess
@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 import torch
 
-from bench import lut_bank_model, staged_banks, staged_host
+from bench import staged_banks, staged_host
 from bench.sass_mix import kernel_defines
 from bench.staged_host import (ST_KS, ST_ROWS, build_harness, launch_output, planned, projection_case,
                                reference_projection, run_launch)
@@ -40,18 +40,9 @@ LBO, SBO = 128, 256
 pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 
 
-def _flipped_knobs() -> dict[str, int]:
-    """Every compile knob on the producer's lookup path set the other way from the launcher's."""
-    d = kernel_defines({})
-    return {"APL_PRMT_SELECT": 1 - d["APL_PRMT_SELECT"], "APL_SHIFT_MODE": 1 - d["APL_SHIFT_MODE"],
-            "APL_GEMV_LUT16": 1 - d["APL_GEMV_LUT16"],
-            "APL_FMA_SHIFTS_MIN_BITS": 3 if d["APL_FMA_SHIFTS_MIN_BITS"] != 3 else 9}
-
-
-@pytest.fixture(scope="module", params=["launcher", "flipped"])
-def harness(request, tmp_path_factory) -> Path:
-    work = tmp_path_factory.mktemp(f"staged_host_{request.param}")
-    return build_harness(work, kernel_defines(_flipped_knobs() if request.param == "flipped" else {}))
+@pytest.fixture(scope="module")
+def harness(tmp_path_factory) -> Path:
+    return build_harness(tmp_path_factory.mktemp("staged_host"), kernel_defines({}))
 
 
 @pytest.fixture(scope="module")
@@ -173,10 +164,10 @@ def test_staged_launch_matches_the_reference(cta_harness, tmp_path, name):
 
 
 @pytest.mark.parametrize("mode,rows_out,dtype", [(0, 64, torch.bfloat16), (1, 128, torch.float16)])
-def test_128_token_passes_match_the_reference(cta_harness, tmp_path, monkeypatch, mode, rows_out, dtype):
-    # STAGED_WIDE_NT8 16 (on since 2026-12-05): 75 tokens an expert want 15 tiles, so passes of 128, the
+def test_128_token_passes_match_the_reference(cta_harness, tmp_path, mode, rows_out, dtype):
+    # staged_wide_nt8 16 (the default): 75 tokens an expert want 15 tiles, so passes of 128, the
     # consumers' m64n128 wgmma; the hot expert's 150 assignments take a second, partial pass
-    monkeypatch.setattr(op, "STAGED_WIDE_NT8", 16)
+    assert op.DEFAULT_CONFIG.staged_wide_nt8 == 16
     case = projection_case(mode, [4, 3, 4, 4], rows_out, 256, 150, 2, dtype, seed=19)
     picked, plan, lut_bits = planned(case)
     assert picked == (0, mode, dtype == torch.bfloat16, True, 16) and plan.tokens == 128, (picked, plan)
@@ -192,13 +183,13 @@ def test_128_token_passes_match_the_reference(cta_harness, tmp_path, monkeypatch
 @pytest.mark.parametrize("mode,bits,rows_out,cols,tokens,dtype", [
     (1, [8, 5, 7, 6], 128, 640, 40, torch.bfloat16),
     (0, [4, 6, 3, 8], 64, 224, 150, torch.float16)])
-def test_two_producer_warpgroups_match_the_reference_and_one(cta_harness, tmp_path, monkeypatch, mode, bits, rows_out,
+def test_two_producer_warpgroups_match_the_reference_and_one(cta_harness, tmp_path, mode, bits, rows_out,
                                                              cols, tokens, dtype):
     case = projection_case(mode, bits, rows_out, cols, tokens, 2, dtype, seed=23)
     outputs = []
     for producers in (1, 2):
-        monkeypatch.setitem(op.KERNEL_DEFINES, "APL_STAGED_LUT_PRODUCERS", producers)  # (the plane ring per thread)
-        picked, plan, lut_bits = planned(case)
+        # (the plan follows the knob: the plane ring per thread)
+        picked, plan, lut_bits = planned(case, op.DEFAULT_CONFIG.with_knobs(APL_STAGED_LUT_PRODUCERS=producers))
         work = tmp_path / f"producers_{producers}"
         work.mkdir()
         run = run_launch(cta_harness(picked, {"APL_STAGED_LUT_PRODUCERS": producers}), work, case, plan, lut_bits)
@@ -212,20 +203,19 @@ def test_two_producer_warpgroups_match_the_reference_and_one(cta_harness, tmp_pa
     assert outputs[1] == outputs[0]
 
 
-def test_two_producer_warpgroups_need_a_ring_of_three(monkeypatch):
+def test_two_producer_warpgroups_need_a_ring_of_three():
     # a warpgroup's next step can be 3 buffers on from its last (its unit of 2 steps, then the other's
     # 2): a ring of 2 would let its parity wait run a lap ahead, so the plan asks for 3 or refuses
     case = projection_case(1, [8, 5, 7, 6], 128, 640, 40, 2, torch.bfloat16, seed=23)
-    monkeypatch.setitem(op.KERNEL_DEFINES, "APL_STAGED_LUT_PRODUCERS", 1)
-    assert planned(case)[1].stages >= 2 and op.staged_min_stages(1, 4, True) == 2
-    monkeypatch.setitem(op.KERNEL_DEFINES, "APL_STAGED_LUT_PRODUCERS", 2)
-    assert op.staged_min_stages(1, 4, True) == 3 and op.staged_min_stages(0, 4, True) == 2
-    monkeypatch.setattr(op, "STAGED_STAGES", 2)
-    plan = planned(case)[1]
+    one = op.DEFAULT_CONFIG.with_knobs(APL_STAGED_LUT_PRODUCERS=1)
+    assert planned(case, one)[1].stages >= 2 and op.staged_min_stages(1, 4, True, one) == 2
+    two = op.DEFAULT_CONFIG.with_knobs(APL_STAGED_LUT_PRODUCERS=2)
+    assert op.staged_min_stages(1, 4, True, two) == 3 and op.staged_min_stages(0, 4, True, two) == 2
+    two = dataclasses.replace(two, staged_stages=2)
+    plan = planned(case, two)[1]
     assert plan.stages == 3
-    monkeypatch.setattr(op, "STAGED_CTA_SHARED", (plan.shared_bytes - 1,) * 2)
     with pytest.raises(op.APLKernelError, match="needs 3 ring buffers"):
-        planned(case)
+        planned(case, dataclasses.replace(two, staged_cta_shared=(plan.shared_bytes - 1,) * 2))
 
 
 def test_blocks_outside_the_launchs_class_come_out_nan(cta_harness, tmp_path):
@@ -284,12 +274,11 @@ KNOBS = {"prefetch_1": {"APL_STAGED_PREFETCH": 1}, "prefetch_3": {"APL_STAGED_PR
 @pytest.mark.parametrize("knob", list(KNOBS))
 @pytest.mark.parametrize("name", ["gate_up_3_4_bits_16_token_passes", "down_3_4_bits_4_byte_loads_ragged_step",
                                   "down_merged_class"])
-def test_staged_knobs_leave_the_launch_bit_for_bit(cta_harness, default_outputs, tmp_path, monkeypatch, name, knob):
+def test_staged_knobs_leave_the_launch_bit_for_bit(cta_harness, default_outputs, tmp_path, name, knob):
     case, instance = launch_case(name, seed=5)
-    default = default_outputs(name, case)  # (planned with the launcher's knobs, before they change)
-    for define, value in KNOBS[knob].items():  # the host plans with the kernel's knobs (the plane ring's bytes)
-        monkeypatch.setitem(op.KERNEL_DEFINES, define, value)
-    _, plan, lut_bits = planned(case)
+    default = default_outputs(name, case)
+    # the host plans with the kernel's knobs (the plane ring's bytes)
+    _, plan, lut_bits = planned(case, op.DEFAULT_CONFIG.with_knobs(**KNOBS[knob]))
     run = run_launch(cta_harness(instance, KNOBS[knob]), tmp_path, case, plan, lut_bits)
     assert run.returncode == 0, run.stderr[-2000:]
     assert (tmp_path / "out.bin").read_bytes() == default
@@ -298,17 +287,15 @@ def test_staged_knobs_leave_the_launch_bit_for_bit(cta_harness, default_outputs,
 @pytest.mark.parametrize("name", [n for n in LAUNCHES if n not in ("gate_up_3_4_bits_16_token_passes",
                                                                  "down_3_4_bits_4_byte_loads_ragged_step",
                                                                  "down_merged_class")])
-def test_either_activation_path_leaves_the_other_launches_bit_for_bit(cta_harness, default_outputs, tmp_path,
-                                                                      monkeypatch, name):
+def test_either_activation_path_leaves_the_other_launches_bit_for_bit(cta_harness, default_outputs, tmp_path, name):
     # APL_STAGED_TMA flipped: the 3-4-bit class's B tiles by one tensor-map box a step (128-byte
     # swizzled, read by swizzled descriptors) or by the producers' cp.async copies (the knob test above
     # covers three launches; these are the 96-token case, a pass's box reaching past the tensor's last
     # row, and a 5-8-bit one; 0 against 2, every class)
     case, instance = launch_case(name, seed=5)
     default = default_outputs(name, case)
-    flipped = {"APL_STAGED_TMA": 0 if op.KERNEL_DEFINES["APL_STAGED_TMA"] else 2}
-    monkeypatch.setitem(op.KERNEL_DEFINES, "APL_STAGED_TMA", flipped["APL_STAGED_TMA"])  # (planned with its pad)
-    _, plan, lut_bits = planned(case)
+    flipped = {"APL_STAGED_TMA": 0 if op.DEFAULT_CONFIG.staged_tma else 2}
+    _, plan, lut_bits = planned(case, op.DEFAULT_CONFIG.with_knobs(**flipped))  # (planned with its pad)
     run = run_launch(cta_harness(instance, flipped), tmp_path, case, plan, lut_bits)
     assert run.returncode == 0, run.stderr[-2000:]
     assert (tmp_path / "out.bin").read_bytes() == default
@@ -326,7 +313,7 @@ LUT_KNOBS = {"lut_lanes_flipped": {"APL_STAGED_LUT_LANES": "flip"},
              "earlier_defaults": {"APL_STAGED_LUT_LANES": "flip", "APL_STAGED_PREFETCH_LUT": 1, "APL_STAGED_TMA": 1,
                                   "APL_STAGED_LUT_BLOCKS": 2, "APL_STAGED_PLANE_ASYNC_LUT": 0,
                                   "APL_STAGED_LUT_PRODUCERS": 1},
-             # one producer warpgroup (the defaults before 2026-12-05's sixth session), and two with the
+             # one producer warpgroup (earlier defaults), and two with the
              # row-major fill, plane words in registers and the activations' copies
              "one_producer_warpgroup": {"APL_STAGED_LUT_PRODUCERS": 1, "APL_STAGED_PREFETCH_LUT": 2},
              "two_producer_warpgroups_earlier": {"APL_STAGED_LUT_PRODUCERS": 2, "APL_STAGED_LUT_LANES": "flip",
@@ -338,14 +325,12 @@ LUT_KNOBS = {"lut_lanes_flipped": {"APL_STAGED_LUT_LANES": "flip"},
                                         for name in ("gate_up_5_8_bits_two_pass_groups", "down_merged_class")
                                         if name == "down_merged_class" or knob in ("lut_lanes_flipped", "earlier_defaults",
                                                                                    "two_producer_warpgroups_earlier")])
-def test_lut_row_knobs_leave_the_launch_bit_for_bit(cta_harness, default_outputs, tmp_path, monkeypatch, name, knob):
+def test_lut_row_knobs_leave_the_launch_bit_for_bit(cta_harness, default_outputs, tmp_path, name, knob):
     case, instance = launch_case(name, seed=5)
     default = default_outputs(name, case)
-    flipped = {define: 1 - op.KERNEL_DEFINES[define] if value == "flip" else value
+    flipped = {define: 1 - op.DEFAULT_CONFIG.knobs()[define] if value == "flip" else value
                for define, value in LUT_KNOBS[knob].items()}  # (lanes: the other layout than the default's)
-    for define, value in flipped.items():  # (planned with the knobs: TMA's alignment pad)
-        monkeypatch.setitem(op.KERNEL_DEFINES, define, value)
-    _, plan, lut_bits = planned(case)
+    _, plan, lut_bits = planned(case, op.DEFAULT_CONFIG.with_knobs(**flipped))  # (TMA's alignment pad)
     run = run_launch(cta_harness(instance, flipped), tmp_path, case, plan, lut_bits)
     assert run.returncode == 0, run.stderr[-2000:]
     assert (tmp_path / "out.bin").read_bytes() == default
@@ -367,13 +352,12 @@ def default_outputs(cta_harness, tmp_path_factory):
     return get
 
 
-def test_the_plane_ring_lives_in_the_bytes_the_host_plans(cta_harness, tmp_path, monkeypatch):
+def test_the_plane_ring_lives_in_the_bytes_the_host_plans(cta_harness, tmp_path):
     # the harness gives each CTA exactly the plan's shared bytes: planned without the plane ring, a
     # launch that reads its plane words through it reaches past them
     case, instance = launch_case("gate_up_3_4_bits_16_token_passes", seed=5)
-    monkeypatch.setitem(op.KERNEL_DEFINES, "APL_STAGED_PLANE_ASYNC", 0)
-    _, plan, lut_bits = planned(case)  # (APL_STAGED_PLANE_ASYNC 0: no ring counted)
-    monkeypatch.setitem(op.KERNEL_DEFINES, "APL_STAGED_PLANE_ASYNC", 1)
+    _, plan, lut_bits = planned(case, op.DEFAULT_CONFIG.with_knobs(APL_STAGED_PLANE_ASYNC=0))  # (no ring counted)
+    assert op.DEFAULT_CONFIG.staged_plane_async
     assert planned(case)[1].shared_bytes == plan.shared_bytes + op.staged_plane_ring_bytes(0, instance[-1], True) > plan.shared_bytes
     run = run_launch(cta_harness(instance, {"APL_STAGED_PLANE_ASYNC": 1}), tmp_path, case, plan, lut_bits)
     assert run.returncode != 0 and "past the CTA's" in run.stderr
@@ -400,17 +384,6 @@ def test_producer_stores_and_copies_take_the_fewest_wavefronts(tmp_path, plane_a
     assert set(got) == ({"STS.128", "LDGSTS.16", "LDS.128"} if plane_async else {"STS.128", "LDGSTS.16"})
     for kind, c in got.items():
         assert c["instructions"] > 0 and c["wavefronts"] == c["ideal"], (kind, c)
-
-
-@pytest.mark.parametrize("bits, room, stagger", [(8, 256, 1), (6, 64, 1), (5, 256, 1), (5, 256, 0)])
-def test_lut_lookups_cost_what_the_bank_model_says(tmp_path, bits, room, stagger):
-    # the kernel's own lookups from row-major LUT rows (APL_STAGED_LUT_LANES 0; 32 rows, a lane each; 5-bit rows in 256-entry rooms staggered by
-    # APL_LUT_STAGGER or not) against bench/lut_bank_model over random codes
-    got = staged_banks.count(f"{bits} bits", bits, {"APL_LUT_STAGGER": stagger, "APL_STAGED_LUT_LANES": 0},
-                             room != 1 << bits, tmp_path)
-    got = got["kinds"]["LDS.U16"]
-    model = lut_bank_model.mean_wavefronts(bits, room, bool(stagger), 4000, random.Random(0), rows=32, lanes=1)
-    assert abs(got["wavefronts"] / got["instructions"] - model) < 0.1, (got, model)
 
 
 # ---------------------------------------------------------------- the emulation's own parts
@@ -480,7 +453,7 @@ def test_the_command_line_says_when_it_cannot_write(tmp_path, capsys):
 @pytest.mark.parametrize("bits, merged, producers", [(8, False, 1), (6, False, 1), (5, True, 1), (8, False, 2)])
 def test_lane_banked_lut_lookups_take_one_wavefront(tmp_path, bits, merged, producers):
     # APL_STAGED_LUT_LANES: each producer lane reads only its own bank, whatever the codes, so a warp's
-    # LDS.U16 takes the one wavefront its 64 bytes need (row-major rows: 3.45-3.53, the test above);
+    # LDS.U16 takes the one wavefront its 64 bytes need (row-major rows took 3.45-3.53);
     # with two producer warpgroups too (each warp of either reads the rows of its lanes)
     knobs = {"APL_STAGED_LUT_LANES": 1, "APL_STAGED_LUT_PRODUCERS": producers}
     got = staged_banks.count(f"{bits} bits", bits, knobs, merged, tmp_path)["kinds"]["LDS.U16"]

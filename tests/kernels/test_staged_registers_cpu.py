@@ -11,7 +11,8 @@ import pytest
 
 from bench.sass_mix import build_instance, resource_usage
 from pagedweight_kernels import apl_moe as op
-from pagedweight_kernels.apl_moe import staged_blocks, staged_instances, staged_threads
+from pagedweight_kernels.apl_moe import staged_instances
+from pagedweight_kernels.plan import staged_blocks, staged_threads
 
 
 def _kernel_class(instance: str) -> int:
@@ -19,7 +20,7 @@ def _kernel_class(instance: str) -> int:
     return int(instance.split("<")[1].split(",")[0])
 
 
-# (Among them the 128-token passes, STAGED_WIDE_NT8 16: the consumers' 2 x 64 accumulators of m64n128
+# (Among them the 128-token passes, staged_wide_nt8 16: the consumers' 2 x 64 accumulators of m64n128
 # beside the producers' plane ring. Gate_up's act(gate) * up epilogue spilled 12 bytes at nvcc 13.0
 # until the padding rows' copies became one predicated cp.async, cp_async16_if.)
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
@@ -50,11 +51,11 @@ def test_staged_instances_fit_with_plane_words_in_registers(instance, tmp_path):
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 @pytest.mark.parametrize("instance", [name for name in staged_instances("true")
                                       if not name.startswith("apl_staged<0,") and ", true, " in name])
-def test_lut_class_instances_fit_with_the_other_producer_count(instance, tmp_path, monkeypatch):
-    producers = 3 - op.KERNEL_DEFINES["APL_STAGED_LUT_PRODUCERS"]
-    monkeypatch.setitem(op.KERNEL_DEFINES, "APL_STAGED_LUT_PRODUCERS", producers)
+def test_lut_class_instances_fit_with_the_other_producer_count(instance, tmp_path):
+    producers = 3 - op.DEFAULT_CONFIG.staged_lut_producers
+    config = op.DEFAULT_CONFIG.with_knobs(APL_STAGED_LUT_PRODUCERS=producers)
     _, resources = build_instance(instance, {"APL_STAGED_LUT_PRODUCERS": producers}, tmp_path)
     registers, spilled = resource_usage(resources)
     cls = _kernel_class(instance)
-    assert registers <= 65536 // (staged_threads(cls) * staged_blocks(cls)), resources
+    assert registers <= 65536 // (staged_threads(cls, config) * staged_blocks(cls, config)), resources
     assert spilled == 0, resources

@@ -1,0 +1,107 @@
+"""The kernels' configuration: one typed, frozen KernelConfig, passed to planning and compilation.
+
+Every value here is what a default or a per-shape entry uses; the variants measured worse are
+gone from the sources (docs/kernel.md keeps their measurements). `config_for(hidden,
+intermediate)` is the per-shape table: a layer shape without an entry takes DEFAULT_CONFIG. An
+experiment changes a value with `dataclasses.replace` (or `with_knobs` for the -D defines) and
+passes the result explicitly; nothing is read from the environment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+# The .cu's APL_ACT per expert activation (moe_reference.ACTIVATIONS): one compiled module each.
+ACT_CODES = {"silu": 0, "gelu_tanh": 1}
+# Shared memory an SM offers (H100/H200: 228 KB); each CTA reserves 1 KB of it.
+SM_SHARED = 228 * 1024
+
+# KernelConfig field -> the apl_staged.cu define it is compiled with.
+_STAGED_DEFINES = {
+    "staged_prefetch": "APL_STAGED_PREFETCH", "staged_unit": "APL_STAGED_UNIT",
+    "staged_blocks": "APL_STAGED_BLOCKS", "staged_regs": "APL_STAGED_REGS",
+    "staged_plane_async": "APL_STAGED_PLANE_ASYNC", "staged_producer_fence": "APL_STAGED_PRODUCER_FENCE",
+    "staged_skip_pad": "APL_STAGED_SKIP_PAD", "staged_tma": "APL_STAGED_TMA",
+    "staged_lut_lanes": "APL_STAGED_LUT_LANES", "staged_prefetch_lut": "APL_STAGED_PREFETCH_LUT",
+    "staged_lut_blocks": "APL_STAGED_LUT_BLOCKS", "staged_plane_async_lut": "APL_STAGED_PLANE_ASYNC_LUT",
+    "staged_lut_producers": "APL_STAGED_LUT_PRODUCERS",
+}
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Launch planning and the staged kernel's compile-time values (apl_staged.cu's header says
+    what each define does and what was measured)."""
+
+    # Decode launches split to about this many CTAs: one wave on a 132-SM H200 at 4 CTAs per SM
+    # (longer CTAs, fewer prologues); 2 and 4 waves were measured no better overall (H200,
+    # apl_gemv_order_default.json).
+    gemv_target_ctas: int = 528
+    # Layers of 3-4-bit blocks whose passes want more than 8 tiles and at most this many take
+    # passes of 96 tokens (48 accumulators a thread, 2 CTAs per SM), so an expert a little over
+    # the mean is dequantised once, not twice. Measured (H200, docs/kernel.md):
+    # Mixtral 256 tokens 4 bits 1484.1 -> 1441.2 us. 0: off (the NT8 12 instances are not compiled).
+    tiles_wide_nt8: int = 12
+    # The staged regime (apl_staged.cu, sm_90a) for the calls the tiles and prefill regimes
+    # would take: layers whose bit classes are all in staged_classes, 3-4-bit layers from
+    # staged_min_assignments (token, expert) assignments, layers with 5-8-bit blocks from
+    # staged_lut_min_per_expert an expert (below them the tiles regime was faster: Qwen1.5-MoE
+    # 64-1024 tokens 1.00x-2.06x faster staged at 3-4 bits, Mixtral 32-64 tokens 1.03x-1.21x
+    # slower; H200/H100, apl_gemv_staged_sweep.json, apl_gemv_staged_lut_pa.json).
+    # staged_every_layer: every layer's tiles and prefill calls (an experiment's switch).
+    staged_classes: frozenset = frozenset({0, 1})
+    staged_every_layer: bool = False
+    staged_min_assignments: int = 256
+    staged_lut_min_per_expert: int = 16
+    # Passes of 8 * NT8 tokens in the staged regime where more than tiles_wide_nt8 (3-4 bits) or
+    # 8 (5-8 bits) tiles are wanted and the planes are read as 16-byte vectors (0: off). Measured:
+    # Qwen1.5-MoE 1024 tokens 16-18% faster (apl_gemv_staged_wide16.json); Mixtral 256 tokens 8
+    # bits 1774.6 against 2244.5 us in passes of 64 (apl_gemv_staged_lut_one.json).
+    staged_wide_nt8: int = 16
+    staged_lut_wide_nt8: int = 16
+    staged_stages: int = 4  # ring buffers wanted (fewer where shared memory is short)
+    # Dynamic shared memory a staged CTA may take for 2 CTAs per SM (1 KB reserved per CTA, the
+    # kernel's 128 bytes of static mbarriers), and for 1.
+    staged_cta_shared: tuple = (SM_SHARED // 2 - 1024 - 128, 227 * 1024 - 128)
+    # apl_staged.cu's defines (_STAGED_DEFINES names them).
+    staged_prefetch: int = 2
+    staged_unit: int = 2
+    staged_blocks: int = 2
+    staged_regs: int = 1
+    staged_plane_async: int = 1
+    staged_producer_fence: int = 1
+    staged_skip_pad: int = 1
+    staged_tma: int = 2
+    staged_lut_lanes: int = 1
+    staged_prefetch_lut: int = 1
+    staged_lut_blocks: int = 1
+    staged_plane_async_lut: int = 1
+    staged_lut_producers: int = 2
+
+    def knobs(self) -> dict[str, int]:
+        """The -D defines every module is compiled with (what the host plans with)."""
+        return {define: int(getattr(self, field)) for field, define in _STAGED_DEFINES.items()}
+
+    def defines(self, activation: str = "silu") -> tuple:
+        """The compile key of a module: knobs and the activation's APL_ACT, sorted."""
+        return tuple(sorted({**self.knobs(), "APL_ACT": ACT_CODES[activation]}.items()))
+
+    def with_knobs(self, **defines: int) -> "KernelConfig":
+        """A copy with these -D defines (by their APL_STAGED_* names) set."""
+        fields = {define: field for field, define in _STAGED_DEFINES.items()}
+        unknown = sorted(set(defines) - set(fields))
+        if unknown:
+            raise ValueError(f"unknown kernel knobs {unknown}; the knobs are {sorted(fields)}")
+        return dataclasses.replace(self, **{fields[d]: int(v) for d, v in defines.items()})
+
+
+DEFAULT_CONFIG = KernelConfig()
+# Per layer shape (hidden, intermediate): the configuration its launches take. Empty: every
+# measured shape runs the defaults.
+SHAPE_CONFIGS: dict[tuple[int, int], KernelConfig] = {}
+
+
+def config_for(hidden: int, intermediate: int) -> KernelConfig:
+    """The configuration for a layer of this shape: its SHAPE_CONFIGS entry, else the defaults."""
+    return SHAPE_CONFIGS.get((hidden, intermediate), DEFAULT_CONFIG)
