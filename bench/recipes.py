@@ -20,6 +20,8 @@ class Recipe:
     what: str             # one line: what the run measures (docs/benchmarks.md lists them)
 
 
+WIDTHS = ("3", "4", "5", "6", "7", "8", "mixed")  # the kernel benchmark's bit configurations
+
 RECIPES = (
     # --- CPU: runs on a laptop in minutes ---------------------------------------------------
     Recipe("decode-speed", "decode_speed", (), "cpu",
@@ -58,6 +60,15 @@ RECIPES = (
     Recipe("elasticity-qwen", "elasticity",
            ("--shape", "qwen1.5-moe-a2.7b", "--layers", "12", "--device", "cuda", "--time-limit-s", "540"),
            "gpu", "pagedweight against static bits under KV pressure, Qwen1.5-MoE width, 12 layers"),
+    Recipe("kernel-layer-qwen", "apl_moe_kernel",
+           ("--models", "qwen1.5-moe-a2.7b", "--no-per-block", "--bits", *WIDTHS, "--name", "apl_moe_kernel_qwen"),
+           "gpu", "one Qwen1.5-MoE MoE layer at 1-256 tokens, widths 3..8 and mixed, against bf16 grouped GEMM"),
+    Recipe("kernel-layer-mixtral", "apl_moe_kernel",
+           ("--models", "mixtral-8x7b", "--no-per-block", "--bits", *WIDTHS, "--name", "apl_moe_kernel_mixtral"),
+           "gpu", "one Mixtral-8x7B MoE layer at 1-256 tokens, widths 3..8 and mixed, against bf16 grouped GEMM"),
+    Recipe("kernel-layer-gemma4", "apl_moe_kernel",
+           ("--models", "gemma-4-26b-a4b", "--no-per-block", "--bits", *WIDTHS, "--name", "apl_moe_kernel_gemma4"),
+           "gpu", "one Gemma-4-26B-A4B MoE layer at 1-256 tokens, widths 3..8 and mixed, against bf16 grouped GEMM"),
     Recipe("pool-split", "pool_split_gpu", (), "gpu",
            "reserved device memory against the budget while the weights/KV split moves"),
     Recipe("quantize-stream-mixtral", "quantize_stream", ("--model", "Mixtral-8x7B", "--layers", "2"), "gpu",
