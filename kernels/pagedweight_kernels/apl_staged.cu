@@ -47,8 +47,8 @@
 #endif
 // 1: the same for the 5-8-bit and merged classes (their plane ring sized for the launch's widest rows,
 // past the LUT rows and ring buffers; staged_plane_ring_bytes). Nsight on Mixtral 256 tokens, 8 bits
-// (2026-12-05, fourth session): the producers' long-scoreboard waits on their plane words in registers
-// were the largest stall after the consumers' barrier wait. 1 (the default since 62cc15a; H100,
+// (2026-12-05): the producers' long-scoreboard waits on their plane words in registers
+// were the largest stall after the consumers' barrier wait. 1 (the default since then; H100,
 // bench/results/apl_gemv_staged_lut_pa.json): Mixtral 256 tokens 8 bits 1581.9 against 1751.8 us,
 // Qwen1.5-MoE 256 tokens 668.6 against 742.9, mixed 1-3% faster; 3 units in the ring were slower.
 #ifndef APL_STAGED_PLANE_ASYNC_LUT
@@ -64,14 +64,14 @@
 #ifndef APL_STAGED_PRODUCER_FENCE
 #define APL_STAGED_PRODUCER_FENCE 1
 #endif
-// 1 (2026-12-05, second session): no copies for the token rows a pass holds past its expert's count
+// 1 (2026-12-05): no copies for the token rows a pass holds past its expert's count
 // (at Mixtral 256 tokens, passes of 96 for 46-82 tokens an expert: a third of the activation
 // copies, which Nsight put at 46% of the kernel's shared-memory wavefronts; each 16-byte copy costs
 // a wavefront even when it only writes zeros). 0: every row copied, zeros past the count.
 #ifndef APL_STAGED_SKIP_PAD
 #define APL_STAGED_SKIP_PAD 1
 #endif
-// 1 (2026-12-05, third session; the 3-4-bit class, staged_tma): each step's activations come by one TMA copy (cp.async.bulk.tensor,
+// 1 (2026-12-05; the 3-4-bit class, staged_tma): each step's activations come by one TMA copy (cp.async.bulk.tensor,
 // issued by producer thread 0, completion counted on the buffer's full mbarrier in bytes) from a
 // tensor map over rows by sorted position (down: h itself; gate_up: x gathered into that order by
 // moe_gather_rows first), into B tiles in the 128-byte-swizzled K-major layout the consumers'
@@ -80,7 +80,7 @@
 // need 16 and 4), 46% of the kernel's wavefronts. Measured on an H100 (bench/results/
 // apl_gemv_staged_tma_sweep.json): 1.10-1.55x faster wherever the staged regime is taken (Mixtral 256
 // tokens, 4 bits: 892.9 against 1223.4 us), bit for bit. 0: those copies, into the no-swizzle layout.
-// 2 (the default since 2026-12-05, fourth session): every class (the 5-8-bit and merged classes too,
+// 2 (the default since 2026-12-05): every class (the 5-8-bit and merged classes too,
 // whose rings then start 1024-byte aligned; with their other knobs, H100, bench/results/
 // apl_gemv_staged_lut.json: Mixtral 256 tokens 8 bits 2221.7 against 4084.4 us with the copies, where
 // the alignment also left one CTA an SM with 4 ring buffers; at one CTA an SM either way, 0-11% faster).
@@ -103,8 +103,8 @@
 // latency. At one producer warpgroup, 2 (the default then) was 4-8% faster than 1 at the 8-bit shapes
 // timed, -3% to +2% at mixed ones (apl_gemv_staged_lut.json); 4 was 2-16% slower than 2
 // (apl_gemv_staged_lut_one.json). With two producer warpgroups (below), each has its own units in
-// flight (while one waits for a unit, the other can fill steps), and 1 (the default since 2026-12-05,
-// sixth session) was 4-8% faster than 2 at five of the six 8-bit and mixed shapes timed and level at
+// flight (while one waits for a unit, the other can fill steps), and 1 (the default since 2026-12-05)
+// was 4-8% faster than 2 at five of the six 8-bit and mixed shapes timed and level at
 // the sixth (H100, bench/results/apl_gemv_staged_wg2.json: Mixtral 256 tokens 8 bits 1422.3 against
 // 1538.3 us).
 #ifndef APL_STAGED_PREFETCH_LUT
@@ -122,12 +122,12 @@
 #endif
 // Producer warpgroups of the 5-8-bit and merged classes' CTAs (the 3-4-bit class keeps one: two CTAs an
 // SM, setmaxnreg). At one CTA an SM a single producer warpgroup leaves one producer warp a scheduler,
-// and Nsight at Mixtral 256 tokens, 8 bits (2026-12-05, fourth session) found the SM latency-bound:
+// and Nsight at Mixtral 256 tokens, 8 bits (2026-12-05) found the SM latency-bound:
 // 77% of cycles with no eligible warp. 2: 384 threads, the second producer warpgroup taking every
 // other unit of steps (each step still filled by one warpgroup, so the barriers count 128 arrivals
 // as before), every thread under the launch bound's 168 registers (no setmaxnreg split: the
 // consumers' 2 x 64 accumulators of m64n128 fit it, as at two CTAs an SM). 2 (the default since
-// 2026-12-05, sixth session; with APL_STAGED_PREFETCH_LUT 1): Mixtral 256 tokens 8 bits 1420.4 against
+// 2026-12-05; with APL_STAGED_PREFETCH_LUT 1): Mixtral 256 tokens 8 bits 1420.4 against
 // 1550.0 us at one warpgroup, 1.20x bf16 grouped_mm (H100, bench/results/apl_moe_kernel_staged_wg2_*.json).
 #ifndef APL_STAGED_LUT_PRODUCERS
 #define APL_STAGED_LUT_PRODUCERS 2
