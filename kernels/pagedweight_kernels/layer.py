@@ -16,7 +16,9 @@ from functools import cached_property
 import torch
 
 from pagedweight_kernels.moe_reference import check_activation
-from pagedweight.format.apl_format import COL_ALIGN, LUT_DTYPE, MAX_BITS, APLBlock, check_bits, dequantize, lut_entries
+from pagedweight.format.apl_format import (
+    COL_ALIGN, LUT_DTYPE, MAX_BITS, APLBlock, block_bytes, check_bits, dequantize, lut_entries,
+)
 
 DESC_WIDTH = 10  # int64 per block: bits, LUT address, 8 plane addresses (the .cu's DESC_WIDTH)
 DESC_BITS, DESC_LUT, DESC_PLANES = 0, 1, 2
@@ -235,7 +237,7 @@ class APLLayer:
         for e in expert_ids:
             for block in (self.gate_up[e], self.down[e]):
                 rows, cols = block.shape
-                out[block.bits] = out.get(block.bits, 0) + rows * cols * block.bits // 8 + rows * (1 << block.bits) * 2
+                out[block.bits] = out.get(block.bits, 0) + block_bytes(rows, cols, block.bits)
         return out
 
 
