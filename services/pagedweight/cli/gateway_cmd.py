@@ -71,12 +71,15 @@ def run_gateway(args) -> int:
 
     import uvicorn
 
+    from pagedweight.common.ports import bind_tcp
     from pagedweight.gateway.api_server import build_app
 
+    # the port first: a taken one is one error line, before anything claims to serve
+    sock = bind_tcp(config.host, config.port)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = build_app(config)
     print(f"pagedweight gateway: http://{config.host}:{config.port}/v1 (model {config.model_name!r}, "
           f"workers {','.join(config.workers)})", flush=True)
-    uvicorn.run(app, host=config.host, port=config.port, log_level=args.log_level,
-                timeout_graceful_shutdown=5)
+    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5))
+    server.run(sockets=[sock])
     return 0

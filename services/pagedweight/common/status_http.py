@@ -24,7 +24,9 @@ class StatusHttpServer:
         self._server: ThreadingHTTPServer | None = None
         self.port: int | None = None
 
-    def start(self, host: str, port: int) -> None:
+    def start(self, host: str, port: int, sock=None) -> None:
+        """sock: a socket already bound to host:port (common.ports.bind_tcp), so a taken
+        port fails before the service claims anything."""
         owner = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -51,7 +53,13 @@ class StatusHttpServer:
             def log_message(self, *args):  # scrapes every few seconds: keep the log quiet
                 pass
 
-        self._server = ThreadingHTTPServer((host, port), Handler)
+        if sock is None:
+            self._server = ThreadingHTTPServer((host, port), Handler)
+        else:
+            self._server = ThreadingHTTPServer(sock.getsockname()[:2], Handler, bind_and_activate=False)
+            self._server.socket.close()
+            self._server.socket = sock
+            self._server.server_activate()
         self._server.daemon_threads = True
         self.port = self._server.server_address[1]
         threading.Thread(target=self._server.serve_forever, daemon=True, name="status-http").start()

@@ -1,7 +1,7 @@
 """The gateway's FastAPI app: routes of a few lines each, wiring in one lifespan.
 
     POST /v1/completions, /v1/chat/completions   -> serving_completions, serving_chat
-    GET  /v1/models, /health, /metrics, /version
+    GET  /v1/models, /v1/models/{id}, /health, /metrics, /version
     POST /tokenize, /detokenize
 """
 
@@ -60,11 +60,22 @@ async def create_chat_completion(request: ChatCompletionRequest, raw: Request):
     return await serving.create(request, raw.state.request_id, _session_id(raw, request.session_id))
 
 
+def _model_card(state: GatewayState) -> ModelCard:
+    name = state.config.model_name
+    return ModelCard(id=name, root=name, max_model_len=state.codec.max_model_len)
+
+
 @router.get("/v1/models")
 async def show_models(raw: Request) -> ModelList:
+    return ModelList(data=[_model_card(_state(raw))])
+
+
+@router.get("/v1/models/{model_id:path}")
+async def show_model(model_id: str, raw: Request) -> ModelCard:
     state = _state(raw)
-    name = state.config.model_name
-    return ModelList(data=[ModelCard(id=name, root=name, max_model_len=state.codec.max_model_len)])
+    if model_id != state.config.model_name:
+        raise APIError(404, f"The model `{model_id}` does not exist.", "model")
+    return _model_card(state)
 
 
 @router.get("/health")
@@ -126,7 +137,8 @@ def build_app(config: GatewayConfig) -> FastAPI:
         await pool.start()
         sessions = await open_session_store(config.redis_url, config.session_key_prefix, config.session_ttl_s)
         state = GatewayState(config, codec, pool, sessions,
-                             GatewayMetrics(registry, config.model_name, codec.max_model_len))
+                             GatewayMetrics(registry, config.model_name, codec.max_model_len),
+                             fingerprint=fingerprint(config.model_name))
         app.state.gateway, app.state.registry = state, registry
         app.state.completions, app.state.chat = CompletionServing(state), ChatServing(state)
         _log_workers(pool, config)
@@ -144,6 +156,14 @@ def build_app(config: GatewayConfig) -> FastAPI:
     app.add_exception_handler(Exception, _internal_error_handler)
     app.add_middleware(GatewayMiddleware, api_key=config.api_key, max_body_bytes=config.max_body_bytes)
     return app
+
+
+def fingerprint(model_name: str) -> str:
+    """system_fingerprint: changes when the build or the served model does (as OpenAI's)."""
+    import hashlib
+
+    digest = hashlib.sha256(f"{metadata.version('pagedweight')}/{model_name}".encode()).hexdigest()[:10]
+    return f"fp_{digest}"
 
 
 async def _internal_error_handler(_: Request, err: Exception) -> JSONResponse:

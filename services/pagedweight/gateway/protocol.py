@@ -46,12 +46,17 @@ class SamplingFields(OpenAIBaseModel):
     min_tokens: int = Field(default=0, ge=0)
     user: str | None = None
     session_id: str | None = None  # the body form of X-Session-ID
+    # vLLM's penalties and OpenAI's logit_bias ({"token id": bias}), applied by the worker
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)  # None: 1.0 (off)
+    logit_bias: dict[str, float] | None = None
 
 
 class CompletionRequest(SamplingFields):
     prompt: Union[str, list[str], TokenIds, list[TokenIds]]
     echo: bool = False
-    logprobs: int | None = None  # not served: a 400 names it when set
+    logprobs: int | None = Field(default=None, ge=0, le=20)  # top logprobs per token (vLLM's max 20)
     suffix: str | None = None
 
 
@@ -64,8 +69,8 @@ class ChatMessage(OpenAIBaseModel):
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = Field(default=None, ge=1)  # the newer name of max_tokens
-    logprobs: bool = False  # not served: a 400 names it when true
-    top_logprobs: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)  # needs logprobs true
     add_generation_prompt: bool = True
     echo: bool = False  # vLLM: prepend the last message's content when its role is the reply's
 
@@ -80,7 +85,8 @@ class UsageInfo(BaseModel):
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    # {"text_offset", "token_logprobs", "tokens", "top_logprobs"} with the request's logprobs
+    logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
     stop_reason: Union[int, str, None] = None  # the stop string that ended it, if any
 
@@ -90,6 +96,7 @@ class CompletionResponse(BaseModel):
     object: Literal["text_completion"] = "text_completion"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
+    system_fingerprint: str | None = None  # this build and model (serving.fingerprint)
     choices: list[CompletionChoice]
     usage: UsageInfo
 
@@ -99,6 +106,7 @@ class CompletionStreamResponse(BaseModel):
     object: Literal["text_completion"] = "text_completion"
     created: int
     model: str
+    system_fingerprint: str | None = None  # this build and model (serving.fingerprint)
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
 
@@ -112,7 +120,7 @@ class ChatResponseMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int
     message: ChatResponseMessage
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None  # {"content": [...]} with the request's logprobs
     finish_reason: str | None = None
     stop_reason: Union[int, str, None] = None
 
@@ -122,6 +130,7 @@ class ChatCompletionResponse(BaseModel):
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
+    system_fingerprint: str | None = None  # this build and model (serving.fingerprint)
     choices: list[ChatChoice]
     usage: UsageInfo
 
@@ -134,7 +143,7 @@ class DeltaMessage(BaseModel):
 class ChatStreamChoice(BaseModel):
     index: int
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
     stop_reason: Union[int, str, None] = None
 
@@ -144,6 +153,7 @@ class ChatCompletionStreamResponse(BaseModel):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
     model: str
+    system_fingerprint: str | None = None  # this build and model (serving.fingerprint)
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
 

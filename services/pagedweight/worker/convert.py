@@ -26,6 +26,11 @@ def sampling_params(msg: worker_pb2.SamplingParams) -> SamplingParams:
         ignore_eos=msg.ignore_eos,
         stop_token_ids=tuple(msg.stop_token_ids),
         min_tokens=msg.min_tokens,
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
+        repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
+        logit_bias=tuple(sorted(msg.logit_bias.items())),
     )
 
 

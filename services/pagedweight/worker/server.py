@@ -27,6 +27,7 @@ from prometheus_client import CollectorRegistry
 from pagedweight.common.errors import UserError
 from pagedweight.common.gc_pauses import freeze_startup_heap
 from pagedweight.common.metrics import EngineMetrics, WorkerMetrics
+from pagedweight.common.ports import GRPC_SERVER_OPTIONS, add_grpc_port, bind_tcp
 from pagedweight.common.status_http import StatusHttpServer
 from pagedweight.rpc import worker_pb2_grpc
 from pagedweight.worker.config import WorkerConfig
@@ -93,13 +94,23 @@ async def serve(config: WorkerConfig, started: asyncio.Event | None = None) -> N
     model_config = ModelConfig.from_dir(config.model_dir)
     eos = model_config.eos_token_ids[0] if model_config.eos_token_ids else -1
     servicer = WorkerServicer(config.model_name, model_config.max_position_embeddings, eos)
-    server = grpc.aio.server()
+    server = grpc.aio.server(options=GRPC_SERVER_OPTIONS)
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
-    if port == 0:
-        raise UserError(f"cannot listen on {config.host}:{config.port}")
+    # both ports before anything else: a taken one is one error line, not a half-started worker
+    http_socket = bind_tcp(config.host, config.http_port, "--http-port") if config.http_port is not None else None
+    try:
+        port = add_grpc_port(server, config.host, config.port)
+    except UserError:
+        if http_socket is not None:
+            http_socket.close()
+        raise
+    registry = CollectorRegistry()
+    status = StatusHttpServer(registry, lambda: servicer.live, lambda: servicer.ready,
+                              lambda: servicer.telemetry.refresh() if servicer.telemetry is not None else None)
+    if http_socket is not None:
+        status.start(config.host, config.http_port, http_socket)
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -115,8 +126,8 @@ async def serve(config: WorkerConfig, started: asyncio.Event | None = None) -> N
         runtime = await asyncio.to_thread(load_runtime, config)
     except BaseException:  # a bad flag or model: one error line from the CLI, no dangling server
         await server.stop(grace=None)
+        status.stop()
         raise
-    registry = CollectorRegistry()
     vllm = EngineMetrics(registry, config.model_name, model_config.max_position_embeddings)
     ours = WorkerMetrics(registry, config.model_name)
     remote = None
@@ -129,9 +140,6 @@ async def serve(config: WorkerConfig, started: asyncio.Event | None = None) -> N
     engine = AsyncEngine(runtime.engine)
     servicer.telemetry = WorkerTelemetry(runtime, engine, vllm, ours, remote)
     servicer.engine = engine
-    status = StatusHttpServer(registry, lambda: servicer.live, lambda: servicer.ready, servicer.telemetry.refresh)
-    if config.http_port is not None:
-        status.start(config.host, config.http_port)
     await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
     log.info("worker %s ready in %.1fs: gRPC %s:%d%s%s", config.model_name, time.monotonic() - t0, config.host,
              port, f", metrics http://{config.host}:{status.port}/metrics" if status.port else "",

@@ -1,8 +1,13 @@
-"""The Worker gRPC servicer: Generate / Abort / GetStats over the engine's async client.
+"""The Worker gRPC servicer: Generate / GenerateStream / Abort / GetStats over the engine's
+async client.
 
 Thin on purpose: it converts messages (convert.py), keeps the set of running request
 ids (for drain and Abort), and times each request for the vLLM latency histograms
 (telemetry.py). Everything about scheduling and memory stays in the engine.
+
+GenerateStream carries many requests on one stream: the engine puts every output of the
+stream's requests into one `_StreamSink` as a step makes them (no per-request queue or
+task), and the writer wakes once per step to send them all in one message.
 """
 
 from __future__ import annotations
@@ -16,6 +21,32 @@ import grpc
 from pagedweight.common.errors import EngineDeadError, UserError
 from pagedweight.rpc import worker_pb2, worker_pb2_grpc
 from pagedweight.worker import convert
+
+
+class _StreamSink:
+    """The outputs of one GenerateStream's requests, gathered between two writes."""
+
+    def __init__(self):
+        self.items: list = []  # RequestOutput, EngineDeadError or StreamError, in order
+        self.ready = asyncio.Event()
+        self.client_done = False  # the client closed its side: end once its requests have
+
+    def put_nowait(self, item) -> None:  # the engine's sink interface (AsyncEngine.add_request)
+        self.items.append(item)
+        self.ready.set()
+
+    async def take(self) -> list:
+        await self.ready.wait()
+        self.ready.clear()
+        items, self.items = self.items, []
+        return items
+
+
+def fill_output(message: worker_pb2.GenerateResponse, out) -> None:
+    """The tokens (and log-probabilities) of one engine output."""
+    message.token_ids.extend(out.new_token_ids)
+    for logprob, top_ids, top_logprobs in out.logprobs or ():
+        message.logprobs.add(logprob=logprob, top_token_ids=top_ids, top_logprobs=top_logprobs)
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
@@ -37,11 +68,22 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         """False once the engine died (a step raised): the process must be restarted."""
         return self.engine is None or not self.engine.errored
 
+    def unavailable_reason(self) -> str:
+        return ("worker is draining" if self.draining else "worker is loading" if self.engine is None
+                else f"engine is dead: {self.engine.dead_error}")
+
+    def _opened(self, request_id: str) -> None:
+        self.running.add(request_id)
+        self.idle.clear()
+
+    def _closed(self, request_id: str) -> None:
+        self.running.discard(request_id)
+        if not self.running:
+            self.idle.set()
+
     async def Generate(self, request, context):
         if not self.ready:
-            reason = ("worker is draining" if self.draining else "worker is loading" if self.engine is None
-                      else f"engine is dead: {self.engine.dead_error}")
-            await context.abort(grpc.StatusCode.UNAVAILABLE, reason)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, self.unavailable_reason())
         arrived = time.monotonic()
         request_id = request.request_id or f"req-{uuid.uuid4().hex}"
         if request_id in self.running:
@@ -56,8 +98,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         except EngineDeadError as err:  # retryable on another worker; this one needs a restart
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
-        self.running.add(request_id)
-        self.idle.clear()
+        self._opened(request_id)
         record = self.telemetry.start(request_id, len(prompt), arrived)
         state = {"final": None, "closed": False}  # final: the finish reason once sent
 
@@ -65,9 +106,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             if not state["closed"]:
                 state["closed"] = True
                 self.telemetry.finish(record, reason)
-                self.running.discard(request_id)
-                if not self.running:
-                    self.idle.set()
+                self._closed(request_id)
 
         def on_rpc_done(_) -> None:
             # grpc.aio may drop a cancelled call's generator while it waits at a `yield`
@@ -83,15 +122,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 if out.queue_time_s is not None:
                     record.queued(out.queue_time_s)
                 record.tokens(len(out.new_token_ids), self.telemetry.mean_expert_bits())
-                if not out.finished:
-                    yield worker_pb2.GenerateResponse(request_id=request_id, token_ids=out.new_token_ids)
-                    continue
-                reason = state["final"] = out.finish_reason or "stop"
-                yield worker_pb2.GenerateResponse(
-                    request_id=request_id, token_ids=out.new_token_ids, finished=True,
-                    finish_reason=reason,
-                    usage=worker_pb2.Usage(prompt_tokens=len(prompt), completion_tokens=record.num_tokens),
-                    mean_expert_bits=record.mean_bits, stop_reason=out.stop_reason)
+                message = worker_pb2.GenerateResponse(request_id=request_id)
+                fill_output(message, out)
+                if out.finished:
+                    reason = state["final"] = out.finish_reason or "stop"
+                    _finish(message, out, len(prompt), record)
+                yield message
         except asyncio.CancelledError:  # the client went away; closing the stream aborted it
             reason = "abort"
             raise
@@ -99,6 +135,95 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.INTERNAL, f"engine failed: {err}")
         finally:
             close(reason)
+
+    async def GenerateStream(self, request_iterator, context):
+        sink = _StreamSink()
+        runs: dict[str, object] = {}  # request_id -> its telemetry record, while it runs
+        reader = asyncio.create_task(self._read_stream(request_iterator, sink, runs))
+        try:
+            while runs or not sink.client_done or sink.items:
+                items = await sink.take()
+                message = worker_pb2.StreamResponse()
+                bits = self.telemetry.mean_expert_bits()  # once per step, not per token
+                for item in items:
+                    self._add_to_message(message, item, runs, bits)
+                if message.outputs or message.errors:
+                    yield message
+        finally:  # the client went away (or the server stops): its running requests end here
+            reader.cancel()
+            for request_id, record in list(runs.items()):
+                if self.engine is not None and not self.engine.errored:
+                    self.engine.abort(request_id)
+                self.telemetry.finish(record, "abort")
+                self._closed(request_id)
+            runs.clear()
+
+    async def _read_stream(self, request_iterator, sink: _StreamSink, runs: dict) -> None:
+        try:
+            async for entry in request_iterator:
+                if entry.HasField("abort"):
+                    if entry.abort.request_id in runs:
+                        self.engine.abort(entry.abort.request_id)
+                elif entry.HasField("generate"):
+                    self._start(entry.generate, sink, runs)
+        except (asyncio.CancelledError, grpc.RpcError):
+            pass  # the call ended; the writer cleans up
+        finally:
+            sink.client_done = True
+            sink.ready.set()
+
+    def _start(self, request, sink: _StreamSink, runs: dict) -> None:
+        """Add one request of a stream to the engine, or answer it with an error."""
+        arrived = time.monotonic()
+        request_id = request.request_id
+        code = None
+        if not request_id:
+            code, detail = grpc.StatusCode.INVALID_ARGUMENT, "request_id must be set on a stream"
+        elif not self.ready:
+            code, detail = grpc.StatusCode.UNAVAILABLE, self.unavailable_reason()
+        elif request_id in self.running:
+            code, detail = grpc.StatusCode.ALREADY_EXISTS, f"request id {request_id!r} is already running"
+        else:
+            prompt = list(request.prompt_token_ids)
+            try:
+                if not prompt:
+                    raise UserError("prompt_token_ids must not be empty")
+                self.engine.add_request(prompt, convert.sampling_params(request.sampling), request_id, sink=sink)
+            except UserError as err:
+                code, detail = grpc.StatusCode.INVALID_ARGUMENT, str(err)
+            except EngineDeadError as err:
+                code, detail = grpc.StatusCode.UNAVAILABLE, str(err)
+        if code is not None:
+            sink.put_nowait(worker_pb2.StreamError(request_id=request_id, code=code.value[0], message=detail))
+            return
+        self._opened(request_id)
+        runs[request_id] = self.telemetry.start(request_id, len(prompt), arrived)
+
+    def _add_to_message(self, message: worker_pb2.StreamResponse, item, runs: dict, bits: float) -> None:
+        if isinstance(item, worker_pb2.StreamError):
+            message.errors.append(item)
+            return
+        if isinstance(item, BaseException):  # the engine died: every request of the stream fails
+            for request_id, record in list(runs.items()):
+                message.errors.add(request_id=request_id, code=grpc.StatusCode.INTERNAL.value[0],
+                                   message=f"engine failed: {item}")
+                self.telemetry.finish(record, "error")
+                self._closed(request_id)
+            runs.clear()
+            return
+        record = runs.get(item.request_id)
+        if record is None:
+            return  # ended already (an abort raced the step)
+        if item.queue_time_s is not None:
+            record.queued(item.queue_time_s)
+        record.tokens(len(item.new_token_ids), bits)
+        out = message.outputs.add(request_id=item.request_id)
+        fill_output(out, item)
+        if item.finished:
+            _finish(out, item, record.num_prompt_tokens, record)
+            del runs[item.request_id]
+            self.telemetry.finish(record, out.finish_reason)
+            self._closed(item.request_id)
 
     async def Abort(self, request, context):
         found = request.request_id in self.running
@@ -118,3 +243,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         for request_id in list(self.running):
             self.engine.abort(request_id)
         return len(self.running)
+
+
+def _finish(message: worker_pb2.GenerateResponse, out, num_prompt_tokens: int, record) -> None:
+    """The last message of a request: reason, usage, bits."""
+    message.finished = True
+    message.finish_reason = out.finish_reason or "stop"
+    message.usage.prompt_tokens = num_prompt_tokens
+    message.usage.completion_tokens = record.num_tokens
+    message.mean_expert_bits = record.mean_bits
+    if out.stop_reason is not None:
+        message.stop_reason = out.stop_reason
