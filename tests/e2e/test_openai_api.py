@@ -213,6 +213,64 @@ def test_session_continues_on_another_gateway(cluster):
     assert record["worker"] in cluster["addresses"]
 
 
+# ---- what the openai client (guidellm, inference-perf) asks for -------------------------------
+def test_models_retrieve_and_system_fingerprint(cluster):
+    api = client(cluster["url_a"])
+    card = api.models.retrieve(MODEL)
+    assert card.id == MODEL and card.object == "model"
+    with pytest.raises(openai.NotFoundError):
+        api.models.retrieve("gpt-4o")
+    done = api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
+    chunks = list(api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                              max_tokens=2, stream=True))
+    assert done.system_fingerprint and done.system_fingerprint.startswith("fp_")
+    assert {c.system_fingerprint for c in chunks} == {done.system_fingerprint}
+
+
+def test_completion_logprobs_plain_and_streamed(cluster):
+    api = client(cluster["url_a"])
+    done = api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3)
+    lp = done.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    assert "".join(lp.tokens) == done.choices[0].text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(6)]
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert logprob <= 0 and 3 <= len(top) <= 4  # the top 3 and the sampled token
+        assert top[token] == logprob and max(top.values()) == logprob  # greedy took the best
+    chunks = list(api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3,
+                                         stream=True))
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.token_logprobs]
+    assert streamed == pytest.approx(lp.token_logprobs, abs=1e-5)
+
+
+def test_chat_logprobs_with_top_logprobs(cluster):
+    api = client(cluster["url_b"])
+    done = api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say something."}],
+                                       max_tokens=5, temperature=0, logprobs=True, top_logprobs=2)
+    content = done.choices[0].logprobs.content
+    assert len(content) == 5 and "".join(c.token for c in content) == done.choices[0].message.content
+    for entry in content:
+        assert len(entry.top_logprobs) == 2 and entry.top_logprobs[0].logprob == entry.logprob
+        assert bytes(entry.bytes).decode() == entry.token
+    plain = api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say something."}],
+                                        max_tokens=5, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
+def test_logit_bias_and_penalties_change_the_greedy_text(cluster):
+    api = client(cluster["url_a"])
+    token = httpx.post(f"{cluster['url_a']}/tokenize", json={"prompt": " the"}, timeout=10).json()["tokens"][-1]
+    forced = api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0,
+                                    logit_bias={str(token): 100})
+    assert forced.usage.completion_tokens == 4
+    assert httpx.post(f"{cluster['url_a']}/tokenize", json={"prompt": forced.choices[0].text},
+                      timeout=10).json()["tokens"] == [token] * 4
+    plain = api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0)
+    penalised = api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0,
+                                       frequency_penalty=2.0, presence_penalty=2.0)
+    assert penalised.choices[0].text != plain.choices[0].text
+
+
 # ---- bad requests -------------------------------------------------------------------------
 @pytest.mark.parametrize("path,body,status,param", [
     ("/v1/completions", b'{"prompt": "x", "max_tokens": ', 400, None),  # malformed JSON
