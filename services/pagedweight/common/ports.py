@@ -21,6 +21,8 @@ class PortInUseError(UserError):
 
 def add_grpc_port(server, host: str, port: int, flag: str = "--port") -> int:
     """server.add_insecure_port, with a taken port as one clear error."""
+    if port != 0:  # a plain bind first: gRPC's own failure also logs a C-core line to stderr
+        bind_tcp(host, port, flag).close()
     try:
         bound = server.add_insecure_port(f"{host}:{port}")
     except RuntimeError as err:  # grpcio >= 1.66 raises where older versions returned 0
