@@ -80,9 +80,16 @@ async def show_model(model_id: str, raw: Request) -> ModelCard:
 
 @router.get("/health")
 async def health(raw: Request):
-    if not _state(raw).pool.ready():
+    """503 while no worker is ready; else 200, with "degraded" while the session store is away
+    (requests without a session are served; those with one get 503 until it is back)."""
+    state = _state(raw)
+    ready = state.pool.ready()
+    if not ready:
         return error_response(503, "no worker is ready")
-    return Response(status_code=200)
+    sessions_ok = await state.sessions.check()
+    return JSONResponse({"status": "ok" if sessions_ok else "degraded",
+                         "workers_ready": len(ready), "workers": len(state.pool.workers),
+                         "session_store": state.sessions.backend if sessions_ok else "unavailable"})
 
 
 @router.get("/metrics")

@@ -18,7 +18,7 @@ from pagedweight.gateway.errors import APIError, sse_error_event
 from pagedweight.gateway.generation import ChoiceDelta, ChoiceSpec, Generation
 from pagedweight.gateway.metrics import GatewayMetrics
 from pagedweight.gateway.protocol import SamplingFields
-from pagedweight.gateway.sessions import Session
+from pagedweight.gateway.sessions import Session, SessionStoreUnavailable
 from pagedweight.gateway.text import TextCodec
 from pagedweight.gateway.workers import WorkerPool
 from pagedweight.rpc import worker_pb2
@@ -185,7 +185,17 @@ class ServingBase:
     async def load_session(self, session_id: str | None) -> Session | None:
         if session_id is None:
             return None
-        return await self.state.sessions.get(session_id) or Session()
+        try:
+            return await self.state.sessions.get(session_id) or Session(is_new=True)
+        except SessionStoreUnavailable as err:  # answering without the history would lose it silently
+            raise APIError(503, f"{err}; the session's history cannot be read: retry later, or send "
+                                f"the whole conversation without a session id", "session_id") from None
+
+    async def save_session(self, session_id: str, session: Session) -> None:
+        try:
+            await self.state.sessions.put(session_id, session)
+        except SessionStoreUnavailable as err:
+            raise APIError(503, f"{err}; this reply was not saved to the session", "session_id") from None
 
     def route(self, request_id: str, session_id: str | None, session: Session | None) -> Generation:
         affinity = session.worker if session is not None else None
@@ -230,9 +240,17 @@ async def with_first(first: list | None, rest: AsyncIterator[list]) -> AsyncIter
         await rest.aclose()
 
 
+def session_headers(session: Session | None) -> dict[str, str]:
+    """X-Session-Status: whether the stored history was found ("continued") or the session
+    starts here ("new": a first request, an expired one, or a store that lost it)."""
+    if session is None:
+        return {}
+    return {"x-session-status": "new" if session.is_new else "continued"}
+
+
 def stream_error(err: APIError) -> str:
     return sse_error_event(err) + SSE_DONE
 
 
 __all__ = ["ChoiceSpec", "GatewayState", "ServingBase", "SSE_DONE", "first_and_rest", "new_request_id",
-           "sse", "stream_error", "with_first"]
+           "session_headers", "sse", "stream_error", "with_first"]

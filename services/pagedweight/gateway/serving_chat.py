@@ -23,7 +23,7 @@ from pagedweight.gateway.protocol import (
     ChatMessage, ChatResponseMessage, ChatStreamChoice, DeltaMessage, UsageInfo,
 )
 from pagedweight.gateway.serving import (
-    SSE_DONE, ServingBase, first_and_rest, sse, stream_error, with_first,
+    SSE_DONE, ServingBase, first_and_rest, session_headers, sse, stream_error, with_first,
 )
 from pagedweight.gateway.sessions import Session
 
@@ -93,7 +93,7 @@ class ChatServing(ServingBase):
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
             return StreamingResponse(self._stream(turn, with_first(first, rest), echo, include_usage),
-                                     media_type="text/event-stream")
+                                     media_type="text/event-stream", headers=session_headers(session))
         try:
             async for batch in with_first(first, rest):
                 for delta in batch:
@@ -109,7 +109,7 @@ class ChatServing(ServingBase):
         response = ChatCompletionResponse(id=turn.response_id, model=self.state.config.model_name,
                                           choices=choices, usage=turn.usage(),
                                           system_fingerprint=self.state.fingerprint)
-        return JSONResponse(response.model_dump())
+        return JSONResponse(response.model_dump(), headers=session_headers(turn.session))
 
     async def _stream(self, turn: "_Turn", deltas: AsyncIterator, echo: str,
                       include_usage: bool) -> AsyncIterator[str]:
@@ -160,7 +160,7 @@ class ChatServing(ServingBase):
         if turn.reasons[0] not in ("stop", "length"):  # cut short: say so in the stored history
             reply["finish_reason"] = turn.reasons[0]
         session.messages = turn.messages + [reply]
-        await self.state.sessions.put(turn.session_id, session)
+        await self.save_session(turn.session_id, session)
 
 
 class _Turn:

@@ -20,7 +20,7 @@ from pagedweight.gateway.protocol import (
     CompletionChoice, CompletionRequest, CompletionResponse, CompletionStreamResponse, UsageInfo,
 )
 from pagedweight.gateway.serving import (
-    SSE_DONE, ServingBase, first_and_rest, sse, stream_error, with_first,
+    SSE_DONE, ServingBase, first_and_rest, session_headers, sse, stream_error, with_first,
 )
 from pagedweight.gateway.sessions import Session
 
@@ -65,7 +65,7 @@ class CompletionServing(ServingBase):
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
             body = self._stream(request, response_id, with_first(first, rest), echoes, num_prompt_tokens,
                                 include_usage, generation, session_id, session)
-            return StreamingResponse(body, media_type="text/event-stream")
+            return StreamingResponse(body, media_type="text/event-stream", headers=session_headers(session))
         try:
             texts, counts, reasons, stop_reasons = _collect_init(len(specs))
             logprobs = self._logprobs(request, echoes)
@@ -90,7 +90,7 @@ class CompletionServing(ServingBase):
                           total_tokens=num_prompt_tokens + sum(counts))
         response = CompletionResponse(id=response_id, model=self.state.config.model_name, choices=choices,
                                       usage=usage, system_fingerprint=self.state.fingerprint)
-        return JSONResponse(response.model_dump())
+        return JSONResponse(response.model_dump(), headers=session_headers(session))
 
     async def _stream(self, request, response_id, deltas: AsyncIterator, echoes, num_prompt_tokens,
                       include_usage, generation, session_id, session) -> AsyncIterator[str]:
@@ -147,7 +147,7 @@ class CompletionServing(ServingBase):
     async def _save_session(self, session_id: str | None, session: Session | None, address: str) -> None:
         if session_id is not None:
             session.worker = address
-            await self.state.sessions.put(session_id, session)
+            await self.save_session(session_id, session)
 
 
 def _collect_init(num: int):
