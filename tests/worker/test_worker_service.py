@@ -73,6 +73,11 @@ def test_stats_health_and_metrics_agree(cluster):
     assert metric(samples, "vllm:request_success_total", finished_reason="length", **labels) >= 1
     assert metric(samples, "vllm:time_to_first_token_seconds_count", **labels) >= 1
     assert metric(samples, "vllm:cache_config_info", block_size="16") == 1
+    # idle (the one request above has finished): no KV in use, and the cache's real size
+    capacity = stats.load.kv_capacity_blocks
+    assert capacity > 0 and stats.load.kv_cache_usage_perc == 0
+    assert metric(samples, "vllm:cache_config_info", block_size="16", num_gpu_blocks=str(capacity)) == 1
+    assert metric(samples, "vllm:kv_cache_usage_perc", **labels) == 0
     assert metric(samples, "pagedweight:expert_bits", layer="0", expert="0", module="gate_up") in range(3, 9)
 
 
@@ -153,7 +158,7 @@ def test_generate_stream_sends_one_message_per_step_for_all_its_requests(cluster
                 await call.write(generate(f"s{i}", [3 + i, 4, 5], 8))
             await call.write(generate("bad", [], 8))  # refused alone, the others run on
             await call.write(generate("long", [9, 9], 1500, logprobs=2))
-            messages, tokens, finals, errors = [], {}, {}, {}
+            messages, tokens, finals, errors, aborted = [], {}, {}, {}, False
             async for message in call:
                 messages.append(message)
                 for out in message.outputs:
@@ -162,7 +167,8 @@ def test_generate_stream_sends_one_message_per_step_for_all_its_requests(cluster
                     if out.finished:
                         finals[out.request_id] = out
                 errors.update({e.request_id: e for e in message.errors})
-                if len(tokens.get("long", [])) >= 12 and "long" not in finals and len(finals) == 4:
+                if len(tokens.get("long", [])) >= 12 and len(finals) == 4 and not aborted:
+                    aborted = True
                     await call.write(worker_pb2.StreamRequest(abort=worker_pb2.AbortRequest(request_id="long")))
                     await call.done_writing()
             return messages, tokens, finals, errors
