@@ -41,6 +41,8 @@ def add_arguments(parser) -> None:
                         help="larger request bodies get 413")
     parser.add_argument("--stats-interval", type=float, default=C.stats_interval_s,
                         help="seconds between polls of the workers' readiness and load")
+    parser.add_argument("--shutdown-timeout", type=float, default=30.0,
+                        help="on SIGTERM, seconds open streams get to finish (at least the workers' drain)")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
 
@@ -68,6 +70,8 @@ def run_gateway(args) -> int:
     if not os.path.isdir(args.model):
         raise UserError(f"--model {args.model}: no such directory")
     config = config_from_args(args)  # bad flags fail here, before the heavier imports
+    if args.shutdown_timeout < 0:
+        raise UserError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
 
     import uvicorn
 
@@ -80,6 +84,7 @@ def run_gateway(args) -> int:
     app = build_app(config)
     print(f"pagedweight gateway: http://{config.host}:{config.port}/v1 (model {config.model_name!r}, "
           f"workers {','.join(config.workers)})", flush=True)
-    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5))
+    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level,
+                                           timeout_graceful_shutdown=args.shutdown_timeout))
     server.run(sockets=[sock])
     return 0

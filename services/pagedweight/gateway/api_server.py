@@ -85,11 +85,22 @@ async def health(raw: Request):
     state = _state(raw)
     ready = state.pool.ready()
     if not ready:
-        return error_response(503, "no worker is ready")
+        return error_response(503, "no worker is ready" + _starting(state))
     sessions_ok = await state.sessions.check()
     return JSONResponse({"status": "ok" if sessions_ok else "degraded",
                          "workers_ready": len(ready), "workers": len(state.pool.workers),
                          "session_store": state.sessions.backend if sessions_ok else "unavailable"})
+
+
+def _starting(state: GatewayState) -> str:
+    """The start-up progress of workers still loading (from their last GetStats)."""
+    parts = []
+    for address, worker in state.pool.workers.items():
+        if worker.stats is not None and worker.stats.HasField("startup"):
+            p = worker.stats.startup
+            eta = f", about {p.eta_s:.0f} s to go" if p.HasField("eta_s") else ""
+            parts.append(f"{address} starting: {p.phase}, {p.percent:.0f}% after {p.elapsed_s:.0f} s{eta}")
+    return f" ({'; '.join(parts)})" if parts else ""
 
 
 @router.get("/metrics")

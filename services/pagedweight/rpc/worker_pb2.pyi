@@ -214,7 +214,7 @@ class LoadStats(_message.Message):
     def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_usage_perc: _Optional[float] = ..., kv_block_size: _Optional[int] = ..., kv_num_blocks: _Optional[int] = ..., kv_num_used_blocks: _Optional[int] = ..., kv_capacity_blocks: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_generation_tokens: _Optional[int] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("model_name", "max_model_len", "ready", "planner_connected", "load", "memory", "bits", "eos_token_id")
+    __slots__ = ("model_name", "max_model_len", "ready", "planner_connected", "load", "memory", "bits", "eos_token_id", "startup")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
@@ -223,6 +223,7 @@ class WorkerStats(_message.Message):
     MEMORY_FIELD_NUMBER: _ClassVar[int]
     BITS_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    STARTUP_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     max_model_len: int
     ready: bool
@@ -231,4 +232,17 @@ class WorkerStats(_message.Message):
     memory: MemorySplit
     bits: BitsStats
     eos_token_id: int
-    def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., ready: _Optional[bool] = ..., planner_connected: _Optional[bool] = ..., load: _Optional[_Union[LoadStats, _Mapping]] = ..., memory: _Optional[_Union[MemorySplit, _Mapping]] = ..., bits: _Optional[_Union[BitsStats, _Mapping]] = ..., eos_token_id: _Optional[int] = ...) -> None: ...
+    startup: StartupProgress
+    def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., ready: _Optional[bool] = ..., planner_connected: _Optional[bool] = ..., load: _Optional[_Union[LoadStats, _Mapping]] = ..., memory: _Optional[_Union[MemorySplit, _Mapping]] = ..., bits: _Optional[_Union[BitsStats, _Mapping]] = ..., eos_token_id: _Optional[int] = ..., startup: _Optional[_Union[StartupProgress, _Mapping]] = ...) -> None: ...
+
+class StartupProgress(_message.Message):
+    __slots__ = ("phase", "percent", "elapsed_s", "eta_s")
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    PERCENT_FIELD_NUMBER: _ClassVar[int]
+    ELAPSED_S_FIELD_NUMBER: _ClassVar[int]
+    ETA_S_FIELD_NUMBER: _ClassVar[int]
+    phase: str
+    percent: float
+    elapsed_s: float
+    eta_s: float
+    def __init__(self, phase: _Optional[str] = ..., percent: _Optional[float] = ..., elapsed_s: _Optional[float] = ..., eta_s: _Optional[float] = ...) -> None: ...

@@ -37,8 +37,9 @@ log = logging.getLogger("pagedweight.worker")
 SERVICE_NAME = "pagedweight.v1.Worker"  # the readiness service name in grpc.health.v1
 
 
-def load_runtime(config: WorkerConfig):
-    """The engine's runtime (runtime.build_runtime) from the worker's flags."""
+def load_runtime(config: WorkerConfig, progress=None):
+    """The engine's runtime (runtime.build_runtime) from the worker's flags; progress(phase)
+    hears each start-up phase (runtime.STARTUP_PHASES)."""
     import torch
 
     from pagedweight.cli.model_args import DTYPES
@@ -58,7 +59,10 @@ def load_runtime(config: WorkerConfig):
     budget = parse_memory_budget(config.memory_budget, device_memory_bytes(device))
     engine = EngineConfig(scheduler=SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
                           kv=KVCacheConfig(config.block_size), enforce_eager=config.enforce_eager)
-    runtime = build_runtime(config.model_dir, RuntimeConfig(budget, config.policy, str(device), dtype, engine=engine))
+    runtime = build_runtime(config.model_dir, RuntimeConfig(budget, config.policy, str(device), dtype, engine=engine),
+                            progress=progress)
+    if progress is not None:
+        progress("warming up")
     if config.warm_up:
         start = time.monotonic()
         buckets = runtime.warm_up()
@@ -91,6 +95,9 @@ async def serve(config: WorkerConfig, started: asyncio.Event | None = None) -> N
     from pagedweight.engine.async_engine import AsyncEngine
     from pagedweight.format.model_config import ModelConfig
 
+    from pagedweight.common.startup import StartupProgress
+    from pagedweight.runtime import STARTUP_PHASES
+
     model_config = ModelConfig.from_dir(config.model_dir)
     eos = model_config.eos_token_ids[0] if model_config.eos_token_ids else -1
     servicer = WorkerServicer(config.model_name, model_config.max_position_embeddings, eos)
@@ -108,7 +115,8 @@ async def serve(config: WorkerConfig, started: asyncio.Event | None = None) -> N
         raise
     registry = CollectorRegistry()
     status = StatusHttpServer(registry, lambda: servicer.live, lambda: servicer.ready,
-                              lambda: servicer.telemetry.refresh() if servicer.telemetry is not None else None)
+                              lambda: servicer.telemetry.refresh() if servicer.telemetry is not None else None,
+                              lambda: servicer.health())
     if http_socket is not None:
         status.start(config.host, config.http_port, http_socket)
     await server.start()
@@ -122,9 +130,11 @@ async def serve(config: WorkerConfig, started: asyncio.Event | None = None) -> N
         loop.add_signal_handler(sig, stop.set)
 
     t0 = time.monotonic()
+    servicer.startup = StartupProgress("worker", STARTUP_PHASES, log)
     try:
-        runtime = await asyncio.to_thread(load_runtime, config)
+        runtime = await asyncio.to_thread(load_runtime, config, servicer.startup.begin)
     except BaseException:  # a bad flag or model: one error line from the CLI, no dangling server
+        servicer.startup.close()
         await server.stop(grace=None)
         status.stop()
         raise
@@ -140,6 +150,7 @@ async def serve(config: WorkerConfig, started: asyncio.Event | None = None) -> N
     engine = AsyncEngine(runtime.engine)
     servicer.telemetry = WorkerTelemetry(runtime, engine, vllm, ours, remote)
     servicer.engine = engine
+    servicer.startup.ready()
     await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
     log.info("worker %s ready in %.1fs: gRPC %s:%d%s%s", config.model_name, time.monotonic() - t0, config.host,
              port, f", metrics http://{config.host}:{status.port}/metrics" if status.port else "",

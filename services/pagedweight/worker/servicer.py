@@ -58,6 +58,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.running: set[str] = set()  # request ids with an open stream
         self.idle = asyncio.Event()  # set whenever `running` is empty
         self.idle.set()
+        self.startup = None  # common.startup.StartupProgress, set while the model loads
+
+    def health(self) -> dict:
+        """The body of the side port's /health and /ready: state and start-up progress."""
+        state = ("dead" if self.engine is not None and self.engine.errored else "draining" if self.draining
+                 else "ready" if self.ready else "starting")
+        progress = self.startup.snapshot() if self.startup is not None else {}
+        return progress | {"status": state}
 
     @property
     def ready(self) -> bool:
@@ -234,6 +242,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def GetStats(self, request, context):
         message = worker_pb2.WorkerStats(model_name=self.model_name, max_model_len=self.max_model_len,
                                          ready=self.ready, eos_token_id=self.eos_token_id)
+        if self.startup is not None and self.engine is None:
+            progress = self.startup.snapshot()
+            message.startup.phase, message.startup.percent = progress["phase"], progress["percent"]
+            message.startup.elapsed_s = progress["elapsed_s"]
+            if progress["eta_s"] is not None:
+                message.startup.eta_s = progress["eta_s"]
         if self.telemetry is not None:
             self.telemetry.fill_stats(message)
         return message
