@@ -271,6 +271,26 @@ def test_logit_bias_and_penalties_change_the_greedy_text(cluster):
     assert penalised.choices[0].text != plain.choices[0].text
 
 
+# ---- deploy/e2e_client.py ---------------------------------------------------------------------
+def test_the_deploy_smoke_client_passes_against_the_cluster_and_has_help(cluster):
+    import subprocess
+    import sys
+
+    from tests.e2e.cluster import REPO
+
+    script = REPO / "deploy" / "e2e_client.py"
+    shown = subprocess.run([sys.executable, "-I", str(script), "--help"], capture_output=True, text=True, timeout=30)
+    assert shown.returncode == 0 and "--url" in shown.stdout and "Exit status" in shown.stdout
+    # -I: an isolated interpreter (no site-packages, no PYTHONPATH): the standard library is enough
+    ran = subprocess.run([sys.executable, "-I", str(script), "--url", cluster["url_a"], "--model", MODEL],
+                         capture_output=True, text=True, timeout=300)
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    assert "all checks passed" in ran.stdout and "FAIL" not in ran.stdout
+    dead = subprocess.run([sys.executable, "-I", str(script), "--url", f"http://127.0.0.1:{free_port()}"],
+                          capture_output=True, text=True, timeout=60)
+    assert dead.returncode == 1 and "FAIL" in dead.stdout
+
+
 # ---- bad requests -------------------------------------------------------------------------
 @pytest.mark.parametrize("path,body,status,param", [
     ("/v1/completions", b'{"prompt": "x", "max_tokens": ', 400, None),  # malformed JSON
