@@ -7,7 +7,7 @@
 #
 # The GPU image has no fastapi/uvicorn/pydantic/redis/grpcio-health-checking: fetch them as
 # wheels once on a machine with pip (`bench/serve_sweep_gpu.sh --wheels`, into .whl/, about
-# 20 MB, the versions `make setup` installs) and carry .whl in the device call; this script
+# 12 MB, the versions `make setup` installs) and carry .whl in the device call; this script
 # installs them into /tmp/site.
 set -u
 if [ "${1:-}" = "--wheels" ]; then
