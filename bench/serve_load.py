@@ -373,6 +373,9 @@ def main() -> None:
                         help="trace: the Poisson trace (rounds); sweep: closed loops at --concurrency, three layers")
     parser.add_argument("--concurrency", default="16,64,256", help="sweep: requests in flight per point")
     parser.add_argument("--duration", type=float, default=30.0, help="sweep: seconds per point and layer")
+    parser.add_argument("--layers", default="in_process,worker_grpc,gateway_http",
+                        help="sweep: which layers to run (gateway_http alone also runs a cluster without "
+                             "GenerateStream, e.g. an older tree on PYTHONPATH, for a before/after)")
     parser.add_argument("--out", default=None, help="result path (default bench/results/serve_<mode>_<model>.json)")
     args = parser.parse_args()
     if args.mode == "sweep":

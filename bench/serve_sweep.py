@@ -82,7 +82,7 @@ def run_in_process(args, levels: list[int], requests: list[TraceRequest]) -> dic
             torch.cuda.empty_cache()  # the worker process needs the device memory next
 
 
-def run_cluster(args, levels: list[int], requests: list[TraceRequest]) -> tuple[dict, dict]:
+def run_cluster(args, levels: list[int], requests: list[TraceRequest], layers: set[str]) -> tuple[dict, dict]:
     services, url, _, worker_address = start_cluster(args)
     gateway_pid, worker_pid = services[2].process.pid, services[1].process.pid
     host, port = url.removeprefix("http://").split(":")
@@ -93,18 +93,22 @@ def run_cluster(args, levels: list[int], requests: list[TraceRequest]) -> tuple[
         return point(timings, elapsed, {n: process_cpu_seconds(p) - before[n] for n, p in pids.items()})
 
     async def main():
-        grpc_client = WorkerStreamClient(worker_address)
+        grpc_client = WorkerStreamClient(worker_address) if "worker_grpc" in layers else None
         http_client = GatewayHttpClient(host, int(port), args.served_model_name)
-        await warm(grpc_client, requests)
+        if grpc_client is not None:
+            await warm(grpc_client, requests)
         await warm(http_client, requests)
         worker_grpc, gateway_http = {}, {}
         for c in levels:
-            worker_grpc[c] = await measure(grpc_client, c, {"worker": worker_pid})
-            print(f"c{c} worker gRPC  {worker_grpc[c]['output_tokens_per_s']:9.1f} tok/s", flush=True)
-            gateway_http[c] = await measure(http_client, c, {"gateway": gateway_pid, "worker": worker_pid})
-            print(f"c{c} gateway HTTP {gateway_http[c]['output_tokens_per_s']:9.1f} tok/s "
-                  f"(gateway CPU {gateway_http[c]['cpu_percent']['gateway']}%)", flush=True)
-        await grpc_client.close()
+            if grpc_client is not None:
+                worker_grpc[c] = await measure(grpc_client, c, {"worker": worker_pid})
+                print(f"c{c} worker gRPC  {worker_grpc[c]['output_tokens_per_s']:9.1f} tok/s", flush=True)
+            if "gateway_http" in layers:
+                gateway_http[c] = await measure(http_client, c, {"gateway": gateway_pid, "worker": worker_pid})
+                print(f"c{c} gateway HTTP {gateway_http[c]['output_tokens_per_s']:9.1f} tok/s "
+                      f"(gateway CPU {gateway_http[c]['cpu_percent']['gateway']}%)", flush=True)
+        if grpc_client is not None:
+            await grpc_client.close()
         return worker_grpc, gateway_http
 
     try:
@@ -121,24 +125,38 @@ def run_sweep(args) -> Path:
     lo_hi = lambda s: tuple(int(x) for x in s.split(":"))  # noqa: E731
     requests = real_text_requests(args.model, max(args.num_prompts, 4 * max(levels)), lo_hi(args.prompt_len),
                                   lo_hi(args.output_len), args.seed)
+    layers = set(args.layers.split(","))
+    unknown = layers - {"in_process", "worker_grpc", "gateway_http"}
+    if unknown or not layers:
+        raise SystemExit(f"--layers: unknown {sorted(unknown)} (in_process, worker_grpc, gateway_http)")
     started = time.monotonic()
-    in_process = run_in_process(args, levels, requests)
-    worker_grpc, gateway_http = run_cluster(args, levels, requests)
+    in_process = run_in_process(args, levels, requests) if "in_process" in layers else {}
+    worker_grpc, gateway_http = ({}, {}) if layers == {"in_process"} else run_cluster(args, levels, requests, layers)
     table = []
     for c in levels:
-        base = in_process[c]
+        base = in_process.get(c)
         row = {"concurrency": c}
         for name, runs in (("in_process", in_process), ("worker_grpc", worker_grpc), ("gateway_http", gateway_http)):
+            if c not in runs:
+                continue
             r = runs[c]
             row[name] = {"output_tok_s": r["output_tokens_per_s"], "ttft_p50_ms": r["ttft_ms"].get("p50"),
                          "itl_p50_ms": r["itl_ms"].get("p50"),
-                         "ratio_to_in_process": round(r["output_tokens_per_s"] / base["output_tokens_per_s"], 4)}
-        row["gateway_cpu_percent"] = gateway_http[c]["cpu_percent"]["gateway"]
+                         "ratio_to_in_process": round(r["output_tokens_per_s"] / base["output_tokens_per_s"], 4)
+                         if base else None}
+            if "cpu_percent" in r:
+                row[name]["cpu_percent"] = r["cpu_percent"]
+                row[name]["cpu_ms_per_output_token"] = {
+                    n: round(10 * pct * r["elapsed_s"] / max(1, r["output_tokens"]), 4)
+                    for n, pct in r["cpu_percent"].items()}
+        if c in gateway_http:
+            row["gateway_cpu_percent"] = gateway_http[c]["cpu_percent"]["gateway"]
         table.append(row)
     name = f"serve_sweep_{Path(args.model).resolve().name}" + (f"_{args.tag}" if args.tag else "")
     payload = {
         "model": str(args.model), "device": args.device, "dtype": args.dtype, "memory_budget": args.memory_budget,
         "policy": args.policy, "max_num_seqs": args.max_num_seqs, "duration_s": args.duration,
+        "layers": sorted(layers),
         "prompt_len": args.prompt_len, "output_len": args.output_len, "seed": args.seed,
         "prompts": "windows of data/sample.txt, the model's tokenizer", "threads": args.threads,
         "targets": {"gateway_http_ratio": 0.9, "worker_grpc_ratio": 0.95},
@@ -161,11 +179,16 @@ def format_table(table: list[dict]) -> str:
              "|---|" + "---|" * len(table)]
     for name, label in (("in_process", "in-process `AsyncEngine`"), ("worker_grpc", "worker over gRPC"),
                         ("gateway_http", "gateway over HTTP")):
+        if name not in table[0]:
+            continue
         cells = []
         for r in table:
             x = r[name]
-            ratio = "" if name == "in_process" else f", {x['ratio_to_in_process']:.2f}x"
+            ratio = "" if x["ratio_to_in_process"] in (None, 1.0) else f", {x['ratio_to_in_process']:.2f}x"
             cells.append(f"{x['output_tok_s']:.0f}{ratio} ({x['ttft_p50_ms']} / {x['itl_p50_ms']})")
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    lines.append("| gateway CPU % | " + " | ".join(f"{r['gateway_cpu_percent']}" for r in table) + " |")
+    if "gateway_cpu_percent" in table[0]:
+        lines.append("| gateway CPU % (ms per output token) | " + " | ".join(
+            f"{r['gateway_cpu_percent']} ({r['gateway_http']['cpu_ms_per_output_token']['gateway']})"
+            for r in table) + " |")
     return "\n".join(lines)
