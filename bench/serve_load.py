@@ -21,6 +21,18 @@ preemptions, and the worker's memory split sampled every `--sample-every` second
 alternating runs (the service layers' cost; target < 0.10 at concurrency 16). Writes bench/results/serve_load_<model>.json.
 
     python -m bench.serve_load --model PAGED_DIR [--memory-budget 32MiB] [--url http://127.0.0.1:8000]
+
+`--mode sweep` puts the three layers side by side in one run (bench/serve_clients.py): at
+each of `--concurrency 16,64,256` a closed loop keeps that many requests in flight for
+`--duration` seconds, first in process (the engine in this process), then, with planner +
+worker + gateway started here, straight to the worker's GenerateStream and through the
+gateway's HTTP. Prompts are windows of real text (data/sample.txt) tokenised by the
+model's tokenizer, so the gateway detokenises real output. The result records each
+point's output tok/s, TTFT/ITL percentiles, the ratios to in-process, and the CPU the
+gateway and worker processes used; JSON with date, machine (GPU) and commit.
+
+    python -m bench.serve_load --mode sweep --model PAGED_DIR --device cuda --memory-budget 0.85 \
+        --concurrency 16,64,256 --duration 30
 """
 
 from __future__ import annotations
@@ -114,11 +126,9 @@ def run_in_process(args, trace: list[TraceRequest]) -> dict:
 
     from pagedweight.engine.async_engine import AsyncEngine
     from pagedweight.engine.sampler import SamplingParams
-    from pagedweight.worker.config import WorkerConfig
     from pagedweight.worker.server import load_runtime
 
-    runtime = load_runtime(WorkerConfig(model_dir=args.model, memory_budget=args.memory_budget,
-                                        policy=args.policy, threads=args.threads))
+    runtime = load_runtime(worker_config(args))
     engine = AsyncEngine(runtime.engine)
 
     def memory():
@@ -257,6 +267,7 @@ def run_worker_grpc(args, trace: list[TraceRequest], address: str) -> dict:
     """The trace straight against the worker's gRPC API: the worker's share of the overhead."""
     import grpc
 
+    from pagedweight.common.rpc_security import RpcSecurity
     from pagedweight.rpc import worker_pb2, worker_pb2_grpc
 
     async def one(stub, req: TraceRequest, start: float, gate: asyncio.Semaphore) -> RequestTiming:
@@ -265,7 +276,7 @@ def run_worker_grpc(args, trace: list[TraceRequest], address: str) -> dict:
             sent, last, ttft, itl, n, reason = time.monotonic(), None, 0.0, [], 0, ""
             request = worker_pb2.GenerateRequest(prompt_token_ids=req.prompt_ids, sampling=worker_pb2.SamplingParams(
                 max_tokens=req.output_len, ignore_eos=True))
-            async for m in stub.Generate(request):
+            async for m in stub.Generate(request, metadata=metadata):
                 now = time.monotonic()
                 if m.token_ids:
                     if last is None:
@@ -277,6 +288,8 @@ def run_worker_grpc(args, trace: list[TraceRequest], address: str) -> dict:
                 reason = m.finish_reason or reason
             return RequestTiming(ttft, itl, n, reason)
 
+    metadata = RpcSecurity.from_settings().metadata()  # the token of $PAGEDWEIGHT_RPC_TOKEN, if any
+
     async def main():
         async with grpc.aio.insecure_channel(address) as channel:
             stub = worker_pb2_grpc.WorkerStub(channel)
@@ -285,6 +298,24 @@ def run_worker_grpc(args, trace: list[TraceRequest], address: str) -> dict:
             return summarize(timings, time.monotonic() - start)
 
     return asyncio.run(main())
+
+
+def worker_config(args):
+    from pagedweight.worker.config import WorkerConfig
+
+    extra = {} if args.max_num_seqs is None else {"max_num_seqs": args.max_num_seqs}
+    return WorkerConfig(model_dir=args.model, memory_budget=args.memory_budget, policy=args.policy,
+                        threads=args.threads, device=args.device, dtype=args.dtype, **extra)
+
+
+def worker_flags(args) -> list[str]:
+    """The flags that make the worker process run what worker_config(args) runs in process."""
+    flags = ["--device", args.device]
+    if args.dtype:
+        flags += ["--dtype", args.dtype]
+    if args.max_num_seqs is not None:
+        flags += ["--max-num-seqs", str(args.max_num_seqs)]
+    return flags
 
 
 def start_cluster(args):
@@ -304,9 +335,10 @@ def start_cluster(args):
         Service("worker", ["worker", "--model", args.model, "--port", str(w), "--http-port", str(wh),
                            "--memory-budget", args.memory_budget, "--policy", args.policy,
                            "--threads", str(args.threads), "--planner", f"127.0.0.1:{p}",
-                           "--served-model-name", args.served_model_name]),
+                           "--served-model-name", args.served_model_name, *worker_flags(args)]),
         Service("gateway", ["gateway", "--model", args.model, "--port", str(g), "--workers", f"127.0.0.1:{w}",
-                            "--served-model-name", args.served_model_name]),
+                            "--served-model-name", args.served_model_name, "--max-queued-requests", "4096",
+                            "--log-level", "warning"]),
     ]
     checks = [lambda: grpc_serving(f"127.0.0.1:{p}"),
               lambda: grpc_serving(f"127.0.0.1:{w}", "pagedweight.v1.Worker"),
@@ -336,7 +368,24 @@ def main() -> None:
     parser.add_argument("--served-model-name", default="bench")
     parser.add_argument("--rounds", type=int, default=2, help="alternating in-process / cluster runs")
     parser.add_argument("--tag", default=None, help="suffix of the result file name")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (in process and the worker)")
+    parser.add_argument("--dtype", default=None, help="float32 / bfloat16 / float16 (default: the worker's)")
+    parser.add_argument("--max-num-seqs", type=int, default=None,
+                        help="the engine's batch limit (default: the worker's; the sweep: the largest concurrency)")
+    parser.add_argument("--mode", choices=("trace", "sweep"), default="trace",
+                        help="trace: the Poisson trace (rounds); sweep: closed loops at --concurrency, three layers")
+    parser.add_argument("--concurrency", default="16,64,256", help="sweep: requests in flight per point")
+    parser.add_argument("--duration", type=float, default=30.0, help="sweep: seconds per point and layer")
+    parser.add_argument("--layers", default="in_process,worker_grpc,gateway_http",
+                        help="sweep: which layers to run (gateway_http alone also runs a cluster without "
+                             "GenerateStream, e.g. an older tree on PYTHONPATH, for a before/after)")
+    parser.add_argument("--out", default=None, help="result path (default bench/results/serve_<mode>_<model>.json)")
     args = parser.parse_args()
+    if args.mode == "sweep":
+        from bench.serve_sweep import run_sweep
+
+        run_sweep(args)
+        return
 
     from pagedweight.format.model_config import ModelConfig
 

@@ -135,20 +135,30 @@ def workspace_bytes(config: ModelConfig, engine: EngineConfig, dtype: torch.dtyp
     return tokens * per_token * elem + logits
 
 
-def build_runtime(paged_dir, config: RuntimeConfig, eos_token_ids=()) -> WorkerRuntime:
+# The phases of a start and their rough shares of its time (common/startup.py reports them).
+STARTUP_PHASES = {"reading the paged model": 30, "dense weights to the device": 10, "choosing the starting bits": 10,
+                  "loading the expert pages": 30, "compiling kernels": 10, "building the engine": 2, "warming up": 8}
+
+
+def build_runtime(paged_dir, config: RuntimeConfig, eos_token_ids=(), progress=None) -> WorkerRuntime:
     """eos_token_ids: EOS ids beyond the model's own (config.json and generation_config.json,
-    which the engine always gets: a runtime built without a tokenizer still stops at EOS)."""
+    which the engine always gets: a runtime built without a tokenizer still stops at EOS).
+    progress(phase): told as each of STARTUP_PHASES begins (None: nothing told)."""
     from pagedweight.format.model_config import read_eos_token_ids
     from pagedweight.format.paged_model import load_paged_model
 
+    progress = progress or (lambda phase: None)
+    progress("reading the paged model")
     paged = load_paged_model(paged_dir, with_bf16=False)
-    return build_runtime_from_paged(paged, config, (*read_eos_token_ids(paged_dir), *eos_token_ids))
+    return build_runtime_from_paged(paged, config, (*read_eos_token_ids(paged_dir), *eos_token_ids), progress)
 
 
-def build_runtime_from_paged(paged, config: RuntimeConfig, eos_token_ids=()) -> WorkerRuntime:
+def build_runtime_from_paged(paged, config: RuntimeConfig, eos_token_ids=(), progress=None) -> WorkerRuntime:
     """The same wiring over a `PagedModel` already in memory (bench/real_shape.py builds one
     at a real model's size without writing tens of GB to disk); eos_token_ids: all of them."""
+    progress = progress or (lambda phase: None)
     device = torch.device(config.device)
+    progress("dense weights to the device")
     model = materialize_dense(paged, config.dtype, device)  # routed experts: over the arena below
     pool = MemoryPool(config.memory_budget)
     dense = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -166,21 +176,25 @@ def build_runtime_from_paged(paged, config: RuntimeConfig, eos_token_ids=()) -> 
     arena = Arena.from_pool(pool, config.page_bytes, device)
     table = PageTable({bid: paged.block(bid) for bid in paged.block_ids}, arena)
     planner = feed = prompts = None
+    progress("choosing the starting bits")
     if config.static_bits is None:
         planner, feed = _policy_planner(paged, config, table, model)
         prompts = _prompt_mix(paged, config, table, model)
     table.set_desired_bits(_starting_bits(config, paged.config, table, arena, planner))
     mover = PageMover(table)
+    progress("loading the expert pages")
     mover.load_all()
     stable = config.static_bits is None if config.stable_decode_launches is None else config.stable_decode_launches
     for layer, moe in enumerate(model.moe_blocks):
         moe.experts = ArenaExperts(table, layer, paged.config.num_experts, activation=paged.config.expert_activation,
                                    stable_launches=stable)
+    progress("compiling kernels")
     if config.precompile_kernels:
         start = time.perf_counter()
         compiled = precompile_kernels([moe.experts for moe in model.moe_blocks], config.dtype)
         if compiled:
             log.info("compiled %d fused-kernel instances in %.1f s", compiled, time.perf_counter() - start)
+    progress("building the engine")
     recorder, residual_of = prompts or (None, None)
     pager = None
     if planner is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -93,6 +94,21 @@ def test_serve_runs_the_cluster_and_stops_it(paged_micro_dir, tmp_path):
             answer = json.loads(response.read())
         assert answer["usage"]["completion_tokens"] == 5
         assert answer["choices"][0]["finish_reason"] == "length"
+        # the planner dies: the cluster keeps serving and the supervisor starts a new one
+        planner_pid = int(re.findall(r"started planner \(pid (\d+)\)", text)[-1])
+        os.kill(planner_pid, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while len(re.findall(r"started planner \(pid (\d+)\)", (tmp_path / "serve.log").read_text())) < 2:
+            assert proc.poll() is None, (tmp_path / "serve.log").read_text()
+            assert time.monotonic() < deadline, (tmp_path / "serve.log").read_text()
+            time.sleep(0.2)
+        with urllib.request.urlopen(request, timeout=60) as response:
+            assert json.loads(response.read())["usage"]["completion_tokens"] == 5
+        while "registered with the planner service" not in (tmp_path / "serve.log").read_text().split(
+                "planner exited with code -9; restarting it", 1)[-1]:
+            assert proc.poll() is None, (tmp_path / "serve.log").read_text()
+            assert time.monotonic() < deadline, (tmp_path / "serve.log").read_text()
+            time.sleep(0.2)
     finally:
         proc.send_signal(signal.SIGINT)
         try:
@@ -106,3 +122,20 @@ def test_serve_runs_the_cluster_and_stops_it(paged_micro_dir, tmp_path):
     assert code == 0, (tmp_path / "serve.log").read_text()
     text = (tmp_path / "serve.log").read_text()
     assert "[worker]" in text and "worker stopped" in text and "planner stopped" in text
+
+
+def test_serve_with_a_taken_port_is_one_line_and_exit_2(paged_micro_dir, tmp_path):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run(
+            [sys.executable, "-m", "pagedweight.cli.main", "serve", "--model", str(paged_micro_dir),
+             "--port", str(free_port()), "--worker-port", str(port)],
+            capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = (result.stdout + result.stderr).strip().splitlines()
+    assert len(lines) == 1 and f"--worker-port {port}" in lines[0] and "in use" in lines[0], lines
+    assert "serving" not in result.stdout

@@ -317,3 +317,40 @@ def pod_label_sets(docs):
     for doc in docs:
         if doc["kind"] in ("Deployment", "StatefulSet"):
             yield doc["metadata"]["name"], doc["spec"]["template"]["metadata"]["labels"]
+
+
+def _pod(docs: list[dict], kind: str, part: str) -> dict:
+    (doc,) = [d for d in by_kind(docs, kind) if part in d["metadata"]["name"]]
+    return doc["spec"]["template"]
+
+
+def test_a_model_override_needs_one_value_and_the_timings_derive(tmp_path):
+    """Helm replaces a list value whole: a model given as its name and modelURL alone gets
+    modelDefaults, and every timing derives from the model's drain."""
+    values = tmp_path / "one-model.yaml"
+    values.write_text(yaml.safe_dump({"servingEngineSpec": {"modelSpec": [
+        {"name": "qwen", "modelURL": "/models/qwen-paged", "shutdownTimeoutSeconds": 100}]}}))
+    docs = manifests(helm_template(values).stdout)
+    worker = _pod(docs, "StatefulSet", "worker-qwen")["spec"]
+    (container,) = worker["containers"]
+    assert "--shutdown-timeout=100" in container["args"] and "--memory-budget=0.9" in container["args"]
+    assert worker["terminationGracePeriodSeconds"] == 5 + 100 + 15  # preStop + drain + margin
+    assert container["startupProbe"]["failureThreshold"] == 1800 // 10
+    gateway = _pod(docs, "Deployment", "gateway-qwen")["spec"]
+    (gw,) = gateway["containers"]
+    assert "--shutdown-timeout=100" in gw["args"]  # the gateway outlasts its workers' drain
+    assert gateway["terminationGracePeriodSeconds"] == 5 + 100 + 15
+
+
+def test_pods_carry_scrape_annotations_by_default_and_the_servicemonitor_is_optional(rendered):
+    docs = rendered["default"]
+    assert not by_kind(docs, "ServiceMonitor")
+    ports = {}
+    for kind, part in (("StatefulSet", "worker"), ("Deployment", "gateway"), ("Deployment", "planner")):
+        annotations = _pod(docs, kind, part)["metadata"]["annotations"]
+        assert annotations["prometheus.io/scrape"] == "true" and annotations["prometheus.io/path"] == "/metrics"
+        ports[part] = int(annotations["prometheus.io/port"])
+    assert ports == {"worker": 9100, "gateway": 8000, "planner": 9101}
+    off = manifests(helm_template(set_values=("metrics.scrapeAnnotations=false",)).stdout)
+    for kind, part in (("StatefulSet", "worker"), ("Deployment", "planner")):
+        assert "prometheus.io/scrape" not in (_pod(off, kind, part)["metadata"].get("annotations") or {})

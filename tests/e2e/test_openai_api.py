@@ -213,6 +213,84 @@ def test_session_continues_on_another_gateway(cluster):
     assert record["worker"] in cluster["addresses"]
 
 
+# ---- what the openai client (guidellm, inference-perf) asks for -------------------------------
+def test_models_retrieve_and_system_fingerprint(cluster):
+    api = client(cluster["url_a"])
+    card = api.models.retrieve(MODEL)
+    assert card.id == MODEL and card.object == "model"
+    with pytest.raises(openai.NotFoundError):
+        api.models.retrieve("gpt-4o")
+    done = api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
+    chunks = list(api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                              max_tokens=2, stream=True))
+    assert done.system_fingerprint and done.system_fingerprint.startswith("fp_")
+    assert {c.system_fingerprint for c in chunks} == {done.system_fingerprint}
+
+
+def test_completion_logprobs_plain_and_streamed(cluster):
+    api = client(cluster["url_a"])
+    done = api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3)
+    lp = done.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    assert "".join(lp.tokens) == done.choices[0].text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(6)]
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert logprob <= 0 and 3 <= len(top) <= 4  # the top 3 and the sampled token
+        assert top[token] == logprob and max(top.values()) == logprob  # greedy took the best
+    chunks = list(api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3,
+                                         stream=True))
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.token_logprobs]
+    assert streamed == pytest.approx(lp.token_logprobs, abs=1e-5)
+
+
+def test_chat_logprobs_with_top_logprobs(cluster):
+    api = client(cluster["url_b"])
+    done = api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say something."}],
+                                       max_tokens=5, temperature=0, logprobs=True, top_logprobs=2)
+    content = done.choices[0].logprobs.content
+    assert len(content) == 5 and "".join(c.token for c in content) == done.choices[0].message.content
+    for entry in content:
+        assert len(entry.top_logprobs) == 2 and entry.top_logprobs[0].logprob == entry.logprob
+        assert bytes(entry.bytes).decode() == entry.token
+    plain = api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say something."}],
+                                        max_tokens=5, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
+def test_logit_bias_and_penalties_change_the_greedy_text(cluster):
+    api = client(cluster["url_a"])
+    token = httpx.post(f"{cluster['url_a']}/tokenize", json={"prompt": " the"}, timeout=10).json()["tokens"][-1]
+    forced = api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0,
+                                    logit_bias={str(token): 100})
+    assert forced.usage.completion_tokens == 4
+    assert httpx.post(f"{cluster['url_a']}/tokenize", json={"prompt": forced.choices[0].text},
+                      timeout=10).json()["tokens"] == [token] * 4
+    plain = api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0)
+    penalised = api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0,
+                                       frequency_penalty=2.0, presence_penalty=2.0)
+    assert penalised.choices[0].text != plain.choices[0].text
+
+
+# ---- deploy/e2e_client.py ---------------------------------------------------------------------
+def test_the_deploy_smoke_client_passes_against_the_cluster_and_has_help(cluster):
+    import subprocess
+    import sys
+
+    from tests.e2e.cluster import REPO
+
+    script = REPO / "deploy" / "e2e_client.py"
+    shown = subprocess.run([sys.executable, "-I", str(script), "--help"], capture_output=True, text=True, timeout=30)
+    assert shown.returncode == 0 and "--url" in shown.stdout and "Exit status" in shown.stdout
+    # -I: an isolated interpreter (no site-packages, no PYTHONPATH): the standard library is enough
+    ran = subprocess.run([sys.executable, "-I", str(script), "--url", cluster["url_a"], "--model", MODEL],
+                         capture_output=True, text=True, timeout=300)
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    assert "all checks passed" in ran.stdout and "FAIL" not in ran.stdout
+    dead = subprocess.run([sys.executable, "-I", str(script), "--url", f"http://127.0.0.1:{free_port()}"],
+                          capture_output=True, text=True, timeout=60)
+    assert dead.returncode == 1 and "FAIL" in dead.stdout
+
+
 # ---- bad requests -------------------------------------------------------------------------
 @pytest.mark.parametrize("path,body,status,param", [
     ("/v1/completions", b'{"prompt": "x", "max_tokens": ', 400, None),  # malformed JSON
@@ -221,8 +299,16 @@ def test_session_continues_on_another_gateway(cluster):
     ("/v1/chat/completions", {"messages": "hello"}, 400, "messages"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 5000}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "x", "model": "gpt-4o"}, 404, "model"),
-    ("/v1/completions", {"prompt": "x", "logprobs": 2}, 400, "logprobs"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400,
+     "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("/v1/completions", {"prompt": "x", "best_of": 2}, 400, "best_of"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"abc": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "presence_penalty": 3}, 400, "presence_penalty"),
     ("/v1/completions", {"prompt": [999999]}, 400, "prompt"),
     ("/v1/completions", {"prompt": "x", "stop": [""]}, 400, "stop"),
     ("/v1/completions", {"prompt": "x", "min_p": 0.1}, 400, None),  # refused by the worker: min_p

@@ -69,22 +69,28 @@ def test_no_redis_falls_back_to_memory_loudly(caplog, prefix):
     assert "IN THIS PROCESS ONLY" in caplog.text
 
 
-def test_redis_failing_later_moves_sessions_into_the_process(caplog, prefix):
-    """A store made while Redis answered, whose Redis then stops answering (port 1)."""
+def test_redis_failing_later_raises_instead_of_dropping_histories(caplog, prefix):
+    """A store made while Redis answered, whose Redis then stops answering (port 1): calls
+    raise (no empty in-process store in its place), and it says so once."""
     import redis.asyncio as aioredis
+
+    from pagedweight.gateway.sessions import SessionStoreUnavailable
 
     async def go():
         client = aioredis.from_url("redis://127.0.0.1:1/0", socket_connect_timeout=0.5)
-        store = RedisSessionStore(client, "redis://127.0.0.1:1/0", prefix, ttl_s=30)
-        await store.put("s", Session(worker="w:3"))
-        got = await store.get("s")
+        store = RedisSessionStore(client, "redis://127.0.0.1:1/0", prefix, ttl_s=30, retry_s=60)
+        with pytest.raises(SessionStoreUnavailable, match="Redis at redis://127.0.0.1:1/0"):
+            await store.put("s", Session(worker="w:3"))
+        with pytest.raises(SessionStoreUnavailable):
+            await store.get("s")  # within retry_s: refused without waiting on Redis again
+        healthy = await store.check()
         await store.close()
-        return store, got
+        return store, healthy
 
     with caplog.at_level(logging.ERROR, logger="pagedweight.gateway.sessions"):
-        store, got = run(go())
-    assert store.backend == "memory" and got.worker == "w:3"
-    assert "does not answer" in caplog.text
+        store, healthy = run(go())
+    assert store.backend == "redis" and not store.available and not healthy
+    assert caplog.text.count("does not answer") == 1
 
 
 def test_memory_store_expires():

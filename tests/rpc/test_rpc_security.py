@@ -151,6 +151,60 @@ def test_worker_checks_tokens_and_aborts_only_its_callers_requests(paged_micro_d
         worker.stop()
 
 
+def test_generate_stream_needs_the_token_and_aborts_only_its_callers_requests(paged_micro_dir, token_file,
+                                                                            tmp_path):
+    port = free_port()
+    worker = Service("worker", ["-m", "pagedweight.cli.main", "worker", "--model", str(paged_micro_dir),
+                                "--port", str(port), "--memory-budget", "64MiB",
+                                "--rpc-token-file", str(token_file)], tmp_path)
+    address = f"127.0.0.1:{port}"
+    sampling = worker_pb2.SamplingParams(max_tokens=2000, ignore_eos=True, temperature=0.0)
+
+    def generate(request_id):
+        return worker_pb2.StreamRequest(generate=worker_pb2.GenerateRequest(
+            request_id=request_id, prompt_token_ids=[1, 2, 3], sampling=sampling))
+
+    def abort(request_id):
+        return worker_pb2.StreamRequest(abort=worker_pb2.AbortRequest(request_id=request_id))
+
+    async def main():
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = worker_pb2_grpc.WorkerStub(channel)
+            anonymous = stub.GenerateStream()
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await anonymous.write(generate("anonymous-1"))
+                await anonymous.read()
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            owner = stub.GenerateStream(metadata=auth(TOKEN_A))
+            await owner.write(generate("streamed-1"))
+            assert (await owner.read()).outputs[0].request_id == "streamed-1"
+            intruder = stub.GenerateStream(metadata=auth(TOKEN_B))
+            await intruder.write(abort("streamed-1"))  # not its request: ignored
+            await intruder.done_writing()
+            assert [m async for m in intruder] == []
+            found = await stub.Abort(worker_pb2.AbortRequest(request_id="streamed-1"), metadata=auth(TOKEN_B))
+            assert not found.found
+            running = await owner.read()
+            assert running.outputs and not any(o.finished for o in running.outputs)
+            await owner.write(abort("streamed-1"))
+            while True:
+                finals = [o for o in (await owner.read()).outputs if o.finished]
+                if finals:
+                    assert finals[0].finish_reason == "abort"
+                    break
+            await owner.done_writing()
+
+    sync_channel = grpc.insecure_channel(address)
+    try:
+        stub = worker_pb2_grpc.WorkerStub(sync_channel)
+        wait_until(lambda: stub.GetStats(worker_pb2.GetStatsRequest(), metadata=auth(TOKEN_A), timeout=2).ready,
+                   worker)
+        asyncio.run(main())
+    finally:
+        sync_channel.close()
+        worker.stop()
+
+
 def test_a_worker_on_a_public_interface_without_a_token_does_not_start(paged_micro_dir):
     result = subprocess.run([sys.executable, "-m", "pagedweight.cli.main", "worker", "--model",
                              str(paged_micro_dir), "--host", "0.0.0.0", "--port", str(free_port())],

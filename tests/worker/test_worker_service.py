@@ -73,6 +73,11 @@ def test_stats_health_and_metrics_agree(cluster):
     assert metric(samples, "vllm:request_success_total", finished_reason="length", **labels) >= 1
     assert metric(samples, "vllm:time_to_first_token_seconds_count", **labels) >= 1
     assert metric(samples, "vllm:cache_config_info", block_size="16") == 1
+    # idle (the one request above has finished): no KV in use, and the cache's real size
+    capacity = stats.load.kv_capacity_blocks
+    assert capacity > 0 and stats.load.kv_cache_usage_perc == 0
+    assert metric(samples, "vllm:cache_config_info", block_size="16", num_gpu_blocks=str(capacity)) == 1
+    assert metric(samples, "vllm:kv_cache_usage_perc", **labels) == 0
     assert metric(samples, "pagedweight:expert_bits", layer="0", expert="0", module="gate_up") in range(3, 9)
 
 
@@ -134,6 +139,69 @@ def test_a_client_that_goes_away_aborts_its_request(cluster):
     assert aborted() == before + 1
     wait_for(lambda: get_stats(cluster["address"]).load.num_running == 0, cluster["procs"]["worker"],
              timeout=20, what="the engine dropped the request")  # not left generating for nobody
+
+
+def test_generate_stream_sends_one_message_per_step_for_all_its_requests(cluster):
+    import asyncio
+
+    from pagedweight.rpc import worker_pb2, worker_pb2_grpc
+
+    def generate(request_id, prompt, max_tokens, **kw):
+        return worker_pb2.StreamRequest(generate=worker_pb2.GenerateRequest(
+            request_id=request_id, prompt_token_ids=prompt,
+            sampling=worker_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True, **kw)))
+
+    async def main():
+        async with grpc.aio.insecure_channel(cluster["address"]) as channel:
+            call = worker_pb2_grpc.WorkerStub(channel).GenerateStream()
+            for i in range(4):
+                await call.write(generate(f"s{i}", [3 + i, 4, 5], 8))
+            await call.write(generate("bad", [], 8))  # refused alone, the others run on
+            await call.write(generate("long", [9, 9], 1500, logprobs=2))
+            messages, tokens, finals, errors, aborted = [], {}, {}, {}, False
+            async for message in call:
+                messages.append(message)
+                for out in message.outputs:
+                    tokens.setdefault(out.request_id, []).extend(out.token_ids)
+                    assert len(out.logprobs) == (len(out.token_ids) if out.request_id == "long" else 0)
+                    if out.finished:
+                        finals[out.request_id] = out
+                errors.update({e.request_id: e for e in message.errors})
+                if len(tokens.get("long", [])) >= 12 and len(finals) == 4 and not aborted:
+                    aborted = True
+                    await call.write(worker_pb2.StreamRequest(abort=worker_pb2.AbortRequest(request_id="long")))
+                    await call.done_writing()
+            return messages, tokens, finals, errors
+
+    messages, tokens, finals, errors = asyncio.run(main())
+    assert errors["bad"].code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "empty" in errors["bad"].message
+    for i in range(4):
+        assert len(tokens[f"s{i}"]) == 8 and finals[f"s{i}"].finish_reason == "length"
+        assert finals[f"s{i}"].usage.completion_tokens == 8
+    assert finals["long"].finish_reason == "abort" and finals["long"].usage.completion_tokens < 1500
+    # the requests ran together: steps carried several requests' tokens in one message
+    num_outputs = sum(len(m.outputs) for m in messages)
+    assert len(messages) < num_outputs and max(len(m.outputs) for m in messages) >= 4
+    assert get_stats(cluster["address"]).load.num_running == 0
+
+
+def test_closing_a_generate_stream_aborts_its_requests(cluster):
+    import asyncio
+
+    from pagedweight.rpc import worker_pb2, worker_pb2_grpc
+
+    async def main():
+        async with grpc.aio.insecure_channel(cluster["address"]) as channel:
+            call = worker_pb2_grpc.WorkerStub(channel).GenerateStream()
+            await call.write(worker_pb2.StreamRequest(generate=worker_pb2.GenerateRequest(
+                request_id="left", prompt_token_ids=[1, 2, 3],
+                sampling=worker_pb2.SamplingParams(max_tokens=1500, ignore_eos=True))))
+            await call.read()
+            call.cancel()
+
+    asyncio.run(main())
+    wait_for(lambda: get_stats(cluster["address"]).load.num_running == 0, cluster["procs"]["worker"],
+             timeout=20, what="the engine dropped the stream's request")
 
 
 def test_planner_killed_mid_run_worker_falls_back_and_reconnects(cluster):

@@ -85,3 +85,23 @@ preStop:
 - --rpc-tls-ca=/etc/pagedweight/rpc-tls/ca.crt
 {{- end }}
 {{- end -}}
+
+
+{{/* One modelSpec entry with servingEngineSpec.modelDefaults under it: {root, model}. */}}
+{{- define "pagedweight.model" -}}
+{{- /* `set`, not sprig's merge: merge treats a given 0 or "" (requestGPU: 0) as unset */}}
+{{- $model := deepCopy .root.Values.servingEngineSpec.modelDefaults }}
+{{- range $key, $value := .model }}
+{{- $_ := set $model $key $value }}
+{{- end }}
+{{- toYaml $model -}}
+{{- end -}}
+
+{{/* Pod annotations that let a Prometheus without the Operator scrape /metrics: {root, port}. */}}
+{{- define "pagedweight.scrapeAnnotations" -}}
+{{- if .root.Values.metrics.scrapeAnnotations -}}
+prometheus.io/scrape: "true"
+prometheus.io/port: {{ .port | quote }}
+prometheus.io/path: /metrics
+{{- end -}}
+{{- end -}}

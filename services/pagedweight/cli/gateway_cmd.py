@@ -65,6 +65,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--stats-interval", type=float, default=C.stats_interval_s,
                         help="seconds between polls of the workers' readiness and load")
     add_rpc_security_arguments(parser, server=False)
+    parser.add_argument("--shutdown-timeout", type=float, default=30.0,
+                        help="on SIGTERM, seconds open streams get to finish (at least the workers' drain)")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
 
@@ -98,19 +100,26 @@ def run_gateway(args) -> int:
     if not os.path.isdir(args.model):
         raise UserError(f"--model {args.model}: no such directory")
     config = config_from_args(args)  # bad flags fail here, before the heavier imports
+    if args.shutdown_timeout < 0:
+        raise UserError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
 
     import uvicorn
 
+    from pagedweight.common.ports import bind_tcp
     from pagedweight.gateway.api_server import build_app
     from pagedweight.gateway.http_protocol import header_timeout_protocol
 
+    # the port first: a taken one is one error line, before anything claims to serve
+    sock = bind_tcp(config.host, config.port)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = build_app(config)
     print(f"pagedweight gateway: http://{config.host}:{config.port}/v1 (model {config.model_name!r}, "
           f"workers {','.join(config.workers)})", flush=True)
     # h11: the one HTTP parser whose request-line and header limit can be set; ours (431)
     # answers below it, its own (a 400) only catches what is far past ours
-    uvicorn.run(app, host=config.host, port=config.port, log_level=args.log_level, timeout_graceful_shutdown=5,
-                http=header_timeout_protocol(config.header_timeout_s),
-                h11_max_incomplete_event_size=4 * config.max_header_bytes)
+    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level,
+                                           timeout_graceful_shutdown=args.shutdown_timeout,
+                                           http=header_timeout_protocol(config.header_timeout_s),
+                                           h11_max_incomplete_event_size=4 * config.max_header_bytes))
+    server.run(sockets=[sock])
     return 0

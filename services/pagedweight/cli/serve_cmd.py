@@ -6,9 +6,12 @@ DIR is a paged model, or a Hugging Face checkpoint that is quantised on first st
 a cache folder (--cache-dir, default ~/.cache/pagedweight) and reused afterwards. Sessions
 go to Redis at --redis-url (default $REDIS_URL, else redis://127.0.0.1:6379/0); the
 gateway falls back to an in-process store, loudly, when none answers. The internal gRPC
-calls carry a token made for the run ($PAGEDWEIGHT_RPC_TOKEN when set). Startup ends by
-printing where to point a client. Ctrl-C (or SIGTERM) stops the services in order, the
-worker draining its running requests.
+calls carry a token made for the run ($PAGEDWEIGHT_RPC_TOKEN when set); a restarted
+service gets the same one. Startup ends by printing where to point a client. A service
+that dies is restarted (at most MAX_RESTARTS per RESTART_WINDOW_S each; past that the
+cluster stops): a worker keeps serving on its last plan while the planner is gone and
+registers with the new one. Ctrl-C (or SIGTERM) stops the services in order, the worker
+draining its running requests.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from pathlib import Path
 from pagedweight.cli.numbers import port, positive_seconds, seconds
 from pagedweight.common.errors import UserError
 from pagedweight.common.rpc_security import TOKEN_ENV
+
+MAX_RESTARTS, RESTART_WINDOW_S = 5, 60.0  # per service
 
 
 def register(subparsers) -> None:
@@ -69,6 +74,13 @@ def run(args) -> int:
     from pagedweight.cluster.model_cache import DEFAULT_CACHE, paged_model_for
     from pagedweight.cluster.processes import Service, grpc_serving, http_ok, wait_until
 
+    from pagedweight.common.ports import bind_tcp
+
+    # every port first: a taken one is one error line before anything starts or claims to serve
+    for flag, port in (("--port", args.port), ("--worker-port", args.worker_port),
+                       ("--planner-port", args.planner_port), ("--worker-metrics-port", args.worker_metrics_port),
+                       ("--planner-metrics-port", args.planner_metrics_port)):
+        bind_tcp(args.host, port, flag).close()
     calib = [Path(f) for f in args.calib] if args.calib else None
     for f in calib or []:
         if not f.is_file():
@@ -105,8 +117,14 @@ def run(args) -> int:
               f"Ctrl-C stops the cluster.\n", flush=True)
         while not stopping:
             for service in services:
-                if service.exited is not None:
-                    raise RuntimeError(f"{service.name} exited with code {service.exited}")
+                if service.exited is None:
+                    continue
+                if not service.may_restart(MAX_RESTARTS, RESTART_WINDOW_S):
+                    raise RuntimeError(f"{service.name} exited with code {service.exited} "
+                                       f"{MAX_RESTARTS} times within {RESTART_WINDOW_S:.0f}s")
+                print(f"pagedweight serve: {service.name} exited with code {service.exited}; restarting it",
+                      file=sys.stderr, flush=True)
+                service.start()
             time.sleep(0.5)
     except KeyboardInterrupt:
         pass

@@ -4,7 +4,9 @@ Each service runs as `python -m pagedweight.cli.main <command>` with its log lin
 prefixed by its name on our stdout. Readiness: the planner and the worker answer their
 gRPC health check (the worker's readiness service, so the model is loaded); the gateway
 answers GET /health with 200. Stopping goes front to back (gateway, worker, planner) with
-SIGTERM, so the worker drains its running requests.
+SIGTERM, so the worker drains its running requests. A service that exits while the
+cluster runs is started again (`may_restart` bounds a crash loop); the others keep going
+(a worker without its planner serves on its last plan and re-registers).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import sys
 import threading
 import time
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -27,15 +29,27 @@ class Service:
     argv: list[str]
     process: subprocess.Popen | None = None
 
+    restarts: list = field(default_factory=list)  # time.monotonic() of each restart
+
     def start(self) -> None:
         self.process = subprocess.Popen([sys.executable, "-m", "pagedweight.cli.main", *self.argv],
                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
-        threading.Thread(target=self._pipe, daemon=True).start()
+        print(f"[serve] started {self.name} (pid {self.process.pid})", flush=True)
+        threading.Thread(target=self._pipe, args=(self.process,), daemon=True).start()
 
-    def _pipe(self) -> None:
-        for line in self.process.stdout:
+    def _pipe(self, process: subprocess.Popen) -> None:
+        for line in process.stdout:
             sys.stdout.write(f"[{self.name}] {line}")
             sys.stdout.flush()
+
+    def may_restart(self, max_restarts: int, window_s: float) -> bool:
+        """Whether one more restart stays within max_restarts per window_s (a crash loop does not)."""
+        now = time.monotonic()
+        self.restarts = [t for t in self.restarts if now - t < window_s]
+        if len(self.restarts) >= max_restarts:
+            return False
+        self.restarts.append(now)
+        return True
 
     @property
     def exited(self) -> int | None:

@@ -28,6 +28,7 @@ from pathlib import Path
 import grpc
 
 from pagedweight.common.errors import UserError
+from pagedweight.common.ports import add_grpc_port
 
 TOKEN_ENV = "PAGEDWEIGHT_RPC_TOKEN"  # a token given by value (Compose, `serve`), not a file
 _NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
@@ -71,17 +72,17 @@ class RpcSecurity:
                    insecure)
 
     # ---- server side --------------------------------------------------------------------
-    def add_port(self, server: grpc.aio.Server, host: str, port: int) -> int:
-        """Binds host:port with TLS when a certificate is given; refuses an open port."""
+    def add_port(self, server: grpc.aio.Server, host: str, port: int, flag: str = "--port") -> int:
+        """Binds host:port with TLS when a certificate is given; refuses an open port, and
+        a taken one with one error line (common/ports.add_grpc_port)."""
         if not self.tokens and self.cert is None and not self.insecure and not is_loopback(host):
             raise UserError(f"refusing to listen on {host}:{port} without authentication: give "
                             f"--rpc-token-file (or ${TOKEN_ENV}) and/or TLS, or --insecure-rpc")
-        address = f"{host}:{port}"
+        credentials = None
         if self.cert is not None:
             credentials = grpc.ssl_server_credentials(
                 [(self.key, self.cert)], root_certificates=self.ca, require_client_auth=self.ca is not None)
-            return server.add_secure_port(address, credentials)
-        return server.add_insecure_port(address)
+        return add_grpc_port(server, host, port, flag, credentials)
 
     def interceptors(self) -> list:
         return [_TokenInterceptor(self.tokens)] if self.tokens else []

@@ -8,6 +8,7 @@ library's ThreadingHTTPServer), so a busy event loop never delays a probe.
 
 from __future__ import annotations
 
+import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
@@ -19,12 +20,16 @@ from pagedweight.common.metrics import exposition
 
 class StatusHttpServer:
     def __init__(self, registry: CollectorRegistry, is_live: Callable[[], bool],
-                 is_ready: Callable[[], bool], refresh: Callable[[], None] | None = None):
+                 is_ready: Callable[[], bool], refresh: Callable[[], None] | None = None,
+                 details: Callable[[], dict] | None = None):
         self.registry, self.is_live, self.is_ready, self.refresh = registry, is_live, is_ready, refresh
+        self.details = details  # a JSON body for /health and /ready (start-up progress); None: plain text
         self._server: ThreadingHTTPServer | None = None
         self.port: int | None = None
 
-    def start(self, host: str, port: int) -> None:
+    def start(self, host: str, port: int, sock=None) -> None:
+        """sock: a socket already bound to host:port (common.ports.bind_tcp), so a taken
+        port fails before the service claims anything."""
         owner = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -37,7 +42,11 @@ class StatusHttpServer:
                     self._send(200, body, ctype)
                 elif path in ("/health", "/ready"):
                     ok = owner.is_live() if path == "/health" else owner.is_ready()
-                    self._send(200 if ok else 503, b"ok\n" if ok else b"unavailable\n", "text/plain")
+                    if owner.details is not None:
+                        body = json.dumps(owner.details()).encode() + b"\n"
+                        self._send(200 if ok else 503, body, "application/json")
+                    else:
+                        self._send(200 if ok else 503, b"ok\n" if ok else b"unavailable\n", "text/plain")
                 else:
                     self._send(404, b"not found\n", "text/plain")
 
@@ -51,7 +60,13 @@ class StatusHttpServer:
             def log_message(self, *args):  # scrapes every few seconds: keep the log quiet
                 pass
 
-        self._server = ThreadingHTTPServer((host, port), Handler)
+        if sock is None:
+            self._server = ThreadingHTTPServer((host, port), Handler)
+        else:
+            self._server = ThreadingHTTPServer(sock.getsockname()[:2], Handler, bind_and_activate=False)
+            self._server.socket.close()
+            self._server.socket = sock
+            self._server.server_activate()
         self._server.daemon_threads = True
         self.port = self._server.server_address[1]
         threading.Thread(target=self._server.serve_forever, daemon=True, name="status-http").start()

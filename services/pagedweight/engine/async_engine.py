@@ -36,7 +36,7 @@ class AsyncEngine:
         self.engine = engine
         self.idle_tick_s = idle_tick_s  # idle steps while the weights still move (module doc)
         self.num_idle_ticks = 0
-        self._streams: dict[str, asyncio.Queue] = {}  # request_id -> outputs (or an error)
+        self._streams: dict[str, asyncio.Queue] = {}  # request_id -> outputs (or an error); or a sink
         self._adds: list[tuple[str, list[int], SamplingParams]] = []
         self._aborts: list[str] = []
         self._wake: asyncio.Event | None = None
@@ -60,20 +60,25 @@ class AsyncEngine:
 
     # ---- the API --------------------------------------------------------------------
     def add_request(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
-    ) -> AsyncIterator[RequestOutput]:
-        """Queue a request; iterate the result to receive its outputs as they come."""
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None, sink=None
+    ) -> AsyncIterator[RequestOutput] | None:
+        """Queue a request; iterate the result to receive its outputs as they come.
+
+        With `sink` (anything with `put_nowait(item)`, e.g. one shared by many requests of
+        a connection) the outputs go there instead, as they are made, and None is returned:
+        an item is a RequestOutput, or the EngineDeadError that ends every request. Aborting
+        a request of a sink is the caller's job (`abort`)."""
         if self._dead is not None:
             raise self._dead
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._streams:
             raise UserError(f"request id {request_id!r} is already in use")
         self.engine.check_request(prompt_ids, params)  # bad input fails here, not later
-        queue: asyncio.Queue = asyncio.Queue()
+        queue = sink if sink is not None else asyncio.Queue()
         self._streams[request_id] = queue
         self._adds.append((request_id, list(prompt_ids), params))
         self._ensure_running()
-        return self._stream(request_id, queue)
+        return self._stream(request_id, queue) if sink is None else None
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its stream ends with finish_reason 'abort'."""

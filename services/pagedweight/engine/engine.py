@@ -75,6 +75,8 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop", "length" or "abort" once finished
     stop_reason: int | None = None  # the EOS / stop token id that finished it (not in output)
     queue_time_s: float | None = None  # on a request's first output: arrival to first scheduled
+    # per token of new_token_ids, with SamplingParams.logprobs: (logprob, top ids, top logprobs)
+    logprobs: list[tuple[float, list[int], list[float]]] | None = None
 
 
 @dataclass
@@ -223,6 +225,11 @@ class Engine:
             if window is not None:  # the next query (at num_computed_tokens) sees W keys back
                 self.kv.release_before(s.seq, s.seq.num_computed_tokens - window + 1)
         outputs = [self._append(seq, token) for seq, token in zip(samplers, token_ids)]
+        step_logprobs = self.runner.step_logprobs
+        if step_logprobs is not None:
+            for out, entry in zip(outputs, step_logprobs):
+                if entry is not None and out.new_token_ids:
+                    out.logprobs = [entry]
         for seq, out in zip(samplers, outputs):
             if not seq.queue_time_reported:
                 seq.queue_time_reported = True

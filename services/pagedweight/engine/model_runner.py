@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from pagedweight.engine.decode_graphs import DecodeGraphs, StepChunk
-from pagedweight.engine.sampler import sample
+from pagedweight.engine.sampler import apply_penalties, sample
 from pagedweight.engine.scheduler import ScheduledSeq
 from pagedweight.engine.sequence import Sequence
 from pagedweight.engine.step_phases import StepPhases
@@ -36,11 +36,15 @@ class ModelRunner:
         self.graph_prefill = graph_prefill
         self.phases = phases if phases is not None else StepPhases()
         self.num_graph_steps = self.num_eager_steps = 0
+        # per sampling sequence of the last step: (logprob, top ids, top logprobs), or None
+        # where the sequence asked for none
+        self.step_logprobs: list | None = None
 
     @torch.inference_mode()
     def run(self, scheduled: list[ScheduledSeq]) -> list[int]:
         """One forward over the step; a sampled token per sequence with `samples` set."""
         seqs = [s.seq for s in scheduled if s.samples]
+        self.step_logprobs = None
         replayed = self._replay(scheduled)
         if replayed is None:
             input_ids, step, logits_indices = self.prepare(scheduled)
@@ -52,7 +56,8 @@ class ModelRunner:
         self.num_graph_steps += 1
         logits, tokens = replayed
         self.phases.mark("launch")
-        if all(s.params.greedy and len(s.output_ids) >= s.params.min_tokens for s in seqs):
+        if all(s.params.greedy and len(s.output_ids) >= s.params.min_tokens and s.params.logprobs is None
+               and not s.params.processes_logits for s in seqs):
             out = tokens.tolist()  # the graph's own argmax: nothing more to launch
             self.phases.mark("wait")
             return out
@@ -86,7 +91,13 @@ class ModelRunner:
 
     def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
         """Greedy rows in one argmax; others one by one with their own parameters."""
+        self.step_logprobs = None
+        wants = [i for i, seq in enumerate(seqs) if seq.params.logprobs is not None]
+        raw = logits[wants].float().log_softmax(dim=-1) if wants else None  # before any processing
         for i, seq in enumerate(seqs):
+            if seq.params.processes_logits:
+                logits[i:i + 1] = apply_penalties(logits[i:i + 1].clone(), seq.params, seq.prompt_ids,
+                                                  seq.output_ids)
             if len(seq.output_ids) < seq.params.min_tokens:
                 # Too early to finish: the tokens that would finish it cannot be sampled.
                 eos = set() if seq.params.ignore_eos else self.eos_ids
@@ -101,6 +112,20 @@ class ModelRunner:
         self.phases.mark("launch")
         out = tokens.tolist()  # the step's one synchronisation
         self.phases.mark("wait")
+        if wants:
+            self.step_logprobs = self._logprobs(seqs, wants, raw, out)
+        return out
+
+    @staticmethod
+    def _logprobs(seqs: list[Sequence], wants: list[int], raw: torch.Tensor, tokens: list[int]) -> list:
+        top = max(seqs[i].params.logprobs for i in wants)
+        chosen = raw[torch.arange(len(wants)), torch.tensor([tokens[i] for i in wants])].tolist()
+        top_lps, top_ids = (raw.topk(top, dim=-1) if top else (raw[:, :0], raw[:, :0].long()))
+        top_lps, top_ids = top_lps.tolist(), top_ids.tolist()
+        out: list = [None] * len(seqs)
+        for row, i in enumerate(wants):
+            k = seqs[i].params.logprobs
+            out[i] = (chosen[row], top_ids[row][:k], top_lps[row][:k])
         return out
 
 

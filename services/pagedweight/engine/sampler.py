@@ -8,6 +8,8 @@ import torch
 
 from pagedweight.common.errors import UserError
 
+MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -22,6 +24,15 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)  # finish like EOS (not in output)
     ignore_eos: bool = False  # keep going past EOS (benchmarks); stop_token_ids still stop
     min_tokens: int = 0  # EOS and stop token ids cannot be sampled before this many tokens
+    # The sampled token's log-probability and the `logprobs` most likely tokens' (0..20),
+    # from the raw logits (vLLM's default logprobs mode); None: none returned.
+    logprobs: int | None = None
+    # vLLM's penalties: presence and frequency over output tokens, repetition over prompt
+    # and output tokens (1.0: off); logit_bias: (token id, bias) pairs added to the logits.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
 
     def __post_init__(self):
         if self.max_tokens < 1:
@@ -40,6 +51,22 @@ class SamplingParams:
             raise UserError("stop_token_ids must be non-negative integers")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise UserError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise UserError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise UserError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise UserError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        for token, bias in self.logit_bias:
+            if token < 0 or not -100.0 <= bias <= 100.0:
+                raise UserError(f"logit_bias: token {token} bias {bias}: ids >= 0, biases in [-100, 100]")
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether the logits change before sampling (penalties, bias)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias)
 
     @property
     def greedy(self) -> bool:
@@ -73,3 +100,24 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         logits = torch.full_like(logits, float("-inf")).scatter(-1, sorted_ids, sorted_logits)
     probs = logits.softmax(dim=-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int],
+                    output_ids: list[int]) -> torch.Tensor:
+    """vLLM's order and formulas, one row [1, V]: logit_bias added, then repetition (prompt
+    and output tokens: positive logits divided, others multiplied), frequency (times each
+    output token's count) and presence (once per output token seen) subtracted."""
+    vocab = logits.shape[-1]
+    if params.logit_bias:
+        ids = torch.tensor([t for t, _ in params.logit_bias if t < vocab], dtype=torch.long, device=logits.device)
+        bias = torch.tensor([b for t, b in params.logit_bias if t < vocab], dtype=logits.dtype, device=logits.device)
+        logits[0, ids] += bias
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long, device=logits.device)
+        row = logits[0, seen]
+        logits[0, seen] = torch.where(row > 0, row / params.repetition_penalty, row * params.repetition_penalty)
+    if (params.frequency_penalty or params.presence_penalty) and output_ids:
+        counts = torch.bincount(torch.tensor(output_ids, dtype=torch.long, device=logits.device),
+                                minlength=vocab)[:vocab].to(logits.dtype)
+        logits[0] -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits

@@ -1,7 +1,7 @@
 """The gateway's FastAPI app: routes of a few lines each, wiring in one lifespan.
 
     POST /v1/completions, /v1/chat/completions   -> serving_completions, serving_chat
-    GET  /v1/models, /health, /metrics, /version
+    GET  /v1/models, /v1/models/{id}, /health, /metrics, /version
     POST /tokenize, /detokenize
 """
 
@@ -71,18 +71,47 @@ async def create_chat_completion(request: ChatCompletionRequest, raw: Request):
                                 raw.state.tenant)
 
 
+def _model_card(state: GatewayState) -> ModelCard:
+    name = state.config.model_name
+    return ModelCard(id=name, root=name, max_model_len=state.codec.max_model_len)
+
+
 @router.get("/v1/models")
 async def show_models(raw: Request) -> ModelList:
+    return ModelList(data=[_model_card(_state(raw))])
+
+
+@router.get("/v1/models/{model_id:path}")
+async def show_model(model_id: str, raw: Request) -> ModelCard:
     state = _state(raw)
-    name = state.config.model_name
-    return ModelList(data=[ModelCard(id=name, root=name, max_model_len=state.codec.max_model_len)])
+    if model_id != state.config.model_name:
+        raise APIError(404, f"The model `{model_id}` does not exist.", "model")
+    return _model_card(state)
 
 
 @router.get("/health")
 async def health(raw: Request):
-    if not _state(raw).pool.ready():
-        return error_response(503, "no worker is ready")
-    return Response(status_code=200)
+    """503 while no worker is ready; else 200, with "degraded" while the session store is away
+    (requests without a session are served; those with one get 503 until it is back)."""
+    state = _state(raw)
+    ready = state.pool.ready()
+    if not ready:
+        return error_response(503, "no worker is ready" + _starting(state))
+    sessions_ok = await state.sessions.check()
+    return JSONResponse({"status": "ok" if sessions_ok else "degraded",
+                         "workers_ready": len(ready), "workers": len(state.pool.workers),
+                         "session_store": state.sessions.backend if sessions_ok else "unavailable"})
+
+
+def _starting(state: GatewayState) -> str:
+    """The start-up progress of workers still loading (from their last GetStats)."""
+    parts = []
+    for address, worker in state.pool.workers.items():
+        if worker.stats is not None and worker.stats.HasField("startup"):
+            p = worker.stats.startup
+            eta = f", about {p.eta_s:.0f} s to go" if p.HasField("eta_s") else ""
+            parts.append(f"{address} starting: {p.phase}, {p.percent:.0f}% after {p.elapsed_s:.0f} s{eta}")
+    return f" ({'; '.join(parts)})" if parts else ""
 
 
 @router.get("/metrics")
@@ -145,7 +174,8 @@ def build_app(config: GatewayConfig) -> FastAPI:
         await pool.start()
         sessions = await open_session_store(config.redis_url, config.session_key_prefix, config.session_ttl_s)
         state = GatewayState(config, codec, pool, sessions,
-                             GatewayMetrics(registry, config.model_name, codec.max_model_len), sandbox)
+                             GatewayMetrics(registry, config.model_name, codec.max_model_len), sandbox,
+                             fingerprint=fingerprint(config.model_name))
         app.state.gateway, app.state.registry = state, registry
         app.state.completions, app.state.chat = CompletionServing(state), ChatServing(state)
         _log_workers(pool, config)
@@ -165,6 +195,14 @@ def build_app(config: GatewayConfig) -> FastAPI:
     app.add_middleware(GatewayMiddleware, tenants=tenants, max_body_bytes=config.max_body_bytes,
                        max_header_bytes=config.max_header_bytes, body_timeout_s=config.body_timeout_s)
     return app
+
+
+def fingerprint(model_name: str) -> str:
+    """system_fingerprint: changes when the build or the served model does (as OpenAI's)."""
+    import hashlib
+
+    digest = hashlib.sha256(f"{metadata.version('pagedweight')}/{model_name}".encode()).hexdigest()[:10]
+    return f"fp_{digest}"
 
 
 async def _internal_error_handler(_: Request, err: Exception) -> JSONResponse:

@@ -1,13 +1,16 @@
 """One HTTP request's choices, run on the workers and turned back into text.
 
-Each choice (a prompt times `n`) is one worker `Generate` stream. Its tokens go through
-the incremental detokeniser and the stop-string filter; a stop string ends the choice
-here and cancels the worker's stream (the worker aborts the request). The choices run
-as tasks that feed one queue, so a streaming response interleaves them as they come.
+Each choice (a prompt times `n`) is one request on the worker's shared `GenerateStream`
+(workers.WorkerStream). The stream's reader hands every output to its choice as a plain
+call: the choice detokenises it, applies the stop strings and adds a delta to the
+request's pending list, and the request's one consumer (the HTTP response) wakes once
+per engine step to take everything that arrived. No task or queue per choice or token: the
+gateway's cost grows with steps, not with tokens x requests. A stop string ends the choice
+here and aborts it on the worker.
 
-Failure: a worker that fails before sending anything is marked failed and the choice is
-retried once on another ready worker; after the first token the error ends the choice
-(a streaming response sends it as an error event).
+Failure: a choice whose worker fails before sending it anything is retried once on another
+ready worker (the failed one is taken out of routing when it is down); after the first
+token the error ends the request (a streaming response sends it as an error event).
 """
 
 from __future__ import annotations
@@ -46,12 +49,20 @@ class ChoiceSpec:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # the most likely (token id, logprob), most likely first
+
+
+@dataclass(frozen=True)
 class ChoiceDelta:
     index: int
     text: str  # new text ("" is possible: a token that completes no character yet)
     num_tokens: int  # tokens this delta covers
     finish_reason: str | None = None  # set on the choice's last delta
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+    logprobs: tuple[TokenLogprob, ...] = ()  # with the request's logprobs: one per token
 
 
 class RequestTimer:
@@ -80,97 +91,124 @@ class Generation:
         self.address = address  # the worker this request was routed to (updated by a retry)
         self.timeout_s = timeout_s
         self.timer = RequestTimer(metrics)
+        self._pending: list = []  # ChoiceDelta or APIError, in arrival order
+        self._ready = asyncio.Event()
 
-    async def stream(self, specs: list[ChoiceSpec]) -> AsyncIterator[ChoiceDelta]:
-        """Deltas of all choices as they come; raises APIError on the first failure."""
-        queue: asyncio.Queue = asyncio.Queue()
-        tasks = [asyncio.create_task(self._run_choice(spec, queue)) for spec in specs]
+    def push(self, item) -> None:
+        """From a choice (called by a stream's reader): a delta, or the error that ends us."""
+        self._pending.append(item)
+        self._ready.set()
+
+    async def stream(self, specs: list[ChoiceSpec]) -> AsyncIterator[list[ChoiceDelta]]:
+        """The deltas of all choices, one list per wake-up (what arrived since the last);
+        raises APIError on the first failure."""
+        choices = [_Choice(self, spec) for spec in specs]
+        for choice in choices:
+            choice.submit(self.address)
+        # one timer for the whole request, not a timeout per wait
+        deadline = asyncio.get_running_loop().call_later(self.timeout_s, self._expire)
         try:
-            remaining = len(tasks)
+            remaining = len(choices)
             while remaining:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                if item is None:
-                    remaining -= 1
-                    continue
-                yield item
-        finally:  # the client went away, or a choice failed: stop the others
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+                await self._ready.wait()
+                self._ready.clear()
+                items, self._pending = self._pending, []
+                for item in items:
+                    if isinstance(item, APIError):
+                        raise item
+                    if item.finish_reason is not None:
+                        remaining -= 1
+                if items:
+                    yield items
+        finally:  # the client went away, or a choice failed: stop the others on their workers
+            deadline.cancel()
+            for choice in choices:
+                choice.cancel()
 
-    async def _run_choice(self, spec: ChoiceSpec, queue: asyncio.Queue) -> None:
-        try:
-            await self._generate(spec, queue)
-            queue.put_nowait(None)
-        except asyncio.CancelledError:
-            raise
-        except APIError as err:
-            queue.put_nowait(err)
-        except Exception as err:  # a bug: the client still gets an answer
-            log.exception("choice %d of %s failed", spec.index, self.request_id)
-            queue.put_nowait(APIError(500, f"internal error: {type(err).__name__}: {err}"))
+    def _expire(self) -> None:
+        self.push(APIError(503, f"request {self.request_id} took longer than {self.timeout_s:.0f} s"))
 
-    async def _generate(self, spec: ChoiceSpec, queue: asyncio.Queue) -> None:
+
+class _Choice:
+    """One choice's worker request: its detokeniser, retry state and progress."""
+
+    def __init__(self, generation: Generation, spec: ChoiceSpec):
+        self.generation, self.spec = generation, spec
+        self.detok = generation.codec.detokenizer(spec.prompt_ids, spec.stops)
         # the client's id first (worker logs find it), then the choice, then a suffix so two
         # clients reusing one X-Request-Id never collide on a worker
-        worker_request_id = f"{self.request_id}-{spec.index}-{uuid.uuid4().hex[:6]}"
-        tried: list[str] = []
-        address = self.address
-        while True:
-            request = worker_pb2.GenerateRequest(
-                request_id=worker_request_id, prompt_token_ids=spec.prompt_ids,
-                sampling=spec.sampling, session_id=self.session_id or "")
-            call = self.pool.stub(address).Generate(
-                request, timeout=self.timeout_s,
-                metadata=(("x-request-id", self.request_id), *self.pool.metadata))
-            progress = _Progress()
-            try:
-                await self._consume(spec, call, address, queue, progress)
-                self.address = address
-                return
-            except grpc.aio.AioRpcError as err:
-                code, received = err.code(), progress.received
-                if code in DOWN_CODES:
-                    self.pool.mark_failed(address, err)
-                if received or code not in RETRY_CODES or tried:
-                    raise _api_error(err, address, received) from None
-                tried.append(address)
-                retry = self.pool.pick(self.session_id, None, exclude=tuple(tried))
-                if retry is None:
-                    raise _api_error(err, address, received) from None
-                log.warning("worker %s failed before the first token of %s (%s); retrying on %s",
-                            address, worker_request_id, code.name, retry)
-                self.metrics.retries.inc()
-                address, worker_request_id = retry, f"{worker_request_id}-retry"
-            finally:
-                call.cancel()  # no-op when finished; otherwise the worker aborts the request
+        self.worker_request_id = f"{generation.request_id}-{spec.index}-{uuid.uuid4().hex[:6]}"
+        self.address = generation.address
+        self.tried: list[str] = []
+        self.received = False  # anything from the worker yet (after that, no retry)
+        self.done = False
+        self.last: float | None = None  # when its previous tokens arrived
 
-    async def _consume(self, spec: ChoiceSpec, call, address: str, queue: asyncio.Queue,
-                       progress: "_Progress") -> None:
-        """Reads one worker stream into deltas."""
-        detok = self.codec.detokenizer(spec.prompt_ids, spec.stops)
-        last = None
-        async for response in call:
-            progress.received = True
-            ids = list(response.token_ids)
-            text = ""
-            if ids:
-                last = self.timer.tokens_arrived(last)
-                delta = detok.push(ids)
-                if delta.stopped:  # a stop string: the choice ends here; the worker is cancelled
-                    queue.put_nowait(ChoiceDelta(spec.index, delta.text, len(ids), "stop", detok.stop_reason))
-                    return
-                text = delta.text
-            if response.finished:
-                tail = detok.finish()  # the held-back text (a stop string may still complete in it)
-                reason = "stop" if tail.stopped else (response.finish_reason or "stop")
-                stop_reason = detok.stop_reason if tail.stopped else _stop_token(response, spec)
-                queue.put_nowait(ChoiceDelta(spec.index, text + tail.text, len(ids), reason, stop_reason))
+    def submit(self, address: str) -> None:
+        self.address = address
+        request = worker_pb2.GenerateRequest(
+            request_id=self.worker_request_id, prompt_token_ids=self.spec.prompt_ids,
+            sampling=self.spec.sampling, session_id=self.generation.session_id or "")
+        self.generation.pool.stream(address).submit(request, self)
+
+    def cancel(self) -> None:
+        if not self.done:
+            self.done = True
+            self.generation.pool.stream(self.address).abort(self.worker_request_id)
+
+    # ---- from the stream's reader --------------------------------------------------------
+    def on_output(self, response: worker_pb2.GenerateResponse) -> None:
+        if self.done:
+            return
+        self.received = True
+        generation, spec = self.generation, self.spec
+        if spec.index == 0:
+            generation.address = self.address
+        ids = list(response.token_ids)
+        logprobs = _logprobs(ids, response.logprobs)
+        text = ""
+        if ids:
+            self.last = generation.timer.tokens_arrived(self.last)
+            delta = self.detok.push(ids)
+            if delta.stopped:  # a stop string: the choice ends here; the worker's request is aborted
+                generation.push(ChoiceDelta(spec.index, delta.text, len(ids), "stop", self.detok.stop_reason,
+                                            logprobs))
+                self.cancel()
                 return
-            queue.put_nowait(ChoiceDelta(spec.index, text, len(ids)))
-        raise APIError(503, f"worker {address} ended the stream of {self.request_id} without finishing it")
+            text = delta.text
+        if response.finished:
+            self.done = True
+            tail = self.detok.finish()  # the held-back text (a stop string may still complete in it)
+            reason = "stop" if tail.stopped else (response.finish_reason or "stop")
+            stop_reason = self.detok.stop_reason if tail.stopped else _stop_token(response, spec)
+            generation.push(ChoiceDelta(spec.index, text + tail.text, len(ids), reason, stop_reason, logprobs))
+            return
+        if text or ids:
+            generation.push(ChoiceDelta(spec.index, text, len(ids), logprobs=logprobs))
+
+    def on_error(self, code: grpc.StatusCode, details: str) -> None:
+        if self.done:
+            return
+        generation, pool = self.generation, self.generation.pool
+        if code in DOWN_CODES:
+            pool.mark_failed(self.address, f"{code.name}: {details}")
+        if not self.received and code in RETRY_CODES and not self.tried:
+            self.tried.append(self.address)
+            retry = pool.pick(generation.session_id, None, exclude=tuple(self.tried))
+            if retry is not None:
+                log.warning("worker %s failed before the first token of %s (%s); retrying on %s",
+                            self.address, self.worker_request_id, code.name, retry)
+                generation.metrics.retries.inc()
+                self.worker_request_id = f"{self.worker_request_id}-retry"
+                self.submit(retry)
+                return
+        self.done = True
+        generation.push(_api_error(code, details, self.address, self.received))
+
+
+def _logprobs(ids: list[int], entries) -> tuple[TokenLogprob, ...]:
+    return tuple(TokenLogprob(t, e.logprob, tuple(zip(e.top_token_ids, e.top_logprobs)))
+                 for t, e in zip(ids, entries))
 
 
 def _stop_token(response: worker_pb2.GenerateResponse, spec: ChoiceSpec) -> int | None:
@@ -182,14 +220,10 @@ def _stop_token(response: worker_pb2.GenerateResponse, spec: ChoiceSpec) -> int 
     return None
 
 
-class _Progress:
-    received = False  # whether the worker sent anything yet (after that, no retry)
-
-
-def _api_error(err: grpc.aio.AioRpcError, address: str, received: bool) -> APIError:
-    code, details = err.code(), err.details() or err.code().name
+def _api_error(code: grpc.StatusCode, details: str, address: str, received: bool) -> APIError:
+    details = details or code.name
     if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.ALREADY_EXISTS,
                 grpc.StatusCode.OUT_OF_RANGE):
         return APIError(400, details)
     where = "mid-stream" if received else "before the first token"
-    return APIError(503, f"worker {address} failed {where}: {err.code().name}: {details}")
+    return APIError(503, f"worker {address} failed {where}: {code.name}: {details}")

@@ -82,12 +82,17 @@ class SamplingFields(OpenAIBaseModel):
     min_tokens: int = Field(default=0, ge=0, le=INT32_MAX)
     user: str | None = None
     session_id: str | None = None  # the body form of X-Session-ID (checked as the header is)
+    # vLLM's penalties and OpenAI's logit_bias ({"token id": bias}), applied by the worker
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)  # None: 1.0 (off)
+    logit_bias: dict[str, float] | None = None
 
 
 class CompletionRequest(SamplingFields):
     prompt: Union[str, list[str], TokenIds, list[TokenIds]]
     echo: bool = False
-    logprobs: int | None = Field(default=None, ge=0, le=INT32_MAX)  # not served: a 400 names it when set
+    logprobs: int | None = Field(default=None, ge=0, le=20)  # top logprobs per token (vLLM's max 20)
     suffix: str | None = None
 
 
@@ -100,8 +105,8 @@ class ChatMessage(OpenAIBaseModel):
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)  # the newer name of max_tokens
-    logprobs: bool = False  # not served: a 400 names it when true
-    top_logprobs: int | None = Field(default=None, ge=0, le=INT32_MAX)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)  # needs logprobs true
     add_generation_prompt: bool = True
     echo: bool = False  # vLLM: prepend the last message's content when its role is the reply's
 
@@ -116,7 +121,8 @@ class UsageInfo(BaseModel):
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    # {"text_offset", "token_logprobs", "tokens", "top_logprobs"} with the request's logprobs
+    logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
     stop_reason: Union[int, str, None] = None  # the stop string that ended it, if any
 
@@ -126,6 +132,7 @@ class CompletionResponse(BaseModel):
     object: Literal["text_completion"] = "text_completion"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
+    system_fingerprint: str | None = None  # this build and model (serving.fingerprint)
     choices: list[CompletionChoice]
     usage: UsageInfo
 
@@ -135,6 +142,7 @@ class CompletionStreamResponse(BaseModel):
     object: Literal["text_completion"] = "text_completion"
     created: int
     model: str
+    system_fingerprint: str | None = None  # this build and model (serving.fingerprint)
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
 
@@ -148,7 +156,7 @@ class ChatResponseMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int
     message: ChatResponseMessage
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None  # {"content": [...]} with the request's logprobs
     finish_reason: str | None = None
     stop_reason: Union[int, str, None] = None
 
@@ -158,6 +166,7 @@ class ChatCompletionResponse(BaseModel):
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
+    system_fingerprint: str | None = None  # this build and model (serving.fingerprint)
     choices: list[ChatChoice]
     usage: UsageInfo
 
@@ -170,7 +179,7 @@ class DeltaMessage(BaseModel):
 class ChatStreamChoice(BaseModel):
     index: int
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
     stop_reason: Union[int, str, None] = None
 
@@ -180,6 +189,7 @@ class ChatCompletionStreamResponse(BaseModel):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
     model: str
+    system_fingerprint: str | None = None  # this build and model (serving.fingerprint)
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
 

@@ -18,7 +18,7 @@ from pagedweight.gateway.errors import APIError, sse_error_event
 from pagedweight.gateway.generation import ChoiceDelta, ChoiceSpec, Generation
 from pagedweight.gateway.metrics import GatewayMetrics
 from pagedweight.gateway.protocol import SamplingFields
-from pagedweight.gateway.sessions import Session, session_key
+from pagedweight.gateway.sessions import Session, SessionStoreUnavailable, session_key
 from pagedweight.gateway.text import TextCodec
 from pagedweight.gateway.text_sandbox import TextSandbox
 from pagedweight.gateway.workers import WorkerPool
@@ -27,6 +27,26 @@ from pagedweight.rpc import worker_pb2
 log = logging.getLogger("pagedweight.gateway.serving")
 
 INT64_MASK = (1 << 63) - 1
+
+# OpenAI fields that would change what the reply must be and that no worker implements:
+# refused with a 400 naming the field rather than silently ignored (unknown fields stay
+# accepted, as vLLM does). field -> whether a value is harmless (the default's meaning).
+UNSUPPORTED_FIELDS = {
+    "tools": lambda v: not v,
+    "tool_choice": lambda v: v in (None, "none"),
+    "functions": lambda v: not v,
+    "function_call": lambda v: v in (None, "none"),
+    "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
+    "best_of": lambda v: v in (None, 1),
+    "audio": lambda v: v is None,
+    "modalities": lambda v: v in (None, ["text"]),
+    "prediction": lambda v: v is None,
+    "guided_json": lambda v: v is None,
+    "guided_regex": lambda v: v is None,
+    "guided_choice": lambda v: v is None,
+    "guided_grammar": lambda v: v is None,
+    "structured_outputs": lambda v: v is None,
+}
 
 
 @dataclass
@@ -39,6 +59,7 @@ class GatewayState:
     sessions: object  # RedisSessionStore | MemorySessionStore
     metrics: GatewayMetrics
     sandbox: TextSandbox  # templates and tokenisation of client text, in processes of their own
+    fingerprint: str = ""  # system_fingerprint of every response: this build and model
     num_in_flight: int = 0  # requests admitted and not yet answered (streams until their end)
 
 
@@ -68,8 +89,12 @@ class ServingBase:
             raise APIError(404, f"The model `{request.model}` does not exist.", "model")
         for field, used in unsupported.items():
             if used:
-                why = " (the workers do not return log-probabilities)" if "logprobs" in field else ""
-                raise APIError(400, f"{field} is not supported by this server{why}", field)
+                raise APIError(400, f"{field} is not supported by this server", field)
+        for field, value in (request.model_extra or {}).items():
+            harmless = UNSUPPORTED_FIELDS.get(field)
+            if harmless is not None and not harmless(value):
+                raise APIError(400, f"{field} is not supported by this server", field)
+        self.logit_bias(request)
         if request.stop_token_ids and any(t < 0 for t in request.stop_token_ids):
             raise APIError(400, "stop_token_ids must be token ids (>= 0)", "stop_token_ids")
         extra = request.unknown_fields()
@@ -106,8 +131,22 @@ class ServingBase:
             raise APIError(400, "stop strings must not be empty", "stop")
         return stops
 
+    def logit_bias(self, request: SamplingFields) -> dict[int, float]:
+        """OpenAI's {"token id": bias} as ids; a 400 for a key that is no token id."""
+        out = {}
+        for key, bias in (request.logit_bias or {}).items():
+            if not key.isdigit() or int(key) >= self.codec.vocab_size:
+                raise APIError(400, f"logit_bias: {key!r} is not a token id (0..{self.codec.vocab_size - 1})",
+                               "logit_bias")
+            if not -100.0 <= bias <= 100.0:
+                raise APIError(400, f"logit_bias: the bias of {key} must be in [-100, 100], got {bias}",
+                               "logit_bias")
+            out[int(key)] = bias
+        return out
+
     @staticmethod
-    def sampling(request: SamplingFields, max_tokens: int, choice: int) -> worker_pb2.SamplingParams:
+    def sampling(request: SamplingFields, max_tokens: int, choice: int,
+                 logprobs: int | None = None) -> worker_pb2.SamplingParams:
         """Choice j of a seeded request samples with seed + j: distinct choices, each reproducible."""
         params = worker_pb2.SamplingParams(
             max_tokens=max_tokens,
@@ -117,7 +156,14 @@ class ServingBase:
             stop_token_ids=request.stop_token_ids or [],
             min_tokens=request.min_tokens,
             min_p=request.min_p or 0.0,
+            presence_penalty=request.presence_penalty,
+            frequency_penalty=request.frequency_penalty,
+            logit_bias={int(k): v for k, v in (request.logit_bias or {}).items()},
         )
+        if logprobs is not None:
+            params.logprobs = logprobs
+        if request.repetition_penalty is not None:
+            params.repetition_penalty = request.repetition_penalty
         if request.top_p is not None:
             params.top_p = request.top_p
         if request.seed is not None:
@@ -143,9 +189,20 @@ class ServingBase:
         if session_id is None:
             return None
         key = session_key(session_id, tenant)
-        session = await self.state.sessions.get(key) or Session()
+        try:
+            session = await self.state.sessions.get(key) or Session(is_new=True)
+        except SessionStoreUnavailable as err:  # answering without the history would lose it silently
+            raise APIError(503, f"{err}; the session's history cannot be read: retry later, or send "
+                                f"the whole conversation without a session id", "session_id") from None
         session.key = key
         return session
+
+    async def save_session(self, session: Session) -> None:
+        """Stores the session under its tenant-bound key (set by load_session)."""
+        try:
+            await self.state.sessions.put(session.key, session)
+        except SessionStoreUnavailable as err:
+            raise APIError(503, f"{err}; this reply was not saved to the session", "session_id") from None
 
     def route(self, request_id: str, session_id: str | None, session: Session | None) -> Generation:
         affinity = session.worker if session is not None else None
@@ -167,8 +224,8 @@ class ServingBase:
         m.e2e_request_latency.observe(time.monotonic() - arrival)
 
 
-async def first_and_rest(stream: AsyncIterator[ChoiceDelta]) -> tuple[ChoiceDelta | None, AsyncIterator]:
-    """Wait for the first delta before answering, so a request that fails before any token
+async def first_and_rest(stream: AsyncIterator[list[ChoiceDelta]]) -> tuple[list | None, AsyncIterator]:
+    """Wait for the first deltas before answering, so a request that fails before any token
     (no worker, refused) gets a proper HTTP status instead of a 200 with an error event."""
     try:
         first = await stream.__anext__()
@@ -180,7 +237,7 @@ async def first_and_rest(stream: AsyncIterator[ChoiceDelta]) -> tuple[ChoiceDelt
     return first, stream
 
 
-async def with_first(first: ChoiceDelta | None, rest: AsyncIterator[ChoiceDelta]) -> AsyncIterator[ChoiceDelta]:
+async def with_first(first: list | None, rest: AsyncIterator[list]) -> AsyncIterator[list[ChoiceDelta]]:
     try:
         if first is not None:
             yield first
@@ -190,9 +247,17 @@ async def with_first(first: ChoiceDelta | None, rest: AsyncIterator[ChoiceDelta]
         await rest.aclose()
 
 
+def session_headers(session: Session | None) -> dict[str, str]:
+    """X-Session-Status: whether the stored history was found ("continued") or the session
+    starts here ("new": a first request, an expired one, or a store that lost it)."""
+    if session is None:
+        return {}
+    return {"x-session-status": "new" if session.is_new else "continued"}
+
+
 def stream_error(err: APIError) -> str:
     return sse_error_event(err) + SSE_DONE
 
 
 __all__ = ["ChoiceSpec", "GatewayState", "ServingBase", "SSE_DONE", "first_and_rest", "new_request_id",
-           "sse", "stream_error", "with_first"]
+           "session_headers", "sse", "stream_error", "with_first"]

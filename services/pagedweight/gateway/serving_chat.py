@@ -2,7 +2,9 @@
 
 The chat template comes from the model's tokenizer config. With a session, the stored
 conversation goes before the messages sent (unless the client re-sent it whole), and the
-reply of choice 0 is appended to it, so a client may send only its new message.
+reply of choice 0 is appended to it, so a client may send only its new message. A reply
+that did not end normally (cut by a drain or an abort) is stored with its
+`finish_reason`, so the session says it is incomplete.
 """
 
 from __future__ import annotations
@@ -14,12 +16,13 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from pagedweight.gateway.errors import APIError
 from pagedweight.gateway.generation import ChoiceSpec
+from pagedweight.gateway.logprobs import chat_content
 from pagedweight.gateway.protocol import (
     ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatCompletionStreamResponse,
     ChatMessage, ChatResponseMessage, ChatStreamChoice, DeltaMessage, UsageInfo,
 )
 from pagedweight.gateway.serving import (
-    SSE_DONE, ServingBase, first_and_rest, sse, stream_error, with_first,
+    SSE_DONE, ServingBase, first_and_rest, session_headers, sse, stream_error, with_first,
 )
 from pagedweight.gateway.sessions import Session
 
@@ -44,16 +47,20 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict]:
 def conversation(stored: list[dict], sent: list[dict]) -> list[dict]:
     """The session's turns, then the new ones; a client that re-sends the whole
     conversation (it starts with the stored turns) is taken as it is."""
-    if stored and sent[:len(stored)] != stored:
-        return stored + sent
+    turns = [{"role": m["role"], "content": m["content"]} for m in stored]  # without finish_reason
+    if turns and sent[:len(turns)] != turns:
+        return turns + sent
     return sent
 
 
 class ChatServing(ServingBase):
     async def create(self, request: ChatCompletionRequest, request_id: str, session_id: str | None,
                      tenant: str = ""):
-        self.check_common(request, {"logprobs": request.logprobs,
-                                    "top_logprobs": bool(request.top_logprobs)})
+        self.check_common(request, {})
+        if request.top_logprobs is not None and not request.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs set to true", "top_logprobs")
+        num_top = request.top_logprobs or 0
+        logprobs = num_top if request.logprobs else None
         if not request.messages:
             raise APIError(400, "messages is empty: give at least one message", "messages")
         sent = message_dicts(request.messages)
@@ -67,7 +74,8 @@ class ChatServing(ServingBase):
             ids = self.check_token_ids(await self.state.sandbox.chat(messages, request.add_generation_prompt),
                                        "messages")
             max_tokens = self.resolve_max_tokens(requested, len(ids), param)
-            specs = [ChoiceSpec(j, ids, self.sampling(request, max_tokens, j), stops) for j in range(request.n)]
+            specs = [ChoiceSpec(j, ids, self.sampling(request, max_tokens, j, logprobs), stops)
+                     for j in range(request.n)]
             generation = self.route(request_id, session_id, session)
             first, rest = await first_and_rest(generation.stream(specs))
         except BaseException:
@@ -77,31 +85,38 @@ class ChatServing(ServingBase):
         if request.echo and messages and messages[-1]["role"] == "assistant":
             echo = messages[-1]["content"]
         turn = _Turn(request_id, session_id, session, messages, generation, len(ids), request.n)
+        turn.logprobs = [[] for _ in range(request.n)] if logprobs is not None else None
+        turn.num_top, turn.decode = num_top, self.codec.decode
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
             return StreamingResponse(self._stream(turn, with_first(first, rest), echo, include_usage),
-                                     media_type="text/event-stream")
+                                     media_type="text/event-stream", headers=session_headers(session))
         try:
-            async for delta in with_first(first, rest):
-                turn.add(delta)
+            async for batch in with_first(first, rest):
+                for delta in batch:
+                    turn.add(delta)
             await self._save(turn)
         finally:
             self.release()
         self.record(turn.num_prompt_tokens, turn.counts, turn.reasons, generation.timer.arrival)
         choices = [ChatChoice(index=k, message=ChatResponseMessage(content=echo + turn.texts[k]),
-                              finish_reason=turn.reasons[k], stop_reason=turn.stop_reasons[k])
+                              finish_reason=turn.reasons[k], stop_reason=turn.stop_reasons[k],
+                              logprobs={"content": turn.logprobs[k]} if turn.logprobs is not None else None)
                    for k in range(request.n)]
         response = ChatCompletionResponse(id=turn.response_id, model=self.state.config.model_name,
-                                          choices=choices, usage=turn.usage())
-        return JSONResponse(response.model_dump())
+                                          choices=choices, usage=turn.usage(),
+                                          system_fingerprint=self.state.fingerprint)
+        return JSONResponse(response.model_dump(), headers=session_headers(turn.session))
 
     async def _stream(self, turn: "_Turn", deltas: AsyncIterator, echo: str,
                       include_usage: bool) -> AsyncIterator[str]:
         created, model = int(time.time()), self.state.config.model_name
+        fingerprint = self.state.fingerprint
 
         def chunk(choices, usage=None):
             body = ChatCompletionStreamResponse(id=turn.response_id, object="chat.completion.chunk",
-                                                created=created, model=model, choices=choices)
+                                                created=created, model=model, choices=choices,
+                                                system_fingerprint=fingerprint)
             if usage is not None:
                 body.usage = usage
             return sse(body)
@@ -109,13 +124,18 @@ class ChatServing(ServingBase):
             # vLLM's first chunk per choice: the role, with empty content (or the echo)
             yield chunk([ChatStreamChoice(index=k, delta=DeltaMessage(role="assistant", content=echo),
                                           logprobs=None, finish_reason=None) for k in range(turn.n)])
-            async for delta in deltas:
-                turn.add(delta)
-                if not delta.text and delta.finish_reason is None:
-                    continue
-                yield chunk([ChatStreamChoice(index=delta.index, delta=DeltaMessage(content=delta.text),
-                                              logprobs=None, finish_reason=delta.finish_reason,
-                                              stop_reason=delta.stop_reason)])
+            async for batch in deltas:
+                events = []
+                for delta in batch:
+                    new_logprobs = turn.add(delta)
+                    if not delta.text and delta.finish_reason is None and not new_logprobs:
+                        continue
+                    events.append(chunk([ChatStreamChoice(
+                        index=delta.index, delta=DeltaMessage(content=delta.text),
+                        logprobs={"content": new_logprobs} if turn.logprobs is not None else None,
+                        finish_reason=delta.finish_reason, stop_reason=delta.stop_reason)]))
+                if events:
+                    yield "".join(events)
             if include_usage:
                 yield chunk([], turn.usage())
             await self._save(turn)
@@ -133,8 +153,11 @@ class ChatServing(ServingBase):
             return
         session = turn.session
         session.worker = turn.generation.address
-        session.messages = turn.messages + [{"role": "assistant", "content": turn.texts[0]}]
-        await self.state.sessions.put(session.key, session)
+        reply = {"role": "assistant", "content": turn.texts[0]}
+        if turn.reasons[0] not in ("stop", "length"):  # cut short: say so in the stored history
+            reply["finish_reason"] = turn.reasons[0]
+        session.messages = turn.messages + [reply]
+        await self.save_session(session)
 
 
 class _Turn:
@@ -148,12 +171,20 @@ class _Turn:
         self.texts, self.counts = [""] * n, [0] * n
         self.reasons: list[str] = ["abort"] * n
         self.stop_reasons: list[str | None] = [None] * n
+        self.logprobs: list[list[dict]] | None = None  # per choice, with the request's logprobs
+        self.num_top, self.decode = 0, None
 
-    def add(self, delta) -> None:
+    def add(self, delta) -> list[dict]:
+        """Takes a delta; returns its logprobs entries (empty without logprobs)."""
         self.texts[delta.index] += delta.text
         self.counts[delta.index] += delta.num_tokens
         if delta.finish_reason:
             self.reasons[delta.index], self.stop_reasons[delta.index] = delta.finish_reason, delta.stop_reason
+        if self.logprobs is None or not delta.logprobs:
+            return []
+        entries = chat_content(self.decode, delta.logprobs, self.num_top)
+        self.logprobs[delta.index].extend(entries)
+        return entries
 
     def usage(self) -> UsageInfo:
         total = sum(self.counts)

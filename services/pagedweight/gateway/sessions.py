@@ -6,8 +6,15 @@ the tenant is part of the key (`<prefix>tenant:<tenant>:session:<id>`): a sessio
 bound to the key's tenant that created it, and another tenant sending the same id gets a
 session of its own, never this one. A value that is not a session (not JSON, wrong
 shape: written by something else, or corrupted) is logged and treated as no session. When Redis does
-not answer, sessions live in this process instead; that loses them on restart and splits
-them across replicas, so it is said loudly in the log and in `pagedweight:session_store`.
+not answer at start, sessions live in this process instead; that loses them on restart and
+splits them across replicas, so it is said loudly in the log and in `pagedweight:session_store`.
+
+When Redis goes away later, the store does not swap in an empty in-process one (that
+would drop every history silently): reads and writes raise `SessionStoreUnavailable`
+(the request gets a 503 naming Redis), `/health` reports the gateway degraded, and every
+call after `retry_s` tries Redis again (redis-py reconnects), so the store comes back by
+itself once Redis does. A Redis that restarted empty has lost the histories: a session
+the store does not know comes back as new (`X-Session-Status: new`), never as continued.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ class Session:
     worker: str | None = None  # the worker address that served it last
     messages: list[dict] = field(default_factory=list)  # chat turns so far: {"role", "content"}
     key: str | None = field(default=None, compare=False)  # where the store keeps it (session_key); not stored
+    is_new: bool = False  # not found in the store: this request starts it (not stored)
 
     def to_json(self) -> str:
         return json.dumps({"worker": self.worker, "messages": self.messages})
@@ -57,8 +65,16 @@ class Session:
         return cls(worker=worker, messages=[{"role": m["role"], "content": m["content"]} for m in messages])
 
 
+class SessionStoreUnavailable(Exception):
+    """The session store (Redis) does not answer: the history can be neither read nor saved."""
+
+
 class MemorySessionStore:
     backend = "memory"
+    available = True  # in process: never away
+
+    async def check(self) -> bool:
+        return True
 
     def __init__(self, ttl_s: float):
         self.ttl_s = ttl_s
@@ -82,40 +98,63 @@ class MemorySessionStore:
 
 
 class RedisSessionStore:
-    """Sessions in Redis; on a Redis error it moves to an in-process store (and says so)."""
+    """Sessions in Redis; while Redis is away, calls raise SessionStoreUnavailable."""
 
     backend = "redis"
 
-    def __init__(self, client: aioredis.Redis, url: str, prefix: str, ttl_s: float):
+    def __init__(self, client: aioredis.Redis, url: str, prefix: str, ttl_s: float, retry_s: float = 1.0):
         self._client, self._url = client, url
         self._prefix, self.ttl_s = prefix, ttl_s
-        self._fallback: MemorySessionStore | None = None
+        self.retry_s = retry_s  # while away: how often a call (or a health check) tries Redis
+        self.down_since: float | None = None  # time.monotonic() of the first failure of an outage
+        self._last_try = 0.0
+        self._error = ""
+
+    @property
+    def available(self) -> bool:
+        return self.down_since is None
 
     def key(self, session_id: str) -> str:
         return f"{self._prefix}{session_id}"
 
     async def get(self, session_id: str) -> Session | None:
-        if self._fallback is not None:
-            return await self._fallback.get(session_id)
-        try:
-            raw = await self._client.get(self.key(session_id))
-        except (RedisError, OSError) as err:
-            return await self._fall_back(err).get(session_id)
+        raw = await self._call(self._client.get(self.key(session_id)))
         return Session.from_json(raw) if raw is not None else None
 
     async def put(self, session_id: str, session: Session) -> None:
-        if self._fallback is not None:
-            return await self._fallback.put(session_id, session)
-        try:
-            await self._client.set(self.key(session_id), session.to_json(), px=int(self.ttl_s * 1000))
-        except (RedisError, OSError) as err:
-            await self._fall_back(err).put(session_id, session)
+        await self._call(self._client.set(self.key(session_id), session.to_json(), px=int(self.ttl_s * 1000)))
 
-    def _fall_back(self, err: Exception) -> MemorySessionStore:
-        log.error(FALLBACK_BANNER.format(url=self._url, err=err))
-        self._fallback = MemorySessionStore(self.ttl_s)
-        self.backend = "memory"
-        return self._fallback
+    async def check(self) -> bool:
+        """For /health: whether Redis answers (pings at most every retry_s while away)."""
+        if self.down_since is not None and time.monotonic() - self._last_try >= self.retry_s:
+            try:
+                await self._call(self._client.ping())
+            except SessionStoreUnavailable:
+                pass
+        return self.available
+
+    async def _call(self, command):
+        if self.down_since is not None and time.monotonic() - self._last_try < self.retry_s:
+            command.close()  # not awaited: Redis was away a moment ago
+            raise SessionStoreUnavailable(self._describe())
+        self._last_try = time.monotonic()
+        try:
+            result = await command
+        except (RedisError, OSError) as err:
+            if self.down_since is None:
+                self.down_since = time.monotonic()
+                log.error("Redis at %s does not answer (%s): session requests get 503 and /health says "
+                          "degraded until it does; retrying every %.0f s", self._url, err, self.retry_s)
+            self._error = str(err)
+            raise SessionStoreUnavailable(self._describe()) from None
+        if self.down_since is not None:
+            log.warning("Redis at %s answers again after %.1f s; sessions are back", self._url,
+                        time.monotonic() - self.down_since)
+            self.down_since = None
+        return result
+
+    def _describe(self) -> str:
+        return f"the session store (Redis at {self._url}) is unavailable: {self._error}"
 
     async def close(self) -> None:
         await self._client.aclose()

@@ -28,6 +28,7 @@ from prometheus_client import CollectorRegistry
 
 from pagedweight.common.errors import UserError
 from pagedweight.common.metrics import PlannerServiceMetrics
+from pagedweight.common.ports import GRPC_SERVER_OPTIONS, bind_tcp
 from pagedweight.common.rpc_security import RpcSecurity
 from pagedweight.common.status_http import StatusHttpServer
 from pagedweight.planner_service.state import WorkerPlanState
@@ -121,20 +122,24 @@ async def serve(port: int, http_port: int | None, host: str = "127.0.0.1",
     registry = CollectorRegistry()
     metrics = PlannerServiceMetrics(registry)
     metrics.workers_registered.set(0)
-    server = grpc.aio.server(interceptors=security.interceptors())
+    server = grpc.aio.server(interceptors=security.interceptors(), options=GRPC_SERVER_OPTIONS)
     planner_pb2_grpc.add_PlannerServicer_to_server(PlannerServicer(metrics, security, max_workers,
                                                                    registration_ttl_s), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    bound = security.add_port(server, host, port)
-    if bound == 0:
-        raise UserError(f"cannot listen on {host}:{port}")
+    http_socket = bind_tcp(host, http_port, "--http-port") if http_port is not None else None
+    try:
+        bound = security.add_port(server, host, port)
+    except UserError:
+        if http_socket is not None:
+            http_socket.close()
+        raise
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     status = StatusHttpServer(registry, lambda: True, lambda: True)
-    if http_port is not None:
-        status.start(host, http_port)
+    if http_socket is not None:
+        status.start(host, http_port, http_socket)
     log.info("planner listening on %s:%d (gRPC)%s", host, bound,
              f", metrics on http://{host}:{status.port}/metrics" if http_port is not None else "")
     stop = asyncio.Event()

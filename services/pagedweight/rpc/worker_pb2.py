@@ -24,43 +24,57 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpagedweight/v1/worker.proto\x12\x0epagedweight.v1\"\xd1\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x01\x88\x01\x01\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nmin_tokens\x18\x08 \x01(\x05\x12\r\n\x05min_p\x18\t \x01(\x02\x42\x08\n\x06_top_pB\x07\n\x05_seed\"\x85\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x30\n\x08sampling\x18\x03 \x01(\x0b\x32\x1e.pagedweight.v1.SamplingParams\x12\x12\n\nsession_id\x18\x04 \x01(\t\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"\xe5\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12$\n\x05usage\x18\x05 \x01(\x0b\x32\x15.pagedweight.v1.Usage\x12\x18\n\x10mean_expert_bits\x18\x06 \x01(\x01\x12\x17\n\x0fnum_preemptions\x18\x07 \x01(\x05\x12\x18\n\x0bstop_reason\x18\x08 \x01(\x05H\x00\x88\x01\x01\x42\x0e\n\x0c_stop_reason\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x11\n\x0fGetStatsRequest\"\xde\x02\n\x0bMemorySplit\x12\x14\n\x0c\x62udget_bytes\x18\x01 \x01(\x03\x12P\n\x14\x65xpert_bytes_by_bits\x18\x02 \x03(\x0b\x32\x32.pagedweight.v1.MemorySplit.ExpertBytesByBitsEntry\x12\x1a\n\x12\x64\x65nse_weight_bytes\x18\x03 \x01(\x03\x12\x17\n\x0fworkspace_bytes\x18\x04 \x01(\x03\x12\x15\n\rkv_used_bytes\x18\x05 \x01(\x03\x12\x15\n\rkv_free_bytes\x18\x06 \x01(\x03\x12\x18\n\x10in_transit_bytes\x18\x07 \x01(\x03\x12\x12\n\nfree_bytes\x18\x08 \x01(\x03\x12\x1c\n\x14kv_reclaimable_bytes\x18\t \x01(\x03\x1a\x38\n\x16\x45xpertBytesByBitsEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\xeb\x01\n\tBitsStats\x12\x18\n\x10mean_expert_bits\x18\x01 \x01(\x01\x12\x43\n\x0e\x62locks_by_bits\x18\x02 \x03(\x0b\x32+.pagedweight.v1.BitsStats.BlocksByBitsEntry\x12\x16\n\x0enum_page_moves\x18\x03 \x01(\x03\x12\x19\n\x11num_plans_service\x18\x04 \x01(\x03\x12\x17\n\x0fnum_plans_local\x18\x05 \x01(\x03\x1a\x33\n\x11\x42locksByBitsEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\"\x8b\x02\n\tLoadStats\x12\x13\n\x0bnum_running\x18\x01 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\x05\x12\x1b\n\x13kv_cache_usage_perc\x18\x03 \x01(\x01\x12\x15\n\rkv_block_size\x18\x04 \x01(\x05\x12\x15\n\rkv_num_blocks\x18\x05 \x01(\x05\x12\x1a\n\x12kv_num_used_blocks\x18\x06 \x01(\x05\x12\x1a\n\x12kv_capacity_blocks\x18\x07 \x01(\x05\x12\x17\n\x0fnum_preemptions\x18\x08 \x01(\x03\x12\x19\n\x11num_prompt_tokens\x18\t \x01(\x03\x12\x1d\n\x15num_generation_tokens\x18\n \x01(\x03\"\xf7\x01\n\x0bWorkerStats\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\r\n\x05ready\x18\x03 \x01(\x08\x12\x19\n\x11planner_connected\x18\x04 \x01(\x08\x12\'\n\x04load\x18\x05 \x01(\x0b\x32\x19.pagedweight.v1.LoadStats\x12+\n\x06memory\x18\x06 \x01(\x0b\x32\x1b.pagedweight.v1.MemorySplit\x12\'\n\x04\x62its\x18\x07 \x01(\x0b\x32\x19.pagedweight.v1.BitsStats\x12\x14\n\x0c\x65os_token_id\x18\x08 \x01(\x05\x32\xe9\x01\n\x06Worker\x12O\n\x08Generate\x12\x1f.pagedweight.v1.GenerateRequest\x1a .pagedweight.v1.GenerateResponse0\x01\x12\x44\n\x05\x41\x62ort\x12\x1c.pagedweight.v1.AbortRequest\x1a\x1d.pagedweight.v1.AbortResponse\x12H\n\x08GetStats\x12\x1f.pagedweight.v1.GetStatsRequest\x1a\x1b.pagedweight.v1.WorkerStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpagedweight/v1/worker.proto\x12\x0epagedweight.v1\"\xd7\x03\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x01\x88\x01\x01\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nmin_tokens\x18\x08 \x01(\x05\x12\r\n\x05min_p\x18\t \x01(\x02\x12\x15\n\x08logprobs\x18\n \x01(\x05H\x02\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x02H\x03\x88\x01\x01\x12\x41\n\nlogit_bias\x18\x0e \x03(\x0b\x32-.pagedweight.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x08\n\x06_top_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x15\n\x13_repetition_penalty\"\x85\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x30\n\x08sampling\x18\x03 \x01(\x0b\x32\x1e.pagedweight.v1.SamplingParams\x12\x12\n\nsession_id\x18\x04 \x01(\t\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"\x96\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12$\n\x05usage\x18\x05 \x01(\x0b\x32\x15.pagedweight.v1.Usage\x12\x18\n\x10mean_expert_bits\x18\x06 \x01(\x01\x12\x17\n\x0fnum_preemptions\x18\x07 \x01(\x05\x12\x18\n\x0bstop_reason\x18\x08 \x01(\x05H\x00\x88\x01\x01\x12/\n\x08logprobs\x18\t \x03(\x0b\x32\x1d.pagedweight.v1.TokenLogprobsB\x0e\n\x0c_stop_reason\"M\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"{\n\rStreamRequest\x12\x33\n\x08generate\x18\x01 \x01(\x0b\x32\x1f.pagedweight.v1.GenerateRequestH\x00\x12-\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32\x1c.pagedweight.v1.AbortRequestH\x00\x42\x06\n\x04kind\"@\n\x0bStreamError\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\"p\n\x0eStreamResponse\x12\x31\n\x07outputs\x18\x01 \x03(\x0b\x32 .pagedweight.v1.GenerateResponse\x12+\n\x06\x65rrors\x18\x02 \x03(\x0b\x32\x1b.pagedweight.v1.StreamError\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x11\n\x0fGetStatsRequest\"\xde\x02\n\x0bMemorySplit\x12\x14\n\x0c\x62udget_bytes\x18\x01 \x01(\x03\x12P\n\x14\x65xpert_bytes_by_bits\x18\x02 \x03(\x0b\x32\x32.pagedweight.v1.MemorySplit.ExpertBytesByBitsEntry\x12\x1a\n\x12\x64\x65nse_weight_bytes\x18\x03 \x01(\x03\x12\x17\n\x0fworkspace_bytes\x18\x04 \x01(\x03\x12\x15\n\rkv_used_bytes\x18\x05 \x01(\x03\x12\x15\n\rkv_free_bytes\x18\x06 \x01(\x03\x12\x18\n\x10in_transit_bytes\x18\x07 \x01(\x03\x12\x12\n\nfree_bytes\x18\x08 \x01(\x03\x12\x1c\n\x14kv_reclaimable_bytes\x18\t \x01(\x03\x1a\x38\n\x16\x45xpertBytesByBitsEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\xeb\x01\n\tBitsStats\x12\x18\n\x10mean_expert_bits\x18\x01 \x01(\x01\x12\x43\n\x0e\x62locks_by_bits\x18\x02 \x03(\x0b\x32+.pagedweight.v1.BitsStats.BlocksByBitsEntry\x12\x16\n\x0enum_page_moves\x18\x03 \x01(\x03\x12\x19\n\x11num_plans_service\x18\x04 \x01(\x03\x12\x17\n\x0fnum_plans_local\x18\x05 \x01(\x03\x1a\x33\n\x11\x42locksByBitsEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\"\x8b\x02\n\tLoadStats\x12\x13\n\x0bnum_running\x18\x01 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\x05\x12\x1b\n\x13kv_cache_usage_perc\x18\x03 \x01(\x01\x12\x15\n\rkv_block_size\x18\x04 \x01(\x05\x12\x15\n\rkv_num_blocks\x18\x05 \x01(\x05\x12\x1a\n\x12kv_num_used_blocks\x18\x06 \x01(\x05\x12\x1a\n\x12kv_capacity_blocks\x18\x07 \x01(\x05\x12\x17\n\x0fnum_preemptions\x18\x08 \x01(\x03\x12\x19\n\x11num_prompt_tokens\x18\t \x01(\x03\x12\x1d\n\x15num_generation_tokens\x18\n \x01(\x03\"\xa9\x02\n\x0bWorkerStats\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\r\n\x05ready\x18\x03 \x01(\x08\x12\x19\n\x11planner_connected\x18\x04 \x01(\x08\x12\'\n\x04load\x18\x05 \x01(\x0b\x32\x19.pagedweight.v1.LoadStats\x12+\n\x06memory\x18\x06 \x01(\x0b\x32\x1b.pagedweight.v1.MemorySplit\x12\'\n\x04\x62its\x18\x07 \x01(\x0b\x32\x19.pagedweight.v1.BitsStats\x12\x14\n\x0c\x65os_token_id\x18\x08 \x01(\x05\x12\x30\n\x07startup\x18\t \x01(\x0b\x32\x1f.pagedweight.v1.StartupProgress\"b\n\x0fStartupProgress\x12\r\n\x05phase\x18\x01 \x01(\t\x12\x0f\n\x07percent\x18\x02 \x01(\x01\x12\x11\n\telapsed_s\x18\x03 \x01(\x01\x12\x12\n\x05\x65ta_s\x18\x04 \x01(\x01H\x00\x88\x01\x01\x42\x08\n\x06_eta_s2\xbe\x02\n\x06Worker\x12O\n\x08Generate\x12\x1f.pagedweight.v1.GenerateRequest\x1a .pagedweight.v1.GenerateResponse0\x01\x12S\n\x0eGenerateStream\x12\x1d.pagedweight.v1.StreamRequest\x1a\x1e.pagedweight.v1.StreamResponse(\x01\x30\x01\x12\x44\n\x05\x41\x62ort\x12\x1c.pagedweight.v1.AbortRequest\x1a\x1d.pagedweight.v1.AbortResponse\x12H\n\x08GetStats\x12\x1f.pagedweight.v1.GetStatsRequest\x1a\x1b.pagedweight.v1.WorkerStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pagedweight.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_MEMORYSPLIT_EXPERTBYTESBYBITSENTRY']._loaded_options = None
   _globals['_MEMORYSPLIT_EXPERTBYTESBYBITSENTRY']._serialized_options = b'8\001'
   _globals['_BITSSTATS_BLOCKSBYBITSENTRY']._loaded_options = None
   _globals['_BITSSTATS_BLOCKSBYBITSENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGPARAMS']._serialized_start=48
-  _globals['_SAMPLINGPARAMS']._serialized_end=257
-  _globals['_GENERATEREQUEST']._serialized_start=260
-  _globals['_GENERATEREQUEST']._serialized_end=393
-  _globals['_USAGE']._serialized_start=395
-  _globals['_USAGE']._serialized_end=452
-  _globals['_GENERATERESPONSE']._serialized_start=455
-  _globals['_GENERATERESPONSE']._serialized_end=684
-  _globals['_ABORTREQUEST']._serialized_start=686
-  _globals['_ABORTREQUEST']._serialized_end=720
-  _globals['_ABORTRESPONSE']._serialized_start=722
-  _globals['_ABORTRESPONSE']._serialized_end=752
-  _globals['_GETSTATSREQUEST']._serialized_start=754
-  _globals['_GETSTATSREQUEST']._serialized_end=771
-  _globals['_MEMORYSPLIT']._serialized_start=774
-  _globals['_MEMORYSPLIT']._serialized_end=1124
-  _globals['_MEMORYSPLIT_EXPERTBYTESBYBITSENTRY']._serialized_start=1068
-  _globals['_MEMORYSPLIT_EXPERTBYTESBYBITSENTRY']._serialized_end=1124
-  _globals['_BITSSTATS']._serialized_start=1127
-  _globals['_BITSSTATS']._serialized_end=1362
-  _globals['_BITSSTATS_BLOCKSBYBITSENTRY']._serialized_start=1311
-  _globals['_BITSSTATS_BLOCKSBYBITSENTRY']._serialized_end=1362
-  _globals['_LOADSTATS']._serialized_start=1365
-  _globals['_LOADSTATS']._serialized_end=1632
-  _globals['_WORKERSTATS']._serialized_start=1635
-  _globals['_WORKERSTATS']._serialized_end=1882
-  _globals['_WORKER']._serialized_start=1885
-  _globals['_WORKER']._serialized_end=2118
+  _globals['_SAMPLINGPARAMS']._serialized_end=519
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=416
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=464
+  _globals['_GENERATEREQUEST']._serialized_start=522
+  _globals['_GENERATEREQUEST']._serialized_end=655
+  _globals['_USAGE']._serialized_start=657
+  _globals['_USAGE']._serialized_end=714
+  _globals['_GENERATERESPONSE']._serialized_start=717
+  _globals['_GENERATERESPONSE']._serialized_end=995
+  _globals['_TOKENLOGPROBS']._serialized_start=997
+  _globals['_TOKENLOGPROBS']._serialized_end=1074
+  _globals['_STREAMREQUEST']._serialized_start=1076
+  _globals['_STREAMREQUEST']._serialized_end=1199
+  _globals['_STREAMERROR']._serialized_start=1201
+  _globals['_STREAMERROR']._serialized_end=1265
+  _globals['_STREAMRESPONSE']._serialized_start=1267
+  _globals['_STREAMRESPONSE']._serialized_end=1379
+  _globals['_ABORTREQUEST']._serialized_start=1381
+  _globals['_ABORTREQUEST']._serialized_end=1415
+  _globals['_ABORTRESPONSE']._serialized_start=1417
+  _globals['_ABORTRESPONSE']._serialized_end=1447
+  _globals['_GETSTATSREQUEST']._serialized_start=1449
+  _globals['_GETSTATSREQUEST']._serialized_end=1466
+  _globals['_MEMORYSPLIT']._serialized_start=1469
+  _globals['_MEMORYSPLIT']._serialized_end=1819
+  _globals['_MEMORYSPLIT_EXPERTBYTESBYBITSENTRY']._serialized_start=1763
+  _globals['_MEMORYSPLIT_EXPERTBYTESBYBITSENTRY']._serialized_end=1819
+  _globals['_BITSSTATS']._serialized_start=1822
+  _globals['_BITSSTATS']._serialized_end=2057
+  _globals['_BITSSTATS_BLOCKSBYBITSENTRY']._serialized_start=2006
+  _globals['_BITSSTATS_BLOCKSBYBITSENTRY']._serialized_end=2057
+  _globals['_LOADSTATS']._serialized_start=2060
+  _globals['_LOADSTATS']._serialized_end=2327
+  _globals['_WORKERSTATS']._serialized_start=2330
+  _globals['_WORKERSTATS']._serialized_end=2627
+  _globals['_STARTUPPROGRESS']._serialized_start=2629
+  _globals['_STARTUPPROGRESS']._serialized_end=2727
+  _globals['_WORKER']._serialized_start=2730
+  _globals['_WORKER']._serialized_end=3048
 # @@protoc_insertion_point(module_scope)

@@ -39,6 +39,11 @@ class WorkerStub:
                 request_serializer=pagedweight_dot_v1_dot_worker__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=pagedweight_dot_v1_dot_worker__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.GenerateStream = channel.stream_stream(
+                '/pagedweight.v1.Worker/GenerateStream',
+                request_serializer=pagedweight_dot_v1_dot_worker__pb2.StreamRequest.SerializeToString,
+                response_deserializer=pagedweight_dot_v1_dot_worker__pb2.StreamResponse.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/pagedweight.v1.Worker/Abort',
                 request_serializer=pagedweight_dot_v1_dot_worker__pb2.AbortRequest.SerializeToString,
@@ -66,6 +71,18 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GenerateStream(self, request_iterator, context):
+        """Many requests over one stream (a gateway keeps one per worker): the client sends
+        generate and abort entries; the worker answers with one message per engine step that
+        carries the new tokens of every request of this stream that got any. Per-request
+        refusals and failures come as `errors` (same codes as Generate's); each ends its
+        request. Closing the stream aborts its running requests. The cost on both sides then
+        grows with engine steps, not with tokens x requests.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Abort(self, request, context):
         """Stops a running request; its stream ends with finish_reason "abort".
         """
@@ -87,6 +104,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=pagedweight_dot_v1_dot_worker__pb2.GenerateRequest.FromString,
                     response_serializer=pagedweight_dot_v1_dot_worker__pb2.GenerateResponse.SerializeToString,
+            ),
+            'GenerateStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateStream,
+                    request_deserializer=pagedweight_dot_v1_dot_worker__pb2.StreamRequest.FromString,
+                    response_serializer=pagedweight_dot_v1_dot_worker__pb2.StreamResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -126,6 +148,33 @@ class Worker:
             '/pagedweight.v1.Worker/Generate',
             pagedweight_dot_v1_dot_worker__pb2.GenerateRequest.SerializeToString,
             pagedweight_dot_v1_dot_worker__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pagedweight.v1.Worker/GenerateStream',
+            pagedweight_dot_v1_dot_worker__pb2.StreamRequest.SerializeToString,
+            pagedweight_dot_v1_dot_worker__pb2.StreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -26,6 +26,11 @@ def sampling_params(msg: worker_pb2.SamplingParams) -> SamplingParams:
         ignore_eos=msg.ignore_eos,
         stop_token_ids=tuple(msg.stop_token_ids),
         min_tokens=msg.min_tokens,
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
+        repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
+        logit_bias=tuple(sorted(msg.logit_bias.items())),
     )
 
 
@@ -62,7 +67,7 @@ def load_stats(stats, kv_capacity_blocks: int, num_prompt_tokens: int) -> worker
     return worker_pb2.LoadStats(
         num_running=stats.num_running,
         num_waiting=stats.num_waiting,
-        kv_cache_usage_perc=stats.kv_num_used_blocks / stats.kv_num_blocks if stats.kv_num_blocks else 0.0,
+        kv_cache_usage_perc=kv_cache_usage(stats),
         kv_block_size=stats.kv_block_size,
         kv_num_blocks=stats.kv_num_blocks,
         kv_num_used_blocks=stats.kv_num_used_blocks,
@@ -71,3 +76,12 @@ def load_stats(stats, kv_capacity_blocks: int, num_prompt_tokens: int) -> worker
         num_prompt_tokens=num_prompt_tokens,
         num_generation_tokens=stats.num_output_tokens,
     )
+
+
+def kv_cache_usage(stats) -> float:
+    """vllm:kv_cache_usage_perc: used over allocated-now KV blocks (docs: capacity moves in
+    pagedweight:kv_capacity_blocks). An engine without requests reads 0 whatever blocks it
+    still holds: none of them holds a request's tokens, and a router must not see it full."""
+    if not (stats.num_running or stats.num_waiting) or not stats.kv_num_blocks:
+        return 0.0
+    return min(1.0, stats.kv_num_used_blocks / stats.kv_num_blocks)

@@ -27,6 +27,7 @@ from prometheus_client import CollectorRegistry
 from pagedweight.common.errors import UserError
 from pagedweight.common.gc_pauses import freeze_startup_heap
 from pagedweight.common.metrics import EngineMetrics, WorkerMetrics
+from pagedweight.common.ports import GRPC_SERVER_OPTIONS, bind_tcp
 from pagedweight.common.status_http import StatusHttpServer
 from pagedweight.rpc import worker_pb2_grpc
 from pagedweight.worker.config import WorkerConfig
@@ -36,8 +37,9 @@ log = logging.getLogger("pagedweight.worker")
 SERVICE_NAME = "pagedweight.v1.Worker"  # the readiness service name in grpc.health.v1
 
 
-def load_runtime(config: WorkerConfig):
-    """The engine's runtime (runtime.build_runtime) from the worker's flags."""
+def load_runtime(config: WorkerConfig, progress=None):
+    """The engine's runtime (runtime.build_runtime) from the worker's flags; progress(phase)
+    hears each start-up phase (runtime.STARTUP_PHASES)."""
     import torch
 
     from pagedweight.model.dtypes import DTYPES
@@ -57,7 +59,10 @@ def load_runtime(config: WorkerConfig):
     budget = parse_memory_budget(config.memory_budget, device_memory_bytes(device))
     engine = EngineConfig(scheduler=SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
                           kv=KVCacheConfig(config.block_size), enforce_eager=config.enforce_eager)
-    runtime = build_runtime(config.model_dir, RuntimeConfig(budget, config.policy, str(device), dtype, engine=engine))
+    runtime = build_runtime(config.model_dir, RuntimeConfig(budget, config.policy, str(device), dtype, engine=engine),
+                            progress=progress)
+    if progress is not None:
+        progress("warming up")
     if config.warm_up:
         start = time.monotonic()
         buckets = runtime.warm_up()
@@ -91,17 +96,32 @@ async def serve(config: WorkerConfig, started: asyncio.Event | None = None) -> N
     from pagedweight.engine.async_engine import AsyncEngine
     from pagedweight.format.model_config import ModelConfig
 
+    from pagedweight.common.startup import StartupProgress
+    from pagedweight.runtime import STARTUP_PHASES
+
     model_config = ModelConfig.from_dir(config.model_dir)
     eos = model_config.eos_token_ids[0] if model_config.eos_token_ids else -1
     security = config.security()
     servicer = WorkerServicer(config.model_name, model_config.max_position_embeddings, eos, security)
-    server = grpc.aio.server(interceptors=security.interceptors())
+    server = grpc.aio.server(interceptors=security.interceptors(), options=GRPC_SERVER_OPTIONS)
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = security.add_port(server, config.host, config.port)
-    if port == 0:
-        raise UserError(f"cannot listen on {config.host}:{config.port}")
+    # both ports before anything else: a taken one (or an unauthenticated public one) is one
+    # error line, not a half-started worker
+    http_socket = bind_tcp(config.host, config.http_port, "--http-port") if config.http_port is not None else None
+    try:
+        port = security.add_port(server, config.host, config.port)
+    except UserError:
+        if http_socket is not None:
+            http_socket.close()
+        raise
+    registry = CollectorRegistry()
+    status = StatusHttpServer(registry, lambda: servicer.live, lambda: servicer.ready,
+                              lambda: servicer.telemetry.refresh() if servicer.telemetry is not None else None,
+                              lambda: servicer.health())
+    if http_socket is not None:
+        status.start(config.host, config.http_port, http_socket)
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -113,12 +133,14 @@ async def serve(config: WorkerConfig, started: asyncio.Event | None = None) -> N
         loop.add_signal_handler(sig, stop.set)
 
     t0 = time.monotonic()
+    servicer.startup = StartupProgress("worker", STARTUP_PHASES, log)
     try:
-        runtime = await asyncio.to_thread(load_runtime, config)
+        runtime = await asyncio.to_thread(load_runtime, config, servicer.startup.begin)
     except BaseException:  # a bad flag or model: one error line from the CLI, no dangling server
+        servicer.startup.close()
         await server.stop(grace=None)
+        status.stop()
         raise
-    registry = CollectorRegistry()
     vllm = EngineMetrics(registry, config.model_name, model_config.max_position_embeddings)
     ours = WorkerMetrics(registry, config.model_name)
     remote = None
@@ -131,9 +153,7 @@ async def serve(config: WorkerConfig, started: asyncio.Event | None = None) -> N
     engine = AsyncEngine(runtime.engine)
     servicer.telemetry = WorkerTelemetry(runtime, engine, vllm, ours, remote)
     servicer.engine = engine
-    status = StatusHttpServer(registry, lambda: servicer.live, lambda: servicer.ready, servicer.telemetry.refresh)
-    if config.http_port is not None:
-        status.start(config.host, config.http_port)
+    servicer.startup.ready()
     await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
     log.info("worker %s ready in %.1fs: gRPC %s:%d%s%s", config.model_name, time.monotonic() - t0, config.host,
              port, f", metrics http://{config.host}:{status.port}/metrics" if status.port else "",

@@ -128,8 +128,11 @@ class WorkerTelemetry:
         v, o = self.vllm, self.ours
         v.num_requests_running.set(stats.num_running)
         v.num_requests_waiting.set(stats.num_waiting)
-        v.kv_cache_usage_perc.set(stats.kv_num_used_blocks / stats.kv_num_blocks if stats.kv_num_blocks else 0.0)
-        v.set_cache_config(stats.kv_block_size, stats.kv_num_blocks)
+        v.kv_cache_usage_perc.set(convert.kv_cache_usage(stats))
+        # the KV blocks the budget can hold (with every expert at its floor bits), a constant
+        # like vLLM's num_gpu_blocks; the blocks allocated at a moment (0 on an idle worker
+        # whose weights took the bytes back) are no configuration
+        v.set_cache_config(stats.kv_block_size, self.runtime.engine.max_kv_blocks or stats.kv_num_blocks)
         self._count(v.num_preemptions, "preemptions", stats.num_preemptions)
         pool = stats.pool
         if pool is not None:
