@@ -8,7 +8,9 @@ import torch
 from pagedweight.offline.apl_quantizer import (
     KMEANS_ONLY, dequantize_rows, quantize_rows, uniform_grid_rows,
 )
-from pagedweight.format.apl_format import BIT_WIDTHS, APLBlock, pack_planes
+from pagedweight.format.apl_format import (
+    BASE_LUT_BITS, BIT_WIDTHS, LUT_WIDTHS, MAX_BITS, APLBlock, cell_bounds, expand_lut, pack_planes,
+)
 
 
 def heavy_tailed_rows(rows=48, cols=256, seed=0):
@@ -27,15 +29,31 @@ def test_b_bit_clusters_are_the_top_b_bits_and_luts_are_their_weighted_means():
     w, imp = heavy_tailed_rows()
     q = quantize_rows(w, imp, dataclasses.replace(KMEANS_ONLY, importance_floor=0.0))  # the floor would change the weights
     imp_full = imp.expand_as(w)
-    for b in BIT_WIDTHS:
-        codes = q.codes.long() >> (8 - b)
+    # the stored LUTs (LUT_3, LUT_4's 16 centroids) hold the clusters' weighted means
+    for b in LUT_WIDTHS:
+        codes = q.codes.long() >> (MAX_BITS - b)
         for r in (0, 17, 47):
             for c in codes[r].unique().tolist():
                 members = codes[r] == c
                 mean = (w[r, members] * imp_full[r, members]).sum() / imp_full[r, members].sum()
                 assert torch.allclose(q.luts[b][r, c].float(), mean, rtol=2e-3, atol=2e-5)
-        if b < 8:  # a (b+1)-bit cluster lies inside exactly one b-bit cluster
-            finer = q.codes.long() >> (7 - b)
+    # format 2: 5..8-bit values are LUT_4's cells cut in 2^(b-4) equal parts (expand_lut); a
+    # weight's b-bit value is the centre of the part of its 4-bit cell it lies in (clamped to
+    # the cell), so it is at most half a part away from the weight clamped into its cell
+    codes4 = q.codes.long() >> (MAX_BITS - BASE_LUT_BITS)
+    low, high = cell_bounds(q.luts[BASE_LUT_BITS])
+    low, high = torch.gather(low, 1, codes4), torch.gather(high, 1, codes4)
+    clamped = torch.minimum(torch.maximum(w, low), high)
+    for b in BIT_WIDTHS:
+        if b > BASE_LUT_BITS:
+            half_part = (high - low) / (1 << (b - BASE_LUT_BITS)) / 2
+            values = dequantize_rows(q, b)
+            fp16_step = values.abs() * 2.0 ** -10 + 2.0 ** -24  # the values are rounded to fp16
+            assert ((values - clamped).abs() <= half_part * (1 + 1e-5) + fp16_step).all(), b
+    for b in BIT_WIDTHS:
+        codes = q.codes.long() >> (MAX_BITS - b)
+        if b < MAX_BITS:  # a (b+1)-bit cluster lies inside exactly one b-bit cluster
+            finer = q.codes.long() >> (MAX_BITS - 1 - b)
             assert torch.equal(finer >> 1, codes)
 
 
@@ -50,10 +68,30 @@ def test_planes_rebuild_every_width_of_the_quantiser():
 def test_error_falls_with_every_bit_and_beats_a_uniform_grid():
     w, imp = heavy_tailed_rows()
     q = quantize_rows(w, imp)
-    errors = [weighted_error(w, dequantize_rows(q, b), imp) for b in BIT_WIDTHS]
+    # format 2's 5..8-bit values are importance-blind equal parts of LUT_4's cells, so the
+    # importance-weighted error is checked where the widths' values are fitted (3, 4 bits),
+    # and the plain squared error must fall with every bit; the weighted 4 -> 5-bit step is
+    # the strict xfail below (a known property of format 2, not weakened silently)
+    errors = [weighted_error(w, dequantize_rows(q, b), imp) for b in LUT_WIDTHS]
     assert all(lo > hi for lo, hi in zip(errors, errors[1:])), errors
-    for b, err in zip(BIT_WIDTHS, errors):
+    for b, err in zip(LUT_WIDTHS, errors):
         assert err < 0.8 * weighted_error(w, uniform_grid_rows(w, b), imp), b
+    plain = [float(((w - dequantize_rows(q, b)) ** 2).sum()) for b in BIT_WIDTHS]
+    assert all(lo > hi for lo, hi in zip(plain, plain[1:])), plain
+    weighted = [weighted_error(w, dequantize_rows(q, b), imp) for b in BIT_WIDTHS]
+    assert all(lo > hi for lo, hi in zip(weighted[BASE_LUT_BITS - 2:], weighted[BASE_LUT_BITS - 1:])), weighted
+
+
+@pytest.mark.xfail(strict=True, reason="format 2: 5..8-bit values are uniform parts of LUT_4's cells, blind to "
+                   "column importance; on heavy-tailed rows the weighted 5-bit error exceeds the 4-bit one "
+                   "and a uniform grid's (0.087 vs 0.019 and 0.027)")
+def test_weighted_error_falls_from_4_to_5_bits_and_beats_a_uniform_grid_above_4():
+    w, imp = heavy_tailed_rows()
+    q = quantize_rows(w, imp)
+    errors = {b: weighted_error(w, dequantize_rows(q, b), imp) for b in BIT_WIDTHS}
+    assert errors[5] < errors[4], errors
+    for b in BIT_WIDTHS:
+        assert errors[b] < 0.8 * weighted_error(w, uniform_grid_rows(w, b), imp), b
 
 
 def test_weighting_protects_important_columns():
@@ -72,6 +110,21 @@ def test_weighting_protects_important_columns():
 def test_rows_with_few_distinct_values_are_exact_and_finite(values):
     w = torch.tensor(values).repeat(4, 64 // len(values) + 1)[:, :64].contiguous()
     q = quantize_rows(w, torch.ones(64))
-    for b in BIT_WIDTHS:
+    for b in LUT_WIDTHS:
         assert torch.isfinite(q.luts[b].float()).all()
+    for b in BIT_WIDTHS:
+        assert torch.isfinite(expand_lut(q.luts[min(b, BASE_LUT_BITS)], b).float()).all()
+    # exact where the values are stored centroids (3, 4 bits); 5..8 bits: the strict xfail below
+    for b in LUT_WIDTHS:
         assert torch.allclose(dequantize_rows(q, b), w, atol=1e-3)
+
+
+@pytest.mark.xfail(strict=True, reason="format 2: an empty 4-bit child repeats its parent's centroid, so a "
+                   "value can sit on the edge of its LUT_4 cell (cell [mid(c7, c8), mid(c8, c9)] with c8 = c9), "
+                   "where no sub-interval centre is: [0.25, -0.25] reads 0.1875 at 5 bits")
+@pytest.mark.parametrize("values", [[0.25, -0.25], [0.0, 1.0, 2.0]])
+def test_rows_with_few_distinct_values_are_exact_above_4_bits(values):
+    w = torch.tensor(values).repeat(4, 64 // len(values) + 1)[:, :64].contiguous()
+    q = quantize_rows(w, torch.ones(64))
+    for b in BIT_WIDTHS:
+        assert torch.allclose(dequantize_rows(q, b), w, atol=1e-3), b

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pagedweight.common.errors import UserError
-from pagedweight.format.apl_format import BIT_WIDTHS, MAX_BITS, MIN_BITS
+from pagedweight.format.apl_format import BIT_WIDTHS, LUT_WIDTHS, MAX_BITS, MIN_BITS
 from pagedweight.offline.apl_quantizer import KMEANS_ONLY, QuantizerConfig, dequantize_rows, quantize_rows
 from pagedweight.offline.error_feedback import block_error, feedback_codes, feedback_factors
 from pagedweight.offline.layer_quantize import quantize_experts, quantize_layer
@@ -76,7 +76,7 @@ def test_feedback_lowers_the_seed_widths_block_error_under_h_and_keeps_planes_ne
         ours = quantize_rows(rows, h[e].diagonal(), config, feedback_factors(h[e][None], DAMP))
         base = quantize_rows(rows, h[e].diagonal(), config)
         # the stack's result is each expert's own (rows of one expert use its Hessian)
-        for b in BIT_WIDTHS:
+        for b in LUT_WIDTHS:  # the stored LUTs (5..8 bits derive from LUT_4)
             assert torch.equal(fed.planes.luts[b][e], ours.luts[b])
         # at the seed width only: the splits above it divide the feedback's clusters, whose
         # members overlap in value, and there the error can exceed k-means' (docs/quantize.md)
@@ -111,7 +111,7 @@ def test_tiled_feedback_equals_one_pass(tile_elements):
     whole = quantize_layer(w, diag, config, "cpu", h_full=h)
     tiled = quantize_experts(w, diag, config, "cpu", tile_elements, h_full=h)
     assert torch.equal(tiled.planes.planes, whole.planes.planes)
-    for b in BIT_WIDTHS:
+    for b in LUT_WIDTHS:  # the stored LUTs (5..8 bits derive from LUT_4)
         assert torch.equal(tiled.planes.luts[b], whole.planes.luts[b])
 
 
@@ -130,7 +130,7 @@ def test_feedback_groups_change_nothing(tile_elements, feedback_elements):
     whole = quantize_layer(w, diag, config, "cpu", h_full=h)
     grouped = quantize_experts(w, diag, config, "cpu", tile_elements, h_full=h, feedback_elements=feedback_elements)
     assert torch.equal(grouped.planes.planes, whole.planes.planes)
-    for b in BIT_WIDTHS:
+    for b in LUT_WIDTHS:  # the stored LUTs (5..8 bits derive from LUT_4)
         assert torch.equal(grouped.planes.luts[b], whole.planes.luts[b])
         torch.testing.assert_close(grouped.col_errors[b], whole.col_errors[b], rtol=1e-5, atol=0)
 
@@ -151,7 +151,7 @@ def test_feedback_groups_are_bounded_by_their_hessians_too(monkeypatch):
     grouped = quantize_experts(w, diag, config, "cpu", 8 * 64, h_full=h, feedback_elements=2 * 64 * 64)
     assert calls == [2, 2]
     assert torch.equal(grouped.planes.planes, whole.planes.planes)
-    for b in BIT_WIDTHS:
+    for b in LUT_WIDTHS:  # the stored LUTs (5..8 bits derive from LUT_4)
         assert torch.equal(grouped.planes.luts[b], whole.planes.luts[b])
 
 

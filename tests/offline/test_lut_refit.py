@@ -11,7 +11,7 @@ import dataclasses
 import pytest
 import torch
 
-from pagedweight.format.apl_format import BIT_WIDTHS, MAX_BITS
+from pagedweight.format.apl_format import LUT_WIDTHS, MAX_BITS
 from pagedweight.offline import lut_refit
 from pagedweight.offline.apl_quantizer import KMEANS_ONLY, dequantize_rows, quantize_rows
 from pagedweight.offline.error_feedback import block_error
@@ -19,7 +19,13 @@ from pagedweight.offline.layer_quantize import quantize_experts, quantize_layer
 from pagedweight.offline.lut_refit import refit_luts
 from tests.offline.test_error_feedback import correlated_block
 
-WIDTHS = (3, 4, 5)
+WIDTHS = LUT_WIDTHS  # format 2 refits only the stored LUTs, LUT_3 and LUT_4 (5..8 bits derive from LUT_4)
+
+
+def bucket_means(q):
+    """The quantiser's stored LUTs as refit_luts takes them: each width's 2^b centroids
+    (LUT_4 without its 17th entry, the extent, which the quantiser sets after the refit)."""
+    return {b: q.luts[b][:, :1 << b].float() for b in LUT_WIDTHS}
 
 
 def reference_refit(w, codes, means, h, ridge):
@@ -47,19 +53,22 @@ def plain_rows(w, h):
 def test_refit_equals_per_row_least_squares(ridge):
     w, h = correlated_block(E=1, R=12, C=32)
     q = plain_rows(w[0], h[0])
-    fitted = refit_luts(w[0], q.codes, {b: q.luts[b].float() for b in BIT_WIDTHS}, h, ridge, WIDTHS)
+    means = bucket_means(q)
+    fitted = refit_luts(w[0], q.codes, means, h, ridge, WIDTHS)
     for b in WIDTHS:
         codes = q.codes.long() >> (MAX_BITS - b)
-        ref = reference_refit(w[0], codes, q.luts[b].float(), h[0], ridge)
+        ref = reference_refit(w[0], codes, means[b], h[0], ridge)
         torch.testing.assert_close(fitted[b].double(), ref, rtol=1e-4, atol=1e-5)
-    for b in set(BIT_WIDTHS) - set(WIDTHS):
-        assert torch.equal(fitted[b], q.luts[b].float())
+    # a width not asked for keeps its LUT (every stored width is refitted by default, so ask for one)
+    only4 = refit_luts(w[0], q.codes, means, h, ridge, (4,))
+    torch.testing.assert_close(only4[4], fitted[4], rtol=0, atol=0)
+    assert torch.equal(only4[3], means[3])
 
 
 def test_diagonal_hessian_or_a_large_ridge_gives_the_bucket_means():
     w, h = correlated_block(E=1, R=12, C=32)
     q = quantize_rows(w[0], h[0].diagonal(), dataclasses.replace(KMEANS_ONLY, importance_floor=0.0))
-    means = {b: q.luts[b].float() for b in BIT_WIDTHS}
+    means = bucket_means(q)
     diagonal = torch.diag_embed(h.diagonal(dim1=1, dim2=2))
     for ridge in (0.0, 1.0):
         fitted = refit_luts(w[0], q.codes, means, diagonal, ridge, WIDTHS)
@@ -77,7 +86,9 @@ def test_refit_lowers_the_block_error_and_keeps_the_planes():
     plain = quantize_layer(w, diag, config, "cpu")
     refit = quantize_layer(w, diag, dataclasses.replace(config, lut_refit_bits=WIDTHS, lut_ridge=0.0), "cpu",
                            h_full=h)
-    assert torch.equal(plain.planes.planes, refit.planes.planes)  # codes untouched: still nested
+    # the 4-bit codes are untouched (still nested); planes 4..7, the refinement bits, are each
+    # weight's part of its LUT_4 cell, so they follow the refitted LUT_4 (format 2)
+    assert torch.equal(plain.planes.planes[:, :4], refit.planes.planes[:, :4])  # [E, 8, R, C/8]
     for e in range(w.shape[0]):
         q = quantize_rows(w[e], diag[e], config)
         for b in WIDTHS:
@@ -86,8 +97,6 @@ def test_refit_lowers_the_block_error_and_keeps_the_planes():
                 q.luts[b] = result.planes.luts[b][e]
                 err[name] = block_error(w[e], dequantize_rows(q, b), h[e])
             assert err["refit"] < 0.95 * err["plain"], (e, b, err)
-        for b in set(BIT_WIDTHS) - set(WIDTHS):
-            assert torch.equal(plain.planes.luts[b], refit.planes.luts[b])
 
 
 @pytest.mark.parametrize("tile_elements", [48 * 32, 2 * 48 * 32, 16 * 32])  # experts, uneven, row ranges
@@ -96,11 +105,11 @@ def test_tiles_and_row_chunks_change_nothing(tile_elements, monkeypatch):
     config = dataclasses.replace(KMEANS_ONLY, seed_iters=6, split_iters=2, error_feedback=True, lut_refit_bits=WIDTHS)
     diag = h.diagonal(dim1=1, dim2=2)
     whole = quantize_layer(w, diag, config, "cpu", h_full=h)
-    monkeypatch.setattr(lut_refit, "_CHUNK_ELEMENTS", 5 * 32 * 32)  # 5 rows per product at 5 bits
-    monkeypatch.setattr(lut_refit, "_SOLVE_ELEMENTS", 7 * 32 * 32)  # solved 7 rows at a time: across experts
+    monkeypatch.setattr(lut_refit, "_CHUNK_ELEMENTS", 5 * 16 * 32)  # 5 rows per product at 4 bits
+    monkeypatch.setattr(lut_refit, "_SOLVE_ELEMENTS", 7 * 16 * 16)  # solved 7 rows at a time: across experts
     tiled = quantize_experts(w, diag, config, "cpu", tile_elements, h_full=h)
     assert torch.equal(tiled.planes.planes, whole.planes.planes)
-    for b in BIT_WIDTHS:
+    for b in LUT_WIDTHS:
         torch.testing.assert_close(tiled.planes.luts[b], whole.planes.luts[b], rtol=0, atol=0)
 
 

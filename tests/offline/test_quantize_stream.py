@@ -213,7 +213,7 @@ def test_tiled_quantisation_equals_one_pass(tile_elements):
     """Tiles of whole experts, or row ranges of one expert (Mixtral-8x7B's experts exceed a
     tile), give the planes and LUTs of quantising every row at once, and the same column
     errors, plain and Gauss-Newton (from the stored planes)."""
-    from pagedweight.format.apl_format import BIT_WIDTHS
+    from pagedweight.format.apl_format import LUT_WIDTHS
     from pagedweight.offline.layer_quantize import gn_col_errors, quantize_experts, quantize_layer
     from tests.offline.conftest import quick_config as qc
 
@@ -228,7 +228,7 @@ def test_tiled_quantisation_equals_one_pass(tile_elements):
     tiled = quantize_experts(w, h, qc().quantizer, "cpu", tile_elements, h_full)
     gn = gn_col_errors(w, tiled.planes, g, "cpu", tile_elements)
     assert torch.equal(tiled.planes.planes, whole.planes.planes)
-    for b in BIT_WIDTHS:
+    for b in LUT_WIDTHS:  # the stored LUTs (5..8 bits derive from LUT_4)
         assert torch.equal(tiled.planes.luts[b], whole.planes.luts[b])
         torch.testing.assert_close(tiled.col_errors[b], whole.col_errors[b], rtol=1e-5, atol=0)
         torch.testing.assert_close(gn[b], whole.col_errors_gn[b], rtol=1e-5, atol=0)
