@@ -35,7 +35,7 @@ import torch
 
 from pagedweight.memory.arena import Arena, ArenaFragmented, Extent
 from pagedweight.memory.pool import TRANSIT, BudgetExceeded, expert_kind
-from pagedweight.format.apl_format import MIN_BITS, BlockId
+from pagedweight.format.apl_format import MIN_BITS, BlockId, lut_width
 from pagedweight.weights.page_table import BlockPages, PageTable
 from pagedweight.weights.pager_profile import PagerProfile
 
@@ -186,12 +186,15 @@ class PageMover:
             return False
         host = self.table.host[bid]
         extents: list[Extent] = []
+        lut_extent = None
         try:
+            # the LUT first: with format 2's LUT sizes it is often the larger extent, and
+            # placed after the planes it may find only their leftovers (first fit)
+            lut_extent = self.arena.allocate(TRANSIT, self.table.lut_bytes(bid, b))
             for _ in range(q, b):
                 extents.append(self.arena.allocate(TRANSIT, self.table.plane_bytes(bid)))
-            lut_extent = self.arena.allocate(TRANSIT, self.table.lut_bytes(bid, b))
         except (BudgetExceeded, ArenaFragmented) as err:
-            for x in extents:
+            for x in extents + ([lut_extent] if lut_extent is not None else []):
                 self.arena.free(x)
             result.num_raises_fragmented += isinstance(err, ArenaFragmented)
             return False
@@ -228,16 +231,23 @@ class PageMover:
     def _lower(self, e: BlockPages, result: BoundaryResult) -> None:
         bid, b = e.block_id, e.desired_bits
         dropped = e.plane_extents[b:]
-        for x in dropped + [e.lut_extent]:
+        # From 4 bits down to 4 or more the block reads the same stored LUT (LUT_4): it stays
+        # where it is, so a lowering frees only planes and copies nothing (a fresh copy of the
+        # same bytes would leave a LUT-sized hole somewhere else, fragmenting the arena).
+        same_lut = lut_width(b) == lut_width(e.committed_bits)
+        for x in dropped + ([] if same_lut else [e.lut_extent]):
             freed = self._free(x)
             result.num_bytes_freed += freed
             self.profile.bytes_freed_by_lowering += freed
         kind = expert_kind(b)
-        lut = self.table.host[bid].lut(b)
-        lut_extent = self.arena.allocate(kind, lut.numel() * lut.element_size())  # fits: LUT_q was no smaller
-        self.arena.view(lut_extent, lut.dtype, tuple(lut.shape)).copy_(lut, non_blocking=True)  # compute stream
-        result.num_bytes_taken += lut_extent.num_pages * self.arena.page_bytes
-        self.profile.bytes_host_to_device += lut_extent.num_bytes
+        if same_lut:
+            lut_extent = self.arena.relabel_many([e.lut_extent], kind)[0]
+        else:
+            lut = self.table.host[bid].lut(b)
+            lut_extent = self.arena.allocate(kind, lut.numel() * lut.element_size())  # fits: LUT_q was no smaller
+            self.arena.view(lut_extent, lut.dtype, tuple(lut.shape)).copy_(lut, non_blocking=True)  # compute stream
+            result.num_bytes_taken += lut_extent.num_pages * self.arena.page_bytes
+            self.profile.bytes_host_to_device += lut_extent.num_bytes
         self.profile.downs[bid] += 1
         e.plane_extents = self.arena.relabel_many(e.plane_extents[:b], kind)
         e.lut_extent = lut_extent
