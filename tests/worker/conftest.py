@@ -9,7 +9,7 @@ import pytest
 
 from pagedweight.rpc import worker_pb2, worker_pb2_grpc
 
-BUDGET = "24MiB"  # small enough that 16 requests of 200+64 tokens make the bits move
+BUDGET = "17MiB"  # small enough that 16 requests of 200+64 tokens make the bits move
 
 
 def generate(address: str, prompt: list[int], request_id: str = "", **sampling) -> list:

@@ -60,15 +60,15 @@ def test_stats_health_and_metrics_agree(cluster):
     m = stats.memory
     parts = (sum(m.expert_bytes_by_bits.values()) + m.dense_weight_bytes + m.workspace_bytes
              + m.kv_used_bytes + m.kv_free_bytes + m.in_transit_bytes + m.free_bytes)
-    assert m.budget_bytes == 24 << 20 and parts == m.budget_bytes
+    assert m.budget_bytes == 17 << 20 and parts == m.budget_bytes
     assert stats.load.kv_capacity_blocks >= stats.load.kv_num_blocks > 0
     blocks = sum(stats.bits.blocks_by_bits.values())
     assert blocks == 4 * 8 * 2  # layers x experts x modules of micro-mixtral
     samples = scrape(ports["worker_http"])
     labels = dict(model_name="micro", engine="0")
-    assert metric(samples, "pagedweight:budget_bytes", **labels) == 24 << 20
+    assert metric(samples, "pagedweight:budget_bytes", **labels) == 17 << 20
     memory = sum(v for k, v in samples.items() if k.startswith("pagedweight:gpu_memory_bytes{"))
-    assert memory == 24 << 20
+    assert memory == 17 << 20
     assert metric(samples, "pagedweight:planner_connected", **labels) == 1
     assert metric(samples, "vllm:request_success_total", finished_reason="length", **labels) >= 1
     assert metric(samples, "vllm:time_to_first_token_seconds_count", **labels) >= 1

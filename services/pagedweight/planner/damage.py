@@ -89,11 +89,9 @@ def uniform_error_proxy(table: BlockTable) -> np.ndarray:
 
 
 def block_numel(nbytes: np.ndarray) -> np.ndarray:
-    """Weights per block, recovered from two byte differences of block_bytes.
+    """Weights per block, recovered from a byte difference of block_bytes.
 
-    bytes(b+1) - bytes(b) = numel/8 + rows * 2^b * 2, so d4 - d3 = 16 * rows (b = 3, 4).
+    From 4 bits up a block reads the same stored LUT (LUT_4, APL format 2), so
+    bytes(5) - bytes(4) is one plane: numel / 8.
     """
-    d3 = nbytes[:, 4 - MIN_BITS] - nbytes[:, 3 - MIN_BITS]
-    d4 = nbytes[:, 5 - MIN_BITS] - nbytes[:, 4 - MIN_BITS]
-    rows = (d4 - d3) // 16
-    return (8 * (d3 - 16 * rows)).astype(np.float64)
+    return (8 * (nbytes[:, 5 - MIN_BITS] - nbytes[:, 4 - MIN_BITS])).astype(np.float64)
