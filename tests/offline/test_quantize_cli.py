@@ -65,7 +65,9 @@ def test_quantize_writes_a_paged_model_that_eval_runs(tmp_path, calib_files, eva
 def test_eval_paged_at_eight_bits_is_close_to_the_checkpoint(paged_dir, eval_ppl):
     plain = json.loads(eval_ppl(BUNDLED_MODEL).stdout)
     eight = json.loads(eval_ppl(paged_dir, "--bits", "8").stdout)
-    assert eight["bits"] == 8 and eight["ppl"] == pytest.approx(plain["ppl"], rel=0.01)
+    # 2%: format 2's 8-bit values leave the out-of-cell weights at their cell's edge
+    # (docs/apl_format.md; 1.0% on micro-mixtral, against ~0.1% with format 1's per-width LUTs)
+    assert eight["bits"] == 8 and eight["ppl"] == pytest.approx(plain["ppl"], rel=0.02)
 
 
 def test_bits_file_assigns_blocks_and_default(paged_dir, tmp_path, eval_ppl):
