@@ -52,6 +52,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.bench_meta import write_result
+from bench.serve_clients import RequestTiming
 
 
 @dataclass(frozen=True)
@@ -71,14 +72,6 @@ def make_trace(num: int, rate: float, prompt_len: tuple[int, int], output_len: t
         out.append(TraceRequest(float(t), rng.integers(1, vocab, size=n).tolist(),
                                 int(rng.integers(output_len[0], output_len[1] + 1))))
     return out
-
-
-@dataclass
-class RequestTiming:
-    ttft_s: float
-    itl_s: list[float]
-    output_tokens: int
-    finish_reason: str
 
 
 def summarize(timings: list[RequestTiming], elapsed_s: float) -> dict:

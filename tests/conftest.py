@@ -28,6 +28,18 @@ def domain_prompts(num_chars: int = 160) -> dict[str, str]:
     return {d: (CORPUS_DIR / f"{d}.valid.txt").read_text()[:num_chars] for d in DOMAINS}
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One intra-op torch thread for a module of tiny models: handing their work to a second
+    thread costs more than it saves (5-10x the CPU time on a busy machine)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def bundled_model_dir() -> Path:
     return BUNDLED_MODEL

@@ -30,14 +30,8 @@ CLI_CASES = [f"{family}-base" for family in BASES] + [
     "qwen2_moe-gelu-tanh", "gemma4_moe-k-eq-v"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One intra-op thread: on models this small, handing work to a second thread costs more
-    than it saves (5-10x the CPU time on a busy machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# one intra-op thread while this module runs (tests/conftest.py: one_torch_thread)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module", params=CASES, ids=[c.id for c in CASES])
