@@ -64,9 +64,6 @@
 #ifndef APL_GEMV_LUT16
 #define APL_GEMV_LUT16 0  // 3-4 bits: a 16-byte aligned LUT row read by 16-byte loads (else 2-byte loads,
 #endif                    // as always); measured no faster
-#ifndef APL_PRMT_SELECT
-#define APL_PRMT_SELECT 0  // 4 bits: the top code bit picks between the two byte tables' lookups by a PRMT
-#endif                     // (one selector LOP3 per 8 weights) instead of a mask PRMT and two LOP3 per 4
 #ifndef APL_GEMV_PIPE
 #define APL_GEMV_PIPE 2  // decode (NT8 1, no ring), 3-4 bits, 8-byte loads: steps of plane words held in
 #endif                   // registers; 2 = the ping-pong, S > 2 keeps S - 1 steps in flight (gemv_warp_pipe)
@@ -384,7 +381,7 @@ struct RegLut {
     // S01 / S23: the PRMTs that pair the looked-up low and high bytes (byte i of each belongs to
     // nibble 4h + i); by default nibbles (0, 1) and (2, 3), apl_staged.cu's pairs (0, 2) and (1, 3).
     template <int HALF, u32 S01 = 0x5140u, u32 S23 = 0x7362u>
-    APL_HD void lookup(u32 o, u32 o3, u32 tsel, u32& w01, u32& w23) const {
+    APL_HD void lookup(u32 o, u32 o3, u32& w01, u32& w23) const {
         u32 lob, hib;
         if constexpr (B == 3) {
             const u32 s = HALF ? shr_pipe<FmaShifts<B>::on, 16>(o) : o;  // PRMT reads the selector's low 16 bits only
@@ -397,41 +394,19 @@ struct RegLut {
             const u32 s3 = HALF ? shr_pipe<FmaShifts<B>::on, 16>(o3) : o3;
             const u32 l0 = prmt(lo[0], lo[1], s3), l1 = prmt(lo[2], lo[3], s3);
             const u32 h0 = prmt(hi[0], hi[1], s3), h1 = prmt(hi[2], hi[3], s3);
-#if APL_PRMT_SELECT
-            // A third PRMT per table picks byte i from l0 or l1 (selector nibble i + 4 * top bit);
-            // the selectors of both halves come from one LOP3 (tsel, precomputed with o3).
-            const u32 t = HALF ? shr_pipe<FmaShifts<B>::on, 16>(tsel) : tsel;
-            lob = prmt(l0, l1, t);
-            hib = prmt(h0, h1, t);
-#else
             const u32 m = prmt(o << 4, o, HALF ? 0xFBEAu : 0xD9C8u);
             lob = (l0 & ~m) | (l1 & m);
             hib = (h0 & ~m) | (h1 & m);
-#endif
         }
         w01 = prmt(lob, hib, S01);
         w23 = prmt(lob, hib, S23);
     }
 
-    // lookup's tsel for the nibble word o: with APL_PRMT_SELECT at 4 bits, nibble n = n % 4 + 4 *
-    // (top bit of code n), n = 0..7 (per nibble position, whatever columns the nibbles hold); else 0.
-    APL_HD static u32 top_selectors(u32 o) {
-        u32 tsel = 0u;
-        if constexpr (B == 4 && APL_PRMT_SELECT) {  // one LOP3: (o >> 1 & 0x44444444) | 0x32103210
-#ifdef __CUDA_ARCH__
-            asm("lop3.b32 %0, %1, 0x44444444, %2, 0xEA;" : "=r"(tsel) : "r"(shr_pipe<FmaShifts<B>::on, 1>(o)), "r"(0x32103210u));
-#else
-            tsel = host_lop3(shr_pipe<FmaShifts<B>::on, 1>(o), 0x44444444u, 0x32103210u, 0xEA);
-#endif
-        }
-        return tsel;
-    }
-
     // Selectors s and s+4 of a plane word (the two halves of nibble word c = s & 3).
     APL_HD void select2(const Codes<B>& c, int s, u32 (&w)[4]) const {
-        const u32 o = c.o[s & 3], o3 = B == 4 ? o & 0x77777777u : o, tsel = top_selectors(o);
-        lookup<0>(o, o3, tsel, w[0], w[1]);
-        lookup<1>(o, o3, tsel, w[2], w[3]);
+        const u32 o = c.o[s & 3], o3 = B == 4 ? o & 0x77777777u : o;
+        lookup<0>(o, o3, w[0], w[1]);
+        lookup<1>(o, o3, w[2], w[3]);
     }
 };
 

@@ -184,10 +184,10 @@ APL_HD void dequant_chunks_reg(const RegLut<B>& lut, const u32 (&pw)[8], uint4 (
     const u32 w[4] = {prmt(t0, t2, 0x5410u), prmt(t0, t2, 0x7632u), prmt(t1, t3, 0x5410u), prmt(t1, t3, 0x7632u)};
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-        const u32 o = w[j], o3 = B == 4 ? o & 0x77777777u : o, tsel = RegLut<B>::top_selectors(o);
+        const u32 o = w[j], o3 = B == 4 ? o & 0x77777777u : o;
         u32 p01, p45, p23, p67;
-        lut.template lookup<0, 0x6240u, 0x7351u>(o, o3, tsel, p01, p45);
-        lut.template lookup<1, 0x6240u, 0x7351u>(o, o3, tsel, p23, p67);
+        lut.template lookup<0, 0x6240u, 0x7351u>(o, o3, p01, p45);
+        lut.template lookup<1, 0x6240u, 0x7351u>(o, o3, p23, p67);
         chunk[j] = make_uint4(p01, p23, p45, p67);
     }
 }

@@ -261,7 +261,7 @@ def test_a_ring_of_two_buffers(cta_harness, tmp_path, name):
 # 5 ring buffers beside 8-bit LUT rows (staged_min_stages), and the plan refuses the launch.
 UNITS_OF_4 = {"APL_STAGED_UNIT": 4, "APL_STAGED_LUT_PRODUCERS": 1}
 KNOBS = {"prefetch_1": {"APL_STAGED_PREFETCH": 1}, "prefetch_3": {"APL_STAGED_PREFETCH": 3},
-         "units_of_4": UNITS_OF_4, "prmt_select": {"APL_PRMT_SELECT": 1, "APL_FMA_SHIFTS_MIN_BITS": 9},
+         "units_of_4": UNITS_OF_4,
          "register_prefetch": {"APL_STAGED_PLANE_ASYNC": 0},
          "register_prefetch_units_of_4_prefetch_3": {"APL_STAGED_PLANE_ASYNC": 0, **UNITS_OF_4, "APL_STAGED_PREFETCH": 3},
          "plane_async_units_of_4_prefetch_3": {"APL_STAGED_PLANE_ASYNC": 1, **UNITS_OF_4, "APL_STAGED_PREFETCH": 3},

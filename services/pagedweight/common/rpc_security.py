@@ -35,6 +35,13 @@ _NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 OPEN_METHODS = ("/grpc.health.v1.Health/",)  # prefixes callable without a token
 
 
+# A peer that is down (a worker still starting, a planner restarting) is retried at least every
+# 2 s: gRPC's default backoff grows to 120 s, so a gateway started a minute before its workers
+# would miss their start-up progress and notice them long after they are ready.
+CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 250), ("grpc.min_reconnect_backoff_ms", 250),
+                   ("grpc.max_reconnect_backoff_ms", 2000)]
+
+
 @dataclass(frozen=True)
 class RpcSecurity:
     tokens: dict[str, str] = field(default_factory=dict)  # token -> caller name
@@ -91,13 +98,14 @@ class RpcSecurity:
     def channel(self, address: str) -> grpc.aio.Channel:
         if self.ca is not None or self.cert is not None:
             credentials = grpc.ssl_channel_credentials(self.ca, self.key, self.cert)
-            return grpc.aio.secure_channel(address, credentials)
-        return grpc.aio.insecure_channel(address)
+            return grpc.aio.secure_channel(address, credentials, options=CHANNEL_OPTIONS)
+        return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
 
     def sync_channel(self, address: str) -> grpc.Channel:
         if self.ca is not None or self.cert is not None:
-            return grpc.secure_channel(address, grpc.ssl_channel_credentials(self.ca, self.key, self.cert))
-        return grpc.insecure_channel(address)
+            return grpc.secure_channel(address, grpc.ssl_channel_credentials(self.ca, self.key, self.cert),
+                                       options=CHANNEL_OPTIONS)
+        return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
 
     def caller(self, context) -> str:
         """The authenticated caller of a call: the owner of what the call starts."""
