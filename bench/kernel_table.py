@@ -1,6 +1,6 @@
 """The kernel benchmark's tables and figure in docs/kernel.md, regenerated from its results.
 
-    python -m bench.kernel_table bench/results/apl_moe_kernel_h100.json [--docs docs/kernel.md]
+    python -m bench.kernel_table bench/results/apl_moe_kernel_qwen_h200.json [MORE.json ...] [--docs docs/kernel.md]
         [--plot docs/kernel_speedup.png]
 
 Reads one `bench.apl_moe_kernel` result (several models, token counts and widths timed in one
@@ -45,10 +45,10 @@ def model_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def render(record: dict) -> str:
+def render(record: dict, source: str) -> str:
+    """One result's tables; `source` names its file (the commit it measured is in the file)."""
     gpu = record.get("machine", {}).get("gpu") or record.get("gpu") or "unknown GPU"
-    parts = [f"Measured on {gpu}, {record.get('date', '')[:10]}, commit {record.get('commit', 'unknown')} "
-             f"(`bench/results/{record.get('benchmark', 'apl_moe_kernel')}.json`); microseconds per layer "
+    parts = [f"Measured on {gpu}, {record.get('date', '')[:10]} (`{source}`); microseconds per layer "
              "call (ratio to the HBM floor, speed-up over bf16 grouped GEMM in the same run)."]
     models = {}
     for row in record["results"]:
@@ -90,14 +90,15 @@ def plot(record: dict, path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("result", type=Path)
+    parser.add_argument("results", type=Path, nargs="+", help="one result per model recipe")
     parser.add_argument("--docs", type=Path, default=Path("docs/kernel.md"))
     parser.add_argument("--plot", type=Path, default=None)
     args = parser.parse_args()
-    record = json.loads(args.result.read_text())
-    args.docs.write_text(replace_block(args.docs.read_text(), render(record)))
+    records = [json.loads(path.read_text()) for path in args.results]
+    text = "\n\n".join(render(record, path.as_posix()) for record, path in zip(records, args.results))
+    args.docs.write_text(replace_block(args.docs.read_text(), text))
     if args.plot:
-        plot(record, args.plot)
+        plot({**records[0], "results": [row for record in records for row in record["results"]]}, args.plot)
     print(f"wrote {args.docs}" + (f" and {args.plot}" if args.plot else ""))
 
 
