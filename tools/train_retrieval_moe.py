@@ -4,13 +4,14 @@ The task (bench/retrieval_task.py): key-value records among filler text, then qu
 values must be copied. The model is `transformers`' own MixtralForCausalLM from a seeded
 random init, trained with loss only on the queries' value digits (plus Mixtral's router
 load-balancing term), so every supervised token exercises the retrieval circuit. Context
-length follows a curriculum: retrieval forms quickly at a few hundred tokens, then the
-longest length grows geometrically to the final one while shorter batches stay in the mix.
+length follows a curriculum gated by competence: retrieval forms quickly at a few hundred
+tokens, and the longest length doubles each time a probe at it reaches --advance-at
+accuracy, shorter batches staying in the mix.
 
-Progress runs from 0 to 1 over --max-steps, else over --max-minutes of wall clock (whatever
-comes first); the curriculum and learning rate are functions of progress and every batch is
-a function of (seed, step, progress), so a --max-steps run is reproducible. A wall-clock run
-records the step each length was reached in the result JSON.
+The learning rate follows progress, which runs from 0 to 1 over --max-steps, else over
+--max-minutes of wall clock (whatever comes first). Every batch is a function of (seed, step,
+longest length), so a --max-steps run is reproducible; a wall-clock run records the step at
+which each longest length was reached in the result JSON.
 
 After training: the checkpoint (bf16 safetensors, config, tokenizer) and accuracy at each
 --eval-lengths on --eval-count held-out examples (exact match of every value digit; greedy
@@ -44,28 +45,28 @@ from bench.retrieval_task import (  # noqa: E402
 
 @dataclass(frozen=True)
 class Curriculum:
-    min_len: int = 192  # every batch's length is drawn log-uniformly from [min_len, longest(progress)]
+    min_len: int = 192  # every batch's length is drawn log-uniformly from [min_len, longest]
     final_len: int = 8192
-    full_at: float = 0.6  # progress at which the longest length reaches final_len
+    # the longest length doubles when a probe at it scores this (retrieval must form at short
+    # lengths first: a fixed schedule reaching long contexts before it has formed wastes the run)
+    advance_at: float = 0.9
     max_records: int = 32
     max_queries: int = 8
-    tokens_per_step: int = 65536
+    tokens_per_step: int = 32768
 
-    def longest(self, progress: float) -> int:
-        frac = min(1.0, progress / self.full_at)
-        return int(self.min_len * (self.final_len / self.min_len) ** frac)
+    def most_records(self, length: int, shape: TaskShape) -> int:
+        return max(2, min(self.max_records, length // (4 * record_len(shape))))  # a quarter of the text at most
 
 
-def batch_spec(curriculum: Curriculum, seed: int, step: int, progress: float, shape: TaskShape) -> dict:
+def batch_spec(curriculum: Curriculum, seed: int, step: int, longest: int, shape: TaskShape) -> dict:
     """Length, records and queries of one step's batch (drawn from the step's own rng)."""
     rng = np.random.default_rng((TRAIN_SEED_BASE + seed, step))
-    hi = max(curriculum.min_len, curriculum.longest(progress))
+    hi = max(curriculum.min_len, longest)
     length = int(round(math.exp(rng.uniform(math.log(curriculum.min_len), math.log(hi + 1))) / 64) * 64)
     length = max(length, 64)
-    rec = record_len(shape)
-    most = max(2, min(curriculum.max_records, length // (4 * rec)))  # records at most a quarter of the text
     return {"seed": seed, "step": step, "length": length, "rows": max(1, curriculum.tokens_per_step // length),
-            "most_records": most, "max_queries": curriculum.max_queries, "shape": shape}
+            "most_records": curriculum.most_records(length, shape), "max_queries": curriculum.max_queries,
+            "shape": shape}
 
 
 def make_batch(spec: dict) -> tuple[np.ndarray, np.ndarray, int]:
@@ -155,10 +156,10 @@ def accuracy(model, examples, device, batch_tokens: int) -> float:
     return right / len(examples)
 
 
-def evaluate(model, args, shape: TaskShape, device, lengths, count: int) -> dict:
+def evaluate(model, args, shape: TaskShape, device, lengths, count: int, records: int | None = None) -> dict:
     out = {}
     for length in lengths:
-        examples = eval_examples(args.seed, length, count, args.eval_records, shape)
+        examples = eval_examples(args.seed, length, count, records or args.eval_records, shape)
         out[str(length)] = accuracy(model, examples, device, args.eval_batch_tokens)
     return out
 
@@ -166,7 +167,7 @@ def evaluate(model, args, shape: TaskShape, device, lengths, count: int) -> dict
 def train(args) -> dict:
     device = torch.device(args.device)
     shape = TaskShape(key_digits=args.key_digits, value_digits=args.value_digits)
-    curriculum = Curriculum(min_len=args.min_len, final_len=args.final_len, full_at=args.full_at,
+    curriculum = Curriculum(min_len=args.min_len, final_len=args.final_len, advance_at=args.advance_at,
                             max_records=args.max_records, max_queries=args.max_queries,
                             tokens_per_step=args.tokens_per_step)
     batches = Batches(args.workers, depth=2 * max(args.workers, 1))  # before CUDA starts: forked workers
@@ -180,21 +181,16 @@ def train(args) -> dict:
     limit_s = args.max_minutes * 60
     start = time.perf_counter()
     progress_of = (lambda s, t: max(s / args.max_steps if args.max_steps else 0.0, t / limit_s))
-    curve, evals, reached, step, tokens = [], [], {}, 0, 0
-    next_eval = args.eval_every
-    milestones = [m for m in (256, 512, 1024, 2048, 4096, 8192, 16384) if m <= curriculum.final_len]
-    loss_sum, loss_n = 0.0, 0
+    curve, evals, step, tokens = [], [], 0, 0
+    longest = 2 * curriculum.min_len
+    reached = {str(longest): 0}
     try:
         while True:
             elapsed = time.perf_counter() - start
             progress = progress_of(step, elapsed)
             if progress >= 1.0:
                 break
-            ids, mask, length = batches.get(
-                lambda k: batch_spec(curriculum, args.seed, step + k, progress_of(step + k, elapsed), shape))
-            for mark in milestones:
-                if curriculum.longest(progress) >= mark:
-                    reached.setdefault(str(mark), step)
+            ids, mask, length = batches.get(lambda k: batch_spec(curriculum, args.seed, step + k, longest, shape))
             x = torch.from_numpy(ids).to(device, non_blocking=True)
             labels = torch.where(torch.from_numpy(mask).to(device), x, -100)
             for group in opt.param_groups:
@@ -209,24 +205,27 @@ def train(args) -> dict:
             tokens += ids.size
             if step % args.log_every == 0:
                 loss = float(out.loss.detach())
-                loss_sum, loss_n = loss_sum + loss, loss_n + 1
                 curve.append({"step": step, "seconds": round(time.perf_counter() - start, 1),
                               "progress": round(progress, 4), "length": length, "loss": round(loss, 4),
                               "lr": round(lr_at(progress, step, args), 6)})
                 print(json.dumps(curve[-1]), flush=True)
-            if progress >= next_eval:
-                next_eval += args.eval_every
-                longest = curriculum.longest(progress)
-                probe = min(longest, max(args.eval_lengths))
-                acc = evaluate(model, args, shape, device, [probe], args.probe_count)
-                evals.append({"step": step, "seconds": round(time.perf_counter() - start, 1), "accuracy": acc})
+            if step % args.probe_every == 0:
+                probe = min(longest, curriculum.final_len)
+                acc = evaluate(model, args, shape, device, [probe], args.probe_count,
+                               min(args.eval_records, curriculum.most_records(probe, shape)))[str(probe)]
+                evals.append({"step": step, "seconds": round(time.perf_counter() - start, 1), "length": probe,
+                              "accuracy": acc})
                 print(json.dumps(evals[-1]), flush=True)
+                if acc >= curriculum.advance_at and longest < curriculum.final_len:
+                    longest = min(2 * longest, curriculum.final_len)
+                    reached[str(longest)] = step
     finally:
         batches.close()
     train_s = time.perf_counter() - start
     return {"model": model, "steps": step, "tokens": tokens, "train_seconds": round(train_s, 1),
             "tokens_per_second": round(tokens / max(train_s, 1e-9)), "curve": curve, "probe_evals": evals,
-            "longest_reached_at_step": reached, "curriculum": asdict(curriculum), "shape": asdict(shape)}
+            "longest_reached_at_step": reached, "longest_final": longest, "curriculum": asdict(curriculum),
+            "shape": asdict(shape)}
 
 
 def save(model, out_dir: Path, max_positions: int) -> None:
@@ -259,13 +258,13 @@ def parse_args(argv=None):
     p.add_argument("--rope-theta", type=float, default=500000.0)
     p.add_argument("--router-aux", type=float, default=0.02, help="Mixtral's load-balancing loss weight")
     # optimisation and curriculum
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--lr", type=float, default=1.5e-3)
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--warmup-steps", type=int, default=100)
-    p.add_argument("--tokens-per-step", type=int, default=65536)
+    p.add_argument("--tokens-per-step", type=int, default=32768)
     p.add_argument("--min-len", type=int, default=192)
     p.add_argument("--final-len", type=int, default=8192)
-    p.add_argument("--full-at", type=float, default=0.6)
+    p.add_argument("--advance-at", type=float, default=0.9, help="probe accuracy that doubles the longest length")
     p.add_argument("--max-records", type=int, default=32)
     p.add_argument("--max-queries", type=int, default=8)
     p.add_argument("--key-digits", type=int, default=3)
@@ -274,8 +273,8 @@ def parse_args(argv=None):
     p.add_argument("--eval-lengths", type=int, nargs="+", default=[2048, 4096, 8192])
     p.add_argument("--eval-count", type=int, default=200)
     p.add_argument("--eval-records", type=int, default=16)
-    p.add_argument("--eval-every", type=float, default=0.1, help="probe accuracy every this much progress")
-    p.add_argument("--probe-count", type=int, default=48)
+    p.add_argument("--probe-every", type=int, default=40, help="steps between accuracy probes at the longest length")
+    p.add_argument("--probe-count", type=int, default=32)
     p.add_argument("--eval-batch-tokens", type=int, default=65536)
     p.add_argument("--log-every", type=int, default=25)
     args = p.parse_args(argv)
@@ -287,7 +286,7 @@ def parse_args(argv=None):
         args.max_steps = args.max_steps or 12
         args.max_minutes = min(args.max_minutes, 0.5)
         args.log_every, args.warmup_steps, args.eval_batch_tokens = 4, 4, 4096
-        args.eval_every = 0.5
+        args.probe_every = 4
     if args.workers is None:
         args.workers = 6 if args.device.startswith("cuda") else 0
     return args
