@@ -42,6 +42,8 @@ RECIPES = (
            "the gRPC/HTTP cluster under a Poisson trace against the in-process engine"),
     Recipe("elasticity-cpu", "elasticity", ("--shape", "qwen-scaled", "--device", "cpu"), "cpu",
            "precision elasticity at a CPU-sized Qwen1.5-MoE ratio (checks the benchmark)"),
+    Recipe("retrieval-budget", "retrieval_budget", ("--work", "{artifacts}/retrieval-budget"), "cpu",
+           "retrieval accuracy at 2k tokens: bf16, the elastic policy and the fitting uniform width at one budget"),
     Recipe("real-shape-cpu", "real_shape", ("--model", "tiny-qwen-moe", "--device", "cpu"), "cpu",
            "the real-shape benchmark on a tiny model (checks the benchmark)"),
     # --- GPU: one device call each (at most 10 minutes) ---------------------------------------

@@ -142,6 +142,26 @@ def engine_policies(files: list[str]) -> list[str]:
     return lines + ["", source(*files)]
 
 
+def retrieval_budget(files: list[str]) -> list[str]:
+    """Retrieval accuracy per context length: bf16 with unlimited memory, then each policy
+    at the budget where bf16 experts and the requests' KV do not fit."""
+    present = [f for f in files if (RESULTS / f).is_file()]
+    if not present:
+        return ["No result yet: `python -m bench run retrieval-budget` writes " + ", ".join(f"`{f}`" for f in files)
+                + "."]
+    lines = header("context", "examples", "budget MiB (bf16 needs)", "policy", "accuracy", "preemptions",
+                   "mean bits min / avg")
+    for f in present:
+        for r in load(f)["lengths"]:
+            budget = f"{r['budget_bytes'] / 2**20:.1f} ({r['bf16_needs_bytes'] / 2**20:.1f})"
+            for name, x in r["results"].items():
+                bits = f"{x['bits_mean_min']:.2f} / {x['bits_mean_avg']:.2f}" if "bits_mean_min" in x else "16 (bf16)"
+                memory = "unlimited" if name == "bf16" else budget
+                lines.append(row(r["length"], r["examples"], memory, name, f"{100 * x['accuracy']:.1f}%",
+                                 x.get("preemptions", ""), bits))
+    return lines + ["", source(*present)]
+
+
 # table name -> (generator, result files)
 TABLES = {
     "real_shape": (real_shape, ["real_shape_qwen1.5-moe-a2.7b_cuda_overlap2.json",
@@ -157,6 +177,7 @@ TABLES = {
     "serve_load": (serve_load, ["serve_load_micro-mixtral_c16.json", "serve_load_micro-mixtral_poisson8_24MiB.json"]),
     "engine_policies": (engine_policies, ["engine_policies_micro-mixtral_cpu.json",
                                           "engine_policies_micro-mixtral_cuda.json"]),
+    "retrieval_budget": (retrieval_budget, ["retrieval_budget_retrieval-moe_cpu.json"]),
 }
 # whole pages a benchmark renders from its own result: page -> (module of bench/, result file)
 PAGES = {"quality_budget.md": ("quality_budget", "quality_budget.json")}

@@ -1,0 +1,325 @@
+"""Train a small Mixtral-architecture MoE for long-context key-value retrieval.
+
+The task (bench/retrieval_task.py): key-value records among filler text, then queries whose
+values must be copied. The model is `transformers`' own MixtralForCausalLM from a seeded
+random init, trained with loss only on the queries' value digits (plus Mixtral's router
+load-balancing term), so every supervised token exercises the retrieval circuit. Context
+length follows a curriculum gated by competence: retrieval forms quickly at a few hundred
+tokens, and the longest length doubles each time a probe at it reaches --advance-at
+accuracy, shorter batches staying in the mix.
+
+The learning rate follows progress, which runs from 0 to 1 over --max-steps, else over
+--max-minutes of wall clock (whatever comes first). Every batch is a function of (seed, step,
+longest length), so a --max-steps run is reproducible; a wall-clock run records the step at
+which each longest length was reached in the result JSON.
+
+After training: the checkpoint (bf16 safetensors, config, tokenizer) and accuracy at each
+--eval-lengths on --eval-count held-out examples (exact match of every value digit; greedy
+decoding gives the value exactly when each teacher-forced argmax is right, so one forward
+pass per example measures it).
+
+    PYTHONPATH=services:. python3 tools/train_retrieval_moe.py --out $OUT/retrieval-moe \\
+        --result $OUT/train_retrieval_moe.json --max-minutes 5.5      # one H100
+    PYTHONPATH=services:. python3 tools/train_retrieval_moe.py --device cpu --tiny --out /tmp/r
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
+
+from bench.retrieval_task import (  # noqa: E402
+    EOS, ID, TRAIN_SEED_BASE, VOCAB, TaskShape, eval_examples, make_example, record_len, save_tokenizer)
+
+
+@dataclass(frozen=True)
+class Curriculum:
+    min_len: int = 192  # every batch's length is drawn log-uniformly from [min_len, longest]
+    final_len: int = 8192
+    # the longest length doubles when a probe at it scores this (retrieval must form at short
+    # lengths first: a fixed schedule reaching long contexts before it has formed wastes the run)
+    advance_at: float = 0.9
+    max_records: int = 32
+    max_queries: int = 8
+    tokens_per_step: int = 32768
+
+    def most_records(self, length: int, shape: TaskShape) -> int:
+        return max(2, min(self.max_records, length // (4 * record_len(shape))))  # a quarter of the text at most
+
+
+def batch_spec(curriculum: Curriculum, seed: int, step: int, longest: int, shape: TaskShape) -> dict:
+    """Length, records and queries of one step's batch (drawn from the step's own rng)."""
+    rng = np.random.default_rng((TRAIN_SEED_BASE + seed, step))
+    hi = max(curriculum.min_len, longest)
+    length = int(round(math.exp(rng.uniform(math.log(curriculum.min_len), math.log(hi + 1))) / 64) * 64)
+    length = max(length, 64)
+    return {"seed": seed, "step": step, "length": length, "rows": max(1, curriculum.tokens_per_step // length),
+            "most_records": curriculum.most_records(length, shape), "max_queries": curriculum.max_queries,
+            "shape": shape}
+
+
+def make_batch(spec: dict) -> tuple[np.ndarray, np.ndarray, int]:
+    """(ids [rows, length], answer mask, length): each row from rng((seed, step, row))."""
+    ids, masks = [], []
+    for row in range(spec["rows"]):
+        rng = np.random.default_rng((TRAIN_SEED_BASE + spec["seed"], spec["step"], row))
+        records = int(rng.integers(2, spec["most_records"] + 1))
+        ex = make_example(rng, spec["length"], records, min(records, spec["max_queries"]), spec["shape"])
+        ids.append(ex.ids)
+        masks.append(ex.answer_mask)
+    return np.stack(ids), np.stack(masks), spec["length"]
+
+
+class Batches:
+    """The next batches, built ahead by worker processes (a GPU step is shorter than
+    building its batch in Python) or inline (workers=0)."""
+
+    def __init__(self, workers: int, depth: int):
+        self.pool = ProcessPoolExecutor(workers) if workers > 0 else None
+        self.depth = depth
+        self.queue: list = []
+
+    def get(self, next_spec) -> tuple[np.ndarray, np.ndarray, int]:
+        """next_spec(k): the spec of the k-th batch from now, asked only for batches not yet queued."""
+        if self.pool is None:
+            return make_batch(next_spec(0))
+        while len(self.queue) < self.depth:
+            self.queue.append(self.pool.submit(make_batch, next_spec(len(self.queue))))
+        return self.queue.pop(0).result()
+
+    def close(self) -> None:
+        if self.pool is not None:
+            for f in self.queue:
+                f.cancel()
+            self.pool.shutdown(cancel_futures=True)
+
+
+def build_model(args):
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(
+        vocab_size=len(VOCAB), hidden_size=args.hidden, intermediate_size=args.expert_intermediate,
+        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+        head_dim=args.hidden // args.heads, num_local_experts=args.experts, num_experts_per_tok=args.top_k,
+        max_position_embeddings=args.max_positions, rope_theta=args.rope_theta, rms_norm_eps=1e-6,
+        sliding_window=None, tie_word_embeddings=False, router_aux_loss_coef=args.router_aux,
+        output_router_logits=False, eos_token_id=ID[EOS], pad_token_id=ID[EOS], bos_token_id=None,
+        initializer_range=0.02, attention_dropout=0.0,
+    )
+    torch.manual_seed(args.seed)
+    return MixtralForCausalLM._from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+
+
+def lr_at(progress: float, step: int, args) -> float:
+    warm = min(1.0, (step + 1) / args.warmup_steps)
+    decay = 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))  # cosine to a tenth
+    return args.lr * warm * decay
+
+
+def autocast(device: torch.device):
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return torch.autocast("cpu", enabled=False)
+
+
+@torch.no_grad()
+def accuracy(model, examples, device, batch_tokens: int) -> float:
+    """Share of examples whose every answer digit is the argmax after the true prefix."""
+    model.eval()
+    right = 0
+    rows = max(1, batch_tokens // len(examples[0].ids))
+    for start in range(0, len(examples), rows):
+        chunk = examples[start:start + rows]
+        width = max(e.prompt_len + len(e.answer) for e in chunk)
+        ids = torch.full((len(chunk), width), ID[EOS], dtype=torch.long)
+        for r, e in enumerate(chunk):  # right-padded: causal attention never sees the padding
+            n = e.prompt_len + len(e.answer)
+            ids[r, :n] = torch.from_numpy(e.ids[:n])
+        ids = ids.to(device)
+        with autocast(device):
+            logits = model(input_ids=ids).logits
+        for r, e in enumerate(chunk):
+            pred = logits[r, e.prompt_len - 1:e.prompt_len - 1 + len(e.answer)].argmax(-1).tolist()
+            right += pred == e.answer
+    model.train()
+    return right / len(examples)
+
+
+def evaluate(model, args, shape: TaskShape, device, lengths, count: int, records: int | None = None) -> dict:
+    out = {}
+    for length in lengths:
+        examples = eval_examples(args.seed, length, count, records or args.eval_records, shape)
+        out[str(length)] = accuracy(model, examples, device, args.eval_batch_tokens)
+    return out
+
+
+def train(args) -> dict:
+    device = torch.device(args.device)
+    shape = TaskShape(key_digits=args.key_digits, value_digits=args.value_digits)
+    curriculum = Curriculum(min_len=args.min_len, final_len=args.final_len, advance_at=args.advance_at,
+                            max_records=args.max_records, max_queries=args.max_queries,
+                            tokens_per_step=args.tokens_per_step)
+    batches = Batches(args.workers, depth=2 * max(args.workers, 1))  # before CUDA starts: forked workers
+    model = build_model(args).to(device)
+    model.train()
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
+    other = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed" not in n)]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                             {"params": other, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.98),
+                            fused=device.type == "cuda")
+    limit_s = args.max_minutes * 60
+    start = time.perf_counter()
+    progress_of = (lambda s, t: max(s / args.max_steps if args.max_steps else 0.0, t / limit_s))
+    curve, evals, step, tokens = [], [], 0, 0
+    longest = 2 * curriculum.min_len
+    reached = {str(longest): 0}
+    try:
+        while True:
+            elapsed = time.perf_counter() - start
+            progress = progress_of(step, elapsed)
+            if progress >= 1.0:
+                break
+            ids, mask, length = batches.get(lambda k: batch_spec(curriculum, args.seed, step + k, longest, shape))
+            x = torch.from_numpy(ids).to(device, non_blocking=True)
+            labels = torch.where(torch.from_numpy(mask).to(device), x, -100)
+            for group in opt.param_groups:
+                group["lr"] = lr_at(progress, step, args)
+            with autocast(device):
+                out = model(input_ids=x, labels=labels, output_router_logits=args.router_aux > 0)
+            out.loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            step += 1
+            tokens += ids.size
+            if step % args.log_every == 0:
+                loss = float(out.loss.detach())
+                curve.append({"step": step, "seconds": round(time.perf_counter() - start, 1),
+                              "progress": round(progress, 4), "length": length, "loss": round(loss, 4),
+                              "lr": round(lr_at(progress, step, args), 6)})
+                print(json.dumps(curve[-1]), flush=True)
+            if step % args.probe_every == 0:
+                probe = min(longest, curriculum.final_len)
+                acc = evaluate(model, args, shape, device, [probe], args.probe_count,
+                               min(args.eval_records, curriculum.most_records(probe, shape)))[str(probe)]
+                evals.append({"step": step, "seconds": round(time.perf_counter() - start, 1), "length": probe,
+                              "accuracy": acc})
+                print(json.dumps(evals[-1]), flush=True)
+                if acc >= curriculum.advance_at and longest < curriculum.final_len:
+                    longest = min(2 * longest, curriculum.final_len)
+                    reached[str(longest)] = step
+    finally:
+        batches.close()
+    train_s = time.perf_counter() - start
+    return {"model": model, "steps": step, "tokens": tokens, "train_seconds": round(train_s, 1),
+            "tokens_per_second": round(tokens / max(train_s, 1e-9)), "curve": curve, "probe_evals": evals,
+            "longest_reached_at_step": reached, "longest_final": longest, "curriculum": asdict(curriculum),
+            "shape": asdict(shape)}
+
+
+def save(model, out_dir: Path, max_positions: int) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.to(torch.bfloat16).save_pretrained(out_dir, safe_serialization=True)
+    save_tokenizer(out_dir, max_positions)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True, help="checkpoint directory to write")
+    p.add_argument("--result", default=None, help="JSON of the run (default: OUT/../train_retrieval_moe.json)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tiny", action="store_true",
+                   help="a few steps of a tiny model on short contexts: checks the script end to end")
+    p.add_argument("--max-minutes", type=float, default=5.5, help="training wall clock (saved when reached)")
+    p.add_argument("--max-steps", type=int, default=0, help="0: no step limit (wall clock only)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--workers", type=int, default=None, help="batch-building processes (default 6 on GPU, 0 on CPU)")
+    # model
+    p.add_argument("--hidden", type=int, default=192)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=6)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--expert-intermediate", type=int, default=256)
+    p.add_argument("--max-positions", type=int, default=16384)
+    p.add_argument("--rope-theta", type=float, default=500000.0)
+    p.add_argument("--router-aux", type=float, default=0.02, help="Mixtral's load-balancing loss weight")
+    # optimisation and curriculum
+    p.add_argument("--lr", type=float, default=1.5e-3)
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--warmup-steps", type=int, default=100)
+    p.add_argument("--tokens-per-step", type=int, default=32768)
+    p.add_argument("--min-len", type=int, default=192)
+    p.add_argument("--final-len", type=int, default=8192)
+    p.add_argument("--advance-at", type=float, default=0.9, help="probe accuracy that doubles the longest length")
+    p.add_argument("--max-records", type=int, default=32)
+    p.add_argument("--max-queries", type=int, default=8)
+    p.add_argument("--key-digits", type=int, default=3)
+    p.add_argument("--value-digits", type=int, default=4)
+    # evaluation
+    p.add_argument("--eval-lengths", type=int, nargs="+", default=[2048, 4096, 8192])
+    p.add_argument("--eval-count", type=int, default=200)
+    p.add_argument("--eval-records", type=int, default=16)
+    p.add_argument("--probe-every", type=int, default=40, help="steps between accuracy probes at the longest length")
+    p.add_argument("--probe-count", type=int, default=32)
+    p.add_argument("--eval-batch-tokens", type=int, default=65536)
+    p.add_argument("--log-every", type=int, default=25)
+    args = p.parse_args(argv)
+    if args.tiny:  # the same code path at toy size
+        args.hidden, args.layers, args.heads, args.kv_heads = 64, 2, 2, 1
+        args.experts, args.expert_intermediate = 4, 128
+        args.min_len, args.final_len, args.max_records, args.tokens_per_step = 96, 256, 4, 1024
+        args.eval_lengths, args.eval_count, args.eval_records, args.probe_count = [256], 8, 4, 4
+        args.max_steps = args.max_steps or 12
+        args.max_minutes = min(args.max_minutes, 0.5)
+        args.log_every, args.warmup_steps, args.eval_batch_tokens = 4, 4, 4096
+        args.probe_every = 4
+    if args.workers is None:
+        args.workers = 6 if args.device.startswith("cuda") else 0
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    started = time.time()
+    run = train(args)
+    model = run.pop("model")
+    out_dir = Path(args.out)
+    save(model, out_dir, args.max_positions)  # before the evaluation: a failing eval keeps the weights
+    model.to(torch.float32 if args.device == "cpu" else torch.bfloat16)
+    t0 = time.perf_counter()
+    acc = evaluate(model, args, TaskShape(args.key_digits, args.value_digits), torch.device(args.device),
+                   args.eval_lengths, args.eval_count)
+    run["eval_seconds"] = round(time.perf_counter() - t0, 1)
+    print(json.dumps({"accuracy": acc}), flush=True)
+    from bench.bench_meta import stamp
+
+    params = sum(p.numel() for p in model.parameters())
+    result = {"benchmark": "train_retrieval_moe", **stamp(), "args": vars(args), "parameters": params,
+              "checkpoint_bytes": (out_dir / "model.safetensors").stat().st_size,
+              "eval": {"records": args.eval_records, "examples": args.eval_count, "accuracy": acc,
+                       "eval_dtype": "float32" if args.device == "cpu" else "bfloat16"},
+              **run, "wall_seconds": round(time.time() - started, 1)}
+    path = Path(args.result) if args.result else out_dir.parent / "train_retrieval_moe.json"
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {out_dir} and {path}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
