@@ -155,9 +155,6 @@ def test_abort_on_runtime_returns_blocks_to_the_pool_labels(paged_micro_dir):
         runtime.close()
 
 
-@pytest.mark.xfail(run=False, reason="known liveness bug with APL format 2's LUT extents: the engine's "
-                   "max_kv_blocks (every block at 3 bits) promises KV room the arena's page runs cannot "
-                   "deliver, and run_to_completion waits for it forever (stack: memory_broker.step_boundary)")
 def test_a_request_larger_than_kv_at_the_lowest_bits_is_refused(paged_micro_dir):
     from pagedweight.common.errors import ContextLengthError
 
@@ -171,6 +168,34 @@ def test_a_request_larger_than_kv_at_the_lowest_bits_is_refused(paged_micro_dir)
         runtime.engine.add_request("fits", [1] * (limit - 10), SamplingParams(max_tokens=10, ignore_eos=True))
         out = runtime.engine.run_to_completion()
         assert len(out["fits"]) == 10
+    finally:
+        runtime.close()
+
+
+def test_a_request_whose_kv_can_never_be_had_finishes_unrun_instead_of_hanging(paged_micro_dir):
+    """Liveness: the admission check promises more KV than the arena can give (here made to,
+    by hand); with nothing running and every block at its floor, the request must finish
+    unrun (reason "length", as vLLM ignores such a prompt) and the next one still run."""
+    budget = fixed_budget(paged_micro_dir, 4, kv_tokens=80)
+    runtime = build_runtime(paged_micro_dir, RuntimeConfig(budget, "pagedweight", engine=ENGINE))
+    try:
+        engine = runtime.engine
+        real = engine.max_kv_blocks * engine.kv.block_size
+        engine.max_kv_blocks *= 2
+        engine.add_request("never", [1] * (real + 40), SamplingParams(max_tokens=4))
+        engine.add_request("after", [1] * 16, SamplingParams(max_tokens=4, ignore_eos=True))
+        finished, tokens = {}, {"never": [], "after": []}
+        for _ in range(500):
+            for out in engine.step():
+                tokens[out.request_id] += out.new_token_ids
+                if out.finished:
+                    finished[out.request_id] = out.finish_reason
+            if not engine.has_work:
+                break
+        assert not engine.has_work, "the engine still waits for KV that cannot come"
+        assert finished == {"never": "length", "after": "length"}
+        assert tokens["never"] == [] and len(tokens["after"]) == 4
+        assert engine.stats().num_finished == 2
     finally:
         runtime.close()
 

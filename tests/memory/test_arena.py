@@ -83,3 +83,30 @@ def test_views_alias_the_arena_and_block_view_indexes_by_first_page():
     table[ids[2]] = 7.0  # writes through the strided view land in the block
     assert torch.equal(arena.view(blocks[2], torch.float32, shape), torch.full(shape, 7.0))
     assert torch.equal(arena.view(blocks[1], torch.float32, shape), torch.full(shape, 1.0))
+
+
+@pytest.mark.parametrize("hole, size", [(1, 5), (3, 2), (2, 2)])
+def test_slide_down_moves_an_extent_and_its_bytes_onto_the_hole_below(hole, size):
+    """Overlapping or not, the extent's bytes arrive intact, the hole moves above it and
+    the pool's charge does not change."""
+    pool, arena = make_arena(32)
+    first = arena.allocate(expert_kind(3), PAGE)
+    gap = arena.allocate(expert_kind(3), hole * PAGE)
+    mover = arena.allocate(expert_kind(4), size * PAGE - 7)
+    arena.allocate(expert_kind(4), PAGE)  # above: the hole must reappear below this one
+    payload = torch.arange(mover.num_bytes, dtype=torch.int64).remainder(251).to(torch.uint8)
+    arena.view(mover, torch.uint8, (mover.num_bytes,)).copy_(payload)
+    assert arena.slide_down(first) is None  # page 0: nothing below
+    assert arena.slide_down(mover) is None  # the page below is taken
+    reserved = pool.reserved_bytes
+    arena.free(gap)
+    moved = arena.slide_down(mover)
+    assert moved.first_page == 1 and (moved.num_pages, moved.num_bytes, moved.kind) == \
+        (mover.num_pages, mover.num_bytes, mover.kind)
+    assert torch.equal(arena.view(moved, torch.uint8, (moved.num_bytes,)), payload)
+    arena.check_consistent()
+    top = 2 + hole + size  # first page above the extent that stayed
+    assert arena._free_len == {1 + size: hole, top: 32 - top}
+    assert pool.reserved_bytes == reserved - hole * PAGE
+    with pytest.raises(ValueError):
+        arena.slide_down(mover)  # the old extent is gone

@@ -15,6 +15,7 @@ ids are the model's (config.json) plus any the caller passes (e.g. the tokenizer
 from __future__ import annotations
 
 import itertools
+import logging
 from dataclasses import dataclass, field
 
 
@@ -29,6 +30,8 @@ from pagedweight.engine.sequence import FinishReason, Sequence
 from pagedweight.engine.step_phases import StepPhases
 from pagedweight.memory.kv_cache import KVCacheConfig, PagedKVCache, blocks_for
 from pagedweight.model.transformer import MoECausalLM
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -201,14 +204,14 @@ class Engine:
         phases.start()
         plan = self.scheduler.schedule()
         phases.mark("schedule")
-        outputs = []
+        outputs = [self._ignored(seq) for seq in plan.ignored]
         if plan.scheduled:
             if self.prompt_routing is not None:
                 self.prompt_routing.begin_step(plan.scheduled)
             token_ids = self.runner.run(plan.scheduled)
             if self.prompt_routing is not None:
                 self.prompt_routing.end_step()
-            outputs = self._update(plan.scheduled, token_ids)
+            outputs += self._update(plan.scheduled, token_ids)
             phases.mark("update")
         self.broker.step_boundary(len(self.scheduler.waiting), self.scheduler.blocks_needed_next_step(),
                                   self.scheduler.blocks_projected())
@@ -253,6 +256,14 @@ class Engine:
         del self.seqs[seq.request_id]
         self.num_finished += 1
         return RequestOutput(seq.request_id, new_ids, True, reason.value, stop_reason)
+
+    def _ignored(self, seq: Sequence) -> RequestOutput:
+        """A request the scheduler finished unrun (its KV can never be had)."""
+        log.warning("request %s finished unrun: its %d tokens of KV cannot be had even with every "
+                    "expert at its lowest bits", seq.request_id, seq.max_total_tokens)
+        del self.seqs[seq.request_id]
+        self.num_finished += 1
+        return RequestOutput(seq.request_id, [], True, FinishReason.LENGTH.value)
 
     # ---- conveniences ---------------------------------------------------------------
     def run_to_completion(self) -> dict[str, list[int]]:

@@ -122,7 +122,18 @@ class MemoryBroker:
         if self.pager.request_bytes(wanted) > 0:
             self.num_requests += 1
             return True
+        # Nothing left to lower. Free KV tiles lying among the weights may be all that keeps
+        # the arena's free pages apart: give them back, so the pager's compaction can join
+        # them with the holes beside them into runs the cache then grows from.
+        if self.kv.arena is not None and self.kv.num_free_blocks and self.kv.shrink(keep_free_blocks=0):
+            if self.pager.request_bytes(wanted) > 0:
+                self.num_requests += 1
+                return True
         return False
+
+    def moving(self) -> bool:
+        """Whether the pager has copies in flight (they may still change what is free)."""
+        return self.pager is not None and self.pager.busy()
 
     def step_boundary(self, num_waiting: int, blocks_needed_next: int, blocks_projected: int = 0) -> None:
         """blocks_projected: KV blocks the running and admissible queued sequences still

@@ -12,7 +12,11 @@ chunks across steps. Algorithm of `schedule()`:
 2. Then WAITING sequences, first come first served, while the budget lasts: a sequence is
    admitted only when the blocks for all its known tokens are available; otherwise the
    broker is asked for bytes and admission stops (no overtaking, so nobody starves).
-Nothing is ever dropped: a sequence leaves only by finishing or by abort.
+Nothing is ever dropped: a sequence leaves only by finishing or by abort. The one
+exception keeps the engine live: a queued sequence whose blocks cannot be had while
+nothing runs and the pager can neither lower, compact nor finish a move would wait for
+ever; it finishes unrun with reason "length", as vLLM ignores a prompt that exceeds its
+KV capacity.
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)  # in batch order
     preempted: list[Sequence] = field(default_factory=list)  # lost their KV this step
     num_waiting_for_memory: int = 0  # sequences that wait for bytes from the pager
+    ignored: list[Sequence] = field(default_factory=list)  # finished unrun: they can never get their KV
 
     @property
     def num_tokens(self) -> int:
@@ -100,7 +105,12 @@ class Scheduler:
             seq = self.waiting[0]
             needed = self.kv.num_missing_blocks(seq, seq.num_tokens)
             if not self.broker.reserve(needed):
-                self.broker.ask(needed - self.kv.num_free_blocks)
+                if not self.broker.ask(needed - self.kv.num_free_blocks) and not self.running \
+                        and not self.broker.moving():
+                    # Nothing runs to free blocks and no bytes can come: it would wait for ever.
+                    self.finish(seq, FinishReason.LENGTH)
+                    out.ignored.append(seq)
+                    continue
                 out.num_waiting_for_memory += 1
                 break
             n = min(seq.num_uncomputed_tokens, budget)

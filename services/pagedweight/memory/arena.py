@@ -134,6 +134,36 @@ class Arena:
                 self._live[x.first_page] = x
             return new
 
+    def slide_down(self, extent: Extent) -> Extent | None:
+        """Move a live extent down onto the free run that ends where it starts, bytes
+        included, and return it at its new place (None: the page below it is not free).
+
+        Compaction's way past holes smaller than any extent: a block lowered from 4 to 3
+        bits frees LUT_4 pages that its LUT_3 only partly refills, and such one-page holes
+        scattered between weight extents hold no KV tile and no other extent. Sliding each
+        extent onto the hole below it carries the holes up to the KV region. Source and
+        destination may overlap, so the bytes go through a copy of the extent."""
+        with self._lock:
+            if self._live.get(extent.first_page) != extent:
+                raise ValueError(f"sliding an extent the arena does not hold: {extent}")
+            i = bisect.bisect_left(self._free_starts, extent.first_page) - 1
+            if i < 0:
+                return None
+            below = self._free_starts[i]
+            if below + self._free_len[below] != extent.first_page:
+                return None
+            drop = extent.first_page - below
+            size = extent.num_pages * self.page_bytes
+            src = extent.first_page * self.page_bytes
+            dst = below * self.page_bytes
+            self.storage[dst: dst + size].copy_(self.storage[src: src + size].clone())
+            self._take(below, drop)  # the hole below, now the extent's first pages
+            self._give_back(below + extent.num_pages, drop)  # its last pages' old place
+            del self._live[extent.first_page]
+            moved = Extent(below, extent.num_pages, extent.num_bytes, extent.kind)
+            self._live[below] = moved
+            return moved
+
     # ---- views ------------------------------------------------------------------------
     def view(self, extent: Extent, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         """The extent's bytes as a tensor of `dtype` and `shape` (no copy)."""

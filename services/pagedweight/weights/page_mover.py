@@ -264,8 +264,9 @@ class PageMover:
     # ---- compaction -------------------------------------------------------------------
     def compact(self, done: Callable[[], bool] = lambda: False, max_bytes: int | None = None,
                 phase: str = "compact", max_moves: int | None = None) -> int:
-        """Move committed weight extents down into lower free runs, so that the pages
-        freed by lowering join the free space next to the KV region; stop early once
+        """Move committed weight extents down into lower free runs (or, where none holds one,
+        onto the hole right below it), so that the pages freed by lowering join the free
+        space next to the KV region; stop early once
         `done()`, or once `max_bytes` have been copied or `max_moves` extents moved (None:
         no cap). Copies run on the compute stream at a step boundary (readers see the new
         place from the next step), so the caps bound what one boundary can stall the next
@@ -304,11 +305,15 @@ class PageMover:
             if old.num_pages not in lowest:
                 lowest[old.num_pages] = self.arena.lowest_fit(old.num_pages)
             fit = lowest[old.num_pages]
-            if fit is None or fit >= old.first_page:
-                continue
-            new = self.arena.allocate(old.kind, old.num_bytes)
-            self.arena.view(new, torch.uint8, (old.num_bytes,)).copy_(self.arena.view(old, torch.uint8, (old.num_bytes,)))
-            self.arena.free(old)
+            if fit is not None and fit < old.first_page:
+                new = self.arena.allocate(old.kind, old.num_bytes)
+                self.arena.view(new, torch.uint8, (old.num_bytes,)).copy_(
+                    self.arena.view(old, torch.uint8, (old.num_bytes,)))
+                self.arena.free(old)
+            else:  # no lower run holds it: onto the hole right below it, if there is one
+                new = self.arena.slide_down(old)
+                if new is None:
+                    continue
             if i >= 0:
                 e.plane_extents[i] = new
             else:

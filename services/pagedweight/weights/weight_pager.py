@@ -116,6 +116,7 @@ class WeightPager:
         self._free_bytes_at_refusal = -1  # pool free bytes when a spend plan last took nothing
         self._kv_target_bytes = 0  # what compaction must make usable as KV blocks
         self._compaction_left = False  # a capped compaction goes on at the next boundaries
+        self._gathered_at = None  # (free bytes, fitting KV units) when scattered bytes were last promised
         self.num_plans = 0
         self.num_raises_dropped = 0  # raises given up because they could not start (see below)
         self.offer_outcomes: Counter = Counter()  # offer_bytes results by reason
@@ -145,7 +146,30 @@ class WeightPager:
         if pending < num_bytes and self._in_flight is None and not self._cannot_free:
             self._submit(KVPressure(bytes_needed=num_bytes - pending))
             pending = self._pending_free() + self._asked_free()
+        if pending < num_bytes:
+            pending += self._gather_scattered()
         return pending
+
+    def _gather_scattered(self) -> int:
+        """Free bytes that lie in runs too short for a KV unit but would hold whole units once
+        compacted: a compaction is scheduled for the next boundary and the bytes count as
+        coming. With every block at its floor this is the only way left to make KV room (a
+        block lowered from 4 to 3 bits leaves a hole of LUT_4 pages LUT_3 does not fill). Once
+        per arena state: after a compaction that gathered nothing the same crumbs are not
+        promised again, so a request that cannot fit is told so instead of waiting for ever."""
+        arena = self.mover.arena
+        unit = self.kv_block_bytes or arena.last_kv_bytes
+        if unit is None:
+            return 0
+        whole_units = arena.num_free_pages // arena.pages_for(unit)
+        gatherable = (whole_units - arena.num_fitting(unit)) * arena.charged_bytes(unit)
+        state = (arena.pool.free_bytes, arena.num_fitting(unit))
+        if gatherable <= 0 or state == self._gathered_at:
+            return 0
+        self._gathered_at = state
+        self._kv_target_bytes = max(self._kv_target_bytes, whole_units * arena.charged_bytes(unit))
+        self._compaction_left = True
+        return gatherable
 
     def offer_bytes(self, num_bytes: int) -> int:
         """Spend up to `num_bytes` spare bytes on bits; returns the bytes planned.
