@@ -159,7 +159,8 @@ TABLES = {
                                           "engine_policies_micro-mixtral_cuda.json"]),
 }
 # whole pages a benchmark renders from its own result: page -> (module of bench/, result file)
-PAGES = {"quality_budget.md": ("quality_budget", "quality_budget.json")}
+PAGES = {"quality.md": ("quality_budget", "quality_budget_cpu.json"),
+         "calibration.md": ("calibration_quality", "calibration_quality_cpu.json")}
 MARK = re.compile(r"(<!-- table: (\w+) -->\n)(.*?)(<!-- /table -->)", re.S)
 
 
