@@ -15,7 +15,7 @@ BITS mean plane bits, on the four domains' held-out `valid` text, for the planne
   variant minus the all-domain default (`all-16384`), paired; one-domain variants are pooled
   (each of the four scored on all four domains, held-out domains and its own).
 
-Writes bench/results/calibration_quality.json and docs/calibration.md.
+Writes bench/results/calibration_quality_cpu.json and docs/calibration.md.
     python -m bench.calibration_quality --artifacts DIR --models micro-mixtral tiny-mixtral
 """
 
@@ -104,7 +104,7 @@ def markdown(payload: dict) -> str:
              f"({payload['machine']['cpu_count']} CPUs, shared with other work). Models: "
              f"{', '.join(payload['results'])}. Scoring as in quality.md: {payload['prompt_tokens']} prompt "
              f"tokens, then {payload['eval_tokens']} scored tokens per domain in chunks of {payload['seq_len']}; "
-             "budgets in mean plane bits. Numbers: bench/results/calibration_quality.json; the script: "
+             "budgets in mean plane bits. Numbers: bench/results/calibration_quality_cpu.json; the script: "
              "bench/calibration_quality.py.", "",
              "## Prompt residuals under domain shift", "",
              "Each artifact calibrated on one domain serves the other three. Planner minus the planner "

@@ -21,7 +21,7 @@ mean of the models' values, standard error sqrt(sum se^2) / models; 95% CI = +-1
 Memory columns for the real-shape configs (Qwen1.5-MoE-A2.7B, Mixtral-8x7B): plane and LUT
 bytes at each budget and the KV tokens the bytes freed from bf16 experts buy.
 
-Writes bench/results/quality_budget.json, docs/quality.md, docs/quality.png.
+Writes bench/results/quality_budget_cpu.json, docs/quality.md, docs/quality.png.
     python -m bench.quality_budget --artifacts DIR   # DIR/<model> from `pagedweight quantize`
 """
 
@@ -383,7 +383,7 @@ def markdown(payload: dict) -> str:
              "width that fits (3 bits) and only mixed plans reach the budget. KL: mean per-token "
              "KL(bf16 || plan) of the next-token distribution, nats. 95% confidence intervals from "
              "chunk-paired differences (bench/quality_budget.py says how). Numbers: "
-             "bench/results/quality_budget.json; plot: quality.png.", "",
+             "bench/results/quality_budget_cpu.json; plot: quality.png.", "",
              "![KL to bf16 by budget](quality.png)", "",
              "## Mean over models", "",
              "KL x 1000 (perplexity change against bf16, %); **bold**: the lowest KL at that budget.", "",
