@@ -16,6 +16,10 @@ BITS mean plane bits, on the four domains' held-out `valid` text, for the planne
   (each of the four scored on all four domains, held-out domains and its own).
 
 Writes bench/results/calibration_quality_cpu.json and docs/calibration.md.
+    C=data/corpus  # the shared corpus' calib files
+    pagedweight quantize --model M --out DIR/M/all-8192 --calib $C/{kjv,pydoc,pycode,cheader}.calib.txt \
+        --calib-tokens 8192
+    pagedweight quantize --model M --out DIR/M/kjv-16384 --calib $C/kjv.calib.txt --calib-tokens 16384
     python -m bench.calibration_quality --artifacts DIR --models micro-mixtral tiny-mixtral
 """
 
@@ -76,7 +80,8 @@ def summarise(results: dict) -> dict:
         cell = {}
         for label, members in sorted(labels.items(), key=lambda kv: (kv[0].startswith("one"),
                                                                       variant_tokens(kv[0]))):
-            row = {"tokens_per_file": variant_tokens(label), "artifacts": len(members)}
+            row = {"tokens_per_file": variant_tokens(label), "artifacts": len(members),
+                   "models": sorted({m for m, _ in members})}
             for p in POLICIES:
                 row[p] = {"kl": combine([domain_mean([np.asarray(results[m][v]["domains"][d]["bits"][b][p]["kl"])
                                                       for d in DOMAINS]) for m, v in members]),
@@ -100,7 +105,9 @@ def markdown(payload: dict) -> str:
     s = payload["summary"]
     bits = list(s["defaults"])
     lines = ["# Calibration and held-out quality", "",
-             f"Measured {payload['date']}, command `{payload['command']}`; {payload['machine']['cpu']} "
+             (f"Measured in runs side by side: " + "; ".join(f"`{r['command']}` {r['date']}" for r in payload["runs"])
+              if payload.get("runs") else f"Measured {payload['date']}, command `{payload['command']}`")
+             + f"; {payload['machine']['cpu']} "
              f"({payload['machine']['cpu_count']} CPUs, shared with other work). Models: "
              f"{', '.join(payload['results'])}. Scoring as in quality.md: {payload['prompt_tokens']} prompt "
              f"tokens, then {payload['eval_tokens']} scored tokens per domain in chunks of {payload['seq_len']}; "
@@ -123,16 +130,17 @@ def markdown(payload: dict) -> str:
             f"{1000 * s['shift'][b]['pairs'][k]['kl']['mean']:+.3f} ± {1000 * 1.96 * s['shift'][b]['pairs'][k]['kl']['se']:.3f}"
             for b in bits) + " |")
     lines += ["", "## Calibration tokens and domains", "",
-              "The planner on all four domains' held-out text, mean over models: KL x 1000 [95% CI], "
+              "The planner on all four domains' held-out text, mean over the row's models: KL x 1000 [95% CI], "
               "perplexity change against bf16 (%), and KL x 1000 minus the default's (all four domains, "
               f"{variant_tokens(DEFAULT_VARIANT)} tokens each), paired. one-domain: the four artifacts "
               "each calibrated on one domain, pooled.", ""]
     for b in bits:
-        lines += [f"### {b} bits", "", "| calibration | tokens per file | planner KL x 1000 | perplexity change "
-                  "| minus default, KL x 1000 | uniform KL x 1000 |", "|---|---|---|---|---|---|"]
+        lines += [f"### {b} bits", "", "| calibration | tokens (files x per file) | models | planner KL x 1000 | perplexity "
+                  "change | minus default, KL x 1000 | uniform KL x 1000 |", "|---|---|---|---|---|---|---|"]
         for label, row in s["defaults"][b].items():
             minus = fmt_interval(row["minus_default_kl"], 1000, 3) if "minus_default_kl" in row else "-"
-            lines.append(f"| {label.rsplit('-', 1)[0]} | {row['tokens_per_file']} | "
+            files = 1 if label.startswith("one-domain") else len(DOMAINS)
+            lines.append(f"| {label.rsplit('-', 1)[0]} | {files} x {row['tokens_per_file']} | {', '.join(row['models'])} | "
                          f"{fmt_interval(row[PLANNER]['kl'], 1000)} | {100 * row[PLANNER]['ppl_change']['mean']:+.2f}% "
                          f"| {minus} | {1000 * row['uniform']['kl']['mean']:.2f} |")
         lines.append("")
@@ -156,6 +164,7 @@ def main() -> int:
         results = {m: r for p in parts for m, r in p["results"].items()}
         payload = {k: parts[0][k] for k in ("prompt_tokens", "eval_tokens", "seq_len")}
         payload["command"] = " ; ".join(p["command"] for p in parts)
+        payload["runs"] = [{k: p[k] for k in ("date", "machine", "commit", "command")} for p in parts]
     else:
         results = {}
         for m in args.models:
