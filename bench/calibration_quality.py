@@ -161,7 +161,10 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     if args.combine:
         parts = [json.loads(Path(f).read_text()) for f in args.combine]
-        results = {m: r for p in parts for m, r in p["results"].items()}
+        results = {}
+        for p in parts:  # a model's variants may come from several runs
+            for m, r in p["results"].items():
+                results.setdefault(m, {}).update(r)
         payload = {k: parts[0][k] for k in ("prompt_tokens", "eval_tokens", "seq_len")}
         payload["command"] = " ; ".join(p["command"] for p in parts)
         payload["runs"] = [{k: p[k] for k in ("date", "machine", "commit", "command")} for p in parts]
