@@ -20,7 +20,7 @@ Writes bench/results/calibration_quality_cpu.json and docs/calibration.md.
     pagedweight quantize --model M --out DIR/M/all-8192 --calib $C/{kjv,pydoc,pycode,cheader}.calib.txt \
         --calib-tokens 8192
     pagedweight quantize --model M --out DIR/M/kjv-16384 --calib $C/kjv.calib.txt --calib-tokens 16384
-    python -m bench.calibration_quality --artifacts DIR --models micro-mixtral tiny-mixtral
+    python -m bench.calibration_quality --artifacts DIR --models micro-mixtral tiny-mixtral tiny-qwen-moe
 """
 
 from __future__ import annotations

@@ -462,7 +462,7 @@ def log(msg: str) -> None:
 
 def add_eval_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-tokens", type=int, default=256)
-    parser.add_argument("--eval-tokens", type=int, default=2048, help="scored tokens per domain")
+    parser.add_argument("--eval-tokens", type=int, default=1024, help="scored tokens per domain")
     parser.add_argument("--seq-len", type=int, default=256, help="tokens per scored chunk")
     parser.add_argument("--threads", type=int, default=1)
 

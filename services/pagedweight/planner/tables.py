@@ -6,6 +6,9 @@ and which expert it belongs to; per expert the routing mass seen during calibrat
 holds no tensors, files or transport, so tests build one from synthetic numbers and the
 adapter (services/planner/artifact.py) builds one from a paged model.
 
+`planes_only` gives the same table with each block's bytes its bit planes alone, for budgets
+stated in mean plane bits (bench/quality_budget.py).
+
 Index convention: bit-width b lives in column b - MIN_BITS (3 bits -> column 0).
 """
 
