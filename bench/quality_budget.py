@@ -1,22 +1,27 @@
-"""The quality-vs-memory table: KL to bf16 and perplexity of every policy at expert-byte budgets.
+"""The quality table: KL to bf16 and perplexity of every policy at budgets in mean plane bits.
 
-For each shared model (paged artifacts made by `pagedweight quantize` with its defaults,
-so the planner's loss scales are the artifact's) and each expert-byte budget of
-20, 25, 30, 40, 50% of the bf16 experts' bytes (planes + LUTs count against it):
+For each model (paged artifacts made by `pagedweight quantize`, so the planner's loss scales
+and residual heads are the artifact's) and each budget of 3.0, 3.5, 4.0, 5.0, 6.0 mean plane
+bits (the plan's bit planes, sum of rows x cols x bits / 8 over the expert blocks, may not
+exceed bits x weights / 8; the fp16 LUTs each plan needs are reported beside it, not charged):
 - per domain, the first PROMPT tokens of the domain's `valid` text are the traffic the
   planner sees (prefilled at 8 bits; routing + prompt residuals -> PlanContext), the next
-  EVAL tokens are scored;
-- each policy's plan is scored by the mean per-token KL(bf16 || plan) of the next-token
-  distributions (the reference is the same model with the original bf16 experts, read from
-  the source checkpoint) and by perplexity;
-- a budget below the all-3-bit plan is reported infeasible (no plan fits it);
-- the calibration check: pagedweight against uniform and uniform-plus-fill on CALIB tokens
-  of each domain's `calib` text (the planner's own calibration data), KL to bf16.
-Per budget also: bytes of the whole model (dense bf16 + expert plan) for each shared model,
-and for the real-shape configs (Qwen1.5-MoE-A2.7B, Mixtral-8x7B) the whole model's bytes and
-the KV tokens the bytes freed from bf16 experts buy (bf16 K and V, all layers).
+  EVAL tokens are scored in windows of SEQ_LEN tokens (each window is one chunk);
+- each policy's plan is scored per chunk by the mean per-token KL(bf16 || plan) of the
+  next-token distributions (the reference is the same model with the original bf16 experts,
+  read from the source checkpoint) and by its mean negative log-likelihood;
+- 3.0 bits is every block at 3 bits for every policy (the format's narrowest width); at 3.5
+  only mixed plans reach the budget: `uniform` is the widest single width that fits (3 bits);
+- the calibration check (the uniform guard's promise): pagedweight against uniform and
+  uniform-plus-fill on CALIB tokens of each domain's `calib` text, KL to bf16.
+Confidence intervals: differences are paired over the same chunks (planner minus other, and
+plan minus bf16 for perplexity); a model's value is the mean over its four domains (each the
+mean over its chunks), its standard error from the chunks' spread; the mean over models is the
+mean of the models' values, standard error sqrt(sum se^2) / models; 95% CI = +-1.96 se.
+Memory columns for the real-shape configs (Qwen1.5-MoE-A2.7B, Mixtral-8x7B): plane and LUT
+bytes at each budget and the KV tokens the bytes freed from bf16 experts buy.
 
-Writes bench/results/quality_budget.json, docs/quality_budget.md, docs/quality_budget.png.
+Writes bench/results/quality_budget_cpu.json, docs/quality.md, docs/quality.png.
     python -m bench.quality_budget --artifacts DIR   # DIR/<model> from `pagedweight quantize`
 """
 
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -34,22 +40,26 @@ import torch.nn.functional as F
 
 from bench.bench_meta import write_result
 from pagedweight.common.paths import corpus_dir
-from pagedweight.format.blocks import MIN_BITS, block_bytes
+from pagedweight.format.blocks import MIN_BITS, lut_bytes
 from pagedweight.format.paged_model import load_paged_model
 from pagedweight.model.dequantized_experts import build_paged_lm, set_model_bits
 from pagedweight.model.source_experts import attach_source_experts
 from pagedweight.frontend.tokenizer import Tokenizer
 from pagedweight.offline.prompt_routing import record_prompt_routing
 from pagedweight.planner.artifact import load_planner_inputs
-from pagedweight.planner.policies import POLICY_NAMES, make_policy
+from pagedweight.planner.policies import POLICY_NAMES, PlanContext, make_policy
 from pagedweight.planner.prompt_context import prompt_context, steady_traffic_tokens
 
 REPO = Path(__file__).resolve().parents[1]
-MODELS = ("micro-mixtral", "tiny-mixtral", "tiny-qwen-moe")
+MODELS = ("micro-mixtral", "tiny-mixtral", "tiny-qwen-moe", "tiny-gemma4-moe")
 DOMAINS = ("kjv", "pydoc", "pycode", "cheader")
-FRACTIONS = (0.20, 0.25, 0.30, 0.40, 0.50)
+BITS = (3.0, 3.5, 4.0, 5.0, 6.0)  # budgets, mean plane bits over the expert weights
+PLANNER = "pagedweight"
 BASELINES = ("uniform", "uniform-fill", "mxmoe", "dpllm")
-ABLATIONS = ("no-routing", "no-residual", "no-sensitivity", "no-loss-scale", "no-guard")
+ABLATIONS = ("no-sensitivity", "no-routing", "no-residual", "no-guard", "no-loss-scale")
+# perplexity over bf16 the planner must stay within, mean over models
+TARGETS = {4.0: 0.010, 5.0: 0.003}
+Z95 = 1.96
 # Real-shape configs for the memory columns (Hugging Face config fields that matter here).
 REAL_SHAPES = {
     "Qwen1.5-MoE-A2.7B": {"vocab": 151936, "hidden": 2048, "layers": 24, "heads": 16, "kv_heads": 16,
@@ -61,16 +71,19 @@ REAL_SHAPES = {
 
 
 class Scorer:
-    """One paged model with its bf16 experts; scores a plan by KL to bf16 and NLL."""
+    """One paged model with its bf16 experts; scores a plan per chunk by KL to bf16 and NLL."""
 
     def __init__(self, model_dir: Path):
         self.inputs = load_planner_inputs(model_dir)
-        self.table = self.inputs.table
+        self.table = self.inputs.table  # bytes with LUTs, as the worker charges them
         paged = attach_source_experts(load_paged_model(model_dir, with_bf16=True))
         self.paged = paged
         self.model = build_paged_lm(paged, dtype=torch.float32)
         self.tokenizer = Tokenizer(str(model_dir))
+        self.plane_table = self.table.planes_only(self.shapes())  # what budgets are stated in
+        self.weights = np.array([r * c for r, c in self.shapes()], dtype=np.int64)
         self._refs: dict[str, torch.Tensor] = {}
+        self._scores: dict[tuple[str, bytes], dict] = {}
 
     def set_bits(self, bits: np.ndarray | None) -> None:
         """A plan's bits per block; None: every block at its original bf16 weights."""
@@ -89,25 +102,44 @@ class Scorer:
             self._refs[tag] = self.log_probs(windows)
         return self._refs[tag]
 
+    def chunk_nll(self, lp: torch.Tensor, windows: torch.Tensor) -> list[float]:
+        nll = -lp.gather(-1, windows[:, 1:, None])[..., 0]
+        return nll.mean(1).tolist()
+
     def score(self, bits: np.ndarray, tag: str, windows: torch.Tensor) -> dict:
-        ref = self.reference(tag, windows)
-        self.set_bits(bits)
-        lp = self.log_probs(windows)
-        kl = float((ref.exp() * (ref - lp)).sum(-1).mean())
-        nll = float(F.nll_loss(lp.flatten(0, 1), windows[:, 1:].flatten()))
-        return {"kl": kl, "ppl": float(np.exp(nll))}
+        """Mean KL(bf16 || plan) per token and perplexity over all the windows."""
+        chunks = self.score_chunks(bits, tag, windows)
+        return {"kl": float(np.mean(chunks["kl"])), "ppl": float(np.exp(np.mean(chunks["nll"])))}
 
-    def bf16_ppl(self, tag: str, windows: torch.Tensor) -> float:
-        ref = self.reference(tag, windows)
-        return float(np.exp(float(F.nll_loss(ref.flatten(0, 1), windows[:, 1:].flatten()))))
+    def score_chunks(self, bits: np.ndarray, tag: str, windows: torch.Tensor) -> dict:
+        """Per window (chunk): mean KL(bf16 || plan) and mean NLL; a plan scored before on
+        the same windows is not run again."""
+        key = (tag, np.asarray(bits, dtype=np.int8).tobytes())
+        if key not in self._scores:
+            ref = self.reference(tag, windows)
+            self.set_bits(bits)
+            lp = self.log_probs(windows)
+            kl = (ref.exp() * (ref - lp)).sum(-1).mean(1)
+            self._scores[key] = {"kl": kl.tolist(), "nll": self.chunk_nll(lp, windows)}
+        return self._scores[key]
 
-    def context(self, prompt_ids: list[int]):
+    def bf16_nll(self, tag: str, windows: torch.Tensor) -> list[float]:
+        return self.chunk_nll(self.reference(tag, windows), windows)
+
+    def context(self, prompt_ids: list[int]) -> PlanContext:
         self.set_bits(np.full(self.table.num_blocks, 8))
         recorder = record_prompt_routing(self.model, prompt_ids, self.table.num_experts)
         return prompt_context(recorder, self.inputs, traffic_tokens=steady_traffic_tokens())
 
+    def plane_budget(self, bits: float) -> int:
+        """Plane bytes of `bits` mean plane bits over every expert weight."""
+        return int(bits * int(self.weights.sum()) // 8)
+
+    def mean_bits(self, bits: np.ndarray) -> float:
+        return float((self.weights * bits).sum() / self.weights.sum())
+
     def bf16_expert_bytes(self) -> int:
-        return int(sum(2 * r * c for r, c in self.shapes()))
+        return int(2 * self.weights.sum())
 
     def shapes(self):
         meta = {b["key"]: (b["rows"], b["cols"]) for b in self.paged.meta["blocks"]}
@@ -125,197 +157,302 @@ def windows_of(ids: list[int], length: int, count: int) -> torch.Tensor:
     return torch.tensor([ids[i * length: i * length + length + 1] for i in range(count)])
 
 
-def evaluate_model(name: str, args) -> dict:
+def make_policies(sc: Scorer, names=POLICY_NAMES) -> dict:
+    """Every policy on the plane-bytes table, with the artifact's loss scales."""
+    return {p: make_policy(p, sc.plane_table, scales=sc.inputs.scales) for p in names}
+
+
+def plan_cell(sc: Scorer, plan) -> dict:
+    """What a plan costs: mean plane bits, plane bytes, and the LUT bytes it also needs."""
+    with_luts = sc.table.bytes_of(plan.bits)
+    planes = sc.plane_table.bytes_of(plan.bits)
+    return {"mean_bits": sc.mean_bits(plan.bits), "plane_bytes": planes, "lut_bytes": with_luts - planes,
+            "bytes_fraction": with_luts / sc.bf16_expert_bytes(), "action": plan.action}
+
+
+def evaluate_model(name: str, args, policies_names=POLICY_NAMES, bits_list=BITS, domains=DOMAINS,
+                   model_dir: Path | None = None) -> dict:
     started = time.perf_counter()
-    sc = Scorer(Path(args.artifacts) / name)
-    table = sc.table
-    policies = {p: make_policy(p, table, scales=sc.inputs.scales) for p in POLICY_NAMES}
-    bf16_bytes = sc.bf16_expert_bytes()
-    min_bytes = table.uniform_bytes(MIN_BITS)
-    budgets = {f: int(f * bf16_bytes) for f in FRACTIONS}
+    sc = Scorer(model_dir or Path(args.artifacts) / name)
+    policies = make_policies(sc, policies_names)
+    meta_calib = sc.paged.meta["calibration"]
     result = {"scales": "artifact" if sc.inputs.scales is not None else "raw",
-              "calibration_tokens": sc.paged.meta["calibration"]["num_tokens"],
-              "bf16_expert_bytes": bf16_bytes, "dense_bytes": sc.dense_bytes(),
-              "all_3_bit_bytes": min_bytes, "all_3_bit_fraction": min_bytes / bf16_bytes,
-              "uniform_fraction": {str(b): table.uniform_bytes(b) / bf16_bytes for b in range(3, 9)},
-              "budgets": {}, "domains": {}, "calib_check": {}}
+              "calibration_tokens": meta_calib["num_tokens"],
+              "calibration_files": [Path(f["name"] if isinstance(f, dict) and "name" in f else str(f)).name
+                                    for f in meta_calib.get("files", [])],
+              "weights": int(sc.weights.sum()), "bf16_expert_bytes": sc.bf16_expert_bytes(),
+              "dense_bytes": sc.dense_bytes(),
+              "budgets": {str(b): {"plane_budget_bytes": sc.plane_budget(b)} for b in bits_list},
+              "domains": {}}
     corpus = corpus_dir()
-    for domain in DOMAINS:
+    for domain in domains:
         ids = sc.tokenizer.encode((corpus / f"{domain}.valid.txt").read_text())
         context = sc.context(ids[: args.prompt_tokens])
         windows = windows_of(ids[args.prompt_tokens:], args.seq_len, args.eval_tokens // args.seq_len)
-        row = {"bf16_ppl": sc.bf16_ppl(domain, windows), "eval_tokens": int(windows[:, 1:].numel()),
-               "budgets": {}}
-        for f, budget in budgets.items():
-            if budget < min_bytes:
-                row["budgets"][str(f)] = None
-                continue
+        row = {"bf16_nll": sc.bf16_nll(domain, windows), "eval_tokens": int(windows[:, 1:].numel()),
+               "bits": {}}
+        for b in bits_list:
+            budget = sc.plane_budget(b)
             cell = {}
             for pname, policy in policies.items():
                 plan = policy.plan(budget, context)
-                assert plan.num_bytes <= budget, (name, domain, f, pname)
-                cell[pname] = {**sc.score(plan.bits, domain, windows), "plan_bytes": plan.num_bytes,
-                               "mean_bits": float(plan.bits.mean()), "action": plan.action}
-            row["budgets"][str(f)] = cell
-            log(f"{name} {domain} {f:.0%}: " + " ".join(f"{p}={c['kl']:.4f}" for p, c in cell.items()))
+                assert sc.plane_table.bytes_of(plan.bits) <= budget, (name, domain, b, pname)
+                cell[pname] = {**plan_cell(sc, plan), **sc.score_chunks(plan.bits, domain, windows)}
+            row["bits"][str(b)] = cell
+            log(f"{name} {domain} {b} bits: " + " ".join(f"{p}={np.mean(c['kl']):.4f}" for p, c in cell.items())
+                + f" ({time.perf_counter() - started:.0f}s)")
         result["domains"][domain] = row
-    result["calib_check"] = calib_check(sc, policies, budgets, min_bytes, args)
-    for f, budget in budgets.items():
-        result["budgets"][str(f)] = {"expert_budget_bytes": budget, "feasible": budget >= min_bytes,
-                                     "whole_model_bytes": sc.dense_bytes() + budget}
+    if args.calib_tokens and {PLANNER, "uniform", "uniform-fill"} <= set(policies):
+        result["calib_check"] = calib_check(sc, policies, bits_list, args)
     result["seconds"] = round(time.perf_counter() - started, 1)
     return result
 
 
-def calib_check(sc: Scorer, policies, budgets, min_bytes, args) -> dict:
+def calib_check(sc: Scorer, policies, bits_list, args) -> dict:
     """pagedweight vs uniform / uniform-fill on the planner's own calibration text (KL)."""
     corpus = corpus_dir()
     ids = [sc.tokenizer.encode((corpus / f"{d}.calib.txt").read_text())[: args.calib_tokens + 1] for d in DOMAINS]
     windows = torch.tensor(ids)
     out = {"tokens": int(windows[:, 1:].numel())}
-    for f, budget in budgets.items():
-        if budget < min_bytes:
-            continue
-        out[str(f)] = {p: sc.score(policies[p].plan(budget).bits, "calib", windows)["kl"]
-                       for p in ("pagedweight", "uniform", "uniform-fill")}
+    for b in bits_list:
+        out[str(b)] = {p: sc.score(policies[p].plan(sc.plane_budget(b)).bits, "calib", windows)["kl"]
+                       for p in (PLANNER, "uniform", "uniform-fill")}
     return out
 
 
+# ---- statistics -------------------------------------------------------------------------------
+def domain_mean(chunks: list[np.ndarray]) -> tuple[float, float]:
+    """Mean over domains (weighted equally) of each domain's chunk mean, and its standard error
+    from the chunks' spread (chunks independent)."""
+    means = [float(np.mean(c)) for c in chunks]
+    var = [float(np.var(c, ddof=1)) / len(c) if len(c) > 1 else 0.0 for c in chunks]
+    return float(np.mean(means)), math.sqrt(sum(var)) / len(chunks)
+
+
+def combine(stats: list[tuple[float, float]]) -> dict:
+    """Mean over models of (mean, se) pairs, models independent: mean, se, 95% interval."""
+    mean = float(np.mean([m for m, _ in stats]))
+    se = math.sqrt(sum(s * s for _, s in stats)) / len(stats)
+    return {"mean": mean, "se": se, "low": mean - Z95 * se, "high": mean + Z95 * se}
+
+
+def as_ppl_change(interval: dict) -> dict:
+    """A difference of mean log-perplexity -> the relative change of perplexity (exp - 1)."""
+    return {k: (math.expm1(v) if k != "se" else v) for k, v in interval.items()}
+
+
+def chunks(result: dict, bits: str, policy: str, metric: str, domains=DOMAINS) -> list[np.ndarray]:
+    return [np.asarray(result["domains"][d]["bits"][bits][policy][metric]) for d in domains]
+
+
+def paired(result: dict, bits: str, a: str, b: str, metric: str, domains=DOMAINS) -> tuple[float, float]:
+    """Policy a minus policy b, paired over the same chunks: (mean over domains, se)."""
+    return domain_mean([x - y for x, y in zip(chunks(result, bits, a, metric, domains),
+                                               chunks(result, bits, b, metric, domains))])
+
+
+def vs_bf16(result: dict, bits: str, policy: str, domains=DOMAINS) -> tuple[float, float]:
+    """Mean NLL of the plan minus bf16's, paired over chunks: log of the perplexity ratio."""
+    return domain_mean([np.asarray(p) - np.asarray(result["domains"][d]["bf16_nll"])
+                        for d, p in zip(domains, chunks(result, bits, policy, "nll", domains))])
+
+
+def summarise(results: dict, bits_list=BITS, policies=POLICY_NAMES, domains=DOMAINS) -> dict:
+    """Per model and mean over models: KL and perplexity change of every policy; the planner
+    minus every other policy, paired; and the targets' checks."""
+    names = list(results)
+    per_model, mean, versus = {}, {}, {}
+    for b in map(str, bits_list):
+        per_model[b], mean[b], versus[b] = {}, {}, {}
+        for p in policies:
+            kl = [domain_mean(chunks(results[n], b, p, "kl", domains)) for n in names]
+            dppl = [vs_bf16(results[n], b, p, domains) for n in names]
+            cells = [[results[n]["domains"][d]["bits"][b][p] for d in domains] for n in names]
+            per_model[b][p] = {n: {"kl": k[0], "ppl_change": math.expm1(v[0]),
+                                   "mean_bits": float(np.mean([c["mean_bits"] for c in cs])),
+                                   "bytes_fraction": float(np.mean([c["bytes_fraction"] for c in cs]))}
+                               for n, k, v, cs in zip(names, kl, dppl, cells)}
+            mean[b][p] = {"kl": combine(kl), "ppl_change": as_ppl_change(combine(dppl)),
+                          "bytes_fraction": float(np.mean([per_model[b][p][n]["bytes_fraction"] for n in names])),
+                          "mean_bits": float(np.mean([per_model[b][p][n]["mean_bits"] for n in names]))}
+            if p != PLANNER and PLANNER in policies:
+                versus[b][p] = {"kl": combine([paired(results[n], b, PLANNER, p, "kl", domains) for n in names]),
+                                "log_ppl": combine([paired(results[n], b, PLANNER, p, "nll", domains)
+                                                    for n in names])}
+    checks = []
+    for b, limit in TARGETS.items():
+        if str(b) in mean and PLANNER in policies:
+            got = mean[str(b)][PLANNER]["ppl_change"]
+            checks.append({"check": f"perplexity <= +{limit:.1%} of bf16 at {b} bits", "bits": b,
+                           "value": got["mean"], "high": got["high"], "met": got["mean"] <= limit})
+    for b in versus:
+        if float(b) == MIN_BITS:  # every policy's one plan: every block at the narrowest width
+            continue
+        for p, v in versus[b].items():
+            if p in ("uniform", "mxmoe", "dpllm") or p in ABLATIONS:
+                checks.append({"check": f"planner better than {p} (KL, CI below 0)", "against": p,
+                               "bits": float(b), "value": v["kl"]["mean"], "high": v["kl"]["high"],
+                               "met": v["kl"]["high"] < 0})
+    guard = {b: {"guard_plans": sum(results[n]["domains"][d]["bits"][b][PLANNER].get("action") == "uniform-guard"
+                                    for n in names for d in domains),
+                 "plans": len(names) * len(domains)} for b in map(str, bits_list)} if PLANNER in policies else {}
+    return {"models": names, "per_model": per_model, "mean": mean, "versus": versus, "checks": checks,
+            "guard": guard}
+
+
+# ---- memory of the real-shape configs ----------------------------------------------------------
 def real_shape_rows() -> dict:
-    """Whole-model bytes and KV tokens bought by the freed expert bytes, per budget."""
+    """Plane and LUT bytes at each budget, and KV tokens bought by the freed expert bytes."""
     out = {}
     for name, c in REAL_SHAPES.items():
         H, L = c["hidden"], c["layers"]
         shapes = [(2 * c["expert_inter"], H), (H, c["expert_inter"])] * (L * c["experts"])
-        expert_bf16 = sum(2 * r * cc for r, cc in shapes)
+        weights = sum(r * cc for r, cc in shapes)
+        expert_bf16 = 2 * weights
         attention = L * (H * c["heads"] * c["head_dim"] * 2 + H * c["kv_heads"] * c["head_dim"] * 2)
         shared = L * 3 * H * c["shared_inter"] + (L * H if c["shared_inter"] else 0)  # + its gate
         dense_params = (c["vocab"] * H * (1 if c["tied"] else 2) + attention + shared
                         + L * H * c["experts"] + L * 2 * H + H)  # router, norms
         kv_per_token = L * c["kv_heads"] * c["head_dim"] * 2 * 2  # K and V, bf16
-        uniform = {str(b): sum(block_bytes(r, cc, b) for r, cc in shapes) / expert_bf16 for b in range(3, 9)}
         rows = {}
-        for f in FRACTIONS:
-            budget = int(f * expert_bf16)
-            fits = [b for b in range(3, 9) if uniform[str(b)] <= f]
-            rows[str(f)] = {"expert_budget_bytes": budget, "whole_model_bytes": 2 * dense_params + budget,
-                            "freed_bytes": expert_bf16 - budget,
-                            "kv_tokens_bought": (expert_bf16 - budget) // kv_per_token,
-                            "largest_uniform_width": max(fits) if fits else None}
+        for b in BITS:
+            planes = int(b * weights // 8)
+            luts = sum(lut_bytes(r, 3 if b == 3 else 4) for r, _ in shapes)  # 3.5: LUT_4 where raised
+            rows[str(b)] = {"plane_bytes": planes, "lut_bytes_at_most": luts,
+                            "whole_model_bytes": 2 * dense_params + planes + luts,
+                            "kv_tokens_bought": (expert_bf16 - planes - luts) // kv_per_token}
         out[name] = {"bf16_expert_bytes": expert_bf16, "dense_bytes": 2 * dense_params,
-                     "kv_bytes_per_token": kv_per_token, "uniform_fraction": uniform, "budgets": rows}
+                     "kv_bytes_per_token": kv_per_token, "budgets": rows}
     return out
 
 
-def summarise(results: dict) -> dict:
-    """Mean KL / ppl over domains per (model, budget, policy), and the targets' checks."""
-    summary, checks = {}, []
-    for name, res in results.items():
-        summary[name] = {}
-        for f in FRACTIONS:
-            cells = [res["domains"][d]["budgets"][str(f)] for d in DOMAINS]
-            if any(c is None for c in cells):
-                summary[name][str(f)] = None
-                continue
-            summary[name][str(f)] = {p: {"kl": float(np.mean([c[p]["kl"] for c in cells])),
-                                         "ppl": float(np.mean([c[p]["ppl"] for c in cells]))}
-                                     for p in POLICY_NAMES}
-            means = summary[name][str(f)]
-            for other in BASELINES:
-                checks.append({"model": name, "fraction": f, "against": other,
-                               "pagedweight_kl": means["pagedweight"]["kl"], "other_kl": means[other]["kl"],
-                               "beats": means["pagedweight"]["kl"] < means[other]["kl"]})
-        feasible = [str(f) for f in FRACTIONS if summary[name][str(f)] is not None]
-        summary[name]["avg_kl_over_budgets"] = {
-            p: float(np.mean([summary[name][f][p]["kl"] for f in feasible])) for p in POLICY_NAMES}
-        summary[name]["bf16_ppl"] = float(np.mean([res["domains"][d]["bf16_ppl"] for d in DOMAINS]))
-    return {"mean": summary, "checks": checks}
-
-
+# ---- report -----------------------------------------------------------------------------------
 def plot(payload: dict, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = list(payload["results"])
-    fig, axes = plt.subplots(1, len(names), figsize=(5 * len(names), 4.2), squeeze=False)
-    for ax, name in zip(axes[0], names):
-        mean = payload["summary"]["mean"][name]
-        feasible = [f for f in FRACTIONS if mean[str(f)] is not None]
-        for p in POLICY_NAMES:
-            style = {"linewidth": 2.5, "color": "black"} if p == "pagedweight" else \
+    s = payload["summary"]
+    names = s["models"]
+    bits = [float(b) for b in s["mean"]]
+    fig, axes = plt.subplots(1, len(names) + 1, figsize=(4.2 * (len(names) + 1), 4), squeeze=False)
+    for ax, name in zip(axes[0], ["mean over models"] + names):
+        for p in payload["policies"]:
+            style = {"linewidth": 2.5, "color": "black"} if p == PLANNER else \
                 {"linestyle": "--" if p in ABLATIONS else "-", "linewidth": 1.2}
-            ax.plot([100 * f for f in feasible], [mean[str(f)][p]["kl"] for f in feasible],
-                    marker="o", markersize=3, label=p, **style)
+            if name == "mean over models":
+                y = np.array([s["mean"][str(b)][p]["kl"]["mean"] for b in bits])
+                err = np.array([Z95 * s["mean"][str(b)][p]["kl"]["se"] for b in bits])
+                ax.errorbar(bits, y, yerr=err, marker="o", markersize=3, capsize=2, label=p, **style)
+            else:
+                ax.plot(bits, [s["per_model"][str(b)][p][name]["kl"] for b in bits], marker="o", markersize=3,
+                        label=p, **style)
         ax.set_yscale("log")
         ax.set_title(name)
-        ax.set_xlabel("expert bytes, % of bf16 (LUTs included)")
-        ax.set_ylabel("mean KL to bf16 per token (nats)")
+        ax.set_xlabel("budget, mean plane bits (LUTs not charged)")
+        ax.set_ylabel("KL to bf16 per token (nats)")
         ax.grid(alpha=0.3)
-    axes[0][-1].legend(fontsize=7)
+    axes[0][0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 
+def fmt_interval(v: dict, scale: float = 1.0, digits: int = 2) -> str:
+    return f"{v['mean'] * scale:+.{digits}f} [{v['low'] * scale:+.{digits}f}, {v['high'] * scale:+.{digits}f}]"
+
+
 def markdown(payload: dict) -> str:
-    s = payload["summary"]["mean"]
+    s = payload["summary"]
+    bits = list(s["mean"])
     if payload.get("runs"):  # combined from runs side by side, one model each
-        where = "Measured in runs side by side on " + "; ".join(
-            f"`{r['command'].split('--models ')[-1].split()[0]}` {r['date']}"
-            for r in payload["runs"])
+        where = "Measured in runs side by side: " + "; ".join(
+            f"`{r['command']}` {r['date']}" for r in payload["runs"])
     else:
-        where = f"Measured {payload['date']}"
-    lines = ["# Quality vs memory: KL to bf16 at expert-byte budgets", "",
-             f"{where}, {payload['machine']['cpu']} ({payload['machine']['cpu_count']} CPUs, shared with "
-             f"other work). Command: `{payload['command']}`. "
-             f"Per domain: {payload['prompt_tokens']} prompt tokens (what the planner sees), then "
-             f"{payload['eval_tokens']} scored tokens of the domain's `valid` text (windows of "
-             f"{payload['seq_len']}). Budget: a fraction of the bf16 experts' bytes; plans count planes "
-             "and LUTs. KL: mean per-token KL(bf16 || plan) of the next-token distribution, nats, mean "
-             "over the four domains (lower is better, **bold** the best). `-` : the budget is below "
-             "every block at 3 bits (no plan fits). Plot: docs/quality_budget.png. Numbers: "
-             "bench/results/quality_budget.json. What the numbers say: docs/planner.md, section Measured.", ""]
-    for name, res in payload["results"].items():
-        lines += [f"## {name}", "",
-                  f"bf16 experts {res['bf16_expert_bytes']:,} B, dense {res['dense_bytes']:,} B; every block "
-                  f"at 3 bits = {res['all_3_bit_fraction']:.1%} of bf16; mean bf16 perplexity "
-                  f"{s[name]['bf16_ppl']:.3f}; loss scales: {res['scales']}; artifact calibrated on "
-                  f"{res.get('calibration_tokens', '?')} tokens.", "",
-                  "| policy | " + " | ".join(f"{f:.0%}" for f in FRACTIONS) + " | mean |",
-                  "|---" * (len(FRACTIONS) + 2) + "|"]
-        best = {str(f): min(v["kl"] for v in s[name][str(f)].values()) if s[name][str(f)] else None
-                for f in FRACTIONS}
-        for p in POLICY_NAMES:
-            cells = []
-            for f in FRACTIONS:
-                cell = s[name][str(f)]
-                if cell is None:
-                    cells.append("-")
-                    continue
-                text = f"{cell[p]['kl']:.4f} ({cell[p]['ppl']:.3f})"
-                cells.append(f"**{text}**" if np.isclose(cell[p]["kl"], best[str(f)]) else text)
-            lines.append(f"| {p} | " + " | ".join(cells) + f" | {s[name]['avg_kl_over_budgets'][p]:.4f} |")
-        lines += ["", "Cells: KL (perplexity). Whole model bytes (dense + expert budget): " +
-                  ", ".join(f"{f}: {b['whole_model_bytes']:,}" for f, b in res["budgets"].items()), ""]
-        cc = res["calib_check"]
-        lines += [f"Calibration check ({cc['tokens']} tokens of the `calib` files, KL): " +
-                  "; ".join(f"{float(f):.0%} pagedweight {v['pagedweight']:.4f} / uniform {v['uniform']:.4f} / "
-                            f"uniform-fill {v['uniform-fill']:.4f}" for f, v in cc.items() if f != "tokens"), ""]
-    lines += ["## Real-shape memory", "",
-              "| model | budget | largest uniform width | whole model bytes | freed expert bytes | KV tokens bought |",
-              "|---|---|---|---|---|---|"]
+        where = f"Measured {payload['date']}, command `{payload['command']}`"
+    head = "| policy | " + " | ".join(f"{b} bits" for b in bits) + " |"
+    rule = "|---" * (len(bits) + 1) + "|"
+    lines = ["# Quality at budgets in mean plane bits", "",
+             f"{where}; {payload['machine']['cpu']} ({payload['machine']['cpu_count']} CPUs, shared with "
+             f"other work). Models: {', '.join(s['models'])}. Per domain ({', '.join(payload['domains'])}): "
+             f"{payload['prompt_tokens']} prompt tokens of the domain's `valid` text (what the planner "
+             f"sees), then {payload['eval_tokens']} scored tokens in chunks of {payload['seq_len']}. "
+             "A budget of b bits: the plan's bit planes may not exceed b x (expert weights) / 8 bytes; "
+             "the fp16 LUTs a plan needs are not charged, their bytes are reported beside it. At 3.0 "
+             "every policy has one plan, every block at 3 bits; at 3.5 `uniform` is the widest single "
+             "width that fits (3 bits) and only mixed plans reach the budget. KL: mean per-token "
+             "KL(bf16 || plan) of the next-token distribution, nats. 95% confidence intervals from "
+             "chunk-paired differences (bench/quality_budget.py says how). Numbers: "
+             "bench/results/quality_budget_cpu.json; plot: quality.png.", "",
+             "![KL to bf16 by budget](quality.png)", "",
+             "## Mean over models", "",
+             "KL x 1000 (perplexity change against bf16, %); **bold**: the lowest KL at that budget.", "",
+             head, rule]
+    for p in payload["policies"]:
+        cells = []
+        for b in bits:
+            best = min(v["kl"]["mean"] for v in s["mean"][b].values())
+            c = s["mean"][b][p]
+            text = f"{1000 * c['kl']['mean']:.2f} ({100 * c['ppl_change']['mean']:+.2f}%)"
+            cells.append(f"**{text}**" if np.isclose(c["kl"]["mean"], best) else text)
+        lines.append(f"| {p} | " + " | ".join(cells) + " |")
+    lines.append("| bytes with LUTs, % of bf16 (planner) | " + " | ".join(
+        f"{100 * s['mean'][b][PLANNER]['bytes_fraction']:.1f}%" for b in bits) + " |")
+    lines += ["", "## Planner minus each other policy, mean over models", "",
+              "KL x 1000, mean [95% CI]; below zero: the planner's plan is closer to bf16.", "", head, rule]
+    for p in [q for q in payload["policies"] if q != PLANNER]:
+        lines.append(f"| {p} | " + " | ".join(fmt_interval(s["versus"][b][p]["kl"], 1000) for b in bits) + " |")
+    lines += ["", "Log-perplexity x 1000, mean [95% CI]:", "", head, rule]
+    for p in [q for q in payload["policies"] if q != PLANNER]:
+        lines.append(f"| {p} | " + " | ".join(fmt_interval(s["versus"][b][p]["log_ppl"], 1000) for b in bits)
+                     + " |")
+    lines += ["", "Planner perplexity change against bf16, %, mean [95% CI]: " + "; ".join(
+        f"{b} bits {fmt_interval(s['mean'][b][PLANNER]['ppl_change'], 100)}" for b in bits), "",
+        "## Targets", "", "| target | value | 95% CI | met |", "|---|---|---|---|"]
+    for c in s["checks"]:
+        if c["check"].startswith("perplexity"):
+            ppl = s["mean"][str(c["bits"])][PLANNER]["ppl_change"]
+            lines.append(f"| {c['check']} | {100 * c['value']:+.2f}% | [{100 * ppl['low']:+.2f}%, "
+                         f"{100 * ppl['high']:+.2f}%] | {'yes' if c['met'] else '**no**'} |")
+    beats = [c for c in s["checks"] if "against" in c]
+    checked = list(dict.fromkeys(str(c["bits"]) for c in beats))
+    lines += ["", "The planner better than each policy, mean over models (KL, the 95% CI of the paired "
+              "difference below zero); 3.0 bits is left out, every policy's one plan being every block "
+              "at 3 bits:", "", "| against | " + " | ".join(f"{b} bits" for b in checked) + " |",
+              "|---" * (len(checked) + 1) + "|"]
+    for p in dict.fromkeys(c["against"] for c in beats):
+        met = {str(c["bits"]): c["met"] for c in beats if c["against"] == p}
+        lines.append(f"| {p} | " + " | ".join("yes" if met[b] else "**no**" for b in checked) + " |")
+    if s.get("guard"):
+        lines += ["", "Held-out plans where the uniform guard chose uniform-plus-fill (`no-guard` differs "
+                  "from the planner only there): " + ", ".join(
+                      f"{b} bits {g['guard_plans']} of {g['plans']}" for b, g in s["guard"].items()) + "."]
+    for name in s["models"]:
+        res = payload["results"][name]
+        lines += ["", f"## {name}", "",
+                  f"{res['weights']:,} expert weights (bf16 {res['bf16_expert_bytes']:,} B), dense "
+                  f"{res['dense_bytes']:,} B; loss scales: {res['scales']}; calibrated on "
+                  f"{res['calibration_tokens']:,} tokens. KL x 1000 (perplexity change, %):", "", head, rule]
+        for p in payload["policies"]:
+            lines.append(f"| {p} | " + " | ".join(
+                f"{1000 * s['per_model'][b][p][name]['kl']:.2f} ({100 * s['per_model'][b][p][name]['ppl_change']:+.2f}%)"
+                for b in bits) + " |")
+        lines.append("| bytes with LUTs, % of bf16 (planner) | " + " | ".join(
+            f"{100 * s['per_model'][b][PLANNER][name]['bytes_fraction']:.1f}%" for b in bits) + " |")
+        cc = res.get("calib_check")
+        if cc:
+            lines += ["", f"Calibration check ({cc['tokens']} tokens of the `calib` files, KL x 1000, "
+                      "pagedweight / uniform / uniform-fill): " + "; ".join(
+                          f"{b} bits {1000 * v[PLANNER]:.2f} / {1000 * v['uniform']:.2f} / "
+                          f"{1000 * v['uniform-fill']:.2f}" for b, v in cc.items() if b != "tokens")]
+    lines += ["", "## Real-shape memory", "",
+              "| model | bits | planes | LUTs (at most) | whole model | KV tokens bought |", "|---|---|---|---|---|---|"]
     for name, r in payload["real_shapes"].items():
-        for f, b in r["budgets"].items():
-            lines.append(f"| {name} | {float(f):.0%} | {b['largest_uniform_width']} | {b['whole_model_bytes'] / 1e9:.2f} GB "
-                         f"| {b['freed_bytes'] / 1e9:.2f} GB | {b['kv_tokens_bought']:,} |")
-    lines += ["", f"KV bytes per token (bf16 K and V, all layers): " +
-              ", ".join(f"{n} {r['kv_bytes_per_token']:,}" for n, r in payload["real_shapes"].items()),
-              "", "## Checks (mean KL over domains)", "", "| model | budget | against | pagedweight | other | beats |",
-              "|---|---|---|---|---|---|"]
-    for c in payload["summary"]["checks"]:
-        lines.append(f"| {c['model']} | {c['fraction']:.0%} | {c['against']} | {c['pagedweight_kl']:.4f} | "
-                     f"{c['other_kl']:.4f} | {'yes' if c['beats'] else '**no**'} |")
+        for b, row in r["budgets"].items():
+            lines.append(f"| {name} | {b} | {row['plane_bytes'] / 1e9:.2f} GB | {row['lut_bytes_at_most'] / 1e9:.2f} GB "
+                         f"| {row['whole_model_bytes'] / 1e9:.2f} GB | {row['kv_tokens_bought']:,} |")
+    lines += ["", "KV bytes per token (bf16 K and V, all layers): " +
+              ", ".join(f"{n} {r['kv_bytes_per_token']:,}" for n, r in payload["real_shapes"].items())]
     return "\n".join(lines) + "\n"
 
 
@@ -323,16 +460,21 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def add_eval_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prompt-tokens", type=int, default=256)
+    parser.add_argument("--eval-tokens", type=int, default=1024, help="scored tokens per domain")
+    parser.add_argument("--seq-len", type=int, default=256, help="tokens per scored chunk")
+    parser.add_argument("--threads", type=int, default=1)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--artifacts", required=True, help="directory of paged models, one per --models name")
     parser.add_argument("--models", nargs="+", default=list(MODELS))
-    parser.add_argument("--prompt-tokens", type=int, default=256)
-    parser.add_argument("--eval-tokens", type=int, default=512, help="scored tokens per domain")
-    parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--calib-tokens", type=int, default=128, help="per domain, for the calibration check")
-    parser.add_argument("--threads", type=int, default=2)
+    add_eval_args(parser)
+    parser.add_argument("--calib-tokens", type=int, default=256, help="per domain, for the calibration check")
     parser.add_argument("--out-name", default="quality_budget")
+    parser.add_argument("--docs-name", default="quality", help="docs/NAME.md and docs/NAME.png")
     parser.add_argument("--combine", nargs="+", default=None, metavar="JSON",
                         help="no measuring: merge the results of earlier runs (one model each, run "
                              "side by side) into one table, plot and JSON")
@@ -341,10 +483,6 @@ def main() -> int:
     if args.combine:
         parts = [json.loads(Path(f).read_text()) for f in args.combine]
         results = {name: res for part in parts for name, res in part["results"].items()}
-        for name, res in results.items():  # runs older than this field: read it from the artifact
-            if "calibration_tokens" not in res and (Path(args.artifacts) / name).is_dir():
-                meta = json.loads((Path(args.artifacts) / name / "paged_model.json").read_text())
-                res["calibration_tokens"] = meta["calibration"]["num_tokens"]
         payload = {k: parts[0][k] for k in ("prompt_tokens", "eval_tokens", "seq_len", "calib_tokens")}
         payload["command"] = " ; ".join(p["command"] for p in parts)
         payload["runs"] = [{k: p[k] for k in ("date", "machine", "commit", "command")} for p in parts]
@@ -353,13 +491,15 @@ def main() -> int:
         payload = {"prompt_tokens": args.prompt_tokens, "eval_tokens": args.eval_tokens,
                    "seq_len": args.seq_len, "calib_tokens": args.calib_tokens,
                    "command": "python -m bench.quality_budget " + " ".join(sys.argv[1:])}
-    payload.update({"fractions": list(FRACTIONS), "policies": list(POLICY_NAMES), "results": results,
+    results = {name: results[name] for name in MODELS if name in results}
+    payload.update({"bits": list(BITS), "domains": list(DOMAINS), "policies": list(POLICY_NAMES),
+                    "targets": {str(b): v for b, v in TARGETS.items()}, "results": results,
                     "real_shapes": real_shape_rows(), "summary": summarise(results)})
     path = write_result(args.out_name, payload)
     record = json.loads(path.read_text())
-    (REPO / "docs" / f"{args.out_name}.md").write_text(markdown(record))
-    plot(record, REPO / "docs" / f"{args.out_name}.png")
-    log(f"wrote {path}, docs/{args.out_name}.md and .png")
+    (REPO / "docs" / f"{args.docs_name}.md").write_text(markdown(record))
+    plot(record, REPO / "docs" / f"{args.docs_name}.png")
+    log(f"wrote {path}, docs/{args.docs_name}.md and .png")
     return 0
 
 

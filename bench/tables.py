@@ -180,7 +180,8 @@ TABLES = {
     "retrieval_budget": (retrieval_budget, ["retrieval_budget_retrieval-moe_cpu.json"]),
 }
 # whole pages a benchmark renders from its own result: page -> (module of bench/, result file)
-PAGES = {"quality_budget.md": ("quality_budget", "quality_budget.json")}
+PAGES = {"quality.md": ("quality_budget", "quality_budget_cpu.json"),
+         "calibration.md": ("calibration_quality", "calibration_quality_cpu.json")}
 MARK = re.compile(r"(<!-- table: (\w+) -->\n)(.*?)(<!-- /table -->)", re.S)
 
 

@@ -14,9 +14,9 @@
    `WeightPager` over a `BitPlanner`, here the in-process one, registered with the page
    table's block bytes, the artifact's sensitivity and its calibration routing; live
    routing reaches it as snapshots from a `RoutingFeed`); `static-B` pins every block at B bits;
-6. with the artifact's residual heads, each request's prefill routing is recorded
-   (engine/prompt_routing.py) and every plan request carries the prompts in flight, their
-   residual predicted by the heads in the page table's block order (`prompt_residuals`).
+6. with `prompt_residuals` on (opt-in) and the artifact's residual heads, each request's
+   prefill routing is recorded (engine/prompt_routing.py) and every plan request carries the
+   prompts in flight, their residual predicted by the heads in the page table's block order.
 """
 
 from __future__ import annotations
@@ -58,8 +58,9 @@ class RuntimeConfig:
     # else a file from `pagedweight plan-scales`
     scales_file: str | None = None
     # feed the prompts in flight through the artifact's residual heads into every plan
-    # (the planner's third signal); off: the planner sees routing only (an ablation)
-    prompt_residuals: bool = True
+    # (the planner's third signal). Opt-in: on held-out text, calibrated on the served domain
+    # or on another, they did not lower KL beyond noise (docs/calibration.md, docs/planner.md)
+    prompt_residuals: bool = False
     # lowering plans move fewer blocks further: each moved block costs this many medians of
     # one bit's damage (planner/fewer_moves.py); 0: the planner's one-bit greedy. 16 halved the
     # blocks lowered for the same load (CPU, docs/elasticity.md 2c) for 0.06-0.1 fewer mean

@@ -30,3 +30,20 @@ def test_enforce_eager_reaches_the_engine(micro_paged):
     finally:
         runtime.close()
         unfreeze()
+
+
+
+def test_prompt_residuals_are_opt_in(micro_paged, monkeypatch):
+    """Off by default (docs/calibration.md: no measured gain held out); `--prompt-residuals`
+    reaches the runtime's config, which then feeds the prompts through the artifact's heads."""
+    import pagedweight.runtime
+
+    seen = []
+    monkeypatch.setattr(pagedweight.runtime, "build_runtime", lambda model_dir, config, progress=None:
+                        seen.append(config.prompt_residuals) or object())
+    for flags, on in (((), False), (("--prompt-residuals",), True)):
+        config = _config(micro_paged, *flags)
+        assert config.prompt_residuals is on
+        load_runtime(config)
+        unfreeze()
+    assert seen == [False, True]

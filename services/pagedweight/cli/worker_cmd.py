@@ -25,6 +25,9 @@ def register(subparsers) -> None:
     parser.add_argument("--memory-budget", default=d["memory_budget"].default,
                         help="bytes for weights + KV + workspace (e.g. 256MiB), or a fraction of the GPU")
     parser.add_argument("--policy", default=d["policy"].default, help="planner policy, or static-B")
+    parser.add_argument("--prompt-residuals", action="store_true", default=d["prompt_residuals"].default,
+                        help="plans also see the prompts in flight through the artifact's residual heads "
+                             "(opt-in: no measured gain on held-out text, docs/calibration.md)")
     parser.add_argument("--device", default=d["device"].default)
     parser.add_argument("--dtype", default=None, help="float32 / bfloat16 / float16")
     parser.add_argument("--served-model-name", default=None, help="name in the API and metrics")
@@ -50,7 +53,8 @@ def register(subparsers) -> None:
 def config_from_args(args) -> WorkerConfig:
     return WorkerConfig(
         model_dir=args.model, port=args.port, host=args.host, http_port=args.http_port,
-        memory_budget=args.memory_budget, policy=args.policy, device=args.device, dtype=args.dtype,
+        memory_budget=args.memory_budget, policy=args.policy, prompt_residuals=args.prompt_residuals,
+        device=args.device, dtype=args.dtype,
         served_model_name=args.served_model_name, planner_address=args.planner,
         planner_deadline_s=args.planner_deadline, worker_id=args.worker_id,
         shutdown_timeout_s=args.shutdown_timeout, max_num_seqs=args.max_num_seqs,

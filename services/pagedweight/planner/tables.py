@@ -6,16 +6,19 @@ and which expert it belongs to; per expert the routing mass seen during calibrat
 holds no tensors, files or transport, so tests build one from synthetic numbers and the
 adapter (services/planner/artifact.py) builds one from a paged model.
 
+`planes_only` gives the same table with each block's bytes its bit planes alone, for budgets
+stated in mean plane bits (bench/quality_budget.py).
+
 Index convention: bit-width b lives in column b - MIN_BITS (3 bits -> column 0).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
-from pagedweight.format.blocks import BIT_WIDTHS, MIN_BITS, BlockId, block_bytes
+from pagedweight.format.blocks import BIT_WIDTHS, MIN_BITS, BlockId, block_bytes, plane_bytes
 
 NUM_WIDTHS = len(BIT_WIDTHS)
 
@@ -66,10 +69,16 @@ class BlockTable:
                     calib_mass: np.ndarray | None = None,
                     calib_share: np.ndarray | None = None) -> "BlockTable":
         """Bytes from each block's [rows, cols] through the one format definition."""
-        nbytes = np.array([[block_bytes(r, c, b) for b in BIT_WIDTHS] for r, c in shapes],
-                          dtype=np.int64).reshape(len(shapes), NUM_WIDTHS)
-        return cls(list(block_ids), nbytes, sensitivity, num_layers, num_experts,
+        return cls(list(block_ids), shape_nbytes(shapes), sensitivity, num_layers, num_experts,
                    calib_mass, calib_share)
+
+    def planes_only(self, shapes: list[tuple[int, int]]) -> "BlockTable":
+        """The same table with each block's bytes its bit planes alone (no LUTs), so a budget
+        of B bytes is a budget of 8 B / (weights) mean plane bits. `shapes`: [rows, cols]
+        per block, in block order."""
+        if len(shapes) != self.num_blocks:
+            raise ValueError(f"{len(shapes)} shapes for {self.num_blocks} blocks")
+        return replace(self, nbytes=shape_nbytes(shapes, luts=False))
 
     @property
     def num_blocks(self) -> int:
@@ -97,3 +106,13 @@ class BlockTable:
         if missing:
             raise KeyError(f"bits map lacks {len(missing)} blocks, e.g. {missing[0]}")
         return np.array([bits_map[b.key()] for b in self.block_ids], dtype=np.int64)
+
+
+def shape_nbytes(shapes: list[tuple[int, int]], luts: bool = True) -> np.ndarray:
+    """int64 [N, 6]: bytes of blocks of these [rows, cols] at 3..8 bits, planes plus the stored
+    LUT (format.blocks.block_bytes), or the planes alone (`luts` False)."""
+    def one(r: int, c: int, b: int) -> int:
+        return block_bytes(r, c, b) if luts else b * plane_bytes(r, c)
+
+    return np.array([[one(r, c, b) for b in BIT_WIDTHS] for r, c in shapes],
+                    dtype=np.int64).reshape(len(shapes), NUM_WIDTHS)

@@ -16,6 +16,7 @@ class WorkerConfig:
     http_port: int | None = None  # /metrics, /health, /ready; None: no HTTP side port
     memory_budget: str = "256MiB"  # bytes, or a fraction of the GPU ("0.9")
     policy: str = "pagedweight"  # planner policy, or static-B
+    prompt_residuals: bool = False  # feed prompts through the artifact's residual heads (opt-in)
     device: str = "cpu"
     dtype: str | None = None  # float32 / bfloat16 / float16; None: float32 on CPU, bfloat16 on CUDA
     served_model_name: str | None = None  # the model's name in APIs and metrics (default: directory name)

@@ -59,7 +59,8 @@ def load_runtime(config: WorkerConfig, progress=None):
     budget = parse_memory_budget(config.memory_budget, device_memory_bytes(device))
     engine = EngineConfig(scheduler=SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
                           kv=KVCacheConfig(config.block_size), enforce_eager=config.enforce_eager)
-    runtime = build_runtime(config.model_dir, RuntimeConfig(budget, config.policy, str(device), dtype, engine=engine),
+    runtime = build_runtime(config.model_dir, RuntimeConfig(budget, config.policy, str(device), dtype, engine=engine,
+                                                               prompt_residuals=config.prompt_residuals),
                             progress=progress)
     if progress is not None:
         progress("warming up")

@@ -1,0 +1,192 @@
+"""What the calibration text does to held-out quality: prompt residuals under domain shift,
+and the calibration defaults (tokens per file, one domain or all four).
+
+Artifacts: DIR/<model>/<variant>, each made by `pagedweight quantize` with one calibration:
+- `all-<T>`: the four domains' `calib` files (kjv, pydoc, pycode, cheader), T tokens each;
+- `<domain>-<T>`: that one domain's `calib` file, T tokens.
+Every artifact is scored like bench/quality_budget.py (same prompts, chunks, statistics) at
+BITS mean plane bits, on the four domains' held-out `valid` text, for the planner
+(`pagedweight`), the planner without prompt residuals (`no-residual`) and `uniform`.
+
+- Domain shift: an artifact calibrated on one domain serves the other three. Prompt residuals
+  help if the planner minus no-residual (KL, paired over the same chunks) is below zero with
+  a 95% CI that excludes zero, mean over the models and the four calibration domains.
+- Defaults: the planner's KL and perplexity change per variant on all four domains, and each
+  variant minus the all-domain default (`all-16384`), paired; one-domain variants are pooled
+  (each of the four scored on all four domains, held-out domains and its own).
+
+Writes bench/results/calibration_quality_cpu.json and docs/calibration.md.
+    C=data/corpus  # the shared corpus' calib files
+    pagedweight quantize --model M --out DIR/M/all-8192 --calib $C/{kjv,pydoc,pycode,cheader}.calib.txt \
+        --calib-tokens 8192
+    pagedweight quantize --model M --out DIR/M/kjv-16384 --calib $C/kjv.calib.txt --calib-tokens 16384
+    python -m bench.calibration_quality --artifacts DIR --models micro-mixtral tiny-mixtral tiny-qwen-moe
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from bench.bench_meta import write_result
+from bench.quality_budget import (DOMAINS, PLANNER, add_eval_args, as_ppl_change, combine, domain_mean, log,
+                                  paired, vs_bf16, evaluate_model, fmt_interval)
+
+REPO = Path(__file__).resolve().parents[1]
+POLICIES = (PLANNER, "no-residual", "uniform")
+BITS = (3.5, 4.0, 5.0)
+DEFAULT_VARIANT = "all-16384"
+
+
+def variant_domains(variant: str) -> tuple[str, ...]:
+    """The domains a variant was calibrated on ("all-16384" -> all four, "kjv-16384" -> kjv)."""
+    which = variant.rsplit("-", 1)[0]
+    if which == "all":
+        return DOMAINS
+    if which not in DOMAINS:
+        raise ValueError(f"variant {variant!r}: expected all-<tokens> or <domain>-<tokens>")
+    return (which,)
+
+
+def variant_tokens(variant: str) -> int:
+    return int(variant.rsplit("-", 1)[1])
+
+
+def summarise(results: dict) -> dict:
+    """results[model][variant]: evaluate_model's result on all four domains."""
+    models = list(results)
+    out = {"shift": {}, "defaults": {}}
+    for b in map(str, BITS):
+        pairs = [(m, v) for m in models for v in results[m] if len(variant_domains(v)) == 1]
+        if pairs:
+            rows = {f"{m} {v}": {
+                metric: paired(results[m][v], b, PLANNER, "no-residual", metric,
+                               [d for d in DOMAINS if d not in variant_domains(v)])
+                for metric in ("kl", "nll")} for m, v in pairs}
+            out["shift"][b] = {"pairs": {k: {m: {"mean": x[0], "se": x[1]} for m, x in r.items()}
+                                         for k, r in rows.items()},
+                               "kl": combine([r["kl"] for r in rows.values()]),
+                               "log_ppl": combine([r["nll"] for r in rows.values()])}
+        labels = {}
+        for m in models:
+            for v in results[m]:
+                label = v if len(variant_domains(v)) > 1 else f"one-domain-{variant_tokens(v)}"
+                labels.setdefault(label, []).append((m, v))
+        cell = {}
+        for label, members in sorted(labels.items(), key=lambda kv: (kv[0].startswith("one"),
+                                                                      variant_tokens(kv[0]))):
+            row = {"tokens_per_file": variant_tokens(label), "artifacts": len(members),
+                   "models": sorted({m for m, _ in members})}
+            for p in POLICIES:
+                row[p] = {"kl": combine([domain_mean([np.asarray(results[m][v]["domains"][d]["bits"][b][p]["kl"])
+                                                      for d in DOMAINS]) for m, v in members]),
+                          "ppl_change": as_ppl_change(combine([vs_bf16(results[m][v], b, p) for m, v in members]))}
+            base = [(m, DEFAULT_VARIANT) for m, _ in members if DEFAULT_VARIANT in results[m]]
+            if label != DEFAULT_VARIANT and len(base) == len(members):
+                row["minus_default_kl"] = combine([_cross(results[m][v], results[m][DEFAULT_VARIANT], b)
+                                                   for m, v in members])
+            cell[label] = row
+        out["defaults"][b] = cell
+    return out
+
+
+def _cross(a: dict, base: dict, bits: str) -> tuple[float, float]:
+    """The planner's KL of artifact a minus artifact base, paired over the same chunks."""
+    return domain_mean([np.asarray(a["domains"][d]["bits"][bits][PLANNER]["kl"])
+                        - np.asarray(base["domains"][d]["bits"][bits][PLANNER]["kl"]) for d in DOMAINS])
+
+
+def markdown(payload: dict) -> str:
+    s = payload["summary"]
+    bits = list(s["defaults"])
+    lines = ["# Calibration and held-out quality", "",
+             (f"Measured in runs side by side: " + "; ".join(f"`{r['command']}` {r['date']}" for r in payload["runs"])
+              if payload.get("runs") else f"Measured {payload['date']}, command `{payload['command']}`")
+             + f"; {payload['machine']['cpu']} "
+             f"({payload['machine']['cpu_count']} CPUs, shared with other work). Models: "
+             f"{', '.join(payload['results'])}. Scoring as in quality.md: {payload['prompt_tokens']} prompt "
+             f"tokens, then {payload['eval_tokens']} scored tokens per domain in chunks of {payload['seq_len']}; "
+             "budgets in mean plane bits. Numbers: bench/results/calibration_quality_cpu.json; the script: "
+             "bench/calibration_quality.py.", "",
+             "## Prompt residuals under domain shift", "",
+             "Each artifact calibrated on one domain serves the other three. Planner minus the planner "
+             "without prompt residuals, mean over models and calibration domains [95% CI]; below zero: "
+             "residuals help.", "",
+             "| bits | KL x 1000 | log-perplexity x 1000 |", "|---|---|---|"]
+    for b in bits:
+        if b in s["shift"]:
+            lines.append(f"| {b} | {fmt_interval(s['shift'][b]['kl'], 1000, 3)} | "
+                         f"{fmt_interval(s['shift'][b]['log_ppl'], 1000, 3)} |")
+    lines += ["", "Per model and calibration domain (KL x 1000, mean ± 1.96 se):", "",
+              "| model, calibrated on | " + " | ".join(f"{b} bits" for b in bits) + " |", "|---" * (len(bits) + 1) + "|"]
+    keys = list(next(iter(s["shift"].values()))["pairs"]) if s["shift"] else []
+    for k in keys:
+        lines.append(f"| {k} | " + " | ".join(
+            f"{1000 * s['shift'][b]['pairs'][k]['kl']['mean']:+.3f} ± {1000 * 1.96 * s['shift'][b]['pairs'][k]['kl']['se']:.3f}"
+            for b in bits) + " |")
+    lines += ["", "## Calibration tokens and domains", "",
+              "The planner on all four domains' held-out text, mean over the row's models: KL x 1000 [95% CI], "
+              "perplexity change against bf16 (%), and KL x 1000 minus the default's (all four domains, "
+              f"{variant_tokens(DEFAULT_VARIANT)} tokens each), paired. one-domain: the four artifacts "
+              "each calibrated on one domain, pooled.", ""]
+    for b in bits:
+        lines += [f"### {b} bits", "", "| calibration | tokens (files x per file) | models | planner KL x 1000 | perplexity "
+                  "change | minus default, KL x 1000 | uniform KL x 1000 |", "|---|---|---|---|---|---|---|"]
+        for label, row in s["defaults"][b].items():
+            minus = fmt_interval(row["minus_default_kl"], 1000, 3) if "minus_default_kl" in row else "-"
+            files = 1 if label.startswith("one-domain") else len(DOMAINS)
+            lines.append(f"| {label.rsplit('-', 1)[0]} | {files} x {row['tokens_per_file']} | {', '.join(row['models'])} | "
+                         f"{fmt_interval(row[PLANNER]['kl'], 1000)} | {100 * row[PLANNER]['ppl_change']['mean']:+.2f}% "
+                         f"| {minus} | {1000 * row['uniform']['kl']['mean']:.2f} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--artifacts", required=True, help="DIR/<model>/<variant>, see the module docstring")
+    parser.add_argument("--models", nargs="+", required=True)
+    parser.add_argument("--variants", nargs="+", default=None, help="default: every variant found")
+    add_eval_args(parser)
+    parser.add_argument("--out-name", default="calibration_quality")
+    parser.add_argument("--combine", nargs="+", default=None, metavar="JSON",
+                        help="no measuring: merge earlier runs (e.g. one model each, side by side)")
+    args = parser.parse_args()
+    args.calib_tokens = 0  # no calibration check here
+    torch.set_num_threads(args.threads)
+    if args.combine:
+        parts = [json.loads(Path(f).read_text()) for f in args.combine]
+        results = {}
+        for p in parts:  # a model's variants may come from several runs
+            for m, r in p["results"].items():
+                results.setdefault(m, {}).update(r)
+        payload = {k: parts[0][k] for k in ("prompt_tokens", "eval_tokens", "seq_len")}
+        payload["command"] = " ; ".join(p["command"] for p in parts)
+        payload["runs"] = [{k: p[k] for k in ("date", "machine", "commit", "command")} for p in parts]
+    else:
+        results = {}
+        for m in args.models:
+            variants = args.variants or sorted(p.name for p in (Path(args.artifacts) / m).iterdir()
+                                               if (p / "paged_model.json").is_file())
+            results[m] = {}
+            for v in variants:
+                log(f"{m} {v}")
+                results[m][v] = evaluate_model(m, args, POLICIES, BITS, DOMAINS, Path(args.artifacts) / m / v)
+        payload = {"prompt_tokens": args.prompt_tokens, "eval_tokens": args.eval_tokens, "seq_len": args.seq_len,
+                   "command": "python -m bench.calibration_quality " + " ".join(sys.argv[1:])}
+    payload.update({"bits": list(BITS), "policies": list(POLICIES), "results": results,
+                    "summary": summarise(results)})
+    path = write_result(args.out_name, payload)
+    if not args.out_name.startswith("calibration_quality_"):
+        (REPO / "docs" / "calibration.md").write_text(markdown(json.loads(path.read_text())))
+    log(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
