@@ -382,7 +382,9 @@ def markdown(payload: dict) -> str:
              "every policy has one plan, every block at 3 bits; at 3.5 `uniform` is the widest single "
              "width that fits (3 bits) and only mixed plans reach the budget. KL: mean per-token "
              "KL(bf16 || plan) of the next-token distribution, nats. 95% confidence intervals from "
-             "chunk-paired differences (bench/quality_budget.py says how). Numbers: "
+             "chunk-paired differences (bench/quality_budget.py says how). `pagedweight` plans with "
+             "the prompts' residuals; the worker's default leaves them off (`--prompt-residuals` turns "
+             "them on: docs/calibration.md), so it plans as the `no-residual` row. Numbers: "
              "bench/results/quality_budget_cpu.json; plot: quality.png.", "",
              "![KL to bf16 by budget](quality.png)", "",
              "## Mean over models", "",
