@@ -3,7 +3,7 @@
 The checkpoint is a small MoE trained for key-value retrieval among long filler text
 (tools/train_retrieval_moe.py, bench/retrieval_task.py). Per context length, held-out
 examples (one query each) are answered by greedy decoding and scored by exact match of the
-value's digits:
+value:
 - bf16: the unquantised checkpoint in the project's model with unlimited memory (the
   contiguous-KV reference loop, one request at a time);
 - under a budget that holds the dense weights, the workspace, the KV of `--concurrency`
@@ -31,16 +31,16 @@ from pathlib import Path
 import torch
 
 from bench.bench_meta import write_result
-from bench.retrieval_task import TaskShape, eval_examples, to_text
+from bench.retrieval_task import eval_examples, to_text
 from pagedweight.common.paths import REPO_ROOT
 
 DEFAULT_MODEL = REPO_ROOT / "models" / "retrieval-moe"
 CALIB_SEED = 1  # the evaluation uses --seed (0); training never draws from the evaluation's seeds
 
 
-def write_calib(path: Path, shape: TaskShape, length: int, count: int, records: int) -> Path:
+def write_calib(path: Path, length: int, count: int, records: int) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(to_text(e.ids) for e in eval_examples(CALIB_SEED, length, count, records, shape)) + "\n")
+    path.write_text("\n".join(to_text(e.ids) for e in eval_examples(CALIB_SEED, length, count, records)) + "\n")
     return path
 
 
@@ -135,13 +135,13 @@ def score(outputs, examples) -> float:
     return sum(o[:len(e.answer)] == e.answer for o, e in zip(outputs, examples)) / len(examples)
 
 
-def run_length(args, paged_dir: Path, length: int, shape: TaskShape, device, dtype) -> dict:
+def run_length(args, paged_dir: Path, length: int, device, dtype) -> dict:
     from pagedweight.engine.engine import EngineConfig
     from pagedweight.engine.scheduler import SchedulerConfig
     from pagedweight.format.apl_format import BIT_WIDTHS
     from pagedweight.memory.kv_cache import KVCacheConfig
 
-    examples = eval_examples(args.seed, length, args.count, args.records, shape)
+    examples = eval_examples(args.seed, length, args.count, args.records)
     engine = EngineConfig(scheduler=SchedulerConfig(args.concurrency, args.max_batched_tokens),
                           kv=KVCacheConfig(args.block_size))
     request_tokens = max(e.prompt_len + len(e.answer) for e in examples)
@@ -194,15 +194,14 @@ def main(argv=None) -> int:
     device = torch.device(args.device)
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     config = json.loads((Path(args.model) / "config.json").read_text())
-    shape = TaskShape()
     work = Path(args.work)
     paged_dir = work / "paged"
     started = time.perf_counter()
     if args.requantize or not (paged_dir / "config.json").is_file():
-        calib = write_calib(work / "calib.txt", shape, args.calib_length, args.calib_examples, args.records)
+        calib = write_calib(work / "calib.txt", args.calib_length, args.calib_examples, args.records)
         quantize(Path(args.model), paged_dir, calib, args)
     quantize_s = round(time.perf_counter() - started, 1)
-    lengths = [run_length(args, paged_dir, n, shape, device, dtype) for n in args.lengths]
+    lengths = [run_length(args, paged_dir, n, device, dtype) for n in args.lengths]
     name = args.out_name or f"retrieval_budget_{Path(args.model).name}"
     path = write_result(name, {"model": Path(args.model).name, "args": vars(args), "dtype": str(dtype)[6:],
                                "model_config": {k: config.get(k) for k in (

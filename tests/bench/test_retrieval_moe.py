@@ -10,29 +10,35 @@ import numpy as np
 import pytest
 
 from bench.retrieval_task import (
-    DIGIT_IDS, ID, QUERY, VALUE, VOCAB, TaskShape, build_tokenizer, eval_examples, make_example, record_len, to_text)
+    EVAL_SEED_BASE, ID, KEY_IDS, NUM_KEYS, QUERY, RECORD_LEN, TRAIN_SEED_BASE, VALUE_IDS, build_tokenizer, eval_examples,
+    make_example, to_text)
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("length,records,queries", [(256, 4, 4), (2048, 16, 1), (1024, 32, 8)])
+@pytest.mark.parametrize("length,records,queries", [(256, 4, 4), (2048, 16, 1), (1024, 32, 32)])
 def test_the_answer_is_the_value_of_the_queried_key_in_the_context(length, records, queries):
     for seed in range(5):
         ex = make_example(np.random.default_rng(seed), length, records, queries)
         ids = ex.ids.tolist()
-        assert abs(len(ids) - length) < record_len(TaskShape())
+        assert len(ids) == length
         assert len(set(ex.keys)) == records  # distinct keys: one right answer
-        query_at = ex.prompt_len - TaskShape().key_digits - 2
-        assert ids[query_at] == ID[QUERY] and ids[ex.prompt_len - 1] == ID[VALUE]
-        asked = tuple(int(VOCAB[t]) for t in ids[query_at + 1:ex.prompt_len - 1])
-        i = ex.keys.index(asked)
-        assert ex.answer == [int(DIGIT_IDS[d]) for d in ex.values[i]]
-        record = [ID["key"], *DIGIT_IDS[list(asked)], ID[VALUE], *ex.answer]
-        context = ids[:query_at]
-        assert any(context[j:j + len(record)] == record for j in range(len(context)))  # in the context, once
-        assert sum(ex.answer_mask) == queries * TaskShape().value_digits
-        digits = set(DIGIT_IDS.tolist())
-        assert sum(t in digits for t in context) == records * (TaskShape().key_digits + TaskShape().value_digits)
+        assert ids[ex.prompt_len - 2] == ID[QUERY] and ids[ex.prompt_len - 1] in KEY_IDS
+        asked = ids[ex.prompt_len - 1]
+        value = ex.values[ex.keys.index(asked)]
+        assert ex.answer == [value]
+        context = ids[:len(ids) - 1 - queries * RECORD_LEN]
+        assert [j for j in range(len(context) - 1) if context[j] == asked] != []
+        at = [j for j in range(len(context)) if context[j] == asked]
+        assert len(at) == 1 and context[at[0] + 1] == value  # the key once, its value right after
+        keys_in_context = [t for t in context if t in set(KEY_IDS.tolist())]
+        assert sorted(keys_in_context) == sorted(ex.keys)  # no key outside a record
+        assert sum(t in set(VALUE_IDS.tolist()) for t in context) == records
+        # every query is answered by its own record
+        assert ex.answer_mask.sum() == queries
+        for j in np.flatnonzero(ex.answer_mask):
+            assert ids[j] == ex.values[ex.keys.index(ids[j - 1])]
+        assert len({ids[j - 1] for j in np.flatnonzero(ex.answer_mask)}) == queries  # distinct records asked
 
 
 def test_examples_are_a_function_of_the_seed_and_text_round_trips_through_the_tokenizer():
@@ -44,9 +50,27 @@ def test_examples_are_a_function_of_the_seed_and_text_round_trips_through_the_to
         assert tok.encode(to_text(ex.ids), add_special_tokens=False).ids == ex.ids.tolist()
 
 
+def test_training_batches_never_draw_a_held_out_seed():
+    """Training rows come from rng((TRAIN_SEED_BASE + seed, step, row)) and held-out examples
+    from rng((EVAL_SEED_BASE + seed, length, index)): disjoint as long as no training seed
+    reaches the evaluation's base."""
+    from tools.train_retrieval_moe import Curriculum, batch_spec, make_batch
+
+    assert TRAIN_SEED_BASE + 10 ** 5 < EVAL_SEED_BASE
+    spec = batch_spec(Curriculum(), 0, 0, 128)
+    ids, mask, length = make_batch(spec)
+    again = make_batch(batch_spec(Curriculum(), 0, 0, 128))
+    assert (ids == again[0]).all() and (mask == again[1]).all()  # seeded: the same batch
+    held_out = {tuple(e.ids.tolist()) for e in eval_examples(0, length, 64, 4)}
+    assert not held_out & {tuple(r) for r in ids.tolist()}
+
+
 def test_too_short_a_context_is_refused():
     with pytest.raises(ValueError):
-        make_example(np.random.default_rng(0), 60, 8, 1)
+        make_example(np.random.default_rng(0), 24, 8, 1)  # 16 record tokens, 3 of query: no room
+    make_example(np.random.default_rng(0), 32, 8, 1)  # 13 filler tokens are room enough
+    with pytest.raises(ValueError):
+        make_example(np.random.default_rng(0), 4096, NUM_KEYS + 1, 1)  # keys must be distinct
 
 
 @pytest.mark.slow
@@ -88,3 +112,4 @@ def test_trainer_writes_a_checkpoint_that_transformers_and_quantize_load(tmp_pat
                                      str(calib), "--calib-tokens", "512", "--seq-len", "256", "--quiet"])
     cli.handler(cli)
     assert (tmp_path / "paged" / "config.json").is_file()
+
