@@ -203,3 +203,20 @@ def test_measured_loss_scales_cover_every_group_and_are_positive(micro_model):
     assert set(scales.scales) == {f"L{l}.{m}" for l in range(micro_model.config.num_layers) for m in MODULES}
     assert all(v > 0 for v in scales.kl.values())
     assert all(v > 0 for v in scales.scales.values())
+
+
+def test_a_rounding_error_below_zero_is_recorded_as_a_zero_kl_the_loader_accepts():
+    """A group whose lowering changes nothing can measure KL = -4e-7 (a float sum); the
+    scales written from it must load again (GroupScales.from_json refuses negatives)."""
+    from pagedweight.offline.group_scales import scales_from_kls
+    from pagedweight.planner.loss_scale import GroupScales
+    from tests.planner.strategies import random_table
+
+    table = random_table(2, 4, 0)
+    modules = sorted({b.module for b in table.block_ids})
+    kls = {f"L{layer}.{module}": 0.01 * (layer + 1) for layer in range(table.num_layers) for module in modules}
+    kls[f"L0.{modules[-1]}"] = -4.4e-7
+    scales = scales_from_kls(table, kls, 1024)
+    loaded = GroupScales.from_json(json.loads(json.dumps(scales.to_json())))
+    assert loaded.kl[f"L0.{modules[-1]}"] == 0.0
+    assert all(v >= 0 for v in loaded.scales.values()) and min(loaded.scales.values()) > 0

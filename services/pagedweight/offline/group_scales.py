@@ -55,6 +55,9 @@ def measure_group_kls(model, table: BlockTable, windows: list[list[int]], set_bi
 def scales_from_kls(table: BlockTable, kls: dict[str, float], num_tokens: int,
                     sensitivity: str = "sensitivity") -> GroupScales:
     """scale_g = KL_g / sum over g's blocks of m_i (S_i(3) - S_i(8)), floored (loss_scale.py)."""
+    # A KL is >= 0, but a group whose lowering changes nothing can sum to a rounding error
+    # below zero; recorded as is, the artifact's own loader would refuse it.
+    kls = {key: max(float(kl), 0.0) for key, kl in kls.items()}
     rel = table.calib_mass / np.maximum(table.calib_mass.mean(axis=1, keepdims=True), 1e-12) \
         if table.calib_mass is not None else np.ones((table.num_layers, table.num_experts))
     mult = np.maximum(rel.reshape(-1)[table.expert_index], 1e-3)
