@@ -23,8 +23,8 @@ After training: the checkpoint (bf16 safetensors, config, tokenizer) and accurac
 gives it exactly when the teacher-forced argmax is right, so one forward pass per example
 measures it).
 
-    PYTHONPATH=services:. python3 tools/train_retrieval_moe.py --device cpu --threads 1 \
-        --out models/retrieval-moe --result bench/results/train_retrieval_moe_cpu.json
+    PYTHONPATH=services:. python3 tools/train_retrieval_moe.py --device cuda --max-minutes 8 \
+        --out models/retrieval-moe --result bench/results/train_retrieval_moe_gpu.json
     PYTHONPATH=services:. python3 tools/train_retrieval_moe.py --device cpu --tiny --out /tmp/r
 """
 
