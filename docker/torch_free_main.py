@@ -8,7 +8,6 @@ runner the `pagedweight` command uses (a UserError is one `error:` line, exit co
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import sys
 
@@ -16,12 +15,12 @@ ROLES = {"planner": "pagedweight.cli.planner_cmd", "gateway": "pagedweight.cli.g
 
 
 def main(argv: list[str]) -> int:
-    from pagedweight.cli.dispatch import run
+    from pagedweight.cli.dispatch import OneLineParser, run
 
     if not argv or argv[0] not in ROLES:
         print(f"usage: pagedweight {{{','.join(ROLES)}}} ... (this image runs only these)", file=sys.stderr)
         return 2
-    parser = argparse.ArgumentParser(prog="pagedweight")
+    parser = OneLineParser(prog="pagedweight")
     subparsers = parser.add_subparsers(dest="command", required=True)
     importlib.import_module(ROLES[argv[0]]).register(subparsers)
     return run(parser, argv)

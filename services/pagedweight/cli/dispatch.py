@@ -18,9 +18,18 @@ from pagedweight.common.errors import UserError
 OUT_OF_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one `prog: error: message` line and exit code 2 (the
+    usage itself is what --help prints): a bad flag reads like every other bad input.
+    Sub-command parsers inherit the class through add_subparsers."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {one_line(message)}\n")
+
+
 def run(parser: argparse.ArgumentParser, argv: list[str] | None) -> int:
     """Parse argv and call the sub-command's handler; a UserError is one `error:` line on
-    stderr and exit code 2, like argparse's own usage errors."""
+    stderr and exit code 2, like a usage error of a OneLineParser."""
     finite_floats_everywhere(parser)  # NaN and infinities are refused by every flag
     args = parser.parse_args(argv)
     try:

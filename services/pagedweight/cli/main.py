@@ -12,14 +12,14 @@ import sys
 
 from pagedweight.cli import bench_cmd, eval_cmd, generate_cmd, info_cmd, plan_cmd, plan_scales_cmd, quantize_cmd
 from pagedweight.cli import gateway_cmd, planner_cmd, serve_cmd, worker_cmd
-from pagedweight.cli.dispatch import run
+from pagedweight.cli.dispatch import OneLineParser, run
 
 COMMANDS = (generate_cmd, eval_cmd, quantize_cmd, plan_cmd, plan_scales_cmd, bench_cmd, info_cmd)
 COMMANDS += (worker_cmd, planner_cmd, serve_cmd, gateway_cmd)  # the services
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pagedweight", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="pagedweight", description=__doc__.splitlines()[0])
     subparsers = parser.add_subparsers(dest="command", required=True)
     for command in COMMANDS:
         command.register(subparsers)
