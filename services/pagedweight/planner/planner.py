@@ -78,6 +78,9 @@ def _free_to_budget(nbytes, damage, bits, budget, floors, config):
     return result.bits, True, result.shortfall
 
 
+_REBALANCE_TRIES = 6  # raises of fraction x budget, then halved: down to 1/32 of it
+
+
 class OnlinePlanner:
     """Holds the committed plan and moves it toward each new budget, with hysteresis."""
 
@@ -109,8 +112,21 @@ class OnlinePlanner:
                     plan_damage(damage, self.bits), relaxed, shortfall, action)
 
     def _rebalance(self, damage, budget, floors) -> np.ndarray:
-        ceilings = np.full(self.table.num_blocks, self.config.max_bits)
+        """Raise the most valuable blocks by up to rebalance_fraction of the budget, then free
+        the excess from the others. A raise the others cannot pay for (every block raised,
+        say) is halved and tried again, so a large fraction still finds the moves a small
+        one would."""
         extra = int(self.config.rebalance_fraction * budget)
+        for _ in range(_REBALANCE_TRIES):
+            bits = self._rebalance_by(damage, budget, floors, extra)
+            if bits is not None:
+                return bits
+            extra //= 2
+        return self.bits
+
+    def _rebalance_by(self, damage, budget, floors, extra: int) -> np.ndarray | None:
+        """The rebalance that raises by `extra` bytes; None when the excess cannot be freed."""
+        ceilings = np.full(self.table.num_blocks, self.config.max_bits)
         raised = spend_bytes(damage, self.table.nbytes, self.bits, ceilings, extra).bits
         # blocks just raised stay where they are while we free
         keep = raised > self.bits
@@ -120,6 +136,6 @@ class OnlinePlanner:
             return raised
         result = free_bytes(damage, self.table.nbytes, raised, lower_floors, excess)
         if result.shortfall:
-            return self.bits
+            return None
         before, after = plan_damage(damage, self.bits), plan_damage(damage, result.bits)
         return result.bits if after <= (1 - self.config.rebalance_min_gain) * before else self.bits
