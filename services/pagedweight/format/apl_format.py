@@ -102,14 +102,14 @@ def expand_lut(lut: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def with_extent(centroids4: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """LUT_4's centroids [R, 16] and the rows' weights [R, C] -> the stored LUT_4 [R, 17] (fp16):
-    the extent is how far the row's extremes lie beyond the outer centroids (the larger side),
-    so the outer cells' 5-8-bit values reach every weight."""
+    """LUT_4's centroids [..., R, 16] and the rows' weights [..., R, C] -> the stored LUT_4
+    [..., R, 17] (fp16): the extent is how far the row's extremes lie beyond the outer
+    centroids (the larger side), so the outer cells' 5-8-bit values reach every weight."""
     c = centroids4.to(LUT_DTYPE).float()
     w = w.float()
-    extent = torch.maximum(c[:, :1] - w.min(dim=1, keepdim=True).values,
-                           w.max(dim=1, keepdim=True).values - c[:, -1:]).clamp_min(0)
-    return torch.cat([c, extent], dim=1).to(LUT_DTYPE)
+    extent = torch.maximum(c[..., :1] - w.amin(dim=-1, keepdim=True),
+                           w.amax(dim=-1, keepdim=True) - c[..., -1:]).clamp_min(0)
+    return torch.cat([c, extent], dim=-1).to(LUT_DTYPE)
 
 
 def refinement_bits(w: torch.Tensor, codes4: torch.Tensor, lut4: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ from pagedweight.format.paged_model import LayerPlanes, PagedModel, block_table
 from pagedweight.model.loader import checkpoint_key
 from pagedweight.model.transformer import MoECausalLM
 from pagedweight.offline.real_shape_configs import REAL_SHAPE_CONFIGS
+from pagedweight.weights.synthetic import nested_uniform_rows
 
 GiB = 1 << 30
 
@@ -159,8 +160,9 @@ def nested_uniform_planes(w: torch.Tensor, group: int | None = None) -> LayerPla
     """w [E, R, C] (one module of every expert of a layer) -> planes and LUTs, CPU.
 
     Per row: 8-bit codes on 256 equal buckets of min..max (the b-bit code is the top b bits,
-    so nesting holds), LUT_3 / LUT_4 = the centres of the buckets (format 2 derives the rest). No calibration: for speed
-    and byte counts, not quality. Runs on w's device, `group` experts at a time.
+    so nesting holds), LUT_3 / LUT_4 = the centres of the buckets (format 2 derives the rest):
+    `weights.synthetic.nested_uniform_rows`, stacked. No calibration: for speed and byte
+    counts, not quality. Runs on w's device, `group` experts at a time.
     """
     E, R, C = w.shape
     if group is None:  # about 40 bytes of temporaries per weight (fp32 copy, int32 bit planes)
@@ -168,19 +170,12 @@ def nested_uniform_planes(w: torch.Tensor, group: int | None = None) -> LayerPla
     planes = torch.empty(E, 8, R, C // 8, dtype=torch.uint8)
     luts = {b: torch.empty(E, R, lut_entries(b), dtype=torch.float16) for b in LUT_WIDTHS}
     for first in range(0, E, group):
-        x = w[first:first + group].float()
-        g = x.shape[0]
-        lo, hi = x.amin(dim=2, keepdim=True), x.amax(dim=2, keepdim=True)
-        step = (hi - lo).clamp_min(1e-8) / 256
-        codes = ((x - lo) / step).floor_().clamp_(0, 255).to(torch.uint8)
+        codes, tables = nested_uniform_rows(w[first:first + group])
+        g = codes.shape[0]
         packed = pack_planes(codes.reshape(g * R, C)).view(8, g, R, C // 8).permute(1, 0, 2, 3)
         planes[first:first + g] = packed.cpu()
-        for b in LUT_WIDTHS:  # bucket centres; LUT_4's extent is half a 4-bit bucket, so the
-            centres = (torch.arange(1 << b, device=w.device, dtype=torch.float32) + 0.5) * (1 << (8 - b))
-            table = (lo + centres * step).to(torch.float16)  # derived 5-8-bit values are the grid's centres
-            if b == 4:
-                table = torch.cat([table, (8 * step).to(torch.float16)], dim=2)
-            luts[b][first:first + g] = table.cpu()
+        for b in LUT_WIDTHS:
+            luts[b][first:first + g] = tables[b].cpu()
     return LayerPlanes(planes, luts)
 
 

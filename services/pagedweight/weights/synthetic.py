@@ -16,19 +16,27 @@ from pagedweight_kernels.synthetic import random_block
 from pagedweight.format.apl_format import LUT_DTYPE, LUT_WIDTHS, MODULES, APLBlock, BlockId, pack_planes, with_extent
 
 
-def nested_uniform_block(weight: torch.Tensor) -> APLBlock:
-    """weight [rows, cols] -> APLBlock with min-max uniform nested codes."""
-    w = weight.detach().float().cpu()
-    lo, hi = w.min(dim=1, keepdim=True).values, w.max(dim=1, keepdim=True).values
+def nested_uniform_rows(w: torch.Tensor) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """w [..., rows, cols], on its own device -> (8-bit codes uint8 [..., rows, cols],
+    {3: LUT_3 [..., rows, 8], 4: LUT_4 [..., rows, 17]}): per row, 256 equal buckets of
+    min..max and every b-bit bucket's centre."""
+    x = w.float()
+    lo, hi = x.amin(dim=-1, keepdim=True), x.amax(dim=-1, keepdim=True)
     step = (hi - lo).clamp_min(1e-8) / 256  # 256 equal 8-bit buckets per row
-    codes = ((w - lo) / step).floor().clamp(0, 255).to(torch.uint8)
+    codes = ((x - lo) / step).floor_().clamp_(0, 255).to(torch.uint8)
     luts = {}
     for bits in LUT_WIDTHS:
         width = 1 << (8 - bits)  # 8-bit buckets per b-bit bucket
-        centres = (torch.arange(1 << bits, dtype=torch.float32) + 0.5) * width
-        luts[bits] = (lo + centres[None] * step).to(LUT_DTYPE)
-    luts[4] = with_extent(luts[4], w)
-    return APLBlock(w.shape[0], w.shape[1], pack_planes(codes), luts)
+        centres = (torch.arange(1 << bits, device=x.device, dtype=torch.float32) + 0.5) * width
+        luts[bits] = (lo + centres * step).to(LUT_DTYPE)
+    luts[4] = with_extent(luts[4], x)
+    return codes, luts
+
+
+def nested_uniform_block(weight: torch.Tensor) -> APLBlock:
+    """weight [rows, cols] -> APLBlock with min-max uniform nested codes."""
+    codes, luts = nested_uniform_rows(weight.detach().cpu())
+    return APLBlock(weight.shape[0], weight.shape[1], pack_planes(codes), luts)
 
 
 def blocks_from_model(model) -> dict[BlockId, APLBlock]:
