@@ -86,7 +86,13 @@ def reference_model(family: str):
     spec = FAMILIES[family]
     config = getattr(transformers, spec["config"])(**spec["kwargs"])
     torch.manual_seed(spec.get("seed", 0))
-    model = getattr(transformers, spec["cls"])(config).eval()
+    return redraw_weights(getattr(transformers, spec["cls"])(config).eval())
+
+
+def redraw_weights(model):
+    """Random weights that keep activations O(1) through the layers (transformers' own init
+    leaves norms at 1 and biases at 0, which would hide a missing norm or bias), in place,
+    from torch's global generator."""
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight") or name.endswith(_SCALES):
@@ -94,19 +100,25 @@ def reference_model(family: str):
             elif param.dim() == 1:  # biases
                 param.normal_(0.0, 0.1)
             else:  # scale by fan-in so activations stay O(1) through the layers
-                param.normal_(0.0, 1.0 / param.shape[-1] ** 0.5)
+                param.normal_(0.0, 1.0 / max(param.shape[-1], 1) ** 0.5)
         for name, buffer in model.named_buffers():  # Gemma-4's per-layer scalar is a buffer
             if name.endswith("layer_scalar"):
                 buffer.copy_(1.0 + 0.3 * torch.randn_like(buffer))
     return model
 
 
-def write_checkpoint(model, out_dir: Path, layout: str) -> Path:
-    """Save `model` in one of LAYOUTS, with the bundled tokenizer beside it."""
+def save_with_tokenizer(model, out_dir: Path) -> Path:
+    """`save_pretrained` with the bundled tokenizer beside it (what `pagedweight generate` reads)."""
     out_dir = Path(out_dir)
     model.save_pretrained(out_dir)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copyfile(BUNDLED_MODEL / name, out_dir / name)
+    return out_dir
+
+
+def write_checkpoint(model, out_dir: Path, layout: str) -> Path:
+    """Save `model` in one of LAYOUTS, with the bundled tokenizer beside it."""
+    out_dir = save_with_tokenizer(model, out_dir)
     path = out_dir / "model.safetensors"
     tensors = load_file(path)
     if layout == "per_expert":

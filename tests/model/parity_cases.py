@@ -18,14 +18,12 @@ lists configurations we do not run: each must fail at load naming its field.
 from __future__ import annotations
 
 import json
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from tests.conftest import BUNDLED_MODEL
-from tests.model.families import VOCAB, _SCALES
+from tests.model.families import VOCAB, redraw_weights
 
 _ROPE = {"rope_type": "default", "rope_theta": 10000.0}
 BASES = {
@@ -158,28 +156,7 @@ def reference_model(case: Case):
     config = getattr(transformers, config_cls)(**{**base, **case.changes})
     config._attn_implementation = "eager"
     torch.manual_seed(case.seed)
-    model = getattr(transformers, cls)(config).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight") or name.endswith(_SCALES):
-                param.copy_(1.0 + 0.3 * torch.randn_like(param))
-            elif param.dim() == 1:  # biases
-                param.normal_(0.0, 0.1)
-            else:  # scale by fan-in so activations stay O(1) through the layers
-                param.normal_(0.0, 1.0 / max(param.shape[-1], 1) ** 0.5)
-        for name, buffer in model.named_buffers():
-            if name.endswith("layer_scalar"):
-                buffer.copy_(1.0 + 0.3 * torch.randn_like(buffer))
-    return model
-
-
-def save_checkpoint(model, out_dir: Path) -> Path:
-    """`save_pretrained` with the bundled tokenizer beside it (what `pagedweight generate` reads)."""
-    out_dir = Path(out_dir)
-    model.save_pretrained(out_dir)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copyfile(BUNDLED_MODEL / name, out_dir / name)
-    return out_dir
+    return redraw_weights(getattr(transformers, cls)(config).eval())
 
 
 def config_dict(family: str, changes: dict | None = None) -> dict:

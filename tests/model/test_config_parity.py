@@ -17,7 +17,8 @@ from pagedweight.engine.sampler import SamplingParams
 from pagedweight.format.config_fields import inert_fields
 from pagedweight.format.model_config import ModelConfig
 from pagedweight.model import load_model
-from tests.model.parity_cases import BASES, CASES, REFUSED, config_dict, reference_model, save_checkpoint
+from tests.model.families import save_with_tokenizer
+from tests.model.parity_cases import BASES, CASES, REFUSED, config_dict, reference_model
 
 NEW_TOKENS = 32
 MAX_REL_ERROR = 1e-4
@@ -38,7 +39,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 def case(request, tmp_path_factory):
     """(case, transformers model, checkpoint dir, our model)."""
     reference = reference_model(request.param)
-    ckpt = save_checkpoint(reference, tmp_path_factory.mktemp(request.param.id))
+    ckpt = save_with_tokenizer(reference, tmp_path_factory.mktemp(request.param.id))
     return request.param, reference, ckpt, load_model(ckpt, dtype=torch.float32)
 
 
@@ -84,7 +85,7 @@ def test_generate_command_prints_transformers_text(case_id, tmp_path, capsys):
     from transformers import AutoTokenizer
 
     reference = reference_model(next(c for c in CASES if c.id == case_id))
-    ckpt = save_checkpoint(reference, tmp_path / case_id)
+    ckpt = save_with_tokenizer(reference, tmp_path / case_id)
     tokenizer = AutoTokenizer.from_pretrained(ckpt)
     ids = tokenizer(PROMPT, return_tensors="pt").input_ids
     with torch.inference_mode():

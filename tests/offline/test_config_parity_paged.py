@@ -18,7 +18,8 @@ from pagedweight.engine.scheduler import SchedulerConfig
 from pagedweight.format.paged_model import load_paged_model
 from pagedweight.memory.kv_cache import KVCacheConfig
 from pagedweight.model.dequantized_experts import build_paged_lm, set_model_bits, uniform_bits
-from tests.model.parity_cases import CASES, reference_model, save_checkpoint
+from tests.model.families import save_with_tokenizer
+from tests.model.parity_cases import CASES, reference_model
 from tests.offline.conftest import quick_config
 
 PAGED_CASES = ["mixtral-sliding-window", "qwen2_moe-window-layers", "qwen2_moe-gelu-tanh", "qwen3_moe-rope-yarn",
@@ -41,7 +42,7 @@ def paged_case(request, tmp_path_factory, calib_files):
 
     case = next(c for c in CASES if c.id == request.param)
     reference = reference_model(case).to(torch.bfloat16)  # bf16 weights, as published checkpoints are
-    ckpt = save_checkpoint(reference, tmp_path_factory.mktemp(case.id))
+    ckpt = save_with_tokenizer(reference, tmp_path_factory.mktemp(case.id))
     paged_dir = quantize_model(ckpt, tmp_path_factory.mktemp(f"{case.id}_paged") / case.id, calib_files,
                                quick_config())
     paged = load_paged_model(paged_dir, with_bf16=False)
