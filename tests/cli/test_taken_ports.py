@@ -9,6 +9,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+from contextlib import contextmanager
 
 import pytest
 
@@ -25,6 +26,15 @@ def assert_one_line_error(result: subprocess.CompletedProcess, flag: str, port: 
     assert result.returncode == 2, output
     assert len(output) == 1, output
     assert f"{flag} {port}" in output[0] and "error" in output[0], output
+
+
+@contextmanager
+def listening_port():
+    """A loopback port some other socket holds, for as long as the block runs."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        yield taken.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -48,20 +58,14 @@ def test_a_worker_on_a_planners_port_is_refused_before_loading(running_planner, 
 
 
 def test_a_worker_metrics_port_in_use_is_refused_before_loading(paged_micro_dir):
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
+    with listening_port() as port:
         result = run_cli("worker", "--model", str(paged_micro_dir), "--port", str(free_port()),
                          "--http-port", str(port))
     assert_one_line_error(result, "--http-port", port)
 
 
 def test_a_gateway_on_a_taken_port_says_nothing_of_serving(paged_micro_dir):
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
+    with listening_port() as port:
         result = run_cli("gateway", "--model", str(paged_micro_dir), "--port", str(port),
                          "--workers", f"127.0.0.1:{free_port()}")
     assert_one_line_error(result, "--port", port)
