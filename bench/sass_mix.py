@@ -141,7 +141,7 @@ def module_text(staged: bool) -> str:
     """The NVRTC module's source as the host builds it: apl_moe.cu and apl_gemv.cu, and
     apl_staged.cu after them where staged."""
     op, module_source = _kernels()
-    return module_source(op.SOURCE, op.GEMV_SOURCE, *([op.STAGED_SOURCE] if staged else []))
+    return module_source(op.SOURCE, op.GEMV_SOURCE, op.PREFILL_SOURCE, *([op.STAGED_SOURCE] if staged else []))
 
 
 def build_source(source: str, sm90a: bool, defines: dict[str, int], workdir: Path) -> tuple[Path, str]:

@@ -1,7 +1,7 @@
 """Shared-memory bank conflicts of the staged regime's producers, counted on the CPU: one launch
 per width (and the plane ring) run by bench/staged_host's harness with APL_HOST_BANKS set, which
 logs every thread's LSU accesses (the A tiles' STS.128, the activations' and plane words' cp.async,
-the 5-8-bit LUT lookups' LDS.U16, the plane ring's LDS.128) and counts, per warp instruction, the
+the plane ring's LDS.128) and counts, per warp instruction, the
 wavefronts 32 banks of 4 bytes take (the most distinct words one bank is asked for, at least one
 per 128 bytes) against the fewest its bytes allow.
 
@@ -27,10 +27,10 @@ from pagedweight_kernels import apl_moe as op
 
 # (name, bits per expert, define overrides, merged): down, 128 rows, 512 columns, 80 tokens x top-2
 # over 4 experts (64-token passes), so each width's producers run 8 steps a pass; merged: the merged
-# class's launch (LUT rows in 256-entry rooms, as a layer that also holds 8-bit blocks gets)
+# class's launch
 CASES = [("3 bits", 3, {}, False), ("4 bits", 4, {}, False), ("4 bits, plane ring", 4, {"APL_STAGED_PLANE_ASYNC": 1}, False),
          ("5 bits", 5, {}, False), ("6 bits", 6, {}, False), ("7 bits", 7, {}, False), ("8 bits", 8, {}, False),
-         ("5 bits in 256-entry rooms (merged launch)", 5, {}, True)]
+         ("5 bits, merged launch", 5, {}, True)]
 
 
 def count(name: str, bits: int, overrides: dict[str, int], merged: bool, work: Path) -> dict:

@@ -78,24 +78,14 @@ bool read_input(const char* path, Input& in) {
 // from a 512-byte boundary, the ring after them).
 constexpr u32 LUT_AT = 0, TILE_AT = 128u * 1024u;
 
-// The steps of one width: LUT rows into shared memory as apl_staged's prologue puts them (5-8
-// bits), then per step every row's unit of plane words and stage_weights.
-template <int B, int U>
+// The steps of one width: every row's register tables as apl_staged's producers load them, then
+// per step every row's unit of plane words and stage_weights.
+template <int B, int U, bool BF16>
 void stage_all(const Input& in, std::vector<u16>& out) {
     constexpr int W = 2 * U;
-    const int wpr = in.cols / 32, steps = in.cols / ST_KS, nent = 1 << B;
-    const int lut_stride = B <= 4 ? 0 : 1 << in.lut_log2;
-    if constexpr (B >= 5) {
-        u16* lut_s = reinterpret_cast<u16*>(apl_host_shared + LUT_AT);
-        for (int lw = 0; lw < ST_ROWS; ++lw)
-            for (int u = 0; u < lut_fill_units(B); ++u)
-                lut_fill_unit(in.lut.data(), B, lw, u, true, [&](int ent, u16 v) {
-                    lut_s[staged_lut_index(lw, ent, B, lut_stride)] = in.bf16 ? lut_to_act<true>(v) : lut_to_act<false>(v);
-                });
-    }
-    std::vector<RegLut<(B <= 4 ? B : 4)>> rluts(ST_ROWS);
-    if constexpr (B <= 4)
-        for (int pt = 0; pt < ST_ROWS; ++pt) rluts[pt].load(in.lut.data() + (size_t)pt * lut_row_entries(B), true, in.bf16 != 0);
+    const int wpr = in.cols / 32, steps = in.cols / ST_KS;
+    std::vector<RowLut<B, BF16>> rluts(ST_ROWS);
+    for (int pt = 0; pt < ST_ROWS; ++pt) rluts[pt].load(in.lut.data() + (size_t)pt * lut_row_entries(B), true, BF16);
     for (int step = 0; step < steps; ++step) {
         const int u = step / U, half = step % U;
         for (int pt = 0; pt < ST_ROWS; ++pt) {
@@ -103,8 +93,7 @@ void stage_all(const Input& in, std::vector<u16>& out) {
             for (int p = 0; p < B; ++p)
                 for (int i = 0; i < W; ++i)
                     unit[p][i] = in.planes[((size_t)p * ST_ROWS + pt) * wpr + std::min(W * u + i, wpr - 1)];
-            const u32 lut_base = staged_lut_base(LUT_AT, pt, B, lut_stride);
-            stage_weights<B, W>(rluts[pt], lut_base, unit, half, TILE_AT, pt);
+            stage_weights<B, W, BF16>(rluts[pt], unit, half, TILE_AT, pt);
         }
         const u16* tile = reinterpret_cast<const u16*>(apl_host_shared + TILE_AT);
         out.insert(out.end(), tile, tile + ST_ROWS * ST_KS);
@@ -113,8 +102,13 @@ void stage_all(const Input& in, std::vector<u16>& out) {
 
 template <int B>
 void stage_width(const Input& in, std::vector<u16>& out) {
-    if (in.unit == 4) stage_all<B, 4>(in, out);
-    else stage_all<B, 2>(in, out);
+    if (in.bf16) {
+        if (in.unit == 4) stage_all<B, 4, true>(in, out);
+        else stage_all<B, 2, true>(in, out);
+    } else {
+        if (in.unit == 4) stage_all<B, 4, false>(in, out);
+        else stage_all<B, 2, false>(in, out);
+    }
 }
 
 int tiles(const char* in_path, const char* out_path) {
@@ -153,7 +147,7 @@ int chunks(int nt, const char* out_path) {
 // instructions, the wavefronts the 32 banks of 4 bytes take for them (the most distinct words one bank
 // is asked for, and at least one per 128 distinct bytes), and the fewest their bytes allow.
 struct BankStats { long long instructions = 0, wavefronts = 0, ideal = 0; };
-constexpr const char* KIND_NAMES[HOST_ACCESS_KINDS] = {"LDS.U16", "LDS.128", "STS.128", "LDGSTS.4", "LDGSTS.16"};
+constexpr const char* KIND_NAMES[HOST_ACCESS_KINDS] = {"LDS.128", "STS.128", "LDGSTS.4", "LDGSTS.16"};
 constexpr unsigned KIND_BYTES[HOST_ACCESS_KINDS] = {2, 16, 16, 4, 16};
 
 void count_banks(const std::vector<std::vector<HostAccess>>& logs, BankStats (&stats)[HOST_ACCESS_KINDS]) {
@@ -326,14 +320,15 @@ int convert(const char* in_path, const char* out_path) {
 }
 
 // The tables the kernels derive from a stored LUT (apl_moe.cu's lut_fill_unit), for the test to hold
-// bit for bit against the format's expand_lut: IN int32 bits, rows, then the stored fp16 LUT
-// [rows][8 | 17]; OUT the fp16 table [rows][2^bits].
+// bit for bit against the format's expand_lut: IN int32 bits, rows, bf16, then the stored fp16 LUT
+// [rows][8 | 17]; OUT the act-dtype table [rows][2^bits].
 int luts(const char* in_path, const char* out_path) {
     FILE* f = std::fopen(in_path, "rb");
     if (!f) return fail("cannot read the input");
-    int head[2];
-    bool ok = std::fread(head, 4, 2, f) == 2 && head[0] >= 3 && head[0] <= 8 && head[1] > 0 && head[1] <= 1 << 20;
+    int head[3];
+    bool ok = std::fread(head, 4, 3, f) == 3 && head[0] >= 3 && head[0] <= 8 && head[1] > 0 && head[1] <= 1 << 20;
     const int bits = ok ? head[0] : 3, rows = ok ? head[1] : 0;
+    const bool bf16 = ok && head[2] != 0;
     std::vector<u16> stored((size_t)rows * lut_row_entries(bits));
     ok = ok && std::fread(stored.data(), 2, stored.size(), f) == stored.size();
     std::fclose(f);
@@ -341,7 +336,8 @@ int luts(const char* in_path, const char* out_path) {
     std::vector<u16> table((size_t)rows << bits);
     for (int r = 0; r < rows; ++r)
         for (int u = 0; u < lut_fill_units(bits); ++u)
-            lut_fill_unit(stored.data(), bits, r, u, true, [&](int ent, u16 v) { table[((size_t)r << bits) + ent] = v; });
+            if (bf16) lut_fill_unit<true>(stored.data(), bits, r, u, true, [&](int ent, u16 v) { table[((size_t)r << bits) + ent] = v; });
+            else lut_fill_unit<false>(stored.data(), bits, r, u, true, [&](int ent, u16 v) { table[((size_t)r << bits) + ent] = v; });
     FILE* o = std::fopen(out_path, "wb");
     if (!o) return fail("cannot write the output");
     ok = std::fwrite(table.data(), 2, table.size(), o) == table.size();

@@ -20,12 +20,14 @@
 //          give four low bytes in one PRMT and four high bytes in another (at 4 bits, one
 //          more of each for entries 8..15 and a LOP3 select by the top bit), and two PRMTs
 //          interleave them into the two bf16x2/fp16x2 registers of an mma A fragment.
-//   CLS 1, 5-8 bits: the LUT in shared memory (2^bits act values per row: sized by the
-//          class's widest block, not 8 bits), one LDS.U16 per weight.
-//   CLS 2, every width in one launch (both paths compiled into one kernel; either one already
-//          fills the 128-register budget, so the union costs no occupancy): the host picks it
-//          for layers holding both classes (GEMV_MERGE_CLASSES; measured faster than a
-//          launch per class, docs/kernel.md).
+//   CLS 1, 5-8 bits: the row's 16 cells in registers (CellLut): the cell code looks up the
+//          cell's offset and width as the 4-bit path looks up its entries, the refinement bits
+//          become 1 + q/16 in the act dtype, and one packed FMA gives two weights. No table in
+//          shared memory; the row's tables take ~40 registers more, so these kernels run 3
+//          CTAs an SM in decode (APL_GEMV_CELL_BLOCKS) and 2 in the tiles regime.
+//   CLS 2, every width in one launch (both paths compiled into one kernel): the host picks it
+//          for layers holding both classes (measured faster than a launch per class,
+//          docs/kernel.md).
 //
 // The tiles regime (NT8 > 1, more tokens per expert: prefill and large decode batches) is the
 // same kernel with passes of up to 8 * NT8 tokens: each weight's A fragments are built once
@@ -46,6 +48,12 @@
 #ifndef APL_GEMV_MIN_BLOCKS
 #define APL_GEMV_MIN_BLOCKS 4
 #endif
+// Decode CTAs per SM the register budget must allow for the kernels holding 5-8-bit blocks (CLS 1
+// and the merged 2): their rows' cell tables (CellLut, 16 registers a row) and up to 8 planes'
+// words in flight take ~170 registers, which 4 CTAs (128 each) would spill by 1.2-1.8 KB.
+#ifndef APL_GEMV_CELL_BLOCKS
+#define APL_GEMV_CELL_BLOCKS 3
+#endif
 #ifndef APL_GEMV_L2_PREFETCH
 #define APL_GEMV_L2_PREFETCH 0  // 1: each step asks L2 for the plane sectors two steps ahead (measured slower)
 #endif
@@ -61,9 +69,6 @@
 #define APL_GEMV_STAGE16 1  // decode: a (token, word) of activations staged by 4 16-byte loads and PRMTs
 #endif                      // (stage_word); 0: 8 items a word, each 4 scattered 2-byte loads (measured
                             // 3-11% slower at every decode shape, docs/kernel.md)
-#ifndef APL_GEMV_LUT16
-#define APL_GEMV_LUT16 0  // 3-4 bits: a 16-byte aligned LUT row read by 16-byte loads (else 2-byte loads,
-#endif                    // as always); measured no faster
 #ifndef APL_GEMV_PIPE
 #define APL_GEMV_PIPE 2  // decode (NT8 1, no ring), 3-4 bits, 8-byte loads: steps of plane words held in
 #endif                   // registers; 2 = the ping-pong, S > 2 keeps S - 1 steps in flight (gemv_warp_pipe)
@@ -78,15 +83,12 @@
 #ifndef APL_TILES_MIN_BLOCKS
 #define APL_TILES_MIN_BLOCKS 0  // CTAs per SM the register budget must allow in the tiles regime (NT8 > 1);
 #endif                          // 0 = per instance, APL_TILES_BLOCKS below
-// 3 CTAs (<= 168 registers) for the 3-4-bit class at any NT8 and for every class at NT8 2, else 2
-// (the 5-8-bit and merged bodies at NT8 4-8 take 217-230 registers; nvcc 13.0, sm_90a). Measured
-// on wgmma (docs/kernel.md): 3 everywhere was 13-14% faster at Qwen1.5-MoE 64 tokens 8 bits and
-// 11% with mixed bits (NT8 2; the merged body spills 16 bytes there), 1-2% at 4 bits, but 10-13%
-// slower at Mixtral 64 tokens 8 bits and mixed (NT8 4) and its 256-token mixed layer (NT8 8).
-// NT8 12 (96-token passes, the 3-4-bit class only: the host's TILES_WIDE_NT8) holds 48 accumulators
-// a thread: 2 CTAs.
+// 3 CTAs (<= 168 registers) for the 3-4-bit class at NT8 up to 8, else 2: the bodies holding 5-8-bit
+// blocks keep two rows' cell tables (CellLut) and spill 148 (5-8 bits) and 1728 bytes (merged) at
+// 168 registers even at NT8 2 (nvcc 13.0, sm_90a). NT8 12 (96-token passes, the 3-4-bit class
+// only: the host's TILES_WIDE_NT8) holds 48 accumulators a thread: 2 CTAs.
 #define APL_TILES_BLOCKS(CLS, NT8) \
-    (APL_TILES_MIN_BLOCKS > 0 ? APL_TILES_MIN_BLOCKS : (NT8) > 8 ? 2 : ((CLS) == 0 || (NT8) == 2 ? 3 : 2))
+    (APL_TILES_MIN_BLOCKS > 0 ? APL_TILES_MIN_BLOCKS : (NT8) > 8 ? 2 : ((CLS) == 0 ? 3 : 2))
 #ifndef APL_TILES_ASYNC
 #define APL_TILES_ASYNC 1  // tiles regime: 1 = the next step's activations come in by cp.async during this
 #endif                     // step's mma (raw rows in shared memory, reordered there); 0 = loads at each step
@@ -110,10 +112,6 @@
 #ifndef APL_GEMV_PDL_PLANES
 #define APL_GEMV_PDL_PLANES 0  // with APL_GEMV_PDL, decode down: the first step's plane words into registers
 #endif                         // before the wait for h (not after the staging)
-#ifndef APL_GEMV_PDL_LUT_WAIT
-#define APL_GEMV_PDL_LUT_WAIT 0  // with APL_GEMV_PDL, down's shared LUT rows (5-8-bit blocks) are filled after the wait
-#endif                           // for h, not before (their loads took DRAM from gate_up's last CTAs). Only where the host
-                                 // launches those down kernels programmatically (GEMV_PDL_DOWN_CLASSES; measured: no)
 #ifndef APL_GEMV_ORDER
 #define APL_GEMV_ORDER 5  // launches of the merged kernel (CLS 2), whose blocks differ in width: bit 0: active
 #endif                    // experts taken widest first (route_pick's HEAVY); bit 1: CTAs numbered expert-major (all
@@ -132,16 +130,6 @@
 #ifndef APL_PLANE_HINT_MIN_NT8
 #define APL_PLANE_HINT_MIN_NT8 8  // the instances APL_PLANE_HINT applies to: NT8 >= this (1: decode too)
 #endif
-#ifndef APL_LUT_STAGGER
-#define APL_LUT_STAGGER 1  // 5-bit LUT rows in a room of 64+ entries: odd rows in the room's second half (lut_row)
-#endif
-// Where local row lw's LUT starts in its room of `room` entries (in entries): APL_LUT_STAGGER moves
-// odd 5-bit rows 32 entries (64 bytes) in, so rows that all start on bank 0 use both bank halves.
-APL_HD int lut_stagger(int lw, int bits, int room) {
-    return APL_LUT_STAGGER && (lw & 1) && bits == 5 && room >= 64 ? 32 : 0;
-}
-// The first entry of local row lw's LUT in a CTA's shared rows of `room` entries each.
-APL_HD int lut_row_start(int lw, int bits, int room) { return lw * room + lut_stagger(lw, bits, room); }
 #ifndef APL_GEMV_HEAVY_MIN_TOKENS
 #define APL_GEMV_HEAVY_MIN_TOKENS 2  // the heavy order (bit 0) in launches of at least this many tokens: at 1
 #endif                               // token it bought nothing at Mixtral size and cost 2-5% at Qwen1.5-MoE's
@@ -322,6 +310,7 @@ __device__ __forceinline__ void stage_word(const uint4 (&v)[4], u16* word, int w
 // Register LUT of one row for 3-4 bits: lo[j] / hi[j] = low / high bytes of entries 4j..4j+3.
 template <int B>
 struct RegLut {
+    using CodesT = Codes<B>;
     u32 lo[B == 4 ? 4 : 2], hi[B == 4 ? 4 : 2];
 
     u32 raw[(1 << B) / 2];  // entries 2j, 2j+1 as loaded (fp16), between fetch and build
@@ -331,19 +320,6 @@ struct RegLut {
     // after the first stage: one dependent global round trip less per CTA).
     APL_HD void fetch(const u16* row_lut, bool valid) {
         constexpr int N = 1 << B;
-#if APL_GEMV_LUT16
-        // LUT_3's rows are 16 bytes, so in a 16-byte aligned LUT (the arena's extents are
-        // page-aligned) every row is aligned: one 16-byte load; LUT_4's 34-byte rows are
-        // aligned every eighth row, the others take the 2-byte loads below.
-        if (valid && (reinterpret_cast<unsigned long long>(row_lut) & 15u) == 0) {
-#pragma unroll
-            for (int q = 0; q < N / 8; ++q) {
-                const uint4 v = ldg_ro(reinterpret_cast<const uint4*>(row_lut) + q);
-                raw[4 * q] = v.x; raw[4 * q + 1] = v.y; raw[4 * q + 2] = v.z; raw[4 * q + 3] = v.w;
-            }
-            return;
-        }
-#endif
 #pragma unroll
         for (int j = 0; j < N / 2; ++j) {  // LUTs need only 2-byte alignment
             const u32 a = valid ? ldg_ro(row_lut + 2 * j) : (u16)0, b = valid ? ldg_ro(row_lut + 2 * j + 1) : (u16)0;
@@ -362,6 +338,11 @@ struct RegLut {
             }
             e[j] = a | (b << 16);
         }
+        tables(e);
+    }
+    // The byte tables from the entries as act values (e[j]: entries 2j, 2j + 1).
+    APL_HD void tables(const u32 (&e)[(1 << B) / 2]) {
+        constexpr int N = 1 << B;
 #pragma unroll
         for (int j = 0; j < N / 8; ++j) {
             // entries 8j..8j+7 = e[4j..4j+3]; low bytes are byte 0 and 2 of each pair
@@ -410,22 +391,156 @@ struct RegLut {
     }
 };
 
-// Shared-memory LUT of one row for 5-8 bits (act values, u16), read one entry per weight.
+// The codes of one plane word at 5-8 bits, for the register path (CellLut): the top four planes
+// as Codes<4> gives a 4-bit code (cell: o[c] nibble n = cell of column 4n + c), the low B - 4
+// planes in the same nibble layout (q[c] nibble n = column 4n + c's refinement bits j << (8 - B),
+// absent planes zero): two 4x4 transposes instead of one 8x8.
 template <int B>
-struct SmemLut {
-    u32 base;  // shared address of the row's entries, aligned to their size: base | offset
+struct CellCodes {
+    Codes<4> cell;
+    u32 q[4];
 
-    __device__ __forceinline__ void select(const Codes<B>& c, int s, u32& w01, u32& w23) const {
-        w01 = (u32)lds_u16(base | c.template offset<1>(sel_col(s, 0))) |
-              ((u32)lds_u16(base | c.template offset<1>(sel_col(s, 1))) << 16);
-        w23 = (u32)lds_u16(base | c.template offset<1>(sel_col(s, 2))) |
-              ((u32)lds_u16(base | c.template offset<1>(sel_col(s, 3))) << 16);
-    }
-    __device__ __forceinline__ void select2(const Codes<B>& c, int s, u32 (&w)[4]) const {
-        select(c, s, w[0], w[1]);
-        select(c, s + 4, w[2], w[3]);
+    APL_HD explicit CellCodes(const u32 (&pw)[8]) : cell(pw) {
+        constexpr bool F = B == 8;  // (with absent planes the plain shifts fold away)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) q[j] = (7 - j < B) ? pw[7 - j] : 0u;
+        delta_swap<F, 2, 0x33333333u>(q[0], q[2]); delta_swap<F, 2, 0x33333333u>(q[1], q[3]);
+        delta_swap<F, 1, 0x55555555u>(q[0], q[1]); delta_swap<F, 1, 0x55555555u>(q[2], q[3]);
     }
 };
+
+// The refinement fractions 1 + q / 16 of two weights as act x2: q in nibbles A (low half) and
+// B (high half) of qw, ORed into the top of 1.0's mantissa (ActOne). A nibble reaches its place
+// through a shifted copy of qw whose byte k holds it at the right bit, and one PRMT takes each
+// half's two bytes from its copy; a word's pairs share the copies (the same shifts, CSE'd), so a
+// pair costs a PRMT and a LOP3.
+template <int S>
+APL_HD u32 shift_by(u32 v) { if constexpr (S >= 0) return v << S; else return v >> -S; }
+template <bool BF16, int N>
+struct NibbleCopy {
+    static constexpr int P = ActOne<BF16>::top - 3;  // the mantissa's top nibble starts here in a half
+    // the copy's byte k (and k + 1, where the nibble crosses into it) holds it at bit P of a half
+    static constexpr int k = (P + 3 < 8) ? N / 2 : (N / 2 < 2 ? N / 2 : 2);
+    static constexpr int shift = P + 8 * k - 4 * N;
+};
+template <bool BF16, int A, int B>
+APL_HD u32 fraction_pair(u32 qw) {
+    using CA = NibbleCopy<BF16, A>;
+    using CB = NibbleCopy<BF16, B>;
+    constexpr u32 sel = (u32)CA::k | (u32)(CA::k + 1) << 4 | (u32)(4 + CB::k) << 8 | (u32)(5 + CB::k) << 12;
+    const u32 t = prmt(shift_by<CA::shift>(qw), shift_by<CB::shift>(qw), sel & 0x7777u);
+    constexpr u32 mask = 0xFu << CA::P | 0xFu << (16 + CA::P);
+    return (t & mask) | (ActOne<BF16>::bits * 0x10001u);
+}
+
+// Register tables of one row for 5-8 bits (APL format 2: every value is affine in its 4-bit cell,
+// cell_affine): the 16 cells' offsets and widths as two RegLut<4> byte tables, looked up by the
+// cell code as the 4-bit path looks up its entries; the refinement bits become 1 + q / 16 in the
+// act dtype (fraction_pair) and one packed FMA gives two weights. No table in shared memory, no
+// fill and no barrier before the first step, and the same values as apl_format.expand_lut.
+template <int B, bool BF16>
+struct CellLut {
+    using CodesT = CellCodes<B>;
+    RegLut<4> offset, width;
+    u32 raw[9];  // LUT_4's entries 2j, 2j + 1 (fp16), then the extent, between fetch and build
+
+    APL_HD void fetch(const u16* row_lut, bool valid) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const u32 a = valid ? ldg_ro(row_lut + 2 * j) : (u16)0, b = valid ? ldg_ro(row_lut + 2 * j + 1) : (u16)0;
+            raw[j] = a | (b << 16);
+        }
+        raw[8] = valid ? ldg_ro(row_lut + 16) : (u16)0;
+    }
+    APL_HD void build(bool) {
+        u16 l4[17];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) { l4[2 * j] = (u16)raw[j]; l4[2 * j + 1] = (u16)(raw[j] >> 16); }
+        l4[16] = (u16)raw[8];
+        u32 off[8], wid[8];
+#pragma unroll
+        for (int p = 0; p < 16; p += 2) {
+            const CellAffine c0 = cell_affine<BF16>(lut_cell(l4, p), B - 4), c1 = cell_affine<BF16>(lut_cell(l4, p + 1), B - 4);
+            off[p / 2] = (u32)c0.offset | ((u32)c1.offset << 16);
+            wid[p / 2] = (u32)c0.width | ((u32)c1.width << 16);
+        }
+        offset.tables(off);
+        width.tables(wid);
+    }
+    APL_HD void load(const u16* row_lut, bool valid, bool) { fetch(row_lut, valid); build(BF16); }
+
+    // Selectors s and s+4 of a plane word, as RegLut<B>::select2: w[i] = columns of nibbles
+    // (2i, 2i + 1) of the cell word.
+    APL_HD void select2(const CellCodes<B>& c, int s, u32 (&w)[4]) const {
+        u32 o[4], d[4];
+        offset.select2(c.cell, s, o);
+        width.select2(c.cell, s, d);
+        const u32 q = c.q[s & 3];
+        w[0] = act_fma2<BF16>(d[0], fraction_pair<BF16, 0, 1>(q), o[0]);
+        w[1] = act_fma2<BF16>(d[1], fraction_pair<BF16, 2, 3>(q), o[1]);
+        w[2] = act_fma2<BF16>(d[2], fraction_pair<BF16, 4, 5>(q), o[2]);
+        w[3] = act_fma2<BF16>(d[3], fraction_pair<BF16, 6, 7>(q), o[3]);
+    }
+};
+
+// A row's register tables at B bits: RegLut's entries up to 4 bits, CellLut's cells above.
+template <int B, bool BF16, bool CELL = (B >= 5)> struct RowLutOf { using type = RegLut<B>; };
+template <int B, bool BF16> struct RowLutOf<B, BF16, true> { using type = CellLut<B, BF16>; };
+template <int B, bool BF16> using RowLut = typename RowLutOf<B, BF16>::type;
+
+// One plane word (32 columns) of a 3-4-bit row as 4 chunks of 8 consecutive columns (act x2
+// pairs (8j, 8j+1), ..., (8j+6, 8j+7)). Codes<B> puts column 4n + c in nibble n of o[c]; a 4x4
+// byte transpose makes W[j] (byte c = o[c]'s byte j), whose nibbles are columns 8j + (0, 4, 1,
+// 5, 2, 6, 3, 7), so each lookup half's bytes pair as (0, 2) and (1, 3): 8 PRMTs a word more
+// than the tiles regime's selector order, which the activations' cp.async copies could not follow.
+template <int B>
+APL_HD void dequant_chunks_reg(const RegLut<B>& lut, const u32 (&pw)[8], uint4 (&chunk)[4]) {
+    const Codes<B> c(pw);
+    const u32 t0 = prmt(c.o[0], c.o[1], 0x5140u), t1 = prmt(c.o[0], c.o[1], 0x7362u);
+    const u32 t2 = prmt(c.o[2], c.o[3], 0x5140u), t3 = prmt(c.o[2], c.o[3], 0x7362u);
+    const u32 w[4] = {prmt(t0, t2, 0x5410u), prmt(t0, t2, 0x7632u), prmt(t1, t3, 0x5410u), prmt(t1, t3, 0x7632u)};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const u32 o = w[j], o3 = B == 4 ? o & 0x77777777u : o;
+        u32 p01, p45, p23, p67;
+        lut.template lookup<0, 0x6240u, 0x7351u>(o, o3, p01, p45);
+        lut.template lookup<1, 0x6240u, 0x7351u>(o, o3, p23, p67);
+        chunk[j] = make_uint4(p01, p23, p45, p67);
+    }
+}
+// The same for 5-8 bits from the row's cell tables (CellLut): the cell codes and the refinement
+// bits take dequant_chunks_reg's byte transpose, so nibbles pair as (0, 2) and (1, 3) there too.
+template <int B, bool BF16>
+APL_HD void dequant_chunks_cell(const CellLut<B, BF16>& lut, const u32 (&pw)[8], uint4 (&chunk)[4]) {
+    const CellCodes<B> c(pw);
+    auto transpose = [](const u32 (&o)[4], u32 (&w)[4]) {
+        const u32 t0 = prmt(o[0], o[1], 0x5140u), t1 = prmt(o[0], o[1], 0x7362u);
+        const u32 t2 = prmt(o[2], o[3], 0x5140u), t3 = prmt(o[2], o[3], 0x7362u);
+        w[0] = prmt(t0, t2, 0x5410u); w[1] = prmt(t0, t2, 0x7632u); w[2] = prmt(t1, t3, 0x5410u); w[3] = prmt(t1, t3, 0x7632u);
+    };
+    u32 wc[4], wq[4];
+    transpose(c.cell.o, wc);
+    transpose(c.q, wq);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const u32 o = wc[j], o3 = o & 0x77777777u, q = wq[j];
+        u32 o01, o45, o23, o67, d01, d45, d23, d67;
+        lut.offset.template lookup<0, 0x6240u, 0x7351u>(o, o3, o01, o45);
+        lut.offset.template lookup<1, 0x6240u, 0x7351u>(o, o3, o23, o67);
+        lut.width.template lookup<0, 0x6240u, 0x7351u>(o, o3, d01, d45);
+        lut.width.template lookup<1, 0x6240u, 0x7351u>(o, o3, d23, d67);
+        chunk[j] = make_uint4(act_fma2<BF16>(d01, fraction_pair<BF16, 0, 2>(q), o01),
+                              act_fma2<BF16>(d23, fraction_pair<BF16, 4, 6>(q), o23),
+                              act_fma2<BF16>(d45, fraction_pair<BF16, 1, 3>(q), o45),
+                              act_fma2<BF16>(d67, fraction_pair<BF16, 5, 7>(q), o67));
+    }
+}
+// One plane word of a row at B bits as 4 chunks of 8 consecutive columns, from its RowLut.
+template <int B, bool BF16>
+APL_HD void dequant_chunks(const RowLut<B, BF16>& lut, const u32 (&pw)[8], uint4 (&chunk)[4]) {
+    if constexpr (B <= 4) dequant_chunks_reg<B>(lut, pw, chunk);
+    else dequant_chunks_cell<B, BF16>(lut, pw, chunk);
+}
 
 // ---------------------------------------------------------------- routing inside the CTA
 // The a-th expert with tokens (ascending id) and its slots (ascending), as moe_align would
@@ -665,7 +780,7 @@ __device__ __forceinline__ void compute_word(const Lut& la, const Lut& lb, const
     const uint4* xw = reinterpret_cast<const uint4*>(xs + x_row * tstride + w * 32);
 #pragma unroll
     for (int q = 0; q < 4; ++q) xb[q] = xw[q ^ ((w >> 1) & 3)];
-    const Codes<B> ca(pa), cb(pb);
+    const typename Lut::CodesT ca(pa), cb(pb);
 #pragma unroll
     for (int s = 0; s < 4; ++s) {
         u32 wa[4], wb[4];  // selectors s and s+4 of rows a and b
@@ -1025,7 +1140,7 @@ __device__ __forceinline__ void tiles_warp(const BlockRef& blk, u32 w0a, u32 w0b
         fence_accumulators(acc);
 #pragma unroll
         for (int wi = 0; wi < 2; ++wi) {
-            const Codes<B> ca(buf[0][wi]), cb(buf[1][wi]);
+            const typename Lut::CodesT ca(buf[0][wi]), cb(buf[1][wi]);
 #pragma unroll
             for (int s = 0; s < 4; ++s) {
                 u32 wa[4], wb[4];  // selectors s and s + 4 of rows a and b
@@ -1052,7 +1167,7 @@ __device__ __forceinline__ void tiles_warp(const BlockRef& blk, u32 w0a, u32 w0b
 #pragma unroll
         for (int wi = 0; wi < 2; ++wi) {
             const int wl = 2 * t + wi;  // word within the staged step
-            const Codes<B> ca(buf[0][wi]), cb(buf[1][wi]);
+            const typename Lut::CodesT ca(buf[0][wi]), cb(buf[1][wi]);
             u32 wa[4][4], wb[4][4];  // selectors s and s+4 of rows a and b, s = 0..3
 #pragma unroll
             for (int s = 0; s < 4; ++s) {
@@ -1224,7 +1339,7 @@ __device__ __forceinline__ void run_passes(const BlockRef& blk, u32 w0a, u32 w0b
     if constexpr (EARLY) pipe_preload<B, V2>(blk, w0a, w0b, kw, pipe_bufs);  // in registers, ahead of both
     prologue(la, lb);  // register LUTs: the entries' loads are issued here, built below
     if constexpr (NT8 > 1) {
-        if constexpr (B <= 4 && LATE_BUILD) { la.build(BF16); lb.build(BF16); }
+        if constexpr (LATE_BUILD) { la.build(BF16); lb.build(BF16); }
         for (int p0 = 0; p0 < count; p0 += stage_tokens) {
             const int np = min(stage_tokens, count - p0);
             float acc[NT8][4];
@@ -1247,7 +1362,7 @@ __device__ __forceinline__ void run_passes(const BlockRef& blk, u32 w0a, u32 w0b
         for (int p0 = 0; p0 < count; p0 += stage_tokens) {
             const int np = min(stage_tokens, count - p0);
             stage(p0, np, -1);
-            if constexpr (B <= 4 && LATE_BUILD) {
+            if constexpr (LATE_BUILD) {
                 if (p0 == 0) { la.build(BF16); lb.build(BF16); }  // the LUT loads overlapped the staging
             }
             float acc[4] = {0.f, 0.f, 0.f, 0.f};
@@ -1418,26 +1533,6 @@ __device__ __forceinline__ void gemv_cta(
     // row instead (valid memory; their results are never written).
     const u32 w0a = (u32)((in_a ? rowa : rows_w - 1) * words_per_row + c0w);
     const u32 w0b = (u32)((in_b ? rowb : rows_w - 1) * words_per_row + c0w);
-    // A 5-bit LUT (32 entries, 64 bytes: half the banks) in a row room of 64 entries or more (sized
-    // for the launch's widest block): odd rows keep theirs 64 bytes into the room (lut_stagger), so a
-    // warp's rows g = 0..7 read both halves of the banks, as rows of exactly 32 entries do. In a
-    // room of 256 entries (512 bytes, the merged kernel's) every row would start on bank 0, and an
-    // LDS.U16 by 32 lanes of random codes takes 4.1 wavefronts, not 2.9 (bench/lut_bank_model). (Computed where
-    // used: one value held from here to the step loop made the 5-8-bit instances spill 48-64 bytes.)
-    auto lut_row = [&](int lw) { return lut_s + lut_row_start(lw, blk.bits, lut_entries); };
-    // CLS 1: the block's table into shared memory (act values): a 5-8-bit row's entries derived
-    // from its LUT_4, one cell of 2^(bits-4) entries a work unit (lut_fill_unit).
-    auto fill_smem_lut = [&]() {
-        const int units = lut_fill_units(blk.bits);
-        for (int idx = tid; idx < GV_ROWS * units; idx += GV_THREADS) {
-            const int lw = idx / units;
-            bool valid;
-            const int row = weight_row_of(lw, &valid);
-            u16* dst = lut_row(lw);
-            lut_fill_unit(blk.lut, blk.bits, row, idx % units, valid,
-                          [&](int ent, u16 v) { dst[ent] = valid ? lut_to_act<BF16>(v) : (u16)0; });
-        }
-    };
     const int kwp = (kw + GV_STEP_WORDS - 1) / GV_STEP_WORDS * GV_STEP_WORDS;
     // Activations of tokens p0..p0+np-1 (and a zero row after them) for this split:
     // xs[i][w] holds, for selector s of word w, the act values of columns sel_col(s, 0..3).
@@ -1698,11 +1793,6 @@ __device__ __forceinline__ void gemv_cta(
         lb.fetch(blk.lut + (long long)rowb * lut_row_entries(blk.bits), vb);
         if constexpr (!LATE) { la.build(BF16); lb.build(BF16); }
     };
-    auto smem_lut = [&](auto&, auto&) {
-        if constexpr (APL_GEMV_PDL_LUT_WAIT) await_h();  // (a no-op in gate_up)
-        fill_smem_lut();
-    };
-    const u32 la_s = shared_addr(lut_row(lwa)), lb_s = shared_addr(lut_row(lwb));
     // The 3-4-bit kernel's cp.async ring, after the (512-byte aligned) LUT rows: per warp
     // APL_GEMV_RING_STAGES slots of GV_RING_STAGE_BYTES (the host adds them to the launch).
     constexpr bool RING = APL_GEMV_RING_STAGES >= 2 && CLS == 0 && NT8 == 1;
@@ -1726,14 +1816,14 @@ __device__ __forceinline__ void gemv_cta(
         }
     } else {
         switch (blk.bits) {
-            case 5: { SmemLut<5> la{la_s}, lb{lb_s};
-                      run_passes<5, BF16, V2, false, NT8, false, LATE, COMPACT, EARLY_B0, LONG>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, 0u, smem_lut, stage, emit); break; }
-            case 6: { SmemLut<6> la{la_s}, lb{lb_s};
-                      run_passes<6, BF16, V2, false, NT8, false, LATE, COMPACT, EARLY_B0, LONG>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, 0u, smem_lut, stage, emit); break; }
-            case 7: { SmemLut<7> la{la_s}, lb{lb_s};
-                      run_passes<7, BF16, V2, false, NT8, false, LATE, COMPACT, EARLY_B0, LONG>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, 0u, smem_lut, stage, emit); break; }
-            default: { SmemLut<8> la{la_s}, lb{lb_s};
-                       run_passes<8, BF16, V2, false, NT8, false, LATE, COMPACT, EARLY_B0, LONG>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, 0u, smem_lut, stage, emit); break; }
+            case 5: { CellLut<5, BF16> la, lb;
+                      run_passes<5, BF16, V2, false, NT8, false, LATE, COMPACT, EARLY_B0, LONG>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, 0u, reg_lut, stage, emit); break; }
+            case 6: { CellLut<6, BF16> la, lb;
+                      run_passes<6, BF16, V2, false, NT8, false, LATE, COMPACT, EARLY_B0, LONG>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, 0u, reg_lut, stage, emit); break; }
+            case 7: { CellLut<7, BF16> la, lb;
+                      run_passes<7, BF16, V2, false, NT8, false, LATE, COMPACT, EARLY_B0, LONG>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, 0u, reg_lut, stage, emit); break; }
+            default: { CellLut<8, BF16> la, lb;
+                       run_passes<8, BF16, V2, false, NT8, false, LATE, COMPACT, EARLY_B0, LONG>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, 0u, reg_lut, stage, emit); break; }
         }
     }
 
@@ -1943,7 +2033,7 @@ __device__ __forceinline__ void gemv_entry(APL_GEMV_ENTRY_PARAMS, int gx) {
 // GEMV_LONG_SPLIT_WORDS, whose plane loads take APL_PLANE_HINT's qualifiers (load_hint); the
 // host picks it from the plan, so a launch's instance never depends on the layer's bits.
 template <int CLS, int MODE, bool BF16, bool V2, int NT8, bool LONG = false>
-__global__ void __launch_bounds__(GV_THREADS, NT8 == 1 ? APL_GEMV_MIN_BLOCKS : APL_TILES_BLOCKS(CLS, NT8)) apl_gemv(
+__global__ void __launch_bounds__(GV_THREADS, NT8 == 1 ? (CLS == 0 ? APL_GEMV_MIN_BLOCKS : APL_GEMV_CELL_BLOCKS) : APL_TILES_BLOCKS(CLS, NT8)) apl_gemv(
     APL_GEMV_ENTRY_PARAMS) {
     static_assert(!LONG || NT8 == 1, "LONG instances are decode instances (the tiles' hint is APL_PLANE_HINT_MIN_NT8's)");
     gemv_entry<CLS, MODE, BF16, V2, NT8, false, LONG>(APL_GEMV_ENTRY_ARGS, gridDim.x);

@@ -13,7 +13,9 @@
 #pragma once
 #ifndef __CUDA_ARCH__
 
+#include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
@@ -104,7 +106,7 @@ inline void host_shared_check(unsigned addr, unsigned size) {
 // shared-memory instructions in order: the LSU's (LDS, STS, cp.async), not wgmma's operand reads.
 // In the convergent code that issues them, the accesses of a warp's lanes with the same ordinal are
 // one warp instruction, whose bank conflicts the harness counts.
-enum HostAccessKind : unsigned char { LDS_U16, LDS_128, STS_128, CP_ASYNC_4, CP_ASYNC_16, HOST_ACCESS_KINDS };
+enum HostAccessKind : unsigned char { LDS_128, STS_128, CP_ASYNC_4, CP_ASYNC_16, HOST_ACCESS_KINDS };
 struct HostAccess { unsigned addr; HostAccessKind kind; bool active = true; };
 inline bool apl_host_log_banks = false;
 inline thread_local std::vector<HostAccess> apl_host_accesses;
@@ -116,13 +118,6 @@ inline void host_log_skipped(HostAccessKind kind) {
     if (apl_host_log_banks) apl_host_accesses.push_back(HostAccess{0, kind, false});
 }
 
-inline unsigned short host_lds_u16(unsigned addr) {
-    host_shared_check(addr, 2);
-    host_log(addr, LDS_U16);
-    unsigned short v;
-    std::memcpy(&v, apl_host_shared + addr, 2);
-    return v;
-}
 inline uint4 host_lds_v4(unsigned addr) {  // (nvcc includes the CUDA vector types first)
     host_shared_check(addr, 16);
     host_log(addr, LDS_128);
@@ -156,6 +151,28 @@ inline unsigned short host_float_to_half(float f) {
     const unsigned h = m >> shift, rest = m & ((1u << shift) - 1u), half = 1u << (shift - 1u);
     return sign | (unsigned short)(h + (rest > half || (rest == half && (h & 1u))));
 }
+// fma.rn.f16 / fma.rn.bf16: a * b + c rounded once. The product of two 16-bit floats is exact in
+// double and so, for the values a table holds, is the sum; the double is then rounded once to the
+// 16-bit format at its own binade (subnormals included), ties to even.
+inline double host_act_to_double(bool bf16, unsigned short v) {
+    if (!bf16) return (double)host_half_to_float(v);
+    const unsigned bits = (unsigned)v << 16;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return (double)f;
+}
+inline unsigned short host_double_to_act(bool bf16, double x) {
+    const int precision = bf16 ? 8 : 11, min_exponent = bf16 ? -125 : -13;  // frexp's exponent of the smallest normal
+    int exponent;
+    std::frexp(x, &exponent);
+    const int ulp = std::max(exponent, min_exponent) - precision;
+    const double rounded = std::ldexp(std::nearbyint(std::ldexp(x, -ulp)), ulp);  // (the default mode: ties to even)
+    return bf16 ? host_float_to_bf16((float)rounded) : host_float_to_half((float)rounded);  // exact: representable
+}
+inline unsigned short host_act_fma(bool bf16, unsigned short a, unsigned short b, unsigned short c) {
+    return host_double_to_act(bf16, host_act_to_double(bf16, a) * host_act_to_double(bf16, b) + host_act_to_double(bf16, c));
+}
+
 inline float host_quiet_nan() {
     const unsigned bits = 0x7fc00000u;
     float f;

@@ -104,19 +104,57 @@ APL_HD LutCell lut_cell(const u16* __restrict__ l4, int p) {
     const float hi = p < 15 ? mul_rn(add_rn(c, half_to_float(l4[p + 1])), 0.5f) : add_rn(c, extent);
     return {lo, add_rn(hi, -lo)};
 }
-// Sub-interval j's centre of a cell split in 2^s (fp16 bits); (2j + 1) / 2^(s+1) is exact.
-APL_HD u16 lut_cell_entry(LutCell cell, int s, int j) {
-    return float_to_half(add_rn(cell.lo, mul_rn(cell.width, (float)(2 * j + 1) / (float)(2 << s))));
+// Cell p's affine form at s = bits - 4 refinement bits (apl_format.cell_affine), act values:
+// code p << s | j is offset + width * (1 + j / 2^s), the centre of sub-interval j. 1 + j / 2^s is
+// 1.0 with j in the top of its mantissa, so no table holds the 2^bits values: the register path
+// (CellLut) ORs the refinement bits into 1.0 and runs one packed FMA per two weights.
+struct CellAffine { u16 offset, width; };
+template <bool BF16>
+APL_HD CellAffine cell_affine(LutCell cell, int s) {
+    const float offset = add_rn(cell.lo, mul_rn(cell.width, -(1.f - 1.f / (float)(2 << s))));
+    return {float_to_act<BF16>(offset), float_to_act<BF16>(cell.width)};
+}
+// 1.0 in the act dtype, and where its mantissa's top bit is.
+template <bool BF16> struct ActOne { static constexpr u32 bits = BF16 ? 0x3F80u : 0x3C00u, top = BF16 ? 6 : 9; };
+// a * b + c rounded once to the act dtype (one FMA).
+template <bool BF16>
+APL_HD u16 act_fma(u16 a, u16 b, u16 c) {
+#ifdef __CUDA_ARCH__
+    u16 r;
+    if constexpr (BF16) asm("fma.rn.bf16 %0, %1, %2, %3;" : "=h"(r) : "h"(a), "h"(b), "h"(c));
+    else asm("fma.rn.f16 %0, %1, %2, %3;" : "=h"(r) : "h"(a), "h"(b), "h"(c));
+    return r;
+#else
+    return host_act_fma(BF16, a, b, c);
+#endif
+}
+// The same on two act values in each u32 (the register path's one instruction per two weights).
+template <bool BF16>
+APL_HD u32 act_fma2(u32 a, u32 b, u32 c) {
+#ifdef __CUDA_ARCH__
+    u32 r;
+    if constexpr (BF16) asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+    else asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+    return r;
+#else
+    return (u32)host_act_fma(BF16, (u16)a, (u16)b, (u16)c) |
+           ((u32)host_act_fma(BF16, (u16)(a >> 16), (u16)(b >> 16), (u16)(c >> 16)) << 16);
+#endif
+}
+// Sub-interval j's value of a cell split in 2^s (act bits).
+template <bool BF16>
+APL_HD u16 lut_cell_entry(CellAffine cell, int s, int j) {
+    return act_fma<BF16>(cell.width, (u16)(ActOne<BF16>::bits | ((u32)j << (ActOne<BF16>::top + 1 - s))), cell.offset);
 }
 // Work units of one row's table fill at `bits`: one entry each up to 4 bits, one cell of LUT_4
 // (2^(bits-4) entries) each above, so a cell's bounds are computed once.
 APL_HD int lut_fill_units(int bits) { return bits <= 4 ? 1 << bits : 16; }
-// Unit u of row `row`'s table at `bits`: put(entry, fp16 bits) for each of its entries, zeros
+// Unit u of row `row`'s table at `bits`: put(entry, act bits) for each of its entries, zeros
 // for a row that is not `valid` (nothing is read for it). `lut`: the block's stored LUT.
-template <typename Put>
+template <bool BF16, typename Put>
 APL_HD void lut_fill_unit(const u16* __restrict__ lut, int bits, long long row, int u, bool valid, Put put) {
     if (bits <= 4) {
-        put(u, valid ? lut[row * lut_row_entries(bits) + u] : (u16)0);
+        put(u, valid ? lut_to_act<BF16>(lut[row * lut_row_entries(bits) + u]) : (u16)0);
         return;
     }
     const int s = bits - 4;
@@ -124,8 +162,8 @@ APL_HD void lut_fill_unit(const u16* __restrict__ lut, int bits, long long row, 
         for (int j = 0; j < (1 << s); ++j) put((u << s) | j, (u16)0);
         return;
     }
-    const LutCell cell = lut_cell(lut + row * 17, u);
-    for (int j = 0; j < (1 << s); ++j) put((u << s) | j, lut_cell_entry(cell, s, j));
+    const CellAffine cell = cell_affine<BF16>(lut_cell(lut + row * 17, u), s);
+    for (int j = 0; j < (1 << s); ++j) put((u << s) | j, lut_cell_entry<BF16>(cell, s, j));
 }
 
 // ---------------------------------------------------------------- bit-planes -> codes
@@ -177,53 +215,24 @@ APL_HD void delta_swap(u32& a, u32& b) {
     }
 }
 
-// The 32 codes of one plane word (32 columns), rebuilt from pw[p] = word of plane p
-// (column i in bit i) by a bit-matrix transpose done in every nibble or byte lane at once:
-//   B <= 4: o[c] nibble n = code of column 4n+c (4 words, 4x4 transposes: ~0.6 ops/weight)
-//   B >= 5: o[k] byte L = code << (8-B) of column 8L+k (8 words, 8x8 transposes)
-// offset<E>(j) = code of column j times 2^E: a byte offset into a LUT of 2^E-byte entries,
-// whose row base is aligned so that base | offset == base + offset (one LOP3 per weight).
+// The 32 codes of one plane word (32 columns) at B <= 4 bits, rebuilt from pw[p] = word of plane
+// p (column i in bit i) by a bit-matrix transpose done in every nibble lane at once: o[c] nibble n
+// = code of column 4n+c (4 words, 4x4 transposes: ~0.6 ops/weight). 5-8 bits take it for their
+// top four planes (CellCodes, apl_gemv.cu).
 template <int B>
 struct Codes {
-    static constexpr bool NIB = B <= 4;
-    u32 o[NIB ? 4 : 8];
+    static_assert(B <= 4, "5-8-bit codes are a 4-bit cell and refinement bits (CellCodes)");
+    u32 o[4];
 
     APL_HD explicit Codes(const u32 (&pw)[8]) {
         constexpr bool F = FmaShifts<B>::on;
-        if constexpr (NIB) {
 #pragma unroll
-            for (int j = 0; j < 4; ++j) o[j] = (B - 1 - j >= 0) ? pw[B - 1 - j] : 0u;
-            delta_swap<F, 2, 0x33333333u>(o[0], o[2]); delta_swap<F, 2, 0x33333333u>(o[1], o[3]);
-            delta_swap<F, 1, 0x55555555u>(o[0], o[1]); delta_swap<F, 1, 0x55555555u>(o[2], o[3]);
-        } else {
-#pragma unroll
-            for (int q = 0; q < 8; ++q) o[q] = (7 - q < B) ? pw[7 - q] : 0u;
-#pragma unroll
-            for (int q = 0; q < 4; ++q) delta_swap<F, 4, 0x0F0F0F0Fu>(o[q], o[q + 4]);
-            delta_swap<F, 2, 0x33333333u>(o[0], o[2]); delta_swap<F, 2, 0x33333333u>(o[1], o[3]);
-            delta_swap<F, 2, 0x33333333u>(o[4], o[6]); delta_swap<F, 2, 0x33333333u>(o[5], o[7]);
-            delta_swap<F, 1, 0x55555555u>(o[0], o[1]); delta_swap<F, 1, 0x55555555u>(o[2], o[3]);
-            delta_swap<F, 1, 0x55555555u>(o[4], o[5]); delta_swap<F, 1, 0x55555555u>(o[6], o[7]);
-        }
-    }
-
-    template <int E>
-    APL_HD u32 offset(int j) const {
-        const u32 v = NIB ? o[j & 3] : o[j & 7];
-        const int shift = NIB ? 4 * (j >> 2) - E : 8 * (j >> 3) + 8 - B - E;
-        const u32 mask = ((1u << B) - 1u) << E;
-        if (shift > 0) return (v >> shift) & mask;
-        return (v << -shift) & mask;
+        for (int j = 0; j < 4; ++j) o[j] = (B - 1 - j >= 0) ? pw[B - 1 - j] : 0u;
+        delta_swap<F, 2, 0x33333333u>(o[0], o[2]); delta_swap<F, 2, 0x33333333u>(o[1], o[3]);
+        delta_swap<F, 1, 0x55555555u>(o[0], o[1]); delta_swap<F, 1, 0x55555555u>(o[2], o[3]);
     }
 };
 
-APL_HD u16 lds_u16(u32 addr) {
-#ifdef __CUDA_ARCH__
-    u16 v; asm volatile("ld.shared.u16 %0, [%1];" : "=h"(v) : "r"(addr)); return v;
-#else
-    return host_lds_u16(addr);
-#endif
-}
 APL_HD uint4 lds_v4(u32 addr) {
 #ifdef __CUDA_ARCH__
     uint4 v;
@@ -240,7 +249,7 @@ APL_HD u32 shared_addr(const void* p) {
     return host_shared_addr(p);
 #endif
 }
-// Dynamic shared memory, its start rounded up to 1 KB so LUT rows are aligned (see Codes).
+// Dynamic shared memory, its start rounded up to 1 KB.
 __device__ __forceinline__ unsigned char* aligned_smem(unsigned char* raw) {
     const u32 a = shared_addr(raw);
     return raw + (((a + 1023u) & ~1023u) - a);
@@ -307,12 +316,7 @@ APL_HD int weight_row(int lw, int r0, int rpc, int rows_out, bool* valid) {
     return r0 + lw;
 }
 
-// ---------------------------------------------------------------- 2/3. prefill regime
-#define PF_ROWS 64            // weight rows per CTA
-#define PF_KS 128             // columns per K step (4 plane words per row)
-#define PF_SP (PF_KS + 8)     // padded shared row stride (u16): conflict-free fragment loads
-#define PF_CS (PF_ROWS + 4)   // fp32 epilogue row stride
-
+// ---------------------------------------------------------------- tensor-core mma
 template <bool BF16>
 __device__ __forceinline__ void mma16816(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
     if (BF16)
@@ -323,159 +327,6 @@ __device__ __forceinline__ void mma16816(float (&c)[4], u32 a0, u32 a1, u32 a2, 
         asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
                      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-// Dequantise one plane word (32 columns of one row) into 32 act values at dst (16B aligned).
-// lut_base: shared address of the row's LUT (u16 act values), aligned (see Codes).
-template <int B>
-__device__ __forceinline__ void dequant_word(const u32 (&pw)[8], u32 lut_base, u16* dst) {
-    const Codes<B> codes(pw);
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-        u32 v[4];
-#pragma unroll
-        for (int m = 0; m < 4; ++m) {
-            const int j = q * 8 + 2 * m;
-            v[m] = (u32)lds_u16(lut_base | codes.template offset<1>(j)) |
-                   ((u32)lds_u16(lut_base | codes.template offset<1>(j + 1)) << 16);
-        }
-        *reinterpret_cast<uint4*>(dst + q * 8) = make_uint4(v[0], v[1], v[2], v[3]);
-    }
-}
-
-// Grid (row tiles of 64 weight rows, active experts, m-tile groups), 256 threads (8 warps).
-// MODE 0: the 64 weight rows are 32 gate rows and their 32 up rows (h columns r0..r0+31).
-template <int MT, int MODE, bool BF16>
-__global__ void __launch_bounds__(256, 1) apl_prefill(
-    const long long* __restrict__ desc, const int* __restrict__ active,
-    const int* __restrict__ num_active, const int* __restrict__ sorted_slot, int top_k,
-    const u16* __restrict__ x, int rows_out, int cols, int lut_log2,
-    u16* __restrict__ h_out, float* __restrict__ y_out) {
-    constexpr int MTILES = MT / 16, WARPS_N = 8 / MTILES, NRANGE = PF_ROWS / WARPS_N, NN8 = NRANGE / 8;
-    constexpr int XV = MT * (PF_KS / 8) / 256;  // uint4 of x per thread per K step
-    extern __shared__ __align__(16) unsigned char smem_raw[];
-    const int a = blockIdx.y;
-    if (a >= *num_active) return;
-    const int e = active[3 * a], start = active[3 * a + 1], n = active[3 * a + 2];
-    if ((int)blockIdx.z * MT >= n) return;
-    unsigned char* smem = aligned_smem(smem_raw);
-    const BlockRef blk = load_block(desc, e);
-    const int rpc = MODE == 0 ? PF_ROWS / 2 : PF_ROWS;
-    const int r0 = blockIdx.x * rpc;
-    const int lut_stride = 1 << lut_log2;
-    const bool bad_bits = blk.bits < 3 || blk.bits > lut_log2;
-    const int words_per_row = cols / 32;
-    u16* lut_s = reinterpret_cast<u16*>(smem);      // [64][lut_stride] act values
-    u16* ws = lut_s + PF_ROWS * lut_stride;          // [64][PF_SP]
-    u16* xs = ws + PF_ROWS * PF_SP;                   // [MT][PF_SP]
-    float* cs = reinterpret_cast<float*>(ws);         // epilogue [MT][PF_CS], reuses ws/xs
-
-    if (!bad_bits) {
-        const int units = lut_fill_units(blk.bits);
-        for (int idx = threadIdx.x; idx < PF_ROWS * units; idx += blockDim.x) {
-            const int lw = idx / units;
-            bool valid;
-            const int row = weight_row<MODE>(lw, r0, rpc, rows_out, &valid);
-            lut_fill_unit(blk.lut, blk.bits, row, idx % units, valid, [&](int ent, u16 v) {
-                lut_s[lw * lut_stride + ent] = valid ? lut_to_act<BF16>(v) : (u16)0;
-            });
-        }
-    }
-    // This thread dequantises plane word dq_word of weight row dq_row in every K step.
-    const int dq_row = threadIdx.x >> 2, dq_word = threadIdx.x & 3;
-    bool dq_valid;
-    const int dq_wrow = weight_row<MODE>(dq_row, r0, rpc, rows_out, &dq_valid);
-    dq_valid = dq_valid && !bad_bits;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
-    const int wm = warp % MTILES, wn = warp / MTILES;
-
-    for (int m0 = blockIdx.z * MT; m0 < n; m0 += gridDim.z * MT) {
-        float acc[NN8][4];
-#pragma unroll
-        for (int j = 0; j < NN8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
-        u32 pw[8];
-        uint4 xr[XV];
-        auto load_step = [&](int k0) {
-            const int word = k0 / 32 + dq_word;
-            const bool ok = dq_valid && word < words_per_row;
-#pragma unroll
-            for (int p = 0; p < 8; ++p)
-                pw[p] = (ok && p < blk.bits) ? __ldg(blk.planes[p] + (long long)dq_wrow * words_per_row + word) : 0u;
-#pragma unroll
-            for (int v = 0; v < XV; ++v) {
-                const int idx = threadIdx.x + v * 256, m = idx / (PF_KS / 8), c = k0 + (idx % (PF_KS / 8)) * 8;
-                xr[v] = make_uint4(0, 0, 0, 0);
-                if (m0 + m < n && c < cols) {
-                    const int s = start + m0 + m;
-                    const long long row = MODE == 0 ? sorted_slot[s] / top_k : s;
-                    xr[v] = *reinterpret_cast<const uint4*>(x + row * cols + c);
-                }
-            }
-        };
-        load_step(0);
-        for (int k0 = 0; k0 < cols; k0 += PF_KS) {
-            __syncthreads();  // LUT written / previous step's mma done with ws and xs
-            u16* dst = ws + dq_row * PF_SP + dq_word * 32;
-            if (dq_valid && k0 / 32 + dq_word < words_per_row) {
-                const u32 lut_row = shared_addr(lut_s + dq_row * lut_stride);
-                switch (blk.bits) {
-                    case 3: dequant_word<3>(pw, lut_row, dst); break;
-                    case 4: dequant_word<4>(pw, lut_row, dst); break;
-                    case 5: dequant_word<5>(pw, lut_row, dst); break;
-                    case 6: dequant_word<6>(pw, lut_row, dst); break;
-                    case 7: dequant_word<7>(pw, lut_row, dst); break;
-                    default: dequant_word<8>(pw, lut_row, dst); break;
-                }
-            } else {
-#pragma unroll
-                for (int q = 0; q < 4; ++q) *reinterpret_cast<uint4*>(dst + q * 8) = make_uint4(0, 0, 0, 0);
-            }
-#pragma unroll
-            for (int v = 0; v < XV; ++v) {
-                const int idx = threadIdx.x + v * 256, m = idx / (PF_KS / 8), c8 = idx % (PF_KS / 8);
-                *reinterpret_cast<uint4*>(xs + m * PF_SP + c8 * 8) = xr[v];
-            }
-            __syncthreads();
-            if (k0 + PF_KS < cols) load_step(k0 + PF_KS);  // in flight during the mma below
-#pragma unroll
-            for (int kk = 0; kk < PF_KS; kk += 16) {
-                const u16* ap = xs + (wm * 16 + g) * PF_SP + kk + 2 * t4;
-                const u32 a0 = *reinterpret_cast<const u32*>(ap);
-                const u32 a1 = *reinterpret_cast<const u32*>(ap + 8 * PF_SP);
-                const u32 a2 = *reinterpret_cast<const u32*>(ap + 8);
-                const u32 a3 = *reinterpret_cast<const u32*>(ap + 8 * PF_SP + 8);
-#pragma unroll
-                for (int j = 0; j < NN8; ++j) {
-                    const u16* bp = ws + (wn * NRANGE + j * 8 + g) * PF_SP + kk + 2 * t4;
-                    mma16816<BF16>(acc[j], a0, a1, a2, a3, *reinterpret_cast<const u32*>(bp),
-                                   *reinterpret_cast<const u32*>(bp + 8));
-                }
-            }
-        }
-        __syncthreads();  // all mma done before cs overwrites ws/xs
-#pragma unroll
-        for (int j = 0; j < NN8; ++j) {
-            const int col = wn * NRANGE + j * 8 + 2 * t4, row = wm * 16 + g;
-            cs[row * PF_CS + col] = acc[j][0];
-            cs[row * PF_CS + col + 1] = acc[j][1];
-            cs[(row + 8) * PF_CS + col] = acc[j][2];
-            cs[(row + 8) * PF_CS + col + 1] = acc[j][3];
-        }
-        __syncthreads();
-        for (int idx = threadIdx.x; idx < MT * rpc; idx += blockDim.x) {
-            const int m = idx / rpc, c = idx % rpc;
-            if (m0 + m >= n || r0 + c >= rows_out) continue;
-            const int s = start + m0 + m;
-            float v = cs[m * PF_CS + c];
-            if (bad_bits) v = __int_as_float(0x7fc00000);
-            if (MODE == 0) {
-                const float u = cs[m * PF_CS + rpc + c];
-                h_out[(long long)s * rows_out + r0 + c] = float_to_act<BF16>(gate_act(v) * u);
-            } else {
-                y_out[(long long)sorted_slot[s] * rows_out + r0 + c] = v;
-            }
-        }
-    }
 }
 
 // ---------------------------------------------------------------- 4. combine

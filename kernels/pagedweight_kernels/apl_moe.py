@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from pagedweight_kernels.compile import (  # noqa: F401  (re-exported: the package's API)
-    ACT_DTYPES, GEMV_SOURCE, SOURCE, STAGED_SOURCE, CompileStats, compile_stats, flag, gemv_name, instance_tiles,
+    ACT_DTYPES, GEMV_SOURCE, PREFILL_SOURCE, SOURCE, STAGED_SOURCE, CompileStats, compile_stats, flag, gemv_name, instance_tiles,
     kernel_instances, precompile, prefill_name, staged_instances, staged_name, wgmma_build, wgmma_instance,
 )
 from pagedweight_kernels.config import ACT_CODES, DEFAULT_CONFIG, KernelConfig, config_for  # noqa: F401

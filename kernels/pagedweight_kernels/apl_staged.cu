@@ -15,8 +15,8 @@
 //     for a free buffer, copies the pass's activations for the step into it (cp.async, completion
 //     tracked by the buffer's mbarrier), dequantises its row's 64 weights from plane words loaded
 //     APL_STAGED_PREFETCH units (APL_STAGED_UNIT steps each) ahead in registers, stores them in the wgmma
-//     layout and arrives. 3-4 bits: the row's LUT in registers (RegLut: PRMT lookups); 5-8 bits:
-//     LUT rows in shared memory (one LDS.U16 per weight; 5-bit rows in larger rooms staggered, lut_stagger).
+//     layout and arrives. The row's tables live in registers (RowLut): 3-4 bits its LUT (RegLut:
+//     PRMT lookups), 5-8 bits its cells' offsets and widths (CellLut: two lookups and one FMA).
 // Each weight is dequantised once per pass of 8 * NT8 tokens; a hotter expert takes more passes
 // (the step counter runs on across passes, so the ring's phases stay in step). Outputs are written
 // by position, so reruns are bit-identical; blocks whose bits the class does not hold produce NaN.
@@ -86,17 +86,6 @@
 // the alignment also left one CTA an SM with 4 ring buffers; at one CTA an SM either way, 0-11% faster).
 #ifndef APL_STAGED_TMA
 #define APL_STAGED_TMA 2
-#endif
-// 1: the 5-8-bit rows' LUTs in shared memory lane-banked (lut_lane_index): entry e of local row lw
-// at byte 128 e + 4 (lw % 32) + 2 ((lw / 32) % 2) of its 64-row group, so producer lane i (row i of
-// its warp) only ever reads bank i and a warp's 32 lookups take one wavefront; row-major rows
-// (0) put every lane's entry e on bank e / 2, and 32 random codes take 3.45-3.53 wavefronts
-// (bench/staged_banks). The address is the code's byte (one PRMT) times 2^(B-1) plus the thread's
-// base (one IMAD), as many instructions as the row-major OR-merge. The default since 2026-12-05
-// (H100, apl_gemv_staged_lut.json, the staged regime forced): Mixtral 64 tokens 8 bits 2574.5 against
-// 3452.2 us, Qwen1.5-MoE 256 tokens 926.7 against 1732.5.
-#ifndef APL_STAGED_LUT_LANES
-#define APL_STAGED_LUT_LANES 1
 #endif
 // Units of plane words a 5-8-bit producer thread has in flight in registers (8 planes' words a unit:
 // 32 registers); 1 loads a unit only after the last one's steps, so a warpgroup waits for every unit's
@@ -171,77 +160,18 @@ APL_HD void st_shared_v4(u32 addr, const uint4& v) {
     host_sts_v4(addr, v);
 #endif
 }
-// One plane word (32 columns) of a 3-4-bit row as 4 chunks of 8 consecutive columns (act x2
-// pairs (8j, 8j+1), ..., (8j+6, 8j+7)). Codes<B> puts column 4n + c in nibble n of o[c]; a 4x4
-// byte transpose makes W[j] (byte c = o[c]'s byte j), whose nibbles are columns 8j + (0, 4, 1,
-// 5, 2, 6, 3, 7), so each lookup half's bytes pair as (0, 2) and (1, 3): 8 PRMTs a word more
-// than the tiles regime's selector order, which the activations' cp.async copies could not follow.
-template <int B>
-APL_HD void dequant_chunks_reg(const RegLut<B>& lut, const u32 (&pw)[8], uint4 (&chunk)[4]) {
-    const Codes<B> c(pw);
-    const u32 t0 = prmt(c.o[0], c.o[1], 0x5140u), t1 = prmt(c.o[0], c.o[1], 0x7362u);
-    const u32 t2 = prmt(c.o[2], c.o[3], 0x5140u), t3 = prmt(c.o[2], c.o[3], 0x7362u);
-    const u32 w[4] = {prmt(t0, t2, 0x5410u), prmt(t0, t2, 0x7632u), prmt(t1, t3, 0x5410u), prmt(t1, t3, 0x7632u)};
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        const u32 o = w[j], o3 = B == 4 ? o & 0x77777777u : o;
-        u32 p01, p45, p23, p67;
-        lut.template lookup<0, 0x6240u, 0x7351u>(o, o3, p01, p45);
-        lut.template lookup<1, 0x6240u, 0x7351u>(o, o3, p23, p67);
-        chunk[j] = make_uint4(p01, p23, p45, p67);
-    }
-}
-// The 5-8-bit rows' LUTs in shared memory. Lane-banked (APL_STAGED_LUT_LANES): where entry `ent` of
-// local row lw sits, in entries from the LUT's start (rows in rooms of `room` entries, 64 rows a group;
-// two rows share a word, lw and lw + 32, which two different warps read).
-APL_HD int lut_lane_index(int lw, int ent, int room) {
-    return (lw >> 6) * 64 * room + ent * 64 + (lw & 31) * 2 + ((lw >> 5) & 1);
-}
-// Entry ent of local row lw in the layout APL_STAGED_LUT_LANES picks (in entries from the LUT's start),
-// and the shared address of the row's entry 0, which stage_weights reads from.
-APL_HD int staged_lut_index(int lw, int ent, int bits, int room) {
-    return APL_STAGED_LUT_LANES ? lut_lane_index(lw, ent, room) : lut_row_start(lw, bits, room) + ent;
-}
-APL_HD u32 staged_lut_base(u32 lut_start, int lw, int bits, int room) {
-    return lut_start + 2u * (u32)staged_lut_index(lw, 0, bits, room);
-}
-// The shared address of column col's entry, from the row's entry 0 at base, in the same layout.
-// Lane-banked: column 8L + k's code is byte L of Codes' o[k] (code << (8 - B)), its entry 128 bytes a
-// code from entry 0. Row-major: base | code * 2 (the row aligned to its size).
-template <int B>
-APL_HD u32 lut_entry_addr(u32 base, const Codes<B>& c, int col) {
-    if constexpr (APL_STAGED_LUT_LANES) return base + prmt(c.o[col & 7], 0u, 0x4440u | (u32)(col >> 3)) * (1u << (B - 1));
-    else return base | c.template offset<1>(col);
-}
-// The same for 5-8 bits, from the row's LUT in shared memory (base: staged_lut_base).
-template <int B>
-APL_HD void dequant_chunks_smem(u32 base, const u32 (&pw)[8], uint4 (&chunk)[4]) {
-    const Codes<B> c(pw);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        u32 v[4];
-#pragma unroll
-        for (int m = 0; m < 4; ++m)
-            v[m] = (u32)lds_u16(lut_entry_addr<B>(base, c, 8 * j + 2 * m)) |
-                   ((u32)lds_u16(lut_entry_addr<B>(base, c, 8 * j + 2 * m + 1)) << 16);
-        chunk[j] = make_uint4(v[0], v[1], v[2], v[3]);
-    }
-}
-
 // Row pt's 64 weights of one step into the step's A tile (at a_tile): words 2 * half and
-// 2 * half + 1 of a unit's plane words (W a plane), dequantised (3-4 bits: the row's register
-// LUT; 5-8 bits: its shared-memory LUT row at lut_base) and stored in the wgmma layout.
-template <int B, int W>
-APL_HD void stage_weights(const RegLut<(B <= 4 ? B : 4)>& rlut, u32 lut_base, const u32 (&unit)[B][W], int half,
-                          u32 a_tile, int pt) {
+// 2 * half + 1 of a unit's plane words (W a plane), dequantised from the row's register tables
+// (RowLut) and stored in the wgmma layout.
+template <int B, int W, bool BF16>
+APL_HD void stage_weights(const RowLut<B, BF16>& lut, const u32 (&unit)[B][W], int half, u32 a_tile, int pt) {
 #pragma unroll
     for (int wi = 0; wi < 2; ++wi) {
         u32 pw[8];
 #pragma unroll
         for (int p = 0; p < 8; ++p) pw[p] = p < B ? unit[p < B ? p : 0][2 * half + wi] : 0u;
         uint4 chunk[4];
-        if constexpr (B <= 4) dequant_chunks_reg<(B <= 4 ? B : 4)>(rlut, pw, chunk);
-        else dequant_chunks_smem<B>(lut_base, pw, chunk);
+        dequant_chunks<B, BF16>(lut, pw, chunk);
 #pragma unroll
         for (int j = 0; j < 4; ++j) st_shared_v4(tile_chunk(a_tile, ST_ROWS, pt, 4 * wi + j), chunk[j]);
     }
@@ -406,7 +336,7 @@ APL_HD void tma_load_rows(u32 dst, const StagedTensorMap& map, int col, int row,
 // warpgroup wg fills the steps of every NP-th unit (U steps) of the CTA's passes, from unit wg.
 template <int B, int MODE, bool BF16, bool V4, int NT8, bool PA, bool TMA, int NP>
 APL_HD void staged_produce(const BlockRef& blk, const StagedWork& w, const int* __restrict__ sorted_slot, int top_k,
-                           const u16* __restrict__ x, const u16* lut_s, int lut_stride, const StagedTensorMap& act_map) {
+                           const u16* __restrict__ x, const StagedTensorMap& act_map) {
     // P: units in flight; 5-8-bit rows APL_STAGED_PREFETCH_LUT (8 planes' words a unit; with 4-byte plane
     // loads one: those instances spill 448-912 bytes at 2, nvcc 13.0)
     constexpr int NT = 8 * NT8, P = B <= 4 ? APL_STAGED_PREFETCH : V4 ? APL_STAGED_PREFETCH_LUT : 1, MINE = NT8 / 2;  // MINE: B chunks a step
@@ -422,10 +352,8 @@ APL_HD void staged_produce(const BlockRef& blk, const StagedWork& w, const int* 
     const u32* row_planes[8];
 #pragma unroll
     for (int p = 0; p < 8; ++p) row_planes[p] = blk.planes[p] + (long long)wrow * wpr;
-    RegLut<(B <= 4 ? B : 4)> rlut;
-    u32 lut_base = 0;
-    if constexpr (B <= 4) rlut.load(blk.lut + (long long)wrow * lut_row_entries(B), true, BF16);
-    else lut_base = staged_lut_base(shared_addr(lut_s), pt, B, lut_stride);
+    RowLut<B, BF16> rlut;
+    rlut.load(blk.lut + (long long)wrow * lut_row_entries(B), true, BF16);
     // Unit u = steps Uu..Uu+U-1 = words Wu..Wu+W-1 of the row in every plane (clamped into the row:
     // columns past the end meet zero activations); the warpgroup's own unit j.
     auto load_unit = [&](u32 (&buf)[B][W], int j) {
@@ -547,9 +475,9 @@ APL_HD void staged_produce(const BlockRef& blk, const StagedWork& w, const int* 
                                 words[p][2 * half + 3] = v.w;
                             }
                         }
-                        stage_weights<B, W>(rlut, lut_base, words, half, a_tile, pt);
+                        stage_weights<B, W, BF16>(rlut, words, half, a_tile, pt);
                     } else {
-                        stage_weights<B, W>(rlut, lut_base, buf[d], half, a_tile, pt);
+                        stage_weights<B, W, BF16>(rlut, buf[d], half, a_tile, pt);
                     }
                     if constexpr (APL_STAGED_PRODUCER_FENCE)
                         fence_proxy_async();  // the stores, before wgmma (the async proxy) reads them
@@ -626,20 +554,6 @@ APL_HD void staged_consume(const StagedWork& w, bool bad, const int* __restrict_
     }
 }
 
-// Producer thread pt's own row's table into the lane-banked layout (act values; zeros for a row past
-// the projection), derived from the row's LUT_4 one cell at a time (lut_fill_unit); the stores of a
-// warp's lanes fall on 32 banks. With NP producer warpgroups, warpgroup wg fills every NP-th cell.
-template <int MODE, bool BF16, int NP>
-APL_HD void fill_lut_lanes(const BlockRef& blk, u16* lut_s, int room, int r0, int rows_out) {
-    const int wg = (threadIdx.x - 128) / 128, pt = (threadIdx.x - 128) % 128;
-    bool valid;
-    const int row = weight_row<MODE>(pt, r0, MODE == 0 ? ST_ROWS / 2 : ST_ROWS, rows_out, &valid);
-    u16* dst = lut_s + lut_lane_index(pt, 0, room);
-    for (int u = wg; u < lut_fill_units(blk.bits); u += NP)
-        lut_fill_unit(blk.lut, blk.bits, valid ? row : 0, u, valid,
-                      [&](int ent, u16 v) { dst[ent * 64] = valid ? lut_to_act<BF16>(v) : (u16)0; });
-}
-
 // The warpgroups' register budgets (setmaxnreg; 2 CTAs of 256 threads share 64K registers, so
 // consumer + producer <= 256): the consumer holds 2 x 4 NT8 accumulators, the producer a row's
 // LUT, plane words in flight and a word's codes and chunks.
@@ -690,9 +604,7 @@ APL_HD void staged_cta(const long long* __restrict__ desc, const int* __restrict
     constexpr bool TMA = staged_tma<CLS>();  // (activations by TMA: the 3-4-bit class)
     constexpr unsigned ALIGN = staged_align<CLS>();
     unsigned char* smem = smem_raw + (((raw + (ALIGN - 1u)) & ~(ALIGN - 1u)) - raw);
-    const int lut_stride = CLS == 0 ? 0 : 1 << lut_log2;
-    u16* lut_s = reinterpret_cast<u16*>(smem);  // [ST_ROWS][lut_stride] act values (5-8 bits)
-    w.ring = shared_addr(smem + ST_ROWS * lut_stride * 2);
+    w.ring = shared_addr(smem);
     if (threadIdx.x == 0) {
         for (int i = 0; i < stages; ++i) {
             mbar_init(&w.full[i], 128);   // the producers' arrivals (and their copies', tracked)
@@ -708,32 +620,15 @@ APL_HD void staged_cta(const long long* __restrict__ desc, const int* __restrict
     if constexpr (APL_STAGED_REGS && staged_blocks<CLS>() == 2) set_warpgroup_registers<StagedRegs<NT8>::producer>();
     if (bad) return;
     constexpr int NP = staged_producers<CLS>();
-    if (CLS != 0 && blk.bits >= 5) {  // the rows' LUTs into shared memory, then a producer barrier
-        if constexpr (APL_STAGED_LUT_LANES) {
-            fill_lut_lanes<MODE, BF16, NP>(blk, lut_s, lut_stride, w.r0, rows_out);  // each producer its own row's
-        } else {  // row-major, by all producers together
-            const int units = lut_fill_units(blk.bits), rpc = MODE == 0 ? ST_ROWS / 2 : ST_ROWS;
-            for (int idx = threadIdx.x - 128; idx < ST_ROWS * units; idx += 128 * NP) {
-                const int lw = idx / units;
-                bool valid;
-                const int row = weight_row<MODE>(lw, w.r0, rpc, rows_out, &valid);
-                u16* dst = lut_s + lut_row_start(lw, blk.bits, lut_stride);
-                lut_fill_unit(blk.lut, blk.bits, row, idx % units, valid,
-                              [&](int ent, u16 v) { dst[ent] = valid ? lut_to_act<BF16>(v) : (u16)0; });
-            }
-        }
-        producer_barrier<NP>();
-    }
-    // (the other classes' shared memory holds LUT rows too: their plane ring only with APL_STAGED_PLANE_ASYNC_LUT)
     constexpr bool PA_LUT = APL_STAGED_PLANE_ASYNC && APL_STAGED_PLANE_ASYNC_LUT && CLS != 0;
     constexpr bool PA = (APL_STAGED_PLANE_ASYNC && CLS == 0) || PA_LUT;
     switch (blk.bits) {
-        case 3: if constexpr (CLS != 1) staged_produce<3, MODE, BF16, V4, NT8, PA, TMA, NP>(blk, w, sorted_slot, top_k, x, lut_s, lut_stride, act_map); break;
-        case 4: if constexpr (CLS != 1) staged_produce<4, MODE, BF16, V4, NT8, PA, TMA, NP>(blk, w, sorted_slot, top_k, x, lut_s, lut_stride, act_map); break;
-        case 5: if constexpr (CLS != 0) staged_produce<5, MODE, BF16, V4, NT8, PA_LUT, TMA, NP>(blk, w, sorted_slot, top_k, x, lut_s, lut_stride, act_map); break;
-        case 6: if constexpr (CLS != 0) staged_produce<6, MODE, BF16, V4, NT8, PA_LUT, TMA, NP>(blk, w, sorted_slot, top_k, x, lut_s, lut_stride, act_map); break;
-        case 7: if constexpr (CLS != 0) staged_produce<7, MODE, BF16, V4, NT8, PA_LUT, TMA, NP>(blk, w, sorted_slot, top_k, x, lut_s, lut_stride, act_map); break;
-        default: if constexpr (CLS != 0) staged_produce<8, MODE, BF16, V4, NT8, PA_LUT, TMA, NP>(blk, w, sorted_slot, top_k, x, lut_s, lut_stride, act_map); break;
+        case 3: if constexpr (CLS != 1) staged_produce<3, MODE, BF16, V4, NT8, PA, TMA, NP>(blk, w, sorted_slot, top_k, x, act_map); break;
+        case 4: if constexpr (CLS != 1) staged_produce<4, MODE, BF16, V4, NT8, PA, TMA, NP>(blk, w, sorted_slot, top_k, x, act_map); break;
+        case 5: if constexpr (CLS != 0) staged_produce<5, MODE, BF16, V4, NT8, PA_LUT, TMA, NP>(blk, w, sorted_slot, top_k, x, act_map); break;
+        case 6: if constexpr (CLS != 0) staged_produce<6, MODE, BF16, V4, NT8, PA_LUT, TMA, NP>(blk, w, sorted_slot, top_k, x, act_map); break;
+        case 7: if constexpr (CLS != 0) staged_produce<7, MODE, BF16, V4, NT8, PA_LUT, TMA, NP>(blk, w, sorted_slot, top_k, x, act_map); break;
+        default: if constexpr (CLS != 0) staged_produce<8, MODE, BF16, V4, NT8, PA_LUT, TMA, NP>(blk, w, sorted_slot, top_k, x, act_map); break;
     }
 }
 

@@ -26,7 +26,8 @@ from pagedweight_kernels.plan import PREFILL_LARGEST_TILE, PREFILL_TILES, TILES_
 
 SOURCE = Path(__file__).with_name("apl_moe.cu")
 GEMV_SOURCE = Path(__file__).with_name("apl_gemv.cu")  # compiled after SOURCE (uses its helpers)
-STAGED_SOURCE = Path(__file__).with_name("apl_staged.cu")  # compiled after both (uses their helpers)
+PREFILL_SOURCE = Path(__file__).with_name("apl_prefill.cu")  # compiled after both (uses their row tables)
+STAGED_SOURCE = Path(__file__).with_name("apl_staged.cu")  # compiled after them (uses their helpers)
 ACT_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -60,7 +61,7 @@ def compiled(name: str, defines: tuple):
 
     start = time.perf_counter()
     options = ("-std=c++17", *(f"-D{k}={v}" for k, v in defines))
-    code = module_source(SOURCE, GEMV_SOURCE, STAGED_SOURCE)
+    code = module_source(SOURCE, GEMV_SOURCE, PREFILL_SOURCE, STAGED_SOURCE)
     if wgmma_instance(name):
         function = compile_for_arch(code, options, name, "sm_90a")
     else:

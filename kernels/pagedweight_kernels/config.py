@@ -23,7 +23,7 @@ _STAGED_DEFINES = {
     "staged_blocks": "APL_STAGED_BLOCKS", "staged_regs": "APL_STAGED_REGS",
     "staged_plane_async": "APL_STAGED_PLANE_ASYNC", "staged_producer_fence": "APL_STAGED_PRODUCER_FENCE",
     "staged_skip_pad": "APL_STAGED_SKIP_PAD", "staged_tma": "APL_STAGED_TMA",
-    "staged_lut_lanes": "APL_STAGED_LUT_LANES", "staged_prefetch_lut": "APL_STAGED_PREFETCH_LUT",
+    "staged_prefetch_lut": "APL_STAGED_PREFETCH_LUT",
     "staged_lut_blocks": "APL_STAGED_LUT_BLOCKS", "staged_plane_async_lut": "APL_STAGED_PLANE_ASYNC_LUT",
     "staged_lut_producers": "APL_STAGED_LUT_PRODUCERS",
 }
@@ -38,6 +38,9 @@ class KernelConfig:
     # (longer CTAs, fewer prologues); 2 and 4 waves were measured no better overall (H200,
     # apl_gemv_order_default.json).
     gemv_target_ctas: int = 528
+    # The same for launches of the kernels holding 5-8-bit blocks, 3 CTAs an SM (apl_gemv.cu's
+    # APL_GEMV_CELL_BLOCKS: their register tables need the registers of the fourth).
+    gemv_cell_target_ctas: int = 396
     # Layers of 3-4-bit blocks whose passes want more than 8 tiles and at most this many take
     # passes of 96 tokens (48 accumulators a thread, 2 CTAs per SM), so an expert a little over
     # the mean is dequantised once, not twice. Measured (H200, docs/kernel.md):
@@ -73,7 +76,6 @@ class KernelConfig:
     staged_producer_fence: int = 1
     staged_skip_pad: int = 1
     staged_tma: int = 2
-    staged_lut_lanes: int = 1
     staged_prefetch_lut: int = 1
     staged_lut_blocks: int = 1
     staged_plane_async_lut: int = 1

@@ -102,9 +102,9 @@ class ResidentBlock:
         planes = [p.data_ptr() for p in self.planes] + [0] * (8 - self.bits)
         return [self.bits, self.lut.data_ptr(), *planes]
 
-    def dequantize(self) -> torch.Tensor:
-        """fp16 [rows, cols] through the format's reference dequantisation."""
-        return dequantize(torch.stack(self.planes), self.lut, self.bits)
+    def dequantize(self, dtype: torch.dtype = LUT_DTYPE) -> torch.Tensor:
+        """[rows, cols] in `dtype` (fp16 or bf16) through the format's reference dequantisation."""
+        return dequantize(torch.stack(self.planes), self.lut, self.bits, dtype)
 
 
 def resident_block(block: APLBlock, bits: int, device) -> ResidentBlock:

@@ -120,13 +120,15 @@ def plan_launch(num_tokens: int, top_k: int, num_experts: int, hidden: int, inte
         wide = config.tiles_wide_nt8 if bit_class(max_bits) == 0 and not stable_launches else 0
         nt8 = 1 if per_expert <= GEMV_MAX_TOKENS_PER_EXPERT else tiles_per_pass(per_expert, wide)
         waves = nt8 == 1 and max_bits <= GEMV_WAVE_PLAN_MAX_BITS and not stable_launches
-        gate_up = _gemv_plan(0, num_tokens, top_k, hidden, intermediate, max_active, nt8, waves, config)
-        down = _gemv_plan(1, num_tokens, top_k, intermediate, hidden, max_active, nt8, waves, config)
+        # (the decode kernels holding 5-8-bit blocks run 3 CTAs an SM, the 3-4-bit one 4)
+        target = config.gemv_target_ctas if bit_class(max_bits) == 0 and not stable_launches else config.gemv_cell_target_ctas
+        gate_up = _gemv_plan(0, num_tokens, top_k, hidden, intermediate, max_active, nt8, waves, target)
+        down = _gemv_plan(1, num_tokens, top_k, intermediate, hidden, max_active, nt8, waves, target)
     else:
         mt = next((tile for limit, tile in PREFILL_TILES if per_expert <= limit), PREFILL_LARGEST_TILE)
         z = max(1, min(math.ceil(num_tokens / mt), math.ceil(per_expert / mt)))
-        gate_up = _prefill_plan(0, mt, intermediate, max_bits, max_active, z)
-        down = _prefill_plan(1, mt, hidden, max_bits, max_active, z)
+        gate_up = _prefill_plan(0, mt, intermediate, max_active, z)
+        down = _prefill_plan(1, mt, hidden, max_active, z)
     return LaunchPlan(gate_up, down, max_active)
 
 
@@ -172,8 +174,8 @@ def _wave_splits_for(ctas_per_split: int, words: int, most_splits: int, max_spli
 
 
 def _gemv_plan(mode, num_tokens, top_k, cols, rows_out, max_active, nt8: int, waves: bool,
-               config: KernelConfig) -> GemmPlan:
-    # Split the columns until the launch has about gemv_target_ctas CTAs (small layers at 1
+               target_ctas: int) -> GemmPlan:
+    # Split the columns until the launch has about target_ctas CTAs (small layers at 1
     # token would otherwise leave most SMs idle) and, at decode, a split's activations fit
     # their budget; the tiles regime stages one step at a time, so only the CTA count splits.
     rpc = GEMV_ROWS // 2 if mode == 0 else GEMV_ROWS
@@ -186,9 +188,9 @@ def _gemv_plan(mode, num_tokens, top_k, cols, rows_out, max_active, nt8: int, wa
         max_split = math.ceil(words / GEMV_STEP_WORDS) * GEMV_STEP_WORDS
     most_splits = max(1, words // GEMV_MIN_SPLIT_WORDS)
     if waves:
-        splits = _wave_splits(tiles * max_active, words, most_splits, max_split, config.gemv_target_ctas)
+        splits = _wave_splits(tiles * max_active, words, most_splits, max_split, target_ctas)
     else:
-        splits = min(math.ceil(config.gemv_target_ctas / (tiles * max_active)), most_splits)
+        splits = min(math.ceil(target_ctas / (tiles * max_active)), most_splits)
     split_words = _split_words(words, splits, max_split)
     splits = math.ceil(words / split_words)
     num_assign = num_tokens * top_k
@@ -198,9 +200,9 @@ def _gemv_plan(mode, num_tokens, top_k, cols, rows_out, max_active, nt8: int, wa
                     (tiles, max_active, splits), shared, nt8)
 
 
-def _prefill_plan(mode, mt, rows_out, max_bits, max_active, z) -> GemmPlan:
+def _prefill_plan(mode, mt, rows_out, max_active, z) -> GemmPlan:
     rpc = PREFILL_ROWS // 2 if mode == 0 else PREFILL_ROWS
-    shared = SMEM_ALIGN_PAD + 2 * (PREFILL_ROWS * (1 << max_bits) + (PREFILL_ROWS + mt) * PREFILL_SP)
+    shared = SMEM_ALIGN_PAD + 2 * (PREFILL_ROWS + mt) * PREFILL_SP  # the weight tile and the tokens' (no tables)
     grid = (math.ceil(rows_out / rpc), max_active, z)
     return GemmPlan("prefill", mt, rpc, 1, 0, grid, shared)
 
@@ -213,28 +215,27 @@ def staged_plan(mode: int, num_tokens: int, top_k: int, num_experts: int, rows_o
     spill at 96; 128 tokens, staged_wide_nt8, where more than 96 are wanted there), grid (row
     tiles of 64 gate and 64 up rows or of 128 rows, active experts, groups of passes), and as many
     ring buffers, up to staged_stages, as leave 2 CTAs per SM room (else 1).
-    lut_bits: the widest 5-8-bit block's bits (its LUT rows sit in shared memory), 0 for none."""
+    lut_bits: the widest 5-8-bit block's bits (the producers' plane ring holds as many planes), 0 for none."""
     per_expert = num_tokens * top_k / num_experts
     wide = (config.tiles_wide_nt8, config.staged_wide_nt8) if cls == 0 else (config.staged_lut_wide_nt8,)
     nt8 = tiles_per_pass(per_expert, *(wide if aligned16 else ()))
     tokens = GEMV_TOKENS * nt8
     groups = max(1, min(math.ceil(num_tokens / tokens), math.ceil(per_expert / tokens)))
     rpc = STAGED_ROWS // 2 if mode == 0 else STAGED_ROWS
-    lut = STAGED_ROWS * (1 << lut_bits) * 2 if lut_bits else 0
     planes = staged_plane_ring_bytes(cls, nt8, aligned16, lut_bits, config)
     stage = (STAGED_ROWS + tokens) * STAGED_STEP * 2  # the A tile, then the B tile
     least = staged_min_stages(cls, nt8, aligned16, config)
     budgets = config.staged_cta_shared
     for budget in budgets[-1:] if staged_blocks(cls, config) == 1 else budgets:  # (one CTA an SM: its budget)
         stages = min(max(config.staged_stages, least), STAGED_MAX_STAGES,
-                     (budget - staged_align_pad(cls, config) - lut - planes) // stage)
+                     (budget - staged_align_pad(cls, config) - planes) // stage)
         if stages >= least:
             break
     else:
-        raise APLKernelError(f"the staged regime needs {least} ring buffers of {stage} bytes beside {lut} bytes of LUT"
-                             f" rows and {planes} of plane words")
+        raise APLKernelError(f"the staged regime needs {least} ring buffers of {stage} bytes beside {planes} bytes"
+                             f" of plane words")
     grid = (math.ceil(rows_out / rpc), max_active, groups)
-    return GemmPlan("staged", tokens, rpc, 1, 0, grid, staged_align_pad(cls, config) + lut + stages * stage + planes,
+    return GemmPlan("staged", tokens, rpc, 1, 0, grid, staged_align_pad(cls, config) + stages * stage + planes,
                     nt8, stages)
 
 

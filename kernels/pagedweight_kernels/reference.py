@@ -1,6 +1,6 @@
 """apl_moe_reference: the fused MoE operator in plain torch. Each used block is dequantised by
-`pagedweight.format.apl_format.dequantize` (the format's one definition), rounded to x's dtype,
-and the reference combine `moe_forward` runs the experts. Tests compare the kernels to it."""
+`pagedweight.format.apl_format.dequantize` (the format's one definition) in x's dtype, and the
+reference combine `moe_forward` runs the experts. Tests compare the kernels to it."""
 
 from __future__ import annotations
 
@@ -12,12 +12,12 @@ from pagedweight_kernels.moe_reference import gated, moe_forward
 
 
 def apl_moe_reference(x, topk_ids, topk_weights, layer: APLLayer, weight_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Plain torch: dequantise each used block, round to x's dtype, reference combine.
-    weight_dtype: round the weights to it first (an fp32 reference of what a bf16 kernel reads)."""
+    """Plain torch: dequantise each used block in x's dtype, reference combine.
+    weight_dtype: dequantise in it instead (an fp32 reference of what a bf16 kernel reads)."""
+    dtype = weight_dtype or (x.dtype if x.dtype in (torch.float16, torch.bfloat16) else torch.float16)
 
     def weights(block: ResidentBlock, tokens: torch.Tensor) -> torch.Tensor:
-        w = block.dequantize()
-        return (w.to(weight_dtype) if weight_dtype is not None else w).to(tokens.device, tokens.dtype)
+        return block.dequantize(dtype).to(tokens.device, tokens.dtype)
 
     def expert(e: int, tokens: torch.Tensor) -> torch.Tensor:
         gate, up = F.linear(tokens, weights(layer.gate_up[e], tokens)).chunk(2, dim=-1)

@@ -147,10 +147,11 @@ def test_decode_splits_fill_whole_waves():
     down = plan_launch(1, 2, **mixtral).down  # 5 splits would be 640 CTAs, 1.21 waves
     assert down.splits == 4 and math.prod(down.grid) <= wave and down.split_cols * 4 >= 14336
     assert plan_launch(1, 4, **qwen).down.splits == 2  # 44 words: at least two warp steps a split
-    # the earlier rule (splits to about one wave) where a wave is not 528 CTAs (the 5-8-bit
-    # class's shared LUT) or the launches must not follow the widths (stable launches)
-    assert plan_launch(1, 2, **dict(mixtral, max_bits=8)).down.splits == 5
-    assert plan_launch(1, 2, **mixtral, stable_launches=True).down.splits == 5
+    # the kernels holding 5-8-bit blocks (3 CTAs an SM) and stable launches split to about
+    # gemv_cell_target_ctas: 396 CTAs over 64 row tiles x 2 experts take 4 splits
+    cell_wave = apl_moe.DEFAULT_CONFIG.gemv_cell_target_ctas
+    assert plan_launch(1, 2, **dict(mixtral, max_bits=8)).down.splits == math.ceil(cell_wave / 128) == 4
+    assert plan_launch(1, 2, **mixtral, stable_launches=True).down.splits == 4
     # a smaller wave (a configuration for a GPU of fewer SMs) takes fewer splits
     half = dataclasses.replace(apl_moe.DEFAULT_CONFIG, gemv_target_ctas=wave // 2)
     assert plan_launch(1, 4, **qwen, config=half).gate_up.splits < small.splits
@@ -465,9 +466,9 @@ def test_wide_passes_only_for_3_4_bit_layers_without_stable_launches():
 def test_staged_plan_passes_grid_and_a_ring_that_leaves_two_ctas_per_sm():
     """The staged regime's launches: passes as the tiles regime picks them (96 tokens for 3-4-bit
     layers where it would), row tiles of 64 gate + 64 up rows (gate_up) or 128 rows (down), and
-    shared memory (LUT rows of the widest 5-8-bit block, then the ring of A + B tiles, then the
-    3-4-bit class's plane ring) for 2 CTAs an SM with at least 2 buffers (3-4-bit class), or for one
-    (the classes with LUT rows, compiled for one CTA an SM: staged_blocks), 8-bit LUT rows included."""
+    shared memory (the ring of A + B tiles, then the producers' plane ring) for 2 CTAs an SM with at
+    least 2 buffers (3-4-bit class), or for one (the classes holding 5-8-bit blocks, compiled for one
+    CTA an SM: staged_blocks)."""
     import pagedweight_kernels.apl_moe as op
     from pagedweight_kernels.plan import STAGED_ROWS, STAGED_STEP, staged_align_pad, staged_blocks
 
@@ -479,11 +480,10 @@ def test_staged_plan_passes_grid_and_a_ring_that_leaves_two_ctas_per_sm():
              (op.staged_plan(0, 256, 2, 8, 14336, 1, 8, 8), 1, 8), (op.staged_plan(0, 256, 2, 8, 14336, 2, 5, 8), 2, 5),
              (op.staged_plan(0, 64, 4, 60, 1408, 1, 6, 60), 1, 6)]
     for plan, cls, lut_bits in plans:
-        lut = STAGED_ROWS * (1 << lut_bits) * 2 if lut_bits else 0
         stage = (STAGED_ROWS + plan.tokens) * STAGED_STEP * 2
         assert op.staged_min_stages(cls, plan.tiles, True) <= plan.stages <= config.staged_stages
         planes = op.staged_plane_ring_bytes(cls, plan.tiles, True, lut_bits)
-        assert plan.shared_bytes == staged_align_pad(cls) + lut + plan.stages * stage + planes
+        assert plan.shared_bytes == staged_align_pad(cls) + plan.stages * stage + planes
         assert plan.shared_bytes <= config.staged_cta_shared[0 if staged_blocks(cls) == 2 else -1]
     assert staged_blocks(0) == 2 and staged_blocks(1) == staged_blocks(2) == 1
     assert op.staged_plan(0, 256, 2, 8, 14336, 1, 8, 8).stages == config.staged_stages  # (one CTA: room for all)

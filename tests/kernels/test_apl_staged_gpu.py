@@ -160,16 +160,16 @@ def test_128_token_passes_match_reference(case, bits, staged):
     check_case(case, bits=bits, config=staged)
 
 
-# The 5-8-bit producers' knobs (apl_staged.cu) against their defaults: the lane-banked LUT rows against
-# the row-major ones, one, two or four units of plane words in registers (16-byte plane loads only),
+# The 5-8-bit producers' knobs (apl_staged.cu) against their defaults: one, two or four units of plane
+# words in registers (16-byte plane loads only),
 # activations by the copies (TMA for the 3-4-bit class only), two CTAs an SM (2 ring buffers), one producer
 # warpgroup in place of two (with one or two units of plane words in flight). The lookups' addresses, the loads' schedule and the B
 # tiles' layout change; the operands and the wgmma order do not.
-LUT_KNOBS = [{"APL_STAGED_LUT_LANES": "flip"}, {"APL_STAGED_PREFETCH_LUT": 2}, {"APL_STAGED_PREFETCH_LUT": 4},
+LUT_KNOBS = [{"APL_STAGED_PREFETCH_LUT": 2}, {"APL_STAGED_PREFETCH_LUT": 4},
              {"APL_STAGED_TMA": 1}, {"APL_STAGED_LUT_BLOCKS": "flip"}, {"APL_STAGED_PLANE_ASYNC_LUT": 0},
              {"APL_STAGED_PREFETCH_LUT": 3}, {"APL_STAGED_LUT_PRODUCERS": 1},
              {"APL_STAGED_LUT_PRODUCERS": 1, "APL_STAGED_PREFETCH_LUT": 2},  # (earlier defaults)
-             {"APL_STAGED_LUT_BLOCKS": "flip", "APL_STAGED_LUT_LANES": "flip", "APL_STAGED_PREFETCH_LUT": 1,
+             {"APL_STAGED_LUT_BLOCKS": "flip", "APL_STAGED_PREFETCH_LUT": 1,
               "APL_STAGED_TMA": 1, "APL_STAGED_PLANE_ASYNC_LUT": 0, "APL_STAGED_LUT_PRODUCERS": 1}]  # (before the fourth)
 
 

@@ -58,19 +58,23 @@ STAGED_KNOBS = {"launcher": {}, "plane_async_units_of_4": {"APL_STAGED_PLANE_ASY
                 "register_prefetch": {"APL_STAGED_PLANE_ASYNC": 0},
                 "no_producer_fence": {"APL_STAGED_PRODUCER_FENCE": 0},
                 "prefetch_3_no_regs": {"APL_STAGED_PREFETCH": 3, "APL_STAGED_REGS": 0},
-                "lut_lanes_prefetch_2_tma_every_class": {"APL_STAGED_LUT_LANES": 1, "APL_STAGED_PREFETCH_LUT": 2,
-                                                         "APL_STAGED_TMA": 2}}
+                "cell_prefetch_2_tma_every_class": {"APL_STAGED_PREFETCH_LUT": 2, "APL_STAGED_TMA": 2}}
+
+
+PREFILL = [f"apl_prefill<{mt}, {mode}, {bf16}>" for mt, mode, bf16 in ((16, 0, "true"), (128, 1, "false"))]
+PREFILL_PARAMS = ("const long long* __restrict__, const int* __restrict__, const int* __restrict__, const int* __restrict__, "
+                  "int, const u16* __restrict__, int, int, int, u16* __restrict__, float* __restrict__")
 
 
 def instantiate(names: list[str]) -> str:
-    return "".join(f"\ntemplate __global__ void {n}({STAGED_PARAMS if n.startswith('apl_staged') else GEMV_PARAMS});"
-                   for n in names) + "\n"
+    params = {"apl_staged": STAGED_PARAMS, "apl_gemv": GEMV_PARAMS, "apl_prefill": PREFILL_PARAMS}
+    return "".join(f"\ntemplate __global__ void {n}({params[n[:n.index('<')]]});" for n in names) + "\n"
 
 
 @pytest.mark.parametrize("knobs", list(STAGED_KNOBS))
 def test_the_fused_module_compiles_for_sm90a(knobs):
     defines = kernel_defines(STAGED_KNOBS[knobs])
-    rc, log = nvrtc_compile(module_text(staged=True) + instantiate(STAGED + GEMV),
+    rc, log = nvrtc_compile(module_text(staged=True) + instantiate(STAGED + GEMV + PREFILL),
                             ["-std=c++17", "--gpu-architecture=sm_90a", *(f"-D{k}={v}" for k, v in defines.items())])
     assert rc == 0, log[-3000:]
 

@@ -82,10 +82,8 @@ def staged_weights(harness: Path, work: Path, block, bits: int, bf16: bool, lut_
 
 
 def reference(block, bits: int, bf16: bool) -> np.ndarray:
-    """The format's dequantisation in the activation dtype (fp16 LUT entries, rounded to bf16
-    as the kernels' lut_to_act does), as u16 bit patterns."""
-    w = block.dequantize(bits)
-    w = w.float().to(torch.bfloat16) if bf16 else w.to(torch.float16)
+    """The format's dequantisation in the activation dtype, as u16 bit patterns."""
+    w = block.dequantize(bits, torch.bfloat16 if bf16 else torch.float16)
     return w.view(torch.int16).numpy().astype("<u2")
 
 
@@ -97,14 +95,6 @@ def test_staged_tiles_hold_the_reference_weights(harness, tmp_path, bits, bf16, 
     block = random_block(ST_ROWS, 5 * ST_KS, torch.Generator().manual_seed(100 * bits + unit))
     got = staged_weights(harness, tmp_path, block, bits, bf16, lut_log2=bits, unit=unit)
     np.testing.assert_array_equal(got, reference(block, bits, bf16))
-
-
-@pytest.mark.parametrize("bits", [5, 6, 7, 8])
-def test_staged_tiles_from_a_merged_launchs_lut_rooms(harness, tmp_path, bits):
-    # a merged launch sizes every row's room for 8 bits; 5-bit rows sit staggered in theirs
-    block = random_block(ST_ROWS, 3 * ST_KS, torch.Generator().manual_seed(bits))
-    got = staged_weights(harness, tmp_path, block, bits, True, lut_log2=8, unit=2)
-    np.testing.assert_array_equal(got, reference(block, bits, True))
 
 
 @pytest.mark.parametrize("tokens", [16, 32, 64, 96])
@@ -301,29 +291,27 @@ def test_either_activation_path_leaves_the_other_launches_bit_for_bit(cta_harnes
     assert (tmp_path / "out.bin").read_bytes() == default
 
 
-# The 5-8-bit producers' knobs: the lane-banked LUT rows (and their fill), units of plane words in
-# registers, activations by TMA for every class (the 1024-byte alignment past LUT rows too), and the
-# second producer warpgroup. Against the defaults (lane-banked, 1 unit a producer thread, TMA for every
+# The 5-8-bit producers' knobs: units of plane words in registers, activations by TMA for every class,
+# and the second producer warpgroup. Against the defaults (1 unit a producer thread, TMA for every
 # class, one CTA an SM, two producer warpgroups): each flipped, and earlier defaults all at once.
-LUT_KNOBS = {"lut_lanes_flipped": {"APL_STAGED_LUT_LANES": "flip"},
-             "prefetch_2": {"APL_STAGED_PREFETCH_LUT": 2},
+LUT_KNOBS = {"prefetch_2": {"APL_STAGED_PREFETCH_LUT": 2},
              "copies": {"APL_STAGED_TMA": 1},
              "plane_words_in_registers": {"APL_STAGED_PLANE_ASYNC_LUT": 0},
              "plane_ring_prefetch_3": {"APL_STAGED_PREFETCH_LUT": 3},
-             "earlier_defaults": {"APL_STAGED_LUT_LANES": "flip", "APL_STAGED_PREFETCH_LUT": 1, "APL_STAGED_TMA": 1,
+             "earlier_defaults": {"APL_STAGED_PREFETCH_LUT": 1, "APL_STAGED_TMA": 1,
                                   "APL_STAGED_LUT_BLOCKS": 2, "APL_STAGED_PLANE_ASYNC_LUT": 0,
                                   "APL_STAGED_LUT_PRODUCERS": 1},
-             # one producer warpgroup (earlier defaults), and two with the
-             # row-major fill, plane words in registers and the activations' copies
+             # one producer warpgroup (earlier defaults), and two with plane words in registers and
+             # the activations' copies
              "one_producer_warpgroup": {"APL_STAGED_LUT_PRODUCERS": 1, "APL_STAGED_PREFETCH_LUT": 2},
-             "two_producer_warpgroups_earlier": {"APL_STAGED_LUT_PRODUCERS": 2, "APL_STAGED_LUT_LANES": "flip",
+             "two_producer_warpgroups_earlier": {"APL_STAGED_LUT_PRODUCERS": 2,
                                                  "APL_STAGED_TMA": 1, "APL_STAGED_PLANE_ASYNC_LUT": 0}}
 
 
 # (each pair builds a harness: the layout and the earlier defaults on both launches, the rest on the merged one)
 @pytest.mark.parametrize("name, knob", [(name, knob) for knob in LUT_KNOBS
                                         for name in ("gate_up_5_8_bits_two_pass_groups", "down_merged_class")
-                                        if name == "down_merged_class" or knob in ("lut_lanes_flipped", "earlier_defaults",
+                                        if name == "down_merged_class" or knob in ("earlier_defaults",
                                                                                    "two_producer_warpgroups_earlier")])
 def test_lut_row_knobs_leave_the_launch_bit_for_bit(cta_harness, default_outputs, tmp_path, name, knob):
     case, instance = launch_case(name, seed=5)
@@ -450,21 +438,13 @@ def test_the_command_line_says_when_it_cannot_write(tmp_path, capsys):
     assert "cannot write" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("bits, merged, producers", [(8, False, 1), (6, False, 1), (5, True, 1), (8, False, 2)])
-def test_lane_banked_lut_lookups_take_one_wavefront(tmp_path, bits, merged, producers):
-    # APL_STAGED_LUT_LANES: each producer lane reads only its own bank, whatever the codes, so a warp's
-    # LDS.U16 takes the one wavefront its 64 bytes need (row-major rows took 3.45-3.53);
-    # with two producer warpgroups too (each warp of either reads the rows of its lanes)
-    knobs = {"APL_STAGED_LUT_LANES": 1, "APL_STAGED_LUT_PRODUCERS": producers}
-    got = staged_banks.count(f"{bits} bits", bits, knobs, merged, tmp_path)["kinds"]["LDS.U16"]
-    assert got["instructions"] > 0 and got["wavefronts"] == got["instructions"] == got["ideal"], got
-
-
 # ---------------------------------------------------------------- the derived tables
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("bits", [3, 4, 5, 6, 7, 8])
-def test_kernel_tables_equal_the_format_s_bit_for_bit(harness, tmp_path, bits):
-    """lut_fill_unit (every kernel's table fill) against apl_format.expand_lut on sorted,
-    unsorted, tiny, huge and repeated centroids and zero extents: the same fp16 bits."""
+def test_kernel_tables_equal_the_format_s_bit_for_bit(harness, tmp_path, bits, dtype):
+    """lut_fill_unit (the prefill kernel's table fill, and the host's act_fma the register path
+    shares) against apl_format.expand_lut on sorted, unsorted, tiny, huge and repeated centroids
+    and zero extents: the same bits in both activation dtypes."""
     from pagedweight.format.apl_format import expand_lut, lut_entries
 
     gen = torch.Generator().manual_seed(bits)
@@ -476,9 +456,10 @@ def test_kernel_tables_equal_the_format_s_bit_for_bit(harness, tmp_path, bits):
         lut[::7, 16] = 0.0  # no room beyond the outer centroids
         lut[::5, 3:6] = lut[::5, 3:4]  # repeated centroids: empty inner cells
     stored = lut.to(torch.float16)
-    (tmp_path / "in.bin").write_bytes(struct.pack("<2i", bits, rows) + stored.view(torch.int16).numpy().astype("<i2").tobytes())
+    (tmp_path / "in.bin").write_bytes(struct.pack("<3i", bits, rows, int(dtype == torch.bfloat16))
+                                      + stored.view(torch.int16).numpy().astype("<i2").tobytes())
     run = subprocess.run([str(harness), "luts", str(tmp_path / "in.bin"), str(tmp_path / "out.bin")],
                          capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     table = torch.from_numpy(np.fromfile(tmp_path / "out.bin", dtype="<i2").astype(np.int16)).view(rows, 1 << bits)
-    assert torch.equal(table, expand_lut(stored, bits).view(torch.int16))
+    assert torch.equal(table, expand_lut(stored, bits, dtype).view(torch.int16))

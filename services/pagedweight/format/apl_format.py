@@ -17,7 +17,8 @@ code (nested quantisation). Storage:
   code p and b-4 refinement bits j, and its value is the centre of sub-interval j of the
   2^(b-4) equal parts of p's cell, the cell being [midpoint to p's lower neighbour, midpoint
   to its upper one], the outer cells reaching e beyond their centroid (to the row's extremes).
-  So an 8-bit row carries 34 LUT bytes, not 512.
+  So an 8-bit row carries 34 LUT bytes, not 512. The value is computed as the kernels compute
+  it without a table: one fused multiply-add in the weights' dtype (`cell_affine`).
 
 At b bits a block needs planes 0..b-1 and LUT_min(b, 4) only:
     bytes(b) = rows * cols * b / 8 + rows * lut_entries(b) * 2
@@ -85,20 +86,53 @@ def sub_cell_fractions(bits: int, device=None) -> torch.Tensor:
     return (2 * torch.arange(n, dtype=torch.float32, device=device) + 1) / (2 * n)
 
 
-def expand_lut(lut: torch.Tensor, bits: int) -> torch.Tensor:
-    """The stored LUT of a block at `bits` -> its 2^bits values, fp16 [R, 2^bits].
+def cell_affine(lut4: torch.Tensor, bits: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """LUT_4 [R, 17] -> each cell's (offset, width) in `dtype` [R, 16] each, such that code
+    p << s | j (s = bits - 4) has the value offset_p + width_p * (1 + j / 2^s).
 
-    Up to 4 bits the stored LUT is the table; above, value(p << s | j) = low_p + (high_p - low_p)
-    * (2j + 1) / 2^(s+1) with s = bits - 4 (cell_bounds), rounded to fp16.
+    1 + j / 2^s is exact in fp16 and bf16 and costs the kernels one bitwise OR of the refinement
+    bits into the exponent of 1.0; offset_p = low_p - width_p * (1 - 2^-(s+1)) puts the value at
+    the centre of sub-interval j. Both are computed in fp32 (one rounding a step, the kernels'
+    order) and rounded once to `dtype`.
+    """
+    low, high = cell_bounds(lut4)
+    width = high - low
+    offset = low + width * -(1 - 2.0 ** -(bits - BASE_LUT_BITS + 1))
+    return offset.to(dtype), width.to(dtype)
+
+
+def round_to(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp64 values -> `dtype` with one round-to-nearest-even (torch's own fp64 -> bf16
+    conversion rounds twice, through fp32): the significand is rounded at its own binade,
+    subnormals included, by scaling with powers of two (exact) and torch.round (ties to even)."""
+    info = torch.finfo(dtype)
+    precision = {torch.float16: 11, torch.bfloat16: 8}[dtype]
+    min_exponent = int(torch.tensor(info.tiny, dtype=torch.float64).log2().round()) + 1  # frexp's exponent of tiny
+    _, exponent = torch.frexp(values)
+    ulp_exponent = torch.clamp(exponent, min=min_exponent) - precision
+    rounded = torch.ldexp(torch.round(torch.ldexp(values, -ulp_exponent)), ulp_exponent.to(values.dtype))
+    return rounded.to(dtype)  # exact: the value is representable
+
+
+def expand_lut(lut: torch.Tensor, bits: int, dtype: torch.dtype = LUT_DTYPE) -> torch.Tensor:
+    """The stored LUT of a block at `bits` -> its 2^bits values in `dtype` (fp16 or bf16),
+    [R, 2^bits].
+
+    Up to 4 bits the stored LUT is the table (rounded to `dtype`); above, value(p << s | j) =
+    offset_p + width_p * (1 + j / 2^s) (cell_affine) with one rounding to `dtype`, as a fused
+    multiply-add computes it: offset and width are `dtype` values and the product is exact in
+    fp64, so the sum is rounded once (round_to).
     """
     rows = lut.shape[0]
     if lut.dim() != 2 or lut.shape[1] != lut_entries(bits):
         raise ValueError(f"LUT for {bits} bits must be [rows, {lut_entries(bits)}], got {tuple(lut.shape)}")
     if bits <= BASE_LUT_BITS:
-        return lut[:, :1 << bits]
-    low, high = cell_bounds(lut)
-    values = low[:, :, None] + (high - low)[:, :, None] * sub_cell_fractions(bits, lut.device)
-    return values.reshape(rows, 1 << bits).to(LUT_DTYPE)
+        return lut[:, :1 << bits].to(dtype)
+    offset, width = cell_affine(lut, bits, dtype)
+    n = 1 << (bits - BASE_LUT_BITS)
+    fraction = 1 + torch.arange(n, dtype=torch.float64, device=lut.device) / n
+    values = offset.double()[:, :, None] + width.double()[:, :, None] * fraction
+    return round_to(values.reshape(rows, 1 << bits), dtype)
 
 
 def with_extent(centroids4: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -124,13 +158,13 @@ def refinement_bits(w: torch.Tensor, codes4: torch.Tensor, lut4: torch.Tensor) -
     return torch.floor(position * steps).clamp(0, steps - 1).long()
 
 
-def dequantize(planes: torch.Tensor, lut: torch.Tensor, bits: int) -> torch.Tensor:
-    """The reference dequantisation: W[r, c] = expand_lut(LUT, bits)[r, code_bits[r, c]] (fp16),
+def dequantize(planes: torch.Tensor, lut: torch.Tensor, bits: int, dtype: torch.dtype = LUT_DTYPE) -> torch.Tensor:
+    """The reference dequantisation: W[r, c] = expand_lut(LUT, bits, dtype)[r, code_bits[r, c]],
     `lut` being the block's stored LUT at `bits` (LUT_3 or LUT_4)."""
     codes = unpack_codes(planes, bits)
     if lut.shape[0] != codes.shape[0]:
         raise ValueError(f"LUT has {lut.shape[0]} rows, the planes {codes.shape[0]}")
-    return torch.gather(expand_lut(lut, bits), 1, codes)
+    return torch.gather(expand_lut(lut, bits, dtype), 1, codes)
 
 
 @dataclass
@@ -160,5 +194,5 @@ class APLBlock:
         """The stored LUT a block at `bits` reads (LUT_3 or LUT_4)."""
         return self.luts[lut_width(bits)]
 
-    def dequantize(self, bits: int) -> torch.Tensor:
-        return dequantize(self.planes, self.lut(bits), bits)
+    def dequantize(self, bits: int, dtype: torch.dtype = LUT_DTYPE) -> torch.Tensor:
+        return dequantize(self.planes, self.lut(bits), bits, dtype)

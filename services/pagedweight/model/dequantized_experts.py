@@ -38,9 +38,10 @@ Bits = int | None  # None: the original bf16 weights
 _BYTE_BITS = ((torch.arange(256)[:, None] >> torch.arange(8)) & 1).to(torch.uint8)
 
 
-def dequantize_block(planes: torch.Tensor, lut: torch.Tensor, bits: int) -> torch.Tensor:
+def dequantize_block(planes: torch.Tensor, lut: torch.Tensor, bits: int, dtype: torch.dtype = torch.float16) -> torch.Tensor:
     """Same result as `apl_format.dequantize` (tested equal), ~40x faster on CPU: bytes are
-    unpacked by table lookup and codes built in int16 instead of int64 shifts per bit."""
+    unpacked by table lookup and codes built in int16 instead of int64 shifts per bit. `dtype`:
+    fp16 or bf16, the dtype the weights are computed in (the kernels' values)."""
     check_bits(bits)
     _, rows, packed = planes.shape
     table = _BYTE_BITS.to(planes.device)
@@ -48,7 +49,13 @@ def dequantize_block(planes: torch.Tensor, lut: torch.Tensor, bits: int) -> torc
     codes = plane_bits[0].to(torch.int16)
     for p in range(1, bits):
         codes = (codes << 1) | plane_bits[p]
-    return torch.gather(expand_lut(lut, bits), 1, codes.long())
+    return torch.gather(expand_lut(lut, bits, dtype), 1, codes.long())
+
+
+def weight_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The 16-bit dtype APL values are derived in for a model running in `dtype` (bf16 or fp16
+    as is; fp32, a CPU reference, takes fp16's values)."""
+    return dtype if dtype in (torch.float16, torch.bfloat16) else torch.float16
 
 
 class DequantizedExperts(nn.Module):
@@ -96,7 +103,7 @@ class DequantizedExperts(nn.Module):
                 w = self.bf16[module][expert]
             else:
                 lp = self.apl[module]
-                w = dequantize_block(lp.planes[expert], lp.lut(bits)[expert], bits)
+                w = dequantize_block(lp.planes[expert], lp.lut(bits)[expert], bits, weight_dtype(self.dtype))
             cached = (bits, w.to(device=self.device, dtype=self.dtype))
             self._cache[(expert, module)] = cached
         return cached[1]

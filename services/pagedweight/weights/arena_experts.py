@@ -28,7 +28,7 @@ from torch import nn
 from pagedweight_kernels.apl_moe import ACT_DTYPES, APLLayer, ResidentBlock, apl_moe, kernel_available, precompile
 from pagedweight_kernels.moe_reference import check_activation, gated, moe_forward
 from pagedweight.format.apl_format import BlockId
-from pagedweight.model.dequantized_experts import dequantize_block
+from pagedweight.model.dequantized_experts import dequantize_block, weight_dtype
 from pagedweight.weights.page_table import PageTable
 
 
@@ -93,7 +93,7 @@ class ArenaExperts(nn.Module):
         if hit is not None and hit[0] == version and hit[1].dtype == dtype:
             return hit[1]
         planes, lut, bits = self.table.resident_views(block_id)
-        w = dequantize_block(torch.stack(planes), lut, bits).to(dtype)  # equal to apl_format.dequantize
+        w = dequantize_block(torch.stack(planes), lut, bits, weight_dtype(dtype)).to(dtype)  # equal to apl_format.dequantize
         if self.cache_dequantized:
             self._cache[block_id] = (version, w)
         return w
