@@ -132,3 +132,39 @@ def test_block_keys_round_trip():
 def test_unaligned_columns_are_rejected():
     with pytest.raises(ValueError, match="cols"):
         pack_planes(torch.zeros(2, 40, dtype=torch.uint8))
+
+
+def test_round_to_rounds_fp64_once_to_the_16_bit_formats():
+    """round_to is the one rounding an FMA in the activation dtype makes: numpy's fp64 -> fp16 is
+    correctly rounded (subnormals and ties to even included); for bf16, an fp32 input is rounded
+    once by torch's own cast, and ties that fp64 -> fp32 -> bf16 would round twice stay single."""
+    import numpy as np
+
+    from pagedweight.format.apl_format import round_to
+
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(20000, generator=gen, dtype=torch.float64) * torch.logspace(-9, 4, 20000, dtype=torch.float64)
+    x = torch.cat([x, torch.tensor([0.0, 1 + 2.0 ** -11, 1 + 3 * 2.0 ** -11, 2.0 ** -25, 3 * 2.0 ** -26])])
+    assert torch.equal(round_to(x, torch.float16), torch.from_numpy(x.numpy().astype(np.float16)))
+    x32 = x.float().double()
+    assert torch.equal(round_to(x32, torch.bfloat16), x32.float().to(torch.bfloat16))
+    # 1 + 2^-8 + 2^-30: just above a bf16 tie; via fp32 it would land on the tie and round to even (down)
+    assert round_to(torch.tensor([1 + 2.0 ** -8 + 2.0 ** -30], dtype=torch.float64), torch.bfloat16).item() == 1 + 2.0 ** -7
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_derived_values_are_one_fma_of_the_cell_s_offset_and_width(dtype):
+    from pagedweight.format.apl_format import cell_affine, round_to
+
+    lut4 = sorted_lut4(rows=8, seed=5)
+    for bits in (5, 6, 7, 8):
+        offset, width = cell_affine(lut4, bits, dtype)
+        n = 1 << (bits - 4)
+        values = expand_lut(lut4, bits, dtype).view(8, 16, n)
+        exact = offset.double()[:, :, None] + width.double()[:, :, None] * (1 + torch.arange(n, dtype=torch.float64) / n)
+        assert torch.equal(values, round_to(exact, dtype))
+        # the value sits at its sub-interval's centre to within the dtype's rounding
+        low, high = cell_bounds(lut4)
+        centre = low[:, :, None] + (high - low)[:, :, None] * ((2 * torch.arange(n) + 1) / (2 * n))
+        tolerance = 4 * torch.finfo(dtype).eps * (low.abs() + (high - low).abs())[:, :, None]
+        assert ((values.float() - centre).abs() <= tolerance).all()
