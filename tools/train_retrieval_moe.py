@@ -32,9 +32,10 @@ After training: the checkpoint (bf16 safetensors, config, tokenizer) and accurac
 gives it exactly when the teacher-forced argmax is right, so one forward pass per example
 measures it; in bf16 on a GPU).
 
-    # CPU, one thread: 256 tokens
+    # CPU, one thread: 256 tokens (about 3 minutes of CPU time)
     PYTHONPATH=services:. python3 tools/train_retrieval_moe.py --device cpu --threads 1 --clock cpu \
-        --max-minutes 20 --out /tmp/retrieval-moe-cpu --result bench/results/train_retrieval_moe_cpu.json
+        --max-minutes 20 --max-steps 1000 --eval-lengths 256 1024 --out /tmp/retrieval-moe-cpu \
+        --result bench/results/train_retrieval_moe_cpu.json
     # one GPU: up to 8192 tokens (docs/retrieval.md has the run)
     PYTHONPATH=services:. python3 tools/train_retrieval_moe.py --device cuda --max-minutes 6.5 \
         --final-len 8192 --tokens-per-step 32768 --eval-lengths 2048 8192 --out OUT/retrieval-moe
