@@ -14,8 +14,8 @@ value:
 The paged model is made by `pagedweight quantize` calibrated on task text (examples of a
 seed the evaluation does not use).
 
-Writes bench/results/retrieval_budget_<model>_<device>.json and the section of
-docs/elasticity.md between its table marks (bench/tables.py renders it).
+Writes bench/results/retrieval_budget_<model>_<device>.json and the table of
+docs/retrieval.md between its marks (bench/tables.py renders it).
 
     python -m bench.retrieval_budget --model models/retrieval-moe --lengths 2048 --count 40
 """
@@ -188,7 +188,7 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out-name", default=None)
-    p.add_argument("--no-docs", action="store_true", help="leave docs/elasticity.md as it is")
+    p.add_argument("--no-docs", action="store_true", help="leave docs/retrieval.md as it is")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -212,7 +212,7 @@ def main(argv=None) -> int:
     if not args.no_docs:
         from bench import tables
 
-        page = tables.DOCS / "elasticity.md"
+        page = tables.DOCS / "retrieval.md"
         page.write_text(tables.render(page.read_text()))
     return 0
 

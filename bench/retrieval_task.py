@@ -38,6 +38,7 @@ FILLER_WORDS = (
     "through", "valley", "boat", "drifts", "slowly", "bright", "stars", "shine", "above", "town",
 )
 VOCAB = (EOS, QUERY, STOP, *KEYS, *VALUES, *FILLER_WORDS)
+WORDS = VOCAB[3:]  # keys, values and filler: what a copy row is made of
 ID = {w: i for i, w in enumerate(VOCAB)}
 KEY_IDS = np.array([ID[k] for k in KEYS])
 VALUE_IDS = np.array([ID[v] for v in VALUES])
@@ -77,7 +78,6 @@ def make_example(rng: np.random.Generator, length: int, num_records: int, num_qu
     with distinct keys at random sentence boundaries, then num_queries queries of distinct
     records in random order, each followed by its value (dense: every second token of the
     query section is an answer, the only tokens a training loss can use)."""
-    num_queries = min(num_queries, num_records)
     if num_records > NUM_KEYS:
         raise ValueError(f"{num_records} records need more than {NUM_KEYS} keys")
     filler_len = length - num_records * RECORD_LEN - 1 - num_queries * RECORD_LEN
@@ -93,13 +93,35 @@ def make_example(rng: np.random.Generator, length: int, num_records: int, num_qu
         prev = cut
     parts.append(filler[prev:])
     context = np.concatenate(parts)
-    asked = rng.choice(num_records, num_queries, replace=False)
+    # each query names a record drawn independently: asking every record once would let the
+    # last queries be answered by elimination (a value not yet asked), a shortcut that a
+    # one-query evaluation cannot use and that competes with key matching in training
+    asked = rng.integers(0, num_records, num_queries)
     queries = np.array([ID[QUERY], *np.stack([keys[asked], values[asked]], 1).ravel()], dtype=np.int64)
     ids = np.concatenate([context, queries])
     mask = np.zeros(len(ids), dtype=bool)
     mask[len(context) + 2::RECORD_LEN] = True
     prompt_len = len(context) + 2
     return Example(ids, mask, prompt_len, [int(ids[prompt_len])], [int(k) for k in keys], [int(v) for v in values])
+
+
+def copy_row(rng: np.random.Generator, length: int, min_chunk: int = 2, max_chunk: int = 6
+             ) -> tuple[np.ndarray, np.ndarray]:
+    """A training row for the copying circuit recall uses: half the row random words, then
+    chunks of min_chunk..max_chunk of them copied from random places of the first half.
+    The mask marks every copied token but a chunk's first (which nothing predicts): each is
+    the word after the earlier occurrence of the word before it, found by matching content,
+    since the chunks sit at random distances from their sources."""
+    half = length // 2
+    first = rng.integers(len(VOCAB) - len(WORDS), len(VOCAB), half)
+    parts, mask, n = [first], [np.zeros(half, dtype=bool)], half
+    while n < length:
+        size = int(rng.integers(min_chunk, max_chunk + 1))
+        start = int(rng.integers(0, half - size + 1))
+        parts.append(first[start:start + size])
+        mask.append(np.arange(size) > 0)
+        n += size
+    return np.concatenate(parts)[:length].astype(np.int64), np.concatenate(mask)[:length]
 
 
 def eval_examples(seed: int, length: int, count: int, num_records: int) -> list[Example]:

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from bench.retrieval_task import (
-    EVAL_SEED_BASE, ID, KEY_IDS, NUM_KEYS, QUERY, RECORD_LEN, TRAIN_SEED_BASE, VALUE_IDS, build_tokenizer, eval_examples,
-    make_example, to_text)
+    EVAL_SEED_BASE, ID, KEY_IDS, NUM_KEYS, NUM_VALUES, QUERY, RECORD_LEN, TRAIN_SEED_BASE, VALUE_IDS, build_tokenizer,
+    eval_examples, make_example, to_text)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -38,7 +38,24 @@ def test_the_answer_is_the_value_of_the_queried_key_in_the_context(length, recor
         assert ex.answer_mask.sum() == queries
         for j in np.flatnonzero(ex.answer_mask):
             assert ids[j] == ex.values[ex.keys.index(ids[j - 1])]
-        assert len({ids[j - 1] for j in np.flatnonzero(ex.answer_mask)}) == queries  # distinct records asked
+
+
+def test_every_answer_follows_its_key_once_in_the_context_across_lengths_and_seeds():
+    """The property training relies on, over the shapes the curriculum draws: each supervised
+    answer is the token after the one occurrence of its key before the query section."""
+    rng = np.random.default_rng(7)
+    for _ in range(300):
+        length = int(rng.integers(32, 600))
+        records = int(rng.integers(1, min(16, (length - 1) // 6) + 1))
+        queries = int(rng.integers(1, records + 1))
+        ex = make_example(np.random.default_rng(int(rng.integers(1 << 30))), length, records, queries)
+        ids = ex.ids.tolist()
+        query_at = len(ids) - 1 - queries * RECORD_LEN
+        assert ids[query_at] == ID[QUERY]
+        for j in np.flatnonzero(ex.answer_mask):
+            at = [i for i in range(query_at) if ids[i] == ids[j - 1]]
+            assert len(at) == 1 and ids[at[0] + 1] == ids[j]
+        assert ex.answer == [ids[ex.prompt_len]] and ex.answer_mask[ex.prompt_len]
 
 
 def test_examples_are_a_function_of_the_seed_and_text_round_trips_through_the_tokenizer():
@@ -92,7 +109,7 @@ def test_trainer_writes_a_checkpoint_that_transformers_and_quantize_load(tmp_pat
                           env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads((tmp_path / "train_retrieval_moe.json").read_text())
-    assert result["steps"] == 6 and set(result["eval"]["accuracy"]) == {"256"}
+    assert result["steps"] == 6 and set(result["eval"]["accuracy"]) == {"64"}
 
     hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     ours = load_model(out, dtype=torch.float32)
@@ -113,3 +130,21 @@ def test_trainer_writes_a_checkpoint_that_transformers_and_quantize_load(tmp_pat
     cli.handler(cli)
     assert (tmp_path / "paged" / "config.json").is_file()
 
+
+
+def test_a_tiny_trained_model_beats_chance(tmp_path, one_torch_thread):
+    """120 seeded steps of the toy model on recall rows alone (about 7 s of one thread) answer
+    a two-record context far above a uniform guess over the values: the supervision reaches
+    the answers and the model reads them from the context. (Key matching takes about a
+    thousand steps even at this size, with the copy rows: copying either value of the context
+    scores one half.)"""
+    import json
+
+    from tools.train_retrieval_moe import main
+
+    out = tmp_path / "toy"
+    assert main(["--device", "cpu", "--tiny", "--max-steps", "120", "--copy-share", "0", "--out", str(out)]) == 0
+    result = json.loads((tmp_path / "train_retrieval_moe.json").read_text())
+    chance = 1 / NUM_VALUES
+    assert result["steps"] == 120
+    assert result["eval"]["accuracy"]["64"] >= 8 * chance, result["eval"]
