@@ -48,7 +48,9 @@ def test_b_bit_clusters_are_the_top_b_bits_and_luts_are_their_weighted_means():
         if b > BASE_LUT_BITS:
             half_part = (high - low) / (1 << (b - BASE_LUT_BITS)) / 2
             values = dequantize_rows(q, b)
-            fp16_step = values.abs() * 2.0 ** -10 + 2.0 ** -24  # the values are rounded to fp16
+            # fp16 rounding: of the value, and of the cell's offset and width it is one FMA of
+            # (docs/apl_format.md), whose magnitudes reach |low| + 2 (high - low)
+            fp16_step = (values.abs() + low.abs() + 2 * (high - low)) * 2.0 ** -10 + 2.0 ** -24
             assert ((values - clamped).abs() <= half_part * (1 + 1e-5) + fp16_step).all(), b
     for b in BIT_WIDTHS:
         codes = q.codes.long() >> (MAX_BITS - b)
