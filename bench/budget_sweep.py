@@ -80,24 +80,28 @@ def run_bf16(bf16_model, config, ecfg, budget: int, sizes: dict, dtype, args) ->
     from dataclasses import replace
 
     engine = Engine(bf16_model, replace(ecfg, num_kv_blocks=int(num_blocks)))
+    warm_up(engine, args.prompt_len, bf16_model.device)
+    before = engine.stats()
     row = drive_plain(engine, args)
     stats = engine.stats()
-    row.update({"kv_blocks": int(num_blocks), "preemptions": stats.num_preemptions,
-                "memory_short_steps": stats.memory_short_steps, "page_moves": 0, "bits_mean_served": 16.0,
+    row.update({"kv_blocks": int(num_blocks), "preemptions": stats.num_preemptions - before.num_preemptions,
+                "memory_short_steps": stats.memory_short_steps - before.memory_short_steps, "page_moves": 0,
+                "bits_mean_served": 16.0,
                 "kl_served": 0.0 if args.kl else None})
     return row
 
 
 def drive_plain(engine, args) -> dict:
     """elasticity.drive_trace's steady trace (same prompts, same order) on an engine without a
-    pager: tokens/s only."""
+    pager: tokens/s only. Stops after --row-time-limit-s (an engine that preempts and
+    recomputes more than it decodes may never finish): the row then says how far it got."""
     vocab = engine.model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
-    sent = tokens = 0
+    sent = tokens = finished = 0
     in_flight: set[str] = set()
     start = time.perf_counter()
-    while sent < args.requests or in_flight:
+    while (sent < args.requests or in_flight) and time.perf_counter() - start < args.row_time_limit_s:
         while sent < args.requests and len(in_flight) < args.concurrency:
             prompt = torch.randint(1, vocab, (args.prompt_len,), generator=gen).tolist()
             engine.add_request(f"r{sent}", prompt, params)
@@ -107,9 +111,10 @@ def drive_plain(engine, args) -> dict:
             tokens += len(out.new_token_ids)
             if out.finished:
                 in_flight.discard(out.request_id)
+                finished += 1
     elapsed = time.perf_counter() - start
     return {"elapsed_s": round(elapsed, 3), "output_tokens": tokens, "requests": args.requests,
-            "output_tokens_per_s": round(tokens / elapsed, 2)}
+            "requests_finished": finished, "output_tokens_per_s": round(tokens / elapsed, 2)}
 
 
 def run_paged(paged, eos, policy: str, budget: int, ecfg, dtype, device, args) -> dict:
@@ -119,7 +124,7 @@ def run_paged(paged, eos, policy: str, budget: int, ecfg, dtype, device, args) -
     except Exception as err:  # noqa: BLE001 - a budget a policy cannot start in is a result
         return {"refused": str(err).splitlines()[0]}
     try:
-        warm_up(rt, args.prompt_len, device)
+        warm_up(rt.engine, args.prompt_len, device)
         moves0 = el._moves(rt)
         row = el.drive_trace(rt, [el.Phase(args.requests, args.concurrency)], args.prompt_len,
                              args.max_tokens, args.drain_s, None)
@@ -136,17 +141,18 @@ def run_paged(paged, eos, policy: str, budget: int, ecfg, dtype, device, args) -
             torch.cuda.empty_cache()
 
 
-def warm_up(rt, prompt_len: int, device) -> None:
+def warm_up(engine, prompt_len: int, device) -> None:
     """A short load before the clock starts, and every decode bucket on CUDA. Not
     elasticity.warm_up's tour of every bit-width: at the low budgets here the arena cannot
     take every block back to its starting bits while the warm-up's KV is still held."""
     from pagedweight.cli.load_bench import LoadSpec, drive_load
     from pagedweight.engine.graph_warmup import warm_decode_buckets
 
-    drive_load(rt.engine, LoadSpec(4, 4, prompt_len, 4, seed=1))
+    drive_load(engine, LoadSpec(4, 4, prompt_len, 4, seed=1))
     if device.type == "cuda":
-        warm_decode_buckets(rt.engine)
-    rt.engine.kv.shrink()
+        warm_decode_buckets(engine)
+    if hasattr(engine.kv, "shrink"):
+        engine.kv.shrink()
 
 
 def bf16_model_of(args, paged, ours_bf16, dtype, device):
@@ -177,6 +183,8 @@ def main() -> int:
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--batched-tokens", type=int, default=2048)
+    parser.add_argument("--row-time-limit-s", type=float, default=120.0,
+                        help="bf16 rows: stop the trace after this long (preemption can thrash)")
     parser.add_argument("--drain-s", type=float, default=0.0, help="idle steps after the trace (bits coming back)")
     parser.add_argument("--kl", action="store_true", help="--artifact: KL to bf16 of the plans each row served")
     parser.add_argument("--kl-domain", default="kjv")
@@ -185,6 +193,7 @@ def main() -> int:
     parser.add_argument("--kl-plans", type=int, default=8, help="most-served plans scored per row")
     parser.add_argument("--time-limit-s", type=float, default=1e9)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--plot", type=Path, default=None, help="write the throughput / KL plot here (PNG)")
     parser.add_argument("--name", default=None, help="result name (default: budget_sweep_<model>)")
     args = parser.parse_args()
     if args.num_budgets < 2:
@@ -214,6 +223,8 @@ def main() -> int:
     result = {"model": built, "dtype": str(dtype), "args": {k: str(v) for k, v in vars(args).items()},
               "bytes": sizes, "budgets": []}
     bf16_model = bf16_model_of(args, paged, ours_bf16, dtype, device) if "bf16" in args.rows else None
+    ours_bf16 = None  # held by bf16_model where a bf16 row needs it; else its device memory goes now
+    gc.collect()
     scorer = None
     if args.kl:
         from bench.quality_budget import Scorer
@@ -241,7 +252,6 @@ def main() -> int:
         else:
             if bf16_model is not None:
                 bf16_model = None
-                ours_bf16 = None
                 gc.collect()
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
@@ -255,8 +265,38 @@ def main() -> int:
         for point in points:
             el.kl_of_plans(args, {k: v for k, v in point["rows"].items() if "_plans" in v}, scorer)
     path = write_result(name, _clean(result))
+    if args.plot:
+        pareto_plot(result, args.plot)
     el.log(f"wrote {path}")
     return 0
+
+
+def pareto_plot(result: dict, path: Path) -> None:
+    """Throughput against KL to bf16, one point per row and budget (refused rows left out),
+    each row's budgets joined from the largest to the smallest."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    names = [n for n in ROWS if n != "fitting-uniform" and any(n in p["rows"] for p in result["budgets"])]
+    for name in names:
+        points = [(p["rows"][name].get("kl_served"), p["rows"][name].get("output_tokens_per_s"))
+                  for p in result["budgets"] if name in p["rows"]]
+        points = [(kl, tps) for kl, tps in points if kl is not None and tps is not None]
+        if points:
+            kl, tps = zip(*points)
+            ax.plot([max(k, 1e-5) for k in kl], tps, marker="o", label=name)
+    ax.set_xscale("log")
+    ax.set_xlabel("KL(bf16 || served), nats per token (bf16 drawn at 1e-5)")
+    ax.set_ylabel("output tokens/s")
+    ax.set_title(f"{result['model']}: {len(result['budgets'])} budgets, one point each", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    el.log(f"wrote {path}")
 
 
 def _clean(result: dict) -> dict:
