@@ -36,6 +36,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from bench import elasticity as el
@@ -126,12 +127,15 @@ def run_paged(paged, eos, policy: str, budget: int, ecfg, dtype, device, args) -
     try:
         warm_up(rt.engine, args.prompt_len, device)
         moves0 = el._moves(rt)
+        frees = MovesAgainstMinimum(rt.pager.planner) if rt.pager is not None else None
         row = el.drive_trace(rt, [el.Phase(args.requests, args.concurrency)], args.prompt_len,
                              args.max_tokens, args.drain_s, None)
         stats = rt.engine.stats()
         row.pop("samples")
         row.update({"preemptions": stats.num_preemptions, "memory_short_steps": stats.memory_short_steps,
                     "page_moves": el._moves(rt) - moves0, "_block_keys": [b.key() for b in rt.table.entries]})
+        if frees is not None:
+            row["frees_against_minimum"] = frees.summary()
         return row
     finally:
         rt.close()
@@ -139,6 +143,43 @@ def run_paged(paged, eos, policy: str, budget: int, ecfg, dtype, device, args) -
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+class MovesAgainstMinimum:
+    """Per free request (one pressure change) the planner answers: the blocks its plan moves
+    against the fewest blocks that could free those bytes at all (the blocks with the most
+    bytes above 3 bits first, each lowered to 3), wrapped around the planner's submit/poll."""
+
+    def __init__(self, planner):
+        self.planner, self.pairs = planner, []  # pairs: (blocks moved, minimum)
+        submit, poll = planner.submit, planner.poll
+        pending = {}  # request_id -> minimum blocks
+
+        def on_submit(request):
+            if request.pressure.bytes_needed > 0:
+                pending[request.request_id] = self.minimum(request.bits, request.pressure.bytes_needed)
+            submit(request)
+
+        def on_poll():
+            response = poll()
+            if response is not None and response.request_id in pending:
+                self.pairs.append((len(response.block_indices), pending.pop(response.request_id)))
+            return response
+
+        planner.submit, planner.poll = on_submit, on_poll
+
+    def minimum(self, bits: np.ndarray, num_bytes: int) -> int:
+        nbytes = self.planner.table.nbytes
+        above = np.sort(nbytes[np.arange(len(bits)), bits - BIT_WIDTHS[0]] - nbytes[:, 0])[::-1]
+        return int(min(np.searchsorted(np.cumsum(above), num_bytes) + 1, len(bits)))
+
+    def summary(self) -> dict:
+        moved = sum(m for m, _ in self.pairs)
+        least = sum(n for _, n in self.pairs)
+        ratios = [m / n for m, n in self.pairs if n]
+        return {"free_requests": len(self.pairs), "blocks_moved": moved, "minimum_blocks": least,
+                "moved_over_minimum": round(moved / least, 3) if least else None,
+                "worst_ratio": round(max(ratios), 3) if ratios else None}
 
 
 def warm_up(engine, prompt_len: int, device) -> None:
