@@ -41,6 +41,7 @@ import torch
 
 from bench import elasticity as el
 from bench.bench_meta import write_result
+from pagedweight.common.errors import UserError
 from pagedweight.engine.engine import Engine
 from pagedweight.engine.sampler import SamplingParams
 from pagedweight.format.apl_format import BIT_WIDTHS, block_bytes
@@ -125,7 +126,10 @@ def run_paged(paged, eos, policy: str, budget: int, ecfg, dtype, device, args) -
     except Exception as err:  # noqa: BLE001 - a budget a policy cannot start in is a result
         return {"refused": str(err).splitlines()[0]}
     try:
-        warm_up(rt.engine, args.prompt_len, device)
+        try:
+            warm_up(rt.engine, args.prompt_len, device)
+        except UserError as err:  # the KV room the width leaves cannot hold one request
+            return {"refused": str(err).splitlines()[0]}
         moves0 = el._moves(rt)
         frees = MovesAgainstMinimum(rt.pager.planner) if rt.pager is not None else None
         row = el.drive_trace(rt, [el.Phase(args.requests, args.concurrency)], args.prompt_len,

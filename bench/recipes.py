@@ -47,7 +47,7 @@ RECIPES = (
     Recipe("elasticity-cpu", "elasticity", ("--shape", "qwen-scaled", "--device", "cpu"), "cpu",
            "precision elasticity at a CPU-sized Qwen1.5-MoE ratio (checks the benchmark)"),
     Recipe("budget-sweep-cpu", "budget_sweep",
-           ("--artifact", "{artifacts}/tiny-qwen-moe", "--device", "cpu", "--requests", "16", "--concurrency", "8",
+           ("--artifact", "{artifacts}/tiny-qwen-moe", "--device", "cpu", "--requests", "8", "--concurrency", "4",
             "--prompt-len", "64", "--max-tokens", "8", "--batched-tokens", "512", "--kl", "--kl-windows", "2",
             "--num-budgets", "4", "--row-time-limit-s", "60", "--plot", "docs/budget_sweep_tiny-qwen-moe_cpu.png"),
            "cpu",

@@ -100,10 +100,10 @@ def spend_bytes(damage: np.ndarray, nbytes: np.ndarray, bits: np.ndarray,
 
 @dataclass
 class _Steps:
-    """Every block's chain of one-bit steps (down or up), as [N, 5] arrays by chain position."""
+    """Every block's chain of one-bit raises, as [N, 5] arrays by chain position."""
 
-    step_bytes: np.ndarray  # int64 [N, 5]: bytes freed/added by the k-th step of block i
-    step_damage: np.ndarray  # float64 [N, 5]: damage added/removed by that step
+    step_bytes: np.ndarray  # int64 [N, 5]: bytes added by the k-th step of block i
+    step_damage: np.ndarray  # float64 [N, 5]: damage removed by that step
     valid: np.ndarray  # bool [N, 5]: a prefix of each row (steps within floor/ceiling)
     order: np.ndarray  # flat indices (i * 5 + k) of valid steps in greedy order
 
@@ -114,10 +114,6 @@ class _Steps:
     def chain_damage(self, counts: np.ndarray) -> float:
         taken = _CHAIN < counts[:, None]
         return float(self.step_damage[taken].sum())
-
-    def chain_bytes(self, counts: np.ndarray) -> int:
-        taken = _CHAIN < counts[:, None]
-        return int(self.step_bytes[taken].sum())
 
 
 @dataclass
