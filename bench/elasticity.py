@@ -391,12 +391,13 @@ def budget_bytes(paged, config, ecfg: EngineConfig, dtype: torch.dtype, args) ->
             "budget_all_kv": int(dense + workspace + experts8 + 1.25 * wanted)}  # block rounding, headroom
 
 
-def kl_of_plans(args, rows: dict) -> None:
-    """Token-weighted KL(bf16 || served) of the plans each run served (CPU, shared corpus)."""
+def kl_of_plans(args, rows: dict, scorer=None) -> None:
+    """Token-weighted KL(bf16 || served) of the plans each run served (CPU, shared corpus);
+    `scorer`: a quality_budget.Scorer of the artifact to reuse (None: one is built)."""
     from bench.quality_budget import Scorer, windows_of
     from pagedweight.common.paths import corpus_dir
 
-    sc = Scorer(Path(args.artifact))
+    sc = scorer or Scorer(Path(args.artifact))
     ids = sc.tokenizer.encode((corpus_dir() / f"{args.kl_domain}.valid.txt").read_text())
     windows = windows_of(ids, args.kl_seq_len, args.kl_windows)
     order = {b.key(): i for i, b in enumerate(sc.table.block_ids)}

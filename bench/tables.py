@@ -162,6 +162,36 @@ def retrieval_budget(files: list[str]) -> list[str]:
     return lines + ["", source(*present)]
 
 
+def budget_sweep(files: list[str]) -> list[str]:
+    """Per budget and row: tok/s, KL to bf16 of what it served, preemptions, page moves, bits."""
+    present = [f for f in files if (RESULTS / f).is_file()]
+    if not present:
+        return ["No result yet: `python -m bench run budget-sweep-cpu` (CPU) or `budget-sweep-qwen-a` / "
+                "`budget-sweep-qwen-b` (GPU) write " + ", ".join(f"`{f}`" for f in files) + "."]
+    lines = header("budget MiB (fitting width)", "row", "tok/s", "KL x 1000", "preemptions",
+                   "page moves (blocks moved / minimum over frees)", "mean bits served")
+    for f in present:
+        for point in load(f)["budgets"]:
+            budget = f"{point['budget'] / 2**20:.1f} ({point['fitting_uniform_bits'] or 'none'})"
+            for name, x in point["rows"].items():
+                if "same_run_as" in x:
+                    lines.append(row(budget, name, f"= {x['same_run_as']}", "", "", "", ""))
+                    continue
+                if "refused" in x or "skipped" in x:
+                    lines.append(row(budget, name, x.get("refused") or x["skipped"], "", "", "", ""))
+                    continue
+                kl = x.get("kl_served")
+                done = "" if x.get("requests_finished", x["requests"]) == x["requests"] else \
+                    f" ({x['requests_finished']}/{x['requests']} requests in the time limit)"
+                frees = x.get("frees_against_minimum") or {}
+                moves = f"{x['page_moves']}" + (f" ({frees['blocks_moved']} / {frees['minimum_blocks']})"
+                                                if frees.get("free_requests") else "")
+                lines.append(row(budget, name, f"{x['output_tokens_per_s']}{done}",
+                                 "" if kl is None else f"{1000 * kl:.2f}", x["preemptions"], moves,
+                                 x["bits_mean_served"]))
+    return lines + ["", source(*present)]
+
+
 # table name -> (generator, result files)
 TABLES = {
     "real_shape": (real_shape, ["real_shape_qwen1.5-moe-a2.7b_cuda_overlap2.json",
@@ -178,6 +208,8 @@ TABLES = {
     "engine_policies": (engine_policies, ["engine_policies_micro-mixtral_cpu.json",
                                           "engine_policies_micro-mixtral_cuda.json"]),
     "retrieval_budget": (retrieval_budget, ["retrieval_budget_retrieval-moe_cpu.json"]),
+    "budget_sweep": (budget_sweep, ["budget_sweep_tiny-qwen-moe_cpu.json", "budget_sweep_qwen1.5-moe-a2.7b_a_h100.json",
+                                    "budget_sweep_qwen1.5-moe-a2.7b_b_h100.json"]),
 }
 # whole pages a benchmark renders from its own result: page -> (module of bench/, result file)
 PAGES = {"quality.md": ("quality_budget", "quality_budget_cpu.json"),

@@ -283,3 +283,34 @@ def test_min_kv_tokens_at_start_is_the_kv_room_the_starting_bits_leave(paged_mic
     with pytest.raises(UserError, match="100000 tokens of KV"):
         build_runtime(paged_micro_dir, RuntimeConfig(budget, "pagedweight", engine=ENGINE,
                                                      min_kv_tokens_at_start=100000))
+
+
+def test_plan_requests_carry_the_engines_inter_token_latency(paged_micro_dir):
+    """The engine's moving average of the gaps between sampling steps lies within the gaps the
+    caller saw, and the pager's plan requests carry it (the dial's latency target reads it)."""
+    import time
+
+    budget = fixed_budget(paged_micro_dir, 8, kv_tokens=80)
+    runtime = build_runtime(paged_micro_dir, RuntimeConfig(budget, "pagedweight", engine=ENGINE))
+    try:
+        engine, sent = runtime.engine, []
+        submit = runtime.pager.planner.submit
+        runtime.pager.planner.submit = lambda request: (sent.append(request), submit(request))[1]
+        assert engine.inter_token_s == 0.0
+        for i, p in enumerate(prompts()):
+            engine.add_request(str(i), p, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+        sampled_at = []
+        while engine.has_work:
+            if any(out.new_token_ids for out in engine.step()):
+                sampled_at.append(time.perf_counter())
+        gaps = [b - a for a, b in zip(sampled_at, sampled_at[1:])]
+        assert min(gaps) * 0.5 <= engine.inter_token_s <= max(gaps) * 1.5
+        for _ in range(100):  # idle: the broker offers the KV bytes back, a spend request
+            engine.step()
+            if len(sent) > 1 and not runtime.pager.busy():
+                break
+            runtime.mover.wait_for_transits()
+        later = [r.inter_token_s for r in sent if r.request_id > 1]
+        assert sent and any(x > 0 for x in later) and all(x >= 0 for x in later)
+    finally:
+        runtime.close()

@@ -208,6 +208,8 @@ def build_runtime_from_paged(paged, config: RuntimeConfig, eos_token_ids=(), pro
                             prompts=(lambda: recorder.mix(residual_of)) if recorder is not None else None)
     engine = Engine(model, config.engine, arena=arena, pager=pager, eos_token_ids=eos_token_ids,
                     max_kv_blocks=_max_kv_blocks(config, paged.config, table, arena), prompt_routing=recorder)
+    if pager is not None:
+        pager.latency = lambda: engine.inter_token_s  # the engine exists only now
     return WorkerRuntime(engine, pool, arena, table, mover, pager, feed, recorder)
 
 

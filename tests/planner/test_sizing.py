@@ -107,3 +107,21 @@ def test_the_worker_logs_the_report_at_start_up(paged_micro_dir, caplog):
         runtime.close()
     text = "\n".join(r.getMessage() for r in caplog.records)
     assert "KV cache" in text and "8 bits       experts" in text
+
+
+def test_fitting_uniform_bits_is_the_widest_width_whose_experts_fit_beside_the_kv():
+    from pagedweight.format.blocks import block_bytes
+    from pagedweight.planner.sizing import fitting_uniform_bits
+
+    experts = {b: 40 * block_bytes(256, 128, b) for b in BIT_WIDTHS}
+    fixed, kv = 1000, 5000
+    for b in BIT_WIDTHS:
+        exact = fixed + kv + experts[b]
+        assert fitting_uniform_bits(experts, fixed, kv, exact) == b
+        assert fitting_uniform_bits(experts, fixed, kv, exact - 1) == (b - 1 if b > BIT_WIDTHS[0] else None)
+    assert fitting_uniform_bits(experts, fixed, kv, 10**12) == BIT_WIDTHS[-1]
+    # more KV demand in the same budget never allows a wider width
+    widths = [fitting_uniform_bits(experts, fixed, k, fixed + experts[6]) or 0 for k in range(0, experts[6], 997)]
+    assert widths[0] == 6 and widths[-1] == 0 and all(a >= b for a, b in zip(widths, widths[1:]))
+    with pytest.raises(ValueError):
+        fitting_uniform_bits({8: 1}, 0, 0, 10)

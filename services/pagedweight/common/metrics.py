@@ -203,3 +203,11 @@ class PlannerServiceMetrics:
                                         "Workers with a registered block table.", registry=registry)
         self.refused = Counter("pagedweight:planner_requests_refused", "Requests refused, by gRPC status code.",
                               ("code",), registry=registry)
+        self.dial_min_mean_bits = Gauge("pagedweight:planner_dial_min_mean_bits",
+                                        "The operator's quality floor in mean expert bits (0: none).",
+                                        registry=registry)
+        self.dial_target_itl = Gauge("pagedweight:planner_dial_target_itl_seconds",
+                                     "The operator's inter-token latency target (0: none).", registry=registry)
+        self.dial_limited = Counter("pagedweight:planner_dial_limited",
+                                    "Plan requests the dial cut (floor) or held (latency), by reason.",
+                                    ("reason",), registry=registry)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from dataclasses import dataclass, field
 
 
@@ -145,6 +146,10 @@ class Engine:
         self.prompt_routing = prompt_routing
         self._seq_ids = itertools.count()
         self.num_steps = self.num_finished = self.num_output_tokens = 0
+        # moving average of the seconds between consecutive steps that sampled tokens (0: none
+        # yet): the inter-token latency a decoding request sees, sent with plan requests
+        self.inter_token_s = 0.0
+        self._sampled_at: float | None = None  # when the previous step sampled (None: idle since)
 
     def graph_tokens(self) -> int:
         """The most token rows a step's graph takes (prefill chunks included)."""
@@ -213,12 +218,23 @@ class Engine:
                 self.prompt_routing.end_step()
             outputs += self._update(plan.scheduled, token_ids)
             phases.mark("update")
+        self._observe_latency(any(s.samples for s in plan.scheduled))
         self.broker.step_boundary(len(self.scheduler.waiting), self.scheduler.blocks_needed_next_step(),
                                   self.scheduler.blocks_projected())
         phases.mark("boundary")
         phases.end_step()
         self.num_steps += 1
         return outputs
+
+    def _observe_latency(self, sampled: bool) -> None:
+        if not sampled:
+            self._sampled_at = None  # an idle gap is no inter-token time
+            return
+        now = time.perf_counter()
+        if self._sampled_at is not None:
+            gap = now - self._sampled_at
+            self.inter_token_s = gap if not self.inter_token_s else 0.8 * self.inter_token_s + 0.2 * gap
+        self._sampled_at = now
 
     def _update(self, scheduled: list[ScheduledSeq], token_ids: list[int]) -> list[RequestOutput]:
         samplers = [s.seq for s in scheduled if s.samples]  # before `samples` changes below

@@ -25,6 +25,10 @@ move_cost times the median damage of one bit, and a spend by raising whole block
 ceiling within the bytes the greedy spent (best damage saved per byte first; the greedy's
 answer when none fits); 0 keeps the one-bit greedy both ways.
 
+The operator's dial (planner/dial.py) bounds both directions: a free never goes below the
+quality floor's bytes, and a spend is held while the reported latency is above target.
+`num_limited` counts the requests it cut or held, by reason.
+
 Answers are immediate (ready at the next `poll`), but nothing in the pager relies on it.
 """
 
@@ -36,6 +40,7 @@ import numpy as np
 
 from pagedweight.format.blocks import BIT_WIDTHS, MIN_BITS, BlockId
 from pagedweight.planner.config import PlannerConfig
+from pagedweight.planner.dial import OperatorDial
 from pagedweight.planner.fewer_moves import free_with_fewer_moves, move_cost_scale, raise_whole
 from pagedweight.planner.messages import SPEND, PlannerRegistration, PlanRequest, PlanResponse
 from pagedweight.planner.planner import OnlinePlanner
@@ -51,6 +56,8 @@ class InProcessPlanner:
             raise ValueError(f"move_cost must be >= 0, got {move_cost}")
         self.policy_name, self.scales, self.config = policy_name, scales, config
         self.move_cost = move_cost  # per moved block on frees, in medians of one bit's damage (> 0: whole raises too)
+        self.dial = OperatorDial()  # replaced whole, at any time, by the service or the worker
+        self.num_limited = {"floor": 0, "latency": 0}  # requests the dial cut or held, by reason
         self.table: BlockTable | None = None
         self.num_plans = 0
         self._ready: deque[PlanResponse] = deque()
@@ -92,9 +99,19 @@ class InProcessPlanner:
     def _answer(self, request: PlanRequest) -> PlanResponse:
         now = np.asarray(request.bits, dtype=np.int64)
         rows = np.arange(len(now))
-        pressure = request.pressure
-        budget = self.table.bytes_of(now) + (pressure.bytes_free if pressure.direction == SPEND
-                                             else -pressure.bytes_needed)
+        pressure, dial = request.pressure, self.dial
+        if pressure.direction == SPEND and dial.holds_spend(request.inter_token_s):
+            self.num_limited["latency"] += 1
+            return self._hold(request, now)
+        needed = pressure.bytes_needed
+        if pressure.direction != SPEND and dial.min_mean_bits:
+            above_floor = max(self.table.bytes_of(now) - dial.floor_bytes(self.table), 0)
+            if needed > above_floor:
+                self.num_limited["floor"] += 1
+                needed = above_floor
+            if needed == 0:
+                return self._hold(request, now)
+        budget = self.table.bytes_of(now) + (pressure.bytes_free if pressure.direction == SPEND else -needed)
         plan = self._plan(now, max(budget, 0))
         if pressure.direction == SPEND:
             new = np.maximum(plan.bits, now)
@@ -107,11 +124,32 @@ class InProcessPlanner:
         else:
             new = np.minimum(plan.bits, now)
             if self.move_cost > 0 and isinstance(self.policy, PagedWeightPolicy):
-                new = self._fewer_moves(now, new, pressure.bytes_needed)
+                new = self._fewer_moves(now, new, needed)
+            if dial.min_mean_bits:
+                new = self._above_floor(now, new, dial.floor_bytes(self.table))
         changed = np.flatnonzero(new != now)
         delta = int((self.table.nbytes[changed, new[changed] - MIN_BITS]
                      - self.table.nbytes[changed, now[changed] - MIN_BITS]).sum())
         return PlanResponse(request.request_id, self.num_plans, changed, new[changed], delta, plan.damage)
+
+    def _above_floor(self, now: np.ndarray, new: np.ndarray, floor: int) -> np.ndarray:
+        """A free's completing step may over-shoot the floor: put back the last lowered blocks
+        (table order) until the plan holds the floor's bytes again."""
+        for i in np.flatnonzero(new != now)[::-1]:
+            if self.table.bytes_of(new) >= floor:
+                break
+            new[i] = now[i]
+        if self.online is not None:
+            self.online.bits = new.copy()
+        return new
+
+    def _hold(self, request: PlanRequest, now: np.ndarray) -> PlanResponse:
+        """No change: the answer to a request the dial holds."""
+        damage = self.policy.model.damage(self.policy.inputs(self.context)) \
+            if isinstance(self.policy, PagedWeightPolicy) else self.table.sensitivity
+        none = np.zeros(0, dtype=np.int64)
+        return PlanResponse(request.request_id, self.num_plans, none, none, 0,
+                            float(damage[np.arange(len(now)), now - MIN_BITS].sum()))
 
     def _fewer_moves(self, now: np.ndarray, greedy: np.ndarray, needed: int) -> np.ndarray:
         """Free what the greedy freed (at least `needed`) with fewer blocks moved."""

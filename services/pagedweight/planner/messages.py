@@ -120,6 +120,7 @@ class PlanRequest:
     # the prompts in flight now (None: none, or no residual heads): every request carries the
     # current mix, so prompts that left drop out of the planner's context with the next one
     prompts: PromptMix | None = None
+    inter_token_s: float = 0.0  # the worker's recent mean inter-token latency (0: not measured)
 
 
 @dataclass(frozen=True)

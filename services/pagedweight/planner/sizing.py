@@ -169,6 +169,19 @@ def _budget_report(sizes: ModelSizes, budget: int, dense_bytes: int, kv_per_toke
     return out
 
 
+def fitting_uniform_bits(expert_bytes: dict[int, int], fixed_bytes: int, kv_bytes: int, budget: int) -> int | None:
+    """The widest uniform width whose experts, beside the fixed bytes (dense weights, workspace)
+    and the trace's KV demand, fit the budget: the static baseline a fair comparison with the
+    elastic policy runs at that budget. None when not even every expert at 3 bits fits.
+
+    expert_bytes: bits -> bytes of every expert block at that width (planes and LUTs).
+    """
+    if any(b not in expert_bytes for b in BIT_WIDTHS):
+        raise ValueError(f"expert_bytes must give every width in {BIT_WIDTHS}")
+    room = budget - fixed_bytes - kv_bytes
+    return max((b for b in BIT_WIDTHS if expert_bytes[b] <= room), default=None)
+
+
 def _planner_choice(sizes: ModelSizes, charged: np.ndarray, weight_budget: int) -> dict:
     """What the `pagedweight` policy plans for the bytes the requests' KV leaves."""
     floor_bytes = int(charged[:, 0].sum())

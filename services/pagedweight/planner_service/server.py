@@ -13,6 +13,10 @@ past that, after expired ones are dropped), and one with no Register or Plan for
 plan's NOT_FOUND). Every call is authenticated (common/rpc_security.py) and a worker id
 belongs to the caller that registered it: another caller can neither replace it nor
 receive its plans.
+
+The operator's dial (planner/dial.py) is one for the service: set at start, changed by
+SetDial, applied to every worker's plans from the next one on, exported as gauges with a
+counter of the requests it cut or held.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from pagedweight.common.metrics import PlannerServiceMetrics
 from pagedweight.common.ports import GRPC_SERVER_OPTIONS, bind_tcp
 from pagedweight.common.rpc_security import RpcSecurity
 from pagedweight.common.status_http import StatusHttpServer
+from pagedweight.planner.dial import OperatorDial
 from pagedweight.planner_service.state import WorkerPlanState
 from pagedweight.rpc import planner_messages, planner_pb2, planner_pb2_grpc
 
@@ -43,8 +48,9 @@ MAX_WORKER_ID_CHARS = 256
 
 class PlannerServicer(planner_pb2_grpc.PlannerServicer):
     def __init__(self, metrics: PlannerServiceMetrics, security: RpcSecurity | None = None,
-                 max_workers: int = 64, registration_ttl_s: float = 900.0):
+                 max_workers: int = 64, registration_ttl_s: float = 900.0, dial: OperatorDial = OperatorDial()):
         self.metrics = metrics
+        self._set_dial(dial)
         self.security = security or RpcSecurity()
         self.max_workers, self.registration_ttl_s = max_workers, registration_ttl_s
         self.workers: dict[str, WorkerPlanState] = {}  # worker_id -> state
@@ -58,6 +64,22 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
             for table in (self.workers, self.owners, self.last_seen):
                 table.pop(worker_id, None)
         self.metrics.workers_registered.set(len(self.workers))
+
+    def _set_dial(self, dial: OperatorDial) -> None:
+        self.dial = dial
+        self.metrics.dial_min_mean_bits.set(dial.min_mean_bits)
+        self.metrics.dial_target_itl.set(dial.target_itl_s)
+
+    async def SetDial(self, request, context):
+        self.security.caller(context)
+        try:
+            dial = OperatorDial(request.min_mean_bits, request.target_itl_s)
+        except ValueError as err:
+            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        self._set_dial(dial)
+        log.info("dial set: min mean bits %s, target inter-token latency %s s", dial.min_mean_bits or "off",
+                 dial.target_itl_s or "off")
+        return planner_pb2.Dial(min_mean_bits=dial.min_mean_bits, target_itl_s=dial.target_itl_s)
 
     async def _refuse(self, context, code: grpc.StatusCode, message: str):
         self.metrics.refused.labels(code=code.name).inc()
@@ -104,12 +126,16 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
         self.last_seen[request.worker_id] = time.monotonic()
         started = time.perf_counter()
         try:
-            response = await asyncio.to_thread(state.plan, request)
+            limited = dict(state.planner.num_limited)
+            response = await asyncio.to_thread(state.plan, request, self.dial)
         except UserError as err:
             self.metrics.refused.labels(code="INVALID_ARGUMENT").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         direction = "free" if request.direction == planner_pb2.PlanRequest.FREE else "spend"
         self.metrics.plan_latency.observe(time.perf_counter() - started)
+        for reason, count in state.planner.num_limited.items():
+            if count > limited[reason]:
+                self.metrics.dial_limited.labels(reason=reason).inc(count - limited[reason])
         self.metrics.plans.labels(direction=direction).inc()
         self.metrics.bytes_moved.labels(direction=direction).inc(abs(response.bytes_delta))
         return planner_messages.response_to_proto(response, state.registration)
@@ -117,14 +143,15 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
 
 async def serve(port: int, http_port: int | None, host: str = "127.0.0.1",
                 ready: asyncio.Event | None = None, security: RpcSecurity | None = None,
-                max_workers: int = 64, registration_ttl_s: float = 900.0) -> None:
+                max_workers: int = 64, registration_ttl_s: float = 900.0,
+                dial: OperatorDial = OperatorDial()) -> None:
     security = security or RpcSecurity()
     registry = CollectorRegistry()
     metrics = PlannerServiceMetrics(registry)
     metrics.workers_registered.set(0)
     server = grpc.aio.server(interceptors=security.interceptors(), options=GRPC_SERVER_OPTIONS)
     planner_pb2_grpc.add_PlannerServicer_to_server(PlannerServicer(metrics, security, max_workers,
-                                                                   registration_ttl_s), server)
+                                                                   registration_ttl_s, dial), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     http_socket = bind_tcp(host, http_port, "--http-port") if http_port is not None else None

@@ -12,6 +12,7 @@ import threading
 import uuid
 
 from pagedweight.common.errors import UserError
+from pagedweight.planner.dial import OperatorDial
 from pagedweight.planner.messages import PlanResponse
 from pagedweight.rpc import planner_messages, planner_pb2
 from pagedweight.planner.in_process_planner import InProcessPlanner
@@ -41,8 +42,10 @@ class WorkerPlanState:
     def num_blocks(self) -> int:
         return len(self.registration.block_keys)
 
-    def plan(self, message: planner_pb2.PlanRequest) -> PlanResponse:
+    def plan(self, message: planner_pb2.PlanRequest, dial: OperatorDial = OperatorDial()) -> PlanResponse:
+        """The plan for one request under the service's dial (held by the servicer)."""
         with self._lock:
+            self.planner.dial = dial
             self._num_requests += 1
             try:
                 request = planner_messages.request_from_proto(message, self.registration, self._num_requests)

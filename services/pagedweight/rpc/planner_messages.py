@@ -9,6 +9,8 @@ a broken plan).
 
 from __future__ import annotations
 
+import math
+
 import json
 
 import numpy as np
@@ -84,7 +86,8 @@ def request_to_proto(request: PlanRequest, reg: PlannerRegistration, worker_id: 
         direction=planner_pb2.PlanRequest.FREE if free else planner_pb2.PlanRequest.SPEND,
         num_bytes=int(p.bytes_needed if free else p.bytes_free),
         bits={key: int(b) for key, b in zip(reg.block_keys, request.bits)},
-        kv=planner_pb2.KvPressure(bytes_needed=int(p.bytes_needed), bytes_free=int(p.bytes_free)))
+        kv=planner_pb2.KvPressure(bytes_needed=int(p.bytes_needed), bytes_free=int(p.bytes_free)),
+        inter_token_s=float(request.inter_token_s))
     if request.routing is not None:
         r = request.routing
         msg.routing.CopyFrom(planner_pb2.RoutingWindow(counts=np.ravel(r.counts).tolist(),
@@ -124,7 +127,9 @@ def request_from_proto(msg: planner_pb2.PlanRequest, reg: PlannerRegistration, r
         routing = RoutingSnapshot(np.asarray(w.counts, dtype=np.float64).reshape(L, E),
                                   np.asarray(w.mass, dtype=np.float64).reshape(L, E),
                                   np.asarray(w.num_tokens, dtype=np.int64))
-    return PlanRequest(request_id, pressure, bits, routing, _prompt_mix(msg, reg))
+    if not (math.isfinite(msg.inter_token_s) and msg.inter_token_s >= 0):
+        raise ValueError(f"inter_token_s must be finite and >= 0, got {msg.inter_token_s}")
+    return PlanRequest(request_id, pressure, bits, routing, _prompt_mix(msg, reg), msg.inter_token_s)
 
 
 def _prompt_mix(msg: planner_pb2.PlanRequest, reg: PlannerRegistration) -> PromptMix | None:

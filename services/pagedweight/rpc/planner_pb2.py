@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cpagedweight/v1/planner.proto\x12\x0epagedweight.v1\"I\n\tBlockInfo\x12\x10\n\x08\x62lock_id\x18\x01 \x01(\t\x12\x15\n\rbytes_by_bits\x18\x02 \x03(\x03\x12\x13\n\x0bsensitivity\x18\x03 \x03(\x01\"\x1d\n\x0b\x45xpertArray\x12\x0e\n\x06values\x18\x01 \x03(\x01\"\xbb\x02\n\x0fRegisterRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12\x0e\n\x06policy\x18\x03 \x01(\t\x12)\n\x06\x62locks\x18\x04 \x03(\x0b\x32\x19.pagedweight.v1.BlockInfo\x12\x12\n\nnum_layers\x18\x05 \x01(\x05\x12\x13\n\x0bnum_experts\x18\x06 \x01(\x05\x12\r\n\x05top_k\x18\x07 \x01(\x05\x12/\n\ncalib_mass\x18\x08 \x01(\x0b\x32\x1b.pagedweight.v1.ExpertArray\x12\x30\n\x0b\x63\x61lib_share\x18\t \x01(\x0b\x32\x1b.pagedweight.v1.ExpertArray\x12\x18\n\x10loss_scales_json\x18\n \x01(\t\x12\x11\n\tmove_cost\x18\x0b \x01(\x01\"?\n\x10RegisterResponse\x12\x17\n\x0fregistration_id\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\x05\"A\n\rRoutingWindow\x12\x0e\n\x06\x63ounts\x18\x01 \x03(\x01\x12\x0c\n\x04mass\x18\x02 \x03(\x01\x12\x12\n\nnum_tokens\x18\x03 \x03(\x03\"6\n\nKvPressure\x12\x14\n\x0c\x62ytes_needed\x18\x01 \x01(\x03\x12\x12\n\nbytes_free\x18\x02 \x01(\x03\"\xf7\x03\n\x0bPlanRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x17\n\x0fregistration_id\x18\x02 \x01(\t\x12\x38\n\tdirection\x18\x03 \x01(\x0e\x32%.pagedweight.v1.PlanRequest.Direction\x12\x11\n\tnum_bytes\x18\x04 \x01(\x03\x12\x33\n\x04\x62its\x18\x05 \x03(\x0b\x32%.pagedweight.v1.PlanRequest.BitsEntry\x12.\n\x07routing\x18\x06 \x01(\x0b\x32\x1d.pagedweight.v1.RoutingWindow\x12&\n\x02kv\x18\x07 \x01(\x0b\x32\x1a.pagedweight.v1.KvPressure\x12\x17\n\x0fprompt_residual\x18\x08 \x03(\x01\x12\x33\n\x0eprompt_routing\x18\t \x01(\x0b\x32\x1b.pagedweight.v1.ExpertArray\x12\x13\n\x0bnum_prompts\x18\n \x01(\x05\x12\x15\n\rprompt_tokens\x18\x0b \x01(\x03\x1a+\n\tBitsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\";\n\tDirection\x12\x19\n\x15\x44IRECTION_UNSPECIFIED\x10\x00\x12\x08\n\x04\x46REE\x10\x01\x12\t\n\x05SPEND\x10\x02\"\xc2\x01\n\x0cPlanResponse\x12\x0f\n\x07plan_id\x18\x01 \x01(\x04\x12:\n\x07\x63hanges\x18\x02 \x03(\x0b\x32).pagedweight.v1.PlanResponse.ChangesEntry\x12\x1c\n\x14\x65xpected_bytes_delta\x18\x03 \x01(\x03\x12\x17\n\x0f\x65xpected_damage\x18\x04 \x01(\x01\x1a.\n\x0c\x43hangesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\x32\x9b\x01\n\x07Planner\x12M\n\x08Register\x12\x1f.pagedweight.v1.RegisterRequest\x1a .pagedweight.v1.RegisterResponse\x12\x41\n\x04Plan\x12\x1b.pagedweight.v1.PlanRequest\x1a\x1c.pagedweight.v1.PlanResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cpagedweight/v1/planner.proto\x12\x0epagedweight.v1\"3\n\x04\x44ial\x12\x15\n\rmin_mean_bits\x18\x01 \x01(\x01\x12\x14\n\x0ctarget_itl_s\x18\x02 \x01(\x01\"I\n\tBlockInfo\x12\x10\n\x08\x62lock_id\x18\x01 \x01(\t\x12\x15\n\rbytes_by_bits\x18\x02 \x03(\x03\x12\x13\n\x0bsensitivity\x18\x03 \x03(\x01\"\x1d\n\x0b\x45xpertArray\x12\x0e\n\x06values\x18\x01 \x03(\x01\"\xbb\x02\n\x0fRegisterRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12\x0e\n\x06policy\x18\x03 \x01(\t\x12)\n\x06\x62locks\x18\x04 \x03(\x0b\x32\x19.pagedweight.v1.BlockInfo\x12\x12\n\nnum_layers\x18\x05 \x01(\x05\x12\x13\n\x0bnum_experts\x18\x06 \x01(\x05\x12\r\n\x05top_k\x18\x07 \x01(\x05\x12/\n\ncalib_mass\x18\x08 \x01(\x0b\x32\x1b.pagedweight.v1.ExpertArray\x12\x30\n\x0b\x63\x61lib_share\x18\t \x01(\x0b\x32\x1b.pagedweight.v1.ExpertArray\x12\x18\n\x10loss_scales_json\x18\n \x01(\t\x12\x11\n\tmove_cost\x18\x0b \x01(\x01\"?\n\x10RegisterResponse\x12\x17\n\x0fregistration_id\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\x05\"A\n\rRoutingWindow\x12\x0e\n\x06\x63ounts\x18\x01 \x03(\x01\x12\x0c\n\x04mass\x18\x02 \x03(\x01\x12\x12\n\nnum_tokens\x18\x03 \x03(\x03\"6\n\nKvPressure\x12\x14\n\x0c\x62ytes_needed\x18\x01 \x01(\x03\x12\x12\n\nbytes_free\x18\x02 \x01(\x03\"\x8e\x04\n\x0bPlanRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x17\n\x0fregistration_id\x18\x02 \x01(\t\x12\x38\n\tdirection\x18\x03 \x01(\x0e\x32%.pagedweight.v1.PlanRequest.Direction\x12\x11\n\tnum_bytes\x18\x04 \x01(\x03\x12\x33\n\x04\x62its\x18\x05 \x03(\x0b\x32%.pagedweight.v1.PlanRequest.BitsEntry\x12.\n\x07routing\x18\x06 \x01(\x0b\x32\x1d.pagedweight.v1.RoutingWindow\x12&\n\x02kv\x18\x07 \x01(\x0b\x32\x1a.pagedweight.v1.KvPressure\x12\x17\n\x0fprompt_residual\x18\x08 \x03(\x01\x12\x33\n\x0eprompt_routing\x18\t \x01(\x0b\x32\x1b.pagedweight.v1.ExpertArray\x12\x13\n\x0bnum_prompts\x18\n \x01(\x05\x12\x15\n\rprompt_tokens\x18\x0b \x01(\x03\x12\x15\n\rinter_token_s\x18\x0c \x01(\x01\x1a+\n\tBitsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\";\n\tDirection\x12\x19\n\x15\x44IRECTION_UNSPECIFIED\x10\x00\x12\x08\n\x04\x46REE\x10\x01\x12\t\n\x05SPEND\x10\x02\"\xc2\x01\n\x0cPlanResponse\x12\x0f\n\x07plan_id\x18\x01 \x01(\x04\x12:\n\x07\x63hanges\x18\x02 \x03(\x0b\x32).pagedweight.v1.PlanResponse.ChangesEntry\x12\x1c\n\x14\x65xpected_bytes_delta\x18\x03 \x01(\x03\x12\x17\n\x0f\x65xpected_damage\x18\x04 \x01(\x01\x1a.\n\x0c\x43hangesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\x32\xd2\x01\n\x07Planner\x12M\n\x08Register\x12\x1f.pagedweight.v1.RegisterRequest\x1a .pagedweight.v1.RegisterResponse\x12\x41\n\x04Plan\x12\x1b.pagedweight.v1.PlanRequest\x1a\x1c.pagedweight.v1.PlanResponse\x12\x35\n\x07SetDial\x12\x14.pagedweight.v1.Dial\x1a\x14.pagedweight.v1.Dialb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,28 +35,30 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PLANREQUEST_BITSENTRY']._serialized_options = b'8\001'
   _globals['_PLANRESPONSE_CHANGESENTRY']._loaded_options = None
   _globals['_PLANRESPONSE_CHANGESENTRY']._serialized_options = b'8\001'
-  _globals['_BLOCKINFO']._serialized_start=48
-  _globals['_BLOCKINFO']._serialized_end=121
-  _globals['_EXPERTARRAY']._serialized_start=123
-  _globals['_EXPERTARRAY']._serialized_end=152
-  _globals['_REGISTERREQUEST']._serialized_start=155
-  _globals['_REGISTERREQUEST']._serialized_end=470
-  _globals['_REGISTERRESPONSE']._serialized_start=472
-  _globals['_REGISTERRESPONSE']._serialized_end=535
-  _globals['_ROUTINGWINDOW']._serialized_start=537
-  _globals['_ROUTINGWINDOW']._serialized_end=602
-  _globals['_KVPRESSURE']._serialized_start=604
-  _globals['_KVPRESSURE']._serialized_end=658
-  _globals['_PLANREQUEST']._serialized_start=661
-  _globals['_PLANREQUEST']._serialized_end=1164
-  _globals['_PLANREQUEST_BITSENTRY']._serialized_start=1060
-  _globals['_PLANREQUEST_BITSENTRY']._serialized_end=1103
-  _globals['_PLANREQUEST_DIRECTION']._serialized_start=1105
-  _globals['_PLANREQUEST_DIRECTION']._serialized_end=1164
-  _globals['_PLANRESPONSE']._serialized_start=1167
-  _globals['_PLANRESPONSE']._serialized_end=1361
-  _globals['_PLANRESPONSE_CHANGESENTRY']._serialized_start=1315
-  _globals['_PLANRESPONSE_CHANGESENTRY']._serialized_end=1361
-  _globals['_PLANNER']._serialized_start=1364
-  _globals['_PLANNER']._serialized_end=1519
+  _globals['_DIAL']._serialized_start=48
+  _globals['_DIAL']._serialized_end=99
+  _globals['_BLOCKINFO']._serialized_start=101
+  _globals['_BLOCKINFO']._serialized_end=174
+  _globals['_EXPERTARRAY']._serialized_start=176
+  _globals['_EXPERTARRAY']._serialized_end=205
+  _globals['_REGISTERREQUEST']._serialized_start=208
+  _globals['_REGISTERREQUEST']._serialized_end=523
+  _globals['_REGISTERRESPONSE']._serialized_start=525
+  _globals['_REGISTERRESPONSE']._serialized_end=588
+  _globals['_ROUTINGWINDOW']._serialized_start=590
+  _globals['_ROUTINGWINDOW']._serialized_end=655
+  _globals['_KVPRESSURE']._serialized_start=657
+  _globals['_KVPRESSURE']._serialized_end=711
+  _globals['_PLANREQUEST']._serialized_start=714
+  _globals['_PLANREQUEST']._serialized_end=1240
+  _globals['_PLANREQUEST_BITSENTRY']._serialized_start=1136
+  _globals['_PLANREQUEST_BITSENTRY']._serialized_end=1179
+  _globals['_PLANREQUEST_DIRECTION']._serialized_start=1181
+  _globals['_PLANREQUEST_DIRECTION']._serialized_end=1240
+  _globals['_PLANRESPONSE']._serialized_start=1243
+  _globals['_PLANRESPONSE']._serialized_end=1437
+  _globals['_PLANRESPONSE_CHANGESENTRY']._serialized_start=1391
+  _globals['_PLANRESPONSE_CHANGESENTRY']._serialized_end=1437
+  _globals['_PLANNER']._serialized_start=1440
+  _globals['_PLANNER']._serialized_end=1650
 # @@protoc_insertion_point(module_scope)

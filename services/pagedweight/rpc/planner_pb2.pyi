@@ -7,6 +7,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class Dial(_message.Message):
+    __slots__ = ("min_mean_bits", "target_itl_s")
+    MIN_MEAN_BITS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_ITL_S_FIELD_NUMBER: _ClassVar[int]
+    min_mean_bits: float
+    target_itl_s: float
+    def __init__(self, min_mean_bits: _Optional[float] = ..., target_itl_s: _Optional[float] = ...) -> None: ...
+
 class BlockInfo(_message.Message):
     __slots__ = ("block_id", "bytes_by_bits", "sensitivity")
     BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
@@ -76,7 +84,7 @@ class KvPressure(_message.Message):
     def __init__(self, bytes_needed: _Optional[int] = ..., bytes_free: _Optional[int] = ...) -> None: ...
 
 class PlanRequest(_message.Message):
-    __slots__ = ("worker_id", "registration_id", "direction", "num_bytes", "bits", "routing", "kv", "prompt_residual", "prompt_routing", "num_prompts", "prompt_tokens")
+    __slots__ = ("worker_id", "registration_id", "direction", "num_bytes", "bits", "routing", "kv", "prompt_residual", "prompt_routing", "num_prompts", "prompt_tokens", "inter_token_s")
     class Direction(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         DIRECTION_UNSPECIFIED: _ClassVar[PlanRequest.Direction]
@@ -103,6 +111,7 @@ class PlanRequest(_message.Message):
     PROMPT_ROUTING_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPTS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    INTER_TOKEN_S_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     registration_id: str
     direction: PlanRequest.Direction
@@ -114,7 +123,8 @@ class PlanRequest(_message.Message):
     prompt_routing: ExpertArray
     num_prompts: int
     prompt_tokens: int
-    def __init__(self, worker_id: _Optional[str] = ..., registration_id: _Optional[str] = ..., direction: _Optional[_Union[PlanRequest.Direction, str]] = ..., num_bytes: _Optional[int] = ..., bits: _Optional[_Mapping[str, int]] = ..., routing: _Optional[_Union[RoutingWindow, _Mapping]] = ..., kv: _Optional[_Union[KvPressure, _Mapping]] = ..., prompt_residual: _Optional[_Iterable[float]] = ..., prompt_routing: _Optional[_Union[ExpertArray, _Mapping]] = ..., num_prompts: _Optional[int] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
+    inter_token_s: float
+    def __init__(self, worker_id: _Optional[str] = ..., registration_id: _Optional[str] = ..., direction: _Optional[_Union[PlanRequest.Direction, str]] = ..., num_bytes: _Optional[int] = ..., bits: _Optional[_Mapping[str, int]] = ..., routing: _Optional[_Union[RoutingWindow, _Mapping]] = ..., kv: _Optional[_Union[KvPressure, _Mapping]] = ..., prompt_residual: _Optional[_Iterable[float]] = ..., prompt_routing: _Optional[_Union[ExpertArray, _Mapping]] = ..., num_prompts: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., inter_token_s: _Optional[float] = ...) -> None: ...
 
 class PlanResponse(_message.Message):
     __slots__ = ("plan_id", "changes", "expected_bytes_delta", "expected_damage")

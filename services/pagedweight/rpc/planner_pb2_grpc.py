@@ -44,6 +44,11 @@ class PlannerStub:
                 request_serializer=pagedweight_dot_v1_dot_planner__pb2.PlanRequest.SerializeToString,
                 response_deserializer=pagedweight_dot_v1_dot_planner__pb2.PlanResponse.FromString,
                 _registered_method=True)
+        self.SetDial = channel.unary_unary(
+                '/pagedweight.v1.Planner/SetDial',
+                request_serializer=pagedweight_dot_v1_dot_planner__pb2.Dial.SerializeToString,
+                response_deserializer=pagedweight_dot_v1_dot_planner__pb2.Dial.FromString,
+                _registered_method=True)
 
 
 class PlannerServicer:
@@ -64,6 +69,14 @@ class PlannerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetDial(self, request, context):
+        """Sets the operator's dial for every worker's plans from the next plan on (a field
+        left at 0 turns that limit off) and returns the dial now in force.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PlannerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -76,6 +89,11 @@ def add_PlannerServicer_to_server(servicer, server):
                     servicer.Plan,
                     request_deserializer=pagedweight_dot_v1_dot_planner__pb2.PlanRequest.FromString,
                     response_serializer=pagedweight_dot_v1_dot_planner__pb2.PlanResponse.SerializeToString,
+            ),
+            'SetDial': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetDial,
+                    request_deserializer=pagedweight_dot_v1_dot_planner__pb2.Dial.FromString,
+                    response_serializer=pagedweight_dot_v1_dot_planner__pb2.Dial.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -132,6 +150,33 @@ class Planner:
             '/pagedweight.v1.Planner/Plan',
             pagedweight_dot_v1_dot_planner__pb2.PlanRequest.SerializeToString,
             pagedweight_dot_v1_dot_planner__pb2.PlanResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetDial(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedweight.v1.Planner/SetDial',
+            pagedweight_dot_v1_dot_planner__pb2.Dial.SerializeToString,
+            pagedweight_dot_v1_dot_planner__pb2.Dial.FromString,
             options,
             channel_credentials,
             insecure,

@@ -72,18 +72,21 @@ class WeightPager:
     def __init__(self, mover: PageMover, planner: BitPlanner, kv_block_bytes: int | None = None,
                  routing: Callable[[], RoutingSnapshot] | None = None,
                  prompts: Callable[[], PromptMix | None] | None = None,
+                 latency: Callable[[], float] | None = None,
                  compact_bytes_per_boundary: int | None = DEFAULT_COMPACT_BYTES, compact_for_kv: bool = True,
                  compact_extents_per_boundary: int | None = None, compact_raises_while_running: bool = True):
         """`planner` is registered with this page table's blocks, in the table's order
         (in_process_planner.page_table_registration). `routing`: e.g. RoutingFeed.snapshot,
         the live routing sent with every request. `prompts`: the prompts in flight, sent
-        with every request (engine/prompt_routing.py)."""
+        with every request (engine/prompt_routing.py). `latency`: the engine's recent
+        inter-token seconds, sent with every request (the dial's latency target)."""
         self.mover = mover
         self.table = mover.table
         self.planner = planner
         self.kv_block_bytes = kv_block_bytes  # the KV cache's block size (None: learnt from the arena)
         self.routing = routing
         self.prompts = prompts
+        self.latency = latency
         # Compaction copies on the compute stream at a boundary: the cap bounds how long one
         # boundary can hold the next step back (None: no cap); the rest waits for later ones.
         self.compact_bytes_per_boundary = compact_bytes_per_boundary
@@ -204,7 +207,8 @@ class WeightPager:
                            count=len(self.block_ids))
         routing = self._finite(self.routing()) if self.routing is not None else None
         prompts = self.prompts() if self.prompts is not None else None
-        request = PlanRequest(next(self._request_ids), pressure, bits, routing, prompts)
+        inter_token_s = self.latency() if self.latency is not None else 0.0
+        request = PlanRequest(next(self._request_ids), pressure, bits, routing, prompts, inter_token_s)
         self._in_flight = request
         self.num_plans += 1
         with self.mover.profile.timed("plan"):
