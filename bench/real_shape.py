@@ -484,6 +484,8 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--hf-concurrency", type=int, nargs="*", default=None,
+                        help="concurrencies of transformers' generate (default: --concurrency)")
     parser.add_argument("--ttft-prompts", type=int, nargs="*", default=[512, 4096])
     parser.add_argument("--static-bits", type=int, nargs="*", default=[4, 8, 3])
     parser.add_argument("--kv-gib", type=float, default=8.0, help="KV room of the unpressured runtimes")
@@ -591,7 +593,7 @@ def main() -> None:
 
     if build == "whole" and "hf" not in args.skip:
         rows = []
-        for c in args.concurrency:
+        for c in args.concurrency if args.hf_concurrency is None else args.hf_concurrency:
             if clock.left() < args.reserve_s:
                 rows.append({"concurrency": c, "skipped": "time limit"})
                 continue
@@ -620,7 +622,10 @@ def main() -> None:
                              for c in component_concurrency if clock.left() > args.reserve_s + 30}
 
     if build == "whole" and "bf16" not in args.skip:
-        engine = Engine(ours, engine_config(max_seqs, batched_tokens, num_kv_blocks=1024 if device.type == "cuda" else 512))
+        # KV for every sequence of the largest load at once (no preemption in the bf16 rows)
+        blocks = -(-5 * max(args.concurrency) * (args.prompt_len + args.max_tokens) // (4 * KVCacheConfig().block_size))
+        engine = Engine(ours, engine_config(max_seqs, batched_tokens,
+                                            num_kv_blocks=max(1024 if device.type == "cuda" else 512, blocks)))
         modes = {}
         for mode in args.modes:
             set_mode(engine, mode)
