@@ -61,7 +61,11 @@ def real_shape(files: list[str]) -> list[str]:
     for f in files:
         d = load(f)
         model, rows = d["model"], []
-        hf = {r["concurrency"]: r["output_tokens_per_s"] for r in d.get("transformers_generate", [])}
+        hf_rows = d.get("transformers_generate", [])
+        if isinstance(hf_rows, dict) and hf_rows.get("skipped"):
+            rows.append((f"transformers generate: {hf_rows['skipped']}", {}))
+        hf = {r["concurrency"]: r["output_tokens_per_s"] for r in hf_rows if isinstance(r, dict)
+              and "output_tokens_per_s" in r}
         if hf:
             rows.append(("transformers generate, bf16", hf))
         bf16 = d.get("engine_bf16_dense")

@@ -56,3 +56,22 @@ def test_components_table_reads_the_result(tmp_path, monkeypatch):
     assert lines[2].startswith("| tiny | bf16 | 1 | 9.0 | 5.0 | 0.5 (3) |") and lines[2].endswith("| 24.0 |")
     assert lines[3].startswith("| tiny | static-4 | 1 |")
     assert tables.real_shape_components(["missing.json"])[0].startswith("No result yet")
+
+
+def test_real_shape_table_marks_what_does_not_fit(tmp_path, monkeypatch):
+    """A run built layer by layer: transformers and the bf16 engine "does not fit", the bf16
+    floor marked beside its numbers; rows cut by the time limit are left blank."""
+    skipped = {"skipped": "does not fit", "bf16_needs_bytes": 100, "device_bytes": 80}
+    floor = {"1": {"floor_tokens_per_s": 160.0}, "does_not_fit": True}
+    result = {"model": "big", "gpu": "H100", "date": "2026-01-01", "transformers_generate": skipped,
+              "engine_bf16_dense": skipped,
+              "runtime_static": {"static-4": {"modes": {"graphs-inplace": [
+                  {"concurrency": 1, "output_tokens_per_s": 120.0}]}}},
+              "hbm_floor": {"bf16": floor, "static-4": {"1": {"floor_tokens_per_s": 470.0}}}}
+    (tmp_path / "big.json").write_text(json.dumps(result))
+    monkeypatch.setattr(tables, "RESULTS", tmp_path)
+    lines = tables.real_shape(["big.json"])
+    assert "| big | transformers generate: does not fit |  |  |  |  |" in lines
+    assert "| big | engine bf16: does not fit |  |  |  |  |" in lines
+    assert "| big | runtime static-4, graphs-inplace | 120.0 |  |  |  |" in lines
+    assert "| big | HBM floor bf16 (does not fit) | 160.0 |  |  |  |" in lines
