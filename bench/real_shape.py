@@ -4,12 +4,20 @@ against the HBM floor measured in the same run (issues 12 and 17).
 
 Nothing is written to disk but the result: the checkpoint is `transformers`' own class
 (`Qwen2MoeForCausalLM`, `MixtralForCausalLM`, `Qwen3MoeForCausalLM`, `OlmoeForCausalLM`,
-`Gemma4ForCausalLM`) randomly initialised on the device in bf16;
+`Gemma4ForCausalLM`) with random bf16 weights drawn on the device, each tensor from a
+generator seeded by its name (`--seed`);
 our `MoECausalLM` is assembled over the same tensors (no copy); the routed experts are
 quantised by a fast nested-uniform path (`nested_uniform_planes`: per-row min-max 8-bit
 codes, b-bit LUTs at the b-bit bucket centres; no calibration, so quality is not measured
 here, but the planes, LUTs and their byte counts are the real format) into an in-memory
 `PagedModel` that the runtime is built from (`build_runtime_from_paged`).
+
+A model whose bf16 weights, KV room and workspace do not fit the device (Mixtral-8x7B on
+an 80 GB card) is never built whole (`--build auto`): its artifact is built layer by layer
+(`paged_by_layer`: one layer's tensors on the device at a time, the same tensors the whole
+build draws), and the sections that need the bf16 model (parity, transformers, the bf16
+engine) are marked "does not fit" beside the bf16 floor. `memory` in the JSON has the peak
+device and host memory of each section.
 
 Sections, in order of what the device minutes buy (a time limit skips the rest; the JSON
 is rewritten after each section, so a cut run still leaves what it measured):
@@ -27,6 +35,9 @@ is rewritten after each section, so a cut run still leaves what it measured):
 6. pressure (issue 17): budget = 8-bit experts + non-expert weights + workspace + half the
    KV the load wants; `pagedweight` against `static-8` and `static-4`: tokens/s,
    preemptions, page moves, bytes copied, mean bits start/min/end.
+Every load reports the graph captures and replays during it (a steady load captures none
+once warm); the bf16 engine and every static width have a per-component step profile
+(bench/step_components.py: ms and kernels per component of an eager step).
 
     PYTHONPATH=.:services:kernels python3 -m bench.real_shape --model qwen1.5-moe-a2.7b
     .venv/bin/python -m bench.real_shape --model tiny-qwen-moe --device cpu   # checks the script
@@ -55,10 +66,13 @@ from pagedweight.engine.scheduler import SchedulerConfig
 from pagedweight.format.apl_format import block_bytes
 from pagedweight.format.model_config import ModelConfig
 from pagedweight.memory.kv_cache import KVCacheConfig, kv_block_bytes
-from pagedweight.offline.real_shape_models import (CONFIGS, GiB, build_hf_model, ours_from_hf, paged_in_memory,
-                                                  parity)
+from pagedweight.offline.host_memory import anonymous_bytes
+from pagedweight.offline.real_shape_models import (CONFIGS, GiB, build_hf_model, hf_config_of, ours_from_hf,
+                                                  paged_by_layer, paged_in_memory, parity)
 from pagedweight.runtime import RuntimeConfig, build_runtime_from_paged, workspace_bytes
 from pagedweight_kernels import decode_ops
+
+from bench.step_components import component_profile
 
 
 class Clock:
@@ -97,6 +111,16 @@ def copy_bandwidth(device: torch.device, nbytes: int = 2 * GiB, repeats: int = 1
     return 2 * nbytes / sorted(times)[len(times) // 2]
 
 
+def bf16_weight_bytes(config: ModelConfig) -> int:
+    """Bytes of the model's weights in bf16 (counted on the meta device)."""
+    from pagedweight.model.transformer import MoECausalLM
+
+    with torch.device("meta"):
+        model = MoECausalLM(config)
+    tied = model.lm_head.weight.numel() if config.tie_word_embeddings else 0  # one tensor on the device
+    return 2 * (sum(p.numel() for p in model.parameters()) - tied)
+
+
 def decode_bytes(config: ModelConfig, dense_bytes: int, embed_bytes_per_row: int, vocab_rows_bytes: int,
                  batch: int, bits: int | None) -> float:
     """Bytes one decode step of `batch` sequences must read: the non-expert weights once
@@ -112,13 +136,26 @@ def decode_bytes(config: ModelConfig, dense_bytes: int, embed_bytes_per_row: int
     return dense_bytes - vocab_rows_bytes + batch * embed_bytes_per_row + L * touched * per_expert
 
 
+def graph_counts(engine) -> dict:
+    """The engine's graph captures and replays so far, and its steps each way."""
+    runner, graphs = engine.runner, engine.runner.graphs
+    return {"graph_captures": graphs.num_captures if graphs is not None else 0,
+            "graph_replays": graphs.num_replays if graphs is not None else 0,
+            "graph_steps": runner.num_graph_steps, "eager_steps": runner.num_eager_steps}
+
+
 def tokens_per_s(engine, spec: LoadSpec, device: torch.device) -> dict:
+    """Output tokens/s of a load after a warm-up load, with the graph captures and replays
+    of the measured load (captures there are time the load paid for)."""
     drive_load(engine, LoadSpec(spec.concurrency, spec.concurrency, spec.prompt_len, 4, seed=1))  # warm-up
     sync(device)
+    before = graph_counts(engine)
     load = drive_load(engine, spec)
+    after = graph_counts(engine)
     return {"concurrency": spec.concurrency, "requests": spec.num_requests, "completed": load.completed,
             "output_tokens": load.output_tokens, "elapsed_s": round(load.elapsed_s, 3),
-            "output_tokens_per_s": round(load.output_tokens / load.elapsed_s, 1)}
+            "output_tokens_per_s": round(load.output_tokens / load.elapsed_s, 1),
+            **{k: after[k] - before[k] for k in after}}
 
 
 def ttft(engine, prompt_len: int, device: torch.device, repeats: int = 2) -> float:
@@ -325,6 +362,8 @@ def decode_profile(engine, concurrency: int, prompt_len: int, device: torch.devi
         by_name = collections.Counter(e.name for e in kernels)
         result["kernels_by_name"] = {name[:96]: n / 2 for name, n in by_name.most_common()}
     result["graph_steps"] = runner.num_graph_steps - graph_steps0
+    if graphs is not None:
+        result["graph_captures_total"] = graphs.num_captures
     sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     result["top_ops"] = prof.key_averages().table(sort_by=sort, row_limit=14, max_name_column_width=48)
     while engine.has_work:
@@ -340,11 +379,25 @@ def compact_json(record: dict) -> str:
     return "{\n" + body + "\n}\n"
 
 
+def memory_now(device: torch.device) -> dict:
+    """Peak device memory since the last call (then reset) and host anonymous memory now."""
+    out = {"host_anon_bytes": anonymous_bytes()}
+    if device.type == "cuda":
+        out["peak_device_bytes"] = torch.cuda.max_memory_allocated(device)
+        out["device_total_bytes"] = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.reset_peak_memory_stats(device)
+    return out
+
+
 class Report:
     """The result file, rewritten after every section."""
 
     def __init__(self, path: Path, header: dict):
         self.path, self.record = path, header
+
+    def memory(self, section: str, device: torch.device) -> None:
+        """The section's peak device memory and the host's memory after it, under "memory"."""
+        self.put("memory", {**self.record.get("memory", {}), section: memory_now(device)})
 
     def put(self, key: str, value) -> None:
         self.record[key] = value
@@ -431,6 +484,8 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--hf-concurrency", type=int, nargs="*", default=None,
+                        help="concurrencies of transformers' generate (default: --concurrency)")
     parser.add_argument("--ttft-prompts", type=int, nargs="*", default=[512, 4096])
     parser.add_argument("--static-bits", type=int, nargs="*", default=[4, 8, 3])
     parser.add_argument("--kv-gib", type=float, default=8.0, help="KV room of the unpressured runtimes")
@@ -441,6 +496,14 @@ def main() -> None:
                         help="how steps run, each measured in the same run (the first is the baseline)")
     parser.add_argument("--profile-concurrency", type=int, nargs="*", default=[1, 64],
                         help="concurrencies of the per-step profile (host phases, device span, kernels)")
+    parser.add_argument("--component-concurrency", type=int, nargs="*", default=None,
+                        help="concurrencies of the per-component step profile, bf16 and every static width "
+                             "(default: --concurrency)")
+    parser.add_argument("--build", choices=("auto", "whole", "layers"), default="auto",
+                        help="whole: the bf16 model on the device, then quantised; layers: the artifact layer by "
+                             "layer, no bf16 model (no parity, transformers or bf16 engine); auto: whole where "
+                             "the bf16 weights, KV room and workspace fit the device")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights (per tensor name)")
     parser.add_argument("--label", default="", help="what this run measures (e.g. before / after)")
     parser.add_argument("--min-requests", type=int, default=2,
                         help="requests of each load at least (the load has max(this, concurrency))")
@@ -477,19 +540,46 @@ def main() -> None:
     bw = copy_bandwidth(device, GiB // 16 if device.type == "cpu" else 2 * GiB)
     report.put("copy_bandwidth_bytes_per_s", bw)
 
-    t0 = time.perf_counter()
-    hf_model, raw = build_hf_model(args.model, device, dtype)
-    sync(device)
+    component_concurrency = args.concurrency if args.component_concurrency is None else args.component_concurrency
+    _, raw = hf_config_of(args.model)
     config = ModelConfig.from_dict(raw)
-    ours = ours_from_hf(hf_model, config)
-    report.put("build_s", round(time.perf_counter() - t0, 1))
-    report.put("parity_vs_transformers", parity(hf_model, ours, config.vocab_size, device))
+    ecfg = engine_config(max_seqs, batched_tokens)
+    workspace = workspace_bytes(config, ecfg, dtype)
+    bf16_bytes = bf16_weight_bytes(config)
+    device_bytes = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    # the bf16 engine needs its weights, its KV room and a step's workspace at once
+    bf16_needs = int(bf16_bytes + args.kv_gib * GiB + workspace)
+    fits = device_bytes is None or bf16_needs <= 0.92 * device_bytes
+    build = args.build if args.build != "auto" else ("whole" if fits else "layers")
+    report.put("build", {"how": build, "bf16_weight_bytes": bf16_bytes, "bf16_needs_bytes": bf16_needs,
+                         "device_bytes": device_bytes, "bf16_fits": fits, "seed": args.seed})
+    report.memory("start", device)
+
+    t0 = time.perf_counter()
+    if build == "whole":
+        hf_model, raw = build_hf_model(args.model, device, dtype, seed=args.seed)
+        sync(device)
+        ours = ours_from_hf(hf_model, config)
+        report.put("build_s", round(time.perf_counter() - t0, 1))
+        report.put("parity_vs_transformers", parity(hf_model, ours, config.vocab_size, device))
+        dense = {k: v for k, v in ours.state_dict().items() if ".experts." not in k}
+    else:
+        paged, quantize_stats = paged_by_layer(args.model, device, dtype, args.seed,
+                                               log=lambda line: print(line, flush=True))
+        report.put("quantize_by_layer", quantize_stats)
+        report.put("quantize_s", quantize_stats["seconds"])
+        dense = paged.dense_state
+        hf_model = ours = None
+        skipped = {"skipped": "does not fit" if not fits else "--build layers", "bf16_needs_bytes": bf16_needs,
+                   "device_bytes": device_bytes}
+        report.put("parity_vs_transformers", skipped)
+        report.put("transformers_generate", skipped)
+        report.put("engine_bf16_dense", skipped)
+    report.memory("build", device)
 
     # The floor: bytes per decode step over the copy bandwidth.
-    nonexpert = {k: v for k, v in ours.state_dict().items() if ".experts." not in k}
-    dense_bytes = sum(v.numel() * v.element_size() for v in nonexpert.values())
-    embed = ours.embed_tokens.weight if hasattr(ours, "embed_tokens") else next(
-        v for k, v in nonexpert.items() if "embed" in k)
+    dense_bytes = sum(v.numel() * v.element_size() for v in dense.values())
+    embed = dense["embed_tokens.weight"]
     row_bytes = embed.shape[1] * embed.element_size()
     floors = {}
     for name, bits in [("bf16", None)] + [(f"static-{b}", b) for b in args.static_bits]:
@@ -497,17 +587,20 @@ def main() -> None:
         for c in args.concurrency:
             nbytes = decode_bytes(config, dense_bytes, row_bytes, embed.numel() * embed.element_size(), c, bits)
             floors[name][str(c)] = {"bytes_per_step": round(nbytes), "floor_tokens_per_s": round(c * bw / nbytes, 1)}
+        if bits is None and not fits:
+            floors[name]["does_not_fit"] = True
     report.put("hbm_floor", floors)
 
-    if "hf" not in args.skip:
+    if build == "whole" and "hf" not in args.skip:
         rows = []
-        for c in args.concurrency:
+        for c in args.concurrency if args.hf_concurrency is None else args.hf_concurrency:
             if clock.left() < args.reserve_s:
                 rows.append({"concurrency": c, "skipped": "time limit"})
                 continue
             rows.append(hf_generate_tokens_per_s(hf_model, config.vocab_size, c, args.prompt_len,
                                                  args.max_tokens, device))
             report.put("transformers_generate", rows)
+        report.memory("transformers", device)
 
     def extras_per_mode(row: dict, engine, mode: str) -> None:
         """TTFT, the prefill profile and (with prefill graphs) their parity, in each mode:
@@ -521,8 +614,18 @@ def main() -> None:
                                                    device)
         row["ttft_s"] = {str(n): ttft(engine, n, device) for n in args.ttft_prompts if clock.left() > args.reserve_s}
 
-    if "bf16" not in args.skip:
-        engine = Engine(ours, engine_config(max_seqs, batched_tokens, num_kv_blocks=1024 if device.type == "cuda" else 512))
+    def profiles(row: dict, engine) -> None:
+        """The last mode's step profile and the per-component profile (eager steps)."""
+        row["profile"] = {str(c): decode_profile(engine, c, args.prompt_len, device)
+                          for c in args.profile_concurrency if clock.left() > args.reserve_s + 30}
+        row["components"] = {str(c): component_profile(engine, c, args.prompt_len, device)
+                             for c in component_concurrency if clock.left() > args.reserve_s + 30}
+
+    if build == "whole" and "bf16" not in args.skip:
+        # KV for every sequence of the largest load at once (no preemption in the bf16 rows)
+        blocks = -(-5 * max(args.concurrency) * (args.prompt_len + args.max_tokens) // (4 * KVCacheConfig().block_size))
+        engine = Engine(ours, engine_config(max_seqs, batched_tokens,
+                                            num_kv_blocks=max(1024 if device.type == "cuda" else 512, blocks)))
         modes = {}
         for mode in args.modes:
             set_mode(engine, mode)
@@ -533,22 +636,23 @@ def main() -> None:
                 row["loads"].append(tokens_per_s(engine, spec, device))
                 report.put("engine_bf16_dense", modes)
             if mode == args.modes[-1]:
-                row["profile"] = {str(c): decode_profile(engine, c, args.prompt_len, device)
-                                  for c in args.profile_concurrency if clock.left() > args.reserve_s + 30}
+                profiles(row, engine)
             extras_per_mode(row, engine, mode)
             report.put("engine_bf16_dense", modes)
         del engine
+        report.memory("engine_bf16", device)
 
-    t0 = time.perf_counter()
-    paged = paged_in_memory(ours, config, raw)
-    report.put("quantize_s", round(time.perf_counter() - t0, 1))
-    del ours, hf_model, nonexpert, embed
+    if build == "whole":
+        t0 = time.perf_counter()
+        paged = paged_in_memory(ours, config, raw)
+        report.put("quantize_s", round(time.perf_counter() - t0, 1))
+        del ours, hf_model
+    del dense, embed
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+    report.memory("quantize", device)
 
-    ecfg = engine_config(max_seqs, batched_tokens)
-    workspace = workspace_bytes(config, ecfg, dtype)
     experts8 = sum(block_bytes(b["rows"], b["cols"], 8) for b in paged.meta["blocks"])
     report.put("bytes", {"non_expert_weights": dense_bytes, "workspace": workspace, "experts_8bit": experts8})
 
@@ -576,18 +680,18 @@ def main() -> None:
                         break
                     loads.append(tokens_per_s(rt.engine, spec, device))
                     report.put("runtime_static", static)
+                if mode == args.modes[-1]:
+                    profiles(row, rt.engine)
                 if bits == 4:  # per mode: TTFT, prefill profile, parity (the last mode's TTFT as before)
                     extras = row.setdefault("by_mode", {}).setdefault(mode, {})
-                    if mode == args.modes[-1]:
-                        row["profile"] = {str(c): decode_profile(rt.engine, c, args.prompt_len, device)
-                                          for c in args.profile_concurrency if clock.left() > args.reserve_s + 30}
                     extras_per_mode(extras, rt.engine, mode)
                     row["ttft_s"] = extras["ttft_s"]
-                    report.put("runtime_static", static)
+                report.put("runtime_static", static)
             report.put("runtime_static", static)
             rt.close()
             del rt
             gc.collect()
+            report.memory(f"static-{bits}", device)
 
     # 8 and 4 bits first, then the pressure comparison, then 3 bits: what the limit cuts last
     # matters least.

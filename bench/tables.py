@@ -46,27 +46,74 @@ def _loads_by_mode(entry) -> dict:
     return out
 
 
+REAL_SHAPE_CONCURRENCY = (1, 16, 64, 256)
+
+
 def real_shape(files: list[str]) -> list[str]:
     """Output tok/s per concurrency: transformers, our engine in bf16 and the runtime at
-    static bits, each mode, with the HBM floor of the same run."""
-    lines = header("model", "decoder, mode", "c=1", "c=16", "c=64")
+    static bits, each mode, with the HBM floor of the same run ("does not fit" beside a
+    bf16 floor whose model the run could not hold). Result files not run yet are left out."""
+    present = [f for f in files if (RESULTS / f).is_file()]
+    if not present:
+        return ["No result yet: the real-shape recipes write " + ", ".join(f"`{f}`" for f in files) + "."]
+    files = present
+    lines = header("model", "decoder, mode", *(f"c={c}" for c in REAL_SHAPE_CONCURRENCY))
     for f in files:
         d = load(f)
         model, rows = d["model"], []
-        hf = {r["concurrency"]: r["output_tokens_per_s"] for r in d.get("transformers_generate", [])}
+        hf_rows = d.get("transformers_generate", [])
+        if isinstance(hf_rows, dict) and hf_rows.get("skipped"):
+            rows.append((f"transformers generate: {hf_rows['skipped']}", {}))
+        hf = {r["concurrency"]: r["output_tokens_per_s"] for r in hf_rows if isinstance(r, dict)
+              and "output_tokens_per_s" in r}
         if hf:
             rows.append(("transformers generate, bf16", hf))
-        rows += [(f"engine bf16, {m}", v) for m, v in _loads_by_mode(d.get("engine_bf16_dense")).items()]
+        bf16 = d.get("engine_bf16_dense")
+        if isinstance(bf16, dict) and bf16.get("skipped"):
+            rows.append((f"engine bf16: {bf16['skipped']}", {}))
+            bf16 = None
+        rows += [(f"engine bf16, {m}", v) for m, v in _loads_by_mode(bf16).items()]
         for name, static in (d.get("runtime_static") or {}).items():
             modes = static.get("modes") if isinstance(static, dict) and "modes" in static else {"eager": static.get(
                 "loads", []) if isinstance(static, dict) else static}
             rows += [(f"runtime {name}, {m}", {r["concurrency"]: r["output_tokens_per_s"] for r in v})
                      for m, v in modes.items() if isinstance(v, list)]
-        rows += [(f"HBM floor {k}", {int(c): x["floor_tokens_per_s"] for c, x in v.items()})
+        rows += [(f"HBM floor {k}" + (" (does not fit)" if v.get("does_not_fit") else ""),
+                  {int(c): x["floor_tokens_per_s"] for c, x in v.items() if c.isdigit()})
                  for k, v in d.get("hbm_floor", {}).items() if k in ("bf16", "static-4")]
         for label, by_c in rows:
-            lines.append(row(model, label, *(by_c.get(c, "") for c in (1, 16, 64))))
+            lines.append(row(model, label, *(by_c.get(c, "") for c in REAL_SHAPE_CONCURRENCY)))
     return lines + ["", source(*files)]
+
+
+STEP_COMPONENTS = ("attention", "gating", "shared expert", "routed experts", "norms", "embed + lm head", "sampling",
+                   "other")
+
+
+def real_shape_components(files: list[str]) -> list[str]:
+    """Per decode step, run eagerly (bench/step_components.py): the device ms and kernel
+    launches of each component, bf16 and every static width, per concurrency; host = the
+    step's wall time less its kernels' device time (what a graph replay takes away)."""
+    present = [f for f in files if (RESULTS / f).is_file()
+               and any("components" in str(v) for v in load(f).get("runtime_static", {}).values())]
+    if not present:
+        return ["No result yet: `python -m bench run real-shape-qwen` (-mixtral, -gemma4) writes "
+                + ", ".join(f"`{f}`" for f in files) + "."]
+    lines = header("model", "weights", "c", "step ms", "host ms", *(f"{c} ms (kernels)" for c in STEP_COMPONENTS),
+                   "kernels")
+    for f in present:
+        d = load(f)
+        sections = []
+        bf16 = d.get("engine_bf16_dense")
+        if isinstance(bf16, dict) and not bf16.get("skipped"):
+            sections += [("bf16", v["components"]) for v in bf16.values() if isinstance(v, dict) and "components" in v]
+        sections += [(name, v["components"]) for name, v in (d.get("runtime_static") or {}).items()
+                     if isinstance(v, dict) and "components" in v]
+        for weights, by_c in sections:
+            for c, p in by_c.items():
+                cells = [f"{p['components'][k]['ms']} ({p['components'][k]['kernels']:g})" for k in STEP_COMPONENTS]
+                lines.append(row(d["model"], weights, c, p["step_ms"], p["host_ms"], *cells, p["kernels_per_step"]))
+    return lines + ["", source(*present)]
 
 
 def elasticity(files: list[str]) -> list[str]:
@@ -192,8 +239,12 @@ def budget_sweep(files: list[str]) -> list[str]:
     return lines + ["", source(*present)]
 
 
+# the real-shape recipes' models (bench/recipes.py), in the order the tables show them
+REAL_SHAPE_MODELS = ("qwen1.5-moe-a2.7b", "mixtral-8x7b", "gemma-4-26b-a4b")
 # table name -> (generator, result files)
 TABLES = {
+    "real_shape_h100": (real_shape, [f"real_shape_{m}_h100.json" for m in REAL_SHAPE_MODELS]),
+    "real_shape_components": (real_shape_components, [f"real_shape_{m}_h100.json" for m in REAL_SHAPE_MODELS]),
     "real_shape": (real_shape, ["real_shape_qwen1.5-moe-a2.7b_cuda_overlap2.json",
                                 "real_shape_qwen1.5-moe-a2.7b_cuda_acqrel_fma.json",
                                 "real_shape_mixtral-8x7b_cuda_gemv.json", "real_shape_qwen3-30b-a3b_cuda.json",

@@ -84,7 +84,7 @@ def test_padding_rows_are_not_counted_in_the_routing_statistics():
     padded_engine = _engine(model, "cpu", capture=False)
     padded = _routing_window(model, padded_engine)
     graphs = padded_engine.runner.graphs
-    assert graphs.num_replays == 0 and graphs.padding_rows > 0 and graphs.prefill_steps > 0
+    assert graphs.num_captures > 0 and graphs.padding_rows > 0 and graphs.prefill_steps > 0
     assert padded_engine.runner.num_eager_steps == 0  # every step went through the padded buffers
     assert (padded.num_tokens == eager.num_tokens).all()
     assert (padded.num_tokens == sum(PROMPT_LENS) + sum(MAX_TOKENS) - len(PROMPT_LENS)).all()
@@ -232,8 +232,11 @@ def test_upload_writes_each_chunk_as_token_rows():
               StepChunk([31, 32], [4], 2)]  # positions 0, 1
     bucket = pick_bucket(6, graphs.row_buckets)
     assert bucket == 8 and graphs.logits_rows(bucket) == 5
-    assert graphs._upload(chunks, bucket) == 2
-    host = graphs.host_np
+    width = graphs.table_width(chunks)
+    assert width == graphs.table_widths[0] == 16  # 3 blocks at most
+    assert graphs._upload(chunks, bucket, width) == 2
+    host = graphs.rows(bucket, width, host=True)
+    assert host.shape == (bucket, TABLE_COLUMN + width)
     assert host[:6, 0].tolist() == [11, 12, 13, 21, 31, 32]
     assert host[:6, 1].tolist() == [3, 4, 5, 8, 0, 1]
     assert host[:6, 3].tolist() == [4, 5, 6, 9, 1, 2]
@@ -246,7 +249,7 @@ def test_upload_writes_each_chunk_as_token_rows():
     assert (host[6:8, :4] == host[0, :4]).all() and (host[6:8, TABLE_COLUMN:] == host[0, TABLE_COLUMN:]).all()
     assert host[:8, REAL_ROW].tolist() == [1] * 6 + [0] * 2 and graphs.padding_rows == 2
     assert host[:5, LOGITS_ROW].tolist() == [3, 5, 3, 3, 3]  # the decode's row, the last chunk's last row
-    assert torch.equal(graphs.static[:bucket], graphs.host[:bucket])
+    assert torch.equal(graphs.rows(bucket, width), torch.from_numpy(host))
 
 
 def test_warm_decode_buckets_meets_every_bucket_once_and_leaves_nothing_behind():
@@ -346,7 +349,8 @@ def test_cuda_graphs_warmed_per_bucket_serve_a_load_without_capture():
     engine = _engine(model, "cuda", capture=None)
     runner, graphs = engine.runner, engine.runner.graphs
     warm_decode_buckets(engine)
-    assert set(graphs.graphs) == set(graphs.row_buckets) and graphs.num_captures == len(graphs.row_buckets)
+    assert set(graphs.graphs) == {(b, graphs.table_widths[0]) for b in graphs.row_buckets}
+    assert graphs.num_captures == len(graphs.row_buckets)
     replay, checked = runner._replay, []
 
     def replay_and_compare(scheduled):

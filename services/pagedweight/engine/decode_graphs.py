@@ -27,8 +27,16 @@ What makes a replay valid for any step of its bucket:
   that marks the step's own rows (`set_row_weights`), so the planner's routing statistics
   count each token once, however large the bucket's padding (prefill buckets go to 512).
 - Attention is the `inplace` path (model/paged_attention.py): it reads the cache through
-  tile offsets computed on the device from the block-table buffer, and loops to each
-  sequence's own length, so one graph serves every length up to the model's context.
+  tile offsets computed on the device from the block-table buffer, and the Triton kernel
+  loops to each sequence's own length. Not all work stops there: the tile offsets, the
+  host upload and the torch decode path (layers narrower than the cache's slot, such as
+  Gemma-4's full-attention layers) scale with the table's width, and at the model's whole
+  context (Gemma-4: 262,144 positions, 16,384 blocks) that made every replayed step read
+  and mask 16,384 blocks per sequence. So a graph is captured per (row bucket, table
+  width class): the table's columns come in classes growing 4x from 16 blocks to the
+  model's context (`table_widths`), and a step takes the smallest class holding its
+  longest sequence. A decode run crosses a class only when its longest context does (a
+  few times over a whole context), and each crossing captures once.
 - The experts operators say what their launches depend on through `graph_state(dtype)`: it
   brings device-side state up to date in place (the fused kernel's descriptor rows after
   the pager moved pages) and returns the host-side choices a capture bakes in (bit
@@ -39,7 +47,10 @@ What makes a replay valid for any step of its bucket:
   engine's `graph_prefill` off) so do steps with a prefill chunk (the runner decides).
 
 `capture=False` runs the same static-buffer plumbing without capturing (the CPU tests
-check padding and buffers against the eager engine that way).
+check padding and buffers against the eager engine that way); its counters count what a
+capturing run would do (`num_captures`: a (bucket, width, signature) met for the first
+time or after its graph was dropped; `num_replays`: a step that a kept graph would serve),
+so the CPU tests can hold a steady decode run to no capture.
 """
 
 from __future__ import annotations
@@ -67,6 +78,8 @@ TABLE_COLUMN = 7
 LOGITS_ROW = 4
 REAL_ROW = 5
 PROMPT_ROW = 6
+FIRST_TABLE_WIDTH = 16  # blocks: 256 tokens at the engine's default block size
+TABLE_WIDTH_GROWTH = 4
 
 
 def buckets_up_to(max_batch: int, buckets=DEFAULT_BUCKETS) -> tuple[int, ...]:
@@ -81,6 +94,15 @@ def token_buckets(max_batch: int, max_tokens: int | None, buckets=DEFAULT_BUCKET
     if max_tokens is None or max_tokens <= max_batch:
         return ()
     return tuple(b for b in buckets if max_batch < b < max_tokens) + (max_tokens,)
+
+
+def table_widths(max_width: int, first: int = FIRST_TABLE_WIDTH, growth: int = TABLE_WIDTH_GROWTH) -> tuple[int, ...]:
+    """Block-table width classes up to max_width (the model's context in blocks, last)."""
+    widths, w = [], first
+    while w < max_width:
+        widths.append(w)
+        w *= growth
+    return tuple(widths) + (max_width,)
 
 
 def pick_bucket(n: int, buckets: tuple[int, ...]) -> int | None:
@@ -121,11 +143,15 @@ class DecodeGraphs:
         self.row_buckets = self.buckets + self.token_buckets
         self.max_rows = self.row_buckets[-1]
         self.capture = kv.device.type == "cuda" if capture is None else capture
-        self.width = -(-model.config.max_position_embeddings // kv.block_size)  # table columns
-        row = TABLE_COLUMN + self.width
-        self.static = torch.zeros(self.max_rows, row, dtype=torch.int64, device=kv.device)
+        self.width = -(-model.config.max_position_embeddings // kv.block_size)  # table columns at most
+        self.table_widths = table_widths(self.width)
+        # One flat buffer; a step of `bucket` rows and table width w reads its first
+        # bucket * (TABLE_COLUMN + w) elements as rows of TABLE_COLUMN + w (`rows`): one
+        # contiguous copy per step, as long as the step's table is wide.
+        size = self.max_rows * (TABLE_COLUMN + self.width)
+        self.static = torch.zeros(size, dtype=torch.int64, device=kv.device)
         pin = kv.device.type == "cuda"
-        self.host = torch.zeros(self.max_rows, row, dtype=torch.int64, pin_memory=pin)
+        self.host = torch.zeros(size, dtype=torch.int64, pin_memory=pin)
         self.host_np = self.host.numpy()  # the same memory: rows are filled without torch dispatch
         # Every graph writes its logits into this one buffer (rows = the step's sampling
         # rows): a graph's own logits output would stay allocated in the pool for as long as
@@ -133,11 +159,13 @@ class DecodeGraphs:
         # and 64 sequences, 15 buckets: about 177 MB against this buffer's 19 MB). One step
         # runs at a time and its logits are read before the next replay.
         self.logits_out = torch.empty(self.max_batch, model.lm_head.weight.shape[0], dtype=model.dtype, device=kv.device)
-        # bucket -> {sig: (graph, (logits, greedy tokens))}, most recently used last
-        self.graphs: dict[int, OrderedDict[tuple, tuple[object, tuple[torch.Tensor, torch.Tensor]]]] = {}
+        # (bucket, table width) -> {sig: (graph, (logits, greedy tokens))}, most recently used
+        # last (without capture: sig -> None)
+        self.graphs: dict[tuple[int, int], OrderedDict[tuple, tuple | None]] = {}
         self.pool = None
         self.num_captures = self.num_replays = 0
         self.steps_per_bucket: Counter = Counter()  # bucket -> steps it served
+        self.steps_per_width: Counter = Counter()  # table width -> steps it served
         self.prefill_steps = 0  # steps served that had a chunk of more than one token
         self.padding_rows = 0  # rows computed only to fill a bucket, over all steps served
         self.capture_seconds = 0.0  # host time in captures, warm-up included (a step waits for it)
@@ -187,21 +215,30 @@ class DecodeGraphs:
             return None
         sig += (prompt_rows is not None,)  # the last part: this graph records prompt routing
         bucket = pick_bucket(rows, self.row_buckets)
+        width = self.table_width(chunks)
         self.steps_per_bucket[bucket] += 1
+        self.steps_per_width[width] += 1
         self.prefill_steps += prefill
-        n = self._upload(chunks, bucket, prompt_rows)
+        n = self._upload(chunks, bucket, width, prompt_rows)
         if phases is not None:
             phases.mark("prepare")
-        if not self.capture:
-            logits, tokens = self._forward(bucket, sig[-1])
+        kept = self.graphs.setdefault((bucket, width), OrderedDict())
+        if not self.capture:  # count what a capturing run would do, then run the step
+            if sig in kept:
+                kept.move_to_end(sig)
+                self.num_replays += 1
+            else:
+                self._make_room(kept, sig)
+                kept[sig] = None
+                self.num_captures += 1
+            logits, tokens = self._forward(bucket, width, sig[-1])
             return logits[:n], tokens[:n]
-        kept = self.graphs.setdefault(bucket, OrderedDict())
         entry = kept.get(sig)
         if entry is not None:
             kept.move_to_end(sig)
         else:
             try:
-                entry = self._capture(bucket, sig)
+                entry = self._capture(bucket, width, sig)
             except RuntimeError as err:  # an operator that cannot be captured after all
                 what = "steps with a prefill chunk" if prefill else "steps"
                 warnings.warn(f"decode graphs off: capturing a step of {bucket} rows failed ({err}); "
@@ -218,10 +255,21 @@ class DecodeGraphs:
             start.record()
             entry[0].replay()
             end.record()
-            self.replay_events.append((bucket, start, end))
+            self.replay_events.append(((bucket, width), start, end))
         self.num_replays += 1
         logits, tokens = entry[1]
         return logits[:n], tokens[:n]
+
+    def table_width(self, chunks: list[StepChunk]) -> int:
+        """The smallest width class holding every chunk's table (the caller checked `fits`)."""
+        blocks = max(-(-c.context_len // self.kv.block_size) for c in chunks)
+        return pick_bucket(blocks, self.table_widths)
+
+    def rows(self, bucket: int, width: int, host: bool = False):
+        """The buffer's first `bucket` rows as a step of table width `width` reads them:
+        [bucket, TABLE_COLUMN + width] (host: the pinned mirror, as numpy)."""
+        flat = self.host_np if host else self.static
+        return flat[:bucket * (TABLE_COLUMN + width)].reshape(bucket, TABLE_COLUMN + width)
 
     def _prompt_rows(self):
         """The prompt routing recorder's row offsets for this step (PromptRoutingRecorder.
@@ -232,15 +280,15 @@ class DecodeGraphs:
                 return observer.graph_rows()
         return None
 
-    def _upload(self, chunks: list[StepChunk], bucket: int, prompt_rows=None) -> int:
+    def _upload(self, chunks: list[StepChunk], bucket: int, width: int, prompt_rows=None) -> int:
         """Host values of the step into the pinned mirror, one copy into the static rows;
         returns the number of sampling chunks. The mirror is reused: the previous step's
         copy has finished, since the engine read that step's sampled tokens back (its one
         synchronisation) before building this one. Written through numpy, a chunk's rows as
         slices: a torch element assignment costs microseconds of dispatch, and a step of 64
         rows made hundreds of them."""
-        bs, host = self.kv.block_size, self.host_np
-        host[:bucket, TABLE_COLUMN:] = -1
+        bs, host = self.kv.block_size, self.rows(bucket, width, host=True)
+        host[:, TABLE_COLUMN:] = -1
         i, samplers = 0, []
         for c in chunks:
             n, end = len(c.token_ids), c.context_len
@@ -266,23 +314,25 @@ class DecodeGraphs:
             self.padding_rows += bucket - i
         wanted = self.logits_rows(bucket)  # the rest repeat the first: computed, not read
         host[:wanted, LOGITS_ROW] = samplers + [samplers[0] if samplers else 0] * (wanted - len(samplers))
-        self.static[:bucket].copy_(self.host[:bucket], non_blocking=True)
+        size = bucket * (TABLE_COLUMN + width)
+        self.static[:size].copy_(self.host[:size], non_blocking=True)
         return len(samplers)
 
-    def _step(self, bucket: int) -> PagedStep:
-        s = self.static[:bucket]
+    def _step(self, bucket: int, width: int) -> PagedStep:
+        s = self.rows(bucket, width)
         return PagedStep(kv=self.kv, impl="inplace", positions=s[:, 1], query_lens=[], context_lens=[],
                          new_offsets=s[:, 2], block_table=s[:, TABLE_COLUMN:], seq_context_lens=s[:, 3])
 
-    def _forward(self, bucket: int, records_prompts: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = self.static[:self.logits_rows(bucket), LOGITS_ROW]
+    def _forward(self, bucket: int, width: int, records_prompts: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        static = self.rows(bucket, width)
+        rows = static[:self.logits_rows(bucket), LOGITS_ROW]
         observers = self._row_weighted_observers()
         for observer in observers:  # views of the static buffer: a capture reads them at replay too
-            observer.set_row_weights(self.static[:bucket, REAL_ROW])
+            observer.set_row_weights(static[:, REAL_ROW])
             if hasattr(observer, "set_graph_rows"):
-                observer.set_graph_rows(self.static[:bucket, PROMPT_ROW] if records_prompts else None)
+                observer.set_graph_rows(static[:, PROMPT_ROW] if records_prompts else None)
         try:
-            logits = self.model.forward_paged(self.static[:bucket, 0], self._step(bucket), rows)
+            logits = self.model.forward_paged(static[:, 0], self._step(bucket, width), rows)
         finally:  # eager steps have no padding rows
             for observer in observers:
                 observer.set_row_weights(None)
@@ -303,29 +353,33 @@ class DecodeGraphs:
                 found.setdefault(id(observer), observer)
         return list(found.values())
 
-    def _capture(self, bucket: int, sig: tuple):
-        """Warm up on a side stream (compiles kernels, creates library handles: nothing of
-        that may happen during capture), then capture. The warm-up computes this very step
-        and the replay that follows computes it again: the same KV values to the same slots."""
-        kept = self.graphs.setdefault(bucket, OrderedDict())
-        # release before capturing (the pool reuses it), least recently used first, among the
-        # graphs of the same kind: a bucket keeps graphs_per_bucket with and without the prompt
-        # recording, so prefills and decodes at one bucket do not evict each other
+    def _make_room(self, kept: OrderedDict, sig: tuple) -> None:
+        """Drop graphs before capturing another (the pool reuses their memory), least
+        recently used first, among the graphs of the same kind: a bucket keeps
+        graphs_per_bucket with and without the prompt recording, so prefills and decodes at
+        one bucket do not evict each other."""
         same_kind = [s for s in kept if s[-1] == sig[-1]]
         while len(same_kind) >= self.graphs_per_bucket:
             del kept[same_kind.pop(0)]
+
+    def _capture(self, bucket: int, width: int, sig: tuple):
+        """Warm up on a side stream (compiles kernels, creates library handles: nothing of
+        that may happen during capture), then capture. The warm-up computes this very step
+        and the replay that follows computes it again: the same KV values to the same slots."""
+        kept = self.graphs.setdefault((bucket, width), OrderedDict())
+        self._make_room(kept, sig)
         start = time.perf_counter()
         stream = torch.cuda.Stream(self.kv.device)
         stream.wait_stream(torch.cuda.current_stream(self.kv.device))
         with torch.cuda.stream(stream):
-            self._forward(bucket, sig[-1])
+            self._forward(bucket, width, sig[-1])
         torch.cuda.current_stream(self.kv.device).wait_stream(stream)
         self.capture_warmup_seconds += time.perf_counter() - start
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            outputs = self._forward(bucket, sig[-1])
+            outputs = self._forward(bucket, width, sig[-1])
         kept[sig] = (graph, outputs)
         self.num_captures += 1
         self.capture_seconds += time.perf_counter() - start

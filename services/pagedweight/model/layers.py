@@ -19,7 +19,11 @@ from pagedweight_kernels.moe_reference import gated
 
 
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm without a learned scale (Gemma-4's value and router norms), in fp32."""
+    """RMSNorm without a learned scale (Gemma-4's value and router norms), in fp32. On CUDA
+    through torch's rms_norm (one kernel where the composed form launches five, every
+    layer of a Gemma-4 step runs two); the tests hold the two forms equal."""
+    if x.is_cuda:
+        return F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
     x32 = x.float()
     return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
@@ -32,6 +36,14 @@ def rms_norm_cast_then_scale(x: torch.Tensor, weight: torch.Tensor, eps: float) 
     return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
+def rms_norm_scale_in_fp32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma-4's RMSNorm (normalise and scale in fp32, cast back last) with torch's own
+    rms_norm: on CUDA one kernel and the casts where the composed form launches seven, and
+    a Gemma-4 layer has seven of these norms plus q and k norms. Same arithmetic as the
+    composed form (the CPU's): the tests hold the two equal."""
+    return F.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps).to(x.dtype)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float, scale_in_fp32: bool = False):
         super().__init__()
@@ -42,7 +54,9 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in fp32; Llama-style references cast back before the scale, Gemma-4's
         # after it: in bf16 the two round differently, so each family follows its reference.
-        if x.is_cuda and not self.scale_in_fp32:
+        if x.is_cuda:
+            if self.scale_in_fp32:
+                return rms_norm_scale_in_fp32(x, self.weight, self.eps)
             return rms_norm_cast_then_scale(x, self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)

@@ -6,9 +6,19 @@ The routed experts get a fast nested-uniform quantisation (`nested_uniform_plane
 min-max 8-bit codes, b-bit LUTs at the b-bit bucket centres; no calibration, so the format and
 byte counts are real but quality is not measured) into an in-memory `PagedModel`.
 `transformers` is imported only when a model is built (it is a test/bench dependency).
+
+A model whose bf16 weights do not fit the device (Mixtral-8x7B's 93 GB on an 80 GB card) is
+never built whole: `paged_by_layer` draws one layer's tensors at a time on the device,
+quantises its experts, keeps its dense weights on the host and frees it. For that to give
+the model `build_hf_model(..., seed=)` builds whole, every tensor is drawn from a generator
+seeded by its own name (`fill_seeded_`), not from one stream in construction order: same
+seed and device -> the same tensors, whichever way they are built.
 """
 
 from __future__ import annotations
+
+import time
+import zlib
 
 import torch
 
@@ -16,6 +26,7 @@ from pagedweight.format.apl_format import BIT_WIDTHS, LUT_WIDTHS, lut_entries, p
 from pagedweight.format.model_config import ModelConfig
 from pagedweight.format.paged_model import LayerPlanes, PagedModel, block_table
 from pagedweight.model.loader import checkpoint_key
+from pagedweight.offline.host_memory import anonymous_bytes
 from pagedweight.model.transformer import MoECausalLM
 from pagedweight.offline.real_shape_configs import REAL_SHAPE_CONFIGS
 from pagedweight.weights.synthetic import nested_uniform_rows
@@ -70,6 +81,9 @@ CONFIGS.update({
     "tiny-olmoe": dict(model_type="olmoe", **{**REAL_SHAPE_CONFIGS["OLMoE-1B-7B"], **dict(
         vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
         num_experts=16, num_experts_per_tok=4, intermediate_size=96, eos_token_id=2)}),
+    "tiny-mixtral": {**CONFIGS["mixtral-8x7b"], **dict(
+        vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4)},
     "gemma-4-26b-a4b": dict(REAL_SHAPE_CONFIGS["Gemma-4-26B-A4B"]),
     # sliding and full layers of different shapes (k=v on the full ones), as in the real one
     "tiny-gemma4": {**REAL_SHAPE_CONFIGS["Gemma-4-26B-A4B"], **dict(
@@ -80,14 +94,21 @@ CONFIGS.update({
 })
 
 
-def build_hf_model(name: str, device: torch.device, dtype: torch.dtype, overrides: dict | None = None):
-    """transformers' own class, random init, built directly on the device in `dtype`;
-    `overrides`: config fields to change (e.g. fewer layers, to fit a disk or a time limit)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+def hf_config_of(name: str, overrides: dict | None = None):
+    """(transformers config, its dict as our ModelConfig reads it) of a CONFIGS entry."""
+    from transformers import AutoConfig
 
     kwargs = {**CONFIGS[name], **(overrides or {})}
     model_type = kwargs.pop("model_type")
     hf_config = AutoConfig.for_model(model_type, **kwargs)
+    raw = hf_config.to_dict()
+    raw["architectures"] = kwargs["architectures"]
+    return hf_config, raw
+
+
+def _hf_from_config(hf_config, device: torch.device | str, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -95,10 +116,94 @@ def build_hf_model(name: str, device: torch.device, dtype: torch.dtype, override
             model = AutoModelForCausalLM.from_config(hf_config)
     finally:
         torch.set_default_dtype(previous)
-    model = model.to(dtype).eval()
-    raw = hf_config.to_dict()
-    raw["architectures"] = kwargs["architectures"]
+    return model
+
+
+def build_hf_model(name: str, device: torch.device, dtype: torch.dtype, overrides: dict | None = None,
+                   seed: int | None = None):
+    """transformers' own class, random init, built directly on the device in `dtype`;
+    `overrides`: config fields to change (e.g. fewer layers, to fit a disk or a time limit);
+    `seed`: every parameter redrawn by `fill_seeded_` (what `paged_by_layer` builds), None:
+    transformers' own init."""
+    hf_config, raw = hf_config_of(name, overrides)
+    model = _hf_from_config(hf_config, device, dtype).to(dtype).eval()
+    if seed is not None:
+        std = getattr(hf_config, "initializer_range", 0.02)
+        with torch.no_grad():
+            for key, param in model.named_parameters():
+                fill_seeded_(param, key, seed, std)
     return model, raw
+
+
+def fill_seeded_(t: torch.Tensor, key: str, seed: int, std: float = 0.02) -> torch.Tensor:
+    """t drawn in place as transformers initialises a tensor of its kind, from a generator on
+    t's device seeded by (seed, key): 1-D biases 0, other 1-D tensors (norms, scales) 1,
+    matrices normal(0, std) in t's dtype."""
+    if t.dim() <= 1:
+        return t.fill_(0.0 if key.endswith("bias") else 1.0)
+    generator = torch.Generator(device=t.device).manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()))
+    return t.normal_(0.0, std, generator=generator)
+
+
+def paged_by_layer(name: str, device: torch.device, dtype: torch.dtype, seed: int,
+                   overrides: dict | None = None, log=print) -> tuple[PagedModel, dict]:
+    """The `paged_in_memory` artifact of `build_hf_model(name, ..., seed=seed)` without the
+    whole model on the device: transformers' model is built on the meta device for its
+    tensor names and shapes only; per layer, its tensors are drawn on `device`, the routed
+    experts quantised (`nested_uniform_planes`), the rest moved to the host, and the layer
+    freed. -> (artifact, stats: seconds, per-layer seconds, peak device and host bytes)."""
+    hf_config, raw = hf_config_of(name, overrides)
+    config = ModelConfig.from_dict(raw)
+    std = getattr(hf_config, "initializer_range", 0.02)
+    hf_meta = _hf_from_config(hf_config, "meta", dtype)
+    # every tensor our model reads, by transformers' name (parameters, and persistent buffers
+    # such as Gemma-4's layer_scalar, drawn by the same rule as the whole model's init)
+    shapes = {k: tuple(v.shape) for k, v in hf_meta.state_dict().items()}
+    del hf_meta
+    with torch.device("meta"):
+        ours = MoECausalLM(config)
+    dense_names = [n for n in ours.state_dict() if ".experts." not in n]
+    del ours
+
+    def draw(keys) -> dict[str, torch.Tensor]:
+        return {k: fill_seeded_(torch.empty(shapes[k], dtype=dtype, device=device), k, seed, std) for k in keys}
+
+    def layer_of(key: str) -> int | None:
+        parts = key.split(".")
+        return int(parts[parts.index("layers") + 1]) if "layers" in parts else None
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    start, host_peak, per_layer = time.perf_counter(), anonymous_bytes() or 0, []
+    dense, apl = {}, {}
+    top = draw([k for k in shapes if layer_of(k) is None])
+    for n in dense_names:
+        if not n.startswith("layers."):
+            dense[n] = _hf_tensor(top, checkpoint_key(config, n)).to("cpu", torch.bfloat16)
+    del top
+    L = config.num_layers
+    for layer in range(L):
+        t0 = time.perf_counter()
+        state = draw([k for k in shapes if layer_of(k) == layer])
+        gate_up, down = _hf_experts(state, config, layer)
+        apl[(layer, "gate_up")] = nested_uniform_planes(gate_up)
+        apl[(layer, "down")] = nested_uniform_planes(down)
+        prefix = f"layers.{layer}."
+        for n in dense_names:
+            if n.startswith(prefix):
+                dense[n] = _hf_tensor(state, checkpoint_key(config, n)).to("cpu", torch.bfloat16)
+        del state, gate_up, down
+        per_layer.append(time.perf_counter() - t0)
+        host_peak = max(host_peak, anonymous_bytes() or 0)
+        done = time.perf_counter() - start
+        log(f"quantise by layer: {layer + 1}/{L} layers, {done:.1f} s, about {done / (layer + 1) * L:.0f} s "
+            f"for all, host {host_peak / GiB:.1f} GiB")
+    stats = {"seconds": round(time.perf_counter() - start, 1),
+             "seconds_per_layer": round(sum(per_layer) / max(1, L), 2),
+             "peak_device_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+             "peak_host_anon_bytes": host_peak}
+    dense = {n: dense[n] for n in dense_names}  # the model's own order, as paged_in_memory keeps it
+    return paged_artifact(config, raw, dense, apl), stats
 
 
 def _hf_tensor(state: dict, key: str) -> torch.Tensor:
@@ -190,6 +295,11 @@ def paged_in_memory(model: MoECausalLM, config: ModelConfig, raw_config: dict) -
         apl[(layer, "down")] = nested_uniform_planes(block.experts.down.detach())
     dense = {k: v.detach().to("cpu", torch.bfloat16) for k, v in model.state_dict().items()
              if ".experts." not in k}
+    return paged_artifact(config, raw_config, dense, apl)
+
+
+def paged_artifact(config: ModelConfig, raw_config: dict, dense: dict, apl: dict) -> PagedModel:
+    """The in-memory PagedModel of dense weights (host bf16) and routed experts' planes."""
     blocks = block_table(config)
     sensitivity = {b["key"]: {str(w): b["bytes"]["8"] * 4.0 ** -w for w in BIT_WIDTHS} for b in blocks}
     L, E, k = config.num_layers, config.num_experts, config.num_experts_per_tok

@@ -1,0 +1,156 @@
+"""Where an engine step's time goes, per component of the model: attention, gating, the
+shared expert (Gemma-4: its dense MLP), the routed experts, norms, embedding + lm head,
+sampling, and the host.
+
+A replayed CUDA graph is one launch to the profiler: its kernels cannot be told apart by
+the Python that captured them. So the component profile runs the same steps eagerly (the
+engine's graphs off for the profile, then put back) with a `record_function` range around
+each component's module call, and gives every operator to the innermost range it ran in:
+- on CUDA, each operator's kernels (their count and device time) go to its range; a
+  kernel count per component says how many launches the graph replays for it, and the
+  sum of device times what the graph's step costs before the gaps between kernels;
+- on the CPU (which checks the instrumentation), each operator's own CPU time and one
+  "kernel" per leaf operator.
+"host" is the step's wall time less the summed device time (CUDA), or its wall time
+less the ranges' CPU time (CPU): the Python and launch overhead a replay removes.
+
+Ranges, innermost first: the experts operator, the shared expert / dense MLP, the
+router, every RMSNorm module, attention; the MoE block outside those (the fused product
+of router and shared-expert inputs, routing, the observer) counts as gating; the decoder
+layer outside them (residual adds, the fused add + norm kernels) as norms; the model
+outside its layers (embedding, RoPE tables, final norm, lm head, softcapping) as
+"embed + lm head"; the runner's sampling as sampling.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch.autograd.profiler import record_function
+
+PREFIX = "component:"
+COMPONENTS = ("attention", "gating", "shared expert", "routed experts", "norms", "embed + lm head",
+              "sampling", "other")
+
+
+def _wrap(obj, method: str, component: str, wrapped: list) -> None:
+    """Replace obj.method by itself inside a record_function range (an instance attribute,
+    taken out again by `_unwrap`)."""
+    original = getattr(obj, method, None)
+    if original is None:
+        return
+
+    def ranged(*args, **kwargs):
+        with record_function(PREFIX + component):
+            return original(*args, **kwargs)
+
+    setattr(obj, method, ranged)
+    wrapped.append((obj, method))
+
+
+def _unwrap(wrapped: list) -> None:
+    for obj, method in wrapped:
+        delattr(obj, method)
+
+
+def instrument(model, runner) -> list:
+    """Ranges around the components' calls; returns what `_unwrap` takes out."""
+    from pagedweight.model.layers import RMSNorm
+
+    wrapped: list = []
+    _wrap(model, "forward_paged", "embed + lm head", wrapped)
+    for layer in model.layers:
+        for method in ("forward_paged", "forward_paged_fused"):
+            _wrap(layer, method, "norms", wrapped)
+        _wrap(layer.self_attn, "forward_paged", "attention", wrapped)
+        moe = layer.moe
+        for method in ("forward", "forward_parts"):
+            _wrap(moe, method, "gating", wrapped)
+        _wrap(moe.experts, "forward", "routed experts", wrapped)
+        for name in ("gate", "router", "shared_expert_gate"):
+            if getattr(moe, name, None) is not None:
+                _wrap(getattr(moe, name), "forward", "gating", wrapped)
+        shared = getattr(moe, "shared_expert", None)
+        if shared is not None:
+            _wrap(shared, "forward", "shared expert", wrapped)
+            _wrap(shared.down_proj, "forward", "shared expert", wrapped)
+        if getattr(layer, "mlp", None) is not None:  # Gemma-4's dense MLP beside the experts
+            _wrap(layer.mlp, "forward", "shared expert", wrapped)
+    for module in model.modules():
+        if isinstance(module, RMSNorm):
+            _wrap(module, "forward", "norms", wrapped)
+    _wrap(runner, "sample", "sampling", wrapped)
+    return wrapped
+
+
+def _component_of(event) -> str:
+    """The innermost component range an operator ran in ("other": none)."""
+    e = event
+    while e is not None:
+        if e.name.startswith(PREFIX):
+            return e.name[len(PREFIX):]
+        e = e.cpu_parent
+    return "other"
+
+
+def attribute(events, on_cuda: bool) -> dict:
+    """component -> {"ms": device ms (CUDA) or own CPU ms, "kernels": count} over `events`."""
+    out = {c: {"ms": 0.0, "kernels": 0} for c in COMPONENTS}
+    for e in events:
+        if e.device_type != torch.autograd.DeviceType.CPU or e.name.startswith(PREFIX):
+            continue
+        slot = out[_component_of(e)]
+        if on_cuda:
+            for k in e.kernels:
+                slot["ms"] += k.duration / 1000
+                slot["kernels"] += 1
+        else:
+            slot["ms"] += e.self_cpu_time_total / 1000
+            slot["kernels"] += not e.cpu_children
+    return out
+
+
+def component_profile(engine, concurrency: int, prompt_len: int, device: torch.device, steps: int = 3) -> dict:
+    """Per decode step at `concurrency` sequences, run eagerly: ms and kernels per
+    component, the step's wall ms, and host ms (see the module's docstring)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from pagedweight.engine.sampler import SamplingParams
+
+    runner = engine.runner
+    vocab = engine.model.config.vocab_size
+    gen = torch.Generator().manual_seed(23)
+    for i in range(concurrency):
+        prompt = torch.randint(1, vocab, (prompt_len,), generator=gen).tolist()
+        engine.add_request(f"components{i}", prompt, SamplingParams(max_tokens=steps + 8, ignore_eos=True))
+    graphs, runner.graphs = runner.graphs, None
+    wrapped = instrument(engine.model, runner)
+    on_cuda = device.type == "cuda"
+    try:
+        for _ in range(3):  # prefill, then decode steps (warm: kernels compiled, memory cached)
+            engine.step()
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
+        with profile(activities=activities) as prof:
+            if on_cuda:
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                engine.step()
+            if on_cuda:
+                torch.cuda.synchronize(device)
+            wall_ms = 1000 * (time.perf_counter() - t0) / steps
+    finally:
+        _unwrap(wrapped)
+        runner.graphs = graphs
+        while engine.has_work:
+            engine.step()
+    parts = attribute(prof.events(), on_cuda)
+    per_step = {c: {"ms": round(v["ms"] / steps, 3), "kernels": round(v["kernels"] / steps, 1)}
+                for c, v in parts.items()}
+    counted = sum(v["ms"] for v in per_step.values())
+    return {"concurrency": concurrency, "mode": "eager", "steps": steps, "step_ms": round(wall_ms, 3),
+            "components": per_step, "kernels_per_step": round(sum(v["kernels"] for v in per_step.values()), 1),
+            "host_ms": round(max(0.0, wall_ms - counted), 3),
+            "time": "device" if on_cuda else "cpu"}
+
