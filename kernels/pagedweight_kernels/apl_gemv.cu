@@ -198,17 +198,8 @@ __device__ __forceinline__ int atom_add_acq_rel_gpu(int* p, int v) {
     asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
     return old;
 }
-__device__ __forceinline__ bool tid_is_zero() { return threadIdx.x == 0; }
-// The CTA's barrier for the threads that run gemv_cta's body: every thread, or under WS (the
-// warp-specialised tiles kernel, apl_gemv_ws) the 4 consumer warps alone, by named barrier 1
-// (barrier 0 is __syncthreads'; the producer warp never waits at these).
-template <bool WS>
-__device__ __forceinline__ void cta_sync() {
-    if constexpr (WS) asm volatile("bar.sync 1, %0;" :: "n"(GV_THREADS) : "memory");
-    else __syncthreads();
-}
-// mbarriers (sm_90: try_wait.parity): the WS kernel's hand-overs between its producer warp and
-// its consumer warps. arrive releases and a completed wait acquires at CTA scope, so shared
+// mbarriers (sm_90: try_wait.parity): apl_staged.cu's hand-overs between its producer and
+// consumer warpgroups. arrive releases and a completed wait acquires at CTA scope, so shared
 // memory written before an arrive is visible to the threads whose wait that arrive completed.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 __device__ __forceinline__ void mbar_init(unsigned long long* bar, u32 count) {
@@ -227,7 +218,7 @@ __device__ __forceinline__ void mbar_wait(unsigned long long* bar, u32 parity) {
 __host__ __forceinline__ void mbar_init(unsigned long long* bar, u32 count) { host_mbar_init(shared_addr(bar), count); }
 __host__ __forceinline__ void mbar_arrive(unsigned long long* bar) { host_mbar_arrive(shared_addr(bar)); }
 __host__ __forceinline__ void mbar_wait(unsigned long long* bar, u32 parity) { host_mbar_wait(shared_addr(bar), parity); }
-#else  // (the WS kernel is compiled for sm_90a only)
+#else  // (apl_staged.cu is compiled for sm_90a only)
 __device__ __forceinline__ void mbar_init(unsigned long long*, u32) {}
 __device__ __forceinline__ void mbar_arrive(unsigned long long*) {}
 __device__ __forceinline__ void mbar_wait(unsigned long long*, u32) {}
@@ -553,7 +544,7 @@ struct Route { int expert, count, num_active; };
 // BATCH (the tiles regime with APL_GEMV_BATCHED_LOADS): rounds of 8 ids a thread, loaded
 // together (the atomics kept each load of a one-id round behind the previous round's atomic:
 // a round trip per 128 ids).
-template <bool BATCH, bool WS = false>
+template <bool BATCH>
 __device__ __forceinline__ void route_mask(const long long* __restrict__ ids, int num_assign, int num_experts,
                                            u32* present, int* ticket, int* ticket_s) {
     const int tid = threadIdx.x;
@@ -564,7 +555,7 @@ __device__ __forceinline__ void route_mask(const long long* __restrict__ ids, in
     int tk = 0;
     if (ticket != nullptr && tid == 0) tk = atomicAdd(ticket, 1);
     if (tid < 32) present[tid] = 0u;
-    cta_sync<WS>();
+    __syncthreads();
     if constexpr (BATCH) {
         for (int i0 = tid;; i0 += U * GV_THREADS) {
 #pragma unroll
@@ -585,7 +576,7 @@ __device__ __forceinline__ void route_mask(const long long* __restrict__ ids, in
         }
     }
     if (ticket != nullptr && tid == 0) *ticket_s = tk;
-    cta_sync<WS>();
+    __syncthreads();
 }
 
 // HEAVY order (APL_GEMV_ORDER bit 0): the sort key of a block of these bits, widest first; bits
@@ -636,7 +627,7 @@ __device__ __forceinline__ void pick_heavy_first(int a, const u32* present, cons
 }
 
 // Phase 2 (after route_mask): the a-th expert with tokens and its slots.
-template <bool BATCH, bool HEAVY = false, bool WS = false>
+template <bool BATCH, bool HEAVY = false>
 __device__ __forceinline__ Route route_pick(const long long* __restrict__ ids, int num_assign, int a, int* slots,
                                             const u32* present, int* scratch, const long long* __restrict__ desc = nullptr,
                                             int num_experts = 0, const long long (&bits01)[2] = {0, 0},
@@ -660,7 +651,7 @@ __device__ __forceinline__ Route route_pick(const long long* __restrict__ ids, i
         }
         if (lane == 31) scratch[1] = incl;
     }
-    cta_sync<WS>();
+    __syncthreads();
     Route r;
     r.num_active = scratch[1];
     r.expert = a < r.num_active ? scratch[0] : -1;
@@ -689,12 +680,12 @@ __device__ __forceinline__ Route route_pick(const long long* __restrict__ ids, i
             if (lane >= off) incl += n;
         }
         if (lane == 31) scratch[2 + warp] = incl;  // (scratch[0..1] are only read past the barrier above)
-        cta_sync<WS>();
+        __syncthreads();
         int before = incl - own;
         for (int w = 0; w < warp; ++w) before += scratch[2 + w];
         for (u32 b = hits; b != 0u; b &= b - 1u) slots[before++] = i0 + __ffs(b) - 1;
         r.count = scratch[2] + scratch[3] + scratch[4] + scratch[5];
-        cta_sync<WS>();
+        __syncthreads();
         return r;
     }
     int base = 0;
@@ -702,20 +693,20 @@ __device__ __forceinline__ Route route_pick(const long long* __restrict__ ids, i
         const int i = i0 + tid;
         const bool hit = i < num_assign && ids[i] == r.expert;
         const u32 ballot = __ballot_sync(0xffffffffu, hit);
-        cta_sync<WS>();  // previous round done with scratch
+        __syncthreads();  // previous round done with scratch
         if (lane == 0) scratch[2 + warp] = __popc(ballot);
-        cta_sync<WS>();
+        __syncthreads();
         int before = base;
         for (int w = 0; w < warp; ++w) before += scratch[2 + w];
         if (hit) slots[before + __popc(ballot & ((1u << lane) - 1u))] = i;
         base += scratch[2] + scratch[3] + scratch[4] + scratch[5];
     }
-    cta_sync<WS>();
+    __syncthreads();
     r.count = base;
     return r;
 }
 
-template <bool BATCH, bool HEAVY = false, bool WS = false>
+template <bool BATCH, bool HEAVY = false>
 __device__ __forceinline__ Route route_cta(const long long* __restrict__ ids, int num_assign, int num_experts,
                                            int a, int* slots, u32* present, int* scratch,
                                            const long long* __restrict__ desc = nullptr, bool heavy = HEAVY) {
@@ -724,8 +715,8 @@ __device__ __forceinline__ Route route_cta(const long long* __restrict__ ids, in
         bits01[0] = block_bits(desc, threadIdx.x, num_experts);
         bits01[1] = block_bits(desc, threadIdx.x + 32, num_experts);
     }
-    route_mask<BATCH, WS>(ids, num_assign, num_experts, present, nullptr, nullptr);
-    return route_pick<BATCH, HEAVY, WS>(ids, num_assign, a, slots, present, scratch, desc, num_experts, bits01, heavy);
+    route_mask<BATCH>(ids, num_assign, num_experts, present, nullptr, nullptr);
+    return route_pick<BATCH, HEAVY>(ids, num_assign, a, slots, present, scratch, desc, num_experts, bits01, heavy);
 }
 
 // ---------------------------------------------------------------- the mainloop of one warp
@@ -1124,7 +1115,7 @@ __device__ __forceinline__ void wgmma_rs(float (&acc)[N8][4], u32 a0, u32 a1, u3
 // split (a split of the whole row keeps the fp32 partials small). stage_chunk(step) stages
 // step `step` of every token of the pass (it holds the barriers); plane words are loaded one
 // step ahead in registers as in gemv_warp, so their loads overlap the staging. stage_chunk
-// returns the staged step's buffer (xs, or under WS one of the producer's two).
+// returns the staged step's buffer.
 template <int B, int NT8, bool BF16, bool V2, class Lut, class StageChunk>
 __device__ __forceinline__ void tiles_warp(const BlockRef& blk, u32 w0a, u32 w0b, const Lut& la, const Lut& lb,
                                            int kw, const u16* xs, int tstride, int np, u32 (&b0)[2][2][8],
@@ -1208,109 +1199,6 @@ __device__ __forceinline__ void tiles_warp(const BlockRef& blk, u32 w0a, u32 w0b
         if (step + 1 >= steps) break;
         if (step + 2 < steps) load_step<B, V2, load_hint<NT8>()>(blk, w0a, w0b, kw, step + 2, b0);
         compute(b1, stage_chunk(step + 1));
-    }
-}
-
-// ---------------------------------------------------------------- the warp-specialised tiles kernel (WS)
-// APL_TILES_WS (apl_gemv_ws, sm_90a, the tiles regime on wgmma): producer warps (warps 4..)
-// stage each step's activations straight from global memory into the wgmma B layout (the
-// layout stage_async's reorder writes), in a ring of WS_STAGES buffers, while the 4 consumer
-// warps dequantise and run the wgmma of the steps before. They hand buffers over by mbarrier,
-// not by CTA barrier: full[b] (every producer lane arrives) when step k's slices are in buffer
-// b = k % WS_STAGES, empty[b] (128 consumer arrivals) when step k's wgmma are done with it. No
-// raw rows: the producers' loads land in their registers; the second buffer takes the raw
-// rows' room, a third (APL_TILES_WS_STAGES 3) follows it (the host's gemv_extra_shared).
-// bars: [0] start (the consumers' routing done: *count tokens to stage, 0 for none), [1, 1 + S)
-// full, [1 + S, 1 + 2S) empty. Item (n, wi, h) = token n's column pairs 8h..8h+7 of its words
-// 2 tw + wi (tw = 0..3), the slices of selectors 4h..4h+3; a round is 8 tokens x (wi, h), one
-// per lane; producer warp p takes rounds p, p + P, ..., APL_TILES_WS_ROUNDS of them with their
-// loads in flight together.
-#ifndef APL_TILES_WS
-#define APL_TILES_WS 0  // 1: tiles launches on wgmma take apl_gemv_ws (the host's tiles_launch)
-#endif
-#ifndef APL_TILES_WS_ROUNDS
-#define APL_TILES_WS_ROUNDS 2  // a producer warp's rounds of 8 tokens whose loads are in flight together
-#endif
-#ifndef APL_TILES_WS_WARPS
-#define APL_TILES_WS_WARPS 1  // producer warps (threads per CTA: 128 + 32 of each)
-#endif
-#ifndef APL_TILES_WS_STAGES
-#define APL_TILES_WS_STAGES 2  // B buffers in the ring (2 or 3)
-#endif
-#define WS_STAGES APL_TILES_WS_STAGES
-#define WS_THREADS (GV_THREADS + 32 * APL_TILES_WS_WARPS)
-static_assert(WS_STAGES == 2 || WS_STAGES == 3, "APL_TILES_WS_STAGES: 2 or 3");
-template <int MODE, int NT8>
-__device__ __forceinline__ void ws_produce(const u16* __restrict__ x, const int* slots, int top_k, int cols, int c0w,
-                                           int kw, int stage_tokens, u16* const* bufs,
-                                           unsigned long long* bars, const volatile int* count_s) {
-    constexpr int P = APL_TILES_WS_WARPS;
-    const int lane = threadIdx.x & 31, wi = (lane >> 3) & 1, h = (lane >> 4) & 1;
-    const int pw = (threadIdx.x >> 5) - GV_THREADS / 32;  // this producer warp: rounds pw, pw + P, ...
-    mbar_wait(bars, 0);
-    const int count = *count_s;
-    if (count == 0) return;
-    if constexpr (MODE == 1) grid_dependency_wait();  // h is the grid before's output
-    const int steps = (kw + GV_STEP_WORDS - 1) / GV_STEP_WORDS;
-    constexpr int NR = (NT8 + P - 1) / P;  // rounds a warp may own
-    constexpr int RB = APL_TILES_WS_ROUNDS < NR ? APL_TILES_WS_ROUNDS : NR;
-    int k = 0;  // steps staged over every pass: buffer k % WS_STAGES, its phase k / WS_STAGES
-    for (int p0 = 0; p0 < count; p0 += stage_tokens) {
-        const int np = min(stage_tokens, count - p0);
-        int rowoff[NR];  // this lane's token of each of its rounds: its row's offset in x (< 2^31: checked by the host)
-#pragma unroll
-        for (int j = 0; j < NR; ++j) {
-            const int n = 8 * (pw + P * j) + (lane & 7);
-            const int slot = n < np ? slots[p0 + n] : 0;
-            rowoff[j] = (MODE == 0 ? slot / top_k : slot) * cols;
-        }
-        for (int step = 0; step < steps; ++step, ++k) {
-            const int b = k % WS_STAGES, phase = k / WS_STAGES;
-            u16* xsb = bufs[b];
-            if (k >= WS_STAGES) mbar_wait(bars + 1 + WS_STAGES + b, (phase - 1) & 1);  // step k - S's wgmma are done
-#pragma unroll
-            for (int j0 = 0; j0 < NR; j0 += RB) {
-                if (8 * (pw + P * j0) >= np) break;
-                uint4 raw[RB][4][2];
-#pragma unroll
-                for (int jj = 0; jj < RB; ++jj) {
-                    const int n = 8 * (pw + P * (j0 + jj)) + (lane & 7);
-#pragma unroll
-                    for (int tw = 0; tw < 4; ++tw) {
-                        const int w = step * GV_STEP_WORDS + 2 * tw + wi;
-                        raw[jj][tw][0] = raw[jj][tw][1] = make_uint4(0u, 0u, 0u, 0u);
-                        if (n < np && w < kw) {  // words past the split: zeros
-                            const uint4* src = reinterpret_cast<const uint4*>(
-                                x + (long long)rowoff[j0 + jj] + (long long)(c0w + w) * 32 + 16 * h);
-                            // h, written by the grid before (APL_GEMV_PDL): from L2, not L1/nc
-                            raw[jj][tw][0] = (MODE == 1 && APL_GEMV_PDL) ? __ldcg(src) : __ldg(src);
-                            raw[jj][tw][1] = (MODE == 1 && APL_GEMV_PDL) ? __ldcg(src + 1) : __ldg(src + 1);
-                        }
-                    }
-                }
-#pragma unroll
-                for (int jj = 0; jj < RB; ++jj) {
-                    const int n = 8 * (pw + P * (j0 + jj)) + (lane & 7);
-                    if (n >= np) continue;  // tokens past the pass: their product columns are never read
-                    u32 lo[4][4], hi[4][4];  // [selector 4h + r][tw]
-#pragma unroll
-                    for (int tw = 0; tw < 4; ++tw) {
-                        const u32 pr[8] = {raw[jj][tw][0].x, raw[jj][tw][0].y, raw[jj][tw][0].z, raw[jj][tw][0].w,
-                                           raw[jj][tw][1].x, raw[jj][tw][1].y, raw[jj][tw][1].z, raw[jj][tw][1].w};
-#pragma unroll
-                        for (int r = 0; r < 4; ++r) selector_pairs(pr, r, lo[r][tw], hi[r][tw]);
-                    }
-#pragma unroll
-                    for (int r = 0; r < 4; ++r) {
-                        uint4* dst = reinterpret_cast<uint4*>(xsb + (8 * wi + 4 * h + r) * NT8 * 128 + (n >> 3) * 128 + (n & 7) * 8);
-                        dst[0] = make_uint4(lo[r][0], lo[r][1], lo[r][2], lo[r][3]);
-                        dst[8] = make_uint4(hi[r][0], hi[r][1], hi[r][2], hi[r][3]);  // the second 8 k, +128 bytes
-                    }
-                }
-            }
-            fence_proxy_async();  // the consumers' tensor cores read these stores next
-            mbar_arrive(bars + 1 + b);
-        }
     }
 }
 
@@ -1403,18 +1291,14 @@ __device__ __forceinline__ void run_passes(const BlockRef& blk, u32 w0a, u32 w0b
 // first phase is done by the caller (route_mask); gate_up's last split of a row tile raises
 // ready[by * gx + bx] once h is written, and down waits for the flags of its split's h
 // columns (one gate_up row tile per h word) before staging h, read through L2 only.
-// WS (apl_gemv_ws): warps 0-3 run this body (their barriers are cta_sync<WS>'s), warp 4 is the
-// producer (ws_produce); ws_bars and ws_count are its hand-over barriers and token count.
 template <int CLS, int MODE, bool BF16, bool V2, int NT8, bool FUSED, bool PAIR = false, bool HEAVY = false,
-          bool LONG = false, bool WS = false>
+          bool LONG = false>
 __device__ __forceinline__ void gemv_cta(
     const long long* __restrict__ desc, const long long* __restrict__ topk_ids, int num_assign, int top_k,
     int num_experts, const u16* __restrict__ x, int rows_out, int cols, int split_words, int lut_entries,
     int stage_tokens, float* __restrict__ part, int* __restrict__ counters, u16* __restrict__ h_out,
     const void* __restrict__ topk_w, int w_kind, int num_tokens, u16* __restrict__ out, int zero_fill,
-    int bx, int by, int z, int splits, int gx, u32* present, int* scratch, int& last_flag, int* ready,
-    unsigned long long* ws_bars = nullptr, volatile int* ws_count = nullptr) {
-    static_assert(!WS || (NT8 > 1 && !FUSED && !PAIR), "WS is a tiles-regime kernel");
+    int bx, int by, int z, int splits, int gx, u32* present, int* scratch, int& last_flag, int* ready) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
     const int rows_w = MODE == 0 ? 2 * rows_out : rows_out;
@@ -1442,16 +1326,6 @@ __device__ __forceinline__ void gemv_cta(
     // h and its first global write, so its prologue runs while gate_up's last CTAs finish. Both let
     // their dependents launch at once: those take only the SM slots this grid's CTAs leave, once
     // every one of them has started.
-    if constexpr (WS) {
-        if (tid == 0) {
-            mbar_init(ws_bars, 1);
-            for (int b = 0; b < WS_STAGES; ++b) {
-                mbar_init(ws_bars + 1 + b, 32 * APL_TILES_WS_WARPS);
-                mbar_init(ws_bars + 1 + WS_STAGES + b, GV_THREADS);
-            }
-        }
-        __syncthreads();  // (every thread: the last barrier the producers share)
-    }
     if constexpr (!FUSED) {
         if constexpr (MODE == 0) grid_dependency_wait();
         launch_dependents();
@@ -1469,27 +1343,8 @@ __device__ __forceinline__ void gemv_cta(
     // computed here, before routing, they changed the tiles instances' SASS, nvcc 13.0.)
     auto raw_rows_at = [&]() { return lut_s + GV_ROWS * lut_entries; };
     auto row_offsets_at = [&](u16* raw) { return reinterpret_cast<int*>(raw + stage_tokens * RAW_ROW); };
-    // WS: the producers' second buffer is the raw rows' room, a third (NT8 x 4 KB: 16 slices of
-    // NT8 x 256 bytes) follows the row offsets (the host's gemv_extra_shared).
-    static_assert(!WS || WG, "the producer warps stage the wgmma layout");
-    u16* const ws_bufs[3] = {xs, raw_rows_at(), reinterpret_cast<u16*>(row_offsets_at(raw_rows_at()) + stage_tokens)};
-    if constexpr (WS) {
-        if (warp >= GV_THREADS / 32) {
-            ws_produce<MODE, NT8>(x, slots, top_k, cols, c0w, kw, stage_tokens, ws_bufs, ws_bars, ws_count);
-            return;
-        }
-    }
-    // WS: the consumers tell the producer how many tokens to stage (0: none) once the slots are placed.
-    auto ws_publish = [&](int count) {
-        if constexpr (WS) {
-            if (tid == 0) {
-                *ws_count = count;
-                mbar_arrive(ws_bars);
-            }
-        }
-    };
     const Route route = FUSED ? route_pick<false>(topk_ids, num_assign, by, slots, present, scratch)
-                              : route_cta<BATCH, HEAVY, WS>(topk_ids, num_assign, num_experts, by, slots, present, scratch,
+                              : route_cta<BATCH, HEAVY>(topk_ids, num_assign, num_experts, by, slots, present, scratch,
                                                             desc, num_tokens >= APL_GEMV_HEAVY_MIN_TOKENS);
     auto await_h = [&]() {
         if constexpr (MODE == 1 && !FUSED) grid_dependency_wait();
@@ -1499,20 +1354,13 @@ __device__ __forceinline__ void gemv_cta(
         for (int idx = tid; idx < num_tokens * rpc; idx += GV_THREADS)  // no valid expert id at all
             if (r0 + idx % rpc < rows_out) out[(long long)(idx / rpc) * rows_out + r0 + idx % rpc] = 0;
     }
-    if (route.expert < 0) {
-        ws_publish(0);
-        return;
-    }
+    if (route.expert < 0) return;
     const BlockRef blk = load_block(desc, route.expert);
     const int cls = blk.bits >= 5 && blk.bits <= 8 ? 1 : 0;  // bad bits: class 0 writes NaN
-    if (!FUSED && CLS != 2 && cls != CLS) {  // another launch's class
-        ws_publish(0);
-        return;
-    }
+    if (!FUSED && CLS != 2 && cls != CLS) return;  // another launch's class
     // (the fused kernel is launched for one class per projection; a block of another class
     // there can only be a bad descriptor: NaN, never a CTA that leaves without its flag)
     const bool bad_bits = blk.bits < 3 || blk.bits > 8 || (CLS != 2 && cls != CLS);
-    ws_publish(bad_bits ? 0 : route.count);
 
     auto weight_row_of = [&](int lw, bool* valid) {
         if (MODE == 0) {
@@ -1749,24 +1597,8 @@ __device__ __forceinline__ void gemv_cta(
         if constexpr (PAIR) cluster_sync(); else __syncthreads();  // xs ready; every thread is done reading raw
         if (step + 1 < steps_k) issue_step(np, step + 1);
     };
-    // WS: step `step` of the pass is the producer's; the buffer of the step before is handed back
-    // first (its wgmma were waited for at the end of its compute). ws_k counts the steps of every
-    // pass, in the producer's order.
-    int ws_k = 0;
-    auto stage_ws = [&](int p0, int np, int step) -> const u16* {
-        if (step == 0) {
-            await_h();  // (down) before this CTA's first global write
-            if (p0 == 0) cta_sync<WS>();  // 5-8 bits: the LUT rows are written before their first read
-        }
-        if (ws_k > 0) mbar_arrive(ws_bars + 1 + WS_STAGES + (ws_k - 1) % WS_STAGES);
-        const int b = ws_k % WS_STAGES;
-        mbar_wait(ws_bars + 1 + b, (ws_k / WS_STAGES) & 1);
-        ++ws_k;
-        return ws_bufs[b];
-    };
     auto stage = [&](int p0, int np, int step) -> const u16* {
         if constexpr (NT8 == 1) stage_split(p0, np);
-        else if constexpr (WS) return stage_ws(p0, np, step);
         else if constexpr (APL_TILES_ASYNC) stage_async(p0, np, step);
         else stage_step(p0, np, step);
         return xs;
@@ -1839,17 +1671,17 @@ __device__ __forceinline__ void gemv_cta(
         // acquire orders the reduction's reads after every contributor's partials, and the
         // second barrier hands that to the CTA.
         if (!APL_GEMV_ACQREL) __threadfence();
-        cta_sync<WS>();
+        __syncthreads();
         if (tid == 0) {
             const int done = (APL_GEMV_ACQREL ? atom_add_acq_rel_gpu(counter, 1) : atomicAdd(counter, 1)) + 1;
             last_flag = done == expected;
             if (done == expected) atomicExch(counter, 0);  // every contributor has arrived
         }
-        cta_sync<WS>();
+        __syncthreads();
         if (!last_flag) return;
         if (!APL_GEMV_ACQREL) __threadfence();
     } else {
-        cta_sync<WS>();
+        __syncthreads();
     }
     // The reductions' partials come from L2. APL_GEMV_BATCHED_LOADS: a round holds U items of a
     // thread and the partials of up to SU splits (gate_up) or PU (expert, split) pairs (down) of
@@ -1915,7 +1747,7 @@ __device__ __forceinline__ void gemv_cta(
         }
         if constexpr (FUSED) {  // h of this row tile is complete: release it to the down CTAs
             __threadfence();
-            cta_sync<WS>();
+            __syncthreads();
             if (tid == 0) st_release_gpu(ready + by * gx + bx, 1);
         }
     } else {
@@ -2001,13 +1833,11 @@ __device__ __forceinline__ void gemv_cta(
     int num_experts, const u16* __restrict__ x, int rows_out, int cols, int split_words, int lut_entries,     \
     int stage_tokens, float* __restrict__ part, int* __restrict__ counters, u16* __restrict__ h_out,          \
     const void* __restrict__ topk_w, int w_kind, int num_tokens, u16* __restrict__ out, int zero_fill
-template <int CLS, int MODE, bool BF16, bool V2, int NT8, bool PAIR, bool LONG = false, bool WS = false>
+template <int CLS, int MODE, bool BF16, bool V2, int NT8, bool PAIR, bool LONG = false>
 __device__ __forceinline__ void gemv_entry(APL_GEMV_ENTRY_PARAMS, int gx) {
     __shared__ u32 present[32];
     __shared__ int scratch[8];
     __shared__ int last_flag;
-    __shared__ __align__(8) unsigned long long ws_bars[WS ? 1 + 2 * WS_STAGES : 1];  // (WS only: gemv_cta's)
-    __shared__ int ws_count;
     // APL_GEMV_ORDER: the kernels whose blocks may differ in width, at decode (and bit 2: tiles).
     constexpr bool ORDERED = (CLS == 2 || (CLS == 1 && (APL_GEMV_ORDER & 8) != 0)) &&
                              (NT8 == 1 || (APL_GEMV_ORDER & 4) != 0);
@@ -2017,13 +1847,13 @@ __device__ __forceinline__ void gemv_entry(APL_GEMV_ENTRY_PARAMS, int gx) {
     // (The indices stay special registers: computed from a linear index, they stayed live through
     // the step loop and the merged gate_up spilled 80 bytes; nvcc 13.0.)
     constexpr bool EXPERT_MAJOR = ORDERED && (APL_GEMV_ORDER & 2) != 0 && !PAIR;
-    gemv_cta<CLS, MODE, BF16, V2, NT8, false, PAIR, HEAVY, LONG, WS>(desc, topk_ids, num_assign, top_k, num_experts, x, rows_out,
+    gemv_cta<CLS, MODE, BF16, V2, NT8, false, PAIR, HEAVY, LONG>(desc, topk_ids, num_assign, top_k, num_experts, x, rows_out,
                                                            cols, split_words, lut_entries, stage_tokens, part, counters,
                                                            h_out, topk_w, w_kind, num_tokens, out, zero_fill, blockIdx.x,
                                                            EXPERT_MAJOR ? blockIdx.z : blockIdx.y,
                                                            EXPERT_MAJOR ? blockIdx.y : blockIdx.z,
                                                            EXPERT_MAJOR ? gridDim.y : gridDim.z, gx, present, scratch,
-                                                           last_flag, nullptr, ws_bars, &ws_count);
+                                                           last_flag, nullptr);
 }
 #define APL_GEMV_ENTRY_ARGS                                                                                   \
     desc, topk_ids, num_assign, top_k, num_experts, x, rows_out, cols, split_words, lut_entries, stage_tokens, \
