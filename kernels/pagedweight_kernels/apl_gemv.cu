@@ -100,9 +100,6 @@
 #define APL_GEMV_BATCHED_LOADS 1  // tiles regime: routing, the reductions and the cp.async issue read their inputs in
 #endif                            // batches, loads in flight together (measured 2-29% faster); 0, and decode: one round
                                   // trip at a time (batched, decode was 1-5% slower at Mixtral sizes)
-#ifndef APL_TILES_PAIR
-#define APL_TILES_PAIR 0  // tiles regime on wgmma: 1 = clusters of 2 CTAs (apl_gemv_pair), each staging half a step's
-#endif                    // activations into both CTAs' shared memory (DSMEM); measured 13-29% slower
 #ifndef APL_GEMV_PDL
 #define APL_GEMV_PDL 1  // 1: each projection waits for its launch's prerequisite grid (griddepcontrol) where it
 #endif                  // first needs that grid's output, and lets its dependents launch at once (see gemv_cta)
@@ -1035,26 +1032,6 @@ APL_HD void fence_proxy_async() {
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 #endif
 }
-// The cluster pair (APL_TILES_PAIR): the peer CTA's address of a shared-memory location, a
-// 16-byte store there, the same proxy fence for stores into either CTA, and a barrier over
-// both CTAs' threads (release / acquire: each CTA's stores are visible to the other after it).
-#if APL_HAS_WGMMA
-__device__ __forceinline__ u32 peer_shared(u32 addr, u32 peer) {
-    u32 r; asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(addr), "r"(peer)); return r;
-}
-__device__ __forceinline__ void st_cluster_v4(u32 addr, const uint4& v) {
-    asm volatile("st.shared::cluster.v4.u32 [%0], {%1, %2, %3, %4};" :: "r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
-}
-__device__ __forceinline__ void fence_proxy_async_cluster() { asm volatile("fence.proxy.async.shared::cluster;" ::: "memory"); }
-__device__ __forceinline__ void cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-#else
-__device__ __forceinline__ u32 peer_shared(u32 addr, u32) { return addr; }
-__device__ __forceinline__ void st_cluster_v4(u32, const uint4&) {}
-__device__ __forceinline__ void fence_proxy_async_cluster() {}
-__device__ __forceinline__ void cluster_sync() { __syncthreads(); }
-#endif
 
 // The B operand's descriptor, no swizzle, K-major: 8-token x 16-byte core matrices of 128
 // contiguous bytes, the slice's second 8 k at +128 bytes (leading byte offset), the next 8
@@ -1291,7 +1268,7 @@ __device__ __forceinline__ void run_passes(const BlockRef& blk, u32 w0a, u32 w0b
 // first phase is done by the caller (route_mask); gate_up's last split of a row tile raises
 // ready[by * gx + bx] once h is written, and down waits for the flags of its split's h
 // columns (one gate_up row tile per h word) before staging h, read through L2 only.
-template <int CLS, int MODE, bool BF16, bool V2, int NT8, bool FUSED, bool PAIR = false, bool HEAVY = false,
+template <int CLS, int MODE, bool BF16, bool V2, int NT8, bool FUSED, bool HEAVY = false,
           bool LONG = false>
 __device__ __forceinline__ void gemv_cta(
     const long long* __restrict__ desc, const long long* __restrict__ topk_ids, int num_assign, int top_k,
@@ -1497,18 +1474,12 @@ __device__ __forceinline__ void gemv_cta(
         }
         __syncthreads();
     };
-    // PAIR (apl_gemv_pair, a cluster of the row tiles 2k and 2k + 1: the same expert, split and
-    // passes): CTA `rank` copies and reorders only the words of parity wi = rank (16 threads a
-    // token, 8 tokens a round) and stores its slices into both CTAs' xs, so each does half a
-    // step's staging; the step's two barriers become cluster barriers.
-    static_assert(!PAIR || WG, "the cluster pair is built on the wgmma staging");
-    const int rank = PAIR ? (int)(blockIdx.x & 1) : 0;  // (the cluster is (2, 1, 1): rank = x % 2)
-    constexpr int CP_TOKENS = PAIR ? GV_THREADS / 16 : GV_THREADS / 32;  // tokens a round of copies
+    constexpr int CP_TOKENS = GV_THREADS / 32;  // tokens a round of copies
     u16* raw_s = raw_rows_at();
     int* rowoff_s = row_offsets_at(raw_s);
     const int steps_k = (kw + GV_STEP_WORDS - 1) / GV_STEP_WORDS;
-    const int cp_wl = PAIR ? 2 * ((tid >> 2) & 3) + rank : (tid >> 2) & 7, cp_q = tid & 3;
-    const int cp_t0 = PAIR ? tid >> 4 : tid >> 5;  // this thread's first token
+    const int cp_wl = (tid >> 2) & 7, cp_q = tid & 3;
+    const int cp_t0 = tid >> 5;  // this thread's first token
     const u32 cp_dst = shared_addr(raw_s + cp_wl * 32 + (cp_q ^ ((cp_wl >> 1) & 3)) * 8);
     auto issue_step = [&](int np, int step) {
         const int w = step * GV_STEP_WORDS + cp_wl;
@@ -1542,9 +1513,7 @@ __device__ __forceinline__ void gemv_cta(
             issue_step(np, 0);
         }
         cp_async_wait<0>();
-        // raw holds this step for every thread; the previous mma are done with xs (PAIR: with
-        // both CTAs' xs, which this CTA's stores reach; the first one also finds the peer started)
-        if constexpr (PAIR) cluster_sync(); else __syncthreads();
+        __syncthreads();  // raw holds this step for every thread; the previous mma are done with xs
         if constexpr (WG) {
             // The wgmma B layout: slice 8 wi + s (s = 0..7) of token n is 16 k values, k 2t, 2t+1
             // = columns sel_col(s, 0..1) of word 2t + wi (t = 0..3) and k 2t+8, 2t+9 = sel_col(s,
@@ -1552,10 +1521,9 @@ __device__ __forceinline__ void gemv_cta(
             // the column pairs 8h..8h+7 of its 4 words (raw chunks 2h, 2h+1) and writes the 4
             // slices of selectors 4h..4h+3. Tokens past the pass are not written: their columns
             // of the product are never read.
-            // PAIR: items (n, h) of words wi = rank only.
-            for (int idx = tid; idx < ((np + 7) & ~7) * (PAIR ? 2 : 4); idx += GV_THREADS) {
-                const int n = PAIR ? (idx & 7) | ((idx >> 4) << 3) : (idx & 7) | ((idx >> 5) << 3);
-                const int wi = PAIR ? rank : (idx >> 3) & 1, h = PAIR ? (idx >> 3) & 1 : (idx >> 4) & 1;
+            for (int idx = tid; idx < ((np + 7) & ~7) * 4; idx += GV_THREADS) {
+                const int n = (idx & 7) | ((idx >> 5) << 3);
+                const int wi = (idx >> 3) & 1, h = (idx >> 4) & 1;
                 if (n >= np) continue;
                 u32 lo[4][4], hi[4][4];  // [selector 4h + r][t]
 #pragma unroll
@@ -1570,19 +1538,11 @@ __device__ __forceinline__ void gemv_cta(
 #pragma unroll
                 for (int r = 0; r < 4; ++r) {
                     uint4* dst = reinterpret_cast<uint4*>(xs + (8 * wi + 4 * h + r) * NT8 * 128 + (n >> 3) * 128 + (n & 7) * 8);
-                    const uint4 vlo = make_uint4(lo[r][0], lo[r][1], lo[r][2], lo[r][3]);
-                    const uint4 vhi = make_uint4(hi[r][0], hi[r][1], hi[r][2], hi[r][3]);
-                    dst[0] = vlo;
-                    dst[8] = vhi;  // the second 8 k, +128 bytes
-                    if constexpr (PAIR) {  // the same slices into the peer's xs
-                        const u32 remote = peer_shared(shared_addr(dst), (u32)(rank ^ 1));
-                        st_cluster_v4(remote, vlo);
-                        st_cluster_v4(remote + 128, vhi);
-                    }
+                    dst[0] = make_uint4(lo[r][0], lo[r][1], lo[r][2], lo[r][3]);
+                    dst[8] = make_uint4(hi[r][0], hi[r][1], hi[r][2], hi[r][3]);  // the second 8 k, +128 bytes
                 }
             }
-            // the tensor cores read these stores next (PAIR: both CTAs' tensor cores)
-            if constexpr (PAIR) fence_proxy_async_cluster(); else fence_proxy_async();
+            fence_proxy_async();  // the tensor cores read these stores next
         } else {  // (braced: with `else for`, nvcc 13.0 dropped the barrier below from the WG instances)
             for (int idx = tid; idx < (np + 1) * GV_STEP_WORDS; idx += GV_THREADS) {
                 const int i = idx / GV_STEP_WORDS, wl = idx % GV_STEP_WORDS;
@@ -1594,7 +1554,7 @@ __device__ __forceinline__ void gemv_cta(
                 stage_word(v, xs + i * tstride + wl * 32, wl);
             }
         }
-        if constexpr (PAIR) cluster_sync(); else __syncthreads();  // xs ready; every thread is done reading raw
+        __syncthreads();  // xs ready; every thread is done reading raw
         if (step + 1 < steps_k) issue_step(np, step + 1);
     };
     auto stage = [&](int p0, int np, int step) -> const u16* {
@@ -1659,8 +1619,6 @@ __device__ __forceinline__ void gemv_cta(
         }
     }
 
-    // PAIR: the grid's row tiles are padded to even; the extra CTA only staged its peer's half.
-    if (PAIR && bx >= gx) return;
     // The last CTA to finish this tile's splits (MODE 0) or this row tile over every expert
     // and split (MODE 1) reduces the partials, in a fixed order.
     const int expected = MODE == 0 ? splits : route.num_active * splits;
@@ -1825,15 +1783,14 @@ __device__ __forceinline__ void gemv_cta(
     }
 }
 
-// The entry of one projection's launch, apl_gemv and apl_gemv_pair alike (the host passes both
-// the same arguments): grid (row tiles, max active experts, column splits), 128 threads; gx =
+// The entry of one projection's launch: grid (row tiles, max active experts, column splits), 128 threads; gx =
 // the row tiles gemv_cta indexes its counters by.
 #define APL_GEMV_ENTRY_PARAMS                                                                                 \
     const long long* __restrict__ desc, const long long* __restrict__ topk_ids, int num_assign, int top_k,    \
     int num_experts, const u16* __restrict__ x, int rows_out, int cols, int split_words, int lut_entries,     \
     int stage_tokens, float* __restrict__ part, int* __restrict__ counters, u16* __restrict__ h_out,          \
     const void* __restrict__ topk_w, int w_kind, int num_tokens, u16* __restrict__ out, int zero_fill
-template <int CLS, int MODE, bool BF16, bool V2, int NT8, bool PAIR, bool LONG = false>
+template <int CLS, int MODE, bool BF16, bool V2, int NT8, bool LONG = false>
 __device__ __forceinline__ void gemv_entry(APL_GEMV_ENTRY_PARAMS, int gx) {
     __shared__ u32 present[32];
     __shared__ int scratch[8];
@@ -1846,8 +1803,8 @@ __device__ __forceinline__ void gemv_entry(APL_GEMV_ENTRY_PARAMS, int gx) {
     // which start in about linear order, take every row tile and split of one expert before the next.
     // (The indices stay special registers: computed from a linear index, they stayed live through
     // the step loop and the merged gate_up spilled 80 bytes; nvcc 13.0.)
-    constexpr bool EXPERT_MAJOR = ORDERED && (APL_GEMV_ORDER & 2) != 0 && !PAIR;
-    gemv_cta<CLS, MODE, BF16, V2, NT8, false, PAIR, HEAVY, LONG>(desc, topk_ids, num_assign, top_k, num_experts, x, rows_out,
+    constexpr bool EXPERT_MAJOR = ORDERED && (APL_GEMV_ORDER & 2) != 0;
+    gemv_cta<CLS, MODE, BF16, V2, NT8, false, HEAVY, LONG>(desc, topk_ids, num_assign, top_k, num_experts, x, rows_out,
                                                            cols, split_words, lut_entries, stage_tokens, part, counters,
                                                            h_out, topk_w, w_kind, num_tokens, out, zero_fill, blockIdx.x,
                                                            EXPERT_MAJOR ? blockIdx.z : blockIdx.y,
@@ -1866,5 +1823,5 @@ template <int CLS, int MODE, bool BF16, bool V2, int NT8, bool LONG = false>
 __global__ void __launch_bounds__(GV_THREADS, NT8 == 1 ? (CLS == 0 ? APL_GEMV_MIN_BLOCKS : APL_GEMV_CELL_BLOCKS) : APL_TILES_BLOCKS(CLS, NT8)) apl_gemv(
     APL_GEMV_ENTRY_PARAMS) {
     static_assert(!LONG || NT8 == 1, "LONG instances are decode instances (the tiles' hint is APL_PLANE_HINT_MIN_NT8's)");
-    gemv_entry<CLS, MODE, BF16, V2, NT8, false, LONG>(APL_GEMV_ENTRY_ARGS, gridDim.x);
+    gemv_entry<CLS, MODE, BF16, V2, NT8, LONG>(APL_GEMV_ENTRY_ARGS, gridDim.x);
 }
