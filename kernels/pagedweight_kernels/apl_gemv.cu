@@ -69,13 +69,6 @@
 #define APL_GEMV_STAGE16 1  // decode: a (token, word) of activations staged by 4 16-byte loads and PRMTs
 #endif                      // (stage_word); 0: 8 items a word, each 4 scattered 2-byte loads (measured
                             // 3-11% slower at every decode shape, docs/kernel.md)
-#ifndef APL_GEMV_PIPE
-#define APL_GEMV_PIPE 2  // decode (NT8 1, no ring), 3-4 bits, 8-byte loads: steps of plane words held in
-#endif                   // registers; 2 = the ping-pong, S > 2 keeps S - 1 steps in flight (gemv_warp_pipe)
-#ifndef APL_GEMV_PIPE_EARLY
-#define APL_GEMV_PIPE_EARLY 0  // with APL_GEMV_PIPE > 2, 1: the first pass's S - 1 steps are loaded before the
-#endif                         // LUT and the activations are read (spills 156 bytes at S = 3; measured slower)
-#define GV_PIPE (APL_GEMV_PIPE > 2 ? APL_GEMV_PIPE : 3)  // (3 where unused: the arrays stay well-formed)
 #ifndef APL_GEMV_COMPACT
 #define APL_GEMV_COMPACT 4  // decode ping-pong (gemv_warp), a bit per kernel class CLS (1 << CLS): one copy of
 #endif                      // the step's code, its two words in a rolled loop (less SASS to fetch cold; the
@@ -868,42 +861,6 @@ __device__ __forceinline__ void gemv_warp(const BlockRef& blk, u32 w0a, u32 w0b,
     }
 }
 
-// ---------------------------------------------------------------- the register pipeline (3-4 bits)
-// APL_GEMV_PIPE = S > 2: S register buffers of one step, so while step s is computed steps
-// s+1..s+S-1 are in flight (the ping-pong keeps one). The steps are unrolled by S so every
-// buffer index is a constant (registers, not local memory). Only where a step is 2 rows x 2
-// words x B <= 4 planes loaded 8 bytes at a time: 5-8 bits take twice the registers per
-// step and the 4-byte loads (V2 false) spilled 156 bytes at S = 3. The loads and the mma
-// are those of the ping-pong in the same order, so the output is the same bit for bit. The
-// 3-4-bit kernel (CLS 0) only: in the merged kernel (CLS 2) three steps spilled 332-388 bytes.
-template <int B, bool V2>
-__device__ __forceinline__ void pipe_preload(const BlockRef& blk, u32 w0a, u32 w0b, int kw,
-                                             u32 (&bufs)[GV_PIPE][2][2][8]) {
-    const int steps = (kw + GV_STEP_WORDS - 1) / GV_STEP_WORDS;
-#pragma unroll
-    for (int j = 0; j < GV_PIPE - 1; ++j)
-        if (j < steps) load_step<B, V2, load_hint<1>()>(blk, w0a, w0b, kw, j, bufs[j]);
-}
-
-// bufs[0..S-2] arrive holding steps 0..S-2 (pipe_preload).
-template <int B, bool BF16, bool V2, class Lut>
-__device__ __forceinline__ void gemv_warp_pipe(const BlockRef& blk, u32 w0a, u32 w0b, const Lut& la, const Lut& lb,
-                                               int kw, const u16* xs, int tstride, int x_row,
-                                               u32 (&bufs)[GV_PIPE][2][2][8], float (&acc)[4]) {
-    constexpr int S = GV_PIPE;
-    const int steps = (kw + GV_STEP_WORDS - 1) / GV_STEP_WORDS;
-    for (int step0 = 0; step0 < steps; step0 += S) {
-#pragma unroll
-        for (int j = 0; j < S; ++j) {
-            const int step = step0 + j;
-            if (step >= steps) break;
-            // bufs[(j + S - 1) % S] held step - 1, computed in the previous iteration
-            if (step + S - 1 < steps) load_step<B, V2, load_hint<1>()>(blk, w0a, w0b, kw, step + S - 1, bufs[(j + S - 1) % S]);
-            compute_step<B, BF16>(la, lb, xs, tstride, x_row, bufs[j], step, acc);
-        }
-    }
-}
-
 // ---------------------------------------------------------------- the cp.async ring (3-4 bits)
 // The register ping-pong above keeps one step (2 KB per warp at 4 bits) in flight, which the
 // 128-register budget cannot deepen. The ring keeps APL_GEMV_RING_STAGES - 1 steps in flight
@@ -1183,17 +1140,14 @@ __device__ __forceinline__ void tiles_warp(const BlockRef& blk, u32 w0a, u32 w0b
 // sectors are asked of L2 before the LUT (prologue) and the activations (stage) are read, so
 // those loads overlap; holding them in registers instead spilled (128-register budget).
 // NT8 > 1: the tiles regime (tiles_warp); stage then stages one step: stage(p0, np, step).
-template <int B, bool BF16, bool V2, bool RING, int NT8, bool PIPE_CLS, bool LATE_BUILD, bool COMPACT, bool EARLY_B0,
+template <int B, bool BF16, bool V2, bool RING, int NT8, bool LATE_BUILD, bool COMPACT, bool EARLY_B0,
           bool LONG, class Lut, class Prologue, class Stage, class Emit>
 __device__ __forceinline__ void run_passes(const BlockRef& blk, u32 w0a, u32 w0b, Lut& la, Lut& lb, int kw,
                                            const u16* xs, int tstride, int count, int stage_tokens,
                                            u32 lane_slot0, Prologue prologue, Stage stage, Emit emit) {
     const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
-    constexpr bool PIPE = APL_GEMV_PIPE > 2 && PIPE_CLS && B <= 4 && V2 && !RING && NT8 == 1;
-    constexpr bool EARLY = PIPE && APL_GEMV_PIPE_EARLY;
-    u32 pipe_bufs[GV_PIPE][2][2][8];  // PIPE only (unused registers otherwise)
 #pragma unroll
-    for (int c = 0; c < 4 && !RING && !EARLY; ++c) {  // lane t: (row, plane) pairs t, t+4, ... of the first step
+    for (int c = 0; c < 4 && !RING; ++c) {  // lane t: (row, plane) pairs t, t+4, ... of the first step
         const int combo = t + 4 * c, p = combo >> 1;
 #pragma unroll
         for (int q = 0; q < 8; ++q)  // planes[] indexed by constants only
@@ -1201,7 +1155,6 @@ __device__ __forceinline__ void run_passes(const BlockRef& blk, u32 w0a, u32 w0b
     }
     // The ring's first steps are issued before the LUT and the activations are read.
     if constexpr (RING) ring_prologue<B, V2>(blk, w0a, w0b, kw, lane_slot0);
-    if constexpr (EARLY) pipe_preload<B, V2>(blk, w0a, w0b, kw, pipe_bufs);  // in registers, ahead of both
     prologue(la, lb);  // register LUTs: the entries' loads are issued here, built below
     if constexpr (NT8 > 1) {
         if constexpr (LATE_BUILD) { la.build(BF16); lb.build(BF16); }
@@ -1221,7 +1174,7 @@ __device__ __forceinline__ void run_passes(const BlockRef& blk, u32 w0a, u32 w0b
     } else {
         // EARLY_B0: the first pass's first step is loaded before its staging (down under
         // APL_GEMV_PDL: before the wait for h, while gate_up's last CTAs run).
-        constexpr bool B0_FIRST = EARLY_B0 && !PIPE && !RING && B <= 4;
+        constexpr bool B0_FIRST = EARLY_B0 && !RING && B <= 4;
         u32 b_first[2][2][8];
         if constexpr (B0_FIRST) load_step<B, V2, load_hint<1, LONG>()>(blk, w0a, w0b, kw, 0, b_first);
         for (int p0 = 0; p0 < count; p0 += stage_tokens) {
@@ -1231,10 +1184,7 @@ __device__ __forceinline__ void run_passes(const BlockRef& blk, u32 w0a, u32 w0b
                 if (p0 == 0) { la.build(BF16); lb.build(BF16); }  // the LUT loads overlapped the staging
             }
             float acc[4] = {0.f, 0.f, 0.f, 0.f};
-            if constexpr (PIPE) {
-                if (!EARLY || p0 > 0) pipe_preload<B, V2>(blk, w0a, w0b, kw, pipe_bufs);
-                gemv_warp_pipe<B, BF16, V2>(blk, w0a, w0b, la, lb, kw, xs, tstride, min(g, np), pipe_bufs, acc);
-            } else if constexpr (RING) {
+            if constexpr (RING) {
                 if (p0 > 0) ring_prologue<B, V2>(blk, w0a, w0b, kw, lane_slot0);
                 gemv_warp_ring<B, BF16, V2>(blk, w0a, w0b, la, lb, kw, xs, tstride, min(g, np), lane_slot0, acc);
             } else {
@@ -1599,23 +1549,23 @@ __device__ __forceinline__ void gemv_cta(
     } else if (CLS == 0 || (CLS == 2 && cls == 0)) {
         if (blk.bits == 4) {
             RegLut<4> la, lb;
-            run_passes<4, BF16, V2, RING, NT8, CLS == 0, LATE, COMPACT, EARLY_B0, LONG>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, lane_slot0,
+            run_passes<4, BF16, V2, RING, NT8, LATE, COMPACT, EARLY_B0, LONG>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, lane_slot0,
                                           reg_lut, stage, emit);
         } else {
             RegLut<3> la, lb;
-            run_passes<3, BF16, V2, RING, NT8, CLS == 0, LATE, COMPACT, EARLY_B0, LONG>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, lane_slot0,
+            run_passes<3, BF16, V2, RING, NT8, LATE, COMPACT, EARLY_B0, LONG>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, lane_slot0,
                                           reg_lut, stage, emit);
         }
     } else {
         switch (blk.bits) {
             case 5: { CellLut<5, BF16> la, lb;
-                      run_passes<5, BF16, V2, false, NT8, false, LATE, COMPACT, EARLY_B0, LONG>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, 0u, reg_lut, stage, emit); break; }
+                      run_passes<5, BF16, V2, false, NT8, LATE, COMPACT, EARLY_B0, LONG>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, 0u, reg_lut, stage, emit); break; }
             case 6: { CellLut<6, BF16> la, lb;
-                      run_passes<6, BF16, V2, false, NT8, false, LATE, COMPACT, EARLY_B0, LONG>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, 0u, reg_lut, stage, emit); break; }
+                      run_passes<6, BF16, V2, false, NT8, LATE, COMPACT, EARLY_B0, LONG>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, 0u, reg_lut, stage, emit); break; }
             case 7: { CellLut<7, BF16> la, lb;
-                      run_passes<7, BF16, V2, false, NT8, false, LATE, COMPACT, EARLY_B0, LONG>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, 0u, reg_lut, stage, emit); break; }
+                      run_passes<7, BF16, V2, false, NT8, LATE, COMPACT, EARLY_B0, LONG>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, 0u, reg_lut, stage, emit); break; }
             default: { CellLut<8, BF16> la, lb;
-                       run_passes<8, BF16, V2, false, NT8, false, LATE, COMPACT, EARLY_B0, LONG>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, 0u, reg_lut, stage, emit); break; }
+                       run_passes<8, BF16, V2, false, NT8, LATE, COMPACT, EARLY_B0, LONG>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, 0u, reg_lut, stage, emit); break; }
         }
     }
 
