@@ -57,10 +57,6 @@
 #ifndef APL_GEMV_L2_PREFETCH
 #define APL_GEMV_L2_PREFETCH 0  // 1: each step asks L2 for the plane sectors two steps ahead (measured slower)
 #endif
-#ifndef APL_GEMV_RING_STAGES
-#define APL_GEMV_RING_STAGES 0  // >= 2: 3-4-bit kernel (CLS 0) streams plane words through a cp.async ring
-#endif                          // of this many steps per warp in shared memory; 0: register ping-pong
-#define GV_RING_STAGE_BYTES (2 * 4 * 32 * 8)  // one warp step at 4 bits: [row 2][plane 4][lane 32] uint2
 #ifndef APL_GEMV_ACQREL
 #define APL_GEMV_ACQREL 1  // 1: the last-CTA counter by one thread's acq_rel atomic after a barrier; 0: every
                            // thread fences before and after (measured up to 2% slower, docs/kernel.md)
@@ -228,9 +224,6 @@ __device__ __forceinline__ void launch_dependents() {
 #endif
 }
 __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" :: "l"(p)); }
-__device__ __forceinline__ void cp_async8(u32 dst, const u32* src) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" :: "r"(dst), "l"(src) : "memory");
-}
 APL_HD void cp_async4(u32 dst, const u32* src) {
 #ifdef __CUDA_ARCH__
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" :: "r"(dst), "l"(src) : "memory");
@@ -861,77 +854,6 @@ __device__ __forceinline__ void gemv_warp(const BlockRef& blk, u32 w0a, u32 w0b,
     }
 }
 
-// ---------------------------------------------------------------- the cp.async ring (3-4 bits)
-// The register ping-pong above keeps one step (2 KB per warp at 4 bits) in flight, which the
-// 128-register budget cannot deepen. The ring keeps APL_GEMV_RING_STAGES - 1 steps in flight
-// in shared memory instead. Each lane copies and later reads only its own words, so its own
-// cp.async.wait_group is the only ordering needed (no barrier). Slot layout per warp:
-// [row a/b][plane][lane] uint2 (words 2t, 2t+1): a warp's 8-byte reads of one (row, plane)
-// are 256 contiguous bytes, free of bank conflicts. lane_slot0 = slot 0's address + lane * 8.
-template <int B, bool V2>
-__device__ __forceinline__ void ring_issue(const BlockRef& blk, u32 w0a, u32 w0b, int kw, int step, u32 dst) {
-    const int t = threadIdx.x & 3;
-    if constexpr (V2) {
-        const u32 w = (u32)min(step * GV_STEP_WORDS + 2 * t, kw - 2);
-#pragma unroll
-        for (int p = 0; p < B; ++p) {
-            cp_async8(dst + p * 256, blk.planes[p] + (w0a + w));
-            cp_async8(dst + (B + p) * 256, blk.planes[p] + (w0b + w));
-        }
-    } else {
-#pragma unroll
-        for (int wi = 0; wi < 2; ++wi) {
-            const u32 w = (u32)min(step * GV_STEP_WORDS + 2 * t + wi, kw - 1);
-#pragma unroll
-            for (int p = 0; p < B; ++p) {
-                cp_async4(dst + p * 256 + 4 * wi, blk.planes[p] + (w0a + w));
-                cp_async4(dst + (B + p) * 256 + 4 * wi, blk.planes[p] + (w0b + w));
-            }
-        }
-    }
-}
-
-// Steps 0..S-2 of a pass into slots 0..S-2, one commit group each (empty past the split).
-template <int B, bool V2>
-__device__ __forceinline__ void ring_prologue(const BlockRef& blk, u32 w0a, u32 w0b, int kw, u32 lane_slot0) {
-    constexpr int S = APL_GEMV_RING_STAGES;
-    const int steps = (kw + GV_STEP_WORDS - 1) / GV_STEP_WORDS;
-#pragma unroll
-    for (int s = 0; s < S - 1; ++s) {
-        if (s < steps) ring_issue<B, V2>(blk, w0a, w0b, kw, s, lane_slot0 + s * (B * 512));
-        cp_async_commit();
-    }
-}
-
-template <int B, bool BF16, bool V2, class Lut>
-__device__ __forceinline__ void gemv_warp_ring(const BlockRef& blk, u32 w0a, u32 w0b, const Lut& la, const Lut& lb,
-                                               int kw, const u16* xs, int tstride, int x_row, u32 lane_slot0,
-                                               float (&acc)[4]) {
-    constexpr int S = APL_GEMV_RING_STAGES, SLOT = B * 512;
-    const int steps = (kw + GV_STEP_WORDS - 1) / GV_STEP_WORDS;
-    int rd = 0, wr = S - 1;  // slots of step `step` and of step + S - 1
-    for (int step = 0; step < steps; ++step) {
-        // Committed so far: S - 1 + step groups; group `step` done leaves at most S - 2 pending.
-        cp_async_wait<S - 2>();
-        // Slot wr held step - 1, read into registers (and used) by the previous iteration.
-        if (step + S - 1 < steps) ring_issue<B, V2>(blk, w0a, w0b, kw, step + S - 1, lane_slot0 + wr * SLOT);
-        cp_async_commit();
-        u32 buf[2][2][8];
-        const u32 src = lane_slot0 + rd * SLOT;
-#pragma unroll
-        for (int p = 0; p < B; ++p) {
-            u32 a0, a1, b0, b1;
-            asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(a0), "=r"(a1) : "r"(src + p * 256));
-            asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(b0), "=r"(b1) : "r"(src + (B + p) * 256));
-            buf[0][0][p] = a0; buf[0][1][p] = a1; buf[1][0][p] = b0; buf[1][1][p] = b1;
-        }
-        rd = rd == S - 1 ? 0 : rd + 1;
-        wr = wr == S - 1 ? 0 : wr + 1;
-        compute_step<B, BF16>(la, lb, xs, tstride, x_row, buf, step, acc);
-    }
-    cp_async_wait<0>();  // only empty groups remain; the next pass refills slot 0 onwards
-}
-
 // ---------------------------------------------------------------- wgmma (sm_90a), the tiles regime
 // APL_TILES_WGMMA: a pass's 8 * NT8 tokens are the N of one warpgroup wgmma.m64nNk16 per k16
 // slice, A (the CTA's 64 weight rows) from the registers the dequantisation fills, exactly
@@ -1140,21 +1062,19 @@ __device__ __forceinline__ void tiles_warp(const BlockRef& blk, u32 w0a, u32 w0b
 // sectors are asked of L2 before the LUT (prologue) and the activations (stage) are read, so
 // those loads overlap; holding them in registers instead spilled (128-register budget).
 // NT8 > 1: the tiles regime (tiles_warp); stage then stages one step: stage(p0, np, step).
-template <int B, bool BF16, bool V2, bool RING, int NT8, bool LATE_BUILD, bool COMPACT, bool EARLY_B0,
+template <int B, bool BF16, bool V2, int NT8, bool LATE_BUILD, bool COMPACT, bool EARLY_B0,
           bool LONG, class Lut, class Prologue, class Stage, class Emit>
 __device__ __forceinline__ void run_passes(const BlockRef& blk, u32 w0a, u32 w0b, Lut& la, Lut& lb, int kw,
                                            const u16* xs, int tstride, int count, int stage_tokens,
-                                           u32 lane_slot0, Prologue prologue, Stage stage, Emit emit) {
+                                           Prologue prologue, Stage stage, Emit emit) {
     const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
 #pragma unroll
-    for (int c = 0; c < 4 && !RING; ++c) {  // lane t: (row, plane) pairs t, t+4, ... of the first step
+    for (int c = 0; c < 4; ++c) {  // lane t: (row, plane) pairs t, t+4, ... of the first step
         const int combo = t + 4 * c, p = combo >> 1;
 #pragma unroll
         for (int q = 0; q < 8; ++q)  // planes[] indexed by constants only
             if (q == p && combo < 2 * B) prefetch_l2(blk.planes[q] + ((combo & 1) ? w0b : w0a));
     }
-    // The ring's first steps are issued before the LUT and the activations are read.
-    if constexpr (RING) ring_prologue<B, V2>(blk, w0a, w0b, kw, lane_slot0);
     prologue(la, lb);  // register LUTs: the entries' loads are issued here, built below
     if constexpr (NT8 > 1) {
         if constexpr (LATE_BUILD) { la.build(BF16); lb.build(BF16); }
@@ -1174,7 +1094,7 @@ __device__ __forceinline__ void run_passes(const BlockRef& blk, u32 w0a, u32 w0b
     } else {
         // EARLY_B0: the first pass's first step is loaded before its staging (down under
         // APL_GEMV_PDL: before the wait for h, while gate_up's last CTAs run).
-        constexpr bool B0_FIRST = EARLY_B0 && !RING && B <= 4;
+        constexpr bool B0_FIRST = EARLY_B0 && B <= 4;
         u32 b_first[2][2][8];
         if constexpr (B0_FIRST) load_step<B, V2, load_hint<1, LONG>()>(blk, w0a, w0b, kw, 0, b_first);
         for (int p0 = 0; p0 < count; p0 += stage_tokens) {
@@ -1184,19 +1104,14 @@ __device__ __forceinline__ void run_passes(const BlockRef& blk, u32 w0a, u32 w0b
                 if (p0 == 0) { la.build(BF16); lb.build(BF16); }  // the LUT loads overlapped the staging
             }
             float acc[4] = {0.f, 0.f, 0.f, 0.f};
-            if constexpr (RING) {
-                if (p0 > 0) ring_prologue<B, V2>(blk, w0a, w0b, kw, lane_slot0);
-                gemv_warp_ring<B, BF16, V2>(blk, w0a, w0b, la, lb, kw, xs, tstride, min(g, np), lane_slot0, acc);
-            } else {
-                u32 b0[2][2][8];
-                if (B0_FIRST && p0 == 0) {
+            u32 b0[2][2][8];
+            if (B0_FIRST && p0 == 0) {
 #pragma unroll
-                    for (int i = 0; i < 32; ++i) (&b0[0][0][0])[i] = (&b_first[0][0][0])[i];
-                } else {
-                    load_step<B, V2, load_hint<1, LONG>()>(blk, w0a, w0b, kw, 0, b0);
-                }
-                gemv_warp<B, BF16, V2, COMPACT, LONG>(blk, w0a, w0b, la, lb, kw, xs, tstride, min(g, np), b0, acc);
+                for (int i = 0; i < 32; ++i) (&b0[0][0][0])[i] = (&b_first[0][0][0])[i];
+            } else {
+                load_step<B, V2, load_hint<1, LONG>()>(blk, w0a, w0b, kw, 0, b0);
             }
+            gemv_warp<B, BF16, V2, COMPACT, LONG>(blk, w0a, w0b, la, lb, kw, xs, tstride, min(g, np), b0, acc);
             emit(p0, np, acc);
         }
     }
@@ -1535,11 +1450,6 @@ __device__ __forceinline__ void gemv_cta(
         lb.fetch(blk.lut + (long long)rowb * lut_row_entries(blk.bits), vb);
         if constexpr (!LATE) { la.build(BF16); lb.build(BF16); }
     };
-    // The 3-4-bit kernel's cp.async ring, after the (512-byte aligned) LUT rows: per warp
-    // APL_GEMV_RING_STAGES slots of GV_RING_STAGE_BYTES (the host adds them to the launch).
-    constexpr bool RING = APL_GEMV_RING_STAGES >= 2 && CLS == 0 && NT8 == 1;
-    const u32 lane_slot0 = shared_addr(lut_s + GV_ROWS * lut_entries) +
-                           (u32)(warp * APL_GEMV_RING_STAGES * GV_RING_STAGE_BYTES + lane * 8);
     if (bad_bits) {
         await_h();
         for (int p0 = 0; p0 < route.count; p0 += GV_TOKENS) {  // emit writes up to 8 tokens
@@ -1549,23 +1459,23 @@ __device__ __forceinline__ void gemv_cta(
     } else if (CLS == 0 || (CLS == 2 && cls == 0)) {
         if (blk.bits == 4) {
             RegLut<4> la, lb;
-            run_passes<4, BF16, V2, RING, NT8, LATE, COMPACT, EARLY_B0, LONG>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, lane_slot0,
+            run_passes<4, BF16, V2, NT8, LATE, COMPACT, EARLY_B0, LONG>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens,
                                           reg_lut, stage, emit);
         } else {
             RegLut<3> la, lb;
-            run_passes<3, BF16, V2, RING, NT8, LATE, COMPACT, EARLY_B0, LONG>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, lane_slot0,
+            run_passes<3, BF16, V2, NT8, LATE, COMPACT, EARLY_B0, LONG>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens,
                                           reg_lut, stage, emit);
         }
     } else {
         switch (blk.bits) {
             case 5: { CellLut<5, BF16> la, lb;
-                      run_passes<5, BF16, V2, false, NT8, LATE, COMPACT, EARLY_B0, LONG>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, 0u, reg_lut, stage, emit); break; }
+                      run_passes<5, BF16, V2, NT8, LATE, COMPACT, EARLY_B0, LONG>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, reg_lut, stage, emit); break; }
             case 6: { CellLut<6, BF16> la, lb;
-                      run_passes<6, BF16, V2, false, NT8, LATE, COMPACT, EARLY_B0, LONG>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, 0u, reg_lut, stage, emit); break; }
+                      run_passes<6, BF16, V2, NT8, LATE, COMPACT, EARLY_B0, LONG>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, reg_lut, stage, emit); break; }
             case 7: { CellLut<7, BF16> la, lb;
-                      run_passes<7, BF16, V2, false, NT8, LATE, COMPACT, EARLY_B0, LONG>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, 0u, reg_lut, stage, emit); break; }
+                      run_passes<7, BF16, V2, NT8, LATE, COMPACT, EARLY_B0, LONG>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, reg_lut, stage, emit); break; }
             default: { CellLut<8, BF16> la, lb;
-                       run_passes<8, BF16, V2, false, NT8, LATE, COMPACT, EARLY_B0, LONG>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, 0u, reg_lut, stage, emit); break; }
+                       run_passes<8, BF16, V2, NT8, LATE, COMPACT, EARLY_B0, LONG>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, reg_lut, stage, emit); break; }
         }
     }
 
