@@ -89,12 +89,6 @@
 #ifndef APL_GEMV_PDL
 #define APL_GEMV_PDL 1  // 1: each projection waits for its launch's prerequisite grid (griddepcontrol) where it
 #endif                  // first needs that grid's output, and lets its dependents launch at once (see gemv_cta)
-#ifndef APL_GEMV_PDL_PREFETCH
-#define APL_GEMV_PDL_PREFETCH 0  // with APL_GEMV_PDL, down: ask L2 for the split's plane sectors before the wait
-#endif
-#ifndef APL_GEMV_PDL_PLANES
-#define APL_GEMV_PDL_PLANES 0  // with APL_GEMV_PDL, decode down: the first step's plane words into registers
-#endif                         // before the wait for h (not after the staging)
 #ifndef APL_GEMV_ORDER
 #define APL_GEMV_ORDER 5  // launches of the merged kernel (CLS 2), whose blocks differ in width: bit 0: active
 #endif                    // experts taken widest first (route_pick's HEAVY); bit 1: CTAs numbered expert-major (all
@@ -1039,7 +1033,7 @@ __device__ __forceinline__ void tiles_warp(const BlockRef& blk, u32 w0a, u32 w0b
 // sectors are asked of L2 before the LUT (prologue) and the activations (stage) are read, so
 // those loads overlap; holding them in registers instead spilled (128-register budget).
 // NT8 > 1: the tiles regime (tiles_warp); stage then stages one step: stage(p0, np, step).
-template <int B, bool BF16, bool V2, int NT8, bool LATE_BUILD, bool COMPACT, bool EARLY_B0,
+template <int B, bool BF16, bool V2, int NT8, bool LATE_BUILD, bool COMPACT,
           bool LONG, class Lut, class Prologue, class Stage, class Emit>
 __device__ __forceinline__ void run_passes(const BlockRef& blk, u32 w0a, u32 w0b, Lut& la, Lut& lb, int kw,
                                            const u16* xs, int tstride, int count, int stage_tokens,
@@ -1069,11 +1063,6 @@ __device__ __forceinline__ void run_passes(const BlockRef& blk, u32 w0a, u32 w0b
                 if (8 * j < np) emit(p0 + 8 * j, min(8, np - 8 * j), acc[j]);
         }
     } else {
-        // EARLY_B0: the first pass's first step is loaded before its staging (down under
-        // APL_GEMV_PDL: before the wait for h, while gate_up's last CTAs run).
-        constexpr bool B0_FIRST = EARLY_B0 && B <= 4;
-        u32 b_first[2][2][8];
-        if constexpr (B0_FIRST) load_step<B, V2, load_hint<1, LONG>()>(blk, w0a, w0b, kw, 0, b_first);
         for (int p0 = 0; p0 < count; p0 += stage_tokens) {
             const int np = min(stage_tokens, count - p0);
             stage(p0, np, -1);
@@ -1082,12 +1071,7 @@ __device__ __forceinline__ void run_passes(const BlockRef& blk, u32 w0a, u32 w0b
             }
             float acc[4] = {0.f, 0.f, 0.f, 0.f};
             u32 b0[2][2][8];
-            if (B0_FIRST && p0 == 0) {
-#pragma unroll
-                for (int i = 0; i < 32; ++i) (&b0[0][0][0])[i] = (&b_first[0][0][0])[i];
-            } else {
-                load_step<B, V2, load_hint<1, LONG>()>(blk, w0a, w0b, kw, 0, b0);
-            }
+            load_step<B, V2, load_hint<1, LONG>()>(blk, w0a, w0b, kw, 0, b0);
             gemv_warp<B, BF16, V2, COMPACT, LONG>(blk, w0a, w0b, la, lb, kw, xs, tstride, min(g, np), b0, acc);
             emit(p0, np, acc);
         }
@@ -1247,10 +1231,7 @@ __device__ __forceinline__ void gemv_cta(
         if constexpr (FUSED && MODE == 1) {
             if (p0 == 0) wait_h();
         }
-        if (p0 == 0) {
-            if (APL_GEMV_PDL_PREFETCH && MODE == 1 && !FUSED && CLS == 0) prefetch_split();  // (5-8 bits: spills)
-            await_h();
-        }
+        if (p0 == 0) await_h();
         __syncthreads();  // LUT written; the previous pass is done with xs
 #if APL_GEMV_STAGE16
         // A (token, word) item: the word's 32 values (load_word), reordered into the mma
@@ -1421,7 +1402,6 @@ __device__ __forceinline__ void gemv_cta(
     // raw entries across the wait spilled 56 bytes).
     constexpr bool LATE = !(FUSED && MODE == 1);
     constexpr bool COMPACT = (APL_GEMV_COMPACT >> CLS) & 1;
-    constexpr bool EARLY_B0 = APL_GEMV_PDL && APL_GEMV_PDL_PLANES && MODE == 1 && !FUSED && NT8 == 1;
     auto reg_lut = [&](auto& la, auto& lb) {
         la.fetch(blk.lut + (long long)rowa * lut_row_entries(blk.bits), va);
         lb.fetch(blk.lut + (long long)rowb * lut_row_entries(blk.bits), vb);
@@ -1436,23 +1416,23 @@ __device__ __forceinline__ void gemv_cta(
     } else if (CLS == 0 || (CLS == 2 && cls == 0)) {
         if (blk.bits == 4) {
             RegLut<4> la, lb;
-            run_passes<4, BF16, V2, NT8, LATE, COMPACT, EARLY_B0, LONG>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens,
+            run_passes<4, BF16, V2, NT8, LATE, COMPACT, LONG>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens,
                                           reg_lut, stage, emit);
         } else {
             RegLut<3> la, lb;
-            run_passes<3, BF16, V2, NT8, LATE, COMPACT, EARLY_B0, LONG>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens,
+            run_passes<3, BF16, V2, NT8, LATE, COMPACT, LONG>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens,
                                           reg_lut, stage, emit);
         }
     } else {
         switch (blk.bits) {
             case 5: { CellLut<5, BF16> la, lb;
-                      run_passes<5, BF16, V2, NT8, LATE, COMPACT, EARLY_B0, LONG>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, reg_lut, stage, emit); break; }
+                      run_passes<5, BF16, V2, NT8, LATE, COMPACT, LONG>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, reg_lut, stage, emit); break; }
             case 6: { CellLut<6, BF16> la, lb;
-                      run_passes<6, BF16, V2, NT8, LATE, COMPACT, EARLY_B0, LONG>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, reg_lut, stage, emit); break; }
+                      run_passes<6, BF16, V2, NT8, LATE, COMPACT, LONG>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, reg_lut, stage, emit); break; }
             case 7: { CellLut<7, BF16> la, lb;
-                      run_passes<7, BF16, V2, NT8, LATE, COMPACT, EARLY_B0, LONG>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, reg_lut, stage, emit); break; }
+                      run_passes<7, BF16, V2, NT8, LATE, COMPACT, LONG>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, reg_lut, stage, emit); break; }
             default: { CellLut<8, BF16> la, lb;
-                       run_passes<8, BF16, V2, NT8, LATE, COMPACT, EARLY_B0, LONG>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, reg_lut, stage, emit); break; }
+                       run_passes<8, BF16, V2, NT8, LATE, COMPACT, LONG>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, reg_lut, stage, emit); break; }
         }
     }
 
