@@ -58,10 +58,6 @@
 #define APL_GEMV_ACQREL 1  // 1: the last-CTA counter by one thread's acq_rel atomic after a barrier; 0: every
                            // thread fences before and after (measured up to 2% slower, docs/kernel.md)
 #endif
-#ifndef APL_GEMV_STAGE16
-#define APL_GEMV_STAGE16 1  // decode: a (token, word) of activations staged by 4 16-byte loads and PRMTs
-#endif                      // (stage_word); 0: 8 items a word, each 4 scattered 2-byte loads (measured
-                            // 3-11% slower at every decode shape, docs/kernel.md)
 #ifndef APL_GEMV_COMPACT
 #define APL_GEMV_COMPACT 4  // decode ping-pong (gemv_warp), a bit per kernel class CLS (1 << CLS): one copy of
 #endif                      // the step's code, its two words in a rolled loop (less SASS to fetch cold; the
@@ -1233,9 +1229,9 @@ __device__ __forceinline__ void gemv_cta(
         }
         if (p0 == 0) await_h();
         __syncthreads();  // LUT written; the previous pass is done with xs
-#if APL_GEMV_STAGE16
         // A (token, word) item: the word's 32 values (load_word), reordered into the mma
-        // slices' layout by stage_word.
+        // slices' layout by stage_word (8 items a word of 4 scattered 2-byte loads each were
+        // 3-11% slower at every decode shape, docs/kernel.md).
         for (int idx = tid; idx < (np + 1) * kwp; idx += GV_THREADS) {
             const int i = idx / kwp, w = idx % kwp;
             uint4 raw[4];
@@ -1244,26 +1240,6 @@ __device__ __forceinline__ void gemv_cta(
             if (w < kw && i < np) load_word(slots[p0 + i], w, raw);
             stage_word(raw, xs + i * tstride + w * 32, w);  // (its swizzle reads w mod 8 only)
         }
-#else
-        for (int idx = tid; idx < (np + 1) * kwp * 8; idx += GV_THREADS) {
-            const int i = idx / (kwp * 8), rem = idx % (kwp * 8), w = rem >> 3, s = rem & 7;
-            const int slot = i < np ? slots[p0 + i] : 0;
-            const long long xrow = MODE == 0 ? slot / top_k : slot;
-            u32 v01 = 0u, v23 = 0u;
-            if (w < kw && i < np) {
-                const u16* src = x + xrow * cols + (long long)(c0w + w) * 32;
-                if (FUSED && MODE == 1) {  // h, written in this launch by other CTAs: L2, not L1/nc
-                    v01 = (u32)__ldcg(src + sel_col(s, 0)) | ((u32)__ldcg(src + sel_col(s, 1)) << 16);
-                    v23 = (u32)__ldcg(src + sel_col(s, 2)) | ((u32)__ldcg(src + sel_col(s, 3)) << 16);
-                } else {
-                    v01 = (u32)src[sel_col(s, 0)] | ((u32)src[sel_col(s, 1)] << 16);
-                    v23 = (u32)src[sel_col(s, 2)] | ((u32)src[sel_col(s, 3)] << 16);
-                }
-            }
-            const int chunk = (s >> 1) ^ ((w >> 1) & 3);
-            *reinterpret_cast<uint2*>(xs + i * tstride + w * 32 + chunk * 8 + (s & 1) * 4) = make_uint2(v01, v23);
-        }
-#endif
         __syncthreads();
     };
     // The tiles regime: step `step` (8 words) of tokens p0..p0+np-1 and the zero row after them,
