@@ -160,12 +160,6 @@ __device__ __forceinline__ uint2 ldg_plane_u64(const u32* p) {
         asm volatile("ld.global.nc.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
     return v;
 }
-__device__ __forceinline__ int ld_acquire_gpu(const int* p) {
-    int v; asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory"); return v;
-}
-__device__ __forceinline__ void st_release_gpu(int* p, int v) {
-    asm volatile("st.release.gpu.global.b32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
-}
 __device__ __forceinline__ int atom_add_acq_rel_gpu(int* p, int v) {
     int old;
     asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
@@ -509,21 +503,18 @@ APL_HD void dequant_chunks(const RowLut<B, BF16>& lut, const u32 (&pw)[8], uint4
 struct Route { int expert, count, num_active; };
 
 // Phase 1, the experts with tokens as a bitmask in present[32]. The first round of ids is
-// loaded before the barrier that zeroes the mask, and in the fused kernel (ticket != null)
-// thread 0 takes the CTA's work ticket at the same time, so the two round trips overlap.
+// loaded before the barrier that zeroes the mask, so the two round trips overlap.
 // BATCH (the tiles regime with APL_GEMV_BATCHED_LOADS): rounds of 8 ids a thread, loaded
 // together (the atomics kept each load of a one-id round behind the previous round's atomic:
 // a round trip per 128 ids).
 template <bool BATCH>
 __device__ __forceinline__ void route_mask(const long long* __restrict__ ids, int num_assign, int num_experts,
-                                           u32* present, int* ticket, int* ticket_s) {
+                                           u32* present) {
     const int tid = threadIdx.x;
     constexpr int U = BATCH ? 8 : 1;
     long long e[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) e[u] = tid + u * GV_THREADS < num_assign ? ids[tid + u * GV_THREADS] : -1;
-    int tk = 0;
-    if (ticket != nullptr && tid == 0) tk = atomicAdd(ticket, 1);
     if (tid < 32) present[tid] = 0u;
     __syncthreads();
     if constexpr (BATCH) {
@@ -545,7 +536,6 @@ __device__ __forceinline__ void route_mask(const long long* __restrict__ ids, in
             if (e1 >= 0 && e1 < num_experts) atomicOr(&present[e1 >> 5], 1u << (e1 & 31));
         }
     }
-    if (ticket != nullptr && tid == 0) *ticket_s = tk;
     __syncthreads();
 }
 
@@ -685,7 +675,7 @@ __device__ __forceinline__ Route route_cta(const long long* __restrict__ ids, in
         bits01[0] = block_bits(desc, threadIdx.x, num_experts);
         bits01[1] = block_bits(desc, threadIdx.x + 32, num_experts);
     }
-    route_mask<BATCH>(ids, num_assign, num_experts, present, nullptr, nullptr);
+    route_mask<BATCH>(ids, num_assign, num_experts, present);
     return route_pick<BATCH, HEAVY>(ids, num_assign, a, slots, present, scratch, desc, num_experts, bits01, heavy);
 }
 
@@ -1029,7 +1019,7 @@ __device__ __forceinline__ void tiles_warp(const BlockRef& blk, u32 w0a, u32 w0b
 // sectors are asked of L2 before the LUT (prologue) and the activations (stage) are read, so
 // those loads overlap; holding them in registers instead spilled (128-register budget).
 // NT8 > 1: the tiles regime (tiles_warp); stage then stages one step: stage(p0, np, step).
-template <int B, bool BF16, bool V2, int NT8, bool LATE_BUILD, bool COMPACT,
+template <int B, bool BF16, bool V2, int NT8, bool COMPACT,
           bool LONG, class Lut, class Prologue, class Stage, class Emit>
 __device__ __forceinline__ void run_passes(const BlockRef& blk, u32 w0a, u32 w0b, Lut& la, Lut& lb, int kw,
                                            const u16* xs, int tstride, int count, int stage_tokens,
@@ -1044,7 +1034,8 @@ __device__ __forceinline__ void run_passes(const BlockRef& blk, u32 w0a, u32 w0b
     }
     prologue(la, lb);  // register LUTs: the entries' loads are issued here, built below
     if constexpr (NT8 > 1) {
-        if constexpr (LATE_BUILD) { la.build(BF16); lb.build(BF16); }
+        la.build(BF16);
+        lb.build(BF16);
         for (int p0 = 0; p0 < count; p0 += stage_tokens) {
             const int np = min(stage_tokens, count - p0);
             float acc[NT8][4];
@@ -1062,9 +1053,7 @@ __device__ __forceinline__ void run_passes(const BlockRef& blk, u32 w0a, u32 w0b
         for (int p0 = 0; p0 < count; p0 += stage_tokens) {
             const int np = min(stage_tokens, count - p0);
             stage(p0, np, -1);
-            if constexpr (LATE_BUILD) {
-                if (p0 == 0) { la.build(BF16); lb.build(BF16); }  // the LUT loads overlapped the staging
-            }
+            if (p0 == 0) { la.build(BF16); lb.build(BF16); }  // the LUT loads overlapped the staging
             float acc[4] = {0.f, 0.f, 0.f, 0.f};
             u32 b0[2][2][8];
             load_step<B, V2, load_hint<1, LONG>()>(blk, w0a, w0b, kw, 0, b0);
@@ -1086,18 +1075,15 @@ __device__ __forceinline__ void run_passes(const BlockRef& blk, u32 w0a, u32 w0b
 // NT8: 8-token tiles per pass. 1: decode (a pass's activations staged for the whole split);
 // > 1: the tiles regime (stage_tokens <= 8 * NT8 per pass, activations staged a step at a time).
 // One CTA's work item (row tile bx, bx < gx; the by-th active expert; column split z of
-// `splits`), the body of both kernels below. FUSED (apl_gemv_fused, decode only): routing's
-// first phase is done by the caller (route_mask); gate_up's last split of a row tile raises
-// ready[by * gx + bx] once h is written, and down waits for the flags of its split's h
-// columns (one gate_up row tile per h word) before staging h, read through L2 only.
-template <int CLS, int MODE, bool BF16, bool V2, int NT8, bool FUSED, bool HEAVY = false,
+// `splits`), the body of the kernel below.
+template <int CLS, int MODE, bool BF16, bool V2, int NT8, bool HEAVY = false,
           bool LONG = false>
 __device__ __forceinline__ void gemv_cta(
     const long long* __restrict__ desc, const long long* __restrict__ topk_ids, int num_assign, int top_k,
     int num_experts, const u16* __restrict__ x, int rows_out, int cols, int split_words, int lut_entries,
     int stage_tokens, float* __restrict__ part, int* __restrict__ counters, u16* __restrict__ h_out,
     const void* __restrict__ topk_w, int w_kind, int num_tokens, u16* __restrict__ out, int zero_fill,
-    int bx, int by, int z, int splits, int gx, u32* present, int* scratch, int& last_flag, int* ready) {
+    int bx, int by, int z, int splits, int gx, u32* present, int* scratch, int& last_flag) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
     const int rows_w = MODE == 0 ? 2 * rows_out : rows_out;
@@ -1125,10 +1111,8 @@ __device__ __forceinline__ void gemv_cta(
     // h and its first global write, so its prologue runs while gate_up's last CTAs finish. Both let
     // their dependents launch at once: those take only the SM slots this grid's CTAs leave, once
     // every one of them has started.
-    if constexpr (!FUSED) {
-        if constexpr (MODE == 0) grid_dependency_wait();
-        launch_dependents();
-    }
+    if constexpr (MODE == 0) grid_dependency_wait();
+    launch_dependents();
     // APL_TILES_ASYNC: raw rows [token][word][4 chunks of 16 B] (chunk q at q ^ ((w >> 1) & 3)),
     // after the LUT rows, then each pass token's row offset in x (the host adds 512 + 8 * NT8 *
     // (512 + 4) bytes). Step s + 1 is copied in by cp.async while step s's mma run; at its turn
@@ -1142,11 +1126,10 @@ __device__ __forceinline__ void gemv_cta(
     // computed here, before routing, they changed the tiles instances' SASS, nvcc 13.0.)
     auto raw_rows_at = [&]() { return lut_s + GV_ROWS * lut_entries; };
     auto row_offsets_at = [&](u16* raw) { return reinterpret_cast<int*>(raw + stage_tokens * RAW_ROW); };
-    const Route route = FUSED ? route_pick<false>(topk_ids, num_assign, by, slots, present, scratch)
-                              : route_cta<BATCH, HEAVY>(topk_ids, num_assign, num_experts, by, slots, present, scratch,
-                                                            desc, num_tokens >= APL_GEMV_HEAVY_MIN_TOKENS);
+    const Route route = route_cta<BATCH, HEAVY>(topk_ids, num_assign, num_experts, by, slots, present, scratch, desc,
+                                                num_tokens >= APL_GEMV_HEAVY_MIN_TOKENS);
     auto await_h = [&]() {
-        if constexpr (MODE == 1 && !FUSED) grid_dependency_wait();
+        if constexpr (MODE == 1) grid_dependency_wait();
     };
     if (MODE == 1 && zero_fill && route.num_active == 0 && by == 0 && z == 0) {
         await_h();
@@ -1156,9 +1139,7 @@ __device__ __forceinline__ void gemv_cta(
     if (route.expert < 0) return;
     const BlockRef blk = load_block(desc, route.expert);
     const int cls = blk.bits >= 5 && blk.bits <= 8 ? 1 : 0;  // bad bits: class 0 writes NaN
-    if (!FUSED && CLS != 2 && cls != CLS) return;  // another launch's class
-    // (the fused kernel is launched for one class per projection; a block of another class
-    // there can only be a bad descriptor: NaN, never a CTA that leaves without its flag)
+    if (CLS != 2 && cls != CLS) return;  // another launch's class
     const bool bad_bits = blk.bits < 3 || blk.bits > 8 || (CLS != 2 && cls != CLS);
 
     auto weight_row_of = [&](int lw, bool* valid) {
@@ -1183,50 +1164,16 @@ __device__ __forceinline__ void gemv_cta(
     const int kwp = (kw + GV_STEP_WORDS - 1) / GV_STEP_WORDS * GV_STEP_WORDS;
     // Activations of tokens p0..p0+np-1 (and a zero row after them) for this split:
     // xs[i][w] holds, for selector s of word w, the act values of columns sel_col(s, 0..3).
-    // FUSED down: h's words c0w..c0w+kw-1 of expert `by` are ready once gate_up's row tiles
-    // of the same numbers have raised their flags. A CTA that finds them not yet raised first
-    // asks L2 for its whole split's plane sectors (it would idle otherwise), then spins; a
-    // wait that never ends (a broken flag protocol) traps instead of hanging the GPU.
-    auto prefetch_split = [&]() {  // every plane sector of this split's rows a and b, into L2
-        if (bad_bits) return;
-#pragma unroll
-        for (int p = 0; p < 8; ++p) {
-            if (p >= blk.bits) break;
-            for (int w = 8 * t; w < kw; w += 32) {  // 32-byte sectors of rows a and b
-                prefetch_l2(blk.planes[p] + w0a + w);
-                prefetch_l2(blk.planes[p] + w0b + w);
-            }
-            if (t == 0) { prefetch_l2(blk.planes[p] + w0a + kw - 1); prefetch_l2(blk.planes[p] + w0b + kw - 1); }
-        }
-    };
-    auto wait_h = [&]() {
-        const int* f = ready + (long long)by * words_per_row + c0w;
-        bool ok = true;
-        for (int i = tid; i < kw; i += GV_THREADS) ok = ok && ld_acquire_gpu(f + i) != 0;
-        if (__syncthreads_and(ok)) return;
-        prefetch_split();
-        for (int i = tid; i < kw; i += GV_THREADS) {
-            for (int n = 0; ld_acquire_gpu(f + i) == 0; ++n) {
-                if (n > (1 << 22)) __trap();
-                __nanosleep(64);
-            }
-        }
-        __syncthreads();
-    };
     // Word w of the split for assignment `slot` (its token's row of x, or its own row of h):
     // 32 act values as 4 16-byte loads (x is checked 16-byte aligned; a word is 64 bytes).
     auto load_word = [&](int slot, int w, uint4 (&raw)[4]) {
         const long long xrow = MODE == 0 ? slot / top_k : slot;
         const uint4* src = reinterpret_cast<const uint4*>(x + xrow * cols + (long long)(c0w + w) * 32);
 #pragma unroll
-        for (int q = 0; q < 4; ++q)  // h, written in this launch by other CTAs, or (APL_GEMV_PDL) by
-            raw[q] = ((FUSED || APL_GEMV_PDL) && MODE == 1) ? __ldcg(src + q) : __ldg(src + q);  // a grid
-            // that ran while this one started: L2, not L1/nc
+        for (int q = 0; q < 4; ++q)  // h, written (APL_GEMV_PDL) by a grid that ran while this one
+            raw[q] = (APL_GEMV_PDL && MODE == 1) ? __ldcg(src + q) : __ldg(src + q);  // started: L2, not L1/nc
     };
     auto stage_split = [&](int p0, int np) {
-        if constexpr (FUSED && MODE == 1) {
-            if (p0 == 0) wait_h();
-        }
         if (p0 == 0) await_h();
         __syncthreads();  // LUT written; the previous pass is done with xs
         // A (token, word) item: the word's 32 values (load_word), reordered into the mma
@@ -1373,15 +1320,12 @@ __device__ __forceinline__ void gemv_cta(
             }
         }
     };
-    // LATE: the register LUTs are built after the first staging (their loads overlap it);
-    // the fused down CTAs build them at once instead, before they wait for h (holding the
-    // raw entries across the wait spilled 56 bytes).
-    constexpr bool LATE = !(FUSED && MODE == 1);
+    // The register LUTs' entries are loaded here and built after the first staging (run_passes),
+    // so their loads overlap it.
     constexpr bool COMPACT = (APL_GEMV_COMPACT >> CLS) & 1;
     auto reg_lut = [&](auto& la, auto& lb) {
         la.fetch(blk.lut + (long long)rowa * lut_row_entries(blk.bits), va);
         lb.fetch(blk.lut + (long long)rowb * lut_row_entries(blk.bits), vb);
-        if constexpr (!LATE) { la.build(BF16); lb.build(BF16); }
     };
     if (bad_bits) {
         await_h();
@@ -1392,23 +1336,23 @@ __device__ __forceinline__ void gemv_cta(
     } else if (CLS == 0 || (CLS == 2 && cls == 0)) {
         if (blk.bits == 4) {
             RegLut<4> la, lb;
-            run_passes<4, BF16, V2, NT8, LATE, COMPACT, LONG>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens,
+            run_passes<4, BF16, V2, NT8, COMPACT, LONG>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens,
                                           reg_lut, stage, emit);
         } else {
             RegLut<3> la, lb;
-            run_passes<3, BF16, V2, NT8, LATE, COMPACT, LONG>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens,
+            run_passes<3, BF16, V2, NT8, COMPACT, LONG>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens,
                                           reg_lut, stage, emit);
         }
     } else {
         switch (blk.bits) {
             case 5: { CellLut<5, BF16> la, lb;
-                      run_passes<5, BF16, V2, NT8, LATE, COMPACT, LONG>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, reg_lut, stage, emit); break; }
+                      run_passes<5, BF16, V2, NT8, COMPACT, LONG>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, reg_lut, stage, emit); break; }
             case 6: { CellLut<6, BF16> la, lb;
-                      run_passes<6, BF16, V2, NT8, LATE, COMPACT, LONG>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, reg_lut, stage, emit); break; }
+                      run_passes<6, BF16, V2, NT8, COMPACT, LONG>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, reg_lut, stage, emit); break; }
             case 7: { CellLut<7, BF16> la, lb;
-                      run_passes<7, BF16, V2, NT8, LATE, COMPACT, LONG>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, reg_lut, stage, emit); break; }
+                      run_passes<7, BF16, V2, NT8, COMPACT, LONG>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, reg_lut, stage, emit); break; }
             default: { CellLut<8, BF16> la, lb;
-                       run_passes<8, BF16, V2, NT8, LATE, COMPACT, LONG>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, reg_lut, stage, emit); break; }
+                       run_passes<8, BF16, V2, NT8, COMPACT, LONG>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, reg_lut, stage, emit); break; }
         }
     }
 
@@ -1495,11 +1439,6 @@ __device__ __forceinline__ void gemv_cta(
                 }
                 h_out[(long long)slot * rows_out + r0 + c] = float_to_act<BF16>(gate_act(gs) * us);
             }
-        }
-        if constexpr (FUSED) {  // h of this row tile is complete: release it to the down CTAs
-            __threadfence();
-            __syncthreads();
-            if (tid == 0) st_release_gpu(ready + by * gx + bx, 1);
         }
     } else {
         auto weight_of = [&](int slot) {
@@ -1597,13 +1536,13 @@ __device__ __forceinline__ void gemv_entry(APL_GEMV_ENTRY_PARAMS, int gx) {
     // (The indices stay special registers: computed from a linear index, they stayed live through
     // the step loop and the merged gate_up spilled 80 bytes; nvcc 13.0.)
     constexpr bool EXPERT_MAJOR = ORDERED && (APL_GEMV_ORDER & 2) != 0;
-    gemv_cta<CLS, MODE, BF16, V2, NT8, false, HEAVY, LONG>(desc, topk_ids, num_assign, top_k, num_experts, x, rows_out,
+    gemv_cta<CLS, MODE, BF16, V2, NT8, HEAVY, LONG>(desc, topk_ids, num_assign, top_k, num_experts, x, rows_out,
                                                            cols, split_words, lut_entries, stage_tokens, part, counters,
                                                            h_out, topk_w, w_kind, num_tokens, out, zero_fill, blockIdx.x,
                                                            EXPERT_MAJOR ? blockIdx.z : blockIdx.y,
                                                            EXPERT_MAJOR ? blockIdx.y : blockIdx.z,
                                                            EXPERT_MAJOR ? gridDim.y : gridDim.z, gx, present, scratch,
-                                                           last_flag, nullptr);
+                                                           last_flag);
 }
 #define APL_GEMV_ENTRY_ARGS                                                                                   \
     desc, topk_ids, num_assign, top_k, num_experts, x, rows_out, cols, split_words, lut_entries, stage_tokens, \
