@@ -54,10 +54,6 @@
 #ifndef APL_GEMV_CELL_BLOCKS
 #define APL_GEMV_CELL_BLOCKS 3
 #endif
-#ifndef APL_GEMV_ACQREL
-#define APL_GEMV_ACQREL 1  // 1: the last-CTA counter by one thread's acq_rel atomic after a barrier; 0: every
-                           // thread fences before and after (measured up to 2% slower, docs/kernel.md)
-#endif
 #ifndef APL_GEMV_COMPACT
 #define APL_GEMV_COMPACT 4  // decode ping-pong (gemv_warp), a bit per kernel class CLS (1 << CLS): one copy of
 #endif                      // the step's code, its two words in a rolled loop (less SASS to fetch cold; the
@@ -1361,20 +1357,19 @@ __device__ __forceinline__ void gemv_cta(
     const int expected = MODE == 0 ? splits : route.num_active * splits;
     int* counter = counters + (MODE == 0 ? by * gx + bx : bx);
     if (expected > 1) {
-        // APL_GEMV_ACQREL: CUTLASS's semaphore pattern, no per-thread fences. The barrier
-        // orders every thread's partials before thread 0's release (fence cumulativity); its
-        // acquire orders the reduction's reads after every contributor's partials, and the
-        // second barrier hands that to the CTA.
-        if (!APL_GEMV_ACQREL) __threadfence();
+        // CUTLASS's semaphore pattern: one thread's acq_rel atomic after a barrier, no per-thread
+        // fences (a fence in every thread before and after was up to 2% slower, docs/kernel.md).
+        // The barrier orders every thread's partials before thread 0's release (fence
+        // cumulativity); its acquire orders the reduction's reads after every contributor's
+        // partials, and the second barrier hands that to the CTA.
         __syncthreads();
         if (tid == 0) {
-            const int done = (APL_GEMV_ACQREL ? atom_add_acq_rel_gpu(counter, 1) : atomicAdd(counter, 1)) + 1;
+            const int done = atom_add_acq_rel_gpu(counter, 1) + 1;
             last_flag = done == expected;
             if (done == expected) atomicExch(counter, 0);  // every contributor has arrived
         }
         __syncthreads();
         if (!last_flag) return;
-        if (!APL_GEMV_ACQREL) __threadfence();
     } else {
         __syncthreads();
     }
