@@ -74,10 +74,6 @@
 #define APL_TILES_WGMMA 1  // tiles regime with APL_TILES_ASYNC, compiled for sm_90a: one warpgroup wgmma per k16
 #endif                     // slice, A from the dequantised registers, B the staged tokens in shared memory (measured
                            // 1-18% faster at 4 bits, 7% mixed, -3%..+4% at 8 bits); 0 or another GPU: mma.sync
-#ifndef APL_GEMV_BATCHED_LOADS
-#define APL_GEMV_BATCHED_LOADS 1  // tiles regime: routing, the reductions and the cp.async issue read their inputs in
-#endif                            // batches, loads in flight together (measured 2-29% faster); 0, and decode: one round
-                                  // trip at a time (batched, decode was 1-5% slower at Mixtral sizes)
 #ifndef APL_GEMV_PDL
 #define APL_GEMV_PDL 1  // 1: each projection waits for its launch's prerequisite grid (griddepcontrol) where it
 #endif                  // first needs that grid's output, and lets its dependents launch at once (see gemv_cta)
@@ -500,7 +496,7 @@ struct Route { int expert, count, num_active; };
 
 // Phase 1, the experts with tokens as a bitmask in present[32]. The first round of ids is
 // loaded before the barrier that zeroes the mask, so the two round trips overlap.
-// BATCH (the tiles regime with APL_GEMV_BATCHED_LOADS): rounds of 8 ids a thread, loaded
+// BATCH (the tiles regime): rounds of 8 ids a thread, loaded
 // together (the atomics kept each load of a one-id round behind the previous round's atomic:
 // a round trip per 128 ids).
 template <bool BATCH>
@@ -1098,9 +1094,10 @@ __device__ __forceinline__ void gemv_cta(
     const u32 lut_at = shared_addr(smem_raw) + lut_off;
     u16* lut_s = reinterpret_cast<u16*>(smem_raw + lut_off + (((lut_at + 511u) & ~511u) - lut_at));
 
-    // APL_GEMV_BATCHED_LOADS in the tiles regime only: measured 2-29% faster there, and at
-    // decode (<= 128 ids, the epilogue's few items) 1-5% slower at Mixtral sizes (docs/kernel.md).
-    constexpr bool BATCH = APL_GEMV_BATCHED_LOADS && NT8 > 1;
+    // BATCH: routing and the reductions read their inputs in batches, loads in flight together, in
+    // the tiles regime only: measured 2-29% faster there, and at decode (<= 128 ids, the
+    // epilogue's few items) 1-5% slower at Mixtral sizes (docs/kernel.md).
+    constexpr bool BATCH = NT8 > 1;
     // APL_GEMV_PDL, with the host's launch attribute (GEMV_PDL): gate_up waits for the grid before
     // it (the router's output) before it reads anything; down reads only what existed before
     // gate_up started (routing, descriptors, LUTs, planes) until await_h, before its first read of
@@ -1227,7 +1224,6 @@ __device__ __forceinline__ void gemv_cta(
         const int w = step * GV_STEP_WORDS + cp_wl;
         const bool ok = w < kw;  // words past the split: zeros
         const u16* src = x + (ok ? (c0w + w) * 32 + cp_q * 8 : 0);
-#if APL_GEMV_BATCHED_LOADS
         // The row offsets of 4 tokens are read before their 4 copies issue (each copy's "memory"
         // clobber kept the next token's shared read behind it: a shared round trip per token).
         for (int i0 = cp_t0; i0 < np; i0 += 4 * CP_TOKENS) {
@@ -1238,10 +1234,6 @@ __device__ __forceinline__ void gemv_cta(
             for (int u = 0; u < 4; ++u)
                 if (i0 + u * CP_TOKENS < np) cp_async16(cp_dst + (i0 + u * CP_TOKENS) * (2 * RAW_ROW), src + off[u], ok ? 16u : 0u);
         }
-#else
-        for (int i = cp_t0; i < np; i += CP_TOKENS)
-            cp_async16(cp_dst + i * (2 * RAW_ROW), src + (ok ? rowoff_s[i] : 0), ok ? 16u : 0u);
-#endif
         cp_async_commit();
     };
     auto stage_async = [&](int p0, int np, int step) {
@@ -1373,7 +1365,7 @@ __device__ __forceinline__ void gemv_cta(
     } else {
         __syncthreads();
     }
-    // The reductions' partials come from L2. APL_GEMV_BATCHED_LOADS: a round holds U items of a
+    // The reductions' partials come from L2. BATCH: a round holds U items of a
     // thread and the partials of up to SU splits (gate_up) or PU (expert, split) pairs (down) of
     // each, all loaded before any is summed: one L2 round trip per round, where every split of
     // every item was one (the Nsight samples of the 256-token layers had up to 45% of a
