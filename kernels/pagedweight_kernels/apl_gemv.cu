@@ -67,13 +67,6 @@
 // only: the host's TILES_WIDE_NT8) holds 48 accumulators a thread: 2 CTAs.
 #define APL_TILES_BLOCKS(CLS, NT8) \
     (APL_TILES_MIN_BLOCKS > 0 ? APL_TILES_MIN_BLOCKS : (NT8) > 8 ? 2 : ((CLS) == 0 ? 3 : 2))
-#ifndef APL_TILES_ASYNC
-#define APL_TILES_ASYNC 1  // tiles regime: 1 = the next step's activations come in by cp.async during this
-#endif                     // step's mma (raw rows in shared memory, reordered there); 0 = loads at each step
-#ifndef APL_TILES_WGMMA
-#define APL_TILES_WGMMA 1  // tiles regime with APL_TILES_ASYNC, compiled for sm_90a: one warpgroup wgmma per k16
-#endif                     // slice, A from the dequantised registers, B the staged tokens in shared memory (measured
-                           // 1-18% faster at 4 bits, 7% mixed, -3%..+4% at 8 bits); 0 or another GPU: mma.sync
 #ifndef APL_GEMV_PDL
 #define APL_GEMV_PDL 1  // 1: each projection waits for its launch's prerequisite grid (griddepcontrol) where it
 #endif                  // first needs that grid's output, and lets its dependents launch at once (see gemv_cta)
@@ -804,11 +797,12 @@ __device__ __forceinline__ void gemv_warp(const BlockRef& blk, u32 w0a, u32 w0b,
 }
 
 // ---------------------------------------------------------------- wgmma (sm_90a), the tiles regime
-// APL_TILES_WGMMA: a pass's 8 * NT8 tokens are the N of one warpgroup wgmma.m64nNk16 per k16
-// slice, A (the CTA's 64 weight rows) from the registers the dequantisation fills, exactly
-// the mma.sync A fragments (warp w: rows 16w..16w+15), B (the staged activations) read by the
-// tensor cores from shared memory, so one instruction replaces NT8 mma.sync and their
-// activation loads. D: warp w's rows, 8-token chunk j in acc[j], the mma.sync C layout.
+// On sm_90a (APL_HAS_WGMMA) a pass's 8 * NT8 tokens are the N of one warpgroup wgmma.m64nNk16
+// per k16 slice, A (the CTA's 64 weight rows) from the registers the dequantisation fills,
+// exactly the mma.sync A fragments (warp w: rows 16w..16w+15), B (the staged activations) read
+// by the tensor cores from shared memory, so one instruction replaces NT8 mma.sync and their
+// activation loads (measured 1-18% faster at 4 bits, 7% mixed, -3%..+4% at 8 bits). D: warp w's
+// rows, 8-token chunk j in acc[j], the mma.sync C layout. Other GPUs run mma.sync (tiles_warp).
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define APL_HAS_WGMMA 1
 #else
@@ -926,7 +920,7 @@ __device__ __forceinline__ void tiles_warp(const BlockRef& blk, u32 w0a, u32 w0b
                                            int kw, const u16* xs, int tstride, int np, u32 (&b0)[2][2][8],
                                            float (&acc)[NT8][4], StageChunk stage_chunk) {
     const int steps = (kw + GV_STEP_WORDS - 1) / GV_STEP_WORDS;
-#if APL_TILES_WGMMA && APL_TILES_ASYNC && APL_HAS_WGMMA
+#if APL_HAS_WGMMA
     // One wgmma per k16 slice (stage_async's layout: slice 8 wi + s holds selector s of words
     // 2t + wi, t = 0..3, of every pass token). A stage is one selector pair's 8 A registers and
     // its two wgmma; one stage stays in flight while the next is dequantised. The step ends with
@@ -1106,14 +1100,14 @@ __device__ __forceinline__ void gemv_cta(
     // every one of them has started.
     if constexpr (MODE == 0) grid_dependency_wait();
     launch_dependents();
-    // APL_TILES_ASYNC: raw rows [token][word][4 chunks of 16 B] (chunk q at q ^ ((w >> 1) & 3)),
+    // The tiles regime's raw rows [token][word][4 chunks of 16 B] (chunk q at q ^ ((w >> 1) & 3)),
     // after the LUT rows, then each pass token's row offset in x (the host adds 512 + 8 * NT8 *
     // (512 + 4) bytes). Step s + 1 is copied in by cp.async while step s's mma run; at its turn
     // it is reordered into xs (shared to shared). A thread copies chunk q = tid % 4 of word
     // wl = tid / 4 % 8 of tokens tid / 32, + 4, + 8, ...
-    // WG (APL_TILES_WGMMA on sm_90a): raw rows padded to 528 bytes, so the wgmma staging's 8
-    // tokens per 8 threads read different banks.
-    constexpr bool WG = NT8 > 1 && APL_TILES_WGMMA && APL_TILES_ASYNC && APL_HAS_WGMMA;
+    // WG (wgmma, on sm_90a; other GPUs run mma.sync): raw rows padded to 528 bytes, so the wgmma
+    // staging's 8 tokens per 8 threads read different banks.
+    constexpr bool WG = NT8 > 1 && APL_HAS_WGMMA;
     constexpr int RAW_ROW = WG ? 264 : 256;  // u16 per token of raw
     // (Lambdas: raw_s and rowoff_s are still computed where stage_async first needs them, below;
     // computed here, before routing, they changed the tiles instances' SASS, nvcc 13.0.)
@@ -1179,37 +1173,6 @@ __device__ __forceinline__ void gemv_cta(
             for (int q = 0; q < 4; ++q) raw[q] = make_uint4(0u, 0u, 0u, 0u);
             if (w < kw && i < np) load_word(slots[p0 + i], w, raw);
             stage_word(raw, xs + i * tstride + w * 32, w);  // (its swizzle reads w mod 8 only)
-        }
-        __syncthreads();
-    };
-    // The tiles regime: step `step` (8 words) of tokens p0..p0+np-1 and the zero row after them,
-    // in the layout stage_split writes: a word's 32 values come in as 4 16-byte loads and are
-    // reordered by PRMT (stage_word).
-    auto stage_step = [&](int p0, int np, int step) {
-        // A batch's loads are all issued before its stores (one L2 round trip per batch, not
-        // per item). ITEMS = the most (token, word) items a thread can own; batches of SB
-        // keep the 5-8-bit kernels, whose next plane words take 64 registers, from spilling.
-        constexpr int ITEMS = ((GV_TOKENS * NT8 + 1) * GV_STEP_WORDS + GV_THREADS - 1) / GV_THREADS;
-        constexpr int SB = CLS == 0 ? ITEMS : (ITEMS < 3 ? ITEMS : 3);
-        if (step == 0) await_h();
-        __syncthreads();  // the previous step's mma are done with xs
-#pragma unroll
-        for (int b = 0; b < ITEMS; b += SB) {
-            uint4 raw[SB][4];
-#pragma unroll
-            for (int it = 0; it < SB; ++it) {
-                const int idx = tid + (b + it) * GV_THREADS, i = idx / GV_STEP_WORDS;
-                const int w = step * GV_STEP_WORDS + idx % GV_STEP_WORDS;
-#pragma unroll
-                for (int q = 0; q < 4; ++q) raw[it][q] = make_uint4(0u, 0u, 0u, 0u);
-                if (b + it < ITEMS && i < np && w < kw) load_word(slots[p0 + i], w, raw[it]);
-            }
-#pragma unroll
-            for (int it = 0; it < SB; ++it) {
-                const int idx = tid + (b + it) * GV_THREADS, i = idx / GV_STEP_WORDS, wl = idx % GV_STEP_WORDS;
-                if (b + it >= ITEMS || i > np) break;  // rows 0..np: the pass's tokens and the zero row
-                stage_word(raw[it], xs + i * tstride + wl * 32, wl);
-            }
         }
         __syncthreads();
     };
@@ -1293,8 +1256,7 @@ __device__ __forceinline__ void gemv_cta(
     };
     auto stage = [&](int p0, int np, int step) -> const u16* {
         if constexpr (NT8 == 1) stage_split(p0, np);
-        else if constexpr (APL_TILES_ASYNC) stage_async(p0, np, step);
-        else stage_step(p0, np, step);
+        else stage_async(p0, np, step);
         return xs;
     };
     // Partials: tokens 2t, 2t+1 of this pass, rows a and b (NaN for a block of bad bits).
