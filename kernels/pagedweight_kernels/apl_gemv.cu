@@ -58,15 +58,12 @@
 #define APL_GEMV_COMPACT 4  // decode ping-pong (gemv_warp), a bit per kernel class CLS (1 << CLS): one copy of
 #endif                      // the step's code, its two words in a rolled loop (less SASS to fetch cold; the
                             // merged kernel 214 -> 126 KB). Measured: faster for CLS 2, slower for CLS 0
-#ifndef APL_TILES_MIN_BLOCKS
-#define APL_TILES_MIN_BLOCKS 0  // CTAs per SM the register budget must allow in the tiles regime (NT8 > 1);
-#endif                          // 0 = per instance, APL_TILES_BLOCKS below
+// CTAs per SM the register budget must allow in the tiles regime (NT8 > 1), per instance:
 // 3 CTAs (<= 168 registers) for the 3-4-bit class at NT8 up to 8, else 2: the bodies holding 5-8-bit
 // blocks keep two rows' cell tables (CellLut) and spill 148 (5-8 bits) and 1728 bytes (merged) at
 // 168 registers even at NT8 2 (nvcc 13.0, sm_90a). NT8 12 (96-token passes, the 3-4-bit class
 // only: the host's TILES_WIDE_NT8) holds 48 accumulators a thread: 2 CTAs.
-#define APL_TILES_BLOCKS(CLS, NT8) \
-    (APL_TILES_MIN_BLOCKS > 0 ? APL_TILES_MIN_BLOCKS : (NT8) > 8 ? 2 : ((CLS) == 0 ? 3 : 2))
+#define APL_TILES_BLOCKS(CLS, NT8) ((NT8) > 8 ? 2 : ((CLS) == 0 ? 3 : 2))
 #ifndef APL_GEMV_PDL
 #define APL_GEMV_PDL 1  // 1: each projection waits for its launch's prerequisite grid (griddepcontrol) where it
 #endif                  // first needs that grid's output, and lets its dependents launch at once (see gemv_cta)
