@@ -67,11 +67,6 @@
 #ifndef APL_GEMV_PDL
 #define APL_GEMV_PDL 1  // 1: each projection waits for its launch's prerequisite grid (griddepcontrol) where it
 #endif                  // first needs that grid's output, and lets its dependents launch at once (see gemv_cta)
-#ifndef APL_GEMV_ORDER
-#define APL_GEMV_ORDER 5  // launches of the merged kernel (CLS 2), whose blocks differ in width: bit 0: active
-#endif                    // experts taken widest first (route_pick's HEAVY); bit 1: CTAs numbered expert-major (all
-                          // of an expert's row tiles and splits before the next); bit 2: in the tiles regime too
-                          // (else decode only); bit 3: the 5-8-bit kernel (CLS 1) too
 #ifndef APL_PLANE_HINT
 #define APL_PLANE_HINT 2  // the plane words' loads (load_step) in instances of at least APL_PLANE_HINT_MIN_NT8, and in
 #endif                    // the decode instances compiled for long splits (LONG): bit 0: L1::no_allocate; bit 1:
@@ -85,9 +80,6 @@
 #ifndef APL_PLANE_HINT_MIN_NT8
 #define APL_PLANE_HINT_MIN_NT8 8  // the instances APL_PLANE_HINT applies to: NT8 >= this (1: decode too)
 #endif
-#ifndef APL_GEMV_HEAVY_MIN_TOKENS
-#define APL_GEMV_HEAVY_MIN_TOKENS 2  // the heavy order (bit 0) in launches of at least this many tokens: at 1
-#endif                               // token it bought nothing at Mixtral size and cost 2-5% at Qwen1.5-MoE's
 #ifndef APL_TILES_GROUP
 #define APL_TILES_GROUP 4  // tiles regime: 8-token tiles whose mma chains interleave (activations in registers)
 #endif
@@ -521,7 +513,7 @@ __device__ __forceinline__ void route_mask(const long long* __restrict__ ids, in
     __syncthreads();
 }
 
-// HEAVY order (APL_GEMV_ORDER bit 0): the sort key of a block of these bits, widest first; bits
+// HEAVY order (the merged kernel's, gemv_entry): the sort key of a block of these bits, widest first; bits
 // outside 3..8 (a block whose CTAs only write NaN) first of all.
 __device__ __forceinline__ int heavy_key(long long bits) { return bits < 3 || bits > 8 ? 0 : 9 - (int)bits; }
 
@@ -1110,8 +1102,9 @@ __device__ __forceinline__ void gemv_cta(
     // computed here, before routing, they changed the tiles instances' SASS, nvcc 13.0.)
     auto raw_rows_at = [&]() { return lut_s + GV_ROWS * lut_entries; };
     auto row_offsets_at = [&](u16* raw) { return reinterpret_cast<int*>(raw + stage_tokens * RAW_ROW); };
+    // HEAVY from 2 tokens: at 1 token it bought nothing at Mixtral size and cost 2-5% at Qwen1.5-MoE's.
     const Route route = route_cta<BATCH, HEAVY>(topk_ids, num_assign, num_experts, by, slots, present, scratch, desc,
-                                                num_tokens >= APL_GEMV_HEAVY_MIN_TOKENS);
+                                                num_tokens >= 2);
     auto await_h = [&]() {
         if constexpr (MODE == 1) grid_dependency_wait();
     };
@@ -1473,21 +1466,13 @@ __device__ __forceinline__ void gemv_entry(APL_GEMV_ENTRY_PARAMS, int gx) {
     __shared__ u32 present[32];
     __shared__ int scratch[8];
     __shared__ int last_flag;
-    // APL_GEMV_ORDER: the kernels whose blocks may differ in width, at decode (and bit 2: tiles).
-    constexpr bool ORDERED = (CLS == 2 || (CLS == 1 && (APL_GEMV_ORDER & 8) != 0)) &&
-                             (NT8 == 1 || (APL_GEMV_ORDER & 4) != 0);
-    constexpr bool HEAVY = ORDERED && (APL_GEMV_ORDER & 1) != 0;
-    // Bit 1, expert-major: the host launches the grid as (row tiles, splits, active experts), so CTAs,
-    // which start in about linear order, take every row tile and split of one expert before the next.
-    // (The indices stay special registers: computed from a linear index, they stayed live through
-    // the step loop and the merged gate_up spilled 80 bytes; nvcc 13.0.)
-    constexpr bool EXPERT_MAJOR = ORDERED && (APL_GEMV_ORDER & 2) != 0;
+    // HEAVY: the merged kernel (CLS 2), whose blocks differ in width, takes its active experts widest
+    // first (route_pick), in decode and the tiles regime alike, so a launch ends on short CTAs.
+    constexpr bool HEAVY = CLS == 2;
     gemv_cta<CLS, MODE, BF16, V2, NT8, HEAVY, LONG>(desc, topk_ids, num_assign, top_k, num_experts, x, rows_out,
                                                            cols, split_words, lut_entries, stage_tokens, part, counters,
                                                            h_out, topk_w, w_kind, num_tokens, out, zero_fill, blockIdx.x,
-                                                           EXPERT_MAJOR ? blockIdx.z : blockIdx.y,
-                                                           EXPERT_MAJOR ? blockIdx.y : blockIdx.z,
-                                                           EXPERT_MAJOR ? gridDim.y : gridDim.z, gx, present, scratch,
+                                                           blockIdx.y, blockIdx.z, gridDim.z, gx, present, scratch,
                                                            last_flag);
 }
 #define APL_GEMV_ENTRY_ARGS                                                                                   \

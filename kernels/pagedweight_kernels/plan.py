@@ -28,7 +28,7 @@ REGIMES = ("gemv", "tiles", "staged", "prefill")
 # expert-major grids), programmatic launches compiled in (launch.programmatic_projections) and the
 # L2::256B plane hint the long-split instances exist for (long_split). The variants the other values
 # select were measured slower (docs/kernel.md) and are unreachable from here.
-GEMV_SOURCE_DEFAULTS = {"APL_GEMV_ORDER": 5, "APL_GEMV_PDL": 1, "APL_PLANE_HINT": 2, "APL_PLANE_HINT_MIN_NT8": 8}
+GEMV_SOURCE_DEFAULTS = {"APL_GEMV_PDL": 1, "APL_PLANE_HINT": 2, "APL_PLANE_HINT_MIN_NT8": 8}
 FORCED_REGIMES = (None, "prefill")  # what apl_moe's `regime` argument may ask for
 THREADS = 256  # the prefill kernel's and moe_combine's CTA
 # The prefill kernel (apl_moe.cu): token tiles by tokens per expert, 64 weight rows a CTA.
