@@ -54,10 +54,6 @@
 #ifndef APL_GEMV_CELL_BLOCKS
 #define APL_GEMV_CELL_BLOCKS 3
 #endif
-#ifndef APL_GEMV_COMPACT
-#define APL_GEMV_COMPACT 4  // decode ping-pong (gemv_warp), a bit per kernel class CLS (1 << CLS): one copy of
-#endif                      // the step's code, its two words in a rolled loop (less SASS to fetch cold; the
-                            // merged kernel 214 -> 126 KB). Measured: faster for CLS 2, slower for CLS 0
 // CTAs per SM the register budget must allow in the tiles regime (NT8 > 1), per instance:
 // 3 CTAs (<= 168 registers) for the 3-4-bit class at NT8 up to 8, else 2: the bodies holding 5-8-bit
 // blocks keep two rows' cell tables (CellLut) and spill 148 (5-8 bits) and 1728 bytes (merged) at
@@ -727,7 +723,7 @@ __device__ __forceinline__ void compute_step(const Lut& la, const Lut& lb, const
         compute_word<B, BF16>(la, lb, xs, tstride, x_row, buf[0][wi], buf[1][wi], step * GV_STEP_WORDS + 2 * t + wi, acc);
 }
 
-// APL_GEMV_COMPACT: the same words in the same order, with the two words of a step in a rolled
+// COMPACT (gemv_warp): the same words in the same order, with the two words of a step in a rolled
 // loop (word 1 picked by SEL, not by unrolling), so the step's code exists once.
 template <int B, bool BF16, class Lut>
 __device__ __forceinline__ void compute_step_rolled(const Lut& la, const Lut& lb, const u16* xs, int tstride,
@@ -1262,7 +1258,10 @@ __device__ __forceinline__ void gemv_cta(
     };
     // The register LUTs' entries are loaded here and built after the first staging (run_passes),
     // so their loads overlap it.
-    constexpr bool COMPACT = (APL_GEMV_COMPACT >> CLS) & 1;
+    // COMPACT: the merged kernel's decode ping-pong keeps one copy of the step's code, its two words
+    // in a rolled loop (less SASS to fetch cold: 214 -> 126 KB); measured faster for CLS 2, slower
+    // for CLS 0.
+    constexpr bool COMPACT = CLS == 2;
     auto reg_lut = [&](auto& la, auto& lb) {
         la.fetch(blk.lut + (long long)rowa * lut_row_entries(blk.bits), va);
         lb.fetch(blk.lut + (long long)rowb * lut_row_entries(blk.bits), vb);
