@@ -60,9 +60,6 @@
 // 168 registers even at NT8 2 (nvcc 13.0, sm_90a). NT8 12 (96-token passes, the 3-4-bit class
 // only: the host's TILES_WIDE_NT8) holds 48 accumulators a thread: 2 CTAs.
 #define APL_TILES_BLOCKS(CLS, NT8) ((NT8) > 8 ? 2 : ((CLS) == 0 ? 3 : 2))
-#ifndef APL_GEMV_PDL
-#define APL_GEMV_PDL 1  // 1: each projection waits for its launch's prerequisite grid (griddepcontrol) where it
-#endif                  // first needs that grid's output, and lets its dependents launch at once (see gemv_cta)
 #ifndef APL_PLANE_HINT
 #define APL_PLANE_HINT 2  // the plane words' loads (load_step) in instances of at least APL_PLANE_HINT_MIN_NT8, and in
 #endif                    // the decode instances compiled for long splits (LONG): bit 0: L1::no_allocate; bit 1:
@@ -165,12 +162,12 @@ __device__ __forceinline__ void mbar_wait(unsigned long long*, u32) {}
 // launch_dependents: the grid launched after this one with the attribute may start once every
 // CTA of this grid has executed it (or exited), on the SM slots this grid's CTAs free.
 __device__ __forceinline__ void grid_dependency_wait() {
-#if APL_GEMV_PDL && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
 }
 __device__ __forceinline__ void launch_dependents() {
-#if APL_GEMV_PDL && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }
@@ -1077,7 +1074,7 @@ __device__ __forceinline__ void gemv_cta(
     // the tiles regime only: measured 2-29% faster there, and at decode (<= 128 ids, the
     // epilogue's few items) 1-5% slower at Mixtral sizes (docs/kernel.md).
     constexpr bool BATCH = NT8 > 1;
-    // APL_GEMV_PDL, with the host's launch attribute (GEMV_PDL): gate_up waits for the grid before
+    // Programmatic dependent launch, with the host's launch attribute: gate_up waits for the grid before
     // it (the router's output) before it reads anything; down reads only what existed before
     // gate_up started (routing, descriptors, LUTs, planes) until await_h, before its first read of
     // h and its first global write, so its prologue runs while gate_up's last CTAs finish. Both let
@@ -1143,8 +1140,8 @@ __device__ __forceinline__ void gemv_cta(
         const long long xrow = MODE == 0 ? slot / top_k : slot;
         const uint4* src = reinterpret_cast<const uint4*>(x + xrow * cols + (long long)(c0w + w) * 32);
 #pragma unroll
-        for (int q = 0; q < 4; ++q)  // h, written (APL_GEMV_PDL) by a grid that ran while this one
-            raw[q] = (APL_GEMV_PDL && MODE == 1) ? __ldcg(src + q) : __ldg(src + q);  // started: L2, not L1/nc
+        for (int q = 0; q < 4; ++q)  // h, written by a grid that ran while this one started: L2, not L1/nc
+            raw[q] = MODE == 1 ? __ldcg(src + q) : __ldg(src + q);
     };
     auto stage_split = [&](int p0, int np) {
         if (p0 == 0) await_h();
