@@ -22,13 +22,16 @@ from pagedweight_kernels.layer import GEMV_ROWS, APLKernelError, APLLayer, bit_c
 
 REGIMES = ("gemv", "tiles", "staged", "prefill")
 # What this planning assumes of apl_gemv.cu's compile-time defaults (the host passes none of them, so
-# the source's #ifndef defaults are what runs): the L2::256B plane hint the long-split instances exist
-# for (long_split) and the tiles instances from 64-token passes take. The source has no other
-# apl_gemv knob: the tiles regime on wgmma with its raw rows of 528 bytes a token (gemv_extra_shared,
-# compile.wgmma_build), one 128-thread CTA per work item in the planned grid order and programmatic
-# launches compiled in (launch.programmatic_projections) are what it always does; the variants
-# measured slower are gone (docs/kernel.md keeps their rows).
-GEMV_SOURCE_DEFAULTS = {"APL_PLANE_HINT": 2, "APL_PLANE_HINT_MIN_NT8": 8}
+# the source's #ifndef defaults are what runs): decode CTAs an SM, 4 for the 3-4-bit kernel and 3 for
+# those holding 5-8-bit blocks (KernelConfig's gemv_target_ctas and gemv_cell_target_ctas are a wave of
+# them), and the L2::256B plane hint the long-split instances exist for (long_split) and the tiles
+# instances from 64-token passes take. The rest is what the source always does: the tiles regime on
+# wgmma with its raw rows of 528 bytes a token (gemv_extra_shared, compile.wgmma_build), one
+# 128-thread CTA per work item in the planned grid order, programmatic launches compiled in
+# (launch.programmatic_projections); the variants measured slower are gone (docs/kernel.md keeps
+# their rows).
+GEMV_SOURCE_DEFAULTS = {"APL_GEMV_MIN_BLOCKS": 4, "APL_GEMV_CELL_BLOCKS": 3, "APL_PLANE_HINT": 2,
+                        "APL_PLANE_HINT_MIN_NT8": 8}
 FORCED_REGIMES = (None, "prefill")  # what apl_moe's `regime` argument may ask for
 THREADS = 256  # the prefill kernel's and moe_combine's CTA
 # The prefill kernel (apl_moe.cu): token tiles by tokens per expert, 64 weight rows a CTA.
