@@ -1450,15 +1450,17 @@ __device__ __forceinline__ void gemv_cta(
     }
 }
 
-// The entry of one projection's launch: grid (row tiles, max active experts, column splits), 128 threads; gx =
-// the row tiles gemv_cta indexes its counters by.
-#define APL_GEMV_ENTRY_PARAMS                                                                                 \
-    const long long* __restrict__ desc, const long long* __restrict__ topk_ids, int num_assign, int top_k,    \
-    int num_experts, const u16* __restrict__ x, int rows_out, int cols, int split_words, int lut_entries,     \
-    int stage_tokens, float* __restrict__ part, int* __restrict__ counters, u16* __restrict__ h_out,          \
-    const void* __restrict__ topk_w, int w_kind, int num_tokens, u16* __restrict__ out, int zero_fill
+// One launch per projection: grid (row tiles, max active experts, column splits), 128 threads.
+// LONG (decode only): the instance for column splits of at least GEMV_LONG_SPLIT_WORDS, whose
+// plane loads take APL_PLANE_HINT's qualifiers (load_hint); the host picks it from the plan, so a
+// launch's instance never depends on the layer's bits.
 template <int CLS, int MODE, bool BF16, bool V2, int NT8, bool LONG = false>
-__device__ __forceinline__ void gemv_entry(APL_GEMV_ENTRY_PARAMS, int gx) {
+__global__ void __launch_bounds__(GV_THREADS, NT8 == 1 ? (CLS == 0 ? APL_GEMV_MIN_BLOCKS : APL_GEMV_CELL_BLOCKS) : APL_TILES_BLOCKS(CLS, NT8)) apl_gemv(
+    const long long* __restrict__ desc, const long long* __restrict__ topk_ids, int num_assign, int top_k,
+    int num_experts, const u16* __restrict__ x, int rows_out, int cols, int split_words, int lut_entries,
+    int stage_tokens, float* __restrict__ part, int* __restrict__ counters, u16* __restrict__ h_out,
+    const void* __restrict__ topk_w, int w_kind, int num_tokens, u16* __restrict__ out, int zero_fill) {
+    static_assert(!LONG || NT8 == 1, "LONG instances are decode instances (the tiles' hint is APL_PLANE_HINT_MIN_NT8's)");
     __shared__ u32 present[32];
     __shared__ int scratch[8];
     __shared__ int last_flag;
@@ -1466,21 +1468,8 @@ __device__ __forceinline__ void gemv_entry(APL_GEMV_ENTRY_PARAMS, int gx) {
     // first (route_pick), in decode and the tiles regime alike, so a launch ends on short CTAs.
     constexpr bool HEAVY = CLS == 2;
     gemv_cta<CLS, MODE, BF16, V2, NT8, HEAVY, LONG>(desc, topk_ids, num_assign, top_k, num_experts, x, rows_out,
-                                                           cols, split_words, lut_entries, stage_tokens, part, counters,
-                                                           h_out, topk_w, w_kind, num_tokens, out, zero_fill, blockIdx.x,
-                                                           blockIdx.y, blockIdx.z, gridDim.z, gx, present, scratch,
-                                                           last_flag);
-}
-#define APL_GEMV_ENTRY_ARGS                                                                                   \
-    desc, topk_ids, num_assign, top_k, num_experts, x, rows_out, cols, split_words, lut_entries, stage_tokens, \
-    part, counters, h_out, topk_w, w_kind, num_tokens, out, zero_fill
-
-// One launch per projection. LONG (decode only): the instance for column splits of at least
-// GEMV_LONG_SPLIT_WORDS, whose plane loads take APL_PLANE_HINT's qualifiers (load_hint); the
-// host picks it from the plan, so a launch's instance never depends on the layer's bits.
-template <int CLS, int MODE, bool BF16, bool V2, int NT8, bool LONG = false>
-__global__ void __launch_bounds__(GV_THREADS, NT8 == 1 ? (CLS == 0 ? APL_GEMV_MIN_BLOCKS : APL_GEMV_CELL_BLOCKS) : APL_TILES_BLOCKS(CLS, NT8)) apl_gemv(
-    APL_GEMV_ENTRY_PARAMS) {
-    static_assert(!LONG || NT8 == 1, "LONG instances are decode instances (the tiles' hint is APL_PLANE_HINT_MIN_NT8's)");
-    gemv_entry<CLS, MODE, BF16, V2, NT8, LONG>(APL_GEMV_ENTRY_ARGS, gridDim.x);
+                                                    cols, split_words, lut_entries, stage_tokens, part, counters,
+                                                    h_out, topk_w, w_kind, num_tokens, out, zero_fill, blockIdx.x,
+                                                    blockIdx.y, blockIdx.z, gridDim.z, gridDim.x, present, scratch,
+                                                    last_flag);
 }
