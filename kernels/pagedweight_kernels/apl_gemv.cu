@@ -1031,6 +1031,158 @@ __device__ __forceinline__ void run_passes(const BlockRef& blk, u32 w0a, u32 w0b
     }
 }
 
+// ---------------------------------------------------------------- the reductions
+// The last CTA to finish its work item's contributions (gemv_cta) sums the splits' fp32 partials.
+// The reductions' partials come from L2. BATCH: a round holds U items of a
+// thread and the partials of up to SU splits (gate_up) or PU (expert, split) pairs (down) of
+// each, all loaded before any is summed: one L2 round trip per round, where every split of
+// every item was one (the Nsight samples of the 256-token layers had up to 45% of a
+// launch's warps waiting there). The sums run in the same order: the same bits.
+// gate_up: h[slot] = act(gate) * up over this row tile's rows, for the CTA's expert's `count` slots.
+template <bool BF16, bool BATCH>
+__device__ __forceinline__ void reduce_gate_up(const float* __restrict__ part, const int* slots, int count, int num_assign,
+                                               int rows_w, int rows_out, int r0, int rpc, int splits,
+                                               u16* __restrict__ h_out) {
+    const int tid = threadIdx.x;
+    constexpr int U = 4, SU = 4;
+    if constexpr (BATCH) {
+        const int n_items = count * rpc;
+        const long long split_stride = (long long)num_assign * rows_w;
+        for (int idx0 = tid; idx0 < n_items; idx0 += U * GV_THREADS) {
+            float gs[U], us[U];
+            const float* p[U];
+            bool ok[U];
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const int idx = idx0 + u * GV_THREADS, c = idx % rpc;
+                ok[u] = idx < n_items && r0 + c < rows_out;
+                p[u] = part + (long long)(ok[u] ? slots[idx / rpc] : 0) * rows_w + r0 + c;
+                gs[u] = 0.f;
+                us[u] = 0.f;
+            }
+            for (int s0 = 0; s0 < splits; s0 += SU) {
+                float g[SU][U], v[SU][U];
+#pragma unroll
+                for (int s = 0; s < SU; ++s)
+#pragma unroll
+                    for (int u = 0; u < U; ++u) {
+                        const bool in = ok[u] && s0 + s < splits;
+                        g[s][u] = in ? __ldcg(p[u] + (s0 + s) * split_stride) : 0.f;
+                        v[s][u] = in ? __ldcg(p[u] + (s0 + s) * split_stride + rows_out) : 0.f;
+                    }
+#pragma unroll
+                for (int s = 0; s < SU; ++s)
+#pragma unroll
+                    for (int u = 0; u < U; ++u)
+                        if (s0 + s < splits) {
+                            gs[u] += g[s][u];
+                            us[u] += v[s][u];
+                        }
+            }
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const int idx = idx0 + u * GV_THREADS;
+                if (ok[u])
+                    h_out[(long long)slots[idx / rpc] * rows_out + r0 + idx % rpc] = float_to_act<BF16>(gate_act(gs[u]) * us[u]);
+            }
+        }
+    } else {
+        for (int idx = tid; idx < count * rpc; idx += GV_THREADS) {
+            const int i = idx / rpc, c = idx % rpc;
+            if (r0 + c >= rows_out) continue;
+            const int slot = slots[i];
+            float gs = 0.f, us = 0.f;
+            for (int s = 0; s < splits; ++s) {
+                const float* p = part + ((long long)s * num_assign + slot) * rows_w;
+                gs += __ldcg(p + r0 + c);
+                us += __ldcg(p + rows_out + r0 + c);
+            }
+            h_out[(long long)slot * rows_out + r0 + c] = float_to_act<BF16>(gate_act(gs) * us);
+        }
+    }
+}
+
+// down: out[t] = sum_j w[t, j] * sum_split y over this row tile's rows, every token, in a fixed order.
+template <bool BF16, bool BATCH>
+__device__ __forceinline__ void reduce_down(const float* __restrict__ part, const long long* __restrict__ topk_ids,
+                                            const void* __restrict__ topk_w, int w_kind, int num_tokens, int top_k,
+                                            int num_experts, int num_assign, int rows_w, int rows_out, int r0, int rpc,
+                                            int splits, u16* __restrict__ out) {
+    const int tid = threadIdx.x;
+    constexpr int U = 4, PU = 4;
+    auto weight_of = [&](int slot) {
+        return w_kind == 0 ? reinterpret_cast<const float*>(topk_w)[slot]
+             : w_kind == 1 ? bf16_to_float(reinterpret_cast<const u16*>(topk_w)[slot])
+                           : half_to_float(reinterpret_cast<const u16*>(topk_w)[slot]);
+    };
+    if constexpr (BATCH) {
+        // Pair q = (expert j, split s) in the order below (j outer): the partials of a slot with
+        // an invalid expert id are loaded too (the buffer holds every slot) and dropped unread.
+        const int n_items = num_tokens * rpc, pairs = top_k * splits;
+        for (int idx0 = tid; idx0 < n_items; idx0 += U * GV_THREADS) {
+            int tk[U], c[U];
+            bool ok[U];
+            float sum[U], v[U];
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const int idx = idx0 + u * GV_THREADS;
+                tk[u] = idx / rpc;
+                c[u] = idx % rpc;
+                ok[u] = idx < n_items && r0 + c[u] < rows_out;
+                sum[u] = 0.f;
+                v[u] = 0.f;
+            }
+            for (int q0 = 0; q0 < pairs; q0 += PU) {
+                long long e[PU][U];
+                float y[PU][U], wt[PU][U];
+#pragma unroll
+                for (int q = 0; q < PU; ++q) {
+                    const int j = (q0 + q) / splits, s = q0 + q - j * splits;
+#pragma unroll
+                    for (int u = 0; u < U; ++u) {
+                        const bool in = ok[u] && q0 + q < pairs;
+                        const int slot = tk[u] * top_k + j;
+                        e[q][u] = in ? topk_ids[slot] : -1;
+                        y[q][u] = in ? __ldcg(part + ((long long)s * num_assign + slot) * rows_w + r0 + c[u]) : 0.f;
+                        wt[q][u] = in ? weight_of(slot) : 0.f;
+                    }
+                }
+#pragma unroll
+                for (int q = 0; q < PU; ++q) {
+                    if (q0 + q >= pairs) break;
+                    const int j = (q0 + q) / splits, s = q0 + q - j * splits;
+#pragma unroll
+                    for (int u = 0; u < U; ++u) {
+                        v[u] += y[q][u];
+                        if (s == splits - 1) {  // expert j's partials summed
+                            if (e[q][u] >= 0 && e[q][u] < num_experts) sum[u] += wt[q][u] * v[u];
+                            v[u] = 0.f;
+                        }
+                    }
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < U; ++u)
+                if (ok[u]) out[(long long)tk[u] * rows_out + r0 + c[u]] = float_to_act<BF16>(sum[u]);
+        }
+    } else {
+        for (int idx = tid; idx < num_tokens * rpc; idx += GV_THREADS) {
+            const int tk = idx / rpc, c = idx % rpc;
+            if (r0 + c >= rows_out) continue;
+            float sum = 0.f;
+            for (int j = 0; j < top_k; ++j) {
+                const int slot = tk * top_k + j;
+                const long long e = topk_ids[slot];
+                if (e < 0 || e >= num_experts) continue;
+                float v = 0.f;
+                for (int s = 0; s < splits; ++s) v += __ldcg(part + ((long long)s * num_assign + slot) * rows_w + r0 + c);
+                sum += weight_of(slot) * v;
+            }
+            out[(long long)tk * rows_out + r0 + c] = float_to_act<BF16>(sum);
+        }
+    }
+}
+
 // ---------------------------------------------------------------- the kernel
 // Grid (row tiles, max active experts, column splits), 128 threads.
 // MODE 0: rows_out = I, weight rows 2I (gate rows then up rows); the CTA's 64 weight rows
@@ -1313,141 +1465,11 @@ __device__ __forceinline__ void gemv_cta(
     } else {
         __syncthreads();
     }
-    // The reductions' partials come from L2. BATCH: a round holds U items of a
-    // thread and the partials of up to SU splits (gate_up) or PU (expert, split) pairs (down) of
-    // each, all loaded before any is summed: one L2 round trip per round, where every split of
-    // every item was one (the Nsight samples of the 256-token layers had up to 45% of a
-    // launch's warps waiting there). The sums run in the same order: the same bits.
-    constexpr int U = 4, SU = 4, PU = 4;
-    if (MODE == 0) {
-        if constexpr (BATCH) {
-            const int n_items = route.count * rpc;
-            const long long split_stride = (long long)num_assign * rows_w;
-            for (int idx0 = tid; idx0 < n_items; idx0 += U * GV_THREADS) {
-                float gs[U], us[U];
-                const float* p[U];
-                bool ok[U];
-#pragma unroll
-                for (int u = 0; u < U; ++u) {
-                    const int idx = idx0 + u * GV_THREADS, c = idx % rpc;
-                    ok[u] = idx < n_items && r0 + c < rows_out;
-                    p[u] = part + (long long)(ok[u] ? slots[idx / rpc] : 0) * rows_w + r0 + c;
-                    gs[u] = 0.f;
-                    us[u] = 0.f;
-                }
-                for (int s0 = 0; s0 < splits; s0 += SU) {
-                    float g[SU][U], v[SU][U];
-#pragma unroll
-                    for (int s = 0; s < SU; ++s)
-#pragma unroll
-                        for (int u = 0; u < U; ++u) {
-                            const bool in = ok[u] && s0 + s < splits;
-                            g[s][u] = in ? __ldcg(p[u] + (s0 + s) * split_stride) : 0.f;
-                            v[s][u] = in ? __ldcg(p[u] + (s0 + s) * split_stride + rows_out) : 0.f;
-                        }
-#pragma unroll
-                    for (int s = 0; s < SU; ++s)
-#pragma unroll
-                        for (int u = 0; u < U; ++u)
-                            if (s0 + s < splits) {
-                                gs[u] += g[s][u];
-                                us[u] += v[s][u];
-                            }
-                }
-#pragma unroll
-                for (int u = 0; u < U; ++u) {
-                    const int idx = idx0 + u * GV_THREADS;
-                    if (ok[u])
-                        h_out[(long long)slots[idx / rpc] * rows_out + r0 + idx % rpc] = float_to_act<BF16>(gate_act(gs[u]) * us[u]);
-                }
-            }
-        } else {
-            for (int idx = tid; idx < route.count * rpc; idx += GV_THREADS) {
-                const int i = idx / rpc, c = idx % rpc;
-                if (r0 + c >= rows_out) continue;
-                const int slot = slots[i];
-                float gs = 0.f, us = 0.f;
-                for (int s = 0; s < splits; ++s) {
-                    const float* p = part + ((long long)s * num_assign + slot) * rows_w;
-                    gs += __ldcg(p + r0 + c);
-                    us += __ldcg(p + rows_out + r0 + c);
-                }
-                h_out[(long long)slot * rows_out + r0 + c] = float_to_act<BF16>(gate_act(gs) * us);
-            }
-        }
-    } else {
-        auto weight_of = [&](int slot) {
-            return w_kind == 0 ? reinterpret_cast<const float*>(topk_w)[slot]
-                 : w_kind == 1 ? bf16_to_float(reinterpret_cast<const u16*>(topk_w)[slot])
-                               : half_to_float(reinterpret_cast<const u16*>(topk_w)[slot]);
-        };
-        if constexpr (BATCH) {
-            // Pair q = (expert j, split s) in the order below (j outer): the partials of a slot with
-            // an invalid expert id are loaded too (the buffer holds every slot) and dropped unread.
-            const int n_items = num_tokens * rpc, pairs = top_k * splits;
-            for (int idx0 = tid; idx0 < n_items; idx0 += U * GV_THREADS) {
-                int tk[U], c[U];
-                bool ok[U];
-                float sum[U], v[U];
-#pragma unroll
-                for (int u = 0; u < U; ++u) {
-                    const int idx = idx0 + u * GV_THREADS;
-                    tk[u] = idx / rpc;
-                    c[u] = idx % rpc;
-                    ok[u] = idx < n_items && r0 + c[u] < rows_out;
-                    sum[u] = 0.f;
-                    v[u] = 0.f;
-                }
-                for (int q0 = 0; q0 < pairs; q0 += PU) {
-                    long long e[PU][U];
-                    float y[PU][U], wt[PU][U];
-#pragma unroll
-                    for (int q = 0; q < PU; ++q) {
-                        const int j = (q0 + q) / splits, s = q0 + q - j * splits;
-#pragma unroll
-                        for (int u = 0; u < U; ++u) {
-                            const bool in = ok[u] && q0 + q < pairs;
-                            const int slot = tk[u] * top_k + j;
-                            e[q][u] = in ? topk_ids[slot] : -1;
-                            y[q][u] = in ? __ldcg(part + ((long long)s * num_assign + slot) * rows_w + r0 + c[u]) : 0.f;
-                            wt[q][u] = in ? weight_of(slot) : 0.f;
-                        }
-                    }
-#pragma unroll
-                    for (int q = 0; q < PU; ++q) {
-                        if (q0 + q >= pairs) break;
-                        const int j = (q0 + q) / splits, s = q0 + q - j * splits;
-#pragma unroll
-                        for (int u = 0; u < U; ++u) {
-                            v[u] += y[q][u];
-                            if (s == splits - 1) {  // expert j's partials summed
-                                if (e[q][u] >= 0 && e[q][u] < num_experts) sum[u] += wt[q][u] * v[u];
-                                v[u] = 0.f;
-                            }
-                        }
-                    }
-                }
-#pragma unroll
-                for (int u = 0; u < U; ++u)
-                    if (ok[u]) out[(long long)tk[u] * rows_out + r0 + c[u]] = float_to_act<BF16>(sum[u]);
-            }
-        } else {
-            for (int idx = tid; idx < num_tokens * rpc; idx += GV_THREADS) {
-                const int tk = idx / rpc, c = idx % rpc;
-                if (r0 + c >= rows_out) continue;
-                float sum = 0.f;
-                for (int j = 0; j < top_k; ++j) {
-                    const int slot = tk * top_k + j;
-                    const long long e = topk_ids[slot];
-                    if (e < 0 || e >= num_experts) continue;
-                    float v = 0.f;
-                    for (int s = 0; s < splits; ++s) v += __ldcg(part + ((long long)s * num_assign + slot) * rows_w + r0 + c);
-                    sum += weight_of(slot) * v;
-                }
-                out[(long long)tk * rows_out + r0 + c] = float_to_act<BF16>(sum);
-            }
-        }
-    }
+    if constexpr (MODE == 0)
+        reduce_gate_up<BF16, BATCH>(part, slots, route.count, num_assign, rows_w, rows_out, r0, rpc, splits, h_out);
+    else
+        reduce_down<BF16, BATCH>(part, topk_ids, topk_w, w_kind, num_tokens, top_k, num_experts, num_assign, rows_w,
+                                 rows_out, r0, rpc, splits, out);
 }
 
 // One launch per projection: grid (row tiles, max active experts, column splits), 128 threads.
