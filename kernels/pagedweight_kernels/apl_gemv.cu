@@ -1031,6 +1031,139 @@ __device__ __forceinline__ void run_passes(const BlockRef& blk, u32 w0a, u32 w0b
     }
 }
 
+// ---------------------------------------------------------------- staging the activations
+// Decode: tokens p0..p0+np-1 of the pass (and a zero row after them), the whole split, into xs:
+// xs[i][w] holds, for selector s of word w, the act values of columns sel_col(s, 0..3). A (token,
+// word) item is the word's 32 values as 4 16-byte loads (x is checked 16-byte aligned; a word is
+// 64 bytes), reordered into the mma slices' layout by stage_word (8 items a word of 4 scattered
+// 2-byte loads each were 3-11% slower at every decode shape, docs/kernel.md). x: the tokens' rows
+// (gate_up, by slot / top_k) or h's rows (down, by slot), h written by the grid before this one.
+template <int MODE>
+__device__ __forceinline__ void stage_split(const u16* __restrict__ x, const int* slots, int top_k, int cols, int c0w,
+                                            int kw, u16* xs, int tstride, int p0, int np) {
+    const int tid = threadIdx.x;
+    const int kwp = (kw + GV_STEP_WORDS - 1) / GV_STEP_WORDS * GV_STEP_WORDS;
+    if constexpr (MODE == 1) {
+        if (p0 == 0) grid_dependency_wait();  // down: h is the grid before's output
+    }
+    __syncthreads();  // LUT written; the previous pass is done with xs
+    for (int idx = tid; idx < (np + 1) * kwp; idx += GV_THREADS) {
+        const int i = idx / kwp, w = idx % kwp;
+        uint4 raw[4];
+#pragma unroll
+        for (int q = 0; q < 4; ++q) raw[q] = make_uint4(0u, 0u, 0u, 0u);
+        if (w < kw && i < np) {
+            const int slot = slots[p0 + i];
+            const long long xrow = MODE == 0 ? slot / top_k : slot;
+            const uint4* src = reinterpret_cast<const uint4*>(x + xrow * cols + (long long)(c0w + w) * 32);
+#pragma unroll
+            for (int q = 0; q < 4; ++q)  // h, written by a grid that ran while this one started: L2, not L1/nc
+                raw[q] = MODE == 1 ? __ldcg(src + q) : __ldg(src + q);
+        }
+        stage_word(raw, xs + i * tstride + w * 32, w);  // (its swizzle reads w mod 8 only)
+    }
+    __syncthreads();
+}
+
+// The tiles regime: one step (8 words) of a pass's tokens at a time. Raw rows [token][word][4
+// chunks of 16 B] (chunk q at q ^ ((w >> 1) & 3)) after the LUT rows, then each pass token's row
+// offset in x (the host adds 512 + 8 * NT8 * (512 + 4) bytes). Step s + 1 is copied in by
+// cp.async while step s's mma run; at its turn it is reordered into xs (shared to shared). A
+// thread copies chunk q = tid % 4 of word wl = tid / 4 % 8 of tokens tid / 32, + 4, + 8, ...
+// WG (wgmma, on sm_90a; other GPUs run mma.sync): raw rows padded to 528 bytes, so the wgmma
+// staging's 8 tokens per 8 threads read different banks.
+template <int MODE, int NT8>
+struct TilesStager {
+    static constexpr bool WG = NT8 > 1 && APL_HAS_WGMMA;
+    static constexpr int RAW_ROW = WG ? 264 : 256;  // u16 per token of raw
+    static constexpr int CP_TOKENS = GV_THREADS / 32;  // tokens a round of copies
+    const u16* __restrict__ x;
+    const int* slots;
+    u16* xs;
+    u16* raw_s;
+    int* rowoff_s;
+    int top_k, cols, c0w, kw;
+
+    // The copies of step `step` of the pass's np tokens, one commit group.
+    __device__ __forceinline__ void issue(int np, int step) const {
+        const int tid = threadIdx.x, cp_wl = (tid >> 2) & 7, cp_q = tid & 3;
+        const int cp_t0 = tid >> 5;  // this thread's first token
+        const u32 cp_dst = shared_addr(raw_s + cp_wl * 32 + (cp_q ^ ((cp_wl >> 1) & 3)) * 8);
+        const int w = step * GV_STEP_WORDS + cp_wl;
+        const bool ok = w < kw;  // words past the split: zeros
+        const u16* src = x + (ok ? (c0w + w) * 32 + cp_q * 8 : 0);
+        // The row offsets of 4 tokens are read before their 4 copies issue (each copy's "memory"
+        // clobber kept the next token's shared read behind it: a shared round trip per token).
+        for (int i0 = cp_t0; i0 < np; i0 += 4 * CP_TOKENS) {
+            int off[4];
+#pragma unroll
+            for (int u = 0; u < 4; ++u) off[u] = ok && i0 + u * CP_TOKENS < np ? rowoff_s[i0 + u * CP_TOKENS] : 0;
+#pragma unroll
+            for (int u = 0; u < 4; ++u)
+                if (i0 + u * CP_TOKENS < np) cp_async16(cp_dst + (i0 + u * CP_TOKENS) * (2 * RAW_ROW), src + off[u], ok ? 16u : 0u);
+        }
+        cp_async_commit();
+    }
+    // Step `step` of tokens p0..p0+np-1 into xs (tiles_warp's stage_chunk), the next one's copies issued.
+    __device__ __forceinline__ void stage(int p0, int np, int step) const {
+        const int tid = threadIdx.x;
+        const int tstride = GV_STEP_WORDS * 32 + 32;
+        if (step == 0) {  // a pass's first step (raw and rowoff_s are free: see below)
+            if constexpr (MODE == 1) grid_dependency_wait();  // down: h is the grid before's output
+            for (int i = tid; i < np; i += GV_THREADS) {
+                const int slot = slots[p0 + i];
+                rowoff_s[i] = (MODE == 0 ? slot / top_k : slot) * cols;  // < 2^31: checked by the host
+            }
+            __syncthreads();
+            issue(np, 0);
+        }
+        cp_async_wait<0>();
+        __syncthreads();  // raw holds this step for every thread; the previous mma are done with xs
+        if constexpr (WG) {
+            // The wgmma B layout: slice 8 wi + s (s = 0..7) of token n is 16 k values, k 2t, 2t+1
+            // = columns sel_col(s, 0..1) of word 2t + wi (t = 0..3) and k 2t+8, 2t+9 = sel_col(s,
+            // 2..3): [slice][token / 8][k half][token % 8][16 bytes]. An item (n, wi, h) reads
+            // the column pairs 8h..8h+7 of its 4 words (raw chunks 2h, 2h+1) and writes the 4
+            // slices of selectors 4h..4h+3. Tokens past the pass are not written: their columns
+            // of the product are never read.
+            for (int idx = tid; idx < ((np + 7) & ~7) * 4; idx += GV_THREADS) {
+                const int n = (idx & 7) | ((idx >> 5) << 3);
+                const int wi = (idx >> 3) & 1, h = (idx >> 4) & 1;
+                if (n >= np) continue;
+                u32 lo[4][4], hi[4][4];  // [selector 4h + r][t]
+#pragma unroll
+                for (int tw = 0; tw < 4; ++tw) {
+                    const u16* src = raw_s + n * RAW_ROW + (2 * tw + wi) * 32;  // chunk q at q ^ tw
+                    const uint4 c0 = *reinterpret_cast<const uint4*>(src + ((2 * h) ^ tw) * 8);
+                    const uint4 c1 = *reinterpret_cast<const uint4*>(src + ((2 * h + 1) ^ tw) * 8);
+                    const u32 pr[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
+#pragma unroll
+                    for (int r = 0; r < 4; ++r) selector_pairs(pr, r, lo[r][tw], hi[r][tw]);
+                }
+#pragma unroll
+                for (int r = 0; r < 4; ++r) {
+                    uint4* dst = reinterpret_cast<uint4*>(xs + (8 * wi + 4 * h + r) * NT8 * 128 + (n >> 3) * 128 + (n & 7) * 8);
+                    dst[0] = make_uint4(lo[r][0], lo[r][1], lo[r][2], lo[r][3]);
+                    dst[8] = make_uint4(hi[r][0], hi[r][1], hi[r][2], hi[r][3]);  // the second 8 k, +128 bytes
+                }
+            }
+            fence_proxy_async();  // the tensor cores read these stores next
+        } else {  // (braced: with `else for`, nvcc 13.0 dropped the barrier below from the WG instances)
+            for (int idx = tid; idx < (np + 1) * GV_STEP_WORDS; idx += GV_THREADS) {
+                const int i = idx / GV_STEP_WORDS, wl = idx % GV_STEP_WORDS;
+                uint4 v[4];
+#pragma unroll
+                for (int q = 0; q < 4; ++q)  // row np: the zero row
+                    v[q] = i < np ? *reinterpret_cast<const uint4*>(raw_s + i * RAW_ROW + wl * 32 + (q ^ ((wl >> 1) & 3)) * 8)
+                                  : make_uint4(0u, 0u, 0u, 0u);
+                stage_word(v, xs + i * tstride + wl * 32, wl);
+            }
+        }
+        __syncthreads();  // xs ready; every thread is done reading raw
+        if (step + 1 < (kw + GV_STEP_WORDS - 1) / GV_STEP_WORDS) issue(np, step + 1);
+    }
+};
+
 // ---------------------------------------------------------------- the reductions
 // The last CTA to finish its work item's contributions (gemv_cta) sums the splits' fp32 partials.
 // The reductions' partials come from L2. BATCH: a round holds U items of a
@@ -1234,19 +1367,6 @@ __device__ __forceinline__ void gemv_cta(
     // every one of them has started.
     if constexpr (MODE == 0) grid_dependency_wait();
     launch_dependents();
-    // The tiles regime's raw rows [token][word][4 chunks of 16 B] (chunk q at q ^ ((w >> 1) & 3)),
-    // after the LUT rows, then each pass token's row offset in x (the host adds 512 + 8 * NT8 *
-    // (512 + 4) bytes). Step s + 1 is copied in by cp.async while step s's mma run; at its turn
-    // it is reordered into xs (shared to shared). A thread copies chunk q = tid % 4 of word
-    // wl = tid / 4 % 8 of tokens tid / 32, + 4, + 8, ...
-    // WG (wgmma, on sm_90a; other GPUs run mma.sync): raw rows padded to 528 bytes, so the wgmma
-    // staging's 8 tokens per 8 threads read different banks.
-    constexpr bool WG = NT8 > 1 && APL_HAS_WGMMA;
-    constexpr int RAW_ROW = WG ? 264 : 256;  // u16 per token of raw
-    // (Lambdas: raw_s and rowoff_s are still computed where stage_async first needs them, below;
-    // computed here, before routing, they changed the tiles instances' SASS, nvcc 13.0.)
-    auto raw_rows_at = [&]() { return lut_s + GV_ROWS * lut_entries; };
-    auto row_offsets_at = [&](u16* raw) { return reinterpret_cast<int*>(raw + stage_tokens * RAW_ROW); };
     // HEAVY from 2 tokens: at 1 token it bought nothing at Mixtral size and cost 2-5% at Qwen1.5-MoE's.
     const Route route = route_cta<BATCH, HEAVY>(topk_ids, num_assign, num_experts, by, slots, present, scratch, desc,
                                                 num_tokens >= 2);
@@ -1283,115 +1403,14 @@ __device__ __forceinline__ void gemv_cta(
     // row instead (valid memory; their results are never written).
     const u32 w0a = (u32)((in_a ? rowa : rows_w - 1) * words_per_row + c0w);
     const u32 w0b = (u32)((in_b ? rowb : rows_w - 1) * words_per_row + c0w);
-    const int kwp = (kw + GV_STEP_WORDS - 1) / GV_STEP_WORDS * GV_STEP_WORDS;
-    // Activations of tokens p0..p0+np-1 (and a zero row after them) for this split:
-    // xs[i][w] holds, for selector s of word w, the act values of columns sel_col(s, 0..3).
-    // Word w of the split for assignment `slot` (its token's row of x, or its own row of h):
-    // 32 act values as 4 16-byte loads (x is checked 16-byte aligned; a word is 64 bytes).
-    auto load_word = [&](int slot, int w, uint4 (&raw)[4]) {
-        const long long xrow = MODE == 0 ? slot / top_k : slot;
-        const uint4* src = reinterpret_cast<const uint4*>(x + xrow * cols + (long long)(c0w + w) * 32);
-#pragma unroll
-        for (int q = 0; q < 4; ++q)  // h, written by a grid that ran while this one started: L2, not L1/nc
-            raw[q] = MODE == 1 ? __ldcg(src + q) : __ldg(src + q);
-    };
-    auto stage_split = [&](int p0, int np) {
-        if (p0 == 0) await_h();
-        __syncthreads();  // LUT written; the previous pass is done with xs
-        // A (token, word) item: the word's 32 values (load_word), reordered into the mma
-        // slices' layout by stage_word (8 items a word of 4 scattered 2-byte loads each were
-        // 3-11% slower at every decode shape, docs/kernel.md).
-        for (int idx = tid; idx < (np + 1) * kwp; idx += GV_THREADS) {
-            const int i = idx / kwp, w = idx % kwp;
-            uint4 raw[4];
-#pragma unroll
-            for (int q = 0; q < 4; ++q) raw[q] = make_uint4(0u, 0u, 0u, 0u);
-            if (w < kw && i < np) load_word(slots[p0 + i], w, raw);
-            stage_word(raw, xs + i * tstride + w * 32, w);  // (its swizzle reads w mod 8 only)
-        }
-        __syncthreads();
-    };
-    constexpr int CP_TOKENS = GV_THREADS / 32;  // tokens a round of copies
-    u16* raw_s = raw_rows_at();
-    int* rowoff_s = row_offsets_at(raw_s);
-    const int steps_k = (kw + GV_STEP_WORDS - 1) / GV_STEP_WORDS;
-    const int cp_wl = (tid >> 2) & 7, cp_q = tid & 3;
-    const int cp_t0 = tid >> 5;  // this thread's first token
-    const u32 cp_dst = shared_addr(raw_s + cp_wl * 32 + (cp_q ^ ((cp_wl >> 1) & 3)) * 8);
-    auto issue_step = [&](int np, int step) {
-        const int w = step * GV_STEP_WORDS + cp_wl;
-        const bool ok = w < kw;  // words past the split: zeros
-        const u16* src = x + (ok ? (c0w + w) * 32 + cp_q * 8 : 0);
-        // The row offsets of 4 tokens are read before their 4 copies issue (each copy's "memory"
-        // clobber kept the next token's shared read behind it: a shared round trip per token).
-        for (int i0 = cp_t0; i0 < np; i0 += 4 * CP_TOKENS) {
-            int off[4];
-#pragma unroll
-            for (int u = 0; u < 4; ++u) off[u] = ok && i0 + u * CP_TOKENS < np ? rowoff_s[i0 + u * CP_TOKENS] : 0;
-#pragma unroll
-            for (int u = 0; u < 4; ++u)
-                if (i0 + u * CP_TOKENS < np) cp_async16(cp_dst + (i0 + u * CP_TOKENS) * (2 * RAW_ROW), src + off[u], ok ? 16u : 0u);
-        }
-        cp_async_commit();
-    };
-    auto stage_async = [&](int p0, int np, int step) {
-        if (step == 0) {  // a pass's first step (raw and rowoff_s are free: see below)
-            await_h();
-            for (int i = tid; i < np; i += GV_THREADS) {
-                const int slot = slots[p0 + i];
-                rowoff_s[i] = (MODE == 0 ? slot / top_k : slot) * cols;  // < 2^31: checked by the host
-            }
-            __syncthreads();
-            issue_step(np, 0);
-        }
-        cp_async_wait<0>();
-        __syncthreads();  // raw holds this step for every thread; the previous mma are done with xs
-        if constexpr (WG) {
-            // The wgmma B layout: slice 8 wi + s (s = 0..7) of token n is 16 k values, k 2t, 2t+1
-            // = columns sel_col(s, 0..1) of word 2t + wi (t = 0..3) and k 2t+8, 2t+9 = sel_col(s,
-            // 2..3): [slice][token / 8][k half][token % 8][16 bytes]. An item (n, wi, h) reads
-            // the column pairs 8h..8h+7 of its 4 words (raw chunks 2h, 2h+1) and writes the 4
-            // slices of selectors 4h..4h+3. Tokens past the pass are not written: their columns
-            // of the product are never read.
-            for (int idx = tid; idx < ((np + 7) & ~7) * 4; idx += GV_THREADS) {
-                const int n = (idx & 7) | ((idx >> 5) << 3);
-                const int wi = (idx >> 3) & 1, h = (idx >> 4) & 1;
-                if (n >= np) continue;
-                u32 lo[4][4], hi[4][4];  // [selector 4h + r][t]
-#pragma unroll
-                for (int tw = 0; tw < 4; ++tw) {
-                    const u16* src = raw_s + n * RAW_ROW + (2 * tw + wi) * 32;  // chunk q at q ^ tw
-                    const uint4 c0 = *reinterpret_cast<const uint4*>(src + ((2 * h) ^ tw) * 8);
-                    const uint4 c1 = *reinterpret_cast<const uint4*>(src + ((2 * h + 1) ^ tw) * 8);
-                    const u32 pr[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
-#pragma unroll
-                    for (int r = 0; r < 4; ++r) selector_pairs(pr, r, lo[r][tw], hi[r][tw]);
-                }
-#pragma unroll
-                for (int r = 0; r < 4; ++r) {
-                    uint4* dst = reinterpret_cast<uint4*>(xs + (8 * wi + 4 * h + r) * NT8 * 128 + (n >> 3) * 128 + (n & 7) * 8);
-                    dst[0] = make_uint4(lo[r][0], lo[r][1], lo[r][2], lo[r][3]);
-                    dst[8] = make_uint4(hi[r][0], hi[r][1], hi[r][2], hi[r][3]);  // the second 8 k, +128 bytes
-                }
-            }
-            fence_proxy_async();  // the tensor cores read these stores next
-        } else {  // (braced: with `else for`, nvcc 13.0 dropped the barrier below from the WG instances)
-            for (int idx = tid; idx < (np + 1) * GV_STEP_WORDS; idx += GV_THREADS) {
-                const int i = idx / GV_STEP_WORDS, wl = idx % GV_STEP_WORDS;
-                uint4 v[4];
-#pragma unroll
-                for (int q = 0; q < 4; ++q)  // row np: the zero row
-                    v[q] = i < np ? *reinterpret_cast<const uint4*>(raw_s + i * RAW_ROW + wl * 32 + (q ^ ((wl >> 1) & 3)) * 8)
-                                  : make_uint4(0u, 0u, 0u, 0u);
-                stage_word(v, xs + i * tstride + wl * 32, wl);
-            }
-        }
-        __syncthreads();  // xs ready; every thread is done reading raw
-        if (step + 1 < steps_k) issue_step(np, step + 1);
-    };
+    // (The stager is built here, after routing: its shared addresses computed before routing changed
+    // the tiles instances' SASS, nvcc 13.0.)
+    u16* const raw_s = lut_s + GV_ROWS * lut_entries;
+    const TilesStager<MODE, NT8> tiles{x, slots, xs, raw_s, reinterpret_cast<int*>(raw_s + stage_tokens * TilesStager<MODE, NT8>::RAW_ROW),
+                                       top_k, cols, c0w, kw};
     auto stage = [&](int p0, int np, int step) -> const u16* {
-        if constexpr (NT8 == 1) stage_split(p0, np);
-        else stage_async(p0, np, step);
+        if constexpr (NT8 == 1) stage_split<MODE>(x, slots, top_k, cols, c0w, kw, xs, tstride, p0, np);
+        else tiles.stage(p0, np, step);
         return xs;
     };
     // Partials: tokens 2t, 2t+1 of this pass, rows a and b (NaN for a block of bad bits).
