@@ -13,8 +13,8 @@
 //                     order (no moe_combine launch, no float atomics: bit-identical reruns).
 //
 // Per-width classes (CLS): a layer of one class takes that class's kernel, a layer holding
-// both takes the merged one (CLS 2); with GEMV_MERGE_CLASSES off, one launch per class
-// present, where a CTA whose block is of another class exits at once:
+// both takes the merged one (CLS 2); a CTA of a one-class kernel whose block is of the other
+// class exits at once:
 //   CLS 0, 3-4 bits: the row's LUT lives in registers as two byte tables (low and high byte
 //          of the 8 or 16 act-dtype entries); four codes in the nibbles of a PRMT selector
 //          give four low bytes in one PRMT and four high bytes in another (at 4 bits, one
@@ -69,7 +69,7 @@
                           // Mixtral-size mixed decode at 4-16 tokens but 5-10% slower at Qwen1.5-MoE decode (splits
                           // of 24-48 words: the 256 bytes overshoot the split); chosen by a run-time test on the
                           // split's length, 4-8% slower everywhere (the loop): so the host picks a LONG instance
-                          // (apl_moe.py's long_split: splits of 64+ words over rows of 128+, from 2 tokens)
+                          // (plan.long_split: splits of 64+ words over rows of 128+, from 2 tokens)
 #ifndef APL_PLANE_HINT_MIN_NT8
 #define APL_PLANE_HINT_MIN_NT8 8  // the instances APL_PLANE_HINT applies to: NT8 >= this (1: decode too)
 #endif
@@ -656,7 +656,7 @@ __device__ __forceinline__ Route route_cta(const long long* __restrict__ ids, in
 // V2: the layer's planes are 8-byte aligned with an even number of words per row, so a
 // thread's two words come in one 8-byte load (a quad reads 32 contiguous bytes per row).
 // HINT: the instance's NT8 is at least APL_PLANE_HINT_MIN_NT8, or it is a decode instance the host
-// launches for long splits only (LONG, apl_moe.py's long_split: 64+ words, so the 256 bytes an
+// launches for long splits only (LONG, plan.long_split: 64+ words, so the 256 bytes an
 // L2::256B load fetches per row and plane are all the split's own) (load_hint).
 template <int NT8, bool LONG = false>
 __host__ __device__ constexpr bool load_hint() { return APL_PLANE_HINT != 0 && (NT8 >= APL_PLANE_HINT_MIN_NT8 || LONG); }
