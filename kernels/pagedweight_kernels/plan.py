@@ -46,7 +46,7 @@ GEMV_X_BYTES = 40 * 1024  # shared memory for one split's staged activations
 GEMV_MIN_SPLIT_WORDS = 16  # a split covers at least two warp steps
 # Decode column splits of 3-4-bit layers are chosen by whole waves (wave_splits): a grid of 1.21
 # waves (Mixtral's down at 1 token, 5 splits: 640 CTAs) ends with one CTA per SM. Measured (H200,
-# apl_gemv_waves.json): Qwen1.5-MoE 2 tokens 5% and 4 tokens 2% faster, Mixtral 3 bits 2.4% and 2
+# docs/kernel.md): Qwen1.5-MoE 2 tokens 5% and 4 tokens 2% faster, Mixtral 3 bits 2.4% and 2
 # tokens 1.9% faster, Mixtral 1 token 4 bits unchanged. The 5-8-bit class's shared LUT rows leave
 # fewer CTAs per SM: there the wave plan made Mixtral's mixed layer 5% slower, so those launches
 # split to about gemv_target_ctas CTAs instead.
@@ -373,5 +373,5 @@ def programmatic_down(cls: int, tiles: int) -> bool:
     """Whether a down launch of this kernel class and NT8 overlaps gate_up (programmatic dependent
     launch): the tiles regime and the 3-4-bit decode kernel. Measured slower for the 5-8-bit and
     merged decode kernels (Mixtral 1 token 8 bits 322.8 against 303.4 us, mixed 178.0 against
-    173.9; apl_gemv_pdl_decode.json), whose waiting CTAs first fill their shared LUT rows."""
+    173.9; docs/kernel.md), whose waiting CTAs first fill their shared LUT rows."""
     return tiles > 1 or cls == 0
