@@ -1032,39 +1032,6 @@ __device__ __forceinline__ void run_passes(const BlockRef& blk, u32 w0a, u32 w0b
 }
 
 // ---------------------------------------------------------------- staging the activations
-// Decode: tokens p0..p0+np-1 of the pass (and a zero row after them), the whole split, into xs:
-// xs[i][w] holds, for selector s of word w, the act values of columns sel_col(s, 0..3). A (token,
-// word) item is the word's 32 values as 4 16-byte loads (x is checked 16-byte aligned; a word is
-// 64 bytes), reordered into the mma slices' layout by stage_word (8 items a word of 4 scattered
-// 2-byte loads each were 3-11% slower at every decode shape, docs/kernel.md). x: the tokens' rows
-// (gate_up, by slot / top_k) or h's rows (down, by slot), h written by the grid before this one.
-template <int MODE>
-__device__ __forceinline__ void stage_split(const u16* __restrict__ x, const int* slots, int top_k, int cols, int c0w,
-                                            int kw, u16* xs, int tstride, int p0, int np) {
-    const int tid = threadIdx.x;
-    const int kwp = (kw + GV_STEP_WORDS - 1) / GV_STEP_WORDS * GV_STEP_WORDS;
-    if constexpr (MODE == 1) {
-        if (p0 == 0) grid_dependency_wait();  // down: h is the grid before's output
-    }
-    __syncthreads();  // LUT written; the previous pass is done with xs
-    for (int idx = tid; idx < (np + 1) * kwp; idx += GV_THREADS) {
-        const int i = idx / kwp, w = idx % kwp;
-        uint4 raw[4];
-#pragma unroll
-        for (int q = 0; q < 4; ++q) raw[q] = make_uint4(0u, 0u, 0u, 0u);
-        if (w < kw && i < np) {
-            const int slot = slots[p0 + i];
-            const long long xrow = MODE == 0 ? slot / top_k : slot;
-            const uint4* src = reinterpret_cast<const uint4*>(x + xrow * cols + (long long)(c0w + w) * 32);
-#pragma unroll
-            for (int q = 0; q < 4; ++q)  // h, written by a grid that ran while this one started: L2, not L1/nc
-                raw[q] = MODE == 1 ? __ldcg(src + q) : __ldg(src + q);
-        }
-        stage_word(raw, xs + i * tstride + w * 32, w);  // (its swizzle reads w mod 8 only)
-    }
-    __syncthreads();
-}
-
 // The tiles regime: one step (8 words) of a pass's tokens at a time. Raw rows [token][word][4
 // chunks of 16 B] (chunk q at q ^ ((w >> 1) & 3)) after the LUT rows, then each pass token's row
 // offset in x (the host adds 512 + 8 * NT8 * (512 + 4) bytes). Step s + 1 is copied in by
@@ -1403,13 +1370,41 @@ __device__ __forceinline__ void gemv_cta(
     // row instead (valid memory; their results are never written).
     const u32 w0a = (u32)((in_a ? rowa : rows_w - 1) * words_per_row + c0w);
     const u32 w0b = (u32)((in_b ? rowb : rows_w - 1) * words_per_row + c0w);
+    const int kwp = (kw + GV_STEP_WORDS - 1) / GV_STEP_WORDS * GV_STEP_WORDS;
+    // Activations of tokens p0..p0+np-1 (and a zero row after them) for this split:
+    // xs[i][w] holds, for selector s of word w, the act values of columns sel_col(s, 0..3).
+    // Word w of the split for assignment `slot` (its token's row of x, or its own row of h):
+    // 32 act values as 4 16-byte loads (x is checked 16-byte aligned; a word is 64 bytes).
+    auto load_word = [&](int slot, int w, uint4 (&raw)[4]) {
+        const long long xrow = MODE == 0 ? slot / top_k : slot;
+        const uint4* src = reinterpret_cast<const uint4*>(x + xrow * cols + (long long)(c0w + w) * 32);
+#pragma unroll
+        for (int q = 0; q < 4; ++q)  // h, written by a grid that ran while this one started: L2, not L1/nc
+            raw[q] = MODE == 1 ? __ldcg(src + q) : __ldg(src + q);
+    };
+    auto stage_split = [&](int p0, int np) {
+        if (p0 == 0) await_h();
+        __syncthreads();  // LUT written; the previous pass is done with xs
+        // A (token, word) item: the word's 32 values (load_word), reordered into the mma
+        // slices' layout by stage_word (8 items a word of 4 scattered 2-byte loads each were
+        // 3-11% slower at every decode shape, docs/kernel.md).
+        for (int idx = tid; idx < (np + 1) * kwp; idx += GV_THREADS) {
+            const int i = idx / kwp, w = idx % kwp;
+            uint4 raw[4];
+#pragma unroll
+            for (int q = 0; q < 4; ++q) raw[q] = make_uint4(0u, 0u, 0u, 0u);
+            if (w < kw && i < np) load_word(slots[p0 + i], w, raw);
+            stage_word(raw, xs + i * tstride + w * 32, w);  // (its swizzle reads w mod 8 only)
+        }
+        __syncthreads();
+    };
     // (The stager is built here, after routing: its shared addresses computed before routing changed
     // the tiles instances' SASS, nvcc 13.0.)
     u16* const raw_s = lut_s + GV_ROWS * lut_entries;
     const TilesStager<MODE, NT8> tiles{x, slots, xs, raw_s, reinterpret_cast<int*>(raw_s + stage_tokens * TilesStager<MODE, NT8>::RAW_ROW),
                                        top_k, cols, c0w, kw};
     auto stage = [&](int p0, int np, int step) -> const u16* {
-        if constexpr (NT8 == 1) stage_split<MODE>(x, slots, top_k, cols, c0w, kw, xs, tstride, p0, np);
+        if constexpr (NT8 == 1) stage_split(p0, np);
         else tiles.stage(p0, np, step);
         return xs;
     };
