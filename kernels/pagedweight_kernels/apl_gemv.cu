@@ -54,6 +54,12 @@
 #ifndef APL_GEMV_CELL_BLOCKS
 #define APL_GEMV_CELL_BLOCKS 3
 #endif
+// 1: each decode step asks L2 for the plane sectors two steps ahead (measured slower). Kept, off:
+// without this code nvcc 13.0 allocates the 5-8-bit decode down kernel differently, and ptxas
+// spills 400 bytes there instead of 104.
+#ifndef APL_GEMV_L2_PREFETCH
+#define APL_GEMV_L2_PREFETCH 0
+#endif
 // CTAs per SM the register budget must allow in the tiles regime (NT8 > 1), per instance:
 // 3 CTAs (<= 168 registers) for the 3-4-bit class at NT8 up to 8, else 2: the bodies holding 5-8-bit
 // blocks keep two rows' cell tables (CellLut) and spill 148 (5-8 bits) and 1728 bytes (merged) at
@@ -747,17 +753,35 @@ template <int B, bool BF16, bool V2, bool COMPACT, bool LONG, class Lut>
 __device__ __forceinline__ void gemv_warp(const BlockRef& blk, u32 w0a, u32 w0b, const Lut& la, const Lut& lb,
                                           int kw, const u16* xs, int tstride, int x_row, u32 (&b0)[2][2][8],
                                           float (&acc)[4]) {
+    const int t = threadIdx.x & 3;
     const int steps = (kw + GV_STEP_WORDS - 1) / GV_STEP_WORDS;
     auto compute = [&](const u32 (&buf)[2][2][8], int step) {
         compute_step<B, BF16>(la, lb, xs, tstride, x_row, buf, step, acc);
     };
+    // The 32-byte sectors of a step: 16 rows x B planes; lane (g, t) asks for row g / g+8,
+    // planes t, t+4 (t < 2B). Only the L2 is asked: the registers hold one step ahead.
+    auto prefetch = [&](int step) {
+        if (!APL_GEMV_L2_PREFETCH || step >= steps) return;
+        const u32 w = (u32)(step * GV_STEP_WORDS);
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            const int combo = t + 4 * c, p = combo >> 1;
+            if (combo < 2 * B) {
+#pragma unroll
+                for (int q = 0; q < 8; ++q)  // planes[] indexed by constants only
+                    if (q == p) prefetch_l2(blk.planes[q] + ((combo & 1) ? w0b : w0a) + w);
+            }
+        }
+    };
     u32 b1[2][2][8];  // ping-pong: one step in flight while the other is used
+    prefetch(1);
     if constexpr (COMPACT) {
         // One copy of the step's code: step + 1 loads into b1 during step's compute, then moves
         // to b0 (register moves where the ping-pong would have unrolled a second copy).
 #pragma unroll 1
         for (int step = 0; step < steps; ++step) {
             if (step + 1 < steps) load_step<B, V2, load_hint<1, LONG>()>(blk, w0a, w0b, kw, step + 1, b1);
+            prefetch(step + 2);
             compute_step_rolled<B, BF16>(la, lb, xs, tstride, x_row, b0, step, acc);
 #pragma unroll
             for (int r = 0; r < 2; ++r)
@@ -771,9 +795,11 @@ __device__ __forceinline__ void gemv_warp(const BlockRef& blk, u32 w0a, u32 w0b,
     }
     for (int step = 0; step < steps; step += 2) {
         if (step + 1 < steps) load_step<B, V2, load_hint<1, LONG>()>(blk, w0a, w0b, kw, step + 1, b1);
+        prefetch(step + 2);
         compute(b0, step);
         if (step + 1 >= steps) break;
         if (step + 2 < steps) load_step<B, V2, load_hint<1, LONG>()>(blk, w0a, w0b, kw, step + 2, b0);
+        prefetch(step + 3);
         compute(b1, step + 1);
     }
 }
