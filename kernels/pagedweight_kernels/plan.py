@@ -29,7 +29,8 @@ REGIMES = ("gemv", "tiles", "staged", "prefill")
 # wgmma with its raw rows of 528 bytes a token (gemv_extra_shared, compile.wgmma_build), one
 # 128-thread CTA per work item in the planned grid order, programmatic launches compiled in
 # (launch.programmatic_projections); the variants measured slower are gone (docs/kernel.md keeps
-# their rows).
+# their rows), but for APL_GEMV_L2_PREFETCH, off, whose code keeps ptxas's allocation of the 5-8-bit
+# decode kernels.
 GEMV_SOURCE_DEFAULTS = {"APL_GEMV_MIN_BLOCKS": 4, "APL_GEMV_CELL_BLOCKS": 3, "APL_PLANE_HINT": 2,
                         "APL_PLANE_HINT_MIN_NT8": 8}
 FORCED_REGIMES = (None, "prefill")  # what apl_moe's `regime` argument may ask for
