@@ -512,7 +512,7 @@ __device__ __forceinline__ void route_mask(const long long* __restrict__ ids, in
     __syncthreads();
 }
 
-// HEAVY order (the merged kernel's, gemv_entry): the sort key of a block of these bits, widest first; bits
+// HEAVY order (the merged kernel's, apl_gemv): the sort key of a block of these bits, widest first; bits
 // outside 3..8 (a block whose CTAs only write NaN) first of all.
 __device__ __forceinline__ int heavy_key(long long bits) { return bits < 3 || bits > 8 ? 0 : 9 - (int)bits; }
 
@@ -1075,13 +1075,19 @@ struct TilesStager {
     u16* xs;
     u16* raw_s;
     int* rowoff_s;
-    int top_k, cols, c0w, kw;
+    int top_k, cols, c0w, kw, steps;
+    int cp_wl, cp_q, cp_t0;  // this thread's word, chunk and first token of the copies
+    u32 cp_dst;
+
+    __device__ __forceinline__ TilesStager(const u16* __restrict__ x_, const int* slots_, u16* xs_, u16* raw_s_,
+                                           int stage_tokens, int top_k_, int cols_, int c0w_, int kw_)
+        : x(x_), slots(slots_), xs(xs_), raw_s(raw_s_), rowoff_s(reinterpret_cast<int*>(raw_s_ + stage_tokens * RAW_ROW)),
+          top_k(top_k_), cols(cols_), c0w(c0w_), kw(kw_), steps((kw_ + GV_STEP_WORDS - 1) / GV_STEP_WORDS),
+          cp_wl((threadIdx.x >> 2) & 7), cp_q(threadIdx.x & 3), cp_t0(threadIdx.x >> 5),
+          cp_dst(shared_addr(raw_s_ + cp_wl * 32 + (cp_q ^ ((cp_wl >> 1) & 3)) * 8)) {}
 
     // The copies of step `step` of the pass's np tokens, one commit group.
     __device__ __forceinline__ void issue(int np, int step) const {
-        const int tid = threadIdx.x, cp_wl = (tid >> 2) & 7, cp_q = tid & 3;
-        const int cp_t0 = tid >> 5;  // this thread's first token
-        const u32 cp_dst = shared_addr(raw_s + cp_wl * 32 + (cp_q ^ ((cp_wl >> 1) & 3)) * 8);
         const int w = step * GV_STEP_WORDS + cp_wl;
         const bool ok = w < kw;  // words past the split: zeros
         const u16* src = x + (ok ? (c0w + w) * 32 + cp_q * 8 : 0);
@@ -1153,7 +1159,7 @@ struct TilesStager {
             }
         }
         __syncthreads();  // xs ready; every thread is done reading raw
-        if (step + 1 < (kw + GV_STEP_WORDS - 1) / GV_STEP_WORDS) issue(np, step + 1);
+        if (step + 1 < steps) issue(np, step + 1);
     }
 };
 
@@ -1427,8 +1433,7 @@ __device__ __forceinline__ void gemv_cta(
     // (The stager is built here, after routing: its shared addresses computed before routing changed
     // the tiles instances' SASS, nvcc 13.0.)
     u16* const raw_s = lut_s + GV_ROWS * lut_entries;
-    const TilesStager<MODE, NT8> tiles{x, slots, xs, raw_s, reinterpret_cast<int*>(raw_s + stage_tokens * TilesStager<MODE, NT8>::RAW_ROW),
-                                       top_k, cols, c0w, kw};
+    const TilesStager<MODE, NT8> tiles(x, slots, xs, raw_s, stage_tokens, top_k, cols, c0w, kw);
     auto stage = [&](int p0, int np, int step) -> const u16* {
         if constexpr (NT8 == 1) stage_split(p0, np);
         else tiles.stage(p0, np, step);
