@@ -148,7 +148,7 @@ int chunks(int nt, const char* out_path) {
 // is asked for, and at least one per 128 distinct bytes), and the fewest their bytes allow.
 struct BankStats { long long instructions = 0, wavefronts = 0, ideal = 0; };
 constexpr const char* KIND_NAMES[HOST_ACCESS_KINDS] = {"LDS.128", "STS.128", "LDGSTS.4", "LDGSTS.16"};
-constexpr unsigned KIND_BYTES[HOST_ACCESS_KINDS] = {2, 16, 16, 4, 16};
+constexpr unsigned KIND_BYTES[HOST_ACCESS_KINDS] = {16, 16, 4, 16};
 
 void count_banks(const std::vector<std::vector<HostAccess>>& logs, BankStats (&stats)[HOST_ACCESS_KINDS]) {
     for (int warp = 0; warp < (int)logs.size() / 32; ++warp) {

@@ -13,8 +13,8 @@
 //                     order (no moe_combine launch, no float atomics: bit-identical reruns).
 //
 // Per-width classes (CLS): a layer of one class takes that class's kernel, a layer holding
-// both takes the merged one (CLS 2); with GEMV_MERGE_CLASSES off, one launch per class
-// present, where a CTA whose block is of another class exits at once:
+// both takes the merged one (CLS 2); a CTA of a one-class kernel whose block is of the other
+// class exits at once:
 //   CLS 0, 3-4 bits: the row's LUT lives in registers as two byte tables (low and high byte
 //          of the 8 or 16 act-dtype entries); four codes in the nibbles of a PRMT selector
 //          give four low bytes in one PRMT and four high bytes in another (at 4 bits, one
@@ -54,69 +54,18 @@
 #ifndef APL_GEMV_CELL_BLOCKS
 #define APL_GEMV_CELL_BLOCKS 3
 #endif
+// 1: each decode step asks L2 for the plane sectors two steps ahead (measured slower). Kept, off:
+// without this code nvcc 13.0 allocates the 5-8-bit decode down kernel differently, and ptxas
+// spills 400 bytes there instead of 104.
 #ifndef APL_GEMV_L2_PREFETCH
-#define APL_GEMV_L2_PREFETCH 0  // 1: each step asks L2 for the plane sectors two steps ahead (measured slower)
+#define APL_GEMV_L2_PREFETCH 0
 #endif
-#ifndef APL_GEMV_RING_STAGES
-#define APL_GEMV_RING_STAGES 0  // >= 2: 3-4-bit kernel (CLS 0) streams plane words through a cp.async ring
-#endif                          // of this many steps per warp in shared memory; 0: register ping-pong
-#define GV_RING_STAGE_BYTES (2 * 4 * 32 * 8)  // one warp step at 4 bits: [row 2][plane 4][lane 32] uint2
-#ifndef APL_GEMV_ACQREL
-#define APL_GEMV_ACQREL 1  // 1: the last-CTA counter by one thread's acq_rel atomic after a barrier; 0: every
-                           // thread fences before and after (measured up to 2% slower, docs/kernel.md)
-#endif
-#ifndef APL_GEMV_STAGE16
-#define APL_GEMV_STAGE16 1  // decode: a (token, word) of activations staged by 4 16-byte loads and PRMTs
-#endif                      // (stage_word); 0: 8 items a word, each 4 scattered 2-byte loads (measured
-                            // 3-11% slower at every decode shape, docs/kernel.md)
-#ifndef APL_GEMV_PIPE
-#define APL_GEMV_PIPE 2  // decode (NT8 1, no ring), 3-4 bits, 8-byte loads: steps of plane words held in
-#endif                   // registers; 2 = the ping-pong, S > 2 keeps S - 1 steps in flight (gemv_warp_pipe)
-#ifndef APL_GEMV_PIPE_EARLY
-#define APL_GEMV_PIPE_EARLY 0  // with APL_GEMV_PIPE > 2, 1: the first pass's S - 1 steps are loaded before the
-#endif                         // LUT and the activations are read (spills 156 bytes at S = 3; measured slower)
-#define GV_PIPE (APL_GEMV_PIPE > 2 ? APL_GEMV_PIPE : 3)  // (3 where unused: the arrays stay well-formed)
-#ifndef APL_GEMV_COMPACT
-#define APL_GEMV_COMPACT 4  // decode ping-pong (gemv_warp), a bit per kernel class CLS (1 << CLS): one copy of
-#endif                      // the step's code, its two words in a rolled loop (less SASS to fetch cold; the
-                            // merged kernel 214 -> 126 KB). Measured: faster for CLS 2, slower for CLS 0
-#ifndef APL_TILES_MIN_BLOCKS
-#define APL_TILES_MIN_BLOCKS 0  // CTAs per SM the register budget must allow in the tiles regime (NT8 > 1);
-#endif                          // 0 = per instance, APL_TILES_BLOCKS below
+// CTAs per SM the register budget must allow in the tiles regime (NT8 > 1), per instance:
 // 3 CTAs (<= 168 registers) for the 3-4-bit class at NT8 up to 8, else 2: the bodies holding 5-8-bit
 // blocks keep two rows' cell tables (CellLut) and spill 148 (5-8 bits) and 1728 bytes (merged) at
 // 168 registers even at NT8 2 (nvcc 13.0, sm_90a). NT8 12 (96-token passes, the 3-4-bit class
 // only: the host's TILES_WIDE_NT8) holds 48 accumulators a thread: 2 CTAs.
-#define APL_TILES_BLOCKS(CLS, NT8) \
-    (APL_TILES_MIN_BLOCKS > 0 ? APL_TILES_MIN_BLOCKS : (NT8) > 8 ? 2 : ((CLS) == 0 ? 3 : 2))
-#ifndef APL_TILES_ASYNC
-#define APL_TILES_ASYNC 1  // tiles regime: 1 = the next step's activations come in by cp.async during this
-#endif                     // step's mma (raw rows in shared memory, reordered there); 0 = loads at each step
-#ifndef APL_TILES_WGMMA
-#define APL_TILES_WGMMA 1  // tiles regime with APL_TILES_ASYNC, compiled for sm_90a: one warpgroup wgmma per k16
-#endif                     // slice, A from the dequantised registers, B the staged tokens in shared memory (measured
-                           // 1-18% faster at 4 bits, 7% mixed, -3%..+4% at 8 bits); 0 or another GPU: mma.sync
-#ifndef APL_GEMV_BATCHED_LOADS
-#define APL_GEMV_BATCHED_LOADS 1  // tiles regime: routing, the reductions and the cp.async issue read their inputs in
-#endif                            // batches, loads in flight together (measured 2-29% faster); 0, and decode: one round
-                                  // trip at a time (batched, decode was 1-5% slower at Mixtral sizes)
-#ifndef APL_TILES_PAIR
-#define APL_TILES_PAIR 0  // tiles regime on wgmma: 1 = clusters of 2 CTAs (apl_gemv_pair), each staging half a step's
-#endif                    // activations into both CTAs' shared memory (DSMEM); measured 13-29% slower
-#ifndef APL_GEMV_PDL
-#define APL_GEMV_PDL 1  // 1: each projection waits for its launch's prerequisite grid (griddepcontrol) where it
-#endif                  // first needs that grid's output, and lets its dependents launch at once (see gemv_cta)
-#ifndef APL_GEMV_PDL_PREFETCH
-#define APL_GEMV_PDL_PREFETCH 0  // with APL_GEMV_PDL, down: ask L2 for the split's plane sectors before the wait
-#endif
-#ifndef APL_GEMV_PDL_PLANES
-#define APL_GEMV_PDL_PLANES 0  // with APL_GEMV_PDL, decode down: the first step's plane words into registers
-#endif                         // before the wait for h (not after the staging)
-#ifndef APL_GEMV_ORDER
-#define APL_GEMV_ORDER 5  // launches of the merged kernel (CLS 2), whose blocks differ in width: bit 0: active
-#endif                    // experts taken widest first (route_pick's HEAVY); bit 1: CTAs numbered expert-major (all
-                          // of an expert's row tiles and splits before the next); bit 2: in the tiles regime too
-                          // (else decode only); bit 3: the 5-8-bit kernel (CLS 1) too
+#define APL_TILES_BLOCKS(CLS, NT8) ((NT8) > 8 ? 2 : ((CLS) == 0 ? 3 : 2))
 #ifndef APL_PLANE_HINT
 #define APL_PLANE_HINT 2  // the plane words' loads (load_step) in instances of at least APL_PLANE_HINT_MIN_NT8, and in
 #endif                    // the decode instances compiled for long splits (LONG): bit 0: L1::no_allocate; bit 1:
@@ -126,13 +75,10 @@
                           // Mixtral-size mixed decode at 4-16 tokens but 5-10% slower at Qwen1.5-MoE decode (splits
                           // of 24-48 words: the 256 bytes overshoot the split); chosen by a run-time test on the
                           // split's length, 4-8% slower everywhere (the loop): so the host picks a LONG instance
-                          // (apl_moe.py's long_split: splits of 64+ words over rows of 128+, from 2 tokens)
+                          // (plan.long_split: splits of 64+ words over rows of 128+, from 2 tokens)
 #ifndef APL_PLANE_HINT_MIN_NT8
 #define APL_PLANE_HINT_MIN_NT8 8  // the instances APL_PLANE_HINT applies to: NT8 >= this (1: decode too)
 #endif
-#ifndef APL_GEMV_HEAVY_MIN_TOKENS
-#define APL_GEMV_HEAVY_MIN_TOKENS 2  // the heavy order (bit 0) in launches of at least this many tokens: at 1
-#endif                               // token it bought nothing at Mixtral size and cost 2-5% at Qwen1.5-MoE's
 #ifndef APL_TILES_GROUP
 #define APL_TILES_GROUP 4  // tiles regime: 8-token tiles whose mma chains interleave (activations in registers)
 #endif
@@ -187,28 +133,13 @@ __device__ __forceinline__ uint2 ldg_plane_u64(const u32* p) {
         asm volatile("ld.global.nc.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
     return v;
 }
-__device__ __forceinline__ int ld_acquire_gpu(const int* p) {
-    int v; asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory"); return v;
-}
-__device__ __forceinline__ void st_release_gpu(int* p, int v) {
-    asm volatile("st.release.gpu.global.b32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
-}
 __device__ __forceinline__ int atom_add_acq_rel_gpu(int* p, int v) {
     int old;
     asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
     return old;
 }
-__device__ __forceinline__ bool tid_is_zero() { return threadIdx.x == 0; }
-// The CTA's barrier for the threads that run gemv_cta's body: every thread, or under WS (the
-// warp-specialised tiles kernel, apl_gemv_ws) the 4 consumer warps alone, by named barrier 1
-// (barrier 0 is __syncthreads'; the producer warp never waits at these).
-template <bool WS>
-__device__ __forceinline__ void cta_sync() {
-    if constexpr (WS) asm volatile("bar.sync 1, %0;" :: "n"(GV_THREADS) : "memory");
-    else __syncthreads();
-}
-// mbarriers (sm_90: try_wait.parity): the WS kernel's hand-overs between its producer warp and
-// its consumer warps. arrive releases and a completed wait acquires at CTA scope, so shared
+// mbarriers (sm_90: try_wait.parity): apl_staged.cu's hand-overs between its producer and
+// consumer warpgroups. arrive releases and a completed wait acquires at CTA scope, so shared
 // memory written before an arrive is visible to the threads whose wait that arrive completed.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 __device__ __forceinline__ void mbar_init(unsigned long long* bar, u32 count) {
@@ -227,7 +158,7 @@ __device__ __forceinline__ void mbar_wait(unsigned long long* bar, u32 parity) {
 __host__ __forceinline__ void mbar_init(unsigned long long* bar, u32 count) { host_mbar_init(shared_addr(bar), count); }
 __host__ __forceinline__ void mbar_arrive(unsigned long long* bar) { host_mbar_arrive(shared_addr(bar)); }
 __host__ __forceinline__ void mbar_wait(unsigned long long* bar, u32 parity) { host_mbar_wait(shared_addr(bar), parity); }
-#else  // (the WS kernel is compiled for sm_90a only)
+#else  // (apl_staged.cu is compiled for sm_90a only)
 __device__ __forceinline__ void mbar_init(unsigned long long*, u32) {}
 __device__ __forceinline__ void mbar_arrive(unsigned long long*) {}
 __device__ __forceinline__ void mbar_wait(unsigned long long*, u32) {}
@@ -237,19 +168,16 @@ __device__ __forceinline__ void mbar_wait(unsigned long long*, u32) {}
 // launch_dependents: the grid launched after this one with the attribute may start once every
 // CTA of this grid has executed it (or exited), on the SM slots this grid's CTAs free.
 __device__ __forceinline__ void grid_dependency_wait() {
-#if APL_GEMV_PDL && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
 }
 __device__ __forceinline__ void launch_dependents() {
-#if APL_GEMV_PDL && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }
 __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" :: "l"(p)); }
-__device__ __forceinline__ void cp_async8(u32 dst, const u32* src) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" :: "r"(dst), "l"(src) : "memory");
-}
 APL_HD void cp_async4(u32 dst, const u32* src) {
 #ifdef __CUDA_ARCH__
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" :: "r"(dst), "l"(src) : "memory");
@@ -548,23 +476,20 @@ APL_HD void dequant_chunks(const RowLut<B, BF16>& lut, const u32 (&pw)[8], uint4
 struct Route { int expert, count, num_active; };
 
 // Phase 1, the experts with tokens as a bitmask in present[32]. The first round of ids is
-// loaded before the barrier that zeroes the mask, and in the fused kernel (ticket != null)
-// thread 0 takes the CTA's work ticket at the same time, so the two round trips overlap.
-// BATCH (the tiles regime with APL_GEMV_BATCHED_LOADS): rounds of 8 ids a thread, loaded
+// loaded before the barrier that zeroes the mask, so the two round trips overlap.
+// BATCH (the tiles regime): rounds of 8 ids a thread, loaded
 // together (the atomics kept each load of a one-id round behind the previous round's atomic:
 // a round trip per 128 ids).
-template <bool BATCH, bool WS = false>
+template <bool BATCH>
 __device__ __forceinline__ void route_mask(const long long* __restrict__ ids, int num_assign, int num_experts,
-                                           u32* present, int* ticket, int* ticket_s) {
+                                           u32* present) {
     const int tid = threadIdx.x;
     constexpr int U = BATCH ? 8 : 1;
     long long e[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) e[u] = tid + u * GV_THREADS < num_assign ? ids[tid + u * GV_THREADS] : -1;
-    int tk = 0;
-    if (ticket != nullptr && tid == 0) tk = atomicAdd(ticket, 1);
     if (tid < 32) present[tid] = 0u;
-    cta_sync<WS>();
+    __syncthreads();
     if constexpr (BATCH) {
         for (int i0 = tid;; i0 += U * GV_THREADS) {
 #pragma unroll
@@ -584,11 +509,10 @@ __device__ __forceinline__ void route_mask(const long long* __restrict__ ids, in
             if (e1 >= 0 && e1 < num_experts) atomicOr(&present[e1 >> 5], 1u << (e1 & 31));
         }
     }
-    if (ticket != nullptr && tid == 0) *ticket_s = tk;
-    cta_sync<WS>();
+    __syncthreads();
 }
 
-// HEAVY order (APL_GEMV_ORDER bit 0): the sort key of a block of these bits, widest first; bits
+// HEAVY order (the merged kernel's, apl_gemv): the sort key of a block of these bits, widest first; bits
 // outside 3..8 (a block whose CTAs only write NaN) first of all.
 __device__ __forceinline__ int heavy_key(long long bits) { return bits < 3 || bits > 8 ? 0 : 9 - (int)bits; }
 
@@ -636,7 +560,7 @@ __device__ __forceinline__ void pick_heavy_first(int a, const u32* present, cons
 }
 
 // Phase 2 (after route_mask): the a-th expert with tokens and its slots.
-template <bool BATCH, bool HEAVY = false, bool WS = false>
+template <bool BATCH, bool HEAVY = false>
 __device__ __forceinline__ Route route_pick(const long long* __restrict__ ids, int num_assign, int a, int* slots,
                                             const u32* present, int* scratch, const long long* __restrict__ desc = nullptr,
                                             int num_experts = 0, const long long (&bits01)[2] = {0, 0},
@@ -660,7 +584,7 @@ __device__ __forceinline__ Route route_pick(const long long* __restrict__ ids, i
         }
         if (lane == 31) scratch[1] = incl;
     }
-    cta_sync<WS>();
+    __syncthreads();
     Route r;
     r.num_active = scratch[1];
     r.expert = a < r.num_active ? scratch[0] : -1;
@@ -689,12 +613,12 @@ __device__ __forceinline__ Route route_pick(const long long* __restrict__ ids, i
             if (lane >= off) incl += n;
         }
         if (lane == 31) scratch[2 + warp] = incl;  // (scratch[0..1] are only read past the barrier above)
-        cta_sync<WS>();
+        __syncthreads();
         int before = incl - own;
         for (int w = 0; w < warp; ++w) before += scratch[2 + w];
         for (u32 b = hits; b != 0u; b &= b - 1u) slots[before++] = i0 + __ffs(b) - 1;
         r.count = scratch[2] + scratch[3] + scratch[4] + scratch[5];
-        cta_sync<WS>();
+        __syncthreads();
         return r;
     }
     int base = 0;
@@ -702,20 +626,20 @@ __device__ __forceinline__ Route route_pick(const long long* __restrict__ ids, i
         const int i = i0 + tid;
         const bool hit = i < num_assign && ids[i] == r.expert;
         const u32 ballot = __ballot_sync(0xffffffffu, hit);
-        cta_sync<WS>();  // previous round done with scratch
+        __syncthreads();  // previous round done with scratch
         if (lane == 0) scratch[2 + warp] = __popc(ballot);
-        cta_sync<WS>();
+        __syncthreads();
         int before = base;
         for (int w = 0; w < warp; ++w) before += scratch[2 + w];
         if (hit) slots[before + __popc(ballot & ((1u << lane) - 1u))] = i;
         base += scratch[2] + scratch[3] + scratch[4] + scratch[5];
     }
-    cta_sync<WS>();
+    __syncthreads();
     r.count = base;
     return r;
 }
 
-template <bool BATCH, bool HEAVY = false, bool WS = false>
+template <bool BATCH, bool HEAVY = false>
 __device__ __forceinline__ Route route_cta(const long long* __restrict__ ids, int num_assign, int num_experts,
                                            int a, int* slots, u32* present, int* scratch,
                                            const long long* __restrict__ desc = nullptr, bool heavy = HEAVY) {
@@ -724,8 +648,8 @@ __device__ __forceinline__ Route route_cta(const long long* __restrict__ ids, in
         bits01[0] = block_bits(desc, threadIdx.x, num_experts);
         bits01[1] = block_bits(desc, threadIdx.x + 32, num_experts);
     }
-    route_mask<BATCH, WS>(ids, num_assign, num_experts, present, nullptr, nullptr);
-    return route_pick<BATCH, HEAVY, WS>(ids, num_assign, a, slots, present, scratch, desc, num_experts, bits01, heavy);
+    route_mask<BATCH>(ids, num_assign, num_experts, present);
+    return route_pick<BATCH, HEAVY>(ids, num_assign, a, slots, present, scratch, desc, num_experts, bits01, heavy);
 }
 
 // ---------------------------------------------------------------- the mainloop of one warp
@@ -738,7 +662,7 @@ __device__ __forceinline__ Route route_cta(const long long* __restrict__ ids, in
 // V2: the layer's planes are 8-byte aligned with an even number of words per row, so a
 // thread's two words come in one 8-byte load (a quad reads 32 contiguous bytes per row).
 // HINT: the instance's NT8 is at least APL_PLANE_HINT_MIN_NT8, or it is a decode instance the host
-// launches for long splits only (LONG, apl_moe.py's long_split: 64+ words, so the 256 bytes an
+// launches for long splits only (LONG, plan.long_split: 64+ words, so the 256 bytes an
 // L2::256B load fetches per row and plane are all the split's own) (load_hint).
 template <int NT8, bool LONG = false>
 __host__ __device__ constexpr bool load_hint() { return APL_PLANE_HINT != 0 && (NT8 >= APL_PLANE_HINT_MIN_NT8 || LONG); }
@@ -802,7 +726,7 @@ __device__ __forceinline__ void compute_step(const Lut& la, const Lut& lb, const
         compute_word<B, BF16>(la, lb, xs, tstride, x_row, buf[0][wi], buf[1][wi], step * GV_STEP_WORDS + 2 * t + wi, acc);
 }
 
-// APL_GEMV_COMPACT: the same words in the same order, with the two words of a step in a rolled
+// COMPACT (gemv_warp): the same words in the same order, with the two words of a step in a rolled
 // loop (word 1 picked by SEL, not by unrolling), so the step's code exists once.
 template <int B, bool BF16, class Lut>
 __device__ __forceinline__ void compute_step_rolled(const Lut& la, const Lut& lb, const u16* xs, int tstride,
@@ -880,119 +804,13 @@ __device__ __forceinline__ void gemv_warp(const BlockRef& blk, u32 w0a, u32 w0b,
     }
 }
 
-// ---------------------------------------------------------------- the register pipeline (3-4 bits)
-// APL_GEMV_PIPE = S > 2: S register buffers of one step, so while step s is computed steps
-// s+1..s+S-1 are in flight (the ping-pong keeps one). The steps are unrolled by S so every
-// buffer index is a constant (registers, not local memory). Only where a step is 2 rows x 2
-// words x B <= 4 planes loaded 8 bytes at a time: 5-8 bits take twice the registers per
-// step and the 4-byte loads (V2 false) spilled 156 bytes at S = 3. The loads and the mma
-// are those of the ping-pong in the same order, so the output is the same bit for bit. The
-// 3-4-bit kernel (CLS 0) only: in the merged kernel (CLS 2) three steps spilled 332-388 bytes.
-template <int B, bool V2>
-__device__ __forceinline__ void pipe_preload(const BlockRef& blk, u32 w0a, u32 w0b, int kw,
-                                             u32 (&bufs)[GV_PIPE][2][2][8]) {
-    const int steps = (kw + GV_STEP_WORDS - 1) / GV_STEP_WORDS;
-#pragma unroll
-    for (int j = 0; j < GV_PIPE - 1; ++j)
-        if (j < steps) load_step<B, V2, load_hint<1>()>(blk, w0a, w0b, kw, j, bufs[j]);
-}
-
-// bufs[0..S-2] arrive holding steps 0..S-2 (pipe_preload).
-template <int B, bool BF16, bool V2, class Lut>
-__device__ __forceinline__ void gemv_warp_pipe(const BlockRef& blk, u32 w0a, u32 w0b, const Lut& la, const Lut& lb,
-                                               int kw, const u16* xs, int tstride, int x_row,
-                                               u32 (&bufs)[GV_PIPE][2][2][8], float (&acc)[4]) {
-    constexpr int S = GV_PIPE;
-    const int steps = (kw + GV_STEP_WORDS - 1) / GV_STEP_WORDS;
-    for (int step0 = 0; step0 < steps; step0 += S) {
-#pragma unroll
-        for (int j = 0; j < S; ++j) {
-            const int step = step0 + j;
-            if (step >= steps) break;
-            // bufs[(j + S - 1) % S] held step - 1, computed in the previous iteration
-            if (step + S - 1 < steps) load_step<B, V2, load_hint<1>()>(blk, w0a, w0b, kw, step + S - 1, bufs[(j + S - 1) % S]);
-            compute_step<B, BF16>(la, lb, xs, tstride, x_row, bufs[j], step, acc);
-        }
-    }
-}
-
-// ---------------------------------------------------------------- the cp.async ring (3-4 bits)
-// The register ping-pong above keeps one step (2 KB per warp at 4 bits) in flight, which the
-// 128-register budget cannot deepen. The ring keeps APL_GEMV_RING_STAGES - 1 steps in flight
-// in shared memory instead. Each lane copies and later reads only its own words, so its own
-// cp.async.wait_group is the only ordering needed (no barrier). Slot layout per warp:
-// [row a/b][plane][lane] uint2 (words 2t, 2t+1): a warp's 8-byte reads of one (row, plane)
-// are 256 contiguous bytes, free of bank conflicts. lane_slot0 = slot 0's address + lane * 8.
-template <int B, bool V2>
-__device__ __forceinline__ void ring_issue(const BlockRef& blk, u32 w0a, u32 w0b, int kw, int step, u32 dst) {
-    const int t = threadIdx.x & 3;
-    if constexpr (V2) {
-        const u32 w = (u32)min(step * GV_STEP_WORDS + 2 * t, kw - 2);
-#pragma unroll
-        for (int p = 0; p < B; ++p) {
-            cp_async8(dst + p * 256, blk.planes[p] + (w0a + w));
-            cp_async8(dst + (B + p) * 256, blk.planes[p] + (w0b + w));
-        }
-    } else {
-#pragma unroll
-        for (int wi = 0; wi < 2; ++wi) {
-            const u32 w = (u32)min(step * GV_STEP_WORDS + 2 * t + wi, kw - 1);
-#pragma unroll
-            for (int p = 0; p < B; ++p) {
-                cp_async4(dst + p * 256 + 4 * wi, blk.planes[p] + (w0a + w));
-                cp_async4(dst + (B + p) * 256 + 4 * wi, blk.planes[p] + (w0b + w));
-            }
-        }
-    }
-}
-
-// Steps 0..S-2 of a pass into slots 0..S-2, one commit group each (empty past the split).
-template <int B, bool V2>
-__device__ __forceinline__ void ring_prologue(const BlockRef& blk, u32 w0a, u32 w0b, int kw, u32 lane_slot0) {
-    constexpr int S = APL_GEMV_RING_STAGES;
-    const int steps = (kw + GV_STEP_WORDS - 1) / GV_STEP_WORDS;
-#pragma unroll
-    for (int s = 0; s < S - 1; ++s) {
-        if (s < steps) ring_issue<B, V2>(blk, w0a, w0b, kw, s, lane_slot0 + s * (B * 512));
-        cp_async_commit();
-    }
-}
-
-template <int B, bool BF16, bool V2, class Lut>
-__device__ __forceinline__ void gemv_warp_ring(const BlockRef& blk, u32 w0a, u32 w0b, const Lut& la, const Lut& lb,
-                                               int kw, const u16* xs, int tstride, int x_row, u32 lane_slot0,
-                                               float (&acc)[4]) {
-    constexpr int S = APL_GEMV_RING_STAGES, SLOT = B * 512;
-    const int steps = (kw + GV_STEP_WORDS - 1) / GV_STEP_WORDS;
-    int rd = 0, wr = S - 1;  // slots of step `step` and of step + S - 1
-    for (int step = 0; step < steps; ++step) {
-        // Committed so far: S - 1 + step groups; group `step` done leaves at most S - 2 pending.
-        cp_async_wait<S - 2>();
-        // Slot wr held step - 1, read into registers (and used) by the previous iteration.
-        if (step + S - 1 < steps) ring_issue<B, V2>(blk, w0a, w0b, kw, step + S - 1, lane_slot0 + wr * SLOT);
-        cp_async_commit();
-        u32 buf[2][2][8];
-        const u32 src = lane_slot0 + rd * SLOT;
-#pragma unroll
-        for (int p = 0; p < B; ++p) {
-            u32 a0, a1, b0, b1;
-            asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(a0), "=r"(a1) : "r"(src + p * 256));
-            asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(b0), "=r"(b1) : "r"(src + (B + p) * 256));
-            buf[0][0][p] = a0; buf[0][1][p] = a1; buf[1][0][p] = b0; buf[1][1][p] = b1;
-        }
-        rd = rd == S - 1 ? 0 : rd + 1;
-        wr = wr == S - 1 ? 0 : wr + 1;
-        compute_step<B, BF16>(la, lb, xs, tstride, x_row, buf, step, acc);
-    }
-    cp_async_wait<0>();  // only empty groups remain; the next pass refills slot 0 onwards
-}
-
 // ---------------------------------------------------------------- wgmma (sm_90a), the tiles regime
-// APL_TILES_WGMMA: a pass's 8 * NT8 tokens are the N of one warpgroup wgmma.m64nNk16 per k16
-// slice, A (the CTA's 64 weight rows) from the registers the dequantisation fills, exactly
-// the mma.sync A fragments (warp w: rows 16w..16w+15), B (the staged activations) read by the
-// tensor cores from shared memory, so one instruction replaces NT8 mma.sync and their
-// activation loads. D: warp w's rows, 8-token chunk j in acc[j], the mma.sync C layout.
+// On sm_90a (APL_HAS_WGMMA) a pass's 8 * NT8 tokens are the N of one warpgroup wgmma.m64nNk16
+// per k16 slice, A (the CTA's 64 weight rows) from the registers the dequantisation fills,
+// exactly the mma.sync A fragments (warp w: rows 16w..16w+15), B (the staged activations) read
+// by the tensor cores from shared memory, so one instruction replaces NT8 mma.sync and their
+// activation loads (measured 1-18% faster at 4 bits, 7% mixed, -3%..+4% at 8 bits). D: warp w's
+// rows, 8-token chunk j in acc[j], the mma.sync C layout. Other GPUs run mma.sync (tiles_warp).
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define APL_HAS_WGMMA 1
 #else
@@ -1044,26 +862,6 @@ APL_HD void fence_proxy_async() {
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 #endif
 }
-// The cluster pair (APL_TILES_PAIR): the peer CTA's address of a shared-memory location, a
-// 16-byte store there, the same proxy fence for stores into either CTA, and a barrier over
-// both CTAs' threads (release / acquire: each CTA's stores are visible to the other after it).
-#if APL_HAS_WGMMA
-__device__ __forceinline__ u32 peer_shared(u32 addr, u32 peer) {
-    u32 r; asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(addr), "r"(peer)); return r;
-}
-__device__ __forceinline__ void st_cluster_v4(u32 addr, const uint4& v) {
-    asm volatile("st.shared::cluster.v4.u32 [%0], {%1, %2, %3, %4};" :: "r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
-}
-__device__ __forceinline__ void fence_proxy_async_cluster() { asm volatile("fence.proxy.async.shared::cluster;" ::: "memory"); }
-__device__ __forceinline__ void cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-#else
-__device__ __forceinline__ u32 peer_shared(u32 addr, u32) { return addr; }
-__device__ __forceinline__ void st_cluster_v4(u32, const uint4&) {}
-__device__ __forceinline__ void fence_proxy_async_cluster() {}
-__device__ __forceinline__ void cluster_sync() { __syncthreads(); }
-#endif
 
 // The B operand's descriptor, no swizzle, K-major: 8-token x 16-byte core matrices of 128
 // contiguous bytes, the slice's second 8 k at +128 bytes (leading byte offset), the next 8
@@ -1124,13 +922,13 @@ __device__ __forceinline__ void wgmma_rs(float (&acc)[N8][4], u32 a0, u32 a1, u3
 // split (a split of the whole row keeps the fp32 partials small). stage_chunk(step) stages
 // step `step` of every token of the pass (it holds the barriers); plane words are loaded one
 // step ahead in registers as in gemv_warp, so their loads overlap the staging. stage_chunk
-// returns the staged step's buffer (xs, or under WS one of the producer's two).
+// returns the staged step's buffer.
 template <int B, int NT8, bool BF16, bool V2, class Lut, class StageChunk>
 __device__ __forceinline__ void tiles_warp(const BlockRef& blk, u32 w0a, u32 w0b, const Lut& la, const Lut& lb,
                                            int kw, const u16* xs, int tstride, int np, u32 (&b0)[2][2][8],
                                            float (&acc)[NT8][4], StageChunk stage_chunk) {
     const int steps = (kw + GV_STEP_WORDS - 1) / GV_STEP_WORDS;
-#if APL_TILES_WGMMA && APL_TILES_ASYNC && APL_HAS_WGMMA
+#if APL_HAS_WGMMA
     // One wgmma per k16 slice (stage_async's layout: slice 8 wi + s holds selector s of words
     // 2t + wi, t = 0..3, of every pass token). A stage is one selector pair's 8 A registers and
     // its two wgmma; one stage stays in flight while the next is dequantised. The step ends with
@@ -1211,135 +1009,27 @@ __device__ __forceinline__ void tiles_warp(const BlockRef& blk, u32 w0a, u32 w0b
     }
 }
 
-// ---------------------------------------------------------------- the warp-specialised tiles kernel (WS)
-// APL_TILES_WS (apl_gemv_ws, sm_90a, the tiles regime on wgmma): producer warps (warps 4..)
-// stage each step's activations straight from global memory into the wgmma B layout (the
-// layout stage_async's reorder writes), in a ring of WS_STAGES buffers, while the 4 consumer
-// warps dequantise and run the wgmma of the steps before. They hand buffers over by mbarrier,
-// not by CTA barrier: full[b] (every producer lane arrives) when step k's slices are in buffer
-// b = k % WS_STAGES, empty[b] (128 consumer arrivals) when step k's wgmma are done with it. No
-// raw rows: the producers' loads land in their registers; the second buffer takes the raw
-// rows' room, a third (APL_TILES_WS_STAGES 3) follows it (the host's gemv_extra_shared).
-// bars: [0] start (the consumers' routing done: *count tokens to stage, 0 for none), [1, 1 + S)
-// full, [1 + S, 1 + 2S) empty. Item (n, wi, h) = token n's column pairs 8h..8h+7 of its words
-// 2 tw + wi (tw = 0..3), the slices of selectors 4h..4h+3; a round is 8 tokens x (wi, h), one
-// per lane; producer warp p takes rounds p, p + P, ..., APL_TILES_WS_ROUNDS of them with their
-// loads in flight together.
-#ifndef APL_TILES_WS
-#define APL_TILES_WS 0  // 1: tiles launches on wgmma take apl_gemv_ws (the host's tiles_launch)
-#endif
-#ifndef APL_TILES_WS_ROUNDS
-#define APL_TILES_WS_ROUNDS 2  // a producer warp's rounds of 8 tokens whose loads are in flight together
-#endif
-#ifndef APL_TILES_WS_WARPS
-#define APL_TILES_WS_WARPS 1  // producer warps (threads per CTA: 128 + 32 of each)
-#endif
-#ifndef APL_TILES_WS_STAGES
-#define APL_TILES_WS_STAGES 2  // B buffers in the ring (2 or 3)
-#endif
-#define WS_STAGES APL_TILES_WS_STAGES
-#define WS_THREADS (GV_THREADS + 32 * APL_TILES_WS_WARPS)
-static_assert(WS_STAGES == 2 || WS_STAGES == 3, "APL_TILES_WS_STAGES: 2 or 3");
-template <int MODE, int NT8>
-__device__ __forceinline__ void ws_produce(const u16* __restrict__ x, const int* slots, int top_k, int cols, int c0w,
-                                           int kw, int stage_tokens, u16* const* bufs,
-                                           unsigned long long* bars, const volatile int* count_s) {
-    constexpr int P = APL_TILES_WS_WARPS;
-    const int lane = threadIdx.x & 31, wi = (lane >> 3) & 1, h = (lane >> 4) & 1;
-    const int pw = (threadIdx.x >> 5) - GV_THREADS / 32;  // this producer warp: rounds pw, pw + P, ...
-    mbar_wait(bars, 0);
-    const int count = *count_s;
-    if (count == 0) return;
-    if constexpr (MODE == 1) grid_dependency_wait();  // h is the grid before's output
-    const int steps = (kw + GV_STEP_WORDS - 1) / GV_STEP_WORDS;
-    constexpr int NR = (NT8 + P - 1) / P;  // rounds a warp may own
-    constexpr int RB = APL_TILES_WS_ROUNDS < NR ? APL_TILES_WS_ROUNDS : NR;
-    int k = 0;  // steps staged over every pass: buffer k % WS_STAGES, its phase k / WS_STAGES
-    for (int p0 = 0; p0 < count; p0 += stage_tokens) {
-        const int np = min(stage_tokens, count - p0);
-        int rowoff[NR];  // this lane's token of each of its rounds: its row's offset in x (< 2^31: checked by the host)
-#pragma unroll
-        for (int j = 0; j < NR; ++j) {
-            const int n = 8 * (pw + P * j) + (lane & 7);
-            const int slot = n < np ? slots[p0 + n] : 0;
-            rowoff[j] = (MODE == 0 ? slot / top_k : slot) * cols;
-        }
-        for (int step = 0; step < steps; ++step, ++k) {
-            const int b = k % WS_STAGES, phase = k / WS_STAGES;
-            u16* xsb = bufs[b];
-            if (k >= WS_STAGES) mbar_wait(bars + 1 + WS_STAGES + b, (phase - 1) & 1);  // step k - S's wgmma are done
-#pragma unroll
-            for (int j0 = 0; j0 < NR; j0 += RB) {
-                if (8 * (pw + P * j0) >= np) break;
-                uint4 raw[RB][4][2];
-#pragma unroll
-                for (int jj = 0; jj < RB; ++jj) {
-                    const int n = 8 * (pw + P * (j0 + jj)) + (lane & 7);
-#pragma unroll
-                    for (int tw = 0; tw < 4; ++tw) {
-                        const int w = step * GV_STEP_WORDS + 2 * tw + wi;
-                        raw[jj][tw][0] = raw[jj][tw][1] = make_uint4(0u, 0u, 0u, 0u);
-                        if (n < np && w < kw) {  // words past the split: zeros
-                            const uint4* src = reinterpret_cast<const uint4*>(
-                                x + (long long)rowoff[j0 + jj] + (long long)(c0w + w) * 32 + 16 * h);
-                            // h, written by the grid before (APL_GEMV_PDL): from L2, not L1/nc
-                            raw[jj][tw][0] = (MODE == 1 && APL_GEMV_PDL) ? __ldcg(src) : __ldg(src);
-                            raw[jj][tw][1] = (MODE == 1 && APL_GEMV_PDL) ? __ldcg(src + 1) : __ldg(src + 1);
-                        }
-                    }
-                }
-#pragma unroll
-                for (int jj = 0; jj < RB; ++jj) {
-                    const int n = 8 * (pw + P * (j0 + jj)) + (lane & 7);
-                    if (n >= np) continue;  // tokens past the pass: their product columns are never read
-                    u32 lo[4][4], hi[4][4];  // [selector 4h + r][tw]
-#pragma unroll
-                    for (int tw = 0; tw < 4; ++tw) {
-                        const u32 pr[8] = {raw[jj][tw][0].x, raw[jj][tw][0].y, raw[jj][tw][0].z, raw[jj][tw][0].w,
-                                           raw[jj][tw][1].x, raw[jj][tw][1].y, raw[jj][tw][1].z, raw[jj][tw][1].w};
-#pragma unroll
-                        for (int r = 0; r < 4; ++r) selector_pairs(pr, r, lo[r][tw], hi[r][tw]);
-                    }
-#pragma unroll
-                    for (int r = 0; r < 4; ++r) {
-                        uint4* dst = reinterpret_cast<uint4*>(xsb + (8 * wi + 4 * h + r) * NT8 * 128 + (n >> 3) * 128 + (n & 7) * 8);
-                        dst[0] = make_uint4(lo[r][0], lo[r][1], lo[r][2], lo[r][3]);
-                        dst[8] = make_uint4(hi[r][0], hi[r][1], hi[r][2], hi[r][3]);  // the second 8 k, +128 bytes
-                    }
-                }
-            }
-            fence_proxy_async();  // the consumers' tensor cores read these stores next
-            mbar_arrive(bars + 1 + b);
-        }
-    }
-}
-
 // Every pass of up to stage_tokens tokens over this CTA's split. The first step's plane
 // sectors are asked of L2 before the LUT (prologue) and the activations (stage) are read, so
 // those loads overlap; holding them in registers instead spilled (128-register budget).
 // NT8 > 1: the tiles regime (tiles_warp); stage then stages one step: stage(p0, np, step).
-template <int B, bool BF16, bool V2, bool RING, int NT8, bool PIPE_CLS, bool LATE_BUILD, bool COMPACT, bool EARLY_B0,
+template <int B, bool BF16, bool V2, int NT8, bool COMPACT,
           bool LONG, class Lut, class Prologue, class Stage, class Emit>
 __device__ __forceinline__ void run_passes(const BlockRef& blk, u32 w0a, u32 w0b, Lut& la, Lut& lb, int kw,
                                            const u16* xs, int tstride, int count, int stage_tokens,
-                                           u32 lane_slot0, Prologue prologue, Stage stage, Emit emit) {
+                                           Prologue prologue, Stage stage, Emit emit) {
     const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
-    constexpr bool PIPE = APL_GEMV_PIPE > 2 && PIPE_CLS && B <= 4 && V2 && !RING && NT8 == 1;
-    constexpr bool EARLY = PIPE && APL_GEMV_PIPE_EARLY;
-    u32 pipe_bufs[GV_PIPE][2][2][8];  // PIPE only (unused registers otherwise)
 #pragma unroll
-    for (int c = 0; c < 4 && !RING && !EARLY; ++c) {  // lane t: (row, plane) pairs t, t+4, ... of the first step
+    for (int c = 0; c < 4; ++c) {  // lane t: (row, plane) pairs t, t+4, ... of the first step
         const int combo = t + 4 * c, p = combo >> 1;
 #pragma unroll
         for (int q = 0; q < 8; ++q)  // planes[] indexed by constants only
             if (q == p && combo < 2 * B) prefetch_l2(blk.planes[q] + ((combo & 1) ? w0b : w0a));
     }
-    // The ring's first steps are issued before the LUT and the activations are read.
-    if constexpr (RING) ring_prologue<B, V2>(blk, w0a, w0b, kw, lane_slot0);
-    if constexpr (EARLY) pipe_preload<B, V2>(blk, w0a, w0b, kw, pipe_bufs);  // in registers, ahead of both
     prologue(la, lb);  // register LUTs: the entries' loads are issued here, built below
     if constexpr (NT8 > 1) {
-        if constexpr (LATE_BUILD) { la.build(BF16); lb.build(BF16); }
+        la.build(BF16);
+        lb.build(BF16);
         for (int p0 = 0; p0 < count; p0 += stage_tokens) {
             const int np = min(stage_tokens, count - p0);
             float acc[NT8][4];
@@ -1354,35 +1044,273 @@ __device__ __forceinline__ void run_passes(const BlockRef& blk, u32 w0a, u32 w0b
                 if (8 * j < np) emit(p0 + 8 * j, min(8, np - 8 * j), acc[j]);
         }
     } else {
-        // EARLY_B0: the first pass's first step is loaded before its staging (down under
-        // APL_GEMV_PDL: before the wait for h, while gate_up's last CTAs run).
-        constexpr bool B0_FIRST = EARLY_B0 && !PIPE && !RING && B <= 4;
-        u32 b_first[2][2][8];
-        if constexpr (B0_FIRST) load_step<B, V2, load_hint<1, LONG>()>(blk, w0a, w0b, kw, 0, b_first);
         for (int p0 = 0; p0 < count; p0 += stage_tokens) {
             const int np = min(stage_tokens, count - p0);
             stage(p0, np, -1);
-            if constexpr (LATE_BUILD) {
-                if (p0 == 0) { la.build(BF16); lb.build(BF16); }  // the LUT loads overlapped the staging
-            }
+            if (p0 == 0) { la.build(BF16); lb.build(BF16); }  // the LUT loads overlapped the staging
             float acc[4] = {0.f, 0.f, 0.f, 0.f};
-            if constexpr (PIPE) {
-                if (!EARLY || p0 > 0) pipe_preload<B, V2>(blk, w0a, w0b, kw, pipe_bufs);
-                gemv_warp_pipe<B, BF16, V2>(blk, w0a, w0b, la, lb, kw, xs, tstride, min(g, np), pipe_bufs, acc);
-            } else if constexpr (RING) {
-                if (p0 > 0) ring_prologue<B, V2>(blk, w0a, w0b, kw, lane_slot0);
-                gemv_warp_ring<B, BF16, V2>(blk, w0a, w0b, la, lb, kw, xs, tstride, min(g, np), lane_slot0, acc);
-            } else {
-                u32 b0[2][2][8];
-                if (B0_FIRST && p0 == 0) {
-#pragma unroll
-                    for (int i = 0; i < 32; ++i) (&b0[0][0][0])[i] = (&b_first[0][0][0])[i];
-                } else {
-                    load_step<B, V2, load_hint<1, LONG>()>(blk, w0a, w0b, kw, 0, b0);
-                }
-                gemv_warp<B, BF16, V2, COMPACT, LONG>(blk, w0a, w0b, la, lb, kw, xs, tstride, min(g, np), b0, acc);
-            }
+            u32 b0[2][2][8];
+            load_step<B, V2, load_hint<1, LONG>()>(blk, w0a, w0b, kw, 0, b0);
+            gemv_warp<B, BF16, V2, COMPACT, LONG>(blk, w0a, w0b, la, lb, kw, xs, tstride, min(g, np), b0, acc);
             emit(p0, np, acc);
+        }
+    }
+}
+
+// ---------------------------------------------------------------- staging the activations
+// The tiles regime: one step (8 words) of a pass's tokens at a time. Raw rows [token][word][4
+// chunks of 16 B] (chunk q at q ^ ((w >> 1) & 3)) after the LUT rows, then each pass token's row
+// offset in x (the host adds 512 + 8 * NT8 * (512 + 4) bytes). Step s + 1 is copied in by
+// cp.async while step s's mma run; at its turn it is reordered into xs (shared to shared). A
+// thread copies chunk q = tid % 4 of word wl = tid / 4 % 8 of tokens tid / 32, + 4, + 8, ...
+// WG (wgmma, on sm_90a; other GPUs run mma.sync): raw rows padded to 528 bytes, so the wgmma
+// staging's 8 tokens per 8 threads read different banks.
+template <int MODE, int NT8>
+struct TilesStager {
+    static constexpr bool WG = NT8 > 1 && APL_HAS_WGMMA;
+    static constexpr int RAW_ROW = WG ? 264 : 256;  // u16 per token of raw
+    static constexpr int CP_TOKENS = GV_THREADS / 32;  // tokens a round of copies
+    const u16* __restrict__ x;
+    const int* slots;
+    u16* xs;
+    u16* raw_s;
+    int* rowoff_s;
+    int top_k, cols, c0w, kw, steps;
+    int cp_wl, cp_q, cp_t0;  // this thread's word, chunk and first token of the copies
+    u32 cp_dst;
+
+    __device__ __forceinline__ TilesStager(const u16* __restrict__ x_, const int* slots_, u16* xs_, u16* raw_s_,
+                                           int stage_tokens, int top_k_, int cols_, int c0w_, int kw_)
+        : x(x_), slots(slots_), xs(xs_), raw_s(raw_s_), rowoff_s(reinterpret_cast<int*>(raw_s_ + stage_tokens * RAW_ROW)),
+          top_k(top_k_), cols(cols_), c0w(c0w_), kw(kw_), steps((kw_ + GV_STEP_WORDS - 1) / GV_STEP_WORDS),
+          cp_wl((threadIdx.x >> 2) & 7), cp_q(threadIdx.x & 3), cp_t0(threadIdx.x >> 5),
+          cp_dst(shared_addr(raw_s_ + cp_wl * 32 + (cp_q ^ ((cp_wl >> 1) & 3)) * 8)) {}
+
+    // The copies of step `step` of the pass's np tokens, one commit group.
+    __device__ __forceinline__ void issue(int np, int step) const {
+        const int w = step * GV_STEP_WORDS + cp_wl;
+        const bool ok = w < kw;  // words past the split: zeros
+        const u16* src = x + (ok ? (c0w + w) * 32 + cp_q * 8 : 0);
+        // The row offsets of 4 tokens are read before their 4 copies issue (each copy's "memory"
+        // clobber kept the next token's shared read behind it: a shared round trip per token).
+        for (int i0 = cp_t0; i0 < np; i0 += 4 * CP_TOKENS) {
+            int off[4];
+#pragma unroll
+            for (int u = 0; u < 4; ++u) off[u] = ok && i0 + u * CP_TOKENS < np ? rowoff_s[i0 + u * CP_TOKENS] : 0;
+#pragma unroll
+            for (int u = 0; u < 4; ++u)
+                if (i0 + u * CP_TOKENS < np) cp_async16(cp_dst + (i0 + u * CP_TOKENS) * (2 * RAW_ROW), src + off[u], ok ? 16u : 0u);
+        }
+        cp_async_commit();
+    }
+    // Step `step` of tokens p0..p0+np-1 into xs (tiles_warp's stage_chunk), the next one's copies issued.
+    __device__ __forceinline__ void stage(int p0, int np, int step) const {
+        const int tid = threadIdx.x;
+        const int tstride = GV_STEP_WORDS * 32 + 32;
+        if (step == 0) {  // a pass's first step (raw and rowoff_s are free: see below)
+            if constexpr (MODE == 1) grid_dependency_wait();  // down: h is the grid before's output
+            for (int i = tid; i < np; i += GV_THREADS) {
+                const int slot = slots[p0 + i];
+                rowoff_s[i] = (MODE == 0 ? slot / top_k : slot) * cols;  // < 2^31: checked by the host
+            }
+            __syncthreads();
+            issue(np, 0);
+        }
+        cp_async_wait<0>();
+        __syncthreads();  // raw holds this step for every thread; the previous mma are done with xs
+        if constexpr (WG) {
+            // The wgmma B layout: slice 8 wi + s (s = 0..7) of token n is 16 k values, k 2t, 2t+1
+            // = columns sel_col(s, 0..1) of word 2t + wi (t = 0..3) and k 2t+8, 2t+9 = sel_col(s,
+            // 2..3): [slice][token / 8][k half][token % 8][16 bytes]. An item (n, wi, h) reads
+            // the column pairs 8h..8h+7 of its 4 words (raw chunks 2h, 2h+1) and writes the 4
+            // slices of selectors 4h..4h+3. Tokens past the pass are not written: their columns
+            // of the product are never read.
+            for (int idx = tid; idx < ((np + 7) & ~7) * 4; idx += GV_THREADS) {
+                const int n = (idx & 7) | ((idx >> 5) << 3);
+                const int wi = (idx >> 3) & 1, h = (idx >> 4) & 1;
+                if (n >= np) continue;
+                u32 lo[4][4], hi[4][4];  // [selector 4h + r][t]
+#pragma unroll
+                for (int tw = 0; tw < 4; ++tw) {
+                    const u16* src = raw_s + n * RAW_ROW + (2 * tw + wi) * 32;  // chunk q at q ^ tw
+                    const uint4 c0 = *reinterpret_cast<const uint4*>(src + ((2 * h) ^ tw) * 8);
+                    const uint4 c1 = *reinterpret_cast<const uint4*>(src + ((2 * h + 1) ^ tw) * 8);
+                    const u32 pr[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
+#pragma unroll
+                    for (int r = 0; r < 4; ++r) selector_pairs(pr, r, lo[r][tw], hi[r][tw]);
+                }
+#pragma unroll
+                for (int r = 0; r < 4; ++r) {
+                    uint4* dst = reinterpret_cast<uint4*>(xs + (8 * wi + 4 * h + r) * NT8 * 128 + (n >> 3) * 128 + (n & 7) * 8);
+                    dst[0] = make_uint4(lo[r][0], lo[r][1], lo[r][2], lo[r][3]);
+                    dst[8] = make_uint4(hi[r][0], hi[r][1], hi[r][2], hi[r][3]);  // the second 8 k, +128 bytes
+                }
+            }
+            fence_proxy_async();  // the tensor cores read these stores next
+        } else {  // (braced: with `else for`, nvcc 13.0 dropped the barrier below from the WG instances)
+            for (int idx = tid; idx < (np + 1) * GV_STEP_WORDS; idx += GV_THREADS) {
+                const int i = idx / GV_STEP_WORDS, wl = idx % GV_STEP_WORDS;
+                uint4 v[4];
+#pragma unroll
+                for (int q = 0; q < 4; ++q)  // row np: the zero row
+                    v[q] = i < np ? *reinterpret_cast<const uint4*>(raw_s + i * RAW_ROW + wl * 32 + (q ^ ((wl >> 1) & 3)) * 8)
+                                  : make_uint4(0u, 0u, 0u, 0u);
+                stage_word(v, xs + i * tstride + wl * 32, wl);
+            }
+        }
+        __syncthreads();  // xs ready; every thread is done reading raw
+        if (step + 1 < steps) issue(np, step + 1);
+    }
+};
+
+// ---------------------------------------------------------------- the reductions
+// The last CTA to finish its work item's contributions (gemv_cta) sums the splits' fp32 partials.
+// The reductions' partials come from L2. BATCH: a round holds U items of a
+// thread and the partials of up to SU splits (gate_up) or PU (expert, split) pairs (down) of
+// each, all loaded before any is summed: one L2 round trip per round, where every split of
+// every item was one (the Nsight samples of the 256-token layers had up to 45% of a
+// launch's warps waiting there). The sums run in the same order: the same bits.
+// gate_up: h[slot] = act(gate) * up over this row tile's rows, for the CTA's expert's `count` slots.
+template <bool BF16, bool BATCH>
+__device__ __forceinline__ void reduce_gate_up(const float* __restrict__ part, const int* slots, int count, int num_assign,
+                                               int rows_w, int rows_out, int r0, int rpc, int splits,
+                                               u16* __restrict__ h_out) {
+    const int tid = threadIdx.x;
+    constexpr int U = 4, SU = 4;
+    if constexpr (BATCH) {
+        const int n_items = count * rpc;
+        const long long split_stride = (long long)num_assign * rows_w;
+        for (int idx0 = tid; idx0 < n_items; idx0 += U * GV_THREADS) {
+            float gs[U], us[U];
+            const float* p[U];
+            bool ok[U];
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const int idx = idx0 + u * GV_THREADS, c = idx % rpc;
+                ok[u] = idx < n_items && r0 + c < rows_out;
+                p[u] = part + (long long)(ok[u] ? slots[idx / rpc] : 0) * rows_w + r0 + c;
+                gs[u] = 0.f;
+                us[u] = 0.f;
+            }
+            for (int s0 = 0; s0 < splits; s0 += SU) {
+                float g[SU][U], v[SU][U];
+#pragma unroll
+                for (int s = 0; s < SU; ++s)
+#pragma unroll
+                    for (int u = 0; u < U; ++u) {
+                        const bool in = ok[u] && s0 + s < splits;
+                        g[s][u] = in ? __ldcg(p[u] + (s0 + s) * split_stride) : 0.f;
+                        v[s][u] = in ? __ldcg(p[u] + (s0 + s) * split_stride + rows_out) : 0.f;
+                    }
+#pragma unroll
+                for (int s = 0; s < SU; ++s)
+#pragma unroll
+                    for (int u = 0; u < U; ++u)
+                        if (s0 + s < splits) {
+                            gs[u] += g[s][u];
+                            us[u] += v[s][u];
+                        }
+            }
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const int idx = idx0 + u * GV_THREADS;
+                if (ok[u])
+                    h_out[(long long)slots[idx / rpc] * rows_out + r0 + idx % rpc] = float_to_act<BF16>(gate_act(gs[u]) * us[u]);
+            }
+        }
+    } else {
+        for (int idx = tid; idx < count * rpc; idx += GV_THREADS) {
+            const int i = idx / rpc, c = idx % rpc;
+            if (r0 + c >= rows_out) continue;
+            const int slot = slots[i];
+            float gs = 0.f, us = 0.f;
+            for (int s = 0; s < splits; ++s) {
+                const float* p = part + ((long long)s * num_assign + slot) * rows_w;
+                gs += __ldcg(p + r0 + c);
+                us += __ldcg(p + rows_out + r0 + c);
+            }
+            h_out[(long long)slot * rows_out + r0 + c] = float_to_act<BF16>(gate_act(gs) * us);
+        }
+    }
+}
+
+// down: out[t] = sum_j w[t, j] * sum_split y over this row tile's rows, every token, in a fixed order.
+template <bool BF16, bool BATCH>
+__device__ __forceinline__ void reduce_down(const float* __restrict__ part, const long long* __restrict__ topk_ids,
+                                            const void* __restrict__ topk_w, int w_kind, int num_tokens, int top_k,
+                                            int num_experts, int num_assign, int rows_w, int rows_out, int r0, int rpc,
+                                            int splits, u16* __restrict__ out) {
+    const int tid = threadIdx.x;
+    constexpr int U = 4, PU = 4;
+    auto weight_of = [&](int slot) {
+        return w_kind == 0 ? reinterpret_cast<const float*>(topk_w)[slot]
+             : w_kind == 1 ? bf16_to_float(reinterpret_cast<const u16*>(topk_w)[slot])
+                           : half_to_float(reinterpret_cast<const u16*>(topk_w)[slot]);
+    };
+    if constexpr (BATCH) {
+        // Pair q = (expert j, split s) in the order below (j outer): the partials of a slot with
+        // an invalid expert id are loaded too (the buffer holds every slot) and dropped unread.
+        const int n_items = num_tokens * rpc, pairs = top_k * splits;
+        for (int idx0 = tid; idx0 < n_items; idx0 += U * GV_THREADS) {
+            int tk[U], c[U];
+            bool ok[U];
+            float sum[U], v[U];
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const int idx = idx0 + u * GV_THREADS;
+                tk[u] = idx / rpc;
+                c[u] = idx % rpc;
+                ok[u] = idx < n_items && r0 + c[u] < rows_out;
+                sum[u] = 0.f;
+                v[u] = 0.f;
+            }
+            for (int q0 = 0; q0 < pairs; q0 += PU) {
+                long long e[PU][U];
+                float y[PU][U], wt[PU][U];
+#pragma unroll
+                for (int q = 0; q < PU; ++q) {
+                    const int j = (q0 + q) / splits, s = q0 + q - j * splits;
+#pragma unroll
+                    for (int u = 0; u < U; ++u) {
+                        const bool in = ok[u] && q0 + q < pairs;
+                        const int slot = tk[u] * top_k + j;
+                        e[q][u] = in ? topk_ids[slot] : -1;
+                        y[q][u] = in ? __ldcg(part + ((long long)s * num_assign + slot) * rows_w + r0 + c[u]) : 0.f;
+                        wt[q][u] = in ? weight_of(slot) : 0.f;
+                    }
+                }
+#pragma unroll
+                for (int q = 0; q < PU; ++q) {
+                    if (q0 + q >= pairs) break;
+                    const int j = (q0 + q) / splits, s = q0 + q - j * splits;
+#pragma unroll
+                    for (int u = 0; u < U; ++u) {
+                        v[u] += y[q][u];
+                        if (s == splits - 1) {  // expert j's partials summed
+                            if (e[q][u] >= 0 && e[q][u] < num_experts) sum[u] += wt[q][u] * v[u];
+                            v[u] = 0.f;
+                        }
+                    }
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < U; ++u)
+                if (ok[u]) out[(long long)tk[u] * rows_out + r0 + c[u]] = float_to_act<BF16>(sum[u]);
+        }
+    } else {
+        for (int idx = tid; idx < num_tokens * rpc; idx += GV_THREADS) {
+            const int tk = idx / rpc, c = idx % rpc;
+            if (r0 + c >= rows_out) continue;
+            float sum = 0.f;
+            for (int j = 0; j < top_k; ++j) {
+                const int slot = tk * top_k + j;
+                const long long e = topk_ids[slot];
+                if (e < 0 || e >= num_experts) continue;
+                float v = 0.f;
+                for (int s = 0; s < splits; ++s) v += __ldcg(part + ((long long)s * num_assign + slot) * rows_w + r0 + c);
+                sum += weight_of(slot) * v;
+            }
+            out[(long long)tk * rows_out + r0 + c] = float_to_act<BF16>(sum);
         }
     }
 }
@@ -1399,22 +1327,15 @@ __device__ __forceinline__ void run_passes(const BlockRef& blk, u32 w0a, u32 w0b
 // NT8: 8-token tiles per pass. 1: decode (a pass's activations staged for the whole split);
 // > 1: the tiles regime (stage_tokens <= 8 * NT8 per pass, activations staged a step at a time).
 // One CTA's work item (row tile bx, bx < gx; the by-th active expert; column split z of
-// `splits`), the body of both kernels below. FUSED (apl_gemv_fused, decode only): routing's
-// first phase is done by the caller (route_mask); gate_up's last split of a row tile raises
-// ready[by * gx + bx] once h is written, and down waits for the flags of its split's h
-// columns (one gate_up row tile per h word) before staging h, read through L2 only.
-// WS (apl_gemv_ws): warps 0-3 run this body (their barriers are cta_sync<WS>'s), warp 4 is the
-// producer (ws_produce); ws_bars and ws_count are its hand-over barriers and token count.
-template <int CLS, int MODE, bool BF16, bool V2, int NT8, bool FUSED, bool PAIR = false, bool HEAVY = false,
-          bool LONG = false, bool WS = false>
+// `splits`), the body of the kernel below.
+template <int CLS, int MODE, bool BF16, bool V2, int NT8, bool HEAVY = false,
+          bool LONG = false>
 __device__ __forceinline__ void gemv_cta(
     const long long* __restrict__ desc, const long long* __restrict__ topk_ids, int num_assign, int top_k,
     int num_experts, const u16* __restrict__ x, int rows_out, int cols, int split_words, int lut_entries,
     int stage_tokens, float* __restrict__ part, int* __restrict__ counters, u16* __restrict__ h_out,
     const void* __restrict__ topk_w, int w_kind, int num_tokens, u16* __restrict__ out, int zero_fill,
-    int bx, int by, int z, int splits, int gx, u32* present, int* scratch, int& last_flag, int* ready,
-    unsigned long long* ws_bars = nullptr, volatile int* ws_count = nullptr) {
-    static_assert(!WS || (NT8 > 1 && !FUSED && !PAIR), "WS is a tiles-regime kernel");
+    int bx, int by, int z, int splits, int gx, u32* present, int* scratch, int& last_flag) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
     const int rows_w = MODE == 0 ? 2 * rows_out : rows_out;
@@ -1433,86 +1354,34 @@ __device__ __forceinline__ void gemv_cta(
     const u32 lut_at = shared_addr(smem_raw) + lut_off;
     u16* lut_s = reinterpret_cast<u16*>(smem_raw + lut_off + (((lut_at + 511u) & ~511u) - lut_at));
 
-    // APL_GEMV_BATCHED_LOADS in the tiles regime only: measured 2-29% faster there, and at
-    // decode (<= 128 ids, the epilogue's few items) 1-5% slower at Mixtral sizes (docs/kernel.md).
-    constexpr bool BATCH = APL_GEMV_BATCHED_LOADS && NT8 > 1;
-    // APL_GEMV_PDL, with the host's launch attribute (GEMV_PDL): gate_up waits for the grid before
+    // BATCH: routing and the reductions read their inputs in batches, loads in flight together, in
+    // the tiles regime only: measured 2-29% faster there, and at decode (<= 128 ids, the
+    // epilogue's few items) 1-5% slower at Mixtral sizes (docs/kernel.md).
+    constexpr bool BATCH = NT8 > 1;
+    // Programmatic dependent launch, with the host's launch attribute: gate_up waits for the grid before
     // it (the router's output) before it reads anything; down reads only what existed before
     // gate_up started (routing, descriptors, LUTs, planes) until await_h, before its first read of
     // h and its first global write, so its prologue runs while gate_up's last CTAs finish. Both let
     // their dependents launch at once: those take only the SM slots this grid's CTAs leave, once
     // every one of them has started.
-    if constexpr (WS) {
-        if (tid == 0) {
-            mbar_init(ws_bars, 1);
-            for (int b = 0; b < WS_STAGES; ++b) {
-                mbar_init(ws_bars + 1 + b, 32 * APL_TILES_WS_WARPS);
-                mbar_init(ws_bars + 1 + WS_STAGES + b, GV_THREADS);
-            }
-        }
-        __syncthreads();  // (every thread: the last barrier the producers share)
-    }
-    if constexpr (!FUSED) {
-        if constexpr (MODE == 0) grid_dependency_wait();
-        launch_dependents();
-    }
-    // APL_TILES_ASYNC: raw rows [token][word][4 chunks of 16 B] (chunk q at q ^ ((w >> 1) & 3)),
-    // after the LUT rows, then each pass token's row offset in x (the host adds 512 + 8 * NT8 *
-    // (512 + 4) bytes). Step s + 1 is copied in by cp.async while step s's mma run; at its turn
-    // it is reordered into xs (shared to shared). A thread copies chunk q = tid % 4 of word
-    // wl = tid / 4 % 8 of tokens tid / 32, + 4, + 8, ...
-    // WG (APL_TILES_WGMMA on sm_90a): raw rows padded to 528 bytes, so the wgmma staging's 8
-    // tokens per 8 threads read different banks.
-    constexpr bool WG = NT8 > 1 && APL_TILES_WGMMA && APL_TILES_ASYNC && APL_HAS_WGMMA;
-    constexpr int RAW_ROW = WG ? 264 : 256;  // u16 per token of raw
-    // (Lambdas: raw_s and rowoff_s are still computed where stage_async first needs them, below;
-    // computed here, before routing, they changed the tiles instances' SASS, nvcc 13.0.)
-    auto raw_rows_at = [&]() { return lut_s + GV_ROWS * lut_entries; };
-    auto row_offsets_at = [&](u16* raw) { return reinterpret_cast<int*>(raw + stage_tokens * RAW_ROW); };
-    // WS: the producers' second buffer is the raw rows' room, a third (NT8 x 4 KB: 16 slices of
-    // NT8 x 256 bytes) follows the row offsets (the host's gemv_extra_shared).
-    static_assert(!WS || WG, "the producer warps stage the wgmma layout");
-    u16* const ws_bufs[3] = {xs, raw_rows_at(), reinterpret_cast<u16*>(row_offsets_at(raw_rows_at()) + stage_tokens)};
-    if constexpr (WS) {
-        if (warp >= GV_THREADS / 32) {
-            ws_produce<MODE, NT8>(x, slots, top_k, cols, c0w, kw, stage_tokens, ws_bufs, ws_bars, ws_count);
-            return;
-        }
-    }
-    // WS: the consumers tell the producer how many tokens to stage (0: none) once the slots are placed.
-    auto ws_publish = [&](int count) {
-        if constexpr (WS) {
-            if (tid == 0) {
-                *ws_count = count;
-                mbar_arrive(ws_bars);
-            }
-        }
-    };
-    const Route route = FUSED ? route_pick<false>(topk_ids, num_assign, by, slots, present, scratch)
-                              : route_cta<BATCH, HEAVY, WS>(topk_ids, num_assign, num_experts, by, slots, present, scratch,
-                                                            desc, num_tokens >= APL_GEMV_HEAVY_MIN_TOKENS);
+    if constexpr (MODE == 0) grid_dependency_wait();
+    launch_dependents();
+    // HEAVY from 2 tokens: at 1 token it bought nothing at Mixtral size and cost 2-5% at Qwen1.5-MoE's.
+    const Route route = route_cta<BATCH, HEAVY>(topk_ids, num_assign, num_experts, by, slots, present, scratch, desc,
+                                                num_tokens >= 2);
     auto await_h = [&]() {
-        if constexpr (MODE == 1 && !FUSED) grid_dependency_wait();
+        if constexpr (MODE == 1) grid_dependency_wait();
     };
     if (MODE == 1 && zero_fill && route.num_active == 0 && by == 0 && z == 0) {
         await_h();
         for (int idx = tid; idx < num_tokens * rpc; idx += GV_THREADS)  // no valid expert id at all
             if (r0 + idx % rpc < rows_out) out[(long long)(idx / rpc) * rows_out + r0 + idx % rpc] = 0;
     }
-    if (route.expert < 0) {
-        ws_publish(0);
-        return;
-    }
+    if (route.expert < 0) return;
     const BlockRef blk = load_block(desc, route.expert);
     const int cls = blk.bits >= 5 && blk.bits <= 8 ? 1 : 0;  // bad bits: class 0 writes NaN
-    if (!FUSED && CLS != 2 && cls != CLS) {  // another launch's class
-        ws_publish(0);
-        return;
-    }
-    // (the fused kernel is launched for one class per projection; a block of another class
-    // there can only be a bad descriptor: NaN, never a CTA that leaves without its flag)
+    if (CLS != 2 && cls != CLS) return;  // another launch's class
     const bool bad_bits = blk.bits < 3 || blk.bits > 8 || (CLS != 2 && cls != CLS);
-    ws_publish(bad_bits ? 0 : route.count);
 
     auto weight_row_of = [&](int lw, bool* valid) {
         if (MODE == 0) {
@@ -1536,58 +1405,21 @@ __device__ __forceinline__ void gemv_cta(
     const int kwp = (kw + GV_STEP_WORDS - 1) / GV_STEP_WORDS * GV_STEP_WORDS;
     // Activations of tokens p0..p0+np-1 (and a zero row after them) for this split:
     // xs[i][w] holds, for selector s of word w, the act values of columns sel_col(s, 0..3).
-    // FUSED down: h's words c0w..c0w+kw-1 of expert `by` are ready once gate_up's row tiles
-    // of the same numbers have raised their flags. A CTA that finds them not yet raised first
-    // asks L2 for its whole split's plane sectors (it would idle otherwise), then spins; a
-    // wait that never ends (a broken flag protocol) traps instead of hanging the GPU.
-    auto prefetch_split = [&]() {  // every plane sector of this split's rows a and b, into L2
-        if (bad_bits) return;
-#pragma unroll
-        for (int p = 0; p < 8; ++p) {
-            if (p >= blk.bits) break;
-            for (int w = 8 * t; w < kw; w += 32) {  // 32-byte sectors of rows a and b
-                prefetch_l2(blk.planes[p] + w0a + w);
-                prefetch_l2(blk.planes[p] + w0b + w);
-            }
-            if (t == 0) { prefetch_l2(blk.planes[p] + w0a + kw - 1); prefetch_l2(blk.planes[p] + w0b + kw - 1); }
-        }
-    };
-    auto wait_h = [&]() {
-        const int* f = ready + (long long)by * words_per_row + c0w;
-        bool ok = true;
-        for (int i = tid; i < kw; i += GV_THREADS) ok = ok && ld_acquire_gpu(f + i) != 0;
-        if (__syncthreads_and(ok)) return;
-        prefetch_split();
-        for (int i = tid; i < kw; i += GV_THREADS) {
-            for (int n = 0; ld_acquire_gpu(f + i) == 0; ++n) {
-                if (n > (1 << 22)) __trap();
-                __nanosleep(64);
-            }
-        }
-        __syncthreads();
-    };
     // Word w of the split for assignment `slot` (its token's row of x, or its own row of h):
     // 32 act values as 4 16-byte loads (x is checked 16-byte aligned; a word is 64 bytes).
     auto load_word = [&](int slot, int w, uint4 (&raw)[4]) {
         const long long xrow = MODE == 0 ? slot / top_k : slot;
         const uint4* src = reinterpret_cast<const uint4*>(x + xrow * cols + (long long)(c0w + w) * 32);
 #pragma unroll
-        for (int q = 0; q < 4; ++q)  // h, written in this launch by other CTAs, or (APL_GEMV_PDL) by
-            raw[q] = ((FUSED || APL_GEMV_PDL) && MODE == 1) ? __ldcg(src + q) : __ldg(src + q);  // a grid
-            // that ran while this one started: L2, not L1/nc
+        for (int q = 0; q < 4; ++q)  // h, written by a grid that ran while this one started: L2, not L1/nc
+            raw[q] = MODE == 1 ? __ldcg(src + q) : __ldg(src + q);
     };
     auto stage_split = [&](int p0, int np) {
-        if constexpr (FUSED && MODE == 1) {
-            if (p0 == 0) wait_h();
-        }
-        if (p0 == 0) {
-            if (APL_GEMV_PDL_PREFETCH && MODE == 1 && !FUSED && CLS == 0) prefetch_split();  // (5-8 bits: spills)
-            await_h();
-        }
+        if (p0 == 0) await_h();
         __syncthreads();  // LUT written; the previous pass is done with xs
-#if APL_GEMV_STAGE16
         // A (token, word) item: the word's 32 values (load_word), reordered into the mma
-        // slices' layout by stage_word.
+        // slices' layout by stage_word (8 items a word of 4 scattered 2-byte loads each were
+        // 3-11% slower at every decode shape, docs/kernel.md).
         for (int idx = tid; idx < (np + 1) * kwp; idx += GV_THREADS) {
             const int i = idx / kwp, w = idx % kwp;
             uint4 raw[4];
@@ -1596,179 +1428,15 @@ __device__ __forceinline__ void gemv_cta(
             if (w < kw && i < np) load_word(slots[p0 + i], w, raw);
             stage_word(raw, xs + i * tstride + w * 32, w);  // (its swizzle reads w mod 8 only)
         }
-#else
-        for (int idx = tid; idx < (np + 1) * kwp * 8; idx += GV_THREADS) {
-            const int i = idx / (kwp * 8), rem = idx % (kwp * 8), w = rem >> 3, s = rem & 7;
-            const int slot = i < np ? slots[p0 + i] : 0;
-            const long long xrow = MODE == 0 ? slot / top_k : slot;
-            u32 v01 = 0u, v23 = 0u;
-            if (w < kw && i < np) {
-                const u16* src = x + xrow * cols + (long long)(c0w + w) * 32;
-                if (FUSED && MODE == 1) {  // h, written in this launch by other CTAs: L2, not L1/nc
-                    v01 = (u32)__ldcg(src + sel_col(s, 0)) | ((u32)__ldcg(src + sel_col(s, 1)) << 16);
-                    v23 = (u32)__ldcg(src + sel_col(s, 2)) | ((u32)__ldcg(src + sel_col(s, 3)) << 16);
-                } else {
-                    v01 = (u32)src[sel_col(s, 0)] | ((u32)src[sel_col(s, 1)] << 16);
-                    v23 = (u32)src[sel_col(s, 2)] | ((u32)src[sel_col(s, 3)] << 16);
-                }
-            }
-            const int chunk = (s >> 1) ^ ((w >> 1) & 3);
-            *reinterpret_cast<uint2*>(xs + i * tstride + w * 32 + chunk * 8 + (s & 1) * 4) = make_uint2(v01, v23);
-        }
-#endif
         __syncthreads();
     };
-    // The tiles regime: step `step` (8 words) of tokens p0..p0+np-1 and the zero row after them,
-    // in the layout stage_split writes: a word's 32 values come in as 4 16-byte loads and are
-    // reordered by PRMT (stage_word).
-    auto stage_step = [&](int p0, int np, int step) {
-        // A batch's loads are all issued before its stores (one L2 round trip per batch, not
-        // per item). ITEMS = the most (token, word) items a thread can own; batches of SB
-        // keep the 5-8-bit kernels, whose next plane words take 64 registers, from spilling.
-        constexpr int ITEMS = ((GV_TOKENS * NT8 + 1) * GV_STEP_WORDS + GV_THREADS - 1) / GV_THREADS;
-        constexpr int SB = CLS == 0 ? ITEMS : (ITEMS < 3 ? ITEMS : 3);
-        if (step == 0) await_h();
-        __syncthreads();  // the previous step's mma are done with xs
-#pragma unroll
-        for (int b = 0; b < ITEMS; b += SB) {
-            uint4 raw[SB][4];
-#pragma unroll
-            for (int it = 0; it < SB; ++it) {
-                const int idx = tid + (b + it) * GV_THREADS, i = idx / GV_STEP_WORDS;
-                const int w = step * GV_STEP_WORDS + idx % GV_STEP_WORDS;
-#pragma unroll
-                for (int q = 0; q < 4; ++q) raw[it][q] = make_uint4(0u, 0u, 0u, 0u);
-                if (b + it < ITEMS && i < np && w < kw) load_word(slots[p0 + i], w, raw[it]);
-            }
-#pragma unroll
-            for (int it = 0; it < SB; ++it) {
-                const int idx = tid + (b + it) * GV_THREADS, i = idx / GV_STEP_WORDS, wl = idx % GV_STEP_WORDS;
-                if (b + it >= ITEMS || i > np) break;  // rows 0..np: the pass's tokens and the zero row
-                stage_word(raw[it], xs + i * tstride + wl * 32, wl);
-            }
-        }
-        __syncthreads();
-    };
-    // PAIR (apl_gemv_pair, a cluster of the row tiles 2k and 2k + 1: the same expert, split and
-    // passes): CTA `rank` copies and reorders only the words of parity wi = rank (16 threads a
-    // token, 8 tokens a round) and stores its slices into both CTAs' xs, so each does half a
-    // step's staging; the step's two barriers become cluster barriers.
-    static_assert(!PAIR || WG, "the cluster pair is built on the wgmma staging");
-    const int rank = PAIR ? (int)(blockIdx.x & 1) : 0;  // (the cluster is (2, 1, 1): rank = x % 2)
-    constexpr int CP_TOKENS = PAIR ? GV_THREADS / 16 : GV_THREADS / 32;  // tokens a round of copies
-    u16* raw_s = raw_rows_at();
-    int* rowoff_s = row_offsets_at(raw_s);
-    const int steps_k = (kw + GV_STEP_WORDS - 1) / GV_STEP_WORDS;
-    const int cp_wl = PAIR ? 2 * ((tid >> 2) & 3) + rank : (tid >> 2) & 7, cp_q = tid & 3;
-    const int cp_t0 = PAIR ? tid >> 4 : tid >> 5;  // this thread's first token
-    const u32 cp_dst = shared_addr(raw_s + cp_wl * 32 + (cp_q ^ ((cp_wl >> 1) & 3)) * 8);
-    auto issue_step = [&](int np, int step) {
-        const int w = step * GV_STEP_WORDS + cp_wl;
-        const bool ok = w < kw;  // words past the split: zeros
-        const u16* src = x + (ok ? (c0w + w) * 32 + cp_q * 8 : 0);
-#if APL_GEMV_BATCHED_LOADS
-        // The row offsets of 4 tokens are read before their 4 copies issue (each copy's "memory"
-        // clobber kept the next token's shared read behind it: a shared round trip per token).
-        for (int i0 = cp_t0; i0 < np; i0 += 4 * CP_TOKENS) {
-            int off[4];
-#pragma unroll
-            for (int u = 0; u < 4; ++u) off[u] = ok && i0 + u * CP_TOKENS < np ? rowoff_s[i0 + u * CP_TOKENS] : 0;
-#pragma unroll
-            for (int u = 0; u < 4; ++u)
-                if (i0 + u * CP_TOKENS < np) cp_async16(cp_dst + (i0 + u * CP_TOKENS) * (2 * RAW_ROW), src + off[u], ok ? 16u : 0u);
-        }
-#else
-        for (int i = cp_t0; i < np; i += CP_TOKENS)
-            cp_async16(cp_dst + i * (2 * RAW_ROW), src + (ok ? rowoff_s[i] : 0), ok ? 16u : 0u);
-#endif
-        cp_async_commit();
-    };
-    auto stage_async = [&](int p0, int np, int step) {
-        if (step == 0) {  // a pass's first step (raw and rowoff_s are free: see below)
-            await_h();
-            for (int i = tid; i < np; i += GV_THREADS) {
-                const int slot = slots[p0 + i];
-                rowoff_s[i] = (MODE == 0 ? slot / top_k : slot) * cols;  // < 2^31: checked by the host
-            }
-            __syncthreads();
-            issue_step(np, 0);
-        }
-        cp_async_wait<0>();
-        // raw holds this step for every thread; the previous mma are done with xs (PAIR: with
-        // both CTAs' xs, which this CTA's stores reach; the first one also finds the peer started)
-        if constexpr (PAIR) cluster_sync(); else __syncthreads();
-        if constexpr (WG) {
-            // The wgmma B layout: slice 8 wi + s (s = 0..7) of token n is 16 k values, k 2t, 2t+1
-            // = columns sel_col(s, 0..1) of word 2t + wi (t = 0..3) and k 2t+8, 2t+9 = sel_col(s,
-            // 2..3): [slice][token / 8][k half][token % 8][16 bytes]. An item (n, wi, h) reads
-            // the column pairs 8h..8h+7 of its 4 words (raw chunks 2h, 2h+1) and writes the 4
-            // slices of selectors 4h..4h+3. Tokens past the pass are not written: their columns
-            // of the product are never read.
-            // PAIR: items (n, h) of words wi = rank only.
-            for (int idx = tid; idx < ((np + 7) & ~7) * (PAIR ? 2 : 4); idx += GV_THREADS) {
-                const int n = PAIR ? (idx & 7) | ((idx >> 4) << 3) : (idx & 7) | ((idx >> 5) << 3);
-                const int wi = PAIR ? rank : (idx >> 3) & 1, h = PAIR ? (idx >> 3) & 1 : (idx >> 4) & 1;
-                if (n >= np) continue;
-                u32 lo[4][4], hi[4][4];  // [selector 4h + r][t]
-#pragma unroll
-                for (int tw = 0; tw < 4; ++tw) {
-                    const u16* src = raw_s + n * RAW_ROW + (2 * tw + wi) * 32;  // chunk q at q ^ tw
-                    const uint4 c0 = *reinterpret_cast<const uint4*>(src + ((2 * h) ^ tw) * 8);
-                    const uint4 c1 = *reinterpret_cast<const uint4*>(src + ((2 * h + 1) ^ tw) * 8);
-                    const u32 pr[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
-#pragma unroll
-                    for (int r = 0; r < 4; ++r) selector_pairs(pr, r, lo[r][tw], hi[r][tw]);
-                }
-#pragma unroll
-                for (int r = 0; r < 4; ++r) {
-                    uint4* dst = reinterpret_cast<uint4*>(xs + (8 * wi + 4 * h + r) * NT8 * 128 + (n >> 3) * 128 + (n & 7) * 8);
-                    const uint4 vlo = make_uint4(lo[r][0], lo[r][1], lo[r][2], lo[r][3]);
-                    const uint4 vhi = make_uint4(hi[r][0], hi[r][1], hi[r][2], hi[r][3]);
-                    dst[0] = vlo;
-                    dst[8] = vhi;  // the second 8 k, +128 bytes
-                    if constexpr (PAIR) {  // the same slices into the peer's xs
-                        const u32 remote = peer_shared(shared_addr(dst), (u32)(rank ^ 1));
-                        st_cluster_v4(remote, vlo);
-                        st_cluster_v4(remote + 128, vhi);
-                    }
-                }
-            }
-            // the tensor cores read these stores next (PAIR: both CTAs' tensor cores)
-            if constexpr (PAIR) fence_proxy_async_cluster(); else fence_proxy_async();
-        } else {  // (braced: with `else for`, nvcc 13.0 dropped the barrier below from the WG instances)
-            for (int idx = tid; idx < (np + 1) * GV_STEP_WORDS; idx += GV_THREADS) {
-                const int i = idx / GV_STEP_WORDS, wl = idx % GV_STEP_WORDS;
-                uint4 v[4];
-#pragma unroll
-                for (int q = 0; q < 4; ++q)  // row np: the zero row
-                    v[q] = i < np ? *reinterpret_cast<const uint4*>(raw_s + i * RAW_ROW + wl * 32 + (q ^ ((wl >> 1) & 3)) * 8)
-                                  : make_uint4(0u, 0u, 0u, 0u);
-                stage_word(v, xs + i * tstride + wl * 32, wl);
-            }
-        }
-        if constexpr (PAIR) cluster_sync(); else __syncthreads();  // xs ready; every thread is done reading raw
-        if (step + 1 < steps_k) issue_step(np, step + 1);
-    };
-    // WS: step `step` of the pass is the producer's; the buffer of the step before is handed back
-    // first (its wgmma were waited for at the end of its compute). ws_k counts the steps of every
-    // pass, in the producer's order.
-    int ws_k = 0;
-    auto stage_ws = [&](int p0, int np, int step) -> const u16* {
-        if (step == 0) {
-            await_h();  // (down) before this CTA's first global write
-            if (p0 == 0) cta_sync<WS>();  // 5-8 bits: the LUT rows are written before their first read
-        }
-        if (ws_k > 0) mbar_arrive(ws_bars + 1 + WS_STAGES + (ws_k - 1) % WS_STAGES);
-        const int b = ws_k % WS_STAGES;
-        mbar_wait(ws_bars + 1 + b, (ws_k / WS_STAGES) & 1);
-        ++ws_k;
-        return ws_bufs[b];
-    };
+    // (The stager is built here, after routing: its shared addresses computed before routing changed
+    // the tiles instances' SASS, nvcc 13.0.)
+    u16* const raw_s = lut_s + GV_ROWS * lut_entries;
+    const TilesStager<MODE, NT8> tiles(x, slots, xs, raw_s, stage_tokens, top_k, cols, c0w, kw);
     auto stage = [&](int p0, int np, int step) -> const u16* {
         if constexpr (NT8 == 1) stage_split(p0, np);
-        else if constexpr (WS) return stage_ws(p0, np, step);
-        else if constexpr (APL_TILES_ASYNC) stage_async(p0, np, step);
-        else stage_step(p0, np, step);
+        else tiles.stage(p0, np, step);
         return xs;
     };
     // Partials: tokens 2t, 2t+1 of this pass, rows a and b (NaN for a block of bad bits).
@@ -1782,22 +1450,16 @@ __device__ __forceinline__ void gemv_cta(
             }
         }
     };
-    // LATE: the register LUTs are built after the first staging (their loads overlap it);
-    // the fused down CTAs build them at once instead, before they wait for h (holding the
-    // raw entries across the wait spilled 56 bytes).
-    constexpr bool LATE = !(FUSED && MODE == 1);
-    constexpr bool COMPACT = (APL_GEMV_COMPACT >> CLS) & 1;
-    constexpr bool EARLY_B0 = APL_GEMV_PDL && APL_GEMV_PDL_PLANES && MODE == 1 && !FUSED && NT8 == 1;
+    // The register LUTs' entries are loaded here and built after the first staging (run_passes),
+    // so their loads overlap it.
+    // COMPACT: the merged kernel's decode ping-pong keeps one copy of the step's code, its two words
+    // in a rolled loop (less SASS to fetch cold: 214 -> 126 KB); measured faster for CLS 2, slower
+    // for CLS 0.
+    constexpr bool COMPACT = CLS == 2;
     auto reg_lut = [&](auto& la, auto& lb) {
         la.fetch(blk.lut + (long long)rowa * lut_row_entries(blk.bits), va);
         lb.fetch(blk.lut + (long long)rowb * lut_row_entries(blk.bits), vb);
-        if constexpr (!LATE) { la.build(BF16); lb.build(BF16); }
     };
-    // The 3-4-bit kernel's cp.async ring, after the (512-byte aligned) LUT rows: per warp
-    // APL_GEMV_RING_STAGES slots of GV_RING_STAGE_BYTES (the host adds them to the launch).
-    constexpr bool RING = APL_GEMV_RING_STAGES >= 2 && CLS == 0 && NT8 == 1;
-    const u32 lane_slot0 = shared_addr(lut_s + GV_ROWS * lut_entries) +
-                           (u32)(warp * APL_GEMV_RING_STAGES * GV_RING_STAGE_BYTES + lane * 8);
     if (bad_bits) {
         await_h();
         for (int p0 = 0; p0 < route.count; p0 += GV_TOKENS) {  // emit writes up to 8 tokens
@@ -1807,234 +1469,74 @@ __device__ __forceinline__ void gemv_cta(
     } else if (CLS == 0 || (CLS == 2 && cls == 0)) {
         if (blk.bits == 4) {
             RegLut<4> la, lb;
-            run_passes<4, BF16, V2, RING, NT8, CLS == 0, LATE, COMPACT, EARLY_B0, LONG>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, lane_slot0,
+            run_passes<4, BF16, V2, NT8, COMPACT, LONG>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens,
                                           reg_lut, stage, emit);
         } else {
             RegLut<3> la, lb;
-            run_passes<3, BF16, V2, RING, NT8, CLS == 0, LATE, COMPACT, EARLY_B0, LONG>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, lane_slot0,
+            run_passes<3, BF16, V2, NT8, COMPACT, LONG>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens,
                                           reg_lut, stage, emit);
         }
     } else {
         switch (blk.bits) {
             case 5: { CellLut<5, BF16> la, lb;
-                      run_passes<5, BF16, V2, false, NT8, false, LATE, COMPACT, EARLY_B0, LONG>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, 0u, reg_lut, stage, emit); break; }
+                      run_passes<5, BF16, V2, NT8, COMPACT, LONG>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, reg_lut, stage, emit); break; }
             case 6: { CellLut<6, BF16> la, lb;
-                      run_passes<6, BF16, V2, false, NT8, false, LATE, COMPACT, EARLY_B0, LONG>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, 0u, reg_lut, stage, emit); break; }
+                      run_passes<6, BF16, V2, NT8, COMPACT, LONG>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, reg_lut, stage, emit); break; }
             case 7: { CellLut<7, BF16> la, lb;
-                      run_passes<7, BF16, V2, false, NT8, false, LATE, COMPACT, EARLY_B0, LONG>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, 0u, reg_lut, stage, emit); break; }
+                      run_passes<7, BF16, V2, NT8, COMPACT, LONG>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, reg_lut, stage, emit); break; }
             default: { CellLut<8, BF16> la, lb;
-                       run_passes<8, BF16, V2, false, NT8, false, LATE, COMPACT, EARLY_B0, LONG>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, 0u, reg_lut, stage, emit); break; }
+                       run_passes<8, BF16, V2, NT8, COMPACT, LONG>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, reg_lut, stage, emit); break; }
         }
     }
 
-    // PAIR: the grid's row tiles are padded to even; the extra CTA only staged its peer's half.
-    if (PAIR && bx >= gx) return;
     // The last CTA to finish this tile's splits (MODE 0) or this row tile over every expert
     // and split (MODE 1) reduces the partials, in a fixed order.
     const int expected = MODE == 0 ? splits : route.num_active * splits;
     int* counter = counters + (MODE == 0 ? by * gx + bx : bx);
     if (expected > 1) {
-        // APL_GEMV_ACQREL: CUTLASS's semaphore pattern, no per-thread fences. The barrier
-        // orders every thread's partials before thread 0's release (fence cumulativity); its
-        // acquire orders the reduction's reads after every contributor's partials, and the
-        // second barrier hands that to the CTA.
-        if (!APL_GEMV_ACQREL) __threadfence();
-        cta_sync<WS>();
+        // CUTLASS's semaphore pattern: one thread's acq_rel atomic after a barrier, no per-thread
+        // fences (a fence in every thread before and after was up to 2% slower, docs/kernel.md).
+        // The barrier orders every thread's partials before thread 0's release (fence
+        // cumulativity); its acquire orders the reduction's reads after every contributor's
+        // partials, and the second barrier hands that to the CTA.
+        __syncthreads();
         if (tid == 0) {
-            const int done = (APL_GEMV_ACQREL ? atom_add_acq_rel_gpu(counter, 1) : atomicAdd(counter, 1)) + 1;
+            const int done = atom_add_acq_rel_gpu(counter, 1) + 1;
             last_flag = done == expected;
             if (done == expected) atomicExch(counter, 0);  // every contributor has arrived
         }
-        cta_sync<WS>();
+        __syncthreads();
         if (!last_flag) return;
-        if (!APL_GEMV_ACQREL) __threadfence();
     } else {
-        cta_sync<WS>();
+        __syncthreads();
     }
-    // The reductions' partials come from L2. APL_GEMV_BATCHED_LOADS: a round holds U items of a
-    // thread and the partials of up to SU splits (gate_up) or PU (expert, split) pairs (down) of
-    // each, all loaded before any is summed: one L2 round trip per round, where every split of
-    // every item was one (the Nsight samples of the 256-token layers had up to 45% of a
-    // launch's warps waiting there). The sums run in the same order: the same bits.
-    constexpr int U = 4, SU = 4, PU = 4;
-    if (MODE == 0) {
-        if constexpr (BATCH) {
-            const int n_items = route.count * rpc;
-            const long long split_stride = (long long)num_assign * rows_w;
-            for (int idx0 = tid; idx0 < n_items; idx0 += U * GV_THREADS) {
-                float gs[U], us[U];
-                const float* p[U];
-                bool ok[U];
-#pragma unroll
-                for (int u = 0; u < U; ++u) {
-                    const int idx = idx0 + u * GV_THREADS, c = idx % rpc;
-                    ok[u] = idx < n_items && r0 + c < rows_out;
-                    p[u] = part + (long long)(ok[u] ? slots[idx / rpc] : 0) * rows_w + r0 + c;
-                    gs[u] = 0.f;
-                    us[u] = 0.f;
-                }
-                for (int s0 = 0; s0 < splits; s0 += SU) {
-                    float g[SU][U], v[SU][U];
-#pragma unroll
-                    for (int s = 0; s < SU; ++s)
-#pragma unroll
-                        for (int u = 0; u < U; ++u) {
-                            const bool in = ok[u] && s0 + s < splits;
-                            g[s][u] = in ? __ldcg(p[u] + (s0 + s) * split_stride) : 0.f;
-                            v[s][u] = in ? __ldcg(p[u] + (s0 + s) * split_stride + rows_out) : 0.f;
-                        }
-#pragma unroll
-                    for (int s = 0; s < SU; ++s)
-#pragma unroll
-                        for (int u = 0; u < U; ++u)
-                            if (s0 + s < splits) {
-                                gs[u] += g[s][u];
-                                us[u] += v[s][u];
-                            }
-                }
-#pragma unroll
-                for (int u = 0; u < U; ++u) {
-                    const int idx = idx0 + u * GV_THREADS;
-                    if (ok[u])
-                        h_out[(long long)slots[idx / rpc] * rows_out + r0 + idx % rpc] = float_to_act<BF16>(gate_act(gs[u]) * us[u]);
-                }
-            }
-        } else {
-            for (int idx = tid; idx < route.count * rpc; idx += GV_THREADS) {
-                const int i = idx / rpc, c = idx % rpc;
-                if (r0 + c >= rows_out) continue;
-                const int slot = slots[i];
-                float gs = 0.f, us = 0.f;
-                for (int s = 0; s < splits; ++s) {
-                    const float* p = part + ((long long)s * num_assign + slot) * rows_w;
-                    gs += __ldcg(p + r0 + c);
-                    us += __ldcg(p + rows_out + r0 + c);
-                }
-                h_out[(long long)slot * rows_out + r0 + c] = float_to_act<BF16>(gate_act(gs) * us);
-            }
-        }
-        if constexpr (FUSED) {  // h of this row tile is complete: release it to the down CTAs
-            __threadfence();
-            cta_sync<WS>();
-            if (tid == 0) st_release_gpu(ready + by * gx + bx, 1);
-        }
-    } else {
-        auto weight_of = [&](int slot) {
-            return w_kind == 0 ? reinterpret_cast<const float*>(topk_w)[slot]
-                 : w_kind == 1 ? bf16_to_float(reinterpret_cast<const u16*>(topk_w)[slot])
-                               : half_to_float(reinterpret_cast<const u16*>(topk_w)[slot]);
-        };
-        if constexpr (BATCH) {
-            // Pair q = (expert j, split s) in the order below (j outer): the partials of a slot with
-            // an invalid expert id are loaded too (the buffer holds every slot) and dropped unread.
-            const int n_items = num_tokens * rpc, pairs = top_k * splits;
-            for (int idx0 = tid; idx0 < n_items; idx0 += U * GV_THREADS) {
-                int tk[U], c[U];
-                bool ok[U];
-                float sum[U], v[U];
-#pragma unroll
-                for (int u = 0; u < U; ++u) {
-                    const int idx = idx0 + u * GV_THREADS;
-                    tk[u] = idx / rpc;
-                    c[u] = idx % rpc;
-                    ok[u] = idx < n_items && r0 + c[u] < rows_out;
-                    sum[u] = 0.f;
-                    v[u] = 0.f;
-                }
-                for (int q0 = 0; q0 < pairs; q0 += PU) {
-                    long long e[PU][U];
-                    float y[PU][U], wt[PU][U];
-#pragma unroll
-                    for (int q = 0; q < PU; ++q) {
-                        const int j = (q0 + q) / splits, s = q0 + q - j * splits;
-#pragma unroll
-                        for (int u = 0; u < U; ++u) {
-                            const bool in = ok[u] && q0 + q < pairs;
-                            const int slot = tk[u] * top_k + j;
-                            e[q][u] = in ? topk_ids[slot] : -1;
-                            y[q][u] = in ? __ldcg(part + ((long long)s * num_assign + slot) * rows_w + r0 + c[u]) : 0.f;
-                            wt[q][u] = in ? weight_of(slot) : 0.f;
-                        }
-                    }
-#pragma unroll
-                    for (int q = 0; q < PU; ++q) {
-                        if (q0 + q >= pairs) break;
-                        const int j = (q0 + q) / splits, s = q0 + q - j * splits;
-#pragma unroll
-                        for (int u = 0; u < U; ++u) {
-                            v[u] += y[q][u];
-                            if (s == splits - 1) {  // expert j's partials summed
-                                if (e[q][u] >= 0 && e[q][u] < num_experts) sum[u] += wt[q][u] * v[u];
-                                v[u] = 0.f;
-                            }
-                        }
-                    }
-                }
-#pragma unroll
-                for (int u = 0; u < U; ++u)
-                    if (ok[u]) out[(long long)tk[u] * rows_out + r0 + c[u]] = float_to_act<BF16>(sum[u]);
-            }
-        } else {
-            for (int idx = tid; idx < num_tokens * rpc; idx += GV_THREADS) {
-                const int tk = idx / rpc, c = idx % rpc;
-                if (r0 + c >= rows_out) continue;
-                float sum = 0.f;
-                for (int j = 0; j < top_k; ++j) {
-                    const int slot = tk * top_k + j;
-                    const long long e = topk_ids[slot];
-                    if (e < 0 || e >= num_experts) continue;
-                    float v = 0.f;
-                    for (int s = 0; s < splits; ++s) v += __ldcg(part + ((long long)s * num_assign + slot) * rows_w + r0 + c);
-                    sum += weight_of(slot) * v;
-                }
-                out[(long long)tk * rows_out + r0 + c] = float_to_act<BF16>(sum);
-            }
-        }
-    }
+    if constexpr (MODE == 0)
+        reduce_gate_up<BF16, BATCH>(part, slots, route.count, num_assign, rows_w, rows_out, r0, rpc, splits, h_out);
+    else
+        reduce_down<BF16, BATCH>(part, topk_ids, topk_w, w_kind, num_tokens, top_k, num_experts, num_assign, rows_w,
+                                 rows_out, r0, rpc, splits, out);
 }
 
-// The entry of one projection's launch, apl_gemv and apl_gemv_pair alike (the host passes both
-// the same arguments): grid (row tiles, max active experts, column splits), 128 threads; gx =
-// the row tiles gemv_cta indexes its counters by.
-#define APL_GEMV_ENTRY_PARAMS                                                                                 \
-    const long long* __restrict__ desc, const long long* __restrict__ topk_ids, int num_assign, int top_k,    \
-    int num_experts, const u16* __restrict__ x, int rows_out, int cols, int split_words, int lut_entries,     \
-    int stage_tokens, float* __restrict__ part, int* __restrict__ counters, u16* __restrict__ h_out,          \
-    const void* __restrict__ topk_w, int w_kind, int num_tokens, u16* __restrict__ out, int zero_fill
-template <int CLS, int MODE, bool BF16, bool V2, int NT8, bool PAIR, bool LONG = false, bool WS = false>
-__device__ __forceinline__ void gemv_entry(APL_GEMV_ENTRY_PARAMS, int gx) {
+// One launch per projection: grid (row tiles, max active experts, column splits), 128 threads.
+// LONG (decode only): the instance for column splits of at least GEMV_LONG_SPLIT_WORDS, whose
+// plane loads take APL_PLANE_HINT's qualifiers (load_hint); the host picks it from the plan, so a
+// launch's instance never depends on the layer's bits.
+template <int CLS, int MODE, bool BF16, bool V2, int NT8, bool LONG = false>
+__global__ void __launch_bounds__(GV_THREADS, NT8 == 1 ? (CLS == 0 ? APL_GEMV_MIN_BLOCKS : APL_GEMV_CELL_BLOCKS) : APL_TILES_BLOCKS(CLS, NT8)) apl_gemv(
+    const long long* __restrict__ desc, const long long* __restrict__ topk_ids, int num_assign, int top_k,
+    int num_experts, const u16* __restrict__ x, int rows_out, int cols, int split_words, int lut_entries,
+    int stage_tokens, float* __restrict__ part, int* __restrict__ counters, u16* __restrict__ h_out,
+    const void* __restrict__ topk_w, int w_kind, int num_tokens, u16* __restrict__ out, int zero_fill) {
+    static_assert(!LONG || NT8 == 1, "LONG instances are decode instances (the tiles' hint is APL_PLANE_HINT_MIN_NT8's)");
     __shared__ u32 present[32];
     __shared__ int scratch[8];
     __shared__ int last_flag;
-    __shared__ __align__(8) unsigned long long ws_bars[WS ? 1 + 2 * WS_STAGES : 1];  // (WS only: gemv_cta's)
-    __shared__ int ws_count;
-    // APL_GEMV_ORDER: the kernels whose blocks may differ in width, at decode (and bit 2: tiles).
-    constexpr bool ORDERED = (CLS == 2 || (CLS == 1 && (APL_GEMV_ORDER & 8) != 0)) &&
-                             (NT8 == 1 || (APL_GEMV_ORDER & 4) != 0);
-    constexpr bool HEAVY = ORDERED && (APL_GEMV_ORDER & 1) != 0;
-    // Bit 1, expert-major: the host launches the grid as (row tiles, splits, active experts), so CTAs,
-    // which start in about linear order, take every row tile and split of one expert before the next.
-    // (The indices stay special registers: computed from a linear index, they stayed live through
-    // the step loop and the merged gate_up spilled 80 bytes; nvcc 13.0.)
-    constexpr bool EXPERT_MAJOR = ORDERED && (APL_GEMV_ORDER & 2) != 0 && !PAIR;
-    gemv_cta<CLS, MODE, BF16, V2, NT8, false, PAIR, HEAVY, LONG, WS>(desc, topk_ids, num_assign, top_k, num_experts, x, rows_out,
-                                                           cols, split_words, lut_entries, stage_tokens, part, counters,
-                                                           h_out, topk_w, w_kind, num_tokens, out, zero_fill, blockIdx.x,
-                                                           EXPERT_MAJOR ? blockIdx.z : blockIdx.y,
-                                                           EXPERT_MAJOR ? blockIdx.y : blockIdx.z,
-                                                           EXPERT_MAJOR ? gridDim.y : gridDim.z, gx, present, scratch,
-                                                           last_flag, nullptr, ws_bars, &ws_count);
-}
-#define APL_GEMV_ENTRY_ARGS                                                                                   \
-    desc, topk_ids, num_assign, top_k, num_experts, x, rows_out, cols, split_words, lut_entries, stage_tokens, \
-    part, counters, h_out, topk_w, w_kind, num_tokens, out, zero_fill
-
-// One launch per projection. LONG (decode only): the instance for column splits of at least
-// GEMV_LONG_SPLIT_WORDS, whose plane loads take APL_PLANE_HINT's qualifiers (load_hint); the
-// host picks it from the plan, so a launch's instance never depends on the layer's bits.
-template <int CLS, int MODE, bool BF16, bool V2, int NT8, bool LONG = false>
-__global__ void __launch_bounds__(GV_THREADS, NT8 == 1 ? (CLS == 0 ? APL_GEMV_MIN_BLOCKS : APL_GEMV_CELL_BLOCKS) : APL_TILES_BLOCKS(CLS, NT8)) apl_gemv(
-    APL_GEMV_ENTRY_PARAMS) {
-    static_assert(!LONG || NT8 == 1, "LONG instances are decode instances (the tiles' hint is APL_PLANE_HINT_MIN_NT8's)");
-    gemv_entry<CLS, MODE, BF16, V2, NT8, false, LONG>(APL_GEMV_ENTRY_ARGS, gridDim.x);
+    // HEAVY: the merged kernel (CLS 2), whose blocks differ in width, takes its active experts widest
+    // first (route_pick), in decode and the tiles regime alike, so a launch ends on short CTAs.
+    constexpr bool HEAVY = CLS == 2;
+    gemv_cta<CLS, MODE, BF16, V2, NT8, HEAVY, LONG>(desc, topk_ids, num_assign, top_k, num_experts, x, rows_out,
+                                                    cols, split_words, lut_entries, stage_tokens, part, counters,
+                                                    h_out, topk_w, w_kind, num_tokens, out, zero_fill, blockIdx.x,
+                                                    blockIdx.y, blockIdx.z, gridDim.z, gridDim.x, present, scratch,
+                                                    last_flag);
 }

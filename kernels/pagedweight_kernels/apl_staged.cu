@@ -35,7 +35,7 @@
 #define APL_STAGED_UNIT 2
 #endif
 // 1 (the default since 2026-12-05: 6-11% faster than 0 at the 4-bit layers timed; a second unit in
-// registers bought nothing, as if the fence below drained it; bench/results/apl_gemv_staged_first.json):
+// registers bought nothing, as if the fence below drained it; docs/kernel.md):
 // the 3-4-bit class's plane words come by cp.async into a ring of APL_STAGED_PREFETCH unit slots
 // per producer thread in shared memory (past the CTA's ring buffers; staged_plan counts it) and are
 // read back by LDS when used. Each step ends in fence.proxy.async, which compiles to MEMBAR.ALL.CTA:
@@ -49,7 +49,7 @@
 // past the LUT rows and ring buffers; staged_plane_ring_bytes). Nsight on Mixtral 256 tokens, 8 bits
 // (2026-12-05): the producers' long-scoreboard waits on their plane words in registers
 // were the largest stall after the consumers' barrier wait. 1 (the default since then; H100,
-// bench/results/apl_gemv_staged_lut_pa.json): Mixtral 256 tokens 8 bits 1581.9 against 1751.8 us,
+// docs/kernel.md): Mixtral 256 tokens 8 bits 1581.9 against 1751.8 us,
 // Qwen1.5-MoE 256 tokens 668.6 against 742.9, mixed 1-3% faster; 3 units in the ring were slower.
 #ifndef APL_STAGED_PLANE_ASYNC_LUT
 #define APL_STAGED_PLANE_ASYNC_LUT 1
@@ -78,11 +78,11 @@
 // descriptors then name. Nsight at Mixtral 256 tokens: the producers' 16-byte cp.async copies cost a
 // whole L2 sector and a shared-memory wavefront per lane (32 a warp instruction, where their bytes
 // need 16 and 4), 46% of the kernel's wavefronts. Measured on an H100 (bench/results/
-// apl_gemv_staged_tma_sweep.json): 1.10-1.55x faster wherever the staged regime is taken (Mixtral 256
+// docs/kernel.md): 1.10-1.55x faster wherever the staged regime is taken (Mixtral 256
 // tokens, 4 bits: 892.9 against 1223.4 us), bit for bit. 0: those copies, into the no-swizzle layout.
 // 2 (the default since 2026-12-05): every class (the 5-8-bit and merged classes too,
 // whose rings then start 1024-byte aligned; with their other knobs, H100, bench/results/
-// apl_gemv_staged_lut.json: Mixtral 256 tokens 8 bits 2221.7 against 4084.4 us with the copies, where
+// docs/kernel.md: Mixtral 256 tokens 8 bits 2221.7 against 4084.4 us with the copies, where
 // the alignment also left one CTA an SM with 4 ring buffers; at one CTA an SM either way, 0-11% faster).
 #ifndef APL_STAGED_TMA
 #define APL_STAGED_TMA 2
@@ -90,11 +90,11 @@
 // Units of plane words a 5-8-bit producer thread has in flight in registers (8 planes' words a unit:
 // 32 registers); 1 loads a unit only after the last one's steps, so a warpgroup waits for every unit's
 // latency. At one producer warpgroup, 2 (the default then) was 4-8% faster than 1 at the 8-bit shapes
-// timed, -3% to +2% at mixed ones (apl_gemv_staged_lut.json); 4 was 2-16% slower than 2
-// (apl_gemv_staged_lut_one.json). With two producer warpgroups (below), each has its own units in
+// timed, -3% to +2% at mixed ones (docs/kernel.md); 4 was 2-16% slower than 2
+// (docs/kernel.md). With two producer warpgroups (below), each has its own units in
 // flight (while one waits for a unit, the other can fill steps), and 1 (the default since 2026-12-05)
 // was 4-8% faster than 2 at five of the six 8-bit and mixed shapes timed and level at
-// the sixth (H100, bench/results/apl_gemv_staged_wg2.json: Mixtral 256 tokens 8 bits 1422.3 against
+// the sixth (H100, docs/kernel.md: Mixtral 256 tokens 8 bits 1422.3 against
 // 1538.3 us).
 #ifndef APL_STAGED_PREFETCH_LUT
 #define APL_STAGED_PREFETCH_LUT 1
@@ -105,7 +105,7 @@
 // The same for the 5-8-bit and merged classes, whose LUT rows (64 KB at 8 bits) leave one CTA an SM
 // more ring buffers than two do (1: up to 255 registers a thread, no setmaxnreg split). 1 (the default):
 // Mixtral 64 tokens 8 bits 1445.5 against 2297.3 us, Qwen1.5-MoE 256 tokens 736.7 against 853.9
-// (H100, bench/results/apl_gemv_staged_lut_one.json: 4 ring buffers where 2 CTAs had 2).
+// (H100, docs/kernel.md: 4 ring buffers where 2 CTAs had 2).
 #ifndef APL_STAGED_LUT_BLOCKS
 #define APL_STAGED_LUT_BLOCKS 1
 #endif
@@ -117,7 +117,7 @@
 // as before), every thread under the launch bound's 168 registers (no setmaxnreg split: the
 // consumers' 2 x 64 accumulators of m64n128 fit it, as at two CTAs an SM). 2 (the default since
 // 2026-12-05; with APL_STAGED_PREFETCH_LUT 1): Mixtral 256 tokens 8 bits 1420.4 against
-// 1550.0 us at one warpgroup, 1.20x bf16 grouped_mm (H100, bench/results/apl_moe_kernel_staged_wg2_*.json).
+// 1550.0 us at one warpgroup, 1.20x bf16 grouped_mm (H100, docs/kernel.md).
 #ifndef APL_STAGED_LUT_PRODUCERS
 #define APL_STAGED_LUT_PRODUCERS 2
 #endif

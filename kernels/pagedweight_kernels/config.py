@@ -36,7 +36,7 @@ class KernelConfig:
 
     # Decode launches split to about this many CTAs: one wave on a 132-SM H200 at 4 CTAs per SM
     # (longer CTAs, fewer prologues); 2 and 4 waves were measured no better overall (H200,
-    # apl_gemv_order_default.json).
+    # docs/kernel.md).
     gemv_target_ctas: int = 528
     # The same for launches of the kernels holding 5-8-bit blocks, 3 CTAs an SM (apl_gemv.cu's
     # APL_GEMV_CELL_BLOCKS: their register tables need the registers of the fourth).
@@ -51,7 +51,7 @@ class KernelConfig:
     # staged_min_assignments (token, expert) assignments, layers with 5-8-bit blocks from
     # staged_lut_min_per_expert an expert (below them the tiles regime was faster: Qwen1.5-MoE
     # 64-1024 tokens 1.00x-2.06x faster staged at 3-4 bits, Mixtral 32-64 tokens 1.03x-1.21x
-    # slower; H200/H100, apl_gemv_staged_sweep.json, apl_gemv_staged_lut_pa.json).
+    # slower; H200/H100, docs/kernel.md).
     # staged_every_layer: every layer's tiles and prefill calls (an experiment's switch).
     staged_classes: frozenset = frozenset({0, 1})
     staged_every_layer: bool = False
@@ -59,8 +59,8 @@ class KernelConfig:
     staged_lut_min_per_expert: int = 16
     # Passes of 8 * NT8 tokens in the staged regime where more than tiles_wide_nt8 (3-4 bits) or
     # 8 (5-8 bits) tiles are wanted and the planes are read as 16-byte vectors (0: off). Measured:
-    # Qwen1.5-MoE 1024 tokens 16-18% faster (apl_gemv_staged_wide16.json); Mixtral 256 tokens 8
-    # bits 1774.6 against 2244.5 us in passes of 64 (apl_gemv_staged_lut_one.json).
+    # Qwen1.5-MoE 1024 tokens 16-18% faster (docs/kernel.md); Mixtral 256 tokens 8
+    # bits 1774.6 against 2244.5 us in passes of 64 (docs/kernel.md).
     staged_wide_nt8: int = 16
     staged_lut_wide_nt8: int = 16
     staged_stages: int = 4  # ring buffers wanted (fewer where shared memory is short)

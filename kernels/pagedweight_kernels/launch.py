@@ -35,7 +35,7 @@ def programmatic_projections() -> tuple[bool, bool]:
     """(gate_up, down): which projection launches may overlap the kernel before them, on a device
     of compute capability 9.0 or later (the kernels' griddepcontrol waits). Down overlaps gate_up
     (3-6% faster at Qwen1.5-MoE decode, 1-3% in the tiles regime, 2% at Mixtral 1 token; H200,
-    apl_gemv_pdl.json); gate_up overlapping the kernel before it was no better, so it waits."""
+    docs/kernel.md); gate_up overlapping the kernel before it was no better, so it waits."""
     return False, torch.cuda.get_device_capability() >= (9, 0)
 
 

@@ -22,14 +22,16 @@ from pagedweight_kernels.layer import GEMV_ROWS, APLKernelError, APLLayer, bit_c
 
 REGIMES = ("gemv", "tiles", "staged", "prefill")
 # What this planning assumes of apl_gemv.cu's compile-time defaults (the host passes none of them, so
-# the source's #ifndef defaults are what runs): the tiles regime on wgmma with its raw rows of 528
-# bytes a token (gemv_extra_shared, compile.wgmma_build), no cp.async ring (no ring bytes), one
-# 128-thread CTA per work item in the planned grid order (no cluster pair, no producer warps, no
-# expert-major grids), programmatic launches compiled in (launch.programmatic_projections) and the
-# L2::256B plane hint the long-split instances exist for (long_split). The variants the other values
-# select were measured slower (docs/kernel.md) and are unreachable from here.
-GEMV_SOURCE_DEFAULTS = {"APL_TILES_WGMMA": 1, "APL_TILES_ASYNC": 1, "APL_GEMV_RING_STAGES": 0, "APL_TILES_PAIR": 0,
-                        "APL_TILES_WS": 0, "APL_GEMV_ORDER": 5, "APL_GEMV_PDL": 1, "APL_PLANE_HINT": 2,
+# the source's #ifndef defaults are what runs): decode CTAs an SM, 4 for the 3-4-bit kernel and 3 for
+# those holding 5-8-bit blocks (KernelConfig's gemv_target_ctas and gemv_cell_target_ctas are a wave of
+# them), and the L2::256B plane hint the long-split instances exist for (long_split) and the tiles
+# instances from 64-token passes take. The rest is what the source always does: the tiles regime on
+# wgmma with its raw rows of 528 bytes a token (gemv_extra_shared, compile.wgmma_build), one
+# 128-thread CTA per work item in the planned grid order, programmatic launches compiled in
+# (launch.programmatic_projections); the variants measured slower are gone (docs/kernel.md keeps
+# their rows), but for APL_GEMV_L2_PREFETCH, off, whose code keeps ptxas's allocation of the 5-8-bit
+# decode kernels.
+GEMV_SOURCE_DEFAULTS = {"APL_GEMV_MIN_BLOCKS": 4, "APL_GEMV_CELL_BLOCKS": 3, "APL_PLANE_HINT": 2,
                         "APL_PLANE_HINT_MIN_NT8": 8}
 FORCED_REGIMES = (None, "prefill")  # what apl_moe's `regime` argument may ask for
 THREADS = 256  # the prefill kernel's and moe_combine's CTA
@@ -45,7 +47,7 @@ GEMV_X_BYTES = 40 * 1024  # shared memory for one split's staged activations
 GEMV_MIN_SPLIT_WORDS = 16  # a split covers at least two warp steps
 # Decode column splits of 3-4-bit layers are chosen by whole waves (wave_splits): a grid of 1.21
 # waves (Mixtral's down at 1 token, 5 splits: 640 CTAs) ends with one CTA per SM. Measured (H200,
-# apl_gemv_waves.json): Qwen1.5-MoE 2 tokens 5% and 4 tokens 2% faster, Mixtral 3 bits 2.4% and 2
+# docs/kernel.md): Qwen1.5-MoE 2 tokens 5% and 4 tokens 2% faster, Mixtral 3 bits 2.4% and 2
 # tokens 1.9% faster, Mixtral 1 token 4 bits unchanged. The 5-8-bit class's shared LUT rows leave
 # fewer CTAs per SM: there the wave plan made Mixtral's mixed layer 5% slower, so those launches
 # split to about gemv_target_ctas CTAs instead.
@@ -372,5 +374,5 @@ def programmatic_down(cls: int, tiles: int) -> bool:
     """Whether a down launch of this kernel class and NT8 overlaps gate_up (programmatic dependent
     launch): the tiles regime and the 3-4-bit decode kernel. Measured slower for the 5-8-bit and
     merged decode kernels (Mixtral 1 token 8 bits 322.8 against 303.4 us, mixed 178.0 against
-    173.9; apl_gemv_pdl_decode.json), whose waiting CTAs first fill their shared LUT rows."""
+    173.9; docs/kernel.md), whose waiting CTAs first fill their shared LUT rows."""
     return tiles > 1 or cls == 0

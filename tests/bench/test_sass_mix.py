@@ -29,7 +29,7 @@ def test_only_the_innermost_hmma_loop_is_counted_per_weight():
 
 
 def test_bad_defines_are_one_error_line_and_exit_2(capsys):
-    assert sass_mix.main(["apl_gemv<0, 0, true, true, 1>", "APL_GEMV_PIPE=three"]) == 2
+    assert sass_mix.main(["apl_gemv<0, 0, true, true, 1>", "APL_GEMV_MIN_BLOCKS=three"]) == 2
     assert "NAME=integer" in capsys.readouterr().err
 
 

@@ -402,7 +402,7 @@ def test_with_knobs_sets_named_knobs_and_refuses_unknown_ones():
     assert dict(one.defines("gelu_tanh"))["APL_ACT"] == op.ACT_CODES["gelu_tanh"]
     assert one.defines() != op.DEFAULT_CONFIG.defines()  # another compile key: another module
     with pytest.raises(ValueError, match="unknown kernel knobs"):
-        op.DEFAULT_CONFIG.with_knobs(APL_GEMV_PIPE=3)
+        op.DEFAULT_CONFIG.with_knobs(APL_GEMV_MIN_BLOCKS=3)
     assert op.config_for(2048, 1408) is op.DEFAULT_CONFIG  # no per-shape entry: the defaults
 
 
