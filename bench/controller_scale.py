@@ -14,7 +14,7 @@ host memory). Per shape, on the CPU:
   storage is not counted: it is the arena and the host copies, sized by the format).
 
 Baseline in the same run: the same measurements on another git ref's code (default `main`),
-extracted with `git archive` and run in a subprocess. Targets (issue 18): a plan within
+extracted with `git archive` and run in a subprocess. Targets: a plan within
 10 ms at 12,288 blocks, an idle step boundary within 50 us.
 
     python bench/controller_scale.py [--baseline-ref main] [--shapes 2880,12288,30000]

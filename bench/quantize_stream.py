@@ -1,4 +1,4 @@
-"""Streaming quantisation of a real-shape checkpoint: wall time and peak memory (issue 14.3).
+"""Streaming quantisation of a real-shape checkpoint: wall time and peak memory.
 
 1. build: transformers' own class (`Qwen2MoeForCausalLM` for Qwen1.5-MoE-A2.7B) at the
    published shape (pagedweight/offline/real_shape_configs.py), randomly initialised on the device in
