@@ -18,9 +18,9 @@ import numpy as np
 
 from bench.bench_meta import RESULTS_DIR, write_result
 from bench.serve_clients import (
-    GatewayHttpClient, InProcessClient, WorkerStreamClient, closed_loop, process_cpu_seconds,
+    GatewayHttpClient, InProcessClient, TraceRequest, WorkerStreamClient, closed_loop, process_cpu_seconds,
+    start_cluster, summarize, worker_config,
 )
-from bench.serve_load import TraceRequest, start_cluster, summarize, worker_config
 
 TEXT = Path(__file__).resolve().parents[1] / "data" / "sample.txt"
 
