@@ -38,6 +38,17 @@ def domain_prompts(num_chars: int = 160) -> dict[str, str]:
     return {d: (CORPUS_DIR / f"{d}.valid.txt").read_text()[:num_chars] for d in DOMAINS}
 
 
+# Test files that build CUDA code with nvcc on the host (a harness or a register check per
+# kernel instance, minutes of CPU in all): `slow`, so `make test-quick` leaves them to `make test`.
+NVCC_BUILDS = ("test_staged_host_cpu.py", "test_staged_registers_cpu.py", "test_tiles_registers_cpu.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in NVCC_BUILDS:
+            item.add_marker(pytest.mark.slow)
+
+
 def pytest_configure(config):
     """Each xdist worker gets its share of the cores for torch's intra-op threads (here and in
     the services it starts), instead of every worker spreading over all of them."""
