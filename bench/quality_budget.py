@@ -424,6 +424,15 @@ def markdown(payload: dict) -> str:
         lines += ["", "Held-out plans where the uniform guard chose uniform-plus-fill (`no-guard` differs "
                   "from the planner only there): " + ", ".join(
                       f"{b} bits {g['guard_plans']} of {g['plans']}" for b, g in s["guard"].items()) + "."]
+    lines += model_sections(payload, head, rule) + real_shape_section(payload)
+    return "\n".join(lines + how_measured(payload)) + "\n"
+
+
+def model_sections(payload: dict, head: str, rule: str) -> list[str]:
+    """One section per model: its policies' KL at every budget and its calibration check."""
+    s = payload["summary"]
+    bits = list(s["mean"])
+    lines = []
     for name in s["models"]:
         res = payload["results"][name]
         lines += ["", f"## {name}", "",
@@ -442,15 +451,19 @@ def markdown(payload: dict) -> str:
                       "pagedweight / uniform / uniform-fill): " + "; ".join(
                           f"{b} bits {1000 * v[PLANNER]:.2f} / {1000 * v['uniform']:.2f} / "
                           f"{1000 * v['uniform-fill']:.2f}" for b, v in cc.items() if b != "tokens")]
-    lines += ["", "## Real-shape memory", "",
-              "| model | bits | planes | LUTs (at most) | whole model | KV tokens bought |", "|---|---|---|---|---|---|"]
+    return lines
+
+
+def real_shape_section(payload: dict) -> list[str]:
+    lines = ["", "## Real-shape memory", "",
+             "| model | bits | planes | LUTs (at most) | whole model | KV tokens bought |", "|---|---|---|---|---|---|"]
     for name, r in payload["real_shapes"].items():
         for b, row in r["budgets"].items():
             lines.append(f"| {name} | {b} | {row['plane_bytes'] / 1e9:.2f} GB | {row['lut_bytes_at_most'] / 1e9:.2f} GB "
                          f"| {row['whole_model_bytes'] / 1e9:.2f} GB | {row['kv_tokens_bought']:,} |")
     lines += ["", "KV bytes per token (bf16 K and V, all layers): " +
               ", ".join(f"{n} {r['kv_bytes_per_token']:,}" for n, r in payload["real_shapes"].items())]
-    return "\n".join(lines + how_measured(payload)) + "\n"
+    return lines
 
 
 def how_measured(payload: dict) -> list[str]:
