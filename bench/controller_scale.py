@@ -14,7 +14,7 @@ host memory). Per shape, on the CPU:
   storage is not counted: it is the arena and the host copies, sized by the format).
 
 Baseline in the same run: the same measurements on another git ref's code (default `main`),
-extracted with `git archive` and run in a subprocess. Targets (issue 18): a plan within
+extracted with `git archive` and run in a subprocess. Targets: a plan within
 10 ms at 12,288 blocks, an idle step boundary within 50 us.
 
     python bench/controller_scale.py [--baseline-ref main] [--shapes 2880,12288,30000]
@@ -48,17 +48,15 @@ def best_of(fn, repeat: int) -> float:
 
 def measure(num_blocks: int) -> dict:
     """Everything for one shape, on the code importable as `pagedweight` in this process."""
-    import numpy as np
     import torch
 
-    from pagedweight.format.blocks import BIT_WIDTHS, MODULES, BlockId
+    from pagedweight.format.blocks import MODULES, BlockId
     from pagedweight.memory.arena import Arena
     from pagedweight.memory.pool import MemoryPool
     from pagedweight.planner.policies import PlanContext, make_policy
     from pagedweight.planner.in_process_planner import InProcessPlanner, page_table_registration
     from pagedweight.weights.page_mover import PageMover
     from pagedweight.weights.page_table import PageTable
-    from pagedweight.weights.routing_feed import RoutingFeed
     from pagedweight.weights.synthetic import random_block
     from pagedweight.weights.weight_pager import WeightPager
     from pagedweight.planner.tables import BlockTable
@@ -71,7 +69,6 @@ def measure(num_blocks: int) -> dict:
     out = {"num_blocks": len(blocks), "layers": layers, "experts": experts}
 
     # ---- the planner alone ---------------------------------------------------------------
-    charged_8 = {m: None for m in MODULES}
     pool = MemoryPool(4 << 30)
     arena = Arena.from_pool(pool, PAGE)
     tracemalloc.start()
@@ -86,7 +83,6 @@ def measure(num_blocks: int) -> dict:
     out["table_python_bytes"] = tracemalloc.get_traced_memory()[0] - before
     tracemalloc.stop()
     out["table_python_bytes_per_block"] = round(out["table_python_bytes"] / len(blocks))
-    del charged_8
 
     bt = BlockTable([BlockId.parse(k) for k in registration.block_keys], registration.nbytes,
                     registration.sensitivity, layers, experts)
@@ -123,15 +119,23 @@ def measure(num_blocks: int) -> dict:
         pager = WeightPager(mover, planner, kv_block_bytes=KV_BLOCK)
         pager.step_boundary()
     mover.close()
+    out |= measure_routing_feed(layers, experts)
+    return {k: (round(v, 2) if isinstance(v, float) else v) for k, v in out.items()}
+
+
+def measure_routing_feed(layers: int, experts: int) -> dict:
+    """The routing feed's cost per observed layer and per snapshot, in microseconds."""
+    import torch
+
+    from pagedweight.weights.routing_feed import RoutingFeed
 
     feed = RoutingFeed(layers, experts)
     ids = torch.randint(0, experts, (64, 8))
     weights = torch.rand(64, 8)
     for layer in range(layers):
         feed(layer, None, ids, weights)
-    out["feed_observe_us"] = 1e6 * best_of(lambda: _timed(lambda: feed(0, None, ids, weights)), 201)
-    out["feed_snapshot_us"] = 1e6 * best_of(lambda: _timed(feed.snapshot), 201)
-    return {k: (round(v, 2) if isinstance(v, float) else v) for k, v in out.items()}
+    return {"feed_observe_us": 1e6 * best_of(lambda: _timed(lambda: feed(0, None, ids, weights)), 201),
+            "feed_snapshot_us": 1e6 * best_of(lambda: _timed(feed.snapshot), 201)}
 
 
 def _timed(fn) -> float:

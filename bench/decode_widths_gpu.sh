@@ -1,5 +1,5 @@
 #!/bin/bash
-# One device call (issue 13) at the new defaults: the layer benchmark at every width the mixed
+# One device call at the defaults: the layer benchmark at every width the mixed
 # layer draws (3, 4, 5, 6, 8) and mixed, so the mixed layer's byte-weighted time is measured
 # (add_byte_weighted), then every GPU test outside tests/kernels (make test-gpu-paths: the
 # engine, graphs and models on the kernel), then the engine at the Qwen1.5-MoE shape

@@ -2,7 +2,7 @@
 (`decode_ops.experts_gemv`, two launches) against the grouped path it replaces at small
 batches (`decode_ops.grouped_moe_fused`: group_rows, two torch._grouped_mm, gated_rows,
 combine_rows), bf16, at Qwen1.5-MoE-A2.7B's and Mixtral-8x7B's expert shapes, per token
-count; against the copy bandwidth of the same run (issue 12). It picks
+count; against the copy bandwidth of the same run. It picks
 `decode_ops.GEMV_MAX_TOKENS_PER_EXPERT`: the most assignments per expert (T k / E) up to
 which the GEMV is the faster at every shape.
 

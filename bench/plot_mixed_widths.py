@@ -1,4 +1,4 @@
-"""Figure of the mixed-width target (issue 13): per shape, a mixed layer's time over its
+"""Figure of the mixed-width target: per shape, a mixed layer's time over its
 byte-weighted single-width time (`over_byte_weighted` of `bench/apl_moe_kernel.py`'s mixed cells:
 each width's share of the layer's bytes at that width's own uniform rate, timed in the same run),
 one bar per result file given (e.g. the same benchmark at successive commits), with the target
@@ -17,7 +17,7 @@ from pathlib import Path
 
 from bench.bar_figure import save_grouped_bars
 
-TARGET = 1.2  # issue 13: every bit mix within 1.2x of its byte-weighted time
+TARGET = 1.2  # every bit mix within 1.2x of its byte-weighted time
 
 
 def over_byte_weighted(layer: dict) -> dict[tuple[str, int], float]:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from bench.bar_figure import save_grouped_bars
 
-TARGETS = {"4": 1.0, "8": 1.3}  # issue 13: fused time / grouped time at most this
+TARGETS = {"4": 1.0, "8": 1.3}  # fused time / grouped time at most this
 
 
 def ratios(variants: dict, layer: dict) -> dict[str, dict[tuple[str, int, str], float]]:

@@ -365,16 +365,10 @@ def fmt_interval(v: dict, scale: float = 1.0, digits: int = 2) -> str:
 def markdown(payload: dict) -> str:
     s = payload["summary"]
     bits = list(s["mean"])
-    if payload.get("runs"):  # combined from runs side by side, one model each
-        where = "Measured in runs side by side: " + "; ".join(
-            f"`{r['command']}` {r['date']}" for r in payload["runs"])
-    else:
-        where = f"Measured {payload['date']}, command `{payload['command']}`"
     head = "| policy | " + " | ".join(f"{b} bits" for b in bits) + " |"
     rule = "|---" * (len(bits) + 1) + "|"
     lines = ["# Quality at budgets in mean plane bits", "",
-             f"{where}; {payload['machine']['cpu']} ({payload['machine']['cpu_count']} CPUs, shared with "
-             f"other work). Models: {', '.join(s['models'])}. Per domain ({', '.join(payload['domains'])}): "
+             f"Models: {', '.join(s['models'])}. Per domain ({', '.join(payload['domains'])}): "
              f"{payload['prompt_tokens']} prompt tokens of the domain's `valid` text (what the planner "
              f"sees), then {payload['eval_tokens']} scored tokens in chunks of {payload['seq_len']}. "
              "A budget of b bits: the plan's bit planes may not exceed b x (expert weights) / 8 bytes; "
@@ -385,7 +379,8 @@ def markdown(payload: dict) -> str:
              "chunk-paired differences (bench/quality_budget.py says how). `pagedweight` plans with "
              "the prompts' residuals; the worker's default leaves them off (`--prompt-residuals` turns "
              "them on: docs/calibration.md), so it plans as the `no-residual` row. Numbers: "
-             "bench/results/quality_budget_cpu.json; plot: quality.png.", "",
+             "bench/results/quality_budget_cpu.json; plot: quality.png; how they were made: the "
+             "last section.", "",
              "![KL to bf16 by budget](quality.png)", "",
              "## Mean over models", "",
              "KL x 1000 (perplexity change against bf16, %); **bold**: the lowest KL at that budget.", "",
@@ -429,6 +424,15 @@ def markdown(payload: dict) -> str:
         lines += ["", "Held-out plans where the uniform guard chose uniform-plus-fill (`no-guard` differs "
                   "from the planner only there): " + ", ".join(
                       f"{b} bits {g['guard_plans']} of {g['plans']}" for b, g in s["guard"].items()) + "."]
+    lines += model_sections(payload, head, rule) + real_shape_section(payload)
+    return "\n".join(lines + how_measured(payload)) + "\n"
+
+
+def model_sections(payload: dict, head: str, rule: str) -> list[str]:
+    """One section per model: its policies' KL at every budget and its calibration check."""
+    s = payload["summary"]
+    bits = list(s["mean"])
+    lines = []
     for name in s["models"]:
         res = payload["results"][name]
         lines += ["", f"## {name}", "",
@@ -447,15 +451,30 @@ def markdown(payload: dict) -> str:
                       "pagedweight / uniform / uniform-fill): " + "; ".join(
                           f"{b} bits {1000 * v[PLANNER]:.2f} / {1000 * v['uniform']:.2f} / "
                           f"{1000 * v['uniform-fill']:.2f}" for b, v in cc.items() if b != "tokens")]
-    lines += ["", "## Real-shape memory", "",
-              "| model | bits | planes | LUTs (at most) | whole model | KV tokens bought |", "|---|---|---|---|---|---|"]
+    return lines
+
+
+def real_shape_section(payload: dict) -> list[str]:
+    lines = ["", "## Real-shape memory", "",
+             "| model | bits | planes | LUTs (at most) | whole model | KV tokens bought |", "|---|---|---|---|---|---|"]
     for name, r in payload["real_shapes"].items():
         for b, row in r["budgets"].items():
             lines.append(f"| {name} | {b} | {row['plane_bytes'] / 1e9:.2f} GB | {row['lut_bytes_at_most'] / 1e9:.2f} GB "
                          f"| {row['whole_model_bytes'] / 1e9:.2f} GB | {row['kv_tokens_bought']:,} |")
     lines += ["", "KV bytes per token (bf16 K and V, all layers): " +
               ", ".join(f"{n} {r['kv_bytes_per_token']:,}" for n, r in payload["real_shapes"].items())]
-    return "\n".join(lines) + "\n"
+    return lines
+
+
+def how_measured(payload: dict) -> list[str]:
+    """The closing section of a generated page: the machine and the commands that made its
+    numbers (one per model when runs side by side were combined); dates stay in the JSON."""
+    runs = payload.get("runs") or [payload]
+    machine = payload["machine"]
+    return ["", "## How these numbers were made", "",
+            f"On {machine['cpu']} ({machine['cpu_count']} CPUs, shared with other work), "
+            + ("in runs side by side, combined with `--combine`:" if len(runs) > 1 else "with:"), "",
+            "```", *(r["command"] for r in runs), "```"]
 
 
 def log(msg: str) -> None:

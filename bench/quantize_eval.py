@@ -1,4 +1,4 @@
-"""Evidence for the APL quantiser and the sensitivity tables (issue 3).
+"""Evidence for the APL quantiser and the sensitivity tables.
 
 For each paged model, on every `valid` domain (first --max-tokens tokens each):
 1. perplexity with bf16 experts and at uniform 3..8 bits;

@@ -1,4 +1,4 @@
-"""Streaming quantisation of a real-shape checkpoint: wall time and peak memory (issue 14.3).
+"""Streaming quantisation of a real-shape checkpoint: wall time and peak memory.
 
 1. build: transformers' own class (`Qwen2MoeForCausalLM` for Qwen1.5-MoE-A2.7B) at the
    published shape (pagedweight/offline/real_shape_configs.py), randomly initialised on the device in
@@ -128,7 +128,7 @@ def disk_free(*paths: Path) -> dict:
     return {str(p): shutil.disk_usage(p).free for p in paths if p.exists()}
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="Qwen1.5-MoE-A2.7B", choices=[*REAL_SHAPE_CONFIGS, *SMALL])
     parser.add_argument("--layers", type=int, default=None, help="decoder layers to build (default: all)")
@@ -142,25 +142,32 @@ def main(argv=None) -> int:
                         help="the quantiser's work directory (default: beside the artifact)")
     parser.add_argument("--name", default="quantize_stream", help="bench/results/NAME.json")
     parser.add_argument("--copy-to", default=None, help="also write the JSON here (the GPU run's $OUT)")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def checkpoint(model: str, layers: int | None, ckpt: Path, device: torch.device) -> tuple[dict, float | None]:
+    """(config.json of the checkpoint in ckpt, seconds its build took): built unless there."""
+    build_record = ckpt.parent / f"{ckpt.name}.build.json"  # the build's time, for a later run
+    if (ckpt / "config.json").is_file():
+        build_s = json.loads(build_record.read_text())["build_seconds"] if build_record.is_file() else None
+        print(f"using the checkpoint in {ckpt}", file=sys.stderr, flush=True)
+        return json.loads((ckpt / "config.json").read_text()), build_s
+    started = time.perf_counter()
+    raw = build_checkpoint(model, layers, ckpt, device)
+    build_s = time.perf_counter() - started
+    build_record.write_text(json.dumps({"build_seconds": build_s}))
+    gc.collect()
+    print(f"built {model} with {raw['num_hidden_layers']} layers in {build_s:.1f} s", file=sys.stderr, flush=True)
+    return raw, build_s
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     device = torch.device(args.device)
     root = Path(args.work or tempfile.mkdtemp(prefix="quantize-stream-"))
     root.mkdir(parents=True, exist_ok=True)
     ckpt, paged = Path(args.checkpoint) if args.checkpoint else root / "ckpt", root / "paged"
-
-    build_record = ckpt.parent / f"{ckpt.name}.build.json"  # the build's time, for a later run
-    if (ckpt / "config.json").is_file():
-        raw = json.loads((ckpt / "config.json").read_text())
-        build_s = json.loads(build_record.read_text())["build_seconds"] if build_record.is_file() else None
-        print(f"using the checkpoint in {ckpt}", file=sys.stderr, flush=True)
-    else:
-        started = time.perf_counter()
-        raw = build_checkpoint(args.model, args.layers, ckpt, device)
-        build_s = time.perf_counter() - started
-        build_record.write_text(json.dumps({"build_seconds": build_s}))
-        gc.collect()
-        print(f"built {args.model} with {raw['num_hidden_layers']} layers in {build_s:.1f} s",
-              file=sys.stderr, flush=True)
+    raw, build_s = checkpoint(args.model, args.layers, ckpt, device)
     if args.build_only:
         if args.work is None and not any(root.iterdir()):
             root.rmdir()  # the checkpoint went elsewhere (--checkpoint): nothing to keep here

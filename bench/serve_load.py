@@ -46,20 +46,12 @@ import threading
 import time
 import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from bench.bench_meta import write_result
-from bench.serve_clients import RequestTiming
-
-
-@dataclass(frozen=True)
-class TraceRequest:
-    arrival_s: float  # offset from the start of the run
-    prompt_ids: list[int]
-    output_len: int
+from bench.serve_clients import RequestTiming, TraceRequest, start_cluster, summarize, worker_config
 
 
 def make_trace(num: int, rate: float, prompt_len: tuple[int, int], output_len: tuple[int, int],
@@ -72,21 +64,6 @@ def make_trace(num: int, rate: float, prompt_len: tuple[int, int], output_len: t
         out.append(TraceRequest(float(t), rng.integers(1, vocab, size=n).tolist(),
                                 int(rng.integers(output_len[0], output_len[1] + 1))))
     return out
-
-
-def summarize(timings: list[RequestTiming], elapsed_s: float) -> dict:
-    ttft = np.array([t.ttft_s for t in timings]) * 1000
-    itl = np.array([x for t in timings for x in t.itl_s]) * 1000
-    tokens = sum(t.output_tokens for t in timings)
-
-    def pct(a):
-        return {f"p{p}": round(float(np.percentile(a, p)), 2) for p in (50, 90, 99)} | {
-            "mean": round(float(a.mean()), 2)} if len(a) else {}
-
-    return {"completed": len(timings), "finish_reasons": sorted({t.finish_reason for t in timings}),
-            "elapsed_s": round(elapsed_s, 3), "requests_per_s": round(len(timings) / elapsed_s, 3),
-            "output_tokens": tokens, "output_tokens_per_s": round(tokens / elapsed_s, 2),
-            "ttft_ms": pct(ttft), "itl_ms": pct(itl)}
 
 
 class Sampler:
@@ -291,55 +268,6 @@ def run_worker_grpc(args, trace: list[TraceRequest], address: str) -> dict:
             return summarize(timings, time.monotonic() - start)
 
     return asyncio.run(main())
-
-
-def worker_config(args):
-    from pagedweight.worker.config import WorkerConfig
-
-    extra = {} if args.max_num_seqs is None else {"max_num_seqs": args.max_num_seqs}
-    return WorkerConfig(model_dir=args.model, memory_budget=args.memory_budget, policy=args.policy,
-                        threads=args.threads, device=args.device, dtype=args.dtype, **extra)
-
-
-def worker_flags(args) -> list[str]:
-    """The flags that make the worker process run what worker_config(args) runs in process."""
-    flags = ["--device", args.device]
-    if args.dtype:
-        flags += ["--dtype", args.dtype]
-    if args.max_num_seqs is not None:
-        flags += ["--max-num-seqs", str(args.max_num_seqs)]
-    return flags
-
-
-def start_cluster(args):
-    """planner + worker + gateway on free ports; returns (services, url, worker metrics port)."""
-    import socket
-
-    from pagedweight.cluster.processes import Service, grpc_serving, http_ok, wait_until
-
-    def free_port():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
-
-    p, ph, w, wh, g = (free_port() for _ in range(5))
-    services = [
-        Service("planner", ["planner", "--port", str(p), "--http-port", str(ph)]),
-        Service("worker", ["worker", "--model", args.model, "--port", str(w), "--http-port", str(wh),
-                           "--memory-budget", args.memory_budget, "--policy", args.policy,
-                           "--threads", str(args.threads), "--planner", f"127.0.0.1:{p}",
-                           "--served-model-name", args.served_model_name, *worker_flags(args)]),
-        Service("gateway", ["gateway", "--model", args.model, "--port", str(g), "--workers", f"127.0.0.1:{w}",
-                            "--served-model-name", args.served_model_name, "--max-queued-requests", "4096",
-                            "--log-level", "warning"]),
-    ]
-    checks = [lambda: grpc_serving(f"127.0.0.1:{p}"),
-              lambda: grpc_serving(f"127.0.0.1:{w}", "pagedweight.v1.Worker"),
-              lambda: http_ok(f"http://127.0.0.1:{g}/health")]
-    for service, ready in zip(services, checks):
-        service.start()
-        wait_until(ready, service, 300)
-    return services, f"http://127.0.0.1:{g}", wh, f"127.0.0.1:{w}"
 
 
 def main() -> None:

@@ -5,7 +5,7 @@ seconds against each layer: first the engine in this process, which is then clos
 device memory freed), then planner + worker + gateway started here with the same flags.
 Prompts are windows of real text tokenised by the model's tokenizer; every request
 ignores EOS, so it generates exactly its drawn output length. A short warm-up precedes each
-layer. Targets (issue 52): gateway >= 0.9x and worker >= 0.95x in-process output tok/s.
+layer. Targets: gateway >= 0.9x and worker >= 0.95x in-process output tok/s.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ import numpy as np
 
 from bench.bench_meta import RESULTS_DIR, write_result
 from bench.serve_clients import (
-    GatewayHttpClient, InProcessClient, WorkerStreamClient, closed_loop, process_cpu_seconds,
+    GatewayHttpClient, InProcessClient, TraceRequest, WorkerStreamClient, closed_loop, process_cpu_seconds,
+    start_cluster, summarize, worker_config,
 )
-from bench.serve_load import TraceRequest, start_cluster, summarize, worker_config
 
 TEXT = Path(__file__).resolve().parents[1] / "data" / "sample.txt"
 

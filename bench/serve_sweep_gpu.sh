@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The cluster benchmark of issue 52 on a GPU machine: in-process AsyncEngine, the worker's
+# The cluster benchmark on a GPU machine: in-process AsyncEngine, the worker's
 # GenerateStream and the gateway's HTTP side by side at c16, c64, c256, 30 s a point
 # (bench/serve_sweep.py), JSON under $OUT with commit, date and GPU.
 #

@@ -1,4 +1,4 @@
-"""What stable decode launches cost the fused kernel (issue 17), on the GPU.
+"""What stable decode launches cost the fused kernel, on the GPU.
 
 A pager's layers decode through the merged kernel at the 8-bit LUT size whatever their
 widths (`APLLayer.stable_launches`), so a bit change never makes a decode graph capture

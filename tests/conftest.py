@@ -1,8 +1,18 @@
-"""Shared fixtures: where the bundled and shared models and the text corpus live."""
+"""Shared fixtures: where the bundled and shared models and the text corpus live, and how
+the suite runs in parallel (`make test` runs `pytest -n 2`, pytest-xdist).
+
+Parallel workers share nothing by accident: every test writes under its own `tmp_path`,
+services listen on ports the OS picks (tests/service_procs.py `free_port`), and Redis keys
+carry a per-test or per-run prefix. What they share on purpose is the expensive read-only
+fixtures, built once per run by whichever worker comes first (`build_once`).
+"""
 
 from __future__ import annotations
 
+import fcntl
+import os
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -26,6 +36,44 @@ def domain_prompts(num_chars: int = 160) -> dict[str, str]:
     if not CORPUS_DIR.is_dir():
         return {"text": "In the beginning God created the heaven and the earth."}
     return {d: (CORPUS_DIR / f"{d}.valid.txt").read_text()[:num_chars] for d in DOMAINS}
+
+
+# Test files that build CUDA code with nvcc on the host (a harness or a register check per
+# kernel instance, minutes of CPU in all): `slow`, so `make test-quick` leaves them to `make test`.
+NVCC_BUILDS = ("test_staged_host_cpu.py", "test_staged_registers_cpu.py", "test_tiles_registers_cpu.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in NVCC_BUILDS:
+            item.add_marker(pytest.mark.slow)
+
+
+def pytest_configure(config):
+    """Each xdist worker gets its share of the cores for torch's intra-op threads (here and in
+    the services it starts), instead of every worker spreading over all of them."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers:
+        threads = max(1, (os.cpu_count() or 1) // int(workers))
+        os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+        os.environ.setdefault("MKL_NUM_THREADS", str(threads))
+
+
+def build_once(tmp_path_factory, name: str, build: Callable[[Path], Path]) -> Path:
+    """`build(folder)`'s result, built once per test run: under xdist the workers share one
+    folder, the first to take the lock builds and the others wait for it. The result is
+    read-only to every test."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the run's folder, above each worker's own
+    folder = root / f"shared-{name}"
+    done = root / f"shared-{name}.path"
+    with open(root / f"shared-{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.is_file():
+            folder.mkdir(parents=True, exist_ok=True)
+            done.write_text(str(build(folder)))
+    return Path(done.read_text())
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +105,10 @@ def paged_micro_dir(tmp_path_factory) -> Path:
     """micro-mixtral as a paged model directory, built fast for runtime tests: nested
     uniform APL codes (services/pagedweight/weights/synthetic.py) instead of the calibrated
     quantiser, the uniform grid's expected squared error as sensitivity, uniform routing."""
+    return build_once(tmp_path_factory, "paged_micro", build_paged_micro)
+
+
+def build_paged_micro(folder: Path) -> Path:
     import torch
 
     from pagedweight.model import load_model
@@ -83,6 +135,5 @@ def paged_micro_dir(tmp_path_factory) -> Path:
                 }
     routing = {"num_tokens": 1, "token_counts": [[1] * E] * L, "routing_mass": [[1.0] * E] * L}
     dense = {k: v for k, v in model.state_dict().items() if ".experts." not in k}
-    out = tmp_path_factory.mktemp("paged_micro") / "micro"
-    return save_paged_model(out, BUNDLED_MODEL, config, dense, apl, bf16,
+    return save_paged_model(folder / "micro", BUNDLED_MODEL, config, dense, apl, bf16,
                             {"routing": routing, "sensitivity": sensitivity})

@@ -94,7 +94,7 @@ def runtime_for(paged_dir, prompt_residuals=True, scales=None, move_cost=0.0):
     # move_cost 0: these tests measure how the prompt signal ranks blocks one bit at a time. With
     # the runtime's default (16), freeing 35 % of this small model's expert bytes takes deep
     # drops that came out the same for the code- and prose-heavy mixes (the same bit gap, -0.19,
-    # both ways; issue 17 round 4): the prompt signal then no longer decides which blocks go.
+    # both ways): the prompt signal then no longer decides which blocks go.
     return build_runtime(paged_dir, RuntimeConfig(budget_for(paged_dir), "pagedweight", engine=ENGINE,
                                                   prompt_residuals=prompt_residuals, scales_file=scales,
                                                   move_cost=move_cost))

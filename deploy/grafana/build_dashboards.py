@@ -5,7 +5,8 @@
 
 The JSON is generated so that every panel follows the same conventions, which the tests
 check against a real Prometheus (tests/deploy/test_dashboards.py):
-- metric names exactly as SERVING.md / issue 10 (vLLM's families, our `pagedweight:` ones);
+- metric names exactly as services/pagedweight/common/metrics.py defines them (vLLM's
+  families, our `pagedweight:` ones; README.md, "Metrics");
 - counters and histograms only through `rate()`/`increase()` over `$__rate_interval`
   (vLLM's production-stack dashboard plots lifetime averages: we do not);
 - every query filtered by the `model_name` variable, worker-side ones by `worker`

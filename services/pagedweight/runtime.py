@@ -73,7 +73,7 @@ class RuntimeConfig:
     # with the 8-bit LUT size), so the pager's bit changes never make a decode graph capture
     # again; None: on for a policy whose bits move, off for static-B (its class kernels stay)
     stable_decode_launches: bool | None = None
-    # compaction for raises also while sequences run (the behaviour before issue 17 round 6);
+    # compaction for raises also while sequences run;
     # off: raises during a load take only free runs that already hold them, the rest wait for
     # a boundary with nothing running (weights/weight_pager.py, docs/elasticity.md 2h)
     compact_raises_while_running: bool = False
@@ -270,7 +270,7 @@ def _policy_planner(paged, config: RuntimeConfig, table: PageTable, model: MoECa
 
 def _prompt_mix(paged, config: RuntimeConfig, table: PageTable, model: MoECausalLM):
     """(recorder of each prompt's routing, the residual heads in page-table order), or None
-    when off or the artifact has no heads (then plans see routing only, as before)."""
+    when off or the artifact has no heads (then plans see routing only)."""
     from pathlib import Path
 
     from pagedweight.engine.prompt_routing import PromptRoutingRecorder

@@ -1,5 +1,5 @@
-"""Bad input on the command line is one `error:` line and exit 2, never a traceback
-(issue 16, defect 6). In-process through `main(argv)`: the console script's code path."""
+"""Bad input on the command line is one `error:` line and exit 2, never a traceback.
+In-process through `main(argv)`: the console script's code path."""
 
 from __future__ import annotations
 

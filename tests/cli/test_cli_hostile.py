@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from pagedweight.cli.main import main
-from pagedweight.gateway.__main__ import main as gateway_main
+from pagedweight.cli.gateway_cmd import main as gateway_main
 from tests.conftest import BUNDLED_MODEL
 from tests.fuzz.harness import tree_digest
 

@@ -1,7 +1,7 @@
 """Real service processes on loopback for the end-to-end tests.
 
 Each service is its own process, started as users start it (`pagedweight planner`,
-`pagedweight worker`, `python -m pagedweight.gateway`), with its log in a file that a
+`pagedweight worker`, `python -m pagedweight.cli.gateway_cmd`), with its log in a file that a
 failing test prints. Ports are free ones picked by the OS.
 """
 
@@ -110,7 +110,7 @@ def launch_gateway(name: str, model_dir: Path, workers: list[str], log_dir: Path
                    extra: tuple[str, ...] = ()) -> tuple[Service, str]:
     """Starts a gateway without waiting (see wait_gateway), so several start together."""
     port = free_port()
-    argv = ["-m", "pagedweight.gateway", "--model", str(model_dir), "--port", str(port),
+    argv = ["-m", "pagedweight.cli.gateway_cmd", "--model", str(model_dir), "--port", str(port),
             "--workers", ",".join(workers), "--redis-url", REDIS_URL, "--session-key-prefix", key_prefix,
             "--served-model-name", "micro", *extra]
     return Service(name, argv, log_dir), f"http://127.0.0.1:{port}"

@@ -1,5 +1,5 @@
 """The memory broker lowers once for the demand the load will reach, and gives back only
-bytes that demand leaves free (issue 17: churn)."""
+bytes that demand leaves free (no churn)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Bits-file keys: only the canonical spelling names a block (issue 16, defect 7)."""
+"""Bits-file keys: only the canonical spelling names a block."""
 
 from __future__ import annotations
 

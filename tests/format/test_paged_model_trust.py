@@ -1,6 +1,5 @@
 """A paged model directory is untrusted: every file it names stays inside it, every file
-read is listed and verified, and the metadata agrees with its own model_config
-(issue 16, defects 2 and 3)."""
+read is listed and verified, and the metadata agrees with its own model_config."""
 
 from __future__ import annotations
 

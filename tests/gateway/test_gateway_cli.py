@@ -20,7 +20,7 @@ from tests.conftest import BUNDLED_MODEL, REPO_ROOT
     (["--model", str(BUNDLED_MODEL), "--workers", "127.0.0.1:1", "--session-ttl", "-1"], "--session-ttl"),
 ])
 def test_bad_flags_give_one_error_line_and_exit_2(argv, needle):
-    result = subprocess.run([sys.executable, "-m", "pagedweight.gateway", *argv], capture_output=True,
+    result = subprocess.run([sys.executable, "-m", "pagedweight.cli.gateway_cmd", *argv], capture_output=True,
                             text=True, cwd=REPO_ROOT, timeout=60)
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()

@@ -11,7 +11,7 @@ PROBE = """
 import sys
 sys.modules["torch"] = None  # any `import torch` now raises ImportError
 import pagedweight.gateway.api_server
-import pagedweight.gateway.__main__
+import pagedweight.cli.gateway_cmd
 from pagedweight.gateway.text import TextCodec
 codec = TextCodec(sys.argv[1])
 ids = codec.encode("Hello")

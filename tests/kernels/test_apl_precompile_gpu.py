@@ -1,5 +1,5 @@
 """After `precompile`, no shape, bit mix or layout the fused kernel meets compiles anything
-(issue 17: compiles met inside decode-graph captures cost 0.05-0.4 s each on the H200)."""
+(compiles met inside decode-graph captures cost 0.05-0.4 s each on the H200)."""
 
 import pytest
 import torch

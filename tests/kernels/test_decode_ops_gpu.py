@@ -1,4 +1,4 @@
-"""decode_ops' fused kernels (issue 12) against the torch chains they replace, which are the
+"""decode_ops' fused kernels against the torch chains they replace, which are the
 forms the CPU runs: RMSNorm, SparseMoeBlock's routing, `gated`, grouped_moe_forward's sort,
 products and combine, RoPE and PagedKVCache's row write; then whole models on CUDA with the
 kernels on and off (`make test-gpu`)."""

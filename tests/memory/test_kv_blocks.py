@@ -185,7 +185,7 @@ GPU = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
 @pytest.mark.parametrize("device", ["cpu", GPU])
 @pytest.mark.parametrize("use_arena", [False, True])
 def test_kv_tile_offsets_address_the_tiles_read_blocks_returns(use_arena, device):
-    """The contract with the paged decode kernel (issue 12): for random block tables,
+    """The contract with the paged decode kernel: for random block tables,
     flat[k_off : k_off + tile] and flat[v_off : v_off + tile] are the blocks' K and V
     tiles of that layer, under the per-layer tile layout (tiles of one block anywhere)."""
     if use_arena:
@@ -228,7 +228,7 @@ def _scattered_cache(use_arena: bool, device):
 @pytest.mark.parametrize("device", ["cpu", GPU])
 @pytest.mark.parametrize("use_arena", [False, True])
 def test_per_step_indices_equal_the_per_layer_ones(use_arena, device):
-    """The once-per-step index work (issue 12): `write_rows` through `token_rows` leaves
+    """The once-per-step index work: `write_rows` through `token_rows` leaves
     the cache exactly as `write` does, and `kv_tile_offsets_all` is `kv_tile_offsets` of
     every layer, on scattered tiles and random slots."""
     config, kv, ids = _scattered_cache(use_arena, device)
@@ -258,7 +258,7 @@ def test_per_step_indices_equal_the_per_layer_ones(use_arena, device):
 @pytest.mark.parametrize("device", ["cpu", GPU])
 @pytest.mark.parametrize("use_arena", [False, True])
 def test_token_elements_start_the_rows_write_fills(use_arena, device):
-    """`token_elements` (where decode_ops.rope_write puts each new token's K and V, issue 12):
+    """`token_elements` (where decode_ops.rope_write puts each new token's K and V):
     under either layout, the G * D elements from each start are exactly the ones `write`
     changes, in token order, and where whole token rows exist they are `token_rows` x G * D."""
     config, kv, ids = _scattered_cache(use_arena, device)

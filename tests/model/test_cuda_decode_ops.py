@@ -1,4 +1,4 @@
-"""The CUDA decode path's fewer-launch forms (issue 12) against the forms the CPU runs:
+"""The CUDA decode path's fewer-launch forms against the forms the CPU runs:
 RMSNorm through torch's rms_norm, RoPE with its sign folded into sin. The same
 arithmetic, so fp32 agrees to rounding and bf16 within a rounding step or two."""
 

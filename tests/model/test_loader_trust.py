@@ -1,5 +1,4 @@
-"""A checkpoint directory is untrusted: its paths, its config and its tensors must agree
-(issue 16, defects 2 and 3)."""
+"""A checkpoint directory is untrusted: its paths, its config and its tensors must agree."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Paged decode attention in place (issue 12): the tile-offset contract of the KV cache, and
+"""Paged decode attention in place: the tile-offset contract of the KV cache, and
 the in-place path against plain attention on odd lengths, scattered blocks, sliding
 windows and released blocks; on CUDA the Triton kernel against the torch path."""
 

@@ -1,5 +1,5 @@
 """The shared expert on a side stream, concurrent with routing and the routed experts
-(SparseMoeBlock._forward_parts_overlapped, issue 12). On the CPU: nothing overlaps (no
+(SparseMoeBlock._forward_parts_overlapped). On the CPU: nothing overlaps (no
 fused kernels, no streams). On CUDA (`make test-gpu`): the overlapped layer computes the
 serial layer's parts, eagerly and replayed from a CUDA graph that follows new inputs,
 without a host synchronisation; whole engines with it on and off give the same greedy

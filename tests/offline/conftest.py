@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import BUNDLED_MODEL
+from tests.conftest import BUNDLED_MODEL, build_once
 
 CALIB_TEXT = {
     "bible": "In the beginning God created the heaven and the earth. And the earth was without form. " * 30,
@@ -21,18 +21,21 @@ def quick_config():
                           quantizer=QuantizerConfig(seed_iters=10, split_iters=3))
 
 
-@pytest.fixture(scope="session")
-def calib_files(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("calib")
-    files = []
+def write_calib_files(folder):
     for name, text in CALIB_TEXT.items():
         (folder / f"{name}.calib.txt").write_text(text)
-        files.append(folder / f"{name}.calib.txt")
-    return files
+    return folder
+
+
+@pytest.fixture(scope="session")
+def calib_files(tmp_path_factory):
+    folder = build_once(tmp_path_factory, "calib", write_calib_files)
+    return [folder / f"{name}.calib.txt" for name in CALIB_TEXT]
 
 
 @pytest.fixture(scope="session")
 def paged_dir(tmp_path_factory, calib_files):
     from pagedweight.offline.quantize import quantize_model
 
-    return quantize_model(BUNDLED_MODEL, tmp_path_factory.mktemp("paged") / "micro", calib_files, quick_config())
+    return build_once(tmp_path_factory, "paged",
+                      lambda folder: quantize_model(BUNDLED_MODEL, folder / "micro", calib_files, quick_config()))

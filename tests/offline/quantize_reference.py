@@ -36,7 +36,8 @@ from pagedweight.offline.calibrate import (
 from pagedweight.offline.error_feedback import smoothed_full_hessians
 from pagedweight.offline.layer_quantize import quantize_layer
 from pagedweight.offline.quantize import QuantizeConfig
-from pagedweight.offline.residual_heads import fit_residual_heads, routing_features
+from pagedweight.offline.residual_heads import fit_residual_heads, heads_tensors
+from pagedweight.planner.residual_predictor import routing_features
 from pagedweight.offline.sensitivity import check_monotone, sensitivity_matrix, sensitivity_table
 from pagedweight.model import load_model
 from pagedweight.frontend.tokenizer import Tokenizer
@@ -96,7 +97,7 @@ def quantize_model_in_memory(model_dir: str | Path, out_dir: str | Path, calib_f
     if g:
         hessians.update({(l, f"{m}.grad_sq"): g[m][l] for l in range(cfg.num_layers) for m in MODULES})
     del model
-    out = save_paged_model(out_dir, model_dir, cfg, dense, apl, bf16, meta, heads.to_tensors(), hessians)
+    out = save_paged_model(out_dir, model_dir, cfg, dense, apl, bf16, meta, heads_tensors(heads), hessians)
     if config.scale_tokens > 0:
         log(f"measuring the planner's loss scales ({2 * cfg.num_layers} groups)")
         scales_started = time.perf_counter()
@@ -142,6 +143,6 @@ def fit_heads(stats, col_errors, sens, ids: list[BlockId], config: QuantizeConfi
     chunk_s = chunk_sensitivities(stats, col_errors, config.calib)
     global_s = torch.tensor([[sens[b][bits] for bits in BIT_WIDTHS] for b in ids], dtype=torch.float64)
     targets = torch.log(chunk_s.clamp_min(1e-30) / global_s.clamp_min(1e-30)).mean(-1)  # [N, B]
-    features = routing_features(stats.token_counts)
-    return fit_residual_heads(features, targets, stats.chunk_domains, config.residual)
+    features = routing_features(stats.token_counts.cpu().numpy())
+    return fit_residual_heads(features, targets.cpu(), stats.chunk_domains, config.residual)
 

@@ -1,4 +1,4 @@
-"""`quantize --out` appears whole or not at all (issue 16, defect 4)."""
+"""`quantize --out` appears whole or not at all."""
 
 from __future__ import annotations
 

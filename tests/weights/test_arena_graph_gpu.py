@@ -1,4 +1,4 @@
-"""CUDA-graph replays of the fused kernel stay right while the pager moves bits (issue 12).
+"""CUDA-graph replays of the fused kernel stay right while the pager moves bits.
 
 A graph of each layer's experts call is captured once; between steps the pager lowers,
 raises and compacts blocks, `ArenaExperts.graph_state` rewrites the descriptor rows in

@@ -1,4 +1,4 @@
-"""Compaction is bounded per step boundary (issue 17): a boundary copies at most
+"""Compaction is bounded per step boundary: a boundary copies at most
 `compact_bytes_per_boundary` (plus the one extent that crosses it), and a capped
 compaction goes on at the next boundaries until the KV target fits, every byte
 accounted at each one."""

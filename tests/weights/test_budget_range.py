@@ -1,4 +1,4 @@
-"""Every memory budget either runs or says how much it needs (issue 16, defect 5).
+"""Every memory budget either runs or says how much it needs.
 
 Budgets just below what fits used to crash in the page mover (a CPU-only block was
 raised part of the way, to 1 or 2 bits, which have no LUT) or in `load_all`

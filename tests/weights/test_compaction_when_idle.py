@@ -37,7 +37,7 @@ def test_raises_compact_only_once_no_sequence_runs(small_blocks, while_running):
     compactions = lambda: mover.profile.to_dict()["calls"].get("compact_for_raise", 0)
     result = pager.step_boundary(sequences_running=True)
     assert result.num_raises_fragmented > 0
-    if while_running:  # the old behaviour: compaction inside the load
+    if while_running:  # compaction inside the load
         assert compactions() == 1 and pager.num_compactions_deferred == 0
     else:
         assert compactions() == 0 and pager.num_compactions_deferred == 1

@@ -1,5 +1,5 @@
-"""An unsettled step boundary visits only the blocks that changed (issue 17: planner
-cost bounded). The page table keeps a dirty set and the weighted bit sum as bits change;
+"""An unsettled step boundary visits only the blocks that changed (the
+planner's cost stays bounded). The page table keeps a dirty set and the weighted bit sum as bits change;
 these tests hold them to a full recomputation and make a scan of the whole table fail."""
 
 from __future__ import annotations

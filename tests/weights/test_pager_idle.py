@@ -1,4 +1,4 @@
-"""An idle step boundary does no work per expert block (issue 18: O(1) when nothing moves).
+"""An idle step boundary does no work per expert block (O(1) when nothing moves).
 
 At 12k+ blocks a scan of the page table at every step would cost milliseconds; the pager
 keeps a `settled` flag instead. These tests make any touch of the table's entries raise

@@ -1,4 +1,4 @@
-"""The pager's profile (issue 17, point 1) counts what really happened: bytes freed by
+"""The pager's profile counts what really happened: bytes freed by
 lowering equal what the boundaries freed, host->device bytes equal the planes and LUTs
 the raises and lowerings copied, compaction's device->device bytes equal the extents it
 moved, and a block that went down and up shows as a round trip."""

@@ -1,7 +1,7 @@
 """A routing snapshot with NaN (a step that produced non-finite hidden states) must not
 freeze the bits: the pager cleans it before the planner's moving average sees it, so
-spare bytes are still spent on raises afterwards (issue 17: on the H200 the pagedweight
-policy never raised again after pressure, with 2 GB free)."""
+spare bytes are still spent on raises afterwards (uncleaned, one NaN step kept the
+pagedweight policy from ever raising again after pressure, with 2 GB free)."""
 
 import numpy as np
 

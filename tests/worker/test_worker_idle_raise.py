@@ -16,7 +16,7 @@ from pagedweight.engine.sampler import SamplingParams
 from pagedweight.runtime import RuntimeConfig, build_runtime
 from tests.test_runtime import ENGINE, MAX_TOKENS, fixed_budget, prompts
 
-BITS_BACK_WITHIN_S = 10.0  # issue 17's target for bits to return after a burst
+BITS_BACK_WITHIN_S = 10.0  # how soon bits must return after a burst
 
 
 async def serve_load_then_wait(engine: AsyncEngine, runtime) -> tuple[float, float]:

@@ -3,15 +3,18 @@
     pagedweight gateway --model DIR --workers HOST:PORT[,HOST:PORT...] [--port 8000]
         [--api-key KEY] [--redis-url URL] [--max-queued-requests N] [--session-ttl S]
 
-Torch-free: this module imports the gateway only when run (`python -m pagedweight.gateway`
-starts it without loading the rest of the command line).
+Torch-free: this module imports the gateway only when run, and `python -m
+pagedweight.cli.gateway_cmd` starts it without loading the rest of the command line (the
+gateway's image has no torch).
 """
 
 from __future__ import annotations
 
+import argparse
 import os
+import sys
 
-from pagedweight.cli.numbers import port
+from pagedweight.cli.numbers import finite_floats_everywhere, port
 from pagedweight.cli.rpc_args import add_rpc_security_arguments
 from pagedweight.common.errors import UserError
 
@@ -123,3 +126,20 @@ def run_gateway(args) -> int:
                                            h11_max_incomplete_event_size=4 * config.max_header_bytes))
     server.run(sockets=[sock])
     return 0
+
+
+def main(argv=None) -> int:
+    """`python -m pagedweight.cli.gateway_cmd ...`: this command alone, as `pagedweight gateway`."""
+    parser = argparse.ArgumentParser(prog="pagedweight gateway", description=HELP)
+    add_arguments(parser)
+    finite_floats_everywhere(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run_gateway(args)
+    except UserError as err:
+        print(f"pagedweight gateway: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

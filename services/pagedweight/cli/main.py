@@ -10,11 +10,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pagedweight.cli import bench_cmd, eval_cmd, generate_cmd, info_cmd, plan_cmd, plan_scales_cmd, quantize_cmd
+from pagedweight.cli import bench_cmd, eval_cmd, generate_cmd, info_cmd, plan_cmd, quantize_cmd
 from pagedweight.cli import gateway_cmd, planner_cmd, serve_cmd, worker_cmd
 from pagedweight.cli.dispatch import OneLineParser, run
 
-COMMANDS = (generate_cmd, eval_cmd, quantize_cmd, plan_cmd, plan_scales_cmd, bench_cmd, info_cmd)
+COMMANDS = (generate_cmd, eval_cmd, quantize_cmd, plan_cmd, bench_cmd, info_cmd)
 COMMANDS += (worker_cmd, planner_cmd, serve_cmd, gateway_cmd)  # the services
 
 

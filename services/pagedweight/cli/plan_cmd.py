@@ -13,6 +13,12 @@ line: budget, the plan's bytes, and its predicted damage under the full damage m
 The sensitivity table is put in loss units by the artifact's loss scales (measured by
 `quantize`); `--scales raw` plans with the unscaled table (an ablation), `--scales FILE`
 with scales from `pagedweight plan-scales`.
+
+    pagedweight plan-scales --model PAGED_DIR --out SCALES.json [--calib FILE...] [--tokens N]
+
+measures those loss scales (offline, once): for each (layer, module) group, the mean KL
+divergence from the 8-bit model when the group drops to 3 bits, on calibration text
+(planner/loss_scale.py).
 """
 
 from __future__ import annotations
@@ -27,23 +33,43 @@ from pagedweight.common.errors import UserError
 from pagedweight.planner.policies import POLICY_NAMES
 
 
+SENSITIVITY_TABLES = ("sensitivity", "sensitivity_gn")  # output-space, Gauss-Newton
+
+
 def register(subparsers) -> None:
     parser = subparsers.add_parser("plan", help="bit-width plan for a paged model at a memory budget")
-    parser.add_argument("--model", required=True, help="paged model directory (pagedweight quantize)")
+    add_model_and_out(parser, "where to write the JSON bits map")
     budget = parser.add_mutually_exclusive_group(required=True)
     budget.add_argument("--expert-bytes", type=int, help="expert-weight budget in bytes (planes + LUTs)")
     budget.add_argument("--avg-bits", type=float, help="budget = bytes of the uniform B-bit model (3..8)")
     parser.add_argument("--policy", default="pagedweight", choices=POLICY_NAMES, help="default: pagedweight")
     parser.add_argument("--prompt-file", default=None, help="UTF-8 text whose routing the plan adapts to")
     parser.add_argument("--prompt-tokens", type=int, default=1024, help="use at most N prompt tokens")
-    parser.add_argument("--sensitivity", default="sensitivity", choices=("sensitivity", "sensitivity_gn"),
-                        help="the artifact's S table: output-space (default) or Gauss-Newton")
     parser.add_argument("--scales", default=None,
                         help="loss scales: default the artifact's (measured by quantize); 'raw' for the "
                              "unscaled table (ablation); or a file from `pagedweight plan-scales`")
-    parser.add_argument("--out", required=True, help="where to write the JSON bits map")
-    parser.add_argument("--force", action="store_true", help="replace an existing --out file")
     parser.set_defaults(handler=run_plan)
+
+    parser = subparsers.add_parser("plan-scales", help="measure the planner's per-group loss scales")
+    add_model_and_out(parser, "where to write the scales JSON")
+    parser.add_argument("--calib", nargs="+", default=None, metavar="FILE",
+                        help="calibration text files (default: the corpus *.calib.txt)")
+    parser.add_argument("--tokens", type=int, default=256, help="tokens taken from each file")
+    parser.set_defaults(handler=run_plan_scales)
+
+
+def add_model_and_out(parser, out_help: str) -> None:
+    parser.add_argument("--model", required=True, help="paged model directory (pagedweight quantize)")
+    parser.add_argument("--out", required=True, help=out_help)
+    parser.add_argument("--force", action="store_true", help="replace an existing --out file")
+    parser.add_argument("--sensitivity", default="sensitivity", choices=SENSITIVITY_TABLES,
+                        help="the artifact's S table: output-space (default) or Gauss-Newton "
+                             "(plan and plan-scales must use the same)")
+
+
+def check_model_dir(model: str) -> None:
+    if not Path(model).is_dir():
+        raise UserError(f"{model}: paged model directory does not exist")
 
 
 def resolve_budget(table, expert_bytes: int | None, avg_bits: float | None) -> int:
@@ -64,8 +90,7 @@ def run_plan(args) -> int:
     from pagedweight.planner.policies import PlanContext, make_policy
     from pagedweight.planner.planner import plan_damage
 
-    if not Path(args.model).is_dir():
-        raise UserError(f"{args.model}: paged model directory does not exist")
+    check_model_dir(args.model)
     if args.prompt_tokens < 1:
         raise UserError(f"--prompt-tokens must be >= 1, got {args.prompt_tokens}")
     prepare_output(Path(args.out), args.force)  # before the work, not after it
@@ -90,6 +115,41 @@ def run_plan(args) -> int:
         "sensitivity": args.sensitivity,
         "out": args.out,
     }))
+    return 0
+
+
+def run_plan_scales(args) -> int:
+    import torch
+
+    from pagedweight.cli.eval_cmd import read_text
+    from pagedweight.cli.quantize_cmd import default_calib_files
+    from pagedweight.planner.artifact import load_planner_inputs
+    from pagedweight.offline.group_scales import measure_group_scales
+    from pagedweight.frontend.tokenizer import Tokenizer
+    from pagedweight.model.dequantized_experts import build_paged_lm, set_model_bits
+    from pagedweight.format.paged_model import load_paged_model
+
+    check_model_dir(args.model)
+    if args.tokens < 2:
+        raise UserError(f"--tokens must be >= 2, got {args.tokens}")
+    check_output_file(Path(args.out), args.force)  # before the work, not after it
+    table = load_planner_inputs(args.model, with_heads=False, sensitivity=args.sensitivity).table
+    files = [Path(f) for f in args.calib] if args.calib else default_calib_files()
+    tokenizer = Tokenizer(args.model)
+    windows = [tokenizer.encode(read_text(str(f)))[: args.tokens] for f in files]
+    windows = [w for w in windows if len(w) >= 2]
+    if not windows:
+        raise UserError("the calibration files have no text")
+    model = build_paged_lm(load_paged_model(args.model, with_bf16=False), dtype=torch.float32)
+
+    def set_bits(bits):
+        set_model_bits(model, {b: int(v) for b, v in zip(table.block_ids, bits)})
+
+    scales = measure_group_scales(model, table, windows, set_bits)
+    record = {"model": args.model, "calib_files": [str(f) for f in files], **scales.to_json(),
+              "sensitivity": args.sensitivity}
+    write_output_file(Path(args.out), json.dumps(record, indent=1) + "\n", args.force)
+    print(json.dumps({"out": args.out, "num_groups": len(scales.scales), "num_tokens": scales.num_tokens}))
     return 0
 
 

@@ -1,8 +1,8 @@
 """Writing a command's one output file: never over something it did not create, never half.
 
-`plan --out` and `plan-scales --out` used to write straight to the path given: pointed at
-a model's `paged_model.json` or a shard (a typo, a tab completion) they destroyed it, and a
-crash mid-write left a truncated file. `write_output_file` refuses an existing path unless
+Written straight to the path given, `plan --out` or `plan-scales --out` pointed at a
+model's `paged_model.json` or a shard (a typo, a tab completion) would destroy it, and a
+crash mid-write would leave a truncated file. `write_output_file` refuses an existing path unless
 `force`, refuses anything but a regular file there even with it, and writes a temporary
 sibling that is fsync'ed and renamed over the path: readers see the old file or the new
 one, never a mix.

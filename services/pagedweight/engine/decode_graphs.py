@@ -1,11 +1,11 @@
-"""CUDA-graph replay of engine steps as token rows, per padded bucket (issue 12).
+"""CUDA-graph replay of engine steps as token rows, per padded bucket.
 
 At real sizes a decode step is bound by the host issuing ~1,500 small operators, not by
 the GPU (docs/real_shape.md). A decode step's work has a fixed shape once its batch is
 padded to a bucket, so it is captured once per bucket and replayed: one launch instead of
 thousands.
 
-Steps with prefill chunks replay the same graphs (`StepChunk`, issue 12's prefill work):
+Steps with prefill chunks replay the same graphs (`StepChunk`):
 every new token is one row, with its own position, KV slot, context length (its position
 + 1) and its sequence's block table. The in-place attention writes every row's k, v
 before it attends, and each row attends up to its own length, so a chunk's rows attend

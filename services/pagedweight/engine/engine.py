@@ -49,11 +49,11 @@ class EngineConfig:
     graphs_per_bucket: int = 1
     # Steps with prefill chunks replay graphs too, every new token a row (decode_graphs.py):
     # an eager prefill of a short prompt at real sizes is bound by launching its kernels
-    # from the host (issue 12: 941 kernels, 30 ms of host for 6 ms of device work). Buckets
+    # from the host (941 kernels, 30 ms of host for 6 ms of device work). Buckets
     # of token rows above max_num_seqs go up to graph_max_tokens (at most the step's token
     # budget); longer steps run eagerly. With a prompt routing recorder (the planner's
     # prompt residuals) steps with prompt rows replay graphs that record them
-    # (engine/prompt_routing.py). False: only pure decode steps replay (the earlier engine).
+    # (engine/prompt_routing.py). False: only pure decode steps replay, the others run eagerly.
     graph_prefill: bool = True
     graph_max_tokens: int = 512
     # CUDA: each layer's shared expert (Qwen-MoE) on a side stream, concurrent with the
@@ -115,7 +115,8 @@ class Engine:
         prompt_routing=None,  # PromptRoutingRecorder: each prompt's routing for the planner (None: off)
     ):
         if not isinstance(config, (EngineConfig, type(None))):
-            raise TypeError("Engine(model, config, ...): the engine takes no tokenizer any more")
+            raise TypeError("Engine(model, config, ...): config must be an EngineConfig; the engine takes "
+                            "token ids, not a tokenizer")
         self.model = model
         self.config = config or EngineConfig()
         if model.device.type == "cuda":

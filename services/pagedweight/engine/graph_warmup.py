@@ -1,4 +1,4 @@
-"""Every decode bucket met once before serving (issue 17).
+"""Every decode bucket met once before serving.
 
 The first decode step at a batch bucket does work that no later step at that bucket does:
 the Triton attention kernel compiles a specialisation per split count, and its split count

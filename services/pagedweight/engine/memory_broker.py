@@ -15,7 +15,7 @@ The scheduler asks for KV blocks; the broker
   weights, so bits go up again when load falls; only spare bytes worth a raise are offered
   (at least `offer_min_blocks`, and a quarter of the KV in use by default: under a steady
   overload the lowered bits stay until the load has really fallen).
-The projected demand (issue 17) is the KV blocks that the sequences in flight and those
+The projected demand is the KV blocks that the sequences in flight and those
 queued that can be admitted still need to finish (prompt + max_tokens, less what they
 hold), given by the scheduler at every step boundary. The cache keeps free blocks for it
 when it shrinks, so only bytes that will stay free are offered: a raise for bytes the
@@ -49,7 +49,7 @@ class WeightPager(Protocol):
 class BrokerConfig:
     calm_steps: int = 16  # steps without KV shortage before bytes are given back (hysteresis)
     headroom_blocks: int = 4  # free KV blocks kept while sequences are running
-    # Raise hysteresis beyond calm_steps (issue 17): bytes go back to the weights only once
+    # Raise hysteresis beyond calm_steps: bytes go back to the weights only once
     # the load has also been calm for calm_seconds, and only when at least offer_min_blocks
     # KV blocks' worth of bytes are spare (a raise for crumbs is undone by the next burst:
     # it copies planes that the next lowering drops again).
@@ -60,7 +60,7 @@ class BrokerConfig:
     # KV and stay with it (raising them copies planes the load's next growth lowers again);
     # once the load has really fallen (a quarter of its KV would be spare) the bits come back.
     offer_min_used_fraction: float = 0.25
-    # Lowering in larger steps (issue 17): an ask for KV bytes also asks for this many
+    # Lowering in larger steps: an ask for KV bytes also asks for this many
     # blocks beyond the shortage, so the next steps' growth finds bytes already free
     # instead of each waiting a step for its own small plan.
     ask_ahead_blocks: int = 0
@@ -70,7 +70,7 @@ class BrokerConfig:
     # is short: the lowering then lands at that boundary and the next step admits what a
     # policy without pressure would, instead of one step admitting fewer while the plan
     # lands (2g: 37 of 40 sequences at the shortage step; the prefill wave then ends a step
-    # late). Off: the ask waits for the first shortage, as before issue 17 round 6.
+    # late). Off: the ask waits for the first shortage.
     ask_before_short: bool = True
 
     def __post_init__(self):

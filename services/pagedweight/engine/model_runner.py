@@ -32,7 +32,7 @@ class ModelRunner:
         self.eos_ids = eos_ids
         self.graphs = graphs  # None: every step eager
         # steps with a prefill chunk (or a sequence that does not sample) replay graphs too;
-        # False: only pure decode steps do, the others run eagerly (the earlier engine)
+        # False: only pure decode steps do, the others run eagerly
         self.graph_prefill = graph_prefill
         self.phases = phases if phases is not None else StepPhases()
         self.num_graph_steps = self.num_eager_steps = 0

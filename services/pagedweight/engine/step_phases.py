@@ -1,4 +1,4 @@
-"""Host seconds of each phase of an engine step (issue 12: where a step's time goes).
+"""Host seconds of each phase of an engine step: where a step's time goes.
 
 At batch 1 a decode step's wall time is host work plus whatever of the device's work the
 host waits for. The engine marks the end of each phase (`mark`): schedule, prepare (the

@@ -178,28 +178,19 @@ class ModelConfig:
         qwen = architecture == "Qwen2MoeForCausalLM"
         if qwen:
             _refuse_dense_layers(f)
-        hidden = f.int("hidden_size", 1, MAX_HIDDEN)
-        num_heads = f.int("num_attention_heads", 1, MAX_HEADS)
-        num_layers = f.int("num_hidden_layers", 1, MAX_LAYERS)
-        vocab = f.int("vocab_size", 1, MAX_VOCAB)
-        # Mixtral's `sliding_window` windows every layer; Qwen1.5-MoE's the layers `layer_types` names
-        windows = _qwen2_windows(f, num_layers) if qwen else (f.int("sliding_window", 1, MAX_POSITIONS, default=None),)
         # transformers' attribute_map lets either name of the expert count stand
         experts_key = "num_experts" if qwen or (f.raw.get("num_local_experts") is None
                                                 and f.raw.get("num_experts") is not None) else "num_local_experts"
+        common = _common_fields(f, experts_key, "moe_intermediate_size" if qwen else "intermediate_size")
+        # Mixtral's `sliding_window` windows every layer; Qwen1.5-MoE's the layers `layer_types` names
+        windows = (_qwen2_windows(f, common["num_layers"]) if qwen
+                   else (f.int("sliding_window", 1, MAX_POSITIONS, default=None),))
         rope_theta, rope_scaling = parse_rope(f, default_theta=10_000.0 if qwen else 1_000_000.0)
         return cls(
             architecture=architecture,
-            vocab_size=vocab,
-            hidden_size=hidden,
-            num_layers=num_layers,
-            num_heads=num_heads,
-            num_kv_heads=f.int("num_key_value_heads", 1, MAX_HEADS, default=num_heads),
-            head_dim=f.int("head_dim", 1, MAX_HEAD_DIM, default=None) or _default_head_dim(f, hidden, num_heads),
-            num_experts=f.int(experts_key, 1, MAX_EXPERTS),
-            num_experts_per_tok=f.int("num_experts_per_tok", 1, MAX_EXPERTS),
-            expert_intermediate_size=f.int("moe_intermediate_size" if qwen else "intermediate_size",
-                                           1, MAX_INTERMEDIATE),
+            **common,
+            head_dim=(f.int("head_dim", 1, MAX_HEAD_DIM, default=None)
+                      or _default_head_dim(f, common["hidden_size"], common["num_heads"])),
             shared_expert_intermediate_size=(
                 f.int("shared_expert_intermediate_size", 0, MAX_INTERMEDIATE, default=0) if qwen else 0
             ),
@@ -207,13 +198,9 @@ class ModelConfig:
             attention_bias=f.bool("qkv_bias", True) if qwen else False,
             rms_norm_eps=f.float("rms_norm_eps", 0.0, 1.0, default=1e-6),
             rope_theta=rope_theta,
-            max_position_embeddings=f.int("max_position_embeddings", 1, MAX_POSITIONS, default=4096),
-            tie_word_embeddings=f.bool("tie_word_embeddings", False),
-            eos_token_ids=_eos_ids(f, vocab),
             sliding_window=windows[0] if len(set(windows)) == 1 else None,
             layer_windows=windows if len(set(windows)) > 1 else (),
             rope_scaling=rope_scaling,
-            expert_activation=_expert_activation(f),
         )
 
     def _check_relations(self, source: str) -> None:
@@ -239,47 +226,32 @@ class ModelConfig:
         raw, source = f.raw, f.source
         if qwen3:
             _refuse_dense_layers(f)
-        hidden = f.int("hidden_size", 1, MAX_HIDDEN)
-        num_heads = f.int("num_attention_heads", 1, MAX_HEADS)
-        num_layers = f.int("num_hidden_layers", 1, MAX_LAYERS)
-        vocab = f.int("vocab_size", 1, MAX_VOCAB)
+        # transformers 5 writes `num_local_experts` (an alias) for these families
+        experts_key = "num_experts" if raw.get("num_experts") is not None else "num_local_experts"
+        common = _common_fields(f, experts_key, "moe_intermediate_size" if qwen3 else "intermediate_size")
         # OLMoE has no head_dim key: its heads are hidden // num_heads, and its k_norm spans
         # num_kv_heads of them.
         head_dim = (f.int("head_dim", 1, MAX_HEAD_DIM, default=None) if qwen3 else None) \
-            or _default_head_dim(f, hidden, num_heads)
+            or _default_head_dim(f, common["hidden_size"], common["num_heads"])
         if not qwen3 and raw.get("head_dim") not in (None, head_dim):
             # transformers' OLMoE norms q and k over hidden_size-wide projections: no other head dim runs
             raise UnsupportedModelError(f"{source}: head_dim {repr(raw.get('head_dim'))[:20]} other than "
                                         f"hidden_size / num_attention_heads ({head_dim}) is not supported")
         rope_theta, rope_scaling = parse_rope(f, default_theta=10_000.0)
-        # transformers 5 writes `num_local_experts` (an alias) for these families
-        experts_key = "num_experts" if raw.get("num_experts") is not None else "num_local_experts"
         bias = f.bool("attention_bias", False)
         return cls(
             architecture=architecture,
-            vocab_size=vocab,
-            hidden_size=hidden,
-            num_layers=num_layers,
-            num_heads=num_heads,
-            num_kv_heads=f.int("num_key_value_heads", 1, MAX_HEADS, default=num_heads),
+            **common,
             head_dim=head_dim,
-            num_experts=f.int(experts_key, 1, MAX_EXPERTS),
-            num_experts_per_tok=f.int("num_experts_per_tok", 1, MAX_EXPERTS),
-            expert_intermediate_size=f.int("moe_intermediate_size" if qwen3 else "intermediate_size",
-                                           1, MAX_INTERMEDIATE),
             shared_expert_intermediate_size=0,
             norm_topk_prob=f.bool("norm_topk_prob", False),
             attention_bias=bias,
             rms_norm_eps=f.float("rms_norm_eps", 0.0, 1.0, default=1e-6 if qwen3 else 1e-5),
             rope_theta=rope_theta,
-            max_position_embeddings=f.int("max_position_embeddings", 1, MAX_POSITIONS, default=4096),
-            tie_word_embeddings=f.bool("tie_word_embeddings", False),
-            eos_token_ids=_eos_ids(f, vocab),
             qk_norm="head" if qwen3 else "full",
             o_proj_bias=bias,
-            sliding_window=_sliding_window(f, num_layers) if qwen3 else None,
+            sliding_window=_sliding_window(f, common["num_layers"]) if qwen3 else None,
             rope_scaling=rope_scaling,
-            expert_activation=_expert_activation(f),
             clip_qkv=None if qwen3 else f.float("clip_qkv", 0.0, 1e30, default=None),
         )
 
@@ -302,6 +274,27 @@ MAX_INTERMEDIATE = 1 << 18
 MAX_VOCAB = 1 << 22
 MAX_POSITIONS = 1 << 24
 _MISSING = object()
+
+
+def _common_fields(f: "_Fields", experts_key: str, intermediate_key: str) -> dict:
+    """The fields the Mixtral, Qwen-MoE and OLMoE parsers read alike: sizes, heads, experts,
+    positions, embeddings, stop tokens and the experts' activation."""
+    num_heads = f.int("num_attention_heads", 1, MAX_HEADS)
+    vocab = f.int("vocab_size", 1, MAX_VOCAB)
+    return dict(
+        vocab_size=vocab,
+        hidden_size=f.int("hidden_size", 1, MAX_HIDDEN),
+        num_layers=f.int("num_hidden_layers", 1, MAX_LAYERS),
+        num_heads=num_heads,
+        num_kv_heads=f.int("num_key_value_heads", 1, MAX_HEADS, default=num_heads),
+        num_experts=f.int(experts_key, 1, MAX_EXPERTS),
+        num_experts_per_tok=f.int("num_experts_per_tok", 1, MAX_EXPERTS),
+        expert_intermediate_size=f.int(intermediate_key, 1, MAX_INTERMEDIATE),
+        max_position_embeddings=f.int("max_position_embeddings", 1, MAX_POSITIONS, default=4096),
+        tie_word_embeddings=f.bool("tie_word_embeddings", False),
+        eos_token_ids=_eos_ids(f, vocab),
+        expert_activation=_expert_activation(f),
+    )
 
 
 class _Fields:

@@ -137,16 +137,6 @@ class CompletionResponse(BaseModel):
     usage: UsageInfo
 
 
-class CompletionStreamResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    system_fingerprint: str | None = None  # this build and model (serving.fingerprint)
-    choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
-
-
 # ---- /v1/chat/completions ------------------------------------------------------------
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
@@ -184,13 +174,17 @@ class ChatStreamChoice(BaseModel):
     stop_reason: Union[int, str, None] = None
 
 
-class ChatCompletionStreamResponse(BaseModel):
+# ---- streamed chunks of either endpoint -----------------------------------------------
+class StreamResponse(BaseModel):
+    """One server-sent chunk: "text_completion" carries CompletionChoice, "chat.completion.chunk"
+    ChatStreamChoice; the usage chunk at the end of a stream has no choices."""
+
     id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    object: Literal["text_completion", "chat.completion.chunk"]
     created: int
     model: str
     system_fingerprint: str | None = None  # this build and model (serving.fingerprint)
-    choices: list[ChatStreamChoice]
+    choices: list[CompletionChoice] | list[ChatStreamChoice]
     usage: UsageInfo | None = None
 
 

@@ -18,7 +18,7 @@ from pagedweight.gateway.errors import APIError
 from pagedweight.gateway.generation import ChoiceSpec
 from pagedweight.gateway.logprobs import chat_content
 from pagedweight.gateway.protocol import (
-    ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatCompletionStreamResponse,
+    ChatChoice, ChatCompletionRequest, ChatCompletionResponse, StreamResponse,
     ChatMessage, ChatResponseMessage, ChatStreamChoice, DeltaMessage, UsageInfo,
 )
 from pagedweight.gateway.serving import (
@@ -114,9 +114,8 @@ class ChatServing(ServingBase):
         fingerprint = self.state.fingerprint
 
         def chunk(choices, usage=None):
-            body = ChatCompletionStreamResponse(id=turn.response_id, object="chat.completion.chunk",
-                                                created=created, model=model, choices=choices,
-                                                system_fingerprint=fingerprint)
+            body = StreamResponse(id=turn.response_id, object="chat.completion.chunk", created=created,
+                                  model=model, choices=choices, system_fingerprint=fingerprint)
             if usage is not None:
                 body.usage = usage
             return sse(body)

@@ -17,7 +17,7 @@ from pagedweight.gateway.errors import APIError
 from pagedweight.gateway.generation import ChoiceSpec
 from pagedweight.gateway.logprobs import CompletionLogprobs, merge_completion
 from pagedweight.gateway.protocol import (
-    CompletionChoice, CompletionRequest, CompletionResponse, CompletionStreamResponse, UsageInfo,
+    CompletionChoice, CompletionRequest, CompletionResponse, StreamResponse, UsageInfo,
 )
 from pagedweight.gateway.serving import (
     SSE_DONE, ServingBase, first_and_rest, session_headers, sse, stream_error, with_first,
@@ -121,7 +121,7 @@ class CompletionServing(ServingBase):
                     part = logprobs[k].part(delta.logprobs) if logprobs is not None else None
                     choice = CompletionChoice(index=k, text=text, logprobs=part, finish_reason=delta.finish_reason,
                                               stop_reason=delta.stop_reason)
-                    events.append(sse(CompletionStreamResponse(
+                    events.append(sse(StreamResponse(
                         id=response_id, object="text_completion", created=created, model=model,
                         choices=[choice], system_fingerprint=fingerprint)))
                 if events:
@@ -129,9 +129,8 @@ class CompletionServing(ServingBase):
             if include_usage:
                 usage = UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=sum(counts),
                                   total_tokens=num_prompt_tokens + sum(counts))
-                yield sse(CompletionStreamResponse(id=response_id, object="text_completion", created=created,
-                                                   model=model, choices=[], usage=usage,
-                                                   system_fingerprint=fingerprint))
+                yield sse(StreamResponse(id=response_id, object="text_completion", created=created,
+                                         model=model, choices=[], usage=usage, system_fingerprint=fingerprint))
             await self._save_session(session_id, session, generation.address)
             yield SSE_DONE
         except APIError as err:

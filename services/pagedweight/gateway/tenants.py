@@ -8,7 +8,7 @@ the sessions it creates (sessions.py) and draws from the tenant's token bucket: 
 The buckets are per gateway replica: N replicas admit up to N times the rate.
 
 Without any key configured every caller is the anonymous tenant "" (sessions are then
-protected only by their id, as before keys existed).
+protected only by their id).
 """
 
 from __future__ import annotations

@@ -212,7 +212,7 @@ class PagedKVCache:
         L = self.num_layers
         if arena is None:
             # Tile row of (block b, layer l) = b * L + l: block b's bytes are contiguous,
-            # [L, 2, block_size, G, D], as before tiles existed.
+            # [L, 2, block_size, G, D].
             self.flat = torch.zeros(num_blocks * L * self.tile_elems, dtype=dtype, device=self.device)
             self.tiles = self.flat.view(num_blocks * L, *self.tile_shape)
             self.row_stride = self.tile_elems  # elements from tile row r to r + 1
@@ -293,8 +293,8 @@ class PagedKVCache:
         """Point the tile-row table at the new blocks' tiles and zero their pages, with no
         host synchronisation: ids and pages cross in one non-blocking copy from pinned
         memory, then two launches (a scatter and an index fill). A step in which 64
-        sequences each crossed a block boundary made 128 synchronising uploads and 1,536
-        small zeroing launches before (issue 12's profile at concurrency 64, 4 bits).
+        sequences each crossing a block boundary would otherwise make 128 synchronising
+        uploads and 1,536 small zeroing launches (profiled at concurrency 64, 4 bits).
 
         The pages held weights (or nothing) before: bytes that read as NaN in this dtype.
         Attention reads whole blocks and masks the positions past a sequence's end, but a

@@ -31,7 +31,7 @@ def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
 def rms_norm_cast_then_scale(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """The Llama-style RMSNorm (normalise in fp32, cast back to x's dtype, then scale) with
     torch's own rms_norm for the normalisation: one kernel on CUDA where the composed form
-    launches five, and a decode graph replays two norms per layer (issue 12). Same
+    launches five, and a decode graph replays two norms per layer. Same
     arithmetic: the composed form is the CPU's, and the tests hold the two equal."""
     return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
@@ -113,7 +113,7 @@ def signed_sin(sin: torch.Tensor) -> torch.Tensor:
 def apply_rotary_signed(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
     """`apply_rotary` as x * cos + roll(x, D/2) * signed_sin(sin): roll(x, D/2) is
     cat(x2, x1), so the product is rotate-half's cat(-x2, x1) * sin. Three kernels where
-    apply_rotary launches five (a decode graph replays two per layer, issue 12)."""
+    apply_rotary launches five (a decode graph replays two per layer)."""
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin_signed)
 
 
@@ -176,8 +176,8 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.num_kv_heads * self.head_dim, config.rms_norm_eps)
 
     def fuse_qkv(self) -> None:
-        """Serve q, k and v from one product (a decoded layer launches 2 kernels fewer,
-        issue 12). Their weights (and biases) move into one [q + k + v rows, H] tensor and
+        """Serve q, k and v from one product (a decoded layer launches 2 kernels
+        fewer). Their weights (and biases) move into one [q + k + v rows, H] tensor and
         the three projections' parameters become views of it: nothing is stored twice, and
         whatever later writes a projection's parameter in place writes the fused one."""
         if self.v_proj is None or self._qkv is not None:

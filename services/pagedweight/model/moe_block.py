@@ -41,8 +41,8 @@ class SparseMoeBlock(nn.Module):
 
     def fuse_inputs(self) -> None:
         """Serve the shared expert's gate and up projections, the router and the shared
-        expert's gate from one product of the normalised input (4 products -> 1 per layer,
-        issue 12), as Attention.fuse_qkv does for q, k, v: the parameters become views of
+        expert's gate from one product of the normalised input (4 products -> 1 per
+        layer), as Attention.fuse_qkv does for q, k, v: the parameters become views of
         the one [2 I_shared + E + 1 (+ zero rows to a multiple of 8), H] weight, gate/up rows
         first (the product's front, aligned, is what `decode_ops.gated_rows` reads)."""
         if self.shared_expert is None or self._inputs is not None:
@@ -116,7 +116,7 @@ class SparseMoeBlock(nn.Module):
 
     def _forward_parts_overlapped(self, x: torch.Tensor) -> tuple:
         """forward_parts with the shared expert on `shared_stream`, concurrent with the
-        router, routing and the routed experts on the current stream (issue 12: at a few
+        router, routing and the routed experts on the current stream (at a few
         tokens the routed kernel is bound by dependent latency, not bytes, and leaves the
         HBM idle that the shared expert's bandwidth-bound products can use). The fused input
         product is split at its rows: the shared gate/up rows on the side stream, the router

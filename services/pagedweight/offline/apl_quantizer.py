@@ -58,7 +58,7 @@ class QuantizerConfig:
     # bucket's diagonal mass; 0.1-0.3 was best held out, 0 overfits at 5-6 bits). The
     # defaults: the one combination measured to lower the planner's mean KL against plain
     # k-means at every budget (25-50 %) on micro-mixtral, tiny-mixtral and tiny-qwen-moe
-    # (docs/quantize.md, "Error feedback and LUT refit"); KMEANS_ONLY is the old quantiser.
+    # (docs/quantize.md, "Error feedback and LUT refit"); KMEANS_ONLY turns both off.
     error_feedback: bool = True
     feedback_damp: float = 3.0
     lut_refit_bits: tuple[int, ...] = LUT_WIDTHS
@@ -86,7 +86,7 @@ class QuantizerConfig:
         return self.error_feedback or bool(self.lut_refit_bits)
 
 
-# The quantiser before issue 14's error feedback and LUT refit (the ablation): the weighted
+# The quantiser without error feedback and LUT refit (the ablation): the weighted
 # k-means seed, nearest-centroid codes and bucket-mean LUTs; needs no full Hessians.
 KMEANS_ONLY = QuantizerConfig(error_feedback=False, lut_refit_bits=())
 

@@ -1,8 +1,8 @@
 """An output directory that appears whole or not at all, and one writer at a time.
 
-`quantize --out DIR` used to write straight into DIR: an existing checkpoint there had
-its same-named files overwritten, an interrupted re-quantise destroyed the previous good
-artifact, and two runs into one DIR both reported success over each other's files.
+Written straight into DIR, `quantize --out DIR` would overwrite an existing checkpoint's
+same-named files, an interrupted re-quantise would destroy the previous good artifact, and
+two runs into one DIR would both report success over each other's files.
 `atomic_output_dir` instead
 1. refuses a non-empty DIR unless `force` (an empty one is replaced silently);
 2. takes an exclusive lock on DIR's name (a `.DIR.lock` file beside it, flock'ed, so a

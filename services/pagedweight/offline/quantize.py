@@ -50,7 +50,7 @@ from pagedweight.offline.paged_layers import PagedLayers
 from pagedweight.offline.layer_quantize import DEFAULT_TILE_ELEMENTS, LayerResult, quantize_layer  # noqa: F401 - re-exported
 from pagedweight.offline.progress import ProgressBar
 from pagedweight.offline.quantize_tables import artifact_meta, fit_heads
-from pagedweight.offline.residual_heads import ResidualConfig
+from pagedweight.offline.residual_heads import ResidualConfig, heads_tensors
 from pagedweight.offline.sensitivity import sensitivity_table
 from pagedweight.offline.stream_passes import (
     StreamRun, backward_step, embed_step, forward_step, loss_step, stored_planes,
@@ -241,7 +241,7 @@ def write_artifact(run: StreamRun, out_dir, model_dir: Path, calib_files, starte
     if gradients:
         hessians.update({(l, f"{m}.grad_sq"): g[m][l] for l in range(L) for m in MODULES})
     apl = (((l, m), planes) for l in range(L) for m, planes in stored_planes(run, l).items())
-    return save_paged_model(out_dir, model_dir, cfg, dense, apl, bf16, meta, heads.to_tensors(), hessians)
+    return save_paged_model(out_dir, model_dir, cfg, dense, apl, bf16, meta, heads_tensors(heads), hessians)
 
 
 def record_peaks(out: Path, device: torch.device, scale_seconds: float | None,

@@ -14,7 +14,8 @@ import torch
 from pagedweight.format.apl_format import BIT_WIDTHS, MODULES, BlockId
 from pagedweight.offline.calib_text import calib_text_record
 from pagedweight.offline.calibrate import CalibConfig, CalibrationStats, routing_summary, smoothed_hessians
-from pagedweight.offline.residual_heads import fit_residual_heads, routing_features
+from pagedweight.offline.residual_heads import fit_residual_heads
+from pagedweight.planner.residual_predictor import routing_features
 from pagedweight.offline.sensitivity import check_monotone, sensitivity_matrix, sensitivity_table
 
 
@@ -40,7 +41,8 @@ def fit_heads(chunk_s: torch.Tensor, sens, ids: list[BlockId], token_counts: tor
     chunk_s [N, B, nb] in `ids` order; token_counts [N, L, E]."""
     global_s = torch.tensor([[sens[b][bits] for bits in BIT_WIDTHS] for b in ids], dtype=torch.float64)
     targets = torch.log(chunk_s.clamp_min(1e-30) / global_s.clamp_min(1e-30)).mean(-1)  # [N, B]
-    return fit_residual_heads(routing_features(token_counts), targets, domains, config.residual)
+    features = routing_features(token_counts.detach().cpu().numpy())
+    return fit_residual_heads(features, targets.detach().cpu(), domains, config.residual)
 
 
 def gauss_newton_meta(h, col_errors_gn, num_layers: int, present: bool) -> dict:

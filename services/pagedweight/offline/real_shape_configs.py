@@ -68,7 +68,7 @@ REAL_SHAPE_CONFIGS: dict[str, dict] = {
 }
 
 # Total parameters from the model cards, in billions (rounded as published).
-# Gemma-4-26B-A4B: the 25.97B of issue 15, which is what parameter_count gives: it counts
+# Gemma-4-26B-A4B: 25.97B is what parameter_count gives: it counts
 # lm_head apart from the embedding it is tied to (25.23B distinct parameters).
 PUBLISHED_PARAMS = {"Gemma-4-26B-A4B": 25.97, "Qwen3-30B-A3B": 30.5, "OLMoE-1B-7B": 6.92, "Mixtral-8x7B": 46.7, "Qwen1.5-MoE-A2.7B": 14.3}
 

@@ -19,7 +19,7 @@ experts keep more bits). The prompts in flight arrive with each request too (a
 the request's residual replaces the context's, so prompts that left drop out with the
 next request, and a request without one (no prompts in flight) clears it.
 
-`move_cost` > 0 (issue 17): a free request for the damage-model policies is answered by
+`move_cost` > 0: a free request for the damage-model policies is answered by
 lowering fewer blocks further (planner/fewer_moves.py), each moved block costing
 move_cost times the median damage of one bit, and a spend by raising whole blocks to the
 ceiling within the bytes the greedy spent (best damage saved per byte first; the greedy's

@@ -3,7 +3,7 @@
 Plugs into `SparseMoeBlock.experts` like `DenseExperts` (same call, same combine). For
 each expert it dequantises its two blocks from the planes and LUT the page table says
 are committed (`PageTable.resident_views`), so a step computes at exactly the committed
-bits q_i. The fused CUDA kernel (issue 6) reads the same extents.
+bits q_i. The fused CUDA kernel reads the same extents.
 
 On CUDA with bf16/fp16 activations (and cupy present) the fused kernel
 (kernels/pagedweight_kernels/apl_moe.cu) computes the whole layer in one go, reading the committed planes

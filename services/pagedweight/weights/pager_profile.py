@@ -1,4 +1,4 @@
-"""Where the weight pager's time and bytes go (issue 17, point 1).
+"""Where the weight pager's time and bytes go.
 
 The pager and the page mover charge every phase of their work here: host seconds per
 phase (plans, lowering, raise starts and commits, compaction, the whole boundary),

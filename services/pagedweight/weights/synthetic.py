@@ -1,6 +1,6 @@
 """APL blocks without calibration: for tests and memory benchmarks, not for quality.
 
-The real quantizer (weighted k-means, issue 3) lives in services/pagedweight/offline. These helpers
+The real quantizer (weighted k-means) lives in services/pagedweight/offline. These helpers
 make valid APL blocks fast: `nested_uniform_block` quantises a weight matrix with
 per-row min-max uniform 8-bit codes (whose top b bits are the b-bit codes, so nesting
 holds) and LUT_3 / LUT_4 holding the centre of each bucket (the 5-8-bit values the format
