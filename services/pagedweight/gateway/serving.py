@@ -135,7 +135,8 @@ class ServingBase:
         """OpenAI's {"token id": bias} as ids; a 400 for a key that is no token id."""
         out = {}
         for key, bias in (request.logit_bias or {}).items():
-            if not key.isdigit() or int(key) >= self.codec.vocab_size:
+            # ASCII digits only: str.isdigit() also accepts "³" and "①", which int() refuses
+            if not (key.isascii() and key.isdigit()) or int(key) >= self.codec.vocab_size:
                 raise APIError(400, f"logit_bias: {key!r} is not a token id (0..{self.codec.vocab_size - 1})",
                                "logit_bias")
             if not -100.0 <= bias <= 100.0:
