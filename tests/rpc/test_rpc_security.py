@@ -85,8 +85,8 @@ def test_a_worker_id_belongs_to_the_caller_that_registered_it(token_file):
     serve_planner(security, body)
 
 
-def test_registrations_are_bounded_and_expire_without_calls(token_file):
-    security = RpcSecurity.from_settings(str(token_file))
+def test_registrations_are_bounded_and_expire_without_calls():
+    security = RpcSecurity(tokens={TOKEN_A: "workers"})  # one caller: the whole cap is its share
 
     def body(stub):
         for i in range(2):
@@ -99,6 +99,24 @@ def test_registrations_are_bounded_and_expire_without_calls(token_file):
         assert reply.registration_id
 
     serve_planner(security, body, max_workers=2, registration_ttl_s=1.0)
+
+
+def test_one_caller_cannot_fill_the_planners_registrations(token_file):
+    security = RpcSecurity.from_settings(str(token_file))  # two callers: two registrations each
+
+    def body(stub):
+        for i in range(2):
+            stub.Register(register_request(f"a{i}", registration()), metadata=auth(TOKEN_B), timeout=10)
+        with pytest.raises(grpc.RpcError) as full:
+            stub.Register(register_request("a2", registration()), metadata=auth(TOKEN_B), timeout=10)
+        assert full.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "share" in full.value.details()
+        # re-registering one it holds is no new registration
+        assert stub.Register(register_request("a0", registration()), metadata=auth(TOKEN_B), timeout=10)
+        for i in range(2):  # the other caller still has its share
+            assert stub.Register(register_request(f"w{i}", registration()), metadata=auth(TOKEN_A),
+                                 timeout=10).registration_id
+
+    serve_planner(security, body, max_workers=4)
 
 
 def test_an_open_port_off_loopback_is_refused_unless_asked_for():
