@@ -160,6 +160,14 @@ def test_worker_checks_tokens_and_aborts_only_its_callers_requests(paged_micro_d
         reader = threading.Thread(target=lambda: received.extend(stream))
         reader.start()
         wait_until(lambda: received, worker, timeout_s=30, what="streaming")
+        # ids are the caller's own: another caller may use the same one, and learns nothing
+        short = worker_pb2.GenerateRequest(request_id="owned-1", prompt_token_ids=[1, 2, 3],
+                                           sampling=worker_pb2.SamplingParams(max_tokens=2, ignore_eos=True))
+        theirs = list(stub.Generate(short, metadata=auth(TOKEN_B), timeout=30))
+        assert theirs[-1].finished and {m.request_id for m in theirs} == {"owned-1"}
+        with pytest.raises(grpc.RpcError) as taken:  # the owner's own id is still taken for the owner
+            list(stub.Generate(short, metadata=auth(TOKEN_A), timeout=30))
+        assert taken.value.code() == grpc.StatusCode.ALREADY_EXISTS
         assert not stub.Abort(worker_pb2.AbortRequest(request_id="owned-1"), metadata=auth(TOKEN_B), timeout=5).found
         assert stub.Abort(worker_pb2.AbortRequest(request_id="owned-1"), metadata=auth(TOKEN_A), timeout=5).found
         reader.join(30)
@@ -200,6 +208,15 @@ def test_generate_stream_needs_the_token_and_aborts_only_its_callers_requests(pa
             await intruder.write(abort("streamed-1"))  # not its request: ignored
             await intruder.done_writing()
             assert [m async for m in intruder] == []
+            other = stub.GenerateStream(metadata=auth(TOKEN_B))  # the same id, its own request
+            await other.write(worker_pb2.StreamRequest(generate=worker_pb2.GenerateRequest(
+                request_id="streamed-1", prompt_token_ids=[1, 2, 3],
+                sampling=worker_pb2.SamplingParams(max_tokens=2, ignore_eos=True))))
+            await other.done_writing()
+            replies = [m async for m in other]
+            assert not any(m.errors for m in replies)
+            outputs = [o for m in replies for o in m.outputs]
+            assert {o.request_id for o in outputs} == {"streamed-1"} and outputs[-1].finished
             found = await stub.Abort(worker_pb2.AbortRequest(request_id="streamed-1"), metadata=auth(TOKEN_B))
             assert not found.found
             running = await owner.read()
