@@ -259,3 +259,16 @@ def test_logit_bias_keys_that_are_unicode_digits_are_400(edge, key):
 def test_sampling_floats_that_float32_rounds_to_zero_are_400_naming_the_field(edge, field, value):
     response = httpx.post(f"{edge['url']}/v1/completions", json={**BODY, field: value}, timeout=30)
     assert error_of(response, 400)["param"] == field
+
+
+def test_detokenize_is_bounded_by_the_context_and_decodes_off_the_event_loop(edge, paged_micro_dir):
+    from pagedweight.frontend.tokenizer import Tokenizer
+
+    started = time.monotonic()
+    huge = httpx.post(f"{edge['url']}/detokenize", json={"tokens": [1] * 1_000_000}, timeout=30)
+    assert "context length" in error_of(huge, 413)["message"]
+    assert time.monotonic() - started < 5
+    ids = list(range(3, 2048 + 3))  # the whole context: still served, and decoded as the tokenizer does
+    response = httpx.post(f"{edge['url']}/detokenize", json={"tokens": ids}, timeout=30)
+    assert response.status_code == 200, response.text
+    assert response.json()["prompt"] == Tokenizer(paged_micro_dir).decode(ids)

@@ -3,7 +3,7 @@
 A chat template is code from the model directory and the tokenizer is native code run on
 client text: a template with nested loops never returns, a crafted prompt can drive a
 tokenizer's regular expression into a panic or the process into an abort. None of that
-may reach the event loop or the gateway process. So each job (render + encode, or encode)
+may reach the event loop or the gateway process. So each job (render + encode, encode, or decode)
 runs in one of `num_procs` spawned processes, each with its own tokenizer:
 
 - a job that runs past `timeout_s` has its process killed and replaced: the client gets
@@ -58,6 +58,8 @@ def _child(model_dir: str, max_chars: int, conn) -> None:
             if kind == "chat":
                 text = tokenizer.apply_chat_template(job[1], add_generation_prompt=job[2], max_chars=max_chars)
                 conn.send(("ok", tokenizer.encode(text)))
+            elif kind == "decode":
+                conn.send(("ok", tokenizer.decode(job[1])))
             else:
                 conn.send(("ok", tokenizer.encode(job[1])))
         except OutputTooLong as err:
@@ -119,6 +121,10 @@ class TextSandbox:
         if len(text) > self.max_chars:
             raise APIError(413, f"{param} is longer than {self.max_chars} characters", param)
         return await self._run(("encode", text), param)
+
+    async def decode(self, ids: list[int]) -> str:
+        """The text of `ids` (checked against the vocabulary by the caller)."""
+        return await self._run(("decode", ids), "tokens")
 
     async def chat(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
         """The chat template rendered over the messages, tokenised."""
