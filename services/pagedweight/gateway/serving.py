@@ -193,6 +193,7 @@ class ServingBase:
         try:
             session = await self.state.sessions.get(key) or Session(is_new=True)
         except SessionStoreUnavailable as err:  # answering without the history would lose it silently
+            self.state.metrics.rejected.labels(reason="session_store").inc()
             raise APIError(503, f"{err}; the session's history cannot be read: retry later, or send "
                                 f"the whole conversation without a session id", "session_id") from None
         session.key = key
@@ -203,6 +204,7 @@ class ServingBase:
         try:
             await self.state.sessions.put(session.key, session)
         except SessionStoreUnavailable as err:
+            self.state.metrics.rejected.labels(reason="session_store").inc()
             raise APIError(503, f"{err}; this reply was not saved to the session", "session_id") from None
 
     def route(self, request_id: str, session_id: str | None, session: Session | None) -> Generation:
