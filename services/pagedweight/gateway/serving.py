@@ -94,6 +94,8 @@ class ServingBase:
             harmless = UNSUPPORTED_FIELDS.get(field)
             if harmless is not None and not harmless(value):
                 raise APIError(400, f"{field} is not supported by this server", field)
+        if request.min_p:  # the workers' sampler has no min-p cut: refused here, naming the field
+            raise APIError(400, "min_p is not supported by this server (send 0 or leave it out)", "min_p")
         self.logit_bias(request)
         if request.stop_token_ids and any(t < 0 for t in request.stop_token_ids):
             raise APIError(400, "stop_token_ids must be token ids (>= 0)", "stop_token_ids")
