@@ -272,3 +272,16 @@ def test_detokenize_is_bounded_by_the_context_and_decodes_off_the_event_loop(edg
     response = httpx.post(f"{edge['url']}/detokenize", json={"tokens": ids}, timeout=30)
     assert response.status_code == 200, response.text
     assert response.json()["prompt"] == Tokenizer(paged_micro_dir).decode(ids)
+
+
+def test_successful_probes_are_not_access_logged_but_requests_are(edge):
+    for _ in range(3):
+        assert httpx.get(f"{edge['url']}/health", timeout=10).status_code == 200
+        assert httpx.get(f"{edge['url']}/metrics", timeout=10).status_code == 200
+    assert httpx.get(f"{edge['url']}/v1/models?probe=1", timeout=10).status_code == 200
+    deadline = time.monotonic() + 5
+    while "GET /v1/models?probe=1" not in edge["gateway"].log_path.read_text() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    log_text = edge["gateway"].log_path.read_text()
+    assert "GET /v1/models?probe=1" in log_text
+    assert "GET /health" not in log_text and "GET /metrics" not in log_text
