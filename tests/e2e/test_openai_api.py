@@ -442,3 +442,27 @@ def test_worker_killed_mid_stream_ends_with_error_and_the_gateway_keeps_serving(
         assert "pagedweight:gateway_retries_total 1.0" in metrics
     finally:
         slow.stop()
+
+
+def test_the_gateways_metrics_carry_each_workers_engine_gauges(cluster):
+    """A router or dashboard pointed at the API port finds the workers' load and memory."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{cluster['url_a']}/metrics", timeout=10).text
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(text) for s in family.samples}
+
+    def value(name, address, **extra):
+        return samples[(name, tuple(sorted({"model_name": MODEL, "engine": address, **extra}.items())))]
+
+    for address in cluster["addresses"]:
+        stats = worker_stats(address)
+        assert value("pagedweight:budget_bytes", address) == stats.memory.budget_bytes > 0
+        assert value("pagedweight:gpu_memory_bytes", address, component="dense_weights", bits="") == \
+            stats.memory.dense_weight_bytes > 0
+        assert 0.0 <= value("vllm:kv_cache_usage_perc", address) <= 1.0
+        assert value("vllm:num_requests_waiting", address) >= 0
+        assert value("vllm:num_requests_running", address) >= 0
+        assert value("pagedweight:planner_connected", address) == 1.0
+        assert value("pagedweight:mean_expert_bits", address) == pytest.approx(stats.bits.mean_expert_bits, abs=1.0)
+    assert ("vllm:num_requests_running", (("engine", "gateway"), ("model_name", MODEL))) in samples

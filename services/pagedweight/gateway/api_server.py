@@ -118,6 +118,7 @@ def _starting(state: GatewayState) -> str:
 async def metrics(raw: Request):
     state = _state(raw)
     state.metrics.workers_ready.set(len(state.pool.ready()))
+    state.metrics.observe_workers({address: worker.stats for address, worker in state.pool.workers.items()})
     for backend in ("redis", "memory"):
         state.metrics.session_store.labels(backend=backend).set(int(state.sessions.backend == backend))
     body, content_type = exposition(raw.app.state.registry)
