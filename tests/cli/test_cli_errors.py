@@ -148,3 +148,21 @@ def test_a_hostile_tokenizer_config(run, tmp_path, data, fragment):
     shutil.copytree(BUNDLED_MODEL, model)
     (model / "tokenizer_config.json").write_bytes(data)
     assert_error(run("generate", "--model", str(model), "--prompt", "x", "--max-tokens", "1"), fragment)
+
+
+def test_bare_command_prints_the_usage_and_version_prints_the_version(run):
+    from importlib import metadata
+
+    code, out, err = run()
+    assert code == 2 and out == "" and err.startswith("usage: pagedweight") and "serve" in err
+    code, out, _ = run("--version")
+    assert code == 0 and out.strip() == f"pagedweight {metadata.version('pagedweight')}"
+
+
+def test_serve_help_shows_every_default(run):
+    code, out, _ = run("serve", "--help")
+    assert code == 0
+    text = " ".join(out.split())
+    for default in ("(default: 8000)", "(default: 127.0.0.1)", "(default: 256MiB)", "(default: cpu)",
+                    "(default: 50051)", "(default: 50052)", "(default: 30.0)", "(default: 600.0)"):
+        assert default in text, default

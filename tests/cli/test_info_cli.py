@@ -76,3 +76,13 @@ def test_a_broken_checkpoint_is_one_error_line(capsys, tmp_path, damage):
         weights.unlink()
     code, out, err = info(capsys, str(model))
     assert code == 2 and len(err.strip().splitlines()) == 1 and "safetensors" in err
+
+
+@pytest.mark.parametrize("device, dtype", [("cpu", "float32"), ("cuda", "bfloat16")])
+def test_the_default_dtype_is_the_workers_on_that_device(capsys, device, dtype):
+    """A CPU worker runs float32 weights and KV: info must not report bf16 for it."""
+    report = json.loads(info(capsys, str(BUNDLED_MODEL), "--device", device, "--json")[1])
+    explicit = json.loads(info(capsys, str(BUNDLED_MODEL), "--device", device, "--dtype", dtype, "--json")[1])
+    assert report == explicit and dtype in json.dumps(report)
+    other = "bfloat16" if dtype == "float32" else "float32"
+    assert report != json.loads(info(capsys, str(BUNDLED_MODEL), "--dtype", other, "--json")[1])

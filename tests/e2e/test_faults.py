@@ -125,3 +125,24 @@ def test_a_planner_restart_is_survived_and_the_worker_registers_again(faults):
         faults["worker"].check_alive()
     finally:
         planner.stop()
+
+
+def test_an_idle_worker_registers_with_a_restarted_planner(paged_micro_dir, tmp_path):
+    """A worker whose weights all fit asks for no plan: it must still notice that the
+    planner it registered with is gone, and register with the one that replaces it."""
+    planner, planner_address = start_planner(tmp_path)
+    worker, address = start_worker("worker_idle", paged_micro_dir, tmp_path, memory_budget="1GiB",
+                                   planner=planner_address)
+    port = planner_address.rsplit(":", 1)[1]
+    restarted = None
+    try:
+        wait_worker(worker, address)
+        wait_until(lambda: "registered" in planner.log_path.read_text(), planner, timeout_s=30)
+        planner.kill()
+        time.sleep(1.0)
+        restarted = Service("planner_again", ["-m", "pagedweight.cli.main", "planner", "--port", port], tmp_path)
+        wait_until(lambda: "registered" in restarted.log_path.read_text(), restarted, timeout_s=30,
+                   what="registered with by the idle worker")
+        assert "Traceback" not in worker.log_path.read_text()
+    finally:
+        stop_all([s for s in (restarted, worker, planner) if s is not None])

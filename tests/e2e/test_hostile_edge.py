@@ -26,6 +26,9 @@ BODY = {"model": MODEL, "prompt": "In the beginning", "max_tokens": 2}
 NESTED_LOOPS = ("{% for a in range(100000) %}{% for b in range(100000) %}{% for c in range(100000) %}"
                 "{% endfor %}{% endfor %}{% endfor %}")
 OUTPUT_BOMB = "{% for a in range(100000) %}{{ messages[0]['content'] * 1000 }}{% endfor %}"
+# a 1.5 GB constant in a branch "mul" takes, a 1.5 GB padding in a branch "pad" takes
+HUGE_BRANCHES = ("{% set c = messages[0]['content'] %}{% if c == 'mul' %}{{ 'x' * 1500000000 }}"
+                 "{% elif c == 'pad' %}{{ 'x' | center(1500000000) }}{% endif %}{{ c }}")
 
 
 def model_copy(src, dst, template: str):
@@ -55,8 +58,10 @@ def edge(paged_micro_dir, tmp_path_factory):
         loops, loops_url = start_gateway("gateway_loops", loops_dir, [address], logs, prefix, extra=limits)
         bomb_dir = model_copy(paged_micro_dir, tmp_path_factory.mktemp("m") / "bomb", OUTPUT_BOMB)
         bomb, bomb_url = start_gateway("gateway_bomb", bomb_dir, [address], logs, prefix, extra=limits)
-        services[:0] = [gateway, loops, bomb]
-        yield {"url": url, "loops_url": loops_url, "bomb_url": bomb_url, "worker": address,
+        huge_dir = model_copy(paged_micro_dir, tmp_path_factory.mktemp("m") / "huge", HUGE_BRANCHES)
+        huge, huge_url = start_gateway("gateway_huge", huge_dir, [address], logs, prefix, extra=limits)
+        services[:0] = [gateway, loops, bomb, huge]
+        yield {"url": url, "loops_url": loops_url, "bomb_url": bomb_url, "huge_url": huge_url, "worker": address,
                "prefix": prefix, "gateway": gateway}
     finally:
         stop_all(services)
@@ -229,3 +234,54 @@ def test_a_session_value_that_is_not_json_starts_the_session_afresh(edge):
     finally:
         client.close()
     assert "Traceback" not in edge["gateway"].log_path.read_text()
+
+
+def test_a_template_that_builds_a_huge_string_fails_alone_and_at_once(edge):
+    def chat(content):
+        body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 2}
+        return client_post_chat(edge["huge_url"], body)
+
+    started = time.monotonic()
+    assert chat("hi").status_code == 200  # the branches not taken cost nothing
+    assert "refused by the sandbox" in error_of(chat("mul"), 400)["message"]
+    assert "out of memory" in error_of(chat("pad"), 400)["message"]
+    assert chat("hi").status_code == 200
+    assert time.monotonic() - started < 5
+
+
+@pytest.mark.parametrize("key", ["\u00b3", "\u2460", "\u0661", "\uff11"])
+def test_logit_bias_keys_that_are_unicode_digits_are_400(edge, key):
+    response = httpx.post(f"{edge['url']}/v1/completions", json={**BODY, "logit_bias": {key: 1.0}}, timeout=30)
+    assert error_of(response, 400)["param"] == "logit_bias"
+
+
+@pytest.mark.parametrize("field, value", [("top_p", 5e-324), ("top_p", 1e-40), ("repetition_penalty", 5e-324)])
+def test_sampling_floats_that_float32_rounds_to_zero_are_400_naming_the_field(edge, field, value):
+    response = httpx.post(f"{edge['url']}/v1/completions", json={**BODY, field: value}, timeout=30)
+    assert error_of(response, 400)["param"] == field
+
+
+def test_detokenize_is_bounded_by_the_context_and_decodes_off_the_event_loop(edge, paged_micro_dir):
+    from pagedweight.frontend.tokenizer import Tokenizer
+
+    started = time.monotonic()
+    huge = httpx.post(f"{edge['url']}/detokenize", json={"tokens": [1] * 1_000_000}, timeout=30)
+    assert "context length" in error_of(huge, 413)["message"]
+    assert time.monotonic() - started < 5
+    ids = list(range(3, 2048 + 3))  # the whole context: still served, and decoded as the tokenizer does
+    response = httpx.post(f"{edge['url']}/detokenize", json={"tokens": ids}, timeout=30)
+    assert response.status_code == 200, response.text
+    assert response.json()["prompt"] == Tokenizer(paged_micro_dir).decode(ids)
+
+
+def test_successful_probes_are_not_access_logged_but_requests_are(edge):
+    for _ in range(3):
+        assert httpx.get(f"{edge['url']}/health", timeout=10).status_code == 200
+        assert httpx.get(f"{edge['url']}/metrics", timeout=10).status_code == 200
+    assert httpx.get(f"{edge['url']}/v1/models?probe=1", timeout=10).status_code == 200
+    deadline = time.monotonic() + 5
+    while "GET /v1/models?probe=1" not in edge["gateway"].log_path.read_text() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    log_text = edge["gateway"].log_path.read_text()
+    assert "GET /v1/models?probe=1" in log_text
+    assert "GET /health" not in log_text and "GET /metrics" not in log_text

@@ -293,7 +293,9 @@ def test_the_deploy_smoke_client_passes_against_the_cluster_and_has_help(cluster
 
 # ---- bad requests -------------------------------------------------------------------------
 @pytest.mark.parametrize("path,body,status,param", [
-    ("/v1/completions", b'{"prompt": "x", "max_tokens": ', 400, None),  # malformed JSON
+    ("/v1/completions", b'{"prompt": "x", "max_tokens": ', 400, "body"),  # malformed JSON
+    ("/v1/completions", b'', 400, "body"),  # an empty body
+    ("/v1/completions", b'[1, 2]', 400, "body"),  # JSON, but no object
     ("/v1/completions", {"prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": 5}, 400, "prompt"),
     ("/v1/chat/completions", {"messages": "hello"}, 400, "messages"),
@@ -311,7 +313,7 @@ def test_the_deploy_smoke_client_passes_against_the_cluster_and_has_help(cluster
     ("/v1/completions", {"prompt": "x", "presence_penalty": 3}, 400, "presence_penalty"),
     ("/v1/completions", {"prompt": [999999]}, 400, "prompt"),
     ("/v1/completions", {"prompt": "x", "stop": [""]}, 400, "stop"),
-    ("/v1/completions", {"prompt": "x", "min_p": 0.1}, 400, None),  # refused by the worker: min_p
+    ("/v1/completions", {"prompt": "x", "min_p": 0.1}, 400, "min_p"),  # the workers have no min-p cut
 ])
 def test_bad_request_gets_4xx_json_and_the_server_keeps_serving(cluster, path, body, status, param):
     url = cluster["url_a"] + path
@@ -322,8 +324,7 @@ def test_bad_request_gets_4xx_json_and_the_server_keeps_serving(cluster, path, b
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert error["code"] == status and error["message"] and error["type"].endswith("Error")
-    if param is not None:
-        assert error["param"].split(".")[0] == param
+    assert error["param"].split(".")[0] == param
     assert client(cluster["url_a"]).completions.create(model=MODEL, prompt=PROMPT, max_tokens=2).choices
 
 
@@ -332,6 +333,7 @@ def test_ten_megabyte_body_gets_413_json(cluster):
     r = httpx.post(f"{cluster['url_a']}/v1/completions", content=body,
                    headers={"content-type": "application/json"}, timeout=60)
     assert r.status_code == 413 and r.json()["error"]["code"] == 413
+    assert r.json()["error"]["type"] == "RequestTooLargeError"
     assert httpx.get(f"{cluster['url_a']}/health", timeout=10).status_code == 200
 
 
@@ -440,3 +442,30 @@ def test_worker_killed_mid_stream_ends_with_error_and_the_gateway_keeps_serving(
         assert "pagedweight:gateway_retries_total 1.0" in metrics
     finally:
         slow.stop()
+
+
+def test_the_gateways_metrics_carry_each_workers_engine_gauges(cluster):
+    """A router or dashboard pointed at the API port finds the workers' load and memory."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{cluster['url_a']}/metrics", timeout=10).text
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(text) for s in family.samples}
+
+    def value(name, address, **extra):
+        return samples[(name, tuple(sorted({"model_name": MODEL, "engine": address, **extra}.items())))]
+
+    live = [a for s, a in cluster["workers"] if s.process.poll() is None]
+    for address in set(cluster["addresses"]) - set(live):  # killed by an earlier test: no stale series
+        assert not any(labels and ("engine", address) in labels for _, labels in samples)
+    for address in live:
+        stats = worker_stats(address)
+        assert value("pagedweight:budget_bytes", address) == stats.memory.budget_bytes > 0
+        assert value("pagedweight:gpu_memory_bytes", address, component="dense_weights", bits="") == \
+            stats.memory.dense_weight_bytes > 0
+        assert 0.0 <= value("vllm:kv_cache_usage_perc", address) <= 1.0
+        assert value("vllm:num_requests_waiting", address) >= 0
+        assert value("vllm:num_requests_running", address) >= 0
+        assert value("pagedweight:planner_connected", address) == 1.0
+        assert value("pagedweight:mean_expert_bits", address) == pytest.approx(stats.bits.mean_expert_bits, abs=1.0)
+    assert ("vllm:num_requests_running", (("engine", "gateway"), ("model_name", MODEL))) in samples

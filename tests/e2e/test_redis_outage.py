@@ -12,15 +12,16 @@ import time
 import httpx
 import openai
 import pytest
+import redis
 
 from tests.e2e.cluster import free_port, start_gateway, start_worker, stop_all, wait_worker
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")
 
 
-def start_redis(port: int, log_dir) -> subprocess.Popen:
+def start_redis(port: int, log_dir, *extra: str) -> subprocess.Popen:
     proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no"], stdout=open(log_dir / f"redis-{port}.log", "a"),
+                             "--appendonly", "no", *extra], stdout=open(log_dir / f"redis-{port}.log", "a"),
                             stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 10
     while subprocess.run(["redis-cli", "-p", str(port), "ping"], capture_output=True, text=True).stdout.strip() != "PONG":
@@ -41,6 +42,47 @@ def wait_health(url: str, status: str, timeout_s: float = 15.0) -> dict:
 def chat(url: str, session: str, content: str) -> httpx.Response:
     return httpx.post(f"{url}/v1/chat/completions", timeout=60, headers={"x-session-id": session},
                       json={"messages": [{"role": "user", "content": content}], "max_tokens": 3, "temperature": 0})
+
+
+def rejected(url: str, reason: str) -> float:
+    """pagedweight:gateway_rejected_total for one reason, from the gateway's /metrics."""
+    for line in httpx.get(f"{url}/metrics", timeout=5).text.splitlines():
+        if line.startswith("pagedweight:gateway_rejected_total{") and f'reason="{reason}"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_redis_out_of_memory_is_a_503_in_redis_words_and_counted(paged_micro_dir, tmp_path):
+    port = free_port()
+    redis_proc = start_redis(port, tmp_path, "--maxmemory-policy", "noeviction")
+    services = []
+    try:
+        worker, address = start_worker("worker", paged_micro_dir, tmp_path)
+        services.append(worker)
+        wait_worker(worker, address)
+        gateway, url = start_gateway("gateway", paged_micro_dir, [address], tmp_path, "oom:",
+                                     extra=("--redis-url", f"redis://127.0.0.1:{port}/0"))
+        services.insert(0, gateway)
+        assert wait_health(url, "ok")["session_store"] == "redis"
+        client = redis.Redis(port=port)
+        try:  # Redis full: any write is refused from now on
+            client.config_set("maxmemory", 1)
+            with pytest.raises(redis.exceptions.ResponseError, match="maxmemory"):
+                client.set("probe", "x")
+        finally:
+            client.close()
+        refused = chat(url, "s1", "Hello")
+        assert refused.status_code == 503, refused.text
+        message = refused.json()["error"]["message"]
+        assert "maxmemory" in message and "refused the command" in message
+        assert "does not answer" not in gateway.log_path.read_text()
+        assert rejected(url, "session_store") == 1.0
+        plain = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
+        assert plain.status_code == 200  # requests without a session are served
+    finally:
+        stop_all(services)
+        redis_proc.terminate()
+        redis_proc.wait()
 
 
 def test_redis_restart_degrades_then_recovers_and_lost_history_is_visible(paged_micro_dir, tmp_path):
@@ -67,6 +109,7 @@ def test_redis_restart_degrades_then_recovers_and_lost_history_is_visible(paged_
         assert refused.status_code == 503, refused.text
         error = refused.json()["error"]
         assert error["code"] == 503 and "Redis" in error["message"] and error["param"] == "session_id"
+        assert rejected(url, "session_store") == 1.0
         health = wait_health(url, "degraded")
         assert health["status"] == "degraded" and health["session_store"] == "unavailable"
         api = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)

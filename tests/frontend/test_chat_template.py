@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 
 import jinja2
 import pytest
@@ -83,3 +84,29 @@ def test_real_templates_render_as_an_unsandboxed_environment_did(model_dir):
             )
             assert tokenizer.apply_chat_template(messages, add) == expected
     assert "<|im_start|>assistant" in tokenizer.apply_chat_template(MESSAGES[0])
+
+
+HUGE = "{{ 'x' * 1500000000 }}"
+
+
+def test_a_huge_constant_in_a_branch_never_taken_is_not_built(tmp_path):
+    """jinja2 folds constants at compile time: the branch below would build 1.5 GB on
+    every compile although it never runs."""
+    tokenizer = Tokenizer(model_dir_with_template(
+        tmp_path, "{% if messages | length > 99 %}" + HUGE + "{% endif %}{{ messages[0]['content'] }}"))
+    started = time.monotonic()
+    assert tokenizer.apply_chat_template(MESSAGES[0]) == "hi"
+    assert time.monotonic() - started < 1.0
+
+
+@pytest.mark.parametrize("template", [HUGE, "{{ [1] * 1500000000 }}", "{{ 10 ** 100000000 }}",
+                                      "{% set n = 1500000000 %}{{ messages[0]['content'] * n }}"])
+def test_repetition_and_powers_past_their_bound_fail_at_once(tmp_path, template):
+    tokenizer = Tokenizer(model_dir_with_template(tmp_path, template))
+    with pytest.raises(UserError, match="refused by the sandbox"):
+        tokenizer.apply_chat_template(MESSAGES[0])
+
+
+def test_small_repetition_and_powers_still_render(tmp_path):
+    tokenizer = Tokenizer(model_dir_with_template(tmp_path, "{{ '-' * 3 }}{{ 2 ** 10 }}{{ 3 * [0] | length }}"))
+    assert tokenizer.apply_chat_template(MESSAGES[0]) == "---10243"

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from tests.e2e.cluster import start_gateway, start_planner, start_worker, stop_all, wait_worker
 from tests.fuzz.harness import fuzz_settings
+from tests.fuzz.strategies import EDGE_TEXT
 
 MODEL = "micro"
 # Values that are wrong somewhere: every field gets some of these.
@@ -156,4 +157,25 @@ def test_tokenize_and_detokenize(gateway, body):
     else:
         answer = response.json()
         assert ("tokens" in answer and answer["count"] == len(answer["tokens"])) or isinstance(answer.get("prompt"), str)
+    still_serving(gateway)
+
+
+SAMPLING_FLOATS = st.sampled_from([5e-324, 1e-45, 1e-40, 2.0 ** -126, 1e-300, 0.0, -0.0, 0.5, 1.0, 1.0000001, 2.0])
+SAMPLING = st.fixed_dictionaries({}, optional={
+    "top_p": SAMPLING_FLOATS, "min_p": SAMPLING_FLOATS, "repetition_penalty": SAMPLING_FLOATS,
+    "temperature": SAMPLING_FLOATS, "presence_penalty": SAMPLING_FLOATS,
+    "logit_bias": st.dictionaries(st.sampled_from([t for t in EDGE_TEXT if t.isprintable() and "\udcff" not in t
+                                                   and "\udcc3" not in t] + ["\u00b3", "\u2460", "\u0661", "007"]),
+                                  SAMPLING_FLOATS, max_size=3),
+})
+
+
+@fuzz_settings(ci_examples=25)
+@given(fields=SAMPLING)
+def test_sampling_fields_at_their_edges_are_served_or_refused_by_name(gateway, fields):
+    """Values a float32 rounds to zero and keys Python calls digits: a 400 names the field."""
+    response = gateway.post("/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 1, **fields})
+    check_answer(response, False)
+    if response.status_code == 400:
+        assert response.json()["error"]["param"].split(".")[0] in fields, response.text
     still_serving(gateway)

@@ -197,6 +197,27 @@ def _bad_requests(port, metrics):
     assert metrics.refused.labels(code="INVALID_ARGUMENT")._value.get() == 3
 
 
+def test_registrations_too_large_or_nested_too_deep_are_refused_at_once():
+    servicer, metrics = new_service()
+    with_server(servicer, lambda port: _hostile_registrations(port, metrics))
+
+
+def _hostile_registrations(port, metrics):
+    stub = stub_for(port)
+    huge = register_request("w1", registration())
+    huge.num_layers = huge.num_experts = 40000  # 1.6e9 cells: gigabytes of per-expert arrays
+    nested = register_request("w1", registration())
+    nested.loss_scales_json = "[" * 200_000 + "]" * 200_000
+    for request, fragment in ((huge, "at most"), (nested, "nested too deeply")):
+        started = time.monotonic()
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Register(request, timeout=10)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and fragment in err.value.details()
+        assert time.monotonic() - started < 2
+    assert metrics.refused.labels(code="INVALID_ARGUMENT")._value.get() == 2
+    assert stub.Register(register_request("w1", registration())).registration_id
+
+
 class SlowServicer(PlannerServicer):
     """The real service, made slow (an overloaded planner)."""
 

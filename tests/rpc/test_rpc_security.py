@@ -85,8 +85,8 @@ def test_a_worker_id_belongs_to_the_caller_that_registered_it(token_file):
     serve_planner(security, body)
 
 
-def test_registrations_are_bounded_and_expire_without_calls(token_file):
-    security = RpcSecurity.from_settings(str(token_file))
+def test_registrations_are_bounded_and_expire_without_calls():
+    security = RpcSecurity(tokens={TOKEN_A: "workers"})  # one caller: the whole cap is its share
 
     def body(stub):
         for i in range(2):
@@ -99,6 +99,24 @@ def test_registrations_are_bounded_and_expire_without_calls(token_file):
         assert reply.registration_id
 
     serve_planner(security, body, max_workers=2, registration_ttl_s=1.0)
+
+
+def test_one_caller_cannot_fill_the_planners_registrations(token_file):
+    security = RpcSecurity.from_settings(str(token_file))  # two callers: two registrations each
+
+    def body(stub):
+        for i in range(2):
+            stub.Register(register_request(f"a{i}", registration()), metadata=auth(TOKEN_B), timeout=10)
+        with pytest.raises(grpc.RpcError) as full:
+            stub.Register(register_request("a2", registration()), metadata=auth(TOKEN_B), timeout=10)
+        assert full.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "share" in full.value.details()
+        # re-registering one it holds is no new registration
+        assert stub.Register(register_request("a0", registration()), metadata=auth(TOKEN_B), timeout=10)
+        for i in range(2):  # the other caller still has its share
+            assert stub.Register(register_request(f"w{i}", registration()), metadata=auth(TOKEN_A),
+                                 timeout=10).registration_id
+
+    serve_planner(security, body, max_workers=4)
 
 
 def test_an_open_port_off_loopback_is_refused_unless_asked_for():
@@ -142,6 +160,14 @@ def test_worker_checks_tokens_and_aborts_only_its_callers_requests(paged_micro_d
         reader = threading.Thread(target=lambda: received.extend(stream))
         reader.start()
         wait_until(lambda: received, worker, timeout_s=30, what="streaming")
+        # ids are the caller's own: another caller may use the same one, and learns nothing
+        short = worker_pb2.GenerateRequest(request_id="owned-1", prompt_token_ids=[1, 2, 3],
+                                           sampling=worker_pb2.SamplingParams(max_tokens=2, ignore_eos=True))
+        theirs = list(stub.Generate(short, metadata=auth(TOKEN_B), timeout=30))
+        assert theirs[-1].finished and {m.request_id for m in theirs} == {"owned-1"}
+        with pytest.raises(grpc.RpcError) as taken:  # the owner's own id is still taken for the owner
+            list(stub.Generate(short, metadata=auth(TOKEN_A), timeout=30))
+        assert taken.value.code() == grpc.StatusCode.ALREADY_EXISTS
         assert not stub.Abort(worker_pb2.AbortRequest(request_id="owned-1"), metadata=auth(TOKEN_B), timeout=5).found
         assert stub.Abort(worker_pb2.AbortRequest(request_id="owned-1"), metadata=auth(TOKEN_A), timeout=5).found
         reader.join(30)
@@ -182,6 +208,15 @@ def test_generate_stream_needs_the_token_and_aborts_only_its_callers_requests(pa
             await intruder.write(abort("streamed-1"))  # not its request: ignored
             await intruder.done_writing()
             assert [m async for m in intruder] == []
+            other = stub.GenerateStream(metadata=auth(TOKEN_B))  # the same id, its own request
+            await other.write(worker_pb2.StreamRequest(generate=worker_pb2.GenerateRequest(
+                request_id="streamed-1", prompt_token_ids=[1, 2, 3],
+                sampling=worker_pb2.SamplingParams(max_tokens=2, ignore_eos=True))))
+            await other.done_writing()
+            replies = [m async for m in other]
+            assert not any(m.errors for m in replies)
+            outputs = [o for m in replies for o in m.outputs]
+            assert {o.request_id for o in outputs} == {"streamed-1"} and outputs[-1].finished
             found = await stub.Abort(worker_pb2.AbortRequest(request_id="streamed-1"), metadata=auth(TOKEN_B))
             assert not found.found
             running = await owner.read()

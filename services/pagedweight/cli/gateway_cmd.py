@@ -97,6 +97,19 @@ def config_from_args(args):
     )
 
 
+PROBE_PATHS = ("/health", "/metrics", "/version")  # polled every few seconds by probes and scrapers
+
+
+def quiet_probes(record) -> bool:
+    """uvicorn's access log without the successful polls of PROBE_PATHS, which would
+    drown every request worth reading (a failed poll is still logged)."""
+    args = record.args
+    if isinstance(args, tuple) and len(args) == 5:  # (client, method, path, http version, status)
+        path, status = str(args[2]).split("?", 1)[0], args[4]
+        return not (path in PROBE_PATHS and isinstance(status, int) and status < 400)
+    return True
+
+
 def run_gateway(args) -> int:
     import logging
 
@@ -124,6 +137,8 @@ def run_gateway(args) -> int:
                                            timeout_graceful_shutdown=args.shutdown_timeout,
                                            http=header_timeout_protocol(config.header_timeout_s),
                                            h11_max_incomplete_event_size=4 * config.max_header_bytes))
+    # after uvicorn.Config, which sets up uvicorn's loggers
+    logging.getLogger("uvicorn.access").addFilter(quiet_probes)
     server.run(sockets=[sock])
     return 0
 

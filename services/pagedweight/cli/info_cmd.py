@@ -20,8 +20,12 @@ def register(subparsers) -> None:
                         help="device bytes for weights, KV and workspace ('24GiB', '512M', '123456789')")
     parser.add_argument("--context", type=int, default=None, help="tokens per request (prompt + output)")
     parser.add_argument("--concurrency", type=int, default=None, help="requests served at once")
-    parser.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bfloat16",
-                        help="serving dtype of dense weights and KV (default: bfloat16)")
+    parser.add_argument("--device", default="cpu",
+                        help="the worker's device, cpu or cuda[:N] (default: cpu, as the worker's); "
+                             "it picks the default --dtype")
+    parser.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default=None,
+                        help="serving dtype of dense weights and KV (default: the worker's on --device: "
+                             "float32 on cpu, bfloat16 on cuda)")
     parser.add_argument("--json", action="store_true", help="one JSON object instead of text")
     parser.set_defaults(handler=run_info)
 
@@ -45,6 +49,8 @@ def run_info(args) -> int:
     budget = parse_memory_budget(args.memory_budget) if args.memory_budget is not None else None
     if not Path(args.model).is_dir():
         raise UserError(f"{args.model}: model directory does not exist")
+    if args.dtype is None:  # what a worker started with the same --device runs at
+        args.dtype = "float32" if args.device.split(":")[0] == "cpu" else "bfloat16"
     engine = EngineConfig()
     import torch
 

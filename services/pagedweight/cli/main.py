@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from importlib import metadata
 
 from pagedweight.cli import bench_cmd, eval_cmd, generate_cmd, info_cmd, plan_cmd, quantize_cmd
 from pagedweight.cli import gateway_cmd, planner_cmd, serve_cmd, worker_cmd
@@ -20,6 +21,7 @@ COMMANDS += (worker_cmd, planner_cmd, serve_cmd, gateway_cmd)  # the services
 
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="pagedweight", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"pagedweight {metadata.version('pagedweight')}")
     subparsers = parser.add_subparsers(dest="command", required=True)
     for command in COMMANDS:
         command.register(subparsers)
@@ -27,7 +29,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run(build_parser(), argv)
+    parser = build_parser()
+    if not (sys.argv[1:] if argv is None else argv):  # no command: say which there are
+        parser.print_help(sys.stderr)
+        return 2
+    return run(parser, argv)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,8 @@ def register(subparsers) -> None:
     parser.add_argument("--http-port", "--metrics-port", dest="http_port", type=port, default=None,
                         help="side HTTP port for /metrics, /health, /ready (default: none)")
     parser.add_argument("--max-workers", type=int, default=64,
-                        help="registrations kept at once; more get RESOURCE_EXHAUSTED")
+                        help="registrations kept at once, each caller of the token file holding at most "
+                             "an even share; more get RESOURCE_EXHAUSTED")
     parser.add_argument("--registration-ttl", type=positive_seconds, default=900.0,
                         help="seconds without a call after which a worker's registration is dropped")
     parser.add_argument("--min-mean-bits", type=float, default=0.0,

@@ -31,24 +31,31 @@ MAX_RESTARTS, RESTART_WINDOW_S = 5, 60.0  # per service
 
 
 def register(subparsers) -> None:
-    parser = subparsers.add_parser("serve", help="run gateway + worker + planner locally")
+    import argparse
+
+    parser = subparsers.add_parser("serve", help="run gateway + worker + planner locally",
+                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--model", required=True, help="paged model directory or Hugging Face checkpoint")
     parser.add_argument("--port", type=port, default=8000, help="the gateway's HTTP port (OpenAI API)")
-    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--host", default="127.0.0.1", help="interface every service listens on")
     parser.add_argument("--memory-budget", default="256MiB", help="the worker's device budget")
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", default="cpu", help="the worker's device: cpu or cuda[:N]")
     parser.add_argument("--policy", default="pagedweight", help="planner policy, or static-B")
-    parser.add_argument("--served-model-name", default=None, help="default: the --model directory's name")
-    parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
-    parser.add_argument("--cache-dir", default=None, help="where quantised checkpoints are kept")
+    parser.add_argument("--served-model-name", default=None, help="the model's name in the API "
+                                                                  "(None: the --model directory's name)")
+    parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"),
+                        help="where sessions are kept ($REDIS_URL when set)")
+    parser.add_argument("--cache-dir", default=None, help="where quantised checkpoints are kept "
+                                                          "(None: ~/.cache/pagedweight)")
     parser.add_argument("--calib", nargs="+", default=None, metavar="FILE",
-                        help="calibration text for the first quantisation (default: the shared corpus, "
+                        help="calibration text for the first quantisation (None: the shared corpus, "
                              "else data/sample.txt)")
-    parser.add_argument("--worker-port", type=port, default=50051)
-    parser.add_argument("--planner-port", type=port, default=50052)
-    parser.add_argument("--worker-metrics-port", type=port, default=9091)
-    parser.add_argument("--planner-metrics-port", type=port, default=9092)
-    parser.add_argument("--shutdown-timeout", type=seconds, default=30.0)
+    parser.add_argument("--worker-port", type=port, default=50051, help="the worker's gRPC port")
+    parser.add_argument("--planner-port", type=port, default=50052, help="the planner's gRPC port")
+    parser.add_argument("--worker-metrics-port", type=port, default=9091, help="the worker's /metrics port")
+    parser.add_argument("--planner-metrics-port", type=port, default=9092, help="the planner's /metrics port")
+    parser.add_argument("--shutdown-timeout", type=seconds, default=30.0,
+                        help="seconds the worker may drain its requests on Ctrl-C")
     parser.add_argument("--startup-timeout", type=positive_seconds, default=600.0, help="seconds each service may take")
     parser.set_defaults(handler=run)
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from pagedweight.common.errors import UserError
 from pagedweight.common.file_digest import file_sha256
 from pagedweight.common.paths import REPO_ROOT, corpus_dir
+from pagedweight.common.safe_paths import model_file
 
 BUNDLED_CALIB = REPO_ROOT / "data" / "sample.txt"  # small: enough for a working micro model
 
@@ -30,12 +31,15 @@ DIGESTS_FILE = "file-digests.json"  # path -> {"stat": [size, mtime_ns, inode], 
 
 
 def checkpoint_digest(model_dir: Path, cache_dir: Path | None = None) -> str:
-    """sha256 over every regular file's name and full-content sha256 (sorted by name);
+    """sha256 over every regular file's name and full-content sha256 (sorted by name; a
+    symlink that leaves the directory is refused, so nothing outside is read or recorded);
     with `cache_dir`, per-file digests are reused while a file's size, mtime and inode
     are unchanged (a copy or a rewrite changes one of them and is hashed again)."""
     known = _read_digests(cache_dir)
     h, changed = hashlib.sha256(), False
-    for path in sorted(p for p in model_dir.iterdir() if p.is_file() and not p.name.startswith(".")):
+    names = sorted(p.name for p in model_dir.iterdir() if p.is_file() and not p.name.startswith("."))
+    for name in names:
+        path = model_file(model_dir, name, UserError)  # a symlink out of the directory is refused
         st = path.stat()
         stamp = [st.st_size, st.st_mtime_ns, st.st_ino]
         key = str(path.resolve())

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from pagedweight.common.errors import CheckpointError, UnsupportedModelError
 from pagedweight.common.json_files import read_json_object
+from pagedweight.common.safe_paths import model_file
 from pagedweight.format.config_fields import refuse_unknown_fields
 from pagedweight.format.rope_config import RopeScaling, parse_rope
 
@@ -257,9 +258,9 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, model_dir: Path) -> "ModelConfig":
-        path = Path(model_dir) / "config.json"
-        if not path.is_file():
-            raise CheckpointError(f"{path}: no config.json in the model directory")
+        path = model_file(model_dir, "config.json")
+        if path is None:
+            raise CheckpointError(f"{Path(model_dir) / 'config.json'}: no config.json in the model directory")
         return cls.from_dict(read_json_object(path, "config.json", CheckpointError), source=str(path))
 
 

@@ -44,6 +44,7 @@ from safetensors.torch import load_file, save_file
 from pagedweight.common.errors import CheckpointError
 from pagedweight.common.file_digest import file_sha256
 from pagedweight.common.json_files import read_json_object
+from pagedweight.common.safe_paths import model_file
 from pagedweight.format.model_config import ModelConfig
 from pagedweight.format.apl_format import BIT_WIDTHS, LUT_WIDTHS, MODULES, APLBlock, BlockId, block_bytes, lut_entries, lut_width
 from pagedweight.format.paged_meta import (  # noqa: F401 - re-exported
@@ -152,9 +153,10 @@ def save_paged_model(out_dir: str | Path, source_dir: str | Path, config: ModelC
     directory): each is written to experts_apl.safetensors as it comes and can be dropped."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    copied = [name for name in COPIED_FILES if (Path(source_dir) / name).is_file()]
-    for name in copied:
-        shutil.copyfile(Path(source_dir) / name, out / name)
+    # model_file: a symlink out of the source directory is refused, never copied into `out`
+    copied = {name: path for name in COPIED_FILES if (path := model_file(source_dir, name)) is not None}
+    for name, path in copied.items():
+        shutil.copyfile(path, out / name)
     write_apl_file(out / APL_FILE, config, apl.items() if isinstance(apl, Mapping) else apl)
     tensors = {DENSE_FILE: {k: v.to(torch.bfloat16).contiguous() for k, v in dense_state.items()}}
     if bf16_experts is not None:

@@ -13,21 +13,22 @@ from tokenizers import Tokenizer as _HFTokenizer
 
 from pagedweight.common.errors import CheckpointError, UserError
 from pagedweight.common.json_files import read_json_object
+from pagedweight.common.safe_paths import model_file
 from pagedweight.frontend.chat_template import render_chat_template
 
 
 class Tokenizer:
     def __init__(self, model_dir: str | Path):
         model_dir = Path(model_dir)
-        path = model_dir / "tokenizer.json"
-        if not path.is_file():
-            raise CheckpointError(f"{path}: no tokenizer.json in the model directory")
+        path = model_file(model_dir, "tokenizer.json")
+        if path is None:
+            raise CheckpointError(f"{model_dir / 'tokenizer.json'}: no tokenizer.json in the model directory")
         try:
             self._tok = _HFTokenizer.from_file(str(path))
         except Exception as err:  # the Rust library raises a bare Exception
             raise CheckpointError(f"{path}: unreadable tokenizer ({err})") from None
         self._config_path = model_dir / "tokenizer_config.json"
-        settings = _read_json(self._config_path)
+        settings = _read_json(model_dir, "tokenizer_config.json")
         self.chat_template: str | None = settings.get("chat_template")
         eos = settings.get("eos_token")
         if isinstance(eos, dict):  # an AddedToken written out as {"content": ...}
@@ -57,7 +58,8 @@ class Tokenizer:
         )
 
 
-def _read_json(path: Path) -> dict:
-    if not path.is_file():
+def _read_json(model_dir: Path, name: str) -> dict:
+    path = model_file(model_dir, name)
+    if path is None:
         return {}
-    return read_json_object(path, path.name, CheckpointError)  # deep nesting, NaN, huge ints: one error
+    return read_json_object(path, name, CheckpointError)  # deep nesting, NaN, huge ints: one error

@@ -118,6 +118,7 @@ def _starting(state: GatewayState) -> str:
 async def metrics(raw: Request):
     state = _state(raw)
     state.metrics.workers_ready.set(len(state.pool.ready()))
+    state.metrics.observe_workers({address: worker.stats for address, worker in state.pool.workers.items()})
     for backend in ("redis", "memory"):
         state.metrics.session_store.labels(backend=backend).set(int(state.sessions.backend == backend))
     body, content_type = exposition(raw.app.state.registry)
@@ -148,12 +149,15 @@ async def detokenize(request: DetokenizeRequest, raw: Request) -> DetokenizeResp
     state = _state(raw)
     if request.model is not None and request.model != state.config.model_name:
         raise APIError(404, f"The model `{request.model}` does not exist.", "model")
+    # no sequence the model serves is longer than its context; decoding runs in a text
+    # process, so a long list never holds up the event loop
+    limit = min(state.config.max_prompt_chars, state.codec.max_model_len)
+    if len(request.tokens) > limit:
+        raise APIError(413, f"tokens: more than {limit} tokens (the model's context length)", "tokens")
     bad = next((t for t in request.tokens if not 0 <= t < state.codec.vocab_size), None)
     if bad is not None:
         raise APIError(400, f"token id {bad} is outside the vocabulary", "tokens")
-    if len(request.tokens) > state.config.max_prompt_chars:
-        raise APIError(413, f"tokens: more than {state.config.max_prompt_chars} tokens", "tokens")
-    return DetokenizeResponse(prompt=state.codec.decode(request.tokens))
+    return DetokenizeResponse(prompt=await state.sandbox.decode(request.tokens))
 
 
 def build_app(config: GatewayConfig) -> FastAPI:

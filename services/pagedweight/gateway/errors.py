@@ -20,9 +20,9 @@ ERROR_TYPES = {
     401: "AuthenticationError",
     404: "NotFoundError",
     408: "RequestTimeoutError",
-    413: "BadRequestError",
+    413: "RequestTooLargeError",  # not a BadRequestError: the request may be right, only too big
     429: "RateLimitError",
-    431: "BadRequestError",
+    431: "RequestHeaderFieldsTooLargeError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
 }
@@ -72,11 +72,14 @@ async def http_error_handler(_: Request, err: HTTPException) -> JSONResponse:
 
 
 async def validation_error_handler(_: Request, err: RequestValidationError) -> JSONResponse:
-    """Malformed JSON and wrong types: 400 naming the first field at fault."""
+    """Malformed JSON and wrong types: 400 naming the first field at fault ("body" when the
+    fault is the body as a whole: empty, not JSON, not an object)."""
     first = err.errors()[0] if err.errors() else {}
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
     if first.get("type") == "json_invalid":
-        return error_response(400, f"the request body is not valid JSON: {first.get('msg', '')}")
-    param = ".".join(loc) or None
+        return error_response(400, f"the request body is not valid JSON: {first.get('msg', '')}", "body")
+    if first.get("type") == "missing" and not loc:
+        return error_response(400, "the request body is empty: send a JSON object", "body")
+    param = ".".join(loc) or "body"
     message = f"{param}: {first.get('msg', 'invalid value')}" if param else first.get("msg", "invalid request")
     return error_response(400, message, param)

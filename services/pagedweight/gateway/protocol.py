@@ -22,6 +22,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 INT32_MAX = (1 << 31) - 1
 TokenId = Annotated[int, Field(ge=-INT32_MAX, le=INT32_MAX)]  # negatives: refused by name later
 TokenIds = list[TokenId]
+# The worker's sampling floats are float32: a positive double below the smallest normal
+# float32 would reach it as 0 (or a subnormal) and be refused there without naming the field.
+FLOAT32_TINY = 2.0 ** -126
 MAX_STRING_DEPTH = 64  # deeper nesting than this in a request is refused (JSON bombs)
 
 
@@ -68,7 +71,7 @@ class SamplingFields(OpenAIBaseModel):
     model: str | None = None  # None: the one served model
     max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)  # None: fill the context
     temperature: float | None = Field(default=None, ge=0.0, le=100.0)  # None: 1.0
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_p: float | None = Field(default=None, ge=FLOAT32_TINY, le=1.0)
     top_k: int | None = Field(default=None, ge=-1, le=INT32_MAX)  # -1 or 0: no cut (vLLM's -1)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     n: int = Field(default=1, ge=1, le=16)
@@ -85,7 +88,7 @@ class SamplingFields(OpenAIBaseModel):
     # vLLM's penalties and OpenAI's logit_bias ({"token id": bias}), applied by the worker
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)  # None: 1.0 (off)
+    repetition_penalty: float | None = Field(default=None, ge=FLOAT32_TINY, le=2.0)  # None: 1.0 (off)
     logit_bias: dict[str, float] | None = None
 
 

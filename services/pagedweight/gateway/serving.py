@@ -94,6 +94,8 @@ class ServingBase:
             harmless = UNSUPPORTED_FIELDS.get(field)
             if harmless is not None and not harmless(value):
                 raise APIError(400, f"{field} is not supported by this server", field)
+        if request.min_p:  # the workers' sampler has no min-p cut: refused here, naming the field
+            raise APIError(400, "min_p is not supported by this server (send 0 or leave it out)", "min_p")
         self.logit_bias(request)
         if request.stop_token_ids and any(t < 0 for t in request.stop_token_ids):
             raise APIError(400, "stop_token_ids must be token ids (>= 0)", "stop_token_ids")
@@ -135,7 +137,8 @@ class ServingBase:
         """OpenAI's {"token id": bias} as ids; a 400 for a key that is no token id."""
         out = {}
         for key, bias in (request.logit_bias or {}).items():
-            if not key.isdigit() or int(key) >= self.codec.vocab_size:
+            # ASCII digits only: str.isdigit() also accepts "³" and "①", which int() refuses
+            if not (key.isascii() and key.isdigit()) or int(key) >= self.codec.vocab_size:
                 raise APIError(400, f"logit_bias: {key!r} is not a token id (0..{self.codec.vocab_size - 1})",
                                "logit_bias")
             if not -100.0 <= bias <= 100.0:
@@ -192,6 +195,7 @@ class ServingBase:
         try:
             session = await self.state.sessions.get(key) or Session(is_new=True)
         except SessionStoreUnavailable as err:  # answering without the history would lose it silently
+            self.state.metrics.rejected.labels(reason="session_store").inc()
             raise APIError(503, f"{err}; the session's history cannot be read: retry later, or send "
                                 f"the whole conversation without a session id", "session_id") from None
         session.key = key
@@ -202,6 +206,7 @@ class ServingBase:
         try:
             await self.state.sessions.put(session.key, session)
         except SessionStoreUnavailable as err:
+            self.state.metrics.rejected.labels(reason="session_store").inc()
             raise APIError(503, f"{err}; this reply was not saved to the session", "session_id") from None
 
     def route(self, request_id: str, session_id: str | None, session: Session | None) -> Generation:

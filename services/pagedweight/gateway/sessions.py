@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 log = logging.getLogger("pagedweight.gateway.sessions")
 
@@ -140,6 +140,12 @@ class RedisSessionStore:
         self._last_try = time.monotonic()
         try:
             result = await command
+        except ResponseError as err:
+            # Redis answered, with an error (out of memory, a read-only replica): it is up, and
+            # the operator needs its own words, not "does not answer"
+            log.error("Redis at %s refused a session command: %s", self._url, err)
+            raise SessionStoreUnavailable(f"the session store (Redis at {self._url}) refused the command: "
+                                          f"{err}") from None
         except (RedisError, OSError) as err:
             if self.down_since is None:
                 self.down_since = time.monotonic()

@@ -3,14 +3,17 @@
 A chat template is code from the model directory and the tokenizer is native code run on
 client text: a template with nested loops never returns, a crafted prompt can drive a
 tokenizer's regular expression into a panic or the process into an abort. None of that
-may reach the event loop or the gateway process. So each job (render + encode, or encode)
+may reach the event loop or the gateway process. So each job (render + encode, encode, or decode)
 runs in one of `num_procs` spawned processes, each with its own tokenizer:
 
 - a job that runs past `timeout_s` has its process killed and replaced: the client gets
   400 naming the limit, everyone else is served by the other processes meanwhile;
 - a process that dies (abort, segfault, OOM kill) is replaced: the client gets 400;
 - a panic in the tokenizer (a Python exception from pyo3) is a 400 as well;
-- rendered text and prompts are bounded by `max_chars` (413) before tokenisation.
+- rendered text and prompts are bounded by `max_chars` (413) before tokenisation;
+- each process's heap is bounded by `MAX_PROCESS_DATA_BYTES` (RLIMIT_DATA), so a template
+  that builds a huge string fails with a MemoryError in its own process (a 400) instead of
+  taking gigabytes from the host.
 
 Jobs wait for a free process (an asyncio queue of them), so at most `num_procs` run at
 once and a slow job never holds a thread of the event loop.
@@ -21,12 +24,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+import resource
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 from pagedweight.gateway.errors import APIError
 
 log = logging.getLogger("pagedweight.gateway.text_sandbox")
+
+# Room for the tokenizer, its vocabulary and any prompt up to --max-prompt-chars, far below
+# what one bad template could otherwise allocate.
+MAX_PROCESS_DATA_BYTES = 1 << 30
 
 
 def _child(model_dir: str, max_chars: int, conn) -> None:
@@ -35,6 +43,9 @@ def _child(model_dir: str, max_chars: int, conn) -> None:
     from pagedweight.frontend.chat_template import OutputTooLong
     from pagedweight.frontend.tokenizer import Tokenizer
 
+    _, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    limit = MAX_PROCESS_DATA_BYTES if hard == resource.RLIM_INFINITY else min(hard, MAX_PROCESS_DATA_BYTES)
+    resource.setrlimit(resource.RLIMIT_DATA, (limit, hard))
     tokenizer = Tokenizer(model_dir)
     conn.send(("ready", None))
     while True:
@@ -47,12 +58,17 @@ def _child(model_dir: str, max_chars: int, conn) -> None:
             if kind == "chat":
                 text = tokenizer.apply_chat_template(job[1], add_generation_prompt=job[2], max_chars=max_chars)
                 conn.send(("ok", tokenizer.encode(text)))
+            elif kind == "decode":
+                conn.send(("ok", tokenizer.decode(job[1])))
             else:
                 conn.send(("ok", tokenizer.encode(job[1])))
         except OutputTooLong as err:
             conn.send(("too_long", str(err)))
         except UserError as err:
             conn.send(("user", str(err)))
+        except MemoryError:
+            conn.send(("user", f"the chat template or tokenizer needed more than "
+                               f"{MAX_PROCESS_DATA_BYTES >> 20} MiB on this input"))
         except BaseException as err:  # pyo3's PanicException derives from BaseException
             if isinstance(err, (KeyboardInterrupt, SystemExit)):
                 raise
@@ -105,6 +121,10 @@ class TextSandbox:
         if len(text) > self.max_chars:
             raise APIError(413, f"{param} is longer than {self.max_chars} characters", param)
         return await self._run(("encode", text), param)
+
+    async def decode(self, ids: list[int]) -> str:
+        """The text of `ids` (checked against the vocabulary by the caller)."""
+        return await self._run(("decode", ids), "tokens")
 
     async def chat(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
         """The chat template rendered over the messages, tokenised."""

@@ -182,7 +182,7 @@ class WorkerPool:
         except grpc.aio.AioRpcError as err:
             if worker.ready:
                 log.warning("worker %s does not answer GetStats (%s); not ready", worker.address, err.code().name)
-            worker.ready = False
+            worker.ready, worker.stats = False, None  # its last stats no longer describe it
             return
         if stats.ready != worker.ready:
             log.info("worker %s is %s", worker.address, "ready" if stats.ready else "not ready")

@@ -21,14 +21,12 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from pagedweight.common.errors import CheckpointError
-from pagedweight.common.json_files import read_json_object
-from pagedweight.common.safe_paths import inside_dir
+from pagedweight.common.safe_paths import model_file
+from pagedweight.format.checkpoint_headers import INDEX_FILE, checkpoint_files, shard_index
 from pagedweight.format.model_config import ModelConfig
 from pagedweight.model.materialize import materialize
 from pagedweight.model.transformer import MoECausalLM
 
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 
 
 class CheckpointReader:
@@ -43,22 +41,13 @@ class CheckpointReader:
         self.shard_of = self._key_to_shard()  # key -> shard file name
 
     def _key_to_shard(self) -> dict[str, str]:
-        index = self.model_dir / INDEX_FILE
-        if index.is_file():
-            weight_map = read_json_object(index, "shard index", CheckpointError).get("weight_map")
-            if not isinstance(weight_map, dict) or not all(
-                    isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
-                raise CheckpointError(f"{index}: malformed shard index (expected a \"weight_map\" object "
-                                      f"from tensor names to shard file names)")
-            for shard in sorted(set(weight_map.values())):
-                if not inside_dir(self.model_dir, shard).is_file():
-                    raise CheckpointError(f"{self.model_dir / shard}: shard listed in {INDEX_FILE} is missing")
+        # the same files, found the same way, as every command that reads headers only
+        files = checkpoint_files(self.model_dir)
+        weight_map = shard_index(self.model_dir)
+        if weight_map is not None:
             self._check_index_matches_shards(weight_map)
             return weight_map
-        single = self.model_dir / SINGLE_FILE
-        if not single.is_file():
-            raise CheckpointError(f"{self.model_dir}: no {SINGLE_FILE} or {INDEX_FILE}")
-        return {key: SINGLE_FILE for key in self._handle(SINGLE_FILE).keys()}
+        return {key: files[0].name for key in self._handle(files[0].name).keys()}
 
     def _check_index_matches_shards(self, weight_map: dict[str, str]) -> None:
         """The index must say where every tensor of every shard is, and only there."""
@@ -72,7 +61,9 @@ class CheckpointReader:
 
     def _handle(self, shard: str):
         if shard not in self._open:
-            path = inside_dir(self.model_dir, shard)
+            path = model_file(self.model_dir, shard)
+            if path is None:
+                raise CheckpointError(f"{self.model_dir / shard}: shard is missing")
             try:
                 self._open[shard] = safe_open(str(path), framework="pt")
             except (SafetensorError, OSError) as err:

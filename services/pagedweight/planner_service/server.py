@@ -7,8 +7,10 @@ again (a restarted worker). A Plan for an unknown worker or a stale registration
 NOT_FOUND, which tells the worker to register again (after this service restarted).
 Plans are computed in a thread so one slow plan does not hold up health checks.
 
-Registrations are bounded and expire: at most `max_workers` at once (RESOURCE_EXHAUSTED
-past that, after expired ones are dropped), and one with no Register or Plan for
+Registrations are bounded and expire: at most `max_workers` at once, and at most an even
+share of them (`max_workers` over the token file's caller names, rounded up) per caller,
+so one token holder cannot fill the service (RESOURCE_EXHAUSTED past either, after
+expired ones are dropped); one with no Register or Plan for
 `registration_ttl_s` is dropped (its worker, idle until then, registers again on its next
 plan's NOT_FOUND). Every call is authenticated (common/rpc_security.py) and a worker id
 belongs to the caller that registered it: another caller can neither replace it nor
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import signal
 import time
 
@@ -56,6 +59,8 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
         self.workers: dict[str, WorkerPlanState] = {}  # worker_id -> state
         self.owners: dict[str, str] = {}  # worker_id -> the caller that registered it
         self.last_seen: dict[str, float] = {}  # worker_id -> time.monotonic() of its last call
+        num_callers = max(len(set(self.security.tokens.values())), 1)
+        self.max_workers_per_caller = math.ceil(max_workers / num_callers)
 
     def expire(self) -> None:
         cutoff = time.monotonic() - self.registration_ttl_s
@@ -81,6 +86,15 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
                  dial.target_itl_s or "off")
         return planner_pb2.Dial(min_mean_bits=dial.min_mean_bits, target_itl_s=dial.target_itl_s)
 
+    def _full(self, caller: str) -> str | None:
+        """Why `caller` may not register one more worker; None when it may."""
+        if len(self.workers) >= self.max_workers:
+            return f"{self.max_workers} workers are registered (--max-workers); none more"
+        if sum(owner == caller for owner in self.owners.values()) >= self.max_workers_per_caller:
+            return (f"this caller has {self.max_workers_per_caller} workers registered, its share of "
+                    f"--max-workers; none more")
+        return None
+
     async def _refuse(self, context, code: grpc.StatusCode, message: str):
         self.metrics.refused.labels(code=code.name).inc()
         await context.abort(code, message)
@@ -95,17 +109,15 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
         if replaced and self.owners.get(request.worker_id) != caller:
             await self._refuse(context, grpc.StatusCode.PERMISSION_DENIED,
                                f"worker {request.worker_id!r} is registered by another caller")
-        if not replaced and len(self.workers) >= self.max_workers:
-            await self._refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               f"{self.max_workers} workers are registered (--max-workers); none more")
+        if not replaced and (full := self._full(caller)):
+            await self._refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, full)
         try:
             state = await asyncio.to_thread(WorkerPlanState, request)
         except UserError as err:
             await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(err))
-        if request.worker_id not in self.workers and len(self.workers) >= self.max_workers:
+        if request.worker_id not in self.workers and (full := self._full(caller)):
             # another registration won the race while this one was being built
-            await self._refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               f"{self.max_workers} workers are registered (--max-workers); none more")
+            await self._refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, full)
         self.workers[request.worker_id] = state
         self.owners[request.worker_id] = caller
         self.last_seen[request.worker_id] = time.monotonic()

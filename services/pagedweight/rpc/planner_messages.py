@@ -23,6 +23,12 @@ from pagedweight.planner.messages import (
 from pagedweight.rpc import planner_pb2
 
 
+# Layers x experts a registration may declare: the per-expert arrays the planner keeps are
+# this many doubles each. Real MoE models have tens of thousands (61 x 256); a bound keeps
+# one registration from asking the service for gigabytes.
+MAX_EXPERT_CELLS = 1 << 20
+
+
 def _array(values) -> planner_pb2.ExpertArray:
     return planner_pb2.ExpertArray(values=[] if values is None else np.asarray(values, dtype=np.float64).ravel().tolist())
 
@@ -55,6 +61,8 @@ def scales_from_proto(msg: planner_pb2.RegisterRequest) -> GroupScales | None:
         return None
     try:
         return GroupScales.from_json(json.loads(msg.loss_scales_json), "loss_scales_json")
+    except RecursionError:  # nested deeper than the JSON parser's stack
+        raise ValueError("malformed loss_scales_json (nested too deeply)") from None
     except (KeyError, TypeError, AttributeError, OverflowError, json.JSONDecodeError) as err:
         raise ValueError(f"malformed loss_scales_json ({err!r})"[:300]) from None
 
@@ -63,6 +71,8 @@ def registration_from_proto(msg: planner_pb2.RegisterRequest) -> PlannerRegistra
     L, E = msg.num_layers, msg.num_experts
     if L < 1 or E < 1:
         raise ValueError(f"num_layers and num_experts must be >= 1, got {L} and {E}")
+    if L * E > MAX_EXPERT_CELLS:
+        raise ValueError(f"num_layers x num_experts must be at most {MAX_EXPERT_CELLS}, got {L} x {E}")
     keys = tuple(b.block_id for b in msg.blocks)
     for key in keys:
         BlockId.parse(key)  # ValueError names a bad key

@@ -9,6 +9,12 @@ us (NOT_FOUND after its restart) or answers garbage, the in-process planner answ
 same request instead, so the worker keeps serving on its own plans, and a background
 thread re-registers with exponential backoff. Every transition is logged and counted.
 
+A worker that needs no plan would only learn of a planner restart at its next plan, and
+until then report itself connected to a service that has never heard of it. So the
+channel's connectivity is watched too: when a registered worker's connection leaves
+READY (the service went away, or restarted), the registration counts as lost and the
+worker registers again as soon as the service answers.
+
 The in-process planner sees every request's routing snapshot (also those the service
 answers), so its moving average is current when it has to step in.
 """
@@ -48,6 +54,7 @@ class RemotePlanner:
         self._channel = security.sync_channel(address)
         self._stub = planner_pb2_grpc.PlannerStub(self._channel)
         self._thread: threading.Thread | None = None
+        self._channel_state = None  # the channel's last connectivity state
 
     # ---- BitPlanner ----------------------------------------------------------------------
     def register(self, registration: PlannerRegistration) -> None:
@@ -60,6 +67,7 @@ class RemotePlanner:
         if self._thread is None:
             self._thread = threading.Thread(target=self._reconnect_loop, daemon=True, name="planner-reconnect")
             self._thread.start()
+            self._channel.subscribe(self._on_channel_state, try_to_connect=True)
 
     def initial_bits(self, budget: int):
         return self.local.initial_bits(budget)  # blocking by nature: the weights wait for it
@@ -98,6 +106,8 @@ class RemotePlanner:
     def close(self) -> None:
         self._stopped = True
         self._wake.set()
+        if self._thread is not None:
+            self._channel.unsubscribe(self._on_channel_state)
         self._channel.close()
 
     # ---- the in-process side -------------------------------------------------------------
@@ -136,6 +146,13 @@ class RemotePlanner:
             self.metrics.planner_error(reason)
             self.metrics.planner_connected.set(0)
         self._wake.set()
+
+    def _on_channel_state(self, state: grpc.ChannelConnectivity) -> None:
+        """gRPC's callback thread: a connection that drops may have been to a service that
+        is now gone or restarted without our registration."""
+        was, self._channel_state = self._channel_state, state
+        if was == grpc.ChannelConnectivity.READY and state != was and not self._stopped:
+            self._lost("unavailable", f"connection {state.name.lower()}")
 
     def _reconnect_loop(self) -> None:
         backoff, first = self.backoff_min, True

@@ -7,6 +7,10 @@ requests, so one gateway, or anyone holding another token, cannot cancel another
 times each request for the vLLM latency histograms (telemetry.py). Everything about
 scheduling and memory stays in the engine.
 
+Request ids are scoped per caller: the engine knows a request as "<caller>:<id>" (caller
+names have no ':'), so two callers may use the same id, and ALREADY_EXISTS never tells
+one caller which ids another is running. Responses carry the caller's own id.
+
 GenerateStream carries many requests on one stream: the engine puts every output of the
 stream's requests into one `_StreamSink` as a step makes them (no per-request queue or
 task), and the writer wakes once per step to send them all in one message. The stream's
@@ -28,6 +32,15 @@ from pagedweight.worker import convert
 
 
 MAX_REQUEST_ID_CHARS = 512  # the gateway's ids (<= 256) plus its choice and retry suffixes
+
+
+def scoped_id(caller: str, request_id: str) -> str:
+    """The engine's id of a caller's request (unchanged when no tokens name callers)."""
+    return f"{caller}:{request_id}" if caller else request_id
+
+
+def unscoped_id(caller: str, engine_id: str) -> str:
+    return engine_id[len(caller) + 1:] if caller else engine_id
 
 
 class _StreamSink:
@@ -64,7 +77,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.engine = None  # AsyncEngine, set once the model is loaded
         self.telemetry = None  # telemetry.WorkerTelemetry, set with the engine
         self.draining = False
-        self.running: dict[str, str] = {}  # request id with an open stream -> the caller that owns it
+        self.running: dict[str, str] = {}  # engine id (scoped_id) with an open stream -> its caller
         self.idle = asyncio.Event()  # set whenever `running` is empty
         self.idle.set()
         self.startup = None  # common.startup.StartupProgress, set while the model loads
@@ -106,33 +119,35 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if len(request_id) > MAX_REQUEST_ID_CHARS:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"request_id is longer than {MAX_REQUEST_ID_CHARS} characters")
-        if request_id in self.running:
+        caller = self.security.caller(context)
+        engine_id = scoped_id(caller, request_id)
+        if engine_id in self.running:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request id {request_id!r} is already running")
         prompt = list(request.prompt_token_ids)
         try:
             if not prompt:
                 raise UserError("prompt_token_ids must not be empty")
             params = convert.sampling_params(request.sampling)
-            stream = self.engine.add_request(prompt, params, request_id)
+            stream = self.engine.add_request(prompt, params, engine_id)
         except UserError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         except EngineDeadError as err:  # retryable on another worker; this one needs a restart
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
-        self._opened(request_id, self.security.caller(context))
-        record = self.telemetry.start(request_id, len(prompt), arrived)
+        self._opened(engine_id, caller)
+        record = self.telemetry.start(engine_id, len(prompt), arrived)
         state = {"final": None, "closed": False}  # final: the finish reason once sent
 
         def close(reason: str) -> None:  # once per request, from whichever path ends it
             if not state["closed"]:
                 state["closed"] = True
                 self.telemetry.finish(record, reason)
-                self._closed(request_id)
+                self._closed(engine_id)
 
         def on_rpc_done(_) -> None:
             # grpc.aio may drop a cancelled call's generator while it waits at a `yield`
             # without closing it: abort the engine's request here, or it would run on.
             if state["final"] is None:
-                self.engine.abort(request_id)
+                self.engine.abort(engine_id)
             close(state["final"] or "abort")
 
         context.add_done_callback(on_rpc_done)
@@ -158,7 +173,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def GenerateStream(self, request_iterator, context):
         sink = _StreamSink()
-        runs: dict[str, object] = {}  # request_id -> its telemetry record, while it runs
+        runs: dict[str, object] = {}  # engine id -> its telemetry record, while it runs
         caller = self.security.caller(context)  # owns every request this stream starts
         reader = asyncio.create_task(self._read_stream(request_iterator, sink, runs, caller))
         try:
@@ -168,7 +183,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 # once per step, not per token (no telemetry yet: a worker still loading refuses all)
                 bits = self.telemetry.mean_expert_bits() if self.telemetry is not None else 0.0
                 for item in items:
-                    self._add_to_message(message, item, runs, bits)
+                    self._add_to_message(message, item, runs, bits, caller)
                 if message.outputs or message.errors:
                     yield message
         finally:  # the client went away (or the server stops): its running requests end here
@@ -185,9 +200,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             async for entry in request_iterator:
                 if entry.HasField("abort"):
                     # only a request this stream started, and only by its owner (as Abort)
-                    request_id = entry.abort.request_id
-                    if request_id in runs and self.running.get(request_id) == caller:
-                        self.engine.abort(request_id)
+                    engine_id = scoped_id(caller, entry.abort.request_id)
+                    if engine_id in runs and self.running.get(engine_id) == caller:
+                        self.engine.abort(engine_id)
                 elif entry.HasField("generate"):
                     self._start(entry.generate, sink, runs, caller)
         except (asyncio.CancelledError, grpc.RpcError):
@@ -200,6 +215,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         """Add one request of a stream to the engine, or answer it with an error."""
         arrived = time.monotonic()
         request_id = request.request_id
+        engine_id = scoped_id(caller, request_id)
         code = None
         if not request_id:
             code, detail = grpc.StatusCode.INVALID_ARGUMENT, "request_id must be set on a stream"
@@ -208,14 +224,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                             f"request_id is longer than {MAX_REQUEST_ID_CHARS} characters")
         elif not self.ready:
             code, detail = grpc.StatusCode.UNAVAILABLE, self.unavailable_reason()
-        elif request_id in self.running:
+        elif engine_id in self.running:
             code, detail = grpc.StatusCode.ALREADY_EXISTS, f"request id {request_id!r} is already running"
         else:
             prompt = list(request.prompt_token_ids)
             try:
                 if not prompt:
                     raise UserError("prompt_token_ids must not be empty")
-                self.engine.add_request(prompt, convert.sampling_params(request.sampling), request_id, sink=sink)
+                self.engine.add_request(prompt, convert.sampling_params(request.sampling), engine_id, sink=sink)
             except UserError as err:
                 code, detail = grpc.StatusCode.INVALID_ARGUMENT, str(err)
             except EngineDeadError as err:
@@ -223,19 +239,20 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if code is not None:
             sink.put_nowait(worker_pb2.StreamError(request_id=request_id, code=code.value[0], message=detail))
             return
-        self._opened(request_id, caller)
-        runs[request_id] = self.telemetry.start(request_id, len(prompt), arrived)
+        self._opened(engine_id, caller)
+        runs[engine_id] = self.telemetry.start(engine_id, len(prompt), arrived)
 
-    def _add_to_message(self, message: worker_pb2.StreamResponse, item, runs: dict, bits: float) -> None:
+    def _add_to_message(self, message: worker_pb2.StreamResponse, item, runs: dict, bits: float,
+                        caller: str) -> None:
         if isinstance(item, worker_pb2.StreamError):
             message.errors.append(item)
             return
         if isinstance(item, BaseException):  # the engine died: every request of the stream fails
-            for request_id, record in list(runs.items()):
-                message.errors.add(request_id=request_id, code=grpc.StatusCode.INTERNAL.value[0],
+            for engine_id, record in list(runs.items()):
+                message.errors.add(request_id=unscoped_id(caller, engine_id), code=grpc.StatusCode.INTERNAL.value[0],
                                    message=f"engine failed: {item}")
                 self.telemetry.finish(record, "error")
-                self._closed(request_id)
+                self._closed(engine_id)
             runs.clear()
             return
         record = runs.get(item.request_id)
@@ -244,7 +261,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if item.queue_time_s is not None:
             record.queued(item.queue_time_s)
         record.tokens(len(item.new_token_ids), bits)
-        out = message.outputs.add(request_id=item.request_id)
+        out = message.outputs.add(request_id=unscoped_id(caller, item.request_id))
         fill_output(out, item)
         if item.finished:
             _finish(out, item, record.num_prompt_tokens, record)
@@ -254,9 +271,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def Abort(self, request, context):
         # another caller's request is answered as not found: its existence is not theirs to learn
-        found = self.running.get(request.request_id) == self.security.caller(context)
+        caller = self.security.caller(context)
+        engine_id = scoped_id(caller, request.request_id)
+        found = self.running.get(engine_id) == caller
         if found:
-            self.engine.abort(request.request_id)
+            self.engine.abort(engine_id)
         return worker_pb2.AbortResponse(found=found)
 
     async def GetStats(self, request, context):
