@@ -129,7 +129,7 @@ def reference_projection(case: dict) -> torch.Tensor:
     rows_out, top_k, slot = case["rows_out"], case["top_k"], case["sorted_slot"].long()
     out = torch.full((case["num_tokens"] * top_k, rows_out), float("nan"))
     for e, start, n in case["active"]:
-        w = case["blocks"][e].dequantize(case["bits"][e]).to(case["dtype"]).float()
+        w = case["blocks"][e].dequantize(case["bits"][e], case["dtype"]).float()
         s = torch.arange(start, start + n)
         if case["mode"] == 0:
             y = case["x"][slot[s] // top_k].float() @ w.T
