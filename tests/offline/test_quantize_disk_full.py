@@ -7,9 +7,7 @@ machine's disk."""
 
 from __future__ import annotations
 
-import resource
 import shutil
-import signal
 import subprocess
 import sys
 
@@ -19,9 +17,13 @@ from tests.conftest import BUNDLED_MODEL
 from tests.fuzz.harness import tree_digest
 
 
-def _small_files():
-    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a failed write, not a killed process
-    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+# The limit is set by a fresh interpreter that then execs the command, not by a preexec_fn: a
+# preexec_fn runs this process's after-fork hooks in the child (gRPC's among them, where an earlier
+# test in the same worker used gRPC), which can abort the child before it execs.
+SMALL_FILES = ("import os, resource, signal, sys; "
+               "signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "  # a failed write, not a killed process
+               "resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20)); "
+               "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])")
 
 
 def test_a_full_disk_during_quantize_loses_no_artifact(paged_micro_dir, tmp_path):
@@ -31,10 +33,10 @@ def test_a_full_disk_during_quantize_loses_no_artifact(paged_micro_dir, tmp_path
     calib = tmp_path / "calib.txt"
     calib.write_text("In the beginning God created the heaven and the earth. " * 40)
     result = subprocess.run(
-        [sys.executable, "-m", "pagedweight.cli.main", "quantize", "--model", str(BUNDLED_MODEL), "--out", str(out),
+        [sys.executable, "-c", SMALL_FILES, "-m", "pagedweight.cli.main", "quantize", "--model", str(BUNDLED_MODEL), "--out", str(out),
          "--force", "--quiet", "--calib", str(calib), "--calib-tokens", "256", "--seq-len", "32",
          "--scale-tokens", "0", "--work-dir", str(tmp_path / "work")],
-        capture_output=True, text=True, cwd=REPO, timeout=600, preexec_fn=_small_files,
+        capture_output=True, text=True, cwd=REPO, timeout=600,
         env={"PYTHONPATH": f"{REPO}/services:{REPO}/kernels", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
     assert result.returncode == 2, result.stderr[-3000:]
     lines = result.stderr.strip().splitlines()
