@@ -13,7 +13,7 @@
 //                           launch's 8); unit: steps per unit of plane words (APL_STAGED_UNIT).
 //   harness chunks NT OUT   tile_chunk(0, NT, r, c) for r < NT, c < 8, as int32 [NT][8].
 //   harness convert IN OUT  the emulation's fp16/bf16 conversions of fp32 values (see convert).
-//   harness luts IN OUT     the tables lut_fill_unit derives from stored LUTs (see luts).
+//   harness luts IN OUT     every code's value as the kernels' row tables derive it (see luts).
 //   harness cta IN OUT      one projection's launch of the apl_staged instance this binary is
 //                           compiled for (-DHOST_CLS, HOST_MODE, HOST_BF16, HOST_V4, HOST_NT8): every
 //                           CTA of the grid in turn, its 256 threads as host threads running
@@ -319,9 +319,34 @@ int convert(const char* in_path, const char* out_path) {
     return std::fclose(o) == 0 && ok ? 0 : fail("cannot write the output");
 }
 
-// The tables the kernels derive from a stored LUT (apl_moe.cu's lut_fill_unit), for the test to hold
-// bit for bit against the format's expand_lut: IN int32 bits, rows, bf16, then the stored fp16 LUT
-// [rows][8 | 17]; OUT the act-dtype table [rows][2^bits].
+// Every code's value of one row at B bits as the kernels compute it: the row's register tables
+// (RowLut) dequantise plane words whose 32 columns hold the codes 0, 1, ... in turn (dequant_chunks).
+template <int B, bool BF16>
+void row_values(const u16* row_lut, u16* out) {
+    RowLut<B, BF16> lut;
+    lut.load(row_lut, true, BF16);
+    constexpr int N = 1 << B;
+    for (int w = 0; w * 32 < N; ++w) {
+        u32 pw[8] = {};
+        for (int i = 0; i < 32; ++i) {
+            const int code = (w * 32 + i) % N;
+            for (int p = 0; p < B; ++p) pw[p] |= (u32)((code >> (B - 1 - p)) & 1) << i;  // plane p: code bit B-1-p
+        }
+        uint4 chunk[4];
+        dequant_chunks<B, BF16>(lut, pw, chunk);
+        const u16* values = reinterpret_cast<const u16*>(chunk);  // columns 0..31 in order
+        for (int i = 0; i < 32 && w * 32 + i < N; ++i) out[w * 32 + i] = values[i];
+    }
+}
+template <int B>
+void row_values(bool bf16, const u16* row_lut, u16* out) {
+    if (bf16) row_values<B, true>(row_lut, out);
+    else row_values<B, false>(row_lut, out);
+}
+
+// The tables the kernels derive from a stored LUT, for the test to hold bit for bit against the
+// format's expand_lut: IN int32 bits, rows, bf16, then the stored fp16 LUT [rows][8 | 17]; OUT the
+// act-dtype table [rows][2^bits].
 int luts(const char* in_path, const char* out_path) {
     FILE* f = std::fopen(in_path, "rb");
     if (!f) return fail("cannot read the input");
@@ -334,10 +359,18 @@ int luts(const char* in_path, const char* out_path) {
     std::fclose(f);
     if (!ok) return fail("bad input");
     std::vector<u16> table((size_t)rows << bits);
-    for (int r = 0; r < rows; ++r)
-        for (int u = 0; u < lut_fill_units(bits); ++u)
-            if (bf16) lut_fill_unit<true>(stored.data(), bits, r, u, true, [&](int ent, u16 v) { table[((size_t)r << bits) + ent] = v; });
-            else lut_fill_unit<false>(stored.data(), bits, r, u, true, [&](int ent, u16 v) { table[((size_t)r << bits) + ent] = v; });
+    for (int r = 0; r < rows; ++r) {
+        const u16* row_lut = stored.data() + (size_t)r * lut_row_entries(bits);
+        u16* out = table.data() + ((size_t)r << bits);
+        switch (bits) {
+            case 3: row_values<3>(bf16, row_lut, out); break;
+            case 4: row_values<4>(bf16, row_lut, out); break;
+            case 5: row_values<5>(bf16, row_lut, out); break;
+            case 6: row_values<6>(bf16, row_lut, out); break;
+            case 7: row_values<7>(bf16, row_lut, out); break;
+            default: row_values<8>(bf16, row_lut, out); break;
+        }
+    }
     FILE* o = std::fopen(out_path, "wb");
     if (!o) return fail("cannot write the output");
     ok = std::fwrite(table.data(), 2, table.size(), o) == table.size();

@@ -33,11 +33,6 @@ template <bool BF16> __device__ __forceinline__ float act_to_float(u16 v) {
 template <bool BF16> APL_HD u16 float_to_act(float f) {
     return BF16 ? float_to_bf16(f) : float_to_half(f);
 }
-// A LUT entry (fp16) as the activation dtype sees it: the reference path rounds the
-// dequantised weights to x's dtype before the matmul, and so do we.
-template <bool BF16> APL_HD u16 lut_to_act(u16 v) {
-    return BF16 ? float_to_bf16(half_to_float(v)) : v;
-}
 
 // The experts' gate activation, chosen at compile time (the launcher compiles one module per
 // activation): APL_ACT 0 = SiLU, 1 = GELU's tanh approximation (Gemma-4), as torch's
@@ -116,19 +111,7 @@ APL_HD CellAffine cell_affine(LutCell cell, int s) {
 }
 // 1.0 in the act dtype, and where its mantissa's top bit is.
 template <bool BF16> struct ActOne { static constexpr u32 bits = BF16 ? 0x3F80u : 0x3C00u, top = BF16 ? 6 : 9; };
-// a * b + c rounded once to the act dtype (one FMA).
-template <bool BF16>
-APL_HD u16 act_fma(u16 a, u16 b, u16 c) {
-#ifdef __CUDA_ARCH__
-    u16 r;
-    if constexpr (BF16) asm("fma.rn.bf16 %0, %1, %2, %3;" : "=h"(r) : "h"(a), "h"(b), "h"(c));
-    else asm("fma.rn.f16 %0, %1, %2, %3;" : "=h"(r) : "h"(a), "h"(b), "h"(c));
-    return r;
-#else
-    return host_act_fma(BF16, a, b, c);
-#endif
-}
-// The same on two act values in each u32 (the register path's one instruction per two weights).
+// a * b + c on two act values in each u32, rounded once (the register path's one instruction per two weights).
 template <bool BF16>
 APL_HD u32 act_fma2(u32 a, u32 b, u32 c) {
 #ifdef __CUDA_ARCH__
@@ -141,31 +124,6 @@ APL_HD u32 act_fma2(u32 a, u32 b, u32 c) {
            ((u32)host_act_fma(BF16, (u16)(a >> 16), (u16)(b >> 16), (u16)(c >> 16)) << 16);
 #endif
 }
-// Sub-interval j's value of a cell split in 2^s (act bits).
-template <bool BF16>
-APL_HD u16 lut_cell_entry(CellAffine cell, int s, int j) {
-    return act_fma<BF16>(cell.width, (u16)(ActOne<BF16>::bits | ((u32)j << (ActOne<BF16>::top + 1 - s))), cell.offset);
-}
-// Work units of one row's table fill at `bits`: one entry each up to 4 bits, one cell of LUT_4
-// (2^(bits-4) entries) each above, so a cell's bounds are computed once.
-APL_HD int lut_fill_units(int bits) { return bits <= 4 ? 1 << bits : 16; }
-// Unit u of row `row`'s table at `bits`: put(entry, act bits) for each of its entries, zeros
-// for a row that is not `valid` (nothing is read for it). `lut`: the block's stored LUT.
-template <bool BF16, typename Put>
-APL_HD void lut_fill_unit(const u16* __restrict__ lut, int bits, long long row, int u, bool valid, Put put) {
-    if (bits <= 4) {
-        put(u, valid ? lut_to_act<BF16>(lut[row * lut_row_entries(bits) + u]) : (u16)0);
-        return;
-    }
-    const int s = bits - 4;
-    if (!valid) {
-        for (int j = 0; j < (1 << s); ++j) put((u << s) | j, (u16)0);
-        return;
-    }
-    const CellAffine cell = cell_affine<BF16>(lut_cell(lut + row * 17, u), s);
-    for (int j = 0; j < (1 << s); ++j) put((u << s) | j, lut_cell_entry<BF16>(cell, s, j));
-}
-
 // ---------------------------------------------------------------- bit-planes -> codes
 // Widths from 4 up: the code transposes' shifts on the FMA pipe. Measured (docs/kernel.md, "Fewer
 // integer-pipe instructions"): up to 2.6% faster at 4, 8 and mixed bits on the decode shapes and up

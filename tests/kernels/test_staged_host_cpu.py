@@ -442,9 +442,9 @@ def test_the_command_line_says_when_it_cannot_write(tmp_path, capsys):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("bits", [3, 4, 5, 6, 7, 8])
 def test_kernel_tables_equal_the_format_s_bit_for_bit(harness, tmp_path, bits, dtype):
-    """lut_fill_unit (the prefill kernel's table fill, and the host's act_fma the register path
-    shares) against apl_format.expand_lut on sorted, unsorted, tiny, huge and repeated centroids
-    and zero extents: the same bits in both activation dtypes."""
+    """Every code's value as the kernels' row tables compute it (RowLut, dequant_chunks) against
+    apl_format.expand_lut on sorted, unsorted, tiny, huge and repeated centroids and zero extents:
+    the same bits in both activation dtypes."""
     from pagedweight.format.apl_format import expand_lut, lut_entries
 
     gen = torch.Generator().manual_seed(bits)
