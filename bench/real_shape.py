@@ -691,6 +691,8 @@ def main() -> None:
             rt.close()
             del rt
             gc.collect()
+            if device.type == "cuda":  # the next runtime's arena is one allocation as large as this one's
+                torch.cuda.empty_cache()
             report.memory(f"static-{bits}", device)
 
     # 8 and 4 bits first, then the pressure comparison, then 3 bits: what the limit cuts last
@@ -722,6 +724,8 @@ def main() -> None:
             rt.close()
             del rt
             gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
         report.put("pressure", pressure)
     if "static" not in args.skip:
         run_static([b for b in args.static_bits if b == 3])
