@@ -98,7 +98,16 @@ def attribute(events, on_cuda: bool) -> dict:
     """component -> {"ms": device ms (CUDA) or own CPU ms, "kernels": count} over `events`."""
     out = {c: {"ms": 0.0, "kernels": 0} for c in COMPONENTS}
     for e in events:
-        if e.device_type != torch.autograd.DeviceType.CPU or e.name.startswith(PREFIX):
+        if e.device_type != torch.autograd.DeviceType.CPU:
+            continue
+        if e.name.startswith(PREFIX):
+            # Kernels launched outside torch's operators (the cupy-launched expert, norm and
+            # attention kernels) are correlated with the innermost range open at their launch.
+            if on_cuda:
+                slot = out[e.name[len(PREFIX):]]
+                for k in e.kernels:
+                    slot["ms"] += k.duration / 1000
+                    slot["kernels"] += 1
             continue
         slot = out[_component_of(e)]
         if on_cuda:

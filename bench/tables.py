@@ -74,6 +74,9 @@ def real_shape(files: list[str]) -> list[str]:
             bf16 = None
         rows += [(f"engine bf16, {m}", v) for m, v in _loads_by_mode(bf16).items()]
         for name, static in (d.get("runtime_static") or {}).items():
+            if isinstance(static, dict) and static.get("skipped"):
+                rows.append((f"runtime {name}: {static['skipped']}", {}))
+                continue
             modes = static.get("modes") if isinstance(static, dict) and "modes" in static else {"eager": static.get(
                 "loads", []) if isinstance(static, dict) else static}
             rows += [(f"runtime {name}, {m}", {r["concurrency"]: r["output_tokens_per_s"] for r in v})
