@@ -119,6 +119,27 @@ def real_shape_components(files: list[str]) -> list[str]:
     return lines + ["", source(*present)]
 
 
+def real_shape_pressure(files: list[str]) -> list[str]:
+    """The real-shape run's pressure section: one budget between 4-bit and 8-bit experts plus
+    the trace's KV, every policy's tok/s, preemptions, page moves and mean bits."""
+    present = [f for f in files if (RESULTS / f).is_file() and "pressure" in load(f)]
+    if not present:
+        return ["No result yet: `python -m bench run real-shape-qwen` writes " + ", ".join(f"`{f}`" for f in files)
+                + "."]
+    lines = header("model", "budget GB", "policy", "output tok/s", "steps", "preemptions", "page moves",
+                   "mean bits start / min / end", "pager host s")
+    for f in present:
+        d = load(f)
+        p = d["pressure"]
+        for name, r in p["policies"].items():
+            bits = f"{r['bits_mean_start']:.2f} / {r['bits_mean_min']:.2f} / {r['bits_mean_end']:.2f}"
+            prof = (r.get("pager_profile") or {}).get("seconds", {})
+            lines.append(row(d["model"], round(p["budget_bytes"] / 1e9, 2), name, round(r["output_tokens_per_s"]),
+                             r["steps"], r["preemptions"], r["page_moves"], bits,
+                             round(prof["plan"] + prof["boundary"], 2) if prof else ""))  # a boundary holds the rest
+    return lines + ["", source(*present)]
+
+
 def elasticity(files: list[str]) -> list[str]:
     lines = header("trace", "policy", "output tok/s", "preemptions", "mean bits min / served", "page moves", "plans")
     for f in files:
@@ -248,6 +269,7 @@ REAL_SHAPE_MODELS = ("qwen1.5-moe-a2.7b", "mixtral-8x7b", "gemma-4-26b-a4b")
 TABLES = {
     "real_shape_h100": (real_shape, [f"real_shape_{m}_h100.json" for m in REAL_SHAPE_MODELS]),
     "real_shape_components": (real_shape_components, [f"real_shape_{m}_h100.json" for m in REAL_SHAPE_MODELS]),
+    "real_shape_pressure": (real_shape_pressure, ["real_shape_qwen1.5-moe-a2.7b_h100.json"]),
     "real_shape": (real_shape, ["real_shape_qwen1.5-moe-a2.7b_cuda_overlap2.json",
                                 "real_shape_qwen1.5-moe-a2.7b_cuda_acqrel_fma.json",
                                 "real_shape_mixtral-8x7b_cuda_gemv.json", "real_shape_qwen3-30b-a3b_cuda.json",
