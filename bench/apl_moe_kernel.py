@@ -10,6 +10,8 @@ For Qwen1.5-MoE-A2.7B and Mixtral-8x7B layer shapes with synthetic APL weights, 
   bf16_bmm   bf16 PyTorch, weights gathered per (token, slot) and a batched matmul
              (only where the gathered copy is small: tokens*k <= 32)
   bf16_grouped  bf16 PyTorch with torch._grouped_mm over tokens sorted by expert
+  bf16_gemv  the engine's own bf16 expert GEMV (decode_ops.experts_gemv), at the token
+             counts where the engine takes it (decode_ops.gemv_supported)
 and the HBM floor: bytes the fused kernel must read (planes + LUTs of the active experts
 at their committed bits, activations in, output out) over the device-to-device copy
 bandwidth measured in the same run.
@@ -36,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.bench_meta import write_result
+from pagedweight_kernels import decode_ops
 from pagedweight_kernels.apl_moe import APLLayer, ResidentBlock, apl_moe, plan_launch
 from pagedweight_kernels.launch import launch_prefill
 from pagedweight_kernels.synthetic import nested_luts
@@ -254,6 +257,9 @@ def bench_model(name, quick, device, bw, tokens=TOKENS, per_block=True, bit_conf
         except (RuntimeError, AttributeError) as err:  # no _grouped_mm on this build / GPU
             row["bf16_grouped_us"] = None
             row["bf16_grouped_error"] = str(err).splitlines()[0][:200]
+        if decode_ops.gemv_supported(T, k, E, torch.bfloat16):  # the engine's own bf16 path at these tokens
+            row["bf16_gemv_us"] = time_calls([lambda c=c, i=i: decode_ops.experts_gemv(
+                x[i], *route[i], layers[c].gate_up, layers[c].down) for c, i in pairs])
         for config in bit_configs:
             apl = configs[config]
             plan = plan_launch(T, k, E, H, I, apl[0].max_bits)
@@ -266,7 +272,7 @@ def bench_model(name, quick, device, bw, tokens=TOKENS, per_block=True, bit_conf
                 per_block = [PerBlock(*route[i], apl[c]) for c, i in pairs]
                 cell["per_block_us"] = time_calls([lambda j=j, i=i: per_block[j](x[i])
                                                    for j, (c, i) in enumerate(pairs)])
-            for base in ("bf16_bmm_us", "bf16_grouped_us"):
+            for base in ("bf16_bmm_us", "bf16_grouped_us", "bf16_gemv_us"):
                 if row.get(base):
                     cell[f"speedup_vs_{base[:-3]}"] = row[base] / fused
             row[f"bits_{config}"] = cell
@@ -274,7 +280,8 @@ def bench_model(name, quick, device, bw, tokens=TOKENS, per_block=True, bit_conf
                   f"floor {cell['floor_us']:7.1f} us ({cell['fused_over_floor']:.2f}x)  "
                   f"per-block {cell.get('per_block_us', float('nan')):8.1f}  "
                   f"bf16 bmm {row.get('bf16_bmm_us') or float('nan'):8.1f}  "
-                  f"grouped {row.get('bf16_grouped_us') or float('nan'):8.1f}", flush=True)
+                  f"grouped {row.get('bf16_grouped_us') or float('nan'):8.1f}  "
+                  f"gemv {row.get('bf16_gemv_us') or float('nan'):8.1f}", flush=True)
         add_byte_weighted(row, configs.get("mixed"), active, pairs, io_bytes)
         rows.append(row)
     del layers, configs

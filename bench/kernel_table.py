@@ -32,16 +32,18 @@ def cell(row: dict, width: str) -> str:
 
 def model_table(rows: list[dict]) -> str:
     widths = [w for w in WIDTHS if any(f"bits_{w}" in r for r in rows)]
+    gemv = any(r.get("bf16_gemv_us") for r in rows)  # results that timed the engine's bf16 GEMV
     head = "| tokens | " + " | ".join(f"{w} bits" if w != "mixed" else "mixed" for w in widths) + \
-        " | bf16 grouped | mixed / byte-weighted |"
-    lines = [head, "|" + "---|" * (len(widths) + 3)]
+        " | bf16 grouped |" + (" bf16 engine GEMV |" if gemv else "") + " mixed / byte-weighted |"
+    lines = [head, "|" + "---|" * (len(widths) + 3 + gemv)]
     for row in sorted(rows, key=lambda r: r["tokens"]):
         mixed = row.get("bits_mixed", {}).get("over_byte_weighted")
-        grouped = row.get("bf16_grouped_us")
+        grouped, gemv_us = row.get("bf16_grouped_us"), row.get("bf16_gemv_us")
         grouped_text = f"{grouped:.1f}" if grouped else ""
+        gemv_text = (f" {gemv_us:.1f} |" if gemv_us else " |") if gemv else ""
         mixed_text = f"{mixed:.2f}x" if mixed else ""
         lines.append(f"| {row['tokens']} | " + " | ".join(cell(row, w) for w in widths)
-                     + f" | {grouped_text} | {mixed_text} |")
+                     + f" | {grouped_text} |{gemv_text} {mixed_text} |")
     return "\n".join(lines)
 
 

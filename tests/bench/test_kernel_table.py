@@ -1,0 +1,25 @@
+"""The kernel table's columns: the engine's bf16 GEMV appears only where a result timed it."""
+
+from bench.kernel_table import model_table
+
+
+def _row(tokens, gemv=None):
+    row = {"tokens": tokens, "bf16_grouped_us": 100.0,
+           "bits_4": {"fused_us": 50.0, "fused_over_floor": 2.0}}
+    if gemv is not None:
+        row["bf16_gemv_us"] = gemv
+    return row
+
+
+def test_no_gemv_column_without_gemv_timings():
+    text = model_table([_row(1), _row(16)])
+    assert "GEMV" not in text
+    assert all(line.count("|") == 5 for line in text.splitlines())
+
+
+def test_gemv_column_where_timed_and_blank_elsewhere():
+    lines = model_table([_row(1, gemv=40.0), _row(256)]).splitlines()
+    assert "bf16 engine GEMV" in lines[0]
+    assert all(line.count("|") == 6 for line in lines)  # every row as wide as the header
+    assert "| 40.0 |" in lines[2]
+    assert lines[3].split("|")[4].strip() == ""  # 256 tokens: no GEMV timing
