@@ -1,4 +1,4 @@
-// The staged regime (issue 13, deliverable 4 as the issue writes it; sm_90a only, compiled after
+// The staged regime (sm_90a only, compiled after
 // apl_moe.cu and apl_gemv.cu and using their helpers): a producer warpgroup dequantises plane
 // tiles into a ring of shared-memory buffers while a consumer warpgroup runs wgmma with both
 // operands in shared memory.

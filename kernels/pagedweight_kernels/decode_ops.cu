@@ -1,4 +1,4 @@
-// Small fused kernels of a decode layer (issue 12): each replaces a chain of 3-8 torch
+// Small fused kernels of a decode layer: each replaces a chain of 3-8 torch
 // launches whose every link is a 2-6 us kernel over a few KB. Each computes what its
 // chain computes, rounding to the activation dtype where the chain's links round, so the
 // result equals the chain's up to the fp32 order of a reduction (decode_ops.py holds the

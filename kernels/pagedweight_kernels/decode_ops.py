@@ -1,4 +1,4 @@
-"""Launchers of decode_ops.cu: the fused small kernels of a decode layer (issue 12).
+"""Launchers of decode_ops.cu: the fused small kernels of a decode layer.
 
 A decode step at batch 1 is bound by the number of kernels (about 66 per layer before,
 each 2-6 us over a few KB), not by bytes. Each function here replaces one chain of torch

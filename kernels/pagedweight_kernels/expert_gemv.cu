@@ -1,5 +1,5 @@
 // The routed experts of a decode step with few tokens per expert, dense bf16/fp16/fp32
-// weights (issue 12): two launches where group_rows, two torch._grouped_mm (each with its
+// weights: two launches where group_rows, two torch._grouped_mm (each with its
 // prepare kernel), gated_rows and combine_rows took seven. At one token per expert the
 // grouped product's 128-row tiles ran at 1.5 TB/s; a GEMV reads each weight row once with
 // 16-byte loads, many rows in flight, and nothing else.

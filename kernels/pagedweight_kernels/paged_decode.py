@@ -1,4 +1,4 @@
-"""Paged decode attention that reads the KV tiles where they are (issue 12).
+"""Paged decode attention that reads the KV tiles where they are.
 
 One query token per sequence attends to its cached keys/values through tile offsets into
 the cache's flat storage (`PagedKVCache.kv_tile_offsets`: where block j's K and V tiles of
@@ -16,7 +16,7 @@ graph, and the work follows each sequence's own length, not the longest one's.
   time (only that chunk's tiles are read), for the CPU and as the kernel's reference.
 
 Both take the tile offsets rather than a block table so the cache layout stays the cache's
-business (issue 17 may change it). Shape legend: B sequences, N query heads, G kv heads,
+business. Shape legend: B sequences, N query heads, G kv heads,
 Q = N // G query heads per kv head, D head dim, W block-table width, bs block size.
 """
 
