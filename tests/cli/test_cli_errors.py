@@ -164,5 +164,5 @@ def test_serve_help_shows_every_default(run):
     assert code == 0
     text = " ".join(out.split())
     for default in ("(default: 8000)", "(default: 127.0.0.1)", "(default: 256MiB)", "(default: cpu)",
-                    "(default: 50051)", "(default: 50052)", "(default: 30.0)", "(default: 600.0)"):
+                    "(default: 50051)", "50052 with one worker", "(default: 30.0)", "(default: 600.0)"):
         assert default in text, default

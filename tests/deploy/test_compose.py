@@ -28,12 +28,50 @@ def test_compose_file_is_valid_and_has_every_service():
     assert set(config["services"]) == SERVICES
 
 
+def flag(command: list[str], name: str) -> str:
+    return command[command.index(name) + 1]
+
+
 def test_gpu_override_is_valid_and_reserves_a_gpu():
+    base = compose_config("docker-compose.yml")["services"]["worker"]
     worker = compose_config("docker-compose.yml", "docker-compose.gpu.yml")["services"]["worker"]
     assert worker["build"]["dockerfile"] == "docker/Dockerfile.worker"
-    devices = worker["deploy"]["resources"]["reservations"]["devices"]
-    assert devices[0]["capabilities"] == ["gpu"] and "--device" in worker["command"]
-    assert worker["command"][worker["command"].index("--device") + 1] == "cuda"
+    (device,) = worker["deploy"]["resources"]["reservations"]["devices"]
+    assert device["capabilities"] == ["gpu"] and device["device_ids"] == ["0"]  # its own GPU, as cuda:0
+    assert flag(worker["command"], "--device") == "cuda"
+    # the override replaces the command whole: it keeps every flag but the device and budget
+    differ = {"--device", "--memory-budget"}
+    assert {f: flag(base["command"], f) for f in base["command"] if f.startswith("--") and f not in differ} == \
+        {f: flag(worker["command"], f) for f in worker["command"] if f.startswith("--") and f not in differ}
+
+
+SECOND_GPU = ("docker-compose.yml", "docker-compose.gpu.yml", "docker-compose.second-gpu.yml")
+
+
+def test_second_gpu_adds_a_worker_on_its_own_gpu_behind_the_one_gateway():
+    services = compose_config(*SECOND_GPU)["services"]
+    assert set(services) == SERVICES | {"worker-1"}
+    worker, second = services["worker"], services["worker-1"]
+    # the same worker in every respect but its GPU
+    assert {k for k in worker.keys() | second.keys() if worker.get(k) != second.get(k)} == {"deploy"}
+    gpus = [s["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"] for s in (worker, second)]
+    assert gpus == [["0"], ["1"]]
+    port = flag(worker["command"], "--port")
+    assert flag(services["gateway"]["command"], "--workers").split(",") == [f"worker:{port}", f"worker-1:{port}"]
+    single = compose_config("docker-compose.yml")["services"]["gateway"]["command"]
+    assert [a for a in services["gateway"]["command"] if "worker-1" not in a] == \
+        [a for a in single if a != flag(single, "--workers")]
+
+
+def test_second_gpu_prometheus_scrapes_both_workers_and_the_rest_as_before():
+    services = compose_config(*SECOND_GPU)["services"]
+    mounts = {v["target"]: v["source"] for v in services["prometheus"]["volumes"]}
+    config = yaml.safe_load(open(mounts["/etc/prometheus/prometheus.yml"]))
+    expected = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
+    metrics = flag(services["worker-1"]["command"], "--metrics-port")
+    workers = next(j for j in expected["scrape_configs"] if j["job_name"] == "pagedweight-worker")
+    workers["static_configs"][0]["targets"] = [f"worker:{metrics}", f"worker-1:{metrics}"]
+    assert config == expected  # the single-worker config with the second target, nothing else
 
 
 def test_validator_rejects_a_broken_file(tmp_path):

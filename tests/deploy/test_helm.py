@@ -227,6 +227,10 @@ BAD_VALUES = {
     "redis url scheme": {"redis": {"url": "http://redis:6379"}},
     "no models": {"servingEngineSpec": {"modelSpec": []}},
     "model name not a DNS label": {"servingEngineSpec": {"modelSpec": [{"name": "Mixtral 8x7B!"}]}},
+    # a worker drives one GPU: a second one in its pod would sit idle
+    "two GPUs for one worker": {"servingEngineSpec": {"modelSpec": [{"requestGPU": 2}]}},
+    "two GPUs for every worker": {"servingEngineSpec": {"modelDefaults": {"requestGPU": 2}}},
+    "a GPU its pod does not see": {"servingEngineSpec": {"modelSpec": [{"device": "cuda:1"}]}},
 }
 
 
@@ -354,3 +358,22 @@ def test_pods_carry_scrape_annotations_by_default_and_the_servicemonitor_is_opti
     off = manifests(helm_template(set_values=("metrics.scrapeAnnotations=false",)).stdout)
     for kind, part in (("StatefulSet", "worker"), ("Deployment", "planner")):
         assert "prometheus.io/scrape" not in (_pod(off, kind, part)["metadata"].get("annotations") or {})
+
+
+def test_one_worker_per_gpu_and_replica_count_says_how_many(tmp_path):
+    """N workers of a model are N pods of its StatefulSet, each with one GPU (seen as cuda),
+    its own address and metrics port, all in its gateway's worker list: a node with N GPUs
+    runs one worker on each."""
+    path = tmp_path / "values.yaml"
+    path.write_text(yaml.safe_dump({"servingEngineSpec": {"modelSpec": [_merged_model({"replicaCount": 3})]}}))
+    docs = manifests(helm_template(path).stdout)
+    (sts,) = [d for d in by_kind(docs, "StatefulSet") if d["metadata"]["name"] == WORKER]
+    assert sts["spec"]["replicas"] == 3
+    pod = sts["spec"]["template"]
+    (worker,) = pod["spec"]["containers"]
+    assert worker["resources"]["requests"]["nvidia.com/gpu"] == worker["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert "--device=cuda" in worker["args"] and "--host=$(POD_IP)" in worker["args"]
+    assert pod["metadata"]["annotations"]["prometheus.io/port"] == "9100"  # each pod scraped on its own
+    args = containers(docs)[GATEWAY]["containers"][0]["args"]
+    workers = next(a for a in args if a.startswith("--workers=")).removeprefix("--workers=").split(",")
+    assert workers == [f"{WORKER}-{i}.{WORKER}-headless:50051" for i in range(3)]

@@ -33,9 +33,10 @@ def test_rule_unit_tests_can_fail(tmp_path):
     assert result.returncode != 0 and "PagedWeightKVFullAtBitFloor" in result.stdout + result.stderr
 
 
-def test_config_check_clean(tmp_path):
+@pytest.mark.parametrize("name", ["prometheus.yml", "prometheus.second-gpu.yml"])
+def test_config_check_clean(name, tmp_path):
     # the config names the rules where the Compose stack mounts them; point it here
-    config = (ROOT / "deploy/prometheus/prometheus.yml").read_text().replace("/etc/prometheus/rules", str(RULES))
+    config = (ROOT / "deploy/prometheus" / name).read_text().replace("/etc/prometheus/rules", str(RULES))
     (tmp_path / "prometheus.yml").write_text(config)
     result = run(tool("promtool"), "check", "config", tmp_path / "prometheus.yml")
     assert "SUCCESS" in result.stdout + result.stderr and "12 rules found" in result.stdout + result.stderr

@@ -1,1 +1,1 @@
-"""`pagedweight serve`: the whole cluster (planner, one worker, gateway) as local processes."""
+"""`pagedweight serve`: the whole cluster (planner, workers, gateway) as local processes."""

@@ -3,14 +3,15 @@
 Each service runs as `python -m pagedweight.cli.main <command>` with its log lines
 prefixed by its name on our stdout. Readiness: the planner and the worker answer their
 gRPC health check (the worker's readiness service, so the model is loaded); the gateway
-answers GET /health with 200. Stopping goes front to back (gateway, worker, planner) with
-SIGTERM, so the worker drains its running requests. A service that exits while the
+answers GET /health with 200. Stopping goes front to back (gateway, workers, planner) with
+SIGTERM, so the workers drain their running requests (side by side: stop_together). A service that exits while the
 cluster runs is started again (`may_restart` bounds a crash loop); the others keep going
 (a worker without its planner serves on its last plan and re-registers).
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -27,13 +28,15 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 class Service:
     name: str
     argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)  # set on top of ours (a worker's CUDA_VISIBLE_DEVICES)
     process: subprocess.Popen | None = None
 
     restarts: list = field(default_factory=list)  # time.monotonic() of each restart
 
     def start(self) -> None:
         self.process = subprocess.Popen([sys.executable, "-m", "pagedweight.cli.main", *self.argv],
-                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                                        env={**os.environ, **self.env})
         print(f"[serve] started {self.name} (pid {self.process.pid})", flush=True)
         threading.Thread(target=self._pipe, args=(self.process,), daemon=True).start()
 
@@ -55,15 +58,28 @@ class Service:
     def exited(self) -> int | None:
         return None if self.process is None else self.process.poll()
 
+    def terminate(self) -> None:
+        """SIGTERM: the service drains and exits (stop() waits for it)."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+
     def stop(self, timeout_s: float) -> None:
         if self.process is None or self.process.poll() is not None:
             return
-        self.process.send_signal(signal.SIGTERM)
+        self.terminate()
         try:
             self.process.wait(timeout_s)
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
+
+
+def stop_together(services: list[Service], timeout_s: float) -> None:
+    """SIGTERM to all, then wait for each: N workers drain side by side, not one after another."""
+    for service in services:
+        service.terminate()
+    for service in services:
+        service.stop(timeout_s)
 
 
 def grpc_serving(address: str, service: str = "") -> bool:

@@ -25,6 +25,7 @@ from pagedweight.rpc import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger("pagedweight.gateway.workers")
 _CODES = {code.value[0]: code for code in grpc.StatusCode}  # status number -> StatusCode
+_END = object()  # queued when a call is over: its request iterator returns
 
 
 class WorkerStream:
@@ -56,22 +57,27 @@ class WorkerStream:
             self._outbox, self._wake = [], asyncio.Event()
             self._call = self.stub.GenerateStream(self._requests(self._outbox, self._wake),
                                                   metadata=self.metadata)
-            self._reader = asyncio.get_running_loop().create_task(self._read(self._call))
+            self._reader = asyncio.get_running_loop().create_task(self._read(self._call, self._outbox, self._wake))
         self._outbox.append(message)
         self._wake.set()
 
     @staticmethod
     async def _requests(outbox: list, wake: asyncio.Event):
-        """The client side of the call: whatever was queued since the last wake-up."""
+        """The client side of the call: whatever was queued since the last wake-up, until
+        _END. gRPC drains this iterator in a task of its own that nothing cancels once the
+        call has failed: ending the iterator lets that task finish, where one left waiting
+        here would be destroyed pending, this generator closed while it runs."""
         while True:
             await wake.wait()
             wake.clear()
             items = outbox[:]
             del outbox[:]
             for item in items:
+                if item is _END:
+                    return
                 yield item
 
-    async def _read(self, call) -> None:
+    async def _read(self, call, outbox: list, wake: asyncio.Event) -> None:
         code, details = grpc.StatusCode.UNAVAILABLE, f"worker {self.address} closed the stream"
         try:
             async for message in call:
@@ -90,6 +96,8 @@ class WorkerStream:
             code, details = grpc.StatusCode.CANCELLED, "the gateway is stopping"
             raise
         finally:  # this call is over: its requests fail, the next request opens a new one
+            outbox.append(_END)
+            wake.set()
             if self._call is call:
                 self._call = None
             failed, self.handlers = self.handlers, {}
