@@ -516,8 +516,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="result path (default bench/results/)")
     parser.add_argument("--gemv-tokens-per-expert", type=float, default=None,
                         help="assignments per expert (T k / E) up to which dense experts take the expert GEMV "
-                             "(default: the code's decode_ops.GEMV_MAX_TOKENS_PER_EXPERT; bench/expert_gemv.py "
-                             "measures the crossover)")
+                             "(default: the code's decode_ops.GEMV_MAX_TOKENS_PER_EXPERT)")
     args = parser.parse_args()
     set_gemv_tokens_per_expert(args.gemv_tokens_per_expert)
     clock = Clock(args.time_limit_s)
