@@ -20,7 +20,7 @@ def bench(*args: str) -> str:
 
 def recipes() -> dict[str, str]:
     """name -> module, from the recipe table's source (no import of bench/)."""
-    text = (REPO / "bench" / "recipes.py").read_text()
+    text = (REPO / "bench" / "__main__.py").read_text()
     return dict(re.findall(r'Recipe\("([a-z0-9-]+)", "([a-z_]+)"', text))
 
 
