@@ -24,12 +24,20 @@ def recipes() -> dict[str, str]:
     return dict(re.findall(r'Recipe\("([a-z0-9-]+)", "([a-z_]+)"', text))
 
 
+def source_with_helpers(module: str) -> str:
+    """A bench module's source and that of the bench modules it imports (where shared flags live)."""
+    source = (REPO / "bench" / f"{module}.py").read_text()
+    helpers = re.findall(r"^from bench(?:\.(\w+))? import (\w+)", source, re.M)
+    names = {sub or name for sub, name in helpers}
+    return source + "".join((REPO / "bench" / f"{n}.py").read_text() for n in sorted(names))
+
+
 def test_every_recipe_is_listed_and_names_a_module_with_its_flags():
     table = recipes()
     listed = [line.split()[0] for line in bench("list").splitlines()]
     assert sorted(listed) == sorted(table) and len(table) >= 10
     for name, module in table.items():
-        source = (REPO / "bench" / f"{module}.py").read_text()
+        source = source_with_helpers(module)
         assert 'if __name__ == "__main__"' in source, module
         for flag in re.findall(r"--[a-z][a-z-]*", bench("run", name, "--dry-run", "--artifacts", "/a")):
             assert f'"{flag}"' in source, (name, flag)
