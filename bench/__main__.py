@@ -120,6 +120,12 @@ RECIPES = (
     Recipe("kernel-layer-gemma4", "apl_moe_kernel",
            ("--models", "gemma-4-26b-a4b", "--no-per-block", "--bits", *WIDTHS, "--name", "apl_moe_kernel_gemma4"),
            "gpu", "one Gemma-4-26B-A4B MoE layer at 1-256 tokens, widths 3..8 and mixed, against bf16 grouped GEMM"),
+    # the gateway's packages on a GPU image: tools/serve_sweep_gpu.sh installs them from carried wheels
+    Recipe("serve-sweep", "serve_load",
+           ("--mode", "sweep", "--model", "{artifacts}/micro-mixtral", "--device", "cuda", "--memory-budget", "0.85",
+            "--concurrency", "16,64,256", "--duration", "30", "--prompt-len", "32:128", "--output-len", "128:256",
+            "--threads", "4"),
+           "gpu", "in-process engine, worker gRPC and gateway HTTP side by side at c16, c64, c256"),
     Recipe("pool-split", "pool_split_gpu", (), "gpu",
            "reserved device memory against the budget while the weights/KV split moves"),
     Recipe("quantize-stream-mixtral", "quantize_stream", ("--model", "Mixtral-8x7B", "--layers", "2"), "gpu",
