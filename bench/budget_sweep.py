@@ -61,6 +61,7 @@ def parse_args() -> argparse.Namespace:
                         help="bf16 rows: stop the trace after this long (preemption can thrash)")
     parser.add_argument("--drain-s", type=float, default=0.0, help="idle steps after the trace (bits coming back)")
     parser.add_argument("--name", default=None, help="result name (default: budget_sweep_<model>)")
+    parser.add_argument("--plot", type=Path, default=None, help="write the throughput / KL plot here (PNG)")
     args = parser.parse_args()
     if args.num_budgets < 2:
         parser.error("--num-budgets must be >= 2 (the two ends of the sweep)")

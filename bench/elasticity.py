@@ -16,19 +16,18 @@ the steady load wants (default half), so static-8 must queue or preempt.
 Per policy and trace: output tokens/s, preemptions, steps that waited for KV bytes, page
 moves, bytes copied (host->device raises, device->device compaction), mean bits at start /
 min / end and served (token-weighted), the pager's profile, and every step's sample
-(trace_runs.SAMPLE_FIELDS; the bits over time plotted with --plot). A discarded run of the
+(trace_runs.SAMPLE_FIELDS). A discarded run of the
 first trace comes first, so no policy pays the process's first-run costs. With `--kl` (an
 artifact whose source checkpoint is at hand, CPU), the token-weighted KL(bf16 || served) of
 the bit plans each trace served.
 
     python -m bench run elasticity-qwen          # GPU: Qwen1.5-MoE width, 12 layers
-    .venv/bin/python -m bench.elasticity --artifact ART/tiny-qwen-moe --device cpu --kl --plot docs/elasticity_cpu.png
+    .venv/bin/python -m bench.elasticity --artifact ART/tiny-qwen-moe --device cpu --kl
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -214,40 +213,8 @@ def main() -> int:
     if args.kl:
         for rows in result["traces"].values():
             tr.kl_of_plans(args, rows)
-    path = write(result, run.model.name)
-    if args.plot:
-        plot(json.loads(path.read_text()), args.plot)
-    log(f"wrote {path}")
+    log(f"wrote {write(result, run.model.name)}")
     return 0
-
-
-def plot(result: dict, path: Path) -> None:
-    """Mean committed bits over time, one panel per trace, one line per policy."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = list(result["traces"])
-    fig, axes = plt.subplots(1, len(names), figsize=(6 * len(names), 4), squeeze=False)
-    for ax, trace in zip(axes[0], names):
-        for policy, row in result["traces"][trace].items():
-            if "samples" not in row:
-                continue
-            t = [s[0] for s in row["samples"]]
-            ax.plot(t, [s[1] for s in row["samples"]], label=f"{policy} ({row['output_tokens_per_s']:.0f} tok/s)")
-            if row.get("burst_end_s") is not None and policy == "pagedweight":
-                ax.axvline(row["burst_end_s"], color="grey", linestyle=":", label="burst ends")
-        ax.set_title(f"{trace}: mean expert bits over time")
-        ax.set_xlabel("seconds")
-        ax.set_ylabel("mean committed bits")
-        ax.legend(fontsize=7)
-    fig.suptitle(f"{result['model']} - budget {result['bytes']['budget'] / 2**30:.2f} GiB, {result['machine']}",
-                 fontsize=9)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    log(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -63,7 +63,6 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kl-plans", type=int, default=8, help="most-served plans scored per run")
     parser.add_argument("--time-limit-s", type=float, default=1e9)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--plot", type=Path, default=None, help="write the run's figure here (PNG)")
 
 
 def device_and_dtype(args, parser: argparse.ArgumentParser) -> tuple[torch.device, torch.dtype]:
