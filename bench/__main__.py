@@ -77,6 +77,8 @@ RECIPES = (
            "retrieval accuracy at 2k tokens: bf16, the elastic policy and the fitting uniform width at one budget"),
     Recipe("real-shape-cpu", "real_shape", ("--model", "tiny-qwen-moe", "--device", "cpu"), "cpu",
            "the real-shape benchmark on a tiny model (checks the benchmark)"),
+    Recipe("kernel-sass", "sass_mix", ("apl_gemv<1, 0, true, true, 1>",), "cpu",
+           "instructions per weight in the 5-8-bit decode kernel's step loop, from its SASS (nvcc, no GPU)"),
     # --- GPU: one device call each (at most 10 minutes) ---------------------------------------
     # c1-c256, bf16 against static 4 and 8 bits, each with its per-component step profile
     Recipe("real-shape-qwen", "real_shape",
