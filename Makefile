@@ -77,7 +77,7 @@ test-gpu-kernels:
 test-gpu-paths:
 	$(GPU_PYTEST) tests $(GPU_IGNORE) --ignore=tests/kernels
 
-# A benchmark recipe (bench/recipes.py; `make bench` alone lists them): `make bench RECIPE=planner-speed`.
+# A benchmark recipe (`RECIPES` in bench/__main__.py; `make bench` alone lists them): `make bench RECIPE=planner-speed`.
 # On a GPU machine without the venv: `python3 -m bench run RECIPE` from the repository root.
 bench: $(BIN)/pagedweight
 	$(BIN)/python -m bench $(if $(RECIPE),run $(RECIPE),list)

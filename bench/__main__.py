@@ -1,10 +1,15 @@
 """One entry point for the benchmarks: `python -m bench list` and `python -m bench run NAME`.
 
-    python -m bench list                       # the recipes (bench/recipes.py), CPU and GPU
+    python -m bench list                       # the recipes (RECIPES below), CPU and GPU
     python -m bench run planner-speed          # one recipe; the result lands in bench/results/
     python -m bench run real-shape-qwen --dry-run
     python -m bench run serve-load --artifacts /tmp/paged -- --request-rate 4
     python -m bench tables [--check]           # the docs' tables from bench/results/ (bench/tables.py)
+
+A recipe is a benchmark module of this package and the arguments of one documented run: the
+one place a device call's arguments live. Extra arguments after `--` are appended, so a flag
+given there overrides the recipe's; `{artifacts}` in an argument is the folder of paged models
+(`--artifacts`, default $PAGEDWEIGHT_ARTIFACTS) that `pagedweight quantize` writes.
 
 Each recipe runs `python -m bench.<module> ARGS` in a child process with the import path
 set (services/ and kernels/ from the repository root), so it also runs on a machine given
@@ -20,11 +25,119 @@ import os
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
-from bench.recipes import BY_NAME, RECIPES, Recipe
-
 REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    module: str           # bench.<module>
+    args: tuple[str, ...]
+    device: str           # "cpu" or "gpu": where the recorded result was measured
+    what: str             # one line: what the run measures (docs/benchmarks.md lists them)
+
+
+WIDTHS = ("3", "4", "5", "6", "7", "8", "mixed")  # the kernel benchmark's bit configurations
+
+RECIPES = (
+    # --- CPU: runs on a laptop in minutes ---------------------------------------------------
+    Recipe("decode-speed", "decode_speed", (), "cpu",
+           "batch-1 decode of the bundled models against transformers, same CPU, same run"),
+    Recipe("planner-speed", "planner_speed", (), "cpu",
+           "every planner policy's plan at Qwen1.5-MoE size (2,880 blocks) against a heapq greedy"),
+    Recipe("controller-scale", "controller_scale", ("--baseline-ref", ""), "cpu",
+           "planner, pager, page table and routing feed at 2,880 / 12,288 / 30,000 blocks"),
+    Recipe("quantize-eval", "quantize_eval", ("--artifacts", "{artifacts}", "--quantize-missing"), "cpu",
+           "perplexity by bits, sensitivity against damage, quantisation time"),
+    Recipe("quality-budget", "quality_budget", ("--artifacts", "{artifacts}"), "cpu",
+           "KL to bf16 and perplexity of every policy at 3.0-6.0 mean plane bits, with 95% CIs"),
+    Recipe("calibration-quality", "calibration_quality",
+           ("--artifacts", "{artifacts}/calibration", "--models", "micro-mixtral", "tiny-mixtral", "tiny-qwen-moe"),
+           "cpu",
+           "prompt residuals under domain shift; calibration tokens and domains against held-out quality"),
+    Recipe("online-residuals", "online_residuals", ("--artifacts", "{artifacts}"), "cpu",
+           "held-out quality with and without online prompt residuals at a fixed budget"),
+    Recipe("engine-policies", "engine_policies", ("--model", "{artifacts}/micro-mixtral"), "cpu",
+           "the engine under load: pagedweight against static 8 and 4 bits at one budget"),
+    Recipe("serve-load", "serve_load", ("--model", "{artifacts}/micro-mixtral"), "cpu",
+           "the gRPC/HTTP cluster under a Poisson trace against the in-process engine"),
+    Recipe("elasticity-cpu", "elasticity", ("--shape", "qwen-scaled", "--device", "cpu"), "cpu",
+           "precision elasticity at a CPU-sized Qwen1.5-MoE ratio (checks the benchmark)"),
+    Recipe("budget-sweep-cpu", "budget_sweep",
+           ("--artifact", "{artifacts}/tiny-qwen-moe", "--device", "cpu", "--requests", "8", "--concurrency", "4",
+            "--prompt-len", "64", "--max-tokens", "8", "--batched-tokens", "512", "--kl", "--kl-windows", "2",
+            "--num-budgets", "4", "--row-time-limit-s", "60", "--plot", "docs/budget_sweep_tiny-qwen-moe_cpu.png"),
+           "cpu",
+           "bf16 in the same memory, every static width, the fitting uniform width and pagedweight at 4 "
+           "budgets, with KL to bf16 of what each served (trained tiny Qwen-MoE)"),
+    Recipe("retrieval-budget", "retrieval_budget", ("--work", "{artifacts}/retrieval-budget"), "cpu",
+           "retrieval accuracy at 2k tokens: bf16, the elastic policy and the fitting uniform width at one budget"),
+    Recipe("real-shape-cpu", "real_shape", ("--model", "tiny-qwen-moe", "--device", "cpu"), "cpu",
+           "the real-shape benchmark on a tiny model (checks the benchmark)"),
+    Recipe("kernel-sass", "sass_mix", ("apl_gemv<1, 0, true, true, 1>",), "cpu",
+           "instructions per weight in the 5-8-bit decode kernel's step loop, from its SASS (nvcc, no GPU)"),
+    # --- GPU: one device call each (at most 10 minutes) ---------------------------------------
+    # c1-c256, bf16 against static 4 and 8 bits, each with its per-component step profile
+    Recipe("real-shape-qwen", "real_shape",
+           ("--model", "qwen1.5-moe-a2.7b", "--modes", "graphs-inplace", "graphs-overlap",
+            "--concurrency", "1", "16", "64", "256", "--profile-concurrency", "1", "64", "--time-limit-s", "540"),
+           "gpu", "Qwen1.5-MoE-A2.7B serving: transformers, bf16, static bits, pressure, HBM floor"),
+    # 93 GB in bf16: quantised layer by layer (--build auto), the bf16 rows "does not fit"
+    Recipe("real-shape-mixtral", "real_shape",
+           ("--model", "mixtral-8x7b", "--modes", "graphs-inplace", "--concurrency", "1", "16", "64",
+            "--static-bits", "4", "8", "--kv-gib", "4", "--ttft-prompts", "512", "--profile-concurrency", "1",
+            "--component-concurrency", "1", "64", "--skip", "hf", "pressure", "--time-limit-s", "540"),
+           "gpu", "Mixtral-8x7B at 4 and 8 bits (built layer by layer) against its HBM floor"),
+    Recipe("real-shape-qwen3", "real_shape", ("--model", "qwen3-30b-a3b", "--time-limit-s", "540"), "gpu",
+           "Qwen3-30B-A3B serving at its published shape"),
+    Recipe("real-shape-olmoe", "real_shape", ("--model", "olmoe-1b-7b", "--time-limit-s", "540"), "gpu",
+           "OLMoE-1B-7B serving at its published shape"),
+    Recipe("real-shape-gemma4", "real_shape",
+           ("--model", "gemma-4-26b-a4b", "--modes", "graphs-inplace", "--concurrency", "1", "16", "64", "256",
+            "--hf-concurrency", "1", "16", "64", "--static-bits", "4", "8", "--ttft-prompts", "512",
+            "--profile-concurrency", "1", "64", "--skip", "pressure", "--time-limit-s", "540"), "gpu",
+           "Gemma-4-26B-A4B serving at its published shape: transformers, bf16, static 4 and 8 bits"),
+    Recipe("elasticity-qwen", "elasticity",
+           ("--shape", "qwen1.5-moe-a2.7b", "--layers", "12", "--device", "cuda", "--time-limit-s", "540"),
+           "gpu", "pagedweight against static bits under KV pressure, Qwen1.5-MoE width, 12 layers"),
+    Recipe("budget-sweep-qwen-a", "budget_sweep",
+           ("--shape", "qwen1.5-moe-a2.7b", "--device", "cuda", "--num-budgets", "4",
+            "--rows", "bf16", "static-8", "static-7", "static-6", "fitting-uniform",
+            "--name", "budget_sweep_qwen1.5-moe-a2.7b_a", "--time-limit-s", "450"),
+           "gpu", "Qwen1.5-MoE, 24 layers, 4 budgets: bf16 in the same memory and static 8/7/6 bits"),
+    Recipe("budget-sweep-qwen-b", "budget_sweep",
+           ("--shape", "qwen1.5-moe-a2.7b", "--device", "cuda", "--num-budgets", "4",
+            "--rows", "pagedweight", "static-5", "static-4", "static-3", "fitting-uniform",
+            "--name", "budget_sweep_qwen1.5-moe-a2.7b_b", "--time-limit-s", "450"),
+           "gpu", "Qwen1.5-MoE, 24 layers, the same 4 budgets: pagedweight and static 5/4/3 bits"),
+    Recipe("kernel-layer-qwen", "apl_moe_kernel",
+           ("--models", "qwen1.5-moe-a2.7b", "--no-per-block", "--bits", *WIDTHS, "--name", "apl_moe_kernel_qwen"),
+           "gpu", "one Qwen1.5-MoE MoE layer at 1-256 tokens, widths 3..8 and mixed, against bf16 grouped GEMM"),
+    Recipe("kernel-layer-mixtral", "apl_moe_kernel",
+           ("--models", "mixtral-8x7b", "--no-per-block", "--bits", *WIDTHS, "--name", "apl_moe_kernel_mixtral"),
+           "gpu", "one Mixtral-8x7B MoE layer at 1-256 tokens, widths 3..8 and mixed, against bf16 grouped GEMM"),
+    Recipe("kernel-layer-gemma4", "apl_moe_kernel",
+           ("--models", "gemma-4-26b-a4b", "--no-per-block", "--bits", *WIDTHS, "--name", "apl_moe_kernel_gemma4"),
+           "gpu", "one Gemma-4-26B-A4B MoE layer at 1-256 tokens, widths 3..8 and mixed, against bf16 grouped GEMM"),
+    # the gateway's packages on a GPU image: tools/serve_sweep_gpu.sh installs them from carried wheels
+    Recipe("serve-sweep", "serve_load",
+           ("--mode", "sweep", "--model", "{artifacts}/micro-mixtral", "--device", "cuda", "--memory-budget", "0.85",
+            "--concurrency", "16,64,256", "--duration", "30", "--prompt-len", "32:128", "--output-len", "128:256",
+            "--threads", "4"),
+           "gpu", "in-process engine, worker gRPC and gateway HTTP side by side at c16, c64, c256"),
+    Recipe("pool-split", "pool_split_gpu", (), "gpu",
+           "reserved device memory against the budget while the weights/KV split moves"),
+    Recipe("quantize-stream-mixtral", "quantize_stream", ("--model", "Mixtral-8x7B", "--layers", "2"), "gpu",
+           "streaming quantisation at Mixtral-8x7B shape, 2 layers: time and peak memory"),
+    Recipe("quantize-full-depth", "quantize_stream",
+           ("--model", "Qwen1.5-MoE-A2.7B", "--calib-tokens", "2048", "--name", "quantize_full_depth_qwen"),
+           "gpu", "streaming quantisation of the whole Qwen1.5-MoE-A2.7B shape within one call"),
+)
+
+BY_NAME = {r.name: r for r in RECIPES}
 
 
 def command(recipe: Recipe, artifacts: str, extra: list[str]) -> list[str]:

@@ -7,11 +7,17 @@ import json
 import os
 import platform
 import subprocess
+import sys
 from pathlib import Path
 
 import torch
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def log(msg: str) -> None:
+    """Progress goes to stderr, so stdout stays the result's."""
+    print(msg, file=sys.stderr, flush=True)
 
 
 def machine() -> dict:

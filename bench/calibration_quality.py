@@ -33,9 +33,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.bench_meta import write_result
-from bench.quality_budget import (DOMAINS, PLANNER, add_eval_args, as_ppl_change, combine, domain_mean, log,
-                                  paired, vs_bf16, evaluate_model, fmt_interval, how_measured)
+from bench.bench_meta import log, write_result
+from bench.quality_budget import (DOMAINS, PLANNER, add_eval_args, as_ppl_change, combine, domain_mean, evaluate_model,
+                                  fmt_interval, how_measured, paired, vs_bf16)
 
 REPO = Path(__file__).resolve().parents[1]
 POLICIES = (PLANNER, "no-residual", "uniform")

@@ -15,16 +15,14 @@ tokens of each domain in the mix (the tokens after the prompts' text, never seen
 planner), weighted like the mix. Mixes: each domain alone, and a code-heavy and a
 prose-heavy mix of domains.
 
-    python -m bench.online_residuals --artifacts DIR [--models micro-mixtral ...] [--plot]
+    python -m bench run online-residuals --artifacts DIR     # DIR/<model> from `pagedweight quantize`
 
-Writes bench/results/online_residuals.json (and docs/online_residuals.png with --plot;
-`--replot JSON` only draws it again from a result file).
+Writes bench/results/online_residuals.json.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -32,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.bench_meta import write_result
+from bench.bench_meta import log, write_result
 from bench.quality_budget import Scorer, windows_of
 from pagedweight.common.paths import corpus_dir
 from pagedweight.engine.engine import EngineConfig
@@ -41,7 +39,6 @@ from pagedweight.engine.scheduler import SchedulerConfig
 from pagedweight.memory.kv_cache import KVCacheConfig
 from pagedweight.runtime import RuntimeConfig, build_runtime, workspace_bytes
 
-REPO = Path(__file__).resolve().parents[1]
 MODELS = ("micro-mixtral", "tiny-mixtral", "tiny-qwen-moe")
 DOMAINS = ("kjv", "pydoc", "pycode", "cheader")
 MIXES = {**{d: (d, d, d, d) for d in DOMAINS},
@@ -50,10 +47,6 @@ MIXES = {**{d: (d, d, d, d) for d in DOMAINS},
 FRACTIONS = (0.25, 0.30, 0.40)  # of the bf16 experts' bytes (all-3-bit is 21-24% on these models)
 ENGINE = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256),
                       kv=KVCacheConfig(block_size=16))
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 class Texts:
@@ -154,33 +147,9 @@ def summarise(rows: list[dict]) -> dict:
             "median_kl_change": float(np.median(changes))}
 
 
-def plot(results: dict, path: Path) -> None:
-    """Per model: the KL change of online residuals against routing only, per mix and budget."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 4), squeeze=False, sharey=True)
-    for ax, (name, res) in zip(axes[0], results.items()):
-        mixes = list(dict.fromkeys(r["mix"] for r in res["rows"]))
-        for k, (fraction, marker) in enumerate(zip(FRACTIONS, "os^")):
-            rows = {r["mix"]: r for r in res["rows"] if r["fraction"] == fraction}
-            ax.scatter([i + (k - 1) * 0.2 for i in range(len(mixes))],
-                       [100 * rows[m]["kl_change"] for m in mixes], marker=marker, label=f"{fraction:.0%} of bf16")
-        ax.axhline(0, color="grey", lw=0.8)
-        ax.set_xticks(range(len(mixes)), mixes, rotation=30)
-        summary = res["summary"]
-        ax.set_title(f"{name}: mean KL {summary['mean_kl_online'] / summary['mean_kl_routing_only'] - 1:+.1%}")
-        ax.set_ylabel("KL change with online residuals (%)\n(below 0: residuals help)")
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--artifacts", help="folder of paged models, one per name in --models")
+    ap.add_argument("--artifacts", required=True, help="folder of paged models, one per name in --models")
     ap.add_argument("--models", nargs="+", default=list(MODELS))
     ap.add_argument("--mixes", nargs="+", default=list(MIXES), choices=list(MIXES))
     ap.add_argument("--prompt-tokens", type=int, default=128, help="tokens per prompt (four per mix)")
@@ -188,14 +157,7 @@ def main(argv=None) -> None:
     ap.add_argument("--eval-tokens", type=int, default=512, help="held-out scored tokens per domain")
     ap.add_argument("--window", type=int, default=256)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--plot", action="store_true", help="also draw docs/online_residuals.png")
-    ap.add_argument("--replot", metavar="JSON", help="only draw docs/online_residuals.png from a result file")
     args = ap.parse_args(argv)
-    if args.replot:
-        plot(json.loads(Path(args.replot).read_text())["results"], REPO / "docs" / "online_residuals.png")
-        return
-    if not args.artifacts:
-        ap.error("--artifacts is required")  # exit 2
     for name in args.models:
         if not (Path(args.artifacts) / name / "paged_model.json").is_file():
             print(f"error: {Path(args.artifacts) / name} is not a paged model directory", file=sys.stderr)
@@ -209,8 +171,6 @@ def main(argv=None) -> None:
     for name, res in results.items():
         print(name, res["summary"])
     print(f"wrote {path}")
-    if args.plot:
-        plot(results, REPO / "docs" / "online_residuals.png")
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from bench.bench_meta import write_result
+from bench.bench_meta import log, write_result
 from pagedweight.common.paths import corpus_dir
 from pagedweight.format.blocks import MIN_BITS, lut_bytes
 from pagedweight.format.paged_model import load_paged_model
@@ -475,10 +475,6 @@ def how_measured(payload: dict) -> list[str]:
             f"On {machine['cpu']} ({machine['cpu_count']} CPUs, shared with other work), "
             + ("in runs side by side, combined with `--combine`:" if len(runs) > 1 else "with:"), "",
             "```", *(r["command"] for r in runs), "```"]
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def add_eval_args(parser: argparse.ArgumentParser) -> None:

@@ -10,11 +10,10 @@ For each paged model, on every `valid` domain (first --max-tokens tokens each):
 Evaluation runs in fp32 on --device (the numbers do not depend on it beyond float
 rounding); quantisation timing always runs on the CPU (--threads, default 1). A perturbation at
 layer l reuses the bf16 model's cached layer-l inputs and runs layers l.. only (exact:
-earlier layers are unchanged). --per-block adds the study for every block alone.
+earlier layers are unchanged).
 
-    python bench/quantize_eval.py --models --out bench/results/quantize_time.json  # timing only
-    python bench/quantize_eval.py --time-model "" --models tiny-qwen-moe --device cuda --per-block \
-        --quantize-missing --artifacts /tmp/paged --out bench/results/quantize_eval_tiny-qwen-moe.json
+    python -m bench run quantize-eval --artifacts DIR
+    python -m bench.quantize_eval --models --out bench/results/quantize_time.json  # the timing alone
 """
 
 from __future__ import annotations
@@ -25,7 +24,6 @@ import math
 import os
 import platform
 import subprocess
-import sys
 import tempfile
 import time
 from datetime import datetime, timezone
@@ -36,7 +34,7 @@ import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parents[1]
 
-from bench.bench_meta import stamp
+from bench.bench_meta import log, stamp
 from pagedweight.common.paths import shared_dir
 from pagedweight.offline.perplexity import token_windows
 from pagedweight.frontend.tokenizer import Tokenizer
@@ -135,8 +133,7 @@ def expert_blocks(layer: int, expert: int) -> list[BlockId]:
     return [BlockId(layer, expert, m) for m in MODULES]
 
 
-def evaluate_model(path: Path, max_tokens: int, expert_tokens: int, seq_len: int, device: str,
-                   per_block: bool, log) -> dict:
+def evaluate_model(path: Path, max_tokens: int, expert_tokens: int, seq_len: int, device: str) -> dict:
     paged = load_paged_model(path)
     cfg = paged.config
     model = build_paged_lm(paged, dtype=torch.float32, device=device)
@@ -186,15 +183,6 @@ def evaluate_model(path: Path, max_tokens: int, expert_tokens: int, seq_len: int
     result["per_expert_tokens_per_domain"] = expert_tokens
     result["per_expert_spearman"] = correlations(experts, keys)
     log(f"{path.name} per expert: {result['per_expert_spearman']}")
-    if per_block:
-        blocks = []
-        for block_id in paged.block_ids:
-            blocks.append({"block": block_id.key(),
-                           **lowered_damage(model, ev, [block_id], block_id.layer, base[block_id.layer]),
-                           **predictors([block_id])})
-        result["per_block"] = blocks
-        result["per_block_spearman"] = correlations(blocks, keys)
-        log(f"{path.name} per block: {result['per_block_spearman']}")
     result["eval_seconds"] = time.perf_counter() - started
     result["calibration"] = {k: paged.meta["calibration"][k] for k in ("num_tokens", "under_covered_experts")}
     result["quantizer"] = paged.meta["quantizer"]
@@ -260,46 +248,6 @@ def environment() -> dict:
             "load_average": os.getloadavg(), "torch": torch.__version__}
 
 
-PREDICTORS = {"s3": "S(3)", "s3_x_share": "S(3) x routing share", "s3_gn": "S_gn(3)",
-              "s3_gn_x_share": "S_gn(3) x routing share"}
-
-
-def render(report: dict) -> str:
-    """Markdown tables of a report (`--render RESULT.json` prints them)."""
-    lines = []
-    for name, r in report["models"].items():
-        toks = next(iter(r["tokens_per_domain"].values()))
-        lines += [f"### {name} ({toks} tokens per domain, seq_len {report['seq_len']}, fp32 {report.get('device', 'CPU')})", "",
-                  "| experts | " + " | ".join(DOMAINS) + " | mean vs bf16 |", "|---" * (len(DOMAINS) + 2) + "|"]
-        base = r["ppl"]["bf16"]
-        for key, ppl in r["ppl"].items():
-            rel = sum(ppl[d] / base[d] - 1 for d in DOMAINS) / len(DOMAINS)
-            label = key if key == "bf16" else f"{key} bits"
-            lines.append(f"| {label} | " + " | ".join(f"{ppl[d]:.3f}" for d in DOMAINS) + f" | {rel:+.2%} |")
-        studies = [(f"per layer (n={len(r['per_layer'])})", r["per_layer_spearman"]),
-                   (f"per expert (n={len(r['per_expert'])}, {r['per_expert_tokens_per_domain']} tok/domain)",
-                    r["per_expert_spearman"])]
-        if "per_block_spearman" in r:
-            studies.append((f"per block (n={len(r['per_block'])})", r["per_block_spearman"]))
-        for target, label in (("delta_nll", "NLL increase"), ("kl", "KL(bf16 || lowered) per token")):
-            lines += ["", f"Spearman rank correlation of the measured {label} (blocks lowered alone to 3 bits, "
-                      "the rest bf16) with:", "", "| predictor | " + " | ".join(name for name, _ in studies) + " |",
-                      "|---" * (len(studies) + 1) + "|"]
-            for key in studies[0][1][target]:
-                lines.append(f"| {PREDICTORS.get(key, key)} | "
-                             + " | ".join(f"{sp[target][key]:+.2f}" for _, sp in studies) + " |")
-        lines += ["",
-                  "Residual heads, held-out R^2: " + ", ".join(f"{d} {v:.2f}" for d, v in
-                                                              r["residual_heads_heldout_r2"].items()), ""]
-    q = report.get("quantize_time")
-    if q:
-        lines.append(f"Quantisation of {q['model']} on {report['environment']['machine']}: "
-                     f"{q['seconds']:.0f} s wall, {q['cpu_seconds']:.0f} s CPU "
-                     f"(load average {q['load_average_before']:.1f} -> {q['load_average_after']:.1f}), "
-                     f"{q['calibration_tokens']} calibration tokens.")
-    return "\n".join(lines)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="*", default=["tiny-mixtral", "tiny-qwen-moe"])
@@ -310,19 +258,13 @@ def main() -> None:
     parser.add_argument("--time-model", default="tiny-qwen-moe", help="'' to skip the timing")
     parser.add_argument("--device", default="cpu", help="where evaluation runs")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    parser.add_argument("--per-block", action="store_true", help="also lower every block alone")
     parser.add_argument("--quantize-missing", action="store_true",
                         help="quantise models missing from --artifacts first (k-means on --device)")
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "quantize_eval.json"))
-    parser.add_argument("--render", metavar="JSON", help="print the markdown tables of a saved report")
     args = parser.parse_args()
-    if args.render:
-        print(render(json.loads(Path(args.render).read_text())))
-        return
     # One thread by default: on the shared 2-core machine (load average 10+) two OpenMP
     # threads spin against each other and ran a forward 13x slower than one (measured).
     torch.set_num_threads(args.threads)
-    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     report = {"benchmark": "quantize_eval", **stamp(), "environment": {**environment(), "threads": args.threads}, "dtype": "float32", "seq_len": args.seq_len,
               "device": device_name(args.device), "models": {}}
     if args.time_model:
@@ -332,8 +274,7 @@ def main() -> None:
         path = Path(args.artifacts) / name
         if args.quantize_missing and not path.is_dir():
             quantize_into(name, path, args.device, log)
-        report["models"][name] = evaluate_model(path, args.max_tokens, args.expert_tokens, args.seq_len,
-                                                args.device, args.per_block, log)
+        report["models"][name] = evaluate_model(path, args.max_tokens, args.expert_tokens, args.seq_len, args.device)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1))
     log(f"wrote {args.out}")

@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-from bench.bench_meta import write_result
+from bench.bench_meta import log, write_result
 from pagedweight.offline.real_shape_configs import REAL_SHAPE_CONFIGS
 from pagedweight.common.paths import BUNDLED_MODEL
 from pagedweight.format.model_config import ModelConfig
@@ -150,14 +150,14 @@ def checkpoint(model: str, layers: int | None, ckpt: Path, device: torch.device)
     build_record = ckpt.parent / f"{ckpt.name}.build.json"  # the build's time, for a later run
     if (ckpt / "config.json").is_file():
         build_s = json.loads(build_record.read_text())["build_seconds"] if build_record.is_file() else None
-        print(f"using the checkpoint in {ckpt}", file=sys.stderr, flush=True)
+        log(f"using the checkpoint in {ckpt}")
         return json.loads((ckpt / "config.json").read_text()), build_s
     started = time.perf_counter()
     raw = build_checkpoint(model, layers, ckpt, device)
     build_s = time.perf_counter() - started
     build_record.write_text(json.dumps({"build_seconds": build_s}))
     gc.collect()
-    print(f"built {model} with {raw['num_hidden_layers']} layers in {build_s:.1f} s", file=sys.stderr, flush=True)
+    log(f"built {model} with {raw['num_hidden_layers']} layers in {build_s:.1f} s")
     return raw, build_s
 
 
@@ -185,7 +185,7 @@ def main(argv=None) -> int:
     sampler.start()
     started = time.perf_counter()
     quantize_model(ckpt, paged, bundled_calib_files(), qconfig,
-                   log=lambda msg: print(msg, file=sys.stderr, flush=True),
+                   log=log,
                    work_dir=args.work_dir, progress=sys.stderr)
     quantize_s = time.perf_counter() - started
     sampler.stop.set()

@@ -1,16 +1,16 @@
 """Serving speed at a real model's size, one run: transformers, our engine in bf16, the
 runtime at static 8/4/3 bits, and the `pagedweight` policy under memory pressure, each
-against the HBM floor measured in the same run (issues 12 and 17).
+against the HBM floor measured in the same run.
 
 Nothing is written to disk but the result: the checkpoint is `transformers`' own class
 (`Qwen2MoeForCausalLM`, `MixtralForCausalLM`, `Qwen3MoeForCausalLM`, `OlmoeForCausalLM`,
 `Gemma4ForCausalLM`) with random bf16 weights drawn on the device, each tensor from a
-generator seeded by its name (`--seed`);
-our `MoECausalLM` is assembled over the same tensors (no copy); the routed experts are
-quantised by a fast nested-uniform path (`nested_uniform_planes`: per-row min-max 8-bit
-codes, b-bit LUTs at the b-bit bucket centres; no calibration, so quality is not measured
-here, but the planes, LUTs and their byte counts are the real format) into an in-memory
-`PagedModel` that the runtime is built from (`build_runtime_from_paged`).
+generator seeded by its name (`--seed`); our `MoECausalLM` is assembled over the same
+tensors (no copy); the routed experts are quantised by a fast nested-uniform path
+(`nested_uniform_planes`: per-row min-max 8-bit codes, b-bit LUTs at the b-bit bucket
+centres; no calibration, so quality is not measured here, but the planes, LUTs and their
+byte counts are the real format) into an in-memory `PagedModel` that the runtime is built
+from (`build_runtime_from_paged`).
 
 A model whose bf16 weights, KV room and workspace do not fit the device (Mixtral-8x7B on
 an 80 GB card) is never built whole (`--build auto`): its artifact is built layer by layer
@@ -27,26 +27,22 @@ is rewritten after each section, so a cut run still leaves what it measured):
    E * (1 - (1 - k/E)^B) per layer, at the row's bits) over that bandwidth;
 2. parity: our bf16 model's logits against transformers' on one prompt (same tensors);
 3. transformers `generate` (bf16, greedy, batch = concurrency);
-4. our engine over dense bf16 experts in each of `--modes` (issue 12: the earlier eager
-   steps with the gathering attention and the per-expert loop, against CUDA-graph replay
-   of decode steps with in-place attention and grouped experts); TTFT of 512- and
-   4096-token prompts;
+4. our engine over dense bf16 experts in each of `--modes` (MODES); TTFT of `--ttft-prompts`;
 5. the runtime at static-8/4/3 (fused kernel on CUDA), same loads in each mode, TTFT at 4 bits;
-6. pressure (issue 17): budget = 8-bit experts + non-expert weights + workspace + half the
-   KV the load wants; `pagedweight` against `static-8` and `static-4`: tokens/s,
-   preemptions, page moves, bytes copied, mean bits start/min/end.
+6. pressure: budget = 8-bit experts + non-expert weights + workspace + half the KV the load
+   wants; `pagedweight` against `static-8` and `static-4`: tokens/s, preemptions, page
+   moves, bytes copied, mean bits start/min/end.
 Every load reports the graph captures and replays during it (a steady load captures none
-once warm); the bf16 engine and every static width have a per-component step profile
-(bench/step_components.py: ms and kernels per component of an eager step).
+once warm); the bf16 engine and every static width have a step profile and a per-component
+one (bench/step_components.py).
 
-    PYTHONPATH=.:services:kernels python3 -m bench.real_shape --model qwen1.5-moe-a2.7b
-    .venv/bin/python -m bench.real_shape --model tiny-qwen-moe --device cpu   # checks the script
+    python -m bench run real-shape-qwen          # on the GPU (-mixtral, -gemma4, -qwen3, -olmoe)
+    python -m bench run real-shape-cpu           # a tiny model on the CPU: checks the script
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
 import gc
 import json
 import math
@@ -57,7 +53,8 @@ from pathlib import Path
 import torch
 
 import pagedweight
-from bench.bench_meta import RESULTS_DIR, commit, device_tag, gpu, machine
+from bench.bench_meta import RESULTS_DIR, commit, device_tag, stamp, to_json
+from bench.step_components import component_profile, decode_profile
 from pagedweight.cli.load_bench import LoadSpec, drive_load, run_load
 from pagedweight.engine.decode_graphs import DecodeGraphs
 from pagedweight.engine.engine import Engine, EngineConfig
@@ -72,7 +69,56 @@ from pagedweight.offline.real_shape_models import (CONFIGS, GiB, build_hf_model,
 from pagedweight.runtime import RuntimeConfig, build_runtime_from_paged, workspace_bytes
 from pagedweight_kernels import decode_ops
 
-from bench.step_components import component_profile
+# How a step runs: every step eager with the batched path's padded gather and the per-expert
+# loop over dense experts (the baseline); CUDA-graph replay of every step as token rows,
+# prefill chunks included, with the in-place attention and grouped experts (the engine's
+# default); then the same with each layer's shared expert on a side stream.
+MODES = {
+    "eager-gather": dict(attention_impl="batched", graphs=False, grouped=False),
+    "graphs-inplace": dict(attention_impl="inplace", graphs=True, grouped=True, prefill=True),
+    "graphs-overlap": dict(attention_impl="inplace", graphs=True, grouped=True, prefill=True, overlap=True),
+}
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="qwen1.5-moe-a2.7b", choices=sorted(CONFIGS))
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--hf-concurrency", type=int, nargs="*", default=None,
+                        help="concurrencies of transformers' generate (default: --concurrency)")
+    parser.add_argument("--ttft-prompts", type=int, nargs="*", default=[512, 4096])
+    parser.add_argument("--static-bits", type=int, nargs="*", default=[4, 8, 3])
+    parser.add_argument("--kv-gib", type=float, default=8.0, help="KV room of the unpressured runtimes")
+    parser.add_argument("--pressure-requests", type=int, default=96)
+    parser.add_argument("--pressure-concurrency", type=int, default=64)
+    parser.add_argument("--pressure-prompt-len", type=int, default=256)
+    parser.add_argument("--modes", nargs="+", default=["eager-gather", "graphs-inplace"], choices=sorted(MODES),
+                        help="how steps run, each measured in the same run (the first is the baseline)")
+    parser.add_argument("--profile-concurrency", type=int, nargs="*", default=[1, 64],
+                        help="concurrencies of the per-step profile (host phases, device span, kernels)")
+    parser.add_argument("--component-concurrency", type=int, nargs="*", default=None,
+                        help="concurrencies of the per-component step profile, bf16 and every static width "
+                             "(default: --concurrency)")
+    parser.add_argument("--build", choices=("auto", "whole", "layers"), default="auto",
+                        help="whole: the bf16 model on the device, then quantised; layers: the artifact layer by "
+                             "layer, no bf16 model (no parity, transformers or bf16 engine); auto: whole where "
+                             "the bf16 weights, KV room and workspace fit the device")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights (per tensor name)")
+    parser.add_argument("--label", default="", help="what this run measures (e.g. before / after)")
+    parser.add_argument("--min-requests", type=int, default=2,
+                        help="requests of each load at least (the load has max(this, concurrency))")
+    parser.add_argument("--skip", nargs="*", default=[], help="sections to skip: hf bf16 static pressure")
+    parser.add_argument("--time-limit-s", type=float, default=540.0)
+    parser.add_argument("--reserve-s", type=float, default=60.0,
+                        help="time a measurement must have left to start (a runtime build: 30 s more)")
+    parser.add_argument("--out", type=Path, default=None, help="result path (default bench/results/)")
+    args = parser.parse_args()
+    if args.component_concurrency is None:
+        args.component_concurrency = args.concurrency
+    return args
 
 
 class Clock:
@@ -91,6 +137,29 @@ class Clock:
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+class Report:
+    """The result file, rewritten after every section."""
+
+    def __init__(self, path: Path, header: dict):
+        self.path, self.record = path, header
+
+    def put(self, key: str, value) -> None:
+        self.record[key] = value
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(to_json(self.record) + "\n")
+        print(f"[{key}] {json.dumps(value)[:600]}", flush=True)
+
+    def memory(self, section: str, device: torch.device) -> None:
+        """The section's peak device memory and the host's anonymous memory after it, under
+        "memory" (the peak is reset for the next section)."""
+        now = {"host_anon_bytes": anonymous_bytes()}
+        if device.type == "cuda":
+            now["peak_device_bytes"] = torch.cuda.max_memory_allocated(device)
+            now["device_total_bytes"] = torch.cuda.get_device_properties(device).total_memory
+            torch.cuda.reset_peak_memory_stats(device)
+        self.put("memory", {**self.record.get("memory", {}), section: now})
 
 
 # ---------------------------------------------------------------- measuring
@@ -178,67 +247,11 @@ def ttft(engine, prompt_len: int, device: torch.device, repeats: int = 2) -> flo
     return round(best, 4)
 
 
-def prefill_profile(engine, prompt_len: int, device: torch.device, repeats: int = 5) -> dict:
-    """The first step of a request on an idle engine (its prompt's prefill and first token,
-    one step when the budget holds the prompt): wall ms per step (median of `repeats`, after
-    one that warms the shapes up or captures the bucket's graph), the host's ms per phase
-    (Engine.phases), whether the step replayed a graph, and the kernels of one more step
-    (torch.profiler: launches, summed kernel ms, and by name)."""
-    vocab = engine.model.config.vocab_size
-    gen = torch.Generator().manual_seed(13)
-    params = SamplingParams(max_tokens=1, ignore_eos=True)
-    runner = engine.runner
-
-    def one(i: int) -> tuple[float, bool]:
-        engine.add_request(f"pf{prompt_len}-{i}", torch.randint(1, vocab, (prompt_len,), generator=gen).tolist(),
-                           params)
-        sync(device)
-        graph_steps = runner.num_graph_steps
-        t0 = time.perf_counter()
-        engine.step()
-        sync(device)
-        ms = 1000 * (time.perf_counter() - t0)
-        replayed = runner.num_graph_steps > graph_steps
-        while engine.has_work:
-            engine.step()
-        return ms, replayed
-
-    one(-1)
-    phases = getattr(engine, "phases", None)
-    if phases is not None:
-        phases.reset()
-    times, replays = [], 0
-    for i in range(repeats):
-        ms, replayed = one(i)
-        times.append(ms)
-        replays += replayed
-    result = {"prompt_len": prompt_len, "step_ms": round(sorted(times)[len(times) // 2], 3),
-              "step_ms_all": [round(t, 3) for t in times], "replayed": replays}
-    if phases is not None:  # phases count every step: the prefill steps are all of them here
-        result["host_phase_ms"] = phases.per_step_ms()
-    if device.type == "cuda":
-        from torch.profiler import ProfilerActivity, profile
-
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            one(repeats)
-            sync(device)
-        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-        result["kernels_per_step"] = len(kernels)
-        result["kernel_ms_per_step"] = round(sum(e.time_range.elapsed_us() for e in kernels) / 1000, 3)
-        by_name = collections.Counter(e.name for e in kernels)
-        result["kernels_by_name"] = {name[:96]: n for name, n in by_name.most_common(40)}
-        ms_by_name = collections.Counter()
-        for e in kernels:
-            ms_by_name[e.name[:96]] += e.time_range.elapsed_us() / 1000
-        result["kernel_ms_by_name"] = {k: round(v, 3) for k, v in ms_by_name.most_common(20)}
-    return result
-
-
 def prefill_parity(engine, prompt_lens, device: torch.device) -> list[dict]:
     """Every replayed step of a few prompts (each prefilled in one step, then 3 decodes)
     against the same step run eagerly right after it (the varlen batched path; it rewrites
-    the same KV slots): relative logit error and argmax agreement (issue 12: prefill as
-    token rows must compute the eager step)."""
+    the same KV slots): relative logit error and argmax agreement (prefill as token rows must
+    compute the eager step)."""
     runner = engine.runner
     replay, checked = runner._replay, []
 
@@ -272,8 +285,7 @@ def hf_generate_tokens_per_s(hf_model, vocab: int, batch: int, prompt_len: int, 
                              device: torch.device) -> dict:
     gen = torch.Generator().manual_seed(batch)
     ids = torch.randint(1, vocab, (batch, prompt_len), generator=gen).to(device)
-    mask = torch.ones_like(ids)
-    kwargs = dict(attention_mask=mask, do_sample=False, pad_token_id=0)
+    kwargs = dict(attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0)
     with torch.inference_mode():
         hf_model.generate(ids, max_new_tokens=4, min_new_tokens=4, **kwargs)  # warm-up
         sync(device)
@@ -286,190 +298,19 @@ def hf_generate_tokens_per_s(hf_model, vocab: int, batch: int, prompt_len: int, 
             "output_tokens_per_s": round(produced / elapsed, 1)}
 
 
-def decode_profile(engine, concurrency: int, prompt_len: int, device: torch.device, steps: int = 8) -> dict:
-    """Where a decode step's time goes at `concurrency` sequences (issue 12): wall time per
-    step; the host's seconds per phase of the step (`Engine.phases`: schedule, prepare,
-    signature, launch, wait = reading the sampled tokens back, update, boundary), so host
-    work = wall - wait; the replayed graph's device span per step (CUDA events around the
-    replay); the kernels per step, their summed device time (span - sum = gaps between
-    kernels inside the graph) and the top operators (torch.profiler); host syncs per step
-    (torch.cuda.set_sync_debug_mode counts them). Engines without phases or replay events
-    (an older checkout run with this script) leave those fields out."""
-    import warnings
-
-    vocab = engine.model.config.vocab_size
-    gen = torch.Generator().manual_seed(11)
-    for i in range(concurrency):
-        prompt = torch.randint(1, vocab, (prompt_len,), generator=gen).tolist()
-        engine.add_request(f"prof{i}", prompt, SamplingParams(max_tokens=2 * steps + 16, ignore_eos=True))
-    sync(device)
-    t0 = time.perf_counter()
-    engine.step()  # the prompts' prefill (eager), as many as the token budget takes
-    sync(device)
-    prefill_ms = 1000 * (time.perf_counter() - t0)
-    for _ in range(3):  # the rest of the prefill and a few decodes (captures this bucket's graph)
-        engine.step()
-    runner = engine.runner
-    graph_steps0 = runner.num_graph_steps
-    result = {"concurrency": concurrency, "first_prefill_step_ms": round(prefill_ms, 3)}
-    if device.type == "cuda":
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                engine.step()
-            finally:
-                torch.cuda.set_sync_debug_mode(0)
-        sites = {}
-        for w in caught:
-            key = f"{Path(w.filename).name}:{w.lineno}"
-            sites[key] = sites.get(key, 0) + 1
-        result["host_syncs_per_step"] = len(caught)
-        result["sync_sites"] = sites
-        sync(device)
-    phases = getattr(engine, "phases", None)
-    graphs = runner.graphs
-    timed = graphs is not None and hasattr(graphs, "replay_events") and device.type == "cuda"
-    if phases is not None:
-        phases.reset()
-    if timed:
-        graphs.replay_events = []
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    sync(device)
-    result["step_ms"] = round(1000 * (time.perf_counter() - t0) / steps, 3)
-    if phases is not None:
-        result["host_phase_ms"] = phases.per_step_ms()
-        result["host_ms_excluding_wait"] = round(sum(v for k, v in result["host_phase_ms"].items() if k != "wait"), 3)
-    if timed:
-        spans = [start.elapsed_time(end) for _, start, end in graphs.replay_events]
-        graphs.replay_events = None
-        result["replays"] = len(spans)
-        result["replay_device_ms"] = round(sum(spans) / max(1, len(spans)), 3)
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
-        for _ in range(2):
-            engine.step()
-        sync(device)
-    if device.type == "cuda":
-        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-        result["kernels_per_step"] = round(len(kernels) / 2, 1)
-        result["kernel_ms_per_step"] = round(sum(e.time_range.elapsed_us() for e in kernels) / 2000, 3)
-        # every kernel of the step by name, launches per step: the full list (top_ops keeps 14)
-        by_name = collections.Counter(e.name for e in kernels)
-        result["kernels_by_name"] = {name[:96]: n / 2 for name, n in by_name.most_common()}
-    result["graph_steps"] = runner.num_graph_steps - graph_steps0
-    if graphs is not None:
-        result["graph_captures_total"] = graphs.num_captures
-    sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    result["top_ops"] = prof.key_averages().table(sort_by=sort, row_limit=14, max_name_column_width=48)
-    while engine.has_work:
-        engine.step()
-    return result
-
-
-# ---------------------------------------------------------------- the run
-
-def compact_json(record: dict) -> str:
-    """One line per top-level key: diffs of committed results stay readable."""
-    body = ",\n".join(f" {json.dumps(k)}: {json.dumps(v)}" for k, v in record.items())
-    return "{\n" + body + "\n}\n"
-
-
-def memory_now(device: torch.device) -> dict:
-    """Peak device memory since the last call (then reset) and host anonymous memory now."""
-    out = {"host_anon_bytes": anonymous_bytes()}
-    if device.type == "cuda":
-        out["peak_device_bytes"] = torch.cuda.max_memory_allocated(device)
-        out["device_total_bytes"] = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.reset_peak_memory_stats(device)
-    return out
-
-
-class Report:
-    """The result file, rewritten after every section."""
-
-    def __init__(self, path: Path, header: dict):
-        self.path, self.record = path, header
-
-    def memory(self, section: str, device: torch.device) -> None:
-        """The section's peak device memory and the host's memory after it, under "memory"."""
-        self.put("memory", {**self.record.get("memory", {}), section: memory_now(device)})
-
-    def put(self, key: str, value) -> None:
-        self.record[key] = value
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.path.write_text(compact_json(self.record))
-        print(f"[{key}] {json.dumps(value)[:600]}", flush=True)
-
-
-# How a step runs (issue 12): the earlier engine (every step eager, the batched path's
-# padded gather, the per-expert loop over dense experts), the in-place decode attention
-# alone, CUDA-graph replay of decode steps with prefill steps eager (the engine before
-# prefill graphs), and replay of every step as token rows, prefill chunks included (the
-# engine's default; graph_prefill), then the same with each layer's shared expert on a side
-# stream (the engine's default; overlap_shared_experts). "-prompts": with a prompt routing
-# recorder installed, as the runtime does when its artifact has residual heads (the
-# production path; the in-memory artifact here has none).
-MODES = {
-    "eager-gather": dict(attention_impl="batched", graphs=False, grouped=False),
-    "eager-inplace": dict(attention_impl="inplace", graphs=False, grouped=True),
-    "graphs-eager-prefill": dict(attention_impl="inplace", graphs=True, grouped=True, prefill=False),
-    "graphs-inplace": dict(attention_impl="inplace", graphs=True, grouped=True, prefill=True),
-    "graphs-overlap": dict(attention_impl="inplace", graphs=True, grouped=True, prefill=True, overlap=True),
-    "graphs-eager-prefill-prompts": dict(attention_impl="inplace", graphs=True, grouped=True, prefill=False,
-                                         overlap=True, prompts=True),
-    "graphs-overlap-prompts": dict(attention_impl="inplace", graphs=True, grouped=True, prefill=True, overlap=True,
-                                   prompts=True),
-}
-
-
 def set_mode(engine, mode: str) -> None:
-    """Switch a built engine between MODES (no rebuild: the runtime takes 30 s to build).
-    An engine from before prefill graphs (a base checkout) takes every graphs mode as
-    decode-only replay."""
+    """Switch a built engine between MODES (no rebuild: the runtime takes 30 s to build)."""
     m = MODES[mode]
-    set_prompt_routing(engine, m.get("prompts", False))
     runner = engine.runner
     runner.attention_impl = m["attention_impl"]
-    graphs = m["graphs"] and engine.kv.device.type == "cuda"
-    prefill = m.get("prefill", False) and hasattr(runner, "graph_prefill")
-    if hasattr(runner, "graph_prefill"):
-        runner.graph_prefill = prefill
-    if hasattr(engine.model, "overlap_shared_experts"):  # before the graphs: captures bake it in
-        engine.model.overlap_shared_experts(m.get("overlap", False))
+    runner.graph_prefill = prefill = m.get("prefill", False)
+    engine.model.overlap_shared_experts(m.get("overlap", False))  # before the graphs: captures bake it in
     kwargs = {"max_tokens": engine.graph_tokens()} if prefill else {}
     runner.graphs = DecodeGraphs(engine.model, engine.kv, engine.config.scheduler.max_num_seqs, **kwargs) \
-        if graphs else None
+        if m["graphs"] and engine.kv.device.type == "cuda" else None
     for block in engine.model.moe_blocks:
         if hasattr(block.experts, "grouped"):
             block.experts.grouped = m["grouped"]
-
-
-def set_prompt_routing(engine, on: bool) -> None:
-    """Install (or take out) a PromptRoutingRecorder on a built engine, reserved for its
-    max_num_seqs as Engine does for one it is given."""
-    from pagedweight.engine.prompt_routing import PromptRoutingRecorder
-
-    recorder = engine.prompt_routing
-    if on and recorder is None:
-        c = engine.model.config
-        recorder = PromptRoutingRecorder(c.num_layers, c.num_experts, engine.model.device)
-        recorder.install(engine.model)
-        recorder.reserve_slots(engine.config.scheduler.max_num_seqs)
-        engine.prompt_routing = recorder
-    elif not on and recorder is not None:
-        recorder.uninstall(engine.model)
-        engine.prompt_routing = None
-
-
-def set_gemv_tokens_per_expert(limit: float | None) -> None:
-    """The expert GEMV's limit for this process (a checkout from before the GEMV has none)."""
-    if limit is not None and hasattr(decode_ops, "GEMV_MAX_TOKENS_PER_EXPERT"):
-        decode_ops.GEMV_MAX_TOKENS_PER_EXPERT = limit
 
 
 def engine_config(max_seqs: int, max_tokens: int, num_kv_blocks: int = 1024) -> EngineConfig:
@@ -477,242 +318,186 @@ def engine_config(max_seqs: int, max_tokens: int, num_kv_blocks: int = 1024) -> 
                         kv=KVCacheConfig(), num_kv_blocks=num_kv_blocks)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="qwen1.5-moe-a2.7b", choices=sorted(CONFIGS))
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
-    parser.add_argument("--prompt-len", type=int, default=32)
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--hf-concurrency", type=int, nargs="*", default=None,
-                        help="concurrencies of transformers' generate (default: --concurrency)")
-    parser.add_argument("--ttft-prompts", type=int, nargs="*", default=[512, 4096])
-    parser.add_argument("--static-bits", type=int, nargs="*", default=[4, 8, 3])
-    parser.add_argument("--kv-gib", type=float, default=8.0, help="KV room of the unpressured runtimes")
-    parser.add_argument("--pressure-requests", type=int, default=96)
-    parser.add_argument("--pressure-concurrency", type=int, default=64)
-    parser.add_argument("--pressure-prompt-len", type=int, default=256)
-    parser.add_argument("--modes", nargs="+", default=["eager-gather", "graphs-inplace"], choices=sorted(MODES),
-                        help="how steps run, each measured in the same run (the first is the baseline)")
-    parser.add_argument("--profile-concurrency", type=int, nargs="*", default=[1, 64],
-                        help="concurrencies of the per-step profile (host phases, device span, kernels)")
-    parser.add_argument("--component-concurrency", type=int, nargs="*", default=None,
-                        help="concurrencies of the per-component step profile, bf16 and every static width "
-                             "(default: --concurrency)")
-    parser.add_argument("--build", choices=("auto", "whole", "layers"), default="auto",
-                        help="whole: the bf16 model on the device, then quantised; layers: the artifact layer by "
-                             "layer, no bf16 model (no parity, transformers or bf16 engine); auto: whole where "
-                             "the bf16 weights, KV room and workspace fit the device")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights (per tensor name)")
-    parser.add_argument("--label", default="", help="what this run measures (e.g. before / after)")
-    parser.add_argument("--min-requests", type=int, default=2,
-                        help="requests of each load at least (the load has max(this, concurrency))")
-    parser.add_argument("--prefill-profile", type=int, nargs="*", default=[],
-                        help="prompt lengths whose first step (prefill) is profiled in every mode")
-    parser.add_argument("--skip", nargs="*", default=[], help="sections to skip: hf bf16 static pressure")
-    parser.add_argument("--time-limit-s", type=float, default=540.0)
-    parser.add_argument("--reserve-s", type=float, default=60.0,
-                        help="time a measurement must have left to start (a runtime build: 30 s more)")
-    parser.add_argument("--out", type=Path, default=None, help="result path (default bench/results/)")
-    parser.add_argument("--gemv-tokens-per-expert", type=float, default=None,
-                        help="assignments per expert (T k / E) up to which dense experts take the expert GEMV "
-                             "(default: the code's decode_ops.GEMV_MAX_TOKENS_PER_EXPERT; bench/expert_gemv.py "
-                             "measures the crossover)")
-    args = parser.parse_args()
-    set_gemv_tokens_per_expert(args.gemv_tokens_per_expert)
-    clock = Clock(args.time_limit_s)
-    device = torch.device(args.device)
-    dtype = torch.bfloat16
-    if device.type == "cpu":
-        torch.set_num_threads(2)
-    out = args.out or RESULTS_DIR / f"real_shape_{args.model}_{device_tag()}.json"
-    report = Report(out, {"benchmark": "real_shape", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                          "machine": machine(), "commit": commit(), "gpu": gpu(),
-                          "code_commit": os.environ.get("PAGEDWEIGHT_CODE_COMMIT", commit()),
-                          "code_path": str(Path(pagedweight.__file__).parent), "label": args.label,
-                          "model": args.model,
-                          "dtype": "bfloat16", "args": {k: str(v) for k, v in vars(args).items()},
-                          "gemv_max_tokens_per_expert": getattr(decode_ops, "GEMV_MAX_TOKENS_PER_EXPERT", None)})
-    specs = [LoadSpec(max(args.min_requests, c), c, args.prompt_len, args.max_tokens) for c in args.concurrency]
-    max_seqs = max(max(args.concurrency), args.pressure_concurrency)
-    batched_tokens = max(512, min(2048, max(args.ttft_prompts or [0])))
+# ---------------------------------------------------------------- the run
 
-    bw = copy_bandwidth(device, GiB // 16 if device.type == "cpu" else 2 * GiB)
-    report.put("copy_bandwidth_bytes_per_s", bw)
+class Run:
+    """The sections of one run, in order, against the clock; each puts its part of the result."""
 
-    component_concurrency = args.concurrency if args.component_concurrency is None else args.component_concurrency
-    _, raw = hf_config_of(args.model)
-    config = ModelConfig.from_dict(raw)
-    ecfg = engine_config(max_seqs, batched_tokens)
-    workspace = workspace_bytes(config, ecfg, dtype)
-    bf16_bytes = bf16_weight_bytes(config)
-    device_bytes = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
-    # the bf16 engine needs its weights, its KV room and a step's workspace at once
-    bf16_needs = int(bf16_bytes + args.kv_gib * GiB + workspace)
-    fits = device_bytes is None or bf16_needs <= 0.92 * device_bytes
-    build = args.build if args.build != "auto" else ("whole" if fits else "layers")
-    report.put("build", {"how": build, "bf16_weight_bytes": bf16_bytes, "bf16_needs_bytes": bf16_needs,
-                         "device_bytes": device_bytes, "bf16_fits": fits, "seed": args.seed})
-    report.memory("start", device)
+    def __init__(self, args):
+        self.args, self.clock, self.device, self.dtype = args, Clock(args.time_limit_s), torch.device(args.device), \
+            torch.bfloat16
+        if self.device.type == "cpu":
+            torch.set_num_threads(2)
+        out = args.out or RESULTS_DIR / f"real_shape_{args.model}_{device_tag()}.json"
+        self.report = Report(out, {"benchmark": "real_shape", **stamp(),
+                                   "code_commit": os.environ.get("PAGEDWEIGHT_CODE_COMMIT", commit()),
+                                   "code_path": str(Path(pagedweight.__file__).parent), "label": args.label,
+                                   "model": args.model, "dtype": "bfloat16",
+                                   "args": {k: str(v) for k, v in vars(args).items()},
+                                   "gemv_max_tokens_per_expert": decode_ops.GEMV_MAX_TOKENS_PER_EXPERT})
+        self.specs = [LoadSpec(max(args.min_requests, c), c, args.prompt_len, args.max_tokens)
+                      for c in args.concurrency]
+        self.max_seqs = max(max(args.concurrency), args.pressure_concurrency)
+        self.ecfg = engine_config(self.max_seqs, max(512, min(2048, max(args.ttft_prompts or [0]))))
+        _, raw = hf_config_of(args.model)
+        self.config = ModelConfig.from_dict(raw)
+        self.workspace = workspace_bytes(self.config, self.ecfg, self.dtype)
+        self.hf_model = self.ours = self.raw = self.paged = None
 
-    t0 = time.perf_counter()
-    if build == "whole":
-        hf_model, raw = build_hf_model(args.model, device, dtype, seed=args.seed)
-        sync(device)
-        ours = ours_from_hf(hf_model, config)
-        report.put("build_s", round(time.perf_counter() - t0, 1))
-        report.put("parity_vs_transformers", parity(hf_model, ours, config.vocab_size, device))
-        dense = {k: v for k, v in ours.state_dict().items() if ".experts." not in k}
-    else:
-        paged, quantize_stats = paged_by_layer(args.model, device, dtype, args.seed,
+    def left(self, more_s: float = 0.0) -> bool:
+        """Time left for a measurement (a runtime build needs `more_s` besides)."""
+        return self.clock.left() >= self.args.reserve_s + more_s
+
+    def build(self) -> None:
+        """The bf16 model on the device (whole), or the paged artifact layer by layer where the
+        bf16 model, its KV room and a step's workspace do not fit."""
+        args, device, report = self.args, self.device, self.report
+        bf16_bytes = bf16_weight_bytes(self.config)
+        device_bytes = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+        # the bf16 engine needs its weights, its KV room and a step's workspace at once
+        bf16_needs = int(bf16_bytes + args.kv_gib * GiB + self.workspace)
+        self.fits = device_bytes is None or bf16_needs <= 0.92 * device_bytes
+        self.whole = (args.build if args.build != "auto" else ("whole" if self.fits else "layers")) == "whole"
+        report.put("build", {"how": "whole" if self.whole else "layers", "bf16_weight_bytes": bf16_bytes,
+                             "bf16_needs_bytes": bf16_needs, "device_bytes": device_bytes, "bf16_fits": self.fits,
+                             "seed": args.seed})
+        report.memory("start", device)
+        t0 = time.perf_counter()
+        if self.whole:
+            self.hf_model, self.raw = build_hf_model(args.model, device, self.dtype, seed=args.seed)
+            sync(device)
+            self.ours = ours_from_hf(self.hf_model, self.config)
+            report.put("build_s", round(time.perf_counter() - t0, 1))
+            report.put("parity_vs_transformers", parity(self.hf_model, self.ours, self.config.vocab_size, device))
+            dense = {k: v for k, v in self.ours.state_dict().items() if ".experts." not in k}
+        else:
+            self.paged, stats = paged_by_layer(args.model, device, self.dtype, args.seed,
                                                log=lambda line: print(line, flush=True))
-        report.put("quantize_by_layer", quantize_stats)
-        report.put("quantize_s", quantize_stats["seconds"])
-        dense = paged.dense_state
-        hf_model = ours = None
-        skipped = {"skipped": "does not fit" if not fits else "--build layers", "bf16_needs_bytes": bf16_needs,
-                   "device_bytes": device_bytes}
-        report.put("parity_vs_transformers", skipped)
-        report.put("transformers_generate", skipped)
-        report.put("engine_bf16_dense", skipped)
-    report.memory("build", device)
+            report.put("quantize_by_layer", stats)
+            report.put("quantize_s", stats["seconds"])
+            dense = self.paged.dense_state
+            skipped = {"skipped": "does not fit" if not self.fits else "--build layers",
+                       "bf16_needs_bytes": bf16_needs, "device_bytes": device_bytes}
+            for key in ("parity_vs_transformers", "transformers_generate", "engine_bf16_dense"):
+                report.put(key, skipped)
+        report.memory("build", device)
+        self.dense_bytes = sum(v.numel() * v.element_size() for v in dense.values())
+        embed = dense["embed_tokens.weight"]
+        self.embed_row_bytes, self.embed_bytes = embed.shape[1] * embed.element_size(), embed.numel() * embed.element_size()
 
-    # The floor: bytes per decode step over the copy bandwidth.
-    dense_bytes = sum(v.numel() * v.element_size() for v in dense.values())
-    embed = dense["embed_tokens.weight"]
-    row_bytes = embed.shape[1] * embed.element_size()
-    floors = {}
-    for name, bits in [("bf16", None)] + [(f"static-{b}", b) for b in args.static_bits]:
-        floors[name] = {}
-        for c in args.concurrency:
-            nbytes = decode_bytes(config, dense_bytes, row_bytes, embed.numel() * embed.element_size(), c, bits)
-            floors[name][str(c)] = {"bytes_per_step": round(nbytes), "floor_tokens_per_s": round(c * bw / nbytes, 1)}
-        if bits is None and not fits:
-            floors[name]["does_not_fit"] = True
-    report.put("hbm_floor", floors)
+    def floors(self, bandwidth: float) -> None:
+        """Per row and concurrency: bytes per decode step and the tokens/s they allow."""
+        floors = {}
+        for name, bits in [("bf16", None)] + [(f"static-{b}", b) for b in self.args.static_bits]:
+            floors[name] = {}
+            for c in self.args.concurrency:
+                nbytes = decode_bytes(self.config, self.dense_bytes, self.embed_row_bytes, self.embed_bytes, c, bits)
+                floors[name][str(c)] = {"bytes_per_step": round(nbytes),
+                                        "floor_tokens_per_s": round(c * bandwidth / nbytes, 1)}
+            if bits is None and not self.fits:
+                floors[name]["does_not_fit"] = True
+        self.report.put("hbm_floor", floors)
 
-    if build == "whole" and "hf" not in args.skip:
+    def transformers(self) -> None:
         rows = []
-        for c in args.concurrency if args.hf_concurrency is None else args.hf_concurrency:
-            if clock.left() < args.reserve_s:
+        for c in self.args.concurrency if self.args.hf_concurrency is None else self.args.hf_concurrency:
+            if not self.left():
                 rows.append({"concurrency": c, "skipped": "time limit"})
                 continue
-            rows.append(hf_generate_tokens_per_s(hf_model, config.vocab_size, c, args.prompt_len,
-                                                 args.max_tokens, device))
-            report.put("transformers_generate", rows)
-        report.memory("transformers", device)
+            rows.append(hf_generate_tokens_per_s(self.hf_model, self.config.vocab_size, c, self.args.prompt_len,
+                                                 self.args.max_tokens, self.device))
+            self.report.put("transformers_generate", rows)
+        self.report.memory("transformers", self.device)
 
-    def extras_per_mode(row: dict, engine, mode: str) -> None:
-        """TTFT, the prefill profile and (with prefill graphs) their parity, in each mode:
-        how the prefill runs is what the modes differ in."""
-        if args.prefill_profile and clock.left() > args.reserve_s:
-            row["prefill"] = {str(n): prefill_profile(engine, n, device) for n in args.prefill_profile
-                              if clock.left() > args.reserve_s}
-        if MODES[mode].get("prefill") and getattr(engine.runner, "graph_prefill", False) \
-                and clock.left() > args.reserve_s:
-            row["prefill_parity"] = prefill_parity(engine, sorted({args.prompt_len, 33, *args.prefill_profile}),
-                                                   device)
-        row["ttft_s"] = {str(n): ttft(engine, n, device) for n in args.ttft_prompts if clock.left() > args.reserve_s}
-
-    def profiles(row: dict, engine) -> None:
-        """The last mode's step profile and the per-component profile (eager steps)."""
-        row["profile"] = {str(c): decode_profile(engine, c, args.prompt_len, device)
-                          for c in args.profile_concurrency if clock.left() > args.reserve_s + 30}
-        row["components"] = {str(c): component_profile(engine, c, args.prompt_len, device)
-                             for c in component_concurrency if clock.left() > args.reserve_s + 30}
-
-    if build == "whole" and "bf16" not in args.skip:
-        # KV for every sequence of the largest load at once (no preemption in the bf16 rows)
+    def engine_bf16(self) -> None:
+        """Our engine over the dense bf16 experts, with KV for every sequence of the largest
+        load at once (no preemption in the bf16 rows)."""
+        args = self.args
         blocks = -(-5 * max(args.concurrency) * (args.prompt_len + args.max_tokens) // (4 * KVCacheConfig().block_size))
-        engine = Engine(ours, engine_config(max_seqs, batched_tokens,
-                                            num_kv_blocks=max(1024 if device.type == "cuda" else 512, blocks)))
+        engine = Engine(self.ours, engine_config(self.max_seqs, self.ecfg.scheduler.max_num_batched_tokens,
+                                                 num_kv_blocks=max(1024 if self.device.type == "cuda" else 512,
+                                                                   blocks)))
         modes = {}
+
+        def put():
+            self.report.put("engine_bf16_dense", modes)
+
         for mode in args.modes:
-            set_mode(engine, mode)
             row = modes[mode] = {"loads": []}
-            for spec in specs:
-                if clock.left() < args.reserve_s:
-                    break
-                row["loads"].append(tokens_per_s(engine, spec, device))
-                report.put("engine_bf16_dense", modes)
+            self.mode_loads(engine, mode, row["loads"], put)
             if mode == args.modes[-1]:
-                profiles(row, engine)
-            extras_per_mode(row, engine, mode)
-            report.put("engine_bf16_dense", modes)
+                self.profiles(row, engine)
+            self.extras(engine, mode, row)
+            put()
         del engine
-        report.memory("engine_bf16", device)
+        self.report.memory("engine_bf16", self.device)
 
-    if build == "whole":
-        t0 = time.perf_counter()
-        paged = paged_in_memory(ours, config, raw)
-        report.put("quantize_s", round(time.perf_counter() - t0, 1))
-        del ours, hf_model
-    del dense, embed
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    report.memory("quantize", device)
+    def quantize(self) -> None:
+        """The in-memory artifact from the whole bf16 model, which then goes."""
+        if self.whole:
+            t0 = time.perf_counter()
+            self.paged = paged_in_memory(self.ours, self.config, self.raw)
+            self.report.put("quantize_s", round(time.perf_counter() - t0, 1))
+            self.ours = self.hf_model = None
+        self.free_memory()
+        self.report.memory("quantize", self.device)
+        self.experts8 = sum(block_bytes(b["rows"], b["cols"], 8) for b in self.paged.meta["blocks"])
+        self.report.put("bytes", {"non_expert_weights": self.dense_bytes, "workspace": self.workspace,
+                                  "experts_8bit": self.experts8})
 
-    experts8 = sum(block_bytes(b["rows"], b["cols"], 8) for b in paged.meta["blocks"])
-    report.put("bytes", {"non_expert_weights": dense_bytes, "workspace": workspace, "experts_8bit": experts8})
+    def runtime(self, policy: str, budget: int):
+        return build_runtime_from_paged(self.paged, RuntimeConfig(budget, policy, device=str(self.device),
+                                                                  dtype=self.dtype, engine=self.ecfg),
+                                        self.config.eos_token_ids)
 
-    def runtime(policy: str, budget: int):
-        return build_runtime_from_paged(paged, RuntimeConfig(budget, policy, device=str(device), dtype=dtype,
-                                                             engine=ecfg), config.eos_token_ids)
+    def static(self, bits_list: list[int]) -> None:
+        """The runtime at each static width with ample KV room: every load in each mode, the
+        step profiles, and at 4 bits TTFT and the prefill parity per mode."""
+        args, static = self.args, self.results.setdefault("runtime_static", {})
 
-    static = {}
+        def put():
+            self.report.put("runtime_static", static)
 
-    def run_static(bits_list):
-        ample = int(dense_bytes + workspace + experts8 + args.kv_gib * GiB)
+        ample = int(self.dense_bytes + self.workspace + self.experts8 + args.kv_gib * GiB)
         for bits in bits_list:
-            if clock.left() < args.reserve_s + 30:
+            if not self.left(30):
                 static[f"static-{bits}"] = {"skipped": "time limit"}
                 continue
             t0 = time.perf_counter()
-            rt = runtime(f"static-{bits}", ample)
-            row = {"build_s": round(time.perf_counter() - t0, 1), "modes": {}}
-            static[f"static-{bits}"] = row
+            rt = self.runtime(f"static-{bits}", ample)
+            row = static[f"static-{bits}"] = {"build_s": round(time.perf_counter() - t0, 1), "modes": {}}
             for mode in args.modes:
-                set_mode(rt.engine, mode)
                 loads = row["modes"][mode] = []
-                for spec in specs:
-                    if clock.left() < args.reserve_s:
-                        break
-                    loads.append(tokens_per_s(rt.engine, spec, device))
-                    report.put("runtime_static", static)
+                self.mode_loads(rt.engine, mode, loads, put)
                 if mode == args.modes[-1]:
-                    profiles(row, rt.engine)
-                if bits == 4:  # per mode: TTFT, prefill profile, parity (the last mode's TTFT as before)
+                    self.profiles(row, rt.engine)
+                if bits == 4:
                     extras = row.setdefault("by_mode", {}).setdefault(mode, {})
-                    extras_per_mode(extras, rt.engine, mode)
+                    self.extras(rt.engine, mode, extras)
                     row["ttft_s"] = extras["ttft_s"]
-                report.put("runtime_static", static)
-            report.put("runtime_static", static)
+                put()
+            put()
             rt.close()
             del rt
-            gc.collect()
-            if device.type == "cuda":  # the next runtime's arena is one allocation as large as this one's
-                torch.cuda.empty_cache()
-            report.memory(f"static-{bits}", device)
+            self.free_memory()  # the next runtime's arena is one allocation as large as this one's
+            self.report.memory(f"static-{bits}", self.device)
 
-    # 8 and 4 bits first, then the pressure comparison, then 3 bits: what the limit cuts last
-    # matters least.
-    if "static" not in args.skip:
-        run_static([b for b in args.static_bits if b != 3])
-
-    if "pressure" not in args.skip:
-        kv_token = kv_block_bytes(config, 1, dtype)
-        wanted = args.pressure_concurrency * (args.pressure_prompt_len + args.max_tokens) * kv_token
-        budget = int(dense_bytes + workspace + experts8 + wanted // 2)
+    def pressure(self) -> None:
+        """Budget = 8-bit experts + the rest + half the KV the load wants: pagedweight against
+        static-4 and static-8 on one closed-loop load (pagedweight.cli.load_bench)."""
+        args = self.args
+        wanted = args.pressure_concurrency * (args.pressure_prompt_len + args.max_tokens) * kv_block_bytes(
+            self.config, 1, self.dtype)
+        budget = int(self.dense_bytes + self.workspace + self.experts8 + wanted // 2)
         spec = LoadSpec(args.pressure_requests, args.pressure_concurrency, args.pressure_prompt_len, args.max_tokens)
         pressure = {"budget_bytes": budget, "kv_wanted_bytes": wanted, "kv_room_at_8bit": wanted // 2,
                     "load": vars(spec), "policies": {}}
         for policy in ("static-4", "static-8", "pagedweight"):
-            if clock.left() < args.reserve_s + 30:
+            if not self.left(30):
                 pressure["policies"][policy] = {"skipped": "time limit"}
                 continue
             try:
-                rt = runtime(policy, budget)
+                rt = self.runtime(policy, budget)
             except Exception as err:  # noqa: BLE001 - a policy that cannot start is a result too
                 pressure["policies"][policy] = {"error": repr(err)}
                 continue
@@ -720,17 +505,67 @@ def main() -> None:
             if rt.pager is not None:
                 result["pager"] = rt.pager.stats().to_dict()
             pressure["policies"][policy] = result
-            report.put("pressure", pressure)
+            self.report.put("pressure", pressure)
             rt.close()
             del rt
-            gc.collect()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-        report.put("pressure", pressure)
+            self.free_memory()
+        self.report.put("pressure", pressure)
+
+    def mode_loads(self, engine, mode: str, loads: list, put) -> None:
+        set_mode(engine, mode)
+        for spec in self.specs:
+            if not self.left():
+                break
+            loads.append(tokens_per_s(engine, spec, self.device))
+            put()
+
+    def profiles(self, row: dict, engine) -> None:
+        """The step profile and the per-component profile (eager steps)."""
+        args = self.args
+        row["profile"] = {str(c): decode_profile(engine, c, args.prompt_len, self.device)
+                          for c in args.profile_concurrency if self.left(30)}
+        row["components"] = {str(c): component_profile(engine, c, args.prompt_len, self.device)
+                             for c in args.component_concurrency if self.left(30)}
+
+    def extras(self, engine, mode: str, row: dict) -> None:
+        """TTFT and, with prefill graphs, their parity with the eager step."""
+        args = self.args
+        if MODES[mode].get("prefill") and engine.runner.graph_prefill and self.left():
+            row["prefill_parity"] = prefill_parity(engine, sorted({args.prompt_len, 33}), self.device)
+        row["ttft_s"] = {str(n): ttft(engine, n, self.device) for n in args.ttft_prompts if self.left()}
+
+    def free_memory(self) -> None:
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    @property
+    def results(self) -> dict:
+        return self.report.record
+
+
+def main() -> None:
+    args = parse_args()
+    run = Run(args)
+    bandwidth = copy_bandwidth(run.device, GiB // 16 if run.device.type == "cpu" else 2 * GiB)
+    run.report.put("copy_bandwidth_bytes_per_s", bandwidth)
+    run.build()
+    run.floors(bandwidth)
+    if run.whole and "hf" not in args.skip:
+        run.transformers()
+    if run.whole and "bf16" not in args.skip:
+        run.engine_bf16()
+    run.quantize()
+    # 8 and 4 bits first, then the pressure comparison, then 3 bits: what the limit cuts last
+    # matters least
     if "static" not in args.skip:
-        run_static([b for b in args.static_bits if b == 3])
-    report.put("total_s", round(clock.elapsed(), 1))
-    print(f"wrote {out}")
+        run.static([b for b in args.static_bits if b != 3])
+    if "pressure" not in args.skip:
+        run.pressure()
+    if "static" not in args.skip:
+        run.static([b for b in args.static_bits if b == 3])
+    run.report.put("total_s", round(run.clock.elapsed(), 1))
+    print(f"wrote {run.report.path}")
 
 
 if __name__ == "__main__":

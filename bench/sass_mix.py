@@ -9,8 +9,13 @@ For an `apl_staged` instance (the staged regime) it counts the producer warpgrou
 instead: the innermost loops storing dequantised weights to shared memory (STS.128, 8 weights
 each) and holding no HGMMA; weights = 8 x STS.128.
 
-Usage: python -m bench.sass_mix ["apl_gemv<0, 0, true, true, 1>" | "apl_staged<0, 0, true, true, 8>"]
-       [NAME=VALUE ...] [--json OUT]
+The build helpers (`kernel_defines`, `module_text`, `build_instance`, `resource_usage`) also
+serve the kernel tests that compile instances with nvcc (registers, NVRTC, the staged host
+harness).
+
+    python -m bench run kernel-sass      # the 5-8-bit decode kernel; bench/results/sass_mix_cpu.json
+    python -m bench.sass_mix ["apl_gemv<0, 0, true, true, 1>" | "apl_staged<0, 0, true, true, 8>"]
+        [NAME=VALUE ...] [--name NAME]
 Needs nvcc (CUDA 12.4+ for sm_90) and nvdisasm on PATH or in NVDISASM (the `nvidia-cuda-nvdisasm`
 wheel ships one); no GPU.
 """
@@ -20,7 +25,6 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
-import json
 import os
 import re
 import shutil
@@ -28,6 +32,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from bench.bench_meta import write_result
 
 GEMV_PARAMS = ("const long long* __restrict__, const long long* __restrict__, int, int, int, const u16* __restrict__, "
                "int, int, int, int, int, float* __restrict__, int* __restrict__, u16* __restrict__, "
@@ -186,7 +192,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("instance", nargs="?", default="apl_gemv<0, 0, true, true, 1>")
     parser.add_argument("defines", nargs="*", help="NAME=VALUE overrides of the default defines")
-    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--name", default="sass_mix", help="bench/results/NAME_cpu.json")
     args = parser.parse_args(argv)
     try:
         overrides = {k: int(v) for k, _, v in (d.partition("=") for d in args.defines)}
@@ -224,9 +230,8 @@ def main(argv=None) -> int:
 
 
 def _write_json(args, overrides: dict[str, int], resources: str, mixes: list[dict]) -> int:
-    if args.json:
-        args.json.write_text(json.dumps({"instance": args.instance, "overrides": overrides, "resources": resources,
-                                         "loops": mixes}, indent=1))
+    print(write_result(args.name, {"instance": args.instance, "overrides": overrides, "resources": resources,
+                                   "loops": mixes}))
     return 0
 
 

@@ -22,7 +22,7 @@ alternating runs (the service layers' cost; target < 0.10 at concurrency 16). Wr
 
     python -m bench.serve_load --model PAGED_DIR [--memory-budget 32MiB] [--url http://127.0.0.1:8000]
 
-`--mode sweep` puts the three layers side by side in one run (bench/serve_clients.py): at
+`--mode sweep` puts the three layers side by side in one run (bench/serve_sweep.py): at
 each of `--concurrency 16,64,256` a closed loop keeps that many requests in flight for
 `--duration` seconds, first in process (the engine in this process), then, with planner +
 worker + gateway started here, straight to the worker's GenerateStream and through the
@@ -51,7 +51,8 @@ from pathlib import Path
 import numpy as np
 
 from bench.bench_meta import write_result
-from bench.serve_clients import RequestTiming, TraceRequest, start_cluster, summarize, worker_config
+from bench.serve_sweep import (Arrivals, InProcessClient, RequestTiming, TraceRequest, lengths, run_sweep,
+                               start_cluster, summarize, worker_config)
 
 
 def make_trace(num: int, rate: float, prompt_len: tuple[int, int], output_len: tuple[int, int],
@@ -95,11 +96,11 @@ def run_in_process(args, trace: list[TraceRequest]) -> dict:
     import torch
 
     from pagedweight.engine.async_engine import AsyncEngine
-    from pagedweight.engine.sampler import SamplingParams
     from pagedweight.worker.server import load_runtime
 
     runtime = load_runtime(worker_config(args))
     engine = AsyncEngine(runtime.engine)
+    client = InProcessClient(engine)
 
     def memory():
         pool = engine.stats().pool
@@ -110,19 +111,7 @@ def run_in_process(args, trace: list[TraceRequest]) -> dict:
     async def one(req: TraceRequest, start: float, gate: asyncio.Semaphore) -> RequestTiming:
         await asyncio.sleep(max(0.0, start + req.arrival_s - time.monotonic()))
         async with gate:
-            sent, last, ttft, itl, n, reason = time.monotonic(), None, 0.0, [], 0, ""
-            params = SamplingParams(max_tokens=req.output_len, ignore_eos=True)
-            async for out in engine.add_request(req.prompt_ids, params):
-                now = time.monotonic()
-                if out.new_token_ids:
-                    if last is None:
-                        ttft = now - sent
-                    else:
-                        itl.append(now - last)
-                    last = now
-                    n += len(out.new_token_ids)
-                reason = out.finish_reason or reason
-            return RequestTiming(ttft, itl, n, reason)
+            return await client.send(req)
 
     async def main():
         for warm in trace[:2]:  # first steps pay one-off costs
@@ -152,12 +141,12 @@ def stream_completion(url: str, model: str, req: TraceRequest) -> RequestTiming:
     body = json.dumps({"model": model, "prompt": req.prompt_ids, "max_tokens": req.output_len,
                        "temperature": 0, "ignore_eos": True, "stream": True,
                        "stream_options": {"include_usage": True}})
-    sent = time.monotonic()
+    arrivals = Arrivals(time.monotonic())
     conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
     response = conn.getresponse()
     if response.status != 200:
         raise RuntimeError(f"HTTP {response.status}: {response.read()[:300]!r}")
-    last, ttft, itl, tokens, reason = None, 0.0, [], 0, ""
+    reason = ""
     for raw in response:
         line = raw.decode().strip()
         if not line.startswith("data: ") or line == "data: [DONE]":
@@ -171,16 +160,12 @@ def stream_completion(url: str, model: str, req: TraceRequest) -> RequestTiming:
             # tokens that decode to no text yet (EOS with ignore_eos, partial characters), so
             # those tokens' latency folds into the next chunk's: client-side ITL as
             # `vllm bench serve` measures it.
-            if last is None:
-                ttft = now - sent
-            else:
-                itl.append(now - last)
-            last = now
+            arrivals.arrived(now, 0)
             reason = choice.get("finish_reason") or reason
         if chunk.get("usage"):
-            tokens = chunk["usage"]["completion_tokens"]
+            arrivals.tokens = chunk["usage"]["completion_tokens"]
     conn.close()
-    return RequestTiming(ttft, itl, tokens, reason)
+    return arrivals.timing(reason)
 
 
 def scrape(port: int) -> dict[str, float]:
@@ -243,20 +228,14 @@ def run_worker_grpc(args, trace: list[TraceRequest], address: str) -> dict:
     async def one(stub, req: TraceRequest, start: float, gate: asyncio.Semaphore) -> RequestTiming:
         await asyncio.sleep(max(0.0, start + req.arrival_s - time.monotonic()))
         async with gate:
-            sent, last, ttft, itl, n, reason = time.monotonic(), None, 0.0, [], 0, ""
+            arrivals, reason = Arrivals(time.monotonic()), ""
             request = worker_pb2.GenerateRequest(prompt_token_ids=req.prompt_ids, sampling=worker_pb2.SamplingParams(
                 max_tokens=req.output_len, ignore_eos=True))
             async for m in stub.Generate(request, metadata=metadata):
-                now = time.monotonic()
                 if m.token_ids:
-                    if last is None:
-                        ttft = now - sent
-                    else:
-                        itl.append(now - last)
-                    last = now
-                    n += len(m.token_ids)
+                    arrivals.arrived(time.monotonic(), len(m.token_ids))
                 reason = m.finish_reason or reason
-            return RequestTiming(ttft, itl, n, reason)
+            return arrivals.timing(reason)
 
     metadata = RpcSecurity.from_settings().metadata()  # the token of $PAGEDWEIGHT_RPC_TOKEN, if any
 
@@ -303,16 +282,13 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="result path (default bench/results/serve_<mode>_<model>.json)")
     args = parser.parse_args()
     if args.mode == "sweep":
-        from bench.serve_sweep import run_sweep
-
         run_sweep(args)
         return
 
     from pagedweight.format.model_config import ModelConfig
 
     vocab = ModelConfig.from_dir(Path(args.model)).vocab_size
-    lo_hi = lambda s: tuple(int(x) for x in s.split(":"))  # noqa: E731
-    trace = make_trace(args.num_prompts, args.request_rate, lo_hi(args.prompt_len), lo_hi(args.output_len),
+    trace = make_trace(args.num_prompts, args.request_rate, lengths(args.prompt_len), lengths(args.output_len),
                        vocab, args.seed)
     # Rounds alternate in-process and cluster runs, so a busy spell of a shared machine
     # does not land on one side only; the cluster stays up between its rounds.

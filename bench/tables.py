@@ -263,7 +263,7 @@ def budget_sweep(files: list[str]) -> list[str]:
     return lines + ["", source(*present)]
 
 
-# the real-shape recipes' models (bench/recipes.py), in the order the tables show them
+# the real-shape recipes' models (RECIPES in bench/__main__.py), in the order the tables show them
 REAL_SHAPE_MODELS = ("qwen1.5-moe-a2.7b", "mixtral-8x7b", "gemma-4-26b-a4b")
 # table name -> (generator, result files)
 TABLES = {

@@ -1,7 +1,7 @@
 // Host stand-ins for the PTX of the APL_HD helpers (dtype_conversions.cu), so that the staged
 // regime can run on a machine without a GPU: its producer's dequantisation, and whole CTAs of
 // apl_staged (staged_cta) with their 256 threads as host threads. Included only by the CPU test's
-// harness (bench/staged_host_harness.cu), before the kernel sources, and only in nvcc's
+// harness (tests/kernels/staged_host_harness.cu), before the kernel sources, and only in nvcc's
 // host pass; the kernels as the launcher builds them (NVRTC, device code only) never read it.
 //
 // Each stand-in follows the PTX ISA's definition of its instruction, including the cases the

@@ -21,7 +21,7 @@
 // (the step counter runs on across passes, so the ring's phases stay in step). Outputs are written
 // by position, so reruns are bit-identical; blocks whose bits the class does not hold produce NaN.
 //
-// The same source runs on the CPU (apl_host.h, bench/staged_host.py): the functions below are
+// The same source runs on the CPU (apl_host.h, tests/kernels/staged_host.py): the functions below are
 // APL_HD, with host branches for their PTX, and staged_cta is the kernel's body, so a whole launch
 // runs with its threads as host threads, checked against torch (tests/kernels/test_staged_host_cpu.py).
 
@@ -144,7 +144,7 @@ template <int CLS> APL_HD constexpr unsigned staged_align() { return staged_tma<
 struct __align__(64) StagedTensorMap { unsigned long long word[16]; };
 
 // The producer's dequantisation and the operand layout, for the device and for the host (APL_HD:
-// bench/staged_host.py runs them on the CPU, and its test reads the tiles back by the PTX ISA's layout).
+// tests/kernels/staged_host.py runs them on the CPU, and its test reads the tiles back by the PTX ISA's layout).
 
 // 16-byte chunk c (columns 8c..8c+7) of row r of a [rows x 64] operand tile in the no-swizzle
 // K-major layout wgmma_desc describes: k16 slice c / 2 holds rows / 8 pairs of 128-byte core
@@ -464,7 +464,7 @@ APL_HD void staged_produce(const BlockRef& blk, const StagedWork& w, const int* 
                     }
                     if constexpr (PA) {
                         // one LDS.128 a plane for this step and the next: a warp's 32 x 16 contiguous
-                        // bytes take 4 wavefronts, where an LDS.64 a step took 4 each (bench/staged_banks)
+                        // bytes take 4 wavefronts, where an LDS.64 a step took 4 each (tests/kernels/staged_host.py, bank_counts)
                         if (half % 2 == 0) {
 #pragma unroll
                             for (int p = 0; p < B; ++p) {

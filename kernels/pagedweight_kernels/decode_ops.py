@@ -54,9 +54,8 @@ GEMV_UNROLL = {"gate_up": 4, "down": 8}
 MAX_GEMV_ROWS_PER_CTA = 8  # expert_gemv.cu's GV_MAX_ROWS_PER_CTA
 GEMV_CTAS_PER_SM = 2  # the kernels' __launch_bounds__ occupancy: the persistent grid is one wave
 # The dense experts take the GEMV while a step's assignments per expert (T k / E, the mean)
-# stay at most this, torch._grouped_mm above: on the H200 (bench/expert_gemv.py, 2026-12-01)
-# the GEMV was the faster up to 64 / 60 (T = 16, 1.02x) at Qwen1.5-MoE's experts and at
-# 8 / 8 (T = 4, 1.11x) at Mixtral's, and slower from 2 at Mixtral's (first version, 0.70x).
+# stay at most this, torch._grouped_mm above: the GEMV is the faster up to about one
+# assignment per expert at Qwen1.5-MoE's and Mixtral's expert shapes (docs/real_shape.md).
 GEMV_MAX_TOKENS_PER_EXPERT = 1.0
 
 

@@ -7,7 +7,7 @@ typedef unsigned short u16;
 typedef unsigned int u32;
 
 // APL_HD: a helper the host can run too. The staged producer's dequantisation and everything it
-// calls are compiled for the host by the CPU test (bench/staged_host.py): each such helper
+// calls are compiled for the host by the CPU test (tests/kernels/staged_host.py): each such helper
 // keeps its PTX for the device and, where it has PTX, a host branch calling the stand-in of the
 // same name in apl_host.h, which only that harness includes. NVRTC and the device pass of nvcc
 // define __CUDA_ARCH__ and never see the host branches.

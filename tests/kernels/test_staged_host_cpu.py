@@ -8,9 +8,9 @@
    epilogue, against a torch reference of the projection (gate_up's act(gate) * up, down's fp32
    rows), with wgmma computed by the PTX ISA's definition.
 
-bench/staged_host builds bench/staged_host_harness.cu with nvcc from the kernel module's text as the
-launcher builds it and the launcher's defines (for 1, once more with every knob of the lookup path
-flipped); its host pass runs the kernel's own functions with apl_host.h's stand-ins for the PTX. The tiles are read
+staged_host.py (beside this file) builds staged_host_harness.cu with nvcc from the kernel module's
+text as the launcher builds it and the launcher's defines (for 1, once more with every knob of the
+lookup path flipped); its host pass runs the kernel's own functions with apl_host.h's stand-ins for the PTX. The tiles are read
 back here by the operand layout the consumer's descriptors describe (the PTX ISA's no-swizzle
 K-major layout), written out independently of tile_chunk. What the emulation cannot show: timing,
 and a missing memory fence (apl_host.h). Skipped without nvcc."""
@@ -26,13 +26,12 @@ import numpy as np
 import pytest
 import torch
 
-from bench import staged_banks, staged_host
 from bench.sass_mix import kernel_defines
-from bench.staged_host import (ST_KS, ST_ROWS, build_harness, launch_output, planned, projection_case,
-                               reference_projection, run_launch)
 from pagedweight_kernels import apl_moe as op
 from pagedweight_kernels.apl_moe import staged_plan
 from pagedweight_kernels.synthetic import random_block
+from tests.kernels.staged_host import (ST_KS, ST_ROWS, bank_counts, build_harness, launch_output, planned,
+                                       projection_case, reference_projection, run_launch)
 # wgmma_desc (apl_gemv.cu): LBO 128 bytes between the two core matrices of a k16 slice (columns
 # 0-7, 8-15), SBO 256 bytes between 8-row groups; a core matrix is 8 rows of 16 contiguous bytes.
 LBO, SBO = 128, 256
@@ -361,14 +360,14 @@ def test_gate_up_with_gelu(cta_harness, tmp_path):
     assert_matches(launch_output(tmp_path, case), reference_projection(case), case)
 
 
-# ---------------------------------------------------------------- bank conflicts (bench/staged_banks)
+# ---------------------------------------------------------------- bank conflicts
 @pytest.mark.parametrize("plane_async", [0, 1])
 def test_producer_stores_and_copies_take_the_fewest_wavefronts(tmp_path, plane_async):
     # the A tiles' STS.128, the activations' (and plane words') 16-byte cp.async, the plane ring's LDS.128;
     # with every token row copied (APL_STAGED_SKIP_PAD 0): a copy whose padding lanes are off still
     # takes the 4 wavefronts of its 4 bank-aligned chunk lines, more than its fewer bytes would need
     knobs = {"APL_STAGED_PLANE_ASYNC": plane_async, "APL_STAGED_SKIP_PAD": 0, "APL_STAGED_TMA": 0}
-    got = staged_banks.count("4 bits", 4, knobs, False, tmp_path)["kinds"]
+    got = bank_counts(4, knobs, tmp_path)
     assert set(got) == ({"STS.128", "LDGSTS.16", "LDS.128"} if plane_async else {"STS.128", "LDGSTS.16"})
     for kind, c in got.items():
         assert c["instructions"] > 0 and c["wavefronts"] == c["ideal"], (kind, c)
@@ -410,32 +409,6 @@ def test_the_emulated_conversions_round_as_torch_does(harness, tmp_path):
     assert torch.equal(torch.isnan(widened), torch.isnan(all_halves))
     finite = ~torch.isnan(all_halves)
     assert torch.equal(widened[finite].view(torch.int32), all_halves[finite].view(torch.int32))
-
-
-# ---------------------------------------------------------------- python -m bench.staged_host
-def test_the_command_line_saves_a_launch_beside_its_reference(tmp_path, capsys):
-    out = tmp_path / "launch.pt"
-    assert staged_host.main(["--projection", "down", "--bits", "3,5,8", "--rows-out", "128", "--cols", "160",
-                             "--tokens", "40", "--dtype", "fp16", "--out", str(out)]) == 0
-    saved = torch.load(out)
-    rows = ~torch.isnan(saved["reference"]).all(1)
-    torch.testing.assert_close(saved["output"][rows], saved["reference"][rows], rtol=1e-4, atol=1e-5)
-    assert saved["instance"][:4] == (2, 1, False, False) and "saved" in capsys.readouterr().out  # merged, 4-byte loads
-
-
-@pytest.mark.parametrize("args", [["--bits", "4,9"], ["--cols", "100"], ["--top-k", "5"], ["--knobs", "APL_NOPE=1"],
-                                  ["--bits", ""]])
-def test_the_command_line_refuses_bad_input_with_one_line(tmp_path, capsys, args):
-    out = tmp_path / "launch.pt"
-    assert staged_host.main([*args, "--out", str(out)]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("staged_host: ")
-    assert not out.exists()
-
-
-def test_the_command_line_says_when_it_cannot_write(tmp_path, capsys):
-    assert staged_host.main(["--out", str(tmp_path / "missing" / "launch.pt")]) == 2
-    assert "cannot write" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------- the derived tables

@@ -1,39 +1,34 @@
-"""The staged regime (apl_staged.cu) run on the CPU: build the harness (bench/staged_host_harness.cu)
-with nvcc and run it, no GPU.
+"""The staged regime (apl_staged.cu) run on the CPU: build the harness (staged_host_harness.cu
+beside this file) with nvcc and run it, no GPU.
 
 The harness includes the kernel module's text exactly as the launcher builds it (module_text) and is
 compiled with the launcher's defines (kernel_defines, plus overrides); nvcc's host pass compiles the
 kernel's APL_HD functions for the host, with kernels/pagedweight_kernels/apl_host.h's stand-ins for
 their PTX. Its modes: `tiles` (the producer's A tiles of one block), `chunks` (tile_chunk's B
-offsets) and `cta` (a whole projection launch, every CTA of the grid with its 256 threads as host
-threads). Used by tests/kernels/test_staged_host_cpu.py and bench/staged_banks.py.
-
-Usage: python -m bench.staged_host --projection gate_up|down --bits 4,3,4,3 [--rows-out N] [--cols N]
-       [--tokens N] [--top-k K] [--dtype bf16|fp16] [--knobs "APL_X=1"] --out launch.pt
-runs one launch on the CPU and saves its output beside the torch reference (nvcc, no GPU).
+offsets), `convert` (the dtype conversions) and `cta` (a whole projection launch, every CTA of the
+grid with its 256 threads as host threads; with APL_HOST_BANKS set it also counts the shared-memory
+bank wavefronts of the producers' accesses, `bank_counts`). Used by
+tests/kernels/test_staged_host_cpu.py.
 """
 
 from __future__ import annotations
 
-import argparse
-import shutil
+import json
+import os
 import struct
 import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from bench.sass_mix import kernel_defines, module_text
-from pagedweight_kernels import apl_moe as op
 from pagedweight_kernels.apl_moe import DEFAULT_CONFIG, GemmPlan, KernelConfig, staged_class, staged_plan, widest_by_class
 from pagedweight_kernels.moe_reference import expert_bounds, gated, group_tokens_by_expert
 from pagedweight_kernels.synthetic import random_block, ragged_routing
 
 HARNESS = Path(__file__).with_name("staged_host_harness.cu")
-KERNELS = Path(__file__).parents[1] / "kernels" / "pagedweight_kernels"
+KERNELS = Path(__file__).parents[2] / "kernels" / "pagedweight_kernels"
 ST_ROWS, ST_KS = 128, 64  # apl_staged.cu: weight rows a CTA, columns a step
 
 
@@ -65,17 +60,6 @@ def projection_case(mode: int, bits: list[int], rows_out: int, cols: int, num_to
     x = torch.randn(x_rows, cols, generator=gen).to(dtype)
     return {"mode": mode, "bits": bits, "blocks": blocks, "rows_out": rows_out, "cols": cols, "top_k": top_k,
             "num_tokens": num_tokens, "sorted_slot": order.to(torch.int32), "active": active, "x": x, "dtype": dtype}
-
-
-def knob_overrides(text: str) -> dict[str, int]:
-    """Knob values from "APL_X=1,APL_Y=0" (names of KernelConfig.knobs())."""
-    overrides = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        name, sep, value = item.partition("=")
-        if name not in DEFAULT_CONFIG.knobs() or not sep or not value.strip().lstrip("-").isdigit():
-            raise ValueError(f"--knobs: {item!r} is not NAME=integer for a knob of {sorted(DEFAULT_CONFIG.knobs())}")
-        overrides[name] = int(value)
-    return overrides
 
 
 def planned(case: dict, config: KernelConfig = DEFAULT_CONFIG) -> tuple[tuple, GemmPlan, int]:
@@ -139,76 +123,17 @@ def reference_projection(case: dict) -> torch.Tensor:
     return out
 
 
-# ---------------------------------------------------------------- command line
-def _bits_list(text: str) -> list[int]:
-    bits = [int(b) for b in text.split(",") if b.strip()]
-    if not bits or any(b < 3 or b > 8 for b in bits) or len(bits) > 64:
-        raise ValueError(f"--bits wants 1-64 widths from 3 to 8, comma-separated, got {text!r}")
-    return bits
-
-
-def main(argv=None) -> int:
-    """One projection launch run on the CPU, saved beside its torch reference: what a failing GPU
-    test of the staged regime can be compared with, launch for launch."""
-    parser = argparse.ArgumentParser(description="Run one apl_staged launch on the CPU (no GPU) and save it "
-                                                 "with its torch reference.")
-    parser.add_argument("--projection", choices=("gate_up", "down"), default="gate_up")
-    parser.add_argument("--bits", default="4,3,4,3", help="one width (3-8) per expert, comma-separated")
-    parser.add_argument("--rows-out", type=int, default=96, help="h columns (gate_up) or output rows (down)")
-    parser.add_argument("--cols", type=int, default=256, help="the projection's input width, a multiple of 32")
-    parser.add_argument("--tokens", type=int, default=24)
-    parser.add_argument("--top-k", type=int, default=2)
-    parser.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--knobs", default="", help='kernel knobs, "APL_X=1,APL_Y=0" (KernelConfig.knobs() names)')
-    parser.add_argument("--out", required=True, help="a .pt file: output, reference, instance and plan")
-    args = parser.parse_args(argv)
-    try:
-        bits = _bits_list(args.bits)
-        overrides = knob_overrides(args.knobs)
-        if not (0 < args.rows_out <= 4096 and 0 < args.cols <= 8192 and args.cols % 32 == 0
-                and 0 < args.tokens <= 4096 and 0 < args.top_k <= len(bits)):
-            raise ValueError("want 0 < rows-out <= 4096, cols a multiple of 32 up to 8192, "
-                             "0 < tokens <= 4096 and 0 < top-k <= the number of experts")
-    except ValueError as err:
-        print(f"staged_host: {err}", file=sys.stderr)
-        return 2
-    if not shutil.which("nvcc"):
-        print("staged_host: nvcc not found on PATH", file=sys.stderr)
-        return 2
-    mode = 0 if args.projection == "gate_up" else 1
-    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
-    case = projection_case(mode, bits, args.rows_out, args.cols, args.tokens, args.top_k, dtype, args.seed)
-    try:
-        instance, plan, lut_bits = planned(case, DEFAULT_CONFIG.with_knobs(**overrides))
-    except op.APLKernelError as err:
-        print(f"staged_host: {err}", file=sys.stderr)
-        return 2
-    print(f"staged_host: apl_staged<{', '.join(str(v).lower() for v in instance)}>, grid {plan.grid}, "
-          f"{plan.stages} buffers; building", file=sys.stderr, flush=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        try:
-            harness = build_harness(Path(tmp), kernel_defines(overrides), instance)
-            print(f"staged_host: running {plan.grid[0] * plan.grid[1] * plan.grid[2]} CTAs", file=sys.stderr, flush=True)
-            run = run_launch(harness, Path(tmp), case, plan, lut_bits)
-            if run.returncode:
-                raise RuntimeError(run.stderr.strip().splitlines()[-1] if run.stderr.strip() else f"exit {run.returncode}")
-            got = launch_output(Path(tmp), case)
-        except (RuntimeError, ValueError, OSError) as err:
-            print(f"staged_host: {err}", file=sys.stderr)
-            return 2
-    want = reference_projection(case)
-    try:
-        torch.save({"output": got, "reference": want, "instance": instance, "grid": plan.grid, "stages": plan.stages,
-                    "shared_bytes": plan.shared_bytes, "args": vars(args)}, args.out)
-    except (OSError, RuntimeError) as err:
-        print(f"staged_host: cannot write {args.out}: {err}", file=sys.stderr)
-        return 2
-    rows = ~torch.isnan(want).all(1)
-    print(f"max |output - reference| {float((got[rows] - want[rows]).abs().max()):.3g} over {int(rows.sum())} rows; "
-          f"saved {args.out}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+def bank_counts(bits: int, overrides: dict[str, int], work: Path) -> dict:
+    """Shared-memory bank wavefronts of one down launch's producers (128 rows, 512 columns, 80
+    tokens x top-2 over 4 experts at `bits`): per instruction kind issued (the A tiles' STS.128,
+    the activations' and plane words' cp.async, the plane ring's LDS.128), its warp
+    instructions, the wavefronts 32 banks of 4 bytes take (the most distinct words one bank is
+    asked for, at least one per 128 bytes) and the fewest its bytes allow (`ideal`)."""
+    case = projection_case(1, [bits] * 4, 128, 512, 80, 2, torch.bfloat16, seed=1)
+    instance, plan, lut_bits = planned(case, DEFAULT_CONFIG.with_knobs(**overrides))
+    harness = build_harness(work, kernel_defines(overrides), instance)
+    banks = work / "banks.json"
+    run = run_launch(harness, work, case, plan, lut_bits, env={**os.environ, "APL_HOST_BANKS": str(banks)})
+    if run.returncode:
+        raise RuntimeError(f"the harness failed: {run.stderr[-500:]}")
+    return {kind: c for kind, c in json.loads(banks.read_text()).items() if c["instructions"]}

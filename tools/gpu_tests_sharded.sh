@@ -6,7 +6,7 @@
 # (atomic writes); then the kernel tests' node ids are split into SHARDS contiguous runs (the
 # cases of one test stay together, so a knob variant compiles in one shard only).
 # Carry kernel_cache/ from an earlier call of the same source to skip the compiles.
-# Usage (device): OUT=$OUT CODE_COMMIT=<c> [SHARDS=4] [PATHS=1] [PRECOMPILE=none] bash bench/gpu_tests_sharded_gpu.sh
+# Usage (device): OUT=$OUT CODE_COMMIT=<c> [SHARDS=4] [PATHS=1] [PRECOMPILE=none] bash tools/gpu_tests_sharded.sh
 . "$(dirname "$0")/device_call.sh"
 SHARDS=${SHARDS:-4}
 PATHS=${PATHS:-1}

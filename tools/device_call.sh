@@ -1,4 +1,4 @@
-# Sourced by the device-call scripts (bench/*_gpu.sh): strict variables, the import path and
+# Sourced by the device-call scripts (tools/*.sh): strict variables, the import path and
 # the commit the results are stamped with (the device copy is no git checkout), $OUT as an
 # absolute path, and `stamp` for the elapsed-seconds log lines.
 set -u
@@ -20,22 +20,6 @@ mkdir -p /tmp/kcache
 if [ -n "$OUT_GIVEN" ]; then
   trap 'tar czf "$OUT/kernel_cache.tgz" -C /tmp/kcache . 2> /dev/null' EXIT
 fi
-# GPU tests on the instances compiled so far (no precompile fixture): gpu_pytest LOG TIMEOUT_S PYTEST_ARGS...,
-# the output in $OUT/LOG; pytest's status.
-gpu_pytest() {
-  local log=$1 limit=$2
-  shift 2
-  PAGEDWEIGHT_TEST_PRECOMPILE=0 timeout -k 10 "$limit" python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short \
-    "$@" > "$OUT/$log" 2>&1
-}
-# The layer benchmark (bf16 grouped_mm beside it) in one process: layer_bench NAME TIMEOUT_S ARGS...
-# (bench.apl_moe_kernel --no-per-block ARGS), the JSON and log as $OUT/NAME.*; its status.
-layer_bench() {
-  local name=$1 limit=$2
-  shift 2
-  timeout -k 10 "$limit" python3 -m bench.apl_moe_kernel "$@" --no-per-block --name "$name" \
-    --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1
-}
 # Every default instance (both dtypes and activations) into the disk cache, in threads; its status.
 precompile_defaults() {
   python3 - << 'PY'

@@ -1,4 +1,4 @@
-// The staged regime on the CPU (bench/staged_host.py builds and runs this for tests/kernels/test_staged_host_cpu.py and bench/staged_banks.py).
+// The staged regime on the CPU (tests/kernels/staged_host.py builds and runs this for tests/kernels/test_staged_host_cpu.py).
 //
 // Compiled by nvcc with the kernel module's text exactly as the launcher builds it (module.cu,
 // written by the test) and the launcher's defines; the host pass runs the APL_HD helpers with
