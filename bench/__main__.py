@@ -74,7 +74,8 @@ RECIPES = (
            "bf16 in the same memory, every static width, the fitting uniform width and pagedweight at 4 "
            "budgets, with KL to bf16 of what each served (trained tiny Qwen-MoE)"),
     Recipe("retrieval-budget", "retrieval_budget", ("--work", "{artifacts}/retrieval-budget"), "cpu",
-           "retrieval accuracy at 2k tokens: bf16, the elastic policy and the fitting uniform width at one budget"),
+           "retrieval exact match at 2k-8k tokens: bf16 unlimited and in the budget, the elastic policy and "
+           "the fitting uniform width, at two budgets, with 95% intervals"),
     Recipe("real-shape-cpu", "real_shape", ("--model", "tiny-qwen-moe", "--device", "cpu"), "cpu",
            "the real-shape benchmark on a tiny model (checks the benchmark)"),
     Recipe("kernel-sass", "sass_mix", ("apl_gemv<1, 0, true, true, 1>",), "cpu",

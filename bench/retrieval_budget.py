@@ -1,23 +1,35 @@
-"""Long-context retrieval under a tight memory budget: elastic bits against bf16 and uniform bits.
+"""Long-context retrieval under a memory budget: bf16 against the elastic policy and the widest
+uniform width that fits.
 
 The checkpoint is a small MoE trained for key-value retrieval among long filler text
 (tools/train_retrieval_moe.py, bench/retrieval_task.py). Per context length, held-out
 examples (one query each) are answered by greedy decoding and scored by exact match of the
-value:
-- bf16: the unquantised checkpoint in the project's model with unlimited memory (the
-  contiguous-KV reference loop, one request at a time);
-- under a budget that holds the dense weights, the workspace, the KV of `--concurrency`
-  whole requests and the experts at `--expert-bits` mean bits, so bf16 experts plus that KV
-  do not fit (a bf16 server would have to preempt or queue), every request sent at once:
-  `pagedweight` (the elastic policy: bits move with the KV the requests hold) and
-  `static-B` for the widest uniform B whose experts fit beside that KV.
+value; every row answers the same examples.
+- `bf16` with unlimited memory: the unquantised checkpoint in the project's model, one
+  forward per prompt (no cache); the answer is the argmax of its last logits, and its margin
+  over the runner-up is kept (how near a tie each answer is).
+- At each budget (`--expert-bits` B): the dense weights, the workspace, the KV of
+  `--concurrency` whole requests (prompt and decoded tokens, and `--slack-pages` blocks) and
+  the experts at B mean bits. B = 3.5 leaves only the
+  lowest uniform width (3) beside that KV, B = 4.5 one width more; bf16 experts never fit
+  beside it. Every example is sent at once, and each request decodes `--decode-tokens` after
+  its prompt (the first is the answer scored; by default as many as the prefills of
+  concurrency - 1 requests take steps, so that many requests hold KV at once):
+  - `bf16` in the budget: the engine over the unquantised experts with the KV blocks the
+    budget leaves beside them; it holds fewer requests at once, so it queues them or preempts;
+  - `pagedweight`: the elastic policy, its bits moving with the KV the requests hold;
+  - `static-B`: the widest uniform B whose experts fit beside the KV of the budget.
+  For the quantised rows the bits each prompt token was computed at are recorded: the mean,
+  per layer, per module and for the experts the calibration routed to most.
+Accuracies carry 95% Wilson intervals, and each row counts the examples it lost and gained
+against unlimited bf16 (paired: the same examples).
 The paged model is made by `pagedweight quantize` calibrated on task text (examples of a
 seed the evaluation does not use).
 
-Writes bench/results/retrieval_budget_<model>_<device>.json and the table of
-docs/retrieval.md between its marks (bench/tables.py renders it).
+Writes bench/results/retrieval_budget_<model>_<device>.json and the figure; the section of
+docs/quality.md is rendered from the result by `python -m bench tables` (bench/retrieval_report.py).
 
-    python -m bench.retrieval_budget --model models/retrieval-moe --lengths 2048 --count 40
+    python -m bench.retrieval_budget --lengths 2048 4096 8192 --count 48 --threads 1
 """
 
 from __future__ import annotations
@@ -25,17 +37,23 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from bench.bench_meta import write_result
+from bench.retrieval_report import figure
 from bench.retrieval_task import eval_examples, to_text
 from pagedweight.common.paths import REPO_ROOT
 
 DEFAULT_MODEL = REPO_ROOT / "models" / "retrieval-moe"
+DEFAULT_PLOT = REPO_ROOT / "docs" / "retrieval_budget.png"
 CALIB_SEED = 1  # the evaluation uses --seed (0); training never draws from the evaluation's seeds
+Z95 = 1.959963984540054  # the normal quantile of a two-sided 95% interval
+BF16_BYTES = 2  # bf16 experts are charged 2 bytes a weight whatever the compute dtype
 
 
 def write_calib(path: Path, length: int, count: int, records: int) -> Path:
@@ -54,13 +72,23 @@ def quantize(model: Path, out: Path, calib: Path, args) -> None:
     cli.handler(cli)
 
 
-def budget_parts(paged_dir: Path, engine, dtype: torch.dtype, request_tokens: int, concurrency: int) -> dict:
+def wilson(correct: int, n: int, z: float = Z95) -> list[float]:
+    """The Wilson score interval of a proportion correct / n (exact at 0 and n: no clipping
+    needed, unlike the normal approximation)."""
+    p = correct / n
+    d = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / d
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
+    return [max(0.0, min(p, centre - half)), min(1.0, max(p, centre + half))]  # rounding kept off p
+
+
+def budget_parts(paged, engine, dtype: torch.dtype, request_tokens: int, concurrency: int) -> dict:
     """What the runtime charges its pool, in bytes (every allocation in whole arena pages):
     dense weights, workspace, the KV of `concurrency` requests of request_tokens tokens, the
     experts at each width and in bf16."""
     from pagedweight.format.apl_format import BIT_WIDTHS
     from pagedweight.format.blocks import lut_bytes, plane_bytes
-    from pagedweight.format.paged_model import block_shape, load_paged_model
+    from pagedweight.format.paged_model import block_shape
     from pagedweight.memory.arena import DEFAULT_PAGE_BYTES
     from pagedweight.memory.kv_cache import blocks_for, kv_tile_bytes
     from pagedweight.runtime import workspace_bytes
@@ -68,14 +96,13 @@ def budget_parts(paged_dir: Path, engine, dtype: torch.dtype, request_tokens: in
     def pages(n: int) -> int:
         return -(-n // DEFAULT_PAGE_BYTES) * DEFAULT_PAGE_BYTES
 
-    paged = load_paged_model(paged_dir, with_bf16=False)
     c = paged.config
     elem = torch.empty((), dtype=dtype).element_size()
     experts = {b: 0 for b in BIT_WIDTHS}
     bf16 = 0
     for bid in paged.block_ids:
         rows, cols = block_shape(c, bid.module)
-        bf16 += rows * cols * 2
+        bf16 += rows * cols * BF16_BYTES
         for b in BIT_WIDTHS:
             experts[b] += b * pages(plane_bytes(rows, cols)) + pages(lut_bytes(rows, b))
     kv_block = c.num_layers * pages(kv_tile_bytes(c, engine.kv.block_size, dtype))
@@ -91,78 +118,206 @@ def experts_at(parts: dict, bits: float) -> int:
     return int(parts["experts"][lo] + (bits - lo) * (parts["experts"][hi] - parts["experts"][lo]))
 
 
-def reference(model_dir: Path, examples, device: torch.device, dtype: torch.dtype) -> list[list[int]]:
-    from pagedweight.engine.generate import generate
+def budget_point(parts: dict, fixed: int, expert_bits: float) -> dict:
+    """One budget: its bytes, the widest uniform width fitting it, what bf16 would need and
+    the KV blocks bf16 experts leave in it."""
+    from pagedweight.format.apl_format import BIT_WIDTHS
+
+    budget = fixed + experts_at(parts, expert_bits)
+    room = budget - parts["dense"] - parts["workspace"] - parts["experts_bf16"]
+    fitting = max((b for b in BIT_WIDTHS if fixed + parts["experts"][b] <= budget), default=None)
+    return {"expert_bits": expert_bits, "budget_bytes": budget, "bf16_needs_bytes": fixed + parts["experts_bf16"],
+            "fitting_uniform_bits": fitting, "bf16_kv_blocks": max(room, 0) // parts["kv_block"]}
+
+
+class PromptBits:
+    """The bits every prompt token was computed at, per block: after each step, the bits that
+    step read (committed before it) weighted by the prompt tokens it computed (recomputes after
+    a preemption count again)."""
+
+    def __init__(self, table):
+        self.table = table
+        self.seqs: list = []  # the requests' sequences (send_all sets them)
+        self.block_ids = list(table.entries)
+        self.weights = [table.entries[b].num_weights for b in self.block_ids]
+        self.token_bits = [0.0] * len(self.block_ids)  # block -> sum over steps of tokens x bits
+        self.tokens = 0
+        self.means: list[float] = []  # mean committed bits before each step
+
+    def before_step(self) -> None:
+        self._bits = [self.table.entries[b].committed_bits for b in self.block_ids]
+        self._done = [min(s.num_computed_tokens, len(s.prompt_ids)) for s in self.seqs]
+        self.means.append(self.table.mean_committed_bits())
+
+    def after_step(self) -> None:
+        n = sum(max(0, min(s.num_computed_tokens, len(s.prompt_ids)) - d) for s, d in zip(self.seqs, self._done))
+        self.tokens += n
+        self.token_bits = [t + n * b for t, b in zip(self.token_bits, self._bits)]
+
+    def summary(self, routing_fraction: list[list[float]], top_k: int) -> dict:
+        per_block = {b: t / max(self.tokens, 1) for b, t in zip(self.block_ids, self.token_bits)}
+        weight = dict(zip(self.block_ids, self.weights))
+
+        def mean(keep) -> float:
+            ids = [b for b in self.block_ids if keep(b)]
+            return round(sum(per_block[b] * weight[b] for b in ids) / sum(weight[b] for b in ids), 3)
+
+        ranked = [sorted(range(len(f)), key=lambda e: -f[e]) for f in routing_fraction]
+        most = {(layer, e) for layer, order in enumerate(ranked) for e in order[:top_k]}
+        least = {(layer, e) for layer, order in enumerate(ranked) for e in order[-top_k:]}
+        layers = sorted({b.layer for b in self.block_ids})
+        return {"mean": mean(lambda b: True), "mean_min": round(min(self.means), 3),
+                "by_layer": {str(layer): mean(lambda b: b.layer == layer) for layer in layers},
+                "by_module": {m: mean(lambda b: b.module == m) for m in sorted({b.module for b in weight})},
+                "most_routed": mean(lambda b: (b.layer, b.expert) in most),
+                "least_routed": mean(lambda b: (b.layer, b.expert) in least),
+                "per_block": {b.key(): round(v, 3) for b, v in per_block.items()}}
+
+
+def send_all(eng, examples, decode_tokens: int, bits: PromptBits | None = None) -> tuple[list[list[int]], dict]:
+    """Every example sent at once to `eng` (greedy, EOS ignored); its outputs and how it served them."""
     from pagedweight.engine.sampler import SamplingParams
-    from pagedweight.model import load_model
+    from pagedweight.engine.sequence import SequenceStatus
 
-    model = load_model(model_dir, dtype=dtype, device=device)
-    return [generate(model, e.ids[:e.prompt_len].tolist(),
-                     SamplingParams(max_tokens=len(e.answer), ignore_eos=True)).token_ids for e in examples]
+    params = SamplingParams(max_tokens=decode_tokens, ignore_eos=True)
+    for i, e in enumerate(examples):
+        eng.add_request(str(i), e.ids[:e.prompt_len].tolist(), params)
+    seqs = [eng.seqs[str(i)] for i in range(len(examples))]
+    if bits is not None:
+        bits.seqs = seqs
+    outputs: dict[str, list[int]] = {}
+    max_running = peak_kv_tokens = 0
+    start = time.perf_counter()
+    while eng.has_work:
+        if bits is not None:
+            bits.before_step()
+        step = eng.step()
+        for out in step:
+            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+        if bits is not None:
+            bits.after_step()
+        # what the step held: the sequences still running and those it finished
+        done = {out.request_id for out in step if out.finished}
+        held = [s for s in seqs if s.status is SequenceStatus.RUNNING or s.request_id in done]
+        max_running = max(max_running, len(held))
+        peak_kv_tokens = max(peak_kv_tokens, sum(s.num_computed_tokens for s in held))
+    seconds = time.perf_counter() - start
+    stats = eng.stats()
+    prompt_tokens = sum(e.prompt_len for e in examples)
+    served = {"seconds": round(seconds, 1), "steps": stats.num_steps, "preemptions": stats.num_preemptions,
+              "memory_short_steps": stats.memory_short_steps, "max_running": max_running,
+              "peak_kv_tokens": peak_kv_tokens,
+              "prompt_tokens_per_s": round(prompt_tokens / seconds, 1),
+              "output_tokens_per_s": round(stats.num_output_tokens / seconds, 1)}
+    return [outputs.get(str(i), []) for i in range(len(examples))], served
 
 
-def served(paged_dir: Path, policy: str, budget: int, engine, device: torch.device, dtype: torch.dtype,
-           examples) -> tuple[list[list[int]], dict]:
+def reference(model, examples) -> tuple[list[list[int]], list[float]]:
+    """The unquantised model with unlimited memory, one prompt at a time (no cache): the greedy
+    answer (answers are one token: the argmax of the prompt's last logits) and its margin, the
+    logit above the runner-up's (how near a tie the answer is)."""
+    outputs, margins = [], []
+    with torch.inference_mode():
+        for e in examples:
+            ids = torch.as_tensor(e.ids[:e.prompt_len], device=model.device)[None]
+            top = torch.topk(model(ids)[0, -1].float(), 2)
+            outputs.append([int(top.indices[0])])
+            margins.append(round(float(top.values[0] - top.values[1]), 3))
+    return outputs, margins
+
+
+def bf16_in_budget(model, engine, point: dict, examples, decode_tokens: int) -> tuple[list | None, dict]:
+    """The engine over the unquantised experts with the KV blocks the budget leaves beside them
+    (refused where they do not hold one request)."""
+    from pagedweight.engine.engine import Engine
+    from pagedweight.memory.kv_cache import blocks_for
+
+    num_blocks = int(point["bf16_kv_blocks"])
+    need = blocks_for(max(e.prompt_len for e in examples) + decode_tokens, engine.kv.block_size)
+    if num_blocks < need:
+        return None, {"refused": f"bf16 experts leave {num_blocks} KV blocks, one request needs {need}"}
+    eng = Engine(model, replace(engine, num_kv_blocks=num_blocks))
+    outputs, served = send_all(eng, examples, decode_tokens)
+    return outputs, {**served, "kv_blocks": num_blocks, "bits": {"mean": 16.0}}
+
+
+def served(paged_dir: Path, policy: str, budget: int, engine, device, dtype, examples, decode_tokens: int,
+           routing: list[list[float]], top_k: int) -> tuple[list[list[int]], dict]:
     """Every example sent at once to a runtime of `policy` at `budget`; its outputs and counters."""
-    from pagedweight.cli.load_bench import mean_committed_bits
-    from pagedweight.engine.sampler import SamplingParams
     from pagedweight.runtime import RuntimeConfig, build_runtime
 
     runtime = build_runtime(paged_dir, RuntimeConfig(budget, policy, str(device), dtype, engine=engine))
     try:
-        eng = runtime.engine
-        for i, e in enumerate(examples):
-            eng.add_request(str(i), e.ids[:e.prompt_len].tolist(),
-                            SamplingParams(max_tokens=len(e.answer), ignore_eos=True))
-        outputs: dict[str, list[int]] = {}
-        bits = [mean_committed_bits(runtime)]
-        start = time.perf_counter()
-        while eng.has_work:
-            for out in eng.step():
-                outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
-            bits.append(mean_committed_bits(runtime))
-        stats = eng.stats()
-        counters = {"preemptions": stats.num_preemptions, "steps": stats.num_steps,
-                    "seconds": round(time.perf_counter() - start, 1), "bits_mean_start": round(bits[0], 3),
-                    "bits_mean_min": round(min(bits), 3), "bits_mean_avg": round(sum(bits) / len(bits), 3),
-                    "peak_pool_bytes": runtime.pool.snapshot().peak_in_use_bytes}
+        bits = PromptBits(runtime.table)
+        outputs, counters = send_all(runtime.engine, examples, decode_tokens, bits)
+        counters["peak_pool_bytes"] = runtime.pool.snapshot().peak_in_use_bytes
     finally:
         runtime.close()
-    return [outputs.get(str(i), []) for i in range(len(examples))], counters
+    return outputs, {**counters, "bits": bits.summary(routing, top_k)}
 
 
-def score(outputs, examples) -> float:
-    return sum(o[:len(e.answer)] == e.answer for o, e in zip(outputs, examples)) / len(examples)
+def score(outputs, examples, reference_right: list[bool] | None = None) -> dict:
+    """Exact match with its 95% interval, and against the reference (paired) what was lost and gained."""
+    right = [o[:len(e.answer)] == e.answer for o, e in zip(outputs, examples)]
+    row = {"correct": sum(right), "accuracy": sum(right) / len(right), "ci95": wilson(sum(right), len(right)),
+           "right": [int(r) for r in right]}
+    if reference_right is not None:
+        row["lost"] = sum(r and not x for r, x in zip(reference_right, right))
+        row["gained"] = sum(x and not r for r, x in zip(reference_right, right))
+    return row
 
 
-def run_length(args, paged_dir: Path, length: int, device, dtype) -> dict:
+def decode_tokens_for(args, prompt_len: int) -> int:
+    """--decode-tokens, or by default as many as the prefills of concurrency - 1 requests take
+    steps: then that many requests hold their KV at once."""
+    return args.decode_tokens or max(1, (args.concurrency - 1) * -(-prompt_len // args.max_batched_tokens))
+
+
+def run_length(args, paged, paged_dir: Path, model, length: int, device, dtype) -> dict:
     from pagedweight.engine.engine import EngineConfig
     from pagedweight.engine.scheduler import SchedulerConfig
-    from pagedweight.format.apl_format import BIT_WIDTHS
     from pagedweight.memory.kv_cache import KVCacheConfig
 
     examples = eval_examples(args.seed, length, args.count, args.records)
     engine = EngineConfig(scheduler=SchedulerConfig(args.concurrency, args.max_batched_tokens),
                           kv=KVCacheConfig(args.block_size))
-    request_tokens = max(e.prompt_len + len(e.answer) for e in examples)
-    parts = budget_parts(paged_dir, engine, dtype, request_tokens, args.concurrency)
+    decode_tokens = decode_tokens_for(args, max(e.prompt_len for e in examples))
+    request_tokens = max(e.prompt_len for e in examples) + decode_tokens
+    parts = budget_parts(paged, engine, dtype, request_tokens, args.concurrency)
     fixed = parts["dense"] + parts["workspace"] + parts["kv"] + args.slack_pages * parts["kv_block"]
-    budget = fixed + experts_at(parts, args.expert_bits)
-    fitting = max((b for b in BIT_WIDTHS if fixed + parts["experts"][b] <= budget), default=None)
+    routing, top_k = paged.meta["routing"]["routing_fraction"], paged.config.num_experts_per_tok
     t0 = time.perf_counter()
-    rows = {"bf16": {"accuracy": score(reference(Path(args.model), examples, device, dtype), examples),
-                     "memory": "unlimited", "seconds": round(time.perf_counter() - t0, 1)}}
-    print(length, "bf16", rows["bf16"], flush=True)
-    policies = [*args.policies, *([f"static-{fitting}"] if fitting else [])]
-    for policy in policies:
-        outputs, counters = served(paged_dir, policy, budget, engine, device, dtype, examples)
-        rows[policy] = {"accuracy": score(outputs, examples), **counters}
-        print(length, policy, rows[policy], flush=True)
-    return {"length": length, "examples": len(examples), "request_tokens": request_tokens,
-            "budget_bytes": budget, "bf16_needs_bytes": fixed + parts["experts_bf16"],
-            "fitting_uniform_bits": fitting, "expert_bits_at_full_load": args.expert_bits,
-            "parts": {k: v for k, v in parts.items() if k != "experts"},
-            "expert_bytes_by_bits": parts["experts"], "results": rows}
+    outputs, margins = reference(model, examples)
+    unlimited = {**score(outputs, examples), "margins": margins, "seconds": round(time.perf_counter() - t0, 1)}
+    log(length, "bf16, unlimited memory", unlimited)
+    ref = [bool(r) for r in unlimited["right"]]
+    points = []
+    for expert_bits in args.expert_bits:
+        point = budget_point(parts, fixed, expert_bits)
+        outputs, counters = bf16_in_budget(model, engine, point, examples, decode_tokens)
+        rows = {"bf16": counters if outputs is None else {**score(outputs, examples, ref), **counters}}
+        log(length, expert_bits, "bf16", rows["bf16"])
+        uniform = [f"static-{point['fitting_uniform_bits']}"] if point["fitting_uniform_bits"] else []
+        for policy in [*args.policies, *uniform]:
+            outputs, counters = served(paged_dir, policy, point["budget_bytes"], engine, device, dtype, examples,
+                                       decode_tokens, routing, top_k)
+            rows[policy] = {**score(outputs, examples, ref), **counters}
+            log(length, expert_bits, policy, rows[policy])
+        points.append({**point, "results": rows})
+    return {"length": length, "examples": len(examples), "decode_tokens": decode_tokens,
+            "request_tokens": request_tokens, "parts": {k: v for k, v in parts.items() if k != "experts"},
+            "expert_bytes_by_bits": parts["experts"], "bf16_unlimited": unlimited, "budgets": points}
+
+
+def log(*items) -> None:
+    def brief(x):
+        """A row without its per-example and per-block series."""
+        if not isinstance(x, dict):
+            return x
+        row = {k: v for k, v in x.items() if k not in ("right", "margins", "bits")}
+        bits = {k: v for k, v in x.get("bits", {}).items() if k != "per_block"}
+        return json.dumps({**row, **({"bits": bits} if bits else {})})
+    print(*(brief(x) for x in items), flush=True)
 
 
 def main(argv=None) -> int:
@@ -170,15 +325,18 @@ def main(argv=None) -> int:
     p.add_argument("--model", default=str(DEFAULT_MODEL), help="the trained checkpoint (Hugging Face layout)")
     p.add_argument("--work", default="/tmp/retrieval-budget", help="calibration text and the paged model")
     p.add_argument("--requantize", action="store_true", help="quantize even where WORK/paged exists")
-    p.add_argument("--lengths", type=int, nargs="+", default=[2048])
+    p.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192])
     p.add_argument("--count", type=int, default=48, help="held-out examples per length")
     p.add_argument("--records", type=int, default=16, help="key-value records per context")
-    p.add_argument("--concurrency", type=int, default=8, help="requests holding KV at once")
-    p.add_argument("--expert-bits", type=float, default=3.5,
-                   help="mean expert bits the budget leaves beside the KV of --concurrency whole requests")
+    p.add_argument("--concurrency", type=int, default=8, help="requests holding KV at once (max_num_seqs)")
+    p.add_argument("--expert-bits", type=float, nargs="+", default=[3.5, 4.5],
+                   help="one budget each: the mean expert bits it leaves beside the KV of --concurrency requests")
+    p.add_argument("--decode-tokens", type=int, default=0,
+                   help="tokens each request decodes (the first is scored); 0: as many as the prefills of "
+                        "concurrency - 1 requests take steps")
     p.add_argument("--slack-pages", type=int, default=1, help="KV blocks of room beyond the requests'")
     p.add_argument("--policies", nargs="+", default=["pagedweight"], help="elastic policies (static-B is added)")
-    p.add_argument("--max-batched-tokens", type=int, default=512)
+    p.add_argument("--max-batched-tokens", type=int, default=2048, help="new tokens per step (prefill chunks)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--calib-examples", type=int, default=32)
     p.add_argument("--calib-length", type=int, default=1024)
@@ -188,9 +346,10 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out-name", default=None)
-    p.add_argument("--no-docs", action="store_true", help="leave docs/retrieval.md as it is")
+    p.add_argument("--plot", default=str(DEFAULT_PLOT), help="the figure (PNG); empty: none")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
+    load_start = os.getloadavg()[0]  # the machine's other work, beside the wall times
     device = torch.device(args.device)
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     config = json.loads((Path(args.model) / "config.json").read_text())
@@ -201,19 +360,25 @@ def main(argv=None) -> int:
         calib = write_calib(work / "calib.txt", args.calib_length, args.calib_examples, args.records)
         quantize(Path(args.model), paged_dir, calib, args)
     quantize_s = round(time.perf_counter() - started, 1)
-    lengths = [run_length(args, paged_dir, n, device, dtype) for n in args.lengths]
-    name = args.out_name or f"retrieval_budget_{Path(args.model).name}"
-    path = write_result(name, {"model": Path(args.model).name, "args": vars(args), "dtype": str(dtype)[6:],
-                               "model_config": {k: config.get(k) for k in (
-                                   "hidden_size", "num_hidden_layers", "num_local_experts", "num_experts_per_tok",
-                                   "intermediate_size", "num_key_value_heads")},
-                               "quantize_seconds": quantize_s, "lengths": lengths})
-    print(f"wrote {path}")
-    if not args.no_docs:
-        from bench import tables
+    from pagedweight.format.paged_model import load_paged_model
+    from pagedweight.model import load_model
 
-        page = tables.DOCS / "retrieval.md"
-        page.write_text(tables.render(page.read_text()))
+    paged = load_paged_model(paged_dir, with_bf16=False)
+    model = load_model(Path(args.model), dtype=dtype, device=device)
+    lengths = [run_length(args, paged, paged_dir, model, n, device, dtype) for n in args.lengths]
+    name = args.out_name or f"retrieval_budget_{Path(args.model).name}"
+    payload = {"model": Path(args.model).name, "args": vars(args), "dtype": str(dtype)[6:],
+               "model_config": {k: config.get(k) for k in (
+                   "hidden_size", "num_hidden_layers", "num_local_experts", "num_experts_per_tok",
+                   "intermediate_size", "num_key_value_heads")},
+               "routing_fraction": paged.meta["routing"]["routing_fraction"],
+               "quantize_seconds": quantize_s, "lengths": lengths,
+               "seconds": round(time.perf_counter() - started, 1), "cpu_seconds": round(time.process_time(), 1),
+               "load_average": [round(load_start, 2), round(os.getloadavg()[0], 2)]}
+    path = write_result(name, payload)
+    print(f"wrote {path}")
+    if args.plot:
+        print(f"wrote {figure(payload, Path(args.plot))}")
     return 0
 
 

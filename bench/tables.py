@@ -213,26 +213,6 @@ def engine_policies(files: list[str]) -> list[str]:
     return lines + ["", source(*files)]
 
 
-def retrieval_budget(files: list[str]) -> list[str]:
-    """Retrieval accuracy per context length: bf16 with unlimited memory, then each policy
-    at the budget where bf16 experts and the requests' KV do not fit."""
-    present = [f for f in files if (RESULTS / f).is_file()]
-    if not present:
-        return ["No result yet: `python -m bench run retrieval-budget` writes " + ", ".join(f"`{f}`" for f in files)
-                + "."]
-    lines = header("context", "examples", "budget MiB (bf16 needs)", "policy", "accuracy", "preemptions",
-                   "mean bits min / avg")
-    for f in present:
-        for r in load(f)["lengths"]:
-            budget = f"{r['budget_bytes'] / 2**20:.1f} ({r['bf16_needs_bytes'] / 2**20:.1f})"
-            for name, x in r["results"].items():
-                bits = f"{x['bits_mean_min']:.2f} / {x['bits_mean_avg']:.2f}" if "bits_mean_min" in x else "16 (bf16)"
-                memory = "unlimited" if name == "bf16" else budget
-                lines.append(row(r["length"], r["examples"], memory, name, f"{100 * x['accuracy']:.1f}%",
-                                 x.get("preemptions", ""), bits))
-    return lines + ["", source(*present)]
-
-
 def budget_sweep(files: list[str]) -> list[str]:
     """Per budget and row: tok/s, KL to bf16 of what it served, preemptions, page moves, bits."""
     present = [f for f in files if (RESULTS / f).is_file()]
@@ -283,13 +263,14 @@ TABLES = {
     "serve_load": (serve_load, ["serve_load_micro-mixtral_c16.json", "serve_load_micro-mixtral_poisson8_24MiB.json"]),
     "engine_policies": (engine_policies, ["engine_policies_micro-mixtral_cpu.json",
                                           "engine_policies_micro-mixtral_cuda.json"]),
-    "retrieval_budget": (retrieval_budget, ["retrieval_budget_retrieval-moe_cpu.json"]),
     "budget_sweep": (budget_sweep, ["budget_sweep_tiny-qwen-moe_cpu.json", "budget_sweep_qwen1.5-moe-a2.7b_a_h100.json",
                                     "budget_sweep_qwen1.5-moe-a2.7b_b_h100.json"]),
 }
 # whole pages a benchmark renders from its own result: page -> (module of bench/, result file)
 PAGES = {"quality.md": ("quality_budget", "quality_budget_cpu.json"),
          "calibration.md": ("calibration_quality", "calibration_quality_cpu.json")}
+# sections such a page goes on with, each a benchmark's own from its result: page -> [(module, result)]
+PAGE_SECTIONS = {"quality.md": [("retrieval_report", "retrieval_budget_retrieval-moe_cpu.json")]}
 MARK = re.compile(r"(<!-- table: (\w+) -->\n)(.*?)(<!-- /table -->)", re.S)
 
 
@@ -301,13 +282,15 @@ def render(text: str) -> str:
 
 
 def page_text(page: Path) -> str:
-    """What a page should hold: a benchmark's whole rendered page, or the page with its
-    marked tables filled in."""
+    """What a page should hold: a benchmark's whole rendered page (and the sections of
+    PAGE_SECTIONS whose results exist), or the page with its marked tables filled in."""
     if page.name in PAGES:
         import importlib
 
         module, result = PAGES[page.name]
-        return importlib.import_module(f"bench.{module}").markdown(load(result))
+        sections = [(m, r) for m, r in PAGE_SECTIONS.get(page.name, ()) if (RESULTS / r).is_file()]
+        return "".join(importlib.import_module(f"bench.{m}").markdown(load(r))
+                       for m, r in [(module, result), *sections])
     return render(page.read_text())
 
 
