@@ -137,3 +137,20 @@ def bank_counts(bits: int, overrides: dict[str, int], work: Path) -> dict:
     if run.returncode:
         raise RuntimeError(f"the harness failed: {run.stderr[-500:]}")
     return {kind: c for kind, c in json.loads(banks.read_text()).items() if c["instructions"]}
+
+
+# Whole launches the CPU tests run: (mode, bits per expert, rows_out, cols, tokens, top_k, dtype,
+# the instance staged_plan must pick)
+LAUNCHES = {
+    "gate_up_3_4_bits_16_token_passes": (0, [4, 3, 4, 3, 4, 3], 96, 256, 24, 2, torch.bfloat16, (0, 0, True, True, 2)),
+    "down_3_4_bits_4_byte_loads_ragged_step": (1, [3, 4, 4, 3], 192, 160, 40, 2, torch.float16, (0, 1, False, False, 4)),
+    "gate_up_5_8_bits_two_pass_groups": (0, [5, 6, 8, 7], 64, 128, 200, 2, torch.float16, (1, 0, False, True, 8)),
+    "down_merged_class": (1, [3, 5, 4, 8, 6, 4], 128, 128, 64, 2, torch.bfloat16, (2, 1, True, True, 4)),
+    "gate_up_96_token_passes": (0, [4, 3, 4, 4], 64, 256, 100, 2, torch.bfloat16, (0, 0, True, True, 12)),
+}
+
+
+def launch_case(name: str, seed: int, bits: list[int] | None = None) -> tuple[dict, tuple]:
+    """(case, the instance it is written for) of LAUNCHES[name], its blocks at `bits` if given."""
+    mode, case_bits, rows_out, cols, tokens, top_k, dtype, instance = LAUNCHES[name]
+    return projection_case(mode, bits or case_bits, rows_out, cols, tokens, top_k, dtype, seed), instance

@@ -13,7 +13,8 @@ text as the launcher builds it and the launcher's defines (for 1, once more with
 lookup path flipped); its host pass runs the kernel's own functions with apl_host.h's stand-ins for the PTX. The tiles are read
 back here by the operand layout the consumer's descriptors describe (the PTX ISA's no-swizzle
 K-major layout), written out independently of tile_chunk. What the emulation cannot show: timing,
-and a missing memory fence (apl_host.h). Skipped without nvcc."""
+and a missing memory fence (apl_host.h). The knobs' launches against the defaults, bit for bit, are
+test_staged_knobs_cpu.py's. Skipped without nvcc."""
 
 import dataclasses
 import os
@@ -30,8 +31,8 @@ from bench.sass_mix import kernel_defines
 from pagedweight_kernels import apl_moe as op
 from pagedweight_kernels.apl_moe import staged_plan
 from pagedweight_kernels.synthetic import random_block
-from tests.kernels.staged_host import (ST_KS, ST_ROWS, bank_counts, build_harness, launch_output, planned,
-                                       projection_case, reference_projection, run_launch)
+from tests.kernels.staged_host import (LAUNCHES, ST_KS, ST_ROWS, bank_counts, build_harness, launch_case,
+                                       launch_output, planned, projection_case, reference_projection, run_launch)
 # wgmma_desc (apl_gemv.cu): LBO 128 bytes between the two core matrices of a k16 slice (columns
 # 0-7, 8-15), SBO 256 bytes between 8-row groups; a core matrix is 8 rows of 16 contiguous bytes.
 LBO, SBO = 128, 256
@@ -42,19 +43,6 @@ pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc
 @pytest.fixture(scope="module")
 def harness(tmp_path_factory) -> Path:
     return build_harness(tmp_path_factory.mktemp("staged_host"), kernel_defines({}))
-
-
-@pytest.fixture(scope="module")
-def cta_harness(tmp_path_factory):
-    """(instance, define overrides) -> its harness, built once per module."""
-    built = {}
-
-    def get(instance: tuple, overrides: dict[str, int] | None = None) -> Path:
-        key = (instance, tuple(sorted((overrides or {}).items())))
-        if key not in built:
-            built[key] = build_harness(tmp_path_factory.mktemp("staged_cta"), kernel_defines(overrides or {}), instance)
-        return built[key]
-    return get
 
 
 def operand_offsets(rows: int) -> np.ndarray:
@@ -126,20 +114,6 @@ def assert_matches(got: torch.Tensor, want: torch.Tensor, case: dict) -> None:
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
-# (mode, bits per expert, rows_out, cols, tokens, top_k, dtype, the instance staged_plan must pick)
-LAUNCHES = {
-    "gate_up_3_4_bits_16_token_passes": (0, [4, 3, 4, 3, 4, 3], 96, 256, 24, 2, torch.bfloat16, (0, 0, True, True, 2)),
-    "down_3_4_bits_4_byte_loads_ragged_step": (1, [3, 4, 4, 3], 192, 160, 40, 2, torch.float16, (0, 1, False, False, 4)),
-    "gate_up_5_8_bits_two_pass_groups": (0, [5, 6, 8, 7], 64, 128, 200, 2, torch.float16, (1, 0, False, True, 8)),
-    "down_merged_class": (1, [3, 5, 4, 8, 6, 4], 128, 128, 64, 2, torch.bfloat16, (2, 1, True, True, 4)),
-    "gate_up_96_token_passes": (0, [4, 3, 4, 4], 64, 256, 100, 2, torch.bfloat16, (0, 0, True, True, 12)),
-}
-
-
-def launch_case(name: str, seed: int, bits: list[int] | None = None) -> tuple[dict, tuple]:
-    """(case, the instance it is written for) of LAUNCHES[name], its blocks at `bits` if given."""
-    mode, case_bits, rows_out, cols, tokens, top_k, dtype, instance = LAUNCHES[name]
-    return projection_case(mode, bits or case_bits, rows_out, cols, tokens, top_k, dtype, seed), instance
 
 
 @pytest.mark.parametrize("name", list(LAUNCHES))
@@ -244,99 +218,6 @@ def test_a_ring_of_two_buffers(cta_harness, tmp_path, name):
     assert_matches(launch_output(tmp_path, case), reference_projection(case), case)
 
 
-# The knobs the GPU tests run bit for bit (test_apl_staged_gpu.py), here on whole launches: the
-# producers' schedule and lookups change, the sums the consumers form must not, to the bit. Units of 4
-# steps run the merged class with one producer warpgroup: with two, its 3-4-bit rows' units would want
-# 5 ring buffers beside 8-bit LUT rows (staged_min_stages), and the plan refuses the launch.
-UNITS_OF_4 = {"APL_STAGED_UNIT": 4, "APL_STAGED_LUT_PRODUCERS": 1}
-KNOBS = {"prefetch_1": {"APL_STAGED_PREFETCH": 1}, "prefetch_3": {"APL_STAGED_PREFETCH": 3},
-         "units_of_4": UNITS_OF_4,
-         "register_prefetch": {"APL_STAGED_PLANE_ASYNC": 0},
-         "register_prefetch_units_of_4_prefetch_3": {"APL_STAGED_PLANE_ASYNC": 0, **UNITS_OF_4, "APL_STAGED_PREFETCH": 3},
-         "plane_async_units_of_4_prefetch_3": {"APL_STAGED_PLANE_ASYNC": 1, **UNITS_OF_4, "APL_STAGED_PREFETCH": 3},
-         "plane_async_prefetch_1": {"APL_STAGED_PLANE_ASYNC": 1, "APL_STAGED_PREFETCH": 1},
-         "producer_fence_off": {"APL_STAGED_PRODUCER_FENCE": 0},
-         "padding_rows_zeroed": {"APL_STAGED_SKIP_PAD": 0, "APL_STAGED_TMA": 0},  # (the copies' knob)
-         "cp_async_activations": {"APL_STAGED_TMA": 0}}
-
-
-@pytest.mark.parametrize("knob", list(KNOBS))
-@pytest.mark.parametrize("name", ["gate_up_3_4_bits_16_token_passes", "down_3_4_bits_4_byte_loads_ragged_step",
-                                  "down_merged_class"])
-def test_staged_knobs_leave_the_launch_bit_for_bit(cta_harness, default_outputs, tmp_path, name, knob):
-    case, instance = launch_case(name, seed=5)
-    default = default_outputs(name, case)
-    # the host plans with the kernel's knobs (the plane ring's bytes)
-    _, plan, lut_bits = planned(case, op.DEFAULT_CONFIG.with_knobs(**KNOBS[knob]))
-    run = run_launch(cta_harness(instance, KNOBS[knob]), tmp_path, case, plan, lut_bits)
-    assert run.returncode == 0, run.stderr[-2000:]
-    assert (tmp_path / "out.bin").read_bytes() == default
-
-
-@pytest.mark.parametrize("name", [n for n in LAUNCHES if n not in ("gate_up_3_4_bits_16_token_passes",
-                                                                 "down_3_4_bits_4_byte_loads_ragged_step",
-                                                                 "down_merged_class")])
-def test_either_activation_path_leaves_the_other_launches_bit_for_bit(cta_harness, default_outputs, tmp_path, name):
-    # APL_STAGED_TMA flipped: the 3-4-bit class's B tiles by one tensor-map box a step (128-byte
-    # swizzled, read by swizzled descriptors) or by the producers' cp.async copies (the knob test above
-    # covers three launches; these are the 96-token case, a pass's box reaching past the tensor's last
-    # row, and a 5-8-bit one; 0 against 2, every class)
-    case, instance = launch_case(name, seed=5)
-    default = default_outputs(name, case)
-    flipped = {"APL_STAGED_TMA": 0 if op.DEFAULT_CONFIG.staged_tma else 2}
-    _, plan, lut_bits = planned(case, op.DEFAULT_CONFIG.with_knobs(**flipped))  # (planned with its pad)
-    run = run_launch(cta_harness(instance, flipped), tmp_path, case, plan, lut_bits)
-    assert run.returncode == 0, run.stderr[-2000:]
-    assert (tmp_path / "out.bin").read_bytes() == default
-
-
-# The 5-8-bit producers' knobs: units of plane words in registers, activations by TMA for every class,
-# and the second producer warpgroup. Against the defaults (1 unit a producer thread, TMA for every
-# class, one CTA an SM, two producer warpgroups): each flipped, and earlier defaults all at once.
-LUT_KNOBS = {"prefetch_2": {"APL_STAGED_PREFETCH_LUT": 2},
-             "copies": {"APL_STAGED_TMA": 1},
-             "plane_words_in_registers": {"APL_STAGED_PLANE_ASYNC_LUT": 0},
-             "plane_ring_prefetch_3": {"APL_STAGED_PREFETCH_LUT": 3},
-             "earlier_defaults": {"APL_STAGED_PREFETCH_LUT": 1, "APL_STAGED_TMA": 1,
-                                  "APL_STAGED_LUT_BLOCKS": 2, "APL_STAGED_PLANE_ASYNC_LUT": 0,
-                                  "APL_STAGED_LUT_PRODUCERS": 1},
-             # one producer warpgroup (earlier defaults), and two with plane words in registers and
-             # the activations' copies
-             "one_producer_warpgroup": {"APL_STAGED_LUT_PRODUCERS": 1, "APL_STAGED_PREFETCH_LUT": 2},
-             "two_producer_warpgroups_earlier": {"APL_STAGED_LUT_PRODUCERS": 2,
-                                                 "APL_STAGED_TMA": 1, "APL_STAGED_PLANE_ASYNC_LUT": 0}}
-
-
-# (each pair builds a harness: the layout and the earlier defaults on both launches, the rest on the merged one)
-@pytest.mark.parametrize("name, knob", [(name, knob) for knob in LUT_KNOBS
-                                        for name in ("gate_up_5_8_bits_two_pass_groups", "down_merged_class")
-                                        if name == "down_merged_class" or knob in ("earlier_defaults",
-                                                                                   "two_producer_warpgroups_earlier")])
-def test_lut_row_knobs_leave_the_launch_bit_for_bit(cta_harness, default_outputs, tmp_path, name, knob):
-    case, instance = launch_case(name, seed=5)
-    default = default_outputs(name, case)
-    flipped = {define: 1 - op.DEFAULT_CONFIG.knobs()[define] if value == "flip" else value
-               for define, value in LUT_KNOBS[knob].items()}  # (lanes: the other layout than the default's)
-    _, plan, lut_bits = planned(case, op.DEFAULT_CONFIG.with_knobs(**flipped))  # (TMA's alignment pad)
-    run = run_launch(cta_harness(instance, flipped), tmp_path, case, plan, lut_bits)
-    assert run.returncode == 0, run.stderr[-2000:]
-    assert (tmp_path / "out.bin").read_bytes() == default
-
-
-@pytest.fixture(scope="module")
-def default_outputs(cta_harness, tmp_path_factory):
-    """name -> the launch's output bytes with the launcher's knobs, run once per module."""
-    done = {}
-
-    def get(name: str, case: dict) -> bytes:
-        if name not in done:
-            work = tmp_path_factory.mktemp("default")
-            _, plan, lut_bits = planned(case)
-            run = run_launch(cta_harness(LAUNCHES[name][-1]), work, case, plan, lut_bits)
-            assert run.returncode == 0, run.stderr[-2000:]
-            done[name] = (work / "out.bin").read_bytes()
-        return done[name]
-    return get
 
 
 def test_the_plane_ring_lives_in_the_bytes_the_host_plans(cta_harness, tmp_path):
