@@ -30,6 +30,20 @@ def start_redis(port: int, log_dir, *extra: str) -> subprocess.Popen:
     return proc
 
 
+def start_cluster(paged_dir, tmp_path, redis_port: int, key_prefix: str, services: list):
+    """A worker and a gateway whose sessions live in the Redis on redis_port, each appended to
+    `services` as it starts (so a failed start still stops the others); (gateway, its url) once
+    the gateway reports its Redis healthy."""
+    worker, address = start_worker("worker", paged_dir, tmp_path)
+    services.append(worker)
+    wait_worker(worker, address)
+    gateway, url = start_gateway("gateway", paged_dir, [address], tmp_path, key_prefix,
+                                 extra=("--redis-url", f"redis://127.0.0.1:{redis_port}/0"))
+    services.insert(0, gateway)
+    assert wait_health(url, "ok")["session_store"] == "redis"
+    return gateway, url
+
+
 def wait_health(url: str, status: str, timeout_s: float = 15.0) -> dict:
     deadline = time.monotonic() + timeout_s
     while True:
@@ -57,13 +71,7 @@ def test_redis_out_of_memory_is_a_503_in_redis_words_and_counted(paged_micro_dir
     redis_proc = start_redis(port, tmp_path, "--maxmemory-policy", "noeviction")
     services = []
     try:
-        worker, address = start_worker("worker", paged_micro_dir, tmp_path)
-        services.append(worker)
-        wait_worker(worker, address)
-        gateway, url = start_gateway("gateway", paged_micro_dir, [address], tmp_path, "oom:",
-                                     extra=("--redis-url", f"redis://127.0.0.1:{port}/0"))
-        services.insert(0, gateway)
-        assert wait_health(url, "ok")["session_store"] == "redis"
+        gateway, url = start_cluster(paged_micro_dir, tmp_path, port, "oom:", services)
         client = redis.Redis(port=port)
         try:  # Redis full: any write is refused from now on
             client.config_set("maxmemory", 1)
@@ -90,13 +98,7 @@ def test_redis_restart_degrades_then_recovers_and_lost_history_is_visible(paged_
     redis_proc = start_redis(port, tmp_path)
     services = []
     try:
-        worker, address = start_worker("worker", paged_micro_dir, tmp_path)
-        services.append(worker)
-        wait_worker(worker, address)
-        gateway, url = start_gateway("gateway", paged_micro_dir, [address], tmp_path, "outage:",
-                                     extra=("--redis-url", f"redis://127.0.0.1:{port}/0"))
-        services.insert(0, gateway)
-        assert wait_health(url, "ok")["session_store"] == "redis"
+        gateway, url = start_cluster(paged_micro_dir, tmp_path, port, "outage:", services)
 
         first = chat(url, "s1", "Hello")
         assert first.status_code == 200 and first.headers["x-session-status"] == "new"
