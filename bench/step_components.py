@@ -104,21 +104,15 @@ def attribute(events, on_cuda: bool) -> dict:
     for e in events:
         if e.device_type != torch.autograd.DeviceType.CPU:
             continue
-        if e.name.startswith(PREFIX):
-            # Kernels launched outside torch's operators (the cupy-launched expert, norm and
-            # attention kernels) are correlated with the innermost range open at their launch.
-            if on_cuda:
-                slot = out[e.name[len(PREFIX):]]
-                for k in e.kernels:
-                    slot["ms"] += k.duration / 1000
-                    slot["kernels"] += 1
-            continue
-        slot = out[_component_of(e)]
+        slot = out[_component_of(e)]  # (a range is its own component)
         if on_cuda:
+            # An operator's kernels; a range's own are those launched outside torch's operators
+            # (the cupy-launched expert, norm and attention kernels), correlated with the
+            # innermost range open at their launch.
             for k in e.kernels:
                 slot["ms"] += k.duration / 1000
                 slot["kernels"] += 1
-        else:
+        elif not e.name.startswith(PREFIX):
             slot["ms"] += e.self_cpu_time_total / 1000
             slot["kernels"] += not e.cpu_children
     return out
