@@ -48,7 +48,7 @@ RECIPES = (
            "batch-1 decode of the bundled models against transformers, same CPU, same run"),
     Recipe("planner-speed", "planner_speed", (), "cpu",
            "every planner policy's plan at Qwen1.5-MoE size (2,880 blocks) against a heapq greedy"),
-    Recipe("controller-scale", "controller_scale", ("--baseline-ref", ""), "cpu",
+    Recipe("controller-scale", "planner_speed", ("--controllers",), "cpu",
            "planner, pager, page table and routing feed at 2,880 / 12,288 / 30,000 blocks"),
     Recipe("quality-budget", "quality_budget", ("--artifacts", "{artifacts}"), "cpu",
            "KL to bf16 and perplexity of every policy at 3.0-6.0 mean plane bits, with 95% CIs"),
