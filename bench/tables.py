@@ -196,8 +196,8 @@ def budget_sweep(files: list[str]) -> list[str]:
     if not present:
         return ["No result yet: `python -m bench run budget-sweep-cpu` (CPU) or `budget-sweep-qwen-a` / "
                 "`budget-sweep-qwen-b` (GPU) write " + ", ".join(f"`{f}`" for f in files) + "."]
-    lines = header("budget MiB (fitting width)", "row", "tok/s", "KL x 1000", "preemptions",
-                   "page moves (blocks moved / minimum over frees)", "mean bits served")
+    lines = header("budget MiB (fitting width)", "row", "tok/s", "KL x 1000", "preemptions", "page moves",
+                   "mean bits served")
     for f in present:
         for point in load(f)["budgets"]:
             budget = f"{point['budget'] / 2**20:.1f} ({point['fitting_uniform_bits'] or 'none'})"
@@ -211,11 +211,8 @@ def budget_sweep(files: list[str]) -> list[str]:
                 kl = x.get("kl_served")
                 done = "" if x.get("requests_finished", x["requests"]) == x["requests"] else \
                     f" ({x['requests_finished']}/{x['requests']} requests in the time limit)"
-                frees = x.get("frees_against_minimum") or {}
-                moves = f"{x['page_moves']}" + (f" ({frees['blocks_moved']} / {frees['minimum_blocks']})"
-                                                if frees.get("free_requests") else "")
                 lines.append(row(budget, name, f"{x['output_tokens_per_s']}{done}",
-                                 "" if kl is None else f"{1000 * kl:.2f}", x["preemptions"], moves,
+                                 "" if kl is None else f"{1000 * kl:.2f}", x["preemptions"], x["page_moves"],
                                  x["bits_mean_served"]))
     return lines + ["", source(*present)]
 
