@@ -240,7 +240,7 @@ TABLES = {
 PAGES = {"quality.md": ("quality_budget", "quality_budget_cpu.json"),
          "calibration.md": ("calibration_quality", "calibration_quality_cpu.json")}
 # sections such a page goes on with, each a benchmark's own from its result: page -> [(module, result)]
-PAGE_SECTIONS = {"quality.md": [("retrieval_report", "retrieval_budget_retrieval-moe_cpu.json")]}
+PAGE_SECTIONS = {"quality.md": [("retrieval_budget", "retrieval_budget_retrieval-moe_cpu.json")]}
 MARK = re.compile(r"(<!-- table: (\w+) -->\n)(.*?)(<!-- /table -->)", re.S)
 
 

@@ -12,7 +12,6 @@ import pytest
 
 from bench import bench_meta, tables
 from bench import retrieval_budget as rb
-from bench import retrieval_report
 from pagedweight.memory.kv_cache import blocks_for
 
 # lengths: at 256 tokens the bf16 experts take more than the KV of the three requests a budget
@@ -90,7 +89,7 @@ def test_budgets_are_ordered_and_bf16_experts_do_not_fit_beside_the_kv(result):
 def test_the_docs_section_and_figure_come_from_the_result(result, monkeypatch):
     payload, tmp = result
     assert (tmp / "figure.png").stat().st_size > 10_000
-    text = retrieval_report.markdown(payload)
+    text = rb.markdown(payload)
     accuracy = text[text.index("| budget | row |"):].split("\n\n")[0].splitlines()
     assert len(accuracy) == 2 + 1 + 2 * 3  # header, unlimited bf16, three rows at each budget
     assert accuracy[2].startswith("| unlimited | bf16 | ") and "refused" in accuracy[3]
