@@ -18,8 +18,6 @@ Confidence intervals: differences are paired over the same chunks (planner minus
 plan minus bf16 for perplexity); a model's value is the mean over its four domains (each the
 mean over its chunks), its standard error from the chunks' spread; the mean over models is the
 mean of the models' values, standard error sqrt(sum se^2) / models; 95% CI = +-1.96 se.
-Memory columns for the real-shape configs (Qwen1.5-MoE-A2.7B, Mixtral-8x7B): plane and LUT
-bytes at each budget and the KV tokens the bytes freed from bf16 experts buy.
 
 Writes bench/results/quality_budget_cpu.json, docs/quality.md, docs/quality.png.
     python -m bench.quality_budget --artifacts DIR   # DIR/<model> from `pagedweight quantize`
@@ -40,7 +38,7 @@ import torch.nn.functional as F
 
 from bench.bench_meta import log, write_result
 from pagedweight.common.paths import corpus_dir
-from pagedweight.format.blocks import MIN_BITS, lut_bytes
+from pagedweight.format.blocks import MIN_BITS
 from pagedweight.format.paged_model import load_paged_model
 from pagedweight.model.dequantized_experts import build_paged_lm, set_model_bits
 from pagedweight.model.source_experts import attach_source_experts
@@ -55,19 +53,10 @@ MODELS = ("micro-mixtral", "tiny-mixtral", "tiny-qwen-moe", "tiny-gemma4-moe")
 DOMAINS = ("kjv", "pydoc", "pycode", "cheader")
 BITS = (3.0, 3.5, 4.0, 5.0, 6.0)  # budgets, mean plane bits over the expert weights
 PLANNER = "pagedweight"
-BASELINES = ("uniform", "uniform-fill", "mxmoe", "dpllm")
 ABLATIONS = ("no-sensitivity", "no-routing", "no-residual", "no-guard", "no-loss-scale")
 # perplexity over bf16 the planner must stay within, mean over models
 TARGETS = {4.0: 0.010, 5.0: 0.003}
 Z95 = 1.96
-# Real-shape configs for the memory columns (Hugging Face config fields that matter here).
-REAL_SHAPES = {
-    "Qwen1.5-MoE-A2.7B": {"vocab": 151936, "hidden": 2048, "layers": 24, "heads": 16, "kv_heads": 16,
-                          "head_dim": 128, "experts": 60, "expert_inter": 1408, "shared_inter": 5632,
-                          "tied": False},
-    "Mixtral-8x7B": {"vocab": 32000, "hidden": 4096, "layers": 32, "heads": 32, "kv_heads": 8,
-                     "head_dim": 128, "experts": 8, "expert_inter": 14336, "shared_inter": 0, "tied": False},
-}
 
 
 class Scorer:
@@ -300,32 +289,6 @@ def summarise(results: dict, bits_list=BITS, policies=POLICY_NAMES, domains=DOMA
             "guard": guard}
 
 
-# ---- memory of the real-shape configs ----------------------------------------------------------
-def real_shape_rows() -> dict:
-    """Plane and LUT bytes at each budget, and KV tokens bought by the freed expert bytes."""
-    out = {}
-    for name, c in REAL_SHAPES.items():
-        H, L = c["hidden"], c["layers"]
-        shapes = [(2 * c["expert_inter"], H), (H, c["expert_inter"])] * (L * c["experts"])
-        weights = sum(r * cc for r, cc in shapes)
-        expert_bf16 = 2 * weights
-        attention = L * (H * c["heads"] * c["head_dim"] * 2 + H * c["kv_heads"] * c["head_dim"] * 2)
-        shared = L * 3 * H * c["shared_inter"] + (L * H if c["shared_inter"] else 0)  # + its gate
-        dense_params = (c["vocab"] * H * (1 if c["tied"] else 2) + attention + shared
-                        + L * H * c["experts"] + L * 2 * H + H)  # router, norms
-        kv_per_token = L * c["kv_heads"] * c["head_dim"] * 2 * 2  # K and V, bf16
-        rows = {}
-        for b in BITS:
-            planes = int(b * weights // 8)
-            luts = sum(lut_bytes(r, 3 if b == 3 else 4) for r, _ in shapes)  # 3.5: LUT_4 where raised
-            rows[str(b)] = {"plane_bytes": planes, "lut_bytes_at_most": luts,
-                            "whole_model_bytes": 2 * dense_params + planes + luts,
-                            "kv_tokens_bought": (expert_bf16 - planes - luts) // kv_per_token}
-        out[name] = {"bf16_expert_bytes": expert_bf16, "dense_bytes": 2 * dense_params,
-                     "kv_bytes_per_token": kv_per_token, "budgets": rows}
-    return out
-
-
 # ---- report -----------------------------------------------------------------------------------
 def plot(payload: dict, path: Path) -> None:
     import matplotlib
@@ -424,7 +387,7 @@ def markdown(payload: dict) -> str:
         lines += ["", "Held-out plans where the uniform guard chose uniform-plus-fill (`no-guard` differs "
                   "from the planner only there): " + ", ".join(
                       f"{b} bits {g['guard_plans']} of {g['plans']}" for b, g in s["guard"].items()) + "."]
-    lines += model_sections(payload, head, rule) + real_shape_section(payload)
+    lines += model_sections(payload, head, rule)
     return "\n".join(lines + how_measured(payload)) + "\n"
 
 
@@ -451,18 +414,6 @@ def model_sections(payload: dict, head: str, rule: str) -> list[str]:
                       "pagedweight / uniform / uniform-fill): " + "; ".join(
                           f"{b} bits {1000 * v[PLANNER]:.2f} / {1000 * v['uniform']:.2f} / "
                           f"{1000 * v['uniform-fill']:.2f}" for b, v in cc.items() if b != "tokens")]
-    return lines
-
-
-def real_shape_section(payload: dict) -> list[str]:
-    lines = ["", "## Real-shape memory", "",
-             "| model | bits | planes | LUTs (at most) | whole model | KV tokens bought |", "|---|---|---|---|---|---|"]
-    for name, r in payload["real_shapes"].items():
-        for b, row in r["budgets"].items():
-            lines.append(f"| {name} | {b} | {row['plane_bytes'] / 1e9:.2f} GB | {row['lut_bytes_at_most'] / 1e9:.2f} GB "
-                         f"| {row['whole_model_bytes'] / 1e9:.2f} GB | {row['kv_tokens_bought']:,} |")
-    lines += ["", "KV bytes per token (bf16 K and V, all layers): " +
-              ", ".join(f"{n} {r['kv_bytes_per_token']:,}" for n, r in payload["real_shapes"].items())]
     return lines
 
 
@@ -511,7 +462,7 @@ def main() -> int:
     results = {name: results[name] for name in MODELS if name in results}
     payload.update({"bits": list(BITS), "domains": list(DOMAINS), "policies": list(POLICY_NAMES),
                     "targets": {str(b): v for b, v in TARGETS.items()}, "results": results,
-                    "real_shapes": real_shape_rows(), "summary": summarise(results)})
+                    "summary": summarise(results)})
     path = write_result(args.out_name, payload)
     record = json.loads(path.read_text())
     (REPO / "docs" / f"{args.docs_name}.md").write_text(markdown(record))
