@@ -1,28 +1,18 @@
 """The comparison at a sweep of memory budgets: bf16 in the same memory, every static width, the
 fitting uniform width and the elastic policy, one run each per budget, throughput beside quality.
 
-The model: a paged artifact (`--artifact`, from `pagedweight quantize`) or a real-shape config
-with random weights (`--shape`, offline/real_shape_models.py). The trace: `--requests` random
-prompts of `--prompt-len` tokens from one seed, `--concurrency` kept in flight, EOS ignored, so
-every row serves the same requests in the same order.
-
-Budgets: `--num-budgets` points, evenly spaced, from "bf16 barely fits" (non-expert weights +
-workspace + every expert in bf16 + all the KV the trace wants) down to "only 3 bits fits" (the
-same with every expert at 3 bits, plus half the step to 4 bits: 4 bits no longer fits beside
-the trace's KV). Each budget is the whole device budget every row gets. Rows per budget:
-- `bf16`: our engine over the unquantised experts with the KV blocks the budget leaves once
-  bf16 weights are charged (2 bytes a weight whatever the compute dtype): it must preempt and
-  recompute when that is less than the trace wants, and is `refused` when one request's KV
-  does not fit; stopped after `--row-time-limit-s` (preemption can thrash);
-- `static-B`, B = 3..8: every expert pinned at B bits (`refused` where B's experts and one
-  request's KV do not fit);
-- `fitting-uniform`: the widest B whose experts fit beside the trace's whole KV demand
-  (planner.sizing.fitting_uniform_bits), the uniform-quantisation baseline: the `static-B` run
-  of that B, named so;
-- `pagedweight`: the elastic policy.
-With `--kl` (an artifact whose source checkpoint is at hand, CPU) every row also carries the
-token-weighted KL(bf16 || served) of the KL_PLANS bit plans it served most, on held-out text
-(the corpus's kjv valid split); bf16 is the reference (0).
+The model: a paged artifact (`--artifact`) or a real-shape config with random weights
+(`--shape`). The trace: `--requests` random prompts from one seed, `--concurrency` in flight,
+EOS ignored. Budgets: `--num-budgets` points, evenly spaced, from "bf16 barely fits" (non-expert
+weights + workspace + bf16 experts + all the KV the trace wants) down to "only 3 bits fits"
+(3-bit experts and the trace's KV, half-way to 4 bits). Rows per budget: `bf16` (our engine over
+the unquantised experts, charged 2 bytes a weight, with the KV blocks the budget leaves: it
+preempts when short, is `refused` when one request's KV does not fit, and stops after
+`--row-time-limit-s`); `static-B`, B = 3..8 (`refused` where B's experts and one request's KV do
+not fit); `fitting-uniform` (the widest B whose experts fit beside the trace's whole KV,
+planner.sizing.fitting_uniform_bits: that `static-B` run, named so); `pagedweight`. With `--kl`
+(an artifact whose source checkpoint is at hand, CPU) each row carries the token-weighted
+KL(bf16 || served) of the KL_PLANS plans it served most, on held-out kjv text.
 
     python -m bench run budget-sweep-cpu       # the trained tiny Qwen-MoE, with the KL
     python -m bench run budget-sweep-qwen-a    # GPU: Qwen1.5-MoE, 24 layers, half the rows (-b: the rest)

@@ -1,32 +1,19 @@
 """Serving speed at a real model's size, one run: transformers, our engine in bf16, the
 runtime at static 8/4/3 bits, and the `pagedweight` policy under memory pressure, each
-against the HBM floor measured in the same run.
-
-Nothing is written to disk but the result: the checkpoint is `transformers`' own class with
-random bf16 weights drawn on the device, each tensor from a generator seeded by its name
-(`--seed`); our `MoECausalLM` is assembled over the same tensors (no copy); the routed experts
-are quantised by a fast nested-uniform path (offline/real_shape_models.py: the real planes,
-LUTs and byte counts, no calibration, so no quality figure) into an in-memory `PagedModel`
-that the runtime is built from. A model whose bf16 weights, KV room and workspace do not fit
-the device is never built whole (`--build auto`): its artifact is built layer by layer
-(`paged_by_layer`), and the sections that need the bf16 model are marked "does not fit".
+against the HBM floor measured in the same run (docs/real_shape.md says how each is built).
 
 Sections, in order of what the device minutes buy (a time limit skips the rest; the JSON is
-rewritten after each section, so a cut run still leaves what it measured):
-1. copy bandwidth (device-to-device, bytes read + written) -> the HBM floor of every row:
-   bytes one decode step must read (non-expert weights, lm_head included, embeddings one
-   row per token; the experts the batch touches in expectation under uniform routing,
-   E * (1 - (1 - k/E)^B) per layer, at the row's bits) over that bandwidth;
-2. parity: our bf16 model's logits against transformers' on one prompt (same tensors);
-3. transformers `generate` (bf16, greedy, batch = concurrency);
-4. our engine over dense bf16 experts in each of `--modes` (MODES); TTFT of `--ttft-prompts`;
-5. the runtime at static-8/4/3 (fused kernel on CUDA), same loads in each mode, TTFT at 4 bits;
-6. pressure: budget = 8-bit experts + non-expert weights + workspace + half the KV the load
-   wants; `pagedweight` against `static-8` and `static-4`: tokens/s, preemptions, page
-   moves, mean bits start/min/end.
-Every load reports the graph captures and replays during it (a steady load captures none
-once warm); the bf16 engine and every static width have a step profile and a per-component
-one (bench/step_components.py).
+rewritten after each, so a cut run keeps what it measured): copy bandwidth -> the HBM floor of
+every row (bytes one decode step must read: non-expert weights, lm_head included, embeddings
+one row per token, the experts the batch touches in expectation under uniform routing,
+E * (1 - (1 - k/E)^B) per layer, at the row's bits); parity of our bf16 logits with
+transformers'; transformers `generate`; our engine over dense bf16 experts in each of
+`--modes` (MODES); the runtime at static-8/4/3, same loads in each mode; pressure (budget =
+8-bit experts + the rest + half the KV the load wants: `pagedweight` against static-8 and
+static-4). Every load counts its graph captures and replays; the bf16 engine and every static
+width have a step profile and a per-component one (bench/step_components.py), TTFT at bf16 and
+4 bits. A model that does not fit the device in bf16 is built layer by layer (`--build auto`)
+and its bf16 sections are marked "does not fit".
 
     python -m bench run real-shape-qwen          # on the GPU (-mixtral, -gemma4, -qwen3, -olmoe)
     python -m bench run real-shape-cpu           # a tiny model on the CPU: checks the script

@@ -1,37 +1,21 @@
 """Long-context retrieval under a memory budget: bf16 against the elastic policy and the widest
-uniform width that fits.
+uniform width that fits (docs/quality.md's last section, rendered by `markdown` from the result).
 
-The checkpoint is a small MoE trained for key-value retrieval among long filler text
-(tools/train_retrieval_moe.py, bench/retrieval_task.py). Per context length, held-out
-examples (one query each) are answered by greedy decoding and scored by exact match of the
-value; every row answers the same examples.
-- `bf16` with unlimited memory: the unquantised checkpoint in the project's model, one
-  forward per prompt (no cache); the answer is the argmax of its last logits, and its margin
-  over the runner-up is kept (how near a tie each answer is).
-- At each budget (`--expert-bits` B): the dense weights, the workspace, the KV of
-  `--concurrency` whole requests (prompt and decoded tokens, and `--slack-pages` blocks) and
-  the experts at B mean bits. B = 3.5 leaves only the lowest uniform width (3) beside that KV,
-  B = 4.5 one width more; bf16 experts never fit beside it. Every example is sent at once, and each request decodes `--decode-tokens` after
-  its prompt (the first is the answer scored; by default as many as the prefills of
-  concurrency - 1 requests take steps, so that many requests hold KV at once):
-  - `bf16` in the budget: the engine over the unquantised experts with the KV blocks the
-    budget leaves beside them; it holds fewer requests at once, so it queues them or preempts;
-  - `pagedweight`: the elastic policy, its bits moving with the KV the requests hold;
-  - `static-B`: the widest uniform B whose experts fit beside the KV of the budget.
-  For the quantised rows the bits each prompt token was computed at are recorded: the mean,
-  per layer, per block and for the experts the calibration routed to most and least.
-Accuracies carry 95% Wilson intervals, and each row counts the examples it lost and gained
-against unlimited bf16 (paired: the same examples).
-The paged model is made by `pagedweight quantize` calibrated on task text (examples of a
-seed the evaluation does not use).
+The checkpoint is a small MoE trained for key-value retrieval among filler text
+(tools/train_retrieval_moe.py, bench/retrieval_task.py), quantised by `pagedweight quantize` on
+task text of a seed the evaluation does not use. Per context length, held-out examples (one
+query each) are answered greedily and scored by exact match; every row answers the same ones:
+- `bf16`, unlimited memory: one forward per prompt; the answer is the argmax of the last logits,
+  its margin over the runner-up kept (how near a tie it is);
+- at each budget (`--expert-bits` B: dense weights, workspace, the KV of `--concurrency` whole
+  requests and `--slack-pages` blocks, experts at B mean bits) every example is sent at once and
+  decodes `--decode-tokens` after its prompt (by default as many as the prefills of concurrency
+  - 1 requests take steps, so that many hold KV at once): `bf16` with the KV blocks its experts
+  leave (it queues or preempts), `pagedweight`, and `static-B`, the widest uniform B that fits;
+  the quantised rows record the bits each prompt token was computed at.
+Accuracies carry 95% Wilson intervals and the examples lost and gained against unlimited bf16.
 
-Writes bench/results/retrieval_budget_<model>_<device>.json and the figure (exact match per
-budget and length, with the intervals); `markdown` renders the section of docs/quality.md from the
-result (`python -m bench tables`): exact match per row and length, how each budget row was served
-(memory, the bits the prompt tokens were computed at, requests held, preemptions, steps short of
-KV, throughput), the targets, and the examples lost with how near a tie unlimited bf16's answer was.
-
-    python -m bench.retrieval_budget --lengths 2048 4096 8192 --count 48 --threads 1
+    python -m bench run retrieval-budget
 """
 
 from __future__ import annotations

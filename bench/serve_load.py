@@ -1,30 +1,23 @@
-"""The serving layers under load against the engine in this process: the in-process
-`AsyncEngine`, then, with planner + worker + gateway started here on free ports with the same
-flags, the worker over gRPC (requests multiplexed on one `GenerateStream`, as the gateway talks
-to it) and the gateway over HTTP (`POST /v1/completions` streamed, one connection per request,
-read with asyncio streams: at c256 a client library's per-event cost would measure the client).
-Every request ignores EOS, so it generates exactly its drawn output length; a short warm-up
-precedes each layer; the in-process engine is closed (its device memory freed) before the
-cluster starts. A client sees TTFT and inter-token gaps per arrival (an SSE event or a stream
-message with tokens is one arrival, as `vllm bench serve` measures ITL).
+"""The serving layers under load, each against the engine in this process: the in-process
+`AsyncEngine`, then (planner + worker + gateway started here on free ports, same flags) the
+worker's `GenerateStream` (requests multiplexed on one stream, as the gateway talks to it) and
+the gateway's streamed `POST /v1/completions` (one connection per request, read with asyncio
+streams: at c256 a client library's per-event cost would measure the client). Requests ignore
+EOS; each layer is warmed up first; TTFT and inter-token gaps are the client's (an SSE event or
+a stream message with tokens is one arrival, as `vllm bench serve` counts ITL).
 
-Two loads (`--mode`):
-- `trace` (serve-load): one seeded trace, Poisson arrivals of `--request-rate` a second (0: all
-  at once) with at most `--max-concurrency` in flight, random token prompts of `--prompt-len
-  LO:HI` and outputs of `--output-len LO:HI` tokens, uniform; `--rounds` rounds of the three
-  layers, so a busy spell of a shared machine does not land on one side only. `overhead` is 1 -
-  gateway output tok/s / in-process output tok/s, means over the rounds (target < 0.10 at
-  concurrency 16). Writes bench/results/serve_load_<model>[_<tag>]_<device>.json.
-- `sweep` (serve-sweep): at each of `--concurrency 16,64,256` a closed loop keeps that many
-  requests in flight for `--duration` seconds (those running at the deadline finish and count);
-  prompts are windows of data/sample.txt tokenised by the model's tokenizer, so the gateway
-  detokenises real text. Per point: output tok/s, TTFT/ITL p50, the ratio to in-process, and
-  the CPU the gateway and worker processes used. Targets: gateway >= 0.9x and worker >= 0.95x
-  in-process. Writes serve_sweep_<model>[_<tag>]_<device>.json (or `--out`).
+`--mode trace` (serve-load): one seeded trace, Poisson arrivals of `--request-rate` a second (0:
+all at once), at most `--max-concurrency` in flight, random token prompts and outputs of
+`--prompt-len` / `--output-len` LO:HI tokens; `--rounds` rounds of the three layers, so a busy
+spell of a shared machine does not land on one side only; overhead = 1 - gateway tok/s /
+in-process tok/s, means over the rounds (target < 0.10 at concurrency 16).
+`--mode sweep` (serve-sweep): at each of `--concurrency` a closed loop keeps that many requests in
+flight for `--duration` s; prompts are windows of data/sample.txt in the model's tokenizer, so
+the gateway detokenises real text; per point tok/s, TTFT/ITL p50, the ratio to in-process and
+the gateway's and worker's CPU (targets: gateway >= 0.9x, worker >= 0.95x in-process).
 
     python -m bench run serve-load --artifacts DIR -- --request-rate 4
-    python -m bench.serve_load --mode sweep --model PAGED_DIR --device cuda --memory-budget 0.85 \\
-        --concurrency 16,64,256 --duration 30
+    python -m bench run serve-sweep --artifacts DIR          # GPU: tools/serve_sweep_gpu.sh
 """
 
 from __future__ import annotations
@@ -91,7 +84,6 @@ def summarize(timings: list[Arrivals], elapsed_s: float, cpu: dict[str, float] |
     return out
 
 
-# ---- the loads ---------------------------------------------------------------------------------
 def lengths(text: str) -> tuple[int, int]:
     """LO:HI -> (LO, HI)."""
     lo, hi = (int(x) for x in text.split(":"))
@@ -152,7 +144,6 @@ async def closed_loop(concurrency: int, duration_s: float, requests: list[Reques
     return timings, time.monotonic() - start
 
 
-# ---- the clients -------------------------------------------------------------------------------
 class InProcessClient:
     def __init__(self, engine):
         self.engine = engine
@@ -279,7 +270,6 @@ class GatewayHttpClient:
         arrivals.tokens = tokens
 
 
-# ---- the layers --------------------------------------------------------------------------------
 def worker_config(args):
     from pagedweight.worker.config import WorkerConfig
 
@@ -402,7 +392,6 @@ def run_layers(args, loads: dict, requests: list[Request], layers: set[str]) -> 
     return {"in_process": in_process, "worker_grpc": worker, "gateway_http": gateway}
 
 
-# ---- the two modes -----------------------------------------------------------------------------
 def run_trace(args) -> Path:
     from pagedweight.format.model_config import ModelConfig
 

@@ -1,26 +1,16 @@
-"""Where an engine step's time goes: per component of the model (`component_profile`:
-attention, gating, the shared expert (Gemma-4: its dense MLP), the routed experts, norms,
-embedding + lm head, sampling, and the host), and per phase of a step as the engine runs it
-(`decode_profile`: the host's phases and the kernels of the step as the engine runs it).
+"""Where an engine step's time goes: per component of the model (`component_profile`) and per
+phase of a step as the engine runs it (`decode_profile`: host phases, kernels by name).
 
-A replayed CUDA graph is one launch to the profiler: its kernels cannot be told apart by
-the Python that captured them. So the component profile runs the same steps eagerly (the
-engine's graphs off for the profile, then put back) with a `record_function` range around
-each component's module call, and gives every operator to the innermost range it ran in:
-- on CUDA, each operator's kernels (their count and device time) go to its range; a
-  kernel count per component says how many launches the graph replays for it, and the
-  sum of device times what the graph's step costs before the gaps between kernels;
-- on the CPU (which checks the instrumentation), each operator's own CPU time and one
-  "kernel" per leaf operator.
-"host" is the step's wall time less the summed device time (CUDA), or its wall time
-less the ranges' CPU time (CPU): the Python and launch overhead a replay removes.
-
-Ranges, innermost first: the experts operator, the shared expert / dense MLP, the
-router, every RMSNorm module, attention; the MoE block outside those (the fused product
-of router and shared-expert inputs, routing, the observer) counts as gating; the decoder
-layer outside them (residual adds, the fused add + norm kernels) as norms; the model
-outside its layers (embedding, RoPE tables, final norm, lm head, softcapping) as
-"embed + lm head"; the runner's sampling as sampling.
+A replayed CUDA graph is one launch to the profiler, so the component profile runs the same
+steps eagerly (the engine's graphs off, then put back) with a `record_function` range around
+each component's module call, and gives every operator to the innermost range it ran in: on
+CUDA its kernels (count and device time: the launches a graph replays for the component and
+what its step costs before the gaps), on the CPU (which checks the instrumentation) its own
+CPU time and one "kernel" per leaf operator. "host" is the step's wall time less the summed
+device (or range CPU) time: the Python and launch overhead a replay removes. Ranges, innermost
+first: the experts operator, the shared expert / dense MLP, the router, every RMSNorm,
+attention; the MoE block outside those counts as gating, the decoder layer outside them as
+norms, the model outside its layers as "embed + lm head", the runner's sampling as sampling.
 """
 
 from __future__ import annotations
