@@ -35,7 +35,6 @@ from bench.retrieval_task import eval_examples, to_text
 from pagedweight.common.paths import REPO_ROOT
 
 DEFAULT_MODEL = REPO_ROOT / "models" / "retrieval-moe"
-DEFAULT_PLOT = REPO_ROOT / "docs" / "retrieval_budget.png"
 CALIB_SEED = 1  # the evaluation uses --seed (0); training never draws from the evaluation's seeds
 Z95 = 1.959963984540054  # the normal quantile of a two-sided 95% interval
 BF16_BYTES = 2  # bf16 experts are charged 2 bytes a weight whatever the compute dtype
@@ -282,7 +281,7 @@ def run_length(args, paged, paged_dir: Path, model, length: int, device, dtype) 
         rows = {"bf16": counters if outputs is None else {**score(outputs, examples, ref), **counters}}
         log(length, expert_bits, "bf16", rows["bf16"])
         uniform = [f"static-{point['fitting_uniform_bits']}"] if point["fitting_uniform_bits"] else []
-        for policy in [*args.policies, *uniform]:
+        for policy in ["pagedweight", *uniform]:
             outputs, counters = served(paged_dir, policy, point["budget_bytes"], engine, device, dtype, examples,
                                        decode_tokens, routing, top_k)
             rows[policy] = {**score(outputs, examples, ref), **counters}
@@ -299,56 +298,7 @@ def log(length: int, budget, name: str, row: dict) -> None:
     print(length, budget, name, json.dumps({**brief, "bits": row.get("bits", {}).get("mean")}), flush=True)
 
 
-# ---- the report: docs/quality.md's section and the figure ------------------------------------------
-def accuracy_rows(payload: dict) -> dict[str, dict[tuple, dict]]:
-    """Series name -> {(expert bits, length): row}: unlimited bf16 (the same at every budget),
-    bf16 in the budget, each elastic policy and the fitting uniform width."""
-    series: dict[str, dict[tuple, dict]] = {}
-    for r in payload["lengths"]:
-        for point in r["budgets"]:
-            shape = (point["expert_bits"], r["length"])
-            series.setdefault("bf16, unlimited memory", {})[shape] = r["bf16_unlimited"]
-            for name, row in point["results"].items():
-                if "refused" in row:
-                    continue
-                label = "fitting uniform (static-B)" if name.startswith("static-") else name
-                series.setdefault({"bf16": "bf16 in the budget"}.get(name, label), {})[shape] = row
-    return series
-
-
-def figure(payload: dict, out: Path) -> Path:
-    """Exact match per budget and context length, one bar per row, with 95% Wilson intervals
-    (matplotlib's Agg backend, no screen); writes and returns `out`."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    series = accuracy_rows(payload)
-    shapes = sorted({s for rows in series.values() for s in rows})
-    width = 0.8 / len(series)
-    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(shapes)), 4))
-    for i, (name, rows) in enumerate(series.items()):
-        xs = [j + i * width for j, s in enumerate(shapes) if s in rows]
-        points = [rows[s] for s in shapes if s in rows]
-        acc = [100 * r["accuracy"] for r in points]
-        ax.bar(xs, acc, width, label=name)
-        ax.errorbar(xs, acc, fmt="none", ecolor="black", capsize=2, linewidth=0.8,
-                    yerr=[[100 * (r["accuracy"] - r["ci95"][0]) for r in points],
-                          [100 * (r["ci95"][1] - r["accuracy"]) for r in points]])
-    ax.set_ylim(0, 105)
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(shapes))])
-    ax.set_xticklabels([f"{s[1]} tokens\n{s[0]:g} expert bits" for s in shapes], fontsize=7)
-    ax.set_ylabel("exact match, %")
-    ax.set_title(f"{payload['model']}: exact match under a memory budget, 95% intervals")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
-
-
+# ---- the report: docs/quality.md's section ------------------------------------------------------------
 def pct(x: float) -> str:
     return f"{100 * x:.1f}"
 
@@ -467,8 +417,7 @@ def markdown(payload: dict) -> str:
              "or preempts), `pagedweight` (the elastic policy) and `static-B` (the widest uniform width that "
              "fits). Cells: exact match, % [95% Wilson interval] (examples lost / gained against unlimited bf16). "
              f"Computed in {payload['dtype']} on the CPU. Numbers: "
-             f"bench/results/retrieval_budget_{payload['model']}_cpu.json; plot: retrieval_budget.png.", "",
-             "![exact match by budget and context length](retrieval_budget.png)", "",
+             f"bench/results/retrieval_budget_{payload['model']}_cpu.json.", "",
              *accuracy_table(payload), "",
              "How each budget row was served. Bits: the mean width the prompt tokens were computed at (the "
              f"lowest mean at any step), per layer, and over the {payload['model_config']['num_experts_per_tok']} "
@@ -489,7 +438,6 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=str(DEFAULT_MODEL), help="the trained checkpoint (Hugging Face layout)")
     p.add_argument("--work", default="/tmp/retrieval-budget", help="calibration text and the paged model")
-    p.add_argument("--requantize", action="store_true", help="quantize even where WORK/paged exists")
     p.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192])
     p.add_argument("--count", type=int, default=48, help="held-out examples per length")
     p.add_argument("--records", type=int, default=16, help="key-value records per context")
@@ -500,7 +448,6 @@ def main(argv=None) -> int:
                    help="tokens each request decodes (the first is scored); 0: as many as the prefills of "
                         "concurrency - 1 requests take steps")
     p.add_argument("--slack-pages", type=int, default=1, help="KV blocks of room beyond the requests'")
-    p.add_argument("--policies", nargs="+", default=["pagedweight"], help="elastic policies (static-B is added)")
     p.add_argument("--max-batched-tokens", type=int, default=2048, help="new tokens per step (prefill chunks)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--calib-examples", type=int, default=32)
@@ -511,7 +458,6 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out-name", default=None)
-    p.add_argument("--plot", default=str(DEFAULT_PLOT), help="the figure (PNG); empty: none")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     load_start = os.getloadavg()[0]  # the machine's other work, beside the wall times
@@ -521,7 +467,7 @@ def main(argv=None) -> int:
     work = Path(args.work)
     paged_dir = work / "paged"
     started = time.perf_counter()
-    if args.requantize or not (paged_dir / "config.json").is_file():
+    if not (paged_dir / "config.json").is_file():  # quantised once per work folder
         calib = write_calib(work / "calib.txt", args.calib_length, args.calib_examples, args.records)
         quantize(Path(args.model), paged_dir, calib, args)
     quantize_s = round(time.perf_counter() - started, 1)
@@ -536,14 +482,11 @@ def main(argv=None) -> int:
                "model_config": {k: config.get(k) for k in (
                    "hidden_size", "num_hidden_layers", "num_local_experts", "num_experts_per_tok",
                    "intermediate_size", "num_key_value_heads")},
-               "routing_fraction": paged.meta["routing"]["routing_fraction"],
                "quantize_seconds": quantize_s, "lengths": lengths,
                "seconds": round(time.perf_counter() - started, 1), "cpu_seconds": round(time.process_time(), 1),
                "load_average": [round(load_start, 2), round(os.getloadavg()[0], 2)]}
     path = write_result(name, payload)
     print(f"wrote {path}")
-    if args.plot:
-        print(f"wrote {figure(payload, Path(args.plot))}")
     return 0
 
 
