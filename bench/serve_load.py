@@ -84,35 +84,27 @@ def summarize(timings: list[Arrivals], elapsed_s: float, cpu: dict[str, float] |
     return out
 
 
-def lengths(text: str) -> tuple[int, int]:
-    """LO:HI -> (LO, HI)."""
-    lo, hi = (int(x) for x in text.split(":"))
-    return lo, hi
-
-
-def poisson_trace(args, vocab: int) -> list[Request]:
-    rng = np.random.default_rng(args.seed)
-    num, (p_lo, p_hi), (o_lo, o_hi) = args.num_prompts, lengths(args.prompt_len), lengths(args.output_len)
-    arrivals = np.cumsum(rng.exponential(1.0 / args.request_rate, size=num)) if args.request_rate > 0 \
-        else np.zeros(num)
-    return [Request(float(t), rng.integers(1, vocab, size=int(rng.integers(p_lo, p_hi + 1))).tolist(),
-                    int(rng.integers(o_lo, o_hi + 1))) for t in arrivals]
-
-
-def real_text_requests(args, num: int) -> list[Request]:
+def make_requests(args, num: int, trace: bool) -> list[Request]:
+    """`num` requests of --prompt-len / --output-len LO:HI tokens (uniform, seeded): for the trace
+    random token ids arriving as a Poisson process of --request-rate (0: all at once), for the
+    sweep windows of data/sample.txt in the model's tokenizer."""
     from pagedweight.format.model_config import ModelConfig
     from pagedweight.frontend.tokenizer import Tokenizer
 
     vocab = ModelConfig.from_dir(Path(args.model)).vocab_size
-    ids = [t for t in Tokenizer(args.model).encode(TEXT.read_text()) if t < vocab]
+    text = None if trace else [t for t in Tokenizer(args.model).encode(TEXT.read_text()) if t < vocab]
     rng = np.random.default_rng(args.seed)
-    (p_lo, p_hi), (o_lo, o_hi) = lengths(args.prompt_len), lengths(args.output_len)
+    (p_lo, p_hi), (o_lo, o_hi) = ([int(x) for x in s.split(":")] for s in (args.prompt_len, args.output_len))
+    gaps = rng.exponential(1.0 / args.request_rate, num) if trace and args.request_rate > 0 else np.zeros(num)
     out = []
-    for _ in range(num):
+    for arrival in np.cumsum(gaps):
         n = int(rng.integers(p_lo, p_hi + 1))
-        start = int(rng.integers(0, max(1, len(ids) - n)))
-        prompt = (ids[start:start + n] * (n // max(1, len(ids)) + 1))[:n]
-        out.append(Request(0.0, prompt, int(rng.integers(o_lo, o_hi + 1))))
+        if text is None:
+            prompt = rng.integers(1, vocab, size=n).tolist()
+        else:
+            start = int(rng.integers(0, max(1, len(text) - n)))
+            prompt = (text[start:start + n] * (n // max(1, len(text)) + 1))[:n]
+        out.append(Request(float(arrival), prompt, int(rng.integers(o_lo, o_hi + 1))))
     return out
 
 
@@ -393,9 +385,7 @@ def run_layers(args, loads: dict, requests: list[Request], layers: set[str]) -> 
 
 
 def run_trace(args) -> Path:
-    from pagedweight.format.model_config import ModelConfig
-
-    trace = poisson_trace(args, ModelConfig.from_dir(Path(args.model)).vocab_size)
+    trace = make_requests(args, args.num_prompts, trace=True)
     load = {"trace": lambda send: open_loop(trace, args.max_concurrency, send)}
     rounds = [run_layers(args, load, trace, set(LAYERS)) for _ in range(args.rounds)]
 
@@ -426,7 +416,7 @@ def run_sweep(args) -> Path:
     layers = set(args.layers.split(","))
     if not layers or layers - set(LAYERS):
         raise SystemExit(f"--layers: unknown {sorted(layers - set(LAYERS))} ({', '.join(LAYERS)})")
-    requests = real_text_requests(args, max(args.num_prompts, 4 * max(levels)))
+    requests = make_requests(args, max(args.num_prompts, 4 * max(levels)), trace=False)
     loads = {c: (lambda send, c=c: closed_loop(c, args.duration, requests, send)) for c in levels}
     started = time.monotonic()
     runs = run_layers(args, loads, requests, layers)
