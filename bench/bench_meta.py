@@ -1,4 +1,5 @@
-"""What every benchmark result records: when, where, on which commit."""
+"""What every benchmark result records (when, where, on which commit) and how it is written:
+bench/results/<name>_<device tag>.json, a series or a table cell on one line."""
 
 from __future__ import annotations
 
@@ -22,23 +23,14 @@ def log(msg: str) -> None:
 
 def machine() -> dict:
     cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    info = {"host": platform.node(), "cpu": cpu, "cpu_count": os.cpu_count(),
+    cpuinfo = Path("/proc/cpuinfo")
+    names = [line.split(":", 1)[1].strip() for line in (cpuinfo.read_text().splitlines() if cpuinfo.is_file() else [])
+             if line.startswith("model name")]
+    info = {"host": platform.node(), "cpu": names[0] if names else cpu, "cpu_count": os.cpu_count(),
             "torch": torch.__version__, "torch_threads": torch.get_num_threads()}
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
     return info
-
-
-def gpu() -> str:
-    """The GPU's name, or "none (CPU)": results are kept per GPU (the newest of each)."""
-    return torch.cuda.get_device_name() if torch.cuda.is_available() else "none (CPU)"
 
 
 def device_tag() -> str:
@@ -50,35 +42,35 @@ def device_tag() -> str:
     return words[0] if words else "cuda"
 
 
-def stamp() -> dict:
-    """The fields every result opens with."""
-    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "commit": commit(), "gpu": gpu(), "machine": machine()}
-
-
 def commit() -> str:
     """HEAD (with -dirty for uncommitted changes); PAGEDWEIGHT_COMMIT where the tree is no
     git checkout (the GPU machine receives a copy of the working tree)."""
     if os.environ.get("PAGEDWEIGHT_COMMIT"):
         return os.environ["PAGEDWEIGHT_COMMIT"]
+    here = Path(__file__).parent
     try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                             check=True, cwd=Path(__file__).parent).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, cwd=Path(__file__).parent).stdout.strip()
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                             cwd=here).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, cwd=here).stdout.strip()
         return sha + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+
+
+def stamp() -> dict:
+    """The fields every result opens with; results are kept per GPU (the newest of each)."""
+    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "commit": commit(),
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none (CPU)", "machine": machine()}
 
 
 def write_result(name: str, payload: dict) -> Path:
     """Write bench/results/<name>_<device tag>.json with date, commit, GPU and machine added
     (the tag is left out where the name already ends with it)."""
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    record = {"benchmark": name, **stamp(), **payload}
     tag = device_tag()
     path = RESULTS_DIR / (f"{name}.json" if name.endswith(tag) else f"{name}_{tag}.json")
-    path.write_text(to_json(record) + "\n")
+    path.write_text(to_json({"benchmark": name, **stamp(), **payload}) + "\n")
     return path
 
 
@@ -90,7 +82,8 @@ def to_json(value, level: int = 0) -> str:
     if _is_leaf(value):
         return json.dumps(value)
     if isinstance(value, dict):
-        items = [f"{inner}{_key(k)}: {to_json(v, level + 1)}" for k, v in value.items()]
+        # each key as json writes it (a non-string key becomes a string)
+        items = [f"{inner}{json.dumps({k: None})[1:-7]}: {to_json(v, level + 1)}" for k, v in value.items()]
         return "{\n" + ",\n".join(items) + "\n" + pad + "}"
     return "[\n" + ",\n".join(inner + to_json(v, level + 1) for v in value) + "\n" + pad + "]"
 
@@ -101,13 +94,5 @@ def _is_plain(value) -> bool:
 
 def _is_leaf(value) -> bool:
     if isinstance(value, dict):
-        return all(_is_plain(v) or (isinstance(v, (list, tuple)) and all(map(_is_plain, v)))
-                   for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return all(map(_is_plain, value))
-    return True
-
-
-def _key(key) -> str:
-    """A dict key as json.dumps writes it (non-string keys become strings)."""
-    return json.dumps({key: None})[1:-7]
+        return all(_is_plain(v) or (isinstance(v, (list, tuple)) and all(map(_is_plain, v))) for v in value.values())
+    return all(map(_is_plain, value)) if isinstance(value, (list, tuple)) else True

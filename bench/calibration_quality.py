@@ -1,26 +1,18 @@
 """What the calibration text does to held-out quality: prompt residuals under domain shift,
-and the calibration defaults (tokens per file, one domain or all four).
+and the calibration defaults (tokens per file, one domain or all four); docs/calibration.md,
+rendered whole by `markdown` from the result.
 
-Artifacts: DIR/<model>/<variant>, each made by `pagedweight quantize` with one calibration:
-- `all-<T>`: the four domains' `calib` files (kjv, pydoc, pycode, cheader), T tokens each;
-- `<domain>-<T>`: that one domain's `calib` file, T tokens.
-Every artifact is scored like bench/quality_budget.py (same prompts, chunks, statistics) at
-BITS mean plane bits, on the four domains' held-out `valid` text, for the planner
-(`pagedweight`), the planner without prompt residuals (`no-residual`) and `uniform`.
+Artifacts: DIR/<model>/<variant>, each from `pagedweight quantize` with one calibration:
+`all-<T>` (the four domains' `calib` files, T tokens each) or `<domain>-<T>` (one domain's).
+Every artifact is scored as in bench/quality_budget.py at BITS for the planner, the planner
+without prompt residuals and `uniform`. Domain shift: an artifact calibrated on one domain
+serves the other three; planner minus no-residual, paired, mean over models and domains.
+Defaults: the planner's KL and perplexity change per variant, and each variant minus the
+all-domain default (`all-16384`), paired; one-domain variants pooled.
 
-- Domain shift: an artifact calibrated on one domain serves the other three. Prompt residuals
-  help if the planner minus no-residual (KL, paired over the same chunks) is below zero with
-  a 95% CI that excludes zero, mean over the models and the four calibration domains.
-- Defaults: the planner's KL and perplexity change per variant on all four domains, and each
-  variant minus the all-domain default (`all-16384`), paired; one-domain variants are pooled
-  (each of the four scored on all four domains, held-out domains and its own).
-
-Writes bench/results/calibration_quality_cpu.json and docs/calibration.md.
-    C=data/corpus  # the shared corpus' calib files
-    pagedweight quantize --model M --out DIR/M/all-8192 --calib $C/{kjv,pydoc,pycode,cheader}.calib.txt \
-        --calib-tokens 8192
-    pagedweight quantize --model M --out DIR/M/kjv-16384 --calib $C/kjv.calib.txt --calib-tokens 16384
-    python -m bench.calibration_quality --artifacts DIR --models micro-mixtral tiny-mixtral tiny-qwen-moe
+    pagedweight quantize --model M --out DIR/calibration/M/kjv-16384 --calib data/corpus/kjv.calib.txt \
+        --calib-tokens 16384       # one artifact per variant
+    python -m bench run calibration-quality --artifacts DIR
 """
 
 from __future__ import annotations
@@ -35,7 +27,7 @@ import torch
 
 from bench.bench_meta import log, write_result
 from bench.quality_budget import (DOMAINS, PLANNER, add_eval_args, as_ppl_change, combine, domain_mean, evaluate_model,
-                                  fmt_interval, how_measured, paired, vs_bf16)
+                                  fmt_interval, how_measured, measured, paired, vs_bf16)
 
 REPO = Path(__file__).resolve().parents[1]
 POLICIES = (PLANNER, "no-residual", "uniform")
@@ -148,33 +140,17 @@ def main() -> int:
     parser.add_argument("--artifacts", required=True, help="DIR/<model>/<variant>, see the module docstring")
     parser.add_argument("--models", nargs="+", required=True)
     parser.add_argument("--variants", nargs="+", default=None, help="default: every variant found")
-    add_eval_args(parser)
-    parser.add_argument("--out-name", default="calibration_quality")
-    parser.add_argument("--combine", nargs="+", default=None, metavar="JSON",
-                        help="no measuring: merge earlier runs (e.g. one model each, side by side)")
+    add_eval_args(parser, "calibration_quality")
     args = parser.parse_args()
     args.calib_tokens = 0  # no calibration check here
     torch.set_num_threads(args.threads)
-    if args.combine:
-        parts = [json.loads(Path(f).read_text()) for f in args.combine]
-        results = {}
-        for p in parts:  # a model's variants may come from several runs
-            for m, r in p["results"].items():
-                results.setdefault(m, {}).update(r)
-        payload = {k: parts[0][k] for k in ("prompt_tokens", "eval_tokens", "seq_len")}
-        payload["command"] = " ; ".join(p["command"] for p in parts)
-        payload["runs"] = [{k: p[k] for k in ("date", "machine", "commit", "command")} for p in parts]
-    else:
-        results = {}
-        for m in args.models:
-            variants = args.variants or sorted(p.name for p in (Path(args.artifacts) / m).iterdir()
-                                               if (p / "paged_model.json").is_file())
-            results[m] = {}
-            for v in variants:
-                log(f"{m} {v}")
-                results[m][v] = evaluate_model(m, args, POLICIES, BITS, DOMAINS, Path(args.artifacts) / m / v)
-        payload = {"prompt_tokens": args.prompt_tokens, "eval_tokens": args.eval_tokens, "seq_len": args.seq_len,
-                   "command": "python -m bench.calibration_quality " + " ".join(sys.argv[1:])}
+
+    def measure(model: str) -> dict:
+        folder = Path(args.artifacts) / model
+        variants = args.variants or sorted(p.name for p in folder.iterdir() if (p / "paged_model.json").is_file())
+        return {v: evaluate_model(model, args, POLICIES, BITS, DOMAINS, folder / v) for v in variants}
+
+    results, payload = measured(args, measure, "calibration_quality")
     payload.update({"bits": list(BITS), "policies": list(POLICIES), "results": results,
                     "summary": summarise(results)})
     path = write_result(args.out_name, payload)
@@ -182,7 +158,6 @@ def main() -> int:
         (REPO / "docs" / "calibration.md").write_text(markdown(json.loads(path.read_text())))
     log(f"wrote {path}")
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -2,7 +2,7 @@
 
 For each model: a 32-token prompt, 128 greedy new tokens, fp32, one warm-up, then the
 median of 3 timed runs for each implementation, interleaved so machine noise hits both.
-Writes bench/results/decode_speed.json.
+Writes bench/results/decode_speed_cpu.json.
 """
 
 from __future__ import annotations

@@ -1,16 +1,24 @@
-"""Planner speed at Qwen1.5-MoE-A2.7B size: 24 layers x 60 experts x 2 blocks = 2880 blocks.
+"""The controllers' speed on the CPU, each timed as the median (and p90) of repeated calls after
+a warm-up.
 
-Synthetic sensitivity and routing tables (services/pagedweight/planner/synthetic.py), true APL
-bytes. Timed, each as the median (and p90) of repeated runs after a warm-up:
-- every policy's static plan at budgets of uniform 3, 3.5, 4 and 5 bits (from scratch:
-  every block starts at 8 bits and is lowered to the budget, the most work a plan does);
-- the online planner's tick under a changing budget (free / spend / rebalance);
-- baseline, same run, same inputs: the textbook heapq greedy in pure Python.
-Target: at most 5 ms per plan. Writes bench/results/planner_speed.json.
+Plans (`planner-speed`, writes planner_speed_cpu.json): synthetic sensitivity and routing tables at
+Qwen1.5-MoE-A2.7B size (24 layers x 60 experts x 2 = 2,880 blocks, planner/synthetic.py), true
+APL bytes; every policy's static plan at uniform 3, 3.5, 4 and 5 bits from scratch (every
+block from 8 bits down to the budget, the most work a plan does); the online planner's tick
+under a budget moving between 4 and 4.6 bits; baseline, same run, same inputs: the textbook
+heapq greedy in pure Python. Target: at most 5 ms per plan.
+
+Controllers at scale (`controller-scale`, `--controllers`, writes controller_scale_cpu.json): at
+2,880, 12,288 (Qwen3-30B-A3B) and 30,000 blocks (tiny blocks sharing their host tensors: the
+point is the work per block), the `pagedweight` policy's solve over a BlockTable, an idle step
+boundary, a pager request freeing 10% of what lowering every block to 3 bits frees and the step
+boundary that lowers it (its compaction included), and one snapshot of the routing feed.
+Targets: a plan within 10 ms at 12,288 blocks, an idle step boundary within 50 us.
 """
 
 from __future__ import annotations
 
+import argparse
 import heapq
 import statistics
 import sys
@@ -27,6 +35,7 @@ from pagedweight.planner.synthetic import QWEN15_MOE_A27B, synthetic_table
 TARGET_MS = 5.0
 WIDTHS = (3, 3.5, 4, 5)
 REPEATS = 40
+SHAPES = {2880: (24, 60), 12288: (48, 128), 30000: (60, 250)}  # blocks -> (layers, experts)
 
 
 def timed_ms(fn, repeats: int = REPEATS) -> dict:
@@ -62,8 +71,7 @@ def heap_solve(damage: np.ndarray, nbytes: np.ndarray, budget: int) -> np.ndarra
 def online_ticks(table) -> dict:
     """A tick at a new budget, alternating pressure up and down between 4 and 4.6 bits."""
     planner = OnlinePlanner(table, DamageModel(table), np.full(table.num_blocks, 8))
-    rel = table.calib_mass / table.calib_mass.mean(axis=1, keepdims=True)
-    inputs = DamageInputs(rel)
+    inputs = DamageInputs(table.calib_mass / table.calib_mass.mean(axis=1, keepdims=True))
     budgets = [table.uniform_bytes(w) for w in (4.0, 4.6)]
     planner.plan(budgets[0], inputs)
     state = {"i": 0}
@@ -75,39 +83,103 @@ def online_ticks(table) -> dict:
     return timed_ms(tick)
 
 
-def main() -> int:
+def once_ms(fn) -> float:
+    """One call of something that changes state (no warm-up, no repeat)."""
+    start = time.perf_counter()
+    fn()
+    return round((time.perf_counter() - start) * 1e3, 2)
+
+
+def plans() -> dict:
     table = synthetic_table(*QWEN15_MOE_A27B, seed=0)
-    rng = np.random.default_rng(1)
-    residual = rng.normal(0, 0.3, size=table.num_blocks)
+    residual = np.random.default_rng(1).normal(0, 0.3, size=table.num_blocks)
     context = PlanContext(table.calib_mass / table.calib_mass.mean(axis=1, keepdims=True), residual)
-    results, worst = {}, 0.0
+    results = {}
     for name in POLICY_NAMES:
         policy = make_policy(name, table)
         for width in WIDTHS:
             budget = table.uniform_bytes(width)
             if name == "mxmoe":  # solved once per budget by design; time the solve itself
-                timing = timed_ms(lambda: make_policy(name, table).plan(budget, context))
+                results[f"{name}@{width}"] = timed_ms(lambda: make_policy(name, table).plan(budget, context))
             else:
-                timing = timed_ms(lambda: policy.plan(budget, context))
-            results[f"{name}@{width}"] = timing
-            worst = max(worst, timing["median_ms"])
-            print(f"{name:>15} @ {width:<4} bits: {timing['median_ms']:7.3f} ms median, {timing['p90_ms']:7.3f} p90")
+                results[f"{name}@{width}"] = timed_ms(lambda: policy.plan(budget, context))
+            print(f"{name:>15} @ {width:<4} bits: {results[f'{name}@{width}']['median_ms']:7.3f} ms median")
     damage = DamageModel(table).damage(DamageInputs(context.relative_mass, residual))
     baseline = {f"heapq@{w}": timed_ms(lambda: heap_solve(damage, table.nbytes, table.uniform_bytes(w)), 5)
                 for w in WIDTHS}
-    for key, timing in baseline.items():
-        print(f"{'baseline ' + key:>24}: {timing['median_ms']:7.3f} ms median")
     online = online_ticks(table)
-    print(f"online tick (free/spend 0.6 bits): {online['median_ms']:.3f} ms median")
-    payload = {
-        "model_size": {"name": "Qwen1.5-MoE-A2.7B", "num_layers": 24, "num_experts": 60,
-                       "num_blocks": table.num_blocks, "bit_widths": [3, 4, 5, 6, 7, 8]},
-        "target_ms": TARGET_MS, "repeats": REPEATS,
-        "static_plans": results, "online_tick": online, "baseline_python_heapq": baseline,
-        "worst_static_median_ms": worst, "meets_target": worst <= TARGET_MS and online["median_ms"] <= TARGET_MS,
-    }
-    path = write_result("planner_speed", payload)
-    print(f"worst static median {worst:.3f} ms (target {TARGET_MS} ms) -> {path}")
+    worst = max(r["median_ms"] for r in results.values())
+    print(f"online tick {online['median_ms']:.3f} ms, heapq@4 {baseline['heapq@4']['median_ms']:.3f} ms, "
+          f"worst plan {worst:.3f} ms (target {TARGET_MS} ms)")
+    return {"model_size": {"name": "Qwen1.5-MoE-A2.7B", "num_layers": 24, "num_experts": 60,
+                           "num_blocks": table.num_blocks, "bit_widths": [3, 4, 5, 6, 7, 8]},
+            "target_ms": TARGET_MS, "repeats": REPEATS, "static_plans": results, "online_tick": online,
+            "baseline_python_heapq": baseline, "worst_static_median_ms": worst,
+            "meets_target": worst <= TARGET_MS and online["median_ms"] <= TARGET_MS}
+
+
+def controllers(num_blocks: int) -> dict:
+    """The controllers' costs at one block count (see the module's docstring)."""
+    import torch
+
+    from pagedweight.format.blocks import MODULES, BlockId
+    from pagedweight.memory.arena import Arena
+    from pagedweight.memory.pool import MemoryPool
+    from pagedweight.planner.in_process_planner import InProcessPlanner, page_table_registration
+    from pagedweight.planner.tables import BlockTable
+    from pagedweight.weights.page_mover import PageMover
+    from pagedweight.weights.page_table import PageTable
+    from pagedweight.weights.routing_feed import RoutingFeed
+    from pagedweight.weights.synthetic import random_block
+    from pagedweight.weights.weight_pager import WeightPager
+
+    torch.set_num_threads(1)
+    layers, experts = SHAPES[num_blocks]
+    gen = torch.Generator().manual_seed(0)
+    shared = {"gate_up": random_block(64, 32, gen), "down": random_block(32, 32, gen)}
+    table = PageTable({BlockId(l, e, m): shared[m] for l in range(layers) for e in range(experts) for m in MODULES},
+                      Arena.from_pool(MemoryPool(4 << 30), 256))
+    mover = PageMover(table)
+    mover.load_all()
+    registration = page_table_registration(table.charged_bytes_table(), layers, experts)
+    planner = InProcessPlanner("pagedweight")
+    planner.register(registration)
+    pager = WeightPager(mover, planner, kv_block_bytes=4096)
+    blocks = BlockTable([BlockId.parse(k) for k in registration.block_keys], registration.nbytes,
+                        registration.sensitivity, layers, experts)
+    policy = make_policy("pagedweight", blocks)
+    full = int(blocks.nbytes[:, -1].sum())
+    out = {"num_blocks": num_blocks, "layers": layers, "experts": experts,
+           "planner_solve_ms": timed_ms(lambda: policy.plan(int(0.6 * full), PlanContext()), 5)["median_ms"]}
+    pager.step_boundary()
+    out["idle_boundary_us"] = round(1e3 * timed_ms(pager.step_boundary, 2001)["median_ms"], 2)
+    floor = sum(table.charged_bytes(b, 3) for b in table.entries)
+    want = int(0.1 * (table.resident_expert_bytes() - floor) * 0.999)
+    out["plan_free_10pct_ms"] = once_ms(lambda: pager.request_bytes(want))
+    out["num_lowered_10pct"] = sum(1 for e in table.entries.values() if e.desired_bits < e.committed_bits)
+    out["lower_10pct_boundary_ms"] = once_ms(pager.step_boundary)
+    mover.close()
+    feed = RoutingFeed(layers, experts)
+    ids, weights = torch.randint(0, experts, (64, 8)), torch.rand(64, 8)
+    for layer in range(layers):
+        feed(layer, None, ids, weights)
+    out["feed_snapshot_us"] = round(1e3 * timed_ms(feed.snapshot, 201)["median_ms"], 2)
+    print(out, flush=True)
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--controllers", action="store_true", help="the controllers at scale (controller-scale)")
+    parser.add_argument("--shapes", default="2880,12288,30000", help="--controllers: block counts")
+    args = parser.parse_args()
+    if args.controllers:
+        shapes = [int(s) for s in args.shapes.split(",")]
+        path = write_result("controller_scale", {"targets": {"plan_ms_at_12288": 10, "idle_boundary_us": 50},
+                                                 "shapes": shapes, "results": [controllers(n) for n in shapes]})
+    else:
+        path = write_result("planner_speed", plans())
+    print(path)
     return 0
 
 

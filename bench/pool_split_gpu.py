@@ -5,15 +5,17 @@ size, 60 experts, hidden 2048, intermediate 1408): a pool of `--budget` bytes, o
 every block loaded at 8 bits. Then `--cycles` times: the load rises (the KV cache takes
 blocks; when the arena is full the weight pager lowers bits to free them) and falls (KV
 blocks freed, the bytes offered back, bits raised by copies on the side stream). Every
-step runs the MoE layers through the page table (the torch reference path). After every
-step boundary it records the allocator's reserved bytes and the device's used bytes.
+step runs the MoE layers through the page table. After every step boundary it records the
+allocator's reserved bytes, the device's used bytes and the pool's split; the result keeps
+their maxima.
 
 Baseline in the same run: the same sequence of plane and KV-block allocations made as
 separate tensors from PyTorch's caching allocator (no arena), whose reserved memory is
 what the budget would have to cover without one arena.
 
-    python bench/pool_split_gpu.py                      # on the GPU machine
-    python bench/pool_split_gpu.py --device cpu --layers 1 --experts 8 --hidden 256 --intermediate 128 --budget 64MiB --no-write
+    python -m bench run pool-split                      # on the GPU machine
+    python -m bench.pool_split_gpu --device cpu --layers 1 --experts 8 --hidden 256 --intermediate 128 \\
+        --budget 64MiB --no-write
 """
 
 from __future__ import annotations
@@ -24,12 +26,11 @@ import time
 
 import torch
 
-
 from bench.bench_meta import write_result
 from pagedweight.memory.arena import Arena
-from pagedweight.memory.pool import KV_USED, WORKSPACE, MemoryPool, parse_memory_budget, device_memory_bytes
-from pagedweight.weights.arena_experts import ArenaExperts
+from pagedweight.memory.pool import KV_USED, WORKSPACE, MemoryPool, device_memory_bytes, parse_memory_budget
 from pagedweight.planner.in_process_planner import InProcessPlanner, page_table_registration
+from pagedweight.weights.arena_experts import ArenaExperts
 from pagedweight.weights.page_mover import PageMover
 from pagedweight.weights.page_table import PageTable
 from pagedweight.weights.synthetic import random_blocks
@@ -52,14 +53,15 @@ def parse_args():
     p.add_argument("--page-bytes", type=int, default=64 * 1024)
     p.add_argument("--cycles", type=int, default=3)
     p.add_argument("--kv-blocks-per-step", type=int, default=32)
-    p.add_argument("--no-write", action="store_true")
+    p.add_argument("--no-write", action="store_true", help="print the summary, write no result")
     return p.parse_args()
 
 
-class Recorder:
+class Peaks:
+    """The largest value of each quantity seen after a step boundary."""
+
     def __init__(self, device):
-        self.device, self.samples = device, []
-        self.cuda = device.type == "cuda"
+        self.device, self.cuda, self.peaks, self.num_steps = device, device.type == "cuda", {}, -1
         self.base_used = self._device_used()
 
     def _device_used(self) -> int:
@@ -68,66 +70,75 @@ class Recorder:
         free, total = torch.cuda.mem_get_info(self.device)
         return total - free
 
-    def sample(self, phase, pool, pager):
+    def sample(self, pool, pager) -> None:
         if self.cuda:
             torch.cuda.synchronize(self.device)
         s = pool.snapshot()
-        self.samples.append({
-            "phase": phase,
-            "reserved": torch.cuda.memory_reserved(self.device) if self.cuda else None,
-            "device_used_over_start": self._device_used() - self.base_used if self.cuda else None,
-            "pool_reserved": s.reserved_bytes, "expert": s.expert_bytes, "kv": s.kv_used_bytes,
-            "transit": s.transit_bytes, "mean_bits": pager.stats().mean_committed_bits,
-        })
+        now = {"max_pool_reserved_bytes": s.reserved_bytes, "max_kv_bytes": s.kv_used_bytes,
+               "mean_bits_min": -pager.stats().mean_committed_bits}  # a maximum of the negated minimum
+        if self.cuda:
+            now["max_allocator_reserved_bytes"] = torch.cuda.memory_reserved(self.device)
+            now["max_device_used_over_start_bytes"] = self._device_used() - self.base_used
+        self.peaks = {k: max(v, self.peaks.get(k, v)) for k, v in now.items()}
+        self.num_steps += 1
 
 
 def emulate_step(experts, args, device, gen):
     """One decode-like step through every layer's experts operator (reads the arena)."""
-    x = torch.randn(args.tokens, args.hidden, device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    x = torch.randn(args.tokens, args.hidden, device=device, dtype=dtype)
     for op in experts:
-        ids = torch.stack([torch.randperm(args.experts, generator=gen)[: args.top_k] for _ in range(args.tokens)]).to(device)
-        weights = torch.full((args.tokens, args.top_k), 1.0 / args.top_k, device=device, dtype=x.dtype)
-        x = op(x, ids, weights)
+        ids = torch.stack([torch.randperm(args.experts, generator=gen)[: args.top_k] for _ in range(args.tokens)])
+        x = op(x, ids.to(device), torch.full((args.tokens, args.top_k), 1.0 / args.top_k, device=device, dtype=dtype))
 
 
-def measure_workspace(table, experts, args, device, gen) -> int:
-    """Peak temporary bytes of one step (dequantised weights, activations), to reserve."""
+def measure_workspace(blocks, args, device, gen) -> int:
+    """Peak temporary bytes of one step (dequantised weights, activations), to reserve: measured
+    on a throw-away arena holding the blocks at 8 bits."""
     if device.type != "cuda":
         return 1 * MiB  # CPU: nominal (no allocator to measure)
+    probe = PageTable(blocks, Arena(MemoryPool(1 << 50), sum(b.nbytes(8) for b in blocks.values()) * 2,
+                                    args.page_bytes, device))
+    mover = PageMover(probe)
+    mover.load_all()
     torch.cuda.synchronize(device)
     before = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
-    emulate_step(experts, args, device, gen)
+    emulate_step([ArenaExperts(probe, layer, args.experts) for layer in range(args.layers)], args, device, gen)
     torch.cuda.synchronize(device)
-    return torch.cuda.max_memory_allocated(device) - before
+    workspace = torch.cuda.max_memory_allocated(device) - before
+    mover.close()
+    del probe, mover
+    torch.cuda.empty_cache()
+    return workspace
 
 
-def run_cycles(args, device, pool, arena, pager, experts, rec, gen):
+def run_cycles(args, device, pool, arena, pager, experts, peaks: Peaks, gen) -> list[float]:
+    """The rises and falls of the KV cache; returns each step boundary's ms."""
     boundary_ms = []
 
-    def step(phase):
+    def step():
         emulate_step(experts, args, device, gen)
         t0 = time.perf_counter()
         pager.step_boundary()
         boundary_ms.append((time.perf_counter() - t0) * 1e3)
-        rec.sample(phase, pool, pager)
+        peaks.sample(pool, pager)
 
     for cycle in range(args.cycles):
         kv, floor_steps = [], 0
         while floor_steps < 3:  # rising load: take KV blocks until bits are at their floor
             for _ in range(args.kv_blocks_per_step):
                 if not arena.can_allocate(KV_USED, args.kv_block_bytes):
-                    promised = pager.request_bytes(args.kv_blocks_per_step * args.kv_block_bytes)
-                    floor_steps += promised == 0
+                    floor_steps += pager.request_bytes(args.kv_blocks_per_step * args.kv_block_bytes) == 0
                     break
                 kv.append(arena.allocate(KV_USED, args.kv_block_bytes))
                 arena.view(kv[-1], torch.uint8, (args.kv_block_bytes,)).fill_(cycle + 1)  # KV writes
-            step(f"rise{cycle}")
+            step()
         for x in kv:  # falling load
             arena.free(x)
         for _ in range(1000):
             pager.offer_bytes(pool.free_bytes)
-            step(f"fall{cycle}")
+            step()
             if not pager.busy() and pager.stats().mean_committed_bits == 8:
                 break
     return boundary_ms
@@ -140,35 +151,36 @@ def caching_allocator_baseline(args, device, table) -> dict | None:
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     start = torch.cuda.memory_reserved(device)
-    planes = {bid: [torch.empty(table.plane_bytes(bid), dtype=torch.uint8, device=device) for _ in range(8)]
-              + [torch.empty(table.lut_bytes(bid, 8), dtype=torch.uint8, device=device)] for bid in table.entries}
+
+    def tensor(nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    planes = {bid: [tensor(table.plane_bytes(bid)) for _ in range(8)] + [tensor(table.lut_bytes(bid, 8))]
+              for bid in table.entries}
     budget_like = sum(t.numel() for ts in planes.values() for t in ts)
-    peak, bits = 0, {bid: 8 for bid in table.entries}
-    order = sorted(table.entries)
-    for cycle in range(args.cycles):
+    peak, bits, order = 0, {bid: 8 for bid in table.entries}, sorted(table.entries)
+    for _ in range(args.cycles):
         kv = []
         for b in (7, 6, 5, 4, 3):  # rising load: drop one plane everywhere, fill with KV
             freed = 0
             for bid in order:
                 planes[bid].pop(bits[bid] - 1)  # plane
-                planes[bid][-1] = torch.empty(table.lut_bytes(bid, b), dtype=torch.uint8, device=device)
+                planes[bid][-1] = tensor(table.lut_bytes(bid, b))
                 freed += table.plane_bytes(bid) + table.lut_bytes(bid, b + 1) - table.lut_bytes(bid, b)
                 bits[bid] = b
-            kv += [torch.empty(args.kv_block_bytes, dtype=torch.uint8, device=device)
-                   for _ in range(freed // args.kv_block_bytes)]
+            kv += [tensor(args.kv_block_bytes) for _ in range(freed // args.kv_block_bytes)]
             peak = max(peak, torch.cuda.memory_reserved(device))
         kv.clear()
         for b in (4, 5, 6, 7, 8):  # falling load
             for bid in order:
-                planes[bid].insert(bits[bid], torch.empty(table.plane_bytes(bid), dtype=torch.uint8, device=device))
-                planes[bid][-1] = torch.empty(table.lut_bytes(bid, b), dtype=torch.uint8, device=device)
+                planes[bid].insert(bits[bid], tensor(table.plane_bytes(bid)))
+                planes[bid][-1] = tensor(table.lut_bytes(bid, b))
                 bits[bid] = b
             peak = max(peak, torch.cuda.memory_reserved(device))
-    result = {"bytes_at_8_bits": budget_like, "reserved_at_start": start,
-              "peak_reserved": peak, "peak_reserved_over_8_bit_bytes": peak - start - budget_like}
     del planes
     torch.cuda.empty_cache()
-    return result
+    return {"bytes_at_8_bits": budget_like, "reserved_at_start": start, "peak_reserved": peak,
+            "peak_reserved_over_8_bit_bytes": peak - start - budget_like}
 
 
 def main():
@@ -178,65 +190,38 @@ def main():
     gen = torch.Generator().manual_seed(0)
     budget = parse_memory_budget(args.budget, device_memory_bytes(device))
     blocks = random_blocks(args.layers, args.experts, args.hidden, args.intermediate, seed=0)
+    workspace = measure_workspace(blocks, args, device, gen)
+    peaks = Peaks(device)  # device memory counted from here
     pool = MemoryPool(budget)
-
-    # Workspace: measured on a throw-away arena holding the blocks at 8 bits.
-    probe_pool = MemoryPool(1 << 50)
-    probe = PageTable(blocks, Arena(probe_pool, sum(b.nbytes(8) for b in blocks.values()) * 2, args.page_bytes, device))
-    probe_mover = PageMover(probe)
-    probe_mover.load_all()
-    workspace = measure_workspace(probe, [ArenaExperts(probe, l, args.experts) for l in range(args.layers)], args, device, gen)
-    probe_mover.close()
-    del probe, probe_mover
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    rec = Recorder(device)  # device memory counted from here
-
     pool.allocate(WORKSPACE, workspace)
     arena = Arena.from_pool(pool, args.page_bytes, device)
     table = PageTable(blocks, arena)
     mover = PageMover(table)
     mover.load_all()
-    pager = WeightPager(mover, size_only_planner(table), kv_block_bytes=args.kv_block_bytes)
+    planner = InProcessPlanner("pagedweight")  # no artifact: S_i(b) ~ size * 4^-b
+    planner.register(page_table_registration(table.charged_bytes_table()))
+    pager = WeightPager(mover, planner, kv_block_bytes=args.kv_block_bytes)
     experts = [ArenaExperts(table, layer, args.experts) for layer in range(args.layers)]
-    rec.sample("loaded", pool, pager)
+    peaks.sample(pool, pager)
     t0 = time.perf_counter()
-    boundary_ms = run_cycles(args, device, pool, arena, pager, experts, rec, gen)
+    boundary_ms = run_cycles(args, device, pool, arena, pager, experts, peaks, gen)
     elapsed = time.perf_counter() - t0
     stats = pager.stats()
     mover.close()
-
-    reserved = [s["reserved"] for s in rec.samples if s["reserved"] is not None]
-    used = [s["device_used_over_start"] for s in rec.samples if s["device_used_over_start"] is not None]
+    p = peaks.peaks
     result = {
         "config": {k: v for k, v in vars(args).items() if k != "no_write"},
         "budget_bytes": budget, "workspace_bytes": workspace, "arena_bytes": arena.num_pages * arena.page_bytes,
         "expert_bytes_at_8_bits": sum(table.charged_bytes(bid, 8) for bid in table.entries),
-        "num_steps": len(rec.samples) - 1, "seconds": round(elapsed, 2),
-        "max_allocator_reserved_bytes": max(reserved) if reserved else None,
-        "max_reserved_over_budget_bytes": (max(reserved) - budget) if reserved else None,
-        "max_device_used_over_start_bytes": max(used) if used else None,
-        "max_pool_reserved_bytes": max(s["pool_reserved"] for s in rec.samples),
-        "mean_bits_min": min(s["mean_bits"] for s in rec.samples),
-        "mean_bits_end": rec.samples[-1]["mean_bits"],
-        "max_kv_bytes": max(s["kv"] for s in rec.samples),
+        "num_steps": peaks.num_steps, "seconds": round(elapsed, 2), **{k: v for k, v in p.items() if k.startswith("max")},
+        "max_reserved_over_budget_bytes": p["max_allocator_reserved_bytes"] - budget if peaks.cuda else None,
+        "mean_bits_min": -p["mean_bits_min"], "mean_bits_end": stats.mean_committed_bits,
         "step_boundary_ms_mean": round(sum(boundary_ms) / len(boundary_ms), 3),
-        "step_boundary_ms_max": round(max(boundary_ms), 3),
-        "pager": stats.to_dict(),
-        "baseline_caching_allocator": caching_allocator_baseline(args, device, table),
-        "samples": rec.samples,
-    }
-    summary = {k: v for k, v in result.items() if k not in ("samples", "pager", "config")}
-    print(json.dumps(summary, indent=1))
+        "step_boundary_ms_max": round(max(boundary_ms), 3), "pager": stats.to_dict(),
+        "baseline_caching_allocator": caching_allocator_baseline(args, device, table)}
+    print(json.dumps({k: v for k, v in result.items() if k not in ("pager", "config")}, indent=1))
     if not args.no_write:
         print(write_result("pool_split_gpu" if device.type == "cuda" else "pool_split_cpu", result))
-
-
-def size_only_planner(table: PageTable) -> InProcessPlanner:
-    """The serving planner over a synthetic table: no artifact, so S_i(b) ~ size * 4^-b."""
-    planner = InProcessPlanner("pagedweight")
-    planner.register(page_table_registration(table.charged_bytes_table()))
-    return planner
 
 
 if __name__ == "__main__":

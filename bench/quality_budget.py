@@ -1,28 +1,17 @@
-"""The quality table: KL to bf16 and perplexity of every policy at budgets in mean plane bits.
+"""The quality table: KL to bf16 and perplexity of every policy at budgets in mean plane bits
+(docs/quality.md, rendered whole by `markdown` from the result; the figure docs/quality.png).
 
-For each model (paged artifacts made by `pagedweight quantize`, so the planner's loss scales
-and residual heads are the artifact's) and each budget of 3.0, 3.5, 4.0, 5.0, 6.0 mean plane
-bits (the plan's bit planes, sum of rows x cols x bits / 8 over the expert blocks, may not
-exceed bits x weights / 8; the fp16 LUTs each plan needs are reported beside it, not charged):
-- per domain, the first PROMPT tokens of the domain's `valid` text are the traffic the
-  planner sees (prefilled at 8 bits; routing + prompt residuals -> PlanContext), the next
-  EVAL tokens are scored in windows of SEQ_LEN tokens (each window is one chunk);
-- each policy's plan is scored per chunk by the mean per-token KL(bf16 || plan) of the
-  next-token distributions (the reference is the same model with the original bf16 experts,
-  read from the source checkpoint) and by its mean negative log-likelihood;
-- 3.0 bits is every block at 3 bits for every policy (the format's narrowest width); at 3.5
-  only mixed plans reach the budget: `uniform` is the widest single width that fits (3 bits);
-- the calibration check (the uniform guard's promise): pagedweight against uniform and
-  uniform-plus-fill on CALIB tokens of each domain's `calib` text, KL to bf16.
-Confidence intervals: differences are paired over the same chunks (planner minus other, and
-plan minus bf16 for perplexity); a model's value is the mean over its four domains (each the
-mean over its chunks), its standard error from the chunks' spread; the mean over models is the
-mean of the models' values, standard error sqrt(sum se^2) / models; 95% CI = +-1.96 se.
-Memory columns for the real-shape configs (Qwen1.5-MoE-A2.7B, Mixtral-8x7B): plane and LUT
-bytes at each budget and the KV tokens the bytes freed from bf16 experts buy.
+Per model (paged artifacts from `pagedweight quantize`, with their loss scales and residual
+heads) and budget (3.0-6.0 mean plane bits: the plan's bit planes may not exceed bits x weights
+/ 8; the fp16 LUTs are reported beside, not charged), per domain: the first `--prompt-tokens`
+of the domain's `valid` text are the traffic the planner sees (prefilled at 8 bits: routing +
+prompt residuals), the next `--eval-tokens` are scored in chunks of `--seq-len` by the mean
+per-token KL(bf16 || plan) and NLL; the calibration check scores pagedweight against uniform and
+uniform-plus-fill on the `calib` text. Differences are paired over the same chunks; a model's
+value is the mean over its domains, its standard error from the chunks' spread; the mean over
+models has standard error sqrt(sum se^2) / models; 95% CI = +-1.96 se.
 
-Writes bench/results/quality_budget_cpu.json, docs/quality.md, docs/quality.png.
-    python -m bench.quality_budget --artifacts DIR   # DIR/<model> from `pagedweight quantize`
+    python -m bench run quality-budget --artifacts DIR   # DIR/<model> from `pagedweight quantize`
 """
 
 from __future__ import annotations
@@ -40,7 +29,7 @@ import torch.nn.functional as F
 
 from bench.bench_meta import log, write_result
 from pagedweight.common.paths import corpus_dir
-from pagedweight.format.blocks import MIN_BITS, lut_bytes
+from pagedweight.format.blocks import MIN_BITS
 from pagedweight.format.paged_model import load_paged_model
 from pagedweight.model.dequantized_experts import build_paged_lm, set_model_bits
 from pagedweight.model.source_experts import attach_source_experts
@@ -55,19 +44,10 @@ MODELS = ("micro-mixtral", "tiny-mixtral", "tiny-qwen-moe", "tiny-gemma4-moe")
 DOMAINS = ("kjv", "pydoc", "pycode", "cheader")
 BITS = (3.0, 3.5, 4.0, 5.0, 6.0)  # budgets, mean plane bits over the expert weights
 PLANNER = "pagedweight"
-BASELINES = ("uniform", "uniform-fill", "mxmoe", "dpllm")
 ABLATIONS = ("no-sensitivity", "no-routing", "no-residual", "no-guard", "no-loss-scale")
 # perplexity over bf16 the planner must stay within, mean over models
 TARGETS = {4.0: 0.010, 5.0: 0.003}
 Z95 = 1.96
-# Real-shape configs for the memory columns (Hugging Face config fields that matter here).
-REAL_SHAPES = {
-    "Qwen1.5-MoE-A2.7B": {"vocab": 151936, "hidden": 2048, "layers": 24, "heads": 16, "kv_heads": 16,
-                          "head_dim": 128, "experts": 60, "expert_inter": 1408, "shared_inter": 5632,
-                          "tied": False},
-    "Mixtral-8x7B": {"vocab": 32000, "hidden": 4096, "layers": 32, "heads": 32, "kv_heads": 8,
-                     "head_dim": 128, "experts": 8, "expert_inter": 14336, "shared_inter": 0, "tied": False},
-}
 
 
 class Scorer:
@@ -300,32 +280,6 @@ def summarise(results: dict, bits_list=BITS, policies=POLICY_NAMES, domains=DOMA
             "guard": guard}
 
 
-# ---- memory of the real-shape configs ----------------------------------------------------------
-def real_shape_rows() -> dict:
-    """Plane and LUT bytes at each budget, and KV tokens bought by the freed expert bytes."""
-    out = {}
-    for name, c in REAL_SHAPES.items():
-        H, L = c["hidden"], c["layers"]
-        shapes = [(2 * c["expert_inter"], H), (H, c["expert_inter"])] * (L * c["experts"])
-        weights = sum(r * cc for r, cc in shapes)
-        expert_bf16 = 2 * weights
-        attention = L * (H * c["heads"] * c["head_dim"] * 2 + H * c["kv_heads"] * c["head_dim"] * 2)
-        shared = L * 3 * H * c["shared_inter"] + (L * H if c["shared_inter"] else 0)  # + its gate
-        dense_params = (c["vocab"] * H * (1 if c["tied"] else 2) + attention + shared
-                        + L * H * c["experts"] + L * 2 * H + H)  # router, norms
-        kv_per_token = L * c["kv_heads"] * c["head_dim"] * 2 * 2  # K and V, bf16
-        rows = {}
-        for b in BITS:
-            planes = int(b * weights // 8)
-            luts = sum(lut_bytes(r, 3 if b == 3 else 4) for r, _ in shapes)  # 3.5: LUT_4 where raised
-            rows[str(b)] = {"plane_bytes": planes, "lut_bytes_at_most": luts,
-                            "whole_model_bytes": 2 * dense_params + planes + luts,
-                            "kv_tokens_bought": (expert_bf16 - planes - luts) // kv_per_token}
-        out[name] = {"bf16_expert_bytes": expert_bf16, "dense_bytes": 2 * dense_params,
-                     "kv_bytes_per_token": kv_per_token, "budgets": rows}
-    return out
-
-
 # ---- report -----------------------------------------------------------------------------------
 def plot(payload: dict, path: Path) -> None:
     import matplotlib
@@ -424,7 +378,7 @@ def markdown(payload: dict) -> str:
         lines += ["", "Held-out plans where the uniform guard chose uniform-plus-fill (`no-guard` differs "
                   "from the planner only there): " + ", ".join(
                       f"{b} bits {g['guard_plans']} of {g['plans']}" for b, g in s["guard"].items()) + "."]
-    lines += model_sections(payload, head, rule) + real_shape_section(payload)
+    lines += model_sections(payload, head, rule)
     return "\n".join(lines + how_measured(payload)) + "\n"
 
 
@@ -454,18 +408,6 @@ def model_sections(payload: dict, head: str, rule: str) -> list[str]:
     return lines
 
 
-def real_shape_section(payload: dict) -> list[str]:
-    lines = ["", "## Real-shape memory", "",
-             "| model | bits | planes | LUTs (at most) | whole model | KV tokens bought |", "|---|---|---|---|---|---|"]
-    for name, r in payload["real_shapes"].items():
-        for b, row in r["budgets"].items():
-            lines.append(f"| {name} | {b} | {row['plane_bytes'] / 1e9:.2f} GB | {row['lut_bytes_at_most'] / 1e9:.2f} GB "
-                         f"| {row['whole_model_bytes'] / 1e9:.2f} GB | {row['kv_tokens_bought']:,} |")
-    lines += ["", "KV bytes per token (bf16 K and V, all layers): " +
-              ", ".join(f"{n} {r['kv_bytes_per_token']:,}" for n, r in payload["real_shapes"].items())]
-    return lines
-
-
 def how_measured(payload: dict) -> list[str]:
     """The closing section of a generated page: the machine and the commands that made its
     numbers (one per model when runs side by side were combined); dates stay in the JSON."""
@@ -477,48 +419,55 @@ def how_measured(payload: dict) -> list[str]:
             "```", *(r["command"] for r in runs), "```"]
 
 
-def add_eval_args(parser: argparse.ArgumentParser) -> None:
+def add_eval_args(parser: argparse.ArgumentParser, out_name: str) -> None:
+    """The scoring's flags, the result's name and --combine: what this and calibration_quality take."""
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--eval-tokens", type=int, default=1024, help="scored tokens per domain")
     parser.add_argument("--seq-len", type=int, default=256, help="tokens per scored chunk")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out-name", default=out_name)
+    parser.add_argument("--combine", nargs="+", default=None, metavar="JSON",
+                        help="no measuring: merge the results of earlier runs (e.g. one model each, run side by side)")
+
+
+def measured(args, measure, module: str) -> tuple[dict, dict]:
+    """The results by model, measured now (`measure(model)`) or merged from earlier runs with
+    --combine (a model's parts may come from several), and the payload's head: the scoring's
+    settings and the commands that made it."""
+    if not args.combine:
+        return {m: measure(m) for m in args.models}, {
+            "prompt_tokens": args.prompt_tokens, "eval_tokens": args.eval_tokens, "seq_len": args.seq_len,
+            "calib_tokens": args.calib_tokens, "command": f"python -m bench.{module} " + " ".join(sys.argv[1:])}
+    parts = [json.loads(Path(f).read_text()) for f in args.combine]
+    results: dict = {}
+    for part in parts:
+        for m, r in part["results"].items():
+            results.setdefault(m, {}).update(r)
+    return results, {**{k: parts[0].get(k) for k in ("prompt_tokens", "eval_tokens", "seq_len", "calib_tokens")},
+                     "command": " ; ".join(p["command"] for p in parts),
+                     "runs": [{k: p[k] for k in ("date", "machine", "commit", "command")} for p in parts]}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--artifacts", required=True, help="directory of paged models, one per --models name")
     parser.add_argument("--models", nargs="+", default=list(MODELS))
-    add_eval_args(parser)
+    add_eval_args(parser, "quality_budget")
     parser.add_argument("--calib-tokens", type=int, default=256, help="per domain, for the calibration check")
-    parser.add_argument("--out-name", default="quality_budget")
     parser.add_argument("--docs-name", default="quality", help="docs/NAME.md and docs/NAME.png")
-    parser.add_argument("--combine", nargs="+", default=None, metavar="JSON",
-                        help="no measuring: merge the results of earlier runs (one model each, run "
-                             "side by side) into one table, plot and JSON")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    if args.combine:
-        parts = [json.loads(Path(f).read_text()) for f in args.combine]
-        results = {name: res for part in parts for name, res in part["results"].items()}
-        payload = {k: parts[0][k] for k in ("prompt_tokens", "eval_tokens", "seq_len", "calib_tokens")}
-        payload["command"] = " ; ".join(p["command"] for p in parts)
-        payload["runs"] = [{k: p[k] for k in ("date", "machine", "commit", "command")} for p in parts]
-    else:
-        results = {name: evaluate_model(name, args) for name in args.models}
-        payload = {"prompt_tokens": args.prompt_tokens, "eval_tokens": args.eval_tokens,
-                   "seq_len": args.seq_len, "calib_tokens": args.calib_tokens,
-                   "command": "python -m bench.quality_budget " + " ".join(sys.argv[1:])}
+    results, payload = measured(args, lambda name: evaluate_model(name, args), "quality_budget")
     results = {name: results[name] for name in MODELS if name in results}
     payload.update({"bits": list(BITS), "domains": list(DOMAINS), "policies": list(POLICY_NAMES),
                     "targets": {str(b): v for b, v in TARGETS.items()}, "results": results,
-                    "real_shapes": real_shape_rows(), "summary": summarise(results)})
+                    "summary": summarise(results)})
     path = write_result(args.out_name, payload)
     record = json.loads(path.read_text())
     (REPO / "docs" / f"{args.docs_name}.md").write_text(markdown(record))
     plot(record, REPO / "docs" / f"{args.docs_name}.png")
     log(f"wrote {path}, docs/{args.docs_name}.md and .png")
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -38,7 +38,6 @@ FILLER_WORDS = (
     "through", "valley", "boat", "drifts", "slowly", "bright", "stars", "shine", "above", "town",
 )
 VOCAB = (EOS, QUERY, STOP, *KEYS, *VALUES, *FILLER_WORDS)
-WORDS = VOCAB[3:]  # keys, values and filler: what a copy row is made of
 ID = {w: i for i, w in enumerate(VOCAB)}
 KEY_IDS = np.array([ID[k] for k in KEYS])
 VALUE_IDS = np.array([ID[v] for v in VALUES])
@@ -103,25 +102,6 @@ def make_example(rng: np.random.Generator, length: int, num_records: int, num_qu
     mask[len(context) + 2::RECORD_LEN] = True
     prompt_len = len(context) + 2
     return Example(ids, mask, prompt_len, [int(ids[prompt_len])], [int(k) for k in keys], [int(v) for v in values])
-
-
-def copy_row(rng: np.random.Generator, length: int, min_chunk: int = 2, max_chunk: int = 6
-             ) -> tuple[np.ndarray, np.ndarray]:
-    """A training row for the copying circuit recall uses: half the row random words, then
-    chunks of min_chunk..max_chunk of them copied from random places of the first half.
-    The mask marks every copied token but a chunk's first (which nothing predicts): each is
-    the word after the earlier occurrence of the word before it, found by matching content,
-    since the chunks sit at random distances from their sources."""
-    half = length // 2
-    first = rng.integers(len(VOCAB) - len(WORDS), len(VOCAB), half)
-    parts, mask, n = [first], [np.zeros(half, dtype=bool)], half
-    while n < length:
-        size = int(rng.integers(min_chunk, max_chunk + 1))
-        start = int(rng.integers(0, half - size + 1))
-        parts.append(first[start:start + size])
-        mask.append(np.arange(size) > 0)
-        n += size
-    return np.concatenate(parts)[:length].astype(np.int64), np.concatenate(mask)[:length]
 
 
 def eval_examples(seed: int, length: int, count: int, num_records: int) -> list[Example]:

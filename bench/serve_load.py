@@ -1,331 +1,508 @@
-"""The serving cluster under a Poisson load, against the same trace on the in-process engine.
+"""The serving layers under load, each against the engine in this process: the in-process
+`AsyncEngine`, then (planner + worker + gateway started here on free ports, same flags) the
+worker's `GenerateStream` (requests multiplexed on one stream, as the gateway talks to it) and
+the gateway's streamed `POST /v1/completions` (one connection per request, read with asyncio
+streams: at c256 a client library's per-event cost would measure the client). Requests ignore
+EOS; each layer is warmed up first; TTFT and inter-token gaps are the client's (an SSE event or
+a stream message with tokens is one arrival, as `vllm bench serve` counts ITL).
 
-One trace (seeded): arrivals form a Poisson process of `--request-rate` requests/s, at most
-`--max-concurrency` in flight (later arrivals wait, as `vllm bench serve
---max-concurrency` does); prompt and output lengths are drawn uniformly from
-`--prompt-len LO:HI` and `--output-len LO:HI` tokens; prompts are random token ids and
-EOS is ignored, so every request generates exactly its drawn output length.
+`--mode trace` (serve-load): one seeded trace, Poisson arrivals of `--request-rate` a second (0:
+all at once), at most `--max-concurrency` in flight, random token prompts and outputs of
+`--prompt-len` / `--output-len` LO:HI tokens; `--rounds` rounds of the three layers, so a busy
+spell of a shared machine does not land on one side only; overhead = 1 - gateway tok/s /
+in-process tok/s, means over the rounds (target < 0.10 at concurrency 16).
+`--mode sweep` (serve-sweep): at each of `--concurrency` a closed loop keeps that many requests in
+flight for `--duration` s; prompts are windows of data/sample.txt in the model's tokenizer, so
+the gateway detokenises real text; per point tok/s, TTFT/ITL p50, the ratio to in-process and
+the gateway's and worker's CPU (targets: gateway >= 0.9x, worker >= 0.95x in-process).
 
-1. in-process: the trace against `AsyncEngine` over `build_runtime` (same model, budget,
-   policy, scheduler, torch threads as the worker);
-2. cluster: the trace over HTTP against the OpenAI-compatible endpoint
-   (`POST /v1/completions`, streamed, token-id prompts) of planner + worker + gateway
-   processes started here on free ports (or an already running one: `--url`).
-
-3. worker gRPC: the same trace straight against the worker's `Generate` (no gateway), to
-   split the overhead between the worker's gRPC layer and the gateway.
-
-Each run reports requests/s, output tokens/s, TTFT and ITL percentiles (client side),
-preemptions, and the worker's memory split sampled every `--sample-every` seconds.
-`overhead` is 1 - cluster output tok/s / in-process output tok/s, means over `--rounds`
-alternating runs (the service layers' cost; target < 0.10 at concurrency 16). Writes bench/results/serve_load_<model>.json.
-
-    python -m bench.serve_load --model PAGED_DIR [--memory-budget 32MiB] [--url http://127.0.0.1:8000]
-
-`--mode sweep` puts the three layers side by side in one run (bench/serve_sweep.py): at
-each of `--concurrency 16,64,256` a closed loop keeps that many requests in flight for
-`--duration` seconds, first in process (the engine in this process), then, with planner +
-worker + gateway started here, straight to the worker's GenerateStream and through the
-gateway's HTTP. Prompts are windows of real text (data/sample.txt) tokenised by the
-model's tokenizer, so the gateway detokenises real output. The result records each
-point's output tok/s, TTFT/ITL percentiles, the ratios to in-process, and the CPU the
-gateway and worker processes used; JSON with date, machine (GPU) and commit.
-
-    python -m bench.serve_load --mode sweep --model PAGED_DIR --device cuda --memory-budget 0.85 \
-        --concurrency 16,64,256 --duration 30
+    python -m bench run serve-load --artifacts DIR -- --request-rate 4
+    python -m bench run serve-sweep --artifacts DIR          # GPU: tools/serve_sweep_gpu.sh
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import http.client
 import json
 import os
-import threading
 import time
-import urllib.parse
-from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from bench.bench_meta import write_result
-from bench.serve_sweep import (Arrivals, InProcessClient, RequestTiming, TraceRequest, lengths, run_sweep,
-                               start_cluster, summarize, worker_config)
+from bench.bench_meta import RESULTS_DIR, write_result
+
+TEXT = Path(__file__).resolve().parents[1] / "data" / "sample.txt"
+LAYERS = ("in_process", "worker_grpc", "gateway_http")
+MODEL_NAME = "bench"  # the served model name the gateway answers to
 
 
-def make_trace(num: int, rate: float, prompt_len: tuple[int, int], output_len: tuple[int, int],
-               vocab: int, seed: int) -> list[TraceRequest]:
-    rng = np.random.default_rng(seed)
-    arrivals = np.cumsum(rng.exponential(1.0 / rate, size=num)) if rate > 0 else np.zeros(num)
-    out = []
-    for t in arrivals:
-        n = int(rng.integers(prompt_len[0], prompt_len[1] + 1))
-        out.append(TraceRequest(float(t), rng.integers(1, vocab, size=n).tolist(),
-                                int(rng.integers(output_len[0], output_len[1] + 1))))
+@dataclass(frozen=True)
+class Request:
+    arrival_s: float  # offset from the start of the run (a closed loop ignores it)
+    prompt_ids: list[int]
+    output_len: int
+
+
+@dataclass
+class Arrivals:
+    """A request's arrivals so far: TTFT, then the gaps between arrivals."""
+
+    sent: float
+    last: float | None = None
+    ttft_s: float = 0.0
+    itl_s: list[float] = field(default_factory=list)
+    tokens: int = 0
+    reason: str = ""
+
+    def arrived(self, now: float, num_tokens: int) -> None:
+        if self.last is None:
+            self.ttft_s = now - self.sent
+        else:
+            self.itl_s.append(now - self.last)
+        self.last = now
+        self.tokens += num_tokens
+
+
+def summarize(timings: list[Arrivals], elapsed_s: float, cpu: dict[str, float] | None = None) -> dict:
+    ttft = np.array([t.ttft_s for t in timings]) * 1000
+    itl = np.array([x for t in timings for x in t.itl_s]) * 1000
+    tokens = sum(t.tokens for t in timings)
+
+    def pct(a):
+        return {f"p{p}": round(float(np.percentile(a, p)), 2) for p in (50, 90, 99)} | {
+            "mean": round(float(a.mean()), 2)} if len(a) else {}
+
+    out = {"completed": len(timings), "finish_reasons": sorted({t.reason for t in timings}),
+           "elapsed_s": round(elapsed_s, 3), "requests_per_s": round(len(timings) / elapsed_s, 3),
+           "output_tokens": tokens, "output_tokens_per_s": round(tokens / elapsed_s, 2),
+           "ttft_ms": pct(ttft), "itl_ms": pct(itl)}
+    if cpu:
+        out["cpu_percent"] = {name: round(100 * seconds / elapsed_s, 1) for name, seconds in cpu.items()}
     return out
 
 
-class Sampler:
-    """Calls `sample()` every `every_s` seconds on a thread; keeps (t, value) pairs."""
+def make_requests(args, num: int, trace: bool) -> list[Request]:
+    """`num` requests of --prompt-len / --output-len LO:HI tokens (uniform, seeded): for the trace
+    random token ids arriving as a Poisson process of --request-rate (0: all at once), for the
+    sweep windows of data/sample.txt in the model's tokenizer."""
+    from pagedweight.format.model_config import ModelConfig
+    from pagedweight.frontend.tokenizer import Tokenizer
 
-    def __init__(self, sample, every_s: float):
-        self.sample, self.every_s, self.points = sample, every_s, []
-        self._stop = threading.Event()
-        self._t0 = time.monotonic()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self):
-        while not self._stop.is_set():
-            try:
-                self.points.append({"t_s": round(time.monotonic() - self._t0, 2), **self.sample()})
-            except OSError:
-                pass
-            self._stop.wait(self.every_s)
-
-    def stop(self) -> list[dict]:
-        self._stop.set()
-        self._thread.join()
-        return self.points
+    vocab = ModelConfig.from_dir(Path(args.model)).vocab_size
+    text = None if trace else [t for t in Tokenizer(args.model).encode(TEXT.read_text()) if t < vocab]
+    rng = np.random.default_rng(args.seed)
+    (p_lo, p_hi), (o_lo, o_hi) = ([int(x) for x in s.split(":")] for s in (args.prompt_len, args.output_len))
+    gaps = rng.exponential(1.0 / args.request_rate, num) if trace and args.request_rate > 0 else np.zeros(num)
+    out = []
+    for arrival in np.cumsum(gaps):
+        n = int(rng.integers(p_lo, p_hi + 1))
+        if text is None:
+            prompt = rng.integers(1, vocab, size=n).tolist()
+        else:
+            start = int(rng.integers(0, max(1, len(text) - n)))
+            prompt = (text[start:start + n] * (n // max(1, len(text)) + 1))[:n]
+        out.append(Request(float(arrival), prompt, int(rng.integers(o_lo, o_hi + 1))))
+    return out
 
 
-# ---- in-process ---------------------------------------------------------------------------
-def run_in_process(args, trace: list[TraceRequest]) -> dict:
+async def open_loop(requests: list[Request], max_concurrency: int, send) -> tuple[list, float]:
+    """Each request sent at its arrival time, at most `max_concurrency` in flight."""
+    start, gate = time.monotonic(), asyncio.Semaphore(max_concurrency)
+
+    async def one(req: Request):
+        await asyncio.sleep(max(0.0, start + req.arrival_s - time.monotonic()))
+        async with gate:
+            return await send(req)
+
+    timings = await asyncio.gather(*(one(r) for r in requests))
+    return list(timings), time.monotonic() - start
+
+
+async def closed_loop(concurrency: int, duration_s: float, requests: list[Request], send) -> tuple[list, float]:
+    """`send(request)` from `concurrency` users until duration_s has passed."""
+    start = time.monotonic()
+    deadline, timings = start + duration_s, []
+
+    async def user(first: int) -> None:
+        i = first
+        while time.monotonic() < deadline:
+            timings.append(await send(requests[i % len(requests)]))
+            i += concurrency
+
+    await asyncio.gather(*(user(u) for u in range(concurrency)))
+    return timings, time.monotonic() - start
+
+
+class InProcessClient:
+    def __init__(self, engine):
+        self.engine = engine
+
+    async def send(self, request: Request) -> Arrivals:
+        from pagedweight.engine.sampler import SamplingParams
+
+        arrivals = Arrivals(time.monotonic())
+        async for out in self.engine.add_request(request.prompt_ids, SamplingParams(
+                max_tokens=request.output_len, ignore_eos=True)):
+            if out.new_token_ids:
+                arrivals.arrived(time.monotonic(), len(out.new_token_ids))
+            arrivals.reason = out.finish_reason or arrivals.reason
+        return arrivals
+
+
+class WorkerStreamClient:
+    """Requests multiplexed on one GenerateStream; its reader records every arrival."""
+
+    def __init__(self, address: str):
+        import grpc
+
+        from pagedweight.common.rpc_security import RpcSecurity
+        from pagedweight.rpc import worker_pb2, worker_pb2_grpc
+
+        self.pb, self.channel = worker_pb2, grpc.aio.insecure_channel(address)
+        self.pending: dict[str, tuple[Arrivals, asyncio.Future]] = {}
+        self.outbox, self.wake, self.ids = [], asyncio.Event(), 0
+        # the RPC token, when $PAGEDWEIGHT_RPC_TOKEN gives the workers one
+        self.call = worker_pb2_grpc.WorkerStub(self.channel).GenerateStream(
+            self._requests(), metadata=RpcSecurity.from_settings().metadata())
+        self.reader = asyncio.get_running_loop().create_task(self._read())
+
+    async def _requests(self):
+        while True:
+            await self.wake.wait()
+            self.wake.clear()
+            items, self.outbox = self.outbox, []
+            for item in items:
+                yield item
+
+    async def _read(self) -> None:
+        async for message in self.call:
+            now = time.monotonic()
+            for out in message.outputs:
+                arrivals, done = self.pending[out.request_id]
+                if out.token_ids:
+                    arrivals.arrived(now, len(out.token_ids))
+                if out.finished:
+                    del self.pending[out.request_id]
+                    arrivals.reason = out.finish_reason
+                    done.set_result(arrivals)
+            for err in message.errors:
+                _, done = self.pending.pop(err.request_id)
+                done.set_exception(RuntimeError(f"worker refused {err.request_id}: {err.code} {err.message}"))
+
+    async def send(self, request: Request) -> Arrivals:
+        self.ids += 1
+        request_id = f"bench-{self.ids}"
+        done = asyncio.get_running_loop().create_future()
+        self.pending[request_id] = (Arrivals(time.monotonic()), done)
+        self.outbox.append(self.pb.StreamRequest(generate=self.pb.GenerateRequest(
+            request_id=request_id, prompt_token_ids=request.prompt_ids,
+            sampling=self.pb.SamplingParams(max_tokens=request.output_len, ignore_eos=True))))
+        self.wake.set()
+        return await done
+
+    async def close(self) -> None:
+        self.call.cancel()
+        self.reader.cancel()
+        await asyncio.gather(self.reader, return_exceptions=True)
+        await self.channel.close()
+
+
+class GatewayHttpClient:
+    def __init__(self, host: str, port: int):
+        self.host, self.port = host, port
+
+    async def send(self, request: Request) -> Arrivals:
+        body = json.dumps({"model": MODEL_NAME, "prompt": request.prompt_ids, "max_tokens": request.output_len,
+                           "temperature": 0, "ignore_eos": True, "stream": True,
+                           "stream_options": {"include_usage": True}}).encode()
+        reader, writer = await asyncio.open_connection(self.host, self.port)
+        arrivals = Arrivals(time.monotonic())
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
+                     b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        try:
+            status, headers = await reader.readline(), {}
+            while (line := await reader.readline()) not in (b"\r\n", b""):
+                key, _, value = line.decode().partition(":")
+                headers[key.strip().lower()] = value.strip().lower()
+            if b" 200 " not in status:
+                raise RuntimeError(f"HTTP {status.decode().strip()}: {(await reader.read(300))!r}")
+            await self._events(reader, headers.get("transfer-encoding") == "chunked", arrivals)
+        finally:
+            writer.close()
+        return arrivals
+
+    @staticmethod
+    async def _events(reader, chunked: bool, arrivals: Arrivals) -> None:
+        buffer, tokens = b"", 0
+        while True:
+            if chunked:
+                size = int((await reader.readline()).strip() or b"0", 16)
+                if size == 0:
+                    break
+                data = (await reader.readexactly(size + 2))[:-2]
+            else:
+                data = await reader.read(65536)
+                if not data:
+                    break
+            now = time.monotonic()
+            *events, buffer = (buffer + data).split(b"\n\n")
+            for event in events:
+                if not event.startswith(b"data: ") or event == b"data: [DONE]":
+                    continue
+                chunk = json.loads(event[6:])
+                if "error" in chunk:
+                    raise RuntimeError(f"stream error: {chunk['error']}")
+                for choice in chunk["choices"]:  # every chunk with a choice carries new tokens
+                    arrivals.arrived(now, 0)
+                    arrivals.reason = choice.get("finish_reason") or arrivals.reason
+                tokens = chunk["usage"]["completion_tokens"] if chunk.get("usage") else tokens
+        arrivals.tokens = tokens
+
+
+def worker_config(args):
+    from pagedweight.worker.config import WorkerConfig
+
+    extra = {} if args.max_num_seqs is None else {"max_num_seqs": args.max_num_seqs}
+    return WorkerConfig(model_dir=args.model, memory_budget=args.memory_budget, threads=args.threads,
+                        device=args.device, **extra)
+
+
+def start_cluster(args):
+    """planner + worker + gateway on free ports; returns (services, gateway port, worker address)."""
+    import socket
+
+    from pagedweight.cluster.processes import Service, grpc_serving, http_ok, wait_until
+
+    def free_port():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    p, ph, w, wh, g = (free_port() for _ in range(5))
+    seqs = [] if args.max_num_seqs is None else ["--max-num-seqs", str(args.max_num_seqs)]
+    services = [
+        Service("planner", ["planner", "--port", str(p), "--http-port", str(ph)]),
+        Service("worker", ["worker", "--model", args.model, "--port", str(w), "--http-port", str(wh),
+                           "--memory-budget", args.memory_budget, "--threads", str(args.threads),
+                           "--planner", f"127.0.0.1:{p}", "--served-model-name", MODEL_NAME,
+                           "--device", args.device, *seqs]),
+        Service("gateway", ["gateway", "--model", args.model, "--port", str(g), "--workers", f"127.0.0.1:{w}",
+                            "--served-model-name", MODEL_NAME, "--max-queued-requests", "4096",
+                            "--log-level", "warning"]),
+    ]
+    checks = [lambda: grpc_serving(f"127.0.0.1:{p}"), lambda: grpc_serving(f"127.0.0.1:{w}", "pagedweight.v1.Worker"),
+              lambda: http_ok(f"http://127.0.0.1:{g}/health")]
+    for service, ready in zip(services, checks):
+        service.start()
+        wait_until(ready, service, 300)
+    return services, g, f"127.0.0.1:{w}"
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process so far (Linux /proc)."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def warm(client, requests: list[Request]) -> None:
+    await asyncio.gather(*(client.send(Request(0.0, r.prompt_ids, 4)) for r in requests[:4]))
+
+
+def run_in_process(args, loads: dict, requests: list[Request]) -> dict:
+    """Each load (name -> async run(send)) against the engine in this process."""
     import torch
 
     from pagedweight.engine.async_engine import AsyncEngine
     from pagedweight.worker.server import load_runtime
 
+    torch.set_num_threads(args.threads)
     runtime = load_runtime(worker_config(args))
-    engine = AsyncEngine(runtime.engine)
-    client = InProcessClient(engine)
-
-    def memory():
-        pool = engine.stats().pool
-        return {"expert_weights": sum(pool["expert_bytes_by_bits"].values()), "kv_used": pool["kv_used_bytes"],
-                "kv_free": pool["kv_free_bytes"], "in_transit": pool["transit_bytes"],
-                "free": pool["budget_bytes"] - pool["reserved_bytes"]}
-
-    async def one(req: TraceRequest, start: float, gate: asyncio.Semaphore) -> RequestTiming:
-        await asyncio.sleep(max(0.0, start + req.arrival_s - time.monotonic()))
-        async with gate:
-            return await client.send(req)
 
     async def main():
-        for warm in trace[:2]:  # first steps pay one-off costs
-            await one(TraceRequest(0.0, warm.prompt_ids, 4), time.monotonic(), asyncio.Semaphore(1))
-        preempt0 = engine.stats().num_preemptions
-        sampler = Sampler(memory, args.sample_every)
-        gate, start = asyncio.Semaphore(args.max_concurrency), time.monotonic()
-        timings = await asyncio.gather(*[one(r, start, gate) for r in trace])
-        elapsed = time.monotonic() - start
-        result = summarize(timings, elapsed)
-        result["preemptions"] = engine.stats().num_preemptions - preempt0
-        result["memory_bytes_over_time"] = sampler.stop()
+        engine = AsyncEngine(runtime.engine)
+        client = InProcessClient(engine)
+        await warm(client, requests)
+        out = {}
+        for name, load in loads.items():
+            out[name] = summarize(*await load(client.send))
+            print(f"{name} in-process   {out[name]['output_tokens_per_s']:9.1f} tok/s", flush=True)
         await engine.close()
-        return result
+        return out
 
-    torch.set_num_threads(args.threads)
     try:
         return asyncio.run(main())
     finally:
         runtime.close()
+        del runtime
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # the worker process needs the device memory next
 
 
-# ---- cluster over HTTP --------------------------------------------------------------------
-def stream_completion(url: str, model: str, req: TraceRequest) -> RequestTiming:
-    parts = urllib.parse.urlsplit(url)
-    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=600)
-    body = json.dumps({"model": model, "prompt": req.prompt_ids, "max_tokens": req.output_len,
-                       "temperature": 0, "ignore_eos": True, "stream": True,
-                       "stream_options": {"include_usage": True}})
-    arrivals = Arrivals(time.monotonic())
-    conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
-    response = conn.getresponse()
-    if response.status != 200:
-        raise RuntimeError(f"HTTP {response.status}: {response.read()[:300]!r}")
-    reason = ""
-    for raw in response:
-        line = raw.decode().strip()
-        if not line.startswith("data: ") or line == "data: [DONE]":
-            continue
-        chunk = json.loads(line[6:])
-        if "error" in chunk:
-            raise RuntimeError(f"stream error: {chunk['error']}")
-        now = time.monotonic()
-        for choice in chunk.get("choices", []):
-            # Every chunk with a choice carries new tokens. The gateway sends no chunk for
-            # tokens that decode to no text yet (EOS with ignore_eos, partial characters), so
-            # those tokens' latency folds into the next chunk's: client-side ITL as
-            # `vllm bench serve` measures it.
-            arrivals.arrived(now, 0)
-            reason = choice.get("finish_reason") or reason
-        if chunk.get("usage"):
-            arrivals.tokens = chunk["usage"]["completion_tokens"]
-    conn.close()
-    return arrivals.timing(reason)
+def run_cluster(args, loads: dict, requests: list[Request], layers: set[str]) -> tuple[dict, dict]:
+    """Each load against the worker's gRPC and the gateway's HTTP, with their processes' CPU."""
+    services, port, worker_address = start_cluster(args)
+    pids = {"gateway": services[2].process.pid, "worker": services[1].process.pid}
 
-
-def scrape(port: int) -> dict[str, float]:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-    try:
-        conn.request("GET", "/metrics")
-        text = conn.getresponse().read().decode()
-    finally:
-        conn.close()
-    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
-            for line in text.splitlines() if line and not line.startswith("#")}
-
-
-def worker_memory(port: int) -> dict:
-    out = {"expert_weights": 0.0}
-    for series, value in scrape(port).items():
-        if series.startswith("pagedweight:gpu_memory_bytes{"):
-            component = series.split('component="', 1)[1].split('"', 1)[0]
-            if component == "expert_weights":
-                out["expert_weights"] += value
-            elif component in ("kv_used", "kv_free", "in_transit", "free"):
-                out[component] = value
-    return out
-
-
-def preemptions(port: int) -> float:
-    return sum(v for k, v in scrape(port).items() if k.startswith("vllm:num_preemptions_total"))
-
-
-def run_cluster(args, trace: list[TraceRequest], url: str, model: str, worker_http: int) -> dict:
-    for warm in trace[:2]:
-        stream_completion(url, model, TraceRequest(0.0, warm.prompt_ids, 4))
-    preempt0 = preemptions(worker_http)
-    sampler = Sampler(lambda: worker_memory(worker_http), args.sample_every)
-    start = time.monotonic()
-
-    def one(req: TraceRequest) -> RequestTiming:
-        return stream_completion(url, model, req)
-
-    with ThreadPoolExecutor(args.max_concurrency) as pool:  # at most max_concurrency in flight
-        futures = []
-        for req in trace:
-            time.sleep(max(0.0, start + req.arrival_s - time.monotonic()))
-            futures.append(pool.submit(one, req))
-        timings = [f.result() for f in futures]
-    elapsed = time.monotonic() - start
-    result = summarize(timings, elapsed)
-    result["preemptions"] = preemptions(worker_http) - preempt0
-    result["memory_bytes_over_time"] = sampler.stop()
-    return result
-
-
-def run_worker_grpc(args, trace: list[TraceRequest], address: str) -> dict:
-    """The trace straight against the worker's gRPC API: the worker's share of the overhead."""
-    import grpc
-
-    from pagedweight.common.rpc_security import RpcSecurity
-    from pagedweight.rpc import worker_pb2, worker_pb2_grpc
-
-    async def one(stub, req: TraceRequest, start: float, gate: asyncio.Semaphore) -> RequestTiming:
-        await asyncio.sleep(max(0.0, start + req.arrival_s - time.monotonic()))
-        async with gate:
-            arrivals, reason = Arrivals(time.monotonic()), ""
-            request = worker_pb2.GenerateRequest(prompt_token_ids=req.prompt_ids, sampling=worker_pb2.SamplingParams(
-                max_tokens=req.output_len, ignore_eos=True))
-            async for m in stub.Generate(request, metadata=metadata):
-                if m.token_ids:
-                    arrivals.arrived(time.monotonic(), len(m.token_ids))
-                reason = m.finish_reason or reason
-            return arrivals.timing(reason)
-
-    metadata = RpcSecurity.from_settings().metadata()  # the token of $PAGEDWEIGHT_RPC_TOKEN, if any
+    async def measure(load, send, names: tuple[str, ...]) -> dict:
+        before = {n: process_cpu_seconds(pids[n]) for n in names}
+        timings, elapsed = await load(send)
+        return summarize(timings, elapsed, {n: process_cpu_seconds(pids[n]) - before[n] for n in names})
 
     async def main():
-        async with grpc.aio.insecure_channel(address) as channel:
-            stub = worker_pb2_grpc.WorkerStub(channel)
-            start, gate = time.monotonic(), asyncio.Semaphore(args.max_concurrency)
-            timings = await asyncio.gather(*[one(stub, r, start, gate) for r in trace])
-            return summarize(timings, time.monotonic() - start)
+        grpc_client = WorkerStreamClient(worker_address) if "worker_grpc" in layers else None
+        http_client = GatewayHttpClient("127.0.0.1", port)
+        for client in (grpc_client, http_client):
+            if client is not None:
+                await warm(client, requests)
+        worker, gateway = {}, {}
+        for name, load in loads.items():
+            if grpc_client is not None:
+                worker[name] = await measure(load, grpc_client.send, ("worker",))
+                print(f"{name} worker gRPC  {worker[name]['output_tokens_per_s']:9.1f} tok/s", flush=True)
+            if "gateway_http" in layers:
+                gateway[name] = await measure(load, http_client.send, ("gateway", "worker"))
+                print(f"{name} gateway HTTP {gateway[name]['output_tokens_per_s']:9.1f} tok/s "
+                      f"(gateway CPU {gateway[name]['cpu_percent']['gateway']}%)", flush=True)
+        if grpc_client is not None:
+            await grpc_client.close()
+        return worker, gateway
 
-    return asyncio.run(main())
+    try:
+        return asyncio.run(main())
+    finally:
+        for service in reversed(services):
+            service.stop(30)
+
+
+def run_layers(args, loads: dict, requests: list[Request], layers: set[str]) -> dict[str, dict]:
+    """layer -> load name -> its summary."""
+    in_process = run_in_process(args, loads, requests) if "in_process" in layers else {}
+    worker, gateway = ({}, {}) if layers == {"in_process"} else run_cluster(args, loads, requests, layers)
+    return {"in_process": in_process, "worker_grpc": worker, "gateway_http": gateway}
+
+
+def run_trace(args) -> Path:
+    trace = make_requests(args, args.num_prompts, trace=True)
+    load = {"trace": lambda send: open_loop(trace, args.max_concurrency, send)}
+    rounds = [run_layers(args, load, trace, set(LAYERS)) for _ in range(args.rounds)]
+
+    def mean(layer: str) -> float:
+        return round(float(np.mean([r[layer]["trace"]["output_tokens_per_s"] for r in rounds])), 2)
+
+    overhead = 1.0 - mean("gateway_http") / mean("in_process")
+    name = f"serve_load_{Path(args.model).resolve().name}" + (f"_{args.tag}" if args.tag else "")
+    path = write_result(name, {
+        "model": str(args.model), "memory_budget": args.memory_budget,
+        "trace": {"num_prompts": args.num_prompts, "request_rate": args.request_rate,
+                  "max_concurrency": args.max_concurrency, "prompt_len": args.prompt_len,
+                  "output_len": args.output_len, "seed": args.seed, "distribution": "uniform lengths, Poisson arrivals"},
+        "threads": args.threads, "rounds": args.rounds, "load_average_after": list(os.getloadavg()),
+        "in_process_output_tok_s_mean": mean("in_process"), "worker_grpc_output_tok_s_mean": mean("worker_grpc"),
+        "cluster_output_tok_s_mean": mean("gateway_http"),
+        "overhead_worker_grpc_only": round(1.0 - mean("worker_grpc") / mean("in_process"), 4),
+        "overhead_output_tok_s": round(overhead, 4), "target_overhead": 0.10,
+        **{layer: [r[layer]["trace"] for r in rounds] for layer in LAYERS}})
+    print(f"overhead {overhead:.1%} (target < 10%); wrote {path}")
+    return path
+
+
+def run_sweep(args) -> Path:
+    levels = [int(c) for c in args.concurrency.split(",")]
+    if args.max_num_seqs is None:
+        args.max_num_seqs = max(levels)  # the engine batches every request in flight
+    layers = set(args.layers.split(","))
+    if not layers or layers - set(LAYERS):
+        raise SystemExit(f"--layers: unknown {sorted(layers - set(LAYERS))} ({', '.join(LAYERS)})")
+    requests = make_requests(args, max(args.num_prompts, 4 * max(levels)), trace=False)
+    loads = {c: (lambda send, c=c: closed_loop(c, args.duration, requests, send)) for c in levels}
+    started = time.monotonic()
+    runs = run_layers(args, loads, requests, layers)
+    table = [sweep_row(c, runs) for c in levels]
+    name = f"serve_sweep_{Path(args.model).resolve().name}" + (f"_{args.tag}" if args.tag else "")
+    path = write_result(name, {
+        "model": str(args.model), "device": args.device, "memory_budget": args.memory_budget,
+        "max_num_seqs": args.max_num_seqs, "duration_s": args.duration, "layers": sorted(layers),
+        "prompt_len": args.prompt_len, "output_len": args.output_len, "seed": args.seed,
+        "prompts": "windows of data/sample.txt, the model's tokenizer", "threads": args.threads,
+        "targets": {"gateway_http_ratio": 0.9, "worker_grpc_ratio": 0.95}, "table": table, **runs,
+        "wall_s": round(time.monotonic() - started, 1)})
+    if args.out:
+        Path(args.out).write_text(path.read_text())
+        if path.parent == RESULTS_DIR and args.tag is None:
+            path.unlink()  # asked for one place: do not also leave it in bench/results
+        path = Path(args.out)
+    print(format_table(table))
+    print(f"wrote {path}")
+    return path
+
+
+def sweep_row(c: int, runs: dict) -> dict:
+    """One concurrency: each layer's tok/s, TTFT and ITL p50, ratio to in-process, CPU."""
+    base, row = runs["in_process"].get(c), {"concurrency": c}
+    for layer in LAYERS:
+        if c not in runs[layer]:
+            continue
+        r = runs[layer][c]
+        row[layer] = {"output_tok_s": r["output_tokens_per_s"], "ttft_p50_ms": r["ttft_ms"].get("p50"),
+                      "itl_p50_ms": r["itl_ms"].get("p50"), "ratio_to_in_process":
+                      round(r["output_tokens_per_s"] / base["output_tokens_per_s"], 4) if base else None}
+        if "cpu_percent" in r:
+            row[layer]["cpu_percent"] = r["cpu_percent"]
+            row[layer]["cpu_ms_per_output_token"] = {n: round(10 * pct * r["elapsed_s"] / max(1, r["output_tokens"]), 4)
+                                                     for n, pct in r["cpu_percent"].items()}
+    if c in runs["gateway_http"]:
+        row["gateway_cpu_percent"] = runs["gateway_http"][c]["cpu_percent"]["gateway"]
+    return row
+
+
+def format_table(table: list[dict]) -> str:
+    lines = ["| output tok/s (TTFT p50 / ITL p50, ms) | " + " | ".join(f"c{r['concurrency']}" for r in table) + " |",
+             "|---|" + "---|" * len(table)]
+    labels = {"in_process": "in-process `AsyncEngine`", "worker_grpc": "worker over gRPC",
+              "gateway_http": "gateway over HTTP"}
+    for layer in (x for x in LAYERS if x in table[0]):
+        cells = []
+        for r in table:
+            x = r[layer]
+            ratio = "" if x["ratio_to_in_process"] in (None, 1.0) else f", {x['ratio_to_in_process']:.2f}x"
+            cells.append(f"{x['output_tok_s']:.0f}{ratio} ({x['ttft_p50_ms']} / {x['itl_p50_ms']})")
+        lines.append(f"| {labels[layer]} | " + " | ".join(cells) + " |")
+    if "gateway_cpu_percent" in table[0]:
+        lines.append("| gateway CPU % (ms per output token) | " + " | ".join(
+            f"{r['gateway_cpu_percent']} ({r['gateway_http']['cpu_ms_per_output_token']['gateway']})"
+            for r in table) + " |")
+    return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="paged model directory")
+    parser.add_argument("--mode", choices=("trace", "sweep"), default="trace")
     parser.add_argument("--memory-budget", default="32MiB")
-    parser.add_argument("--policy", default="pagedweight")
-    parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--request-rate", type=float, default=8.0,
-                        help="Poisson arrivals per second (0: all at once, so --max-concurrency is the limit)")
-    parser.add_argument("--max-concurrency", type=int, default=16)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (in process and the worker)")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (worker and in-process)")
+    parser.add_argument("--max-num-seqs", type=int, default=None,
+                        help="the engine's batch limit (default: the worker's; the sweep: the largest concurrency)")
     parser.add_argument("--prompt-len", default="32:128", help="LO:HI tokens, uniform")
     parser.add_argument("--output-len", default="16:64", help="LO:HI tokens, uniform")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (worker and in-process)")
-    parser.add_argument("--sample-every", type=float, default=0.5, help="memory split sampling period, s")
-    parser.add_argument("--url", default=None, help="a running gateway (default: start a cluster here)")
-    parser.add_argument("--worker-metrics-port", type=int, default=9091, help="with --url: the worker's /metrics")
-    parser.add_argument("--served-model-name", default="bench")
-    parser.add_argument("--rounds", type=int, default=2, help="alternating in-process / cluster runs")
-    parser.add_argument("--tag", default=None, help="suffix of the result file name")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda (in process and the worker)")
-    parser.add_argument("--dtype", default=None, help="float32 / bfloat16 / float16 (default: the worker's)")
-    parser.add_argument("--max-num-seqs", type=int, default=None,
-                        help="the engine's batch limit (default: the worker's; the sweep: the largest concurrency)")
-    parser.add_argument("--mode", choices=("trace", "sweep"), default="trace",
-                        help="trace: the Poisson trace (rounds); sweep: closed loops at --concurrency, three layers")
+    parser.add_argument("--num-prompts", type=int, default=64, help="trace: its requests (sweep: prompts at least)")
+    parser.add_argument("--request-rate", type=float, default=8.0,
+                        help="trace: Poisson arrivals per second (0: all at once, so --max-concurrency is the limit)")
+    parser.add_argument("--max-concurrency", type=int, default=16, help="trace: requests in flight at most")
+    parser.add_argument("--rounds", type=int, default=2, help="trace: rounds of the three layers")
     parser.add_argument("--concurrency", default="16,64,256", help="sweep: requests in flight per point")
     parser.add_argument("--duration", type=float, default=30.0, help="sweep: seconds per point and layer")
-    parser.add_argument("--layers", default="in_process,worker_grpc,gateway_http",
+    parser.add_argument("--layers", default=",".join(LAYERS),
                         help="sweep: which layers to run (gateway_http alone also runs a cluster without "
                              "GenerateStream, e.g. an older tree on PYTHONPATH, for a before/after)")
-    parser.add_argument("--out", default=None, help="result path (default bench/results/serve_<mode>_<model>.json)")
+    parser.add_argument("--tag", default=None, help="suffix of the result file name")
+    parser.add_argument("--out", default=None, help="sweep: write the result here instead")
     args = parser.parse_args()
-    if args.mode == "sweep":
-        run_sweep(args)
-        return
-
-    from pagedweight.format.model_config import ModelConfig
-
-    vocab = ModelConfig.from_dir(Path(args.model)).vocab_size
-    trace = make_trace(args.num_prompts, args.request_rate, lengths(args.prompt_len), lengths(args.output_len),
-                       vocab, args.seed)
-    # Rounds alternate in-process and cluster runs, so a busy spell of a shared machine
-    # does not land on one side only; the cluster stays up between its rounds.
-    in_process, worker, cluster, services = [], [], [], []
-    try:
-        for round_index in range(args.rounds):
-            in_process.append(run_in_process(args, trace))
-            print(f"round {round_index}: in-process {in_process[-1]['output_tokens_per_s']} tok/s", flush=True)
-            if round_index == 0:
-                if args.url:
-                    url, worker_http, worker_grpc = args.url, args.worker_metrics_port, None
-                else:
-                    services, url, worker_http, worker_grpc = start_cluster(args)
-            if worker_grpc is not None:
-                worker.append(run_worker_grpc(args, trace, worker_grpc))
-                print(f"round {round_index}: worker gRPC {worker[-1]['output_tokens_per_s']} tok/s", flush=True)
-            cluster.append(run_cluster(args, trace, url, args.served_model_name, worker_http))
-            print(f"round {round_index}: cluster    {cluster[-1]['output_tokens_per_s']} tok/s", flush=True)
-    finally:
-        for service in reversed(services):
-            service.stop(30)
-    mean = lambda runs: float(np.mean([r["output_tokens_per_s"] for r in runs]))  # noqa: E731
-    overhead = 1.0 - mean(cluster) / mean(in_process)
-    name = f"serve_load_{Path(args.model).resolve().name}" + (f"_{args.tag}" if args.tag else "")
-    path = write_result(name, {
-        "model": str(args.model), "memory_budget": args.memory_budget, "policy": args.policy,
-        "trace": {"num_prompts": args.num_prompts, "request_rate": args.request_rate,
-                  "max_concurrency": args.max_concurrency, "prompt_len": args.prompt_len,
-                  "output_len": args.output_len, "seed": args.seed, "distribution": "uniform lengths, Poisson arrivals"},
-        "threads": args.threads, "rounds": args.rounds, "load_average_after": list(os.getloadavg()),
-        "in_process_output_tok_s_mean": round(mean(in_process), 2), "cluster_output_tok_s_mean": round(mean(cluster), 2),
-        "worker_grpc_output_tok_s_mean": round(mean(worker), 2) if worker else None,
-        "overhead_worker_grpc_only": round(1.0 - mean(worker) / mean(in_process), 4) if worker else None,
-        "in_process": in_process, "worker_grpc": worker, "cluster": cluster,
-        "overhead_output_tok_s": round(overhead, 4), "target_overhead": 0.10,
-    })
-    print(f"overhead {overhead:.1%} (target < 10%); wrote {path}")
+    (run_sweep if args.mode == "sweep" else run_trace)(args)
 
 
 if __name__ == "__main__":

@@ -1,34 +1,22 @@
-"""Where an engine step's time goes: per component of the model (`component_profile`:
-attention, gating, the shared expert (Gemma-4: its dense MLP), the routed experts, norms,
-embedding + lm head, sampling, and the host), and per phase of a step as the engine runs it
-(`decode_profile`: the host's phases, the replayed graph's device span, kernels, host syncs).
+"""Where an engine step's time goes: per component of the model (`component_profile`) and per
+phase of a step as the engine runs it (`decode_profile`: host phases, kernels by name).
 
-A replayed CUDA graph is one launch to the profiler: its kernels cannot be told apart by
-the Python that captured them. So the component profile runs the same steps eagerly (the
-engine's graphs off for the profile, then put back) with a `record_function` range around
-each component's module call, and gives every operator to the innermost range it ran in:
-- on CUDA, each operator's kernels (their count and device time) go to its range; a
-  kernel count per component says how many launches the graph replays for it, and the
-  sum of device times what the graph's step costs before the gaps between kernels;
-- on the CPU (which checks the instrumentation), each operator's own CPU time and one
-  "kernel" per leaf operator.
-"host" is the step's wall time less the summed device time (CUDA), or its wall time
-less the ranges' CPU time (CPU): the Python and launch overhead a replay removes.
-
-Ranges, innermost first: the experts operator, the shared expert / dense MLP, the
-router, every RMSNorm module, attention; the MoE block outside those (the fused product
-of router and shared-expert inputs, routing, the observer) counts as gating; the decoder
-layer outside them (residual adds, the fused add + norm kernels) as norms; the model
-outside its layers (embedding, RoPE tables, final norm, lm head, softcapping) as
-"embed + lm head"; the runner's sampling as sampling.
+A replayed CUDA graph is one launch to the profiler, so the component profile runs the same
+steps eagerly (the engine's graphs off, then put back) with a `record_function` range around
+each component's module call, and gives every operator to the innermost range it ran in: on
+CUDA its kernels (count and device time: the launches a graph replays for the component and
+what its step costs before the gaps), on the CPU (which checks the instrumentation) its own
+CPU time and one "kernel" per leaf operator. "host" is the step's wall time less the summed
+device (or range CPU) time: the Python and launch overhead a replay removes. Ranges, innermost
+first: the experts operator, the shared expert / dense MLP, the router, every RMSNorm,
+attention; the MoE block outside those counts as gating, the decoder layer outside them as
+norms, the model outside its layers as "embed + lm head", the runner's sampling as sampling.
 """
 
 from __future__ import annotations
 
 import collections
 import time
-import warnings
-from pathlib import Path
 
 import torch
 from torch.autograd.profiler import record_function
@@ -123,14 +111,8 @@ def component_profile(engine, concurrency: int, prompt_len: int, device: torch.d
     component, the step's wall ms, and host ms (see the module's docstring)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from pagedweight.engine.sampler import SamplingParams
-
     runner = engine.runner
-    vocab = engine.model.config.vocab_size
-    gen = torch.Generator().manual_seed(23)
-    for i in range(concurrency):
-        prompt = torch.randint(1, vocab, (prompt_len,), generator=gen).tolist()
-        engine.add_request(f"components{i}", prompt, SamplingParams(max_tokens=steps + 8, ignore_eos=True))
+    add_requests(engine, concurrency, prompt_len, steps + 8, seed=23)
     graphs, runner.graphs = runner.graphs, None
     wrapped = instrument(engine.model, runner)
     on_cuda = device.type == "cuda"
@@ -139,13 +121,11 @@ def component_profile(engine, concurrency: int, prompt_len: int, device: torch.d
             engine.step()
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
         with profile(activities=activities) as prof:
-            if on_cuda:
-                torch.cuda.synchronize(device)
+            sync(device)
             t0 = time.perf_counter()
             for _ in range(steps):
                 engine.step()
-            if on_cuda:
-                torch.cuda.synchronize(device)
+            sync(device)
             wall_ms = 1000 * (time.perf_counter() - t0) / steps
     finally:
         _unwrap(wrapped)
@@ -162,99 +142,50 @@ def component_profile(engine, concurrency: int, prompt_len: int, device: torch.d
             "time": "device" if on_cuda else "cpu"}
 
 
-
 def decode_profile(engine, concurrency: int, prompt_len: int, device: torch.device, steps: int = 8) -> dict:
-    """Where a decode step's time goes at `concurrency` sequences, the engine as it runs:
-    wall time per step; the host's seconds per phase of the step (`Engine.phases`: schedule,
-    prepare, signature, launch, wait = reading the sampled tokens back, update, boundary), so
-    host work = wall - wait; the replayed graph's device span per step (CUDA events around
-    the replay); the kernels per step, their summed device time (span - sum = gaps between
-    kernels inside the graph) and the top operators (torch.profiler); host syncs per step."""
-    from pagedweight.engine.sampler import SamplingParams
+    """Where a decode step's time goes at `concurrency` sequences, the engine as it runs
+    (graphs and all): wall ms per step; the host's ms per phase of the step (`Engine.phases`:
+    schedule, prepare, signature, launch, wait = reading the sampled tokens back, update,
+    boundary); and over two more steps (torch.profiler, CUDA) the kernels per step, their summed
+    device ms and their count by name."""
+    from torch.profiler import ProfilerActivity, profile
 
-    vocab = engine.model.config.vocab_size
-    gen = torch.Generator().manual_seed(11)
-    for i in range(concurrency):
-        prompt = torch.randint(1, vocab, (prompt_len,), generator=gen).tolist()
-        engine.add_request(f"prof{i}", prompt, SamplingParams(max_tokens=2 * steps + 16, ignore_eos=True))
-    _sync(device)
-    t0 = time.perf_counter()
-    engine.step()  # the prompts' prefill (eager), as many as the token budget takes
-    _sync(device)
-    result = {"concurrency": concurrency, "first_prefill_step_ms": round(1000 * (time.perf_counter() - t0), 3)}
-    for _ in range(3):  # the rest of the prefill and a few decodes (captures this bucket's graph)
+    add_requests(engine, concurrency, prompt_len, 2 * steps + 16, seed=11)
+    for _ in range(4):  # the prefill and a few decodes (captures this bucket's graph)
         engine.step()
-    runner, graphs = engine.runner, engine.runner.graphs
-    graph_steps0 = runner.num_graph_steps
-    if device.type == "cuda":
-        result.update(host_syncs(engine))
-    result.update(step_phases(engine, steps, device))
-    result.update(step_kernels(engine, device))
-    result["graph_steps"] = runner.num_graph_steps - graph_steps0
-    if graphs is not None:
-        result["graph_captures_total"] = graphs.num_captures
-    while engine.has_work:
-        engine.step()
-    return result
-
-
-def host_syncs(engine) -> dict:
-    """The host syncs of one step and where they come from (torch.cuda.set_sync_debug_mode)."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            engine.step()
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-    sites = collections.Counter(f"{Path(w.filename).name}:{w.lineno}" for w in caught)
-    torch.cuda.synchronize()
-    return {"host_syncs_per_step": len(caught), "sync_sites": dict(sites)}
-
-
-def step_phases(engine, steps: int, device: torch.device) -> dict:
-    """Wall ms per step, the host's ms per phase and, on CUDA, the replays' device span."""
-    graphs = engine.runner.graphs
-    timed = graphs is not None and device.type == "cuda"
+    sync(device)
     engine.phases.reset()
-    if timed:
-        graphs.replay_events = []
     t0 = time.perf_counter()
     for _ in range(steps):
         engine.step()
-    _sync(device)
-    out = {"step_ms": round(1000 * (time.perf_counter() - t0) / steps, 3), "host_phase_ms": engine.phases.per_step_ms()}
-    out["host_ms_excluding_wait"] = round(sum(v for k, v in out["host_phase_ms"].items() if k != "wait"), 3)
-    if timed:
-        spans = [start.elapsed_time(end) for _, start, end in graphs.replay_events]
-        graphs.replay_events = None
-        out["replays"] = len(spans)
-        out["replay_device_ms"] = round(sum(spans) / max(1, len(spans)), 3)
-    return out
-
-
-def step_kernels(engine, device: torch.device) -> dict:
-    """Two steps under torch.profiler: kernels per step by name and their device ms (CUDA),
-    and the top operators."""
-    from torch.profiler import ProfilerActivity, profile
-
-    on_cuda = device.type == "cuda"
-    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])) as prof:
-        for _ in range(2):
-            engine.step()
-        _sync(device)
-    out = {}
-    if on_cuda:
+    sync(device)
+    out = {"concurrency": concurrency, "step_ms": round(1000 * (time.perf_counter() - t0) / steps, 3),
+           "host_phase_ms": engine.phases.per_step_ms()}
+    if device.type == "cuda":
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(2):
+                engine.step()
+            sync(device)
         kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
         out["kernels_per_step"] = round(len(kernels) / 2, 1)
         out["kernel_ms_per_step"] = round(sum(e.time_range.elapsed_us() for e in kernels) / 2000, 3)
-        by_name = collections.Counter(e.name for e in kernels)
-        out["kernels_by_name"] = {name[:96]: n / 2 for name, n in by_name.most_common()}
-    sort = "self_cuda_time_total" if on_cuda else "self_cpu_time_total"
-    out["top_ops"] = prof.key_averages().table(sort_by=sort, row_limit=14, max_name_column_width=48)
+        out["kernels_by_name"] = {name[:96]: n / 2 for name, n in collections.Counter(
+            e.name for e in kernels).most_common()}
+    while engine.has_work:
+        engine.step()
     return out
 
 
-def _sync(device: torch.device) -> None:
+def add_requests(engine, num: int, prompt_len: int, max_tokens: int, seed: int) -> None:
+    """`num` random prompts of `prompt_len` tokens, each generating `max_tokens` (EOS ignored)."""
+    from pagedweight.engine.sampler import SamplingParams
+
+    gen, vocab = torch.Generator().manual_seed(seed), engine.model.config.vocab_size
+    for i in range(num):
+        engine.add_request(f"profile{seed}-{i}", torch.randint(1, vocab, (prompt_len,), generator=gen).tolist(),
+                           SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+
+
+def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -140,19 +140,6 @@ def real_shape_pressure(files: list[str]) -> list[str]:
     return lines + ["", source(*present)]
 
 
-def elasticity(files: list[str]) -> list[str]:
-    lines = header("trace", "policy", "output tok/s", "preemptions", "mean bits min / served", "page moves", "plans")
-    for f in files:
-        for trace, policies in load(f)["traces"].items():
-            for name, r in policies.items():
-                if "output_tokens_per_s" not in r:  # cut by the run's time limit
-                    continue
-                bits = f"{r.get('bits_mean_min', 0):.2f} / {r.get('bits_mean_served', 0):.2f}"
-                lines.append(row(trace, name, round(r["output_tokens_per_s"]), r.get("preemptions", ""), bits,
-                                 r.get("page_moves", ""), r.get("plans", "")))
-    return lines + ["", source(*files)]
-
-
 def quantize_stream(files: list[str]) -> list[str]:
     lines = header("model", "layers", "quantise s", "s per layer", "full depth s", "peak device GiB",
                    "peak host GiB", "artifact GB")
@@ -203,24 +190,14 @@ def serve_load(files: list[str]) -> list[str]:
     return lines + ["", source(*files)]
 
 
-def engine_policies(files: list[str]) -> list[str]:
-    lines = header("device", "policy", "output tok/s", "preemptions", "mean bits min")
-    for f in files:
-        d = load(f)
-        for name, r in d["results"].items():
-            lines.append(row(d["load"]["device"], name, r.get("output_tokens_per_s", ""), r.get("preemptions", ""),
-                             r.get("bits_mean_min", "")))
-    return lines + ["", source(*files)]
-
-
 def budget_sweep(files: list[str]) -> list[str]:
     """Per budget and row: tok/s, KL to bf16 of what it served, preemptions, page moves, bits."""
     present = [f for f in files if (RESULTS / f).is_file()]
     if not present:
         return ["No result yet: `python -m bench run budget-sweep-cpu` (CPU) or `budget-sweep-qwen-a` / "
                 "`budget-sweep-qwen-b` (GPU) write " + ", ".join(f"`{f}`" for f in files) + "."]
-    lines = header("budget MiB (fitting width)", "row", "tok/s", "KL x 1000", "preemptions",
-                   "page moves (blocks moved / minimum over frees)", "mean bits served")
+    lines = header("budget MiB (fitting width)", "row", "tok/s", "KL x 1000", "preemptions", "page moves",
+                   "mean bits served")
     for f in present:
         for point in load(f)["budgets"]:
             budget = f"{point['budget'] / 2**20:.1f} ({point['fitting_uniform_bits'] or 'none'})"
@@ -234,11 +211,8 @@ def budget_sweep(files: list[str]) -> list[str]:
                 kl = x.get("kl_served")
                 done = "" if x.get("requests_finished", x["requests"]) == x["requests"] else \
                     f" ({x['requests_finished']}/{x['requests']} requests in the time limit)"
-                frees = x.get("frees_against_minimum") or {}
-                moves = f"{x['page_moves']}" + (f" ({frees['blocks_moved']} / {frees['minimum_blocks']})"
-                                                if frees.get("free_requests") else "")
                 lines.append(row(budget, name, f"{x['output_tokens_per_s']}{done}",
-                                 "" if kl is None else f"{1000 * kl:.2f}", x["preemptions"], moves,
+                                 "" if kl is None else f"{1000 * kl:.2f}", x["preemptions"], x["page_moves"],
                                  x["bits_mean_served"]))
     return lines + ["", source(*present)]
 
@@ -254,15 +228,11 @@ TABLES = {
                                 "real_shape_qwen1.5-moe-a2.7b_cuda_acqrel_fma.json",
                                 "real_shape_mixtral-8x7b_cuda_gemv.json", "real_shape_qwen3-30b-a3b_cuda.json",
                                 "real_shape_olmoe-1b-7b_cuda.json", "real_shape_gemma-4-26b-a4b_cuda.json"]),
-    "elasticity": (elasticity, ["elasticity_qwen1.5-moe-a2.7b_cuda_idle17.json"]),
-    "elasticity_all_policies": (elasticity, ["elasticity_qwen1.5-moe-a2.7b_cuda_stable17.json"]),
     "quantize_stream": (quantize_stream, ["quantize_full_depth_qwen_a2bd005.json", "quantize_mixtral_2layer.json"]),
-    "planner_speed": (planner_speed, ["planner_speed.json"]),
-    "controller_scale": (controller_scale, ["controller_scale.json"]),
-    "decode_speed": (decode_speed, ["decode_speed.json"]),
+    "planner_speed": (planner_speed, ["planner_speed_cpu.json"]),
+    "controller_scale": (controller_scale, ["controller_scale_cpu.json"]),
+    "decode_speed": (decode_speed, ["decode_speed_cpu.json"]),
     "serve_load": (serve_load, ["serve_load_micro-mixtral_c16.json", "serve_load_micro-mixtral_poisson8_24MiB.json"]),
-    "engine_policies": (engine_policies, ["engine_policies_micro-mixtral_cpu.json",
-                                          "engine_policies_micro-mixtral_cuda.json"]),
     "budget_sweep": (budget_sweep, ["budget_sweep_tiny-qwen-moe_cpu.json", "budget_sweep_qwen1.5-moe-a2.7b_a_h100.json",
                                     "budget_sweep_qwen1.5-moe-a2.7b_b_h100.json"]),
 }
@@ -270,7 +240,7 @@ TABLES = {
 PAGES = {"quality.md": ("quality_budget", "quality_budget_cpu.json"),
          "calibration.md": ("calibration_quality", "calibration_quality_cpu.json")}
 # sections such a page goes on with, each a benchmark's own from its result: page -> [(module, result)]
-PAGE_SECTIONS = {"quality.md": [("retrieval_report", "retrieval_budget_retrieval-moe_cpu.json")]}
+PAGE_SECTIONS = {"quality.md": [("retrieval_budget", "retrieval_budget_retrieval-moe_cpu.json")]}
 MARK = re.compile(r"(<!-- table: (\w+) -->\n)(.*?)(<!-- /table -->)", re.S)
 
 

@@ -13,7 +13,7 @@ What the recipe does about the ways this task fails to train:
 - the length curriculum starts at 48 tokens, where records and queries are most of the row
   (little filler to dilute the first, weak attention to the right record), and the longest
   length doubles each time a probe at it reaches --advance-at, shorter rows staying in the mix;
-- half the rows of a batch are copy rows (`copy_row` in the task): random tokens, then chunks
+- half the rows of a batch are copy rows (`copy_row`): random tokens, then chunks
   of them copied from random places, every copied token after a chunk's first supervised.
   Recall needs two heads that get gradient only through each other (in layer 0 each value
   takes in the key before it, in layer 1 the queried key matches that copy); the answers of
@@ -59,7 +59,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 
 from bench.retrieval_task import (  # noqa: E402
-    EOS, ID, TRAIN_SEED_BASE, VOCAB, copy_row, eval_examples, make_example, save_tokenizer)
+    EOS, ID, TRAIN_SEED_BASE, VOCAB, eval_examples, make_example, save_tokenizer)
+
+WORDS = VOCAB[3:]  # keys, values and filler: what a copy row is made of
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,25 @@ def batch_spec(curriculum: Curriculum, seed: int, step: int, longest: int) -> di
     return {"seed": seed, "step": step, "length": length, "rows": max(1, curriculum.tokens_per_step // length),
             "most_records": curriculum.most_records(length), "max_queries": curriculum.max_queries,
             "copy_share": curriculum.copy_share}
+
+
+def copy_row(rng: np.random.Generator, length: int, min_chunk: int = 2, max_chunk: int = 6
+             ) -> tuple[np.ndarray, np.ndarray]:
+    """A training row for the copying circuit recall uses: half the row random words, then
+    chunks of min_chunk..max_chunk of them copied from random places of the first half.
+    The mask marks every copied token but a chunk's first (which nothing predicts): each is
+    the word after the earlier occurrence of the word before it, found by matching content,
+    since the chunks sit at random distances from their sources."""
+    half = length // 2
+    first = rng.integers(len(VOCAB) - len(WORDS), len(VOCAB), half)
+    parts, mask, n = [first], [np.zeros(half, dtype=bool)], half
+    while n < length:
+        size = int(rng.integers(min_chunk, max_chunk + 1))
+        start = int(rng.integers(0, half - size + 1))
+        parts.append(first[start:start + size])
+        mask.append(np.arange(size) > 0)
+        n += size
+    return np.concatenate(parts)[:length].astype(np.int64), np.concatenate(mask)[:length]
 
 
 def make_batch(spec: dict) -> tuple[np.ndarray, np.ndarray, int]:

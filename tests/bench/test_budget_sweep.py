@@ -24,24 +24,3 @@ def test_the_sweep_runs_from_bf16_fitting_to_only_3_bits_fitting():
     # at the bottom, bf16 weights alone overflow what the budget leaves beside the fixed bytes
     assert budgets[-1] - s["fixed"] < s["experts_bf16"]
 
-
-def test_minimum_blocks_are_the_fewest_that_can_free_the_bytes():
-    import numpy as np
-
-    from bench.budget_sweep import MovesAgainstMinimum
-
-    class Planner:  # the wrapper needs submit/poll and the registered table's bytes
-        submit = poll = staticmethod(lambda *a: None)
-
-        class table:
-            nbytes = np.array([[100, 200, 300, 400, 500, 600]] * 2 + [[10, 20, 30, 40, 50, 60]], dtype=np.int64)
-
-    counter = MovesAgainstMinimum(Planner())
-    bits = np.array([8, 5, 8])
-    # bytes above 3 bits: 500, 200, 50
-    assert counter.minimum(bits, 1) == 1
-    assert counter.minimum(bits, 500) == 1
-    assert counter.minimum(bits, 501) == 2
-    assert counter.minimum(bits, 700) == 2
-    assert counter.minimum(bits, 701) == 3
-    assert counter.minimum(bits, 10**6) == 3  # more than all of them: every block

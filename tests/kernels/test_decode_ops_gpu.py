@@ -156,7 +156,7 @@ def test_engine_with_kernels_equals_engine_without(name):
     """Whole models (fp32, CUDA): the paged steps through the fused kernels give the tokens
     the torch chains give; the Qwen2-MoE shape has the gated shared expert, Qwen3 q/k norms
     (the RoPE kernel steps aside), OLMoE full-projection norms and 16 experts."""
-    from bench import real_shape as rs
+    from pagedweight.offline import real_shape_models as rs
     from pagedweight.engine.engine import Engine, EngineConfig
     from pagedweight.engine.sampler import SamplingParams
     from pagedweight.engine.scheduler import SchedulerConfig

@@ -183,7 +183,7 @@ def test_model_with_the_gemv_equals_the_model_without(dtype):
     """A whole model's logits (Qwen2-MoE shape with the shared expert, a prompt of
     gemv_max_tokens tokens, so every layer's experts take the GEMV) with the kernel on and off
     (off: the grouped product in bf16, the per-expert loop in fp16)."""
-    from bench import real_shape as rs
+    from pagedweight.offline import real_shape_models as rs
     from pagedweight.format.model_config import ModelConfig
 
     torch.manual_seed(0)

@@ -1,6 +1,6 @@
 """Real-shape models without a checkpoint: transformers' own class at a published shape,
 randomly initialised, and ours assembled over the same tensors; the benchmarks (bench/real_shape.py,
-bench/elasticity.py) and the parity tests build on these.
+bench/budget_sweep.py) and the parity tests build on these.
 
 The routed experts get a fast nested-uniform quantisation (`nested_uniform_planes`: per-row
 min-max 8-bit codes, b-bit LUTs at the b-bit bucket centres; no calibration, so the format and
