@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -67,6 +68,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--row-time-limit-s", type=float, default=120.0, help="bf16 rows: stop the trace then")
     parser.add_argument("--time-limit-s", type=float, default=1e9, help="start no row after this")
     parser.add_argument("--name", default=None, help="result name (default: budget_sweep_<model>)")
+    parser.add_argument("--plot", type=Path, default=None, help="write the throughput / KL plot here (PNG)")
     args = parser.parse_args()
     if args.num_budgets < 2:
         parser.error("--num-budgets must be >= 2 (the two ends of the sweep)")
@@ -321,8 +323,37 @@ def main() -> int:
         scorer = Scorer(Path(args.artifact))
         for point in points:
             kl_of_plans(args, {k: v for k, v in point["rows"].items() if "_plans" in v}, scorer)
-    log(f"wrote {write_result(name, public(result))}")
+    path = write_result(name, public(result))
+    if args.plot:
+        pareto_plot(json.loads(path.read_text()), args.plot)
+    log(f"wrote {path}")
     return 0
+
+
+def pareto_plot(result: dict, path: Path) -> None:
+    """Throughput against KL to bf16, one point per row and budget (refused rows left out),
+    each row's budgets joined from the largest to the smallest."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name in (n for n in ROWS if n != "fitting-uniform"):
+        rows = [p["rows"].get(name, {}) for p in result["budgets"]]
+        points = [(r["kl_served"], r["output_tokens_per_s"]) for r in rows if r.get("kl_served") is not None]
+        if points:
+            kl, tps = zip(*points)
+            ax.plot([max(k, 1e-5) for k in kl], tps, marker="o", label=name)
+    ax.set_xscale("log")
+    ax.set_xlabel("KL(bf16 || served), nats per token (bf16 drawn at 1e-5)")
+    ax.set_ylabel("output tokens/s")
+    ax.set_title(f"{result['model']}: {len(result['budgets'])} budgets, one point each", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    log(f"wrote {path}")
 
 
 if __name__ == "__main__":
