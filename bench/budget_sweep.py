@@ -348,7 +348,9 @@ def pareto_plot(result: dict, path: Path) -> None:
     ax.set_xscale("log")
     ax.set_xlabel("KL(bf16 || served), nats per token (bf16 drawn at 1e-5)")
     ax.set_ylabel("output tokens/s")
-    ax.set_title(f"{result['model']}: {len(result['budgets'])} budgets, one point each", fontsize=9)
+    model = result["model"]
+    name = Path(model["artifact"]).name if "artifact" in model else model["shape"]
+    ax.set_title(f"{name}: {len(result['budgets'])} budgets, one point each", fontsize=9)
     ax.legend(fontsize=7)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
