@@ -4,9 +4,9 @@ beside this file) with nvcc and run it, no GPU.
 The harness includes the kernel module's text exactly as the launcher builds it (module_text) and is
 compiled with the launcher's defines (kernel_defines, plus overrides); nvcc's host pass compiles the
 kernel's APL_HD functions for the host, with kernels/pagedweight_kernels/apl_host.h's stand-ins for
-their PTX. Its modes: `tiles` (the producer's A tiles of one block), `chunks` (tile_chunk's B
-offsets), `convert` (the dtype conversions) and `cta` (a whole projection launch, every CTA of the
-grid with its threads as host threads; with APL_HOST_BANKS set it also counts the shared-memory
+their PTX. Its modes: `tiles` (the producer's A tiles of one block), `convert` (the dtype
+conversions), `luts` (the row tables' values) and `cta` (a whole projection launch, every CTA of
+the grid with its threads as host threads; with APL_HOST_BANKS set it also counts the shared-memory
 bank wavefronts of the producers' accesses, `bank_counts`). Used by
 tests/kernels/test_staged_host_cpu.py.
 """

@@ -53,11 +53,11 @@ def operand_offsets(rows: int) -> np.ndarray:
     return (k // 16) * (rows * 32) + (m // 8) * SBO + ((k % 16) // 8) * LBO + (m % 8) * 16 + (k % 8) * 2
 
 
-def staged_weights(harness: Path, work: Path, block, bits: int, bf16: bool, lut_log2: int, unit: int) -> np.ndarray:
+def staged_weights(harness: Path, work: Path, block, bits: int, bf16: bool, lut_log2: int) -> np.ndarray:
     """The harness's A tiles, read back as the [rows, cols] weights the consumer multiplies (u16)."""
     lut = block.lut(bits).contiguous().view(torch.int16).numpy()
     planes = block.planes[:bits].contiguous().numpy()  # [bits, rows, cols / 8] bytes = little-endian words
-    head = struct.pack("<6i", bits, ST_ROWS, block.cols, int(bf16), lut_log2, unit)
+    head = struct.pack("<5i", bits, ST_ROWS, block.cols, int(bf16), lut_log2)
     (work / "in.bin").write_bytes(head + lut.astype("<i2").tobytes() + planes.tobytes())
     run = subprocess.run([str(harness), "tiles", str(work / "in.bin"), str(work / "out.bin")],
                          capture_output=True, text=True)
@@ -73,31 +73,17 @@ def reference(block, bits: int, bf16: bool) -> np.ndarray:
     return w.view(torch.int16).numpy().astype("<u2")
 
 
-@pytest.mark.parametrize("unit", [2, 4])
 @pytest.mark.parametrize("bf16", [True, False], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("bits", [3, 4, 5, 6, 7, 8])
-def test_staged_tiles_hold_the_reference_weights(harness, tmp_path, bits, bf16, unit):
-    # 5 steps: a unit of 4 steps ends past the row (its last words clamped into it)
-    block = random_block(ST_ROWS, 5 * ST_KS, torch.Generator().manual_seed(100 * bits + unit))
-    got = staged_weights(harness, tmp_path, block, bits, bf16, lut_log2=bits, unit=unit)
+def test_staged_tiles_hold_the_reference_weights(harness, tmp_path, bits, bf16):
+    # 5 steps: the last unit of 2 steps ends past the row (its last words clamped into it)
+    block = random_block(ST_ROWS, 5 * ST_KS, torch.Generator().manual_seed(100 * bits + 2))
+    got = staged_weights(harness, tmp_path, block, bits, bf16, lut_log2=bits)
     np.testing.assert_array_equal(got, reference(block, bits, bf16))
 
 
-@pytest.mark.parametrize("tokens", [16, 32, 64, 96])
-def test_activation_chunks_land_where_the_b_descriptors_read(harness, tmp_path, tokens):
-    # B tiles ([tokens x 64], the pass's activations) are stored by tile_chunk too: chunk c of
-    # token row r must hold elements (r, 8c .. 8c + 7) of the layout the consumer reads
-    run = subprocess.run([str(harness), "chunks", str(tokens), str(tmp_path / "chunks.bin")],
-                         capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr
-    chunks = np.fromfile(tmp_path / "chunks.bin", dtype="<i4").reshape(tokens, 8)
-    expected = operand_offsets(tokens)[:, ::8]
-    np.testing.assert_array_equal(chunks, expected)
-    assert np.all(np.diff(operand_offsets(tokens).reshape(tokens, 8, 8), axis=2) == 2)  # a chunk is contiguous
-
-
 def test_harness_refuses_an_input_it_cannot_take(harness, tmp_path):
-    (tmp_path / "in.bin").write_bytes(struct.pack("<6i", 9, ST_ROWS, ST_KS, 1, 8, 2))
+    (tmp_path / "in.bin").write_bytes(struct.pack("<5i", 9, ST_ROWS, ST_KS, 1, 8))
     run = subprocess.run([str(harness), "tiles", str(tmp_path / "in.bin"), str(tmp_path / "out.bin")],
                          capture_output=True, text=True)
     assert run.returncode == 2 and "unsupported input" in run.stderr
