@@ -40,8 +40,7 @@ def domain_prompts(num_chars: int = 160) -> dict[str, str]:
 
 # Test files that build CUDA code with nvcc on the host (a harness or a register check per
 # kernel instance, minutes of CPU in all): `slow`, so `make test-quick` leaves them to `make test`.
-NVCC_BUILDS = ("test_staged_host_cpu.py", "test_staged_knobs_cpu.py", "test_staged_registers_cpu.py",
-               "test_tiles_registers_cpu.py")
+NVCC_BUILDS = ("test_staged_host_cpu.py", "test_staged_registers_cpu.py", "test_tiles_registers_cpu.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -13,7 +13,7 @@ stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
 # changed since (entries are keyed by the source text); a call given an OUT leaves the cache
 # there as kernel_cache.tgz (5.4 MB after the tiles instances of both regimes, bf16; 10 MB with
 # the producer-warp instances too, and past the 16 MB a call returns once a run compiles more
-# knob variants: then it does not come back).
+# instances: then it does not come back).
 export PAGEDWEIGHT_KERNEL_CACHE=/tmp/kcache/arch CUPY_CACHE_DIR=/tmp/kcache/cupy
 mkdir -p /tmp/kcache
 [ -f kernel_cache/kernel_cache.tgz ] && tar xzf kernel_cache/kernel_cache.tgz -C /tmp/kcache

@@ -4,7 +4,8 @@
 # GPU, so the suite fits a call's 600 s (one process at a time ran out after 18-54 kernel tests).
 # Every default instance is compiled first, in threads, into the disk cache the shards share
 # (atomic writes); then the kernel tests' node ids are split into SHARDS contiguous runs (the
-# cases of one test stay together, so a knob variant compiles in one shard only).
+# cases of one test stay together, so an instance the defaults do not precompile compiles in one
+# shard only).
 # Carry kernel_cache/ from an earlier call of the same source to skip the compiles.
 # Usage (device): OUT=$OUT CODE_COMMIT=<c> [SHARDS=4] [PATHS=1] [PRECOMPILE=none] bash tools/gpu_tests_sharded.sh
 . "$(dirname "$0")/device_call.sh"

@@ -107,15 +107,11 @@ inline void host_shared_check(unsigned addr, unsigned size) {
 // In the convergent code that issues them, the accesses of a warp's lanes with the same ordinal are
 // one warp instruction, whose bank conflicts the harness counts.
 enum HostAccessKind : unsigned char { LDS_128, STS_128, CP_ASYNC_4, CP_ASYNC_16, HOST_ACCESS_KINDS };
-struct HostAccess { unsigned addr; HostAccessKind kind; bool active = true; };
+struct HostAccess { unsigned addr; HostAccessKind kind; };
 inline bool apl_host_log_banks = false;
 inline thread_local std::vector<HostAccess> apl_host_accesses;
 inline void host_log(unsigned addr, HostAccessKind kind) {
     if (apl_host_log_banks) apl_host_accesses.push_back(HostAccess{addr, kind});
-}
-// A lane predicated off an instruction its warp issues: it keeps the lane's ordinals in step.
-inline void host_log_skipped(HostAccessKind kind) {
-    if (apl_host_log_banks) apl_host_accesses.push_back(HostAccess{0, kind, false});
 }
 
 inline uint4 host_lds_v4(unsigned addr) {  // (nvcc includes the CUDA vector types first)

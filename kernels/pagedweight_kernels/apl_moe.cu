@@ -248,7 +248,7 @@ extern "C" __global__ void moe_align(const long long* __restrict__ topk_ids, int
     }
 }
 
-// The staged regime's gate_up with TMA activations (APL_STAGED_TMA): out[pos] = x[sorted_slot[pos] /
+// The staged regime's gate_up, whose activations come by TMA: out[pos] = x[sorted_slot[pos] /
 // top_k], rows of `chunks` 16-byte chunks, so that each expert's tokens are consecutive rows a
 // tensor map can box. One thread a chunk.
 extern "C" __global__ void moe_gather_rows(const uint4* __restrict__ x, const int* __restrict__ sorted_slot,

@@ -11,12 +11,13 @@
 //     hand the previous step's buffer back; after a pass, the epilogue from the accumulators
 //     (act(gate) * up into h for gate_up, whose rows 0-63 are gate rows and 64-127 the same up
 //     rows; fp32 rows of y for down).
-//   warps 4-7 (the producer warpgroup): thread i owns weight row i of the CTA. Per step it waits
-//     for a free buffer, copies the pass's activations for the step into it (cp.async, completion
-//     tracked by the buffer's mbarrier), dequantises its row's 64 weights from plane words loaded
-//     APL_STAGED_PREFETCH units (APL_STAGED_UNIT steps each) ahead in registers, stores them in the wgmma
-//     layout and arrives. The row's tables live in registers (RowLut): 3-4 bits its LUT (RegLut:
-//     PRMT lookups), 5-8 bits its cells' offsets and widths (CellLut: two lookups and one FMA).
+//   warps 4-7 (the producer warpgroup; 4-11 for the 5-8-bit and merged classes, two of them): thread
+//     i of a warpgroup owns weight row i of the CTA. Per step it waits for a free buffer (thread 0
+//     then has TMA copy the pass's activations for the step into it, counted on the buffer's mbarrier
+//     in bytes), dequantises its row's 64 weights from plane words copied ahead by cp.async into its
+//     slots of a plane ring in shared memory, stores them in the wgmma layout, fences and arrives.
+//     The row's tables live in registers (RowLut): 3-4 bits its LUT (RegLut: PRMT lookups), 5-8
+//     bits its cells' offsets and widths (CellLut: two lookups and one FMA).
 // Each weight is dequantised once per pass of 8 * NT8 tokens; a hotter expert takes more passes
 // (the step counter runs on across passes, so the ring's phases stay in step). Outputs are written
 // by position, so reruns are bit-identical; blocks whose bits the class does not hold produce NaN.
@@ -25,117 +26,27 @@
 // APL_HD, with host branches for their PTX, and staged_cta is the kernel's body, so a whole launch
 // runs with its threads as host threads, checked against torch (tests/kernels/test_staged_host_cpu.py).
 
-#ifndef APL_STAGED_PREFETCH
-#define APL_STAGED_PREFETCH 2  // units of plane words (APL_STAGED_UNIT steps each) a producer thread has in flight
-#endif
-// Steps a unit of plane words covers: 2 (16 bytes a plane and row, half a 32-byte sector, the other
-// half a unit later) or 4 (the whole sector in one unit, twice the registers a unit: 3-4-bit rows
-// with 16-byte plane loads in passes of up to 64 tokens only; the others spill at 4 and keep 2)
-#ifndef APL_STAGED_UNIT
-#define APL_STAGED_UNIT 2
-#endif
-// 1 (the default since 2026-12-05: 6-11% faster than 0 at the 4-bit layers timed; a second unit in
-// registers bought nothing, as if the fence below drained it; docs/kernel.md):
-// the 3-4-bit class's plane words come by cp.async into a ring of APL_STAGED_PREFETCH unit slots
-// per producer thread in shared memory (past the CTA's ring buffers; staged_plan counts it) and are
-// read back by LDS when used. Each step ends in fence.proxy.async, which compiles to MEMBAR.ALL.CTA:
-// if that waits for the thread's loads in flight, the register prefetch (0) is drained every step,
-// while cp.async copies complete by wait_group and the fence need not wait for them. (They also
-// delay the step's full phase: cp.async.mbarrier.arrive counts every earlier copy of the thread.)
-#ifndef APL_STAGED_PLANE_ASYNC
-#define APL_STAGED_PLANE_ASYNC 1
-#endif
-// 1: the same for the 5-8-bit and merged classes (their plane ring sized for the launch's widest rows,
-// past the LUT rows and ring buffers; staged_plane_ring_bytes). Nsight on Mixtral 256 tokens, 8 bits
-// (2026-12-05): the producers' long-scoreboard waits on their plane words in registers
-// were the largest stall after the consumers' barrier wait. 1 (the default since then; H100,
-// docs/kernel.md): Mixtral 256 tokens 8 bits 1581.9 against 1751.8 us,
-// Qwen1.5-MoE 256 tokens 668.6 against 742.9, mixed 1-3% faster; 3 units in the ring were slower.
-#ifndef APL_STAGED_PLANE_ASYNC_LUT
-#define APL_STAGED_PLANE_ASYNC_LUT 1
-#endif
-// 0: the producers skip their per-step fence.proxy.async (MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S), and
-// the consumers' fence after each full wait is the one proxy fence between the producers' stores and
-// the wgmma that read them: about 3% faster at 8 bits, and not supported by the PTX ISA, whose
-// proxy-preserved causality order has no case for a generic write read through the async proxy and
-// whose proxy fences take effect within the executing thread. 1 (the default, and the only documented
-// pattern, CUTLASS's and FlashAttention-3's): the writing thread fences, then synchronises. A variant
-// to time only (docs/kernel.md, "A second producer warpgroup, and the producer fence settled").
-#ifndef APL_STAGED_PRODUCER_FENCE
-#define APL_STAGED_PRODUCER_FENCE 1
-#endif
-// 1 (2026-12-05): no copies for the token rows a pass holds past its expert's count
-// (at Mixtral 256 tokens, passes of 96 for 46-82 tokens an expert: a third of the activation
-// copies, which Nsight put at 46% of the kernel's shared-memory wavefronts; each 16-byte copy costs
-// a wavefront even when it only writes zeros). 0: every row copied, zeros past the count.
-#ifndef APL_STAGED_SKIP_PAD
-#define APL_STAGED_SKIP_PAD 1
-#endif
-// 1 (2026-12-05; the 3-4-bit class, staged_tma): each step's activations come by one TMA copy (cp.async.bulk.tensor,
-// issued by producer thread 0, completion counted on the buffer's full mbarrier in bytes) from a
-// tensor map over rows by sorted position (down: h itself; gate_up: x gathered into that order by
-// moe_gather_rows first), into B tiles in the 128-byte-swizzled K-major layout the consumers'
-// descriptors then name. Nsight at Mixtral 256 tokens: the producers' 16-byte cp.async copies cost a
-// whole L2 sector and a shared-memory wavefront per lane (32 a warp instruction, where their bytes
-// need 16 and 4), 46% of the kernel's wavefronts. Measured on an H100 (bench/results/
-// docs/kernel.md): 1.10-1.55x faster wherever the staged regime is taken (Mixtral 256
-// tokens, 4 bits: 892.9 against 1223.4 us), bit for bit. 0: those copies, into the no-swizzle layout.
-// 2 (the default since 2026-12-05): every class (the 5-8-bit and merged classes too,
-// whose rings then start 1024-byte aligned; with their other knobs, H100, bench/results/
-// docs/kernel.md: Mixtral 256 tokens 8 bits 2221.7 against 4084.4 us with the copies, where
-// the alignment also left one CTA an SM with 4 ring buffers; at one CTA an SM either way, 0-11% faster).
-#ifndef APL_STAGED_TMA
-#define APL_STAGED_TMA 2
-#endif
-// Units of plane words a 5-8-bit producer thread has in flight in registers (8 planes' words a unit:
-// 32 registers); 1 loads a unit only after the last one's steps, so a warpgroup waits for every unit's
-// latency. At one producer warpgroup, 2 (the default then) was 4-8% faster than 1 at the 8-bit shapes
-// timed, -3% to +2% at mixed ones (docs/kernel.md); 4 was 2-16% slower than 2
-// (docs/kernel.md). With two producer warpgroups (below), each has its own units in
-// flight (while one waits for a unit, the other can fill steps), and 1 (the default since 2026-12-05)
-// was 4-8% faster than 2 at five of the six 8-bit and mixed shapes timed and level at
-// the sixth (H100, docs/kernel.md: Mixtral 256 tokens 8 bits 1422.3 against
-// 1538.3 us).
-#ifndef APL_STAGED_PREFETCH_LUT
-#define APL_STAGED_PREFETCH_LUT 1
-#endif
-#ifndef APL_STAGED_BLOCKS
-#define APL_STAGED_BLOCKS 2    // CTAs per SM the register budget must allow (2: 128 registers a thread)
-#endif
-// The same for the 5-8-bit and merged classes, whose LUT rows (64 KB at 8 bits) leave one CTA an SM
-// more ring buffers than two do (1: up to 255 registers a thread, no setmaxnreg split). 1 (the default):
-// Mixtral 64 tokens 8 bits 1445.5 against 2297.3 us, Qwen1.5-MoE 256 tokens 736.7 against 853.9
-// (H100, docs/kernel.md: 4 ring buffers where 2 CTAs had 2).
-#ifndef APL_STAGED_LUT_BLOCKS
-#define APL_STAGED_LUT_BLOCKS 1
-#endif
-// Producer warpgroups of the 5-8-bit and merged classes' CTAs (the 3-4-bit class keeps one: two CTAs an
-// SM, setmaxnreg). At one CTA an SM a single producer warpgroup leaves one producer warp a scheduler,
-// and Nsight at Mixtral 256 tokens, 8 bits (2026-12-05) found the SM latency-bound:
-// 77% of cycles with no eligible warp. 2: 384 threads, the second producer warpgroup taking every
-// other unit of steps (each step still filled by one warpgroup, so the barriers count 128 arrivals
-// as before), every thread under the launch bound's 168 registers (no setmaxnreg split: the
-// consumers' 2 x 64 accumulators of m64n128 fit it, as at two CTAs an SM). 2 (the default since
-// 2026-12-05; with APL_STAGED_PREFETCH_LUT 1): Mixtral 256 tokens 8 bits 1420.4 against
-// 1550.0 us at one warpgroup, 1.20x bf16 grouped_mm (H100, docs/kernel.md).
-#ifndef APL_STAGED_LUT_PRODUCERS
-#define APL_STAGED_LUT_PRODUCERS 2
-#endif
 #define ST_ROWS 128            // weight rows per CTA (two m64 wgmma per k16 slice)
 #define ST_KS 64               // columns per step (4 k16 slices)
 #define ST_MAX_STAGES 8
 #define ST_A_BYTES (ST_ROWS * ST_KS * 2)
-// Whether class CLS's launches take their activations by TMA: the 3-4-bit class (APL_STAGED_TMA 1) or
-// every class (2). Its ring
-// starts the dynamic shared memory, which a 128-byte-swizzled B tile needs on a 1024-byte boundary;
-// the other classes keep 512 (an 8-bit LUT row's), so 8-bit LUT rows still leave 2 ring buffers at
-// 2 CTAs an SM (the host's staged_align_pad follows both).
-template <int CLS> APL_HD constexpr bool staged_tma() { return APL_STAGED_TMA == 2 || (APL_STAGED_TMA == 1 && CLS == 0); }
-template <int CLS> APL_HD constexpr int staged_blocks() { return CLS == 0 ? APL_STAGED_BLOCKS : APL_STAGED_LUT_BLOCKS; }
-template <int CLS> APL_HD constexpr int staged_producers() { return CLS == 0 ? 1 : APL_STAGED_LUT_PRODUCERS; }
+// CTAs an SM a class's instances are compiled for. The 3-4-bit class: 2 (128 registers a thread,
+// split between the warpgroups by setmaxnreg). The 5-8-bit and merged classes: 1 (up to 255
+// registers a thread, no split), which leaves a CTA more ring buffers than two CTAs have (Mixtral 64
+// tokens 8 bits 1445.5 against 2297.3 us, Qwen1.5-MoE 256 tokens 736.7 against 853.9; H100,
+// docs/kernel.md).
+template <int CLS> APL_HD constexpr int staged_blocks() { return CLS == 0 ? 2 : 1; }
+// Producer warpgroups a CTA: the 3-4-bit class 1 (two CTAs an SM, setmaxnreg). The others 2, each
+// taking every other unit of steps (each step still filled by one warpgroup, so the barriers count
+// 128 arrivals), every thread under the launch bound's 168 registers: at one CTA an SM a single
+// producer warpgroup left the SM latency-bound (Nsight at Mixtral 256 tokens, 8 bits: 77% of cycles
+// with no eligible warp); two: 1420.4 against 1550.0 us (H100, docs/kernel.md).
+template <int CLS> APL_HD constexpr int staged_producers() { return CLS == 0 ? 1 : 2; }
 // A CTA's threads: the consumer warpgroup, then the producer warpgroups.
 template <int CLS> APL_HD constexpr int staged_threads() { return 128 * (1 + staged_producers<CLS>()); }
-template <int CLS> APL_HD constexpr unsigned staged_align() { return staged_tma<CLS>() ? 1024u : 512u; }
+// The dynamic shared memory starts on this boundary (the host's staged_align_pad): the ring comes
+// first, and a 128-byte-swizzled B tile, as TMA writes it, needs 1024 bytes.
+#define ST_ALIGN 1024u
 
 // The activations' tensor map, a kernel parameter (__grid_constant__, so that its address is the
 // parameter's own, as cp.async.bulk.tensor needs): on the device a CUtensorMap's 128 bytes, encoded
@@ -178,44 +89,14 @@ APL_HD void stage_weights(const RowLut<B, BF16>& lut, const u32 (&unit)[B][W], i
 }
 
 // The kernel itself: for sm_90a, and for the host's CTA emulation (apl_host.h's APL_HOST_CTA: the
-// CPU test runs staged_cta's 256 threads as host threads, wgmma by the PTX ISA's definition).
+// CPU test runs staged_cta's threads as host threads, wgmma by the PTX ISA's definition).
 #if APL_HAS_WGMMA || APL_HOST_CTA
-// The arrive-on of the executing thread's earlier cp.async copies (the pending count is raised
-// now and lowered when they land, so the phase cannot complete before them; on the host they
-// have landed, and the arrive-on changes nothing).
-APL_HD void cp_async_mbar_arrive(unsigned long long* bar) {
-#ifdef __CUDA_ARCH__
-    asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];" :: "r"(shared_addr(bar)) : "memory");
-#endif
-}
-template <bool HINT>
-APL_HD uint4 ldg_plane_v4(const u32* p) {
-#ifdef __CUDA_ARCH__
-    uint4 v;
-    if constexpr (HINT)
-        asm volatile("ld.global.nc" APL_PLANE_L1 APL_PLANE_L2 ".v4.u32 {%0, %1, %2, %3}, [%4];"
-                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-    else
-        asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-    return v;
-#else
-    return *reinterpret_cast<const uint4*>(p);
-#endif
-}
-// The CTA's barrier (its `threads`), and the producer warpgroups' (named barrier 2).
+// The CTA's barrier (its `threads`).
 APL_HD void cta_barrier(int threads) {
 #ifdef __CUDA_ARCH__
     __syncthreads();
 #else
     host_bar_sync(0, (unsigned)threads);
-#endif
-}
-template <int NP>
-APL_HD void producer_barrier() {
-#ifdef __CUDA_ARCH__
-    asm volatile("bar.sync 2, %0;" :: "n"(128 * NP) : "memory");
-#else
-    host_bar_sync(2, 128 * NP);
 #endif
 }
 
@@ -289,21 +170,7 @@ APL_HD void mbar_wait_phase(unsigned long long* bar, u32 phase) {
     mbar_wait(bar, phase & 1u);
 }
 
-// cp_async16 where `issue` holds; on the host a lane that skips it still takes the warp
-// instruction's ordinal (the harness's bank count groups lanes by ordinal).
-// On the device a predicated copy, not a branch (a branch made the 128-token down instance spill 64
-// bytes at nvcc 13.0).
-APL_HD void cp_async16_if(bool issue, u32 dst, const void* src, u32 src_bytes) {
-#ifdef __CUDA_ARCH__
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %3, 0;\n@p cp.async.cg.shared.global [%0], [%1], 16, %2;\n}"
-                 :: "r"(dst), "l"(src), "r"(src_bytes), "r"((int)issue) : "memory");
-#else
-    if (issue) cp_async16(dst, src, src_bytes);
-    else host_log_skipped(CP_ASYNC_16);
-#endif
-}
-
-// The B operand's descriptor for a TMA-written tile (APL_STAGED_TMA): K-major with the 128-byte
+// The B operand's descriptor for a TMA-written tile: K-major with the 128-byte
 // swizzle, a token's 64 columns in one 128-byte row, 8-token groups 1024 bytes apart (stride byte
 // offset; the leading one is unused in this mode), the k16 slice chosen by the start address (+32
 // bytes a slice: the swizzle applies to the address the tensor cores form, as TMA applied it).
@@ -331,22 +198,34 @@ APL_HD void tma_load_rows(u32 dst, const StagedTensorMap& map, int col, int row,
 #endif
 }
 
-// A producer warpgroup: its thread pt owns weight row pt of the CTA. PA: plane words by cp.async
-// (APL_STAGED_PLANE_ASYNC, APL_STAGED_PLANE_ASYNC_LUT). NP producer warpgroups (staged_producers):
-// warpgroup wg fills the steps of every NP-th unit (U steps) of the CTA's passes, from unit wg.
-template <int B, int MODE, bool BF16, bool V4, int NT8, bool PA, bool TMA, int NP>
-APL_HD void staged_produce(const BlockRef& blk, const StagedWork& w, const int* __restrict__ sorted_slot, int top_k,
-                           const u16* __restrict__ x, const StagedTensorMap& act_map) {
-    // P: units in flight; 5-8-bit rows APL_STAGED_PREFETCH_LUT (8 planes' words a unit; with 4-byte plane
-    // loads one: those instances spill 448-912 bytes at 2, nvcc 13.0)
-    constexpr int NT = 8 * NT8, P = B <= 4 ? APL_STAGED_PREFETCH : V4 ? APL_STAGED_PREFETCH_LUT : 1, MINE = NT8 / 2;  // MINE: B chunks a step
+// A producer warpgroup: its thread pt owns weight row pt of the CTA. NP producer warpgroups
+// (staged_producers): warpgroup wg fills the steps of every NP-th unit (2 steps) of the CTA's passes,
+// from unit wg.
+// The plane words come by cp.async into the thread's slots of a plane ring in shared memory (past the
+// ring buffers; staged_plan counts it) and are read back by LDS when used. Each step ends in
+// fence.proxy.async, which compiles to MEMBAR.ALL.CTA: plane words loaded ahead into registers were
+// drained by it every step (a second unit in flight bought nothing), while cp.async copies complete
+// by wait_group and the fence need not wait for them: 6-11% faster at 4 bits (H200), Mixtral 256
+// tokens 8 bits 1581.9 against 1751.8 us (H100; docs/kernel.md).
+// Each step's activations come by one TMA copy from a tensor map over rows by sorted position (down:
+// h itself; gate_up: x gathered into that order by moe_gather_rows first), into B tiles in the
+// 128-byte-swizzled K-major layout the consumers' descriptors name: the producers' 16-byte cp.async
+// copies each cost a whole L2 sector and a shared-memory wavefront a lane, 46% of the kernel's
+// wavefronts at Mixtral 256 tokens (Nsight); by TMA 1.10-1.55x faster (H100, docs/kernel.md).
+template <int B, int MODE, bool BF16, bool V4, int NT8, int NP>
+APL_HD void staged_produce(const BlockRef& blk, const StagedWork& w, const StagedTensorMap& act_map) {
+    // P: units in flight, each in a slot of the thread's plane ring: 3-4-bit rows 2; 5-8-bit rows 1 (8
+    // planes' words a unit; with two producer warpgroups one unit a thread was 4-8% faster than 2, whose
+    // ring left 3 ring buffers, not 4: Mixtral 256 tokens 8 bits 1422.3 against 1538.3 us, H100).
+    constexpr int NT = 8 * NT8, P = B <= 4 ? 2 : 1;
     const int wg = (threadIdx.x - 128) / 128, pt = (threadIdx.x - 128) % 128;
     const int rpc = MODE == 0 ? ST_ROWS / 2 : ST_ROWS;
     bool valid;
     int wrow = weight_row<MODE>(pt, w.r0, rpc, w.rows_out, &valid);
     if (!valid) wrow = 0;  // (loads stay in bounds; the epilogue writes nothing for the row)
-    constexpr int U = B <= 4 && V4 && NT8 <= 8 ? APL_STAGED_UNIT : 2, W = 2 * U;  // steps and words (per plane) a unit
-    static_assert(U == 2 || U == 4, "units of 2 or 4 steps");
+    // A unit: 2 steps, 4 words of every plane (16 bytes a plane and row: half a 32-byte sector, the
+    // other half a unit later).
+    constexpr int U = 2, W = 2 * U;
     const int wpr = w.cols / 32, units = (w.steps + U - 1) / U;
     int first = 0, mine = 0;  // this pass's units of this warpgroup: j < mine -> unit first + NP j
     const u32* row_planes[8];
@@ -354,27 +233,11 @@ APL_HD void staged_produce(const BlockRef& blk, const StagedWork& w, const int* 
     for (int p = 0; p < 8; ++p) row_planes[p] = blk.planes[p] + (long long)wrow * wpr;
     RowLut<B, BF16> rlut;
     rlut.load(blk.lut + (long long)wrow * lut_row_entries(B), true, BF16);
-    // Unit u = steps Uu..Uu+U-1 = words Wu..Wu+W-1 of the row in every plane (clamped into the row:
-    // columns past the end meet zero activations); the warpgroup's own unit j.
-    auto load_unit = [&](u32 (&buf)[B][W], int j) {
-        const int w0 = W * min(first + NP * j, units - 1);
-#pragma unroll
-        for (int p = 0; p < B; ++p) {
-            if constexpr (V4) {
-#pragma unroll
-                for (int q = 0; q < W / 4; ++q) {  // (wpr is a multiple of 4: only a unit of 4 steps can pass the end)
-                    const uint4 v = ldg_plane_v4<true>(row_planes[p] + (q == 0 ? w0 : min(w0 + 4 * q, wpr - 4)));
-                    buf[p][4 * q] = v.x; buf[p][4 * q + 1] = v.y; buf[p][4 * q + 2] = v.z; buf[p][4 * q + 3] = v.w;
-                }
-            } else {
-#pragma unroll
-                for (int i = 0; i < W; ++i) buf[p][i] = ldg_plane_u32<true>(row_planes[p] + min(w0 + i, wpr - 1));
-            }
-        }
-    };
-    // PA: the warpgroup's unit j's words land in slot j % P of the thread's plane ring ([slot][plane]
-    // [producer thread][W words]), one commit group a unit; past its last unit the group is empty, so no
-    // copy is ever in flight to a slot that is being read or refilled.
+    // Unit u = steps Uu..Uu+U-1 = words Wu..Wu+W-1 of the row in every plane (4-byte copies clamped
+    // into the row: columns past the end meet zero activations). The warpgroup's unit j's words land
+    // in slot j % P of the thread's plane ring ([slot][plane][producer thread][W words]), one commit
+    // group a unit; past its last unit the group is empty, so no copy is ever in flight to a slot
+    // that is being read or refilled.
     const u32 plane_ring = stage_a<NT8>(w, w.stages) + (u32)(threadIdx.x - 128) * (W * 4);
     auto plane_slot = [&](int d, int p) { return plane_ring + (u32)((d * B + p) * NP * ST_ROWS * W * 4); };
     auto issue_unit = [&](int d, int j) {
@@ -383,9 +246,7 @@ APL_HD void staged_produce(const BlockRef& blk, const StagedWork& w, const int* 
 #pragma unroll
             for (int p = 0; p < B; ++p) {
                 if constexpr (V4) {
-#pragma unroll
-                    for (int q = 0; q < W / 4; ++q)
-                        cp_async16(plane_slot(d, p) + 16 * q, row_planes[p] + (q == 0 ? w0 : min(w0 + 4 * q, wpr - 4)), 16u);
+                    cp_async16(plane_slot(d, p), row_planes[p] + w0, 16u);
                 } else {
 #pragma unroll
                     for (int i = 0; i < W; ++i) cp_async4(plane_slot(d, p) + 4 * i, row_planes[p] + min(w0 + i, wpr - 1));
@@ -394,12 +255,6 @@ APL_HD void staged_produce(const BlockRef& blk, const StagedWork& w, const int* 
         }
         cp_async_commit();
     };
-    // This thread copies chunk c8 (columns 8 c8.. of the step) of tokens tok0 + 16 i. A chunk's banks
-    // follow its token alone (tile_chunk: (tok & 7) * 16 bytes into a 128-byte line), so the 8 lanes
-    // of each quarter-warp take 8 consecutive tokens: 4 wavefronts a warp's 16-byte copy, not the 8
-    // of 8 chunks of 4 tokens (the harness's bank count, docs/kernel.md); each warp still reads 16
-    // sectors of activations (8 tokens x 64 bytes).
-    const int c8 = (pt >> 3) & 7, tok0 = (pt & 7) + 8 * (pt >> 6);
     for (int m0 = blockIdx.z * NT, pass = 0; m0 < w.n; m0 += gridDim.z * NT, ++pass) {
         const u32 pass_it = (u32)pass * (u32)w.steps;  // the ring's steps before this pass (consumers take each in order)
         // the units of all the CTA's passes in one sequence, dealt round the warpgroups: a warpgroup's next
@@ -407,30 +262,15 @@ APL_HD void staged_produce(const BlockRef& blk, const StagedWork& w, const int* 
         // ring of as many buffers (staged_plan) keeps its parity waits one phase from the barrier's
         first = (wg + NP - (int)((long long)pass * units % NP)) % NP;
         mine = units > first ? (units - first + NP - 1) / NP : 0;
-        const u16* src[MINE];
 #pragma unroll
-        for (int i = 0; i < (TMA ? 0 : MINE); ++i) {
-            const int tok = tok0 + 16 * i;
-            long long row = 0;
-            if (m0 + tok < w.n) {
-                const int s = w.expert_start + m0 + tok;
-                row = MODE == 0 ? sorted_slot[s] / top_k : s;
-            }
-            src[i] = x + row * w.cols + c8 * 8;
-        }
-        u32 buf[PA ? 1 : P][B][W];
-#pragma unroll
-        for (int d = 0; d < P; ++d) {
-            if constexpr (PA) issue_unit(d, d);
-            else load_unit(buf[d], d);
-        }
+        for (int d = 0; d < P; ++d) issue_unit(d, d);
         for (int j0 = 0; j0 < mine; j0 += P) {
 #pragma unroll
             for (int d = 0; d < P; ++d) {
                 const int j = j0 + d, u = first + NP * j;
                 if (j >= mine) break;
-                if constexpr (PA) cp_async_wait<P - 1>();  // unit j's group has landed (the P - 1 after it need not)
-                u32 words[B][W] = {};  // PA: two steps' words of every plane at a time, from the slot
+                cp_async_wait<P - 1>();  // unit j's group has landed (the P - 1 after it need not)
+                u32 words[B][W] = {};  // the unit's words of every plane, from the slot
 #pragma unroll
                 for (int half = 0; half < U; ++half) {  // (a unit's steps)
                     const int step = U * u + half;
@@ -440,58 +280,39 @@ APL_HD void staged_produce(const BlockRef& blk, const StagedWork& w, const int* 
                     const u32 use = it / (u32)w.stages;
                     if (use > 0) mbar_wait_phase(&w.empty[slot], use - 1);
                     const u32 a_tile = stage_a<NT8>(w, slot), b_tile = a_tile + ST_A_BYTES;
-                    if constexpr (TMA) {
-                        // Rows past the expert's count are the next expert's (or zeros past the
-                        // tensor): wgmma keeps token columns apart and the epilogue skips them.
-                        // Columns past the row's end come as zeros (they meet the clamped weights).
-                        if (pt == 0) {
-                            mbar_expect_tx(&w.full[slot], NT * ST_KS * 2);
-                            tma_load_rows(b_tile, act_map, step * ST_KS, w.expert_start + m0, &w.full[slot]);
-                        }
-                    } else {
-                        const int col = step * ST_KS + c8 * 8;
-#pragma unroll
-                        for (int i = 0; i < MINE; ++i) {
-                            const int tok = tok0 + 16 * i;
-                            const bool in = m0 + tok < w.n && col < w.cols;
-                            // A pass's token rows past the expert's count are left as they are (any
-                            // bits, NaN too): wgmma keeps token columns apart and the epilogue skips them.
-                            // Columns past the row's end still need zeros (they meet the clamped weights).
-                            cp_async16_if(!APL_STAGED_SKIP_PAD || m0 + tok < w.n, tile_chunk(b_tile, NT, tok, c8),
-                                          src[i] + step * ST_KS, in ? 16u : 0u);
-                        }
-                        cp_async_mbar_arrive(&w.full[slot]);
+                    // Rows past the expert's count are the next expert's (or zeros past the tensor):
+                    // wgmma keeps token columns apart and the epilogue skips them. Columns past the
+                    // row's end come as zeros (they meet the clamped weights).
+                    if (pt == 0) {
+                        mbar_expect_tx(&w.full[slot], NT * ST_KS * 2);
+                        tma_load_rows(b_tile, act_map, step * ST_KS, w.expert_start + m0, &w.full[slot]);
                     }
-                    if constexpr (PA) {
-                        // one LDS.128 a plane for this step and the next: a warp's 32 x 16 contiguous
-                        // bytes take 4 wavefronts, where an LDS.64 a step took 4 each (tests/kernels/staged_host.py, bank_counts)
-                        if (half % 2 == 0) {
+                    // one LDS.128 a plane for the unit's two steps: a warp's 32 x 16 contiguous bytes
+                    // take 4 wavefronts, where an LDS.64 a step took 4 each (tests/kernels/staged_host.py, bank_counts)
+                    if (half == 0) {
 #pragma unroll
-                            for (int p = 0; p < B; ++p) {
-                                const uint4 v = lds_v4(plane_slot(d, p) + 8 * half);
-                                words[p][2 * half] = v.x;
-                                words[p][2 * half + 1] = v.y;
-                                words[p][2 * half + 2] = v.z;
-                                words[p][2 * half + 3] = v.w;
-                            }
+                        for (int p = 0; p < B; ++p) {
+                            const uint4 v = lds_v4(plane_slot(d, p));
+                            words[p][0] = v.x;
+                            words[p][1] = v.y;
+                            words[p][2] = v.z;
+                            words[p][3] = v.w;
                         }
-                        stage_weights<B, W, BF16>(rlut, words, half, a_tile, pt);
-                    } else {
-                        stage_weights<B, W, BF16>(rlut, buf[d], half, a_tile, pt);
                     }
-                    if constexpr (APL_STAGED_PRODUCER_FENCE)
-                        fence_proxy_async();  // the stores, before wgmma (the async proxy) reads them
+                    stage_weights<B, W, BF16>(rlut, words, half, a_tile, pt);
+                    // the stores, before wgmma (the async proxy) reads them: the writing thread fences,
+                    // then arrives (the PTX ISA's proxy fences take effect within the executing thread)
+                    fence_proxy_async();
                     mbar_arrive(&w.full[slot]);
                 }
-                if constexpr (PA) issue_unit(d, j + P);
-                else load_unit(buf[d], j + P);
+                issue_unit(d, j + P);
             }
         }
     }
 }
 
 // The consumer warpgroup: the pass's wgmma over the ring, then the epilogue.
-template <int MODE, bool BF16, int NT8, bool TMA>
+template <int MODE, bool BF16, int NT8>
 APL_HD void staged_consume(const StagedWork& w, bool bad, const int* __restrict__ sorted_slot, u16* __restrict__ h_out,
                            float* __restrict__ y_out) {
     constexpr int NT = 8 * NT8;
@@ -515,8 +336,7 @@ APL_HD void staged_consume(const StagedWork& w, bool bad, const int* __restrict_
                 fence_accumulators(acc1);
 #pragma unroll
                 for (int kk = 0; kk < ST_KS / 16; ++kk) {
-                    const unsigned long long db =
-                        TMA ? wgmma_desc_sw128(b_tile + kk * 32) : wgmma_desc(b_tile + kk * (NT * 32));
+                    const unsigned long long db = wgmma_desc_sw128(b_tile + kk * 32);
                     wgmma_ss<NT8, BF16>(acc0, wgmma_desc(a_tile + kk * (ST_ROWS * 32)), db);
                     wgmma_ss<NT8, BF16>(acc1, wgmma_desc(a_tile + kk * (ST_ROWS * 32) + 2048), db);
                 }
@@ -554,12 +374,9 @@ APL_HD void staged_consume(const StagedWork& w, bool bad, const int* __restrict_
     }
 }
 
-// The warpgroups' register budgets (setmaxnreg; 2 CTAs of 256 threads share 64K registers, so
-// consumer + producer <= 256): the consumer holds 2 x 4 NT8 accumulators, the producer a row's
+// The 3-4-bit class's warpgroups' register budgets (setmaxnreg; 2 CTAs of 256 threads share 64K
+// registers, so consumer + producer <= 256): the consumer holds 2 x 4 NT8 accumulators, the producer a row's
 // LUT, plane words in flight and a word's codes and chunks.
-#ifndef APL_STAGED_REGS
-#define APL_STAGED_REGS 1  // 0: every thread at the launch bound's 128
-#endif
 template <int NT8> struct StagedRegs {
     static constexpr int consumer = NT8 == 16 ? 168 : NT8 == 12 ? 136 : NT8 == 8 ? 96 : 80;
     static constexpr int producer = 256 - consumer;
@@ -597,43 +414,40 @@ APL_HD void staged_cta(const long long* __restrict__ desc, const int* __restrict
     w.stages = stages;
     w.full = bars;
     w.empty = bars + ST_MAX_STAGES;
-    // Dynamic shared memory from a staged_align boundary (the host's staged_align_pad): at least an 8-bit
-    // LUT row's size, so every row is aligned to its own (Codes' base | offset), and with TMA the ring's
-    // B tiles to a swizzled tile's 1024 (LUT rooms and ring buffers are multiples of it).
+    // Dynamic shared memory from an ST_ALIGN boundary (the host's staged_align_pad): the ring's B tiles
+    // on a swizzled tile's 1024 (ring buffers are multiples of it).
     const u32 raw = shared_addr(smem_raw);
-    constexpr bool TMA = staged_tma<CLS>();  // (activations by TMA: the 3-4-bit class)
-    constexpr unsigned ALIGN = staged_align<CLS>();
-    unsigned char* smem = smem_raw + (((raw + (ALIGN - 1u)) & ~(ALIGN - 1u)) - raw);
+    unsigned char* smem = smem_raw + (((raw + (ST_ALIGN - 1u)) & ~(ST_ALIGN - 1u)) - raw);
     w.ring = shared_addr(smem);
     if (threadIdx.x == 0) {
         for (int i = 0; i < stages; ++i) {
-            mbar_init(&w.full[i], 128);   // the producers' arrivals (and their copies', tracked)
+            mbar_init(&w.full[i], 128);   // the producers' arrivals (and the TMA copy's bytes)
             mbar_init(&w.empty[i], 128);  // the consumers'
         }
     }
     cta_barrier(staged_threads<CLS>());
     if (threadIdx.x < 128) {
-        if constexpr (APL_STAGED_REGS && staged_blocks<CLS>() == 2) set_warpgroup_registers<StagedRegs<NT8>::consumer>();
-        staged_consume<MODE, BF16, NT8, TMA>(w, bad, sorted_slot, h_out, y_out);
+        if constexpr (staged_blocks<CLS>() == 2) set_warpgroup_registers<StagedRegs<NT8>::consumer>();
+        staged_consume<MODE, BF16, NT8>(w, bad, sorted_slot, h_out, y_out);
         return;
     }
-    if constexpr (APL_STAGED_REGS && staged_blocks<CLS>() == 2) set_warpgroup_registers<StagedRegs<NT8>::producer>();
+    if constexpr (staged_blocks<CLS>() == 2) set_warpgroup_registers<StagedRegs<NT8>::producer>();
     if (bad) return;
     constexpr int NP = staged_producers<CLS>();
-    constexpr bool PA_LUT = APL_STAGED_PLANE_ASYNC && APL_STAGED_PLANE_ASYNC_LUT && CLS != 0;
-    constexpr bool PA = (APL_STAGED_PLANE_ASYNC && CLS == 0) || PA_LUT;
     switch (blk.bits) {
-        case 3: if constexpr (CLS != 1) staged_produce<3, MODE, BF16, V4, NT8, PA, TMA, NP>(blk, w, sorted_slot, top_k, x, act_map); break;
-        case 4: if constexpr (CLS != 1) staged_produce<4, MODE, BF16, V4, NT8, PA, TMA, NP>(blk, w, sorted_slot, top_k, x, act_map); break;
-        case 5: if constexpr (CLS != 0) staged_produce<5, MODE, BF16, V4, NT8, PA_LUT, TMA, NP>(blk, w, sorted_slot, top_k, x, act_map); break;
-        case 6: if constexpr (CLS != 0) staged_produce<6, MODE, BF16, V4, NT8, PA_LUT, TMA, NP>(blk, w, sorted_slot, top_k, x, act_map); break;
-        case 7: if constexpr (CLS != 0) staged_produce<7, MODE, BF16, V4, NT8, PA_LUT, TMA, NP>(blk, w, sorted_slot, top_k, x, act_map); break;
-        default: if constexpr (CLS != 0) staged_produce<8, MODE, BF16, V4, NT8, PA_LUT, TMA, NP>(blk, w, sorted_slot, top_k, x, act_map); break;
+        case 3: if constexpr (CLS != 1) staged_produce<3, MODE, BF16, V4, NT8, NP>(blk, w, act_map); break;
+        case 4: if constexpr (CLS != 1) staged_produce<4, MODE, BF16, V4, NT8, NP>(blk, w, act_map); break;
+        case 5: if constexpr (CLS != 0) staged_produce<5, MODE, BF16, V4, NT8, NP>(blk, w, act_map); break;
+        case 6: if constexpr (CLS != 0) staged_produce<6, MODE, BF16, V4, NT8, NP>(blk, w, act_map); break;
+        case 7: if constexpr (CLS != 0) staged_produce<7, MODE, BF16, V4, NT8, NP>(blk, w, act_map); break;
+        default: if constexpr (CLS != 0) staged_produce<8, MODE, BF16, V4, NT8, NP>(blk, w, act_map); break;
     }
 }
 
 // Kernel classes as apl_gemv's: CLS 0 3-4 bits, 1 5-8 bits, 2 any (the merged class). V4: every
-// plane 16-byte aligned with a word count per row divisible by 4 (16-byte plane loads).
+// plane 16-byte aligned with a word count per row divisible by 4 (16-byte plane copies). The
+// arguments are apl_prefill's and the tensor map's: the activations come through act_map, so x and
+// top_k go unread.
 template <int CLS, int MODE, bool BF16, bool V4, int NT8>
 __global__ void __launch_bounds__(staged_threads<CLS>(), staged_blocks<CLS>()) apl_staged(
     const long long* __restrict__ desc, const int* __restrict__ active, const int* __restrict__ num_active,

@@ -21,8 +21,7 @@ from pagedweight_kernels.config import DEFAULT_CONFIG, KernelConfig
 from pagedweight_kernels.cuda_packages import compile_for_arch, module_source
 from pagedweight_kernels.layer import APLKernelError
 from pagedweight_kernels.moe_reference import check_activation
-from pagedweight_kernels.plan import PREFILL_LARGEST_TILE, PREFILL_TILES, TILES_MAX_NT8, staged_choices, staged_tma, \
-    tiles_choices
+from pagedweight_kernels.plan import PREFILL_LARGEST_TILE, PREFILL_TILES, TILES_MAX_NT8, staged_choices, tiles_choices
 
 SOURCE = Path(__file__).with_name("apl_moe.cu")
 GEMV_SOURCE = Path(__file__).with_name("apl_gemv.cu")  # compiled after SOURCE (uses its helpers)
@@ -157,7 +156,7 @@ def kernel_instances(dtype: torch.dtype, activation: str = "silu",
         if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
             classes = None if config.staged_every_layer else config.staged_classes
             names += [(name, act) for name in staged_instances(f, (mode,), classes, config)]
-            if mode == 0 and staged_tma(0, config):
+            if mode == 0:  # (gate_up's activations gathered for the staged launches' TMA)
                 names.append(("moe_gather_rows", "silu"))
     return names
 

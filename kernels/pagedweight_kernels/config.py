@@ -3,13 +3,12 @@
 Every value here is what a default or a per-shape entry uses; the variants measured worse are
 gone from the sources (docs/kernel.md keeps their measurements). `config_for(hidden,
 intermediate)` is the per-shape table: a layer shape without an entry takes DEFAULT_CONFIG. An
-experiment changes a value with `dataclasses.replace` (or `with_knobs` for the -D defines) and
-passes the result explicitly; nothing is read from the environment.
+experiment changes a value with `dataclasses.replace` and passes the result explicitly; nothing is
+read from the environment.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 # The .cu's APL_ACT per expert activation (moe_reference.ACTIVATIONS): one compiled module each.
@@ -17,22 +16,10 @@ ACT_CODES = {"silu": 0, "gelu_tanh": 1}
 # Shared memory an SM offers (H100/H200: 228 KB); each CTA reserves 1 KB of it.
 SM_SHARED = 228 * 1024
 
-# KernelConfig field -> the apl_staged.cu define it is compiled with.
-_STAGED_DEFINES = {
-    "staged_prefetch": "APL_STAGED_PREFETCH", "staged_unit": "APL_STAGED_UNIT",
-    "staged_blocks": "APL_STAGED_BLOCKS", "staged_regs": "APL_STAGED_REGS",
-    "staged_plane_async": "APL_STAGED_PLANE_ASYNC", "staged_producer_fence": "APL_STAGED_PRODUCER_FENCE",
-    "staged_skip_pad": "APL_STAGED_SKIP_PAD", "staged_tma": "APL_STAGED_TMA",
-    "staged_prefetch_lut": "APL_STAGED_PREFETCH_LUT",
-    "staged_lut_blocks": "APL_STAGED_LUT_BLOCKS", "staged_plane_async_lut": "APL_STAGED_PLANE_ASYNC_LUT",
-    "staged_lut_producers": "APL_STAGED_LUT_PRODUCERS",
-}
-
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """Launch planning and the staged kernel's compile-time values (apl_staged.cu's header says
-    what each define does and what was measured)."""
+    """Launch planning: regimes, grids, pass widths and the staged regime's ring."""
 
     # Decode launches split to about this many CTAs: one wave on a 132-SM H200 at 4 CTAs per SM
     # (longer CTAs, fewer prologues); 2 and 4 waves were measured no better overall (H200,
@@ -67,35 +54,11 @@ class KernelConfig:
     # Dynamic shared memory a staged CTA may take for 2 CTAs per SM (1 KB reserved per CTA, the
     # kernel's 128 bytes of static mbarriers), and for 1.
     staged_cta_shared: tuple = (SM_SHARED // 2 - 1024 - 128, 227 * 1024 - 128)
-    # apl_staged.cu's defines (_STAGED_DEFINES names them).
-    staged_prefetch: int = 2
-    staged_unit: int = 2
-    staged_blocks: int = 2
-    staged_regs: int = 1
-    staged_plane_async: int = 1
-    staged_producer_fence: int = 1
-    staged_skip_pad: int = 1
-    staged_tma: int = 2
-    staged_prefetch_lut: int = 1
-    staged_lut_blocks: int = 1
-    staged_plane_async_lut: int = 1
-    staged_lut_producers: int = 2
-
-    def knobs(self) -> dict[str, int]:
-        """The -D defines every module is compiled with (what the host plans with)."""
-        return {define: int(getattr(self, field)) for field, define in _STAGED_DEFINES.items()}
 
     def defines(self, activation: str = "silu") -> tuple:
-        """The compile key of a module: knobs and the activation's APL_ACT, sorted."""
-        return tuple(sorted({**self.knobs(), "APL_ACT": ACT_CODES[activation]}.items()))
-
-    def with_knobs(self, **defines: int) -> "KernelConfig":
-        """A copy with these -D defines (by their APL_STAGED_* names) set."""
-        fields = {define: field for field, define in _STAGED_DEFINES.items()}
-        unknown = sorted(set(defines) - set(fields))
-        if unknown:
-            raise ValueError(f"unknown kernel knobs {unknown}; the knobs are {sorted(fields)}")
-        return dataclasses.replace(self, **{fields[d]: int(v) for d, v in defines.items()})
+        """The compile key of a module: the activation's APL_ACT (every other value is the
+        sources' own)."""
+        return (("APL_ACT", ACT_CODES[activation]),)
 
 
 DEFAULT_CONFIG = KernelConfig()

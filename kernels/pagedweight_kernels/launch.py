@@ -18,7 +18,7 @@ from pagedweight_kernels.config import DEFAULT_CONFIG, KernelConfig
 from pagedweight_kernels.cuda_packages import launch_on_torch_stream
 from pagedweight_kernels.layer import APLLayer
 from pagedweight_kernels.plan import GEMV_THREADS, STAGED_STEP, THREADS, GemmPlan, LaunchPlan, gemv_extra_shared, long_split, \
-    programmatic_down, staged_class, staged_plan, staged_threads, staged_tma
+    programmatic_down, staged_class, staged_plan, staged_threads
 
 _WEIGHT_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -125,24 +125,22 @@ def staged_projection(layer: APLLayer, num_tokens: int, top_k: int, max_active: 
         plan = staged_plan(mode, num_tokens, top_k, layer.num_experts, rows_out, cls, lut_bits, max_active,
                            aligned16, config)
         name = staged_name(cls, mode, f, "true" if aligned16 else "false", plan.tiles)
-        act_map = staged_activation_map(mode, src, sorted_slot, top_k, plan.tokens, cls, config)
+        act_map = staged_activation_map(mode, src, sorted_slot, top_k, plan.tokens, config)
         launch(name, plan.grid, (desc, active, num_active, sorted_slot, top_k, src, rows_out, cols, lut_bits,
                                  h_out, y_out, plan.stages, act_map),
-               plan.shared_bytes, block=staged_threads(cls, config), activation=mode_activation(mode, layer.activation),
+               plan.shared_bytes, block=staged_threads(cls), activation=mode_activation(mode, layer.activation),
                config=config)
     return projection
 
 
 def staged_activation_map(mode: int, src: torch.Tensor, sorted_slot: torch.Tensor, top_k: int, tokens: int,
-                          cls: int, config: KernelConfig = DEFAULT_CONFIG):
-    """The staged launch's tensor map over its activations by sorted position (staged_tma(cls)):
-    boxes of a pass's `tokens` rows by one 64-column step. Down's h is in that order already;
-    gate_up's x is gathered into it first (moe_gather_rows, [tokens * top_k, hidden]: 4 MB at
-    Mixtral size and 256 tokens). Without TMA the kernel reads no map: zeros."""
-    from pagedweight_kernels.tensor_maps import EMPTY_MAP, row_box_map
+                          config: KernelConfig = DEFAULT_CONFIG):
+    """The staged launch's tensor map over its activations by sorted position (the kernel takes
+    them by TMA): boxes of a pass's `tokens` rows by one 64-column step. Down's h is in that order
+    already; gate_up's x is gathered into it first (moe_gather_rows, [tokens * top_k, hidden]: 4 MB
+    at Mixtral size and 256 tokens)."""
+    from pagedweight_kernels.tensor_maps import row_box_map
 
-    if not staged_tma(cls, config):
-        return EMPTY_MAP
     rows = src
     if mode == 0:
         num_slots, cols = sorted_slot.numel(), src.shape[1]

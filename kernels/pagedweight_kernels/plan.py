@@ -73,7 +73,11 @@ TILES_HEADROOM = 1.5  # a pass holds 1.5x the mean tokens per expert (routing is
 # The staged regime (apl_staged.cu).
 STAGED_ROWS, STAGED_STEP = 128, 64  # the .cu's ST_ROWS, ST_KS
 STAGED_MAX_STAGES = 8  # the .cu's most ring buffers
-STAGED_ALIGN_PAD = 512  # the kernel starts its shared memory on a 512-byte boundary (an 8-bit LUT row's)
+STAGED_ALIGN_PAD = 1024  # the .cu's ST_ALIGN: the kernel aligns its shared memory up to a swizzled TMA tile's
+STAGED_UNIT_STEPS = 2  # the .cu's U: steps a unit of a producer thread's plane words covers
+# Units of plane words a producer thread has in flight (the .cu's P): 2 for 3-4-bit rows, 1 for
+# 5-8-bit rows (8 planes a unit; with two producer warpgroups one kept the ring at 4 buffers).
+STAGED_UNITS_LOW, STAGED_UNITS_HIGH = 2, 1
 
 
 @dataclass(frozen=True)
@@ -224,81 +228,57 @@ def staged_plan(mode: int, num_tokens: int, top_k: int, num_experts: int, rows_o
     tokens = GEMV_TOKENS * nt8
     groups = max(1, min(math.ceil(num_tokens / tokens), math.ceil(per_expert / tokens)))
     rpc = STAGED_ROWS // 2 if mode == 0 else STAGED_ROWS
-    planes = staged_plane_ring_bytes(cls, nt8, aligned16, lut_bits, config)
+    planes = staged_plane_ring_bytes(cls, lut_bits)
     stage = (STAGED_ROWS + tokens) * STAGED_STEP * 2  # the A tile, then the B tile
-    least = staged_min_stages(cls, nt8, aligned16, config)
+    least = staged_min_stages(cls)
     budgets = config.staged_cta_shared
-    for budget in budgets[-1:] if staged_blocks(cls, config) == 1 else budgets:  # (one CTA an SM: its budget)
+    for budget in budgets[-1:] if staged_blocks(cls) == 1 else budgets:  # (one CTA an SM: its budget)
         stages = min(max(config.staged_stages, least), STAGED_MAX_STAGES,
-                     (budget - staged_align_pad(cls, config) - planes) // stage)
+                     (budget - STAGED_ALIGN_PAD - planes) // stage)
         if stages >= least:
             break
     else:
         raise APLKernelError(f"the staged regime needs {least} ring buffers of {stage} bytes beside {planes} bytes"
                              f" of plane words")
     grid = (math.ceil(rows_out / rpc), max_active, groups)
-    return GemmPlan("staged", tokens, rpc, 1, 0, grid, staged_align_pad(cls, config) + stages * stage + planes,
-                    nt8, stages)
+    return GemmPlan("staged", tokens, rpc, 1, 0, grid, STAGED_ALIGN_PAD + stages * stage + planes, nt8, stages)
 
 
-def staged_min_stages(cls: int, nt8: int, aligned16: bool, config: KernelConfig = DEFAULT_CONFIG) -> int:
-    """The fewest ring buffers a staged launch can run with. 2: the consumers hand a buffer back after
-    the next one's wgmma are issued, so one would deadlock. With NP producer warpgroups taking every
-    NP-th unit of steps in turn, a warpgroup's next step can be U (NP - 1) + 1 steps on from its last
-    (U: the steps of its widest rows' units), and its parity wait for that step's buffer is sound only
+def staged_min_stages(cls: int) -> int:
+    """The fewest ring buffers a staged launch of kernel class `cls` can run with. 2: the consumers
+    hand a buffer back after the next one's wgmma are issued, so one would deadlock. With NP
+    producer warpgroups taking every NP-th unit of steps in turn, a warpgroup's next step can be
+    U (NP - 1) + 1 steps on from its last, and its parity wait for that step's buffer is sound only
     if the ring holds as many (apl_staged.cu's mbar_wait_phase)."""
-    unit = staged_low_unit(nt8, aligned16, config) if cls != 1 else 2
-    return max(2, unit * (staged_producers(cls, config) - 1) + 1)
+    return max(2, STAGED_UNIT_STEPS * (staged_producers(cls) - 1) + 1)
 
 
-def staged_low_unit(nt8: int, aligned16: bool, config: KernelConfig = DEFAULT_CONFIG) -> int:
-    """Steps a unit of a 3-4-bit row's plane words covers (the .cu's U): APL_STAGED_UNIT where the kernel
-    takes it (16-byte plane loads, passes of up to 64 tokens), else 2 (5-8-bit rows: always 2)."""
-    return config.staged_unit if aligned16 and nt8 <= TILES_MAX_NT8 else 2
-
-
-def staged_plane_ring_bytes(cls: int, nt8: int, aligned16: bool, lut_bits: int = 0,
-                            config: KernelConfig = DEFAULT_CONFIG) -> int:
-    """The producers' plane ring past the ring buffers (APL_STAGED_PLANE_ASYNC: the 3-4-bit class;
-    with APL_STAGED_PLANE_ASYNC_LUT the others too): per weight row, the largest of its widths' slots.
-    3-4-bit rows: APL_STAGED_PREFETCH unit slots of 4 planes x 2 words a step, units of
-    staged_low_unit steps. 5-8-bit rows (lut_bits planes, the launch's widest): APL_STAGED_PREFETCH_LUT
-    slots (1 with 4-byte plane loads) of units of 2 steps. Per producer thread: staged_producers
+def staged_plane_ring_bytes(cls: int, lut_bits: int = 0) -> int:
+    """The producers' plane ring past the ring buffers: per weight row, the largest of its widths'
+    slots. 3-4-bit rows: STAGED_UNITS_LOW unit slots of 4 planes x 2 words a step; 5-8-bit rows
+    (lut_bits planes, the launch's widest): STAGED_UNITS_HIGH. Per producer thread: staged_producers
     warpgroups of STAGED_ROWS threads."""
-    if not config.staged_plane_async or (cls != 0 and not config.staged_plane_async_lut):
-        return 0
-    low = config.staged_prefetch * 4 * (2 * staged_low_unit(nt8, aligned16, config)) if cls != 1 else 0
-    high = (config.staged_prefetch_lut if aligned16 else 1) * lut_bits * 4 if cls != 0 else 0
-    return staged_producers(cls, config) * STAGED_ROWS * max(low, high) * 4
+    words = 2 * STAGED_UNIT_STEPS  # a plane's words a unit
+    low = STAGED_UNITS_LOW * 4 * words if cls != 1 else 0
+    high = STAGED_UNITS_HIGH * lut_bits * words if cls != 0 else 0
+    return staged_producers(cls) * STAGED_ROWS * max(low, high) * 4
 
 
-def staged_tma(cls: int, config: KernelConfig = DEFAULT_CONFIG) -> bool:
-    """Whether staged launches of kernel class `cls` take their activations by TMA (the .cu's
-    staged_tma: APL_STAGED_TMA 1, the 3-4-bit class only; 2, every class)."""
-    return config.staged_tma == 2 or (config.staged_tma == 1 and cls == 0)
+def staged_blocks(cls: int) -> int:
+    """CTAs an SM the staged instances of kernel class `cls` are compiled for (the .cu's
+    staged_blocks): 2 for the 3-4-bit class, 1 for the others (more ring buffers a CTA)."""
+    return 2 if cls == 0 else 1
 
 
-def staged_blocks(cls: int, config: KernelConfig = DEFAULT_CONFIG) -> int:
-    """CTAs an SM the staged instances of kernel class `cls` are compiled for (the .cu's staged_blocks:
-    APL_STAGED_BLOCKS for the 3-4-bit class, APL_STAGED_LUT_BLOCKS for the others)."""
-    return config.staged_blocks if cls == 0 else config.staged_lut_blocks
+def staged_producers(cls: int) -> int:
+    """Producer warpgroups in a staged CTA of kernel class `cls` (the .cu's staged_producers): one for
+    the 3-4-bit class (two CTAs an SM), two for the others (one CTA an SM: one left it latency-bound)."""
+    return 1 if cls == 0 else 2
 
 
-def staged_producers(cls: int, config: KernelConfig = DEFAULT_CONFIG) -> int:
-    """Producer warpgroups in a staged CTA of kernel class `cls` (the .cu's staged_producers: one for
-    the 3-4-bit class, APL_STAGED_LUT_PRODUCERS for the others)."""
-    return 1 if cls == 0 else config.staged_lut_producers
-
-
-def staged_threads(cls: int, config: KernelConfig = DEFAULT_CONFIG) -> int:
+def staged_threads(cls: int) -> int:
     """A staged CTA's threads (the .cu's staged_threads): the consumer warpgroup and the producers'."""
-    return 128 * (1 + staged_producers(cls, config))
-
-
-def staged_align_pad(cls: int, config: KernelConfig = DEFAULT_CONFIG) -> int:
-    """The bytes a staged launch of class `cls` adds for the kernel's staged_align (its dynamic shared
-    memory's start, aligned up): 1024 where a TMA-written B tile starts the ring, else 512."""
-    return 1024 if staged_tma(cls, config) else STAGED_ALIGN_PAD
+    return 128 * (1 + staged_producers(cls))
 
 
 def tiles_choices(cls: int, config: KernelConfig = DEFAULT_CONFIG) -> tuple[int, ...]:

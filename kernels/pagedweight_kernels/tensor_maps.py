@@ -68,6 +68,3 @@ def _encoder():
                        ctypes.POINTER(ctypes.c_uint32), ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
     encode.restype = ctypes.c_int
     return encode
-
-
-EMPTY_MAP = TensorMap()  # the parameter's bytes where a kernel built without TMA reads none

@@ -4,9 +4,9 @@ beside this file) with nvcc and run it, no GPU.
 The harness includes the kernel module's text exactly as the launcher builds it (module_text) and is
 compiled with the launcher's defines (kernel_defines, plus overrides); nvcc's host pass compiles the
 kernel's APL_HD functions for the host, with kernels/pagedweight_kernels/apl_host.h's stand-ins for
-their PTX. Its modes: `tiles` (the producer's A tiles of one block), `chunks` (tile_chunk's B
-offsets), `convert` (the dtype conversions) and `cta` (a whole projection launch, every CTA of the
-grid with its 256 threads as host threads; with APL_HOST_BANKS set it also counts the shared-memory
+their PTX. Its modes: `tiles` (the producer's A tiles of one block), `convert` (the dtype
+conversions), `luts` (the row tables' values) and `cta` (a whole projection launch, every CTA of
+the grid with its threads as host threads; with APL_HOST_BANKS set it also counts the shared-memory
 bank wavefronts of the producers' accesses, `bank_counts`). Used by
 tests/kernels/test_staged_host_cpu.py.
 """
@@ -63,8 +63,7 @@ def projection_case(mode: int, bits: list[int], rows_out: int, cols: int, num_to
 
 
 def planned(case: dict, config: KernelConfig = DEFAULT_CONFIG) -> tuple[tuple, GemmPlan, int]:
-    """(instance, plan, lut_bits) as staged_projection picks them for the case's blocks under `config`
-    (the one the harness's kernel is compiled with: its plane ring's bytes follow the knobs)."""
+    """(instance, plan, lut_bits) as staged_projection picks them for the case's blocks under `config`."""
     cls, lut_bits = staged_class(widest_by_class(case["bits"]))
     aligned16 = case["cols"] % 128 == 0  # (the harness's plane blobs are 16-byte aligned)
     assignments = case["num_tokens"] * case["top_k"]
@@ -123,15 +122,15 @@ def reference_projection(case: dict) -> torch.Tensor:
     return out
 
 
-def bank_counts(bits: int, overrides: dict[str, int], work: Path) -> dict:
+def bank_counts(bits: int, work: Path) -> dict:
     """Shared-memory bank wavefronts of one down launch's producers (128 rows, 512 columns, 80
     tokens x top-2 over 4 experts at `bits`): per instruction kind issued (the A tiles' STS.128,
-    the activations' and plane words' cp.async, the plane ring's LDS.128), its warp
-    instructions, the wavefronts 32 banks of 4 bytes take (the most distinct words one bank is
-    asked for, at least one per 128 bytes) and the fewest its bytes allow (`ideal`)."""
+    the plane words' cp.async, the plane ring's LDS.128), its warp instructions, the wavefronts
+    32 banks of 4 bytes take (the most distinct words one bank is asked for, at least one per 128
+    bytes) and the fewest its bytes allow (`ideal`)."""
     case = projection_case(1, [bits] * 4, 128, 512, 80, 2, torch.bfloat16, seed=1)
-    instance, plan, lut_bits = planned(case, DEFAULT_CONFIG.with_knobs(**overrides))
-    harness = build_harness(work, kernel_defines(overrides), instance)
+    instance, plan, lut_bits = planned(case)
+    harness = build_harness(work, kernel_defines({}), instance)
     banks = work / "banks.json"
     run = run_launch(harness, work, case, plan, lut_bits, env={**os.environ, "APL_HOST_BANKS": str(banks)})
     if run.returncode:

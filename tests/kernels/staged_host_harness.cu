@@ -6,17 +6,16 @@
 // into one A tile by stage_weights, as staged_produce does on the device; the tile's bytes go to
 // the output, and the test reads them back by the wgmma operand layout of the PTX ISA.
 //
-//   harness tiles IN OUT    IN: int32 bits, rows (= ST_ROWS), cols, bf16, lut_log2, unit; then
-//                           the stored fp16 LUT [rows][8 | 17]; then u32 plane words [bits][rows][cols / 32].
+//   harness tiles IN OUT    IN: int32 bits, rows (= ST_ROWS), cols, bf16, lut_log2; then the
+//                           stored fp16 LUT [rows][8 | 17]; then u32 plane words [bits][rows][cols / 32].
 //                           OUT: the A tile's bytes after each step, [steps][ST_ROWS * ST_KS] u16.
 //                           lut_log2: the LUT room of a 5-8-bit row (its own bits, or a merged
-//                           launch's 8); unit: steps per unit of plane words (APL_STAGED_UNIT).
-//   harness chunks NT OUT   tile_chunk(0, NT, r, c) for r < NT, c < 8, as int32 [NT][8].
+//                           launch's 8). Plane words in units of 2 steps, as the producers take them.
 //   harness convert IN OUT  the emulation's fp16/bf16 conversions of fp32 values (see convert).
 //   harness luts IN OUT     every code's value as the kernels' row tables derive it (see luts).
 //   harness cta IN OUT      one projection's launch of the apl_staged instance this binary is
 //                           compiled for (-DHOST_CLS, HOST_MODE, HOST_BF16, HOST_V4, HOST_NT8): every
-//                           CTA of the grid in turn, its 256 threads as host threads running
+//                           CTA of the grid in turn, its threads as host threads running
 //                           staged_cta. IN: int32 experts, rows_out, cols, top_k, lut_log2, stages,
 //                           grid x, y, z, shared bytes, assignments, x rows, active experts; per
 //                           expert int32 bits, the stored fp16 LUT [rows][8 | 17], plane bytes [bits][rows]
@@ -47,7 +46,7 @@ int fail(const char* what) {
 }
 
 struct Input {
-    int bits, rows, cols, bf16, lut_log2, unit;
+    int bits, rows, cols, bf16, lut_log2;
     std::vector<u16> lut;     // the stored LUT [rows][8 | 17] fp16
     std::vector<u32> planes;  // [bits][rows][cols / 32]
 };
@@ -55,14 +54,13 @@ struct Input {
 bool read_input(const char* path, Input& in) {
     FILE* f = std::fopen(path, "rb");
     if (!f) return false;
-    int head[6];
+    int head[5];
     bool ok = std::fread(head, sizeof head, 1, f) == 1;
     if (ok) {
         in.bits = head[0]; in.rows = head[1]; in.cols = head[2];
-        in.bf16 = head[3]; in.lut_log2 = head[4]; in.unit = head[5];
+        in.bf16 = head[3]; in.lut_log2 = head[4];
         ok = in.bits >= 3 && in.bits <= 8 && in.rows == ST_ROWS && in.cols > 0 && in.cols % ST_KS == 0 &&
-             in.cols <= 1 << 16 && (in.unit == 2 || in.unit == 4) &&
-             (in.bits <= 4 || (in.lut_log2 >= in.bits && in.lut_log2 <= 8));
+             in.cols <= 1 << 16 && (in.bits <= 4 || (in.lut_log2 >= in.bits && in.lut_log2 <= 8));
     }
     if (ok) {
         in.lut.resize((size_t)in.rows * lut_row_entries(in.bits));
@@ -80,9 +78,9 @@ constexpr u32 LUT_AT = 0, TILE_AT = 128u * 1024u;
 
 // The steps of one width: every row's register tables as apl_staged's producers load them, then
 // per step every row's unit of plane words and stage_weights.
-template <int B, int U, bool BF16>
+template <int B, bool BF16>
 void stage_all(const Input& in, std::vector<u16>& out) {
-    constexpr int W = 2 * U;
+    constexpr int U = 2, W = 2 * U;  // (staged_produce's unit)
     const int wpr = in.cols / 32, steps = in.cols / ST_KS;
     std::vector<RowLut<B, BF16>> rluts(ST_ROWS);
     for (int pt = 0; pt < ST_ROWS; ++pt) rluts[pt].load(in.lut.data() + (size_t)pt * lut_row_entries(B), true, BF16);
@@ -102,13 +100,8 @@ void stage_all(const Input& in, std::vector<u16>& out) {
 
 template <int B>
 void stage_width(const Input& in, std::vector<u16>& out) {
-    if (in.bf16) {
-        if (in.unit == 4) stage_all<B, 4, true>(in, out);
-        else stage_all<B, 2, true>(in, out);
-    } else {
-        if (in.unit == 4) stage_all<B, 4, false>(in, out);
-        else stage_all<B, 2, false>(in, out);
-    }
+    if (in.bf16) stage_all<B, true>(in, out);
+    else stage_all<B, false>(in, out);
 }
 
 int tiles(const char* in_path, const char* out_path) {
@@ -130,18 +123,6 @@ int tiles(const char* in_path, const char* out_path) {
     return std::fclose(f) == 0 && ok ? 0 : fail("cannot write the output");
 }
 
-int chunks(int nt, const char* out_path) {
-    if (nt <= 0 || nt > 256 || nt % 8) return fail("NT must be a multiple of 8 up to 256");
-    std::vector<int> out;
-    for (int r = 0; r < nt; ++r)
-        for (int c = 0; c < 8; ++c) out.push_back((int)tile_chunk(0, nt, r, c));
-    FILE* f = std::fopen(out_path, "wb");
-    if (!f) return fail("cannot write the output");
-    const bool ok = std::fwrite(out.data(), 4, out.size(), f) == out.size();
-    return std::fclose(f) == 0 && ok ? 0 : fail("cannot write the output");
-}
-
-
 #ifdef HOST_NT8
 // Bank conflicts of a launch's shared-memory instructions (APL_HOST_BANKS=<file>): per kind, the warp
 // instructions, the wavefronts the 32 banks of 4 bytes take for them (the most distinct words one bank
@@ -160,7 +141,7 @@ void count_banks(const std::vector<std::vector<HostAccess>>& logs, BankStats (&s
                 int lanes = 0;
                 for (int lane = 0; lane < 32; ++lane) {
                     const auto& log = logs[32 * warp + lane];
-                    if (k >= log.size() || log[k].kind != kind || !log[k].active) continue;
+                    if (k >= log.size() || log[k].kind != kind) continue;
                     ++lanes;
                     for (unsigned b = 0; b < std::max(1u, KIND_BYTES[kind] / 4); ++b) words.push_back(log[k].addr / 4 + b);
                 }
@@ -232,7 +213,7 @@ int cta(const char* in_path, const char* out_path) {
     std::vector<u16> h_out(HOST_MODE == 0 ? (size_t)assignments * rows_out : 1, 0xFFFFu);
     std::vector<float> y_out(HOST_MODE == 1 ? (size_t)assignments * rows_out : 1);
     std::memset(y_out.data(), 0xFF, y_out.size() * 4);
-    // The activations' tensor map (APL_STAGED_TMA), as the launcher encodes it: rows by sorted
+    // The activations' tensor map, as the launcher encodes it: rows by sorted
     // position, so gate_up's x gathered into that order first (moe_gather_rows), down's h itself.
     std::vector<u16> x_sorted;
     if (HOST_MODE == 0) {
@@ -256,8 +237,7 @@ int cta(const char* in_path, const char* out_path) {
     for (int z = 0; z < gz; ++z)
         for (int y = 0; y < gy; ++y)
             for (int bx = 0; bx < gx; ++bx) {
-                // NaN in every u16 (bf16 and fp16): what no store reaches stays visible, and the padding token
-                // rows a pass leaves uncopied (APL_STAGED_SKIP_PAD) must not reach an output
+                // NaN in every u16 (bf16 and fp16): what no store reaches stays visible
                 std::memset(apl_host_shared, 0xFF, APL_HOST_SHARED_BYTES);
                 apl_host_mbars.clear();
                 apl_host_bars.clear();
@@ -382,11 +362,10 @@ int luts(const char* in_path, const char* out_path) {
 int main(int argc, char** argv) {
     if (argc == 4 && std::strcmp(argv[1], "luts") == 0) return luts(argv[2], argv[3]);
     if (argc == 4 && std::strcmp(argv[1], "tiles") == 0) return tiles(argv[2], argv[3]);
-    if (argc == 4 && std::strcmp(argv[1], "chunks") == 0) return chunks(std::atoi(argv[2]), argv[3]);
     if (argc == 4 && std::strcmp(argv[1], "convert") == 0) return convert(argv[2], argv[3]);
 #ifdef HOST_NT8
     if (argc == 4 && std::strcmp(argv[1], "cta") == 0) return cta(argv[2], argv[3]);
 #endif
-    return fail("usage: harness tiles IN OUT | harness chunks NT OUT | harness convert IN OUT | harness cta IN OUT");
+    return fail("usage: harness tiles IN OUT | harness convert IN OUT | harness luts IN OUT | harness cta IN OUT");
 }
 #endif  // __CUDA_ARCH__

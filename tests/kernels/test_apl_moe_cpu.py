@@ -376,10 +376,10 @@ def test_counters_hold_one_per_gate_up_row_tile_of_each_expert_or_one_per_down_t
 
 
 def test_every_compile_time_knob_is_planned_with_the_value_the_source_defaults_to():
-    """The host compiles every module with DEFAULT_CONFIG's defines (apl_staged.cu's knobs) and plans
-    shared memory and launches from them and from apl_gemv.cu's defaults (GEMV_SOURCE_DEFAULTS); a
-    source default that differs, or a staged knob the config lacks, would make the source (what the
-    SASS counts of docs/kernel.md are read from) and what runs differ."""
+    """The host compiles every module with the activation's APL_ACT alone and plans shared memory and
+    launches from apl_gemv.cu's defaults (GEMV_SOURCE_DEFAULTS) and apl_staged.cu's constants; a
+    source default that differs would make the source (what the SASS counts of docs/kernel.md are
+    read from) and what the host plans for differ."""
     import re
 
     import pagedweight_kernels.apl_moe as op
@@ -387,22 +387,17 @@ def test_every_compile_time_knob_is_planned_with_the_value_the_source_defaults_t
 
     source = op.SOURCE.read_text() + op.GEMV_SOURCE.read_text() + op.STAGED_SOURCE.read_text()
     knobs = {k: int(v) for k, v in re.findall(r"#ifndef (APL_\w+)\s*\n#define \1 (-?\d+)", source)}
-    knobs.pop("APL_ACT")  # one module per expert activation (ACT_CODES)
-    staged = {k: v for k, v in knobs.items() if k.startswith("APL_STAGED_")}
-    assert staged == op.DEFAULT_CONFIG.knobs()
+    assert knobs.pop("APL_ACT") == 0  # one module per expert activation (ACT_CODES)
     assert {k: knobs[k] for k in GEMV_SOURCE_DEFAULTS} == GEMV_SOURCE_DEFAULTS
     assert not re.search(r"#ifndef APL_\w+", op.SOURCE.read_text().replace("#ifndef APL_ACT", ""))  # apl_moe.cu: none
+    assert not re.search(r"#ifndef APL_\w+", op.STAGED_SOURCE.read_text())  # apl_staged.cu: none
 
 
-def test_with_knobs_sets_named_knobs_and_refuses_unknown_ones():
+def test_a_module_s_compile_key_is_its_activation():
     import pagedweight_kernels.apl_moe as op
 
-    one = op.DEFAULT_CONFIG.with_knobs(APL_STAGED_LUT_PRODUCERS=1, APL_STAGED_TMA=0)
-    assert one.staged_lut_producers == 1 and one.staged_tma == 0 and op.DEFAULT_CONFIG.staged_lut_producers == 2
-    assert dict(one.defines("gelu_tanh"))["APL_ACT"] == op.ACT_CODES["gelu_tanh"]
-    assert one.defines() != op.DEFAULT_CONFIG.defines()  # another compile key: another module
-    with pytest.raises(ValueError, match="unknown kernel knobs"):
-        op.DEFAULT_CONFIG.with_knobs(APL_GEMV_MIN_BLOCKS=3)
+    assert op.DEFAULT_CONFIG.defines() == (("APL_ACT", op.ACT_CODES["silu"]),)
+    assert op.DEFAULT_CONFIG.defines("gelu_tanh") == (("APL_ACT", op.ACT_CODES["gelu_tanh"]),)
     assert op.config_for(2048, 1408) is op.DEFAULT_CONFIG  # no per-shape entry: the defaults
 
 
@@ -470,7 +465,7 @@ def test_staged_plan_passes_grid_and_a_ring_that_leaves_two_ctas_per_sm():
     least 2 buffers (3-4-bit class), or for one (the classes holding 5-8-bit blocks, compiled for one
     CTA an SM: staged_blocks)."""
     import pagedweight_kernels.apl_moe as op
-    from pagedweight_kernels.plan import STAGED_ROWS, STAGED_STEP, staged_align_pad, staged_blocks
+    from pagedweight_kernels.plan import STAGED_ALIGN_PAD, STAGED_ROWS, STAGED_STEP, staged_blocks
 
     config = op.DEFAULT_CONFIG
     gate_up = op.staged_plan(0, 256, 2, 8, 14336, 0, 0, 8)  # Mixtral-size prefill, 256 tokens, 3-4 bits
@@ -481,9 +476,9 @@ def test_staged_plan_passes_grid_and_a_ring_that_leaves_two_ctas_per_sm():
              (op.staged_plan(0, 64, 4, 60, 1408, 1, 6, 60), 1, 6)]
     for plan, cls, lut_bits in plans:
         stage = (STAGED_ROWS + plan.tokens) * STAGED_STEP * 2
-        assert op.staged_min_stages(cls, plan.tiles, True) <= plan.stages <= config.staged_stages
-        planes = op.staged_plane_ring_bytes(cls, plan.tiles, True, lut_bits)
-        assert plan.shared_bytes == staged_align_pad(cls) + plan.stages * stage + planes
+        assert op.staged_min_stages(cls) <= plan.stages <= config.staged_stages
+        planes = op.staged_plane_ring_bytes(cls, lut_bits)
+        assert plan.shared_bytes == STAGED_ALIGN_PAD + plan.stages * stage + planes
         assert plan.shared_bytes <= config.staged_cta_shared[0 if staged_blocks(cls) == 2 else -1]
     assert staged_blocks(0) == 2 and staged_blocks(1) == staged_blocks(2) == 1
     assert op.staged_plan(0, 256, 2, 8, 14336, 1, 8, 8).stages == config.staged_stages  # (one CTA: room for all)
@@ -499,16 +494,17 @@ def test_staged_plan_refuses_a_ring_of_one_buffer():
     """One buffer would deadlock (the consumers return a buffer after the next one's wgmma are
     issued): where shared memory holds fewer than 2, the plan is an error, not a launch."""
     import pagedweight_kernels.apl_moe as op
-    from pagedweight_kernels.plan import STAGED_ROWS, STAGED_STEP, staged_align_pad
+    from pagedweight_kernels.plan import STAGED_ALIGN_PAD, STAGED_ROWS, STAGED_STEP
 
-    # (one producer warpgroup: with two, the class needs 3 buffers, test_two_producer_warpgroups_need_a_ring_of_three)
-    one = op.DEFAULT_CONFIG.with_knobs(APL_STAGED_LUT_PRODUCERS=1)
+    # (the 3-4-bit class, one producer warpgroup: with two, a class needs 3 buffers,
+    # test_two_producer_warpgroups_need_a_ring_of_three)
     stage = (STAGED_ROWS + 64) * STAGED_STEP * 2  # (128 tokens, 32 an expert: passes of 64)
-    short = dataclasses.replace(one, staged_cta_shared=(staged_align_pad(1, one) + 2 * stage - 1,))
+    fixed = STAGED_ALIGN_PAD + op.staged_plane_ring_bytes(0)
+    short = dataclasses.replace(op.DEFAULT_CONFIG, staged_cta_shared=(fixed + 2 * stage - 1,))
     with pytest.raises(op.APLKernelError, match="2 ring buffers"):
-        op.staged_plan(0, 128, 2, 8, 4096, 1, 0, 8, config=short)
-    enough = dataclasses.replace(one, staged_cta_shared=(staged_align_pad(1, one) + 2 * stage,))
-    assert op.staged_plan(0, 128, 2, 8, 4096, 1, 0, 8, config=enough).stages == 2
+        op.staged_plan(0, 128, 2, 8, 4096, 0, 0, 8, config=short)
+    enough = dataclasses.replace(op.DEFAULT_CONFIG, staged_cta_shared=(fixed + 2 * stage,))
+    assert op.staged_plan(0, 128, 2, 8, 4096, 0, 0, 8, config=enough).stages == 2
 
 
 def test_staged_instances_are_every_launch_staged_plan_can_make():

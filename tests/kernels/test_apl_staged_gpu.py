@@ -100,47 +100,6 @@ def test_staged_no_host_sync(staged):
     assert relative_error(out, reference_fp32(x, ids, w, layer)) < TOLERANCE[torch.bfloat16]
 
 
-# The staged kernel's knobs change how the weights are made and staged, never their values or the
-# wgmma order: the output stays bit for bit.
-STAGED_KNOBS = [{"APL_STAGED_PREFETCH": 1},
-                {"APL_STAGED_PREFETCH": 3, "APL_STAGED_REGS": 0}, {"APL_STAGED_PLANE_ASYNC": 0},
-                {"APL_STAGED_PLANE_ASYNC": 0, "APL_STAGED_PREFETCH": 3}, {"APL_STAGED_PLANE_ASYNC": 1, "APL_STAGED_PREFETCH": 3},
-                {"APL_STAGED_PRODUCER_FENCE": 0}, {"APL_STAGED_SKIP_PAD": 0, "APL_STAGED_TMA": 0},
-                {"APL_STAGED_TMA": 0}]
-
-
-@pytest.mark.parametrize("knobs", STAGED_KNOBS, ids=lambda k: ",".join(f"{n}={v}" for n, v in k.items()))
-@pytest.mark.parametrize("bits", (3, 4, None))
-def test_staged_knobs_keep_the_output_bit_for_bit(knobs, bits, staged):
-    case = STAGED_CASES[-3]  # 4-byte plane loads, a last step of one word, partial row tiles
-    default = check_case(case, bits=bits, config=staged)
-    assert torch.equal(check_case(case, bits=bits, config=staged.with_knobs(**knobs)), default)
-
-
-@pytest.mark.parametrize("case", STAGED_CASES, ids=_case_id)
-def test_tma_activations_keep_the_output_bit_for_bit(case, staged):
-    """APL_STAGED_TMA flipped against the default on every staged case: one tensor-map box a step
-    (gate_up's x gathered by sorted position first), 128-byte swizzled B tiles and their
-    descriptors. Same operands, same wgmma order: the same bits, whichever side is the default."""
-    default = check_case(case, config=staged)
-    flipped = staged.with_knobs(APL_STAGED_TMA=0 if staged.staged_tma else 2)
-    assert torch.equal(check_case(case, config=flipped), default)
-
-
-@pytest.mark.parametrize("plane_async", (0, 1))
-@pytest.mark.parametrize("bits", (3, 4, None))
-def test_units_of_4_steps_keep_the_output_bit_for_bit(bits, plane_async, staged):
-    """APL_STAGED_UNIT 4 (3-4-bit rows with 16-byte plane loads, passes of up to 64 tokens): down's
-    384 columns are 12 words a row, so its second unit passes the row's end and is clamped; with
-    the plane words by 16-byte cp.async too."""
-    case = STAGED_CASES[-1]
-    default = check_case(case, bits=bits, config=staged)
-    # (the merged class's 3-4-bit rows in units of 4 steps: two producer warpgroups would want 5 ring
-    # buffers, which its LUT rows may leave no room for, so it runs one warpgroup here)
-    units = staged.with_knobs(APL_STAGED_UNIT=4, APL_STAGED_PLANE_ASYNC=plane_async, APL_STAGED_LUT_PRODUCERS=1)
-    assert torch.equal(check_case(case, bits=bits, config=units), default)
-
-
 def test_a_ring_of_two_buffers_keeps_the_output_bit_for_bit(staged):
     case = STAGED_CASES[-1]  # passes of 64 in 4 groups: the ring turns many times
     default = check_case(case, config=staged)
@@ -158,33 +117,6 @@ def test_128_token_passes_match_reference(case, bits, staged):
     if bits is not None:
         assert staged_plan(0, T, k, E, 2 * I, 0, 0, E, config=staged).tokens == 128
     check_case(case, bits=bits, config=staged)
-
-
-# The 5-8-bit producers' knobs (apl_staged.cu) against their defaults: one, two or four units of plane
-# words in registers (16-byte plane loads only),
-# activations by the copies (TMA for the 3-4-bit class only), two CTAs an SM (2 ring buffers), one producer
-# warpgroup in place of two (with one or two units of plane words in flight). The lookups' addresses, the loads' schedule and the B
-# tiles' layout change; the operands and the wgmma order do not.
-LUT_KNOBS = [{"APL_STAGED_PREFETCH_LUT": 2}, {"APL_STAGED_PREFETCH_LUT": 4},
-             {"APL_STAGED_TMA": 1}, {"APL_STAGED_LUT_BLOCKS": "flip"}, {"APL_STAGED_PLANE_ASYNC_LUT": 0},
-             {"APL_STAGED_PREFETCH_LUT": 3}, {"APL_STAGED_LUT_PRODUCERS": 1},
-             {"APL_STAGED_LUT_PRODUCERS": 1, "APL_STAGED_PREFETCH_LUT": 2},  # (earlier defaults)
-             {"APL_STAGED_LUT_BLOCKS": "flip", "APL_STAGED_PREFETCH_LUT": 1,
-              "APL_STAGED_TMA": 1, "APL_STAGED_PLANE_ASYNC_LUT": 0, "APL_STAGED_LUT_PRODUCERS": 1}]  # (before the fourth)
-
-
-@pytest.mark.parametrize("knobs", LUT_KNOBS, ids=lambda k: ",".join(f"{n}={v}" for n, v in k.items()))
-@pytest.mark.parametrize("bits", (5, 8, None))
-@pytest.mark.parametrize("case", [STAGED_CASES[-3], STAGED_CASES[-1]], ids=_case_id)
-def test_lut_row_knobs_keep_the_output_bit_for_bit(case, knobs, bits, staged):
-    default = check_case(case, bits=bits, config=staged)
-    flipped = staged.with_knobs(**{knob: _flipped(knob) if value == "flip" else value for knob, value in knobs.items()})
-    assert torch.equal(check_case(case, bits=bits, config=flipped), default)
-
-
-def _flipped(knob: str) -> int:
-    """A two-valued knob's other value: 0 <-> 1, and APL_STAGED_LUT_BLOCKS's 1 <-> 2."""
-    return (3 if knob == "APL_STAGED_LUT_BLOCKS" else 1) - op.DEFAULT_CONFIG.knobs()[knob]
 
 
 @pytest.mark.parametrize("bits", (8, None))

@@ -3,18 +3,17 @@
 1. its producer's dequantisation (register-LUT PRMT lookups with the 4x4 byte transpose at 3-4
    bits, shared-memory LUT rows at 5-8 bits, staggered in a merged launch's 256-entry rooms) and
    the A tiles it stores, bit for bit against the format's reference dequantisation;
-2. whole launches: every CTA of staged_plan's grid, its 256 threads (consumer and producer
+2. whole launches: every CTA of staged_plan's grid, its threads (consumer and producer
    warpgroups) as host threads running staged_cta, the mbarrier ring, the passes and the
    epilogue, against a torch reference of the projection (gate_up's act(gate) * up, down's fp32
    rows), with wgmma computed by the PTX ISA's definition.
 
 staged_host.py (beside this file) builds staged_host_harness.cu with nvcc from the kernel module's
-text as the launcher builds it and the launcher's defines (for 1, once more with every knob of the
-lookup path flipped); its host pass runs the kernel's own functions with apl_host.h's stand-ins for the PTX. The tiles are read
-back here by the operand layout the consumer's descriptors describe (the PTX ISA's no-swizzle
-K-major layout), written out independently of tile_chunk. What the emulation cannot show: timing,
-and a missing memory fence (apl_host.h). The knobs' launches against the defaults, bit for bit, are
-test_staged_knobs_cpu.py's. Skipped without nvcc."""
+text as the launcher builds it and the launcher's defines; its host pass runs the kernel's own
+functions with apl_host.h's stand-ins for the PTX. The tiles are read back here by the operand
+layout the consumer's descriptors describe (the PTX ISA's no-swizzle K-major layout), written out
+independently of tile_chunk. What the emulation cannot show: timing, and a missing memory fence
+(apl_host.h). Skipped without nvcc."""
 
 import dataclasses
 import os
@@ -54,11 +53,11 @@ def operand_offsets(rows: int) -> np.ndarray:
     return (k // 16) * (rows * 32) + (m // 8) * SBO + ((k % 16) // 8) * LBO + (m % 8) * 16 + (k % 8) * 2
 
 
-def staged_weights(harness: Path, work: Path, block, bits: int, bf16: bool, lut_log2: int, unit: int) -> np.ndarray:
+def staged_weights(harness: Path, work: Path, block, bits: int, bf16: bool, lut_log2: int) -> np.ndarray:
     """The harness's A tiles, read back as the [rows, cols] weights the consumer multiplies (u16)."""
     lut = block.lut(bits).contiguous().view(torch.int16).numpy()
     planes = block.planes[:bits].contiguous().numpy()  # [bits, rows, cols / 8] bytes = little-endian words
-    head = struct.pack("<6i", bits, ST_ROWS, block.cols, int(bf16), lut_log2, unit)
+    head = struct.pack("<5i", bits, ST_ROWS, block.cols, int(bf16), lut_log2)
     (work / "in.bin").write_bytes(head + lut.astype("<i2").tobytes() + planes.tobytes())
     run = subprocess.run([str(harness), "tiles", str(work / "in.bin"), str(work / "out.bin")],
                          capture_output=True, text=True)
@@ -74,31 +73,17 @@ def reference(block, bits: int, bf16: bool) -> np.ndarray:
     return w.view(torch.int16).numpy().astype("<u2")
 
 
-@pytest.mark.parametrize("unit", [2, 4])
 @pytest.mark.parametrize("bf16", [True, False], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("bits", [3, 4, 5, 6, 7, 8])
-def test_staged_tiles_hold_the_reference_weights(harness, tmp_path, bits, bf16, unit):
-    # 5 steps: a unit of 4 steps ends past the row (its last words clamped into it)
-    block = random_block(ST_ROWS, 5 * ST_KS, torch.Generator().manual_seed(100 * bits + unit))
-    got = staged_weights(harness, tmp_path, block, bits, bf16, lut_log2=bits, unit=unit)
+def test_staged_tiles_hold_the_reference_weights(harness, tmp_path, bits, bf16):
+    # 5 steps: the last unit of 2 steps ends past the row (its last words clamped into it)
+    block = random_block(ST_ROWS, 5 * ST_KS, torch.Generator().manual_seed(100 * bits + 2))
+    got = staged_weights(harness, tmp_path, block, bits, bf16, lut_log2=bits)
     np.testing.assert_array_equal(got, reference(block, bits, bf16))
 
 
-@pytest.mark.parametrize("tokens", [16, 32, 64, 96])
-def test_activation_chunks_land_where_the_b_descriptors_read(harness, tmp_path, tokens):
-    # B tiles ([tokens x 64], the pass's activations) are stored by tile_chunk too: chunk c of
-    # token row r must hold elements (r, 8c .. 8c + 7) of the layout the consumer reads
-    run = subprocess.run([str(harness), "chunks", str(tokens), str(tmp_path / "chunks.bin")],
-                         capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr
-    chunks = np.fromfile(tmp_path / "chunks.bin", dtype="<i4").reshape(tokens, 8)
-    expected = operand_offsets(tokens)[:, ::8]
-    np.testing.assert_array_equal(chunks, expected)
-    assert np.all(np.diff(operand_offsets(tokens).reshape(tokens, 8, 8), axis=2) == 2)  # a chunk is contiguous
-
-
 def test_harness_refuses_an_input_it_cannot_take(harness, tmp_path):
-    (tmp_path / "in.bin").write_bytes(struct.pack("<6i", 9, ST_ROWS, ST_KS, 1, 8, 2))
+    (tmp_path / "in.bin").write_bytes(struct.pack("<5i", 9, ST_ROWS, ST_KS, 1, 8))
     run = subprocess.run([str(harness), "tiles", str(tmp_path / "in.bin"), str(tmp_path / "out.bin")],
                          capture_output=True, text=True)
     assert run.returncode == 2 and "unsupported input" in run.stderr
@@ -140,41 +125,30 @@ def test_128_token_passes_match_the_reference(cta_harness, tmp_path, mode, rows_
     assert_matches(launch_output(tmp_path, case), reference_projection(case), case)
 
 
-# APL_STAGED_LUT_PRODUCERS 2: two producer warpgroups, the second taking every other unit (2 steps) of each
-# pass. Rows long enough that both have units: down at 5-8 bits, 10 steps (5 units, 3 and 2), 16-byte plane
-# loads; merged gate_up, 224 columns (4 steps, the last ragged), 4-byte loads; hot experts in two passes.
+# The 5-8-bit and merged classes' two producer warpgroups, the second taking every other unit (2 steps) of
+# each pass. Rows long enough that both have units: down at 5-8 bits, 10 steps (5 units, 3 and 2), 16-byte
+# plane loads; merged gate_up, 224 columns (4 steps, the last ragged), 4-byte loads; hot experts in two passes.
 @pytest.mark.parametrize("mode,bits,rows_out,cols,tokens,dtype", [
     (1, [8, 5, 7, 6], 128, 640, 40, torch.bfloat16),
     (0, [4, 6, 3, 8], 64, 224, 150, torch.float16)])
-def test_two_producer_warpgroups_match_the_reference_and_one(cta_harness, tmp_path, mode, bits, rows_out,
-                                                             cols, tokens, dtype):
+def test_two_producer_warpgroups_match_the_reference(cta_harness, tmp_path, mode, bits, rows_out, cols, tokens, dtype):
     case = projection_case(mode, bits, rows_out, cols, tokens, 2, dtype, seed=23)
-    outputs = []
-    for producers in (1, 2):
-        # (the plan follows the knob: the plane ring per thread)
-        picked, plan, lut_bits = planned(case, op.DEFAULT_CONFIG.with_knobs(APL_STAGED_LUT_PRODUCERS=producers))
-        work = tmp_path / f"producers_{producers}"
-        work.mkdir()
-        run = run_launch(cta_harness(picked, {"APL_STAGED_LUT_PRODUCERS": producers}), work, case, plan, lut_bits)
-        assert run.returncode == 0, run.stderr[-2000:]
-        outputs.append((work / "out.bin").read_bytes())
+    picked, plan, lut_bits = planned(case)
+    run = run_launch(cta_harness(picked), tmp_path, case, plan, lut_bits)
+    assert run.returncode == 0, run.stderr[-2000:]
     assert picked[0] != 0 and op.staged_threads(picked[0]) == 384
     # (a hot expert's second pass: where a pass has an odd count of units, a warpgroup's next step can be
     # more ring buffers ahead than the ring holds, which its waits must survive)
     assert plan.tokens < max(n for _, _, n in case["active"])
-    assert_matches(launch_output(tmp_path / "producers_2", case), reference_projection(case), case)
-    assert outputs[1] == outputs[0]
+    assert_matches(launch_output(tmp_path, case), reference_projection(case), case)
 
 
 def test_two_producer_warpgroups_need_a_ring_of_three():
     # a warpgroup's next step can be 3 buffers on from its last (its unit of 2 steps, then the other's
     # 2): a ring of 2 would let its parity wait run a lap ahead, so the plan asks for 3 or refuses
     case = projection_case(1, [8, 5, 7, 6], 128, 640, 40, 2, torch.bfloat16, seed=23)
-    one = op.DEFAULT_CONFIG.with_knobs(APL_STAGED_LUT_PRODUCERS=1)
-    assert planned(case, one)[1].stages >= 2 and op.staged_min_stages(1, 4, True, one) == 2
-    two = op.DEFAULT_CONFIG.with_knobs(APL_STAGED_LUT_PRODUCERS=2)
-    assert op.staged_min_stages(1, 4, True, two) == 3 and op.staged_min_stages(0, 4, True, two) == 2
-    two = dataclasses.replace(two, staged_stages=2)
+    assert op.staged_min_stages(1) == op.staged_min_stages(2) == 3 and op.staged_min_stages(0) == 2
+    two = dataclasses.replace(op.DEFAULT_CONFIG, staged_stages=2)
     plan = planned(case, two)[1]
     assert plan.stages == 3
     with pytest.raises(op.APLKernelError, match="needs 3 ring buffers"):
@@ -221,13 +195,14 @@ def test_a_ring_of_two_buffers(cta_harness, tmp_path, name):
 
 
 def test_the_plane_ring_lives_in_the_bytes_the_host_plans(cta_harness, tmp_path):
-    # the harness gives each CTA exactly the plan's shared bytes: planned without the plane ring, a
-    # launch that reads its plane words through it reaches past them
+    # the harness gives each CTA exactly the plan's shared bytes: with the plane ring's bytes left out
+    # of the plan, a launch that reads its plane words through it reaches past them
     case, instance = launch_case("gate_up_3_4_bits_16_token_passes", seed=5)
-    _, plan, lut_bits = planned(case, op.DEFAULT_CONFIG.with_knobs(APL_STAGED_PLANE_ASYNC=0))  # (no ring counted)
-    assert op.DEFAULT_CONFIG.staged_plane_async
-    assert planned(case)[1].shared_bytes == plan.shared_bytes + op.staged_plane_ring_bytes(0, instance[-1], True) > plan.shared_bytes
-    run = run_launch(cta_harness(instance, {"APL_STAGED_PLANE_ASYNC": 1}), tmp_path, case, plan, lut_bits)
+    _, plan, lut_bits = planned(case)
+    ring = op.staged_plane_ring_bytes(0)
+    assert ring > 0
+    short = dataclasses.replace(plan, shared_bytes=plan.shared_bytes - ring)
+    run = run_launch(cta_harness(instance), tmp_path, case, short, lut_bits)
     assert run.returncode != 0 and "past the CTA's" in run.stderr
 
 
@@ -242,14 +217,11 @@ def test_gate_up_with_gelu(cta_harness, tmp_path):
 
 
 # ---------------------------------------------------------------- bank conflicts
-@pytest.mark.parametrize("plane_async", [0, 1])
-def test_producer_stores_and_copies_take_the_fewest_wavefronts(tmp_path, plane_async):
-    # the A tiles' STS.128, the activations' (and plane words') 16-byte cp.async, the plane ring's LDS.128;
-    # with every token row copied (APL_STAGED_SKIP_PAD 0): a copy whose padding lanes are off still
-    # takes the 4 wavefronts of its 4 bank-aligned chunk lines, more than its fewer bytes would need
-    knobs = {"APL_STAGED_PLANE_ASYNC": plane_async, "APL_STAGED_SKIP_PAD": 0, "APL_STAGED_TMA": 0}
-    got = bank_counts(4, knobs, tmp_path)
-    assert set(got) == ({"STS.128", "LDGSTS.16", "LDS.128"} if plane_async else {"STS.128", "LDGSTS.16"})
+def test_producer_stores_and_copies_take_the_fewest_wavefronts(tmp_path):
+    # the A tiles' STS.128, the plane words' 16-byte cp.async, the plane ring's LDS.128 (the activations
+    # come by TMA, which the count leaves out)
+    got = bank_counts(4, tmp_path)
+    assert set(got) == {"STS.128", "LDGSTS.16", "LDS.128"}
     for kind, c in got.items():
         assert c["instructions"] > 0 and c["wavefronts"] == c["ideal"], (kind, c)
 
