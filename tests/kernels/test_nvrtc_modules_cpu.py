@@ -65,6 +65,7 @@ def instantiate(names: list[str]) -> str:
     return "".join(f"\ntemplate __global__ void {n}({params[n[:n.index('<')]]});" for n in names) + "\n"
 
 
+@pytest.mark.slow
 def test_the_fused_module_compiles_for_sm90a():
     defines = kernel_defines({})
     rc, log = nvrtc_compile(module_text(staged=True) + instantiate(STAGED + GEMV + PREFILL),
@@ -72,6 +73,7 @@ def test_the_fused_module_compiles_for_sm90a():
     assert rc == 0, log[-3000:]
 
 
+@pytest.mark.slow
 def test_the_fused_module_compiles_without_wgmma():
     # sm_80: the decode and tiles instances on mma.sync (the staged kernel is sm_90a only)
     rc, log = nvrtc_compile(module_text(staged=True) + instantiate(GEMV),

@@ -3,6 +3,8 @@
 import hashlib
 import json
 
+import pytest
+
 from pagedweight.format.paged_model import META_FILE
 from pagedweight.offline.calib_text import BUNDLED_NAME, bundled_calib_files
 from tests.conftest import BUNDLED_MODEL
@@ -20,6 +22,7 @@ def test_bundled_text_is_four_small_domains_with_a_readme():
     assert (files[0].parent / "PYTHON-LICENSE.txt").is_file()
 
 
+@pytest.mark.slow
 def test_quantize_without_calib_uses_and_records_the_bundled_text(tmp_path, pagedweight):  # noqa: F811
     out = tmp_path / "out"
     result = pagedweight("quantize", "--model", str(BUNDLED_MODEL), "--out", str(out), "--quiet",

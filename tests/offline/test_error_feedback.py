@@ -166,6 +166,7 @@ def test_feedback_without_full_hessians_is_one_clear_error():
         feedback_factors(singular, 0.0)
 
 
+@pytest.mark.slow
 def test_the_kmeans_only_ablation_streams_equal_to_the_whole_model_quantiser(tmp_path, calib_files):
     """The default (feedback and the LUT refit) is held to the whole-model quantiser on every
     model by test_quantize_stream; the ablation path must stay equal too, and differ."""
@@ -185,6 +186,7 @@ def test_the_kmeans_only_ablation_streams_equal_to_the_whole_model_quantiser(tmp
         assert_same_artifact(quantize_model(BUNDLED_MODEL, tmp_path / "default", calib_files, default), streamed)
 
 
+@pytest.mark.slow
 def test_cli_error_feedback_is_recorded_in_the_artifact(tmp_path, calib_files):
     from pagedweight.cli.main import main
     from tests.conftest import BUNDLED_MODEL

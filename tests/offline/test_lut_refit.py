@@ -113,6 +113,7 @@ def test_tiles_and_row_chunks_change_nothing(tile_elements, monkeypatch):
         torch.testing.assert_close(tiled.planes.luts[b], whole.planes.luts[b], rtol=0, atol=0)
 
 
+@pytest.mark.slow
 def test_cli_refit_is_recorded_and_a_bad_ridge_refused(tmp_path, calib_files, capsys):
     import json
     import subprocess

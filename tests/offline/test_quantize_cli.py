@@ -47,6 +47,7 @@ def eval_ppl(pagedweight, text_file):
     return run
 
 
+@pytest.mark.slow
 def test_quantize_writes_a_paged_model_that_eval_runs(tmp_path, calib_files, eval_ppl, pagedweight):
     out = tmp_path / "out"
     result = pagedweight("quantize", "--model", str(BUNDLED_MODEL), "--out", str(out), "--quiet",

@@ -11,6 +11,8 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 from pagedweight.format.paged_model import load_paged_model
 from service_procs import REPO
 from tests.conftest import BUNDLED_MODEL
@@ -26,6 +28,7 @@ SMALL_FILES = ("import os, resource, signal, sys; "
                "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])")
 
 
+@pytest.mark.slow
 def test_a_full_disk_during_quantize_loses_no_artifact(paged_micro_dir, tmp_path):
     out = tmp_path / "model"
     shutil.copytree(paged_micro_dir, out)  # the good artifact a re-quantise (--force) would replace

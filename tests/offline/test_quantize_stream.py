@@ -115,6 +115,7 @@ class StopAfter(io.StringIO):
         return super().write(text)
 
 
+@pytest.mark.slow
 def test_an_interrupted_run_resumes_to_the_same_artifact(tmp_path, calib_files):
     reference = quantize_model(BUNDLED_MODEL, tmp_path / "reference", calib_files, config())
     work = tmp_path / "work"
@@ -141,6 +142,7 @@ def test_an_interrupted_run_resumes_to_the_same_artifact(tmp_path, calib_files):
     assert not work.exists()  # removed once the artifact is written
 
 
+@pytest.mark.slow
 def test_a_run_interrupted_in_the_loss_scales_resumes_to_the_same_scales(tmp_path, calib_files):
     """The scale phase's steps are in the work directory like the others: stopped after its
     second layer, the next run writes the artifact again and goes on from the third."""
@@ -164,6 +166,7 @@ def test_a_run_interrupted_in_the_loss_scales_resumes_to_the_same_scales(tmp_pat
     assert not work.exists()
 
 
+@pytest.mark.slow
 def test_other_scale_tokens_redo_only_the_loss_scale_steps(tmp_path, calib_files):
     """Interrupted in the scale phase, a run with another --scale-tokens keeps the
     calibration steps and measures the scales again on its own windows."""
@@ -180,6 +183,7 @@ def test_other_scale_tokens_redo_only_the_loss_scale_steps(tmp_path, calib_files
     assert planner(resumed) == planner(reference) and planner(resumed)["tokens_per_file"] == SCALE_TOKENS + 8
 
 
+@pytest.mark.slow
 def test_a_changed_work_file_is_refused_and_restart_discards_it(tmp_path, calib_files):
     work = tmp_path / "work"
     with pytest.raises(KeyboardInterrupt):
