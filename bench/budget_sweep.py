@@ -164,6 +164,14 @@ def page_moves(runtime) -> int:
     return c.num_lowerings + c.num_raises_committed
 
 
+def lowered_planes(runtime) -> tuple[int, int]:
+    """(bit-planes the free plans lowered, the fewest that would have freed what each asked)."""
+    if runtime.pager is None:
+        return 0, 0
+    stats = runtime.pager.stats()
+    return stats.num_planes_lowered, stats.num_planes_lowered_fewest
+
+
 def serve(engine, args, time_limit_s: float, runtime=None) -> dict:
     """The trace on `engine` until done or `time_limit_s` (the row then says how far it got);
     with `runtime`, the mean bits each step served at and, per committed bit plan, the tokens
@@ -234,11 +242,12 @@ def run_paged(model: Model, policy: str, budget: int, ecfg, args) -> dict:
             warm_up(rt.engine, args)
         except UserError as err:  # the KV room the width leaves cannot hold one request
             return {"refused": str(err).splitlines()[0]}
-        moves0 = page_moves(rt)
+        moves0, planes0 = page_moves(rt), lowered_planes(rt)
         row = serve(rt.engine, args, 1e9, runtime=rt)
         stats = rt.engine.stats()
+        planes = [b - a for a, b in zip(planes0, lowered_planes(rt))]
         return {**row, "preemptions": stats.num_preemptions, "memory_short_steps": stats.memory_short_steps,
-                "page_moves": page_moves(rt) - moves0}
+                "page_moves": page_moves(rt) - moves0, "planes_lowered": planes[0], "planes_fewest": planes[1]}
     finally:
         rt.close()
         del rt

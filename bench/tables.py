@@ -191,7 +191,8 @@ def serve_load(files: list[str]) -> list[str]:
 
 
 def budget_sweep(files: list[str]) -> list[str]:
-    """Per budget and row: tok/s, KL to bf16 of what it served, preemptions, page moves, bits."""
+    """Per budget and row: tok/s, KL to bf16 of what it served, preemptions, page moves (with the
+    planes lowered against the fewest that free the bytes asked), bits."""
     present = [f for f in files if (RESULTS / f).is_file()]
     if not present:
         return ["No result yet: `python -m bench run budget-sweep-cpu` (CPU) or `budget-sweep-qwen-a` / "
@@ -211,8 +212,11 @@ def budget_sweep(files: list[str]) -> list[str]:
                 kl = x.get("kl_served")
                 done = "" if x.get("requests_finished", x["requests"]) == x["requests"] else \
                     f" ({x['requests_finished']}/{x['requests']} requests in the time limit)"
+                moves = x["page_moves"]
+                if x.get("planes_fewest"):  # the planes lowered against the fewest that free the bytes asked
+                    moves = f"{moves} ({x['planes_lowered'] / x['planes_fewest']:.2f}x the fewest planes)"
                 lines.append(row(budget, name, f"{x['output_tokens_per_s']}{done}",
-                                 "" if kl is None else f"{1000 * kl:.2f}", x["preemptions"], x["page_moves"],
+                                 "" if kl is None else f"{1000 * kl:.2f}", x["preemptions"], moves,
                                  x["bits_mean_served"]))
     return lines + ["", source(*present)]
 

@@ -14,7 +14,7 @@ from pagedweight.model.loader import load_model
 from pagedweight.weights.arena_experts import install_arena_experts
 from tests.weights.greedy_planner import GreedyPlanner
 from pagedweight.weights.synthetic import blocks_from_model
-from pagedweight.weights.weight_pager import WeightPager
+from pagedweight.weights.weight_pager import WeightPager, fewest_plane_drops
 from pagedweight.format.apl_format import BlockId
 
 KV_BLOCK_BYTES = 4 * 512
@@ -132,6 +132,41 @@ def test_bytes_asked_for_become_kv_blocks(micro):
     assert stats.num_plans == 1 and stats.mean_committed_bits < 8
     assert sum(stats.bits_histogram.values()) == len(table.entries)
     check_accounting(pool, arena, table, mover)
+    mover.close()
+
+
+def test_fewest_plane_drops_is_the_smallest_set_of_drops_that_frees_the_bytes():
+    """Against every subset of the blocks' available drops (each block's order aside), on small
+    random tables; and a block at 3 bits offers none."""
+    import itertools
+
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    for _ in range(60):
+        n = int(rng.integers(1, 4))
+        drop_bytes = rng.integers(1, 50, size=(n, 5))
+        bits = rng.integers(3, 9, size=n)
+        available = [int(drop_bytes[i, k]) for i in range(n) for k in range(bits[i] - 3)]
+        num_bytes = int(rng.integers(1, sum(available) + 2)) if available else 1
+        fewest = min((len(c) for r in range(len(available) + 1) for c in itertools.combinations(available, r)
+                      if sum(c) >= num_bytes), default=len(available))
+        assert fewest_plane_drops(drop_bytes, bits, num_bytes) == fewest, (drop_bytes, bits, num_bytes)
+    assert fewest_plane_drops(np.ones((2, 5), dtype=np.int64), np.array([3, 3]), 10) == 0
+    assert fewest_plane_drops(np.ones((1, 5), dtype=np.int64), np.array([8]), 0) == 0
+
+
+def test_a_free_plan_counts_its_planes_against_the_fewest(micro):
+    """The stats count every plane a free plan lowers and the fewest that free the bytes it was
+    asked for: no fewer than that, and the greedy planner's few more (it picks least damage)."""
+    pool, arena, table, mover, pager = make_pager(micro, 0)
+    pager.request_bytes(100 * KV_BLOCK_BYTES)
+    pager.step_boundary()
+    stats = pager.stats()
+    before = {bid: 8 for bid in table.entries}
+    lowered = sum(before[bid] - e.desired_bits for bid, e in table.entries.items())
+    assert stats.num_planes_lowered == lowered > 0
+    assert 0 < stats.num_planes_lowered_fewest <= stats.num_planes_lowered
     mover.close()
 
 

@@ -37,7 +37,7 @@ from typing import Callable
 
 import numpy as np
 
-from pagedweight.format.blocks import BIT_WIDTHS, BlockId, check_bits
+from pagedweight.format.blocks import BIT_WIDTHS, MIN_BITS, BlockId, check_bits
 from pagedweight.planner.messages import FREE, KVPressure, PlanRequest, PlanResponse, PromptMix, RoutingSnapshot
 from pagedweight.weights.bit_planner import BitPlanner
 from pagedweight.weights.page_mover import BoundaryResult, PageMover
@@ -45,6 +45,19 @@ from pagedweight.weights.page_mover import BoundaryResult, PageMover
 
 # Bytes one boundary's compaction may copy: ~20 us of an H200's HBM, a few ms on a CPU.
 DEFAULT_COMPACT_BYTES = 32 << 20
+
+
+def fewest_plane_drops(drop_bytes: np.ndarray, bits: np.ndarray, num_bytes: int) -> int:
+    """The fewest one-bit drops that free `num_bytes`, blocks at `bits` (int [N]): drop_bytes[i, k]
+    is what block i frees going from MIN_BITS + k + 1 to MIN_BITS + k bits. The largest drops
+    first, each block's order aside (a lower bound where a block's deeper drops are larger, as
+    4 -> 3 is, which also frees LUT_4); every drop when even all of them fall short."""
+    if num_bytes <= 0:
+        return 0
+    available = np.arange(drop_bytes.shape[1])[None, :] < (bits - MIN_BITS)[:, None]
+    sizes = np.sort(drop_bytes[available])[::-1]
+    reach = np.searchsorted(np.cumsum(sizes), num_bytes)  # first prefix freeing num_bytes
+    return int(min(reach + 1, sizes.size))
 
 
 @dataclass(frozen=True)
@@ -60,6 +73,10 @@ class PagerStats:
     num_extents_relocated: int  # by compaction
     num_blocks_in_transit: int
     num_blocks_pending: int  # blocks whose desired bits differ from committed
+    # Bit-planes the free plans lowered, and the fewest that could have freed what each asked
+    # (fewest_plane_drops): their ratio is how many planes a pressure change moves beyond need.
+    num_planes_lowered: int = 0
+    num_planes_lowered_fewest: int = 0
     profile: dict | None = None  # PagerProfile.to_dict(): time, bytes each way, churn
 
     def to_dict(self) -> dict:
@@ -127,6 +144,9 @@ class WeightPager:
         self._stalled_boundaries = 0
         self._free_bytes_at_drop = -1  # pool free bytes when raises were last dropped
         self._mean_min = self._mean_bits()
+        self._drop_bytes: np.ndarray | None = None  # [N, 5] bytes each one-bit drop frees (fewest_plane_drops)
+        self.num_planes_lowered = 0
+        self.num_planes_lowered_fewest = 0
         self._last_applied_bytes = 0  # arena bytes the last applied plan took (< 0: freed)
         # Every block at its desired bits, no copy in flight, no plan applied since: a step
         # boundary has nothing to do. Anything that changes desired bits clears it.
@@ -240,13 +260,19 @@ class WeightPager:
         free = request.pressure.direction == FREE
         if not free and self._pending_free() > 0:
             return  # pressure rose while the spend was planned: raising now would fight it
+        lowered = 0
         for index, bits in response.changes().items():
             check_bits(bits)
             bid = self.block_ids[index]
             e = entries[bid]
             new = min(e.desired_bits, bits) if free else max(e.desired_bits, bits)
             taken += self.table.charged_bytes(bid, new) - self.table.charged_bytes(bid, e.desired_bits)
+            lowered += e.desired_bits - new
             e.desired_bits = new
+        if free and lowered:
+            self.num_planes_lowered += lowered
+            self.num_planes_lowered_fewest += fewest_plane_drops(self._plane_drop_bytes(), request.bits,
+                                                                 request.pressure.bytes_needed)
         self._last_applied_bytes = taken
         self._settled = self._settled and taken == 0
         if free:
@@ -341,6 +367,8 @@ class WeightPager:
             num_extents_relocated=c.num_extents_relocated,
             num_blocks_in_transit=sum(1 for e in entries if e.transit_bits),
             num_blocks_pending=sum(1 for e in entries if e.desired_bits != e.committed_bits),
+            num_planes_lowered=self.num_planes_lowered,
+            num_planes_lowered_fewest=self.num_planes_lowered_fewest,
             profile=self.mover.profile.to_dict() | {
                 "descriptor_updates": self.table.num_descriptor_updates,
                 "descriptor_seconds": round(self.table.descriptor_seconds, 6),
@@ -388,6 +416,15 @@ class WeightPager:
             return
         num_blocks = min(arena.num_free_pages // arena.pages_for(block_bytes), -(-target // block_bytes))
         self.mover.compact(done=lambda: arena.num_fitting(block_bytes) >= num_blocks, max_bytes=cap, max_moves=moves)
+
+    def _plane_drop_bytes(self) -> np.ndarray:
+        """[N, 5] the bytes each block's one-bit drops free (bits 4..8 -> one less), in the
+        registration's order; the block sizes never change, so built once."""
+        if self._drop_bytes is None:
+            charged = self.table.charged_bytes
+            self._drop_bytes = np.array([[charged(bid, b) - charged(bid, b - 1) for b in BIT_WIDTHS[1:]]
+                                         for bid in self.block_ids], dtype=np.int64)
+        return self._drop_bytes
 
     def _mean_bits(self) -> float:
         return self.table.mean_committed_bits()  # kept by the table: no scan per boundary
