@@ -164,8 +164,8 @@ def planner_speed(files: list[str]) -> list[str]:
 
 def controller_scale(files: list[str]) -> list[str]:
     d = load(files[0])
-    keys = ["planner_solve_ms", "idle_boundary_us", "plan_free_10pct_ms", "lower_10pct_boundary_ms",
-            "feed_snapshot_us"]
+    keys = ["planner_solve_ms", "idle_boundary_us", "plan_free_10pct_ms", "num_lowered_10pct",
+            "lower_10pct_boundary_ms", "feed_snapshot_us"]
     lines = header("blocks", *keys)
     for r in d["results"]:
         lines.append(row(r["num_blocks"], *(r.get(k, "") for k in keys)))
