@@ -422,8 +422,8 @@ class WeightPager:
         registration's order; the block sizes never change, so built once."""
         if self._drop_bytes is None:
             charged = self.table.charged_bytes
-            self._drop_bytes = np.array([[charged(bid, b) - charged(bid, b - 1) for b in BIT_WIDTHS[1:]]
-                                         for bid in self.block_ids], dtype=np.int64)
+            by_bits = np.array([[charged(bid, b) for b in BIT_WIDTHS] for bid in self.block_ids], dtype=np.int64)
+            self._drop_bytes = np.diff(by_bits, axis=1)
         return self._drop_bytes
 
     def _mean_bits(self) -> float:
