@@ -48,11 +48,13 @@ template <int ACT> __device__ __forceinline__ float activate(float g) {
 // ---------------------------------------------------------------- residual add + RMSNorm
 // One block per token row. MODE 0: out = norm(x) (the residual is x, not written);
 // 1: residual = x + delta; 2: residual = x + (delta + sigmoid(gate) * shared) (Qwen's gated
-// shared expert, added where the MoE block's chain adds it); then out = w * norm(residual),
-// normalised in fp32 and cast before the scale (the Llama-style RMSNorm). The row stays in
-// registers (VPT elements per thread, H <= VPT * blockDim): its loads are all in flight at
-// once, not each behind the previous element's store.
-template <int DT, int MODE, int VPT>
+// shared expert, added where the MoE block's chain adds it); then out = the RMSNorm of the
+// residual, normalised in fp32 and, by SCALE, 0: cast, then scaled by w (the Llama-style
+// RMSNorm); 1: scaled by w in fp32, then cast (Gemma-4's); 2: cast, no scale (Gemma-4's value
+// and router norms; weight unused). The row stays in registers (VPT elements per thread,
+// H <= VPT * blockDim): its loads are all in flight at once, not each behind the previous
+// element's store.
+template <int DT, int MODE, int VPT, int SCALE>
 __global__ void add_rms_norm(const void* __restrict__ x, const void* __restrict__ delta,
                              const void* __restrict__ shared, const void* __restrict__ gate, long long gate_stride,
                              const void* __restrict__ weight, void* __restrict__ residual, void* __restrict__ out,
@@ -66,7 +68,7 @@ __global__ void add_rms_norm(const void* __restrict__ x, const void* __restrict_
 #pragma unroll
     for (int j = 0; j < VPT; ++j) {  // the scale's loads too, before the reduction waits on the row's
         const int i = threadIdx.x + j * blockDim.x;
-        w[j] = i < H ? ld<DT>(weight, i) : 0.f;
+        w[j] = i < H && SCALE != 2 ? ld<DT>(weight, i) : 0.f;
     }
 #pragma unroll
     for (int j = 0; j < VPT; ++j) {
@@ -104,7 +106,10 @@ __global__ void add_rms_norm(const void* __restrict__ x, const void* __restrict_
 #pragma unroll
     for (int j = 0; j < VPT; ++j) {
         const int i = threadIdx.x + j * blockDim.x;
-        if (i < H) st<DT>(out, row + i, w[j] * rnd<DT>(vals[j] * r));
+        if (i < H) {
+            const float n = __fmul_rn(vals[j], r);
+            st<DT>(out, row + i, SCALE == 0 ? w[j] * rnd<DT>(n) : SCALE == 1 ? __fmul_rn(n, w[j]) : n);
+        }
     }
 }
 

@@ -68,7 +68,8 @@ def available() -> bool:
 def _instances() -> list[str]:
     """Every kernel instance the launchers can ask for: compiled together, once."""
     dts = range(len(_DT))
-    return ([f"add_rms_norm<{d}, {m}, {v}>" for d in dts for m in range(3) for v in NORM_VPT]
+    return ([f"add_rms_norm<{d}, {m}, {v}, 0>" for d in dts for m in range(3) for v in NORM_VPT]
+            + [f"add_rms_norm<{d}, 0, {v}, {s}>" for d in dts for v in NORM_VPT for s in (1, 2)]
             + [f"route_topk<{d}, {o}>" for d in dts for o in dts]
             + [f"gated_rows<{d}, {a}>" for d in dts for a in _ACT.values()]
             + ["group_rows"] + [f"combine_rows<{d}>" for d in dts] + [f"rope_write<{d}>" for d in dts]
@@ -132,10 +133,32 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch
     out = torch.empty_like(x)
     if T:
         vpt, threads = _norm_shape(H)
-        _launch(f"add_rms_norm<{code}, {mode}, {vpt}>", (T,), threads,
+        _launch(f"add_rms_norm<{code}, {mode}, {vpt}, 0>", (T,), threads,
                 (x, delta, shared, gate, _i64(gate.stride(0) if mode == 2 else 0), weight,
                  None if mode == 0 else residual, out, H, float(eps)))
     return residual, out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, scale_in_fp32: bool = False) -> torch.Tensor:
+    """RMSNorm over x's last dimension, normalised in fp32 (one launch for every row): with
+    `weight`, scaled either after the cast to x's dtype (Llama-style) or before it, in fp32
+    (`scale_in_fp32`, Gemma-4's); without, cast only (Gemma-4's value and router norms). The
+    torch chains (layers.RMSNorm, layers.rms_normalize) launch 3-4 kernels each."""
+    H = x.shape[-1]
+    rows = x.reshape(-1, H).contiguous()
+    _dtype_code(rows, "x")
+    _check_rows(rows, tuple(rows.shape), x.dtype, "x")
+    if weight is not None:
+        _check_rows(weight, (H,), x.dtype, "weight")
+    if H > MAX_NORM_HIDDEN:
+        raise ValueError(f"rms_norm takes rows of up to {MAX_NORM_HIDDEN} elements, got {H}")
+    out = torch.empty_like(rows)
+    if rows.shape[0]:
+        scale = 2 if weight is None else (1 if scale_in_fp32 else 0)
+        vpt, threads = _norm_shape(H)
+        _launch(f"add_rms_norm<{_DT[x.dtype]}, 0, {vpt}, {scale}>", (rows.shape[0],), threads,
+                (rows, None, None, None, _i64(0), weight, None, out, H, float(eps)))
+    return out.view(x.shape)
 
 
 def _norm_shape(hidden: int) -> tuple[int, int]:

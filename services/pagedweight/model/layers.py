@@ -20,28 +20,17 @@ from pagedweight_kernels.moe_reference import gated
 
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm without a learned scale (Gemma-4's value and router norms), in fp32. On CUDA
-    through torch's rms_norm (one kernel where the composed form launches five, every
-    layer of a Gemma-4 step runs two); the tests hold the two forms equal."""
-    if x.is_cuda:
-        return F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+    one kernel (decode_ops.rms_norm) where the composed form launches five, every layer of
+    a Gemma-4 step runs two; the tests hold the two forms equal."""
+    if _fused_norm(x):
+        return decode_ops.rms_norm(x, None, eps)
     x32 = x.float()
     return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-def rms_norm_cast_then_scale(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The Llama-style RMSNorm (normalise in fp32, cast back to x's dtype, then scale) with
-    torch's own rms_norm for the normalisation: one kernel on CUDA where the composed form
-    launches five, and a decode graph replays two norms per layer. Same
-    arithmetic: the composed form is the CPU's, and the tests hold the two equal."""
-    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
-
-
-def rms_norm_scale_in_fp32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Gemma-4's RMSNorm (normalise and scale in fp32, cast back last) with torch's own
-    rms_norm: on CUDA one kernel and the casts where the composed form launches seven, and
-    a Gemma-4 layer has seven of these norms plus q and k norms. Same arithmetic as the
-    composed form (the CPU's): the tests hold the two equal."""
-    return F.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps).to(x.dtype)
+def _fused_norm(x: torch.Tensor) -> bool:
+    """Whether decode_ops.rms_norm takes x: on CUDA with cupy, rows it holds in registers."""
+    return x.is_cuda and x.shape[-1] <= decode_ops.MAX_NORM_HIDDEN and decode_ops.available()
 
 
 class RMSNorm(nn.Module):
@@ -54,10 +43,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in fp32; Llama-style references cast back before the scale, Gemma-4's
         # after it: in bf16 the two round differently, so each family follows its reference.
-        if x.is_cuda:
-            if self.scale_in_fp32:
-                return rms_norm_scale_in_fp32(x, self.weight, self.eps)
-            return rms_norm_cast_then_scale(x, self.weight, self.eps)
+        # On CUDA one kernel (decode_ops.rms_norm) where this chain launches 3-7: a Gemma-4
+        # layer has seven of these norms plus q and k norms.
+        if _fused_norm(x) and self.weight.dtype == x.dtype:
+            return decode_ops.rms_norm(x, self.weight, self.eps, self.scale_in_fp32)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.scale_in_fp32:
