@@ -20,11 +20,13 @@
 //          give four low bytes in one PRMT and four high bytes in another (at 4 bits, one
 //          more of each for entries 8..15 and a LOP3 select by the top bit), and two PRMTs
 //          interleave them into the two bf16x2/fp16x2 registers of an mma A fragment.
-//   CLS 1, 5-8 bits: the row's 16 cells in registers (CellLut): the cell code looks up the
-//          cell's offset and width as the 4-bit path looks up its entries, the refinement bits
-//          become 1 + q/16 in the act dtype, and one packed FMA gives two weights. No table in
-//          shared memory; the row's tables take ~40 registers more, so these kernels run 3
-//          CTAs an SM in decode (APL_GEMV_CELL_BLOCKS) and 2 in the tiles regime.
+//   CLS 1, 5-8 bits: every value is affine in its 4-bit cell (APL format 2): the cell code
+//          gives the cell's offset and width, the refinement bits become 1 + q/16 in the act
+//          dtype, and one packed FMA gives two weights. Decode takes the cells from a 16 KB
+//          shared-memory table, one conflict-free LDS a weight (CellTab); the tiles regime from
+//          two register byte tables as the 4-bit path looks up its entries (CellLut). The plane
+//          words in flight take ~170 registers, so these kernels run 3 CTAs an SM in decode
+//          (APL_GEMV_CELL_BLOCKS) and 2 in the tiles regime.
 //   CLS 2, every width in one launch (both paths compiled into one kernel): the host picks it
 //          for layers holding both classes (measured faster than a launch per class,
 //          docs/kernel.md).
@@ -49,8 +51,8 @@
 #define APL_GEMV_MIN_BLOCKS 4
 #endif
 // Decode CTAs per SM the register budget must allow for the kernels holding 5-8-bit blocks (CLS 1
-// and the merged 2): their rows' cell tables (CellLut, 16 registers a row) and up to 8 planes'
-// words in flight take ~170 registers, which 4 CTAs (128 each) would spill by 1.2-1.8 KB.
+// and the merged 2): up to 8 planes' words in flight take ~170 registers, which 4 CTAs (128
+// each) would spill by 0.6-1.8 KB (nvcc 13.0).
 #ifndef APL_GEMV_CELL_BLOCKS
 #define APL_GEMV_CELL_BLOCKS 3
 #endif
@@ -319,6 +321,36 @@ struct RegLut {
     }
 };
 
+// 32-bit shared-memory accesses by shared-window address (the decode regime's cell table).
+APL_HD u32 lds_u32(u32 addr) {
+#ifdef __CUDA_ARCH__
+    u32 v;
+    asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(addr) : "memory");
+    return v;
+#else
+    return host_lds_u32(addr);
+#endif
+}
+APL_HD void sts_u32(u32 addr, u32 v) {
+#ifdef __CUDA_ARCH__
+    asm volatile("st.shared.u32 [%0], %1;" :: "r"(addr), "r"(v) : "memory");
+#else
+    host_sts_u32(addr, v);
+#endif
+}
+// (x & M) | c in one LOP3; c a register (nvcc writes two instructions for the C form when c is a
+// constant too, as LOP3 takes one immediate).
+template <u32 M>
+APL_HD u32 mask_or(u32 x, u32 c) {
+#ifdef __CUDA_ARCH__
+    u32 r;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(x), "n"(M), "r"(c));
+    return r;
+#else
+    return host_lop3(x, M, c, 0xEA);
+#endif
+}
+
 // The codes of one plane word at 5-8 bits, for the register path (CellLut): the top four planes
 // as Codes<4> gives a 4-bit code (cell: o[c] nibble n = cell of column 4n + c), the low B - 4
 // planes in the same nibble layout (q[c] nibble n = column 4n + c's refinement bits j << (8 - B),
@@ -358,7 +390,7 @@ APL_HD u32 fraction_pair(u32 qw) {
     constexpr u32 sel = (u32)CA::k | (u32)(CA::k + 1) << 4 | (u32)(4 + CB::k) << 8 | (u32)(5 + CB::k) << 12;
     const u32 t = prmt(shift_by<CA::shift>(qw), shift_by<CB::shift>(qw), sel & 0x7777u);
     constexpr u32 mask = 0xFu << CA::P | 0xFu << (16 + CA::P);
-    return (t & mask) | (ActOne<BF16>::bits * 0x10001u);
+    return mask_or<mask>(t, ActOne<BF16>::bits * 0x10001u);
 }
 
 // Register tables of one row for 5-8 bits (APL format 2: every value is affine in its 4-bit cell,
@@ -410,6 +442,69 @@ struct CellLut {
         w[3] = act_fma2<BF16>(d[3], fraction_pair<BF16, 6, 7>(q), o[3]);
     }
 };
+
+// The decode regime's 5-8-bit row tables: the row's 16 cells (offset | width << 16, act values,
+// cell_affine) as 32-bit words in shared memory, in a column this thread alone reads and writes:
+// column = a 2 KB-aligned base + (warp << 12 | lane << 2) for row a, + 2 KB for row b; cell c at
+// column | c << 7. Every lane's words sit in bank `lane`, so each lookup is one conflict-free LDS
+// whatever the codes, and no barrier is needed between the fill (build) and the first lookup.
+// A weight costs its cell code's shift (a multiply, the FMA pipe), one LOP3 for the address and
+// the LDS, then per two weights two PRMTs pair the offsets and widths, fraction_pair makes the
+// refinement fractions and one packed FMA the two values: where CellLut spends two 4-bit
+// register-table lookups (six PRMTs and a LOP3 per four weights a table) per weight.
+// Same values as CellLut and apl_format.expand_lut, bit for bit.
+constexpr u32 CELL_TAB_ROW_BYTES = 2048, CELL_TAB_BYTES = 4 * 2 * CELL_TAB_ROW_BYTES, CELL_TAB_ALIGN = 2048;
+template <int B, bool BF16>
+struct CellTab {
+    using CodesT = CellCodes<B>;
+    u32 col;     // this thread's column for its row
+    u32 raw[9];  // LUT_4's entries 2j, 2j + 1 (fp16), then the extent, between fetch and build
+
+    APL_HD explicit CellTab(u32 column) : col(column) {}
+    APL_HD void fetch(const u16* row_lut, bool valid) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const u32 a = valid ? ldg_ro(row_lut + 2 * j) : (u16)0, b = valid ? ldg_ro(row_lut + 2 * j + 1) : (u16)0;
+            raw[j] = a | (b << 16);
+        }
+        raw[8] = valid ? ldg_ro(row_lut + 16) : (u16)0;
+    }
+    APL_HD void build(bool) {
+        u16 l4[17];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) { l4[2 * j] = (u16)raw[j]; l4[2 * j + 1] = (u16)(raw[j] >> 16); }
+        l4[16] = (u16)raw[8];
+#pragma unroll
+        for (int p = 0; p < 16; ++p) {
+            const CellAffine c = cell_affine<BF16>(lut_cell(l4, p), B - 4);
+            sts_u32(col | (u32)p << 7, (u32)c.offset | ((u32)c.width << 16));
+        }
+    }
+    APL_HD void load(const u16* row_lut, bool valid, bool) { fetch(row_lut, valid); build(BF16); }
+
+    // Nibble N of the cell word o at bits 7..10 (the cell's offset in the column), by a multiply.
+    template <int N>
+    APL_HD u32 cell_bits(u32 o) const {
+        constexpr int S = 4 * N - 7;
+        if constexpr (S < 0) return o * (1u << -S);
+        else return shr_pipe<true, S>(o);
+    }
+    template <int N>
+    APL_HD u32 cell(u32 o) const { return lds_u32(mask_or<0xFu << 7>(cell_bits<N>(o), col)); }
+    // Selectors s and s+4 of a plane word, as CellLut::select2.
+    APL_HD void select2(const CellCodes<B>& c, int s, u32 (&w)[4]) const {
+        const u32 o = c.cell.o[s & 3], q = c.q[s & 3];
+        const u32 v0 = cell<0>(o), v1 = cell<1>(o), v2 = cell<2>(o), v3 = cell<3>(o);
+        const u32 v4 = cell<4>(o), v5 = cell<5>(o), v6 = cell<6>(o), v7 = cell<7>(o);
+        w[0] = act_fma2<BF16>(prmt(v0, v1, 0x7632u), fraction_pair<BF16, 0, 1>(q), prmt(v0, v1, 0x5410u));
+        w[1] = act_fma2<BF16>(prmt(v2, v3, 0x7632u), fraction_pair<BF16, 2, 3>(q), prmt(v2, v3, 0x5410u));
+        w[2] = act_fma2<BF16>(prmt(v4, v5, 0x7632u), fraction_pair<BF16, 4, 5>(q), prmt(v4, v5, 0x5410u));
+        w[3] = act_fma2<BF16>(prmt(v6, v7, 0x7632u), fraction_pair<BF16, 6, 7>(q), prmt(v6, v7, 0x5410u));
+    }
+};
+
+// A width as a type, for generic lambdas (NVRTC has no std::integral_constant).
+template <int B> struct Width { static constexpr int value = B; };
 
 // A row's register tables at B bits: RegLut's entries up to 4 bits, CellLut's cells above.
 template <int B, bool BF16, bool CELL = (B >= 5)> struct RowLutOf { using type = RegLut<B>; };
@@ -1345,6 +1440,7 @@ __device__ __forceinline__ void gemv_cta(
     const int c0w = z * split_words;
     const int kw = min(split_words, words_per_row - c0w);
     // dynamic shared: slots int [num_assign] | xs u16 [stage_tokens + 1][tstride] | LUT u16 [64][lut_entries]
+    // (the tiles regime's raw rows after it), or at decode the 5-8-bit cell table (CellTab)
     int* slots = reinterpret_cast<int*>(smem_raw);
     // +64 B: consecutive tokens alternate bank halves. The tiles regime stages one step.
     const int tstride = (NT8 == 1 ? split_words : GV_STEP_WORDS) * 32 + 32;
@@ -1477,15 +1573,26 @@ __device__ __forceinline__ void gemv_cta(
                                           reg_lut, stage, emit);
         }
     } else {
+        // 5-8 bits: decode looks the cells up in shared memory (CellTab, its columns after the
+        // staged activations, 2 KB-aligned), the tiles regime in registers (CellLut: the table
+        // measured no faster there, docs/kernel.md).
+        const u32 tab_col = ((shared_addr(smem_raw) + lut_off + CELL_TAB_ALIGN - 1) & ~(CELL_TAB_ALIGN - 1)) +
+                            ((u32)warp << 12 | (u32)lane << 2);
+        auto cells = [&](auto width) {
+            constexpr int B = decltype(width)::value;
+            if constexpr (NT8 == 1) {
+                CellTab<B, BF16> la(tab_col), lb(tab_col + CELL_TAB_ROW_BYTES);
+                run_passes<B, BF16, V2, NT8, COMPACT, LONG>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, reg_lut, stage, emit);
+            } else {
+                CellLut<B, BF16> la, lb;
+                run_passes<B, BF16, V2, NT8, COMPACT, LONG>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, reg_lut, stage, emit);
+            }
+        };
         switch (blk.bits) {
-            case 5: { CellLut<5, BF16> la, lb;
-                      run_passes<5, BF16, V2, NT8, COMPACT, LONG>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, reg_lut, stage, emit); break; }
-            case 6: { CellLut<6, BF16> la, lb;
-                      run_passes<6, BF16, V2, NT8, COMPACT, LONG>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, reg_lut, stage, emit); break; }
-            case 7: { CellLut<7, BF16> la, lb;
-                      run_passes<7, BF16, V2, NT8, COMPACT, LONG>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, reg_lut, stage, emit); break; }
-            default: { CellLut<8, BF16> la, lb;
-                       run_passes<8, BF16, V2, NT8, COMPACT, LONG>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, reg_lut, stage, emit); break; }
+            case 5: cells(Width<5>{}); break;
+            case 6: cells(Width<6>{}); break;
+            case 7: cells(Width<7>{}); break;
+            default: cells(Width<8>{}); break;
         }
     }
 

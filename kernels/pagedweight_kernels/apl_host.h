@@ -106,7 +106,7 @@ inline void host_shared_check(unsigned addr, unsigned size) {
 // shared-memory instructions in order: the LSU's (LDS, STS, cp.async), not wgmma's operand reads.
 // In the convergent code that issues them, the accesses of a warp's lanes with the same ordinal are
 // one warp instruction, whose bank conflicts the harness counts.
-enum HostAccessKind : unsigned char { LDS_128, STS_128, CP_ASYNC_4, CP_ASYNC_16, HOST_ACCESS_KINDS };
+enum HostAccessKind : unsigned char { LDS_128, STS_128, CP_ASYNC_4, CP_ASYNC_16, LDS_32, STS_32, HOST_ACCESS_KINDS };
 struct HostAccess { unsigned addr; HostAccessKind kind; };
 inline bool apl_host_log_banks = false;
 inline thread_local std::vector<HostAccess> apl_host_accesses;
@@ -126,6 +126,19 @@ inline void host_sts_v4(unsigned addr, const uint4& v) {
     host_log(addr, STS_128);
     const unsigned w[4] = {v.x, v.y, v.z, v.w};
     std::memcpy(apl_host_shared + addr, w, 16);
+}
+
+inline unsigned host_lds_u32(unsigned addr) {
+    host_shared_check(addr, 4);
+    host_log(addr, LDS_32);
+    unsigned v;
+    std::memcpy(&v, apl_host_shared + addr, 4);
+    return v;
+}
+inline void host_sts_u32(unsigned addr, unsigned v) {
+    host_shared_check(addr, 4);
+    host_log(addr, STS_32);
+    std::memcpy(apl_host_shared + addr, &v, 4);
 }
 
 // cvt.rn.f16.f32: round to nearest even, overflow to infinity, subnormals kept.

@@ -57,18 +57,18 @@ def launch_gemv(x, ids, topk_weights, layer: APLLayer, plan: LaunchPlan, out: to
     launches = {m: layer.decode_launches(m) for m in ("gate_up", "down")}
     pdl_gate_up, pdl_down = programmatic_projections()
     for cls, widest in launches["gate_up"]:
-        lut = 0  # (no table in shared memory: 5-8-bit rows run from registers, CellLut)
+        lut = 0  # (the cell table's room is gemv_extra_shared's; its place, the kernel's)
         launch(gemv_name(cls, 0, f, v2["gate_up"], gu.tiles, long_split(cls, gu, H)), gu.grid,
                (layer.gate_up_desc, ids, num_assign, k, E, x, I, H, gu.split_cols // 32, lut, gu.tokens,
                 part_gu, layer.counters, h, weights, w_kind, T, out, 0),
-               gu.shared_bytes + gemv_extra_shared(cls, lut, gu.tiles), block=GEMV_THREADS,
+               gu.shared_bytes + gemv_extra_shared(cls, gu.tiles), block=GEMV_THREADS,
                activation=layer.activation, programmatic=pdl_gate_up, config=config)
     for i, (cls, widest) in enumerate(launches["down"]):
         lut = 0
         launch(gemv_name(cls, 1, f, v2["down"], dn.tiles, long_split(cls, dn, I)), dn.grid,
                (layer.down_desc, ids, num_assign, k, E, h, H, I, dn.split_cols // 32, lut, dn.tokens,
                 part_dn, layer.counters, None, weights, w_kind, T, out, int(i == 0)),
-               dn.shared_bytes + gemv_extra_shared(cls, lut, dn.tiles), block=GEMV_THREADS,
+               dn.shared_bytes + gemv_extra_shared(cls, dn.tiles), block=GEMV_THREADS,
                programmatic=pdl_down and programmatic_down(cls, dn.tiles), config=config)
     return out
 

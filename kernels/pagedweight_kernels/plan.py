@@ -45,6 +45,9 @@ GEMV_MAX_TOKENS_PER_EXPERT = 4.0  # above: the tiles regime; a hot expert takes 
 GEMV_THREADS, GEMV_STEP_WORDS, GEMV_TOKENS = 128, 8, 8
 GEMV_X_BYTES = 40 * 1024  # shared memory for one split's staged activations
 GEMV_MIN_SPLIT_WORDS = 16  # a split covers at least two warp steps
+# The decode kernels' 5-8-bit cell table (apl_gemv.cu's CELL_TAB_BYTES, CELL_TAB_ALIGN): one 2 KB
+# column of 16 cells x 32 lanes per warp and row half, from a 2 KB boundary.
+CELL_TABLE_BYTES, CELL_TABLE_ALIGN = 4 * 2 * 2048, 2048
 # Decode column splits of 3-4-bit layers are chosen by whole waves (wave_splits): a grid of 1.21
 # waves (Mixtral's down at 1 token, 5 splits: 640 CTAs) ends with one CTA per SM. Measured (H200,
 # docs/kernel.md): Qwen1.5-MoE 2 tokens 5% and 4 tokens 2% faster, Mixtral 3 bits 2.4% and 2
@@ -339,15 +342,16 @@ def long_split(cls: int, plan: GemmPlan, cols: int) -> bool:
             and plan.split_cols // 32 >= GEMV_LONG_SPLIT_WORDS and cols // 32 >= GEMV_LONG_ROW_WORDS)
 
 
-def gemv_extra_shared(cls: int, lut_entries: int, tiles: int = 1) -> int:
-    """Shared bytes an apl_gemv launch adds to its plan: the 5-8-bit LUT rows (512-byte aligned);
-    in the tiles regime the raw activation rows of one step and each token's row offset (8 * tiles
-    tokens x (528 + 4) bytes, after the aligned LUT rows: the .cu's RAW_ROW on wgmma)."""
-    extra = GEMV_ROWS * lut_entries * 2 + 512 if lut_entries else 0
+def gemv_extra_shared(cls: int, tiles: int = 1) -> int:
+    """Shared bytes an apl_gemv launch adds to its plan: at decode, the 5-8-bit cell table of the
+    kernels that hold that class (apl_gemv.cu's CellTab: a 2 KB column per warp, lane and row half,
+    from a 2 KB boundary); in the tiles regime the raw activation rows of one step and each token's
+    row offset (8 * tiles tokens x (528 + 4) bytes from a 512-byte boundary: the .cu's RAW_ROW on
+    wgmma), the 5-8-bit rows there running from registers (CellLut)."""
     if tiles > 1:
         raw_row = GEMV_STEP_WORDS * 64 + 16  # the .cu's RAW_ROW (264 u16) on wgmma
-        return extra + 512 + GEMV_TOKENS * tiles * (raw_row + 4)
-    return extra
+        return 512 + GEMV_TOKENS * tiles * (raw_row + 4)
+    return CELL_TABLE_BYTES + CELL_TABLE_ALIGN if cls != 0 else 0
 
 
 def programmatic_down(cls: int, tiles: int) -> bool:

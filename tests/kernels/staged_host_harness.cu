@@ -13,6 +13,7 @@
 //                           launch's 8). Plane words in units of 2 steps, as the producers take them.
 //   harness convert IN OUT  the emulation's fp16/bf16 conversions of fp32 values (see convert).
 //   harness luts IN OUT     every code's value as the kernels' row tables derive it (see luts).
+//   harness cells IN OUT    the same at 5-8 bits through the decode regime's cell table (CellTab).
 //   harness cta IN OUT      one projection's launch of the apl_staged instance this binary is
 //                           compiled for (-DHOST_CLS, HOST_MODE, HOST_BF16, HOST_V4, HOST_NT8): every
 //                           CTA of the grid in turn, its threads as host threads running
@@ -128,8 +129,8 @@ int tiles(const char* in_path, const char* out_path) {
 // instructions, the wavefronts the 32 banks of 4 bytes take for them (the most distinct words one bank
 // is asked for, and at least one per 128 distinct bytes), and the fewest their bytes allow.
 struct BankStats { long long instructions = 0, wavefronts = 0, ideal = 0; };
-constexpr const char* KIND_NAMES[HOST_ACCESS_KINDS] = {"LDS.128", "STS.128", "LDGSTS.4", "LDGSTS.16"};
-constexpr unsigned KIND_BYTES[HOST_ACCESS_KINDS] = {16, 16, 4, 16};
+constexpr const char* KIND_NAMES[HOST_ACCESS_KINDS] = {"LDS.128", "STS.128", "LDGSTS.4", "LDGSTS.16", "LDS.32", "STS.32"};
+constexpr unsigned KIND_BYTES[HOST_ACCESS_KINDS] = {16, 16, 4, 16, 4, 4};
 
 void count_banks(const std::vector<std::vector<HostAccess>>& logs, BankStats (&stats)[HOST_ACCESS_KINDS]) {
     for (int warp = 0; warp < (int)logs.size() / 32; ++warp) {
@@ -318,20 +319,54 @@ void row_values(const u16* row_lut, u16* out) {
         for (int i = 0; i < 32 && w * 32 + i < N; ++i) out[w * 32 + i] = values[i];
     }
 }
+// The same through the decode regime's shared-memory cell table (CellTab, 5-8 bits): the row's
+// column filled in the emulated shared memory (lane 5 of warp 3, row b: every part of the column
+// address set), every code looked up by select2 in mma selector order.
+template <int B, bool BF16>
+void row_values_tab(const u16* row_lut, u16* out) {
+    if constexpr (B >= 5) {
+        CellTab<B, BF16> tab(((3u << 12) | (5u << 2)) + CELL_TAB_ROW_BYTES);
+        tab.load(row_lut, true, BF16);
+        constexpr int N = 1 << B;
+        for (int w = 0; w * 32 < N; ++w) {
+            u32 pw[8] = {};
+            for (int i = 0; i < 32; ++i) {
+                const int code = (w * 32 + i) % N;
+                for (int p = 0; p < B; ++p) pw[p] |= (u32)((code >> (B - 1 - p)) & 1) << i;
+            }
+            const CellCodes<B> codes(pw);
+            for (int s = 0; s < 4; ++s) {  // selector s: nibble n of cell word s is column 4n + s
+                u32 v[4];
+                tab.select2(codes, s, v);
+                for (int n = 0; n < 8; ++n) {
+                    const int col = 4 * n + s;
+                    if (w * 32 + col < N) out[w * 32 + col] = (u16)(v[n / 2] >> (16 * (n % 2)));
+                }
+            }
+        }
+    }
+}
 template <int B>
-void row_values(bool bf16, const u16* row_lut, u16* out) {
-    if (bf16) row_values<B, true>(row_lut, out);
-    else row_values<B, false>(row_lut, out);
+void row_values(bool bf16, bool tab, const u16* row_lut, u16* out) {
+    if (tab) {
+        if (bf16) row_values_tab<B, true>(row_lut, out);
+        else row_values_tab<B, false>(row_lut, out);
+    } else if (bf16) {
+        row_values<B, true>(row_lut, out);
+    } else {
+        row_values<B, false>(row_lut, out);
+    }
 }
 
 // The tables the kernels derive from a stored LUT, for the test to hold bit for bit against the
 // format's expand_lut: IN int32 bits, rows, bf16, then the stored fp16 LUT [rows][8 | 17]; OUT the
-// act-dtype table [rows][2^bits].
-int luts(const char* in_path, const char* out_path) {
+// act-dtype table [rows][2^bits]. tab (the `cells` mode, 5-8 bits): through CellTab.
+int luts(const char* in_path, const char* out_path, bool tab) {
     FILE* f = std::fopen(in_path, "rb");
     if (!f) return fail("cannot read the input");
     int head[3];
-    bool ok = std::fread(head, 4, 3, f) == 3 && head[0] >= 3 && head[0] <= 8 && head[1] > 0 && head[1] <= 1 << 20;
+    bool ok = std::fread(head, 4, 3, f) == 3 && head[0] >= (tab ? 5 : 3) && head[0] <= 8 && head[1] > 0 &&
+              head[1] <= 1 << 20;
     const int bits = ok ? head[0] : 3, rows = ok ? head[1] : 0;
     const bool bf16 = ok && head[2] != 0;
     std::vector<u16> stored((size_t)rows * lut_row_entries(bits));
@@ -343,12 +378,12 @@ int luts(const char* in_path, const char* out_path) {
         const u16* row_lut = stored.data() + (size_t)r * lut_row_entries(bits);
         u16* out = table.data() + ((size_t)r << bits);
         switch (bits) {
-            case 3: row_values<3>(bf16, row_lut, out); break;
-            case 4: row_values<4>(bf16, row_lut, out); break;
-            case 5: row_values<5>(bf16, row_lut, out); break;
-            case 6: row_values<6>(bf16, row_lut, out); break;
-            case 7: row_values<7>(bf16, row_lut, out); break;
-            default: row_values<8>(bf16, row_lut, out); break;
+            case 3: row_values<3>(bf16, tab, row_lut, out); break;
+            case 4: row_values<4>(bf16, tab, row_lut, out); break;
+            case 5: row_values<5>(bf16, tab, row_lut, out); break;
+            case 6: row_values<6>(bf16, tab, row_lut, out); break;
+            case 7: row_values<7>(bf16, tab, row_lut, out); break;
+            default: row_values<8>(bf16, tab, row_lut, out); break;
         }
     }
     FILE* o = std::fopen(out_path, "wb");
@@ -360,12 +395,14 @@ int luts(const char* in_path, const char* out_path) {
 }  // namespace
 
 int main(int argc, char** argv) {
-    if (argc == 4 && std::strcmp(argv[1], "luts") == 0) return luts(argv[2], argv[3]);
+    if (argc == 4 && std::strcmp(argv[1], "luts") == 0) return luts(argv[2], argv[3], false);
+    if (argc == 4 && std::strcmp(argv[1], "cells") == 0) return luts(argv[2], argv[3], true);
     if (argc == 4 && std::strcmp(argv[1], "tiles") == 0) return tiles(argv[2], argv[3]);
     if (argc == 4 && std::strcmp(argv[1], "convert") == 0) return convert(argv[2], argv[3]);
 #ifdef HOST_NT8
     if (argc == 4 && std::strcmp(argv[1], "cta") == 0) return cta(argv[2], argv[3]);
 #endif
-    return fail("usage: harness tiles IN OUT | harness convert IN OUT | harness luts IN OUT | harness cta IN OUT");
+    return fail("usage: harness tiles IN OUT | harness convert IN OUT | harness luts IN OUT | harness cells IN OUT | "
+                "harness cta IN OUT");
 }
 #endif  // __CUDA_ARCH__

@@ -118,7 +118,7 @@ def test_plan_picks_decode_for_few_tokens_per_expert_and_tensor_cores_for_many()
         for model in (qwen, mixtral):
             plan = plan_launch(T, 2 if model is mixtral else 4, **model)
             for gemm in (plan.gate_up, plan.down):
-                assert gemm.shared_bytes + gemv_extra_shared(1, 256, gemm.tiles) <= 227 * 1024
+                assert gemm.shared_bytes + gemv_extra_shared(1, gemm.tiles) <= 227 * 1024
     for T in (1, 4, 16):  # column splits: enough CTAs, whole words, activations within budget
         for model in (qwen, mixtral):
             plan = plan_launch(T, 2, **model)
@@ -206,18 +206,17 @@ def test_a_layer_of_both_classes_takes_the_merged_kernel_once():
     assert class_launches({0: 3}) == [(0, 3)]
 
 
-def test_apl_gemv_launches_add_lut_rows_and_the_tiles_raw_rows():
-    """The 5-8-bit LUT rows (64 rows of the launch's widest LUT, 512-byte aligned); in the tiles
-    regime the raw activation rows of one step, 528 bytes a token (the .cu's RAW_ROW on wgmma), plus
-    each token's row offset, after the LUT rows. Decode of 3-4 bits adds nothing."""
+def test_apl_gemv_launches_add_the_cell_table_and_the_tiles_raw_rows():
+    """Decode kernels holding 5-8-bit blocks add the cell table (a 2 KB column per warp, lane and row
+    half: 4 warps x 2 halves x 2 KB, from a 2 KB boundary); the tiles regime adds the raw activation
+    rows of one step, 528 bytes a token (the .cu's RAW_ROW on wgmma), plus each token's row offset,
+    from a 512-byte boundary. Decode of 3-4 bits adds nothing."""
     import pagedweight_kernels.apl_moe as op
-    from pagedweight_kernels.layer import GEMV_ROWS
 
-    assert op.gemv_extra_shared(0, 0, tiles=8) == 512 + 64 * (528 + 4)
-    assert op.gemv_extra_shared(1, 64, tiles=2) == GEMV_ROWS * 64 * 2 + 512 + 512 + 16 * (528 + 4)
-    assert op.gemv_extra_shared(0, 0, tiles=1) == 0
-    assert op.gemv_extra_shared(1, 256) == GEMV_ROWS * 256 * 2 + 512
-    assert op.gemv_extra_shared(2, 32) == GEMV_ROWS * 32 * 2 + 512
+    assert op.gemv_extra_shared(0, tiles=8) == 512 + 64 * (528 + 4)
+    assert op.gemv_extra_shared(1, tiles=2) == 512 + 16 * (528 + 4)
+    assert op.gemv_extra_shared(0, tiles=1) == 0
+    assert op.gemv_extra_shared(1) == op.gemv_extra_shared(2) == 4 * 2 * 2048 + 2048
 
 
 def test_only_tiles_and_staged_instances_on_a_hopper_device_compile_for_wgmma(monkeypatch):

@@ -266,9 +266,11 @@ def test_the_emulated_conversions_round_as_torch_does(harness, tmp_path):
 
 # ---------------------------------------------------------------- the derived tables
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("bits", [3, 4, 5, 6, 7, 8])
-def test_kernel_tables_equal_the_format_s_bit_for_bit(harness, tmp_path, bits, dtype):
-    """Every code's value as the kernels' row tables compute it (RowLut, dequant_chunks) against
+@pytest.mark.parametrize("bits,mode", [(3, "luts"), (4, "luts"), (5, "luts"), (6, "luts"), (7, "luts"), (8, "luts"),
+                                       (5, "cells"), (6, "cells"), (7, "cells"), (8, "cells")])
+def test_kernel_tables_equal_the_format_s_bit_for_bit(harness, tmp_path, bits, mode, dtype):
+    """Every code's value as the kernels' row tables compute it (`luts`: RowLut, dequant_chunks;
+    `cells`: the decode regime's shared-memory cell table, CellTab.select2) against
     apl_format.expand_lut on sorted, unsorted, tiny, huge and repeated centroids and zero extents:
     the same bits in both activation dtypes."""
     from pagedweight.format.apl_format import expand_lut, lut_entries
@@ -284,7 +286,7 @@ def test_kernel_tables_equal_the_format_s_bit_for_bit(harness, tmp_path, bits, d
     stored = lut.to(torch.float16)
     (tmp_path / "in.bin").write_bytes(struct.pack("<3i", bits, rows, int(dtype == torch.bfloat16))
                                       + stored.view(torch.int16).numpy().astype("<i2").tobytes())
-    run = subprocess.run([str(harness), "luts", str(tmp_path / "in.bin"), str(tmp_path / "out.bin")],
+    run = subprocess.run([str(harness), mode, str(tmp_path / "in.bin"), str(tmp_path / "out.bin")],
                          capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     table = torch.from_numpy(np.fromfile(tmp_path / "out.bin", dtype="<i2").astype(np.int16)).view(rows, 1 << bits)
