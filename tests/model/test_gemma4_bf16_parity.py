@@ -17,6 +17,7 @@ import torch
 
 from pagedweight.format.model_config import ModelConfig
 from pagedweight.offline import real_shape_models as rs
+from pagedweight_kernels.moe_reference import grouped_mm_supported, moe_forward
 
 
 @pytest.fixture(scope="module")
@@ -46,3 +47,44 @@ def test_reference_keeps_transformers_fp32_rope_frequencies(models):
     hf, _, _ = models
     frequencies = {n: b.dtype for n, b in hf.named_buffers() if n.endswith("inv_freq")}
     assert frequencies and set(frequencies.values()) == {torch.float32}, frequencies
+
+
+@pytest.mark.skipif(not grouped_mm_supported(torch.empty(0)), reason="needs torch._grouped_mm on the CPU")
+def test_grouped_experts_give_transformers_bf16_logits_bit_for_bit(models):
+    """Sliding and full layers (k = v, their own head dim and KV heads, proportional RoPE),
+    routers, experts, softcapping: every bit of transformers' bf16 logits."""
+    hf, ours, config = models
+    for block in ours.moe_blocks:
+        block.experts.grouped = True
+    try:
+        ref, got = _logits(hf, ours, config.vocab_size)
+    finally:
+        for block in ours.moe_blocks:
+            block.experts.grouped = None
+    assert torch.equal(ref, got), f"max |diff| {(ref.float() - got.float()).abs().max():.4g}"
+
+
+def test_per_expert_loop_within_bf16_rounding(models):
+    hf, ours, config = models
+    ref, got = _logits(hf, ours, config.vocab_size)
+    assert (ref.argmax(-1) == got.argmax(-1)).all()
+    torch.testing.assert_close(got.float(), ref.float(), rtol=0, atol=0.05 * ref.float().abs().max().item())
+
+
+def test_router_weights_stay_fp32_and_experts_combine_in_fp32(models):
+    """transformers' Gemma-4 router returns its top-k weights in fp32 and its experts weight
+    and sum over k in fp32, rounding once: the weights are not rounded to bf16 first."""
+    _, ours, config = models
+    block = ours.moe_blocks[0]
+    x = torch.randn(16, config.hidden_size, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    topk_ids, topk_weights = block.router(x)
+    assert topk_weights.dtype == torch.float32
+    experts = block.experts
+    want = torch.stack([
+        sum(experts.expert(int(e), x[t:t + 1])[0].float() * w for e, w in zip(topk_ids[t], topk_weights[t]))
+        for t in range(x.shape[0])]).to(torch.bfloat16)
+    with torch.inference_mode():
+        got = moe_forward(x, topk_ids, topk_weights, experts.expert, experts.num_experts)
+    assert got.dtype == torch.bfloat16
+    # fp32 sums in another order than the reference's may round to a neighbouring bf16 value
+    torch.testing.assert_close(got, want, rtol=2 ** -8, atol=0)
