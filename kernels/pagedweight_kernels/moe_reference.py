@@ -75,13 +75,15 @@ def moe_forward(x, topk_ids, topk_weights, expert_fn, num_experts: int) -> torch
     """Reference MoE combine: run each expert on its tokens, weight, scatter-add.
 
     `expert_fn(e, tokens [n, H]) -> [n, H]` computes one expert; only experts that
-    received tokens are called.
+    received tokens are called. Weights in x's dtype: products and sum in x's dtype; fp32
+    weights with bf16 x (Gemma-4's router): products and sum in fp32, rounded once at the
+    end, as transformers computes that family.
     """
-    out = torch.zeros_like(x)
+    out = torch.zeros(x.shape, dtype=torch.promote_types(x.dtype, topk_weights.dtype), device=x.device)
     for e, tokens, weights in expert_groups(topk_ids, topk_weights, num_experts):
         y = expert_fn(e, x[tokens]) * weights[:, None]
         out.index_add_(0, tokens, y.to(out.dtype))
-    return out
+    return out.to(x.dtype)
 
 
 def grouped_mm_supported(x: torch.Tensor) -> bool:
@@ -113,7 +115,8 @@ def grouped_moe_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: t
     y = torch._grouped_mm(gated(gate, up, activation), down.transpose(1, 2), offs=offs)  # [T*k, H]
     placed = torch.empty_like(y)
     placed[order] = y  # back to (token, slot) order
-    weights = topk_weights.to(y.dtype)[..., None]
+    # fp32 weights (Gemma-4) keep the products and the sum over k in fp32, as in moe_forward
+    weights = topk_weights.to(torch.promote_types(y.dtype, topk_weights.dtype))[..., None]
     return (placed.view(T, k, H) * weights).sum(dim=1).to(x.dtype)
 
 

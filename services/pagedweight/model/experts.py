@@ -28,7 +28,7 @@ class ExpertsOp(Protocol):
         self,
         x: torch.Tensor,  # [T, H]
         topk_ids: torch.Tensor,  # [T, k] int64 expert ids
-        topk_weights: torch.Tensor,  # [T, k] routing weights, x's dtype
+        topk_weights: torch.Tensor,  # [T, k] routing weights, x's dtype or fp32 (Gemma-4: combined in fp32)
     ) -> torch.Tensor:  # [T, H]: sum over k of weight * expert(x)
         ...
 

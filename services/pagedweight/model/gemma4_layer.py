@@ -8,8 +8,8 @@ As transformers 5.24's `Gemma4TextDecoderLayer` with `enable_moe_block` computes
     out = (h + post_ff_norm(dense + moe)) * layer_scalar
 
 The router sees the residual `h` (a scale-free RMSNorm, a learned scale and H^-1/2, then
-softmax, top-k renormalised and a learned per-expert scale); the experts see
-`pre_ff_norm_2(h)`. Module names follow the checkpoint (`layers.N.router.proj`, ...) with
+softmax, top-k renormalised and a learned per-expert scale, its weights left in fp32); the
+experts see `pre_ff_norm_2(h)`. Module names follow the checkpoint (`layers.N.router.proj`, ...) with
 the MoE part under `moe` as in the other families, so loader.checkpoint_key maps them.
 """
 
@@ -35,13 +35,18 @@ class Gemma4Router(nn.Module):
         self.per_expert_scale = nn.Parameter(torch.ones(config.num_experts))
 
     def forward(self, x: torch.Tensor):
-        """x [T, H] -> topk_ids [T, k], topk_weights [T, k] (softmax in fp32, as the reference)."""
+        """x [T, H] -> topk_ids [T, k], topk_weights [T, k] in fp32 (softmax in fp32, as the reference).
+
+        The weights stay fp32 for the experts' combine: transformers' Gemma-4 router never
+        casts them back, so each expert's output is weighted and summed over k in fp32 and
+        rounded once. Rounded to bf16 here (a step of up to 2^-9 of each weight) every MoE
+        output moved by about a bf16 step, enough to flip near-tied top-k choices of the
+        next layers' routers."""
         scores = self.proj(rms_normalize(x, self.eps) * self.scale * self.root_scale)
         probs = F.softmax(scores, dim=-1, dtype=torch.float32)
         topk_weights, topk_ids = torch.topk(probs, self.top_k, dim=-1)
         topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
-        topk_weights = topk_weights * self.per_expert_scale[topk_ids]
-        return topk_ids, topk_weights.to(x.dtype)
+        return topk_ids, topk_weights * self.per_expert_scale[topk_ids]
 
 
 class Gemma4MoeBlock(nn.Module):

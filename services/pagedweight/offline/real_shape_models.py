@@ -126,7 +126,10 @@ def build_hf_model(name: str, device: torch.device, dtype: torch.dtype, override
     `seed`: every parameter redrawn by `fill_seeded_` (what `paged_by_layer` builds), None:
     transformers' own init."""
     hf_config, raw = hf_config_of(name, overrides)
-    model = _hf_from_config(hf_config, device, dtype).to(dtype).eval()
+    # No `.to(dtype)`: the parameters are built in dtype already, and the cast would also
+    # round the fp32 RoPE frequencies transformers keeps (from_pretrained(dtype=) leaves
+    # them fp32), moving every cos/sin by a few bf16 steps from what transformers computes.
+    model = _hf_from_config(hf_config, device, dtype).eval()
     if seed is not None:
         std = getattr(hf_config, "initializer_range", 0.02)
         with torch.no_grad():
