@@ -232,9 +232,18 @@ __global__ void group_rows(const long long* __restrict__ ids, int n, int k, int 
 }
 
 // ---------------------------------------------------------------- top-k combine
-// out[t] = round(sum_j round(w[t, j] * y[inv[t k + j]])): the grouped products' rows (sorted
+// One routing weight times one expert output, as the torch chain computes it: with weights in
+// the activations' dtype (WDT == DT) the product rounded to it; with fp32 weights (WDT 0,
+// Gemma-4's router) the product kept in fp32, so the sum over k is rounded once at the end.
+template <int DT, int WDT>
+__device__ __forceinline__ float weighted(const void* w, long long a, float y) {
+    const float p = __fmul_rn(ld<WDT>(w, a), y);  // not an FMA
+    return WDT == 0 ? p : rnd<DT>(p);
+}
+
+// out[t] = round(sum_j weighted(w[t, j], y[inv[t k + j]])): the grouped products' rows (sorted
 // by expert) back to their tokens, weighted and summed over k as the torch chain does it.
-template <int DT>
+template <int DT, int WDT>
 __global__ void combine_rows(const void* __restrict__ y, const int* __restrict__ inv, const void* __restrict__ w,
                              int T, int k, int H, void* __restrict__ out) {
     const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
@@ -243,7 +252,7 @@ __global__ void combine_rows(const void* __restrict__ y, const int* __restrict__
     float acc = 0.f;
     for (int j = 0; j < k; ++j) {
         const long long a = t * k + j;
-        acc += rnd<DT>(__fmul_rn(ld<DT>(w, a), ld<DT>(y, (long long)inv[a] * H + h)));  // not an FMA
+        acc += weighted<DT, WDT>(w, a, ld<DT>(y, (long long)inv[a] * H + h));
     }
     st<DT>(out, idx, acc);
 }

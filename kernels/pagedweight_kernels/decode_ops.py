@@ -72,10 +72,12 @@ def _instances() -> list[str]:
             + [f"add_rms_norm<{d}, 0, {v}, {s}>" for d in dts for v in NORM_VPT for s in (1, 2)]
             + [f"route_topk<{d}, {o}>" for d in dts for o in dts]
             + [f"gated_rows<{d}, {a}>" for d in dts for a in _ACT.values()]
-            + ["group_rows"] + [f"combine_rows<{d}>" for d in dts] + [f"rope_write<{d}>" for d in dts]
+            + ["group_rows"] + [f"combine_rows<{d}, {w}>" for d in dts for w in {d, 0}]
+            + [f"rope_write<{d}>" for d in dts]
             + [f"expert_gate_up<{d}, {a}, {GEMV_ROWS}, {GEMV_UNROLL['gate_up']}, {v}>"
                for d in dts for a in _ACT.values() for v in ("true", "false")]
-            + [f"expert_down_combine<{d}, {GEMV_ROWS}, {GEMV_UNROLL['down']}, {v}>" for d in dts for v in ("true", "false")])
+            + [f"expert_down_combine<{d}, {GEMV_ROWS}, {GEMV_UNROLL['down']}, {v}, {w}>"
+               for d in dts for v in ("true", "false") for w in {d, 0}])
 
 
 @lru_cache(maxsize=None)
@@ -237,17 +239,24 @@ def group_rows(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int):
 
 def combine_rows(y: torch.Tensor, inv: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """y [T k, H] (rows by expert), inv [T k], weights [T, k] -> [T, H]: sum over k of
-    weight * y[inv], each product rounded to y's dtype as the torch chain stores it."""
+    weight * y[inv] as the torch chain computes it: weights in y's dtype round each product to
+    it; fp32 weights keep the products and their sum in fp32, rounded once."""
     T, k = weights.shape
     H = y.shape[1]
     code = _dtype_code(y, "y")
     _check_rows(y, (T * k, H), y.dtype, "y")
     _check_rows(inv, (T * k,), torch.int32, "inv")
-    _check_rows(weights, (T, k), y.dtype, "weights")
+    _check_rows(weights, (T, k), _weights_dtype(weights, y.dtype), "weights")
     out = torch.empty(T, H, dtype=y.dtype, device=y.device)
     if T:
-        _launch(f"combine_rows<{code}>", (-(-T * H // THREADS),), THREADS, (y, inv, weights, T, k, H, out))
+        _launch(f"combine_rows<{code}, {_DT[weights.dtype]}>", (-(-T * H // THREADS),), THREADS,
+                (y, inv, weights, T, k, H, out))
     return out
+
+
+def _weights_dtype(weights: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
+    """The routing weights' dtype the combines take: fp32 (Gemma-4's router) or the activations'."""
+    return torch.float32 if weights.dtype == torch.float32 else dtype
 
 
 def grouped_moe_fused(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
@@ -257,7 +266,7 @@ def grouped_moe_fused(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
     sizes (many tokens: the caller runs the torch chain)."""
     T, H = x.shape
     E = gate_up.shape[0]
-    if not group_supported(T * topk_ids.shape[1], E, H * x.element_size()) or topk_weights.dtype != x.dtype:
+    if not group_supported(T * topk_ids.shape[1], E, H * x.element_size()):
         return None
     rows, inv, offs = group_rows(x.contiguous(), topk_ids.contiguous(), E)
     gu = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=offs)
@@ -340,7 +349,7 @@ def expert_down_combine(h: torch.Tensor, topk_ids: torch.Tensor, topk_weights: t
     if topk_ids.shape[1] != k or T * k != n:
         raise ValueError(f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} "
                          f"must both be [T, k] with T k = {n} rows of h")
-    _check_rows(topk_weights, (T, k), h.dtype, "topk_weights")
+    _check_rows(topk_weights, (T, k), _weights_dtype(topk_weights, h.dtype), "topk_weights")
     E, H, i_cols = down.shape
     if i_cols != I:
         raise ValueError(f"down must be [E, H, {I}], got {tuple(down.shape)}")
@@ -349,7 +358,7 @@ def expert_down_combine(h: torch.Tensor, topk_ids: torch.Tensor, topk_weights: t
     # rows per tile, even (an item is two rows): every warp busy at one token (k experts x rows / 2 items)
     rows = min(MAX_GEMV_ROWS_PER_CTA, max(2, 2 * (GEMV_THREADS // 32) // k)) & ~1
     vec = "true" if _vectors_fit(h.dtype, h, down, I) else "false"
-    _launch(f"expert_down_combine<{code}, {GEMV_ROWS}, {GEMV_UNROLL['down']}, {vec}>",
+    _launch(f"expert_down_combine<{code}, {GEMV_ROWS}, {GEMV_UNROLL['down']}, {vec}, {_DT[topk_weights.dtype]}>",
             (_persistent_grid(-(-H // rows), h.device),), GEMV_THREADS,
             (h, topk_ids, topk_weights, n, k, down, H, I, rows, result))
     return result

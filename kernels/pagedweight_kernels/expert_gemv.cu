@@ -202,10 +202,10 @@ expert_gate_up(const void* __restrict__ x, long long ld_x, const long long* __re
     }
 }
 
-// h [n, I], w_d [E, H, I], weights [T, k] -> out [T, H]. Tile: RB rows of down (even, <=
-// GV_MAX_ROWS_PER_CTA) for every assignment, then each token's sum over its k; an item is two
-// consecutive rows of one expert.
-template <int DT, int R, int U, bool VEC>
+// h [n, I], w_d [E, H, I], weights [T, k] (WDT: fp32 or the activations' dtype) -> out [T, H].
+// Tile: RB rows of down (even, <= GV_MAX_ROWS_PER_CTA) for every assignment, then each token's
+// sum over its k (decode_ops.cu's weighted); an item is two consecutive rows of one expert.
+template <int DT, int R, int U, bool VEC, int WDT>
 __global__ void __launch_bounds__(GV_MAX_ASSIGN, 2)
 expert_down_combine(const void* __restrict__ h, const long long* __restrict__ ids, const void* __restrict__ weights,
                     int n, int k, const void* __restrict__ w_d, int H, int I, int RB, void* __restrict__ out) {
@@ -251,7 +251,7 @@ expert_down_combine(const void* __restrict__ h, const long long* __restrict__ id
             float acc = 0.f;
             for (int j = 0; j < k; ++j) {
                 const int a = t * k + j;
-                acc += rnd<DT>(__fmul_rn(ld<DT>(weights, a), y[a * RB + r]));  // not an FMA, as combine_rows
+                acc += weighted<DT, WDT>(weights, a, y[a * RB + r]);  // as combine_rows
             }
             st<DT>(out, (long long)t * H + h0 + r, acc);
         }

@@ -131,6 +131,23 @@ def test_experts_gemv_equals_grouped_moe_forward(T):
     _check(decode_ops.experts_gemv(x, ids, w, gate_up, down), want, torch.bfloat16)
 
 
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="needs torch._grouped_mm")
+@pytest.mark.parametrize("T", [1, 4])
+def test_fp32_routing_weights_combine_in_fp32(T):
+    """Gemma-4's router keeps its weights in fp32: the GEMV and the fused grouped chain weight and
+    sum in fp32 as grouped_moe_forward does, and differ from rounding each product to bf16."""
+    E, k, H, I = 128, 8, 512, 96
+    gate_up, down = _experts(E, H, I, torch.bfloat16, seed=41)
+    x = _randn(T, H, dtype=torch.bfloat16, seed=42)
+    ids, w = _routing(T, k, E, seed=43)
+    w = w.float().cuda()
+    want = grouped_moe_forward(x, ids, w, gate_up, down)
+    _check(decode_ops.experts_gemv(x, ids, w, gate_up, down), want, torch.bfloat16)
+    _check(decode_ops.grouped_moe_fused(x, ids, w, gate_up, down), want, torch.bfloat16)
+    rounded = grouped_moe_forward(x, ids, w.to(torch.bfloat16), gate_up, down)
+    assert not torch.equal(rounded, want)  # (the fp32 combine is what is checked)
+
+
 def test_bad_input_is_refused_with_one_clear_error():
     gate_up, down = _experts(4, 64, 32, torch.bfloat16, seed=0)
     x = _randn(2, 64, dtype=torch.bfloat16, seed=1)

@@ -68,7 +68,7 @@ class DenseExperts(nn.Module):
 
     def takes_gemv(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> bool:
         return (self.few_rows_kernel and self.grouped is not False and x.is_cuda and decode_ops.available()
-                and self.gate_up.dtype == x.dtype == topk_weights.dtype
+                and self.gate_up.dtype == x.dtype and topk_weights.dtype in (x.dtype, torch.float32)
                 and decode_ops.gemv_supported(x.shape[0], topk_ids.shape[1], self.num_experts, x.dtype))
 
     def forward(self, x, topk_ids, topk_weights):
