@@ -22,7 +22,22 @@ def test_assembled_model_matches_transformers(name):
     ours = rs.ours_from_hf(hf, config)
     assert ours.layers[0].moe.experts.gate_up.data_ptr() in {p.data_ptr() for p in hf.parameters()}
     result = rs.parity(hf, ours, config.vocab_size, torch.device("cpu"))
+    assert result["positions"] == rs.PARITY_POSITIONS
     assert result["max_abs_diff"] < 1e-4 * max(1.0, result["ref_abs_max"]) and result["argmax_agree"] == 1.0
+    assert 0.0 <= result["relative_error_mean"] <= result["relative_error_max"] < 1e-5
+
+
+def test_parity_reports_a_model_that_computes_something_else():
+    """The check can fail: one expert's weights changed in our model only (a copy, not the
+    shared tensor) moves the relative error far past rounding."""
+    torch.manual_seed(0)
+    hf, raw = rs.build_hf_model("tiny-qwen-moe", torch.device("cpu"), torch.float32)
+    config = ModelConfig.from_dict(raw)
+    ours = rs.ours_from_hf(hf, config)
+    experts = ours.layers[0].moe.experts
+    experts.gate_up = torch.nn.Parameter(experts.gate_up.detach().clone() * 1.5)
+    result = rs.parity(hf, ours, config.vocab_size, torch.device("cpu"), positions=32)
+    assert result["positions"] == 32 and result["relative_error_max"] > 1e-3
 
 
 def test_nested_uniform_planes_decode_to_the_weights():
