@@ -1,0 +1,23 @@
+#!/bin/bash
+# One device call after a change to the fused kernel (kernels/pagedweight_kernels/apl_*.cu): the
+# smoke set (every regime x width x dtype against the torch reference), the decode and tiles GPU
+# tests, then the kernel-layer benchmarks of the three seed shapes, their JSON under $OUT. Steps
+# run most telling first, each under its own time limit, so a call cut short still returns what
+# it measured (stdout is also kept in $OUT/kernel_change.log).
+# Usage (device): OUT=$OUT CODE_COMMIT=<c> bash tools/kernel_change_gpu.sh
+. "$(dirname "$0")/device_call.sh"
+exec > >(tee -a "$OUT/kernel_change.log") 2>&1
+nvidia-smi --query-gpu=name --format=csv,noheader
+precompile_defaults > /tmp/precompile.log 2>&1
+stamp "precompile rc $?"
+export PAGEDWEIGHT_TEST_PRECOMPILE=0  # (done above)
+timeout 150 python3 -m pytest -q -m gpu -rfE --tb=line tests/kernels/test_gpu_smoke.py | tail -n 12
+stamp "smoke rc ${PIPESTATUS[0]}"
+for shape in qwen mixtral; do
+  timeout 100 python3 -m bench run "kernel-layer-$shape" -- --out "$OUT/apl_moe_kernel_$shape.json" > "/tmp/bench_$shape.log" 2>&1
+  stamp "kernel-layer-$shape rc $?"
+done
+timeout 120 python3 -m pytest -q -m gpu -rfE --tb=line tests/kernels/test_apl_moe_gpu.py tests/kernels/test_apl_tiles_wgmma_gpu.py | tail -n 12
+stamp "decode and tiles tests rc ${PIPESTATUS[0]}"
+timeout 100 python3 -m bench run kernel-layer-gemma4 -- --out "$OUT/apl_moe_kernel_gemma4.json" > /tmp/bench_gemma4.log 2>&1
+stamp "kernel-layer-gemma4 rc $?"
