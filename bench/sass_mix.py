@@ -6,7 +6,7 @@ fragment is 8 weights a thread, so weights = 8 x HMMA in a decode loop and 8 x H
 tiles loop (a fragment feeds NT8 mma); a wgmma m64nNk16 is 64 x 16 weights over 128 threads,
 so weights = 8 x HGMMA. For an `apl_staged` instance, the producer warpgroup's step loop: the
 innermost loops storing dequantised weights to shared memory (STS.128, 8 weights each) and
-holding no HGMMA. The build helpers also serve the kernel tests that compile with nvcc.
+holding no HGMMA. `build_instance` also serves the kernel tests that compile with nvcc.
 
     python -m bench run kernel-sass      # the 5-8-bit decode kernel; bench/results/sass_mix_cpu.json
     python -m bench.sass_mix ["apl_gemv<0, 0, true, true, 1>" | "apl_staged<0, 0, true, true, 8>"]
@@ -151,16 +151,6 @@ def module_text(staged: bool) -> str:
     apl_staged.cu after them where staged."""
     op, module_source = _kernels()
     return module_source(op.SOURCE, op.GEMV_SOURCE, op.PREFILL_SOURCE, *([op.STAGED_SOURCE] if staged else []))
-
-
-def resource_usage(resources: str) -> tuple[int, int]:
-    """(registers, spill store + load bytes) of the instance from build_instance's resource
-    lines: ptxas reports it first (the module's other entry, moe_align, follows)."""
-    registers = re.search(r"Used (\d+) registers", resources)
-    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", resources)
-    if registers is None or spills is None:
-        raise ValueError(f"no ptxas resource usage in: {resources!r}")
-    return int(registers.group(1)), int(spills.group(1)) + int(spills.group(2))
 
 
 def disassemble(cubin: Path) -> str:
