@@ -159,7 +159,7 @@ class WorkerStreamClient:
 
         self.pb, self.channel = worker_pb2, grpc.aio.insecure_channel(address)
         self.pending: dict[str, tuple[Arrivals, asyncio.Future]] = {}
-        self.outbox, self.wake, self.ids = [], asyncio.Event(), 0
+        self.outbox, self.ids = asyncio.Queue(), 0
         # the RPC token, when $PAGEDWEIGHT_RPC_TOKEN gives the workers one
         self.call = worker_pb2_grpc.WorkerStub(self.channel).GenerateStream(
             self._requests(), metadata=RpcSecurity.from_settings().metadata())
@@ -167,11 +167,7 @@ class WorkerStreamClient:
 
     async def _requests(self):
         while True:
-            await self.wake.wait()
-            self.wake.clear()
-            items, self.outbox = self.outbox, []
-            for item in items:
-                yield item
+            yield await self.outbox.get()
 
     async def _read(self) -> None:
         async for message in self.call:
@@ -193,10 +189,9 @@ class WorkerStreamClient:
         request_id = f"bench-{self.ids}"
         done = asyncio.get_running_loop().create_future()
         self.pending[request_id] = (Arrivals(), done)
-        self.outbox.append(self.pb.StreamRequest(generate=self.pb.GenerateRequest(
+        self.outbox.put_nowait(self.pb.StreamRequest(generate=self.pb.GenerateRequest(
             request_id=request_id, prompt_token_ids=request.prompt_ids,
             sampling=self.pb.SamplingParams(max_tokens=request.output_len, ignore_eos=True))))
-        self.wake.set()
         return await done
 
     async def close(self) -> None:
