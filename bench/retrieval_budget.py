@@ -350,7 +350,8 @@ def target_rows(payload: dict) -> list[str]:
                               f"`{policy}` within 1 point of unlimited bf16"))
             if point["expert_bits"] == tight:
                 lines += [gaps(i, policy, lambda r, u=u: r["budgets"][i]["results"][u], 10,
-                               f"`{policy}` 10 points above `{u}`") for u in point["results"] if u.startswith("static-")]
+                               f"`{policy}` 10 points above `{u}`")
+                          for u in point["results"] if u.startswith("static-")]
     return lines
 
 
@@ -453,9 +454,11 @@ def main(argv=None) -> int:
     print("wrote", write_result(args.out_name or f"retrieval_budget_{Path(args.model).name}", {
         "model": Path(args.model).name, "args": vars(args), "dtype": str(dtype)[6:],
         "model_config": {k: config.get(k) for k in ("hidden_size", "num_hidden_layers", "num_local_experts",
-                                                     "num_experts_per_tok", "intermediate_size", "num_key_value_heads")},
+                                                     "num_experts_per_tok", "intermediate_size",
+                                                     "num_key_value_heads")},
         "quantize_seconds": quantize_s, "lengths": lengths, "seconds": round(time.perf_counter() - started, 1),
-        "cpu_seconds": round(time.process_time(), 1), "load_average": [round(load_start, 2), round(os.getloadavg()[0], 2)]}))
+        "cpu_seconds": round(time.process_time(), 1),
+        "load_average": [round(load_start, 2), round(os.getloadavg()[0], 2)]}))
     return 0
 
 

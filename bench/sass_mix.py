@@ -128,8 +128,8 @@ def build_instance(instance: str, overrides: dict[str, int], workdir: Path) -> t
     the host would: its defines, for sm_90a (wgmma) where the host builds it so, else sm_90."""
     op, _ = _kernels()
     staged = instance.startswith("apl_staged<")
-    source = module_text(staged) + f"\ntemplate __global__ void {instance}({STAGED_PARAMS if staged else GEMV_PARAMS});\n"
-    (workdir / "k.cu").write_text(source)
+    params = STAGED_PARAMS if staged else GEMV_PARAMS
+    (workdir / "k.cu").write_text(module_text(staged) + f"\ntemplate __global__ void {instance}({params});\n")
     cubin = workdir / "k.cubin"
     arch = "-gencode=arch=compute_90a,code=sm_90a" if op.wgmma_build(instance) else "-arch=sm_90"
     build = subprocess.run(["nvcc", "-std=c++17", arch, "-cubin", "-o", str(cubin), str(workdir / "k.cu"), "-Xptxas",
