@@ -1,38 +1,25 @@
-"""One MoE layer through the fused APL kernel, at real model sizes, on the GPU.
+"""One MoE layer through the fused APL kernel at real model sizes (MODELS, synthetic APL weights),
+on the GPU, per token count (TOKENS) and bit configuration (each width, or a mixed plan drawing
+each block's bits from MIXED_CHOICES), against bf16 on the same experts in the same run:
+  fused         pagedweight_kernels.apl_moe.apl_moe (decode, tiles or staged regime by size)
+  per_block     the prefill kernel launched once per expert block, as Any-Precision LLM does,
+                plus the gather/scatter glue such a design needs
+  bf16_grouped  torch._grouped_mm over tokens sorted by expert
+  bf16_gemv     the engine's own bf16 expert GEMV, where the engine takes it
+and the HBM floor: the bytes the fused kernel must read (planes + LUTs of the active experts at
+their bits, activations in, output out) over the copy bandwidth measured in the same run. A
+mixed layer is also set against the time its bytes predict at each width's own rate.
 
-For Qwen1.5-MoE-A2.7B and Mixtral-8x7B layer shapes with synthetic APL weights, for 1, 4,
-16, 64 and 256 tokens and uniform 3, 4, 8 bits plus a mixed assignment, times:
-  fused      pagedweight_kernels.apl_moe.apl_moe: at decode (<= 4 tokens per expert) the
-             tensor-core decode kernel, 2 launches per layer and bit class present; above,
-             the same kernel's tiles regime (up to 128 tokens per expert)
-  per_block  the prefill kernel launched once per expert block, as Any-Precision LLM does
-             (plus the gather/scatter glue such a design needs)
-  bf16_bmm   bf16 PyTorch, weights gathered per (token, slot) and a batched matmul
-             (only where the gathered copy is small: tokens*k <= 32)
-  bf16_grouped  bf16 PyTorch with torch._grouped_mm over tokens sorted by expert
-  bf16_gemv  the engine's own bf16 expert GEMV (decode_ops.experts_gemv), at the token
-             counts where the engine takes it (decode_ops.gemv_supported)
-and the HBM floor: bytes the fused kernel must read (planes + LUTs of the active experts
-at their committed bits, activations in, output out) over the device-to-device copy
-bandwidth measured in the same run.
-
-Method: several copies of the layer (different random weights) and a fresh random routing
-per call, so repeated calls do not find the weights in L2 (a real model runs 24-32 such
-layers in turn); each method is captured in a CUDA graph of REPS calls and timed by
-replaying it (median of TRIALS). Writes bench/results/apl_moe_kernel.json.
-
-Usage on the GPU machine: PYTHONPATH=.:services:kernels python3 -m bench.apl_moe_kernel [--quick]
-[--tokens 64 256] [--bits 4 8] [--no-per-block] [--name FILE]
+Several copies of the layer and a fresh routing per call keep the weights out of L2 (a model runs
+its layers in turn); each method is captured in a CUDA graph of REPS calls and replayed (median
+of TRIALS). `python -m bench run kernel-layer-qwen` (-mixtral, -gemma4); bench/kernel_table.py
+renders docs/kernel.md's tables from the results.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import math
-import os
 import statistics
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -56,7 +43,6 @@ MIXED_CHOICES = (3, 4, 4, 5, 6, 8)  # the mixed assignment draws each block's bi
 COPIES, REPS, TRIALS, REPLAYS = 3, 6, 5, 8
 
 
-# ---------------------------------------------------------------- synthetic layers
 class SyntheticLayer:
     """All 8 planes and every LUT of every block of one layer, on the GPU, plus bf16 weights."""
 
@@ -99,16 +85,6 @@ def routings(T, E, k, count, device, seed):
         w, ids = probs.topk(k, dim=-1)
         out.append((ids.to(device), (w / w.sum(-1, keepdim=True)).bfloat16().to(device)))
     return out
-
-
-# ---------------------------------------------------------------- methods (one layer call each)
-def bf16_gathered_bmm(x, ids, w, layer: SyntheticLayer):
-    T, k = ids.shape
-    flat = ids.reshape(-1)
-    xs = x.repeat_interleave(k, dim=0)[:, :, None]  # [T*k, H, 1]
-    gate, up = torch.bmm(layer.gate_up[flat], xs)[..., 0].chunk(2, dim=-1)
-    y = torch.bmm(layer.down[flat], (F.silu(gate) * up)[:, :, None])[..., 0]
-    return (y.view(T, k, -1) * w[..., None]).sum(1)
 
 
 def bf16_grouped(x, ids, w, layer: SyntheticLayer):
@@ -156,7 +132,6 @@ class PerBlock:
         return out
 
 
-# ---------------------------------------------------------------- timing
 def time_calls(calls) -> float:
     """Microseconds per call: a CUDA graph of all calls, replayed; median over trials."""
     for c in calls:  # warm-up: compiles kernels, fills caches of the allocator
@@ -211,9 +186,8 @@ def copy_bandwidth(device) -> dict:
             (("graph_memcpy", graph_us), ("eager_memcpy", eager_us), ("elementwise_kernel", kernel_us))}
 
 
-# ---------------------------------------------------------------- one model
 def add_byte_weighted(row, mixed_layers, active, pairs, io_bytes) -> None:
-    """The mixed layer against the time its bytes predict (issue 13: within 1.2x): each width's
+    """The mixed layer against the time its bytes predict (target: within 1.2x): each width's
     share of the mixed layer's bytes read at that width's own uniform-layer rate (us per byte,
     measured in this run), summed. Written only when every width the mix holds was timed."""
     if not mixed_layers or "bits_mixed" not in row:
@@ -234,12 +208,13 @@ def add_byte_weighted(row, mixed_layers, active, pairs, io_bytes) -> None:
           f"{cell['over_byte_weighted']:.2f}x", flush=True)
 
 
-def bench_model(name, quick, device, bw, tokens=TOKENS, per_block=True, bit_configs=BIT_CONFIGS) -> list[dict]:
+def bench_model(name, device, bw, tokens, per_block: bool, bit_configs) -> list[dict]:
+    """Every token count and bit configuration of one model's layer, with its bf16 baselines."""
     E, k, H, I = MODELS[name]
     layers = [SyntheticLayer(E, H, I, seed, device) for seed in range(COPIES)]
     configs = {c: [layer.apl(bit_assignment(c, E, 17)) for layer in layers] for c in bit_configs}
     rows = []
-    for T in (TOKENS[:3] if quick else tokens):
+    for T in tokens:
         route = routings(T, E, k, REPS, device, seed=T)
         x = [torch.randn(T, H, device=device).bfloat16() for _ in range(REPS)]
         pairs = [(i % COPIES, i) for i in range(REPS)]
@@ -248,9 +223,6 @@ def bench_model(name, quick, device, bw, tokens=TOKENS, per_block=True, bit_conf
         row = {"model": name, "tokens": T, "experts_per_call": statistics.mean(len(a) for a in active)}
         row["bf16_bytes"] = statistics.mean(len(a) * 3 * H * I * 2 for a in active) + io_bytes
         row["bf16_floor_us"] = row["bf16_bytes"] / bw * 1e6
-        if T * k <= 32:
-            row["bf16_bmm_us"] = time_calls([lambda c=c, i=i: bf16_gathered_bmm(x[i], *route[i], layers[c])
-                                             for c, i in pairs])
         try:
             row["bf16_grouped_us"] = time_calls([lambda c=c, i=i: bf16_grouped(x[i], *route[i], layers[c])
                                                  for c, i in pairs])
@@ -269,18 +241,16 @@ def bench_model(name, quick, device, bw, tokens=TOKENS, per_block=True, bit_conf
                     "fused_us": fused}
             cell["fused_over_floor"] = fused / cell["floor_us"]
             if per_block and config in ("4", "mixed"):
-                per_block = [PerBlock(*route[i], apl[c]) for c, i in pairs]
-                cell["per_block_us"] = time_calls([lambda j=j, i=i: per_block[j](x[i])
+                blocks = [PerBlock(*route[i], apl[c]) for c, i in pairs]
+                cell["per_block_us"] = time_calls([lambda j=j, i=i: blocks[j](x[i])
                                                    for j, (c, i) in enumerate(pairs)])
-            for base in ("bf16_bmm_us", "bf16_grouped_us", "bf16_gemv_us"):
+            for base in ("bf16_grouped_us", "bf16_gemv_us"):
                 if row.get(base):
                     cell[f"speedup_vs_{base[:-3]}"] = row[base] / fused
             row[f"bits_{config}"] = cell
-            print(f"{name:18s} T={T:3d} bits={config:5s} {plan.gate_up.regime:7s} fused {fused:8.1f} us  "
-                  f"floor {cell['floor_us']:7.1f} us ({cell['fused_over_floor']:.2f}x)  "
-                  f"per-block {cell.get('per_block_us', float('nan')):8.1f}  "
-                  f"bf16 bmm {row.get('bf16_bmm_us') or float('nan'):8.1f}  "
-                  f"grouped {row.get('bf16_grouped_us') or float('nan'):8.1f}  "
+            print(f"{name:18s} T={T:3d} bits={config:5s} {plan.gate_up.regime:7s} fused {fused:8.1f} us "
+                  f"({cell['fused_over_floor']:.2f}x floor), per-block {cell.get('per_block_us', float('nan')):8.1f}, "
+                  f"bf16 grouped {row.get('bf16_grouped_us') or float('nan'):8.1f}, "
                   f"gemv {row.get('bf16_gemv_us') or float('nan'):8.1f}", flush=True)
         add_byte_weighted(row, configs.get("mixed"), active, pairs, io_bytes)
         rows.append(row)
@@ -291,13 +261,11 @@ def bench_model(name, quick, device, bw, tokens=TOKENS, per_block=True, bit_conf
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="1, 4 and 16 tokens only")
     parser.add_argument("--models", nargs="*", default=list(MODELS))
     parser.add_argument("--tokens", nargs="*", type=int, default=list(TOKENS), help="token counts to time")
     parser.add_argument("--no-per-block", action="store_true", help="skip the per-block baseline")
     parser.add_argument("--bits", nargs="*", default=list(BIT_CONFIGS), choices=BIT_CHOICES, help="bit configs to time")
-    parser.add_argument("--name", default="apl_moe_kernel", help="result file name (bench/results/NAME.json)")
-    parser.add_argument("--out", default=None, help="also copy the JSON here")
+    parser.add_argument("--name", default="apl_moe_kernel", help="result file name (bench/results/NAME_<gpu>.json)")
     args = parser.parse_args()
     device = torch.device("cuda")
     torch.manual_seed(0)
@@ -305,21 +273,12 @@ def main():
     bw = max(ceilings.values())  # the floor uses the best copy rate measured
     print("copy bandwidth (read + write): " + ", ".join(f"{k} {v / 1e12:.2f} TB/s" for k, v in ceilings.items()),
           flush=True)
-    results = []
-    for name in args.models:
-        results += bench_model(name, args.quick, device, bw, tuple(args.tokens), not args.no_per_block,
-                               tuple(args.bits))
-    payload = {"copy_bandwidth_bytes_per_s": bw, "copy_bandwidths": ceilings, "copies": COPIES, "calls_per_graph": REPS,
-               "trials": TRIALS, "replays": REPLAYS, "quick": args.quick,
-               "has_grouped_mm": hasattr(torch, "_grouped_mm"), "tokens": args.tokens, "results": results}
-    path = write_result(args.name + ("_quick" if args.quick else ""), payload)
-    if os.environ.get("PAGEDWEIGHT_COMMIT"):  # the device copy is not a git checkout
-        record = json.loads(path.read_text())
-        record["commit"] = os.environ["PAGEDWEIGHT_COMMIT"]
-        path.write_text(json.dumps(record, indent=2) + "\n")
-    if args.out:
-        Path(args.out).write_text(path.read_text())
-    print(f"wrote {path}")
+    results = [row for name in args.models
+               for row in bench_model(name, device, bw, args.tokens, not args.no_per_block, args.bits)]
+    print("wrote", write_result(args.name, {
+        "copy_bandwidth_bytes_per_s": bw, "copy_bandwidths": ceilings, "copies": COPIES, "calls_per_graph": REPS,
+        "trials": TRIALS, "replays": REPLAYS, "has_grouped_mm": hasattr(torch, "_grouped_mm"), "tokens": args.tokens,
+        "results": results}))
 
 
 if __name__ == "__main__":

@@ -1,14 +1,18 @@
 """What every benchmark result records (when, where, on which commit) and how it is written:
-bench/results/<name>_<device tag>.json, a series or a table cell on one line."""
+bench/results/<name>_<device tag>.json, a series or a table cell on one line. Beside it, what
+the benchmarks share: markdown table rows, figures, one call's wall time, device memory given
+back between runs."""
 
 from __future__ import annotations
 
 import datetime
+import gc
 import json
 import os
 import platform
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -64,12 +68,13 @@ def stamp() -> dict:
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none (CPU)", "machine": machine()}
 
 
-def write_result(name: str, payload: dict) -> Path:
-    """Write bench/results/<name>_<device tag>.json with date, commit, GPU and machine added
-    (the tag is left out where the name already ends with it)."""
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    tag = device_tag()
-    path = RESULTS_DIR / (f"{name}.json" if name.endswith(tag) else f"{name}_{tag}.json")
+def write_result(name: str, payload: dict, path: Path | None = None) -> Path:
+    """Write bench/results/<name>_<device tag>.json (or `path`) with date, commit, GPU and
+    machine added (the tag is left out where the name already ends with it)."""
+    if path is None:
+        tag = device_tag()
+        path = RESULTS_DIR / (f"{name}.json" if name.endswith(tag) else f"{name}_{tag}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(to_json({"benchmark": name, **stamp(), **payload}) + "\n")
     return path
 
@@ -96,3 +101,42 @@ def _is_leaf(value) -> bool:
     if isinstance(value, dict):
         return all(_is_plain(v) or (isinstance(v, (list, tuple)) and all(map(_is_plain, v))) for v in value.values())
     return all(map(_is_plain, value)) if isinstance(value, (list, tuple)) else True
+
+
+def md_row(*cells) -> str:
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+def md_header(*names) -> list[str]:
+    """A markdown table's head: the names, then the rule."""
+    return [md_row(*names), "|" + "---|" * len(names)]
+
+
+def pyplot():
+    """matplotlib's pyplot, drawing into files (no display)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig, path: Path) -> None:
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def seconds(fn) -> float:
+    """Wall seconds of one call of fn."""
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def free_memory(device: torch.device) -> None:
+    """What a closed runtime or a dropped model held, given back before the next is built."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()

@@ -1,18 +1,17 @@
 """The comparison at a sweep of memory budgets: bf16 in the same memory, every static width, the
-fitting uniform width and the elastic policy, one run each per budget, throughput beside quality.
+fitting uniform width and the elastic policy, one run each per budget, throughput beside quality
+(docs/elasticity.md).
 
 The model: a paged artifact (`--artifact`) or a real-shape config with random weights
-(`--shape`). The trace: `--requests` random prompts from one seed, `--concurrency` in flight,
-EOS ignored. Budgets: `--num-budgets` points, evenly spaced, from "bf16 barely fits" (non-expert
-weights + workspace + bf16 experts + all the KV the trace wants) down to "only 3 bits fits"
-(3-bit experts and the trace's KV, half-way to 4 bits). Rows per budget: `bf16` (our engine over
-the unquantised experts, charged 2 bytes a weight, with the KV blocks the budget leaves: it
-preempts when short, is `refused` when one request's KV does not fit, and stops after
-`--row-time-limit-s`); `static-B`, B = 3..8 (`refused` where B's experts and one request's KV do
-not fit); `fitting-uniform` (the widest B whose experts fit beside the trace's whole KV,
-planner.sizing.fitting_uniform_bits: that `static-B` run, named so); `pagedweight`. With `--kl`
-(an artifact whose source checkpoint is at hand, CPU) each row carries the token-weighted
-KL(bf16 || served) of the KL_PLANS plans it served most, on held-out kjv text.
+(`--shape`); the trace: `--requests` random prompts from one seed, `--concurrency` in flight, EOS
+ignored. `--num-budgets` budgets, evenly spaced, from bf16 barely fitting (non-expert weights,
+workspace, bf16 experts and all the KV the trace wants) down to only 3 bits fitting. Rows:
+`bf16` (the unquantised experts, 2 bytes a weight, with the KV blocks the budget leaves; it
+preempts when short and stops after `--row-time-limit-s`), `static-B`, `fitting-uniform` (the
+widest B whose experts fit beside the trace's whole KV: that static run, named so) and
+`pagedweight`; a row is `refused` where one request's KV does not fit. With `--kl` (an artifact
+whose source checkpoint is at hand) each row carries the token-weighted KL(bf16 || served) of
+the KL_PLANS plans it served most, on held-out kjv text.
 
     python -m bench run budget-sweep-cpu       # the trained tiny Qwen-MoE, with the KL
     python -m bench run budget-sweep-qwen-a    # GPU: Qwen1.5-MoE, 24 layers, half the rows (-b: the rest)
@@ -21,7 +20,6 @@ KL(bf16 || served) of the KL_PLANS plans it served most, on held-out kjv text.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import sys
 import time
@@ -30,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from bench.bench_meta import log, write_result
+from bench.bench_meta import free_memory, log, pyplot, save_figure, write_result
 from pagedweight.cli.load_bench import mean_committed_bits
 from pagedweight.common.errors import UserError
 from pagedweight.engine.engine import Engine, EngineConfig
@@ -117,13 +115,6 @@ def load_model(args) -> Model:
     del ours
     free_memory(args.device)
     return model
-
-
-def free_memory(device: torch.device) -> None:
-    """What a closed runtime or a dropped model held, given back before the next is built."""
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 def model_sizes(model: Model, ecfg: EngineConfig, args) -> dict:
@@ -335,19 +326,14 @@ def main() -> int:
     path = write_result(name, public(result))
     if args.plot:
         pareto_plot(json.loads(path.read_text()), args.plot)
-    log(f"wrote {path}")
+    log(f"wrote {path}" + (f" and {args.plot}" if args.plot else ""))
     return 0
 
 
 def pareto_plot(result: dict, path: Path) -> None:
     """Throughput against KL to bf16, one point per row and budget (refused rows left out),
     each row's budgets joined from the largest to the smallest."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = pyplot().subplots(figsize=(7, 4.5))
     for name in (n for n in ROWS if n != "fitting-uniform"):
         rows = [p["rows"].get(name, {}) for p in result["budgets"]]
         points = [(r["kl_served"], r["output_tokens_per_s"]) for r in rows if r.get("kl_served") is not None]
@@ -355,16 +341,12 @@ def pareto_plot(result: dict, path: Path) -> None:
             kl, tps = zip(*points)
             ax.plot([max(k, 1e-5) for k in kl], tps, marker="o", label=name)
     ax.set_xscale("log")
-    ax.set_xlabel("KL(bf16 || served), nats per token (bf16 drawn at 1e-5)")
-    ax.set_ylabel("output tokens/s")
+    ax.set(xlabel="KL(bf16 || served), nats per token (bf16 drawn at 1e-5)", ylabel="output tokens/s")
     model = result["model"]
     name = Path(model["artifact"]).name if "artifact" in model else model["shape"]
     ax.set_title(f"{name}: {len(result['budgets'])} budgets, one point each", fontsize=9)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    log(f"wrote {path}")
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.bench_meta import log, write_result
+from bench.bench_meta import log, md_header, md_row, write_result
 from bench.quality_budget import (DOMAINS, PLANNER, add_eval_args, as_ppl_change, combine, domain_mean, evaluate_model,
                                   fmt_interval, how_measured, measured, paired, vs_bf16)
 
@@ -105,32 +105,31 @@ def markdown(payload: dict) -> str:
              "Each artifact calibrated on one domain serves the other three. Planner minus the planner "
              "without prompt residuals, mean over models and calibration domains [95% CI]; below zero: "
              "residuals help.", "",
-             "| bits | KL x 1000 | log-perplexity x 1000 |", "|---|---|---|"]
-    for b in bits:
-        if b in s["shift"]:
-            lines.append(f"| {b} | {fmt_interval(s['shift'][b]['kl'], 1000, 3)} | "
-                         f"{fmt_interval(s['shift'][b]['log_ppl'], 1000, 3)} |")
+             *md_header("bits", "KL x 1000", "log-perplexity x 1000")]
+    shift = s["shift"]
+    lines += [md_row(b, fmt_interval(shift[b]["kl"], 1000, 3), fmt_interval(shift[b]["log_ppl"], 1000, 3))
+              for b in bits if b in shift]
     lines += ["", "Per model and calibration domain (KL x 1000, mean ± 1.96 se):", "",
-              "| model, calibrated on | " + " | ".join(f"{b} bits" for b in bits) + " |", "|---" * (len(bits) + 1) + "|"]
-    keys = list(next(iter(s["shift"].values()))["pairs"]) if s["shift"] else []
-    for k in keys:
-        lines.append(f"| {k} | " + " | ".join(
-            f"{1000 * s['shift'][b]['pairs'][k]['kl']['mean']:+.3f} ± {1000 * 1.96 * s['shift'][b]['pairs'][k]['kl']['se']:.3f}"
-            for b in bits) + " |")
+              *md_header("model, calibrated on", *(f"{b} bits" for b in bits))]
+    for k in (list(next(iter(shift.values()))["pairs"]) if shift else []):
+        kl = [shift[b]["pairs"][k]["kl"] for b in bits]
+        lines.append(md_row(k, *(f"{1000 * x['mean']:+.3f} ± {1000 * 1.96 * x['se']:.3f}" for x in kl)))
     lines += ["", "## Calibration tokens and domains", "",
               "The planner on all four domains' held-out text, mean over the row's models: KL x 1000 [95% CI], "
               "perplexity change against bf16 (%), and KL x 1000 minus the default's (all four domains, "
               f"{variant_tokens(DEFAULT_VARIANT)} tokens each), paired. one-domain: the four artifacts "
               "each calibrated on one domain, pooled.", ""]
     for b in bits:
-        lines += [f"### {b} bits", "", "| calibration | tokens (files x per file) | models | planner KL x 1000 | perplexity "
-                  "change | minus default, KL x 1000 | uniform KL x 1000 |", "|---|---|---|---|---|---|---|"]
+        lines += [f"### {b} bits", "", *md_header("calibration", "tokens (files x per file)", "models",
+                                                  "planner KL x 1000", "perplexity change",
+                                                  "minus default, KL x 1000", "uniform KL x 1000")]
         for label, row in s["defaults"][b].items():
             minus = fmt_interval(row["minus_default_kl"], 1000, 3) if "minus_default_kl" in row else "-"
             files = 1 if label.startswith("one-domain") else len(DOMAINS)
-            lines.append(f"| {label.rsplit('-', 1)[0]} | {files} x {row['tokens_per_file']} | {', '.join(row['models'])} | "
-                         f"{fmt_interval(row[PLANNER]['kl'], 1000)} | {100 * row[PLANNER]['ppl_change']['mean']:+.2f}% "
-                         f"| {minus} | {1000 * row['uniform']['kl']['mean']:.2f} |")
+            lines.append(md_row(label.rsplit("-", 1)[0], f"{files} x {row['tokens_per_file']}",
+                                ", ".join(row["models"]), fmt_interval(row[PLANNER]["kl"], 1000),
+                                f"{100 * row[PLANNER]['ppl_change']['mean']:+.2f}%", minus,
+                                f"{1000 * row['uniform']['kl']['mean']:.2f}"))
         lines.append("")
     return "\n".join(lines + how_measured(payload)[1:]) + "\n"
 

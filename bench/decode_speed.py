@@ -9,25 +9,18 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM
 
-from bench.bench_meta import write_result
+from bench.bench_meta import seconds, write_result
 from pagedweight.engine.generate import generate
 from pagedweight.engine.sampler import SamplingParams
 from pagedweight.common.paths import shared_models_dir
 from pagedweight.model import load_model
 
 SHARED = shared_models_dir()
-
-
-def timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def bench_model(model_dir: Path, new_tokens: int, runs: int) -> dict:
@@ -48,8 +41,8 @@ def bench_model(model_dir: Path, new_tokens: int, runs: int) -> dict:
     run_ours(), run_reference()  # warm-up
     ours_s, ref_s = [], []
     for _ in range(runs):
-        ours_s.append(timed(run_ours))
-        ref_s.append(timed(run_reference))
+        ours_s.append(seconds(run_ours))
+        ref_s.append(seconds(run_reference))
     ours_tps = new_tokens / statistics.median(ours_s)
     ref_tps = new_tokens / statistics.median(ref_s)
     return {"model": model_dir.name, "new_tokens": new_tokens, "prompt_tokens": len(prompt),

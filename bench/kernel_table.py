@@ -16,6 +16,8 @@ import json
 import re
 from pathlib import Path
 
+from bench.bench_meta import md_header, md_row, pyplot, save_figure
+
 START, END = "<!-- KERNEL TABLE START -->", "<!-- KERNEL TABLE END -->"
 WIDTHS = ("3", "4", "5", "6", "7", "8", "mixed")
 
@@ -33,17 +35,13 @@ def cell(row: dict, width: str) -> str:
 def model_table(rows: list[dict]) -> str:
     widths = [w for w in WIDTHS if any(f"bits_{w}" in r for r in rows)]
     gemv = any(r.get("bf16_gemv_us") for r in rows)  # results that timed the engine's bf16 GEMV
-    head = "| tokens | " + " | ".join(f"{w} bits" if w != "mixed" else "mixed" for w in widths) + \
-        " | bf16 grouped |" + (" bf16 engine GEMV |" if gemv else "") + " mixed / byte-weighted |"
-    lines = [head, "|" + "---|" * (len(widths) + 3 + gemv)]
+    names = [f"{w} bits" if w != "mixed" else "mixed" for w in widths]
+    lines = md_header("tokens", *names, "bf16 grouped", *["bf16 engine GEMV"] * gemv, "mixed / byte-weighted")
     for row in sorted(rows, key=lambda r: r["tokens"]):
         mixed = row.get("bits_mixed", {}).get("over_byte_weighted")
         grouped, gemv_us = row.get("bf16_grouped_us"), row.get("bf16_gemv_us")
-        grouped_text = f"{grouped:.1f}" if grouped else ""
-        gemv_text = (f" {gemv_us:.1f} |" if gemv_us else " |") if gemv else ""
-        mixed_text = f"{mixed:.2f}x" if mixed else ""
-        lines.append(f"| {row['tokens']} | " + " | ".join(cell(row, w) for w in widths)
-                     + f" | {grouped_text} |{gemv_text} {mixed_text} |")
+        lines.append(md_row(row["tokens"], *(cell(row, w) for w in widths), f"{grouped:.1f}" if grouped else "",
+                            *[f"{gemv_us:.1f}" if gemv_us else ""] * gemv, f"{mixed:.2f}x" if mixed else ""))
     return "\n".join(lines)
 
 
@@ -67,10 +65,7 @@ def replace_block(text: str, block: str) -> str:
 
 
 def plot(record: dict, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     models = sorted({r["model"] for r in record["results"]})
     fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 3.6), squeeze=False)
     for ax, name in zip(axes[0], models):
@@ -82,12 +77,9 @@ def plot(record: dict, path: Path) -> None:
                 ax.plot(*zip(*points), marker="o", label=f"{width} bits" if width != "mixed" else "mixed")
         ax.axhline(1.0, color="grey", lw=0.8)
         ax.set_xscale("log", base=2)
-        ax.set_title(name)
-        ax.set_xlabel("tokens per layer call")
-        ax.set_ylabel("speed-up over bf16 grouped GEMM")
+        ax.set(title=name, xlabel="tokens per layer call", ylabel="speed-up over bf16 grouped GEMM")
     axes[0][-1].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
 
 
 def main() -> None:

@@ -22,11 +22,10 @@ import argparse
 import heapq
 import statistics
 import sys
-import time
 
 import numpy as np
 
-from bench.bench_meta import write_result
+from bench.bench_meta import seconds, write_result
 from pagedweight.planner.damage import DamageInputs, DamageModel
 from pagedweight.planner.planner import OnlinePlanner
 from pagedweight.planner.policies import POLICY_NAMES, PlanContext, make_policy
@@ -41,14 +40,8 @@ SHAPES = {2880: (24, 60), 12288: (48, 128), 30000: (60, 250)}  # blocks -> (laye
 def timed_ms(fn, repeats: int = REPEATS) -> dict:
     for _ in range(3):
         fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    times.sort()
-    return {"median_ms": round(statistics.median(times), 3),
-            "p90_ms": round(times[int(0.9 * (len(times) - 1))], 3)}
+    times = sorted(1e3 * seconds(fn) for _ in range(repeats))
+    return {"median_ms": round(statistics.median(times), 3), "p90_ms": round(times[int(0.9 * (len(times) - 1))], 3)}
 
 
 def heap_solve(damage: np.ndarray, nbytes: np.ndarray, budget: int) -> np.ndarray:
@@ -81,13 +74,6 @@ def online_ticks(table) -> dict:
         planner.plan(budgets[state["i"] % 2], inputs)
 
     return timed_ms(tick)
-
-
-def once_ms(fn) -> float:
-    """One call of something that changes state (no warm-up, no repeat)."""
-    start = time.perf_counter()
-    fn()
-    return round((time.perf_counter() - start) * 1e3, 2)
 
 
 def plans() -> dict:
@@ -155,9 +141,9 @@ def controllers(num_blocks: int) -> dict:
     out["idle_boundary_us"] = round(1e3 * timed_ms(pager.step_boundary, 2001)["median_ms"], 2)
     floor = sum(table.charged_bytes(b, 3) for b in table.entries)
     want = int(0.1 * (table.resident_expert_bytes() - floor) * 0.999)
-    out["plan_free_10pct_ms"] = once_ms(lambda: pager.request_bytes(want))
+    out["plan_free_10pct_ms"] = round(1e3 * seconds(lambda: pager.request_bytes(want)), 2)  # once: it changes state
     out["num_lowered_10pct"] = sum(1 for e in table.entries.values() if e.desired_bits < e.committed_bits)
-    out["lower_10pct_boundary_ms"] = once_ms(pager.step_boundary)
+    out["lower_10pct_boundary_ms"] = round(1e3 * seconds(pager.step_boundary), 2)
     mover.close()
     feed = RoutingFeed(layers, experts)
     ids, weights = torch.randint(0, experts, (64, 8)), torch.rand(64, 8)

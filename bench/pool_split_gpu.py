@@ -1,17 +1,14 @@
 """Reserved device memory against the budget while the weights/KV split moves.
 
-One worker's memory on synthetic APL experts (default: 4 MoE layers of Qwen1.5-MoE-A2.7B
-size, 60 experts, hidden 2048, intermediate 1408): a pool of `--budget` bytes, one arena,
-every block loaded at 8 bits. Then `--cycles` times: the load rises (the KV cache takes
-blocks; when the arena is full the weight pager lowers bits to free them) and falls (KV
-blocks freed, the bytes offered back, bits raised by copies on the side stream). Every
-step runs the MoE layers through the page table. After every step boundary it records the
-allocator's reserved bytes, the device's used bytes and the pool's split; the result keeps
-their maxima.
-
-Baseline in the same run: the same sequence of plane and KV-block allocations made as
-separate tensors from PyTorch's caching allocator (no arena), whose reserved memory is
-what the budget would have to cover without one arena.
+One worker's memory on synthetic APL experts (default: 4 MoE layers of Qwen1.5-MoE-A2.7B size):
+a pool of `--budget` bytes, one arena, every block loaded at 8 bits. Then `--cycles` times the
+load rises (the KV cache takes blocks; with the arena full the weight pager lowers bits to free
+them) and falls (KV blocks freed, the bytes offered back, bits raised by copies on the side
+stream), every step running the MoE layers through the page table. After every step boundary
+it records the allocator's reserved bytes, the device's used bytes and the pool's split; the
+result keeps their maxima. Baseline in the same run: the same plane and KV-block allocations
+as separate tensors of PyTorch's caching allocator (no arena), whose reserved memory is what
+the budget would have to cover without one arena.
 
     python -m bench run pool-split                      # on the GPU machine
     python -m bench.pool_split_gpu --device cpu --layers 1 --experts 8 --hidden 256 --intermediate 128 \\

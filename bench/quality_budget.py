@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from bench.bench_meta import log, write_result
+from bench.bench_meta import log, md_header, md_row, pyplot, save_figure, write_result
 from pagedweight.common.paths import corpus_dir
 from pagedweight.format.blocks import MIN_BITS
 from pagedweight.format.paged_model import load_paged_model
@@ -137,11 +137,6 @@ def windows_of(ids: list[int], length: int, count: int) -> torch.Tensor:
     return torch.tensor([ids[i * length: i * length + length + 1] for i in range(count)])
 
 
-def make_policies(sc: Scorer, names=POLICY_NAMES) -> dict:
-    """Every policy on the plane-bytes table, with the artifact's loss scales."""
-    return {p: make_policy(p, sc.plane_table, scales=sc.inputs.scales) for p in names}
-
-
 def plan_cell(sc: Scorer, plan) -> dict:
     """What a plan costs: mean plane bits, plane bytes, and the LUT bytes it also needs."""
     with_luts = sc.table.bytes_of(plan.bits)
@@ -154,7 +149,7 @@ def evaluate_model(name: str, args, policies_names=POLICY_NAMES, bits_list=BITS,
                    model_dir: Path | None = None) -> dict:
     started = time.perf_counter()
     sc = Scorer(model_dir or Path(args.artifacts) / name)
-    policies = make_policies(sc, policies_names)
+    policies = {p: make_policy(p, sc.plane_table, scales=sc.inputs.scales) for p in policies_names}  # plane bytes
     meta_calib = sc.paged.meta["calibration"]
     result = {"scales": "artifact" if sc.inputs.scales is not None else "raw",
               "calibration_tokens": meta_calib["num_tokens"],
@@ -282,11 +277,7 @@ def summarise(results: dict, bits_list=BITS, policies=POLICY_NAMES, domains=DOMA
 
 # ---- report -----------------------------------------------------------------------------------
 def plot(payload: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     s = payload["summary"]
     names = s["models"]
     bits = [float(b) for b in s["mean"]]
@@ -303,24 +294,26 @@ def plot(payload: dict, path: Path) -> None:
                 ax.plot(bits, [s["per_model"][str(b)][p][name]["kl"] for b in bits], marker="o", markersize=3,
                         label=p, **style)
         ax.set_yscale("log")
-        ax.set_title(name)
-        ax.set_xlabel("budget, mean plane bits (LUTs not charged)")
-        ax.set_ylabel("KL to bf16 per token (nats)")
+        ax.set(title=name, xlabel="budget, mean plane bits (LUTs not charged)", ylabel="KL to bf16 per token (nats)")
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
 
 
 def fmt_interval(v: dict, scale: float = 1.0, digits: int = 2) -> str:
     return f"{v['mean'] * scale:+.{digits}f} [{v['low'] * scale:+.{digits}f}, {v['high'] * scale:+.{digits}f}]"
 
 
+def kl_cell(cell: dict) -> str:
+    """KL x 1000 (perplexity change, %) of one policy at one budget."""
+    return f"{1000 * cell['kl']:.2f} ({100 * cell['ppl_change']:+.2f}%)"
+
+
 def markdown(payload: dict) -> str:
     s = payload["summary"]
     bits = list(s["mean"])
-    head = "| policy | " + " | ".join(f"{b} bits" for b in bits) + " |"
-    rule = "|---" * (len(bits) + 1) + "|"
+    head = md_header("policy", *(f"{b} bits" for b in bits))
+    others = [q for q in payload["policies"] if q != PLANNER]
     lines = ["# Quality at budgets in mean plane bits", "",
              f"Models: {', '.join(s['models'])}. Per domain ({', '.join(payload['domains'])}): "
              f"{payload['prompt_tokens']} prompt tokens of the domain's `valid` text (what the planner "
@@ -337,52 +330,45 @@ def markdown(payload: dict) -> str:
              "last section.", "",
              "![KL to bf16 by budget](quality.png)", "",
              "## Mean over models", "",
-             "KL x 1000 (perplexity change against bf16, %); **bold**: the lowest KL at that budget.", "",
-             head, rule]
+             "KL x 1000 (perplexity change against bf16, %); **bold**: the lowest KL at that budget.", "", *head]
     for p in payload["policies"]:
         cells = []
         for b in bits:
-            best = min(v["kl"]["mean"] for v in s["mean"][b].values())
             c = s["mean"][b][p]
-            text = f"{1000 * c['kl']['mean']:.2f} ({100 * c['ppl_change']['mean']:+.2f}%)"
-            cells.append(f"**{text}**" if np.isclose(c["kl"]["mean"], best) else text)
-        lines.append(f"| {p} | " + " | ".join(cells) + " |")
-    lines.append("| bytes with LUTs, % of bf16 (planner) | " + " | ".join(
-        f"{100 * s['mean'][b][PLANNER]['bytes_fraction']:.1f}%" for b in bits) + " |")
+            text = kl_cell({"kl": c["kl"]["mean"], "ppl_change": c["ppl_change"]["mean"]})
+            best = np.isclose(c["kl"]["mean"], min(v["kl"]["mean"] for v in s["mean"][b].values()))
+            cells.append(f"**{text}**" if best else text)
+        lines.append(md_row(p, *cells))
+    lines.append(md_row("bytes with LUTs, % of bf16 (planner)",
+                        *(f"{100 * s['mean'][b][PLANNER]['bytes_fraction']:.1f}%" for b in bits)))
     lines += ["", "## Planner minus each other policy, mean over models", "",
-              "KL x 1000, mean [95% CI]; below zero: the planner's plan is closer to bf16.", "", head, rule]
-    for p in [q for q in payload["policies"] if q != PLANNER]:
-        lines.append(f"| {p} | " + " | ".join(fmt_interval(s["versus"][b][p]["kl"], 1000) for b in bits) + " |")
-    lines += ["", "Log-perplexity x 1000, mean [95% CI]:", "", head, rule]
-    for p in [q for q in payload["policies"] if q != PLANNER]:
-        lines.append(f"| {p} | " + " | ".join(fmt_interval(s["versus"][b][p]["log_ppl"], 1000) for b in bits)
-                     + " |")
+              "KL x 1000, mean [95% CI]; below zero: the planner's plan is closer to bf16.", "", *head]
+    lines += [md_row(p, *(fmt_interval(s["versus"][b][p]["kl"], 1000) for b in bits)) for p in others]
+    lines += ["", "Log-perplexity x 1000, mean [95% CI]:", "", *head]
+    lines += [md_row(p, *(fmt_interval(s["versus"][b][p]["log_ppl"], 1000) for b in bits)) for p in others]
     lines += ["", "Planner perplexity change against bf16, %, mean [95% CI]: " + "; ".join(
         f"{b} bits {fmt_interval(s['mean'][b][PLANNER]['ppl_change'], 100)}" for b in bits), "",
-        "## Targets", "", "| target | value | 95% CI | met |", "|---|---|---|---|"]
-    for c in s["checks"]:
-        if c["check"].startswith("perplexity"):
-            ppl = s["mean"][str(c["bits"])][PLANNER]["ppl_change"]
-            lines.append(f"| {c['check']} | {100 * c['value']:+.2f}% | [{100 * ppl['low']:+.2f}%, "
-                         f"{100 * ppl['high']:+.2f}%] | {'yes' if c['met'] else '**no**'} |")
+        "## Targets", "", *md_header("target", "value", "95% CI", "met")]
+    for c in (c for c in s["checks"] if c["check"].startswith("perplexity")):
+        ppl = s["mean"][str(c["bits"])][PLANNER]["ppl_change"]
+        lines.append(md_row(c["check"], f"{100 * c['value']:+.2f}%", f"[{100 * ppl['low']:+.2f}%, "
+                            f"{100 * ppl['high']:+.2f}%]", "yes" if c["met"] else "**no**"))
     beats = [c for c in s["checks"] if "against" in c]
     checked = list(dict.fromkeys(str(c["bits"]) for c in beats))
     lines += ["", "The planner better than each policy, mean over models (KL, the 95% CI of the paired "
               "difference below zero); 3.0 bits is left out, every policy's one plan being every block "
-              "at 3 bits:", "", "| against | " + " | ".join(f"{b} bits" for b in checked) + " |",
-              "|---" * (len(checked) + 1) + "|"]
+              "at 3 bits:", "", *md_header("against", *(f"{b} bits" for b in checked))]
     for p in dict.fromkeys(c["against"] for c in beats):
         met = {str(c["bits"]): c["met"] for c in beats if c["against"] == p}
-        lines.append(f"| {p} | " + " | ".join("yes" if met[b] else "**no**" for b in checked) + " |")
+        lines.append(md_row(p, *("yes" if met[b] else "**no**" for b in checked)))
     if s.get("guard"):
         lines += ["", "Held-out plans where the uniform guard chose uniform-plus-fill (`no-guard` differs "
                   "from the planner only there): " + ", ".join(
                       f"{b} bits {g['guard_plans']} of {g['plans']}" for b, g in s["guard"].items()) + "."]
-    lines += model_sections(payload, head, rule)
-    return "\n".join(lines + how_measured(payload)) + "\n"
+    return "\n".join(lines + model_sections(payload, head) + how_measured(payload)) + "\n"
 
 
-def model_sections(payload: dict, head: str, rule: str) -> list[str]:
+def model_sections(payload: dict, head: list[str]) -> list[str]:
     """One section per model: its policies' KL at every budget and its calibration check."""
     s = payload["summary"]
     bits = list(s["mean"])
@@ -392,13 +378,10 @@ def model_sections(payload: dict, head: str, rule: str) -> list[str]:
         lines += ["", f"## {name}", "",
                   f"{res['weights']:,} expert weights (bf16 {res['bf16_expert_bytes']:,} B), dense "
                   f"{res['dense_bytes']:,} B; loss scales: {res['scales']}; calibrated on "
-                  f"{res['calibration_tokens']:,} tokens. KL x 1000 (perplexity change, %):", "", head, rule]
-        for p in payload["policies"]:
-            lines.append(f"| {p} | " + " | ".join(
-                f"{1000 * s['per_model'][b][p][name]['kl']:.2f} ({100 * s['per_model'][b][p][name]['ppl_change']:+.2f}%)"
-                for b in bits) + " |")
-        lines.append("| bytes with LUTs, % of bf16 (planner) | " + " | ".join(
-            f"{100 * s['per_model'][b][PLANNER][name]['bytes_fraction']:.1f}%" for b in bits) + " |")
+                  f"{res['calibration_tokens']:,} tokens. KL x 1000 (perplexity change, %):", "", *head]
+        lines += [md_row(p, *(kl_cell(s["per_model"][b][p][name]) for b in bits)) for p in payload["policies"]]
+        lines.append(md_row("bytes with LUTs, % of bf16 (planner)",
+                            *(f"{100 * s['per_model'][b][PLANNER][name]['bytes_fraction']:.1f}%" for b in bits)))
         cc = res.get("calib_check")
         if cc:
             lines += ["", f"Calibration check ({cc['tokens']} tokens of the `calib` files, KL x 1000, "

@@ -1,20 +1,15 @@
 """Streaming quantisation of a real-shape checkpoint: wall time and peak memory.
 
-1. build: transformers' own class at the published shape (offline/real_shape_configs.py),
-   randomly initialised on the device in bf16, written with `save_pretrained` with the bundled
-   tokenizer; `--layers N` keeps only the first N decoder layers when the device minutes cannot
-   pay for the whole depth (the JSON says so);
-2. quantise it with `pagedweight quantize`'s default path (one layer at a time, bundled
-   calibration text), the planner's loss scales skipped (`scale_tokens=0`: a phase of its own,
-   docs/quantize.md); the peaks are the quantiser's own record (device allocator, host RSS);
-3. per-layer times from the artifact's record, and the full-depth time extrapolated from them:
-   fixed part + num_hidden_layers x per layer.
-Baseline: the whole-model quantiser would first allocate every parameter in fp32 on one device
-(params x 4 bytes, counted from the checkpoint, reported).
-Full depth does not fit a 64 GB disk as checkpoint + work directory + artifact (Qwen: 28.6 + ~24
-+ ~23 GB): `--checkpoint` puts the checkpoint elsewhere (built unless there; `--build-only` just
-builds it, so the quantisation's process and its peak RSS start clean), `--work-dir` the
-quantiser's work directory (bench/__main__.py stages quantize-full-depth so).
+The checkpoint is transformers' own class at the published shape (offline/real_shape_configs.py)
+with random bf16 weights, saved with the bundled tokenizer; `--layers N` keeps the first N
+decoder layers where the device minutes cannot pay for the whole depth (the JSON says so). It is
+quantised by `pagedweight quantize`'s default path (one layer at a time, bundled calibration
+text, loss scales skipped: a phase of its own); the peaks are the quantiser's own record, the
+full depth is extrapolated from the per-layer times (fixed part + layers x per layer). Baseline:
+the whole-model quantiser's fp32 copy of every parameter (params x 4 bytes, reported).
+Checkpoint, work directory and artifact of the full depth do not fit a 64 GB disk together:
+`--checkpoint` and `--work-dir` put them elsewhere, `--build-only` builds the checkpoint in a
+process of its own (bench/__main__.py stages quantize-full-depth so).
 
     python -m bench run quantize-stream-mixtral
     .venv/bin/python -m bench.quantize_stream --model tiny-qwen-moe --device cpu   # checks the script
@@ -147,7 +142,6 @@ def main(argv=None) -> int:
         "baseline_whole_model_fp32_bytes_computed": params * 4,
         "targets": {"full_depth_seconds": 600, "peak_device_gib": 16},
         "artifact_bytes": sum(p.stat().st_size for p in paged.iterdir())}
-    print(json.dumps(result, indent=1))
     log(f"wrote {write_result(args.name, result)}")
     if args.work is None:
         shutil.rmtree(root, ignore_errors=True)

@@ -1,19 +1,13 @@
-"""Serving speed at a real model's size, one run: transformers, our engine in bf16, the
-runtime at static 8/4/3 bits, and the `pagedweight` policy under memory pressure, each
-against the HBM floor measured in the same run (docs/real_shape.md says how each is built).
+"""Serving speed at a real model's size, one run on one GPU (docs/real_shape.md says how each
+part is built): transformers, our engine in bf16, the runtime at static 8/4/3 bits and the
+`pagedweight` policy under memory pressure, each against the HBM floor of the same run (the
+bytes a decode step must read over the copy bandwidth measured first).
 
-Sections, in order of what the device minutes buy (a time limit skips the rest; the JSON is
-rewritten after each, so a cut run keeps what it measured): copy bandwidth -> the HBM floor of
-every row (bytes one decode step must read: non-expert weights, lm_head included, embeddings
-one row per token, the experts the batch touches in expectation under uniform routing,
-E * (1 - (1 - k/E)^B) per layer, at the row's bits); parity of our bf16 logits with
-transformers'; transformers `generate`; our engine over dense bf16 experts in each of
-`--modes` (MODES); the runtime at static-8/4/3, same loads in each mode; pressure (budget =
-8-bit experts + the rest + half the KV the load wants: `pagedweight` against static-8 and
-static-4). Every load counts its graph captures and replays; the bf16 engine and every static
-width have a step profile and a per-component one (bench/step_components.py), TTFT at bf16 and
-4 bits. A model that does not fit the device in bf16 is built layer by layer (`--build auto`)
-and its bf16 sections are marked "does not fit".
+Sections run in order of what the device minutes buy; a time limit skips the rest, and the JSON
+is rewritten after each, so a cut run keeps what it measured. Every load counts its graph
+captures and replays; the bf16 engine and every static width have a step profile and a
+per-component one (bench/step_components.py). A model that does not fit the device in bf16 is
+built layer by layer (`--build auto`) and its bf16 sections are marked "does not fit".
 
     python -m bench run real-shape-qwen          # on the GPU (-mixtral, -gemma4, -qwen3, -olmoe)
     python -m bench run real-shape-cpu           # a tiny model on the CPU: checks the script
@@ -22,14 +16,13 @@ and its bf16 sections are marked "does not fit".
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import math
 import time
 
 import torch
 
-from bench.bench_meta import RESULTS_DIR, device_tag, stamp, to_json
+from bench.bench_meta import RESULTS_DIR, device_tag, free_memory, stamp, to_json
 from bench.step_components import component_profile, decode_profile, sync
 from pagedweight.cli.load_bench import LoadSpec, drive_load, run_load
 from pagedweight.engine.decode_graphs import DecodeGraphs
@@ -43,10 +36,9 @@ from pagedweight.offline.real_shape_models import (CONFIGS, GiB, build_hf_model,
                                                   paged_by_layer, paged_in_memory, parity)
 from pagedweight.runtime import RuntimeConfig, build_runtime_from_paged, workspace_bytes
 
-# How a step runs: every step eager with the batched path's padded gather and the per-expert
-# loop over dense experts (the baseline); CUDA-graph replay of every step as token rows,
-# prefill chunks included, with the in-place attention and grouped experts (the engine's
-# default); then the same with each layer's shared expert on a side stream.
+# How a step runs: eager with the padded gather and a per-expert loop (the baseline); CUDA-graph
+# replay of every step, prefill chunks included, in-place attention and grouped experts (the
+# engine's default); the same with each layer's shared expert on a side stream.
 MODES = {
     "eager-gather": dict(attention_impl="batched", graphs=False, grouped=False),
     "graphs-inplace": dict(attention_impl="inplace", graphs=True, grouped=True, prefill=True),
@@ -88,8 +80,6 @@ def parse_args() -> argparse.Namespace:
         args.component_concurrency = args.concurrency
     return args
 
-
-# ---------------------------------------------------------------- measuring
 
 def copy_bandwidth(device: torch.device, nbytes: int, repeats: int = 10) -> float:
     """Device-to-device copy, bytes read + written per second (the floor's denominator)."""
@@ -202,8 +192,6 @@ def engine_config(max_seqs: int, max_tokens: int, num_kv_blocks: int = 1024) -> 
                         kv=KVCacheConfig(), num_kv_blocks=num_kv_blocks)
 
 
-# ---------------------------------------------------------------- the run
-
 class Run:
     """The sections of one run, in order, against the clock; each puts its part of the result."""
 
@@ -232,11 +220,6 @@ class Run:
     def left(self, more_s: float = 0.0) -> bool:
         """Time left for a measurement (a runtime build needs `more_s` besides)."""
         return self.args.time_limit_s - (time.perf_counter() - self.started) >= RESERVE_S + more_s
-
-    def free_memory(self) -> None:
-        gc.collect()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
 
     def build(self) -> None:
         """The bf16 model on the device (whole), or the paged artifact layer by layer where the
@@ -311,7 +294,7 @@ class Run:
             self.paged = paged_in_memory(self.ours, self.config, self.raw)
             self.put("quantize_s", round(time.perf_counter() - t0, 1))
             self.ours = self.hf_model = None
-        self.free_memory()
+        free_memory(self.device)
         self.experts8 = sum(block_bytes(b["rows"], b["cols"], 8) for b in self.paged.meta["blocks"])
         self.put("bytes", {"non_expert_weights": self.dense_bytes, "workspace": self.workspace,
                            "experts_8bit": self.experts8})
@@ -342,7 +325,7 @@ class Run:
             self.put("runtime_static", static)
             rt.close()
             del rt
-            self.free_memory()  # the next runtime's arena is one allocation as large as this one's
+            free_memory(self.device)  # the next runtime's arena is one allocation as large as this one's
 
     def pressure(self) -> None:
         """Budget = 8-bit experts + the rest + half the KV the load wants: pagedweight against
@@ -367,7 +350,7 @@ class Run:
             self.put("pressure", pressure)
             rt.close()
             del rt
-            self.free_memory()
+            free_memory(self.device)
         self.put("pressure", pressure)
 
     def measure_mode(self, engine, mode: str, row: dict, loads: list, put, ttft_into: dict | None) -> None:

@@ -4,15 +4,13 @@ uniform width that fits (docs/quality.md's last section, rendered by `markdown` 
 The checkpoint is a small MoE trained for key-value retrieval among filler text
 (tools/train_retrieval_moe.py, bench/retrieval_task.py), quantised by `pagedweight quantize` on
 task text of a seed the evaluation does not use. Per context length, held-out examples (one
-query each) are answered greedily and scored by exact match; every row answers the same ones:
-- `bf16`, unlimited memory: one forward per prompt; the answer is the argmax of the last logits,
-  its margin over the runner-up kept (how near a tie it is);
-- at each budget (`--expert-bits` B: dense weights, workspace, the KV of `--concurrency` whole
-  requests and `--slack-pages` blocks, experts at B mean bits) every example is sent at once and
-  decodes `--decode-tokens` after its prompt (by default as many as the prefills of concurrency
-  - 1 requests take steps, so that many hold KV at once): `bf16` with the KV blocks its experts
-  leave (it queues or preempts), `pagedweight`, and `static-B`, the widest uniform B that fits;
-  the quantised rows record the bits each prompt token was computed at.
+query each) are answered greedily and scored by exact match, the same ones in every row:
+`bf16` with unlimited memory, one forward per prompt (the answer's margin over the runner-up
+kept); then at each budget (`--expert-bits` B: dense weights, workspace, the KV of
+`--concurrency` whole requests and `--slack-pages` blocks, experts at B mean bits) every example
+sent at once, decoding a few tokens after its prompt so that many requests hold KV together:
+`bf16` with the KV blocks its experts leave (it queues or preempts), `pagedweight`, and
+`static-B`, the widest uniform B that fits, with the bits each prompt token was computed at.
 Accuracies carry 95% Wilson intervals and the examples lost and gained against unlimited bf16.
 
     python -m bench run retrieval-budget
@@ -30,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from bench.bench_meta import write_result
+from bench.bench_meta import md_header, md_row, write_result
 from bench.retrieval_task import eval_examples, to_text
 from pagedweight.common.paths import REPO_ROOT
 
@@ -40,17 +38,16 @@ Z95 = 1.959963984540054  # the normal quantile of a two-sided 95% interval
 BF16_BYTES = 2  # bf16 experts are charged 2 bytes a weight whatever the compute dtype
 
 
-def write_calib(path: Path, length: int, count: int, records: int) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(to_text(e.ids) for e in eval_examples(CALIB_SEED, length, count, records)) + "\n")
-    return path
-
-
-def quantize(model: Path, out: Path, calib: Path, args) -> None:
+def quantize(args, paged_dir: Path) -> None:
+    """The checkpoint quantised on task text of CALIB_SEED."""
     from pagedweight.cli.main import build_parser
 
+    calib = paged_dir.parent / "calib.txt"
+    calib.parent.mkdir(parents=True, exist_ok=True)
+    calib.write_text("\n".join(to_text(e.ids) for e in eval_examples(
+        CALIB_SEED, args.calib_length, args.calib_examples, args.records)) + "\n")
     cli = build_parser().parse_args([
-        "quantize", "--model", str(model), "--out", str(out), "--calib", str(calib),
+        "quantize", "--model", args.model, "--out", str(paged_dir), "--calib", str(calib),
         "--calib-tokens", str(args.calib_tokens), "--seq-len", str(args.calib_seq_len), "--threads",
         str(args.threads), "--device", args.device, "--quiet", "--force"])
     cli.handler(cli)
@@ -209,19 +206,18 @@ def reference(model, examples) -> tuple[list[list[int]], list[float]]:
     return outputs, margins
 
 
-def bf16_in_budget(model, engine, point: dict, examples, decode_tokens: int) -> tuple[list | None, dict]:
+def bf16_in_budget(model, engine, point: dict, examples, decode_tokens: int, ref: list[bool]) -> dict:
     """The engine over the unquantised experts with the KV blocks the budget leaves beside them
-    (refused where they do not hold one request)."""
+    (refused where they do not hold one request), scored."""
     from pagedweight.engine.engine import Engine
     from pagedweight.memory.kv_cache import blocks_for
 
     num_blocks = int(point["bf16_kv_blocks"])
     need = blocks_for(max(e.prompt_len for e in examples) + decode_tokens, engine.kv.block_size)
     if num_blocks < need:
-        return None, {"refused": f"bf16 experts leave {num_blocks} KV blocks, one request needs {need}"}
-    eng = Engine(model, replace(engine, num_kv_blocks=num_blocks))
-    outputs, served = send_all(eng, examples, decode_tokens)
-    return outputs, {**served, "kv_blocks": num_blocks, "bits": {"mean": 16.0}}
+        return {"refused": f"bf16 experts leave {num_blocks} KV blocks, one request needs {need}"}
+    outputs, served = send_all(Engine(model, replace(engine, num_kv_blocks=num_blocks)), examples, decode_tokens)
+    return {**score(outputs, examples, ref), **served, "kv_blocks": num_blocks, "bits": {"mean": 16.0}}
 
 
 def served(paged_dir: Path, policy: str, budget: int, engine, device, dtype, examples, decode_tokens: int,
@@ -250,12 +246,6 @@ def score(outputs, examples, reference_right: list[bool] | None = None) -> dict:
     return row
 
 
-def decode_tokens_for(args, prompt_len: int) -> int:
-    """--decode-tokens, or by default as many as the prefills of concurrency - 1 requests take
-    steps: then that many requests hold their KV at once."""
-    return args.decode_tokens or max(1, (args.concurrency - 1) * -(-prompt_len // args.max_batched_tokens))
-
-
 def run_length(args, paged, paged_dir: Path, model, length: int, device, dtype) -> dict:
     from pagedweight.engine.engine import EngineConfig
     from pagedweight.engine.scheduler import SchedulerConfig
@@ -264,8 +254,10 @@ def run_length(args, paged, paged_dir: Path, model, length: int, device, dtype) 
     examples = eval_examples(args.seed, length, args.count, args.records)
     engine = EngineConfig(scheduler=SchedulerConfig(args.concurrency, args.max_batched_tokens),
                           kv=KVCacheConfig(args.block_size))
-    decode_tokens = decode_tokens_for(args, max(e.prompt_len for e in examples))
-    request_tokens = max(e.prompt_len for e in examples) + decode_tokens
+    prompt_len = max(e.prompt_len for e in examples)
+    # by default as many tokens as the prefills of concurrency - 1 requests take steps: then that many hold KV at once
+    decode_tokens = args.decode_tokens or max(1, (args.concurrency - 1) * -(-prompt_len // args.max_batched_tokens))
+    request_tokens = prompt_len + decode_tokens
     parts = budget_parts(paged, engine, dtype, request_tokens, args.concurrency)
     fixed = parts["dense"] + parts["workspace"] + parts["kv"] + args.slack_pages * parts["kv_block"]
     routing, top_k = paged.meta["routing"]["routing_fraction"], paged.config.num_experts_per_tok
@@ -277,8 +269,7 @@ def run_length(args, paged, paged_dir: Path, model, length: int, device, dtype) 
     points = []
     for expert_bits in args.expert_bits:
         point = budget_point(parts, fixed, expert_bits)
-        outputs, counters = bf16_in_budget(model, engine, point, examples, decode_tokens)
-        rows = {"bf16": counters if outputs is None else {**score(outputs, examples, ref), **counters}}
+        rows = {"bf16": bf16_in_budget(model, engine, point, examples, decode_tokens, ref)}
         log(length, expert_bits, "bf16", rows["bf16"])
         uniform = [f"static-{point['fitting_uniform_bits']}"] if point["fitting_uniform_bits"] else []
         for policy in ["pagedweight", *uniform]:
@@ -299,83 +290,75 @@ def log(length: int, budget, name: str, row: dict) -> None:
 
 
 # ---- the report: docs/quality.md's section ------------------------------------------------------------
-def pct(x: float) -> str:
-    return f"{100 * x:.1f}"
-
-
 def accuracy_cell(row: dict, paired: bool) -> str:
     if "refused" in row:
         return "refused"
     lo, hi = row["ci95"]
-    cell = f"{pct(row['accuracy'])}% [{pct(lo)}, {pct(hi)}]"
+    cell = f"{100 * row['accuracy']:.1f}% [{100 * lo:.1f}, {100 * hi:.1f}]"
     return cell + (f" (-{row['lost']} / +{row['gained']})" if paired else "")
 
 
 def accuracy_table(payload: dict) -> list[str]:
     """Exact match per row and context length, unlimited bf16 first, then each budget's rows."""
     lengths = payload["lengths"]
-    lines = ["| budget | row | " + " | ".join(f"{r['length']} tokens" for r in lengths) + " |",
-             "|---|---|" + "---|" * len(lengths),
-             "| unlimited | bf16 | " + " | ".join(accuracy_cell(r["bf16_unlimited"], False) for r in lengths) + " |"]
+    lines = md_header("budget", "row", *(f"{r['length']} tokens" for r in lengths))
+    lines.append(md_row("unlimited", "bf16", *(accuracy_cell(r["bf16_unlimited"], False) for r in lengths)))
     for i, point in enumerate(lengths[0]["budgets"]):
-        for name in point["results"]:
-            label = "bf16" if name == "bf16" else f"`{name}`"
-            cells = [accuracy_cell(r["budgets"][i]["results"][name], True) for r in lengths]
-            lines.append(f"| {point['expert_bits']:g} expert bits | {label} | " + " | ".join(cells) + " |")
+        lines += [md_row(f"{point['expert_bits']:g} expert bits", "bf16" if name == "bf16" else f"`{name}`",
+                         *(accuracy_cell(r["budgets"][i]["results"][name], True) for r in lengths))
+                  for name in point["results"]]
     return lines
 
 
 def serving_table(payload: dict) -> list[str]:
     """How each budget row was served: memory, the bits its prompt tokens saw, what it paid."""
-    lines = ["| expert bits | context | row | budget MiB (bf16 needs) | mean bits (lowest) | per layer | "
-             "most / least routed | requests (KV tokens) held, most | preemptions | steps short of KV | "
-             "prompt tok/s |", "|---" * 11 + "|"]
+    lines = md_header("expert bits", "context", "row", "budget MiB (bf16 needs)", "mean bits (lowest)", "per layer",
+                      "most / least routed", "requests (KV tokens) held, most", "preemptions", "steps short of KV",
+                      "prompt tok/s")
     for r in payload["lengths"]:
         for point in r["budgets"]:
+            head = (f"{point['expert_bits']:g}", r["length"])
             mib = f"{point['budget_bytes'] / 2**20:.2f} ({point['bf16_needs_bytes'] / 2**20:.2f})"
             for name, x in point["results"].items():
                 if "refused" in x:
-                    lines.append(f"| {point['expert_bits']:g} | {r['length']} | {name} | {mib} | {x['refused']} |"
-                                 + " |" * 6)
+                    lines.append(md_row(*head, name, mib, x["refused"], *[""] * 6))
                     continue
                 b = x["bits"]
                 bits = ["16 (bf16)", "", ""] if "by_layer" not in b else [
                     f"{b['mean']:.2f} ({b['mean_min']:.2f})", " / ".join(f"{v:.2f}" for v in b["by_layer"].values()),
                     f"{b['most_routed']:.2f} / {b['least_routed']:.2f}"]
-                paid = [f"{x['max_running']} ({x['peak_kv_tokens']:,})", x["preemptions"], x["memory_short_steps"],
-                        f"{x['prompt_tokens_per_s']:,.0f}"]
-                lines.append(f"| {point['expert_bits']:g} | {r['length']} | {name} | {mib} | "
-                             + " | ".join(str(c) for c in [*bits, *paid]) + " |")
+                lines.append(md_row(*head, name, mib, *bits, f"{x['max_running']} ({x['peak_kv_tokens']:,})",
+                                    x["preemptions"], x["memory_short_steps"], f"{x['prompt_tokens_per_s']:,.0f}"))
     return lines
 
 
 def target_rows(payload: dict) -> list[str]:
     """The targets: the elastic policy within 1 point of unlimited bf16 at every length and
     budget, and 10 points above the fitting uniform width at the tightest budget."""
-    lines = ["| target | budget | " + " | ".join(f"{r['length']} tokens" for r in payload["lengths"]) + " |",
-             "|---|---|" + "---|" * len(payload["lengths"])]
-    tight = min(p["expert_bits"] for p in payload["lengths"][0]["budgets"])
-    for i, point in enumerate(payload["lengths"][0]["budgets"]):
+    lengths = payload["lengths"]
+    lines = md_header("target", "budget", *(f"{r['length']} tokens" for r in lengths))
+    tight = min(p["expert_bits"] for p in lengths[0]["budgets"])
+
+    def gaps(i: int, name: str, against, points: float, label: str) -> str:
+        cells = [r["budgets"][i]["results"][name]["accuracy"] - against(r)["accuracy"] for r in lengths]
+        return md_row(label, f"{lengths[0]['budgets'][i]['expert_bits']:g}", *(
+            f"{100 * g:+.1f} points: {'yes' if round(100 * g, 9) >= points else '**no**'}" for g in cells))
+
+    for i, point in enumerate(lengths[0]["budgets"]):
         for policy in [n for n in point["results"] if n != "bf16" and not n.startswith("static-")]:
-            gaps = [r["budgets"][i]["results"][policy]["accuracy"] - r["bf16_unlimited"]["accuracy"]
-                    for r in payload["lengths"]]
-            lines.append(f"| `{policy}` within 1 point of unlimited bf16 | {point['expert_bits']:g} | " + " | ".join(
-                f"{100 * g:+.1f} points: {'yes' if round(100 * g, 9) >= -1 else '**no**'}" for g in gaps) + " |")
-            if point["expert_bits"] != tight:
-                continue
-            static = [n for n in point["results"] if n.startswith("static-")]
-            for uniform in static:
-                gaps = [r["budgets"][i]["results"][policy]["accuracy"] - r["budgets"][i]["results"][uniform]["accuracy"]
-                        for r in payload["lengths"]]
-                lines.append(f"| `{policy}` 10 points above `{uniform}` | {point['expert_bits']:g} | " + " | ".join(
-                    f"{100 * g:+.1f} points: {'yes' if round(100 * g, 9) >= 10 else '**no**'}" for g in gaps) + " |")
+            lines.append(gaps(i, policy, lambda r: r["bf16_unlimited"], -1,
+                              f"`{policy}` within 1 point of unlimited bf16"))
+            if point["expert_bits"] == tight:
+                lines += [gaps(i, policy, lambda r, u=u: r["budgets"][i]["results"][u], 10,
+                               f"`{policy}` 10 points above `{u}`")
+                          for u in point["results"] if u.startswith("static-")]
     return lines
 
 
-def lost_examples(payload: dict) -> list[str]:
-    """Each example a budget row lost against unlimited bf16: which rows lost it and how near a
-    tie unlimited bf16's answer was (its margin beside the median at that length)."""
-    out = []
+def account(payload: dict) -> list[str]:
+    """What one example weighs, and each example a budget row lost against unlimited bf16: which
+    rows lost it and how near a tie unlimited bf16's answer was (its margin beside the median)."""
+    lost = []
     for r in payload["lengths"]:
         ref = r["bf16_unlimited"]
         median = sorted(ref["margins"])[len(ref["margins"]) // 2]
@@ -383,18 +366,12 @@ def lost_examples(payload: dict) -> list[str]:
             rows = [f"{p['expert_bits']:g} `{n}`" for p in r["budgets"] for n, x in p["results"].items()
                     if "right" in x and ref["right"][i] and not x["right"][i]]
             if rows:
-                out.append(f"{r['length']} tokens, example {i}: bf16 margin {margin:.2f} (median {median:.2f}), "
-                           f"lost by {', '.join(rows)}")
-    return out
-
-
-def account(payload: dict) -> list[str]:
-    """What one example weighs, and each example a budget row lost with how near a tie it was."""
+                lost.append(f"- {r['length']} tokens, example {i}: bf16 margin {margin:.2f} (median {median:.2f}), "
+                            f"lost by {', '.join(rows)}")
     n = payload["lengths"][0]["examples"]
-    lost = lost_examples(payload)
     return [f"One example is {100 / n:.1f} points at {n} examples per length."] + ([
         "", "Examples a budget row lost (the margin: unlimited bf16's logit of its answer above the runner-up's):",
-        "", *(f"- {x}" for x in lost)] if lost else [])
+        "", *lost] if lost else [])
 
 
 def markdown(payload: dict) -> str:
@@ -459,34 +436,29 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out-name", default=None)
     args = p.parse_args(argv)
+    from pagedweight.format.paged_model import load_paged_model
+    from pagedweight.model import load_model
+
     torch.set_num_threads(args.threads)
     load_start = os.getloadavg()[0]  # the machine's other work, beside the wall times
     device = torch.device(args.device)
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
-    config = json.loads((Path(args.model) / "config.json").read_text())
-    work = Path(args.work)
-    paged_dir = work / "paged"
-    started = time.perf_counter()
+    paged_dir, started = Path(args.work) / "paged", time.perf_counter()
     if not (paged_dir / "config.json").is_file():  # quantised once per work folder
-        calib = write_calib(work / "calib.txt", args.calib_length, args.calib_examples, args.records)
-        quantize(Path(args.model), paged_dir, calib, args)
+        quantize(args, paged_dir)
     quantize_s = round(time.perf_counter() - started, 1)
-    from pagedweight.format.paged_model import load_paged_model
-    from pagedweight.model import load_model
-
     paged = load_paged_model(paged_dir, with_bf16=False)
     model = load_model(Path(args.model), dtype=dtype, device=device)
     lengths = [run_length(args, paged, paged_dir, model, n, device, dtype) for n in args.lengths]
-    name = args.out_name or f"retrieval_budget_{Path(args.model).name}"
-    payload = {"model": Path(args.model).name, "args": vars(args), "dtype": str(dtype)[6:],
-               "model_config": {k: config.get(k) for k in (
-                   "hidden_size", "num_hidden_layers", "num_local_experts", "num_experts_per_tok",
-                   "intermediate_size", "num_key_value_heads")},
-               "quantize_seconds": quantize_s, "lengths": lengths,
-               "seconds": round(time.perf_counter() - started, 1), "cpu_seconds": round(time.process_time(), 1),
-               "load_average": [round(load_start, 2), round(os.getloadavg()[0], 2)]}
-    path = write_result(name, payload)
-    print(f"wrote {path}")
+    config = json.loads((Path(args.model) / "config.json").read_text())
+    print("wrote", write_result(args.out_name or f"retrieval_budget_{Path(args.model).name}", {
+        "model": Path(args.model).name, "args": vars(args), "dtype": str(dtype)[6:],
+        "model_config": {k: config.get(k) for k in ("hidden_size", "num_hidden_layers", "num_local_experts",
+                                                     "num_experts_per_tok", "intermediate_size",
+                                                     "num_key_value_heads")},
+        "quantize_seconds": quantize_s, "lengths": lengths, "seconds": round(time.perf_counter() - started, 1),
+        "cpu_seconds": round(time.process_time(), 1),
+        "load_average": [round(load_start, 2), round(os.getloadavg()[0], 2)]}))
     return 0
 
 

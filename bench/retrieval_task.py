@@ -7,22 +7,17 @@ the word `query` the queries follow, each a key to be answered with its value:
     the river is cold . k017 v042 a small bird sings . ... . query k017 v042 k101 v007
 
 This is the multi-query associative recall form (MQAR, Zoology: Arora et al. 2023): keys and
-values are single tokens of their own vocabularies (KEYS, VALUES), so the answer is found by
-matching the queried key against every record: the other records are the hard distractors,
-the filler the long ones. A two-layer attention model can solve it with an induction circuit
-(find the earlier occurrence of the key, copy the token after it); multi-token keys would
-need a longer one. Text and token ids agree by construction: the word-level tokenizer
-(`build_tokenizer`) splits on white space, and `VOCAB` is its vocabulary in id order.
-
-Examples are a pure function of (seed, index), so a held-out set is a seed no training
-batch uses (training draws from TRAIN_SEED_BASE + seed; evaluation from EVAL_SEED_BASE + seed).
+values are single tokens of their own vocabularies, so the answer is found by matching the
+queried key against every record (the other records are the hard distractors, the filler the
+long ones); a two-layer attention model can solve it with an induction circuit. Text and token
+ids agree by construction: the word-level tokenizer (`build_tokenizer`) splits on white space,
+and `VOCAB` is its vocabulary in id order. Examples are a pure function of (seed, index), so a
+held-out set is a seed no training batch uses (TRAIN_SEED_BASE, EVAL_SEED_BASE).
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
@@ -123,13 +118,3 @@ def build_tokenizer():
     tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
     tok.add_special_tokens([EOS])
     return tok
-
-
-def save_tokenizer(model_dir: Path, max_length: int) -> None:
-    """tokenizer.json and tokenizer_config.json, the files the project's Tokenizer and
-    transformers' AutoTokenizer read."""
-    model_dir = Path(model_dir)
-    build_tokenizer().save(str(model_dir / "tokenizer.json"))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None, "eos_token": EOS,
-              "pad_token": EOS, "unk_token": None, "model_max_length": max_length}
-    (model_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")

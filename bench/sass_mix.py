@@ -1,17 +1,12 @@
 """The instruction mix per weight of the decode kernel's step loops, read from its SASS
-(docs/kernel.md, "Instruction counts"): compiles one `apl_gemv` instance with the host's
-defines (DEFAULT_CONFIG's, plus overrides) with nvcc (for sm_90a where the host would: the tiles
-instances on wgmma), disassembles it with nvdisasm, finds the innermost loops holding HMMA or
-HGMMA and counts their opcodes. An m16n8k16 A fragment is 8 weights a thread, so weights =
-8 x HMMA in a decode loop and 8 x HMMA / NT8 in a tiles loop (a fragment feeds NT8 mma); a
-wgmma m64nNk16 is 64 x 16 weights over 128 threads, 8 a thread, so weights = 8 x HGMMA.
-For an `apl_staged` instance (the staged regime) it counts the producer warpgroup's step loop
-instead: the innermost loops storing dequantised weights to shared memory (STS.128, 8 weights
-each) and holding no HGMMA; weights = 8 x STS.128.
-
-The build helpers (`kernel_defines`, `module_text`, `build_instance`, `resource_usage`) also
-serve the kernel tests that compile instances with nvcc (registers, NVRTC, the staged host
-harness).
+(docs/kernel.md, "Instruction counts"): one `apl_gemv` instance compiled by nvcc as the host
+builds it (its defines, plus overrides; sm_90a where the host would), disassembled by nvdisasm;
+the innermost loops holding HMMA or HGMMA, their opcodes counted per weight. An m16n8k16 A
+fragment is 8 weights a thread, so weights = 8 x HMMA in a decode loop and 8 x HMMA / NT8 in a
+tiles loop (a fragment feeds NT8 mma); a wgmma m64nNk16 is 64 x 16 weights over 128 threads,
+so weights = 8 x HGMMA. For an `apl_staged` instance, the producer warpgroup's step loop: the
+innermost loops storing dequantised weights to shared memory (STS.128, 8 weights each) and
+holding no HGMMA. `build_instance` also serves the kernel tests that compile with nvcc.
 
     python -m bench run kernel-sass      # the 5-8-bit decode kernel; bench/results/sass_mix_cpu.json
     python -m bench.sass_mix ["apl_gemv<0, 0, true, true, 1>" | "apl_staged<0, 0, true, true, 8>"]
@@ -130,12 +125,20 @@ def _kernels():
 
 def build_instance(instance: str, overrides: dict[str, int], workdir: Path) -> tuple[Path, str]:
     """(cubin, ptxas resource lines) of one apl_gemv or apl_staged instance, compiled by nvcc as
-    the host would."""
+    the host would: its defines, for sm_90a (wgmma) where the host builds it so, else sm_90."""
     op, _ = _kernels()
-    defines = kernel_defines(overrides)
     staged = instance.startswith("apl_staged<")
-    source = module_text(staged) + f"\ntemplate __global__ void {instance}({STAGED_PARAMS if staged else GEMV_PARAMS});\n"
-    return build_source(source, op.wgmma_build(instance), defines, workdir)
+    params = STAGED_PARAMS if staged else GEMV_PARAMS
+    (workdir / "k.cu").write_text(module_text(staged) + f"\ntemplate __global__ void {instance}({params});\n")
+    cubin = workdir / "k.cubin"
+    arch = "-gencode=arch=compute_90a,code=sm_90a" if op.wgmma_build(instance) else "-arch=sm_90"
+    build = subprocess.run(["nvcc", "-std=c++17", arch, "-cubin", "-o", str(cubin), str(workdir / "k.cu"), "-Xptxas",
+                            "-v", *(f"-D{k}={v}" for k, v in kernel_defines(overrides).items())],
+                           capture_output=True, text=True)
+    if build.returncode:
+        raise RuntimeError(build.stderr[-4000:])
+    resources = "\n".join(line.strip() for line in build.stderr.splitlines() if "registers" in line or "spill" in line)
+    return cubin, resources
 
 
 def kernel_defines(overrides: dict[str, int]) -> dict[str, int]:
@@ -150,42 +153,14 @@ def module_text(staged: bool) -> str:
     return module_source(op.SOURCE, op.GEMV_SOURCE, op.PREFILL_SOURCE, *([op.STAGED_SOURCE] if staged else []))
 
 
-def build_source(source: str, sm90a: bool, defines: dict[str, int], workdir: Path) -> tuple[Path, str]:
-    """(cubin, ptxas resource lines) of a kernels source, for sm_90a (wgmma) or sm_90."""
-    (workdir / "k.cu").write_text(source)
-    cubin = workdir / "k.cubin"
-    arch = "-gencode=arch=compute_90a,code=sm_90a" if sm90a else "-arch=sm_90"
-    build = subprocess.run(["nvcc", "-std=c++17", arch, "-cubin", "-o", str(cubin), str(workdir / "k.cu"),
-                            "-Xptxas", "-v", *(f"-D{k}={v}" for k, v in defines.items())],
-                           capture_output=True, text=True)
-    if build.returncode:
-        raise RuntimeError(build.stderr[-4000:])
-    resources = "\n".join(line.strip() for line in build.stderr.splitlines() if "registers" in line or "spill" in line)
-    return cubin, resources
-
-
-def resource_usage(resources: str) -> tuple[int, int]:
-    """(registers, spill store + load bytes) of the instance from build_instance's resource
-    lines: ptxas reports it first (the module's other entry, moe_align, follows)."""
-    registers = re.search(r"Used (\d+) registers", resources)
-    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", resources)
-    if registers is None or spills is None:
-        raise ValueError(f"no ptxas resource usage in: {resources!r}")
-    return int(registers.group(1)), int(spills.group(1)) + int(spills.group(2))
-
-
-def compile_instance(instance: str, overrides: dict[str, int], workdir: Path) -> tuple[str, str]:
-    """(SASS text, ptxas resource lines) of one apl_gemv or apl_staged instance."""
-    cubin, resources = build_instance(instance, overrides, workdir)
-    return disassemble(cubin), resources
-
-
-def nvdisasm_path() -> str:
-    return os.environ.get("NVDISASM") or shutil.which("nvdisasm") or "nvdisasm"
-
-
 def disassemble(cubin: Path) -> str:
-    return subprocess.run([nvdisasm_path(), "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
+    nvdisasm = os.environ.get("NVDISASM") or shutil.which("nvdisasm") or "nvdisasm"
+    return subprocess.run([nvdisasm, "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
+
+
+def refuse(message: str) -> int:
+    print(f"sass_mix: {message}", file=sys.stderr)
+    return 2
 
 
 def main(argv=None) -> int:
@@ -197,39 +172,26 @@ def main(argv=None) -> int:
     try:
         overrides = {k: int(v) for k, _, v in (d.partition("=") for d in args.defines)}
     except ValueError:
-        print(f"sass_mix: defines must be NAME=integer, got {args.defines}", file=sys.stderr)
-        return 2
+        return refuse(f"defines must be NAME=integer, got {args.defines}")
     if not _INSTANCE.fullmatch(args.instance):
-        print("sass_mix: the instance must read apl_gemv<CLS, MODE, true|false, true|false, NT8> or apl_staged<...> "
-              f"with the same arguments, got {args.instance!r}",
-              file=sys.stderr)
-        return 2
+        return refuse("the instance must read apl_gemv<CLS, MODE, true|false, true|false, NT8> or apl_staged<...> "
+                      f"with the same arguments, got {args.instance!r}")
     if not shutil.which("nvcc"):
-        print("sass_mix: nvcc not found on PATH", file=sys.stderr)
-        return 2
+        return refuse("nvcc not found on PATH")
     with tempfile.TemporaryDirectory() as tmp:
         try:
-            sass, resources = compile_instance(args.instance, overrides, Path(tmp))
+            cubin, resources = build_instance(args.instance, overrides, Path(tmp))
+            sass = disassemble(cubin)
         except (RuntimeError, subprocess.CalledProcessError, FileNotFoundError) as err:
-            print(f"sass_mix: {err}", file=sys.stderr)
-            return 2
+            return refuse(str(err))
     print(resources)
-    if args.instance.startswith("apl_staged<"):
-        mixes = producer_loop_mixes(sass)
-        for m in mixes:
-            print(f"producer loop @{m['first_line']}: {m['instructions']} instructions, STS.128 {m['sts128']}: "
-                  f"{m['per_weight']:.3f} / weight (PRMT+LOP3+SHF {m['alu_per_weight']:.3f}) | "
-                  + "  ".join(f"{k} {v:.3f}" for k, v in list(m["mix"].items())[:12]))
-        return _write_json(args, overrides, resources, mixes)
-    mixes = step_loop_mixes(sass, _kernels()[0].instance_tiles(args.instance))
+    staged = args.instance.startswith("apl_staged<")
+    mixes = producer_loop_mixes(sass) if staged else step_loop_mixes(sass, _kernels()[0].instance_tiles(args.instance))
     for m in mixes:
-        print(f"loop @{m['first_line']}: {m['instructions']} instructions, HMMA {m['hmma']}, HGMMA {m['hgmma']}: "
-              f"{m['per_weight']:.3f} / weight "
-              f"(PRMT+LOP3+SHF {m['alu_per_weight']:.3f}) | " + "  ".join(f"{k} {v:.3f}" for k, v in list(m["mix"].items())[:12]))
-    return _write_json(args, overrides, resources, mixes)
-
-
-def _write_json(args, overrides: dict[str, int], resources: str, mixes: list[dict]) -> int:
+        counts = f"STS.128 {m['sts128']}" if staged else f"HMMA {m['hmma']}, HGMMA {m['hgmma']}"
+        print(f"{'producer loop' if staged else 'loop'} @{m['first_line']}: {m['instructions']} instructions, "
+              f"{counts}: {m['per_weight']:.3f} / weight (PRMT+LOP3+SHF {m['alu_per_weight']:.3f}) | "
+              + "  ".join(f"{k} {v:.3f}" for k, v in list(m["mix"].items())[:12]))
     print(write_result(args.name, {"instance": args.instance, "overrides": overrides, "resources": resources,
                                    "loops": mixes}))
     return 0

@@ -6,15 +6,12 @@ streams: at c256 a client library's per-event cost would measure the client). Re
 EOS; each layer is warmed up first; TTFT and inter-token gaps are the client's (an SSE event or
 a stream message with tokens is one arrival, as `vllm bench serve` counts ITL).
 
-`--mode trace` (serve-load): one seeded trace, Poisson arrivals of `--request-rate` a second (0:
-all at once), at most `--max-concurrency` in flight, random token prompts and outputs of
-`--prompt-len` / `--output-len` LO:HI tokens; `--rounds` rounds of the three layers, so a busy
-spell of a shared machine does not land on one side only; overhead = 1 - gateway tok/s /
-in-process tok/s, means over the rounds (target < 0.10 at concurrency 16).
-`--mode sweep` (serve-sweep): at each of `--concurrency` a closed loop keeps that many requests in
-flight for `--duration` s; prompts are windows of data/sample.txt in the model's tokenizer, so
-the gateway detokenises real text; per point tok/s, TTFT/ITL p50, the ratio to in-process and
-the gateway's and worker's CPU (targets: gateway >= 0.9x, worker >= 0.95x in-process).
+`--mode trace` (serve-load): a seeded trace of random token prompts, Poisson arrivals, in
+`--rounds` rounds of the three layers so a busy spell of a shared machine does not land on one
+side only; overhead = 1 - gateway tok/s / in-process tok/s (target < 0.10 at concurrency 16).
+`--mode sweep` (serve-sweep): at each concurrency a closed loop for `--duration` s over windows
+of data/sample.txt (the gateway detokenises real text); per point tok/s, TTFT/ITL p50, the
+ratio to in-process and the processes' CPU (targets: gateway >= 0.9x, worker >= 0.95x).
 
     python -m bench run serve-load --artifacts DIR -- --request-rate 4
     python -m bench run serve-sweep --artifacts DIR          # GPU: tools/serve_sweep_gpu.sh
@@ -32,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.bench_meta import RESULTS_DIR, write_result
+from bench.bench_meta import md_header, md_row, write_result
 
 TEXT = Path(__file__).resolve().parents[1] / "data" / "sample.txt"
 LAYERS = ("in_process", "worker_grpc", "gateway_http")
@@ -50,7 +47,7 @@ class Request:
 class Arrivals:
     """A request's arrivals so far: TTFT, then the gaps between arrivals."""
 
-    sent: float
+    sent: float = field(default_factory=time.monotonic)
     last: float | None = None
     ttft_s: float = 0.0
     itl_s: list[float] = field(default_factory=list)
@@ -66,19 +63,19 @@ class Arrivals:
         self.tokens += num_tokens
 
 
+def percentiles(ms: np.ndarray) -> dict:
+    if not len(ms):
+        return {}
+    return {f"p{p}": round(float(np.percentile(ms, p)), 2) for p in (50, 90, 99)} | {"mean": round(float(ms.mean()), 2)}
+
+
 def summarize(timings: list[Arrivals], elapsed_s: float, cpu: dict[str, float] | None = None) -> dict:
-    ttft = np.array([t.ttft_s for t in timings]) * 1000
-    itl = np.array([x for t in timings for x in t.itl_s]) * 1000
     tokens = sum(t.tokens for t in timings)
-
-    def pct(a):
-        return {f"p{p}": round(float(np.percentile(a, p)), 2) for p in (50, 90, 99)} | {
-            "mean": round(float(a.mean()), 2)} if len(a) else {}
-
     out = {"completed": len(timings), "finish_reasons": sorted({t.reason for t in timings}),
            "elapsed_s": round(elapsed_s, 3), "requests_per_s": round(len(timings) / elapsed_s, 3),
            "output_tokens": tokens, "output_tokens_per_s": round(tokens / elapsed_s, 2),
-           "ttft_ms": pct(ttft), "itl_ms": pct(itl)}
+           "ttft_ms": percentiles(np.array([t.ttft_s for t in timings]) * 1000),
+           "itl_ms": percentiles(np.array([x for t in timings for x in t.itl_s]) * 1000)}
     if cpu:
         out["cpu_percent"] = {name: round(100 * seconds / elapsed_s, 1) for name, seconds in cpu.items()}
     return out
@@ -136,20 +133,19 @@ async def closed_loop(concurrency: int, duration_s: float, requests: list[Reques
     return timings, time.monotonic() - start
 
 
-class InProcessClient:
-    def __init__(self, engine):
-        self.engine = engine
+def in_process_send(engine):
+    from pagedweight.engine.sampler import SamplingParams
 
-    async def send(self, request: Request) -> Arrivals:
-        from pagedweight.engine.sampler import SamplingParams
-
-        arrivals = Arrivals(time.monotonic())
-        async for out in self.engine.add_request(request.prompt_ids, SamplingParams(
+    async def send(request: Request) -> Arrivals:
+        arrivals = Arrivals()
+        async for out in engine.add_request(request.prompt_ids, SamplingParams(
                 max_tokens=request.output_len, ignore_eos=True)):
             if out.new_token_ids:
                 arrivals.arrived(time.monotonic(), len(out.new_token_ids))
             arrivals.reason = out.finish_reason or arrivals.reason
         return arrivals
+
+    return send
 
 
 class WorkerStreamClient:
@@ -163,7 +159,7 @@ class WorkerStreamClient:
 
         self.pb, self.channel = worker_pb2, grpc.aio.insecure_channel(address)
         self.pending: dict[str, tuple[Arrivals, asyncio.Future]] = {}
-        self.outbox, self.wake, self.ids = [], asyncio.Event(), 0
+        self.outbox, self.ids = asyncio.Queue(), 0
         # the RPC token, when $PAGEDWEIGHT_RPC_TOKEN gives the workers one
         self.call = worker_pb2_grpc.WorkerStub(self.channel).GenerateStream(
             self._requests(), metadata=RpcSecurity.from_settings().metadata())
@@ -171,11 +167,7 @@ class WorkerStreamClient:
 
     async def _requests(self):
         while True:
-            await self.wake.wait()
-            self.wake.clear()
-            items, self.outbox = self.outbox, []
-            for item in items:
-                yield item
+            yield await self.outbox.get()
 
     async def _read(self) -> None:
         async for message in self.call:
@@ -196,11 +188,10 @@ class WorkerStreamClient:
         self.ids += 1
         request_id = f"bench-{self.ids}"
         done = asyncio.get_running_loop().create_future()
-        self.pending[request_id] = (Arrivals(time.monotonic()), done)
-        self.outbox.append(self.pb.StreamRequest(generate=self.pb.GenerateRequest(
+        self.pending[request_id] = (Arrivals(), done)
+        self.outbox.put_nowait(self.pb.StreamRequest(generate=self.pb.GenerateRequest(
             request_id=request_id, prompt_token_ids=request.prompt_ids,
             sampling=self.pb.SamplingParams(max_tokens=request.output_len, ignore_eos=True))))
-        self.wake.set()
         return await done
 
     async def close(self) -> None:
@@ -210,16 +201,13 @@ class WorkerStreamClient:
         await self.channel.close()
 
 
-class GatewayHttpClient:
-    def __init__(self, host: str, port: int):
-        self.host, self.port = host, port
-
-    async def send(self, request: Request) -> Arrivals:
+def gateway_send(port: int):
+    async def send(request: Request) -> Arrivals:
         body = json.dumps({"model": MODEL_NAME, "prompt": request.prompt_ids, "max_tokens": request.output_len,
                            "temperature": 0, "ignore_eos": True, "stream": True,
                            "stream_options": {"include_usage": True}}).encode()
-        reader, writer = await asyncio.open_connection(self.host, self.port)
-        arrivals = Arrivals(time.monotonic())
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        arrivals = Arrivals()
         writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
                      b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
         try:
@@ -229,45 +217,40 @@ class GatewayHttpClient:
                 headers[key.strip().lower()] = value.strip().lower()
             if b" 200 " not in status:
                 raise RuntimeError(f"HTTP {status.decode().strip()}: {(await reader.read(300))!r}")
-            await self._events(reader, headers.get("transfer-encoding") == "chunked", arrivals)
+            await read_events(reader, headers.get("transfer-encoding") == "chunked", arrivals)
         finally:
             writer.close()
         return arrivals
 
-    @staticmethod
-    async def _events(reader, chunked: bool, arrivals: Arrivals) -> None:
-        buffer, tokens = b"", 0
-        while True:
-            if chunked:
-                size = int((await reader.readline()).strip() or b"0", 16)
-                if size == 0:
-                    break
-                data = (await reader.readexactly(size + 2))[:-2]
-            else:
-                data = await reader.read(65536)
-                if not data:
-                    break
-            now = time.monotonic()
-            *events, buffer = (buffer + data).split(b"\n\n")
-            for event in events:
-                if not event.startswith(b"data: ") or event == b"data: [DONE]":
-                    continue
-                chunk = json.loads(event[6:])
-                if "error" in chunk:
-                    raise RuntimeError(f"stream error: {chunk['error']}")
-                for choice in chunk["choices"]:  # every chunk with a choice carries new tokens
-                    arrivals.arrived(now, 0)
-                    arrivals.reason = choice.get("finish_reason") or arrivals.reason
-                tokens = chunk["usage"]["completion_tokens"] if chunk.get("usage") else tokens
-        arrivals.tokens = tokens
+    return send
 
 
-def worker_config(args):
-    from pagedweight.worker.config import WorkerConfig
-
-    extra = {} if args.max_num_seqs is None else {"max_num_seqs": args.max_num_seqs}
-    return WorkerConfig(model_dir=args.model, memory_budget=args.memory_budget, threads=args.threads,
-                        device=args.device, **extra)
+async def read_events(reader, chunked: bool, arrivals: Arrivals) -> None:
+    """The SSE stream of one completion: every chunk with a choice carries new tokens."""
+    buffer, tokens = b"", 0
+    while True:
+        if chunked:
+            size = int((await reader.readline()).strip() or b"0", 16)
+            if size == 0:
+                break
+            data = (await reader.readexactly(size + 2))[:-2]
+        else:
+            data = await reader.read(65536)
+            if not data:
+                break
+        now = time.monotonic()
+        *events, buffer = (buffer + data).split(b"\n\n")
+        for event in events:
+            if not event.startswith(b"data: ") or event == b"data: [DONE]":
+                continue
+            chunk = json.loads(event[6:])
+            if "error" in chunk:
+                raise RuntimeError(f"stream error: {chunk['error']}")
+            for choice in chunk["choices"]:
+                arrivals.arrived(now, 0)
+                arrivals.reason = choice.get("finish_reason") or arrivals.reason
+            tokens = chunk["usage"]["completion_tokens"] if chunk.get("usage") else tokens
+    arrivals.tokens = tokens
 
 
 def start_cluster(args):
@@ -307,8 +290,8 @@ def process_cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def warm(client, requests: list[Request]) -> None:
-    await asyncio.gather(*(client.send(Request(0.0, r.prompt_ids, 4)) for r in requests[:4]))
+async def warm(send, requests: list[Request]) -> None:
+    await asyncio.gather(*(send(Request(0.0, r.prompt_ids, 4)) for r in requests[:4]))
 
 
 def run_in_process(args, loads: dict, requests: list[Request]) -> dict:
@@ -316,18 +299,20 @@ def run_in_process(args, loads: dict, requests: list[Request]) -> dict:
     import torch
 
     from pagedweight.engine.async_engine import AsyncEngine
+    from pagedweight.worker.config import WorkerConfig
     from pagedweight.worker.server import load_runtime
 
     torch.set_num_threads(args.threads)
-    runtime = load_runtime(worker_config(args))
+    extra = {} if args.max_num_seqs is None else {"max_num_seqs": args.max_num_seqs}
+    runtime = load_runtime(WorkerConfig(model_dir=args.model, memory_budget=args.memory_budget,
+                                        threads=args.threads, device=args.device, **extra))
 
     async def main():
         engine = AsyncEngine(runtime.engine)
-        client = InProcessClient(engine)
-        await warm(client, requests)
-        out = {}
+        send, out = in_process_send(engine), {}
+        await warm(send, requests)
         for name, load in loads.items():
-            out[name] = summarize(*await load(client.send))
+            out[name] = summarize(*await load(send))
             print(f"{name} in-process   {out[name]['output_tokens_per_s']:9.1f} tok/s", flush=True)
         await engine.close()
         return out
@@ -353,17 +338,17 @@ def run_cluster(args, loads: dict, requests: list[Request], layers: set[str]) ->
 
     async def main():
         grpc_client = WorkerStreamClient(worker_address) if "worker_grpc" in layers else None
-        http_client = GatewayHttpClient("127.0.0.1", port)
-        for client in (grpc_client, http_client):
-            if client is not None:
-                await warm(client, requests)
+        http_send = gateway_send(port)
+        for send in (grpc_client and grpc_client.send, http_send):
+            if send is not None:
+                await warm(send, requests)
         worker, gateway = {}, {}
         for name, load in loads.items():
             if grpc_client is not None:
                 worker[name] = await measure(load, grpc_client.send, ("worker",))
                 print(f"{name} worker gRPC  {worker[name]['output_tokens_per_s']:9.1f} tok/s", flush=True)
             if "gateway_http" in layers:
-                gateway[name] = await measure(load, http_client.send, ("gateway", "worker"))
+                gateway[name] = await measure(load, http_send, ("gateway", "worker"))
                 print(f"{name} gateway HTTP {gateway[name]['output_tokens_per_s']:9.1f} tok/s "
                       f"(gateway CPU {gateway[name]['cpu_percent']['gateway']}%)", flush=True)
         if grpc_client is not None:
@@ -384,25 +369,27 @@ def run_layers(args, loads: dict, requests: list[Request], layers: set[str]) -> 
     return {"in_process": in_process, "worker_grpc": worker, "gateway_http": gateway}
 
 
+def result_name(kind: str, args) -> str:
+    return f"{kind}_{Path(args.model).resolve().name}" + (f"_{args.tag}" if args.tag else "")
+
+
 def run_trace(args) -> Path:
     trace = make_requests(args, args.num_prompts, trace=True)
     load = {"trace": lambda send: open_loop(trace, args.max_concurrency, send)}
     rounds = [run_layers(args, load, trace, set(LAYERS)) for _ in range(args.rounds)]
-
-    def mean(layer: str) -> float:
-        return round(float(np.mean([r[layer]["trace"]["output_tokens_per_s"] for r in rounds])), 2)
-
-    overhead = 1.0 - mean("gateway_http") / mean("in_process")
-    name = f"serve_load_{Path(args.model).resolve().name}" + (f"_{args.tag}" if args.tag else "")
-    path = write_result(name, {
+    mean = {layer: round(float(np.mean([r[layer]["trace"]["output_tokens_per_s"] for r in rounds])), 2)
+            for layer in LAYERS}
+    overhead = 1.0 - mean["gateway_http"] / mean["in_process"]
+    path = write_result(result_name("serve_load", args), {
         "model": str(args.model), "memory_budget": args.memory_budget,
         "trace": {"num_prompts": args.num_prompts, "request_rate": args.request_rate,
                   "max_concurrency": args.max_concurrency, "prompt_len": args.prompt_len,
-                  "output_len": args.output_len, "seed": args.seed, "distribution": "uniform lengths, Poisson arrivals"},
+                  "output_len": args.output_len, "seed": args.seed,
+                  "distribution": "uniform lengths, Poisson arrivals"},
         "threads": args.threads, "rounds": args.rounds, "load_average_after": list(os.getloadavg()),
-        "in_process_output_tok_s_mean": mean("in_process"), "worker_grpc_output_tok_s_mean": mean("worker_grpc"),
-        "cluster_output_tok_s_mean": mean("gateway_http"),
-        "overhead_worker_grpc_only": round(1.0 - mean("worker_grpc") / mean("in_process"), 4),
+        "in_process_output_tok_s_mean": mean["in_process"], "worker_grpc_output_tok_s_mean": mean["worker_grpc"],
+        "cluster_output_tok_s_mean": mean["gateway_http"],
+        "overhead_worker_grpc_only": round(1.0 - mean["worker_grpc"] / mean["in_process"], 4),
         "overhead_output_tok_s": round(overhead, 4), "target_overhead": 0.10,
         **{layer: [r[layer]["trace"] for r in rounds] for layer in LAYERS}})
     print(f"overhead {overhead:.1%} (target < 10%); wrote {path}")
@@ -413,27 +400,18 @@ def run_sweep(args) -> Path:
     levels = [int(c) for c in args.concurrency.split(",")]
     if args.max_num_seqs is None:
         args.max_num_seqs = max(levels)  # the engine batches every request in flight
-    layers = set(args.layers.split(","))
-    if not layers or layers - set(LAYERS):
-        raise SystemExit(f"--layers: unknown {sorted(layers - set(LAYERS))} ({', '.join(LAYERS)})")
     requests = make_requests(args, max(args.num_prompts, 4 * max(levels)), trace=False)
     loads = {c: (lambda send, c=c: closed_loop(c, args.duration, requests, send)) for c in levels}
     started = time.monotonic()
-    runs = run_layers(args, loads, requests, layers)
+    runs = run_layers(args, loads, requests, set(args.layers))
     table = [sweep_row(c, runs) for c in levels]
-    name = f"serve_sweep_{Path(args.model).resolve().name}" + (f"_{args.tag}" if args.tag else "")
-    path = write_result(name, {
+    path = write_result(result_name("serve_sweep", args), {
         "model": str(args.model), "device": args.device, "memory_budget": args.memory_budget,
-        "max_num_seqs": args.max_num_seqs, "duration_s": args.duration, "layers": sorted(layers),
+        "max_num_seqs": args.max_num_seqs, "duration_s": args.duration, "layers": sorted(set(args.layers)),
         "prompt_len": args.prompt_len, "output_len": args.output_len, "seed": args.seed,
         "prompts": "windows of data/sample.txt, the model's tokenizer", "threads": args.threads,
         "targets": {"gateway_http_ratio": 0.9, "worker_grpc_ratio": 0.95}, "table": table, **runs,
-        "wall_s": round(time.monotonic() - started, 1)})
-    if args.out:
-        Path(args.out).write_text(path.read_text())
-        if path.parent == RESULTS_DIR and args.tag is None:
-            path.unlink()  # asked for one place: do not also leave it in bench/results
-        path = Path(args.out)
+        "wall_s": round(time.monotonic() - started, 1)}, Path(args.out) if args.out else None)
     print(format_table(table))
     print(f"wrote {path}")
     return path
@@ -442,9 +420,7 @@ def run_sweep(args) -> Path:
 def sweep_row(c: int, runs: dict) -> dict:
     """One concurrency: each layer's tok/s, TTFT and ITL p50, ratio to in-process, CPU."""
     base, row = runs["in_process"].get(c), {"concurrency": c}
-    for layer in LAYERS:
-        if c not in runs[layer]:
-            continue
+    for layer in (x for x in LAYERS if c in runs[x]):
         r = runs[layer][c]
         row[layer] = {"output_tok_s": r["output_tokens_per_s"], "ttft_p50_ms": r["ttft_ms"].get("p50"),
                       "itl_p50_ms": r["itl_ms"].get("p50"), "ratio_to_in_process":
@@ -459,21 +435,18 @@ def sweep_row(c: int, runs: dict) -> dict:
 
 
 def format_table(table: list[dict]) -> str:
-    lines = ["| output tok/s (TTFT p50 / ITL p50, ms) | " + " | ".join(f"c{r['concurrency']}" for r in table) + " |",
-             "|---|" + "---|" * len(table)]
+    lines = md_header("output tok/s (TTFT p50 / ITL p50, ms)", *(f"c{r['concurrency']}" for r in table))
     labels = {"in_process": "in-process `AsyncEngine`", "worker_grpc": "worker over gRPC",
               "gateway_http": "gateway over HTTP"}
     for layer in (x for x in LAYERS if x in table[0]):
         cells = []
-        for r in table:
-            x = r[layer]
+        for x in (r[layer] for r in table):
             ratio = "" if x["ratio_to_in_process"] in (None, 1.0) else f", {x['ratio_to_in_process']:.2f}x"
             cells.append(f"{x['output_tok_s']:.0f}{ratio} ({x['ttft_p50_ms']} / {x['itl_p50_ms']})")
-        lines.append(f"| {labels[layer]} | " + " | ".join(cells) + " |")
+        lines.append(md_row(labels[layer], *cells))
     if "gateway_cpu_percent" in table[0]:
-        lines.append("| gateway CPU % (ms per output token) | " + " | ".join(
-            f"{r['gateway_cpu_percent']} ({r['gateway_http']['cpu_ms_per_output_token']['gateway']})"
-            for r in table) + " |")
+        lines.append(md_row("gateway CPU % (ms per output token)", *(
+            f"{r['gateway_cpu_percent']} ({r['gateway_http']['cpu_ms_per_output_token']['gateway']})" for r in table)))
     return "\n".join(lines)
 
 
@@ -496,9 +469,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="trace: rounds of the three layers")
     parser.add_argument("--concurrency", default="16,64,256", help="sweep: requests in flight per point")
     parser.add_argument("--duration", type=float, default=30.0, help="sweep: seconds per point and layer")
-    parser.add_argument("--layers", default=",".join(LAYERS),
-                        help="sweep: which layers to run (gateway_http alone also runs a cluster without "
-                             "GenerateStream, e.g. an older tree on PYTHONPATH, for a before/after)")
+    parser.add_argument("--layers", nargs="+", choices=LAYERS, default=list(LAYERS),
+                        help="sweep: the layers to run (gateway_http alone runs a cluster without GenerateStream)")
     parser.add_argument("--tag", default=None, help="suffix of the result file name")
     parser.add_argument("--out", default=None, help="sweep: write the result here instead")
     args = parser.parse_args()

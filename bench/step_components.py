@@ -4,13 +4,11 @@ phase of a step as the engine runs it (`decode_profile`: host phases, kernels by
 A replayed CUDA graph is one launch to the profiler, so the component profile runs the same
 steps eagerly (the engine's graphs off, then put back) with a `record_function` range around
 each component's module call, and gives every operator to the innermost range it ran in: on
-CUDA its kernels (count and device time: the launches a graph replays for the component and
-what its step costs before the gaps), on the CPU (which checks the instrumentation) its own
+CUDA its kernels (count and device time), on the CPU (which checks the instrumentation) its own
 CPU time and one "kernel" per leaf operator. "host" is the step's wall time less the summed
-device (or range CPU) time: the Python and launch overhead a replay removes. Ranges, innermost
-first: the experts operator, the shared expert / dense MLP, the router, every RMSNorm,
-attention; the MoE block outside those counts as gating, the decoder layer outside them as
-norms, the model outside its layers as "embed + lm head", the runner's sampling as sampling.
+device (or range CPU) time: the Python and launch overhead a replay removes. What a range
+leaves over goes to its enclosing component: the MoE block's to gating, the decoder layer's to
+norms, the model's to "embed + lm head".
 """
 
 from __future__ import annotations
@@ -28,9 +26,8 @@ COMPONENTS = ("attention", "gating", "shared expert", "routed experts", "norms",
 
 def _wrap(obj, method: str, component: str, wrapped: list) -> None:
     """Replace obj.method by itself inside a record_function range (an instance attribute,
-    taken out again by `_unwrap`)."""
-    original = getattr(obj, method, None)
-    if original is None:
+    deleted again after the profile)."""
+    if (original := getattr(obj, method, None)) is None:
         return
 
     def ranged(*args, **kwargs):
@@ -41,13 +38,8 @@ def _wrap(obj, method: str, component: str, wrapped: list) -> None:
     wrapped.append((obj, method))
 
 
-def _unwrap(wrapped: list) -> None:
-    for obj, method in wrapped:
-        delattr(obj, method)
-
-
 def instrument(model, runner) -> list:
-    """Ranges around the components' calls; returns what `_unwrap` takes out."""
+    """Ranges around the components' calls; returns the (object, method) pairs wrapped."""
     from pagedweight.model.layers import RMSNorm
 
     wrapped: list = []
@@ -128,7 +120,8 @@ def component_profile(engine, concurrency: int, prompt_len: int, device: torch.d
             sync(device)
             wall_ms = 1000 * (time.perf_counter() - t0) / steps
     finally:
-        _unwrap(wrapped)
+        for obj, method in wrapped:
+            delattr(obj, method)
         runner.graphs = graphs
         while engine.has_work:
             engine.step()

@@ -13,6 +13,8 @@ import re
 import sys
 from pathlib import Path
 
+from bench.bench_meta import md_header, md_row
+
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results"
 DOCS = REPO / "docs"
@@ -22,28 +24,23 @@ def load(name: str) -> dict:
     return json.loads((RESULTS / name).read_text())
 
 
-def row(*cells) -> str:
-    return "| " + " | ".join(str(c) for c in cells) + " |"
-
-
-def header(*names) -> list[str]:
-    return [row(*names), "|" + "---|" * len(names)]
-
-
 def source(*files: str) -> str:
     stamps = [f"`{f}` ({load(f)['gpu']}, {str(load(f)['date'])[:10]})" for f in files]
     return "From " + ", ".join(stamps) + "."
 
 
-def _loads_by_mode(entry) -> dict:
-    """mode -> {concurrency: tok/s} from a real_shape section (a list of loads, or per mode)."""
-    if isinstance(entry, list):
-        return {"eager": {r["concurrency"]: r["output_tokens_per_s"] for r in entry}}
-    out = {}
-    for mode, value in (entry or {}).items():
-        loads = value.get("loads") if isinstance(value, dict) else value
-        out[mode] = {r["concurrency"]: r["output_tokens_per_s"] for r in loads or []}
-    return out
+def no_result(writer: str, files: list[str]) -> list[str]:
+    return [f"No result yet: {writer} " + ", ".join(f"`{f}`" for f in files) + "."]
+
+
+def tok_s(loads: list) -> dict:
+    """concurrency -> output tok/s of a list of loads (rows a time limit skipped left out)."""
+    return {r["concurrency"]: r["output_tokens_per_s"] for r in loads if "output_tokens_per_s" in r}
+
+
+def skipped(section) -> str | None:
+    """Why a run skipped a section (it did not fit, a time limit), or None."""
+    return section.get("skipped") if isinstance(section, dict) else None
 
 
 REAL_SHAPE_CONCURRENCY = (1, 16, 64, 256)
@@ -55,38 +52,29 @@ def real_shape(files: list[str]) -> list[str]:
     bf16 floor whose model the run could not hold). Result files not run yet are left out."""
     present = [f for f in files if (RESULTS / f).is_file()]
     if not present:
-        return ["No result yet: the real-shape recipes write " + ", ".join(f"`{f}`" for f in files) + "."]
-    files = present
-    lines = header("model", "decoder, mode", *(f"c={c}" for c in REAL_SHAPE_CONCURRENCY))
-    for f in files:
+        return no_result("the real-shape recipes write", files)
+    lines = md_header("model", "decoder, mode", *(f"c={c}" for c in REAL_SHAPE_CONCURRENCY))
+    for f in present:
         d = load(f)
-        model, rows = d["model"], []
-        hf_rows = d.get("transformers_generate", [])
-        if isinstance(hf_rows, dict) and hf_rows.get("skipped"):
-            rows.append((f"transformers generate: {hf_rows['skipped']}", {}))
-        hf = {r["concurrency"]: r["output_tokens_per_s"] for r in hf_rows if isinstance(r, dict)
-              and "output_tokens_per_s" in r}
-        if hf:
-            rows.append(("transformers generate, bf16", hf))
-        bf16 = d.get("engine_bf16_dense")
-        if isinstance(bf16, dict) and bf16.get("skipped"):
-            rows.append((f"engine bf16: {bf16['skipped']}", {}))
-            bf16 = None
-        rows += [(f"engine bf16, {m}", v) for m, v in _loads_by_mode(bf16).items()]
+        hf, bf16, rows = d.get("transformers_generate", []), d.get("engine_bf16_dense") or {}, []
+        if skipped(hf):
+            rows.append((f"transformers generate: {skipped(hf)}", {}))
+        elif tok_s(hf):
+            rows.append(("transformers generate, bf16", tok_s(hf)))
+        if skipped(bf16):
+            rows.append((f"engine bf16: {skipped(bf16)}", {}))
+        else:  # per mode its loads beside its step profiles, or (earlier results) the loads alone
+            rows += [(f"engine bf16, {m}", tok_s(v["loads"] if isinstance(v, dict) else v)) for m, v in bf16.items()]
         for name, static in (d.get("runtime_static") or {}).items():
-            if isinstance(static, dict) and static.get("skipped"):
-                rows.append((f"runtime {name}: {static['skipped']}", {}))
-                continue
-            modes = static.get("modes") if isinstance(static, dict) and "modes" in static else {"eager": static.get(
-                "loads", []) if isinstance(static, dict) else static}
-            rows += [(f"runtime {name}, {m}", {r["concurrency"]: r["output_tokens_per_s"] for r in v})
-                     for m, v in modes.items() if isinstance(v, list)]
+            if skipped(static):
+                rows.append((f"runtime {name}: {skipped(static)}", {}))
+            else:
+                rows += [(f"runtime {name}, {m}", tok_s(v)) for m, v in static["modes"].items()]
         rows += [(f"HBM floor {k}" + (" (does not fit)" if v.get("does_not_fit") else ""),
                   {int(c): x["floor_tokens_per_s"] for c, x in v.items() if c.isdigit()})
                  for k, v in d.get("hbm_floor", {}).items() if k in ("bf16", "static-4")]
-        for label, by_c in rows:
-            lines.append(row(model, label, *(by_c.get(c, "") for c in REAL_SHAPE_CONCURRENCY)))
-    return lines + ["", source(*files)]
+        lines += [md_row(d["model"], label, *(by_c.get(c, "") for c in REAL_SHAPE_CONCURRENCY)) for label, by_c in rows]
+    return lines + ["", source(*present)]
 
 
 STEP_COMPONENTS = ("attention", "gating", "shared expert", "routed experts", "norms", "embed + lm head", "sampling",
@@ -100,22 +88,17 @@ def real_shape_components(files: list[str]) -> list[str]:
     present = [f for f in files if (RESULTS / f).is_file()
                and any("components" in str(v) for v in load(f).get("runtime_static", {}).values())]
     if not present:
-        return ["No result yet: `python -m bench run real-shape-qwen` (-mixtral, -gemma4) writes "
-                + ", ".join(f"`{f}`" for f in files) + "."]
-    lines = header("model", "weights", "c", "step ms", "host ms", *(f"{c} ms (kernels)" for c in STEP_COMPONENTS),
-                   "kernels")
+        return no_result("`python -m bench run real-shape-qwen` (-mixtral, -gemma4) writes", files)
+    lines = md_header("model", "weights", "c", "step ms", "host ms", *(f"{c} ms (kernels)" for c in STEP_COMPONENTS),
+                      "kernels")
     for f in present:
         d = load(f)
-        sections = []
-        bf16 = d.get("engine_bf16_dense")
-        if isinstance(bf16, dict) and not bf16.get("skipped"):
-            sections += [("bf16", v["components"]) for v in bf16.values() if isinstance(v, dict) and "components" in v]
-        sections += [(name, v["components"]) for name, v in (d.get("runtime_static") or {}).items()
-                     if isinstance(v, dict) and "components" in v]
-        for weights, by_c in sections:
-            for c, p in by_c.items():
+        bf16 = d.get("engine_bf16_dense") or {}
+        sections = [] if skipped(bf16) else [("bf16", v) for v in bf16.values()]
+        for weights, v in sections + list((d.get("runtime_static") or {}).items()):
+            for c, p in (v["components"] if isinstance(v, dict) and "components" in v else {}).items():
                 cells = [f"{p['components'][k]['ms']} ({p['components'][k]['kernels']:g})" for k in STEP_COMPONENTS]
-                lines.append(row(d["model"], weights, c, p["step_ms"], p["host_ms"], *cells, p["kernels_per_step"]))
+                lines.append(md_row(d["model"], weights, c, p["step_ms"], p["host_ms"], *cells, p["kernels_per_step"]))
     return lines + ["", source(*present)]
 
 
@@ -124,69 +107,60 @@ def real_shape_pressure(files: list[str]) -> list[str]:
     the trace's KV, every policy's tok/s, preemptions, page moves and mean bits."""
     present = [f for f in files if (RESULTS / f).is_file() and "pressure" in load(f)]
     if not present:
-        return ["No result yet: `python -m bench run real-shape-qwen` writes " + ", ".join(f"`{f}`" for f in files)
-                + "."]
-    lines = header("model", "budget GB", "policy", "output tok/s", "steps", "preemptions", "page moves",
-                   "mean bits start / min / end", "pager host s")
+        return no_result("`python -m bench run real-shape-qwen` writes", files)
+    lines = md_header("model", "budget GB", "policy", "output tok/s", "steps", "preemptions", "page moves",
+                      "mean bits start / min / end", "pager host s")
     for f in present:
         d = load(f)
         p = d["pressure"]
         for name, r in p["policies"].items():
             bits = f"{r['bits_mean_start']:.2f} / {r['bits_mean_min']:.2f} / {r['bits_mean_end']:.2f}"
             prof = (r.get("pager_profile") or {}).get("seconds", {})
-            lines.append(row(d["model"], round(p["budget_bytes"] / 1e9, 2), name, round(r["output_tokens_per_s"]),
-                             r["steps"], r["preemptions"], r["page_moves"], bits,
-                             round(prof["plan"] + prof["boundary"], 2) if prof else ""))  # a boundary holds the rest
+            lines.append(md_row(d["model"], round(p["budget_bytes"] / 1e9, 2), name, round(r["output_tokens_per_s"]),
+                                r["steps"], r["preemptions"], r["page_moves"], bits,
+                                round(prof["plan"] + prof["boundary"], 2) if prof else ""))  # a boundary holds the rest
     return lines + ["", source(*present)]
 
 
 def quantize_stream(files: list[str]) -> list[str]:
-    lines = header("model", "layers", "quantise s", "s per layer", "full depth s", "peak device GiB",
-                   "peak host GiB", "artifact GB")
-    for f in files:
-        d = load(f)
-        depth = f"{d['layers_built']} of {d['layers_full']}"
-        lines.append(row(d["model"], depth, round(d["quantize_seconds"]), round(d["per_layer_seconds"], 1),
-                         round(d["full_depth_seconds_extrapolated"]), round(d["peak_device_gib"], 1),
-                         round(d["peak_host_bytes"] / 2**30, 1), round(d.get("artifact_bytes", 0) / 1e9, 1)))
+    lines = md_header("model", "layers", "quantise s", "s per layer", "full depth s", "peak device GiB",
+                      "peak host GiB", "artifact GB")
+    for d in map(load, files):
+        lines.append(md_row(d["model"], f"{d['layers_built']} of {d['layers_full']}", round(d["quantize_seconds"]),
+                            round(d["per_layer_seconds"], 1), round(d["full_depth_seconds_extrapolated"]),
+                            round(d["peak_device_gib"], 1), round(d["peak_host_bytes"] / 2**30, 1),
+                            round(d.get("artifact_bytes", 0) / 1e9, 1)))
     return lines + ["", source(*files)]
 
 
 def planner_speed(files: list[str]) -> list[str]:
     d = load(files[0])
-    lines = header("plan", "median ms", "p90 ms")
     shown = ("pagedweight@3", "pagedweight@4", "uniform@4", "mxmoe@4", "dpllm@4", "online tick", "heapq@3", "heapq@4")
     plans = {**d["static_plans"], "online tick": d["online_tick"], **d["baseline_python_heapq"]}
-    for name, r in ((n, plans[n]) for n in shown if n in plans):
-        lines.append(row(name, r["median_ms"], r["p90_ms"]))
-    return lines + ["", source(*files)]
+    return md_header("plan", "median ms", "p90 ms") + [
+        md_row(n, plans[n]["median_ms"], plans[n]["p90_ms"]) for n in shown if n in plans] + ["", source(*files)]
 
 
 def controller_scale(files: list[str]) -> list[str]:
-    d = load(files[0])
     keys = ["planner_solve_ms", "idle_boundary_us", "plan_free_10pct_ms", "num_lowered_10pct",
             "lower_10pct_boundary_ms", "feed_snapshot_us"]
-    lines = header("blocks", *keys)
-    for r in d["results"]:
-        lines.append(row(r["num_blocks"], *(r.get(k, "") for k in keys)))
-    return lines + ["", source(*files)]
+    return md_header("blocks", *keys) + [md_row(r["num_blocks"], *(r.get(k, "") for k in keys))
+                                         for r in load(files[0])["results"]] + ["", source(*files)]
 
 
 def decode_speed(files: list[str]) -> list[str]:
-    lines = header("model", "pagedweight tok/s", "transformers tok/s", "speed-up")
-    for r in load(files[0])["results"]:
-        lines.append(row(r["model"], r["pagedweight_tokens_per_s"], r["transformers_tokens_per_s"], r["speedup"]))
-    return lines + ["", source(*files)]
+    return md_header("model", "pagedweight tok/s", "transformers tok/s", "speed-up") + [
+        md_row(r["model"], r["pagedweight_tokens_per_s"], r["transformers_tokens_per_s"], r["speedup"])
+        for r in load(files[0])["results"]] + ["", source(*files)]
 
 
 def serve_load(files: list[str]) -> list[str]:
-    lines = header("trace", "in-process tok/s", "worker gRPC tok/s", "cluster (HTTP) tok/s", "cluster overhead")
-    for f in files:
-        d = load(f)
+    lines = md_header("trace", "in-process tok/s", "worker gRPC tok/s", "cluster (HTTP) tok/s", "cluster overhead")
+    for d in map(load, files):
         t = d["trace"]
         trace = f"{t['num_prompts']} prompts, rate {t['request_rate'] or 'max'}, concurrency {t['max_concurrency']}"
-        lines.append(row(trace, d["in_process_output_tok_s_mean"], d["worker_grpc_output_tok_s_mean"],
-                         d["cluster_output_tok_s_mean"], f"{d['overhead_output_tok_s']:.0%}"))
+        lines.append(md_row(trace, d["in_process_output_tok_s_mean"], d["worker_grpc_output_tok_s_mean"],
+                            d["cluster_output_tok_s_mean"], f"{d['overhead_output_tok_s']:.0%}"))
     return lines + ["", source(*files)]
 
 
@@ -195,29 +169,26 @@ def budget_sweep(files: list[str]) -> list[str]:
     planes lowered against the fewest that free the bytes asked), bits."""
     present = [f for f in files if (RESULTS / f).is_file()]
     if not present:
-        return ["No result yet: `python -m bench run budget-sweep-cpu` (CPU) or `budget-sweep-qwen-a` / "
-                "`budget-sweep-qwen-b` (GPU) write " + ", ".join(f"`{f}`" for f in files) + "."]
-    lines = header("budget MiB (fitting width)", "row", "tok/s", "KL x 1000", "preemptions", "page moves",
-                   "mean bits served")
-    for f in present:
-        for point in load(f)["budgets"]:
-            budget = f"{point['budget'] / 2**20:.1f} ({point['fitting_uniform_bits'] or 'none'})"
-            for name, x in point["rows"].items():
-                if "same_run_as" in x:
-                    lines.append(row(budget, name, f"= {x['same_run_as']}", "", "", "", ""))
-                    continue
-                if "refused" in x or "skipped" in x:
-                    lines.append(row(budget, name, x.get("refused") or x["skipped"], "", "", "", ""))
-                    continue
-                kl = x.get("kl_served")
-                done = "" if x.get("requests_finished", x["requests"]) == x["requests"] else \
-                    f" ({x['requests_finished']}/{x['requests']} requests in the time limit)"
-                moves = x["page_moves"]
-                if x.get("planes_fewest"):  # the planes lowered against the fewest that free the bytes asked
-                    moves = f"{moves} ({x['planes_lowered'] / x['planes_fewest']:.2f}x the fewest planes)"
-                lines.append(row(budget, name, f"{x['output_tokens_per_s']}{done}",
-                                 "" if kl is None else f"{1000 * kl:.2f}", x["preemptions"], moves,
-                                 x["bits_mean_served"]))
+        return no_result("`python -m bench run budget-sweep-cpu` (CPU) or `budget-sweep-qwen-a` / "
+                         "`budget-sweep-qwen-b` (GPU) write", files)
+    lines = md_header("budget MiB (fitting width)", "row", "tok/s", "KL x 1000", "preemptions", "page moves",
+                      "mean bits served")
+    for point in (p for f in present for p in load(f)["budgets"]):
+        budget = f"{point['budget'] / 2**20:.1f} ({point['fitting_uniform_bits'] or 'none'})"
+        for name, x in point["rows"].items():
+            why = f"= {x['same_run_as']}" if "same_run_as" in x else x.get("refused") or x.get("skipped")
+            if why:
+                lines.append(md_row(budget, name, why, "", "", "", ""))
+                continue
+            kl = x.get("kl_served")
+            done = "" if x.get("requests_finished", x["requests"]) == x["requests"] else \
+                f" ({x['requests_finished']}/{x['requests']} requests in the time limit)"
+            moves = x["page_moves"]
+            if x.get("planes_fewest"):  # the planes lowered against the fewest that free the bytes asked
+                moves = f"{moves} ({x['planes_lowered'] / x['planes_fewest']:.2f}x the fewest planes)"
+            lines.append(md_row(budget, name, f"{x['output_tokens_per_s']}{done}",
+                                "" if kl is None else f"{1000 * kl:.2f}", x["preemptions"], moves,
+                                x["bits_mean_served"]))
     return lines + ["", source(*present)]
 
 
@@ -272,9 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     check = "--check" in (sys.argv[1:] if argv is None else argv)
     stale = []
     for page in sorted(DOCS.glob("*.md")):
-        text = page.read_text()
         new = page_text(page)
-        if new != text:
+        if new != page.read_text():
             stale.append(page.name)
             if not check:
                 page.write_text(new)

@@ -59,7 +59,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 
 from bench.retrieval_task import (  # noqa: E402
-    EOS, ID, TRAIN_SEED_BASE, VOCAB, eval_examples, make_example, save_tokenizer)
+    EOS, ID, TRAIN_SEED_BASE, VOCAB, build_tokenizer, eval_examples, make_example)
 
 WORDS = VOCAB[3:]  # keys, values and filler: what a copy row is made of
 
@@ -276,9 +276,14 @@ def train(args) -> dict:
 
 
 def save(model, out_dir: Path, max_positions: int) -> None:
+    """The checkpoint with its word-level tokenizer: tokenizer.json and tokenizer_config.json, the
+    files the project's Tokenizer and transformers' AutoTokenizer read."""
     out_dir.mkdir(parents=True, exist_ok=True)
     model.to(torch.bfloat16).save_pretrained(out_dir, safe_serialization=True)
-    save_tokenizer(out_dir, max_positions)
+    build_tokenizer().save(str(out_dir / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None, "eos_token": EOS,
+              "pad_token": EOS, "unk_token": None, "model_max_length": max_positions}
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
 def parse_args(argv=None):

@@ -9,8 +9,9 @@ import shutil
 
 import pytest
 
-from bench.sass_mix import build_instance, resource_usage
+from bench.sass_mix import build_instance
 from pagedweight_kernels.apl_moe import GEMV_SOURCE
+from tests.kernels.ptxas import resource_usage
 
 THREE_CTA_REGISTERS = 65536 // (3 * 128) // 8 * 8  # 168: the register file over 3 CTAs of 128 threads
 TWO_CTA_REGISTERS = 255  # (the most a thread can hold)
