@@ -8,16 +8,22 @@
 . "$(dirname "$0")/device_call.sh"
 exec > >(tee -a "$OUT/kernel_change.log") 2>&1
 nvidia-smi --query-gpu=name --format=csv,noheader
+touch /tmp/kernel_change_start
+# A benchmark writes bench/results/<name>_<gpu>.json in this copy of the tree: the ones written
+# during this call go back under $OUT.
+results_back() { find bench/results -name "$1_*.json" -newer /tmp/kernel_change_start -exec cp {} "$OUT/" \; ; }
 precompile_defaults > /tmp/precompile.log 2>&1
 stamp "precompile rc $?"
 export PAGEDWEIGHT_TEST_PRECOMPILE=0  # (done above)
 timeout 150 python3 -m pytest -q -m gpu -rfE --tb=line tests/kernels/test_gpu_smoke.py | tail -n 12
 stamp "smoke rc ${PIPESTATUS[0]}"
 for shape in qwen mixtral; do
-  timeout 100 python3 -m bench run "kernel-layer-$shape" -- --out "$OUT/apl_moe_kernel_$shape.json" > "/tmp/bench_$shape.log" 2>&1
+  timeout 100 python3 -m bench run "kernel-layer-$shape" > "/tmp/bench_$shape.log" 2>&1
   stamp "kernel-layer-$shape rc $?"
+  results_back "apl_moe_kernel_$shape"
 done
 timeout 120 python3 -m pytest -q -m gpu -rfE --tb=line tests/kernels/test_apl_moe_gpu.py tests/kernels/test_apl_tiles_wgmma_gpu.py | tail -n 12
 stamp "decode and tiles tests rc ${PIPESTATUS[0]}"
-timeout 100 python3 -m bench run kernel-layer-gemma4 -- --out "$OUT/apl_moe_kernel_gemma4.json" > /tmp/bench_gemma4.log 2>&1
+timeout 100 python3 -m bench run kernel-layer-gemma4 > /tmp/bench_gemma4.log 2>&1
 stamp "kernel-layer-gemma4 rc $?"
+results_back apl_moe_kernel_gemma4
