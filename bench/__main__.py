@@ -41,6 +41,9 @@ class Recipe:
 
 
 WIDTHS = ("3", "4", "5", "6", "7", "8", "mixed")  # the kernel benchmark's bit configurations
+# The trace sweeps' shared arguments (Qwen1.5-MoE at full depth, 60 s of arrivals, 3 budgets).
+TRACE_SWEEP = ("--shape", "qwen1.5-moe-a2.7b", "--device", "cuda", "--duration-s", "60", "--num-budgets", "3",
+               "--rows", "pagedweight", "static-4", "--time-limit-s", "400")
 
 RECIPES = (
     # --- CPU: runs on a laptop in minutes ---------------------------------------------------
@@ -103,6 +106,15 @@ RECIPES = (
             "--rows", "pagedweight", "static-5", "static-4", "static-3", "fitting-uniform",
             "--name", "budget_sweep_qwen1.5-moe-a2.7b_b", "--time-limit-s", "450"),
            "gpu", "Qwen1.5-MoE, 24 layers, the same 4 budgets: pagedweight and static 5/4/3 bits"),
+    # traces like traffic, 60 s each: the budgets where the width must move, pagedweight beside static 4 bits
+    Recipe("budget-sweep-qwen-steady", "budget_sweep", (*TRACE_SWEEP, "--trace", "steady", "--rate", "8"), "gpu",
+           "Qwen1.5-MoE, 24 layers, 60 s of Poisson arrivals at 3 budgets: pagedweight and static 4 bits"),
+    Recipe("budget-sweep-qwen-bursty", "budget_sweep", (*TRACE_SWEEP, "--trace", "bursty", "--rate", "8"), "gpu",
+           "Qwen1.5-MoE, 24 layers, 60 s of bursts (3x the mean rate 5 s in 20) at 3 budgets: pagedweight and static 4"),
+    Recipe("budget-sweep-qwen-long-context", "budget_sweep",
+           (*TRACE_SWEEP, "--trace", "long-context", "--rate", "0.5", "--concurrency", "8", "--long-prompts", "4096",
+            "7936"), "gpu",
+           "Qwen1.5-MoE, 24 layers, 60 s of 4k-8k-token prompts at 3 budgets: pagedweight and static 4 bits"),
     Recipe("kernel-layer-qwen", "apl_moe_kernel",
            ("--models", "qwen1.5-moe-a2.7b", "--no-per-block", "--bits", *WIDTHS, "--name", "apl_moe_kernel_qwen"),
            "gpu", "one Qwen1.5-MoE MoE layer at 1-256 tokens, widths 3..8 and mixed, against bf16 grouped GEMM"),

@@ -3,8 +3,11 @@ fitting uniform width and the elastic policy, one run each per budget, throughpu
 (docs/elasticity.md).
 
 The model: a paged artifact (`--artifact`) or a real-shape config with random weights
-(`--shape`); the trace: `--requests` random prompts from one seed, `--concurrency` in flight, EOS
-ignored. `--num-budgets` budgets, evenly spaced, from bf16 barely fitting (non-expert weights,
+(`--shape`); the trace (`--trace`, random prompts from one seed, EOS ignored): `closed`,
+`--requests` prompts, `--concurrency` in flight; or arrivals in time over `--duration-s` at a mean
+`--rate` a second, the engine running at most `--concurrency` at once: `steady` (Poisson), `bursty`
+(the same mean in 20 s periods: 5 s at 3x, then 15 s at a third) and `long-context` (steady, prompts
+of `--long-prompts` MIN MAX tokens). `--num-budgets` budgets, evenly spaced, from bf16 barely fitting (non-expert weights,
 workspace, bf16 experts and all the KV the trace wants) down to only 3 bits fitting. Rows:
 `bf16` (the unquantised experts, 2 bytes a weight, with the KV blocks the budget leaves; it
 preempts when short and stops after `--row-time-limit-s`), `static-B`, `fitting-uniform` (the
@@ -21,8 +24,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -46,6 +51,8 @@ BF16_BYTES = 2
 # blocks' worth are spare (BrokerConfig says why).
 BROKER = BrokerConfig(calm_seconds=0.5, offer_min_blocks=4)
 KL_DOMAIN, KL_SEQ_LEN, KL_PLANS = "kjv", 128, 8  # held-out text, window, most-served plans scored
+TRACES = ("closed", "steady", "bursty", "long-context")
+BURST_PERIOD_S, BURST_S, BURST_FACTOR = 20.0, 5.0, 3.0  # bursty: 5 s of each 20 at 3x the mean rate
 
 
 def parse_args() -> argparse.Namespace:
@@ -58,6 +65,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--trace", default="closed", choices=TRACES)
+    parser.add_argument("--duration-s", type=float, default=60.0, help="arrival traces: arrivals over this long")
+    parser.add_argument("--rate", type=float, default=4.0, help="arrival traces: mean requests a second")
+    parser.add_argument("--long-prompts", type=int, nargs=2, default=(4096, 16384), metavar=("MIN", "MAX"),
+                        help="long-context: prompt lengths, uniform")
     parser.add_argument("--batched-tokens", type=int, default=2048)
     parser.add_argument("--rows", nargs="+", default=list(ROWS), choices=ROWS)
     parser.add_argument("--num-budgets", type=int, default=5)
@@ -70,6 +82,10 @@ def parse_args() -> argparse.Namespace:
     args = parser.parse_args()
     if args.num_budgets < 2:
         parser.error("--num-budgets must be >= 2 (the two ends of the sweep)")
+    if args.trace != "closed" and (args.rate <= 0 or args.duration_s <= 0):
+        parser.error("--rate and --duration-s must be positive")
+    if not 0 < args.long_prompts[0] <= args.long_prompts[1]:
+        parser.error("--long-prompts MIN MAX: 0 < MIN <= MAX")
     if args.kl and not args.artifact:
         parser.error("--kl needs --artifact (the bf16 reference is the artifact's source checkpoint)")
     args.device = torch.device(args.device)
@@ -125,8 +141,31 @@ def model_sizes(model: Model, ecfg: EngineConfig, args) -> dict:
     return {"fixed": dense + workspace, "dense": dense, "workspace": workspace,
             "experts": {b: sum(block_bytes(x["rows"], x["cols"], b) for x in blocks) for b in BIT_WIDTHS},
             "experts_bf16": sum(x["rows"] * x["cols"] for x in blocks) * BF16_BYTES,
-            "kv_wanted": args.concurrency * (args.prompt_len + args.max_tokens)
+            "kv_wanted": args.concurrency * (longest_prompt(args) + args.max_tokens)
             * kv_block_bytes(model.config, 1, args.dtype)}
+
+
+def longest_prompt(args) -> int:
+    return args.long_prompts[1] if args.trace == "long-context" else args.prompt_len
+
+
+def make_trace(args) -> list[tuple[float, int]]:
+    """(arrival second, prompt length) of every request, from one seed. closed: all at 0 (the
+    concurrency cap paces them); the others Poisson over --duration-s, bursty's rate 3x the mean
+    for 5 s of every 20 and a third of it for the other 15 (the same mean)."""
+    if args.trace == "closed":
+        return [(0.0, args.prompt_len)] * args.requests
+    rng, t, trace = random.Random(0), 0.0, []
+    calm = (BURST_PERIOD_S - BURST_S * BURST_FACTOR) / (BURST_PERIOD_S - BURST_S)
+    peak = BURST_FACTOR if args.trace == "bursty" else 1.0
+    while True:  # candidates at the peak rate, each kept with probability rate(t) / peak (thinning)
+        t += rng.expovariate(args.rate * peak)
+        if t >= args.duration_s:
+            return trace
+        if args.trace == "bursty" and t % BURST_PERIOD_S >= BURST_S and rng.random() >= calm / peak:
+            continue
+        long = args.trace == "long-context"
+        trace.append((t, rng.randint(*args.long_prompts) if long else args.prompt_len))
 
 
 def budget_points(sizes: dict, num: int) -> list[int]:
@@ -170,14 +209,20 @@ def serve(engine, args, time_limit_s: float, runtime=None) -> dict:
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     vocab, in_flight = engine.model.config.vocab_size, set()
+    pending = deque(make_trace(args))
+    requests, cap = len(pending), args.concurrency if args.trace == "closed" else None
     sent = finished = tokens = 0
     bits, plans, moves = [], {}, None
     start = time.perf_counter()
-    while (sent < args.requests or in_flight) and time.perf_counter() - start < time_limit_s:
-        while sent < args.requests and len(in_flight) < args.concurrency:
-            engine.add_request(f"r{sent}", torch.randint(1, vocab, (args.prompt_len,), generator=gen).tolist(), params)
+    while (pending or in_flight) and (now := time.perf_counter() - start) < time_limit_s:
+        while pending and pending[0][0] <= now and (cap is None or len(in_flight) < cap):
+            prompt = torch.randint(1, vocab, (pending.popleft()[1],), generator=gen).tolist()
+            engine.add_request(f"r{sent}", prompt, params)
             in_flight.add(f"r{sent}")
             sent += 1
+        if not in_flight:  # an arrival trace between requests
+            time.sleep(max(0.0, min(pending[0][0], time_limit_s) - now))
+            continue
         step_tokens = 0
         for out in engine.step():
             step_tokens += len(out.new_token_ids)
@@ -193,7 +238,7 @@ def serve(engine, args, time_limit_s: float, runtime=None) -> dict:
             plans.setdefault(key, [committed, 0])[1] += step_tokens
             bits.append((mean, step_tokens))
     elapsed = time.perf_counter() - start
-    row = {"elapsed_s": round(elapsed, 3), "output_tokens": tokens, "requests": args.requests,
+    row = {"elapsed_s": round(elapsed, 3), "output_tokens": tokens, "trace": args.trace, "requests": requests,
            "requests_finished": finished, "output_tokens_per_s": round(tokens / elapsed, 2)}
     if bits:
         row.update({"bits_mean_min": round(min(b for b, _ in bits), 4),
@@ -207,7 +252,7 @@ def run_bf16(model: Model, ecfg, budget: int, sizes: dict, args) -> dict:
     block = ecfg.kv.block_size
     room = budget - sizes["fixed"] - sizes["experts_bf16"]
     num_blocks = room // kv_block_bytes(model.config, block, args.dtype) if room > 0 else 0
-    per_request = -(-(args.prompt_len + args.max_tokens) // block)
+    per_request = -(-(longest_prompt(args) + args.max_tokens) // block)
     if num_blocks < per_request:
         return {"refused": f"bf16 weights leave {max(room, 0)} bytes: {num_blocks} KV blocks, "
                            f"one request needs {per_request}"}
@@ -298,7 +343,7 @@ def main() -> int:
                                                   max_num_batched_tokens=args.batched_tokens),
                         kv=KVCacheConfig(), broker=BROKER)
     sizes = model_sizes(model, ecfg, args)
-    name = args.name or f"budget_sweep_{model.name}"
+    name = args.name or f"budget_sweep_{model.name}" + ("" if args.trace == "closed" else f"_{args.trace}")
     points = [{"budget": b, "budget_gib": round(b / 2**30, 4),
                "fitting_uniform_bits": fitting_uniform_bits(sizes["experts"], sizes["fixed"], sizes["kv_wanted"], b),
                "rows": {}} for b in budget_points(sizes, args.num_budgets)]

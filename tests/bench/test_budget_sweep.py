@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from bench.budget_sweep import budget_points
+from types import SimpleNamespace
+
+import pytest
+
+from bench.budget_sweep import BURST_PERIOD_S, BURST_S, budget_points, make_trace
 from pagedweight.format.blocks import BIT_WIDTHS, block_bytes
 from pagedweight.planner.sizing import fitting_uniform_bits
 
@@ -24,3 +28,34 @@ def test_the_sweep_runs_from_bf16_fitting_to_only_3_bits_fitting():
     # at the bottom, bf16 weights alone overflow what the budget leaves beside the fixed bytes
     assert budgets[-1] - s["fixed"] < s["experts_bf16"]
 
+
+
+def trace_args(trace, **kw):
+    return SimpleNamespace(**{"trace": trace, "requests": 5, "prompt_len": 64, "duration_s": 600.0, "rate": 2.0,
+                              "long_prompts": (4096, 16384), **kw})
+
+
+def test_a_closed_trace_sends_every_request_at_once():
+    assert make_trace(trace_args("closed")) == [(0.0, 64)] * 5
+
+
+@pytest.mark.parametrize("trace", ["steady", "bursty", "long-context"])
+def test_arrival_traces_keep_the_mean_rate_over_the_duration(trace):
+    arrivals = make_trace(trace_args(trace))
+    times = [t for t, _ in arrivals]
+    assert times == sorted(times) and 0 < times[0] and times[-1] < 600.0
+    assert 0.9 * 1200 < len(arrivals) < 1.1 * 1200  # 2 a second for 600 s
+    lengths = {n for _, n in arrivals}
+    if trace == "long-context":
+        assert min(lengths) >= 4096 and max(lengths) <= 16384 and len(lengths) > 100
+    else:
+        assert lengths == {64}
+    assert make_trace(trace_args(trace)) == arrivals  # one seed
+
+
+def test_a_bursty_trace_sends_3x_the_mean_in_its_bursts_and_a_third_between():
+    arrivals = make_trace(trace_args("bursty", duration_s=2000.0))
+    in_burst = sum(1 for t, _ in arrivals if t % BURST_PERIOD_S < BURST_S)
+    burst_rate = in_burst / (2000.0 * BURST_S / BURST_PERIOD_S)
+    calm_rate = (len(arrivals) - in_burst) / (2000.0 * (1 - BURST_S / BURST_PERIOD_S))
+    assert 5.4 < burst_rate < 6.6 and 0.55 < calm_rate < 0.8, (burst_rate, calm_rate)
