@@ -14,6 +14,7 @@ FIELDS = ("requests_completed", "requests_failed", "output_tokens_per_s", "preem
           "bits_mean_min", "bits_mean_end")
 
 
+@pytest.mark.slow  # generates with the whole CLI in a process: `make test`, not the inner loop
 def test_bench_engine_prints_the_fields_and_stays_in_budget(paged_micro_dir):
     result = pagedweight("bench", "engine", "--model", str(paged_micro_dir), "--memory-budget", "20MiB",
                          "--requests", "6", "--concurrency", "3", "--prompt-len", "8", "--max-tokens", "4",
@@ -91,6 +92,7 @@ def test_memory_timeline_samples_add_up_to_the_budget(paged_micro_dir):
     assert len(timeline.event_times("num_page_moves")) == timeline.samples[-1].num_page_moves - timeline.samples[0].num_page_moves
 
 
+@pytest.mark.slow  # generates with the whole CLI in a process: `make test`, not the inner loop
 def test_bench_engine_plot_bad_path_is_one_line(paged_micro_dir, tmp_path):
     assert_one_line_error(
         pagedweight("bench", "engine", "--model", str(paged_micro_dir), "--memory-budget", "20MiB",

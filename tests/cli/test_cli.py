@@ -43,6 +43,7 @@ def test_generate_prints_only_the_completion():
     assert result.stdout == tokenizer.decode(expected.token_ids) + "\n"
 
 
+@pytest.mark.slow  # generates with the whole CLI in a process: `make test`, not the inner loop
 def test_generate_stop_string_cuts_the_printed_text():
     full = pagedweight("generate", "--model", str(BUNDLED_MODEL), "--prompt", "And God said",
                        "--max-tokens", "16")
@@ -55,6 +56,7 @@ def test_generate_stop_string_cuts_the_printed_text():
     assert cut.stdout == text[: text.find(stop)] + "\n"
 
 
+@pytest.mark.slow  # generates with the whole CLI in a process: `make test`, not the inner loop
 def test_sampled_generation_is_reproducible_with_a_seed():
     args = ("generate", "--model", str(BUNDLED_MODEL), "--prompt", "The", "--max-tokens", "16",
             "--temperature", "1.0", "--top-p", "0.9", "--seed", "7")
