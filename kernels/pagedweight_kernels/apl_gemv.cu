@@ -398,11 +398,11 @@ APL_HD u32 fraction_pair(u32 qw) {
 // cell code as the 4-bit path looks up its entries; the refinement bits become 1 + q / 16 in the
 // act dtype (fraction_pair) and one packed FMA gives two weights. No table in shared memory, no
 // fill and no barrier before the first step, and the same values as apl_format.expand_lut.
-template <int B, bool BF16>
-struct CellLut {
-    using CodesT = CellCodes<B>;
-    RegLut<4> offset, width;
-    u32 raw[9];  // LUT_4's entries 2j, 2j + 1 (fp16), then the extent, between fetch and build
+// A 5-8-bit row's stored LUT_4 (16 centroids and the extent, fp16), loaded by fetch and read
+// back by build (CellLut, CellTab), so the loads stay in flight while the CTA stages its
+// activations.
+struct Lut4Row {
+    u32 raw[9];  // entries 2j, 2j + 1, then the extent
 
     APL_HD void fetch(const u16* row_lut, bool valid) {
 #pragma unroll
@@ -412,11 +412,21 @@ struct CellLut {
         }
         raw[8] = valid ? ldg_ro(row_lut + 16) : (u16)0;
     }
-    APL_HD void build(bool) {
-        u16 l4[17];
+    APL_HD void entries(u16 (&l4)[17]) const {
 #pragma unroll
         for (int j = 0; j < 8; ++j) { l4[2 * j] = (u16)raw[j]; l4[2 * j + 1] = (u16)(raw[j] >> 16); }
         l4[16] = (u16)raw[8];
+    }
+};
+
+template <int B, bool BF16>
+struct CellLut : Lut4Row {
+    using CodesT = CellCodes<B>;
+    RegLut<4> offset, width;
+
+    APL_HD void build(bool) {
+        u16 l4[17];
+        entries(l4);
         u32 off[8], wid[8];
 #pragma unroll
         for (int p = 0; p < 16; p += 2) {
@@ -455,25 +465,14 @@ struct CellLut {
 // Same values as CellLut and apl_format.expand_lut, bit for bit.
 constexpr u32 CELL_TAB_ROW_BYTES = 2048, CELL_TAB_BYTES = 4 * 2 * CELL_TAB_ROW_BYTES, CELL_TAB_ALIGN = 2048;
 template <int B, bool BF16>
-struct CellTab {
+struct CellTab : Lut4Row {
     using CodesT = CellCodes<B>;
-    u32 col;     // this thread's column for its row
-    u32 raw[9];  // LUT_4's entries 2j, 2j + 1 (fp16), then the extent, between fetch and build
+    u32 col;  // this thread's column for its row
 
     APL_HD explicit CellTab(u32 column) : col(column) {}
-    APL_HD void fetch(const u16* row_lut, bool valid) {
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            const u32 a = valid ? ldg_ro(row_lut + 2 * j) : (u16)0, b = valid ? ldg_ro(row_lut + 2 * j + 1) : (u16)0;
-            raw[j] = a | (b << 16);
-        }
-        raw[8] = valid ? ldg_ro(row_lut + 16) : (u16)0;
-    }
     APL_HD void build(bool) {
         u16 l4[17];
-#pragma unroll
-        for (int j = 0; j < 8; ++j) { l4[2 * j] = (u16)raw[j]; l4[2 * j + 1] = (u16)(raw[j] >> 16); }
-        l4[16] = (u16)raw[8];
+        entries(l4);
 #pragma unroll
         for (int p = 0; p < 16; ++p) {
             const CellAffine c = cell_affine<BF16>(lut_cell(l4, p), B - 4);
