@@ -17,7 +17,7 @@ from pagedweight_kernels.synthetic import quantize_experts
 from pagedweight_kernels.resident_experts import APLExperts
 from pagedweight_kernels.apl_moe import resident_block
 from tests.conftest import BUNDLED_MODEL, CORPUS_DIR, SHARED_MODELS
-from pagedweight_kernels.synthetic import mixed_bits, ragged_routing, random_layer
+from pagedweight_kernels.synthetic import mixed_bits, ragged_routing, random_block, random_layer
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not kernel_available(), reason="needs a CUDA GPU and cupy")]
@@ -228,7 +228,9 @@ def test_commit_moves_a_block_anywhere_in_a_pool():
         planes.append(view)
         offset += src.numel() + 4 * 777
     new_bits = len(planes)
-    lut = torch.randn(rows, 1 << new_bits, device=device).sort(1).values.half() * H ** -0.5
+    # the stored LUT the format keeps at new_bits (LUT_3, or LUT_4 with its extent entry), from a fresh block
+    gen = torch.Generator(device=device).manual_seed(11)
+    lut = resident_block(random_block(rows, cols, gen, device), new_bits, device).lut
     experts.commit_block(e, "gate_up", type(old)(new_bits, planes, lut))
     out = experts(x, ids, w)
     assert relative_error(out, reference_fp32(x, ids, w, layer)) < TOLERANCE[torch.bfloat16]
