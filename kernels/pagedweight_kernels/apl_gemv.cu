@@ -22,11 +22,10 @@
 //          interleave them into the two bf16x2/fp16x2 registers of an mma A fragment.
 //   CLS 1, 5-8 bits: every value is affine in its 4-bit cell (APL format 2): the cell code
 //          gives the cell's offset and width, the refinement bits become 1 + q/16 in the act
-//          dtype, and one packed FMA gives two weights. Decode takes the cells from a 16 KB
-//          shared-memory table, one conflict-free LDS a weight (CellTab); the tiles regime from
-//          two register byte tables as the 4-bit path looks up its entries (CellLut). The plane
-//          words in flight take ~170 registers, so these kernels run 3 CTAs an SM in decode
-//          (APL_GEMV_CELL_BLOCKS) and 2 in the tiles regime.
+//          dtype, and one packed FMA gives two weights. The cells come from a 16 KB
+//          shared-memory table, one conflict-free LDS a weight (CellTab). The plane words in
+//          flight take ~170 registers, so these kernels run 3 CTAs an SM
+//          (APL_GEMV_CELL_BLOCKS, APL_TILES_BLOCKS).
 //   CLS 2, every width in one launch (both paths compiled into one kernel): the host picks it
 //          for layers holding both classes (measured faster than a launch per class,
 //          docs/kernel.md).
@@ -63,11 +62,11 @@
 #define APL_GEMV_L2_PREFETCH 0
 #endif
 // CTAs per SM the register budget must allow in the tiles regime (NT8 > 1), per instance:
-// 3 CTAs (<= 168 registers) for the 3-4-bit class at NT8 up to 8, else 2: the bodies holding 5-8-bit
-// blocks keep two rows' cell tables (CellLut) and spill 148 (5-8 bits) and 1728 bytes (merged) at
-// 168 registers even at NT8 2 (nvcc 13.0, sm_90a). NT8 12 (96-token passes, the 3-4-bit class
-// only: the host's TILES_WIDE_NT8) holds 48 accumulators a thread: 2 CTAs.
-#define APL_TILES_BLOCKS(CLS, NT8) ((NT8) > 8 ? 2 : ((CLS) == 0 ? 3 : 2))
+// 3 CTAs (<= 168 registers) for the one-class kernels at NT8 up to 8, else 2: the merged body (both
+// paths in one kernel) spills 256-1548 bytes at 168 registers from NT8 4 (nvcc 13.0, sm_90a), and
+// NT8 12 (96-token passes, the 3-4-bit class only: the host's TILES_WIDE_NT8) holds 48
+// accumulators a thread.
+#define APL_TILES_BLOCKS(CLS, NT8) ((NT8) > 8 || (CLS) == 2 ? 2 : 3)
 #ifndef APL_PLANE_HINT
 #define APL_PLANE_HINT 2  // the plane words' loads (load_step) in instances of at least APL_PLANE_HINT_MIN_NT8, and in
 #endif                    // the decode instances compiled for long splits (LONG): bit 0: L1::no_allocate; bit 1:
@@ -1527,7 +1526,11 @@ __device__ __forceinline__ void gemv_cta(
     };
     // (The stager is built here, after routing: its shared addresses computed before routing changed
     // the tiles instances' SASS, nvcc 13.0.)
-    u16* const raw_s = lut_s + GV_ROWS * lut_entries;
+    // The kernels holding 5-8-bit blocks keep their cell table (CellTab) from the first 2 KB boundary
+    // past the staged activations, the tiles regime's raw rows after it.
+    const u32 tab_base = (lut_at + CELL_TAB_ALIGN - 1) & ~(CELL_TAB_ALIGN - 1);
+    u16* const raw_s = CLS == 0 ? lut_s + GV_ROWS * lut_entries
+                                : reinterpret_cast<u16*>(smem_raw + lut_off + (tab_base - lut_at) + CELL_TAB_BYTES);
     const TilesStager<MODE, NT8> tiles(x, slots, xs, raw_s, stage_tokens, top_k, cols, c0w, kw);
     auto stage = [&](int p0, int np, int step) -> const u16* {
         if constexpr (NT8 == 1) stage_split(p0, np);
@@ -1572,20 +1575,14 @@ __device__ __forceinline__ void gemv_cta(
                                           reg_lut, stage, emit);
         }
     } else {
-        // 5-8 bits: decode looks the cells up in shared memory (CellTab, its columns after the
-        // staged activations, 2 KB-aligned), the tiles regime in registers (CellLut: the table
-        // measured no faster there, docs/kernel.md).
-        const u32 tab_col = ((shared_addr(smem_raw) + lut_off + CELL_TAB_ALIGN - 1) & ~(CELL_TAB_ALIGN - 1)) +
-                            ((u32)warp << 12 | (u32)lane << 2);
+        // 5-8 bits: the cells from shared memory (CellTab), one conflict-free LDS a weight, in decode
+        // and the tiles regime alike (docs/kernel.md).
+        const u32 tab_col = tab_base + ((u32)warp << 12 | (u32)lane << 2);
         auto cells = [&](auto width) {
             constexpr int B = decltype(width)::value;
-            if constexpr (NT8 == 1) {
-                CellTab<B, BF16> la(tab_col), lb(tab_col + CELL_TAB_ROW_BYTES);
-                run_passes<B, BF16, V2, NT8, COMPACT, LONG>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, reg_lut, stage, emit);
-            } else {
-                CellLut<B, BF16> la, lb;
-                run_passes<B, BF16, V2, NT8, COMPACT, LONG>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens, reg_lut, stage, emit);
-            }
+            CellTab<B, BF16> la(tab_col), lb(tab_col + CELL_TAB_ROW_BYTES);
+            run_passes<B, BF16, V2, NT8, COMPACT, LONG>(blk, w0a, w0b, la, lb, kw, xs, tstride, route.count, stage_tokens,
+                                                        reg_lut, stage, emit);
         };
         switch (blk.bits) {
             case 5: cells(Width<5>{}); break;

@@ -343,15 +343,15 @@ def long_split(cls: int, plan: GemmPlan, cols: int) -> bool:
 
 
 def gemv_extra_shared(cls: int, tiles: int = 1) -> int:
-    """Shared bytes an apl_gemv launch adds to its plan: at decode, the 5-8-bit cell table of the
-    kernels that hold that class (apl_gemv.cu's CellTab: a 2 KB column per warp, lane and row half,
-    from a 2 KB boundary); in the tiles regime the raw activation rows of one step and each token's
-    row offset (8 * tiles tokens x (528 + 4) bytes from a 512-byte boundary: the .cu's RAW_ROW on
-    wgmma), the 5-8-bit rows there running from registers (CellLut)."""
+    """Shared bytes an apl_gemv launch adds to its plan: the 5-8-bit cell table of the kernels that
+    hold that class (apl_gemv.cu's CellTab: a 2 KB column per warp, lane and row half, from a 2 KB
+    boundary), and in the tiles regime the raw activation rows of one step and each token's row
+    offset (8 * tiles tokens x (528 + 4) bytes from a 512-byte boundary: the .cu's RAW_ROW on wgmma)."""
+    table = CELL_TABLE_BYTES + CELL_TABLE_ALIGN if cls != 0 else 0
     if tiles > 1:
         raw_row = GEMV_STEP_WORDS * 64 + 16  # the .cu's RAW_ROW (264 u16) on wgmma
-        return 512 + GEMV_TOKENS * tiles * (raw_row + 4)
-    return CELL_TABLE_BYTES + CELL_TABLE_ALIGN if cls != 0 else 0
+        return table + 512 + GEMV_TOKENS * tiles * (raw_row + 4)
+    return table
 
 
 def programmatic_down(cls: int, tiles: int) -> bool:

@@ -207,14 +207,14 @@ def test_a_layer_of_both_classes_takes_the_merged_kernel_once():
 
 
 def test_apl_gemv_launches_add_the_cell_table_and_the_tiles_raw_rows():
-    """Decode kernels holding 5-8-bit blocks add the cell table (a 2 KB column per warp, lane and row
+    """Kernels holding 5-8-bit blocks add the cell table (a 2 KB column per warp, lane and row
     half: 4 warps x 2 halves x 2 KB, from a 2 KB boundary); the tiles regime adds the raw activation
     rows of one step, 528 bytes a token (the .cu's RAW_ROW on wgmma), plus each token's row offset,
     from a 512-byte boundary. Decode of 3-4 bits adds nothing."""
     import pagedweight_kernels.apl_moe as op
 
     assert op.gemv_extra_shared(0, tiles=8) == 512 + 64 * (528 + 4)
-    assert op.gemv_extra_shared(1, tiles=2) == 512 + 16 * (528 + 4)
+    assert op.gemv_extra_shared(1, tiles=2) == op.gemv_extra_shared(2, tiles=2) == 4 * 2 * 2048 + 2048 + 512 + 16 * (528 + 4)
     assert op.gemv_extra_shared(0, tiles=1) == 0
     assert op.gemv_extra_shared(1) == op.gemv_extra_shared(2) == 4 * 2 * 2048 + 2048
 
