@@ -531,17 +531,17 @@ APL_HD void dequant_chunks_reg(const RegLut<B>& lut, const u32 (&pw)[8], uint4 (
 }
 // The same for 5-8 bits from the row's cell tables (CellLut): the cell codes and the refinement
 // bits take dequant_chunks_reg's byte transpose, so nibbles pair as (0, 2) and (1, 3) there too.
+APL_HD void transpose_nibble_bytes(const u32 (&o)[4], u32 (&w)[4]) {  // w[j]'s byte c = o[c]'s byte j
+    const u32 t0 = prmt(o[0], o[1], 0x5140u), t1 = prmt(o[0], o[1], 0x7362u);
+    const u32 t2 = prmt(o[2], o[3], 0x5140u), t3 = prmt(o[2], o[3], 0x7362u);
+    w[0] = prmt(t0, t2, 0x5410u); w[1] = prmt(t0, t2, 0x7632u); w[2] = prmt(t1, t3, 0x5410u); w[3] = prmt(t1, t3, 0x7632u);
+}
 template <int B, bool BF16>
 APL_HD void dequant_chunks_cell(const CellLut<B, BF16>& lut, const u32 (&pw)[8], uint4 (&chunk)[4]) {
     const CellCodes<B> c(pw);
-    auto transpose = [](const u32 (&o)[4], u32 (&w)[4]) {
-        const u32 t0 = prmt(o[0], o[1], 0x5140u), t1 = prmt(o[0], o[1], 0x7362u);
-        const u32 t2 = prmt(o[2], o[3], 0x5140u), t3 = prmt(o[2], o[3], 0x7362u);
-        w[0] = prmt(t0, t2, 0x5410u); w[1] = prmt(t0, t2, 0x7632u); w[2] = prmt(t1, t3, 0x5410u); w[3] = prmt(t1, t3, 0x7632u);
-    };
     u32 wc[4], wq[4];
-    transpose(c.cell.o, wc);
-    transpose(c.q, wq);
+    transpose_nibble_bytes(c.cell.o, wc);
+    transpose_nibble_bytes(c.q, wq);
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
         const u32 o = wc[j], o3 = o & 0x77777777u, q = wq[j];
@@ -556,12 +556,33 @@ APL_HD void dequant_chunks_cell(const CellLut<B, BF16>& lut, const u32 (&pw)[8],
                               act_fma2<BF16>(d67, fraction_pair<BF16, 5, 7>(q), o67));
     }
 }
-// One plane word of a row at B bits as 4 chunks of 8 consecutive columns, from its RowLut.
+// The same from the row's column of a shared-memory cell table (CellTab, the staged producers'):
+// one LDS a weight for its cell, the pairs (0, 2), (4, 6), (1, 3), (5, 7) of the transposed nibbles.
 template <int B, bool BF16>
-APL_HD void dequant_chunks(const RowLut<B, BF16>& lut, const u32 (&pw)[8], uint4 (&chunk)[4]) {
-    if constexpr (B <= 4) dequant_chunks_reg<B>(lut, pw, chunk);
-    else dequant_chunks_cell<B, BF16>(lut, pw, chunk);
+APL_HD void dequant_chunks_tab(const CellTab<B, BF16>& lut, const u32 (&pw)[8], uint4 (&chunk)[4]) {
+    const CellCodes<B> c(pw);
+    u32 wc[4], wq[4];
+    transpose_nibble_bytes(c.cell.o, wc);
+    transpose_nibble_bytes(c.q, wq);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const u32 o = wc[j], q = wq[j];
+        const u32 v0 = lut.template cell<0>(o), v1 = lut.template cell<1>(o), v2 = lut.template cell<2>(o);
+        const u32 v3 = lut.template cell<3>(o), v4 = lut.template cell<4>(o), v5 = lut.template cell<5>(o);
+        const u32 v6 = lut.template cell<6>(o), v7 = lut.template cell<7>(o);
+        chunk[j] = make_uint4(act_fma2<BF16>(prmt(v0, v2, 0x7632u), fraction_pair<BF16, 0, 2>(q), prmt(v0, v2, 0x5410u)),
+                              act_fma2<BF16>(prmt(v4, v6, 0x7632u), fraction_pair<BF16, 4, 6>(q), prmt(v4, v6, 0x5410u)),
+                              act_fma2<BF16>(prmt(v1, v3, 0x7632u), fraction_pair<BF16, 1, 3>(q), prmt(v1, v3, 0x5410u)),
+                              act_fma2<BF16>(prmt(v5, v7, 0x7632u), fraction_pair<BF16, 5, 7>(q), prmt(v5, v7, 0x5410u)));
+    }
 }
+// One plane word of a row at B bits as 4 chunks of 8 consecutive columns, from its tables.
+template <int B, bool BF16>
+APL_HD void dequant_chunks(const RegLut<B>& lut, const u32 (&pw)[8], uint4 (&chunk)[4]) { dequant_chunks_reg<B>(lut, pw, chunk); }
+template <int B, bool BF16>
+APL_HD void dequant_chunks(const CellLut<B, BF16>& lut, const u32 (&pw)[8], uint4 (&chunk)[4]) { dequant_chunks_cell<B, BF16>(lut, pw, chunk); }
+template <int B, bool BF16>
+APL_HD void dequant_chunks(const CellTab<B, BF16>& lut, const u32 (&pw)[8], uint4 (&chunk)[4]) { dequant_chunks_tab<B, BF16>(lut, pw, chunk); }
 
 // ---------------------------------------------------------------- routing inside the CTA
 // The a-th expert with tokens (ascending id) and its slots (ascending), as moe_align would

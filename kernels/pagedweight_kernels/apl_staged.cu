@@ -16,8 +16,9 @@
 //     then has TMA copy the pass's activations for the step into it, counted on the buffer's mbarrier
 //     in bytes), dequantises its row's 64 weights from plane words copied ahead by cp.async into its
 //     slots of a plane ring in shared memory, stores them in the wgmma layout, fences and arrives.
-//     The row's tables live in registers (RowLut): 3-4 bits its LUT (RegLut: PRMT lookups), 5-8
-//     bits its cells' offsets and widths (CellLut: two lookups and one FMA).
+//     A 3-4-bit row's LUT lives in registers (RegLut: PRMT lookups); a 5-8-bit row's 16 cells in
+//     the thread's column of its warpgroup's shared-memory cell table (CellTab: one conflict-free
+//     LDS a weight, then one FMA per two).
 // Each weight is dequantised once per pass of 8 * NT8 tokens; a hotter expert takes more passes
 // (the step counter runs on across passes, so the ring's phases stay in step). Outputs are written
 // by position, so reruns are bit-identical; blocks whose bits the class does not hold produce NaN.
@@ -47,6 +48,10 @@ template <int CLS> APL_HD constexpr int staged_threads() { return 128 * (1 + sta
 // The dynamic shared memory starts on this boundary (the host's staged_align_pad): the ring comes
 // first, and a 128-byte-swizzled B tile, as TMA writes it, needs 1024 bytes.
 #define ST_ALIGN 1024u
+// The 5-8-bit and merged classes' cell tables come first instead, from a 2 KB boundary (CellTab's):
+// one a producer warpgroup (a column of 16 cells for each of its 128 rows), so no thread reads a
+// word another writes; the ring follows on a 1024-byte boundary. The host's staged_cell_tables.
+#define ST_CELL_BYTES (ST_ROWS * 16 * 4)
 
 // The activations' tensor map, a kernel parameter (__grid_constant__, so that its address is the
 // parameter's own, as cp.async.bulk.tensor needs): on the device a CUtensorMap's 128 bytes, encoded
@@ -71,11 +76,18 @@ APL_HD void st_shared_v4(u32 addr, const uint4& v) {
     host_sts_v4(addr, v);
 #endif
 }
+// A producer thread's row tables at B bits: RegLut's entries up to 4 bits, above them the row's
+// column of its warpgroup's cell table (`column`).
+template <int B, bool BF16>
+APL_HD auto staged_row_lut(u32 column) {
+    if constexpr (B <= 4) return RegLut<B>{};
+    else return CellTab<B, BF16>(column);
+}
 // Row pt's 64 weights of one step into the step's A tile (at a_tile): words 2 * half and
-// 2 * half + 1 of a unit's plane words (W a plane), dequantised from the row's register tables
-// (RowLut) and stored in the wgmma layout.
-template <int B, int W, bool BF16>
-APL_HD void stage_weights(const RowLut<B, BF16>& lut, const u32 (&unit)[B][W], int half, u32 a_tile, int pt) {
+// 2 * half + 1 of a unit's plane words (W a plane), dequantised from the row's tables
+// (staged_row_lut) and stored in the wgmma layout.
+template <int B, int W, bool BF16, class Lut>
+APL_HD void stage_weights(const Lut& lut, const u32 (&unit)[B][W], int half, u32 a_tile, int pt) {
 #pragma unroll
     for (int wi = 0; wi < 2; ++wi) {
         u32 pw[8];
@@ -151,6 +163,7 @@ struct StagedWork {
     int r0, rows_out, cols;   // first output row (h column for gate_up), projection sizes
     int steps, stages;        // 64-column steps per pass, ring depth
     u32 ring;                 // shared address of buffer 0 (A tile, then B tile)
+    u32 cells;                // shared address of the first producer warpgroup's cell table (5-8 bits)
     unsigned long long* full;
     unsigned long long* empty;
 };
@@ -231,7 +244,8 @@ APL_HD void staged_produce(const BlockRef& blk, const StagedWork& w, const Stage
     const u32* row_planes[8];
 #pragma unroll
     for (int p = 0; p < 8; ++p) row_planes[p] = blk.planes[p] + (long long)wrow * wpr;
-    RowLut<B, BF16> rlut;
+    // (a 5-8-bit row's column: its warpgroup's table, warp pt / 32's 2 KB, lane pt % 32's bank)
+    auto rlut = staged_row_lut<B, BF16>(w.cells + (u32)wg * ST_CELL_BYTES + ((u32)(pt >> 5) << 11 | (u32)(pt & 31) << 2));
     rlut.load(blk.lut + (long long)wrow * lut_row_entries(B), true, BF16);
     // Unit u = steps Uu..Uu+U-1 = words Wu..Wu+W-1 of the row in every plane (4-byte copies clamped
     // into the row: columns past the end meet zero activations). The warpgroup's unit j's words land
@@ -414,11 +428,13 @@ APL_HD void staged_cta(const long long* __restrict__ desc, const int* __restrict
     w.stages = stages;
     w.full = bars;
     w.empty = bars + ST_MAX_STAGES;
-    // Dynamic shared memory from an ST_ALIGN boundary (the host's staged_align_pad): the ring's B tiles
-    // on a swizzled tile's 1024 (ring buffers are multiples of it).
-    const u32 raw = shared_addr(smem_raw);
-    unsigned char* smem = smem_raw + (((raw + (ST_ALIGN - 1u)) & ~(ST_ALIGN - 1u)) - raw);
-    w.ring = shared_addr(smem);
+    // Dynamic shared memory from an ST_ALIGN boundary (the host's staged_align_pad), the cell tables'
+    // 2 KB for the classes holding 5-8-bit rows, whose tables come first: the ring's B tiles on a
+    // swizzled tile's 1024 (ring buffers and tables are multiples of it).
+    constexpr u32 ALIGN = CLS == 0 ? ST_ALIGN : CELL_TAB_ALIGN;
+    const u32 base = (shared_addr(smem_raw) + (ALIGN - 1u)) & ~(ALIGN - 1u);
+    w.cells = base;
+    w.ring = base + (CLS == 0 ? 0u : (u32)staged_producers<CLS>() * ST_CELL_BYTES);
     if (threadIdx.x == 0) {
         for (int i = 0; i < stages; ++i) {
             mbar_init(&w.full[i], 128);   // the producers' arrivals (and the TMA copy's bytes)

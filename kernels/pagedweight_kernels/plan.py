@@ -231,7 +231,7 @@ def staged_plan(mode: int, num_tokens: int, top_k: int, num_experts: int, rows_o
     tokens = GEMV_TOKENS * nt8
     groups = max(1, min(math.ceil(num_tokens / tokens), math.ceil(per_expert / tokens)))
     rpc = STAGED_ROWS // 2 if mode == 0 else STAGED_ROWS
-    planes = staged_plane_ring_bytes(cls, lut_bits)
+    planes = staged_plane_ring_bytes(cls, lut_bits) + staged_cell_tables(cls)
     stage = (STAGED_ROWS + tokens) * STAGED_STEP * 2  # the A tile, then the B tile
     least = staged_min_stages(cls)
     budgets = config.staged_cta_shared
@@ -242,7 +242,7 @@ def staged_plan(mode: int, num_tokens: int, top_k: int, num_experts: int, rows_o
             break
     else:
         raise APLKernelError(f"the staged regime needs {least} ring buffers of {stage} bytes beside {planes} bytes"
-                             f" of plane words")
+                             f" of plane words and cell tables")
     grid = (math.ceil(rows_out / rpc), max_active, groups)
     return GemmPlan("staged", tokens, rpc, 1, 0, grid, STAGED_ALIGN_PAD + stages * stage + planes, nt8, stages)
 
@@ -254,6 +254,13 @@ def staged_min_stages(cls: int) -> int:
     U (NP - 1) + 1 steps on from its last, and its parity wait for that step's buffer is sound only
     if the ring holds as many (apl_staged.cu's mbar_wait_phase)."""
     return max(2, STAGED_UNIT_STEPS * (staged_producers(cls) - 1) + 1)
+
+
+def staged_cell_tables(cls: int) -> int:
+    """Shared bytes of the staged producers' cell tables (the .cu's ST_CELL_BYTES a producer
+    warpgroup: 16 cells of 4 bytes for each of its STAGED_ROWS rows) for the classes holding 5-8-bit
+    rows, and the 1 KB more their 2 KB boundary may take beyond STAGED_ALIGN_PAD's."""
+    return staged_producers(cls) * STAGED_ROWS * 16 * 4 + (CELL_TABLE_ALIGN - STAGED_ALIGN_PAD) if cls != 0 else 0
 
 
 def staged_plane_ring_bytes(cls: int, lut_bits: int = 0) -> int:

@@ -460,11 +460,11 @@ def test_wide_passes_only_for_3_4_bit_layers_without_stable_launches():
 def test_staged_plan_passes_grid_and_a_ring_that_leaves_two_ctas_per_sm():
     """The staged regime's launches: passes as the tiles regime picks them (96 tokens for 3-4-bit
     layers where it would), row tiles of 64 gate + 64 up rows (gate_up) or 128 rows (down), and
-    shared memory (the ring of A + B tiles, then the producers' plane ring) for 2 CTAs an SM with at
-    least 2 buffers (3-4-bit class), or for one (the classes holding 5-8-bit blocks, compiled for one
-    CTA an SM: staged_blocks)."""
+    shared memory (the ring of A + B tiles, then the producers' plane ring; before them the producers'
+    cell tables in the classes holding 5-8-bit blocks) for 2 CTAs an SM with at least 2 buffers (3-4-bit
+    class), or for one (the classes holding 5-8-bit blocks, compiled for one CTA an SM: staged_blocks)."""
     import pagedweight_kernels.apl_moe as op
-    from pagedweight_kernels.plan import STAGED_ALIGN_PAD, STAGED_ROWS, STAGED_STEP, staged_blocks
+    from pagedweight_kernels.plan import STAGED_ALIGN_PAD, STAGED_ROWS, STAGED_STEP, staged_blocks, staged_cell_tables
 
     config = op.DEFAULT_CONFIG
     gate_up = op.staged_plan(0, 256, 2, 8, 14336, 0, 0, 8)  # Mixtral-size prefill, 256 tokens, 3-4 bits
@@ -477,7 +477,9 @@ def test_staged_plan_passes_grid_and_a_ring_that_leaves_two_ctas_per_sm():
         stage = (STAGED_ROWS + plan.tokens) * STAGED_STEP * 2
         assert op.staged_min_stages(cls) <= plan.stages <= config.staged_stages
         planes = op.staged_plane_ring_bytes(cls, lut_bits)
-        assert plan.shared_bytes == STAGED_ALIGN_PAD + plan.stages * stage + planes
+        tables = staged_cell_tables(cls)  # a producer warpgroup's 128 rows x 16 cells x 4 bytes, from 2 KB
+        assert tables == (0 if cls == 0 else 2 * 128 * 16 * 4 + 1024)
+        assert plan.shared_bytes == STAGED_ALIGN_PAD + plan.stages * stage + planes + tables
         assert plan.shared_bytes <= config.staged_cta_shared[0 if staged_blocks(cls) == 2 else -1]
     assert staged_blocks(0) == 2 and staged_blocks(1) == staged_blocks(2) == 1
     assert op.staged_plan(0, 256, 2, 8, 14336, 1, 8, 8).stages == config.staged_stages  # (one CTA: room for all)
