@@ -1571,10 +1571,10 @@ __device__ __forceinline__ void gemv_cta(
     };
     // The register LUTs' entries are loaded here and built after the first staging (run_passes),
     // so their loads overlap it.
-    // COMPACT: the merged kernel's decode ping-pong keeps one copy of the step's code, its two words
-    // in a rolled loop (less SASS to fetch cold: 214 -> 126 KB); measured faster for CLS 2, slower
-    // for CLS 0.
-    constexpr bool COMPACT = CLS == 2;
+    // COMPACT: the decode ping-pong of the kernels holding 5-8-bit blocks keeps one copy of the step's
+    // code, its two words in a rolled loop (less SASS to fetch cold: the merged kernel's 214 -> 126
+    // KB); measured faster for CLS 2 and CLS 1 (8 bits at 1 token 65.8 -> 47.0 us), slower for CLS 0.
+    constexpr bool COMPACT = CLS != 0;
     auto reg_lut = [&](auto& la, auto& lb) {
         la.fetch(blk.lut + (long long)rowa * lut_row_entries(blk.bits), va);
         lb.fetch(blk.lut + (long long)rowb * lut_row_entries(blk.bits), vb);
