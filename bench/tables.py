@@ -114,6 +114,9 @@ def real_shape_pressure(files: list[str]) -> list[str]:
         d = load(f)
         p = d["pressure"]
         for name, r in p["policies"].items():
+            if skipped(r):  # (the run's time limit came first)
+                lines.append(md_row(d["model"], round(p["budget_bytes"] / 1e9, 2), name, r["skipped"], *[""] * 5))
+                continue
             bits = f"{r['bits_mean_start']:.2f} / {r['bits_mean_min']:.2f} / {r['bits_mean_end']:.2f}"
             prof = (r.get("pager_profile") or {}).get("seconds", {})
             lines.append(md_row(d["model"], round(p["budget_bytes"] / 1e9, 2), name, round(r["output_tokens_per_s"]),
