@@ -194,12 +194,17 @@ def page_moves(runtime) -> int:
     return c.num_lowerings + c.num_raises_committed
 
 
-def lowered_planes(runtime) -> tuple[int, int]:
-    """(bit-planes the free plans lowered, the fewest that would have freed what each asked)."""
+FREE_PLAN_COUNTS = ("planes_lowered", "planes_fewest", "blocks_lowered", "blocks_fewest", "bytes_freed", "bytes_asked")
+
+
+def free_plan_counts(runtime) -> list[int]:
+    """What the free plans lowered against the least that would have freed what each asked
+    (FREE_PLAN_COUNTS: bit-planes, blocks, bytes; the pager's PagerStats)."""
     if runtime.pager is None:
-        return 0, 0
-    stats = runtime.pager.stats()
-    return stats.num_planes_lowered, stats.num_planes_lowered_fewest
+        return [0] * len(FREE_PLAN_COUNTS)
+    s = runtime.pager.stats()
+    return [s.num_planes_lowered, s.num_planes_lowered_fewest, s.num_blocks_lowered, s.num_blocks_lowered_fewest,
+            s.num_bytes_freed, s.num_bytes_asked]
 
 
 def serve(engine, args, time_limit_s: float, runtime=None) -> dict:
@@ -278,12 +283,12 @@ def run_paged(model: Model, policy: str, budget: int, ecfg, args) -> dict:
             warm_up(rt.engine, args)
         except UserError as err:  # the KV room the width leaves cannot hold one request
             return {"refused": str(err).splitlines()[0]}
-        moves0, planes0 = page_moves(rt), lowered_planes(rt)
+        moves0, counts0 = page_moves(rt), free_plan_counts(rt)
         row = serve(rt.engine, args, 1e9, runtime=rt)
         stats = rt.engine.stats()
-        planes = [b - a for a, b in zip(planes0, lowered_planes(rt))]
+        counts = {k: b - a for k, a, b in zip(FREE_PLAN_COUNTS, counts0, free_plan_counts(rt))}
         return {**row, "preemptions": stats.num_preemptions, "memory_short_steps": stats.memory_short_steps,
-                "page_moves": page_moves(rt) - moves0, "planes_lowered": planes[0], "planes_fewest": planes[1]}
+                "page_moves": page_moves(rt) - moves0, **counts}
     finally:
         rt.close()
         del rt

@@ -187,8 +187,12 @@ def budget_sweep(files: list[str]) -> list[str]:
             done = "" if x.get("requests_finished", x["requests"]) == x["requests"] else \
                 f" ({x['requests_finished']}/{x['requests']} requests in the time limit)"
             moves = x["page_moves"]
-            if x.get("planes_fewest"):  # the planes lowered against the fewest that free the bytes asked
-                moves = f"{moves} ({x['planes_lowered'] / x['planes_fewest']:.2f}x the fewest planes)"
+            if x.get("planes_fewest"):  # what the free plans lowered against the least that frees the bytes asked
+                moves = f"{moves} ({x['planes_lowered'] / x['planes_fewest']:.2f}x the fewest planes"
+                if x.get("blocks_fewest"):
+                    moves += (f", {x['blocks_lowered'] / x['blocks_fewest']:.2f}x the fewest blocks,"
+                              f" {x['bytes_freed'] / x['bytes_asked']:.2f}x the bytes asked")
+                moves += ")"
             lines.append(md_row(budget, name, f"{x['output_tokens_per_s']}{done}",
                                 "" if kl is None else f"{1000 * kl:.2f}", x["preemptions"], moves,
                                 x["bits_mean_served"]))

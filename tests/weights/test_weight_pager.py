@@ -14,7 +14,7 @@ from pagedweight.model.loader import load_model
 from pagedweight.weights.arena_experts import install_arena_experts
 from tests.weights.greedy_planner import GreedyPlanner
 from pagedweight.weights.synthetic import blocks_from_model
-from pagedweight.weights.weight_pager import WeightPager, fewest_plane_drops
+from pagedweight.weights.weight_pager import WeightPager, fewest_block_drops, fewest_plane_drops
 from pagedweight.format.apl_format import BlockId
 
 KV_BLOCK_BYTES = 4 * 512
@@ -156,6 +156,27 @@ def test_fewest_plane_drops_is_the_smallest_set_of_drops_that_frees_the_bytes():
     assert fewest_plane_drops(np.ones((1, 5), dtype=np.int64), np.array([8]), 0) == 0
 
 
+def test_fewest_block_drops_is_the_smallest_set_of_blocks_that_frees_the_bytes():
+    """Against every subset of the blocks, each lowered as far as it goes, on small random tables;
+    a block at 3 bits frees nothing, and every block that can go lower where all fall short."""
+    import itertools
+
+    import numpy as np
+
+    rng = np.random.default_rng(1)
+    for _ in range(60):
+        n = int(rng.integers(1, 5))
+        drop_bytes = rng.integers(1, 50, size=(n, 5))
+        bits = rng.integers(3, 9, size=n)
+        whole = [int(drop_bytes[i, :bits[i] - 3].sum()) for i in range(n) if bits[i] > 3]
+        num_bytes = int(rng.integers(1, sum(whole) + 2)) if whole else 1
+        fewest = min((len(c) for r in range(len(whole) + 1) for c in itertools.combinations(whole, r)
+                      if sum(c) >= num_bytes), default=len(whole))
+        assert fewest_block_drops(drop_bytes, bits, num_bytes) == fewest, (drop_bytes, bits, num_bytes)
+    assert fewest_block_drops(np.ones((2, 5), dtype=np.int64), np.array([3, 3]), 10) == 0
+    assert fewest_block_drops(np.ones((1, 5), dtype=np.int64), np.array([8]), 0) == 0
+
+
 def test_a_free_plan_counts_its_planes_against_the_fewest(micro):
     """The stats count every plane a free plan lowers and the fewest that free the bytes it was
     asked for: no fewer than that, and the greedy planner's few more (it picks least damage)."""
@@ -167,6 +188,12 @@ def test_a_free_plan_counts_its_planes_against_the_fewest(micro):
     lowered = sum(before[bid] - e.desired_bits for bid, e in table.entries.items())
     assert stats.num_planes_lowered == lowered > 0
     assert 0 < stats.num_planes_lowered_fewest <= stats.num_planes_lowered
+    # and the blocks it lowered (a page move each) against the fewest, the bytes against those asked
+    assert stats.num_blocks_lowered == sum(e.desired_bits < 8 for e in table.entries.values()) > 0
+    assert 0 < stats.num_blocks_lowered_fewest <= stats.num_blocks_lowered
+    assert stats.num_bytes_asked == 100 * KV_BLOCK_BYTES
+    assert stats.num_bytes_freed == sum(table.charged_bytes(bid, 8) - table.charged_bytes(bid, e.desired_bits)
+                                        for bid, e in table.entries.items()) > 0
     mover.close()
 
 

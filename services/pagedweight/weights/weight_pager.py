@@ -60,6 +60,19 @@ def fewest_plane_drops(drop_bytes: np.ndarray, bits: np.ndarray, num_bytes: int)
     return int(min(reach + 1, sizes.size))
 
 
+def fewest_block_drops(drop_bytes: np.ndarray, bits: np.ndarray, num_bytes: int) -> int:
+    """The fewest blocks whose lowering frees `num_bytes` (drop_bytes and bits as fewest_plane_drops):
+    each block lowered as far as it goes (to MIN_BITS), the largest first; every block that can go
+    lower when even all of them fall short. The page moves a pressure change cannot do without."""
+    if num_bytes <= 0:
+        return 0
+    available = np.arange(drop_bytes.shape[1])[None, :] < (bits - MIN_BITS)[:, None]
+    freeable = np.where(available, drop_bytes, 0).sum(axis=1)
+    sizes = np.sort(freeable[freeable > 0])[::-1]
+    reach = np.searchsorted(np.cumsum(sizes), num_bytes)
+    return int(min(reach + 1, sizes.size))
+
+
 @dataclass(frozen=True)
 class PagerStats:
     bits_histogram: dict[int, int]  # bits -> blocks committed at bits
@@ -77,6 +90,12 @@ class PagerStats:
     # (fewest_plane_drops): their ratio is how many planes a pressure change moves beyond need.
     num_planes_lowered: int = 0
     num_planes_lowered_fewest: int = 0
+    # Blocks the free plans lowered (a page move each), the fewest that could have freed what each
+    # asked (fewest_block_drops), and the bytes the plans freed against the bytes asked.
+    num_blocks_lowered: int = 0
+    num_blocks_lowered_fewest: int = 0
+    num_bytes_freed: int = 0
+    num_bytes_asked: int = 0
     profile: dict | None = None  # PagerProfile.to_dict(): time, bytes each way, churn
 
     def to_dict(self) -> dict:
@@ -147,6 +166,10 @@ class WeightPager:
         self._drop_bytes: np.ndarray | None = None  # [N, 5] bytes each one-bit drop frees (fewest_plane_drops)
         self.num_planes_lowered = 0
         self.num_planes_lowered_fewest = 0
+        self.num_blocks_lowered = 0
+        self.num_blocks_lowered_fewest = 0
+        self.num_bytes_freed = 0
+        self.num_bytes_asked = 0
         self._last_applied_bytes = 0  # arena bytes the last applied plan took (< 0: freed)
         # Every block at its desired bits, no copy in flight, no plan applied since: a step
         # boundary has nothing to do. Anything that changes desired bits clears it.
@@ -260,7 +283,7 @@ class WeightPager:
         free = request.pressure.direction == FREE
         if not free and self._pending_free() > 0:
             return  # pressure rose while the spend was planned: raising now would fight it
-        lowered = 0
+        lowered = blocks = 0
         for index, bits in response.changes().items():
             check_bits(bits)
             bid = self.block_ids[index]
@@ -268,11 +291,16 @@ class WeightPager:
             new = min(e.desired_bits, bits) if free else max(e.desired_bits, bits)
             taken += self.table.charged_bytes(bid, new) - self.table.charged_bytes(bid, e.desired_bits)
             lowered += e.desired_bits - new
+            blocks += new < e.desired_bits
             e.desired_bits = new
         if free and lowered:
+            drop_bytes, asked = self._plane_drop_bytes(), request.pressure.bytes_needed
             self.num_planes_lowered += lowered
-            self.num_planes_lowered_fewest += fewest_plane_drops(self._plane_drop_bytes(), request.bits,
-                                                                 request.pressure.bytes_needed)
+            self.num_planes_lowered_fewest += fewest_plane_drops(drop_bytes, request.bits, asked)
+            self.num_blocks_lowered += blocks
+            self.num_blocks_lowered_fewest += fewest_block_drops(drop_bytes, request.bits, asked)
+            self.num_bytes_freed -= taken
+            self.num_bytes_asked += asked
         self._last_applied_bytes = taken
         self._settled = self._settled and taken == 0
         if free:
@@ -369,6 +397,10 @@ class WeightPager:
             num_blocks_pending=sum(1 for e in entries if e.desired_bits != e.committed_bits),
             num_planes_lowered=self.num_planes_lowered,
             num_planes_lowered_fewest=self.num_planes_lowered_fewest,
+            num_blocks_lowered=self.num_blocks_lowered,
+            num_blocks_lowered_fewest=self.num_blocks_lowered_fewest,
+            num_bytes_freed=self.num_bytes_freed,
+            num_bytes_asked=self.num_bytes_asked,
             profile=self.mover.profile.to_dict() | {
                 "descriptor_updates": self.table.num_descriptor_updates,
                 "descriptor_seconds": round(self.table.descriptor_seconds, 6),
