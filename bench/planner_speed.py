@@ -157,12 +157,10 @@ def controllers(num_blocks: int) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--controllers", action="store_true", help="the controllers at scale (controller-scale)")
-    parser.add_argument("--shapes", default="2880,12288,30000", help="--controllers: block counts")
     args = parser.parse_args()
     if args.controllers:
-        shapes = [int(s) for s in args.shapes.split(",")]
         path = write_result("controller_scale", {"targets": {"plan_ms_at_12288": 10, "idle_boundary_us": 50},
-                                                 "shapes": shapes, "results": [controllers(n) for n in shapes]})
+                                                 "shapes": list(SHAPES), "results": [controllers(n) for n in SHAPES]})
     else:
         path = write_result("planner_speed", plans())
     print(path)

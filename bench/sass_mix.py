@@ -10,7 +10,7 @@ holding no HGMMA. `build_instance` also serves the kernel tests that compile wit
 
     python -m bench run kernel-sass      # the 5-8-bit decode kernel; bench/results/sass_mix_cpu.json
     python -m bench.sass_mix ["apl_gemv<0, 0, true, true, 1>" | "apl_staged<0, 0, true, true, 8>"]
-        [NAME=VALUE ...] [--name NAME]
+        [NAME=VALUE ...]
 Needs nvcc (CUDA 12.4+ for sm_90) and nvdisasm on PATH or in NVDISASM (the `nvidia-cuda-nvdisasm`
 wheel ships one); no GPU.
 """
@@ -167,7 +167,6 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("instance", nargs="?", default="apl_gemv<0, 0, true, true, 1>")
     parser.add_argument("defines", nargs="*", help="NAME=VALUE overrides of the default defines")
-    parser.add_argument("--name", default="sass_mix", help="bench/results/NAME_cpu.json")
     args = parser.parse_args(argv)
     try:
         overrides = {k: int(v) for k, _, v in (d.partition("=") for d in args.defines)}
@@ -192,7 +191,7 @@ def main(argv=None) -> int:
         print(f"{'producer loop' if staged else 'loop'} @{m['first_line']}: {m['instructions']} instructions, "
               f"{counts}: {m['per_weight']:.3f} / weight (PRMT+LOP3+SHF {m['alu_per_weight']:.3f}) | "
               + "  ".join(f"{k} {v:.3f}" for k, v in list(m["mix"].items())[:12]))
-    print(write_result(args.name, {"instance": args.instance, "overrides": overrides, "resources": resources,
+    print(write_result("sass_mix", {"instance": args.instance, "overrides": overrides, "resources": resources,
                                    "loops": mixes}))
     return 0
 
