@@ -34,6 +34,8 @@ from pagedweight.weights.synthetic import random_blocks
 from pagedweight.weights.weight_pager import WeightPager
 
 MiB = 1 << 20
+TOP_K, TOKENS = 4, 4  # routed experts per token, tokens per emulated step
+KV_BLOCK_BYTES, PAGE_BYTES, KV_BLOCKS_PER_STEP = 2 * MiB, 64 * 1024, 32
 
 
 def parse_args():
@@ -43,13 +45,8 @@ def parse_args():
     p.add_argument("--experts", type=int, default=60)
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--intermediate", type=int, default=1408)
-    p.add_argument("--top-k", type=int, default=4)
-    p.add_argument("--tokens", type=int, default=4, help="tokens per emulated step")
     p.add_argument("--budget", default="2GiB", help="bytes (2GiB) or a fraction of the device (0.1)")
-    p.add_argument("--kv-block-bytes", type=int, default=2 * MiB)
-    p.add_argument("--page-bytes", type=int, default=64 * 1024)
     p.add_argument("--cycles", type=int, default=3)
-    p.add_argument("--kv-blocks-per-step", type=int, default=32)
     p.add_argument("--no-write", action="store_true", help="print the summary, write no result")
     return p.parse_args()
 
@@ -83,10 +80,10 @@ class Peaks:
 def emulate_step(experts, args, device, gen):
     """One decode-like step through every layer's experts operator (reads the arena)."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    x = torch.randn(args.tokens, args.hidden, device=device, dtype=dtype)
+    x = torch.randn(TOKENS, args.hidden, device=device, dtype=dtype)
     for op in experts:
-        ids = torch.stack([torch.randperm(args.experts, generator=gen)[: args.top_k] for _ in range(args.tokens)])
-        x = op(x, ids.to(device), torch.full((args.tokens, args.top_k), 1.0 / args.top_k, device=device, dtype=dtype))
+        ids = torch.stack([torch.randperm(args.experts, generator=gen)[:TOP_K] for _ in range(TOKENS)])
+        x = op(x, ids.to(device), torch.full((TOKENS, TOP_K), 1.0 / TOP_K, device=device, dtype=dtype))
 
 
 def measure_workspace(blocks, args, device, gen) -> int:
@@ -95,7 +92,7 @@ def measure_workspace(blocks, args, device, gen) -> int:
     if device.type != "cuda":
         return 1 * MiB  # CPU: nominal (no allocator to measure)
     probe = PageTable(blocks, Arena(MemoryPool(1 << 50), sum(b.nbytes(8) for b in blocks.values()) * 2,
-                                    args.page_bytes, device))
+                                    PAGE_BYTES, device))
     mover = PageMover(probe)
     mover.load_all()
     torch.cuda.synchronize(device)
@@ -124,12 +121,12 @@ def run_cycles(args, device, pool, arena, pager, experts, peaks: Peaks, gen) -> 
     for cycle in range(args.cycles):
         kv, floor_steps = [], 0
         while floor_steps < 3:  # rising load: take KV blocks until bits are at their floor
-            for _ in range(args.kv_blocks_per_step):
-                if not arena.can_allocate(KV_USED, args.kv_block_bytes):
-                    floor_steps += pager.request_bytes(args.kv_blocks_per_step * args.kv_block_bytes) == 0
+            for _ in range(KV_BLOCKS_PER_STEP):
+                if not arena.can_allocate(KV_USED, KV_BLOCK_BYTES):
+                    floor_steps += pager.request_bytes(KV_BLOCKS_PER_STEP * KV_BLOCK_BYTES) == 0
                     break
-                kv.append(arena.allocate(KV_USED, args.kv_block_bytes))
-                arena.view(kv[-1], torch.uint8, (args.kv_block_bytes,)).fill_(cycle + 1)  # KV writes
+                kv.append(arena.allocate(KV_USED, KV_BLOCK_BYTES))
+                arena.view(kv[-1], torch.uint8, (KV_BLOCK_BYTES,)).fill_(cycle + 1)  # KV writes
             step()
         for x in kv:  # falling load
             arena.free(x)
@@ -165,7 +162,7 @@ def caching_allocator_baseline(args, device, table) -> dict | None:
                 planes[bid][-1] = tensor(table.lut_bytes(bid, b))
                 freed += table.plane_bytes(bid) + table.lut_bytes(bid, b + 1) - table.lut_bytes(bid, b)
                 bits[bid] = b
-            kv += [tensor(args.kv_block_bytes) for _ in range(freed // args.kv_block_bytes)]
+            kv += [tensor(KV_BLOCK_BYTES) for _ in range(freed // KV_BLOCK_BYTES)]
             peak = max(peak, torch.cuda.memory_reserved(device))
         kv.clear()
         for b in (4, 5, 6, 7, 8):  # falling load
@@ -191,13 +188,13 @@ def main():
     peaks = Peaks(device)  # device memory counted from here
     pool = MemoryPool(budget)
     pool.allocate(WORKSPACE, workspace)
-    arena = Arena.from_pool(pool, args.page_bytes, device)
+    arena = Arena.from_pool(pool, PAGE_BYTES, device)
     table = PageTable(blocks, arena)
     mover = PageMover(table)
     mover.load_all()
     planner = InProcessPlanner("pagedweight")  # no artifact: S_i(b) ~ size * 4^-b
     planner.register(page_table_registration(table.charged_bytes_table()))
-    pager = WeightPager(mover, planner, kv_block_bytes=args.kv_block_bytes)
+    pager = WeightPager(mover, planner, kv_block_bytes=KV_BLOCK_BYTES)
     experts = [ArenaExperts(table, layer, args.experts) for layer in range(args.layers)]
     peaks.sample(pool, pager)
     t0 = time.perf_counter()
@@ -207,7 +204,8 @@ def main():
     mover.close()
     p = peaks.peaks
     result = {
-        "config": {k: v for k, v in vars(args).items() if k != "no_write"},
+        "config": {**{k: v for k, v in vars(args).items() if k != "no_write"}, "top_k": TOP_K, "tokens": TOKENS,
+                   "kv_block_bytes": KV_BLOCK_BYTES, "page_bytes": PAGE_BYTES, "kv_blocks_per_step": KV_BLOCKS_PER_STEP},
         "budget_bytes": budget, "workspace_bytes": workspace, "arena_bytes": arena.num_pages * arena.page_bytes,
         "expert_bytes_at_8_bits": sum(table.charged_bytes(bid, 8) for bid in table.entries),
         "num_steps": peaks.num_steps, "seconds": round(elapsed, 2), **{k: v for k, v in p.items() if k.startswith("max")},
