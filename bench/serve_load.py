@@ -398,8 +398,7 @@ def run_trace(args) -> Path:
 
 def run_sweep(args) -> Path:
     levels = [int(c) for c in args.concurrency.split(",")]
-    if args.max_num_seqs is None:
-        args.max_num_seqs = max(levels)  # the engine batches every request in flight
+    args.max_num_seqs = max(levels)  # the engine batches every request in flight
     requests = make_requests(args, max(args.num_prompts, 4 * max(levels)), trace=False)
     loads = {c: (lambda send, c=c: closed_loop(c, args.duration, requests, send)) for c in levels}
     started = time.monotonic()
@@ -457,8 +456,6 @@ def main() -> None:
     parser.add_argument("--memory-budget", default="32MiB")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (in process and the worker)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (worker and in-process)")
-    parser.add_argument("--max-num-seqs", type=int, default=None,
-                        help="the engine's batch limit (default: the worker's; the sweep: the largest concurrency)")
     parser.add_argument("--prompt-len", default="32:128", help="LO:HI tokens, uniform")
     parser.add_argument("--output-len", default="16:64", help="LO:HI tokens, uniform")
     parser.add_argument("--seed", type=int, default=0)
@@ -474,6 +471,7 @@ def main() -> None:
     parser.add_argument("--tag", default=None, help="suffix of the result file name")
     parser.add_argument("--out", default=None, help="sweep: write the result here instead")
     args = parser.parse_args()
+    args.max_num_seqs = None  # the engine's batch limit: the worker's (the sweep sets its largest concurrency)
     (run_sweep if args.mode == "sweep" else run_trace)(args)
 
 
