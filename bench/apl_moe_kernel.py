@@ -2,8 +2,6 @@
 on the GPU, per token count (TOKENS) and bit configuration (each width, or a mixed plan drawing
 each block's bits from MIXED_CHOICES), against bf16 on the same experts in the same run:
   fused         pagedweight_kernels.apl_moe.apl_moe (decode, tiles or staged regime by size)
-  per_block     the prefill kernel launched once per expert block, as Any-Precision LLM does,
-                plus the gather/scatter glue such a design needs
   bf16_grouped  torch._grouped_mm over tokens sorted by expert
   bf16_gemv     the engine's own bf16 expert GEMV, where the engine takes it
 and the HBM floor: the bytes the fused kernel must read (planes + LUTs of the active experts at
@@ -27,7 +25,6 @@ import torch.nn.functional as F
 from bench.bench_meta import write_result
 from pagedweight_kernels import decode_ops
 from pagedweight_kernels.apl_moe import APLLayer, ResidentBlock, apl_moe, plan_launch
-from pagedweight_kernels.launch import launch_prefill
 from pagedweight_kernels.synthetic import nested_luts
 from pagedweight.format.apl_format import lut_width
 
@@ -100,36 +97,6 @@ def bf16_grouped(x, ids, w, layer: SyntheticLayer):
     y = torch._grouped_mm(F.silu(gate) * up, layer.down.transpose(1, 2), offs=offs)
     out = torch.zeros_like(x)
     return out.index_add_(0, tokens, y * w.reshape(-1)[order, None])
-
-
-class PerBlock:
-    """One launch per expert block (gate_up, then down), host-side routing known in advance."""
-
-    def __init__(self, ids, w, layer: APLLayer):
-        device = ids.device
-        self.layer, self.w = layer, w
-        self.experts = []
-        ids_cpu = ids.cpu()
-        for e in ids_cpu.unique().tolist():
-            tok, slot = (ids_cpu == e).nonzero(as_tuple=True)
-            n = len(tok)
-            plan = plan_launch(n, 1, 1, layer.hidden, layer.intermediate, layer.max_bits, regime="prefill")
-            meta = torch.tensor([0, 0, n], dtype=torch.int32, device=device)
-            self.experts.append((e, n, tok.to(device), slot.to(device), plan, meta,
-                                 torch.ones(1, dtype=torch.int32, device=device),
-                                 torch.arange(n, dtype=torch.int32, device=device)))
-
-    def __call__(self, x):
-        L, out = self.layer, torch.zeros_like(x)
-        for e, n, tok, slot, plan, meta, one, arange in self.experts:
-            h = torch.empty(n, L.intermediate, dtype=x.dtype, device=x.device)
-            y = torch.empty(plan.down.splits, n, L.hidden, dtype=torch.float32, device=x.device)
-            launch_prefill(0, plan.gate_up, L.gate_up_desc[e:], meta, one, arange, 1, x[tok], L.intermediate,
-                           L.hidden, L.max_bits, h_out=h)
-            launch_prefill(1, plan.down, L.down_desc[e:], meta, one, arange, 1, h, L.hidden, L.intermediate,
-                           L.max_bits, y_out=y)
-            out.index_add_(0, tok, (y.sum(0) * self.w[tok, slot, None].float()).to(x.dtype))
-        return out
 
 
 def time_calls(calls) -> float:
@@ -208,13 +175,13 @@ def add_byte_weighted(row, mixed_layers, active, pairs, io_bytes) -> None:
           f"{cell['over_byte_weighted']:.2f}x", flush=True)
 
 
-def bench_model(name, device, bw, tokens, per_block: bool, bit_configs) -> list[dict]:
+def bench_model(name, device, bw, bit_configs) -> list[dict]:
     """Every token count and bit configuration of one model's layer, with its bf16 baselines."""
     E, k, H, I = MODELS[name]
     layers = [SyntheticLayer(E, H, I, seed, device) for seed in range(COPIES)]
     configs = {c: [layer.apl(bit_assignment(c, E, 17)) for layer in layers] for c in bit_configs}
     rows = []
-    for T in tokens:
+    for T in TOKENS:
         route = routings(T, E, k, REPS, device, seed=T)
         x = [torch.randn(T, H, device=device).bfloat16() for _ in range(REPS)]
         pairs = [(i % COPIES, i) for i in range(REPS)]
@@ -240,16 +207,12 @@ def bench_model(name, device, bw, tokens, per_block: bool, bit_configs) -> list[
             cell = {"regime": plan.gate_up.regime, "bytes": nbytes, "floor_us": nbytes / bw * 1e6,
                     "fused_us": fused}
             cell["fused_over_floor"] = fused / cell["floor_us"]
-            if per_block and config in ("4", "mixed"):
-                blocks = [PerBlock(*route[i], apl[c]) for c, i in pairs]
-                cell["per_block_us"] = time_calls([lambda j=j, i=i: blocks[j](x[i])
-                                                   for j, (c, i) in enumerate(pairs)])
             for base in ("bf16_grouped_us", "bf16_gemv_us"):
                 if row.get(base):
                     cell[f"speedup_vs_{base[:-3]}"] = row[base] / fused
             row[f"bits_{config}"] = cell
             print(f"{name:18s} T={T:3d} bits={config:5s} {plan.gate_up.regime:7s} fused {fused:8.1f} us "
-                  f"({cell['fused_over_floor']:.2f}x floor), per-block {cell.get('per_block_us', float('nan')):8.1f}, "
+                  f"({cell['fused_over_floor']:.2f}x floor), "
                   f"bf16 grouped {row.get('bf16_grouped_us') or float('nan'):8.1f}, "
                   f"gemv {row.get('bf16_gemv_us') or float('nan'):8.1f}", flush=True)
         add_byte_weighted(row, configs.get("mixed"), active, pairs, io_bytes)
@@ -262,8 +225,6 @@ def bench_model(name, device, bw, tokens, per_block: bool, bit_configs) -> list[
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="*", default=list(MODELS))
-    parser.add_argument("--tokens", nargs="*", type=int, default=list(TOKENS), help="token counts to time")
-    parser.add_argument("--no-per-block", action="store_true", help="skip the per-block baseline")
     parser.add_argument("--bits", nargs="*", default=list(BIT_CONFIGS), choices=BIT_CHOICES, help="bit configs to time")
     parser.add_argument("--name", default="apl_moe_kernel", help="result file name (bench/results/NAME_<gpu>.json)")
     args = parser.parse_args()
@@ -273,11 +234,10 @@ def main():
     bw = max(ceilings.values())  # the floor uses the best copy rate measured
     print("copy bandwidth (read + write): " + ", ".join(f"{k} {v / 1e12:.2f} TB/s" for k, v in ceilings.items()),
           flush=True)
-    results = [row for name in args.models
-               for row in bench_model(name, device, bw, args.tokens, not args.no_per_block, args.bits)]
+    results = [row for name in args.models for row in bench_model(name, device, bw, args.bits)]
     print("wrote", write_result(args.name, {
         "copy_bandwidth_bytes_per_s": bw, "copy_bandwidths": ceilings, "copies": COPIES, "calls_per_graph": REPS,
-        "trials": TRIALS, "replays": REPLAYS, "has_grouped_mm": hasattr(torch, "_grouped_mm"), "tokens": args.tokens,
+        "trials": TRIALS, "replays": REPLAYS, "has_grouped_mm": hasattr(torch, "_grouped_mm"), "tokens": list(TOKENS),
         "results": results}))
 
 

@@ -3,18 +3,15 @@ fitting uniform width and the elastic policy, one run each per budget, throughpu
 (docs/elasticity.md).
 
 The model: a paged artifact (`--artifact`) or a real-shape config with random weights
-(`--shape`); the trace (`--trace`, random prompts from one seed, EOS ignored): `closed`,
-`--requests` prompts, `--concurrency` in flight; or arrivals in time over `--duration-s` at a mean
-`--rate` a second, the engine running at most `--concurrency` at once: `steady` (Poisson), `bursty`
-(the same mean in 20 s periods: 5 s at 3x, then 15 s at a third) and `long-context` (steady, prompts
-of `--long-prompts` MIN MAX tokens). `--num-budgets` budgets, evenly spaced, from bf16 barely fitting (non-expert weights,
-workspace, bf16 experts and all the KV the trace wants) down to only 3 bits fitting. Rows:
-`bf16` (the unquantised experts, 2 bytes a weight, with the KV blocks the budget leaves; it
-preempts when short and stops after `--row-time-limit-s`), `static-B`, `fitting-uniform` (the
-widest B whose experts fit beside the trace's whole KV: that static run, named so) and
-`pagedweight`; a row is `refused` where one request's KV does not fit. With `--kl` (an artifact
-whose source checkpoint is at hand) each row carries the token-weighted KL(bf16 || served) of
-the KL_PLANS plans it served most, on held-out kjv text.
+(`--shape`). The trace (random prompts, EOS ignored): `closed` (`--requests` prompts,
+`--concurrency` in flight) or arrivals over `--duration-s` at a mean `--rate`: `steady`
+(Poisson), `bursty` (5 s of every 20 at 3x) and `long-context` (`--long-prompts` MIN MAX).
+`--num-budgets` budgets, evenly spaced, from bf16 barely fitting (with all the KV the trace
+wants) down to only 3 bits fitting. Rows: `bf16` (with the KV blocks the budget leaves;
+it preempts when short), `static-B`, `fitting-uniform` (the widest B whose experts fit beside
+the trace's whole KV: that static run, named so) and `pagedweight`; a row is `refused` where one
+request's KV does not fit. `--kl`: each row's token-weighted KL(bf16 || served) of the KL_PLANS
+plans it served most, on held-out kjv text.
 
     python -m bench run budget-sweep-cpu       # the trained tiny Qwen-MoE, with the KL
     python -m bench run budget-sweep-qwen-a    # GPU: Qwen1.5-MoE, 24 layers, half the rows (-b: the rest)

@@ -21,9 +21,11 @@ from pagedweight.common.paths import shared_models_dir
 from pagedweight.model import load_model
 
 SHARED = shared_models_dir()
+MODELS = ("micro-mixtral", "tiny-qwen-moe")
+NEW_TOKENS, RUNS = 128, 3
 
 
-def bench_model(model_dir: Path, new_tokens: int, runs: int) -> dict:
+def bench_model(model_dir: Path, new_tokens: int = NEW_TOKENS) -> dict:
     ours = load_model(model_dir, dtype=torch.float32)
     reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     prompt = torch.randint(1, ours.config.vocab_size, (32,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -40,7 +42,7 @@ def bench_model(model_dir: Path, new_tokens: int, runs: int) -> dict:
 
     run_ours(), run_reference()  # warm-up
     ours_s, ref_s = [], []
-    for _ in range(runs):
+    for _ in range(RUNS):
         ours_s.append(seconds(run_ours))
         ref_s.append(seconds(run_reference))
     ours_tps = new_tokens / statistics.median(ours_s)
@@ -54,12 +56,8 @@ def bench_model(model_dir: Path, new_tokens: int, runs: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", default=["micro-mixtral", "tiny-qwen-moe"])
-    parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--runs", type=int, default=3)
-    args = parser.parse_args()
-    rows = [bench_model(SHARED / name, args.new_tokens, args.runs) for name in args.models]
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
+    rows = [bench_model(SHARED / name) for name in MODELS]
     for row in rows:
         print(f"{row['model']:>14}: ours {row['pagedweight_tokens_per_s']:7.1f} tok/s, "
               f"transformers {row['transformers_tokens_per_s']:7.1f} tok/s, x{row['speedup']}")

@@ -1,19 +1,15 @@
-"""The controllers' speed on the CPU, each timed as the median (and p90) of repeated calls after
-a warm-up.
+"""The controllers' speed on the CPU: the median (and p90) of repeated calls after a warm-up.
 
-Plans (`planner-speed`, writes planner_speed_cpu.json): synthetic sensitivity and routing tables at
-Qwen1.5-MoE-A2.7B size (24 layers x 60 experts x 2 = 2,880 blocks, planner/synthetic.py), true
-APL bytes; every policy's static plan at uniform 3, 3.5, 4 and 5 bits from scratch (every
-block from 8 bits down to the budget, the most work a plan does); the online planner's tick
-under a budget moving between 4 and 4.6 bits; baseline, same run, same inputs: the textbook
-heapq greedy in pure Python. Target: at most 5 ms per plan.
+Plans (`planner-speed`): synthetic tables at Qwen1.5-MoE-A2.7B size (2,880 blocks), every
+policy's plan at 3, 3.5, 4 and 5 bits from 8 bits (the most work a plan does) and the online
+planner's tick under a budget moving between 4 and 4.6 bits, against a pure-Python heapq greedy
+on the same inputs. Target: at most 5 ms per plan.
 
-Controllers at scale (`controller-scale`, `--controllers`, writes controller_scale_cpu.json): at
-2,880, 12,288 (Qwen3-30B-A3B) and 30,000 blocks (tiny blocks sharing their host tensors: the
-point is the work per block), the `pagedweight` policy's solve over a BlockTable, an idle step
-boundary, a pager request freeing 10% of what lowering every block to 3 bits frees and the step
-boundary that lowers it (its compaction included), and one snapshot of the routing feed.
-Targets: a plan within 10 ms at 12,288 blocks, an idle step boundary within 50 us.
+Controllers at scale (`controller-scale`, `--controllers`): at 2,880, 12,288 and 30,000 blocks
+(tiny blocks sharing host tensors: the point is the work per block), a policy solve, an idle
+step boundary, a pager request freeing 10% of what 3 bits everywhere frees and the boundary that
+lowers it (compaction included), and a routing-feed snapshot. Targets: a plan within 10 ms at
+12,288 blocks, an idle boundary within 50 us.
 """
 
 from __future__ import annotations
@@ -157,12 +153,10 @@ def controllers(num_blocks: int) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--controllers", action="store_true", help="the controllers at scale (controller-scale)")
-    parser.add_argument("--shapes", default="2880,12288,30000", help="--controllers: block counts")
     args = parser.parse_args()
     if args.controllers:
-        shapes = [int(s) for s in args.shapes.split(",")]
         path = write_result("controller_scale", {"targets": {"plan_ms_at_12288": 10, "idle_boundary_us": 50},
-                                                 "shapes": shapes, "results": [controllers(n) for n in shapes]})
+                                                 "shapes": list(SHAPES), "results": [controllers(n) for n in SHAPES]})
     else:
         path = write_result("planner_speed", plans())
     print(path)

@@ -1,6 +1,6 @@
 """Reserved device memory against the budget while the weights/KV split moves.
 
-One worker's memory on synthetic APL experts (default: 4 MoE layers of Qwen1.5-MoE-A2.7B size):
+One worker's memory on synthetic APL experts (4 MoE layers of Qwen1.5-MoE-A2.7B size, SHAPE):
 a pool of `--budget` bytes, one arena, every block loaded at 8 bits. Then `--cycles` times the
 load rises (the KV cache takes blocks; with the arena full the weight pager lowers bits to free
 them) and falls (KV blocks freed, the bytes offered back, bits raised by copies on the side
@@ -11,8 +11,6 @@ as separate tensors of PyTorch's caching allocator (no arena), whose reserved me
 the budget would have to cover without one arena.
 
     python -m bench run pool-split                      # on the GPU machine
-    python -m bench.pool_split_gpu --device cpu --layers 1 --experts 8 --hidden 256 --intermediate 128 \\
-        --budget 64MiB --no-write
 """
 
 from __future__ import annotations
@@ -34,23 +32,15 @@ from pagedweight.weights.synthetic import random_blocks
 from pagedweight.weights.weight_pager import WeightPager
 
 MiB = 1 << 20
+LAYERS, EXPERTS, HIDDEN, INTERMEDIATE = SHAPE = 4, 60, 2048, 1408
+TOP_K, TOKENS = 4, 4  # routed experts per token, tokens per emulated step
+KV_BLOCK_BYTES, PAGE_BYTES, KV_BLOCKS_PER_STEP = 2 * MiB, 64 * 1024, 32
 
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--experts", type=int, default=60)
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--intermediate", type=int, default=1408)
-    p.add_argument("--top-k", type=int, default=4)
-    p.add_argument("--tokens", type=int, default=4, help="tokens per emulated step")
     p.add_argument("--budget", default="2GiB", help="bytes (2GiB) or a fraction of the device (0.1)")
-    p.add_argument("--kv-block-bytes", type=int, default=2 * MiB)
-    p.add_argument("--page-bytes", type=int, default=64 * 1024)
     p.add_argument("--cycles", type=int, default=3)
-    p.add_argument("--kv-blocks-per-step", type=int, default=32)
-    p.add_argument("--no-write", action="store_true", help="print the summary, write no result")
     return p.parse_args()
 
 
@@ -58,50 +48,43 @@ class Peaks:
     """The largest value of each quantity seen after a step boundary."""
 
     def __init__(self, device):
-        self.device, self.cuda, self.peaks, self.num_steps = device, device.type == "cuda", {}, -1
+        self.device, self.peaks, self.num_steps = device, {}, -1
         self.base_used = self._device_used()
 
     def _device_used(self) -> int:
-        if not self.cuda:
-            return 0
         free, total = torch.cuda.mem_get_info(self.device)
         return total - free
 
     def sample(self, pool, pager) -> None:
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
+        torch.cuda.synchronize(self.device)
         s = pool.snapshot()
         now = {"max_pool_reserved_bytes": s.reserved_bytes, "max_kv_bytes": s.kv_used_bytes,
-               "mean_bits_min": -pager.stats().mean_committed_bits}  # a maximum of the negated minimum
-        if self.cuda:
-            now["max_allocator_reserved_bytes"] = torch.cuda.memory_reserved(self.device)
-            now["max_device_used_over_start_bytes"] = self._device_used() - self.base_used
+               "mean_bits_min": -pager.stats().mean_committed_bits,  # a maximum of the negated minimum
+               "max_allocator_reserved_bytes": torch.cuda.memory_reserved(self.device),
+               "max_device_used_over_start_bytes": self._device_used() - self.base_used}
         self.peaks = {k: max(v, self.peaks.get(k, v)) for k, v in now.items()}
         self.num_steps += 1
 
 
-def emulate_step(experts, args, device, gen):
+def emulate_step(experts, device, gen):
     """One decode-like step through every layer's experts operator (reads the arena)."""
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    x = torch.randn(args.tokens, args.hidden, device=device, dtype=dtype)
+    x = torch.randn(TOKENS, HIDDEN, device=device, dtype=torch.bfloat16)
     for op in experts:
-        ids = torch.stack([torch.randperm(args.experts, generator=gen)[: args.top_k] for _ in range(args.tokens)])
-        x = op(x, ids.to(device), torch.full((args.tokens, args.top_k), 1.0 / args.top_k, device=device, dtype=dtype))
+        ids = torch.stack([torch.randperm(EXPERTS, generator=gen)[:TOP_K] for _ in range(TOKENS)])
+        x = op(x, ids.to(device), torch.full((TOKENS, TOP_K), 1.0 / TOP_K, device=device, dtype=torch.bfloat16))
 
 
-def measure_workspace(blocks, args, device, gen) -> int:
+def measure_workspace(blocks, device, gen) -> int:
     """Peak temporary bytes of one step (dequantised weights, activations), to reserve: measured
     on a throw-away arena holding the blocks at 8 bits."""
-    if device.type != "cuda":
-        return 1 * MiB  # CPU: nominal (no allocator to measure)
     probe = PageTable(blocks, Arena(MemoryPool(1 << 50), sum(b.nbytes(8) for b in blocks.values()) * 2,
-                                    args.page_bytes, device))
+                                    PAGE_BYTES, device))
     mover = PageMover(probe)
     mover.load_all()
     torch.cuda.synchronize(device)
     before = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
-    emulate_step([ArenaExperts(probe, layer, args.experts) for layer in range(args.layers)], args, device, gen)
+    emulate_step([ArenaExperts(probe, layer, EXPERTS) for layer in range(LAYERS)], device, gen)
     torch.cuda.synchronize(device)
     workspace = torch.cuda.max_memory_allocated(device) - before
     mover.close()
@@ -115,7 +98,7 @@ def run_cycles(args, device, pool, arena, pager, experts, peaks: Peaks, gen) -> 
     boundary_ms = []
 
     def step():
-        emulate_step(experts, args, device, gen)
+        emulate_step(experts, device, gen)
         t0 = time.perf_counter()
         pager.step_boundary()
         boundary_ms.append((time.perf_counter() - t0) * 1e3)
@@ -124,12 +107,12 @@ def run_cycles(args, device, pool, arena, pager, experts, peaks: Peaks, gen) -> 
     for cycle in range(args.cycles):
         kv, floor_steps = [], 0
         while floor_steps < 3:  # rising load: take KV blocks until bits are at their floor
-            for _ in range(args.kv_blocks_per_step):
-                if not arena.can_allocate(KV_USED, args.kv_block_bytes):
-                    floor_steps += pager.request_bytes(args.kv_blocks_per_step * args.kv_block_bytes) == 0
+            for _ in range(KV_BLOCKS_PER_STEP):
+                if not arena.can_allocate(KV_USED, KV_BLOCK_BYTES):
+                    floor_steps += pager.request_bytes(KV_BLOCKS_PER_STEP * KV_BLOCK_BYTES) == 0
                     break
-                kv.append(arena.allocate(KV_USED, args.kv_block_bytes))
-                arena.view(kv[-1], torch.uint8, (args.kv_block_bytes,)).fill_(cycle + 1)  # KV writes
+                kv.append(arena.allocate(KV_USED, KV_BLOCK_BYTES))
+                arena.view(kv[-1], torch.uint8, (KV_BLOCK_BYTES,)).fill_(cycle + 1)  # KV writes
             step()
         for x in kv:  # falling load
             arena.free(x)
@@ -141,10 +124,8 @@ def run_cycles(args, device, pool, arena, pager, experts, peaks: Peaks, gen) -> 
     return boundary_ms
 
 
-def caching_allocator_baseline(args, device, table) -> dict | None:
+def caching_allocator_baseline(args, device, table) -> dict:
     """The same kind of split moves with one tensor per plane/LUT/KV block, no arena."""
-    if device.type != "cuda":
-        return None
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     start = torch.cuda.memory_reserved(device)
@@ -165,7 +146,7 @@ def caching_allocator_baseline(args, device, table) -> dict | None:
                 planes[bid][-1] = tensor(table.lut_bytes(bid, b))
                 freed += table.plane_bytes(bid) + table.lut_bytes(bid, b + 1) - table.lut_bytes(bid, b)
                 bits[bid] = b
-            kv += [tensor(args.kv_block_bytes) for _ in range(freed // args.kv_block_bytes)]
+            kv += [tensor(KV_BLOCK_BYTES) for _ in range(freed // KV_BLOCK_BYTES)]
             peak = max(peak, torch.cuda.memory_reserved(device))
         kv.clear()
         for b in (4, 5, 6, 7, 8):  # falling load
@@ -182,23 +163,23 @@ def caching_allocator_baseline(args, device, table) -> dict | None:
 
 def main():
     args = parse_args()
-    device = torch.device(args.device)
+    device = torch.device("cuda")
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(0)
     budget = parse_memory_budget(args.budget, device_memory_bytes(device))
-    blocks = random_blocks(args.layers, args.experts, args.hidden, args.intermediate, seed=0)
-    workspace = measure_workspace(blocks, args, device, gen)
+    blocks = random_blocks(*SHAPE, seed=0)
+    workspace = measure_workspace(blocks, device, gen)
     peaks = Peaks(device)  # device memory counted from here
     pool = MemoryPool(budget)
     pool.allocate(WORKSPACE, workspace)
-    arena = Arena.from_pool(pool, args.page_bytes, device)
+    arena = Arena.from_pool(pool, PAGE_BYTES, device)
     table = PageTable(blocks, arena)
     mover = PageMover(table)
     mover.load_all()
     planner = InProcessPlanner("pagedweight")  # no artifact: S_i(b) ~ size * 4^-b
     planner.register(page_table_registration(table.charged_bytes_table()))
-    pager = WeightPager(mover, planner, kv_block_bytes=args.kv_block_bytes)
-    experts = [ArenaExperts(table, layer, args.experts) for layer in range(args.layers)]
+    pager = WeightPager(mover, planner, kv_block_bytes=KV_BLOCK_BYTES)
+    experts = [ArenaExperts(table, layer, EXPERTS) for layer in range(LAYERS)]
     peaks.sample(pool, pager)
     t0 = time.perf_counter()
     boundary_ms = run_cycles(args, device, pool, arena, pager, experts, peaks, gen)
@@ -207,18 +188,19 @@ def main():
     mover.close()
     p = peaks.peaks
     result = {
-        "config": {k: v for k, v in vars(args).items() if k != "no_write"},
+        "config": {**vars(args), **dict(zip(("layers", "experts", "hidden", "intermediate"), SHAPE)), "top_k": TOP_K,
+                   "tokens": TOKENS, "kv_block_bytes": KV_BLOCK_BYTES, "page_bytes": PAGE_BYTES,
+                   "kv_blocks_per_step": KV_BLOCKS_PER_STEP},
         "budget_bytes": budget, "workspace_bytes": workspace, "arena_bytes": arena.num_pages * arena.page_bytes,
         "expert_bytes_at_8_bits": sum(table.charged_bytes(bid, 8) for bid in table.entries),
         "num_steps": peaks.num_steps, "seconds": round(elapsed, 2), **{k: v for k, v in p.items() if k.startswith("max")},
-        "max_reserved_over_budget_bytes": p["max_allocator_reserved_bytes"] - budget if peaks.cuda else None,
+        "max_reserved_over_budget_bytes": p["max_allocator_reserved_bytes"] - budget,
         "mean_bits_min": -p["mean_bits_min"], "mean_bits_end": stats.mean_committed_bits,
         "step_boundary_ms_mean": round(sum(boundary_ms) / len(boundary_ms), 3),
         "step_boundary_ms_max": round(max(boundary_ms), 3), "pager": stats.to_dict(),
         "baseline_caching_allocator": caching_allocator_baseline(args, device, table)}
     print(json.dumps({k: v for k, v in result.items() if k not in ("pager", "config")}, indent=1))
-    if not args.no_write:
-        print(write_result("pool_split_gpu" if device.type == "cuda" else "pool_split_cpu", result))
+    print(write_result("pool_split_gpu", result))
 
 
 if __name__ == "__main__":

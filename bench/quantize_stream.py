@@ -12,7 +12,6 @@ Checkpoint, work directory and artifact of the full depth do not fit a 64 GB dis
 process of its own (bench/__main__.py stages quantize-full-depth so).
 
     python -m bench run quantize-stream-mixtral
-    .venv/bin/python -m bench.quantize_stream --model tiny-qwen-moe --device cpu   # checks the script
 """
 
 from __future__ import annotations
@@ -37,19 +36,13 @@ from pagedweight.offline.quantize import QuantizeConfig, quantize_model
 from pagedweight.offline.real_shape_configs import REAL_SHAPE_CONFIGS
 
 MODEL_TYPES = {"Qwen2MoeForCausalLM": "qwen2_moe", "MixtralForCausalLM": "mixtral"}
-SMALL = {  # the same class at a size the CPU runs in seconds: checks the script, not a result
-    "tiny-qwen-moe": {**REAL_SHAPE_CONFIGS["Qwen1.5-MoE-A2.7B"], "vocab_size": 32000, "hidden_size": 64,
-                      "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 4,
-                      "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-                      "shared_expert_intermediate_size": 64, "eos_token_id": 2},
-}
 
 
 def build_checkpoint(name: str, layers: int | None, out: Path, device: torch.device) -> dict:
     """Random bf16 weights in transformers' class, saved as a checkpoint directory."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    raw = dict(SMALL.get(name) or REAL_SHAPE_CONFIGS[name])
+    raw = dict(REAL_SHAPE_CONFIGS[name])
     if layers is not None:
         raw["num_hidden_layers"] = layers
     previous = torch.get_default_dtype()
@@ -92,7 +85,7 @@ def checkpoint_params(ckpt: Path) -> int:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="Qwen1.5-MoE-A2.7B", choices=[*REAL_SHAPE_CONFIGS, *SMALL])
+    parser.add_argument("--model", default="Qwen1.5-MoE-A2.7B", choices=list(REAL_SHAPE_CONFIGS))
     parser.add_argument("--layers", type=int, default=None, help="decoder layers to build (default: all)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--calib-tokens", type=int, default=4096, help="tokens per bundled calibration file")
@@ -124,7 +117,7 @@ def main(argv=None) -> int:
     quantizer = json.loads((paged / "paged_model.json").read_text())["quantizer"]
     seconds = quantizer["streaming"]["seconds"]
     layers = ModelConfig.from_dict(raw, source=args.model).num_layers
-    full_layers = (SMALL.get(args.model) or REAL_SHAPE_CONFIGS[args.model])["num_hidden_layers"]
+    full_layers = REAL_SHAPE_CONFIGS[args.model]["num_hidden_layers"]
     per_layer = (seconds["forward"] + seconds["quantize"] + seconds["backward"]) / layers
     fixed = quantize_s - per_layer * layers
     params = checkpoint_params(ckpt)

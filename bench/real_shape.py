@@ -1,13 +1,8 @@
-"""Serving speed at a real model's size, one run on one GPU (docs/real_shape.md says how each
-part is built): transformers, our engine in bf16, the runtime at static 8/4/3 bits and the
-`pagedweight` policy under memory pressure, each against the HBM floor of the same run (the
-bytes a decode step must read over the copy bandwidth measured first).
-
-Sections run in order of what the device minutes buy; a time limit skips the rest, and the JSON
-is rewritten after each, so a cut run keeps what it measured. Every load counts its graph
-captures and replays; the bf16 engine and every static width have a step profile and a
-per-component one (bench/step_components.py). A model that does not fit the device in bf16 is
-built layer by layer (`--build auto`) and its bf16 sections are marked "does not fit".
+"""Serving speed at a real model's size, one run on one GPU (docs/real_shape.md): transformers,
+our engine in bf16, the runtime at static 8/4/3 bits and the `pagedweight` policy under memory
+pressure, each against the HBM floor of the same run (bytes a decode step reads over the copy
+bandwidth). Sections run in order of what the device minutes buy; a time limit skips the rest,
+and the JSON is rewritten after each, so a cut run keeps what it measured.
 
     python -m bench run real-shape-qwen          # on the GPU (-mixtral, -gemma4, -qwen3, -olmoe)
     python -m bench run real-shape-cpu           # a tiny model on the CPU: checks the script
@@ -46,6 +41,7 @@ MODES = {
 }
 # the pressure section's load: 96 requests of 256-token prompts, 64 at a time
 PRESSURE = dict(num_requests=96, concurrency=64, prompt_len=256)
+PROMPT_LEN, MAX_TOKENS = 32, 64  # the loads' requests
 RESERVE_S = 60.0  # time a measurement must have left to start (a runtime build: 30 s more)
 
 
@@ -54,8 +50,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--model", default="qwen1.5-moe-a2.7b", choices=sorted(CONFIGS))
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
-    parser.add_argument("--prompt-len", type=int, default=32)
-    parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--hf-concurrency", type=int, nargs="*", default=None,
                         help="concurrencies of transformers' generate (default: --concurrency)")
     parser.add_argument("--ttft-prompts", type=int, nargs="*", default=[512, 4096])
@@ -203,7 +197,7 @@ class Run:
         self.path = RESULTS_DIR / f"real_shape_{args.model}_{device_tag()}.json"
         self.record = {"benchmark": "real_shape", **stamp(), "model": args.model, "dtype": "bfloat16",
                        "args": {k: str(v) for k, v in vars(args).items()}}
-        self.specs = [LoadSpec(max(2, c), c, args.prompt_len, args.max_tokens) for c in args.concurrency]
+        self.specs = [LoadSpec(max(2, c), c, PROMPT_LEN, MAX_TOKENS) for c in args.concurrency]
         self.max_seqs = max(*args.concurrency, PRESSURE["concurrency"])
         self.ecfg = engine_config(self.max_seqs, max(512, min(2048, max(args.ttft_prompts or [0]))))
         self.config = ModelConfig.from_dict(hf_config_of(args.model)[1])
@@ -269,8 +263,8 @@ class Run:
     def transformers(self) -> None:
         rows = []
         for c in self.args.concurrency if self.args.hf_concurrency is None else self.args.hf_concurrency:
-            rows.append(hf_generate_tokens_per_s(self.hf_model, self.config.vocab_size, c, self.args.prompt_len,
-                                                 self.args.max_tokens, self.device) if self.left()
+            rows.append(hf_generate_tokens_per_s(self.hf_model, self.config.vocab_size, c, PROMPT_LEN,
+                                                 MAX_TOKENS, self.device) if self.left()
                         else {"concurrency": c, "skipped": "time limit"})
             self.put("transformers_generate", rows)
 
@@ -278,7 +272,7 @@ class Run:
         """Our engine over the dense bf16 experts, with KV for every sequence of the largest
         load at once (no preemption in the bf16 rows)."""
         args = self.args
-        blocks = -(-5 * max(args.concurrency) * (args.prompt_len + args.max_tokens) // (4 * KVCacheConfig().block_size))
+        blocks = -(-5 * max(args.concurrency) * (PROMPT_LEN + MAX_TOKENS) // (4 * KVCacheConfig().block_size))
         engine = Engine(self.ours, engine_config(self.max_seqs, self.ecfg.scheduler.max_num_batched_tokens,
                                                  max(1024 if self.device.type == "cuda" else 512, blocks)))
         modes = {}
@@ -330,7 +324,7 @@ class Run:
     def pressure(self) -> None:
         """Budget = 8-bit experts + the rest + half the KV the load wants: pagedweight against
         static-4 and static-8 on one closed-loop load (pagedweight.cli.load_bench)."""
-        spec = LoadSpec(**PRESSURE, max_tokens=self.args.max_tokens)
+        spec = LoadSpec(**PRESSURE, max_tokens=MAX_TOKENS)
         wanted = spec.concurrency * (spec.prompt_len + spec.max_tokens) * kv_block_bytes(self.config, 1, self.dtype)
         budget = int(self.dense_bytes + self.workspace + self.experts8 + wanted // 2)
         pressure = {"budget_bytes": budget, "kv_wanted_bytes": wanted, "kv_room_at_8bit": wanted // 2,
@@ -364,9 +358,9 @@ class Run:
             put()
         args = self.args
         if mode == args.modes[-1]:
-            row["profile"] = {str(c): decode_profile(engine, c, args.prompt_len, self.device)
+            row["profile"] = {str(c): decode_profile(engine, c, PROMPT_LEN, self.device)
                               for c in args.profile_concurrency if self.left(30)}
-            row["components"] = {str(c): component_profile(engine, c, args.prompt_len, self.device)
+            row["components"] = {str(c): component_profile(engine, c, PROMPT_LEN, self.device)
                                  for c in args.component_concurrency if self.left(30)}
         if ttft_into is not None:
             ttft_into["ttft_s"] = {str(n): ttft(engine, n, self.device) for n in args.ttft_prompts if self.left()}

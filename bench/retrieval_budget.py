@@ -7,10 +7,11 @@ task text of a seed the evaluation does not use. Per context length, held-out ex
 query each) are answered greedily and scored by exact match, the same ones in every row:
 `bf16` with unlimited memory, one forward per prompt (the answer's margin over the runner-up
 kept); then at each budget (`--expert-bits` B: dense weights, workspace, the KV of
-`--concurrency` whole requests and `--slack-pages` blocks, experts at B mean bits) every example
-sent at once, decoding a few tokens after its prompt so that many requests hold KV together:
-`bf16` with the KV blocks its experts leave (it queues or preempts), `pagedweight`, and
-`static-B`, the widest uniform B that fits, with the bits each prompt token was computed at.
+`--concurrency` whole requests and one block more, experts at B mean bits) every example sent
+at once, decoding as many tokens as the prefills of concurrency - 1 requests take steps, so
+that many hold KV together: `bf16` with the KV blocks its experts leave (it queues or preempts),
+`pagedweight`, and `static-B`, the widest uniform B that fits, with the bits each prompt token
+was computed at.
 Accuracies carry 95% Wilson intervals and the examples lost and gained against unlimited bf16.
 
     python -m bench run retrieval-budget
@@ -255,11 +256,10 @@ def run_length(args, paged, paged_dir: Path, model, length: int, device, dtype) 
     engine = EngineConfig(scheduler=SchedulerConfig(args.concurrency, args.max_batched_tokens),
                           kv=KVCacheConfig(args.block_size))
     prompt_len = max(e.prompt_len for e in examples)
-    # by default as many tokens as the prefills of concurrency - 1 requests take steps: then that many hold KV at once
-    decode_tokens = args.decode_tokens or max(1, (args.concurrency - 1) * -(-prompt_len // args.max_batched_tokens))
+    decode_tokens = max(1, (args.concurrency - 1) * -(-prompt_len // args.max_batched_tokens))
     request_tokens = prompt_len + decode_tokens
     parts = budget_parts(paged, engine, dtype, request_tokens, args.concurrency)
-    fixed = parts["dense"] + parts["workspace"] + parts["kv"] + args.slack_pages * parts["kv_block"]
+    fixed = parts["dense"] + parts["workspace"] + parts["kv"] + parts["kv_block"]
     routing, top_k = paged.meta["routing"]["routing_fraction"], paged.config.num_experts_per_tok
     t0 = time.perf_counter()
     outputs, margins = reference(model, examples)
@@ -421,10 +421,6 @@ def main(argv=None) -> int:
     p.add_argument("--concurrency", type=int, default=8, help="requests holding KV at once (max_num_seqs)")
     p.add_argument("--expert-bits", type=float, nargs="+", default=[3.5, 4.5],
                    help="one budget each: the mean expert bits it leaves beside the KV of --concurrency requests")
-    p.add_argument("--decode-tokens", type=int, default=0,
-                   help="tokens each request decodes (the first is scored); 0: as many as the prefills of "
-                        "concurrency - 1 requests take steps")
-    p.add_argument("--slack-pages", type=int, default=1, help="KV blocks of room beyond the requests'")
     p.add_argument("--max-batched-tokens", type=int, default=2048, help="new tokens per step (prefill chunks)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--calib-examples", type=int, default=32)

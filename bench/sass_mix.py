@@ -1,16 +1,14 @@
 """The instruction mix per weight of the decode kernel's step loops, read from its SASS
 (docs/kernel.md, "Instruction counts"): one `apl_gemv` instance compiled by nvcc as the host
-builds it (its defines, plus overrides; sm_90a where the host would), disassembled by nvdisasm;
-the innermost loops holding HMMA or HGMMA, their opcodes counted per weight. An m16n8k16 A
-fragment is 8 weights a thread, so weights = 8 x HMMA in a decode loop and 8 x HMMA / NT8 in a
-tiles loop (a fragment feeds NT8 mma); a wgmma m64nNk16 is 64 x 16 weights over 128 threads,
-so weights = 8 x HGMMA. For an `apl_staged` instance, the producer warpgroup's step loop: the
-innermost loops storing dequantised weights to shared memory (STS.128, 8 weights each) and
-holding no HGMMA. `build_instance` also serves the kernel tests that compile with nvcc.
+builds it (its defines, plus overrides), disassembled by nvdisasm; the innermost loops holding
+HMMA or HGMMA, opcodes counted per weight. An m16n8k16 A fragment is 8 weights a thread:
+weights = 8 x HMMA (decode), 8 x HMMA / NT8 (tiles: a fragment feeds NT8 mma), 8 x HGMMA
+(wgmma m64nNk16: 64 x 16 weights over 128 threads). An `apl_staged` instance: the producer's
+innermost loops storing to shared memory (STS.128, 8 weights each), no HGMMA.
 
     python -m bench run kernel-sass      # the 5-8-bit decode kernel; bench/results/sass_mix_cpu.json
     python -m bench.sass_mix ["apl_gemv<0, 0, true, true, 1>" | "apl_staged<0, 0, true, true, 8>"]
-        [NAME=VALUE ...] [--name NAME]
+        [NAME=VALUE ...]
 Needs nvcc (CUDA 12.4+ for sm_90) and nvdisasm on PATH or in NVDISASM (the `nvidia-cuda-nvdisasm`
 wheel ships one); no GPU.
 """
@@ -167,7 +165,6 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("instance", nargs="?", default="apl_gemv<0, 0, true, true, 1>")
     parser.add_argument("defines", nargs="*", help="NAME=VALUE overrides of the default defines")
-    parser.add_argument("--name", default="sass_mix", help="bench/results/NAME_cpu.json")
     args = parser.parse_args(argv)
     try:
         overrides = {k: int(v) for k, _, v in (d.partition("=") for d in args.defines)}
@@ -192,7 +189,7 @@ def main(argv=None) -> int:
         print(f"{'producer loop' if staged else 'loop'} @{m['first_line']}: {m['instructions']} instructions, "
               f"{counts}: {m['per_weight']:.3f} / weight (PRMT+LOP3+SHF {m['alu_per_weight']:.3f}) | "
               + "  ".join(f"{k} {v:.3f}" for k, v in list(m["mix"].items())[:12]))
-    print(write_result(args.name, {"instance": args.instance, "overrides": overrides, "resources": resources,
+    print(write_result("sass_mix", {"instance": args.instance, "overrides": overrides, "resources": resources,
                                    "loops": mixes}))
     return 0
 

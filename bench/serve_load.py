@@ -1,17 +1,15 @@
 """The serving layers under load, each against the engine in this process: the in-process
-`AsyncEngine`, then (planner + worker + gateway started here on free ports, same flags) the
-worker's `GenerateStream` (requests multiplexed on one stream, as the gateway talks to it) and
-the gateway's streamed `POST /v1/completions` (one connection per request, read with asyncio
-streams: at c256 a client library's per-event cost would measure the client). Requests ignore
-EOS; each layer is warmed up first; TTFT and inter-token gaps are the client's (an SSE event or
-a stream message with tokens is one arrival, as `vllm bench serve` counts ITL).
+`AsyncEngine`, the worker's `GenerateStream` (requests multiplexed on one stream, as the gateway
+uses it) and the gateway's streamed `POST /v1/completions` (one raw asyncio connection per
+request: at c256 a client library's per-event cost would measure the client). Requests ignore
+EOS; TTFT and inter-token gaps are the client's (a message with tokens is one arrival, as
+`vllm bench serve` counts ITL).
 
-`--mode trace` (serve-load): a seeded trace of random token prompts, Poisson arrivals, in
-`--rounds` rounds of the three layers so a busy spell of a shared machine does not land on one
-side only; overhead = 1 - gateway tok/s / in-process tok/s (target < 0.10 at concurrency 16).
-`--mode sweep` (serve-sweep): at each concurrency a closed loop for `--duration` s over windows
-of data/sample.txt (the gateway detokenises real text); per point tok/s, TTFT/ITL p50, the
-ratio to in-process and the processes' CPU (targets: gateway >= 0.9x, worker >= 0.95x).
+`--mode trace` (serve-load): random token prompts, Poisson arrivals, `--rounds` rounds of the
+three layers so a busy spell of a shared machine does not land on one side only; overhead =
+1 - gateway tok/s / in-process tok/s (target < 0.10). `--mode sweep` (serve-sweep): per
+concurrency a closed loop for `--duration` s over windows of data/sample.txt (the gateway
+detokenises real text); targets: gateway >= 0.9x, worker >= 0.95x in-process tok/s.
 
     python -m bench run serve-load --artifacts DIR -- --request-rate 4
     python -m bench run serve-sweep --artifacts DIR          # GPU: tools/serve_sweep_gpu.sh
@@ -45,8 +43,6 @@ class Request:
 
 @dataclass
 class Arrivals:
-    """A request's arrivals so far: TTFT, then the gaps between arrivals."""
-
     sent: float = field(default_factory=time.monotonic)
     last: float | None = None
     ttft_s: float = 0.0
@@ -82,9 +78,8 @@ def summarize(timings: list[Arrivals], elapsed_s: float, cpu: dict[str, float] |
 
 
 def make_requests(args, num: int, trace: bool) -> list[Request]:
-    """`num` requests of --prompt-len / --output-len LO:HI tokens (uniform, seeded): for the trace
-    random token ids arriving as a Poisson process of --request-rate (0: all at once), for the
-    sweep windows of data/sample.txt in the model's tokenizer."""
+    """Seeded requests: the trace's random ids arrive at --request-rate (0: all at once), the
+    sweep's are windows of data/sample.txt."""
     from pagedweight.format.model_config import ModelConfig
     from pagedweight.frontend.tokenizer import Tokenizer
 
@@ -106,7 +101,6 @@ def make_requests(args, num: int, trace: bool) -> list[Request]:
 
 
 async def open_loop(requests: list[Request], max_concurrency: int, send) -> tuple[list, float]:
-    """Each request sent at its arrival time, at most `max_concurrency` in flight."""
     start, gate = time.monotonic(), asyncio.Semaphore(max_concurrency)
 
     async def one(req: Request):
@@ -119,7 +113,6 @@ async def open_loop(requests: list[Request], max_concurrency: int, send) -> tupl
 
 
 async def closed_loop(concurrency: int, duration_s: float, requests: list[Request], send) -> tuple[list, float]:
-    """`send(request)` from `concurrency` users until duration_s has passed."""
     start = time.monotonic()
     deadline, timings = start + duration_s, []
 
@@ -149,7 +142,7 @@ def in_process_send(engine):
 
 
 class WorkerStreamClient:
-    """Requests multiplexed on one GenerateStream; its reader records every arrival."""
+    """Requests multiplexed on one GenerateStream."""
 
     def __init__(self, address: str):
         import grpc
@@ -226,7 +219,7 @@ def gateway_send(port: int):
 
 
 async def read_events(reader, chunked: bool, arrivals: Arrivals) -> None:
-    """The SSE stream of one completion: every chunk with a choice carries new tokens."""
+    """One completion's SSE stream: every chunk with a choice carries new tokens."""
     buffer, tokens = b"", 0
     while True:
         if chunked:
@@ -254,7 +247,7 @@ async def read_events(reader, chunked: bool, arrivals: Arrivals) -> None:
 
 
 def start_cluster(args):
-    """planner + worker + gateway on free ports; returns (services, gateway port, worker address)."""
+    """planner + worker + gateway on free ports: (services, gateway port, worker address)."""
     import socket
 
     from pagedweight.cluster.processes import Service, grpc_serving, http_ok, wait_until
@@ -285,7 +278,6 @@ def start_cluster(args):
 
 
 def process_cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a process so far (Linux /proc)."""
     fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
@@ -295,7 +287,7 @@ async def warm(send, requests: list[Request]) -> None:
 
 
 def run_in_process(args, loads: dict, requests: list[Request]) -> dict:
-    """Each load (name -> async run(send)) against the engine in this process."""
+    """Each load (name -> async run(send)) on the engine in this process."""
     import torch
 
     from pagedweight.engine.async_engine import AsyncEngine
@@ -363,7 +355,6 @@ def run_cluster(args, loads: dict, requests: list[Request], layers: set[str]) ->
 
 
 def run_layers(args, loads: dict, requests: list[Request], layers: set[str]) -> dict[str, dict]:
-    """layer -> load name -> its summary."""
     in_process = run_in_process(args, loads, requests) if "in_process" in layers else {}
     worker, gateway = ({}, {}) if layers == {"in_process"} else run_cluster(args, loads, requests, layers)
     return {"in_process": in_process, "worker_grpc": worker, "gateway_http": gateway}
@@ -398,8 +389,7 @@ def run_trace(args) -> Path:
 
 def run_sweep(args) -> Path:
     levels = [int(c) for c in args.concurrency.split(",")]
-    if args.max_num_seqs is None:
-        args.max_num_seqs = max(levels)  # the engine batches every request in flight
+    args.max_num_seqs = max(levels)  # the engine batches every request in flight
     requests = make_requests(args, max(args.num_prompts, 4 * max(levels)), trace=False)
     loads = {c: (lambda send, c=c: closed_loop(c, args.duration, requests, send)) for c in levels}
     started = time.monotonic()
@@ -457,8 +447,6 @@ def main() -> None:
     parser.add_argument("--memory-budget", default="32MiB")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (in process and the worker)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (worker and in-process)")
-    parser.add_argument("--max-num-seqs", type=int, default=None,
-                        help="the engine's batch limit (default: the worker's; the sweep: the largest concurrency)")
     parser.add_argument("--prompt-len", default="32:128", help="LO:HI tokens, uniform")
     parser.add_argument("--output-len", default="16:64", help="LO:HI tokens, uniform")
     parser.add_argument("--seed", type=int, default=0)
@@ -474,6 +462,7 @@ def main() -> None:
     parser.add_argument("--tag", default=None, help="suffix of the result file name")
     parser.add_argument("--out", default=None, help="sweep: write the result here instead")
     args = parser.parse_args()
+    args.max_num_seqs = None  # the engine's batch limit: the worker's (the sweep sets its largest concurrency)
     (run_sweep if args.mode == "sweep" else run_trace)(args)
 
 

@@ -1,14 +1,13 @@
 """Where an engine step's time goes: per component of the model (`component_profile`) and per
 phase of a step as the engine runs it (`decode_profile`: host phases, kernels by name).
 
-A replayed CUDA graph is one launch to the profiler, so the component profile runs the same
-steps eagerly (the engine's graphs off, then put back) with a `record_function` range around
-each component's module call, and gives every operator to the innermost range it ran in: on
-CUDA its kernels (count and device time), on the CPU (which checks the instrumentation) its own
-CPU time and one "kernel" per leaf operator. "host" is the step's wall time less the summed
-device (or range CPU) time: the Python and launch overhead a replay removes. What a range
-leaves over goes to its enclosing component: the MoE block's to gating, the decoder layer's to
-norms, the model's to "embed + lm head".
+A replayed CUDA graph is one launch to the profiler, so the component profile runs the steps
+eagerly with a `record_function` range around each component's call and gives every operator
+to the innermost range it ran in: on CUDA its kernels (count, device time), on the CPU (which
+checks the instrumentation) its own CPU time, one "kernel" per leaf. "host" is the step's wall
+time less the summed device time: what a replay removes. What a range leaves over goes to its
+enclosing component: the MoE block's to gating, the layer's to norms, the model's to "embed +
+lm head".
 """
 
 from __future__ import annotations
