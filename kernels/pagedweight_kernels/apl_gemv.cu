@@ -25,7 +25,7 @@
 //          dtype, and one packed FMA gives two weights. The cells come from a 16 KB
 //          shared-memory table, one conflict-free LDS a weight (CellTab). The plane words in
 //          flight take ~170 registers, so these kernels run 3 CTAs an SM
-//          (APL_GEMV_CELL_BLOCKS, APL_TILES_BLOCKS).
+//          (APL_GEMV_CELL_BLOCKS, tiles_blocks).
 //   CLS 2, every width in one launch (both paths compiled into one kernel): the host picks it
 //          for layers holding both classes (measured faster than a launch per class,
 //          docs/kernel.md).
@@ -61,12 +61,16 @@
 #ifndef APL_GEMV_L2_PREFETCH
 #define APL_GEMV_L2_PREFETCH 0
 #endif
-// CTAs per SM the register budget must allow in the tiles regime (NT8 > 1), per instance:
-// 3 CTAs (<= 168 registers) for the one-class kernels at NT8 up to 8, else 2: the merged body (both
-// paths in one kernel) spills 256-1548 bytes at 168 registers from NT8 4 (nvcc 13.0, sm_90a), and
-// NT8 12 (96-token passes, the 3-4-bit class only: the host's TILES_WIDE_NT8) holds 48
-// accumulators a thread.
-#define APL_TILES_BLOCKS(CLS, NT8) ((NT8) > 8 || (CLS) == 2 ? 2 : 3)
+// CTAs per SM the register budget must allow in the tiles regime (NT8 > 1), per instance: 3
+// (<= 168 registers) where the body fits them unspilled (nvcc 13.0, sm_90a), else 2. The 3-4-bit
+// kernel up to NT8 8; the 5-8-bit one up to 8 with 8-byte plane loads (V2) and 2 with 4-byte ones
+// (48-208 bytes spilled at 8); the merged body (both paths in one kernel) at NT8 2 with 8-byte
+// loads only (256-1548 bytes spilled from NT8 4, 176-284 at 2 with 4-byte loads). NT8 12 (96-token
+// passes, the 3-4-bit class only: the host's TILES_WIDE_NT8) holds 48 accumulators a thread: 2.
+APL_HD constexpr int tiles_blocks(int cls, int nt8, bool v2) {
+    const int widest_at_3 = cls == 0 ? 8 : cls == 1 ? (v2 ? 8 : 2) : (v2 ? 2 : 0);
+    return nt8 <= widest_at_3 ? 3 : 2;
+}
 #ifndef APL_PLANE_HINT
 #define APL_PLANE_HINT 2  // the plane words' loads (load_step) in instances of at least APL_PLANE_HINT_MIN_NT8, and in
 #endif                    // the decode instances compiled for long splits (LONG): bit 0: L1::no_allocate; bit 1:
@@ -1646,7 +1650,7 @@ __device__ __forceinline__ void gemv_cta(
 // plane loads take APL_PLANE_HINT's qualifiers (load_hint); the host picks it from the plan, so a
 // launch's instance never depends on the layer's bits.
 template <int CLS, int MODE, bool BF16, bool V2, int NT8, bool LONG = false>
-__global__ void __launch_bounds__(GV_THREADS, NT8 == 1 ? (CLS == 0 ? APL_GEMV_MIN_BLOCKS : APL_GEMV_CELL_BLOCKS) : APL_TILES_BLOCKS(CLS, NT8)) apl_gemv(
+__global__ void __launch_bounds__(GV_THREADS, NT8 == 1 ? (CLS == 0 ? APL_GEMV_MIN_BLOCKS : APL_GEMV_CELL_BLOCKS) : tiles_blocks(CLS, NT8, V2)) apl_gemv(
     const long long* __restrict__ desc, const long long* __restrict__ topk_ids, int num_assign, int top_k,
     int num_experts, const u16* __restrict__ x, int rows_out, int cols, int split_words, int lut_entries,
     int stage_tokens, float* __restrict__ part, int* __restrict__ counters, u16* __restrict__ h_out,
