@@ -110,7 +110,7 @@ def prefill_projection(layer: APLLayer, plan: LaunchPlan, top_k: int, config: Ke
     """four_launches' projection for the prefill kernel (apl_moe.cu's apl_prefill)."""
     def projection(mode, desc, active, num_active, sorted_slot, src, rows_out, cols, h_out, y_out):
         launch_prefill(mode, plan.gate_up if mode == 0 else plan.down, desc, active, num_active, sorted_slot, top_k,
-                       src, rows_out, cols, layer.max_bits, h_out, y_out, layer.activation, config)
+                       src, rows_out, cols, layer.prefill_widest_bits(), h_out, y_out, layer.activation, config)
     return projection
 
 

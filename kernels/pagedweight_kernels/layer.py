@@ -213,14 +213,20 @@ class APLLayer:
             return [(2, MAX_BITS)]
         return class_launches(self.classes[module])
 
+    def prefill_widest_bits(self) -> int:
+        """The widest bits a prefill-kernel launch accepts (its lut_log2: a block above them gives
+        NaN rows): the layer's own, or MAX_BITS under stable_launches, where a captured step's
+        prefill launch outlives the pager's raises (launch_signature leaves the bits out)."""
+        return MAX_BITS if self.stable_launches else self.max_bits
+
     def launch_signature(self) -> tuple:
         """What the layer's launches bake in beyond its descriptor rows (a CUDA graph of a step
         replays them): widest bits (prefill's shared LUT), per projection the decode kernels
         launched with their LUT sizes, and the plane alignment. Coarser than the bit classes: in
         a layer with both classes one merged launch runs whatever the 3-4-bit class's widest
         width is, so a 3 <-> 4-bit move there changes nothing a graph holds.
-        With stable_launches only the alignment is left: decode steps (what graphs capture)
-        launch the same merged kernel at any bits, and prefill's widest bits are never captured."""
+        With stable_launches only the alignment is left: decode and tiles steps launch the same
+        merged kernel at any bits, and a prefill launch takes MAX_BITS (prefill_widest_bits)."""
         if self.stable_launches:
             return "stable", tuple(self.aligned8.values())
         launches = tuple(tuple((cls, widest if cls >= 1 else 0) for cls, widest in self.decode_launches(m))

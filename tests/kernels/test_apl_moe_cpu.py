@@ -328,8 +328,8 @@ def test_launch_signature_follows_the_launches_not_the_widths():
 
 def test_stable_launches_keep_one_signature_and_one_merged_launch_at_any_bits():
     """A pager's layers decode through the merged kernel at the 8-bit LUT size whatever
-    their widths, so no bit change alters what a captured graph holds; the plane alignment
-    still counts."""
+    their widths, and their prefill launches accept every width, so no bit change alters what a
+    captured graph holds; the plane alignment still counts."""
     E = 4
 
     def layer(bits_of, stable=True):
@@ -341,6 +341,9 @@ def test_stable_launches_keep_one_signature_and_one_merged_launch_at_any_bits():
     assert len({x.launch_signature() for x in layers}) == 1
     assert all(x.decode_launches(m) == [(2, 8)] for x in layers for m in ("gate_up", "down"))
     assert layer(lambda e: 8, stable=False).decode_launches("gate_up") == [(1, 8)]
+    # a prefill launch captured at 3-7 bits still takes blocks the pager raises to 8 (not NaN rows)
+    assert all(x.prefill_widest_bits() == 8 for x in layers)
+    assert layer(lambda e: 5 + e % 2, stable=False).prefill_widest_bits() == 6
     assert layers[0].launch_signature() != layer(lambda e: 8, stable=False).launch_signature()
     odd = random_layer(E, 32, 32, seed=1)  # 32 columns: no 8-byte loads for down (cols % 64)
     assert APLLayer(odd.gate_up, odd.down, stable_launches=True).launch_signature() != layers[0].launch_signature()
