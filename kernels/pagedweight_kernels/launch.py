@@ -18,7 +18,7 @@ from pagedweight_kernels.config import DEFAULT_CONFIG, KernelConfig
 from pagedweight_kernels.cuda_packages import launch_on_torch_stream
 from pagedweight_kernels.layer import APLLayer
 from pagedweight_kernels.plan import GEMV_THREADS, STAGED_STEP, THREADS, GemmPlan, LaunchPlan, gemv_extra_shared, long_split, \
-    programmatic_down, staged_class, staged_plan, staged_threads
+    programmatic_down, staged_launch, staged_plan, staged_threads
 
 _WEIGHT_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -117,10 +117,10 @@ def prefill_projection(layer: APLLayer, plan: LaunchPlan, top_k: int, config: Ke
 def staged_projection(layer: APLLayer, num_tokens: int, top_k: int, max_active: int, f: str,
                       config: KernelConfig = DEFAULT_CONFIG):
     """four_launches' projection for the staged regime: per projection the kernel class of its
-    blocks (staged_class) and their 16-byte alignment pick the instance, staged_plan the launch."""
+    blocks (staged_launch) and their 16-byte alignment pick the instance, staged_plan the launch."""
     def projection(mode, desc, active, num_active, sorted_slot, src, rows_out, cols, h_out, y_out):
         module = "gate_up" if mode == 0 else "down"
-        cls, lut_bits = staged_class(layer.classes[module])
+        cls, lut_bits = staged_launch(layer, module)
         aligned16 = layer.aligned16[module]
         plan = staged_plan(mode, num_tokens, top_k, layer.num_experts, rows_out, cls, lut_bits, max_active,
                            aligned16, config)

@@ -225,10 +225,10 @@ class APLLayer:
         launched with their LUT sizes, and the plane alignment. Coarser than the bit classes: in
         a layer with both classes one merged launch runs whatever the 3-4-bit class's widest
         width is, so a 3 <-> 4-bit move there changes nothing a graph holds.
-        With stable_launches only the alignment is left: decode and tiles steps launch the same
-        merged kernel at any bits, and a prefill launch takes MAX_BITS (prefill_widest_bits)."""
-        if self.stable_launches:
-            return "stable", tuple(self.aligned8.values())
+        With stable_launches only the alignment is left: decode, tiles and staged steps launch
+        the merged kernel at any bits, and a prefill launch takes MAX_BITS (prefill_widest_bits)."""
+        if self.stable_launches:  # (16-byte plane alignment picks the staged instance)
+            return "stable", tuple(self.aligned8.values()), tuple(self.aligned16.values())
         launches = tuple(tuple((cls, widest if cls >= 1 else 0) for cls, widest in self.decode_launches(m))
                          for m in ("gate_up", "down"))
         return self.max_bits, launches, tuple(self.aligned8.values())

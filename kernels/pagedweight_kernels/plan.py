@@ -18,7 +18,7 @@ from functools import lru_cache
 import torch
 
 from pagedweight_kernels.config import DEFAULT_CONFIG, KernelConfig
-from pagedweight_kernels.layer import GEMV_ROWS, APLKernelError, APLLayer, bit_class
+from pagedweight_kernels.layer import GEMV_ROWS, MAX_BITS, APLKernelError, APLLayer, bit_class
 
 REGIMES = ("gemv", "tiles", "staged", "prefill")
 # What this planning assumes of apl_gemv.cu's compile-time defaults (the host passes none of them, so
@@ -320,13 +320,23 @@ def staged_class(classes: dict[int, int]) -> tuple[int, int]:
     return cls, classes.get(1, 0)
 
 
+def staged_launch(layer: APLLayer, module: str) -> tuple[int, int]:
+    """(kernel class, lut_bits) of one projection's staged launch: by its blocks' classes
+    (staged_class), or the merged class at MAX_BITS under stable_launches (its launches outlive
+    the pager's bit moves)."""
+    return (2, MAX_BITS) if layer.stable_launches else staged_class(layer.classes[module])
+
+
 def staged_layer(layer: APLLayer, num_tokens: int, top_k: int, config: KernelConfig = DEFAULT_CONFIG) -> bool:
     """Whether the staged regime is the faster one for this layer's calls of num_tokens tokens:
     every block of both projections in staged_classes, and staged_min_assignments assignments or
     more for 3-4-bit layers, staged_lut_min_per_expert an expert for layers with 5-8-bit blocks
-    (below them the tiles regime was faster); any layer under staged_every_layer."""
+    (below them the tiles regime was faster); any layer under staged_every_layer. A layer under
+    stable_launches launches the merged class whatever its widths, so by that class's rule."""
     if config.staged_every_layer:
         return True
+    if layer.stable_launches:
+        return num_tokens * top_k >= config.staged_lut_min_per_expert * layer.num_experts
     classes = {cls for module in ("gate_up", "down") for cls in layer.classes[module]}
     least = config.staged_min_assignments if classes <= {0} else config.staged_lut_min_per_expert * layer.num_experts
     return classes <= config.staged_classes and num_tokens * top_k >= least
@@ -336,8 +346,8 @@ def use_staged(plan: LaunchPlan, layer: APLLayer, device: torch.device, num_toke
                regime: str | None = None, config: KernelConfig = DEFAULT_CONFIG) -> bool:
     """Whether a layer call planned so runs the staged regime instead: the tiles and prefill
     regimes' calls (not one that asked for the prefill kernel by `regime`) that staged_layer
-    takes, outside stable launches, on a compute-capability 9.0 device."""
-    return (plan.gate_up.regime in ("tiles", "prefill") and regime is None and not layer.stable_launches
+    takes, on a compute-capability 9.0 device."""
+    return (plan.gate_up.regime in ("tiles", "prefill") and regime is None
             and staged_layer(layer, num_tokens, top_k, config)
             and device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0))
 

@@ -556,9 +556,16 @@ def test_staged_class_and_the_rule_that_takes_the_staged_regime(monkeypatch):
     assert prefill.gate_up.regime == "prefill" and op.use_staged(prefill, layer, hopper, config=every)
     forced = op.plan_launch(1000, 2, 8, 64, 96, 8, regime="prefill")
     assert not op.use_staged(forced, layer, hopper, regime="prefill", config=every)  # the prefill kernel asked for
-    layer.stable_launches = True
-    assert not op.use_staged(tiles, layer, hopper, config=every)
-    layer.stable_launches = False
+    # stable launches: by the merged class's rule (16 assignments an expert) at any widths, the
+    # merged kernel at 8 bits launched whatever the blocks hold
+    low = APLLayer(*(random_layer(8, 64, 96, seed=1, bits={(e, m): 3 for e in range(8) for m in ("gate_up", "down")})
+                     .__dict__[k] for k in ("gate_up", "down")), stable_launches=True)
+    assert op.use_staged(tiles, low, hopper, num_tokens=100, top_k=2)
+    assert not op.use_staged(tiles, low, hopper, num_tokens=60, top_k=2)
+    from pagedweight_kernels.plan import staged_launch
+
+    assert staged_launch(low, "gate_up") == staged_launch(low, "down") == (2, 8)
+    assert staged_launch(layer, "gate_up") == op.staged_class(layer.classes["gate_up"])
     # mixed bits: by default from 16 assignments an expert (100 tokens x 2 over 8 experts: 25)
     assert op.use_staged(tiles, layer, hopper, num_tokens=100, top_k=2)
     assert not op.use_staged(tiles, layer, hopper, num_tokens=60, top_k=2)
@@ -584,12 +591,13 @@ def test_the_default_staged_rule_takes_3_4_bit_layers_from_256_assignments_other
     assert op.staged_layer(with_8, 1000, 2) and op.staged_layer(with_8, 64, 2)
     assert not op.staged_layer(with_8, 63, 2) and not op.staged_layer(with_8, 32, 2)
     assert op.use_staged(prefill, with_8, hopper, num_tokens=1000, top_k=2)
-    # not on other GPUs, not under stable launches, not for decode
+    # not on other GPUs, not for decode; under stable launches by the merged class's rule (16 an expert)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     assert not op.use_staged(tiles, low, hopper, num_tokens=128, top_k=2)  # (the same device, now sm_80)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     low.stable_launches = True
-    assert not op.use_staged(tiles, low, hopper, num_tokens=128, top_k=2)
+    assert op.use_staged(tiles, low, hopper, num_tokens=128, top_k=2)  # 32 an expert
+    assert not op.staged_layer(low, 63, 2) and op.staged_layer(low, 64, 2)
     low.stable_launches = False
     assert not op.use_staged(op.plan_launch(2, 2, 8, 64, 96, 4), low, hopper, num_tokens=256, top_k=2)
     # no staged classes: never staged
