@@ -25,11 +25,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.bench_meta import log, md_header, md_row, write_result
+from bench.bench_meta import REPO, log, md_header, md_row, write_result
 from bench.quality_budget import (DOMAINS, PLANNER, add_eval_args, as_ppl_change, combine, domain_mean, evaluate_model,
                                   fmt_interval, how_measured, measured, paired, vs_bf16)
 
-REPO = Path(__file__).resolve().parents[1]
 POLICIES = (PLANNER, "no-residual", "uniform")
 BITS = (3.5, 4.0, 5.0)
 DEFAULT_VARIANT = "all-16384"

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from bench.bench_meta import log, md_header, md_row, pyplot, save_figure, write_result
+from bench.bench_meta import REPO, log, md_header, md_row, pyplot, save_figure, write_result
 from pagedweight.common.paths import corpus_dir
 from pagedweight.format.blocks import MIN_BITS
 from pagedweight.format.paged_model import load_paged_model
@@ -39,7 +39,6 @@ from pagedweight.planner.artifact import load_planner_inputs
 from pagedweight.planner.policies import POLICY_NAMES, PlanContext, make_policy
 from pagedweight.planner.prompt_context import prompt_context, steady_traffic_tokens
 
-REPO = Path(__file__).resolve().parents[1]
 MODELS = ("micro-mixtral", "tiny-mixtral", "tiny-qwen-moe", "tiny-gemma4-moe")
 DOMAINS = ("kjv", "pydoc", "pycode", "cheader")
 BITS = (3.0, 3.5, 4.0, 5.0, 6.0)  # budgets, mean plane bits over the expert weights

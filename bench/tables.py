@@ -13,9 +13,8 @@ import re
 import sys
 from pathlib import Path
 
-from bench.bench_meta import md_header, md_row
+from bench.bench_meta import REPO, md_header, md_row
 
-REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results"
 DOCS = REPO / "docs"
 
