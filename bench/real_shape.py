@@ -67,7 +67,7 @@ def parse_args() -> argparse.Namespace:
                              "layer, no bf16 model (no parity, transformers or bf16 engine); auto: whole where "
                              "the bf16 weights, KV room and workspace fit the device")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights (per tensor name)")
-    parser.add_argument("--skip", nargs="*", default=[], help="sections to skip: hf bf16 static pressure")
+    parser.add_argument("--skip", nargs="*", default=[], choices=("hf", "pressure"), help="sections to skip")
     parser.add_argument("--time-limit-s", type=float, default=540.0)
     args = parser.parse_args()
     if args.component_concurrency is None:
@@ -376,16 +376,14 @@ def main() -> None:
     run.floors(bandwidth)
     if run.whole and "hf" not in args.skip:
         run.transformers()
-    if run.whole and "bf16" not in args.skip:
+    if run.whole:
         run.engine_bf16()
     run.quantize()
     # 8 and 4 bits first, then the pressure comparison, then 3 bits: what the limit cuts last matters least
-    if "static" not in args.skip:
-        run.static([b for b in args.static_bits if b != 3])
+    run.static([b for b in args.static_bits if b != 3])
     if "pressure" not in args.skip:
         run.pressure()
-    if "static" not in args.skip:
-        run.static([b for b in args.static_bits if b == 3])
+    run.static([b for b in args.static_bits if b == 3])
     run.put("total_s", round(time.perf_counter() - run.started, 1))
     print(f"wrote {run.path}")
 
