@@ -52,12 +52,11 @@ def commit() -> str:
     git checkout (the GPU machine receives a copy of the working tree)."""
     if os.environ.get("PAGEDWEIGHT_COMMIT"):
         return os.environ["PAGEDWEIGHT_COMMIT"]
-    here = Path(__file__).parent
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                             cwd=here).stdout.strip()
+                             cwd=REPO).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True, cwd=here).stdout.strip()
+                               text=True, cwd=REPO).stdout.strip()
         return sha + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"

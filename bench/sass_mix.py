@@ -26,7 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.bench_meta import write_result
+from bench.bench_meta import REPO, write_result
 
 GEMV_PARAMS = ("const long long* __restrict__, const long long* __restrict__, int, int, int, const u16* __restrict__, "
                "int, int, int, int, int, float* __restrict__, int* __restrict__, u16* __restrict__, "
@@ -115,7 +115,7 @@ def producer_loop_mixes(sass: str) -> list[dict]:
 @functools.lru_cache(maxsize=None)
 def _kernels():
     """The kernels package's apl_moe and module_source (kernels/ put on the path once, as for the tests)."""
-    sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "kernels")]
+    sys.path[:0] = [str(REPO / "kernels")]
     from pagedweight_kernels import apl_moe
     from pagedweight_kernels.cuda_packages import module_source
     return apl_moe, module_source

@@ -27,9 +27,9 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.bench_meta import md_header, md_row, write_result
+from bench.bench_meta import REPO, md_header, md_row, write_result
 
-TEXT = Path(__file__).resolve().parents[1] / "data" / "sample.txt"
+TEXT = REPO / "data" / "sample.txt"
 LAYERS = ("in_process", "worker_grpc", "gateway_http")
 MODEL_NAME = "bench"  # the served model name the gateway answers to
 
