@@ -19,6 +19,9 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS_DIR = REPO / "bench" / "results"
+# what a step profile splits a step into (step_components) and its table shows (tables)
+STEP_COMPONENTS = ("attention", "gating", "shared expert", "routed experts", "norms", "embed + lm head",
+                   "sampling", "other")
 
 
 def log(msg: str) -> None:

@@ -22,12 +22,11 @@ import json
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from bench.bench_meta import REPO, log, md_header, md_row, write_result
-from bench.quality_budget import (DOMAINS, PLANNER, add_eval_args, as_ppl_change, combine, domain_mean, evaluate_model,
-                                  fmt_interval, how_measured, measured, paired, vs_bf16)
+from bench.quality_budget import (DOMAINS, PLANNER, add_eval_args, as_ppl_change, chunks, combine, domain_mean,
+                                  evaluate_model, fmt_interval, how_measured, measured, paired, vs_bf16)
 
 POLICIES = (PLANNER, "no-residual", "uniform")
 BITS = (3.5, 4.0, 5.0)
@@ -74,8 +73,7 @@ def summarise(results: dict) -> dict:
             row = {"tokens_per_file": variant_tokens(label), "artifacts": len(members),
                    "models": sorted({m for m, _ in members})}
             for p in POLICIES:
-                row[p] = {"kl": combine([domain_mean([np.asarray(results[m][v]["domains"][d]["bits"][b][p]["kl"])
-                                                      for d in DOMAINS]) for m, v in members]),
+                row[p] = {"kl": combine([domain_mean(chunks(results[m][v], b, p, "kl")) for m, v in members]),
                           "ppl_change": as_ppl_change(combine([vs_bf16(results[m][v], b, p) for m, v in members]))}
             base = [(m, DEFAULT_VARIANT) for m, _ in members if DEFAULT_VARIANT in results[m]]
             if label != DEFAULT_VARIANT and len(base) == len(members):
@@ -88,8 +86,7 @@ def summarise(results: dict) -> dict:
 
 def _cross(a: dict, base: dict, bits: str) -> tuple[float, float]:
     """The planner's KL of artifact a minus artifact base, paired over the same chunks."""
-    return domain_mean([np.asarray(a["domains"][d]["bits"][bits][PLANNER]["kl"])
-                        - np.asarray(base["domains"][d]["bits"][bits][PLANNER]["kl"]) for d in DOMAINS])
+    return domain_mean([x - y for x, y in zip(chunks(a, bits, PLANNER, "kl"), chunks(base, bits, PLANNER, "kl"))])
 
 
 def markdown(payload: dict) -> str:

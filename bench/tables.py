@@ -13,7 +13,7 @@ import re
 import sys
 from pathlib import Path
 
-from bench.bench_meta import REPO, md_header, md_row
+from bench.bench_meta import REPO, STEP_COMPONENTS, md_header, md_row
 
 RESULTS = REPO / "bench" / "results"
 DOCS = REPO / "docs"
@@ -74,10 +74,6 @@ def real_shape(files: list[str]) -> list[str]:
                  for k, v in d.get("hbm_floor", {}).items() if k in ("bf16", "static-4")]
         lines += [md_row(d["model"], label, *(by_c.get(c, "") for c in REAL_SHAPE_CONCURRENCY)) for label, by_c in rows]
     return lines + ["", source(*present)]
-
-
-STEP_COMPONENTS = ("attention", "gating", "shared expert", "routed experts", "norms", "embed + lm head", "sampling",
-                   "other")
 
 
 def real_shape_components(files: list[str]) -> list[str]:
