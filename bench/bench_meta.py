@@ -1,7 +1,5 @@
-"""What every benchmark result records (when, where, on which commit) and how it is written:
-bench/results/<name>_<device tag>.json, a series or a table cell on one line. Beside it, what
-the benchmarks share: markdown table rows, figures, one call's wall time, device memory given
-back between runs."""
+"""What every benchmark result records (when, where, on which commit) and how it is written,
+and what the benchmarks share: the checkout's path, markdown rows, figures, timing."""
 
 from __future__ import annotations
 

@@ -1,18 +1,11 @@
-"""What the calibration text does to held-out quality: prompt residuals under domain shift,
-and the calibration defaults (tokens per file, one domain or all four); docs/calibration.md,
-rendered whole by `markdown` from the result.
+"""What the calibration text does to held-out quality: prompt residuals under domain shift, and
+the calibration defaults (docs/calibration.md, rendered whole from the result).
 
-Artifacts: DIR/<model>/<variant>, each from `pagedweight quantize` with one calibration:
-`all-<T>` (the four domains' `calib` files, T tokens each) or `<domain>-<T>` (one domain's).
-Every artifact is scored as in bench/quality_budget.py at BITS for the planner, the planner
-without prompt residuals and `uniform`. Domain shift: an artifact calibrated on one domain
-serves the other three; planner minus no-residual, paired, mean over models and domains.
-Defaults: the planner's KL and perplexity change per variant, and each variant minus the
-all-domain default (`all-16384`), paired; one-domain variants pooled.
-
-    pagedweight quantize --model M --out DIR/calibration/M/kjv-16384 --calib data/corpus/kjv.calib.txt \
-        --calib-tokens 16384       # one artifact per variant
-    python -m bench run calibration-quality --artifacts DIR
+Artifacts: DIR/<model>/<variant>, each from `pagedweight quantize` with one calibration: `all-<T>`
+(the four domains' `calib` files, T tokens each) or `<domain>-<T>` (one domain's), e.g.
+`--out DIR/M/kjv-16384 --calib data/corpus/kjv.calib.txt --calib-tokens 16384`. Each is scored
+as in quality_budget. Domain shift: an artifact calibrated on one domain serves the other three,
+planner minus no-residual, paired; defaults: each variant minus `all-16384`, paired.
 """
 
 from __future__ import annotations

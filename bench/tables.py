@@ -1,9 +1,6 @@
-"""The docs' result tables, regenerated from bench/results/: `python -m bench tables`.
-
-A page marks each generated table with `<!-- table: NAME -->` ... `<!-- /table -->`; this
-rewrites what lies between from the result files NAME reads (TABLES below), so a new run
-followed by `python -m bench tables` updates the docs and the diff shows what moved.
-`--check` exits 1 where a page differs from what the results give (nothing is written).
+"""The docs' result tables from bench/results/ (`python -m bench tables [--check]`): what lies
+between a page's `<!-- table: NAME -->` and `<!-- /table -->` is what TABLES[NAME] renders, so
+after a new run the diff shows what moved.
 """
 
 from __future__ import annotations
