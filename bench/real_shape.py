@@ -1,11 +1,8 @@
 """Serving speed at a real model's size, one run on one GPU (docs/real_shape.md): transformers,
-our engine in bf16, the runtime at static 8/4/3 bits and the `pagedweight` policy under memory
+our engine in bf16, the runtime at static widths and the `pagedweight` policy under memory
 pressure, each against the HBM floor of the same run (bytes a decode step reads over the copy
 bandwidth). Sections run in order of what the device minutes buy; a time limit skips the rest,
 and the JSON is rewritten after each, so a cut run keeps what it measured.
-
-    python -m bench run real-shape-qwen          # on the GPU (-mixtral, -gemma4, -qwen3, -olmoe)
-    python -m bench run real-shape-cpu           # a tiny model on the CPU: checks the script
 """
 
 from __future__ import annotations
