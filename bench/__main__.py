@@ -164,9 +164,6 @@ def full_depth_staging(cmd: list[str]) -> tuple[list[str], list[Path]]:
     return run, [shm, disk]
 
 
-STAGING = {"quantize-full-depth": full_depth_staging}
-
-
 def list_recipes() -> None:
     width = max(len(r.name) for r in RECIPES)
     for r in RECIPES:
@@ -201,8 +198,8 @@ def main(argv: list[str] | None = None) -> int:
         print(" ".join(cmd))
         return 0
     staged: list[Path] = []
-    if recipe.name in STAGING:
-        cmd, staged = STAGING[recipe.name](cmd)
+    if recipe.name == "quantize-full-depth":
+        cmd, staged = full_depth_staging(cmd)
     try:
         return subprocess.run(cmd, cwd=REPO, env=child_env()).returncode
     finally:
