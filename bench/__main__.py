@@ -1,21 +1,11 @@
-"""One entry point for the benchmarks: `python -m bench list` and `python -m bench run NAME`.
+"""The benchmarks' runner: `python -m bench list`, `run NAME [--dry-run] [-- EXTRA...]`, `tables`.
 
-    python -m bench list                       # the recipes (RECIPES below), CPU and GPU
-    python -m bench run planner-speed          # one recipe; the result lands in bench/results/
-    python -m bench run real-shape-qwen --dry-run
-    python -m bench run serve-load --artifacts /tmp/paged -- --request-rate 4
-    python -m bench tables [--check]           # the docs' tables from bench/results/ (bench/tables.py)
-
-A recipe is a benchmark module of this package and the arguments of one documented run: the
-one place a device call's arguments live. Extra arguments after `--` are appended, so a flag
-given there overrides the recipe's; `{artifacts}` in an argument is the folder of paged models
-(`--artifacts`, default $PAGEDWEIGHT_ARTIFACTS) that `pagedweight quantize` writes.
-
-Each recipe runs `python -m bench.<module> ARGS` in a child process with the import path
-set (services/ and kernels/ from the repository root), so it also runs on a machine given
-a copy of the tree and no virtual environment. The result JSON is stamped with date,
-commit and GPU by bench/bench_meta.py; a tree that is no git checkout names its commit in
-$PAGEDWEIGHT_COMMIT.
+A recipe (RECIPES) is a benchmark module and the arguments of one documented run: the one place
+a device call's arguments live. Arguments after `--` are appended, so they override the recipe's;
+`{artifacts}` is the folder of paged models (`--artifacts`, default $PAGEDWEIGHT_ARTIFACTS). A
+recipe runs `python -m bench.<module>` in a child process with services/ and kernels/ on the
+import path, so a copy of the tree without a virtual environment runs it; such a copy names its
+commit in $PAGEDWEIGHT_COMMIT.
 """
 
 from __future__ import annotations
@@ -174,9 +164,6 @@ def full_depth_staging(cmd: list[str]) -> tuple[list[str], list[Path]]:
     return run, [shm, disk]
 
 
-STAGING = {"quantize-full-depth": full_depth_staging}
-
-
 def list_recipes() -> None:
     width = max(len(r.name) for r in RECIPES)
     for r in RECIPES:
@@ -211,8 +198,8 @@ def main(argv: list[str] | None = None) -> int:
         print(" ".join(cmd))
         return 0
     staged: list[Path] = []
-    if recipe.name in STAGING:
-        cmd, staged = STAGING[recipe.name](cmd)
+    if recipe.name == "quantize-full-depth":
+        cmd, staged = full_depth_staging(cmd)
     try:
         return subprocess.run(cmd, cwd=REPO, env=child_env()).returncode
     finally:

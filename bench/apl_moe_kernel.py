@@ -1,17 +1,9 @@
-"""One MoE layer through the fused APL kernel at real model sizes (MODELS, synthetic APL weights),
-on the GPU, per token count (TOKENS) and bit configuration (each width, or a mixed plan drawing
-each block's bits from MIXED_CHOICES), against bf16 on the same experts in the same run:
-  fused         pagedweight_kernels.apl_moe.apl_moe (decode, tiles or staged regime by size)
-  bf16_grouped  torch._grouped_mm over tokens sorted by expert
-  bf16_gemv     the engine's own bf16 expert GEMV, where the engine takes it
-and the HBM floor: the bytes the fused kernel must read (planes + LUTs of the active experts at
-their bits, activations in, output out) over the copy bandwidth measured in the same run. A
-mixed layer is also set against the time its bytes predict at each width's own rate.
-
-Several copies of the layer and a fresh routing per call keep the weights out of L2 (a model runs
-its layers in turn); each method is captured in a CUDA graph of REPS calls and replayed (median
-of TRIALS). `python -m bench run kernel-layer-qwen` (-mixtral, -gemma4); bench/kernel_table.py
-renders docs/kernel.md's tables from the results.
+"""One MoE layer through the fused APL kernel at real model sizes (MODELS, synthetic APL weights)
+per token count and bit configuration, against bf16 on the same experts in the same run (the
+torch._grouped_mm and the engine's bf16 GEMV), and the HBM floor: the bytes the fused kernel must
+read over the copy bandwidth measured in the same run. docs/kernel.md says how it is timed;
+bench/kernel_table.py renders its tables. Several copies of the layer and a fresh routing per
+call keep the weights out of L2, as a model running its layers in turn does.
 """
 
 from __future__ import annotations

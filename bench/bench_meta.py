@@ -1,7 +1,5 @@
-"""What every benchmark result records (when, where, on which commit) and how it is written:
-bench/results/<name>_<device tag>.json, a series or a table cell on one line. Beside it, what
-the benchmarks share: markdown table rows, figures, one call's wall time, device memory given
-back between runs."""
+"""What every benchmark result records (when, where, on which commit) and how it is written,
+and what the benchmarks share: the checkout's path, markdown rows, figures, timing."""
 
 from __future__ import annotations
 
@@ -17,7 +15,11 @@ from pathlib import Path
 
 import torch
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+REPO = Path(__file__).resolve().parent.parent
+RESULTS_DIR = REPO / "bench" / "results"
+# what a step profile splits a step into (step_components) and its table shows (tables)
+STEP_COMPONENTS = ("attention", "gating", "shared expert", "routed experts", "norms", "embed + lm head",
+                   "sampling", "other")
 
 
 def log(msg: str) -> None:
@@ -51,12 +53,11 @@ def commit() -> str:
     git checkout (the GPU machine receives a copy of the working tree)."""
     if os.environ.get("PAGEDWEIGHT_COMMIT"):
         return os.environ["PAGEDWEIGHT_COMMIT"]
-    here = Path(__file__).parent
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                             cwd=here).stdout.strip()
+                             cwd=REPO).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True, cwd=here).stdout.strip()
+                               text=True, cwd=REPO).stdout.strip()
         return sha + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"

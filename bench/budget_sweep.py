@@ -1,20 +1,10 @@
 """The comparison at a sweep of memory budgets: bf16 in the same memory, every static width, the
-fitting uniform width and the elastic policy, one run each per budget, throughput beside quality
-(docs/elasticity.md).
+fitting uniform width and the elastic policy, one run each per budget, throughput beside quality.
+docs/elasticity.md says what the rows, budgets and traces are.
 
-The model: a paged artifact (`--artifact`) or a real-shape config with random weights
-(`--shape`). The trace (random prompts, EOS ignored): `closed` (`--requests` prompts,
-`--concurrency` in flight) or arrivals over `--duration-s` at a mean `--rate`: `steady`
-(Poisson), `bursty` (5 s of every 20 at 3x) and `long-context` (`--long-prompts` MIN MAX).
-`--num-budgets` budgets, evenly spaced, from bf16 barely fitting (with all the KV the trace
-wants) down to only 3 bits fitting. Rows: `bf16` (with the KV blocks the budget leaves;
-it preempts when short), `static-B`, `fitting-uniform` (the widest B whose experts fit beside
-the trace's whole KV: that static run, named so) and `pagedweight`; a row is `refused` where one
-request's KV does not fit. `--kl`: each row's token-weighted KL(bf16 || served) of the KL_PLANS
-plans it served most, on held-out kjv text.
-
-    python -m bench run budget-sweep-cpu       # the trained tiny Qwen-MoE, with the KL
-    python -m bench run budget-sweep-qwen-a    # GPU: Qwen1.5-MoE, 24 layers, half the rows (-b: the rest)
+The budgets run from bf16 barely fitting the trace's whole KV down to only 3 bits fitting, so
+every row is measured where it fits and where it does not; a row is `refused` where one
+request's KV does not fit. `--kl` scores the KL_PLANS plans a row served most on held-out text.
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
-"""What the calibration text does to held-out quality: prompt residuals under domain shift,
-and the calibration defaults (tokens per file, one domain or all four); docs/calibration.md,
-rendered whole by `markdown` from the result.
+"""What the calibration text does to held-out quality: prompt residuals under domain shift, and
+the calibration defaults (docs/calibration.md, rendered whole from the result).
 
-Artifacts: DIR/<model>/<variant>, each from `pagedweight quantize` with one calibration:
-`all-<T>` (the four domains' `calib` files, T tokens each) or `<domain>-<T>` (one domain's).
-Every artifact is scored as in bench/quality_budget.py at BITS for the planner, the planner
-without prompt residuals and `uniform`. Domain shift: an artifact calibrated on one domain
-serves the other three; planner minus no-residual, paired, mean over models and domains.
-Defaults: the planner's KL and perplexity change per variant, and each variant minus the
-all-domain default (`all-16384`), paired; one-domain variants pooled.
-
-    pagedweight quantize --model M --out DIR/calibration/M/kjv-16384 --calib data/corpus/kjv.calib.txt \
-        --calib-tokens 16384       # one artifact per variant
-    python -m bench run calibration-quality --artifacts DIR
+Artifacts: DIR/<model>/<variant>, each from `pagedweight quantize` with one calibration: `all-<T>`
+(the four domains' `calib` files, T tokens each) or `<domain>-<T>` (one domain's), e.g.
+`--out DIR/M/kjv-16384 --calib data/corpus/kjv.calib.txt --calib-tokens 16384`. Each is scored
+as in quality_budget. Domain shift: an artifact calibrated on one domain serves the other three,
+planner minus no-residual, paired; defaults: each variant minus `all-16384`, paired.
 """
 
 from __future__ import annotations
@@ -22,14 +15,12 @@ import json
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from bench.bench_meta import log, md_header, md_row, write_result
-from bench.quality_budget import (DOMAINS, PLANNER, add_eval_args, as_ppl_change, combine, domain_mean, evaluate_model,
-                                  fmt_interval, how_measured, measured, paired, vs_bf16)
+from bench.bench_meta import REPO, log, md_header, md_row, write_result
+from bench.quality_budget import (DOMAINS, PLANNER, add_eval_args, as_ppl_change, chunks, combine, domain_mean,
+                                  evaluate_model, fmt_interval, how_measured, measured, paired, vs_bf16)
 
-REPO = Path(__file__).resolve().parents[1]
 POLICIES = (PLANNER, "no-residual", "uniform")
 BITS = (3.5, 4.0, 5.0)
 DEFAULT_VARIANT = "all-16384"
@@ -75,8 +66,7 @@ def summarise(results: dict) -> dict:
             row = {"tokens_per_file": variant_tokens(label), "artifacts": len(members),
                    "models": sorted({m for m, _ in members})}
             for p in POLICIES:
-                row[p] = {"kl": combine([domain_mean([np.asarray(results[m][v]["domains"][d]["bits"][b][p]["kl"])
-                                                      for d in DOMAINS]) for m, v in members]),
+                row[p] = {"kl": combine([domain_mean(chunks(results[m][v], b, p, "kl")) for m, v in members]),
                           "ppl_change": as_ppl_change(combine([vs_bf16(results[m][v], b, p) for m, v in members]))}
             base = [(m, DEFAULT_VARIANT) for m, _ in members if DEFAULT_VARIANT in results[m]]
             if label != DEFAULT_VARIANT and len(base) == len(members):
@@ -89,8 +79,7 @@ def summarise(results: dict) -> dict:
 
 def _cross(a: dict, base: dict, bits: str) -> tuple[float, float]:
     """The planner's KL of artifact a minus artifact base, paired over the same chunks."""
-    return domain_mean([np.asarray(a["domains"][d]["bits"][bits][PLANNER]["kl"])
-                        - np.asarray(base["domains"][d]["bits"][bits][PLANNER]["kl"]) for d in DOMAINS])
+    return domain_mean([x - y for x, y in zip(chunks(a, bits, PLANNER, "kl"), chunks(base, bits, PLANNER, "kl"))])
 
 
 def markdown(payload: dict) -> str:

@@ -1,12 +1,10 @@
-"""The kernel benchmark's tables and figure in docs/kernel.md, regenerated from its results.
+"""The kernel benchmark's tables and figure in docs/kernel.md, from its results:
 
-    python -m bench.kernel_table bench/results/apl_moe_kernel_qwen_h200.json [MORE.json ...] [--docs docs/kernel.md]
-        [--plot docs/kernel_speedup.png]
+    python -m bench.kernel_table RESULT.json [MORE.json ...] [--plot docs/kernel_speedup.png]
 
-Reads one `bench.apl_moe_kernel` result (several models, token counts and widths timed in one
-run on one GPU), and replaces the block between the KERNEL TABLE markers of the docs page with
-one table per model: microseconds per MoE layer call at each width, its ratio to the HBM floor
-and its speed-up over bf16 `torch._grouped_mm` on the same experts in the same run.
+Between the page's KERNEL TABLE markers, one table per model: microseconds per MoE layer call at
+each width, its ratio to the HBM floor and its speed-up over bf16 `torch._grouped_mm` on the same
+experts in the same run.
 """
 
 from __future__ import annotations
@@ -16,8 +14,9 @@ import json
 import re
 from pathlib import Path
 
-from bench.bench_meta import md_header, md_row, pyplot, save_figure
+from bench.bench_meta import REPO, md_header, md_row, pyplot, save_figure
 
+DOCS = REPO / "docs" / "kernel.md"
 START, END = "<!-- KERNEL TABLE START -->", "<!-- KERNEL TABLE END -->"
 WIDTHS = ("3", "4", "5", "6", "7", "8", "mixed")
 
@@ -85,15 +84,14 @@ def plot(record: dict, path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("results", type=Path, nargs="+", help="one result per model recipe")
-    parser.add_argument("--docs", type=Path, default=Path("docs/kernel.md"))
     parser.add_argument("--plot", type=Path, default=None)
     args = parser.parse_args()
     records = [json.loads(path.read_text()) for path in args.results]
     text = "\n\n".join(render(record, path.as_posix()) for record, path in zip(records, args.results))
-    args.docs.write_text(replace_block(args.docs.read_text(), text))
+    DOCS.write_text(replace_block(DOCS.read_text(), text))
     if args.plot:
         plot({**records[0], "results": [row for record in records for row in record["results"]]}, args.plot)
-    print(f"wrote {args.docs}" + (f" and {args.plot}" if args.plot else ""))
+    print("wrote docs/kernel.md" + (f" and {args.plot}" if args.plot else ""))
 
 
 if __name__ == "__main__":

@@ -1,15 +1,9 @@
 """The controllers' speed on the CPU: the median (and p90) of repeated calls after a warm-up.
 
-Plans (`planner-speed`): synthetic tables at Qwen1.5-MoE-A2.7B size (2,880 blocks), every
-policy's plan at 3, 3.5, 4 and 5 bits from 8 bits (the most work a plan does) and the online
-planner's tick under a budget moving between 4 and 4.6 bits, against a pure-Python heapq greedy
-on the same inputs. Target: at most 5 ms per plan.
-
-Controllers at scale (`controller-scale`, `--controllers`): at 2,880, 12,288 and 30,000 blocks
-(tiny blocks sharing host tensors: the point is the work per block), a policy solve, an idle
-step boundary, a pager request freeing 10% of what 3 bits everywhere frees and the boundary that
-lowers it (compaction included), and a routing-feed snapshot. Targets: a plan within 10 ms at
-12,288 blocks, an idle boundary within 50 us.
+Plans: every policy's plan from 8 bits (the most work a plan does) on a synthetic table at
+Qwen1.5-MoE-A2.7B size, and the online planner's tick, against a pure-Python heapq greedy on
+the same inputs. `--controllers`: the planner, pager, page table and routing feed at SHAPES
+block counts (tiny blocks sharing host tensors: the point is the work per block).
 """
 
 from __future__ import annotations

@@ -1,16 +1,11 @@
-"""Reserved device memory against the budget while the weights/KV split moves.
+"""Reserved device memory against the budget while the weights/KV split moves (docs/memory_pool.md).
 
-One worker's memory on synthetic APL experts (4 MoE layers of Qwen1.5-MoE-A2.7B size, SHAPE):
-a pool of `--budget` bytes, one arena, every block loaded at 8 bits. Then `--cycles` times the
-load rises (the KV cache takes blocks; with the arena full the weight pager lowers bits to free
-them) and falls (KV blocks freed, the bytes offered back, bits raised by copies on the side
-stream), every step running the MoE layers through the page table. After every step boundary
-it records the allocator's reserved bytes, the device's used bytes and the pool's split; the
-result keeps their maxima. Baseline in the same run: the same plane and KV-block allocations
-as separate tensors of PyTorch's caching allocator (no arena), whose reserved memory is what
-the budget would have to cover without one arena.
-
-    python -m bench run pool-split                      # on the GPU machine
+Synthetic APL experts (SHAPE: 4 MoE layers of Qwen1.5-MoE-A2.7B size) in one arena of a
+`--budget` pool; `--cycles` times the KV cache rises (the pager lowers bits to free blocks) and
+falls (bits raised again), a step through the page table between boundaries. The result keeps
+the maxima of the allocator's reserved bytes, the device's used bytes and the pool's split.
+Baseline in the same run: the same allocations as separate tensors of PyTorch's caching
+allocator, whose reserved memory is what the budget would have to cover without one arena.
 """
 
 from __future__ import annotations

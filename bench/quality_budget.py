@@ -1,17 +1,12 @@
 """The quality table: KL to bf16 and perplexity of every policy at budgets in mean plane bits
-(docs/quality.md, rendered whole by `markdown` from the result; the figure docs/quality.png).
+(docs/quality.md and docs/quality.png, rendered whole from the result).
 
-Per model (paged artifacts from `pagedweight quantize`, with their loss scales and residual
-heads) and budget (3.0-6.0 mean plane bits: the plan's bit planes may not exceed bits x weights
-/ 8; the fp16 LUTs are reported beside, not charged), per domain: the first `--prompt-tokens`
-of the domain's `valid` text are the traffic the planner sees (prefilled at 8 bits: routing +
-prompt residuals), the next `--eval-tokens` are scored in chunks of `--seq-len` by the mean
-per-token KL(bf16 || plan) and NLL; the calibration check scores pagedweight against uniform and
-uniform-plus-fill on the `calib` text. Differences are paired over the same chunks; a model's
-value is the mean over its domains, its standard error from the chunks' spread; the mean over
-models has standard error sqrt(sum se^2) / models; 95% CI = +-1.96 se.
-
-    python -m bench run quality-budget --artifacts DIR   # DIR/<model> from `pagedweight quantize`
+A budget of b bits caps a plan's bit planes at b x weights / 8 bytes (the fp16 LUTs reported
+beside, not charged). Per domain the planner sees the first `--prompt-tokens` of the `valid`
+text (prefilled at 8 bits) and the next `--eval-tokens` are scored in chunks. Differences are
+paired over the same chunks; a model's value is the mean over its domains, its standard error
+from the chunks' spread; the mean over models has standard error sqrt(sum se^2) / models;
+95% CI = +-1.96 se.
 """
 
 from __future__ import annotations
@@ -27,7 +22,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from bench.bench_meta import log, md_header, md_row, pyplot, save_figure, write_result
+from bench.bench_meta import REPO, log, md_header, md_row, pyplot, save_figure, write_result
 from pagedweight.common.paths import corpus_dir
 from pagedweight.format.blocks import MIN_BITS
 from pagedweight.format.paged_model import load_paged_model
@@ -39,7 +34,6 @@ from pagedweight.planner.artifact import load_planner_inputs
 from pagedweight.planner.policies import POLICY_NAMES, PlanContext, make_policy
 from pagedweight.planner.prompt_context import prompt_context, steady_traffic_tokens
 
-REPO = Path(__file__).resolve().parents[1]
 MODELS = ("micro-mixtral", "tiny-mixtral", "tiny-qwen-moe", "tiny-gemma4-moe")
 DOMAINS = ("kjv", "pydoc", "pycode", "cheader")
 BITS = (3.0, 3.5, 4.0, 5.0, 6.0)  # budgets, mean plane bits over the expert weights

@@ -1,17 +1,11 @@
-"""Streaming quantisation of a real-shape checkpoint: wall time and peak memory.
-
-The checkpoint is transformers' own class at the published shape (offline/real_shape_configs.py)
-with random bf16 weights, saved with the bundled tokenizer; `--layers N` keeps the first N
-decoder layers where the device minutes cannot pay for the whole depth (the JSON says so). It is
-quantised by `pagedweight quantize`'s default path (one layer at a time, bundled calibration
-text, loss scales skipped: a phase of its own); the peaks are the quantiser's own record, the
-full depth is extrapolated from the per-layer times (fixed part + layers x per layer). Baseline:
-the whole-model quantiser's fp32 copy of every parameter (params x 4 bytes, reported).
-Checkpoint, work directory and artifact of the full depth do not fit a 64 GB disk together:
-`--checkpoint` and `--work-dir` put them elsewhere, `--build-only` builds the checkpoint in a
-process of its own (bench/__main__.py stages quantize-full-depth so).
-
-    python -m bench run quantize-stream-mixtral
+"""Streaming quantisation of a real-shape checkpoint (random bf16 weights in transformers' own
+class, offline/real_shape_configs.py): wall time and peak memory of `pagedweight quantize`'s
+default path, loss scales skipped (a phase of its own). `--layers N` builds the first N decoder
+layers where the device minutes cannot pay for the whole depth, which is then extrapolated
+(fixed part + layers x per layer). Baseline: the whole-model quantiser's fp32 copy of every
+parameter (params x 4 bytes, reported). Checkpoint, work directory and artifact of the full
+depth do not fit a 64 GB disk together, hence `--checkpoint`, `--work-dir` and `--build-only`
+(bench/__main__.py stages quantize-full-depth with them).
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """Serving speed at a real model's size, one run on one GPU (docs/real_shape.md): transformers,
-our engine in bf16, the runtime at static 8/4/3 bits and the `pagedweight` policy under memory
+our engine in bf16, the runtime at static widths and the `pagedweight` policy under memory
 pressure, each against the HBM floor of the same run (bytes a decode step reads over the copy
 bandwidth). Sections run in order of what the device minutes buy; a time limit skips the rest,
 and the JSON is rewritten after each, so a cut run keeps what it measured.
-
-    python -m bench run real-shape-qwen          # on the GPU (-mixtral, -gemma4, -qwen3, -olmoe)
-    python -m bench run real-shape-cpu           # a tiny model on the CPU: checks the script
 """
 
 from __future__ import annotations
@@ -67,7 +64,7 @@ def parse_args() -> argparse.Namespace:
                              "layer, no bf16 model (no parity, transformers or bf16 engine); auto: whole where "
                              "the bf16 weights, KV room and workspace fit the device")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights (per tensor name)")
-    parser.add_argument("--skip", nargs="*", default=[], help="sections to skip: hf bf16 static pressure")
+    parser.add_argument("--skip", nargs="*", default=[], choices=("hf", "pressure"), help="sections to skip")
     parser.add_argument("--time-limit-s", type=float, default=540.0)
     args = parser.parse_args()
     if args.component_concurrency is None:
@@ -376,16 +373,14 @@ def main() -> None:
     run.floors(bandwidth)
     if run.whole and "hf" not in args.skip:
         run.transformers()
-    if run.whole and "bf16" not in args.skip:
+    if run.whole:
         run.engine_bf16()
     run.quantize()
     # 8 and 4 bits first, then the pressure comparison, then 3 bits: what the limit cuts last matters least
-    if "static" not in args.skip:
-        run.static([b for b in args.static_bits if b != 3])
+    run.static([b for b in args.static_bits if b != 3])
     if "pressure" not in args.skip:
         run.pressure()
-    if "static" not in args.skip:
-        run.static([b for b in args.static_bits if b == 3])
+    run.static([b for b in args.static_bits if b == 3])
     run.put("total_s", round(time.perf_counter() - run.started, 1))
     print(f"wrote {run.path}")
 

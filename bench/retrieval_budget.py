@@ -1,20 +1,11 @@
 """Long-context retrieval under a memory budget: bf16 against the elastic policy and the widest
-uniform width that fits (docs/quality.md's last section, rendered by `markdown` from the result).
+uniform width that fits (docs/quality.md's last section, rendered by `markdown`, which says how).
 
-The checkpoint is a small MoE trained for key-value retrieval among filler text
-(tools/train_retrieval_moe.py, bench/retrieval_task.py), quantised by `pagedweight quantize` on
-task text of a seed the evaluation does not use. Per context length, held-out examples (one
-query each) are answered greedily and scored by exact match, the same ones in every row:
-`bf16` with unlimited memory, one forward per prompt (the answer's margin over the runner-up
-kept); then at each budget (`--expert-bits` B: dense weights, workspace, the KV of
-`--concurrency` whole requests and one block more, experts at B mean bits) every example sent
-at once, decoding as many tokens as the prefills of concurrency - 1 requests take steps, so
-that many hold KV together: `bf16` with the KV blocks its experts leave (it queues or preempts),
-`pagedweight`, and `static-B`, the widest uniform B that fits, with the bits each prompt token
-was computed at.
-Accuracies carry 95% Wilson intervals and the examples lost and gained against unlimited bf16.
-
-    python -m bench run retrieval-budget
+The checkpoint is a small MoE trained for key-value retrieval (tools/train_retrieval_moe.py,
+bench/retrieval_task.py), quantised on task text of a seed the evaluation does not use. Every
+row answers the same held-out examples. At a budget all are sent at once and each request
+decodes as many tokens as the prefills of concurrency - 1 requests take steps, so that many
+hold KV together: the pressure the budget is set for.
 """
 
 from __future__ import annotations

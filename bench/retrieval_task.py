@@ -1,17 +1,14 @@
-"""The synthetic long-context retrieval task: multi-query associative recall among filler text.
-
-A context is filler sentences (random words of a small word list) with key-value records,
-each a key word directly followed by a value word, inserted at sentence boundaries; after
-the word `query` the queries follow, each a key to be answered with its value:
+"""The synthetic long-context retrieval task: multi-query associative recall (MQAR, Zoology:
+Arora et al. 2023) among filler text. Key-value records (a key word directly followed by its
+value word) sit at sentence boundaries of random filler; after `query` come keys, each to be
+answered with its value:
 
     the river is cold . k017 v042 a small bird sings . ... . query k017 v042 k101 v007
 
-This is the multi-query associative recall form (MQAR, Zoology: Arora et al. 2023): keys and
-values are single tokens of their own vocabularies, so the answer is found by matching the
-queried key against every record (the other records are the hard distractors, the filler the
-long ones); a two-layer attention model can solve it with an induction circuit. Text and token
-ids agree by construction: the word-level tokenizer (`build_tokenizer`) splits on white space,
-and `VOCAB` is its vocabulary in id order. Examples are a pure function of (seed, index), so a
+Keys and values are single tokens of their own vocabularies, so the answer is found by matching
+the queried key against every record; a two-layer attention model solves it with an induction
+circuit. The word-level tokenizer (`build_tokenizer`) splits on white space and `VOCAB` is its
+vocabulary in id order, so text and ids agree. Examples are a pure function of (seed, index): a
 held-out set is a seed no training batch uses (TRAIN_SEED_BASE, EVAL_SEED_BASE).
 """
 

@@ -1,16 +1,11 @@
 """The instruction mix per weight of the decode kernel's step loops, read from its SASS
 (docs/kernel.md, "Instruction counts"): one `apl_gemv` instance compiled by nvcc as the host
-builds it (its defines, plus overrides), disassembled by nvdisasm; the innermost loops holding
-HMMA or HGMMA, opcodes counted per weight. An m16n8k16 A fragment is 8 weights a thread:
+builds it (its defines, plus NAME=VALUE overrides), disassembled by nvdisasm; the innermost loops
+holding HMMA or HGMMA, opcodes counted per weight. An m16n8k16 A fragment is 8 weights a thread:
 weights = 8 x HMMA (decode), 8 x HMMA / NT8 (tiles: a fragment feeds NT8 mma), 8 x HGMMA
 (wgmma m64nNk16: 64 x 16 weights over 128 threads). An `apl_staged` instance: the producer's
-innermost loops storing to shared memory (STS.128, 8 weights each), no HGMMA.
-
-    python -m bench run kernel-sass      # the 5-8-bit decode kernel; bench/results/sass_mix_cpu.json
-    python -m bench.sass_mix ["apl_gemv<0, 0, true, true, 1>" | "apl_staged<0, 0, true, true, 8>"]
-        [NAME=VALUE ...]
-Needs nvcc (CUDA 12.4+ for sm_90) and nvdisasm on PATH or in NVDISASM (the `nvidia-cuda-nvdisasm`
-wheel ships one); no GPU.
+innermost loops storing to shared memory (STS.128, 8 weights each), no HGMMA. Needs nvcc
+(CUDA 12.4+ for sm_90) and nvdisasm on PATH or in NVDISASM; no GPU.
 """
 
 from __future__ import annotations
@@ -26,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.bench_meta import write_result
+from bench.bench_meta import REPO, write_result
 
 GEMV_PARAMS = ("const long long* __restrict__, const long long* __restrict__, int, int, int, const u16* __restrict__, "
                "int, int, int, int, int, float* __restrict__, int* __restrict__, u16* __restrict__, "
@@ -115,7 +110,7 @@ def producer_loop_mixes(sass: str) -> list[dict]:
 @functools.lru_cache(maxsize=None)
 def _kernels():
     """The kernels package's apl_moe and module_source (kernels/ put on the path once, as for the tests)."""
-    sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "kernels")]
+    sys.path[:0] = [str(REPO / "kernels")]
     from pagedweight_kernels import apl_moe
     from pagedweight_kernels.cuda_packages import module_source
     return apl_moe, module_source

@@ -3,16 +3,9 @@
 uses it) and the gateway's streamed `POST /v1/completions` (one raw asyncio connection per
 request: at c256 a client library's per-event cost would measure the client). Requests ignore
 EOS; TTFT and inter-token gaps are the client's (a message with tokens is one arrival, as
-`vllm bench serve` counts ITL).
-
-`--mode trace` (serve-load): random token prompts, Poisson arrivals, `--rounds` rounds of the
-three layers so a busy spell of a shared machine does not land on one side only; overhead =
-1 - gateway tok/s / in-process tok/s (target < 0.10). `--mode sweep` (serve-sweep): per
-concurrency a closed loop for `--duration` s over windows of data/sample.txt (the gateway
-detokenises real text); targets: gateway >= 0.9x, worker >= 0.95x in-process tok/s.
-
-    python -m bench run serve-load --artifacts DIR -- --request-rate 4
-    python -m bench run serve-sweep --artifacts DIR          # GPU: tools/serve_sweep_gpu.sh
+`vllm bench serve` counts ITL). `--mode trace` (serve-load) runs Poisson arrivals for `--rounds`
+rounds of the three layers, so a busy spell of a shared machine does not land on one side only;
+`--mode sweep` (serve-sweep, docs/serving_bench.md) a closed loop per concurrency.
 """
 
 from __future__ import annotations
@@ -27,9 +20,9 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.bench_meta import md_header, md_row, write_result
+from bench.bench_meta import REPO, md_header, md_row, write_result
 
-TEXT = Path(__file__).resolve().parents[1] / "data" / "sample.txt"
+TEXT = REPO / "data" / "sample.txt"
 LAYERS = ("in_process", "worker_grpc", "gateway_http")
 MODEL_NAME = "bench"  # the served model name the gateway answers to
 

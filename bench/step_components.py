@@ -18,9 +18,9 @@ import time
 import torch
 from torch.autograd.profiler import record_function
 
+from bench.bench_meta import STEP_COMPONENTS as COMPONENTS
+
 PREFIX = "component:"
-COMPONENTS = ("attention", "gating", "shared expert", "routed experts", "norms", "embed + lm head",
-              "sampling", "other")
 
 
 def _wrap(obj, method: str, component: str, wrapped: list) -> None:

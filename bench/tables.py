@@ -1,9 +1,6 @@
-"""The docs' result tables, regenerated from bench/results/: `python -m bench tables`.
-
-A page marks each generated table with `<!-- table: NAME -->` ... `<!-- /table -->`; this
-rewrites what lies between from the result files NAME reads (TABLES below), so a new run
-followed by `python -m bench tables` updates the docs and the diff shows what moved.
-`--check` exits 1 where a page differs from what the results give (nothing is written).
+"""The docs' result tables from bench/results/ (`python -m bench tables [--check]`): what lies
+between a page's `<!-- table: NAME -->` and `<!-- /table -->` is what TABLES[NAME] renders, so
+after a new run the diff shows what moved.
 """
 
 from __future__ import annotations
@@ -13,9 +10,8 @@ import re
 import sys
 from pathlib import Path
 
-from bench.bench_meta import md_header, md_row
+from bench.bench_meta import REPO, STEP_COMPONENTS, md_header, md_row
 
-REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results"
 DOCS = REPO / "docs"
 
@@ -75,10 +71,6 @@ def real_shape(files: list[str]) -> list[str]:
                  for k, v in d.get("hbm_floor", {}).items() if k in ("bf16", "static-4")]
         lines += [md_row(d["model"], label, *(by_c.get(c, "") for c in REAL_SHAPE_CONCURRENCY)) for label, by_c in rows]
     return lines + ["", source(*present)]
-
-
-STEP_COMPONENTS = ("attention", "gating", "shared expert", "routed experts", "norms", "embed + lm head", "sampling",
-                   "other")
 
 
 def real_shape_components(files: list[str]) -> list[str]:
