@@ -22,12 +22,10 @@ def test_the_rule_is_the_one_this_test_checks():
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
-@pytest.mark.parametrize("cls, mode, bf16, v2, nt8, ctas", [
-    (0, 0, "true", "true", 8, 3), (0, 1, "true", "true", 4, 3), (0, 0, "false", "true", 2, 3),
-    (1, 0, "true", "true", 2, 3), (1, 1, "true", "true", 8, 3), (1, 0, "false", "true", 2, 3),
-    (1, 0, "true", "false", 2, 3), (1, 0, "true", "false", 8, 2),
-    (2, 0, "true", "true", 2, 3), (2, 1, "true", "true", 2, 3), (2, 0, "true", "true", 8, 2),
-    (2, 1, "true", "true", 4, 2), (2, 0, "true", "false", 2, 2)])
+@pytest.mark.parametrize("cls, mode, bf16, v2, nt8, ctas", [  # each branch of the rule once (nvcc: ~20 s each)
+    (0, 0, "true", "true", 8, 3), (1, 1, "true", "true", 8, 3), (1, 0, "false", "false", 2, 3),
+    (1, 0, "true", "false", 8, 2), (2, 0, "true", "true", 2, 3), (2, 1, "true", "true", 4, 2),
+    (2, 0, "true", "false", 2, 2)])
 def test_tiles_instances_fit_their_ctas_without_spilling(cls, mode, bf16, v2, nt8, ctas, tmp_path):
     _, resources = build_instance(f"apl_gemv<{cls}, {mode}, {bf16}, {v2}, {nt8}>", {}, tmp_path)
     registers, spilled = resource_usage(resources)
