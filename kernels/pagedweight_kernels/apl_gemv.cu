@@ -513,6 +513,12 @@ template <int B, bool BF16, bool CELL = (B >= 5)> struct RowLutOf { using type =
 template <int B, bool BF16> struct RowLutOf<B, BF16, true> { using type = CellLut<B, BF16>; };
 template <int B, bool BF16> using RowLut = typename RowLutOf<B, BF16>::type;
 
+// The byte transpose of four code words: w[j]'s byte c = o[c]'s byte j.
+APL_HD void transpose_nibble_bytes(const u32 (&o)[4], u32 (&w)[4]) {
+    const u32 t0 = prmt(o[0], o[1], 0x5140u), t1 = prmt(o[0], o[1], 0x7362u);
+    const u32 t2 = prmt(o[2], o[3], 0x5140u), t3 = prmt(o[2], o[3], 0x7362u);
+    w[0] = prmt(t0, t2, 0x5410u); w[1] = prmt(t0, t2, 0x7632u); w[2] = prmt(t1, t3, 0x5410u); w[3] = prmt(t1, t3, 0x7632u);
+}
 // One plane word (32 columns) of a 3-4-bit row as 4 chunks of 8 consecutive columns (act x2
 // pairs (8j, 8j+1), ..., (8j+6, 8j+7)). Codes<B> puts column 4n + c in nibble n of o[c]; a 4x4
 // byte transpose makes W[j] (byte c = o[c]'s byte j), whose nibbles are columns 8j + (0, 4, 1,
@@ -521,9 +527,8 @@ template <int B, bool BF16> using RowLut = typename RowLutOf<B, BF16>::type;
 template <int B>
 APL_HD void dequant_chunks_reg(const RegLut<B>& lut, const u32 (&pw)[8], uint4 (&chunk)[4]) {
     const Codes<B> c(pw);
-    const u32 t0 = prmt(c.o[0], c.o[1], 0x5140u), t1 = prmt(c.o[0], c.o[1], 0x7362u);
-    const u32 t2 = prmt(c.o[2], c.o[3], 0x5140u), t3 = prmt(c.o[2], c.o[3], 0x7362u);
-    const u32 w[4] = {prmt(t0, t2, 0x5410u), prmt(t0, t2, 0x7632u), prmt(t1, t3, 0x5410u), prmt(t1, t3, 0x7632u)};
+    u32 w[4];
+    transpose_nibble_bytes(c.o, w);
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
         const u32 o = w[j], o3 = B == 4 ? o & 0x77777777u : o;
@@ -534,12 +539,7 @@ APL_HD void dequant_chunks_reg(const RegLut<B>& lut, const u32 (&pw)[8], uint4 (
     }
 }
 // The same for 5-8 bits from the row's cell tables (CellLut): the cell codes and the refinement
-// bits take dequant_chunks_reg's byte transpose, so nibbles pair as (0, 2) and (1, 3) there too.
-APL_HD void transpose_nibble_bytes(const u32 (&o)[4], u32 (&w)[4]) {  // w[j]'s byte c = o[c]'s byte j
-    const u32 t0 = prmt(o[0], o[1], 0x5140u), t1 = prmt(o[0], o[1], 0x7362u);
-    const u32 t2 = prmt(o[2], o[3], 0x5140u), t3 = prmt(o[2], o[3], 0x7362u);
-    w[0] = prmt(t0, t2, 0x5410u); w[1] = prmt(t0, t2, 0x7632u); w[2] = prmt(t1, t3, 0x5410u); w[3] = prmt(t1, t3, 0x7632u);
-}
+// bits take the same byte transpose, so nibbles pair as (0, 2) and (1, 3) there too.
 template <int B, bool BF16>
 APL_HD void dequant_chunks_cell(const CellLut<B, BF16>& lut, const u32 (&pw)[8], uint4 (&chunk)[4]) {
     const CellCodes<B> c(pw);
