@@ -52,24 +52,28 @@ def fewest_plane_drops(drop_bytes: np.ndarray, bits: np.ndarray, num_bytes: int)
     is what block i frees going from MIN_BITS + k + 1 to MIN_BITS + k bits. The largest drops
     first, each block's order aside (a lower bound where a block's deeper drops are larger, as
     4 -> 3 is, which also frees LUT_4); every drop when even all of them fall short."""
-    if num_bytes <= 0:
-        return 0
-    available = np.arange(drop_bytes.shape[1])[None, :] < (bits - MIN_BITS)[:, None]
-    sizes = np.sort(drop_bytes[available])[::-1]
-    reach = np.searchsorted(np.cumsum(sizes), num_bytes)  # first prefix freeing num_bytes
-    return int(min(reach + 1, sizes.size))
+    return _fewest_covering(drop_bytes[_available_drops(drop_bytes, bits)], num_bytes)
 
 
 def fewest_block_drops(drop_bytes: np.ndarray, bits: np.ndarray, num_bytes: int) -> int:
     """The fewest blocks whose lowering frees `num_bytes` (drop_bytes and bits as fewest_plane_drops):
     each block lowered as far as it goes (to MIN_BITS), the largest first; every block that can go
     lower when even all of them fall short. The page moves a pressure change cannot do without."""
+    freeable = np.where(_available_drops(drop_bytes, bits), drop_bytes, 0).sum(axis=1)
+    return _fewest_covering(freeable[freeable > 0], num_bytes)
+
+
+def _available_drops(drop_bytes: np.ndarray, bits: np.ndarray) -> np.ndarray:
+    """[N, 5] whether block i can still take drop k (it is above MIN_BITS + k)."""
+    return np.arange(drop_bytes.shape[1])[None, :] < (bits - MIN_BITS)[:, None]
+
+
+def _fewest_covering(sizes: np.ndarray, num_bytes: int) -> int:
+    """How many of `sizes`, the largest first, reach `num_bytes` (all of them when they fall short)."""
     if num_bytes <= 0:
         return 0
-    available = np.arange(drop_bytes.shape[1])[None, :] < (bits - MIN_BITS)[:, None]
-    freeable = np.where(available, drop_bytes, 0).sum(axis=1)
-    sizes = np.sort(freeable[freeable > 0])[::-1]
-    reach = np.searchsorted(np.cumsum(sizes), num_bytes)
+    sizes = np.sort(sizes)[::-1]
+    reach = np.searchsorted(np.cumsum(sizes), num_bytes)  # first prefix freeing num_bytes
     return int(min(reach + 1, sizes.size))
 
 
