@@ -332,12 +332,10 @@ def staged_layer(layer: APLLayer, num_tokens: int, top_k: int, config: KernelCon
     every block of both projections in staged_classes, and staged_min_assignments assignments or
     more for 3-4-bit layers, staged_lut_min_per_expert an expert for layers with 5-8-bit blocks
     (below them the tiles regime was faster); any layer under staged_every_layer. A layer under
-    stable_launches launches the merged class whatever its widths, so by that class's rule."""
+    stable_launches counts as holding both classes (it launches the merged one whatever its widths)."""
     if config.staged_every_layer:
         return True
-    if layer.stable_launches:
-        return num_tokens * top_k >= config.staged_lut_min_per_expert * layer.num_experts
-    classes = {cls for module in ("gate_up", "down") for cls in layer.classes[module]}
+    classes = {0, 1} if layer.stable_launches else {c for module in ("gate_up", "down") for c in layer.classes[module]}
     least = config.staged_min_assignments if classes <= {0} else config.staged_lut_min_per_expert * layer.num_experts
     return classes <= config.staged_classes and num_tokens * top_k >= least
 
