@@ -359,6 +359,11 @@ class Run:
                               for c in args.profile_concurrency if self.left(30)}
             row["components"] = {str(c): component_profile(engine, c, PROMPT_LEN, self.device)
                                  for c in args.component_concurrency if self.left(30)}
+            # the prefill steps: the largest load's prompts at once, and the longest TTFT prompt alone
+            shapes = [(max(args.component_concurrency, default=1), PROMPT_LEN),
+                      *((1, n) for n in args.ttft_prompts[-1:])]
+            row["prefill_components"] = {f"{c}x{n}": component_profile(engine, c, n, self.device, prefill=True)
+                                         for c, n in shapes if self.left(30)}
         if ttft_into is not None:
             ttft_into["ttft_s"] = {str(n): ttft(engine, n, self.device) for n in args.ttft_prompts if self.left()}
         put()

@@ -97,18 +97,27 @@ def attribute(events, on_cuda: bool) -> dict:
     return out
 
 
-def component_profile(engine, concurrency: int, prompt_len: int, device: torch.device, steps: int = 3) -> dict:
+def component_profile(engine, concurrency: int, prompt_len: int, device: torch.device, steps: int = 3,
+                      prefill: bool = False) -> dict:
     """Per decode step at `concurrency` sequences, run eagerly: ms and kernels per
-    component, the step's wall ms, and host ms (see the module's docstring)."""
+    component, the step's wall ms, and host ms (see the module's docstring). prefill: the
+    step that prefills `concurrency` new prompts instead (one step, after a prefill of the
+    same shape has warmed it up)."""
     from torch.profiler import ProfilerActivity, profile
 
     runner = engine.runner
-    add_requests(engine, concurrency, prompt_len, steps + 8, seed=23)
     graphs, runner.graphs = runner.graphs, None
     wrapped = instrument(engine.model, runner)
     on_cuda = device.type == "cuda"
+    if prefill:
+        steps = 1
     try:
-        for _ in range(3):  # prefill, then decode steps (warm: kernels compiled, memory cached)
+        if prefill:  # the same prefill once first (kernels compiled, memory cached)
+            add_requests(engine, concurrency, prompt_len, 1, seed=29)
+            while engine.has_work:
+                engine.step()
+        add_requests(engine, concurrency, prompt_len, steps + 8, seed=23)
+        for _ in range(0 if prefill else 3):  # prefill, then decode steps (warm)
             engine.step()
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
         with profile(activities=activities) as prof:
@@ -129,6 +138,7 @@ def component_profile(engine, concurrency: int, prompt_len: int, device: torch.d
                 for c, v in parts.items()}
     counted = sum(v["ms"] for v in per_step.values())
     return {"concurrency": concurrency, "mode": "eager", "steps": steps, "step_ms": round(wall_ms, 3),
+            **({"prefill_tokens": concurrency * prompt_len} if prefill else {}),
             "components": per_step, "kernels_per_step": round(sum(v["kernels"] for v in per_step.values()), 1),
             "host_ms": round(max(0.0, wall_ms - counted), 3),
             "time": "device" if on_cuda else "cpu"}

@@ -44,6 +44,20 @@ def test_every_component_gets_its_operators_and_the_model_is_left_as_it_was():
     assert "sample" not in vars(engine.runner)
 
 
+def test_the_prefill_profile_times_one_step_that_prefills_every_prompt():
+    engine = _engine()
+    one_prompt = component_profile(engine, 1, 8, torch.device("cpu"), prefill=True)
+    four_prompts = component_profile(engine, 4, 8, torch.device("cpu"), prefill=True)
+    assert four_prompts["steps"] == 1 and four_prompts["prefill_tokens"] == 32
+    # a decode step's operators do not depend on the prompts' length; the prefill's attention
+    # covers the prompt (its kernels are per step here, where a decode profile averages)
+    decode = component_profile(engine, 4, 8, torch.device("cpu"), steps=1)
+    assert "prefill_tokens" not in decode
+    assert four_prompts["components"]["routed experts"]["kernels"] > 0
+    assert four_prompts["step_ms"] > 0 and one_prompt["step_ms"] > 0
+    assert not engine.has_work
+
+
 def test_components_table_reads_the_result(tmp_path, monkeypatch):
     parts = {c: {"ms": 0.5, "kernels": 3.0} for c in COMPONENTS}
     profile = {"1": {"step_ms": 9.0, "host_ms": 5.0, "components": parts, "kernels_per_step": 24.0}}
