@@ -201,7 +201,7 @@ TABLES = {
     "real_shape_components": (real_shape_components, [f"real_shape_{m}_h100.json" for m in REAL_SHAPE_MODELS]),
     "real_shape_pressure": (real_shape_pressure, ["real_shape_qwen1.5-moe-a2.7b_h100.json"]),
     "real_shape_h200": (real_shape, [f"real_shape_{m}_h200.json" for m in REAL_SHAPE_MODELS_H200]),
-    "quantize_stream": (quantize_stream, ["quantize_full_depth_qwen_a2bd005.json", "quantize_mixtral_2layer.json"]),
+    "quantize_stream": (quantize_stream, ["quantize_full_depth_qwen_h200.json", "quantize_mixtral_2layer_h200.json"]),
     "planner_speed": (planner_speed, ["planner_speed_cpu.json"]),
     "controller_scale": (controller_scale, ["controller_scale_cpu.json"]),
     "decode_speed": (decode_speed, ["decode_speed_cpu.json"]),
