@@ -205,7 +205,8 @@ TABLES = {
     "planner_speed": (planner_speed, ["planner_speed_cpu.json"]),
     "controller_scale": (controller_scale, ["controller_scale_cpu.json"]),
     "decode_speed": (decode_speed, ["decode_speed_cpu.json"]),
-    "serve_load": (serve_load, ["serve_load_micro-mixtral_c16.json", "serve_load_micro-mixtral_poisson8_24MiB.json"]),
+    "serve_load": (serve_load, ["serve_load_micro-mixtral_c16_cpu.json",
+                                "serve_load_micro-mixtral_poisson8_24MiB_cpu.json"]),
     "budget_sweep": (budget_sweep, ["budget_sweep_tiny-qwen-moe_cpu.json", "budget_sweep_qwen1.5-moe-a2.7b_a_h100.json",
                                     "budget_sweep_qwen1.5-moe-a2.7b_b_h100.json"]),
 }
