@@ -128,7 +128,8 @@ RECIPES = (
     # 4 Qwen1.5-MoE-size layers hold 2.74 GB of 8-bit experts: the budget must hold them
     Recipe("pool-split", "pool_split_gpu", ("--budget", "3GiB", "--cycles", "2"), "gpu",
            "reserved device memory against the budget while the weights/KV split moves"),
-    Recipe("quantize-stream-mixtral", "quantize_stream", ("--model", "Mixtral-8x7B", "--layers", "2"), "gpu",
+    Recipe("quantize-stream-mixtral", "quantize_stream",
+           ("--model", "Mixtral-8x7B", "--layers", "2", "--name", "quantize_mixtral_2layer"), "gpu",
            "streaming quantisation at Mixtral-8x7B shape, 2 layers: time and peak memory"),
     Recipe("quantize-full-depth", "quantize_stream",
            ("--model", "Qwen1.5-MoE-A2.7B", "--calib-tokens", "2048", "--name", "quantize_full_depth_qwen"),

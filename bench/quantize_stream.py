@@ -89,7 +89,7 @@ def main(argv=None) -> int:
     parser.add_argument("--build-only", action="store_true", help="build the checkpoint and stop")
     parser.add_argument("--work-dir", default=None, help="the quantiser's work directory (default: beside the "
                         "artifact)")
-    parser.add_argument("--name", default="quantize_stream", help="bench/results/NAME.json")
+    parser.add_argument("--name", default="quantize_stream", help="bench/results/NAME_<gpu>.json")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     root = Path(args.work or tempfile.mkdtemp(prefix="quantize-stream-"))

@@ -193,20 +193,20 @@ def budget_sweep(files: list[str]) -> list[str]:
 
 # the real-shape recipes' models (RECIPES in bench/__main__.py), in the order the tables show them
 REAL_SHAPE_MODELS = ("qwen1.5-moe-a2.7b", "mixtral-8x7b", "gemma-4-26b-a4b")
+# the earlier H200 results, which also ran the real-shape-qwen3 and -olmoe recipes
+REAL_SHAPE_MODELS_H200 = ("qwen1.5-moe-a2.7b", "mixtral-8x7b", "qwen3-30b-a3b", "olmoe-1b-7b", "gemma-4-26b-a4b")
 # table name -> (generator, result files)
 TABLES = {
     "real_shape_h100": (real_shape, [f"real_shape_{m}_h100.json" for m in REAL_SHAPE_MODELS]),
     "real_shape_components": (real_shape_components, [f"real_shape_{m}_h100.json" for m in REAL_SHAPE_MODELS]),
     "real_shape_pressure": (real_shape_pressure, ["real_shape_qwen1.5-moe-a2.7b_h100.json"]),
-    "real_shape": (real_shape, ["real_shape_qwen1.5-moe-a2.7b_cuda_overlap2.json",
-                                "real_shape_qwen1.5-moe-a2.7b_cuda_acqrel_fma.json",
-                                "real_shape_mixtral-8x7b_cuda_gemv.json", "real_shape_qwen3-30b-a3b_cuda.json",
-                                "real_shape_olmoe-1b-7b_cuda.json", "real_shape_gemma-4-26b-a4b_cuda.json"]),
-    "quantize_stream": (quantize_stream, ["quantize_full_depth_qwen_a2bd005.json", "quantize_mixtral_2layer.json"]),
+    "real_shape_h200": (real_shape, [f"real_shape_{m}_h200.json" for m in REAL_SHAPE_MODELS_H200]),
+    "quantize_stream": (quantize_stream, ["quantize_full_depth_qwen_h200.json", "quantize_mixtral_2layer_h200.json"]),
     "planner_speed": (planner_speed, ["planner_speed_cpu.json"]),
     "controller_scale": (controller_scale, ["controller_scale_cpu.json"]),
     "decode_speed": (decode_speed, ["decode_speed_cpu.json"]),
-    "serve_load": (serve_load, ["serve_load_micro-mixtral_c16.json", "serve_load_micro-mixtral_poisson8_24MiB.json"]),
+    "serve_load": (serve_load, ["serve_load_micro-mixtral_c16_cpu.json",
+                                "serve_load_micro-mixtral_poisson8_24MiB_cpu.json"]),
     "budget_sweep": (budget_sweep, ["budget_sweep_tiny-qwen-moe_cpu.json", "budget_sweep_qwen1.5-moe-a2.7b_a_h100.json",
                                     "budget_sweep_qwen1.5-moe-a2.7b_b_h100.json"]),
 }
