@@ -321,14 +321,20 @@ PARITY_POSITIONS = 256
 def parity(hf_model, ours: MoECausalLM, vocab: int, device: torch.device, positions: int = PARITY_POSITIONS) -> dict:
     """Our logits against transformers' over one random sequence, teacher-forced (every position
     of one forward pass): the largest |logit difference| and the reference's largest |logit|,
-    each position's relative error ||ours - ref|| / ||ref|| (L2 over the vocabulary; worst and
-    mean), and the share of positions whose top-1 token agrees."""
+    and `logit_error`'s per-position relative error (worst and mean) and top-1 agreement."""
     ids = torch.randint(1, vocab, (1, positions), generator=torch.Generator().manual_seed(7)).to(device)
     with torch.inference_mode():
         ref = hf_model(ids).logits[0].float()
         got = ours(ids)[0].float()
-    relative = (got - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-12)
     return {"positions": positions, "max_abs_diff": float((ref - got).abs().max()),
-            "ref_abs_max": float(ref.abs().max()), "relative_error_max": float(relative.max()),
-            "relative_error_mean": float(relative.mean()),
+            "ref_abs_max": float(ref.abs().max()), **logit_error(got, ref)}
+
+
+def logit_error(got: torch.Tensor, ref: torch.Tensor) -> dict:
+    """Logits [..., V] against a reference of the same shape: each position's relative error
+    ||got - ref|| / ||ref|| (L2 over the vocabulary, in fp32; worst and mean over positions)
+    and the share of positions whose top-1 token agrees."""
+    got, ref = got.float().reshape(-1, got.shape[-1]), ref.float().reshape(-1, ref.shape[-1])
+    relative = (got - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-12)
+    return {"relative_error_max": float(relative.max()), "relative_error_mean": float(relative.mean()),
             "argmax_agree": float((ref.argmax(-1) == got.argmax(-1)).float().mean())}
