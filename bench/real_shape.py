@@ -1,8 +1,9 @@
 """Serving speed at a real model's size, one run on one GPU (docs/real_shape.md): transformers,
 our engine in bf16, the runtime at static widths and the `pagedweight` policy under memory
 pressure, each against the HBM floor of the same run (bytes a decode step reads over the copy
-bandwidth). Sections run in order of what the device minutes buy; a time limit skips the rest,
-and the JSON is rewritten after each, so a cut run keeps what it measured.
+bandwidth); under pressure also each policy's logit error against bf16 at the bits it served.
+Sections run in order of what the device minutes buy; a time limit skips the rest, and the
+JSON is rewritten after each, so a cut run keeps what it measured.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ import time
 import torch
 
 from bench.bench_meta import RESULTS_DIR, device_tag, free_memory, stamp, to_json
+from bench.logit_probe import LogitProbe, replay_with_probes
 from bench.step_components import component_profile, decode_profile, sync
-from pagedweight.cli.load_bench import LoadSpec, drive_load, run_load
+from pagedweight.cli.load_bench import LoadSpec, drive_load, mean_committed_bits, run_load
 from pagedweight.engine.decode_graphs import DecodeGraphs
 from pagedweight.engine.engine import Engine, EngineConfig
 from pagedweight.engine.sampler import SamplingParams
@@ -39,6 +41,7 @@ MODES = {
 # the pressure section's load: 96 requests of 256-token prompts, 64 at a time
 PRESSURE = dict(num_requests=96, concurrency=64, prompt_len=256)
 PROMPT_LEN, MAX_TOKENS = 32, 64  # the loads' requests
+PROBES = 6  # logit probes of a pressure replay at regular steps (besides its start and new lows of bits)
 RESERVE_S = 60.0  # time a measurement must have left to start (a runtime build: 30 s more)
 
 
@@ -200,6 +203,7 @@ class Run:
         self.config = ModelConfig.from_dict(hf_config_of(args.model)[1])
         self.workspace = workspace_bytes(self.config, self.ecfg, self.dtype)
         self.hf_model = self.ours = self.raw = self.paged = None
+        self.probe: LogitProbe | None = None  # the pressure rows' bf16 reference (whole builds only)
 
     def put(self, key: str, value) -> None:
         """One part of the result; the file is rewritten (a cut run keeps what it measured)."""
@@ -279,11 +283,14 @@ class Run:
         del engine
 
     def quantize(self) -> None:
-        """The in-memory artifact from the whole bf16 model, which then goes."""
+        """The in-memory artifact from the whole bf16 model, which then goes (the pressure
+        section's logit probe keeps its bf16 logits)."""
         if self.whole:
             t0 = time.perf_counter()
             self.paged = paged_in_memory(self.ours, self.config, self.raw)
             self.put("quantize_s", round(time.perf_counter() - t0, 1))
+            if "pressure" not in self.args.skip:
+                self.probe = LogitProbe.of(self.ours)
             self.ours = self.hf_model = None
         free_memory(self.device)
         self.experts8 = sum(block_bytes(b["rows"], b["cols"], 8) for b in self.paged.meta["blocks"])
@@ -320,7 +327,8 @@ class Run:
 
     def pressure(self) -> None:
         """Budget = 8-bit experts + the rest + half the KV the load wants: pagedweight against
-        static-4 and static-8 on one closed-loop load (pagedweight.cli.load_bench)."""
+        static-4 and static-8 on one closed-loop load (pagedweight.cli.load_bench), then each
+        policy's logit error against bf16 in a replay (served_error)."""
         spec = LoadSpec(**PRESSURE, max_tokens=MAX_TOKENS)
         wanted = spec.concurrency * (spec.prompt_len + spec.max_tokens) * kv_block_bytes(self.config, 1, self.dtype)
         budget = int(self.dense_bytes + self.workspace + self.experts8 + wanted // 2)
@@ -338,11 +346,22 @@ class Run:
             pressure["policies"][policy] = result = run_load(rt, spec)
             if rt.pager is not None:
                 result["pager"] = rt.pager.stats().to_dict()
+            result["served_logit_error"] = self.served_error(rt, spec, result["steps"] - result["drain_steps"])
             self.put("pressure", pressure)
             rt.close()
             del rt
             free_memory(self.device)
         self.put("pressure", pressure)
+
+    def served_error(self, rt, spec: LoadSpec, num_steps: int) -> dict:
+        """The logit probe against bf16 at about PROBES steps of a replay of the measured load
+        of `num_steps` steps (bench/logit_probe.py says why a replay)."""
+        if self.probe is None:
+            return {"skipped": "no bf16 reference: " + ("does not fit" if not self.fits else "--build layers")}
+        if not self.left():
+            return {"skipped": "time limit"}
+        return replay_with_probes(rt.engine, spec, self.probe, lambda: mean_committed_bits(rt),
+                                  every=max(1, num_steps // PROBES))
 
     def measure_mode(self, engine, mode: str, row: dict, loads: list, put, ttft_into: dict | None) -> None:
         """Every load in one mode into `loads`; in the last mode the step profiles into `row`;
