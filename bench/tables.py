@@ -96,25 +96,40 @@ def real_shape_components(files: list[str]) -> list[str]:
 
 def real_shape_pressure(files: list[str]) -> list[str]:
     """The real-shape run's pressure section: one budget between 4-bit and 8-bit experts plus
-    the trace's KV, every policy's tok/s, preemptions, page moves and mean bits."""
+    the trace's KV, every policy's tok/s, preemptions, page moves and mean bits, and the logit
+    error against bf16 of what it served (bench/logit_probe.py; "–" in results without it)."""
     present = [f for f in files if (RESULTS / f).is_file() and "pressure" in load(f)]
     if not present:
         return no_result("`python -m bench run real-shape-qwen` writes", files)
     lines = md_header("model", "budget GB", "policy", "output tok/s", "steps", "preemptions", "page moves",
-                      "mean bits start / min / end", "pager host s")
+                      "mean bits start / min / end", "pager host s", "logit rel. err mean / worst", "top-1 agree",
+                      "at lowest bits: bits, rel. err")
     for f in present:
         d = load(f)
         p = d["pressure"]
         for name, r in p["policies"].items():
             if skipped(r):  # (the run's time limit came first)
-                lines.append(md_row(d["model"], round(p["budget_bytes"] / 1e9, 2), name, r["skipped"], *[""] * 5))
+                lines.append(md_row(d["model"], round(p["budget_bytes"] / 1e9, 2), name, r["skipped"], *[""] * 8))
                 continue
             bits = f"{r['bits_mean_start']:.2f} / {r['bits_mean_min']:.2f} / {r['bits_mean_end']:.2f}"
             prof = (r.get("pager_profile") or {}).get("seconds", {})
             lines.append(md_row(d["model"], round(p["budget_bytes"] / 1e9, 2), name, round(r["output_tokens_per_s"]),
                                 r["steps"], r["preemptions"], r["page_moves"], bits,
-                                round(prof["plan"] + prof["boundary"], 2) if prof else ""))  # a boundary holds the rest
+                                round(prof["plan"] + prof["boundary"], 2) if prof else "",  # a boundary holds the rest
+                                *served_error_cells(r.get("served_logit_error"))))
     return lines + ["", source(*present)]
+
+
+def served_error_cells(e: dict | None) -> tuple:
+    """A pressure row's logit error against bf16: mean / worst relative error, top-1 agreement,
+    and the probe at the lowest bits; "–" where the result has none, the reason where skipped."""
+    if e is None:
+        return "–", "–", "–"
+    if skipped(e):
+        return e["skipped"], "", ""
+    low = e["at_lowest_bits"]
+    return (f"{e['relative_error_mean']:.4f} / {e['relative_error_worst']:.4f}", f"{e['argmax_agree']:.3f}",
+            f"{low['bits_mean']:.2f}, {low['relative_error_mean']:.4f}")
 
 
 def quantize_stream(files: list[str]) -> list[str]:

@@ -1,14 +1,16 @@
 """The served logit error of the real-shape pressure rows (bench/logit_probe.py) on a tiny
 Qwen1.5-MoE-like model on the CPU: nothing against bf16 when the model served is the bf16 model,
 more for perturbed experts and for fewer bits, the pager's lowest bits probed during a replay
-under pressure, the routing the planner sees left as the load made it."""
+under pressure, the routing the planner sees left as the load made it; and its docs table."""
 
 from __future__ import annotations
 
 import copy
+import json
 
 import torch
 
+from bench import tables
 from bench.logit_probe import LogitProbe, replay_with_probes
 from pagedweight.cli.load_bench import LoadSpec, mean_committed_bits
 from pagedweight.engine.engine import Engine, EngineConfig
@@ -99,3 +101,19 @@ def test_a_replay_under_pressure_probes_the_lowest_bits_the_pager_holds():
     assert result["relative_error_worst"] == max(s["relative_error_max"] for s in steps)
     assert len({s["bits_mean"] for s in steps}) > 2
 
+
+def test_pressure_table_shows_the_served_error_and_a_dash_where_a_result_has_none(tmp_path, monkeypatch):
+    load = {"output_tokens_per_s": 100.0, "steps": 10, "preemptions": 0, "page_moves": 0,
+            "bits_mean_start": 8.0, "bits_mean_min": 7.0, "bits_mean_end": 8.0}
+    served = {"relative_error_mean": 0.0123, "relative_error_worst": 0.05, "argmax_agree": 0.9,
+              "at_lowest_bits": {"bits_mean": 7.0, "relative_error_mean": 0.02}}
+    policies = {"static-4": load, "pagedweight": {**load, "served_logit_error": served},
+                "static-8": {**load, "served_logit_error": {"skipped": "no bf16 reference: does not fit"}}}
+    result = {"model": "tiny", "gpu": "cpu", "date": "2026-01-01",
+              "pressure": {"budget_bytes": 2e9, "policies": policies}}
+    (tmp_path / "r.json").write_text(json.dumps(result))
+    monkeypatch.setattr(tables, "RESULTS", tmp_path)
+    lines = tables.real_shape_pressure(["r.json"])
+    assert lines[2].endswith("| – | – | – |")
+    assert lines[3].endswith("| 0.0123 / 0.0500 | 0.900 | 7.00, 0.0200 |")
+    assert lines[4].endswith("| no bf16 reference: does not fit |  |  |")
