@@ -74,23 +74,29 @@ def real_shape(files: list[str]) -> list[str]:
 
 
 def real_shape_components(files: list[str]) -> list[str]:
-    """Per decode step, run eagerly (bench/step_components.py): the device ms and kernel
-    launches of each component, bf16 and every static width, per concurrency; host = the
-    step's wall time less its kernels' device time (what a graph replay takes away)."""
+    """Per decode step (per concurrency) and prefill step (prompts x tokens), run eagerly
+    (bench/step_components.py): the device ms and kernel launches of each component, bf16
+    and every static width; host = the step's wall time less its kernels' device time (what a
+    graph replay takes away)."""
     present = [f for f in files if (RESULTS / f).is_file()
                and any("components" in str(v) for v in load(f).get("runtime_static", {}).values())]
     if not present:
         return no_result("`python -m bench run real-shape-qwen` (-mixtral, -gemma4) writes", files)
-    lines = md_header("model", "weights", "c", "step ms", "host ms", *(f"{c} ms (kernels)" for c in STEP_COMPONENTS),
-                      "kernels")
+    lines = md_header("model", "weights", "step", "step ms", "host ms",
+                      *(f"{c} ms (kernels)" for c in STEP_COMPONENTS), "kernels")
     for f in present:
         d = load(f)
         bf16 = d.get("engine_bf16_dense") or {}
         sections = [] if skipped(bf16) else [("bf16", v) for v in bf16.values()]
         for weights, v in sections + list((d.get("runtime_static") or {}).items()):
-            for c, p in (v["components"] if isinstance(v, dict) and "components" in v else {}).items():
+            v = v if isinstance(v, dict) else {}
+            # decode steps at c sequences, then the prefill steps (c prompts x n tokens)
+            steps = [(f"decode c{c}", p) for c, p in v.get("components", {}).items()]
+            steps += [(f"prefill {shape}", p) for shape, p in v.get("prefill_components", {}).items()]
+            for step, p in steps:
                 cells = [f"{p['components'][k]['ms']} ({p['components'][k]['kernels']:g})" for k in STEP_COMPONENTS]
-                lines.append(md_row(d["model"], weights, c, p["step_ms"], p["host_ms"], *cells, p["kernels_per_step"]))
+                lines.append(md_row(d["model"], weights, step, p["step_ms"], p["host_ms"], *cells,
+                                    p["kernels_per_step"]))
     return lines + ["", source(*present)]
 
 

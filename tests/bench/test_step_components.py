@@ -63,12 +63,14 @@ def test_components_table_reads_the_result(tmp_path, monkeypatch):
     profile = {"1": {"step_ms": 9.0, "host_ms": 5.0, "components": parts, "kernels_per_step": 24.0}}
     result = {"model": "tiny", "gpu": "cpu", "date": "2026-01-01",
               "engine_bf16_dense": {"graphs-inplace": {"loads": [], "components": profile}},
-              "runtime_static": {"static-4": {"modes": {}, "components": profile}}}
+              "runtime_static": {"static-4": {"modes": {}, "components": profile,
+                                              "prefill_components": {"64x32": {**profile["1"], "step_ms": 70.0}}}}}
     (tmp_path / "r.json").write_text(json.dumps(result))
     monkeypatch.setattr(tables, "RESULTS", tmp_path)
     lines = tables.real_shape_components(["r.json", "missing.json"])
-    assert lines[2].startswith("| tiny | bf16 | 1 | 9.0 | 5.0 | 0.5 (3) |") and lines[2].endswith("| 24.0 |")
-    assert lines[3].startswith("| tiny | static-4 | 1 |")
+    assert lines[2].startswith("| tiny | bf16 | decode c1 | 9.0 | 5.0 | 0.5 (3) |") and lines[2].endswith("| 24.0 |")
+    assert lines[3].startswith("| tiny | static-4 | decode c1 | 9.0 |")
+    assert lines[4].startswith("| tiny | static-4 | prefill 64x32 | 70.0 |")
     assert tables.real_shape_components(["missing.json"])[0].startswith("No result yet")
 
 
