@@ -1,9 +1,10 @@
 """Entry point of the torch-free images (planner, gateway): `pagedweight ROLE ARGS...`.
 
-`pagedweight.cli.main` imports every sub-command module to build its parser, and several
-of those import torch (bench, eval, generate), which these images do not have. This entry
-point builds the parser from the one sub-command the image runs and hands it to the same
-runner the `pagedweight` command uses (a UserError is one `error:` line, exit code 2).
+`pagedweight.cli.main` imports every sub-command module for its help and for a command it
+does not know, and several of those import torch (bench, eval, generate), which these images
+do not have. This entry point builds the parser from the one sub-command the image runs and
+hands it to the same runner the `pagedweight` command uses (a UserError is one `error:`
+line, exit code 2).
 """
 
 from __future__ import annotations

@@ -96,3 +96,17 @@ def test_prompt_longer_than_context():
                     "--max-tokens", "1"),
         "context of 2048",
     )
+
+
+
+def test_the_services_that_need_no_torch_start_without_it():
+    # a command line that names planner, gateway or serve builds that parser alone: none imports torch
+    probe = """
+import sys
+sys.modules["torch"] = None  # any `import torch` now raises ImportError
+from pagedweight.cli.main import build_parser
+for argv in (["planner"], ["gateway", "--model", "m", "--workers", "127.0.0.1:1"], ["serve", "--model", "m"]):
+    assert build_parser(argv[0]).parse_args(argv).command == argv[0]
+"""
+    result = subprocess.run([sys.executable, "-c", probe], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr

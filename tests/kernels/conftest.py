@@ -48,19 +48,3 @@ def tiles_regime():
 
     return dataclasses.replace(DEFAULT_CONFIG, staged_classes=frozenset())
 
-
-@pytest.fixture(scope="module")
-def cta_harness(tmp_path_factory):
-    """(instance, define overrides) -> the staged regime's host harness (tests/kernels/staged_host.py),
-    built once per module (needs nvcc)."""
-    from bench.sass_mix import kernel_defines
-    from tests.kernels.staged_host import build_harness
-
-    built = {}
-
-    def get(instance: tuple, overrides: dict[str, int] | None = None):
-        key = (instance, tuple(sorted((overrides or {}).items())))
-        if key not in built:
-            built[key] = build_harness(tmp_path_factory.mktemp("staged_cta"), kernel_defines(overrides or {}), instance)
-        return built[key]
-    return get

@@ -7,8 +7,9 @@ kernel's APL_HD functions for the host, with kernels/pagedweight_kernels/apl_hos
 their PTX. Its modes: `tiles` (the producer's A tiles of one block), `convert` (the dtype
 conversions), `luts` (the row tables' values) and `cta` (a whole projection launch, every CTA of
 the grid with its threads as host threads; with APL_HOST_BANKS set it also counts the shared-memory
-bank wavefronts of the producers' accesses, `bank_counts`). Used by
-tests/kernels/test_staged_host_cpu.py.
+bank wavefronts of the producers' accesses, `bank_counts`). One build holds the cta mode of
+every instance it is given: most of a build's time (~8 s) is the module and the other modes, each
+instance adds ~1.5 s. Used by tests/kernels/test_staged_host_cpu.py.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.sass_mix import kernel_defines, module_text
+from bench.sass_mix import module_text
 from pagedweight_kernels.apl_moe import DEFAULT_CONFIG, GemmPlan, KernelConfig, staged_class, staged_plan, widest_by_class
 from pagedweight_kernels.moe_reference import expert_bounds, gated, group_tokens_by_expert
 from pagedweight_kernels.synthetic import random_block, ragged_routing
@@ -32,14 +33,20 @@ KERNELS = Path(__file__).parents[2] / "kernels" / "pagedweight_kernels"
 ST_ROWS, ST_KS = 128, 64  # apl_staged.cu: weight rows a CTA, columns a step
 
 
-def build_harness(work: Path, defines: dict[str, int], instance: tuple | None = None) -> Path:
-    """The harness for these defines, and with `instance` (CLS, MODE, BF16, V4, NT8) its cta mode
-    for that apl_staged instance; raises RuntimeError with nvcc's message."""
+def instance_name(instance: tuple) -> str:
+    """The harness's name of an apl_staged instance (CLS, MODE, BF16, V4, NT8): `0,0,true,true,2`."""
+    return ",".join(str(v).lower() for v in instance)
+
+
+def build_harness(work: Path, defines: dict[str, int], instances=()) -> Path:
+    """The harness for these defines, with the cta mode of each apl_staged instance in `instances`
+    ((CLS, MODE, BF16, V4, NT8) tuples); raises RuntimeError with nvcc's message."""
     (work / "module.cu").write_text(module_text(staged=True))
-    cta = [] if instance is None else [f"-DHOST_{k}={str(v).lower()}" for k, v in zip(("CLS", "MODE", "BF16", "V4", "NT8"), instance)]
+    listed = "".join(f" X({instance_name(instance)})" for instance in instances)
+    (work / "harness_instances.h").write_text(f"#define HOST_INSTANCES(X){listed}\n")
     # PTX only for the device pass (the host pass is what runs; no ptxas time)
     build = subprocess.run(["nvcc", "-std=c++17", "-O2", "-gencode=arch=compute_90a,code=compute_90a", f"-I{KERNELS}",
-                            f"-I{work}", *(f"-D{k}={v}" for k, v in defines.items()), *cta, str(HARNESS),
+                            f"-I{work}", *(f"-D{k}={v}" for k, v in defines.items()), str(HARNESS),
                             "-o", str(work / "harness")], capture_output=True, text=True)
     if build.returncode:
         raise RuntimeError(build.stderr[-4000:])
@@ -73,9 +80,10 @@ def planned(case: dict, config: KernelConfig = DEFAULT_CONFIG) -> tuple[tuple, G
     return (cls, case["mode"], bf16, aligned16, plan.tiles), plan, lut_bits
 
 
-def run_launch(harness: Path, work: Path, case: dict, plan: GemmPlan, lut_bits: int, stages: int | None = None,
-               env: dict | None = None) -> subprocess.CompletedProcess:
-    """The harness's cta mode over every CTA of the plan's grid; the output is left in work/out.bin."""
+def run_launch(harness: Path, instance: tuple, work: Path, case: dict, plan: GemmPlan, lut_bits: int,
+               stages: int | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
+    """The harness's cta mode of `instance` over every CTA of the plan's grid; the output is left
+    in work/out.bin."""
     gx, gy, gz = plan.grid
     assignments = case["num_tokens"] * case["top_k"]
     head = [len(case["bits"]), case["rows_out"], case["cols"], case["top_k"], lut_bits, stages or plan.stages,
@@ -87,7 +95,7 @@ def run_launch(harness: Path, work: Path, case: dict, plan: GemmPlan, lut_bits: 
     parts += [np.asarray(case["active"], dtype="<i4").tobytes(), case["sorted_slot"].numpy().astype("<i4").tobytes(),
               case["x"].view(torch.int16).numpy().astype("<i2").tobytes()]
     (work / "in.bin").write_bytes(b"".join(parts))
-    return subprocess.run([str(harness), "cta", str(work / "in.bin"), str(work / "out.bin")],
+    return subprocess.run([str(harness), "cta", instance_name(instance), str(work / "in.bin"), str(work / "out.bin")],
                           capture_output=True, text=True, timeout=600, env=env)
 
 
@@ -122,17 +130,21 @@ def reference_projection(case: dict) -> torch.Tensor:
     return out
 
 
-def bank_counts(bits: int, work: Path) -> dict:
-    """Shared-memory bank wavefronts of one down launch's producers (128 rows, 512 columns, 80
-    tokens x top-2 over 4 experts at `bits`): per instruction kind issued (the A tiles' STS.128,
-    the plane words' cp.async, the plane ring's LDS.128), its warp instructions, the wavefronts
-    32 banks of 4 bytes take (the most distinct words one bank is asked for, at least one per 128
-    bytes) and the fewest its bytes allow (`ideal`)."""
-    case = projection_case(1, [bits] * 4, 128, 512, 80, 2, torch.bfloat16, seed=1)
+def bank_case(bits: int) -> dict:
+    """The launch bank_counts runs: down, 128 rows, 512 columns, 80 tokens x top-2 over 4 experts at `bits`."""
+    return projection_case(1, [bits] * 4, 128, 512, 80, 2, torch.bfloat16, seed=1)
+
+
+def bank_counts(harness: Path, bits: int, work: Path) -> dict:
+    """Shared-memory bank wavefronts of bank_case(bits)'s producers, on a harness built with its
+    instance: per instruction kind issued (the A tiles' STS.128, the plane words' cp.async, the
+    plane ring's LDS.128), its warp instructions, the wavefronts 32 banks of 4 bytes take (the
+    most distinct words one bank is asked for, at least one per 128 bytes) and the fewest its
+    bytes allow (`ideal`)."""
+    case = bank_case(bits)
     instance, plan, lut_bits = planned(case)
-    harness = build_harness(work, kernel_defines({}), instance)
     banks = work / "banks.json"
-    run = run_launch(harness, work, case, plan, lut_bits, env={**os.environ, "APL_HOST_BANKS": str(banks)})
+    run = run_launch(harness, instance, work, case, plan, lut_bits, env={**os.environ, "APL_HOST_BANKS": str(banks)})
     if run.returncode:
         raise RuntimeError(f"the harness failed: {run.stderr[-500:]}")
     return {kind: c for kind, c in json.loads(banks.read_text()).items() if c["instructions"]}

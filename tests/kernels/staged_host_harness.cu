@@ -14,8 +14,12 @@
 //   harness convert IN OUT  the emulation's fp16/bf16 conversions of fp32 values (see convert).
 //   harness luts IN OUT     every code's value as the kernels' row tables derive it (see luts).
 //   harness cells IN OUT    the same at 5-8 bits through the decode regime's cell table (CellTab).
-//   harness cta IN OUT      one projection's launch of the apl_staged instance this binary is
-//                           compiled for (-DHOST_CLS, HOST_MODE, HOST_BF16, HOST_V4, HOST_NT8): every
+//   harness cta INSTANCE IN OUT
+//                           one projection's launch of apl_staged<INSTANCE> (e.g. `0,0,true,true,2`),
+//                           one of those this binary is compiled with (harness_instances.h, written
+//                           by the builder: HOST_INSTANCES(X) calls X(CLS, MODE, BF16, V4, NT8) for
+//                           each; one build serves many, as the module and the other modes are most
+//                           of its compile time): every
 //                           CTA of the grid in turn, its threads as host threads running
 //                           staged_cta. IN: int32 experts, rows_out, cols, top_k, lut_log2, stages,
 //                           grid x, y, z, shared bytes, assignments, x rows, active experts; per
@@ -32,6 +36,7 @@
 
 #include "apl_host.h"
 #include "module.cu"
+#include "harness_instances.h"
 
 #include <algorithm>
 #include <cstdio>
@@ -124,7 +129,6 @@ int tiles(const char* in_path, const char* out_path) {
     return std::fclose(f) == 0 && ok ? 0 : fail("cannot write the output");
 }
 
-#ifdef HOST_NT8
 // Bank conflicts of a launch's shared-memory instructions (APL_HOST_BANKS=<file>): per kind, the warp
 // instructions, the wavefronts the 32 banks of 4 bytes take for them (the most distinct words one bank
 // is asked for, and at least one per 128 distinct bytes), and the fewest their bytes allow.
@@ -166,6 +170,7 @@ struct Blob {
     unsigned char* bytes(size_t n) { words.assign((n + 15) / 16, make_uint4(0, 0, 0, 0)); return reinterpret_cast<unsigned char*>(words.data()); }
 };
 
+template <int HOST_CLS, int HOST_MODE, bool HOST_BF16, bool HOST_V4, int HOST_NT8>
 int cta(const char* in_path, const char* out_path) {
     FILE* f = std::fopen(in_path, "rb");
     if (!f) return fail("cannot read the input");
@@ -277,7 +282,15 @@ int cta(const char* in_path, const char* out_path) {
                         : std::fwrite(y_out.data(), 4, y_out.size(), o) == y_out.size();
     return std::fclose(o) == 0 && ok ? 0 : fail("cannot write the output");
 }
-#endif
+
+// The cta mode of the instance named `name` ("CLS,MODE,BF16,V4,NT8"), if this binary has it.
+int cta_instance(const char* name, const char* in_path, const char* out_path) {
+#define HOST_CTA_CASE(CLS, MODE, BF16, V4, NT8) \
+    if (std::strcmp(name, #CLS "," #MODE "," #BF16 "," #V4 "," #NT8) == 0) return cta<CLS, MODE, BF16, V4, NT8>(in_path, out_path);
+    HOST_INSTANCES(HOST_CTA_CASE)
+#undef HOST_CTA_CASE
+    return fail("an instance this harness is not compiled with");
+}
 
 // The emulation's conversions, for the test to hold against torch's: IN is fp32 bit patterns, OUT
 // their fp16 and bf16 roundings (u16 each), then every fp16 pattern 0..65535 widened (fp32).
@@ -399,10 +412,8 @@ int main(int argc, char** argv) {
     if (argc == 4 && std::strcmp(argv[1], "cells") == 0) return luts(argv[2], argv[3], true);
     if (argc == 4 && std::strcmp(argv[1], "tiles") == 0) return tiles(argv[2], argv[3]);
     if (argc == 4 && std::strcmp(argv[1], "convert") == 0) return convert(argv[2], argv[3]);
-#ifdef HOST_NT8
-    if (argc == 4 && std::strcmp(argv[1], "cta") == 0) return cta(argv[2], argv[3]);
-#endif
+    if (argc == 5 && std::strcmp(argv[1], "cta") == 0) return cta_instance(argv[2], argv[3], argv[4]);
     return fail("usage: harness tiles IN OUT | harness convert IN OUT | harness luts IN OUT | harness cells IN OUT | "
-                "harness cta IN OUT");
+                "harness cta INSTANCE IN OUT");
 }
 #endif  // __CUDA_ARCH__

@@ -30,7 +30,7 @@ from bench.sass_mix import kernel_defines
 from pagedweight_kernels import apl_moe as op
 from pagedweight_kernels.apl_moe import staged_plan
 from pagedweight_kernels.synthetic import random_block
-from tests.kernels.staged_host import (LAUNCHES, ST_KS, ST_ROWS, bank_counts, build_harness, launch_case,
+from tests.kernels.staged_host import (LAUNCHES, ST_KS, ST_ROWS, bank_case, bank_counts, build_harness, launch_case,
                                        launch_output, planned, projection_case, reference_projection, run_launch)
 # wgmma_desc (apl_gemv.cu): LBO 128 bytes between the two core matrices of a k16 slice (columns
 # 0-7, 8-15), SBO 256 bytes between 8-row groups; a core matrix is 8 rows of 16 contiguous bytes.
@@ -39,9 +39,28 @@ LBO, SBO = 128, 256
 pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 
 
+# The launches beyond LAUNCHES (which name their instances): the 128-token passes and the two
+# producer warpgroups, whose instances staged_plan picks.
+WIDE = [(0, 64, torch.bfloat16), (1, 128, torch.float16)]  # mode, rows_out, dtype
+TWO_PRODUCERS = [(1, [8, 5, 7, 6], 128, 640, 40, torch.bfloat16),  # mode, bits, rows_out, cols, tokens, dtype
+                 (0, [4, 6, 3, 8], 64, 224, 150, torch.float16)]
+
+
+def wide_case(mode: int, rows_out: int, dtype: torch.dtype) -> dict:
+    return projection_case(mode, [4, 3, 4, 4], rows_out, 256, 150, 2, dtype, seed=19)
+
+
+def two_producer_case(mode: int, bits: list[int], rows_out: int, cols: int, tokens: int, dtype: torch.dtype) -> dict:
+    return projection_case(mode, bits, rows_out, cols, tokens, 2, dtype, seed=23)
+
+
 @pytest.fixture(scope="module")
 def harness(tmp_path_factory) -> Path:
-    return build_harness(tmp_path_factory.mktemp("staged_host"), kernel_defines({}))
+    """The harness with the cta mode of every instance the launches below run (the launcher's
+    defines), built once: a build per instance would repeat the ~8 s they share."""
+    picked = [wide_case(*p) for p in WIDE] + [two_producer_case(*p) for p in TWO_PRODUCERS] + [bank_case(4)]
+    instances = {instance for *_, instance in LAUNCHES.values()} | {planned(case)[0] for case in picked}
+    return build_harness(tmp_path_factory.mktemp("staged_host"), kernel_defines({}), sorted(instances))
 
 
 def operand_offsets(rows: int) -> np.ndarray:
@@ -102,25 +121,25 @@ def assert_matches(got: torch.Tensor, want: torch.Tensor, case: dict) -> None:
 
 
 @pytest.mark.parametrize("name", list(LAUNCHES))
-def test_staged_launch_matches_the_reference(cta_harness, tmp_path, name):
+def test_staged_launch_matches_the_reference(harness, tmp_path, name):
     case, instance = launch_case(name, seed=len(name))
     picked, plan, lut_bits = planned(case)
     assert picked == instance, (picked, plan)  # the case exercises what it says
-    run = run_launch(cta_harness(instance), tmp_path, case, plan, lut_bits)
+    run = run_launch(harness, instance, tmp_path, case, plan, lut_bits)
     assert run.returncode == 0, run.stderr[-2000:]
     assert_matches(launch_output(tmp_path, case), reference_projection(case), case)
 
 
-@pytest.mark.parametrize("mode,rows_out,dtype", [(0, 64, torch.bfloat16), (1, 128, torch.float16)])
-def test_128_token_passes_match_the_reference(cta_harness, tmp_path, mode, rows_out, dtype):
+@pytest.mark.parametrize("mode,rows_out,dtype", WIDE)
+def test_128_token_passes_match_the_reference(harness, tmp_path, mode, rows_out, dtype):
     # staged_wide_nt8 16 (the default): 75 tokens an expert want 15 tiles, so passes of 128, the
     # consumers' m64n128 wgmma; the hot expert's 150 assignments take a second, partial pass
     assert op.DEFAULT_CONFIG.staged_wide_nt8 == 16
-    case = projection_case(mode, [4, 3, 4, 4], rows_out, 256, 150, 2, dtype, seed=19)
+    case = wide_case(mode, rows_out, dtype)
     picked, plan, lut_bits = planned(case)
     assert picked == (0, mode, dtype == torch.bfloat16, True, 16) and plan.tokens == 128, (picked, plan)
     assert max(n for _, _, n in case["active"]) > 128  # (two passes for the hot expert)
-    run = run_launch(cta_harness(picked), tmp_path, case, plan, lut_bits)
+    run = run_launch(harness, picked, tmp_path, case, plan, lut_bits)
     assert run.returncode == 0, run.stderr[-2000:]
     assert_matches(launch_output(tmp_path, case), reference_projection(case), case)
 
@@ -128,13 +147,11 @@ def test_128_token_passes_match_the_reference(cta_harness, tmp_path, mode, rows_
 # The 5-8-bit and merged classes' two producer warpgroups, the second taking every other unit (2 steps) of
 # each pass. Rows long enough that both have units: down at 5-8 bits, 10 steps (5 units, 3 and 2), 16-byte
 # plane loads; merged gate_up, 224 columns (4 steps, the last ragged), 4-byte loads; hot experts in two passes.
-@pytest.mark.parametrize("mode,bits,rows_out,cols,tokens,dtype", [
-    (1, [8, 5, 7, 6], 128, 640, 40, torch.bfloat16),
-    (0, [4, 6, 3, 8], 64, 224, 150, torch.float16)])
-def test_two_producer_warpgroups_match_the_reference(cta_harness, tmp_path, mode, bits, rows_out, cols, tokens, dtype):
-    case = projection_case(mode, bits, rows_out, cols, tokens, 2, dtype, seed=23)
+@pytest.mark.parametrize("mode,bits,rows_out,cols,tokens,dtype", TWO_PRODUCERS)
+def test_two_producer_warpgroups_match_the_reference(harness, tmp_path, mode, bits, rows_out, cols, tokens, dtype):
+    case = two_producer_case(mode, bits, rows_out, cols, tokens, dtype)
     picked, plan, lut_bits = planned(case)
-    run = run_launch(cta_harness(picked), tmp_path, case, plan, lut_bits)
+    run = run_launch(harness, picked, tmp_path, case, plan, lut_bits)
     assert run.returncode == 0, run.stderr[-2000:]
     assert picked[0] != 0 and op.staged_threads(picked[0]) == 384
     # (a hot expert's second pass: where a pass has an odd count of units, a warpgroup's next step can be
@@ -155,12 +172,12 @@ def test_two_producer_warpgroups_need_a_ring_of_three():
         planned(case, dataclasses.replace(two, staged_cta_shared=(plan.shared_bytes - 1,) * 2))
 
 
-def test_blocks_outside_the_launchs_class_come_out_nan(cta_harness, tmp_path):
+def test_blocks_outside_the_launchs_class_come_out_nan(harness, tmp_path):
     # a 3-4-bit launch over a layer with one 6-bit block: that expert's outputs are NaN, the rest exact
     case, instance = launch_case("gate_up_3_4_bits_16_token_passes", seed=7, bits=[4, 6, 4, 3, 4, 3])
     plan = staged_plan(case["mode"], case["num_tokens"], case["top_k"], 6, case["rows_out"], 0, 0, 6, True)
     assert plan.tiles == instance[-1]
-    run = run_launch(cta_harness(instance), tmp_path, case, plan, lut_bits=0)
+    run = run_launch(harness, instance, tmp_path, case, plan, lut_bits=0)
     assert run.returncode == 0, run.stderr[-2000:]
     got, want = launch_output(tmp_path, case), reference_projection(case)
     bad = next((start, n) for e, start, n in case["active"] if e == 1)
@@ -171,30 +188,30 @@ def test_blocks_outside_the_launchs_class_come_out_nan(cta_harness, tmp_path):
     assert_matches(got[keep], want[keep], case)
 
 
-def test_a_ring_of_one_buffer_deadlocks(cta_harness, tmp_path):
+def test_a_ring_of_one_buffer_deadlocks(harness, tmp_path):
     # why staged_plan refuses one buffer: the consumers hand a buffer back only after issuing the
     # next step's wgmma, so with one the producers and consumers wait on each other for ever
     case, instance = launch_case("gate_up_3_4_bits_16_token_passes", seed=3)
     _, plan, lut_bits = planned(case)
     env = {**os.environ, "APL_HOST_DEADLOCK_S": "2"}
-    run = run_launch(cta_harness(instance), tmp_path, case, plan, lut_bits, stages=1, env=env)
+    run = run_launch(harness, instance, tmp_path, case, plan, lut_bits, stages=1, env=env)
     assert run.returncode == 3 and "deadlock" in run.stderr  # (staged_plan refuses it: test_apl_moe_cpu)
 
 
 @pytest.mark.parametrize("name", ["gate_up_3_4_bits_16_token_passes", "gate_up_5_8_bits_two_pass_groups"])
-def test_a_ring_of_two_buffers(cta_harness, tmp_path, name):
+def test_a_ring_of_two_buffers(harness, tmp_path, name):
     # the fewest staged_plan gives (where shared memory is short): each buffer is refilled while the
     # next step's wgmma run, so a buffer handed back before its own wgmma were waited for shows here
     case, instance = launch_case(name, seed=11)
     _, plan, lut_bits = planned(case)
-    run = run_launch(cta_harness(instance), tmp_path, case, plan, lut_bits, stages=2)
+    run = run_launch(harness, instance, tmp_path, case, plan, lut_bits, stages=2)
     assert run.returncode == 0, run.stderr[-2000:]
     assert_matches(launch_output(tmp_path, case), reference_projection(case), case)
 
 
 
 
-def test_the_plane_ring_lives_in_the_bytes_the_host_plans(cta_harness, tmp_path):
+def test_the_plane_ring_lives_in_the_bytes_the_host_plans(harness, tmp_path):
     # the harness gives each CTA exactly the plan's shared bytes: with the plane ring's bytes left out
     # of the plan, a launch that reads its plane words through it reaches past them
     case, instance = launch_case("gate_up_3_4_bits_16_token_passes", seed=5)
@@ -202,25 +219,26 @@ def test_the_plane_ring_lives_in_the_bytes_the_host_plans(cta_harness, tmp_path)
     ring = op.staged_plane_ring_bytes(0)
     assert ring > 0
     short = dataclasses.replace(plan, shared_bytes=plan.shared_bytes - ring)
-    run = run_launch(cta_harness(instance), tmp_path, case, short, lut_bits)
+    run = run_launch(harness, instance, tmp_path, case, short, lut_bits)
     assert run.returncode != 0 and "past the CTA's" in run.stderr
 
 
-def test_gate_up_with_gelu(cta_harness, tmp_path):
+def test_gate_up_with_gelu(tmp_path):
     # Gemma-4's experts: APL_ACT 1, GELU's tanh form (the launcher compiles gate_up once per activation)
     case, instance = launch_case("gate_up_3_4_bits_16_token_passes", seed=13)
     case["activation"] = "gelu_tanh"
     _, plan, lut_bits = planned(case)
-    run = run_launch(cta_harness(instance, {"APL_ACT": op.ACT_CODES["gelu_tanh"]}), tmp_path, case, plan, lut_bits)
+    gelu = build_harness(tmp_path, kernel_defines({"APL_ACT": op.ACT_CODES["gelu_tanh"]}), [instance])
+    run = run_launch(gelu, instance, tmp_path, case, plan, lut_bits)
     assert run.returncode == 0, run.stderr[-2000:]
     assert_matches(launch_output(tmp_path, case), reference_projection(case), case)
 
 
 # ---------------------------------------------------------------- bank conflicts
-def test_producer_stores_and_copies_take_the_fewest_wavefronts(tmp_path):
+def test_producer_stores_and_copies_take_the_fewest_wavefronts(harness, tmp_path):
     # the A tiles' STS.128, the plane words' 16-byte cp.async, the plane ring's LDS.128 (the activations
     # come by TMA, which the count leaves out)
-    got = bank_counts(4, tmp_path)
+    got = bank_counts(harness, 4, tmp_path)
     assert set(got) == {"STS.128", "LDGSTS.16", "LDS.128"}
     for kind, c in got.items():
         assert c["instructions"] > 0 and c["wavefronts"] == c["ideal"], (kind, c)

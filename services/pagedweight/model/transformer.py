@@ -94,7 +94,11 @@ class MoECausalLM(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # no N(0, 1) init: a model is built on the meta device and filled from its checkpoint
+        # (model/materialize.py), and the meta device's normal_ imports torch._dynamo (~1.5 s of
+        # CPU in every process that builds a model)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                         _weight=torch.empty(config.vocab_size, config.hidden_size))
         layer_class = decoder_layer_class(config)
         self.layers = nn.ModuleList(layer_class(config, i) for i in range(config.num_layers))
         self.norm = norm_for(config, config.hidden_size)

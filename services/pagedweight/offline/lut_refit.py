@@ -135,11 +135,14 @@ def bucket_systems(w: torch.Tensor, codes: torch.Tensor, h: torch.Tensor,
     h = h.double()
     r, C = codes.shape
     top_codes = codes.long() >> (MAX_BITS - top)
+    # one [C, C] x [C, r K] product, the rows side by side (r products of [C, C] x [C, K] took
+    # twice as long on a CPU, with the same sums)
     if parts is None:
-        # the one-hot [r, C, K] made in float64 at once (F.one_hot's int64 would be a second copy)
-        one_hot = torch.zeros(r, C, K, dtype=torch.float64, device=codes.device).scatter_(2, top_codes[..., None], 1.0)
-        hs = h @ one_hot
-    else:  # one [C, C] x [C, r K] product: the rows side by side
+        # the one-hot [C, r, K] made in float64 at once (F.one_hot's int64 would be a second copy)
+        one_hot_t = torch.zeros(C, r, K, dtype=torch.float64, device=codes.device).scatter_(2, top_codes.T[..., None], 1.0)
+        hs = (h @ one_hot_t.view(C, r * K)).view(C, r, K).transpose(0, 1)
+        one_hot = one_hot_t.transpose(0, 1)
+    else:
         one_hot_t = torch.nn.functional.one_hot(top_codes.T, K).to(parts[0].dtype)  # [C, r, K]
         hs = _times_one_hot(parts, one_hot_t.reshape(C, r * K)).view(C, r, K).transpose(0, 1)
         one_hot = one_hot_t.transpose(0, 1).double()
