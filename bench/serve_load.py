@@ -239,16 +239,39 @@ async def read_events(reader, chunked: bool, arrivals: Arrivals) -> None:
     arrivals.tokens = tokens
 
 
-def start_cluster(args):
-    """planner + worker + gateway on free ports: (services, gateway port, worker address)."""
-    import socket
+def start_cluster(args, attempts: int = 3):
+    """planner + worker + gateway on free ports: (services, gateway port, worker address).
 
-    from pagedweight.cluster.processes import Service, grpc_serving, http_ok, wait_until
+    A port found free can be taken by another process before our service binds it; that service
+    then exits with a taken-port error, and the cluster starts again on fresh ports."""
+    for attempt in range(1, attempts + 1):
+        try:
+            return _start_cluster_once(args)
+        except RuntimeError as err:
+            if attempt == attempts:
+                raise
+            print(f"cluster start failed ({err}); again on fresh ports", flush=True)
+
+
+def _start_cluster_once(args):
+    import socket
+    import urllib.request
+
+    from pagedweight.cluster.processes import Service, grpc_serving, stop_together, wait_until
 
     def free_port():
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             return s.getsockname()[1]
+
+    def serves_our_model(url: str) -> bool:
+        """The gateway's model list names ours: a /health answer alone could come from another
+        process's server that took the port first."""
+        try:
+            with urllib.request.urlopen(url, timeout=1.0) as response:
+                return any(m.get("id") == MODEL_NAME for m in json.load(response).get("data", []))
+        except (OSError, ValueError, AttributeError):
+            return False
 
     p, ph, w, wh, g = (free_port() for _ in range(5))
     seqs = [] if args.max_num_seqs is None else ["--max-num-seqs", str(args.max_num_seqs)]
@@ -263,10 +286,14 @@ def start_cluster(args):
                             "--log-level", "warning"]),
     ]
     checks = [lambda: grpc_serving(f"127.0.0.1:{p}"), lambda: grpc_serving(f"127.0.0.1:{w}", "pagedweight.v1.Worker"),
-              lambda: http_ok(f"http://127.0.0.1:{g}/health")]
-    for service, ready in zip(services, checks):
-        service.start()
-        wait_until(ready, service, 300)
+              lambda: serves_our_model(f"http://127.0.0.1:{g}/v1/models")]
+    try:
+        for service, ready in zip(services, checks):
+            service.start()
+            wait_until(ready, service, 300)
+    except BaseException:
+        stop_together(services, 10)
+        raise
     return services, g, f"127.0.0.1:{w}"
 
 

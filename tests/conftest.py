@@ -2,7 +2,7 @@
 the suite runs in parallel (`make test` runs `pytest -n 2`, pytest-xdist).
 
 Parallel workers share nothing by accident: every test writes under its own `tmp_path`,
-services listen on ports the OS picks (tests/service_procs.py `free_port`), and Redis keys
+services listen on ports from each worker's own range (tests/service_procs.py `free_port`), and Redis keys
 carry a per-test or per-run prefix. What they share on purpose is the expensive read-only
 fixtures, built once per run by whichever worker comes first (`build_once`).
 """

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import socket
@@ -17,10 +18,52 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 REPO = Path(__file__).resolve().parents[1]
 
 
-def free_port() -> int:
+# Ports for the services the tests start. `make test` runs test files in several pytest-xdist
+# processes at once: a port found free by binding port 0 in one of them can be taken by a server
+# another one starts before this one's service binds it, and a readiness probe then reaches the
+# wrong server. So each xdist process hands out ports from its own range, below the kernel's
+# ephemeral range (32768 and up by default) where port-0 binds and outgoing connections land,
+# moving forward through it so one process does not reuse a port a test just released.
+PORTS_BASE, PORTS_PER_PROCESS = 20000, 1500
+_next_port = itertools.count()
+
+
+def _port_range() -> range:
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")  # "gw<i>"; unset outside xdist
+    index = int(worker[2:]) if worker[2:].isdigit() else 0
+    first = PORTS_BASE + index * PORTS_PER_PROCESS
+    return range(first, first + PORTS_PER_PROCESS)
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port_runs(*counts: int) -> list[int]:
+    """The first port of each run of `count` consecutive free ports from this process's range,
+    all runs apart (serve gives worker i the first + i)."""
+    ports = _port_range()
+    firsts = []
+    for count in counts:
+        for _ in range(len(ports)):
+            first = ports[next(_next_port) % (len(ports) - count)]
+            if all(_bindable(first + i) for i in range(count)):
+                firsts.append(first)
+                for _ in range(count - 1):
+                    next(_next_port)
+                break
+        else:
+            raise RuntimeError(f"no {count} consecutive free ports in {ports}")
+    return firsts
+
+
+def free_port() -> int:
+    return free_port_runs(1)[0]
 
 
 class Proc:

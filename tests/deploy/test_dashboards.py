@@ -19,7 +19,6 @@ import math
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -32,6 +31,7 @@ from pathlib import Path
 import pytest
 
 from deploy_helpers import ROOT, tool
+from service_procs import free_port
 
 pytestmark = pytest.mark.deploy
 
@@ -46,12 +46,6 @@ LOAD_REQUESTS = 48
 LOAD_CONCURRENCY = 12
 MIN_LOAD_S = 4 * (STEP_S + SCRAPE_S)  # a few rate windows of traffic
 REDIS_URL = "redis://127.0.0.1:6379/13"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:

@@ -2,14 +2,13 @@
 
 Each service is its own process, started as users start it (`pagedweight planner`,
 `pagedweight worker`, `python -m pagedweight.cli.gateway_cmd`), with its log in a file that a
-failing test prints. Ports are free ones picked by the OS.
+failing test prints. Ports come from `service_procs.free_port` (this test process's own range).
 """
 
 from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,15 +18,10 @@ import grpc
 import httpx
 
 from pagedweight.rpc import worker_pb2, worker_pb2_grpc
+from service_procs import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 REDIS_URL = "redis://127.0.0.1:6379/0"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env() -> dict:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,40 +15,12 @@ import time
 import openai
 import pytest
 
-from service_procs import REPO, metric, scrape
+from service_procs import REPO, free_port_runs, metric, scrape
 from tests.e2e.cluster import REDIS_URL
 
 MODEL = "micro"
 PROMPT = "In the beginning"
 pytestmark = pytest.mark.slow
-
-
-def free_port_runs(*counts: int) -> list[int]:
-    """The first port of each run of `count` consecutive free ports, all runs apart (serve
-    gives worker i the first + i). Each is held bound until all are found, so the OS does
-    not hand one out twice."""
-    held: list[socket.socket] = []
-    firsts = []
-    try:
-        for count in counts:
-            for _ in range(100):
-                run = []
-                try:
-                    for i in range(count):
-                        run.append(socket.socket())
-                        run[-1].bind(("127.0.0.1", 0 if i == 0 else run[0].getsockname()[1] + i))
-                    break
-                except OSError:
-                    continue
-                finally:
-                    held += run
-            else:
-                raise RuntimeError(f"no {count} consecutive free ports")
-            firsts.append(run[0].getsockname()[1])
-    finally:
-        for s in held:
-            s.close()
-    return firsts
 
 
 class Serve:
