@@ -117,6 +117,8 @@ async def serve(config: WorkerConfig, started: asyncio.Event | None = None) -> N
         if http_socket is not None:
             http_socket.close()
         raise
+    # before the side port answers: /health carries the phase and percent from its first answer
+    servicer.startup = StartupProgress("worker", STARTUP_PHASES, log)
     registry = CollectorRegistry()
     status = StatusHttpServer(registry, lambda: servicer.live, lambda: servicer.ready,
                               lambda: servicer.telemetry.refresh() if servicer.telemetry is not None else None,
@@ -134,7 +136,6 @@ async def serve(config: WorkerConfig, started: asyncio.Event | None = None) -> N
         loop.add_signal_handler(sig, stop.set)
 
     t0 = time.monotonic()
-    servicer.startup = StartupProgress("worker", STARTUP_PHASES, log)
     try:
         runtime = await asyncio.to_thread(load_runtime, config, servicer.startup.begin)
     except BaseException:  # a bad flag or model: one error line from the CLI, no dangling server
