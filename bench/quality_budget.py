@@ -29,6 +29,7 @@ from pagedweight.format.paged_model import load_paged_model
 from pagedweight.model.dequantized_experts import build_paged_lm, set_model_bits
 from pagedweight.model.source_experts import attach_source_experts
 from pagedweight.frontend.tokenizer import Tokenizer
+from pagedweight.offline.perplexity import token_windows
 from pagedweight.offline.prompt_routing import record_prompt_routing
 from pagedweight.planner.artifact import load_planner_inputs
 from pagedweight.planner.policies import POLICY_NAMES, PlanContext, make_policy
@@ -82,10 +83,9 @@ class Scorer:
         nll = -lp.gather(-1, windows[:, 1:, None])[..., 0]
         return nll.mean(1).tolist()
 
-    def score(self, bits: np.ndarray, tag: str, windows: torch.Tensor) -> dict:
-        """Mean KL(bf16 || plan) per token and perplexity over all the windows."""
-        chunks = self.score_chunks(bits, tag, windows)
-        return {"kl": float(np.mean(chunks["kl"])), "ppl": float(np.exp(np.mean(chunks["nll"])))}
+    def kl(self, bits: np.ndarray, tag: str, windows: torch.Tensor) -> float:
+        """Mean KL(bf16 || plan) per token over all the windows."""
+        return float(np.mean(self.score_chunks(bits, tag, windows)["kl"]))
 
     def score_chunks(self, bits: np.ndarray, tag: str, windows: torch.Tensor) -> dict:
         """Per window (chunk): mean KL(bf16 || plan) and mean NLL; a plan scored before on
@@ -112,10 +112,9 @@ class Scorer:
 
 def windows_of(ids: list[int], length: int, count: int) -> torch.Tensor:
     """`count` windows of `length` scored tokens (length + 1 ids each), consecutive."""
-    need = count * length + 1
-    if len(ids) < need:
-        raise SystemExit(f"text too short: {len(ids)} tokens, need {need}")
-    return torch.tensor([ids[i * length: i * length + length + 1] for i in range(count)])
+    if len(ids) < count * length + 1:
+        raise SystemExit(f"text too short: {len(ids)} tokens, need {count * length + 1}")
+    return torch.tensor(token_windows(ids, length, count * length))
 
 
 def plan_cell(sc: Scorer, plan) -> dict:
@@ -171,7 +170,7 @@ def calib_check(sc: Scorer, policies, bits_list, args) -> dict:
     windows = torch.tensor(ids)
     out = {"tokens": int(windows[:, 1:].numel())}
     for b in bits_list:
-        out[str(b)] = {p: sc.score(policies[p].plan(sc.plane_budget(b)).bits, "calib", windows)["kl"]
+        out[str(b)] = {p: sc.kl(policies[p].plan(sc.plane_budget(b)).bits, "calib", windows)
                        for p in (PLANNER, "uniform", "uniform-fill")}
     return out
 

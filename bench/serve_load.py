@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.bench_meta import REPO, md_header, md_row, write_result
+from bench.bench_meta import REPO, free_memory, md_header, md_row, write_result
 
 TEXT = REPO / "data" / "sample.txt"
 LAYERS = ("in_process", "worker_grpc", "gateway_http")
@@ -310,8 +310,7 @@ def run_in_process(args, loads: dict, requests: list[Request]) -> dict:
     finally:
         runtime.close()
         del runtime
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()  # the worker process needs the device memory next
+        free_memory(torch.device(args.device))  # the worker process needs the device memory next
 
 
 def run_cluster(args, loads: dict, requests: list[Request], layers: set[str]) -> tuple[dict, dict]:
