@@ -314,7 +314,7 @@ def kl_of_plans(args, rows: dict, scorer) -> None:
             aligned = [0] * len(order)
             for key, b in zip(row["_block_keys"], bits.tolist()):
                 aligned[order[key]] = b
-            weighted += scorer.score(torch.tensor(aligned).numpy(), KL_DOMAIN, windows)["kl"] * tokens
+            weighted += scorer.kl(torch.tensor(aligned).numpy(), KL_DOMAIN, windows) * tokens
             weight += tokens
         row["kl_served"] = round(weighted / max(weight, 1), 6)
         row["kl_tokens_covered"] = round(weight / max(sum(t for _, t in plans.values()), 1), 4)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import heapq
+import itertools
 import statistics
 import sys
 
@@ -55,15 +56,9 @@ def online_ticks(table) -> dict:
     """A tick at a new budget, alternating pressure up and down between 4 and 4.6 bits."""
     planner = OnlinePlanner(table, DamageModel(table), np.full(table.num_blocks, 8))
     inputs = DamageInputs(table.calib_mass / table.calib_mass.mean(axis=1, keepdims=True))
-    budgets = [table.uniform_bytes(w) for w in (4.0, 4.6)]
-    planner.plan(budgets[0], inputs)
-    state = {"i": 0}
-
-    def tick():
-        state["i"] += 1
-        planner.plan(budgets[state["i"] % 2], inputs)
-
-    return timed_ms(tick)
+    planner.plan(table.uniform_bytes(4.0), inputs)
+    budgets = itertools.cycle([table.uniform_bytes(w) for w in (4.6, 4.0)])
+    return timed_ms(lambda: planner.plan(next(budgets), inputs))
 
 
 def plans() -> dict:

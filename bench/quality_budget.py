@@ -29,6 +29,7 @@ from pagedweight.format.paged_model import load_paged_model
 from pagedweight.model.dequantized_experts import build_paged_lm, set_model_bits
 from pagedweight.model.source_experts import attach_source_experts
 from pagedweight.frontend.tokenizer import Tokenizer
+from pagedweight.offline.perplexity import token_windows
 from pagedweight.offline.prompt_routing import record_prompt_routing
 from pagedweight.planner.artifact import load_planner_inputs
 from pagedweight.planner.policies import POLICY_NAMES, PlanContext, make_policy
@@ -50,12 +51,14 @@ class Scorer:
     def __init__(self, model_dir: Path):
         self.inputs = load_planner_inputs(model_dir)
         self.table = self.inputs.table  # bytes with LUTs, as the worker charges them
-        paged = attach_source_experts(load_paged_model(model_dir, with_bf16=True))
-        self.paged = paged
-        self.model = build_paged_lm(paged, dtype=torch.float32)
+        self.paged = attach_source_experts(load_paged_model(model_dir, with_bf16=True))
+        self.model = build_paged_lm(self.paged, dtype=torch.float32)
         self.tokenizer = Tokenizer(str(model_dir))
-        self.plane_table = self.table.planes_only(self.shapes())  # what budgets are stated in
-        self.weights = np.array([r * c for r, c in self.shapes()], dtype=np.int64)
+        meta = {b["key"]: (b["rows"], b["cols"]) for b in self.paged.meta["blocks"]}
+        shapes = [meta[b.key()] for b in self.table.block_ids]
+        self.plane_table = self.table.planes_only(shapes)  # what budgets are stated in
+        self.weights = np.array([r * c for r, c in shapes], dtype=np.int64)
+        self.bf16_expert_bytes = int(2 * self.weights.sum())
         self._refs: dict[str, torch.Tensor] = {}
         self._scores: dict[tuple[str, bytes], dict] = {}
 
@@ -80,10 +83,9 @@ class Scorer:
         nll = -lp.gather(-1, windows[:, 1:, None])[..., 0]
         return nll.mean(1).tolist()
 
-    def score(self, bits: np.ndarray, tag: str, windows: torch.Tensor) -> dict:
-        """Mean KL(bf16 || plan) per token and perplexity over all the windows."""
-        chunks = self.score_chunks(bits, tag, windows)
-        return {"kl": float(np.mean(chunks["kl"])), "ppl": float(np.exp(np.mean(chunks["nll"])))}
+    def kl(self, bits: np.ndarray, tag: str, windows: torch.Tensor) -> float:
+        """Mean KL(bf16 || plan) per token over all the windows."""
+        return float(np.mean(self.score_chunks(bits, tag, windows)["kl"]))
 
     def score_chunks(self, bits: np.ndarray, tag: str, windows: torch.Tensor) -> dict:
         """Per window (chunk): mean KL(bf16 || plan) and mean NLL; a plan scored before on
@@ -97,9 +99,6 @@ class Scorer:
             self._scores[key] = {"kl": kl.tolist(), "nll": self.chunk_nll(lp, windows)}
         return self._scores[key]
 
-    def bf16_nll(self, tag: str, windows: torch.Tensor) -> list[float]:
-        return self.chunk_nll(self.reference(tag, windows), windows)
-
     def context(self, prompt_ids: list[int]) -> PlanContext:
         self.set_bits(np.full(self.table.num_blocks, 8))
         recorder = record_prompt_routing(self.model, prompt_ids, self.table.num_experts)
@@ -109,34 +108,21 @@ class Scorer:
         """Plane bytes of `bits` mean plane bits over every expert weight."""
         return int(bits * int(self.weights.sum()) // 8)
 
-    def mean_bits(self, bits: np.ndarray) -> float:
-        return float((self.weights * bits).sum() / self.weights.sum())
-
-    def bf16_expert_bytes(self) -> int:
-        return int(2 * self.weights.sum())
-
-    def shapes(self):
-        meta = {b["key"]: (b["rows"], b["cols"]) for b in self.paged.meta["blocks"]}
-        return [meta[b.key()] for b in self.table.block_ids]
-
-    def dense_bytes(self) -> int:
-        return int(sum(t.numel() * 2 for t in self.paged.dense_state.values()))
 
 
 def windows_of(ids: list[int], length: int, count: int) -> torch.Tensor:
     """`count` windows of `length` scored tokens (length + 1 ids each), consecutive."""
-    need = count * length + 1
-    if len(ids) < need:
-        raise SystemExit(f"text too short: {len(ids)} tokens, need {need}")
-    return torch.tensor([ids[i * length: i * length + length + 1] for i in range(count)])
+    if len(ids) < count * length + 1:
+        raise SystemExit(f"text too short: {len(ids)} tokens, need {count * length + 1}")
+    return torch.tensor(token_windows(ids, length, count * length))
 
 
 def plan_cell(sc: Scorer, plan) -> dict:
     """What a plan costs: mean plane bits, plane bytes, and the LUT bytes it also needs."""
     with_luts = sc.table.bytes_of(plan.bits)
     planes = sc.plane_table.bytes_of(plan.bits)
-    return {"mean_bits": sc.mean_bits(plan.bits), "plane_bytes": planes, "lut_bytes": with_luts - planes,
-            "bytes_fraction": with_luts / sc.bf16_expert_bytes(), "action": plan.action}
+    return {"mean_bits": float((sc.weights * plan.bits).sum() / sc.weights.sum()), "plane_bytes": planes,
+            "lut_bytes": with_luts - planes, "bytes_fraction": with_luts / sc.bf16_expert_bytes, "action": plan.action}
 
 
 def evaluate_model(name: str, args, policies_names=POLICY_NAMES, bits_list=BITS, domains=DOMAINS,
@@ -149,8 +135,8 @@ def evaluate_model(name: str, args, policies_names=POLICY_NAMES, bits_list=BITS,
               "calibration_tokens": meta_calib["num_tokens"],
               "calibration_files": [Path(f["name"] if isinstance(f, dict) and "name" in f else str(f)).name
                                     for f in meta_calib.get("files", [])],
-              "weights": int(sc.weights.sum()), "bf16_expert_bytes": sc.bf16_expert_bytes(),
-              "dense_bytes": sc.dense_bytes(),
+              "weights": int(sc.weights.sum()), "bf16_expert_bytes": sc.bf16_expert_bytes,
+              "dense_bytes": int(sum(t.numel() * 2 for t in sc.paged.dense_state.values())),
               "budgets": {str(b): {"plane_budget_bytes": sc.plane_budget(b)} for b in bits_list},
               "domains": {}}
     corpus = corpus_dir()
@@ -158,8 +144,8 @@ def evaluate_model(name: str, args, policies_names=POLICY_NAMES, bits_list=BITS,
         ids = sc.tokenizer.encode((corpus / f"{domain}.valid.txt").read_text())
         context = sc.context(ids[: args.prompt_tokens])
         windows = windows_of(ids[args.prompt_tokens:], args.seq_len, args.eval_tokens // args.seq_len)
-        row = {"bf16_nll": sc.bf16_nll(domain, windows), "eval_tokens": int(windows[:, 1:].numel()),
-               "bits": {}}
+        row = {"bf16_nll": sc.chunk_nll(sc.reference(domain, windows), windows),
+               "eval_tokens": int(windows[:, 1:].numel()), "bits": {}}
         for b in bits_list:
             budget = sc.plane_budget(b)
             cell = {}
@@ -184,7 +170,7 @@ def calib_check(sc: Scorer, policies, bits_list, args) -> dict:
     windows = torch.tensor(ids)
     out = {"tokens": int(windows[:, 1:].numel())}
     for b in bits_list:
-        out[str(b)] = {p: sc.score(policies[p].plan(sc.plane_budget(b)).bits, "calib", windows)["kl"]
+        out[str(b)] = {p: sc.kl(policies[p].plan(sc.plane_budget(b)).bits, "calib", windows)
                        for p in (PLANNER, "uniform", "uniform-fill")}
     return out
 

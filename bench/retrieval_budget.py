@@ -94,13 +94,13 @@ def experts_at(parts: dict, bits: float) -> int:
 def budget_point(parts: dict, fixed: int, expert_bits: float) -> dict:
     """One budget: its bytes, the widest uniform width fitting it, what bf16 would need and
     the KV blocks bf16 experts leave in it."""
-    from pagedweight.format.apl_format import BIT_WIDTHS
+    from pagedweight.planner.sizing import fitting_uniform_bits
 
     budget = fixed + experts_at(parts, expert_bits)
     room = budget - parts["dense"] - parts["workspace"] - parts["experts_bf16"]
-    fitting = max((b for b in BIT_WIDTHS if fixed + parts["experts"][b] <= budget), default=None)
     return {"expert_bits": expert_bits, "budget_bytes": budget, "bf16_needs_bytes": fixed + parts["experts_bf16"],
-            "fitting_uniform_bits": fitting, "bf16_kv_blocks": max(room, 0) // parts["kv_block"]}
+            "fitting_uniform_bits": fitting_uniform_bits(parts["experts"], fixed, 0, budget),
+            "bf16_kv_blocks": max(room, 0) // parts["kv_block"]}
 
 
 class PromptBits:

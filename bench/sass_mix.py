@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import functools
 import os
 import re
 import shutil
@@ -21,7 +20,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.bench_meta import REPO, write_result
+from bench.bench_meta import write_result
+from pagedweight_kernels import apl_moe as op
+from pagedweight_kernels.cuda_packages import module_source
 
 GEMV_PARAMS = ("const long long* __restrict__, const long long* __restrict__, int, int, int, const u16* __restrict__, "
                "int, int, int, int, int, float* __restrict__, int* __restrict__, u16* __restrict__, "
@@ -107,19 +108,9 @@ def producer_loop_mixes(sass: str) -> list[dict]:
     return out
 
 
-@functools.lru_cache(maxsize=None)
-def _kernels():
-    """The kernels package's apl_moe and module_source (kernels/ put on the path once, as for the tests)."""
-    sys.path[:0] = [str(REPO / "kernels")]
-    from pagedweight_kernels import apl_moe
-    from pagedweight_kernels.cuda_packages import module_source
-    return apl_moe, module_source
-
-
 def build_instance(instance: str, overrides: dict[str, int], workdir: Path) -> tuple[Path, str]:
     """(cubin, ptxas resource lines) of one apl_gemv or apl_staged instance, compiled by nvcc as
     the host would: its defines, for sm_90a (wgmma) where the host builds it so, else sm_90."""
-    op, _ = _kernels()
     staged = instance.startswith("apl_staged<")
     params = STAGED_PARAMS if staged else GEMV_PARAMS
     (workdir / "k.cu").write_text(module_text(staged) + f"\ntemplate __global__ void {instance}({params});\n")
@@ -136,13 +127,12 @@ def build_instance(instance: str, overrides: dict[str, int], workdir: Path) -> t
 
 def kernel_defines(overrides: dict[str, int]) -> dict[str, int]:
     """The host's compile defines (DEFAULT_CONFIG's, SiLU), with overrides."""
-    return {**dict(_kernels()[0].DEFAULT_CONFIG.defines("silu")), **overrides}
+    return {**dict(op.DEFAULT_CONFIG.defines("silu")), **overrides}
 
 
 def module_text(staged: bool) -> str:
     """The NVRTC module's source as the host builds it: apl_moe.cu and apl_gemv.cu, and
     apl_staged.cu after them where staged."""
-    op, module_source = _kernels()
     return module_source(op.SOURCE, op.GEMV_SOURCE, op.PREFILL_SOURCE, *([op.STAGED_SOURCE] if staged else []))
 
 
@@ -178,7 +168,7 @@ def main(argv=None) -> int:
             return refuse(str(err))
     print(resources)
     staged = args.instance.startswith("apl_staged<")
-    mixes = producer_loop_mixes(sass) if staged else step_loop_mixes(sass, _kernels()[0].instance_tiles(args.instance))
+    mixes = producer_loop_mixes(sass) if staged else step_loop_mixes(sass, op.instance_tiles(args.instance))
     for m in mixes:
         counts = f"STS.128 {m['sts128']}" if staged else f"HMMA {m['hmma']}, HGMMA {m['hgmma']}"
         print(f"{'producer loop' if staged else 'loop'} @{m['first_line']}: {m['instructions']} instructions, "

@@ -1,6 +1,6 @@
 """The serving layers under load, each against the engine in this process: the in-process
-`AsyncEngine`, the worker's `GenerateStream` (requests multiplexed on one stream, as the gateway
-uses it) and the gateway's streamed `POST /v1/completions` (one raw asyncio connection per
+`AsyncEngine`, the worker's `GenerateStream` (requests multiplexed on one stream by the gateway's
+own client) and the gateway's streamed `POST /v1/completions` (one raw asyncio connection per
 request: at c256 a client library's per-event cost would measure the client). Requests ignore
 EOS; TTFT and inter-token gaps are the client's (a message with tokens is one arrival, as
 `vllm bench serve` counts ITL). `--mode trace` (serve-load) runs Poisson arrivals for `--rounds`
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import time
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.bench_meta import REPO, md_header, md_row, write_result
+from bench.bench_meta import REPO, free_memory, md_header, md_row, write_result
 
 TEXT = REPO / "data" / "sample.txt"
 LAYERS = ("in_process", "worker_grpc", "gateway_http")
@@ -134,57 +135,40 @@ def in_process_send(engine):
     return send
 
 
-class WorkerStreamClient:
-    """Requests multiplexed on one GenerateStream."""
+@dataclass
+class StreamHandler:
+    """One request on the gateway's own GenerateStream client (gateway/workers.py): its
+    arrivals, handed over when it finishes."""
 
-    def __init__(self, address: str):
-        import grpc
+    arrivals: Arrivals
+    done: asyncio.Future
 
-        from pagedweight.common.rpc_security import RpcSecurity
-        from pagedweight.rpc import worker_pb2, worker_pb2_grpc
+    def on_output(self, out) -> None:
+        if out.token_ids:
+            self.arrivals.arrived(time.monotonic(), len(out.token_ids))
+        if out.finished:
+            self.arrivals.reason = out.finish_reason
+            self.done.set_result(self.arrivals)
 
-        self.pb, self.channel = worker_pb2, grpc.aio.insecure_channel(address)
-        self.pending: dict[str, tuple[Arrivals, asyncio.Future]] = {}
-        self.outbox, self.ids = asyncio.Queue(), 0
-        # the RPC token, when $PAGEDWEIGHT_RPC_TOKEN gives the workers one
-        self.call = worker_pb2_grpc.WorkerStub(self.channel).GenerateStream(
-            self._requests(), metadata=RpcSecurity.from_settings().metadata())
-        self.reader = asyncio.get_running_loop().create_task(self._read())
+    def on_error(self, code, details: str) -> None:
+        if not self.done.done():
+            self.done.set_exception(RuntimeError(f"worker stream: {code.name} {details}"))
 
-    async def _requests(self):
-        while True:
-            yield await self.outbox.get()
 
-    async def _read(self) -> None:
-        async for message in self.call:
-            now = time.monotonic()
-            for out in message.outputs:
-                arrivals, done = self.pending[out.request_id]
-                if out.token_ids:
-                    arrivals.arrived(now, len(out.token_ids))
-                if out.finished:
-                    del self.pending[out.request_id]
-                    arrivals.reason = out.finish_reason
-                    done.set_result(arrivals)
-            for err in message.errors:
-                _, done = self.pending.pop(err.request_id)
-                done.set_exception(RuntimeError(f"worker refused {err.request_id}: {err.code} {err.message}"))
+def worker_send(stream):
+    """Requests multiplexed on one GenerateStream, as the gateway sends them."""
+    from pagedweight.rpc import worker_pb2 as pb
 
-    async def send(self, request: Request) -> Arrivals:
-        self.ids += 1
-        request_id = f"bench-{self.ids}"
-        done = asyncio.get_running_loop().create_future()
-        self.pending[request_id] = (Arrivals(), done)
-        self.outbox.put_nowait(self.pb.StreamRequest(generate=self.pb.GenerateRequest(
-            request_id=request_id, prompt_token_ids=request.prompt_ids,
-            sampling=self.pb.SamplingParams(max_tokens=request.output_len, ignore_eos=True))))
-        return await done
+    ids = itertools.count()
 
-    async def close(self) -> None:
-        self.call.cancel()
-        self.reader.cancel()
-        await asyncio.gather(self.reader, return_exceptions=True)
-        await self.channel.close()
+    async def send(request: Request) -> Arrivals:
+        handler = StreamHandler(Arrivals(), asyncio.get_running_loop().create_future())
+        stream.submit(pb.GenerateRequest(request_id=f"bench-{next(ids)}", prompt_token_ids=request.prompt_ids,
+                                         sampling=pb.SamplingParams(max_tokens=request.output_len, ignore_eos=True)),
+                      handler)
+        return await handler.done
+
+    return send
 
 
 def gateway_send(port: int):
@@ -197,13 +181,12 @@ def gateway_send(port: int):
         writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
                      b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
         try:
-            status, headers = await reader.readline(), {}
-            while (line := await reader.readline()) not in (b"\r\n", b""):
-                key, _, value = line.decode().partition(":")
-                headers[key.strip().lower()] = value.strip().lower()
+            status = await reader.readline()
+            while (await reader.readline()) not in (b"\r\n", b""):  # the headers
+                pass
             if b" 200 " not in status:
                 raise RuntimeError(f"HTTP {status.decode().strip()}: {(await reader.read(300))!r}")
-            await read_events(reader, headers.get("transfer-encoding") == "chunked", arrivals)
+            await read_events(reader, arrivals)
         finally:
             writer.close()
         return arrivals
@@ -211,19 +194,12 @@ def gateway_send(port: int):
     return send
 
 
-async def read_events(reader, chunked: bool, arrivals: Arrivals) -> None:
-    """One completion's SSE stream: every chunk with a choice carries new tokens."""
+async def read_events(reader, arrivals: Arrivals) -> None:
+    """One completion's SSE stream, in HTTP/1.1 chunks (uvicorn streams a body of no length so):
+    every event with a choice carries new tokens."""
     buffer, tokens = b"", 0
-    while True:
-        if chunked:
-            size = int((await reader.readline()).strip() or b"0", 16)
-            if size == 0:
-                break
-            data = (await reader.readexactly(size + 2))[:-2]
-        else:
-            data = await reader.read(65536)
-            if not data:
-                break
+    while size := int((await reader.readline()).strip() or b"0", 16):
+        data = (await reader.readexactly(size + 2))[:-2]
         now = time.monotonic()
         *events, buffer = (buffer + data).split(b"\n\n")
         for event in events:
@@ -334,8 +310,7 @@ def run_in_process(args, loads: dict, requests: list[Request]) -> dict:
     finally:
         runtime.close()
         del runtime
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()  # the worker process needs the device memory next
+        free_memory(torch.device(args.device))  # the worker process needs the device memory next
 
 
 def run_cluster(args, loads: dict, requests: list[Request], layers: set[str]) -> tuple[dict, dict]:
@@ -349,22 +324,31 @@ def run_cluster(args, loads: dict, requests: list[Request], layers: set[str]) ->
         return summarize(timings, elapsed, {n: process_cpu_seconds(pids[n]) - before[n] for n in names})
 
     async def main():
-        grpc_client = WorkerStreamClient(worker_address) if "worker_grpc" in layers else None
+        import grpc
+
+        from pagedweight.common.rpc_security import RpcSecurity
+        from pagedweight.gateway.workers import WorkerStream
+        from pagedweight.rpc.worker_pb2_grpc import WorkerStub
+
+        # the RPC token, when $PAGEDWEIGHT_RPC_TOKEN gives the workers one
+        channel = grpc.aio.insecure_channel(worker_address)
+        stream = WorkerStream(worker_address, WorkerStub(channel), RpcSecurity.from_settings().metadata())
+        grpc_send = worker_send(stream) if "worker_grpc" in layers else None
         http_send = gateway_send(port)
-        for send in (grpc_client and grpc_client.send, http_send):
+        for send in (grpc_send, http_send):
             if send is not None:
                 await warm(send, requests)
         worker, gateway = {}, {}
         for name, load in loads.items():
-            if grpc_client is not None:
-                worker[name] = await measure(load, grpc_client.send, ("worker",))
+            if grpc_send is not None:
+                worker[name] = await measure(load, grpc_send, ("worker",))
                 print(f"{name} worker gRPC  {worker[name]['output_tokens_per_s']:9.1f} tok/s", flush=True)
             if "gateway_http" in layers:
                 gateway[name] = await measure(load, http_send, ("gateway", "worker"))
                 print(f"{name} gateway HTTP {gateway[name]['output_tokens_per_s']:9.1f} tok/s "
                       f"(gateway CPU {gateway[name]['cpu_percent']['gateway']}%)", flush=True)
-        if grpc_client is not None:
-            await grpc_client.close()
+        await stream.close()
+        await channel.close()
         return worker, gateway
 
     try:
@@ -380,10 +364,6 @@ def run_layers(args, loads: dict, requests: list[Request], layers: set[str]) -> 
     return {"in_process": in_process, "worker_grpc": worker, "gateway_http": gateway}
 
 
-def result_name(kind: str, args) -> str:
-    return f"{kind}_{Path(args.model).resolve().name}" + (f"_{args.tag}" if args.tag else "")
-
-
 def run_trace(args) -> Path:
     trace = make_requests(args, args.num_prompts, trace=True)
     load = {"trace": lambda send: open_loop(trace, args.max_concurrency, send)}
@@ -391,7 +371,7 @@ def run_trace(args) -> Path:
     mean = {layer: round(float(np.mean([r[layer]["trace"]["output_tokens_per_s"] for r in rounds])), 2)
             for layer in LAYERS}
     overhead = 1.0 - mean["gateway_http"] / mean["in_process"]
-    path = write_result(result_name("serve_load", args), {
+    path = write_result(f"serve_load_{Path(args.model).resolve().name}", {
         "model": str(args.model), "memory_budget": args.memory_budget,
         "trace": {"num_prompts": args.num_prompts, "request_rate": args.request_rate,
                   "max_concurrency": args.max_concurrency, "prompt_len": args.prompt_len,
@@ -415,7 +395,7 @@ def run_sweep(args) -> Path:
     started = time.monotonic()
     runs = run_layers(args, loads, requests, set(args.layers))
     table = [sweep_row(c, runs) for c in levels]
-    path = write_result(result_name("serve_sweep", args), {
+    path = write_result(f"serve_sweep_{Path(args.model).resolve().name}", {
         "model": str(args.model), "device": args.device, "memory_budget": args.memory_budget,
         "max_num_seqs": args.max_num_seqs, "duration_s": args.duration, "layers": sorted(set(args.layers)),
         "prompt_len": args.prompt_len, "output_len": args.output_len, "seed": args.seed,
@@ -479,7 +459,6 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=30.0, help="sweep: seconds per point and layer")
     parser.add_argument("--layers", nargs="+", choices=LAYERS, default=list(LAYERS),
                         help="sweep: the layers to run (gateway_http alone runs a cluster without GenerateStream)")
-    parser.add_argument("--tag", default=None, help="suffix of the result file name")
     parser.add_argument("--out", default=None, help="sweep: write the result here instead")
     args = parser.parse_args()
     args.max_num_seqs = None  # the engine's batch limit: the worker's (the sweep sets its largest concurrency)

@@ -10,9 +10,8 @@ import re
 import sys
 from pathlib import Path
 
-from bench.bench_meta import REPO, STEP_COMPONENTS, md_header, md_row
+from bench.bench_meta import REPO, RESULTS_DIR as RESULTS, STEP_COMPONENTS, md_header, md_row
 
-RESULTS = REPO / "bench" / "results"
 DOCS = REPO / "docs"
 
 
@@ -59,8 +58,8 @@ def real_shape(files: list[str]) -> list[str]:
             rows.append(("transformers generate, bf16", tok_s(hf)))
         if skipped(bf16):
             rows.append((f"engine bf16: {skipped(bf16)}", {}))
-        else:  # per mode its loads beside its step profiles, or (earlier results) the loads alone
-            rows += [(f"engine bf16, {m}", tok_s(v["loads"] if isinstance(v, dict) else v)) for m, v in bf16.items()]
+        else:  # per mode its loads beside its step profiles
+            rows += [(f"engine bf16, {m}", tok_s(v["loads"])) for m, v in bf16.items()]
         for name, static in (d.get("runtime_static") or {}).items():
             if skipped(static):
                 rows.append((f"runtime {name}: {skipped(static)}", {}))
@@ -89,7 +88,6 @@ def real_shape_components(files: list[str]) -> list[str]:
         bf16 = d.get("engine_bf16_dense") or {}
         sections = [] if skipped(bf16) else [("bf16", v) for v in bf16.values()]
         for weights, v in sections + list((d.get("runtime_static") or {}).items()):
-            v = v if isinstance(v, dict) else {}
             # decode steps at c sequences, then the prefill steps (c prompts x n tokens)
             steps = [(f"decode c{c}", p) for c, p in v.get("components", {}).items()]
             steps += [(f"prefill {shape}", p) for shape, p in v.get("prefill_components", {}).items()]
@@ -197,7 +195,7 @@ def budget_sweep(files: list[str]) -> list[str]:
                 lines.append(md_row(budget, name, why, "", "", "", ""))
                 continue
             kl = x.get("kl_served")
-            done = "" if x.get("requests_finished", x["requests"]) == x["requests"] else \
+            done = "" if x["requests_finished"] == x["requests"] else \
                 f" ({x['requests_finished']}/{x['requests']} requests in the time limit)"
             moves = x["page_moves"]
             if x.get("planes_fewest"):  # what the free plans lowered against the least that frees the bytes asked
