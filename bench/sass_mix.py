@@ -109,11 +109,11 @@ def producer_loop_mixes(sass: str) -> list[dict]:
 
 @functools.lru_cache(maxsize=None)
 def _kernels():
-    """The kernels package's apl_moe and module_source (kernels/ put on the path once, as for the tests)."""
+    """The kernels package's compile module and module_source (kernels/ put on the path once, as for the tests)."""
     sys.path[:0] = [str(REPO / "kernels")]
-    from pagedweight_kernels import apl_moe
+    from pagedweight_kernels import compile as kernel_compile
     from pagedweight_kernels.cuda_packages import module_source
-    return apl_moe, module_source
+    return kernel_compile, module_source
 
 
 def build_instance(instance: str, overrides: dict[str, int], workdir: Path) -> tuple[Path, str]:

@@ -24,9 +24,11 @@ import numpy as np
 import torch
 
 from bench.sass_mix import module_text
-from pagedweight_kernels.apl_moe import DEFAULT_CONFIG, GemmPlan, KernelConfig, staged_class, staged_plan, widest_by_class
+from pagedweight_kernels.apl_moe import DEFAULT_CONFIG, KernelConfig
 from pagedweight_kernels.moe_reference import expert_bounds, gated, group_tokens_by_expert
 from pagedweight_kernels.synthetic import random_block, ragged_routing
+from pagedweight_kernels.layer import widest_by_class
+from pagedweight_kernels.plan import GemmPlan, staged_class, staged_plan
 
 HARNESS = Path(__file__).with_name("staged_host_harness.cu")
 KERNELS = Path(__file__).parents[2] / "kernels" / "pagedweight_kernels"
