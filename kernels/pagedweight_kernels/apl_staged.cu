@@ -23,7 +23,7 @@
 // (the step counter runs on across passes, so the ring's phases stay in step). Outputs are written
 // by position, so reruns are bit-identical; blocks whose bits the class does not hold produce NaN.
 //
-// The same source runs on the CPU (apl_host.h, tests/kernels/staged_host.py): the functions below are
+// The same source runs on the CPU (tests/kernels/apl_host.h, staged_host.py): the functions below are
 // APL_HD, with host branches for their PTX, and staged_cta is the kernel's body, so a whole launch
 // runs with its threads as host threads, checked against torch (tests/kernels/test_staged_host_cpu.py).
 
