@@ -16,9 +16,10 @@ import torch.nn.functional as F
 
 from bench.bench_meta import write_result
 from pagedweight_kernels import decode_ops
-from pagedweight_kernels.apl_moe import APLLayer, ResidentBlock, apl_moe, plan_launch
+from pagedweight_kernels.apl_moe import APLLayer, ResidentBlock, apl_moe
 from pagedweight_kernels.synthetic import nested_luts
 from pagedweight.format.apl_format import lut_width
+from pagedweight_kernels.plan import plan_launch
 
 MODELS = {  # experts, top_k, hidden, intermediate
     "qwen1.5-moe-a2.7b": (60, 4, 2048, 1408),

@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 from bench.bench_meta import write_result
-from pagedweight_kernels import apl_moe as op
+from pagedweight_kernels import compile as op
 from pagedweight_kernels.cuda_packages import module_source
 
 GEMV_PARAMS = ("const long long* __restrict__, const long long* __restrict__, int, int, int, const u16* __restrict__, "

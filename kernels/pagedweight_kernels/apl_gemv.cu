@@ -71,18 +71,16 @@ APL_HD constexpr int tiles_blocks(int cls, int nt8, bool v2) {
     const int widest_at_3 = cls == 0 ? 8 : cls == 1 ? (v2 ? 8 : 2) : (v2 ? 2 : 0);
     return nt8 <= widest_at_3 ? 3 : 2;
 }
-#ifndef APL_PLANE_HINT
-#define APL_PLANE_HINT 2  // the plane words' loads (load_step) in instances of at least APL_PLANE_HINT_MIN_NT8, and in
-#endif                    // the decode instances compiled for long splits (LONG): bit 0: L1::no_allocate; bit 1:
-                          // L2::256B (a row's first load in each 256 bytes has L2 fetch them all, so the warp's next
-                          // steps hit L2); bit 2: L2::128B instead. Measured (docs/kernel.md): no_allocate 1-23%
-                          // slower; 256B 4-7% faster in 64-token passes (Mixtral-size 256-token layers), 4-5% on
-                          // Mixtral-size mixed decode at 4-16 tokens but 5-10% slower at Qwen1.5-MoE decode (splits
-                          // of 24-48 words: the 256 bytes overshoot the split); chosen by a run-time test on the
-                          // split's length, 4-8% slower everywhere (the loop): so the host picks a LONG instance
-                          // (plan.long_split: splits of 64+ words over rows of 128+, from 2 tokens)
+// The plane words' loads (load_step) of the instances of at least APL_PLANE_HINT_MIN_NT8 and of
+// the decode instances compiled for long splits (LONG) carry L2::256B: a row's first load in each
+// 256 bytes has L2 fetch them all, so the warp's next steps hit L2. Measured (docs/kernel.md): 4-7%
+// faster in 64-token passes (Mixtral-size 256-token layers), 4-5% on Mixtral-size mixed decode at
+// 4-16 tokens but 5-10% slower at Qwen1.5-MoE decode (splits of 24-48 words: the 256 bytes
+// overshoot the split); a run-time test on the split's length was 4-8% slower everywhere (the
+// loop): so the host picks a LONG instance (plan.long_split: splits of 64+ words over rows of
+// 128+, from 2 tokens).
 #ifndef APL_PLANE_HINT_MIN_NT8
-#define APL_PLANE_HINT_MIN_NT8 8  // the instances APL_PLANE_HINT applies to: NT8 >= this (1: decode too)
+#define APL_PLANE_HINT_MIN_NT8 8  // the instances the hint applies to: NT8 >= this (1: decode too)
 #endif
 #ifndef APL_TILES_GROUP
 #define APL_TILES_GROUP 4  // tiles regime: 8-token tiles whose mma chains interleave (activations in registers)
@@ -104,25 +102,13 @@ APL_HD T ldg_ro(const T* p) {
     return *p;
 #endif
 }
-// Plane words through the non-coherent path; HINT: with APL_PLANE_HINT's cache qualifiers (the
-// same bytes either way; only where the caches keep them).
-#if (APL_PLANE_HINT & 1)
-#define APL_PLANE_L1 ".L1::no_allocate"
-#else
-#define APL_PLANE_L1 ""
-#endif
-#if (APL_PLANE_HINT & 4)
-#define APL_PLANE_L2 ".L2::128B"
-#elif (APL_PLANE_HINT & 2)
-#define APL_PLANE_L2 ".L2::256B"
-#else
-#define APL_PLANE_L2 ""
-#endif
+// Plane words through the non-coherent path; HINT: with the L2::256B qualifier (the same bytes
+// either way; only where the caches keep them).
 template <bool HINT>
 APL_HD u32 ldg_plane_u32(const u32* p) {
 #ifdef __CUDA_ARCH__
     u32 v;
-    if constexpr (HINT) asm volatile("ld.global.nc" APL_PLANE_L1 APL_PLANE_L2 ".u32 %0, [%1];" : "=r"(v) : "l"(p));
+    if constexpr (HINT) asm volatile("ld.global.nc.L2::256B.u32 %0, [%1];" : "=r"(v) : "l"(p));
     else asm volatile("ld.global.nc.u32 %0, [%1];" : "=r"(v) : "l"(p));
     return v;
 #else
@@ -133,7 +119,7 @@ template <bool HINT>
 __device__ __forceinline__ uint2 ldg_plane_u64(const u32* p) {
     uint2 v;
     if constexpr (HINT)
-        asm volatile("ld.global.nc" APL_PLANE_L1 APL_PLANE_L2 ".v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+        asm volatile("ld.global.nc.L2::256B.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
     else
         asm volatile("ld.global.nc.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
     return v;
@@ -143,31 +129,6 @@ __device__ __forceinline__ int atom_add_acq_rel_gpu(int* p, int v) {
     asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
     return old;
 }
-// mbarriers (sm_90: try_wait.parity): apl_staged.cu's hand-overs between its producer and
-// consumer warpgroups. arrive releases and a completed wait acquires at CTA scope, so shared
-// memory written before an arrive is visible to the threads whose wait that arrive completed.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-__device__ __forceinline__ void mbar_init(unsigned long long* bar, u32 count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(shared_addr(bar)), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(unsigned long long* bar) {
-    asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.shared::cta.b64 state, [%0];\n}" :: "r"(shared_addr(bar)) : "memory");
-}
-// Waits until the phase of this parity has completed (parity 0: the barrier's first phase).
-__device__ __forceinline__ void mbar_wait(unsigned long long* bar, u32 parity) {
-    asm volatile("{\n.reg .pred done;\nMBAR_WAIT_%=:\n"
-                 "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-                 "@!done bra MBAR_WAIT_%=;\n}" :: "r"(shared_addr(bar)), "r"(parity) : "memory");
-}
-#elif !defined(__CUDA_ARCH__)  // the host's CTA emulation (apl_host.h)
-__host__ __forceinline__ void mbar_init(unsigned long long* bar, u32 count) { host_mbar_init(shared_addr(bar), count); }
-__host__ __forceinline__ void mbar_arrive(unsigned long long* bar) { host_mbar_arrive(shared_addr(bar)); }
-__host__ __forceinline__ void mbar_wait(unsigned long long* bar, u32 parity) { host_mbar_wait(shared_addr(bar), parity); }
-#else  // (apl_staged.cu is compiled for sm_90a only)
-__device__ __forceinline__ void mbar_init(unsigned long long*, u32) {}
-__device__ __forceinline__ void mbar_arrive(unsigned long long*) {}
-__device__ __forceinline__ void mbar_wait(unsigned long long*, u32) {}
-#endif
 // Programmatic dependent launch (sm_90+; no-ops for a grid launched without the attribute).
 // wait: this thread waits until the grid it depends on has finished and its writes are visible;
 // launch_dependents: the grid launched after this one with the attribute may start once every
@@ -524,8 +485,8 @@ APL_HD void transpose_nibble_bytes(const u32 (&o)[4], u32 (&w)[4]) {
 // byte transpose makes W[j] (byte c = o[c]'s byte j), whose nibbles are columns 8j + (0, 4, 1,
 // 5, 2, 6, 3, 7), so each lookup half's bytes pair as (0, 2) and (1, 3): 8 PRMTs a word more
 // than the tiles regime's selector order, which the activations' cp.async copies could not follow.
-template <int B>
-APL_HD void dequant_chunks_reg(const RegLut<B>& lut, const u32 (&pw)[8], uint4 (&chunk)[4]) {
+template <int B, bool BF16>
+APL_HD void dequant_chunks(const RegLut<B>& lut, const u32 (&pw)[8], uint4 (&chunk)[4]) {
     const Codes<B> c(pw);
     u32 w[4];
     transpose_nibble_bytes(c.o, w);
@@ -541,7 +502,7 @@ APL_HD void dequant_chunks_reg(const RegLut<B>& lut, const u32 (&pw)[8], uint4 (
 // The same for 5-8 bits from the row's cell tables (CellLut): the cell codes and the refinement
 // bits take the same byte transpose, so nibbles pair as (0, 2) and (1, 3) there too.
 template <int B, bool BF16>
-APL_HD void dequant_chunks_cell(const CellLut<B, BF16>& lut, const u32 (&pw)[8], uint4 (&chunk)[4]) {
+APL_HD void dequant_chunks(const CellLut<B, BF16>& lut, const u32 (&pw)[8], uint4 (&chunk)[4]) {
     const CellCodes<B> c(pw);
     u32 wc[4], wq[4];
     transpose_nibble_bytes(c.cell.o, wc);
@@ -563,7 +524,7 @@ APL_HD void dequant_chunks_cell(const CellLut<B, BF16>& lut, const u32 (&pw)[8],
 // The same from the row's column of a shared-memory cell table (CellTab, the staged producers'):
 // one LDS a weight for its cell, the pairs (0, 2), (4, 6), (1, 3), (5, 7) of the transposed nibbles.
 template <int B, bool BF16>
-APL_HD void dequant_chunks_tab(const CellTab<B, BF16>& lut, const u32 (&pw)[8], uint4 (&chunk)[4]) {
+APL_HD void dequant_chunks(const CellTab<B, BF16>& lut, const u32 (&pw)[8], uint4 (&chunk)[4]) {
     const CellCodes<B> c(pw);
     u32 wc[4], wq[4];
     transpose_nibble_bytes(c.cell.o, wc);
@@ -580,13 +541,6 @@ APL_HD void dequant_chunks_tab(const CellTab<B, BF16>& lut, const u32 (&pw)[8], 
                               act_fma2<BF16>(prmt(v5, v7, 0x7632u), fraction_pair<BF16, 5, 7>(q), prmt(v5, v7, 0x5410u)));
     }
 }
-// One plane word of a row at B bits as 4 chunks of 8 consecutive columns, from its tables.
-template <int B, bool BF16>
-APL_HD void dequant_chunks(const RegLut<B>& lut, const u32 (&pw)[8], uint4 (&chunk)[4]) { dequant_chunks_reg<B>(lut, pw, chunk); }
-template <int B, bool BF16>
-APL_HD void dequant_chunks(const CellLut<B, BF16>& lut, const u32 (&pw)[8], uint4 (&chunk)[4]) { dequant_chunks_cell<B, BF16>(lut, pw, chunk); }
-template <int B, bool BF16>
-APL_HD void dequant_chunks(const CellTab<B, BF16>& lut, const u32 (&pw)[8], uint4 (&chunk)[4]) { dequant_chunks_tab<B, BF16>(lut, pw, chunk); }
 
 // ---------------------------------------------------------------- routing inside the CTA
 // The a-th expert with tokens (ascending id) and its slots (ascending), as moe_align would
@@ -783,7 +737,7 @@ __device__ __forceinline__ Route route_cta(const long long* __restrict__ ids, in
 // launches for long splits only (LONG, plan.long_split: 64+ words, so the 256 bytes an
 // L2::256B load fetches per row and plane are all the split's own) (load_hint).
 template <int NT8, bool LONG = false>
-__host__ __device__ constexpr bool load_hint() { return APL_PLANE_HINT != 0 && (NT8 >= APL_PLANE_HINT_MIN_NT8 || LONG); }
+__host__ __device__ constexpr bool load_hint() { return NT8 >= APL_PLANE_HINT_MIN_NT8 || LONG; }
 template <int B, bool V2, bool HINT = false>
 __device__ __forceinline__ void load_step(const BlockRef& blk, u32 w0a, u32 w0b, int kw, int step,
                                           u32 (&buf)[2][2][8]) {
@@ -994,10 +948,17 @@ APL_HD unsigned long long wgmma_desc(u32 smem_addr) {
 // dtype (PTX names both in the opcode): APL_WGMMA_RS(shape, type, D operands, A, desc, scale-d,
 // the accumulators' constraints).
 #define APL_ACC4(j) "+f"(acc[j][0]), "+f"(acc[j][1]), "+f"(acc[j][2]), "+f"(acc[j][3])
+#define APL_ACC8 APL_ACC4(0), APL_ACC4(1)
+#define APL_ACC16 APL_ACC8, APL_ACC4(2), APL_ACC4(3)
+#define APL_ACC32 APL_ACC16, APL_ACC4(4), APL_ACC4(5), APL_ACC4(6), APL_ACC4(7)
+#define APL_ACC48 APL_ACC32, APL_ACC4(8), APL_ACC4(9), APL_ACC4(10), APL_ACC4(11)
 #define APL_WGMMA_RS(SHAPE, TY, D, A, DESC, SCALE, ...)                                                      \
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " SCALE ", 0;\nwgmma.mma_async.sync.aligned." SHAPE ".f32." \
                  TY "." TY " {" D "}, {" A "}, " DESC ", p, 1, 1, 0;\n}"                                       \
                  : __VA_ARGS__ : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(1) : "memory")
+// The shape's bf16 or f16 form, by the template's BF16.
+#define APL_WGMMA_RS_ACT(SHAPE, ...) \
+    if constexpr (BF16) APL_WGMMA_RS(SHAPE, "bf16", __VA_ARGS__); else APL_WGMMA_RS(SHAPE, "f16", __VA_ARGS__)
 #define APL_D8 "%0, %1, %2, %3, %4, %5, %6, %7"
 #define APL_D16 APL_D8 ", %8, %9, %10, %11, %12, %13, %14, %15"
 #define APL_D32 APL_D16 ", %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
@@ -1005,30 +966,10 @@ APL_HD unsigned long long wgmma_desc(u32 smem_addr) {
 template <int N8, bool BF16>
 __device__ __forceinline__ void wgmma_rs(float (&acc)[N8][4], u32 a0, u32 a1, u32 a2, u32 a3, unsigned long long desc) {
 #if APL_HAS_WGMMA
-    if constexpr (N8 == 2 && BF16)
-        APL_WGMMA_RS("m64n16k16", "bf16", APL_D8, "%8, %9, %10, %11", "%12", "%13", APL_ACC4(0), APL_ACC4(1));
-    else if constexpr (N8 == 2)
-        APL_WGMMA_RS("m64n16k16", "f16", APL_D8, "%8, %9, %10, %11", "%12", "%13", APL_ACC4(0), APL_ACC4(1));
-    else if constexpr (N8 == 4 && BF16)
-        APL_WGMMA_RS("m64n32k16", "bf16", APL_D16, "%16, %17, %18, %19", "%20", "%21",
-                     APL_ACC4(0), APL_ACC4(1), APL_ACC4(2), APL_ACC4(3));
-    else if constexpr (N8 == 4)
-        APL_WGMMA_RS("m64n32k16", "f16", APL_D16, "%16, %17, %18, %19", "%20", "%21",
-                     APL_ACC4(0), APL_ACC4(1), APL_ACC4(2), APL_ACC4(3));
-    else if constexpr (N8 == 8 && BF16)
-        APL_WGMMA_RS("m64n64k16", "bf16", APL_D32, "%32, %33, %34, %35", "%36", "%37",
-                     APL_ACC4(0), APL_ACC4(1), APL_ACC4(2), APL_ACC4(3), APL_ACC4(4), APL_ACC4(5), APL_ACC4(6), APL_ACC4(7));
-    else if constexpr (N8 == 8)
-        APL_WGMMA_RS("m64n64k16", "f16", APL_D32, "%32, %33, %34, %35", "%36", "%37",
-                     APL_ACC4(0), APL_ACC4(1), APL_ACC4(2), APL_ACC4(3), APL_ACC4(4), APL_ACC4(5), APL_ACC4(6), APL_ACC4(7));
-    else if constexpr (N8 == 12 && BF16)
-        APL_WGMMA_RS("m64n96k16", "bf16", APL_D48, "%48, %49, %50, %51", "%52", "%53",
-                     APL_ACC4(0), APL_ACC4(1), APL_ACC4(2), APL_ACC4(3), APL_ACC4(4), APL_ACC4(5), APL_ACC4(6), APL_ACC4(7),
-                     APL_ACC4(8), APL_ACC4(9), APL_ACC4(10), APL_ACC4(11));
-    else if constexpr (N8 == 12)
-        APL_WGMMA_RS("m64n96k16", "f16", APL_D48, "%48, %49, %50, %51", "%52", "%53",
-                     APL_ACC4(0), APL_ACC4(1), APL_ACC4(2), APL_ACC4(3), APL_ACC4(4), APL_ACC4(5), APL_ACC4(6), APL_ACC4(7),
-                     APL_ACC4(8), APL_ACC4(9), APL_ACC4(10), APL_ACC4(11));
+    if constexpr (N8 == 2) { APL_WGMMA_RS_ACT("m64n16k16", APL_D8, "%8, %9, %10, %11", "%12", "%13", APL_ACC8); }
+    else if constexpr (N8 == 4) { APL_WGMMA_RS_ACT("m64n32k16", APL_D16, "%16, %17, %18, %19", "%20", "%21", APL_ACC16); }
+    else if constexpr (N8 == 8) { APL_WGMMA_RS_ACT("m64n64k16", APL_D32, "%32, %33, %34, %35", "%36", "%37", APL_ACC32); }
+    else if constexpr (N8 == 12) { APL_WGMMA_RS_ACT("m64n96k16", APL_D48, "%48, %49, %50, %51", "%52", "%53", APL_ACC48); }
 #endif
 }
 
@@ -1647,7 +1588,7 @@ __device__ __forceinline__ void gemv_cta(
 
 // One launch per projection: grid (row tiles, max active experts, column splits), 128 threads.
 // LONG (decode only): the instance for column splits of at least GEMV_LONG_SPLIT_WORDS, whose
-// plane loads take APL_PLANE_HINT's qualifiers (load_hint); the host picks it from the plan, so a
+// plane loads carry L2::256B (load_hint); the host picks it from the plan, so a
 // launch's instance never depends on the layer's bits.
 template <int CLS, int MODE, bool BF16, bool V2, int NT8, bool LONG = false>
 __global__ void __launch_bounds__(GV_THREADS, NT8 == 1 ? (CLS == 0 ? APL_GEMV_MIN_BLOCKS : APL_GEMV_CELL_BLOCKS) : tiles_blocks(CLS, NT8, V2)) apl_gemv(

@@ -27,9 +27,6 @@
 #define MAX_EXPERTS 1024
 
 // ---------------------------------------------------------------- conversions
-template <bool BF16> __device__ __forceinline__ float act_to_float(u16 v) {
-    return BF16 ? bf16_to_float(v) : half_to_float(v);
-}
 template <bool BF16> APL_HD u16 float_to_act(float f) {
     return BF16 ? float_to_bf16(f) : float_to_half(f);
 }

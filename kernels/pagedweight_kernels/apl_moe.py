@@ -10,8 +10,9 @@ The package by concern:
   compile.py    sources, instance names, the compile cache, precompile
   launch.py     the launches of each regime
   reference.py  apl_moe_reference
-  apl_moe.cu    moe_align, the prefill kernel, moe_combine, shared helpers
+  apl_moe.cu    moe_align, moe_combine, shared helpers
   apl_gemv.cu   the decode and tiles regimes (two launches, tensor cores)
+  apl_prefill.cu the prefill regime
   apl_staged.cu the staged regime (sm_90a: producer warpgroups dequantise, wgmma consumes)
 
 Shape legend: T tokens, H hidden, I expert intermediate, E experts, k top-k.
@@ -21,24 +22,13 @@ from __future__ import annotations
 
 import torch
 
-from pagedweight_kernels.compile import (  # noqa: F401  (re-exported: the package's API)
-    ACT_DTYPES, GEMV_SOURCE, PREFILL_SOURCE, SOURCE, STAGED_SOURCE, CompileStats, compile_stats, flag, gemv_name, instance_tiles,
-    kernel_instances, precompile, prefill_name, staged_instances, staged_name, wgmma_build, wgmma_instance,
-)
-from pagedweight_kernels.config import ACT_CODES, DEFAULT_CONFIG, KernelConfig, config_for  # noqa: F401
+from pagedweight_kernels.compile import ACT_DTYPES, compile_stats, flag, precompile  # noqa: F401  (the API)
+from pagedweight_kernels.config import DEFAULT_CONFIG, KernelConfig, config_for  # noqa: F401
 from pagedweight_kernels.cuda_packages import cuda_with
-from pagedweight_kernels.launch import four_launches, launch_gemv, launch_prefill, prefill_projection, staged_projection  # noqa: F401
-from pagedweight_kernels.layer import (  # noqa: F401
-    DESC_WIDTH, MAX_EXPERTS, APLKernelError, APLLayer, ResidentBlock, bit_class, counter_words, resident_block,
-    widest_by_class,
-)
-from pagedweight_kernels.plan import (  # noqa: F401
-    FORCED_REGIMES, GemmPlan, LaunchPlan, gemv_extra_shared, long_split, plan_launch, programmatic_down, staged_class,
-    staged_layer, staged_min_stages, staged_plan, staged_plane_ring_bytes, staged_threads, tiles_choices,
-    tiles_per_pass, use_staged,
-)
+from pagedweight_kernels.launch import four_launches, launch_gemv, prefill_projection, staged_projection
+from pagedweight_kernels.layer import APLKernelError, APLLayer, ResidentBlock  # noqa: F401
+from pagedweight_kernels.plan import plan_launch, use_staged
 from pagedweight_kernels.reference import apl_moe_reference  # noqa: F401
-from pagedweight.format.apl_format import MAX_BITS, MIN_BITS  # noqa: F401
 
 
 def apl_moe(x, topk_ids, topk_weights, layer: APLLayer, out: torch.Tensor | None = None,
@@ -100,7 +90,6 @@ def kernel_available() -> bool:
 
 
 __all__ = [
-    "APLKernelError", "APLLayer", "KernelConfig", "ResidentBlock", "apl_moe", "apl_moe_reference", "check_inputs",
-    "bit_class", "compile_stats", "config_for", "kernel_available", "kernel_instances", "long_split", "plan_launch",
-    "precompile", "tiles_per_pass", "DEFAULT_CONFIG", "MIN_BITS", "MAX_BITS",
+    "ACT_DTYPES", "APLKernelError", "APLLayer", "DEFAULT_CONFIG", "KernelConfig", "ResidentBlock", "apl_moe",
+    "apl_moe_reference", "check_inputs", "compile_stats", "config_for", "kernel_available", "precompile",
 ]

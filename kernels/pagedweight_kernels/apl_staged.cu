@@ -23,7 +23,7 @@
 // (the step counter runs on across passes, so the ring's phases stay in step). Outputs are written
 // by position, so reruns are bit-identical; blocks whose bits the class does not hold produce NaN.
 //
-// The same source runs on the CPU (apl_host.h, tests/kernels/staged_host.py): the functions below are
+// The same source runs on the CPU (tests/kernels/apl_host.h, staged_host.py): the functions below are
 // APL_HD, with host branches for their PTX, and staged_cta is the kernel's body, so a whole launch
 // runs with its threads as host threads, checked against torch (tests/kernels/test_staged_host_cpu.py).
 
@@ -112,48 +112,48 @@ APL_HD void cta_barrier(int threads) {
 #endif
 }
 
+// mbarriers (try_wait.parity): the hand-overs between the producer and consumer warpgroups.
+// arrive releases and a completed wait acquires at CTA scope, so shared memory written before an
+// arrive is visible to the threads whose wait that arrive completed.
+#ifdef __CUDA_ARCH__
+__device__ __forceinline__ void mbar_init(unsigned long long* bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(shared_addr(bar)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(unsigned long long* bar) {
+    asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.shared::cta.b64 state, [%0];\n}" :: "r"(shared_addr(bar)) : "memory");
+}
+// Waits until the phase of this parity has completed (parity 0: the barrier's first phase).
+__device__ __forceinline__ void mbar_wait(unsigned long long* bar, u32 parity) {
+    asm volatile("{\n.reg .pred done;\nMBAR_WAIT_%=:\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+                 "@!done bra MBAR_WAIT_%=;\n}" :: "r"(shared_addr(bar)), "r"(parity) : "memory");
+}
+#else  // the host's CTA emulation (tests/kernels/apl_host.h)
+__host__ __forceinline__ void mbar_init(unsigned long long* bar, u32 count) { host_mbar_init(shared_addr(bar), count); }
+__host__ __forceinline__ void mbar_arrive(unsigned long long* bar) { host_mbar_arrive(shared_addr(bar)); }
+__host__ __forceinline__ void mbar_wait(unsigned long long* bar, u32 parity) { host_mbar_wait(shared_addr(bar), parity); }
+#endif
+
 // acc += A (64 rows at da) x B (8 * N8 tokens at db), one k16 slice, both from shared memory.
-// (the m64n128 fragment: apl_gemv.cu's APL_D48 and 16 more)
+// (the m64n128 fragment: apl_gemv.cu's APL_D48 and APL_ACC48 and 16 more)
 #define APL_D64 APL_D48 ", %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+#define APL_ACC64 APL_ACC48, APL_ACC4(12), APL_ACC4(13), APL_ACC4(14), APL_ACC4(15)
 #define APL_WGMMA_SS(SHAPE, TY, D, DA, DB, SCALE, ...)                                                       \
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " SCALE ", 0;\nwgmma.mma_async.sync.aligned." SHAPE ".f32." \
                  TY "." TY " {" D "}, " DA ", " DB ", p, 1, 1, 0, 0;\n}"                                      \
                  : __VA_ARGS__ : "l"(da), "l"(db), "r"(1) : "memory")
+#define APL_WGMMA_SS_ACT(SHAPE, ...) \
+    if constexpr (BF16) APL_WGMMA_SS(SHAPE, "bf16", __VA_ARGS__); else APL_WGMMA_SS(SHAPE, "f16", __VA_ARGS__)
 template <int N8, bool BF16>
 APL_HD void wgmma_ss(float (&acc)[N8][4], unsigned long long da, unsigned long long db) {
 #ifndef __CUDA_ARCH__
     host_wgmma_ss<N8, BF16>(acc, da, db);
 #else
-    if constexpr (N8 == 2 && BF16)
-        APL_WGMMA_SS("m64n16k16", "bf16", APL_D8, "%8", "%9", "%10", APL_ACC4(0), APL_ACC4(1));
-    else if constexpr (N8 == 2)
-        APL_WGMMA_SS("m64n16k16", "f16", APL_D8, "%8", "%9", "%10", APL_ACC4(0), APL_ACC4(1));
-    else if constexpr (N8 == 4 && BF16)
-        APL_WGMMA_SS("m64n32k16", "bf16", APL_D16, "%16", "%17", "%18", APL_ACC4(0), APL_ACC4(1), APL_ACC4(2), APL_ACC4(3));
-    else if constexpr (N8 == 4)
-        APL_WGMMA_SS("m64n32k16", "f16", APL_D16, "%16", "%17", "%18", APL_ACC4(0), APL_ACC4(1), APL_ACC4(2), APL_ACC4(3));
-    else if constexpr (N8 == 8 && BF16)
-        APL_WGMMA_SS("m64n64k16", "bf16", APL_D32, "%32", "%33", "%34",
-                     APL_ACC4(0), APL_ACC4(1), APL_ACC4(2), APL_ACC4(3), APL_ACC4(4), APL_ACC4(5), APL_ACC4(6), APL_ACC4(7));
-    else if constexpr (N8 == 8)
-        APL_WGMMA_SS("m64n64k16", "f16", APL_D32, "%32", "%33", "%34",
-                     APL_ACC4(0), APL_ACC4(1), APL_ACC4(2), APL_ACC4(3), APL_ACC4(4), APL_ACC4(5), APL_ACC4(6), APL_ACC4(7));
-    else if constexpr (N8 == 12 && BF16)
-        APL_WGMMA_SS("m64n96k16", "bf16", APL_D48, "%48", "%49", "%50",
-                     APL_ACC4(0), APL_ACC4(1), APL_ACC4(2), APL_ACC4(3), APL_ACC4(4), APL_ACC4(5), APL_ACC4(6), APL_ACC4(7),
-                     APL_ACC4(8), APL_ACC4(9), APL_ACC4(10), APL_ACC4(11));
-    else if constexpr (N8 == 12)
-        APL_WGMMA_SS("m64n96k16", "f16", APL_D48, "%48", "%49", "%50",
-                     APL_ACC4(0), APL_ACC4(1), APL_ACC4(2), APL_ACC4(3), APL_ACC4(4), APL_ACC4(5), APL_ACC4(6), APL_ACC4(7),
-                     APL_ACC4(8), APL_ACC4(9), APL_ACC4(10), APL_ACC4(11));
-    else if constexpr (N8 == 16 && BF16)
-        APL_WGMMA_SS("m64n128k16", "bf16", APL_D64, "%64", "%65", "%66",
-                     APL_ACC4(0), APL_ACC4(1), APL_ACC4(2), APL_ACC4(3), APL_ACC4(4), APL_ACC4(5), APL_ACC4(6), APL_ACC4(7),
-                     APL_ACC4(8), APL_ACC4(9), APL_ACC4(10), APL_ACC4(11), APL_ACC4(12), APL_ACC4(13), APL_ACC4(14), APL_ACC4(15));
-    else if constexpr (N8 == 16)
-        APL_WGMMA_SS("m64n128k16", "f16", APL_D64, "%64", "%65", "%66",
-                     APL_ACC4(0), APL_ACC4(1), APL_ACC4(2), APL_ACC4(3), APL_ACC4(4), APL_ACC4(5), APL_ACC4(6), APL_ACC4(7),
-                     APL_ACC4(8), APL_ACC4(9), APL_ACC4(10), APL_ACC4(11), APL_ACC4(12), APL_ACC4(13), APL_ACC4(14), APL_ACC4(15));
+    if constexpr (N8 == 2) { APL_WGMMA_SS_ACT("m64n16k16", APL_D8, "%8", "%9", "%10", APL_ACC8); }
+    else if constexpr (N8 == 4) { APL_WGMMA_SS_ACT("m64n32k16", APL_D16, "%16", "%17", "%18", APL_ACC16); }
+    else if constexpr (N8 == 8) { APL_WGMMA_SS_ACT("m64n64k16", APL_D32, "%32", "%33", "%34", APL_ACC32); }
+    else if constexpr (N8 == 12) { APL_WGMMA_SS_ACT("m64n96k16", APL_D48, "%48", "%49", "%50", APL_ACC48); }
+    else if constexpr (N8 == 16) { APL_WGMMA_SS_ACT("m64n128k16", APL_D64, "%64", "%65", "%66", APL_ACC64); }
 #endif
 }
 

@@ -20,7 +20,6 @@ import torch
 from pagedweight_kernels.config import DEFAULT_CONFIG, KernelConfig
 from pagedweight_kernels.layer import GEMV_ROWS, MAX_BITS, APLKernelError, APLLayer, bit_class
 
-REGIMES = ("gemv", "tiles", "staged", "prefill")
 # What this planning assumes of apl_gemv.cu's compile-time defaults (the host passes none of them, so
 # the source's #ifndef defaults are what runs): decode CTAs an SM, 4 for the 3-4-bit kernel and 3 for
 # those holding 5-8-bit blocks (KernelConfig's gemv_target_ctas and gemv_cell_target_ctas are a wave of
@@ -31,8 +30,7 @@ REGIMES = ("gemv", "tiles", "staged", "prefill")
 # (launch.programmatic_projections); the variants measured slower are gone (docs/kernel.md keeps
 # their rows), but for APL_GEMV_L2_PREFETCH, off, whose code keeps ptxas's allocation of the 5-8-bit
 # decode kernels.
-GEMV_SOURCE_DEFAULTS = {"APL_GEMV_MIN_BLOCKS": 4, "APL_GEMV_CELL_BLOCKS": 3, "APL_PLANE_HINT": 2,
-                        "APL_PLANE_HINT_MIN_NT8": 8}
+GEMV_SOURCE_DEFAULTS = {"APL_GEMV_MIN_BLOCKS": 4, "APL_GEMV_CELL_BLOCKS": 3, "APL_PLANE_HINT_MIN_NT8": 8}
 FORCED_REGIMES = (None, "prefill")  # what apl_moe's `regime` argument may ask for
 THREADS = 256  # the prefill kernel's and moe_combine's CTA
 # The prefill kernel (apl_moe.cu): token tiles by tokens per expert, 64 weight rows a CTA.

@@ -17,10 +17,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedweight_kernels.apl_moe import (
-    ACT_DTYPES, APLLayer, ResidentBlock, apl_moe, apl_moe_reference, kernel_available, resident_block,
-)
+from pagedweight_kernels.apl_moe import ACT_DTYPES, APLLayer, ResidentBlock, apl_moe, apl_moe_reference, kernel_available
 from pagedweight.format.apl_format import APLBlock
+from pagedweight_kernels.layer import resident_block
 
 
 class APLExperts(nn.Module):

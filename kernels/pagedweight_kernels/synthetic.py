@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from pagedweight_kernels.apl_moe import APLLayer, resident_block
 from pagedweight.format.apl_format import LUT_DTYPE, LUT_WIDTHS, APLBlock, check_shape, pack_planes, refinement_bits, with_extent
+from pagedweight_kernels.layer import APLLayer, resident_block
 
 
 def nested_luts(lut8: torch.Tensor) -> dict[int, torch.Tensor]:

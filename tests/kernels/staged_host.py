@@ -3,8 +3,8 @@ beside this file) with nvcc and run it, no GPU.
 
 The harness includes the kernel module's text exactly as the launcher builds it (module_text) and is
 compiled with the launcher's defines (kernel_defines, plus overrides); nvcc's host pass compiles the
-kernel's APL_HD functions for the host, with kernels/pagedweight_kernels/apl_host.h's stand-ins for
-their PTX. Its modes: `tiles` (the producer's A tiles of one block), `convert` (the dtype
+kernel's APL_HD functions for the host, with apl_host.h's stand-ins (beside this file) for their
+PTX. Its modes: `tiles` (the producer's A tiles of one block), `convert` (the dtype
 conversions), `luts` (the row tables' values) and `cta` (a whole projection launch, every CTA of
 the grid with its threads as host threads; with APL_HOST_BANKS set it also counts the shared-memory
 bank wavefronts of the producers' accesses, `bank_counts`). One build holds the cta mode of
@@ -24,12 +24,13 @@ import numpy as np
 import torch
 
 from bench.sass_mix import module_text
-from pagedweight_kernels.apl_moe import DEFAULT_CONFIG, GemmPlan, KernelConfig, staged_class, staged_plan, widest_by_class
+from pagedweight_kernels.apl_moe import DEFAULT_CONFIG, KernelConfig
 from pagedweight_kernels.moe_reference import expert_bounds, gated, group_tokens_by_expert
 from pagedweight_kernels.synthetic import random_block, ragged_routing
+from pagedweight_kernels.layer import widest_by_class
+from pagedweight_kernels.plan import GemmPlan, staged_class, staged_plan
 
 HARNESS = Path(__file__).with_name("staged_host_harness.cu")
-KERNELS = Path(__file__).parents[2] / "kernels" / "pagedweight_kernels"
 ST_ROWS, ST_KS = 128, 64  # apl_staged.cu: weight rows a CTA, columns a step
 
 
@@ -45,8 +46,8 @@ def build_harness(work: Path, defines: dict[str, int], instances=()) -> Path:
     listed = "".join(f" X({instance_name(instance)})" for instance in instances)
     (work / "harness_instances.h").write_text(f"#define HOST_INSTANCES(X){listed}\n")
     # PTX only for the device pass (the host pass is what runs; no ptxas time)
-    build = subprocess.run(["nvcc", "-std=c++17", "-O2", "-gencode=arch=compute_90a,code=compute_90a", f"-I{KERNELS}",
-                            f"-I{work}", *(f"-D{k}={v}" for k, v in defines.items()), str(HARNESS),
+    build = subprocess.run(["nvcc", "-std=c++17", "-O2", "-gencode=arch=compute_90a,code=compute_90a", f"-I{work}",
+                            *(f"-D{k}={v}" for k, v in defines.items()), str(HARNESS),
                             "-o", str(work / "harness")], capture_output=True, text=True)
     if build.returncode:
         raise RuntimeError(build.stderr[-4000:])

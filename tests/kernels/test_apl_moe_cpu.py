@@ -7,15 +7,21 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedweight_kernels.apl_moe import (
-    APLKernelError, APLLayer, ResidentBlock, apl_moe_reference, check_inputs, gemv_extra_shared, plan_launch, tiles_per_pass,
-)
-from pagedweight_kernels import apl_moe
+from pagedweight_kernels.apl_moe import APLKernelError, APLLayer, ResidentBlock, apl_moe_reference, check_inputs
 from pagedweight_kernels.synthetic import quantize_nested, random_block
 from pagedweight_kernels.resident_experts import APLExperts
-from pagedweight_kernels.apl_moe import resident_block
 from pagedweight.format.apl_format import BIT_WIDTHS, dequantize, lut_entries, unpack_codes
 from pagedweight_kernels.synthetic import mixed_bits, ragged_routing, random_layer
+from pagedweight_kernels.compile import (
+    GEMV_SOURCE, SOURCE, STAGED_SOURCE, gemv_name, instance_tiles, kernel_instances, prefill_name, staged_instances,
+    staged_name, wgmma_build, wgmma_instance,
+)
+from pagedweight_kernels.config import ACT_CODES, DEFAULT_CONFIG, config_for
+from pagedweight_kernels.layer import counter_words, resident_block
+from pagedweight_kernels.plan import (
+    gemv_extra_shared, long_split, plan_launch, staged_class, staged_layer, staged_min_stages, staged_plan,
+    staged_plane_ring_bytes, tiles_choices, tiles_per_pass, use_staged,
+)
 
 
 def test_reference_equals_dense_experts_on_dequantised_weights():
@@ -139,7 +145,7 @@ def test_plan_picks_decode_for_few_tokens_per_expert_and_tensor_cores_for_many()
 def test_decode_splits_fill_whole_waves():
     """3-4-bit decode splits are chosen by whole waves of gemv_target_ctas: a small layer splits
     until one wave is full; a grid just past a wave takes fewer, longer splits, not a tail."""
-    wave = apl_moe.DEFAULT_CONFIG.gemv_target_ctas
+    wave = DEFAULT_CONFIG.gemv_target_ctas
     qwen = dict(num_experts=60, hidden=2048, intermediate=1408, max_bits=4)
     mixtral = dict(num_experts=8, hidden=4096, intermediate=14336, max_bits=4)
     small = plan_launch(1, 4, **qwen).gate_up  # 44 row tiles x 4 experts: 3 splits fill the wave
@@ -149,11 +155,11 @@ def test_decode_splits_fill_whole_waves():
     assert plan_launch(1, 4, **qwen).down.splits == 2  # 44 words: at least two warp steps a split
     # the kernels holding 5-8-bit blocks (3 CTAs an SM) and stable launches split to about
     # gemv_cell_target_ctas: 396 CTAs over 64 row tiles x 2 experts take 4 splits
-    cell_wave = apl_moe.DEFAULT_CONFIG.gemv_cell_target_ctas
+    cell_wave = DEFAULT_CONFIG.gemv_cell_target_ctas
     assert plan_launch(1, 2, **dict(mixtral, max_bits=8)).down.splits == math.ceil(cell_wave / 128) == 4
     assert plan_launch(1, 2, **mixtral, stable_launches=True).down.splits == 4
     # a smaller wave (a configuration for a GPU of fewer SMs) takes fewer splits
-    half = dataclasses.replace(apl_moe.DEFAULT_CONFIG, gemv_target_ctas=wave // 2)
+    half = dataclasses.replace(DEFAULT_CONFIG, gemv_target_ctas=wave // 2)
     assert plan_launch(1, 4, **qwen, config=half).gate_up.splits < small.splits
 
 
@@ -211,30 +217,26 @@ def test_apl_gemv_launches_add_the_cell_table_and_the_tiles_raw_rows():
     half: 4 warps x 2 halves x 2 KB, from a 2 KB boundary); the tiles regime adds the raw activation
     rows of one step, 528 bytes a token (the .cu's RAW_ROW on wgmma), plus each token's row offset,
     from a 512-byte boundary. Decode of 3-4 bits adds nothing."""
-    import pagedweight_kernels.apl_moe as op
-
-    assert op.gemv_extra_shared(0, tiles=8) == 512 + 64 * (528 + 4)
-    assert op.gemv_extra_shared(1, tiles=2) == op.gemv_extra_shared(2, tiles=2) == 4 * 2 * 2048 + 2048 + 512 + 16 * (528 + 4)
-    assert op.gemv_extra_shared(0, tiles=1) == 0
-    assert op.gemv_extra_shared(1) == op.gemv_extra_shared(2) == 4 * 2 * 2048 + 2048
+    assert gemv_extra_shared(0, tiles=8) == 512 + 64 * (528 + 4)
+    assert gemv_extra_shared(1, tiles=2) == gemv_extra_shared(2, tiles=2) == 4 * 2 * 2048 + 2048 + 512 + 16 * (528 + 4)
+    assert gemv_extra_shared(0, tiles=1) == 0
+    assert gemv_extra_shared(1) == gemv_extra_shared(2) == 4 * 2 * 2048 + 2048
 
 
 def test_only_tiles_and_staged_instances_on_a_hopper_device_compile_for_wgmma(monkeypatch):
     """wgmma_instance: an apl_gemv instance with NT8 > 1 (or apl_staged) and a compute-capability
     9.0 device; anything else compiles for the device's plain architecture."""
-    import pagedweight_kernels.apl_moe as op
-
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
-    assert op.wgmma_instance(op.gemv_name(0, 0, "true", "true", 8))
-    assert op.wgmma_instance(op.gemv_name(2, 1, "false", "false", 2))
-    assert op.wgmma_instance(op.staged_name(0, 0, "true", "true", 4))
-    assert not op.wgmma_instance(op.gemv_name(0, 0, "true", "true", 1))  # decode
-    assert not op.wgmma_instance(op.prefill_name(64, 0, "true"))
+    assert wgmma_instance(gemv_name(0, 0, "true", "true", 8))
+    assert wgmma_instance(gemv_name(2, 1, "false", "false", 2))
+    assert wgmma_instance(staged_name(0, 0, "true", "true", 4))
+    assert not wgmma_instance(gemv_name(0, 0, "true", "true", 1))  # decode
+    assert not wgmma_instance(prefill_name(64, 0, "true"))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
-    assert not op.wgmma_instance(op.gemv_name(0, 0, "true", "true", 8))
-    assert op.wgmma_build(op.gemv_name(0, 0, "true", "true", 8))  # what bench/sass_mix compiles for the H200
-    assert op.instance_tiles(op.gemv_name(1, 1, "false", "true", 4)) == 4
+    assert not wgmma_instance(gemv_name(0, 0, "true", "true", 8))
+    assert wgmma_build(gemv_name(0, 0, "true", "true", 8))  # what bench/sass_mix compiles for the H200
+    assert instance_tiles(gemv_name(1, 1, "false", "true", 4)) == 4
 
 
 def test_checks_name_the_bad_argument():
@@ -285,7 +287,6 @@ def test_apl_experts_on_cpu_runs_the_reference_and_commits_new_bits():
 
 
 def test_kernel_instances_cover_every_class_layout_and_tile_once():
-    from pagedweight_kernels.apl_moe import kernel_instances
     from pagedweight_kernels.plan import PREFILL_LARGEST_TILE, PREFILL_TILES
 
     names = kernel_instances(torch.bfloat16, "gelu_tanh")
@@ -351,7 +352,6 @@ def test_stable_launches_keep_one_signature_and_one_merged_launch_at_any_bits():
 
 def test_every_planned_tiles_count_is_one_precompile_covers():
     # precompile compiles kernel_instances; a plan whose NT8 it misses would compile inside a capture
-    from pagedweight_kernels.apl_moe import tiles_choices
 
     for max_bits, cls in ((4, 0), (8, 1)):
         seen = set()
@@ -365,16 +365,14 @@ def test_every_planned_tiles_count_is_one_precompile_covers():
 
 
 def test_counters_hold_one_per_gate_up_row_tile_of_each_expert_or_one_per_down_tile():
-    import pagedweight_kernels.apl_moe as op
-
     # Qwen1.5-MoE: 60 experts, 2048 / 1408: 44 gate_up row tiles of 32, 32 down tiles of 64
-    assert op.counter_words(60, 2048, 1408) == 60 * 44
-    assert op.counter_words(1, 8192, 64) == 128  # one expert, a wide down: the down tiles
+    assert counter_words(60, 2048, 1408) == 60 * 44
+    assert counter_words(1, 8192, 64) == 128  # one expert, a wide down: the down tiles
     layer = random_layer(4, 64, 96, bits={(e, m): 4 for e in range(4) for m in ("gate_up", "down")})
-    assert layer.counters.numel() == op.counter_words(layer.num_experts, layer.hidden, layer.intermediate)
-    plan = op.plan_launch(1, 4, 60, 2048, 1408, 4)  # every CTA's counter index is inside the buffer
-    assert plan.gate_up.grid[0] * plan.gate_up.grid[1] <= op.counter_words(60, 2048, 1408)
-    assert plan.down.grid[0] <= op.counter_words(60, 2048, 1408)
+    assert layer.counters.numel() == counter_words(layer.num_experts, layer.hidden, layer.intermediate)
+    plan = plan_launch(1, 4, 60, 2048, 1408, 4)  # every CTA's counter index is inside the buffer
+    assert plan.gate_up.grid[0] * plan.gate_up.grid[1] <= counter_words(60, 2048, 1408)
+    assert plan.down.grid[0] <= counter_words(60, 2048, 1408)
 
 
 def test_every_compile_time_knob_is_planned_with_the_value_the_source_defaults_to():
@@ -384,23 +382,20 @@ def test_every_compile_time_knob_is_planned_with_the_value_the_source_defaults_t
     read from) and what the host plans for differ."""
     import re
 
-    import pagedweight_kernels.apl_moe as op
     from pagedweight_kernels.plan import GEMV_SOURCE_DEFAULTS
 
-    source = op.SOURCE.read_text() + op.GEMV_SOURCE.read_text() + op.STAGED_SOURCE.read_text()
+    source = SOURCE.read_text() + GEMV_SOURCE.read_text() + STAGED_SOURCE.read_text()
     knobs = {k: int(v) for k, v in re.findall(r"#ifndef (APL_\w+)\s*\n#define \1 (-?\d+)", source)}
     assert knobs.pop("APL_ACT") == 0  # one module per expert activation (ACT_CODES)
     assert {k: knobs[k] for k in GEMV_SOURCE_DEFAULTS} == GEMV_SOURCE_DEFAULTS
-    assert not re.search(r"#ifndef APL_\w+", op.SOURCE.read_text().replace("#ifndef APL_ACT", ""))  # apl_moe.cu: none
-    assert not re.search(r"#ifndef APL_\w+", op.STAGED_SOURCE.read_text())  # apl_staged.cu: none
+    assert not re.search(r"#ifndef APL_\w+", SOURCE.read_text().replace("#ifndef APL_ACT", ""))  # apl_moe.cu: none
+    assert not re.search(r"#ifndef APL_\w+", STAGED_SOURCE.read_text())  # apl_staged.cu: none
 
 
 def test_a_module_s_compile_key_is_its_activation():
-    import pagedweight_kernels.apl_moe as op
-
-    assert op.DEFAULT_CONFIG.defines() == (("APL_ACT", op.ACT_CODES["silu"]),)
-    assert op.DEFAULT_CONFIG.defines("gelu_tanh") == (("APL_ACT", op.ACT_CODES["gelu_tanh"]),)
-    assert op.config_for(2048, 1408) is op.DEFAULT_CONFIG  # no per-shape entry: the defaults
+    assert DEFAULT_CONFIG.defines() == (("APL_ACT", ACT_CODES["silu"]),)
+    assert DEFAULT_CONFIG.defines("gelu_tanh") == (("APL_ACT", ACT_CODES["gelu_tanh"]),)
+    assert config_for(2048, 1408) is DEFAULT_CONFIG  # no per-shape entry: the defaults
 
 
 def test_long_split_instances_are_chosen_by_shapes_and_tokens_never_by_bits():
@@ -409,55 +404,52 @@ def test_long_split_instances_are_chosen_by_shapes_and_tokens_never_by_bits():
     `, true` (LONG) instance, whose plane loads carry L2::256B; 1-token launches, Qwen1.5-MoE's 44-64-word
     rows and the tiles regime never do. The choice reads the plan only, so a stable launch keeps its
     instance whatever the bits."""
-    import pagedweight_kernels.apl_moe as op
     from pagedweight_kernels.plan import GEMV_LONG_ROW_WORDS, GEMV_LONG_SPLIT_WORDS
 
     def mixtral(tokens, bits, stable=False):
-        return op.plan_launch(tokens, 2, 8, 4096, 14336, bits, stable_launches=stable)
+        return plan_launch(tokens, 2, 8, 4096, 14336, bits, stable_launches=stable)
 
     for T in (2, 4, 8, 16):
         plan = mixtral(T, 8, stable=True)
-        assert all(op.long_split(cls, p, cols) for cls in (0, 1, 2)
+        assert all(long_split(cls, p, cols) for cls in (0, 1, 2)
                    for p, cols in ((plan.gate_up, 4096), (plan.down, 14336))), T
         # stable launches: the same plan, so the same instances, at every width
         assert all(mixtral(T, bits, stable=True) == plan for bits in (3, 4, 5, 6, 7))
     one = mixtral(1, 4)
-    assert one.gate_up.split_cols // 32 == 128 and not op.long_split(0, one.gate_up, 4096)  # 1 token: no
+    assert one.gate_up.split_cols // 32 == 128 and not long_split(0, one.gate_up, 4096)  # 1 token: no
     for T in (1, 4, 16):
-        qwen = op.plan_launch(T, 4, 60, 2048, 1408, 8)
-        assert not any(op.long_split(cls, p, cols) for cls in (0, 1, 2)
+        qwen = plan_launch(T, 4, 60, 2048, 1408, 8)
+        assert not any(long_split(cls, p, cols) for cls in (0, 1, 2)
                        for p, cols in ((qwen.gate_up, 2048), (qwen.down, 1408))), T
     assert qwen.gate_up.split_cols // 32 == GEMV_LONG_SPLIT_WORDS  # a long split, but the whole (short) row
     tiles = mixtral(256, 4).gate_up
     assert tiles.tiles > 1 and tiles.split_cols // 32 >= GEMV_LONG_ROW_WORDS
-    assert not op.long_split(0, tiles, 4096)  # (the tiles' hint is APL_PLANE_HINT_MIN_NT8's)
+    assert not long_split(0, tiles, 4096)  # (the tiles' hint is APL_PLANE_HINT_MIN_NT8's)
     gate_up = mixtral(4, 8).gate_up
-    assert op.long_split(2, gate_up, 4096) and op.long_split(1, gate_up, 4096)
-    assert not op.long_split(2, gate_up, 32 * (GEMV_LONG_ROW_WORDS - 1))  # a long split of a short row
-    assert op.gemv_name(2, 1, "true", "false", 1, True) == "apl_gemv<2, 1, true, false, 1, true>"
-    assert op.instance_tiles("apl_gemv<2, 1, true, false, 1, true>") == 1
-    assert op.instance_tiles(op.gemv_name(1, 0, "true", "true", 4)) == 4
+    assert long_split(2, gate_up, 4096) and long_split(1, gate_up, 4096)
+    assert not long_split(2, gate_up, 32 * (GEMV_LONG_ROW_WORDS - 1))  # a long split of a short row
+    assert gemv_name(2, 1, "true", "false", 1, True) == "apl_gemv<2, 1, true, false, 1, true>"
+    assert instance_tiles("apl_gemv<2, 1, true, false, 1, true>") == 1
+    assert instance_tiles(gemv_name(1, 0, "true", "true", 4)) == 4
 
 
 def test_wide_passes_only_for_3_4_bit_layers_without_stable_launches():
     """tiles_wide_nt8 (12 by default): the 96-token passes are compiled for the 3-4-bit kernel only,
     so the plan takes them for layers of at most 4 bits, and never under stable launches (whose plan
     may not depend on the bits); off (0), the plan is the powers of two's."""
-    import pagedweight_kernels.apl_moe as op
-
     mixtral = dict(num_experts=8, hidden=4096, intermediate=14336)
-    assert op.DEFAULT_CONFIG.tiles_wide_nt8 == 12
-    assert op.plan_launch(256, 2, max_bits=4, **mixtral).gate_up.tiles == 12
-    assert op.plan_launch(256, 2, max_bits=4, **mixtral).down.tokens == 96
-    assert op.plan_launch(256, 2, max_bits=5, **mixtral).gate_up.tiles == 8
-    assert op.plan_launch(256, 2, max_bits=3, stable_launches=True, **mixtral).gate_up.tiles == 8
-    assert op.plan_launch(64, 2, max_bits=4, **mixtral).gate_up.tiles == 4  # 16 per expert: no wide pass
-    names = {name for name, _ in op.kernel_instances(torch.bfloat16)}
+    assert DEFAULT_CONFIG.tiles_wide_nt8 == 12
+    assert plan_launch(256, 2, max_bits=4, **mixtral).gate_up.tiles == 12
+    assert plan_launch(256, 2, max_bits=4, **mixtral).down.tokens == 96
+    assert plan_launch(256, 2, max_bits=5, **mixtral).gate_up.tiles == 8
+    assert plan_launch(256, 2, max_bits=3, stable_launches=True, **mixtral).gate_up.tiles == 8
+    assert plan_launch(64, 2, max_bits=4, **mixtral).gate_up.tiles == 4  # 16 per expert: no wide pass
+    names = {name for name, _ in kernel_instances(torch.bfloat16)}
     assert {"apl_gemv<0, 0, true, true, 12>", "apl_gemv<0, 1, true, false, 12>"} <= names
     assert not any(name.startswith(("apl_gemv<1,", "apl_gemv<2,")) and name.endswith(", 12>") for name in names)
-    off = dataclasses.replace(op.DEFAULT_CONFIG, tiles_wide_nt8=0)
-    assert op.plan_launch(256, 2, max_bits=4, **mixtral, config=off).gate_up.tiles == 8
-    assert not any(name.endswith(", 12>") for name, _ in op.kernel_instances(torch.bfloat16, config=off))
+    off = dataclasses.replace(DEFAULT_CONFIG, tiles_wide_nt8=0)
+    assert plan_launch(256, 2, max_bits=4, **mixtral, config=off).gate_up.tiles == 8
+    assert not any(name.endswith(", 12>") for name, _ in kernel_instances(torch.bfloat16, config=off))
 
 
 def test_staged_plan_passes_grid_and_a_ring_that_leaves_two_ctas_per_sm():
@@ -466,64 +458,60 @@ def test_staged_plan_passes_grid_and_a_ring_that_leaves_two_ctas_per_sm():
     shared memory (the ring of A + B tiles, then the producers' plane ring; before them the producers'
     cell tables in the classes holding 5-8-bit blocks) for 2 CTAs an SM with at least 2 buffers (3-4-bit
     class), or for one (the classes holding 5-8-bit blocks, compiled for one CTA an SM: staged_blocks)."""
-    import pagedweight_kernels.apl_moe as op
     from pagedweight_kernels.plan import STAGED_ALIGN_PAD, STAGED_ROWS, STAGED_STEP, staged_blocks, staged_cell_tables
 
-    config = op.DEFAULT_CONFIG
-    gate_up = op.staged_plan(0, 256, 2, 8, 14336, 0, 0, 8)  # Mixtral-size prefill, 256 tokens, 3-4 bits
+    config = DEFAULT_CONFIG
+    gate_up = staged_plan(0, 256, 2, 8, 14336, 0, 0, 8)  # Mixtral-size prefill, 256 tokens, 3-4 bits
     assert (gate_up.regime, gate_up.tiles, gate_up.tokens, gate_up.grid) == ("staged", 12, 96, (224, 8, 1))
-    assert op.staged_plan(1, 256, 2, 8, 4096, 0, 0, 8).grid == (32, 8, 1)
-    plans = [(gate_up, 0, 0), (op.staged_plan(1, 256, 2, 8, 4096, 0, 0, 8), 0, 0),
-             (op.staged_plan(0, 256, 2, 8, 14336, 1, 8, 8), 1, 8), (op.staged_plan(0, 256, 2, 8, 14336, 2, 5, 8), 2, 5),
-             (op.staged_plan(0, 64, 4, 60, 1408, 1, 6, 60), 1, 6)]
+    assert staged_plan(1, 256, 2, 8, 4096, 0, 0, 8).grid == (32, 8, 1)
+    plans = [(gate_up, 0, 0), (staged_plan(1, 256, 2, 8, 4096, 0, 0, 8), 0, 0),
+             (staged_plan(0, 256, 2, 8, 14336, 1, 8, 8), 1, 8), (staged_plan(0, 256, 2, 8, 14336, 2, 5, 8), 2, 5),
+             (staged_plan(0, 64, 4, 60, 1408, 1, 6, 60), 1, 6)]
     for plan, cls, lut_bits in plans:
         stage = (STAGED_ROWS + plan.tokens) * STAGED_STEP * 2
-        assert op.staged_min_stages(cls) <= plan.stages <= config.staged_stages
-        planes = op.staged_plane_ring_bytes(cls, lut_bits)
+        assert staged_min_stages(cls) <= plan.stages <= config.staged_stages
+        planes = staged_plane_ring_bytes(cls, lut_bits)
         tables = staged_cell_tables(cls)  # a producer warpgroup's 128 rows x 16 cells x 4 bytes, from 2 KB
         assert tables == (0 if cls == 0 else 2 * 128 * 16 * 4 + 1024)
         assert plan.shared_bytes == STAGED_ALIGN_PAD + plan.stages * stage + planes + tables
         assert plan.shared_bytes <= config.staged_cta_shared[0 if staged_blocks(cls) == 2 else -1]
     assert staged_blocks(0) == 2 and staged_blocks(1) == staged_blocks(2) == 1
-    assert op.staged_plan(0, 256, 2, 8, 14336, 1, 8, 8).stages == config.staged_stages  # (one CTA: room for all)
+    assert staged_plan(0, 256, 2, 8, 14336, 1, 8, 8).stages == config.staged_stages  # (one CTA: room for all)
     # at 5-8 bits passes of 128 tokens (staged_lut_wide_nt8), not 96; with 4-byte plane loads none wider than 64
-    assert op.staged_plan(0, 256, 2, 8, 14336, 1, 8, 8).tiles == 16
-    assert op.staged_plan(0, 256, 2, 8, 14336, 1, 8, 8, aligned16=False).tiles == 8
+    assert staged_plan(0, 256, 2, 8, 14336, 1, 8, 8).tiles == 16
+    assert staged_plan(0, 256, 2, 8, 14336, 1, 8, 8, aligned16=False).tiles == 8
     # nor with 4-byte plane loads (those instances spill at 96 tokens, nvcc 13.0)
-    assert op.staged_plan(0, 256, 2, 8, 14336, 0, 0, 8, aligned16=False).tiles == 8
-    assert op.staged_plan(0, 400, 2, 8, 384, 0, 0, 8).grid[2] == 2  # 100 tokens an expert: 2 groups of passes of 64
+    assert staged_plan(0, 256, 2, 8, 14336, 0, 0, 8, aligned16=False).tiles == 8
+    assert staged_plan(0, 400, 2, 8, 384, 0, 0, 8).grid[2] == 2  # 100 tokens an expert: 2 groups of passes of 64
 
 
 def test_staged_plan_refuses_a_ring_of_one_buffer():
     """One buffer would deadlock (the consumers return a buffer after the next one's wgmma are
     issued): where shared memory holds fewer than 2, the plan is an error, not a launch."""
-    import pagedweight_kernels.apl_moe as op
     from pagedweight_kernels.plan import STAGED_ALIGN_PAD, STAGED_ROWS, STAGED_STEP
 
     # (the 3-4-bit class, one producer warpgroup: with two, a class needs 3 buffers,
     # test_two_producer_warpgroups_need_a_ring_of_three)
     stage = (STAGED_ROWS + 64) * STAGED_STEP * 2  # (128 tokens, 32 an expert: passes of 64)
-    fixed = STAGED_ALIGN_PAD + op.staged_plane_ring_bytes(0)
-    short = dataclasses.replace(op.DEFAULT_CONFIG, staged_cta_shared=(fixed + 2 * stage - 1,))
-    with pytest.raises(op.APLKernelError, match="2 ring buffers"):
-        op.staged_plan(0, 128, 2, 8, 4096, 0, 0, 8, config=short)
-    enough = dataclasses.replace(op.DEFAULT_CONFIG, staged_cta_shared=(fixed + 2 * stage,))
-    assert op.staged_plan(0, 128, 2, 8, 4096, 0, 0, 8, config=enough).stages == 2
+    fixed = STAGED_ALIGN_PAD + staged_plane_ring_bytes(0)
+    short = dataclasses.replace(DEFAULT_CONFIG, staged_cta_shared=(fixed + 2 * stage - 1,))
+    with pytest.raises(APLKernelError, match="2 ring buffers"):
+        staged_plan(0, 128, 2, 8, 4096, 0, 0, 8, config=short)
+    enough = dataclasses.replace(DEFAULT_CONFIG, staged_cta_shared=(fixed + 2 * stage,))
+    assert staged_plan(0, 128, 2, 8, 4096, 0, 0, 8, config=enough).stages == 2
 
 
 def test_staged_instances_are_every_launch_staged_plan_can_make():
     """Every (class, projection, alignment, tokens) staged_plan and staged_projection can pick is
     listed, so precompile covers it, and nothing else (no 96-token 4-byte-load instances)."""
-    import pagedweight_kernels.apl_moe as op
-
-    listed = op.staged_instances("true")
+    listed = staged_instances("true")
     picked = set()
     for mode in (0, 1):
         for cls, lut_bits in ((0, 0), (1, 8), (2, 5)):
             for aligned16 in (True, False):
                 for tokens in (1, 16, 40, 100, 256, 300, 1000, 5000):
-                    plan = op.staged_plan(mode, tokens, 2, 8, 4096, cls, lut_bits, 8, aligned16)
-                    picked.add(op.staged_name(cls, mode, "true", "true" if aligned16 else "false", plan.tiles))
+                    plan = staged_plan(mode, tokens, 2, 8, 4096, cls, lut_bits, 8, aligned16)
+                    picked.add(staged_name(cls, mode, "true", "true" if aligned16 else "false", plan.tiles))
     assert picked <= set(listed) and len(set(listed)) == len(listed)
     assert "apl_staged<0, 0, true, true, 12>" in picked and "apl_staged<0, 0, true, false, 12>" not in listed
     assert "apl_staged<0, 0, true, true, 16>" in picked and "apl_staged<0, 0, true, false, 16>" not in listed
@@ -531,78 +519,74 @@ def test_staged_instances_are_every_launch_staged_plan_can_make():
     # projections x (alignments x the classes' powers of two, + the 3-4-bit class's 96 and 128 tokens and
     # the other classes' 128 (staged_lut_wide_nt8), 16-byte loads only)
     assert len(listed) == 2 * (2 * (3 + 3 + 3) + 2 + 2)
-    assert op.staged_instances("false", (1,)) == [n.replace("true, ", "false, ", 1) for n in listed
+    assert staged_instances("false", (1,)) == [n.replace("true, ", "false, ", 1) for n in listed
                                                   if n.startswith(("apl_staged<0, 1,", "apl_staged<1, 1,",
                                                                    "apl_staged<2, 1,"))]
 
 
 def test_staged_class_and_the_rule_that_takes_the_staged_regime(monkeypatch):
-    import pagedweight_kernels.apl_moe as op
-
-    every = dataclasses.replace(op.DEFAULT_CONFIG, staged_every_layer=True)
-    assert op.staged_class({0: 4}) == (0, 0)
-    assert op.staged_class({1: 6}) == (1, 6)
-    assert op.staged_class({0: 3, 1: 8}) == (2, 8)
+    every = dataclasses.replace(DEFAULT_CONFIG, staged_every_layer=True)
+    assert staged_class({0: 4}) == (0, 0)
+    assert staged_class({1: 6}) == (1, 6)
+    assert staged_class({0: 3, 1: 8}) == (2, 8)
     layer = random_layer(8, 64, 96, seed=1)
-    tiles = op.plan_launch(100, 2, 8, 64, 96, 8)
+    tiles = plan_launch(100, 2, 8, 64, 96, 8)
     assert tiles.gate_up.regime == "tiles"
     cpu = torch.device("cpu")
-    assert not op.use_staged(tiles, layer, cpu, config=every)  # no CUDA device: never
+    assert not use_staged(tiles, layer, cpu, config=every)  # no CUDA device: never
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     hopper = torch.device("cuda", 0)
-    assert op.use_staged(tiles, layer, hopper, config=every)  # staged_every_layer: any bits, any number of tokens
-    assert not op.use_staged(op.plan_launch(2, 2, 8, 64, 96, 8), layer, hopper, config=every)  # decode stays on apl_gemv
-    prefill = op.plan_launch(1000, 2, 8, 64, 96, 8)
-    assert prefill.gate_up.regime == "prefill" and op.use_staged(prefill, layer, hopper, config=every)
-    forced = op.plan_launch(1000, 2, 8, 64, 96, 8, regime="prefill")
-    assert not op.use_staged(forced, layer, hopper, regime="prefill", config=every)  # the prefill kernel asked for
+    assert use_staged(tiles, layer, hopper, config=every)  # staged_every_layer: any bits, any number of tokens
+    assert not use_staged(plan_launch(2, 2, 8, 64, 96, 8), layer, hopper, config=every)  # decode stays on apl_gemv
+    prefill = plan_launch(1000, 2, 8, 64, 96, 8)
+    assert prefill.gate_up.regime == "prefill" and use_staged(prefill, layer, hopper, config=every)
+    forced = plan_launch(1000, 2, 8, 64, 96, 8, regime="prefill")
+    assert not use_staged(forced, layer, hopper, regime="prefill", config=every)  # the prefill kernel asked for
     # stable launches: by the merged class's rule (16 assignments an expert) at any widths, the
     # merged kernel at 8 bits launched whatever the blocks hold
     low = APLLayer(*(random_layer(8, 64, 96, seed=1, bits={(e, m): 3 for e in range(8) for m in ("gate_up", "down")})
                      .__dict__[k] for k in ("gate_up", "down")), stable_launches=True)
-    assert op.use_staged(tiles, low, hopper, num_tokens=100, top_k=2)
-    assert not op.use_staged(tiles, low, hopper, num_tokens=60, top_k=2)
+    assert use_staged(tiles, low, hopper, num_tokens=100, top_k=2)
+    assert not use_staged(tiles, low, hopper, num_tokens=60, top_k=2)
     from pagedweight_kernels.plan import staged_launch
 
     assert staged_launch(low, "gate_up") == staged_launch(low, "down") == (2, 8)
-    assert staged_launch(layer, "gate_up") == op.staged_class(layer.classes["gate_up"])
+    assert staged_launch(layer, "gate_up") == staged_class(layer.classes["gate_up"])
     # mixed bits: by default from 16 assignments an expert (100 tokens x 2 over 8 experts: 25)
-    assert op.use_staged(tiles, layer, hopper, num_tokens=100, top_k=2)
-    assert not op.use_staged(tiles, layer, hopper, num_tokens=60, top_k=2)
+    assert use_staged(tiles, layer, hopper, num_tokens=100, top_k=2)
+    assert not use_staged(tiles, layer, hopper, num_tokens=60, top_k=2)
 
 
 def test_the_default_staged_rule_takes_3_4_bit_layers_from_256_assignments_others_from_16_an_expert(monkeypatch):
-    import pagedweight_kernels.apl_moe as op
-
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     hopper = torch.device("cuda", 0)
     uniform = {(e, m): 3 + e % 2 for e in range(8) for m in ("gate_up", "down")}
     low = random_layer(8, 64, 96, seed=1, bits=uniform)
     with_8 = random_layer(8, 64, 96, seed=1, bits={**uniform, (3, "down"): 8})
-    tiles = op.plan_launch(128, 2, 8, 64, 96, 4)
-    prefill = op.plan_launch(1000, 2, 8, 64, 96, 4)
+    tiles = plan_launch(128, 2, 8, 64, 96, 4)
+    prefill = plan_launch(1000, 2, 8, 64, 96, 4)
     assert tiles.gate_up.regime == "tiles" and prefill.gate_up.regime == "prefill"
-    assert op.staged_layer(low, 128, 2) and op.use_staged(tiles, low, hopper, num_tokens=128, top_k=2)
-    assert op.use_staged(prefill, low, hopper, num_tokens=1000, top_k=2)
+    assert staged_layer(low, 128, 2) and use_staged(tiles, low, hopper, num_tokens=128, top_k=2)
+    assert use_staged(prefill, low, hopper, num_tokens=1000, top_k=2)
     # below the threshold the tiles regime was faster (Mixtral 32 and 64 tokens)
-    assert not op.staged_layer(low, 127, 2) and op.staged_layer(low, 64, 4)
-    assert not op.use_staged(tiles, low, hopper, num_tokens=127, top_k=2)
+    assert not staged_layer(low, 127, 2) and staged_layer(low, 64, 4)
+    assert not use_staged(tiles, low, hopper, num_tokens=127, top_k=2)
     # one 5-8-bit block anywhere in the layer (the merged class): from 16 assignments an expert (staged_lut_min_per_expert)
-    assert op.staged_layer(with_8, 1000, 2) and op.staged_layer(with_8, 64, 2)
-    assert not op.staged_layer(with_8, 63, 2) and not op.staged_layer(with_8, 32, 2)
-    assert op.use_staged(prefill, with_8, hopper, num_tokens=1000, top_k=2)
+    assert staged_layer(with_8, 1000, 2) and staged_layer(with_8, 64, 2)
+    assert not staged_layer(with_8, 63, 2) and not staged_layer(with_8, 32, 2)
+    assert use_staged(prefill, with_8, hopper, num_tokens=1000, top_k=2)
     # not on other GPUs, not for decode; under stable launches by the merged class's rule (16 an expert)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
-    assert not op.use_staged(tiles, low, hopper, num_tokens=128, top_k=2)  # (the same device, now sm_80)
+    assert not use_staged(tiles, low, hopper, num_tokens=128, top_k=2)  # (the same device, now sm_80)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     low.stable_launches = True
-    assert op.use_staged(tiles, low, hopper, num_tokens=128, top_k=2)  # 32 an expert
-    assert not op.staged_layer(low, 63, 2) and op.staged_layer(low, 64, 2)
+    assert use_staged(tiles, low, hopper, num_tokens=128, top_k=2)  # 32 an expert
+    assert not staged_layer(low, 63, 2) and staged_layer(low, 64, 2)
     low.stable_launches = False
-    assert not op.use_staged(op.plan_launch(2, 2, 8, 64, 96, 4), low, hopper, num_tokens=256, top_k=2)
+    assert not use_staged(plan_launch(2, 2, 8, 64, 96, 4), low, hopper, num_tokens=256, top_k=2)
     # no staged classes: never staged
-    assert not op.staged_layer(low, 1000, 2, dataclasses.replace(op.DEFAULT_CONFIG, staged_classes=frozenset()))
+    assert not staged_layer(low, 1000, 2, dataclasses.replace(DEFAULT_CONFIG, staged_classes=frozenset()))
     # the instances precompile compiles for the default rule: class 0 only
-    assert {n.split(",")[0] for n in op.staged_instances("true", (0, 1), frozenset({0}))} == {"apl_staged<0"}
-    assert {n.split(",")[0] for n in op.staged_instances("true", (0, 1), frozenset({0, 1}))} == \
+    assert {n.split(",")[0] for n in staged_instances("true", (0, 1), frozenset({0}))} == {"apl_staged<0"}
+    assert {n.split(",")[0] for n in staged_instances("true", (0, 1), frozenset({0, 1}))} == \
         {"apl_staged<0", "apl_staged<1", "apl_staged<2"}

@@ -12,12 +12,13 @@ import sys
 import pytest
 import torch
 
-from pagedweight_kernels.apl_moe import APLLayer, apl_moe, apl_moe_reference, kernel_available, plan_launch
+from pagedweight_kernels.apl_moe import APLLayer, apl_moe, apl_moe_reference, kernel_available
 from pagedweight_kernels.synthetic import quantize_experts
 from pagedweight_kernels.resident_experts import APLExperts
-from pagedweight_kernels.apl_moe import resident_block
 from tests.conftest import BUNDLED_MODEL, CORPUS_DIR, SHARED_MODELS
 from pagedweight_kernels.synthetic import mixed_bits, ragged_routing, random_block, random_layer
+from pagedweight_kernels.layer import resident_block
+from pagedweight_kernels.plan import plan_launch
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not kernel_available(), reason="needs a CUDA GPU and cupy")]

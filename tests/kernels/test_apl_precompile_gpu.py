@@ -4,10 +4,10 @@
 import pytest
 import torch
 
-from pagedweight_kernels.apl_moe import (apl_moe, compile_stats, kernel_available, plan_launch, precompile,
-                                        tiles_choices)
+from pagedweight_kernels.apl_moe import apl_moe, compile_stats, kernel_available, precompile
 from pagedweight_kernels.synthetic import ragged_routing, random_layer
 from tests.kernels.test_apl_moe_gpu import TOLERANCE, reference_fp32, relative_error
+from pagedweight_kernels.plan import plan_launch, tiles_choices
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not kernel_available(), reason="needs a CUDA GPU and cupy")]

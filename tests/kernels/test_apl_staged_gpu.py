@@ -14,9 +14,10 @@ import dataclasses
 import pytest
 import torch
 
-import pagedweight_kernels.apl_moe as op
-from pagedweight_kernels.apl_moe import apl_moe, kernel_available, plan_launch, staged_plan, use_staged
+from pagedweight_kernels.apl_moe import apl_moe, kernel_available
 from pagedweight_kernels.synthetic import ragged_routing, random_layer
+from pagedweight_kernels.config import DEFAULT_CONFIG
+from pagedweight_kernels.plan import plan_launch, staged_plan, use_staged
 from tests.kernels.test_apl_moe_gpu import CASES, TILES_CASES, TOLERANCE, _case_id, check_case, reference_fp32, relative_error
 
 pytestmark = [pytest.mark.gpu,
@@ -34,7 +35,7 @@ STAGED_CASES = [case for case, _ in TILES_CASES] + [
 
 
 # Every layer's tiles and prefill calls in the staged regime, whatever its widths and size.
-STAGED = dataclasses.replace(op.DEFAULT_CONFIG, staged_every_layer=True)
+STAGED = dataclasses.replace(DEFAULT_CONFIG, staged_every_layer=True)
 
 
 @pytest.fixture
@@ -68,7 +69,7 @@ def test_staged_gelu_tanh_matches_reference(case, staged):
 
 def test_staged_matches_the_tiles_regime(staged):
     case = TILES_CASES[1][0]
-    tiles = check_case(case, config=dataclasses.replace(op.DEFAULT_CONFIG, staged_classes=frozenset()))
+    tiles = check_case(case, config=dataclasses.replace(DEFAULT_CONFIG, staged_classes=frozenset()))
     assert relative_error(check_case(case, config=staged), tiles) < TOLERANCE[case[6]]
 
 
@@ -126,7 +127,7 @@ def test_lut_rows_in_passes_of_128_tokens_keep_the_output_bit_for_bit(bits, stag
     case = (8, 2, 256, 384, 320, 8, torch.bfloat16)
     E, k, H, I, T = case[:5]
     narrow = dataclasses.replace(staged, staged_lut_wide_nt8=0)
-    assert op.staged_plan(0, T, k, E, I, 1, 8, E, config=narrow).tiles == 8
+    assert staged_plan(0, T, k, E, I, 1, 8, E, config=narrow).tiles == 8
     out_narrow = check_case(case, bits=bits, config=narrow)
-    assert op.staged_plan(0, T, k, E, I, 1, 8, E, config=staged).tiles == 16
+    assert staged_plan(0, T, k, E, I, 1, 8, E, config=staged).tiles == 16
     assert torch.equal(check_case(case, bits=bits, config=staged), out_narrow)

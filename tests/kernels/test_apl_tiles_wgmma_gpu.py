@@ -11,9 +11,10 @@ is kept off (tiles_regime's configuration), so these calls stay in the tiles reg
 import pytest
 import torch
 
-from pagedweight_kernels.apl_moe import apl_moe, kernel_available, plan_launch
+from pagedweight_kernels.apl_moe import apl_moe, kernel_available
 from pagedweight_kernels.synthetic import ragged_routing, random_layer
 from tests.kernels.test_apl_moe_gpu import CASES, TILES_CASES, TOLERANCE, _case_id, check_case, reference_fp32, relative_error
+from pagedweight_kernels.plan import plan_launch
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not kernel_available() or torch.cuda.get_device_capability() != (9, 0),

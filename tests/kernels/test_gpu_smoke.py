@@ -10,9 +10,10 @@ case asserts the regime it means to cover, so a planning change cannot silently 
 import pytest
 import torch
 
-from pagedweight_kernels.apl_moe import kernel_available, plan_launch, use_staged
+from pagedweight_kernels.apl_moe import kernel_available
 from pagedweight_kernels.synthetic import mixed_bits, random_layer
 from tests.kernels.test_apl_moe_gpu import check_case
+from pagedweight_kernels.plan import plan_launch, use_staged
 
 pytestmark = [pytest.mark.gpu, pytest.mark.smoke,
               pytest.mark.skipif(not kernel_available(), reason="needs a CUDA GPU and cupy")]

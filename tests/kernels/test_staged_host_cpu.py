@@ -27,11 +27,13 @@ import pytest
 import torch
 
 from bench.sass_mix import kernel_defines
-from pagedweight_kernels import apl_moe as op
-from pagedweight_kernels.apl_moe import staged_plan
 from pagedweight_kernels.synthetic import random_block
+from pagedweight_kernels.config import ACT_CODES, DEFAULT_CONFIG
+from pagedweight_kernels.layer import APLKernelError
+from pagedweight_kernels.plan import staged_min_stages, staged_plan, staged_plane_ring_bytes, staged_threads
 from tests.kernels.staged_host import (LAUNCHES, ST_KS, ST_ROWS, bank_case, bank_counts, build_harness, launch_case,
                                        launch_output, planned, projection_case, reference_projection, run_launch)
+
 # wgmma_desc (apl_gemv.cu): LBO 128 bytes between the two core matrices of a k16 slice (columns
 # 0-7, 8-15), SBO 256 bytes between 8-row groups; a core matrix is 8 rows of 16 contiguous bytes.
 LBO, SBO = 128, 256
@@ -134,7 +136,7 @@ def test_staged_launch_matches_the_reference(harness, tmp_path, name):
 def test_128_token_passes_match_the_reference(harness, tmp_path, mode, rows_out, dtype):
     # staged_wide_nt8 16 (the default): 75 tokens an expert want 15 tiles, so passes of 128, the
     # consumers' m64n128 wgmma; the hot expert's 150 assignments take a second, partial pass
-    assert op.DEFAULT_CONFIG.staged_wide_nt8 == 16
+    assert DEFAULT_CONFIG.staged_wide_nt8 == 16
     case = wide_case(mode, rows_out, dtype)
     picked, plan, lut_bits = planned(case)
     assert picked == (0, mode, dtype == torch.bfloat16, True, 16) and plan.tokens == 128, (picked, plan)
@@ -153,7 +155,7 @@ def test_two_producer_warpgroups_match_the_reference(harness, tmp_path, mode, bi
     picked, plan, lut_bits = planned(case)
     run = run_launch(harness, picked, tmp_path, case, plan, lut_bits)
     assert run.returncode == 0, run.stderr[-2000:]
-    assert picked[0] != 0 and op.staged_threads(picked[0]) == 384
+    assert picked[0] != 0 and staged_threads(picked[0]) == 384
     # (a hot expert's second pass: where a pass has an odd count of units, a warpgroup's next step can be
     # more ring buffers ahead than the ring holds, which its waits must survive)
     assert plan.tokens < max(n for _, _, n in case["active"])
@@ -164,11 +166,11 @@ def test_two_producer_warpgroups_need_a_ring_of_three():
     # a warpgroup's next step can be 3 buffers on from its last (its unit of 2 steps, then the other's
     # 2): a ring of 2 would let its parity wait run a lap ahead, so the plan asks for 3 or refuses
     case = projection_case(1, [8, 5, 7, 6], 128, 640, 40, 2, torch.bfloat16, seed=23)
-    assert op.staged_min_stages(1) == op.staged_min_stages(2) == 3 and op.staged_min_stages(0) == 2
-    two = dataclasses.replace(op.DEFAULT_CONFIG, staged_stages=2)
+    assert staged_min_stages(1) == staged_min_stages(2) == 3 and staged_min_stages(0) == 2
+    two = dataclasses.replace(DEFAULT_CONFIG, staged_stages=2)
     plan = planned(case, two)[1]
     assert plan.stages == 3
-    with pytest.raises(op.APLKernelError, match="needs 3 ring buffers"):
+    with pytest.raises(APLKernelError, match="needs 3 ring buffers"):
         planned(case, dataclasses.replace(two, staged_cta_shared=(plan.shared_bytes - 1,) * 2))
 
 
@@ -216,7 +218,7 @@ def test_the_plane_ring_lives_in_the_bytes_the_host_plans(harness, tmp_path):
     # of the plan, a launch that reads its plane words through it reaches past them
     case, instance = launch_case("gate_up_3_4_bits_16_token_passes", seed=5)
     _, plan, lut_bits = planned(case)
-    ring = op.staged_plane_ring_bytes(0)
+    ring = staged_plane_ring_bytes(0)
     assert ring > 0
     short = dataclasses.replace(plan, shared_bytes=plan.shared_bytes - ring)
     run = run_launch(harness, instance, tmp_path, case, short, lut_bits)
@@ -228,7 +230,7 @@ def test_gate_up_with_gelu(tmp_path):
     case, instance = launch_case("gate_up_3_4_bits_16_token_passes", seed=13)
     case["activation"] = "gelu_tanh"
     _, plan, lut_bits = planned(case)
-    gelu = build_harness(tmp_path, kernel_defines({"APL_ACT": op.ACT_CODES["gelu_tanh"]}), [instance])
+    gelu = build_harness(tmp_path, kernel_defines({"APL_ACT": ACT_CODES["gelu_tanh"]}), [instance])
     run = run_launch(gelu, instance, tmp_path, case, plan, lut_bits)
     assert run.returncode == 0, run.stderr[-2000:]
     assert_matches(launch_output(tmp_path, case), reference_projection(case), case)

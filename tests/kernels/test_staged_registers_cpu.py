@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from bench.sass_mix import build_instance
-from pagedweight_kernels.apl_moe import staged_instances
+from pagedweight_kernels.compile import staged_instances
 from pagedweight_kernels.plan import staged_blocks, staged_threads
 from tests.kernels.ptxas import resource_usage
 

@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from bench.sass_mix import build_instance
-from pagedweight_kernels.apl_moe import GEMV_SOURCE
+from pagedweight_kernels.compile import GEMV_SOURCE
 from tests.kernels.ptxas import resource_usage
 
 THREE_CTA_REGISTERS = 65536 // (3 * 128) // 8 * 8  # 168: the register file over 3 CTAs of 128 threads
