@@ -1,8 +1,8 @@
-// Decode regime, second generation: the MoE layer in two launches, weights turned into
-// tensor-core fragments in registers (docs/kernel.md, "Decode on tensor cores").
+// The decode and tiles regimes: the MoE layer in two launches, weights turned into
+// tensor-core fragments in registers (docs/kernel.md, "Regimes").
 //
 // Compiled after apl_moe.cu (the launcher concatenates the two sources; it uses that file's
-// conversions, BlockRef, Codes and mma16816), so this file holds only what is new.
+// conversions, BlockRef, Codes and mma16816).
 //
 //   apl_gemv<CLS, 0>  gate_up: every CTA finds its expert from topk_ids itself (no moe_align
 //                     launch), multiplies a 64-row tile of the block by up to 8 tokens per pass
@@ -27,8 +27,7 @@
 //          flight take ~170 registers, so these kernels run 3 CTAs an SM
 //          (APL_GEMV_CELL_BLOCKS, tiles_blocks).
 //   CLS 2, every width in one launch (both paths compiled into one kernel): the host picks it
-//          for layers holding both classes (measured faster than a launch per class,
-//          docs/kernel.md).
+//          for layers holding both classes (faster than a launch per class).
 //
 // The tiles regime (NT8 > 1, more tokens per expert: prefill and large decode batches) is the
 // same kernel with passes of up to 8 * NT8 tokens: each weight's A fragments are built once
@@ -51,34 +50,29 @@
 #endif
 // Decode CTAs per SM the register budget must allow for the kernels holding 5-8-bit blocks (CLS 1
 // and the merged 2): up to 8 planes' words in flight take ~170 registers, which 4 CTAs (128
-// each) would spill by 0.6-1.8 KB (nvcc 13.0).
+// each) would spill.
 #ifndef APL_GEMV_CELL_BLOCKS
 #define APL_GEMV_CELL_BLOCKS 3
 #endif
-// 1: each decode step asks L2 for the plane sectors two steps ahead (measured slower). Kept, off:
-// without this code nvcc 13.0 allocates the 5-8-bit decode down kernel differently, and ptxas
-// spills 400 bytes there instead of 104.
+// 1: each decode step asks L2 for the plane sectors two steps ahead (off: slower, docs/kernel.md).
 #ifndef APL_GEMV_L2_PREFETCH
 #define APL_GEMV_L2_PREFETCH 0
 #endif
 // CTAs per SM the register budget must allow in the tiles regime (NT8 > 1), per instance: 3
-// (<= 168 registers) where the body fits them unspilled (nvcc 13.0, sm_90a), else 2. The 3-4-bit
-// kernel up to NT8 8; the 5-8-bit one up to 8 with 8-byte plane loads (V2) and 2 with 4-byte ones
-// (48-208 bytes spilled at 8); the merged body (both paths in one kernel) at NT8 2 with 8-byte
-// loads only (256-1548 bytes spilled from NT8 4, 176-284 at 2 with 4-byte loads). NT8 12 (96-token
-// passes, the 3-4-bit class only: the host's TILES_WIDE_NT8) holds 48 accumulators a thread: 2.
+// (<= 168 registers) where the body fits them unspilled (nvcc 13.0, sm_90a), else 2. Fitting at 3:
+// the 3-4-bit kernel up to NT8 8; the 5-8-bit one up to 8 with 8-byte plane loads (V2), 2 with
+// 4-byte ones; the merged body at NT8 2 with 8-byte loads only. NT8 12 (96-token passes, the
+// 3-4-bit class only: the host's TILES_WIDE_NT8) holds 48 accumulators a thread: 2.
 APL_HD constexpr int tiles_blocks(int cls, int nt8, bool v2) {
     const int widest_at_3 = cls == 0 ? 8 : cls == 1 ? (v2 ? 8 : 2) : (v2 ? 2 : 0);
     return nt8 <= widest_at_3 ? 3 : 2;
 }
 // The plane words' loads (load_step) of the instances of at least APL_PLANE_HINT_MIN_NT8 and of
 // the decode instances compiled for long splits (LONG) carry L2::256B: a row's first load in each
-// 256 bytes has L2 fetch them all, so the warp's next steps hit L2. Measured (docs/kernel.md): 4-7%
-// faster in 64-token passes (Mixtral-size 256-token layers), 4-5% on Mixtral-size mixed decode at
-// 4-16 tokens but 5-10% slower at Qwen1.5-MoE decode (splits of 24-48 words: the 256 bytes
-// overshoot the split); a run-time test on the split's length was 4-8% slower everywhere (the
-// loop): so the host picks a LONG instance (plan.long_split: splits of 64+ words over rows of
-// 128+, from 2 tokens).
+// 256 bytes has L2 fetch them all, so the warp's next steps hit L2. On short splits the 256 bytes
+// overshoot the split and cost time, and a run-time test of the split's length in the loop costs
+// more than it saves, so the host picks a LONG instance (plan.long_split: splits of 64+ words over
+// rows of 128+, from 2 tokens).
 #ifndef APL_PLANE_HINT_MIN_NT8
 #define APL_PLANE_HINT_MIN_NT8 8  // the instances the hint applies to: NT8 >= this (1: decode too)
 #endif
@@ -357,11 +351,6 @@ APL_HD u32 fraction_pair(u32 qw) {
     return mask_or<mask>(t, ActOne<BF16>::bits * 0x10001u);
 }
 
-// Register tables of one row for 5-8 bits (APL format 2: every value is affine in its 4-bit cell,
-// cell_affine): the 16 cells' offsets and widths as two RegLut<4> byte tables, looked up by the
-// cell code as the 4-bit path looks up its entries; the refinement bits become 1 + q / 16 in the
-// act dtype (fraction_pair) and one packed FMA gives two weights. No table in shared memory, no
-// fill and no barrier before the first step, and the same values as apl_format.expand_lut.
 // A 5-8-bit row's stored LUT_4 (16 centroids and the extent, fp16), loaded by fetch and read
 // back by build (CellLut, CellTab), so the loads stay in flight while the CTA stages its
 // activations.
@@ -383,6 +372,11 @@ struct Lut4Row {
     }
 };
 
+// Register tables of one row for 5-8 bits (APL format 2: every value is affine in its 4-bit cell,
+// cell_affine): the 16 cells' offsets and widths as two RegLut<4> byte tables, looked up by the
+// cell code as the 4-bit path looks up its entries; the refinement bits become 1 + q / 16 in the
+// act dtype (fraction_pair) and one packed FMA gives two weights. No table in shared memory, no
+// fill and no barrier before the first step, and the same values as apl_format.expand_lut.
 template <int B, bool BF16>
 struct CellLut : Lut4Row {
     using CodesT = CellCodes<B>;
@@ -484,7 +478,7 @@ APL_HD void transpose_nibble_bytes(const u32 (&o)[4], u32 (&w)[4]) {
 // pairs (8j, 8j+1), ..., (8j+6, 8j+7)). Codes<B> puts column 4n + c in nibble n of o[c]; a 4x4
 // byte transpose makes W[j] (byte c = o[c]'s byte j), whose nibbles are columns 8j + (0, 4, 1,
 // 5, 2, 6, 3, 7), so each lookup half's bytes pair as (0, 2) and (1, 3): 8 PRMTs a word more
-// than the tiles regime's selector order, which the activations' cp.async copies could not follow.
+// than the tiles regime's selector order, which the activations' copies cannot follow.
 template <int B, bool BF16>
 APL_HD void dequant_chunks(const RegLut<B>& lut, const u32 (&pw)[8], uint4 (&chunk)[4]) {
     const Codes<B> c(pw);
@@ -549,9 +543,8 @@ struct Route { int expert, count, num_active; };
 
 // Phase 1, the experts with tokens as a bitmask in present[32]. The first round of ids is
 // loaded before the barrier that zeroes the mask, so the two round trips overlap.
-// BATCH (the tiles regime): rounds of 8 ids a thread, loaded
-// together (the atomics kept each load of a one-id round behind the previous round's atomic:
-// a round trip per 128 ids).
+// BATCH (the tiles regime): rounds of 8 ids a thread, loaded together (in one-id rounds the
+// atomics keep each load behind the previous round's atomic: a round trip per 128 ids).
 template <bool BATCH>
 __device__ __forceinline__ void route_mask(const long long* __restrict__ ids, int num_assign, int num_experts,
                                            u32* present) {
@@ -665,8 +658,8 @@ __device__ __forceinline__ Route route_pick(const long long* __restrict__ ids, i
     if constexpr (BATCH) {
         // Thread tid owns the ids [tid * R, tid * R + R), R = ceil(num_assign / 128) <= 32 (the host
         // keeps num_assign <= GEMV_MAX_ASSIGN = 4096): its hits as a bitmask from loads issued 8 at
-        // a time, then one block-wide scan of the hit counts places its slots, in ascending order,
-        // the same list as the rounds below, which took a round trip and two barriers per 128 ids.
+        // a time, then one block-wide scan of the hit counts places its slots, in ascending order:
+        // the same list as the rounds below, which take a round trip and two barriers per 128 ids.
         const int R = (num_assign + GV_THREADS - 1) / GV_THREADS, i0 = tid * R;
         u32 hits = 0u;
         for (int q0 = 0; q0 < R; q0 += 8) {
@@ -881,7 +874,7 @@ __device__ __forceinline__ void gemv_warp(const BlockRef& blk, u32 w0a, u32 w0b,
 // per k16 slice, A (the CTA's 64 weight rows) from the registers the dequantisation fills,
 // exactly the mma.sync A fragments (warp w: rows 16w..16w+15), B (the staged activations) read
 // by the tensor cores from shared memory, so one instruction replaces NT8 mma.sync and their
-// activation loads (measured 1-18% faster at 4 bits, 7% mixed, -3%..+4% at 8 bits). D: warp w's
+// activation loads. D: warp w's
 // rows, 8-token chunk j in acc[j], the mma.sync C layout. Other GPUs run mma.sync (tiles_warp).
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define APL_HAS_WGMMA 1
@@ -913,8 +906,8 @@ APL_HD void wgmma_wait() {
 // The compiler sees a wgmma's registers as written when the asm statement issues, but the
 // tensor cores write the accumulators (and read A) until the wait_group: these empty volatile
 // statements pin every access to them to its side of the fence or wait (CUTLASS's
-// warpgroup_fence_operand), whatever the compiler's scheduling (nvcc 13.0 emits the same
-// SASS with and without them today).
+// warpgroup_fence_operand), whatever the compiler's scheduling (nvcc 13.0 happens to emit
+// the same SASS without them).
 template <int N8>
 APL_HD void fence_accumulators(float (&acc)[N8][4]) {
 #ifdef __CUDA_ARCH__
@@ -1016,7 +1009,7 @@ __device__ __forceinline__ void tiles_warp(const BlockRef& blk, u32 w0a, u32 w0b
         fence_accumulators(acc);
     };
 #else
-    // 5-8 bits hold twice the plane words in flight: groups of 2 there (4 spilled).
+    // 5-8 bits hold twice the plane words in flight: groups of 2 there, for the register budget.
     constexpr int TG_MAX = B >= 5 && APL_TILES_GROUP > 2 ? 2 : APL_TILES_GROUP;
     constexpr int TG = NT8 < TG_MAX ? NT8 : TG_MAX;
     const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
@@ -1070,7 +1063,7 @@ __device__ __forceinline__ void tiles_warp(const BlockRef& blk, u32 w0a, u32 w0b
 
 // Every pass of up to stage_tokens tokens over this CTA's split. The first step's plane
 // sectors are asked of L2 before the LUT (prologue) and the activations (stage) are read, so
-// those loads overlap; holding them in registers instead spilled (128-register budget).
+// those loads overlap (L2, not registers: the 128-register budget has no room for them).
 // NT8 > 1: the tiles regime (tiles_warp); stage then stages one step: stage(p0, np, step).
 template <int B, bool BF16, bool V2, int NT8, bool COMPACT,
           bool LONG, class Lut, class Prologue, class Stage, class Emit>
@@ -1151,7 +1144,7 @@ struct TilesStager {
         const bool ok = w < kw;  // words past the split: zeros
         const u16* src = x + (ok ? (c0w + w) * 32 + cp_q * 8 : 0);
         // The row offsets of 4 tokens are read before their 4 copies issue (each copy's "memory"
-        // clobber kept the next token's shared read behind it: a shared round trip per token).
+        // clobber would keep the next token's shared read behind it: a shared round trip per token).
         for (int i0 = cp_t0; i0 < np; i0 += 4 * CP_TOKENS) {
             int off[4];
 #pragma unroll
@@ -1226,9 +1219,8 @@ struct TilesStager {
 // The last CTA to finish its work item's contributions (gemv_cta) sums the splits' fp32 partials.
 // The reductions' partials come from L2. BATCH: a round holds U items of a
 // thread and the partials of up to SU splits (gate_up) or PU (expert, split) pairs (down) of
-// each, all loaded before any is summed: one L2 round trip per round, where every split of
-// every item was one (the Nsight samples of the 256-token layers had up to 45% of a
-// launch's warps waiting there). The sums run in the same order: the same bits.
+// each, all loaded before any is summed: one L2 round trip per round, not one per split of
+// every item. The sums run in the same order either way: the same bits.
 // gate_up: h[slot] = act(gate) * up over this row tile's rows, for the CTA's expert's `count` slots.
 template <bool BF16, bool BATCH>
 __device__ __forceinline__ void reduce_gate_up(const float* __restrict__ part, const int* slots, int count, int num_assign,
@@ -1415,8 +1407,7 @@ __device__ __forceinline__ void gemv_cta(
     u16* lut_s = reinterpret_cast<u16*>(smem_raw + lut_off + (((lut_at + 511u) & ~511u) - lut_at));
 
     // BATCH: routing and the reductions read their inputs in batches, loads in flight together, in
-    // the tiles regime only: measured 2-29% faster there, and at decode (<= 128 ids, the
-    // epilogue's few items) 1-5% slower at Mixtral sizes (docs/kernel.md).
+    // the tiles regime only: at decode (<= 128 ids, the epilogue's few items) it is slower.
     constexpr bool BATCH = NT8 > 1;
     // Programmatic dependent launch, with the host's launch attribute: gate_up waits for the grid before
     // it (the router's output) before it reads anything; down reads only what existed before
@@ -1426,7 +1417,7 @@ __device__ __forceinline__ void gemv_cta(
     // every one of them has started.
     if constexpr (MODE == 0) grid_dependency_wait();
     launch_dependents();
-    // HEAVY from 2 tokens: at 1 token it bought nothing at Mixtral size and cost 2-5% at Qwen1.5-MoE's.
+    // HEAVY from 2 tokens: at 1 token it gains nothing (docs/kernel.md).
     const Route route = route_cta<BATCH, HEAVY>(topk_ids, num_assign, num_experts, by, slots, present, scratch, desc,
                                                 num_tokens >= 2);
     auto await_h = [&]() {
@@ -1477,9 +1468,8 @@ __device__ __forceinline__ void gemv_cta(
     auto stage_split = [&](int p0, int np) {
         if (p0 == 0) await_h();
         __syncthreads();  // LUT written; the previous pass is done with xs
-        // A (token, word) item: the word's 32 values (load_word), reordered into the mma
-        // slices' layout by stage_word (8 items a word of 4 scattered 2-byte loads each were
-        // 3-11% slower at every decode shape, docs/kernel.md).
+        // A (token, word) item: the word's 32 values (load_word, 16-byte loads), reordered into
+        // the mma slices' layout by stage_word.
         for (int idx = tid; idx < (np + 1) * kwp; idx += GV_THREADS) {
             const int i = idx / kwp, w = idx % kwp;
             uint4 raw[4];
@@ -1490,8 +1480,8 @@ __device__ __forceinline__ void gemv_cta(
         }
         __syncthreads();
     };
-    // (The stager is built here, after routing: its shared addresses computed before routing changed
-    // the tiles instances' SASS, nvcc 13.0.)
+    // (The stager is built here, after routing: computing its shared addresses before routing
+    // changes the tiles instances' SASS, nvcc 13.0.)
     // The kernels holding 5-8-bit blocks keep their cell table (CellTab) from the first 2 KB boundary
     // past the staged activations, the tiles regime's raw rows after it.
     const u32 tab_base = (lut_at + CELL_TAB_ALIGN - 1) & ~(CELL_TAB_ALIGN - 1);
@@ -1517,8 +1507,8 @@ __device__ __forceinline__ void gemv_cta(
     // The register LUTs' entries are loaded here and built after the first staging (run_passes),
     // so their loads overlap it.
     // COMPACT: the decode ping-pong of the kernels holding 5-8-bit blocks keeps one copy of the step's
-    // code, its two words in a rolled loop (less SASS to fetch cold: the merged kernel's 214 -> 126
-    // KB); measured faster for CLS 2 and CLS 1 (8 bits at 1 token 65.8 -> 47.0 us), slower for CLS 0.
+    // code, its two words in a rolled loop (less SASS to fetch cold); the 3-4-bit kernel is faster
+    // unrolled.
     constexpr bool COMPACT = CLS != 0;
     auto reg_lut = [&](auto& la, auto& lb) {
         la.fetch(blk.lut + (long long)rowa * lut_row_entries(blk.bits), va);
@@ -1542,7 +1532,7 @@ __device__ __forceinline__ void gemv_cta(
         }
     } else {
         // 5-8 bits: the cells from shared memory (CellTab), one conflict-free LDS a weight, in decode
-        // and the tiles regime alike (docs/kernel.md).
+        // and the tiles regime alike.
         const u32 tab_col = tab_base + ((u32)warp << 12 | (u32)lane << 2);
         auto cells = [&](auto width) {
             constexpr int B = decltype(width)::value;
@@ -1564,7 +1554,7 @@ __device__ __forceinline__ void gemv_cta(
     int* counter = counters + (MODE == 0 ? by * gx + bx : bx);
     if (expected > 1) {
         // CUTLASS's semaphore pattern: one thread's acq_rel atomic after a barrier, no per-thread
-        // fences (a fence in every thread before and after was up to 2% slower, docs/kernel.md).
+        // fences.
         // The barrier orders every thread's partials before thread 0's release (fence
         // cumulativity); its acquire orders the reduction's reads after every contributor's
         // partials, and the second barrier hands that to the CTA.

@@ -16,13 +16,13 @@
 // regime takes the same four launches with its own projection kernel.
 //
 // Block descriptor (int64 [DESC_WIDTH] per block, one row per expert and module):
-//   [0] bits (3..8)   [1] address of LUT_bits (fp16 [rows, 2^bits])
+//   [0] bits (3..8)   [1] address of the stored LUT (fp16 [rows, lut_row_entries(bits)])
 //   [2 + p] address of plane p (uint8 [rows, cols/8], read as uint32 words), p < bits.
 // So every plane of every block may live anywhere in the memory pool.
 //
 // No headers: half/bf16 conversions and mma are inline PTX, so NVRTC needs no include path.
 
-// u16, u32 and the 16-bit float conversions: dtype_conversions.cu (prepended by apl_moe.py)
+// u16, u32 and the 16-bit float conversions: dtype_conversions.cu (prepended by cuda_packages.py)
 #define DESC_WIDTH 10
 #define MAX_EXPERTS 1024
 
@@ -122,9 +122,9 @@ APL_HD u32 act_fma2(u32 a, u32 b, u32 c) {
 #endif
 }
 // ---------------------------------------------------------------- bit-planes -> codes
-// Widths from 4 up: the code transposes' shifts on the FMA pipe. Measured (docs/kernel.md, "Fewer
-// integer-pipe instructions"): up to 2.6% faster at 4, 8 and mixed bits on the decode shapes and up
-// to 4% on the tiles regime, 0.4-1.9% slower at 3 bits, hence a threshold per width.
+// Widths from 4 up: the code transposes' shifts on the FMA pipe, which relieves the integer pipe
+// that binds the step loops (docs/kernel.md, "What bounds it"); at 3 bits it is slower, hence a
+// threshold per width.
 template <int B>
 struct FmaShifts { static constexpr bool on = B >= 4; };
 

@@ -33,15 +33,12 @@
 #define ST_A_BYTES (ST_ROWS * ST_KS * 2)
 // CTAs an SM a class's instances are compiled for. The 3-4-bit class: 2 (128 registers a thread,
 // split between the warpgroups by setmaxnreg). The 5-8-bit and merged classes: 1 (up to 255
-// registers a thread, no split), which leaves a CTA more ring buffers than two CTAs have (Mixtral 64
-// tokens 8 bits 1445.5 against 2297.3 us, Qwen1.5-MoE 256 tokens 736.7 against 853.9; H100,
-// docs/kernel.md).
+// registers a thread, no split), which leaves a CTA more ring buffers than two CTAs have.
 template <int CLS> APL_HD constexpr int staged_blocks() { return CLS == 0 ? 2 : 1; }
 // Producer warpgroups a CTA: the 3-4-bit class 1 (two CTAs an SM, setmaxnreg). The others 2, each
 // taking every other unit of steps (each step still filled by one warpgroup, so the barriers count
 // 128 arrivals), every thread under the launch bound's 168 registers: at one CTA an SM a single
-// producer warpgroup left the SM latency-bound (Nsight at Mixtral 256 tokens, 8 bits: 77% of cycles
-// with no eligible warp); two: 1420.4 against 1550.0 us (H100, docs/kernel.md).
+// producer warpgroup leaves the SM short of eligible warps (docs/kernel.md, "What bounds it").
 template <int CLS> APL_HD constexpr int staged_producers() { return CLS == 0 ? 1 : 2; }
 // A CTA's threads: the consumer warpgroup, then the producer warpgroups.
 template <int CLS> APL_HD constexpr int staged_threads() { return 128 * (1 + staged_producers<CLS>()); }
@@ -216,20 +213,16 @@ APL_HD void tma_load_rows(u32 dst, const StagedTensorMap& map, int col, int row,
 // from unit wg.
 // The plane words come by cp.async into the thread's slots of a plane ring in shared memory (past the
 // ring buffers; staged_plan counts it) and are read back by LDS when used. Each step ends in
-// fence.proxy.async, which compiles to MEMBAR.ALL.CTA: plane words loaded ahead into registers were
-// drained by it every step (a second unit in flight bought nothing), while cp.async copies complete
-// by wait_group and the fence need not wait for them: 6-11% faster at 4 bits (H200), Mixtral 256
-// tokens 8 bits 1581.9 against 1751.8 us (H100; docs/kernel.md).
+// fence.proxy.async, which compiles to MEMBAR.ALL.CTA and so would drain plane-word loads in flight
+// to registers every step; cp.async copies complete by wait_group and the fence need not wait for them.
 // Each step's activations come by one TMA copy from a tensor map over rows by sorted position (down:
 // h itself; gate_up: x gathered into that order by moe_gather_rows first), into B tiles in the
-// 128-byte-swizzled K-major layout the consumers' descriptors name: the producers' 16-byte cp.async
-// copies each cost a whole L2 sector and a shared-memory wavefront a lane, 46% of the kernel's
-// wavefronts at Mixtral 256 tokens (Nsight); by TMA 1.10-1.55x faster (H100, docs/kernel.md).
+// 128-byte-swizzled K-major layout the consumers' descriptors name (16-byte cp.async copies by the
+// producers would each cost a whole L2 sector and a shared-memory wavefront a lane).
 template <int B, int MODE, bool BF16, bool V4, int NT8, int NP>
 APL_HD void staged_produce(const BlockRef& blk, const StagedWork& w, const StagedTensorMap& act_map) {
     // P: units in flight, each in a slot of the thread's plane ring: 3-4-bit rows 2; 5-8-bit rows 1 (8
-    // planes' words a unit; with two producer warpgroups one unit a thread was 4-8% faster than 2, whose
-    // ring left 3 ring buffers, not 4: Mixtral 256 tokens 8 bits 1422.3 against 1538.3 us, H100).
+    // planes' words a unit; a second unit would leave room for 3 ring buffers, not 4).
     constexpr int NT = 8 * NT8, P = B <= 4 ? 2 : 1;
     const int wg = (threadIdx.x - 128) / 128, pt = (threadIdx.x - 128) % 128;
     const int rpc = MODE == 0 ? ST_ROWS / 2 : ST_ROWS;
@@ -302,7 +295,7 @@ APL_HD void staged_produce(const BlockRef& blk, const StagedWork& w, const Stage
                         tma_load_rows(b_tile, act_map, step * ST_KS, w.expert_start + m0, &w.full[slot]);
                     }
                     // one LDS.128 a plane for the unit's two steps: a warp's 32 x 16 contiguous bytes
-                    // take 4 wavefronts, where an LDS.64 a step took 4 each (tests/kernels/staged_host.py, bank_counts)
+                    // take 4 wavefronts, an LDS.64 a step would take 4 each (tests/kernels/staged_host.py, bank_counts)
                     if (half == 0) {
 #pragma unroll
                         for (int p = 0; p < B; ++p) {
@@ -343,7 +336,7 @@ APL_HD void staged_consume(const StagedWork& w, bool bad, const int* __restrict_
             for (int step = 0; step < w.steps; ++step, ++it) {
                 const int slot = (int)(it % (u32)w.stages);
                 mbar_wait_phase(&w.full[slot], it / (u32)w.stages);
-                fence_proxy_async();  // the producers' stores (and the activations' cp.async copies), before wgmma reads them
+                fence_proxy_async();  // the producers' stores, before wgmma reads them
                 const u32 a_tile = stage_a<NT8>(w, slot), b_tile = a_tile + ST_A_BYTES;
                 wgmma_fence();
                 fence_accumulators(acc0);

@@ -1,12 +1,12 @@
 // Small fused kernels of a decode layer: each replaces a chain of 3-8 torch
-// launches whose every link is a 2-6 us kernel over a few KB. Each computes what its
+// launches whose every link is a short kernel over a few KB. Each computes what its
 // chain computes, rounding to the activation dtype where the chain's links round, so the
 // result equals the chain's up to the fp32 order of a reduction (decode_ops.py holds the
 // chains as the references; tests/kernels/test_decode_ops_gpu.py compares them).
 //
 // DT: the element type of activations and weights: 0 float32, 1 bfloat16, 2 float16.
 // No headers (NVRTC through cupy): u16, u32 and the conversions come from
-// dtype_conversions.cu, which decode_ops.py prepends.
+// dtype_conversions.cu, which module_source (cuda_packages.py) prepends.
 
 template <int DT> __device__ __forceinline__ float ld(const void* p, long long i) {
     if (DT == 0) return ((const float*)p)[i];

@@ -1,7 +1,7 @@
 // The routed experts of a decode step with few tokens per expert, dense bf16/fp16/fp32
-// weights: two launches where group_rows, two torch._grouped_mm (each with its
-// prepare kernel), gated_rows and combine_rows took seven. At one token per expert the
-// grouped product's 128-row tiles ran at 1.5 TB/s; a GEMV reads each weight row once with
+// weights: two launches instead of the seven of group_rows, two torch._grouped_mm (each with
+// its prepare kernel), gated_rows and combine_rows. At one token per expert the grouped
+// product's 128-row tiles waste most of their work; a GEMV reads each weight row once with
 // 16-byte loads, many rows in flight, and nothing else.
 //
 //   expert_gate_up<DT, ACT, ...>  h [n, I] = round(round(act(round(x gate^T))) * round(x up^T))
@@ -20,9 +20,7 @@
 // splitting K in 16-byte vectors, U vectors per row in flight. The down CTA holds its tile's
 // results of every assignment in shared memory (two buffers, one barrier per tile), so it
 // also forms the weighted sum over k: no combine launch. The grid depends on shapes only
-// (graph-safe). (First version, one tile per CTA and one row per down item: 17 + 16 us per
-// Qwen1.5-MoE layer at one token, 2.7 and 1.4 TB/s, bound by each CTA's grouping and by
-// 2.7 / 3.9 waves of short CTAs; docs/real_shape.md.)
+// (graph-safe); being persistent, it groups once per CTA and runs no tail of short CTAs.
 //
 // Compiled in decode_ops' module, after decode_ops.cu (ld, st, rnd, activate, warp_sum).
 
