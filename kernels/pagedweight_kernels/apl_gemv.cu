@@ -717,11 +717,7 @@ __device__ __forceinline__ Route route_cta(const long long* __restrict__ ids, in
     return route_pick<BATCH, HEAVY>(ids, num_assign, a, slots, present, scratch, desc, num_experts, bits01, heavy);
 }
 
-// ---------------------------------------------------------------- the mainloop of one warp
-// acc = the C fragment: (row g, tokens 2t, 2t+1), (row g+8, tokens 2t, 2t+1).
-// xs: staged activations [token][word][4 chunks of 16 B]; chunk q of word w is stored at
-// q ^ ((w >> 1) & 3), so the 4 threads of a quad read different banks. Plane words are
-// prefetched one step ahead in registers (2 rows x 2 words x B planes).
+// ---------------------------------------------------------------- one warp step
 // Plane words of one step into buf [row a/b][word 0/1][plane]. Words past the split are
 // clamped to its last word (valid memory, any codes): their staged activations are zero.
 // V2: the layer's planes are 8-byte aligned with an even number of words per row, so a
