@@ -1,7 +1,7 @@
 """The kernels' configuration: one typed, frozen KernelConfig, passed to planning and compilation.
 
-Every value here is what a default or a per-shape entry uses; the variants measured worse are
-gone from the sources (docs/kernel.md keeps their measurements). `config_for(hidden,
+Every value here is what a default or a per-shape entry uses; what other values gave is in
+docs/kernel.md's "What we tried" table. `config_for(hidden,
 intermediate)` is the per-shape table: a layer shape without an entry takes DEFAULT_CONFIG. An
 experiment changes a value with `dataclasses.replace` and passes the result explicitly; nothing is
 read from the environment.
@@ -21,33 +21,28 @@ SM_SHARED = 228 * 1024
 class KernelConfig:
     """Launch planning: regimes, grids, pass widths and the staged regime's ring."""
 
-    # Decode launches split to about this many CTAs: one wave on a 132-SM H200 at 4 CTAs per SM
-    # (longer CTAs, fewer prologues); 2 and 4 waves were measured no better overall (H200,
-    # docs/kernel.md).
+    # Decode launches split to about this many CTAs: one wave on a 132-SM H100/H200 at 4 CTAs per
+    # SM (longer CTAs, fewer prologues; 2 and 4 waves are no better).
     gemv_target_ctas: int = 528
     # The same for launches of the kernels holding 5-8-bit blocks, 3 CTAs an SM (apl_gemv.cu's
     # APL_GEMV_CELL_BLOCKS: their register tables need the registers of the fourth).
     gemv_cell_target_ctas: int = 396
     # Layers of 3-4-bit blocks whose passes want more than 8 tiles and at most this many take
     # passes of 96 tokens (48 accumulators a thread, 2 CTAs per SM), so an expert a little over
-    # the mean is dequantised once, not twice. Measured (H200, docs/kernel.md):
-    # Mixtral 256 tokens 4 bits 1484.1 -> 1441.2 us. 0: off (the NT8 12 instances are not compiled).
+    # the mean is dequantised once, not twice. 0: off (the NT8 12 instances are not compiled).
     tiles_wide_nt8: int = 12
     # The staged regime (apl_staged.cu, sm_90a) for the calls the tiles and prefill regimes
     # would take: layers whose bit classes are all in staged_classes, 3-4-bit layers from
     # staged_min_assignments (token, expert) assignments, layers with 5-8-bit blocks from
-    # staged_lut_min_per_expert an expert (below them the tiles regime was faster: Qwen1.5-MoE
-    # 64-1024 tokens 1.00x-2.06x faster staged at 3-4 bits, Mixtral 32-64 tokens 1.03x-1.21x
-    # slower; H200/H100, docs/kernel.md).
+    # staged_lut_min_per_expert an expert (below them the tiles regime is faster).
     # staged_every_layer: every layer's tiles and prefill calls (an experiment's switch).
     staged_classes: frozenset = frozenset({0, 1})
     staged_every_layer: bool = False
     staged_min_assignments: int = 256
     staged_lut_min_per_expert: int = 16
     # Passes of 8 * NT8 tokens in the staged regime where more than tiles_wide_nt8 (3-4 bits) or
-    # 8 (5-8 bits) tiles are wanted and the planes are read as 16-byte vectors (0: off). Measured:
-    # Qwen1.5-MoE 1024 tokens 16-18% faster (docs/kernel.md); Mixtral 256 tokens 8
-    # bits 1774.6 against 2244.5 us in passes of 64 (docs/kernel.md).
+    # 8 (5-8 bits) tiles are wanted and the planes are read as 16-byte vectors (0: off): each
+    # weight is dequantised once for more tokens.
     staged_wide_nt8: int = 16
     staged_lut_wide_nt8: int = 16
     staged_stages: int = 4  # ring buffers wanted (fewer where shared memory is short)

@@ -1,7 +1,7 @@
 """Launchers of decode_ops.cu: the fused small kernels of a decode layer.
 
-A decode step at batch 1 is bound by the number of kernels (about 66 per layer before,
-each 2-6 us over a few KB), not by bytes. Each function here replaces one chain of torch
+A decode step at batch 1 is bound by the number of kernels (each a few microseconds over a
+few KB), not by bytes. Each function here replaces one chain of torch
 launches with one kernel computing the same values, rounding where the chain rounds:
 
 - `add_rms_norm`: the residual add (and Qwen's gated shared expert's add) with the next

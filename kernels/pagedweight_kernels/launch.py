@@ -34,8 +34,8 @@ def launch(name: str, grid, args, shared: int = 0, block: int = THREADS, activat
 def programmatic_projections() -> tuple[bool, bool]:
     """(gate_up, down): which projection launches may overlap the kernel before them, on a device
     of compute capability 9.0 or later (the kernels' griddepcontrol waits). Down overlaps gate_up
-    (3-6% faster at Qwen1.5-MoE decode, 1-3% in the tiles regime, 2% at Mixtral 1 token; H200,
-    docs/kernel.md); gate_up overlapping the kernel before it was no better, so it waits."""
+    (docs/kernel.md, "What we tried"); gate_up overlapping the kernel before it gains nothing, so it
+    waits."""
     return False, torch.cuda.get_device_capability() >= (9, 0)
 
 

@@ -47,7 +47,7 @@ def widest_by_class(widths) -> dict[int, int]:
 
 def class_launches(classes: dict[int, int]) -> list[tuple[int, int]]:
     """(kernel class, widest bits for its shared LUT) per launch: the class's kernel, or the merged
-    kernel (class 2) once where both are present (measured faster than a launch per class)."""
+    kernel (class 2) once where both are present (faster than a launch per class, docs/kernel.md)."""
     if len(classes) > 1:
         return [(2, classes[1])]
     return list(classes.items())
@@ -168,9 +168,8 @@ class APLLayer:
 
     def set_blocks(self, updates: list[tuple[int, str, ResidentBlock]]):
         """Point several blocks at new planes/LUTs and rewrite their descriptor rows: one
-        stream-ordered copy per descriptor tensor and one summary for the whole batch. A row
-        at a time cost a synchronising pageable copy and a walk over every block each (0.2 ms
-        per row on the H200, seconds when the pager moves hundreds of blocks at once)."""
+        stream-ordered copy per descriptor tensor and one summary for the whole batch (a row at
+        a time would take a synchronising pageable copy and a walk over every block each)."""
         for expert, module, block in updates:
             self._check_block(expert, module, block)
         for module in ("gate_up", "down"):

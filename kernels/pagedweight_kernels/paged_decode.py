@@ -30,9 +30,8 @@ from pagedweight_kernels.cuda_packages import cuda_with, sm_count
 
 # fallbacks (kept small so a CPU step reads a bounded slice of the cache at a time)
 TORCH_CHUNK_BLOCKS = 32
-# The kernel's tiles per loop iteration (a power of two). 1: on the H200 (bench/results/
-# paged_decode_attention_cuda.json) 4 tiles ran 1.0-2.9x slower than 1 at every size
-# measured (the [Q, 4 * bs, D] product spills), so the option stays for further tuning only.
+# The kernel's tiles per loop iteration (a power of two): 1, as more make the [Q, tiles * bs, D]
+# product spill (docs/kernel.md, "What we tried").
 TILES_PER_ITER = 1
 
 

@@ -27,9 +27,8 @@ from pagedweight_kernels.layer import GEMV_ROWS, MAX_BITS, APLKernelError, APLLa
 # instances from 64-token passes take. The rest is what the source always does: the tiles regime on
 # wgmma with its raw rows of 528 bytes a token (gemv_extra_shared, compile.wgmma_build), one
 # 128-thread CTA per work item in the planned grid order, programmatic launches compiled in
-# (launch.programmatic_projections); the variants measured slower are gone (docs/kernel.md keeps
-# their rows), but for APL_GEMV_L2_PREFETCH, off, whose code keeps ptxas's allocation of the 5-8-bit
-# decode kernels.
+# (launch.programmatic_projections); APL_GEMV_L2_PREFETCH stays off (docs/kernel.md, "What we
+# tried").
 GEMV_SOURCE_DEFAULTS = {"APL_GEMV_MIN_BLOCKS": 4, "APL_GEMV_CELL_BLOCKS": 3, "APL_PLANE_HINT_MIN_NT8": 8}
 FORCED_REGIMES = (None, "prefill")  # what apl_moe's `regime` argument may ask for
 THREADS = 256  # the prefill kernel's and moe_combine's CTA
@@ -47,11 +46,9 @@ GEMV_MIN_SPLIT_WORDS = 16  # a split covers at least two warp steps
 # column of 16 cells x 32 lanes per warp and row half, from a 2 KB boundary.
 CELL_TABLE_BYTES, CELL_TABLE_ALIGN = 4 * 2 * 2048, 2048
 # Decode column splits of 3-4-bit layers are chosen by whole waves (wave_splits): a grid of 1.21
-# waves (Mixtral's down at 1 token, 5 splits: 640 CTAs) ends with one CTA per SM. Measured (H200,
-# docs/kernel.md): Qwen1.5-MoE 2 tokens 5% and 4 tokens 2% faster, Mixtral 3 bits 2.4% and 2
-# tokens 1.9% faster, Mixtral 1 token 4 bits unchanged. The 5-8-bit class's shared LUT rows leave
-# fewer CTAs per SM: there the wave plan made Mixtral's mixed layer 5% slower, so those launches
-# split to about gemv_target_ctas CTAs instead.
+# waves (Mixtral's down at 1 token, 5 splits: 640 CTAs) ends with one CTA per SM. The kernels
+# holding 5-8-bit blocks, fewer CTAs per SM, gain nothing from the wave plan: their launches
+# split to about gemv_cell_target_ctas CTAs.
 GEMV_WAVE_PLAN_MAX_BITS = 4
 GEMV_CTA_FIXED_STEPS = 2  # a CTA's prologue and epilogue (route, descriptor, LUT, reduction) in warp steps
 GEMV_MAX_ASSIGN = 4096  # tokens * top_k a CTA's shared slot list holds
@@ -59,9 +56,8 @@ GEMV_MAX_ASSIGN = 4096  # tokens * top_k a CTA's shared slot list holds
 # plane loads carry L2::256B, so a row's first load in each 256 bytes has L2 fetch the rest for the
 # warp's next steps. Long: a split of at least GEMV_LONG_SPLIT_WORDS words (64 words are 256 bytes
 # a row and plane, so the fetch never overshoots the split), rows of at least GEMV_LONG_ROW_WORDS,
-# and at least GEMV_LONG_MIN_TOKENS tokens staged. Measured (H200, docs/kernel.md):
-# Mixtral-size layers at 4-16 tokens 1-6% faster at every width,
-# at 1 token 1-3% slower at 4-6 bits; Qwen1.5-MoE's 64-word gate_up rows level to 3% slower.
+# and at least GEMV_LONG_MIN_TOKENS tokens staged (at 1 token and on shorter rows the hint
+# costs more than it saves).
 # Chosen from the plan (shapes, tokens), never from the bits, so stable launches keep their instances.
 GEMV_LONG_SPLIT_WORDS = 64
 GEMV_LONG_ROW_WORDS = 128
@@ -329,7 +325,7 @@ def staged_layer(layer: APLLayer, num_tokens: int, top_k: int, config: KernelCon
     """Whether the staged regime is the faster one for this layer's calls of num_tokens tokens:
     every block of both projections in staged_classes, and staged_min_assignments assignments or
     more for 3-4-bit layers, staged_lut_min_per_expert an expert for layers with 5-8-bit blocks
-    (below them the tiles regime was faster); any layer under staged_every_layer. A layer under
+    (below them the tiles regime is faster); any layer under staged_every_layer. A layer under
     stable_launches counts as holding both classes (it launches the merged one whatever its widths)."""
     if config.staged_every_layer:
         return True
@@ -369,7 +365,6 @@ def gemv_extra_shared(cls: int, tiles: int = 1) -> int:
 
 def programmatic_down(cls: int, tiles: int) -> bool:
     """Whether a down launch of this kernel class and NT8 overlaps gate_up (programmatic dependent
-    launch): the tiles regime and the 3-4-bit decode kernel. Measured slower for the 5-8-bit and
-    merged decode kernels (Mixtral 1 token 8 bits 322.8 against 303.4 us, mixed 178.0 against
-    173.9; docs/kernel.md), whose waiting CTAs first fill their shared LUT rows."""
+    launch): the tiles regime and the 3-4-bit decode kernel (the 5-8-bit and merged decode
+    kernels are slower so)."""
     return tiles > 1 or cls == 0
