@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from pagedweight_kernels.apl_moe import APLKernelError, APLLayer, ResidentBlock, apl_moe_reference, check_inputs
 from pagedweight_kernels.synthetic import quantize_nested, random_block
-from pagedweight_kernels.resident_experts import APLExperts
+from tests.kernels.resident_experts import APLExperts
 from pagedweight.format.apl_format import BIT_WIDTHS, dequantize, lut_entries, unpack_codes
 from pagedweight_kernels.synthetic import mixed_bits, ragged_routing, random_layer
 from pagedweight_kernels.compile import (

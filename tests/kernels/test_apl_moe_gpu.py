@@ -14,7 +14,7 @@ import torch
 
 from pagedweight_kernels.apl_moe import APLLayer, apl_moe, apl_moe_reference, kernel_available
 from pagedweight_kernels.synthetic import quantize_experts
-from pagedweight_kernels.resident_experts import APLExperts
+from tests.kernels.resident_experts import APLExperts
 from tests.conftest import BUNDLED_MODEL, CORPUS_DIR, SHARED_MODELS
 from pagedweight_kernels.synthetic import mixed_bits, ragged_routing, random_block, random_layer
 from pagedweight_kernels.layer import resident_block

@@ -1,7 +1,7 @@
-"""The fused kernel's own experts operator over resident APL blocks (no arena, no pager).
+"""A test-only experts operator over resident APL blocks (no arena, no pager).
 
-It exists for the kernel's tests and benchmarks: a model's MoE blocks can run the kernel
-on blocks placed anywhere, without a worker runtime. The serving path uses one operator
+The kernel's tests run a model's MoE blocks through the kernel on blocks placed anywhere,
+without a worker runtime. The serving path uses one operator
 over the memory arena (`pagedweight.weights.arena_experts.ArenaExperts`) and the
 dequantising reference (`pagedweight.model.dequantized_experts`).
 
