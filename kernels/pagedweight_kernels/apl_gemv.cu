@@ -204,7 +204,7 @@ struct RegLut {
     u32 raw[(1 << B) / 2];  // entries 2j, 2j+1 as loaded (fp16), between fetch and build
 
     // The row's entries are loaded by fetch and turned into the byte tables by build, so the
-    // loads stay in flight while the CTA stages its activations (run_passes calls build
+    // loads stay in flight while the CTA stages its activations (at decode run_passes calls build
     // after the first stage: one dependent global round trip less per CTA).
     APL_HD void fetch(const u16* row_lut, bool valid) {
         constexpr int N = 1 << B;
@@ -1391,13 +1391,13 @@ __device__ __forceinline__ void gemv_cta(
     const int words_per_row = cols / 32;
     const int c0w = z * split_words;
     const int kw = min(split_words, words_per_row - c0w);
-    // dynamic shared: slots int [num_assign] | xs u16 [stage_tokens + 1][tstride] | LUT u16 [64][lut_entries]
-    // (the tiles regime's raw rows after it), or at decode the 5-8-bit cell table (CellTab)
+    // dynamic shared: slots int [num_assign] | xs u16 [stage_tokens + 1][tstride] | the kernels holding
+    // 5-8-bit blocks: the cell table (CellTab) | the tiles regime's raw rows (TilesStager)
     int* slots = reinterpret_cast<int*>(smem_raw);
     // +64 B: consecutive tokens alternate bank halves. The tiles regime stages one step.
     const int tstride = (NT8 == 1 ? split_words : GV_STEP_WORDS) * 32 + 32;
     u16* xs = reinterpret_cast<u16*>(smem_raw + ((num_assign * 4 + 15) & ~15));
-    // LUT rows of lut_entries u16, from a 512-byte boundary: each row is aligned to its size
+    // The 512-byte boundary past xs (then 64 rows of lut_entries u16, which the host passes as 0)
     const u32 lut_off = ((num_assign * 4 + 15) & ~15) + (stage_tokens + 1) * tstride * 2;
     const u32 lut_at = shared_addr(smem_raw) + lut_off;
     u16* lut_s = reinterpret_cast<u16*>(smem_raw + lut_off + (((lut_at + 511u) & ~511u) - lut_at));
@@ -1500,8 +1500,8 @@ __device__ __forceinline__ void gemv_cta(
             }
         }
     };
-    // The register LUTs' entries are loaded here and built after the first staging (run_passes),
-    // so their loads overlap it.
+    // The row tables' entries are loaded here; at decode they are built after the first staging
+    // (run_passes), so their loads overlap it.
     // COMPACT: the decode ping-pong of the kernels holding 5-8-bit blocks keeps one copy of the step's
     // code, its two words in a rolled loop (less SASS to fetch cold); the 3-4-bit kernel is faster
     // unrolled.

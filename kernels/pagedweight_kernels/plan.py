@@ -35,7 +35,7 @@ THREADS = 256  # the prefill kernel's and moe_combine's CTA
 # The prefill kernel (apl_moe.cu): token tiles by tokens per expert, 64 weight rows a CTA.
 PREFILL_TILES = ((12.0, 16), (40.0, 32), (80.0, 64))  # (up to this many tokens per expert, tile)
 PREFILL_LARGEST_TILE = 128  # above the last limit
-SMEM_ALIGN_PAD = 1024  # the kernels round their shared memory start up to 1 KB (aligned LUT rows)
+SMEM_ALIGN_PAD = 1024  # the prefill kernel rounds its shared memory start up to 1 KB (aligned_smem)
 PREFILL_ROWS, PREFILL_SP = 64, 136  # weight rows per prefill CTA; padded shared row (u16)
 # The decode kernel (apl_gemv.cu): two launches per layer.
 GEMV_MAX_TOKENS_PER_EXPERT = 4.0  # above: the tiles regime; a hot expert takes passes of 8
@@ -88,7 +88,7 @@ class GemmPlan:
     splits: int  # column splits (gemv and tiles)
     split_cols: int
     grid: tuple[int, int, int]
-    shared_bytes: int  # gemv: without the 5-8-bit class's LUT (added per launch)
+    shared_bytes: int  # gemv: without the cell table and the tiles' raw rows (gemv_extra_shared, added per launch)
     tiles: int = 1  # gemv/tiles/staged: the kernel's NT8, 8-token tiles per pass (> 1: the tiles regime)
     stages: int = 0  # staged: the ring's buffers
 
@@ -162,7 +162,7 @@ def _wave_splits(ctas_per_split: int, words: int, most_splits: int, max_split: i
     waves takes fewer, longer splits instead of a tail wave (Mixtral's down at 1 token: 4
     splits, 512 CTAs, one wave, instead of 5 splits, 640 CTAs, 1.21 waves).
     Ties go to the smaller grid (fewer partials to reduce). Memoised: an eager layer call
-    plans each projection (the search over splits cost ~17 us a Mixtral call on a CPU core)."""
+    plans each projection (the search over splits costs ~17 us a Mixtral call on a CPU core)."""
     return _wave_splits_for(ctas_per_split, words, most_splits, max_split, wave, GEMV_CTA_FIXED_STEPS)
 
 
