@@ -106,8 +106,8 @@ def grouped_moe_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: t
     if T == 0:
         return torch.zeros_like(x)
     # One sort, and the groups' ends by a binary search of every expert id in the sorted
-    # ids (offs[e] = assignments to experts <= e): 3 launches where argsort, a scatter-add
-    # count and its running sum took 6, in a decode graph that replays them every layer.
+    # ids (offs[e] = assignments to experts <= e): 3 launches, half of what argsort, a scatter-add
+    # count and its running sum take, in a decode graph that replays them every layer.
     sorted_ids, order = torch.sort(topk_ids.reshape(-1), stable=True)
     offs = torch.searchsorted(sorted_ids, _expert_ids(gate_up.shape[0], x.device), right=True, out_int32=True)
     rows = x[order // k]  # [T*k, H], sorted by expert

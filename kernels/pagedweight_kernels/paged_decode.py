@@ -10,8 +10,8 @@ graph, and the work follows each sequence's own length, not the longest one's.
   walks its share of the sequence's blocks with an online softmax, for every query head of
   the group at once, and writes an unnormalised partial (max, sum, weighted values). The
   splits (flash-decoding) keep the GPU busy when a few sequences have long contexts; a
-  second small kernel (`combine_splits_triton`) merges them, where the torch combine took
-  about eight launches per layer.
+  second small kernel (`combine_splits_triton`) merges them in one launch (a torch combine
+  takes about eight per layer).
 - `paged_decode_torch`: the same arithmetic in plain torch, a chunk of block columns at a
   time (only that chunk's tiles are read), for the CPU and as the kernel's reference.
 

@@ -26,8 +26,8 @@ def nested_luts(lut8: torch.Tensor) -> dict[int, torch.Tensor]:
 def random_block(rows: int, cols: int, generator: torch.Generator, device="cpu") -> APLBlock:
     """Uniformly random codes (every plane a random byte array) and sorted random LUTs
     scaled like a 1/sqrt(cols) initialisation, drawn where the generator lives (random_layer
-    passes a CUDA one for GPU layers: the CPU generator took 21.7 s for a Qwen1.5-MoE-size
-    layer on a 2-core machine) and then moved to `device`."""
+    passes a CUDA one for GPU layers: the CPU generator takes tens of seconds for a
+    Qwen1.5-MoE-size layer) and then moved to `device`."""
     check_shape(rows, cols)
     where = generator.device
     planes = torch.randint(0, 256, (8, rows, cols // 8), dtype=torch.uint8, generator=generator, device=where)
