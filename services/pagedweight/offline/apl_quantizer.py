@@ -22,8 +22,7 @@ Algorithm (after Any-Precision LLM, Park et al. 2024), per output row of a block
 With `error_feedback`, step 1's codes are chosen column by column against the seed LUT
 with GPTQ's error feedback through the full input Hessian (error_feedback.py) instead of
 nearest-centroid; the LUT_3 stays the seed's and step 2 splits those clusters, so the
-codes stay nested. With `refinement_feedback` as well, step 5's bits take the same feedback,
-one width at a time (error_feedback.refinement_feedback_bits).
+codes stay nested.
 With `lut_refit_bits`, those widths' LUTs are then refitted per row by least squares under
 the full input Hessian, with a ridge toward the bucket means (lut_refit.py); the codes,
 hence the planes and the nesting, are unchanged. A refitted LUT_4 is fitted for 5..8 bits
@@ -45,7 +44,7 @@ from pagedweight.format.apl_format import (
     BASE_LUT_BITS, BIT_WIDTHS, LUT_DTYPE, LUT_WIDTHS, MAX_BITS, MIN_BITS, expand_lut, refinement_bits, with_extent,
 )
 from pagedweight.offline.cell_fit import fit_cells
-from pagedweight.offline.error_feedback import feedback_codes, refinement_feedback_bits
+from pagedweight.offline.error_feedback import feedback_codes
 from pagedweight.offline.lut_refit import PRODUCTS, refit_luts
 
 
@@ -82,9 +81,6 @@ class QuantizerConfig:
     # the 4-bit table alone), and each wider width's weight against the 4-bit objective.
     cell_fit_iters: int = 2
     cell_fit_weights: tuple[float, ...] = (1.0, 1.0, 1.0, 1.0)
-    # with error_feedback: the refinement bits (5-8 bits) take GPTQ's feedback too, one width
-    # at a time (error_feedback.refinement_feedback_bits)
-    refinement_feedback: bool = True
 
     def __post_init__(self):
         object.__setattr__(self, "lut_refit_bits", tuple(self.lut_refit_bits))  # a list from JSON
@@ -128,7 +124,7 @@ def quantize_rows(w: torch.Tensor, importance: torch.Tensor,
     `config.lut_refit_bits` refits those widths' LUTs under.
     seed: (centroids [R, 2^MIN_BITS], codes [R, C]) of the seed width, when the caller made
     them already (layer_quantize.quantize_experts runs the feedback over more experts at
-    once than a k-means tile holds); `feedback` then serves the refinement bits only.
+    once than a k-means tile holds); `feedback` is then not used.
     """
     w = w.float()
     imp = row_importance(w, importance, config)
@@ -161,13 +157,7 @@ def quantize_rows(w: torch.Tensor, importance: torch.Tensor,
                 anchor = (curvature[BASE_LUT_BITS], luts[BASE_LUT_BITS])
                 lut4, _ = fit_cells(w, imp, codes4, lut4, config.cell_fit_iters, config.cell_fit_weights, anchor)
     luts = {MIN_BITS: luts[MIN_BITS].to(LUT_DTYPE), BASE_LUT_BITS: lut4}
-    if config.refinement_feedback and feedback is not None:
-        G, (R, C) = feedback.shape[0], w.shape
-        refined = refinement_feedback_bits(w.view(G, R // G, C), feedback, codes4.view(G, R // G, C),
-                                           lut4.view(G, R // G, -1)).view(R, C)
-    else:
-        refined = refinement_bits(w, codes4, lut4)
-    codes = codes | refined
+    codes = codes | refinement_bits(w, codes4, lut4)
     return QuantizedRows(codes.to(torch.uint8), luts)
 
 

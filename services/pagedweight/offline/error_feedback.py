@@ -25,7 +25,6 @@ from __future__ import annotations
 import torch
 
 from pagedweight.common.errors import UserError
-from pagedweight.format.apl_format import BASE_LUT_BITS, MAX_BITS, cell_bounds
 
 
 def smoothed_full_hessians(gram: torch.Tensor, counts: torch.Tensor, h_diag: torch.Tensor,
@@ -90,43 +89,3 @@ def block_error(w: torch.Tensor, q: torch.Tensor, h: torch.Tensor) -> float:
     """trace((w - q) h (w - q)^T): the error a block's output sees, w and q [R, C], h [C, C]."""
     d = (w - q).double()
     return float(((d @ h.double()) * d).sum())
-
-
-def refinement_feedback_bits(w: torch.Tensor, u: torch.Tensor, codes4: torch.Tensor, lut4: torch.Tensor) -> torch.Tensor:
-    """w [E, R, C], u [E, C, C] (feedback_factors), codes4 [E, R, C] (4-bit codes), lut4 [E, R, 17]
-    (the stored LUT_4) -> the 4 refinement bits of every weight [E, R, C] (int64).
-
-    One bit per width b = 5..8, coarse to fine, each width with its own GPTQ feedback: column by
-    column the half of the weight's (b-1)-bit part of its cell whose b-bit value (the half's
-    centre) is nearest the weight's width-b target, into which the b-bit errors of the columns
-    before it were fed. So every width's error is fed back at that width, the cells (4-bit codes,
-    LUT_4) stay, and the bits nest. A weight that the 3-bit feedback left outside its 4-bit cell
-    keeps an error at every width; here the columns after it take that error up. The four
-    widths run in one column loop (a width's choice in column c needs only the coarser width's
-    in the same column).
-    """
-    E, R, C = w.shape
-    wide = MAX_BITS - BASE_LUT_BITS
-    low, high = cell_bounds(lut4.reshape(E * R, -1))
-    # [C, E, R]: a column's values one contiguous slab
-    low, width = (torch.gather(t.view(E, R, -1), 2, codes4).permute(2, 0, 1).contiguous() for t in (low, high - low))
-    positive = width > 0
-    width_or_1 = torch.where(positive, width, torch.ones_like(width))  # a zero-width cell: position 0
-    scaled = (u.float() / u.diagonal(dim1=1, dim2=2)[:, :, None]).permute(1, 2, 0)  # [C, C, E]: row c feeds c' > c
-    targets = w.float().permute(2, 0, 1)[:, None].repeat(1, wide, 1, 1)  # [C, width, E, R]
-    out = torch.empty(C, E, R, dtype=torch.int64, device=w.device)
-    values = torch.empty(wide, E, R, dtype=torch.float32, device=w.device)
-    for c in range(C):
-        # as apl_format.refinement_bits computes a position, so no feedback gives its bits exactly
-        position = torch.where(positive[c], (targets[c] - low[c]) / width_or_1[c], 0.0)  # [width, E, R]
-        part = torch.zeros(E, R, dtype=torch.float32, device=w.device)
-        for i in range(wide):
-            steps = 2 << i
-            half = torch.minimum(torch.maximum(torch.floor(position[i] * steps), 2 * part), 2 * part + 1)
-            values[i] = low[c] + width[c] * (half + 0.5) / steps
-            part = half
-        out[c] = part.long()
-        if c + 1 < C:
-            error = targets[c] - values  # [width, E, R]
-            targets[c + 1:].addcmul_(error[None], scaled[c, c + 1:, None, :, None], value=-1.0)
-    return out.permute(1, 2, 0).contiguous()

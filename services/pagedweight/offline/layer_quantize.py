@@ -150,7 +150,7 @@ def quantize_experts(w: torch.Tensor, h: torch.Tensor, config: QuantizerConfig, 
                 part_w = group_rows[local, lr]
                 seed = tuple(t[local, lr].reshape(-1, t.shape[-1]) for t in seeds)
             part = quantize_layer(part_w, h[es], config, device, h_full=h_dev[local] if full else None,
-                                  feedback=None if factors is None else factors[local], seed=seed)
+                                  feedback=factors, seed=seed)
             planes[es, :, rs] = part.planes.planes
             for b in LUT_WIDTHS:
                 luts[b][es, rs] = part.planes.luts[b]
