@@ -19,8 +19,11 @@ WIDE = range(BASE_LUT_BITS + 1, MAX_BITS + 1)
 
 
 def summed_error(w, q, importance):
-    """Per row: the importance-weighted squared error at 4 bits plus at each of 5..8 bits."""
-    return sum(((w - dequantize_rows(q, b)) ** 2 * importance).sum(1) for b in range(BASE_LUT_BITS, MAX_BITS + 1))
+    """Per row: the importance-weighted squared error at 4 bits plus at each of 5..8 bits, weighted as
+    the cell fit weighs them (its objective with LUT_4 the 4-bit table, up to a constant)."""
+    weights = (1.0, *QuantizerConfig().cell_fit_weights)
+    return sum(lam * ((w - dequantize_rows(q, b)) ** 2 * importance).sum(1)
+               for lam, b in zip(weights, range(BASE_LUT_BITS, MAX_BITS + 1)))
 
 
 def test_value_model_is_expand_lut():

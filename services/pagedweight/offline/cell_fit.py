@@ -108,7 +108,10 @@ def _solve(sums, anchor, target, u, d, theta):
     # a tiny pull toward the current LUT keeps rows with unused cells solvable
     eps = 1e-9 * normal.diagonal(dim1=1, dim2=2).mean(1, keepdim=True).clamp_min(1e-30)
     normal = normal + torch.diag_embed(eps.expand(-1, _CELLS + 1))
-    return torch.linalg.solve(normal, (rhs + eps * theta)[..., None])[..., 0]
+    # symmetric positive definite: a Cholesky solve (a row whose factorisation fails keeps theta)
+    chol, info = torch.linalg.cholesky_ex(normal)
+    solved = torch.cholesky_solve((rhs + eps * theta)[..., None], chol)[..., 0]
+    return torch.where((info == 0)[:, None], solved, theta)
 
 
 def _stored(theta):
@@ -131,10 +134,10 @@ def _diag_anchor(cells, h, hw, z, centroids):
 def _nearest_child(w, codes4, lut, lam):
     """Each weight's 4-bit code: of the two children of its 3-bit cluster, the one whose 4-bit
     value and 5-8-bit values (weighted 1 and lam) lie nearest it (its importance is the same
-    factor on both, so it does not enter)."""
+    factor on both, so it does not enter); and its refinement code in that child's cell."""
     low, high = cell_bounds(lut)
     first = (codes4 >> 1) << 1
-    cost = []
+    cost, subs = [], []
     for child in (first, first + 1):
         lo, width = torch.gather(low, 1, child), torch.gather(high - low, 1, child)
         sub = refinement_bits(w, child, lut)
@@ -143,7 +146,9 @@ def _nearest_child(w, codes4, lut, lam):
             value = lo + width * (((sub >> (MAX_BITS - b)) + 0.5) / (1 << (b - BASE_LUT_BITS)))
             total = total + weight * (w - value) ** 2
         cost.append(total)
-    return first + (cost[1] < cost[0]).long()
+        subs.append(sub)
+    high_child = cost[1] < cost[0]
+    return first + high_child.long(), torch.where(high_child, subs[1], subs[0])
 
 
 def fit_cells(w: torch.Tensor, imp: torch.Tensor, codes4: torch.Tensor, lut4: torch.Tensor, iters: int,
@@ -178,11 +183,14 @@ def fit_cells(w: torch.Tensor, imp: torch.Tensor, codes4: torch.Tensor, lut4: to
         lut, ok = _stored(_solve(sums, curvature, target, u, d, theta))
         theta = lut.double()
         if reassign:
-            codes4 = torch.where(ok[:, None], _nearest_child(w, codes4, lut, lam), codes4)
+            # (a row whose LUT is no valid table is not kept below, whatever its codes)
+            codes4, sub = _nearest_child(w, codes4, lut, lam)
             cells = rows + codes4
             z = _per_cell(cells, hww)
             curvature, target, const = _diag_anchor(cells, h, hw, z, theta[:, :_CELLS])
-        sums = _cell_sums(cells, refinement_bits(w, codes4, lut), masses, z, lam, frac)
+        else:
+            sub = refinement_bits(w, codes4, lut)
+        sums = _cell_sums(cells, sub, masses, z, lam, frac)
         j = _objective(theta, sums, curvature, target, u, d) + const
         better = ok & (j < best_j)
         best = torch.where(better[:, None], lut, best)
