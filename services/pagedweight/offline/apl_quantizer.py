@@ -150,8 +150,10 @@ def quantize_rows(w: torch.Tensor, importance: torch.Tensor,
         if hessians is None:
             raise UserError("the LUT refit needs the full input Hessians (pass them, or quantise with KMEANS_ONLY)")
         refit4 = BASE_LUT_BITS in config.lut_refit_bits
-        curvature = {BASE_LUT_BITS: torch.empty(w.shape[0], 1 << BASE_LUT_BITS, 1 << BASE_LUT_BITS,
-                                                dtype=torch.float64, device=w.device)} if refit4 and config.cell_fit_iters else None
+        curvature = None  # the refit's 4-bit system, which the second cell fit prices LUT_4 by
+        if refit4 and config.cell_fit_iters:
+            cells = 1 << BASE_LUT_BITS
+            curvature = {BASE_LUT_BITS: torch.empty(w.shape[0], cells, cells, dtype=torch.float64, device=w.device)}
         luts = refit_luts(w, codes, luts, hessians, config.lut_ridge, config.lut_refit_bits, config.lut_refit_product,
                           curvature)
         if refit4:

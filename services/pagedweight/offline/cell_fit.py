@@ -20,13 +20,14 @@ is. So theta minimises
 where the first term is the 4-bit objective around its optimum c* (A: diag of the buckets'
 importance mass, or the refit's system under the full input Hessian, so the 4-bit error the
 refit bought is priced as it measured it) and the rest are the wider widths' importance-weighted
-errors (lam = 1: the sum of the errors of every width LUT_4 serves). Lloyd-style, a few passes
-of: the refinement codes (nearest value in the cell: apl_format.refinement_bits), then theta, a
-least-squares step, neither raising J. Without the refit's anchor a pass also moves each weight to
-the child of its 3-bit cluster that lowers its share of J (the 3-bit codes, hence the nesting,
-stay), and the refit then runs on those codes and anchors a second fit that keeps them. A row
-keeps its start unless the fitted LUT (rounded to fp16, sorted, e >= 0) lowers J. LUT_3 and the
-format are untouched: only which 4-bit child a weight takes and the 17 numbers a row stores change.
+errors (the quantizer weighs 5..8 bits 1, 1, 2, 4: 7 and 8 bits' errors are small enough that
+weight 1 leaves them no say). Lloyd-style, a few passes of: the refinement codes (nearest value
+in the cell: apl_format.refinement_bits), then theta, a least-squares step, neither raising J.
+Without the refit's anchor a pass also moves each weight to the child of its 3-bit cluster that
+lowers its share of J (the 3-bit codes, hence the nesting, stay), and the refit then runs on those
+codes and anchors a second fit that keeps them. A row keeps its start unless the fitted LUT
+(rounded to fp16, sorted, e >= 0) lowers J. LUT_3 and the format are untouched: only which 4-bit
+child a weight takes and the 17 numbers a row stores change.
 
 The wider widths' sums come from per-8-bit-code moments of the row (importance mass and
 importance-weighted sum of w), one `index_add` a pass: a code's value at every width is a
@@ -83,7 +84,8 @@ def _cell_sums(cells, sub, masses, z, lam, frac):
 def _per_cell(cells, x):
     """sum of x [R*C] per (row, cell) [R, 16]."""
     R = cells.shape[0]
-    return torch.zeros(R * _CELLS, dtype=torch.float64, device=x.device).index_add_(0, cells.reshape(-1), x).view(R, _CELLS)
+    out = torch.zeros(R * _CELLS, dtype=torch.float64, device=x.device)
+    return out.index_add_(0, cells.reshape(-1), x).view(R, _CELLS)
 
 
 def _objective(theta, sums, anchor, target, u, d):
