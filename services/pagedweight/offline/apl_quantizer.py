@@ -7,21 +7,26 @@ Algorithm (after Any-Precision LLM, Park et al. 2024), per output row of a block
    output actually sees.
 2. Upscaling to 4 bits: every cluster of the 3-bit quantiser is split in two by a
    weighted 1-D 2-means over its own members only. Child 2p holds the smaller values
-   of parent p and child 2p+1 the larger, so a weight's 4-bit code is its 3-bit code
-   followed by one more bit.
-3. LUT_3[row] and LUT_4[row] hold the weighted means at each level, rounded to fp16.
-4. Refinement, 5..8 bits: the format derives those widths' values from LUT_4's cells
-   (apl_format.expand_lut: equal sub-intervals of each cell), so a weight's 4 low code
-   bits are the index of the 1/16 sub-interval of its cell it falls in (clamped to the
-   cell). Floor of a uniform grid nests, so the top b bits of that 8-bit code pick the
-   nearest b-bit value in the weight's cell at every width (nested quantisation).
+   of parent p and child 2p+1 the larger (until step 4), so a weight's 4-bit code is its
+   3-bit code followed by one more bit.
+3. LUT_3[row] holds the weighted means of the 3-bit clusters, rounded to fp16.
+4. LUT_4 and the 4-bit codes, for every width that reads them (cell_fit.py): the format
+   derives the 5..8-bit values from LUT_4's cells (apl_format.expand_lut: equal sub-intervals
+   of each cell), so the 4-bit means alone put a 5-bit value a quarter cell from a weight
+   that sits on its centroid. LUT_4's 16 centroids and extent minimise the 4-bit error plus
+   the 5..8-bit errors, and each weight takes the child of its 3-bit cluster that lowers
+   that sum (the 3-bit codes stay, so the codes stay nested).
+5. Refinement, 5..8 bits: a weight's 4 low code bits are the index of the 1/16 sub-interval
+   of its cell it falls in (clamped to the cell). Floor of a uniform grid nests, so the top b
+   bits of that 8-bit code pick the nearest b-bit value in the weight's cell at every width.
 With `error_feedback`, step 1's codes are chosen column by column against the seed LUT
 with GPTQ's error feedback through the full input Hessian (error_feedback.py) instead of
 nearest-centroid; the LUT_3 stays the seed's and step 2 splits those clusters, so the
 codes stay nested.
 With `lut_refit_bits`, those widths' LUTs are then refitted per row by least squares under
 the full input Hessian, with a ridge toward the bucket means (lut_refit.py); the codes,
-hence the planes and the nesting, are unchanged.
+hence the planes and the nesting, are unchanged. A refitted LUT_4 is fitted for 5..8 bits
+once more (step 4, the codes kept), its 4-bit error priced by the refit's own system.
 
 Everything is vectorised over all rows of all blocks passed in: 1-D assignment to
 sorted centroids is a `searchsorted` against the midpoints, and cluster sums are
@@ -38,6 +43,7 @@ from pagedweight.common.errors import UserError
 from pagedweight.format.apl_format import (
     BASE_LUT_BITS, BIT_WIDTHS, LUT_DTYPE, LUT_WIDTHS, MAX_BITS, MIN_BITS, expand_lut, refinement_bits, with_extent,
 )
+from pagedweight.offline.cell_fit import fit_cells
 from pagedweight.offline.error_feedback import feedback_codes
 from pagedweight.offline.lut_refit import PRODUCTS, refit_luts
 
@@ -71,9 +77,20 @@ class QuantizerConfig:
     # identical, 10 of 7.4 M entries one fp16 step off; float32: 0.04 %, up to 9 steps);
     # docs/quantize.md, "What the new default costs at real shape".
     lut_refit_product: str = "float64"
+    # LUT_4 fitted for the 5-8-bit values too (cell_fit.py): alternating passes (0: LUT_4 is
+    # the 4-bit table alone; 2 passes: +39% quantisation time on tiny-qwen-moe, 1 pass +21%
+    # with less of the gain), and each wider width's weight against the 4-bit objective: 2 and
+    # 4 at 7 and 8 bits, whose errors are 16 and 64 times smaller than the 5-bit one, so that
+    # they have a say (docs/apl_format.md, "What we tried").
+    cell_fit_iters: int = 2
+    cell_fit_weights: tuple[float, ...] = (1.0, 1.0, 2.0, 4.0)
 
     def __post_init__(self):
         object.__setattr__(self, "lut_refit_bits", tuple(self.lut_refit_bits))  # a list from JSON
+        object.__setattr__(self, "cell_fit_weights", tuple(self.cell_fit_weights))
+        if len(self.cell_fit_weights) != MAX_BITS - BASE_LUT_BITS or min(self.cell_fit_weights) < 0:
+            raise UserError(f"cell fit weights {list(self.cell_fit_weights)}: one weight >= 0 for each of "
+                            f"{BASE_LUT_BITS + 1}..{MAX_BITS} bits")
         if not set(self.lut_refit_bits) <= set(LUT_WIDTHS):
             raise UserError(f"LUT refit widths {list(self.lut_refit_bits)}: only the stored LUTs "
                             f"{list(LUT_WIDTHS)} can be refitted (wider widths derive from LUT_{BASE_LUT_BITS})")
@@ -87,7 +104,8 @@ class QuantizerConfig:
 
 
 # The quantiser without error feedback and LUT refit (the ablation): the weighted
-# k-means seed, nearest-centroid codes and bucket-mean LUTs; needs no full Hessians.
+# k-means seed, nearest-centroid codes, bucket-mean LUT_3 and LUT_4 fitted for 4-8 bits
+# (the cell fit needs only the Hessian diagonal); needs no full Hessians.
 KMEANS_ONLY = QuantizerConfig(error_feedback=False, lut_refit_bits=())
 
 
@@ -122,13 +140,29 @@ def quantize_rows(w: torch.Tensor, importance: torch.Tensor,
     for bits in range(MIN_BITS, BASE_LUT_BITS):
         codes, centroids = _split_clusters(w, imp, codes, centroids, config.split_iters)
         luts[bits + 1] = centroids
+    lut4 = with_extent(luts[BASE_LUT_BITS], w)
+    if config.cell_fit_iters:  # the 4-bit codes and LUT_4 chosen for the 5-8-bit values too
+        lut4, codes = fit_cells(w, imp, codes, lut4, config.cell_fit_iters, config.cell_fit_weights)
+        luts[BASE_LUT_BITS] = _weighted_means(w, imp, codes, 1 << BASE_LUT_BITS, lut4[:, :-1].float())
+    codes4 = codes
     codes = codes << (MAX_BITS - BASE_LUT_BITS)  # 8-bit codes with the refinement bits still 0
     if config.lut_refit_bits:
         if hessians is None:
             raise UserError("the LUT refit needs the full input Hessians (pass them, or quantise with KMEANS_ONLY)")
-        luts = refit_luts(w, codes, luts, hessians, config.lut_ridge, config.lut_refit_bits, config.lut_refit_product)
-    luts = {MIN_BITS: luts[MIN_BITS].to(LUT_DTYPE), BASE_LUT_BITS: with_extent(luts[BASE_LUT_BITS], w)}
-    codes = codes | refinement_bits(w, codes >> (MAX_BITS - BASE_LUT_BITS), luts[BASE_LUT_BITS])
+        refit4 = BASE_LUT_BITS in config.lut_refit_bits
+        curvature = None  # the refit's 4-bit system, which the second cell fit prices LUT_4 by
+        if refit4 and config.cell_fit_iters:
+            cells = 1 << BASE_LUT_BITS
+            curvature = {BASE_LUT_BITS: torch.empty(w.shape[0], cells, cells, dtype=torch.float64, device=w.device)}
+        luts = refit_luts(w, codes, luts, hessians, config.lut_ridge, config.lut_refit_bits, config.lut_refit_product,
+                          curvature)
+        if refit4:
+            lut4 = with_extent(luts[BASE_LUT_BITS], w)
+            if curvature:  # fitted again, its 4-bit error priced by the refit's own system
+                anchor = (curvature[BASE_LUT_BITS], luts[BASE_LUT_BITS])
+                lut4, _ = fit_cells(w, imp, codes4, lut4, config.cell_fit_iters, config.cell_fit_weights, anchor)
+    luts = {MIN_BITS: luts[MIN_BITS].to(LUT_DTYPE), BASE_LUT_BITS: lut4}
+    codes = codes | refinement_bits(w, codes4, lut4)
     return QuantizedRows(codes.to(torch.uint8), luts)
 
 

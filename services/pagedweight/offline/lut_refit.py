@@ -45,11 +45,15 @@ PRODUCTS = ("float64", "float32", "bf16x3")
 
 
 def refit_luts(w: torch.Tensor, codes: torch.Tensor, luts: dict[int, torch.Tensor], hessians: torch.Tensor,
-               ridge: float, widths: tuple[int, ...], product: str = "float64") -> dict[int, torch.Tensor]:
+               ridge: float, widths: tuple[int, ...], product: str = "float64",
+               curvature: dict[int, torch.Tensor] | None = None) -> dict[int, torch.Tensor]:
     """w [R, C] fp32, codes [R, C] 8-bit nested codes, luts bits -> [R, 2^bits] (the bucket
     means), hessians [G, C, C] for G equal groups of consecutive rows -> the same dict
     with the `widths` refitted (float32; others unchanged). Unused entries keep their value.
-    product: the arithmetic of H S^T, the refit's only large cost (bucket_systems)."""
+    product: the arithmetic of H S^T, the refit's only large cost (bucket_systems).
+    curvature: bits -> [R, 2^bits, 2^bits] float64 to fill with each row's system matrix
+    (a + ridge diag(mass), solve_ridge's), the Hessian of that width's refit objective in
+    the LUT entries (cell_fit.py prices moving them by it)."""
     R, C = w.shape
     G = hessians.shape[0]
     rows_per_group = R // G
@@ -77,6 +81,8 @@ def refit_luts(w: torch.Tensor, codes: torch.Tensor, luts: dict[int, torch.Tenso
                     target[local] = value
         for b in widths:
             fitted[b][first:stop] = solve_ridge(*systems[b], luts[b][first:stop].double(), ridge).float()
+            if curvature is not None and b in curvature:
+                curvature[b][first:stop] = systems[b][0] + torch.diag_embed(ridge_pull(systems[b][2], ridge))
     return {**luts, **fitted}
 
 
@@ -159,12 +165,16 @@ def bucket_systems(w: torch.Tensor, codes: torch.Tensor, h: torch.Tensor,
     return out
 
 
+def ridge_pull(mass: torch.Tensor, ridge: float) -> torch.Tensor:
+    """The ridge's weight per bucket [r, K]: ridge * mass, and for an empty bucket a tiny multiple
+    of the row's mean mass, so its system stays solvable."""
+    return ridge * mass + 1e-6 * mass.mean(1, keepdim=True).clamp_min(1e-30)
+
+
 def solve_ridge(a: torch.Tensor, rhs: torch.Tensor, mass: torch.Tensor, means: torch.Tensor,
                 ridge: float) -> torch.Tensor:
     """(a + ridge diag(mass)) lut = rhs + ridge mass means per row [r, K]; an empty bucket
-    (mass 0, its row of a zero) keeps its mean: a tiny multiple of the row's mean mass
-    stands in for its ridge so the system stays solvable."""
-    floor = 1e-6 * mass.mean(1, keepdim=True).clamp_min(1e-30)
-    pull = ridge * mass + floor
+    (mass 0, its row of a zero) keeps its mean (ridge_pull)."""
+    pull = ridge_pull(mass, ridge)
     lut = torch.linalg.solve(a + torch.diag_embed(pull), (rhs + pull * means)[..., None])[..., 0]
     return torch.where(mass > 0, lut, means)
