@@ -1,8 +1,8 @@
 #!/bin/bash
 # One device call after a change to the fused kernel (kernels/pagedweight_kernels/apl_*.cu): the
-# smoke set (every regime x width x dtype against the torch reference), the decode, tiles and staged
-# GPU tests and the pager's captured graphs, then the kernel-layer benchmarks of the three seed shapes,
-# their JSON under $OUT. Steps run most telling first, each under its own time limit, so a call
+# smoke set (every regime x width x dtype against the torch reference), the seed models' layer
+# shapes against it too, the decode, tiles and staged GPU tests and the pager's captured graphs,
+# then the kernel-layer benchmarks of the three seed shapes, their JSON under $OUT. Steps run most telling first, each under its own time limit, so a call
 # cut short still returns what it measured (stdout is also kept in $OUT/kernel_change.log).
 # Usage (device): OUT=$OUT CODE_COMMIT=<c> bash tools/kernel_change_gpu.sh
 . "$(dirname "$0")/device_call.sh"
@@ -17,6 +17,9 @@ stamp "precompile rc $?"
 export PAGEDWEIGHT_TEST_PRECOMPILE=0  # (done above)
 timeout 150 python3 -m pytest -q -m gpu -rfE --tb=line tests/kernels/test_gpu_smoke.py | tail -n 12
 stamp "smoke rc ${PIPESTATUS[0]}"
+# the same kernel at the seed models' real layer shapes, against the reference
+timeout 150 python3 -m pytest -q -m gpu -rfE --tb=line tests/kernels/test_seed_shapes_gpu.py | tail -n 12
+stamp "seed shapes rc ${PIPESTATUS[0]}"
 for shape in qwen mixtral; do
   timeout 100 python3 -m bench run "kernel-layer-$shape" > "/tmp/bench_$shape.log" 2>&1
   stamp "kernel-layer-$shape rc $?"
