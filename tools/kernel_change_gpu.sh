@@ -2,8 +2,9 @@
 # One device call after a change to the fused kernel (kernels/pagedweight_kernels/apl_*.cu): the
 # smoke set (every regime x width x dtype against the torch reference), the seed models' layer
 # shapes against it too, the decode, tiles and staged GPU tests and the pager's captured graphs,
-# then the kernel-layer benchmarks of the three seed shapes, their JSON under $OUT. Steps run most telling first, each under its own time limit, so a call
-# cut short still returns what it measured (stdout is also kept in $OUT/kernel_change.log).
+# then the kernel-layer benchmarks of the three seed shapes, their JSON under $OUT. Steps run most
+# telling first, each under its own time limit, so a call cut short still returns what it
+# measured (stdout is also kept in $OUT/kernel_change.log).
 # Usage (device): OUT=$OUT CODE_COMMIT=<c> bash tools/kernel_change_gpu.sh
 . "$(dirname "$0")/device_call.sh"
 exec > >(tee -a "$OUT/kernel_change.log") 2>&1
