@@ -152,7 +152,11 @@ def test_activation_changes_the_kernel_output():
     assert relative_error(outs["silu"], outs["gelu_tanh"]) > 0.05
 
 
-def check_case(case, regime=None, bits=None, activation="silu", stable=False, config=None):
+def check_case(case, regime=None, bits=None, activation="silu", stable=False, config=None, in_graph=False):
+    """The kernel's output for `case` against the fp32 reference, twice (deterministic);
+    in_graph: also captured in a CUDA graph and replayed, which must give the eager output bit
+    for bit (a launch that reads its predecessor's output before its programmatic wait, or a
+    workspace the capture does not reset, shows here)."""
     E, k, H, I, T, used, dtype = case
     device = torch.device("cuda")
     uniform = bits if isinstance(bits, dict) else \
@@ -177,7 +181,28 @@ def check_case(case, regime=None, bits=None, activation="silu", stable=False, co
     err = relative_error(outs[0], ref)
     assert err < TOLERANCE[dtype], f"kernel error {err:.2e} (reference in {dtype}: {relative_error(ref_act, ref):.2e})"
     assert torch.equal(outs[0], outs[1]), "two runs differ: the reduction is not deterministic"
+    if in_graph:
+        assert torch.equal(replayed(x, ids, w, layer, regime, config), outs[0]), "a graph replay differs from the eager run"
     return outs[0]
+
+
+def replayed(x, ids, w, layer, regime=None, config=None) -> torch.Tensor:
+    """apl_moe captured once in a CUDA graph (after a warm-up on a side stream, as the engine
+    captures) and replayed twice into a NaN-filled output."""
+    out = torch.full_like(x, float("nan"))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        apl_moe(x, ids, w, layer, out=out, regime=regime, config=config)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        apl_moe(x, ids, w, layer, out=out, regime=regime, config=config)
+    for _ in range(2):
+        out.fill_(float("nan"))
+        graph.replay()
+    torch.cuda.synchronize()
+    return out
 
 
 def test_decode_with_no_valid_expert_writes_zeros():
