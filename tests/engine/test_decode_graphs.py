@@ -26,6 +26,7 @@ from pagedweight.memory.kv_cache import KVCacheConfig
 from pagedweight.model import load_model
 from pagedweight.weights.routing_feed import RoutingFeed
 from tests.conftest import BUNDLED_MODEL
+from tests.engine.replay_check import compare_replays_with_eager
 
 PROMPT_LENS = (3, 17, 33, 5, 40, 1, 29)
 MAX_TOKENS = (10, 5, 12, 9, 8, 11, 7)
@@ -301,21 +302,7 @@ def test_cuda_graph_replays_compute_the_eager_step():
     engine = _engine(model, "cuda", capture=None)
     runner = engine.runner
     assert runner.graphs is not None
-    replay, checked = runner._replay, []
-
-    def replay_and_compare(scheduled):
-        replayed = replay(scheduled)
-        if replayed is not None:
-            logits, tokens = (t.clone() for t in replayed)
-            assert torch.equal(tokens, logits.argmax(-1))  # the graph's own argmax
-            ids, step, rows = runner.prepare(scheduled)
-            eager = model.forward_paged(ids, step, rows).float()
-            rel = ((logits.float() - eager).norm() / eager.norm()).item()
-            same = (logits.float().argmax(-1) == eager.argmax(-1)).float().mean().item()
-            checked.append((len(scheduled), sum(s.num_new_tokens for s in scheduled), rel, same))
-        return replayed
-
-    runner._replay = replay_and_compare
+    checked = compare_replays_with_eager(runner, model)
     gen = torch.Generator().manual_seed(3)
     for i, n in enumerate(PROMPT_LENS):
         prompt = torch.randint(1, model.config.vocab_size, (n,), generator=gen).tolist()

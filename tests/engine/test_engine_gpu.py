@@ -12,6 +12,7 @@ from pagedweight.engine.scheduler import SchedulerConfig
 from pagedweight.memory.kv_cache import KVCacheConfig
 from pagedweight.model import load_model
 from tests.conftest import BUNDLED_MODEL
+from tests.engine.replay_check import compare_replays_with_eager
 
 pytestmark = [
     pytest.mark.gpu,
@@ -75,20 +76,7 @@ def test_static_runtime_replays_compute_the_eager_step(paged_micro_dir, policy):
         engine = runtime.engine
         runner = engine.runner
         assert runner.graphs is not None
-        replay, checked = runner._replay, []
-
-        def replay_and_compare(scheduled):
-            replayed = replay(scheduled)
-            if replayed is not None:
-                logits = replayed[0].float().clone()
-                ids, step, rows = runner.prepare(scheduled)
-                eager = engine.model.forward_paged(ids, step, rows).float()
-                rel = ((logits - eager).norm() / eager.norm()).item()
-                same = (logits.argmax(-1) == eager.argmax(-1)).float().mean().item()
-                checked.append((len(scheduled), sum(s.num_new_tokens for s in scheduled), rel, same))
-            return replayed
-
-        runner._replay = replay_and_compare
+        checked = compare_replays_with_eager(runner, engine.model)
         for i, p in enumerate(prompts()):
             engine.add_request(str(i), p, SamplingParams(max_tokens=10, ignore_eos=True))
         engine.run_to_completion()
