@@ -143,7 +143,6 @@ def quantize_rows(w: torch.Tensor, importance: torch.Tensor,
     lut4 = with_extent(luts[BASE_LUT_BITS], w)
     if config.cell_fit_iters:  # the 4-bit codes and LUT_4 chosen for the 5-8-bit values too
         lut4, codes = fit_cells(w, imp, codes, lut4, config.cell_fit_iters, config.cell_fit_weights)
-        luts[BASE_LUT_BITS] = _weighted_means(w, imp, codes, 1 << BASE_LUT_BITS, lut4[:, :-1].float())
     codes4 = codes
     codes = codes << (MAX_BITS - BASE_LUT_BITS)  # 8-bit codes with the refinement bits still 0
     if config.lut_refit_bits:
@@ -153,6 +152,8 @@ def quantize_rows(w: torch.Tensor, importance: torch.Tensor,
         curvature = None  # the refit's 4-bit system, which the second cell fit prices LUT_4 by
         if refit4 and config.cell_fit_iters:
             cells = 1 << BASE_LUT_BITS
+            # the refit starts from (and pulls toward) the bucket means of the fitted 4-bit codes
+            luts[BASE_LUT_BITS] = _weighted_means(w, imp, codes4, cells, lut4[:, :-1].float())
             curvature = {BASE_LUT_BITS: torch.empty(w.shape[0], cells, cells, dtype=torch.float64, device=w.device)}
         luts = refit_luts(w, codes, luts, hessians, config.lut_ridge, config.lut_refit_bits, config.lut_refit_product,
                           curvature)
