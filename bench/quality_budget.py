@@ -109,7 +109,6 @@ class Scorer:
         return int(bits * int(self.weights.sum()) // 8)
 
 
-
 def windows_of(ids: list[int], length: int, count: int) -> torch.Tensor:
     """`count` windows of `length` scored tokens (length + 1 ids each), consecutive."""
     if len(ids) < count * length + 1:
