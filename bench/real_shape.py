@@ -121,8 +121,13 @@ def graph_counts(engine) -> dict:
 
 def tokens_per_s(engine, spec: LoadSpec, device: torch.device) -> dict:
     """Output tokens/s of a load after a warm-up load, with the graph captures and replays
-    of the measured load (captures there are time the load paid for)."""
-    drive_load(engine, LoadSpec(spec.concurrency, spec.concurrency, spec.prompt_len, 4, seed=1))  # warm-up
+    of the measured load (captures there are time the load paid for). The warm-up's requests
+    run until the last prompt's prefill chunk is done and every sequence decodes at once, so
+    it meets the decode buckets the measured load meets (with 4 new tokens the first chunks'
+    sequences finished before the last chunk ran, and the full batch's bucket was captured
+    inside the measured load)."""
+    prefill_steps = -(-spec.concurrency * spec.prompt_len // engine.config.scheduler.max_num_batched_tokens)
+    drive_load(engine, LoadSpec(spec.concurrency, spec.concurrency, spec.prompt_len, max(4, prefill_steps + 2), seed=1))
     sync(device)
     before = graph_counts(engine)
     load = drive_load(engine, spec)
