@@ -2,7 +2,7 @@
 per token count and bit configuration, against bf16 on the same experts in the same run (the
 torch._grouped_mm and the engine's bf16 GEMV), and the HBM floor: the bytes the fused kernel must
 read over the copy bandwidth measured in the same run. docs/kernel.md says how it is timed;
-bench/kernel_table.py renders its tables. Several copies of the layer and a fresh routing per
+bench/tables.py renders its tables. Several copies of the layer and a fresh routing per
 call keep the weights out of L2, as a model running its layers in turn does.
 """
 

@@ -1,6 +1,6 @@
 """The docs' result tables from bench/results/ (`python -m bench tables [--check]`): what lies
 between a page's `<!-- table: NAME -->` and `<!-- /table -->` is what TABLES[NAME] renders, so
-after a new run the diff shows what moved.
+after a new run the diff shows what moved. A rewritten page's figures (FIGURES) are drawn again.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import re
 import sys
 from pathlib import Path
 
-from bench.bench_meta import REPO, RESULTS_DIR as RESULTS, STEP_COMPONENTS, md_header, md_row
+from bench.bench_meta import REPO, RESULTS_DIR as RESULTS, STEP_COMPONENTS, md_header, md_row, pyplot, save_figure
 
 DOCS = REPO / "docs"
 
@@ -210,12 +210,77 @@ def budget_sweep(files: list[str]) -> list[str]:
     return lines + ["", source(*present)]
 
 
+KERNEL_WIDTHS = ("3", "4", "5", "6", "7", "8", "mixed")
+
+
+def kernel_cell(row: dict, width: str) -> str:
+    """'fused us (x floor, x bf16)' for one width of one row, or '' when not timed."""
+    timed = row.get(f"bits_{width}")
+    if not timed:
+        return ""
+    grouped = row.get("bf16_grouped_us")
+    speedup = f", {grouped / timed['fused_us']:.2f}x bf16" if grouped else ""
+    return f"{timed['fused_us']:.1f} ({timed['fused_over_floor']:.2f}x floor{speedup})"
+
+
+def kernel_model_table(rows: list[dict]) -> list[str]:
+    widths = [w for w in KERNEL_WIDTHS if any(f"bits_{w}" in r for r in rows)]
+    gemv = any(r.get("bf16_gemv_us") for r in rows)  # results that timed the engine's bf16 GEMV
+    names = [f"{w} bits" if w != "mixed" else "mixed" for w in widths]
+    lines = md_header("tokens", *names, "bf16 grouped", *["bf16 engine GEMV"] * gemv, "mixed / byte-weighted")
+    for row in sorted(rows, key=lambda r: r["tokens"]):
+        mixed = row.get("bits_mixed", {}).get("over_byte_weighted")
+        grouped, gemv_us = row.get("bf16_grouped_us"), row.get("bf16_gemv_us")
+        lines.append(md_row(row["tokens"], *(kernel_cell(row, w) for w in widths), f"{grouped:.1f}" if grouped else "",
+                            *[f"{gemv_us:.1f}" if gemv_us else ""] * gemv, f"{mixed:.2f}x" if mixed else ""))
+    return lines
+
+
+def kernel(files: list[str]) -> list[str]:
+    """The kernel benchmark (bench/apl_moe_kernel.py), one table per result and model:
+    microseconds per MoE layer call at each width, its ratio to the HBM floor and its speed-up
+    over bf16 grouped GEMM on the same experts in the same run."""
+    lines = []
+    for f in files:
+        d = load(f)
+        lines += [""] * bool(lines) + [f"Measured on {d['gpu']}, {d['date'][:10]} (`bench/results/{f}`); microseconds "
+                                       "per layer call (ratio to the HBM floor, speed-up over bf16 grouped GEMM in "
+                                       "the same run)."]
+        models: dict[str, list] = {}
+        for row in d["results"]:
+            models.setdefault(row["model"], []).append(row)
+        for name, rows in models.items():
+            lines += ["", f"**{name}**", "", *kernel_model_table(rows)]
+    return lines
+
+
+def kernel_plot(files: list[str], path: Path) -> None:
+    """Speed-up over bf16 grouped GEMM against tokens, one panel per model, a line per width."""
+    results = [row for f in files for row in load(f)["results"]]
+    models = sorted({r["model"] for r in results})
+    fig, axes = pyplot().subplots(1, len(models), figsize=(5 * len(models), 3.6), squeeze=False)
+    for ax, name in zip(axes[0], models):
+        rows = sorted((r for r in results if r["model"] == name), key=lambda r: r["tokens"])
+        for width in KERNEL_WIDTHS:
+            points = [(r["tokens"], r["bf16_grouped_us"] / r[f"bits_{width}"]["fused_us"]) for r in rows
+                      if r.get(f"bits_{width}") and r.get("bf16_grouped_us")]
+            if points:
+                ax.plot(*zip(*points), marker="o", label=f"{width} bits" if width != "mixed" else "mixed")
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set(title=name, xlabel="tokens per layer call", ylabel="speed-up over bf16 grouped GEMM")
+    axes[0][-1].legend(fontsize=7)
+    save_figure(fig, path)
+
+
 # the real-shape recipes' models (RECIPES in bench/__main__.py), in the order the tables show them
 REAL_SHAPE_MODELS = ("qwen1.5-moe-a2.7b", "mixtral-8x7b", "gemma-4-26b-a4b")
 # the earlier H200 results, which also ran the real-shape-qwen3 and -olmoe recipes
 REAL_SHAPE_MODELS_H200 = ("qwen1.5-moe-a2.7b", "mixtral-8x7b", "qwen3-30b-a3b", "olmoe-1b-7b", "gemma-4-26b-a4b")
+KERNEL_RESULTS = [f"apl_moe_kernel_{m}_h100.json" for m in ("qwen", "mixtral", "gemma4")]
 # table name -> (generator, result files)
 TABLES = {
+    "kernel": (kernel, KERNEL_RESULTS),
     "real_shape_h100": (real_shape, [f"real_shape_{m}_h100.json" for m in REAL_SHAPE_MODELS]),
     "real_shape_components": (real_shape_components, [f"real_shape_{m}_h100.json" for m in REAL_SHAPE_MODELS]),
     "real_shape_pressure": (real_shape_pressure, ["real_shape_qwen1.5-moe-a2.7b_h100.json"]),
@@ -234,6 +299,8 @@ PAGES = {"quality.md": ("quality_budget", "quality_budget_cpu.json"),
          "calibration.md": ("calibration_quality", "calibration_quality_cpu.json")}
 # sections such a page goes on with, each a benchmark's own from its result: page -> [(module, result)]
 PAGE_SECTIONS = {"quality.md": [("retrieval_budget", "retrieval_budget_retrieval-moe_cpu.json")]}
+# a page's figures, drawn again where `tables` rewrites the page: page -> [(draw, result files, image)]
+FIGURES = {"kernel.md": [(kernel_plot, KERNEL_RESULTS, "kernel_speedup.png")]}
 MARK = re.compile(r"(<!-- table: (\w+) -->\n)(.*?)(<!-- /table -->)", re.S)
 
 
@@ -266,5 +333,7 @@ def main(argv: list[str] | None = None) -> int:
             stale.append(page.name)
             if not check:
                 page.write_text(new)
+                for draw, files, image in FIGURES.get(page.name, ()):
+                    draw(files, DOCS / image)
     print(("stale: " if check else "rewrote: ") + (", ".join(stale) or "nothing"))
     return 1 if check and stale else 0

@@ -1,6 +1,7 @@
-"""The kernel table's columns: the engine's bf16 GEMV appears only where a result timed it."""
+"""The kernel table's columns (bench/tables.py): the engine's bf16 GEMV appears only where a
+result timed it."""
 
-from bench.kernel_table import model_table
+from bench.tables import kernel_model_table
 
 
 def _row(tokens, gemv=None):
@@ -12,13 +13,13 @@ def _row(tokens, gemv=None):
 
 
 def test_no_gemv_column_without_gemv_timings():
-    text = model_table([_row(1), _row(16)])
-    assert "GEMV" not in text
-    assert all(line.count("|") == 5 for line in text.splitlines())
+    lines = kernel_model_table([_row(1), _row(16)])
+    assert not any("GEMV" in line for line in lines)
+    assert all(line.count("|") == 5 for line in lines)
 
 
 def test_gemv_column_where_timed_and_blank_elsewhere():
-    lines = model_table([_row(1, gemv=40.0), _row(256)]).splitlines()
+    lines = kernel_model_table([_row(1, gemv=40.0), _row(256)])
     assert "bf16 engine GEMV" in lines[0]
     assert all(line.count("|") == 6 for line in lines)  # every row as wide as the header
     assert "| 40.0 |" in lines[2]
