@@ -3,9 +3,9 @@
 builds it (its defines, plus NAME=VALUE overrides), disassembled by nvdisasm; the innermost loops
 holding HMMA or HGMMA, opcodes counted per weight. An m16n8k16 A fragment is 8 weights a thread:
 weights = 8 x HMMA (decode), 8 x HMMA / NT8 (tiles: a fragment feeds NT8 mma), 8 x HGMMA
-(wgmma m64nNk16: 64 x 16 weights over 128 threads). An `apl_staged` instance: the producer's
-innermost loops storing to shared memory (STS.128, 8 weights each), no HGMMA. Needs nvcc
-(CUDA 12.4+ for sm_90) and nvdisasm on PATH or in NVDISASM; no GPU.
+(wgmma m64nNk16: 64 x 16 weights over 128 threads); of an `apl_staged` instance, the
+consumer's HGMMA loops. Needs nvcc (CUDA 12.4+ for sm_90) and nvdisasm on PATH or in NVDISASM;
+no GPU.
 """
 
 from __future__ import annotations
@@ -49,62 +49,23 @@ def loops(sass: str) -> list[tuple[int, int]]:
     return out
 
 
-def _innermost(spans: list[tuple[int, int]], holds) -> list[tuple[int, int]]:
-    """The spans for which holds(a, b) is true and which hold no other such span."""
-    return [(a, b) for a, b in spans if holds(a, b) and not any(
-        a <= a2 and b2 <= b and (a2, b2) != (a, b) and holds(a2, b2) for a2, b2 in spans)]
-
-
-def _loop_mix(lines: list[str], a: int, b: int, weights_of) -> tuple[list[str], dict]:
-    """(opcodes, the per-weight fields) of the loop at lines a..b; weights_of(opcodes) = its weights."""
-    ops = [m.group(1) for line in lines[a:b + 1] if (m := _OPCODE.search(line))]
-    weights = weights_of(ops)
-    counts = collections.Counter(op.split(".")[0] for op in ops)
-    return ops, {"per_weight": round(len(ops) / weights, 4),
-                 "alu_per_weight": round(sum(counts[o] for o in ("PRMT", "LOP3", "SHF")) / weights, 4),
-                 "mix": {op: round(n / weights, 4) for op, n in counts.most_common()}}
-
-
 def step_loop_mixes(sass: str, tiles: int = 1) -> list[dict]:
     """Per innermost loop holding HMMA or HGMMA: instructions, mma, weights and opcodes per
     weight (tiles: the instance's NT8, the mma.sync each A fragment feeds)."""
     lines = sass.splitlines()
-
-    def has_hmma(a, b):
-        return any("HMMA" in line or "HGMMA" in line for line in lines[a:b + 1])
-
-    def weights_of(ops):
-        return 8 * sum(op.startswith("HGMMA") for op in ops) + 8 * sum(op.startswith("HMMA") for op in ops) / tiles
-
+    spans = [(a, b) for a, b in loops(sass) if any("HMMA" in line or "HGMMA" in line for line in lines[a:b + 1])]
     out = []
-    for a, b in _innermost(loops(sass), has_hmma):
-        ops, mix = _loop_mix(lines, a, b, weights_of)
-        out.append({"first_line": a, "instructions": len(ops), "hmma": sum(op.startswith("HMMA") for op in ops),
-                    "hgmma": sum(op.startswith("HGMMA") for op in ops), **mix})
-    return out
-
-
-def producer_loop_mixes(sass: str) -> list[dict]:
-    """Per innermost loop storing 16-byte tiles to shared memory (STS.128) without HGMMA (the
-    staged regime's producer steps): instructions and opcodes per weight, 8 weights a store.
-    An mbarrier wait's retry block sits after the loop and branches back into its middle: such a
-    span starts inside another loop and ends after it, and is no loop of its own."""
-    lines = sass.splitlines()
-    spans = loops(sass)
-    spans = [(a2, b2) for a2, b2 in spans if not any(a < a2 <= b < b2 for a, b in spans)]
-
-    def stores(a, b):
-        body = lines[a:b + 1]
-        return any("STS.128" in line for line in body) and not any("HGMMA" in line for line in body)
-
-    def weights_of(ops):
-        return 8 * sum(op.startswith("STS.128") for op in ops)
-
-    out = []
-    for a, b in _innermost(spans, stores):
-        ops, mix = _loop_mix(lines, a, b, weights_of)
-        out.append({"first_line": a, "instructions": len(ops), "sts128": weights_of(ops) // 8,
-                    "ldg": sum(op.startswith("LDG") for op in ops), **mix})
+    for a, b in spans:
+        if any(a <= a2 and b2 <= b and (a2, b2) != (a, b) for a2, b2 in spans):
+            continue  # it holds an inner one
+        ops = [m.group(1) for line in lines[a:b + 1] if (m := _OPCODE.search(line))]
+        hmma, hgmma = sum(op.startswith("HMMA") for op in ops), sum(op.startswith("HGMMA") for op in ops)
+        weights = 8 * hgmma + 8 * hmma / tiles
+        counts = collections.Counter(op.split(".")[0] for op in ops)
+        out.append({"first_line": a, "instructions": len(ops), "hmma": hmma, "hgmma": hgmma,
+                    "per_weight": round(len(ops) / weights, 4),
+                    "alu_per_weight": round(sum(counts[o] for o in ("PRMT", "LOP3", "SHF")) / weights, 4),
+                    "mix": {op: round(n / weights, 4) for op, n in counts.most_common()}})
     return out
 
 
@@ -167,12 +128,10 @@ def main(argv=None) -> int:
         except (RuntimeError, subprocess.CalledProcessError, FileNotFoundError) as err:
             return refuse(str(err))
     print(resources)
-    staged = args.instance.startswith("apl_staged<")
-    mixes = producer_loop_mixes(sass) if staged else step_loop_mixes(sass, op.instance_tiles(args.instance))
+    mixes = step_loop_mixes(sass, op.instance_tiles(args.instance))
     for m in mixes:
-        counts = f"STS.128 {m['sts128']}" if staged else f"HMMA {m['hmma']}, HGMMA {m['hgmma']}"
-        print(f"{'producer loop' if staged else 'loop'} @{m['first_line']}: {m['instructions']} instructions, "
-              f"{counts}: {m['per_weight']:.3f} / weight (PRMT+LOP3+SHF {m['alu_per_weight']:.3f}) | "
+        print(f"loop @{m['first_line']}: {m['instructions']} instructions, HMMA {m['hmma']}, HGMMA {m['hgmma']}: "
+              f"{m['per_weight']:.3f} / weight (PRMT+LOP3+SHF {m['alu_per_weight']:.3f}) | "
               + "  ".join(f"{k} {v:.3f}" for k, v in list(m["mix"].items())[:12]))
     print(write_result("sass_mix", {"instance": args.instance, "overrides": overrides, "resources": resources,
                                    "loops": mixes}))

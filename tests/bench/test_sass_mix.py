@@ -59,37 +59,3 @@ def test_a_malformed_instance_is_one_error_line_and_exit_2(capsys):
     assert sass_mix.main(["apl_gemv<0, 0, true>"]) == 2
     assert "apl_gemv<CLS, MODE" in capsys.readouterr().err
 
-
-STAGED_LISTING = """
-.L_x_1:
-        /*0010*/                   LDG.E.128 R4, desc[UR4][R2.64] ;
-.L_x_2:
-        /*0020*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR5], R1 ;
-        /*0030*/              @!P0 BRA `(.L_x_9) ;
-.L_x_3:
-        /*0040*/                   PRMT R3, R4, R5, R6 ;
-        /*0050*/                   LOP3.LUT R7, R3, 0x7777, RZ, 0xc0, !PT ;
-        /*0060*/                   STS.128 [R8], R12 ;
-        /*0070*/                   STS.128 [R9], R12 ;
-        /*0080*/               @P1 BRA `(.L_x_2) ;
-        /*0090*/               @P2 BRA `(.L_x_1) ;
-        /*00a0*/                   EXIT ;
-.L_x_9:
-        /*00b0*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR5], R1 ;
-        /*00c0*/              @!P0 BRA `(.L_x_9) ;
-        /*00d0*/                   BRA `(.L_x_3) ;
-.L_x_4:
-        /*00e0*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR8], R24 ;
-        /*00f0*/                   STS.128 [R9], R12 ;
-        /*0100*/               @P1 BRA `(.L_x_4) ;
-"""
-
-
-def test_producer_loops_count_weights_per_16_byte_store_and_skip_wait_retries():
-    """The staged producer's step loop (.L_x_2 to its branch): 5 instructions, 2 STS.128 = 16
-    weights. The wait's retry block branches back into the loop from after it (no loop of its
-    own); the outer loop holds the inner one; the HGMMA loop is the consumer's."""
-    (loop,) = sass_mix.producer_loop_mixes(STAGED_LISTING)
-    assert loop["sts128"] == 2 and loop["instructions"] == 7
-    assert loop["per_weight"] == round(7 / 16, 4)
-    assert loop["mix"]["STS"] == round(2 / 16, 4) and loop["ldg"] == 0
