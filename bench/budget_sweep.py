@@ -21,9 +21,12 @@ from pathlib import Path
 import torch
 
 from bench.bench_meta import free_memory, log, pyplot, save_figure, write_result
-from pagedweight.cli.load_bench import mean_committed_bits
+from bench.quality_budget import Scorer, windows_of
+from pagedweight.cli.load_bench import LoadSpec, drive_load, mean_committed_bits
 from pagedweight.common.errors import UserError
+from pagedweight.common.paths import corpus_dir
 from pagedweight.engine.engine import Engine, EngineConfig
+from pagedweight.engine.graph_warmup import warm_decode_buckets
 from pagedweight.engine.memory_broker import BrokerConfig
 from pagedweight.engine.sampler import SamplingParams
 from pagedweight.engine.scheduler import SchedulerConfig
@@ -166,9 +169,6 @@ def budget_points(sizes: dict, num: int) -> list[int]:
 def warm_up(engine, args) -> None:
     """Kernels compiled and caches made before the clock starts: a short load, then (CUDA)
     every decode bucket once (each new attention split count compiles)."""
-    from pagedweight.cli.load_bench import LoadSpec, drive_load
-    from pagedweight.engine.graph_warmup import warm_decode_buckets
-
     drive_load(engine, LoadSpec(4, 4, args.prompt_len, 4, seed=1))
     if args.device.type == "cuda":
         warm_decode_buckets(engine)
@@ -300,9 +300,6 @@ def run_row(model: Model, point: dict, row_name: str, ecfg, sizes: dict, args) -
 
 def kl_of_plans(args, rows: dict, scorer) -> None:
     """Token-weighted KL(bf16 || served) of the plans each row served most, into each row."""
-    from bench.quality_budget import windows_of
-    from pagedweight.common.paths import corpus_dir
-
     ids = scorer.tokenizer.encode((corpus_dir() / f"{KL_DOMAIN}.valid.txt").read_text())
     windows = windows_of(ids, KL_SEQ_LEN, args.kl_windows)
     order = {b.key(): i for i, b in enumerate(scorer.table.block_ids)}
@@ -355,8 +352,6 @@ def main() -> int:
         point["rows"][row_name] = run_row(model, point, row_name, ecfg, sizes, args)
         path = write_result(name, public(result))
     if args.kl:
-        from bench.quality_budget import Scorer
-
         scorer = Scorer(Path(args.artifact))
         for point in points:
             kl_of_plans(args, {k: v for k, v in point["rows"].items() if "_plans" in v}, scorer)

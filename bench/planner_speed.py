@@ -15,12 +15,23 @@ import statistics
 import sys
 
 import numpy as np
+import torch
 
 from bench.bench_meta import seconds, write_result
+from pagedweight.format.blocks import MODULES, BlockId
+from pagedweight.memory.arena import Arena
+from pagedweight.memory.pool import MemoryPool
 from pagedweight.planner.damage import DamageInputs, DamageModel
+from pagedweight.planner.in_process_planner import InProcessPlanner, page_table_registration
 from pagedweight.planner.planner import OnlinePlanner
 from pagedweight.planner.policies import POLICY_NAMES, PlanContext, make_policy
 from pagedweight.planner.synthetic import QWEN15_MOE_A27B, synthetic_table
+from pagedweight.planner.tables import BlockTable
+from pagedweight.weights.page_mover import PageMover
+from pagedweight.weights.page_table import PageTable
+from pagedweight.weights.routing_feed import RoutingFeed
+from pagedweight.weights.synthetic import random_block
+from pagedweight.weights.weight_pager import WeightPager
 
 TARGET_MS = 5.0
 WIDTHS = (3, 3.5, 4, 5)
@@ -91,19 +102,6 @@ def plans() -> dict:
 
 def controllers(num_blocks: int) -> dict:
     """The controllers' costs at one block count (see the module's docstring)."""
-    import torch
-
-    from pagedweight.format.blocks import MODULES, BlockId
-    from pagedweight.memory.arena import Arena
-    from pagedweight.memory.pool import MemoryPool
-    from pagedweight.planner.in_process_planner import InProcessPlanner, page_table_registration
-    from pagedweight.planner.tables import BlockTable
-    from pagedweight.weights.page_mover import PageMover
-    from pagedweight.weights.page_table import PageTable
-    from pagedweight.weights.routing_feed import RoutingFeed
-    from pagedweight.weights.synthetic import random_block
-    from pagedweight.weights.weight_pager import WeightPager
-
     torch.set_num_threads(1)
     layers, experts = SHAPES[num_blocks]
     gen = torch.Generator().manual_seed(0)

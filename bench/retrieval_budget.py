@@ -22,7 +22,20 @@ import torch
 
 from bench.bench_meta import md_header, md_row, write_result
 from bench.retrieval_task import eval_examples, to_text
+from pagedweight.cli.main import build_parser
 from pagedweight.common.paths import REPO_ROOT
+from pagedweight.engine.engine import Engine, EngineConfig
+from pagedweight.engine.sampler import SamplingParams
+from pagedweight.engine.scheduler import SchedulerConfig
+from pagedweight.engine.sequence import SequenceStatus
+from pagedweight.format.apl_format import BIT_WIDTHS
+from pagedweight.format.blocks import lut_bytes, plane_bytes
+from pagedweight.format.paged_model import block_shape, load_paged_model
+from pagedweight.memory.arena import DEFAULT_PAGE_BYTES
+from pagedweight.memory.kv_cache import KVCacheConfig, blocks_for, kv_tile_bytes
+from pagedweight.model import load_model
+from pagedweight.planner.sizing import fitting_uniform_bits
+from pagedweight.runtime import RuntimeConfig, build_runtime, workspace_bytes
 
 DEFAULT_MODEL = REPO_ROOT / "models" / "retrieval-moe"
 CALIB_SEED = 1  # the evaluation uses --seed (0); training never draws from the evaluation's seeds
@@ -32,8 +45,6 @@ BF16_BYTES = 2  # bf16 experts are charged 2 bytes a weight whatever the compute
 
 def quantize(args, paged_dir: Path) -> None:
     """The checkpoint quantised on task text of CALIB_SEED."""
-    from pagedweight.cli.main import build_parser
-
     calib = paged_dir.parent / "calib.txt"
     calib.parent.mkdir(parents=True, exist_ok=True)
     calib.write_text("\n".join(to_text(e.ids) for e in eval_examples(
@@ -59,12 +70,6 @@ def budget_parts(paged, engine, dtype: torch.dtype, request_tokens: int, concurr
     """What the runtime charges its pool, in bytes (every allocation in whole arena pages):
     dense weights, workspace, the KV of `concurrency` requests of request_tokens tokens, the
     experts at each width and in bf16."""
-    from pagedweight.format.apl_format import BIT_WIDTHS
-    from pagedweight.format.blocks import lut_bytes, plane_bytes
-    from pagedweight.format.paged_model import block_shape
-    from pagedweight.memory.arena import DEFAULT_PAGE_BYTES
-    from pagedweight.memory.kv_cache import blocks_for, kv_tile_bytes
-    from pagedweight.runtime import workspace_bytes
 
     def pages(n: int) -> int:
         return -(-n // DEFAULT_PAGE_BYTES) * DEFAULT_PAGE_BYTES
@@ -94,8 +99,6 @@ def experts_at(parts: dict, bits: float) -> int:
 def budget_point(parts: dict, fixed: int, expert_bits: float) -> dict:
     """One budget: its bytes, the widest uniform width fitting it, what bf16 would need and
     the KV blocks bf16 experts leave in it."""
-    from pagedweight.planner.sizing import fitting_uniform_bits
-
     budget = fixed + experts_at(parts, expert_bits)
     room = budget - parts["dense"] - parts["workspace"] - parts["experts_bf16"]
     return {"expert_bits": expert_bits, "budget_bytes": budget, "bf16_needs_bytes": fixed + parts["experts_bf16"],
@@ -148,9 +151,6 @@ class PromptBits:
 
 def send_all(eng, examples, decode_tokens: int, bits: PromptBits | None = None) -> tuple[list[list[int]], dict]:
     """Every example sent at once to `eng` (greedy, EOS ignored); its outputs and how it served them."""
-    from pagedweight.engine.sampler import SamplingParams
-    from pagedweight.engine.sequence import SequenceStatus
-
     params = SamplingParams(max_tokens=decode_tokens, ignore_eos=True)
     for i, e in enumerate(examples):
         eng.add_request(str(i), e.ids[:e.prompt_len].tolist(), params)
@@ -201,9 +201,6 @@ def reference(model, examples) -> tuple[list[list[int]], list[float]]:
 def bf16_in_budget(model, engine, point: dict, examples, decode_tokens: int, ref: list[bool]) -> dict:
     """The engine over the unquantised experts with the KV blocks the budget leaves beside them
     (refused where they do not hold one request), scored."""
-    from pagedweight.engine.engine import Engine
-    from pagedweight.memory.kv_cache import blocks_for
-
     num_blocks = int(point["bf16_kv_blocks"])
     need = blocks_for(max(e.prompt_len for e in examples) + decode_tokens, engine.kv.block_size)
     if num_blocks < need:
@@ -215,8 +212,6 @@ def bf16_in_budget(model, engine, point: dict, examples, decode_tokens: int, ref
 def served(paged_dir: Path, policy: str, budget: int, engine, device, dtype, examples, decode_tokens: int,
            routing: list[list[float]], top_k: int) -> tuple[list[list[int]], dict]:
     """Every example sent at once to a runtime of `policy` at `budget`; its outputs and counters."""
-    from pagedweight.runtime import RuntimeConfig, build_runtime
-
     runtime = build_runtime(paged_dir, RuntimeConfig(budget, policy, str(device), dtype, engine=engine))
     try:
         bits = PromptBits(runtime.table)
@@ -239,10 +234,6 @@ def score(outputs, examples, reference_right: list[bool] | None = None) -> dict:
 
 
 def run_length(args, paged, paged_dir: Path, model, length: int, device, dtype) -> dict:
-    from pagedweight.engine.engine import EngineConfig
-    from pagedweight.engine.scheduler import SchedulerConfig
-    from pagedweight.memory.kv_cache import KVCacheConfig
-
     examples = eval_examples(args.seed, length, args.count, args.records)
     engine = EngineConfig(scheduler=SchedulerConfig(args.concurrency, args.max_batched_tokens),
                           kv=KVCacheConfig(args.block_size))
@@ -423,9 +414,6 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out-name", default=None)
     args = p.parse_args(argv)
-    from pagedweight.format.paged_model import load_paged_model
-    from pagedweight.model import load_model
-
     torch.set_num_threads(args.threads)
     load_start = os.getloadavg()[0]  # the machine's other work, beside the wall times
     device = torch.device(args.device)

@@ -15,13 +15,28 @@ import asyncio
 import itertools
 import json
 import os
+import socket
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import grpc
 import numpy as np
+import torch
 
 from bench.bench_meta import REPO, free_memory, md_header, md_row, write_result
+from pagedweight.cluster.processes import Service, grpc_serving, stop_together, wait_until
+from pagedweight.common.rpc_security import RpcSecurity
+from pagedweight.engine.async_engine import AsyncEngine
+from pagedweight.engine.sampler import SamplingParams
+from pagedweight.format.model_config import ModelConfig
+from pagedweight.frontend.tokenizer import Tokenizer
+from pagedweight.gateway.workers import WorkerStream
+from pagedweight.rpc import worker_pb2 as pb
+from pagedweight.rpc.worker_pb2_grpc import WorkerStub
+from pagedweight.worker.config import WorkerConfig
+from pagedweight.worker.server import load_runtime
 
 TEXT = REPO / "data" / "sample.txt"
 LAYERS = ("in_process", "worker_grpc", "gateway_http")
@@ -74,9 +89,6 @@ def summarize(timings: list[Arrivals], elapsed_s: float, cpu: dict[str, float] |
 def make_requests(args, num: int, trace: bool) -> list[Request]:
     """Seeded requests: the trace's random ids arrive at --request-rate (0: all at once), the
     sweep's are windows of data/sample.txt."""
-    from pagedweight.format.model_config import ModelConfig
-    from pagedweight.frontend.tokenizer import Tokenizer
-
     vocab = ModelConfig.from_dir(Path(args.model)).vocab_size
     text = None if trace else [t for t in Tokenizer(args.model).encode(TEXT.read_text()) if t < vocab]
     rng = np.random.default_rng(args.seed)
@@ -121,12 +133,9 @@ async def closed_loop(concurrency: int, duration_s: float, requests: list[Reques
 
 
 def in_process_send(engine):
-    from pagedweight.engine.sampler import SamplingParams
-
     async def send(request: Request) -> Arrivals:
-        arrivals = Arrivals()
-        async for out in engine.add_request(request.prompt_ids, SamplingParams(
-                max_tokens=request.output_len, ignore_eos=True)):
+        arrivals, params = Arrivals(), SamplingParams(max_tokens=request.output_len, ignore_eos=True)
+        async for out in engine.add_request(request.prompt_ids, params):
             if out.new_token_ids:
                 arrivals.arrived(time.monotonic(), len(out.new_token_ids))
             arrivals.reason = out.finish_reason or arrivals.reason
@@ -151,21 +160,19 @@ class StreamHandler:
             self.done.set_result(self.arrivals)
 
     def on_error(self, code, details: str) -> None:
-        if not self.done.done():
+        if not self.done.done():  # (an error after the request finished changes nothing)
             self.done.set_exception(RuntimeError(f"worker stream: {code.name} {details}"))
 
 
 def worker_send(stream):
     """Requests multiplexed on one GenerateStream, as the gateway sends them."""
-    from pagedweight.rpc import worker_pb2 as pb
-
     ids = itertools.count()
 
     async def send(request: Request) -> Arrivals:
         handler = StreamHandler(Arrivals(), asyncio.get_running_loop().create_future())
+        sampling = pb.SamplingParams(max_tokens=request.output_len, ignore_eos=True)
         stream.submit(pb.GenerateRequest(request_id=f"bench-{next(ids)}", prompt_token_ids=request.prompt_ids,
-                                         sampling=pb.SamplingParams(max_tokens=request.output_len, ignore_eos=True)),
-                      handler)
+                                         sampling=sampling), handler)
         return await handler.done
 
     return send
@@ -230,11 +237,6 @@ def start_cluster(args, attempts: int = 3):
 
 
 def _start_cluster_once(args):
-    import socket
-    import urllib.request
-
-    from pagedweight.cluster.processes import Service, grpc_serving, stop_together, wait_until
-
     def free_port():
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -284,12 +286,6 @@ async def warm(send, requests: list[Request]) -> None:
 
 def run_in_process(args, loads: dict, requests: list[Request]) -> dict:
     """Each load (name -> async run(send)) on the engine in this process."""
-    import torch
-
-    from pagedweight.engine.async_engine import AsyncEngine
-    from pagedweight.worker.config import WorkerConfig
-    from pagedweight.worker.server import load_runtime
-
     torch.set_num_threads(args.threads)
     extra = {} if args.max_num_seqs is None else {"max_num_seqs": args.max_num_seqs}
     runtime = load_runtime(WorkerConfig(model_dir=args.model, memory_budget=args.memory_budget,
@@ -324,20 +320,13 @@ def run_cluster(args, loads: dict, requests: list[Request], layers: set[str]) ->
         return summarize(timings, elapsed, {n: process_cpu_seconds(pids[n]) - before[n] for n in names})
 
     async def main():
-        import grpc
-
-        from pagedweight.common.rpc_security import RpcSecurity
-        from pagedweight.gateway.workers import WorkerStream
-        from pagedweight.rpc.worker_pb2_grpc import WorkerStub
-
         # the RPC token, when $PAGEDWEIGHT_RPC_TOKEN gives the workers one
         channel = grpc.aio.insecure_channel(worker_address)
         stream = WorkerStream(worker_address, WorkerStub(channel), RpcSecurity.from_settings().metadata())
         grpc_send = worker_send(stream) if "worker_grpc" in layers else None
         http_send = gateway_send(port)
-        for send in (grpc_send, http_send):
-            if send is not None:
-                await warm(send, requests)
+        for send in filter(None, (grpc_send, http_send)):
+            await warm(send, requests)
         worker, gateway = {}, {}
         for name, load in loads.items():
             if grpc_send is not None:

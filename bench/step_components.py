@@ -17,8 +17,11 @@ import time
 
 import torch
 from torch.autograd.profiler import record_function
+from torch.profiler import ProfilerActivity, profile
 
 from bench.bench_meta import STEP_COMPONENTS as COMPONENTS
+from pagedweight.engine.sampler import SamplingParams
+from pagedweight.model.layers import RMSNorm
 
 PREFIX = "component:"
 
@@ -39,8 +42,6 @@ def _wrap(obj, method: str, component: str, wrapped: list) -> None:
 
 def instrument(model, runner) -> list:
     """Ranges around the components' calls; returns the (object, method) pairs wrapped."""
-    from pagedweight.model.layers import RMSNorm
-
     wrapped: list = []
     _wrap(model, "forward_paged", "embed + lm head", wrapped)
     for layer in model.layers:
@@ -103,8 +104,6 @@ def component_profile(engine, concurrency: int, prompt_len: int, device: torch.d
     component, the step's wall ms, and host ms (see the module's docstring). prefill: the
     step that prefills `concurrency` new prompts instead (one step, after a prefill of the
     same shape has warmed it up)."""
-    from torch.profiler import ProfilerActivity, profile
-
     runner = engine.runner
     graphs, runner.graphs = runner.graphs, None
     wrapped = instrument(engine.model, runner)
@@ -150,8 +149,6 @@ def decode_profile(engine, concurrency: int, prompt_len: int, device: torch.devi
     schedule, prepare, signature, launch, wait = reading the sampled tokens back, update,
     boundary); and over two more steps (torch.profiler, CUDA) the kernels per step, their summed
     device ms and their count by name."""
-    from torch.profiler import ProfilerActivity, profile
-
     add_requests(engine, concurrency, prompt_len, 2 * steps + 16, seed=11)
     for _ in range(4):  # the prefill and a few decodes (captures this bucket's graph)
         engine.step()
@@ -180,8 +177,6 @@ def decode_profile(engine, concurrency: int, prompt_len: int, device: torch.devi
 
 def add_requests(engine, num: int, prompt_len: int, max_tokens: int, seed: int) -> None:
     """`num` random prompts of `prompt_len` tokens, each generating `max_tokens` (EOS ignored)."""
-    from pagedweight.engine.sampler import SamplingParams
-
     gen, vocab = torch.Generator().manual_seed(seed), engine.model.config.vocab_size
     for i in range(num):
         engine.add_request(f"profile{seed}-{i}", torch.randint(1, vocab, (prompt_len,), generator=gen).tolist(),
