@@ -8,13 +8,12 @@ call keep the weights out of L2, as a model running its layers in turn does.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 
 import torch
 import torch.nn.functional as F
 
-from bench.bench_meta import write_result
+from bench.bench_meta import arg_parser, write_result
 from pagedweight_kernels import decode_ops
 from pagedweight_kernels.apl_moe import APLLayer, ResidentBlock, apl_moe
 from pagedweight_kernels.synthetic import nested_luts
@@ -215,7 +214,7 @@ def bench_model(name, device, bw, bit_configs) -> list[dict]:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = arg_parser(__doc__)
     parser.add_argument("--models", nargs="*", default=list(MODELS))
     parser.add_argument("--bits", nargs="*", default=list(BIT_CONFIGS), choices=BIT_CONFIGS, help="bit configs to time")
     parser.add_argument("--name", default="apl_moe_kernel", help="result file name (bench/results/NAME_<gpu>.json)")

@@ -1,8 +1,10 @@
 """What every benchmark result records (when, where, on which commit) and how it is written,
-and what the benchmarks share: the checkout's path, markdown rows, figures, timing."""
+and what the benchmarks share: the checkout's path, their flags' parser, markdown rows, figures,
+timing."""
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import gc
 import json
@@ -20,6 +22,11 @@ RESULTS_DIR = REPO / "bench" / "results"
 # what a step profile splits a step into (step_components) and its table shows (tables)
 STEP_COMPONENTS = ("attention", "gating", "shared expert", "routed experts", "norms", "embed + lm head",
                    "sampling", "other")
+
+
+def arg_parser(doc: str) -> argparse.ArgumentParser:
+    """A benchmark's flags; its --help opens with the first line of `doc` (its docstring)."""
+    return argparse.ArgumentParser(description=doc.splitlines()[0])
 
 
 def log(msg: str) -> None:

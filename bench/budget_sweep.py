@@ -9,7 +9,6 @@ request's KV does not fit. `--kl` scores the KL_PLANS plans a row served most on
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import sys
@@ -20,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from bench.bench_meta import free_memory, log, pyplot, save_figure, write_result
+from bench.bench_meta import arg_parser, free_memory, log, pyplot, save_figure, write_result
 from bench.quality_budget import Scorer, windows_of
 from pagedweight.cli.load_bench import LoadSpec, drive_load, mean_committed_bits
 from pagedweight.common.errors import UserError
@@ -45,8 +44,8 @@ TRACES = ("closed", "steady", "bursty", "long-context")
 BURST_PERIOD_S, BURST_S, BURST_FACTOR = 20.0, 5.0, 3.0  # bursty: 5 s of each 20 at 3x the mean rate
 
 
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args():
+    parser = arg_parser(__doc__)
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--artifact", type=Path, help="paged artifact directory (from pagedweight quantize)")
     what.add_argument("--shape", help="a real-shape config (offline/real_shape_models.CONFIGS; random weights)")

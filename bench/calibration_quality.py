@@ -10,14 +10,13 @@ planner minus no-residual, paired; defaults: each variant minus `all-16384`, pai
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
 import torch
 
-from bench.bench_meta import REPO, log, md_header, md_row, write_result
+from bench.bench_meta import REPO, arg_parser, log, md_header, md_row, write_result
 from bench.quality_budget import (DOMAINS, PLANNER, add_eval_args, as_ppl_change, chunks, combine, domain_mean,
                                   evaluate_model, fmt_interval, how_measured, measured, paired, vs_bf16)
 
@@ -124,7 +123,7 @@ def markdown(payload: dict) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = arg_parser(__doc__)
     parser.add_argument("--artifacts", required=True, help="DIR/<model>/<variant>, see the module docstring")
     parser.add_argument("--models", nargs="+", required=True)
     parser.add_argument("--variants", nargs="+", default=None, help="default: every variant found")

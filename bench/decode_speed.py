@@ -7,14 +7,13 @@ Writes bench/results/decode_speed_cpu.json.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM
 
-from bench.bench_meta import seconds, write_result
+from bench.bench_meta import arg_parser, seconds, write_result
 from pagedweight.engine.generate import generate
 from pagedweight.engine.sampler import SamplingParams
 from pagedweight.common.paths import shared_models_dir
@@ -56,7 +55,7 @@ def bench_model(model_dir: Path, new_tokens: int = NEW_TOKENS) -> dict:
 
 
 def main() -> None:
-    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
+    arg_parser(__doc__).parse_args()
     rows = [bench_model(SHARED / name) for name in MODELS]
     for row in rows:
         print(f"{row['model']:>14}: ours {row['pagedweight_tokens_per_s']:7.1f} tok/s, "

@@ -8,7 +8,6 @@ block counts (tiny blocks sharing host tensors: the point is the work per block)
 
 from __future__ import annotations
 
-import argparse
 import heapq
 import itertools
 import statistics
@@ -17,7 +16,7 @@ import sys
 import numpy as np
 import torch
 
-from bench.bench_meta import seconds, write_result
+from bench.bench_meta import arg_parser, seconds, write_result
 from pagedweight.format.blocks import MODULES, BlockId
 from pagedweight.memory.arena import Arena
 from pagedweight.memory.pool import MemoryPool
@@ -138,7 +137,7 @@ def controllers(num_blocks: int) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = arg_parser(__doc__)
     parser.add_argument("--controllers", action="store_true", help="the controllers at scale (controller-scale)")
     args = parser.parse_args()
     if args.controllers:

@@ -10,13 +10,12 @@ allocator, whose reserved memory is what the budget would have to cover without 
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 
 import torch
 
-from bench.bench_meta import write_result
+from bench.bench_meta import arg_parser, write_result
 from pagedweight.memory.arena import Arena
 from pagedweight.memory.pool import KV_USED, WORKSPACE, MemoryPool, device_memory_bytes, parse_memory_budget
 from pagedweight.planner.in_process_planner import InProcessPlanner, page_table_registration
@@ -33,7 +32,7 @@ KV_BLOCK_BYTES, PAGE_BYTES, KV_BLOCKS_PER_STEP = 2 * MiB, 64 * 1024, 32
 
 
 def parse_args():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = arg_parser(__doc__)
     p.add_argument("--budget", default="2GiB", help="bytes (2GiB) or a fraction of the device (0.1)")
     p.add_argument("--cycles", type=int, default=3)
     return p.parse_args()

@@ -11,7 +11,6 @@ from the chunks' spread; the mean over models has standard error sqrt(sum se^2) 
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -22,7 +21,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from bench.bench_meta import REPO, log, md_header, md_row, pyplot, save_figure, write_result
+from bench.bench_meta import REPO, arg_parser, log, md_header, md_row, pyplot, save_figure, write_result
 from pagedweight.common.paths import corpus_dir
 from pagedweight.format.blocks import MIN_BITS
 from pagedweight.format.paged_model import load_paged_model
@@ -381,7 +380,7 @@ def how_measured(payload: dict) -> list[str]:
             "```", *(r["command"] for r in runs), "```"]
 
 
-def add_eval_args(parser: argparse.ArgumentParser, out_name: str) -> None:
+def add_eval_args(parser, out_name: str) -> None:
     """The scoring's flags, the result's name and --combine: what this and calibration_quality take."""
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--eval-tokens", type=int, default=1024, help="scored tokens per domain")
@@ -411,7 +410,7 @@ def measured(args, measure, module: str) -> tuple[dict, dict]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = arg_parser(__doc__)
     parser.add_argument("--artifacts", required=True, help="directory of paged models, one per --models name")
     parser.add_argument("--models", nargs="+", default=list(MODELS))
     add_eval_args(parser, "quality_budget")

@@ -10,7 +10,6 @@ depth do not fit a 64 GB disk together, hence `--checkpoint`, `--work-dir` and `
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import sys
@@ -21,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from bench.bench_meta import log, write_result
+from bench.bench_meta import arg_parser, log, write_result
 from pagedweight.common.paths import BUNDLED_MODEL
 from pagedweight.format.model_config import ModelConfig
 from pagedweight.offline.calib_text import bundled_calib_files
@@ -78,7 +77,7 @@ def checkpoint_params(ckpt: Path) -> int:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = arg_parser(__doc__)
     parser.add_argument("--model", default="Qwen1.5-MoE-A2.7B", choices=list(REAL_SHAPE_CONFIGS))
     parser.add_argument("--layers", type=int, default=None, help="decoder layers to build (default: all)")
     parser.add_argument("--device", default="cuda")

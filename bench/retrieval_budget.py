@@ -10,7 +10,6 @@ hold KV together: the pressure the budget is set for.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -20,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from bench.bench_meta import md_header, md_row, write_result
+from bench.bench_meta import arg_parser, md_header, md_row, write_result
 from bench.retrieval_task import eval_examples, to_text
 from pagedweight.cli.main import build_parser
 from pagedweight.common.paths import REPO_ROOT
@@ -394,7 +393,7 @@ def markdown(payload: dict) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = arg_parser(__doc__)
     p.add_argument("--model", default=str(DEFAULT_MODEL), help="the trained checkpoint (Hugging Face layout)")
     p.add_argument("--work", default="/tmp/retrieval-budget", help="calibration text and the paged model")
     p.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192])

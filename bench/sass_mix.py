@@ -10,7 +10,6 @@ no GPU.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import os
 import re
@@ -20,7 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.bench_meta import write_result
+from bench.bench_meta import arg_parser, write_result
 from pagedweight_kernels import compile as op
 from pagedweight_kernels.cuda_packages import module_source
 
@@ -108,7 +107,7 @@ def refuse(message: str) -> int:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = arg_parser(__doc__)
     parser.add_argument("instance", nargs="?", default="apl_gemv<0, 0, true, true, 1>")
     parser.add_argument("defines", nargs="*", help="NAME=VALUE overrides of the default defines")
     args = parser.parse_args(argv)

@@ -10,7 +10,6 @@ rounds of the three layers, so a busy spell of a shared machine does not land on
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import itertools
 import json
@@ -25,7 +24,7 @@ import grpc
 import numpy as np
 import torch
 
-from bench.bench_meta import REPO, free_memory, md_header, md_row, write_result
+from bench.bench_meta import REPO, arg_parser, free_memory, md_header, md_row, write_result
 from pagedweight.cluster.processes import Service, grpc_serving, stop_together, wait_until
 from pagedweight.common.rpc_security import RpcSecurity
 from pagedweight.engine.async_engine import AsyncEngine
@@ -430,7 +429,7 @@ def format_table(table: list[dict]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = arg_parser(__doc__)
     parser.add_argument("--model", required=True, help="paged model directory")
     parser.add_argument("--mode", choices=("trace", "sweep"), default="trace")
     parser.add_argument("--memory-budget", default="32MiB")
