@@ -52,18 +52,12 @@ class Request:
 @dataclass
 class Arrivals:
     sent: float = field(default_factory=time.monotonic)
-    last: float | None = None
-    ttft_s: float = 0.0
-    itl_s: list[float] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)  # of each message with tokens: TTFT, then the ITLs
     tokens: int = 0
     reason: str = ""
 
     def arrived(self, now: float, num_tokens: int) -> None:
-        if self.last is None:
-            self.ttft_s = now - self.sent
-        else:
-            self.itl_s.append(now - self.last)
-        self.last = now
+        self.times.append(now)
         self.tokens += num_tokens
 
 
@@ -78,8 +72,8 @@ def summarize(timings: list[Arrivals], elapsed_s: float, cpu: dict[str, float] |
     out = {"completed": len(timings), "finish_reasons": sorted({t.reason for t in timings}),
            "elapsed_s": round(elapsed_s, 3), "requests_per_s": round(len(timings) / elapsed_s, 3),
            "output_tokens": tokens, "output_tokens_per_s": round(tokens / elapsed_s, 2),
-           "ttft_ms": percentiles(np.array([t.ttft_s for t in timings]) * 1000),
-           "itl_ms": percentiles(np.array([x for t in timings for x in t.itl_s]) * 1000)}
+           "ttft_ms": percentiles(np.array([t.times[0] - t.sent for t in timings]) * 1000),
+           "itl_ms": percentiles(np.concatenate([np.diff(t.times) for t in timings]) * 1000)}
     if cpu:
         out["cpu_percent"] = {name: round(100 * seconds / elapsed_s, 1) for name, seconds in cpu.items()}
     return out

@@ -26,56 +26,49 @@ from pagedweight.model.layers import RMSNorm
 PREFIX = "component:"
 
 
-def _wrap(obj, method: str, component: str, wrapped: list) -> None:
-    """Replace obj.method by itself inside a record_function range (an instance attribute,
-    deleted again after the profile)."""
-    if (original := getattr(obj, method, None)) is None:
-        return
-
+def _ranged(original, component: str):
+    """`original` inside a record_function range of the component."""
     def ranged(*args, **kwargs):
         with record_function(PREFIX + component):
             return original(*args, **kwargs)
-
-    setattr(obj, method, ranged)
-    wrapped.append((obj, method))
+    return ranged
 
 
 def instrument(model, runner) -> list:
-    """Ranges around the components' calls; returns the (object, method) pairs wrapped."""
+    """Ranges around the components' calls, each an instance attribute over the method (deleted
+    again after the profile); returns the (object, method) pairs wrapped."""
     wrapped: list = []
-    _wrap(model, "forward_paged", "embed + lm head", wrapped)
+
+    def wrap(obj, component: str, *methods: str) -> None:  # (an object None or without the method: none)
+        for method in methods:
+            if (original := getattr(obj, method, None)) is not None:
+                setattr(obj, method, _ranged(original, component))
+                wrapped.append((obj, method))
+
+    wrap(model, "embed + lm head", "forward_paged")
     for layer in model.layers:
-        for method in ("forward_paged", "forward_paged_fused"):
-            _wrap(layer, method, "norms", wrapped)
-        _wrap(layer.self_attn, "forward_paged", "attention", wrapped)
-        moe = layer.moe
-        for method in ("forward", "forward_parts"):
-            _wrap(moe, method, "gating", wrapped)
-        _wrap(moe.experts, "forward", "routed experts", wrapped)
+        moe, shared = layer.moe, getattr(layer.moe, "shared_expert", None)
+        wrap(layer, "norms", "forward_paged", "forward_paged_fused")
+        wrap(layer.self_attn, "attention", "forward_paged")
+        wrap(moe, "gating", "forward", "forward_parts")
+        wrap(moe.experts, "routed experts", "forward")
         for name in ("gate", "router", "shared_expert_gate"):
-            if getattr(moe, name, None) is not None:
-                _wrap(getattr(moe, name), "forward", "gating", wrapped)
-        shared = getattr(moe, "shared_expert", None)
-        if shared is not None:
-            _wrap(shared, "forward", "shared expert", wrapped)
-            _wrap(shared.down_proj, "forward", "shared expert", wrapped)
-        if getattr(layer, "mlp", None) is not None:  # Gemma-4's dense MLP beside the experts
-            _wrap(layer.mlp, "forward", "shared expert", wrapped)
+            wrap(getattr(moe, name, None), "gating", "forward")
+        wrap(shared, "shared expert", "forward")
+        wrap(getattr(shared, "down_proj", None), "shared expert", "forward")
+        wrap(getattr(layer, "mlp", None), "shared expert", "forward")  # Gemma-4's dense MLP beside the experts
     for module in model.modules():
         if isinstance(module, RMSNorm):
-            _wrap(module, "forward", "norms", wrapped)
-    _wrap(runner, "sample", "sampling", wrapped)
+            wrap(module, "norms", "forward")
+    wrap(runner, "sampling", "sample")
     return wrapped
 
 
 def _component_of(event) -> str:
     """The innermost component range an operator ran in ("other": none)."""
-    e = event
-    while e is not None:
-        if e.name.startswith(PREFIX):
-            return e.name[len(PREFIX):]
-        e = e.cpu_parent
-    return "other"
+    while event is not None and not event.name.startswith(PREFIX):
+        event = event.cpu_parent
+    return "other" if event is None else event.name[len(PREFIX):]
 
 
 def attribute(events, on_cuda: bool) -> dict:
@@ -107,9 +100,7 @@ def component_profile(engine, concurrency: int, prompt_len: int, device: torch.d
     runner = engine.runner
     graphs, runner.graphs = runner.graphs, None
     wrapped = instrument(engine.model, runner)
-    on_cuda = device.type == "cuda"
-    if prefill:
-        steps = 1
+    on_cuda, steps = device.type == "cuda", 1 if prefill else steps
     try:
         if prefill:  # the same prefill once first (kernels compiled, memory cached)
             add_requests(engine, concurrency, prompt_len, 1, seed=29)
