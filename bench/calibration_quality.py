@@ -67,8 +67,7 @@ def summarise(results: dict) -> dict:
             for p in POLICIES:
                 row[p] = {"kl": combine([domain_mean(chunks(results[m][v], b, p, "kl")) for m, v in members]),
                           "ppl_change": as_ppl_change(combine([vs_bf16(results[m][v], b, p) for m, v in members]))}
-            base = [(m, DEFAULT_VARIANT) for m, _ in members if DEFAULT_VARIANT in results[m]]
-            if label != DEFAULT_VARIANT and len(base) == len(members):
+            if label != DEFAULT_VARIANT and all(DEFAULT_VARIANT in results[m] for m, _ in members):
                 row["minus_default_kl"] = combine([_cross(results[m][v], results[m][DEFAULT_VARIANT], b)
                                                    for m, v in members])
             cell[label] = row
