@@ -10,13 +10,12 @@ planner minus no-residual, paired; defaults: each variant minus `all-16384`, pai
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 import torch
 
-from bench.bench_meta import REPO, arg_parser, log, md_header, md_row, write_result
+from bench.bench_meta import arg_parser, log, md_header, md_row, write_result
 from bench.quality_budget import (DOMAINS, PLANNER, add_eval_args, as_ppl_change, chunks, combine, domain_mean,
                                   evaluate_model, fmt_interval, how_measured, measured, paired, vs_bf16)
 
@@ -139,10 +138,7 @@ def main() -> int:
     results, payload = measured(args, measure, "calibration_quality")
     payload.update({"bits": list(BITS), "policies": list(POLICIES), "results": results,
                     "summary": summarise(results)})
-    path = write_result(args.out_name, payload)
-    if not args.out_name.startswith("calibration_quality_"):
-        (REPO / "docs" / "calibration.md").write_text(markdown(json.loads(path.read_text())))
-    log(f"wrote {path}")
+    log(f"wrote {write_result(args.out_name, payload)} (`python -m bench tables` renders docs/calibration.md from it)")
     return 0
 
 if __name__ == "__main__":

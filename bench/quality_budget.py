@@ -415,7 +415,7 @@ def main() -> int:
     parser.add_argument("--models", nargs="+", default=list(MODELS))
     add_eval_args(parser, "quality_budget")
     parser.add_argument("--calib-tokens", type=int, default=256, help="per domain, for the calibration check")
-    parser.add_argument("--docs-name", default="quality", help="docs/NAME.md and docs/NAME.png")
+    parser.add_argument("--docs-name", default="quality", help="the figure: docs/NAME.png")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     results, payload = measured(args, lambda name: evaluate_model(name, args), "quality_budget")
@@ -424,11 +424,10 @@ def main() -> int:
                     "targets": {str(b): v for b, v in TARGETS.items()}, "results": results,
                     "summary": summarise(results)})
     path = write_result(args.out_name, payload)
-    record = json.loads(path.read_text())
-    (REPO / "docs" / f"{args.docs_name}.md").write_text(markdown(record))
-    plot(record, REPO / "docs" / f"{args.docs_name}.png")
-    log(f"wrote {path}, docs/{args.docs_name}.md and .png")
+    plot(json.loads(path.read_text()), REPO / "docs" / f"{args.docs_name}.png")
+    log(f"wrote {path} and docs/{args.docs_name}.png (`python -m bench tables` renders docs/quality.md from it)")
     return 0
+
 
 if __name__ == "__main__":
     sys.exit(main())
