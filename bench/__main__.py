@@ -53,8 +53,7 @@ RECIPES = (
            "the gRPC/HTTP cluster under a Poisson trace against the in-process engine"),
     Recipe("budget-sweep-cpu", "budget_sweep",
            "--artifact {artifacts}/tiny-qwen-moe --device cpu --requests 8 --concurrency 4 --prompt-len 64 "
-           "--max-tokens 8 --batched-tokens 512 --kl --kl-windows 2 --num-budgets 4 --row-time-limit-s 60 "
-           "--plot docs/budget_sweep_tiny-qwen-moe_cpu.png", "cpu",
+           "--max-tokens 8 --batched-tokens 512 --kl --kl-windows 2 --num-budgets 4 --row-time-limit-s 60", "cpu",
            "bf16 in the same memory, every static width, the fitting uniform width and pagedweight at 4 "
            "budgets, with KL to bf16 of what each served (trained tiny Qwen-MoE)"),
     Recipe("retrieval-budget", "retrieval_budget", "--work {artifacts}/retrieval-budget", "cpu",

@@ -9,7 +9,6 @@ request's KV does not fit. `--kl` scores the KL_PLANS plans a row served most on
 
 from __future__ import annotations
 
-import json
 import random
 import sys
 import time
@@ -19,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from bench.bench_meta import arg_parser, free_memory, log, pyplot, save_figure, write_result
+from bench.bench_meta import arg_parser, free_memory, log, write_result
 from bench.quality_budget import Scorer, windows_of
 from pagedweight.cli.load_bench import LoadSpec, drive_load, mean_committed_bits
 from pagedweight.common.errors import UserError
@@ -67,7 +66,6 @@ def parse_args():
     parser.add_argument("--row-time-limit-s", type=float, default=120.0, help="bf16 rows: stop the trace then")
     parser.add_argument("--time-limit-s", type=float, default=1e9, help="start no row after this")
     parser.add_argument("--name", default=None, help="result name (default: budget_sweep_<model>)")
-    parser.add_argument("--plot", type=Path, default=None, help="write the throughput / KL plot here (PNG)")
     args = parser.parse_args()
     if args.num_budgets < 2:
         parser.error("--num-budgets must be >= 2 (the two ends of the sweep)")
@@ -349,35 +347,13 @@ def main() -> int:
             model.bf16 = None
             free_memory(args.device)
         point["rows"][row_name] = run_row(model, point, row_name, ecfg, sizes, args)
-        path = write_result(name, public(result))
+        write_result(name, public(result))  # each row as it lands, in case the call ends early
     if args.kl:
         scorer = Scorer(Path(args.artifact))
         for point in points:
             kl_of_plans(args, {k: v for k, v in point["rows"].items() if "_plans" in v}, scorer)
-    path = write_result(name, public(result))
-    if args.plot:
-        pareto_plot(json.loads(path.read_text()), args.plot)
-    log(f"wrote {path}" + (f" and {args.plot}" if args.plot else ""))
+    log(f"wrote {write_result(name, public(result))}")
     return 0
-
-
-def pareto_plot(result: dict, path: Path) -> None:
-    """Throughput against KL to bf16, one point per row and budget (refused rows left out),
-    each row's budgets joined from the largest to the smallest."""
-    fig, ax = pyplot().subplots(figsize=(7, 4.5))
-    for name in (n for n in ROWS if n != "fitting-uniform"):
-        rows = [p["rows"].get(name, {}) for p in result["budgets"]]
-        points = [(r["kl_served"], r["output_tokens_per_s"]) for r in rows if r.get("kl_served") is not None]
-        if points:
-            kl, tps = zip(*points)
-            ax.plot([max(k, 1e-5) for k in kl], tps, marker="o", label=name)
-    ax.set_xscale("log")
-    ax.set(xlabel="KL(bf16 || served), nats per token (bf16 drawn at 1e-5)", ylabel="output tokens/s")
-    model = result["model"]
-    name = Path(model["artifact"]).name if "artifact" in model else model["shape"]
-    ax.set_title(f"{name}: {len(result['budgets'])} budgets, one point each", fontsize=9)
-    ax.legend(fontsize=7)
-    save_figure(fig, path)
 
 
 if __name__ == "__main__":

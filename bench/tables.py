@@ -210,6 +210,26 @@ def budget_sweep(files: list[str]) -> list[str]:
     return lines + ["", source(*present)]
 
 
+def budget_sweep_plot(files: list[str], path: Path) -> None:
+    """Throughput against KL to bf16, one point per row and budget (refused rows left out),
+    each row's budgets joined from the largest to the smallest."""
+    result = load(files[0])
+    fig, ax = pyplot().subplots(figsize=(7, 4.5))
+    for name in dict.fromkeys(n for p in result["budgets"] for n in p["rows"] if n != "fitting-uniform"):
+        rows = [p["rows"].get(name, {}) for p in result["budgets"]]
+        points = [(r["kl_served"], r["output_tokens_per_s"]) for r in rows if r.get("kl_served") is not None]
+        if points:
+            kl, tps = zip(*points)
+            ax.plot([max(k, 1e-5) for k in kl], tps, marker="o", label=name)
+    ax.set_xscale("log")
+    ax.set(xlabel="KL(bf16 || served), nats per token (bf16 drawn at 1e-5)", ylabel="output tokens/s")
+    model = result["model"]
+    name = Path(model["artifact"]).name if "artifact" in model else model["shape"]
+    ax.set_title(f"{name}: {len(result['budgets'])} budgets, one point each", fontsize=9)
+    ax.legend(fontsize=7)
+    save_figure(fig, path)
+
+
 KERNEL_WIDTHS = ("3", "4", "5", "6", "7", "8", "mixed")
 
 
@@ -300,7 +320,9 @@ PAGES = {"quality.md": ("quality_budget", "quality_budget_cpu.json"),
 # sections such a page goes on with, each a benchmark's own from its result: page -> [(module, result)]
 PAGE_SECTIONS = {"quality.md": [("retrieval_budget", "retrieval_budget_retrieval-moe_cpu.json")]}
 # a page's figures, drawn again where `tables` rewrites the page: page -> [(draw, result files, image)]
-FIGURES = {"kernel.md": [(kernel_plot, KERNEL_RESULTS, "kernel_speedup.png")]}
+FIGURES = {"kernel.md": [(kernel_plot, KERNEL_RESULTS, "kernel_speedup.png")],
+           "elasticity.md": [(budget_sweep_plot, ["budget_sweep_tiny-qwen-moe_cpu.json"],
+                              "budget_sweep_tiny-qwen-moe_cpu.png")]}
 MARK = re.compile(r"(<!-- table: (\w+) -->\n)(.*?)(<!-- /table -->)", re.S)
 
 
