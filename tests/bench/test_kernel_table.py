@@ -24,3 +24,20 @@ def test_gemv_column_where_timed_and_blank_elsewhere():
     assert all(line.count("|") == 6 for line in lines)  # every row as wide as the header
     assert "| 40.0 |" in lines[2]
     assert lines[3].split("|")[4].strip() == ""  # 256 tokens: no GEMV timing
+
+
+def test_tables_fill_the_kernel_page_and_draw_its_figure_only_when_rewriting(tmp_path, monkeypatch):
+    """`python -m bench tables` writes the kernel tables between the page's markers and draws
+    the page's figure beside it; `--check` reports the stale page and writes nothing."""
+    from bench import tables
+
+    page = tmp_path / "kernel.md"
+    page.write_text("# Kernel\n\n<!-- table: kernel -->\nold\n<!-- /table -->\n")
+    monkeypatch.setattr(tables, "DOCS", tmp_path)
+    assert tables.main(["--check"]) == 1
+    assert "old" in page.read_text() and not (tmp_path / "kernel_speedup.png").exists()
+    assert tables.main([]) == 0
+    text = page.read_text()
+    assert "old" not in text and "**mixtral-8x7b**" in text and "| tokens | 3 bits |" in text
+    assert (tmp_path / "kernel_speedup.png").read_bytes()[:4] == b"\x89PNG"
+    assert tables.main(["--check"]) == 0
