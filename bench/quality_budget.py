@@ -63,10 +63,8 @@ class Scorer:
 
     def set_bits(self, bits: np.ndarray | None) -> None:
         """A plan's bits per block; None: every block at its original bf16 weights."""
-        if bits is None:
-            set_model_bits(self.model, {b: None for b in self.table.block_ids})
-        else:
-            set_model_bits(self.model, {b: int(v) for b, v in zip(self.table.block_ids, bits)})
+        ids = self.table.block_ids
+        set_model_bits(self.model, dict(zip(ids, [None] * len(ids) if bits is None else map(int, bits))))
 
     @torch.inference_mode()
     def log_probs(self, windows: torch.Tensor) -> torch.Tensor:
@@ -137,9 +135,8 @@ def evaluate_model(name: str, args, policies_names=POLICY_NAMES, bits_list=BITS,
               "dense_bytes": int(sum(t.numel() * 2 for t in sc.paged.dense_state.values())),
               "budgets": {str(b): {"plane_budget_bytes": sc.plane_budget(b)} for b in bits_list},
               "domains": {}}
-    corpus = corpus_dir()
     for domain in domains:
-        ids = sc.tokenizer.encode((corpus / f"{domain}.valid.txt").read_text())
+        ids = sc.tokenizer.encode((corpus_dir() / f"{domain}.valid.txt").read_text())
         context = sc.context(ids[: args.prompt_tokens])
         windows = windows_of(ids[args.prompt_tokens:], args.seq_len, args.eval_tokens // args.seq_len)
         row = {"bf16_nll": sc.chunk_nll(sc.reference(domain, windows), windows),
@@ -163,8 +160,7 @@ def evaluate_model(name: str, args, policies_names=POLICY_NAMES, bits_list=BITS,
 
 def calib_check(sc: Scorer, policies, bits_list, args) -> dict:
     """pagedweight vs uniform / uniform-fill on the planner's own calibration text (KL)."""
-    corpus = corpus_dir()
-    ids = [sc.tokenizer.encode((corpus / f"{d}.calib.txt").read_text())[: args.calib_tokens + 1] for d in DOMAINS]
+    ids = [sc.tokenizer.encode((corpus_dir() / f"{d}.calib.txt").read_text())[: args.calib_tokens + 1] for d in DOMAINS]
     windows = torch.tensor(ids)
     out = {"tokens": int(windows[:, 1:].numel())}
     for b in bits_list:
