@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from bench.bench_meta import REPO, arg_parser, free_memory, md_header, md_row, write_result
-from pagedweight.cluster.processes import Service, grpc_serving, stop_together, wait_until
+from pagedweight.cluster.processes import Service, ServiceExited, grpc_serving, stop_together, wait_until
 from pagedweight.common.rpc_security import RpcSecurity
 from pagedweight.engine.async_engine import AsyncEngine
 from pagedweight.engine.sampler import SamplingParams
@@ -219,11 +219,12 @@ def start_cluster(args, attempts: int = 3):
     """planner + worker + gateway on free ports: (services, gateway port, worker address).
 
     A port found free can be taken by another process before our service binds it; that service
-    then exits with a taken-port error, and the cluster starts again on fresh ports."""
+    then exits with a taken-port error, and the cluster starts again on fresh ports. A service
+    that is still starting when its wait times out is not retried (another wait would not help)."""
     for attempt in range(1, attempts + 1):
         try:
             return _start_cluster_once(args)
-        except RuntimeError as err:
+        except ServiceExited as err:
             if attempt == attempts:
                 raise
             print(f"cluster start failed ({err}); again on fresh ports", flush=True)

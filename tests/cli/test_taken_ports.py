@@ -69,3 +69,27 @@ def test_a_gateway_on_a_taken_port_says_nothing_of_serving(paged_micro_dir):
         result = run_cli("gateway", "--model", str(paged_micro_dir), "--port", str(port),
                          "--workers", f"127.0.0.1:{free_port()}")
     assert_one_line_error(result, "--port", port)
+
+
+def test_a_service_on_a_taken_port_is_told_apart_from_a_slow_one():
+    """What a start that retries on fresh ports relies on (bench/serve_load.start_cluster): a
+    service that exits (here: on a taken port) raises ServiceExited; one still starting when the
+    wait times out raises a plain RuntimeError, which a retry would not cure."""
+    from pagedweight.cluster.processes import Service, ServiceExited, wait_until
+
+    with listening_port() as port:
+        taken = Service("planner", ["planner", "--port", str(port)])
+        taken.start()
+        try:
+            with pytest.raises(ServiceExited, match="exited with code 2"):
+                wait_until(lambda: False, taken, timeout_s=120)
+        finally:
+            taken.stop(10)
+    slow = Service("planner", ["planner", "--port", str(free_port())])
+    slow.start()
+    try:
+        with pytest.raises(RuntimeError, match="not ready after") as caught:
+            wait_until(lambda: False, slow, timeout_s=0.5)
+        assert not isinstance(caught.value, ServiceExited)
+    finally:
+        slow.stop(10)

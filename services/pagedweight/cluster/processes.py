@@ -100,11 +100,16 @@ def http_ok(url: str) -> bool:
         return False
 
 
+class ServiceExited(RuntimeError):
+    """A service exited before it was ready (a taken port, a bad argument, a crash), as opposed
+    to one that is still starting when the wait times out."""
+
+
 def wait_until(ready, service: Service, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while not ready():
         if service.exited is not None:
-            raise RuntimeError(f"{service.name} exited with code {service.exited} while starting")
+            raise ServiceExited(f"{service.name} exited with code {service.exited} while starting")
         if time.monotonic() > deadline:
             raise RuntimeError(f"{service.name} not ready after {timeout_s:.0f}s")
         time.sleep(0.2)
