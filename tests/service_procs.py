@@ -24,15 +24,18 @@ REPO = Path(__file__).resolve().parents[1]
 # wrong server. So each xdist process hands out ports from its own range, below the kernel's
 # ephemeral range (32768 and up by default) where port-0 binds and outgoing connections land,
 # moving forward through it so one process does not reuse a port a test just released.
-PORTS_BASE, PORTS_PER_PROCESS = 20000, 1500
+# With more processes than the space below it holds at 1,500 ports each, each takes less.
+PORTS_BASE, PORTS_END, PORTS_PER_PROCESS = 20000, 32768, 1500
 _next_port = itertools.count()
 
 
 def _port_range() -> range:
     worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")  # "gw<i>"; unset outside xdist
     index = int(worker[2:]) if worker[2:].isdigit() else 0
-    first = PORTS_BASE + index * PORTS_PER_PROCESS
-    return range(first, first + PORTS_PER_PROCESS)
+    processes = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")), index + 1)
+    size = min(PORTS_PER_PROCESS, (PORTS_END - PORTS_BASE) // processes)
+    first = PORTS_BASE + index * size
+    return range(first, first + size)
 
 
 def _bindable(port: int) -> bool:
